@@ -1,0 +1,256 @@
+"""Atomic checkpoint files and RNG state capture.
+
+A checkpoint is one ``torch.save`` file holding a dict of plain values: dicts, lists, tuples,
+str, int, float, bool, None and torch tensors (``model.state_dict()``, ``optimizer.state_dict()``,
+schedule and counter dicts, :func:`capture_rng_state`). It is read back with
+``torch.load(weights_only=True)``, which refuses arbitrary pickled objects, so
+:func:`save_checkpoint` rejects anything else up front rather than at resume time.
+
+Layout in a run folder::
+
+    run_dir/checkpoints/checkpoint_00000010.pt   # one file per saved update (8-digit number)
+    run_dir/checkpoints/latest.pt                # relative symlink to the newest one
+
+Writes are atomic: the file is written to a temporary name in the same directory, flushed and
+fsync'ed, renamed over the final name with :func:`os.replace` (atomic on POSIX), and the directory
+is fsync'ed so the rename survives a power cut. A crash at any point leaves either the old file or
+the new one, never a torn file.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import tempfile
+from collections import OrderedDict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "CHECKPOINT_DIR_NAME",
+    "LATEST_NAME",
+    "CheckpointError",
+    "capture_rng_state",
+    "checkpoint_path",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "restore_rng_state",
+    "save_checkpoint",
+    "save_run_checkpoint",
+]
+
+CHECKPOINT_DIR_NAME = "checkpoints"
+LATEST_NAME = "latest.pt"
+_CHECKPOINT_RE = re.compile(r"^checkpoint_(\d{8,})\.pt$")
+_PLAIN_SCALARS = (str, int, float, bool, type(None))
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file exists but cannot be read (truncated, corrupt, or not a checkpoint)."""
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """Raise TypeError naming the first entry that ``torch.load(weights_only=True)`` would refuse."""
+    # Exact types: numpy scalars subclass float/int but a weights_only load refuses them.
+    if type(value) in _PLAIN_SCALARS or isinstance(value, torch.Tensor):
+        return
+    if type(value) in (dict, OrderedDict):
+        for key, item in value.items():
+            if not isinstance(key, (str, int)):
+                raise TypeError(f"checkpoint state: key {key!r} at {where} must be str or int, got {type(key).__name__}")
+            _check_plain(item, f"{where}[{key!r}]")
+        return
+    if type(value) in (list, tuple, torch.Size):
+        for index, item in enumerate(value):
+            _check_plain(item, f"{where}[{index}]")
+        return
+    raise TypeError(
+        f"checkpoint state: {where} has type {type(value).__name__}; expected dict, list, tuple, str, int, "
+        f"float, bool, None or torch.Tensor (convert numpy arrays with torch.from_numpy, dataclasses with "
+        f"dataclasses.asdict)"
+    )
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    """Write ``state`` to ``path`` atomically (temp file in the same directory, fsync, rename).
+
+    Args:
+        path: destination file; its parent directory is created if needed.
+        state: dict of plain values and tensors (see the module docstring).
+
+    Raises:
+        TypeError: ``state`` holds a value that a ``weights_only`` load would refuse (the message
+            names its key path). Nothing is written in that case.
+        OSError: the write failed; the previous file at ``path``, if any, is untouched and the
+            temporary file is removed.
+    """
+    path = Path(path)
+    if not isinstance(state, dict):
+        raise TypeError(f"checkpoint state: expected a dict, got {type(state).__name__}")
+    _check_plain(state, "state")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        try:
+            os.unlink(tmp_name)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_directory(path.parent)
+
+
+def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Read a checkpoint written by :func:`save_checkpoint`.
+
+    Args:
+        path: the checkpoint file (``latest.pt`` symlinks are followed).
+        map_location: device for the loaded tensors (``torch.load``'s ``map_location``).
+
+    Returns:
+        The saved dict.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        CheckpointError: the file is truncated, corrupt, holds disallowed objects, or is not a dict.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint: no file at {path}")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:  # torch raises RuntimeError, EOFError, UnpicklingError, ...
+        raise CheckpointError(f"checkpoint: cannot read {path} ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint: {path} holds a {type(state).__name__}, expected a dict")
+    return state
+
+
+def checkpoint_path(run_dir: Path, update: int) -> Path:
+    """``run_dir/checkpoints/checkpoint_<update:08d>.pt``; raises ValueError for a negative update."""
+    if int(update) < 0:
+        raise ValueError(f"update: expected >= 0, got {update}")
+    return Path(run_dir) / CHECKPOINT_DIR_NAME / f"checkpoint_{int(update):08d}.pt"
+
+
+def save_run_checkpoint(run_dir: Path, update: int, state: dict[str, Any], *, keep_last: int | None = None) -> Path:
+    """Save ``state`` as the checkpoint of ``update`` in a run folder and point ``latest.pt`` at it.
+
+    The ``latest.pt`` symlink is replaced atomically after the numbered file is durable. With
+    ``keep_last`` set, older numbered checkpoints beyond the newest ``keep_last`` are deleted.
+
+    Returns:
+        The path of the numbered checkpoint file.
+
+    Raises:
+        ValueError: negative ``update`` or ``keep_last`` < 1. TypeError/OSError as :func:`save_checkpoint`.
+    """
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last: expected >= 1 or None, got {keep_last}")
+    path = checkpoint_path(run_dir, update)
+    save_checkpoint(path, state)
+    directory = path.parent
+    tmp_link = directory / f".{LATEST_NAME}.{os.getpid()}.tmp"
+    if tmp_link.is_symlink() or tmp_link.exists():
+        tmp_link.unlink()
+    os.symlink(path.name, tmp_link)
+    os.replace(tmp_link, directory / LATEST_NAME)
+    _fsync_directory(directory)
+    if keep_last is not None:
+        for old in _numbered_checkpoints(directory)[:-keep_last]:
+            old[1].unlink(missing_ok=True)
+    return path
+
+
+def _numbered_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """``(update, path)`` of every ``checkpoint_<n>.pt`` in ``directory``, oldest first."""
+    found = []
+    if directory.is_dir():
+        for entry in directory.iterdir():
+            match = _CHECKPOINT_RE.match(entry.name)
+            if match and entry.is_file():
+                found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest checkpoint of a run folder, or None if it has none.
+
+    Follows ``run_dir/checkpoints/latest.pt`` when it points at an existing file (a plain-file
+    ``latest.pt`` is returned as is); otherwise falls back to the highest-numbered
+    ``checkpoint_<n>.pt``.
+    """
+    directory = Path(run_dir) / CHECKPOINT_DIR_NAME
+    latest = directory / LATEST_NAME
+    if latest.is_file():  # follows the symlink; False for a dangling one
+        return latest.resolve() if latest.is_symlink() else latest
+    numbered = _numbered_checkpoints(directory)
+    return numbered[-1][1] if numbered else None
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """State of Python's ``random``, numpy's global RNG and torch's CPU (and CUDA, if present) RNGs,
+    as plain values and tensors that :func:`save_checkpoint` accepts."""
+    numpy_state = np.random.get_state(legacy=False)
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {
+            "bit_generator": numpy_state["bit_generator"],
+            "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+            "pos": int(numpy_state["state"]["pos"]),
+            "has_gauss": int(numpy_state["has_gauss"]),
+            "gauss": float(numpy_state["gauss"]),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["torch_cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore the RNGs from :func:`capture_rng_state`'s dict. The CUDA RNGs are restored only
+    when the state has them and this machine has the same number of CUDA devices.
+
+    Raises:
+        ValueError: a required entry (``python``, ``numpy``, ``torch``) is missing.
+    """
+    missing = [key for key in ("python", "numpy", "torch") if key not in state]
+    if missing:
+        raise ValueError(f"rng state: missing entries {missing}, got {sorted(state)}")
+    python_state = state["python"]
+    random.setstate((python_state[0], tuple(python_state[1]), python_state[2]))
+    numpy_state = state["numpy"]
+    key = numpy_state["key"]
+    key = key.numpy() if isinstance(key, torch.Tensor) else np.asarray(key)
+    np.random.set_state(
+        {
+            "bit_generator": numpy_state["bit_generator"],
+            "state": {"key": key.astype(np.uint32), "pos": int(numpy_state["pos"])},
+            "has_gauss": int(numpy_state["has_gauss"]),
+            "gauss": float(numpy_state["gauss"]),
+        }
+    )
+    torch.set_rng_state(state["torch"].cpu())
+    if "torch_cuda" in state and torch.cuda.is_available():
+        cuda_states = list(state["torch_cuda"])
+        if len(cuda_states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all([s.cpu() for s in cuda_states])
