@@ -1,0 +1,427 @@
+"""The one configuration model of OakEmu-RL (pydantic-settings).
+
+Every service (learner, actor, monitor, the embedded ``oakemu train``) reads an
+:class:`OakEmuConfig`. Values come from four places, highest precedence first:
+
+1. command-line flags (kebab case, e.g. ``--env-id``/``--env``, ``--total-env-steps``),
+2. ``OAKEMU_*`` environment variables (e.g. ``OAKEMU_LEARNER_HOST``),
+3. a TOML file (flat keys, same names as the fields) given by ``--config PATH`` or
+   ``OAKEMU_CONFIG_FILE``,
+4. the defaults below (the usual Atari PPO hyperparameters, CleanRL ``ppo_atari.py``).
+
+The whole model is validated when it is built; a user error raises :class:`ConfigError`
+whose message names the field, the expected and the received value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    CliSettingsSource,
+    CliSuppress,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+__all__ = [
+    "CONFIG_FILE_ENV_VAR",
+    "ConfigError",
+    "OakEmuConfig",
+    "add_config_arguments",
+    "config_from_namespace",
+    "is_atari_env",
+    "load_config",
+    "resolved_device",
+    "to_toml",
+]
+
+ENV_PREFIX = "OAKEMU_"
+CONFIG_FILE_ENV_VAR = "OAKEMU_CONFIG_FILE"
+"""Environment variable naming the TOML file (used when no ``--config`` flag is given)."""
+
+_DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+_PORT_FIELDS = ("data_port", "control_port", "weights_port", "telemetry_port", "metrics_port")
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class ConfigError(ValueError):
+    """A configuration value given by the user is invalid (message names field, expected, received)."""
+
+
+def is_atari_env(env_id: str) -> bool:
+    """Return True for Atari ids served by ale-py: ``ALE/...`` or ``...NoFrameskip...`` ids."""
+    return env_id.startswith("ALE/") or "NoFrameskip" in env_id
+
+
+class _ConfigFileSource(PydanticBaseSettingsSource):
+    """TOML file source whose path is decided per construction.
+
+    The path is the ``config_file`` init keyword (set by :func:`load_config` from ``--config``)
+    or else the ``OAKEMU_CONFIG_FILE`` environment variable. A named file that does not exist
+    is an error (a silently ignored typo in a path would train with the wrong settings).
+    """
+
+    def __init__(self, settings_cls: type[BaseSettings], init_kwargs: dict[str, Any]) -> None:
+        super().__init__(settings_cls)
+        path = init_kwargs.get("config_file") or os.environ.get(CONFIG_FILE_ENV_VAR) or None
+        self.path = Path(path) if path is not None else None
+        self._data: dict[str, Any] = {}
+        if self.path is not None:
+            if not self.path.is_file():
+                raise ConfigError(
+                    f"config_file: expected an existing TOML file, received {str(self.path)!r} "
+                    f"(from --config or {CONFIG_FILE_ENV_VAR})"
+                )
+            try:
+                source = TomlConfigSettingsSource(settings_cls, toml_file=self.path)
+            except ValueError as error:  # tomllib.TOMLDecodeError is a ValueError
+                raise ConfigError(f"config_file: {str(self.path)!r} is not valid TOML: {error}") from error
+            self._data = dict(source.toml_data)
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover
+        return self._data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self._data)
+
+
+class OakEmuConfig(BaseSettings):
+    """All settings of a training run, an actor, a learner or a monitor (flat, one line each)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_ignore_empty=True,  # `OAKEMU_X: ${X:-}` in docker compose means "unset"
+        env_parse_none_str="null",
+        extra="forbid",
+        validate_default=True,
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_shortcuts={"env-id": "env"},
+        cli_hide_none_type=True,
+    )
+
+    # --- configuration file (recorded so a run folder says where its settings came from) ---
+    config_file: CliSuppress[Path | None] = Field(
+        None, description="TOML file read below flags and OAKEMU_* variables (--config or OAKEMU_CONFIG_FILE)."
+    )
+
+    # --- environment ---
+    env_id: str = Field("ALE/Breakout-v5", min_length=1, description="Gymnasium or ale-py environment id.")
+    num_actors: int = Field(2, ge=1, description="Actor processes the embedded `oakemu train` starts.")
+    envs_per_actor: int = Field(8, ge=1, description="Environments each actor steps in one vector env.")
+    num_envs: int | None = Field(
+        None, ge=1, description="Learner rollout buffer columns (default num_actors * envs_per_actor)."
+    )
+    max_episode_steps: int | None = Field(
+        None, ge=1, description="Time limit in agent steps overriding the env's own (None keeps it)."
+    )
+    clip_rewards: bool | None = Field(
+        None, description="Clip training rewards to [-1, 1] (None: auto, on for Atari ids)."
+    )
+
+    # --- rollout and PPO (CleanRL ppo_atari.py defaults) ---
+    rollout_length: int = Field(128, ge=1, description="Steps per env per rollout (T).")
+    total_env_steps: int = Field(10_000_000, ge=1, description="Stop after this many env steps (all envs).")
+    ppo_epochs: int = Field(4, ge=1, description="Passes over each rollout per PPO update.")
+    num_minibatches: int = Field(4, ge=1, description="Minibatches per epoch.")
+    learning_rate: float = Field(2.5e-4, gt=0.0, description="Adam learning rate (start value when annealed).")
+    anneal_lr: bool = Field(True, description="Anneal the learning rate linearly to 0 over total_env_steps.")
+    clip_coef: float = Field(0.1, gt=0.0, description="PPO surrogate clipping coefficient epsilon.")
+    clip_value_loss: bool = Field(True, description="Clip the value loss around the old values.")
+    ent_coef: float = Field(0.01, ge=0.0, description="Entropy bonus coefficient.")
+    vf_coef: float = Field(0.5, ge=0.0, description="Value loss coefficient.")
+    gamma: float = Field(0.99, ge=0.0, le=1.0, description="Discount factor.")
+    gae_lambda: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda (Schulman et al. 2016).")
+    max_grad_norm: float = Field(0.5, gt=0.0, description="Global gradient norm clip.")
+    target_kl: float | None = Field(None, gt=0.0, description="Stop the epochs early above this approx KL.")
+    normalize_advantages: bool = Field(True, description="Normalise advantages per minibatch (trainable rows).")
+    max_policy_lag: int = Field(2, ge=0, description="Drop rows acted by a policy this many versions old.")
+    seed: int = Field(1, ge=0, description="Seed for envs, torch and numpy.")
+    device: str = Field("auto", description="Learner torch device: auto (cuda if available), cpu, cuda, cuda:N.")
+    torch_threads: int = Field(1, ge=1, description="torch intra-op threads per actor process.")
+
+    # --- network addresses ---
+    bind_host: str = Field("127.0.0.1", min_length=1, description="Address the learner binds its sockets to.")
+    learner_host: str = Field("127.0.0.1", min_length=1, description="Where actors and monitors find the learner.")
+    data_port: int = Field(5555, ge=1, le=65535, description="Learner PULL port for step messages.")
+    control_port: int = Field(5556, ge=1, le=65535, description="Learner ROUTER port for join/heartbeat/leave.")
+    weights_port: int = Field(5557, ge=1, le=65535, description="Learner PUB port for weights.")
+    telemetry_port: int = Field(5558, ge=1, le=65535, description="Learner PUB port for telemetry snapshots.")
+    metrics_port: int | None = Field(
+        9100, ge=0, le=65535, description="Prometheus HTTP port (None or 0 disables)."
+    )
+    actor_timeout_s: float = Field(10.0, gt=0.0, description="Drop an actor silent for this many seconds.")
+    max_message_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="Largest accepted message (bytes).")
+    actor_id: str | None = Field(None, min_length=1, description="Actor name (default: hostname-pid).")
+
+    # --- run folder and logging ---
+    runs_dir: Path = Field(Path("runs"), description="Folder holding run folders.")
+    run_name: str | None = Field(None, min_length=1, description="Run folder name (default: env-seed-time).")
+    checkpoint_every_updates: int = Field(50, ge=0, description="Checkpoint every N updates (0: only at exit).")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
+        "INFO", description="Python logging level."
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Sources, highest precedence first; pydantic-settings puts the CLI source in front."""
+        init_kwargs = getattr(init_settings, "init_kwargs", {})
+        return (init_settings, env_settings, _ConfigFileSource(settings_cls, init_kwargs))
+
+    # --- validation ---
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper_log_level(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        if not _DEVICE_PATTERN.match(value):
+            raise ValueError(f"expected auto, cpu, mps, cuda or cuda:N, received {value!r}")
+        return value
+
+    @field_validator("run_name")
+    @classmethod
+    def _check_run_name(cls, value: str | None) -> str | None:
+        if value is not None and ("/" in value or "\\" in value or value in (".", "..")):
+            raise ValueError(f"expected a single folder name without path separators, received {value!r}")
+        return value
+
+    @field_validator("learning_rate", "clip_coef", "ent_coef", "vf_coef", "max_grad_norm", "actor_timeout_s")
+    @classmethod
+    def _check_finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError(f"expected a finite number, received {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> OakEmuConfig:
+        buffer_columns = self.buffer_num_envs
+        if buffer_columns < self.envs_per_actor:
+            raise ValueError(
+                f"num_envs: the learner's {buffer_columns} buffer columns must hold at least one actor's "
+                f"envs_per_actor={self.envs_per_actor} envs; received num_envs={self.num_envs}"
+            )
+        batch_rows = self.rollout_length * buffer_columns
+        if self.num_minibatches > batch_rows:
+            raise ValueError(
+                f"num_minibatches: expected at most rollout_length * buffer columns = "
+                f"{self.rollout_length} * {buffer_columns} = {batch_rows} (at least 1 row per minibatch), "
+                f"received {self.num_minibatches}"
+            )
+        used: dict[int, str] = {}
+        for name in _PORT_FIELDS:
+            port = getattr(self, name)
+            if not port:
+                continue
+            if port in used:
+                raise ValueError(f"{name}: expected a port different from {used[port]}={port}, received {port}")
+            used[port] = name
+        return self
+
+    # --- derived values ---
+    @property
+    def buffer_num_envs(self) -> int:
+        """Learner rollout buffer columns N: ``num_envs`` or ``num_actors * envs_per_actor``."""
+        return self.num_envs if self.num_envs is not None else self.num_actors * self.envs_per_actor
+
+    @property
+    def batch_size(self) -> int:
+        """Rows per rollout, ``rollout_length * buffer_num_envs``."""
+        return self.rollout_length * self.buffer_num_envs
+
+    @property
+    def resolved_clip_rewards(self) -> bool:
+        """``clip_rewards`` with None resolved: True for Atari ids, else False."""
+        return is_atari_env(self.env_id) if self.clip_rewards is None else self.clip_rewards
+
+    @property
+    def metrics_enabled(self) -> bool:
+        """True when the Prometheus endpoint should be served (``metrics_port`` not None/0)."""
+        return bool(self.metrics_port)
+
+    def learner_address(self, port: int) -> str:
+        """ZeroMQ address ``tcp://learner_host:port`` actors and monitors connect to."""
+        return f"tcp://{_host_for_url(self.learner_host)}:{port}"
+
+    def bind_address(self, port: int) -> str:
+        """ZeroMQ address ``tcp://bind_host:port`` the learner binds."""
+        return f"tcp://{_host_for_url(self.bind_host)}:{port}"
+
+
+def _host_for_url(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def resolved_device(config: OakEmuConfig) -> str:
+    """Torch device string for the learner: ``auto`` becomes ``cuda`` when available, else ``cpu``.
+
+    Raises:
+        ConfigError: ``device`` asks for CUDA (or MPS) but torch reports it unavailable.
+    """
+    import torch  # lazy: config parsing must stay fast
+
+    device = config.device
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device: expected an available device, received {device!r} (no CUDA device found)")
+        index = int(device.split(":", 1)[1]) if ":" in device else 0
+        if index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"device: expected cuda:0..cuda:{torch.cuda.device_count() - 1}, received {device!r}"
+            )
+    if device == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("device: expected an available device, received 'mps' (MPS not available)")
+    return device
+
+
+def to_toml(config: OakEmuConfig) -> str:
+    """The resolved configuration as a flat TOML document readable by ``--config``.
+
+    Fields whose value is None are written as comments (TOML has no null), so reading the
+    file back gives the same configuration. ``config_file`` is not written.
+    """
+    # tomli_w is not installed here; the fields are flat scalars, so a small writer suffices.
+    lines = ["# OakEmu-RL resolved configuration"]
+    for name, field in OakEmuConfig.model_fields.items():
+        if name == "config_file":
+            continue
+        value = getattr(config, name)
+        if field.description:
+            lines.append(f"# {field.description}")
+        if value is None:
+            lines.append(f"# {name} = (unset)")
+        else:
+            lines.append(f"{name} = {_toml_scalar(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_scalar(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, Path):
+        value = str(value)
+    if isinstance(value, str):
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+        escaped = "".join(ch if ch >= " " else f"\\u{ord(ch):04x}" for ch in escaped)
+        return f'"{escaped}"'
+    raise TypeError(f"cannot write {type(value).__name__} as a TOML scalar")
+
+
+class _RaisingArgumentParser(argparse.ArgumentParser):
+    """ArgumentParser that raises ConfigError instead of printing usage and exiting."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"{self.prog}: {message}")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> CliSettingsSource[argparse.ArgumentParser]:
+    """Add ``--config PATH`` and one flag per config field to ``parser``.
+
+    The field flags are generated by pydantic-settings from the model (kebab case, with field
+    descriptions as help, ``--flag/--no-flag`` for booleans, ``null`` for None). Parse with the
+    parser, then build the config with :func:`config_from_namespace`.
+    """
+    parser.add_argument(
+        "--config",
+        dest="config",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help=f"TOML file with settings (below flags and OAKEMU_* variables; default ${CONFIG_FILE_ENV_VAR}).",
+    )
+    return CliSettingsSource(OakEmuConfig, root_parser=parser)
+
+
+def config_from_namespace(
+    namespace: argparse.Namespace,
+    cli_source: CliSettingsSource[Any],
+    *,
+    toml_path: str | os.PathLike[str] | None = None,
+) -> OakEmuConfig:
+    """Build and validate the config from parsed flags, ``OAKEMU_*`` variables, TOML and defaults.
+
+    The TOML file is ``namespace.config`` (``--config``) when given, else ``toml_path``, else
+    ``$OAKEMU_CONFIG_FILE``.
+
+    Raises:
+        ConfigError: a value is invalid or the TOML file is missing or malformed.
+    """
+    flags = {key: value for key, value in vars(namespace).items() if key != "config"}
+    config_path = getattr(namespace, "config", None) or toml_path
+    init_kwargs: dict[str, Any] = {}
+    if config_path is not None:
+        init_kwargs["config_file"] = Path(config_path)
+    try:
+        return OakEmuConfig(_cli_settings_source=cli_source(parsed_args=flags), **init_kwargs)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error)) from None
+
+
+def load_config(
+    args: Sequence[str] | None = None,
+    *,
+    toml_path: str | os.PathLike[str] | None = None,
+    prog: str = "oakemu",
+) -> OakEmuConfig:
+    """Parse command-line ``args`` (None: no flags) and build the validated configuration.
+
+    Precedence: flags > ``OAKEMU_*`` environment variables > TOML file > defaults. The TOML file
+    is ``--config PATH`` from ``args``, else ``toml_path``, else ``$OAKEMU_CONFIG_FILE``.
+
+    Raises:
+        ConfigError: unknown flag, a value of the wrong type or out of range, a missing or
+            malformed TOML file. The message names the field, expected and received values.
+    """
+    parser = _RaisingArgumentParser(prog=prog, allow_abbrev=False)
+    cli_source = add_config_arguments(parser)
+    namespace = parser.parse_args(list(args or []))
+    return config_from_namespace(namespace, cli_source, toml_path=toml_path)
+
+
+def format_validation_error(error: ValidationError) -> str:
+    """One line per invalid field: ``field: message (received value)``."""
+    lines = ["invalid configuration:"]
+    for item in error.errors(include_url=False):
+        location = ".".join(str(part) for part in item["loc"]) or "config"
+        received = item.get("input")
+        message = item["msg"]
+        if message.startswith("Value error, "):
+            message = message[len("Value error, "):]
+        if item["type"] == "extra_forbidden":
+            lines.append(f"  {location}: unknown setting (received {received!r})")
+        elif not item["loc"]:
+            lines.append(f"  {message}")
+        elif "received" in message:
+            lines.append(f"  {location}: {message}")
+        else:
+            lines.append(f"  {location}: {message}, received {received!r}")
+    return "\n".join(lines)

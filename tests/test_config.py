@@ -1,0 +1,226 @@
+"""OakEmuConfig: defaults, source precedence, validation messages, TOML round trip."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from oakemu_core.config import (
+    CONFIG_FILE_ENV_VAR,
+    ConfigError,
+    OakEmuConfig,
+    is_atari_env,
+    load_config,
+    resolved_device,
+    to_toml,
+)
+
+
+@pytest.fixture(autouse=True)
+def _clean_oakemu_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests must not see OAKEMU_* variables of the shell that runs them."""
+    for name in list(os.environ):
+        if name.startswith("OAKEMU_"):
+            monkeypatch.delenv(name)
+
+
+def write_toml(path: Path, text: str) -> Path:
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_defaults_are_the_usual_atari_ppo_settings() -> None:
+    config = load_config([])
+    expected = {
+        "env_id": "ALE/Breakout-v5",
+        "num_actors": 2,
+        "envs_per_actor": 8,
+        "num_envs": None,
+        "rollout_length": 128,
+        "total_env_steps": 10_000_000,
+        "ppo_epochs": 4,
+        "num_minibatches": 4,
+        "learning_rate": 2.5e-4,
+        "anneal_lr": True,
+        "clip_coef": 0.1,
+        "clip_value_loss": True,
+        "ent_coef": 0.01,
+        "vf_coef": 0.5,
+        "gamma": 0.99,
+        "gae_lambda": 0.95,
+        "max_grad_norm": 0.5,
+        "target_kl": None,
+        "normalize_advantages": True,
+        "max_policy_lag": 2,
+        "seed": 1,
+        "device": "auto",
+        "bind_host": "127.0.0.1",
+        "learner_host": "127.0.0.1",
+        "data_port": 5555,
+        "control_port": 5556,
+        "weights_port": 5557,
+        "telemetry_port": 5558,
+        "metrics_port": 9100,
+        "actor_timeout_s": 10.0,
+        "max_message_bytes": 64 * 1024 * 1024,
+        "runs_dir": Path("runs"),
+        "checkpoint_every_updates": 50,
+        "torch_threads": 1,
+        "log_level": "INFO",
+    }
+    assert {name: getattr(config, name) for name in expected} == expected
+    assert config.buffer_num_envs == 16
+    assert config.batch_size == 128 * 16
+    assert config.resolved_clip_rewards is True
+
+
+def test_every_field_has_a_description() -> None:
+    missing = [name for name, field in OakEmuConfig.model_fields.items() if not field.description]
+    assert missing == []
+
+
+def test_precedence_flags_over_environment_over_toml_over_defaults(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    toml_file = write_toml(
+        tmp_path / "run.toml",
+        'env_id = "CartPole-v1"\nseed = 11\nrollout_length = 64\nlearning_rate = 0.001\n',
+    )
+    monkeypatch.setenv("OAKEMU_SEED", "22")
+    monkeypatch.setenv("OAKEMU_ROLLOUT_LENGTH", "32")
+    config = load_config(["--config", str(toml_file), "--rollout-length", "16"])
+    assert config.env_id == "CartPole-v1"  # TOML over default
+    assert config.learning_rate == 0.001  # TOML over default
+    assert config.seed == 22  # environment over TOML
+    assert config.rollout_length == 16  # flag over environment over TOML
+    assert config.ppo_epochs == 4  # default
+    assert config.config_file == toml_file
+
+
+def test_toml_path_from_environment_variable_and_argument(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from_env = write_toml(tmp_path / "env.toml", "seed = 3\n")
+    from_arg = write_toml(tmp_path / "arg.toml", "seed = 4\n")
+    from_flag = write_toml(tmp_path / "flag.toml", "seed = 5\n")
+    monkeypatch.setenv(CONFIG_FILE_ENV_VAR, str(from_env))
+    assert load_config(None).seed == 3
+    assert OakEmuConfig().seed == 3  # direct construction honours the variable too
+    assert load_config(None, toml_path=from_arg).seed == 4
+    assert load_config(["--config", str(from_flag)], toml_path=from_arg).seed == 5
+
+
+def test_flag_spellings(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = load_config(
+        [
+            "--env", "CartPole-v1",
+            "--total-env-steps", "5000",
+            "--no-anneal-lr",
+            "--clip-rewards",
+            "--num-envs", "24",
+            "--target-kl", "0.015",
+            "--metrics-port", "null",
+            "--log-level", "debug",
+        ]
+    )  # fmt: skip
+    assert config.env_id == "CartPole-v1"
+    assert config.total_env_steps == 5000
+    assert config.anneal_lr is False
+    assert config.clip_rewards is True and config.resolved_clip_rewards is True
+    assert config.num_envs == 24 and config.buffer_num_envs == 24
+    assert config.target_kl == 0.015
+    assert config.metrics_port is None and not config.metrics_enabled
+    assert config.log_level == "DEBUG"
+    assert load_config(["--env-id", "Acrobot-v1"]).env_id == "Acrobot-v1"
+    assert load_config(["--env", "CartPole-v1"]).resolved_clip_rewards is False
+
+
+def test_environment_variables_empty_means_unset_and_null_means_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OAKEMU_RUN_NAME", "")
+    monkeypatch.setenv("OAKEMU_METRICS_PORT", "null")
+    monkeypatch.setenv("OAKEMU_LEARNER_HOST", "learner")
+    monkeypatch.setenv("OAKEMU_NORMALIZE_ADVANTAGES", "false")
+    config = load_config(None)
+    assert config.run_name is None
+    assert config.metrics_port is None
+    assert config.learner_host == "learner"
+    assert config.normalize_advantages is False
+    assert config.learner_address(config.data_port) == "tcp://learner:5555"
+
+
+@pytest.mark.parametrize(
+    ("args", "field", "received"),
+    [
+        (["--rollout-length", "0"], "rollout_length", "0"),
+        (["--data-port", "70000"], "data_port", "70000"),
+        (["--metrics-port", "-1"], "metrics_port", "-1"),
+        (["--num-minibatches", "2049"], "num_minibatches", "2049"),
+        (["--control-port", "5555"], "control_port", "5555"),
+        (["--device", "gpu"], "device", "gpu"),
+        (["--gamma", "1.5"], "gamma", "1.5"),
+        (["--num-envs", "4"], "num_envs", "4"),
+        (["--run-name", "a/b"], "run_name", "a/b"),
+        (["--learning-rate", "nan"], "learning_rate", "nan"),
+    ],
+)
+def test_invalid_values_name_the_field_and_the_received_value(args: list[str], field: str, received: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(args)
+    message = str(caught.value)
+    assert field in message
+    assert received in message
+
+
+def test_num_minibatches_boundary_is_one_row_each() -> None:
+    # 2 rows x 8 columns = 16 rows: 16 minibatches of one row is fine, 17 is not.
+    assert load_config(["--rollout-length", "2", "--num-envs", "8", "--num-minibatches", "16"]).num_minibatches == 16
+    with pytest.raises(ConfigError, match="num_minibatches"):
+        load_config(["--rollout-length", "2", "--num-envs", "8", "--num-minibatches", "17"])
+
+
+def test_unknown_flag_and_unknown_toml_key_are_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--rollout-lenght"):
+        load_config(["--rollout-lenght", "3"])
+    toml_file = write_toml(tmp_path / "typo.toml", "rollout_lenght = 3\n")
+    with pytest.raises(ConfigError, match="rollout_lenght"):
+        load_config(["--config", str(toml_file)])
+
+
+def test_missing_or_malformed_toml_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="nope.toml"):
+        load_config(["--config", str(tmp_path / "nope.toml")])
+    broken = write_toml(tmp_path / "broken.toml", "seed = = 3\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(["--config", str(broken)])
+
+
+def test_to_toml_round_trips_every_field(tmp_path: Path) -> None:
+    config = load_config(
+        ["--env", "CartPole-v1", "--actor-id", 'actor "7" \\ x', "--target-kl", "0.02", "--learning-rate", "3e-5"]
+    )
+    text = to_toml(config)
+    parsed = tomllib.loads(text)  # valid TOML by the standard library's reader
+    assert parsed["actor_id"] == 'actor "7" \\ x'
+    assert "num_envs" not in parsed  # None is left out (TOML has no null)
+    path = write_toml(tmp_path / "resolved.toml", text)
+    again = load_config(["--config", str(path)])
+    assert again.model_dump(exclude={"config_file"}) == config.model_dump(exclude={"config_file"})
+
+
+def test_is_atari_env() -> None:
+    assert is_atari_env("ALE/Breakout-v5")
+    assert is_atari_env("BreakoutNoFrameskip-v4")
+    assert not is_atari_env("CartPole-v1")
+    assert not is_atari_env("Breakout")
+
+
+def test_resolved_device() -> None:
+    import torch
+
+    assert resolved_device(load_config(["--device", "cpu"])) == "cpu"
+    expected_auto = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolved_device(load_config([])) == expected_auto
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="device"):
+            resolved_device(load_config(["--device", "cuda"]))
