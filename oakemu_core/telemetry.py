@@ -1,0 +1,504 @@
+"""Read-only, lossy telemetry from the learner: snapshots over ZeroMQ PUB/SUB and Prometheus metrics.
+
+The learner builds one :class:`TelemetrySnapshot` about once per second and after every PPO update
+and hands it to
+
+* :class:`TelemetryPublisher` - a ZeroMQ PUB socket (default port 5558). Any number of monitors
+  (:class:`TelemetrySubscriber`, ``oakemu monitor``) may attach and detach at any time. Sending never
+  blocks: a PUB socket drops messages for a subscriber whose queue (``send_hwm`` messages) is full,
+  and the send itself is ``NOBLOCK``. Telemetry is lossy by design, so no monitor can slow or change
+  training. (Trajectory data never travels over PUB/SUB: see ``wire.py`` / ``ingest.py``.)
+* :class:`PrometheusExporter` - the same figures as Prometheus metrics over HTTP (default port 9100),
+  all named ``oakemu_*``, for existing Grafana dashboards.
+
+Wire format of one telemetry message (two ZeroMQ frames, no pickle):
+
+1. the topic :data:`TELEMETRY_TOPIC` (``b"oakemu.telemetry"``);
+2. a msgpack map: the snapshot's fields (``TelemetrySnapshot.model_dump()``) including
+   ``protocol_version`` = :data:`TELEMETRY_PROTOCOL_VERSION`.
+
+A subscriber rejects (counts and skips) any message that is not exactly that: wrong frame count or
+topic, bytes that are not msgpack, another protocol version, a missing or mistyped field.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Iterator
+
+import msgpack
+import pydantic
+import zmq
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+TELEMETRY_PROTOCOL_VERSION = 1
+"""Version of the telemetry message layout; bumped on any incompatible change of the fields."""
+
+TELEMETRY_TOPIC = b"oakemu.telemetry"
+"""First frame of every telemetry message (ZeroMQ SUB prefix filter)."""
+
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+"""Largest telemetry message a subscriber accepts (bytes); larger ones drop the connection."""
+
+DROPPED_KINDS = ("stale_rows", "no_capacity_steps", "discarded_segment_rows", "timed_out_actors")
+"""Kinds of dropped data the learner counts (keys of :attr:`TelemetrySnapshot.dropped`)."""
+
+
+class TelemetryError(RuntimeError):
+    """Base class of telemetry errors a user can cause (bad address, port in use)."""
+
+
+class TelemetryBindError(TelemetryError):
+    """The publisher or the Prometheus exporter cannot bind its address / port."""
+
+
+class TelemetryAddressError(TelemetryError, ValueError):
+    """A connect address is not a valid ZeroMQ endpoint."""
+
+
+class TelemetryRejected(ValueError):
+    """A received telemetry message is malformed; ``reason`` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class ActorTelemetry(pydantic.BaseModel):
+    """What the learner knows about one connected actor.
+
+    Attributes:
+        actor_id: the actor's id (numbers are accepted and turned into strings).
+        incarnation: id of this start of the actor (new on every start; numbers become strings).
+        num_envs: environments the actor steps (columns it fills per segment).
+        sps: env steps per second received from this actor (all its envs), recent window.
+        policy_lag: mean policy lag (learner version - version that acted) of its recent rows, in
+            policy versions; ``None`` before its first row.
+        last_heard_s: seconds since the learner last received anything from this actor.
+    """
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
+
+    actor_id: str
+    incarnation: str
+    num_envs: int = pydantic.Field(ge=0)
+    sps: float = pydantic.Field(ge=0)
+    policy_lag: float | None = None
+    last_heard_s: float = pydantic.Field(ge=0)
+
+
+class TelemetrySnapshot(pydantic.BaseModel):
+    """The learner's state at one moment; one telemetry message.
+
+    Every figure is a plain Python scalar so the snapshot encodes with msgpack and JSON.
+    Optional figures are ``None`` until they exist (no episode finished yet, no update yet).
+
+    Attributes:
+        protocol_version: must equal :data:`TELEMETRY_PROTOCOL_VERSION`.
+        time: unix time (s) at which the learner built the snapshot.
+        run_name, env_id: the run and its Gymnasium environment id.
+        global_step: env steps written to rollout buffers since the run started (all envs).
+        sps: env steps per second over a recent window.
+        policy_version: version of the newest published weights.
+        iterations: PPO updates completed.
+        episodes: episodes finished (all actors).
+        episodic_return_mean / _min / _max: raw game score over the recent episode window.
+        episodic_length_mean: episode length (env steps) over the recent episode window.
+        policy_loss, value_loss, entropy, approx_kl, clip_fraction, explained_variance:
+            statistics of the last PPO update (CleanRL's ``losses/*`` figures).
+        learning_rate: the optimizer's current learning rate.
+        buffer_fill: fraction (0..1) of rows written in the buffer that is filling.
+        rejected_messages: messages rejected since start, by reason.
+        dropped: rows / steps / actors dropped since start, by kind (see :data:`DROPPED_KINDS`).
+        policy_lag_min / _mean / _max: policy lag (versions) of the rows of the last rollout.
+        actors: the connected actors.
+        is_update: ``True`` when the snapshot was published right after a PPO update.
+    """
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    protocol_version: int = TELEMETRY_PROTOCOL_VERSION
+    time: float
+    run_name: str
+    env_id: str
+    global_step: int = pydantic.Field(ge=0)
+    sps: float = pydantic.Field(ge=0)
+    policy_version: int = pydantic.Field(ge=0)
+    iterations: int = pydantic.Field(ge=0)
+    episodes: int = pydantic.Field(ge=0)
+    episodic_return_mean: float | None = None
+    episodic_return_min: float | None = None
+    episodic_return_max: float | None = None
+    episodic_length_mean: float | None = None
+    policy_loss: float | None = None
+    value_loss: float | None = None
+    entropy: float | None = None
+    approx_kl: float | None = None
+    clip_fraction: float | None = None
+    explained_variance: float | None = None
+    learning_rate: float | None = None
+    buffer_fill: float = pydantic.Field(default=0.0, ge=0.0, le=1.0)
+    rejected_messages: dict[str, pydantic.NonNegativeInt] = pydantic.Field(default_factory=dict)
+    dropped: dict[str, pydantic.NonNegativeInt] = pydantic.Field(default_factory=dict)
+    policy_lag_min: float | None = None
+    policy_lag_mean: float | None = None
+    policy_lag_max: float | None = None
+    actors: list[ActorTelemetry] = pydantic.Field(default_factory=list)
+    is_update: bool = False
+
+    @pydantic.field_validator("protocol_version")
+    @classmethod
+    def _check_protocol_version(cls, value: int) -> int:
+        if value != TELEMETRY_PROTOCOL_VERSION:
+            raise ValueError(
+                f"telemetry protocol_version {value} is not supported: expected "
+                f"{TELEMETRY_PROTOCOL_VERSION} (learner and monitor come from different versions)"
+            )
+        return value
+
+    @property
+    def num_actors(self) -> int:
+        """Number of connected actors."""
+        return len(self.actors)
+
+
+def encode_snapshot(snapshot: TelemetrySnapshot) -> bytes:
+    """Encode a snapshot as the msgpack map of its fields (second frame of a telemetry message)."""
+    return msgpack.packb(snapshot.model_dump(mode="python"), use_bin_type=True)
+
+
+def decode_snapshot(payload: bytes) -> TelemetrySnapshot:
+    """Decode and validate the msgpack payload of a telemetry message.
+
+    Raises:
+        TelemetryRejected: the bytes are not msgpack, not a map, carry another protocol version,
+            or a field is missing, unknown or of the wrong type.
+    """
+    try:
+        obj = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated exception types for bad bytes
+        raise TelemetryRejected(f"payload is not msgpack: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise TelemetryRejected(f"payload is a msgpack {type(obj).__name__}, expected a map")
+    try:
+        return TelemetrySnapshot.model_validate(obj)
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(part) for part in first["loc"]) or "<root>"
+        raise TelemetryRejected(
+            f"invalid field {field!r}: {first['msg']} (received {first.get('input')!r:.80})"
+        ) from exc
+
+
+def decode_frames(frames: list[bytes]) -> TelemetrySnapshot:
+    """Decode one multipart telemetry message ``[TELEMETRY_TOPIC, payload]``.
+
+    Raises:
+        TelemetryRejected: wrong number of frames, wrong topic, or a bad payload (see
+            :func:`decode_snapshot`).
+    """
+    if len(frames) != 2:
+        raise TelemetryRejected(f"expected 2 frames (topic, payload), received {len(frames)}")
+    if frames[0] != TELEMETRY_TOPIC:
+        raise TelemetryRejected(f"topic {frames[0]!r:.60} is not {TELEMETRY_TOPIC!r}")
+    return decode_snapshot(frames[1])
+
+
+class TelemetryPublisher:
+    """ZeroMQ PUB socket the learner publishes snapshots on; never blocks the caller.
+
+    Args:
+        bind_address: ZeroMQ endpoint to bind, e.g. ``"tcp://0.0.0.0:5558"``, ``"tcp://127.0.0.1:*"``
+            (random port, see :attr:`address`) or ``"ipc:///tmp/oakemu-telemetry"``.
+        send_hwm: messages queued per subscriber before further ones are dropped for it.
+        context: ZeroMQ context to use (default: the process-wide ``zmq.Context.instance()``).
+
+    Raises:
+        TelemetryBindError: the address is invalid or already in use.
+    """
+
+    def __init__(self, bind_address: str, *, send_hwm: int = 4, context: zmq.Context | None = None) -> None:
+        self._context = context or zmq.Context.instance()
+        self._socket = self._context.socket(zmq.PUB)
+        self._socket.setsockopt(zmq.SNDHWM, send_hwm)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        try:
+            self._socket.bind(bind_address)
+        except zmq.ZMQError as exc:
+            self._socket.close(linger=0)
+            raise TelemetryBindError(
+                f"cannot bind telemetry publisher to {bind_address!r}: {exc} "
+                "(set OAKEMU_TELEMETRY_PORT / OAKEMU_BIND_HOST to a free address)"
+            ) from exc
+        self.address: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        """The bound endpoint, with the actual port when ``bind_address`` used ``*``."""
+        self.published = 0
+        """Snapshots handed to ZeroMQ."""
+        self.dropped = 0
+        """Snapshots ZeroMQ refused at once (never retried)."""
+        self._closed = False
+
+    def publish(self, snapshot: TelemetrySnapshot) -> bool:
+        """Send one snapshot to every attached subscriber without blocking.
+
+        Returns:
+            ``True`` when ZeroMQ accepted the message, ``False`` when it was dropped at once.
+            Subscribers whose queue is full miss it silently (lossy by design).
+        """
+        if self._closed:
+            raise TelemetryError("publish() on a closed TelemetryPublisher")
+        try:
+            self._socket.send_multipart([TELEMETRY_TOPIC, encode_snapshot(snapshot)], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped += 1
+            return False
+        self.published += 1
+        return True
+
+    def close(self) -> None:
+        """Close the socket (pending messages are discarded). Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._socket.close(linger=0)
+
+    def __enter__(self) -> TelemetryPublisher:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class TelemetrySubscriber:
+    """ZeroMQ SUB socket that receives the learner's snapshots (the monitor's side).
+
+    Connecting succeeds even when no learner listens (ZeroMQ reconnects in the background);
+    :meth:`receive` then returns ``None`` after its timeout.
+
+    Args:
+        connect_address: endpoint of the learner's telemetry publisher, e.g. ``"tcp://learner:5558"``.
+        max_message_bytes: larger messages make ZeroMQ drop the connection (and reconnect).
+        receive_hwm: messages queued locally; older ones are dropped first by the publisher side.
+        context: ZeroMQ context to use (default: the process-wide ``zmq.Context.instance()``).
+
+    Raises:
+        TelemetryAddressError: ``connect_address`` is not a valid ZeroMQ endpoint.
+    """
+
+    def __init__(
+        self,
+        connect_address: str,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        receive_hwm: int = 16,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self.connect_address = connect_address
+        self._context = context or zmq.Context.instance()
+        self._socket = self._context.socket(zmq.SUB)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.RCVHWM, receive_hwm)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self._socket.setsockopt(zmq.SUBSCRIBE, TELEMETRY_TOPIC)
+        try:
+            self._socket.connect(connect_address)
+        except zmq.ZMQError as exc:
+            self._socket.close(linger=0)
+            raise TelemetryAddressError(
+                f"telemetry address {connect_address!r} is not a valid ZeroMQ endpoint "
+                f"(expected tcp://HOST:PORT or ipc://PATH): {exc}"
+            ) from exc
+        self.received = 0
+        """Valid snapshots received."""
+        self.rejected = 0
+        """Malformed messages received and skipped."""
+        self.last_rejection: str | None = None
+        """Reason of the last rejected message."""
+        self._closed = False
+
+    def receive(self, timeout_s: float) -> TelemetrySnapshot | None:
+        """Wait up to ``timeout_s`` seconds for the next valid snapshot.
+
+        Malformed messages are counted in :attr:`rejected`, their reason kept in
+        :attr:`last_rejection`, and skipped; waiting goes on until the deadline.
+
+        Returns:
+            The snapshot, or ``None`` when none arrived in time.
+        """
+        if self._closed:
+            raise TelemetryError("receive() on a closed TelemetrySubscriber")
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            remaining_ms = max(0, int(math.ceil((deadline - time.monotonic()) * 1000)))
+            if not self._socket.poll(remaining_ms, zmq.POLLIN):
+                return None
+            frames = self._socket.recv_multipart(flags=zmq.NOBLOCK)
+            try:
+                snapshot = decode_frames(frames)
+            except TelemetryRejected as exc:
+                self.rejected += 1
+                self.last_rejection = exc.reason
+                continue
+            self.received += 1
+            return snapshot
+
+    def close(self) -> None:
+        """Close the socket. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._socket.close(linger=0)
+
+    def __enter__(self) -> TelemetrySubscriber:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class _SnapshotCollector(Collector):
+    """Prometheus collector that exposes the latest snapshot (nothing before the first one)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._snapshot: TelemetrySnapshot | None = None
+
+    def set(self, snapshot: TelemetrySnapshot) -> None:
+        with self._lock:
+            self._snapshot = snapshot
+
+    def collect(self) -> Iterator[object]:
+        with self._lock:
+            snap = self._snapshot
+
+        def value(field: str) -> float | None:
+            return None if snap is None else getattr(snap, field)
+
+        def gauge(name: str, doc: str, field: str) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc)
+            if value(field) is not None:
+                family.add_metric([], value(field))
+            return family
+
+        def counter(name: str, doc: str, field: str) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc)
+            if value(field) is not None:
+                family.add_metric([], value(field))
+            return family
+
+        def labelled(family: GaugeMetricFamily | CounterMetricFamily, values: dict[str, float | None]):
+            for label, value in values.items():
+                if value is not None:
+                    family.add_metric([label], value)
+            return family
+
+        s = snap
+        info = InfoMetricFamily("oakemu_run", "Run name and environment id of the learner")
+        if s is not None:
+            info.add_metric([], {"run_name": s.run_name, "env_id": s.env_id})
+        yield info
+        yield counter("oakemu_env_steps", "Env steps written to rollout buffers (all envs)", "global_step")
+        yield gauge("oakemu_sps", "Env steps per second, recent window", "sps")
+        yield gauge("oakemu_policy_version", "Version of the newest published weights", "policy_version")
+        yield counter("oakemu_updates", "PPO updates completed", "iterations")
+        yield counter("oakemu_episodes", "Episodes finished (all actors)", "episodes")
+        yield gauge("oakemu_episodic_return_mean", "Mean raw episodic return, recent window",
+                    "episodic_return_mean")
+        yield gauge("oakemu_episodic_return_min", "Min raw episodic return, recent window",
+                    "episodic_return_min")
+        yield gauge("oakemu_episodic_return_max", "Max raw episodic return, recent window",
+                    "episodic_return_max")
+        yield gauge("oakemu_episodic_length_mean", "Mean episode length (env steps), recent window",
+                    "episodic_length_mean")
+        loss = GaugeMetricFamily("oakemu_loss", "PPO losses of the last update", labels=["kind"])
+        if s is not None:
+            labelled(loss, {"policy": s.policy_loss, "value": s.value_loss, "entropy": s.entropy})
+        yield loss
+        yield gauge("oakemu_approx_kl", "Approximate KL(old || new) of the last update", "approx_kl")
+        yield gauge("oakemu_clip_fraction", "Fraction of samples clipped in the last update",
+                    "clip_fraction")
+        yield gauge("oakemu_explained_variance", "Explained variance of the value function",
+                    "explained_variance")
+        yield gauge("oakemu_learning_rate", "Current learning rate", "learning_rate")
+        yield gauge("oakemu_buffer_fill", "Fraction (0..1) of the filling rollout buffer written",
+                    "buffer_fill")
+        rejected = CounterMetricFamily("oakemu_rejected_messages", "Messages rejected, by reason",
+                                       labels=["reason"])
+        dropped = CounterMetricFamily("oakemu_dropped", "Rows, steps or actors dropped, by kind",
+                                      labels=["kind"])
+        if s is not None:
+            labelled(rejected, dict(s.rejected_messages))
+            labelled(dropped, {kind: 0 for kind in DROPPED_KINDS} | dict(s.dropped))
+        yield rejected
+        yield dropped
+        yield gauge("oakemu_actors", "Connected actors", "num_actors")
+        lag = GaugeMetricFamily("oakemu_policy_lag", "Policy lag (versions) of the last rollout's rows",
+                                labels=["stat"])
+        if s is not None:
+            labelled(lag, {"min": s.policy_lag_min, "mean": s.policy_lag_mean, "max": s.policy_lag_max})
+        yield lag
+        actor_sps = GaugeMetricFamily("oakemu_actor_sps", "Env steps per second of one actor",
+                                      labels=["actor_id"])
+        actor_envs = GaugeMetricFamily("oakemu_actor_envs", "Environments of one actor", labels=["actor_id"])
+        if s is not None:
+            for actor in s.actors:
+                actor_sps.add_metric([actor.actor_id], actor.sps)
+                actor_envs.add_metric([actor.actor_id], actor.num_envs)
+        yield actor_sps
+        yield actor_envs
+
+
+class PrometheusExporter:
+    """Serves the latest snapshot as Prometheus metrics (``oakemu_*``) over HTTP at ``/metrics``.
+
+    Counters (``oakemu_env_steps_total``, ``oakemu_updates_total``, ``oakemu_episodes_total``,
+    ``oakemu_rejected_messages_total{reason}``, ``oakemu_dropped_total{kind}``) carry the learner's
+    own running totals; gauges carry the latest value. A figure that does not exist yet (no
+    update, no episode) has no sample. Metrics are kept in a private registry by default, so several
+    exporters can live in one process.
+
+    Args:
+        port: TCP port to serve on; ``0`` picks a free one (see :attr:`port`).
+        registry: registry to add the metrics to (default: a new ``CollectorRegistry``).
+        addr: interface to listen on (``"0.0.0.0"`` in a container, ``"127.0.0.1"`` for local use).
+
+    Raises:
+        TelemetryBindError: the port is in use or the address invalid.
+    """
+
+    def __init__(self, port: int, registry: CollectorRegistry | None = None, *, addr: str = "0.0.0.0") -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._collector = _SnapshotCollector()
+        self.registry.register(self._collector)
+        try:
+            self._server, self._thread = start_http_server(port, addr=addr, registry=self.registry)
+        except OSError as exc:
+            self.registry.unregister(self._collector)
+            raise TelemetryBindError(
+                f"cannot serve Prometheus metrics on {addr}:{port}: {exc} "
+                "(set OAKEMU_METRICS_PORT to a free port)"
+            ) from exc
+        self.port: int = self._server.server_port
+        """The port actually served (useful with ``port=0``)."""
+        self._closed = False
+
+    def update(self, snapshot: TelemetrySnapshot) -> None:
+        """Expose ``snapshot``'s figures from now on (thread-safe, O(1))."""
+        self._collector.set(snapshot)
+
+    def close(self) -> None:
+        """Stop the HTTP server and remove the metrics from the registry. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._server.shutdown()
+            self._server.server_close()
+            self._thread.join(timeout=5)
+            self.registry.unregister(self._collector)
+
+    def __enter__(self) -> PrometheusExporter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
