@@ -1,0 +1,147 @@
+"""`oakemu` CLI: argument parsing and dispatch to the services (replaced by fakes here)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from oakemu_core.config import OakEmuConfig
+from services import cli
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _clean_oakemu_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("OAKEMU_"):
+            monkeypatch.delenv(name)
+
+
+class FakeService:
+    """Stands in for services.<name>; records the arguments of main() and returns a set code."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str, return_code: int = 0) -> None:
+        self.calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        self.return_code = return_code
+        module = types.ModuleType(f"services.{name}")
+        module.main = self._main  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, f"services.{name}", module)
+
+    def _main(self, *args: Any, **kwargs: Any) -> int:
+        self.calls.append((args, kwargs))
+        return self.return_code
+
+
+def test_train_dispatch_with_config_flags_and_resume(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    train = FakeService(monkeypatch, "train", return_code=7)
+    code = cli.main(["train", "--env", "CartPole-v1", "--total-env-steps", "5000", "--resume", str(tmp_path)])
+    assert code == 7
+    [(args, kwargs)] = train.calls
+    config, resume = args
+    assert kwargs == {}
+    assert isinstance(config, OakEmuConfig)
+    assert config.env_id == "CartPole-v1"
+    assert config.total_env_steps == 5000
+    assert resume == tmp_path
+
+
+def test_train_without_resume_reads_environment_and_toml(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    train = FakeService(monkeypatch, "train")
+    toml_file = tmp_path / "c.toml"
+    toml_file.write_text("num_actors = 3\nseed = 4\n", encoding="utf-8")
+    monkeypatch.setenv("OAKEMU_SEED", "5")
+    assert cli.main(["train", "--config", str(toml_file)]) == 0
+    [((config, resume), _)] = train.calls
+    assert resume is None
+    assert (config.num_actors, config.seed) == (3, 5)
+
+
+@pytest.mark.parametrize("command", ["learner", "actor"])
+def test_learner_and_actor_dispatch(monkeypatch: pytest.MonkeyPatch, command: str) -> None:
+    service = FakeService(monkeypatch, command, return_code=3)
+    monkeypatch.setenv("OAKEMU_LEARNER_HOST", "10.0.0.2")
+    assert cli.main([command, "--envs-per-actor", "4", "--actor-id", "a1"]) == 3
+    [((config,), kwargs)] = service.calls
+    assert kwargs == {}
+    assert (config.envs_per_actor, config.actor_id, config.learner_host) == (4, "a1", "10.0.0.2")
+
+
+def test_monitor_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monitor = FakeService(monkeypatch, "monitor", return_code=1)
+    assert cli.main(["monitor", "--connect", "tcp://h:1234", "--json", "--once", "--timeout", "2.5"]) == 1
+    assert monitor.calls == [(("tcp://h:1234",), {"json_output": True, "once": True, "timeout_s": 2.5})]
+
+
+def test_monitor_default_address_comes_from_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
+    monitor = FakeService(monkeypatch, "monitor")
+    monkeypatch.setenv("OAKEMU_LEARNER_HOST", "learner")
+    monkeypatch.setenv("OAKEMU_TELEMETRY_PORT", "6000")
+    assert cli.main(["monitor"]) == 0
+    assert monitor.calls == [(("tcp://learner:6000",), {"json_output": False, "once": False, "timeout_s": 5.0})]
+
+
+def test_evaluate_dispatch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    evaluate = FakeService(monkeypatch, "evaluate")
+    checkpoint = tmp_path / "ckpt.pt"
+    assert cli.main(["evaluate", str(checkpoint), "--episodes", "3", "--sampled", "--seed", "9"]) == 0
+    assert cli.main(["evaluate", str(checkpoint)]) == 0
+    assert evaluate.calls == [
+        ((checkpoint,), {"episodes": 3, "greedy": False, "seed": 9}),
+        ((checkpoint,), {"episodes": 10, "greedy": True, "seed": 1}),
+    ]
+
+
+def test_config_error_exits_2_with_a_message_and_never_starts_the_service(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    train = FakeService(monkeypatch, "train")
+    assert cli.main(["train", "--rollout-length", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout_length" in err and "Traceback" not in err
+    assert train.calls == []
+
+
+def test_usage_errors_exit_2(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    actor = FakeService(monkeypatch, "actor")
+    assert cli.main(["actor", "--no-such-flag"]) == 2
+    assert "--no-such-flag" in capsys.readouterr().err
+    assert cli.main(["evaluate", "x", "--episodes", "0"]) == 2
+    assert cli.main(["evaluate", "x", "--greedy", "--sampled"]) == 2
+    assert cli.main(["fly"]) == 2
+    assert cli.main([]) == 2
+    assert actor.calls == []
+
+
+def test_help_lists_generated_config_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in ("--resume", "--config", "--env-id", "--env", "--total-env-steps", "--no-anneal-lr", "--learner-host"):
+        assert flag in out
+
+
+def test_missing_service_module_is_reported(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "services.learner", None)  # makes the import raise ModuleNotFoundError
+    assert cli.main(["learner"]) == 1
+    assert "services.learner" in capsys.readouterr().err
+
+
+def test_python_dash_m_runs_the_cli() -> None:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("OAKEMU_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "services.cli", "train", "--ppo-epochs", "0"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "ppo_epochs" in result.stderr
+    assert "Traceback" not in result.stderr
