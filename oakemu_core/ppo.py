@@ -1,0 +1,475 @@
+"""PPO: the clipped loss and the learner update over a :class:`RolloutBuffer`.
+
+The update follows CleanRL ``ppo_atari.py`` top to bottom: learning rate for this update ->
+epochs x shuffled minibatches -> ratio -> clipped surrogate, value loss, entropy -> one loss ->
+gradient clip -> optimizer step -> optional target-KL early stop -> statistics. GAE has already
+been computed into the buffer by the caller.
+
+References:
+    Schulman et al. 2017, "Proximal Policy Optimization Algorithms" (clipped surrogate, eq. 7;
+    total objective with value and entropy terms, eq. 9).
+    Huang et al. 2022, "The 37 Implementation Details of Proximal Policy Optimization" and CleanRL
+    (value clipping as in OpenAI baselines, approximate KL ``mean((ratio - 1) - log ratio)``,
+    the k3 estimator of http://joschu.net/blog/kl-approx.html).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from oakemu_core.rollout_buffer import RolloutBuffer
+
+__all__ = [
+    "EmptyRolloutError",
+    "LinearSchedule",
+    "PPOLearner",
+    "PPORuntimeState",
+    "PPOUpdateStats",
+    "explained_variance",
+    "ppo_losses",
+]
+
+
+class EmptyRolloutError(ValueError):
+    """The rollout buffer has fewer trainable rows than minibatches (for example every row was
+    dropped for policy lag), so no PPO update can run on it."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Learning-rate schedule
+# ---------------------------------------------------------------------------------------------
+class LinearSchedule:
+    """A value that moves linearly from ``start`` to ``end`` over ``total_updates`` updates, then
+    stays at ``end``.
+
+    ``value()`` at update ``k`` (``k`` = number of :meth:`step` calls so far) is
+    ``start + (end - start) * min(k, total_updates) / total_updates``. CleanRL anneals the learning
+    rate the same way (``frac = 1 - (iteration - 1) / num_iterations``) with ``end = 0``.
+
+    Raises:
+        ValueError: ``total_updates`` < 1.
+    """
+
+    def __init__(self, start: float, end: float, total_updates: int) -> None:
+        if int(total_updates) < 1:
+            raise ValueError(f"total_updates: expected >= 1, got {total_updates}")
+        self.start = float(start)
+        self.end = float(end)
+        self.total_updates = int(total_updates)
+        self.updates = 0
+
+    def value(self) -> float:
+        """The value for the next update."""
+        fraction = min(self.updates, self.total_updates) / self.total_updates
+        return self.start + (self.end - self.start) * fraction
+
+    def step(self) -> None:
+        """Advance by one update."""
+        self.updates += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-value state for a checkpoint."""
+        return {"start": self.start, "end": self.end, "total_updates": self.total_updates, "updates": self.updates}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; raises ValueError naming a missing or invalid entry."""
+        for key in ("start", "end", "total_updates", "updates"):
+            if key not in state:
+                raise ValueError(f"LinearSchedule state: missing {key!r}, got keys {sorted(state)}")
+        if int(state["total_updates"]) < 1 or int(state["updates"]) < 0:
+            raise ValueError(
+                f"LinearSchedule state: expected total_updates >= 1 and updates >= 0, got "
+                f"{state['total_updates']} and {state['updates']}"
+            )
+        self.start = float(state["start"])
+        self.end = float(state["end"])
+        self.total_updates = int(state["total_updates"])
+        self.updates = int(state["updates"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss
+# ---------------------------------------------------------------------------------------------
+def ppo_losses(
+    new_log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    new_values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    entropy: torch.Tensor,
+    *,
+    clip_coef: float,
+    clip_value_loss: bool,
+) -> dict[str, torch.Tensor]:
+    """The PPO loss terms for one minibatch. All inputs are ``(B,)`` float tensors.
+
+    Args:
+        new_log_probs: log pi_theta(a|s) under the policy being trained (with gradients).
+        old_log_probs: log pi_theta_old(a|s) recorded by the actor.
+        advantages: advantage estimates (already normalised if wanted).
+        new_values: V_theta(s) (with gradients). old_values: V recorded by the actor.
+        returns: value targets (GAE advantages + old values).
+        entropy: per-row entropy of the current policy.
+        clip_coef: epsilon of the clipped surrogate; also the value clip range.
+        clip_value_loss: clip the value change as OpenAI baselines / CleanRL do.
+
+    Returns:
+        A dict of scalar tensors ``policy_loss`` (to minimise: minus eq. 7 of Schulman et al.
+        2017, ``mean(max(-A r, -A clip(r, 1-eps, 1+eps)))``), ``value_loss``
+        (``0.5 * mean((V - R)^2)``, or with clipping
+        ``0.5 * mean(max((V - R)^2, (V_old + clip(V - V_old, -eps, eps) - R)^2))``), ``entropy``
+        (mean), and without gradients ``approx_kl`` (``mean((r - 1) - log r)``), ``clip_fraction``
+        (share of rows with ``|r - 1| > eps``); plus ``ratio``, the ``(B,)`` ratios ``r``.
+    """
+    log_ratio = new_log_probs - old_log_probs
+    ratio = log_ratio.exp()
+
+    # Clipped surrogate objective (Schulman et al. 2017, eq. 7), negated to be minimised.
+    policy_loss_unclipped = -advantages * ratio
+    policy_loss_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_coef, 1.0 + clip_coef)
+    policy_loss = torch.max(policy_loss_unclipped, policy_loss_clipped).mean()
+
+    # Value loss, optionally clipped around the actor's value estimate.
+    value_loss_unclipped = (new_values - returns) ** 2
+    if clip_value_loss:
+        values_clipped = old_values + torch.clamp(new_values - old_values, -clip_coef, clip_coef)
+        value_loss_clipped = (values_clipped - returns) ** 2
+        value_loss = 0.5 * torch.max(value_loss_unclipped, value_loss_clipped).mean()
+    else:
+        value_loss = 0.5 * value_loss_unclipped.mean()
+
+    with torch.no_grad():
+        approx_kl = ((ratio - 1.0) - log_ratio).mean()
+        clip_fraction = ((ratio - 1.0).abs() > clip_coef).float().mean()
+
+    return {
+        "policy_loss": policy_loss,
+        "value_loss": value_loss,
+        "entropy": entropy.mean(),
+        "approx_kl": approx_kl,
+        "clip_fraction": clip_fraction,
+        "ratio": ratio.detach(),
+    }
+
+
+def explained_variance(predictions: np.ndarray, targets: np.ndarray) -> float:
+    """``1 - Var(targets - predictions) / Var(targets)`` (as CleanRL/SB3), NaN if Var(targets) is 0
+    or the arrays are empty. 1 is a perfect value function, 0 no better than a constant."""
+    predictions = np.asarray(predictions, dtype=np.float64)
+    targets = np.asarray(targets, dtype=np.float64)
+    if targets.size == 0:
+        return math.nan
+    variance = np.var(targets)
+    if variance == 0:
+        return math.nan
+    return float(1.0 - np.var(targets - predictions) / variance)
+
+
+# ---------------------------------------------------------------------------------------------
+# Learner
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class PPOUpdateStats:
+    """What one :meth:`PPOLearner.step` did.
+
+    Losses, entropy, approx_kl and clip_fraction are means over every minibatch that was trained
+    on. ``explained_variance`` compares the actor's values with the GAE returns over the trainable
+    rows. ``first_minibatch_ratio_max_abs_dev`` is max |ratio - 1| on the first minibatch before any
+    gradient step, over its rows produced by the learner's current policy version (NaN if none):
+    it should be ~0 when actor and learner agree on log-probs. Times are wall-clock seconds.
+    """
+
+    policy_loss: float
+    value_loss: float
+    entropy: float
+    approx_kl: float
+    clip_fraction: float
+    explained_variance: float
+    learning_rate: float
+    epochs_completed: int
+    minibatches: int
+    early_stopped: bool
+    first_minibatch_ratio_max_abs_dev: float
+    update_seconds: float
+    epoch_seconds: list[float] = field(default_factory=list)
+    trainable_rows: int = 0
+
+
+@dataclass
+class PPORuntimeState:
+    """Learner counters for checkpoints.
+
+    ``iterations``: PPO updates completed. ``rollouts_collected``: rollouts consumed (one per
+    update here). ``policy_version``: version of the learner's current weights.
+    ``shuffle_rng_state``: state of the minibatch-shuffling generator (plain values), or None.
+    """
+
+    iterations: int = 0
+    rollouts_collected: int = 0
+    policy_version: int = 0
+    shuffle_rng_state: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-value dict for :func:`oakemu_core.checkpoint.save_checkpoint`."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, state: dict[str, Any]) -> PPORuntimeState:
+        """Inverse of :meth:`to_dict`; raises ValueError naming a missing counter."""
+        for key in ("iterations", "rollouts_collected", "policy_version"):
+            if key not in state:
+                raise ValueError(f"PPORuntimeState: missing {key!r}, got keys {sorted(state)}")
+        return cls(
+            iterations=int(state["iterations"]),
+            rollouts_collected=int(state["rollouts_collected"]),
+            policy_version=int(state["policy_version"]),
+            shuffle_rng_state=state.get("shuffle_rng_state"),
+        )
+
+
+class PPOLearner:
+    """Runs PPO updates of ``model`` on full rollout buffers.
+
+    Args:
+        model: an actor-critic with ``evaluate_actions(observations, actions) -> (log_probs,
+            entropy, values)`` (see :class:`oakemu_core.models.ActorCritic`); moved to ``device``.
+        optimizer: optimizer over ``model``'s parameters (CleanRL: Adam, eps=1e-5).
+        device: where the update runs (``"cuda"`` or ``"cpu"``). On CUDA, TF32 matmuls and
+            convolutions are switched off process-wide so that learner log-probs match the actor's
+            float32 CPU log-probs (the ratio check).
+        ppo_epochs: passes over the rollout per update (>= 1).
+        num_minibatches: minibatches per epoch (>= 1).
+        clip_coef: PPO clip epsilon (> 0); also the value clip range.
+        clip_value_loss: clip the value loss as baselines/CleanRL.
+        ent_coef, vf_coef: weights of the entropy bonus and of the value loss (>= 0).
+        max_grad_norm: global gradient-norm clip (> 0).
+        target_kl: stop the update after an epoch whose mean approx_kl exceeds it (None: never).
+        normalize_advantages: normalise advantages over the trainable rows (mean 0, std 1) before
+            splitting into minibatches.
+        lr_schedule: learning rate per update; None keeps the optimizer's learning rate.
+        seed: seed of the minibatch-shuffling generator.
+
+    Raises:
+        ValueError: a hyperparameter out of range (names it, with the received value).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        device: str | torch.device,
+        ppo_epochs: int,
+        num_minibatches: int,
+        clip_coef: float,
+        clip_value_loss: bool,
+        ent_coef: float,
+        vf_coef: float,
+        max_grad_norm: float,
+        target_kl: float | None = None,
+        normalize_advantages: bool = True,
+        lr_schedule: LinearSchedule | None = None,
+        seed: int = 0,
+    ) -> None:
+        checks = {
+            "ppo_epochs": (ppo_epochs, ppo_epochs >= 1, ">= 1"),
+            "num_minibatches": (num_minibatches, num_minibatches >= 1, ">= 1"),
+            "clip_coef": (clip_coef, clip_coef > 0, "> 0"),
+            "ent_coef": (ent_coef, ent_coef >= 0, ">= 0"),
+            "vf_coef": (vf_coef, vf_coef >= 0, ">= 0"),
+            "max_grad_norm": (max_grad_norm, max_grad_norm > 0, "> 0"),
+            "target_kl": (target_kl, target_kl is None or target_kl > 0, "> 0 or None"),
+        }
+        for name, (value, ok, expected) in checks.items():
+            if not ok:
+                raise ValueError(f"{name}: expected {expected}, got {value}")
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+        self.model = model.to(self.device)
+        self.optimizer = optimizer
+        self.ppo_epochs = int(ppo_epochs)
+        self.num_minibatches = int(num_minibatches)
+        self.clip_coef = float(clip_coef)
+        self.clip_value_loss = bool(clip_value_loss)
+        self.ent_coef = float(ent_coef)
+        self.vf_coef = float(vf_coef)
+        self.max_grad_norm = float(max_grad_norm)
+        self.target_kl = None if target_kl is None else float(target_kl)
+        self.normalize_advantages = bool(normalize_advantages)
+        self.lr_schedule = lr_schedule
+        self._shuffle_rng = np.random.default_rng(seed)
+        self._iterations = 0
+        self._rollouts_collected = 0
+        self.policy_version = 0
+
+    # ------------------------------------------------------------------ counters
+    @property
+    def iterations(self) -> int:
+        """PPO updates completed."""
+        return self._iterations
+
+    @property
+    def rollouts_collected(self) -> int:
+        """Rollouts consumed by updates."""
+        return self._rollouts_collected
+
+    def state(self) -> PPORuntimeState:
+        """Counters, policy version and shuffle-generator state for a checkpoint."""
+        return PPORuntimeState(
+            iterations=self._iterations,
+            rollouts_collected=self._rollouts_collected,
+            policy_version=self.policy_version,
+            shuffle_rng_state=self._shuffle_rng.bit_generator.state,
+        )
+
+    def restore_state(self, state: PPORuntimeState) -> None:
+        """Restore :meth:`state`'s counters (model, optimizer and schedule are restored by their own
+        ``load_state_dict``). Raises ValueError for negative counters."""
+        if min(state.iterations, state.rollouts_collected, state.policy_version) < 0:
+            raise ValueError(f"PPORuntimeState: counters must be >= 0, got {state}")
+        self._iterations = int(state.iterations)
+        self._rollouts_collected = int(state.rollouts_collected)
+        self.policy_version = int(state.policy_version)
+        if state.shuffle_rng_state is not None:
+            self._shuffle_rng.bit_generator.state = state.shuffle_rng_state
+
+    # ------------------------------------------------------------------ update
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def step(self, rollout_buffer: RolloutBuffer, *, current_policy_version: int) -> PPOUpdateStats:
+        """One PPO update on the trainable rows of a full buffer whose GAE is computed.
+
+        Args:
+            rollout_buffer: the buffer to train on (``compute_gae`` already called).
+            current_policy_version: version of the weights ``model`` holds now. Rows recorded with
+                this version are used for the ratio check. Afterwards :attr:`policy_version` is
+                ``current_policy_version + 1`` (the weights changed).
+
+        Returns:
+            :class:`PPOUpdateStats`.
+
+        Raises:
+            EmptyRolloutError: fewer trainable rows than ``num_minibatches``.
+        """
+        if rollout_buffer.trainable_size < self.num_minibatches:
+            raise EmptyRolloutError(
+                f"rollout_buffer: {rollout_buffer.trainable_size} trainable rows, need at least "
+                f"num_minibatches={self.num_minibatches}"
+            )
+        start_time = time.perf_counter()
+
+        # Learning rate for this update (CleanRL anneals it before the epochs).
+        if self.lr_schedule is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.lr_schedule.value()
+        learning_rate = float(self.optimizer.param_groups[0]["lr"])
+
+        row_is_current = self._current_version_rows(rollout_buffer, current_policy_version)
+
+        self.model.train()
+        totals = {key: torch.zeros((), device=self.device) for key in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction")}
+        first_minibatch_ratio_max_abs_dev = math.nan
+        minibatches_done = 0
+        epochs_completed = 0
+        early_stopped = False
+        epoch_seconds: list[float] = []
+
+        for epoch in range(self.ppo_epochs):
+            epoch_start = time.perf_counter()
+            epoch_kl = torch.zeros((), device=self.device)
+            minibatches = rollout_buffer.get_minibatches(
+                self.num_minibatches,
+                self.device,
+                normalize_advantages=self.normalize_advantages,
+                generator=self._shuffle_rng,
+            )
+            for minibatch in minibatches:
+                new_log_probs, entropy, new_values = self.model.evaluate_actions(
+                    minibatch.observations, minibatch.actions
+                )
+                losses = ppo_losses(
+                    new_log_probs,
+                    minibatch.log_probs,
+                    minibatch.advantages,
+                    new_values,
+                    minibatch.values,
+                    minibatch.returns,
+                    entropy,
+                    clip_coef=self.clip_coef,
+                    clip_value_loss=self.clip_value_loss,
+                )
+                if minibatches_done == 0:  # before any gradient step: actor and learner should agree
+                    first_minibatch_ratio_max_abs_dev = self._ratio_deviation(losses["ratio"], row_is_current)
+
+                # Total loss (Schulman et al. 2017, eq. 9, negated): policy - c2 * entropy + c1 * value.
+                loss = losses["policy_loss"] - self.ent_coef * losses["entropy"] + self.vf_coef * losses["value_loss"]
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+                self.optimizer.step()
+
+                for key in totals:
+                    totals[key] += losses[key].detach()
+                epoch_kl += losses["approx_kl"]
+                minibatches_done += 1
+
+            self._synchronize()
+            epoch_seconds.append(time.perf_counter() - epoch_start)
+            epochs_completed += 1
+            if self.target_kl is not None and epoch_kl.item() / len(minibatches) > self.target_kl:
+                early_stopped = epoch + 1 < self.ppo_epochs
+                break
+
+        if self.lr_schedule is not None:
+            self.lr_schedule.step()
+        self._iterations += 1
+        self._rollouts_collected += 1
+        self.policy_version = int(current_policy_version) + 1
+
+        diagnostics = rollout_buffer.trainable_diagnostics()
+        means = {key: value.item() / minibatches_done for key, value in totals.items()}
+        return PPOUpdateStats(
+            policy_loss=means["policy_loss"],
+            value_loss=means["value_loss"],
+            entropy=means["entropy"],
+            approx_kl=means["approx_kl"],
+            clip_fraction=means["clip_fraction"],
+            explained_variance=(
+                math.nan if diagnostics is None else explained_variance(diagnostics.values, diagnostics.returns)
+            ),
+            learning_rate=learning_rate,
+            epochs_completed=epochs_completed,
+            minibatches=minibatches_done,
+            early_stopped=early_stopped,
+            first_minibatch_ratio_max_abs_dev=first_minibatch_ratio_max_abs_dev,
+            update_seconds=time.perf_counter() - start_time,
+            epoch_seconds=epoch_seconds,
+            trainable_rows=int(rollout_buffer.trainable_size),
+        )
+
+    # ------------------------------------------------------------------ ratio check helpers
+    @staticmethod
+    def _current_version_rows(rollout_buffer: RolloutBuffer, current_policy_version: int) -> np.ndarray:
+        """Placeholder, replaced once the buffer's minibatch row order is known."""
+        versions = np.asarray(rollout_buffer.policy_versions)
+        trainable = np.asarray(rollout_buffer.trainable, dtype=bool)
+        return versions[trainable] == int(current_policy_version)
+
+    @staticmethod
+    def _ratio_deviation(ratio: torch.Tensor, row_is_current: np.ndarray) -> float:
+        if row_is_current.all():
+            return float((ratio - 1.0).abs().max().item())
+        return math.nan
