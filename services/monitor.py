@@ -1,0 +1,256 @@
+"""``oakemu monitor``: attach to a running learner's telemetry and show it, read-only.
+
+Any number of monitors can attach and detach at any time; they only subscribe to the learner's
+lossy telemetry PUB socket (see ``oakemu_core.telemetry``), so none of them can slow or change
+training.
+
+Modes:
+
+* default: a live view (rich) of the training figures and a table of the actors;
+* ``--json``: one JSON object per line - the first snapshot received (so a script sees the state at
+  once), then every snapshot published after a PPO update (``"is_update": true``);
+* ``--once``: print one snapshot (as a view, or as JSON with ``--json``) and exit 0.
+
+If no telemetry arrives within ``timeout_s`` the monitor says so on stderr and exits with
+:data:`EXIT_NO_TELEMETRY`; it never hangs. In ``--json`` mode the same applies when the learner goes
+silent later. Ctrl-C (or SIGTERM) exits cleanly with 0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from oakemu_core.telemetry import TelemetryAddressError, TelemetrySnapshot, TelemetrySubscriber
+
+EXIT_OK = 0
+EXIT_NO_TELEMETRY = 1
+"""Nothing (valid) arrived within the timeout: the learner is not there or not reachable."""
+EXIT_BAD_ADDRESS = 2
+"""The ``--connect`` address is not a valid ZeroMQ endpoint."""
+
+_POLL_INTERVAL_S = 0.25
+"""How often the live view redraws when no snapshot arrives (s)."""
+
+
+def main(connect: str, *, json_output: bool = False, once: bool = False, timeout_s: float = 5.0) -> int:
+    """Run the monitor against the telemetry publisher at ``connect``.
+
+    Args:
+        connect: ZeroMQ endpoint of the learner's telemetry, e.g. ``"tcp://learner:5558"``.
+        json_output: print JSON lines instead of the live view.
+        once: print one snapshot and exit.
+        timeout_s: seconds to wait for telemetry before giving up (first snapshot; in ``--json``
+            mode also any later silence). Must be > 0.
+
+    Returns:
+        The process exit code: :data:`EXIT_OK`, :data:`EXIT_NO_TELEMETRY` or :data:`EXIT_BAD_ADDRESS`.
+
+    Raises:
+        ValueError: ``timeout_s`` is not a positive finite number.
+    """
+    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"timeout_s must be a positive number of seconds, received {timeout_s!r}")
+    try:
+        subscriber = TelemetrySubscriber(connect)
+    except TelemetryAddressError as exc:
+        print(f"oakemu monitor: {exc}", file=sys.stderr)
+        return EXIT_BAD_ADDRESS
+    try:
+        with _sigterm_as_keyboard_interrupt():
+            first = subscriber.receive(timeout_s)
+            if first is None:
+                _report_silence(subscriber, timeout_s, attached=False)
+                return EXIT_NO_TELEMETRY
+            if json_output:
+                return _run_json(subscriber, first, once=once, timeout_s=timeout_s)
+            if once:
+                Console().print(render_snapshot(first, address=connect, age_s=0.0))
+                return EXIT_OK
+            return _run_live(subscriber, first, timeout_s=timeout_s)
+    except KeyboardInterrupt:
+        return EXIT_OK
+    finally:
+        subscriber.close()
+
+
+def snapshot_to_json(snapshot: TelemetrySnapshot) -> str:
+    """One-line JSON of every snapshot field; NaN / infinite floats become ``null`` (strict JSON)."""
+    return json.dumps(_finite_or_none(snapshot.model_dump(mode="python")), allow_nan=False)
+
+
+def render_snapshot(snapshot: TelemetrySnapshot, *, address: str, age_s: float, stale_after_s: float = 5.0) -> Group:
+    """Build the rich view of one snapshot.
+
+    Args:
+        snapshot: what to show.
+        address: the telemetry endpoint, shown in the header.
+        age_s: seconds since the snapshot was received.
+        stale_after_s: from this age on the header warns that the learner is silent.
+    """
+    status = Text(f"last snapshot {age_s:4.1f} s ago", style="green")
+    if age_s >= stale_after_s:
+        status = Text(f"no telemetry for {age_s:.0f} s: is the learner still running?", style="bold red")
+    header = Text.assemble(
+        ("OakEmu-RL ", "bold"),
+        (f"run {snapshot.run_name}  env {snapshot.env_id}  ", "cyan"),
+        (f"{address}  ", "dim"),
+        status,
+    )
+
+    training = _key_value_table("Training")
+    training.add_row("env steps", f"{snapshot.global_step:,}")
+    training.add_row("SPS", _fmt(snapshot.sps, ".0f"))
+    training.add_row("policy version", str(snapshot.policy_version))
+    training.add_row("updates", str(snapshot.iterations))
+    training.add_row("episodes", f"{snapshot.episodes:,}")
+    training.add_row("return mean", _fmt(snapshot.episodic_return_mean, ".2f"))
+    training.add_row("return min / max", f"{_fmt(snapshot.episodic_return_min, '.2f')} / "
+                                          f"{_fmt(snapshot.episodic_return_max, '.2f')}")
+    training.add_row("episode length", _fmt(snapshot.episodic_length_mean, ".1f"))
+    training.add_row("buffer fill", _fmt(100.0 * snapshot.buffer_fill, ".0f") + " %")
+
+    update = _key_value_table("Last update")
+    update.add_row("policy loss", _fmt(snapshot.policy_loss, ".4f"))
+    update.add_row("value loss", _fmt(snapshot.value_loss, ".4f"))
+    update.add_row("entropy", _fmt(snapshot.entropy, ".4f"))
+    update.add_row("approx KL", _fmt(snapshot.approx_kl, ".5f"))
+    update.add_row("clip fraction", _fmt(snapshot.clip_fraction, ".3f"))
+    update.add_row("explained var", _fmt(snapshot.explained_variance, ".3f"))
+    update.add_row("learning rate", _fmt(snapshot.learning_rate, ".2e"))
+    update.add_row("policy lag", f"{_fmt(snapshot.policy_lag_min, '.0f')} / {_fmt(snapshot.policy_lag_mean, '.2f')}"
+                                 f" / {_fmt(snapshot.policy_lag_max, '.0f')}  (min/mean/max)")
+
+    losses = _key_value_table("Rejected / dropped")
+    for reason, count in sorted(snapshot.rejected_messages.items()):
+        losses.add_row(f"rejected: {reason}", f"{count:,}", style="red" if count else None)
+    for kind, count in sorted(snapshot.dropped.items()):
+        losses.add_row(f"dropped: {kind}", f"{count:,}", style="yellow" if count else None)
+    if not snapshot.rejected_messages and not snapshot.dropped:
+        losses.add_row("none", "0")
+
+    summary = Table.grid(padding=(0, 2))
+    summary.add_row(training, update, losses)
+
+    actors = Table(title=f"Actors ({snapshot.num_actors})", title_justify="left", expand=False)
+    actors.add_column("id")
+    actors.add_column("incarnation", style="dim")
+    actors.add_column("envs", justify="right")
+    actors.add_column("SPS", justify="right")
+    actors.add_column("lag", justify="right")
+    actors.add_column("last heard", justify="right")
+    for actor in sorted(snapshot.actors, key=lambda a: a.actor_id):
+        actors.add_row(actor.actor_id, actor.incarnation[:12], str(actor.num_envs), _fmt(actor.sps, ".0f"),
+                       _fmt(actor.policy_lag, ".2f"), f"{actor.last_heard_s:.1f} s")
+    return Group(header, summary, actors)
+
+
+def _run_json(subscriber: TelemetrySubscriber, first: TelemetrySnapshot, *, once: bool, timeout_s: float) -> int:
+    """Print the first snapshot, then every update snapshot, one JSON object per line."""
+    try:
+        _print_line(snapshot_to_json(first))
+        if once:
+            return EXIT_OK
+        while True:
+            snapshot = subscriber.receive(timeout_s)
+            if snapshot is None:
+                _report_silence(subscriber, timeout_s, attached=True)
+                return EXIT_NO_TELEMETRY
+            if snapshot.is_update:
+                _print_line(snapshot_to_json(snapshot))
+    except BrokenPipeError:  # e.g. piped into `head -1`: the reader is done, so are we
+        sys.stdout = None  # type: ignore[assignment]  # keep the interpreter from flushing again
+        return EXIT_OK
+
+
+def _run_live(subscriber: TelemetrySubscriber, first: TelemetrySnapshot, *, timeout_s: float) -> int:
+    """Redraw the live view until Ctrl-C; a silent learner is shown, not fatal (it may restart)."""
+    address = subscriber.connect_address
+    snapshot, received_at = first, time.monotonic()
+    with Live(render_snapshot(snapshot, address=address, age_s=0.0), refresh_per_second=4,
+              transient=False) as live:
+        while True:
+            newer = subscriber.receive(_POLL_INTERVAL_S)
+            if newer is not None:
+                snapshot, received_at = newer, time.monotonic()
+            live.update(render_snapshot(snapshot, address=address, age_s=time.monotonic() - received_at,
+                                        stale_after_s=timeout_s))
+
+
+def _report_silence(subscriber: TelemetrySubscriber, timeout_s: float, *, attached: bool) -> None:
+    when = "for" if attached else "within"
+    message = f"oakemu monitor: no telemetry from {subscriber.connect_address} {when} {timeout_s:g} s: "
+    message += "is the learner still running?" if attached else "is the learner running?"
+    if subscriber.rejected:
+        message += (f" ({subscriber.rejected} malformed telemetry message(s) rejected; last: "
+                    f"{subscriber.last_rejection})")
+    print(message, file=sys.stderr, flush=True)
+
+
+def _print_line(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def _key_value_table(title: str) -> Table:
+    table = Table(title=title, title_justify="left", show_header=False, box=None, padding=(0, 1))
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    return table
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return format(value, spec)
+
+
+def _finite_or_none(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {key: _finite_or_none(value) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [_finite_or_none(value) for value in obj]
+    return obj
+
+
+@contextmanager
+def _sigterm_as_keyboard_interrupt() -> Iterator[None]:
+    """Treat SIGTERM (``docker stop``) like Ctrl-C while the monitor runs (main thread only)."""
+    def _raise(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, _raise)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _module_main(argv: list[str]) -> int:
+    """``python -m services.monitor ...``: the same as ``oakemu monitor ...``."""
+    from services.cli import main as cli_main
+
+    return cli_main(["monitor", *argv])
+
+
+if __name__ == "__main__":
+    sys.exit(_module_main(sys.argv[1:]))
