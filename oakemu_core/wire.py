@@ -1,0 +1,1025 @@
+"""Wire protocol between actors and the learner: message schemas, msgpack codec, validation.
+
+Every message is one msgpack map with ``"protocol"`` (= :data:`PROTOCOL_VERSION`) and ``"type"``;
+messages an actor sends also carry ``"actor_id"`` and ``"incarnation"`` (a fresh id on every actor
+start), and heartbeats / steps a ``"seq"`` (0, 1, 2, ... per incarnation) and the
+``"policy_version"`` that produced them.  Arrays travel as a map ::
+
+    {"dtype": np.dtype.str (with byte order, e.g. "<f4", "|u1", "|b1", "<i8"),
+     "shape": [int, ...],
+     "data": C-contiguous bytes (msgpack bin)}
+
+There is no pickle anywhere: only bool / signed int / unsigned int / float dtypes of 1, 2, 4 or 8
+bytes are accepted (no object, void, string, datetime or complex kinds), and every frame is
+unpacked with msgpack limits bounded by the frame length, so a declared size never causes an
+allocation.
+
+Untrusted input (anything coming off a socket) is decoded with :func:`decode_step` (trajectory
+data, validated against the :class:`StepSpec` agreed at join time) or :func:`decode_message`
+(control and weights messages).  Both raise only :class:`MessageRejected`, whose ``reason`` is
+one of :data:`REJECTION_REASONS`, so the learner can count rejections by reason.  Ordering of
+``seq`` is checked by the learner (``ingest.py``), not here.
+
+Message types (``"type"`` tag: dataclass, direction, encoder):
+
+- ``join``: :class:`JoinRequest`, actor REQ -> learner ROUTER, :func:`encode_join_request`
+- ``join_reply``: :class:`JoinReply`, learner ROUTER -> actor REQ, :func:`encode_join_reply`
+- ``heartbeat``: :class:`Heartbeat`, actor REQ -> learner ROUTER, :func:`encode_heartbeat`
+- ``heartbeat_reply``: :class:`HeartbeatReply`, learner ROUTER -> actor REQ, :func:`encode_heartbeat_reply`
+- ``leave``: :class:`Leave`, actor REQ -> learner ROUTER, :func:`encode_leave`
+- ``weights``: :class:`WeightsMessage`, learner PUB -> actor SUB, :func:`encode_weights`
+- ``step``: :class:`StepMessage`, actor PUSH -> learner PULL, :func:`encode_step`
+
+Dtype strings from the wire are looked up in a fixed table of allowed canonical spellings and are
+never handed to ``np.dtype`` (which would parse structured, object or subarray dtypes).
+
+Copies: :func:`encode_step` hands msgpack each C-contiguous array's own buffer
+(``ndarray.data``); msgpack copies it once into its (per-thread, reused) buffer and once more
+into the returned ``bytes``.  :func:`decode_step` returns read-only ``np.frombuffer`` views of
+the ``bytes`` objects msgpack unpacks (msgpack's one copy out of the frame; no further copy).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import msgpack
+import numpy as np
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "REJECTION_REASONS",
+    "ALLOWED_DTYPE_KINDS",
+    "HEARTBEAT_STATUSES",
+    "MessageRejected",
+    "StepSpec",
+    "JoinRequest",
+    "JoinReply",
+    "Heartbeat",
+    "HeartbeatReply",
+    "Leave",
+    "WeightsMessage",
+    "StepMessage",
+    "ControlMessage",
+    "encode_join_request",
+    "encode_join_reply",
+    "encode_heartbeat",
+    "encode_heartbeat_reply",
+    "encode_leave",
+    "encode_weights",
+    "encode_step",
+    "decode_message",
+    "decode_step",
+]
+
+PROTOCOL_VERSION = 1
+"""Version of this wire format; a frame with any other ``"protocol"`` value is rejected."""
+
+REJECTION_REASONS = (
+    "oversized",
+    "garbage",
+    "protocol",
+    "schema",
+    "unknown_actor",
+    "dtype",
+    "shape",
+    "size",
+)
+"""The fixed set of :attr:`MessageRejected.reason` values (stable names for counters / logs)."""
+
+ALLOWED_DTYPE_KINDS = frozenset("biuf")
+"""numpy dtype kinds allowed on the wire: bool, signed int, unsigned int, float."""
+
+HEARTBEAT_STATUSES = ("ok", "rejoin", "stop")
+"""Allowed :attr:`HeartbeatReply.status` values."""
+
+MAX_ID_LENGTH = 128
+"""Longest ``actor_id`` / ``incarnation`` / weight name / config key, in characters."""
+
+MAX_TEXT_LENGTH = 4096
+"""Longest free-text string (hostname, reason, config string value), in characters."""
+
+MAX_NDIM = 32
+"""Most dimensions an array on the wire may declare (numpy itself allows 64)."""
+
+_MAX_MAP_LEN = 4096  # weights dicts hold tens of tensors; every other map is tiny
+_MAX_ARRAY_LEN = 65536  # shapes (<= MAX_NDIM) and per-step episode lists (<= num_envs)
+_INT64_MAX = 2**63 - 1
+_ARRAY_KEYS = frozenset({"dtype", "shape", "data"})
+_FLOAT32 = np.dtype("<f4")
+_BOOL = np.dtype("|b1")
+
+TYPE_JOIN = "join"
+TYPE_JOIN_REPLY = "join_reply"
+TYPE_HEARTBEAT = "heartbeat"
+TYPE_HEARTBEAT_REPLY = "heartbeat_reply"
+TYPE_LEAVE = "leave"
+TYPE_WEIGHTS = "weights"
+TYPE_STEP = "step"
+
+
+class MessageRejected(Exception):
+    """A frame from the wire failed validation; it must not reach the rollout buffer.
+
+    Attributes:
+        reason: short machine-readable cause, one of :data:`REJECTION_REASONS`:
+            ``"oversized"`` (frame longer than ``max_bytes``, checked before decoding),
+            ``"garbage"`` (not a single valid msgpack object within the limits),
+            ``"protocol"`` (missing or different ``"protocol"`` version),
+            ``"schema"`` (wrong message type, missing / extra / wrong-typed field, non-finite
+            float, inconsistent flags), ``"unknown_actor"`` (``(actor_id, incarnation)`` never
+            joined or was dropped), ``"dtype"`` (array dtype not allowed or not the agreed one),
+            ``"shape"`` (array shape not the agreed one), ``"size"`` (declared shape disagrees
+            with the number of data bytes).
+        detail: human-readable text naming the field, the expected and the received value.
+    """
+
+    def __init__(self, reason: str, detail: str) -> None:
+        assert reason in REJECTION_REASONS, reason
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def _reject(reason: str, detail: str) -> NoReturn:
+    raise MessageRejected(reason, detail)
+
+
+# ---------------------------------------------------------------------------------------------
+# dtype / shape helpers (local values: TypeError / ValueError; wire values: MessageRejected)
+# ---------------------------------------------------------------------------------------------
+
+
+def _local_dtype(value: Any, name: str) -> np.dtype:
+    """Normalise ``value`` to a wire-allowed ``np.dtype``; raise TypeError naming ``name``."""
+    try:
+        dtype = np.dtype(value)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"{name}: expected a numpy dtype, received {value!r} ({error})") from None
+    if dtype.kind not in ALLOWED_DTYPE_KINDS or dtype.itemsize not in (1, 2, 4, 8) or dtype.fields:
+        raise TypeError(
+            f"{name}: expected a bool/int/uint/float dtype of 1, 2, 4 or 8 bytes, received {dtype.str!r}"
+        )
+    return dtype
+
+
+def _local_shape(value: Any, name: str) -> tuple[int, ...]:
+    """Normalise ``value`` to a tuple of non-negative ints; raise TypeError/ValueError naming ``name``."""
+    try:
+        shape = tuple(operator.index(d) for d in value)
+    except TypeError:
+        raise TypeError(f"{name}: expected a sequence of ints, received {value!r}") from None
+    if any(d < 0 for d in shape) or len(shape) > MAX_NDIM:
+        raise ValueError(f"{name}: expected at most {MAX_NDIM} non-negative ints, received {shape}")
+    return shape
+
+
+def _build_wire_dtypes() -> dict[str, np.dtype]:
+    """Every canonical ``np.dtype.str`` allowed on the wire -> its dtype (``|b1``, ``|i1``,
+    ``|u1``, ``<i2`` ... ``>f8``): the only dtype strings :func:`_wire_dtype` accepts."""
+    table: dict[str, np.dtype] = {}
+    for order in "<>|":
+        for kind in sorted(ALLOWED_DTYPE_KINDS):
+            for size in (1, 2, 4, 8):
+                text = f"{order}{kind}{size}"
+                try:
+                    dtype = np.dtype(text)
+                except TypeError:
+                    continue
+                if dtype.str == text and dtype.kind == kind and dtype.itemsize == size:
+                    table[text] = dtype
+    return table
+
+
+_WIRE_DTYPES = _build_wire_dtypes()
+_WIRE_DTYPE_STRS = {dtype: text for text, dtype in _WIRE_DTYPES.items()}  # dtype -> canonical str
+
+
+def _wire_dtype(value: Any, name: str) -> np.dtype:
+    """Look a dtype string from the wire up in the allowlist; nothing else is ever parsed.
+
+    Only canonical spellings pass (``|u1`` not ``<u1``, ``|b1`` not ``?``), so a dtype string
+    compares equal exactly when the dtype (byte order included) does.
+    """
+    if not isinstance(value, str):
+        _reject("schema", f"{name}.dtype: expected str, received {type(value).__name__}")
+    dtype = _WIRE_DTYPES.get(value)
+    if dtype is None:
+        _reject(
+            "dtype",
+            f"{name}.dtype: expected a bool/int/uint/float dtype string with byte order "
+            f"(one of {sorted(_WIRE_DTYPES)}), received {value[:32]!r}",
+        )
+    return dtype
+
+
+def _wire_shape(value: Any, name: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > MAX_NDIM:
+        _reject("schema", f"{name}.shape: expected a list of at most {MAX_NDIM} ints, received {_describe(value)}")
+    for d in value:
+        if type(d) is not int or d < 0:
+            _reject("schema", f"{name}.shape: expected non-negative ints, received {_describe(value)}")
+    return tuple(value)
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# ---------------------------------------------------------------------------------------------
+# arrays
+# ---------------------------------------------------------------------------------------------
+
+
+def _encode_array(array: Any, name: str) -> dict[str, Any]:
+    """``{"dtype", "shape", "data"}`` for one array.
+
+    ``data`` is the array's own buffer (``ndarray.data``, a memoryview: msgpack reads it as a
+    flat C-order byte string), not a copy, unless ``array`` is not C-contiguous (then one
+    contiguous copy is made).
+
+    Raises:
+        TypeError: ``array`` is not a numpy array or its dtype is not allowed on the wire.
+    """
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"{name}: expected numpy.ndarray, received {type(array).__name__}")
+    dtype_str = _WIRE_DTYPE_STRS.get(array.dtype)
+    if dtype_str is None:
+        raise TypeError(
+            f"{name}: expected a bool/int/uint/float dtype of 1, 2, 4 or 8 bytes, received {array.dtype.str!r}"
+        )
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)
+    return {"dtype": dtype_str, "shape": list(array.shape), "data": array.data}
+
+
+def _decode_array(value: Any, name: str) -> np.ndarray:
+    """Validate one wire array map and return a read-only ``np.frombuffer`` view of its bytes.
+
+    Order of checks: structure ("schema"), dtype allowlist ("dtype"), shape entries ("schema"),
+    byte count = prod(shape) * itemsize computed with Python ints ("size"), bool bytes in {0, 1}
+    and float values finite ("schema").
+    """
+    if not isinstance(value, dict) or value.keys() != _ARRAY_KEYS:
+        keys = sorted(map(str, value)) if isinstance(value, dict) else type(value).__name__
+        _reject("schema", f"{name}: expected an array map with keys ['data', 'dtype', 'shape'], received {keys}")
+    dtype = _wire_dtype(value["dtype"], name)
+    shape = _wire_shape(value["shape"], name)
+    data = value["data"]
+    if not isinstance(data, bytes):
+        _reject("schema", f"{name}.data: expected bin bytes, received {type(data).__name__}")
+    declared = math.prod(shape) * dtype.itemsize  # Python ints: no overflow, no allocation
+    if declared != len(data):
+        _reject(
+            "size",
+            f"{name}: shape {list(shape)[:MAX_NDIM]} x {dtype.str} declares {declared} bytes, "
+            f"received {len(data)} bytes of data",
+        )
+    array = np.frombuffer(data, dtype=dtype).reshape(shape)
+    if dtype.kind == "b" and data.translate(None, b"\x00\x01"):
+        _reject("schema", f"{name}: bool array holds bytes other than 0 and 1")
+    if dtype.kind == "f" and not _all_finite(array):
+        _reject("schema", f"{name}: expected finite values, received NaN or inf")
+    return array
+
+
+def _all_finite(array: np.ndarray) -> bool:
+    """Whether every element is finite; plain Python for small arrays, where a numpy ufunc
+    call costs more than the loop (a step message has five ``(n,)`` float fields)."""
+    if array.size <= 64:
+        return all(map(math.isfinite, array.reshape(-1).tolist()))
+    return bool(np.isfinite(array).all())
+
+
+def _encode_weights(weights: Mapping[str, np.ndarray], name: str) -> dict[str, Any]:
+    if not isinstance(weights, Mapping):
+        raise TypeError(f"{name}: expected a mapping str -> numpy.ndarray, received {type(weights).__name__}")
+    out: dict[str, Any] = {}
+    for key, array in weights.items():
+        if not isinstance(key, str) or not key or len(key) > MAX_ID_LENGTH:
+            raise TypeError(f"{name}: expected non-empty str keys of at most {MAX_ID_LENGTH} chars, received {key!r}")
+        out[key] = _encode_array(array, f"{name}[{key!r}]")
+    return out
+
+
+def _decode_weights(value: Any, name: str) -> dict[str, np.ndarray]:
+    if not isinstance(value, dict):
+        _reject("schema", f"{name}: expected a map str -> array, received {type(value).__name__}")
+    weights: dict[str, np.ndarray] = {}
+    for key, item in value.items():
+        if not isinstance(key, str) or not key or len(key) > MAX_ID_LENGTH:
+            _reject("schema", f"{name}: expected non-empty str keys of at most {MAX_ID_LENGTH} chars, received {_describe(key)}")
+        weights[key] = _decode_array(item, f"{name}[{key!r}]")
+    return weights
+
+
+# ---------------------------------------------------------------------------------------------
+# scalar fields
+# ---------------------------------------------------------------------------------------------
+
+
+def _get_str(obj: dict, key: str, *, max_len: int = MAX_ID_LENGTH, allow_empty: bool = False) -> str:
+    value = obj[key]
+    if not isinstance(value, str) or len(value) > max_len or (not value and not allow_empty):
+        _reject(
+            "schema",
+            f"{key}: expected a {'' if allow_empty else 'non-empty '}str of at most {max_len} chars, "
+            f"received {_describe(value)}",
+        )
+    return value
+
+
+def _get_int(obj: dict, key: str, *, minimum: int = 0) -> int:
+    value = obj[key]
+    if type(value) is not int or not minimum <= value <= _INT64_MAX:
+        _reject("schema", f"{key}: expected an int in [{minimum}, 2**63-1], received {_describe(value)}")
+    return value
+
+
+def _get_bool(obj: dict, key: str) -> bool:
+    value = obj[key]
+    if type(value) is not bool:
+        _reject("schema", f"{key}: expected a bool, received {_describe(value)}")
+    return value
+
+
+def _finite_float(value: Any, key: str) -> float:
+    if type(value) not in (float, int) or not math.isfinite(value):
+        _reject("schema", f"{key}: expected a finite float, received {_describe(value)}")
+    return float(value)
+
+
+def _get_float(obj: dict, key: str) -> float:
+    return _finite_float(obj[key], key)
+
+
+def _check_local_id(value: Any, name: str) -> None:
+    if not isinstance(value, str) or not value or len(value) > MAX_ID_LENGTH:
+        raise ValueError(f"{name}: expected a non-empty str of at most {MAX_ID_LENGTH} chars, received {value!r}")
+
+
+def _check_local_int(value: Any, name: str, minimum: int = 0) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not minimum <= value <= _INT64_MAX:
+        raise ValueError(f"{name}: expected an int in [{minimum}, 2**63-1], received {value!r}")
+
+
+_SCALAR_TYPES = (type(None), bool, int, float, str)
+
+
+def _encode_env_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(config, Mapping):
+        raise TypeError(f"env_config: expected a mapping str -> scalar, received {type(config).__name__}")
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, np.generic):
+            value = value.item()
+        if not isinstance(key, str) or not key or len(key) > MAX_ID_LENGTH:
+            raise TypeError(f"env_config: expected non-empty str keys, received {key!r}")
+        if not isinstance(value, _SCALAR_TYPES):
+            raise TypeError(
+                f"env_config[{key!r}]: expected None, bool, int, float or str, received {type(value).__name__}"
+            )
+        out[key] = value
+    return out
+
+
+def _decode_env_config(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        _reject("schema", f"env_config: expected a map, received {type(value).__name__}")
+    for key, item in value.items():
+        if not isinstance(key, str) or not key or len(key) > MAX_ID_LENGTH:
+            _reject("schema", f"env_config: expected non-empty str keys, received {_describe(key)}")
+        if type(item) not in _SCALAR_TYPES:
+            _reject("schema", f"env_config[{key!r}]: expected None, bool, int, float or str, received {type(item).__name__}")
+        if type(item) is float and not math.isfinite(item):
+            _reject("schema", f"env_config[{key!r}]: expected a finite float, received {item!r}")
+        if type(item) is str and len(item) > MAX_TEXT_LENGTH:
+            _reject("schema", f"env_config[{key!r}]: string longer than {MAX_TEXT_LENGTH} chars")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# framing
+# ---------------------------------------------------------------------------------------------
+
+
+_PACKERS = threading.local()
+
+
+def _pack(message: dict[str, Any]) -> bytes:
+    """msgpack bytes of ``message`` with a per-thread reused ``msgpack.Packer``.
+
+    ``msgpack.packb`` allocates a fresh 1 MiB buffer on every call, which costs about 0.3 ms per
+    Atari step message here; a reused packer keeps its buffer (Packer objects are not thread-safe,
+    hence one per thread).
+    """
+    packer = getattr(_PACKERS, "packer", None)
+    if packer is None:
+        packer = _PACKERS.packer = msgpack.Packer(use_bin_type=True, autoreset=True)
+    try:
+        return packer.pack(message)
+    except BaseException:
+        _PACKERS.packer = None  # a failed pack may leave partial data in the buffer
+        raise
+
+
+def _header(message_type: str) -> dict[str, Any]:
+    return {"protocol": PROTOCOL_VERSION, "type": message_type}
+
+
+def _unpack(frame: bytes | bytearray | memoryview, max_bytes: int) -> tuple[dict[str, Any], str]:
+    """Size check, msgpack decode with bounded limits, protocol check; returns (map, type)."""
+    try:
+        size = len(frame) if type(frame) is bytes else memoryview(frame).nbytes
+    except TypeError:
+        raise TypeError(f"frame: expected bytes, bytearray or memoryview, received {type(frame).__name__}") from None
+    if size > max_bytes:
+        _reject("oversized", f"frame is {size} bytes, limit max_bytes={max_bytes}")
+    try:
+        obj = msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_bin_len=size,
+            max_str_len=min(size, 4 * MAX_TEXT_LENGTH),  # bytes: up to 4 per UTF-8 char
+            max_array_len=min(size, _MAX_ARRAY_LEN),
+            max_map_len=min(size, _MAX_MAP_LEN),
+            max_ext_len=0,
+        )
+    except Exception as error:  # msgpack raises ValueError subclasses, TypeError, ...: all garbage
+        _reject("garbage", f"not a valid msgpack frame ({type(error).__name__}: {_describe(str(error))})")
+    if not isinstance(obj, dict):
+        _reject("schema", f"expected a msgpack map at top level, received {type(obj).__name__}")
+    version = obj.get("protocol")
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        _reject("protocol", f"protocol: expected {PROTOCOL_VERSION}, received {_describe(version)}")
+    message_type = obj.get("type")
+    if not isinstance(message_type, str):
+        _reject("schema", f"type: expected a str, received {_describe(message_type)}")
+    return obj, message_type
+
+
+def _require_fields(obj: dict[str, Any], fields: tuple[str, ...]) -> None:
+    expected = {"protocol", "type", *fields}
+    received = obj.keys()
+    if received != expected:
+        missing = sorted(expected - received)
+        extra = sorted(map(str, received - expected))
+        _reject("schema", f"{obj['type']} message: missing fields {missing}, extra fields {extra}")
+
+
+# ---------------------------------------------------------------------------------------------
+# StepSpec
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """What every step message of one actor must look like; agreed at join time.
+
+    Attributes:
+        num_envs: n, the number of envs of the actor = leading dimension of every step array.
+        observation_shape: shape of one observation (e.g. ``(4, 84, 84)`` for stacked Atari frames).
+        observation_dtype: observation dtype with byte order (``|u1`` for frames, ``<f4`` vectors).
+        action_shape: shape of one action (``()`` for a categorical policy).
+        action_dtype: action dtype (``<i8`` for a categorical policy).
+
+    Raises:
+        TypeError / ValueError: a field has the wrong type or value (message names it).
+    """
+
+    num_envs: int
+    observation_shape: tuple[int, ...]
+    observation_dtype: np.dtype
+    action_shape: tuple[int, ...] = ()
+    action_dtype: np.dtype = np.dtype("<i8")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_envs, bool) or not isinstance(self.num_envs, (int, np.integer)) or self.num_envs < 1:
+            raise ValueError(f"num_envs: expected an int >= 1, received {self.num_envs!r}")
+        object.__setattr__(self, "num_envs", int(self.num_envs))
+        object.__setattr__(self, "observation_shape", _local_shape(self.observation_shape, "observation_shape"))
+        object.__setattr__(self, "observation_dtype", _local_dtype(self.observation_dtype, "observation_dtype"))
+        object.__setattr__(self, "action_shape", _local_shape(self.action_shape, "action_shape"))
+        object.__setattr__(self, "action_dtype", _local_dtype(self.action_dtype, "action_dtype"))
+        # (name, canonical dtype str, shape) of every step array, computed once for decode_step.
+        layout = tuple((name, _WIRE_DTYPE_STRS[dtype], shape) for name, (dtype, shape) in self.array_layout().items())
+        object.__setattr__(self, "_wire_layout", layout)
+
+    def array_layout(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+        """Expected ``(dtype, shape)`` of every array of a :class:`StepMessage`, n = ``num_envs``.
+
+        observations ``(n, *observation_shape)`` observation dtype; actions ``(n, *action_shape)``
+        action dtype; log_probs, values, rewards, bootstrap_values, next_values ``(n,)`` ``<f4``;
+        dones, truncated, trainable ``(n,)`` ``|b1``.
+        """
+        n = self.num_envs
+        return {
+            "observations": (self.observation_dtype, (n, *self.observation_shape)),
+            "actions": (self.action_dtype, (n, *self.action_shape)),
+            "log_probs": (_FLOAT32, (n,)),
+            "values": (_FLOAT32, (n,)),
+            "rewards": (_FLOAT32, (n,)),
+            "dones": (_BOOL, (n,)),
+            "truncated": (_BOOL, (n,)),
+            "bootstrap_values": (_FLOAT32, (n,)),
+            "next_values": (_FLOAT32, (n,)),
+            "trainable": (_BOOL, (n,)),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """msgpack-able form: ints, lists of ints and dtype strings with byte order."""
+        return {
+            "num_envs": self.num_envs,
+            "observation_shape": list(self.observation_shape),
+            "observation_dtype": self.observation_dtype.str,
+            "action_shape": list(self.action_shape),
+            "action_dtype": self.action_dtype.str,
+        }
+
+    @classmethod
+    def from_dict(cls, value: Any) -> StepSpec:
+        """Inverse of :meth:`to_dict` for untrusted input.
+
+        Raises:
+            MessageRejected: ``"schema"`` (not a map, missing/extra keys, wrong types) or
+                ``"dtype"`` (dtype string not allowed).
+        """
+        keys = {"num_envs", "observation_shape", "observation_dtype", "action_shape", "action_dtype"}
+        if not isinstance(value, dict) or value.keys() != keys:
+            received = sorted(map(str, value)) if isinstance(value, dict) else type(value).__name__
+            _reject("schema", f"spec: expected keys {sorted(keys)}, received {received}")
+        num_envs = value["num_envs"]
+        if type(num_envs) is not int or not 1 <= num_envs <= _MAX_ARRAY_LEN:
+            _reject("schema", f"spec.num_envs: expected an int in [1, {_MAX_ARRAY_LEN}], received {_describe(num_envs)}")
+        return cls(
+            num_envs=num_envs,
+            observation_shape=_wire_shape(value["observation_shape"], "spec.observation_shape"),
+            observation_dtype=_wire_dtype(value["observation_dtype"], "spec.observation_dtype"),
+            action_shape=_wire_shape(value["action_shape"], "spec.action_shape"),
+            action_dtype=_wire_dtype(value["action_dtype"], "spec.action_dtype"),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# control messages
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JoinRequest:
+    """Actor -> learner (control socket): ask for env columns, the spec and current weights.
+
+    Attributes:
+        actor_id: stable name of the actor (e.g. ``"actor-0"``).
+        incarnation: id unique to this start of the actor process (e.g. ``uuid4().hex``).
+        num_envs: number of envs the actor steps (= columns it asks for).
+        hostname: where the actor runs (diagnostics only).
+    """
+
+    actor_id: str
+    incarnation: str
+    num_envs: int
+    hostname: str
+
+
+@dataclass(frozen=True, eq=False)
+class JoinReply:
+    """Learner -> actor: accept (with spec, env config and current weights) or refuse a join.
+
+    Attributes:
+        accepted: whether the actor may start stepping.
+        reason: why the join was refused ("" when accepted).
+        actor_index: index the learner gave this actor (used e.g. for seeding); -1 when refused.
+        spec: the :class:`StepSpec` every step message must follow; None when refused.
+        env_config: scalars the actor builds its envs from (``env_id``, ``max_episode_steps``,
+            ``clip_rewards``, ``seed``, ...); values are None, bool, int, float or str.
+        policy_version: version of ``weights``.
+        weights: parameter name -> array (model ``state_dict`` as numpy); empty when refused.
+    """
+
+    accepted: bool
+    reason: str
+    actor_index: int
+    spec: StepSpec | None
+    env_config: dict[str, Any]
+    policy_version: int
+    weights: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Actor -> learner (control socket), periodically: liveness plus actor-side figures.
+
+    Attributes:
+        actor_id, incarnation: as in :class:`JoinRequest`.
+        seq: seq of the next step message this incarnation will send (= step messages sent so far).
+        policy_version: version of the weights the actor acts with now.
+        env_steps_per_second: the actor's env steps per second (all its envs), finite, >= 0.
+        policy_lag: learner version minus acting version as last seen by the actor, in versions.
+        episodes: episodes finished by this incarnation so far.
+    """
+
+    actor_id: str
+    incarnation: str
+    seq: int
+    policy_version: int
+    env_steps_per_second: float
+    policy_lag: float
+    episodes: int
+
+
+@dataclass(frozen=True)
+class HeartbeatReply:
+    """Learner -> actor: ``"ok"``, ``"rejoin"`` (learner forgot this incarnation: join again) or
+    ``"stop"`` (shut down), plus the learner's current policy version."""
+
+    status: str
+    policy_version: int
+
+
+@dataclass(frozen=True)
+class Leave:
+    """Actor -> learner: the actor is stopping; its incomplete segment may be discarded now."""
+
+    actor_id: str
+    incarnation: str
+
+
+@dataclass(frozen=True, eq=False)
+class WeightsMessage:
+    """Learner PUB -> actors: new weights. ``weights``: parameter name -> array, in model order."""
+
+    policy_version: int
+    weights: dict[str, np.ndarray]
+
+
+ControlMessage = JoinRequest | JoinReply | Heartbeat | HeartbeatReply | Leave | WeightsMessage
+
+
+def encode_join_request(msg: JoinRequest) -> bytes:
+    """Serialise a :class:`JoinRequest`. Raises ValueError naming a field with a bad value."""
+    _check_local_id(msg.actor_id, "actor_id")
+    _check_local_id(msg.incarnation, "incarnation")
+    _check_local_int(msg.num_envs, "num_envs", minimum=1)
+    return _pack(
+        {
+            **_header(TYPE_JOIN),
+            "actor_id": msg.actor_id,
+            "incarnation": msg.incarnation,
+            "num_envs": int(msg.num_envs),
+            "hostname": str(msg.hostname),
+        }
+    )
+
+
+def encode_join_reply(msg: JoinReply) -> bytes:
+    """Serialise a :class:`JoinReply`; weights travel as wire arrays (no copy before msgpack).
+
+    Raises:
+        TypeError / ValueError: a field has the wrong type (e.g. object-dtype weight, non-scalar
+            config value); the message names the field.
+    """
+    _check_local_int(msg.actor_index, "actor_index", minimum=-1)
+    _check_local_int(msg.policy_version, "policy_version")
+    return _pack(
+        {
+            **_header(TYPE_JOIN_REPLY),
+            "accepted": bool(msg.accepted),
+            "reason": str(msg.reason),
+            "actor_index": int(msg.actor_index),
+            "spec": None if msg.spec is None else msg.spec.to_dict(),
+            "env_config": _encode_env_config(msg.env_config),
+            "policy_version": int(msg.policy_version),
+            "weights": _encode_weights(msg.weights, "weights"),
+        }
+    )
+
+
+def encode_heartbeat(msg: Heartbeat) -> bytes:
+    """Serialise a :class:`Heartbeat`. Raises ValueError naming a field with a bad value."""
+    _check_local_id(msg.actor_id, "actor_id")
+    _check_local_id(msg.incarnation, "incarnation")
+    _check_local_int(msg.seq, "seq")
+    _check_local_int(msg.policy_version, "policy_version")
+    _check_local_int(msg.episodes, "episodes")
+    return _pack(
+        {
+            **_header(TYPE_HEARTBEAT),
+            "actor_id": msg.actor_id,
+            "incarnation": msg.incarnation,
+            "seq": int(msg.seq),
+            "policy_version": int(msg.policy_version),
+            "env_steps_per_second": float(msg.env_steps_per_second),
+            "policy_lag": float(msg.policy_lag),
+            "episodes": int(msg.episodes),
+        }
+    )
+
+
+def encode_heartbeat_reply(msg: HeartbeatReply) -> bytes:
+    """Serialise a :class:`HeartbeatReply`. Raises ValueError for an unknown ``status``."""
+    if msg.status not in HEARTBEAT_STATUSES:
+        raise ValueError(f"status: expected one of {HEARTBEAT_STATUSES}, received {msg.status!r}")
+    _check_local_int(msg.policy_version, "policy_version")
+    return _pack({**_header(TYPE_HEARTBEAT_REPLY), "status": msg.status, "policy_version": int(msg.policy_version)})
+
+
+def encode_leave(msg: Leave) -> bytes:
+    """Serialise a :class:`Leave`. Raises ValueError naming a field with a bad value."""
+    _check_local_id(msg.actor_id, "actor_id")
+    _check_local_id(msg.incarnation, "incarnation")
+    return _pack({**_header(TYPE_LEAVE), "actor_id": msg.actor_id, "incarnation": msg.incarnation})
+
+
+def encode_weights(msg: WeightsMessage) -> bytes:
+    """Serialise a :class:`WeightsMessage` (arrays passed to msgpack as memoryviews)."""
+    _check_local_int(msg.policy_version, "policy_version")
+    return _pack(
+        {
+            **_header(TYPE_WEIGHTS),
+            "policy_version": int(msg.policy_version),
+            "weights": _encode_weights(msg.weights, "weights"),
+        }
+    )
+
+
+def _decode_join(obj: dict[str, Any]) -> JoinRequest:
+    _require_fields(obj, ("actor_id", "incarnation", "num_envs", "hostname"))
+    return JoinRequest(
+        actor_id=_get_str(obj, "actor_id"),
+        incarnation=_get_str(obj, "incarnation"),
+        num_envs=_get_int(obj, "num_envs", minimum=1),
+        hostname=_get_str(obj, "hostname", max_len=MAX_TEXT_LENGTH, allow_empty=True),
+    )
+
+
+def _decode_join_reply(obj: dict[str, Any]) -> JoinReply:
+    _require_fields(obj, ("accepted", "reason", "actor_index", "spec", "env_config", "policy_version", "weights"))
+    spec = obj["spec"]
+    accepted = _get_bool(obj, "accepted")
+    if accepted and spec is None:
+        _reject("schema", "spec: expected a step spec in an accepted join reply, received None")
+    return JoinReply(
+        accepted=accepted,
+        reason=_get_str(obj, "reason", max_len=MAX_TEXT_LENGTH, allow_empty=True),
+        actor_index=_get_int(obj, "actor_index", minimum=-1),
+        spec=None if spec is None else StepSpec.from_dict(spec),
+        env_config=_decode_env_config(obj["env_config"]),
+        policy_version=_get_int(obj, "policy_version"),
+        weights=_decode_weights(obj["weights"], "weights"),
+    )
+
+
+def _decode_heartbeat(obj: dict[str, Any]) -> Heartbeat:
+    _require_fields(
+        obj,
+        ("actor_id", "incarnation", "seq", "policy_version", "env_steps_per_second", "policy_lag", "episodes"),
+    )
+    return Heartbeat(
+        actor_id=_get_str(obj, "actor_id"),
+        incarnation=_get_str(obj, "incarnation"),
+        seq=_get_int(obj, "seq"),
+        policy_version=_get_int(obj, "policy_version"),
+        env_steps_per_second=_get_float(obj, "env_steps_per_second"),
+        policy_lag=_get_float(obj, "policy_lag"),
+        episodes=_get_int(obj, "episodes"),
+    )
+
+
+def _decode_heartbeat_reply(obj: dict[str, Any]) -> HeartbeatReply:
+    _require_fields(obj, ("status", "policy_version"))
+    status = obj["status"]
+    if type(status) is not str or status not in HEARTBEAT_STATUSES:
+        _reject("schema", f"status: expected one of {HEARTBEAT_STATUSES}, received {_describe(status)}")
+    return HeartbeatReply(status=status, policy_version=_get_int(obj, "policy_version"))
+
+
+def _decode_leave(obj: dict[str, Any]) -> Leave:
+    _require_fields(obj, ("actor_id", "incarnation"))
+    return Leave(actor_id=_get_str(obj, "actor_id"), incarnation=_get_str(obj, "incarnation"))
+
+
+def _decode_weights_message(obj: dict[str, Any]) -> WeightsMessage:
+    _require_fields(obj, ("policy_version", "weights"))
+    return WeightsMessage(policy_version=_get_int(obj, "policy_version"), weights=_decode_weights(obj["weights"], "weights"))
+
+
+_CONTROL_DECODERS: dict[str, Callable[[dict[str, Any]], ControlMessage]] = {
+    TYPE_JOIN: _decode_join,
+    TYPE_JOIN_REPLY: _decode_join_reply,
+    TYPE_HEARTBEAT: _decode_heartbeat,
+    TYPE_HEARTBEAT_REPLY: _decode_heartbeat_reply,
+    TYPE_LEAVE: _decode_leave,
+    TYPE_WEIGHTS: _decode_weights_message,
+}
+
+
+def decode_message(frame: bytes | bytearray | memoryview, *, max_bytes: int) -> ControlMessage:
+    """Decode and validate one control or weights frame (any type except ``"step"``).
+
+    Args:
+        frame: one ZeroMQ frame.
+        max_bytes: frames longer than this are rejected before any decoding.
+
+    Returns:
+        A :class:`JoinRequest`, :class:`JoinReply`, :class:`Heartbeat`, :class:`HeartbeatReply`,
+        :class:`Leave` or :class:`WeightsMessage`; arrays are read-only views.
+
+    Raises:
+        MessageRejected: for any malformed frame (``reason`` in :data:`REJECTION_REASONS`); a
+            ``"step"`` frame is rejected with ``"schema"`` (use :func:`decode_step`).
+        TypeError: ``frame`` is not a bytes-like object (a caller bug, not wire input).
+    """
+    obj, message_type = _unpack(frame, max_bytes)
+    decoder = _CONTROL_DECODERS.get(message_type)
+    if decoder is None:
+        hint = " (step messages are decoded with decode_step)" if message_type == TYPE_STEP else ""
+        _reject("schema", f"type: expected one of {sorted(_CONTROL_DECODERS)}, received {_describe(message_type)}{hint}")
+    return decoder(obj)
+
+
+# ---------------------------------------------------------------------------------------------
+# step messages
+# ---------------------------------------------------------------------------------------------
+
+
+_STEP_ARRAYS = (
+    "observations",
+    "actions",
+    "log_probs",
+    "values",
+    "rewards",
+    "dones",
+    "truncated",
+    "bootstrap_values",
+    "next_values",
+    "trainable",
+)
+_STEP_FIELDS = (
+    "actor_id",
+    "incarnation",
+    "seq",
+    "policy_version",
+    *_STEP_ARRAYS,
+    "episode_returns",
+    "episode_lengths",
+)
+
+
+@dataclass(frozen=True, eq=False)
+class StepMessage:
+    """Actor PUSH -> learner PULL: one env step of all n envs of one actor.
+
+    Attributes:
+        actor_id, incarnation: identify the sender; must match a joined actor.
+        seq: 0, 1, 2, ... per incarnation (ordering is checked by the learner).
+        policy_version: version of the weights that chose ``actions``.
+        observations: ``(n, *observation_shape)`` spec dtype: observations the actions were chosen on.
+        actions: ``(n, *action_shape)`` spec dtype.
+        log_probs: ``(n,)`` float32, log pi(action | observation) of the acting policy.
+        values: ``(n,)`` float32, V(observation) of the acting policy.
+        rewards: ``(n,)`` float32, reward of this step (clipped if the run clips rewards).
+        dones: ``(n,)`` bool, terminated OR truncated after this step.
+        truncated: ``(n,)`` bool, the episode was cut by a time limit (implies ``dones``).
+        bootstrap_values: ``(n,)`` float32, V(true final observation) on truncated envs, else 0.
+        next_values: ``(n,)`` float32, V(next observation) after this step (last_values for GAE
+            when a segment ends on this row).
+        trainable: ``(n,)`` bool, whether the row may be trained on.
+        episode_returns: raw (unclipped) returns of the episodes that ended on this step.
+        episode_lengths: lengths, in env steps, of those episodes (same order and length).
+    """
+
+    actor_id: str
+    incarnation: str
+    seq: int
+    policy_version: int
+    observations: np.ndarray
+    actions: np.ndarray
+    log_probs: np.ndarray
+    values: np.ndarray
+    rewards: np.ndarray
+    dones: np.ndarray
+    truncated: np.ndarray
+    bootstrap_values: np.ndarray
+    next_values: np.ndarray
+    trainable: np.ndarray
+    episode_returns: list[float] = field(default_factory=list)
+    episode_lengths: list[int] = field(default_factory=list)
+
+
+def encode_step(msg: StepMessage) -> bytes:
+    """Serialise a :class:`StepMessage` for the PUSH socket.
+
+    Each array goes to msgpack as a ``memoryview`` of its C-contiguous buffer (no copy unless the
+    array is not C-contiguous); msgpack copies it once into its buffer and once into the result.
+    Shapes and dtypes are not checked against a spec here: the learner does that on decode.
+
+    Raises:
+        TypeError: an array field is not a numpy array or has a dtype not allowed on the wire.
+        ValueError: a scalar field has a bad value, or episode lists differ in length; the
+            message names the field.
+    """
+    _check_local_id(msg.actor_id, "actor_id")
+    _check_local_id(msg.incarnation, "incarnation")
+    _check_local_int(msg.seq, "seq")
+    _check_local_int(msg.policy_version, "policy_version")
+    episode_returns = [float(r) for r in msg.episode_returns]
+    episode_lengths = [int(length) for length in msg.episode_lengths]
+    if len(episode_returns) != len(episode_lengths):
+        raise ValueError(
+            f"episode_lengths: expected {len(episode_returns)} entries (one per episode return), "
+            f"received {len(episode_lengths)}"
+        )
+    out: dict[str, Any] = {
+        **_header(TYPE_STEP),
+        "actor_id": msg.actor_id,
+        "incarnation": msg.incarnation,
+        "seq": int(msg.seq),
+        "policy_version": int(msg.policy_version),
+    }
+    for name in _STEP_ARRAYS:
+        out[name] = _encode_array(getattr(msg, name), name)
+    out["episode_returns"] = episode_returns
+    out["episode_lengths"] = episode_lengths
+    return _pack(out)
+
+
+def decode_step(
+    frame: bytes | bytearray | memoryview,
+    spec_for: Callable[[str, str], StepSpec | None],
+    *,
+    max_bytes: int,
+) -> StepMessage:
+    """Decode and validate one step frame against the spec of its sender.
+
+    Args:
+        frame: one ZeroMQ frame from the PULL socket.
+        spec_for: ``(actor_id, incarnation) -> StepSpec`` of a joined actor, or None if unknown.
+        max_bytes: frames longer than this are rejected before any decoding.
+
+    Returns:
+        A :class:`StepMessage` whose arrays are read-only ``np.frombuffer`` views, with exactly the
+        dtypes and shapes of :meth:`StepSpec.array_layout`.
+
+    Raises:
+        MessageRejected: ``"oversized"``, ``"garbage"``, ``"protocol"``, ``"schema"`` (wrong type,
+            missing / extra / wrong-typed field, NaN or inf in a float array or episode return,
+            truncated without done, more finished episodes than envs), ``"unknown_actor"``,
+            ``"dtype"`` / ``"shape"`` (detail names the field, expected and received value),
+            ``"size"`` (declared shape disagrees with the data length).
+        TypeError: ``frame`` is not a bytes-like object (a caller bug, not wire input).
+    """
+    obj, message_type = _unpack(frame, max_bytes)
+    if message_type != TYPE_STEP:
+        _reject("schema", f"type: expected {TYPE_STEP!r}, received {_describe(message_type)}")
+    _require_fields(obj, _STEP_FIELDS)
+    actor_id = _get_str(obj, "actor_id")
+    incarnation = _get_str(obj, "incarnation")
+    seq = _get_int(obj, "seq")
+    policy_version = _get_int(obj, "policy_version")
+    spec = spec_for(actor_id, incarnation)
+    if spec is None:
+        _reject("unknown_actor", f"actor_id={actor_id!r} incarnation={incarnation!r} has not joined (or was dropped)")
+
+    arrays: dict[str, np.ndarray] = {}
+    for name, dtype_str, shape in spec._wire_layout:
+        array = _decode_array(obj[name], name)
+        if array.dtype.str != dtype_str:
+            _reject("dtype", f"{name}: expected dtype {dtype_str!r}, received {array.dtype.str!r}")
+        if array.shape != shape:
+            _reject("shape", f"{name}: expected shape {list(shape)}, received {list(array.shape)}")
+        arrays[name] = array
+    # truncated implies done. Both arrays are validated |b1 with bytes in {0, 1}, so one byte per
+    # env of a little-endian int: a set bit of truncated & ~dones is a truncated env not done.
+    # (Plain ints: a numpy ufunc call costs several microseconds here, this well under one.)
+    truncated_bits = int.from_bytes(obj["truncated"]["data"], "little")
+    if truncated_bits & ~int.from_bytes(obj["dones"]["data"], "little"):
+        _reject("schema", "truncated: every truncated env must also be done (dones = terminated OR truncated)")
+
+    returns, lengths = obj["episode_returns"], obj["episode_lengths"]
+    if not isinstance(returns, list) or not isinstance(lengths, list) or len(returns) != len(lengths):
+        _reject("schema", "episode_returns / episode_lengths: expected two lists of equal length")
+    if len(returns) > spec.num_envs:
+        _reject("schema", f"episode_returns: expected at most {spec.num_envs} episodes per step, received {len(returns)}")
+    episode_returns = [_finite_float(r, "episode_returns") for r in returns]
+    for length in lengths:
+        if type(length) is not int or not 0 <= length <= _INT64_MAX:
+            _reject("schema", f"episode_lengths: expected non-negative ints, received {_describe(length)}")
+
+    return StepMessage(
+        actor_id=actor_id,
+        incarnation=incarnation,
+        seq=seq,
+        policy_version=policy_version,
+        episode_returns=episode_returns,
+        episode_lengths=list(lengths),
+        **arrays,
+    )

@@ -1,0 +1,604 @@
+"""Tests for oakemu_core.wire: round trips, every rejection reason, zero-copy decode, fuzzing."""
+
+from __future__ import annotations
+
+import math
+import pickle
+import threading
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from oakemu_core import wire
+from oakemu_core.wire import (
+    PROTOCOL_VERSION,
+    REJECTION_REASONS,
+    Heartbeat,
+    HeartbeatReply,
+    JoinReply,
+    JoinRequest,
+    Leave,
+    MessageRejected,
+    StepMessage,
+    StepSpec,
+    WeightsMessage,
+    decode_message,
+    decode_step,
+    encode_heartbeat,
+    encode_heartbeat_reply,
+    encode_join_reply,
+    encode_join_request,
+    encode_leave,
+    encode_step,
+    encode_weights,
+)
+
+MAX_BYTES = 1 << 20
+N = 8
+ATARI_SPEC = StepSpec(num_envs=N, observation_shape=(4, 84, 84), observation_dtype=np.uint8)
+ACTOR, INCARNATION = "actor-0", "9f1c2b"
+FLOAT_FIELDS = ("log_probs", "values", "rewards", "bootstrap_values", "next_values")
+BOOL_FIELDS = ("dones", "truncated", "trainable")
+
+
+def atari_step(seq: int = 0, seed: int = 0) -> StepMessage:
+    """A valid Atari-like step: 8 envs of 4x84x84 uint8 frames, int64 actions."""
+    rng = np.random.default_rng(seed)
+    dones = np.array([0, 1, 0, 0, 1, 0, 0, 0], dtype=bool)
+    truncated = np.array([0, 1, 0, 0, 0, 0, 0, 0], dtype=bool)
+    return StepMessage(
+        actor_id=ACTOR,
+        incarnation=INCARNATION,
+        seq=seq,
+        policy_version=7,
+        observations=rng.integers(0, 256, size=(N, 4, 84, 84), dtype=np.uint8),
+        actions=rng.integers(0, 4, size=N, dtype=np.int64),
+        log_probs=rng.normal(size=N).astype(np.float32),
+        values=rng.normal(size=N).astype(np.float32),
+        rewards=rng.normal(size=N).astype(np.float32),
+        dones=dones,
+        truncated=truncated,
+        bootstrap_values=np.where(truncated, 0.5, 0.0).astype(np.float32),
+        next_values=rng.normal(size=N).astype(np.float32),
+        trainable=np.ones(N, dtype=bool),
+        episode_returns=[12.0, 3.5],
+        episode_lengths=[400, 77],
+    )
+
+
+def known_spec(actor_id: str, incarnation: str) -> StepSpec | None:
+    return ATARI_SPEC if (actor_id, incarnation) == (ACTOR, INCARNATION) else None
+
+
+def step_obj() -> dict[str, Any]:
+    """The msgpack map of a valid step frame, to be altered into a malformed one."""
+    return msgpack.unpackb(encode_step(atari_step()), raw=False)
+
+
+def wire_array(array: np.ndarray) -> dict[str, Any]:
+    """An array map built by hand (independent of the encoder)."""
+    return {"dtype": array.dtype.str, "shape": list(array.shape), "data": array.tobytes()}
+
+
+def rejection(frame: bytes, decoder: str = "step") -> MessageRejected:
+    with pytest.raises(MessageRejected) as info:
+        if decoder == "step":
+            decode_step(frame, known_spec, max_bytes=MAX_BYTES)
+        else:
+            decode_message(frame, max_bytes=MAX_BYTES)
+    assert info.value.reason in REJECTION_REASONS
+    return info.value
+
+
+# ---------------------------------------------------------------------------------------------
+# round trips
+# ---------------------------------------------------------------------------------------------
+
+
+def assert_steps_equal(a: StepMessage, b: StepMessage) -> None:
+    for name in ("actor_id", "incarnation", "seq", "policy_version", "episode_returns", "episode_lengths"):
+        assert getattr(a, name) == getattr(b, name), name
+    for name in wire._STEP_ARRAYS:
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        np.testing.assert_array_equal(x, y, err_msg=name)
+
+
+def test_step_round_trip_atari() -> None:
+    msg = atari_step(seq=41)
+    decoded = decode_step(encode_step(msg), known_spec, max_bytes=MAX_BYTES)
+    assert isinstance(decoded, StepMessage)
+    assert_steps_equal(msg, decoded)
+    assert decoded.seq == 41
+
+
+def test_step_round_trip_vector_obs_and_non_contiguous_inputs() -> None:
+    spec = StepSpec(num_envs=3, observation_shape=(4,), observation_dtype=np.float32, action_shape=(2,), action_dtype=np.float32)
+    big = np.arange(3 * 8, dtype=np.float32).reshape(3, 8)
+    msg = StepMessage(
+        actor_id="a",
+        incarnation="b",
+        seq=0,
+        policy_version=0,
+        observations=big[:, ::2],  # strided view, not C-contiguous
+        actions=np.asfortranarray(np.array([[1, 2], [3, 4], [5, 6]], dtype=np.float32)),
+        log_probs=np.array([-0.1, -0.2, -0.3], dtype=np.float32),
+        values=np.zeros(3, np.float32),
+        rewards=np.ones(3, np.float32),
+        dones=np.zeros(3, bool),
+        truncated=np.zeros(3, bool),
+        bootstrap_values=np.zeros(3, np.float32),
+        next_values=np.zeros(3, np.float32),
+        trainable=np.array([True, False, True]),
+    )
+    decoded = decode_step(encode_step(msg), lambda a, i: spec, max_bytes=MAX_BYTES)
+    np.testing.assert_array_equal(decoded.observations, [[0, 2, 4, 6], [8, 10, 12, 14], [16, 18, 20, 22]])
+    np.testing.assert_array_equal(decoded.actions, [[1, 2], [3, 4], [5, 6]])
+    np.testing.assert_array_equal(decoded.trainable, [True, False, True])
+    assert decoded.episode_returns == [] and decoded.episode_lengths == []
+
+
+def test_control_round_trips() -> None:
+    join = JoinRequest(actor_id=ACTOR, incarnation=INCARNATION, num_envs=8, hostname="box-1")
+    assert decode_message(encode_join_request(join), max_bytes=MAX_BYTES) == join
+
+    beat = Heartbeat(ACTOR, INCARNATION, seq=12, policy_version=3, env_steps_per_second=1520.5, policy_lag=1.25, episodes=9)
+    assert decode_message(encode_heartbeat(beat), max_bytes=MAX_BYTES) == beat
+
+    for status in ("ok", "rejoin", "stop"):
+        reply = HeartbeatReply(status=status, policy_version=4)
+        assert decode_message(encode_heartbeat_reply(reply), max_bytes=MAX_BYTES) == reply
+
+    leave = Leave(ACTOR, INCARNATION)
+    assert decode_message(encode_leave(leave), max_bytes=MAX_BYTES) == leave
+
+
+def test_join_reply_and_weights_round_trip() -> None:
+    weights = {
+        "conv.weight": np.arange(2 * 3 * 2 * 2, dtype=np.float32).reshape(2, 3, 2, 2),
+        "conv.bias": np.array([0.5, -0.5], dtype=np.float32),
+        "steps": np.array(3, dtype=np.int64),  # 0-d
+    }
+    env_config = {"env_id": "ALE/Breakout-v5", "max_episode_steps": 27000, "clip_rewards": True, "seed": 1, "lr": 2.5e-4, "none": None}
+    reply = JoinReply(True, "", 2, ATARI_SPEC, env_config, 5, weights)
+    decoded = decode_message(encode_join_reply(reply), max_bytes=MAX_BYTES)
+    assert isinstance(decoded, JoinReply)
+    assert (decoded.accepted, decoded.reason, decoded.actor_index, decoded.policy_version) == (True, "", 2, 5)
+    assert decoded.spec == ATARI_SPEC
+    assert decoded.env_config == env_config
+    assert list(decoded.weights) == list(weights)  # order kept (load_state_dict)
+    for name, array in weights.items():
+        assert decoded.weights[name].dtype == array.dtype and decoded.weights[name].shape == array.shape
+        np.testing.assert_array_equal(decoded.weights[name], array)
+
+    refused = decode_message(encode_join_reply(JoinReply(False, "full", -1, None, {}, 5)), max_bytes=MAX_BYTES)
+    assert (refused.accepted, refused.reason, refused.actor_index, refused.spec, refused.weights) == (False, "full", -1, None, {})
+
+    message = decode_message(encode_weights(WeightsMessage(6, weights)), max_bytes=MAX_BYTES)
+    assert isinstance(message, WeightsMessage) and message.policy_version == 6
+    np.testing.assert_array_equal(message.weights["conv.weight"], weights["conv.weight"])
+
+
+def test_step_spec_dict_round_trip_and_validation() -> None:
+    spec = StepSpec(4, (3, 2), np.dtype(">f4"), (2,), np.int32)
+    as_dict = spec.to_dict()
+    assert as_dict == {"num_envs": 4, "observation_shape": [3, 2], "observation_dtype": ">f4", "action_shape": [2], "action_dtype": "<i4"}
+    assert StepSpec.from_dict(msgpack.unpackb(msgpack.packb(as_dict))) == spec
+    with pytest.raises(ValueError, match="num_envs"):
+        StepSpec(0, (4,), np.float32)
+    with pytest.raises(TypeError, match="observation_dtype"):
+        StepSpec(1, (4,), object)
+    with pytest.raises(ValueError, match="action_shape"):
+        StepSpec(1, (4,), np.float32, action_shape=(-1,))
+    with pytest.raises(MessageRejected) as info:
+        StepSpec.from_dict({**as_dict, "observation_dtype": "|O"})
+    assert info.value.reason == "dtype"
+    with pytest.raises(MessageRejected) as info:
+        StepSpec.from_dict({**as_dict, "extra": 1})
+    assert info.value.reason == "schema"
+
+
+def test_encoder_errors_name_the_field() -> None:
+    msg = atari_step()
+    with pytest.raises(TypeError, match="observations"):
+        encode_step(StepMessage(**{**msg.__dict__, "observations": np.empty(N, dtype=object)}))
+    with pytest.raises(TypeError, match="rewards"):
+        encode_step(StepMessage(**{**msg.__dict__, "rewards": [0.0] * N}))
+    with pytest.raises(ValueError, match="episode_lengths"):
+        encode_step(StepMessage(**{**msg.__dict__, "episode_lengths": [1]}))
+    with pytest.raises(ValueError, match="status"):
+        encode_heartbeat_reply(HeartbeatReply("maybe", 0))
+    with pytest.raises(TypeError, match="env_config"):
+        encode_join_reply(JoinReply(True, "", 0, ATARI_SPEC, {"x": [1, 2]}, 0))
+
+
+def test_encoding_is_thread_safe() -> None:
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        try:
+            for seq in range(30):
+                msg = atari_step(seq=seq, seed=seed)
+                assert_steps_equal(msg, decode_step(encode_step(msg), known_spec, max_bytes=MAX_BYTES))
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors, errors
+
+
+# ---------------------------------------------------------------------------------------------
+# zero copy
+# ---------------------------------------------------------------------------------------------
+
+
+def test_decoded_arrays_are_read_only_views_of_the_unpacked_bytes() -> None:
+    msg = atari_step()
+    decoded = decode_step(encode_step(msg), known_spec, max_bytes=MAX_BYTES)
+    for name in wire._STEP_ARRAYS:
+        array = getattr(decoded, name)
+        assert not array.flags.writeable, name
+        root = array
+        while isinstance(root, np.ndarray):
+            root = root.base
+        assert isinstance(root, bytes) and len(root) == array.nbytes, name  # a view, not a copy
+    with pytest.raises(ValueError):
+        decoded.observations.flags.writeable = True  # bytes-backed: cannot be made writeable
+
+
+def test_encoder_passes_the_array_buffer_without_copying() -> None:
+    obs = atari_step().observations
+    data = wire._encode_array(obs, "observations")["data"]
+    assert np.shares_memory(np.frombuffer(data, dtype=np.uint8), obs)
+
+
+# ---------------------------------------------------------------------------------------------
+# rejections
+# ---------------------------------------------------------------------------------------------
+
+
+def test_unaltered_step_obj_is_accepted() -> None:
+    """Baseline for the crafted frames below: only the alteration makes them fail."""
+    assert decode_step(msgpack.packb(step_obj()), known_spec, max_bytes=MAX_BYTES).seq == 0
+
+
+def test_wrong_dtype_is_rejected_naming_field_expected_received() -> None:
+    obj = step_obj()
+    obj["rewards"] = wire_array(np.zeros(N, dtype=np.float64))
+    error = rejection(msgpack.packb(obj))
+    assert error.reason == "dtype"
+    assert "rewards" in error.detail and "'<f4'" in error.detail and "'<f8'" in error.detail
+
+
+@pytest.mark.parametrize(
+    ("field", "array"),
+    [
+        ("observations", np.zeros((N, 4, 84, 84), dtype=np.float32)),
+        ("actions", np.zeros(N, dtype=np.int32)),
+        ("dones", np.zeros(N, dtype=np.uint8)),
+        ("rewards", np.zeros(N, dtype=">f4")),  # right kind, wrong byte order
+    ],
+)
+def test_other_wrong_dtypes(field: str, array: np.ndarray) -> None:
+    obj = step_obj()
+    obj[field] = wire_array(array)
+    error = rejection(msgpack.packb(obj))
+    assert error.reason == "dtype" and field in error.detail
+
+
+@pytest.mark.parametrize(
+    ("field", "shape"),
+    [("observations", (N, 4, 84, 83)), ("observations", (N - 1, 4, 84, 84)), ("log_probs", (N + 1,)), ("actions", (N, 1))],
+)
+def test_wrong_shape_is_rejected_naming_field_expected_received(field: str, shape: tuple[int, ...]) -> None:
+    obj = step_obj()
+    dtype = np.dtype(obj[field]["dtype"])
+    obj[field] = wire_array(np.zeros(shape, dtype=dtype))
+    error = rejection(msgpack.packb(obj))
+    assert error.reason == "shape"
+    expected = list(dict(((n, s) for n, _, s in ATARI_SPEC._wire_layout))[field])
+    assert field in error.detail and str(expected) in error.detail and str(list(shape)) in error.detail
+
+
+@pytest.mark.parametrize("field", ["actor_id", "seq", "policy_version", "rewards", "trainable", "episode_returns", "protocol"])
+def test_missing_field(field: str) -> None:
+    obj = step_obj()
+    del obj[field]
+    error = rejection(msgpack.packb(obj))
+    assert error.reason == ("protocol" if field == "protocol" else "schema")
+    assert field in error.detail
+
+
+def test_extra_field() -> None:
+    obj = step_obj()
+    obj["rewards_raw"] = wire_array(np.zeros(N, np.float32))
+    error = rejection(msgpack.packb(obj))
+    assert error.reason == "schema" and "rewards_raw" in error.detail
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("seq", "3"),
+        ("seq", -1),
+        ("seq", True),
+        ("seq", 2.0),
+        ("policy_version", None),
+        ("actor_id", 7),
+        ("actor_id", ""),
+        ("incarnation", "x" * 1000),
+        ("episode_returns", "12"),
+        ("episode_lengths", [1.5, 2]),
+        ("episode_lengths", [1]),  # not as long as episode_returns
+        ("episode_returns", [1.0] * (N + 1)),
+        ("rewards", [0.0] * N),  # a list, not an array map
+        ("rewards", {"dtype": "<f4", "shape": [N]}),  # array map without data
+        ("rewards", {"dtype": "<f4", "shape": [N], "data": "\x00" * (4 * N)}),  # str, not bin
+        ("rewards", {"dtype": "<f4", "shape": [float(N)], "data": b"\x00" * (4 * N)}),
+        ("rewards", {"dtype": 4, "shape": [N], "data": b"\x00" * (4 * N)}),
+    ],
+)
+def test_wrong_typed_fields(field: str, value: Any) -> None:
+    obj = step_obj()
+    obj[field] = value
+    error = rejection(msgpack.packb(obj))
+    assert error.reason == "schema" and field.split("_")[0] in error.detail
+
+
+def test_garbage_and_truncated_frames() -> None:
+    frame = encode_step(atari_step())
+    assert rejection(b"\xc1\x00\xff garbage").reason == "garbage"  # 0xc1 is never used in msgpack
+    assert rejection(frame[: len(frame) // 2]).reason == "garbage"
+    assert rejection(frame[:-1]).reason == "garbage"
+    assert rejection(frame + b"\x00").reason == "garbage"  # trailing data
+    assert rejection(b"").reason == "garbage"
+
+
+def test_pickle_bytes_are_never_unpickled() -> None:
+    for payload in (pickle.dumps(np.zeros(3)), pickle.dumps({"protocol": 1, "type": "step"}), pickle.dumps(atari_step(), protocol=0)):
+        assert rejection(payload).reason == "garbage"
+        assert rejection(payload, decoder="message").reason == "garbage"
+
+
+@pytest.mark.parametrize("dtype", ["|O", "O", "<U4", "|S4", "|V8", "<M8[ns]", "<m8[s]", "<c8", "<f16", "f4,f4", "(2,)<f4", "<u1", "?", "float32", "|b2"])
+def test_disallowed_dtype_strings(dtype: str) -> None:
+    obj = step_obj()
+    obj["rewards"] = {"dtype": dtype, "shape": [N], "data": b"\x00" * (4 * N)}
+    error = rejection(msgpack.packb(obj))
+    assert error.reason == "dtype" and "rewards" in error.detail
+
+
+def test_object_dtype_with_pickled_payload_is_rejected() -> None:
+    obj = step_obj()
+    payload = pickle.dumps([1.0] * N)
+    obj["observations"] = {"dtype": "|O", "shape": [N], "data": payload}
+    assert rejection(msgpack.packb(obj)).reason == "dtype"
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [[N, 4, 84, 84 * 1000], [2**40, 2**40], [2**62] * 8, [N, 4, 84, 85]],
+)
+def test_declared_size_disagreeing_with_data_is_rejected(shape: list[int]) -> None:
+    obj = step_obj()
+    obj["observations"]["shape"] = shape  # data keeps its N*4*84*84 bytes
+    error = rejection(msgpack.packb(obj))
+    assert error.reason == "size" and "observations" in error.detail
+
+
+def test_one_byte_short_is_a_size_error() -> None:
+    obj = step_obj()
+    obj["log_probs"]["data"] = obj["log_probs"]["data"][:-1]
+    assert rejection(msgpack.packb(obj)).reason == "size"
+
+
+@pytest.mark.parametrize("field", FLOAT_FIELDS)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_floats_are_rejected(field: str, bad: float) -> None:
+    obj = step_obj()
+    values = np.zeros(N, np.float32)
+    values[3] = bad
+    obj[field] = wire_array(values)
+    error = rejection(msgpack.packb(obj))
+    assert error.reason == "schema" and field in error.detail
+
+
+def test_nan_episode_return_and_float_observations() -> None:
+    obj = step_obj()
+    obj["episode_returns"] = [1.0, math.nan]
+    assert rejection(msgpack.packb(obj)).reason == "schema"
+
+    spec = StepSpec(2, (3,), np.float32)
+    obs = np.zeros((2, 3), np.float32)
+    obs[1, 2] = np.inf
+    msg = StepMessage("a", "b", 0, 0, obs, np.zeros(2, np.int64), *(np.zeros(2, np.float32),) * 3,
+                      np.zeros(2, bool), np.zeros(2, bool), np.zeros(2, np.float32), np.zeros(2, np.float32), np.ones(2, bool))
+    with pytest.raises(MessageRejected) as info:
+        decode_step(encode_step(msg), lambda a, i: spec, max_bytes=MAX_BYTES)
+    assert info.value.reason == "schema" and "observations" in info.value.detail
+
+
+def test_bool_bytes_other_than_zero_and_one() -> None:
+    obj = step_obj()
+    obj["trainable"]["data"] = b"\x01\x02" + b"\x01" * (N - 2)
+    error = rejection(msgpack.packb(obj))
+    assert error.reason == "schema" and "trainable" in error.detail
+
+
+def test_truncated_without_done() -> None:
+    obj = step_obj()
+    obj["truncated"] = wire_array(np.array([0, 0, 1, 0, 0, 0, 0, 0], dtype=bool))  # env 2 not done
+    error = rejection(msgpack.packb(obj))
+    assert error.reason == "schema" and "truncated" in error.detail
+
+
+def test_oversized_frame_is_rejected_before_decoding() -> None:
+    frame = encode_step(atari_step())
+    with pytest.raises(MessageRejected) as info:
+        decode_step(frame, known_spec, max_bytes=len(frame) - 1)
+    assert info.value.reason == "oversized"
+    assert decode_step(frame, known_spec, max_bytes=len(frame)).seq == 0
+    garbage = b"\xc1" * 100  # would be "garbage" if it were decoded
+    with pytest.raises(MessageRejected) as info:
+        decode_message(garbage, max_bytes=99)
+    assert info.value.reason == "oversized"
+
+
+@pytest.mark.parametrize("version", [0, 2, "1", 1.0, None])
+def test_wrong_protocol(version: Any) -> None:
+    obj = step_obj()
+    obj["protocol"] = version
+    assert rejection(msgpack.packb(obj)).reason == "protocol"
+    beat = msgpack.unpackb(encode_heartbeat(Heartbeat("a", "b", 0, 0, 1.0, 0.0, 0)))
+    beat["protocol"] = version
+    assert rejection(msgpack.packb(beat), decoder="message").reason == "protocol"
+
+
+def test_unknown_actor_and_spec_lookup_arguments() -> None:
+    calls: list[tuple[str, str]] = []
+
+    def spec_for(actor_id: str, incarnation: str) -> StepSpec | None:
+        calls.append((actor_id, incarnation))
+        return None
+
+    frame = encode_step(atari_step())
+    with pytest.raises(MessageRejected) as info:
+        decode_step(frame, spec_for, max_bytes=MAX_BYTES)
+    assert info.value.reason == "unknown_actor" and ACTOR in info.value.detail
+    assert calls == [(ACTOR, INCARNATION)]
+    obj = step_obj()
+    obj["incarnation"] = "old-incarnation"  # same actor, previous start
+    assert rejection(msgpack.packb(obj)).reason == "unknown_actor"
+
+
+def test_wrong_message_type_for_each_decoder() -> None:
+    assert rejection(encode_heartbeat(Heartbeat("a", "b", 0, 0, 1.0, 0.0, 0))).reason == "schema"
+    assert rejection(encode_step(atari_step()), decoder="message").reason == "schema"
+    assert rejection(msgpack.packb({"protocol": PROTOCOL_VERSION, "type": "nope"}), decoder="message").reason == "schema"
+    assert rejection(msgpack.packb([PROTOCOL_VERSION, "step"])).reason == "schema"  # not a map
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"\xdd\xff\xff\xff\xff",  # array header declaring 2**32-1 items
+        b"\xdf\xff\xff\xff\xff",  # map header declaring 2**32-1 pairs
+        b"\xc6\xff\xff\xff\xff\x00",  # bin header declaring 4 GiB
+        b"\xdb\xff\xff\xff\xff",  # str header declaring 4 GiB
+        msgpack.packb(msgpack.ExtType(5, b"abc")),  # ext types are not part of the protocol
+        msgpack.packb({1: 2}),  # non-str map key
+        b"\x91" * 5000,  # deeply nested arrays
+    ],
+)
+def test_msgpack_level_limits(frame: bytes) -> None:
+    assert rejection(frame).reason in {"garbage", "schema"}
+    assert rejection(frame, decoder="message").reason in {"garbage", "schema"}
+
+
+@pytest.mark.parametrize(
+    ("message", "reason"),
+    [
+        ({"type": "heartbeat_reply", "status": "maybe", "policy_version": 0}, "schema"),
+        ({"type": "heartbeat", "actor_id": "a", "incarnation": "b", "seq": 0, "policy_version": 0,
+          "env_steps_per_second": math.nan, "policy_lag": 0.0, "episodes": 0}, "schema"),
+        ({"type": "join", "actor_id": "a", "incarnation": "b", "num_envs": 0, "hostname": "h"}, "schema"),
+        ({"type": "leave", "actor_id": "a"}, "schema"),
+        ({"type": "weights", "policy_version": 1, "weights": {"w": {"dtype": "|O", "shape": [1], "data": b"x"}}}, "dtype"),
+        ({"type": "weights", "policy_version": 1, "weights": {"w": {"dtype": "<f4", "shape": [10**9], "data": b"xxxx"}}}, "size"),
+        ({"type": "weights", "policy_version": 1, "weights": {"w": wire_array(np.array([np.nan], np.float32))}}, "schema"),
+        ({"type": "join_reply", "accepted": True, "reason": "", "actor_index": 0, "spec": None, "env_config": {},
+          "policy_version": 0, "weights": {}}, "schema"),
+        ({"type": "join_reply", "accepted": True, "reason": "", "actor_index": 0,
+          "spec": {**ATARI_SPEC.to_dict(), "observation_dtype": "<U1"}, "env_config": {}, "policy_version": 0, "weights": {}}, "dtype"),
+        ({"type": "join_reply", "accepted": False, "reason": "", "actor_index": -1, "spec": None,
+          "env_config": {"env_id": ["list"]}, "policy_version": 0, "weights": {}}, "schema"),
+    ],
+)
+def test_control_message_rejections(message: dict[str, Any], reason: str) -> None:
+    frame = msgpack.packb({"protocol": PROTOCOL_VERSION, **message})
+    assert rejection(frame, decoder="message").reason == reason
+
+
+def test_message_rejected_carries_reason_and_detail() -> None:
+    error = MessageRejected("size", "observations: 3 bytes")
+    assert (error.reason, error.detail) == ("size", "observations: 3 bytes")
+    assert "size" in str(error) and "observations" in str(error)
+
+
+# ---------------------------------------------------------------------------------------------
+# fuzzing: nothing but MessageRejected escapes, and what is accepted matches the spec
+# ---------------------------------------------------------------------------------------------
+
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def decode_both(frame: bytes) -> None:
+    for decode in (
+        lambda: decode_step(frame, known_spec, max_bytes=MAX_BYTES),
+        lambda: decode_message(frame, max_bytes=MAX_BYTES),
+    ):
+        try:
+            result = decode()
+        except MessageRejected as error:
+            assert error.reason in REJECTION_REASONS
+        else:
+            if isinstance(result, StepMessage):
+                for name, dtype_str, shape in ATARI_SPEC._wire_layout:
+                    array = getattr(result, name)
+                    assert array.dtype.str == dtype_str and array.shape == shape
+
+
+@FUZZ
+@given(st.binary(max_size=512))
+def test_fuzz_random_bytes(frame: bytes) -> None:
+    decode_both(frame)
+
+
+_SMALL_STEP_SPEC = StepSpec(num_envs=2, observation_shape=(2,), observation_dtype=np.uint8)
+
+
+@FUZZ
+@given(st.data())
+def test_fuzz_mutated_valid_frames(data: st.DataObject) -> None:
+    msg = StepMessage("actor-0", "9f1c2b", 1, 2, np.array([[1, 2], [3, 4]], np.uint8), np.array([0, 1], np.int64),
+                      *(np.array([0.5, -0.5], np.float32),) * 3, np.array([True, False]), np.array([True, False]),
+                      *(np.array([0.5, -0.5], np.float32),) * 2, np.array([True, True]), [1.0], [3])
+    frame = bytearray(encode_step(msg))
+    for _ in range(data.draw(st.integers(1, 4))):
+        position = data.draw(st.integers(0, len(frame) - 1))
+        frame[position] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        frame = frame[: data.draw(st.integers(0, len(frame)))]
+    try:
+        result = decode_step(bytes(frame), lambda a, i: _SMALL_STEP_SPEC, max_bytes=MAX_BYTES)
+    except MessageRejected as error:
+        assert error.reason in REJECTION_REASONS
+    else:
+        for name, dtype_str, shape in _SMALL_STEP_SPEC._wire_layout:
+            array = getattr(result, name)
+            assert array.dtype.str == dtype_str and array.shape == shape
+        assert all(math.isfinite(x) for x in result.rewards.tolist())
+
+
+_msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8) | st.binary(max_size=16),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20,
+)
+_field_names = st.sampled_from(sorted({"protocol", "type", "dtype", "shape", "data", *wire._STEP_FIELDS}))
+
+
+@FUZZ
+@given(st.dictionaries(_field_names, _msgpack_values, max_size=8), st.sampled_from(sorted(wire._CONTROL_DECODERS) + ["step"]))
+def test_fuzz_structured_maps(obj: dict[str, Any], message_type: str) -> None:
+    obj.setdefault("protocol", PROTOCOL_VERSION)
+    obj.setdefault("type", message_type)
+    decode_both(msgpack.packb(obj))
