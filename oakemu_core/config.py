@@ -39,6 +39,7 @@ __all__ = [
     "OakEmuConfig",
     "add_config_arguments",
     "config_from_namespace",
+    "format_validation_error",
     "is_atari_env",
     "load_config",
     "resolved_device",

@@ -126,7 +126,9 @@ def test_help_lists_generated_config_flags(capsys: pytest.CaptureFixture[str]) -
         assert flag in out
 
 
-def test_missing_service_module_is_reported(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_missing_service_module_is_reported(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setitem(sys.modules, "services.learner", None)  # makes the import raise ModuleNotFoundError
     assert cli.main(["learner"]) == 1
     assert "services.learner" in capsys.readouterr().err
