@@ -1,10 +1,21 @@
-"""Per-step arrays an actor fills for all its envs (stub: being completed by the rollout-core work)."""
+"""Per-step arrays an actor fills for all its envs before appending them to a rollout buffer.
+
+One vector-env step of an actor goes: write the observations, :meth:`reset_action_selection`,
+record the policy's :class:`PPOActionBundle` for the envs it acted on, step the envs,
+:meth:`reset_step_results` and :meth:`record_step_result` per env, then
+:meth:`add_to_rollout_buffer` (or send the arrays over the wire). The arrays are allocated once.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from oakemu_core.rollout_buffer import RolloutBuffer
 
 
 @dataclass(frozen=True)
@@ -20,3 +31,216 @@ class PPOActionBundle:
     actions: np.ndarray
     log_probs: np.ndarray
     values: np.ndarray
+
+
+def _check(field_name: str, array: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
+    if not isinstance(array, np.ndarray):
+        raise ValueError(
+            f"{field_name}: expected a numpy array of shape {shape} and dtype {dtype}, received {type(array).__name__}"
+        )
+    if array.shape != shape or array.dtype != dtype:
+        raise ValueError(
+            f"{field_name}: expected shape {shape} and dtype {dtype}, received shape {array.shape} and dtype {array.dtype}"
+        )
+
+
+@dataclass
+class PPOActorStepBuffers:
+    """Mutable per-step PPO actor arrays used for action selection and rollout writes.
+
+    ``N`` = envs stepped in lockstep. Build with :meth:`create`.
+
+    Attributes:
+        observations: ``(N, *observation_shape)`` observation dtype, s_t.
+        actions: ``(N, *action_shape)`` action dtype, a_t.
+        log_probs: ``(N,)`` float32, log pi(a_t | s_t).
+        values: ``(N,)`` float32, V(s_t).
+        rewards: ``(N,)`` float32, r_t.
+        dones: ``(N,)`` bool, the episode ended on this step (terminated OR truncated).
+        trainable: ``(N,)`` bool, the step is PPO training data (the policy chose the action).
+        truncated: ``(N,)`` bool, the episode was cut by a time limit (not terminated).
+        bootstrap_values: ``(N,)`` float32, V(true final observation) where truncated, else 0.
+    """
+
+    observations: np.ndarray
+    actions: np.ndarray
+    log_probs: np.ndarray
+    values: np.ndarray
+    rewards: np.ndarray
+    dones: np.ndarray
+    trainable: np.ndarray
+    truncated: np.ndarray
+    bootstrap_values: np.ndarray
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        num_envs: int,
+        observation_shape: tuple[int, ...],
+        observation_dtype: Any,
+        action_shape: tuple[int, ...] = (),
+        action_dtype: Any = np.int64,
+    ) -> PPOActorStepBuffers:
+        """Allocate zeroed step buffers for one actor.
+
+        Args:
+            num_envs: envs stepped in lockstep, positive.
+            observation_shape: shape of one observation as stored in the rollout buffer.
+            observation_dtype: observation dtype as stored in the rollout buffer.
+            action_shape: shape of one action (``()`` for discrete actions).
+            action_dtype: action dtype (int64 for a categorical policy).
+
+        Raises:
+            ValueError: if ``num_envs`` is not a positive int.
+        """
+        if isinstance(num_envs, bool) or not isinstance(num_envs, (int, np.integer)) or num_envs <= 0:
+            raise ValueError(f"num_envs: expected a positive int, received {num_envs!r}")
+        rows = (int(num_envs),)
+        return cls(
+            observations=np.zeros(rows + tuple(observation_shape), dtype=np.dtype(observation_dtype)),
+            actions=np.zeros(rows + tuple(action_shape), dtype=np.dtype(action_dtype)),
+            log_probs=np.zeros(rows, np.float32),
+            values=np.zeros(rows, np.float32),
+            rewards=np.zeros(rows, np.float32),
+            dones=np.zeros(rows, np.bool_),
+            trainable=np.zeros(rows, np.bool_),
+            truncated=np.zeros(rows, np.bool_),
+            bootstrap_values=np.zeros(rows, np.float32),
+        )
+
+    @property
+    def num_envs(self) -> int:
+        """Envs stepped in lockstep (``N``)."""
+        return int(self.rewards.shape[0])
+
+    @property
+    def stores_rollout_step(self) -> bool:
+        """True when at least one env's step this round is PPO training data."""
+        return bool(self.trainable.any())
+
+    def _env_id(self, env_id: Any) -> int:
+        if isinstance(env_id, bool) or not isinstance(env_id, (int, np.integer)) or not 0 <= env_id < self.num_envs:
+            raise ValueError(f"env_id: expected an int in [0, {self.num_envs}), received {env_id!r}")
+        return int(env_id)
+
+    def record_observations(self, observations: np.ndarray) -> None:
+        """Copy the current observations of all envs (s_t) into :attr:`observations`.
+
+        Raises:
+            ValueError: wrong type, shape or dtype (no silent cast).
+        """
+        _check("observations", observations, self.observations.shape, self.observations.dtype)
+        np.copyto(self.observations, observations)
+
+    def reset_action_selection(self) -> None:
+        """Before selecting actions: no env is marked trainable until a bundle is recorded for it."""
+        self.trainable[:] = False
+
+    def record_action_bundle_for_env_ids(
+        self,
+        action_bundle: PPOActionBundle,
+        *,
+        env_ids: Sequence[int] | np.ndarray,
+        trainable: Sequence[bool] | np.ndarray,
+    ) -> None:
+        """Copy one action bundle into the step buffers for a subset of envs.
+
+        Row ``i`` of the bundle belongs to env ``env_ids[i]``.
+
+        Args:
+            action_bundle: the policy's output for ``len(env_ids)`` observations.
+            env_ids: distinct env indices in ``[0, N)``.
+            trainable: per env in ``env_ids``, whether the step is PPO training data.
+
+        Raises:
+            ValueError: bad env ids, ``trainable`` of another length, or a bundle array of the
+                wrong shape or dtype (nothing is written then).
+        """
+        ids = np.asarray(env_ids)
+        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+            raise ValueError(f"env_ids: expected a 1-D sequence of ints, received {env_ids!r}")
+        ids = ids.astype(np.int64, copy=False)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_envs):
+            raise ValueError(f"env_ids: expected ids in [0, {self.num_envs}), received {ids.tolist()}")
+        if np.unique(ids).size != ids.size:
+            raise ValueError(f"env_ids: expected distinct ids, received {ids.tolist()}")
+        flags = np.asarray(trainable)
+        if flags.shape != ids.shape or (flags.size and flags.dtype != np.bool_):
+            raise ValueError(
+                f"trainable: expected {ids.size} bools (one per env id), received shape {flags.shape} "
+                f"dtype {flags.dtype}"
+            )
+        batch = (ids.size,)
+        _check("action_bundle.actions", action_bundle.actions, batch + self.actions.shape[1:], self.actions.dtype)
+        _check("action_bundle.log_probs", action_bundle.log_probs, batch, self.log_probs.dtype)
+        _check("action_bundle.values", action_bundle.values, batch, self.values.dtype)
+        self.actions[ids] = action_bundle.actions
+        self.log_probs[ids] = action_bundle.log_probs
+        self.values[ids] = action_bundle.values
+        self.trainable[ids] = flags.astype(np.bool_, copy=False)
+
+    def reset_step_results(self) -> None:
+        """Clear rewards, dones, truncation flags and bootstrap values before stepping the envs."""
+        self.rewards[:] = 0.0
+        self.dones[:] = False
+        self.truncated[:] = False
+        self.bootstrap_values[:] = 0.0
+
+    def record_step_result(
+        self,
+        env_id: int,
+        reward: float,
+        *,
+        done: bool,
+        truncated: bool = False,
+        bootstrap_value: float = 0.0,
+    ) -> None:
+        """Copy one env's step result into the step buffers.
+
+        With Gymnasium's ``terminated, truncated`` pair pass ``done=terminated or truncated`` and
+        ``truncated=truncated and not terminated`` (a terminal state has no future value even if
+        the time limit fell on the same step).
+
+        Args:
+            env_id: env index in ``[0, N)``.
+            reward: reward of this step.
+            done: the episode ended on this step (terminated OR truncated).
+            truncated: it ended because of a time limit; requires ``done``.
+            bootstrap_value: V(true final observation) when ``truncated``; must be 0 otherwise.
+
+        Raises:
+            ValueError: bad ``env_id``, ``truncated`` without ``done``, or a non-zero
+                ``bootstrap_value`` on a step that is not truncated.
+        """
+        index = self._env_id(env_id)
+        if truncated and not done:
+            raise ValueError(f"truncated: expected done=True for a truncated step, received done={done!r}")
+        if not truncated and bootstrap_value != 0:
+            raise ValueError(
+                f"bootstrap_value: expected 0 on a step that is not truncated, received {bootstrap_value!r}"
+            )
+        self.rewards[index] = reward
+        self.dones[index] = bool(done)
+        self.truncated[index] = bool(truncated)
+        self.bootstrap_values[index] = bootstrap_value
+
+    def add_to_rollout_buffer(self, rollout_buffer: RolloutBuffer, *, policy_version: int = 0) -> None:
+        """Append the current step (all envs) to ``rollout_buffer`` with :meth:`RolloutBuffer.add`.
+
+        Truncation reaches the buffer through ``dones`` and ``bootstrap_values``.
+
+        Raises:
+            ValueError / OverflowError: as :meth:`RolloutBuffer.add` (e.g. a spec mismatch, a full buffer).
+        """
+        rollout_buffer.add(
+            self.observations,
+            self.actions,
+            self.log_probs,
+            self.values,
+            self.rewards,
+            self.dones,
+            self.trainable,
+            bootstrap_values=self.bootstrap_values,
+            policy_version=policy_version,
+        )

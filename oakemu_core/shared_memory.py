@@ -68,6 +68,11 @@ def _owner_finalizer(name: str, owner_pid: int) -> None:
         _unlink_segment_name(name)
 
 
+def new_token() -> str:
+    """A random 12-hex-digit token for segment names."""
+    return secrets.token_hex(6)
+
+
 def pid_is_alive(pid: int) -> bool:
     """Return whether a process with id ``pid`` exists (in this pid namespace).
 
@@ -169,7 +174,7 @@ class SharedArray:
         return normalised_shape, normalised_dtype
 
     @classmethod
-    def create(cls, shape: Sequence[int], dtype: Any, *, field: str) -> SharedArray:
+    def create(cls, shape: Sequence[int], dtype: Any, *, field: str, token: str | None = None) -> SharedArray:
         """Create a zero-filled shared array owned by this process.
 
         The segment's pages are reserved up front (``posix_fallocate``) when the platform allows
@@ -181,20 +186,27 @@ class SharedArray:
             dtype: any fixed-size numpy dtype.
             field: short name of the array (``[A-Za-z0-9_]``, 1-64 chars), the last part of the
                 segment name ``oakemu_<pid>_<token>_<field>``.
+            token: lowercase hex string shared by related arrays (e.g. the arrays of one rollout
+                buffer); a fresh random one when None. The pair (token, field) must be new.
 
         Returns:
             The owner ``SharedArray``.
 
         Raises:
-            ValueError: for a bad field name, a negative dimension or an object dtype.
+            ValueError: for a bad field name or token, a negative dimension or an object dtype.
+            FileExistsError: when a segment with that name exists already.
             OSError: when the system cannot create or reserve the segment.
         """
         if not isinstance(field, str) or not _FIELD_PATTERN.match(field):
             raise ValueError(f"field: expected 1-64 characters of [A-Za-z0-9_], received {field!r}")
+        if token is None:
+            token = new_token()
+        elif not isinstance(token, str) or not re.fullmatch(r"[0-9a-f]{1,32}", token):
+            raise ValueError(f"token: expected 1-32 lowercase hex digits, received {token!r}")
         normalised_shape, normalised_dtype = cls._normalise(shape, dtype)
         nbytes = int(np.prod(normalised_shape, dtype=np.int64)) * normalised_dtype.itemsize
         size = max(nbytes, 1)  # the system refuses zero-size segments
-        name = f"{SEGMENT_PREFIX}{os.getpid()}_{secrets.token_hex(6)}_{field}"
+        name = f"{SEGMENT_PREFIX}{os.getpid()}_{token}_{field}"
         segment = _open_segment(name, create=True, size=size)
         try:
             if hasattr(os, "posix_fallocate"):
