@@ -1,0 +1,343 @@
+"""Learner-side rollout assembly: actor registry, column assignment, double buffering, policy lag.
+
+The learner owns ``len(buffers)`` rollout buffers (two by default) of shape ``(T, N)``.  A buffer is
+*filling* while actors stream steps into it, *full* when every column holds ``T`` rows, and
+*training* while the PPO update reads it.  Actors step their envs in lockstep and send one step
+message per vector step; each actor gets a *segment*: up to ``num_envs`` free columns of the oldest
+filling buffer, written row by row for ``T`` messages.  A segment that does not finish (the actor
+crashed, went silent, or sent out of order) is discarded: its columns are emptied and handed to the
+next actor that asks.  Steps that find no free column are dropped and counted (back-pressure in the
+learner loop keeps this rare: it stops reading while no buffer is filling).
+
+Everything here is plain Python + numpy and runs in the learner's ingest thread; no sockets.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from oakemu_core.rollout_buffer import RolloutBuffer
+from oakemu_core.wire import StepMessage, StepSpec
+
+FREE = -1
+"""Column owner marker: the column holds no rows and belongs to no segment."""
+COMPLETE = -2
+"""Column owner marker: the column holds a finished segment of ``T`` rows."""
+
+
+class SlotState(enum.Enum):
+    """Life cycle of one rollout buffer: filling -> full -> training -> filling."""
+
+    FILLING = "filling"
+    FULL = "full"
+    TRAINING = "training"
+
+
+class StepRejected(Exception):
+    """A well-formed step message that the learner refuses (``reason`` is a short counter key)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass
+class Segment:
+    """Columns of one buffer that one actor is filling, and how many rows it has written."""
+
+    slot: int
+    columns: np.ndarray  # (k,) int64 buffer columns; the actor's env i writes column columns[i]
+    rows_written: int = 0
+
+
+@dataclass
+class ActorRecord:
+    """What the learner knows of one joined actor incarnation."""
+
+    actor_id: str
+    incarnation: str
+    index: int
+    spec: StepSpec
+    hostname: str
+    joined_at: float
+    last_heard: float
+    next_seq: int = 0
+    segment: Segment | None = None
+    env_steps_per_second: float = 0.0
+    policy_lag: float = 0.0
+    episodes: int = 0
+    env_steps: int = 0
+
+
+@dataclass
+class FullRollout:
+    """A full buffer handed to training, with its bootstrap data for GAE."""
+
+    slot: int
+    buffer: RolloutBuffer
+    last_values: np.ndarray  # (N,) float32: V(s_T) of each column's last step
+    last_dones: np.ndarray  # (N,) bool: dones of each column's last row (== buffer.dones[-1])
+
+
+@dataclass
+class IngestCounters:
+    """Counters the learner logs and serves as telemetry."""
+
+    env_steps: int = 0
+    """Env steps written into a rollout buffer (the training step count)."""
+    rejected: Counter = field(default_factory=Counter)
+    """Rejected messages by reason (wire reasons plus ``out_of_order``, ``future_version``)."""
+    dropped: Counter = field(default_factory=Counter)
+    """Dropped data by kind: ``no_capacity_steps``, ``discarded_segment_rows``, ``stale_rows``,
+    ``timed_out_actors``."""
+
+
+class RolloutAssembler:
+    """Routes validated step messages from many actors into the columns of the learner's buffers.
+
+    Args:
+        buffers: the rollout buffers, all with the same ``(T, N)`` shape and observation/action
+            spec; two give double buffering (one fills while the other trains).
+        actor_timeout_s: an actor not heard from (step or heartbeat) for this many seconds is
+            dropped and its unfinished segment discarded.
+
+    Raises:
+        ValueError: if ``buffers`` is empty or the buffers disagree in shape.
+    """
+
+    def __init__(self, buffers: list[RolloutBuffer], *, actor_timeout_s: float) -> None:
+        if not buffers:
+            raise ValueError("RolloutAssembler needs at least one rollout buffer, got none")
+        shapes = {(b.rollout_length, b.num_envs, b.observation_shape) for b in buffers}
+        if len(shapes) != 1:
+            raise ValueError(f"rollout buffers must share (T, N, obs shape), got {sorted(shapes)}")
+        self.buffers = buffers
+        self.rollout_length = buffers[0].rollout_length
+        self.num_columns = buffers[0].num_envs
+        self.actor_timeout_s = actor_timeout_s
+        self.states = [SlotState.FILLING for _ in buffers]
+        self._owners = [np.full(self.num_columns, FREE, dtype=np.int64) for _ in buffers]
+        self._last_values = [np.zeros(self.num_columns, np.float32) for _ in buffers]
+        self._last_dones = [np.zeros(self.num_columns, bool) for _ in buffers]
+        # Filling order: a lower generation fills first, so rollouts complete one at a time.
+        self._generation = list(range(len(buffers)))
+        self._next_generation = len(buffers)
+        self._next_actor_index = 0
+        self.actors: dict[str, ActorRecord] = {}
+        self.counters = IngestCounters()
+        self.episode_returns: list[float] = []
+        self.episode_lengths: list[int] = []
+
+    # ----------------------------------------------------------------------------------- actors
+    def join(self, actor_id: str, incarnation: str, spec: StepSpec, *, hostname: str, now: float) -> ActorRecord:
+        """Register an actor incarnation; a new incarnation of a known id replaces the old one.
+
+        Returns:
+            The new record; ``index`` is unique per join (actors seed their envs with it).
+        """
+        previous = self.actors.get(actor_id)
+        if previous is not None:
+            self._discard_segment(previous)
+        record = ActorRecord(
+            actor_id=actor_id,
+            incarnation=incarnation,
+            index=self._next_actor_index,
+            spec=spec,
+            hostname=hostname,
+            joined_at=now,
+            last_heard=now,
+        )
+        self._next_actor_index += 1
+        self.actors[actor_id] = record
+        return record
+
+    def spec_for(self, actor_id: str, incarnation: str) -> StepSpec | None:
+        """The step spec agreed at join time, or None for an unknown actor incarnation."""
+        record = self.actors.get(actor_id)
+        if record is None or record.incarnation != incarnation:
+            return None
+        return record.spec
+
+    def heartbeat(self, actor_id: str, incarnation: str, *, now: float, env_steps_per_second: float,
+                  policy_lag: float, episodes: int) -> bool:
+        """Record a heartbeat; returns False when the incarnation is unknown (the actor must rejoin)."""
+        record = self.actors.get(actor_id)
+        if record is None or record.incarnation != incarnation:
+            return False
+        record.last_heard = now
+        record.env_steps_per_second = env_steps_per_second
+        record.policy_lag = policy_lag
+        record.episodes = episodes
+        return True
+
+    def leave(self, actor_id: str, incarnation: str) -> bool:
+        """Remove an actor that says goodbye; its unfinished segment is discarded."""
+        record = self.actors.get(actor_id)
+        if record is None or record.incarnation != incarnation:
+            return False
+        self._discard_segment(record)
+        del self.actors[actor_id]
+        return True
+
+    def expire_silent_actors(self, now: float) -> list[str]:
+        """Drop actors silent for longer than ``actor_timeout_s``; returns their ids."""
+        expired = [r.actor_id for r in self.actors.values() if now - r.last_heard > self.actor_timeout_s]
+        for actor_id in expired:
+            self._discard_segment(self.actors.pop(actor_id))
+            self.counters.dropped["timed_out_actors"] += 1
+        return expired
+
+    # ------------------------------------------------------------------------------------ steps
+    def ingest(self, message: StepMessage, *, current_policy_version: int, now: float) -> None:
+        """Write one validated step message into its actor's segment.
+
+        The message arrays were already checked against the actor's spec by
+        :func:`oakemu_core.wire.decode_step`.
+
+        Raises:
+            StepRejected: unknown actor incarnation (``unknown_actor``), a sequence number other
+                than the next expected one (``out_of_order``; the unfinished segment is discarded
+                because its rows would no longer be consecutive), or a policy version the learner
+                has not published (``future_version``).  Nothing is written in these cases.
+        """
+        record = self.actors.get(message.actor_id)
+        if record is None or record.incarnation != message.incarnation:
+            raise StepRejected("unknown_actor", f"actor {message.actor_id!r}/{message.incarnation} has not joined")
+        if message.seq != record.next_seq:
+            expected = record.next_seq
+            self._discard_segment(record)
+            record.next_seq = message.seq + 1
+            raise StepRejected("out_of_order", f"actor {message.actor_id!r}: expected seq {expected}, got {message.seq}")
+        if message.policy_version > current_policy_version:
+            raise StepRejected(
+                "future_version",
+                f"actor {message.actor_id!r}: policy_version {message.policy_version} > published {current_policy_version}",
+            )
+        record.next_seq += 1
+        record.last_heard = now
+        self.episode_returns.extend(message.episode_returns)
+        self.episode_lengths.extend(message.episode_lengths)
+
+        if record.segment is None:
+            record.segment = self._assign_segment(record)
+        num_envs = record.spec.num_envs
+        segment = record.segment
+        if segment is None:
+            self.counters.dropped["no_capacity_steps"] += num_envs
+            return
+        k = len(segment.columns)
+        self.buffers[segment.slot].write_columns(
+            segment.rows_written,
+            segment.columns,
+            message.observations[:k],
+            message.actions[:k],
+            message.log_probs[:k],
+            message.values[:k],
+            message.rewards[:k],
+            message.dones[:k],
+            message.trainable[:k],
+            bootstrap_values=message.bootstrap_values[:k],
+            policy_version=message.policy_version,
+        )
+        segment.rows_written += 1
+        record.env_steps += k
+        self.counters.env_steps += k
+        if k < num_envs:
+            self.counters.dropped["no_capacity_steps"] += num_envs - k
+        if segment.rows_written == self.rollout_length:
+            self._finish_segment(record, message)
+
+    def _assign_segment(self, record: ActorRecord) -> Segment | None:
+        """Give the actor up to ``num_envs`` free columns of the oldest filling buffer."""
+        filling = [s for s, state in enumerate(self.states) if state is SlotState.FILLING]
+        for slot in sorted(filling, key=lambda s: self._generation[s]):
+            free = np.flatnonzero(self._owners[slot] == FREE)
+            if free.size:
+                columns = free[: record.spec.num_envs].astype(np.int64)
+                self._owners[slot][columns] = record.index
+                return Segment(slot=slot, columns=columns)
+        return None
+
+    def _finish_segment(self, record: ActorRecord, message: StepMessage) -> None:
+        segment = record.segment
+        assert segment is not None
+        k = len(segment.columns)
+        self._last_values[segment.slot][segment.columns] = message.next_values[:k]
+        self._last_dones[segment.slot][segment.columns] = message.dones[:k]
+        self._owners[segment.slot][segment.columns] = COMPLETE
+        record.segment = None
+        if np.all(self._owners[segment.slot] == COMPLETE):
+            self.states[segment.slot] = SlotState.FULL
+
+    def _discard_segment(self, record: ActorRecord) -> None:
+        segment = record.segment
+        if segment is None:
+            return
+        self.buffers[segment.slot].reset_columns(segment.columns)
+        self._owners[segment.slot][segment.columns] = FREE
+        self.counters.dropped["discarded_segment_rows"] += segment.rows_written * len(segment.columns)
+        self.counters.env_steps -= segment.rows_written * len(segment.columns)
+        record.segment = None
+
+    # ------------------------------------------------------------------------------- hand-off
+    @property
+    def accepting(self) -> bool:
+        """True while some buffer is filling: the learner should keep reading step messages."""
+        return any(state is SlotState.FILLING for state in self.states)
+
+    def take_full_rollout(self) -> FullRollout | None:
+        """Hand the oldest full buffer to training (its state becomes TRAINING), or None."""
+        full = [s for s, state in enumerate(self.states) if state is SlotState.FULL]
+        if not full:
+            return None
+        slot = min(full, key=lambda s: self._generation[s])
+        self.states[slot] = SlotState.TRAINING
+        return FullRollout(
+            slot=slot,
+            buffer=self.buffers[slot],
+            last_values=self._last_values[slot].copy(),
+            last_dones=self._last_dones[slot].copy(),
+        )
+
+    def release(self, slot: int) -> None:
+        """Return a trained buffer to filling, emptied, behind the other filling buffers."""
+        if self.states[slot] is not SlotState.TRAINING:
+            raise ValueError(f"buffer {slot} is {self.states[slot].value}, expected training")
+        self.buffers[slot].reset()
+        self._owners[slot][:] = FREE
+        self._generation[slot] = self._next_generation
+        self._next_generation += 1
+        self.states[slot] = SlotState.FILLING
+
+    def buffer_fill(self) -> float:
+        """Fraction of rows written in the oldest filling buffer (0..1), 1.0 when none is filling."""
+        filling = [s for s, state in enumerate(self.states) if state is SlotState.FILLING]
+        if not filling:
+            return 1.0
+        slot = min(filling, key=lambda s: self._generation[s])
+        return float(self.buffers[slot].column_steps.sum()) / (self.rollout_length * self.num_columns)
+
+    def take_episodes(self) -> tuple[list[float], list[int]]:
+        """Episodic returns and lengths received since the last call."""
+        returns, lengths = self.episode_returns, self.episode_lengths
+        self.episode_returns, self.episode_lengths = [], []
+        return returns, lengths
+
+
+def drop_stale_rows(buffer: RolloutBuffer, *, current_policy_version: int, max_policy_lag: int) -> tuple[int, dict[str, float]]:
+    """Exclude rows whose policy lag exceeds ``max_policy_lag`` from training.
+
+    Policy lag of a row = ``current_policy_version - policy_versions[t, e]`` (updates between the
+    policy that acted and the one about to be trained).
+
+    Returns:
+        ``(rows_dropped, {"min": .., "mean": .., "max": ..})`` lag statistics over all rows.
+    """
+    lag = current_policy_version - buffer.policy_versions
+    dropped = buffer.mark_untrainable(lag > max_policy_lag)
+    return dropped, {"min": float(lag.min()), "mean": float(lag.mean()), "max": float(lag.max())}

@@ -1,0 +1,328 @@
+"""Actor process: steps a vector env with a local CPU copy of the policy and streams steps to the learner.
+
+Per vector step: record the observations and the policy's action bundle, step the envs, record
+rewards / dones / truncation (with the value of the TRUE final observation of a truncated episode,
+from the policy that acted), pick up newer weights, choose the next actions (whose values are also
+the bootstrap ``next_values`` of this step), then send one step message.  ``send`` blocks when the
+learner is not reading (back-pressure); heartbeats continue meanwhile.
+
+Run with ``oakemu actor`` or ``python -m services.actor``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections import deque
+
+import numpy as np
+import torch
+import zmq
+
+from oakemu_core.actor_step_buffers import PPOActorStepBuffers
+from oakemu_core.config import OakEmuConfig
+from oakemu_core.envs import VectorEnv, make_vector_env
+from oakemu_core.models import ActorCritic, build_model, load_weight_arrays
+from oakemu_core.wire import (
+    Heartbeat,
+    HeartbeatReply,
+    JoinReply,
+    JoinRequest,
+    Leave,
+    MessageRejected,
+    StepMessage,
+    WeightsMessage,
+    decode_message,
+    encode_heartbeat,
+    encode_join_request,
+    encode_leave,
+    encode_step,
+)
+from services.runtime import install_stop_signals, setup_logging
+
+log = logging.getLogger("oakemu.actor")
+
+HEARTBEAT_PERIOD_S = 1.0
+REQUEST_TIMEOUT_S = 2.0
+
+
+class LearnerUnreachable(RuntimeError):
+    """The learner did not answer for longer than the configured patience."""
+
+
+class ControlChannel:
+    """REQ socket to the learner's control ROUTER, recreated after a timeout (ZeroMQ "lazy pirate")."""
+
+    def __init__(self, context: zmq.Context, address: str, max_bytes: int) -> None:
+        self.context = context
+        self.address = address
+        self.max_bytes = max_bytes
+        self.socket: zmq.Socket | None = None
+
+    def _connect(self) -> zmq.Socket:
+        if self.socket is None:
+            self.socket = self.context.socket(zmq.REQ)
+            self.socket.setsockopt(zmq.LINGER, 0)
+            self.socket.connect(self.address)
+        return self.socket
+
+    def request(self, frame: bytes, timeout_s: float = REQUEST_TIMEOUT_S):
+        """Send one request; the decoded reply, or None on timeout or a malformed reply."""
+        sock = self._connect()
+        sock.send(frame)
+        if not sock.poll(int(timeout_s * 1000)):
+            sock.close(linger=0)
+            self.socket = None
+            return None
+        try:
+            return decode_message(sock.recv(), max_bytes=self.max_bytes)
+        except MessageRejected as error:
+            log.warning("malformed reply from the learner: %s", error)
+            return None
+
+    def close(self) -> None:
+        if self.socket is not None:
+            self.socket.close(linger=0)
+            self.socket = None
+
+
+class Actor:
+    """One actor process: joins the learner, then steps and streams until told to stop."""
+
+    def __init__(self, config: OakEmuConfig, stop_event: threading.Event) -> None:
+        self.config = config
+        self.stop_event = stop_event
+        self.actor_id = config.actor_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.hostname = socket.gethostname()
+        self.context = zmq.Context()
+        self.control = ControlChannel(self.context, config.learner_address(config.control_port), config.max_message_bytes)
+        self.patience_s = 3 * config.actor_timeout_s
+        self.last_reply = time.monotonic()
+        self.next_heartbeat = 0.0
+        self.learner_version = 0
+        self.episodes = 0
+        self.sps_window: deque[tuple[float, int]] = deque(maxlen=32)
+        self.env_steps = 0
+        self.env: VectorEnv | None = None
+        self.model: ActorCritic | None = None
+        self.policy_version = 0
+        self.data: zmq.Socket | None = None
+        self.weights_sub: zmq.Socket | None = None
+
+    # -- joining ---------------------------------------------------------------------------
+    def join(self) -> JoinReply:
+        """Join (retrying while the learner is not up yet); loads the weights it returns."""
+        self.incarnation = uuid.uuid4().hex
+        self.seq = 0
+        request = encode_join_request(
+            JoinRequest(self.actor_id, self.incarnation, self.config.envs_per_actor, self.hostname)
+        )
+        deadline = time.monotonic() + self.patience_s
+        while not self.stop_event.is_set():
+            reply = self.control.request(request)
+            if isinstance(reply, JoinReply):
+                if not reply.accepted:
+                    raise RuntimeError(f"learner refused actor {self.actor_id}: {reply.reason}")
+                self._on_joined(reply)
+                return reply
+            if time.monotonic() > deadline:
+                raise LearnerUnreachable(
+                    f"no learner answered at {self.control.address} for {self.patience_s:.0f} s"
+                )
+        raise KeyboardInterrupt
+
+    def _on_joined(self, reply: JoinReply) -> None:
+        assert reply.spec is not None
+        env_config = reply.env_config
+        if self.env is None:  # first join: build env, model and sockets
+            seed = int(env_config["seed"])
+            torch.manual_seed(seed)
+            self.env = make_vector_env(
+                str(env_config["env_id"]),
+                self.config.envs_per_actor,
+                seed=seed,
+                clip_rewards=bool(env_config["clip_rewards"]),
+                max_episode_steps=env_config.get("max_episode_steps"),
+            )
+            spec = self.env.spec
+            self.model = build_model(spec.observation_shape, spec.observation_dtype, spec.num_actions)
+            self.model.eval()
+            self.step_buffers = PPOActorStepBuffers.create(
+                num_envs=self.config.envs_per_actor,
+                observation_shape=spec.observation_shape,
+                observation_dtype=spec.observation_dtype,
+                action_shape=spec.action_shape,
+                action_dtype=spec.action_dtype,
+            )
+            self._connect_streams()
+        self._load_weights(reply.policy_version, reply.weights)
+        self.last_reply = time.monotonic()
+        log.info("actor %s joined as #%d: %s x %d envs, policy version %d", self.actor_id, reply.actor_index,
+                 env_config["env_id"], self.config.envs_per_actor, reply.policy_version)
+
+    def _connect_streams(self) -> None:
+        config = self.config
+        self.data = self.context.socket(zmq.PUSH)
+        self.data.setsockopt(zmq.SNDHWM, 2)  # back-pressure after two messages in flight
+        self.data.setsockopt(zmq.LINGER, 0)
+        self.data.connect(config.learner_address(config.data_port))
+        self.weights_sub = self.context.socket(zmq.SUB)
+        self.weights_sub.setsockopt(zmq.CONFLATE, 1)  # only the newest weights matter
+        self.weights_sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.weights_sub.setsockopt(zmq.LINGER, 0)
+        self.weights_sub.connect(config.learner_address(config.weights_port))
+
+    def _load_weights(self, version: int, weights: dict[str, np.ndarray]) -> None:
+        assert self.model is not None
+        load_weight_arrays(self.model, weights)
+        self.policy_version = version
+        self.learner_version = max(self.learner_version, version)
+
+    def _poll_weights(self) -> None:
+        assert self.weights_sub is not None
+        try:
+            frame = self.weights_sub.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        try:
+            message = decode_message(frame, max_bytes=self.config.max_message_bytes)
+        except MessageRejected as error:
+            log.warning("malformed weights message ignored: %s", error)
+            return
+        if isinstance(message, WeightsMessage) and message.policy_version > self.policy_version:
+            self._load_weights(message.policy_version, message.weights)
+
+    # -- liveness --------------------------------------------------------------------------
+    def sps(self) -> float:
+        if len(self.sps_window) < 2:
+            return 0.0
+        (t0, s0), (t1, s1) = self.sps_window[0], self.sps_window[-1]
+        return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def heartbeat_if_due(self) -> None:
+        """Heartbeat once a second; rejoin when the learner forgot us, stop when it says so."""
+        now = time.monotonic()
+        if now < self.next_heartbeat:
+            return
+        self.next_heartbeat = now + HEARTBEAT_PERIOD_S
+        self.sps_window.append((now, self.env_steps))
+        reply = self.control.request(
+            encode_heartbeat(
+                Heartbeat(self.actor_id, self.incarnation, self.seq, self.policy_version, self.sps(),
+                          float(self.learner_version - self.policy_version), self.episodes)
+            )
+        )
+        if not isinstance(reply, HeartbeatReply):
+            if time.monotonic() - self.last_reply > self.patience_s:
+                raise LearnerUnreachable(f"learner silent for {self.patience_s:.0f} s")
+            return
+        self.last_reply = time.monotonic()
+        self.learner_version = max(self.learner_version, reply.policy_version)
+        if reply.status == "stop":
+            log.info("learner asked actor %s to stop", self.actor_id)
+            self.stop_event.set()
+        elif reply.status == "rejoin":
+            log.warning("learner does not know actor %s/%s: joining again", self.actor_id, self.incarnation)
+            self.join()
+            raise _Rejoined
+
+    def send(self, frame: bytes) -> None:
+        """Send one step message, waiting (with heartbeats) while the learner applies back-pressure."""
+        assert self.data is not None
+        while not self.stop_event.is_set():
+            try:
+                self.data.send(frame, zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                self.data.poll(100, zmq.POLLOUT)
+                self.heartbeat_if_due()
+
+    # -- stepping --------------------------------------------------------------------------
+    def run(self) -> int:
+        self.join()
+        assert self.env is not None and self.model is not None
+        env, model, buffers = self.env, self.model, self.step_buffers
+        num_envs = self.config.envs_per_actor
+        env_ids = list(range(num_envs))
+        trainable = [True] * num_envs
+        observations = env.reset()
+        bundle, bundle_version = model.act(observations), self.policy_version
+        while not self.stop_event.is_set():
+            buffers.reset_action_selection()
+            buffers.reset_step_results()
+            buffers.observations[:] = observations
+            buffers.record_action_bundle_for_env_ids(bundle, env_ids=env_ids, trainable=trainable)
+            step = env.step(bundle.actions)
+            truncated = step.truncated & ~step.terminated
+            bootstrap = np.zeros(num_envs, np.float32)
+            if truncated.any():  # value of the true final observation, by the policy that acted
+                bootstrap[truncated] = model.predict_values(step.final_observations[truncated])
+            dones = step.dones
+            for env_id in env_ids:
+                buffers.record_step_result(
+                    env_id, float(step.training_rewards[env_id]), done=bool(dones[env_id]),
+                    truncated=bool(truncated[env_id]), bootstrap_value=float(bootstrap[env_id]),
+                )
+            self._poll_weights()
+            next_bundle, next_version = model.act(step.observations), self.policy_version
+            message = StepMessage(
+                actor_id=self.actor_id, incarnation=self.incarnation, seq=self.seq, policy_version=bundle_version,
+                observations=buffers.observations, actions=buffers.actions, log_probs=buffers.log_probs,
+                values=buffers.values, rewards=buffers.rewards, dones=buffers.dones, truncated=buffers.truncated,
+                bootstrap_values=buffers.bootstrap_values, next_values=next_bundle.values,
+                trainable=buffers.trainable, episode_returns=step.episode_returns,
+                episode_lengths=step.episode_lengths,
+            )
+            try:
+                self.heartbeat_if_due()
+                self.send(encode_step(message))
+            except _Rejoined:
+                pass  # this step is lost with the old incarnation; the new one starts at seq 0
+            else:
+                self.seq += 1
+            self.env_steps += num_envs
+            self.episodes += len(step.episode_returns)
+            observations, bundle, bundle_version = step.observations, next_bundle, next_version
+        return 0
+
+    def close(self) -> None:
+        """Say goodbye (best effort), then release env and sockets."""
+        if getattr(self, "incarnation", None) and self.data is not None:
+            self.control.request(encode_leave(Leave(self.actor_id, self.incarnation)), timeout_s=0.5)
+        self.control.close()
+        if self.env is not None:
+            self.env.close()
+        self.context.destroy(linger=0)
+
+
+class _Rejoined(Exception):
+    """Internal: the actor joined again (new incarnation) in the middle of a step."""
+
+
+def main(config: OakEmuConfig) -> int:
+    """Entry point of ``oakemu actor``: 0 when stopped, 1 when the learner is unreachable."""
+    setup_logging(config.log_level)
+    torch.set_num_threads(config.torch_threads)
+    stop_event = install_stop_signals()
+    actor = Actor(config, stop_event)
+    try:
+        return actor.run()
+    except LearnerUnreachable as error:
+        log.error("actor %s: %s", actor.actor_id, error)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        actor.close()
+
+
+if __name__ == "__main__":
+    import sys
+
+    from services.cli import main as cli_main
+
+    raise SystemExit(cli_main(["actor", *sys.argv[1:]]))

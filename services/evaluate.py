@@ -1,0 +1,67 @@
+"""``oakemu evaluate CHECKPOINT``: play episodes with a trained policy and report the episodic return."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+
+from oakemu_core.checkpoint import latest_checkpoint, load_checkpoint
+from oakemu_core.envs import make_eval_env
+from oakemu_core.models import build_model
+
+DEFAULT_MAX_EPISODE_STEPS = 27_000
+"""Time limit when the run had none: 108k frames at frame skip 4, the usual Atari evaluation cap."""
+
+
+def evaluate(checkpoint: Path, *, episodes: int, greedy: bool, seed: int) -> list[float]:
+    """Play ``episodes`` episodes with the checkpoint's policy (CPU); returns their raw returns.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``checkpoint`` (a run folder is searched for its latest).
+        oakemu_core.checkpoint.CheckpointError: unreadable checkpoint.
+    """
+    path = Path(checkpoint)
+    if path.is_dir():
+        found = latest_checkpoint(path)
+        if found is None:
+            raise FileNotFoundError(f"{path}: run folder without checkpoints")
+        path = found
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such checkpoint")
+    state = load_checkpoint(path)
+    env_info, config = state["env"], state["config"]
+    model = build_model(tuple(env_info["observation_shape"]), np.dtype(env_info["observation_dtype"]),
+                        int(env_info["num_actions"]))
+    model.load_state_dict(state["model"])
+    model.eval()
+    torch.manual_seed(seed)
+    env = make_eval_env(env_info["env_id"], seed=seed,
+                        max_episode_steps=config.get("max_episode_steps") or DEFAULT_MAX_EPISODE_STEPS)
+    returns: list[float] = []
+    try:
+        observations = env.reset()
+        while len(returns) < episodes:
+            step = env.step(model.act(observations, greedy=greedy).actions)
+            returns.extend(step.episode_returns)
+            observations = step.observations
+    finally:
+        env.close()
+    return returns[:episodes]
+
+
+def main(checkpoint: Path, *, episodes: int, greedy: bool, seed: int) -> int:
+    """Entry point: prints one line ``episodes N  mean M  std S`` (population std); 0 on success."""
+    console = Console()
+    try:
+        returns = evaluate(checkpoint, episodes=episodes, greedy=greedy, seed=seed)
+    except FileNotFoundError as error:
+        Console(stderr=True).print(f"[red]oakemu evaluate: {error}[/]")
+        return 1
+    mode = "greedy" if greedy else "sampled"
+    console.print(f"{checkpoint}: {mode} policy, episodes {len(returns)}  mean {np.mean(returns):.2f}  "
+                  f"std {np.std(returns):.2f}  (min {np.min(returns):.1f}, max {np.max(returns):.1f})",
+                  highlight=False)
+    return 0

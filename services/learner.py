@@ -1,0 +1,553 @@
+"""Learner process: owns the shared-memory rollout buffers, ingests actor steps, trains PPO, publishes weights.
+
+Two threads, each owning its state:
+
+- the *ingest* thread (main thread) owns every socket and the :class:`RolloutAssembler`: it serves
+  joins and heartbeats, writes step messages into the filling buffer, hands full buffers to the
+  trainer, publishes weights and telemetry, and stops reading step messages while no buffer is
+  filling (back-pressure: actors then block in ``send``);
+- the *trainer* thread owns the model and optimizer: for each full buffer it drops rows that are too
+  stale, computes GAE on the CPU, runs one PPO update on the device and returns new weights;
+  it also writes checkpoints.
+
+Run with ``oakemu learner`` or ``python -m services.learner``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import signal
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from oakemu_core.checkpoint import (
+    capture_rng_state,
+    latest_checkpoint,
+    load_checkpoint,
+    restore_rng_state,
+    save_run_checkpoint,
+)
+from oakemu_core.config import OakEmuConfig, resolved_device, to_toml
+from oakemu_core.envs import EnvSpec, env_spec
+from oakemu_core.ingest import FullRollout, RolloutAssembler, StepRejected, drop_stale_rows
+from oakemu_core.memory_diagnostics import ensure_shm_capacity
+from oakemu_core.metrics import EpisodeWindow, MetricsLogger, update_scalars
+from oakemu_core.models import ActorCritic, build_model, weights_to_arrays
+from oakemu_core.ppo import LinearSchedule, PPOLearner, PPORuntimeState, PPOUpdateStats
+from oakemu_core.rollout_buffer import RolloutBuffer
+from oakemu_core.telemetry import ActorTelemetry, PrometheusExporter, TelemetryPublisher, TelemetrySnapshot
+from oakemu_core.wire import (
+    Heartbeat,
+    HeartbeatReply,
+    JoinReply,
+    JoinRequest,
+    Leave,
+    MessageRejected,
+    StepSpec,
+    WeightsMessage,
+    decode_message,
+    decode_step,
+    encode_heartbeat_reply,
+    encode_join_reply,
+    encode_weights,
+)
+from services.runtime import install_stop_signals, resolve_run_dir, setup_logging
+
+log = logging.getLogger("oakemu.learner")
+
+NUM_ROLLOUT_BUFFERS = 2
+"""One buffer fills while the other trains."""
+TELEMETRY_PERIOD_S = 1.0
+RECV_BATCH = 64
+"""Step messages read per loop turn before serving control messages again."""
+
+
+def rollout_buffer_bytes(config: OakEmuConfig, spec: EnvSpec) -> int:
+    """Shared-memory bytes of one rollout buffer for ``config`` (all arrays, see RolloutBuffer)."""
+    observation_bytes = int(np.prod(spec.observation_shape)) * np.dtype(spec.observation_dtype).itemsize
+    action_bytes = int(np.prod(spec.action_shape, dtype=np.int64)) * np.dtype(spec.action_dtype).itemsize
+    # log_probs, values, rewards, bootstrap_values, advantages, returns (f32) + dones, trainable
+    # (bool) + policy_versions (i64) per row, and column_steps (i64) per column.
+    per_row = observation_bytes + action_bytes + 6 * 4 + 2 + 8
+    return config.rollout_length * config.buffer_num_envs * per_row + 8 * config.buffer_num_envs
+
+
+# ------------------------------------------------------------------------------------ trainer
+@dataclass
+class TrainResult:
+    """What the trainer thread hands back after one update."""
+
+    slot: int
+    policy_version: int
+    weights: dict[str, np.ndarray]
+    stats: PPOUpdateStats
+    stale_rows: int
+    lag: dict[str, float]
+    iterations: int
+
+
+class Trainer:
+    """The trainer thread's state: model, optimizer, PPO learner, checkpoints."""
+
+    def __init__(self, config: OakEmuConfig, spec: EnvSpec, run_dir: Path) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.device = resolved_device(config)
+        torch.manual_seed(config.seed)
+        self.model: ActorCritic = build_model(spec.observation_shape, spec.observation_dtype, spec.num_actions)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.learning_rate, eps=1e-5)
+        total_updates = max(1, math.ceil(config.total_env_steps / config.batch_size))
+        end_lr = 0.0 if config.anneal_lr else config.learning_rate
+        self.schedule = LinearSchedule(config.learning_rate, end_lr, total_updates)
+        self.ppo = PPOLearner(
+            self.model,
+            self.optimizer,
+            device=self.device,
+            ppo_epochs=config.ppo_epochs,
+            num_minibatches=config.num_minibatches,
+            clip_coef=config.clip_coef,
+            clip_value_loss=config.clip_value_loss,
+            ent_coef=config.ent_coef,
+            vf_coef=config.vf_coef,
+            max_grad_norm=config.max_grad_norm,
+            target_kl=config.target_kl,
+            normalize_advantages=config.normalize_advantages,
+            lr_schedule=self.schedule,
+            seed=config.seed,
+        )
+        self.spec = spec
+        self.global_step = 0
+        self.episodes = 0
+        self.inbox: queue.Queue[tuple[FullRollout, int, int] | None] = queue.Queue()
+        self.outbox: queue.Queue[TrainResult | BaseException] = queue.Queue()
+        self.busy = False
+        self._thread = threading.Thread(target=self._run, name="oakemu-trainer", daemon=True)
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def policy_version(self) -> int:
+        return self.ppo.policy_version
+
+    def weights(self) -> dict[str, np.ndarray]:
+        return weights_to_arrays(self.model)
+
+    def restore(self, path: Path) -> dict[str, Any]:
+        """Load model, optimizer, schedule, counters and RNG state from a checkpoint file."""
+        state = load_checkpoint(path, map_location=self.device)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["lr_schedule"])
+        self.ppo.restore_state(PPORuntimeState.from_dict(state["ppo"]))
+        restore_rng_state(state["rng"])
+        self.global_step = int(state["global_step"])
+        self.episodes = int(state["episodes"])
+        return state
+
+    def checkpoint(self) -> Path:
+        """Write an atomic checkpoint of everything a resume needs."""
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "lr_schedule": self.schedule.state_dict(),
+            "ppo": self.ppo.state().to_dict(),
+            "rng": capture_rng_state(),
+            "global_step": int(self.global_step),
+            "episodes": int(self.episodes),
+            "config": self.config.model_dump(mode="json"),
+            "env": {
+                "env_id": self.spec.env_id,
+                "observation_shape": list(self.spec.observation_shape),
+                "observation_dtype": np.dtype(self.spec.observation_dtype).str,
+                "num_actions": int(self.spec.num_actions),
+            },
+        }
+        return save_run_checkpoint(self.run_dir, self.ppo.iterations, state, keep_last=3)
+
+    # -- thread -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, rollout: FullRollout, global_step: int, episodes: int) -> None:
+        self.busy = True
+        self.inbox.put((rollout, global_step, episodes))
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        self.inbox.put(None)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            job = self.inbox.get()
+            if job is None:
+                return
+            try:
+                self.outbox.put(self._train(*job))
+            except BaseException as error:  # surfaced in the ingest thread, which stops the run
+                self.outbox.put(error)
+                return
+
+    def _train(self, rollout: FullRollout, global_step: int, episodes: int) -> TrainResult:
+        version = self.ppo.policy_version
+        stale_rows, lag = drop_stale_rows(
+            rollout.buffer, current_policy_version=version, max_policy_lag=self.config.max_policy_lag
+        )
+        rollout.buffer.compute_gae(rollout.last_values, rollout.last_dones, self.config.gamma, self.config.gae_lambda)
+        if rollout.buffer.trainable_size:
+            stats = self.ppo.step(rollout.buffer, current_policy_version=version)
+        else:  # every row was too stale: nothing to learn from this rollout
+            stats = None
+        self.global_step = global_step
+        self.episodes = episodes
+        every = self.config.checkpoint_every_updates
+        if stats is not None and every and self.ppo.iterations % every == 0:
+            self.checkpoint()
+        return TrainResult(
+            slot=rollout.slot,
+            policy_version=self.ppo.policy_version,
+            weights=self.weights(),
+            stats=stats,
+            stale_rows=stale_rows,
+            lag=lag,
+            iterations=self.ppo.iterations,
+        )
+
+
+# ------------------------------------------------------------------------------------ learner
+class Learner:
+    """The learner process: sockets + assembler in this thread, :class:`Trainer` in another."""
+
+    def __init__(self, config: OakEmuConfig, run_dir: Path) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.spec = env_spec(config.env_id)
+        self.buffer_bytes = rollout_buffer_bytes(config, self.spec)
+        # Refuse now with the size needed, instead of a bus error on the first write later.
+        ensure_shm_capacity(NUM_ROLLOUT_BUFFERS * self.buffer_bytes)
+        self.trainer = Trainer(config, self.spec, run_dir)
+        resume_from = latest_checkpoint(run_dir)
+        if resume_from is not None:
+            self.trainer.restore(resume_from)
+            log.info("resumed from %s at %d env steps, update %d", resume_from, self.trainer.global_step,
+                     self.trainer.ppo.iterations)
+        self.buffers = [
+            RolloutBuffer(
+                config.rollout_length,
+                config.buffer_num_envs,
+                self.spec.observation_shape,
+                self.spec.observation_dtype,
+                action_shape=self.spec.action_shape,
+                action_dtype=self.spec.action_dtype,
+            )
+            for _ in range(NUM_ROLLOUT_BUFFERS)
+        ]
+        self.assembler = RolloutAssembler(self.buffers, actor_timeout_s=config.actor_timeout_s)
+        self.assembler.counters.env_steps = self.trainer.global_step
+        self.policy_version = self.trainer.policy_version
+        self.latest_weights = self.trainer.weights()
+        self.episodes = self.trainer.episodes
+        self.window = EpisodeWindow(maxlen=100)
+        self.last_stats: PPOUpdateStats | None = None
+        self.last_lag: dict[str, float] = {}
+        self.sps_window: deque[tuple[float, int]] = deque(maxlen=64)
+        self.started = time.monotonic()
+        self.stopping_reason = ""
+        self._setup_sockets()
+        self.metrics = MetricsLogger(run_dir)
+        self.telemetry = TelemetryPublisher(config.bind_address(config.telemetry_port))
+        self.prometheus = PrometheusExporter(config.metrics_port) if config.metrics_enabled else None
+
+    def _setup_sockets(self) -> None:
+        config = self.config
+        self.context = zmq.Context()
+        self.data = self.context.socket(zmq.PULL)
+        # A small receive queue: back-pressure reaches the actors quickly, and rows stay fresh.
+        self.data.setsockopt(zmq.RCVHWM, 4)
+        self.data.setsockopt(zmq.LINGER, 0)
+        self.data.bind(config.bind_address(config.data_port))
+        self.control = self.context.socket(zmq.ROUTER)
+        self.control.setsockopt(zmq.LINGER, 0)
+        self.control.bind(config.bind_address(config.control_port))
+        self.weights_pub = self.context.socket(zmq.PUB)
+        self.weights_pub.setsockopt(zmq.SNDHWM, 2)
+        self.weights_pub.setsockopt(zmq.LINGER, 0)
+        self.weights_pub.bind(config.bind_address(config.weights_port))
+
+    # -- control ----------------------------------------------------------------------------
+    def _handle_control(self, now: float) -> None:
+        while True:
+            try:
+                identity, empty, frame = self.control.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ValueError:  # not [identity, "", body]: a peer that does not speak REQ
+                self.assembler.counters.rejected["garbage"] += 1
+                continue
+            try:
+                message = decode_message(frame, max_bytes=self.config.max_message_bytes)
+            except MessageRejected as error:
+                self.assembler.counters.rejected[error.reason] += 1
+                log.warning("rejected control message: %s", error)
+                reply = encode_heartbeat_reply(HeartbeatReply(status="rejoin", policy_version=self.policy_version))
+                self.control.send_multipart([identity, b"", reply])
+                continue
+            self.control.send_multipart([identity, b"", self._reply(message, now)])
+
+    def _reply(self, message: Any, now: float) -> bytes:
+        stopping = bool(self.stopping_reason)
+        if isinstance(message, JoinRequest):
+            if stopping:
+                return encode_join_reply(JoinReply(False, "learner is stopping", -1, None, {}, self.policy_version))
+            spec = StepSpec(
+                num_envs=message.num_envs,
+                observation_shape=self.spec.observation_shape,
+                observation_dtype=self.spec.observation_dtype,
+                action_shape=self.spec.action_shape,
+                action_dtype=self.spec.action_dtype,
+            )
+            record = self.assembler.join(message.actor_id, message.incarnation, spec, hostname=message.hostname, now=now)
+            log.info("actor %s joined (%d envs, host %s, index %d)", message.actor_id, message.num_envs,
+                     message.hostname, record.index)
+            env_config = {
+                "env_id": self.config.env_id,
+                "max_episode_steps": self.config.max_episode_steps,
+                "clip_rewards": self.config.resolved_clip_rewards,
+                "seed": self.config.seed + 1000 * (record.index + 1),
+            }
+            return encode_join_reply(
+                JoinReply(True, "", record.index, spec, env_config, self.policy_version, self.latest_weights)
+            )
+        if isinstance(message, Heartbeat):
+            known = self.assembler.heartbeat(
+                message.actor_id, message.incarnation, now=now,
+                env_steps_per_second=message.env_steps_per_second, policy_lag=message.policy_lag,
+                episodes=message.episodes,
+            )
+            status = "stop" if stopping else ("ok" if known else "rejoin")
+            return encode_heartbeat_reply(HeartbeatReply(status=status, policy_version=self.policy_version))
+        if isinstance(message, Leave):
+            if self.assembler.leave(message.actor_id, message.incarnation):
+                log.info("actor %s left", message.actor_id)
+            return encode_heartbeat_reply(HeartbeatReply(status="stop", policy_version=self.policy_version))
+        self.assembler.counters.rejected["schema"] += 1
+        return encode_heartbeat_reply(HeartbeatReply(status="rejoin", policy_version=self.policy_version))
+
+    # -- data -------------------------------------------------------------------------------
+    def _handle_data(self, now: float) -> None:
+        for _ in range(RECV_BATCH):
+            if not self.assembler.accepting:
+                return
+            try:
+                frame = self.data.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                message = decode_step(frame.buffer, self.assembler.spec_for, max_bytes=self.config.max_message_bytes)
+                self.assembler.ingest(message, current_policy_version=self.policy_version, now=now)
+            except (MessageRejected, StepRejected) as error:
+                self.assembler.counters.rejected[error.reason] += 1
+                log.warning("rejected step message: %s", error)
+                continue
+            if message.episode_returns:
+                self.episodes += len(message.episode_returns)
+
+    # -- results ----------------------------------------------------------------------------
+    def _hand_off_full_rollouts(self) -> None:
+        if self.trainer.busy:
+            return
+        rollout = self.assembler.take_full_rollout()
+        if rollout is not None:
+            self.trainer.submit(rollout, self.assembler.counters.env_steps, self.episodes)
+
+    def _collect_results(self) -> None:
+        while True:
+            try:
+                result = self.trainer.outbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(result, BaseException):
+                raise RuntimeError("trainer thread failed") from result
+            self.trainer.busy = False
+            self.assembler.release(result.slot)
+            self.policy_version = result.policy_version
+            self.latest_weights = result.weights
+            self.weights_pub.send(encode_weights(WeightsMessage(result.policy_version, result.weights)), copy=False)
+            self.assembler.counters.dropped["stale_rows"] += result.stale_rows
+            self.last_lag = result.lag
+            self._log_update(result)
+
+    def _log_update(self, result: TrainResult) -> None:
+        step = self.assembler.counters.env_steps
+        scalars: dict[str, float] = {"charts/SPS": self.sps(), "charts/policy_version": result.policy_version}
+        scalars.update({f"charts/policy_lag_{k}": v for k, v in result.lag.items()})
+        scalars["charts/stale_rows"] = result.stale_rows
+        if result.stats is not None:
+            self.last_stats = result.stats
+            scalars.update(update_scalars(result.stats))
+            scalars["diagnostics/first_minibatch_ratio_max_abs_dev"] = result.stats.first_minibatch_ratio_max_abs_dev
+            scalars["diagnostics/update_seconds"] = result.stats.update_seconds
+        if self.window.count:
+            scalars["charts/episodic_return"] = self.window.mean
+            scalars["charts/episodic_length"] = self.window.mean_length
+        self.metrics.log(step, scalars)
+        ret = f"{self.window.mean:8.2f}" if self.window.count else "     n/a"
+        loss = (f"pg {result.stats.policy_loss:+.3f} v {result.stats.value_loss:.3f} ent {result.stats.entropy:.3f} "
+                f"kl {result.stats.approx_kl:.4f}") if result.stats else "no trainable rows"
+        log.info("update %5d | steps %9d | SPS %6.0f | episodes %6d | return %s | %s | actors %d",
+                 result.iterations, step, self.sps(), self.episodes, ret, loss, len(self.assembler.actors))
+        self._publish_telemetry(is_update=True)
+
+    # -- telemetry --------------------------------------------------------------------------
+    def sps(self) -> float:
+        if len(self.sps_window) < 2:
+            return 0.0
+        (t0, s0), (t1, s1) = self.sps_window[0], self.sps_window[-1]
+        return max(0.0, (s1 - s0) / (t1 - t0)) if t1 > t0 else 0.0
+
+    def snapshot(self, *, is_update: bool) -> TelemetrySnapshot:
+        now = time.monotonic()
+        stats = self.last_stats
+        counters = self.assembler.counters
+        return TelemetrySnapshot(
+            time=time.time(),
+            run_name=self.run_dir.name,
+            env_id=self.config.env_id,
+            global_step=max(0, counters.env_steps),
+            sps=self.sps(),
+            policy_version=self.policy_version,
+            iterations=self.trainer.ppo.iterations,
+            episodes=self.episodes,
+            episodic_return_mean=self.window.mean if self.window.count else None,
+            episodic_return_min=self.window.min if self.window.count else None,
+            episodic_return_max=self.window.max if self.window.count else None,
+            episodic_length_mean=self.window.mean_length if self.window.count else None,
+            policy_loss=stats.policy_loss if stats else None,
+            value_loss=stats.value_loss if stats else None,
+            entropy=stats.entropy if stats else None,
+            approx_kl=stats.approx_kl if stats else None,
+            clip_fraction=stats.clip_fraction if stats else None,
+            explained_variance=_finite_or_none(stats.explained_variance) if stats else None,
+            learning_rate=stats.learning_rate if stats else self.trainer.schedule.value(),
+            buffer_fill=min(1.0, self.assembler.buffer_fill()),
+            rejected_messages=dict(counters.rejected),
+            dropped=dict(counters.dropped),
+            policy_lag_min=self.last_lag.get("min"),
+            policy_lag_mean=self.last_lag.get("mean"),
+            policy_lag_max=self.last_lag.get("max"),
+            actors=[
+                ActorTelemetry(
+                    actor_id=r.actor_id, incarnation=r.incarnation, num_envs=r.spec.num_envs,
+                    sps=r.env_steps_per_second, policy_lag=r.policy_lag, last_heard_s=max(0.0, now - r.last_heard),
+                )
+                for r in self.assembler.actors.values()
+            ],
+            is_update=is_update,
+        )
+
+    def _publish_telemetry(self, *, is_update: bool) -> None:
+        snapshot = self.snapshot(is_update=is_update)
+        self.telemetry.publish(snapshot)
+        if self.prometheus is not None:
+            self.prometheus.update(snapshot)
+
+    # -- main loop --------------------------------------------------------------------------
+    def run(self, stop_event: threading.Event) -> int:
+        """Serve until the env-step budget is spent or ``stop_event`` is set; returns 0."""
+        config = self.config
+        (self.run_dir / "config.toml").write_text(to_toml(config))
+        self.trainer.start()
+        poller = zmq.Poller()
+        poller.register(self.control, zmq.POLLIN)
+        data_registered = False
+        next_telemetry = next_expiry = time.monotonic()
+        log.info("learner for %s: %d x %d rollout buffers (%.1f MiB each) on %s, device %s, run %s",
+                 config.env_id, config.rollout_length, config.buffer_num_envs, self.buffer_bytes / 2**20,
+                 config.bind_host, self.trainer.device, self.run_dir)
+        while True:
+            budget_spent = self.assembler.counters.env_steps >= config.total_env_steps
+            if (stop_event.is_set() or budget_spent) and not self.stopping_reason:
+                self.stopping_reason = "signal" if stop_event.is_set() else "env-step budget reached"
+                log.info("stopping: %s", self.stopping_reason)
+            if self.stopping_reason and not self.trainer.busy:
+                break
+            want_data = self.assembler.accepting and not self.stopping_reason
+            if want_data != data_registered:
+                (poller.register(self.data, zmq.POLLIN) if want_data else poller.unregister(self.data))
+                data_registered = want_data
+            events = dict(poller.poll(20))
+            now = time.monotonic()
+            if self.control in events:
+                self._handle_control(now)
+            if events.get(self.data):
+                self._handle_data(now)
+            returns, lengths = self.assembler.take_episodes()
+            if returns:
+                self.window.add(returns, lengths)
+            self._collect_results()
+            if not self.stopping_reason:
+                self._hand_off_full_rollouts()
+            if now >= next_expiry:
+                for actor_id in self.assembler.expire_silent_actors(now):
+                    log.warning("actor %s silent for %.1f s: dropped, its unfinished segment discarded",
+                                actor_id, config.actor_timeout_s)
+                next_expiry = now + 0.5
+            if now >= next_telemetry:
+                self.sps_window.append((now, self.assembler.counters.env_steps))
+                self._publish_telemetry(is_update=False)
+                next_telemetry = now + TELEMETRY_PERIOD_S
+        # Tell the actors to stop for a moment, so they exit before we close the sockets.
+        self._drain_control(seconds=min(2.0, config.actor_timeout_s))
+        return 0
+
+    def _drain_control(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and self.assembler.actors:
+            if self.control.poll(50):
+                self._handle_control(time.monotonic())
+
+    def close(self) -> None:
+        """Final checkpoint, then release sockets, loggers and shared memory (idempotent)."""
+        self.trainer.stop()
+        try:
+            path = self.trainer.checkpoint()
+            log.info("final checkpoint %s", path)
+        finally:
+            self.metrics.close()
+            self.telemetry.close()
+            if self.prometheus is not None:
+                self.prometheus.close()
+            self.context.destroy(linger=0)
+            for buffer in self.buffers:
+                buffer.close()
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def main(config: OakEmuConfig) -> int:
+    """Entry point of ``oakemu learner``: run until the budget is spent or SIGINT/SIGTERM."""
+    setup_logging(config.log_level)
+    run_dir = resolve_run_dir(config)
+    stop_event = install_stop_signals()
+    learner = Learner(config, run_dir)
+    try:
+        return learner.run(stop_event)
+    finally:
+        learner.close()
+
+
+if __name__ == "__main__":
+    from services.cli import main as cli_main
+
+    raise SystemExit(cli_main(["learner", *__import__("sys").argv[1:]]))

@@ -1,0 +1,186 @@
+"""``oakemu train``: the embedded default, a learner and ``num_actors`` actors as local processes.
+
+The launcher writes the resolved configuration into the run folder, starts ``oakemu learner`` and
+``oakemu actor`` children that read it (``OAKEMU_CONFIG_FILE``), shows live progress from the
+learner's telemetry, restarts an actor that crashes, and on Ctrl-C / SIGTERM stops the learner
+first (it writes a final checkpoint) and then the actors.  Children die with the launcher even
+when it is killed (Linux parent-death signal), so no orphan process or shared-memory segment stays.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from oakemu_core.config import OakEmuConfig, to_toml
+from oakemu_core.telemetry import TelemetrySnapshot, TelemetrySubscriber
+from services.runtime import PARENT_PID_ENV, install_stop_signals, resolve_run_dir
+
+log = logging.getLogger("oakemu.train")
+
+STOP_GRACE_S = 60.0
+"""How long the learner may take to finish an update and write its final checkpoint."""
+MAX_ACTOR_RESTARTS = 5
+
+
+class Child:
+    """One service process with its log file."""
+
+    def __init__(self, name: str, command: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.name = name
+        self.command = command
+        self.env = env
+        self.log_path = log_path
+        self.restarts = 0
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        log_file = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it; closed when we exit
+        # A session of its own: Ctrl-C reaches only the launcher, which then stops children in order.
+        self.process = subprocess.Popen(
+            self.command, env=self.env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        log_file.close()
+
+    def poll(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def signal(self, signum: int) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signum)
+
+    def wait(self, timeout_s: float) -> int | None:
+        if self.process is None:
+            return None
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def _child_env(config_file: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OAKEMU_")}
+    env.update({"OAKEMU_CONFIG_FILE": str(config_file), PARENT_PID_ENV: str(os.getpid()), **extra})
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _progress_text(snapshot: TelemetrySnapshot) -> str:
+    ret = f"{snapshot.episodic_return_mean:.2f}" if snapshot.episodic_return_mean is not None else "n/a"
+    losses = (
+        f" pg {snapshot.policy_loss:+.3f} v {snapshot.value_loss:.3f} ent {snapshot.entropy:.3f}"
+        if snapshot.policy_loss is not None
+        else ""
+    )
+    return (f"SPS {snapshot.sps:6.0f} | upd {snapshot.iterations} | ep {snapshot.episodes} | return {ret}"
+            f"{losses} | actors {snapshot.num_actors}")
+
+
+def main(config: OakEmuConfig, resume: Path | None = None) -> int:
+    """Run learner + actors until the env-step budget is spent or the user stops it.
+
+    Args:
+        config: the resolved configuration (with ``--resume``, already layered over the run's own
+            ``config.toml``).
+        resume: run folder to continue; its last checkpoint is restored by the learner.
+
+    Returns:
+        The learner's exit status (0 on success).
+
+    Raises:
+        FileNotFoundError: ``resume`` is not a run folder with a checkpoint.
+    """
+    if resume is not None:
+        resume = Path(resume)
+        if not (resume / "checkpoints").is_dir():
+            raise FileNotFoundError(f"--resume {resume}: not a run folder with checkpoints/")
+        config = config.model_copy(update={"runs_dir": resume.parent, "run_name": resume.name})
+    elif config.run_name is None:
+        run_dir = resolve_run_dir(config)
+        config = config.model_copy(update={"run_name": run_dir.name})
+    run_dir = resolve_run_dir(config)
+    logs_dir = run_dir / "logs"
+    logs_dir.mkdir(exist_ok=True)
+    config_file = run_dir / "config.toml"
+    config_file.write_text(to_toml(config))
+
+    console = Console(stderr=True)
+    stop_event = install_stop_signals()
+    cli = [sys.executable, "-m", "services.cli"]
+    learner = Child("learner", [*cli, "learner"], _child_env(config_file), logs_dir / "learner.log")
+    actors = [
+        Child(f"actor-{i}", [*cli, "actor"], _child_env(config_file, OAKEMU_ACTOR_ID=f"actor-{i}"),
+              logs_dir / f"actor-{i}.log")
+        for i in range(config.num_actors)
+    ]
+    console.print(f"[bold]oakemu train[/]: {config.env_id}, {config.num_actors} actors x {config.envs_per_actor} "
+                  f"envs, {config.total_env_steps} env steps -> {run_dir}" + (" (resumed)" if resume else ""))
+    subscriber = TelemetrySubscriber(config.learner_address(config.telemetry_port))
+    learner.start()
+    for actor in actors:
+        actor.start()
+    status = 1
+    try:
+        with Progress(
+            TextColumn("[bold blue]env steps"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("{task.fields[info]}"), console=console, transient=False,
+        ) as progress:
+            task = progress.add_task("train", total=config.total_env_steps, info="starting learner and actors")
+            last_update = -1
+            while not stop_event.is_set():
+                status_code = learner.poll()
+                if status_code is not None:
+                    status = status_code
+                    break
+                snapshot = subscriber.receive(timeout_s=0.5)
+                if snapshot is not None:
+                    progress.update(task, completed=snapshot.global_step, info=_progress_text(snapshot))
+                    if snapshot.is_update and snapshot.iterations != last_update:
+                        last_update = snapshot.iterations
+                        progress.console.print(f"update {snapshot.iterations:5d} | steps {snapshot.global_step:9d} | "
+                                               + _progress_text(snapshot), highlight=False)
+                _restart_crashed(actors, console)
+            else:
+                console.print("stopping: waiting for the learner's final checkpoint ...")
+                learner.signal(signal.SIGTERM)
+                status = learner.wait(STOP_GRACE_S) or 0
+    finally:
+        for actor in actors:
+            actor.signal(signal.SIGTERM)
+        learner.signal(signal.SIGTERM)
+        learner.wait(STOP_GRACE_S)
+        for actor in actors:
+            actor.wait(10.0)
+        subscriber.close()
+    if status != 0:
+        console.print(f"[red]learner exited with status {status}[/]; last lines of {learner.log_path}:\n"
+                      + learner.log_tail())
+    else:
+        console.print(f"done: run folder {run_dir} (TensorBoard: tensorboard --logdir {run_dir.parent})")
+    return status
+
+
+def _restart_crashed(actors: list[Child], console: Console) -> None:
+    """Restart an actor that exited with an error (as compose's ``restart: on-failure`` does)."""
+    for actor in actors:
+        code = actor.poll()
+        if code not in (None, 0) and actor.restarts < MAX_ACTOR_RESTARTS:
+            actor.restarts += 1
+            console.print(f"[yellow]{actor.name} exited with status {code}; restarting "
+                          f"({actor.restarts}/{MAX_ACTOR_RESTARTS})[/]\n{actor.log_tail(5)}")
+            actor.start()
