@@ -377,8 +377,6 @@ class PPOLearner:
                 group["lr"] = self.lr_schedule.value()
         learning_rate = float(self.optimizer.param_groups[0]["lr"])
 
-        row_is_current = self._current_version_rows(rollout_buffer, current_policy_version)
-
         self.model.train()
         totals = {key: torch.zeros((), device=self.device) for key in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction")}
         first_minibatch_ratio_max_abs_dev = math.nan
@@ -412,7 +410,9 @@ class PPOLearner:
                     clip_value_loss=self.clip_value_loss,
                 )
                 if minibatches_done == 0:  # before any gradient step: actor and learner should agree
-                    first_minibatch_ratio_max_abs_dev = self._ratio_deviation(losses["ratio"], row_is_current)
+                    first_minibatch_ratio_max_abs_dev = self._ratio_deviation(
+                        losses["ratio"], rollout_buffer, current_policy_version
+                    )
 
                 # Total loss (Schulman et al. 2017, eq. 9, negated): policy - c2 * entropy + c1 * value.
                 loss = losses["policy_loss"] - self.ent_coef * losses["entropy"] + self.vf_coef * losses["value_loss"]
@@ -460,16 +460,16 @@ class PPOLearner:
             trainable_rows=int(rollout_buffer.trainable_size),
         )
 
-    # ------------------------------------------------------------------ ratio check helpers
+    # ------------------------------------------------------------------ ratio check
     @staticmethod
-    def _current_version_rows(rollout_buffer: RolloutBuffer, current_policy_version: int) -> np.ndarray:
-        """Placeholder, replaced once the buffer's minibatch row order is known."""
-        versions = np.asarray(rollout_buffer.policy_versions)
-        trainable = np.asarray(rollout_buffer.trainable, dtype=bool)
-        return versions[trainable] == int(current_policy_version)
-
-    @staticmethod
-    def _ratio_deviation(ratio: torch.Tensor, row_is_current: np.ndarray) -> float:
-        if row_is_current.all():
-            return float((ratio - 1.0).abs().max().item())
-        return math.nan
+    def _ratio_deviation(
+        ratio: torch.Tensor, rollout_buffer: RolloutBuffer, current_policy_version: int
+    ) -> float:
+        """max |ratio - 1| over the first minibatch's rows acted by ``current_policy_version``
+        (NaN if none). Uses the buffer's flat row indices of that minibatch."""
+        rows = rollout_buffer.last_minibatch_rows[0]
+        versions = np.asarray(rollout_buffer.policy_versions).reshape(-1)[rows]
+        is_current = torch.from_numpy(versions == int(current_policy_version)).to(ratio.device)
+        if not bool(is_current.any()):
+            return math.nan
+        return float((ratio[is_current] - 1.0).abs().max().item())

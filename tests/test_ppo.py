@@ -87,3 +87,204 @@ def test_runtime_state_dict_round_trip() -> None:
     assert PPORuntimeState.from_dict(state.to_dict()) == state
     with pytest.raises(ValueError, match="policy_version"):
         PPORuntimeState.from_dict({"iterations": 1, "rollouts_collected": 1})
+
+
+# ---------------------------------------------------------------------------------------------
+# Learner on real rollout buffers
+# ---------------------------------------------------------------------------------------------
+import copy  # noqa: E402
+
+from oakemu_core.models import ActorCritic, build_model  # noqa: E402
+from oakemu_core.ppo import EmptyRolloutError, PPOLearner  # noqa: E402
+from oakemu_core.rollout_buffer import RolloutBuffer  # noqa: E402
+
+OBS_DIM, NUM_ACTIONS, T, N = 4, 2, 16, 4
+
+
+def _model(seed: int = 0) -> ActorCritic:
+    torch.manual_seed(seed)
+    return build_model((OBS_DIM,), np.float32, NUM_ACTIONS)
+
+
+def _learner(model: ActorCritic, **overrides) -> PPOLearner:
+    kwargs = dict(
+        device="cpu",
+        ppo_epochs=4,
+        num_minibatches=4,
+        clip_coef=0.2,
+        clip_value_loss=True,
+        ent_coef=0.0,
+        vf_coef=0.5,
+        max_grad_norm=0.5,
+        seed=0,
+    )
+    kwargs.update(overrides)
+    lr = kwargs.pop("lr", 2.5e-3)
+    return PPOLearner(model, torch.optim.Adam(model.parameters(), lr=lr, eps=1e-5), **kwargs)
+
+
+def _fill(
+    buffer: RolloutBuffer,
+    acting_models,
+    rng: np.random.Generator,
+    *,
+    reward_fn=None,
+    versions=(0,),
+    done_probability: float = 0.1,
+) -> None:
+    """Random CartPole-like rows; row t is acted by ``acting_models[t % len]`` with version
+    ``versions[t % len]``. Then GAE."""
+    generator = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    for t in range(buffer.rollout_length):
+        model = acting_models[t % len(acting_models)]
+        obs = rng.normal(size=(buffer.num_envs, OBS_DIM)).astype(np.float32)
+        bundle = model.act(obs, generator=generator)
+        rewards = (
+            reward_fn(bundle.actions) if reward_fn is not None else rng.normal(size=buffer.num_envs)
+        ).astype(np.float32)
+        dones = rng.random(buffer.num_envs) < done_probability
+        buffer.add(obs, bundle.actions, bundle.log_probs, bundle.values, rewards, dones,
+                   policy_version=versions[t % len(versions)])
+    last_obs = rng.normal(size=(buffer.num_envs, OBS_DIM)).astype(np.float32)
+    last_values = acting_models[0].predict_values(last_obs)
+    buffer.compute_gae(last_values, buffer.dones[-1].copy(), 0.99, 0.95)
+
+
+def test_first_minibatch_ratio_is_one_when_buffer_log_probs_come_from_the_model() -> None:
+    model = _model()
+    with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
+        _fill(buffer, [model], np.random.default_rng(0), versions=(3,))
+        stats = _learner(copy.deepcopy(model)).step(buffer, current_policy_version=3)
+        assert stats.first_minibatch_ratio_max_abs_dev < 1e-5
+        # The check can fail: log-probs from another model give ratios far from 1.
+        other = _learner(_model(seed=1)).step(buffer, current_policy_version=3)
+        assert other.first_minibatch_ratio_max_abs_dev > 1e-3
+
+
+def test_ratio_check_only_counts_rows_of_the_current_policy_version() -> None:
+    model, stale = _model(0), _model(1)
+    with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
+        # Even rows: the learner's weights (version 7); odd rows: other weights (version 6).
+        _fill(buffer, [model, stale], np.random.default_rng(1), versions=(7, 6))
+        assert _learner(copy.deepcopy(model)).step(buffer, current_policy_version=7).first_minibatch_ratio_max_abs_dev < 1e-5
+        assert _learner(copy.deepcopy(model)).step(buffer, current_policy_version=6).first_minibatch_ratio_max_abs_dev > 1e-3
+        assert math.isnan(_learner(copy.deepcopy(model)).step(buffer, current_policy_version=9).first_minibatch_ratio_max_abs_dev)
+
+
+def test_updates_on_a_bandit_raise_the_probability_of_the_rewarded_action() -> None:
+    model = _model()
+    learner = _learner(model, lr=2.5e-3)
+    probe = np.random.default_rng(9).normal(size=(256, OBS_DIM)).astype(np.float32)
+
+    def p_rewarded() -> float:
+        with torch.no_grad():
+            return torch.softmax(model(torch.from_numpy(probe))[0], -1)[:, 1].mean().item()
+
+    before = p_rewarded()
+    rng = np.random.default_rng(2)
+    with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
+        for update in range(6):
+            buffer.reset()
+            # One-step episodes: reward 1 for action 1, 0 for action 0.
+            _fill(buffer, [model], rng, reward_fn=lambda a: (a == 1).astype(np.float32),
+                  versions=(update,), done_probability=1.0)
+            stats = learner.step(buffer, current_policy_version=update)
+            assert stats.first_minibatch_ratio_max_abs_dev < 1e-5
+    after = p_rewarded()
+    assert 0.4 < before < 0.6
+    assert after > before + 0.2, (before, after)
+
+
+def test_one_update_matches_a_hand_written_sgd_step() -> None:
+    """ppo_epochs=1, one minibatch, plain SGD, no effective grad clip: the new weights equal
+    w - lr * grad of the PPO loss written out here independently (normalised advantages over all
+    trainable rows; at the first step the ratio is 1)."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    lr, ent_coef, vf_coef = 0.1, 0.01, 0.5
+    learner = PPOLearner(
+        model, torch.optim.SGD(model.parameters(), lr=lr), device="cpu", ppo_epochs=1, num_minibatches=1,
+        clip_coef=0.2, clip_value_loss=False, ent_coef=ent_coef, vf_coef=vf_coef, max_grad_norm=1e9,
+    )
+    with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
+        _fill(buffer, [reference], np.random.default_rng(3))
+        trainable = buffer.trainable.copy()
+        trainable[::2, 0] = False  # some rows out of training
+        buffer.mark_untrainable(~trainable)
+        obs = torch.from_numpy(buffer.observations[trainable])
+        actions = torch.from_numpy(buffer.actions[trainable])
+        old_log_probs = torch.from_numpy(buffer.log_probs[trainable])
+        advantages = buffer.advantages[trainable].astype(np.float64)
+        advantages = torch.from_numpy(((advantages - advantages.mean()) / (advantages.std() + 1e-8)).astype(np.float32))
+        returns = torch.from_numpy(buffer.returns[trainable])
+        stats = learner.step(buffer, current_policy_version=0)
+        values_np, returns_np = buffer.values[trainable].astype(np.float64), buffer.returns[trainable].astype(np.float64)
+
+    logits, values = reference(obs)
+    log_p = torch.log_softmax(logits, -1)
+    new_log_probs = log_p.gather(1, actions[:, None]).squeeze(1)
+    ratio = torch.exp(new_log_probs - old_log_probs)
+    policy_loss = torch.max(-advantages * ratio, -advantages * ratio.clamp(0.8, 1.2)).mean()
+    value_loss = 0.5 * ((values - returns) ** 2).mean()
+    entropy = -(log_p.exp() * log_p).sum(-1).mean()
+    (policy_loss - ent_coef * entropy + vf_coef * value_loss).backward()
+    with torch.no_grad():
+        for (name, p_ref), p_new in zip(reference.named_parameters(), model.parameters()):
+            torch.testing.assert_close(p_new, p_ref - lr * p_ref.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert stats.policy_loss == pytest.approx(policy_loss.item(), abs=1e-6)
+    assert stats.value_loss == pytest.approx(value_loss.item(), rel=1e-5)
+    assert stats.entropy == pytest.approx(entropy.item(), rel=1e-5)
+    assert stats.trainable_rows == int(trainable.sum()) and stats.minibatches == 1
+    expected_ev = 1 - np.var(returns_np - values_np) / np.var(returns_np)
+    assert stats.explained_variance == pytest.approx(expected_ev, rel=1e-6)
+
+
+def test_target_kl_stops_after_the_first_epoch() -> None:
+    model = _model()
+    with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
+        _fill(buffer, [model], np.random.default_rng(4))
+        stats = _learner(copy.deepcopy(model), target_kl=1e-9, lr=1e-2).step(buffer, current_policy_version=0)
+        assert (stats.epochs_completed, stats.minibatches, stats.early_stopped) == (1, 4, True)
+        assert len(stats.epoch_seconds) == 1
+        full = _learner(copy.deepcopy(model), target_kl=None).step(buffer, current_policy_version=0)
+        assert (full.epochs_completed, full.minibatches, full.early_stopped) == (4, 16, False)
+        assert len(full.epoch_seconds) == 4 and all(s > 0 for s in full.epoch_seconds)
+
+
+def test_learning_rate_schedule_counters_and_state_restore() -> None:
+    model = _model()
+    schedule = LinearSchedule(1e-3, 0.0, 10)
+    learner = _learner(model, lr_schedule=schedule)
+    with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
+        _fill(buffer, [model], np.random.default_rng(5))
+        rates = [learner.step(buffer, current_policy_version=v).learning_rate for v in (0, 1)]
+        assert rates == pytest.approx([1e-3, 0.9e-3])
+        assert (learner.iterations, learner.rollouts_collected, learner.policy_version) == (2, 2, 2)
+
+        saved = learner.state()
+        resumed = _learner(_model(), lr_schedule=LinearSchedule(1e-3, 0.0, 10))
+        resumed.lr_schedule.load_state_dict(schedule.state_dict())
+        resumed.restore_state(PPORuntimeState.from_dict(saved.to_dict()))
+        assert (resumed.iterations, resumed.rollouts_collected, resumed.policy_version) == (2, 2, 2)
+        # The shuffle generator continues where it stopped: same next minibatch rows.
+        learner.step(buffer, current_policy_version=2)
+        rows_original = buffer.last_minibatch_rows
+        third = resumed.step(buffer, current_policy_version=2)
+        for a, b in zip(rows_original, buffer.last_minibatch_rows):
+            np.testing.assert_array_equal(a, b)
+        assert third.learning_rate == pytest.approx(0.8e-3)
+        with pytest.raises(ValueError, match="counters"):
+            resumed.restore_state(PPORuntimeState(iterations=-1))
+
+
+def test_empty_rollout_and_bad_hyperparameters_are_rejected() -> None:
+    model = _model()
+    with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
+        _fill(buffer, [model], np.random.default_rng(6))
+        buffer.mark_untrainable(np.ones((T, N), dtype=bool))
+        with pytest.raises(EmptyRolloutError, match="trainable rows"):
+            _learner(model).step(buffer, current_policy_version=0)
+    with pytest.raises(ValueError, match="clip_coef"):
+        _learner(model, clip_coef=0.0)
+    with pytest.raises(ValueError, match="num_minibatches"):
+        _learner(model, num_minibatches=0)
