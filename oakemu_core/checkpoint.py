@@ -240,7 +240,7 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
     random.setstate((python_state[0], tuple(python_state[1]), python_state[2]))
     numpy_state = state["numpy"]
     key = numpy_state["key"]
-    key = key.numpy() if isinstance(key, torch.Tensor) else np.asarray(key)
+    key = key.cpu().numpy() if isinstance(key, torch.Tensor) else np.asarray(key)
     np.random.set_state(
         {
             "bit_generator": numpy_state["bit_generator"],

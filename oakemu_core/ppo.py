@@ -39,8 +39,8 @@ __all__ = [
 
 
 class EmptyRolloutError(ValueError):
-    """The rollout buffer has fewer trainable rows than minibatches (for example every row was
-    dropped for policy lag), so no PPO update can run on it."""
+    """The rollout buffer has no trainable row (for example every row was dropped for policy lag),
+    so no PPO update can run on it."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,13 +362,15 @@ class PPOLearner:
             :class:`PPOUpdateStats`.
 
         Raises:
-            EmptyRolloutError: fewer trainable rows than ``num_minibatches``.
+            EmptyRolloutError: the buffer has no trainable row. With fewer trainable rows than
+                ``num_minibatches``, each epoch uses one minibatch per row instead.
         """
-        if rollout_buffer.trainable_size < self.num_minibatches:
-            raise EmptyRolloutError(
-                f"rollout_buffer: {rollout_buffer.trainable_size} trainable rows, need at least "
-                f"num_minibatches={self.num_minibatches}"
-            )
+        trainable_rows = int(rollout_buffer.trainable_size)
+        if trainable_rows == 0:
+            raise EmptyRolloutError("rollout_buffer: 0 trainable rows, expected at least 1")
+        # A rollout left with fewer rows than minibatches (most rows dropped as stale) still trains,
+        # with one row per minibatch.
+        num_minibatches = min(self.num_minibatches, trainable_rows)
         start_time = time.perf_counter()
 
         # Learning rate for this update (CleanRL anneals it before the epochs).
@@ -389,7 +391,7 @@ class PPOLearner:
             epoch_start = time.perf_counter()
             epoch_kl = torch.zeros((), device=self.device)
             minibatches = rollout_buffer.get_minibatches(
-                self.num_minibatches,
+                num_minibatches,
                 self.device,
                 normalize_advantages=self.normalize_advantages,
                 generator=self._shuffle_rng,
@@ -457,7 +459,7 @@ class PPOLearner:
             first_minibatch_ratio_max_abs_dev=first_minibatch_ratio_max_abs_dev,
             update_seconds=time.perf_counter() - start_time,
             epoch_seconds=epoch_seconds,
-            trainable_rows=int(rollout_buffer.trainable_size),
+            trainable_rows=trainable_rows,
         )
 
     # ------------------------------------------------------------------ ratio check

@@ -281,6 +281,13 @@ def test_empty_rollout_and_bad_hyperparameters_are_rejected() -> None:
     model = _model()
     with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
         _fill(buffer, [model], np.random.default_rng(6))
+        # Two trainable rows and four minibatches: each epoch trains on two one-row minibatches.
+        keep = np.zeros((T, N), dtype=bool)
+        keep[0, :2] = True
+        buffer.mark_untrainable(~keep)
+        stats = _learner(copy.deepcopy(model)).step(buffer, current_policy_version=0)
+        assert (stats.minibatches, stats.trainable_rows) == (4 * 2, 2)
+        assert [len(rows) for rows in buffer.last_minibatch_rows] == [1, 1]
         buffer.mark_untrainable(np.ones((T, N), dtype=bool))
         with pytest.raises(EmptyRolloutError, match="trainable rows"):
             _learner(model).step(buffer, current_policy_version=0)
