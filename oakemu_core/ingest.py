@@ -336,8 +336,15 @@ def drop_stale_rows(buffer: RolloutBuffer, *, current_policy_version: int, max_p
     policy that acted and the one about to be trained).
 
     Returns:
-        ``(rows_dropped, {"min": .., "mean": .., "max": ..})`` lag statistics over all rows.
+        ``(rows_dropped, stats)``: ``stats`` holds the lag ``min``/``mean``/``max`` over all rows and
+        ``newest_version``, the highest policy version that acted in the rollout.
     """
-    lag = current_policy_version - buffer.policy_versions
+    versions = buffer.policy_versions
+    lag = current_policy_version - versions
     dropped = buffer.mark_untrainable(lag > max_policy_lag)
-    return dropped, {"min": float(lag.min()), "mean": float(lag.mean()), "max": float(lag.max())}
+    return dropped, {
+        "min": float(lag.min()),
+        "mean": float(lag.mean()),
+        "max": float(lag.max()),
+        "newest_version": float(versions.max()),
+    }

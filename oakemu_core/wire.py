@@ -534,6 +534,14 @@ class StepSpec:
             "trainable": (_BOOL, (n,)),
         }
 
+    def message_bytes(self) -> int:
+        """Approximate encoded size of one step message (array bytes + 1 KiB of keys and headers).
+
+        Used to size socket buffers, so that the data in flight stays a few messages, not MBs.
+        """
+        arrays = sum(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize for dtype, shape in self.array_layout().values())
+        return arrays + 1024
+
     def to_dict(self) -> dict[str, Any]:
         """msgpack-able form: ints, lists of ints and dtype strings with byte order."""
         return {

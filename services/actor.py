@@ -23,10 +23,10 @@ import numpy as np
 import torch
 import zmq
 
-from oakemu_core.actor_step_buffers import PPOActorStepBuffers
 from oakemu_core.config import OakEmuConfig
 from oakemu_core.envs import VectorEnv, make_vector_env
 from oakemu_core.models import ActorCritic, build_model, load_weight_arrays
+from oakemu_core.stepper import PolicyStepper
 from oakemu_core.wire import (
     Heartbeat,
     HeartbeatReply,
@@ -42,7 +42,7 @@ from oakemu_core.wire import (
     encode_leave,
     encode_step,
 )
-from services.runtime import install_stop_signals, setup_logging
+from services.runtime import install_stop_signals, setup_logging, socket_buffer_bytes
 
 log = logging.getLogger("oakemu.actor")
 
@@ -109,6 +109,7 @@ class Actor:
         self.env_steps = 0
         self.env: VectorEnv | None = None
         self.model: ActorCritic | None = None
+        self.stepper: PolicyStepper | None = None
         self.policy_version = 0
         self.data: zmq.Socket | None = None
         self.weights_sub: zmq.Socket | None = None
@@ -151,13 +152,9 @@ class Actor:
             spec = self.env.spec
             self.model = build_model(spec.observation_shape, spec.observation_dtype, spec.num_actions)
             self.model.eval()
-            self.step_buffers = PPOActorStepBuffers.create(
-                num_envs=self.config.envs_per_actor,
-                observation_shape=spec.observation_shape,
-                observation_dtype=spec.observation_dtype,
-                action_shape=spec.action_shape,
-                action_dtype=spec.action_dtype,
-            )
+            load_weight_arrays(self.model, reply.weights)  # the first actions come from the learner's weights
+            self.stepper = PolicyStepper(self.env, self.model, policy_version=reply.policy_version)
+            self.spec_message_bytes = reply.spec.message_bytes()
             self._connect_streams()
         self._load_weights(reply.policy_version, reply.weights)
         self.last_reply = time.monotonic()
@@ -168,6 +165,9 @@ class Actor:
         config = self.config
         self.data = self.context.socket(zmq.PUSH)
         self.data.setsockopt(zmq.SNDHWM, 2)  # back-pressure after two messages in flight
+        # ... and a kernel buffer of a few messages: the default (MBs, autotuned) would hold
+        # thousands of small messages, acted by policies many versions old.
+        self.data.setsockopt(zmq.SNDBUF, socket_buffer_bytes(self.spec_message_bytes))
         self.data.setsockopt(zmq.LINGER, 0)
         self.data.connect(config.learner_address(config.data_port))
         self.weights_sub = self.context.socket(zmq.SUB)
@@ -180,6 +180,8 @@ class Actor:
         assert self.model is not None
         load_weight_arrays(self.model, weights)
         self.policy_version = version
+        if self.stepper is not None:
+            self.stepper.policy_version = version
         self.learner_version = max(self.learner_version, version)
 
     def _poll_weights(self) -> None:
@@ -244,38 +246,17 @@ class Actor:
     # -- stepping --------------------------------------------------------------------------
     def run(self) -> int:
         self.join()
-        assert self.env is not None and self.model is not None
-        env, model, buffers = self.env, self.model, self.step_buffers
-        num_envs = self.config.envs_per_actor
-        env_ids = list(range(num_envs))
-        trainable = [True] * num_envs
-        observations = env.reset()
-        bundle, bundle_version = model.act(observations), self.policy_version
+        assert self.stepper is not None
+        stepper = self.stepper
         while not self.stop_event.is_set():
-            buffers.reset_action_selection()
-            buffers.reset_step_results()
-            buffers.observations[:] = observations
-            buffers.record_action_bundle_for_env_ids(bundle, env_ids=env_ids, trainable=trainable)
-            step = env.step(bundle.actions)
-            truncated = step.truncated & ~step.terminated
-            bootstrap = np.zeros(num_envs, np.float32)
-            if truncated.any():  # value of the true final observation, by the policy that acted
-                bootstrap[truncated] = model.predict_values(step.final_observations[truncated])
-            dones = step.dones
-            for env_id in env_ids:
-                buffers.record_step_result(
-                    env_id, float(step.training_rewards[env_id]), done=bool(dones[env_id]),
-                    truncated=bool(truncated[env_id]), bootstrap_value=float(bootstrap[env_id]),
-                )
-            self._poll_weights()
-            next_bundle, next_version = model.act(step.observations), self.policy_version
+            row = stepper.step(before_next_action=self._poll_weights)
+            b = row.buffers
             message = StepMessage(
-                actor_id=self.actor_id, incarnation=self.incarnation, seq=self.seq, policy_version=bundle_version,
-                observations=buffers.observations, actions=buffers.actions, log_probs=buffers.log_probs,
-                values=buffers.values, rewards=buffers.rewards, dones=buffers.dones, truncated=buffers.truncated,
-                bootstrap_values=buffers.bootstrap_values, next_values=next_bundle.values,
-                trainable=buffers.trainable, episode_returns=step.episode_returns,
-                episode_lengths=step.episode_lengths,
+                actor_id=self.actor_id, incarnation=self.incarnation, seq=self.seq, policy_version=row.policy_version,
+                observations=b.observations, actions=b.actions, log_probs=b.log_probs, values=b.values,
+                rewards=b.rewards, dones=b.dones, truncated=b.truncated, bootstrap_values=b.bootstrap_values,
+                next_values=row.next_values, trainable=b.trainable,
+                episode_returns=row.env_step.episode_returns, episode_lengths=row.env_step.episode_lengths,
             )
             try:
                 self.heartbeat_if_due()
@@ -284,9 +265,8 @@ class Actor:
                 pass  # this step is lost with the old incarnation; the new one starts at seq 0
             else:
                 self.seq += 1
-            self.env_steps += num_envs
-            self.episodes += len(step.episode_returns)
-            observations, bundle, bundle_version = step.observations, next_bundle, next_version
+            self.env_steps += b.num_envs
+            self.episodes += len(row.env_step.episode_returns)
         return 0
 
     def close(self) -> None:

@@ -131,7 +131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         if command == "train":
-            config = config_from_namespace(fields, cli_sources["train"])
+            # A resumed run starts from its own resolved config.toml; flags and OAKEMU_* still win.
+            resumed_config = namespace.resume / "config.toml" if namespace.resume is not None else None
+            config = config_from_namespace(fields, cli_sources["train"], toml_path=resumed_config)
             return int(_service("train").main(config, namespace.resume))
         if command == "learner":
             config = config_from_namespace(fields, cli_sources["learner"])

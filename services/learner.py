@@ -15,6 +15,7 @@ Run with ``oakemu learner`` or ``python -m services.learner``.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import queue
@@ -62,7 +63,7 @@ from oakemu_core.wire import (
     encode_join_reply,
     encode_weights,
 )
-from services.runtime import install_stop_signals, resolve_run_dir, setup_logging
+from services.runtime import install_stop_signals, resolve_run_dir, setup_logging, socket_buffer_bytes
 
 log = logging.getLogger("oakemu.learner")
 
@@ -264,6 +265,8 @@ class Learner:
         self.stopping_reason = ""
         self._setup_sockets()
         self.metrics = MetricsLogger(run_dir)
+        # One line per finished episode (raw game score), as CleanRL logs charts/episodic_return.
+        self.episodes_log = open(run_dir / "episodes.jsonl", "a", buffering=1, encoding="utf-8")  # noqa: SIM115
         self.telemetry = TelemetryPublisher(config.bind_address(config.telemetry_port))
         self.prometheus = PrometheusExporter(config.metrics_port) if config.metrics_enabled else None
 
@@ -273,6 +276,9 @@ class Learner:
         self.data = self.context.socket(zmq.PULL)
         # A small receive queue: back-pressure reaches the actors quickly, and rows stay fresh.
         self.data.setsockopt(zmq.RCVHWM, 4)
+        typical = StepSpec(config.envs_per_actor, self.spec.observation_shape, self.spec.observation_dtype,
+                           self.spec.action_shape, self.spec.action_dtype)
+        self.data.setsockopt(zmq.RCVBUF, socket_buffer_bytes(typical.message_bytes()))
         self.data.setsockopt(zmq.LINGER, 0)
         self.data.bind(config.bind_address(config.data_port))
         self.control = self.context.socket(zmq.ROUTER)
@@ -360,6 +366,12 @@ class Learner:
                 continue
             if message.episode_returns:
                 self.episodes += len(message.episode_returns)
+                for episode_return, length in zip(message.episode_returns, message.episode_lengths):
+                    self.episodes_log.write(json.dumps({
+                        "global_step": self.assembler.counters.env_steps, "actor_id": message.actor_id,
+                        "policy_version": message.policy_version, "episodic_return": episode_return,
+                        "episodic_length": length,
+                    }) + "\n")
 
     # -- results ----------------------------------------------------------------------------
     def _hand_off_full_rollouts(self) -> None:
@@ -389,7 +401,8 @@ class Learner:
     def _log_update(self, result: TrainResult) -> None:
         step = self.assembler.counters.env_steps
         scalars: dict[str, float] = {"charts/SPS": self.sps(), "charts/policy_version": result.policy_version}
-        scalars.update({f"charts/policy_lag_{k}": v for k, v in result.lag.items()})
+        scalars.update({f"charts/policy_lag_{k}": result.lag[k] for k in ("min", "mean", "max")})
+        scalars["charts/newest_acting_policy_version"] = result.lag["newest_version"]
         scalars["charts/stale_rows"] = result.stale_rows
         if result.stats is not None:
             self.last_stats = result.stats
@@ -523,6 +536,7 @@ class Learner:
             log.info("final checkpoint %s", path)
         finally:
             self.metrics.close()
+            self.episodes_log.close()
             self.telemetry.close()
             if self.prometheus is not None:
                 self.prometheus.close()

@@ -75,3 +75,11 @@ def die_with_parent() -> None:
         return
     if str(os.getppid()) != parent:  # the parent died before prctl took effect
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def socket_buffer_bytes(message_bytes: int) -> int:
+    """Kernel socket buffer for step streams: two messages, at least 16 KiB (bytes).
+
+    Bounds the steps in flight between an actor and the learner, hence their policy lag.
+    """
+    return max(16 * 1024, 2 * int(message_bytes))

@@ -1,0 +1,101 @@
+"""One actor vector step, without sockets: act, step the envs, record results, bootstrap truncations.
+
+The actor service wraps :class:`PolicyStepper` with ZeroMQ; tests drive it directly.  Order of one
+:meth:`PolicyStepper.step`:
+
+1. the observations and the current :class:`PPOActionBundle` go into the step buffers;
+2. the envs step (same-step autoreset: finished envs already hold their reset observation);
+3. on rows truncated by a time limit (and not terminated) the value of the TRUE final observation,
+   by the policy that acted, becomes ``bootstrap_values`` (Pardo et al. 2018, "Time Limits in
+   Reinforcement Learning"; the SB3 timeout-bootstrap fix);
+4. ``before_next_action`` runs (the actor loads newer weights there);
+5. the next bundle is chosen on the new observations; its values are this step's ``next_values``
+   (V(s_{t+1}) used as ``last_values`` when a rollout segment ends on this row).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from oakemu_core.actor_step_buffers import PPOActionBundle, PPOActorStepBuffers
+from oakemu_core.envs import VectorEnv, VectorStep
+from oakemu_core.models import ActorCritic
+
+
+@dataclass
+class SteppedRow:
+    """What one vector step produced, ready for the wire or a rollout buffer.
+
+    Attributes:
+        buffers: the step buffers (observations, actions, log_probs, values, rewards, dones,
+            truncated, bootstrap_values, trainable), valid until the next :meth:`PolicyStepper.step`.
+        policy_version: version of the weights that chose the actions.
+        next_values: ``(n,)`` float32, V(next observation) by the policy of the next action.
+        env_step: the env's :class:`VectorStep` (episode returns and lengths, raw).
+    """
+
+    buffers: PPOActorStepBuffers
+    policy_version: int
+    next_values: np.ndarray
+    env_step: VectorStep
+
+
+class PolicyStepper:
+    """Steps ``env`` with ``model`` and fills :class:`PPOActorStepBuffers` for all its envs.
+
+    Args:
+        env: the vector env (already built; reset here).
+        model: the actor-critic used for CPU inference.
+        policy_version: version of ``model``'s current weights; update :attr:`policy_version`
+            whenever new weights are loaded.
+    """
+
+    def __init__(self, env: VectorEnv, model: ActorCritic, *, policy_version: int = 0) -> None:
+        spec = env.spec
+        self.env = env
+        self.model = model
+        self.policy_version = policy_version
+        self.buffers = PPOActorStepBuffers.create(
+            num_envs=env.num_envs,
+            observation_shape=spec.observation_shape,
+            observation_dtype=spec.observation_dtype,
+            action_shape=spec.action_shape,
+            action_dtype=spec.action_dtype,
+        )
+        self._env_ids = list(range(env.num_envs))
+        self._trainable = [True] * env.num_envs
+        self._observations = env.reset()
+        self._bundle: PPOActionBundle = model.act(self._observations)
+        self._bundle_version = policy_version
+
+    def step(self, before_next_action: Callable[[], None] | None = None) -> SteppedRow:
+        """Run one vector step (see the module docstring for the order)."""
+        buffers, model = self.buffers, self.model
+        buffers.reset_action_selection()
+        buffers.reset_step_results()
+        buffers.record_observations(self._observations)
+        buffers.record_action_bundle_for_env_ids(self._bundle, env_ids=self._env_ids, trainable=self._trainable)
+        env_step = self.env.step(self._bundle.actions)
+        truncated = env_step.truncated & ~env_step.terminated
+        bootstrap = np.zeros(self.env.num_envs, np.float32)
+        if truncated.any():
+            bootstrap[truncated] = model.predict_values(env_step.final_observations[truncated])
+        dones = env_step.dones
+        for env_id in self._env_ids:
+            buffers.record_step_result(
+                env_id,
+                float(env_step.training_rewards[env_id]),
+                done=bool(dones[env_id]),
+                truncated=bool(truncated[env_id]),
+                bootstrap_value=float(bootstrap[env_id]),
+            )
+        acted_version = self._bundle_version
+        if before_next_action is not None:
+            before_next_action()
+        self._observations = env_step.observations
+        self._bundle = model.act(self._observations)
+        self._bundle_version = self.policy_version
+        return SteppedRow(buffers, acted_version, self._bundle.values, env_step)
