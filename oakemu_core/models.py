@@ -149,7 +149,8 @@ class ActorCritic(nn.Module):
         Raises:
             ValueError: wrong trailing shape or dtype.
         """
-        if tuple(observations.shape[1:]) != self.observation_shape or observations.dim() != len(self.observation_shape) + 1:
+        trailing_shape = tuple(observations.shape[1:])
+        if observations.dim() != len(self.observation_shape) + 1 or trailing_shape != self.observation_shape:
             raise ValueError(
                 f"observations: expected shape (B, {', '.join(map(str, self.observation_shape))}), "
                 f"got {tuple(observations.shape)}"

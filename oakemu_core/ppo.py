@@ -380,7 +380,8 @@ class PPOLearner:
         learning_rate = float(self.optimizer.param_groups[0]["lr"])
 
         self.model.train()
-        totals = {key: torch.zeros((), device=self.device) for key in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction")}
+        reported = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction")
+        totals = {key: torch.zeros((), device=self.device) for key in reported}
         first_minibatch_ratio_max_abs_dev = math.nan
         minibatches_done = 0
         epochs_completed = 0

@@ -3,13 +3,23 @@ on real RolloutBuffers (ratio check, learning on a bandit, early stop, counters)
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
 import pytest
 import torch
 
-from oakemu_core.ppo import LinearSchedule, PPORuntimeState, explained_variance, ppo_losses
+from oakemu_core.models import ActorCritic, build_model
+from oakemu_core.ppo import (
+    EmptyRolloutError,
+    LinearSchedule,
+    PPOLearner,
+    PPORuntimeState,
+    explained_variance,
+    ppo_losses,
+)
+from oakemu_core.rollout_buffer import RolloutBuffer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,12 +102,6 @@ def test_runtime_state_dict_round_trip() -> None:
 # ---------------------------------------------------------------------------------------------
 # Learner on real rollout buffers
 # ---------------------------------------------------------------------------------------------
-import copy  # noqa: E402
-
-from oakemu_core.models import ActorCritic, build_model  # noqa: E402
-from oakemu_core.ppo import EmptyRolloutError, PPOLearner  # noqa: E402
-from oakemu_core.rollout_buffer import RolloutBuffer  # noqa: E402
-
 OBS_DIM, NUM_ACTIONS, T, N = 4, 2, 16, 4
 
 
@@ -166,9 +170,14 @@ def test_ratio_check_only_counts_rows_of_the_current_policy_version() -> None:
     with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
         # Even rows: the learner's weights (version 7); odd rows: other weights (version 6).
         _fill(buffer, [model, stale], np.random.default_rng(1), versions=(7, 6))
-        assert _learner(copy.deepcopy(model)).step(buffer, current_policy_version=7).first_minibatch_ratio_max_abs_dev < 1e-5
-        assert _learner(copy.deepcopy(model)).step(buffer, current_policy_version=6).first_minibatch_ratio_max_abs_dev > 1e-3
-        assert math.isnan(_learner(copy.deepcopy(model)).step(buffer, current_policy_version=9).first_minibatch_ratio_max_abs_dev)
+
+        def deviation(version: int) -> float:
+            learner = _learner(copy.deepcopy(model))
+            return learner.step(buffer, current_policy_version=version).first_minibatch_ratio_max_abs_dev
+
+        assert deviation(7) < 1e-5
+        assert deviation(6) > 1e-3
+        assert math.isnan(deviation(9))
 
 
 def test_updates_on_a_bandit_raise_the_probability_of_the_rewarded_action() -> None:
