@@ -107,7 +107,7 @@ def rollouts(draw):
     return rewards, values, terminated | truncated, bootstrap, last_values, gamma, gae_lambda
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=75, deadline=None)
 @given(rollouts())
 def test_matches_per_element_reference(rollout) -> None:
     rewards, values, dones, bootstrap, last_values, gamma, gae_lambda = rollout
