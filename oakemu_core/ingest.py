@@ -89,12 +89,13 @@ class IngestCounters:
     """Counters the learner logs and serves as telemetry."""
 
     env_steps: int = 0
-    """Env steps written into a rollout buffer (the training step count)."""
+    """Env steps written into a rollout buffer (the global step count; discarded rows included, so
+    it never goes backwards)."""
     rejected: Counter = field(default_factory=Counter)
     """Rejected messages by reason (wire reasons plus ``out_of_order``, ``future_version``)."""
     dropped: Counter = field(default_factory=Counter)
     """Dropped data by kind: ``no_capacity_steps``, ``discarded_segment_rows``, ``stale_rows``,
-    ``timed_out_actors``."""
+    ``timed_out_actors``, ``late_steps`` (env steps that arrived after their actor left)."""
 
 
 class RolloutAssembler:
@@ -129,6 +130,8 @@ class RolloutAssembler:
         self._next_generation = len(buffers)
         self._next_actor_index = 0
         self.actors: dict[str, ActorRecord] = {}
+        # Incarnations that left or were dropped (bounded, oldest forgotten first).
+        self._departed: dict[str, None] = {}
         self.counters = IngestCounters()
         self.episode_returns: list[float] = []
         self.episode_lengths: list[int] = []
@@ -142,7 +145,7 @@ class RolloutAssembler:
         """
         previous = self.actors.get(actor_id)
         if previous is not None:
-            self._discard_segment(previous)
+            self._forget(previous)
         record = ActorRecord(
             actor_id=actor_id,
             incarnation=incarnation,
@@ -180,15 +183,14 @@ class RolloutAssembler:
         record = self.actors.get(actor_id)
         if record is None or record.incarnation != incarnation:
             return False
-        self._discard_segment(record)
-        del self.actors[actor_id]
+        self._forget(record)
         return True
 
     def expire_silent_actors(self, now: float) -> list[str]:
         """Drop actors silent for longer than ``actor_timeout_s``; returns their ids."""
         expired = [r.actor_id for r in self.actors.values() if now - r.last_heard > self.actor_timeout_s]
         for actor_id in expired:
-            self._discard_segment(self.actors.pop(actor_id))
+            self._forget(self.actors[actor_id])
             self.counters.dropped["timed_out_actors"] += 1
         return expired
 
@@ -207,6 +209,10 @@ class RolloutAssembler:
         """
         record = self.actors.get(message.actor_id)
         if record is None or record.incarnation != message.incarnation:
+            if message.incarnation in self._departed:
+                # Steps still in flight when the actor left or was dropped: expected, not malformed.
+                self.counters.dropped["late_steps"] += record.spec.num_envs if record else len(message.dones)
+                raise StepRejected("departed_actor", f"actor {message.actor_id!r}/{message.incarnation} has left")
             raise StepRejected("unknown_actor", f"actor {message.actor_id!r}/{message.incarnation} has not joined")
         if message.seq != record.next_seq:
             expected = record.next_seq
@@ -274,6 +280,14 @@ class RolloutAssembler:
         if np.all(self._owners[segment.slot] == COMPLETE):
             self.states[segment.slot] = SlotState.FULL
 
+    def _forget(self, record: ActorRecord) -> None:
+        """Remove an actor: discard its unfinished segment, remember the incarnation as departed."""
+        self._discard_segment(record)
+        self.actors.pop(record.actor_id, None)
+        self._departed[record.incarnation] = None
+        while len(self._departed) > 1024:
+            del self._departed[next(iter(self._departed))]
+
     def _discard_segment(self, record: ActorRecord) -> None:
         segment = record.segment
         if segment is None:
@@ -281,7 +295,6 @@ class RolloutAssembler:
         self.buffers[segment.slot].reset_columns(segment.columns)
         self._owners[segment.slot][segment.columns] = FREE
         self.counters.dropped["discarded_segment_rows"] += segment.rows_written * len(segment.columns)
-        self.counters.env_steps -= segment.rows_written * len(segment.columns)
         record.segment = None
 
     # ------------------------------------------------------------------------------- hand-off

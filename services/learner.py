@@ -360,7 +360,12 @@ class Learner:
             try:
                 message = decode_step(frame.buffer, self.assembler.spec_for, max_bytes=self.config.max_message_bytes)
                 self.assembler.ingest(message, current_policy_version=self.policy_version, now=now)
-            except (MessageRejected, StepRejected) as error:
+            except StepRejected as error:
+                if error.reason != "departed_actor":  # late steps are counted as dropped, not rejected
+                    self.assembler.counters.rejected[error.reason] += 1
+                    log.warning("rejected step message: %s", error)
+                continue
+            except MessageRejected as error:
                 self.assembler.counters.rejected[error.reason] += 1
                 log.warning("rejected step message: %s", error)
                 continue
@@ -531,6 +536,9 @@ class Learner:
     def close(self) -> None:
         """Final checkpoint, then release sockets, loggers and shared memory (idempotent)."""
         self.trainer.stop()
+        # The step count continues from every env step received, trained or not (monotonic).
+        self.trainer.global_step = max(self.trainer.global_step, self.assembler.counters.env_steps)
+        self.trainer.episodes = self.episodes
         try:
             path = self.trainer.checkpoint()
             log.info("final checkpoint %s", path)

@@ -41,6 +41,8 @@ class FakeService:
 
 def test_train_dispatch_with_config_flags_and_resume(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     train = FakeService(monkeypatch, "train", return_code=7)
+    # The run's own resolved config.toml is the base of a resumed run; flags still win over it.
+    (tmp_path / "config.toml").write_text('env_id = "Acrobot-v1"\nseed = 9\ntotal_env_steps = 100\n', encoding="utf-8")
     code = cli.main(["train", "--env", "CartPole-v1", "--total-env-steps", "5000", "--resume", str(tmp_path)])
     assert code == 7
     [(args, kwargs)] = train.calls
@@ -49,7 +51,16 @@ def test_train_dispatch_with_config_flags_and_resume(monkeypatch: pytest.MonkeyP
     assert isinstance(config, OakEmuConfig)
     assert config.env_id == "CartPole-v1"
     assert config.total_env_steps == 5000
+    assert config.seed == 9
     assert resume == tmp_path
+
+
+def test_train_resume_without_config_toml_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    FakeService(monkeypatch, "train")
+    assert cli.main(["train", "--resume", str(tmp_path)]) == 2
+    assert "config.toml" in capsys.readouterr().err
 
 
 def test_train_without_resume_reads_environment_and_toml(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -1,0 +1,174 @@
+"""Pipeline throughput: what the transport and the learner cost relative to stepping the envs alone.
+
+Measured in one run, on the same envs, the same number of actor processes and envs per actor:
+
+1. ``raw``: env steps/s with a random policy, no model, no transport (one process per actor);
+2. ``raw+policy``: env steps/s of the actor's own step loop (:class:`PolicyStepper`: CPU inference,
+   step buffers, bootstrap values), still no transport;
+3. ``pipeline``: env steps/s the learner writes into its rollout buffers, actors streaming over
+   ZeroMQ, learner ingesting but not training (full buffers are released at once);
+4. ``end-to-end``: the same with PPO training (CPU here; the actors wait while both buffers are busy).
+
+The transport cost is ``1 - pipeline / raw+policy`` (target: at most 5 %).  Every figure is a ratio
+against ``raw`` measured in the same run, so the machine's speed cancels out.
+
+Usage: ``python benchmarks/bench_pipeline.py [--env ALE/Breakout-v5] [--actors 1] [--envs-per-actor 8]
+[--seconds 20]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def _step_loop(env_id: str, num_envs: int, seconds: float, with_policy: bool, seed: int, out: mp.Queue) -> None:
+    import torch
+
+    from oakemu_core.envs import make_vector_env
+    from oakemu_core.models import build_model
+    from oakemu_core.stepper import PolicyStepper
+
+    torch.set_num_threads(1)
+    env = make_vector_env(env_id, num_envs, seed=seed)
+    rng = np.random.default_rng(seed)
+    if with_policy:
+        spec = env.spec
+        stepper = PolicyStepper(env, build_model(spec.observation_shape, spec.observation_dtype, spec.num_actions))
+        step = stepper.step
+    else:
+        env.reset()
+        num_actions = env.spec.num_actions
+
+        def step() -> None:
+            env.step(rng.integers(0, num_actions, size=num_envs))
+
+    for _ in range(20):  # warm-up
+        step()
+    steps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        step()
+        steps += num_envs
+    out.put(steps / (time.perf_counter() - start))
+    env.close()
+
+
+def measure_local(env_id: str, actors: int, num_envs: int, seconds: float, *, with_policy: bool) -> float:
+    """Sum over ``actors`` processes of env steps/s, no transport."""
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_step_loop, args=(env_id, num_envs, seconds, with_policy, 100 + i, out)) for i in range(actors)
+    ]
+    for p in procs:
+        p.start()
+    total = sum(out.get(timeout=seconds + 120) for _ in procs)
+    for p in procs:
+        p.join()
+    return total
+
+
+def measure_pipeline(env_id: str, actors: int, num_envs: int, seconds: float, *, train: bool) -> float:
+    """Env steps/s written by a learner (this process) fed by ``actors`` actor processes."""
+    from oakemu_core.config import OakEmuConfig
+    from services import learner as learner_module
+
+    ports = _free_ports(5)
+    with tempfile.TemporaryDirectory() as runs_dir:
+        config = OakEmuConfig(
+            env_id=env_id, num_actors=actors, envs_per_actor=num_envs, total_env_steps=10**9,
+            data_port=ports[0], control_port=ports[1], weights_port=ports[2], telemetry_port=ports[3],
+            metrics_port=ports[4], runs_dir=Path(runs_dir), run_name="bench", checkpoint_every_updates=0,
+            log_level="WARNING",
+        )
+        original_train = learner_module.Trainer._train
+        if not train:
+            def release_without_training(self, rollout, global_step, episodes):  # noqa: ANN001
+                return learner_module.TrainResult(
+                    slot=rollout.slot, policy_version=self.ppo.policy_version, weights=self.weights(), stats=None,
+                    stale_rows=0, lag={"min": 0.0, "mean": 0.0, "max": 0.0, "newest_version": 0.0},
+                    iterations=self.ppo.iterations,
+                )
+            learner_module.Trainer._train = release_without_training
+        learner = learner_module.Learner(config, Path(runs_dir) / "bench")
+        stop = threading.Event()
+        thread = threading.Thread(target=learner.run, args=(stop,), daemon=True)
+        thread.start()
+        env = {**os.environ, "OAKEMU_LOG_LEVEL": "WARNING"}
+        flags = [f"--env-id={env_id}", f"--envs-per-actor={num_envs}", f"--data-port={ports[0]}",
+                 f"--control-port={ports[1]}", f"--weights-port={ports[2]}", f"--telemetry-port={ports[3]}",
+                 f"--metrics-port={ports[4]}", "--torch-threads=1"]
+        procs = [
+            subprocess.Popen([sys.executable, "-m", "services.cli", "actor", f"--actor-id=bench-{i}", *flags],
+                             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for i in range(actors)
+        ]
+        try:
+            counters = learner.assembler.counters
+            deadline = time.monotonic() + 120
+            while counters.env_steps < 2 * actors * num_envs * 20 and time.monotonic() < deadline:
+                time.sleep(0.1)  # warm-up: actors joined and streaming
+            start_steps, start = counters.env_steps, time.perf_counter()
+            time.sleep(seconds)
+            rate = (counters.env_steps - start_steps) / (time.perf_counter() - start)
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.wait(30)
+            stop.set()
+            thread.join(120)
+            learner.close()
+            learner_module.Trainer._train = original_train
+    return rate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--env", default="ALE/Breakout-v5")
+    parser.add_argument("--actors", type=int, default=1)
+    parser.add_argument("--envs-per-actor", type=int, default=8)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    args = parser.parse_args()
+    print(f"{args.env}: {args.actors} actor process(es) x {args.envs_per_actor} envs, {args.seconds:.0f} s per figure, "
+          f"{os.cpu_count()} CPUs")
+    raw = measure_local(args.env, args.actors, args.envs_per_actor, args.seconds, with_policy=False)
+    policy = measure_local(args.env, args.actors, args.envs_per_actor, args.seconds, with_policy=True)
+    pipeline = measure_pipeline(args.env, args.actors, args.envs_per_actor, args.seconds, train=False)
+    end_to_end = measure_pipeline(args.env, args.actors, args.envs_per_actor, args.seconds, train=True)
+    print(f"{'measurement':<44}{'env steps/s':>12}{'vs raw':>9}")
+    for name, value in [
+        ("raw env, random actions, no transport", raw),
+        ("raw+policy: actor step loop, no transport", policy),
+        ("pipeline: ZeroMQ -> learner ingest, no PPO", pipeline),
+        ("end-to-end: with PPO training", end_to_end),
+    ]:
+        print(f"{name:<44}{value:>12.0f}{value / raw:>9.3f}")
+    print(f"transport cost (1 - pipeline / raw+policy): {100 * (1 - pipeline / policy):.1f} % (target <= 5 %)")
+
+
+if __name__ == "__main__":
+    main()
