@@ -19,8 +19,6 @@ import json
 import logging
 import math
 import queue
-import signal
-import socket
 import threading
 import time
 from collections import deque
@@ -280,6 +278,9 @@ class Learner:
                            self.spec.action_shape, self.spec.action_dtype)
         self.data.setsockopt(zmq.RCVBUF, socket_buffer_bytes(typical.message_bytes()))
         self.data.setsockopt(zmq.LINGER, 0)
+        # Memory guard: ZeroMQ drops a peer that sends more than this (never allocated). Messages
+        # between max_message_bytes and this bound are received, rejected and counted ("oversized").
+        self.data.setsockopt(zmq.MAXMSGSIZE, 4 * config.max_message_bytes)
         self.data.bind(config.bind_address(config.data_port))
         self.control = self.context.socket(zmq.ROUTER)
         self.control.setsockopt(zmq.LINGER, 0)
