@@ -133,6 +133,9 @@ def normalize_advantages(advantages: np.ndarray, trainable: np.ndarray, eps: flo
         raise ValueError(f"trainable: expected dtype bool, received {trainable.dtype}")
     if advantages.shape != trainable.shape:
         raise ValueError(f"trainable: expected shape {advantages.shape} (as advantages), received {trainable.shape}")
+    # One private copy of the mask serves the statistics and the assignment: the caller's array may
+    # live in shared memory that another process can write.
+    trainable = trainable.copy()
     normalised = np.zeros(advantages.shape, dtype=np.float32)
     selected = advantages[trainable].astype(np.float64)
     if selected.size == 0:
