@@ -237,6 +237,8 @@ class RolloutAssembler:
             self.counters.dropped["no_capacity_steps"] += num_envs
             return
         k = len(segment.columns)
+        # Our invariant: segments live only in filling buffers (the trainer reads the others).
+        assert self.states[segment.slot] is SlotState.FILLING, (segment.slot, self.states[segment.slot])
         self.buffers[segment.slot].write_columns(
             segment.rows_written,
             segment.columns,
@@ -292,6 +294,7 @@ class RolloutAssembler:
         segment = record.segment
         if segment is None:
             return
+        assert self.states[segment.slot] is SlotState.FILLING, (segment.slot, self.states[segment.slot])
         self.buffers[segment.slot].reset_columns(segment.columns)
         self._owners[segment.slot][segment.columns] = FREE
         self.counters.dropped["discarded_segment_rows"] += segment.rows_written * len(segment.columns)
