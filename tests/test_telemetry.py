@@ -275,6 +275,7 @@ def test_prometheus_endpoint_serves_the_snapshot_figures():
             ("oakemu_dropped_total", (("kind", "timed_out_actors"),)): 1.0,
             ("oakemu_dropped_total", (("kind", "no_capacity_steps"),)): 0.0,
             ("oakemu_dropped_total", (("kind", "discarded_segment_rows"),)): 0.0,
+            ("oakemu_dropped_total", (("kind", "late_steps"),)): 0.0,
         }
         assert after["oakemu_actors"] == {("oakemu_actors", ()): 2.0}
         assert after["oakemu_policy_lag"] == {
