@@ -1,0 +1,355 @@
+"""RolloutAssembler (learner-side routing of step messages into buffer columns) on real RolloutBuffers.
+
+No sockets: messages are built here as already-validated :class:`StepMessage` objects. Every
+expected value (columns, rows, counters, lag statistics) is computed in the test from the values
+the messages carry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from oakemu_core.ingest import RolloutAssembler, SlotState, StepRejected, drop_stale_rows
+from oakemu_core.rollout_buffer import RolloutBuffer
+from oakemu_core.wire import StepMessage, StepSpec
+
+T = 3  # rollout length
+N = 6  # buffer columns
+OBS_SHAPE = (2,)
+TIMEOUT_S = 5.0
+
+
+@pytest.fixture
+def buffers() -> Iterator[list[RolloutBuffer]]:
+    made = [RolloutBuffer(T, N, OBS_SHAPE, np.float32) for _ in range(2)]
+    yield made
+    for buffer in made:
+        buffer.close()
+
+
+@pytest.fixture
+def assembler(buffers: list[RolloutBuffer]) -> RolloutAssembler:
+    return RolloutAssembler(buffers, actor_timeout_s=TIMEOUT_S)
+
+
+def spec(num_envs: int) -> StepSpec:
+    return StepSpec(num_envs=num_envs, observation_shape=OBS_SHAPE, observation_dtype=np.float32)
+
+
+def message(actor_id: str, incarnation: str, seq: int, num_envs: int, *, version: int = 0,
+            dones: list[bool] | None = None, truncated: list[bool] | None = None) -> StepMessage:
+    """A step whose numbers encode (actor, seq, env), so the test can tell where each one landed.
+
+    actor code a = sum of the id's bytes; env i of step seq: observation [a + 10*seq + i, -(...)],
+    action (seq + i) % 3, log_prob -0.1*(i+1), value a + seq + 0.5*i, reward seq + 0.25*i,
+    next value 100*a + seq + i, bootstrap 7 + i on truncated envs.
+    """
+    a = float(sum(actor_id.encode()))
+    i = np.arange(num_envs)
+    done = np.array(dones if dones is not None else [False] * num_envs, dtype=bool)
+    trunc = np.array(truncated if truncated is not None else [False] * num_envs, dtype=bool)
+    observation = (a + 10 * seq + i).astype(np.float32)
+    return StepMessage(
+        actor_id=actor_id,
+        incarnation=incarnation,
+        seq=seq,
+        policy_version=version,
+        observations=np.stack([observation, -observation], axis=1),
+        actions=((seq + i) % 3).astype(np.int64),
+        log_probs=(-0.1 * (i + 1)).astype(np.float32),
+        values=(a + seq + 0.5 * i).astype(np.float32),
+        rewards=(seq + 0.25 * i).astype(np.float32),
+        dones=done,
+        truncated=trunc,
+        bootstrap_values=np.where(trunc, 7.0 + i, 0.0).astype(np.float32),
+        next_values=(100 * a + seq + i).astype(np.float32),
+        trainable=np.ones(num_envs, dtype=bool),
+    )
+
+
+def send(assembler: RolloutAssembler, msg: StepMessage, *, version: int = 0, now: float = 0.0) -> None:
+    assembler.ingest(msg, current_policy_version=version, now=now)
+
+
+def check_rows(buffer: RolloutBuffer, msg: StepMessage, row: int, columns: list[int]) -> None:
+    """The message's arrays are in ``row`` of ``columns`` (env i -> columns[i])."""
+    k = len(columns)
+    np.testing.assert_array_equal(buffer.observations[row, columns], msg.observations[:k])
+    np.testing.assert_array_equal(buffer.actions[row, columns], msg.actions[:k])
+    np.testing.assert_array_equal(buffer.log_probs[row, columns], msg.log_probs[:k])
+    np.testing.assert_array_equal(buffer.values[row, columns], msg.values[:k])
+    np.testing.assert_array_equal(buffer.rewards[row, columns], msg.rewards[:k])
+    np.testing.assert_array_equal(buffer.dones[row, columns], msg.dones[:k])
+    np.testing.assert_array_equal(buffer.bootstrap_values[row, columns], msg.bootstrap_values[:k])
+    np.testing.assert_array_equal(buffer.policy_versions[row, columns], np.full(k, msg.policy_version))
+    assert buffer.trainable[row, columns].all()
+
+
+def fill_segment(assembler: RolloutAssembler, actor_id: str, incarnation: str, num_envs: int,
+                 first_seq: int = 0, **kwargs) -> list[StepMessage]:
+    sent = [message(actor_id, incarnation, first_seq + s, num_envs, **kwargs) for s in range(T)]
+    for msg in sent:
+        send(assembler, msg)
+    return sent
+
+
+# ------------------------------------------------------------------------------ assignment
+def test_two_actors_fill_one_buffer_and_a_third_gets_the_second(
+    assembler: RolloutAssembler, buffers: list[RolloutBuffer]
+) -> None:
+    for name in ("a", "b", "c"):
+        assembler.join(name, f"{name}-1", spec(3), hostname="h", now=0.0)
+    first = [message("a", "a-1", 0, 3), message("b", "b-1", 0, 3), message("c", "c-1", 0, 3)]
+    for msg in first:
+        send(assembler, msg)
+
+    a, b, c = (assembler.actors[name].segment for name in ("a", "b", "c"))
+    assert (a.slot, a.columns.tolist()) == (0, [0, 1, 2])
+    assert (b.slot, b.columns.tolist()) == (0, [3, 4, 5])
+    assert (c.slot, c.columns.tolist()) == (1, [0, 1, 2])
+    check_rows(buffers[0], first[0], 0, [0, 1, 2])
+    check_rows(buffers[0], first[1], 0, [3, 4, 5])
+    check_rows(buffers[1], first[2], 0, [0, 1, 2])
+    assert buffers[0].column_steps.tolist() == [1] * 6
+    assert buffers[1].column_steps.tolist() == [1, 1, 1, 0, 0, 0]
+    assert assembler.counters.env_steps == 9
+    assert assembler.counters.dropped["no_capacity_steps"] == 0
+
+
+def test_an_actor_gets_only_the_free_columns_left_and_the_rest_is_counted(
+    assembler: RolloutAssembler, buffers: list[RolloutBuffer]
+) -> None:
+    assembler.join("a", "a-1", spec(4), hostname="h", now=0.0)
+    assembler.join("b", "b-1", spec(4), hostname="h", now=0.0)
+    send(assembler, message("a", "a-1", 0, 4))
+    msg_b = message("b", "b-1", 0, 4)
+    send(assembler, msg_b)
+    segment = assembler.actors["b"].segment
+    assert (segment.slot, segment.columns.tolist()) == (0, [4, 5])  # 2 of its 4 envs fit
+    check_rows(buffers[0], msg_b, 0, [4, 5])
+    assert assembler.counters.dropped["no_capacity_steps"] == 2
+    assert assembler.counters.env_steps == 4 + 2
+
+
+def test_segment_completes_after_T_messages_with_last_values_and_dones_of_the_last_row(
+    assembler: RolloutAssembler, buffers: list[RolloutBuffer]
+) -> None:
+    assembler.join("a", "a-1", spec(3), hostname="h", now=0.0)
+    assembler.join("b", "b-1", spec(3), hostname="h", now=0.0)
+    sent_a = fill_segment(assembler, "a", "a-1", 3)
+    assert assembler.actors["a"].segment is None  # finished after T messages
+    assert assembler.states[0] is SlotState.FILLING  # b's columns are still empty
+    assert assembler.take_full_rollout() is None
+
+    sent_b = [message("b", "b-1", s, 3, dones=[False, s == T - 1, False],
+                      truncated=[False, s == T - 1, False]) for s in range(T)]
+    for msg in sent_b[:-1]:
+        send(assembler, msg)
+    assert assembler.states[0] is SlotState.FILLING
+    send(assembler, sent_b[-1])
+    assert assembler.states[0] is SlotState.FULL
+
+    for row in range(T):
+        check_rows(buffers[0], sent_a[row], row, [0, 1, 2])
+        check_rows(buffers[0], sent_b[row], row, [3, 4, 5])
+    rollout = assembler.take_full_rollout()
+    assert rollout is not None and rollout.slot == 0 and rollout.buffer is buffers[0]
+    assert assembler.states[0] is SlotState.TRAINING
+    expected_last_values = np.concatenate([sent_a[-1].next_values, sent_b[-1].next_values])
+    np.testing.assert_array_equal(rollout.last_values, expected_last_values)
+    assert rollout.last_dones.tolist() == [False, False, False, False, True, False]
+    np.testing.assert_array_equal(rollout.last_dones, buffers[0].dones[-1])
+    # GAE accepts them (it checks last_dones == dones[-1]); on b's truncated last row the
+    # advantage is r + gamma * bootstrap - V, whatever the last value.
+    rollout.buffer.compute_gae(rollout.last_values, rollout.last_dones, 0.9, 0.8)
+    last_b = sent_b[-1]
+    expected = last_b.rewards[1] + 0.9 * last_b.bootstrap_values[1] - last_b.values[1]
+    assert buffers[0].advantages[T - 1, 4] == pytest.approx(expected, rel=1e-6)
+
+
+def test_full_buffer_hand_off_and_release_cycle(assembler: RolloutAssembler, buffers: list[RolloutBuffer]) -> None:
+    assembler.join("a", "a-1", spec(6), hostname="h", now=0.0)
+    fill_segment(assembler, "a", "a-1", 6)
+    assert assembler.states == [SlotState.FULL, SlotState.FILLING]
+    assert assembler.accepting
+    fill_segment(assembler, "a", "a-1", 6, first_seq=T)
+    assert assembler.states == [SlotState.FULL, SlotState.FULL]
+    assert not assembler.accepting
+
+    # No buffer is filling: a step that arrives anyway is dropped and counted, nothing written.
+    steps_before = assembler.counters.env_steps
+    send(assembler, message("a", "a-1", 2 * T, 6))
+    assert assembler.counters.dropped["no_capacity_steps"] == 6
+    assert assembler.counters.env_steps == steps_before == 2 * T * 6
+
+    first = assembler.take_full_rollout()
+    second = assembler.take_full_rollout()
+    assert (first.slot, second.slot) == (0, 1)  # oldest first
+    assert assembler.take_full_rollout() is None
+    assembler.release(0)
+    assert assembler.states == [SlotState.FILLING, SlotState.TRAINING]
+    assert buffers[0].column_steps.tolist() == [0] * N and not buffers[0].trainable.any()
+    assert assembler.accepting
+    with pytest.raises(ValueError, match="expected training"):
+        assembler.release(0)
+    assembler.release(1)
+    # Buffer 0 was released first, so it fills first again.
+    send(assembler, message("a", "a-1", 2 * T + 1, 6))
+    assert assembler.actors["a"].segment.slot == 0
+    assert buffers[0].column_steps.tolist() == [1] * N and buffers[1].column_steps.tolist() == [0] * N
+
+
+# --------------------------------------------------------------------------------- rejection
+def test_out_of_order_seq_is_rejected_and_discards_the_segment(
+    assembler: RolloutAssembler, buffers: list[RolloutBuffer]
+) -> None:
+    assembler.join("a", "a-1", spec(3), hostname="h", now=0.0)
+    send(assembler, message("a", "a-1", 0, 3, dones=[True, False, False], truncated=[True, False, False]))
+    send(assembler, message("a", "a-1", 1, 3))
+    assert buffers[0].column_steps.tolist() == [2, 2, 2, 0, 0, 0]
+    with pytest.raises(StepRejected) as caught:
+        send(assembler, message("a", "a-1", 3, 3))  # seq 2 never arrived
+    assert caught.value.reason == "out_of_order"
+    assert assembler.actors["a"].segment is None
+    assert buffers[0].column_steps.tolist() == [0] * N
+    assert not buffers[0].trainable.any() and not buffers[0].dones.any() and not buffers[0].bootstrap_values.any()
+    assert assembler.counters.dropped["discarded_segment_rows"] == 2 * 3
+    assert assembler.counters.env_steps == 2 * 3  # the global step count never goes backwards
+
+    # The freed columns go to the next actor that asks ...
+    assembler.join("b", "b-1", spec(3), hostname="h", now=0.0)
+    send(assembler, message("b", "b-1", 0, 3))
+    assert assembler.actors["b"].segment.columns.tolist() == [0, 1, 2]
+    # ... and the actor itself goes on after the gap, in a new segment that starts at row 0.
+    msg = message("a", "a-1", 4, 3)
+    send(assembler, msg)
+    assert assembler.actors["a"].segment.columns.tolist() == [3, 4, 5]
+    check_rows(buffers[0], msg, 0, [3, 4, 5])
+
+
+def test_unknown_actor_and_unknown_incarnation_are_rejected(
+    assembler: RolloutAssembler, buffers: list[RolloutBuffer]
+) -> None:
+    assembler.join("a", "a-1", spec(3), hostname="h", now=0.0)
+    for msg in (message("z", "z-1", 0, 3), message("a", "a-0", 0, 3)):
+        with pytest.raises(StepRejected) as caught:
+            send(assembler, msg)
+        assert caught.value.reason == "unknown_actor"
+    assert buffers[0].column_steps.sum() == 0 and assembler.counters.env_steps == 0
+    assert assembler.spec_for("a", "a-0") is None and assembler.spec_for("a", "a-1") == spec(3)
+
+
+def test_future_policy_version_is_rejected(assembler: RolloutAssembler, buffers: list[RolloutBuffer]) -> None:
+    assembler.join("a", "a-1", spec(3), hostname="h", now=0.0)
+    with pytest.raises(StepRejected) as caught:
+        assembler.ingest(message("a", "a-1", 0, 3, version=4), current_policy_version=3, now=0.0)
+    assert caught.value.reason == "future_version"
+    assert buffers[0].column_steps.sum() == 0 and assembler.counters.env_steps == 0
+    # The current version itself is accepted.
+    assembler.ingest(message("a", "a-1", 0, 3, version=3), current_policy_version=3, now=0.0)
+    assert buffers[0].policy_versions[0, :3].tolist() == [3, 3, 3]
+
+
+# ------------------------------------------------------------------------------ actor churn
+def test_silent_actor_expires_and_frees_its_columns(assembler: RolloutAssembler, buffers: list[RolloutBuffer]) -> None:
+    assembler.join("a", "a-1", spec(3), hostname="h", now=0.0)
+    assembler.join("b", "b-1", spec(3), hostname="h", now=0.0)
+    send(assembler, message("a", "a-1", 0, 3), now=1.0)
+    send(assembler, message("b", "b-1", 0, 3), now=1.0)
+    send(assembler, message("b", "b-1", 1, 3), now=4.0)
+    assert assembler.heartbeat("a", "a-1", now=2.0, env_steps_per_second=1.0, policy_lag=0.0, episodes=0)
+
+    assert assembler.expire_silent_actors(now=2.0 + TIMEOUT_S) == []  # a: exactly the timeout, not more
+    assert assembler.expire_silent_actors(now=2.0 + TIMEOUT_S + 0.1) == ["a"]
+    assert set(assembler.actors) == {"b"}
+    assert assembler.counters.dropped["timed_out_actors"] == 1
+    assert assembler.counters.dropped["discarded_segment_rows"] == 3
+    assert buffers[0].column_steps.tolist() == [0, 0, 0, 2, 2, 2]
+    assert not buffers[0].trainable[:, :3].any()
+    assert assembler.counters.env_steps == 9  # received steps, discarded ones included
+    assert not assembler.heartbeat("a", "a-1", now=8.0, env_steps_per_second=1.0, policy_lag=0.0, episodes=0)
+    # A step of the dropped incarnation that was still in flight: refused, counted as late.
+    with pytest.raises(StepRejected) as caught:
+        send(assembler, message("a", "a-1", 1, 3))
+    assert caught.value.reason == "departed_actor"
+    assert assembler.counters.dropped["late_steps"] == 3
+    assert assembler.counters.env_steps == 9
+    assembler.join("c", "c-1", spec(3), hostname="h", now=8.0)
+    send(assembler, message("c", "c-1", 0, 3), now=8.0)
+    assert assembler.actors["c"].segment.columns.tolist() == [0, 1, 2]
+
+
+def test_new_incarnation_of_an_actor_replaces_the_old(assembler: RolloutAssembler, buffers: list[RolloutBuffer]) -> None:
+    old = assembler.join("a", "a-1", spec(3), hostname="h", now=0.0)
+    send(assembler, message("a", "a-1", 0, 3))
+    send(assembler, message("a", "a-1", 1, 3))
+    new = assembler.join("a", "a-2", spec(3), hostname="h", now=1.0)
+    assert new.index != old.index and assembler.actors["a"] is new
+    assert buffers[0].column_steps.tolist() == [0] * N
+    assert assembler.counters.dropped["discarded_segment_rows"] == 6
+    with pytest.raises(StepRejected) as caught:
+        send(assembler, message("a", "a-1", 2, 3))
+    assert caught.value.reason == "departed_actor"
+    assert buffers[0].column_steps.tolist() == [0] * N
+    msg = message("a", "a-2", 0, 3)  # the new incarnation counts from seq 0
+    send(assembler, msg)
+    check_rows(buffers[0], msg, 0, [0, 1, 2])
+    assert assembler.leave("a", "a-1") is False
+    assert assembler.leave("a", "a-2") is True
+    assert assembler.actors == {} and buffers[0].column_steps.sum() == 0
+
+
+def test_episodes_are_collected_from_messages(assembler: RolloutAssembler) -> None:
+    assembler.join("a", "a-1", spec(3), hostname="h", now=0.0)
+    send(assembler, replace(message("a", "a-1", 0, 3), episode_returns=[12.5, 3.0], episode_lengths=[20, 7]))
+    assert assembler.take_episodes() == ([12.5, 3.0], [20, 7])
+    assert assembler.take_episodes() == ([], [])
+
+
+# ---------------------------------------------------------------------------------- staleness
+def test_drop_stale_rows_marks_rows_over_the_lag_and_reports_lag_stats(buffers: list[RolloutBuffer]) -> None:
+    buffer = buffers[0]
+    rng = np.random.default_rng(3)
+    versions = np.array([[5, 3, 5, 1, 4, 2],
+                         [5, 2, 4, 1, 4, 3],
+                         [5, 5, 2, 0, 4, 1]])
+    already_untrainable = (2, 3)  # a stale row that is already out: not counted again
+    for t in range(T):
+        for column in range(N):
+            trainable = np.array([(t, column) != already_untrainable])
+            buffer.write_columns(
+                t, np.array([column]), rng.normal(size=(1, 2)).astype(np.float32), np.array([0]),
+                np.zeros(1, np.float32), np.zeros(1, np.float32), np.zeros(1, np.float32), np.array([False]),
+                trainable, policy_version=int(versions[t, column]),
+            )
+    current, max_lag = 5, 2
+    lag = current - versions
+    expected_stale = (lag > max_lag)
+    expected_trainable = ~expected_stale
+    expected_trainable[already_untrainable] = False
+    expected_count = int(expected_stale.sum()) - 1
+
+    dropped, stats = drop_stale_rows(buffer, current_policy_version=current, max_policy_lag=max_lag)
+    assert dropped == expected_count == 6  # versions 1, 2 | 2, 1 | 2, 1 (+ 0 at (2, 3), already out)
+    np.testing.assert_array_equal(buffer.trainable, expected_trainable)
+    assert stats == {
+        "min": 0.0,
+        "mean": pytest.approx(lag.sum() / lag.size),
+        "max": 5.0,
+        "newest_version": 5.0,
+    }
+    assert buffer.trainable_size == int(expected_trainable.sum())
+
+
+def test_drop_stale_rows_with_no_stale_row(buffers: list[RolloutBuffer]) -> None:
+    buffer = buffers[0]
+    for t in range(T):
+        buffer.add(np.zeros((N, 2), np.float32), np.zeros(N, np.int64), np.zeros(N, np.float32),
+                   np.zeros(N, np.float32), np.zeros(N, np.float32), np.zeros(N, bool), policy_version=7 + t)
+    dropped, stats = drop_stale_rows(buffer, current_policy_version=9, max_policy_lag=2)
+    assert dropped == 0 and buffer.trainable.all()
+    assert stats == {"min": 0.0, "mean": 1.0, "max": 2.0, "newest_version": 9.0}

@@ -1,0 +1,184 @@
+"""PolicyStepper on a real Gymnasium CartPole with a short time limit: truncation reaches GAE.
+
+The expected values come from an independent replay: the same CartPole envs (``gymnasium.make``,
+seeded ``seed + i`` as the vector env seeds env ``i``) stepped one by one with the actions the
+stepper recorded, resetting after each finished episode as Gymnasium's same-step autoreset does.
+The replay gives the true final observation of every episode and the reset observation that
+replaced it, so ``bootstrap_values`` can be checked against the model's value of each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gymnasium
+import numpy as np
+import pytest
+import torch
+
+from oakemu_core.envs import make_vector_env
+from oakemu_core.ingest import RolloutAssembler
+from oakemu_core.models import ActorCritic, build_model
+from oakemu_core.rollout_buffer import RolloutBuffer
+from oakemu_core.stepper import PolicyStepper
+from oakemu_core.wire import StepMessage, StepSpec
+
+SEED = 7
+GAMMA = 0.99
+GAE_LAMBDA = 0.95
+VALUE_TOLERANCE = 1e-5  # one observation alone vs. in a batch: float32 rounding only
+
+
+@dataclass
+class Row:
+    """Copies of one stepper row (the stepper reuses its arrays)."""
+
+    observations: np.ndarray
+    actions: np.ndarray
+    log_probs: np.ndarray
+    values: np.ndarray
+    rewards: np.ndarray
+    dones: np.ndarray
+    truncated: np.ndarray
+    bootstrap_values: np.ndarray
+    trainable: np.ndarray
+    next_values: np.ndarray
+    policy_version: int
+    episode_returns: list[float]
+    episode_lengths: list[int]
+
+
+@dataclass
+class Replay:
+    """What the reference replay saw at each step (arrays ``(steps, n, ...)``)."""
+
+    observations: np.ndarray  # observation each action was chosen on
+    terminated: np.ndarray
+    truncated: np.ndarray
+    final_observations: np.ndarray  # true last observation where the episode ended, else NaN
+    reset_observations: np.ndarray  # first observation of the next episode where one ended, else NaN
+
+
+def run_stepper(max_episode_steps: int, num_envs: int, steps: int) -> tuple[ActorCritic, list[Row]]:
+    torch.manual_seed(SEED)
+    model = build_model((4,), np.float32, 2)
+    env = make_vector_env("CartPole-v1", num_envs, seed=SEED, max_episode_steps=max_episode_steps)
+    rows: list[Row] = []
+    try:
+        stepper = PolicyStepper(env, model, policy_version=3)
+        for _ in range(steps):
+            row = stepper.step()
+            b = row.buffers
+            rows.append(Row(
+                b.observations.copy(), b.actions.copy(), b.log_probs.copy(), b.values.copy(), b.rewards.copy(),
+                b.dones.copy(), b.truncated.copy(), b.bootstrap_values.copy(), b.trainable.copy(),
+                row.next_values.copy(), row.policy_version, list(row.env_step.episode_returns),
+                list(row.env_step.episode_lengths),
+            ))
+    finally:
+        env.close()
+    return model, rows
+
+
+def replay(rows: list[Row], max_episode_steps: int, num_envs: int) -> Replay:
+    steps = len(rows)
+    observations = np.zeros((steps, num_envs, 4), np.float32)
+    terminated = np.zeros((steps, num_envs), bool)
+    truncated = np.zeros((steps, num_envs), bool)
+    final = np.full((steps, num_envs, 4), np.nan, np.float32)
+    reset = np.full((steps, num_envs, 4), np.nan, np.float32)
+    for i in range(num_envs):
+        env = gymnasium.make("CartPole-v1", max_episode_steps=max_episode_steps)
+        observation, _ = env.reset(seed=SEED + i)
+        for t, row in enumerate(rows):
+            observations[t, i] = observation
+            observation, _, term, trunc, _ = env.step(int(row.actions[i]))
+            terminated[t, i], truncated[t, i] = term, trunc
+            if term or trunc:
+                final[t, i] = observation
+                observation, _ = env.reset()
+                reset[t, i] = observation
+        env.close()
+    return Replay(observations, terminated, truncated, final, reset)
+
+
+@pytest.mark.parametrize(("max_episode_steps", "num_envs", "steps"), [(5, 2, 10), (30, 3, 90)])
+def test_stepper_rows_match_a_replay_of_the_same_envs(max_episode_steps: int, num_envs: int, steps: int) -> None:
+    model, rows = run_stepper(max_episode_steps, num_envs, steps)
+    ref = replay(rows, max_episode_steps, num_envs)
+
+    for t, row in enumerate(rows):
+        np.testing.assert_array_equal(row.observations, ref.observations[t])
+        np.testing.assert_array_equal(row.dones, ref.terminated[t] | ref.truncated[t])
+        np.testing.assert_array_equal(row.truncated, ref.truncated[t] & ~ref.terminated[t])
+        np.testing.assert_array_equal(row.rewards, np.ones(num_envs, np.float32))  # CartPole: +1 per step
+        assert row.trainable.all() and row.policy_version == 3
+        # next_values of step t are the values of the bundle that acts on step t + 1.
+        if t + 1 < len(rows):
+            np.testing.assert_array_equal(row.next_values, rows[t + 1].values)
+        for i in range(num_envs):
+            if row.truncated[i]:
+                true_final = model.predict_values(ref.final_observations[t, i][None])[0]
+                after_reset = model.predict_values(ref.reset_observations[t, i][None])[0]
+                assert row.bootstrap_values[i] == pytest.approx(true_final, abs=VALUE_TOLERANCE)
+                assert abs(row.bootstrap_values[i] - after_reset) > 100 * VALUE_TOLERANCE
+            else:  # terminated (no future value) or still running
+                assert row.bootstrap_values[i] == 0.0
+
+    truncated_rows = int(sum(r.truncated.sum() for r in rows))
+    terminated_rows = int(ref.terminated.sum())
+    if max_episode_steps == 5:
+        # A random policy cannot drop the pole within 5 steps: every episode is cut by the limit.
+        assert terminated_rows == 0 and truncated_rows == num_envs * steps // 5
+        assert [r.truncated.all() for r in rows] == [(t + 1) % 5 == 0 for t in range(steps)]
+    else:
+        assert terminated_rows > 0 and truncated_rows > 0, (terminated_rows, truncated_rows)
+    episode_count = sum(len(r.episode_returns) for r in rows)
+    assert episode_count == terminated_rows + truncated_rows
+    for r in rows:
+        assert r.episode_returns == [float(n) for n in r.episode_lengths]  # CartPole return = length
+
+
+def test_truncation_reaches_gae_through_the_assembler() -> None:
+    """Rows of a 5-step time limit go through RolloutAssembler into a buffer; GAE bootstraps each
+    truncated row from V(true final observation), not from V(reset observation)."""
+    num_envs, steps = 2, 10
+    model, rows = run_stepper(5, num_envs, steps)
+    ref = replay(rows, 5, num_envs)
+    step_spec = StepSpec(num_envs=num_envs, observation_shape=(4,), observation_dtype=np.float32)
+    buffers = [RolloutBuffer(steps, num_envs, (4,), np.float32) for _ in range(2)]
+    try:
+        assembler = RolloutAssembler(buffers, actor_timeout_s=10.0)
+        assembler.join("actor-0", "inc", step_spec, hostname="test", now=0.0)
+        for seq, row in enumerate(rows):
+            assembler.ingest(StepMessage(
+                actor_id="actor-0", incarnation="inc", seq=seq, policy_version=row.policy_version,
+                observations=row.observations, actions=row.actions, log_probs=row.log_probs, values=row.values,
+                rewards=row.rewards, dones=row.dones, truncated=row.truncated,
+                bootstrap_values=row.bootstrap_values, next_values=row.next_values, trainable=row.trainable,
+                episode_returns=row.episode_returns, episode_lengths=row.episode_lengths,
+            ), current_policy_version=3, now=0.0)
+        rollout = assembler.take_full_rollout()
+        assert rollout is not None
+        buffer = rollout.buffer
+        buffer.compute_gae(rollout.last_values, rollout.last_dones, GAMMA, GAE_LAMBDA)
+        advantages = buffer.advantages.copy()
+    finally:
+        for b in buffers:
+            b.close()
+
+    rewards = np.stack([r.rewards for r in rows]).astype(np.float64)
+    values = np.stack([r.values for r in rows]).astype(np.float64)
+    truncated = np.stack([r.truncated for r in rows])
+    assert truncated[4].all() and truncated[9].all()  # rows 4 and 9 end every episode
+    for t in (4, 9):
+        for i in range(num_envs):
+            v_final = float(model.predict_values(ref.final_observations[t, i][None])[0])
+            v_reset = float(model.predict_values(ref.reset_observations[t, i][None])[0])
+            by_hand = rewards[t, i] + GAMMA * v_final - values[t, i]
+            assert advantages[t, i] == pytest.approx(by_hand, abs=1e-4)
+            wrong = rewards[t, i] + GAMMA * v_reset - values[t, i]
+            assert abs(advantages[t, i] - wrong) > 1e-3
+    # Row 3 of env 0, by hand: delta_3 = r + gamma V(s_4) - V(s_3) (not done), then + gamma lambda A_4.
+    delta_3 = rewards[3, 0] + GAMMA * values[4, 0] - values[3, 0]
+    assert advantages[3, 0] == pytest.approx(delta_3 + GAMMA * GAE_LAMBDA * advantages[4, 0], abs=1e-4)
