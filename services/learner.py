@@ -40,7 +40,7 @@ from oakemu_core.checkpoint import (
 from oakemu_core.config import OakEmuConfig, resolved_device, to_toml
 from oakemu_core.envs import EnvSpec, env_spec
 from oakemu_core.ingest import FullRollout, RolloutAssembler, StepRejected, drop_stale_rows
-from oakemu_core.memory_diagnostics import ensure_shm_capacity
+from oakemu_core.memory_diagnostics import SharedMemoryTooSmallError, ensure_shm_capacity
 from oakemu_core.metrics import EpisodeWindow, MetricsLogger, update_scalars
 from oakemu_core.models import ActorCritic, build_model, weights_to_arrays
 from oakemu_core.ppo import LinearSchedule, PPOLearner, PPORuntimeState, PPOUpdateStats
@@ -563,7 +563,11 @@ def main(config: OakEmuConfig) -> int:
     setup_logging(config.log_level)
     run_dir = resolve_run_dir(config)
     stop_event = install_stop_signals()
-    learner = Learner(config, run_dir)
+    try:
+        learner = Learner(config, run_dir)
+    except SharedMemoryTooSmallError as error:  # a deployment mistake: say what to change, no traceback
+        log.error("learner cannot start: %s", error)
+        return 1
     try:
         return learner.run(stop_event)
     finally:

@@ -1,0 +1,52 @@
+"""The learner refuses to start when /dev/shm cannot hold its two rollout buffers (issue 4)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+
+from oakemu_core.config import OakEmuConfig
+from oakemu_core.envs import env_spec
+from oakemu_core.memory_diagnostics import shm_free_bytes
+from services.learner import NUM_ROLLOUT_BUFFERS, rollout_buffer_bytes
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_rollout_buffer_bytes_matches_a_real_buffer() -> None:
+    from oakemu_core.rollout_buffer import RolloutBuffer
+
+    config = OakEmuConfig(env_id="CartPole-v1", envs_per_actor=3, num_envs=6, rollout_length=10)
+    spec = env_spec(config.env_id)
+    with RolloutBuffer(10, 6, spec.observation_shape, spec.observation_dtype) as buffer:
+        array_bytes = sum(a.nbytes for a in (
+            buffer.observations, buffer.actions, buffer.log_probs, buffer.values, buffer.rewards, buffer.dones,
+            buffer.bootstrap_values, buffer.trainable, buffer.policy_versions, buffer.advantages, buffer.returns,
+            buffer.column_steps,
+        ))
+    assert rollout_buffer_bytes(config, spec) == array_bytes
+
+
+def test_learner_refuses_a_rollout_that_does_not_fit_in_dev_shm(tmp_path: Path) -> None:
+    # An Atari rollout far larger than /dev/shm: the learner must stop at start-up with the size it needs.
+    free = shm_free_bytes("/dev/shm")
+    per_env_step = 4 * 84 * 84
+    rollout_length = 8
+    num_envs = int(free // (NUM_ROLLOUT_BUFFERS * rollout_length * per_env_step)) + 8
+    result = subprocess.run(
+        [sys.executable, "-m", "services.cli", "learner", "--env-id", "ALE/Breakout-v5",
+         "--envs-per-actor", "8", "--num-envs", str(num_envs), "--rollout-length", str(rollout_length),
+         "--runs-dir", str(tmp_path), "--run-name", "too-big", "--metrics-port", "0"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 1
+    output = " ".join((result.stdout + result.stderr).split())
+    needed = re.search(r"need (\d+) bytes", output)
+    assert needed, output
+    config = OakEmuConfig(env_id="ALE/Breakout-v5", envs_per_actor=8, num_envs=num_envs, rollout_length=rollout_length)
+    assert int(needed.group(1)) == NUM_ROLLOUT_BUFFERS * rollout_buffer_bytes(config, env_spec(config.env_id))
+    assert "shm_size" in output
+    assert "Traceback" not in output
