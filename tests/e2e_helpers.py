@@ -2,16 +2,18 @@
 
 Every process is started as ``python -m services.cli <command> ...`` in a session of its own
 (its pid is its process-group id), with stdout and stderr written to files under the test's
-``tmp_path``.  The :func:`e2e` fixture tracks those processes and, while the test runs, every
+``tmp_path``.  The :func:`e2e_fixture` (``e2e``) tracks those processes and, while the test runs, every
 descendant they start (``oakemu train`` starts its learner and actors in sessions of their own);
 on teardown, also when the test failed, it stops whatever is still running and fails the test if
 an ``/dev/shm/oakemu_<pid>_*`` segment of any tracked process is left (removing it).
 
-Import the fixture into a test module with ``from tests.e2e_helpers import e2e  # noqa: F401``.
+Import the fixture into a test module with ``from tests.e2e_helpers import e2e_fixture  # noqa: F401``
+and ask for it as ``e2e``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -231,10 +233,8 @@ class E2EProcesses:
 
     def _scan_loop(self) -> None:
         while not self._stop_scan.wait(0.2):
-            try:
+            with contextlib.suppress(OSError, ValueError, IndexError):  # an entry vanished mid-scan
                 self._scan_once()
-            except Exception:  # noqa: BLE001 - a vanished /proc entry mid-scan; next turn retries
-                continue
 
     def tracked_pids(self) -> set[int]:
         """Every pid started here or seen as a descendant of one (alive or not)."""
@@ -319,8 +319,8 @@ class E2EProcesses:
         return problems
 
 
-@pytest.fixture
-def e2e(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[E2EProcesses]:
+@pytest.fixture(name="e2e")
+def e2e_fixture(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[E2EProcesses]:
     """An :class:`E2EProcesses` whose processes are all stopped on teardown, even when the test fails.
 
     Teardown fails the test (as an error) if a shared-memory segment of a tracked process remains,

@@ -13,7 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e_helpers import E2EProcesses, common_flags, e2e, new_ports, only_run_dir, read_jsonl, update_records  # noqa: F401
+from tests.e2e_helpers import (
+    E2EProcesses,
+    common_flags,
+    e2e_fixture,  # noqa: F401 - the `e2e` fixture
+    new_ports,
+    only_run_dir,
+    read_jsonl,
+    update_records,
+)
 
 STEP_BUDGET = 32_768
 """Env steps: 32 rollouts of 128 steps x 8 columns."""

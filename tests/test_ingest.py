@@ -13,9 +13,20 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from oakemu_core.ingest import RolloutAssembler, SlotState, StepRejected, drop_stale_rows
+from oakemu_core.ingest import (
+    RolloutAssembler,
+    SlotState,
+    StepRejected,
+    drop_stale_rows,
+)
 from oakemu_core.rollout_buffer import RolloutBuffer
-from oakemu_core.wire import StepMessage, StepSpec
+from oakemu_core.wire import (
+    MessageRejected,
+    StepMessage,
+    StepSpec,
+    decode_step,
+    encode_step,
+)
 
 T = 3  # rollout length
 N = 6  # buffer columns
@@ -353,3 +364,18 @@ def test_drop_stale_rows_with_no_stale_row(buffers: list[RolloutBuffer]) -> None
     dropped, stats = drop_stale_rows(buffer, current_policy_version=9, max_policy_lag=2)
     assert dropped == 0 and buffer.trainable.all()
     assert stats == {"min": 0.0, "mean": 1.0, "max": 2.0, "newest_version": 9.0}
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "learner path: decode_step(frame, assembler.spec_for) rejects a departed incarnation as 'unknown_actor' "
+    "(spec_for returns None for it) before RolloutAssembler.ingest can count the step as dropped 'late_steps'"
+))
+def test_learner_path_counts_a_late_step_of_a_departed_actor_as_dropped(assembler: RolloutAssembler) -> None:
+    """What services.learner does with each frame: decode against the joined spec, then ingest."""
+    assembler.join("a", "a-1", spec(3), hostname="h", now=0.0)
+    frame = encode_step(message("a", "a-1", 0, 3))
+    assert assembler.leave("a", "a-1")
+    with pytest.raises((StepRejected, MessageRejected)) as caught:  # the learner catches both
+        assembler.ingest(decode_step(frame, assembler.spec_for, max_bytes=2**20), current_policy_version=0, now=1.0)
+    assert caught.value.reason == "departed_actor"
+    assert assembler.counters.dropped["late_steps"] == 3

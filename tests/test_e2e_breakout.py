@@ -1,0 +1,107 @@
+"""End to end on a real emulator: ``oakemu train`` on ALE/Breakout-v5, then ``--resume``, then ``oakemu evaluate``.
+
+A smoke test of the whole pipeline with tiny settings (2 actors x 2 envs, rollouts of 16 steps,
+4 epochs of 2 minibatches): at least two PPO updates, weights versions reach the actors, the run
+folder is complete, actor and learner agree on log-probs, a resumed run continues the step count
+and the update numbering, and the checkpoint plays an episode.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.e2e_helpers import (
+    E2EProcesses,
+    common_flags,
+    e2e_fixture,  # noqa: F401 - the `e2e` fixture
+    new_ports,
+    read_jsonl,
+    update_records,
+)
+
+pytestmark = pytest.mark.slow
+
+ROLLOUT_ROWS = 16 * 2 * 2  # rollout_length x (2 actors x 2 envs)
+FIRST_BUDGET = 6 * ROLLOUT_ROWS
+RESUMED_BUDGET = 9 * ROLLOUT_ROWS
+RATIO_TOLERANCE = 1e-5
+EVALUATE_LINE = re.compile(r"episodes\s+1\s+mean\s+(-?\d+\.\d+)\s+std\s+(\d+\.\d+)")
+
+
+def train_args(ports_flags: list[str], budget: int) -> list[str]:
+    return ["--total-env-steps", str(budget), *ports_flags]
+
+
+def test_breakout_train_resume_evaluate(e2e: E2EProcesses, tmp_path: Path) -> None:
+    runs_dir = tmp_path / "runs"
+    run_dir = runs_dir / "breakout"
+    first = e2e.start("train-1", [
+        "train", "--env", "ALE/Breakout-v5", "--num-actors", "2", "--envs-per-actor", "2", "--rollout-length", "16",
+        "--ppo-epochs", "4", "--num-minibatches", "2", "--run-name", "breakout",
+        *train_args(common_flags(new_ports(), runs_dir), FIRST_BUDGET),
+    ])
+    status = first.wait(timeout_s=180)
+    assert status == 0, first.describe() + _log_tail(run_dir)
+    e2e.assert_all_exited(timeout_s=5)
+    assert e2e.leftover_segments() == []
+
+    # The run folder: resolved config, TensorBoard events, metrics, episodes, logs, checkpoints.
+    config_text = (run_dir / "config.toml").read_text()
+    assert 'env_id = "ALE/Breakout-v5"' in config_text and "rollout_length = 16" in config_text
+    assert list(run_dir.glob("events.out.tfevents.*")), "no TensorBoard event file"
+    assert {p.name for p in (run_dir / "logs").glob("*.log")} == {"learner.log", "actor-0.log", "actor-1.log"}
+    assert "Traceback" not in (run_dir / "logs" / "learner.log").read_text(errors="replace")
+    checkpoints = sorted((run_dir / "checkpoints").glob("checkpoint_*.pt"))
+    assert checkpoints and (run_dir / "checkpoints" / "latest.pt").is_file()
+
+    updates = update_records(run_dir)
+    assert len(updates) >= 2, f"{len(updates)} PPO updates"
+    assert [u["charts/policy_version"] for u in updates] == list(range(1, len(updates) + 1))
+    # Weights versions reached the actors: some rollout holds rows acted by version >= 1.
+    assert max(u["charts/newest_acting_policy_version"] for u in updates) >= 1
+    assert updates[0]["diagnostics/first_minibatch_ratio_max_abs_dev"] < RATIO_TOLERANCE
+    assert int(checkpoints[-1].stem.split("_")[1]) == len(updates)  # final checkpoint = last update
+    last_step = updates[-1]["global_step"]
+    assert last_step >= FIRST_BUDGET
+
+    # Resume: the step count and the update numbering continue from the checkpoint.
+    resumed = e2e.start("train-2", [
+        "train", "--resume", str(run_dir), *train_args(new_ports().flags(), RESUMED_BUDGET),
+    ])
+    status = resumed.wait(timeout_s=180)
+    assert status == 0, resumed.describe() + _log_tail(run_dir)
+    e2e.assert_all_exited(timeout_s=5)
+    assert e2e.leftover_segments() == []
+    assert "resumed from" in (run_dir / "logs" / "learner.log").read_text(errors="replace")
+    all_updates = update_records(run_dir)
+    after = all_updates[len(updates):]
+    assert after, "the resumed run logged no update"
+    assert after[0]["global_step"] > last_step
+    assert [u["charts/policy_version"] for u in after] == list(range(len(updates) + 1, len(all_updates) + 1))
+    assert after[-1]["global_step"] >= RESUMED_BUDGET
+    assert all(a["global_step"] < b["global_step"] for a, b in itertools.pairwise(all_updates))
+    newest = max((run_dir / "checkpoints").glob("checkpoint_*.pt"))
+    assert int(newest.stem.split("_")[1]) == len(all_updates)
+    episodes = read_jsonl(run_dir / "episodes.jsonl")
+    assert all(e["episodic_return"] >= 0 for e in episodes)
+
+    # Evaluate the latest checkpoint: one sampled episode, mean and std printed.
+    evaluate = e2e.start("evaluate", [
+        "evaluate", str(run_dir / "checkpoints" / "latest.pt"), "--episodes", "1", "--sampled",
+    ])
+    assert evaluate.wait(timeout_s=120) == 0, evaluate.describe()
+    match = EVALUATE_LINE.search(evaluate.stdout())
+    assert match, evaluate.describe()
+    mean, std = float(match.group(1)), float(match.group(2))
+    assert mean >= 0.0 and std == 0.0  # one episode: std 0
+
+
+def _log_tail(run_dir: Path, lines: int = 30) -> str:
+    path = run_dir / "logs" / "learner.log"
+    if not path.exists():
+        return ""
+    return "\n--- learner.log tail:\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
