@@ -130,8 +130,9 @@ class RolloutAssembler:
         self._next_generation = len(buffers)
         self._next_actor_index = 0
         self.actors: dict[str, ActorRecord] = {}
-        # Incarnations that left or were dropped (bounded, oldest forgotten first).
-        self._departed: dict[str, None] = {}
+        # Specs of incarnations that left or were dropped (bounded, oldest forgotten first): their
+        # steps still in flight decode normally and are counted as late, not as malformed.
+        self._departed: dict[str, StepSpec] = {}
         self.counters = IngestCounters()
         self.episode_returns: list[float] = []
         self.episode_lengths: list[int] = []
@@ -160,10 +161,10 @@ class RolloutAssembler:
         return record
 
     def spec_for(self, actor_id: str, incarnation: str) -> StepSpec | None:
-        """The step spec agreed at join time, or None for an unknown actor incarnation."""
+        """The step spec agreed at join time (also for a departed incarnation), or None if unknown."""
         record = self.actors.get(actor_id)
         if record is None or record.incarnation != incarnation:
-            return None
+            return self._departed.get(incarnation)
         return record.spec
 
     def heartbeat(self, actor_id: str, incarnation: str, *, now: float, env_steps_per_second: float,
@@ -211,7 +212,7 @@ class RolloutAssembler:
         if record is None or record.incarnation != message.incarnation:
             if message.incarnation in self._departed:
                 # Steps still in flight when the actor left or was dropped: expected, not malformed.
-                self.counters.dropped["late_steps"] += record.spec.num_envs if record else len(message.dones)
+                self.counters.dropped["late_steps"] += len(message.dones)
                 raise StepRejected("departed_actor", f"actor {message.actor_id!r}/{message.incarnation} has left")
             raise StepRejected("unknown_actor", f"actor {message.actor_id!r}/{message.incarnation} has not joined")
         if message.seq != record.next_seq:
@@ -286,7 +287,7 @@ class RolloutAssembler:
         """Remove an actor: discard its unfinished segment, remember the incarnation as departed."""
         self._discard_segment(record)
         self.actors.pop(record.actor_id, None)
-        self._departed[record.incarnation] = None
+        self._departed[record.incarnation] = record.spec
         while len(self._departed) > 1024:
             del self._departed[next(iter(self._departed))]
 

@@ -48,6 +48,7 @@ log = logging.getLogger("oakemu.actor")
 
 HEARTBEAT_PERIOD_S = 1.0
 REQUEST_TIMEOUT_S = 2.0
+JOIN_PATIENCE_S = 120.0
 
 
 class LearnerUnreachable(RuntimeError):
@@ -122,7 +123,8 @@ class Actor:
         request = encode_join_request(
             JoinRequest(self.actor_id, self.incarnation, self.config.envs_per_actor, self.hostname)
         )
-        deadline = time.monotonic() + self.patience_s
+        # A learner may take a while to start (loading torch, building envs): be patient at join.
+        deadline = time.monotonic() + max(JOIN_PATIENCE_S, self.patience_s)
         while not self.stop_event.is_set():
             reply = self.control.request(request)
             if isinstance(reply, JoinReply):
@@ -132,7 +134,7 @@ class Actor:
                 return reply
             if time.monotonic() > deadline:
                 raise LearnerUnreachable(
-                    f"no learner answered at {self.control.address} for {self.patience_s:.0f} s"
+                    f"no learner answered at {self.control.address} for {max(JOIN_PATIENCE_S, self.patience_s):.0f} s"
                 )
         raise KeyboardInterrupt
 

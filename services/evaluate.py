@@ -54,14 +54,13 @@ def evaluate(checkpoint: Path, *, episodes: int, greedy: bool, seed: int) -> lis
 
 def main(checkpoint: Path, *, episodes: int, greedy: bool, seed: int) -> int:
     """Entry point: prints one line ``episodes N  mean M  std S`` (population std); 0 on success."""
-    console = Console()
     try:
         returns = evaluate(checkpoint, episodes=episodes, greedy=greedy, seed=seed)
     except FileNotFoundError as error:
         Console(stderr=True).print(f"[red]oakemu evaluate: {error}[/]")
         return 1
     mode = "greedy" if greedy else "sampled"
-    console.print(f"{checkpoint}: {mode} policy, episodes {len(returns)}  mean {np.mean(returns):.2f}  "
-                  f"std {np.std(returns):.2f}  (min {np.min(returns):.1f}, max {np.max(returns):.1f})",
-                  highlight=False)
+    # Plain print: one unwrapped line that scripts can parse.
+    print(f"{checkpoint}: {mode} policy, episodes {len(returns)}  mean {np.mean(returns):.2f}  "
+          f"std {np.std(returns):.2f}  (min {np.min(returns):.1f}, max {np.max(returns):.1f})")
     return 0

@@ -78,8 +78,9 @@ def die_with_parent() -> None:
 
 
 def socket_buffer_bytes(message_bytes: int) -> int:
-    """Kernel socket buffer for step streams: two messages, at least 16 KiB (bytes).
+    """Kernel socket buffer for step streams: one message, at least 4 KiB (bytes).
 
-    Bounds the steps in flight between an actor and the learner, hence their policy lag.
+    Bounds the steps in flight between an actor and the learner, hence their policy lag: the
+    default (autotuned up to MBs) would hold thousands of small messages acted by old policies.
     """
-    return max(16 * 1024, 2 * int(message_bytes))
+    return max(4096, int(message_bytes))

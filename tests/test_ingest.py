@@ -366,10 +366,6 @@ def test_drop_stale_rows_with_no_stale_row(buffers: list[RolloutBuffer]) -> None
     assert stats == {"min": 0.0, "mean": 1.0, "max": 2.0, "newest_version": 9.0}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "learner path: decode_step(frame, assembler.spec_for) rejects a departed incarnation as 'unknown_actor' "
-    "(spec_for returns None for it) before RolloutAssembler.ingest can count the step as dropped 'late_steps'"
-))
 def test_learner_path_counts_a_late_step_of_a_departed_actor_as_dropped(assembler: RolloutAssembler) -> None:
     """What services.learner does with each frame: decode against the joined spec, then ingest."""
     assembler.join("a", "a-1", spec(3), hostname="h", now=0.0)
