@@ -202,6 +202,8 @@ class PPOUpdateStats:
     update_seconds: float
     epoch_seconds: list[float] = field(default_factory=list)
     trainable_rows: int = 0
+    nonfinite_minibatches: int = 0
+    """Minibatches whose gradient was not finite; their optimizer step was skipped."""
 
 
 @dataclass
@@ -387,6 +389,7 @@ class PPOLearner:
         epochs_completed = 0
         early_stopped = False
         epoch_seconds: list[float] = []
+        nonfinite_minibatches = 0
 
         for epoch in range(self.ppo_epochs):
             epoch_start = time.perf_counter()
@@ -421,8 +424,11 @@ class PPOLearner:
                 loss = losses["policy_loss"] - self.ent_coef * losses["entropy"] + self.vf_coef * losses["value_loss"]
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
-                nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-                self.optimizer.step()
+                grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+                if torch.isfinite(grad_norm):
+                    self.optimizer.step()
+                else:  # a non-finite gradient would turn every weight into NaN for good: skip it
+                    nonfinite_minibatches += 1
 
                 for key in totals:
                     totals[key] += losses[key].detach()
@@ -461,6 +467,7 @@ class PPOLearner:
             update_seconds=time.perf_counter() - start_time,
             epoch_seconds=epoch_seconds,
             trainable_rows=trainable_rows,
+            nonfinite_minibatches=nonfinite_minibatches,
         )
 
     # ------------------------------------------------------------------ ratio check

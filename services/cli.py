@@ -165,7 +165,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as error:  # noqa: BLE001 - user mistakes get one line, bugs keep their traceback
+        status = _user_error_status(error)
+        if status is None:
+            raise
+        print(f"{PROG} {command}: error: {error}", file=sys.stderr)
+        return status
     raise AssertionError(f"unhandled command {command!r}")  # argparse restricts the choices
+
+
+def _user_error_status(error: Exception) -> int | None:
+    """Exit status for an error the user can fix (2: bad input, 1: environment), None for a bug."""
+    import zmq
+
+    from oakemu_core.envs import UnsupportedEnvironmentError
+
+    if isinstance(error, (UnsupportedEnvironmentError, FileNotFoundError)):
+        return EXIT_USAGE
+    if isinstance(error, zmq.ZMQError) or (isinstance(error, OSError) and error.errno is not None):
+        return 1  # e.g. "Address already in use": another learner holds the port
+    if type(error).__name__ == "TelemetryBindError":
+        return 1
+    return None
 
 
 class ServiceUnavailable(RuntimeError):

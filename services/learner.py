@@ -45,6 +45,7 @@ from oakemu_core.metrics import EpisodeWindow, MetricsLogger, update_scalars
 from oakemu_core.models import ActorCritic, build_model, weights_to_arrays
 from oakemu_core.ppo import LinearSchedule, PPOLearner, PPORuntimeState, PPOUpdateStats
 from oakemu_core.rollout_buffer import RolloutBuffer
+from oakemu_core.shared_memory import sweep_stale_segments
 from oakemu_core.telemetry import ActorTelemetry, PrometheusExporter, TelemetryPublisher, TelemetrySnapshot
 from oakemu_core.wire import (
     Heartbeat,
@@ -70,6 +71,12 @@ NUM_ROLLOUT_BUFFERS = 2
 TELEMETRY_PERIOD_S = 1.0
 RECV_BATCH = 64
 """Step messages read per loop turn before serving control messages again."""
+CONTROL_BATCH = 64
+"""Control requests served per loop turn."""
+MAX_CONTROL_MESSAGE_BYTES = 1 << 20
+"""Joins, heartbeats and leaves are tiny; ZeroMQ drops a peer that sends more."""
+MAX_ACTOR_ENVS = 65_536
+"""Largest ``num_envs`` an actor may declare (the wire's limit for one array dimension)."""
 
 
 def rollout_buffer_bytes(config: OakEmuConfig, spec: EnvSpec) -> int:
@@ -151,6 +158,11 @@ class Trainer:
         restore_rng_state(state["rng"])
         self.global_step = int(state["global_step"])
         self.episodes = int(state["episodes"])
+        # The schedule keeps its progress but follows this run's budget and learning rate: a resume
+        # with a larger --total-env-steps must not continue at the old run's final learning rate 0.
+        self.schedule.start = self.config.learning_rate
+        self.schedule.end = 0.0 if self.config.anneal_lr else self.config.learning_rate
+        self.schedule.total_updates = max(1, math.ceil(self.config.total_env_steps / self.config.batch_size))
         return state
 
     def checkpoint(self) -> Path:
@@ -231,7 +243,10 @@ class Learner:
         self.run_dir = run_dir
         self.spec = env_spec(config.env_id)
         self.buffer_bytes = rollout_buffer_bytes(config, self.spec)
-        # Refuse now with the size needed, instead of a bus error on the first write later.
+        # Free what a killed learner left behind, then refuse now with the size needed, instead of
+        # a bus error on the first write later.
+        for name in sweep_stale_segments():
+            log.warning("removed shared-memory segment %s left by a dead process", name)
         ensure_shm_capacity(NUM_ROLLOUT_BUFFERS * self.buffer_bytes)
         self.trainer = Trainer(config, self.spec, run_dir)
         resume_from = latest_checkpoint(run_dir)
@@ -250,7 +265,9 @@ class Learner:
             )
             for _ in range(NUM_ROLLOUT_BUFFERS)
         ]
-        self.assembler = RolloutAssembler(self.buffers, actor_timeout_s=config.actor_timeout_s)
+        self.assembler = RolloutAssembler(
+            self.buffers, actor_timeout_s=config.actor_timeout_s, num_actions=self.spec.num_actions
+        )
         self.assembler.counters.env_steps = self.trainer.global_step
         self.policy_version = self.trainer.policy_version
         self.latest_weights = self.trainer.weights()
@@ -284,6 +301,7 @@ class Learner:
         self.data.bind(config.bind_address(config.data_port))
         self.control = self.context.socket(zmq.ROUTER)
         self.control.setsockopt(zmq.LINGER, 0)
+        self.control.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE_BYTES)
         self.control.bind(config.bind_address(config.control_port))
         self.weights_pub = self.context.socket(zmq.PUB)
         self.weights_pub.setsockopt(zmq.SNDHWM, 2)
@@ -292,7 +310,7 @@ class Learner:
 
     # -- control ----------------------------------------------------------------------------
     def _handle_control(self, now: float) -> None:
-        while True:
+        for _ in range(CONTROL_BATCH):  # bounded: a flood of requests cannot starve the data path
             try:
                 identity, empty, frame = self.control.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -315,6 +333,10 @@ class Learner:
         if isinstance(message, JoinRequest):
             if stopping:
                 return encode_join_reply(JoinReply(False, "learner is stopping", -1, None, {}, self.policy_version))
+            if message.num_envs > MAX_ACTOR_ENVS:
+                self.assembler.counters.rejected["schema"] += 1
+                reason = f"num_envs: expected at most {MAX_ACTOR_ENVS}, received {message.num_envs}"
+                return encode_join_reply(JoinReply(False, reason, -1, None, {}, self.policy_version))
             spec = StepSpec(
                 num_envs=message.num_envs,
                 observation_shape=self.spec.observation_shape,

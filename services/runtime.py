@@ -49,7 +49,9 @@ def install_stop_signals() -> threading.Event:
     stop_event = threading.Event()
 
     def handler(signum: int, _frame: object) -> None:
-        if stop_event.is_set():
+        # Only a second Ctrl-C means "now": SIGTERM may arrive more than once (parent-death
+        # signal, docker stop) and must still let the final checkpoint be written.
+        if stop_event.is_set() and signum == signal.SIGINT:
             raise KeyboardInterrupt
         stop_event.set()
 

@@ -7,6 +7,8 @@ the messages carry.
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -375,3 +377,40 @@ def test_learner_path_counts_a_late_step_of_a_departed_actor_as_dropped(assemble
         assembler.ingest(decode_step(frame, assembler.spec_for, max_bytes=2**20), current_policy_version=0, now=1.0)
     assert caught.value.reason == "departed_actor"
     assert assembler.counters.dropped["late_steps"] == 3
+
+
+@pytest.mark.parametrize(
+    ("field", "bad_value", "detail"),
+    [
+        ("actions", np.array([0, 3], np.int64), "actions"),  # 3 actions: 0..2
+        ("actions", np.array([-1, 0], np.int64), "actions"),
+        ("rewards", np.array([0.0, 3e38], np.float32), "rewards"),
+        ("values", np.array([-2e6, 0.0], np.float32), "values"),
+        ("log_probs", np.array([0.5, -0.1], np.float32), "log_probs"),
+        ("bootstrap_values", np.array([1.0, 0.0], np.float32), "bootstrap_values"),  # not truncated
+    ],
+)
+def test_impossible_values_are_rejected_and_break_the_segment(
+    buffers: list[RolloutBuffer], field: str, bad_value: np.ndarray, detail: str
+) -> None:
+    assembler = RolloutAssembler(buffers, actor_timeout_s=TIMEOUT_S, num_actions=3)
+    assembler.join("a", "a-1", spec(2), hostname="h", now=0.0)
+    send(assembler, message("a", "a-1", 0, 2))
+    assert buffers[0].column_steps.tolist()[:2] == [1, 1]
+    bad = dataclasses.replace(message("a", "a-1", 1, 2), **{field: bad_value})
+    with pytest.raises(StepRejected) as caught:
+        send(assembler, bad)
+    assert caught.value.reason == "value_range" and detail in caught.value.detail
+    # Nothing of the bad step was written, and the unfinished segment (row 0) was discarded.
+    assert buffers[0].column_steps.tolist()[:2] == [0, 0]
+    assert assembler.counters.dropped["discarded_segment_rows"] == 2
+    # The stream goes on at the next seq in a fresh segment.
+    send(assembler, message("a", "a-1", 2, 2))
+    assert buffers[0].column_steps.tolist()[:2] == [1, 1]
+
+
+def test_bootstrap_value_on_a_truncated_row_is_accepted(buffers: list[RolloutBuffer]) -> None:
+    assembler = RolloutAssembler(buffers, actor_timeout_s=TIMEOUT_S, num_actions=3)
+    assembler.join("a", "a-1", spec(2), hostname="h", now=0.0)
+    send(assembler, message("a", "a-1", 0, 2, dones=[True, False], truncated=[True, False]))
+    assert buffers[0].bootstrap_values[0, :2].tolist() == [7.0, 0.0]

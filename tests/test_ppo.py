@@ -304,3 +304,16 @@ def test_empty_rollout_and_bad_hyperparameters_are_rejected() -> None:
         _learner(model, clip_coef=0.0)
     with pytest.raises(ValueError, match="num_minibatches"):
         _learner(model, num_minibatches=0)
+
+
+def test_a_non_finite_gradient_skips_the_step_and_keeps_the_weights_finite() -> None:
+    model = _model()
+    before = copy.deepcopy(model.state_dict())
+    with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
+        # Finite rewards whose returns overflow float32: the value loss becomes inf / NaN.
+        _fill(buffer, [model], np.random.default_rng(0), reward_fn=lambda actions: np.full(actions.shape, 3e38))
+        stats = _learner(model).step(buffer, current_policy_version=0)
+    assert stats.nonfinite_minibatches > 0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    for name, tensor in model.state_dict().items():  # every step was skipped: weights unchanged
+        assert torch.equal(tensor, before[name]), name
