@@ -7,7 +7,6 @@ with that service's environment as local processes, the service names resolved t
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import os
 import queue
