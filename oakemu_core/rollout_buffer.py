@@ -28,6 +28,8 @@ and reading minibatches never changes the stored arrays.
 
 from __future__ import annotations
 
+import hashlib
+
 import math
 import os
 from dataclasses import dataclass, field
@@ -53,8 +55,15 @@ if TYPE_CHECKING:  # torch is imported lazily: actors and tools can use the buff
 SHM_DIR = Path("/dev/shm")
 
 _STEP_FIELDS = ("observations", "actions", "log_probs", "values", "rewards", "dones", "trainable", "bootstrap_values")
-_GENERATION, _MASK_GENERATION, _GAE_GENERATION = 0, 1, 2
-"""Slots of the shared ``meta`` array: data writes, trainable-mask changes, data generation at GAE."""
+_GENERATION, _MASK_GENERATION, _GAE_GENERATION, _LAYOUT = 0, 1, 2, 3
+"""Slots of the shared ``meta`` array: data writes, trainable-mask changes, data generation at GAE,
+and a fingerprint of the layout (so that :meth:`RolloutBuffer.attach` refuses a mismatched handle)."""
+
+
+def _layout_fingerprint(layout: dict[str, tuple[tuple[int, ...], np.dtype[Any]]]) -> int:
+    """A stable int64 digest of every array's name, shape and dtype."""
+    text = ";".join(f"{name}:{shape}:{np.dtype(dtype).str}" for name, (shape, dtype) in sorted(layout.items()))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
 
 class RolloutMinibatch(NamedTuple):
@@ -225,6 +234,7 @@ class RolloutBuffer:
                 array.close()
             raise
         shared["meta"].array[_GAE_GENERATION] = -1
+        shared["meta"].array[_LAYOUT] = _layout_fingerprint(layout)
         self._setup(rollout_length, num_envs, observation_shape, observation_dtype, action_shape, action_dtype, shared)
         self._owner = True
         self._rng = np.random.default_rng(seed)
@@ -268,7 +278,7 @@ class RolloutBuffer:
             "advantages": (rows, float32),
             "returns": (rows, float32),
             "column_steps": ((int(num_envs),), int64),
-            "meta": ((3,), int64),
+            "meta": ((4,), int64),
         }
 
     @staticmethod
@@ -364,6 +374,14 @@ class RolloutBuffer:
             for array in shared.values():
                 array.close()
             raise
+        if int(shared["meta"].array[_LAYOUT]) != _layout_fingerprint(layout):
+            for array in shared.values():
+                array.close()
+            raise ValueError(
+                "handle: its shapes/dtypes do not match the live buffer's layout (T, N, observation and "
+                f"action shape and dtype); received T={handle.rollout_length}, N={handle.num_envs}, "
+                f"observations {tuple(handle.observation_shape)} {handle.observation_dtype}"
+            )
         buffer = cls.__new__(cls)
         buffer._setup(
             handle.rollout_length, handle.num_envs, tuple(handle.observation_shape), handle.observation_dtype,

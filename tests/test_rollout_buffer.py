@@ -78,9 +78,9 @@ def test_layout_shapes_dtypes_and_memory(buffer: RolloutBuffer) -> None:
         assert array.shape == shape, name
         assert array.dtype == dtype, name
     # Per row: obs 6 + action 8 + six float32 24 + two bools 2 + version 8 = 48 bytes, 12 rows;
-    # column_steps 3 x 8; three int64 write counters (meta) 24.
-    assert buffer.memory_bytes == 48 * 12 + 24 + 24
-    assert buffer.memory_bytes == sum(getattr(buffer, name).nbytes for name in expected) + 24
+    # column_steps 3 x 8; meta: three int64 write counters and a layout fingerprint, 32.
+    assert buffer.memory_bytes == 48 * 12 + 24 + 32
+    assert buffer.memory_bytes == sum(getattr(buffer, name).nbytes for name in expected) + 32
     assert buffer.memory_gb == pytest.approx(buffer.memory_bytes / 1024**3)
     assert buffer.memory_bytes == RolloutBuffer.estimate_memory_bytes(4, 3, OBS_SHAPE, np.uint8)
     assert (buffer.rollout_length, buffer.num_envs, buffer.total_size) == (4, 3, 12)
@@ -690,3 +690,21 @@ def test_issue_case_4_random_rollout_matches_reference_loop(rollout) -> None:
 def test_no_segments_of_this_process_are_left(buffer: RolloutBuffer) -> None:
     own = [name for name in os.listdir(SHM_DIR) if name.startswith(f"{SEGMENT_PREFIX}{os.getpid()}_")]
     assert sorted(own) == sorted(buffer.handle.segments.values())
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"observation_dtype": "<f4"},  # reinterpreting the bytes as another dtype
+        {"observation_shape": (2, 2)},  # a smaller observation
+        {"rollout_length": 2},  # fewer rows than the live buffer
+        {"num_envs": 1},  # fewer columns
+    ],
+)
+def test_attach_refuses_a_handle_whose_layout_does_not_match(buffer: RolloutBuffer, change: dict) -> None:
+    import dataclasses
+
+    wrong = dataclasses.replace(buffer.handle, **change)
+    # A larger element size fails on the segment size, the rest on the layout fingerprint.
+    with pytest.raises(ValueError, match="layout|expected at least"):
+        RolloutBuffer.attach(wrong)
