@@ -122,9 +122,9 @@ def episode_scalars(window: EpisodeWindow) -> dict[str, float]:
 
 
 def update_scalars(stats: PPOUpdateStats) -> dict[str, float]:
-    """The scalars of one PPO update under CleanRL's names, plus a few of our own
-    (``losses/first_minibatch_ratio_max_abs_dev``, ``losses/epochs_completed``,
-    ``perf/update_seconds``)."""
+    """The scalars of one PPO update under CleanRL's names, plus our own ``diagnostics/*``
+    (first-minibatch ratio deviation, epochs completed, update seconds, skipped non-finite
+    minibatches)."""
     return {
         "losses/policy_loss": float(stats.policy_loss),
         "losses/value_loss": float(stats.value_loss),
@@ -133,9 +133,10 @@ def update_scalars(stats: PPOUpdateStats) -> dict[str, float]:
         "losses/clipfrac": float(stats.clip_fraction),
         "losses/explained_variance": float(stats.explained_variance),
         LEARNING_RATE: float(stats.learning_rate),
-        "losses/first_minibatch_ratio_max_abs_dev": float(stats.first_minibatch_ratio_max_abs_dev),
-        "losses/epochs_completed": float(stats.epochs_completed),
-        "perf/update_seconds": float(stats.update_seconds),
+        "diagnostics/first_minibatch_ratio_max_abs_dev": float(stats.first_minibatch_ratio_max_abs_dev),
+        "diagnostics/epochs_completed": float(stats.epochs_completed),
+        "diagnostics/update_seconds": float(stats.update_seconds),
+        "diagnostics/nonfinite_minibatches": float(stats.nonfinite_minibatches),
     }
 
 

@@ -435,9 +435,6 @@ class Learner:
         if result.stats is not None:
             self.last_stats = result.stats
             scalars.update(update_scalars(result.stats))
-            scalars["diagnostics/first_minibatch_ratio_max_abs_dev"] = result.stats.first_minibatch_ratio_max_abs_dev
-            scalars["diagnostics/update_seconds"] = result.stats.update_seconds
-            scalars["diagnostics/nonfinite_minibatches"] = result.stats.nonfinite_minibatches
             if result.stats.nonfinite_minibatches:
                 log.warning("update %d: %d minibatches had a non-finite gradient and were skipped",
                             result.iterations, result.stats.nonfinite_minibatches)

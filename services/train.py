@@ -80,14 +80,21 @@ def _child_env(config_file: Path, **extra: str) -> dict[str, str]:
 
 
 def _progress_text(snapshot: TelemetrySnapshot) -> str:
-    ret = f"{snapshot.episodic_return_mean:.2f}" if snapshot.episodic_return_mean is not None else "n/a"
+    """Short live figures for the progress bar (fits an 80-column terminal with the bar)."""
+    ret = f"{snapshot.episodic_return_mean:.1f}" if snapshot.episodic_return_mean is not None else "n/a"
+    return f"SPS {snapshot.sps:5.0f} | return {ret}"
+
+
+def _update_line(snapshot: TelemetrySnapshot) -> str:
+    """One line per PPO update: steps, SPS, episodes, mean episodic return, losses, actors."""
+    ret = f"{snapshot.episodic_return_mean:8.2f}" if snapshot.episodic_return_mean is not None else "     n/a"
     losses = (
-        f" pg {snapshot.policy_loss:+.3f} v {snapshot.value_loss:.3f} ent {snapshot.entropy:.3f}"
+        f" | pg {snapshot.policy_loss:+.3f} v {snapshot.value_loss:.3f} ent {snapshot.entropy:.3f}"
         if snapshot.policy_loss is not None
         else ""
     )
-    return (f"SPS {snapshot.sps:6.0f} | upd {snapshot.iterations} | ep {snapshot.episodes} | return {ret}"
-            f"{losses} | actors {snapshot.num_actors}")
+    return (f"update {snapshot.iterations:5d} | steps {snapshot.global_step:9d} | SPS {snapshot.sps:6.0f} | "
+            f"episodes {snapshot.episodes:6d} | return {ret}{losses} | actors {snapshot.num_actors}")
 
 
 def main(config: OakEmuConfig, resume: Path | None = None) -> int:
@@ -136,7 +143,7 @@ def main(config: OakEmuConfig, resume: Path | None = None) -> int:
     status = 1
     try:
         with Progress(
-            TextColumn("[bold blue]env steps"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("[bold blue]env steps"), BarColumn(bar_width=20), MofNCompleteColumn(), TimeElapsedColumn(),
             TextColumn("{task.fields[info]}"), console=console, transient=False,
         ) as progress:
             task = progress.add_task("train", total=config.total_env_steps, info="starting learner and actors")
@@ -151,8 +158,7 @@ def main(config: OakEmuConfig, resume: Path | None = None) -> int:
                     progress.update(task, completed=snapshot.global_step, info=_progress_text(snapshot))
                     if snapshot.is_update and snapshot.iterations != last_update:
                         last_update = snapshot.iterations
-                        progress.console.print(f"update {snapshot.iterations:5d} | steps {snapshot.global_step:9d} | "
-                                               + _progress_text(snapshot), highlight=False)
+                        progress.console.print(_update_line(snapshot), highlight=False, soft_wrap=True)
                 _restart_crashed(actors, console)
             else:
                 console.print("stopping: waiting for the learner's final checkpoint ...")

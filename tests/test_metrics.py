@@ -56,6 +56,7 @@ def _stats(**overrides) -> SimpleNamespace:
         first_minibatch_ratio_max_abs_dev=1e-7,
         epochs_completed=4,
         update_seconds=0.2,
+        nonfinite_minibatches=1,
     )
     fields.update(overrides)
     return SimpleNamespace(**fields)
@@ -67,6 +68,8 @@ def test_update_scalars_maps_stats_to_cleanrl_names() -> None:
     assert scalars["charts/learning_rate"] == 2.5e-4
     assert scalars["losses/explained_variance"] == 0.25
     assert scalars["losses/policy_loss"] == -0.01
+    assert scalars["diagnostics/first_minibatch_ratio_max_abs_dev"] == 1e-7
+    assert scalars["diagnostics/nonfinite_minibatches"] == 1.0
     assert {n for n in CLEANRL_NAMES if n.startswith("losses/")} <= set(scalars)
 
 
