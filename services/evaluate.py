@@ -56,9 +56,9 @@ def main(checkpoint: Path, *, episodes: int, greedy: bool, seed: int) -> int:
     """Entry point: prints one line ``episodes N  mean M  std S`` (population std); 0 on success."""
     try:
         returns = evaluate(checkpoint, episodes=episodes, greedy=greedy, seed=seed)
-    except FileNotFoundError as error:
+    except FileNotFoundError as error:  # bad input, like any other usage error
         Console(stderr=True).print(f"[red]oakemu evaluate: {error}[/]")
-        return 1
+        return 2
     mode = "greedy" if greedy else "sampled"
     # Plain print: one unwrapped line that scripts can parse.
     print(f"{checkpoint}: {mode} policy, episodes {len(returns)}  mean {np.mean(returns):.2f}  "

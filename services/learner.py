@@ -584,6 +584,7 @@ def _finite_or_none(value: float) -> float | None:
 def main(config: OakEmuConfig) -> int:
     """Entry point of ``oakemu learner``: run until the budget is spent or SIGINT/SIGTERM."""
     setup_logging(config.log_level)
+    env_spec(config.env_id)  # an unknown env id fails here, before the run folder is created
     run_dir = resolve_run_dir(config)
     stop_event = install_stop_signals()
     try:
