@@ -306,6 +306,7 @@ def test_empty_rollout_and_bad_hyperparameters_are_rejected() -> None:
         _learner(model, num_minibatches=0)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning", "ignore:overflow encountered:RuntimeWarning")
 def test_a_non_finite_gradient_skips_the_step_and_keeps_the_weights_finite() -> None:
     model = _model()
     before = copy.deepcopy(model.state_dict())
