@@ -10,13 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from oakemu_core.rollout_buffer import RolloutBuffer
-
+from oakemu_core.rollout_buffer import RolloutBuffer, check_array
 
 @dataclass(frozen=True)
 class PPOActionBundle:
@@ -31,17 +29,6 @@ class PPOActionBundle:
     actions: np.ndarray
     log_probs: np.ndarray
     values: np.ndarray
-
-
-def _check(field_name: str, array: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
-    if not isinstance(array, np.ndarray):
-        raise ValueError(
-            f"{field_name}: expected a numpy array of shape {shape} and dtype {dtype}, received {type(array).__name__}"
-        )
-    if array.shape != shape or array.dtype != dtype:
-        raise ValueError(
-            f"{field_name}: expected shape {shape} and dtype {dtype}, received shape {array.shape} and dtype {array.dtype}"
-        )
 
 
 @dataclass
@@ -130,7 +117,7 @@ class PPOActorStepBuffers:
         Raises:
             ValueError: wrong type, shape or dtype (no silent cast).
         """
-        _check("observations", observations, self.observations.shape, self.observations.dtype)
+        check_array("observations", observations, self.observations.shape, self.observations.dtype)
         np.copyto(self.observations, observations)
 
     def reset_action_selection(self) -> None:
@@ -172,9 +159,9 @@ class PPOActorStepBuffers:
                 f"dtype {flags.dtype}"
             )
         batch = (ids.size,)
-        _check("action_bundle.actions", action_bundle.actions, batch + self.actions.shape[1:], self.actions.dtype)
-        _check("action_bundle.log_probs", action_bundle.log_probs, batch, self.log_probs.dtype)
-        _check("action_bundle.values", action_bundle.values, batch, self.values.dtype)
+        check_array("action_bundle.actions", action_bundle.actions, batch + self.actions.shape[1:], self.actions.dtype)
+        check_array("action_bundle.log_probs", action_bundle.log_probs, batch, self.log_probs.dtype)
+        check_array("action_bundle.values", action_bundle.values, batch, self.values.dtype)
         self.actions[ids] = action_bundle.actions
         self.log_probs[ids] = action_bundle.log_probs
         self.values[ids] = action_bundle.values

@@ -158,8 +158,11 @@ def normalize_advantages(advantages: np.ndarray, trainable: np.ndarray, eps: flo
 _normalize_over_trainable = normalize_advantages  # get_minibatches has a parameter of that name
 
 
-def _check_array(field_name: str, array: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
-    """Raise ValueError naming the field, the expected and the received shape/dtype."""
+def check_array(field_name: str, array: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
+    """Raise ValueError naming the field, the expected and the received shape/dtype (no casting).
+
+    Shared by every writer of rollout data (the buffer and the actor's step buffers).
+    """
     if not isinstance(array, np.ndarray):
         raise ValueError(
             f"{field_name}: expected a numpy array of shape {shape} and dtype {dtype}, "
@@ -602,18 +605,18 @@ class RolloutBuffer:
         """Check one row of ``count`` columns; return every step field, defaults filled in."""
         rows = (count,)
         float32, boolean = np.dtype(np.float32), np.dtype(np.bool_)
-        _check_array("observations", observations, rows + self._observation_shape, self._observation_dtype)
-        _check_array("actions", actions, rows + self._action_shape, self._action_dtype)
-        _check_array("log_probs", log_probs, rows, float32)
-        _check_array("values", values, rows, float32)
-        _check_array("rewards", rewards, rows, float32)
-        _check_array("dones", dones, rows, boolean)
+        check_array("observations", observations, rows + self._observation_shape, self._observation_dtype)
+        check_array("actions", actions, rows + self._action_shape, self._action_dtype)
+        check_array("log_probs", log_probs, rows, float32)
+        check_array("values", values, rows, float32)
+        check_array("rewards", rewards, rows, float32)
+        check_array("dones", dones, rows, boolean)
         if trainable is None:
             trainable = np.ones(rows, dtype=np.bool_)
-        _check_array("trainable", trainable, rows, boolean)
+        check_array("trainable", trainable, rows, boolean)
         if bootstrap_values is None:
             bootstrap_values = np.zeros(rows, dtype=np.float32)
-        _check_array("bootstrap_values", bootstrap_values, rows, float32)
+        check_array("bootstrap_values", bootstrap_values, rows, float32)
         if np.any(bootstrap_values[~dones] != 0):
             bad = np.flatnonzero((bootstrap_values != 0) & ~dones).tolist()
             raise ValueError(
@@ -778,7 +781,7 @@ class RolloutBuffer:
             ValueError: wrong shape or dtype of ``mask``.
         """
         self._check_open()
-        _check_array("mask", mask, (self._rollout_length, self._num_envs), np.dtype(np.bool_))
+        check_array("mask", mask, (self._rollout_length, self._num_envs), np.dtype(np.bool_))
         trainable = self._arrays["trainable"]
         cleared = int(np.count_nonzero(trainable & mask))
         trainable[mask] = False
@@ -821,8 +824,8 @@ class RolloutBuffer:
                 f"compute_gae: expected a full buffer ({self._rollout_length} rows in every column), "
                 f"received column_steps from {int(steps.min())} to {int(steps.max())}"
             )
-        _check_array("last_values", last_values, (self._num_envs,), np.dtype(np.float32))
-        _check_array("last_dones", last_dones, (self._num_envs,), np.dtype(np.bool_))
+        check_array("last_values", last_values, (self._num_envs,), np.dtype(np.float32))
+        check_array("last_dones", last_dones, (self._num_envs,), np.dtype(np.bool_))
         dones = self._arrays["dones"]
         mismatch = np.flatnonzero(last_dones != dones[-1])
         if mismatch.size:
