@@ -13,7 +13,7 @@ The transport cost is ``1 - pipeline / raw+policy`` (target: at most 5 %).  Ever
 against ``raw`` measured in the same run, so the machine's speed cancels out.
 
 Usage: ``python benchmarks/bench_pipeline.py [--env ALE/Breakout-v5] [--actors 1] [--envs-per-actor 8]
-[--seconds 20]``
+[--seconds 15] [--repeats 3]``
 """
 
 from __future__ import annotations
@@ -151,23 +151,29 @@ def main() -> None:
     parser.add_argument("--env", default="ALE/Breakout-v5")
     parser.add_argument("--actors", type=int, default=1)
     parser.add_argument("--envs-per-actor", type=int, default=8)
-    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
     args = parser.parse_args()
-    print(f"{args.env}: {args.actors} actor process(es) x {args.envs_per_actor} envs, {args.seconds:.0f} s per figure, "
-          f"{os.cpu_count()} CPUs")
-    raw = measure_local(args.env, args.actors, args.envs_per_actor, args.seconds, with_policy=False)
-    policy = measure_local(args.env, args.actors, args.envs_per_actor, args.seconds, with_policy=True)
-    pipeline = measure_pipeline(args.env, args.actors, args.envs_per_actor, args.seconds, train=False)
-    end_to_end = measure_pipeline(args.env, args.actors, args.envs_per_actor, args.seconds, train=True)
-    print(f"{'measurement':<44}{'env steps/s':>12}{'vs raw':>9}")
-    for name, value in [
-        ("raw env, random actions, no transport", raw),
-        ("raw+policy: actor step loop, no transport", policy),
-        ("pipeline: ZeroMQ -> learner ingest, no PPO", pipeline),
-        ("end-to-end: with PPO training", end_to_end),
+    print(f"{args.env}: {args.actors} actor process(es) x {args.envs_per_actor} envs, {args.seconds:.0f} s per "
+          f"figure, median of {args.repeats} interleaved repeats, {os.cpu_count()} CPUs")
+    figures: dict[str, list[float]] = {"raw": [], "policy": [], "pipeline": [], "end_to_end": []}
+    common = (args.env, args.actors, args.envs_per_actor, args.seconds)
+    for _ in range(args.repeats):  # interleaved, so a slow spell of the machine hits every figure
+        figures["raw"].append(measure_local(*common, with_policy=False))
+        figures["policy"].append(measure_local(*common, with_policy=True))
+        figures["pipeline"].append(measure_pipeline(*common, train=False))
+    figures["end_to_end"].append(measure_pipeline(*common, train=True))
+    raw, policy, pipeline, end_to_end = (float(np.median(figures[k])) for k in figures)
+    print(f"{'measurement':<44}{'env steps/s':>12}{'vs raw':>9}   all runs")
+    for name, key in [
+        ("raw env, random actions, no transport", "raw"),
+        ("raw+policy: actor step loop, no transport", "policy"),
+        ("pipeline: ZeroMQ -> learner ingest, no PPO", "pipeline"),
+        ("end-to-end: with PPO training", "end_to_end"),
     ]:
-        print(f"{name:<44}{value:>12.0f}{value / raw:>9.3f}")
-    print(f"transport cost (1 - pipeline / raw+policy): {100 * (1 - pipeline / policy):.1f} % (target <= 5 %)")
+        value = float(np.median(figures[key]))
+        print(f"{name:<44}{value:>12.0f}{value / raw:>9.3f}   {', '.join(f'{v:.0f}' for v in figures[key])}")
+    print(f"transport cost (1 - pipeline / raw+policy, medians): {100 * (1 - pipeline / policy):.1f} % (target <= 5 %)")
 
 
 if __name__ == "__main__":
