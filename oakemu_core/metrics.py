@@ -140,6 +140,30 @@ def update_scalars(stats: PPOUpdateStats) -> dict[str, float]:
     }
 
 
+class StepRateMeter:
+    """Env steps per second (SPS) over a sliding window of ``(time, total steps)`` samples.
+
+    Call :meth:`sample` periodically with a monotonic time (s) and the running step count; :attr:`rate`
+    is ``(steps_last - steps_first) / (time_last - time_first)`` over the window (0.0 until two
+    samples span a positive time), never negative.
+    """
+
+    def __init__(self, window: int = 64) -> None:
+        self._samples: deque[tuple[float, int]] = deque(maxlen=window)
+
+    def sample(self, now: float, total_steps: int) -> None:
+        """Record the running step count at time ``now`` (seconds, monotonic)."""
+        self._samples.append((now, int(total_steps)))
+
+    @property
+    def rate(self) -> float:
+        """Steps per second over the window."""
+        if len(self._samples) < 2:
+            return 0.0
+        (t0, s0), (t1, s1) = self._samples[0], self._samples[-1]
+        return max(0.0, (s1 - s0) / (t1 - t0)) if t1 > t0 else 0.0
+
+
 class MetricsLogger:
     """Writes scalars to TensorBoard event files in ``run_dir`` and to ``run_dir/metrics.jsonl``.
 

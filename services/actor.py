@@ -17,7 +17,6 @@ import socket
 import threading
 import time
 import uuid
-from collections import deque
 
 import numpy as np
 import torch
@@ -25,6 +24,7 @@ import zmq
 
 from oakemu_core.config import OakEmuConfig
 from oakemu_core.envs import VectorEnv, make_vector_env
+from oakemu_core.metrics import StepRateMeter
 from oakemu_core.models import ActorCritic, build_model, load_weight_arrays
 from oakemu_core.stepper import PolicyStepper
 from oakemu_core.wire import (
@@ -106,7 +106,7 @@ class Actor:
         self.next_heartbeat = 0.0
         self.learner_version = 0
         self.episodes = 0
-        self.sps_window: deque[tuple[float, int]] = deque(maxlen=32)
+        self.sps_meter = StepRateMeter(window=32)
         self.env_steps = 0
         self.env: VectorEnv | None = None
         self.model: ActorCritic | None = None
@@ -201,22 +201,16 @@ class Actor:
             self._load_weights(message.policy_version, message.weights)
 
     # -- liveness --------------------------------------------------------------------------
-    def sps(self) -> float:
-        if len(self.sps_window) < 2:
-            return 0.0
-        (t0, s0), (t1, s1) = self.sps_window[0], self.sps_window[-1]
-        return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
-
     def heartbeat_if_due(self) -> None:
         """Heartbeat once a second; rejoin when the learner forgot us, stop when it says so."""
         now = time.monotonic()
         if now < self.next_heartbeat:
             return
         self.next_heartbeat = now + HEARTBEAT_PERIOD_S
-        self.sps_window.append((now, self.env_steps))
+        self.sps_meter.sample(now, self.env_steps)
         reply = self.control.request(
             encode_heartbeat(
-                Heartbeat(self.actor_id, self.incarnation, self.seq, self.policy_version, self.sps(),
+                Heartbeat(self.actor_id, self.incarnation, self.seq, self.policy_version, self.sps_meter.rate,
                           float(self.learner_version - self.policy_version), self.episodes)
             )
         )

@@ -21,7 +21,6 @@ import math
 import queue
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,7 @@ from oakemu_core.config import OakEmuConfig, resolved_device, to_toml
 from oakemu_core.envs import EnvSpec, env_spec
 from oakemu_core.ingest import FullRollout, RolloutAssembler, StepRejected, drop_stale_rows
 from oakemu_core.memory_diagnostics import SharedMemoryTooSmallError, ensure_shm_capacity
-from oakemu_core.metrics import EpisodeWindow, MetricsLogger, update_scalars
+from oakemu_core.metrics import EpisodeWindow, MetricsLogger, StepRateMeter, update_scalars
 from oakemu_core.models import ActorCritic, build_model, weights_to_arrays
 from oakemu_core.ppo import LinearSchedule, PPOLearner, PPORuntimeState, PPOUpdateStats
 from oakemu_core.rollout_buffer import RolloutBuffer
@@ -275,7 +274,7 @@ class Learner:
         self.window = EpisodeWindow(maxlen=100)
         self.last_stats: PPOUpdateStats | None = None
         self.last_lag: dict[str, float] = {}
-        self.sps_window: deque[tuple[float, int]] = deque(maxlen=64)
+        self.sps_meter = StepRateMeter()
         self.started = time.monotonic()
         self.stopping_reason = ""
         self._setup_sockets()
@@ -451,10 +450,7 @@ class Learner:
 
     # -- telemetry --------------------------------------------------------------------------
     def sps(self) -> float:
-        if len(self.sps_window) < 2:
-            return 0.0
-        (t0, s0), (t1, s1) = self.sps_window[0], self.sps_window[-1]
-        return max(0.0, (s1 - s0) / (t1 - t0)) if t1 > t0 else 0.0
+        return self.sps_meter.rate
 
     def snapshot(self, *, is_update: bool) -> TelemetrySnapshot:
         now = time.monotonic()
@@ -544,7 +540,7 @@ class Learner:
                                 actor_id, config.actor_timeout_s)
                 next_expiry = now + 0.5
             if now >= next_telemetry:
-                self.sps_window.append((now, self.assembler.counters.env_steps))
+                self.sps_meter.sample(now, self.assembler.counters.env_steps)
                 self._publish_telemetry(is_update=False)
                 next_telemetry = now + TELEMETRY_PERIOD_S
         # Tell the actors to stop for a moment, so they exit before we close the sockets.

@@ -115,3 +115,17 @@ def test_logger_appends_on_resume_and_refuses_after_close(tmp_path: Path) -> Non
         resumed.log(2, {"charts/SPS": 2.0})
     steps = [json.loads(line)["global_step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
+
+
+def test_step_rate_meter_over_its_window() -> None:
+    from oakemu_core.metrics import StepRateMeter
+
+    meter = StepRateMeter(window=3)
+    assert meter.rate == 0.0
+    meter.sample(10.0, 0)
+    assert meter.rate == 0.0  # one sample spans no time
+    meter.sample(12.0, 100)
+    assert meter.rate == 50.0
+    meter.sample(14.0, 500)
+    meter.sample(15.0, 600)  # the window drops (10, 0): (600 - 100) / (15 - 12)
+    assert meter.rate == pytest.approx(500 / 3)
