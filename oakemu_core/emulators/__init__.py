@@ -89,7 +89,10 @@ def _resolve(env_id: str, settings_file: str | Path | None, envs_per_process: in
                 f"reward spec ([[gameboy.reward]] terms or gameboy.reward_hook); received "
                 f"{'no settings file' if settings_file is None else repr(str(settings_file)) + ' without [gameboy]'}"
             )
-        check_gameboy_addresses(settings.gameboy, has_cartridge_ram=resolved.rom.has_cartridge_ram)
+        try:
+            check_gameboy_addresses(settings.gameboy, has_cartridge_ram=resolved.rom.has_cartridge_ram)
+        except EmulatorConfigError as error:
+            raise EmulatorConfigError(f"emulator settings file {str(settings_file)!r}: {error}") from None
         if settings.gameboy.reward_hook is not None:
             resolved.hook = load_reward_hook(settings.gameboy.reward_hook)
         resolved.states = read_state_files(settings.gameboy.states, base, "gameboy")

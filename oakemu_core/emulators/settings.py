@@ -231,11 +231,16 @@ class EmulatorSettings(_Strict):
 def _format_validation_error(error: ValidationError) -> str:
     lines = []
     for item in error.errors():
-        where = ".".join(str(part) for part in item["loc"]) or "(file)"
+        where = ""
+        for part in item["loc"]:
+            where += f"[{part}]" if isinstance(part, int) else (f".{part}" if where else str(part))
+        where = where or "(file)"
         message = item["msg"].removeprefix("Value error, ")
         received = item.get("input")
-        if item["type"] in ("missing",):
+        if item["type"] == "missing":
             lines.append(f"{where}: required setting is missing")
+        elif item["type"] == "extra_forbidden":
+            lines.append(f"{where}: unknown setting (a typo?)")
         elif isinstance(received, dict):
             lines.append(f"{where}: {message}")
         else:
