@@ -53,7 +53,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, Union
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -82,7 +82,7 @@ EMULATOR_ID_PREFIXES = ("gameboy:", "retro:")
 PLAIN_KEY = ""  # the observation_layout key of a plain (non-dict) observation space
 
 #: A batch of observations: ``(n, *shape)`` for a plain space, ``{key: (n, *shape)}`` for a dict space.
-Observations = Union[np.ndarray, dict[str, np.ndarray]]
+Observations = np.ndarray | dict[str, np.ndarray]
 
 
 class UnsupportedEnvironmentError(ValueError):
@@ -1009,7 +1009,7 @@ def _import_env_module(env_id: str) -> None:
                 raise
             sys.path.append(cwd)
             importlib.import_module(module)
-    except Exception as error:  # noqa: BLE001 - any failure of a user's module: one clear message
+    except Exception as error:  # any failure of a user's module: one clear message
         raise UnsupportedEnvironmentError(
             f"env_id: expected 'module:EnvId' with an importable module that registers EnvId, received "
             f"{env_id!r}: importing {module!r} failed with {type(error).__name__}: {error}"

@@ -19,7 +19,7 @@ the observation, so end-to-end tests can calibrate their margins.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import gymnasium
 import numpy as np
@@ -32,7 +32,7 @@ NVEC = (3, 4)
 class _TargetBandit(gymnasium.Env):
     """Shared loop: draw a target, observe it, score the action, stop after HORIZON steps."""
 
-    metadata: dict[str, Any] = {"render_modes": []}
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
 
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[Any, dict]:
         super().reset(seed=seed)

@@ -373,7 +373,7 @@ def _register(env_id: str, observation_space: gymnasium.Space, action_space: gym
         gymnasium.register(
             id=env_id,
             entry_point=_ProbeEnv,
-            kwargs=dict(observation_space=observation_space, action_space=action_space, **kwargs),
+            kwargs={"observation_space": observation_space, "action_space": action_space, **kwargs},
         )
     return env_id
 
@@ -577,7 +577,7 @@ def test_module_env_ids_resolve_from_the_working_directory(tmp_path) -> None:
         "print(sorted(env_spec('tests.spaces_envs:DictTarget-v0').observation_layout))\n"
     )
     repo_root = pathlib.Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, str(script)], cwd=repo_root, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, str(script)], cwd=repo_root, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "['image', 'vector']"
 
@@ -588,7 +588,9 @@ def test_emulator_ids_go_through_make_emulator_env(monkeypatch: pytest.MonkeyPat
     calls: list[dict] = []
 
     def make_emulator_env(env_id: str, *, max_episode_steps: int | None, settings_file: str | None, seed: int | None):
-        calls.append(dict(env_id=env_id, max_episode_steps=max_episode_steps, settings_file=settings_file, seed=seed))
+        calls.append(
+            {"env_id": env_id, "max_episode_steps": max_episode_steps, "settings_file": settings_file, "seed": seed}
+        )
         return None if env_id.endswith("unknown") else gymnasium.make("CartPole-v1")
 
     fake = types.ModuleType("oakemu_core.emulators")
@@ -697,7 +699,7 @@ def test_masked_actions_are_refused_before_any_env_steps() -> None:
         assert received[0][0].dtype == np.int8
 
 
-def _bad_mask_factory(kind: str):  # noqa: ANN202
+def _bad_mask_factory(kind: str) -> object:
     def bad_mask(seed: int | None, t: int) -> np.ndarray | None:
         if seed != 11 or t < 2:  # env 1 of a vector env seeded 10, from its second step on
             return None
