@@ -129,6 +129,15 @@ class OakEmuConfig(BaseSettings):
     clip_rewards: bool | None = Field(
         None, description="Clip training rewards to [-1, 1] (None: auto, on for Atari ids)."
     )
+    normalize_observations: bool = Field(
+        False, description="Normalise float observations by the learner's running mean/std (as SB3 VecNormalize)."
+    )
+    normalize_rewards: bool = Field(
+        False, description="Scale training rewards by the running std of the discounted return (as SB3 VecNormalize)."
+    )
+    emulator_settings: str | None = Field(
+        None, description="TOML file of an emulator backend (gameboy:/retro: ids): ROM, states, rewards, ..."
+    )
 
     # --- rollout and PPO (CleanRL ppo_atari.py defaults) ---
     rollout_length: int = Field(128, ge=1, description="Steps per env per rollout (T).")
@@ -171,6 +180,27 @@ class OakEmuConfig(BaseSettings):
     checkpoint_every_updates: int = Field(50, ge=0, description="Checkpoint every N updates (0: only at exit).")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
         "INFO", description="Python logging level."
+    )
+    log_format: Literal["auto", "rich", "plain", "json"] = Field(
+        "auto",
+        description="Log records: rich (terminal view), plain or json (one record per line); "
+        "auto = rich when stderr is a terminal, else plain.",
+    )
+
+    # --- transport security (ZeroMQ CURVE, see deploy/README.md) ---
+    curve: bool = Field(
+        False,
+        description="Encrypt and authenticate every learner socket with ZeroMQ CURVE (off by default: "
+        "turn it on whenever the learner's ports are reachable from other machines).",
+    )
+    curve_secret_key: Path | None = Field(
+        None, description="This process's CURVE key pair file (NAME.key_secret from `oakemu keygen`)."
+    )
+    curve_server_key: Path | None = Field(
+        None, description="Actors and monitors: the learner's public key file (learner.key from `oakemu keygen`)."
+    )
+    curve_authorized_keys: Path | None = Field(
+        None, description="Learner: folder of the public key files (*.key) of the actors and monitors it accepts."
     )
 
     @classmethod

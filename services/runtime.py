@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -16,19 +18,75 @@ PARENT_PID_ENV = "OAKEMU_PARENT_PID"
 """Set by ``oakemu train`` for its children: they die with it even if it is killed with SIGKILL."""
 
 
-def setup_logging(level: str) -> None:
-    """Log to stderr through rich (timestamps, levels), once per process."""
-    import sys
+class OneLineFormatter(logging.Formatter):
+    """``TIME LEVEL logger: message`` with any newline (tracebacks included) escaped: one record per line."""
 
-    from rich.console import Console
-    from rich.logging import RichHandler
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
+        """ISO 8601 local time with milliseconds and the UTC offset."""
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(record.created))
+        return f"{stamp}.{int(record.msecs):03d}{time.strftime('%z', time.localtime(record.created))}"
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The record on one line (``\\n`` stands for a newline inside it)."""
+        return super().format(record).replace("\r", "").replace("\n", "\\n")
+
+
+class JsonLineFormatter(logging.Formatter):
+    """One JSON object per record: ``time`` (epoch s), ``level``, ``logger``, ``message``, ``process``
+    and, when there is one, ``exception``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The record as one JSON line."""
+        document: dict[str, object] = {
+            "time": round(record.created, 3),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+            "process": record.process,
+        }
+        if record.exc_info:
+            document["exception"] = self.formatException(record.exc_info)
+        return json.dumps(document, ensure_ascii=False)
+
+
+def resolved_log_format(log_format: str = "auto", stream: object | None = None) -> str:
+    """``rich``, ``plain`` or ``json``: ``auto`` is rich on a terminal, plain otherwise (containers, files)."""
+    if log_format != "auto":
+        return log_format
+    stream = sys.stderr if stream is None else stream
+    isatty = getattr(stream, "isatty", None)
+    return "rich" if callable(isatty) and isatty() else "plain"
+
+
+def setup_logging(level: str, log_format: str = "auto") -> None:
+    """Log to stderr, once per process: the rich view on a terminal, one record per line elsewhere.
+
+    ``log_format`` is the ``log_format`` setting (``OAKEMU_LOG_FORMAT``): ``auto``, ``rich``, ``plain``
+    or ``json``. ``plain`` and ``json`` never wrap or split a record, so ``docker compose logs`` and log
+    shippers read one record per line.
+    """
+    chosen = resolved_log_format(log_format)
     root = logging.getLogger()
-    if not any(isinstance(h, RichHandler) for h in root.handlers):
-        # Wide lines when stderr is a log file (oakemu train redirects children's output).
-        console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
-        handler = RichHandler(console=console, show_path=False, rich_tracebacks=False, log_time_format="[%X]")
-        logging.basicConfig(level=level, format="%(name)s: %(message)s", handlers=[handler], force=True)
+    if chosen == "rich":
+        from rich.console import Console
+        from rich.logging import RichHandler
+
+        if not any(isinstance(h, RichHandler) for h in root.handlers):
+            # Wide lines when stderr is a log file (oakemu train redirects children's output).
+            console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+            handler: logging.Handler = RichHandler(
+                console=console, show_path=False, rich_tracebacks=False, log_time_format="[%X]"
+            )
+            logging.basicConfig(level=level, format="%(name)s: %(message)s", handlers=[handler], force=True)
+    else:
+        formatter_type = JsonLineFormatter if chosen == "json" else OneLineFormatter
+        if not any(isinstance(h.formatter, formatter_type) for h in root.handlers):
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(formatter_type())
+            logging.basicConfig(level=level, handlers=[handler], force=True)
     root.setLevel(level)
 
 
