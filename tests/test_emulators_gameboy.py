@@ -16,16 +16,16 @@ import pytest
 
 pytest.importorskip("pyboy", reason="PyBoy is not installed (pip install 'oakemu-rl[emulators]')")
 
-from oakemu_core.emulators import (  # noqa: E402
+from oakemu_core.emulators import (
     EmulatorConfigError,
     is_emulator_env,
     make_emulator_env,
     validate_emulator_env,
 )
-from oakemu_core.emulators.gameboy import check_gameboy_rom  # noqa: E402
-from oakemu_core.emulators.ram import read_value  # noqa: E402
-from oakemu_core.emulators.settings import RamValue  # noqa: E402
-from oakemu_core.emulators.testrom import (  # noqa: E402
+from oakemu_core.emulators.gameboy import check_gameboy_rom
+from oakemu_core.emulators.ram import read_value
+from oakemu_core.emulators.settings import RamValue
+from oakemu_core.emulators.testrom import (
     A_COUNTER,
     NINTENDO_LOGO,
     X_POSITION,
@@ -117,7 +117,7 @@ def test_reset_and_step_give_stacked_uint8_frames(make: Callable[..., Any], sett
     assert env.observation_space.contains(observation)
     assert all(np.array_equal(observation[0], frame) for frame in observation)  # reset fills the stack
     for _ in range(3):
-        observation, reward, terminated, truncated, _ = env.step(8)  # right: the block moves 8 px
+        observation, _, terminated, truncated, _ = env.step(8)  # right: the block moves 8 px
     assert observation.shape == (4, 72, 80) and observation.dtype == np.uint8
     assert not np.array_equal(observation[0], observation[-1]), "the screen must follow the buttons"
     assert not terminated and not truncated
@@ -160,7 +160,7 @@ def test_exploration_reward_counts_each_new_tile_once(make: Callable[..., Any], 
 
 
 def test_reward_hook_and_ram_observation(make: Callable[..., Any], settings: Callable[..., Path]) -> None:
-    env = make(settings(f"""
+    env = make(settings("""
         reward_hook = "tests.test_emulators_gameboy:position_hook"
         [[gameboy.ram_observation]]
         key = "position"
@@ -261,6 +261,7 @@ def test_signed_delta_and_sum_over_addresses() -> None:
     memory[0xD1B8] = 5  # +2 levels
     memory[0xD348] = 0x10  # 1000: -2000
     reward, parts = tracker.step(read)
+    assert reward == pytest.approx(2.0)
     assert parts == {"levels": 4.0, "money": pytest.approx(-2.0)}
     memory[0xD18C] = 1  # a level sum that drops gives 0 (unsigned)
     assert tracker.step(read)[1]["levels"] == 0.0
@@ -380,3 +381,15 @@ def test_a_state_pyboy_cannot_load(rom: Path, settings: Callable[..., Path], tmp
             f"gameboy:{rom}", max_episode_steps=None, seed=0,
             settings_file=str(settings('states = ["garbage.state"]\n' + A_REWARD)),
         )
+
+
+def test_pokemon_example_settings_are_valid() -> None:
+    """examples/pokemon_red/emulator.toml parses and its addresses are valid (Pokemon Red has cartridge RAM)."""
+    from oakemu_core.emulators.ram import check_gameboy_addresses
+    from oakemu_core.emulators.settings import load_emulator_settings
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "pokemon_red" / "emulator.toml"
+    settings, _ = load_emulator_settings(path)
+    assert settings.gameboy is not None
+    check_gameboy_addresses(settings.gameboy, has_cartridge_ram=True)
+    assert [term.name for term in settings.gameboy.reward] == ["explore", "levels", "badges"]

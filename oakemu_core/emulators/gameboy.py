@@ -9,7 +9,7 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import gymnasium
 import numpy as np
@@ -119,7 +119,7 @@ class GameBoyEnv(gymnasium.Env):
         EmulatorConfigError: PyBoy cannot load the ROM or a state file.
     """
 
-    metadata = {"render_modes": ["rgb_array"], "render_fps": 60}
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["rgb_array"], "render_fps": 60}
 
     def __init__(
         self,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import gzip
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import gymnasium
 import numpy as np
@@ -126,7 +126,7 @@ class RetroGameEnv(gymnasium.Env):
         EmulatorProcessError: this process already runs a stable-retro emulator.
     """
 
-    metadata = {"render_modes": ["rgb_array"], "render_fps": 60}
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["rgb_array"], "render_fps": 60}
 
     def __init__(
         self,

@@ -37,8 +37,8 @@ __all__ = [
     "X_POSITION",
     "Y_POSITION",
     "build_test_rom",
-    "header_checksum",
     "global_checksum",
+    "header_checksum",
     "write_test_rom",
 ]
 
