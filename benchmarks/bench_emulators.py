@@ -3,7 +3,8 @@
 One process, one core (OpenCV single-threaded).  Rows, each measured for ``--seconds``:
 
 * Game Boy (PyBoy, the generated test ROM, oakemu_core/emulators/testrom.py):
-  raw ``tick(1, render=False)`` and ``tick(1, render=True)`` frames/s; our Gymnasium env
+  raw ``tick(1, render=False)`` and ``tick(1, render=True)`` frames/s, and ``tick(N, True)`` (N frames
+  per call, only the last rendered: what one agent step costs the emulator); our Gymnasium env
   (``frames_per_action`` frames per agent step, button press + release, render only the last frame,
   RAM reward, grayscale 72x80, 4 stacked frames); and the project's ``VectorEnv`` over 1 env when
   ``oakemu_core.envs`` can build it (the actor loop minus the policy).
@@ -34,8 +35,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 warnings.filterwarnings("ignore")
 
-from oakemu_core.emulators import make_emulator_env  # noqa: E402
-from oakemu_core.emulators.testrom import write_test_rom  # noqa: E402
+from oakemu_core.emulators import make_emulator_env
+from oakemu_core.emulators.testrom import write_test_rom
 
 
 def rate(step: Callable[[], object], seconds: float) -> float:
@@ -90,6 +91,8 @@ def gameboy_rows(seconds: float, frames_per_action: int, folder: Path) -> list[t
     try:
         rows.append(("PyBoy tick(1, render=False)", rate(lambda: pyboy.tick(1, False), seconds), 1))
         rows.append(("PyBoy tick(1, render=True)", rate(lambda: pyboy.tick(1, True), seconds), 1))
+        batched = rate(lambda: pyboy.tick(frames_per_action, True), seconds)
+        rows.append((f"PyBoy tick({frames_per_action}, render last)", batched * frames_per_action, frames_per_action))
     finally:
         pyboy.stop(save=False)
     env = make_emulator_env(f"gameboy:{rom}", max_episode_steps=None, settings_file=str(settings), seed=0)
