@@ -14,7 +14,6 @@ The user-facing ``gameboy:<ROM> --emulator-settings <TOML>`` form needs the conf
 from __future__ import annotations
 
 import re
-import textwrap
 from pathlib import Path
 
 import pytest
