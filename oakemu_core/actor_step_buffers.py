@@ -1,20 +1,26 @@
 """Per-step arrays an actor fills for all its envs before appending them to a rollout buffer.
 
-One vector-env step of an actor goes: write the observations, :meth:`reset_action_selection`,
-record the policy's :class:`PPOActionBundle` for the envs it acted on, step the envs,
-:meth:`reset_step_results` and :meth:`record_step_result` per env, then
-:meth:`add_to_rollout_buffer` (or send the arrays over the wire). The arrays are allocated once.
+One vector-env step of an actor goes: write the observations (and action masks),
+:meth:`reset_action_selection`, record the policy's :class:`PPOActionBundle` for the envs it acted
+on, step the envs, :meth:`reset_step_results` and :meth:`record_step_result` per env, then
+:meth:`add_to_rollout_buffer` (or send :meth:`sent_fields` over the wire). The arrays are allocated
+once, from the step schema (:mod:`oakemu_core.step_schema`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from oakemu_core.rollout_buffer import RolloutBuffer, check_array
+from oakemu_core.rollout_buffer import RolloutBuffer
+from oakemu_core.step_schema import StepSchema, check_array, default_schema
+
+_CORE_FIELDS = frozenset({"actions", "log_probs", "values", "rewards", "dones", "trainable", "truncated",
+                          "bootstrap_values", "next_values"})
+
 
 @dataclass(frozen=True)
 class PPOActionBundle:
@@ -24,50 +30,69 @@ class PPOActionBundle:
         actions: ``(batch, *action_shape)``, the action dtype (int64 for a categorical policy).
         log_probs: ``(batch,)`` float32, log pi(action | observation) of the acting policy.
         values: ``(batch,)`` float32, V(observation) of the acting policy.
+        distribution_fields: the distribution's stored parameters by field name (a Gaussian's
+            ``action_mean`` / ``action_std`` ``(batch, d)`` float32); empty for other families.
     """
 
     actions: np.ndarray
     log_probs: np.ndarray
     values: np.ndarray
+    distribution_fields: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
 class PPOActorStepBuffers:
     """Mutable per-step PPO actor arrays used for action selection and rollout writes.
 
-    ``N`` = envs stepped in lockstep. Build with :meth:`create`.
+    ``N`` = envs stepped in lockstep. Build with :meth:`create` (or pass the arrays as the seed
+    API does: ``PPOActorStepBuffers(observations, actions, log_probs, values, rewards, dones,
+    trainable)``).
 
     Attributes:
-        observations: ``(N, *observation_shape)`` observation dtype, s_t.
+        observations: ``(N, *observation_shape)`` observation dtype, s_t; a dict key -> array
+            for dict observations.
         actions: ``(N, *action_shape)`` action dtype, a_t.
         log_probs: ``(N,)`` float32, log pi(a_t | s_t).
         values: ``(N,)`` float32, V(s_t).
         rewards: ``(N,)`` float32, r_t.
         dones: ``(N,)`` bool, the episode ended on this step (terminated OR truncated).
         trainable: ``(N,)`` bool, the step is PPO training data (the policy chose the action).
-        truncated: ``(N,)`` bool, the episode was cut by a time limit (not terminated).
-        bootstrap_values: ``(N,)`` float32, V(true final observation) where truncated, else 0.
+        truncated: ``(N,)`` bool, the episode was cut by a time limit (not terminated); zeros
+            when not given.
+        bootstrap_values: ``(N,)`` float32, V(true final observation) where truncated, else 0;
+            zeros when not given.
+        extras: the schema's other per-step fields by name (``action_mask``, ``action_mean``,
+            ``action_std``, ...), ``(N, *shape)`` each.
     """
 
-    observations: np.ndarray
+    observations: Any
     actions: np.ndarray
     log_probs: np.ndarray
     values: np.ndarray
     rewards: np.ndarray
     dones: np.ndarray
     trainable: np.ndarray
-    truncated: np.ndarray
-    bootstrap_values: np.ndarray
+    truncated: np.ndarray | None = None
+    bootstrap_values: np.ndarray | None = None
+    extras: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        rows = np.shape(self.rewards)[:1]
+        if self.truncated is None:
+            self.truncated = np.zeros(rows, np.bool_)
+        if self.bootstrap_values is None:
+            self.bootstrap_values = np.zeros(rows, np.float32)
 
     @classmethod
     def create(
         cls,
         *,
         num_envs: int,
-        observation_shape: tuple[int, ...],
-        observation_dtype: Any,
+        observation_shape: tuple[int, ...] | None = None,
+        observation_dtype: Any = None,
         action_shape: tuple[int, ...] = (),
         action_dtype: Any = np.int64,
+        schema: StepSchema | None = None,
     ) -> PPOActorStepBuffers:
         """Allocate zeroed step buffers for one actor.
 
@@ -77,24 +102,23 @@ class PPOActorStepBuffers:
             observation_dtype: observation dtype as stored in the rollout buffer.
             action_shape: shape of one action (``()`` for discrete actions).
             action_dtype: action dtype (int64 for a categorical policy).
+            schema: the step schema; replaces the four arguments above (any space).
 
         Raises:
-            ValueError: if ``num_envs`` is not a positive int.
+            ValueError: if ``num_envs`` is not a positive int, or neither a schema nor an
+                observation shape/dtype is given.
         """
         if isinstance(num_envs, bool) or not isinstance(num_envs, (int, np.integer)) or num_envs <= 0:
             raise ValueError(f"num_envs: expected a positive int, received {num_envs!r}")
-        rows = (int(num_envs),)
-        return cls(
-            observations=np.zeros(rows + tuple(observation_shape), dtype=np.dtype(observation_dtype)),
-            actions=np.zeros(rows + tuple(action_shape), dtype=np.dtype(action_dtype)),
-            log_probs=np.zeros(rows, np.float32),
-            values=np.zeros(rows, np.float32),
-            rewards=np.zeros(rows, np.float32),
-            dones=np.zeros(rows, np.bool_),
-            trainable=np.zeros(rows, np.bool_),
-            truncated=np.zeros(rows, np.bool_),
-            bootstrap_values=np.zeros(rows, np.float32),
-        )
+        if schema is None:
+            if observation_shape is None or observation_dtype is None:
+                raise ValueError("create: expected observation_shape and observation_dtype, or schema=")
+            schema = default_schema(tuple(observation_shape), observation_dtype, tuple(action_shape), action_dtype)
+        arrays = {f.name: np.zeros((int(num_envs), *f.shape), dtype=f.dtype) for f in schema.sent}
+        arrays.pop("next_values")  # known only after the next action is chosen (see stepper)
+        observations = schema.join_observations({n: arrays.pop(n) for n in schema.observation_names})
+        core = {name: arrays.pop(name) for name in list(arrays) if name in _CORE_FIELDS}
+        return cls(observations=observations, extras=arrays, **core)
 
     @property
     def num_envs(self) -> int:
@@ -111,14 +135,35 @@ class PPOActorStepBuffers:
             raise ValueError(f"env_id: expected an int in [0, {self.num_envs}), received {env_id!r}")
         return int(env_id)
 
-    def record_observations(self, observations: np.ndarray) -> None:
+    def record_observations(self, observations: Any) -> None:
         """Copy the current observations of all envs (s_t) into :attr:`observations`.
 
         Raises:
-            ValueError: wrong type, shape or dtype (no silent cast).
+            ValueError: wrong type, shape or dtype (no silent cast), or a missing dict key.
         """
+        if isinstance(self.observations, dict):
+            if not isinstance(observations, dict) or observations.keys() != self.observations.keys():
+                received = sorted(observations) if isinstance(observations, dict) else type(observations).__name__
+                raise ValueError(f"observations: expected a dict with keys {sorted(self.observations)}, received {received}")
+            for key, target in self.observations.items():
+                check_array(f"observations[{key!r}]", observations[key], target.shape, target.dtype)
+            for key, target in self.observations.items():
+                np.copyto(target, observations[key])
+            return
         check_array("observations", observations, self.observations.shape, self.observations.dtype)
         np.copyto(self.observations, observations)
+
+    def record_action_masks(self, action_masks: np.ndarray) -> None:
+        """Copy the action masks of the current observations, ``(N, mask width)`` bool.
+
+        Raises:
+            ValueError: the schema has no ``action_mask`` field, or a wrong shape/dtype.
+        """
+        target = self.extras.get("action_mask")
+        if target is None:
+            raise ValueError("action_mask: these step buffers have no action_mask field (the env gives no masks)")
+        check_array("action_mask", action_masks, target.shape, target.dtype)
+        np.copyto(target, action_masks)
 
     def reset_action_selection(self) -> None:
         """Before selecting actions: no env is marked trainable until a bundle is recorded for it."""
@@ -162,9 +207,16 @@ class PPOActorStepBuffers:
         check_array("action_bundle.actions", action_bundle.actions, batch + self.actions.shape[1:], self.actions.dtype)
         check_array("action_bundle.log_probs", action_bundle.log_probs, batch, self.log_probs.dtype)
         check_array("action_bundle.values", action_bundle.values, batch, self.values.dtype)
+        for name, array in action_bundle.distribution_fields.items():
+            target = self.extras.get(name)
+            if target is None:
+                raise ValueError(f"action_bundle.{name}: not a field of these step buffers ({sorted(self.extras)})")
+            check_array(f"action_bundle.{name}", array, batch + target.shape[1:], target.dtype)
         self.actions[ids] = action_bundle.actions
         self.log_probs[ids] = action_bundle.log_probs
         self.values[ids] = action_bundle.values
+        for name, array in action_bundle.distribution_fields.items():
+            self.extras[name][ids] = array
         self.trainable[ids] = flags.astype(np.bool_, copy=False)
 
     def reset_step_results(self) -> None:
@@ -212,6 +264,19 @@ class PPOActorStepBuffers:
         self.truncated[index] = bool(truncated)
         self.bootstrap_values[index] = bootstrap_value
 
+    def sent_fields(self, next_values: np.ndarray, schema: StepSchema) -> dict[str, np.ndarray]:
+        """Every field a step message carries, by schema name (views, no copies).
+
+        Args:
+            next_values: ``(N,)`` float32, V(next observation) (see :mod:`oakemu_core.stepper`).
+            schema: the step schema the buffers were created from.
+        """
+        fields = dict(schema.split_observations(self.observations))
+        fields.update(actions=self.actions, log_probs=self.log_probs, values=self.values, rewards=self.rewards,
+                      dones=self.dones, truncated=self.truncated, bootstrap_values=self.bootstrap_values,
+                      next_values=next_values, trainable=self.trainable, **self.extras)
+        return fields
+
     def add_to_rollout_buffer(self, rollout_buffer: RolloutBuffer, *, policy_version: int = 0) -> None:
         """Append the current step (all envs) to ``rollout_buffer`` with :meth:`RolloutBuffer.add`.
 
@@ -230,4 +295,5 @@ class PPOActorStepBuffers:
             self.trainable,
             bootstrap_values=self.bootstrap_values,
             policy_version=policy_version,
+            **self.extras,
         )

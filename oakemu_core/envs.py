@@ -1142,3 +1142,20 @@ def make_eval_env(
         num_threads=1,
         settings_file=settings_file,
     )
+
+
+def check_env(env_id: str, *, settings_file: str | None = None, envs_per_process: int | None = None) -> EnvSpec:
+    """Everything that can be checked about an env before any process starts; returns its spec.
+
+    Emulator ids (``gameboy:`` / ``retro:``) are validated by their backend first (ROM, settings
+    file, reward spec, emulators per process), then the spec is built (spaces supported?).
+
+    Raises:
+        UnsupportedEnvironmentError: unknown id or unsupported spaces.
+        oakemu_core.emulators.EmulatorConfigError: a bad emulator setting (a ``ValueError``).
+    """
+    if env_id.startswith(EMULATOR_ID_PREFIXES):
+        from oakemu_core.emulators import validate_emulator_env
+
+        validate_emulator_env(env_id, settings_file, envs_per_process=envs_per_process)
+    return env_spec(env_id, settings_file=settings_file)

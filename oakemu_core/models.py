@@ -1,17 +1,28 @@
-"""Actor-critic networks, CPU inference for actors, and weights <-> numpy arrays.
+"""Actor-critic networks for any observation layout and action distribution, CPU inference for
+actors, and weights <-> numpy arrays.
 
-Two torsos share one categorical policy head and one value head:
+An :class:`ActorCritic` is built from an observation layout (key -> per-env shape and dtype; key
+``""`` for a plain observation) and an :class:`~oakemu_core.distributions.ActionDistribution`.
+It never asks which action space it serves: the distribution makes the policy head and turns its
+output into a :class:`~oakemu_core.distributions.Policy`.
 
-* frames ``(C, H, W)`` (Atari: ``(4, 84, 84)`` uint8): the Nature CNN of Mnih et al. 2015,
-  "Human-level control through deep reinforcement learning" (conv 32x8 stride 4, conv 64x4
-  stride 2, conv 64x3 stride 1, fully connected 512, ReLU), shared by actor and critic as in
-  CleanRL ``ppo_atari.py``. uint8 frames are uploaded as uint8 and scaled to [0, 1] inside
-  :meth:`ActorCritic.forward`, on the model's device;
-* vectors ``(D,)`` (classic control): separate actor and critic MLPs, 64-64 tanh, as in CleanRL
-  ``ppo.py``.
+Torsos:
+
+* one plain vector observation ``(D,)`` (classic control): separate actor and critic MLPs, 64-64
+  tanh, as CleanRL ``ppo.py`` / ``ppo_continuous_action.py``;
+* otherwise one encoder per key, concatenated (SB3's ``CombinedExtractor``): image-shaped keys
+  ``(C, H, W)`` get the Nature CNN of Mnih et al. 2015 (conv 32x8/4, 64x4/2, 64x3/1, fc 512, ReLU;
+  CleanRL ``ppo_atari.py``) when at least 36 x 36, and a small 3x3 CNN (fc 256) when smaller (SB3
+  fails there with a conv2d size error); other keys are flattened. With more than one key a
+  256-unit ReLU layer mixes the concatenated features. Actor and critic share the torso.
+
+uint8 image keys travel as uint8 and are scaled to [0, 1] on the model's device. Float keys may be
+normalised by running statistics (:class:`RunningNormalizer`, as SB3's ``VecNormalize``): the
+statistics are buffers of the model, so they travel to the actors with the weights, are saved in
+checkpoints and are used by ``oakemu evaluate``; only the learner updates them.
 
 Initialisation follows CleanRL: orthogonal weights with gain sqrt(2) for hidden layers, 0.01 for
-the policy logits and 1 for the value output, zero biases.
+the policy head and 1 for the value output, zero biases.
 """
 
 from __future__ import annotations
@@ -25,13 +36,19 @@ import torch
 from torch import nn
 
 from oakemu_core.actor_step_buffers import PPOActionBundle
+from oakemu_core.distributions import ActionDistribution, Categorical, Policy
 
 __all__ = [
     "ActorCritic",
+    "RunningNormalizer",
     "build_model",
     "load_weight_arrays",
     "weights_to_arrays",
 ]
+
+NATURE_CNN_MIN_SIZE = 36
+"""Smallest frame side the Nature CNN's three convolutions fit."""
+SMALL_CNN_MIN_SIZE = 5
 
 
 def _layer_init(layer: nn.Module, std: float = math.sqrt(2.0), bias_const: float = 0.0) -> nn.Module:
@@ -46,89 +63,144 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
 
-class ActorCritic(nn.Module):
-    """Categorical actor-critic for frame or vector observations.
+class RunningNormalizer(nn.Module):
+    """Running mean / variance of a float observation key; ``forward`` returns
+    ``clip((x - mean) / sqrt(var + eps), -clip, clip)`` (SB3 ``VecNormalize``, clip 10).
 
-    Args:
-        observation_shape: shape of one observation: ``(C, H, W)`` selects the Nature CNN,
-            ``(D,)`` the MLP.
-        observation_dtype: dtype of the observations fed to the model. ``uint8`` observations
-            are scaled by 1/255 in :meth:`forward`; other dtypes are cast to float32 unscaled.
-        num_actions: number of discrete actions (size of the categorical distribution).
-
-    Raises:
-        ValueError: ``observation_shape`` has a rank other than 1 or 3, a non-positive entry,
-            frames smaller than the CNN's receptive field, or ``num_actions`` < 1.
+    Statistics are buffers (``mean``, ``var``, ``count``), merged with each batch by the parallel
+    algorithm of Chan et al. 1979 (as SB3's ``RunningMeanStd``).
     """
 
-    def __init__(self, observation_shape: tuple[int, ...], observation_dtype: Any, num_actions: int) -> None:
+    def __init__(self, shape: tuple[int, ...], *, clip: float = 10.0, eps: float = 1e-8) -> None:
         super().__init__()
-        observation_shape = tuple(int(d) for d in observation_shape)
-        if len(observation_shape) not in (1, 3) or any(d <= 0 for d in observation_shape):
-            raise ValueError(
-                f"observation_shape: expected (D,) for vectors or (C, H, W) for frames with positive "
-                f"sizes, got {observation_shape}"
-            )
-        if int(num_actions) < 1:
-            raise ValueError(f"num_actions: expected >= 1, got {num_actions}")
-        self.observation_shape = observation_shape
-        self.observation_dtype = np.dtype(observation_dtype)
-        self.num_actions = int(num_actions)
-        self._torch_observation_dtype = _torch_dtype(self.observation_dtype)
-        self.scale_observations = self.observation_dtype == np.uint8
-        self.is_cnn = len(observation_shape) == 3
+        self.register_buffer("mean", torch.zeros(shape))
+        self.register_buffer("var", torch.ones(shape))
+        self.register_buffer("count", torch.tensor(1e-4))
+        self.clip = clip
+        self.eps = eps
 
-        if self.is_cnn:
-            channels, height, width = observation_shape
-            torso = nn.Sequential(
-                _layer_init(nn.Conv2d(channels, 32, 8, stride=4)),
-                nn.ReLU(),
-                _layer_init(nn.Conv2d(32, 64, 4, stride=2)),
-                nn.ReLU(),
-                _layer_init(nn.Conv2d(64, 64, 3, stride=1)),
-                nn.ReLU(),
-                nn.Flatten(),
-            )
-            # Conv output size for this frame size (3136 = 64*7*7 for 84x84).
-            out_h = ((height - 8) // 4 + 1 - 4) // 2 + 1 - 2
-            out_w = ((width - 8) // 4 + 1 - 4) // 2 + 1 - 2
-            if out_h < 1 or out_w < 1:
-                raise ValueError(
-                    f"observation_shape: frames must be at least 36x36 for the Nature CNN, got {observation_shape}"
-                )
-            self.network = nn.Sequential(torso, _layer_init(nn.Linear(64 * out_h * out_w, 512)), nn.ReLU())
-            self.actor = _layer_init(nn.Linear(512, self.num_actions), std=0.01)
-            self.critic = _layer_init(nn.Linear(512, 1), std=1.0)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.clamp((x - self.mean) / torch.sqrt(self.var + self.eps), -self.clip, self.clip)
+
+    @torch.no_grad()
+    def update(self, batch: torch.Tensor) -> None:
+        """Merge a ``(B, *shape)`` batch into the statistics."""
+        batch = batch.to(self.mean.device, torch.float64)
+        batch_mean, batch_var, batch_count = batch.mean(0), batch.var(0, unbiased=False), batch.shape[0]
+        mean, var, count = self.mean.double(), self.var.double(), self.count.double()
+        delta = batch_mean - mean
+        total = count + batch_count
+        new_mean = mean + delta * batch_count / total
+        m2 = var * count + batch_var * batch_count + delta**2 * count * batch_count / total
+        self.mean.copy_(new_mean.float())
+        self.var.copy_((m2 / total).float())
+        self.count.copy_(total.float())
+
+
+def _nature_cnn(channels: int, height: int, width: int) -> tuple[nn.Module, int]:
+    out_h = ((height - 8) // 4 + 1 - 4) // 2 + 1 - 2
+    out_w = ((width - 8) // 4 + 1 - 4) // 2 + 1 - 2
+    torso = nn.Sequential(
+        _layer_init(nn.Conv2d(channels, 32, 8, stride=4)), nn.ReLU(),
+        _layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
+        _layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(),
+        nn.Flatten(),
+        _layer_init(nn.Linear(64 * out_h * out_w, 512)), nn.ReLU(),
+    )
+    return torso, 512
+
+
+def _small_cnn(channels: int, height: int, width: int) -> tuple[nn.Module, int]:
+    torso = nn.Sequential(
+        _layer_init(nn.Conv2d(channels, 16, 3, stride=1)), nn.ReLU(),
+        _layer_init(nn.Conv2d(16, 32, 3, stride=1)), nn.ReLU(),
+        nn.Flatten(),
+        _layer_init(nn.Linear(32 * (height - 4) * (width - 4), 256)), nn.ReLU(),
+    )
+    return torso, 256
+
+
+def _mlp(in_features: int) -> nn.Sequential:
+    return nn.Sequential(
+        _layer_init(nn.Linear(in_features, 64)), nn.Tanh(),
+        _layer_init(nn.Linear(64, 64)), nn.Tanh(),
+    )
+
+
+class ActorCritic(nn.Module):
+    """Actor-critic for any observation layout and action distribution (see module docstring).
+
+    Args:
+        observation_layout: key -> (per-env shape, dtype); key ``""`` for a plain observation.
+        distribution: the action distribution (decides the policy head and the action space).
+        normalize_observations: keep running statistics of float keys and normalise with them.
+
+    Raises:
+        ValueError: an empty layout, or a key with a non-positive dimension.
+    """
+
+    def __init__(
+        self,
+        observation_layout: Mapping[str, tuple[tuple[int, ...], Any]],
+        distribution: ActionDistribution,
+        *,
+        normalize_observations: bool = False,
+    ) -> None:
+        super().__init__()
+        if not observation_layout:
+            raise ValueError("observation_layout: expected at least one observation key")
+        self.observation_layout = {key: (tuple(int(d) for d in shape), np.dtype(dtype))
+                                   for key, (shape, dtype) in sorted(observation_layout.items())}
+        for key, (shape, _) in self.observation_layout.items():
+            if any(d <= 0 for d in shape):
+                raise ValueError(f"observation {key or 'observations'!r}: expected positive sizes, got {shape}")
+        self.distribution = distribution
+        self.is_dict = "" not in self.observation_layout
+        self._torch_dtypes = {key: _torch_dtype(dtype) for key, (_, dtype) in self.observation_layout.items()}
+        self.normalizers = nn.ModuleDict()
+        if normalize_observations:
+            for key, (shape, dtype) in self.observation_layout.items():
+                if dtype.kind == "f":
+                    self.normalizers[self._module_key(key)] = RunningNormalizer(shape)
+
+        only = self.observation_layout.get("")
+        self.separate_mlps = only is not None and len(only[0]) == 1
+        if self.separate_mlps:  # CleanRL's classic-control networks
+            (dim,) = only[0]
+            self.actor_torso: nn.Module = _mlp(dim)
+            self.critic_torso: nn.Module = _mlp(dim)
+            features = 64
         else:
-            (obs_dim,) = observation_shape
-            self.network = nn.Identity()
-            self.actor = nn.Sequential(
-                _layer_init(nn.Linear(obs_dim, 64)),
-                nn.Tanh(),
-                _layer_init(nn.Linear(64, 64)),
-                nn.Tanh(),
-                _layer_init(nn.Linear(64, self.num_actions), std=0.01),
-            )
-            self.critic = nn.Sequential(
-                _layer_init(nn.Linear(obs_dim, 64)),
-                nn.Tanh(),
-                _layer_init(nn.Linear(64, 64)),
-                nn.Tanh(),
-                _layer_init(nn.Linear(64, 1), std=1.0),
-            )
+            self.encoders = nn.ModuleDict()
+            total = 0
+            for key, (shape, _) in self.observation_layout.items():
+                encoder, size = self._encoder(shape)
+                self.encoders[self._module_key(key)] = encoder
+                total += size
+            if len(self.observation_layout) > 1:
+                self.mixer: nn.Module = nn.Sequential(_layer_init(nn.Linear(total, 256)), nn.ReLU())
+                features = 256
+            else:
+                self.mixer = nn.Identity()
+                features = total
+            self.actor_torso = self.critic_torso = nn.Identity()
+        self.actor = distribution.make_head(features)
+        self.critic = _layer_init(nn.Linear(features, 1), std=1.0)
 
-    @classmethod
-    def from_spec(cls, spec: Any) -> ActorCritic:
-        """Build from anything with ``observation_shape``, ``observation_dtype``, ``num_actions``
-        (an ``EnvSpec``); raises ValueError if its actions are not scalar integers."""
-        action_shape = tuple(getattr(spec, "action_shape", ()))
-        action_dtype = np.dtype(getattr(spec, "action_dtype", np.int64))
-        if action_shape != () or action_dtype.kind not in "iu":
-            raise ValueError(
-                f"spec: a categorical policy needs scalar integer actions, got action_shape={action_shape} "
-                f"action_dtype={action_dtype}"
-            )
-        return cls(spec.observation_shape, spec.observation_dtype, spec.num_actions)
+    @staticmethod
+    def _module_key(key: str) -> str:
+        # ModuleDict keys may not contain "."; "" is not allowed either.
+        return "obs_" + key.replace(".", "__")
+
+    @staticmethod
+    def _encoder(shape: tuple[int, ...]) -> tuple[nn.Module, int]:
+        if len(shape) == 3:
+            channels, height, width = shape
+            if min(height, width) >= NATURE_CNN_MIN_SIZE:
+                return _nature_cnn(channels, height, width)
+            if min(height, width) >= SMALL_CNN_MIN_SIZE:
+                return _small_cnn(channels, height, width)
+        return nn.Flatten(), math.prod(shape)
 
     @property
     def device(self) -> torch.device:
@@ -136,107 +208,156 @@ class ActorCritic(nn.Module):
         return next(self.parameters()).device
 
     # ------------------------------------------------------------------ training-side API
-    def forward(self, observations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Policy logits and state values.
+    def _prepare(self, key: str, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = self.observation_layout[key]
+        if tuple(x.shape[1:]) != shape or x.dim() != len(shape) + 1:
+            raise ValueError(f"observations{'[' + repr(key) + ']' if key else ''}: expected shape "
+                             f"(B, {', '.join(map(str, shape))}), got {tuple(x.shape)}")
+        if x.dtype != self._torch_dtypes[key]:
+            raise ValueError(f"observations{'[' + repr(key) + ']' if key else ''}: expected dtype "
+                             f"{self._torch_dtypes[key]}, got {x.dtype}")
+        x = x.to(torch.float32)
+        if dtype == np.uint8:
+            return x / 255.0
+        normalizer = self.normalizers[self._module_key(key)] if self._module_key(key) in self.normalizers else None
+        return normalizer(x) if normalizer is not None else x
+
+    def _inputs(self, observations: Any) -> dict[str, torch.Tensor]:
+        if self.is_dict:
+            if not isinstance(observations, Mapping) or set(observations) != set(self.observation_layout):
+                received = sorted(observations) if isinstance(observations, Mapping) else type(observations).__name__
+                raise ValueError(f"observations: expected a dict with keys {sorted(self.observation_layout)}, "
+                                 f"got {received}")
+            return {key: self._prepare(key, observations[key]) for key in self.observation_layout}
+        return {"": self._prepare("", observations)}
+
+    def forward(self, observations: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Policy-head output and state values.
 
         Args:
-            observations: ``(B, *observation_shape)`` tensor of the model's observation dtype,
-                on the model's device (uint8 frames stay uint8 until here).
+            observations: ``(B, *shape)`` tensor of the model's observation dtype on the model's
+                device (uint8 frames stay uint8 until here), or a dict key -> such tensor.
 
         Returns:
-            ``(logits (B, num_actions) float32, values (B,) float32)``.
+            ``(head output (B, distribution.param_size) float32, values (B,) float32)``.
 
         Raises:
-            ValueError: wrong trailing shape or dtype.
+            ValueError: wrong keys, trailing shape or dtype.
         """
-        trailing_shape = tuple(observations.shape[1:])
-        if observations.dim() != len(self.observation_shape) + 1 or trailing_shape != self.observation_shape:
-            raise ValueError(
-                f"observations: expected shape (B, {', '.join(map(str, self.observation_shape))}), "
-                f"got {tuple(observations.shape)}"
-            )
-        if observations.dtype != self._torch_observation_dtype:
-            raise ValueError(
-                f"observations: expected dtype {self._torch_observation_dtype}, got {observations.dtype}"
-            )
-        x = observations.to(torch.float32)
-        if self.scale_observations:
-            x = x / 255.0
-        hidden = self.network(x)
+        inputs = self._inputs(observations)
+        if self.separate_mlps:
+            x = inputs[""]
+            return self.actor(self.actor_torso(x)), self.critic(self.critic_torso(x)).squeeze(-1)
+        features = torch.cat([self.encoders[self._module_key(key)](x) for key, x in inputs.items()], dim=-1)
+        hidden = self.mixer(features)
         return self.actor(hidden), self.critic(hidden).squeeze(-1)
 
-    def evaluate_actions(
-        self, observations: torch.Tensor, actions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Log-probabilities and entropy of the categorical policy, and values, with gradients.
+    def policy_and_values(self, observations: Any, action_mask: torch.Tensor | None = None) -> tuple[Policy, torch.Tensor]:
+        """The action :class:`Policy` (masked when ``action_mask`` ``(B, width)`` bool is given)
+        and the values ``(B,)``, with gradients."""
+        head, values = self(observations)
+        return self.distribution.policy(head, action_mask), values
 
-        Args:
-            observations: ``(B, *observation_shape)`` as for :meth:`forward`.
-            actions: ``(B,)`` integer action indices in ``[0, num_actions)``.
+    def evaluate_actions(
+        self, observations: Any, actions: torch.Tensor, action_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Log-probabilities, entropy and values of stored actions, with gradients.
 
         Returns:
             ``(log_probs (B,), entropy (B,), values (B,))``, all float32.
         """
-        logits, values = self(observations)
-        log_probs_all = torch.log_softmax(logits, dim=-1)
-        log_probs = log_probs_all.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
-        entropy = -(log_probs_all.exp() * log_probs_all).sum(-1)
-        return log_probs, entropy, values
+        policy, values = self.policy_and_values(observations, action_mask)
+        return policy.log_prob(actions), policy.entropy(), values
+
+    @torch.no_grad()
+    def update_observation_statistics(self, observations: Any) -> None:
+        """Merge a batch of raw observations (numpy or torch, ``(B, *shape)`` or a dict) into the
+        running statistics of the normalised keys (no-op without observation normalisation)."""
+        if not len(self.normalizers):
+            return
+        batch = observations if self.is_dict else {"": observations}
+        for key in self.observation_layout:
+            module_key = self._module_key(key)
+            if module_key in self.normalizers:
+                values = torch.as_tensor(np.asarray(batch[key]) if not isinstance(batch[key], torch.Tensor) else batch[key])
+                self.normalizers[module_key].update(values.reshape(-1, *self.observation_layout[key][0]))
 
     # ------------------------------------------------------------------ actor-side API (numpy)
-    def _observations_to_tensor(self, observations: np.ndarray) -> torch.Tensor:
-        observations = np.asarray(observations)
-        if observations.dtype != self.observation_dtype:
-            raise ValueError(f"observations: expected dtype {self.observation_dtype}, got {observations.dtype}")
-        if observations.ndim != len(self.observation_shape) + 1 or observations.shape[1:] != self.observation_shape:
-            raise ValueError(
-                f"observations: expected shape (B, {', '.join(map(str, self.observation_shape))}), "
-                f"got {observations.shape}"
-            )
-        return torch.from_numpy(np.ascontiguousarray(observations)).to(self.device)
+    def _to_tensor(self, key: str, array: Any) -> torch.Tensor:
+        shape, dtype = self.observation_layout[key]
+        array = np.asarray(array)
+        name = f"observations[{key!r}]" if key else "observations"
+        if array.dtype != dtype:
+            raise ValueError(f"{name}: expected dtype {dtype}, got {array.dtype}")
+        if array.ndim != len(shape) + 1 or array.shape[1:] != shape:
+            raise ValueError(f"{name}: expected shape (B, {', '.join(map(str, shape))}), got {array.shape}")
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+
+    def _observations_to_tensor(self, observations: Any) -> Any:
+        if self.is_dict:
+            if not isinstance(observations, Mapping) or set(observations) != set(self.observation_layout):
+                received = sorted(observations) if isinstance(observations, Mapping) else type(observations).__name__
+                raise ValueError(f"observations: expected a dict with keys {sorted(self.observation_layout)}, "
+                                 f"got {received}")
+            return {key: self._to_tensor(key, observations[key]) for key in self.observation_layout}
+        return self._to_tensor("", observations)
+
+    def _mask_to_tensor(self, action_mask: np.ndarray | None, batch: int) -> torch.Tensor | None:
+        width = self.distribution.mask_width
+        if action_mask is None:
+            if width:
+                raise ValueError(f"action_mask: this policy is masked (width {width}); pass the env's masks")
+            return None
+        action_mask = np.asarray(action_mask)
+        if action_mask.shape != (batch, width) or action_mask.dtype != np.bool_:
+            raise ValueError(f"action_mask: expected shape ({batch}, {width}) bool, got {action_mask.shape} "
+                             f"{action_mask.dtype}")
+        return torch.from_numpy(np.ascontiguousarray(action_mask)).to(self.device)
 
     @torch.no_grad()
     def act(
         self,
-        observations: np.ndarray,
+        observations: Any,
         *,
+        action_mask: np.ndarray | None = None,
         greedy: bool = False,
         generator: torch.Generator | None = None,
     ) -> PPOActionBundle:
         """Choose actions for a batch of observations (no gradients).
 
         Args:
-            observations: ``(B, *observation_shape)`` numpy array of the model's observation dtype.
-            greedy: take the most probable action instead of sampling.
-            generator: torch generator for sampling (on any device; sampling happens there), for
-                reproducible actors. ``None`` uses torch's global RNG.
+            observations: ``(B, *shape)`` numpy array of the model's observation dtype, or a dict
+                key -> such array.
+            action_mask: ``(B, mask width)`` bool for a masked policy (required then), else None.
+            greedy: take the most probable action (:meth:`Policy.mode`) instead of sampling.
+            generator: torch generator for sampling (on any device), for reproducible actors.
+                ``None`` uses torch's global RNG.
 
         Returns:
-            :class:`PPOActionBundle` of CPU numpy arrays: actions ``(B,)`` int64, log_probs ``(B,)``
-            float32 (log pi(action | observation), computed as in :meth:`evaluate_actions`),
-            values ``(B,)`` float32.
+            :class:`PPOActionBundle` of CPU numpy arrays: actions ``(B, *action_shape)`` in the
+            distribution's dtype, log_probs ``(B,)`` float32 (log pi(action | observation),
+            computed as in :meth:`evaluate_actions`), values ``(B,)`` float32, and the
+            distribution's stored parameters (e.g. ``action_mean`` / ``action_std``).
 
         Raises:
-            ValueError: observations of the wrong shape or dtype.
+            ValueError: observations or mask of the wrong shape or dtype.
         """
         obs = self._observations_to_tensor(observations)
-        logits, values = self(obs)
-        if greedy:
-            actions = logits.argmax(dim=-1)
-        else:
-            probs = torch.softmax(logits, dim=-1)
-            if generator is not None and generator.device != probs.device:
-                probs = probs.to(generator.device)
-            actions = torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)
-        log_probs = torch.log_softmax(logits, dim=-1).gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+        batch = len(next(iter(obs.values()))) if isinstance(obs, dict) else len(obs)
+        mask = self._mask_to_tensor(action_mask, batch)
+        policy, values = self.policy_and_values(obs, mask)
+        actions = policy.mode() if greedy else policy.sample(generator)
+        log_probs = policy.log_prob(actions)
+        dtype = _torch_dtype(self.distribution.action_dtype)
         return PPOActionBundle(
-            actions=actions.to("cpu", torch.int64).numpy(),
+            actions=actions.to("cpu", dtype).numpy(),
             log_probs=log_probs.to("cpu", torch.float32).numpy(),
             values=values.to("cpu", torch.float32).numpy(),
+            distribution_fields={name: tensor.to("cpu", torch.float32).numpy() for name, tensor in policy.stored().items()},
         )
 
     @torch.no_grad()
-    def predict_values(self, observations: np.ndarray) -> np.ndarray:
+    def predict_values(self, observations: Any) -> np.ndarray:
         """State values V(observation) for a batch, ``(B,)`` float32 CPU numpy (no gradients).
 
         Used for the bootstrap value after the last rollout step and for the true final
@@ -246,14 +367,27 @@ class ActorCritic(nn.Module):
         return values.to("cpu", torch.float32).numpy()
 
 
-def build_model(observation_shape: tuple[int, ...], observation_dtype: Any, num_actions: int) -> ActorCritic:
-    """Build the actor-critic for these observations: Nature CNN for ``(C, H, W)`` frames, MLP for
-    ``(D,)`` vectors. See :class:`ActorCritic` for arguments and errors."""
-    return ActorCritic(observation_shape, observation_dtype, num_actions)
+def build_model(
+    observation_layout: Mapping[str, tuple[tuple[int, ...], Any]] | tuple[int, ...],
+    distribution: ActionDistribution | Any,
+    num_actions: int | None = None,
+    *,
+    normalize_observations: bool = False,
+) -> ActorCritic:
+    """Build the actor-critic for these observations and this action distribution.
+
+    Also accepts the plain form ``build_model(observation_shape, observation_dtype,
+    num_actions)`` (one observation, a categorical policy). See :class:`ActorCritic`.
+    """
+    if num_actions is not None:
+        return ActorCritic({"": (tuple(observation_layout), distribution)}, Categorical(num_actions),
+                           normalize_observations=normalize_observations)
+    return ActorCritic(observation_layout, distribution, normalize_observations=normalize_observations)
 
 
 def weights_to_arrays(model: nn.Module) -> dict[str, np.ndarray]:
-    """Snapshot of every entry of ``model.state_dict()`` as CPU, C-contiguous float32 numpy arrays.
+    """Snapshot of every entry of ``model.state_dict()`` (parameters and normaliser statistics) as
+    CPU, C-contiguous float32 numpy arrays.
 
     The arrays are copies: later optimizer steps do not change them. Raises TypeError if an entry
     is not a floating-point tensor.
@@ -262,12 +396,13 @@ def weights_to_arrays(model: nn.Module) -> dict[str, np.ndarray]:
     for name, tensor in model.state_dict().items():
         if not tensor.is_floating_point():
             raise TypeError(f"weights_to_arrays: {name} has non-float dtype {tensor.dtype}")
-        arrays[name] = np.ascontiguousarray(tensor.detach().to("cpu", torch.float32, copy=True).numpy())
+        # A fresh contiguous copy; not np.ascontiguousarray, which turns 0-d entries into (1,).
+        arrays[name] = tensor.detach().to("cpu", torch.float32, copy=True).contiguous().numpy()
     return arrays
 
 
 def load_weight_arrays(model: nn.Module, arrays: Mapping[str, np.ndarray]) -> None:
-    """Copy named float32 arrays (as from :func:`weights_to_arrays`) into ``model``'s parameters.
+    """Copy named float32 arrays (as from :func:`weights_to_arrays`) into ``model``'s state.
 
     Everything is validated before anything is written, so a rejected set of weights leaves the
     model unchanged.

@@ -242,8 +242,8 @@ class PPOLearner:
     """Runs PPO updates of ``model`` on full rollout buffers.
 
     Args:
-        model: an actor-critic with ``evaluate_actions(observations, actions) -> (log_probs,
-            entropy, values)`` (see :class:`oakemu_core.models.ActorCritic`); moved to ``device``.
+        model: an :class:`oakemu_core.models.ActorCritic` (``policy_and_values(observations,
+            action_mask) -> (Policy, values)`` and a ``distribution``); moved to ``device``.
         optimizer: optimizer over ``model``'s parameters (CleanRL: Adam, eps=1e-5).
         device: where the update runs (``"cuda"`` or ``"cpu"``). On CUDA, TF32 matmuls and
             convolutions are switched off process-wide so that learner log-probs match the actor's
@@ -391,33 +391,35 @@ class PPOLearner:
         epoch_seconds: list[float] = []
         nonfinite_minibatches = 0
 
+        # Flatten and upload the trainable rows once; every epoch only reshuffles and indexes them.
+        flat = rollout_buffer.flat_batch(self.device, normalize_advantages=self.normalize_advantages)
+        stored_parameters = tuple(self.model.distribution.stored_fields())
         for epoch in range(self.ppo_epochs):
             epoch_start = time.perf_counter()
             epoch_kl = torch.zeros((), device=self.device)
-            minibatches = rollout_buffer.get_minibatches(
-                num_minibatches,
-                self.device,
-                normalize_advantages=self.normalize_advantages,
-                generator=self._shuffle_rng,
-            )
+            minibatches = flat.minibatches(num_minibatches, self._shuffle_rng)
             for minibatch in minibatches:
-                new_log_probs, entropy, new_values = self.model.evaluate_actions(
-                    minibatch.observations, minibatch.actions
+                policy, new_values = self.model.policy_and_values(
+                    minibatch.observations, minibatch.fields.get("action_mask")
                 )
                 losses = ppo_losses(
-                    new_log_probs,
+                    policy.log_prob(minibatch.actions),
                     minibatch.log_probs,
                     minibatch.advantages,
                     new_values,
                     minibatch.values,
                     minibatch.returns,
-                    entropy,
+                    policy.entropy(),
                     clip_coef=self.clip_coef,
                     clip_value_loss=self.clip_value_loss,
                 )
+                if stored_parameters:  # the exact KL from the acting policy's stored parameters
+                    with torch.no_grad():
+                        kl = policy.kl_from({name: minibatch.fields[name] for name in stored_parameters})
+                        losses["approx_kl"] = kl.mean()
                 if minibatches_done == 0:  # before any gradient step: actor and learner should agree
                     first_minibatch_ratio_max_abs_dev = self._ratio_deviation(
-                        losses["ratio"], rollout_buffer, current_policy_version
+                        losses["ratio"], minibatch.fields["policy_versions"], current_policy_version
                     )
 
                 # Total loss (Schulman et al. 2017, eq. 9, negated): policy - c2 * entropy + c1 * value.
@@ -472,14 +474,9 @@ class PPOLearner:
 
     # ------------------------------------------------------------------ ratio check
     @staticmethod
-    def _ratio_deviation(
-        ratio: torch.Tensor, rollout_buffer: RolloutBuffer, current_policy_version: int
-    ) -> float:
-        """max |ratio - 1| over the first minibatch's rows acted by ``current_policy_version``
-        (NaN if none). Uses the buffer's flat row indices of that minibatch."""
-        rows = rollout_buffer.last_minibatch_rows[0]
-        versions = np.asarray(rollout_buffer.policy_versions).reshape(-1)[rows]
-        is_current = torch.from_numpy(versions == int(current_policy_version)).to(ratio.device)
+    def _ratio_deviation(ratio: torch.Tensor, versions: torch.Tensor, current_policy_version: int) -> float:
+        """max |ratio - 1| over the minibatch rows acted by ``current_policy_version`` (NaN if none)."""
+        is_current = versions == int(current_policy_version)
         if not bool(is_current.any()):
             return math.nan
         return float((ratio[is_current] - 1.0).abs().max().item())

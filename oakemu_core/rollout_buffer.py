@@ -1,38 +1,30 @@
 """The learner's rollout storage: preallocated shared-memory arrays, GAE and PPO minibatches.
 
-Layout (every array shape ``(T, N, ...)``, ``T = rollout_length`` rows, ``N = num_envs`` columns,
-one column per environment)::
+Every *stored* field of the buffer's :class:`~oakemu_core.step_schema.StepSchema` is one
+``(T, N, *shape)`` array (``T = rollout_length`` rows, ``N = num_envs`` columns, one column per
+environment), in the field's own dtype (uint8 frames stay uint8): observations (one array per
+dict key), actions, log_probs, values, rewards, dones, bootstrap_values, trainable,
+policy_versions, advantages, returns, and whatever the action distribution adds (``action_mask``,
+``action_mean``, ``action_std``). Two bookkeeping arrays complete it: ``column_steps`` ``(N,)``
+(rows written so far in each column) and ``meta`` (write counters). The field list lives in the
+schema only; this module never names a distribution's fields.
 
-    observations      (T, N, *observation_shape)  observation dtype, kept as is (uint8 stays uint8)
-    actions           (T, N, *action_shape)       action dtype (default () / int64: categorical)
-    log_probs         (T, N) float32              log pi(a_t | s_t) of the acting policy
-    values            (T, N) float32              V(s_t) of the acting policy
-    rewards           (T, N) float32              reward received on step t
-    dones             (T, N) bool                 the episode ended on step t (terminated OR truncated)
-    bootstrap_values  (T, N) float32              V(true final observation) if truncated on step t, else 0
-    trainable         (T, N) bool                 the row may enter a PPO minibatch
-    policy_versions   (T, N) int64                version of the weights that chose the action
-    advantages        (T, N) float32              GAE, unnormalised (written by compute_gae)
-    returns           (T, N) float32              advantages + values (written by compute_gae)
-    column_steps      (N,)   int64                rows written so far in each column
+Every array is a :class:`~oakemu_core.shared_memory.SharedArray` owned by this buffer: it alone
+unlinks the segments (``close()``, context-manager exit, garbage collection, interpreter exit);
+construction first sweeps segments of dead owners.
 
-Every array is a :class:`~oakemu_core.shared_memory.SharedArray`, so another process can
-:meth:`RolloutBuffer.attach` to a live buffer through its :attr:`RolloutBuffer.handle` and write
-rows in place. The creating process alone unlinks the segments (``close()``, context-manager exit,
-garbage collection, interpreter exit); construction first sweeps segments of dead owners.
-
-Unlike Stable-Baselines3's buffer, observations are never cast to float32 (4x the memory for
-Atari frames), user errors raise ``ValueError`` naming the field instead of failing an ``assert``,
+Unlike Stable-Baselines3's buffers, observations are never cast to float32 (4x the memory for
+Atari frames), one class serves plain and dict observations and every action space (no subclass
+per variant), user errors raise ``ValueError`` naming the field instead of failing an ``assert``,
 and reading minibatches never changes the stored arrays.
 """
 
 from __future__ import annotations
 
-import hashlib
-
 import math
 import os
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -48,37 +40,99 @@ from oakemu_core.memory_diagnostics import (
     shm_free_bytes,
 )
 from oakemu_core.shared_memory import SharedArray, new_token, sweep_stale_segments
+from oakemu_core.step_schema import StepSchema, check_array, default_schema
 
 if TYPE_CHECKING:  # torch is imported lazily: actors and tools can use the buffer without it
     import torch
 
+__all__ = [
+    "FlatBatch",
+    "RolloutBuffer",
+    "RolloutBufferTrainableDiagnostics",
+    "RolloutMinibatch",
+    "StaleAdvantagesError",
+    "check_array",
+    "normalize_advantages",
+]
+
 SHM_DIR = Path("/dev/shm")
 
-_STEP_FIELDS = ("observations", "actions", "log_probs", "values", "rewards", "dones", "trainable", "bootstrap_values")
-_GENERATION, _MASK_GENERATION, _GAE_GENERATION, _LAYOUT = 0, 1, 2, 3
-"""Slots of the shared ``meta`` array: data writes, trainable-mask changes, data generation at GAE,
-and a fingerprint of the layout (so that :meth:`RolloutBuffer.attach` refuses a mismatched handle)."""
-
-
-def _layout_fingerprint(layout: dict[str, tuple[tuple[int, ...], np.dtype[Any]]]) -> int:
-    """A stable int64 digest of every array's name, shape and dtype."""
-    text = ";".join(f"{name}:{shape}:{np.dtype(dtype).str}" for name, (shape, dtype) in sorted(layout.items()))
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+_GENERATION, _MASK_GENERATION, _GAE_GENERATION = 0, 1, 2
+"""Slots of the ``meta`` array: data writes, trainable-mask changes, data generation at GAE."""
+_BOOKKEEPING = ("column_steps", "meta")
 
 
 class RolloutMinibatch(NamedTuple):
     """One PPO minibatch, every tensor on the requested device, first dimension = batch B.
 
-    observations ``(B, *obs_shape)`` in the stored dtype (uint8 frames stay uint8), actions
-    ``(B, *action_shape)``, log_probs/values/advantages/returns ``(B,)`` float32.
+    Attributes:
+        observations: ``(B, *obs_shape)`` in the stored dtype (uint8 frames stay uint8), or for
+            dict observations a dict key -> tensor.
+        actions: ``(B, *action_shape)``. log_probs, values, advantages, returns: ``(B,)`` float32.
+        fields: every minibatch field of the schema by name (the ones above included, plus e.g.
+            ``action_mask``, ``action_mean``, ``action_std``, ``policy_versions``).
     """
 
-    observations: torch.Tensor
+    observations: Any
     actions: torch.Tensor
     log_probs: torch.Tensor
     values: torch.Tensor
     advantages: torch.Tensor
     returns: torch.Tensor
+    fields: dict[str, torch.Tensor]
+
+
+@dataclass
+class FlatBatch:
+    """The trainable rows of a rollout, flattened in row-major ``(t, env)`` order, on a device.
+
+    Built once per update (:meth:`RolloutBuffer.flat_batch`); epochs then only index it.
+
+    Attributes:
+        schema: the buffer's schema.
+        fields: every minibatch field, ``(M, *shape)`` tensors (advantages normalised if asked).
+        rows: ``(M,)`` int64 flat row indices ``t * num_envs + env`` of the trainable rows.
+    """
+
+    schema: StepSchema
+    fields: dict[str, torch.Tensor]
+    rows: np.ndarray
+
+    @property
+    def size(self) -> int:
+        """Trainable rows ``M``."""
+        return int(self.rows.size)
+
+    def minibatches(self, num_minibatches: int, generator: np.random.Generator) -> list[RolloutMinibatch]:
+        """Shuffle the rows and split them into ``num_minibatches`` minibatches (sizes differ by at
+        most one; every row appears once).
+
+        Raises:
+            ValueError: ``num_minibatches`` not in ``[1, size]``.
+        """
+        import torch
+
+        if isinstance(num_minibatches, bool) or not isinstance(num_minibatches, (int, np.integer)) or num_minibatches <= 0:
+            raise ValueError(f"num_minibatches: expected a positive int, received {num_minibatches!r}")
+        if num_minibatches > self.size:
+            raise ValueError(f"num_minibatches: expected at most the {self.size} trainable rows, received {num_minibatches}")
+        device = next(iter(self.fields.values())).device
+        order = torch.from_numpy(generator.permutation(self.size)).to(device)
+        minibatches = []
+        for positions in torch.tensor_split(order, num_minibatches):
+            picked = {name: tensor.index_select(0, positions) for name, tensor in self.fields.items()}
+            minibatches.append(
+                RolloutMinibatch(
+                    observations=self.schema.join_observations(picked),
+                    actions=picked["actions"],
+                    log_probs=picked["log_probs"],
+                    values=picked["values"],
+                    advantages=picked["advantages"],
+                    returns=picked["returns"],
+                    fields=picked,
+                )
+            )
+        return minibatches
 
 
 @dataclass(frozen=True)
@@ -94,24 +148,6 @@ class RolloutBufferTrainableDiagnostics:
     values: np.ndarray
     returns: np.ndarray
     advantages: np.ndarray
-
-
-@dataclass(frozen=True)
-class RolloutBufferHandle:
-    """Everything another process needs to :meth:`RolloutBuffer.attach` to a live buffer.
-
-    Small and picklable (plain strings, ints and tuples). ``observation_dtype`` and
-    ``action_dtype`` are numpy dtype strings (``np.dtype(...).str``, e.g. ``"|u1"``);
-    ``segments`` maps each array name to its shared-memory segment name.
-    """
-
-    rollout_length: int
-    num_envs: int
-    observation_shape: tuple[int, ...]
-    observation_dtype: str
-    action_shape: tuple[int, ...]
-    action_dtype: str
-    segments: dict[str, str] = field(default_factory=dict)
 
 
 class StaleAdvantagesError(RuntimeError):
@@ -155,24 +191,10 @@ def normalize_advantages(advantages: np.ndarray, trainable: np.ndarray, eps: flo
     return normalised
 
 
-_normalize_over_trainable = normalize_advantages  # get_minibatches has a parameter of that name
-
-
-def check_array(field_name: str, array: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
-    """Raise ValueError naming the field, the expected and the received shape/dtype (no casting).
-
-    Shared by every writer of rollout data (the buffer and the actor's step buffers).
-    """
-    if not isinstance(array, np.ndarray):
-        raise ValueError(
-            f"{field_name}: expected a numpy array of shape {shape} and dtype {dtype}, "
-            f"received {type(array).__name__}"
-        )
-    if array.shape != shape or array.dtype != dtype:
-        raise ValueError(
-            f"{field_name}: expected shape {shape} and dtype {dtype}, "
-            f"received shape {array.shape} and dtype {array.dtype}"
-        )
+def _check_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name}: expected a positive int, received {value!r}")
+    return int(value)
 
 
 def _check_policy_version(policy_version: Any) -> int:
@@ -188,22 +210,28 @@ class RolloutBuffer:
     all columns at once with :meth:`add`, or for some columns with :meth:`write_columns` (each
     column stays contiguous: row ``t`` is written after rows ``0..t-1``). When every column holds
     ``rollout_length`` rows the buffer :attr:`is_full`; then :meth:`compute_gae` fills
-    :attr:`advantages` and :attr:`returns`, and :meth:`get_minibatches` serves the trainable rows.
-    :meth:`reset` empties it for the next rollout without reallocating.
+    :attr:`advantages` and :attr:`returns`, and :meth:`flat_batch` / :meth:`get_minibatches` serve
+    the trainable rows. :meth:`reset` empties it for the next rollout without reallocating.
+
+    Two ways to describe the fields: the seed API's plain form
+    ``RolloutBuffer(rollout_length, num_envs, observation_shape, observation_dtype)`` (plus
+    ``action_shape`` / ``action_dtype``), or ``schema=`` a :class:`StepSchema` (any observation
+    and action space: dict observations, masks, Gaussian parameters).
 
     Args:
         rollout_length: rows per column (``T``), positive.
         num_envs: columns (``N``), positive.
-        observation_shape: shape of one observation, e.g. ``(4, 84, 84)``.
-        observation_dtype: dtype of observations, kept as is (e.g. ``np.uint8``).
-        action_shape: shape of one action, ``()`` for a discrete action.
-        action_dtype: dtype of actions (``np.int64`` for a categorical policy, ``np.float32`` for
-            a continuous one).
+        observation_shape: shape of one observation, e.g. ``(4, 84, 84)`` (plain form).
+        observation_dtype: dtype of observations, kept as is (e.g. ``np.uint8``) (plain form).
+        action_shape: shape of one action, ``()`` for a discrete action (plain form).
+        action_dtype: dtype of actions (plain form).
+        schema: the step schema; replaces the four arguments above.
         seed: seed of the shuffle generator used when :meth:`get_minibatches` gets none.
         shm_dir: directory of POSIX shared memory, checked for capacity and swept.
 
     Raises:
-        ValueError: for a non-positive length / env count or a negative shape dimension.
+        ValueError: a non-positive length / env count, neither a schema nor an observation
+            shape/dtype, or both.
         SharedMemoryTooSmallError: when ``shm_dir`` has less free space than :attr:`memory_bytes`.
     """
 
@@ -211,18 +239,24 @@ class RolloutBuffer:
         self,
         rollout_length: int,
         num_envs: int,
-        observation_shape: tuple[int, ...],
-        observation_dtype: Any,
+        observation_shape: tuple[int, ...] | None = None,
+        observation_dtype: Any = None,
         *,
         action_shape: tuple[int, ...] = (),
         action_dtype: Any = np.int64,
+        schema: StepSchema | None = None,
         seed: int | None = None,
         shm_dir: str | os.PathLike[str] = SHM_DIR,
     ) -> None:
-        layout = self.array_layout(
-            rollout_length, num_envs, observation_shape, observation_dtype,
-            action_shape=action_shape, action_dtype=action_dtype,
-        )
+        if schema is None:
+            if observation_shape is None or observation_dtype is None:
+                raise ValueError("RolloutBuffer: expected observation_shape and observation_dtype, or schema=")
+            if not isinstance(observation_shape, tuple) or any(int(d) < 0 for d in observation_shape):
+                raise ValueError(f"observation_shape: expected a tuple of non-negative ints, received {observation_shape!r}")
+            schema = default_schema(observation_shape, observation_dtype, action_shape, action_dtype)
+        elif observation_shape is not None or observation_dtype is not None:
+            raise ValueError("RolloutBuffer: pass either schema= or observation_shape/observation_dtype, not both")
+        layout = self.array_layout(rollout_length, num_envs, schema)
         if Path(shm_dir).is_dir():
             sweep_stale_segments(shm_dir)
             ensure_shm_capacity(self.required_bytes_for(layout), shm_dir)
@@ -230,100 +264,15 @@ class RolloutBuffer:
         token = new_token()  # one token per buffer: its segments are oakemu_<pid>_<token>_<array>
         try:
             for name, (shape, dtype) in layout.items():
-                shared[name] = SharedArray.create(shape, dtype, field=name, token=token)
+                shared[name] = SharedArray.create(shape, dtype, field=name.replace(".", "-"), token=token)
         except BaseException:
             for array in shared.values():
                 array.unlink()
                 array.close()
             raise
-        shared["meta"].array[_GAE_GENERATION] = -1
-        shared["meta"].array[_LAYOUT] = _layout_fingerprint(layout)
-        self._setup(rollout_length, num_envs, observation_shape, observation_dtype, action_shape, action_dtype, shared)
-        self._owner = True
-        self._rng = np.random.default_rng(seed)
-        self._shm_dir = Path(shm_dir)
-
-    # ------------------------------------------------------------------ construction helpers
-    @staticmethod
-    def array_layout(
-        rollout_length: int,
-        num_envs: int,
-        observation_shape: tuple[int, ...],
-        observation_dtype: Any,
-        *,
-        action_shape: tuple[int, ...] = (),
-        action_dtype: Any = np.int64,
-    ) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
-        """Return ``{array name: (shape, dtype)}`` of every array a buffer allocates.
-
-        Raises:
-            ValueError: for a non-positive ``rollout_length`` / ``num_envs`` or a negative
-                dimension in a shape.
-        """
-        for name, count in (("rollout_length", rollout_length), ("num_envs", num_envs)):
-            if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count <= 0:
-                raise ValueError(f"{name}: expected a positive int, received {count!r}")
-        for name, shape in (("observation_shape", observation_shape), ("action_shape", action_shape)):
-            if not isinstance(shape, tuple) or any(int(dim) < 0 for dim in shape):
-                raise ValueError(f"{name}: expected a tuple of non-negative ints, received {shape!r}")
-        rows = (int(rollout_length), int(num_envs))
-        float32, boolean, int64 = np.dtype(np.float32), np.dtype(np.bool_), np.dtype(np.int64)
-        return {
-            "observations": (rows + tuple(int(d) for d in observation_shape), np.dtype(observation_dtype)),
-            "actions": (rows + tuple(int(d) for d in action_shape), np.dtype(action_dtype)),
-            "log_probs": (rows, float32),
-            "values": (rows, float32),
-            "rewards": (rows, float32),
-            "dones": (rows, boolean),
-            "bootstrap_values": (rows, float32),
-            "trainable": (rows, boolean),
-            "policy_versions": (rows, int64),
-            "advantages": (rows, float32),
-            "returns": (rows, float32),
-            "column_steps": ((int(num_envs),), int64),
-            "meta": ((4,), int64),
-        }
-
-    @staticmethod
-    def required_bytes_for(layout: dict[str, tuple[tuple[int, ...], np.dtype[Any]]]) -> int:
-        """Sum of the ``nbytes`` of the arrays in ``layout`` (see :meth:`array_layout`)."""
-        return sum(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize for shape, dtype in layout.values())
-
-    @classmethod
-    def estimate_memory_bytes(
-        cls,
-        rollout_length: int,
-        num_envs: int,
-        observation_shape: tuple[int, ...],
-        observation_dtype: Any,
-        *,
-        action_shape: tuple[int, ...] = (),
-        action_dtype: Any = np.int64,
-    ) -> int:
-        """Shared-memory bytes a buffer with these arguments allocates (its :attr:`memory_bytes`)."""
-        return cls.required_bytes_for(
-            cls.array_layout(
-                rollout_length, num_envs, observation_shape, observation_dtype,
-                action_shape=action_shape, action_dtype=action_dtype,
-            )
-        )
-
-    def _setup(
-        self,
-        rollout_length: int,
-        num_envs: int,
-        observation_shape: tuple[int, ...],
-        observation_dtype: Any,
-        action_shape: tuple[int, ...],
-        action_dtype: Any,
-        shared: dict[str, SharedArray],
-    ) -> None:
+        self.schema = schema
         self._rollout_length = int(rollout_length)
         self._num_envs = int(num_envs)
-        self._observation_shape = tuple(int(d) for d in observation_shape)
-        self._observation_dtype = np.dtype(observation_dtype)
-        self._action_shape = tuple(int(d) for d in action_shape)
-        self._action_dtype = np.dtype(action_dtype)
         self._shared = shared
         self._arrays: dict[str, np.ndarray] = {name: array.array for name, array in shared.items()}
         self._views: dict[str, np.ndarray] = {}
@@ -331,81 +280,49 @@ class RolloutBuffer:
             view = array.view()
             view.flags.writeable = False
             self._views[name] = view
+        self._arrays["meta"][_GAE_GENERATION] = -1
         self._closed = False
-        self._observation_cache: tuple[tuple[int, int, str], torch.Tensor] | None = None
+        self._flat_cache: tuple[tuple[Any, ...], FlatBatch] | None = None
         self._observation_uploads = 0
-        self._last_minibatch_rows: list[np.ndarray] = []
+        self._rng = np.random.default_rng(seed)
+        self._shm_dir = Path(shm_dir)
 
-    @property
-    def handle(self) -> RolloutBufferHandle:
-        """Picklable description of this buffer's segments, for :meth:`attach` in another process."""
-        self._check_open()
-        return RolloutBufferHandle(
-            rollout_length=self._rollout_length,
-            num_envs=self._num_envs,
-            observation_shape=self._observation_shape,
-            observation_dtype=self._observation_dtype.str,
-            action_shape=self._action_shape,
-            action_dtype=self._action_dtype.str,
-            segments={name: array.name for name, array in self._shared.items()},
-        )
-
-    @classmethod
-    def attach(cls, handle: RolloutBufferHandle) -> RolloutBuffer:
-        """Attach to a live buffer created by another (or this) process; never unlinks.
-
-        Writes through the attached buffer are visible to the owner and vice versa. Each process
-        keeps its own device observation cache, keyed on a shared write counter, so a write by
-        any process invalidates every cache.
+    # ------------------------------------------------------------------ sizes
+    @staticmethod
+    def array_layout(rollout_length: int, num_envs: int, schema: StepSchema) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
+        """``{array name: (shape, dtype)}`` of every array a buffer allocates: each stored field of
+        ``schema`` as ``(T, N, *shape)``, plus ``column_steps`` ``(N,)`` and ``meta`` ``(3,)``.
 
         Raises:
-            FileNotFoundError: when the owner has closed the buffer (or died and it was swept).
-            ValueError: when the handle's shapes do not match the segments.
+            ValueError: for a non-positive ``rollout_length`` / ``num_envs``.
         """
-        layout = cls.array_layout(
-            handle.rollout_length, handle.num_envs, tuple(handle.observation_shape), handle.observation_dtype,
-            action_shape=tuple(handle.action_shape), action_dtype=handle.action_dtype,
-        )
-        missing = sorted(set(layout) - set(handle.segments))
-        if missing:
-            raise ValueError(f"handle.segments: expected names for {sorted(layout)}, missing {missing}")
-        shared: dict[str, SharedArray] = {}
-        try:
-            for name, (shape, dtype) in layout.items():
-                shared[name] = SharedArray.attach(handle.segments[name], shape, dtype)
-        except BaseException:
-            for array in shared.values():
-                array.close()
-            raise
-        if int(shared["meta"].array[_LAYOUT]) != _layout_fingerprint(layout):
-            for array in shared.values():
-                array.close()
-            raise ValueError(
-                "handle: its shapes/dtypes do not match the live buffer's layout (T, N, observation and "
-                f"action shape and dtype); received T={handle.rollout_length}, N={handle.num_envs}, "
-                f"observations {tuple(handle.observation_shape)} {handle.observation_dtype}"
-            )
-        buffer = cls.__new__(cls)
-        buffer._setup(
-            handle.rollout_length, handle.num_envs, tuple(handle.observation_shape), handle.observation_dtype,
-            tuple(handle.action_shape), handle.action_dtype, shared,
-        )
-        buffer._owner = False
-        buffer._rng = np.random.default_rng()
-        buffer._shm_dir = SHM_DIR
-        return buffer
+        rows = (_check_positive_int("rollout_length", rollout_length), _check_positive_int("num_envs", num_envs))
+        layout = {f.name: (rows + f.shape, f.dtype) for f in schema.stored}
+        layout["column_steps"] = ((rows[1],), np.dtype(np.int64))
+        layout["meta"] = ((3,), np.dtype(np.int64))
+        return layout
+
+    @staticmethod
+    def required_bytes_for(layout: dict[str, tuple[tuple[int, ...], np.dtype[Any]]]) -> int:
+        """Sum of the ``nbytes`` of the arrays in ``layout`` (see :meth:`array_layout`)."""
+        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout.values())
+
+    @classmethod
+    def estimate_memory_bytes(cls, rollout_length: int, num_envs: int, schema: StepSchema) -> int:
+        """Shared-memory bytes a buffer with these arguments allocates (its :attr:`memory_bytes`)."""
+        return cls.required_bytes_for(cls.array_layout(rollout_length, num_envs, schema))
 
     # ------------------------------------------------------------------ life cycle
     def close(self) -> None:
-        """Release this process's mappings; the creating process also unlinks the segments.
+        """Release the mappings and unlink the segments (idempotent).
 
-        Idempotent. Arrays read from the buffer before stay readable (the memory is unmapped
-        when the last of them is freed); every buffer method raises ``RuntimeError`` afterwards.
+        Arrays read from the buffer before stay readable (the memory is unmapped when the last of
+        them is freed); every buffer method raises ``RuntimeError`` afterwards.
         """
         if self._closed:
             return
         self._closed = True
-        self._observation_cache = None
+        self._flat_cache = None
         self._views = {}
         self._arrays = {}
         for array in self._shared.values():
@@ -420,15 +337,12 @@ class RolloutBuffer:
         self.close()
 
     def __getstate__(self) -> None:
-        raise TypeError("RolloutBuffer cannot be pickled; send buffer.handle and call RolloutBuffer.attach(handle)")
+        raise TypeError("RolloutBuffer cannot be pickled: it owns shared-memory segments")
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"step={self.step}/{self._rollout_length}"
-        return (
-            f"RolloutBuffer(rollout_length={self._rollout_length}, num_envs={self._num_envs}, "
-            f"observation_shape={self._observation_shape}, observation_dtype={self._observation_dtype}, "
-            f"{'owner' if self._owner else 'attached'}, {state})"
-        )
+        return (f"RolloutBuffer(rollout_length={self._rollout_length}, num_envs={self._num_envs}, "
+                f"fields={list(self.schema.names)}, {state})")
 
     def _check_open(self) -> None:
         if self._closed:
@@ -453,29 +367,26 @@ class RolloutBuffer:
         return self._num_envs
 
     @property
-    def observation_shape(self) -> tuple[int, ...]:
-        """Shape of one observation."""
-        return self._observation_shape
+    def observation_shape(self) -> Any:
+        """Shape of one observation; for dict observations a dict key -> shape."""
+        shapes = {self.schema.observation_key(n): self.schema[n].shape for n in self.schema.observation_names}
+        return shapes[""] if not self.schema.is_dict_observation else shapes
 
     @property
-    def observation_dtype(self) -> np.dtype[Any]:
-        """Dtype of stored observations."""
-        return self._observation_dtype
+    def observation_dtype(self) -> Any:
+        """Dtype of stored observations; for dict observations a dict key -> dtype."""
+        dtypes = {self.schema.observation_key(n): self.schema[n].dtype for n in self.schema.observation_names}
+        return dtypes[""] if not self.schema.is_dict_observation else dtypes
 
     @property
     def action_shape(self) -> tuple[int, ...]:
         """Shape of one action (``()`` for discrete actions)."""
-        return self._action_shape
+        return self.schema["actions"].shape
 
     @property
     def action_dtype(self) -> np.dtype[Any]:
         """Dtype of stored actions."""
-        return self._action_dtype
-
-    @property
-    def is_owner(self) -> bool:
-        """True for the creating process's buffer (the one that unlinks)."""
-        return self._owner
+        return self.schema["actions"].dtype
 
     @property
     def closed(self) -> bool:
@@ -515,24 +426,25 @@ class RolloutBuffer:
 
     @property
     def observation_uploads(self) -> int:
-        """How many times this process uploaded the observations to a device (cache misses)."""
+        """How many times this buffer uploaded its observations to a device (flat-batch cache misses)."""
         return self._observation_uploads
 
-    @property
-    def last_minibatch_rows(self) -> list[np.ndarray]:
-        """Row indices of the minibatches of the last :meth:`get_minibatches` call.
+    def field(self, name: str) -> np.ndarray:
+        """Read-only ``(T, N, *shape)`` view of any stored field (or ``column_steps``) by name.
 
-        One ``(B_i,)`` int64 array per minibatch, in minibatch order, holding flat row indices
-        ``t * num_envs + env`` (so ``policy_versions.reshape(-1)[rows]`` are the minibatch's
-        versions). Empty before the first call.
+        Raises:
+            KeyError: not a stored field of this buffer's schema.
         """
-        return list(self._last_minibatch_rows)
+        self._check_open()
+        if name not in self._views or name == "meta":
+            raise KeyError(f"{name!r}: not a stored field; stored fields are {[f.name for f in self.schema.stored]}")
+        return self._views[name]
 
-    # read-only (T, N, ...) views of the shared arrays
+    # Read-only (T, N, ...) views of the standard fields.
     @property
-    def observations(self) -> np.ndarray:
-        """``(T, N, *observation_shape)`` observation dtype, read-only."""
-        return self._view("observations")
+    def observations(self) -> Any:
+        """``(T, N, *observation_shape)``, or for dict observations a dict key -> array; read-only."""
+        return self.schema.join_observations({n: self._view(n) for n in self.schema.observation_names})
 
     @property
     def actions(self) -> np.ndarray:
@@ -590,47 +502,36 @@ class RolloutBuffer:
         return self._view("column_steps")
 
     # ------------------------------------------------------------------ writing
-    def _validate_step(
-        self,
-        count: int,
-        observations: np.ndarray,
-        actions: np.ndarray,
-        log_probs: np.ndarray,
-        values: np.ndarray,
-        rewards: np.ndarray,
-        dones: np.ndarray,
-        trainable: np.ndarray | None,
-        bootstrap_values: np.ndarray | None,
-    ) -> dict[str, np.ndarray]:
-        """Check one row of ``count`` columns; return every step field, defaults filled in."""
-        rows = (count,)
-        float32, boolean = np.dtype(np.float32), np.dtype(np.bool_)
-        check_array("observations", observations, rows + self._observation_shape, self._observation_dtype)
-        check_array("actions", actions, rows + self._action_shape, self._action_dtype)
-        check_array("log_probs", log_probs, rows, float32)
-        check_array("values", values, rows, float32)
-        check_array("rewards", rewards, rows, float32)
-        check_array("dones", dones, rows, boolean)
-        if trainable is None:
-            trainable = np.ones(rows, dtype=np.bool_)
-        check_array("trainable", trainable, rows, boolean)
-        if bootstrap_values is None:
-            bootstrap_values = np.zeros(rows, dtype=np.float32)
-        check_array("bootstrap_values", bootstrap_values, rows, float32)
-        if np.any(bootstrap_values[~dones] != 0):
-            bad = np.flatnonzero((bootstrap_values != 0) & ~dones).tolist()
+    def _writable_fields(self) -> tuple[Any, ...]:
+        """Stored fields a writer provides (the learner computes advantages, returns, versions)."""
+        return tuple(f for f in self.schema.stored if f.name not in ("policy_versions", "advantages", "returns"))
+
+    def _validate_row(self, count: int, fields: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Check one row of ``count`` columns; return every writable field, defaults filled in."""
+        fields = dict(fields)
+        fields.pop("truncated", None)  # actors send it; storage keeps it in dones + bootstrap_values
+        fields.pop("next_values", None)
+        writable = self._writable_fields()
+        self.schema.check_arrays(fields, count, writable)
+        complete = {}
+        for item in writable:
+            value = fields.get(item.name)
+            complete[item.name] = np.full((count, *item.shape), item.default, dtype=item.dtype) if value is None else value
+        dones, bootstrap = complete["dones"], complete["bootstrap_values"]
+        if np.any(bootstrap[~dones] != 0):
+            bad = np.flatnonzero((bootstrap != 0) & ~dones).tolist()
             raise ValueError(
                 f"bootstrap_values: expected 0 where dones is False (a bootstrap value belongs to a "
                 f"truncated step), received non-zero values at positions {bad}"
             )
-        return {
-            "observations": observations, "actions": actions, "log_probs": log_probs, "values": values,
-            "rewards": rewards, "dones": dones, "trainable": trainable, "bootstrap_values": bootstrap_values,
-        }
+        return complete
+
+    def _observation_fields(self, observations: Any) -> dict[str, Any]:
+        return self.schema.split_observations(observations)
 
     def add(
         self,
-        observations: np.ndarray,
+        observations: Any,
         actions: np.ndarray,
         log_probs: np.ndarray,
         values: np.ndarray,
@@ -640,13 +541,15 @@ class RolloutBuffer:
         *,
         bootstrap_values: np.ndarray | None = None,
         policy_version: int = 0,
+        **fields: np.ndarray,
     ) -> None:
         """Write one row for all envs at row :attr:`step`.
 
         Every argument is validated before anything is written; there is no silent cast.
 
         Args:
-            observations: ``(N, *observation_shape)`` observation dtype, s_t.
+            observations: ``(N, *observation_shape)`` observation dtype, s_t; a dict key ->
+                array for dict observations.
             actions: ``(N, *action_shape)`` action dtype, a_t.
             log_probs: ``(N,)`` float32, log pi(a_t | s_t).
             values: ``(N,)`` float32, V(s_t).
@@ -657,11 +560,14 @@ class RolloutBuffer:
             bootstrap_values: ``(N,)`` float32 or None (zeros): V(true final observation) where
                 the episode was truncated on this step, 0 elsewhere (also where terminated).
             policy_version: version of the weights that chose the actions, >= 0.
+            **fields: the schema's other fields by name, e.g. ``action_mask=(N, width) bool``,
+                ``action_mean=`` / ``action_std=`` ``(N, d)`` float32.
 
         Raises:
             ValueError: wrong type, shape or dtype of a field (message names the field, expected
-                and received), a non-zero bootstrap value where ``dones`` is False, a negative
-                policy version, or columns at different steps (use :meth:`write_columns`).
+                and received), an unknown or missing field, a non-zero bootstrap value where
+                ``dones`` is False, a negative policy version, or columns at different steps
+                (use :meth:`write_columns`).
             OverflowError: when the buffer is full.
         """
         self._check_open()
@@ -674,11 +580,12 @@ class RolloutBuffer:
             )
         if step >= self._rollout_length:
             raise OverflowError(f"RolloutBuffer is full ({self._rollout_length} rows); call reset() first")
-        fields = self._validate_step(
-            self._num_envs, observations, actions, log_probs, values, rewards, dones, trainable, bootstrap_values
-        )
+        named = {**self._observation_fields(observations), "actions": actions, "log_probs": log_probs,
+                 "values": values, "rewards": rewards, "dones": dones, "trainable": trainable,
+                 "bootstrap_values": bootstrap_values, **fields}
+        complete = self._validate_row(self._num_envs, {k: v for k, v in named.items() if v is not None})
         version = _check_policy_version(policy_version)
-        for name, value in fields.items():
+        for name, value in complete.items():
             self._arrays[name][step] = value
         self._arrays["policy_versions"][step] = version
         steps += 1
@@ -688,28 +595,24 @@ class RolloutBuffer:
         self,
         step_index: int,
         columns: np.ndarray,
-        observations: np.ndarray,
-        actions: np.ndarray,
-        log_probs: np.ndarray,
-        values: np.ndarray,
-        rewards: np.ndarray,
-        dones: np.ndarray,
-        trainable: np.ndarray | None = None,
+        fields: Mapping[str, np.ndarray],
         *,
-        bootstrap_values: np.ndarray | None = None,
         policy_version: int = 0,
     ) -> None:
         """Write row ``step_index`` of some columns (an actor's envs, mapped to buffer columns).
 
         Each listed column must already hold exactly ``step_index`` rows, so columns stay
-        contiguous. Arrays are as in :meth:`add` with first dimension ``K = len(columns)``;
-        ``arrays[i]`` goes to column ``columns[i]``. Everything is validated before writing.
+        contiguous. ``fields`` maps schema field names to ``(K, *shape)`` arrays, ``K =
+        len(columns)``; ``fields[name][i]`` goes to column ``columns[i]``. Fields the actor sends
+        but the buffer does not store (``truncated``, ``next_values``) are ignored; optional
+        fields (``trainable``, ``bootstrap_values``) may be left out. Everything is validated
+        before writing.
 
         Args:
             step_index: the row to write, ``0 <= step_index < rollout_length``.
             columns: ``(K,)`` integer array of distinct column indices in ``[0, num_envs)``.
-            observations, actions, log_probs, values, rewards, dones, trainable, bootstrap_values,
-            policy_version: as in :meth:`add`, for ``K`` columns.
+            fields: field name -> array, as in :meth:`add` for ``K`` columns.
+            policy_version: version of the weights that chose the actions, >= 0.
 
         Raises:
             ValueError: bad ``columns`` or ``step_index``, a column not holding ``step_index``
@@ -721,9 +624,7 @@ class RolloutBuffer:
         if isinstance(step_index, bool) or not isinstance(step_index, (int, np.integer)) or step_index < 0:
             raise ValueError(f"step_index: expected a non-negative int, received {step_index!r}")
         if step_index >= self._rollout_length:
-            raise OverflowError(
-                f"step_index: expected < rollout_length {self._rollout_length}, received {step_index}"
-            )
+            raise OverflowError(f"step_index: expected < rollout_length {self._rollout_length}, received {step_index}")
         steps = self._arrays["column_steps"]
         wrong = columns[steps[columns] != step_index]
         if wrong.size:
@@ -731,12 +632,10 @@ class RolloutBuffer:
                 f"columns: expected every column to hold step_index={step_index} rows, received "
                 f"columns {wrong.tolist()} holding {steps[wrong].tolist()} rows"
             )
-        fields = self._validate_step(
-            len(columns), observations, actions, log_probs, values, rewards, dones, trainable, bootstrap_values
-        )
+        complete = self._validate_row(len(columns), fields)
         version = _check_policy_version(policy_version)
         row = int(step_index)
-        for name, value in fields.items():
+        for name, value in complete.items():
             self._arrays[name][row, columns] = value
         self._arrays["policy_versions"][row, columns] = version
         steps[columns] += 1
@@ -787,6 +686,19 @@ class RolloutBuffer:
         trainable[mask] = False
         self._bump(_MASK_GENERATION)
         return cleared
+
+    def scale_rewards(self, factor: float) -> None:
+        """Multiply every stored reward by ``factor`` (reward scaling before GAE; see
+        :class:`oakemu_core.normalization.RewardScaler`).
+
+        Raises:
+            ValueError: a non-finite or non-positive factor.
+        """
+        self._check_open()
+        if not math.isfinite(factor) or factor <= 0:
+            raise ValueError(f"factor: expected a finite positive float, received {factor!r}")
+        self._arrays["rewards"] *= np.float32(factor)
+        self._bump(_GENERATION)
 
     def reset(self) -> None:
         """Empty the buffer for the next rollout, keeping its memory (no reallocation)."""
@@ -872,20 +784,51 @@ class RolloutBuffer:
         )
 
     # ------------------------------------------------------------------ minibatches
-    def _device_observations(self, device: torch.device) -> torch.Tensor:
-        """All ``T * N`` observations on ``device``, uploaded once per buffer state."""
+    def flat_batch(self, device: torch.device | str, *, normalize_advantages: bool = False) -> FlatBatch:
+        """The trainable rows of every minibatch field, flattened and on ``device``.
+
+        Built once per buffer state and device (cached until the next write, reset or mask
+        change): each field's trainable rows are gathered on the CPU and uploaded once, so the
+        epochs of an update cost no further transfers (:attr:`observation_uploads` counts the
+        uploads). The stored arrays are never modified.
+
+        Args:
+            device: torch device for the tensors.
+            normalize_advantages: normalise advantages over the trainable rows
+                (:func:`normalize_advantages`); otherwise they are served unnormalised.
+
+        Raises:
+            ValueError: no trainable row.
+            StaleAdvantagesError: :meth:`compute_gae` has not run since the last write.
+        """
         import torch
 
+        self._check_open()
+        if not self.advantages_are_current:
+            raise StaleAdvantagesError(
+                "get_minibatches: the advantages are stale; call compute_gae() after the last write or reset"
+            )
+        torch_device = torch.device(device)
         meta = self._arrays["meta"]
-        key = (int(meta[_GENERATION]), int(meta[_MASK_GENERATION]), str(device))
-        if self._observation_cache is not None and self._observation_cache[0] == key:
-            return self._observation_cache[1]
-        self._observation_cache = None  # free the old upload before making the new one
-        flat = self._arrays["observations"].reshape((self.total_size, *self._observation_shape))
-        tensor = torch.from_numpy(flat).to(device)
-        self._observation_cache = (key, tensor)
+        key = (int(meta[_GENERATION]), int(meta[_MASK_GENERATION]), str(torch_device), bool(normalize_advantages))
+        if self._flat_cache is not None and self._flat_cache[0] == key:
+            return self._flat_cache[1]
+        self._flat_cache = None  # free the old upload before making the new one
+        trainable = self._arrays["trainable"].copy()  # a private copy: the shared mask may change
+        rows = np.flatnonzero(trainable.reshape(-1))
+        if rows.size == 0:
+            raise ValueError("get_minibatches: the buffer has no trainable row")
+        tensors: dict[str, torch.Tensor] = {}
+        for item in self.schema.minibatch:
+            array = self._arrays[item.name]
+            if item.name == "advantages" and normalize_advantages:
+                array = normalize_advantages_fn(array, trainable)
+            flat = array.reshape((self.total_size, *item.shape))
+            tensors[item.name] = torch.from_numpy(flat[rows]).to(torch_device)
         self._observation_uploads += 1
-        return tensor
+        batch = FlatBatch(self.schema, tensors, rows)
+        self._flat_cache = (key, batch)
+        return batch
 
     def get_minibatches(
         self,
@@ -898,82 +841,35 @@ class RolloutBuffer:
         """Split the trainable rows into shuffled minibatches of tensors on ``device``.
 
         Every trainable row appears exactly once per call; sizes differ by at most one (no row
-        dropped, no small tail). Observations are uploaded to ``device`` once and cached until the
-        buffer changes (:attr:`observation_uploads` counts uploads); minibatch observations are
-        gathered on the device. The other arrays are gathered to the trainable rows on the CPU
-        and uploaded once per call. The stored arrays are never modified.
+        dropped, no small tail). The flat batch behind them is built once per buffer state
+        (:meth:`flat_batch`), so calling this once per epoch uploads nothing more.
 
         Args:
             num_minibatches: number of minibatches, ``1 <= num_minibatches <= trainable_size``.
             device: torch device for the tensors.
-            normalize_advantages: normalise advantages over the trainable rows first
-                (:func:`normalize_advantages`); otherwise they are served unnormalised.
+            normalize_advantages: normalise advantages over the trainable rows first.
             generator: numpy generator for the shuffle; the buffer's own (seeded at
                 construction) when None.
 
         Returns:
-            ``num_minibatches`` :class:`RolloutMinibatch` es; row indices in
-            :attr:`last_minibatch_rows`.
+            ``num_minibatches`` :class:`RolloutMinibatch` es.
 
         Raises:
             ValueError: ``num_minibatches`` not a positive int or larger than the trainable rows.
             StaleAdvantagesError: :meth:`compute_gae` has not run since the last write.
         """
-        import torch
-
-        self._check_open()
         if isinstance(num_minibatches, bool) or not isinstance(num_minibatches, (int, np.integer)) or num_minibatches <= 0:
             raise ValueError(f"num_minibatches: expected a positive int, received {num_minibatches!r}")
+        self._check_open()
         if not self.advantages_are_current:
             raise StaleAdvantagesError(
                 "get_minibatches: the advantages are stale; call compute_gae() after the last write or reset"
             )
-        trainable = self._arrays["trainable"]
-        rows = np.flatnonzero(trainable.reshape(-1))
-        if num_minibatches > rows.size:
-            raise ValueError(
-                f"num_minibatches: expected at most the {rows.size} trainable rows, received {num_minibatches}"
-            )
-        torch_device = torch.device(device)
-        observations = self._device_observations(torch_device)
-
-        advantages = (
-            _normalize_over_trainable(self._arrays["advantages"], trainable)
-            if normalize_advantages
-            else self._arrays["advantages"]
-        )
-        total = self.total_size
-
-        def gathered(array: np.ndarray) -> torch.Tensor:
-            flat = array.reshape((total, *array.shape[2:]))
-            return torch.from_numpy(np.ascontiguousarray(flat[rows])).to(torch_device)
-
-        actions = gathered(self._arrays["actions"])
-        log_probs = gathered(self._arrays["log_probs"])
-        values = gathered(self._arrays["values"])
-        advantages_t = gathered(advantages)
-        returns = gathered(self._arrays["returns"])
-        rows_t = torch.from_numpy(rows).to(torch_device)
-
-        rng = generator if generator is not None else self._rng
-        order = rng.permutation(rows.size)
-        minibatches: list[RolloutMinibatch] = []
-        minibatch_rows: list[np.ndarray] = []
-        for positions in np.array_split(order, num_minibatches):
-            positions_t = torch.from_numpy(positions).to(torch_device)
-            minibatches.append(
-                RolloutMinibatch(
-                    observations=observations.index_select(0, rows_t.index_select(0, positions_t)),
-                    actions=actions.index_select(0, positions_t),
-                    log_probs=log_probs.index_select(0, positions_t),
-                    values=values.index_select(0, positions_t),
-                    advantages=advantages_t.index_select(0, positions_t),
-                    returns=returns.index_select(0, positions_t),
-                )
-            )
-            minibatch_rows.append(rows[positions])
-        self._last_minibatch_rows = minibatch_rows
-        return minibatches
+        trainable_rows = self.trainable_size
+        if num_minibatches > trainable_rows:
+            raise ValueError(f"num_minibatches: expected at most the {trainable_rows} trainable rows, received {num_minibatches}")
+        batch = self.flat_batch(device, normalize_advantages=normalize_advantages)
+        return batch.minibatches(num_minibatches, generator if generator is not None else self._rng)
 
     # ------------------------------------------------------------------ memory
     def _resident_shm_bytes(self) -> int:
@@ -987,19 +883,17 @@ class RolloutBuffer:
         return resident
 
     def estimate_memory_pressure(self, num_minibatches: int) -> list[RolloutBufferMemoryDiagnostic]:
-        """Project the memory a rollout of this buffer and one PPO minibatch pass need.
+        """Project the memory a rollout of this buffer and one PPO update need.
 
         Figures (worst case: every row trainable):
 
-        - ``cpu``: the shared arrays plus what one :meth:`get_minibatches` call allocates on
-          the host (gathered scalars; when CUDA is absent also the minibatch observations and one
-          minibatch of observations as float32 for the network), against
-          :func:`host_available_bytes` plus the buffer's already resident pages.
+        - ``cpu``: the shared arrays plus the flat batch gathered on the host (and, without CUDA,
+          the flat batch itself and one minibatch of observations as float32 for the network),
+          against :func:`host_available_bytes` plus the buffer's already resident pages.
         - ``shm``: :attr:`memory_bytes` against ``/dev/shm`` free space plus this buffer's own
           resident segments (Docker gives a container 64 MB by default).
-        - ``cuda:<i>`` when CUDA is available: the observation cache, the minibatch observation
-          copies of one call, the scalar tensors and one float32 minibatch, against free device
-          memory plus this buffer's current cache.
+        - ``cuda:<i>`` when CUDA is available: the flat batch, one minibatch's copy of it and one
+          float32 minibatch of observations, against free device memory plus the current cache.
 
         Args:
             num_minibatches: PPO minibatches per epoch, positive.
@@ -1011,28 +905,24 @@ class RolloutBuffer:
             ValueError: if ``num_minibatches`` is not a positive int.
         """
         self._check_open()
-        if isinstance(num_minibatches, bool) or not isinstance(num_minibatches, (int, np.integer)) or num_minibatches <= 0:
-            raise ValueError(f"num_minibatches: expected a positive int, received {num_minibatches!r}")
+        _check_positive_int("num_minibatches", num_minibatches)
         rows = self.total_size
-        observation_elements = int(np.prod(self._observation_shape, dtype=np.int64))
-        observation_bytes = rows * observation_elements * self._observation_dtype.itemsize
-        action_bytes = rows * int(np.prod(self._action_shape, dtype=np.int64)) * self._action_dtype.itemsize
-        scalar_bytes = action_bytes + rows * (4 * 4 + 8 + 8)  # 4 float32 fields, row and position indices
+        flat_bytes = rows * sum(f.item_bytes for f in self.schema.minibatch) + rows * 8  # + row indices
+        observation_elements = sum(math.prod(self.schema[n].shape) for n in self.schema.observation_names)
         float_minibatch_bytes = math.ceil(rows / num_minibatches) * observation_elements * 4
+        minibatch_copy = math.ceil(flat_bytes / num_minibatches)
         resident = self._resident_shm_bytes()
 
         import torch
 
         cuda = torch.cuda.is_available()
         diagnostics: list[RolloutBufferMemoryDiagnostic] = []
-        host_transient = scalar_bytes + rows * 4  # + normalised advantages
+        host_transient = flat_bytes + rows * 4  # gathered rows + normalised advantages
         if not cuda:
-            host_transient += observation_bytes + scalar_bytes + float_minibatch_bytes
+            host_transient += flat_bytes + minibatch_copy + float_minibatch_bytes
         diagnostics.append(
-            make_diagnostic(
-                "cpu", self.memory_bytes + host_transient, host_available_bytes() + resident,
-                "rollout arrays and one minibatch pass",
-            )
+            make_diagnostic("cpu", self.memory_bytes + host_transient, host_available_bytes() + resident,
+                            "rollout arrays and one update's flat batch")
         )
         if self._shm_dir.is_dir():
             diagnostics.append(
@@ -1042,13 +932,15 @@ class RolloutBuffer:
             index = torch.cuda.current_device()
             free = cuda_free_bytes(index) or 0
             cached = 0
-            if self._observation_cache is not None and self._observation_cache[1].device.type == "cuda":
-                cached = self._observation_cache[1].numel() * self._observation_cache[1].element_size()
-            required = 2 * observation_bytes + 2 * scalar_bytes + float_minibatch_bytes
+            if self._flat_cache is not None:
+                cached = sum(t.numel() * t.element_size() for t in self._flat_cache[1].fields.values()
+                             if t.device.type == "cuda")
+            required = flat_bytes + minibatch_copy + float_minibatch_bytes
             diagnostics.append(
-                make_diagnostic(
-                    f"cuda:{index}", required, free + cached,
-                    "observation cache, one call's minibatches and one float32 minibatch",
-                )
+                make_diagnostic(f"cuda:{index}", required, free + cached,
+                                "flat batch, one minibatch and one float32 minibatch of observations")
             )
         return diagnostics
+
+
+normalize_advantages_fn = normalize_advantages  # flat_batch has a parameter of that name

@@ -3,7 +3,8 @@
 The actor service wraps :class:`PolicyStepper` with ZeroMQ; tests drive it directly.  Order of one
 :meth:`PolicyStepper.step`:
 
-1. the observations and the current :class:`PPOActionBundle` go into the step buffers;
+1. the observations, their action masks (masked envs) and the current :class:`PPOActionBundle`
+   go into the step buffers;
 2. the envs step (same-step autoreset: finished envs already hold their reset observation);
 3. on rows truncated by a time limit (and not terminated) the value of the TRUE final observation,
    by the policy that acted, becomes ``bootstrap_values`` (Pardo et al. 2018, "Time Limits in
@@ -17,12 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from oakemu_core.actor_step_buffers import PPOActionBundle, PPOActorStepBuffers
 from oakemu_core.envs import VectorEnv, VectorStep
 from oakemu_core.models import ActorCritic
+from oakemu_core.step_schema import StepSchema, schema_for_env
 
 
 @dataclass
@@ -43,32 +46,38 @@ class SteppedRow:
     env_step: VectorStep
 
 
+def select_rows(observations: Any, rows: np.ndarray) -> Any:
+    """Rows of a batch of observations: an array, or a dict key -> array (each indexed)."""
+    if isinstance(observations, dict):
+        return {key: array[rows] for key, array in observations.items()}
+    return observations[rows]
+
+
 class PolicyStepper:
     """Steps ``env`` with ``model`` and fills :class:`PPOActorStepBuffers` for all its envs.
 
     Args:
         env: the vector env (already built; reset here).
-        model: the actor-critic used for CPU inference.
+        model: the actor-critic used for CPU inference (its distribution fits the env's actions).
+        schema: the step schema the buffers follow (the learner's, from the join reply); by
+            default the env's own (:func:`oakemu_core.step_schema.schema_for_env`).
         policy_version: version of ``model``'s current weights; update :attr:`policy_version`
             whenever new weights are loaded.
     """
 
-    def __init__(self, env: VectorEnv, model: ActorCritic, *, policy_version: int = 0) -> None:
-        spec = env.spec
+    def __init__(self, env: VectorEnv, model: ActorCritic, *, schema: StepSchema | None = None,
+                 policy_version: int = 0) -> None:
         self.env = env
         self.model = model
+        self.schema = schema if schema is not None else schema_for_env(env.spec)
         self.policy_version = policy_version
-        self.buffers = PPOActorStepBuffers.create(
-            num_envs=env.num_envs,
-            observation_shape=spec.observation_shape,
-            observation_dtype=spec.observation_dtype,
-            action_shape=spec.action_shape,
-            action_dtype=spec.action_dtype,
-        )
+        self.buffers = PPOActorStepBuffers.create(num_envs=env.num_envs, schema=self.schema)
+        self.masked = "action_mask" in self.schema
         self._env_ids = list(range(env.num_envs))
         self._trainable = [True] * env.num_envs
         self._observations = env.reset()
-        self._bundle: PPOActionBundle = model.act(self._observations)
+        self._masks = env.action_masks() if self.masked else None
+        self._bundle: PPOActionBundle = model.act(self._observations, action_mask=self._masks)
         self._bundle_version = policy_version
 
     def step(self, before_next_action: Callable[[], None] | None = None) -> SteppedRow:
@@ -77,12 +86,14 @@ class PolicyStepper:
         buffers.reset_action_selection()
         buffers.reset_step_results()
         buffers.record_observations(self._observations)
+        if self.masked:
+            buffers.record_action_masks(self._masks)
         buffers.record_action_bundle_for_env_ids(self._bundle, env_ids=self._env_ids, trainable=self._trainable)
         env_step = self.env.step(self._bundle.actions)
         truncated = env_step.truncated & ~env_step.terminated
         bootstrap = np.zeros(self.env.num_envs, np.float32)
         if truncated.any():
-            bootstrap[truncated] = model.predict_values(env_step.final_observations[truncated])
+            bootstrap[truncated] = model.predict_values(select_rows(env_step.final_observations, truncated))
         dones = env_step.dones
         for env_id in self._env_ids:
             buffers.record_step_result(
@@ -96,6 +107,7 @@ class PolicyStepper:
         if before_next_action is not None:
             before_next_action()
         self._observations = env_step.observations
-        self._bundle = model.act(self._observations)
+        self._masks = env_step.action_masks if self.masked else None
+        self._bundle = model.act(self._observations, action_mask=self._masks)
         self._bundle_version = self.policy_version
         return SteppedRow(buffers, acted_version, self._bundle.values, env_step)

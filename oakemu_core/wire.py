@@ -42,7 +42,6 @@ the ``bytes`` objects msgpack unpacks (msgpack's one copy out of the frame; no f
 from __future__ import annotations
 
 import math
-import operator
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -50,6 +49,8 @@ from typing import Any, NoReturn
 
 import msgpack
 import numpy as np
+
+from oakemu_core.step_schema import WIRE_DTYPES, StepSchema, check_step_consistency
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -77,8 +78,10 @@ __all__ = [
     "decode_step",
 ]
 
-PROTOCOL_VERSION = 1
-"""Version of this wire format; a frame with any other ``"protocol"`` value is rejected."""
+PROTOCOL_VERSION = 2
+"""Version of this wire format; a frame with any other ``"protocol"`` value is rejected.
+Version 2: step messages carry a ``"fields"`` map keyed by the step schema's field names, and
+the join reply carries the schema itself."""
 
 REJECTION_REASONS = (
     "oversized",
@@ -89,6 +92,7 @@ REJECTION_REASONS = (
     "dtype",
     "shape",
     "size",
+    "value_range",
 )
 """The fixed set of :attr:`MessageRejected.reason` values (stable names for counters / logs)."""
 
@@ -111,8 +115,6 @@ _MAX_MAP_LEN = 4096  # weights dicts hold tens of tensors; every other map is ti
 _MAX_ARRAY_LEN = 65536  # shapes (<= MAX_NDIM) and per-step episode lists (<= num_envs)
 _INT64_MAX = 2**63 - 1
 _ARRAY_KEYS = frozenset({"dtype", "shape", "data"})
-_FLOAT32 = np.dtype("<f4")
-_BOOL = np.dtype("|b1")
 
 TYPE_JOIN = "join"
 TYPE_JOIN_REPLY = "join_reply"
@@ -135,7 +137,9 @@ class MessageRejected(Exception):
             float, inconsistent flags), ``"unknown_actor"`` (``(actor_id, incarnation)`` never
             joined or was dropped), ``"dtype"`` (array dtype not allowed or not the agreed one),
             ``"shape"`` (array shape not the agreed one), ``"size"`` (declared shape disagrees
-            with the number of data bytes).
+            with the number of data bytes), ``"value_range"`` (finite but impossible values: an
+            action out of range, a mask that allows nothing, an action its mask forbids, a huge
+            reward, a bootstrap value on a row that was not truncated, ...).
         detail: human-readable text naming the field, the expected and the received value.
     """
 
@@ -155,48 +159,7 @@ def _reject(reason: str, detail: str) -> NoReturn:
 # ---------------------------------------------------------------------------------------------
 
 
-def _local_dtype(value: Any, name: str) -> np.dtype:
-    """Normalise ``value`` to a wire-allowed ``np.dtype``; raise TypeError naming ``name``."""
-    try:
-        dtype = np.dtype(value)
-    except (TypeError, ValueError) as error:
-        raise TypeError(f"{name}: expected a numpy dtype, received {value!r} ({error})") from None
-    if dtype.kind not in ALLOWED_DTYPE_KINDS or dtype.itemsize not in (1, 2, 4, 8) or dtype.fields:
-        raise TypeError(
-            f"{name}: expected a bool/int/uint/float dtype of 1, 2, 4 or 8 bytes, received {dtype.str!r}"
-        )
-    return dtype
-
-
-def _local_shape(value: Any, name: str) -> tuple[int, ...]:
-    """Normalise ``value`` to a tuple of non-negative ints; raise TypeError/ValueError naming ``name``."""
-    try:
-        shape = tuple(operator.index(d) for d in value)
-    except TypeError:
-        raise TypeError(f"{name}: expected a sequence of ints, received {value!r}") from None
-    if any(d < 0 for d in shape) or len(shape) > MAX_NDIM:
-        raise ValueError(f"{name}: expected at most {MAX_NDIM} non-negative ints, received {shape}")
-    return shape
-
-
-def _build_wire_dtypes() -> dict[str, np.dtype]:
-    """Every canonical ``np.dtype.str`` allowed on the wire -> its dtype (``|b1``, ``|i1``,
-    ``|u1``, ``<i2`` ... ``>f8``): the only dtype strings :func:`_wire_dtype` accepts."""
-    table: dict[str, np.dtype] = {}
-    for order in "<>|":
-        for kind in sorted(ALLOWED_DTYPE_KINDS):
-            for size in (1, 2, 4, 8):
-                text = f"{order}{kind}{size}"
-                try:
-                    dtype = np.dtype(text)
-                except TypeError:
-                    continue
-                if dtype.str == text and dtype.kind == kind and dtype.itemsize == size:
-                    table[text] = dtype
-    return table
-
-
-_WIRE_DTYPES = _build_wire_dtypes()
+_WIRE_DTYPES = WIRE_DTYPES
 _WIRE_DTYPE_STRS = {dtype: text for text, dtype in _WIRE_DTYPES.items()}  # dtype -> canonical str
 
 
@@ -473,107 +436,6 @@ def _require_fields(obj: dict[str, Any], fields: tuple[str, ...]) -> None:
         missing = sorted(expected - received)
         extra = sorted(map(str, received - expected))
         _reject("schema", f"{obj['type']} message: missing fields {missing}, extra fields {extra}")
-
-
-# ---------------------------------------------------------------------------------------------
-# StepSpec
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StepSpec:
-    """What every step message of one actor must look like; agreed at join time.
-
-    Attributes:
-        num_envs: n, the number of envs of the actor = leading dimension of every step array.
-        observation_shape: shape of one observation (e.g. ``(4, 84, 84)`` for stacked Atari frames).
-        observation_dtype: observation dtype with byte order (``|u1`` for frames, ``<f4`` vectors).
-        action_shape: shape of one action (``()`` for a categorical policy).
-        action_dtype: action dtype (``<i8`` for a categorical policy).
-
-    Raises:
-        TypeError / ValueError: a field has the wrong type or value (message names it).
-    """
-
-    num_envs: int
-    observation_shape: tuple[int, ...]
-    observation_dtype: np.dtype
-    action_shape: tuple[int, ...] = ()
-    action_dtype: np.dtype = np.dtype("<i8")
-
-    def __post_init__(self) -> None:
-        if isinstance(self.num_envs, bool) or not isinstance(self.num_envs, (int, np.integer)) or self.num_envs < 1:
-            raise ValueError(f"num_envs: expected an int >= 1, received {self.num_envs!r}")
-        object.__setattr__(self, "num_envs", int(self.num_envs))
-        object.__setattr__(self, "observation_shape", _local_shape(self.observation_shape, "observation_shape"))
-        object.__setattr__(self, "observation_dtype", _local_dtype(self.observation_dtype, "observation_dtype"))
-        object.__setattr__(self, "action_shape", _local_shape(self.action_shape, "action_shape"))
-        object.__setattr__(self, "action_dtype", _local_dtype(self.action_dtype, "action_dtype"))
-        # (name, canonical dtype str, shape) of every step array, computed once for decode_step.
-        layout = tuple((name, _WIRE_DTYPE_STRS[dtype], shape) for name, (dtype, shape) in self.array_layout().items())
-        object.__setattr__(self, "_wire_layout", layout)
-
-    def array_layout(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
-        """Expected ``(dtype, shape)`` of every array of a :class:`StepMessage`, n = ``num_envs``.
-
-        observations ``(n, *observation_shape)`` observation dtype; actions ``(n, *action_shape)``
-        action dtype; log_probs, values, rewards, bootstrap_values, next_values ``(n,)`` ``<f4``;
-        dones, truncated, trainable ``(n,)`` ``|b1``.
-        """
-        n = self.num_envs
-        return {
-            "observations": (self.observation_dtype, (n, *self.observation_shape)),
-            "actions": (self.action_dtype, (n, *self.action_shape)),
-            "log_probs": (_FLOAT32, (n,)),
-            "values": (_FLOAT32, (n,)),
-            "rewards": (_FLOAT32, (n,)),
-            "dones": (_BOOL, (n,)),
-            "truncated": (_BOOL, (n,)),
-            "bootstrap_values": (_FLOAT32, (n,)),
-            "next_values": (_FLOAT32, (n,)),
-            "trainable": (_BOOL, (n,)),
-        }
-
-    def message_bytes(self) -> int:
-        """Approximate encoded size of one step message (array bytes + 1 KiB of keys and headers).
-
-        Used to size socket buffers, so that the data in flight stays a few messages, not MBs.
-        """
-        arrays = sum(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize for dtype, shape in self.array_layout().values())
-        return arrays + 1024
-
-    def to_dict(self) -> dict[str, Any]:
-        """msgpack-able form: ints, lists of ints and dtype strings with byte order."""
-        return {
-            "num_envs": self.num_envs,
-            "observation_shape": list(self.observation_shape),
-            "observation_dtype": self.observation_dtype.str,
-            "action_shape": list(self.action_shape),
-            "action_dtype": self.action_dtype.str,
-        }
-
-    @classmethod
-    def from_dict(cls, value: Any) -> StepSpec:
-        """Inverse of :meth:`to_dict` for untrusted input.
-
-        Raises:
-            MessageRejected: ``"schema"`` (not a map, missing/extra keys, wrong types) or
-                ``"dtype"`` (dtype string not allowed).
-        """
-        keys = {"num_envs", "observation_shape", "observation_dtype", "action_shape", "action_dtype"}
-        if not isinstance(value, dict) or value.keys() != keys:
-            received = sorted(map(str, value)) if isinstance(value, dict) else type(value).__name__
-            _reject("schema", f"spec: expected keys {sorted(keys)}, received {received}")
-        num_envs = value["num_envs"]
-        if type(num_envs) is not int or not 1 <= num_envs <= _MAX_ARRAY_LEN:
-            _reject("schema", f"spec.num_envs: expected an int in [1, {_MAX_ARRAY_LEN}], received {_describe(num_envs)}")
-        return cls(
-            num_envs=num_envs,
-            observation_shape=_wire_shape(value["observation_shape"], "spec.observation_shape"),
-            observation_dtype=_wire_dtype(value["observation_dtype"], "spec.observation_dtype"),
-            action_shape=_wire_shape(value["action_shape"], "spec.action_shape"),
-            action_dtype=_wire_dtype(value["action_dtype"], "spec.action_dtype"),
-        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -859,27 +721,7 @@ def decode_message(frame: bytes | bytearray | memoryview, *, max_bytes: int) -> 
 # ---------------------------------------------------------------------------------------------
 
 
-_STEP_ARRAYS = (
-    "observations",
-    "actions",
-    "log_probs",
-    "values",
-    "rewards",
-    "dones",
-    "truncated",
-    "bootstrap_values",
-    "next_values",
-    "trainable",
-)
-_STEP_FIELDS = (
-    "actor_id",
-    "incarnation",
-    "seq",
-    "policy_version",
-    *_STEP_ARRAYS,
-    "episode_returns",
-    "episode_lengths",
-)
+_STEP_FIELDS = ("actor_id", "incarnation", "seq", "policy_version", "fields", "episode_returns", "episode_lengths")
 
 
 @dataclass(frozen=True, eq=False)
@@ -889,18 +731,11 @@ class StepMessage:
     Attributes:
         actor_id, incarnation: identify the sender; must match a joined actor.
         seq: 0, 1, 2, ... per incarnation (ordering is checked by the learner).
-        policy_version: version of the weights that chose ``actions``.
-        observations: ``(n, *observation_shape)`` spec dtype: observations the actions were chosen on.
-        actions: ``(n, *action_shape)`` spec dtype.
-        log_probs: ``(n,)`` float32, log pi(action | observation) of the acting policy.
-        values: ``(n,)`` float32, V(observation) of the acting policy.
-        rewards: ``(n,)`` float32, reward of this step (clipped if the run clips rewards).
-        dones: ``(n,)`` bool, terminated OR truncated after this step.
-        truncated: ``(n,)`` bool, the episode was cut by a time limit (implies ``dones``).
-        bootstrap_values: ``(n,)`` float32, V(true final observation) on truncated envs, else 0.
-        next_values: ``(n,)`` float32, V(next observation) after this step (last_values for GAE
-            when a segment ends on this row).
-        trainable: ``(n,)`` bool, whether the row may be trained on.
+        policy_version: version of the weights that chose the actions.
+        fields: every *sent* field of the actor's step schema by name, ``(n, *shape)`` each
+            (observations, actions, log_probs, values, rewards, dones, truncated,
+            bootstrap_values, next_values, trainable, and e.g. action_mask, action_mean, ...;
+            see :mod:`oakemu_core.step_schema`).
         episode_returns: raw (unclipped) returns of the episodes that ended on this step.
         episode_lengths: lengths, in env steps, of those episodes (same order and length).
     """
@@ -909,18 +744,14 @@ class StepMessage:
     incarnation: str
     seq: int
     policy_version: int
-    observations: np.ndarray
-    actions: np.ndarray
-    log_probs: np.ndarray
-    values: np.ndarray
-    rewards: np.ndarray
-    dones: np.ndarray
-    truncated: np.ndarray
-    bootstrap_values: np.ndarray
-    next_values: np.ndarray
-    trainable: np.ndarray
+    fields: dict[str, np.ndarray]
     episode_returns: list[float] = field(default_factory=list)
     episode_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def num_envs(self) -> int:
+        """n, the envs of the sending actor."""
+        return int(self.fields["dones"].shape[0])
 
 
 def encode_step(msg: StepMessage) -> bytes:
@@ -946,18 +777,18 @@ def encode_step(msg: StepMessage) -> bytes:
             f"episode_lengths: expected {len(episode_returns)} entries (one per episode return), "
             f"received {len(episode_lengths)}"
         )
-    out: dict[str, Any] = {
-        **_header(TYPE_STEP),
-        "actor_id": msg.actor_id,
-        "incarnation": msg.incarnation,
-        "seq": int(msg.seq),
-        "policy_version": int(msg.policy_version),
-    }
-    for name in _STEP_ARRAYS:
-        out[name] = _encode_array(getattr(msg, name), name)
-    out["episode_returns"] = episode_returns
-    out["episode_lengths"] = episode_lengths
-    return _pack(out)
+    return _pack(
+        {
+            **_header(TYPE_STEP),
+            "actor_id": msg.actor_id,
+            "incarnation": msg.incarnation,
+            "seq": int(msg.seq),
+            "policy_version": int(msg.policy_version),
+            "fields": {name: _encode_array(array, name) for name, array in msg.fields.items()},
+            "episode_returns": episode_returns,
+            "episode_lengths": episode_lengths,
+        }
+    )
 
 
 def decode_step(
@@ -967,6 +798,12 @@ def decode_step(
     max_bytes: int,
 ) -> StepMessage:
     """Decode and validate one step frame against the spec of its sender.
+
+    Checks, in order: framing and header; the sender is known; exactly the schema's sent fields,
+    each with the agreed dtype and shape ``(n, *shape)`` (floats finite, bools 0/1); each field's
+    value checks (bounds, masks that allow something); the rules between fields (truncated
+    implies done, bootstrap values only on truncated rows, the action taken is allowed by its
+    mask; :func:`oakemu_core.step_schema.check_step_consistency`); the episode lists.
 
     Args:
         frame: one ZeroMQ frame from the PULL socket.
@@ -980,9 +817,9 @@ def decode_step(
     Raises:
         MessageRejected: ``"oversized"``, ``"garbage"``, ``"protocol"``, ``"schema"`` (wrong type,
             missing / extra / wrong-typed field, NaN or inf in a float array or episode return,
-            truncated without done, more finished episodes than envs), ``"unknown_actor"``,
-            ``"dtype"`` / ``"shape"`` (detail names the field, expected and received value),
-            ``"size"`` (declared shape disagrees with the data length).
+            more finished episodes than envs), ``"unknown_actor"``, ``"dtype"`` / ``"shape"``
+            (detail names the field, expected and received value), ``"size"`` (declared shape
+            disagrees with the data length), ``"value_range"`` (impossible values, named).
         TypeError: ``frame`` is not a bytes-like object (a caller bug, not wire input).
     """
     obj, message_type = _unpack(frame, max_bytes)
@@ -997,20 +834,29 @@ def decode_step(
     if spec is None:
         _reject("unknown_actor", f"actor_id={actor_id!r} incarnation={incarnation!r} has not joined (or was dropped)")
 
+    received = obj["fields"]
+    if not isinstance(received, dict):
+        _reject("schema", f"fields: expected a map field name -> array, received {type(received).__name__}")
+    expected_names = spec._field_names
+    if received.keys() != expected_names:
+        missing = sorted(expected_names - received.keys())
+        extra = sorted(map(_describe, received.keys() - expected_names))
+        _reject("schema", f"fields: missing {missing}, extra {extra}")
     arrays: dict[str, np.ndarray] = {}
-    for name, dtype_str, shape in spec._wire_layout:
-        array = _decode_array(obj[name], name)
+    for item, dtype_str, shape in spec._wire_layout:
+        name = item.name
+        array = _decode_array(received[name], name)
         if array.dtype.str != dtype_str:
             _reject("dtype", f"{name}: expected dtype {dtype_str!r}, received {array.dtype.str!r}")
         if array.shape != shape:
             _reject("shape", f"{name}: expected shape {list(shape)}, received {list(array.shape)}")
+        problem = item.check_values(array)
+        if problem is not None:
+            _reject("value_range", problem)
         arrays[name] = array
-    # truncated implies done. Both arrays are validated |b1 with bytes in {0, 1}, so one byte per
-    # env of a little-endian int: a set bit of truncated & ~dones is a truncated env not done.
-    # (Plain ints: a numpy ufunc call costs several microseconds here, this well under one.)
-    truncated_bits = int.from_bytes(obj["truncated"]["data"], "little")
-    if truncated_bits & ~int.from_bytes(obj["dones"]["data"], "little"):
-        _reject("schema", "truncated: every truncated env must also be done (dones = terminated OR truncated)")
+    problem = check_step_consistency(spec.schema, arrays)
+    if problem is not None:
+        _reject("value_range", problem)
 
     returns, lengths = obj["episode_returns"], obj["episode_lengths"]
     if not isinstance(returns, list) or not isinstance(lengths, list) or len(returns) != len(lengths):
@@ -1018,6 +864,8 @@ def decode_step(
     if len(returns) > spec.num_envs:
         _reject("schema", f"episode_returns: expected at most {spec.num_envs} episodes per step, received {len(returns)}")
     episode_returns = [_finite_float(r, "episode_returns") for r in returns]
+    if any(abs(r) > MAX_ABS_EPISODE_RETURN for r in episode_returns):
+        _reject("value_range", f"episode_returns: expected |x| <= {MAX_ABS_EPISODE_RETURN:g}")
     for length in lengths:
         if type(length) is not int or not 0 <= length <= _INT64_MAX:
             _reject("schema", f"episode_lengths: expected non-negative ints, received {_describe(length)}")
@@ -1027,7 +875,78 @@ def decode_step(
         incarnation=incarnation,
         seq=seq,
         policy_version=policy_version,
+        fields=arrays,
         episode_returns=episode_returns,
         episode_lengths=list(lengths),
-        **arrays,
     )
+
+
+MAX_ABS_EPISODE_RETURN = 1e12
+"""Largest magnitude accepted for a raw episodic return."""
+
+
+# ---------------------------------------------------------------------------------------------
+# StepSpec
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """What every step message of one actor must look like; agreed at join time.
+
+    Attributes:
+        num_envs: n, the number of envs of the actor = leading dimension of every step array.
+        schema: the run's :class:`~oakemu_core.step_schema.StepSchema`; its *sent* fields are the
+            message's arrays.
+
+    Raises:
+        ValueError: ``num_envs`` is not an int >= 1.
+    """
+
+    num_envs: int
+    schema: StepSchema
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_envs, bool) or not isinstance(self.num_envs, (int, np.integer)) or self.num_envs < 1:
+            raise ValueError(f"num_envs: expected an int >= 1, received {self.num_envs!r}")
+        object.__setattr__(self, "num_envs", int(self.num_envs))
+        # (field, canonical dtype str, shape) of every sent field, computed once for decode_step.
+        layout = tuple((f, f.dtype.str, (self.num_envs, *f.shape)) for f in self.schema.sent)
+        object.__setattr__(self, "_wire_layout", layout)
+        object.__setattr__(self, "_field_names", frozenset(f.name for f in self.schema.sent))
+
+    def array_layout(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+        """Expected ``(dtype, shape)`` of every array of a :class:`StepMessage` (the schema's sent
+        fields with a leading dimension n = ``num_envs``)."""
+        return {f.name: (f.dtype, (self.num_envs, *f.shape)) for f in self.schema.sent}
+
+    def message_bytes(self) -> int:
+        """Approximate encoded size of one step message (array bytes + 1 KiB of keys and headers).
+
+        Used to size socket buffers, so that the data in flight stays a few messages, not MBs.
+        """
+        return self.num_envs * self.schema.sent_bytes_per_env() + 1024
+
+    def to_dict(self) -> dict[str, Any]:
+        """msgpack-able form: ``num_envs`` and the schema's plain form."""
+        return {"num_envs": self.num_envs, "schema": self.schema.to_dict()}
+
+    @classmethod
+    def from_dict(cls, value: Any) -> StepSpec:
+        """Inverse of :meth:`to_dict` for untrusted input.
+
+        Raises:
+            MessageRejected: ``"schema"`` (not a map, missing/extra keys, wrong types, an invalid
+                schema).
+        """
+        if not isinstance(value, dict) or value.keys() != {"num_envs", "schema"}:
+            received = sorted(map(str, value)) if isinstance(value, dict) else type(value).__name__
+            _reject("schema", f"spec: expected keys ['num_envs', 'schema'], received {received}")
+        num_envs = value["num_envs"]
+        if type(num_envs) is not int or not 1 <= num_envs <= _MAX_ARRAY_LEN:
+            _reject("schema", f"spec.num_envs: expected an int in [1, {_MAX_ARRAY_LEN}], received {_describe(num_envs)}")
+        try:
+            schema = StepSchema.from_dict(value["schema"])
+        except ValueError as error:
+            _reject("schema", f"spec.schema: {error}")
+        return cls(num_envs=num_envs, schema=schema)

@@ -26,6 +26,7 @@ from oakemu_core.config import OakEmuConfig
 from oakemu_core.envs import VectorEnv, make_vector_env
 from oakemu_core.metrics import StepRateMeter
 from oakemu_core.models import ActorCritic, build_model, load_weight_arrays
+from oakemu_core.step_schema import schema_for_env
 from oakemu_core.stepper import PolicyStepper
 from oakemu_core.wire import (
     Heartbeat,
@@ -53,6 +54,10 @@ JOIN_PATIENCE_S = 120.0
 
 class LearnerUnreachable(RuntimeError):
     """The learner did not answer for longer than the configured patience."""
+
+
+class ActorSetupError(RuntimeError):
+    """This actor cannot serve the learner's run (e.g. its env gives other step fields)."""
 
 
 class ControlChannel:
@@ -150,12 +155,20 @@ class Actor:
                 seed=seed,
                 clip_rewards=bool(env_config["clip_rewards"]),
                 max_episode_steps=env_config.get("max_episode_steps"),
+                settings_file=env_config.get("emulator_settings"),
             )
-            spec = self.env.spec
-            self.model = build_model(spec.observation_shape, spec.observation_dtype, spec.num_actions)
+            schema = reply.spec.schema
+            local = schema_for_env(self.env.spec)
+            if local != schema:  # e.g. another version of the env or of OakEmu-RL on this machine
+                raise ActorSetupError(
+                    f"this actor's {env_config['env_id']} gives step fields [{local.describe()}], the learner "
+                    f"expects [{schema.describe()}]: install the same env and OakEmu-RL versions as the learner"
+                )
+            self.model = build_model(self.env.spec.observation_layout, schema.distribution,
+                                     normalize_observations=bool(env_config.get("normalize_observations")))
             self.model.eval()
             load_weight_arrays(self.model, reply.weights)  # the first actions come from the learner's weights
-            self.stepper = PolicyStepper(self.env, self.model, policy_version=reply.policy_version)
+            self.stepper = PolicyStepper(self.env, self.model, schema=schema, policy_version=reply.policy_version)
             self.spec_message_bytes = reply.spec.message_bytes()
             self._connect_streams()
         self._load_weights(reply.policy_version, reply.weights)
@@ -246,12 +259,9 @@ class Actor:
         stepper = self.stepper
         while not self.stop_event.is_set():
             row = stepper.step(before_next_action=self._poll_weights)
-            b = row.buffers
             message = StepMessage(
                 actor_id=self.actor_id, incarnation=self.incarnation, seq=self.seq, policy_version=row.policy_version,
-                observations=b.observations, actions=b.actions, log_probs=b.log_probs, values=b.values,
-                rewards=b.rewards, dones=b.dones, truncated=b.truncated, bootstrap_values=b.bootstrap_values,
-                next_values=row.next_values, trainable=b.trainable,
+                fields=row.buffers.sent_fields(row.next_values, stepper.schema),
                 episode_returns=row.env_step.episode_returns, episode_lengths=row.env_step.episode_lengths,
             )
             try:
@@ -261,7 +271,7 @@ class Actor:
                 pass  # this step is lost with the old incarnation; the new one starts at seq 0
             else:
                 self.seq += 1
-            self.env_steps += b.num_envs
+            self.env_steps += row.buffers.num_envs
             self.episodes += len(row.env_step.episode_returns)
         return 0
 
@@ -287,7 +297,7 @@ def main(config: OakEmuConfig) -> int:
     actor = Actor(config, stop_event)
     try:
         return actor.run()
-    except LearnerUnreachable as error:
+    except (LearnerUnreachable, ActorSetupError) as error:
         log.error("actor %s: %s", actor.actor_id, error)
         return 1
     except KeyboardInterrupt:

@@ -182,6 +182,8 @@ def _user_error_status(error: Exception) -> int | None:
 
     if isinstance(error, (UnsupportedEnvironmentError, FileNotFoundError)):
         return EXIT_USAGE
+    if type(error).__name__ in ("EmulatorConfigError", "EmulatorProcessError", "InvalidActionMaskError"):
+        return EXIT_USAGE
     if isinstance(error, zmq.ZMQError) or (isinstance(error, OSError) and error.errno is not None):
         return 1  # e.g. "Address already in use": another learner holds the port
     if type(error).__name__ == "TelemetryBindError":

@@ -10,7 +10,9 @@ from rich.console import Console
 
 from oakemu_core.checkpoint import latest_checkpoint, load_checkpoint
 from oakemu_core.envs import make_eval_env
+from oakemu_core.evaluation import play_episodes
 from oakemu_core.models import build_model
+from oakemu_core.step_schema import StepSchema
 
 DEFAULT_MAX_EPISODE_STEPS = 27_000
 """Time limit when the run had none: 108k frames at frame skip 4, the usual Atari evaluation cap."""
@@ -33,23 +35,19 @@ def evaluate(checkpoint: Path, *, episodes: int, greedy: bool, seed: int) -> lis
         raise FileNotFoundError(f"{path}: no such checkpoint")
     state = load_checkpoint(path)
     env_info, config = state["env"], state["config"]
-    model = build_model(tuple(env_info["observation_shape"]), np.dtype(env_info["observation_dtype"]),
-                        int(env_info["num_actions"]))
-    model.load_state_dict(state["model"])
-    model.eval()
+    schema = StepSchema.from_dict(env_info["schema"])
     torch.manual_seed(seed)
     env = make_eval_env(env_info["env_id"], seed=seed,
-                        max_episode_steps=config.get("max_episode_steps") or DEFAULT_MAX_EPISODE_STEPS)
-    returns: list[float] = []
+                        max_episode_steps=config.get("max_episode_steps") or DEFAULT_MAX_EPISODE_STEPS,
+                        settings_file=config.get("emulator_settings"))
     try:
-        observations = env.reset()
-        while len(returns) < episodes:
-            step = env.step(model.act(observations, greedy=greedy).actions)
-            returns.extend(step.episode_returns)
-            observations = step.observations
+        model = build_model(env.spec.observation_layout, schema.distribution,
+                            normalize_observations=bool(config.get("normalize_observations")))
+        model.load_state_dict(state["model"])
+        model.eval()
+        return play_episodes(model, env, episodes=episodes, greedy=greedy).returns
     finally:
         env.close()
-    return returns[:episodes]
 
 
 def main(checkpoint: Path, *, episodes: int, greedy: bool, seed: int) -> int:

@@ -37,14 +37,16 @@ from oakemu_core.checkpoint import (
     save_run_checkpoint,
 )
 from oakemu_core.config import OakEmuConfig, resolved_device, to_toml
-from oakemu_core.envs import EnvSpec, env_spec
+from oakemu_core.envs import EnvSpec, check_env, env_spec
 from oakemu_core.ingest import FullRollout, RolloutAssembler, StepRejected, drop_stale_rows
 from oakemu_core.memory_diagnostics import SharedMemoryTooSmallError, ensure_shm_capacity
 from oakemu_core.metrics import EpisodeWindow, MetricsLogger, StepRateMeter, update_scalars
 from oakemu_core.models import ActorCritic, build_model, weights_to_arrays
+from oakemu_core.normalization import RewardScaler
 from oakemu_core.ppo import LinearSchedule, PPOLearner, PPORuntimeState, PPOUpdateStats
 from oakemu_core.rollout_buffer import RolloutBuffer
 from oakemu_core.shared_memory import sweep_stale_segments
+from oakemu_core.step_schema import StepSchema, schema_for_env
 from oakemu_core.telemetry import ActorTelemetry, PrometheusExporter, TelemetryPublisher, TelemetrySnapshot
 from oakemu_core.wire import (
     Heartbeat,
@@ -78,14 +80,9 @@ MAX_ACTOR_ENVS = 65_536
 """Largest ``num_envs`` an actor may declare (the wire's limit for one array dimension)."""
 
 
-def rollout_buffer_bytes(config: OakEmuConfig, spec: EnvSpec) -> int:
-    """Shared-memory bytes of one rollout buffer for ``config`` (all arrays, see RolloutBuffer)."""
-    observation_bytes = int(np.prod(spec.observation_shape)) * np.dtype(spec.observation_dtype).itemsize
-    action_bytes = int(np.prod(spec.action_shape, dtype=np.int64)) * np.dtype(spec.action_dtype).itemsize
-    # log_probs, values, rewards, bootstrap_values, advantages, returns (f32) + dones, trainable
-    # (bool) + policy_versions (i64) per row, and column_steps (i64) per column.
-    per_row = observation_bytes + action_bytes + 6 * 4 + 2 + 8
-    return config.rollout_length * config.buffer_num_envs * per_row + 8 * config.buffer_num_envs
+def rollout_buffer_bytes(config: OakEmuConfig, schema: StepSchema) -> int:
+    """Shared-memory bytes of one rollout buffer for ``config`` (every stored field of ``schema``)."""
+    return RolloutBuffer.estimate_memory_bytes(config.rollout_length, config.buffer_num_envs, schema)
 
 
 # ------------------------------------------------------------------------------------ trainer
@@ -105,12 +102,15 @@ class TrainResult:
 class Trainer:
     """The trainer thread's state: model, optimizer, PPO learner, checkpoints."""
 
-    def __init__(self, config: OakEmuConfig, spec: EnvSpec, run_dir: Path) -> None:
+    def __init__(self, config: OakEmuConfig, spec: EnvSpec, schema: StepSchema, run_dir: Path) -> None:
         self.config = config
         self.run_dir = run_dir
         self.device = resolved_device(config)
         torch.manual_seed(config.seed)
-        self.model: ActorCritic = build_model(spec.observation_shape, spec.observation_dtype, spec.num_actions)
+        assert schema.distribution is not None
+        self.model: ActorCritic = build_model(spec.observation_layout, schema.distribution,
+                                              normalize_observations=config.normalize_observations)
+        self.reward_scaler = RewardScaler(config.gamma) if config.normalize_rewards else None
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.learning_rate, eps=1e-5)
         total_updates = max(1, math.ceil(config.total_env_steps / config.batch_size))
         end_lr = 0.0 if config.anneal_lr else config.learning_rate
@@ -132,6 +132,7 @@ class Trainer:
             seed=config.seed,
         )
         self.spec = spec
+        self.schema = schema
         self.global_step = 0
         self.episodes = 0
         self.inbox: queue.Queue[tuple[FullRollout, int, int] | None] = queue.Queue()
@@ -155,6 +156,8 @@ class Trainer:
         self.schedule.load_state_dict(state["lr_schedule"])
         self.ppo.restore_state(PPORuntimeState.from_dict(state["ppo"]))
         restore_rng_state(state["rng"])
+        if self.reward_scaler is not None and state.get("reward_scaler"):
+            self.reward_scaler.load_state_dict(state["reward_scaler"])
         self.global_step = int(state["global_step"])
         self.episodes = int(state["episodes"])
         # The schedule keeps its progress but follows this run's budget and learning rate: a resume
@@ -175,12 +178,8 @@ class Trainer:
             "global_step": int(self.global_step),
             "episodes": int(self.episodes),
             "config": self.config.model_dump(mode="json"),
-            "env": {
-                "env_id": self.spec.env_id,
-                "observation_shape": list(self.spec.observation_shape),
-                "observation_dtype": np.dtype(self.spec.observation_dtype).str,
-                "num_actions": int(self.spec.num_actions),
-            },
+            "reward_scaler": None if self.reward_scaler is None else self.reward_scaler.state_dict(),
+            "env": {"env_id": self.spec.env_id, "schema": self.schema.to_dict()},
         }
         return save_run_checkpoint(self.run_dir, self.ppo.iterations, state, keep_last=3)
 
@@ -212,11 +211,17 @@ class Trainer:
         stale_rows, lag = drop_stale_rows(
             rollout.buffer, current_policy_version=version, max_policy_lag=self.config.max_policy_lag
         )
-        rollout.buffer.compute_gae(rollout.last_values, rollout.last_dones, self.config.gamma, self.config.gae_lambda)
-        if rollout.buffer.trainable_size:
-            stats = self.ppo.step(rollout.buffer, current_policy_version=version)
+        buffer = rollout.buffer
+        if self.reward_scaler is not None:
+            buffer.scale_rewards(self.reward_scaler.update(buffer.rewards, buffer.dones))
+        buffer.compute_gae(rollout.last_values, rollout.last_dones, self.config.gamma, self.config.gae_lambda)
+        if buffer.trainable_size:
+            stats = self.ppo.step(buffer, current_policy_version=version)
         else:  # every row was too stale: nothing to learn from this rollout
             stats = None
+        # After the update, so the rows just trained on were judged with the statistics they were
+        # acted with; the new statistics reach the actors with the new weights.
+        self.model.update_observation_statistics(buffer.observations)
         self.global_step = global_step
         self.episodes = episodes
         every = self.config.checkpoint_every_updates
@@ -240,33 +245,25 @@ class Learner:
     def __init__(self, config: OakEmuConfig, run_dir: Path) -> None:
         self.config = config
         self.run_dir = run_dir
-        self.spec = env_spec(config.env_id)
-        self.buffer_bytes = rollout_buffer_bytes(config, self.spec)
+        self.spec = env_spec(config.env_id, settings_file=config.emulator_settings)
+        self.schema = schema_for_env(self.spec)
+        self.buffer_bytes = rollout_buffer_bytes(config, self.schema)
         # Free what a killed learner left behind, then refuse now with the size needed, instead of
         # a bus error on the first write later.
         for name in sweep_stale_segments():
             log.warning("removed shared-memory segment %s left by a dead process", name)
         ensure_shm_capacity(NUM_ROLLOUT_BUFFERS * self.buffer_bytes)
-        self.trainer = Trainer(config, self.spec, run_dir)
+        self.trainer = Trainer(config, self.spec, self.schema, run_dir)
         resume_from = latest_checkpoint(run_dir)
         if resume_from is not None:
             self.trainer.restore(resume_from)
             log.info("resumed from %s at %d env steps, update %d", resume_from, self.trainer.global_step,
                      self.trainer.ppo.iterations)
         self.buffers = [
-            RolloutBuffer(
-                config.rollout_length,
-                config.buffer_num_envs,
-                self.spec.observation_shape,
-                self.spec.observation_dtype,
-                action_shape=self.spec.action_shape,
-                action_dtype=self.spec.action_dtype,
-            )
+            RolloutBuffer(config.rollout_length, config.buffer_num_envs, schema=self.schema)
             for _ in range(NUM_ROLLOUT_BUFFERS)
         ]
-        self.assembler = RolloutAssembler(
-            self.buffers, actor_timeout_s=config.actor_timeout_s, num_actions=self.spec.num_actions
-        )
+        self.assembler = RolloutAssembler(self.buffers, actor_timeout_s=config.actor_timeout_s)
         self.assembler.counters.env_steps = self.trainer.global_step
         self.policy_version = self.trainer.policy_version
         self.latest_weights = self.trainer.weights()
@@ -290,8 +287,7 @@ class Learner:
         self.data = self.context.socket(zmq.PULL)
         # A small receive queue: back-pressure reaches the actors quickly, and rows stay fresh.
         self.data.setsockopt(zmq.RCVHWM, 4)
-        typical = StepSpec(config.envs_per_actor, self.spec.observation_shape, self.spec.observation_dtype,
-                           self.spec.action_shape, self.spec.action_dtype)
+        typical = StepSpec(config.envs_per_actor, self.schema)
         self.data.setsockopt(zmq.RCVBUF, socket_buffer_bytes(typical.message_bytes()))
         self.data.setsockopt(zmq.LINGER, 0)
         # Memory guard: ZeroMQ drops a peer that sends more than this (never allocated). Messages
@@ -336,13 +332,7 @@ class Learner:
                 self.assembler.counters.rejected["schema"] += 1
                 reason = f"num_envs: expected at most {MAX_ACTOR_ENVS}, received {message.num_envs}"
                 return encode_join_reply(JoinReply(False, reason, -1, None, {}, self.policy_version))
-            spec = StepSpec(
-                num_envs=message.num_envs,
-                observation_shape=self.spec.observation_shape,
-                observation_dtype=self.spec.observation_dtype,
-                action_shape=self.spec.action_shape,
-                action_dtype=self.spec.action_dtype,
-            )
+            spec = StepSpec(num_envs=message.num_envs, schema=self.schema)
             record = self.assembler.join(message.actor_id, message.incarnation, spec, hostname=message.hostname, now=now)
             log.info("actor %s joined (%d envs, host %s, index %d)", message.actor_id, message.num_envs,
                      message.hostname, record.index)
@@ -350,6 +340,8 @@ class Learner:
                 "env_id": self.config.env_id,
                 "max_episode_steps": self.config.max_episode_steps,
                 "clip_rewards": self.config.resolved_clip_rewards,
+                "normalize_observations": self.config.normalize_observations,
+                "emulator_settings": self.config.emulator_settings,
                 "seed": self.config.seed + 1000 * (record.index + 1),
             }
             return encode_join_reply(
@@ -580,7 +572,8 @@ def _finite_or_none(value: float) -> float | None:
 def main(config: OakEmuConfig) -> int:
     """Entry point of ``oakemu learner``: run until the budget is spent or SIGINT/SIGTERM."""
     setup_logging(config.log_level)
-    env_spec(config.env_id)  # an unknown env id fails here, before the run folder is created
+    # An unknown env id fails here, before the run folder is created.
+    check_env(config.env_id, settings_file=config.emulator_settings)
     run_dir = resolve_run_dir(config)
     stop_event = install_stop_signals()
     try:

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from oakemu_core.config import OakEmuConfig, to_toml
-from oakemu_core.envs import env_spec
+from oakemu_core.envs import check_env
 from oakemu_core.telemetry import TelemetrySnapshot, TelemetrySubscriber
 from services.runtime import PARENT_PID_ENV, install_stop_signals, resolve_run_dir
 
@@ -113,7 +113,8 @@ def main(config: OakEmuConfig, resume: Path | None = None) -> int:
         FileNotFoundError: ``resume`` is not a run folder with a checkpoint.
         oakemu_core.envs.UnsupportedEnvironmentError: unknown ``env_id``.
     """
-    env_spec(config.env_id)  # an unknown env id fails here, before any folder or process exists
+    # An unknown env id or a bad emulator setting fails here, before any folder or process exists.
+    check_env(config.env_id, settings_file=config.emulator_settings, envs_per_process=config.envs_per_actor)
     if resume is not None:
         resume = Path(resume)
         if not (resume / "checkpoints").is_dir():
