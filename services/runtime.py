@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from oakemu_core.config import OakEmuConfig
@@ -144,3 +145,47 @@ def socket_buffer_bytes(message_bytes: int) -> int:
     default (autotuned up to MBs) would hold thousands of small messages acted by old policies.
     """
     return max(4096, int(message_bytes))
+
+
+class RetryReporter:
+    """Says, at the first attempt and then every ``period_s``, which address a process is trying to
+    reach and for how long, so a process waiting on a peer is never silent.
+
+    ``attempt()`` is called before each try; ``succeeded()`` once the peer answered (logs how long it
+    took when that was more than one period).
+    """
+
+    def __init__(self, logger: logging.Logger, peer: str, address: str, *, give_up_s: float | None = None,
+                 period_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.logger = logger
+        self.peer = peer
+        self.address = address
+        self.give_up_s = give_up_s
+        self.period_s = period_s
+        self.clock = clock
+        self.started: float | None = None
+        self.next_report = 0.0
+        self.attempts = 0
+
+    def attempt(self) -> None:
+        """Record one try; log when it is the first one or a period has passed since the last line."""
+        now = self.clock()
+        self.attempts += 1
+        if self.started is None:
+            self.started = now
+            self.next_report = now + self.period_s
+            limit = f", giving up after {self.give_up_s:.0f} s" if self.give_up_s else ""
+            self.logger.info("connecting to the %s at %s%s", self.peer, self.address, limit)
+            return
+        if now >= self.next_report:
+            self.next_report = now + self.period_s
+            left = f" (giving up in {max(0.0, self.give_up_s - (now - self.started)):.0f} s)" if self.give_up_s else ""
+            self.logger.warning("still trying to reach the %s at %s: no answer for %.0f s, %d attempts%s",
+                                self.peer, self.address, now - self.started, self.attempts, left)
+
+    def succeeded(self) -> None:
+        """The peer answered: say so when the wait was long enough to have been reported."""
+        if self.started is not None and self.clock() - self.started >= self.period_s:
+            self.logger.info("reached the %s at %s after %.0f s", self.peer, self.address, self.clock() - self.started)
+        self.started = None
+        self.attempts = 0
