@@ -15,9 +15,11 @@ from hypothesis import strategies as st
 import oakemu_core.memory_diagnostics as memory_diagnostics
 from oakemu_core import RolloutBuffer, RolloutMinibatch
 from oakemu_core.memory_diagnostics import SharedMemoryTooSmallError
-from oakemu_core.rollout_buffer import RolloutBufferHandle, StaleAdvantagesError, normalize_advantages
+from oakemu_core.distributions import Categorical
+from oakemu_core.rollout_buffer import FlatBatch, StaleAdvantagesError, normalize_advantages
 from oakemu_core.shared_memory import SEGMENT_PREFIX
-from tests.conftest import SHM_DIR
+from oakemu_core.step_schema import build_schema, default_schema
+from tests.conftest import SHM_DIR, own_segments
 from tests.test_gae import reference_gae
 
 GAMMA = 0.99
@@ -77,12 +79,23 @@ def test_layout_shapes_dtypes_and_memory(buffer: RolloutBuffer) -> None:
         array = getattr(buffer, name)
         assert array.shape == shape, name
         assert array.dtype == dtype, name
+    for name, (shape, dtype) in expected.items():
+        array = buffer.field(name)
+        assert array.shape == shape and array.dtype == dtype, name
+        assert not array.flags.writeable, name
     # Per row: obs 6 + action 8 + six float32 24 + two bools 2 + version 8 = 48 bytes, 12 rows;
-    # column_steps 3 x 8; meta: three int64 write counters and a layout fingerprint, 32.
-    assert buffer.memory_bytes == 48 * 12 + 24 + 32
-    assert buffer.memory_bytes == sum(getattr(buffer, name).nbytes for name in expected) + 32
+    # column_steps 3 x 8; meta: three int64 write counters, 24.
+    assert buffer.memory_bytes == 48 * 12 + 24 + 24
+    assert buffer.memory_bytes == sum(getattr(buffer, name).nbytes for name in expected) + 24
+    assert buffer.schema.stored_bytes_per_row() == 48
     assert buffer.memory_gb == pytest.approx(buffer.memory_bytes / 1024**3)
-    assert buffer.memory_bytes == RolloutBuffer.estimate_memory_bytes(4, 3, OBS_SHAPE, np.uint8)
+    assert buffer.memory_bytes == RolloutBuffer.estimate_memory_bytes(4, 3, buffer.schema)
+    assert buffer.memory_bytes == RolloutBuffer.estimate_memory_bytes(4, 3, default_schema(OBS_SHAPE, np.uint8))
+    assert buffer.schema == default_schema(OBS_SHAPE, np.uint8)
+    with pytest.raises(KeyError, match="truncated.*not a stored field"):
+        buffer.field("truncated")  # sent by actors, kept in dones + bootstrap_values
+    with pytest.raises(KeyError, match="meta"):
+        buffer.field("meta")
     assert (buffer.rollout_length, buffer.num_envs, buffer.total_size) == (4, 3, 12)
     assert buffer.observation_shape == OBS_SHAPE and buffer.observation_dtype == np.uint8
     assert buffer.action_shape == () and buffer.action_dtype == np.int64
@@ -129,11 +142,11 @@ def test_add_to_a_full_buffer_overflows_and_reset_reuses_memory(buffer: RolloutB
     fill(buffer)
     with pytest.raises(OverflowError, match="full"):
         buffer.add(**step_arrays(3))
-    names = dict(buffer.handle.segments)
+    names = own_segments()
     address = buffer.observations.__array_interface__["data"][0]
     buffer.reset()
     assert buffer.step == 0 and not buffer.is_full and buffer.trainable_size == 0
-    assert buffer.handle.segments == names
+    assert own_segments() == names
     assert buffer.observations.__array_interface__["data"][0] == address
     fill(buffer)
     assert buffer.is_full
@@ -174,7 +187,7 @@ def test_write_columns_rejects_wrong_fields_and_writes_nothing(
     arrays = step_arrays(3, step=5)
     arrays[field] = bad
     with pytest.raises(ValueError, match=rf"^{field}: expected .*{expected}.*received .*{received}"):
-        buffer.write_columns(0, np.array([2, 0, 1]), **arrays)
+        buffer.write_columns(0, np.array([2, 0, 1]), arrays)
     np.testing.assert_array_equal(buffer.column_steps, [0, 0, 0])
     assert not buffer.observations.any() and not buffer.actions.any() and not buffer.rewards.any()
 
@@ -201,29 +214,29 @@ def test_write_columns_fills_columns_independently(buffer: RolloutBuffer) -> Non
     first, second = np.array([2, 0]), np.array([1])
     for step in range(4):
         arrays = step_arrays(2, step)
-        buffer.write_columns(step, first, **arrays, policy_version=3)
+        buffer.write_columns(step, first, arrays, policy_version=3)
     np.testing.assert_array_equal(buffer.column_steps, [4, 0, 4])
     assert buffer.step == 0 and not buffer.is_full
     # arrays[i] goes to column columns[i]: column 2 got env 0's data, column 0 env 1's.
     np.testing.assert_array_equal(buffer.actions[:, 2], [0, 10, 20, 30])
     np.testing.assert_array_equal(buffer.actions[:, 0], [1, 11, 21, 31])
     for step in range(4):
-        buffer.write_columns(step, second, **step_arrays(1, step), policy_version=4)
+        buffer.write_columns(step, second, step_arrays(1, step), policy_version=4)
     assert buffer.is_full
     np.testing.assert_array_equal(buffer.policy_versions[0], [3, 4, 3])
 
 
 def test_write_columns_keeps_rows_contiguous(buffer: RolloutBuffer) -> None:
-    buffer.write_columns(0, np.array([0, 1]), **step_arrays(2, 0))
+    buffer.write_columns(0, np.array([0, 1]), step_arrays(2, 0))
     with pytest.raises(ValueError, match=r"columns: expected every column to hold step_index=1 rows, received columns \[2\] holding \[0\]"):
-        buffer.write_columns(1, np.array([1, 2]), **step_arrays(2, 1))
+        buffer.write_columns(1, np.array([1, 2]), step_arrays(2, 1))
     np.testing.assert_array_equal(buffer.column_steps, [1, 1, 0]), "column 1 must not be written"
     with pytest.raises(ValueError, match="step_index=0"):
-        buffer.write_columns(0, np.array([0]), **step_arrays(1, 0))
+        buffer.write_columns(0, np.array([0]), step_arrays(1, 0))
     with pytest.raises(ValueError, match="add: expected every column at the same step"):
         buffer.add(**step_arrays(3))
     with pytest.raises(OverflowError, match="step_index"):
-        buffer.write_columns(4, np.array([0]), **step_arrays(1, 0))
+        buffer.write_columns(4, np.array([0]), step_arrays(1, 0))
 
 
 @pytest.mark.parametrize(
@@ -240,19 +253,19 @@ def test_write_columns_keeps_rows_contiguous(buffer: RolloutBuffer) -> None:
 def test_bad_columns_are_rejected(buffer: RolloutBuffer, columns, message: str) -> None:
     count = len(np.asarray(columns).reshape(-1))
     with pytest.raises(ValueError, match=f"columns: .*{message}"):
-        buffer.write_columns(0, columns, **step_arrays(count))
+        buffer.write_columns(0, columns, step_arrays(count))
     np.testing.assert_array_equal(buffer.column_steps, [0, 0, 0])
 
 
 def test_reset_columns_discards_an_unfinished_segment(buffer: RolloutBuffer) -> None:
     for step in range(2):
-        buffer.write_columns(step, np.array([0, 1, 2]), **step_arrays(3, step))
+        buffer.write_columns(step, np.array([0, 1, 2]), step_arrays(3, step))
     buffer.reset_columns(np.array([1]))
     np.testing.assert_array_equal(buffer.column_steps, [2, 0, 2])
     assert not buffer.trainable[:, 1].any()
     assert buffer.trainable_size == 4
     for step in range(2):
-        buffer.write_columns(step, np.array([1]), **step_arrays(1, step + 7))
+        buffer.write_columns(step, np.array([1]), step_arrays(1, step + 7))
     np.testing.assert_array_equal(buffer.actions[:2, 1], [70, 80])
 
 
@@ -373,22 +386,64 @@ def test_minibatch_contents_match_the_buffer_rows() -> None:
     trainable = np.random.default_rng(4).random((6, 4)) < 0.7
     with id_buffer(6, 4, trainable) as rollout_buffer:
         minibatches = rollout_buffer.get_minibatches(3, "cpu")
-        rows = rollout_buffer.last_minibatch_rows
+        # Actions hold the flat row index t * N + env, so each minibatch tells which rows it served.
+        rows = [minibatch.actions.numpy() for minibatch in minibatches]
         assert sorted(np.concatenate(rows).tolist()) == np.flatnonzero(trainable.reshape(-1)).tolist()
         for minibatch, minibatch_rows in zip(minibatches, rows, strict=True):
             assert isinstance(minibatch, RolloutMinibatch)
             assert minibatch.observations.dtype == torch.uint8
             assert minibatch.observations.shape == (len(minibatch_rows), 2)
             np.testing.assert_array_equal(minibatch.observations[:, 0].numpy(), minibatch_rows)
-            np.testing.assert_array_equal(minibatch.actions.numpy(), minibatch_rows)
             np.testing.assert_array_equal(minibatch.log_probs.numpy(), -minibatch_rows.astype(np.float32))
             np.testing.assert_array_equal(minibatch.values.numpy(), minibatch_rows.astype(np.float32))
             np.testing.assert_array_equal(
                 minibatch.advantages.numpy(), rollout_buffer.advantages.reshape(-1)[minibatch_rows]
             )
             np.testing.assert_array_equal(minibatch.returns.numpy(), rollout_buffer.returns.reshape(-1)[minibatch_rows])
-            for tensor in minibatch[2:]:
+            for tensor in minibatch[2:6]:
                 assert tensor.dtype == torch.float32
+            # fields carries every minibatch field of the schema, the named ones are the same tensors.
+            assert set(minibatch.fields) == {f.name for f in rollout_buffer.schema.minibatch}
+            assert minibatch.fields["actions"] is minibatch.actions
+            assert minibatch.fields["observations"] is minibatch.observations
+            assert minibatch.fields["policy_versions"].dtype == torch.int64
+            np.testing.assert_array_equal(
+                minibatch.fields["policy_versions"].numpy(), rollout_buffer.policy_versions.reshape(-1)[minibatch_rows]
+            )
+
+
+def test_flat_batch_is_built_once_and_serves_every_trainable_row_once_per_epoch() -> None:
+    trainable = np.random.default_rng(7).random((5, 4)) < 0.6
+    trainable[0, 0] = True
+    with id_buffer(5, 4, trainable) as rollout_buffer:
+        flat = rollout_buffer.flat_batch("cpu")
+        assert isinstance(flat, FlatBatch)
+        np.testing.assert_array_equal(flat.rows, np.flatnonzero(trainable.reshape(-1)))
+        assert flat.size == int(trainable.sum()) == rollout_buffer.trainable_size
+        np.testing.assert_array_equal(flat.fields["actions"].numpy(), flat.rows)
+        assert rollout_buffer.flat_batch("cpu") is flat, "cached until the buffer changes"
+        assert rollout_buffer.observation_uploads == 1
+        generator = np.random.default_rng(0)
+        orders = []
+        for _epoch in range(3):
+            minibatches = flat.minibatches(3, generator)
+            served = np.concatenate([m.actions.numpy() for m in minibatches])
+            assert sorted(served.tolist()) == flat.rows.tolist(), "every row exactly once per epoch"
+            sizes = [len(m.actions) for m in minibatches]
+            assert max(sizes) - min(sizes) <= 1
+            orders.append(served.tolist())
+        assert orders[0] != orders[1], "each epoch reshuffles"
+        assert rollout_buffer.observation_uploads == 1, "epochs only index the uploaded batch"
+        with pytest.raises(ValueError, match="num_minibatches: expected at most"):
+            flat.minibatches(flat.size + 1, generator)
+        with pytest.raises(ValueError, match="num_minibatches: expected a positive int"):
+            flat.minibatches(0, generator)
+        normalised = rollout_buffer.flat_batch("cpu", normalize_advantages=True)
+        assert normalised is not flat and rollout_buffer.observation_uploads == 2
+        np.testing.assert_allclose(
+            normalised.fields["advantages"].numpy(), rollout_buffer.normalized_advantages().reshape(-1)[flat.rows]
+        )
+        np.testing.assert_array_equal(flat.fields["advantages"].numpy(), rollout_buffer.advantages.reshape(-1)[flat.rows])
 
 
 def test_minibatches_are_shuffled_and_reproducible() -> None:
@@ -506,8 +561,10 @@ def test_too_small_shm_is_reported_before_anything_is_allocated(monkeypatch: pyt
 
 # ---------------------------------------------------------------------------------- sharing and life cycle
 def test_owner_close_unlinks_every_segment() -> None:
+    before = own_segments()
     rollout_buffer = RolloutBuffer(2, 2, (1,), np.uint8)
-    names = list(rollout_buffer.handle.segments.values())
+    names = sorted(own_segments() - before)
+    assert len(names) == 13, "11 stored fields + column_steps + meta"
     assert all((SHM_DIR / name).exists() for name in names)
     assert len({name.split("_")[2] for name in names}) == 1, "one token per buffer"
     rollout_buffer.close()
@@ -519,78 +576,9 @@ def test_owner_close_unlinks_every_segment() -> None:
         rollout_buffer.add(**step_arrays(2, obs_shape=(1,)))
 
 
-def test_attach_in_process_shares_rows_and_never_unlinks(buffer: RolloutBuffer) -> None:
-    handle = pickle.loads(pickle.dumps(buffer.handle))
-    assert isinstance(handle, RolloutBufferHandle)
-    attached = RolloutBuffer.attach(handle)
-    try:
-        assert not attached.is_owner
-        attached.add(**step_arrays(3, 2))
-        assert buffer.step == 1
-        np.testing.assert_array_equal(buffer.actions[0], [20, 21, 22])
-    finally:
-        attached.close()
-    assert all((SHM_DIR / name).exists() for name in handle.segments.values())
-    buffer.add(**step_arrays(3, 3))
-    assert buffer.step == 2
-
-
 def test_a_buffer_itself_cannot_be_pickled(buffer: RolloutBuffer) -> None:
-    with pytest.raises(TypeError, match="handle"):
+    with pytest.raises(TypeError, match="cannot be pickled"):
         pickle.dumps(buffer)
-
-
-def test_another_process_writes_columns_the_owner_sees(run_python) -> None:
-    with RolloutBuffer(2, 3, (2,), np.uint8) as rollout_buffer:
-        rollout_buffer.write_columns(0, np.array([0, 1, 2]), **step_arrays(3, 0, obs_shape=(2,)))
-        result = run_python(
-            """
-            import pickle, sys
-            import numpy as np
-            from oakemu_core.rollout_buffer import RolloutBuffer
-            attached = RolloutBuffer.attach(pickle.loads(bytes.fromhex(sys.argv[1])))
-            attached.write_columns(
-                1, np.array([2, 0, 1]), np.full((3, 2), 9, np.uint8), np.array([5, 6, 7]),
-                np.zeros(3, np.float32), np.zeros(3, np.float32), np.ones(3, np.float32), np.zeros(3, bool),
-                policy_version=4,
-            )
-            attached.close()
-            """,
-            pickle.dumps(rollout_buffer.handle).hex(),
-        )
-        assert result.returncode == 0, result.stderr
-        assert rollout_buffer.is_full
-        np.testing.assert_array_equal(rollout_buffer.actions[1], [6, 7, 5])
-        np.testing.assert_array_equal(rollout_buffer.policy_versions[1], [4, 4, 4])
-        assert (rollout_buffer.observations[1] == 9).all()
-        # The child's writes also invalidate this process's observation cache.
-        gae_ready(rollout_buffer)
-        rollout_buffer.get_minibatches(1, "cpu")
-        uploads = rollout_buffer.observation_uploads
-        run_python(
-            """
-            import pickle, sys
-            from oakemu_core.rollout_buffer import RolloutBuffer
-            attached = RolloutBuffer.attach(pickle.loads(bytes.fromhex(sys.argv[1])))
-            attached.reset()
-            attached.close()
-            """,
-            pickle.dumps(rollout_buffer.handle).hex(),
-        )
-        assert rollout_buffer.step == 0
-        assert all((SHM_DIR / name).exists() for name in rollout_buffer.handle.segments.values())
-        fill(rollout_buffer)
-        gae_ready(rollout_buffer)
-        rollout_buffer.get_minibatches(1, "cpu")
-        assert rollout_buffer.observation_uploads == uploads + 1
-
-
-def test_attach_after_owner_close_fails() -> None:
-    rollout_buffer = RolloutBuffer(2, 2, (1,), np.uint8)
-    handle = rollout_buffer.handle
-    rollout_buffer.close()
-    with pytest.raises(FileNotFoundError):
-        RolloutBuffer.attach(handle)
 
 
 def test_construction_sweeps_segments_of_dead_owners(dead_pid: int) -> None:
@@ -608,8 +596,9 @@ def test_buffer_left_open_is_unlinked_at_interpreter_exit(run_python) -> None:
         """
         import numpy as np
         from oakemu_core.rollout_buffer import RolloutBuffer
+        import os
         kept = RolloutBuffer(2, 2, (3,), np.uint8)
-        print(" ".join(kept.handle.segments.values()))
+        print(" ".join(sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"oakemu_{os.getpid()}_"))))
         """
     )
     assert result.returncode == 0, result.stderr
@@ -687,24 +676,65 @@ def test_issue_case_4_random_rollout_matches_reference_loop(rollout) -> None:
             assert by_row[row] == pytest.approx(expected_advantages[row // num_envs][row % num_envs], rel=1e-5, abs=1e-5)
 
 
-def test_no_segments_of_this_process_are_left(buffer: RolloutBuffer) -> None:
-    own = [name for name in os.listdir(SHM_DIR) if name.startswith(f"{SEGMENT_PREFIX}{os.getpid()}_")]
-    assert sorted(own) == sorted(buffer.handle.segments.values())
+def test_no_segments_of_this_process_are_left() -> None:
+    before = own_segments()
+    with RolloutBuffer(4, 3, OBS_SHAPE, np.uint8) as rollout_buffer:
+        created = own_segments() - before
+        # oakemu_<pid>_<token>_<array>: one segment per stored schema field plus the bookkeeping arrays.
+        arrays = {name.split("_", 3)[3] for name in created}
+        assert arrays == {f.name for f in rollout_buffer.schema.stored} | {"column_steps", "meta"}
+        assert len(created) == 13
+    assert own_segments() == before
 
 
-@pytest.mark.parametrize(
-    "change",
-    [
-        {"observation_dtype": "<f4"},  # reinterpreting the bytes as another dtype
-        {"observation_shape": (2, 2)},  # a smaller observation
-        {"rollout_length": 2},  # fewer rows than the live buffer
-        {"num_envs": 1},  # fewer columns
-    ],
-)
-def test_attach_refuses_a_handle_whose_layout_does_not_match(buffer: RolloutBuffer, change: dict) -> None:
-    import dataclasses
+# ---------------------------------------------------------------------------------- schema-driven fields
+def masked_schema():
+    """Plain uint8 (2,) observations, a categorical policy over 3 actions with action masks."""
+    return build_schema({"": ((2,), np.uint8)}, Categorical(3, masked=True))
 
-    wrong = dataclasses.replace(buffer.handle, **change)
-    # A larger element size fails on the segment size, the rest on the layout fingerprint.
-    with pytest.raises(ValueError, match="layout|expected at least"):
-        RolloutBuffer.attach(wrong)
+
+def test_constructor_needs_exactly_one_description_of_the_fields() -> None:
+    with pytest.raises(ValueError, match="expected observation_shape and observation_dtype, or schema="):
+        RolloutBuffer(2, 2)
+    with pytest.raises(ValueError, match="either schema= or observation_shape"):
+        RolloutBuffer(2, 2, (2,), np.uint8, schema=masked_schema())
+
+
+def test_schema_fields_are_stored_required_and_served_in_minibatches() -> None:
+    schema = masked_schema()
+    with RolloutBuffer(2, 2, schema=schema) as rollout_buffer:
+        assert rollout_buffer.field("action_mask").shape == (2, 2, 3)
+        assert rollout_buffer.field("action_mask").dtype == np.bool_
+        arrays = step_arrays(2, 0, obs_shape=(2,))
+        with pytest.raises(ValueError, match="^action_mask: required field missing"):
+            rollout_buffer.add(**arrays)
+        with pytest.raises(ValueError, match=r"^action_mask: expected shape \(2, 3\) and dtype bool.*dtype uint8"):
+            rollout_buffer.add(**arrays, action_mask=np.ones((2, 3), np.uint8))
+        with pytest.raises(ValueError, match=r"^action_mask: expected shape \(2, 3\).*received shape \(2, 4\)"):
+            rollout_buffer.write_columns(0, np.array([0, 1]), {**arrays, "action_mask": np.ones((2, 4), bool)})
+        with pytest.raises(ValueError, match=r"unknown fields \['my_extra'\]"):
+            rollout_buffer.add(**arrays, action_mask=np.ones((2, 3), bool), my_extra=np.zeros(2, np.float32))
+        assert rollout_buffer.step == 0 and not rollout_buffer.field("action_mask").any()
+        masks = [np.array([[True, False, True], [False, True, False]]), np.array([[True, True, False], [False, False, True]])]
+        for t in range(2):
+            arrays = step_arrays(2, t, obs_shape=(2,))
+            arrays["actions"] = np.array([0, 1]) if t == 0 else np.array([1, 2])
+            rollout_buffer.add(**arrays, action_mask=masks[t])
+        np.testing.assert_array_equal(rollout_buffer.field("action_mask"), np.stack(masks))
+        gae_ready(rollout_buffer)
+        flat = rollout_buffer.flat_batch("cpu")
+        np.testing.assert_array_equal(flat.fields["action_mask"].numpy(), np.stack(masks).reshape(4, 3)[flat.rows])
+        minibatch = rollout_buffer.get_minibatches(2, "cpu")[0]
+        assert minibatch.fields["action_mask"].dtype == torch.bool and minibatch.fields["action_mask"].shape == (2, 3)
+
+
+def test_scale_rewards_multiplies_and_makes_advantages_stale(buffer: RolloutBuffer) -> None:
+    fill(buffer)
+    gae_ready(buffer)
+    before = buffer.rewards.copy()
+    buffer.scale_rewards(0.5)
+    np.testing.assert_array_equal(buffer.rewards, before * np.float32(0.5))
+    assert not buffer.advantages_are_current
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="factor: expected a finite positive float"):
+            buffer.scale_rewards(bad)
