@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 import msgpack
 import pydantic
@@ -216,14 +216,18 @@ class TelemetryPublisher:
             (random port, see :attr:`address`) or ``"ipc:///tmp/oakemu-telemetry"``.
         send_hwm: messages queued per subscriber before further ones are dropped for it.
         context: ZeroMQ context to use (default: the process-wide ``zmq.Context.instance()``).
+        security: an :class:`oakemu_core.auth.ServerSecurity` to make the socket a CURVE server, or None.
 
     Raises:
         TelemetryBindError: the address is invalid or already in use.
     """
 
-    def __init__(self, bind_address: str, *, send_hwm: int = 4, context: zmq.Context | None = None) -> None:
+    def __init__(self, bind_address: str, *, send_hwm: int = 4, context: zmq.Context | None = None,
+                 security: Any = None) -> None:
         self._context = context or zmq.Context.instance()
         self._socket = self._context.socket(zmq.PUB)
+        if security is not None:  # oakemu_core.auth.ServerSecurity: CURVE server (ZAP runs in ``context``)
+            security.apply(self._socket)
         self._socket.setsockopt(zmq.SNDHWM, send_hwm)
         self._socket.setsockopt(zmq.LINGER, 0)
         try:
@@ -283,6 +287,7 @@ class TelemetrySubscriber:
         max_message_bytes: larger messages make ZeroMQ drop the connection (and reconnect).
         receive_hwm: messages queued locally; older ones are dropped first by the publisher side.
         context: ZeroMQ context to use (default: the process-wide ``zmq.Context.instance()``).
+        security: an :class:`oakemu_core.auth.ClientSecurity` to connect as a CURVE client, or None.
 
     Raises:
         TelemetryAddressError: ``connect_address`` is not a valid ZeroMQ endpoint.
@@ -295,10 +300,13 @@ class TelemetrySubscriber:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         receive_hwm: int = 16,
         context: zmq.Context | None = None,
+        security: Any = None,
     ) -> None:
         self.connect_address = connect_address
         self._context = context or zmq.Context.instance()
         self._socket = self._context.socket(zmq.SUB)
+        if security is not None:  # oakemu_core.auth.ClientSecurity: CURVE client
+            security.apply(self._socket)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.RCVHWM, receive_hwm)
         self._socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)

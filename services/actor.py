@@ -43,7 +43,8 @@ from oakemu_core.wire import (
     encode_leave,
     encode_step,
 )
-from services.runtime import install_stop_signals, setup_logging, socket_buffer_bytes
+from oakemu_core.auth import client_security
+from services.runtime import RetryReporter, install_stop_signals, setup_logging, socket_buffer_bytes
 
 log = logging.getLogger("oakemu.actor")
 
@@ -63,6 +64,7 @@ class ActorSetupError(RuntimeError):
 class ControlChannel:
     """REQ socket to the learner's control ROUTER, recreated after a timeout (ZeroMQ "lazy pirate")."""
 
+    security = None  # an oakemu_core.auth.ClientSecurity when CURVE is on
     def __init__(self, context: zmq.Context, address: str, max_bytes: int) -> None:
         self.context = context
         self.address = address
@@ -72,6 +74,8 @@ class ControlChannel:
     def _connect(self) -> zmq.Socket:
         if self.socket is None:
             self.socket = self.context.socket(zmq.REQ)
+            if self.security is not None:
+                self.security.apply(self.socket)
             self.socket.setsockopt(zmq.LINGER, 0)
             self.socket.connect(self.address)
         return self.socket
@@ -106,6 +110,7 @@ class Actor:
         self.hostname = socket.gethostname()
         self.context = zmq.Context()
         self.control = ControlChannel(self.context, config.learner_address(config.control_port), config.max_message_bytes)
+        self.security = self.control.security = client_security(config)  # CURVE keys (oakemu_core.auth)
         self.patience_s = 3 * config.actor_timeout_s
         self.last_reply = time.monotonic()
         self.next_heartbeat = 0.0
@@ -130,9 +135,12 @@ class Actor:
         )
         # A learner may take a while to start (loading torch, building envs): be patient at join.
         deadline = time.monotonic() + max(JOIN_PATIENCE_S, self.patience_s)
+        reporter = RetryReporter(log, "learner", self.control.address, give_up_s=max(JOIN_PATIENCE_S, self.patience_s))
         while not self.stop_event.is_set():
+            reporter.attempt()  # says whom it is trying to reach, at once and every few seconds
             reply = self.control.request(request)
             if isinstance(reply, JoinReply):
+                reporter.succeeded()
                 if not reply.accepted:
                     raise RuntimeError(f"learner refused actor {self.actor_id}: {reply.reason}")
                 self._on_joined(reply)
@@ -179,6 +187,8 @@ class Actor:
     def _connect_streams(self) -> None:
         config = self.config
         self.data = self.context.socket(zmq.PUSH)
+        if self.security is not None:
+            self.security.apply(self.data)
         self.data.setsockopt(zmq.SNDHWM, 2)  # back-pressure after two messages in flight
         # ... and a kernel buffer of a few messages: the default (MBs, autotuned) would hold
         # thousands of small messages, acted by policies many versions old.
@@ -186,6 +196,8 @@ class Actor:
         self.data.setsockopt(zmq.LINGER, 0)
         self.data.connect(config.learner_address(config.data_port))
         self.weights_sub = self.context.socket(zmq.SUB)
+        if self.security is not None:
+            self.security.apply(self.weights_sub)
         self.weights_sub.setsockopt(zmq.CONFLATE, 1)  # only the newest weights matter
         self.weights_sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.weights_sub.setsockopt(zmq.LINGER, 0)
@@ -291,7 +303,7 @@ class _Rejoined(Exception):
 
 def main(config: OakEmuConfig) -> int:
     """Entry point of ``oakemu actor``: 0 when stopped, 1 when the learner is unreachable."""
-    setup_logging(config.log_level)
+    setup_logging(config.log_level, config.log_format)
     torch.set_num_threads(config.torch_threads)
     stop_event = install_stop_signals()
     actor = Actor(config, stop_event)

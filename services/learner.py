@@ -63,6 +63,7 @@ from oakemu_core.wire import (
     encode_join_reply,
     encode_weights,
 )
+from oakemu_core.auth import PeerBinding, TransportSecurityError, public_tag, server_security
 from services.runtime import install_stop_signals, resolve_run_dir, setup_logging, socket_buffer_bytes
 
 log = logging.getLogger("oakemu.learner")
@@ -122,7 +123,7 @@ class Trainer:
             ppo_epochs=config.ppo_epochs,
             num_minibatches=config.num_minibatches,
             clip_coef=config.clip_coef,
-            clip_value_loss=config.clip_value_loss,
+            clip_value_range=config.resolved_clip_value_range,
             ent_coef=config.ent_coef,
             vf_coef=config.vf_coef,
             max_grad_norm=config.max_grad_norm,
@@ -278,13 +279,16 @@ class Learner:
         self.metrics = MetricsLogger(run_dir)
         # One line per finished episode (raw game score), as CleanRL logs charts/episodic_return.
         self.episodes_log = open(run_dir / "episodes.jsonl", "a", buffering=1, encoding="utf-8")  # noqa: SIM115
-        self.telemetry = TelemetryPublisher(config.bind_address(config.telemetry_port))
+        self.telemetry = TelemetryPublisher(config.bind_address(config.telemetry_port), context=self.context,
+                                            security=self.security)
         self.prometheus = PrometheusExporter(config.metrics_port) if config.metrics_enabled else None
 
     def _setup_sockets(self) -> None:
         config = self.config
         self.context = zmq.Context()
-        self.data = self.context.socket(zmq.PULL)
+        self.security = server_security(self.context, config)  # CURVE + ZAP when config.curve (oakemu_core.auth)
+        self.peers = PeerBinding()  # each actor's messages only from the peer it joined from
+        self.data = self._secure(self.context.socket(zmq.PULL))
         # A small receive queue: back-pressure reaches the actors quickly, and rows stay fresh.
         self.data.setsockopt(zmq.RCVHWM, 4)
         typical = StepSpec(config.envs_per_actor, self.schema)
@@ -294,37 +298,50 @@ class Learner:
         # between max_message_bytes and this bound are received, rejected and counted ("oversized").
         self.data.setsockopt(zmq.MAXMSGSIZE, 4 * config.max_message_bytes)
         self.data.bind(config.bind_address(config.data_port))
-        self.control = self.context.socket(zmq.ROUTER)
+        self.control = self._secure(self.context.socket(zmq.ROUTER))
         self.control.setsockopt(zmq.LINGER, 0)
         self.control.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE_BYTES)
         self.control.bind(config.bind_address(config.control_port))
-        self.weights_pub = self.context.socket(zmq.PUB)
+        self.weights_pub = self._secure(self.context.socket(zmq.PUB))
         self.weights_pub.setsockopt(zmq.SNDHWM, 2)
         self.weights_pub.setsockopt(zmq.LINGER, 0)
         self.weights_pub.bind(config.bind_address(config.weights_port))
+
+    def _secure(self, sock: zmq.Socket) -> zmq.Socket:
+        return self.security.apply(sock) if self.security is not None else sock
 
     # -- control ----------------------------------------------------------------------------
     def _handle_control(self, now: float) -> None:
         for _ in range(CONTROL_BATCH):  # bounded: a flood of requests cannot starve the data path
             try:
-                identity, empty, frame = self.control.recv_multipart(zmq.NOBLOCK)
+                identity, empty, frame = self.control.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             except ValueError:  # not [identity, "", body]: a peer that does not speak REQ
                 self.assembler.counters.rejected["garbage"] += 1
                 continue
             try:
-                message = decode_message(frame, max_bytes=self.config.max_message_bytes)
+                message = decode_message(frame.bytes, max_bytes=self.config.max_message_bytes)
             except MessageRejected as error:
                 self.assembler.counters.rejected[error.reason] += 1
                 log.warning("rejected control message: %s", error)
                 reply = encode_heartbeat_reply(HeartbeatReply(status="rejoin", policy_version=self.policy_version))
                 self.control.send_multipart([identity, b"", reply])
                 continue
-            self.control.send_multipart([identity, b"", self._reply(message, now)])
+            self.control.send_multipart([identity, b"", self._reply(message, now, peer=frame)])
 
-    def _reply(self, message: Any, now: float) -> bytes:
+    def _reply(self, message: Any, now: float, peer: Any = None) -> bytes:
         stopping = bool(self.stopping_reason)
+        if isinstance(message, (JoinRequest, Heartbeat, Leave)) and not (
+            self.peers.bind(message.actor_id, message.incarnation, peer) if isinstance(message, JoinRequest)
+            else self.peers.allows(message.actor_id, message.incarnation, peer)
+        ):  # another connection speaking for a known actor: refused and counted
+            self.assembler.counters.rejected["impersonation"] += 1
+            log.warning("refused a %s for actor %s from another peer", type(message).__name__, message.actor_id)
+            if isinstance(message, JoinRequest):
+                return encode_join_reply(JoinReply(False, "actor id in use by another connection", -1, None, {},
+                                                   self.policy_version))
+            return encode_heartbeat_reply(HeartbeatReply(status="rejoin", policy_version=self.policy_version))
         if isinstance(message, JoinRequest):
             if stopping:
                 return encode_join_reply(JoinReply(False, "learner is stopping", -1, None, {}, self.policy_version))
@@ -373,6 +390,8 @@ class Learner:
                 return
             try:
                 message = decode_step(frame.buffer, self.assembler.spec_for, max_bytes=self.config.max_message_bytes)
+                if not self.peers.allows(message.actor_id, message.incarnation, frame):
+                    raise StepRejected("impersonation", f"a step for actor {message.actor_id} from another peer")
                 self.assembler.ingest(message, current_policy_version=self.policy_version, now=now)
             except StepRejected as error:
                 if error.reason != "departed_actor":  # late steps are counted as dropped, not rejected
@@ -476,7 +495,7 @@ class Learner:
             policy_lag_max=self.last_lag.get("max"),
             actors=[
                 ActorTelemetry(
-                    actor_id=r.actor_id, incarnation=r.incarnation, num_envs=r.spec.num_envs,
+                    actor_id=r.actor_id, incarnation=public_tag(r.incarnation), num_envs=r.spec.num_envs,
                     sps=r.env_steps_per_second, policy_lag=r.policy_lag, last_heard_s=max(0.0, now - r.last_heard),
                 )
                 for r in self.assembler.actors.values()
@@ -485,6 +504,8 @@ class Learner:
         )
 
     def _publish_telemetry(self, *, is_update: bool) -> None:
+        if self.security is not None and self.security.refused:  # clients refused by the ZAP authenticator
+            self.assembler.counters.rejected["unauthorized_key"] = self.security.refused
         snapshot = self.snapshot(is_update=is_update)
         self.telemetry.publish(snapshot)
         if self.prometheus is not None:
@@ -527,6 +548,7 @@ class Learner:
             if not self.stopping_reason:
                 self._hand_off_full_rollouts()
             if now >= next_expiry:
+                self.peers.retain(self.assembler.actors)
                 for actor_id in self.assembler.expire_silent_actors(now):
                     log.warning("actor %s silent for %.1f s: dropped, its unfinished segment discarded",
                                 actor_id, config.actor_timeout_s)
@@ -560,6 +582,8 @@ class Learner:
             self.telemetry.close()
             if self.prometheus is not None:
                 self.prometheus.close()
+            if self.security is not None:
+                self.security.close()
             self.context.destroy(linger=0)
             for buffer in self.buffers:
                 buffer.close()
@@ -571,14 +595,14 @@ def _finite_or_none(value: float) -> float | None:
 
 def main(config: OakEmuConfig) -> int:
     """Entry point of ``oakemu learner``: run until the budget is spent or SIGINT/SIGTERM."""
-    setup_logging(config.log_level)
+    setup_logging(config.log_level, config.log_format)
     # An unknown env id fails here, before the run folder is created.
     check_env(config.env_id, settings_file=config.emulator_settings)
     run_dir = resolve_run_dir(config)
     stop_event = install_stop_signals()
     try:
         learner = Learner(config, run_dir)
-    except SharedMemoryTooSmallError as error:  # a deployment mistake: say what to change, no traceback
+    except (SharedMemoryTooSmallError, TransportSecurityError) as error:  # a deployment mistake: say what to change, no traceback
         log.error("learner cannot start: %s", error)
         return 1
     try:

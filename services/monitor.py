@@ -44,7 +44,8 @@ _POLL_INTERVAL_S = 0.25
 """How often the live view redraws when no snapshot arrives (s)."""
 
 
-def main(connect: str, *, json_output: bool = False, once: bool = False, timeout_s: float = 5.0) -> int:
+def main(connect: str, *, json_output: bool = False, once: bool = False, timeout_s: float = 5.0,
+         security: Any = None) -> int:
     """Run the monitor against the telemetry publisher at ``connect``.
 
     Args:
@@ -53,6 +54,7 @@ def main(connect: str, *, json_output: bool = False, once: bool = False, timeout
         once: print one snapshot and exit.
         timeout_s: seconds to wait for telemetry before giving up (first snapshot; in ``--json``
             mode also any later silence). Must be > 0.
+        security: an :class:`oakemu_core.auth.ClientSecurity` (CURVE keys) when the learner requires them.
 
     Returns:
         The process exit code: :data:`EXIT_OK`, :data:`EXIT_NO_TELEMETRY` or :data:`EXIT_BAD_ADDRESS`.
@@ -63,7 +65,7 @@ def main(connect: str, *, json_output: bool = False, once: bool = False, timeout
     if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
         raise ValueError(f"timeout_s must be a positive number of seconds, received {timeout_s!r}")
     try:
-        subscriber = TelemetrySubscriber(connect)
+        subscriber = TelemetrySubscriber(connect, security=security)
     except TelemetryAddressError as exc:
         print(f"oakemu monitor: {exc}", file=sys.stderr)
         return EXIT_BAD_ADDRESS

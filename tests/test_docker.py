@@ -361,7 +361,8 @@ def check_env_change_refused(compose: Compose) -> str:
     deadline = time.monotonic() + 90
     while not exited() and time.monotonic() < deadline:
         time.sleep(2)
-    logs = run(["docker", "logs", "--since", since, learner]).stderr
+    logs_result = run(["docker", "logs", "--since", since, learner])
+    logs = logs_result.stdout + logs_result.stderr
     running = not exited()
     compose("stop", "--timeout", "30", timeout=120)
     if running:
