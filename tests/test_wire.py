@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import pickle
 import threading
+from dataclasses import replace
 from typing import Any
 
 import msgpack
@@ -14,6 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from oakemu_core import wire
+from oakemu_core.distributions import Categorical, DiagGaussian
+from oakemu_core.step_schema import build_schema, check_step_consistency, default_schema
 from oakemu_core.wire import (
     PROTOCOL_VERSION,
     REJECTION_REASONS,
@@ -39,10 +42,17 @@ from oakemu_core.wire import (
 
 MAX_BYTES = 1 << 20
 N = 8
-ATARI_SPEC = StepSpec(num_envs=N, observation_shape=(4, 84, 84), observation_dtype=np.uint8)
+ATARI_SCHEMA = build_schema({"": ((4, 84, 84), np.uint8)}, Categorical(4))
+ATARI_SPEC = StepSpec(num_envs=N, schema=ATARI_SCHEMA)
+SENT = tuple(f.name for f in ATARI_SCHEMA.sent)
 ACTOR, INCARNATION = "actor-0", "9f1c2b"
 FLOAT_FIELDS = ("log_probs", "values", "rewards", "bootstrap_values", "next_values")
 BOOL_FIELDS = ("dones", "truncated", "trainable")
+
+
+def test_the_atari_schema_sends_the_standard_fields() -> None:
+    assert set(SENT) == {"observations", *FLOAT_FIELDS, *BOOL_FIELDS, "actions"}
+    assert ATARI_SPEC.array_layout()["observations"] == (np.dtype(np.uint8), (N, 4, 84, 84))
 
 
 def atari_step(seq: int = 0, seed: int = 0) -> StepMessage:
@@ -55,19 +65,26 @@ def atari_step(seq: int = 0, seed: int = 0) -> StepMessage:
         incarnation=INCARNATION,
         seq=seq,
         policy_version=7,
-        observations=rng.integers(0, 256, size=(N, 4, 84, 84), dtype=np.uint8),
-        actions=rng.integers(0, 4, size=N, dtype=np.int64),
-        log_probs=rng.normal(size=N).astype(np.float32),
-        values=rng.normal(size=N).astype(np.float32),
-        rewards=rng.normal(size=N).astype(np.float32),
-        dones=dones,
-        truncated=truncated,
-        bootstrap_values=np.where(truncated, 0.5, 0.0).astype(np.float32),
-        next_values=rng.normal(size=N).astype(np.float32),
-        trainable=np.ones(N, dtype=bool),
+        fields={
+            "observations": rng.integers(0, 256, size=(N, 4, 84, 84), dtype=np.uint8),
+            "actions": rng.integers(0, 4, size=N, dtype=np.int64),
+            "log_probs": -np.abs(rng.normal(size=N)).astype(np.float32),
+            "values": rng.normal(size=N).astype(np.float32),
+            "rewards": rng.normal(size=N).astype(np.float32),
+            "dones": dones,
+            "truncated": truncated,
+            "bootstrap_values": np.where(truncated, 0.5, 0.0).astype(np.float32),
+            "next_values": rng.normal(size=N).astype(np.float32),
+            "trainable": np.ones(N, dtype=bool),
+        },
         episode_returns=[12.0, 3.5],
         episode_lengths=[400, 77],
     )
+
+
+def with_fields(msg: StepMessage, **changes: Any) -> StepMessage:
+    """A copy of ``msg`` with some of its arrays replaced."""
+    return replace(msg, fields={**msg.fields, **changes})
 
 
 def known_spec(actor_id: str, incarnation: str) -> StepSpec | None:
@@ -77,6 +94,11 @@ def known_spec(actor_id: str, incarnation: str) -> StepSpec | None:
 def step_obj() -> dict[str, Any]:
     """The msgpack map of a valid step frame, to be altered into a malformed one."""
     return msgpack.unpackb(encode_step(atari_step()), raw=False)
+
+
+def put(obj: dict[str, Any], name: str, value: Any) -> None:
+    """Set a field of a step frame's map: arrays live in ``obj["fields"]``, the rest at the top."""
+    (obj["fields"] if name in SENT else obj)[name] = value
 
 
 def wire_array(array: np.ndarray) -> dict[str, Any]:
@@ -102,8 +124,9 @@ def rejection(frame: bytes, decoder: str = "step") -> MessageRejected:
 def assert_steps_equal(a: StepMessage, b: StepMessage) -> None:
     for name in ("actor_id", "incarnation", "seq", "policy_version", "episode_returns", "episode_lengths"):
         assert getattr(a, name) == getattr(b, name), name
-    for name in wire._STEP_ARRAYS:
-        x, y = getattr(a, name), getattr(b, name)
+    assert a.fields.keys() == b.fields.keys()
+    for name in a.fields:
+        x, y = a.fields[name], b.fields[name]
         assert x.dtype == y.dtype and x.shape == y.shape, name
         np.testing.assert_array_equal(x, y, err_msg=name)
 
@@ -117,28 +140,31 @@ def test_step_round_trip_atari() -> None:
 
 
 def test_step_round_trip_vector_obs_and_non_contiguous_inputs() -> None:
-    spec = StepSpec(num_envs=3, observation_shape=(4,), observation_dtype=np.float32, action_shape=(2,), action_dtype=np.float32)
+    spec = StepSpec(num_envs=3, schema=default_schema((4,), np.float32, (2,), np.float32))
     big = np.arange(3 * 8, dtype=np.float32).reshape(3, 8)
     msg = StepMessage(
         actor_id="a",
         incarnation="b",
         seq=0,
         policy_version=0,
-        observations=big[:, ::2],  # strided view, not C-contiguous
-        actions=np.asfortranarray(np.array([[1, 2], [3, 4], [5, 6]], dtype=np.float32)),
-        log_probs=np.array([-0.1, -0.2, -0.3], dtype=np.float32),
-        values=np.zeros(3, np.float32),
-        rewards=np.ones(3, np.float32),
-        dones=np.zeros(3, bool),
-        truncated=np.zeros(3, bool),
-        bootstrap_values=np.zeros(3, np.float32),
-        next_values=np.zeros(3, np.float32),
-        trainable=np.array([True, False, True]),
+        fields={
+            "observations": big[:, ::2],  # strided view, not C-contiguous
+            "actions": np.asfortranarray(np.array([[1, 2], [3, 4], [5, 6]], dtype=np.float32)),
+            "log_probs": np.array([-0.1, -0.2, -0.3], dtype=np.float32),
+            "values": np.zeros(3, np.float32),
+            "rewards": np.ones(3, np.float32),
+            "dones": np.zeros(3, bool),
+            "truncated": np.zeros(3, bool),
+            "bootstrap_values": np.zeros(3, np.float32),
+            "next_values": np.zeros(3, np.float32),
+            "trainable": np.array([True, False, True]),
+        },
     )
     decoded = decode_step(encode_step(msg), lambda a, i: spec, max_bytes=MAX_BYTES)
-    np.testing.assert_array_equal(decoded.observations, [[0, 2, 4, 6], [8, 10, 12, 14], [16, 18, 20, 22]])
-    np.testing.assert_array_equal(decoded.actions, [[1, 2], [3, 4], [5, 6]])
-    np.testing.assert_array_equal(decoded.trainable, [True, False, True])
+    np.testing.assert_array_equal(decoded.fields["observations"], [[0, 2, 4, 6], [8, 10, 12, 14], [16, 18, 20, 22]])
+    np.testing.assert_array_equal(decoded.fields["actions"], [[1, 2], [3, 4], [5, 6]])
+    np.testing.assert_array_equal(decoded.fields["trainable"], [True, False, True])
+    assert decoded.num_envs == 3
     assert decoded.episode_returns == [] and decoded.episode_lengths == []
 
 
@@ -184,32 +210,57 @@ def test_join_reply_and_weights_round_trip() -> None:
 
 
 def test_step_spec_dict_round_trip_and_validation() -> None:
-    spec = StepSpec(4, (3, 2), np.dtype(">f4"), (2,), np.int32)
+    schema = default_schema((3, 2), np.dtype(">f4"), (2,), np.int32)
+    spec = StepSpec(4, schema)
     as_dict = spec.to_dict()
-    assert as_dict == {"num_envs": 4, "observation_shape": [3, 2], "observation_dtype": ">f4", "action_shape": [2], "action_dtype": "<i4"}
-    assert StepSpec.from_dict(msgpack.unpackb(msgpack.packb(as_dict))) == spec
-    with pytest.raises(ValueError, match="num_envs"):
-        StepSpec(0, (4,), np.float32)
-    with pytest.raises(TypeError, match="observation_dtype"):
-        StepSpec(1, (4,), object)
-    with pytest.raises(ValueError, match="action_shape"):
-        StepSpec(1, (4,), np.float32, action_shape=(-1,))
-    with pytest.raises(MessageRejected) as info:
-        StepSpec.from_dict({**as_dict, "observation_dtype": "|O"})
-    assert info.value.reason == "dtype"
-    with pytest.raises(MessageRejected) as info:
-        StepSpec.from_dict({**as_dict, "extra": 1})
-    assert info.value.reason == "schema"
+    assert as_dict == {"num_envs": 4, "schema": schema.to_dict()}
+    fields = {f["name"]: f for f in as_dict["schema"]["fields"]}
+    assert (fields["observations"]["shape"], fields["observations"]["dtype"]) == ([3, 2], ">f4")
+    assert (fields["actions"]["shape"], fields["actions"]["dtype"]) == ([2], "<i4")
+    decoded = StepSpec.from_dict(msgpack.unpackb(msgpack.packb(as_dict)))
+    assert decoded == spec and decoded.array_layout() == spec.array_layout()
+    assert decoded.array_layout()["observations"] == (np.dtype(">f4"), (4, 3, 2))
+    atari = StepSpec.from_dict(msgpack.unpackb(msgpack.packb(ATARI_SPEC.to_dict())))
+    assert atari == ATARI_SPEC and atari.schema.distribution == Categorical(4)
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="num_envs"):
+            StepSpec(bad, schema)
+    with pytest.raises(ValueError, match="observations"):
+        default_schema((4,), object)
+    with pytest.raises(ValueError, match="actions"):
+        default_schema((4,), np.float32, action_shape=(-1,))
+
+    def field_changed(name: str, **change: Any) -> dict[str, Any]:
+        changed = [{**f, **change} if f["name"] == name else f for f in as_dict["schema"]["fields"]]
+        return {**as_dict, "schema": {**as_dict["schema"], "fields": changed}}
+
+    for bad_spec in (
+        field_changed("observations", dtype="|O"),  # never parsed by np.dtype
+        field_changed("observations", dtype="<U4"),
+        field_changed("observations", shape=[-1]),
+        field_changed("actions", sent="yes"),
+        {**as_dict, "extra": 1},
+        {**as_dict, "num_envs": 0},
+        {**as_dict, "num_envs": "4"},
+        {"num_envs": 4},
+        {**as_dict, "schema": {"fields": [], "distribution": None}},
+        [4],
+    ):
+        with pytest.raises(MessageRejected) as info:
+            StepSpec.from_dict(bad_spec)
+        assert info.value.reason == "schema", bad_spec
 
 
 def test_encoder_errors_name_the_field() -> None:
     msg = atari_step()
     with pytest.raises(TypeError, match="observations"):
-        encode_step(StepMessage(**{**msg.__dict__, "observations": np.empty(N, dtype=object)}))
+        encode_step(with_fields(msg, observations=np.empty(N, dtype=object)))
     with pytest.raises(TypeError, match="rewards"):
-        encode_step(StepMessage(**{**msg.__dict__, "rewards": [0.0] * N}))
+        encode_step(with_fields(msg, rewards=[0.0] * N))
     with pytest.raises(ValueError, match="episode_lengths"):
-        encode_step(StepMessage(**{**msg.__dict__, "episode_lengths": [1]}))
+        encode_step(replace(msg, episode_lengths=[1]))
+    with pytest.raises(ValueError, match="seq"):
+        encode_step(replace(msg, seq=-1))
     with pytest.raises(ValueError, match="status"):
         encode_heartbeat_reply(HeartbeatReply("maybe", 0))
     with pytest.raises(TypeError, match="env_config"):
@@ -243,19 +294,20 @@ def test_encoding_is_thread_safe() -> None:
 def test_decoded_arrays_are_read_only_views_of_the_unpacked_bytes() -> None:
     msg = atari_step()
     decoded = decode_step(encode_step(msg), known_spec, max_bytes=MAX_BYTES)
-    for name in wire._STEP_ARRAYS:
-        array = getattr(decoded, name)
+    assert set(decoded.fields) == set(SENT)
+    for name in SENT:
+        array = decoded.fields[name]
         assert not array.flags.writeable, name
         root = array
         while isinstance(root, np.ndarray):
             root = root.base
         assert isinstance(root, bytes) and len(root) == array.nbytes, name  # a view, not a copy
     with pytest.raises(ValueError):
-        decoded.observations.flags.writeable = True  # bytes-backed: cannot be made writeable
+        decoded.fields["observations"].flags.writeable = True  # bytes-backed: cannot be made writeable
 
 
 def test_encoder_passes_the_array_buffer_without_copying() -> None:
-    obs = atari_step().observations
+    obs = atari_step().fields["observations"]
     data = wire._encode_array(obs, "observations")["data"]
     assert np.shares_memory(np.frombuffer(data, dtype=np.uint8), obs)
 
@@ -272,7 +324,7 @@ def test_unaltered_step_obj_is_accepted() -> None:
 
 def test_wrong_dtype_is_rejected_naming_field_expected_received() -> None:
     obj = step_obj()
-    obj["rewards"] = wire_array(np.zeros(N, dtype=np.float64))
+    put(obj, "rewards", wire_array(np.zeros(N, dtype=np.float64)))
     error = rejection(msgpack.packb(obj))
     assert error.reason == "dtype"
     assert "rewards" in error.detail and "'<f4'" in error.detail and "'<f8'" in error.detail
@@ -289,7 +341,7 @@ def test_wrong_dtype_is_rejected_naming_field_expected_received() -> None:
 )
 def test_other_wrong_dtypes(field: str, array: np.ndarray) -> None:
     obj = step_obj()
-    obj[field] = wire_array(array)
+    put(obj, field, wire_array(array))
     error = rejection(msgpack.packb(obj))
     assert error.reason == "dtype" and field in error.detail
 
@@ -300,18 +352,20 @@ def test_other_wrong_dtypes(field: str, array: np.ndarray) -> None:
 )
 def test_wrong_shape_is_rejected_naming_field_expected_received(field: str, shape: tuple[int, ...]) -> None:
     obj = step_obj()
-    dtype = np.dtype(obj[field]["dtype"])
-    obj[field] = wire_array(np.zeros(shape, dtype=dtype))
+    dtype = np.dtype(obj["fields"][field]["dtype"])
+    put(obj, field, wire_array(np.zeros(shape, dtype=dtype)))
     error = rejection(msgpack.packb(obj))
     assert error.reason == "shape"
-    expected = list(dict(((n, s) for n, _, s in ATARI_SPEC._wire_layout))[field])
+    expected = list(ATARI_SPEC.array_layout()[field][1])
     assert field in error.detail and str(expected) in error.detail and str(list(shape)) in error.detail
 
 
-@pytest.mark.parametrize("field", ["actor_id", "seq", "policy_version", "rewards", "trainable", "episode_returns", "protocol"])
+@pytest.mark.parametrize(
+    "field", ["actor_id", "seq", "policy_version", "rewards", "trainable", "episode_returns", "protocol", "fields"]
+)
 def test_missing_field(field: str) -> None:
     obj = step_obj()
-    del obj[field]
+    del (obj["fields"] if field in SENT else obj)[field]
     error = rejection(msgpack.packb(obj))
     assert error.reason == ("protocol" if field == "protocol" else "schema")
     assert field in error.detail
@@ -319,7 +373,11 @@ def test_missing_field(field: str) -> None:
 
 def test_extra_field() -> None:
     obj = step_obj()
-    obj["rewards_raw"] = wire_array(np.zeros(N, np.float32))
+    obj["fields"]["rewards_raw"] = wire_array(np.zeros(N, np.float32))
+    error = rejection(msgpack.packb(obj))
+    assert error.reason == "schema" and "rewards_raw" in error.detail
+    obj = step_obj()
+    obj["rewards_raw"] = wire_array(np.zeros(N, np.float32))  # outside the fields map
     error = rejection(msgpack.packb(obj))
     assert error.reason == "schema" and "rewards_raw" in error.detail
 
@@ -344,11 +402,12 @@ def test_extra_field() -> None:
         ("rewards", {"dtype": "<f4", "shape": [N], "data": "\x00" * (4 * N)}),  # str, not bin
         ("rewards", {"dtype": "<f4", "shape": [float(N)], "data": b"\x00" * (4 * N)}),
         ("rewards", {"dtype": 4, "shape": [N], "data": b"\x00" * (4 * N)}),
+        ("fields", [1, 2]),
     ],
 )
 def test_wrong_typed_fields(field: str, value: Any) -> None:
     obj = step_obj()
-    obj[field] = value
+    put(obj, field, value)
     error = rejection(msgpack.packb(obj))
     assert error.reason == "schema" and field.split("_")[0] in error.detail
 
@@ -371,7 +430,7 @@ def test_pickle_bytes_are_never_unpickled() -> None:
 @pytest.mark.parametrize("dtype", ["|O", "O", "<U4", "|S4", "|V8", "<M8[ns]", "<m8[s]", "<c8", "<f16", "f4,f4", "(2,)<f4", "<u1", "?", "float32", "|b2"])
 def test_disallowed_dtype_strings(dtype: str) -> None:
     obj = step_obj()
-    obj["rewards"] = {"dtype": dtype, "shape": [N], "data": b"\x00" * (4 * N)}
+    put(obj, "rewards", {"dtype": dtype, "shape": [N], "data": b"\x00" * (4 * N)})
     error = rejection(msgpack.packb(obj))
     assert error.reason == "dtype" and "rewards" in error.detail
 
@@ -379,7 +438,7 @@ def test_disallowed_dtype_strings(dtype: str) -> None:
 def test_object_dtype_with_pickled_payload_is_rejected() -> None:
     obj = step_obj()
     payload = pickle.dumps([1.0] * N)
-    obj["observations"] = {"dtype": "|O", "shape": [N], "data": payload}
+    put(obj, "observations", {"dtype": "|O", "shape": [N], "data": payload})
     assert rejection(msgpack.packb(obj)).reason == "dtype"
 
 
@@ -389,14 +448,14 @@ def test_object_dtype_with_pickled_payload_is_rejected() -> None:
 )
 def test_declared_size_disagreeing_with_data_is_rejected(shape: list[int]) -> None:
     obj = step_obj()
-    obj["observations"]["shape"] = shape  # data keeps its N*4*84*84 bytes
+    obj["fields"]["observations"]["shape"] = shape  # data keeps its N*4*84*84 bytes
     error = rejection(msgpack.packb(obj))
     assert error.reason == "size" and "observations" in error.detail
 
 
 def test_one_byte_short_is_a_size_error() -> None:
     obj = step_obj()
-    obj["log_probs"]["data"] = obj["log_probs"]["data"][:-1]
+    obj["fields"]["log_probs"]["data"] = obj["fields"]["log_probs"]["data"][:-1]
     assert rejection(msgpack.packb(obj)).reason == "size"
 
 
@@ -406,7 +465,7 @@ def test_non_finite_floats_are_rejected(field: str, bad: float) -> None:
     obj = step_obj()
     values = np.zeros(N, np.float32)
     values[3] = bad
-    obj[field] = wire_array(values)
+    put(obj, field, wire_array(values))
     error = rejection(msgpack.packb(obj))
     assert error.reason == "schema" and field in error.detail
 
@@ -416,11 +475,15 @@ def test_nan_episode_return_and_float_observations() -> None:
     obj["episode_returns"] = [1.0, math.nan]
     assert rejection(msgpack.packb(obj)).reason == "schema"
 
-    spec = StepSpec(2, (3,), np.float32)
+    spec = StepSpec(2, default_schema((3,), np.float32))
     obs = np.zeros((2, 3), np.float32)
     obs[1, 2] = np.inf
-    msg = StepMessage("a", "b", 0, 0, obs, np.zeros(2, np.int64), *(np.zeros(2, np.float32),) * 3,
-                      np.zeros(2, bool), np.zeros(2, bool), np.zeros(2, np.float32), np.zeros(2, np.float32), np.ones(2, bool))
+    zeros = np.zeros(2, np.float32)
+    msg = StepMessage("a", "b", 0, 0, {
+        "observations": obs, "actions": np.zeros(2, np.int64), "log_probs": zeros, "values": zeros, "rewards": zeros,
+        "dones": np.zeros(2, bool), "truncated": np.zeros(2, bool), "bootstrap_values": zeros, "next_values": zeros,
+        "trainable": np.ones(2, bool),
+    })
     with pytest.raises(MessageRejected) as info:
         decode_step(encode_step(msg), lambda a, i: spec, max_bytes=MAX_BYTES)
     assert info.value.reason == "schema" and "observations" in info.value.detail
@@ -428,16 +491,78 @@ def test_nan_episode_return_and_float_observations() -> None:
 
 def test_bool_bytes_other_than_zero_and_one() -> None:
     obj = step_obj()
-    obj["trainable"]["data"] = b"\x01\x02" + b"\x01" * (N - 2)
+    obj["fields"]["trainable"]["data"] = b"\x01\x02" + b"\x01" * (N - 2)
     error = rejection(msgpack.packb(obj))
     assert error.reason == "schema" and "trainable" in error.detail
 
 
 def test_truncated_without_done() -> None:
     obj = step_obj()
-    obj["truncated"] = wire_array(np.array([0, 0, 1, 0, 0, 0, 0, 0], dtype=bool))  # env 2 not done
+    put(obj, "truncated", wire_array(np.array([0, 0, 1, 0, 0, 0, 0, 0], dtype=bool)))  # env 2 not done
     error = rejection(msgpack.packb(obj))
-    assert error.reason == "schema" and "truncated" in error.detail
+    # Finite, well-typed, but impossible: a rule between fields (step_schema.check_step_consistency).
+    assert error.reason == "value_range" and "truncated" in error.detail
+
+
+# Finite, well-typed values that no policy or env produces (formerly checked in ingest.py): they
+# are rejected at the wire, the trust boundary, with reason "value_range" naming the field.
+@pytest.mark.parametrize(
+    ("field", "bad_value"),
+    [
+        ("actions", np.array([0, 4, 0, 0, 0, 0, 0, 0], np.int64)),  # 4 actions: 0..3
+        ("actions", np.array([-1, 0, 0, 0, 0, 0, 0, 0], np.int64)),
+        ("rewards", np.array([0.0, 3e38, 0, 0, 0, 0, 0, 0], np.float32)),
+        ("values", np.array([-2e6, 0, 0, 0, 0, 0, 0, 0], np.float32)),
+        ("next_values", np.array([0, 0, 0, 0, 0, 0, 0, 2e6], np.float32)),
+        ("log_probs", np.array([0.5, -0.1, 0, 0, 0, 0, 0, 0], np.float32)),  # a probability above 1
+        ("log_probs", np.array([-2e4, -0.1, 0, 0, 0, 0, 0, 0], np.float32)),
+        ("bootstrap_values", np.array([1.0, 0, 0, 0, 0, 0, 0, 0], np.float32)),  # env 0 not truncated
+        ("bootstrap_values", np.array([0, 5e6, 0, 0, 0, 0, 0, 0], np.float32)),  # env 1 truncated, but huge
+    ],
+)
+def test_impossible_values_are_rejected_naming_the_field(field: str, bad_value: np.ndarray) -> None:
+    frame = encode_step(with_fields(atari_step(), **{field: bad_value}))
+    error = rejection(frame)
+    assert error.reason == "value_range" and error.detail.startswith(field), error.detail
+
+
+def test_extreme_but_possible_values_are_accepted() -> None:
+    msg = with_fields(
+        atari_step(),
+        actions=np.array([0, 3, 0, 3, 0, 3, 0, 3], np.int64),
+        rewards=np.full(N, 1e6, np.float32),
+        log_probs=np.zeros(N, np.float32),  # a certain action
+        bootstrap_values=np.array([0, -1e6, 0, 0, 0, 0, 0, 0], np.float32),  # env 1 truncated
+    )
+    decoded = decode_step(encode_step(msg), known_spec, max_bytes=MAX_BYTES)
+    assert_steps_equal(msg, decoded)
+
+
+def test_huge_episode_return_is_a_value_range_error() -> None:
+    obj = step_obj()
+    obj["episode_returns"] = [1.0, 1e13]
+    error = rejection(msgpack.packb(obj))
+    assert error.reason == "value_range" and "episode_returns" in error.detail
+
+
+def test_a_gaussian_log_density_may_be_positive() -> None:
+    """A narrow Gaussian has density above 1: positive log probs are valid for Box actions only."""
+    schema = build_schema({"": ((3,), np.float32)}, DiagGaussian([-2.0, -2.0], [2.0, 2.0]))
+    spec = StepSpec(2, schema)
+    zeros = np.zeros(2, np.float32)
+    fields = {
+        "observations": np.zeros((2, 3), np.float32), "actions": np.array([[5.0, -5.0], [0.1, 0.2]], np.float32),
+        "log_probs": np.array([3.5, -1.0], np.float32), "values": zeros, "rewards": zeros, "dones": np.zeros(2, bool),
+        "truncated": np.zeros(2, bool), "bootstrap_values": zeros, "next_values": zeros, "trainable": np.ones(2, bool),
+        "action_mean": np.zeros((2, 2), np.float32), "action_std": np.full((2, 2), 0.01, np.float32),
+    }
+    decoded = decode_step(encode_step(StepMessage("a", "b", 0, 0, fields)), lambda a, i: spec, max_bytes=MAX_BYTES)
+    # Actions outside the Box are stored as sampled (the env boundary clips them).
+    np.testing.assert_array_equal(decoded.fields["actions"], fields["actions"])
+    with pytest.raises(MessageRejected) as info:
+        decode_step(encode_step(StepMessage("a", "b", 0, 0, {**fields, "action_std": np.zeros((2, 2), np.float32)})),
+                    lambda a, i: spec, max_bytes=MAX_BYTES)
+    assert info.value.reason == "value_range" and "action_std" in info.value.detail
 
 
 def test_oversized_frame_is_rejected_before_decoding() -> None:
@@ -452,7 +577,11 @@ def test_oversized_frame_is_rejected_before_decoding() -> None:
     assert info.value.reason == "oversized"
 
 
-@pytest.mark.parametrize("version", [0, 2, "1", 1.0, None])
+def test_protocol_version_is_2() -> None:
+    assert PROTOCOL_VERSION == 2 and step_obj()["protocol"] == 2
+
+
+@pytest.mark.parametrize("version", [0, 1, 3, "2", 2.0, None])
 def test_wrong_protocol(version: Any) -> None:
     obj = step_obj()
     obj["protocol"] = version
@@ -517,7 +646,11 @@ def test_msgpack_level_limits(frame: bytes) -> None:
         ({"type": "join_reply", "accepted": True, "reason": "", "actor_index": 0, "spec": None, "env_config": {},
           "policy_version": 0, "weights": {}}, "schema"),
         ({"type": "join_reply", "accepted": True, "reason": "", "actor_index": 0,
-          "spec": {**ATARI_SPEC.to_dict(), "observation_dtype": "<U1"}, "env_config": {}, "policy_version": 0, "weights": {}}, "dtype"),
+          "spec": {**ATARI_SPEC.to_dict(), "schema": {"fields": "<U1", "distribution": None}}, "env_config": {},
+          "policy_version": 0, "weights": {}}, "schema"),
+        ({"type": "join_reply", "accepted": True, "reason": "", "actor_index": 0,
+          "spec": {**ATARI_SPEC.to_dict(), "schema": {**ATARI_SCHEMA.to_dict(), "distribution": {"kind": "tuple"}}},
+          "env_config": {}, "policy_version": 0, "weights": {}}, "schema"),
         ({"type": "join_reply", "accepted": False, "reason": "", "actor_index": -1, "spec": None,
           "env_config": {"env_id": ["list"]}, "policy_version": 0, "weights": {}}, "schema"),
     ],
@@ -551,9 +684,17 @@ def decode_both(frame: bytes) -> None:
             assert error.reason in REJECTION_REASONS
         else:
             if isinstance(result, StepMessage):
-                for name, dtype_str, shape in ATARI_SPEC._wire_layout:
-                    array = getattr(result, name)
-                    assert array.dtype.str == dtype_str and array.shape == shape
+                assert_matches_spec(result, ATARI_SPEC)
+
+
+def assert_matches_spec(result: StepMessage, spec: StepSpec) -> None:
+    """An accepted step has exactly the spec's arrays, dtypes and shapes, and passes its value checks."""
+    assert result.fields.keys() == spec.array_layout().keys()
+    for name, (dtype, shape) in spec.array_layout().items():
+        array = result.fields[name]
+        assert array.dtype == dtype and array.dtype.str == dtype.str and array.shape == shape, name
+        assert spec.schema[name].check_values(array) is None, name
+    assert check_step_consistency(spec.schema, result.fields) is None
 
 
 @FUZZ
@@ -562,15 +703,20 @@ def test_fuzz_random_bytes(frame: bytes) -> None:
     decode_both(frame)
 
 
-_SMALL_STEP_SPEC = StepSpec(num_envs=2, observation_shape=(2,), observation_dtype=np.uint8)
+_SMALL_STEP_SPEC = StepSpec(num_envs=2, schema=build_schema({"": ((2,), np.uint8)}, Categorical(2)))
 
 
 @FUZZ
 @given(st.data())
 def test_fuzz_mutated_valid_frames(data: st.DataObject) -> None:
-    msg = StepMessage("actor-0", "9f1c2b", 1, 2, np.array([[1, 2], [3, 4]], np.uint8), np.array([0, 1], np.int64),
-                      *(np.array([0.5, -0.5], np.float32),) * 3, np.array([True, False]), np.array([True, False]),
-                      *(np.array([0.5, -0.5], np.float32),) * 2, np.array([True, True]), [1.0], [3])
+    halves = np.array([0.5, -0.5], np.float32)
+    msg = StepMessage("actor-0", "9f1c2b", 1, 2, {
+        "observations": np.array([[1, 2], [3, 4]], np.uint8), "actions": np.array([0, 1], np.int64),
+        "log_probs": np.array([-0.5, -0.25], np.float32), "values": halves, "rewards": halves,
+        "dones": np.array([True, False]), "truncated": np.array([True, False]),
+        "bootstrap_values": np.array([0.5, 0.0], np.float32), "next_values": halves, "trainable": np.array([True, True]),
+    }, [1.0], [3])
+    decode_step(encode_step(msg), lambda a, i: _SMALL_STEP_SPEC, max_bytes=MAX_BYTES)  # the unmutated frame is valid
     frame = bytearray(encode_step(msg))
     for _ in range(data.draw(st.integers(1, 4))):
         position = data.draw(st.integers(0, len(frame) - 1))
@@ -582,10 +728,8 @@ def test_fuzz_mutated_valid_frames(data: st.DataObject) -> None:
     except MessageRejected as error:
         assert error.reason in REJECTION_REASONS
     else:
-        for name, dtype_str, shape in _SMALL_STEP_SPEC._wire_layout:
-            array = getattr(result, name)
-            assert array.dtype.str == dtype_str and array.shape == shape
-        assert all(math.isfinite(x) for x in result.rewards.tolist())
+        assert_matches_spec(result, _SMALL_STEP_SPEC)
+        assert all(math.isfinite(x) for x in result.fields["rewards"].tolist())
 
 
 _msgpack_values = st.recursive(
@@ -593,7 +737,7 @@ _msgpack_values = st.recursive(
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
     max_leaves=20,
 )
-_field_names = st.sampled_from(sorted({"protocol", "type", "dtype", "shape", "data", *wire._STEP_FIELDS}))
+_field_names = st.sampled_from(sorted({"protocol", "type", "dtype", "shape", "data", *wire._STEP_FIELDS, *SENT}))
 
 
 @FUZZ
