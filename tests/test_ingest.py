@@ -7,8 +7,6 @@ the messages carry.
 
 from __future__ import annotations
 
-import dataclasses
-
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -21,7 +19,9 @@ from oakemu_core.ingest import (
     StepRejected,
     drop_stale_rows,
 )
+from oakemu_core.distributions import Categorical
 from oakemu_core.rollout_buffer import RolloutBuffer
+from oakemu_core.step_schema import StepField, build_schema
 from oakemu_core.wire import (
     MessageRejected,
     StepMessage,
@@ -34,11 +34,12 @@ T = 3  # rollout length
 N = 6  # buffer columns
 OBS_SHAPE = (2,)
 TIMEOUT_S = 5.0
+SCHEMA = build_schema({"": (OBS_SHAPE, np.float32)}, Categorical(3))  # 3 actions
 
 
 @pytest.fixture
 def buffers() -> Iterator[list[RolloutBuffer]]:
-    made = [RolloutBuffer(T, N, OBS_SHAPE, np.float32) for _ in range(2)]
+    made = [RolloutBuffer(T, N, schema=SCHEMA) for _ in range(2)]
     yield made
     for buffer in made:
         buffer.close()
@@ -50,7 +51,7 @@ def assembler(buffers: list[RolloutBuffer]) -> RolloutAssembler:
 
 
 def spec(num_envs: int) -> StepSpec:
-    return StepSpec(num_envs=num_envs, observation_shape=OBS_SHAPE, observation_dtype=np.float32)
+    return StepSpec(num_envs=num_envs, schema=SCHEMA)
 
 
 def message(actor_id: str, incarnation: str, seq: int, num_envs: int, *, version: int = 0,
@@ -71,16 +72,18 @@ def message(actor_id: str, incarnation: str, seq: int, num_envs: int, *, version
         incarnation=incarnation,
         seq=seq,
         policy_version=version,
-        observations=np.stack([observation, -observation], axis=1),
-        actions=((seq + i) % 3).astype(np.int64),
-        log_probs=(-0.1 * (i + 1)).astype(np.float32),
-        values=(a + seq + 0.5 * i).astype(np.float32),
-        rewards=(seq + 0.25 * i).astype(np.float32),
-        dones=done,
-        truncated=trunc,
-        bootstrap_values=np.where(trunc, 7.0 + i, 0.0).astype(np.float32),
-        next_values=(100 * a + seq + i).astype(np.float32),
-        trainable=np.ones(num_envs, dtype=bool),
+        fields={
+            "observations": np.stack([observation, -observation], axis=1),
+            "actions": ((seq + i) % 3).astype(np.int64),
+            "log_probs": (-0.1 * (i + 1)).astype(np.float32),
+            "values": (a + seq + 0.5 * i).astype(np.float32),
+            "rewards": (seq + 0.25 * i).astype(np.float32),
+            "dones": done,
+            "truncated": trunc,
+            "bootstrap_values": np.where(trunc, 7.0 + i, 0.0).astype(np.float32),
+            "next_values": (100 * a + seq + i).astype(np.float32),
+            "trainable": np.ones(num_envs, dtype=bool),
+        },
     )
 
 
@@ -91,13 +94,8 @@ def send(assembler: RolloutAssembler, msg: StepMessage, *, version: int = 0, now
 def check_rows(buffer: RolloutBuffer, msg: StepMessage, row: int, columns: list[int]) -> None:
     """The message's arrays are in ``row`` of ``columns`` (env i -> columns[i])."""
     k = len(columns)
-    np.testing.assert_array_equal(buffer.observations[row, columns], msg.observations[:k])
-    np.testing.assert_array_equal(buffer.actions[row, columns], msg.actions[:k])
-    np.testing.assert_array_equal(buffer.log_probs[row, columns], msg.log_probs[:k])
-    np.testing.assert_array_equal(buffer.values[row, columns], msg.values[:k])
-    np.testing.assert_array_equal(buffer.rewards[row, columns], msg.rewards[:k])
-    np.testing.assert_array_equal(buffer.dones[row, columns], msg.dones[:k])
-    np.testing.assert_array_equal(buffer.bootstrap_values[row, columns], msg.bootstrap_values[:k])
+    for name in ("observations", "actions", "log_probs", "values", "rewards", "dones", "bootstrap_values"):
+        np.testing.assert_array_equal(buffer.field(name)[row, columns], msg.fields[name][:k], err_msg=name)
     np.testing.assert_array_equal(buffer.policy_versions[row, columns], np.full(k, msg.policy_version))
     assert buffer.trainable[row, columns].all()
 
@@ -172,15 +170,15 @@ def test_segment_completes_after_T_messages_with_last_values_and_dones_of_the_la
     rollout = assembler.take_full_rollout()
     assert rollout is not None and rollout.slot == 0 and rollout.buffer is buffers[0]
     assert assembler.states[0] is SlotState.TRAINING
-    expected_last_values = np.concatenate([sent_a[-1].next_values, sent_b[-1].next_values])
+    expected_last_values = np.concatenate([sent_a[-1].fields["next_values"], sent_b[-1].fields["next_values"]])
     np.testing.assert_array_equal(rollout.last_values, expected_last_values)
     assert rollout.last_dones.tolist() == [False, False, False, False, True, False]
     np.testing.assert_array_equal(rollout.last_dones, buffers[0].dones[-1])
     # GAE accepts them (it checks last_dones == dones[-1]); on b's truncated last row the
     # advantage is r + gamma * bootstrap - V, whatever the last value.
     rollout.buffer.compute_gae(rollout.last_values, rollout.last_dones, 0.9, 0.8)
-    last_b = sent_b[-1]
-    expected = last_b.rewards[1] + 0.9 * last_b.bootstrap_values[1] - last_b.values[1]
+    last_b = sent_b[-1].fields
+    expected = last_b["rewards"][1] + 0.9 * last_b["bootstrap_values"][1] - last_b["values"][1]
     assert buffers[0].advantages[T - 1, 4] == pytest.approx(expected, rel=1e-6)
 
 
@@ -334,10 +332,12 @@ def test_drop_stale_rows_marks_rows_over_the_lag_and_reports_lag_stats(buffers: 
     for t in range(T):
         for column in range(N):
             trainable = np.array([(t, column) != already_untrainable])
+            zero = np.zeros(1, np.float32)
             buffer.write_columns(
-                t, np.array([column]), rng.normal(size=(1, 2)).astype(np.float32), np.array([0]),
-                np.zeros(1, np.float32), np.zeros(1, np.float32), np.zeros(1, np.float32), np.array([False]),
-                trainable, policy_version=int(versions[t, column]),
+                t, np.array([column]),
+                {"observations": rng.normal(size=(1, 2)).astype(np.float32), "actions": np.array([0]),
+                 "log_probs": zero, "values": zero, "rewards": zero, "dones": np.array([False]), "trainable": trainable},
+                policy_version=int(versions[t, column]),
             )
     current, max_lag = 5, 2
     lag = current - versions
@@ -379,38 +379,84 @@ def test_learner_path_counts_a_late_step_of_a_departed_actor_as_dropped(assemble
     assert assembler.counters.dropped["late_steps"] == 3
 
 
+def learner_path(assembler: RolloutAssembler, msg: StepMessage, *, version: int = 0) -> None:
+    """What services.learner does with each frame: decode against the joined spec, then ingest."""
+    frame = encode_step(msg)
+    assembler.ingest(decode_step(frame, assembler.spec_for, max_bytes=2**20), current_policy_version=version, now=0.0)
+
+
 @pytest.mark.parametrize(
-    ("field", "bad_value", "detail"),
+    ("field", "bad_value"),
     [
-        ("actions", np.array([0, 3], np.int64), "actions"),  # 3 actions: 0..2
-        ("actions", np.array([-1, 0], np.int64), "actions"),
-        ("rewards", np.array([0.0, 3e38], np.float32), "rewards"),
-        ("values", np.array([-2e6, 0.0], np.float32), "values"),
-        ("log_probs", np.array([0.5, -0.1], np.float32), "log_probs"),
-        ("bootstrap_values", np.array([1.0, 0.0], np.float32), "bootstrap_values"),  # not truncated
+        ("actions", np.array([0, 3], np.int64)),  # 3 actions: 0..2
+        ("actions", np.array([-1, 0], np.int64)),
+        ("rewards", np.array([0.0, 3e38], np.float32)),
+        ("values", np.array([-2e6, 0.0], np.float32)),
+        ("log_probs", np.array([0.5, -0.1], np.float32)),
+        ("bootstrap_values", np.array([1.0, 0.0], np.float32)),  # not truncated
     ],
 )
-def test_impossible_values_are_rejected_and_break_the_segment(
-    buffers: list[RolloutBuffer], field: str, bad_value: np.ndarray, detail: str
+def test_impossible_values_are_rejected_on_the_learner_path_and_break_the_segment(
+    assembler: RolloutAssembler, buffers: list[RolloutBuffer], field: str, bad_value: np.ndarray
 ) -> None:
-    assembler = RolloutAssembler(buffers, actor_timeout_s=TIMEOUT_S, num_actions=3)
+    """Value checks moved from ingest to the wire (decode_step, reason value_range): the bad step
+    never reaches the assembler, and the hole it leaves in the actor's seq discards the segment."""
     assembler.join("a", "a-1", spec(2), hostname="h", now=0.0)
-    send(assembler, message("a", "a-1", 0, 2))
+    learner_path(assembler, message("a", "a-1", 0, 2))
     assert buffers[0].column_steps.tolist()[:2] == [1, 1]
-    bad = dataclasses.replace(message("a", "a-1", 1, 2), **{field: bad_value})
-    with pytest.raises(StepRejected) as caught:
-        send(assembler, bad)
-    assert caught.value.reason == "value_range" and detail in caught.value.detail
-    # Nothing of the bad step was written, and the unfinished segment (row 0) was discarded.
+    bad = message("a", "a-1", 1, 2)
+    bad = replace(bad, fields={**bad.fields, field: bad_value})
+    with pytest.raises(MessageRejected) as caught:
+        learner_path(assembler, bad)
+    assert caught.value.reason == "value_range" and caught.value.detail.startswith(field)
+    # Nothing of the bad step was written.
+    assert buffers[0].column_steps.tolist()[:2] == [1, 1]
+    assert assembler.counters.env_steps == 2
+    # The next step reveals the hole: out of order, the unfinished segment (row 0) is discarded,
+    # so no column ever holds rows that are not consecutive steps of one env.
+    with pytest.raises(StepRejected) as gap:
+        learner_path(assembler, message("a", "a-1", 2, 2))
+    assert gap.value.reason == "out_of_order"
     assert buffers[0].column_steps.tolist()[:2] == [0, 0]
     assert assembler.counters.dropped["discarded_segment_rows"] == 2
-    # The stream goes on at the next seq in a fresh segment.
-    send(assembler, message("a", "a-1", 2, 2))
+    # The stream goes on in a fresh segment.
+    msg = message("a", "a-1", 3, 2)
+    learner_path(assembler, msg)
     assert buffers[0].column_steps.tolist()[:2] == [1, 1]
+    check_rows(buffers[0], msg, 0, [0, 1])
 
 
-def test_bootstrap_value_on_a_truncated_row_is_accepted(buffers: list[RolloutBuffer]) -> None:
-    assembler = RolloutAssembler(buffers, actor_timeout_s=TIMEOUT_S, num_actions=3)
+def test_bootstrap_value_on_a_truncated_row_is_accepted(assembler: RolloutAssembler, buffers: list[RolloutBuffer]) -> None:
     assembler.join("a", "a-1", spec(2), hostname="h", now=0.0)
-    send(assembler, message("a", "a-1", 0, 2, dones=[True, False], truncated=[True, False]))
+    learner_path(assembler, message("a", "a-1", 0, 2, dones=[True, False], truncated=[True, False]))
     assert buffers[0].bootstrap_values[0, :2].tolist() == [7.0, 0.0]
+
+
+def test_buffers_must_share_the_schema(buffers: list[RolloutBuffer]) -> None:
+    with RolloutBuffer(T, N, OBS_SHAPE, np.float32) as plain:  # same shapes, no distribution
+        with pytest.raises(ValueError, match="share T, N and the step schema"):
+            RolloutAssembler([buffers[0], plain], actor_timeout_s=TIMEOUT_S)
+    with pytest.raises(ValueError, match="at least one rollout buffer"):
+        RolloutAssembler([], actor_timeout_s=TIMEOUT_S)
+
+
+def test_a_message_the_buffer_cannot_store_is_rejected_and_discards_the_segment(
+    assembler: RolloutAssembler, buffers: list[RolloutBuffer]
+) -> None:
+    """A spec whose schema has a field the buffers do not store (a learner bug): nothing written."""
+    extra = StepField("my_extra", (3,), np.float32)
+    odd_spec = StepSpec(2, SCHEMA.with_field(extra))
+    assembler.join("a", "a-1", odd_spec, hostname="h", now=0.0)
+    good = message("a", "a-1", 0, 2)
+    with pytest.raises(StepRejected) as caught:
+        send(assembler, replace(good, fields={**good.fields, "my_extra": np.zeros((2, 3), np.float32)}))
+    assert caught.value.reason == "schema" and "my_extra" in caught.value.detail
+    assert buffers[0].column_steps.sum() == 0 and assembler.actors["a"].segment is None
+    assembler.join("b", "b-1", spec(2), hostname="h", now=0.0)
+    send(assembler, message("b", "b-1", 0, 2))
+    assert buffers[0].column_steps.tolist()[:2] == [1, 1]
+    bad = message("b", "b-1", 1, 2)
+    with pytest.raises(StepRejected) as caught:
+        send(assembler, replace(bad, fields={**bad.fields, "my_extra": np.zeros((2, 3), np.float32)}))
+    assert caught.value.reason == "schema" and "my_extra" in caught.value.detail
+    assert buffers[0].column_steps.tolist()[:2] == [0, 0]
