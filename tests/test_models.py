@@ -1,12 +1,18 @@
-"""Tests for oakemu_core.models: shapes, uint8 scaling, act/evaluate agreement, weights round trip."""
+"""Tests for oakemu_core.models: per-key encoders, uint8 scaling, act/evaluate agreement (masked,
+multi-discrete, Gaussian), observation normalisation, weights round trip."""
 
 from __future__ import annotations
 
+import math
+
+import gymnasium
 import numpy as np
 import pytest
 import torch
 
-from oakemu_core.models import ActorCritic, build_model, load_weight_arrays, weights_to_arrays
+from oakemu_core.distributions import Categorical, DiagGaussian, MultiCategorical, distribution_for_env
+from oakemu_core.envs import EnvSpec
+from oakemu_core.models import ActorCritic, RunningNormalizer, build_model, load_weight_arrays, weights_to_arrays
 
 FRAME_SHAPE = (4, 84, 84)
 
@@ -23,13 +29,15 @@ def mlp() -> ActorCritic:
     return build_model((4,), np.float32, 2)
 
 
+def convs_of(module: torch.nn.Module) -> list[tuple[int, tuple[int, int], tuple[int, int]]]:
+    return [(m.out_channels, m.kernel_size, m.stride) for m in module.modules() if isinstance(m, torch.nn.Conv2d)]
+
+
+NATURE_CONVS = [(32, (8, 8), (4, 4)), (64, (4, 4), (2, 2)), (64, (3, 3), (1, 1))]
+
+
 def test_nature_cnn_layers_and_output_shapes(cnn: ActorCritic) -> None:
-    convs = [m for m in cnn.modules() if isinstance(m, torch.nn.Conv2d)]
-    assert [(c.out_channels, c.kernel_size, c.stride) for c in convs] == [
-        (32, (8, 8), (4, 4)),
-        (64, (4, 4), (2, 2)),
-        (64, (3, 3), (1, 1)),
-    ]
+    assert convs_of(cnn) == NATURE_CONVS
     linears = [m for m in cnn.modules() if isinstance(m, torch.nn.Linear)]
     assert (linears[0].in_features, linears[0].out_features) == (64 * 7 * 7, 512)
     obs = torch.zeros((3, *FRAME_SHAPE), dtype=torch.uint8)
@@ -39,14 +47,18 @@ def test_nature_cnn_layers_and_output_shapes(cnn: ActorCritic) -> None:
 
 
 def test_mlp_is_cleanrl_64_64_tanh_with_orthogonal_init(mlp: ActorCritic) -> None:
-    actor_linears = [m for m in mlp.actor if isinstance(m, torch.nn.Linear)]
+    actor_linears = [m for m in (*mlp.actor_torso, mlp.actor) if isinstance(m, torch.nn.Linear)]
     assert [(l.in_features, l.out_features) for l in actor_linears] == [(4, 64), (64, 64), (64, 2)]
-    assert sum(isinstance(m, torch.nn.Tanh) for m in mlp.actor) == 2
+    assert sum(isinstance(m, torch.nn.Tanh) for m in mlp.actor_torso) == 2
+    critic_linears = [m for m in (*mlp.critic_torso, mlp.critic) if isinstance(m, torch.nn.Linear)]
+    assert [(l.in_features, l.out_features) for l in critic_linears] == [(4, 64), (64, 64), (64, 1)]
     # Orthogonal with gain g: W W^T = g^2 I for a wide (rows <= cols) matrix.
     w = actor_linears[-1].weight.detach()
     np.testing.assert_allclose((w @ w.T).numpy(), 0.01**2 * np.eye(2), atol=1e-7)
     w = actor_linears[1].weight.detach()
     np.testing.assert_allclose((w @ w.T).numpy(), 2.0 * np.eye(64), atol=1e-4)
+    w = critic_linears[-1].weight.detach()
+    np.testing.assert_allclose((w @ w.T).numpy(), np.eye(1), atol=1e-6)
     assert torch.count_nonzero(actor_linears[0].bias) == 0
 
 
@@ -55,21 +67,28 @@ def test_uint8_frames_are_scaled_by_255_inside_forward(cnn: ActorCritic) -> None
     frames = rng.integers(0, 256, size=(2, *FRAME_SHAPE), dtype=np.uint8)
     logits, values = cnn(torch.from_numpy(frames))
     # Reference: run the layers by hand on frames / 255.
+    encoder = cnn.encoders["obs_"]
     x = torch.from_numpy(frames).float() / 255.0
-    hidden = cnn.network(x)
+    hidden = encoder(x)
     torch.testing.assert_close(logits, cnn.actor(hidden), rtol=0, atol=0)
     torch.testing.assert_close(values, cnn.critic(hidden).squeeze(-1), rtol=0, atol=0)
     # Unscaled input would give different logits: the scaling is really applied.
-    assert not torch.allclose(cnn.actor(cnn.network(torch.from_numpy(frames).float())), logits)
+    assert not torch.allclose(cnn.actor(encoder(torch.from_numpy(frames).float())), logits)
 
 
 def test_wrong_dtype_or_shape_is_rejected(cnn: ActorCritic) -> None:
     with pytest.raises(ValueError, match="dtype"):
         cnn(torch.zeros((1, *FRAME_SHAPE), dtype=torch.float32))
     with pytest.raises(ValueError, match="shape"):
+        cnn(torch.zeros((1, 4, 84, 83), dtype=torch.uint8))
+    with pytest.raises(ValueError, match="shape"):
         cnn.act(np.zeros((1, 4, 84, 83), dtype=np.uint8))
-    with pytest.raises(ValueError, match="observation_shape"):
-        build_model((4, 84), np.uint8, 4)
+    with pytest.raises(ValueError, match="dtype"):
+        cnn.act(np.zeros((1, *FRAME_SHAPE), dtype=np.float32))
+    with pytest.raises(ValueError, match="positive sizes"):
+        build_model((4, 0), np.uint8, 4)
+    with pytest.raises(ValueError, match="at least one observation key"):
+        build_model({}, Categorical(2))
     with pytest.raises(ValueError, match="num_actions"):
         build_model((4,), np.float32, 0)
 
@@ -85,6 +104,7 @@ def test_act_log_probs_equal_evaluate_actions(kind: str, mlp: ActorCritic, cnn: 
     bundle = model.act(obs, generator=torch.Generator().manual_seed(3))
     assert bundle.actions.dtype == np.int64 and bundle.actions.shape == (len(obs),)
     assert bundle.log_probs.dtype == np.float32 and bundle.values.dtype == np.float32
+    assert bundle.distribution_fields == {}
     log_probs, entropy, values = model.evaluate_actions(torch.from_numpy(obs), torch.from_numpy(bundle.actions))
     np.testing.assert_allclose(bundle.log_probs, log_probs.detach().numpy(), rtol=0, atol=1e-6)
     np.testing.assert_allclose(bundle.values, values.detach().numpy(), rtol=0, atol=1e-6)
@@ -130,10 +150,10 @@ def test_weights_round_trip(mlp: ActorCritic) -> None:
     load_weight_arrays(other, arrays)
     np.testing.assert_array_equal(other.predict_values(obs), mlp.predict_values(obs))
     # The snapshot is a copy: changing the model afterwards does not change it.
-    before = arrays["actor.0.weight"].copy()
+    before = arrays["actor_torso.0.weight"].copy()
     with torch.no_grad():
-        mlp.actor[0].weight.add_(1.0)
-    np.testing.assert_array_equal(arrays["actor.0.weight"], before)
+        mlp.actor_torso[0].weight.add_(1.0)
+    np.testing.assert_array_equal(arrays["actor_torso.0.weight"], before)
 
 
 def test_load_weight_arrays_rejects_bad_sets_and_leaves_model_unchanged(mlp: ActorCritic) -> None:
@@ -141,20 +161,20 @@ def test_load_weight_arrays_rejects_bad_sets_and_leaves_model_unchanged(mlp: Act
     snapshot = {k: v.copy() for k, v in good.items()}
 
     missing = dict(good)
-    del missing["critic.4.bias"]
-    with pytest.raises(ValueError, match="critic.4.bias"):
+    del missing["critic.bias"]
+    with pytest.raises(ValueError, match=r"critic\.bias"):
         load_weight_arrays(mlp, missing)
 
     extra = dict(good, bogus=np.zeros(1, np.float32))
     with pytest.raises(ValueError, match="bogus"):
         load_weight_arrays(mlp, extra)
 
-    wrong_shape = {k: (np.zeros((3, 3), np.float32) if k == "actor.4.bias" else v + 1) for k, v in good.items()}
-    with pytest.raises(ValueError, match=r"actor\.4\.bias.*shape"):
+    wrong_shape = {k: (np.zeros((3, 3), np.float32) if k == "actor.bias" else v + 1) for k, v in good.items()}
+    with pytest.raises(ValueError, match=r"actor\.bias.*shape"):
         load_weight_arrays(mlp, wrong_shape)
 
-    wrong_dtype = {k: (v.astype(np.float64) if k == "actor.0.weight" else v + 1) for k, v in good.items()}
-    with pytest.raises(ValueError, match=r"actor\.0\.weight.*float32.*float64"):
+    wrong_dtype = {k: (v.astype(np.float64) if k == "actor_torso.0.weight" else v + 1) for k, v in good.items()}
+    with pytest.raises(ValueError, match=r"actor_torso\.0\.weight.*float32.*float64"):
         load_weight_arrays(mlp, wrong_dtype)
 
     after = weights_to_arrays(mlp)
@@ -162,16 +182,205 @@ def test_load_weight_arrays_rejects_bad_sets_and_leaves_model_unchanged(mlp: Act
         np.testing.assert_array_equal(after[name], array)
 
 
-def test_from_spec_uses_spec_fields_and_rejects_non_categorical_actions() -> None:
-    class Spec:
-        observation_shape = (3,)
-        observation_dtype = np.dtype(np.float32)
-        num_actions = 5
-        action_shape = ()
-        action_dtype = np.dtype(np.int64)
+def test_models_are_built_from_an_env_spec_for_any_supported_action_space() -> None:
+    discrete = EnvSpec.discrete("Test-v0", (3,), np.float32, 5)
+    model = build_model(discrete.observation_layout, distribution_for_env(discrete))
+    assert model.distribution == Categorical(5) and model.observation_layout == {"": ((3,), np.dtype(np.float32))}
+    assert model.act(np.zeros((2, 3), np.float32)).actions.shape == (2,)
+    box = EnvSpec("Box-v0", {"": ((3,), np.float32)}, gymnasium.spaces.Box(-1.0, 1.0, (2,), np.float32))
+    gaussian = build_model(box.observation_layout, distribution_for_env(box))
+    assert isinstance(gaussian.distribution, DiagGaussian)
+    assert gaussian.act(np.zeros((2, 3), np.float32)).actions.shape == (2, 2)
+    tuple_space = EnvSpec("Tuple-v0", {"": ((3,), np.float32)},
+                          gymnasium.spaces.Tuple((gymnasium.spaces.Discrete(2), gymnasium.spaces.Discrete(3))))
+    with pytest.raises(ValueError, match="action_space.*Tuple"):
+        distribution_for_env(tuple_space)
 
-    model = ActorCritic.from_spec(Spec())
-    assert model.num_actions == 5 and model.observation_shape == (3,)
-    Spec.action_shape = (2,)
-    with pytest.raises(ValueError, match="action_shape"):
-        ActorCritic.from_spec(Spec())
+
+# ---------------------------------------------------------------------------------- dict observations
+DICT_LAYOUT = {
+    "image": ((3, 48, 48), np.uint8),  # >= 36 x 36: the Nature CNN
+    "minimap": ((2, 12, 12), np.uint8),  # too small for the Nature CNN (SB3 fails here)
+    "state": ((5,), np.float32),  # a vector: flattened
+}
+
+
+def dict_observations(batch: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "image": rng.integers(0, 256, size=(batch, 3, 48, 48), dtype=np.uint8),
+        "minimap": rng.integers(0, 256, size=(batch, 2, 12, 12), dtype=np.uint8),
+        "state": rng.normal(size=(batch, 5)).astype(np.float32),
+    }
+
+
+def test_one_encoder_per_key_and_a_mixer() -> None:
+    torch.manual_seed(0)
+    model = build_model(DICT_LAYOUT, Categorical(3))
+    assert set(model.encoders) == {"obs_image", "obs_minimap", "obs_state"}
+    assert convs_of(model.encoders["obs_image"]) == NATURE_CONVS
+    small = convs_of(model.encoders["obs_minimap"])
+    assert small and all(kernel == (3, 3) for _, kernel, _ in small)
+    assert isinstance(model.encoders["obs_state"], torch.nn.Flatten)
+    mixer = [m for m in model.mixer.modules() if isinstance(m, torch.nn.Linear)]
+    # Nature CNN 512 + small CNN 256 + 5 flattened floats.
+    assert [(m.in_features, m.out_features) for m in mixer] == [(512 + 256 + 5, 256)]
+    obs = dict_observations(4)
+    head, values = model({key: torch.from_numpy(array) for key, array in obs.items()})
+    assert head.shape == (4, 3) and values.shape == (4,)
+    # Every key reaches the output: changing one key changes the values.
+    for key in DICT_LAYOUT:
+        changed = dict(obs, **{key: dict_observations(4, seed=1)[key]})
+        assert not np.allclose(model.predict_values(changed), model.predict_values(obs)), key
+    # uint8 keys are scaled to [0, 1]: the encoder output equals the encoder on x / 255.
+    inputs = model._inputs({key: torch.from_numpy(array) for key, array in obs.items()})
+    torch.testing.assert_close(inputs["image"], torch.from_numpy(obs["image"]).float() / 255.0)
+    torch.testing.assert_close(inputs["state"], torch.from_numpy(obs["state"]))
+
+
+@pytest.mark.parametrize("side", [5, 8, 12, 35, 36])
+def test_small_images_get_an_encoder_that_fits(side: int) -> None:
+    model = build_model({"": ((1, side, side), np.uint8)}, Categorical(2))
+    convs = convs_of(model)
+    assert convs == (NATURE_CONVS if side >= 36 else [(16, (3, 3), (1, 1)), (32, (3, 3), (1, 1))])
+    bundle = model.act(np.zeros((2, 1, side, side), np.uint8))
+    assert bundle.actions.shape == (2,) and np.isfinite(bundle.log_probs).all()
+
+
+def test_dict_observations_are_checked_by_key() -> None:
+    model = build_model(DICT_LAYOUT, Categorical(3))
+    obs = dict_observations(2)
+    with pytest.raises(ValueError, match="keys"):
+        model.act({k: v for k, v in obs.items() if k != "state"})
+    with pytest.raises(ValueError, match=r"observations\['image'\].*dtype"):
+        model.act(dict(obs, image=obs["image"].astype(np.float32)))
+    with pytest.raises(ValueError, match=r"observations\['state'\].*shape"):
+        model.act(dict(obs, state=np.zeros((2, 4), np.float32)))
+    with pytest.raises(ValueError, match="keys"):
+        model.act(obs["image"])
+
+
+# ---------------------------------------------------------------------------------- masks
+def test_masked_act_never_picks_a_masked_action() -> None:
+    torch.manual_seed(0)
+    model = build_model({"": ((4,), np.float32)}, Categorical(5, masked=True))
+    with torch.no_grad():  # a strong preference for action 0, which the masks often forbid
+        model.actor.bias.copy_(torch.tensor([8.0, 0.0, 0.0, 0.0, 0.0]))
+    rng = np.random.default_rng(0)
+    obs = rng.normal(size=(3000, 4)).astype(np.float32)
+    masks = rng.random((3000, 5)) < 0.4
+    masks[np.arange(3000), rng.integers(0, 5, 3000)] = True  # at least one valid action per row
+    generator = torch.Generator().manual_seed(1)
+    for greedy in (False, True):
+        bundle = model.act(obs, action_mask=masks, greedy=greedy, generator=generator)
+        assert masks[np.arange(3000), bundle.actions].all(), f"a masked action was taken (greedy={greedy})"
+        assert np.isfinite(bundle.log_probs).all() and (bundle.log_probs <= 0).all()
+    # Where action 0 is allowed it is almost always taken: the mask changes nothing else.
+    sampled = model.act(obs, action_mask=masks, generator=generator).actions
+    assert (sampled[masks[:, 0]] == 0).mean() > 0.95
+    log_probs, entropy, _ = model.evaluate_actions(
+        torch.from_numpy(obs), torch.from_numpy(sampled), torch.from_numpy(masks)
+    )
+    assert torch.isfinite(log_probs).all() and torch.isfinite(entropy).all()
+    with pytest.raises(ValueError, match="action_mask: this policy is masked"):
+        model.act(obs)
+    with pytest.raises(ValueError, match=r"action_mask: expected shape \(3000, 5\) bool"):
+        model.act(obs, action_mask=masks[:, :4])
+    with pytest.raises(ValueError, match=r"action_mask: expected shape \(3000, 5\) bool"):
+        model.act(obs, action_mask=masks.astype(np.uint8))
+
+
+def test_masked_multi_discrete_act_respects_each_sub_action_mask() -> None:
+    torch.manual_seed(0)
+    nvec = (3, 2, 4)
+    model = build_model({"": ((2,), np.float32)}, MultiCategorical(nvec, masked=True))
+    rng = np.random.default_rng(1)
+    obs = rng.normal(size=(1000, 2)).astype(np.float32)
+    masks = rng.random((1000, sum(nvec))) < 0.5
+    offsets = np.concatenate([[0], np.cumsum(nvec)[:-1]])
+    for offset, size in zip(offsets, nvec, strict=True):
+        masks[np.arange(1000), offset + rng.integers(0, size, 1000)] = True
+    bundle = model.act(obs, action_mask=masks, generator=torch.Generator().manual_seed(2))
+    assert bundle.actions.shape == (1000, 3) and bundle.actions.dtype == np.int64
+    for i, (offset, size) in enumerate(zip(offsets, nvec, strict=True)):
+        assert ((bundle.actions[:, i] >= 0) & (bundle.actions[:, i] < size)).all()
+        assert masks[np.arange(1000), offset + bundle.actions[:, i]].all(), f"sub-action {i}"
+
+
+# ---------------------------------------------------------------------------------- Gaussian
+def test_gaussian_act_returns_action_mean_and_std() -> None:
+    torch.manual_seed(0)
+    distribution = DiagGaussian([-2.0, -1.0], [2.0, 1.0])
+    model = build_model({"": ((3,), np.float32)}, distribution)
+    with torch.no_grad():
+        model.actor.log_std.copy_(torch.tensor([math.log(0.5), math.log(2.0)]))
+    obs = np.random.default_rng(3).normal(size=(500, 3)).astype(np.float32)
+    bundle = model.act(obs, generator=torch.Generator().manual_seed(4))
+    assert set(bundle.distribution_fields) == {"action_mean", "action_std"}
+    mean, std = bundle.distribution_fields["action_mean"], bundle.distribution_fields["action_std"]
+    assert mean.shape == std.shape == bundle.actions.shape == (500, 2)
+    assert mean.dtype == std.dtype == bundle.actions.dtype == np.float32
+    np.testing.assert_allclose(std, np.broadcast_to([0.5, 2.0], (500, 2)), rtol=1e-6)
+    with torch.no_grad():
+        head, _ = model(torch.from_numpy(obs))
+    np.testing.assert_allclose(mean, head[:, :2].numpy(), rtol=1e-6)
+    # log prob of the action as sampled (not clipped), against an independent reference.
+    reference = torch.distributions.Normal(torch.from_numpy(mean).double(), torch.from_numpy(std).double())
+    expected = reference.log_prob(torch.from_numpy(bundle.actions).double()).sum(-1).numpy()
+    np.testing.assert_allclose(bundle.log_probs, expected, rtol=1e-5, atol=1e-5)
+    assert (np.abs(bundle.actions[:, 1]) > 1.0).any(), "std 2: some samples lie outside the Box"
+    # The samples follow N(mean, std): standardised residuals have mean ~0 and std ~1.
+    z = (bundle.actions - mean) / std
+    assert abs(z.mean()) < 0.1 and abs(z.std() - 1.0) < 0.1
+    greedy = model.act(obs, greedy=True)
+    np.testing.assert_allclose(greedy.actions, mean, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------- normalisation
+def test_running_normalizer_matches_numpy_mean_and_var() -> None:
+    rng = np.random.default_rng(5)
+    batches = [rng.normal(loc=3.0, scale=2.0, size=(n, 4)).astype(np.float32) * [1, 10, 0.1, 1] for n in (7, 50, 1, 200)]
+    normalizer = RunningNormalizer((4,))
+    for batch in batches:
+        normalizer.update(torch.from_numpy(batch))
+    data = np.concatenate(batches).astype(np.float64)
+    # The initial count of 1e-4 (a prior at mean 0, var 1, as SB3's RunningMeanStd) is negligible.
+    np.testing.assert_allclose(normalizer.mean.numpy(), data.mean(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(normalizer.var.numpy(), data.var(0), rtol=1e-5, atol=1e-5)
+    assert float(normalizer.count) == pytest.approx(len(data) + 1e-4)
+    x = torch.from_numpy(batches[0])
+    expected = np.clip((batches[0] - data.mean(0)) / np.sqrt(data.var(0) + 1e-8), -10, 10)
+    np.testing.assert_allclose(normalizer(x).numpy(), expected, rtol=1e-4, atol=1e-4)
+    huge = torch.full((1, 4), 1e6)
+    assert (normalizer(huge) == 10.0).all(), "clipped at 10"
+
+
+def test_normalizer_statistics_travel_with_the_weights() -> None:
+    torch.manual_seed(0)
+    layout = {"image": ((1, 12, 12), np.uint8), "state": ((3,), np.float32)}
+    learner = build_model(layout, Categorical(2), normalize_observations=True)
+    assert set(learner.normalizers) == {"obs_state"}, "only float keys are normalised"
+    rng = np.random.default_rng(6)
+    batch = {"image": rng.integers(0, 256, (64, 1, 12, 12), dtype=np.uint8),
+             "state": (rng.normal(size=(64, 3)) * 50 + 100).astype(np.float32)}
+    learner.update_observation_statistics(batch)
+    arrays = weights_to_arrays(learner)
+    assert {"normalizers.obs_state.mean", "normalizers.obs_state.var", "normalizers.obs_state.count"} <= set(arrays)
+    assert arrays["normalizers.obs_state.count"].shape == (), "0-d entries keep shape ()"
+    assert arrays["normalizers.obs_state.count"].dtype == np.float32
+    np.testing.assert_allclose(arrays["normalizers.obs_state.mean"], batch["state"].mean(0), rtol=1e-4)
+
+    torch.manual_seed(1)
+    actor = build_model(layout, Categorical(2), normalize_observations=True)
+    assert not np.allclose(actor.predict_values(batch), learner.predict_values(batch))
+    load_weight_arrays(actor, arrays)
+    np.testing.assert_array_equal(actor.predict_values(batch), learner.predict_values(batch))
+    np.testing.assert_array_equal(actor.normalizers["obs_state"].mean.numpy(), arrays["normalizers.obs_state.mean"])
+    assert actor.normalizers["obs_state"].count.shape == ()
+    # The statistics are used: resetting them changes the values.
+    actor.normalizers["obs_state"].mean.zero_()
+    assert not np.allclose(actor.predict_values(batch), learner.predict_values(batch))
+    # A model without normalisation has no statistics to load.
+    plain = build_model(layout, Categorical(2))
+    with pytest.raises(ValueError, match="unexpected names.*normalizers"):
+        load_weight_arrays(plain, arrays)
