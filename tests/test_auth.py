@@ -1,0 +1,291 @@
+"""Authenticated transport (ZeroMQ CURVE + ZAP) and actor identity bound to its connection, on real sockets.
+
+Unit tests for the key files, then end-to-end tests with a real learner process:
+- without CURVE, a second connection (another source address, 127.0.0.2) cannot leave, step or join
+  for an actor that joined from 127.0.0.1: refused and counted as ``impersonation``; telemetry never
+  shows the incarnation;
+- with CURVE, an authorised actor trains, while an actor and a monitor without an authorised key are
+  refused (counted as ``unauthorized_key``), never join and never receive weights or telemetry; an
+  authorised key cannot speak for an actor that joined with another key.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from oakemu_core.auth import (
+    PeerBinding,
+    TransportSecurityError,
+    generate_keypair,
+    is_loopback,
+    load_keypair,
+    load_public_key,
+    public_tag,
+)
+from oakemu_core.telemetry import TelemetrySnapshot, TelemetrySubscriber
+from oakemu_core.wire import (
+    HeartbeatReply,
+    JoinReply,
+    JoinRequest,
+    Leave,
+    StepMessage,
+    decode_message,
+    encode_join_request,
+    encode_leave,
+    encode_step,
+)
+from tests.e2e_helpers import E2EProcesses, Ports, common_flags, e2e_fixture, new_ports  # noqa: F401
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MAX_BYTES = 64 * 2**20
+
+
+# --- keys -------------------------------------------------------------------------------------------
+
+
+def test_generate_keypair_writes_a_public_file_and_a_private_secret_file(tmp_path: Path) -> None:
+    public, secret = generate_keypair(tmp_path / "keys", "actor")
+    assert public.name == "actor.key" and secret.name == "actor.key_secret"
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    pair_public, pair_secret = load_keypair(secret)
+    assert load_public_key(public) == pair_public and len(pair_secret) == 40
+    with pytest.raises(TransportSecurityError, match="exists already"):
+        generate_keypair(tmp_path / "keys", "actor")
+    assert generate_keypair(tmp_path / "keys", "actor", overwrite=True)[0] == public
+    assert load_public_key(public) != pair_public  # a new pair
+    with pytest.raises(TransportSecurityError, match="holds no secret key"):
+        load_keypair(public)
+    with pytest.raises(TransportSecurityError, match="does not exist"):
+        load_public_key(tmp_path / "missing.key")
+    (tmp_path / "junk.key").write_text("not a key\n")
+    with pytest.raises(TransportSecurityError, match="not a ZeroMQ key file|holds no public key"):
+        load_public_key(tmp_path / "junk.key")
+
+
+def test_oakemu_keygen_cli_and_its_user_errors(tmp_path: Path) -> None:
+    def keygen(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "services.cli", "keygen", *args], cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=60, check=False)
+
+    first = keygen("learner", "--dir", str(tmp_path))
+    assert first.returncode == 0, first.stderr
+    assert (tmp_path / "learner.key").is_file() and (tmp_path / "learner.key_secret").is_file()
+    assert load_public_key(tmp_path / "learner.key").decode() in first.stdout
+    again = keygen("learner", "--dir", str(tmp_path))
+    assert again.returncode == 2 and "exists already" in again.stderr and "Traceback" not in again.stderr
+    bad = keygen("../escape", "--dir", str(tmp_path))
+    assert bad.returncode == 2 and "plain file name" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_is_loopback() -> None:
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1") and is_loopback("127.3.2.1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.5") and not is_loopback("learner")
+
+
+def test_peer_binding_refuses_another_peer_and_counts() -> None:
+    binding = PeerBinding()
+    # Frames from real sockets carry the peer address; anything else has none (""), as inproc does.
+    context = zmq.Context()
+    try:
+        pull = context.socket(zmq.PULL)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        frames = {}
+        for source in ("127.0.0.1", "127.0.0.2"):
+            push = context.socket(zmq.PUSH)
+            push.connect(f"tcp://{source}:0;127.0.0.1:{port}")
+            push.send(source.encode())
+            frame = pull.recv(copy=False)
+            frames[frame.bytes.decode()] = frame
+            push.close(linger=0)
+        assert binding.bind("a", "inc-1", frames["127.0.0.1"])
+        assert binding.allows("a", "inc-1", frames["127.0.0.1"])
+        assert not binding.allows("a", "inc-1", frames["127.0.0.2"])
+        assert not binding.bind("a", "inc-2", frames["127.0.0.2"])  # a join as a live actor from elsewhere
+        assert binding.refused["impersonation"] == 2
+        assert binding.allows("unknown", "x", frames["127.0.0.2"])  # unknown actors are the assembler's business
+        binding.retain(set())
+        assert binding.bind("a", "inc-3", frames["127.0.0.2"])  # after the actor is gone, a new peer may use the id
+    finally:
+        context.destroy(linger=0)
+    assert public_tag("inc-1") != "inc-1" and len(public_tag("inc-1")) == 12
+
+
+# --- end to end -------------------------------------------------------------------------------------
+
+
+def learner_args(ports: Ports, runs_dir: Path, *extra: str) -> list[str]:
+    """A CartPole learner for 1 actor x 2 envs that never reaches its budget; slow actor timeout."""
+    return ["learner", "--env", "CartPole-v1", "--num-actors", "1", "--envs-per-actor", "2", "--rollout-length", "32",
+            "--ppo-epochs", "2", "--num-minibatches", "2", "--total-env-steps", "100000000",
+            "--checkpoint-every-updates", "0", "--run-name", "auth", "--actor-timeout-s", "60",
+            *common_flags(ports, runs_dir, *extra)]
+
+
+def valid_step(reply: JoinReply, actor_id: str, incarnation: str) -> bytes:
+    """A valid first step message (zeros, trainable) for the spec the learner sent in ``reply``."""
+    assert reply.spec is not None
+    fields = {name: np.zeros(shape, dtype) for name, (dtype, shape) in reply.spec.array_layout().items()}
+    fields["trainable"] = np.ones_like(fields["trainable"])
+    return encode_step(StepMessage(actor_id, incarnation, 0, 0, fields))
+
+
+def request(sock: zmq.Socket, frame: bytes, timeout_s: float = 10.0) -> object:
+    """Send one control request on a REQ socket and decode the reply (fails on silence)."""
+    sock.send(frame)
+    assert sock.poll(int(timeout_s * 1000)), "no reply from the learner"
+    return decode_message(sock.recv(), max_bytes=MAX_BYTES)
+
+
+def wait_snapshot(subscriber: TelemetrySubscriber, predicate, timeout_s: float, what: str,
+                  why=lambda: "") -> TelemetrySnapshot:
+    """The first telemetry snapshot satisfying ``predicate``; fails with the latest one after ``timeout_s``."""
+    deadline, latest = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        snapshot = subscriber.receive(timeout_s=1.0)
+        if snapshot is not None:
+            latest = snapshot
+            if predicate(snapshot):
+                return snapshot
+    raise AssertionError(f"timed out waiting for {what}; latest {latest}\n{why()}")
+
+
+def secure(sock: zmq.Socket, keys: Path, name: str, server: bytes) -> zmq.Socket:
+    """Make ``sock`` a CURVE client with the key pair ``keys/name.key_secret``."""
+    sock.curve_publickey, sock.curve_secretkey = load_keypair(keys / f"{name}.key_secret")
+    sock.curve_serverkey = server
+    return sock
+
+
+@pytest.mark.slow
+def test_a_second_connection_cannot_leave_step_or_join_for_an_actor(e2e: E2EProcesses, tmp_path: Path) -> None:
+    runs_dir, ports = tmp_path / "runs", new_ports()
+    learner = e2e.start("learner", learner_args(ports, runs_dir))
+    context = zmq.Context()
+    subscriber = TelemetrySubscriber(ports.telemetry_address)
+    try:
+        victim = context.socket(zmq.REQ)
+        victim.connect(ports.control_address)
+        joined = request(victim, encode_join_request(JoinRequest("victim", "inc-victim", 2, "here")), timeout_s=90)
+        assert isinstance(joined, JoinReply) and joined.accepted, joined
+
+        spoof_control = context.socket(zmq.REQ)  # same protocol, another source address
+        spoof_control.connect(f"tcp://127.0.0.2:0;{ports.control_address.removeprefix('tcp://')}")
+        leave_reply = request(spoof_control, encode_leave(Leave("victim", "inc-victim")))
+        assert isinstance(leave_reply, HeartbeatReply) and leave_reply.status != "stop"
+        join_reply = request(spoof_control, encode_join_request(JoinRequest("victim", "inc-thief", 2, "there")))
+        assert isinstance(join_reply, JoinReply) and not join_reply.accepted
+
+        spoof_data = context.socket(zmq.PUSH)
+        spoof_data.connect(f"tcp://127.0.0.2:0;{ports.data_address.removeprefix('tcp://')}")
+        spoof_data.send(valid_step(joined, "victim", "inc-victim"))
+
+        snapshot = wait_snapshot(subscriber, lambda s: s.rejected_messages.get("impersonation", 0) >= 3, 30,
+                                 "3 refused impersonations", learner.describe)
+        assert [a.actor_id for a in snapshot.actors] == ["victim"], "the spoofed leave dropped the victim"
+        assert snapshot.global_step == 0, "a spoofed step reached the buffer"
+        assert snapshot.actors[0].incarnation != "inc-victim", "telemetry published the incarnation"
+        assert "inc-victim" not in snapshot.model_dump_json()
+
+        # The victim's own step and leave still work.
+        real_data = context.socket(zmq.PUSH)
+        real_data.connect(ports.data_address)
+        real_data.send(valid_step(joined, "victim", "inc-victim"))
+        wait_snapshot(subscriber, lambda s: s.global_step == 2, 30, "the victim's own step", learner.describe)
+        reply = request(victim, encode_leave(Leave("victim", "inc-victim")))
+        assert isinstance(reply, HeartbeatReply) and reply.status == "stop"
+        wait_snapshot(subscriber, lambda s: not s.actors, 30, "the victim's own leave", learner.describe)
+        assert "Traceback" not in learner.stderr()
+    finally:
+        subscriber.close()
+        context.destroy(linger=0)
+    learner.send_signal(15)
+    assert learner.wait(timeout_s=60) == 0, learner.describe()
+
+
+@pytest.mark.slow
+def test_curve_only_authorised_keys_join_train_and_watch(e2e: E2EProcesses, tmp_path: Path) -> None:
+    keys, authorised = tmp_path / "keys", tmp_path / "keys" / "authorized"
+    for name in ("learner", "actor", "actor2", "monitor", "intruder"):
+        generate_keypair(keys, name)
+    authorised.mkdir()
+    for name in ("actor", "actor2", "monitor"):
+        (authorised / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+    server = load_public_key(keys / "learner.key")
+    client_env = lambda name: {  # noqa: E731
+        "OAKEMU_CURVE": "true", "OAKEMU_CURVE_SECRET_KEY": str(keys / f"{name}.key_secret"),
+        "OAKEMU_CURVE_SERVER_KEY": str(keys / "learner.key"),
+    }
+    runs_dir, ports = tmp_path / "runs", new_ports()
+    learner = e2e.start("learner", learner_args(ports, runs_dir), env={
+        "OAKEMU_CURVE": "true", "OAKEMU_CURVE_SECRET_KEY": str(keys / "learner.key_secret"),
+        "OAKEMU_CURVE_AUTHORIZED_KEYS": str(authorised)})
+    actor_flags = ["--env", "CartPole-v1", "--envs-per-actor", "2", *common_flags(ports, runs_dir)]
+    actor = e2e.start("actor", ["actor", "--actor-id", "good", *actor_flags], env=client_env("actor"))
+    intruder = e2e.start("intruder", ["actor", "--actor-id", "intruder", *actor_flags], env=client_env("intruder"))
+    context = zmq.Context()
+    subscriber = TelemetrySubscriber(ports.telemetry_address, security=type("S", (), {
+        "apply": staticmethod(lambda sock: secure(sock, keys, "monitor", server))})())
+    try:
+        why = lambda: learner.describe() + actor.describe() + intruder.describe()  # noqa: E731
+        trained = wait_snapshot(subscriber, lambda s: s.iterations >= 2, 120, "2 updates with the authorised actor", why)
+        assert [a.actor_id for a in trained.actors] == ["good"]
+        counted = wait_snapshot(subscriber, lambda s: s.rejected_messages.get("unauthorized_key", 0) >= 1, 30,
+                                "the intruder's refused handshakes", why)
+        assert "intruder" not in {a.actor_id for a in counted.actors}
+        assert "still trying to reach the learner" in wait_log(intruder, "still trying to reach the learner", 30)
+        assert "actor intruder joined" not in learner.stderr()
+
+        # Monitors: without an authorised key (or without CURVE) nothing arrives.
+        for env in (client_env("intruder"), {}):
+            monitor = subprocess.run(
+                [sys.executable, "-m", "services.cli", "monitor", "--connect", ports.telemetry_address, "--once",
+                 "--json", "--timeout", "3"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False,
+                env={**{k: v for k, v in os.environ.items() if not k.startswith("OAKEMU_")}, **env})
+            assert monitor.returncode != 0 and "{" not in monitor.stdout, (env, monitor.stdout, monitor.stderr)
+        authorised_monitor = subprocess.run(
+            [sys.executable, "-m", "services.cli", "monitor", "--connect", ports.telemetry_address, "--once",
+             "--json", "--timeout", "10"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False,
+            env={**{k: v for k, v in os.environ.items() if not k.startswith("OAKEMU_")}, **client_env("monitor")})
+        assert authorised_monitor.returncode == 0 and '"good"' in authorised_monitor.stdout, authorised_monitor.stderr
+
+        # An authorised key cannot speak for an actor that joined with another key (same address).
+        joined = secure(context.socket(zmq.REQ), keys, "actor2", server)
+        joined.connect(ports.control_address)
+        reply = request(joined, encode_join_request(JoinRequest("victim", "inc-v", 2, "here")))
+        assert isinstance(reply, JoinReply) and reply.accepted
+        other = secure(context.socket(zmq.REQ), keys, "monitor", server)
+        other.connect(ports.control_address)
+        before = counted.rejected_messages.get("impersonation", 0)
+        reply = request(other, encode_leave(Leave("victim", "inc-v")))
+        assert isinstance(reply, HeartbeatReply) and reply.status != "stop"
+        after = wait_snapshot(subscriber, lambda s: s.rejected_messages.get("impersonation", 0) > before, 30,
+                              "a refused leave from another key", why)
+        assert "victim" in {a.actor_id for a in after.actors}
+        assert "Traceback" not in learner.stderr()
+    finally:
+        subscriber.close()
+        context.destroy(linger=0)
+    learner.send_signal(15)
+    assert learner.wait(timeout_s=60) == 0, learner.describe()
+    intruder.send_signal(15)
+    assert intruder.wait(timeout_s=30) == 0, intruder.describe()
+
+
+def wait_log(process, text: str, timeout_s: float) -> str:
+    """The process's stderr once it contains ``text`` (fails after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        log = process.stderr()
+        if text in log:
+            return log
+        time.sleep(0.5)
+    raise AssertionError(f"{process.name} never logged {text!r}:\n{process.describe()}")
