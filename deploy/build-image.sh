@@ -140,7 +140,7 @@ fi
 
 # --- 3. build -----------------------------------------------------------------------------------------
 say "docker build $TAG FROM $BASE"
-docker build "${QUIET[@]}" -t "$TAG" -f "$CONTEXT/deploy/Dockerfile" \
+docker build "${QUIET[@]}" --force-rm -t "$TAG" -f "$CONTEXT/deploy/Dockerfile" \
   --build-arg BASE_IMAGE="$BASE" \
   --build-arg TORCH_VERSION="$TORCH_VERSION" \
   --build-arg TORCH_INDEX_URL="$TORCH_INDEX_URL" \
