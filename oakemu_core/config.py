@@ -147,7 +147,11 @@ class OakEmuConfig(BaseSettings):
     learning_rate: float = Field(2.5e-4, gt=0.0, description="Adam learning rate (start value when annealed).")
     anneal_lr: bool = Field(True, description="Anneal the learning rate linearly to 0 over total_env_steps.")
     clip_coef: float = Field(0.1, gt=0.0, description="PPO surrogate clipping coefficient epsilon.")
-    clip_value_loss: bool = Field(True, description="Clip the value loss around the old values.")
+    clip_value_range: float | Literal["auto"] | None = Field(
+        "auto",
+        description="Clip the value change per update to +-this, in value units (None/null: plain MSE, SB3's "
+        "default; auto: clip_coef for Atari ids as CleanRL, off otherwise).",
+    )
     ent_coef: float = Field(0.01, ge=0.0, description="Entropy bonus coefficient.")
     vf_coef: float = Field(0.5, ge=0.0, description="Value loss coefficient.")
     gamma: float = Field(0.99, ge=0.0, le=1.0, description="Discount factor.")
@@ -283,6 +287,14 @@ class OakEmuConfig(BaseSettings):
     def resolved_clip_rewards(self) -> bool:
         """``clip_rewards`` with None resolved: True for Atari ids, else False."""
         return is_atari_env(self.env_id) if self.clip_rewards is None else self.clip_rewards
+
+    @property
+    def resolved_clip_value_range(self) -> float | None:
+        """``clip_value_range`` with "auto" resolved: ``clip_coef`` for Atari ids (CleanRL's
+        ``ppo_atari.py``, rewards clipped to [-1, 1]), else None (no value clipping)."""
+        if self.clip_value_range == "auto":
+            return self.clip_coef if is_atari_env(self.env_id) else None
+        return self.clip_value_range
 
     @property
     def metrics_enabled(self) -> bool:

@@ -108,7 +108,7 @@ def ppo_losses(
     entropy: torch.Tensor,
     *,
     clip_coef: float,
-    clip_value_loss: bool,
+    clip_value_range: float | None,
 ) -> dict[str, torch.Tensor]:
     """The PPO loss terms for one minibatch. All inputs are ``(B,)`` float tensors.
 
@@ -120,7 +120,10 @@ def ppo_losses(
         returns: value targets (GAE advantages + old values).
         entropy: per-row entropy of the current policy.
         clip_coef: epsilon of the clipped surrogate; also the value clip range.
-        clip_value_loss: clip the value change as OpenAI baselines / CleanRL do.
+        clip_value_range: clip the value change to ``[-c, c]`` around the actor's value, in value
+            units (OpenAI baselines / CleanRL use the policy's clip coefficient); None: plain
+            MSE (SB3's default). A range tiny next to the returns freezes the critic on the
+            clipped rows, so it is its own setting, not ``clip_coef``.
 
     Returns:
         A dict of scalar tensors ``policy_loss`` (to minimise: minus eq. 7 of Schulman et al.
@@ -140,8 +143,8 @@ def ppo_losses(
 
     # Value loss, optionally clipped around the actor's value estimate.
     value_loss_unclipped = (new_values - returns) ** 2
-    if clip_value_loss:
-        values_clipped = old_values + torch.clamp(new_values - old_values, -clip_coef, clip_coef)
+    if clip_value_range is not None:
+        values_clipped = old_values + torch.clamp(new_values - old_values, -clip_value_range, clip_value_range)
         value_loss_clipped = (values_clipped - returns) ** 2
         value_loss = 0.5 * torch.max(value_loss_unclipped, value_loss_clipped).mean()
     else:
@@ -251,7 +254,7 @@ class PPOLearner:
         ppo_epochs: passes over the rollout per update (>= 1).
         num_minibatches: minibatches per epoch (>= 1).
         clip_coef: PPO clip epsilon (> 0); also the value clip range.
-        clip_value_loss: clip the value loss as baselines/CleanRL.
+        clip_value_range: value clip range in value units, None: unclipped (see :func:`ppo_losses`).
         ent_coef, vf_coef: weights of the entropy bonus and of the value loss (>= 0).
         max_grad_norm: global gradient-norm clip (> 0).
         target_kl: stop the update after an epoch whose mean approx_kl exceeds it (None: never).
@@ -273,7 +276,7 @@ class PPOLearner:
         ppo_epochs: int,
         num_minibatches: int,
         clip_coef: float,
-        clip_value_loss: bool,
+        clip_value_range: float | None = None,
         ent_coef: float,
         vf_coef: float,
         max_grad_norm: float,
@@ -290,6 +293,7 @@ class PPOLearner:
             "vf_coef": (vf_coef, vf_coef >= 0, ">= 0"),
             "max_grad_norm": (max_grad_norm, max_grad_norm > 0, "> 0"),
             "target_kl": (target_kl, target_kl is None or target_kl > 0, "> 0 or None"),
+            "clip_value_range": (clip_value_range, clip_value_range is None or clip_value_range >= 0, ">= 0 or None"),
         }
         for name, (value, ok, expected) in checks.items():
             if not ok:
@@ -303,7 +307,7 @@ class PPOLearner:
         self.ppo_epochs = int(ppo_epochs)
         self.num_minibatches = int(num_minibatches)
         self.clip_coef = float(clip_coef)
-        self.clip_value_loss = bool(clip_value_loss)
+        self.clip_value_range = None if clip_value_range is None else float(clip_value_range)
         self.ent_coef = float(ent_coef)
         self.vf_coef = float(vf_coef)
         self.max_grad_norm = float(max_grad_norm)
@@ -411,7 +415,7 @@ class PPOLearner:
                     minibatch.returns,
                     policy.entropy(),
                     clip_coef=self.clip_coef,
-                    clip_value_loss=self.clip_value_loss,
+                    clip_value_range=self.clip_value_range,
                 )
                 if stored_parameters:  # the exact KL from the acting policy's stored parameters
                     with torch.no_grad():

@@ -264,7 +264,7 @@ class RolloutBuffer:
         token = new_token()  # one token per buffer: its segments are oakemu_<pid>_<token>_<array>
         try:
             for name, (shape, dtype) in layout.items():
-                shared[name] = SharedArray.create(shape, dtype, field=name.replace(".", "-"), token=token)
+                shared[name] = SharedArray.create(shape, dtype, field=name.replace(".", "__"), token=token)
         except BaseException:
             for array in shared.values():
                 array.unlink()

@@ -38,7 +38,7 @@ def evaluate(checkpoint: Path, *, episodes: int, greedy: bool, seed: int) -> lis
     schema = StepSchema.from_dict(env_info["schema"])
     torch.manual_seed(seed)
     env = make_eval_env(env_info["env_id"], seed=seed,
-                        max_episode_steps=config.get("max_episode_steps") or DEFAULT_MAX_EPISODE_STEPS,
+                        max_episode_steps=config.get("max_episode_steps"),
                         settings_file=config.get("emulator_settings"))
     try:
         model = build_model(env.spec.observation_layout, schema.distribution,
