@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from oakemu_core.distributions import Categorical, DiagGaussian
 from oakemu_core.models import ActorCritic, build_model
 from oakemu_core.ppo import (
     EmptyRolloutError,
@@ -19,7 +20,8 @@ from oakemu_core.ppo import (
     explained_variance,
     ppo_losses,
 )
-from oakemu_core.rollout_buffer import RolloutBuffer
+from oakemu_core.rollout_buffer import FlatBatch, RolloutBuffer
+from oakemu_core.step_schema import build_schema
 
 
 # ---------------------------------------------------------------------------------------------
@@ -39,7 +41,7 @@ def _loss_inputs():
 
 def test_ppo_losses_match_hand_computed_values() -> None:
     inputs = _loss_inputs()
-    out = ppo_losses(*inputs, clip_coef=0.2, clip_value_loss=True)
+    out = ppo_losses(*inputs, clip_coef=0.2, clip_value_range=0.2)
     # Per row max(-A r, -A clip(r, 0.8, 1.2)): -1.2, -0.85, 2.1, 0.8.
     assert out["policy_loss"].item() == pytest.approx((-1.2 - 0.85 + 2.1 + 0.8) / 4)
     # Clipped values V_old + clip(V - V_old, +-0.2) = 0.2, -0.05, 0.2, 0.0; squared errors
@@ -51,13 +53,18 @@ def test_ppo_losses_match_hand_computed_values() -> None:
     assert out["clip_fraction"].item() == pytest.approx(0.5)  # rows 0 and 3 have |r - 1| > 0.2
     np.testing.assert_allclose(out["ratio"].numpy(), [1.5, 0.85, 1.05, 0.5])
 
-    unclipped = ppo_losses(*inputs, clip_coef=0.2, clip_value_loss=False)
+    unclipped = ppo_losses(*inputs, clip_coef=0.2, clip_value_range=None)
     assert unclipped["value_loss"].item() == pytest.approx(0.5 * (0.25 + 0.0025 + 1.0 + 0.09) / 4)
+    # The value clip range is its own setting: +-0.1 gives clipped values 0.1, -0.05, 0.1, 0.0 and
+    # squared errors max((0.25, 0.81), (0.0025, 0.0025), (1, 0.01), (0.09, 0.09)).
+    narrow = ppo_losses(*inputs, clip_coef=0.2, clip_value_range=0.1)
+    assert narrow["value_loss"].item() == pytest.approx(0.5 * (0.81 + 0.0025 + 1.0 + 0.09) / 4)
+    assert narrow["policy_loss"].item() == pytest.approx(out["policy_loss"].item())
 
 
 def test_ppo_policy_gradient_vanishes_on_clipped_rows() -> None:
     new_log_probs, *rest = _loss_inputs()
-    out = ppo_losses(new_log_probs, *rest, clip_coef=0.2, clip_value_loss=True)
+    out = ppo_losses(new_log_probs, *rest, clip_coef=0.2, clip_value_range=0.2)
     out["policy_loss"].backward()
     # d/d log r of -A r / 4 is -A r / 4 on unclipped rows; 0 where the clip is active.
     np.testing.assert_allclose(new_log_probs.grad.numpy(), [0.0, -0.85 / 4, 2 * 1.05 / 4, 0.0], atol=1e-12)
@@ -116,7 +123,7 @@ def _learner(model: ActorCritic, **overrides) -> PPOLearner:
         ppo_epochs=4,
         num_minibatches=4,
         clip_coef=0.2,
-        clip_value_loss=True,
+        clip_value_range=0.2,
         ent_coef=0.0,
         vf_coef=0.5,
         max_grad_norm=0.5,
@@ -213,7 +220,7 @@ def test_one_update_matches_a_hand_written_sgd_step() -> None:
     lr, ent_coef, vf_coef = 0.1, 0.01, 0.5
     learner = PPOLearner(
         model, torch.optim.SGD(model.parameters(), lr=lr), device="cpu", ppo_epochs=1, num_minibatches=1,
-        clip_coef=0.2, clip_value_loss=False, ent_coef=ent_coef, vf_coef=vf_coef, max_grad_norm=1e9,
+        clip_coef=0.2, clip_value_range=None, ent_coef=ent_coef, vf_coef=vf_coef, max_grad_norm=1e9,
     )
     with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
         _fill(buffer, [reference], np.random.default_rng(3))
@@ -260,7 +267,23 @@ def test_target_kl_stops_after_the_first_epoch() -> None:
         assert len(full.epoch_seconds) == 4 and all(s > 0 for s in full.epoch_seconds)
 
 
-def test_learning_rate_schedule_counters_and_state_restore() -> None:
+@pytest.fixture
+def served_minibatches(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """Records, for every FlatBatch.minibatches call, the shuffled row order it uses and the sizes."""
+    calls: list[dict] = []
+    original = FlatBatch.minibatches
+
+    def spy(self: FlatBatch, num_minibatches: int, generator: np.random.Generator):
+        order = self.rows[copy.deepcopy(generator).permutation(self.size)]
+        minibatches = original(self, num_minibatches, generator)
+        calls.append({"order": order, "sizes": [len(m.actions) for m in minibatches]})
+        return minibatches
+
+    monkeypatch.setattr(FlatBatch, "minibatches", spy)
+    return calls
+
+
+def test_learning_rate_schedule_counters_and_state_restore(served_minibatches: list[dict]) -> None:
     model = _model()
     schedule = LinearSchedule(1e-3, 0.0, 10)
     learner = _learner(model, lr_schedule=schedule)
@@ -276,17 +299,22 @@ def test_learning_rate_schedule_counters_and_state_restore() -> None:
         resumed.restore_state(PPORuntimeState.from_dict(saved.to_dict()))
         assert (resumed.iterations, resumed.rollouts_collected, resumed.policy_version) == (2, 2, 2)
         # The shuffle generator continues where it stopped: same next minibatch rows.
+        served_minibatches.clear()
         learner.step(buffer, current_policy_version=2)
-        rows_original = buffer.last_minibatch_rows
+        rows_original = [call["order"] for call in served_minibatches]
+        served_minibatches.clear()
         third = resumed.step(buffer, current_policy_version=2)
-        for a, b in zip(rows_original, buffer.last_minibatch_rows):
+        rows_resumed = [call["order"] for call in served_minibatches]
+        assert len(rows_original) == len(rows_resumed) == 4  # one shuffle per epoch
+        for a, b in zip(rows_original, rows_resumed, strict=True):
             np.testing.assert_array_equal(a, b)
+        assert not np.array_equal(rows_original[0], rows_original[1]), "each epoch reshuffles"
         assert third.learning_rate == pytest.approx(0.8e-3)
         with pytest.raises(ValueError, match="counters"):
             resumed.restore_state(PPORuntimeState(iterations=-1))
 
 
-def test_empty_rollout_and_bad_hyperparameters_are_rejected() -> None:
+def test_empty_rollout_and_bad_hyperparameters_are_rejected(served_minibatches: list[dict]) -> None:
     model = _model()
     with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
         _fill(buffer, [model], np.random.default_rng(6))
@@ -296,7 +324,7 @@ def test_empty_rollout_and_bad_hyperparameters_are_rejected() -> None:
         buffer.mark_untrainable(~keep)
         stats = _learner(copy.deepcopy(model)).step(buffer, current_policy_version=0)
         assert (stats.minibatches, stats.trainable_rows) == (4 * 2, 2)
-        assert [len(rows) for rows in buffer.last_minibatch_rows] == [1, 1]
+        assert [call["sizes"] for call in served_minibatches] == [[1, 1]] * 4
         buffer.mark_untrainable(np.ones((T, N), dtype=bool))
         with pytest.raises(EmptyRolloutError, match="trainable rows"):
             _learner(model).step(buffer, current_policy_version=0)
@@ -304,6 +332,8 @@ def test_empty_rollout_and_bad_hyperparameters_are_rejected() -> None:
         _learner(model, clip_coef=0.0)
     with pytest.raises(ValueError, match="num_minibatches"):
         _learner(model, num_minibatches=0)
+    with pytest.raises(ValueError, match="clip_value_range"):
+        _learner(model, clip_value_range=-0.1)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning", "ignore:overflow encountered:RuntimeWarning")
@@ -318,3 +348,95 @@ def test_a_non_finite_gradient_skips_the_step_and_keeps_the_weights_finite() -> 
     assert all(torch.isfinite(p).all() for p in model.parameters())
     for name, tensor in model.state_dict().items():  # every step was skipped: weights unchanged
         assert torch.equal(tensor, before[name]), name
+
+
+def test_observations_are_uploaded_once_per_update_not_per_epoch() -> None:
+    model = _model()
+    with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
+        _fill(buffer, [model], np.random.default_rng(7))
+        assert buffer.observation_uploads == 0
+        stats = _learner(copy.deepcopy(model), ppo_epochs=4, num_minibatches=4).step(buffer, current_policy_version=0)
+        assert stats.epochs_completed == 4 and stats.minibatches == 16
+        assert buffer.observation_uploads == 1
+        # A second update of the unchanged buffer reuses the upload; a changed buffer uploads again.
+        _learner(copy.deepcopy(model)).step(buffer, current_policy_version=0)
+        assert buffer.observation_uploads == 1
+        buffer.reset()
+        _fill(buffer, [model], np.random.default_rng(8))
+        _learner(copy.deepcopy(model)).step(buffer, current_policy_version=0)
+        assert buffer.observation_uploads == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Other action distributions through the same update
+# ---------------------------------------------------------------------------------------------
+def _fill_schema_buffer(buffer: RolloutBuffer, model: ActorCritic, rng: np.random.Generator, *, masked: bool) -> None:
+    """Rows acted by ``model``, with the distribution's stored fields and (if masked) random masks."""
+    generator = torch.Generator().manual_seed(0)
+    width = model.distribution.mask_width
+    for _ in range(buffer.rollout_length):
+        obs = rng.normal(size=(buffer.num_envs, OBS_DIM)).astype(np.float32)
+        extra: dict[str, np.ndarray] = {}
+        if masked:
+            mask = rng.random((buffer.num_envs, width)) < 0.5
+            mask[np.arange(buffer.num_envs), rng.integers(0, width, buffer.num_envs)] = True
+            extra["action_mask"] = mask
+        bundle = model.act(obs, action_mask=extra.get("action_mask"), generator=generator)
+        buffer.add(obs, bundle.actions, bundle.log_probs, bundle.values, rng.normal(size=buffer.num_envs).astype(np.float32),
+                   rng.random(buffer.num_envs) < 0.1, **bundle.distribution_fields, **extra)
+    buffer.compute_gae(np.zeros(buffer.num_envs, np.float32), buffer.dones[-1].copy(), 0.99, 0.95)
+
+
+def test_masked_policy_ratio_is_one_only_when_the_loss_uses_the_stored_masks() -> None:
+    distribution = Categorical(5, masked=True)
+    torch.manual_seed(0)
+    model = build_model({"": ((OBS_DIM,), np.float32)}, distribution)
+    with torch.no_grad():
+        model.actor.bias.copy_(torch.tensor([3.0, -1.0, 0.0, 1.0, 2.0]))
+    schema = build_schema({"": ((OBS_DIM,), np.float32)}, distribution)
+    with RolloutBuffer(T, N, schema=schema, seed=0) as buffer:
+        _fill_schema_buffer(buffer, model, np.random.default_rng(0), masked=True)
+        assert not buffer.field("action_mask").all()
+        stats = _learner(copy.deepcopy(model), ppo_epochs=1).step(buffer, current_policy_version=0)
+        assert stats.first_minibatch_ratio_max_abs_dev < 1e-5
+        assert math.isfinite(stats.entropy) and math.isfinite(stats.policy_loss)
+        # Reference: the same rows evaluated without their masks give ratios far from 1.
+        obs = torch.from_numpy(buffer.observations.reshape(-1, OBS_DIM).copy())
+        actions = torch.from_numpy(buffer.actions.reshape(-1).copy())
+        masks = torch.from_numpy(buffer.field("action_mask").reshape(-1, 5).copy())
+        masked, _, _ = model.evaluate_actions(obs, actions, masks)
+        np.testing.assert_allclose(masked.detach().numpy(), buffer.log_probs.reshape(-1), atol=1e-5)
+        unmasked, _, _ = model.evaluate_actions(obs, actions)
+        assert np.abs(unmasked.detach().numpy() - buffer.log_probs.reshape(-1)).max() > 1e-2
+
+
+def test_gaussian_approx_kl_is_the_exact_kl_from_the_stored_parameters() -> None:
+    distribution = DiagGaussian([-1.0, -1.0], [1.0, 1.0])
+    schema = build_schema({"": ((OBS_DIM,), np.float32)}, distribution)
+    torch.manual_seed(0)
+    acting = build_model({"": ((OBS_DIM,), np.float32)}, distribution)
+    torch.manual_seed(1)
+    other = build_model({"": ((OBS_DIM,), np.float32)}, distribution)
+    with torch.no_grad():
+        other.actor.log_std.copy_(torch.tensor([-0.5, 0.3]))
+        other.actor.mean.bias.copy_(torch.tensor([0.2, -0.4]))
+    with RolloutBuffer(T, N, schema=schema, seed=0) as buffer:
+        _fill_schema_buffer(buffer, acting, np.random.default_rng(1), masked=False)
+        # lr 0: the policy does not move, so every minibatch's KL is that of the initial weights.
+        same = _learner(copy.deepcopy(acting), lr=0.0, ppo_epochs=1).step(buffer, current_policy_version=0)
+        assert same.approx_kl == pytest.approx(0.0, abs=1e-6)
+        stats = _learner(copy.deepcopy(other), lr=0.0, ppo_epochs=2).step(buffer, current_policy_version=0)
+        with torch.no_grad():
+            mean, _ = other(torch.from_numpy(buffer.observations.reshape(-1, OBS_DIM).copy()))
+        new = torch.distributions.Normal(mean[:, :2].double(), other.actor.log_std.exp().double().expand(T * N, 2))
+        old = torch.distributions.Normal(torch.from_numpy(buffer.field("action_mean").reshape(-1, 2).copy()).double(),
+                                         torch.from_numpy(buffer.field("action_std").reshape(-1, 2).copy()).double())
+        expected = torch.distributions.kl_divergence(old, new).sum(-1).mean().item()
+        assert expected > 0.05
+        # 64 rows in 4 equal minibatches: the mean of minibatch means is the mean over all rows.
+        assert stats.approx_kl == pytest.approx(expected, rel=1e-4)
+        # The ratio-based estimate would differ: the exact KL is what is reported.
+        new_log_probs = new.log_prob(torch.from_numpy(buffer.actions.reshape(-1, 2).copy()).double()).sum(-1)
+        log_ratio = new_log_probs - torch.from_numpy(buffer.log_probs.reshape(-1).copy()).double()
+        k3 = ((log_ratio.exp() - 1) - log_ratio).mean().item()
+        assert abs(k3 - expected) > 1e-3
