@@ -16,12 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from oakemu_core.envs import make_vector_env
+from oakemu_core.distributions import distribution_for_env
+from oakemu_core.envs import EnvSpec, make_vector_env
 from oakemu_core.ingest import RolloutAssembler
 from oakemu_core.models import ActorCritic, build_model
 from oakemu_core.rollout_buffer import RolloutBuffer
 from oakemu_core.stepper import PolicyStepper
-from oakemu_core.wire import StepMessage, StepSpec
+from oakemu_core.step_schema import StepSchema, schema_for_env
+from oakemu_core.wire import StepMessage, StepSpec, decode_step, encode_step
 
 SEED = 7
 GAMMA = 0.99
@@ -46,6 +48,7 @@ class Row:
     policy_version: int
     episode_returns: list[float]
     episode_lengths: list[int]
+    fields: dict[str, np.ndarray]  # what a step message carries (sent_fields), copied
 
 
 @dataclass
@@ -59,7 +62,7 @@ class Replay:
     reset_observations: np.ndarray  # first observation of the next episode where one ended, else NaN
 
 
-def run_stepper(max_episode_steps: int, num_envs: int, steps: int) -> tuple[ActorCritic, list[Row]]:
+def run_stepper(max_episode_steps: int, num_envs: int, steps: int) -> tuple[ActorCritic, list[Row], StepSchema]:
     torch.manual_seed(SEED)
     model = build_model((4,), np.float32, 2)
     env = make_vector_env("CartPole-v1", num_envs, seed=SEED, max_episode_steps=max_episode_steps)
@@ -74,10 +77,12 @@ def run_stepper(max_episode_steps: int, num_envs: int, steps: int) -> tuple[Acto
                 b.dones.copy(), b.truncated.copy(), b.bootstrap_values.copy(), b.trainable.copy(),
                 row.next_values.copy(), row.policy_version, list(row.env_step.episode_returns),
                 list(row.env_step.episode_lengths),
+                {k: v.copy() for k, v in b.sent_fields(row.next_values, stepper.schema).items()},
             ))
+        schema = stepper.schema
     finally:
         env.close()
-    return model, rows
+    return model, rows, schema
 
 
 def replay(rows: list[Row], max_episode_steps: int, num_envs: int) -> Replay:
@@ -104,8 +109,9 @@ def replay(rows: list[Row], max_episode_steps: int, num_envs: int) -> Replay:
 
 @pytest.mark.parametrize(("max_episode_steps", "num_envs", "steps"), [(5, 2, 10), (30, 3, 90)])
 def test_stepper_rows_match_a_replay_of_the_same_envs(max_episode_steps: int, num_envs: int, steps: int) -> None:
-    model, rows = run_stepper(max_episode_steps, num_envs, steps)
+    model, rows, schema = run_stepper(max_episode_steps, num_envs, steps)
     ref = replay(rows, max_episode_steps, num_envs)
+    assert schema == schema_for_env(EnvSpec.discrete("CartPole-v1", (4,), np.float32, 2))
 
     for t, row in enumerate(rows):
         np.testing.assert_array_equal(row.observations, ref.observations[t])
@@ -143,21 +149,24 @@ def test_truncation_reaches_gae_through_the_assembler() -> None:
     """Rows of a 5-step time limit go through RolloutAssembler into a buffer; GAE bootstraps each
     truncated row from V(true final observation), not from V(reset observation)."""
     num_envs, steps = 2, 10
-    model, rows = run_stepper(5, num_envs, steps)
+    model, rows, schema = run_stepper(5, num_envs, steps)
     ref = replay(rows, 5, num_envs)
-    step_spec = StepSpec(num_envs=num_envs, observation_shape=(4,), observation_dtype=np.float32)
-    buffers = [RolloutBuffer(steps, num_envs, (4,), np.float32) for _ in range(2)]
+    step_spec = StepSpec(num_envs=num_envs, schema=schema)
+    buffers = [RolloutBuffer(steps, num_envs, schema=schema) for _ in range(2)]
     try:
         assembler = RolloutAssembler(buffers, actor_timeout_s=10.0)
         assembler.join("actor-0", "inc", step_spec, hostname="test", now=0.0)
         for seq, row in enumerate(rows):
-            assembler.ingest(StepMessage(
+            # The actor's path: the step buffers' sent fields, over the wire, decoded against the spec.
+            assert set(row.fields) == {f.name for f in schema.sent}
+            np.testing.assert_array_equal(row.fields["next_values"], row.next_values)
+            np.testing.assert_array_equal(row.fields["truncated"], row.truncated)
+            frame = encode_step(StepMessage(
                 actor_id="actor-0", incarnation="inc", seq=seq, policy_version=row.policy_version,
-                observations=row.observations, actions=row.actions, log_probs=row.log_probs, values=row.values,
-                rewards=row.rewards, dones=row.dones, truncated=row.truncated,
-                bootstrap_values=row.bootstrap_values, next_values=row.next_values, trainable=row.trainable,
-                episode_returns=row.episode_returns, episode_lengths=row.episode_lengths,
-            ), current_policy_version=3, now=0.0)
+                fields=row.fields, episode_returns=row.episode_returns, episode_lengths=row.episode_lengths,
+            ))
+            message = decode_step(frame, assembler.spec_for, max_bytes=1 << 20)
+            assembler.ingest(message, current_policy_version=3, now=0.0)
         rollout = assembler.take_full_rollout()
         assert rollout is not None
         buffer = rollout.buffer
@@ -182,3 +191,32 @@ def test_truncation_reaches_gae_through_the_assembler() -> None:
     # Row 3 of env 0, by hand: delta_3 = r + gamma V(s_4) - V(s_3) (not done), then + gamma lambda A_4.
     delta_3 = rewards[3, 0] + GAMMA * values[4, 0] - values[3, 0]
     assert advantages[3, 0] == pytest.approx(delta_3 + GAMMA * GAE_LAMBDA * advantages[4, 0], abs=1e-4)
+
+
+def test_masked_multi_discrete_stepper_never_sends_a_masked_action_to_the_env() -> None:
+    """MaskedMultiDiscrete-v0 raises on a masked action; 4 envs x 40 steps cover 20 autoresets, after
+    which the new episode's mask must be the one recorded. Every row passes the wire's checks."""
+    import tests.spaces_envs  # noqa: F401 - registers the ids
+
+    env = make_vector_env("MaskedMultiDiscrete-v0", 4, seed=3)
+    try:
+        schema = schema_for_env(env.spec)
+        assert schema["action_mask"].shape == (7,) and schema["action_mask"].mask_segments == (3, 4)
+        torch.manual_seed(0)
+        model = build_model(env.spec.observation_layout, distribution_for_env(env.spec))
+        stepper = PolicyStepper(env, model)
+        spec = StepSpec(4, schema)
+        episodes = 0
+        for seq in range(40):
+            expected_masks = env.action_masks().copy()
+            row = stepper.step()
+            masks = row.buffers.extras["action_mask"]
+            np.testing.assert_array_equal(masks, expected_masks)
+            actions = row.buffers.actions
+            assert masks[np.arange(4), actions[:, 0]].all() and masks[np.arange(4), 3 + actions[:, 1]].all()
+            episodes += len(row.env_step.episode_returns)
+            frame = encode_step(StepMessage("a", "b", seq, 0, row.buffers.sent_fields(row.next_values, schema)))
+            decode_step(frame, lambda *_: spec, max_bytes=1 << 20)
+        assert episodes == 4 * 40 // 8
+    finally:
+        env.close()
