@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from oakemu_core import PPOActionBundle, PPOActorStepBuffers, RolloutBuffer
+from oakemu_core.distributions import Categorical, DiagGaussian
+from oakemu_core.step_schema import build_schema
 
 OBS_SHAPE = (2, 2)
 
@@ -166,3 +168,91 @@ def test_add_to_a_mismatched_buffer_is_rejected(steps: PPOActorStepBuffers) -> N
         with pytest.raises(ValueError, match="observations: expected shape .4, 2, 2. and dtype float32"):
             steps.add_to_rollout_buffer(other)
         assert other.step == 0
+
+
+# ---------------------------------------------------------------------------------- issue 7
+def test_the_seed_pages_seven_argument_constructor_works() -> None:
+    """Seed 001 builds the buffers positionally with seven arrays; the truncation fields default."""
+    n = 3
+    buffers = PPOActorStepBuffers(
+        np.zeros((n, 4), np.float32), np.zeros(n, np.int64), np.zeros(n, np.float32), np.zeros(n, np.float32),
+        np.zeros(n, np.float32), np.zeros(n, bool), np.ones(n, bool),
+    )
+    assert buffers.num_envs == n and buffers.extras == {}
+    assert buffers.truncated.dtype == np.bool_ and buffers.truncated.shape == (n,) and not buffers.truncated.any()
+    assert buffers.bootstrap_values.dtype == np.float32 and not buffers.bootstrap_values.any()
+    with RolloutBuffer(1, n, (4,), np.float32) as rollout_buffer:
+        buffers.add_to_rollout_buffer(rollout_buffer, policy_version=2)
+        assert rollout_buffer.step == 1 and (rollout_buffer.policy_versions == 2).all()
+
+
+def masked_schema():
+    return build_schema({"": ((2,), np.uint8)}, Categorical(3, masked=True))
+
+
+def test_schema_extras_are_allocated_recorded_sent_and_stored() -> None:
+    schema = masked_schema()
+    buffers = PPOActorStepBuffers.create(num_envs=2, schema=schema)
+    assert set(buffers.extras) == {"action_mask"}
+    assert buffers.extras["action_mask"].shape == (2, 3) and buffers.extras["action_mask"].dtype == np.bool_
+    masks = np.array([[True, False, True], [False, True, False]])
+    buffers.record_action_masks(masks)
+    np.testing.assert_array_equal(buffers.extras["action_mask"], masks)
+    with pytest.raises(ValueError, match=r"action_mask: expected shape \(2, 3\) and dtype bool"):
+        buffers.record_action_masks(masks.astype(np.int8))
+    buffers.record_observations(np.full((2, 2), 7, np.uint8))
+    bundle = PPOActionBundle(np.array([2, 1]), np.array([-0.5, -0.1], np.float32), np.zeros(2, np.float32))
+    buffers.reset_action_selection()
+    buffers.record_action_bundle_for_env_ids(bundle, env_ids=[0, 1], trainable=[True, True])
+    buffers.reset_step_results()
+    buffers.record_step_result(0, 1.0, done=True, truncated=True, bootstrap_value=0.25)
+    buffers.record_step_result(1, 0.5, done=False)
+    next_values = np.array([3.0, 4.0], np.float32)
+    sent = buffers.sent_fields(next_values, schema)
+    assert set(sent) == {f.name for f in schema.sent}, "sent_fields follows the schema"
+    assert sent["action_mask"] is buffers.extras["action_mask"] and sent["next_values"] is next_values
+    np.testing.assert_array_equal(sent["truncated"], [True, False])
+    with RolloutBuffer(1, 2, schema=schema) as rollout_buffer:
+        buffers.add_to_rollout_buffer(rollout_buffer)
+        np.testing.assert_array_equal(rollout_buffer.field("action_mask")[0], masks)
+        np.testing.assert_array_equal(rollout_buffer.bootstrap_values[0], [0.25, 0.0])
+    plain = PPOActorStepBuffers.create(num_envs=2, observation_shape=(2,), observation_dtype=np.uint8)
+    with pytest.raises(ValueError, match="no action_mask field"):
+        plain.record_action_masks(masks)
+
+
+def test_gaussian_bundle_fields_are_checked_and_copied() -> None:
+    schema = build_schema({"": ((3,), np.float32)}, DiagGaussian([-1.0, -1.0], [1.0, 1.0]))
+    buffers = PPOActorStepBuffers.create(num_envs=3, schema=schema)
+    assert set(buffers.extras) == {"action_mean", "action_std"}
+    assert buffers.actions.shape == (3, 2) and buffers.actions.dtype == np.float32
+    mean = np.arange(4, dtype=np.float32).reshape(2, 2)
+    std = np.full((2, 2), 0.5, np.float32)
+    bundle = PPOActionBundle(mean + 0.1, np.zeros(2, np.float32), np.zeros(2, np.float32),
+                             {"action_mean": mean, "action_std": std})
+    buffers.record_action_bundle_for_env_ids(bundle, env_ids=[2, 0], trainable=[True, False])
+    np.testing.assert_array_equal(buffers.extras["action_mean"][[2, 0]], mean)
+    np.testing.assert_array_equal(buffers.extras["action_std"][[2, 0]], std)
+    bad_shape = PPOActionBundle(mean, np.zeros(2, np.float32), np.zeros(2, np.float32),
+                                {"action_mean": mean[:, :1], "action_std": std})
+    before = buffers.extras["action_mean"].copy()
+    with pytest.raises(ValueError, match=r"action_bundle\.action_mean: expected shape \(2, 2\)"):
+        buffers.record_action_bundle_for_env_ids(bad_shape, env_ids=[1, 0], trainable=[True, True])
+    unknown = PPOActionBundle(mean, np.zeros(2, np.float32), np.zeros(2, np.float32), {"logits": mean})
+    with pytest.raises(ValueError, match=r"action_bundle\.logits: not a field"):
+        buffers.record_action_bundle_for_env_ids(unknown, env_ids=[1, 0], trainable=[True, True])
+    np.testing.assert_array_equal(buffers.extras["action_mean"], before)
+
+
+def test_dict_observations_keep_each_key_dtype() -> None:
+    schema = build_schema({"image": ((1, 4, 4), np.uint8), "vector": ((2,), np.float32)}, Categorical(2))
+    buffers = PPOActorStepBuffers.create(num_envs=2, schema=schema)
+    assert buffers.observations["image"].dtype == np.uint8 and buffers.observations["vector"].dtype == np.float32
+    obs = {"image": np.full((2, 1, 4, 4), 200, np.uint8), "vector": np.ones((2, 2), np.float32)}
+    buffers.record_observations(obs)
+    sent = buffers.sent_fields(np.zeros(2, np.float32), schema)
+    assert sent["observations.image"].dtype == np.uint8 and (sent["observations.image"] == 200).all()
+    with pytest.raises(ValueError, match=r"observations\['image'\]: expected .*uint8.*float32"):
+        buffers.record_observations(dict(obs, image=obs["image"].astype(np.float32)))
+    with pytest.raises(ValueError, match=r"observations: expected a dict with keys \['image', 'vector'\]"):
+        buffers.record_observations({"image": obs["image"]})
