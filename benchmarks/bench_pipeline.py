@@ -10,10 +10,12 @@ Measured in one run, on the same envs, the same number of actor processes and en
 4. ``end-to-end``: the same with PPO training (CPU here; the actors wait while both buffers are busy).
 
 The transport cost is ``1 - pipeline / raw+policy`` (target: at most 5 %).  Every figure is a ratio
-against ``raw`` measured in the same run, so the machine's speed cancels out.
+against ``raw`` measured in the same run, so the machine's speed cancels out.  With ``--curve`` a fifth
+figure, ``pipeline+curve``, streams over CURVE-encrypted, ZAP-authenticated sockets (keys made for the
+run); its cost is ``1 - pipeline+curve / pipeline``.
 
 Usage: ``python benchmarks/bench_pipeline.py [--env ALE/Breakout-v5] [--actors 1] [--envs-per-actor 8]
-[--seconds 15] [--repeats 3]``
+[--seconds 15] [--repeats 3] [--curve]``
 """
 
 from __future__ import annotations
@@ -91,18 +93,31 @@ def measure_local(env_id: str, actors: int, num_envs: int, seconds: float, *, wi
     return total
 
 
-def measure_pipeline(env_id: str, actors: int, num_envs: int, seconds: float, *, train: bool) -> float:
-    """Env steps/s written by a learner (this process) fed by ``actors`` actor processes."""
+def measure_pipeline(env_id: str, actors: int, num_envs: int, seconds: float, *, train: bool,
+                     curve: bool = False) -> float:
+    """Env steps/s written by a learner (this process) fed by ``actors`` actor processes (over CURVE
+    sockets when ``curve``)."""
+    from oakemu_core.auth import generate_keypair
     from oakemu_core.config import OakEmuConfig
     from services import learner as learner_module
 
     ports = _free_ports(5)
     with tempfile.TemporaryDirectory() as runs_dir:
+        security: dict[str, object] = {}
+        actor_security: dict[str, str] = {}
+        if curve:
+            keys = Path(runs_dir) / "keys"
+            generate_keypair(keys, "learner")
+            generate_keypair(keys / "authorized", "actor")
+            security = {"curve": True, "curve_secret_key": keys / "learner.key_secret",
+                        "curve_authorized_keys": keys / "authorized"}
+            actor_security = {"OAKEMU_CURVE": "true", "OAKEMU_CURVE_SECRET_KEY": str(keys / "authorized" / "actor.key_secret"),
+                              "OAKEMU_CURVE_SERVER_KEY": str(keys / "learner.key")}
         config = OakEmuConfig(
             env_id=env_id, num_actors=actors, envs_per_actor=num_envs, total_env_steps=10**9,
             data_port=ports[0], control_port=ports[1], weights_port=ports[2], telemetry_port=ports[3],
             metrics_port=ports[4], runs_dir=Path(runs_dir), run_name="bench", checkpoint_every_updates=0,
-            log_level="WARNING",
+            log_level="WARNING", **security,
         )
         original_train = learner_module.Trainer._train
         if not train:
@@ -117,7 +132,7 @@ def measure_pipeline(env_id: str, actors: int, num_envs: int, seconds: float, *,
         stop = threading.Event()
         thread = threading.Thread(target=learner.run, args=(stop,), daemon=True)
         thread.start()
-        env = {**os.environ, "OAKEMU_LOG_LEVEL": "WARNING"}
+        env = {**os.environ, "OAKEMU_LOG_LEVEL": "WARNING", **actor_security}
         flags = [f"--env-id={env_id}", f"--envs-per-actor={num_envs}", f"--data-port={ports[0]}",
                  f"--control-port={ports[1]}", f"--weights-port={ports[2]}", f"--telemetry-port={ports[3]}",
                  f"--metrics-port={ports[4]}", "--torch-threads=1"]
@@ -153,27 +168,34 @@ def main() -> None:
     parser.add_argument("--envs-per-actor", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
+    parser.add_argument("--curve", action="store_true", help="also measure the pipeline over CURVE sockets")
     args = parser.parse_args()
     print(f"{args.env}: {args.actors} actor process(es) x {args.envs_per_actor} envs, {args.seconds:.0f} s per "
           f"figure, median of {args.repeats} interleaved repeats, {os.cpu_count()} CPUs")
-    figures: dict[str, list[float]] = {"raw": [], "policy": [], "pipeline": [], "end_to_end": []}
+    figures: dict[str, list[float]] = {"raw": [], "policy": [], "pipeline": [], "end_to_end": [], "curve": []}
     common = (args.env, args.actors, args.envs_per_actor, args.seconds)
     for _ in range(args.repeats):  # interleaved, so a slow spell of the machine hits every figure
         figures["raw"].append(measure_local(*common, with_policy=False))
         figures["policy"].append(measure_local(*common, with_policy=True))
         figures["pipeline"].append(measure_pipeline(*common, train=False))
+        if args.curve:
+            figures["curve"].append(measure_pipeline(*common, train=False, curve=True))
     figures["end_to_end"].append(measure_pipeline(*common, train=True))
-    raw, policy, pipeline, end_to_end = (float(np.median(figures[k])) for k in figures)
+    raw, policy, pipeline, end_to_end = (float(np.median(figures[k])) for k in ("raw", "policy", "pipeline", "end_to_end"))
     print(f"{'measurement':<44}{'env steps/s':>12}{'vs raw':>9}   all runs")
     for name, key in [
         ("raw env, random actions, no transport", "raw"),
         ("raw+policy: actor step loop, no transport", "policy"),
         ("pipeline: ZeroMQ -> learner ingest, no PPO", "pipeline"),
         ("end-to-end: with PPO training", "end_to_end"),
+        *([("pipeline+curve: CURVE sockets, no PPO", "curve")] if args.curve else []),
     ]:
         value = float(np.median(figures[key]))
         print(f"{name:<44}{value:>12.0f}{value / raw:>9.3f}   {', '.join(f'{v:.0f}' for v in figures[key])}")
     print(f"transport cost (1 - pipeline / raw+policy, medians): {100 * (1 - pipeline / policy):.1f} % (target <= 5 %)")
+    if args.curve:
+        with_curve = float(np.median(figures["curve"]))
+        print(f"CURVE cost (1 - pipeline+curve / pipeline, medians): {100 * (1 - with_curve / pipeline):.1f} %")
 
 
 if __name__ == "__main__":
