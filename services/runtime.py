@@ -25,7 +25,7 @@ class OneLineFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
         """ISO 8601 local time with milliseconds and the UTC offset."""
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(record.created))
         return f"{stamp}.{int(record.msecs):03d}{time.strftime('%z', time.localtime(record.created))}"

@@ -220,7 +220,7 @@ def test_curve_only_authorised_keys_join_train_and_watch(e2e: E2EProcesses, tmp_
     for name in ("actor", "actor2", "monitor"):
         (authorised / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
     server = load_public_key(keys / "learner.key")
-    client_env = lambda name: {  # noqa: E731
+    client_env = lambda name: {
         "OAKEMU_CURVE": "true", "OAKEMU_CURVE_SECRET_KEY": str(keys / f"{name}.key_secret"),
         "OAKEMU_CURVE_SERVER_KEY": str(keys / "learner.key"),
     }
@@ -235,7 +235,7 @@ def test_curve_only_authorised_keys_join_train_and_watch(e2e: E2EProcesses, tmp_
     subscriber = TelemetrySubscriber(ports.telemetry_address, security=type("S", (), {
         "apply": staticmethod(lambda sock: secure(sock, keys, "monitor", server))})())
     try:
-        why = lambda: learner.describe() + actor.describe() + intruder.describe()  # noqa: E731
+        why = lambda: learner.describe() + actor.describe() + intruder.describe()
         trained = wait_snapshot(subscriber, lambda s: s.iterations >= 2, 120, "2 updates with the authorised actor", why)
         assert [a.actor_id for a in trained.actors] == ["good"]
         counted = wait_snapshot(subscriber, lambda s: s.rejected_messages.get("unauthorized_key", 0) >= 1, 30,

@@ -94,6 +94,11 @@ def wait_for(what: str, probe: Callable[[], Any], timeout_s: float, period_s: fl
         time.sleep(period_s)
 
 
+def matching(snapshot: dict[str, Any], predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
+    """``snapshot`` when it satisfies ``predicate``, else None (for :func:`wait_for`)."""
+    return snapshot if predicate(snapshot) else None
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now."""
     with socket.socket() as probe:
@@ -221,9 +226,9 @@ def test_image_runs_oakemu_from_its_venv_as_an_unprivileged_user_without_the_bui
     oakemu_image: str, tmp_path: Path
 ) -> None:
     """The image: oakemu on PATH from /opt/oakemu, uid 10001, CPU torch, and no CA bundle or wheelhouse."""
-    probe = run(["docker", "run", "--rm", "--entrypoint", "sh", oakemu_image, "-c",
-                 "command -v oakemu; id -u; python -c 'import torch, sys; print(torch.__version__, sys.prefix)';"
-                 " test ! -e /tmp/wheelhouse && echo no-wheelhouse"], timeout=120)
+    script = ("command -v oakemu; id -u; python -c 'import torch, sys; print(torch.__version__, sys.prefix)';"
+              " test ! -e /tmp/wheelhouse && echo no-wheelhouse")
+    probe = run(["docker", "run", "--rm", "--entrypoint", "sh", oakemu_image, "-c", script], timeout=120)
     lines = probe.stdout.split()
     assert lines[0] == "/opt/oakemu/bin/oakemu"
     assert lines[1] == "10001"
@@ -276,10 +281,11 @@ def test_compose_scale_kill_stop_resume_and_down(compose: Compose) -> None:
 
     # 3 actors train and the env-step count rises (the monitor is a one-off container in the network).
     first = wait_for("3 actors and env steps in the monitor",
-                     lambda: (lambda s: s if len(s["actors"]) == 3 and s["global_step"] > 0 else None)(compose.monitor()),
+                     lambda: matching(compose.monitor(), lambda s: len(s["actors"]) == 3 and s["global_step"] > 0),
                      timeout_s=240)
     wait_for("rising env steps with 3 actors",
-             lambda: (lambda s: s["global_step"] > first["global_step"] and len(s["actors"]) == 3)(compose.monitor()),
+             lambda: matching(compose.monitor(),
+                              lambda s: s["global_step"] > first["global_step"] and len(s["actors"]) == 3),
              timeout_s=60)
 
     # Logs: one record per line, no rich wrapping (every line starts with a timestamp and a level).
@@ -294,7 +300,7 @@ def test_compose_scale_kill_stop_resume_and_down(compose: Compose) -> None:
     # Scale down to 1: two actors leave, training goes on.
     compose("up", "-d", "--no-build", "--scale", "actor=1")
     one = wait_for("1 actor after scaling down",
-                   lambda: (lambda s: s if len(s["actors"]) == 1 else None)(compose.monitor()), timeout_s=60)
+                   lambda: matching(compose.monitor(), lambda s: len(s["actors"]) == 1), timeout_s=60)
 
     # kill -9 the remaining actor: the learner drops it after actor_timeout_s (3 s) ...
     [actor_container] = compose.container_ids("actor")
@@ -307,7 +313,7 @@ def test_compose_scale_kill_stop_resume_and_down(compose: Compose) -> None:
     compose("up", "-d", "--no-build", "--scale", "actor=1")
     at_kill = compose.monitor()["global_step"]
     wait_for("env steps rising again after the kill",
-             lambda: (lambda s: s["global_step"] > at_kill and len(s["actors"]) == 1)(compose.monitor()),
+             lambda: matching(compose.monitor(), lambda s: s["global_step"] > at_kill and len(s["actors"]) == 1),
              timeout_s=120)
     last_seen = compose.monitor()["global_step"]
 
@@ -324,7 +330,7 @@ def test_compose_scale_kill_stop_resume_and_down(compose: Compose) -> None:
                        timeout_s=120)
     assert int(resumed.group(1)) == checkpoint_step
     after = wait_for("training after the resume",
-                     lambda: (lambda s: s if s["global_step"] > checkpoint_step else None)(compose.monitor()),
+                     lambda: matching(compose.monitor(), lambda s: s["global_step"] > checkpoint_step),
                      timeout_s=120)
     assert after["run_name"] == "main"
 
@@ -443,7 +449,7 @@ def test_swarm_stack_deploys_scales_and_is_removed(swarm: Swarm) -> None:
     run(["docker", "stack", "deploy", "--detach=true", "-c", str(STACK_FILE), swarm.stack], env=swarm.env)
 
     first = wait_for("2 actors and env steps on the swarm",
-                     lambda: (lambda s: s if len(s["actors"]) == 2 and s["global_step"] > 0 else None)(swarm.monitor()),
+                     lambda: matching(swarm.monitor(), lambda s: len(s["actors"]) == 2 and s["global_step"] > 0),
                      timeout_s=240)
     assert first["env_id"] == "CartPole-v1"
 
@@ -458,7 +464,8 @@ def test_swarm_stack_deploys_scales_and_is_removed(swarm: Swarm) -> None:
 
     run(["docker", "service", "scale", "--detach=true", f"{swarm.stack}_actor=3"])
     wait_for("3 actors and rising env steps after docker service scale",
-             lambda: (lambda s: len(s["actors"]) == 3 and s["global_step"] > first["global_step"])(swarm.monitor()),
+             lambda: matching(swarm.monitor(),
+                              lambda s: len(s["actors"]) == 3 and s["global_step"] > first["global_step"]),
              timeout_s=180)
 
     left = swarm.teardown()
