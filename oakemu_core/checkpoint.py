@@ -19,9 +19,12 @@ the new one, never a torn file.
 
 from __future__ import annotations
 
+import io
+import logging
 import os
 import random
 import re
+import shutil
 import tempfile
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -35,6 +38,8 @@ __all__ = [
     "CHECKPOINT_DIR_NAME",
     "LATEST_NAME",
     "CheckpointError",
+    "CheckpointWriteFailed",
+    "CheckpointWriter",
     "capture_rng_state",
     "checkpoint_path",
     "latest_checkpoint",
@@ -50,8 +55,19 @@ _CHECKPOINT_RE = re.compile(r"^checkpoint_(\d{8,})\.pt$")
 _PLAIN_SCALARS = (str, int, float, bool, type(None))
 
 
+log = logging.getLogger("oakemu.checkpoint")
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint file exists but cannot be read (truncated, corrupt, or not a checkpoint)."""
+
+
+class CheckpointWriteFailed(RuntimeError):
+    """:class:`CheckpointWriter` gave up: ``max_consecutive_failures`` checkpoint writes in a row failed.
+
+    The message names the file, the error, the bytes needed and free, and the last checkpoint that
+    is still loadable. Training should stop (the run can be resumed from that checkpoint).
+    """
 
 
 def _check_plain(value: Any, where: str) -> None:
@@ -171,8 +187,12 @@ def save_run_checkpoint(run_dir: Path, update: int, state: dict[str, Any], *, ke
     tmp_link = directory / f".{LATEST_NAME}.{os.getpid()}.tmp"
     if tmp_link.is_symlink() or tmp_link.exists():
         tmp_link.unlink()
-    os.symlink(path.name, tmp_link)
-    os.replace(tmp_link, directory / LATEST_NAME)
+    try:
+        os.symlink(path.name, tmp_link)
+        os.replace(tmp_link, directory / LATEST_NAME)
+    except OSError:  # e.g. no space for the link: latest.pt still points at the previous checkpoint
+        tmp_link.unlink(missing_ok=True)
+        raise
     _fsync_directory(directory)
     if keep_last is not None:
         for old in _numbered_checkpoints(directory)[:-keep_last]:
@@ -254,3 +274,107 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
         cuda_states = list(state["torch_cuda"])
         if len(cuda_states) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all([s.cpu() for s in cuda_states])
+
+
+class CheckpointWriter:
+    """Writes a run's checkpoints and survives failed writes (a full disk must not stop training).
+
+    :meth:`save` writes ``run_dir/checkpoints/checkpoint_<update>.pt`` atomically and points
+    ``latest.pt`` at it (:func:`save_run_checkpoint`). When the write fails with an ``OSError``
+    (``ENOSPC``, ``EIO``, ``EDQUOT``, ...):
+
+    - the previous checkpoint stays as it was and loadable (the temporary file is removed, the
+      ``latest.pt`` link still points at the previous file);
+    - one ERROR line is logged naming the file, the error, the bytes needed (the size of the state)
+      and the bytes free on that file system (``shutil.disk_usage``), and the last good checkpoint;
+    - :attr:`failures` (total) and :attr:`consecutive_failures` go up, :meth:`save` returns None and
+      the caller goes on training; the next :meth:`save` (the next checkpoint time) is the retry;
+    - after ``max_consecutive_failures`` failures in a row, :meth:`save` raises
+      :class:`CheckpointWriteFailed` with that message (training should stop).
+
+    A successful save resets :attr:`consecutive_failures` to 0. Not thread-safe: call it from one thread.
+
+    Args:
+        run_dir: the run folder.
+        keep_last: numbered checkpoints kept (older ones deleted after a successful save); None keeps all.
+        max_consecutive_failures: failed saves in a row that make :meth:`save` raise (>= 1).
+        logger: where failures are logged (default ``oakemu.checkpoint``).
+
+    Raises:
+        ValueError: ``keep_last`` < 1 or ``max_consecutive_failures`` < 1.
+    """
+
+    def __init__(self, run_dir: Path, *, keep_last: int | None = 3, max_consecutive_failures: int = 5,
+                 logger: logging.Logger | None = None) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last: expected >= 1 or None, got {keep_last}")
+        if int(max_consecutive_failures) < 1:
+            raise ValueError(f"max_consecutive_failures: expected >= 1, got {max_consecutive_failures}")
+        self.run_dir = Path(run_dir)
+        self.keep_last = keep_last
+        self.max_consecutive_failures = int(max_consecutive_failures)
+        self.logger = logger if logger is not None else log
+        self.failures = 0
+        """Failed saves since this writer was made (telemetry ``checkpoint_failures``)."""
+        self.consecutive_failures = 0
+        """Failed saves since the last successful one."""
+        self.last_saved: Path | None = latest_checkpoint(self.run_dir)
+        """The newest checkpoint known to be complete (written by this writer, or found at start)."""
+        self.last_error: str | None = None
+        """The message of the last failure (None after a success)."""
+
+    def save(self, update: int, state: dict[str, Any]) -> Path | None:
+        """Write the checkpoint of ``update`` (see the class docstring).
+
+        Args:
+            update: PPO update number (the file's number, >= 0).
+            state: the checkpoint dict (plain values and tensors, see :func:`save_checkpoint`).
+
+        Returns:
+            The numbered checkpoint path, or None when the write failed (logged and counted).
+
+        Raises:
+            CheckpointWriteFailed: this was the ``max_consecutive_failures``-th failure in a row.
+            TypeError: ``state`` holds a value a checkpoint cannot hold (a bug, nothing is written).
+            ValueError: negative ``update``.
+        """
+        path = checkpoint_path(self.run_dir, update)
+        try:
+            save_run_checkpoint(self.run_dir, update, state, keep_last=self.keep_last)
+        except OSError as error:
+            self.failures += 1
+            self.consecutive_failures += 1
+            self.last_error = self._describe_failure(path, state, error)
+            if self.consecutive_failures >= self.max_consecutive_failures:
+                raise CheckpointWriteFailed(
+                    f"{self.consecutive_failures} checkpoint writes in a row failed (max_checkpoint_failures = "
+                    f"{self.max_consecutive_failures}), stopping; last: {self.last_error}"
+                ) from error
+            self.logger.error("%s; training goes on, retried at the next checkpoint (%d of %d failures in a row "
+                              "allowed)", self.last_error, self.consecutive_failures, self.max_consecutive_failures)
+            return None
+        self.consecutive_failures = 0
+        self.last_error = None
+        self.last_saved = path
+        return path
+
+    def _describe_failure(self, path: Path, state: dict[str, Any], error: OSError) -> str:
+        needed = _state_bytes(state)
+        try:
+            free = f"{shutil.disk_usage(path.parent if path.parent.is_dir() else self.run_dir).free} bytes free"
+        except OSError:
+            free = "free space unknown"
+        previous = f"{self.last_saved} is kept and loadable" if self.last_saved is not None else "no earlier checkpoint"
+        reason = error.strerror or str(error)
+        return (f"checkpoint {path} not written: [Errno {error.errno}] {reason} ({needed} bytes needed, {free} "
+                f"on {path.parent}); {previous}")
+
+
+def _state_bytes(state: dict[str, Any]) -> str:
+    """Serialised size of ``state`` in bytes, as text (measured in memory only after a failure)."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(state, buffer)
+    except Exception as error:  # noqa: BLE001 - a size estimate must not hide the original error
+        return f"unknown ({type(error).__name__})"
+    return str(buffer.getbuffer().nbytes)

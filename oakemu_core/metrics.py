@@ -9,9 +9,13 @@ Scalar names follow CleanRL (``ppo_atari.py``) so TensorBoard charts look famili
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import math
 import numbers
+import os
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -19,6 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from oakemu_core.log_limits import RateLimitedLog
 
 if TYPE_CHECKING:
     from oakemu_core.ppo import PPOUpdateStats
@@ -30,6 +36,7 @@ __all__ = [
     "METRICS_FILE_NAME",
     "SPS",
     "EpisodeWindow",
+    "JsonLinesWriter",
     "MetricsLogger",
     "episode_scalars",
     "update_scalars",
@@ -40,6 +47,12 @@ EPISODIC_RETURN = "charts/episodic_return"
 EPISODIC_LENGTH = "charts/episodic_length"
 LEARNING_RATE = "charts/learning_rate"
 SPS = "charts/SPS"
+WRITE_FAILURE_LOG_PERIOD_S = 30.0
+"""Shortest time (s) between two log lines about failed metric/episode writes (each is counted)."""
+TENSORBOARD_RETRY_S = 30.0
+"""After a TensorBoard write error, the events writer is reopened (a new file) at most this often (s)."""
+
+log = logging.getLogger("oakemu.metrics")
 
 
 class EpisodeWindow:
@@ -164,6 +177,108 @@ class StepRateMeter:
         return max(0.0, (s1 - s0) / (t1 - t0)) if t1 > t0 else 0.0
 
 
+class JsonLinesWriter:
+    """Appends JSON records to a file, one line each, written whole or not at all.
+
+    Each record is one ``os.write`` of the complete line on an ``O_APPEND`` descriptor (no Python
+    buffering). A short write (the disk filled up mid-record) is undone by truncating the file back to
+    its size before the write, so a reader never sees half a record. A failed write (``ENOSPC`` or any
+    other ``OSError``) drops the record, counts it in :attr:`failures` and is logged at most once per
+    ``log_period_s`` (first failure of each kind in full, then a summary): the caller keeps going.
+    One writer per file: the undo of a short write assumes no other process appends meanwhile.
+
+    Args:
+        path: the ``.jsonl`` file (created if missing, parent must exist).
+        log_period_s: shortest time between two log lines about failures (seconds).
+
+    Raises:
+        OSError: the file cannot be opened at all (missing folder, permissions).
+    """
+
+    def __init__(self, path: Path, *, log_period_s: float = WRITE_FAILURE_LOG_PERIOD_S) -> None:
+        self.path = Path(path)
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self._lock = threading.Lock()
+        self._failure_log = RateLimitedLog(log, "records", verb="dropped", period_s=log_period_s,
+                                           first_prefix=f"could not append to {self.path}, record dropped "
+                                           "(training goes on; failures are counted as log_write_failures)")
+        self.failures = 0
+        """Records dropped because the write failed."""
+        self.records = 0
+        """Records written."""
+
+    def write(self, record: Mapping[str, Any]) -> bool:
+        """Append ``record`` (a JSON-serialisable mapping) as one line.
+
+        Returns:
+            True when the whole line was written, False when it was dropped (write error, counted).
+
+        Raises:
+            TypeError / ValueError: ``record`` is not JSON-serialisable (a caller bug).
+            RuntimeError: the writer is closed.
+        """
+        data = (json.dumps(record) + "\n").encode("utf-8")
+        with self._lock:
+            if self._fd is None:
+                raise RuntimeError(f"JsonLinesWriter({self.path}): write() after close()")
+            try:
+                size_before = os.fstat(self._fd).st_size
+                written = os.write(self._fd, data)
+                if written != len(data):  # the disk filled up inside the record: undo the partial line
+                    os.ftruncate(self._fd, size_before)
+                    raise OSError(errno.ENOSPC, f"short write ({written} of {len(data)} bytes), record undone")
+            except OSError as error:
+                self.failures += 1
+                reason = errno.errorcode.get(error.errno or 0, type(error).__name__)
+                self._failure_log.event(reason, f"{error} ({len(data)} bytes needed, {_free_bytes(self.path)} free)")
+                return False
+            self.records += 1
+            return True
+
+    def close(self) -> None:
+        """Close the file (idempotent); a pending failure summary is logged first."""
+        with self._lock:
+            self._failure_log.flush(float("inf"))
+            if self._fd is not None:
+                fd, self._fd = self._fd, None
+                try:
+                    os.close(fd)
+                except OSError as error:  # nothing is buffered: no record can be lost here
+                    log.warning("closing %s: %s", self.path, error)
+
+
+def _free_bytes(path: Path) -> str:
+    """Free bytes of the file system holding ``path``, as text (``"unknown"`` when it cannot be read)."""
+    import shutil
+
+    try:
+        return f"{shutil.disk_usage(Path(path).parent).free} bytes"
+    except OSError:
+        return "unknown"
+
+
+def _swallow_tensorboard_thread_errors() -> None:
+    """Keep a failed TensorBoard writer thread from printing a traceback into the log.
+
+    TensorBoard writes events from a thread of its own; when that write fails (a full disk) the thread
+    dies with the error, which the next ``add_scalar``/``flush`` re-raises (and :class:`MetricsLogger`
+    counts). Python would also print the thread's traceback: this hook drops exactly those OSErrors and
+    hands every other thread exception to the previous hook. Installed once per process.
+    """
+    previous = threading.excepthook
+    if getattr(previous, "_oakemu_tensorboard_filter", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        thread_type = type(args.thread).__name__ if args.thread is not None else ""
+        if thread_type == "_AsyncWriterThread" and isinstance(args.exc_value, OSError):
+            return
+        previous(args)
+
+    hook._oakemu_tensorboard_filter = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 class MetricsLogger:
     """Writes scalars to TensorBoard event files in ``run_dir`` and to ``run_dir/metrics.jsonl``.
 
@@ -171,20 +286,68 @@ class MetricsLogger:
     ``{"global_step": int, "wall_time": float (Unix seconds), "<name>": value, ...}``; NaN and
     infinities are written as ``null`` so every line is strict JSON. The file is opened in append
     mode, so a resumed run continues the same log. Usable as a context manager.
+
+    A write that fails (full disk, any ``OSError``) never raises: the JSON line is dropped whole
+    (:class:`JsonLinesWriter`), a TensorBoard error closes the events writer, which is reopened (a new
+    events file) at most every :data:`TENSORBOARD_RETRY_S` seconds; both are counted in
+    :attr:`write_failures` and logged at most every :data:`WRITE_FAILURE_LOG_PERIOD_S` seconds.
     """
 
     def __init__(self, run_dir: Path) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard; only loggers need it
-
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.run_dir / METRICS_FILE_NAME
-        self._writer = SummaryWriter(log_dir=str(self.run_dir))
-        self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        _swallow_tensorboard_thread_errors()
+        self._tb_failure_log = RateLimitedLog(log, "TensorBoard writes", verb="failed", period_s=WRITE_FAILURE_LOG_PERIOD_S,
+                                              first_prefix=f"TensorBoard events in {self.run_dir} not written "
+                                              "(training goes on; counted as log_write_failures)")
+        self.tensorboard_failures = 0
+        """TensorBoard calls that failed (each drops what it carried)."""
+        self._writer: Any = None
+        self._tb_retry_at = 0.0
+        self._open_tensorboard()
+        self._jsonl = JsonLinesWriter(self.jsonl_path)
         self._closed = False
 
+    @property
+    def write_failures(self) -> int:
+        """Records dropped by failed writes: JSON lines plus TensorBoard calls."""
+        return self._jsonl.failures + self.tensorboard_failures
+
+    def _open_tensorboard(self) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard; only loggers need it
+
+        try:
+            self._writer = SummaryWriter(log_dir=str(self.run_dir))
+        except Exception as error:  # noqa: BLE001 - a full disk must not stop training
+            self._tensorboard_failed(error)
+
+    def _tensorboard_failed(self, error: BaseException) -> None:
+        self.tensorboard_failures += 1
+        self._tb_failure_log.event(type(error).__name__, f"{type(error).__name__}: {error}")
+        writer, self._writer = self._writer, None
+        self._tb_retry_at = time.monotonic() + TENSORBOARD_RETRY_S
+        if writer is not None:
+            try:
+                writer.close()
+            except Exception:  # noqa: BLE001, S110 - the writer is already broken; its error was counted
+                pass
+
+    def _tensorboard(self, call: Any) -> None:
+        if self._writer is None:
+            if time.monotonic() < self._tb_retry_at:
+                self.tensorboard_failures += 1  # dropped while the writer is down
+                return
+            self._open_tensorboard()
+            if self._writer is None:
+                return
+        try:
+            call(self._writer)
+        except Exception as error:  # noqa: BLE001 - OSError, or the writer thread's re-raised error
+            self._tensorboard_failed(error)
+
     def log(self, global_step: int, scalars: Mapping[str, float]) -> None:
-        """Record ``scalars`` at ``global_step`` (env steps so far).
+        """Record ``scalars`` at ``global_step`` (env steps so far). Write errors are counted, not raised.
 
         Raises:
             TypeError: a name is not a str or a value is not a real number (names the entry).
@@ -200,23 +363,28 @@ class MetricsLogger:
             if not isinstance(value, numbers.Real) and not (isinstance(value, np.ndarray) and value.size == 1):
                 raise TypeError(f"scalars[{name!r}]: expected a real number, got {type(value).__name__}")
             values[name] = float(value)
+
+        def add_all(writer: Any) -> None:
+            for name, value in values.items():
+                writer.add_scalar(name, value, int(global_step))
+
+        self._tensorboard(add_all)
         for name, value in values.items():
-            self._writer.add_scalar(name, value, int(global_step))
             record[name] = value if math.isfinite(value) else None
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
+        self._jsonl.write(record)
 
     def flush(self) -> None:
-        """Push buffered TensorBoard events and JSON lines to disk."""
-        self._writer.flush()
-        self._jsonl.flush()
+        """Push buffered TensorBoard events to disk (JSON lines are never buffered)."""
+        self._tensorboard(lambda writer: writer.flush())
 
     def close(self) -> None:
-        """Flush and close both outputs; calling it again does nothing."""
+        """Flush and close both outputs; calling it again does nothing. Never raises for write errors."""
         if self._closed:
             return
         self._closed = True
-        self._writer.close()
+        if self._writer is not None:
+            self._tensorboard(lambda writer: writer.close())
+        self._tb_failure_log.flush(float("inf"))
         self._jsonl.close()
 
     def __enter__(self) -> MetricsLogger:
