@@ -50,23 +50,23 @@ def _free_ports(count: int) -> list[int]:
 def _step_loop(env_id: str, num_envs: int, seconds: float, with_policy: bool, seed: int, out: mp.Queue) -> None:
     import torch
 
+    from oakemu_core.distributions import distribution_for_env
     from oakemu_core.envs import make_vector_env
     from oakemu_core.models import build_model
     from oakemu_core.stepper import PolicyStepper
 
     torch.set_num_threads(1)
     env = make_vector_env(env_id, num_envs, seed=seed)
-    rng = np.random.default_rng(seed)
+    spec = env.spec
     if with_policy:
-        spec = env.spec
-        stepper = PolicyStepper(env, build_model(spec.observation_shape, spec.observation_dtype, spec.num_actions))
+        stepper = PolicyStepper(env, build_model(spec.observation_layout, distribution_for_env(spec)))
         step = stepper.step
     else:
         env.reset()
-        num_actions = env.spec.num_actions
+        spec.action_space.seed(seed)
 
-        def step() -> None:
-            env.step(rng.integers(0, num_actions, size=num_envs))
+        def step() -> None:  # a uniformly random policy over the action space (masks ignored)
+            env.step(np.stack([spec.action_space.sample() for _ in range(num_envs)]))
 
     for _ in range(20):  # warm-up
         step()

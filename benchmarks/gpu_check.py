@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from oakemu_core.distributions import distribution_for_env  # noqa: E402
 from oakemu_core.envs import make_vector_env  # noqa: E402
 from oakemu_core.models import build_model, load_weight_arrays, weights_to_arrays  # noqa: E402
 from oakemu_core.ppo import PPOLearner  # noqa: E402
@@ -39,26 +40,24 @@ def main() -> None:
     torch.manual_seed(1)
     env = make_vector_env(args.env, args.envs, seed=1)
     spec = env.spec
-    actor_model = build_model(spec.observation_shape, spec.observation_dtype, spec.num_actions)
-    learner_model = build_model(spec.observation_shape, spec.observation_dtype, spec.num_actions)
+    actor_model = build_model(spec.observation_layout, distribution_for_env(spec))
+    learner_model = build_model(spec.observation_layout, distribution_for_env(spec))
     load_weight_arrays(learner_model, weights_to_arrays(actor_model))
     learner = PPOLearner(
         learner_model, torch.optim.Adam(learner_model.parameters(), lr=2.5e-4, eps=1e-5), device=args.device,
-        ppo_epochs=4, num_minibatches=4, clip_coef=0.1, clip_value_loss=True, ent_coef=0.01, vf_coef=0.5,
+        ppo_epochs=4, num_minibatches=4, clip_coef=0.1, clip_value_range=0.1, ent_coef=0.01, vf_coef=0.5,
         max_grad_norm=0.5,
     )
     stepper = PolicyStepper(env, actor_model, policy_version=0)
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"device {args.device} ({name}), {args.env}, rollout {args.steps} x {args.envs}")
     print(f"{'update':>6} {'uploads':>8} {'ratio dev':>11} {'s/epoch':>8} {'policy loss':>12} {'approx kl':>10}")
-    with RolloutBuffer(args.steps, args.envs, spec.observation_shape, spec.observation_dtype, seed=1) as buffer:
+    with RolloutBuffer(args.steps, args.envs, schema=stepper.schema, seed=1) as buffer:
         for update in range(args.updates):
             buffer.reset()
             for _ in range(args.steps):
                 row = stepper.step()
-                b = row.buffers
-                buffer.add(b.observations, b.actions, b.log_probs, b.values, b.rewards, b.dones, b.trainable,
-                           bootstrap_values=b.bootstrap_values, policy_version=row.policy_version)
+                row.buffers.add_to_rollout_buffer(buffer, policy_version=row.policy_version)
             buffer.compute_gae(row.next_values, buffer.dones[-1].copy(), 0.99, 0.95)
             uploads_before = buffer.observation_uploads
             start = time.perf_counter()
