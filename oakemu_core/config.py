@@ -182,6 +182,46 @@ class OakEmuConfig(BaseSettings):
     runs_dir: Path = Field(Path("runs"), description="Folder holding run folders.")
     run_name: str | None = Field(None, min_length=1, description="Run folder name (default: env-seed-time).")
     checkpoint_every_updates: int = Field(50, ge=0, description="Checkpoint every N updates (0: only at exit).")
+    checkpoint_every_seconds: float = Field(0.0, ge=0.0, description="Also checkpoint every N seconds of wall time (0: off).")
+    keep_checkpoints: int = Field(3, ge=1, description="Numbered checkpoints kept (the newest; best.pt and latest.pt apart).")
+    max_checkpoint_failures: int = Field(
+        5, ge=1, description="Stop training after this many failed checkpoint writes in a row (full disk); "
+        "fewer are logged, counted and retried at the next checkpoint."
+    )
+
+    # --- automatic rollback (see oakemu_core/learner.py HealthMonitor) ---
+    rollback: bool = Field(
+        True, description="Roll back to the last good checkpoint when the run collapses (non-finite loss or "
+        "weights, approx KL above rollback_max_approx_kl, evaluation return collapsing)."
+    )
+    rollback_max_approx_kl: float | None = Field(1.0, gt=0.0, description="approx KL of an update that counts as a collapse.")
+    rollback_eval_fraction: float | None = Field(
+        0.5, gt=0.0, lt=1.0, description="An evaluation below this fraction of the best (from the worst) is low."
+    )
+    rollback_eval_patience: int = Field(3, ge=1, description="Low evaluations in a row that count as a collapse.")
+    rollback_lr_factor: float = Field(0.5, gt=0.0, le=1.0, description="Learning-rate multiplier per rollback.")
+    max_rollbacks: int = Field(3, ge=0, description="Rollbacks before the run stops with an error.")
+
+    # --- behaviour cloning (demonstrations in the Minari format, see `oakemu record`) ---
+    bc_dataset: str | None = Field(None, description="Local Minari dataset folder of demonstrations (None: no BC).")
+    bc_pretrain_updates: int = Field(0, ge=0, description="Replay-only BC updates (one epoch each) before PPO.")
+    bc_batch_size: int = Field(256, ge=1, description="Demonstration rows per BC update / per minibatch BC term.")
+    bc_coef: float = Field(0.0, ge=0.0, description="Weight of a BC term in the PPO loss (0: none).")
+    bc_coef_decay: float = Field(1.0, gt=0.0, le=1.0, description="bc_coef multiplier per update.")
+
+    # --- policy routing (oakemu_core/routing.py): routed steps are stored for GAE, never trained on ---
+    route_random_first_steps: int = Field(
+        0, ge=0, description="Random actions for the first N steps of every episode (non-trainable rows)."
+    )
+    route_random_probability: float = Field(
+        0.0, ge=0.0, le=1.0, description="Probability that a step is random-controlled (non-trainable row)."
+    )
+    route_scripted_policy: str | None = Field(
+        None, description="module:callable (observations, action_mask) -> actions of a scripted policy."
+    )
+    route_scripted_probability: float = Field(
+        0.0, ge=0.0, le=1.0, description="Probability that a non-random step is scripted (needs route_scripted_policy)."
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
         "INFO", description="Python logging level."
     )
@@ -190,6 +230,13 @@ class OakEmuConfig(BaseSettings):
         description="Log records: rich (terminal view), plain or json (one record per line); "
         "auto = rich when stderr is a terminal, else plain.",
     )
+
+    # --- periodic evaluation (oakemu_core/tester.py: a process of its own, envs that never feed the buffer) ---
+    eval_every_updates: int = Field(
+        10, ge=0, description="Evaluate the newest weights every N PPO updates and at the end (0: never)."
+    )
+    eval_episodes: int = Field(5, ge=1, description="Episodes per evaluation (raw, unclipped episodic return).")
+    eval_greedy: bool = Field(True, description="Evaluate with the policy's mode (greedy) instead of sampling.")
 
     # --- transport security (ZeroMQ CURVE, see deploy/README.md) ---
     curve: bool = Field(
@@ -261,6 +308,12 @@ class OakEmuConfig(BaseSettings):
                 f"num_minibatches: expected at most rollout_length * buffer columns = "
                 f"{self.rollout_length} * {buffer_columns} = {batch_rows} (at least 1 row per minibatch), "
                 f"received {self.num_minibatches}"
+            )
+        if (self.route_scripted_policy is None) != (self.route_scripted_probability == 0.0):
+            raise ValueError(
+                "route_scripted_policy / route_scripted_probability: expected both set (a 'module:callable' and a "
+                f"probability > 0) or neither, received {self.route_scripted_policy!r} and "
+                f"{self.route_scripted_probability!r}"
             )
         used: dict[int, str] = {}
         for name in _PORT_FIELDS:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "EmptyRolloutError",
     "LinearSchedule",
-    "PPOLearner",
+    "PPOUpdater",
     "PPORuntimeState",
     "PPOUpdateStats",
     "explained_variance",
@@ -182,7 +182,7 @@ def explained_variance(predictions: np.ndarray, targets: np.ndarray) -> float:
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class PPOUpdateStats:
-    """What one :meth:`PPOLearner.step` did.
+    """What one :meth:`PPOUpdater.step` did.
 
     Losses, entropy, approx_kl and clip_fraction are means over every minibatch that was trained
     on. ``explained_variance`` compares the actor's values with the GAE returns over the trainable
@@ -241,7 +241,7 @@ class PPORuntimeState:
         )
 
 
-class PPOLearner:
+class PPOUpdater:
     """Runs PPO updates of ``model`` on full rollout buffers.
 
     Args:
@@ -284,6 +284,7 @@ class PPOLearner:
         normalize_advantages: bool = True,
         lr_schedule: LinearSchedule | None = None,
         seed: int = 0,
+        action_mask: torch.Tensor | None = None,
     ) -> None:
         checks = {
             "ppo_epochs": (ppo_epochs, ppo_epochs >= 1, ">= 1"),
@@ -315,6 +316,7 @@ class PPOLearner:
         self.normalize_advantages = bool(normalize_advantages)
         self.lr_schedule = lr_schedule
         self._shuffle_rng = np.random.default_rng(seed)
+        self.action_mask = None if action_mask is None else action_mask.to(self.device, torch.bool)
         self._iterations = 0
         self._rollouts_collected = 0
         self.policy_version = 0
@@ -355,7 +357,8 @@ class PPOLearner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def step(self, rollout_buffer: RolloutBuffer, *, current_policy_version: int) -> PPOUpdateStats:
+    def step(self, rollout_buffer: RolloutBuffer, *, current_policy_version: int,
+             bc_term: tuple[float, Any, int] | None = None) -> PPOUpdateStats:
         """One PPO update on the trainable rows of a full buffer whose GAE is computed.
 
         Args:
@@ -363,6 +366,9 @@ class PPOLearner:
             current_policy_version: version of the weights ``model`` holds now. Rows recorded with
                 this version are used for the ratio check. Afterwards :attr:`policy_version` is
                 ``current_policy_version + 1`` (the weights changed).
+            bc_term: ``(coefficient, demonstration sampler, batch size)``: add ``coefficient *``
+                the demonstrations' negative log-likelihood to every minibatch's loss
+                (:func:`oakemu_core.demonstrations.bc_loss`), or None.
 
         Returns:
             :class:`PPOUpdateStats`.
@@ -404,7 +410,7 @@ class PPOLearner:
             minibatches = flat.minibatches(num_minibatches, self._shuffle_rng)
             for minibatch in minibatches:
                 policy, new_values = self.model.policy_and_values(
-                    minibatch.observations, minibatch.fields.get("action_mask")
+                    minibatch.observations, self._row_masks(minibatch.fields.get("action_mask"))
                 )
                 losses = ppo_losses(
                     policy.log_prob(minibatch.actions),
@@ -428,6 +434,9 @@ class PPOLearner:
 
                 # Total loss (Schulman et al. 2017, eq. 9, negated): policy - c2 * entropy + c1 * value.
                 loss = losses["policy_loss"] - self.ent_coef * losses["entropy"] + self.vf_coef * losses["value_loss"]
+                if bc_term is not None:  # behaviour cloning on demonstrations, next to the PPO loss
+                    bc_coef, sampler, bc_batch = bc_term
+                    loss = loss + bc_coef * self._bc_loss(sampler, bc_batch)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
@@ -477,6 +486,29 @@ class PPOLearner:
         )
 
     # ------------------------------------------------------------------ ratio check
+    def shuffle_rng_state(self) -> dict[str, Any]:
+        """State of the minibatch-shuffling generator (plain values)."""
+        return self._shuffle_rng.bit_generator.state
+
+    def restore_counters(self, iterations: int, shuffle_rng_state: dict[str, Any] | None) -> None:
+        """Restore the update count and the shuffling generator (resume)."""
+        self._iterations = int(iterations)
+        if shuffle_rng_state is not None:
+            self._shuffle_rng.bit_generator.state = shuffle_rng_state
+
+    def _row_masks(self, masks: torch.Tensor | None) -> torch.Tensor | None:
+        """Each row's action mask ANDed with the learner-wide ``action_mask`` (either may be None)."""
+        if self.action_mask is None:
+            return masks
+        return self.action_mask.expand(masks.shape) & masks if masks is not None else self.action_mask.unsqueeze(0)
+
+    def _bc_loss(self, sampler: Any, batch_size: int) -> torch.Tensor:
+        from oakemu_core.demonstrations import bc_loss, batch_to_device
+
+        batch = batch_to_device(sampler.sample(batch_size, self._shuffle_rng), self.device)
+        policy, _ = self.model.policy_and_values(batch.observations, self._row_masks(batch.action_mask))
+        return bc_loss(policy, batch.actions)
+
     @staticmethod
     def _ratio_deviation(ratio: torch.Tensor, versions: torch.Tensor, current_policy_version: int) -> float:
         """max |ratio - 1| over the minibatch rows acted by ``current_policy_version`` (NaN if none)."""

@@ -18,10 +18,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-import queue
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +27,12 @@ import numpy as np
 import torch
 import zmq
 
+from oakemu_core.auth import (
+    PeerBinding,
+    TransportSecurityError,
+    public_tag,
+    server_security,
+)
 from oakemu_core.checkpoint import (
     capture_rng_state,
     latest_checkpoint,
@@ -38,16 +42,39 @@ from oakemu_core.checkpoint import (
 )
 from oakemu_core.config import OakEmuConfig, resolved_device, to_toml
 from oakemu_core.envs import EnvSpec, check_env, env_spec
-from oakemu_core.ingest import FullRollout, RolloutAssembler, StepRejected, drop_stale_rows
-from oakemu_core.memory_diagnostics import SharedMemoryTooSmallError, ensure_shm_capacity
-from oakemu_core.metrics import EpisodeWindow, MetricsLogger, StepRateMeter, update_scalars
-from oakemu_core.models import ActorCritic, build_model, weights_to_arrays
-from oakemu_core.normalization import RewardScaler
-from oakemu_core.ppo import LinearSchedule, PPOLearner, PPORuntimeState, PPOUpdateStats
+from oakemu_core.ingest import RolloutAssembler, StepRejected
+from oakemu_core.learner import (
+    CheckpointPolicy,
+    HealthMonitor,
+    PPOExperimentConfiguration,
+    PPOLearner,
+    RolloutHandshake,
+    RunCollapsedError,
+    RuntimeContext,
+    ThreadSafeModel,
+    TrainResult,
+)
+from oakemu_core.memory_diagnostics import (
+    SharedMemoryTooSmallError,
+    ensure_shm_capacity,
+)
+from oakemu_core.metrics import (
+    EpisodeWindow,
+    MetricsLogger,
+    StepRateMeter,
+    update_scalars,
+)
+from oakemu_core.models import build_model
+from oakemu_core.ppo import LinearSchedule, PPOUpdateStats
 from oakemu_core.rollout_buffer import RolloutBuffer
 from oakemu_core.shared_memory import sweep_stale_segments
 from oakemu_core.step_schema import StepSchema, schema_for_env
-from oakemu_core.telemetry import ActorTelemetry, PrometheusExporter, TelemetryPublisher, TelemetrySnapshot
+from oakemu_core.telemetry import (
+    ActorTelemetry,
+    PrometheusExporter,
+    TelemetryPublisher,
+    TelemetrySnapshot,
+)
 from oakemu_core.wire import (
     Heartbeat,
     HeartbeatReply,
@@ -63,8 +90,12 @@ from oakemu_core.wire import (
     encode_join_reply,
     encode_weights,
 )
-from oakemu_core.auth import PeerBinding, TransportSecurityError, public_tag, server_security
-from services.runtime import install_stop_signals, resolve_run_dir, setup_logging, socket_buffer_bytes
+from services.runtime import (
+    install_stop_signals,
+    resolve_run_dir,
+    setup_logging,
+    socket_buffer_bytes,
+)
 
 log = logging.getLogger("oakemu.learner")
 
@@ -87,59 +118,57 @@ def rollout_buffer_bytes(config: OakEmuConfig, schema: StepSchema) -> int:
 
 
 # ------------------------------------------------------------------------------------ trainer
-@dataclass
-class TrainResult:
-    """What the trainer thread hands back after one update."""
-
-    slot: int
-    policy_version: int
-    weights: dict[str, np.ndarray]
-    stats: PPOUpdateStats
-    stale_rows: int
-    lag: dict[str, float]
-    iterations: int
-
-
 class Trainer:
-    """The trainer thread's state: model, optimizer, PPO learner, checkpoints."""
+    """The training side of the learner: model, optimizer, the library's :class:`PPOLearner` (its
+    ``run`` loop is the trainer thread), the checkpoint policy and the resume path."""
 
     def __init__(self, config: OakEmuConfig, spec: EnvSpec, schema: StepSchema, run_dir: Path) -> None:
         self.config = config
         self.run_dir = run_dir
+        self.spec = spec
+        self.schema = schema
         self.device = resolved_device(config)
         torch.manual_seed(config.seed)
         assert schema.distribution is not None
-        self.model: ActorCritic = build_model(spec.observation_layout, schema.distribution,
-                                              normalize_observations=config.normalize_observations)
-        self.reward_scaler = RewardScaler(config.gamma) if config.normalize_rewards else None
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.learning_rate, eps=1e-5)
-        total_updates = max(1, math.ceil(config.total_env_steps / config.batch_size))
-        end_lr = 0.0 if config.anneal_lr else config.learning_rate
-        self.schedule = LinearSchedule(config.learning_rate, end_lr, total_updates)
-        self.ppo = PPOLearner(
-            self.model,
-            self.optimizer,
-            device=self.device,
-            ppo_epochs=config.ppo_epochs,
-            num_minibatches=config.num_minibatches,
-            clip_coef=config.clip_coef,
-            clip_value_range=config.resolved_clip_value_range,
-            ent_coef=config.ent_coef,
-            vf_coef=config.vf_coef,
-            max_grad_norm=config.max_grad_norm,
-            target_kl=config.target_kl,
-            normalize_advantages=config.normalize_advantages,
-            lr_schedule=self.schedule,
-            seed=config.seed,
+        model = build_model(spec.observation_layout, schema.distribution,
+                            normalize_observations=config.normalize_observations).to(self.device)
+        self.learner_model = ThreadSafeModel(model)
+        self.optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate, eps=1e-5)
+        self.schedule = LinearSchedule(config.learning_rate, 0.0, 1)
+        self._follow_budget()
+        context = RuntimeContext(PPOExperimentConfiguration.from_config(config), self.device)
+        self.ppo = PPOLearner(context, self.learner_model, None, self.optimizer, self.schedule,
+                              bc_sampler=self._bc_sampler())
+        health = None
+        if config.rollback:
+            health = HealthMonitor(max_approx_kl=config.rollback_max_approx_kl,
+                                   eval_fraction=config.rollback_eval_fraction,
+                                   eval_patience=config.rollback_eval_patience)
+        self.checkpoints = CheckpointPolicy(
+            run_dir, state_fn=self.checkpoint_state, save_fn=self._save, health=health,
+            every_updates=config.checkpoint_every_updates, every_seconds=config.checkpoint_every_seconds,
+            lr_factor=config.rollback_lr_factor, max_rollbacks=config.max_rollbacks,
         )
-        self.spec = spec
-        self.schema = schema
+        self.handshake = RolloutHandshake()
         self.global_step = 0
         self.episodes = 0
-        self.inbox: queue.Queue[tuple[FullRollout, int, int] | None] = queue.Queue()
-        self.outbox: queue.Queue[TrainResult | BaseException] = queue.Queue()
-        self.busy = False
-        self._thread = threading.Thread(target=self._run, name="oakemu-trainer", daemon=True)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _follow_budget(self) -> None:
+        # The schedule keeps its progress but follows this run's budget and learning rate: a resume
+        # with a larger --total-env-steps must not continue at the old run's final learning rate 0.
+        config = self.config
+        self.schedule.start = config.learning_rate
+        self.schedule.end = 0.0 if config.anneal_lr else config.learning_rate
+        self.schedule.total_updates = max(1, math.ceil(config.total_env_steps / config.batch_size))
+
+    def _bc_sampler(self) -> Any:
+        if self.config.bc_dataset is None:
+            return None
+        from oakemu_core.demonstrations import DemonstrationSampler
+
+        return DemonstrationSampler(self.config.bc_dataset, self.spec)
 
     # -- state ------------------------------------------------------------------------------
     @property
@@ -147,96 +176,49 @@ class Trainer:
         return self.ppo.policy_version
 
     def weights(self) -> dict[str, np.ndarray]:
-        return weights_to_arrays(self.model)
+        return self.learner_model.snapshot()[1]
 
     def restore(self, path: Path) -> dict[str, Any]:
         """Load model, optimizer, schedule, counters and RNG state from a checkpoint file."""
         state = load_checkpoint(path, map_location=self.device)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.schedule.load_state_dict(state["lr_schedule"])
-        self.ppo.restore_state(PPORuntimeState.from_dict(state["ppo"]))
+        self.ppo.load_checkpoint_state(state)
+        self._follow_budget()
         restore_rng_state(state["rng"])
-        if self.reward_scaler is not None and state.get("reward_scaler"):
-            self.reward_scaler.load_state_dict(state["reward_scaler"])
         self.global_step = int(state["global_step"])
         self.episodes = int(state["episodes"])
-        # The schedule keeps its progress but follows this run's budget and learning rate: a resume
-        # with a larger --total-env-steps must not continue at the old run's final learning rate 0.
-        self.schedule.start = self.config.learning_rate
-        self.schedule.end = 0.0 if self.config.anneal_lr else self.config.learning_rate
-        self.schedule.total_updates = max(1, math.ceil(self.config.total_env_steps / self.config.batch_size))
         return state
 
-    def checkpoint(self) -> Path:
-        """Write an atomic checkpoint of everything a resume needs."""
-        state = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "lr_schedule": self.schedule.state_dict(),
-            "ppo": self.ppo.state().to_dict(),
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Everything a resume needs, as plain values (see :mod:`oakemu_core.checkpoint`)."""
+        return {
+            **self.ppo.checkpoint_state(),
             "rng": capture_rng_state(),
             "global_step": int(self.global_step),
             "episodes": int(self.episodes),
             "config": self.config.model_dump(mode="json"),
-            "reward_scaler": None if self.reward_scaler is None else self.reward_scaler.state_dict(),
             "env": {"env_id": self.spec.env_id, "schema": self.schema.to_dict()},
         }
-        return save_run_checkpoint(self.run_dir, self.ppo.iterations, state, keep_last=3)
+
+    def _save(self, run_dir: Path, update: int, state: dict[str, Any]) -> Path | None:
+        return save_run_checkpoint(run_dir, update, state, keep_last=self.config.keep_checkpoints)
+
+    def checkpoint(self) -> Path | None:
+        """Write a checkpoint now (the final one at exit)."""
+        return self.checkpoints.final(self.ppo)
 
     # -- thread -----------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, current_step: Any) -> None:
+        """Start :meth:`PPOLearner.run` in the trainer thread."""
+        self._thread = threading.Thread(
+            target=self.ppo.run, args=(self._stop, current_step, self.handshake, self.checkpoints),
+            name="oakemu-trainer", daemon=True,
+        )
         self._thread.start()
 
-    def submit(self, rollout: FullRollout, global_step: int, episodes: int) -> None:
-        self.busy = True
-        self.inbox.put((rollout, global_step, episodes))
-
     def stop(self, timeout_s: float = 60.0) -> None:
-        self.inbox.put(None)
-        self._thread.join(timeout_s)
-
-    def _run(self) -> None:
-        while True:
-            job = self.inbox.get()
-            if job is None:
-                return
-            try:
-                self.outbox.put(self._train(*job))
-            except BaseException as error:  # surfaced in the ingest thread, which stops the run
-                self.outbox.put(error)
-                return
-
-    def _train(self, rollout: FullRollout, global_step: int, episodes: int) -> TrainResult:
-        version = self.ppo.policy_version
-        stale_rows, lag = drop_stale_rows(
-            rollout.buffer, current_policy_version=version, max_policy_lag=self.config.max_policy_lag
-        )
-        buffer = rollout.buffer
-        if self.reward_scaler is not None:
-            buffer.scale_rewards(self.reward_scaler.update(buffer.rewards, buffer.dones))
-        buffer.compute_gae(rollout.last_values, rollout.last_dones, self.config.gamma, self.config.gae_lambda)
-        if buffer.trainable_size:
-            stats = self.ppo.step(buffer, current_policy_version=version)
-        else:  # every row was too stale: nothing to learn from this rollout
-            stats = None
-        # After the update, so the rows just trained on were judged with the statistics they were
-        # acted with; the new statistics reach the actors with the new weights.
-        self.model.update_observation_statistics(buffer.observations)
-        self.global_step = global_step
-        self.episodes = episodes
-        every = self.config.checkpoint_every_updates
-        if stats is not None and every and self.ppo.iterations % every == 0:
-            self.checkpoint()
-        return TrainResult(
-            slot=rollout.slot,
-            policy_version=self.ppo.policy_version,
-            weights=self.weights(),
-            stats=stats,
-            stale_rows=stale_rows,
-            lag=lag,
-            iterations=self.ppo.iterations,
-        )
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
 
 
 # ------------------------------------------------------------------------------------ learner
@@ -272,6 +254,9 @@ class Learner:
         self.window = EpisodeWindow(maxlen=100)
         self.last_stats: PPOUpdateStats | None = None
         self.last_lag: dict[str, float] = {}
+        self.trainable_share = 1.0
+        self.exit_status = 0
+        self.rollbacks = 0
         self.sps_meter = StepRateMeter()
         self.started = time.monotonic()
         self.stopping_reason = ""
@@ -360,6 +345,11 @@ class Learner:
                 "normalize_observations": self.config.normalize_observations,
                 "emulator_settings": self.config.emulator_settings,
                 "seed": self.config.seed + 1000 * (record.index + 1),
+                # policy routing (oakemu_core/routing.py): the actor routes, the rows arrive non-trainable
+                "route_random_first_steps": self.config.route_random_first_steps,
+                "route_random_probability": self.config.route_random_probability,
+                "route_scripted_policy": self.config.route_scripted_policy,
+                "route_scripted_probability": self.config.route_scripted_probability,
             }
             return encode_join_reply(
                 JoinReply(True, "", record.index, spec, env_config, self.policy_version, self.latest_weights)
@@ -413,27 +403,29 @@ class Learner:
 
     # -- results ----------------------------------------------------------------------------
     def _hand_off_full_rollouts(self) -> None:
-        if self.trainer.busy:
+        if self.trainer.handshake.busy:
             return
         rollout = self.assembler.take_full_rollout()
         if rollout is not None:
-            self.trainer.submit(rollout, self.assembler.counters.env_steps, self.episodes)
+            self.trainer.global_step = self.assembler.counters.env_steps
+            self.trainer.episodes = self.episodes
+            self.trainer.handshake.publish(rollout)
 
     def _collect_results(self) -> None:
-        while True:
-            try:
-                result = self.trainer.outbox.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(result, BaseException):
-                raise RuntimeError("trainer thread failed") from result
-            self.trainer.busy = False
-            self.assembler.release(result.slot)
+        for result in self.trainer.handshake.results():
+            if result.slot is not None:
+                self.assembler.release(result.slot)
             self.policy_version = result.policy_version
             self.latest_weights = result.weights
             self.weights_pub.send(encode_weights(WeightsMessage(result.policy_version, result.weights)), copy=False)
+            for event in result.events:
+                log.info("%s", event)
+            if result.slot is None:  # behaviour-cloning pre-training: new weights, no rollout
+                continue
             self.assembler.counters.dropped["stale_rows"] += result.stale_rows
             self.last_lag = result.lag
+            self.trainable_share = result.trainable_share
+            self.rollbacks = result.rollbacks
             self._log_update(result)
 
     def _log_update(self, result: TrainResult) -> None:
@@ -486,7 +478,7 @@ class Learner:
             approx_kl=stats.approx_kl if stats else None,
             clip_fraction=stats.clip_fraction if stats else None,
             explained_variance=_finite_or_none(stats.explained_variance) if stats else None,
-            learning_rate=stats.learning_rate if stats else self.trainer.schedule.value(),
+            learning_rate=stats.learning_rate if stats else self.trainer.ppo._learning_rate(),
             buffer_fill=min(1.0, self.assembler.buffer_fill()),
             rejected_messages=dict(counters.rejected),
             dropped=dict(counters.dropped),
@@ -516,7 +508,7 @@ class Learner:
         """Serve until the env-step budget is spent or ``stop_event`` is set; returns 0."""
         config = self.config
         (self.run_dir / "config.toml").write_text(to_toml(config))
-        self.trainer.start()
+        self.trainer.start(lambda: self.assembler.counters.env_steps)
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)
         data_registered = False
@@ -529,7 +521,7 @@ class Learner:
             if (stop_event.is_set() or budget_spent) and not self.stopping_reason:
                 self.stopping_reason = "signal" if stop_event.is_set() else "env-step budget reached"
                 log.info("stopping: %s", self.stopping_reason)
-            if self.stopping_reason and not self.trainer.busy:
+            if self.stopping_reason and not self.trainer.handshake.busy:
                 break
             want_data = self.assembler.accepting and not self.stopping_reason
             if want_data != data_registered:
@@ -544,7 +536,14 @@ class Learner:
             returns, lengths = self.assembler.take_episodes()
             if returns:
                 self.window.add(returns, lengths)
-            self._collect_results()
+            try:
+                self._collect_results()
+            except RuntimeError as error:
+                if not isinstance(error.__cause__, RunCollapsedError):
+                    raise
+                log.error("%s", error.__cause__)  # a clear stop: no traceback, final checkpoint kept
+                self.exit_status = 1
+                break
             if not self.stopping_reason:
                 self._hand_off_full_rollouts()
             if now >= next_expiry:
@@ -558,8 +557,9 @@ class Learner:
                 self._publish_telemetry(is_update=False)
                 next_telemetry = now + TELEMETRY_PERIOD_S
         # Tell the actors to stop for a moment, so they exit before we close the sockets.
+        self.stopping_reason = self.stopping_reason or "the run collapsed"
         self._drain_control(seconds=min(2.0, config.actor_timeout_s))
-        return 0
+        return self.exit_status
 
     def _drain_control(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds

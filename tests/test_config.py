@@ -46,7 +46,7 @@ def test_defaults_are_the_usual_atari_ppo_settings() -> None:
         "learning_rate": 2.5e-4,
         "anneal_lr": True,
         "clip_coef": 0.1,
-        "clip_value_loss": True,
+        "clip_value_range": "auto",
         "ent_coef": 0.01,
         "vf_coef": 0.5,
         "gamma": 0.99,
@@ -224,3 +224,12 @@ def test_resolved_device() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="device"):
             resolved_device(load_config(["--device", "cuda"]))
+
+
+def test_value_clipping_is_cleanrl_for_atari_only_and_in_value_units() -> None:
+    """auto: the policy clip coefficient for Atari ids (CleanRL ppo_atari.py), off elsewhere
+    (SB3's default); an explicit range or null wins everywhere."""
+    assert load_config(["--env", "ALE/Pong-v5", "--clip-coef", "0.2"]).resolved_clip_value_range == 0.2
+    assert load_config(["--env", "CartPole-v1"]).resolved_clip_value_range is None
+    assert load_config(["--env", "CartPole-v1", "--clip-value-range", "10"]).resolved_clip_value_range == 10.0
+    assert load_config(["--env", "ALE/Pong-v5", "--clip-value-range", "null"]).resolved_clip_value_range is None

@@ -15,7 +15,7 @@ from oakemu_core.models import ActorCritic, build_model
 from oakemu_core.ppo import (
     EmptyRolloutError,
     LinearSchedule,
-    PPOLearner,
+    PPOUpdater,
     PPORuntimeState,
     explained_variance,
     ppo_losses,
@@ -117,7 +117,7 @@ def _model(seed: int = 0) -> ActorCritic:
     return build_model((OBS_DIM,), np.float32, NUM_ACTIONS)
 
 
-def _learner(model: ActorCritic, **overrides) -> PPOLearner:
+def _learner(model: ActorCritic, **overrides) -> PPOUpdater:
     kwargs = dict(
         device="cpu",
         ppo_epochs=4,
@@ -131,7 +131,7 @@ def _learner(model: ActorCritic, **overrides) -> PPOLearner:
     )
     kwargs.update(overrides)
     lr = kwargs.pop("lr", 2.5e-3)
-    return PPOLearner(model, torch.optim.Adam(model.parameters(), lr=lr, eps=1e-5), **kwargs)
+    return PPOUpdater(model, torch.optim.Adam(model.parameters(), lr=lr, eps=1e-5), **kwargs)
 
 
 def _fill(
@@ -218,7 +218,7 @@ def test_one_update_matches_a_hand_written_sgd_step() -> None:
     model = _model()
     reference = copy.deepcopy(model)
     lr, ent_coef, vf_coef = 0.1, 0.01, 0.5
-    learner = PPOLearner(
+    learner = PPOUpdater(
         model, torch.optim.SGD(model.parameters(), lr=lr), device="cpu", ppo_epochs=1, num_minibatches=1,
         clip_coef=0.2, clip_value_range=None, ent_coef=ent_coef, vf_coef=vf_coef, max_grad_norm=1e9,
     )
