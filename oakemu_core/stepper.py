@@ -25,6 +25,7 @@ import numpy as np
 from oakemu_core.actor_step_buffers import PPOActionBundle, PPOActorStepBuffers
 from oakemu_core.envs import VectorEnv, VectorStep
 from oakemu_core.models import ActorCritic
+from oakemu_core.routing import PolicyRouter
 from oakemu_core.step_schema import StepSchema, schema_for_env
 
 
@@ -63,10 +64,13 @@ class PolicyStepper:
             default the env's own (:func:`oakemu_core.step_schema.schema_for_env`).
         policy_version: version of ``model``'s current weights; update :attr:`policy_version`
             whenever new weights are loaded.
+        router: policy routing (:class:`oakemu_core.routing.PolicyRouter`): routed envs act with
+            a random or scripted action, their rows are sent with ``trainable=False`` (kept for
+            GAE, never trained on). None: every env is PPO-controlled and trainable.
     """
 
     def __init__(self, env: VectorEnv, model: ActorCritic, *, schema: StepSchema | None = None,
-                 policy_version: int = 0) -> None:
+                 policy_version: int = 0, router: PolicyRouter | None = None) -> None:
         self.env = env
         self.model = model
         self.schema = schema if schema is not None else schema_for_env(env.spec)
@@ -74,10 +78,10 @@ class PolicyStepper:
         self.buffers = PPOActorStepBuffers.create(num_envs=env.num_envs, schema=self.schema)
         self.masked = "action_mask" in self.schema
         self._env_ids = list(range(env.num_envs))
-        self._trainable = [True] * env.num_envs
+        self.router = router
         self._observations = env.reset()
         self._masks = env.action_masks() if self.masked else None
-        self._bundle: PPOActionBundle = model.act(self._observations, action_mask=self._masks)
+        self._bundle, self._trainable = self._choose(self._observations, self._masks)
         self._bundle_version = policy_version
 
     def step(self, before_next_action: Callable[[], None] | None = None) -> SteppedRow:
@@ -108,6 +112,15 @@ class PolicyStepper:
             before_next_action()
         self._observations = env_step.observations
         self._masks = env_step.action_masks if self.masked else None
-        self._bundle = model.act(self._observations, action_mask=self._masks)
+        if self.router is not None:
+            self.router.end_step(dones)
+        self._bundle, self._trainable = self._choose(self._observations, self._masks)
         self._bundle_version = self.policy_version
         return SteppedRow(buffers, acted_version, self._bundle.values, env_step)
+
+    def _choose(self, observations: Any, masks: np.ndarray | None) -> tuple[PPOActionBundle, Any]:
+        """The next action bundle and its per-env trainable flags (routing applied when configured)."""
+        bundle = self.model.act(observations, action_mask=masks)
+        if self.router is None:
+            return bundle, [True] * self.env.num_envs
+        return self.router.apply(self.model, bundle, observations, masks)

@@ -115,6 +115,8 @@ class TelemetrySnapshot(pydantic.BaseModel):
         rejected_messages: messages rejected since start, by reason.
         dropped: rows / steps / actors dropped since start, by kind (see :data:`DROPPED_KINDS`).
         policy_lag_min / _mean / _max: policy lag (versions) of the rows of the last rollout.
+        trainable_share: fraction (0..1) of the last rollout's written rows that PPO trained on
+            (routed and stale rows are stored for GAE but not trained on); None before an update.
         actors: the connected actors.
         is_update: ``True`` when the snapshot was published right after a PPO update.
     """
@@ -147,6 +149,7 @@ class TelemetrySnapshot(pydantic.BaseModel):
     policy_lag_min: float | None = None
     policy_lag_mean: float | None = None
     policy_lag_max: float | None = None
+    trainable_share: float | None = pydantic.Field(default=None, ge=0.0, le=1.0)
     actors: list[ActorTelemetry] = pydantic.Field(default_factory=list)
     is_update: bool = False
 
@@ -432,6 +435,8 @@ class _SnapshotCollector(Collector):
         yield gauge("oakemu_learning_rate", "Current learning rate", "learning_rate")
         yield gauge("oakemu_buffer_fill", "Fraction (0..1) of the filling rollout buffer written",
                     "buffer_fill")
+        yield gauge("oakemu_trainable_share", "Fraction (0..1) of the last rollout's rows trained on",
+                    "trainable_share")
         rejected = CounterMetricFamily("oakemu_rejected_messages", "Messages rejected, by reason",
                                        labels=["reason"])
         dropped = CounterMetricFamily("oakemu_dropped", "Rows, steps or actors dropped, by kind",

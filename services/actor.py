@@ -26,6 +26,7 @@ from oakemu_core.config import OakEmuConfig
 from oakemu_core.envs import VectorEnv, make_vector_env
 from oakemu_core.metrics import StepRateMeter
 from oakemu_core.models import ActorCritic, build_model, load_weight_arrays
+from oakemu_core.routing import PolicyRouter, RoutingConfig
 from oakemu_core.step_schema import schema_for_env
 from oakemu_core.stepper import PolicyStepper
 from oakemu_core.wire import (
@@ -176,7 +177,13 @@ class Actor:
                                      normalize_observations=bool(env_config.get("normalize_observations")))
             self.model.eval()
             load_weight_arrays(self.model, reply.weights)  # the first actions come from the learner's weights
-            self.stepper = PolicyStepper(self.env, self.model, schema=schema, policy_version=reply.policy_version)
+            try:  # the learner's route_* settings; a scripted policy must import on this machine
+                routing = RoutingConfig.from_mapping(env_config)
+                router = PolicyRouter(self.env.spec, self.env.num_envs, routing, seed=seed) if routing.active else None
+            except ValueError as error:
+                raise ActorSetupError(f"policy routing: {error}") from None
+            self.stepper = PolicyStepper(self.env, self.model, schema=schema, policy_version=reply.policy_version,
+                                         router=router)
             self.spec_message_bytes = reply.spec.message_bytes()
             self._connect_streams()
         self._load_weights(reply.policy_version, reply.weights)

@@ -131,6 +131,8 @@ def render_snapshot(snapshot: TelemetrySnapshot, *, address: str, age_s: float, 
     update.add_row("clip fraction", _fmt(snapshot.clip_fraction, ".3f"))
     update.add_row("explained var", _fmt(snapshot.explained_variance, ".3f"))
     update.add_row("learning rate", _fmt(snapshot.learning_rate, ".2e"))
+    update.add_row("trainable rows", "-" if snapshot.trainable_share is None
+                   else _fmt(100.0 * snapshot.trainable_share, ".1f") + " %")
     update.add_row("policy lag", f"{_fmt(snapshot.policy_lag_min, '.0f')} / {_fmt(snapshot.policy_lag_mean, '.2f')}"
                                  f" / {_fmt(snapshot.policy_lag_max, '.0f')}  (min/mean/max)")
 
