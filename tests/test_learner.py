@@ -1,0 +1,207 @@
+"""The seed-002 learner API (oakemu_core/learner.py), called as the page writes it, and automatic
+rollback: a collapse injected into a real learner is detected, rolled back, counted, and training
+goes on from the restored weights under a higher policy version; a run that keeps collapsing stops
+with a clear message. No sockets: rollouts come from a PolicyStepper on CartPole."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from oakemu_core.checkpoint import load_checkpoint, save_run_checkpoint
+from oakemu_core.distributions import distribution_for_env
+from oakemu_core.envs import make_vector_env
+from oakemu_core.ingest import FullRollout
+from oakemu_core.learner import (
+    CheckpointPolicy,
+    HealthMonitor,
+    PPOExperimentConfiguration,
+    PPOLearner,
+    PPOLearnerRuntimeState,
+    RolloutHandshake,
+    RunCollapsedError,
+    RuntimeContext,
+    ThreadSafeModel,
+)
+from oakemu_core.models import build_model
+from oakemu_core.ppo import LinearSchedule
+from oakemu_core.rollout_buffer import RolloutBuffer
+from oakemu_core.step_schema import schema_for_env
+from oakemu_core.stepper import PolicyStepper
+
+T, N = 32, 4
+
+
+@pytest.fixture
+def cartpole():
+    env = make_vector_env("CartPole-v1", N, seed=0)
+    spec = env.spec
+    schema = schema_for_env(spec)
+    buffer = RolloutBuffer(T, N, schema=schema)
+    torch.manual_seed(0)
+    model = build_model(spec.observation_layout, distribution_for_env(spec))
+    yield env, schema, buffer, model
+    buffer.close()
+    env.close()
+
+
+def fill(buffer: RolloutBuffer, stepper: PolicyStepper, version: int) -> FullRollout:
+    """One full rollout acted by ``stepper``'s model; returns it with its GAE bootstrap data."""
+    buffer.reset()
+    stepper.policy_version = version
+    for _ in range(T):
+        row = stepper.step()
+        row.buffers.add_to_rollout_buffer(buffer, policy_version=row.policy_version)
+    return FullRollout(slot=0, buffer=buffer, last_values=row.next_values.copy(),
+                       last_dones=row.buffers.dones.copy())
+
+
+def make_learner(model, buffer, config: PPOExperimentConfiguration) -> PPOLearner:
+    context = RuntimeContext(config, torch.device("cpu"))
+    learner_model = ThreadSafeModel(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-5)
+    lr_schedule = LinearSchedule(1e-3, 0.0, 100)
+    return PPOLearner(context, learner_model, buffer, optimizer, lr_schedule, action_mask=None, bc_sampler=None)
+
+
+def test_seed_002_calls_as_written(cartpole) -> None:
+    env, _schema, buffer, model = cartpole
+    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=4, ppo_epochs=2))
+    assert learner.iterations == 0 and learner.rollouts_collected == 0
+    stepper = PolicyStepper(env, model)
+    rollout = fill(buffer, stepper, learner.policy_version)
+    buffer.compute_gae(rollout.last_values, rollout.last_dones, 0.99, 0.95)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    learner.step(actor_steps=T * N)
+    assert learner.iterations == 1 and learner.rollouts_collected == 1
+    assert learner.policy_version == 1
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items()), "the update changed nothing"
+
+    state = learner.state()
+    fresh = make_learner(build_model(env.spec.observation_layout, distribution_for_env(env.spec)), buffer,
+                         PPOExperimentConfiguration())
+    fresh.restore_state(PPOLearnerRuntimeState.from_dict(state.to_dict()))
+    assert (fresh.iterations, fresh.rollouts_collected, fresh.policy_version) == (1, 1, 1)
+
+
+def test_run_trains_published_rollouts_and_stops(cartpole, tmp_path: Path) -> None:
+    env, _schema, buffer, model = cartpole
+    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1))
+    stepper = PolicyStepper(env, model)
+    handshake = RolloutHandshake()
+    policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_run_checkpoint,
+                              every_updates=2)
+    stop_event = threading.Event()
+    thread = threading.Thread(target=learner.run, args=(stop_event, lambda: 123, handshake, policy))
+    thread.start()
+    try:
+        for update in range(3):
+            with learner.learner_model.locked():  # the actor side reads the model between updates
+                rollout = fill(buffer, stepper, learner.policy_version)
+            handshake.publish(rollout)
+            results = []
+            while not results:
+                results = handshake.results()
+            (result,) = results
+            assert result.slot == 0 and result.policy_version == update + 1 and result.stats is not None
+            assert not handshake.busy
+            assert set(result.weights) == set(model.state_dict())
+    finally:
+        stop_event.set()
+        thread.join(10)
+    assert not thread.is_alive()
+    assert learner.iterations == 3
+    assert (tmp_path / "checkpoints" / "checkpoint_00000002.pt").is_file()  # every 2 updates
+
+
+def test_collapse_is_rolled_back_with_a_higher_policy_version(cartpole, tmp_path: Path) -> None:
+    env, _schema, buffer, model = cartpole
+    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1))
+    stepper = PolicyStepper(env, model)
+    policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_run_checkpoint,
+                              health=HealthMonitor(), every_updates=1, lr_factor=0.5, max_rollbacks=2)
+    rollout = fill(buffer, stepper, learner.policy_version)
+    learner.prepare(rollout)
+    assert policy.after_update(learner, learner.step(0)) == []  # healthy: checkpoint 1 written
+    good = load_checkpoint(tmp_path / "checkpoints" / "latest.pt")["model"]
+
+    # Garbage weights (as a destroyed policy would have): detected after the next update.
+    rollout = fill(buffer, stepper, learner.policy_version)
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("nan"))
+    learner.prepare(rollout)
+    version_before = learner.policy_version
+    notes = policy.after_update(learner, learner.step(0))
+    assert len(notes) == 1 and "rollback 1/2" in notes[0] and "non-finite" in notes[0]
+    assert policy.rollbacks == 1
+    assert learner.policy_version > version_before
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, good[name])
+    assert learner.lr_scale == 0.5
+
+    # Training goes on from the restored weights.
+    learner.prepare(fill(buffer, stepper, learner.policy_version))
+    stats = learner.step(0)
+    assert stats is not None and np.isfinite(stats.policy_loss)
+    assert policy.after_update(learner, stats) == []
+
+    # A run that keeps collapsing stops with a clear message.
+    rollout = fill(buffer, stepper, learner.policy_version)
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("inf"))
+    learner.prepare(rollout)
+    policy.after_update(learner, learner.step(0))  # rollback 2
+    rollout = fill(buffer, stepper, learner.policy_version)
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("nan"))
+    learner.prepare(rollout)
+    with pytest.raises(RunCollapsedError, match="after 2 rollbacks"):
+        policy.after_update(learner, learner.step(0))
+
+
+def test_learning_rate_that_destroys_the_policy_is_caught_by_the_kl_check(cartpole, tmp_path: Path) -> None:
+    env, _schema, buffer, model = cartpole
+    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=4, ppo_epochs=4))
+    stepper = PolicyStepper(env, model)
+    policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_run_checkpoint,
+                              health=HealthMonitor(max_approx_kl=0.5), every_updates=1)
+    learner.prepare(fill(buffer, stepper, 0))
+    policy.after_update(learner, learner.step(0))
+    learner.lr_schedule = None
+    for group in learner.optimizer.param_groups:
+        group["lr"] = 50.0  # destroys the policy within one update
+    learner.prepare(fill(buffer, stepper, learner.policy_version))
+    stats = learner.step(0)
+    assert stats is not None
+    notes = policy.after_update(learner, stats)
+    assert notes and "rollback 1/" in notes[0], (stats.approx_kl, notes)
+
+
+def test_evaluation_collapse_rolls_back_to_best(cartpole, tmp_path: Path) -> None:
+    """Three evaluations in a row below half of the best restore best.pt."""
+
+    class Report:
+        def __init__(self, mean: float, version: int) -> None:
+            self.mean_return, self.policy_version = mean, version
+
+    env, _schema, buffer, model = cartpole
+    learner = make_learner(model, buffer, PPOExperimentConfiguration())
+    policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_run_checkpoint,
+                              health=HealthMonitor(eval_fraction=0.5, eval_patience=3))
+    policy.after_evaluation(learner, Report(10.0, 0), learner.checkpoint_state())
+    notes = policy.after_evaluation(learner, Report(200.0, 1), learner.checkpoint_state())
+    assert any("best.pt" in n for n in notes) and policy.best_path.is_file()
+    best = load_checkpoint(policy.best_path)["model"]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    for mean in (50.0, 40.0):
+        assert policy.after_evaluation(learner, Report(mean, 2), None) == []
+    notes = policy.after_evaluation(learner, Report(30.0, 2), None)
+    assert notes and "rollback 1/" in notes[0] and "evaluation return" in notes[0]
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, best[name])
