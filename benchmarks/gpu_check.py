@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from oakemu_core.distributions import distribution_for_env  # noqa: E402
 from oakemu_core.envs import make_vector_env  # noqa: E402
 from oakemu_core.models import build_model, load_weight_arrays, weights_to_arrays  # noqa: E402
-from oakemu_core.ppo import PPOLearner  # noqa: E402
+from oakemu_core.ppo import PPOUpdater  # noqa: E402
 from oakemu_core.rollout_buffer import RolloutBuffer  # noqa: E402
 from oakemu_core.stepper import PolicyStepper  # noqa: E402
 
@@ -43,7 +43,7 @@ def main() -> None:
     actor_model = build_model(spec.observation_layout, distribution_for_env(spec))
     learner_model = build_model(spec.observation_layout, distribution_for_env(spec))
     load_weight_arrays(learner_model, weights_to_arrays(actor_model))
-    learner = PPOLearner(
+    learner = PPOUpdater(
         learner_model, torch.optim.Adam(learner_model.parameters(), lr=2.5e-4, eps=1e-5), device=args.device,
         ppo_epochs=4, num_minibatches=4, clip_coef=0.1, clip_value_range=0.1, ent_coef=0.01, vf_coef=0.5,
         max_grad_norm=0.5,
