@@ -95,7 +95,22 @@ class IngestCounters:
     """Rejected messages by reason (wire reasons plus ``out_of_order``, ``future_version``)."""
     dropped: Counter = field(default_factory=Counter)
     """Dropped data by kind: ``no_capacity_steps``, ``discarded_segment_rows``, ``stale_rows``,
-    ``timed_out_actors``, ``late_steps`` (env steps that arrived after their actor left)."""
+    ``timed_out_actors``, ``late_steps`` (env steps that arrived after their actor left) and
+    ``late_step_messages`` (the step messages that carried them)."""
+    received: Counter = field(default_factory=Counter)
+    """ZeroMQ messages read by the learner, by socket (``data``, ``control``; a multipart message is one)."""
+    accepted: Counter = field(default_factory=Counter)
+    """Messages served, by kind (``step``, ``join``, ``heartbeat``, ``leave``, ``join_refused``,
+    ``unknown_actor_control``). Every message received is accepted, rejected (by reason) or a late
+    step: ``sum(received) == sum(accepted) + sum(rejected, except unauthorized_key) +
+    dropped["late_step_messages"]`` (see :meth:`unaccounted_messages`)."""
+
+    def unaccounted_messages(self) -> int:
+        """Messages received but neither accepted, rejected nor counted late (0 when the books balance).
+        ``rejected["unauthorized_key"]`` counts refused connections, not messages, and is left out."""
+        rejected = sum(v for k, v in self.rejected.items() if k != "unauthorized_key")
+        return (sum(self.received.values()) - sum(self.accepted.values()) - rejected
+                - self.dropped["late_step_messages"])
 
 
 class RolloutAssembler:
@@ -214,6 +229,7 @@ class RolloutAssembler:
             if message.incarnation in self._departed:
                 # Steps still in flight when the actor left or was dropped: expected, not malformed.
                 self.counters.dropped["late_steps"] += message.num_envs
+                self.counters.dropped["late_step_messages"] += 1
                 raise StepRejected("departed_actor", f"actor {message.actor_id!r}/{message.incarnation} has left")
             raise StepRejected("unknown_actor", f"actor {message.actor_id!r}/{message.incarnation} has not joined")
         if message.seq != record.next_seq:

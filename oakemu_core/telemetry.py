@@ -115,6 +115,14 @@ class TelemetrySnapshot(pydantic.BaseModel):
         rejected_messages: messages rejected since start, by reason.
         dropped: rows / steps / actors dropped since start, by kind (see :data:`DROPPED_KINDS`).
         policy_lag_min / _mean / _max: policy lag (versions) of the rows of the last rollout.
+        messages_received: ZeroMQ messages the learner read, by socket (``data``, ``control``).
+        messages_accepted: messages it served, by kind (``step``, ``join``, ``heartbeat``, ``leave``,
+            ``join_refused`` (learner stopping), ``unknown_actor_control`` (heartbeat/leave of an
+            incarnation it does not know: answered "rejoin")). Every message read is accepted, rejected
+            (:attr:`rejected_messages`, except ``unauthorized_key``, which counts refused connections) or
+            a late step (``dropped["late_step_messages"]``).
+        checkpoint_failures: checkpoint writes that failed (full disk, ...) since the learner started.
+        log_write_failures: metrics / episode records and TensorBoard writes dropped by failed writes.
         trainable_share: fraction (0..1) of the last rollout's written rows that PPO trained on
             (routed and stale rows are stored for GAE but not trained on); None before an update.
         actors: the connected actors.
@@ -149,6 +157,10 @@ class TelemetrySnapshot(pydantic.BaseModel):
     policy_lag_min: float | None = None
     policy_lag_mean: float | None = None
     policy_lag_max: float | None = None
+    messages_received: dict[str, pydantic.NonNegativeInt] = pydantic.Field(default_factory=dict)
+    messages_accepted: dict[str, pydantic.NonNegativeInt] = pydantic.Field(default_factory=dict)
+    checkpoint_failures: int = pydantic.Field(default=0, ge=0)
+    log_write_failures: int = pydantic.Field(default=0, ge=0)
     trainable_share: float | None = pydantic.Field(default=None, ge=0.0, le=1.0)
     actors: list[ActorTelemetry] = pydantic.Field(default_factory=list)
     is_update: bool = False
@@ -446,6 +458,18 @@ class _SnapshotCollector(Collector):
             labelled(dropped, {kind: 0 for kind in DROPPED_KINDS} | dict(s.dropped))
         yield rejected
         yield dropped
+        received = CounterMetricFamily("oakemu_messages_received", "ZeroMQ messages read, by socket",
+                                       labels=["socket"])
+        accepted = CounterMetricFamily("oakemu_messages_accepted", "Messages served, by kind", labels=["kind"])
+        if s is not None:
+            labelled(received, dict(s.messages_received))
+            labelled(accepted, dict(s.messages_accepted))
+        yield received
+        yield accepted
+        yield counter("oakemu_checkpoint_failures", "Checkpoint writes that failed (full disk, ...)",
+                      "checkpoint_failures")
+        yield counter("oakemu_log_write_failures", "Metric/episode records dropped by failed writes",
+                      "log_write_failures")
         yield gauge("oakemu_actors", "Connected actors", "num_actors")
         lag = GaugeMetricFamily("oakemu_policy_lag", "Policy lag (versions) of the last rollout's rows",
                                 labels=["stat"])

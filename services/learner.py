@@ -15,7 +15,6 @@ Run with ``oakemu learner`` or ``python -m services.learner``.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
@@ -34,11 +33,12 @@ from oakemu_core.auth import (
     server_security,
 )
 from oakemu_core.checkpoint import (
+    CheckpointWriteFailed,
+    CheckpointWriter,
     capture_rng_state,
     latest_checkpoint,
     load_checkpoint,
     restore_rng_state,
-    save_run_checkpoint,
 )
 from oakemu_core.config import OakEmuConfig, resolved_device, to_toml
 from oakemu_core.envs import EnvSpec, check_env, env_spec
@@ -54,12 +54,14 @@ from oakemu_core.learner import (
     ThreadSafeModel,
     TrainResult,
 )
+from oakemu_core.log_limits import RateLimitedLog
 from oakemu_core.memory_diagnostics import (
     SharedMemoryTooSmallError,
     ensure_shm_capacity,
 )
 from oakemu_core.metrics import (
     EpisodeWindow,
+    JsonLinesWriter,
     MetricsLogger,
     StepRateMeter,
     update_scalars,
@@ -67,6 +69,7 @@ from oakemu_core.metrics import (
 from oakemu_core.models import build_model
 from oakemu_core.ppo import LinearSchedule, PPOUpdateStats
 from oakemu_core.rollout_buffer import RolloutBuffer
+from oakemu_core.run_folder import check_resume_compatible, truncate_run_logs
 from oakemu_core.shared_memory import sweep_stale_segments
 from oakemu_core.step_schema import StepSchema, schema_for_env
 from oakemu_core.telemetry import (
@@ -144,6 +147,10 @@ class Trainer:
             health = HealthMonitor(max_approx_kl=config.rollback_max_approx_kl,
                                    eval_fraction=config.rollback_eval_fraction,
                                    eval_patience=config.rollback_eval_patience)
+        # A failed write (full disk) is logged with the file and the bytes needed/free, counted and
+        # retried at the next checkpoint; max_checkpoint_failures in a row raise CheckpointWriteFailed.
+        self.checkpoint_writer = CheckpointWriter(run_dir, keep_last=config.keep_checkpoints,
+                                                  max_consecutive_failures=config.max_checkpoint_failures)
         self.checkpoints = CheckpointPolicy(
             run_dir, state_fn=self.checkpoint_state, save_fn=self._save, health=health,
             every_updates=config.checkpoint_every_updates, every_seconds=config.checkpoint_every_seconds,
@@ -181,6 +188,10 @@ class Trainer:
     def restore(self, path: Path) -> dict[str, Any]:
         """Load model, optimizer, schedule, counters and RNG state from a checkpoint file."""
         state = load_checkpoint(path, map_location=self.device)
+        # Another env, other spaces or another model: refuse (ResumeMismatchError, exit 2) before
+        # anything is loaded or anything in the run folder is written.
+        check_resume_compatible(state, env_id=self.spec.env_id, schema=self.schema, model=self.ppo.model,
+                                checkpoint_path=path)
         self.ppo.load_checkpoint_state(state)
         self._follow_budget()
         restore_rng_state(state["rng"])
@@ -200,7 +211,8 @@ class Trainer:
         }
 
     def _save(self, run_dir: Path, update: int, state: dict[str, Any]) -> Path | None:
-        return save_run_checkpoint(run_dir, update, state, keep_last=self.config.keep_checkpoints)
+        """None when the write failed (logged, counted); CheckpointWriteFailed after too many in a row."""
+        return self.checkpoint_writer.save(update, state)
 
     def checkpoint(self) -> Path | None:
         """Write a checkpoint now (the final one at exit)."""
@@ -242,6 +254,12 @@ class Learner:
             self.trainer.restore(resume_from)
             log.info("resumed from %s at %d env steps, update %d", resume_from, self.trainer.global_step,
                      self.trainer.ppo.iterations)
+            # Records past the checkpoint would be written again by this run: cut them (global_step
+            # never goes back in metrics.jsonl / episodes.jsonl, whatever the number of crashes).
+            cut = truncate_run_logs(run_dir, self.trainer.global_step)
+            if any(cut.values()):
+                log.info("removed records past the checkpoint's %d env steps: %s", self.trainer.global_step,
+                         ", ".join(f"{name} {count}" for name, count in cut.items() if count))
         self.buffers = [
             RolloutBuffer(config.rollout_length, config.buffer_num_envs, schema=self.schema)
             for _ in range(NUM_ROLLOUT_BUFFERS)
@@ -260,10 +278,16 @@ class Learner:
         self.sps_meter = StepRateMeter()
         self.started = time.monotonic()
         self.stopping_reason = ""
+        # Rejections are counted exactly; the log gets the first of each reason and a summary every 5 s.
+        self.rejection_log = {
+            "data": RateLimitedLog(log, "step messages", first_prefix="rejected step message"),
+            "control": RateLimitedLog(log, "control messages", first_prefix="rejected control message"),
+        }
         self._setup_sockets()
         self.metrics = MetricsLogger(run_dir)
         # One line per finished episode (raw game score), as CleanRL logs charts/episodic_return.
-        self.episodes_log = open(run_dir / "episodes.jsonl", "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+        # Each record is written whole or not at all; a failed write is counted, never fatal.
+        self.episodes_log = JsonLinesWriter(run_dir / "episodes.jsonl")
         self.telemetry = TelemetryPublisher(config.bind_address(config.telemetry_port), context=self.context,
                                             security=self.security)
         self.prometheus = PrometheusExporter(config.metrics_port) if config.metrics_enabled else None
@@ -299,17 +323,22 @@ class Learner:
     def _handle_control(self, now: float) -> None:
         for _ in range(CONTROL_BATCH):  # bounded: a flood of requests cannot starve the data path
             try:
-                identity, empty, frame = self.control.recv_multipart(zmq.NOBLOCK, copy=False)
+                parts = self.control.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            except ValueError:  # not [identity, "", body]: a peer that does not speak REQ
+            self.assembler.counters.received["control"] += 1
+            if len(parts) != 3 or parts[1].bytes != b"":  # not [identity, "", body]: a peer that does not speak REQ
                 self.assembler.counters.rejected["garbage"] += 1
+                self.rejection_log["control"].event(
+                    "garbage", f"garbage: expected a REQ envelope [identity, empty, body], received {len(parts)} "
+                    "frames (not answered)")
                 continue
+            identity, _, frame = parts
             try:
                 message = decode_message(frame.bytes, max_bytes=self.config.max_message_bytes)
             except MessageRejected as error:
                 self.assembler.counters.rejected[error.reason] += 1
-                log.warning("rejected control message: %s", error)
+                self.rejection_log["control"].event(error.reason, str(error))
                 reply = encode_heartbeat_reply(HeartbeatReply(status="rejoin", policy_version=self.policy_version))
                 self.control.send_multipart([identity, b"", reply])
                 continue
@@ -322,18 +351,22 @@ class Learner:
             else self.peers.allows(message.actor_id, message.incarnation, peer)
         ):  # another connection speaking for a known actor: refused and counted
             self.assembler.counters.rejected["impersonation"] += 1
-            log.warning("refused a %s for actor %s from another peer", type(message).__name__, message.actor_id)
+            self.rejection_log["control"].event(
+                "impersonation", f"impersonation: a {type(message).__name__} for actor {message.actor_id} from another peer")
             if isinstance(message, JoinRequest):
                 return encode_join_reply(JoinReply(False, "actor id in use by another connection", -1, None, {},
                                                    self.policy_version))
             return encode_heartbeat_reply(HeartbeatReply(status="rejoin", policy_version=self.policy_version))
         if isinstance(message, JoinRequest):
             if stopping:
+                self.assembler.counters.accepted["join_refused"] += 1
                 return encode_join_reply(JoinReply(False, "learner is stopping", -1, None, {}, self.policy_version))
             if message.num_envs > MAX_ACTOR_ENVS:
                 self.assembler.counters.rejected["schema"] += 1
                 reason = f"num_envs: expected at most {MAX_ACTOR_ENVS}, received {message.num_envs}"
+                self.rejection_log["control"].event("schema", f"schema: join of actor {message.actor_id}: {reason}")
                 return encode_join_reply(JoinReply(False, reason, -1, None, {}, self.policy_version))
+            self.assembler.counters.accepted["join"] += 1
             spec = StepSpec(num_envs=message.num_envs, schema=self.schema)
             record = self.assembler.join(message.actor_id, message.incarnation, spec, hostname=message.hostname, now=now)
             log.info("actor %s joined (%d envs, host %s, index %d)", message.actor_id, message.num_envs,
@@ -360,13 +393,19 @@ class Learner:
                 env_steps_per_second=message.env_steps_per_second, policy_lag=message.policy_lag,
                 episodes=message.episodes,
             )
+            self.assembler.counters.accepted["heartbeat" if known else "unknown_actor_control"] += 1
             status = "stop" if stopping else ("ok" if known else "rejoin")
             return encode_heartbeat_reply(HeartbeatReply(status=status, policy_version=self.policy_version))
         if isinstance(message, Leave):
             if self.assembler.leave(message.actor_id, message.incarnation):
+                self.assembler.counters.accepted["leave"] += 1
                 log.info("actor %s left", message.actor_id)
+            else:
+                self.assembler.counters.accepted["unknown_actor_control"] += 1
             return encode_heartbeat_reply(HeartbeatReply(status="stop", policy_version=self.policy_version))
         self.assembler.counters.rejected["schema"] += 1
+        self.rejection_log["control"].event(
+            "schema", f"schema: a {type(message).__name__} is not a request the learner serves")
         return encode_heartbeat_reply(HeartbeatReply(status="rejoin", policy_version=self.policy_version))
 
     # -- data -------------------------------------------------------------------------------
@@ -375,9 +414,15 @@ class Learner:
             if not self.assembler.accepting:
                 return
             try:
-                frame = self.data.recv(zmq.NOBLOCK, copy=False)
+                parts = self.data.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            self.assembler.counters.received["data"] += 1
+            if len(parts) != 1:  # actors send one frame per step message
+                self.assembler.counters.rejected["garbage"] += 1
+                self.rejection_log["data"].event("garbage", f"garbage: expected 1 frame, received {len(parts)}")
+                continue
+            frame = parts[0]
             try:
                 message = decode_step(frame.buffer, self.assembler.spec_for, max_bytes=self.config.max_message_bytes)
                 if not self.peers.allows(message.actor_id, message.incarnation, frame):
@@ -386,20 +431,21 @@ class Learner:
             except StepRejected as error:
                 if error.reason != "departed_actor":  # late steps are counted as dropped, not rejected
                     self.assembler.counters.rejected[error.reason] += 1
-                    log.warning("rejected step message: %s", error)
+                    self.rejection_log["data"].event(error.reason, str(error))
                 continue
             except MessageRejected as error:
                 self.assembler.counters.rejected[error.reason] += 1
-                log.warning("rejected step message: %s", error)
+                self.rejection_log["data"].event(error.reason, str(error))
                 continue
+            self.assembler.counters.accepted["step"] += 1
             if message.episode_returns:
                 self.episodes += len(message.episode_returns)
                 for episode_return, length in zip(message.episode_returns, message.episode_lengths):
-                    self.episodes_log.write(json.dumps({
+                    self.episodes_log.write({
                         "global_step": self.assembler.counters.env_steps, "actor_id": message.actor_id,
                         "policy_version": message.policy_version, "episodic_return": episode_return,
                         "episodic_length": length,
-                    }) + "\n")
+                    })
 
     # -- results ----------------------------------------------------------------------------
     def _hand_off_full_rollouts(self) -> None:
@@ -482,6 +528,10 @@ class Learner:
             buffer_fill=min(1.0, self.assembler.buffer_fill()),
             rejected_messages=dict(counters.rejected),
             dropped=dict(counters.dropped),
+            messages_received=dict(counters.received),
+            messages_accepted=dict(counters.accepted),
+            checkpoint_failures=self.trainer.checkpoint_writer.failures,
+            log_write_failures=self.metrics.write_failures + self.episodes_log.failures,
             policy_lag_min=self.last_lag.get("min"),
             policy_lag_mean=self.last_lag.get("mean"),
             policy_lag_max=self.last_lag.get("max"),
@@ -498,6 +548,8 @@ class Learner:
     def _publish_telemetry(self, *, is_update: bool) -> None:
         if self.security is not None and self.security.refused:  # clients refused by the ZAP authenticator
             self.assembler.counters.rejected["unauthorized_key"] = self.security.refused
+        for limiter in self.rejection_log.values():  # the summary of a burst that has ended
+            limiter.flush()
         snapshot = self.snapshot(is_update=is_update)
         self.telemetry.publish(snapshot)
         if self.prometheus is not None:
@@ -539,7 +591,7 @@ class Learner:
             try:
                 self._collect_results()
             except RuntimeError as error:
-                if not isinstance(error.__cause__, RunCollapsedError):
+                if not isinstance(error.__cause__, (RunCollapsedError, CheckpointWriteFailed)):
                     raise
                 log.error("%s", error.__cause__)  # a clear stop: no traceback, final checkpoint kept
                 self.exit_status = 1
@@ -574,8 +626,16 @@ class Learner:
         self.trainer.global_step = max(self.trainer.global_step, self.assembler.counters.env_steps)
         self.trainer.episodes = self.episodes
         try:
-            path = self.trainer.checkpoint()
-            log.info("final checkpoint %s", path)
+            try:
+                path = self.trainer.checkpoint()
+            except CheckpointWriteFailed as error:  # already logged as the reason to stop, or the last straw
+                log.error("final checkpoint not written: %s", error)
+                path = None
+            if path is not None:
+                log.info("final checkpoint %s", path)
+            else:
+                log.error("final checkpoint not written; the run resumes from %s",
+                          self.trainer.checkpoint_writer.last_saved or "its start (no checkpoint)")
         finally:
             self.metrics.close()
             self.episodes_log.close()
