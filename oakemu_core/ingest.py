@@ -95,7 +95,8 @@ class IngestCounters:
     """Rejected messages by reason (wire reasons plus ``out_of_order``, ``future_version``)."""
     dropped: Counter = field(default_factory=Counter)
     """Dropped data by kind: ``no_capacity_steps``, ``discarded_segment_rows``, ``stale_rows``,
-    ``timed_out_actors``, ``late_steps`` (env steps that arrived after their actor left) and
+    ``timed_out_actors``, ``seq_gap_steps`` (step messages missing from an actor's sequence),
+    ``late_steps`` (env steps that arrived after their actor left) and
     ``late_step_messages`` (the step messages that carried them)."""
     received: Counter = field(default_factory=Counter)
     """ZeroMQ messages read by the learner, by socket (``data``, ``control``; a multipart message is one)."""
@@ -219,10 +220,13 @@ class RolloutAssembler:
         actor's ``seq``, so its next message discards the unfinished segment as out of order).
 
         Raises:
-            StepRejected: unknown actor incarnation (``unknown_actor``), a sequence number other
-                than the next expected one (``out_of_order``; the unfinished segment is discarded
-                because its rows would no longer be consecutive), a policy version the learner
-                has not published (``future_version``). Nothing is written in these cases.
+            StepRejected: unknown actor incarnation (``unknown_actor``), a sequence number below
+                the next expected one (``out_of_order``: a duplicate or replay), a policy version
+                the learner has not published (``future_version``). Nothing is written in these
+                cases. A sequence number ABOVE the next expected one (steps went missing) discards
+                the unfinished segment (its rows would no longer be consecutive), counts the
+                missing steps as ``dropped["seq_gap_steps"]``, and writes this step as the first
+                row of a new segment.
         """
         record = self.actors.get(message.actor_id)
         if record is None or record.incarnation != message.incarnation:
@@ -232,11 +236,15 @@ class RolloutAssembler:
                 self.counters.dropped["late_step_messages"] += 1
                 raise StepRejected("departed_actor", f"actor {message.actor_id!r}/{message.incarnation} has left")
             raise StepRejected("unknown_actor", f"actor {message.actor_id!r}/{message.incarnation} has not joined")
-        if message.seq != record.next_seq:
-            expected = record.next_seq
+        if message.seq < record.next_seq:  # a replay or a duplicate: never written twice
+            raise StepRejected("out_of_order", f"actor {message.actor_id!r}: expected seq {record.next_seq}, "
+                                               f"got {message.seq}")
+        if message.seq > record.next_seq:
+            # Steps went missing (rejected at the wire, or lost): the unfinished segment can no
+            # longer hold consecutive rows, so it is discarded; this valid step starts a new one.
+            self.counters.dropped["seq_gap_steps"] += message.seq - record.next_seq
             self._discard_segment(record)
-            record.next_seq = message.seq + 1
-            raise StepRejected("out_of_order", f"actor {message.actor_id!r}: expected seq {expected}, got {message.seq}")
+            record.next_seq = message.seq
         if message.policy_version > current_policy_version:
             raise StepRejected(
                 "future_version",

@@ -215,31 +215,28 @@ def test_full_buffer_hand_off_and_release_cycle(assembler: RolloutAssembler, buf
 
 
 # --------------------------------------------------------------------------------- rejection
-def test_out_of_order_seq_is_rejected_and_discards_the_segment(
+def test_seq_gap_discards_the_segment_and_the_next_step_starts_a_new_one(
     assembler: RolloutAssembler, buffers: list[RolloutBuffer]
 ) -> None:
     assembler.join("a", "a-1", spec(3), hostname="h", now=0.0)
     send(assembler, message("a", "a-1", 0, 3, dones=[True, False, False], truncated=[True, False, False]))
     send(assembler, message("a", "a-1", 1, 3))
     assert buffers[0].column_steps.tolist() == [2, 2, 2, 0, 0, 0]
-    with pytest.raises(StepRejected) as caught:
-        send(assembler, message("a", "a-1", 3, 3))  # seq 2 never arrived
-    assert caught.value.reason == "out_of_order"
-    assert assembler.actors["a"].segment is None
-    assert buffers[0].column_steps.tolist() == [0] * N
-    assert not buffers[0].trainable.any() and not buffers[0].dones.any() and not buffers[0].bootstrap_values.any()
+    after_gap = message("a", "a-1", 3, 3)  # seq 2 never arrived
+    send(assembler, after_gap)
+    assert assembler.counters.dropped["seq_gap_steps"] == 1
     assert assembler.counters.dropped["discarded_segment_rows"] == 2 * 3
-    assert assembler.counters.env_steps == 2 * 3  # the global step count never goes backwards
-
-    # The freed columns go to the next actor that asks ...
-    assembler.join("b", "b-1", spec(3), hostname="h", now=0.0)
-    send(assembler, message("b", "b-1", 0, 3))
-    assert assembler.actors["b"].segment.columns.tolist() == [0, 1, 2]
-    # ... and the actor itself goes on after the gap, in a new segment that starts at row 0.
-    msg = message("a", "a-1", 4, 3)
-    send(assembler, msg)
-    assert assembler.actors["a"].segment.columns.tolist() == [3, 4, 5]
-    check_rows(buffers[0], msg, 0, [3, 4, 5])
+    # The two rows before the gap are gone; the step after it is row 0 of a new segment.
+    segment = assembler.actors["a"].segment
+    assert segment is not None and segment.rows_written == 1
+    assert buffers[0].column_steps[segment.columns].tolist() == [1, 1, 1]
+    check_rows(buffers[0], after_gap, 0, segment.columns.tolist())
+    assert assembler.counters.env_steps == 3 * 3  # the global step count never goes backwards
+    # A duplicate (or replayed) seq is refused and writes nothing.
+    with pytest.raises(StepRejected) as caught:
+        send(assembler, message("a", "a-1", 3, 3))
+    assert caught.value.reason == "out_of_order"
+    assert segment.rows_written == 1
 
 
 def test_unknown_actor_and_unknown_incarnation_are_rejected(
@@ -412,16 +409,12 @@ def test_impossible_values_are_rejected_on_the_learner_path_and_break_the_segmen
     # Nothing of the bad step was written.
     assert buffers[0].column_steps.tolist()[:2] == [1, 1]
     assert assembler.counters.env_steps == 2
-    # The next step reveals the hole: out of order, the unfinished segment (row 0) is discarded,
-    # so no column ever holds rows that are not consecutive steps of one env.
-    with pytest.raises(StepRejected) as gap:
-        learner_path(assembler, message("a", "a-1", 2, 2))
-    assert gap.value.reason == "out_of_order"
-    assert buffers[0].column_steps.tolist()[:2] == [0, 0]
-    assert assembler.counters.dropped["discarded_segment_rows"] == 2
-    # The stream goes on in a fresh segment.
-    msg = message("a", "a-1", 3, 2)
+    # The next step reveals the hole: the unfinished segment (row 0) is discarded, so no column
+    # ever holds rows that are not consecutive steps of one env, and that step starts a new one.
+    msg = message("a", "a-1", 2, 2)
     learner_path(assembler, msg)
+    assert assembler.counters.dropped["seq_gap_steps"] == 1
+    assert assembler.counters.dropped["discarded_segment_rows"] == 2
     assert buffers[0].column_steps.tolist()[:2] == [1, 1]
     check_rows(buffers[0], msg, 0, [0, 1])
 
