@@ -226,7 +226,8 @@ class JsonLinesWriter:
                 written = os.write(self._fd, data)
                 if written != len(data):  # the disk filled up inside the record: undo the partial line
                     os.ftruncate(self._fd, size_before)
-                    raise OSError(errno.ENOSPC, f"short write ({written} of {len(data)} bytes), record undone")
+                    raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: short write ({written} of "
+                                               f"{len(data)} bytes), record undone")
             except OSError as error:
                 self.failures += 1
                 reason = errno.errorcode.get(error.errno or 0, type(error).__name__)

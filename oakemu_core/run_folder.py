@@ -30,6 +30,7 @@ __all__ = [
     "LOG_FILE_NAMES",
     "ResumeMismatchError",
     "check_resume_compatible",
+    "check_resume_folder",
     "config_changes",
     "describe_spaces",
     "format_changes",
@@ -263,3 +264,57 @@ def truncate_after(path: Path, global_step: int) -> int:
 def truncate_run_logs(run_dir: Path, global_step: int) -> dict[str, int]:
     """:func:`truncate_after` on each of :data:`LOG_FILE_NAMES` in ``run_dir``; returns lines removed by file name."""
     return {name: truncate_after(Path(run_dir) / name, global_step) for name in LOG_FILE_NAMES}
+
+
+# ------------------------------------------------------------------------------ whole folder
+def check_resume_folder(run_dir: Path, config: Any, *, check_model: bool = True) -> dict[str, tuple[Any, Any]]:
+    """Everything a process checks before it writes into a run folder it may resume (reads only).
+
+    When ``run_dir`` has a checkpoint: compares its ``config.toml`` with ``config``
+    (:func:`config_changes`) and the checkpoint with the env, spaces and model ``config`` asks for
+    (:func:`check_resume_compatible`; the model is built on the CPU when ``check_model``). A folder
+    without a checkpoint is a new run: nothing is compared.
+
+    Args:
+        run_dir: the run folder.
+        config: the requested :class:`~oakemu_core.config.OakEmuConfig`.
+        check_model: also build the model and compare parameter names and shapes.
+
+    Returns:
+        ``{field: (old, new)}`` of the settings that will change (for a warning); {} for a new run.
+
+    Raises:
+        ResumeMismatchError: a setting that cannot change differs, or the checkpoint was made for
+            another env, other spaces or another model.
+        oakemu_core.checkpoint.CheckpointError: the checkpoint cannot be read.
+    """
+    import tomllib
+
+    from oakemu_core.checkpoint import latest_checkpoint, load_checkpoint
+
+    checkpoint = latest_checkpoint(Path(run_dir))
+    if checkpoint is None:
+        return {}
+    changes: dict[str, tuple[Any, Any]] = {}
+    config_toml = Path(run_dir) / "config.toml"
+    if config_toml.is_file():
+        try:
+            old = tomllib.loads(config_toml.read_text(encoding="utf-8"))
+        except (OSError, tomllib.TOMLDecodeError):
+            old = None  # an unreadable config.toml is rewritten by the learner; the checkpoint still decides
+        if old is not None:
+            changes = config_changes(old, config.model_dump(mode="json"))
+    from oakemu_core.envs import env_spec
+    from oakemu_core.step_schema import schema_for_env
+
+    spec = env_spec(config.env_id, settings_file=config.emulator_settings)
+    schema = schema_for_env(spec)
+    model = None
+    if check_model and schema.distribution is not None:
+        from oakemu_core.models import build_model
+
+        model = build_model(spec.observation_layout, schema.distribution,
+                            normalize_observations=config.normalize_observations)
+    state = load_checkpoint(checkpoint, map_location="cpu")
+    check_resume_compatible(state, env_id=config.env_id, schema=schema, model=model, checkpoint_path=checkpoint)
+    return changes

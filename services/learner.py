@@ -69,7 +69,12 @@ from oakemu_core.metrics import (
 from oakemu_core.models import build_model
 from oakemu_core.ppo import LinearSchedule, PPOUpdateStats
 from oakemu_core.rollout_buffer import RolloutBuffer
-from oakemu_core.run_folder import check_resume_compatible, truncate_run_logs
+from oakemu_core.run_folder import (
+    check_resume_compatible,
+    check_resume_folder,
+    format_changes,
+    truncate_run_logs,
+)
 from oakemu_core.shared_memory import sweep_stale_segments
 from oakemu_core.step_schema import StepSchema, schema_for_env
 from oakemu_core.telemetry import (
@@ -659,6 +664,11 @@ def main(config: OakEmuConfig) -> int:
     # An unknown env id fails here, before the run folder is created.
     check_env(config.env_id, settings_file=config.emulator_settings)
     run_dir = resolve_run_dir(config)
+    # Resuming a folder: say which settings change; refuse (ResumeMismatchError, exit 2) another env,
+    # other spaces or model, or a setting that cannot change, before anything in the folder is written.
+    changes = check_resume_folder(run_dir, config, check_model=False)  # the model is checked in restore
+    if changes:
+        log.warning("resuming %s with changed settings (config.toml -> now): %s", run_dir, format_changes(changes))
     stop_event = install_stop_signals()
     try:
         learner = Learner(config, run_dir)

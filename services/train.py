@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from oakemu_core.config import OakEmuConfig, to_toml
 from oakemu_core.envs import check_env
+from oakemu_core.run_folder import check_resume_folder, format_changes
 from oakemu_core.telemetry import TelemetrySnapshot, TelemetrySubscriber
 from services.runtime import PARENT_PID_ENV, install_stop_signals, resolve_run_dir
 
@@ -124,12 +125,18 @@ def main(config: OakEmuConfig, resume: Path | None = None) -> int:
         run_dir = resolve_run_dir(config)
         config = config.model_copy(update={"run_name": run_dir.name})
     run_dir = resolve_run_dir(config)
+    # A folder with a checkpoint is resumed: refuse another env / spaces / model, or a change of a
+    # setting that cannot change (ResumeMismatchError, exit 2), before anything in it is written.
+    changes = check_resume_folder(run_dir, config)
     logs_dir = run_dir / "logs"
     logs_dir.mkdir(exist_ok=True)
     config_file = run_dir / "config.toml"
     config_file.write_text(to_toml(config))
 
     console = Console(stderr=True)
+    if changes:
+        console.print(f"[yellow]resuming {run_dir} with changed settings[/] (config.toml -> now): "
+                      f"{format_changes(changes)}", highlight=False, soft_wrap=True)
     stop_event = install_stop_signals()
     cli = [sys.executable, "-m", "services.cli"]
     learner = Child("learner", [*cli, "learner"], _child_env(config_file), logs_dir / "learner.log")
