@@ -293,8 +293,9 @@ class PolicyRouter:
 
     Attributes:
         episode_steps: ``(N,)`` int64, agent steps taken so far in each env's current episode.
-        counts: steps acted per route name (``"policy"``, ``"random"``, ``"scripted"``) since
-            construction.
+        counts: routing decisions per route name (``"policy"``, ``"random"``, ``"scripted"``)
+            since construction, one per env per :meth:`apply` (a :class:`PolicyStepper` decides
+            one step ahead, so its counts include the next step's ``N`` decisions).
 
     Raises:
         ValueError: ``num_envs`` < 1, or the scripted policy cannot be loaded.
