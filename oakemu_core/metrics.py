@@ -4,7 +4,9 @@ both to TensorBoard event files and to a JSON-lines file.
 Scalar names follow CleanRL (``ppo_atari.py``) so TensorBoard charts look familiar:
 ``charts/episodic_return``, ``charts/episodic_length``, ``charts/learning_rate``, ``charts/SPS``,
 ``losses/policy_loss``, ``losses/value_loss``, ``losses/entropy``, ``losses/approx_kl``,
-``losses/clipfrac``, ``losses/explained_variance``.
+``losses/clipfrac``, ``losses/explained_variance``. Periodic evaluations of the learner's tester add
+``eval/episodic_return`` (mean raw return), ``eval/episodic_return_std``, ``eval/episodic_length``,
+``eval/policy_version`` and ``eval/weights_global_step`` (:func:`evaluation_scalars`).
 """
 
 from __future__ import annotations
@@ -28,10 +30,14 @@ from oakemu_core.log_limits import RateLimitedLog
 
 if TYPE_CHECKING:
     from oakemu_core.ppo import PPOUpdateStats
+    from oakemu_core.tester import EvaluationReport
 
 __all__ = [
     "EPISODIC_LENGTH",
     "EPISODIC_RETURN",
+    "EVAL_EPISODIC_LENGTH",
+    "EVAL_EPISODIC_RETURN",
+    "EVAL_EPISODIC_RETURN_STD",
     "LEARNING_RATE",
     "METRICS_FILE_NAME",
     "SPS",
@@ -39,6 +45,7 @@ __all__ = [
     "JsonLinesWriter",
     "MetricsLogger",
     "episode_scalars",
+    "evaluation_scalars",
     "update_scalars",
 ]
 
@@ -47,6 +54,29 @@ EPISODIC_RETURN = "charts/episodic_return"
 EPISODIC_LENGTH = "charts/episodic_length"
 LEARNING_RATE = "charts/learning_rate"
 SPS = "charts/SPS"
+EVAL_EPISODIC_RETURN = "eval/episodic_return"
+EVAL_EPISODIC_RETURN_STD = "eval/episodic_return_std"
+EVAL_EPISODIC_LENGTH = "eval/episodic_length"
+
+
+def evaluation_scalars(report: EvaluationReport) -> dict[str, float]:
+    """The scalars of one tester evaluation (:class:`oakemu_core.tester.EvaluationReport`).
+
+    ``eval/episodic_return`` (mean raw, unclipped return), ``eval/episodic_return_std`` (population
+    std), ``eval/episodic_length`` (mean, agent steps), ``eval/policy_version`` (the evaluated
+    weights) and ``eval/weights_global_step`` (env steps when they were submitted). Log them at the
+    learner's *current* global step (``logger.log(global_step, evaluation_scalars(report))``), so
+    ``metrics.jsonl`` never goes back in ``global_step``; the evaluated step travels as a value.
+    """
+    return {
+        EVAL_EPISODIC_RETURN: float(report.return_mean),
+        EVAL_EPISODIC_RETURN_STD: float(report.return_std),
+        EVAL_EPISODIC_LENGTH: float(report.length_mean),
+        "eval/policy_version": float(report.policy_version),
+        "eval/weights_global_step": float(report.global_step),
+    }
+
+
 WRITE_FAILURE_LOG_PERIOD_S = 30.0
 """Shortest time (s) between two log lines about failed metric/episode writes (each is counted)."""
 TENSORBOARD_RETRY_S = 30.0

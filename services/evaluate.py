@@ -5,14 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import torch
 from rich.console import Console
 
 from oakemu_core.checkpoint import latest_checkpoint, load_checkpoint
-from oakemu_core.envs import make_eval_env
-from oakemu_core.evaluation import play_episodes
-from oakemu_core.models import build_model
-from oakemu_core.step_schema import StepSchema
+from oakemu_core.evaluation import build_evaluation, play_episodes
 
 DEFAULT_MAX_EPISODE_STEPS = 27_000
 """Time limit when the run had none: 108k frames at frame skip 4, the usual Atari evaluation cap."""
@@ -35,14 +31,12 @@ def evaluate(checkpoint: Path, *, episodes: int, greedy: bool, seed: int) -> lis
         raise FileNotFoundError(f"{path}: no such checkpoint")
     state = load_checkpoint(path)
     env_info, config = state["env"], state["config"]
-    schema = StepSchema.from_dict(env_info["schema"])
-    torch.manual_seed(seed)
-    env = make_eval_env(env_info["env_id"], seed=seed,
-                        max_episode_steps=config.get("max_episode_steps"),
-                        settings_file=config.get("emulator_settings"))
+    # The same builder as the learner's tester (oakemu_core.tester): one evaluation code path.
+    model, env = build_evaluation(env_info["env_id"], env_info["schema"], seed=seed,
+                                  max_episode_steps=config.get("max_episode_steps"),
+                                  settings_file=config.get("emulator_settings"),
+                                  normalize_observations=bool(config.get("normalize_observations")))
     try:
-        model = build_model(env.spec.observation_layout, schema.distribution,
-                            normalize_observations=bool(config.get("normalize_observations")))
         model.load_state_dict(state["model"])
         model.eval()
         return play_episodes(model, env, episodes=episodes, greedy=greedy).returns

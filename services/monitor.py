@@ -6,7 +6,9 @@ training.
 
 Modes:
 
-* default: a live view (rich) of the training figures and a table of the actors;
+* default: a live view (rich) of the training figures, curves of the whole run (training return,
+  evaluation return and SPS over env steps, unicode sparklines drawn from the learner's history, so
+  a monitor attached late still sees the whole run) and a table of the actors;
 * ``--json``: one JSON object per line - the first snapshot received (so a script sees the state at
   once), then every snapshot published after a PPO update (``"is_update": true``);
 * ``--once``: print one snapshot (as a view, or as JSON with ``--json``) and exit 0.
@@ -23,7 +25,7 @@ import math
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -42,6 +44,12 @@ EXIT_BAD_ADDRESS = 2
 
 _POLL_INTERVAL_S = 0.25
 """How often the live view redraws when no snapshot arrives (s)."""
+
+CURVE_WIDTH = 60
+"""Columns of each sparkline in the view."""
+
+SPARK_BLOCKS = "▁▂▃▄▅▆▇█"
+"""Eight levels of a sparkline, lowest first; a column without data is a space."""
 
 
 def main(connect: str, *, json_output: bool = False, once: bool = False, timeout_s: float = 5.0,
@@ -113,7 +121,8 @@ def render_snapshot(snapshot: TelemetrySnapshot, *, address: str, age_s: float, 
 
     training = _key_value_table("Training")
     training.add_row("env steps", f"{snapshot.global_step:,}")
-    training.add_row("SPS", _fmt(snapshot.sps, ".0f"))
+    training.add_row("SPS (since start)", _fmt(snapshot.sps, ".0f"))
+    training.add_row("SPS (last 10 s)", _fmt(snapshot.sps_recent, ".0f"))
     training.add_row("policy version", str(snapshot.policy_version))
     training.add_row("updates", str(snapshot.iterations))
     training.add_row("episodes", f"{snapshot.episodes:,}")
@@ -122,6 +131,11 @@ def render_snapshot(snapshot: TelemetrySnapshot, *, address: str, age_s: float, 
                                           f"{_fmt(snapshot.episodic_return_max, '.2f')}")
     training.add_row("episode length", _fmt(snapshot.episodic_length_mean, ".1f"))
     training.add_row("buffer fill", _fmt(100.0 * snapshot.buffer_fill, ".0f") + " %")
+    training.add_row("eval return", "-" if snapshot.eval_return_mean is None else
+                     f"{_fmt(snapshot.eval_return_mean, '.2f')} ± {_fmt(snapshot.eval_return_std, '.2f')} "
+                     f"(v{snapshot.eval_policy_version})")
+    training.add_row("eval length", _fmt(snapshot.eval_length_mean, ".1f"))
+    training.add_row("best eval", _fmt(snapshot.best_eval_return, ".2f"))
 
     update = _key_value_table("Last update")
     update.add_row("policy loss", _fmt(snapshot.policy_loss, ".4f"))
@@ -157,7 +171,82 @@ def render_snapshot(snapshot: TelemetrySnapshot, *, address: str, age_s: float, 
     for actor in sorted(snapshot.actors, key=lambda a: a.actor_id):
         actors.add_row(actor.actor_id, actor.incarnation[:12], str(actor.num_envs), _fmt(actor.sps, ".0f"),
                        _fmt(actor.policy_lag, ".2f"), f"{actor.last_heard_s:.1f} s")
-    return Group(header, summary, actors)
+    return Group(header, summary, render_curves(snapshot), actors)
+
+
+def sparkline(values: Sequence[float | None], *, low: float | None = None, high: float | None = None) -> str:
+    """One character per value from :data:`SPARK_BLOCKS` (``None`` / NaN: a space).
+
+    ``low`` / ``high`` default to the finite values' min / max; a flat series is drawn at the
+    middle level.
+    """
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    if not finite:
+        return " " * len(values)
+    low = min(finite) if low is None else low
+    high = max(finite) if high is None else high
+    top = len(SPARK_BLOCKS) - 1
+    chars = []
+    for value in values:
+        if value is None or not math.isfinite(value):
+            chars.append(" ")
+        elif high <= low:
+            chars.append(SPARK_BLOCKS[top // 2])
+        else:
+            level = round((min(max(value, low), high) - low) / (high - low) * top)
+            chars.append(SPARK_BLOCKS[level])
+    return "".join(chars)
+
+
+def resample(points: Sequence[tuple[int, float | None]], start: int, end: int, width: int) -> list[float | None]:
+    """Values of ``(global_step, value)`` points (increasing steps) on ``width`` columns spanning
+    env steps ``start``..``end``: each column shows the last value at or before its right edge
+    (a step curve; None before the first point)."""
+    if width < 1:
+        return []
+    span = max(1, end - start)
+    columns: list[float | None] = []
+    index, current = 0, None
+    for column in range(width):
+        edge = start + span * (column + 1) / width
+        while index < len(points) and points[index][0] <= edge:
+            value = points[index][1]
+            current = value if value is not None and math.isfinite(value) else current
+            index += 1
+        columns.append(current)
+    return columns
+
+
+def render_curves(snapshot: TelemetrySnapshot, *, width: int = CURVE_WIDTH) -> Table:
+    """The run's curves over env steps from the snapshot's history: training return (episode
+    window mean), evaluation return (tester mean) and SPS, one sparkline each with its last
+    value and range. A history without points says so."""
+    history = snapshot.history
+    table = Table(title="Curves", title_justify="left", show_header=False, box=None, padding=(0, 1))
+    table.add_column(style="bold")
+    table.add_column(no_wrap=True)
+    table.add_column(justify="right")
+    table.add_column(style="dim", no_wrap=True)
+    steps = [p.global_step for p in history.training] + [p.global_step for p in history.evaluations]
+    if not steps:
+        table.add_row("no history yet", "", "", "")
+        return table
+    start, end = min(steps), max(steps)
+    series = (
+        ("train return", "cyan", [(p.global_step, p.episodic_return) for p in history.training]),
+        ("eval return", "green", [(p.global_step, p.return_mean) for p in history.evaluations]),
+        ("SPS", "magenta", [(p.global_step, p.sps) for p in history.training]),
+    )
+    for name, style, points in series:
+        finite = [v for _, v in points if v is not None and math.isfinite(v)]
+        if not finite:
+            table.add_row(name, Text(" " * width), "-", "no data yet")
+            continue
+        line = sparkline(resample(points, start, end, width), low=min(finite), high=max(finite))
+        table.add_row(name, Text(line, style=style), _fmt(finite[-1], ".1f"),
+                      f"min {min(finite):.1f}  max {max(finite):.1f}  ({len(points)} points)")
+    table.add_row("env steps", Text(f"{start:,}".ljust(width - len(f"{end:,}")) + f"{end:,}", style="dim"), "", "")
+    return table
 
 
 def _run_json(subscriber: TelemetrySubscriber, first: TelemetrySnapshot, *, once: bool, timeout_s: float) -> int:
