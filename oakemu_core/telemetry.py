@@ -35,30 +35,9 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-TELEMETRY_TOPIC` (``b"oakemu.telemetry"``);
-2. a msgpack map: the snapshot's fields (``TelemetrySnapshot.model_dump()``) including
-   ``protocol_version`` = :data:`TELEMETRY_PROTOCOL_VERSION`.
-
-A subscriber rejects (counts and skips) any message that is not exactly that: wrong frame count or
-topic, bytes that are not msgpack, another protocol version, a missing or mistyped field.
-"""
-
-from __future__ import annotations
-
-import math
-import threading
-import time
-from typing import Any, Iterator
-
-import msgpack
-import pydantic
-import zmq
-from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
-from prometheus_client.registry import Collector
-
-TELEMETRY_PROTOCOL_VERSION = 1
-"""Version of the telemetry message layout; bumped on any incompatible change of the fields."""
+TELEMETRY_PROTOCOL_VERSION = 2
+"""Version of the telemetry message layout; bumped on any incompatible change of the fields
+(2: evaluation figures, history curves, message/checkpoint counters, trainable share)."""
 
 TELEMETRY_TOPIC = b"oakemu.telemetry"
 """First frame of every telemetry message (ZeroMQ SUB prefix filter)."""
