@@ -160,6 +160,13 @@ class OakEmuConfig(BaseSettings):
     target_kl: float | None = Field(None, gt=0.0, description="Stop the epochs early above this approx KL.")
     normalize_advantages: bool = Field(True, description="Normalise advantages per minibatch (trainable rows).")
     max_policy_lag: int = Field(2, ge=0, description="Drop rows acted by a policy this many versions old.")
+    mode: Literal["async", "sync"] = Field(
+        "async",
+        description="async: actors keep stepping while the learner trains (rows up to max_policy_lag versions "
+        "old, two rollout buffers); sync: on-policy, each actor fills its own columns of the one rollout buffer "
+        "then waits for the weights trained on it (policy lag 0, a seed reproduces exactly on one machine; "
+        "needs num_envs == num_actors * envs_per_actor).",
+    )
     seed: int = Field(1, ge=0, description="Seed for envs, torch and numpy.")
     device: str = Field("auto", description="Learner torch device: auto (cuda if available), cpu, cuda, cuda:N.")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per actor process.")
@@ -301,6 +308,12 @@ class OakEmuConfig(BaseSettings):
             raise ValueError(
                 f"num_envs: the learner's {buffer_columns} buffer columns must hold at least one actor's "
                 f"envs_per_actor={self.envs_per_actor} envs; received num_envs={self.num_envs}"
+            )
+        if self.mode == "sync" and buffer_columns != self.num_actors * self.envs_per_actor:
+            raise ValueError(
+                f"num_envs: mode='sync' gives each of the num_actors={self.num_actors} actors its own "
+                f"envs_per_actor={self.envs_per_actor} columns, so the buffer needs exactly "
+                f"{self.num_actors * self.envs_per_actor} columns; received num_envs={self.num_envs}"
             )
         batch_rows = self.rollout_length * buffer_columns
         if self.num_minibatches > batch_rows:

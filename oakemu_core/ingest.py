@@ -9,6 +9,12 @@ crashed, went silent, or sent out of order) is discarded: its columns are emptie
 next actor that asks.  Steps that find no free column are dropped and counted (back-pressure in the
 learner loop keeps this rare: it stops reading while no buffer is filling).
 
+In the synchronous mode (``sync=True``, one buffer) the columns are not handed out first come,
+first served: the actor with index ``i`` (the learner gives the indices in actor-id order) always
+fills columns ``i * num_envs ... (i + 1) * num_envs - 1``, and the episodes a rollout's messages
+report enter :attr:`RolloutAssembler.episode_returns` sorted by (actor index, seq) when the rollout
+is full, so a seed's run does not depend on the order in which messages arrived.
+
 Everything here is plain Python + numpy and runs in the learner's ingest thread; no sockets.
 """
 
@@ -122,12 +128,15 @@ class RolloutAssembler:
             spec; two give double buffering (one fills while the other trains).
         actor_timeout_s: an actor not heard from (step or heartbeat) for this many seconds is
             dropped and its unfinished segment discarded.
+        sync: synchronous mode (see the module docstring): actor ``index`` owns the columns
+            ``index * num_envs ...`` of every rollout; episodes are released in (index, seq) order
+            when a rollout is full.
 
     Raises:
         ValueError: if ``buffers`` is empty or the buffers disagree in shape.
     """
 
-    def __init__(self, buffers: list[RolloutBuffer], *, actor_timeout_s: float) -> None:
+    def __init__(self, buffers: list[RolloutBuffer], *, actor_timeout_s: float, sync: bool = False) -> None:
         if not buffers:
             raise ValueError("RolloutAssembler needs at least one rollout buffer, got none")
         shapes = {(b.rollout_length, b.num_envs, b.schema) for b in buffers}
@@ -152,27 +161,51 @@ class RolloutAssembler:
         self.counters = IngestCounters()
         self.episode_returns: list[float] = []
         self.episode_lengths: list[int] = []
+        self.sync = bool(sync)
+        # Synchronous mode: (actor index, seq, returns, lengths) of the filling rollout's messages.
+        self._round_episodes: list[tuple[int, int, list[float], list[int]]] = []
 
     # ----------------------------------------------------------------------------------- actors
-    def join(self, actor_id: str, incarnation: str, spec: StepSpec, *, hostname: str, now: float) -> ActorRecord:
+    def join(self, actor_id: str, incarnation: str, spec: StepSpec, *, hostname: str, now: float,
+             index: int | None = None) -> ActorRecord:
         """Register an actor incarnation; a new incarnation of a known id replaces the old one.
 
+        Args:
+            index: the actor's index, chosen by the caller (synchronous mode: the actor's rank in
+                actor-id order, which places its columns); None: the next unused number.
+
         Returns:
-            The new record; ``index`` is unique per join (actors seed their envs with it).
+            The new record; ``index`` is unique among joined actors (actors seed their envs with it).
+
+        Raises:
+            ValueError: ``index`` is held by another joined actor, or (synchronous mode) its columns
+                ``index * num_envs ...`` do not fit in the buffer.
         """
         previous = self.actors.get(actor_id)
         if previous is not None:
             self._forget(previous)
+        if index is not None:
+            holders = [r.actor_id for r in self.actors.values() if r.index == index]
+            if holders:
+                raise ValueError(f"actor index {index} is held by actor {holders[0]!r}")
+        if self.sync:
+            rank = self._next_actor_index if index is None else index
+            if (rank + 1) * spec.num_envs > self.num_columns:
+                raise ValueError(
+                    f"sync mode: actor index {rank} x {spec.num_envs} envs needs columns up to "
+                    f"{(rank + 1) * spec.num_envs}, the buffer has {self.num_columns}")
+        if index is None:
+            index = self._next_actor_index
         record = ActorRecord(
             actor_id=actor_id,
             incarnation=incarnation,
-            index=self._next_actor_index,
+            index=index,
             spec=spec,
             hostname=hostname,
             joined_at=now,
             last_heard=now,
         )
-        self._next_actor_index += 1
+        self._next_actor_index = max(self._next_actor_index, index) + 1
         self.actors[actor_id] = record
         return record
 
@@ -252,8 +285,13 @@ class RolloutAssembler:
             )
         record.next_seq += 1
         record.last_heard = now
-        self.episode_returns.extend(message.episode_returns)
-        self.episode_lengths.extend(message.episode_lengths)
+        if self.sync:  # released in (index, seq) order when the rollout is full
+            if message.episode_returns:
+                self._round_episodes.append((record.index, message.seq, list(message.episode_returns),
+                                             list(message.episode_lengths)))
+        else:
+            self.episode_returns.extend(message.episode_returns)
+            self.episode_lengths.extend(message.episode_lengths)
 
         if record.segment is None:
             record.segment = self._assign_segment(record)
@@ -286,6 +324,14 @@ class RolloutAssembler:
     def _assign_segment(self, record: ActorRecord) -> Segment | None:
         """Give the actor up to ``num_envs`` free columns of the oldest filling buffer."""
         filling = [s for s, state in enumerate(self.states) if state is SlotState.FILLING]
+        if self.sync:  # the actor's own block of columns, in the oldest filling buffer
+            k = record.spec.num_envs
+            columns = np.arange(record.index * k, (record.index + 1) * k, dtype=np.int64)
+            for slot in sorted(filling, key=lambda s: self._generation[s]):
+                if np.all(self._owners[slot][columns] == FREE):
+                    self._owners[slot][columns] = record.index
+                    return Segment(slot=slot, columns=columns)
+            return None
         for slot in sorted(filling, key=lambda s: self._generation[s]):
             free = np.flatnonzero(self._owners[slot] == FREE)
             if free.size:
@@ -304,6 +350,14 @@ class RolloutAssembler:
         record.segment = None
         if np.all(self._owners[segment.slot] == COMPLETE):
             self.states[segment.slot] = SlotState.FULL
+            self._release_round_episodes()
+
+    def _release_round_episodes(self) -> None:
+        """Synchronous mode: the full rollout's episodes, in (actor index, seq) order."""
+        for _, _, returns, lengths in sorted(self._round_episodes, key=lambda item: item[:2]):
+            self.episode_returns.extend(returns)
+            self.episode_lengths.extend(lengths)
+        self._round_episodes = []
 
     def _forget(self, record: ActorRecord) -> None:
         """Remove an actor: discard its unfinished segment, remember the incarnation as departed."""

@@ -41,9 +41,11 @@ __all__ = [
     "LEARNING_RATE",
     "METRICS_FILE_NAME",
     "SPS",
+    "SPS_RECENT",
     "EpisodeWindow",
     "JsonLinesWriter",
     "MetricsLogger",
+    "RunStepRates",
     "episode_scalars",
     "evaluation_scalars",
     "update_scalars",
@@ -54,6 +56,7 @@ EPISODIC_RETURN = "charts/episodic_return"
 EPISODIC_LENGTH = "charts/episodic_length"
 LEARNING_RATE = "charts/learning_rate"
 SPS = "charts/SPS"
+SPS_RECENT = "charts/SPS_recent"
 EVAL_EPISODIC_RETURN = "eval/episodic_return"
 EVAL_EPISODIC_RETURN_STD = "eval/episodic_return_std"
 EVAL_EPISODIC_LENGTH = "eval/episodic_length"
@@ -205,6 +208,53 @@ class StepRateMeter:
             return 0.0
         (t0, s0), (t1, s1) = self._samples[0], self._samples[-1]
         return max(0.0, (s1 - s0) / (t1 - t0)) if t1 > t0 else 0.0
+
+
+class RunStepRates:
+    """A run's env steps per second, two ways, from one running step count.
+
+    :meth:`overall` is wall-clock SPS since ``started`` (the learner's start: start-up, joins and
+    waits included, so ``overall * elapsed`` is the steps done), logged as ``charts/SPS``;
+    :meth:`recent` is the rate over the samples of the last ``window_s`` seconds, logged as
+    ``charts/SPS_recent`` (it equals :meth:`overall` until two samples exist).
+
+    Args:
+        started: monotonic time (s) the count starts from.
+        start_steps: the step count at ``started`` (a resumed run's steps are not this run's work).
+        window_s: span of the recent window (s), > 0.
+
+    Raises:
+        ValueError: ``window_s`` <= 0.
+    """
+
+    def __init__(self, started: float, start_steps: int = 0, *, window_s: float = 10.0) -> None:
+        if not window_s > 0:
+            raise ValueError(f"window_s: expected > 0 seconds, got {window_s}")
+        self.started = float(started)
+        self.start_steps = int(start_steps)
+        self.window_s = float(window_s)
+        self._samples: deque[tuple[float, int]] = deque()
+        self._last = (self.started, self.start_steps)
+
+    def sample(self, now: float, total_steps: int) -> None:
+        """Record the running step count at monotonic time ``now`` (s)."""
+        self._last = (float(now), int(total_steps))
+        self._samples.append(self._last)
+        while len(self._samples) > 2 and self._samples[1][0] <= now - self.window_s:
+            self._samples.popleft()
+
+    def overall(self) -> float:
+        """Steps per second from ``started`` to the last sample (0.0 before any time passed)."""
+        now, steps = self._last
+        return max(0.0, (steps - self.start_steps) / (now - self.started)) if now > self.started else 0.0
+
+    def recent(self) -> float:
+        """Steps per second over the last ``window_s`` seconds of samples (:meth:`overall` until
+        two samples span a positive time)."""
+        if len(self._samples) < 2 or self._samples[-1][0] <= self._samples[0][0]:
+            return self.overall()
+        (t0, s0), (t1, s1) = self._samples[0], self._samples[-1]
+        return max(0.0, (s1 - s0) / (t1 - t0))
 
 
 class JsonLinesWriter:

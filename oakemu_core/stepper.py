@@ -12,6 +12,12 @@ The actor service wraps :class:`PolicyStepper` with ZeroMQ; tests drive it direc
 4. ``before_next_action`` runs (the actor loads newer weights there);
 5. the next bundle is chosen on the new observations; its values are this step's ``next_values``
    (V(s_{t+1}) used as ``last_values`` when a rollout segment ends on this row).
+
+With ``segment_end=True`` (the synchronous mode, on the last row of an actor's segment) steps 4-5
+are replaced: ``next_values`` are computed with the model that acted (GAE's last value must come
+from the policy of the rollout) and the next bundle is NOT chosen; the caller sends the row, loads
+the weights trained on the rollout, and the next :meth:`PolicyStepper.step` chooses the bundle with
+them first (its ``before_next_action`` hook runs before that choice).
 """
 
 from __future__ import annotations
@@ -81,11 +87,27 @@ class PolicyStepper:
         self.router = router
         self._observations = env.reset()
         self._masks = env.action_masks() if self.masked else None
+        self._bundle: PPOActionBundle | None = None
         self._bundle, self._trainable = self._choose(self._observations, self._masks)
         self._bundle_version = policy_version
 
-    def step(self, before_next_action: Callable[[], None] | None = None) -> SteppedRow:
-        """Run one vector step (see the module docstring for the order)."""
+    def step(self, before_next_action: Callable[[], None] | None = None, *,
+             segment_end: bool = False) -> SteppedRow:
+        """Run one vector step (see the module docstring for the order).
+
+        Args:
+            before_next_action: called before the next bundle is chosen (the actor loads newer
+                weights there); when the previous step ended a segment it is called at the start
+                of this step, before the deferred choice.
+            segment_end: this row ends the actor's rollout segment (synchronous mode):
+                ``next_values`` come from the model that acted and the next bundle is chosen at
+                the start of the next call, with whatever weights are loaded by then.
+        """
+        if self._bundle is None:  # the previous step ended a segment: choose with the new weights
+            if before_next_action is not None:
+                before_next_action()
+            self._bundle, self._trainable = self._choose(self._observations, self._masks)
+            self._bundle_version = self.policy_version
         buffers, model = self.buffers, self.model
         buffers.reset_action_selection()
         buffers.reset_step_results()
@@ -108,6 +130,14 @@ class PolicyStepper:
                 bootstrap_value=float(bootstrap[env_id]),
             )
         acted_version = self._bundle_version
+        if segment_end:  # V(s_T) by the acting model; the next bundle waits for the new weights
+            self._observations = env_step.observations
+            self._masks = env_step.action_masks if self.masked else None
+            if self.router is not None:
+                self.router.end_step(dones)
+            self._bundle = None
+            next_values = model.predict_values(self._observations).astype(np.float32, copy=False)
+            return SteppedRow(buffers, acted_version, next_values, env_step)
         if before_next_action is not None:
             before_next_action()
         self._observations = env_step.observations

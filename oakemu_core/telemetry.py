@@ -321,8 +321,11 @@ class TelemetrySnapshot(pydantic.BaseModel):
         protocol_version: must equal :data:`TELEMETRY_PROTOCOL_VERSION`.
         time: unix time (s) at which the learner built the snapshot.
         run_name, env_id: the run and its Gymnasium environment id.
-        global_step: env steps written to rollout buffers since the run started (all envs).
-        sps: env steps per second over a recent window.
+        global_step: env steps written to rollout buffers since the run started (all envs); the
+            same count as ``global_step`` in ``metrics.jsonl`` and the checkpoints.
+        sps: env steps per second, wall clock since the learner started (start-up included;
+            ``charts/SPS`` in the metrics).
+        sps_recent: env steps per second over the last ~10 s (``charts/SPS_recent``).
         policy_version: version of the newest published weights.
         iterations: PPO updates completed.
         episodes: episodes finished (all actors).
@@ -362,6 +365,7 @@ class TelemetrySnapshot(pydantic.BaseModel):
     env_id: str
     global_step: int = pydantic.Field(ge=0)
     sps: float = pydantic.Field(ge=0)
+    sps_recent: float = pydantic.Field(default=0.0, ge=0)
     policy_version: int = pydantic.Field(ge=0)
     iterations: int = pydantic.Field(ge=0)
     episodes: int = pydantic.Field(ge=0)
@@ -654,7 +658,8 @@ class _SnapshotCollector(Collector):
             info.add_metric([], {"run_name": s.run_name, "env_id": s.env_id})
         yield info
         yield counter("oakemu_env_steps", "Env steps written to rollout buffers (all envs)", "global_step")
-        yield gauge("oakemu_sps", "Env steps per second, recent window", "sps")
+        yield gauge("oakemu_sps", "Env steps per second, wall clock since the learner started", "sps")
+        yield gauge("oakemu_sps_recent", "Env steps per second over the last ~10 s", "sps_recent")
         yield gauge("oakemu_policy_version", "Version of the newest published weights", "policy_version")
         yield counter("oakemu_updates", "PPO updates completed", "iterations")
         yield counter("oakemu_episodes", "Episodes finished (all actors)", "episodes")

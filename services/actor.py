@@ -6,6 +6,11 @@ from the policy that acted), pick up newer weights, choose the next actions (who
 the bootstrap ``next_values`` of this step), then send one step message.  ``send`` blocks when the
 learner is not reading (back-pressure); heartbeats continue meanwhile.
 
+In the synchronous mode (the join reply's ``env_config["mode"] == "sync"``) the actor counts its
+rows: the last row of each segment of ``rollout_length`` rows takes its ``next_values`` from the
+policy that acted, is sent, and then the actor waits (heartbeats continue) until weights newer
+than that policy arrive; the next segment is acted by them (policy lag 0 for every row).
+
 Run with ``oakemu actor`` or ``python -m services.actor``.
 """
 
@@ -123,6 +128,8 @@ class Actor:
         self.model: ActorCritic | None = None
         self.stepper: PolicyStepper | None = None
         self.policy_version = 0
+        self.sync_rollout_length = 0  # > 0: synchronous mode, rows per segment
+        self.segment_rows = 0  # rows of the current segment sent (synchronous mode)
         self.data: zmq.Socket | None = None
         self.weights_sub: zmq.Socket | None = None
 
@@ -187,6 +194,8 @@ class Actor:
             self.spec_message_bytes = reply.spec.message_bytes()
             self._connect_streams()
         self._load_weights(reply.policy_version, reply.weights)
+        self.sync_rollout_length = int(env_config.get("rollout_length") or 0) if env_config.get("mode") == "sync" else 0
+        self.segment_rows = 0  # a new incarnation starts a new segment
         self.last_reply = time.monotonic()
         log.info("actor %s joined as #%d: %s x %d envs, policy version %d", self.actor_id, reply.actor_index,
                  env_config["env_id"], self.config.envs_per_actor, reply.policy_version)
@@ -271,13 +280,24 @@ class Actor:
                 self.data.poll(100, zmq.POLLOUT)
                 self.heartbeat_if_due()
 
+    def wait_for_weights_after(self, version: int) -> None:
+        """Synchronous mode: block until weights newer than ``version`` are loaded (heartbeats go on;
+        returns early when the actor is told to stop). Raises :class:`_Rejoined` after a rejoin."""
+        assert self.weights_sub is not None
+        while not self.stop_event.is_set() and self.policy_version <= version:
+            if self.weights_sub.poll(100):
+                self._poll_weights()
+            self.heartbeat_if_due()
+
     # -- stepping --------------------------------------------------------------------------
     def run(self) -> int:
         self.join()
         assert self.stepper is not None
         stepper = self.stepper
         while not self.stop_event.is_set():
-            row = stepper.step(before_next_action=self._poll_weights)
+            segment_end = bool(self.sync_rollout_length) and self.segment_rows == self.sync_rollout_length - 1
+            row = stepper.step(before_next_action=None if self.sync_rollout_length else self._poll_weights,
+                               segment_end=segment_end)
             message = StepMessage(
                 actor_id=self.actor_id, incarnation=self.incarnation, seq=self.seq, policy_version=row.policy_version,
                 fields=row.buffers.sent_fields(row.next_values, stepper.schema),
@@ -286,10 +306,12 @@ class Actor:
             try:
                 self.heartbeat_if_due()
                 self.send(encode_step(message))
+                self.seq += 1
+                self.segment_rows = 0 if segment_end else self.segment_rows + 1
+                if segment_end:
+                    self.wait_for_weights_after(row.policy_version)
             except _Rejoined:
                 pass  # this step is lost with the old incarnation; the new one starts at seq 0
-            else:
-                self.seq += 1
             self.env_steps += row.buffers.num_envs
             self.episodes += len(row.env_step.episode_returns)
         return 0

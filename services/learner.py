@@ -42,7 +42,7 @@ from oakemu_core.checkpoint import (
 )
 from oakemu_core.config import OakEmuConfig, resolved_device, to_toml
 from oakemu_core.envs import EnvSpec, check_env, env_spec
-from oakemu_core.ingest import RolloutAssembler, StepRejected
+from oakemu_core.ingest import RolloutAssembler, SlotState, StepRejected
 from oakemu_core.learner import (
     CheckpointPolicy,
     HealthMonitor,
@@ -63,7 +63,7 @@ from oakemu_core.metrics import (
     EpisodeWindow,
     JsonLinesWriter,
     MetricsLogger,
-    StepRateMeter,
+    RunStepRates,
     update_scalars,
 )
 from oakemu_core.models import build_model
@@ -108,7 +108,7 @@ from services.runtime import (
 log = logging.getLogger("oakemu.learner")
 
 NUM_ROLLOUT_BUFFERS = 2
-"""One buffer fills while the other trains."""
+"""One buffer fills while the other trains (asynchronous mode; the synchronous mode has one)."""
 TELEMETRY_PERIOD_S = 1.0
 RECV_BATCH = 64
 """Step messages read per loop turn before serving control messages again."""
@@ -118,6 +118,12 @@ MAX_CONTROL_MESSAGE_BYTES = 1 << 20
 """Joins, heartbeats and leaves are tiny; ZeroMQ drops a peer that sends more."""
 MAX_ACTOR_ENVS = 65_536
 """Largest ``num_envs`` an actor may declare (the wire's limit for one array dimension)."""
+
+
+def num_rollout_buffers(config: OakEmuConfig) -> int:
+    """Rollout buffers the learner allocates: two (double buffering) in the asynchronous mode, one in
+    the synchronous mode (its actors wait while the only rollout in flight trains)."""
+    return 1 if config.mode == "sync" else NUM_ROLLOUT_BUFFERS
 
 
 def rollout_buffer_bytes(config: OakEmuConfig, schema: StepSchema) -> int:
@@ -137,6 +143,8 @@ class Trainer:
         self.schema = schema
         self.device = resolved_device(config)
         torch.manual_seed(config.seed)
+        if config.mode == "sync":  # a seed's run reproduces exactly: no nondeterministic kernels
+            torch.use_deterministic_algorithms(True, warn_only=True)
         assert schema.distribution is not None
         model = build_model(spec.observation_layout, schema.distribution,
                             normalize_observations=config.normalize_observations).to(self.device)
@@ -252,7 +260,7 @@ class Learner:
         # a bus error on the first write later.
         for name in sweep_stale_segments():
             log.warning("removed shared-memory segment %s left by a dead process", name)
-        ensure_shm_capacity(NUM_ROLLOUT_BUFFERS * self.buffer_bytes)
+        ensure_shm_capacity(num_rollout_buffers(config) * self.buffer_bytes)
         self.trainer = Trainer(config, self.spec, self.schema, run_dir)
         resume_from = latest_checkpoint(run_dir)
         if resume_from is not None:
@@ -267,9 +275,14 @@ class Learner:
                          ", ".join(f"{name} {count}" for name, count in cut.items() if count))
         self.buffers = [
             RolloutBuffer(config.rollout_length, config.buffer_num_envs, schema=self.schema)
-            for _ in range(NUM_ROLLOUT_BUFFERS)
+            for _ in range(num_rollout_buffers(config))
         ]
-        self.assembler = RolloutAssembler(self.buffers, actor_timeout_s=config.actor_timeout_s)
+        self.sync = config.mode == "sync"
+        self.assembler = RolloutAssembler(self.buffers, actor_timeout_s=config.actor_timeout_s, sync=self.sync)
+        # Synchronous mode: joins wait until num_actors actors have asked, then get their indices in
+        # actor-id order (columns and env seeds do not depend on who connected first).
+        self._pending_joins: dict[str, tuple[Any, JoinRequest]] = {}
+        self._sync_ranks: dict[str, int] = {}
         self.assembler.counters.env_steps = self.trainer.global_step
         self.policy_version = self.trainer.policy_version
         self.latest_weights = self.trainer.weights()
@@ -280,8 +293,10 @@ class Learner:
         self.trainable_share = 1.0
         self.exit_status = 0
         self.rollbacks = 0
-        self.sps_meter = StepRateMeter()
         self.started = time.monotonic()
+        # One step counter (assembler.counters.env_steps), two rates: since this learner started
+        # (start-up included) and over the last seconds. Sampled at every update and telemetry tick.
+        self.rates = RunStepRates(self.started, self.assembler.counters.env_steps)
         self.stopping_reason = ""
         # Rejections are counted exactly; the log gets the first of each reason and a summary every 5 s.
         self.rejection_log = {
@@ -347,9 +362,11 @@ class Learner:
                 reply = encode_heartbeat_reply(HeartbeatReply(status="rejoin", policy_version=self.policy_version))
                 self.control.send_multipart([identity, b"", reply])
                 continue
-            self.control.send_multipart([identity, b"", self._reply(message, now, peer=frame)])
+            reply = self._reply(message, now, peer=frame, identity=identity)
+            if reply is not None:  # None: a join held until the synchronous mode's actors are all there
+                self.control.send_multipart([identity, b"", reply])
 
-    def _reply(self, message: Any, now: float, peer: Any = None) -> bytes:
+    def _reply(self, message: Any, now: float, peer: Any = None, identity: Any = None) -> bytes | None:
         stopping = bool(self.stopping_reason)
         if isinstance(message, (JoinRequest, Heartbeat, Leave)) and not (
             self.peers.bind(message.actor_id, message.incarnation, peer) if isinstance(message, JoinRequest)
@@ -371,27 +388,10 @@ class Learner:
                 reason = f"num_envs: expected at most {MAX_ACTOR_ENVS}, received {message.num_envs}"
                 self.rejection_log["control"].event("schema", f"schema: join of actor {message.actor_id}: {reason}")
                 return encode_join_reply(JoinReply(False, reason, -1, None, {}, self.policy_version))
+            if self.sync:
+                return self._sync_join(message, now, identity)
             self.assembler.counters.accepted["join"] += 1
-            spec = StepSpec(num_envs=message.num_envs, schema=self.schema)
-            record = self.assembler.join(message.actor_id, message.incarnation, spec, hostname=message.hostname, now=now)
-            log.info("actor %s joined (%d envs, host %s, index %d)", message.actor_id, message.num_envs,
-                     message.hostname, record.index)
-            env_config = {
-                "env_id": self.config.env_id,
-                "max_episode_steps": self.config.max_episode_steps,
-                "clip_rewards": self.config.resolved_clip_rewards,
-                "normalize_observations": self.config.normalize_observations,
-                "emulator_settings": self.config.emulator_settings,
-                "seed": self.config.seed + 1000 * (record.index + 1),
-                # policy routing (oakemu_core/routing.py): the actor routes, the rows arrive non-trainable
-                "route_random_first_steps": self.config.route_random_first_steps,
-                "route_random_probability": self.config.route_random_probability,
-                "route_scripted_policy": self.config.route_scripted_policy,
-                "route_scripted_probability": self.config.route_scripted_probability,
-            }
-            return encode_join_reply(
-                JoinReply(True, "", record.index, spec, env_config, self.policy_version, self.latest_weights)
-            )
+            return self._grant_join(message, now, index=None)
         if isinstance(message, Heartbeat):
             known = self.assembler.heartbeat(
                 message.actor_id, message.incarnation, now=now,
@@ -412,6 +412,77 @@ class Learner:
         self.rejection_log["control"].event(
             "schema", f"schema: a {type(message).__name__} is not a request the learner serves")
         return encode_heartbeat_reply(HeartbeatReply(status="rejoin", policy_version=self.policy_version))
+
+    def _grant_join(self, message: JoinRequest, now: float, index: int | None) -> bytes:
+        """Register a joining actor (``index``: its synchronous-mode rank, None: the next number)
+        and encode the join reply with its spec, env config and the current weights."""
+        spec = StepSpec(num_envs=message.num_envs, schema=self.schema)
+        record = self.assembler.join(message.actor_id, message.incarnation, spec, hostname=message.hostname, now=now,
+                                     index=index)
+        log.info("actor %s joined (%d envs, host %s, index %d)", message.actor_id, message.num_envs,
+                 message.hostname, record.index)
+        env_config = {
+            "env_id": self.config.env_id,
+            "max_episode_steps": self.config.max_episode_steps,
+            "clip_rewards": self.config.resolved_clip_rewards,
+            "normalize_observations": self.config.normalize_observations,
+            "emulator_settings": self.config.emulator_settings,
+            "seed": self.config.seed + 1000 * (record.index + 1),
+            # policy routing (oakemu_core/routing.py): the actor routes, the rows arrive non-trainable
+            "route_random_first_steps": self.config.route_random_first_steps,
+            "route_random_probability": self.config.route_random_probability,
+            "route_scripted_policy": self.config.route_scripted_policy,
+            "route_scripted_probability": self.config.route_scripted_probability,
+            # the synchronous mode: the actor ends a segment every rollout_length steps and waits there
+            # for the weights trained on it
+            "mode": self.config.mode,
+            "rollout_length": self.config.rollout_length,
+        }
+        return encode_join_reply(
+            JoinReply(True, "", record.index, spec, env_config, self.policy_version, self.latest_weights)
+        )
+
+    def _sync_join(self, message: JoinRequest, now: float, identity: Any) -> bytes | None:
+        """Synchronous mode: hold joins until ``num_actors`` actors have asked, then answer them all
+        with indices in actor-id order; later joins take their old index or a free one.
+
+        Returns:
+            The reply to send now, or None when the join is held (answered later through the
+            control socket) or was answered here with the others.
+        """
+        config = self.config
+        if message.num_envs != config.envs_per_actor:
+            self.assembler.counters.accepted["join_refused"] += 1
+            reason = (f"mode='sync': every actor steps envs_per_actor={config.envs_per_actor} envs, "
+                      f"received num_envs={message.num_envs}")
+            log.warning("refused actor %s: %s", message.actor_id, reason)
+            return encode_join_reply(JoinReply(False, reason, -1, None, {}, self.policy_version))
+        self.assembler.counters.accepted["join"] += 1  # a held join counts when it arrives (each retry too)
+        if self._sync_ranks:  # the run has started: an actor comes back or replaces one that left
+            held = {r.index for r in self.assembler.actors.values() if r.actor_id != message.actor_id}
+            rank = self._sync_ranks.get(message.actor_id)
+            if rank is None or rank in held:
+                free = sorted(set(range(config.num_actors)) - held)
+                rank = free[0] if free else None
+            if rank is None:
+                self.assembler.counters.accepted["join"] -= 1
+                self.assembler.counters.accepted["join_refused"] += 1
+                reason = f"mode='sync': the run's num_actors={config.num_actors} actors are all connected"
+                log.warning("refused actor %s: %s", message.actor_id, reason)
+                return encode_join_reply(JoinReply(False, reason, -1, None, {}, self.policy_version))
+            self._sync_ranks[message.actor_id] = rank
+            return self._grant_join(message, now, index=rank)
+        self._pending_joins[message.actor_id] = (identity, message)  # a retry replaces the held request
+        if len(self._pending_joins) < config.num_actors:
+            log.info("mode='sync': actor %s waits for %d more actor(s) to join", message.actor_id,
+                     config.num_actors - len(self._pending_joins))
+            return None
+        pending, self._pending_joins = self._pending_joins, {}
+        for rank, actor_id in enumerate(sorted(pending)):
+            self._sync_ranks[actor_id] = rank
+            held_identity, request = pending[actor_id]
+            self.control.send_multipart([held_identity, b"", self._grant_join(request, now, index=rank)])
+        return None
 
     # -- data -------------------------------------------------------------------------------
     def _handle_data(self, now: float) -> None:
@@ -478,10 +549,19 @@ class Learner:
             self.trainable_share = result.trainable_share
             self.rollbacks = result.rollbacks
             self._log_update(result)
+            if self.assembler.counters.env_steps >= self.config.total_env_steps and not self.stopping_reason:
+                self.stopping_reason = "env-step budget reached"
+                log.info("stopping: %s at %d env steps, update %d", self.stopping_reason,
+                         self.assembler.counters.env_steps, result.iterations)
 
     def _log_update(self, result: TrainResult) -> None:
+        """One metrics record, one log line and one telemetry snapshot per PPO update, all with the
+        same update number (``charts/update``), ``global_step`` and SPS."""
         step = self.assembler.counters.env_steps
-        scalars: dict[str, float] = {"charts/SPS": self.sps(), "charts/policy_version": result.policy_version}
+        self.rates.sample(time.monotonic(), step)
+        scalars: dict[str, float] = {"charts/update": result.iterations, "charts/SPS": self.sps(),
+                                     "charts/SPS_recent": self.rates.recent(),
+                                     "charts/policy_version": result.policy_version}
         scalars.update({f"charts/policy_lag_{k}": result.lag[k] for k in ("min", "mean", "max")})
         scalars["charts/newest_acting_policy_version"] = result.lag["newest_version"]
         scalars["charts/stale_rows"] = result.stale_rows
@@ -498,13 +578,16 @@ class Learner:
         ret = f"{self.window.mean:8.2f}" if self.window.count else "     n/a"
         loss = (f"pg {result.stats.policy_loss:+.3f} v {result.stats.value_loss:.3f} ent {result.stats.entropy:.3f} "
                 f"kl {result.stats.approx_kl:.4f}") if result.stats else "no trainable rows"
-        log.info("update %5d | steps %9d | SPS %6.0f | episodes %6d | return %s | %s | actors %d",
-                 result.iterations, step, self.sps(), self.episodes, ret, loss, len(self.assembler.actors))
+        log.info("update %5d | steps %9d | SPS %6.0f (recent %6.0f) | episodes %6d | return %s | %s | actors %d",
+                 result.iterations, step, self.sps(), self.rates.recent(), self.episodes, ret, loss,
+                 len(self.assembler.actors))
         self._publish_telemetry(is_update=True)
 
     # -- telemetry --------------------------------------------------------------------------
     def sps(self) -> float:
-        return self.sps_meter.rate
+        """Env steps per second since this learner started (wall clock, start-up included), as of
+        the last sample of :attr:`rates`."""
+        return self.rates.overall()
 
     def snapshot(self, *, is_update: bool) -> TelemetrySnapshot:
         now = time.monotonic()
@@ -516,6 +599,7 @@ class Learner:
             env_id=self.config.env_id,
             global_step=max(0, counters.env_steps),
             sps=self.sps(),
+            sps_recent=self.rates.recent(),
             policy_version=self.policy_version,
             iterations=self.trainer.ppo.iterations,
             episodes=self.episodes,
@@ -574,13 +658,18 @@ class Learner:
                  config.env_id, config.rollout_length, config.buffer_num_envs, self.buffer_bytes / 2**20,
                  config.bind_host, self.trainer.device, self.run_dir)
         while True:
+            # The budget stops the run right after an update is logged (_collect_results), so the last
+            # metrics record, the telemetry and the final checkpoint agree on global_step and the
+            # update count. Once the budget is spent, steps are read only while no update is in flight
+            # (to fill the rollout that will be the last one); a resume with nothing left stops here.
             budget_spent = self.assembler.counters.env_steps >= config.total_env_steps
-            if (stop_event.is_set() or budget_spent) and not self.stopping_reason:
+            if not self.stopping_reason and (stop_event.is_set() or (budget_spent and self._nothing_in_flight())):
                 self.stopping_reason = "signal" if stop_event.is_set() else "env-step budget reached"
                 log.info("stopping: %s", self.stopping_reason)
             if self.stopping_reason and not self.trainer.handshake.busy:
                 break
-            want_data = self.assembler.accepting and not self.stopping_reason
+            want_data = (self.assembler.accepting and not self.stopping_reason
+                         and not (budget_spent and self.trainer.handshake.busy))
             if want_data != data_registered:
                 (poller.register(self.data, zmq.POLLIN) if want_data else poller.unregister(self.data))
                 data_registered = want_data
@@ -610,13 +699,19 @@ class Learner:
                                 actor_id, config.actor_timeout_s)
                 next_expiry = now + 0.5
             if now >= next_telemetry:
-                self.sps_meter.sample(now, self.assembler.counters.env_steps)
+                self.rates.sample(now, self.assembler.counters.env_steps)
                 self._publish_telemetry(is_update=False)
                 next_telemetry = now + TELEMETRY_PERIOD_S
         # Tell the actors to stop for a moment, so they exit before we close the sockets.
         self.stopping_reason = self.stopping_reason or "the run collapsed"
         self._drain_control(seconds=min(2.0, config.actor_timeout_s))
         return self.exit_status
+
+    def _nothing_in_flight(self) -> bool:
+        """No rollout in training, none full, and no row written in a filling buffer."""
+        return (not self.trainer.handshake.busy
+                and all(state is SlotState.FILLING for state in self.assembler.states)
+                and not any(int(buffer.column_steps.sum()) for buffer in self.buffers))
 
     def _drain_control(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds

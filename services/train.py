@@ -9,6 +9,7 @@ when it is killed (Linux parent-death signal), so no orphan process or shared-me
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -21,6 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from oakemu_core.config import OakEmuConfig, to_toml
 from oakemu_core.envs import check_env
+from oakemu_core.metrics import METRICS_FILE_NAME
 from oakemu_core.run_folder import check_resume_folder, format_changes
 from oakemu_core.telemetry import TelemetrySnapshot, TelemetrySubscriber
 from services.runtime import PARENT_PID_ENV, install_stop_signals, resolve_run_dir
@@ -84,19 +86,52 @@ def _child_env(config_file: Path, **extra: str) -> dict[str, str]:
 def _progress_text(snapshot: TelemetrySnapshot) -> str:
     """Short live figures for the progress bar (fits an 80-column terminal with the bar)."""
     ret = f"{snapshot.episodic_return_mean:.1f}" if snapshot.episodic_return_mean is not None else "n/a"
-    return f"SPS {snapshot.sps:5.0f} | return {ret}"
+    return f"SPS {snapshot.sps_recent:5.0f} (last 10 s) | return {ret}"
 
 
 def _update_line(snapshot: TelemetrySnapshot) -> str:
-    """One line per PPO update: steps, SPS, episodes, mean episodic return, losses, actors."""
+    """One line per PPO update: steps, SPS (since start, last 10 s), episodes, mean episodic return,
+    losses, actors."""
     ret = f"{snapshot.episodic_return_mean:8.2f}" if snapshot.episodic_return_mean is not None else "     n/a"
     losses = (
         f" | pg {snapshot.policy_loss:+.3f} v {snapshot.value_loss:.3f} ent {snapshot.entropy:.3f}"
         if snapshot.policy_loss is not None
         else ""
     )
-    return (f"update {snapshot.iterations:5d} | steps {snapshot.global_step:9d} | SPS {snapshot.sps:6.0f} | "
-            f"episodes {snapshot.episodes:6d} | return {ret}{losses} | actors {snapshot.num_actors}")
+    return (f"update {snapshot.iterations:5d} | steps {snapshot.global_step:9d} | SPS {snapshot.sps:6.0f} "
+            f"(recent {snapshot.sps_recent:6.0f}) | episodes {snapshot.episodes:6d} | return {ret}{losses} | "
+            f"actors {snapshot.num_actors}")
+
+
+def _final_update_line(run_dir: Path) -> tuple[int, str] | None:
+    """``(update, line)`` of the last PPO update recorded in ``run_dir/metrics.jsonl`` (the durable
+    record; telemetry is lossy and the learner may exit before its last snapshots are read), or None
+    when no update was recorded."""
+    last = None
+    try:
+        with open(run_dir / METRICS_FILE_NAME, encoding="utf-8") as lines:
+            for line in lines:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if "charts/update" in record:
+                    last = record
+    except OSError:
+        return None
+    if last is None:
+        return None
+
+    def figure(name: str, spec: str, missing: str = "n/a") -> str:
+        value = last.get(name)
+        return format(value, spec) if isinstance(value, (int, float)) else missing
+
+    update = int(last["charts/update"])
+    losses = (f" | pg {figure('losses/policy_loss', '+.3f')} v {figure('losses/value_loss', '.3f')} "
+              f"ent {figure('losses/entropy', '.3f')}") if "losses/policy_loss" in last else ""
+    return update, (f"update {update:5d} | steps {int(last['global_step']):9d} | SPS {figure('charts/SPS', '6.0f')} "
+                    f"(recent {figure('charts/SPS_recent', '6.0f')}) | return "
+                    f"{figure('charts/episodic_return', '8.2f', '     n/a')}{losses} (final, metrics.jsonl)")
 
 
 def main(config: OakEmuConfig, resume: Path | None = None) -> int:
@@ -152,13 +187,13 @@ def main(config: OakEmuConfig, resume: Path | None = None) -> int:
     for actor in actors:
         actor.start()
     status = 1
+    last_update = -1
     try:
         with Progress(
             TextColumn("[bold blue]env steps"), BarColumn(bar_width=20), MofNCompleteColumn(), TimeElapsedColumn(),
             TextColumn("{task.fields[info]}"), console=console, transient=False,
         ) as progress:
             task = progress.add_task("train", total=config.total_env_steps, info="starting learner and actors")
-            last_update = -1
             while not stop_event.is_set():
                 status_code = learner.poll()
                 if status_code is not None:
@@ -183,6 +218,11 @@ def main(config: OakEmuConfig, resume: Path | None = None) -> int:
         for actor in actors:
             actor.wait(10.0)
         subscriber.close()
+    # The last update line agrees with metrics.jsonl (and the final checkpoint) even when the
+    # telemetry of the last updates was not received before the learner exited.
+    final = _final_update_line(run_dir)
+    if final is not None and final[0] != last_update:
+        console.print(final[1], highlight=False, soft_wrap=True)
     if status != 0:
         console.print(f"[red]learner exited with status {status}[/]; last lines of {learner.log_path}:\n"
                       + learner.log_tail())
