@@ -121,8 +121,9 @@ class EvaluationPoint(pydantic.BaseModel):
         global_step: env steps of the run when the evaluated weights were submitted.
         time: unix time (s) at which the evaluation finished.
         policy_version: version of the evaluated weights.
-        return_mean / return_std: mean and population std of the raw episodic return.
-        length_mean: mean episode length (agent steps).
+        return_mean / return_std: mean and population std of the raw episodic return (None if
+            not finite).
+        length_mean: mean episode length (agent steps; None if not finite).
     """
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
@@ -130,9 +131,9 @@ class EvaluationPoint(pydantic.BaseModel):
     global_step: int = pydantic.Field(ge=0)
     time: float
     policy_version: int = pydantic.Field(ge=0)
-    return_mean: float
-    return_std: float
-    length_mean: float
+    return_mean: float | None
+    return_std: float | None
+    length_mean: float | None
 
 
 class TelemetryHistoryData(pydantic.BaseModel):
@@ -228,13 +229,13 @@ class TelemetryHistory:
         ``global_step``, ``policy_version``, ``return_mean``, ``return_std``, ``length_mean`` and
         ``finished_at``)."""
         point = EvaluationPoint(global_step=int(report.global_step), time=float(report.finished_at),
-                                policy_version=int(report.policy_version), return_mean=float(report.return_mean),
-                                return_std=float(report.return_std), length_mean=float(report.length_mean))
+                                policy_version=int(report.policy_version), return_mean=_finite(report.return_mean),
+                                return_std=_finite(report.return_std), length_mean=_finite(report.length_mean))
         with self._lock:
             self._evaluations.add(point)
             self._latest = point
-            if math.isfinite(point.return_mean) and (self.best_eval_return is None
-                                                     or point.return_mean > self.best_eval_return):
+            if point.return_mean is not None and (self.best_eval_return is None
+                                                  or point.return_mean > self.best_eval_return):
                 self.best_eval_return = point.return_mean
             self._data = None
 
