@@ -19,9 +19,7 @@ keeps its work under ``if __name__ == "__main__":`` (``oakemu`` and ``python -m 
 
 Lead's loop, in short::
 
-    tester = Tester(env_id, episodes=cfg.eval_episodes, greedy=cfg.eval_greedy, seed=cfg.seed + 10_000,
-                    settings_file=cfg.emulator_settings, max_episode_steps=cfg.max_episode_steps,
-                    normalize_observations=cfg.normalize_observations, schema_dict=schema.to_dict())
+    tester = tester_from_config(cfg, schema.to_dict())   # None when cfg.eval_every_updates == 0
     tester.start()
     best = BestCheckpointTracker(run_dir)
     ...  # after update u:
@@ -58,12 +56,18 @@ __all__ = [
     "EvaluationReport",
     "Tester",
     "TesterError",
+    "EVAL_SEED_OFFSET",
+    "tester_from_config",
 ]
 
 logger = logging.getLogger(__name__)
 
 BEST_NAME = "best.pt"
 """File name of the best evaluated checkpoint, next to ``latest.pt`` in ``run_dir/checkpoints/``."""
+
+EVAL_SEED_OFFSET = 10_000
+"""The tester's seed is ``config.seed + EVAL_SEED_OFFSET``: envs the actors' seeds never reach, and
+``oakemu evaluate CKPT --seed <that>`` replays an evaluation exactly (greedy)."""
 
 _START_METHOD = "spawn"
 _STOP_TIMEOUT_S = 5.0
@@ -630,3 +634,18 @@ def _weights_as_state_dict(weights: Mapping[str, np.ndarray], model_state: Any) 
             tensor = tensor.to(reference.dtype)
         result[name] = tensor
     return result
+
+
+def tester_from_config(config: Any, schema_dict: Mapping[str, Any]) -> Tester | None:
+    """The run's tester (not started) from an :class:`oakemu_core.config.OakEmuConfig`, or None
+    when evaluation is off (``eval_every_updates == 0``).
+
+    Settings used: ``env_id``, ``eval_episodes``, ``eval_greedy``, ``seed`` (+ :data:`EVAL_SEED_OFFSET`),
+    ``emulator_settings``, ``max_episode_steps``, ``normalize_observations``.
+    """
+    if not config.eval_every_updates:
+        return None
+    return Tester(config.env_id, episodes=config.eval_episodes, greedy=config.eval_greedy,
+                  seed=config.seed + EVAL_SEED_OFFSET, settings_file=config.emulator_settings,
+                  max_episode_steps=config.max_episode_steps,
+                  normalize_observations=config.normalize_observations, schema_dict=schema_dict)
