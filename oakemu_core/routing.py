@@ -173,7 +173,8 @@ def load_callable(reference: str, *, what: str = "policy") -> Callable[..., Any]
             raise ValueError(f"{what}: {module_name!r} has no attribute {attribute!r} (from {reference!r})")
         target = getattr(target, part)
     if not callable(target):
-        raise ValueError(f"{what}: {reference!r} is a {type(target).__name__}, expected a callable")
+        # ValueError, not TypeError: one error type for every bad reference (the callers catch it)
+        raise ValueError(f"{what}: {reference!r} is a {type(target).__name__}, expected a callable")  # noqa: TRY004
     return target
 
 

@@ -108,7 +108,10 @@ def main(**kwargs: Any) -> int:
     """Entry point (keyword arguments of :func:`record`): prints one summary line; 0 on success,
     2 for a usage error (one line on stderr, no traceback)."""
     from oakemu_core.checkpoint import CheckpointError
-    from oakemu_core.demonstrations import DemonstrationDataError, MinariNotInstalledError
+    from oakemu_core.demonstrations import (
+        DemonstrationDataError,
+        MinariNotInstalledError,
+    )
     from oakemu_core.envs import UnsupportedEnvironmentError
 
     try:

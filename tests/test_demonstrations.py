@@ -17,7 +17,7 @@ from oakemu_core.models import build_model
 pytest.importorskip("h5py", reason="behaviour cloning needs the optional minari[hdf5] extra: pip install 'oakemu-rl[bc]'")
 minari = pytest.importorskip("minari", reason="behaviour cloning needs the optional minari extra: pip install 'oakemu-rl[bc]'")
 
-from oakemu_core.demonstrations import (  # noqa: E402 - after the skip
+from oakemu_core.demonstrations import (  # after the skip
     BCSampler,
     DemonstrationDataError,
     DemonstrationMismatchError,
@@ -87,12 +87,10 @@ def test_bc_pretraining_lifts_the_greedy_return_far_above_a_random_policy(expert
 
     env = make_eval_env("CartPole-v1", seed=7)
     rng = np.random.default_rng(0)
-    observations = env.reset()
+    env.reset()
     random_returns: list[float] = []
     while len(random_returns) < 30:
-        step = env.step(rng.integers(0, 2, 1))
-        random_returns.extend(step.episode_returns)
-        observations = step.observations
+        random_returns.extend(env.step(rng.integers(0, 2, 1)).episode_returns)
     env.close()
     random_mean = float(np.mean(random_returns))
     assert 10 < random_mean < 40  # ~22
