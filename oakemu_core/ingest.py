@@ -384,11 +384,22 @@ class RolloutAssembler:
         return any(state is SlotState.FILLING for state in self.states)
 
     def take_full_rollout(self) -> FullRollout | None:
-        """Hand the oldest full buffer to training (its state becomes TRAINING), or None."""
-        full = [s for s, state in enumerate(self.states) if state is SlotState.FULL]
-        if not full:
+        """Hand the oldest buffer to training if it is full (its state becomes TRAINING), or None.
+
+        Buffers train in generation order: a newer full buffer waits while an older one is still
+        filling. Otherwise an actor that stalls in the middle of its segment (descheduled, slow
+        network) would pin that buffer while the other buffer filled and trained again and again
+        with the other actors' steps, and the pinned rows would reach training many policy
+        versions old (issue 11: rows 17-20 versions old with ``max_policy_lag`` 2). In order,
+        the policy version advances by one per rollout, so a row's lag stays bounded by the
+        buffers in the ring plus the steps in flight.
+        """
+        waiting = [s for s, state in enumerate(self.states) if state is not SlotState.TRAINING]
+        if not waiting:
             return None
-        slot = min(full, key=lambda s: self._generation[s])
+        slot = min(waiting, key=lambda s: self._generation[s])
+        if self.states[slot] is not SlotState.FULL:
+            return None
         self.states[slot] = SlotState.TRAINING
         return FullRollout(
             slot=slot,
