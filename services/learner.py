@@ -561,6 +561,7 @@ class Learner:
         self.rates.sample(time.monotonic(), step)
         scalars: dict[str, float] = {"charts/update": result.iterations, "charts/SPS": self.sps(),
                                      "charts/SPS_recent": self.rates.recent(),
+                                     "charts/actors": len(self.assembler.actors),
                                      "charts/policy_version": result.policy_version}
         scalars.update({f"charts/policy_lag_{k}": result.lag[k] for k in ("min", "mean", "max")})
         scalars["charts/newest_acting_policy_version"] = result.lag["newest_version"]

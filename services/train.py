@@ -131,7 +131,8 @@ def _final_update_line(run_dir: Path) -> tuple[int, str] | None:
               f"ent {figure('losses/entropy', '.3f')}") if "losses/policy_loss" in last else ""
     return update, (f"update {update:5d} | steps {int(last['global_step']):9d} | SPS {figure('charts/SPS', '6.0f')} "
                     f"(recent {figure('charts/SPS_recent', '6.0f')}) | return "
-                    f"{figure('charts/episodic_return', '8.2f', '     n/a')}{losses} (final, metrics.jsonl)")
+                    f"{figure('charts/episodic_return', '8.2f', '     n/a')}{losses} | actors "
+                    f"{figure('charts/actors', '.0f')} (final, metrics.jsonl)")
 
 
 def main(config: OakEmuConfig, resume: Path | None = None) -> int:

@@ -113,6 +113,7 @@ def check_counters_agree(run: dict[str, Any]) -> list[dict[str, Any]]:
         assert snapshot.sps > 0 and snapshot.sps_recent > 0, snapshot
     for record in records:
         assert record["charts/SPS"] > 0 and record["charts/SPS_recent"] > 0, record
+    assert last["charts/actors"] == NUM_ACTORS, "the last update is logged before the actors are told to stop"
     return records
 
 

@@ -192,3 +192,22 @@ def test_run_step_rates_since_start_and_recent_window() -> None:
     assert rates.recent() == pytest.approx(200.0)  # the last 10 s only
     with pytest.raises(ValueError, match="window_s"):
         RunStepRates(0.0, window_s=0.0)
+
+
+# ----------------------------------------------------------------------------- console's last line
+def test_final_console_line_comes_from_the_last_update_record(tmp_path) -> None:
+    from services.train import _final_update_line
+
+    assert _final_update_line(tmp_path) is None  # no metrics.jsonl yet
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"global_step": 256, "charts/update": 1, "charts/SPS": 100.0, "charts/SPS_recent": 120.0}\n'
+        '{"global_step": 300, "eval/episodic_return": 9.0}\n'  # not an update record
+        '{"global_step": 512, "charts/update": 2, "charts/SPS": 110.4, "charts/SPS_recent": 130.0, '
+        '"charts/episodic_return": 21.5, "losses/policy_loss": -0.01, "losses/value_loss": 2.0, '
+        '"losses/entropy": 0.69, "charts/actors": 2}\n'
+        '{"global_step": 7'  # a torn last line is skipped
+    )
+    update, line = _final_update_line(tmp_path)
+    assert update == 2
+    assert line.startswith("update     2 | steps       512 | SPS    110 (recent    130) | return    21.50")
+    assert "actors 2" in line
