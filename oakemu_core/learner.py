@@ -14,7 +14,6 @@ The service (``services/learner.py``) only wires these pieces to sockets and log
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import queue
@@ -338,10 +337,13 @@ class CheckpointPolicy:
         self.max_rollbacks = int(max_rollbacks)
         self.rollbacks = 0
         self._last_save = time.monotonic()
+        from oakemu_core.tester import BestCheckpointTracker
+
+        self.best = BestCheckpointTracker(self.run_dir)
 
     @property
     def best_path(self) -> Path:
-        return self.run_dir / "checkpoints" / "best.pt"
+        return self.best.path
 
     def save(self, update: int) -> Path | None:
         """Write a numbered checkpoint of the current state now."""
@@ -363,23 +365,18 @@ class CheckpointPolicy:
             self.save(learner.iterations)
         return []
 
-    def after_evaluation(self, learner: PPOLearner, report: Any, best_state: dict[str, Any] | None) -> list[str]:
-        """Record an evaluation: keep ``best.pt`` when it is the best so far (``best_state``: the
-        checkpoint state of the evaluated weights), roll back on an evaluation collapse."""
-        from oakemu_core.checkpoint import save_checkpoint
-
-        notes: list[str] = []
-        mean = float(report.mean_return)
+    def after_evaluation(self, learner: PPOLearner, report: Any) -> list[str]:
+        """Record a tester report (:class:`oakemu_core.tester.EvaluationReport`): keep ``best.pt``
+        (the evaluated weights) when it is the best so far, roll back on an evaluation collapse."""
+        mean = float(report.return_mean)
         if self.health is not None and (reason := self.health.check_evaluation(mean)) is not None:
             return [self.roll_back(learner, reason)]
-        best = self.health.best_eval if self.health is not None else mean
-        if best_state is not None and mean >= best:
-            try:
-                save_checkpoint(self.best_path, best_state)
-                notes.append(f"best.pt: evaluation return {mean:.2f} (policy version {report.policy_version})")
-            except OSError as error:
-                notes.append(f"could not write {self.best_path}: {error}")
-        return notes
+        try:
+            if self.best.consider(report, self.state_fn):
+                return [f"best.pt: evaluation return {mean:.2f} (policy version {report.policy_version})"]
+        except OSError as error:
+            return [f"could not write {self.best.path}: {error}"]
+        return []
 
     def roll_back(self, learner: PPOLearner, reason: str) -> str:
         """Restore the last good checkpoint, lower the learning rate, bump the policy version.
@@ -486,7 +483,6 @@ class PPOLearner:
         self.lr_scale = 1.0
         self.bc_updates_done = 0
         self._rollouts_collected = 0
-        self._evaluated_states: dict[int, dict[str, Any]] = {}
 
     # ------------------------------------------------------------------ counters and state
     @property
@@ -684,11 +680,6 @@ class PPOLearner:
             return
         version, weights = self.learner_model.snapshot()
         tester.submit(version, weights, global_step)
-        # A private copy of the evaluated state, for best.pt if this evaluation is the best: at
-        # most the one in flight and the one pending are kept.
-        self._evaluated_states[version] = copy.deepcopy(self.checkpoint_state())
-        while len(self._evaluated_states) > 2:
-            del self._evaluated_states[min(self._evaluated_states)]
 
     def _poll_tester(self, policy: CheckpointPolicy) -> tuple[list[Any], list[str]]:
         tester = self.context.tester
@@ -696,6 +687,5 @@ class PPOLearner:
             return [], []
         reports, notes = tester.poll(), []
         for report in reports:
-            state = self._evaluated_states.pop(report.policy_version, None)
-            notes += policy.after_evaluation(self, report, None if state is None else {**policy.state_fn(), **state})
+            notes += policy.after_evaluation(self, report)
         return reports, notes

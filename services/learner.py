@@ -64,6 +64,7 @@ from oakemu_core.metrics import (
     JsonLinesWriter,
     MetricsLogger,
     RunStepRates,
+    evaluation_scalars,
     update_scalars,
 )
 from oakemu_core.models import build_model
@@ -80,9 +81,11 @@ from oakemu_core.step_schema import StepSchema, schema_for_env
 from oakemu_core.telemetry import (
     ActorTelemetry,
     PrometheusExporter,
+    TelemetryHistory,
     TelemetryPublisher,
     TelemetrySnapshot,
 )
+from oakemu_core.tester import tester_from_config
 from oakemu_core.wire import (
     Heartbeat,
     HeartbeatReply,
@@ -152,7 +155,10 @@ class Trainer:
         self.optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate, eps=1e-5)
         self.schedule = LinearSchedule(config.learning_rate, 0.0, 1)
         self._follow_budget()
-        context = RuntimeContext(PPOExperimentConfiguration.from_config(config), self.device)
+        # Periodic evaluation in a process of its own (None when eval_every_updates is 0).
+        self.tester = tester_from_config(config, schema.to_dict())
+        context = RuntimeContext(PPOExperimentConfiguration.from_config(config), self.device, tester=self.tester,
+                                 eval_every_updates=config.eval_every_updates)
         self.ppo = PPOLearner(context, self.learner_model, None, self.optimizer, self.schedule,
                               bc_sampler=self._bc_sampler())
         health = None
@@ -284,6 +290,11 @@ class Learner:
         self._pending_joins: dict[str, tuple[Any, JoinRequest]] = {}
         self._sync_ranks: dict[str, int] = {}
         self.assembler.counters.env_steps = self.trainer.global_step
+        # Behaviour cloning runs before the first weights are published: no actor ever acts with
+        # the pre-BC policy on rows that PPO would then train with the post-BC one.
+        bc_updates = self.trainer.ppo.behaviour_cloning_phase()
+        if bc_updates:
+            log.info("behaviour cloning: %d replay-only updates on %s", bc_updates, config.bc_dataset)
         self.policy_version = self.trainer.policy_version
         self.latest_weights = self.trainer.weights()
         self.episodes = self.trainer.episodes
@@ -291,6 +302,7 @@ class Learner:
         self.last_stats: PPOUpdateStats | None = None
         self.last_lag: dict[str, float] = {}
         self.trainable_share = 1.0
+        self.history = TelemetryHistory()
         self.exit_status = 0
         self.rollbacks = 0
         self.started = time.monotonic()
@@ -566,6 +578,8 @@ class Learner:
         scalars.update({f"charts/policy_lag_{k}": result.lag[k] for k in ("min", "mean", "max")})
         scalars["charts/newest_acting_policy_version"] = result.lag["newest_version"]
         scalars["charts/stale_rows"] = result.stale_rows
+        scalars["charts/trainable_share"] = result.trainable_share
+        scalars["charts/rollbacks"] = result.rollbacks
         if result.stats is not None:
             self.last_stats = result.stats
             scalars.update(update_scalars(result.stats))
@@ -576,6 +590,13 @@ class Learner:
             scalars["charts/episodic_return"] = self.window.mean
             scalars["charts/episodic_length"] = self.window.mean_length
         self.metrics.log(step, scalars)
+        self.history.record_update(step, self.window.mean if self.window.count else None, self.sps())
+        for report in result.evaluations:  # logged at the current step: global_step never goes back
+            self.metrics.log(step, evaluation_scalars(report))
+            self.history.record_evaluation(report)
+            log.info("evaluation of policy version %d: return %.2f +- %.2f over %d episodes (%s)",
+                     report.policy_version, report.return_mean, report.return_std, report.episodes,
+                     "greedy" if report.greedy else "sampled")
         ret = f"{self.window.mean:8.2f}" if self.window.count else "     n/a"
         loss = (f"pg {result.stats.policy_loss:+.3f} v {result.stats.value_loss:.3f} ent {result.stats.entropy:.3f} "
                 f"kl {result.stats.approx_kl:.4f}") if result.stats else "no trainable rows"
@@ -621,6 +642,7 @@ class Learner:
             messages_received=dict(counters.received),
             messages_accepted=dict(counters.accepted),
             checkpoint_failures=self.trainer.checkpoint_writer.failures,
+            trainable_share=self.trainable_share,
             log_write_failures=self.metrics.write_failures + self.episodes_log.failures,
             policy_lag_min=self.last_lag.get("min"),
             policy_lag_mean=self.last_lag.get("mean"),
@@ -633,6 +655,7 @@ class Learner:
                 for r in self.assembler.actors.values()
             ],
             is_update=is_update,
+            **self.history.snapshot_fields(),
         )
 
     def _publish_telemetry(self, *, is_update: bool) -> None:
@@ -650,6 +673,10 @@ class Learner:
         """Serve until the env-step budget is spent or ``stop_event`` is set; returns 0."""
         config = self.config
         (self.run_dir / "config.toml").write_text(to_toml(config))
+        if self.trainer.tester is not None:
+            self.trainer.tester.start()
+            # The first evaluation: the initial (or behaviour-cloned, or resumed) weights.
+            self.trainer.tester.submit(self.policy_version, self.latest_weights, self.assembler.counters.env_steps)
         self.trainer.start(lambda: self.assembler.counters.env_steps)
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)
@@ -723,6 +750,8 @@ class Learner:
     def close(self) -> None:
         """Final checkpoint, then release sockets, loggers and shared memory (idempotent)."""
         self.trainer.stop()
+        if self.trainer.tester is not None:
+            self.trainer.tester.close()
         # The step count continues from every env step received, trained or not (monotonic).
         self.trainer.global_step = max(self.trainer.global_step, self.assembler.counters.env_steps)
         self.trainer.episodes = self.episodes

@@ -182,26 +182,29 @@ def test_learning_rate_that_destroys_the_policy_is_caught_by_the_kl_check(cartpo
 
 
 def test_evaluation_collapse_rolls_back_to_best(cartpole, tmp_path: Path) -> None:
-    """Three evaluations in a row below half of the best restore best.pt."""
+    """Three evaluations in a row below half of the best restore best.pt (the evaluated weights)."""
+    from oakemu_core.models import weights_to_arrays
+    from oakemu_core.tester import EvaluationReport
 
-    class Report:
-        def __init__(self, mean: float, version: int) -> None:
-            self.mean_return, self.policy_version = mean, version
+    def report(mean: float, version: int, weights=None) -> EvaluationReport:
+        return EvaluationReport(policy_version=version, global_step=100 * version, episodes=1, return_mean=mean,
+                                return_std=0.0, length_mean=10.0, returns=(mean,), lengths=(10,), greedy=True,
+                                wall_seconds=0.1, finished_at=0.0, weights=weights)
 
     env, _schema, buffer, model = cartpole
     learner = make_learner(model, buffer, PPOExperimentConfiguration())
     policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_run_checkpoint,
                               health=HealthMonitor(eval_fraction=0.5, eval_patience=3))
-    policy.after_evaluation(learner, Report(10.0, 0), learner.checkpoint_state())
-    notes = policy.after_evaluation(learner, Report(200.0, 1), learner.checkpoint_state())
+    policy.after_evaluation(learner, report(10.0, 0, weights_to_arrays(model)))
+    best_weights = weights_to_arrays(model)
+    notes = policy.after_evaluation(learner, report(200.0, 1, best_weights))
     assert any("best.pt" in n for n in notes) and policy.best_path.is_file()
-    best = load_checkpoint(policy.best_path)["model"]
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
     for mean in (50.0, 40.0):
-        assert policy.after_evaluation(learner, Report(mean, 2), None) == []
-    notes = policy.after_evaluation(learner, Report(30.0, 2), None)
+        assert policy.after_evaluation(learner, report(mean, 2)) == []
+    notes = policy.after_evaluation(learner, report(30.0, 2))
     assert notes and "rollback 1/" in notes[0] and "evaluation return" in notes[0]
     for name, tensor in model.state_dict().items():
-        torch.testing.assert_close(tensor, best[name])
+        np.testing.assert_array_equal(tensor.numpy(), best_weights[name])
