@@ -85,7 +85,7 @@ from oakemu_core.telemetry import (
     TelemetryPublisher,
     TelemetrySnapshot,
 )
-from oakemu_core.tester import tester_from_config
+from oakemu_core.tester import EvaluationReport, tester_from_config
 from oakemu_core.wire import (
     Heartbeat,
     HeartbeatReply,
@@ -113,6 +113,8 @@ log = logging.getLogger("oakemu.learner")
 NUM_ROLLOUT_BUFFERS = 2
 """One buffer fills while the other trains (asynchronous mode; the synchronous mode has one)."""
 TELEMETRY_PERIOD_S = 1.0
+FINAL_EVALUATION_TIMEOUT_S = 120.0
+"""Longest wait (s) for the evaluation of the final weights at exit."""
 RECV_BATCH = 64
 """Step messages read per loop turn before serving control messages again."""
 CONTROL_BATCH = 64
@@ -591,12 +593,8 @@ class Learner:
             scalars["charts/episodic_length"] = self.window.mean_length
         self.metrics.log(step, scalars)
         self.history.record_update(step, self.window.mean if self.window.count else None, self.sps())
-        for report in result.evaluations:  # logged at the current step: global_step never goes back
-            self.metrics.log(step, evaluation_scalars(report))
-            self.history.record_evaluation(report)
-            log.info("evaluation of policy version %d: return %.2f +- %.2f over %d episodes (%s)",
-                     report.policy_version, report.return_mean, report.return_std, report.episodes,
-                     "greedy" if report.greedy else "sampled")
+        for report in result.evaluations:
+            self._log_evaluation(report)
         ret = f"{self.window.mean:8.2f}" if self.window.count else "     n/a"
         loss = (f"pg {result.stats.policy_loss:+.3f} v {result.stats.value_loss:.3f} ent {result.stats.entropy:.3f} "
                 f"kl {result.stats.approx_kl:.4f}") if result.stats else "no trainable rows"
@@ -604,6 +602,30 @@ class Learner:
                  result.iterations, step, self.sps(), self.rates.recent(), self.episodes, ret, loss,
                  len(self.assembler.actors))
         self._publish_telemetry(is_update=True)
+
+    def _log_evaluation(self, report: EvaluationReport) -> None:
+        """A tester report into metrics (at the current step: global_step never goes back),
+        the telemetry history and the log."""
+        self.metrics.log(self.assembler.counters.env_steps, evaluation_scalars(report))
+        self.history.record_evaluation(report)
+        log.info("evaluation of policy version %d: return %.2f +- %.2f over %d episodes (%s)",
+                 report.policy_version, report.return_mean, report.return_std, report.episodes,
+                 "greedy" if report.greedy else "sampled")
+
+    def _final_evaluation(self) -> None:
+        """Evaluate the final weights (training has stopped), keeping best.pt; then stop the tester."""
+        tester = self.trainer.tester
+        try:
+            if tester.alive:
+                tester.submit(self.trainer.policy_version, self.trainer.weights(), self.assembler.counters.env_steps)
+                for report in tester.drain(timeout_s=FINAL_EVALUATION_TIMEOUT_S):
+                    self._log_evaluation(report)
+                    for note in self.trainer.checkpoints.after_evaluation(self.trainer.ppo, report):
+                        log.info("%s", note)
+        except RunCollapsedError as error:
+            log.error("%s", error)
+        finally:
+            tester.close()
 
     # -- telemetry --------------------------------------------------------------------------
     def sps(self) -> float:
@@ -751,7 +773,7 @@ class Learner:
         """Final checkpoint, then release sockets, loggers and shared memory (idempotent)."""
         self.trainer.stop()
         if self.trainer.tester is not None:
-            self.trainer.tester.close()
+            self._final_evaluation()
         # The step count continues from every env step received, trained or not (monotonic).
         self.trainer.global_step = max(self.trainer.global_step, self.assembler.counters.env_steps)
         self.trainer.episodes = self.episodes

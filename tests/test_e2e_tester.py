@@ -54,7 +54,6 @@ def train(e2e: E2EProcesses, tmp_path: Path, name: str, eval_every: int) -> Path
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="needs learner integration (the lead wires Tester into oakemu train)")
 def test_training_evaluates_itself_keeps_best_and_is_not_slowed_much(e2e: E2EProcesses, tmp_path: Path) -> None:
     baseline_dir = train(e2e, tmp_path, "no-eval", eval_every=0)
     run_dir = train(e2e, tmp_path, "eval", eval_every=2)
