@@ -219,6 +219,67 @@ class PPOActorStepBuffers:
             self.extras[name][ids] = array
         self.trainable[ids] = flags.astype(np.bool_, copy=False)
 
+    def record_action_bundle(self, action_bundle: PPOActionBundle, *, trainable: np.ndarray) -> None:
+        """Copy one action bundle for ALL envs (row ``i`` -> env ``i``): the actor's per-step path,
+        without the id checks of :meth:`record_action_bundle_for_env_ids`.
+
+        Args:
+            action_bundle: the policy's output for the ``N`` envs.
+            trainable: ``(N,)`` bool, whether each env's step is PPO training data.
+
+        Raises:
+            ValueError: a bundle array or ``trainable`` of the wrong shape or dtype (nothing is
+                written then).
+        """
+        n = (self.num_envs,)
+        check_array("action_bundle.actions", action_bundle.actions, n + self.actions.shape[1:], self.actions.dtype)
+        check_array("action_bundle.log_probs", action_bundle.log_probs, n, self.log_probs.dtype)
+        check_array("action_bundle.values", action_bundle.values, n, self.values.dtype)
+        check_array("trainable", trainable, n, self.trainable.dtype)
+        for name, array in action_bundle.distribution_fields.items():
+            target = self.extras.get(name)
+            if target is None:
+                raise ValueError(f"action_bundle.{name}: not a field of these step buffers ({sorted(self.extras)})")
+            check_array(f"action_bundle.{name}", array, target.shape, target.dtype)
+        np.copyto(self.actions, action_bundle.actions)
+        np.copyto(self.log_probs, action_bundle.log_probs)
+        np.copyto(self.values, action_bundle.values)
+        for name, array in action_bundle.distribution_fields.items():
+            np.copyto(self.extras[name], array)
+        np.copyto(self.trainable, trainable)
+
+    def record_step_results(self, rewards: np.ndarray, dones: np.ndarray, truncated: np.ndarray,
+                            bootstrap_values: np.ndarray) -> None:
+        """Copy the step results of ALL envs at once (the vectorised :meth:`record_step_result`).
+
+        Args:
+            rewards: ``(N,)`` numbers (cast to float32, as the per-env path does).
+            dones: ``(N,)`` bool, terminated OR truncated.
+            truncated: ``(N,)`` bool, cut by a time limit and not terminated; implies ``dones``.
+            bootstrap_values: ``(N,)`` numbers, V(true final observation) where truncated, else 0.
+
+        Raises:
+            ValueError: a wrong shape, a non-bool flag array, ``truncated`` without ``dones``, or a
+                non-zero bootstrap value on a step that is not truncated (nothing is written then).
+        """
+        n = (self.num_envs,)
+        for name, array in (("rewards", rewards), ("bootstrap_values", bootstrap_values)):
+            if not isinstance(array, np.ndarray) or array.shape != n:
+                raise ValueError(f"{name}: expected a numpy array of shape {n}, received "
+                                 f"{getattr(array, 'shape', type(array).__name__)}")
+        check_array("dones", dones, n, np.dtype(np.bool_))
+        check_array("truncated", truncated, n, np.dtype(np.bool_))
+        if np.any(truncated & ~dones):
+            raise ValueError(f"truncated: expected done=True for every truncated step, received envs "
+                             f"{np.flatnonzero(truncated & ~dones).tolist()}")
+        if np.any(bootstrap_values[~truncated] != 0):
+            raise ValueError(f"bootstrap_values: expected 0 on steps that are not truncated, received envs "
+                             f"{np.flatnonzero((bootstrap_values != 0) & ~truncated).tolist()}")
+        np.copyto(self.rewards, rewards, casting="unsafe")
+        np.copyto(self.dones, dones)
+        np.copyto(self.truncated, truncated)
+        np.copyto(self.bootstrap_values, bootstrap_values, casting="unsafe")
+
     def reset_step_results(self) -> None:
         """Clear rewards, dones, truncation flags and bootstrap values before stepping the envs."""
         self.rewards[:] = 0.0

@@ -167,6 +167,12 @@ class OakEmuConfig(BaseSettings):
         "then waits for the weights trained on it (policy lag 0, a seed reproduces exactly on one machine; "
         "needs num_envs == num_actors * envs_per_actor).",
     )
+    steps_per_message: int | Literal["auto"] = Field(
+        "auto",
+        description="Vector steps an actor sends per step message (a divisor of rollout_length). auto: the "
+        "largest divisor <= min(32, rollout_length / 32) whose message holds <= 32 KiB of arrays (1 for Atari-sized "
+        "steps; 1-32 for small envs such as CartPole, by rollout_length: 4 at 128, 32 at 1024).",
+    )
     seed: int = Field(1, ge=0, description="Seed for envs, torch and numpy.")
     device: str = Field("auto", description="Learner torch device: auto (cuda if available), cpu, cuda, cuda:N.")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per actor process.")
@@ -315,6 +321,12 @@ class OakEmuConfig(BaseSettings):
                 f"envs_per_actor={self.envs_per_actor} columns, so the buffer needs exactly "
                 f"{self.num_actors * self.envs_per_actor} columns; received num_envs={self.num_envs}"
             )
+        if self.steps_per_message != "auto" and (
+                self.steps_per_message < 1 or self.rollout_length % self.steps_per_message):
+            raise ValueError(
+                f"steps_per_message: expected 'auto' or a divisor of rollout_length={self.rollout_length} (a step "
+                f"message never crosses a segment boundary), received {self.steps_per_message}"
+            )
         batch_rows = self.rollout_length * buffer_columns
         if self.num_minibatches > batch_rows:
             raise ValueError(
@@ -339,6 +351,15 @@ class OakEmuConfig(BaseSettings):
         return self
 
     # --- derived values ---
+    def resolved_steps_per_message(self, step_bytes: int) -> int:
+        """Steps per message K for an actor whose one vector step carries ``step_bytes`` array bytes:
+        the configured int, or :func:`oakemu_core.wire.auto_steps_per_message` for ``"auto"``."""
+        if self.steps_per_message != "auto":
+            return int(self.steps_per_message)
+        from oakemu_core.wire import auto_steps_per_message
+
+        return auto_steps_per_message(step_bytes, self.rollout_length)
+
     @property
     def buffer_num_envs(self) -> int:
         """Learner rollout buffer columns N: ``num_envs`` or ``num_actors * envs_per_actor``."""

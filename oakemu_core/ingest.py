@@ -76,6 +76,10 @@ class ActorRecord:
     segment: Segment | None = None
     env_steps_per_second: float = 0.0
     policy_lag: float = 0.0
+    lag_window: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
+    """Arrival lag of its step messages since :meth:`take_lag`: ``[count, sum, min, max]`` in versions."""
+    lag_stats: tuple[float, float, float] | None = None
+    """``(min, mean, max)`` arrival lag of the last non-empty window (:meth:`RolloutAssembler.take_lag`)."""
     episodes: int = 0
     env_steps: int = 0
 
@@ -178,9 +182,14 @@ class RolloutAssembler:
             The new record; ``index`` is unique among joined actors (actors seed their envs with it).
 
         Raises:
-            ValueError: ``index`` is held by another joined actor, or (synchronous mode) its columns
-                ``index * num_envs ...`` do not fit in the buffer.
+            ValueError: ``index`` is held by another joined actor, (synchronous mode) its columns
+                ``index * num_envs ...`` do not fit in the buffer, or the spec's
+                ``steps_per_message`` does not divide the rollout length.
         """
+        if self.rollout_length % spec.steps_per_message:
+            raise ValueError(
+                f"steps_per_message: expected a divisor of rollout_length {self.rollout_length} (a step "
+                f"message never crosses a segment boundary), received {spec.steps_per_message}")
         previous = self.actors.get(actor_id)
         if previous is not None:
             self._forget(previous)
@@ -228,6 +237,17 @@ class RolloutAssembler:
         record.episodes = episodes
         return True
 
+    @staticmethod
+    def take_lag(record: ActorRecord) -> tuple[float, float, float] | None:
+        """``(min, mean, max)`` policy lag at arrival (learner version - acting version, in versions)
+        of the actor's step messages since the last call (the previous figures when none arrived
+        since; None before the first); resets the window."""
+        count, total, low, high = record.lag_window
+        if count:
+            record.lag_window = [0, 0, 0, 0]
+            record.lag_stats = (float(low), total / count, float(high))
+        return record.lag_stats
+
     def leave(self, actor_id: str, incarnation: str) -> bool:
         """Remove an actor that says goodbye; its unfinished segment is discarded."""
         record = self.actors.get(actor_id)
@@ -265,7 +285,7 @@ class RolloutAssembler:
         if record is None or record.incarnation != message.incarnation:
             if message.incarnation in self._departed:
                 # Steps still in flight when the actor left or was dropped: expected, not malformed.
-                self.counters.dropped["late_steps"] += message.num_envs
+                self.counters.dropped["late_steps"] += message.num_envs * message.num_steps
                 self.counters.dropped["late_step_messages"] += 1
                 raise StepRejected("departed_actor", f"actor {message.actor_id!r}/{message.incarnation} has left")
             raise StepRejected("unknown_actor", f"actor {message.actor_id!r}/{message.incarnation} has not joined")
@@ -285,6 +305,11 @@ class RolloutAssembler:
             )
         record.next_seq += 1
         record.last_heard = now
+        lag, window = current_policy_version - message.policy_version, record.lag_window
+        window[2] = lag if window[0] == 0 else min(window[2], lag)
+        window[3] = lag if window[0] == 0 else max(window[3], lag)
+        window[0] += 1
+        window[1] += lag
         if self.sync:  # released in (index, seq) order when the rollout is full
             if message.episode_returns:
                 self._round_episodes.append((record.index, message.seq, list(message.episode_returns),
@@ -296,28 +321,37 @@ class RolloutAssembler:
         if record.segment is None:
             record.segment = self._assign_segment(record)
         num_envs = record.spec.num_envs
+        rows = message.num_steps  # K vector steps per message; K divides T (checked at join)
         segment = record.segment
         if segment is None:
-            self.counters.dropped["no_capacity_steps"] += num_envs
+            self.counters.dropped["no_capacity_steps"] += num_envs * rows
             return
         k = len(segment.columns)
         # Our invariant: segments live only in filling buffers (the trainer reads the others).
         assert self.states[segment.slot] is SlotState.FILLING, (segment.slot, self.states[segment.slot])
         try:
-            self.buffers[segment.slot].write_columns(
-                segment.rows_written,
-                segment.columns,
-                {name: array[:k] for name, array in message.fields.items()},
-                policy_version=message.policy_version,
-            )
-        except ValueError as error:  # the buffer validates before writing: nothing was written
+            if rows == 1:
+                self.buffers[segment.slot].write_columns(
+                    segment.rows_written,
+                    segment.columns,
+                    {name: array[:k] for name, array in message.fields.items()},
+                    policy_version=message.policy_version,
+                )
+            else:  # a block of K rows: validated whole, one bulk copy per field
+                self.buffers[segment.slot].write_column_rows(
+                    segment.rows_written,
+                    segment.columns,
+                    {name: array[:, :k] for name, array in message.fields.items()},
+                    policy_version=message.policy_version,
+                )
+        except (ValueError, OverflowError) as error:  # the buffer validates before writing: nothing was written
             self._discard_segment(record)
             raise StepRejected("schema", str(error)) from None
-        segment.rows_written += 1
-        record.env_steps += k
-        self.counters.env_steps += k
+        segment.rows_written += rows
+        record.env_steps += k * rows
+        self.counters.env_steps += k * rows
         if k < num_envs:
-            self.counters.dropped["no_capacity_steps"] += num_envs - k
+            self.counters.dropped["no_capacity_steps"] += (num_envs - k) * rows
         if segment.rows_written == self.rollout_length:
             self._finish_segment(record, message)
 
@@ -344,8 +378,10 @@ class RolloutAssembler:
         segment = record.segment
         assert segment is not None
         k = len(segment.columns)
-        self._last_values[segment.slot][segment.columns] = message.fields["next_values"][:k]
-        self._last_dones[segment.slot][segment.columns] = message.fields["dones"][:k]
+        last = message.num_steps - 1  # the block's last step ends the segment
+        next_values, dones = message.fields["next_values"], message.fields["dones"]
+        self._last_values[segment.slot][segment.columns] = (next_values if last == 0 else next_values[last])[:k]
+        self._last_dones[segment.slot][segment.columns] = (dones if last == 0 else dones[last])[:k]
         self._owners[segment.slot][segment.columns] = COMPLETE
         record.segment = None
         if np.all(self._owners[segment.slot] == COMPLETE):

@@ -483,6 +483,9 @@ class PPOLearner:
         self.lr_scale = 1.0
         self.bc_updates_done = 0
         self._rollouts_collected = 0
+        self.sgd_steps = 0
+        """SGD (minibatch gradient) steps taken by this learner process (not checkpointed)."""
+        self._sgd_steps_at_version: dict[int, int] = {}
 
     # ------------------------------------------------------------------ counters and state
     @property
@@ -559,6 +562,37 @@ class PPOLearner:
         base = self.lr_schedule.value() if self.lr_schedule is not None else self.optimizer.param_groups[0]["lr"]
         return float(base) * self.lr_scale
 
+    def _note_version_sgd_steps(self) -> None:
+        """Remember how many SGD steps had been taken when the current version was published
+        (the newest 256 versions are kept)."""
+        self._sgd_steps_at_version[self.policy_version] = self.sgd_steps
+        while len(self._sgd_steps_at_version) > 256:
+            del self._sgd_steps_at_version[min(self._sgd_steps_at_version)]
+
+    def lag_in_sgd_steps(self, policy_versions: np.ndarray) -> dict[str, float]:
+        """Policy lag of rows measured in SGD steps instead of versions (one version is a whole
+        update: ``ppo_epochs x num_minibatches`` SGD steps, fewer when ``target_kl`` stops early).
+
+        A row acted by version ``v`` lags ``sgd_steps(now) - sgd_steps(when v was published)``;
+        a version this process never published (before a resume) counts its versions times the
+        nominal ``ppo_epochs * num_minibatches``.
+
+        Returns:
+            ``{"sgd_min", "sgd_mean", "sgd_max"}`` in SGD steps.
+        """
+        if policy_versions.size == 0:
+            return {"sgd_min": 0.0, "sgd_mean": 0.0, "sgd_max": 0.0}
+        nominal = self.config.ppo_epochs * self.config.num_minibatches
+        versions, counts = np.unique(policy_versions, return_counts=True)
+        current = self.policy_version
+        lags = np.array([
+            self.sgd_steps - self._sgd_steps_at_version[int(v)] if int(v) in self._sgd_steps_at_version
+            else max(0, current - int(v)) * nominal
+            for v in versions
+        ], dtype=np.float64)
+        return {"sgd_min": float(lags.min()), "sgd_mean": float((lags * counts).sum() / counts.sum()),
+                "sgd_max": float(lags.max())}
+
     def prepare(self, rollout: FullRollout) -> tuple[int, dict[str, float]]:
         """Make a published rollout the current buffer: drop rows too stale for PPO, scale the
         rewards (if on), compute GAE on the CPU. Returns ``(stale rows, lag statistics)``."""
@@ -566,6 +600,7 @@ class PPOLearner:
         self.rollout_buffer = buffer
         stale_rows, lag = drop_stale_rows(buffer, current_policy_version=self.policy_version,
                                           max_policy_lag=self.config.max_policy_lag)
+        lag.update(self.lag_in_sgd_steps(buffer.policy_versions))
         if self.reward_scaler is not None:
             buffer.scale_rewards(self.reward_scaler.update(buffer.rewards, buffer.dones))
         buffer.compute_gae(rollout.last_values, rollout.last_dones, self.config.gamma, self.config.gae_lambda)
@@ -605,6 +640,8 @@ class PPOLearner:
                 stats = None
             model.update_observation_statistics(self.rollout_buffer.observations)
             self.learner_model.version += 1
+        self.sgd_steps += stats.minibatches if stats is not None else 0
+        self._note_version_sgd_steps()
         if self.lr_schedule is not None:
             self.lr_schedule.step()
         self._rollouts_collected += 1

@@ -641,6 +641,73 @@ class RolloutBuffer:
         steps[columns] += 1
         self._bump(_GENERATION)
 
+    def write_column_rows(
+        self,
+        step_index: int,
+        columns: np.ndarray,
+        fields: Mapping[str, np.ndarray],
+        *,
+        policy_version: int = 0,
+    ) -> None:
+        """Write ``R`` consecutive rows ``step_index .. step_index + R - 1`` of some columns at once
+        (a step message carrying a block of ``R`` vector steps; ``R = 1`` is :meth:`write_columns`).
+
+        Same rules as :meth:`write_columns` with one more leading dimension: ``fields`` maps schema
+        field names to ``(R, K, *shape)`` arrays, ``K = len(columns)``; ``fields[name][r, i]`` goes
+        to row ``step_index + r`` of column ``columns[i]``. Everything is validated (shapes, dtypes,
+        the bootstrap rule on every row) before anything is written; one bulk copy per field.
+
+        Args:
+            step_index: the first row to write; every listed column must hold exactly that many rows.
+            columns: ``(K,)`` integer array of distinct column indices in ``[0, num_envs)``.
+            fields: field name -> ``(R, K, *shape)`` array; R >= 1, the same for every field.
+            policy_version: version of the weights that chose the actions of all R rows, >= 0.
+
+        Raises:
+            ValueError: bad ``columns`` or ``step_index``, a column not holding ``step_index`` rows,
+                fields of different R, or any field error of :meth:`add` (named).
+            OverflowError: when ``step_index + R > rollout_length``.
+        """
+        self._check_open()
+        columns = self._check_columns(columns)
+        if isinstance(step_index, bool) or not isinstance(step_index, (int, np.integer)) or step_index < 0:
+            raise ValueError(f"step_index: expected a non-negative int, received {step_index!r}")
+        dones = fields.get("dones")
+        if not isinstance(dones, np.ndarray) or dones.ndim != 2:
+            raise ValueError(f"dones: expected a (rows, {len(columns)}) array, received "
+                             f"{getattr(dones, 'shape', type(dones).__name__)}")
+        rows = int(dones.shape[0])
+        if rows < 1 or step_index + rows > self._rollout_length:
+            raise OverflowError(f"rows: expected 1 <= step_index + rows <= rollout_length {self._rollout_length}, "
+                                f"received step_index {step_index} + {rows} rows")
+        steps = self._arrays["column_steps"]
+        wrong = columns[steps[columns] != step_index]
+        if wrong.size:
+            raise ValueError(
+                f"columns: expected every column to hold step_index={step_index} rows, received "
+                f"columns {wrong.tolist()} holding {steps[wrong].tolist()} rows"
+            )
+        # Validate as one row of rows * K entries (views; the leading dimensions are merged).
+        count = rows * len(columns)
+        merged = {}
+        for name, value in fields.items():
+            if isinstance(value, np.ndarray) and value.ndim >= 2 and value.shape[:2] == (rows, len(columns)):
+                merged[name] = value.reshape(count, *value.shape[2:])
+            else:
+                merged[name] = value  # wrong shape: _validate_row names it
+        complete = self._validate_row(count, merged)
+        version = _check_policy_version(policy_version)
+        row0 = int(step_index)
+        k = len(columns)
+        first = int(columns[0]) if k else 0
+        contiguous = k > 0 and bool(np.array_equal(columns, np.arange(first, first + k)))
+        target_cols: Any = slice(first, first + k) if contiguous else columns
+        for name, value in complete.items():
+            self._arrays[name][row0:row0 + rows, target_cols] = value.reshape(rows, k, *value.shape[1:])
+        self._arrays["policy_versions"][row0:row0 + rows, target_cols] = version
+        steps[columns] += rows
+        self._bump(_GENERATION)
+
     def _check_columns(self, columns: Any) -> np.ndarray:
         if not isinstance(columns, np.ndarray) or columns.ndim != 1 or not np.issubdtype(columns.dtype, np.integer):
             received = f"shape {columns.shape} dtype {columns.dtype}" if isinstance(columns, np.ndarray) else type(columns).__name__

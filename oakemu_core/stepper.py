@@ -85,6 +85,8 @@ class PolicyStepper:
         self.masked = "action_mask" in self.schema
         self._env_ids = list(range(env.num_envs))
         self.router = router
+        self._all_trainable = np.ones(env.num_envs, dtype=np.bool_)
+        self._zero_values = np.zeros(env.num_envs, dtype=np.float32)
         self._observations = env.reset()
         self._masks = env.action_masks() if self.masked else None
         self._bundle: PPOActionBundle | None = None
@@ -109,26 +111,19 @@ class PolicyStepper:
             self._bundle, self._trainable = self._choose(self._observations, self._masks)
             self._bundle_version = self.policy_version
         buffers, model = self.buffers, self.model
-        buffers.reset_action_selection()
-        buffers.reset_step_results()
         buffers.record_observations(self._observations)
         if self.masked:
             buffers.record_action_masks(self._masks)
-        buffers.record_action_bundle_for_env_ids(self._bundle, env_ids=self._env_ids, trainable=self._trainable)
+        # Whole-vector copies, no per-env Python loop (issue 11: per-step overhead of small envs).
+        buffers.record_action_bundle(self._bundle, trainable=self._trainable)
         env_step = self.env.step(self._bundle.actions)
         truncated = env_step.truncated & ~env_step.terminated
-        bootstrap = np.zeros(self.env.num_envs, np.float32)
+        bootstrap = self._zero_values
         if truncated.any():
+            bootstrap = np.zeros(self.env.num_envs, np.float32)
             bootstrap[truncated] = model.predict_values(select_rows(env_step.final_observations, truncated))
         dones = env_step.dones
-        for env_id in self._env_ids:
-            buffers.record_step_result(
-                env_id,
-                float(env_step.training_rewards[env_id]),
-                done=bool(dones[env_id]),
-                truncated=bool(truncated[env_id]),
-                bootstrap_value=float(bootstrap[env_id]),
-            )
+        buffers.record_step_results(env_step.training_rewards, dones, truncated, bootstrap)
         acted_version = self._bundle_version
         if segment_end:  # V(s_T) by the acting model; the next bundle waits for the new weights
             self._observations = env_step.observations
@@ -148,9 +143,25 @@ class PolicyStepper:
         self._bundle_version = self.policy_version
         return SteppedRow(buffers, acted_version, self._bundle.values, env_step)
 
+    def reselect(self) -> bool:
+        """Choose the pending action bundle again with the current weights.
+
+        The actor calls this when it loaded newer weights after the bundle for the next step was
+        chosen (while it waited to send a message): the next step is then acted by the new policy
+        instead of one version behind. No-op (False) when no bundle is pending (synchronous mode
+        after a segment end) or the bundle already comes from the current version.
+        """
+        if self._bundle is None or self._bundle_version == self.policy_version:
+            return False
+        self._bundle, self._trainable = self._choose(self._observations, self._masks)
+        self._bundle_version = self.policy_version
+        return True
+
     def _choose(self, observations: Any, masks: np.ndarray | None) -> tuple[PPOActionBundle, Any]:
-        """The next action bundle and its per-env trainable flags (routing applied when configured)."""
+        """The next action bundle and its per-env trainable flags (``(n,)`` bool; routing applied
+        when configured)."""
         bundle = self.model.act(observations, action_mask=masks)
         if self.router is None:
-            return bundle, [True] * self.env.num_envs
-        return self.router.apply(self.model, bundle, observations, masks)
+            return bundle, self._all_trainable
+        bundle, trainable = self.router.apply(self.model, bundle, observations, masks)
+        return bundle, np.asarray(trainable, dtype=np.bool_)

@@ -79,6 +79,8 @@ class ActorTelemetry(pydantic.BaseModel):
         sps: env steps per second received from this actor (all its envs), recent window.
         policy_lag: mean policy lag (learner version - version that acted) of its recent rows, in
             policy versions; ``None`` before its first row.
+        policy_lag_min, policy_lag_max: min / max of that lag over the same rows (at arrival, in
+            versions); ``None`` before its first row.
         last_heard_s: seconds since the learner last received anything from this actor.
     """
 
@@ -89,6 +91,8 @@ class ActorTelemetry(pydantic.BaseModel):
     num_envs: int = pydantic.Field(ge=0)
     sps: float = pydantic.Field(ge=0)
     policy_lag: float | None = None
+    policy_lag_min: float | None = None
+    policy_lag_max: float | None = None
     last_heard_s: float = pydantic.Field(ge=0)
 
 

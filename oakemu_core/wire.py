@@ -59,6 +59,8 @@ __all__ = [
     "HEARTBEAT_STATUSES",
     "MessageRejected",
     "StepSpec",
+    "MAX_STEPS_PER_MESSAGE",
+    "auto_steps_per_message",
     "JoinRequest",
     "JoinReply",
     "Heartbeat",
@@ -78,10 +80,12 @@ __all__ = [
     "decode_step",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Version of this wire format; a frame with any other ``"protocol"`` value is rejected.
 Version 2: step messages carry a ``"fields"`` map keyed by the step schema's field names, and
-the join reply carries the schema itself."""
+the join reply carries the schema itself. Version 3: the join reply's spec carries
+``steps_per_message`` K; a step message of a spec with K > 1 carries K consecutive vector steps
+(every field ``(K, n, *shape)``, the episodes of all K steps in step order)."""
 
 REJECTION_REASONS = (
     "oversized",
@@ -112,7 +116,9 @@ MAX_NDIM = 32
 """Most dimensions an array on the wire may declare (numpy itself allows 64)."""
 
 _MAX_MAP_LEN = 4096  # weights dicts hold tens of tensors; every other map is tiny
-_MAX_ARRAY_LEN = 65536  # shapes (<= MAX_NDIM) and per-step episode lists (<= num_envs)
+_MAX_ARRAY_LEN = 65536  # shapes (<= MAX_NDIM) and per-message episode lists (<= K * num_envs)
+MAX_STEPS_PER_MESSAGE = 1024
+"""Largest ``steps_per_message`` K a spec may declare."""
 _INT64_MAX = 2**63 - 1
 _ARRAY_KEYS = frozenset({"dtype", "shape", "data"})
 
@@ -726,7 +732,8 @@ _STEP_FIELDS = ("actor_id", "incarnation", "seq", "policy_version", "fields", "e
 
 @dataclass(frozen=True, eq=False)
 class StepMessage:
-    """Actor PUSH -> learner PULL: one env step of all n envs of one actor.
+    """Actor PUSH -> learner PULL: one env step (or a block of K consecutive steps) of all n envs
+    of one actor.
 
     Attributes:
         actor_id, incarnation: identify the sender; must match a joined actor.
@@ -735,8 +742,10 @@ class StepMessage:
         fields: every *sent* field of the actor's step schema by name, ``(n, *shape)`` each
             (observations, actions, log_probs, values, rewards, dones, truncated,
             bootstrap_values, next_values, trainable, and e.g. action_mask, action_mean, ...;
-            see :mod:`oakemu_core.step_schema`).
-        episode_returns: raw (unclipped) returns of the episodes that ended on this step.
+            see :mod:`oakemu_core.step_schema`); ``(K, n, *shape)`` each when the actor's spec
+            has ``steps_per_message`` K > 1 (row ``i`` is the block's i-th step, in time order).
+        episode_returns: raw (unclipped) returns of the episodes that ended on this step (on
+            any step of the block, in step order).
         episode_lengths: lengths, in env steps, of those episodes (same order and length).
     """
 
@@ -751,7 +760,13 @@ class StepMessage:
     @property
     def num_envs(self) -> int:
         """n, the envs of the sending actor."""
-        return int(self.fields["dones"].shape[0])
+        return int(self.fields["dones"].shape[-1])
+
+    @property
+    def num_steps(self) -> int:
+        """K, the vector steps this message carries (1 for a one-step ``(n, *shape)`` message)."""
+        dones = self.fields["dones"]
+        return 1 if dones.ndim == 1 else int(dones.shape[0])
 
 
 def encode_step(msg: StepMessage) -> bytes:
@@ -800,10 +815,13 @@ def decode_step(
     """Decode and validate one step frame against the spec of its sender.
 
     Checks, in order: framing and header; the sender is known; exactly the schema's sent fields,
-    each with the agreed dtype and shape ``(n, *shape)`` (floats finite, bools 0/1); each field's
-    value checks (bounds, masks that allow something); the rules between fields (truncated
-    implies done, bootstrap values only on truncated rows, the action taken is allowed by its
-    mask; :func:`oakemu_core.step_schema.check_step_consistency`); the episode lists.
+    each with the agreed dtype and shape ``(n, *shape)``, or ``(K, n, *shape)`` for a spec with
+    ``steps_per_message`` K > 1 (floats finite, bools 0/1); each field's value checks (bounds,
+    masks that allow something); the rules between fields (truncated implies done, bootstrap
+    values only on truncated rows, the action taken is allowed by its mask;
+    :func:`oakemu_core.step_schema.check_step_consistency`); the episode lists (at most K * n
+    episodes). A block is checked whole, every check vectorised over its K x n rows: one bad row
+    rejects the whole message.
 
     Args:
         frame: one ZeroMQ frame from the PULL socket.
@@ -843,6 +861,7 @@ def decode_step(
         extra = sorted(map(_describe, received.keys() - expected_names))
         _reject("schema", f"fields: missing {missing}, extra {extra}")
     arrays: dict[str, np.ndarray] = {}
+    rows: dict[str, np.ndarray] = {}  # (K * n, *shape) views: the value checks see one batch of rows
     for item, dtype_str, shape in spec._wire_layout:
         name = item.name
         array = _decode_array(received[name], name)
@@ -850,19 +869,22 @@ def decode_step(
             _reject("dtype", f"{name}: expected dtype {dtype_str!r}, received {array.dtype.str!r}")
         if array.shape != shape:
             _reject("shape", f"{name}: expected shape {list(shape)}, received {list(array.shape)}")
-        problem = item.check_values(array)
+        flat = array if spec.steps_per_message == 1 else array.reshape(-1, *item.shape)
+        problem = item.check_values(flat)
         if problem is not None:
             _reject("value_range", problem)
         arrays[name] = array
-    problem = check_step_consistency(spec.schema, arrays)
+        rows[name] = flat
+    problem = check_step_consistency(spec.schema, rows)
     if problem is not None:
         _reject("value_range", problem)
 
     returns, lengths = obj["episode_returns"], obj["episode_lengths"]
     if not isinstance(returns, list) or not isinstance(lengths, list) or len(returns) != len(lengths):
         _reject("schema", "episode_returns / episode_lengths: expected two lists of equal length")
-    if len(returns) > spec.num_envs:
-        _reject("schema", f"episode_returns: expected at most {spec.num_envs} episodes per step, received {len(returns)}")
+    if len(returns) > spec.num_envs * spec.steps_per_message:
+        _reject("schema", f"episode_returns: expected at most {spec.num_envs} episodes per step x "
+                          f"{spec.steps_per_message} steps, received {len(returns)}")
     episode_returns = [_finite_float(r, "episode_returns") for r in returns]
     if any(abs(r) > MAX_ABS_EPISODE_RETURN for r in episode_returns):
         _reject("value_range", f"episode_returns: expected |x| <= {MAX_ABS_EPISODE_RETURN:g}")
@@ -898,38 +920,50 @@ class StepSpec:
         num_envs: n, the number of envs of the actor = leading dimension of every step array.
         schema: the run's :class:`~oakemu_core.step_schema.StepSchema`; its *sent* fields are the
             message's arrays.
+        steps_per_message: K, consecutive vector steps per step message (the learner chooses it
+            at join, see :func:`auto_steps_per_message`; it divides the rollout length so a message
+            never crosses a segment boundary). K = 1: arrays ``(n, *shape)``; K > 1: ``(K, n, *shape)``.
 
     Raises:
-        ValueError: ``num_envs`` is not an int >= 1.
+        ValueError: ``num_envs`` is not an int >= 1, or ``steps_per_message`` not an int in
+            ``[1, MAX_STEPS_PER_MESSAGE]``.
     """
 
     num_envs: int
     schema: StepSchema
+    steps_per_message: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.num_envs, bool) or not isinstance(self.num_envs, (int, np.integer)) or self.num_envs < 1:
             raise ValueError(f"num_envs: expected an int >= 1, received {self.num_envs!r}")
         object.__setattr__(self, "num_envs", int(self.num_envs))
+        k = self.steps_per_message
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_STEPS_PER_MESSAGE:
+            raise ValueError(f"steps_per_message: expected an int in [1, {MAX_STEPS_PER_MESSAGE}], received {k!r}")
+        object.__setattr__(self, "steps_per_message", int(k))
         # (field, canonical dtype str, shape) of every sent field, computed once for decode_step.
-        layout = tuple((f, f.dtype.str, (self.num_envs, *f.shape)) for f in self.schema.sent)
+        lead = (self.num_envs,) if k == 1 else (int(k), self.num_envs)
+        layout = tuple((f, f.dtype.str, (*lead, *f.shape)) for f in self.schema.sent)
         object.__setattr__(self, "_wire_layout", layout)
         object.__setattr__(self, "_field_names", frozenset(f.name for f in self.schema.sent))
 
     def array_layout(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
         """Expected ``(dtype, shape)`` of every array of a :class:`StepMessage` (the schema's sent
-        fields with a leading dimension n = ``num_envs``)."""
-        return {f.name: (f.dtype, (self.num_envs, *f.shape)) for f in self.schema.sent}
+        fields with a leading dimension n = ``num_envs``, after K when ``steps_per_message`` > 1)."""
+        return {item.name: (item.dtype, shape) for item, _, shape in self._wire_layout}
 
     def message_bytes(self) -> int:
-        """Approximate encoded size of one step message (array bytes + 1 KiB of keys and headers).
+        """Approximate encoded size of one step message in bytes (array bytes of K steps + 1 KiB of
+        keys and headers).
 
         Used to size socket buffers, so that the data in flight stays a few messages, not MBs.
         """
-        return self.num_envs * self.schema.sent_bytes_per_env() + 1024
+        return self.steps_per_message * self.num_envs * self.schema.sent_bytes_per_env() + 1024
 
     def to_dict(self) -> dict[str, Any]:
-        """msgpack-able form: ``num_envs`` and the schema's plain form."""
-        return {"num_envs": self.num_envs, "schema": self.schema.to_dict()}
+        """msgpack-able form: ``num_envs``, ``steps_per_message`` and the schema's plain form."""
+        return {"num_envs": self.num_envs, "steps_per_message": self.steps_per_message,
+                "schema": self.schema.to_dict()}
 
     @classmethod
     def from_dict(cls, value: Any) -> StepSpec:
@@ -939,14 +973,62 @@ class StepSpec:
             MessageRejected: ``"schema"`` (not a map, missing/extra keys, wrong types, an invalid
                 schema).
         """
-        if not isinstance(value, dict) or value.keys() != {"num_envs", "schema"}:
+        if not isinstance(value, dict) or value.keys() != {"num_envs", "steps_per_message", "schema"}:
             received = sorted(map(str, value)) if isinstance(value, dict) else type(value).__name__
-            _reject("schema", f"spec: expected keys ['num_envs', 'schema'], received {received}")
+            _reject("schema", f"spec: expected keys ['num_envs', 'schema', 'steps_per_message'], received {received}")
         num_envs = value["num_envs"]
         if type(num_envs) is not int or not 1 <= num_envs <= _MAX_ARRAY_LEN:
             _reject("schema", f"spec.num_envs: expected an int in [1, {_MAX_ARRAY_LEN}], received {_describe(num_envs)}")
+        steps = value["steps_per_message"]
+        if type(steps) is not int or not 1 <= steps <= MAX_STEPS_PER_MESSAGE:
+            _reject("schema", f"spec.steps_per_message: expected an int in [1, {MAX_STEPS_PER_MESSAGE}], "
+                              f"received {_describe(steps)}")
         try:
             schema = StepSchema.from_dict(value["schema"])
         except ValueError as error:
             _reject("schema", f"spec.schema: {error}")
-        return cls(num_envs=num_envs, schema=schema)
+        return cls(num_envs=num_envs, schema=schema, steps_per_message=steps)
+
+
+AUTO_MESSAGE_TARGET_BYTES = 32 * 1024
+"""Array bytes :func:`auto_steps_per_message` packs into one message at most (unless one step is
+already larger). Below this size a message's fixed cost (encode, syscalls, decode, validation,
+ingest) dominates; above it the copies do, and more steps per message gain nothing."""
+AUTO_MAX_STEPS_PER_MESSAGE = 32
+"""Most steps :func:`auto_steps_per_message` puts in one message (caps how long an actor holds
+steps before sending them)."""
+AUTO_MESSAGES_PER_SEGMENT = 32
+""":func:`auto_steps_per_message` keeps ``K <= rollout_length / 32``: the queues between an actor and
+the learner hold a few MESSAGES (high-water marks) plus a few KiB (kernel buffers: a dozen small
+messages), so K steps per message multiply the steps in flight by K. Measured on CartPole
+(rollout_length 32, a loaded 2-core machine): K = 4 let queued rows reach training 3-6 versions
+old (stale rows 50 %), K = 1 kept them within 2; 32 messages per segment keep the queued rows a
+small part of a segment."""
+
+
+def auto_steps_per_message(step_bytes: int, rollout_length: int, *,
+                           target_bytes: int = AUTO_MESSAGE_TARGET_BYTES,
+                           max_steps: int = AUTO_MAX_STEPS_PER_MESSAGE) -> int:
+    """The ``steps_per_message`` the learner gives an actor by default (``steps_per_message =
+    "auto"``): the largest divisor K of ``rollout_length`` with ``K <= max_steps``,
+    ``K <= rollout_length / AUTO_MESSAGES_PER_SEGMENT`` (32) and ``K * step_bytes <= target_bytes``;
+    1 when one step is already ``target_bytes`` or more.
+
+    Examples: ALE/Breakout-v5, 8 envs: one step is ~226 KB -> K = 1; CartPole-v1, 8 envs: ~330 bytes
+    -> K = 4 with rollout_length 128, 1 with rollout_length 32; LunarLander-v3, rollout 1024 -> 32.
+
+    Args:
+        step_bytes: array bytes of one vector step of the actor (``num_envs * sent bytes per env``).
+        rollout_length: rows per segment (T); K divides it.
+
+    Raises:
+        ValueError: ``step_bytes`` < 1 or ``rollout_length`` < 1.
+    """
+    if step_bytes < 1 or rollout_length < 1:
+        raise ValueError(f"auto_steps_per_message: expected step_bytes >= 1 and rollout_length >= 1, "
+                         f"received {step_bytes}, {rollout_length}")
+    best = 1
+    for k in range(1, min(max_steps, rollout_length // AUTO_MESSAGES_PER_SEGMENT) + 1):
+        if rollout_length % k == 0 and k * step_bytes <= target_bytes:
+            best = k
+    return best

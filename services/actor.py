@@ -33,6 +33,7 @@ from oakemu_core.metrics import StepRateMeter
 from oakemu_core.models import ActorCritic, build_model, load_weight_arrays
 from oakemu_core.routing import PolicyRouter, RoutingConfig
 from oakemu_core.step_schema import schema_for_env
+from oakemu_core.step_blocks import StepBlock
 from oakemu_core.stepper import PolicyStepper
 from oakemu_core.wire import (
     Heartbeat,
@@ -128,6 +129,8 @@ class Actor:
         self.model: ActorCritic | None = None
         self.stepper: PolicyStepper | None = None
         self.policy_version = 0
+        self.steps_per_message = 1
+        self.block: StepBlock | None = None
         self.sync_rollout_length = 0  # > 0: synchronous mode, rows per segment
         self.segment_rows = 0  # rows of the current segment sent (synchronous mode)
         self.data: zmq.Socket | None = None
@@ -192,6 +195,10 @@ class Actor:
             self.stepper = PolicyStepper(self.env, self.model, schema=schema, policy_version=reply.policy_version,
                                          router=router)
             self.spec_message_bytes = reply.spec.message_bytes()
+            # K vector steps per message (agreed at join; 1: send each step as it comes).
+            self.steps_per_message = reply.spec.steps_per_message
+            self.block = (StepBlock(schema, self.env.num_envs, self.steps_per_message)
+                          if self.steps_per_message > 1 else None)
             self._connect_streams()
         self._load_weights(reply.policy_version, reply.weights)
         self.sync_rollout_length = int(env_config.get("rollout_length") or 0) if env_config.get("mode") == "sync" else 0
@@ -205,7 +212,9 @@ class Actor:
         self.data = self.context.socket(zmq.PUSH)
         if self.security is not None:
             self.security.apply(self.data)
-        self.data.setsockopt(zmq.SNDHWM, 2)  # back-pressure after two messages in flight
+        # Back-pressure after two messages in flight (one when a message is a block of K > 1 steps:
+        # the queues count messages, and K steps each would multiply the rows queued, hence their lag).
+        self.data.setsockopt(zmq.SNDHWM, 2 if self.steps_per_message == 1 else 1)
         # ... and a kernel buffer of a few messages: the default (MBs, autotuned) would hold
         # thousands of small messages, acted by policies many versions old.
         self.data.setsockopt(zmq.SNDBUF, socket_buffer_bytes(self.spec_message_bytes))
@@ -227,19 +236,22 @@ class Actor:
             self.stepper.policy_version = version
         self.learner_version = max(self.learner_version, version)
 
-    def _poll_weights(self) -> None:
+    def _poll_weights(self) -> bool:
+        """Load the newest weights waiting on the SUB socket, if newer; True when loaded."""
         assert self.weights_sub is not None
         try:
             frame = self.weights_sub.recv(zmq.NOBLOCK)
         except zmq.Again:
-            return
+            return False
         try:
             message = decode_message(frame, max_bytes=self.config.max_message_bytes)
         except MessageRejected as error:
             log.warning("malformed weights message ignored: %s", error)
-            return
+            return False
         if isinstance(message, WeightsMessage) and message.policy_version > self.policy_version:
             self._load_weights(message.policy_version, message.weights)
+            return True
+        return False
 
     # -- liveness --------------------------------------------------------------------------
     def heartbeat_if_due(self) -> None:
@@ -270,14 +282,28 @@ class Actor:
             raise _Rejoined
 
     def send(self, frame: bytes) -> None:
-        """Send one step message, waiting (with heartbeats) while the learner applies back-pressure."""
-        assert self.data is not None
+        """Send one step message, waiting (with heartbeats) while the learner applies back-pressure.
+
+        While it waits it also watches the weights socket (asynchronous mode): weights published
+        meanwhile are loaded at once and the pending next action is chosen again with them
+        (:meth:`PolicyStepper.reselect`), so the actor does not resume with a policy that went
+        stale while it was blocked (issue 11, bounded policy lag).
+        """
+        assert self.data is not None and self.weights_sub is not None
+        poller = None
         while not self.stop_event.is_set():
             try:
                 self.data.send(frame, zmq.NOBLOCK, copy=False)
                 return
             except zmq.Again:
-                self.data.poll(100, zmq.POLLOUT)
+                if poller is None:
+                    poller = zmq.Poller()
+                    poller.register(self.data, zmq.POLLOUT)
+                    if not self.sync_rollout_length:  # sync mode loads weights only at segment ends
+                        poller.register(self.weights_sub, zmq.POLLIN)
+                events = dict(poller.poll(100))
+                if events.get(self.weights_sub) and self._poll_weights() and self.stepper is not None:
+                    self.stepper.reselect()
                 self.heartbeat_if_due()
 
     def wait_for_weights_after(self, version: int) -> None:
@@ -295,25 +321,40 @@ class Actor:
         assert self.stepper is not None
         stepper = self.stepper
         while not self.stop_event.is_set():
-            segment_end = bool(self.sync_rollout_length) and self.segment_rows == self.sync_rollout_length - 1
-            row = stepper.step(before_next_action=None if self.sync_rollout_length else self._poll_weights,
-                               segment_end=segment_end)
-            message = StepMessage(
-                actor_id=self.actor_id, incarnation=self.incarnation, seq=self.seq, policy_version=row.policy_version,
-                fields=row.buffers.sent_fields(row.next_values, stepper.schema),
-                episode_returns=row.env_step.episode_returns, episode_lengths=row.env_step.episode_lengths,
-            )
+            # One message = K vector steps (K = steps_per_message; K divides rollout_length, so a
+            # segment end is always a block's last step). Weights are picked up only before a
+            # block's first action, so one policy version acts on a whole block.
+            block, k = self.block, self.steps_per_message
+            if block is not None:
+                block.clear()
+            for i in range(k):
+                last = i == k - 1
+                segment_end = (bool(self.sync_rollout_length) and last
+                               and self.segment_rows + k == self.sync_rollout_length)
+                row = stepper.step(before_next_action=None if self.sync_rollout_length or not last else self._poll_weights,
+                                   segment_end=segment_end)
+                fields = row.buffers.sent_fields(row.next_values, stepper.schema)
+                if block is not None:
+                    block.record(fields, row.policy_version, row.env_step.episode_returns, row.env_step.episode_lengths)
+                self.env_steps += row.buffers.num_envs
+                self.episodes += len(row.env_step.episode_returns)
+            if block is not None:
+                message = block.message(self.actor_id, self.incarnation, self.seq)
+            else:
+                message = StepMessage(
+                    actor_id=self.actor_id, incarnation=self.incarnation, seq=self.seq,
+                    policy_version=row.policy_version, fields=fields,
+                    episode_returns=row.env_step.episode_returns, episode_lengths=row.env_step.episode_lengths,
+                )
             try:
                 self.heartbeat_if_due()
                 self.send(encode_step(message))
                 self.seq += 1
-                self.segment_rows = 0 if segment_end else self.segment_rows + 1
+                self.segment_rows = 0 if segment_end else self.segment_rows + k
                 if segment_end:
                     self.wait_for_weights_after(row.policy_version)
             except _Rejoined:
-                pass  # this step is lost with the old incarnation; the new one starts at seq 0
-            self.env_steps += row.buffers.num_envs
-            self.episodes += len(row.env_step.episode_returns)
+                pass  # this block is lost with the old incarnation; the new one starts at seq 0
         return 0
 
     def close(self) -> None:

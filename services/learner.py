@@ -334,7 +334,8 @@ class Learner:
         self.data = self._secure(self.context.socket(zmq.PULL))
         # A small receive queue: back-pressure reaches the actors quickly, and rows stay fresh.
         self.data.setsockopt(zmq.RCVHWM, 4)
-        typical = StepSpec(config.envs_per_actor, self.schema)
+        typical = StepSpec(config.envs_per_actor, self.schema, steps_per_message=config.resolved_steps_per_message(
+            config.envs_per_actor * self.schema.sent_bytes_per_env()))
         self.data.setsockopt(zmq.RCVBUF, socket_buffer_bytes(typical.message_bytes()))
         self.data.setsockopt(zmq.LINGER, 0)
         # Memory guard: ZeroMQ drops a peer that sends more than this (never allocated). Messages
@@ -430,7 +431,8 @@ class Learner:
     def _grant_join(self, message: JoinRequest, now: float, index: int | None) -> bytes:
         """Register a joining actor (``index``: its synchronous-mode rank, None: the next number)
         and encode the join reply with its spec, env config and the current weights."""
-        spec = StepSpec(num_envs=message.num_envs, schema=self.schema)
+        steps = self.config.resolved_steps_per_message(message.num_envs * self.schema.sent_bytes_per_env())
+        spec = StepSpec(num_envs=message.num_envs, schema=self.schema, steps_per_message=steps)
         record = self.assembler.join(message.actor_id, message.incarnation, spec, hostname=message.hostname, now=now,
                                      index=index)
         log.info("actor %s joined (%d envs, host %s, index %d)", message.actor_id, message.num_envs,
@@ -578,6 +580,9 @@ class Learner:
                                      "charts/actors": len(self.assembler.actors),
                                      "charts/policy_version": result.policy_version}
         scalars.update({f"charts/policy_lag_{k}": result.lag[k] for k in ("min", "mean", "max")})
+        # The same lag in SGD steps (a version is a whole update of epochs x minibatches steps).
+        scalars.update({f"charts/policy_lag_sgd_steps_{k}": result.lag[f"sgd_{k}"] for k in ("mean", "max")
+                        if f"sgd_{k}" in result.lag})
         scalars["charts/newest_acting_policy_version"] = result.lag["newest_version"]
         scalars["charts/stale_rows"] = result.stale_rows
         scalars["charts/trainable_share"] = result.trainable_share
@@ -672,9 +677,13 @@ class Learner:
             actors=[
                 ActorTelemetry(
                     actor_id=r.actor_id, incarnation=public_tag(r.incarnation), num_envs=r.spec.num_envs,
-                    sps=r.env_steps_per_second, policy_lag=r.policy_lag, last_heard_s=max(0.0, now - r.last_heard),
+                    sps=r.env_steps_per_second, last_heard_s=max(0.0, now - r.last_heard),
+                    # lag of its rows at arrival (min/mean/max since the last snapshot), else the heartbeat's
+                    policy_lag=lag[1] if lag else r.policy_lag,
+                    policy_lag_min=lag[0] if lag else None, policy_lag_max=lag[2] if lag else None,
                 )
                 for r in self.assembler.actors.values()
+                for lag in (self.assembler.take_lag(r),)
             ],
             is_update=is_update,
             **self.history.snapshot_fields(),

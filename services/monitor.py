@@ -166,11 +166,13 @@ def render_snapshot(snapshot: TelemetrySnapshot, *, address: str, age_s: float, 
     actors.add_column("incarnation", style="dim")
     actors.add_column("envs", justify="right")
     actors.add_column("SPS", justify="right")
-    actors.add_column("lag", justify="right")
+    actors.add_column("lag min/mean/max", justify="right")
     actors.add_column("last heard", justify="right")
     for actor in sorted(snapshot.actors, key=lambda a: a.actor_id):
+        lag = (f"{_fmt(actor.policy_lag_min, '.0f')} / {_fmt(actor.policy_lag, '.2f')} / "
+               f"{_fmt(actor.policy_lag_max, '.0f')}")
         actors.add_row(actor.actor_id, actor.incarnation[:12], str(actor.num_envs), _fmt(actor.sps, ".0f"),
-                       _fmt(actor.policy_lag, ".2f"), f"{actor.last_heard_s:.1f} s")
+                       lag, f"{actor.last_heard_s:.1f} s")
     return Group(header, summary, render_curves(snapshot), actors)
 
 

@@ -213,7 +213,7 @@ def test_step_spec_dict_round_trip_and_validation() -> None:
     schema = default_schema((3, 2), np.dtype(">f4"), (2,), np.int32)
     spec = StepSpec(4, schema)
     as_dict = spec.to_dict()
-    assert as_dict == {"num_envs": 4, "schema": schema.to_dict()}
+    assert as_dict == {"num_envs": 4, "steps_per_message": 1, "schema": schema.to_dict()}
     fields = {f["name"]: f for f in as_dict["schema"]["fields"]}
     assert (fields["observations"]["shape"], fields["observations"]["dtype"]) == ([3, 2], ">f4")
     assert (fields["actions"]["shape"], fields["actions"]["dtype"]) == ([2], "<i4")
@@ -577,11 +577,11 @@ def test_oversized_frame_is_rejected_before_decoding() -> None:
     assert info.value.reason == "oversized"
 
 
-def test_protocol_version_is_2() -> None:
-    assert PROTOCOL_VERSION == 2 and step_obj()["protocol"] == 2
+def test_protocol_version_is_3() -> None:
+    assert PROTOCOL_VERSION == 3 and step_obj()["protocol"] == 3
 
 
-@pytest.mark.parametrize("version", [0, 1, 3, "2", 2.0, None])
+@pytest.mark.parametrize("version", [0, 1, 2, 4, "3", 3.0, None])
 def test_wrong_protocol(version: Any) -> None:
     obj = step_obj()
     obj["protocol"] = version
