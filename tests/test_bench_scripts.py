@@ -1,0 +1,83 @@
+"""benchmarks/bench_spaces_vs_sb3.py: both systems get the hyperparameters of one table (no training here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services import cli
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = REPO_ROOT / "benchmarks" / "bench_spaces_vs_sb3.py"
+
+
+def _load_bench() -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_spaces_vs_sb3", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look the module up while building the class
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_bench()
+
+
+def test_help_runs_without_sb3_imports() -> None:
+    result = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=120,
+                            check=False)
+    assert result.returncode == 0, result.stderr
+    assert "--steps" in result.stdout and "--seeds" in result.stdout
+
+
+@pytest.mark.parametrize("name", sorted(bench.CASES))
+def test_oakemu_flags_parse_to_the_case(name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The flags the benchmark passes to `oakemu train` give a config equal to the case's table."""
+    for variable in list(os.environ):
+        if variable.startswith("OAKEMU_"):
+            monkeypatch.delenv(variable)
+    calls: list[tuple[Any, ...]] = []
+    fake = types.ModuleType("services.train")
+    fake.main = lambda *args, **kwargs: calls.append(args) or 0  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "services.train", fake)
+    case = bench.CASES[name]
+    args = bench.oakemu_args(case, seed=3, steps=4096, runs_dir=tmp_path, run_name="r", ports=[1, 2, 3, 4, 5])
+    assert cli.main(["train", *args]) == 0
+    config = calls[0][0]
+    assert config.env_id == case.env_id and config.seed == 3 and config.total_env_steps == 4096
+    assert config.num_actors * config.envs_per_actor == case.num_envs
+    assert config.batch_size // config.num_minibatches == case.batch_size  # config.batch_size: rows per rollout
+    for field in ("rollout_length", "ppo_epochs", "num_minibatches", "learning_rate", "gamma", "gae_lambda",
+                  "clip_coef", "ent_coef", "vf_coef", "max_grad_norm", "normalize_observations",
+                  "normalize_rewards", "normalize_advantages", "target_kl", "max_policy_lag"):
+        assert getattr(config, field) == getattr(case, field), field
+    assert config.anneal_lr is False
+    assert config.resolved_clip_value_range is None
+    assert config.resolved_clip_rewards is False
+
+
+@pytest.mark.parametrize("name", sorted(bench.CASES))
+def test_sb3_kwargs_build_the_same_algorithm(name: str) -> None:
+    """SB3 / sb3-contrib accept the derived keyword arguments and hold the case's values (skips without SB3)."""
+    pytest.importorskip("stable_baselines3")
+    pytest.importorskip("sb3_contrib")
+    import gymnasium as gym
+    from sb3_contrib import MaskablePPO
+    from stable_baselines3 import PPO
+
+    case = bench.CASES[name]
+    algorithm = MaskablePPO if case.action_masks else PPO
+    model = algorithm("MlpPolicy", gym.make(case.env_id), **bench.sb3_kwargs(case, seed=1))
+    assert (model.n_steps, model.batch_size, model.n_epochs) == (case.rollout_length, case.batch_size,
+                                                                 case.ppo_epochs)
+    assert (model.gamma, model.gae_lambda, model.ent_coef, model.vf_coef, model.max_grad_norm) == (
+        case.gamma, case.gae_lambda, case.ent_coef, case.vf_coef, case.max_grad_norm)
+    assert model.clip_range(1.0) == case.clip_coef and model.clip_range_vf is None
+    assert model.lr_schedule(1.0) == model.lr_schedule(0.0) == case.learning_rate  # constant, as --no-anneal-lr
