@@ -15,7 +15,7 @@ from tests.e2e_helpers import (
     e2e_fixture,  # noqa: F401 - the `e2e` fixture
     new_ports,
     only_run_dir,
-    update_records,
+    read_jsonl,
 )
 
 pytest.importorskip("minari", reason="behaviour cloning needs the bc extra (minari)")
@@ -45,7 +45,7 @@ def test_bc_pretraining_lifts_the_first_evaluation(e2e: E2EProcesses, tmp_path: 
 
     # The tester's first report (the run outlasts the tester's start-up; nothing else is submitted
     # before the final weights) is of the behaviour-cloned weights.
-    evaluations = [r for r in update_records(run_dir) if "eval/episodic_return" in r]
+    evaluations = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "eval/episodic_return" in r]
     first = min(evaluations, key=lambda r: r["eval/policy_version"])
     assert first["eval/policy_version"] == 1, "the first evaluation is of the behaviour-cloned weights"
     assert first["eval/episodic_return"] > 5 * RANDOM_RETURN, first
