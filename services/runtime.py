@@ -6,6 +6,7 @@ import ctypes
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -92,8 +93,15 @@ def setup_logging(level: str, log_format: str = "auto") -> None:
 
 
 def default_run_name(config: OakEmuConfig) -> str:
-    """``<env id with / as ->__<seed>__<YYYYmmdd-HHMMSS>``, the CleanRL-style run name."""
-    return f"{config.env_id.replace('/', '-')}__{config.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
+    """``<env>__<seed>__<YYYYmmdd-HHMMSS>``, the CleanRL-style run name. ``<env>`` is the env id as
+    a safe folder name: ``ALE/Breakout-v5`` -> ``ALE-Breakout-v5``, ``my_pkg.envs:MyEnv-v0`` ->
+    ``MyEnv-v0``, ``gameboy:/roms/red.gb`` -> ``gameboy-red.gb``, ``retro:Airstriker-Genesis-v0`` ->
+    ``retro-Airstriker-Genesis-v0``."""
+    prefix, _, rest = config.env_id.rpartition(":")
+    base = Path(rest).name if prefix == "gameboy" else rest
+    tag = f"{prefix}-{base}" if prefix in ("gameboy", "retro") else base
+    env = re.sub(r"[^A-Za-z0-9._-]+", "-", tag).strip("-") or "env"
+    return f"{env}__{config.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def resolve_run_dir(config: OakEmuConfig) -> Path:

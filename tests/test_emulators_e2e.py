@@ -69,10 +69,6 @@ def test_gameboy_ppo_learns_the_rewarded_button(e2e: E2EProcesses, tmp_path: Pat
     )
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="needs the config field emulator_settings (--emulator-settings) passed to make_vector_env (issue 7 wiring)",
-)
 def test_gameboy_rom_with_settings_flag(e2e: E2EProcesses, tmp_path: Path) -> None:
     """``oakemu train --env gameboy:<ROM> --emulator-settings <TOML>``: the user-facing form."""
     pytest.importorskip("pyboy", reason="PyBoy is not installed")
@@ -88,6 +84,7 @@ def test_gameboy_rom_with_settings_flag(e2e: E2EProcesses, tmp_path: Path) -> No
     status = train.wait(timeout_s=240)
     assert status == 0, train.describe()
     run_dir = only_run_dir(runs_dir)
+    assert run_dir.name.startswith(f"gameboy-{rom.name}__1__")  # a safe folder name, not the ROM path
     e2e.assert_all_exited(timeout_s=5)
     episodes = read_jsonl(run_dir / "episodes.jsonl")
     assert episodes and all(e["episodic_length"] == GAMEBOY_EPISODE_STEPS for e in episodes)
