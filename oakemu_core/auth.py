@@ -32,7 +32,6 @@ from typing import Any
 
 import zmq
 import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
 
 __all__ = [
     "ZAP_DOMAIN",
@@ -177,7 +176,7 @@ class ServerSecurity:
     public_key: bytes
     secret_key: bytes
     authorized: _AuthorizedKeys
-    authenticator: ThreadAuthenticator
+    authenticator: Any  # zmq.auth.thread.ThreadAuthenticator
 
     def apply(self, sock: zmq.Socket) -> zmq.Socket:
         """Make ``sock`` a CURVE server in the ZAP domain (before it binds)."""
@@ -224,6 +223,8 @@ def server_security(context: zmq.Context, config: Any) -> ServerSecurity | None:
     if not authorized.keys:
         log.warning("no authorised client keys in %s yet: every actor and monitor is refused until one is added",
                     folder)
+    from zmq.auth.thread import ThreadAuthenticator  # imported only when CURVE is on (pulls in asyncio)
+
     authenticator = ThreadAuthenticator(context, log=logging.getLogger("oakemu.auth.zap"))
     authenticator.start()
     authenticator.configure_curve_callback(ZAP_DOMAIN, credentials_provider=authorized)

@@ -197,13 +197,15 @@ def test_shm_formula_in_the_docs_matches_the_learner():
     """The by-hand row size used above and in deploy/README.md is the learner's own figure."""
     from oakemu_core.config import load_config
     from oakemu_core.envs import env_spec
+    from oakemu_core.step_schema import schema_for_env
     from services.learner import rollout_buffer_bytes
 
     config = load_config(["--env-id", "ALE/Breakout-v5", "--num-envs", "16", "--rollout-length", "128"])
-    expected_one_buffer = 128 * 16 * (ATARI_OBSERVATION_BYTES + ROW_BYTES_BESIDES_OBSERVATION) + 8 * 16
-    assert rollout_buffer_bytes(config, env_spec("ALE/Breakout-v5")) == expected_one_buffer
+    # + column_steps (8 bytes per column) + the layout record (meta, 3 x int64)
+    expected_one_buffer = 128 * 16 * (ATARI_OBSERVATION_BYTES + ROW_BYTES_BESIDES_OBSERVATION) + 8 * 16 + 24
+    assert rollout_buffer_bytes(config, schema_for_env(env_spec("ALE/Breakout-v5"))) == expected_one_buffer
     readme = (REPO_ROOT / "deploy" / "README.md").read_text()
-    assert "115,777,792" in readme and "28224 + 42" in readme
+    assert "115,777,840" in readme and "28224 + 42" in readme
 
 
 def test_actor_finds_learner_by_name_scales_restarts_and_holds_no_state(compose):

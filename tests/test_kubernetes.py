@@ -123,7 +123,7 @@ def test_rendered_kustomization_is_valid_and_fits_together(overlay: str) -> None
     assert mounts["dshm"] == "/dev/shm" and shm["emptyDir"]["medium"] == "Memory"
     assert settings["OAKEMU_ENV_ID"].startswith("ALE/"), "the sizing below assumes Atari observations"
     t, n = int(settings["OAKEMU_ROLLOUT_LENGTH"]), int(settings["OAKEMU_NUM_ENVS"])
-    required = 2 * t * n * (ATARI_OBSERVATION_BYTES + ROW_BYTES_BESIDES_OBSERVATION) + 16 * n
+    required = 2 * t * n * (ATARI_OBSERVATION_BYTES + ROW_BYTES_BESIDES_OBSERVATION) + 16 * n + 48
     size_limit = quantity_bytes(shm["emptyDir"]["sizeLimit"])
     assert size_limit >= 1.5 * required, (size_limit, required)
     assert quantity_bytes(container["resources"]["limits"]["memory"]) > size_limit + 2**30
