@@ -14,8 +14,12 @@ against ``raw`` measured in the same run, so the machine's speed cancels out.  W
 figure, ``pipeline+curve``, streams over CURVE-encrypted, ZAP-authenticated sockets (keys made for the
 run); its cost is ``1 - pipeline+curve / pipeline``.
 
-Usage: ``python benchmarks/bench_pipeline.py [--env ALE/Breakout-v5] [--actors 1] [--envs-per-actor 8]
-[--seconds 15] [--repeats 3] [--curve]``
+The pipeline figure is measured for each ``--steps-per-message`` value (``1`` and ``auto`` by
+default: the learner's rule, :func:`oakemu_core.wire.auto_steps_per_message`), and every figure for
+each env of ``--env`` (comma-separated; default Breakout and CartPole).
+
+Usage: ``python benchmarks/bench_pipeline.py [--env ALE/Breakout-v5,CartPole-v1] [--actors 1]
+[--envs-per-actor 8] [--seconds 15] [--repeats 3] [--steps-per-message 1,auto] [--curve]``
 """
 
 from __future__ import annotations
@@ -94,7 +98,7 @@ def measure_local(env_id: str, actors: int, num_envs: int, seconds: float, *, wi
 
 
 def measure_pipeline(env_id: str, actors: int, num_envs: int, seconds: float, *, train: bool,
-                     curve: bool = False) -> float:
+                     curve: bool = False, steps_per_message: int | str = "auto") -> float:
     """Env steps/s written by a learner (this process) fed by ``actors`` actor processes (over CURVE
     sockets when ``curve``)."""
     from oakemu_core.auth import generate_keypair
@@ -117,17 +121,13 @@ def measure_pipeline(env_id: str, actors: int, num_envs: int, seconds: float, *,
             env_id=env_id, num_actors=actors, envs_per_actor=num_envs, total_env_steps=10**9,
             data_port=ports[0], control_port=ports[1], weights_port=ports[2], telemetry_port=ports[3],
             metrics_port=ports[4], runs_dir=Path(runs_dir), run_name="bench", checkpoint_every_updates=0,
-            log_level="WARNING", **security,
+            log_level="WARNING", steps_per_message=steps_per_message, **security,
         )
-        original_train = learner_module.Trainer._train
-        if not train:
-            def release_without_training(self, rollout, global_step, episodes):  # noqa: ANN001
-                return learner_module.TrainResult(
-                    slot=rollout.slot, policy_version=self.ppo.policy_version, weights=self.weights(), stats=None,
-                    stale_rows=0, lag={"min": 0.0, "mean": 0.0, "max": 0.0, "newest_version": 0.0},
-                    iterations=self.ppo.iterations,
-                )
-            learner_module.Trainer._train = release_without_training
+        from oakemu_core import learner as library_learner
+
+        original_step = library_learner.PPOLearner.step
+        if not train:  # full buffers are released at once: no PPO update, same weights
+            library_learner.PPOLearner.step = lambda self, actor_steps: None
         learner = learner_module.Learner(config, Path(runs_dir) / "bench")
         stop = threading.Event()
         thread = threading.Thread(target=learner.run, args=(stop,), daemon=True)
@@ -157,42 +157,66 @@ def measure_pipeline(env_id: str, actors: int, num_envs: int, seconds: float, *,
             stop.set()
             thread.join(120)
             learner.close()
-            learner_module.Trainer._train = original_train
+            library_learner.PPOLearner.step = original_step
     return rate
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--env", default="ALE/Breakout-v5")
+    parser.add_argument("--env", default="ALE/Breakout-v5,CartPole-v1", help="comma-separated env ids")
     parser.add_argument("--actors", type=int, default=1)
     parser.add_argument("--envs-per-actor", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
     parser.add_argument("--curve", action="store_true", help="also measure the pipeline over CURVE sockets")
+    parser.add_argument("--steps-per-message", default="1,auto",
+                        help="comma-separated steps_per_message values for the pipeline figure (ints or auto)")
+    parser.add_argument("--no-end-to-end", action="store_true", help="skip the end-to-end (PPO) figure")
     args = parser.parse_args()
+    for env_id in args.env.split(","):
+        bench_env(args, env_id.strip())
+
+
+def bench_env(args: argparse.Namespace, env_id: str) -> None:
+    from oakemu_core.config import OakEmuConfig
+    from oakemu_core.envs import env_spec
+    from oakemu_core.step_schema import schema_for_env
+
+    ks = [k if k == "auto" else int(k) for k in args.steps_per_message.split(",")]
+    step_bytes = args.envs_per_actor * schema_for_env(env_spec(env_id)).sent_bytes_per_env()
+    resolved = {k: OakEmuConfig(env_id=env_id).resolved_steps_per_message(step_bytes) if k == "auto" else k for k in ks}
+    args.env = env_id
     print(f"{args.env}: {args.actors} actor process(es) x {args.envs_per_actor} envs, {args.seconds:.0f} s per "
           f"figure, median of {args.repeats} interleaved repeats, {os.cpu_count()} CPUs")
-    figures: dict[str, list[float]] = {"raw": [], "policy": [], "pipeline": [], "end_to_end": [], "curve": []}
+    pipeline_keys = [f"pipeline K={k}" + (f" ({resolved[k]})" if k == "auto" else "") for k in ks]
+    figures: dict[str, list[float]] = {"raw": [], "policy": [], **{key: [] for key in pipeline_keys},
+                                       "end_to_end": [], "curve": []}
     common = (args.env, args.actors, args.envs_per_actor, args.seconds)
     for _ in range(args.repeats):  # interleaved, so a slow spell of the machine hits every figure
         figures["raw"].append(measure_local(*common, with_policy=False))
         figures["policy"].append(measure_local(*common, with_policy=True))
-        figures["pipeline"].append(measure_pipeline(*common, train=False))
+        for k, key in zip(ks, pipeline_keys):
+            figures[key].append(measure_pipeline(*common, train=False, steps_per_message=k))
         if args.curve:
             figures["curve"].append(measure_pipeline(*common, train=False, curve=True))
-    figures["end_to_end"].append(measure_pipeline(*common, train=True))
-    raw, policy, pipeline, end_to_end = (float(np.median(figures[k])) for k in ("raw", "policy", "pipeline", "end_to_end"))
-    print(f"{'measurement':<44}{'env steps/s':>12}{'vs raw':>9}   all runs")
+    if not args.no_end_to_end:
+        figures["end_to_end"].append(measure_pipeline(*common, train=True))
+    raw, policy = (float(np.median(figures[k])) for k in ("raw", "policy"))
+    pipeline = float(np.median(figures[pipeline_keys[0]]))
+    print(f"{'measurement':<52}{'env steps/s':>12}{'vs raw':>9}   all runs")
     for name, key in [
         ("raw env, random actions, no transport", "raw"),
         ("raw+policy: actor step loop, no transport", "policy"),
-        ("pipeline: ZeroMQ -> learner ingest, no PPO", "pipeline"),
-        ("end-to-end: with PPO training", "end_to_end"),
+        *[(f"{key}: ZeroMQ -> ingest, no PPO", key) for key in pipeline_keys],
+        *([("end-to-end: with PPO training (K auto)", "end_to_end")] if not args.no_end_to_end else []),
         *([("pipeline+curve: CURVE sockets, no PPO", "curve")] if args.curve else []),
     ]:
         value = float(np.median(figures[key]))
-        print(f"{name:<44}{value:>12.0f}{value / raw:>9.3f}   {', '.join(f'{v:.0f}' for v in figures[key])}")
-    print(f"transport cost (1 - pipeline / raw+policy, medians): {100 * (1 - pipeline / policy):.1f} % (target <= 5 %)")
+        print(f"{name:<52}{value:>12.0f}{value / raw:>9.3f}   {', '.join(f'{v:.0f}' for v in figures[key])}")
+    print(f"actor loop / raw env (medians): {policy / raw:.3f}")
+    for key in pipeline_keys:
+        value = float(np.median(figures[key]))
+        print(f"transport cost, {key} (1 - pipeline / raw+policy, medians): {100 * (1 - value / policy):.1f} %")
     if args.curve:
         with_curve = float(np.median(figures["curve"]))
         print(f"CURVE cost (1 - pipeline+curve / pipeline, medians): {100 * (1 - with_curve / pipeline):.1f} %")
