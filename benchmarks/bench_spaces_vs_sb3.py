@@ -196,23 +196,29 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def train_oakemu(args: list[str], *, log_path: Path, torch_threads: int, timeout_s: float = 3600) -> float:
+    """Run ``oakemu train ARGS`` (``python -m services.cli``) from the repository root, output to ``log_path``;
+    returns the wall seconds from launch to exit.  OMP_NUM_THREADS sets the learner's torch intra-op threads
+    (actors use --torch-threads, default 1).  Also used by ``bench_vs_sb3.py``."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS=str(torch_threads))
+    start = time.perf_counter()
+    with open(log_path, "wb") as log:
+        process = subprocess.run([sys.executable, "-m", "services.cli", "train", *args], cwd=REPO, env=env,
+                                 stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
+    wall = time.perf_counter() - start
+    if process.returncode != 0:
+        raise RuntimeError(f"oakemu train exited {process.returncode}; see {log_path}")
+    return wall
+
+
 def run_oakemu(case: Case, *, seed: int, steps: int, runs_dir: Path, eval_episodes: int, eval_seed: int,
                torch_threads: int) -> dict:
     run_name = f"oakemu-{case.env_id.replace('/', '-')}-s{seed}"
     args = oakemu_args(case, seed=seed, steps=steps, runs_dir=runs_dir, run_name=run_name, ports=_free_ports(5))
-    # OMP_NUM_THREADS sets the learner's torch intra-op threads (actors use --torch-threads, default 1).
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS=str(torch_threads))
     load_before = os.getloadavg()[0]
-    log_path = runs_dir / f"{run_name}.log"
-    start = time.perf_counter()
-    with open(log_path, "wb") as log:
-        process = subprocess.run([sys.executable, "-m", "services.cli", "train", *args], cwd=REPO, env=env,
-                                 stdout=log, stderr=subprocess.STDOUT, timeout=3600, check=False)
-    wall = time.perf_counter() - start
+    wall = train_oakemu(args, log_path=runs_dir / f"{run_name}.log", torch_threads=torch_threads)
     load_after = os.getloadavg()[0]
-    if process.returncode != 0:
-        raise RuntimeError(f"oakemu train exited {process.returncode}; see {log_path}")
     run_dir = runs_dir / run_name
     episodes = sorted(_read_jsonl(run_dir / "episodes.jsonl"), key=lambda e: e["global_step"])
     metrics = _read_jsonl(run_dir / "metrics.jsonl")

@@ -37,9 +37,8 @@ def test_help_runs_without_sb3_imports() -> None:
     assert "--steps" in result.stdout and "--seeds" in result.stdout
 
 
-@pytest.mark.parametrize("name", sorted(bench.CASES))
-def test_oakemu_flags_parse_to_the_case(name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """The flags the benchmark passes to `oakemu train` give a config equal to the case's table."""
+def _train_config(args: list[str], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The config `oakemu train ARGS` would train with (no OAKEMU_* variables; services.train faked)."""
     for variable in list(os.environ):
         if variable.startswith("OAKEMU_"):
             monkeypatch.delenv(variable)
@@ -47,10 +46,16 @@ def test_oakemu_flags_parse_to_the_case(name: str, monkeypatch: pytest.MonkeyPat
     fake = types.ModuleType("services.train")
     fake.main = lambda *args, **kwargs: calls.append(args) or 0  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "services.train", fake)
+    assert cli.main(["train", *args]) == 0
+    return calls[0][0]
+
+
+@pytest.mark.parametrize("name", sorted(bench.CASES))
+def test_oakemu_flags_parse_to_the_case(name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The flags the benchmark passes to `oakemu train` give a config equal to the case's table."""
     case = bench.CASES[name]
     args = bench.oakemu_args(case, seed=3, steps=4096, runs_dir=tmp_path, run_name="r", ports=[1, 2, 3, 4, 5])
-    assert cli.main(["train", *args]) == 0
-    config = calls[0][0]
+    config = _train_config(args, monkeypatch)
     assert config.env_id == case.env_id and config.seed == 3 and config.total_env_steps == 4096
     assert config.num_actors * config.envs_per_actor == case.num_envs
     assert config.batch_size // config.num_minibatches == case.batch_size  # config.batch_size: rows per rollout
@@ -81,3 +86,37 @@ def test_sb3_kwargs_build_the_same_algorithm(name: str) -> None:
         case.gamma, case.gae_lambda, case.ent_coef, case.vf_coef, case.max_grad_norm)
     assert model.clip_range(1.0) == case.clip_coef and model.clip_range_vf is None
     assert model.lr_schedule(1.0) == model.lr_schedule(0.0) == case.learning_rate  # constant, as --no-anneal-lr
+
+
+BENCH_VS_SB3 = REPO_ROOT / "benchmarks" / "bench_vs_sb3.py"
+
+
+@pytest.mark.parametrize("name", ["cartpole", "lunarlander", "breakout"])
+def test_bench_vs_sb3_flags_match_the_case(name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """benchmarks/bench_vs_sb3.py: --help runs; both modes' flags give the case's config, vf_coef in OakEmu's
+    0.5 * MSE meaning (2 x SB3's), rewards clipped for Atari only."""
+    result = subprocess.run([sys.executable, str(BENCH_VS_SB3), "--help"], capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 0 and "--quick" in result.stdout, result.stderr
+    spec = importlib.util.spec_from_file_location("bench_vs_sb3", BENCH_VS_SB3)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    target = module.BENCHES[name]
+    case = target.case
+    kwargs = module.sb3_bench_kwargs(target, seed=3)
+    for mode in ("async", "sync"):
+        args = module.oakemu_bench_args(target, mode=mode, seed=3, steps=4096, runs_dir=tmp_path, run_name="r",
+                                        ports=[1, 2, 3, 4, 5], torch_threads=1)
+        config = _train_config(args, monkeypatch)
+        assert (config.mode, config.env_id, config.seed, config.eval_every_updates) == (mode, case.env_id, 3, 0)
+        assert config.num_actors * config.envs_per_actor == case.num_envs
+        assert config.batch_size // config.num_minibatches == case.batch_size == kwargs["batch_size"]
+        assert (config.rollout_length, config.ppo_epochs, config.learning_rate, config.gamma, config.gae_lambda,
+                config.clip_coef, config.ent_coef, config.max_grad_norm) == (
+            kwargs["n_steps"], kwargs["n_epochs"], kwargs["learning_rate"], kwargs["gamma"], kwargs["gae_lambda"],
+            kwargs["clip_range"], kwargs["ent_coef"], kwargs["max_grad_norm"])
+        assert config.vf_coef == 2 * kwargs["vf_coef"]
+        assert config.anneal_lr is False and config.resolved_clip_value_range is None is kwargs["clip_range_vf"]
+        assert config.resolved_clip_rewards is target.atari

@@ -1,0 +1,477 @@
+"""Throughput and sample efficiency side by side: SB3 PPO, OakEmu-RL asynchronous, OakEmu-RL synchronous (issue 11).
+
+What it measures.  For each case and seed, three runs from scratch with the same PPO hyperparameters and
+env-step budget, strictly one after another, the three systems interleaved (their order rotates with the
+seed, so that a change of machine load does not always hit the same system):
+
+* ``sb3``: Stable-Baselines3 ``PPO`` over ``DummyVecEnv`` in a child process of this script;
+* ``oakemu-async``: ``oakemu train`` (a learner and 2 actor processes, ``--mode async``, the default;
+  ``--max-policy-lag 2``, the default);
+* ``oakemu-sync``: the same with ``--mode sync`` (on-policy: actors wait for the weights trained on
+  their rollout, policy lag 0, as SB3).
+
+Cases (hyperparameters: rl-baselines3-zoo's ``ppo.yml``, the table of issue 11; printed in full, both
+sides, before the runs):
+
+* ``cartpole``: ``CartPole-v1``, 8 envs x 32 steps, 20 epochs, 1 minibatch (batch 256), lr 1e-3, clip
+  0.2, gamma 0.98, lambda 0.8, no entropy bonus; 100k steps.  The zoo anneals lr and clip range
+  linearly; OakEmu cannot anneal the clip range, so both sides keep both constant (``--no-anneal-lr``).
+* ``lunarlander``: ``LunarLander-v3``, 16 envs x 1024 steps, 4 epochs, batch 64 (256 minibatches, so
+  1,024 SGD steps per update), lr 3e-4, gamma 0.999, lambda 0.98, entropy 0.01; 1M steps (the zoo's).
+* ``breakout``: ``ALE/Breakout-v5``, 8 envs x 128 steps, 4 epochs, 4 minibatches, lr 2.5e-4 (constant,
+  the zoo anneals it), clip 0.1, entropy 0.01, training rewards clipped to [-1, 1] on both sides, no
+  value clipping (SB3's default; OakEmu's Atari ``auto`` would clip, CleanRL style); 40k steps, a
+  throughput case (at 40k steps nobody has learnt Breakout).  Networks: Nature CNN trunk shared by
+  linear policy and value heads on both sides.  Preprocessing: OakEmu steps ale-py's threaded
+  ``AtariVectorEnv``; the SB3 side builds the same preprocessing from Gymnasium wrappers, one env per
+  ``DummyVecEnv`` slot: ``gym.make(id, frameskip=1)`` (v5: sticky actions 0.25, 108,000-frame limit) +
+  ``AtariPreprocessing`` (up to 30 no-ops, frame skip 4 with max-pooling of the last two frames, 84 x 84
+  grayscale, no life-loss terminal, no fire reset) + ``FrameStackObservation(4)`` + ``ClipReward(-1, 1)``
+  under the ``Monitor`` (raw scores logged).  What differs: ale-py's C++ resize and stacking instead of
+  OpenCV in Python, and env stepping in C++ threads instead of one Python loop; the rl-zoo's
+  ``AtariWrapper`` would add life-loss terminals and fire-on-reset, which OakEmu does not do, so it is
+  not used.
+
+Both sides get the same network and loss.  One difference in meaning is compensated: OakEmu's value
+loss is CleanRL's ``0.5 * mean((V - R)^2)`` while SB3's is ``mean((V - R)^2)``, so OakEmu gets
+``--vf-coef`` = 2 x SB3's ``vf_coef`` (``OAKEMU_VF_COEF_PER_SB3``): the same loss, gradient and clipping.
+Adam eps is 1e-5 on both sides; advantages are normalised per minibatch on both sides.  Torch intra-op
+threads: ``--torch-threads`` (default 1) for the SB3 process, OakEmu's learner (``OMP_NUM_THREADS``)
+and each OakEmu actor (``--torch-threads``).  OakEmu's periodic evaluation is off
+(``--eval-every-updates 0``: SB3 does not evaluate either) and so are periodic checkpoints.  Each OakEmu
+run gets its own free ports.
+
+What the numbers mean.
+
+* ``SPS``: env steps trained / wall seconds from launching the training process to its exit
+  (interpreter start-up, imports, process start-up and shutdown included, same definition both sides).
+  ``ratio`` = OakEmu / SB3 (above 1: OakEmu faster).  Medians over seeds are printed per case.
+  OakEmu's own ``charts/SPS`` (learner start to the last update) is in the JSON.
+* ``to N``: env steps until the mean raw return of the last 20 finished episodes first reaches N
+  (CartPole: 475); ``-`` when it never did within the budget.  OakEmu: ``episodes.jsonl`` ordered by
+  ``global_step``; SB3: the ``Monitor`` infos with ``num_timesteps`` when each episode ended.
+* ``last100``: mean raw return of the last 100 finished training episodes (LunarLander: the return
+  "at the step budget"); ``curve``: the mean return per tenth of the budget (printed per run).
+* ``lag``: OakEmu's mean policy lag over updates, in versions and in SGD steps (0 in sync mode);
+  ``stale``: rows dropped as older than ``max_policy_lag``; ``acted``: env steps in finished episodes,
+  trained or not: above the trained steps when the learner threw actor steps away (it undercounts: the
+  unfinished episodes at the end are left out).
+* ``load``: the 1-minute load average before / after the run: on a shared machine the SPS figures are
+  only comparable between runs with similar load.
+
+How to run (inside ``. .venv/bin/activate`` with the ``bench`` extra: ``pip install -e .[bench]``)::
+
+    python benchmarks/bench_vs_sb3.py --quick                          # every case, tiny budgets, 1 seed
+    python benchmarks/bench_vs_sb3.py --cases cartpole --seeds 1 2 3   # CartPole, 100k steps, 3 seeds
+    python benchmarks/bench_vs_sb3.py --steps cartpole=100000 lunarlander=300000 breakout=40000 \\
+        --seeds cartpole=1,2 lunarlander=1 breakout=1 --json results.json
+
+``--steps`` and ``--seeds`` take one value for every case or ``case=value`` items.  On a 2-core machine
+CartPole 100k takes about one to two minutes per run, LunarLander 1M about 4-15 minutes per run,
+Breakout 40k two to three minutes per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_spaces_vs_sb3 import (  # the sibling benchmark's case table, flag builders and helpers
+    NUM_ACTORS,
+    REPO,
+    Case,
+    _free_ports,
+    _mean,
+    _ratio,
+    _read_jsonl,
+    oakemu_args,
+    sb3_kwargs,
+    train_oakemu,
+)
+
+OAKEMU_VF_COEF_PER_SB3 = 2.0
+"""OakEmu's value loss is ``0.5 * MSE`` (CleanRL), SB3's is ``MSE``: OakEmu ``--vf-coef`` = 2 x SB3 ``vf_coef``."""
+
+SYSTEMS = ("sb3", "oakemu-async", "oakemu-sync")
+
+
+@dataclass(frozen=True)
+class Bench:
+    """One case: the shared hyperparameters (:class:`Case`, SB3's meaning of ``vf_coef``) and what to report."""
+
+    case: Case
+    quick_steps: int
+    atari: bool = False
+    threshold: float | None = None  # report env steps until the `window`-episode mean return reaches this
+    window: int = 20
+
+
+_ZOO_COMMON = {"vf_coef": 0.5, "max_grad_norm": 0.5, "normalize_observations": False, "normalize_rewards": False,
+               "action_masks": False, "max_policy_lag": 2}  # max_policy_lag: OakEmu's default (async only)
+
+_MLP = "separate actor and critic MLPs 64-64 tanh, orthogonal init, categorical head"
+
+BENCHES: dict[str, Bench] = {
+    "cartpole": Bench(
+        Case(env_id="CartPole-v1", total_env_steps=100_000, num_envs=8, rollout_length=32, ppo_epochs=20,
+             num_minibatches=1, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, clip_coef=0.2, ent_coef=0.0,
+             net_arch=_MLP, **_ZOO_COMMON),
+        quick_steps=16_384, threshold=475.0,
+    ),
+    "lunarlander": Bench(
+        Case(env_id="LunarLander-v3", total_env_steps=1_000_000, num_envs=16, rollout_length=1024, ppo_epochs=4,
+             num_minibatches=256, learning_rate=3e-4, gamma=0.999, gae_lambda=0.98, clip_coef=0.2, ent_coef=0.01,
+             net_arch=_MLP, **_ZOO_COMMON),
+        quick_steps=32_768,
+    ),
+    "breakout": Bench(
+        Case(env_id="ALE/Breakout-v5", total_env_steps=40_000, num_envs=8, rollout_length=128, ppo_epochs=4,
+             num_minibatches=4, learning_rate=2.5e-4, gamma=0.99, gae_lambda=0.95, clip_coef=0.1, ent_coef=0.01,
+             net_arch="Nature CNN (3 conv + 512 ReLU) shared by linear policy and value heads, orthogonal init",
+             **_ZOO_COMMON),
+        quick_steps=4_096, atari=True,
+    ),
+}
+
+
+# --------------------------------------------------------------------------------------------- configs
+
+
+def oakemu_bench_args(bench: Bench, *, mode: str, seed: int, steps: int, runs_dir: Path, run_name: str,
+                      ports: list, torch_threads: int) -> list[str]:
+    """``oakemu train`` flags: the sibling's :func:`oakemu_args` (every hyperparameter explicit) with the value
+    loss coefficient translated, reward clipping for Atari, the mode, and no periodic evaluation."""
+    case = replace(bench.case, vf_coef=bench.case.vf_coef * OAKEMU_VF_COEF_PER_SB3)
+    args = oakemu_args(case, seed=seed, steps=steps, runs_dir=runs_dir, run_name=run_name, ports=ports)
+    if bench.atari:
+        args = ["--clip-rewards" if arg == "--no-clip-rewards" else arg for arg in args]
+    return [*args, "--mode", mode, "--torch-threads", str(torch_threads), "--eval-every-updates", "0"]
+
+
+def sb3_bench_kwargs(bench: Bench, *, seed: int) -> dict:
+    """SB3 ``PPO`` keyword arguments: the sibling's :func:`sb3_kwargs`; for Atari SB3's ``CnnPolicy`` default
+    (Nature CNN features shared, no hidden layers after them)."""
+    kwargs = sb3_kwargs(bench.case, seed=seed)
+    if bench.atari:
+        kwargs["policy_kwargs"] = {"net_arch": [], "ortho_init": True, "share_features_extractor": True}
+    return kwargs
+
+
+def sb3_policy(bench: Bench) -> str:
+    return "CnnPolicy" if bench.atari else "MlpPolicy"
+
+
+def sb3_env_description(bench: Bench) -> str:
+    if bench.atari:
+        return ("DummyVecEnv of Monitor(FrameStackObservation(AtariPreprocessing(gym.make(id, frameskip=1), noop_max=30, "
+                "frame_skip=4, screen_size=84, terminal_on_life_loss=False, grayscale_obs=True), 4)) + ClipReward(-1, 1)")
+    return "make_vec_env(id, vec_env_cls=DummyVecEnv) (Monitor per env)"
+
+
+# ------------------------------------------------------------------------------------------------- SB3
+
+
+def sb3_worker(spec: dict) -> dict:
+    """Train one SB3 run (in a child process); returns timings and every finished episode."""
+    start = time.perf_counter()
+    import torch
+
+    torch.set_num_threads(spec["torch_threads"])
+    import gymnasium as gym
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    bench = BENCHES[spec["name"]]
+    case = bench.case
+    if bench.atari:
+        import ale_py
+        from gymnasium.wrappers import (
+            AtariPreprocessing,
+            ClipReward,
+            FrameStackObservation,
+        )
+
+        from oakemu_core.envs import (
+            ATARI_FRAME_SKIP,
+            ATARI_IMAGE_SIZE,
+            ATARI_NOOP_MAX,
+            ATARI_STACK,
+        )
+
+        gym.register_envs(ale_py)
+
+        def make_atari() -> gym.Env:
+            env = gym.make(case.env_id, frameskip=1)
+            env = AtariPreprocessing(env, noop_max=ATARI_NOOP_MAX, frame_skip=ATARI_FRAME_SKIP,
+                                     screen_size=ATARI_IMAGE_SIZE, terminal_on_life_loss=False, grayscale_obs=True)
+            return FrameStackObservation(env, ATARI_STACK)
+
+        venv = make_vec_env(make_atari, n_envs=case.num_envs, seed=spec["seed"], vec_env_cls=DummyVecEnv,
+                            wrapper_class=ClipReward, wrapper_kwargs={"min_reward": -1.0, "max_reward": 1.0})
+    else:
+        venv = make_vec_env(case.env_id, n_envs=case.num_envs, seed=spec["seed"], vec_env_cls=DummyVecEnv)
+
+    class EpisodeLog(BaseCallback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.episodes: list[tuple[int, float]] = []
+
+        def _on_step(self) -> bool:
+            for info in self.locals["infos"]:
+                if "episode" in info:
+                    self.episodes.append((int(self.num_timesteps), float(info["episode"]["r"])))
+            return True
+
+    model = PPO(sb3_policy(bench), venv, **spec["kwargs"])
+    log = EpisodeLog()
+    learn_start = time.perf_counter()
+    model.learn(total_timesteps=spec["steps"], callback=log)
+    end = time.perf_counter()
+    return {"wall_s": end - start, "learn_s": end - learn_start, "env_steps": int(model.num_timesteps),
+            "updates": int(model.num_timesteps // (case.num_envs * case.rollout_length)), "episodes": log.episodes}
+
+
+def run_sb3(name: str, *, seed: int, steps: int, runs_dir: Path, torch_threads: int) -> dict:
+    spec = {"name": name, "seed": seed, "steps": steps, "torch_threads": torch_threads,
+            "kwargs": sb3_bench_kwargs(BENCHES[name], seed=seed)}
+    log_path = runs_dir / f"sb3-{name}-s{seed}.log"
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with open(log_path, "w") as log:
+        process = subprocess.run([sys.executable, __file__, "--sb3-worker", json.dumps(spec)], cwd=REPO, env=env,
+                                 stdout=subprocess.PIPE, stderr=log, text=True, timeout=7200, check=False)
+    if process.returncode != 0:
+        raise RuntimeError(f"SB3 worker exited {process.returncode}; see {log_path}")
+    return json.loads(process.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------------------------- OakEmu
+
+
+def run_oakemu_mode(name: str, *, mode: str, seed: int, steps: int, runs_dir: Path, torch_threads: int) -> dict:
+    run_name = f"oakemu-{mode}-{name}-s{seed}"
+    args = oakemu_bench_args(BENCHES[name], mode=mode, seed=seed, steps=steps, runs_dir=runs_dir,
+                             run_name=run_name, ports=_free_ports(5), torch_threads=torch_threads)
+    wall = train_oakemu(args, log_path=runs_dir / f"{run_name}.log", torch_threads=torch_threads, timeout_s=7200)
+    metrics = _read_jsonl(runs_dir / run_name / "metrics.jsonl")
+    episodes = sorted(_read_jsonl(runs_dir / run_name / "episodes.jsonl"), key=lambda e: e["global_step"])
+
+    def series(key: str) -> list[float]:
+        return [m[key] for m in metrics if m.get(key) is not None]
+
+    return {"wall_s": wall, "env_steps": int(metrics[-1]["global_step"]) if metrics else 0,
+            "updates": len(metrics), "sps_logged": series("charts/SPS")[-1] if metrics else float("nan"),
+            "policy_lag_mean": _mean(series("charts/policy_lag_mean")),
+            "policy_lag_max": max(series("charts/policy_lag_max"), default=float("nan")),
+            "lag_sgd_steps_mean": _mean(series("charts/policy_lag_sgd_steps_mean")),
+            "stale_rows": int(sum(series("charts/stale_rows"))),
+            "acted_steps": int(sum(e["episodic_length"] for e in episodes)),
+            "episodes": [(int(e["global_step"]), float(e["episodic_return"])) for e in episodes]}
+
+
+# ------------------------------------------------------------------------------------------- summaries
+
+
+def steps_to_threshold(episodes: list, threshold: float | None, window: int) -> int | None:
+    """Env steps at the first finished episode after which the last ``window`` episodes average >= threshold."""
+    if threshold is None:
+        return None
+    returns = [r for _, r in episodes]
+    for i in range(window, len(returns) + 1):
+        if sum(returns[i - window:i]) / window >= threshold:
+            return int(episodes[i - 1][0])
+    return None
+
+
+def curve(episodes: list, steps: int, parts: int = 10) -> list[float]:
+    """Mean return of the episodes that ended in each tenth of the budget (nan where none ended)."""
+    bins: list[list[float]] = [[] for _ in range(parts)]
+    for step, value in episodes:
+        bins[min(parts - 1, max(0, (step - 1) * parts // steps))].append(value)
+    return [round(_mean(b), 1) for b in bins]
+
+
+def summarize(result: dict, bench: Bench, steps: int, load: tuple[float, float]) -> dict:
+    episodes = result.pop("episodes")
+    result.update(sps=result["env_steps"] / result["wall_s"], episodes=len(episodes),
+                  last100=_mean([r for _, r in episodes][-100:]),
+                  to_threshold=steps_to_threshold(episodes, bench.threshold, bench.window),
+                  curve=curve(episodes, steps), load_1min=[round(load[0], 2), round(load[1], 2)])
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def _per_case(values: list[str], names: list[str], parse, what: str) -> dict:
+    """``["N"]`` (every case) or ``["case=N", ...]`` -> {case: parse(value)}; cases not named get None."""
+    if all("=" not in v for v in values):
+        return dict.fromkeys(names, parse(" ".join(values)))
+    out: dict = dict.fromkeys(names)
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep or key not in BENCHES:
+            raise SystemExit(f"{what}: expected N or case=N with case in {sorted(BENCHES)}, received {item!r}")
+        out[key] = parse(value)
+    return out
+
+
+def _seeds(text: str) -> list[int]:
+    return [int(s) for s in text.replace(",", " ").split()]
+
+
+def print_configs(names: list[str], steps: dict, torch_threads: int) -> None:
+    for name in names:
+        bench = BENCHES[name]
+        case = bench.case
+        print(f"\n== {name}: {case.env_id}, {steps[name]} env steps per run ==")
+        print("shared hyperparameters (vf_coef in SB3's meaning):", asdict(case),
+              f"batch_size={case.batch_size}", f"rows_per_update={case.num_envs * case.rollout_length}",
+              f"sgd_steps_per_update={case.ppo_epochs * case.num_minibatches}")
+        for mode in ("async", "sync"):
+            print(f"oakemu train ({mode}):", " ".join(oakemu_bench_args(
+                bench, mode=mode, seed=0, steps=steps[name], runs_dir=Path("DIR"), run_name="NAME", ports=["P"] * 5,
+                torch_threads=torch_threads)))
+        print(f"SB3: PPO({sb3_policy(bench)!r}, {sb3_env_description(bench)}, n_envs={case.num_envs}, "
+              f"**{sb3_bench_kwargs(bench, seed=0)})")
+
+
+def run_all(names: list[str], steps: dict, seeds: dict, systems: list[str], runs_dir: Path, torch_threads: int,
+            json_path: Path | None) -> list[dict]:
+    results = []
+    for name in names:
+        for index, seed in enumerate(seeds[name]):
+            row: dict = {"case": name, "env": BENCHES[name].case.env_id, "seed": seed, "steps": steps[name]}
+            order = systems[index % len(systems):] + systems[:index % len(systems)]  # rotate with the seed
+            for system in order:
+                print(f"\n-- {name} seed {seed}: {system} ...", flush=True)
+                load_before = os.getloadavg()[0]
+                common = {"seed": seed, "steps": steps[name], "runs_dir": runs_dir, "torch_threads": torch_threads}
+                if system == "sb3":
+                    result = run_sb3(name, **common)
+                else:
+                    result = run_oakemu_mode(name, mode=system.removeprefix("oakemu-"), **common)
+                row[system] = summarize(result, BENCHES[name], steps[name], (load_before, os.getloadavg()[0]))
+                print(f"   {system}: {row[system]}", flush=True)
+            results.append(row)
+            if json_path:
+                json_path.write_text(json.dumps(results, indent=2))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="+", choices=sorted(BENCHES), default=list(BENCHES))
+    parser.add_argument("--seeds", nargs="+", default=["1", "2"],
+                        help="seeds for every case (1 2) or per case (cartpole=1,2 breakout=1); default 1 2")
+    parser.add_argument("--steps", nargs="+", default=None,
+                        help="env steps per run for every case (N) or per case (cartpole=100000 ...); "
+                             "default each case's (100k, 1M, 40k)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny budgets (cartpole 16k, lunarlander 32k, breakout 4k) and seed 1 unless given")
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="torch intra-op threads of the SB3 process, OakEmu's learner and each OakEmu actor")
+    parser.add_argument("--runs-dir", type=Path, default=None, help="keep run folders here (default: a temp dir)")
+    parser.add_argument("--json", type=Path, default=None, help="also write every result to this JSON file")
+    parser.add_argument("--print-configs", action="store_true", help="print both sides' settings and exit")
+    parser.add_argument("--sb3-worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.sb3_worker:
+        print(json.dumps(sb3_worker(json.loads(args.sb3_worker))))
+        return 0
+    names = args.cases
+    steps = _per_case(args.steps, names, int, "--steps") if args.steps else dict.fromkeys(names)
+    steps = {n: steps[n] or (BENCHES[n].quick_steps if args.quick else BENCHES[n].case.total_env_steps) for n in names}
+    seed_values = args.seeds if not (args.quick and args.seeds == ["1", "2"]) else ["1"]
+    seeds = _per_case(seed_values, names, _seeds, "--seeds")
+    names = [n for n in names if seeds[n]]
+    print_configs(names, steps, args.torch_threads)
+    print(f"\nnum_actors={NUM_ACTORS}; torch intra-op threads {args.torch_threads} everywhere; "
+          f"seeds {seeds}; systems {args.systems}; commit {_commit()}")
+    if args.print_configs:
+        return 0
+    temp = None if args.runs_dir else tempfile.TemporaryDirectory(prefix="bench_vs_sb3_")
+    runs_dir = Path(temp.name) if temp else args.runs_dir.resolve()
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        results = run_all(names, steps, seeds, args.systems, runs_dir, args.torch_threads, args.json)
+    finally:
+        if temp is not None:
+            temp.cleanup()
+    print_table(results)
+    return 0
+
+
+def _commit() -> str:
+    process = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                             check=False)
+    return process.stdout.strip() or "unknown"
+
+
+def print_table(results: list[dict]) -> None:
+    """Markdown table: one row per case and seed, then the per-case medians; ``-`` for what was not run."""
+
+    def get(row: dict, system: str, key: str):
+        return row.get(system, {}).get(key)
+
+    def fmt(value, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    def ratio(row: dict, system: str) -> str:
+        o, s = get(row, system, "sps"), get(row, "sb3", "sps")
+        return "-" if o is None or s is None else _ratio(o, s)
+
+    print("\n| case | seed | steps | SPS SB3 | async | sync | async/SB3 | sync/SB3 | to-threshold SB3 | async | sync "
+          "| last100 SB3 | async | sync | async lag versions / SGD steps (max) | async stale rows "
+          "| acted async / sync | load SB3 / async / sync |")
+    print("|" + " --- |" * 18)
+    for row in results:
+        cells = [row["case"], str(row["seed"]), str(row["steps"])]
+        cells += [fmt(get(row, s, "sps"), ",.0f") for s in SYSTEMS]
+        cells += [ratio(row, "oakemu-async"), ratio(row, "oakemu-sync")]
+        cells += [fmt(get(row, s, "to_threshold"), ",d") for s in SYSTEMS]
+        cells += [fmt(get(row, s, "last100"), ".1f") for s in SYSTEMS]
+        lag = (f"{fmt(get(row, 'oakemu-async', 'policy_lag_mean'), '.2f')} / "
+               f"{fmt(get(row, 'oakemu-async', 'lag_sgd_steps_mean'), '.0f')} "
+               f"({fmt(get(row, 'oakemu-async', 'policy_lag_max'), '.0f')})")
+        cells += [lag, fmt(get(row, "oakemu-async", "stale_rows"), ",d"),
+                  f"{fmt(get(row, 'oakemu-async', 'acted_steps'), ',d')} / {fmt(get(row, 'oakemu-sync', 'acted_steps'), ',d')}",
+                  " / ".join(fmt((get(row, s, "load_1min") or [None])[0], ".1f") for s in SYSTEMS)]
+        print("| " + " | ".join(cells) + " |")
+    def median(rows: list[dict], system: str, key: str):
+        values = [get(r, system, key) for r in rows if get(r, system, key) is not None]
+        return statistics.median(values) if values else None
+
+    for name in dict.fromkeys(r["case"] for r in results):
+        rows = [r for r in results if r["case"] == name]
+
+        sps = {s: median(rows, s, "sps") for s in SYSTEMS}
+        ratios = {s: (statistics.median([get(r, s, "sps") / get(r, "sb3", "sps") for r in rows
+                                         if get(r, s, "sps") and get(r, "sb3", "sps")]) if sps[s] and sps["sb3"]
+                      else None) for s in ("oakemu-async", "oakemu-sync")}
+        print(f"\n{name}: median SPS SB3 {fmt(sps['sb3'], ',.0f')}, async {fmt(sps['oakemu-async'], ',.0f')}, "
+              f"sync {fmt(sps['oakemu-sync'], ',.0f')}; median ratio async/SB3 {fmt(ratios['oakemu-async'], '.2f')}, "
+              f"sync/SB3 {fmt(ratios['oakemu-sync'], '.2f')}; median last100 "
+              + ", ".join(f"{s} {fmt(median(rows, s, 'last100'), '.1f')}" for s in SYSTEMS))
+        for row in rows:
+            for system in SYSTEMS:
+                if system in row:
+                    print(f"  curve (mean return per tenth of {row['steps']:,} steps) seed {row['seed']} {system}: "
+                          f"{row[system]['curve']}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
