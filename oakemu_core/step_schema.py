@@ -42,18 +42,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from oakemu_core.distributions import (
-    ActionDistribution,
-    Bernoulli,
-    Categorical,
-    DiagGaussian,
-    MultiCategorical,
-    distribution_from_dict,
-)
+if TYPE_CHECKING:  # torch is imported lazily: the schema, buffers and wire stay torch-free
+    from oakemu_core.distributions import ActionDistribution
 
 __all__ = [
     "MAX_ABS_STEP_VALUE",
@@ -387,6 +381,8 @@ class StepSchema:
         if distribution is not None:
             if not isinstance(distribution, dict):
                 raise ValueError("schema: distribution must be a map or None")
+            from oakemu_core.distributions import distribution_from_dict
+
             distribution = distribution_from_dict(distribution)
         return cls(tuple(StepField.from_dict(f) for f in fields), distribution)
 
@@ -441,7 +437,7 @@ def build_schema(
             raise ValueError("build_schema: expected a distribution, or action_shape and action_dtype")
         fields.append(StepField("actions", tuple(action_shape), np.dtype(action_dtype), minibatch=True))
     # A discrete log probability is <= 0; a Gaussian density may exceed 1 (positive log prob).
-    discrete = distribution is not None and not isinstance(distribution, DiagGaussian)
+    discrete = distribution is not None and distribution.kind != "diag_gaussian"
     fields += [
         _scalar("log_probs", np.float32, minibatch=True, low=-1e4 if discrete else -MAX_ABS_STEP_VALUE,
                 high=1e-3 if discrete else MAX_ABS_STEP_VALUE),
@@ -470,11 +466,11 @@ def build_schema(
 
 
 def _mask_segments(distribution: ActionDistribution) -> tuple[int, ...]:
-    if isinstance(distribution, Categorical):
+    if distribution.kind == "categorical":
         return (distribution.num_actions,)
-    if isinstance(distribution, MultiCategorical):
+    if distribution.kind == "multi_categorical":
         return distribution.nvec
-    if isinstance(distribution, Bernoulli):
+    if distribution.kind == "bernoulli":
         return (2,) * distribution.num_bits
     raise ValueError(f"{distribution!r} has no action mask")
 
@@ -518,13 +514,13 @@ def check_step_consistency(schema: StepSchema, arrays: Mapping[str, np.ndarray])
 def taken_action_allowed(distribution: ActionDistribution, actions: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """``(n,)`` bool: whether each row's action is allowed by its ``(n, mask_width)`` mask."""
     rows = np.arange(actions.shape[0])
-    if isinstance(distribution, Categorical):
+    if distribution.kind == "categorical":
         return mask[rows, actions.astype(np.int64)]
-    if isinstance(distribution, MultiCategorical):
+    if distribution.kind == "multi_categorical":
         offsets = np.concatenate([[0], np.cumsum(distribution.nvec)[:-1]])
         columns = actions.astype(np.int64) + offsets
         return np.take_along_axis(mask, columns, axis=1).all(axis=1)
-    if isinstance(distribution, Bernoulli):
+    if distribution.kind == "bernoulli":
         columns = 2 * np.arange(distribution.num_bits) + actions.astype(np.int64)
         return np.take_along_axis(mask, columns, axis=1).all(axis=1)
     return np.ones(actions.shape[0], dtype=bool)

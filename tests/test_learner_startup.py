@@ -11,23 +11,24 @@ from pathlib import Path
 from oakemu_core.config import OakEmuConfig
 from oakemu_core.envs import env_spec
 from oakemu_core.memory_diagnostics import shm_free_bytes
+from oakemu_core.step_schema import schema_for_env
 from services.learner import NUM_ROLLOUT_BUFFERS, rollout_buffer_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_rollout_buffer_bytes_matches_a_real_buffer() -> None:
+    """The learner's /dev/shm figure is what a buffer of the run's schema really allocates: every
+    stored field (here Taxi's masks too) plus column_steps and the 3-slot meta array."""
     from oakemu_core.rollout_buffer import RolloutBuffer
 
-    config = OakEmuConfig(env_id="CartPole-v1", envs_per_actor=3, num_envs=6, rollout_length=10)
-    spec = env_spec(config.env_id)
-    with RolloutBuffer(10, 6, spec.observation_shape, spec.observation_dtype) as buffer:
-        array_bytes = sum(a.nbytes for a in (
-            buffer.observations, buffer.actions, buffer.log_probs, buffer.values, buffer.rewards, buffer.dones,
-            buffer.bootstrap_values, buffer.trainable, buffer.policy_versions, buffer.advantages, buffer.returns,
-            buffer.column_steps,
-        ))
-    assert rollout_buffer_bytes(config, spec) == array_bytes
+    for env_id in ("CartPole-v1", "Taxi-v4", "Pendulum-v1"):
+        config = OakEmuConfig(env_id=env_id, envs_per_actor=3, num_envs=6, rollout_length=10)
+        schema = schema_for_env(env_spec(config.env_id))
+        with RolloutBuffer(10, 6, schema=schema) as buffer:
+            array_bytes = sum(buffer.field(f.name).nbytes for f in schema.stored) + buffer.column_steps.nbytes + 3 * 8
+            assert buffer.memory_bytes == array_bytes
+        assert rollout_buffer_bytes(config, schema) == array_bytes
 
 
 def test_learner_refuses_a_rollout_that_does_not_fit_in_dev_shm(tmp_path: Path) -> None:
@@ -47,6 +48,6 @@ def test_learner_refuses_a_rollout_that_does_not_fit_in_dev_shm(tmp_path: Path) 
     needed = re.search(r"need (\d+) bytes", output)
     assert needed, output
     config = OakEmuConfig(env_id="ALE/Breakout-v5", envs_per_actor=8, num_envs=num_envs, rollout_length=rollout_length)
-    assert int(needed.group(1)) == NUM_ROLLOUT_BUFFERS * rollout_buffer_bytes(config, env_spec(config.env_id))
+    assert int(needed.group(1)) == NUM_ROLLOUT_BUFFERS * rollout_buffer_bytes(config, schema_for_env(env_spec(config.env_id)))
     assert "shm_size" in output
     assert "Traceback" not in output
