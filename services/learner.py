@@ -287,7 +287,8 @@ class Learner:
             for _ in range(num_rollout_buffers(config))
         ]
         self.sync = config.mode == "sync"
-        self.assembler = RolloutAssembler(self.buffers, actor_timeout_s=config.actor_timeout_s, sync=self.sync)
+        self.assembler = RolloutAssembler(self.buffers, actor_timeout_s=config.actor_timeout_s, sync=self.sync,
+                                          max_policy_lag=config.max_policy_lag)
         # Synchronous mode: joins wait until num_actors actors have asked, then get their indices in
         # actor-id order (columns and env seeds do not depend on who connected first).
         self._pending_joins: dict[str, tuple[Any, JoinRequest]] = {}
@@ -553,7 +554,7 @@ class Learner:
     def _collect_results(self) -> None:
         for result in self.trainer.handshake.results():
             if result.slot is not None:
-                self.assembler.release(result.slot)
+                self.assembler.release(result.slot, result.policy_version)
             self.policy_version = result.policy_version
             self.latest_weights = result.weights
             self.weights_pub.send(encode_weights(WeightsMessage(result.policy_version, result.weights)), copy=False)
@@ -732,6 +733,9 @@ class Learner:
                 self.stopping_reason = "signal" if stop_event.is_set() else "env-step budget reached"
                 log.info("stopping: %s", self.stopping_reason)
             if self.stopping_reason and not self.trainer.handshake.busy:
+                counters = self.assembler.counters  # one line to compare runs (issue 11: dropped steps)
+                log.info("ingest: %d env steps written, %d vector steps held, dropped %s", counters.env_steps,
+                         self.assembler.pending_rows, dict(counters.dropped))
                 break
             want_data = (self.assembler.accepting and not self.stopping_reason
                          and not (budget_spent and self.trainer.handshake.busy))

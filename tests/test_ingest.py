@@ -191,10 +191,11 @@ def test_full_buffer_hand_off_and_release_cycle(assembler: RolloutAssembler, buf
     assert assembler.states == [SlotState.FULL, SlotState.FULL]
     assert not assembler.accepting
 
-    # No buffer is filling: a step that arrives anyway is dropped and counted, nothing written.
+    # No buffer is filling: a step that arrives anyway is held (not dropped), nothing written yet.
     steps_before = assembler.counters.env_steps
     send(assembler, message("a", "a-1", 2 * T, 6))
-    assert assembler.counters.dropped["no_capacity_steps"] == 6
+    assert assembler.counters.dropped["no_capacity_steps"] == 0
+    assert assembler.actors["a"].pending_rows == 1 and assembler.pending_rows == 1
     assert assembler.counters.env_steps == steps_before == 2 * T * 6
 
     first = assembler.take_full_rollout()
@@ -203,7 +204,9 @@ def test_full_buffer_hand_off_and_release_cycle(assembler: RolloutAssembler, buf
     assert assembler.take_full_rollout() is None
     assembler.release(0)
     assert assembler.states == [SlotState.FILLING, SlotState.TRAINING]
-    assert buffers[0].column_steps.tolist() == [0] * N and not buffers[0].trainable.any()
+    # The held step went into the released buffer at once, as row 0.
+    assert assembler.pending_rows == 0 and assembler.counters.env_steps == steps_before + 6
+    assert buffers[0].column_steps.tolist() == [1] * N
     assert assembler.accepting
     with pytest.raises(ValueError, match="expected training"):
         assembler.release(0)
@@ -211,7 +214,7 @@ def test_full_buffer_hand_off_and_release_cycle(assembler: RolloutAssembler, buf
     # Buffer 0 was released first, so it fills first again.
     send(assembler, message("a", "a-1", 2 * T + 1, 6))
     assert assembler.actors["a"].segment.slot == 0
-    assert buffers[0].column_steps.tolist() == [1] * N and buffers[1].column_steps.tolist() == [0] * N
+    assert buffers[0].column_steps.tolist() == [2] * N and buffers[1].column_steps.tolist() == [0] * N
 
 
 # --------------------------------------------------------------------------------- rejection
@@ -453,3 +456,94 @@ def test_a_message_the_buffer_cannot_store_is_rejected_and_discards_the_segment(
         send(assembler, replace(bad, fields={**bad.fields, "my_extra": np.zeros((2, 3), np.float32)}))
     assert caught.value.reason == "schema" and "my_extra" in caught.value.detail
     assert buffers[0].column_steps.tolist()[:2] == [0, 0]
+
+
+# ----------------------------------------------------------------- over-subscription (issue 11)
+def _decode_written(buffer: RolloutBuffer) -> list[list[tuple[int, int, int]]]:
+    """Per column, the (actor code, seq, env) of each row, decoded from :func:`message`'s numbers."""
+    values, rewards = buffer.field("values").astype(np.float64), buffer.field("rewards").astype(np.float64)
+    columns = []
+    for column in range(buffer.num_envs):
+        rows = []
+        for row in range(buffer.rollout_length):
+            v, r = values[row, column], rewards[row, column]
+            a = int(np.floor(v - r + 1e-6))
+            i = int(round((v - r - a) / 0.25))
+            rows.append((a, int(round(r - 0.25 * i)), i))
+        columns.append(rows)
+    return columns
+
+
+@pytest.mark.parametrize("train_rounds", [1, 2, 3])
+def test_an_over_subscribed_learner_holds_steps_instead_of_dropping_them(
+    assembler: RolloutAssembler, buffers: list[RolloutBuffer], train_rounds: int
+) -> None:
+    """3 actors x 3 envs on 2 buffers x 6 columns: one actor always waits for columns. The learner
+    reads while a buffer fills; a full buffer trains for ``train_rounds`` rounds. Every step sent
+    is written exactly once (or still held), rows are consecutive per column, nothing is dropped."""
+    names = ("a", "b", "c")
+    for name in names:
+        assembler.join(name, f"{name}-1", spec(3), hostname="h", now=0.0)
+    seqs = dict.fromkeys(names, 0)
+    training: list[tuple[int, int]] = []  # (slot, round it finishes)
+    seen: set[tuple[int, int, int]] = set()
+    sent = 0
+    rng = np.random.default_rng(0)
+    for round_ in range(60):
+        for slot, done_at in [t for t in training if t[1] <= round_]:
+            assembler.release(slot)
+            training.remove((slot, done_at))
+        for name in rng.permutation(names):  # arrival order varies, one message per actor per round
+            if not assembler.accepting:  # the learner stops reading: actors wait in send
+                break
+            send(assembler, message(name, f"{name}-1", seqs[name], 3))
+            seqs[name] += 1
+            sent += 3
+        while (rollout := assembler.take_full_rollout()) is not None:
+            for rows in _decode_written(rollout.buffer):
+                a, first_seq, env = rows[0]
+                assert rows == [(a, first_seq + t, env) for t in range(T)], rows  # one actor's env, consecutive
+                assert not seen.intersection(rows)
+                seen.update(rows)
+            training.append((rollout.slot, round_ + train_rounds))
+    assert assembler.counters.dropped["no_capacity_steps"] == 0
+    assert len(seen) > 0.6 * sent
+    assert assembler.counters.env_steps + 3 * assembler.pending_rows == sent
+
+
+def test_a_held_backlog_keeps_one_segment_and_drops_the_oldest(
+    assembler: RolloutAssembler, buffers: list[RolloutBuffer]
+) -> None:
+    assembler.join("a", "a-1", spec(6), hostname="h", now=0.0)
+    fill_segment(assembler, "a", "a-1", 6)
+    fill_segment(assembler, "a", "a-1", 6, first_seq=T)
+    assert not assembler.accepting
+    late = [message("a", "a-1", 2 * T + s, 6) for s in range(T + 2)]  # 2 more than one segment
+    for msg in late:
+        send(assembler, msg)
+    assert assembler.pending_rows == T
+    assert assembler.counters.dropped["no_capacity_steps"] == 2 * 6  # the two oldest
+    assembler.take_full_rollout()
+    assembler.release(0)
+    assert assembler.pending_rows == 0
+    for row, msg in enumerate(late[2:]):  # the newest T, consecutive from row 0
+        check_rows(buffers[0], msg, row, list(range(6)))
+    assert assembler.states[0] is SlotState.FULL
+
+
+def test_held_steps_that_would_train_too_old_are_dropped_at_release(buffers: list[RolloutBuffer]) -> None:
+    """With max_policy_lag 1 and 2 buffers, a buffer filled after a release to version v trains at
+    v + 1 at the earliest: held steps acted before v are dropped, newer ones written."""
+    assembler = RolloutAssembler(buffers, actor_timeout_s=TIMEOUT_S, max_policy_lag=1)
+    assembler.join("a", "a-1", spec(6), hostname="h", now=0.0)
+    fill_segment(assembler, "a", "a-1", 6)
+    fill_segment(assembler, "a", "a-1", 6, first_seq=T)
+    old, new = message("a", "a-1", 2 * T, 6, version=0), message("a", "a-1", 2 * T + 1, 6, version=1)
+    send(assembler, old, version=1)
+    send(assembler, new, version=1)
+    assert assembler.pending_rows == 2
+    assembler.take_full_rollout()
+    assembler.release(0, policy_version=1)
+    assert assembler.counters.dropped["no_capacity_steps"] == 6  # the version-0 step
+    assert assembler.pending_rows == 0
+    check_rows(buffers[0], new, 0, list(range(6)))
