@@ -567,7 +567,9 @@ class Learner:
             self.trainable_share = result.trainable_share
             self.rollbacks = result.rollbacks
             self._log_update(result)
-            if self.assembler.counters.env_steps >= self.config.total_env_steps and not self.stopping_reason:
+            # A full rollout still waiting is trained before the run stops (not left untrained).
+            budget_spent = self.assembler.counters.env_steps >= self.config.total_env_steps
+            if budget_spent and not self.stopping_reason and SlotState.FULL not in self.assembler.states:
                 self.stopping_reason = "env-step budget reached"
                 log.info("stopping: %s at %d env steps, update %d", self.stopping_reason,
                          self.assembler.counters.env_steps, result.iterations)
