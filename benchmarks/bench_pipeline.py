@@ -51,19 +51,32 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
-def _step_loop(env_id: str, num_envs: int, seconds: float, with_policy: bool, seed: int, out: mp.Queue) -> None:
+ACTOR_VARIANTS = ("groups2", "threads2", "inference_mode", "channels_last")
+"""Actor-loop variants of ``--actor-variants`` (issue 11): two overlapped env groups
+(``env_groups=2``), 2 torch threads, ``torch.inference_mode`` around the loop, a channels-last model."""
+
+
+def _step_loop(env_id: str, num_envs: int, seconds: float, with_policy: bool, seed: int, out: mp.Queue,
+               variant: str = "") -> None:
+    import contextlib
+
     import torch
 
     from oakemu_core.distributions import distribution_for_env
-    from oakemu_core.envs import make_vector_env
+    from oakemu_core.envs import make_env_groups, make_vector_env
     from oakemu_core.models import build_model
     from oakemu_core.stepper import PolicyStepper
 
-    torch.set_num_threads(1)
-    env = make_vector_env(env_id, num_envs, seed=seed)
+    torch.set_num_threads(2 if variant == "threads2" else 1)
+    env = make_env_groups(env_id, num_envs, 2, seed=seed) if variant == "groups2" else make_vector_env(env_id, num_envs, seed=seed)
     spec = env.spec
+    mode = torch.inference_mode() if variant == "inference_mode" else contextlib.nullcontext()
+    mode.__enter__()
     if with_policy:
-        stepper = PolicyStepper(env, build_model(spec.observation_layout, distribution_for_env(spec)))
+        model = build_model(spec.observation_layout, distribution_for_env(spec))
+        if variant == "channels_last":
+            model = model.to(memory_format=torch.channels_last)
+        stepper = PolicyStepper(env, model)
         step = stepper.step
     else:
         env.reset()
@@ -82,12 +95,14 @@ def _step_loop(env_id: str, num_envs: int, seconds: float, with_policy: bool, se
     env.close()
 
 
-def measure_local(env_id: str, actors: int, num_envs: int, seconds: float, *, with_policy: bool) -> float:
-    """Sum over ``actors`` processes of env steps/s, no transport."""
+def measure_local(env_id: str, actors: int, num_envs: int, seconds: float, *, with_policy: bool,
+                  variant: str = "") -> float:
+    """Sum over ``actors`` processes of env steps/s, no transport (``variant``: see ACTOR_VARIANTS)."""
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
     procs = [
-        ctx.Process(target=_step_loop, args=(env_id, num_envs, seconds, with_policy, 100 + i, out)) for i in range(actors)
+        ctx.Process(target=_step_loop, args=(env_id, num_envs, seconds, with_policy, 100 + i, out, variant))
+        for i in range(actors)
     ]
     for p in procs:
         p.start()
@@ -172,6 +187,9 @@ def main() -> None:
     parser.add_argument("--steps-per-message", default="1,auto",
                         help="comma-separated steps_per_message values for the pipeline figure (ints or auto)")
     parser.add_argument("--no-end-to-end", action="store_true", help="skip the end-to-end (PPO) figure")
+    parser.add_argument("--actor-variants", action="store_true",
+                        help="also measure actor-loop variants: " + ", ".join(ACTOR_VARIANTS))
+    parser.add_argument("--actor-only", action="store_true", help="only raw and actor-loop figures (no learner)")
     args = parser.parse_args()
     for env_id in args.env.split(","):
         bench_env(args, env_id.strip())
@@ -189,12 +207,17 @@ def bench_env(args: argparse.Namespace, env_id: str) -> None:
     print(f"{args.env}: {args.actors} actor process(es) x {args.envs_per_actor} envs, {args.seconds:.0f} s per "
           f"figure, median of {args.repeats} interleaved repeats, {os.cpu_count()} CPUs")
     pipeline_keys = [f"pipeline K={k}" + (f" ({resolved[k]})" if k == "auto" else "") for k in ks]
-    figures: dict[str, list[float]] = {"raw": [], "policy": [], **{key: [] for key in pipeline_keys},
-                                       "end_to_end": [], "curve": []}
+    variants = list(ACTOR_VARIANTS) if args.actor_variants else []
+    if args.actor_only:
+        pipeline_keys, ks, args.no_end_to_end = [], [], True
+    figures: dict[str, list[float]] = {"raw": [], "policy": [], **{v: [] for v in variants},
+                                       **{key: [] for key in pipeline_keys}, "end_to_end": [], "curve": []}
     common = (args.env, args.actors, args.envs_per_actor, args.seconds)
     for _ in range(args.repeats):  # interleaved, so a slow spell of the machine hits every figure
         figures["raw"].append(measure_local(*common, with_policy=False))
         figures["policy"].append(measure_local(*common, with_policy=True))
+        for variant in variants:
+            figures[variant].append(measure_local(*common, with_policy=True, variant=variant))
         for k, key in zip(ks, pipeline_keys):
             figures[key].append(measure_pipeline(*common, train=False, steps_per_message=k))
         if args.curve:
@@ -202,11 +225,12 @@ def bench_env(args: argparse.Namespace, env_id: str) -> None:
     if not args.no_end_to_end:
         figures["end_to_end"].append(measure_pipeline(*common, train=True))
     raw, policy = (float(np.median(figures[k])) for k in ("raw", "policy"))
-    pipeline = float(np.median(figures[pipeline_keys[0]]))
+    pipeline = float(np.median(figures[pipeline_keys[0]])) if pipeline_keys else float("nan")
     print(f"{'measurement':<52}{'env steps/s':>12}{'vs raw':>9}   all runs")
     for name, key in [
         ("raw env, random actions, no transport", "raw"),
         ("raw+policy: actor step loop, no transport", "policy"),
+        *[(f"raw+policy, {v}", v) for v in variants],
         *[(f"{key}: ZeroMQ -> ingest, no PPO", key) for key in pipeline_keys],
         *([("end-to-end: with PPO training (K auto)", "end_to_end")] if not args.no_end_to_end else []),
         *([("pipeline+curve: CURVE sockets, no PPO", "curve")] if args.curve else []),
@@ -214,6 +238,9 @@ def bench_env(args: argparse.Namespace, env_id: str) -> None:
         value = float(np.median(figures[key]))
         print(f"{name:<52}{value:>12.0f}{value / raw:>9.3f}   {', '.join(f'{v:.0f}' for v in figures[key])}")
     print(f"actor loop / raw env (medians): {policy / raw:.3f}")
+    for v in variants:
+        print(f"actor loop {v} / raw env (medians): {float(np.median(figures[v])) / raw:.3f} "
+              f"(x{float(np.median(figures[v])) / policy:.2f} of the default loop)")
     for key in pipeline_keys:
         value = float(np.median(figures[key]))
         print(f"transport cost, {key} (1 - pipeline / raw+policy, medians): {100 * (1 - value / policy):.1f} %")

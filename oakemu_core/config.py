@@ -120,6 +120,10 @@ class OakEmuConfig(BaseSettings):
     env_id: str = Field("ALE/Breakout-v5", min_length=1, description="Gymnasium or ale-py environment id.")
     num_actors: int = Field(2, ge=1, description="Actor processes the embedded `oakemu train` starts.")
     envs_per_actor: int = Field(8, ge=1, description="Environments each actor steps in one vector env.")
+    env_groups: int = Field(
+        1, ge=1, description="Env groups per actor (2: while one group's emulators step, the actor infers the "
+        "other's actions; pays off with threaded Atari envs). Needs env_groups <= envs_per_actor and no policy "
+        "routing.")
     num_envs: int | None = Field(
         None, ge=1, description="Learner rollout buffer columns (default num_actors * envs_per_actor)."
     )

@@ -397,6 +397,11 @@ class VectorEnv:
         self._masks: np.ndarray | None = None
         self._needs_reset = True
         self._closed = False
+        self._in_flight: np.ndarray | None = None  # actions sent by step_async, not yet waited for
+        self._sent = False  # the backend is stepping them in its own threads (send/recv)
+        self.asynchronous = callable(getattr(backend, "send", None)) and callable(getattr(backend, "recv", None))
+        """True when :meth:`step_async` returns while the envs step (ale-py's threads); otherwise
+        the step runs in :meth:`step_wait`."""
 
     def reset(self) -> Observations:
         """Reset every env (the first call uses the construction seed).
@@ -437,10 +442,40 @@ class VectorEnv:
             InvalidActionMaskError: an env returned a malformed mask or one that allows nothing.
             RuntimeError: called before :meth:`reset` or after :meth:`close`.
         """
+        self.step_async(actions)
+        return self.step_wait()
+
+    def step_async(self, actions: Any) -> None:
+        """Start a step with ``actions`` (checked as in :meth:`step`); :meth:`step_wait` returns it.
+
+        With an asynchronous backend (:attr:`asynchronous`: ale-py's vector env) the envs step in
+        their own threads meanwhile, so the caller can compute something else (the actor infers the
+        actions of another env group: issue 11, overlapped actors).
+
+        Raises:
+            RuntimeError: a step is already in flight, or before :meth:`reset` / after :meth:`close`.
+            ValueError: as :meth:`step` (nothing is sent then).
+        """
         if self._needs_reset or self._closed:
             raise RuntimeError("VectorEnv.step called before reset() or after close()")
+        if self._in_flight is not None:
+            raise RuntimeError("VectorEnv.step_async: a step is already in flight (call step_wait)")
         actions = self._check_actions(actions)
-        observations, raw_rewards, terminated, truncated, final_observations, masks = self._backend.step(actions)
+        self._sent = self.asynchronous
+        if self._sent:
+            self._backend.send(actions)  # type: ignore[attr-defined]
+        self._in_flight = actions
+
+    def step_wait(self) -> VectorStep:
+        """The result of the step started by :meth:`step_async` (see :meth:`step`)."""
+        actions = self._in_flight
+        if actions is None:
+            raise RuntimeError("VectorEnv.step_wait: no step in flight (call step_async)")
+        self._in_flight = None
+        if self._sent:
+            observations, raw_rewards, terminated, truncated, final_observations, masks = self._backend.recv()  # type: ignore[attr-defined]
+        else:
+            observations, raw_rewards, terminated, truncated, final_observations, masks = self._backend.step(actions)
         self._masks = masks
 
         self._running_returns += raw_rewards
@@ -627,7 +662,16 @@ class _AtariBackend:
         return self._ordered(observations, info), None
 
     def step(self, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, None]:
-        observations, rewards, terminated, truncated, info = self._env.step(actions)
+        self.send(actions)
+        return self.recv()
+
+    def send(self, actions: np.ndarray) -> None:
+        """Start stepping (ale-py's own threads step the emulators; returns at once)."""
+        self._env.send(actions)
+
+    def recv(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, None]:
+        """Wait for the step started by :meth:`send`."""
+        observations, rewards, terminated, truncated, info = self._env.recv()
         order = None if np.array_equal(info["env_id"], self._in_order) else np.argsort(info["env_id"])
         if order is not None:  # ale-py returns rows in env order when batch_size == num_envs; be safe
             observations, rewards, terminated, truncated = (
@@ -1127,6 +1171,45 @@ def make_vector_env(
             env_id, num_envs, max_episode_steps=max_episode_steps, settings_file=settings_file, seed=seed
         )
     return VectorEnv(backend, seed=seed, clip_rewards=atari if clip_rewards is None else clip_rewards)
+
+
+class EnvGroups:
+    """``groups`` vector envs of one id that together hold an actor's ``num_envs`` envs.
+
+    The actor steps them overlapped (:class:`oakemu_core.stepper.PolicyStepper`): while one group
+    steps in its emulator threads, the policy chooses the next actions of another (Sample
+    Factory's double-buffered sampling). Env ``i`` of the whole is env ``i - offsets[g]`` of group
+    ``g``, seeded ``seed + i`` as in one vector env of ``num_envs``.
+    """
+
+    def __init__(self, groups: list[VectorEnv]) -> None:
+        if not groups or len({g.spec for g in groups}) != 1:
+            raise ValueError("EnvGroups: expected one or more vector envs of one spec")
+        self.groups = groups
+        self.spec: EnvSpec = groups[0].spec
+        self.num_envs = sum(g.num_envs for g in groups)
+        self.offsets = np.cumsum([0] + [g.num_envs for g in groups])
+
+    def close(self) -> None:
+        for group in self.groups:
+            group.close()
+
+
+def make_env_groups(env_id: str, num_envs: int, groups: int, *, seed: int | None, **kwargs: Any) -> EnvGroups:
+    """``num_envs`` envs in ``groups`` vector envs (sizes differ by at most one); keyword arguments
+    as :func:`make_vector_env`.
+
+    Raises:
+        ValueError: ``groups`` < 1 or more groups than envs.
+    """
+    if groups < 1 or groups > num_envs:
+        raise ValueError(f"env_groups: expected 1 <= groups <= num_envs {num_envs}, received {groups}")
+    sizes = [num_envs // groups + (1 if g < num_envs % groups else 0) for g in range(groups)]
+    made, first = [], 0
+    for size in sizes:
+        made.append(make_vector_env(env_id, size, seed=None if seed is None else seed + first, **kwargs))
+        first += size
+    return EnvGroups(made)
 
 
 def make_eval_env(

@@ -28,7 +28,7 @@ import torch
 import zmq
 
 from oakemu_core.config import OakEmuConfig
-from oakemu_core.envs import VectorEnv, make_vector_env
+from oakemu_core.envs import EnvGroups, VectorEnv, make_env_groups, make_vector_env
 from oakemu_core.metrics import StepRateMeter
 from oakemu_core.models import ActorCritic, build_model, load_weight_arrays
 from oakemu_core.routing import PolicyRouter, RoutingConfig
@@ -125,7 +125,7 @@ class Actor:
         self.episodes = 0
         self.sps_meter = StepRateMeter(window=32)
         self.env_steps = 0
-        self.env: VectorEnv | None = None
+        self.env: VectorEnv | EnvGroups | None = None
         self.model: ActorCritic | None = None
         self.stepper: PolicyStepper | None = None
         self.policy_version = 0
@@ -168,14 +168,14 @@ class Actor:
         if self.env is None:  # first join: build env, model and sockets
             seed = int(env_config["seed"])
             torch.manual_seed(seed)
-            self.env = make_vector_env(
-                str(env_config["env_id"]),
-                self.config.envs_per_actor,
-                seed=seed,
-                clip_rewards=bool(env_config["clip_rewards"]),
-                max_episode_steps=env_config.get("max_episode_steps"),
-                settings_file=env_config.get("emulator_settings"),
-            )
+            env_kwargs = dict(clip_rewards=bool(env_config["clip_rewards"]),
+                              max_episode_steps=env_config.get("max_episode_steps"),
+                              settings_file=env_config.get("emulator_settings"))
+            groups = min(self.config.env_groups, self.config.envs_per_actor)
+            self.env = (make_env_groups(str(env_config["env_id"]), self.config.envs_per_actor, groups, seed=seed,
+                                        **env_kwargs) if groups > 1  # overlapped stepping (issue 11)
+                        else make_vector_env(str(env_config["env_id"]), self.config.envs_per_actor, seed=seed,
+                                             **env_kwargs))
             schema = reply.spec.schema
             local = schema_for_env(self.env.spec)
             if local != schema:  # e.g. another version of the env or of OakEmu-RL on this machine
@@ -190,6 +190,8 @@ class Actor:
             try:  # the learner's route_* settings; a scripted policy must import on this machine
                 routing = RoutingConfig.from_mapping(env_config)
                 router = PolicyRouter(self.env.spec, self.env.num_envs, routing, seed=seed) if routing.active else None
+                if router is not None and isinstance(self.env, EnvGroups):
+                    raise ValueError("not supported with env_groups > 1")
             except ValueError as error:
                 raise ActorSetupError(f"policy routing: {error}") from None
             self.stepper = PolicyStepper(self.env, self.model, schema=schema, policy_version=reply.policy_version,

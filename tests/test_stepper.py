@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from oakemu_core.distributions import distribution_for_env
-from oakemu_core.envs import EnvSpec, make_vector_env
+from oakemu_core.envs import EnvSpec, make_env_groups, make_vector_env
 from oakemu_core.ingest import RolloutAssembler
 from oakemu_core.models import ActorCritic, build_model
 from oakemu_core.rollout_buffer import RolloutBuffer
@@ -62,10 +62,12 @@ class Replay:
     reset_observations: np.ndarray  # first observation of the next episode where one ended, else NaN
 
 
-def run_stepper(max_episode_steps: int, num_envs: int, steps: int) -> tuple[ActorCritic, list[Row], StepSchema]:
+def run_stepper(max_episode_steps: int, num_envs: int, steps: int,
+                groups: int = 1) -> tuple[ActorCritic, list[Row], StepSchema]:
     torch.manual_seed(SEED)
     model = build_model((4,), np.float32, 2)
-    env = make_vector_env("CartPole-v1", num_envs, seed=SEED, max_episode_steps=max_episode_steps)
+    env = (make_vector_env("CartPole-v1", num_envs, seed=SEED, max_episode_steps=max_episode_steps) if groups == 1
+           else make_env_groups("CartPole-v1", num_envs, groups, seed=SEED, max_episode_steps=max_episode_steps))
     rows: list[Row] = []
     try:
         stepper = PolicyStepper(env, model, policy_version=3)
@@ -107,9 +109,13 @@ def replay(rows: list[Row], max_episode_steps: int, num_envs: int) -> Replay:
     return Replay(observations, terminated, truncated, final, reset)
 
 
-@pytest.mark.parametrize(("max_episode_steps", "num_envs", "steps"), [(5, 2, 10), (30, 3, 90)])
-def test_stepper_rows_match_a_replay_of_the_same_envs(max_episode_steps: int, num_envs: int, steps: int) -> None:
-    model, rows, schema = run_stepper(max_episode_steps, num_envs, steps)
+@pytest.mark.parametrize(("max_episode_steps", "num_envs", "steps", "groups"),
+                         [(5, 2, 10, 1), (30, 3, 90, 1), (5, 2, 10, 2), (30, 5, 90, 2), (30, 5, 60, 3)])
+def test_stepper_rows_match_a_replay_of_the_same_envs(max_episode_steps: int, num_envs: int, steps: int,
+                                                       groups: int) -> None:
+    """Also with overlapped env groups (issue 11): every env steps exactly once per vector step,
+    with its own action, and env i stays column i."""
+    model, rows, schema = run_stepper(max_episode_steps, num_envs, steps, groups)
     ref = replay(rows, max_episode_steps, num_envs)
     assert schema == schema_for_env(EnvSpec.discrete("CartPole-v1", (4,), np.float32, 2))
 
