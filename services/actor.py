@@ -153,7 +153,7 @@ class Actor:
             if isinstance(reply, JoinReply):
                 reporter.succeeded()
                 if not reply.accepted:
-                    raise RuntimeError(f"learner refused actor {self.actor_id}: {reply.reason}")
+                    raise ActorSetupError(f"learner refused actor {self.actor_id}: {reply.reason}")
                 self._on_joined(reply)
                 return reply
             if time.monotonic() > deadline:
