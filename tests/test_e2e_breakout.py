@@ -83,7 +83,8 @@ def test_breakout_train_resume_evaluate(e2e: E2EProcesses, tmp_path: Path) -> No
     assert after[0]["global_step"] > last_step
     assert [u["charts/policy_version"] for u in after] == list(range(len(updates) + 1, len(all_updates) + 1))
     assert after[-1]["global_step"] >= RESUMED_BUDGET
-    assert all(a["global_step"] < b["global_step"] for a, b in itertools.pairwise(all_updates))
+    # Never back (two updates may share a step: a full rollout waiting at the budget is trained too).
+    assert all(a["global_step"] <= b["global_step"] for a, b in itertools.pairwise(all_updates))
     newest = max((run_dir / "checkpoints").glob("checkpoint_*.pt"))
     assert int(newest.stem.split("_")[1]) == len(all_updates)
     episodes = read_jsonl(run_dir / "episodes.jsonl")

@@ -152,10 +152,13 @@ def _valid_step(actor_id: str, incarnation: str, num_envs: int) -> dict:
     n = num_envs
     frame = encode_step(StepMessage(
         actor_id=actor_id, incarnation=incarnation, seq=0, policy_version=0,
-        observations=np.zeros((n, 4), np.float32), actions=np.zeros(n, np.int64), log_probs=np.zeros(n, np.float32),
-        values=np.zeros(n, np.float32), rewards=np.zeros(n, np.float32), dones=np.zeros(n, bool),
-        truncated=np.zeros(n, bool), bootstrap_values=np.zeros(n, np.float32), next_values=np.zeros(n, np.float32),
-        trainable=np.ones(n, bool),
+        fields={
+            "observations": np.zeros((n, 4), np.float32), "actions": np.zeros(n, np.int64),
+            "log_probs": np.zeros(n, np.float32), "values": np.zeros(n, np.float32),
+            "rewards": np.zeros(n, np.float32), "dones": np.zeros(n, bool), "truncated": np.zeros(n, bool),
+            "bootstrap_values": np.zeros(n, np.float32), "next_values": np.zeros(n, np.float32),
+            "trainable": np.ones(n, bool),
+        },
     ))
     return msgpack.unpackb(frame, raw=False)
 
@@ -189,10 +192,14 @@ def test_malformed_messages_are_rejected_and_counted_while_training_goes_on(
         assert isinstance(reply, JoinReply) and reply.accepted
 
         valid = _valid_step("intruder", "inc-intruder", 2)
-        missing_field = {k: v for k, v in valid.items() if k != "rewards"}
-        wrong_dtype = dict(valid, observations={"dtype": "<f8", "shape": [2, 4], "data": bytes(2 * 4 * 8)})
-        wrong_shape = dict(valid, observations={"dtype": "<f4", "shape": [3, 4], "data": bytes(3 * 4 * 4)})
-        huge_shape = dict(valid, observations={"dtype": "<f4", "shape": [2**40, 4], "data": bytes(32)})
+        missing_field = dict(valid, fields={k: v for k, v in valid["fields"].items() if k != "rewards"})
+
+        def with_observations(array: dict) -> dict:  # the same message with one damaged field
+            return dict(valid, fields={**valid["fields"], "observations": array})
+
+        wrong_dtype = with_observations({"dtype": "<f8", "shape": [2, 4], "data": bytes(2 * 4 * 8)})
+        wrong_shape = with_observations({"dtype": "<f4", "shape": [3, 4], "data": bytes(3 * 4 * 4)})
+        huge_shape = with_observations({"dtype": "<f4", "shape": [2**40, 4], "data": bytes(32)})
         bomb_path = tmp_path / "unpickled"
         frames = {
             "garbage": b"\xc1\xc1 definitely not msgpack \x00\xff",

@@ -201,7 +201,7 @@ def test_flood_of_malformed_frames_is_counted_exactly_with_a_bounded_log(e2e: E2
     telemetry = Telemetry(ports.telemetry_address)
     context = zmq.Context()
     try:
-        learner = e2e.start("learner", learner_args(ports, runs_dir, "--rollout-length", "64",
+        learner = e2e.start("learner", learner_args(ports, runs_dir, "--rollout-length", "64", "--steps-per-message", "1",
                                                     "--checkpoint-every-updates", "0"))
         explain = why(learner)
         telemetry.wait(lambda s: True, 60, "the learner's first snapshot", explain)
