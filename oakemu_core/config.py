@@ -253,7 +253,11 @@ class OakEmuConfig(BaseSettings):
         10, ge=0, description="Evaluate the newest weights every N PPO updates and at the end (0: never)."
     )
     eval_episodes: int = Field(5, ge=1, description="Episodes per evaluation (raw, unclipped episodic return).")
-    eval_greedy: bool = Field(True, description="Evaluate with the policy's mode (greedy) instead of sampling.")
+    eval_greedy: bool | Literal["auto"] = Field(
+        "auto",
+        description="Evaluate with the policy's mode (greedy) instead of sampling; auto: greedy except for Atari "
+        "ids (as rl-zoo: an early greedy Atari policy may never serve the ball, so its episodes last 27,000 steps).",
+    )
 
     # --- transport security (ZeroMQ CURVE, see deploy/README.md) ---
     curve: bool = Field(
@@ -378,6 +382,11 @@ class OakEmuConfig(BaseSettings):
     def resolved_clip_rewards(self) -> bool:
         """``clip_rewards`` with None resolved: True for Atari ids, else False."""
         return is_atari_env(self.env_id) if self.clip_rewards is None else self.clip_rewards
+
+    @property
+    def resolved_eval_greedy(self) -> bool:
+        """``eval_greedy`` with "auto" resolved: sampled actions for Atari ids, greedy otherwise."""
+        return not is_atari_env(self.env_id) if self.eval_greedy == "auto" else bool(self.eval_greedy)
 
     @property
     def resolved_clip_value_range(self) -> float | None:

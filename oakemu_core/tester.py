@@ -640,12 +640,12 @@ def tester_from_config(config: Any, schema_dict: Mapping[str, Any]) -> Tester | 
     """The run's tester (not started) from an :class:`oakemu_core.config.OakEmuConfig`, or None
     when evaluation is off (``eval_every_updates == 0``).
 
-    Settings used: ``env_id``, ``eval_episodes``, ``eval_greedy``, ``seed`` (+ :data:`EVAL_SEED_OFFSET`),
+    Settings used: ``env_id``, ``eval_episodes``, ``eval_greedy`` (resolved), ``seed`` (+ :data:`EVAL_SEED_OFFSET`),
     ``emulator_settings``, ``max_episode_steps``, ``normalize_observations``.
     """
     if not config.eval_every_updates:
         return None
-    return Tester(config.env_id, episodes=config.eval_episodes, greedy=config.eval_greedy,
+    return Tester(config.env_id, episodes=config.eval_episodes, greedy=config.resolved_eval_greedy,
                   seed=config.seed + EVAL_SEED_OFFSET, settings_file=config.emulator_settings,
                   max_episode_steps=config.max_episode_steps,
                   normalize_observations=config.normalize_observations, schema_dict=schema_dict)

@@ -233,3 +233,11 @@ def test_value_clipping_is_cleanrl_for_atari_only_and_in_value_units() -> None:
     assert load_config(["--env", "CartPole-v1"]).resolved_clip_value_range is None
     assert load_config(["--env", "CartPole-v1", "--clip-value-range", "10"]).resolved_clip_value_range == 10.0
     assert load_config(["--env", "ALE/Pong-v5", "--clip-value-range", "null"]).resolved_clip_value_range is None
+
+
+def test_evaluation_is_greedy_except_for_atari_by_default() -> None:
+    """auto (rl-zoo's choice): sampled for Atari ids, whose early greedy policies can stall for 27k steps."""
+    assert load_config(["--env", "ALE/Breakout-v5"]).resolved_eval_greedy is False
+    assert load_config(["--env", "CartPole-v1"]).resolved_eval_greedy is True
+    assert load_config(["--env", "ALE/Breakout-v5", "--eval-greedy", "true"]).resolved_eval_greedy is True
+    assert load_config(["--env", "CartPole-v1", "--eval-greedy", "false"]).resolved_eval_greedy is False

@@ -41,7 +41,7 @@ def train(e2e: E2EProcesses, tmp_path: Path, name: str, eval_every: int) -> Path
         "train", "--env", "CartPole-v1", "--seed", str(SEED), "--num-actors", "1", "--envs-per-actor", "4",
         "--rollout-length", "128", "--total-env-steps", str(STEPS), "--ppo-epochs", "4",
         "--num-minibatches", "4", "--learning-rate", "1e-3", "--checkpoint-every-updates", "0",
-        "--eval-every-updates", str(eval_every), "--eval-episodes", str(EVAL_EPISODES), "--eval-greedy",
+        "--eval-every-updates", str(eval_every), "--eval-episodes", str(EVAL_EPISODES), "--eval-greedy", "true",
         *common_flags(new_ports(), runs_dir),
     ])
     status = process.wait(timeout_s=300)
