@@ -226,6 +226,23 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return numbered[-1][1] if numbered else None
 
 
+def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
+    """A checkpoint file from a path that is either the file or a run folder (its latest checkpoint).
+
+    Raises:
+        FileNotFoundError: a run folder without checkpoints, or no such file.
+    """
+    path = Path(path)
+    if path.is_dir():
+        found = latest_checkpoint(path)
+        if found is None:
+            raise FileNotFoundError(f"{path}: run folder without checkpoints")
+        path = found
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such checkpoint")
+    return path
+
+
 def capture_rng_state() -> dict[str, Any]:
     """State of Python's ``random``, numpy's global RNG and torch's CPU (and CUDA, if present) RNGs,
     as plain values and tensors that :func:`save_checkpoint` accepts."""

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 
-from oakemu_core.checkpoint import latest_checkpoint, load_checkpoint
+from oakemu_core.checkpoint import load_checkpoint, resolve_checkpoint
 from oakemu_core.evaluation import build_evaluation, play_episodes
 
 DEFAULT_MAX_EPISODE_STEPS = 27_000
@@ -21,14 +21,7 @@ def evaluate(checkpoint: Path, *, episodes: int, greedy: bool, seed: int) -> lis
         FileNotFoundError: no checkpoint at ``checkpoint`` (a run folder is searched for its latest).
         oakemu_core.checkpoint.CheckpointError: unreadable checkpoint.
     """
-    path = Path(checkpoint)
-    if path.is_dir():
-        found = latest_checkpoint(path)
-        if found is None:
-            raise FileNotFoundError(f"{path}: run folder without checkpoints")
-        path = found
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such checkpoint")
+    path = resolve_checkpoint(checkpoint)
     state = load_checkpoint(path)
     env_info, config = state["env"], state["config"]
     # The same builder as the learner's tester (oakemu_core.tester): one evaluation code path.

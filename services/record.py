@@ -28,19 +28,12 @@ def load_checkpoint_policy(checkpoint: Path) -> tuple[Any, str, dict[str, Any]]:
         FileNotFoundError: no checkpoint there (a run folder is searched for its latest).
         oakemu_core.checkpoint.CheckpointError: unreadable checkpoint.
     """
-    from oakemu_core.checkpoint import latest_checkpoint, load_checkpoint
+    from oakemu_core.checkpoint import load_checkpoint, resolve_checkpoint
     from oakemu_core.envs import env_spec
     from oakemu_core.models import build_model
     from oakemu_core.step_schema import StepSchema
 
-    path = Path(checkpoint)
-    if path.is_dir():
-        found = latest_checkpoint(path)
-        if found is None:
-            raise FileNotFoundError(f"{path}: run folder without checkpoints")
-        path = found
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such checkpoint")
+    path = resolve_checkpoint(checkpoint)
     state = load_checkpoint(path)
     env_info, config = state["env"], dict(state.get("config") or {})
     schema = StepSchema.from_dict(env_info["schema"])
