@@ -11,8 +11,10 @@ actor steps used to be discarded): the actor's messages queue in its record, con
 ``seq``, and are written as a new segment as soon as columns free (a buffer is released after
 training, or another actor's segment is discarded).  The queue holds at most one segment (``T``
 rows) per actor; beyond that its OLDEST messages are dropped and counted as ``no_capacity_steps``
-(the newest rows stay consecutive); so are held messages that would reach training older than
-``max_policy_lag`` (dropped at the release, before the others are written).  The other
+(the newest rows stay consecutive).  A segment never starts with a step that would reach
+training older than ``max_policy_lag`` (a held step, or one that waited in the sockets while
+both buffers were busy): it is dropped as ``stale_steps`` and the next step starts the segment,
+so no stale row is written (issue 11).  The other
 ``no_capacity_steps``: an actor given fewer free columns than it has envs (the buffer's columns
 are not a multiple of ``envs_per_actor``) loses the rows of its extra envs.  Back-pressure in the
 learner loop (it stops reading while no buffer is filling) makes actors wait in ``send``.
@@ -116,7 +118,8 @@ class IngestCounters:
     rejected: Counter = field(default_factory=Counter)
     """Rejected messages by reason (wire reasons plus ``out_of_order``, ``future_version``)."""
     dropped: Counter = field(default_factory=Counter)
-    """Dropped data by kind: ``no_capacity_steps``, ``discarded_segment_rows``, ``stale_rows``,
+    """Dropped data by kind: ``no_capacity_steps``, ``stale_steps`` (env steps too old for
+    ``max_policy_lag`` to start a segment), ``discarded_segment_rows``, ``stale_rows``,
     ``timed_out_actors``, ``seq_gap_steps`` (step messages missing from an actor's sequence),
     ``late_steps`` (env steps that arrived after their actor left) and
     ``late_step_messages`` (the step messages that carried them)."""
@@ -147,9 +150,10 @@ class RolloutAssembler:
         sync: synchronous mode (see the module docstring): actor ``index`` owns the columns
             ``index * num_envs ...`` of every rollout; episodes are released in (index, seq) order
             when a rollout is full.
-        max_policy_lag: when set, held steps (no free column) that would be older than this
-            many versions when their buffer trains are dropped at release instead of written
-            (counted as ``no_capacity_steps``): holding must not produce stale rows.
+        max_policy_lag: when set, a step that would be more than this many versions old when its
+            buffer trains does not start a segment: it is dropped and counted as ``stale_steps``
+            (rows of a started segment are never older: an actor's versions only grow, and a
+            buffer's training version is fixed once it has a segment, see :meth:`trains_at`).
 
     Raises:
         ValueError: if ``buffers`` is empty or the buffers disagree in shape.
@@ -401,6 +405,11 @@ class RolloutAssembler:
         k = len(segment.columns)
         # Our invariant: segments live only in filling buffers (the trainer reads the others).
         assert self.states[segment.slot] is SlotState.FILLING, (segment.slot, self.states[segment.slot])
+        if segment.rows_written == 0 and self._too_old_for(segment.slot, message.policy_version):
+            self._owners[segment.slot][segment.columns] = FREE  # the next step may start it
+            record.segment = None
+            self.counters.dropped["stale_steps"] += num_envs * rows
+            return
         try:
             if rows == 1:
                 self.buffers[segment.slot].write_columns(
@@ -524,7 +533,7 @@ class RolloutAssembler:
     def release(self, slot: int, policy_version: int | None = None) -> None:
         """Return a trained buffer to filling, emptied, behind the other filling buffers; held
         steps are written into it (``policy_version``: the version its training produced, for the
-        ``max_policy_lag`` check of held steps)."""
+        ``max_policy_lag`` check of the segments that start now)."""
         if self.states[slot] is not SlotState.TRAINING:
             raise ValueError(f"buffer {slot} is {self.states[slot].value}, expected training")
         self.buffers[slot].reset()
@@ -534,20 +543,21 @@ class RolloutAssembler:
         self.states[slot] = SlotState.FILLING
         if policy_version is not None:
             self._policy_version = max(self._policy_version, policy_version)
-        self._drop_stale_pending()
         self._drain_all()
 
-    def _drop_stale_pending(self) -> None:
-        """Drop held messages that would train older than ``max_policy_lag``: a buffer filled now
-        trains after the older buffers ahead of it, each one version later."""
-        if self.max_policy_lag is None:
-            return
-        oldest_ok = self._policy_version + len(self.buffers) - 1 - self.max_policy_lag
-        for record in self.actors.values():
-            while record.pending and record.pending[0].policy_version < oldest_ok:
-                stale = record.pending.popleft()
-                record.pending_rows -= stale.num_steps
-                self.counters.dropped["no_capacity_steps"] += record.spec.num_envs * stale.num_steps
+    def trains_at(self, slot: int) -> int:
+        """The policy version the buffer ``slot`` will be trained with (at the earliest): the newest
+        version known here plus one per buffer that trains before it (buffers train in generation
+        order, each training adds one version)."""
+        ahead = sum(1 for other, state in enumerate(self.states) if other != slot and (
+            state is SlotState.TRAINING or self._generation[other] < self._generation[slot]))
+        return self._policy_version + ahead
+
+    def _too_old_for(self, slot: int, policy_version: int) -> bool:
+        """True when a row acted by ``policy_version`` would train in ``slot`` older than ``max_policy_lag``."""
+        if self.max_policy_lag is None or self.sync:  # sync: every row is acted by the current version
+            return False
+        return self.trains_at(slot) - policy_version > self.max_policy_lag
 
     def buffer_fill(self) -> float:
         """Fraction of rows written in the oldest filling buffer (0..1), 1.0 when none is filling."""

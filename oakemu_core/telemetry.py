@@ -45,7 +45,7 @@ TELEMETRY_TOPIC = b"oakemu.telemetry"
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 """Largest telemetry message a subscriber accepts (bytes); larger ones drop the connection."""
 
-DROPPED_KINDS = ("stale_rows", "no_capacity_steps", "discarded_segment_rows", "timed_out_actors", "late_steps")
+DROPPED_KINDS = ("stale_rows", "stale_steps", "no_capacity_steps", "discarded_segment_rows", "timed_out_actors", "late_steps")
 """Kinds of dropped data the learner counts (keys of :attr:`TelemetrySnapshot.dropped`)."""
 
 

@@ -544,6 +544,31 @@ def test_held_steps_that_would_train_too_old_are_dropped_at_release(buffers: lis
     assert assembler.pending_rows == 2
     assembler.take_full_rollout()
     assembler.release(0, policy_version=1)
-    assert assembler.counters.dropped["no_capacity_steps"] == 6  # the version-0 step
+    assert assembler.counters.dropped["stale_steps"] == 6  # the version-0 step
+    assert assembler.counters.dropped["no_capacity_steps"] == 0
     assert assembler.pending_rows == 0
     check_rows(buffers[0], new, 0, list(range(6)))
+
+
+def test_a_step_that_waited_in_the_sockets_does_not_start_a_stale_segment(buffers: list[RolloutBuffer]) -> None:
+    """A step acted by version 0 that reaches the learner only after version 2 is published (it
+    waited in the sockets while both buffers were busy) and finds free columns only in the newer
+    buffer, which trains at version 3: it is dropped as stale, and the actor's next step (version 2)
+    starts the segment there."""
+    assembler = RolloutAssembler(buffers, actor_timeout_s=TIMEOUT_S, max_policy_lag=2)
+    assembler.join("b", "b-1", spec(6), hostname="h", now=0.0)
+    assembler.join("a", "a-1", spec(3), hostname="h", now=0.0)
+    for version, slot in ((1, 0), (2, 1)):  # b fills buffer 0, then buffer 1; each trains
+        for seq in range((version - 1) * T, version * T):
+            send(assembler, message("b", "b-1", seq, 6, version=version - 1), version=version - 1)
+        rollout = assembler.take_full_rollout()
+        assert rollout is not None and rollout.slot == slot
+        assembler.release(slot, policy_version=version)
+    assert (assembler.trains_at(0), assembler.trains_at(1)) == (2, 3)  # buffer 0 fills first
+    send(assembler, message("b", "b-1", 2 * T, 6, version=2), version=2)  # b holds all of buffer 0
+    stale, fresh = message("a", "a-1", 0, 3, version=0), message("a", "a-1", 1, 3, version=2)
+    send(assembler, stale, version=2)
+    assert assembler.counters.dropped["stale_steps"] == 3
+    assert int(buffers[1].column_steps.sum()) == 0
+    send(assembler, fresh, version=2)
+    check_rows(buffers[1], fresh, 0, [0, 1, 2])

@@ -272,6 +272,7 @@ def test_prometheus_endpoint_serves_the_snapshot_figures():
         }
         assert after["oakemu_dropped"] == {
             ("oakemu_dropped_total", (("kind", "stale_rows"),)): 16.0,
+            ("oakemu_dropped_total", (("kind", "stale_steps"),)): 0.0,
             ("oakemu_dropped_total", (("kind", "timed_out_actors"),)): 1.0,
             ("oakemu_dropped_total", (("kind", "no_capacity_steps"),)): 0.0,
             ("oakemu_dropped_total", (("kind", "discarded_segment_rows"),)): 0.0,
