@@ -295,6 +295,12 @@ class E2EProcesses:
         """Stop everything still running (SIGTERM, then SIGKILL after 10 s); returns messages of problems found."""
         problems: list[str] = []
         self._scan_once()
+        if all(p.poll() is not None for p in self.started):
+            # The started processes all exited: their descendants (e.g. multiprocessing's resource
+            # tracker, which exits when its parent's pipe closes) get a moment to follow.
+            deadline = time.monotonic() + 5.0
+            while self.alive() and time.monotonic() < deadline:
+                time.sleep(0.1)
         if self.alive():
             problems.append(f"processes still running at teardown (stopped now): {self.alive()}")
             self._signal_alive(signal.SIGTERM)
