@@ -1,0 +1,236 @@
+"""The learner's ingest ceiling: how many env steps per second one learner can take in, fed by
+synthetic actors that send Atari-sized step messages as fast as the sockets let them (issue 11).
+
+A synthetic actor joins like a real one (same join, spec, sockets, back-pressure and weights
+polling: :class:`services.actor.Actor`), takes ONE real vector step for valid field values, and then
+re-sends those fields with increasing ``seq`` and no env, no inference. The learner runs in this
+process (:class:`services.learner.Learner`) with PPO switched off, so full buffers are released at
+once: what is measured is receive + decode/validate + write into shared memory.
+
+Printed, all measured in the same run:
+
+* ``memcpy``: single-thread copy of message-sized chunks into a buffer larger than the caches
+  (numpy ``copyto``), MB/s: the ceiling's yardstick (target: ingest >= 25 % of it);
+* ``ingest``: env steps/s (rows/s) and MB/s (message array bytes) the learner writes, and its ratio
+  to ``memcpy``;
+* ``actor rate``: env steps/s of one real actor process (step loop with CPU inference, no transport),
+  and how many such actor cores the ingest ceiling could feed;
+* ``ingest + training load``: the same ingest while a Nature-CNN forward/backward loop (torch, one
+  thread) runs as a thread of the learner process (sharing its GIL) and, for comparison, as a
+  separate process (same CPU load, no shared GIL). ``GIL cost = 1 - thread / process``: above about
+  10 % the trainer should move into a process of its own, attached to the shared-memory buffers.
+
+On a 2-core machine the synthetic actors, the learner and the training load share two cores, so the
+ceiling printed is a floor for a bigger learner machine; the ratios are what to compare.
+
+Usage: ``python benchmarks/bench_ingest.py [--env ALE/Breakout-v5] [--actors 1] [--envs-per-actor 8]
+[--seconds 10] [--repeats 3] [--no-training-load]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.bench_pipeline import _free_ports, measure_local  # noqa: E402
+
+
+def synthetic_actor(env_id: str, num_envs: int, ports: list[int], actor_id: str, stop: mp.Event) -> None:
+    """Join the learner, take one real vector step, then re-send its fields (``seq`` +1 each time)."""
+    import torch
+
+    from oakemu_core.config import OakEmuConfig
+    from oakemu_core.wire import StepMessage, encode_step
+    from services.actor import Actor
+
+    torch.set_num_threads(1)
+    config = OakEmuConfig(env_id=env_id, envs_per_actor=num_envs, actor_id=actor_id, log_level="WARNING",
+                          data_port=ports[0], control_port=ports[1], weights_port=ports[2],
+                          telemetry_port=ports[3], metrics_port=ports[4])
+    actor = Actor(config, threading.Event())
+    try:
+        actor.join()
+        assert actor.stepper is not None
+        row = actor.stepper.step(before_next_action=None, segment_end=False)
+        fields = row.buffers.sent_fields(row.next_values, actor.stepper.schema)
+        k = actor.steps_per_message
+        if k > 1:  # a block of K identical steps, (K, n, *shape) per field
+            fields = {name: np.repeat(array[None], k, axis=0) for name, array in fields.items()}
+        while not stop.is_set():
+            actor._poll_weights()  # the learner publishes a version per released buffer
+            frame = encode_step(StepMessage(actor.actor_id, actor.incarnation, actor.seq, actor.policy_version, fields))
+            actor.heartbeat_if_due()
+            actor.send(frame)
+            actor.seq += 1
+    finally:
+        actor.close()
+
+
+def training_load(env_id: str, stop: mp.Event, batch: int = 64) -> None:
+    """The env's model (Nature CNN for Atari): forward + backward + Adam on random observations of
+    ``batch`` rows, one torch thread, until ``stop``."""
+    import torch
+
+    from oakemu_core.distributions import distribution_for_env
+    from oakemu_core.envs import env_spec
+    from oakemu_core.models import build_model
+
+    torch.set_num_threads(1)
+    spec = env_spec(env_id)
+    model = build_model(spec.observation_layout, distribution_for_env(spec))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    observations: object = {key: torch.from_numpy(np.zeros((batch, *shape), dtype))
+                            for key, (shape, dtype) in spec.observation_layout.items()}
+    if set(spec.observation_layout) == {""}:  # a plain observation space: the tensor itself
+        observations = observations[""]
+    while not stop.is_set():
+        policy, values = model.policy_and_values(observations)
+        loss = values.pow(2).mean() - policy.entropy().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def memcpy_mb_per_s(chunk_bytes: int, seconds: float = 2.0, total_bytes: int = 256 * 2**20) -> float:
+    """Single-thread copy of ``chunk_bytes`` chunks into successive slots of a ``total_bytes`` array."""
+    source = np.random.default_rng(0).integers(0, 255, chunk_bytes, dtype=np.uint8)
+    slots = max(2, total_bytes // chunk_bytes)
+    target = np.zeros((slots, chunk_bytes), np.uint8)  # touched once, so no page faults are timed
+    copied, i, start = 0, 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        np.copyto(target[i], source)
+        i = (i + 1) % slots
+        copied += chunk_bytes
+    return copied / (time.perf_counter() - start) / 1e6
+
+
+def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load: str = "") -> tuple[float, dict]:
+    """Env steps/s the learner writes from ``actors`` synthetic actors; ``load``: "" (none), "thread"
+    (training loop in this process) or "process". Returns ``(rate, dropped counters)``."""
+    from oakemu_core import learner as library_learner
+    from oakemu_core.config import OakEmuConfig
+    from services import learner as learner_module
+
+    ports = _free_ports(5)
+    ctx = mp.get_context("spawn")
+    stop_actors, stop_load = ctx.Event(), ctx.Event()
+    with tempfile.TemporaryDirectory() as runs_dir:
+        config = OakEmuConfig(
+            env_id=env_id, num_actors=actors, envs_per_actor=num_envs, total_env_steps=10**12,
+            data_port=ports[0], control_port=ports[1], weights_port=ports[2], telemetry_port=ports[3],
+            metrics_port=ports[4], runs_dir=Path(runs_dir), run_name="bench", checkpoint_every_updates=0,
+            eval_every_updates=0, log_level="WARNING",
+        )
+        original_step = library_learner.PPOLearner.step
+        library_learner.PPOLearner.step = lambda self, actor_steps: None  # buffers released at once
+        learner = learner_module.Learner(config, Path(runs_dir) / "bench")
+        stop = threading.Event()
+        thread = threading.Thread(target=learner.run, args=(stop,), daemon=True)
+        thread.start()
+        procs = [ctx.Process(target=synthetic_actor, args=(env_id, num_envs, ports, f"synthetic-{i}", stop_actors))
+                 for i in range(actors)]
+        loader: threading.Thread | mp.Process | None = None
+        if load == "thread":
+            loader = threading.Thread(target=training_load, args=(env_id, stop_load), daemon=True)
+        elif load == "process":
+            loader = ctx.Process(target=training_load, args=(env_id, stop_load))
+        try:
+            for p in procs:
+                p.start()
+            counters = learner.assembler.counters
+            deadline = time.monotonic() + 120
+            while counters.env_steps < actors * num_envs * 200 and time.monotonic() < deadline:
+                time.sleep(0.1)  # warm-up: actors joined and streaming
+            if loader is not None:
+                loader.start()
+                time.sleep(2.0)  # the load has built its model and is running
+            start_steps, start = counters.env_steps, time.perf_counter()
+            time.sleep(seconds)
+            rate = (counters.env_steps - start_steps) / (time.perf_counter() - start)
+            dropped = dict(counters.dropped)
+        finally:
+            stop_actors.set()
+            stop_load.set()
+            for p in procs:
+                p.join(30)
+                if p.is_alive():
+                    p.terminate()
+                    p.join(10)
+            if isinstance(loader, mp.Process):
+                loader.join(30)
+            elif isinstance(loader, threading.Thread):
+                loader.join(30)
+            stop.set()
+            thread.join(120)
+            learner.close()
+            library_learner.PPOLearner.step = original_step
+    return rate, dropped
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--env", default="ALE/Breakout-v5")
+    parser.add_argument("--actors", type=int, default=1, help="synthetic actor processes")
+    parser.add_argument("--envs-per-actor", type=int, default=8)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
+    parser.add_argument("--no-training-load", action="store_true", help="skip the GIL measurement")
+    args = parser.parse_args()
+
+    from oakemu_core.envs import env_spec
+    from oakemu_core.step_schema import schema_for_env
+
+    bytes_per_row = schema_for_env(env_spec(args.env)).sent_bytes_per_env()
+    chunk = bytes_per_row * args.envs_per_actor
+    print(f"{args.env}: {args.actors} synthetic actor(s) x {args.envs_per_actor} envs, {bytes_per_row:,} bytes per "
+          f"env step ({chunk / 1024:.0f} KiB per message), {args.seconds:.0f} s per figure, median of "
+          f"{args.repeats} interleaved repeats, {os.cpu_count()} CPUs")
+    loads = [""] if args.no_training_load else ["", "thread", "process"]
+    figures: dict[str, list[float]] = {"memcpy": [], **{f"ingest{load}": [] for load in loads}}
+    dropped_all: list[dict] = []
+    for _ in range(args.repeats):
+        figures["memcpy"].append(memcpy_mb_per_s(chunk))
+        for load in loads:
+            rate, dropped = measure_ingest(args.env, args.actors, args.envs_per_actor, args.seconds, load)
+            figures[f"ingest{load}"].append(rate)
+            dropped_all.append(dropped)
+    actor_rate = measure_local(args.env, 1, args.envs_per_actor, args.seconds, with_policy=True)
+    memcpy = float(np.median(figures["memcpy"]))
+    ingest = float(np.median(figures["ingest"]))
+    ingest_mb = ingest * bytes_per_row / 1e6
+    print(f"{'measurement':<58}{'median':>14}   all runs")
+    print(f"{'memcpy, message-sized chunks (MB/s)':<58}{memcpy:>14,.0f}   "
+          f"{', '.join(f'{v:,.0f}' for v in figures['memcpy'])}")
+    for load, label in (("", "ingest"), ("thread", "ingest + training thread (shared GIL)"),
+                        ("process", "ingest + training process (no shared GIL)")):
+        if f"ingest{load}" in figures:
+            values = figures[f"ingest{load}"]
+            print(f"{label + ' (env steps/s)':<58}{float(np.median(values)):>14,.0f}   "
+                  f"{', '.join(f'{v:,.0f}' for v in values)}")
+    print(f"{'ingest (MB/s of message arrays)':<58}{ingest_mb:>14,.0f}")
+    print(f"ingest / memcpy bandwidth: {100 * ingest_mb / memcpy:.1f} % (target >= 25 %)")
+    print(f"one actor process (step loop, CPU inference): {actor_rate:,.0f} env steps/s; "
+          f"the ingest ceiling feeds {ingest / actor_rate:.1f} such actor cores")
+    if not args.no_training_load:
+        thread, process = (float(np.median(figures[f"ingest{load}"])) for load in ("thread", "process"))
+        print(f"GIL cost of training in the learner process (1 - thread / process): {100 * (1 - thread / process):.1f} %")
+    dropped_total: dict[str, int] = {}
+    for dropped in dropped_all:
+        for kind, count in dropped.items():
+            dropped_total[kind] = dropped_total.get(kind, 0) + int(count)
+    print(f"dropped over all ingest runs: {dropped_total or 'nothing'}")
+
+
+if __name__ == "__main__":
+    main()
