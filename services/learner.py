@@ -739,8 +739,10 @@ class Learner:
                 log.info("stopping: %s", self.stopping_reason)
             if self.stopping_reason and not self.trainer.handshake.busy:
                 counters = self.assembler.counters  # one line to compare runs (issue 11: dropped steps)
-                log.info("ingest: %d env steps written, %d vector steps held, dropped %s", counters.env_steps,
-                         self.assembler.pending_rows, dict(counters.dropped))
+                buffers = ", ".join(f"{state.value} {int(buffer.column_steps.sum())} rows"
+                                    for state, buffer in zip(self.assembler.states, self.buffers))
+                log.info("ingest: %d env steps written, %d vector steps held, dropped %s; buffers: %s",
+                         counters.env_steps, self.assembler.pending_rows, dict(counters.dropped), buffers)
                 break
             want_data = (self.assembler.accepting and not self.stopping_reason
                          and not (budget_spent and self.trainer.handshake.busy))
