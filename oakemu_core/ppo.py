@@ -258,8 +258,10 @@ class PPOUpdater:
         ent_coef, vf_coef: weights of the entropy bonus and of the value loss (>= 0).
         max_grad_norm: global gradient-norm clip (> 0).
         target_kl: stop the update after an epoch whose mean approx_kl exceeds it (None: never).
-        normalize_advantages: normalise advantages over the trainable rows (mean 0, std 1) before
-            splitting into minibatches.
+        normalize_advantages: normalise each minibatch's advantages to mean 0, std 1 (population
+            std, + 1e-8), as SB3 and CleanRL do; the statistics are over the minibatch's rows,
+            all trainable (issue 11: normalising the whole rollout once instead trained
+            LunarLander to a lower return at 1M steps than SB3 with the same settings).
         lr_schedule: learning rate per update; None keeps the optimizer's learning rate.
         seed: seed of the minibatch-shuffling generator.
 
@@ -402,7 +404,7 @@ class PPOUpdater:
         nonfinite_minibatches = 0
 
         # Flatten and upload the trainable rows once; every epoch only reshuffles and indexes them.
-        flat = rollout_buffer.flat_batch(self.device, normalize_advantages=self.normalize_advantages)
+        flat = rollout_buffer.flat_batch(self.device)
         stored_parameters = tuple(self.model.distribution.stored_fields())
         for epoch in range(self.ppo_epochs):
             epoch_start = time.perf_counter()
@@ -412,10 +414,13 @@ class PPOUpdater:
                 policy, new_values = self.model.policy_and_values(
                     minibatch.observations, self._row_masks(minibatch.fields.get("action_mask"))
                 )
+                advantages = minibatch.advantages
+                if self.normalize_advantages:  # per minibatch (SB3, CleanRL); population std
+                    advantages = (advantages - advantages.mean()) / (advantages.std(correction=0) + 1e-8)
                 losses = ppo_losses(
                     policy.log_prob(minibatch.actions),
                     minibatch.log_probs,
-                    minibatch.advantages,
+                    advantages,
                     new_values,
                     minibatch.values,
                     minibatch.returns,
