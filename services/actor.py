@@ -58,6 +58,10 @@ log = logging.getLogger("oakemu.actor")
 HEARTBEAT_PERIOD_S = 1.0
 REQUEST_TIMEOUT_S = 2.0
 JOIN_PATIENCE_S = 120.0
+WEIGHTS_QUEUE_MESSAGES = 4
+"""Weights messages the SUB socket queues (the actor reads them all and keeps the newest)."""
+WEIGHTS_WAIT_WARNING_S = 30.0
+"""Synchronous mode: say so when the weights of a finished segment take longer than this."""
 
 
 class LearnerUnreachable(RuntimeError):
@@ -225,7 +229,10 @@ class Actor:
         self.weights_sub = self.context.socket(zmq.SUB)
         if self.security is not None:
             self.security.apply(self.weights_sub)
-        self.weights_sub.setsockopt(zmq.CONFLATE, 1)  # only the newest weights matter
+        # Not ZMQ_CONFLATE: its double buffer can lose the wake-up of an idle reader (the pipe stays
+        # inactive), and a synchronous-mode actor then waited forever for weights already sent
+        # (CartPole, seed 3, after 259 updates). A short queue, drained to the newest, instead.
+        self.weights_sub.setsockopt(zmq.RCVHWM, WEIGHTS_QUEUE_MESSAGES)
         self.weights_sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.weights_sub.setsockopt(zmq.LINGER, 0)
         self.weights_sub.connect(config.learner_address(config.weights_port))
@@ -239,12 +246,19 @@ class Actor:
         self.learner_version = max(self.learner_version, version)
 
     def _poll_weights(self) -> bool:
-        """Load the newest weights waiting on the SUB socket, if newer; True when loaded."""
+        """Load the newest weights waiting on the SUB socket, if newer; True when loaded.
+
+        Every queued weights message is read and only the last one (the newest version) decoded."""
         assert self.weights_sub is not None
-        try:
-            frame = self.weights_sub.recv(zmq.NOBLOCK)
-        except zmq.Again:
+        frame = None
+        while True:
+            try:
+                frame = self.weights_sub.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+        if frame is None:
             return False
+        frame = frame.buffer
         try:
             message = decode_message(frame, max_bytes=self.config.max_message_bytes)
         except MessageRejected as error:
@@ -312,10 +326,15 @@ class Actor:
         """Synchronous mode: block until weights newer than ``version`` are loaded (heartbeats go on;
         returns early when the actor is told to stop). Raises :class:`_Rejoined` after a rejoin."""
         assert self.weights_sub is not None
+        warn_at = time.monotonic() + WEIGHTS_WAIT_WARNING_S
         while not self.stop_event.is_set() and self.policy_version <= version:
             if self.weights_sub.poll(100):
                 self._poll_weights()
             self.heartbeat_if_due()
+            if time.monotonic() > warn_at:
+                log.warning("actor %s: waiting %.0f s for the weights after version %d (learner at version %d)",
+                            self.actor_id, WEIGHTS_WAIT_WARNING_S, version, self.learner_version)
+                warn_at = time.monotonic() + WEIGHTS_WAIT_WARNING_S
 
     # -- stepping --------------------------------------------------------------------------
     def run(self) -> int:
