@@ -123,6 +123,8 @@ class Actor:
         self.control = ControlChannel(self.context, config.learner_address(config.control_port), config.max_message_bytes)
         self.security = self.control.security = client_security(config)  # CURVE keys (oakemu_core.auth)
         self.patience_s = 3 * config.actor_timeout_s
+        # Heartbeats that get no answer mid-run are reported every few seconds, not only the give-up.
+        self.silence = RetryReporter(log, "learner", self.control.address, give_up_s=self.patience_s)
         self.last_reply = time.monotonic()
         self.next_heartbeat = 0.0
         self.learner_version = 0
@@ -284,9 +286,11 @@ class Actor:
             )
         )
         if not isinstance(reply, HeartbeatReply):
+            self.silence.attempt()
             if time.monotonic() - self.last_reply > self.patience_s:
                 raise LearnerUnreachable(f"learner silent for {self.patience_s:.0f} s")
             return
+        self.silence.succeeded()
         self.last_reply = time.monotonic()
         self.learner_version = max(self.learner_version, reply.policy_version)
         if reply.status == "stop":

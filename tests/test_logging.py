@@ -103,3 +103,29 @@ def test_an_actor_without_a_learner_says_where_it_is_trying(e2e: E2EProcesses, t
     assert f"still trying to reach the learner at {address}: no answer for" in log, actor.describe()
     actor.send_signal(signal.SIGTERM)
     assert actor.wait(timeout_s=30) == 0, actor.describe()
+
+
+@pytest.mark.slow
+def test_an_actor_that_loses_its_learner_mid_run_says_so_and_gives_up(e2e: E2EProcesses, tmp_path: Path) -> None:
+    """The learner is killed after the actor joined: the actor reports the silence every few seconds
+    (not only when it gives up) and exits with status 1 after 3 x actor_timeout_s."""
+    from tests.e2e_helpers import common_flags
+
+    ports = new_ports()
+    learner = e2e.start("learner", ["learner", "--env", "CartPole-v1", "--num-actors", "1", "--envs-per-actor", "2",
+                                    "--actor-timeout-s", "4", "--eval-every-updates", "0",
+                                    *common_flags(ports, tmp_path / "runs")])
+    actor = e2e.start("actor", ["actor", "--envs-per-actor", "2", "--actor-timeout-s", "4", *ports.flags()])
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and "joined as" not in actor.stderr():
+        time.sleep(0.5)
+    assert "joined as" in actor.stderr(), actor.describe()
+    learner.send_signal(signal.SIGKILL)
+    learner.wait(timeout_s=30)
+    assert actor.wait(timeout_s=60) == 1, actor.describe()
+    log = actor.stderr()
+    address = f"tcp://127.0.0.1:{ports.control}"
+    assert f"still trying to reach the learner at {address}: no answer for" in log, actor.describe()
+    assert "learner silent for 12 s" in log, actor.describe()
+    for name in e2e.leftover_segments():  # the killed learner could not unlink its buffers
+        (Path("/dev/shm") / name).unlink(missing_ok=True)
