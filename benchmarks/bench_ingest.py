@@ -24,7 +24,7 @@ On a 2-core machine the synthetic actors, the learner and the training load shar
 ceiling printed is a floor for a bigger learner machine; the ratios are what to compare.
 
 Usage: ``python benchmarks/bench_ingest.py [--env ALE/Breakout-v5] [--actors 1] [--envs-per-actor 8]
-[--seconds 10] [--repeats 3] [--no-training-load]``
+[--steps-per-message auto] [--seconds 10] [--repeats 3] [--no-training-load]``
 """
 
 from __future__ import annotations
@@ -115,7 +115,8 @@ def memcpy_mb_per_s(chunk_bytes: int, seconds: float = 2.0, total_bytes: int = 2
     return copied / (time.perf_counter() - start) / 1e6
 
 
-def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load: str = "") -> tuple[float, dict]:
+def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load: str = "",
+                   steps_per_message: int | str = "auto") -> tuple[float, dict]:
     """Env steps/s the learner writes from ``actors`` synthetic actors; ``load``: "" (none), "thread"
     (training loop in this process) or "process". Returns ``(rate, dropped counters)``."""
     from oakemu_core import learner as library_learner
@@ -130,6 +131,7 @@ def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load
             env_id=env_id, num_actors=actors, envs_per_actor=num_envs, total_env_steps=10**12,
             data_port=ports[0], control_port=ports[1], weights_port=ports[2], telemetry_port=ports[3],
             metrics_port=ports[4], runs_dir=Path(runs_dir), run_name="bench", checkpoint_every_updates=0,
+            steps_per_message=steps_per_message,
             eval_every_updates=0, log_level="WARNING",
         )
         original_step = library_learner.PPOLearner.step
@@ -185,16 +187,24 @@ def main() -> None:
     parser.add_argument("--envs-per-actor", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
+    parser.add_argument("--steps-per-message", default="auto",
+                        help="vector steps per message: 'auto' (the learner's default for the env) or a divisor of 128")
     parser.add_argument("--no-training-load", action="store_true", help="skip the GIL measurement")
     args = parser.parse_args()
+    steps_per_message = args.steps_per_message if args.steps_per_message == "auto" else int(args.steps_per_message)
 
+    from oakemu_core.config import OakEmuConfig
     from oakemu_core.envs import env_spec
     from oakemu_core.step_schema import schema_for_env
+    from oakemu_core.wire import auto_steps_per_message
 
     bytes_per_row = schema_for_env(env_spec(args.env)).sent_bytes_per_env()
-    chunk = bytes_per_row * args.envs_per_actor
+    step_bytes = bytes_per_row * args.envs_per_actor
+    rollout_length = OakEmuConfig(env_id=args.env).rollout_length
+    k = auto_steps_per_message(step_bytes, rollout_length) if steps_per_message == "auto" else steps_per_message
+    chunk = step_bytes * k
     print(f"{args.env}: {args.actors} synthetic actor(s) x {args.envs_per_actor} envs, {bytes_per_row:,} bytes per "
-          f"env step ({chunk / 1024:.0f} KiB per message), {args.seconds:.0f} s per figure, median of "
+          f"env step, {k} vector step(s) per message ({chunk / 1024:.0f} KiB), {args.seconds:.0f} s per figure, median of "
           f"{args.repeats} interleaved repeats, {os.cpu_count()} CPUs")
     loads = [""] if args.no_training_load else ["", "thread", "process"]
     figures: dict[str, list[float]] = {"memcpy": [], **{f"ingest{load}": [] for load in loads}}
@@ -202,7 +212,8 @@ def main() -> None:
     for _ in range(args.repeats):
         figures["memcpy"].append(memcpy_mb_per_s(chunk))
         for load in loads:
-            rate, dropped = measure_ingest(args.env, args.actors, args.envs_per_actor, args.seconds, load)
+            rate, dropped = measure_ingest(args.env, args.actors, args.envs_per_actor, args.seconds, load,
+                                           steps_per_message)
             figures[f"ingest{load}"].append(rate)
             dropped_all.append(dropped)
     actor_rate = measure_local(args.env, 1, args.envs_per_actor, args.seconds, with_policy=True)

@@ -411,20 +411,17 @@ class RolloutAssembler:
             self.counters.dropped["stale_steps"] += num_envs * rows
             return
         try:
+            fields = message.fields
             if rows == 1:
+                if k < num_envs:  # fewer free columns than envs: the first k envs are written
+                    fields = {name: array[:k] for name, array in fields.items()}
                 self.buffers[segment.slot].write_columns(
-                    segment.rows_written,
-                    segment.columns,
-                    {name: array[:k] for name, array in message.fields.items()},
-                    policy_version=message.policy_version,
-                )
+                    segment.rows_written, segment.columns, fields, policy_version=message.policy_version)
             else:  # a block of K rows: validated whole, one bulk copy per field
+                if k < num_envs:
+                    fields = {name: array[:, :k] for name, array in fields.items()}
                 self.buffers[segment.slot].write_column_rows(
-                    segment.rows_written,
-                    segment.columns,
-                    {name: array[:, :k] for name, array in message.fields.items()},
-                    policy_version=message.policy_version,
-                )
+                    segment.rows_written, segment.columns, fields, policy_version=message.policy_version)
         except (ValueError, OverflowError) as error:  # the buffer validates before writing: nothing was written
             self._discard_segment(record)
             raise StepRejected("schema", str(error)) from None

@@ -504,7 +504,11 @@ class RolloutBuffer:
     # ------------------------------------------------------------------ writing
     def _writable_fields(self) -> tuple[Any, ...]:
         """Stored fields a writer provides (the learner computes advantages, returns, versions)."""
-        return tuple(f for f in self.schema.stored if f.name not in ("policy_versions", "advantages", "returns"))
+        writable = self.__dict__.get("_writable")
+        if writable is None:  # computed once: the schema never changes
+            writable = self.__dict__["_writable"] = tuple(
+                f for f in self.schema.stored if f.name not in ("policy_versions", "advantages", "returns"))
+        return writable
 
     def _validate_row(self, count: int, fields: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Check one row of ``count`` columns; return every writable field, defaults filled in."""
@@ -518,7 +522,7 @@ class RolloutBuffer:
             value = fields.get(item.name)
             complete[item.name] = np.full((count, *item.shape), item.default, dtype=item.dtype) if value is None else value
         dones, bootstrap = complete["dones"], complete["bootstrap_values"]
-        if np.any(bootstrap[~dones] != 0):
+        if np.count_nonzero(bootstrap) and np.any(bootstrap[~dones] != 0):  # mostly all 0: one cheap call
             bad = np.flatnonzero((bootstrap != 0) & ~dones).tolist()
             raise ValueError(
                 f"bootstrap_values: expected 0 where dones is False (a bootstrap value belongs to a "
@@ -620,7 +624,7 @@ class RolloutBuffer:
             OverflowError: when ``step_index >= rollout_length``.
         """
         self._check_open()
-        columns = self._check_columns(columns)
+        columns, index = self._check_columns(columns)
         if isinstance(step_index, bool) or not isinstance(step_index, (int, np.integer)) or step_index < 0:
             raise ValueError(f"step_index: expected a non-negative int, received {step_index!r}")
         if step_index >= self._rollout_length:
@@ -636,9 +640,9 @@ class RolloutBuffer:
         version = _check_policy_version(policy_version)
         row = int(step_index)
         for name, value in complete.items():
-            self._arrays[name][row, columns] = value
-        self._arrays["policy_versions"][row, columns] = version
-        steps[columns] += 1
+            self._arrays[name][row, index] = value
+        self._arrays["policy_versions"][row, index] = version
+        steps[index] += 1
         self._bump(_GENERATION)
 
     def write_column_rows(
@@ -669,7 +673,7 @@ class RolloutBuffer:
             OverflowError: when ``step_index + R > rollout_length``.
         """
         self._check_open()
-        columns = self._check_columns(columns)
+        columns, index = self._check_columns(columns)
         if isinstance(step_index, bool) or not isinstance(step_index, (int, np.integer)) or step_index < 0:
             raise ValueError(f"step_index: expected a non-negative int, received {step_index!r}")
         dones = fields.get("dones")
@@ -699,24 +703,27 @@ class RolloutBuffer:
         version = _check_policy_version(policy_version)
         row0 = int(step_index)
         k = len(columns)
-        first = int(columns[0]) if k else 0
-        contiguous = k > 0 and bool(np.array_equal(columns, np.arange(first, first + k)))
-        target_cols: Any = slice(first, first + k) if contiguous else columns
         for name, value in complete.items():
-            self._arrays[name][row0:row0 + rows, target_cols] = value.reshape(rows, k, *value.shape[1:])
-        self._arrays["policy_versions"][row0:row0 + rows, target_cols] = version
-        steps[columns] += rows
+            self._arrays[name][row0:row0 + rows, index] = value.reshape(rows, k, *value.shape[1:])
+        self._arrays["policy_versions"][row0:row0 + rows, index] = version
+        steps[index] += rows
         self._bump(_GENERATION)
 
-    def _check_columns(self, columns: Any) -> np.ndarray:
+    def _check_columns(self, columns: Any) -> tuple[np.ndarray, slice | np.ndarray]:
+        """``(columns as int64, index)``: ``index`` is a slice when the columns are consecutive (a
+        plain strided copy, several times cheaper than numpy's fancy-index assignment), else the array.
+        Checked in Python: an actor has a few to a few hundred columns."""
         if not isinstance(columns, np.ndarray) or columns.ndim != 1 or not np.issubdtype(columns.dtype, np.integer):
             received = f"shape {columns.shape} dtype {columns.dtype}" if isinstance(columns, np.ndarray) else type(columns).__name__
             raise ValueError(f"columns: expected a 1-D integer numpy array, received {received}")
-        if columns.size and (columns.min() < 0 or columns.max() >= self._num_envs):
-            raise ValueError(f"columns: expected indices in [0, {self._num_envs}), received {columns.tolist()}")
-        if np.unique(columns).size != columns.size:
-            raise ValueError(f"columns: expected distinct indices, received {columns.tolist()}")
-        return columns.astype(np.int64, copy=False)
+        listed = columns.tolist()
+        if listed and (min(listed) < 0 or max(listed) >= self._num_envs):
+            raise ValueError(f"columns: expected indices in [0, {self._num_envs}), received {listed}")
+        if len(set(listed)) != len(listed):
+            raise ValueError(f"columns: expected distinct indices, received {listed}")
+        consecutive = bool(listed) and listed == list(range(listed[0], listed[0] + len(listed)))
+        columns = columns.astype(np.int64, copy=False)
+        return columns, (slice(listed[0], listed[0] + len(listed)) if consecutive else columns)
 
     def reset_columns(self, columns: np.ndarray) -> None:
         """Discard every row of some columns (the unfinished segment of a dropped actor).
@@ -727,7 +734,7 @@ class RolloutBuffer:
             ValueError: bad ``columns`` (see :meth:`write_columns`).
         """
         self._check_open()
-        columns = self._check_columns(columns)
+        columns, _ = self._check_columns(columns)
         self._arrays["column_steps"][columns] = 0
         self._arrays["trainable"][:, columns] = False
         self._arrays["dones"][:, columns] = False

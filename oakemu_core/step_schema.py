@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -85,6 +86,10 @@ def _build_wire_dtypes() -> dict[str, np.dtype]:
                     table[text] = dtype
     return table
 
+
+SMALL_ARRAY_SIZE = 64
+"""Arrays of at most this many values are checked in plain Python (one numpy call costs ~1-3 us, more
+than a loop over a few values; a step message has a dozen ``(n,)`` fields)."""
 
 WIRE_DTYPES = _build_wire_dtypes()
 """Canonical dtype string -> dtype, for every dtype a field or wire array may have."""
@@ -149,6 +154,12 @@ class StepField:
                 array = np.asarray(value, dtype=np.float64)
                 np.broadcast_to(array, self.shape)  # raises ValueError when it cannot fit
                 object.__setattr__(self, bound, array)
+        # Scalar bounds as Python floats: a step message's (n,) fields are checked with min() /
+        # max() over a list, which costs a tenth of the numpy calls for a few values.
+        object.__setattr__(self, "_scalar_low", float(self.low) if self.low is not None and self.low.ndim == 0 else None)
+        object.__setattr__(self, "_scalar_high", float(self.high) if self.high is not None and self.high.ndim == 0 else None)
+        object.__setattr__(self, "_bounds_are_scalars", (self.low is None or self.low.ndim == 0)
+                           and (self.high is None or self.high.ndim == 0))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, StepField) and self.to_dict() == other.to_dict()
@@ -166,10 +177,17 @@ class StepField:
         values, or None when it is fine: bounds, then mask segments."""
         if array.size == 0:
             return None
-        if self.low is not None and np.any(array < self.low):
-            return f"{self.name}: expected values >= {_describe_bound(self.low)}, received min {array.min()!r}"
-        if self.high is not None and np.any(array > self.high):
-            return f"{self.name}: expected values <= {_describe_bound(self.high)}, received max {array.max()!r}"
+        if self._bounds_are_scalars and array.size <= SMALL_ARRAY_SIZE:
+            values = array.ravel().tolist()
+            if self._scalar_low is not None and min(values) < self._scalar_low:
+                return f"{self.name}: expected values >= {_describe_bound(self.low)}, received min {array.min()!r}"
+            if self._scalar_high is not None and max(values) > self._scalar_high:
+                return f"{self.name}: expected values <= {_describe_bound(self.high)}, received max {array.max()!r}"
+        else:
+            if self.low is not None and np.any(array < self.low):
+                return f"{self.name}: expected values >= {_describe_bound(self.low)}, received min {array.min()!r}"
+            if self.high is not None and np.any(array > self.high):
+                return f"{self.name}: expected values <= {_describe_bound(self.high)}, received max {array.max()!r}"
         if self.mask_segments is not None:
             start = 0
             for size in self.mask_segments:
@@ -278,32 +296,32 @@ class StepSchema:
     def __contains__(self, name: object) -> bool:
         return name in self._by_name
 
-    @property
+    @cached_property
     def names(self) -> tuple[str, ...]:
         return tuple(f.name for f in self.fields)
 
-    @property
+    @cached_property  # fields never change: computed once (the ingest path asks per message)
     def sent(self) -> tuple[StepField, ...]:
         """Fields in every step message, in declaration order."""
         return tuple(f for f in self.fields if f.sent)
 
-    @property
+    @cached_property
     def stored(self) -> tuple[StepField, ...]:
         """Fields the rollout buffer allocates."""
         return tuple(f for f in self.fields if f.stored)
 
-    @property
+    @cached_property
     def minibatch(self) -> tuple[StepField, ...]:
         """Fields PPO minibatches carry."""
         return tuple(f for f in self.fields if f.minibatch)
 
-    @property
+    @cached_property
     def observation_names(self) -> tuple[str, ...]:
         """Observation fields: ``("observations",)`` or ``("observations.<key>", ...)``."""
         return tuple(f.name for f in self.fields
                      if f.name == OBSERVATION_FIELD or f.name.startswith(OBSERVATION_FIELD + "."))
 
-    @property
+    @cached_property
     def is_dict_observation(self) -> bool:
         return self.observation_names != (OBSERVATION_FIELD,)
 
@@ -497,7 +515,14 @@ def check_step_consistency(schema: StepSchema, arrays: Mapping[str, np.ndarray])
         Why the step is impossible, or None.
     """
     truncated, dones = arrays.get("truncated"), arrays["dones"]
-    if truncated is not None:
+    if truncated is not None and truncated.size <= SMALL_ARRAY_SIZE:  # a few envs: plain Python is cheaper
+        rows = zip(truncated.ravel().tolist(), dones.ravel().tolist(), arrays["bootstrap_values"].ravel().tolist())
+        for is_truncated, is_done, bootstrap in rows:
+            if is_truncated and not is_done:
+                return "truncated: every truncated env must also be done (dones = terminated OR truncated)"
+            if bootstrap != 0 and not is_truncated:
+                return "bootstrap_values: expected 0 on rows that were not truncated"
+    elif truncated is not None:
         if np.any(truncated & ~dones):
             return "truncated: every truncated env must also be done (dones = terminated OR truncated)"
         if np.any(arrays["bootstrap_values"][~truncated] != 0):

@@ -250,10 +250,15 @@ def _decode_array(value: Any, name: str) -> np.ndarray:
             f"{name}: shape {list(shape)[:MAX_NDIM]} x {dtype.str} declares {declared} bytes, "
             f"received {len(data)} bytes of data",
         )
-    array = np.frombuffer(data, dtype=dtype).reshape(shape)
-    if dtype.kind == "b" and data.translate(None, b"\x00\x01"):
+    return _checked_contents(np.frombuffer(data, dtype=dtype).reshape(shape), data, name)
+
+
+def _checked_contents(array: np.ndarray, data: bytes, name: str) -> np.ndarray:
+    """``array`` (a view of ``data``) after the content checks: bool bytes in {0, 1}, floats finite."""
+    kind = array.dtype.kind
+    if kind == "b" and data.translate(None, b"\x00\x01"):
         _reject("schema", f"{name}: bool array holds bytes other than 0 and 1")
-    if dtype.kind == "f" and not _all_finite(array):
+    if kind == "f" and not _all_finite(array):
         _reject("schema", f"{name}: expected finite values, received NaN or inf")
     return array
 
@@ -862,13 +867,20 @@ def decode_step(
         _reject("schema", f"fields: missing {missing}, extra {extra}")
     arrays: dict[str, np.ndarray] = {}
     rows: dict[str, np.ndarray] = {}  # (K * n, *shape) views: the value checks see one batch of rows
-    for item, dtype_str, shape in spec._wire_layout:
+    for item, dtype_str, shape, shape_list, nbytes in spec._wire_layout:
         name = item.name
-        array = _decode_array(received[name], name)
-        if array.dtype.str != dtype_str:
-            _reject("dtype", f"{name}: expected dtype {dtype_str!r}, received {array.dtype.str!r}")
-        if array.shape != shape:
-            _reject("shape", f"{name}: expected shape {list(shape)}, received {list(array.shape)}")
+        value = received[name]
+        data = value.get("data") if type(value) is dict else None
+        if (type(data) is bytes and len(data) == nbytes and len(value) == 3 and value.get("dtype") == dtype_str
+                and value.get("shape") == shape_list and all(type(d) is int for d in value["shape"])):
+            # The agreed dtype and shape, spelled exactly: no generic parsing (a message has a dozen fields).
+            array = _checked_contents(np.frombuffer(data, dtype=item.dtype).reshape(shape), data, name)
+        else:  # anything else takes the generic path, which names what is wrong
+            array = _decode_array(value, name)
+            if array.dtype.str != dtype_str:
+                _reject("dtype", f"{name}: expected dtype {dtype_str!r}, received {array.dtype.str!r}")
+            if array.shape != shape:
+                _reject("shape", f"{name}: expected shape {list(shape)}, received {list(array.shape)}")
         flat = array if spec.steps_per_message == 1 else array.reshape(-1, *item.shape)
         problem = item.check_values(flat)
         if problem is not None:
@@ -943,14 +955,15 @@ class StepSpec:
         object.__setattr__(self, "steps_per_message", int(k))
         # (field, canonical dtype str, shape) of every sent field, computed once for decode_step.
         lead = (self.num_envs,) if k == 1 else (int(k), self.num_envs)
-        layout = tuple((f, f.dtype.str, (*lead, *f.shape)) for f in self.schema.sent)
+        layout = tuple((f, f.dtype.str, (*lead, *f.shape), [*lead, *f.shape], math.prod(lead) * f.item_bytes)
+                       for f in self.schema.sent)
         object.__setattr__(self, "_wire_layout", layout)
         object.__setattr__(self, "_field_names", frozenset(f.name for f in self.schema.sent))
 
     def array_layout(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
         """Expected ``(dtype, shape)`` of every array of a :class:`StepMessage` (the schema's sent
         fields with a leading dimension n = ``num_envs``, after K when ``steps_per_message`` > 1)."""
-        return {item.name: (item.dtype, shape) for item, _, shape in self._wire_layout}
+        return {item.name: (item.dtype, shape) for item, _, shape, _, _ in self._wire_layout}
 
     def message_bytes(self) -> int:
         """Approximate encoded size of one step message in bytes (array bytes of K steps + 1 KiB of
