@@ -61,6 +61,15 @@ JOIN_PATIENCE_S = 120.0
 WEIGHTS_QUEUE_MESSAGES = 4
 """Weights messages the SUB socket queues (the actor reads them all and keeps the newest)."""
 WEIGHTS_WAIT_WARNING_S = 30.0
+AHEAD_SEGMENTS = 3
+"""Asynchronous mode: an actor acts at most this many segments (``rollout_length`` vector steps
+each) with one policy version, then waits for newer weights. The learner stores one segment per
+actor in the filling buffer and holds one more while the other buffer trains; rows beyond that
+were computed and thrown away (issue 11: an actor far ahead of a slower one had its steps dropped
+as ``no_capacity_steps``). Three leave one segment of slack for weights that arrive late."""
+AHEAD_WAIT_S = 1.0
+"""Longest wait for newer weights once :data:`AHEAD_SEGMENTS` are used up; then the actor goes on
+(a fresh allowance). A run where every actor waits and no buffer can fill is thereby never stuck."""
 """Synchronous mode: say so when the weights of a finished segment take longer than this."""
 
 
@@ -139,6 +148,9 @@ class Actor:
         self.block: StepBlock | None = None
         self.sync_rollout_length = 0  # > 0: synchronous mode, rows per segment
         self.segment_rows = 0  # rows of the current segment sent (synchronous mode)
+        self.ahead_rows = 0  # asynchronous mode: allowance of vector steps per policy version (0: none)
+        self.rows_this_version = 0  # vector steps acted since the current weights were loaded
+        self.ahead_waits_timed_out = 0
         self.data: zmq.Socket | None = None
         self.weights_sub: zmq.Socket | None = None
 
@@ -210,6 +222,7 @@ class Actor:
             self._connect_streams()
         self._load_weights(reply.policy_version, reply.weights)
         self.sync_rollout_length = int(env_config.get("rollout_length") or 0) if env_config.get("mode") == "sync" else 0
+        self.ahead_rows = 0 if self.sync_rollout_length else AHEAD_SEGMENTS * int(env_config.get("rollout_length") or 0)
         self.segment_rows = 0  # a new incarnation starts a new segment
         self.last_reply = time.monotonic()
         log.info("actor %s joined as #%d: %s x %d envs, policy version %d", self.actor_id, reply.actor_index,
@@ -242,6 +255,8 @@ class Actor:
     def _load_weights(self, version: int, weights: dict[str, np.ndarray]) -> None:
         assert self.model is not None
         load_weight_arrays(self.model, weights)
+        if version != self.policy_version:
+            self.rows_this_version = 0
         self.policy_version = version
         if self.stepper is not None:
             self.stepper.policy_version = version
@@ -340,6 +355,26 @@ class Actor:
                             self.actor_id, WEIGHTS_WAIT_WARNING_S, version, self.learner_version)
                 warn_at = time.monotonic() + WEIGHTS_WAIT_WARNING_S
 
+    def wait_if_too_far_ahead(self) -> None:
+        """Asynchronous mode: after :data:`AHEAD_SEGMENTS` segments acted by the current weights,
+        wait for newer ones (heartbeats go on), at most :data:`AHEAD_WAIT_S`; the pending next action
+        is then chosen again with them. Raises :class:`_Rejoined` after a rejoin."""
+        if not self.ahead_rows or self.rows_this_version < self.ahead_rows:
+            return
+        assert self.weights_sub is not None and self.stepper is not None
+        version, give_up = self.policy_version, time.monotonic() + AHEAD_WAIT_S
+        while not self.stop_event.is_set() and self.policy_version == version:
+            if time.monotonic() > give_up:
+                self.ahead_waits_timed_out += 1
+                log.debug("actor %s: no weights after version %d within %.1f s; acting on", self.actor_id, version,
+                          AHEAD_WAIT_S)
+                self.rows_this_version = 0
+                return
+            if self.weights_sub.poll(20):
+                self._poll_weights()
+            self.heartbeat_if_due()
+        self.stepper.reselect()
+
     # -- stepping --------------------------------------------------------------------------
     def run(self) -> int:
         self.join()
@@ -350,6 +385,10 @@ class Actor:
             # segment end is always a block's last step). Weights are picked up only before a
             # block's first action, so one policy version acts on a whole block.
             block, k = self.block, self.steps_per_message
+            try:
+                self.wait_if_too_far_ahead()
+            except _Rejoined:
+                continue
             if block is not None:
                 block.clear()
             for i in range(k):
@@ -362,6 +401,7 @@ class Actor:
                 if block is not None:
                     block.record(fields, row.policy_version, row.env_step.episode_returns, row.env_step.episode_lengths)
                 self.env_steps += row.buffers.num_envs
+                self.rows_this_version += 1
                 self.episodes += len(row.env_step.episode_returns)
             if block is not None:
                 message = block.message(self.actor_id, self.incarnation, self.seq)
