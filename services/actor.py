@@ -6,6 +6,10 @@ from the policy that acted), pick up newer weights, choose the next actions (who
 the bootstrap ``next_values`` of this step), then send one step message.  ``send`` blocks when the
 learner is not reading (back-pressure); heartbeats continue meanwhile.
 
+In the asynchronous mode an actor acts at most :data:`AHEAD_SEGMENTS` segments with one policy
+version; then it waits (at most :data:`AHEAD_WAIT_S`) for newer weights, so it does not compute
+steps the learner could not store.
+
 In the synchronous mode (the join reply's ``env_config["mode"] == "sync"``) the actor counts its
 rows: the last row of each segment of ``rollout_length`` rows takes its ``next_values`` from the
 policy that acted, is sent, and then the actor waits (heartbeats continue) until weights newer
@@ -61,12 +65,14 @@ JOIN_PATIENCE_S = 120.0
 WEIGHTS_QUEUE_MESSAGES = 4
 """Weights messages the SUB socket queues (the actor reads them all and keeps the newest)."""
 WEIGHTS_WAIT_WARNING_S = 30.0
-AHEAD_SEGMENTS = 3
+AHEAD_SEGMENTS = 2
 """Asynchronous mode: an actor acts at most this many segments (``rollout_length`` vector steps
-each) with one policy version, then waits for newer weights. The learner stores one segment per
-actor in the filling buffer and holds one more while the other buffer trains; rows beyond that
-were computed and thrown away (issue 11: an actor far ahead of a slower one had its steps dropped
-as ``no_capacity_steps``). Three leave one segment of slack for weights that arrive late."""
+each) with one policy version, then waits for newer weights. In steady state a new version comes
+with each released buffer, into which the actor's held segment is written; it then fills one
+segment and holds the next while the other buffer trains: two segments per version keep it busy.
+Rows beyond what the learner can store were computed and thrown away (issue 11: an actor far
+ahead of a slower one had 20 % of its steps dropped as ``no_capacity_steps``; with three
+segments per version, 5 %: the fast actor had taken the slow one's columns as well)."""
 AHEAD_WAIT_S = 1.0
 """Longest wait for newer weights once :data:`AHEAD_SEGMENTS` are used up; then the actor goes on
 (a fresh allowance). A run where every actor waits and no buffer can fill is thereby never stuck."""
@@ -150,6 +156,7 @@ class Actor:
         self.segment_rows = 0  # rows of the current segment sent (synchronous mode)
         self.ahead_rows = 0  # asynchronous mode: allowance of vector steps per policy version (0: none)
         self.rows_this_version = 0  # vector steps acted since the current weights were loaded
+        self.ahead_waits = 0
         self.ahead_waits_timed_out = 0
         self.data: zmq.Socket | None = None
         self.weights_sub: zmq.Socket | None = None
@@ -362,6 +369,7 @@ class Actor:
         if not self.ahead_rows or self.rows_this_version < self.ahead_rows:
             return
         assert self.weights_sub is not None and self.stepper is not None
+        self.ahead_waits += 1
         version, give_up = self.policy_version, time.monotonic() + AHEAD_WAIT_S
         while not self.stop_event.is_set() and self.policy_version == version:
             if time.monotonic() > give_up:
@@ -424,6 +432,9 @@ class Actor:
 
     def close(self) -> None:
         """Say goodbye (best effort), then release env and sockets."""
+        if self.ahead_waits:
+            log.info("actor %s waited for newer weights %d times (%d gave up after %.1f s)", self.actor_id,
+                     self.ahead_waits, self.ahead_waits_timed_out, AHEAD_WAIT_S)
         if getattr(self, "incarnation", None) and self.data is not None:
             self.control.request(encode_leave(Leave(self.actor_id, self.incarnation)), timeout_s=0.5)
         self.control.close()

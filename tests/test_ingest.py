@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from oakemu_core.ingest import (
+    HELD_SLACK_MESSAGES,
     RolloutAssembler,
     SlotState,
     StepRejected,
@@ -511,22 +512,23 @@ def test_an_over_subscribed_learner_holds_steps_instead_of_dropping_them(
     assert assembler.counters.env_steps + 3 * assembler.pending_rows == sent
 
 
-def test_a_held_backlog_keeps_one_segment_and_drops_the_oldest(
+def test_a_held_backlog_keeps_one_segment_plus_the_slack_and_drops_the_oldest(
     assembler: RolloutAssembler, buffers: list[RolloutBuffer]
 ) -> None:
     assembler.join("a", "a-1", spec(6), hostname="h", now=0.0)
     fill_segment(assembler, "a", "a-1", 6)
     fill_segment(assembler, "a", "a-1", 6, first_seq=T)
     assert not assembler.accepting
-    late = [message("a", "a-1", 2 * T + s, 6) for s in range(T + 2)]  # 2 more than one segment
+    capacity = T + HELD_SLACK_MESSAGES  # one step per message
+    late = [message("a", "a-1", 2 * T + s, 6) for s in range(capacity + 2)]  # 2 more than it holds
     for msg in late:
         send(assembler, msg)
-    assert assembler.pending_rows == T
+    assert assembler.pending_rows == capacity
     assert assembler.counters.dropped["no_capacity_steps"] == 2 * 6  # the two oldest
     assembler.take_full_rollout()
     assembler.release(0)
-    assert assembler.pending_rows == 0
-    for row, msg in enumerate(late[2:]):  # the newest T, consecutive from row 0
+    assert assembler.pending_rows == capacity - T  # the rest waits for the next free columns
+    for row, msg in enumerate(late[2:2 + T]):  # the oldest T kept, consecutive from row 0
         check_rows(buffers[0], msg, row, list(range(6)))
     assert assembler.states[0] is SlotState.FULL
 

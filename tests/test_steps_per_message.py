@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import textwrap
 from collections.abc import Iterator
@@ -256,4 +257,16 @@ def test_no_row_older_than_max_policy_lag_with_slow_updates_and_a_slow_actor(e2e
     assert too_old == [], f"updates that trained rows older than max_policy_lag 2 (update, lag max, stale rows): {too_old}"
     assert all("charts/policy_lag_sgd_steps_max" in u for u in updates)
     assert max(u["charts/policy_lag_sgd_steps_max"] for u in updates) <= 2 * 2 * 2  # 2 versions x 4 SGD steps
+    # The fast actor waits for newer weights instead of computing steps the learner cannot store.
+    dropped = learner_dropped_counts(learner.stdout() + learner.stderr())
+    written = budget
+    # 20 % of the steps were dropped before actors waited for newer weights; 0.5-1.6 % after.
+    assert dropped.get("no_capacity_steps", 0) <= 0.05 * written, f"steps computed and thrown away: {dropped}"
     wait_for(lambda: e2e.alive() == [], 30, "actors to exit after the learner")
+
+
+def learner_dropped_counts(log_text: str) -> dict[str, int]:
+    """The ``dropped {...}`` counters of the learner's last ``ingest:`` log line."""
+    lines = [line for line in log_text.splitlines() if "ingest:" in line and "dropped {" in line]
+    assert lines, "the learner logged no ingest summary"
+    return ast.literal_eval(lines[-1].split("dropped ", 1)[1].split("}", 1)[0] + "}")
