@@ -24,6 +24,7 @@ import json
 import math
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -78,21 +79,42 @@ def main(connect: str, *, json_output: bool = False, once: bool = False, timeout
         print(f"oakemu monitor: {exc}", file=sys.stderr)
         return EXIT_BAD_ADDRESS
     try:
-        with _sigterm_as_keyboard_interrupt():
-            first = subscriber.receive(timeout_s)
+        with _stop_on_signals() as stop:
+            first = _receive(subscriber, timeout_s, stop)
             if first is None:
                 _report_silence(subscriber, timeout_s, attached=False)
                 return EXIT_NO_TELEMETRY
             if json_output:
-                return _run_json(subscriber, first, once=once, timeout_s=timeout_s)
+                return _run_json(subscriber, first, once=once, timeout_s=timeout_s, stop=stop)
             if once:
                 Console().print(render_snapshot(first, address=connect, age_s=0.0))
                 return EXIT_OK
-            return _run_live(subscriber, first, timeout_s=timeout_s)
-    except KeyboardInterrupt:
+            return _run_live(subscriber, first, timeout_s=timeout_s, stop=stop)
+    except (KeyboardInterrupt, _Stopped):
         return EXIT_OK
     finally:
         subscriber.close()
+
+
+class _Stopped(Exception):
+    """Ctrl-C or SIGTERM arrived while waiting for telemetry."""
+
+
+def _receive(subscriber: TelemetrySubscriber, timeout_s: float, stop: threading.Event) -> TelemetrySnapshot | None:
+    """:meth:`TelemetrySubscriber.receive` in short waits, so a stop signal is seen within 0.25 s.
+
+    Raises:
+        _Stopped: ``stop`` was set.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not stop.is_set():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        snapshot = subscriber.receive(min(remaining, _POLL_INTERVAL_S))
+        if snapshot is not None:
+            return snapshot
+    raise _Stopped
 
 
 def snapshot_to_json(snapshot: TelemetrySnapshot) -> str:
@@ -251,14 +273,15 @@ def render_curves(snapshot: TelemetrySnapshot, *, width: int = CURVE_WIDTH) -> T
     return table
 
 
-def _run_json(subscriber: TelemetrySubscriber, first: TelemetrySnapshot, *, once: bool, timeout_s: float) -> int:
+def _run_json(subscriber: TelemetrySubscriber, first: TelemetrySnapshot, *, once: bool, timeout_s: float,
+              stop: threading.Event) -> int:
     """Print the first snapshot, then every update snapshot, one JSON object per line."""
     try:
         _print_line(snapshot_to_json(first))
         if once:
             return EXIT_OK
         while True:
-            snapshot = subscriber.receive(timeout_s)
+            snapshot = _receive(subscriber, timeout_s, stop)
             if snapshot is None:
                 _report_silence(subscriber, timeout_s, attached=True)
                 return EXIT_NO_TELEMETRY
@@ -269,18 +292,20 @@ def _run_json(subscriber: TelemetrySubscriber, first: TelemetrySnapshot, *, once
         return EXIT_OK
 
 
-def _run_live(subscriber: TelemetrySubscriber, first: TelemetrySnapshot, *, timeout_s: float) -> int:
+def _run_live(subscriber: TelemetrySubscriber, first: TelemetrySnapshot, *, timeout_s: float,
+              stop: threading.Event) -> int:
     """Redraw the live view until Ctrl-C; a silent learner is shown, not fatal (it may restart)."""
     address = subscriber.connect_address
     snapshot, received_at = first, time.monotonic()
     with Live(render_snapshot(snapshot, address=address, age_s=0.0), refresh_per_second=4,
               transient=False) as live:
-        while True:
+        while not stop.is_set():
             newer = subscriber.receive(_POLL_INTERVAL_S)
             if newer is not None:
                 snapshot, received_at = newer, time.monotonic()
             live.update(render_snapshot(snapshot, address=address, age_s=time.monotonic() - received_at,
                                         stale_after_s=timeout_s))
+    return EXIT_OK
 
 
 def _report_silence(subscriber: TelemetrySubscriber, timeout_s: float, *, attached: bool) -> None:
@@ -324,20 +349,26 @@ def _finite_or_none(obj: Any) -> Any:
 
 
 @contextmanager
-def _sigterm_as_keyboard_interrupt() -> Iterator[None]:
-    """Treat SIGTERM (``docker stop``) like Ctrl-C while the monitor runs (main thread only)."""
-    def _raise(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
+def _stop_on_signals() -> Iterator[threading.Event]:
+    """Ctrl-C and SIGTERM (``docker stop``) set the yielded event instead of raising
+    KeyboardInterrupt wherever the main thread happens to be: raised inside rich's live display
+    (which holds a lock its refresh thread needs) it could leave the monitor hung. Main thread
+    only; elsewhere signals are left alone."""
+    stop = threading.Event()
+
+    def _set(signum: int, frame: object) -> None:
+        stop.set()
 
     try:
-        previous = signal.signal(signal.SIGTERM, _raise)
-    except ValueError:  # not the main thread: leave signals alone
-        yield
+        previous = {sig: signal.signal(sig, _set) for sig in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread
+        yield stop
         return
     try:
-        yield
+        yield stop
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _module_main(argv: list[str]) -> int:
