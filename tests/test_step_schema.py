@@ -15,6 +15,7 @@ from oakemu_core import PPOActorStepBuffers, RolloutBuffer
 from oakemu_core.distributions import Bernoulli, Categorical, DiagGaussian, MultiCategorical
 from oakemu_core.envs import EnvSpec
 from oakemu_core.step_schema import (
+    SMALL_ARRAY_SIZE,
     StepField,
     StepSchema,
     build_schema,
@@ -383,3 +384,37 @@ def test_invalid_fields_and_schemas_are_refused_when_declared() -> None:
         build_schema({}, Categorical(2))
     with pytest.raises(ValueError, match="expected a distribution, or action_shape and action_dtype"):
         build_schema({"": ((2,), np.uint8)}, None)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int64])
+def test_value_checks_agree_for_a_few_values_and_for_many(dtype) -> None:
+    """Arrays of at most SMALL_ARRAY_SIZE values are checked in plain Python, larger ones with
+    numpy: the verdict (and the message) must not depend on which path ran."""
+    item = StepField("x", (), dtype, low=-2.0, high=3.0)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        small = rng.integers(-4, 6, size=int(rng.integers(1, SMALL_ARRAY_SIZE + 1))).astype(dtype)
+        large = np.concatenate([small, np.zeros(SMALL_ARRAY_SIZE, dtype)])  # same extremes (0 is in range)
+        expected = None
+        if small.min() < -2.0:
+            expected = f"x: expected values >= -2.0, received min {small.min()!r}"
+        elif small.max() > 3.0:
+            expected = f"x: expected values <= 3.0, received max {small.max()!r}"
+        assert item.check_values(small) == expected
+        assert (item.check_values(large) is None) == (expected is None)
+
+
+def test_step_consistency_agrees_for_a_few_envs_and_for_many() -> None:
+    schema = build_schema({"": ((2,), np.float32)}, Categorical(3))
+    rng = np.random.default_rng(1)
+    for n in (4, SMALL_ARRAY_SIZE + 8):
+        for _ in range(100):
+            truncated = rng.random(n) < 0.2
+            dones = truncated | (rng.random(n) < 0.2)
+            bootstrap = np.where(truncated, 1.5, 0.0).astype(np.float32)
+            arrays = {"truncated": truncated.copy(), "dones": dones.copy(), "bootstrap_values": bootstrap.copy()}
+            assert check_step_consistency(schema, arrays) is None
+            bad_dones = arrays | {"dones": dones & ~truncated}
+            assert (check_step_consistency(schema, bad_dones) is None) == (not truncated.any())
+            bad_bootstrap = arrays | {"bootstrap_values": np.where(~truncated, 2.0, 1.5).astype(np.float32)}
+            assert (check_step_consistency(schema, bad_bootstrap) is None) == bool(truncated.all())
