@@ -271,6 +271,8 @@ class RolloutBuffer:
                 array.close()
             raise
         self.schema = schema
+        # Computed once (the schema never changes): every write validates against it.
+        self._writable = tuple(f for f in schema.stored if f.name not in ("policy_versions", "advantages", "returns"))
         self._rollout_length = int(rollout_length)
         self._num_envs = int(num_envs)
         self._shared = shared
@@ -504,11 +506,7 @@ class RolloutBuffer:
     # ------------------------------------------------------------------ writing
     def _writable_fields(self) -> tuple[Any, ...]:
         """Stored fields a writer provides (the learner computes advantages, returns, versions)."""
-        writable = self.__dict__.get("_writable")
-        if writable is None:  # computed once: the schema never changes
-            writable = self.__dict__["_writable"] = tuple(
-                f for f in self.schema.stored if f.name not in ("policy_versions", "advantages", "returns"))
-        return writable
+        return self._writable
 
     def _validate_row(self, count: int, fields: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Check one row of ``count`` columns; return every writable field, defaults filled in."""

@@ -179,15 +179,15 @@ class StepField:
             return None
         if self._bounds_are_scalars and array.size <= SMALL_ARRAY_SIZE:
             values = array.ravel().tolist()
-            if self._scalar_low is not None and min(values) < self._scalar_low:
-                return f"{self.name}: expected values >= {_describe_bound(self.low)}, received min {array.min()!r}"
-            if self._scalar_high is not None and max(values) > self._scalar_high:
-                return f"{self.name}: expected values <= {_describe_bound(self.high)}, received max {array.max()!r}"
+            too_low = self._scalar_low is not None and min(values) < self._scalar_low
+            too_high = self._scalar_high is not None and max(values) > self._scalar_high
         else:
-            if self.low is not None and np.any(array < self.low):
-                return f"{self.name}: expected values >= {_describe_bound(self.low)}, received min {array.min()!r}"
-            if self.high is not None and np.any(array > self.high):
-                return f"{self.name}: expected values <= {_describe_bound(self.high)}, received max {array.max()!r}"
+            too_low = self.low is not None and bool(np.any(array < self.low))
+            too_high = self.high is not None and bool(np.any(array > self.high))
+        if too_low:
+            return f"{self.name}: expected values >= {_describe_bound(self.low)}, received min {array.min()!r}"
+        if too_high:
+            return f"{self.name}: expected values <= {_describe_bound(self.high)}, received max {array.max()!r}"
         if self.mask_segments is not None:
             start = 0
             for size in self.mask_segments:
@@ -515,17 +515,18 @@ def check_step_consistency(schema: StepSchema, arrays: Mapping[str, np.ndarray])
         Why the step is impossible, or None.
     """
     truncated, dones = arrays.get("truncated"), arrays["dones"]
-    if truncated is not None and truncated.size <= SMALL_ARRAY_SIZE:  # a few envs: plain Python is cheaper
-        rows = zip(truncated.ravel().tolist(), dones.ravel().tolist(), arrays["bootstrap_values"].ravel().tolist())
-        for is_truncated, is_done, bootstrap in rows:
-            if is_truncated and not is_done:
-                return "truncated: every truncated env must also be done (dones = terminated OR truncated)"
-            if bootstrap != 0 and not is_truncated:
-                return "bootstrap_values: expected 0 on rows that were not truncated"
-    elif truncated is not None:
-        if np.any(truncated & ~dones):
+    if truncated is not None:
+        bootstrap = arrays["bootstrap_values"]
+        if truncated.size <= SMALL_ARRAY_SIZE:  # a few envs: plain Python is cheaper than numpy calls
+            rows = list(zip(truncated.ravel().tolist(), dones.ravel().tolist(), bootstrap.ravel().tolist()))
+            truncated_not_done = any(t and not d for t, d, _ in rows)
+            bootstrap_not_truncated = any(b != 0 and not t for t, _, b in rows)
+        else:
+            truncated_not_done = bool(np.any(truncated & ~dones))
+            bootstrap_not_truncated = bool(np.any(bootstrap[~truncated] != 0))
+        if truncated_not_done:
             return "truncated: every truncated env must also be done (dones = terminated OR truncated)"
-        if np.any(arrays["bootstrap_values"][~truncated] != 0):
+        if bootstrap_not_truncated:
             return "bootstrap_values: expected 0 on rows that were not truncated"
     mask = arrays.get("action_mask")
     if mask is not None and schema.distribution is not None:

@@ -65,6 +65,7 @@ JOIN_PATIENCE_S = 120.0
 WEIGHTS_QUEUE_MESSAGES = 4
 """Weights messages the SUB socket queues (the actor reads them all and keeps the newest)."""
 WEIGHTS_WAIT_WARNING_S = 30.0
+"""Synchronous mode: say so when the weights of a finished segment take longer than this."""
 AHEAD_SEGMENTS = 2
 """Asynchronous mode: an actor acts at most this many segments (``rollout_length`` vector steps
 each) with one policy version, then waits for newer weights. In steady state a new version comes
@@ -76,7 +77,6 @@ segments per version, 5 %: the fast actor had taken the slow one's columns as we
 AHEAD_WAIT_S = 1.0
 """Longest wait for newer weights once :data:`AHEAD_SEGMENTS` are used up; then the actor goes on
 (a fresh allowance). A run where every actor waits and no buffer can fill is thereby never stuck."""
-"""Synchronous mode: say so when the weights of a finished segment take longer than this."""
 
 
 class LearnerUnreachable(RuntimeError):
@@ -351,16 +351,27 @@ class Actor:
     def wait_for_weights_after(self, version: int) -> None:
         """Synchronous mode: block until weights newer than ``version`` are loaded (heartbeats go on;
         returns early when the actor is told to stop). Raises :class:`_Rejoined` after a rejoin."""
+        self._wait_for_weights_newer_than(version, give_up_s=None)
+
+    def _wait_for_weights_newer_than(self, version: int, *, give_up_s: float | None) -> bool:
+        """Poll the weights socket (heartbeats go on) until weights newer than ``version`` are
+        loaded (True), the actor is told to stop, or ``give_up_s`` passed (False). Without a limit
+        a long wait is logged every :data:`WEIGHTS_WAIT_WARNING_S`."""
         assert self.weights_sub is not None
-        warn_at = time.monotonic() + WEIGHTS_WAIT_WARNING_S
+        start = time.monotonic()
+        warn_at = start + WEIGHTS_WAIT_WARNING_S
         while not self.stop_event.is_set() and self.policy_version <= version:
-            if self.weights_sub.poll(100):
-                self._poll_weights()
-            self.heartbeat_if_due()
-            if time.monotonic() > warn_at:
+            now = time.monotonic()
+            if give_up_s is not None and now - start > give_up_s:
+                return False
+            if give_up_s is None and now > warn_at:
                 log.warning("actor %s: waiting %.0f s for the weights after version %d (learner at version %d)",
                             self.actor_id, WEIGHTS_WAIT_WARNING_S, version, self.learner_version)
-                warn_at = time.monotonic() + WEIGHTS_WAIT_WARNING_S
+                warn_at = now + WEIGHTS_WAIT_WARNING_S
+            if self.weights_sub.poll(20):
+                self._poll_weights()
+            self.heartbeat_if_due()
+        return self.policy_version > version
 
     def wait_if_too_far_ahead(self) -> None:
         """Asynchronous mode: after :data:`AHEAD_SEGMENTS` segments acted by the current weights,
@@ -368,20 +379,15 @@ class Actor:
         is then chosen again with them. Raises :class:`_Rejoined` after a rejoin."""
         if not self.ahead_rows or self.rows_this_version < self.ahead_rows:
             return
-        assert self.weights_sub is not None and self.stepper is not None
+        assert self.stepper is not None
         self.ahead_waits += 1
-        version, give_up = self.policy_version, time.monotonic() + AHEAD_WAIT_S
-        while not self.stop_event.is_set() and self.policy_version == version:
-            if time.monotonic() > give_up:
-                self.ahead_waits_timed_out += 1
-                log.debug("actor %s: no weights after version %d within %.1f s; acting on", self.actor_id, version,
-                          AHEAD_WAIT_S)
-                self.rows_this_version = 0
-                return
-            if self.weights_sub.poll(20):
-                self._poll_weights()
-            self.heartbeat_if_due()
-        self.stepper.reselect()
+        if self._wait_for_weights_newer_than(self.policy_version, give_up_s=AHEAD_WAIT_S):
+            self.stepper.reselect()
+        elif not self.stop_event.is_set():
+            self.ahead_waits_timed_out += 1
+            log.debug("actor %s: no weights after version %d within %.1f s; acting on", self.actor_id,
+                      self.policy_version, AHEAD_WAIT_S)
+            self.rows_this_version = 0
 
     # -- stepping --------------------------------------------------------------------------
     def run(self) -> int:
