@@ -10,8 +10,9 @@ Process model. The evaluation runs in a child process started with the ``spawn``
 a forked child of a threaded parent is unsafe), niced and limited to one torch thread, so training
 never waits for it. In the parent one small feeder thread hands weights to the child when it is
 idle and collects its reports; :meth:`Tester.submit` and :meth:`Tester.poll` only take a lock.
-At most one set of weights waits: a submit while an evaluation runs replaces the waiting set (the
-newest weights win, the replaced set is counted in :attr:`Tester.superseded`). The child exits
+A submit while an evaluation runs replaces the newest waiting set (the newest weights win, the
+replaced set is counted in :attr:`Tester.superseded`) unless that set was submitted with
+``keep=True`` (a run's first and final weights). The child exits
 when the parent closes it, when the parent dies (it watches its parent pid), and ignores SIGINT
 (Ctrl-C reaches the learner, which closes the tester). As with any ``spawn`` child, the parent's
 main module is imported again in the child (as ``__mp_main__``): a script that starts a tester
@@ -141,8 +142,8 @@ def _child_main(conn: multiprocessing.connection.Connection, parent_pid: int, op
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's business; it closes us
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="tester-parent-watch").start()
-    try:
-        os.nice(int(options.pop("nice")))
+    try:  # absolute, so it agrees with the parent's setting right after the start
+        os.setpriority(os.PRIO_PROCESS, 0, int(options.pop("niceness")))
     except OSError:
         pass
     import torch
@@ -248,11 +249,13 @@ class Tester:
             "env_id": env_id, "schema_dict": dict(schema_dict), "episodes": self.episodes,
             "greedy": self.greedy, "seed": self.seed, "settings_file": settings_file,
             "max_episode_steps": max_episode_steps, "normalize_observations": bool(normalize_observations),
-            "nice": int(nice),
         }
+        self._nice = int(nice)
         self._lock = threading.Lock()
-        self._pending: tuple[int, int, Mapping[str, np.ndarray]] | None = None
-        self._in_flight: tuple[int, int, Mapping[str, np.ndarray]] | None = None
+        # Waiting jobs ``(policy_version, global_step, weights, keep)``, oldest first: any number of
+        # kept ones and at most one that a newer submission replaces.
+        self._pending: list[tuple[int, int, Mapping[str, np.ndarray], bool]] = []
+        self._in_flight: tuple[int, int, Mapping[str, np.ndarray], bool] | None = None
         self._reports: list[EvaluationReport] = []
         self._idle = threading.Condition(self._lock)
         self._ready = False
@@ -290,15 +293,20 @@ class Tester:
         self._started = True
         context = multiprocessing.get_context(_START_METHOD)
         parent_conn, child_conn = context.Pipe(duplex=True)
+        niceness = min(19, os.getpriority(os.PRIO_PROCESS, 0) + self._nice)
         try:
             self._wake_r, self._wake_w = os.pipe()
             os.set_blocking(self._wake_w, False)
             self._process = context.Process(
-                target=_child_main, args=(child_conn, os.getpid(), dict(self._options)),
+                target=_child_main, args=(child_conn, os.getpid(), {**self._options, "niceness": niceness}),
                 name=f"oakemu-tester-{self.env_id}", daemon=True,
             )
             self._process.start()
             self._pid = self._process.pid
+            try:  # at once, so the child's torch import (seconds of CPU) already yields to training
+                os.setpriority(os.PRIO_PROCESS, self._pid, niceness)
+            except OSError:
+                pass
         except BaseException:
             parent_conn.close()
             child_conn.close()
@@ -329,9 +337,9 @@ class Tester:
 
     @property
     def pending(self) -> int | None:
-        """Policy version waiting for the process, or None."""
+        """Newest policy version waiting for the process, or None."""
         with self._lock:
-            return None if self._pending is None else self._pending[0]
+            return self._pending[-1][0] if self._pending else None
 
     @property
     def ready(self) -> bool:
@@ -343,7 +351,7 @@ class Tester:
     def busy(self) -> bool:
         """True while an evaluation runs or weights wait for one."""
         with self._lock:
-            return self._in_flight is not None or self._pending is not None
+            return self._in_flight is not None or bool(self._pending)
 
     def close(self, timeout_s: float = _STOP_TIMEOUT_S) -> None:
         """Stop the feeder thread and the tester process (asked, then terminated, then killed),
@@ -392,17 +400,20 @@ class Tester:
             pass
 
     # -- learner-facing calls ------------------------------------------------------------------
-    def submit(self, policy_version: int, weights: dict[str, np.ndarray], global_step: int) -> bool:
+    def submit(self, policy_version: int, weights: dict[str, np.ndarray], global_step: int, *,
+               keep: bool = False) -> bool:
         """Ask for an evaluation of ``weights``; returns at once (a lock and a one-byte write).
 
         The weights are kept by reference until evaluated: pass a snapshot that is not changed
         later (``weights_to_arrays`` returns copies). When an evaluation is running, these weights
-        replace any set already waiting (never more than one waits).
+        replace the newest set already waiting unless that set was submitted with ``keep``.
 
         Args:
             policy_version: the version the learner published these weights as.
             weights: ``{name: float32 array}`` as from :func:`oakemu_core.models.weights_to_arrays`.
             global_step: env steps of the run now (carried into the report).
+            keep: never replace this set by a newer one (the first weights of a run, e.g. the
+                behaviour-cloned ones, and the final weights are evaluated whatever comes after).
 
         Returns:
             True when accepted; False when the tester is not running (not started, closed, or its
@@ -411,9 +422,10 @@ class Tester:
         if not self.alive:
             return False
         with self._lock:
-            if self._pending is not None:
+            if self._pending and not self._pending[-1][3]:
+                self._pending.pop()
                 self.superseded += 1
-            self._pending = (int(policy_version), int(global_step), weights)
+            self._pending.append((int(policy_version), int(global_step), weights, bool(keep)))
             self.submitted += 1
         self._wake()
         return True
@@ -429,7 +441,7 @@ class Tester:
         died), then return :meth:`poll`'s reports. For the final evaluation and tests."""
         deadline = time.monotonic() + max(0.0, timeout_s)
         with self._lock:
-            while (self._in_flight is not None or self._pending is not None) and not self._closing:
+            while (self._in_flight is not None or self._pending) and not self._closing:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self.alive:
                     break
@@ -466,9 +478,8 @@ class Tester:
                     if self._closing:
                         return
                     job = None
-                    if self._ready and self._in_flight is None and self._pending is not None:
-                        job, self._pending = self._pending, None
-                        self._in_flight = job
+                    if self._ready and self._in_flight is None and self._pending:
+                        job = self._in_flight = self._pending.pop(0)
                 if job is not None:
                     conn.send(("evaluate", job[0], job[1], dict(job[2])))
                 ready = multiprocessing.connection.wait([conn, sentinel, self._wake_r])

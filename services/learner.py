@@ -629,7 +629,8 @@ class Learner:
         tester = self.trainer.tester
         try:
             if tester.alive:
-                tester.submit(self.trainer.policy_version, self.trainer.weights(), self.assembler.counters.env_steps)
+                tester.submit(self.trainer.policy_version, self.trainer.weights(), self.assembler.counters.env_steps,
+                              keep=True)
                 version = self.trainer.policy_version
                 reports = tester.drain(timeout_s=FINAL_EVALUATION_TIMEOUT_S)
                 for report in reports:
@@ -718,8 +719,10 @@ class Learner:
         (self.run_dir / "config.toml").write_text(to_toml(config))
         if self.trainer.tester is not None:
             self.trainer.tester.start()
-            # The first evaluation: the initial (or behaviour-cloned, or resumed) weights.
-            self.trainer.tester.submit(self.policy_version, self.latest_weights, self.assembler.counters.env_steps)
+            # The first evaluation: the initial (or behaviour-cloned, or resumed) weights; kept, so a
+            # tester still starting evaluates them and not only the newest weights.
+            self.trainer.tester.submit(self.policy_version, self.latest_weights, self.assembler.counters.env_steps,
+                                       keep=True)
         self.trainer.start(lambda: self.assembler.counters.env_steps)
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)

@@ -43,8 +43,9 @@ def test_bc_pretraining_lifts_the_first_evaluation(e2e: E2EProcesses, tmp_path: 
     assert "behaviour cloning: 10 replay-only updates" in log
     assert "Traceback" not in log and "collapsed" not in log
 
-    # The tester's first report (the run outlasts the tester's start-up; nothing else is submitted
-    # before the final weights) is of the behaviour-cloned weights.
+    # The tester's first report is of the behaviour-cloned weights: the learner submits a run's first
+    # weights kept, so they are evaluated even when the run outpaces the tester's start-up (a CI run
+    # once ended before the tester was ready, and only the final weights were evaluated).
     evaluations = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "eval/episodic_return" in r]
     first = min(evaluations, key=lambda r: r["eval/policy_version"])
     assert first["eval/policy_version"] == 1, "the first evaluation is of the behaviour-cloned weights"

@@ -28,11 +28,14 @@ from tests.e2e_helpers import (
 )
 
 SEED = 3
-STEPS = 16_384  # 32 updates of 128 steps x 4 envs
+STEPS = 32_768  # 64 updates of 128 steps x 4 envs: 5-10 s, long enough for a ratio of two runs
 EVAL_EPISODES = 3
-MIN_SPS_RATIO = 0.75
-"""Training with evaluation every 2 updates keeps at least this share of the SPS without it (the
-tester is a niced process of its own; measured on a loaded 2-core machine, see the report)."""
+MIN_SPS_RATIO = 0.6
+"""Training with evaluation every 2 updates keeps at least this share of the SPS without it. The
+tester is a niced process of its own: on a 2-core machine the ratio was 0.76-1.13 over 16k-step
+runs, one CI run saw 0.67 (the wall-clock SPS of two short runs is noisy). Evaluating inside the
+learner's loop instead (3 greedy episodes of up to 500 steps every 2 updates of 512 steps) would
+cost about 0.3-0.5 s per 0.2 s of training: a ratio near 0.3, which this bound catches."""
 
 
 def train(e2e: E2EProcesses, tmp_path: Path, name: str, eval_every: int) -> Path:

@@ -154,6 +154,41 @@ def test_a_slow_evaluation_never_blocks_submit_and_only_the_newest_waits(testers
     assert float(np.median(durations)) < 0.002, f"median submit {np.median(durations) * 1e3:.2f} ms"
 
 
+def test_the_process_is_niced_from_its_start(testers) -> None:
+    # Its torch import takes seconds of CPU: it must already yield to training then, not only later.
+    tester = testers(CARTPOLE, episodes=1, seed=0, nice=7)
+    expected = min(19, os.getpriority(os.PRIO_PROCESS, 0) + 7)
+    assert not tester.ready
+    assert os.getpriority(os.PRIO_PROCESS, tester.pid) == expected
+    wait_until(lambda: tester.ready, READY_TIMEOUT_S, "the tester process to start")
+    assert os.getpriority(os.PRIO_PROCESS, tester.pid) == expected
+
+
+def test_kept_weights_are_evaluated_even_when_newer_ones_follow(testers) -> None:
+    # A run's first weights (e.g. behaviour-cloned) are submitted while the process still starts;
+    # a fast run submits newer ones before it is ready. The kept set must not be replaced.
+    tester = testers(SLOW_CARTPOLE, episodes=2, seed=5)
+    weights = [random_weights(SLOW_CARTPOLE, seed) for seed in range(3)]
+    assert tester.submit(1, weights[0], 100, keep=True)
+    for version in range(2, 6):
+        assert tester.submit(version, weights[version % 3], 100 * version)
+    assert tester.pending == 5
+    reports = tester.drain(READY_TIMEOUT_S)
+    assert [r.policy_version for r in reports] == [1, 5]
+    assert tester.superseded == 3
+    # A kept set behind a plain one: the plain one is still replaced, the kept one is not.
+    assert tester.submit(6, weights[0], 600)
+    wait_until(lambda: tester.evaluating == 6, 10, "evaluation 6 to start")
+    assert tester.submit(7, weights[1], 700)
+    assert tester.submit(8, weights[2], 800, keep=True)
+    assert tester.submit(9, weights[0], 900)
+    assert tester.submit(10, weights[1], 1000)
+    reports = tester.drain(READY_TIMEOUT_S)
+    assert [r.policy_version for r in reports] == [6, 8, 10]
+    assert tester.superseded == 3 + 2
+    assert reports[1].returns == tuple(in_process_returns(SLOW_CARTPOLE, weights[2], seed=5, episodes=2))
+
+
 def test_close_stops_a_running_evaluation_and_leaves_no_process(testers) -> None:
     tester = testers(SLOW_CARTPOLE, episodes=500, seed=1)  # minutes of evaluation
     assert tester.submit(1, random_weights(SLOW_CARTPOLE, 0), 0)
