@@ -712,11 +712,13 @@ class PPOLearner:
             ))
 
     def _submit_to_tester(self, global_step: int, *, force: bool = False) -> None:
+        """Submit the weights every ``eval_every_updates`` updates; ``force``: now, and kept (the
+        behaviour-cloned weights are evaluated whatever follows)."""
         tester, every = self.context.tester, self.context.eval_every_updates
         if tester is None or not (force or (every and self.iterations % every == 0)):
             return
         version, weights = self.learner_model.snapshot()
-        tester.submit(version, weights, global_step)
+        tester.submit(version, weights, global_step, keep=force)
 
     def _poll_tester(self, policy: CheckpointPolicy) -> tuple[list[Any], list[str]]:
         tester = self.context.tester
