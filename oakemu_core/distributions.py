@@ -119,12 +119,18 @@ def _categorical_entropy(log_probs: torch.Tensor, probs: torch.Tensor) -> torch.
     return -torch.where(probs > 0, probs * log_probs, torch.zeros_like(probs)).sum(-1)
 
 
-def _sample_categorical(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One index per row of ``(B, n)`` probabilities; sampling happens on the generator's device."""
-    device = probs.device
-    if generator is not None and generator.device != device:
-        probs = probs.to(generator.device)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(device)
+def _sample_categorical(log_probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index per row of ``(B, n)`` log-probabilities, by the Gumbel-max trick: ``argmax(log p +
+    G)`` with ``G = -log(-log U)``, ``U ~ Uniform[0, 1)``, is an exact sample of the categorical
+    (Gumbel 1954; Maddison et al. 2014, "A* Sampling"). Five small ops instead of
+    ``torch.multinomial``, which costs about 100 us for a batch of 4 on the CPU (actor inference
+    of a small env). A masked entry (log p about -3.4e38) never wins: the noise is at most about
+    17. The noise is drawn on the generator's device."""
+    device = log_probs.device
+    noise_device = generator.device if generator is not None else device
+    uniform = torch.rand(log_probs.shape, generator=generator, device=noise_device)
+    gumbel = -torch.log(-torch.log(uniform))  # U = 0 gives -inf: that entry is never chosen
+    return (log_probs + gumbel.to(device)).argmax(dim=-1)
 
 
 class CategoricalPolicy(Policy):
@@ -134,7 +140,7 @@ class CategoricalPolicy(Policy):
         self.log_probs_all, self.probs = _categorical_terms(logits, mask)
 
     def sample(self, generator: torch.Generator | None = None) -> torch.Tensor:
-        return _sample_categorical(self.probs, generator)
+        return _sample_categorical(self.log_probs_all, generator)
 
     def log_prob(self, actions: torch.Tensor) -> torch.Tensor:
         return self.log_probs_all.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)

@@ -200,7 +200,7 @@ def main(config: OakEmuConfig, resume: Path | None = None) -> int:
                 if status_code is not None:
                     status = status_code
                     break
-                snapshot = subscriber.receive(timeout_s=0.5)
+                snapshot = subscriber.receive(timeout_s=0.1)  # short: the learner's exit is seen at once
                 if snapshot is not None:
                     progress.update(task, completed=snapshot.global_step, info=_progress_text(snapshot))
                     if snapshot.is_update and snapshot.iterations != last_update:
