@@ -118,21 +118,24 @@ class FlatBatch:
             raise ValueError(f"num_minibatches: expected at most the {self.size} trainable rows, received {num_minibatches}")
         device = next(iter(self.fields.values())).device
         order = torch.from_numpy(generator.permutation(self.size)).to(device)
-        minibatches = []
-        for positions in torch.tensor_split(order, num_minibatches):
-            picked = {name: tensor.index_select(0, positions) for name, tensor in self.fields.items()}
-            minibatches.append(
-                RolloutMinibatch(
-                    observations=self.schema.join_observations(picked),
-                    actions=picked["actions"],
-                    log_probs=picked["log_probs"],
-                    values=picked["values"],
-                    advantages=picked["advantages"],
-                    returns=picked["returns"],
-                    fields=picked,
-                )
-            )
-        return minibatches
+        return [self._minibatch({name: tensor.index_select(0, positions) for name, tensor in self.fields.items()})
+                for positions in torch.tensor_split(order, num_minibatches)]
+
+    def whole(self) -> RolloutMinibatch:
+        """Every row as one minibatch, in stored order, without a copy: for an update with one
+        minibatch, whose gradient does not depend on the row order (no shuffle to pay for)."""
+        return self._minibatch(dict(self.fields))
+
+    def _minibatch(self, picked: dict[str, Any]) -> RolloutMinibatch:
+        return RolloutMinibatch(
+            observations=self.schema.join_observations(picked),
+            actions=picked["actions"],
+            log_probs=picked["log_probs"],
+            values=picked["values"],
+            advantages=picked["advantages"],
+            returns=picked["returns"],
+            fields=picked,
+        )
 
 
 @dataclass(frozen=True)

@@ -446,6 +446,19 @@ def test_flat_batch_is_built_once_and_serves_every_trainable_row_once_per_epoch(
         np.testing.assert_array_equal(flat.fields["advantages"].numpy(), rollout_buffer.advantages.reshape(-1)[flat.rows])
 
 
+def test_the_whole_batch_is_every_trainable_row_in_stored_order() -> None:
+    trainable = np.ones((6, 4), bool)
+    trainable[2, 1] = trainable[5, 3] = False
+    with id_buffer(6, 4, trainable) as rollout_buffer:
+        flat = rollout_buffer.flat_batch("cpu")
+        whole = flat.whole()
+        expected = [t * 4 + env for t in range(6) for env in range(4) if trainable[t, env]]
+        assert whole.actions.tolist() == expected
+        assert whole.values.tolist() == [float(i) for i in expected]
+        assert whole.log_probs.tolist() == [-float(i) for i in expected]
+        assert set(whole.fields) == set(flat.fields)
+
+
 def test_minibatches_are_shuffled_and_reproducible() -> None:
     with id_buffer(10, 10) as rollout_buffer:
         first = rollout_buffer.get_minibatches(1, "cpu", generator=np.random.default_rng(5))[0].values.numpy()
