@@ -376,6 +376,18 @@ def run_all(names: list[str], steps: dict, seeds: dict, systems: list[str], runs
     return results
 
 
+def _actors(text: str) -> str | int:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 1, received {text!r}")
+    return value
+
+
 def auto_actors() -> int:
     """One actor process per CPU core the learner leaves (at most ``NUM_ACTORS``): on 2 cores two actors
     and the learner share the cores three ways, and the PPO update, which bounds small envs, ran
@@ -398,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="torch intra-op threads of the SB3 process, OakEmu's learner and each OakEmu actor")
-    parser.add_argument("--actors", default="auto",
+    parser.add_argument("--actors", default="auto", type=_actors,
                         help="OakEmu actor processes sharing each case's envs; auto: one per CPU core left "
                              f"after the learner's, at most {NUM_ACTORS} (1 on a 2-core machine)")
     parser.add_argument("--runs-dir", type=Path, default=None, help="keep run folders here (default: a temp dir)")
@@ -416,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     seed_values = args.seeds if not (args.quick and args.seeds == ["1", "2"]) else ["1"]
     seeds = _per_case(seed_values, names, _seeds, "--seeds")
     names = [n for n in names if seeds[n]]
-    num_actors = auto_actors() if args.actors == "auto" else int(args.actors)
+    num_actors = auto_actors() if args.actors == "auto" else args.actors
     print_configs(names, steps, args.torch_threads, num_actors)
     print(f"\nnum_actors={num_actors}; torch intra-op threads {args.torch_threads} everywhere; "
           f"seeds {seeds}; systems {args.systems}; commit {_commit()}")

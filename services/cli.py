@@ -296,7 +296,9 @@ def run() -> None:
     status. Before the interpreter shuts down, every object is frozen out of the garbage
     collector's reach (``gc.freeze``): a process that imported torch otherwise spends about 1 s of
     CPU collecting its modules at exit, and ``oakemu train`` stops three or more such processes at
-    once. Exit handlers, thread joins and file flushes still run as usual."""
+    once. Exit handlers (``atexit``, ``logging.shutdown``) and thread joins still run, but an object
+    caught in a reference cycle is no longer finalised at exit: close files and sockets
+    explicitly (every service does) instead of relying on ``__del__``."""
     import gc
 
     status = main()

@@ -120,3 +120,12 @@ def test_bench_vs_sb3_flags_match_the_case(name: str, monkeypatch: pytest.Monkey
         assert config.vf_coef == 2 * kwargs["vf_coef"]
         assert config.anneal_lr is False and config.resolved_clip_value_range is None is kwargs["clip_range_vf"]
         assert config.resolved_clip_rewards is target.atari
+    # One actor process (--actors auto on 2 cores) gets every env of the case; a count that does not
+    # divide the envs is refused.
+    one = _train_config(module.oakemu_bench_args(target, mode="async", seed=3, steps=4096, runs_dir=tmp_path,
+                                                 run_name="r", ports=[1, 2, 3, 4, 5], torch_threads=1,
+                                                 num_actors=1), monkeypatch)
+    assert (one.num_actors, one.envs_per_actor) == (1, case.num_envs)
+    with pytest.raises(SystemExit, match="must divide"):
+        module.oakemu_bench_args(target, mode="async", seed=3, steps=4096, runs_dir=tmp_path, run_name="r",
+                                 ports=[1, 2, 3, 4, 5], torch_threads=1, num_actors=case.num_envs + 1)

@@ -158,3 +158,18 @@ def test_python_dash_m_runs_the_cli() -> None:
     assert result.returncode == 2
     assert "ppo_epochs" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_console_entry_point_exits_with_mains_status(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tomllib
+
+    scripts = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["oakemu"] == "services.cli:run"
+    import gc
+
+    frozen: list[bool] = []  # the real gc.freeze would keep this test process's garbage for good
+    monkeypatch.setattr(gc, "freeze", lambda: frozen.append(True))
+    monkeypatch.setattr(cli, "main", lambda: 3)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.run()
+    assert exit_info.value.code == 3 and frozen == [True]

@@ -19,6 +19,7 @@ from oakemu_core.distributions import (
     distribution_for_space,
     distribution_from_dict,
 )
+from oakemu_core.distributions import _gumbel_argmax  # the sampler's noise step, tested alone
 
 B = 64
 
@@ -45,6 +46,17 @@ def test_categorical_log_prob_entropy_and_mode_match_torch() -> None:
     assert policy.log_prob(actions).shape == policy.entropy().shape == (B,)
     torch.testing.assert_close(policy.mode(), head.argmax(-1))
     assert policy.stored() == {} and policy.kl_from({}) is None
+
+
+def test_gumbel_noise_of_an_exact_zero_uniform_never_picks_a_masked_action() -> None:
+    # torch.rand returns exactly 0 about once in 2^24 draws; its noise must not sink the only legal
+    # action below the masked ones (-inf noise would, and argmax would then pick a masked index).
+    policy = Categorical(4).policy(torch.zeros(3, 4), torch.tensor([[False, True, False, False]] * 3))
+    uniform = torch.tensor([[0.5, 0.0, 0.5, 0.9999999], [0.0, 0.0, 0.0, 0.0], [0.99, 0.0, 0.99, 0.99]])
+    assert _gumbel_argmax(policy.log_probs_all, uniform).tolist() == [1, 1, 1]
+    # Unmasked, the largest noise wins: U closest to 1 gives the largest -log(-log U).
+    plain = torch.zeros(2, 3)
+    assert _gumbel_argmax(plain, torch.tensor([[0.1, 0.9, 0.5], [0.0, 0.2, 0.1]])).tolist() == [1, 1]
 
 
 def test_categorical_samples_follow_the_probabilities() -> None:

@@ -136,6 +136,21 @@ def test_greedy_act_takes_argmax(mlp: ActorCritic) -> None:
     np.testing.assert_array_equal(mlp.act(obs, greedy=True).actions, expected)
 
 
+def test_the_cached_device_follows_the_parameters(mlp: ActorCritic) -> None:
+    import pickle
+
+    assert mlp.device == torch.device("cpu")
+    mlp.to("meta")
+    assert mlp.device == torch.device("meta")
+    mlp.to_empty(device="cpu")
+    assert mlp.device == torch.device("cpu")
+    meta = {name: torch.empty_like(tensor, device="meta") for name, tensor in mlp.state_dict().items()}
+    mlp.load_state_dict(meta, assign=True)  # swaps the parameters themselves
+    assert mlp.device == torch.device("meta")
+    restored = pickle.loads(pickle.dumps(build_model((4,), np.float32, 2)))
+    assert restored.__dict__.get("_device") is None and restored.device == torch.device("cpu")
+
+
 def test_weights_round_trip(mlp: ActorCritic) -> None:
     arrays = weights_to_arrays(mlp)
     assert set(arrays) == set(mlp.state_dict())
