@@ -211,13 +211,15 @@ def test_updates_on_a_bandit_raise_the_probability_of_the_rewarded_action() -> N
     assert after > before + 0.2, (before, after)
 
 
-def test_one_update_matches_a_hand_written_sgd_step() -> None:
+@pytest.mark.parametrize("ent_coef", [0.01, 0.0])
+def test_one_update_matches_a_hand_written_sgd_step(ent_coef: float) -> None:
     """ppo_epochs=1, one minibatch, plain SGD, no effective grad clip: the new weights equal
     w - lr * grad of the PPO loss written out here independently (normalised advantages over all
-    trainable rows; at the first step the ratio is 1)."""
+    trainable rows; at the first step the ratio is 1). With ent_coef 0 the entropy is computed
+    outside the autograd graph and still reported."""
     model = _model()
     reference = copy.deepcopy(model)
-    lr, ent_coef, vf_coef = 0.1, 0.01, 0.5
+    lr, vf_coef = 0.1, 0.5
     learner = PPOUpdater(
         model, torch.optim.SGD(model.parameters(), lr=lr), device="cpu", ppo_epochs=1, num_minibatches=1,
         clip_coef=0.2, clip_value_range=None, ent_coef=ent_coef, vf_coef=vf_coef, max_grad_norm=1e9,
