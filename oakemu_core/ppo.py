@@ -418,11 +418,8 @@ class PPOUpdater:
                 advantages = minibatch.advantages
                 if self.normalize_advantages:  # per minibatch (SB3, CleanRL); population std
                     advantages = (advantages - advantages.mean()) / (advantages.std(correction=0) + 1e-8)
-                if self.ent_coef:
+                with torch.set_grad_enabled(bool(self.ent_coef)):  # weighted 0 it would only cost backward ops
                     entropy = policy.entropy()
-                else:  # a term weighted 0 only costs backward ops (a CartPole step: ~5 %)
-                    with torch.no_grad():
-                        entropy = policy.entropy()
                 losses = ppo_losses(
                     policy.log_prob(minibatch.actions),
                     minibatch.log_probs,

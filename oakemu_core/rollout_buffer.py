@@ -274,7 +274,8 @@ class RolloutBuffer:
                 array.close()
             raise
         self.schema = schema
-        # Computed once (the schema never changes): every write validates against it.
+        # Stored fields a writer provides (the learner computes advantages, returns, versions);
+        # computed once (the schema never changes): every write validates against it.
         self._writable = tuple(f for f in schema.stored if f.name not in ("policy_versions", "advantages", "returns"))
         self._rollout_length = int(rollout_length)
         self._num_envs = int(num_envs)
@@ -507,16 +508,12 @@ class RolloutBuffer:
         return self._view("column_steps")
 
     # ------------------------------------------------------------------ writing
-    def _writable_fields(self) -> tuple[Any, ...]:
-        """Stored fields a writer provides (the learner computes advantages, returns, versions)."""
-        return self._writable
-
     def _validate_row(self, count: int, fields: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Check one row of ``count`` columns; return every writable field, defaults filled in."""
         fields = dict(fields)
         fields.pop("truncated", None)  # actors send it; storage keeps it in dones + bootstrap_values
         fields.pop("next_values", None)
-        writable = self._writable_fields()
+        writable = self._writable
         self.schema.check_arrays(fields, count, writable)
         complete = {}
         for item in writable:

@@ -142,11 +142,7 @@ def _child_main(conn: multiprocessing.connection.Connection, parent_pid: int, op
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's business; it closes us
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="tester-parent-watch").start()
-    try:  # absolute, so it agrees with the parent's setting right after the start
-        os.setpriority(os.PRIO_PROCESS, 0, int(options.pop("niceness")))
-    except OSError:
-        pass
-    import torch
+    import torch  # the parent has already niced this process (Tester.start)
 
     from oakemu_core.evaluation import build_evaluation
 
@@ -311,7 +307,7 @@ class Tester:
             self._wake_r, self._wake_w = os.pipe()
             os.set_blocking(self._wake_w, False)
             self._process = context.Process(
-                target=_child_main, args=(child_conn, os.getpid(), {**self._options, "niceness": niceness}),
+                target=_child_main, args=(child_conn, os.getpid(), dict(self._options)),
                 name=f"oakemu-tester-{self.env_id}", daemon=True,
             )
             self._process.start()
