@@ -8,7 +8,9 @@ thresholds calibrated on a loaded 2-core machine, in runs reaching the figure in
 * ``Pendulum-v1`` (Box actions, Gaussian): random about -1230; threshold -1000 over the last 20
   episodes in 60k steps (-730 at 53k steps).
 * ``Taxi-v4`` (Discrete observations one-hot + ``info["action_mask"]``): random with masks about
-  -200 (every episode truncated at 200 steps); threshold -100 in 100k steps (+3 at 92k).
+  -200 (every episode truncated at 200 steps); threshold -100 in 160k steps. At 100k it sat on the
+  edge of learning: -105 in one CI run, and locally 2 of 3 runs of this code and of the previous
+  stop's code failed (-108, -136, -151); at 160k three runs gave +6.8, +7.3, +9.1.
 * ``MultiDiscreteTarget-v0``: random 1.5, best with one sub-action right 4.0; threshold 5.0 in
   30k steps (6.6 at 21k).
 * ``DictTarget-v0`` (uint8 image key + float vector key): random 2.0, best with one key 4.0;
@@ -42,7 +44,7 @@ CASES = {
                  ["--envs-per-actor", "2", "--rollout-length", "512", "--ppo-epochs", "10", "--num-minibatches", "32",
                   "--learning-rate", "1e-3", "--gamma", "0.9", "--clip-coef", "0.2", "--ent-coef", "0",
                   "--normalize-observations", "--normalize-rewards", "--max-policy-lag", "1"]),
-    "taxi": ("Taxi-v4", 100_000, -100.0, BANDIT),
+    "taxi": ("Taxi-v4", 160_000, -100.0, BANDIT),
     "multi_discrete": ("tests.spaces_envs:MultiDiscreteTarget-v0", 30_000, 5.0, BANDIT),
     "dict": ("tests.spaces_envs:DictTarget-v0", 40_000, 5.5, BANDIT),
     "multi_binary": ("tests.spaces_envs:MultiBinaryTarget-v0", 30_000, 5.5, BANDIT),
