@@ -9,8 +9,8 @@ thresholds calibrated on a loaded 2-core machine, in runs reaching the figure in
   episodes in 60k steps (-730 at 53k steps).
 * ``Taxi-v4`` (Discrete observations one-hot + ``info["action_mask"]``): random with masks about
   -200 (every episode truncated at 200 steps); threshold -100 in 160k steps. At 100k it sat on the
-  edge of learning: -105 in one CI run, and locally 2 of 3 runs of this code and of the previous
-  stop's code failed (-108, -136, -151); at 160k three runs gave +6.8, +7.3, +9.1.
+  edge of learning: -105 in one CI run; locally 1 of 3 runs failed (-151), and 2 of 3 with the
+  previous stop's code (-108, -136); at 160k three runs gave +6.8, +7.3, +9.1.
 * ``MultiDiscreteTarget-v0``: random 1.5, best with one sub-action right 4.0; threshold 5.0 in
   30k steps (6.6 at 21k).
 * ``DictTarget-v0`` (uint8 image key + float vector key): random 2.0, best with one key 4.0;
