@@ -164,6 +164,15 @@ class OakEmuConfig(BaseSettings):
     target_kl: float | None = Field(None, gt=0.0, description="Stop the epochs early above this approx KL.")
     normalize_advantages: bool = Field(True, description="Normalise advantages per minibatch (trainable rows).")
     max_policy_lag: int = Field(2, ge=0, description="Drop rows acted by a policy this many versions old.")
+    off_policy_correction: Literal["decoupled", "none"] = Field(
+        "decoupled",
+        description="Rows acted by an older policy version (async mode): decoupled = re-evaluate them with the "
+        "current weights before GAE (values) and clip the update around the current policy, weighting each row by "
+        "min(importance_weight_cap, pi_current / pi_acting) (Hilton et al. 2022); none = plain PPO on the stale rows.",
+    )
+    importance_weight_cap: float | None = Field(
+        1.0, gt=0.0, description="Truncation of the decoupled objective's weights (None/null: untruncated)."
+    )
     mode: Literal["async", "sync"] = Field(
         "async",
         description="async: actors keep stepping while the learner trains (rows up to max_policy_lag versions "

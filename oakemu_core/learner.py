@@ -61,6 +61,9 @@ class PPOExperimentConfiguration:
 
     Build from the service configuration with :meth:`from_config`; every field has the meaning
     of the :class:`oakemu_core.config.OakEmuConfig` field of the same name.
+
+    Raises:
+        ValueError: ``off_policy_correction`` is not ``"decoupled"`` or ``"none"``.
     """
 
     ppo_epochs: int = 4
@@ -75,12 +78,19 @@ class PPOExperimentConfiguration:
     gamma: float = 0.99
     gae_lambda: float = 0.95
     max_policy_lag: int = 2
+    off_policy_correction: str = "decoupled"
+    importance_weight_cap: float | None = 1.0
     normalize_rewards: bool = False
     seed: int = 1
     bc_pretrain_updates: int = 0
     bc_batch_size: int = 256
     bc_coef: float = 0.0
     bc_coef_decay: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.off_policy_correction not in ("decoupled", "none"):
+            raise ValueError(f"off_policy_correction: expected 'decoupled' or 'none', "
+                             f"received {self.off_policy_correction!r}")
 
     @classmethod
     def from_config(cls, config: Any) -> PPOExperimentConfiguration:
@@ -477,8 +487,9 @@ class PPOLearner:
             clip_value_range=config.clip_value_range, ent_coef=config.ent_coef, vf_coef=config.vf_coef,
             max_grad_norm=config.max_grad_norm, target_kl=config.target_kl,
             normalize_advantages=config.normalize_advantages, lr_schedule=None, seed=config.seed,
-            action_mask=action_mask,
+            action_mask=action_mask, importance_weight_cap=config.importance_weight_cap,
         )
+        self._proximal_log_probs: np.ndarray | None = None
         self.reward_scaler = RewardScaler(config.gamma) if config.normalize_rewards else None
         self.lr_scale = 1.0
         self.bc_updates_done = 0
@@ -594,13 +605,25 @@ class PPOLearner:
                 "sgd_max": float(lags.max())}
 
     def prepare(self, rollout: FullRollout) -> tuple[int, dict[str, float]]:
-        """Make a published rollout the current buffer: drop rows too stale for PPO, scale the
-        rewards (if on), compute GAE on the CPU. Returns ``(stale rows, lag statistics)``."""
+        """Make a published rollout the current buffer: drop rows too stale for PPO, re-evaluate
+        rows acted by older versions (``off_policy_correction="decoupled"``), scale the rewards
+        (if on), compute GAE on the CPU. Returns ``(stale rows, lag statistics)``.
+
+        Re-evaluation (asynchronous mode; in sync mode every row is the current version's and
+        nothing changes): the current critic's V(s_t) replace the stored values before GAE, and
+        the current policy's log-probs of the stored actions become the proximal policy of the
+        next :meth:`step` (decoupled objective, :func:`oakemu_core.ppo.ppo_losses`)."""
         buffer = rollout.buffer
         self.rollout_buffer = buffer
         stale_rows, lag = drop_stale_rows(buffer, current_policy_version=self.policy_version,
                                           max_policy_lag=self.config.max_policy_lag)
         lag.update(self.lag_in_sgd_steps(buffer.policy_versions))
+        self._proximal_log_probs = None
+        if self.config.off_policy_correction == "decoupled" and bool((buffer.policy_versions != self.policy_version).any()):
+            with self.learner_model.locked():
+                log_probs, values = self.updater.evaluate_rollout(buffer)
+            buffer.replace_values(values)
+            self._proximal_log_probs = log_probs
         if self.reward_scaler is not None:
             buffer.scale_rewards(self.reward_scaler.update(buffer.rewards, buffer.dones))
         buffer.compute_gae(rollout.last_values, rollout.last_dones, self.config.gamma, self.config.gae_lambda)
@@ -635,9 +658,10 @@ class PPOLearner:
         with self.learner_model.locked() as model:
             try:
                 stats = self.updater.step(self.rollout_buffer, current_policy_version=self.policy_version,
-                                          bc_term=bc_term)
+                                          bc_term=bc_term, proximal_log_probs=self._proximal_log_probs)
             except EmptyRolloutError:
                 stats = None
+            self._proximal_log_probs = None  # they describe this buffer under the weights before this update
             model.update_observation_statistics(self.rollout_buffer.observations)
             self.learner_model.version += 1
         self.sgd_steps += stats.minibatches if stats is not None else 0

@@ -183,6 +183,7 @@ def update_scalars(stats: PPOUpdateStats) -> dict[str, float]:
         "diagnostics/epochs_completed": float(stats.epochs_completed),
         "diagnostics/update_seconds": float(stats.update_seconds),
         "diagnostics/nonfinite_minibatches": float(stats.nonfinite_minibatches),
+        "diagnostics/importance_weight_mean": float(stats.importance_weight_mean),
     }
 
 

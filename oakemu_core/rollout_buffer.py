@@ -772,6 +772,23 @@ class RolloutBuffer:
         self._arrays["rewards"] *= np.float32(factor)
         self._bump(_GENERATION)
 
+    def replace_values(self, values: np.ndarray) -> None:
+        """Overwrite every stored V(s_t) (the learner's critic re-evaluating rows that an older
+        policy version acted; :meth:`compute_gae` must run again afterwards).
+
+        Args:
+            values: ``(T, N)`` float32, finite.
+
+        Raises:
+            ValueError: a wrong shape or dtype, or a non-finite value.
+        """
+        self._check_open()
+        check_array("values", values, (self._rollout_length, self._num_envs), np.dtype(np.float32))
+        if not np.isfinite(values).all():
+            raise ValueError("values: expected finite values, received NaN or inf")
+        self._arrays["values"][...] = values
+        self._bump(_GENERATION)
+
     def reset(self) -> None:
         """Empty the buffer for the next rollout, keeping its memory (no reallocation)."""
         self._check_open()

@@ -57,6 +57,7 @@ def _stats(**overrides) -> SimpleNamespace:
         epochs_completed=4,
         update_seconds=0.2,
         nonfinite_minibatches=1,
+        importance_weight_mean=0.9,
     )
     fields.update(overrides)
     return SimpleNamespace(**fields)
@@ -70,6 +71,7 @@ def test_update_scalars_maps_stats_to_cleanrl_names() -> None:
     assert scalars["losses/policy_loss"] == -0.01
     assert scalars["diagnostics/first_minibatch_ratio_max_abs_dev"] == 1e-7
     assert scalars["diagnostics/nonfinite_minibatches"] == 1.0
+    assert scalars["diagnostics/importance_weight_mean"] == 0.9
     assert {n for n in CLEANRL_NAMES if n.startswith("losses/")} <= set(scalars)
 
 
