@@ -167,11 +167,13 @@ class OakEmuConfig(BaseSettings):
     off_policy_correction: Literal["decoupled", "none"] = Field(
         "decoupled",
         description="Rows acted by an older policy version (async mode): decoupled = re-evaluate them with the "
-        "current weights before GAE (values) and clip the update around the current policy, weighting each row by "
-        "min(importance_weight_cap, pi_current / pi_acting) (Hilton et al. 2022); none = plain PPO on the stale rows.",
+        "current weights before GAE (values) and clip the update around the current policy (the decoupled objective "
+        "of Hilton et al. 2022), weighting each row by min(importance_weight_cap, pi_current / pi_acting); none = "
+        "plain PPO on the stale rows.",
     )
-    importance_weight_cap: float | None = Field(
-        1.0, gt=0.0, description="Truncation of the decoupled objective's weights (None/null: untruncated)."
+    importance_weight_cap: float = Field(
+        1.0, gt=0.0, allow_inf_nan=False,
+        description="Truncation of the decoupled objective's weights pi_current / pi_acting (V-trace's rho-bar).",
     )
     mode: Literal["async", "sync"] = Field(
         "async",

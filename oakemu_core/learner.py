@@ -31,7 +31,7 @@ import torch
 from oakemu_core.ingest import FullRollout, drop_stale_rows
 from oakemu_core.models import weights_to_arrays
 from oakemu_core.normalization import RewardScaler
-from oakemu_core.ppo import EmptyRolloutError, PPOUpdater, PPOUpdateStats
+from oakemu_core.ppo import EmptyRolloutError, PPOUpdater, PPOUpdateStats, RolloutEvaluation
 from oakemu_core.rollout_buffer import RolloutBuffer
 
 __all__ = [
@@ -79,7 +79,7 @@ class PPOExperimentConfiguration:
     gae_lambda: float = 0.95
     max_policy_lag: int = 2
     off_policy_correction: str = "decoupled"
-    importance_weight_cap: float | None = 1.0
+    importance_weight_cap: float = 1.0
     normalize_rewards: bool = False
     seed: int = 1
     bc_pretrain_updates: int = 0
@@ -489,7 +489,10 @@ class PPOLearner:
             normalize_advantages=config.normalize_advantages, lr_schedule=None, seed=config.seed,
             action_mask=action_mask, importance_weight_cap=config.importance_weight_cap,
         )
-        self._proximal_log_probs: np.ndarray | None = None
+        self._proximal: tuple[RolloutBuffer, RolloutEvaluation] | None = None
+        self.corrections_skipped = 0
+        """Updates whose re-evaluation gave non-finite figures (a diverged critic or policy): they
+        trained without the off-policy correction, and the health checks judge the update."""
         self.reward_scaler = RewardScaler(config.gamma) if config.normalize_rewards else None
         self.lr_scale = 1.0
         self.bc_updates_done = 0
@@ -609,21 +612,29 @@ class PPOLearner:
         rows acted by older versions (``off_policy_correction="decoupled"``), scale the rewards
         (if on), compute GAE on the CPU. Returns ``(stale rows, lag statistics)``.
 
-        Re-evaluation (asynchronous mode; in sync mode every row is the current version's and
-        nothing changes): the current critic's V(s_t) replace the stored values before GAE, and
-        the current policy's log-probs of the stored actions become the proximal policy of the
-        next :meth:`step` (decoupled objective, :func:`oakemu_core.ppo.ppo_losses`)."""
+        Re-evaluation (asynchronous mode): when any row was acted by an older version than the
+        learner's, every row is evaluated with the current weights. The current critic's V(s_t)
+        replace the stored values before GAE (the bootstrap values after the segment's last row
+        and at truncations stay the actors'), and the current policy becomes the proximal policy
+        of the next :meth:`step` (decoupled objective, :func:`oakemu_core.ppo.ppo_losses`). A
+        rollout whose rows are all of the current version, every rollout in sync mode, is left
+        as it is. A re-evaluation with non-finite figures is not used (:attr:`corrections_skipped`)."""
         buffer = rollout.buffer
         self.rollout_buffer = buffer
         stale_rows, lag = drop_stale_rows(buffer, current_policy_version=self.policy_version,
                                           max_policy_lag=self.config.max_policy_lag)
         lag.update(self.lag_in_sgd_steps(buffer.policy_versions))
-        self._proximal_log_probs = None
+        self._proximal = None
         if self.config.off_policy_correction == "decoupled" and bool((buffer.policy_versions != self.policy_version).any()):
             with self.learner_model.locked():
-                log_probs, values = self.updater.evaluate_rollout(buffer)
-            buffer.replace_values(values)
-            self._proximal_log_probs = log_probs
+                evaluation = self.updater.evaluate_rollout(buffer)
+            if evaluation.finite_on(buffer.trainable):
+                buffer.replace_values(evaluation.values)
+                self._proximal = (buffer, evaluation)
+            else:
+                self.corrections_skipped += 1
+                log.warning("update %d: the current weights give non-finite values or log-probs on this "
+                            "rollout; it trains without the off-policy correction", self.iterations + 1)
         if self.reward_scaler is not None:
             buffer.scale_rewards(self.reward_scaler.update(buffer.rewards, buffer.dones))
         buffer.compute_gae(rollout.last_values, rollout.last_dones, self.config.gamma, self.config.gae_lambda)
@@ -655,13 +666,15 @@ class PPOLearner:
             coef = self.config.bc_coef * self.config.bc_coef_decay ** self.iterations
             bc_term = (coef, self.bc_sampler, self.config.bc_batch_size)
         stats = None
+        # The proximal policy describes the buffer prepare() evaluated, under the weights before this update.
+        proximal, self._proximal = self._proximal, None
+        evaluation = proximal[1] if proximal is not None and proximal[0] is self.rollout_buffer else None
         with self.learner_model.locked() as model:
             try:
                 stats = self.updater.step(self.rollout_buffer, current_policy_version=self.policy_version,
-                                          bc_term=bc_term, proximal_log_probs=self._proximal_log_probs)
+                                          bc_term=bc_term, proximal=evaluation)
             except EmptyRolloutError:
                 stats = None
-            self._proximal_log_probs = None  # they describe this buffer under the weights before this update
             model.update_observation_statistics(self.rollout_buffer.observations)
             self.learner_model.version += 1
         self.sgd_steps += stats.minibatches if stats is not None else 0

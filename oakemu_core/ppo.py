@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EmptyRolloutError",
+    "RolloutEvaluation",
     "LinearSchedule",
     "PPOUpdater",
     "PPORuntimeState",
@@ -38,8 +39,32 @@ __all__ = [
 ]
 
 
-PROXIMAL_LOG_PROBS = "proximal_log_probs"
-"""Name of the flat-batch field holding the proximal policy's log-probs (decoupled objective)."""
+PROXIMAL = "proximal_"
+"""Prefix of the flat-batch fields holding the proximal policy's figures (decoupled objective):
+``proximal_log_probs`` and e.g. ``proximal_action_mean``."""
+
+
+@dataclass(frozen=True)
+class RolloutEvaluation:
+    """A rollout's stored rows evaluated by the learner's current weights
+    (:meth:`PPOUpdater.evaluate_rollout`); all arrays on the CPU, ``(T, N, ...)``.
+
+    Attributes:
+        log_probs: ``(T, N)`` float32, log pi(a_t | s_t) of the stored actions.
+        values: ``(T, N)`` float32, V(s_t) of the current critic.
+        distribution_fields: the distribution's stored parameters (e.g. ``action_mean``,
+            ``action_std``: ``(T, N, *action_shape)`` float32); empty for categorical families.
+    """
+
+    log_probs: np.ndarray
+    values: np.ndarray
+    distribution_fields: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def finite_on(self, rows: np.ndarray) -> bool:
+        """Whether every value, and the log-probs and parameters of ``rows`` (``(T, N)`` bool),
+        are finite (a critic or policy that diverged gives NaN or inf)."""
+        return bool(np.isfinite(self.values).all() and np.isfinite(self.log_probs[rows]).all()
+                    and all(np.isfinite(array[rows]).all() for array in self.distribution_fields.values()))
 
 
 class EmptyRolloutError(ValueError):
@@ -122,7 +147,8 @@ def ppo_losses(
         old_log_probs: log pi_theta_old(a|s): recorded by the actor, or with the decoupled
             objective the proximal policy's (the learner's weights before the update).
         advantages: advantage estimates (already normalised if wanted).
-        new_values: V_theta(s) (with gradients). old_values: V recorded by the actor.
+        new_values: V_theta(s) (with gradients). old_values: V recorded by the actor, or
+            re-evaluated by the learner before the update (decoupled objective).
         returns: value targets (GAE advantages + old values).
         entropy: per-row entropy of the current policy.
         clip_coef: epsilon of the clipped surrogate; also the value clip range.
@@ -131,10 +157,11 @@ def ppo_losses(
             MSE (SB3's default). A range tiny next to the returns freezes the critic on the
             clipped rows, so it is its own setting, not ``clip_coef``.
         importance_weights: ``(B,)`` weights ``pi_prox(a|s) / mu(a|s)`` (proximal over behaviour
-            policy, truncated by the caller), without gradients, multiplying each row's clipped
-            surrogate: the decoupled PPO objective of Hilton, Cobbe and Schulman 2022, "Batch
-            size-invariance for policy optimization" (the clip keeps the update near the proximal
-            policy; the weights correct for the behaviour policy). None: every weight 1 (plain PPO).
+            policy), without gradients, multiplying each row's clipped surrogate: the decoupled
+            PPO objective of Hilton, Cobbe and Schulman 2022, "Batch size-invariance for policy
+            optimization" (the clip keeps the update near the proximal policy; the weights correct
+            for the behaviour policy). The caller may truncate them (V-trace's rho-bar). None:
+            every weight 1 (plain PPO).
 
     Returns:
         A dict of scalar tensors ``policy_loss`` (to minimise: minus eq. 7 of Schulman et al.
@@ -282,8 +309,9 @@ class PPOUpdater:
         lr_schedule: learning rate per update; None keeps the optimizer's learning rate.
         seed: seed of the minibatch-shuffling generator.
         importance_weight_cap: truncation of the decoupled objective's weights ``pi_prox / mu``
-            (as V-trace's rho-bar, Espeholt et al. 2018); None: untruncated. Used only when
-            :meth:`step` gets proximal log-probs.
+            (V-trace's rho-bar, Espeholt et al. 2018, "IMPALA"; not part of Hilton et al.'s
+            objective); it also keeps them finite. Used only when :meth:`step` gets a proximal
+            policy.
 
     Raises:
         ValueError: a hyperparameter out of range (names it, with the received value).
@@ -307,7 +335,7 @@ class PPOUpdater:
         lr_schedule: LinearSchedule | None = None,
         seed: int = 0,
         action_mask: torch.Tensor | None = None,
-        importance_weight_cap: float | None = 1.0,
+        importance_weight_cap: float = 1.0,
     ) -> None:
         checks = {
             "ppo_epochs": (ppo_epochs, ppo_epochs >= 1, ">= 1"),
@@ -318,8 +346,7 @@ class PPOUpdater:
             "max_grad_norm": (max_grad_norm, max_grad_norm > 0, "> 0"),
             "target_kl": (target_kl, target_kl is None or target_kl > 0, "> 0 or None"),
             "clip_value_range": (clip_value_range, clip_value_range is None or clip_value_range >= 0, ">= 0 or None"),
-            "importance_weight_cap": (importance_weight_cap, importance_weight_cap is None or importance_weight_cap > 0,
-                                      "> 0 or None"),
+            "importance_weight_cap": (importance_weight_cap, 0 < importance_weight_cap < math.inf, "> 0 and finite"),
         }
         for name, (value, ok, expected) in checks.items():
             if not ok:
@@ -342,7 +369,7 @@ class PPOUpdater:
         self.lr_schedule = lr_schedule
         self._shuffle_rng = np.random.default_rng(seed)
         self.action_mask = None if action_mask is None else action_mask.to(self.device, torch.bool)
-        self.importance_weight_cap = None if importance_weight_cap is None else float(importance_weight_cap)
+        self.importance_weight_cap = float(importance_weight_cap)
         self._iterations = 0
         self._rollouts_collected = 0
         self.policy_version = 0
@@ -384,10 +411,10 @@ class PPOUpdater:
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def evaluate_rollout(self, rollout_buffer: RolloutBuffer, *, chunk_rows: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    def evaluate_rollout(self, rollout_buffer: RolloutBuffer, *, chunk_rows: int = 256) -> RolloutEvaluation:
         """Re-evaluate every stored row with the current weights: the proximal policy's log-probs
-        of the stored actions and the current critic's values (asynchronous mode: the rows were
-        acted by older versions).
+        of the stored actions and its stored parameters, and the current critic's values
+        (asynchronous mode: the rows were acted by older versions).
 
         Args:
             rollout_buffer: a full buffer (observations, actions and masks written).
@@ -395,8 +422,8 @@ class PPOUpdater:
                 thread over 2,048 Breakout rows took 0.42 s in chunks of 256, 0.93 s in chunks of 1,024.
 
         Returns:
-            ``(log_probs, values)``, each ``(T, N)`` float32 on the CPU. A row whose stored action
-            the current masks forbid gets log-prob ``-inf`` (only non-trainable rows can).
+            A :class:`RolloutEvaluation`. A row whose stored action the current masks forbid gets
+            a very negative log-prob (only non-trainable rows can have one).
         """
         schema = rollout_buffer.schema
         total = rollout_buffer.total_size
@@ -404,6 +431,8 @@ class PPOUpdater:
         flat = {name: rollout_buffer.field(name).reshape(total, *schema[name].shape) for name in names}
         log_probs = np.empty(total, dtype=np.float32)
         values = np.empty(total, dtype=np.float32)
+        stored = {name: np.empty((total, *shape), dtype=np.float32)
+                  for name, (shape, _) in self.model.distribution.stored_fields().items()}
         was_training = self.model.training
         self.model.eval()
         try:
@@ -415,14 +444,17 @@ class PPOUpdater:
                 end = start + len(chunk["actions"])
                 log_probs[start:end] = policy.log_prob(chunk["actions"]).float().cpu().numpy()
                 values[start:end] = chunk_values.float().cpu().numpy()
+                for name, tensor in policy.stored().items():
+                    stored[name][start:end] = tensor.float().cpu().numpy()
         finally:
             self.model.train(was_training)
-        shape = (rollout_buffer.rollout_length, rollout_buffer.num_envs)
-        return log_probs.reshape(shape), values.reshape(shape)
+        lead = (rollout_buffer.rollout_length, rollout_buffer.num_envs)
+        return RolloutEvaluation(log_probs.reshape(lead), values.reshape(lead),
+                                 {name: array.reshape(*lead, *array.shape[1:]) for name, array in stored.items()})
 
     def step(self, rollout_buffer: RolloutBuffer, *, current_policy_version: int,
              bc_term: tuple[float, Any, int] | None = None,
-             proximal_log_probs: np.ndarray | None = None) -> PPOUpdateStats:
+             proximal: RolloutEvaluation | None = None) -> PPOUpdateStats:
         """One PPO update on the trainable rows of a full buffer whose GAE is computed.
 
         Args:
@@ -433,10 +465,12 @@ class PPOUpdater:
             bc_term: ``(coefficient, demonstration sampler, batch size)``: add ``coefficient *``
                 the demonstrations' negative log-likelihood to every minibatch's loss
                 (:func:`oakemu_core.demonstrations.bc_loss`), or None.
-            proximal_log_probs: ``(T, N)`` float32 log-probs of the stored actions under the
-                weights ``model`` holds now (:meth:`evaluate_rollout`), or None. Given, the update
-                uses the decoupled objective (:func:`ppo_losses`): the ratio is taken against them,
-                and each row is weighted by ``min(importance_weight_cap, exp(proximal - behaviour))``.
+            proximal: the buffer evaluated by the weights ``model`` holds now
+                (:meth:`evaluate_rollout`), or None. Given, the update uses the decoupled
+                objective (:func:`ppo_losses`): the ratio is taken against the proximal log-probs,
+                each row is weighted by ``min(importance_weight_cap, pi_prox / mu)``, and
+                ``approx_kl`` is measured from the proximal policy (exactly, for families with
+                stored parameters; else the ratio-based estimate over the stored rows).
 
         Returns:
             :class:`PPOUpdateStats`.
@@ -471,14 +505,17 @@ class PPOUpdater:
 
         # Flatten and upload the trainable rows once; every epoch only reshuffles and indexes them.
         flat = rollout_buffer.flat_batch(self.device)
-        decoupled = proximal_log_probs is not None
-        if decoupled:  # the cached flat batch stays as it is: a new one holds the extra field
-            proximal = np.asarray(proximal_log_probs, dtype=np.float32).reshape(-1)[flat.rows]
-            flat = replace(flat, fields={**flat.fields, PROXIMAL_LOG_PROBS: torch.from_numpy(proximal).to(self.device)})
+        decoupled = proximal is not None
+        kl_reference = ""  # the stored parameters the exact KL is measured from: the acting policy's
+        if decoupled:  # the cached flat batch stays as it is: a new one holds the extra fields
+            arrays = {"log_probs": proximal.log_probs, **proximal.distribution_fields}
+            flat = replace(flat, fields={**flat.fields, **{
+                PROXIMAL + name: torch.from_numpy(array.reshape(-1, *array.shape[2:])[flat.rows]).to(self.device)
+                for name, array in arrays.items()}})
+            kl_reference = PROXIMAL  # the trust region is around the proximal policy
+        log_weight_cap = math.log(self.importance_weight_cap)
         weight_total = torch.zeros((), device=self.device)
-        # The exact KL from the acting policy's stored parameters; with the decoupled objective the
-        # trust region is around the proximal policy, so its sampled estimate is the one reported.
-        stored_parameters = () if decoupled else tuple(self.model.distribution.stored_fields())
+        stored_parameters = tuple(self.model.distribution.stored_fields())
         for epoch in range(self.ppo_epochs):
             epoch_start = time.perf_counter()
             epoch_kl = torch.zeros((), device=self.device)
@@ -496,10 +533,8 @@ class PPOUpdater:
                 new_log_probs = policy.log_prob(minibatch.actions)
                 old_log_probs, weights = minibatch.log_probs, None
                 if decoupled:
-                    old_log_probs = minibatch.fields[PROXIMAL_LOG_PROBS]
-                    weights = (old_log_probs - minibatch.log_probs).exp()
-                    if self.importance_weight_cap is not None:
-                        weights = weights.clamp(max=self.importance_weight_cap)
+                    old_log_probs = minibatch.fields[PROXIMAL + "log_probs"]
+                    weights = (old_log_probs - minibatch.log_probs).clamp(max=log_weight_cap).exp()
                     weight_total += weights.mean()
                 losses = ppo_losses(
                     new_log_probs,
@@ -513,9 +548,9 @@ class PPOUpdater:
                     clip_value_range=self.clip_value_range,
                     importance_weights=weights,
                 )
-                if stored_parameters:  # the exact KL from the acting policy's stored parameters
+                if stored_parameters:  # the exact KL from the stored parameters
                     with torch.no_grad():
-                        kl = policy.kl_from({name: minibatch.fields[name] for name in stored_parameters})
+                        kl = policy.kl_from({name: minibatch.fields[kl_reference + name] for name in stored_parameters})
                         losses["approx_kl"] = kl.mean()
                 if minibatches_done == 0:  # before any gradient step: actor and learner should agree
                     behaviour_ratio = (new_log_probs.detach() - minibatch.log_probs).exp()

@@ -143,7 +143,7 @@ class RolloutBufferTrainableDiagnostics:
     """The trainable rows of a rollout, flattened in row-major ``(t, env)`` order.
 
     Attributes:
-        values: ``(M,)`` float32, V(s_t) of the acting policy.
+        values: ``(M,)`` float32, V(s_t) as stored (the acting policy's, or the learner's after re-evaluation).
         returns: ``(M,)`` float32, GAE returns.
         advantages: ``(M,)`` float32, unnormalised GAE advantages.
     """
@@ -464,7 +464,8 @@ class RolloutBuffer:
 
     @property
     def values(self) -> np.ndarray:
-        """``(T, N)`` float32, V(s_t) of the acting policy, read-only."""
+        """``(T, N)`` float32, V(s_t) of the acting policy (of the learner's critic after
+        :meth:`replace_values`), read-only."""
         return self._view("values")
 
     @property

@@ -9,15 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from oakemu_core.distributions import distribution_for_env
+from oakemu_core.distributions import DiagGaussian, distribution_for_env
 from oakemu_core.envs import make_vector_env
 from oakemu_core.learner import PPOExperimentConfiguration
 from oakemu_core.models import build_model
-from oakemu_core.ppo import PPOUpdater, ppo_losses
+from oakemu_core.ppo import PPOUpdater, RolloutEvaluation, ppo_losses
 from oakemu_core.rollout_buffer import RolloutBuffer
+from oakemu_core.step_schema import build_schema
 from oakemu_core.stepper import PolicyStepper
 from tests.test_learner import cartpole, fill, make_learner  # noqa: F401 (cartpole is a fixture)
-from tests.test_ppo import OBS_DIM, N, T, _fill, _loss_inputs, _model
+from tests.test_ppo import OBS_DIM, N, T, _fill, _fill_schema_buffer, _learner, _loss_inputs, _model
 
 
 def test_importance_weights_scale_each_rows_clipped_surrogate_and_its_gradient() -> None:
@@ -38,9 +39,11 @@ def test_evaluate_rollout_gives_the_current_models_log_probs_and_values_row_by_r
     model, behaviour = _model(0), _model(1)
     with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
         _fill(buffer, [behaviour], np.random.default_rng(0))
-        log_probs, values = PPOUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu",
-                                       ppo_epochs=1, num_minibatches=1, clip_coef=0.2, ent_coef=0.0, vf_coef=0.5,
-                                       max_grad_norm=0.5).evaluate_rollout(buffer, chunk_rows=7)  # uneven chunks
+        evaluation = PPOUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu",
+                                ppo_epochs=1, num_minibatches=1, clip_coef=0.2, ent_coef=0.0, vf_coef=0.5,
+                                max_grad_norm=0.5).evaluate_rollout(buffer, chunk_rows=7)  # uneven chunks
+        log_probs, values = evaluation.log_probs, evaluation.values
+        assert evaluation.distribution_fields == {}
         assert log_probs.shape == values.shape == (T, N) and log_probs.dtype == values.dtype == np.float32
         with torch.no_grad():
             expected_log_probs, _, expected_values = model.evaluate_actions(
@@ -52,37 +55,47 @@ def test_evaluate_rollout_gives_the_current_models_log_probs_and_values_row_by_r
         assert np.abs(values - buffer.values).max() > 1e-3
 
 
-def _sgd_updater(model, *, cap: float | None) -> PPOUpdater:
-    return PPOUpdater(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu", ppo_epochs=1,
-                      num_minibatches=1, clip_coef=0.2, clip_value_range=None, ent_coef=0.0, vf_coef=0.5,
-                      max_grad_norm=1e9, importance_weight_cap=cap)
+def _sgd_updater(model, *, cap: float, lr: float = 0.1, **overrides) -> PPOUpdater:
+    kwargs = dict(ppo_epochs=1, num_minibatches=1, clip_coef=0.2, clip_value_range=None, ent_coef=0.0, vf_coef=0.5,
+                  max_grad_norm=1e9, importance_weight_cap=cap)
+    kwargs.update(overrides)
+    return PPOUpdater(model, torch.optim.SGD(model.parameters(), lr=lr), device="cpu", **kwargs)
 
 
-@pytest.mark.parametrize("cap", [1.0, None])
-def test_a_decoupled_update_matches_a_hand_written_sgd_step(cap: float | None) -> None:
-    """Rows acted by another (older) model; the proximal policy is the learner's own weights. The new
-    weights equal w - lr * grad of ``mean(min(cap, pi_prox/mu) * max(-A r, -A clip(r)))`` with
-    ``r = pi / pi_prox``, plus the value loss, written out here independently."""
-    model, behaviour = _model(0), _model(1)
+def _sharp(model):
+    """``model`` with its policy head's logits scaled up: log-probs far from another model's."""
+    with torch.no_grad():
+        model.actor.weight.normal_(0.0, 3.0, generator=torch.Generator().manual_seed(0))
+    return model
+
+
+@pytest.mark.parametrize("cap", [1.0, 1e6])
+def test_a_decoupled_update_matches_a_hand_written_sgd_step(cap: float) -> None:
+    """Rows acted by another (older) model, some rows out of training; the proximal policy is the
+    learner's own weights. The new weights equal w - lr * grad of
+    ``mean(min(cap, pi_prox/mu) * max(-A r, -A clip(r)))`` with ``r = pi / pi_prox`` over the
+    trainable rows, plus the value loss, written out here independently."""
+    model, behaviour = _model(0), _sharp(_model(1))
     reference = copy.deepcopy(model)
     updater = _sgd_updater(model, cap=cap)
     with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
         _fill(buffer, [behaviour], np.random.default_rng(3), versions=(4,))
-        proximal, _ = updater.evaluate_rollout(buffer)
-        obs = torch.from_numpy(buffer.observations.reshape(T * N, OBS_DIM).copy())
-        actions = torch.from_numpy(buffer.actions.reshape(-1).copy())
-        behaviour_log_probs = torch.from_numpy(buffer.log_probs.reshape(-1).copy())
-        advantages = buffer.advantages.reshape(-1).astype(np.float64)
+        trainable = buffer.trainable.copy()
+        trainable[::3, 1] = False  # some rows out of training: the proximal figures must follow the flat rows
+        buffer.mark_untrainable(~trainable)
+        proximal = updater.evaluate_rollout(buffer)
+        obs = torch.from_numpy(buffer.observations[trainable])
+        actions = torch.from_numpy(buffer.actions[trainable])
+        behaviour_log_probs = torch.from_numpy(buffer.log_probs[trainable])
+        advantages = buffer.advantages[trainable].astype(np.float64)
         advantages = torch.from_numpy(((advantages - advantages.mean()) / (advantages.std() + 1e-8)).astype(np.float32))
-        returns = torch.from_numpy(buffer.returns.reshape(-1).copy())
-        stats = updater.step(buffer, current_policy_version=5, proximal_log_probs=proximal)
+        returns = torch.from_numpy(buffer.returns[trainable])
+        stats = updater.step(buffer, current_policy_version=5, proximal=proximal)
 
     logits, values = reference(obs)
     new_log_probs = torch.log_softmax(logits, -1).gather(1, actions[:, None]).squeeze(1)
     proximal_log_probs = new_log_probs.detach()  # the reference still holds the learner's weights
-    weights = torch.exp(proximal_log_probs - behaviour_log_probs)
-    if cap is not None:
-        weights = weights.clamp(max=cap)
+    weights = torch.exp(proximal_log_probs - behaviour_log_probs).clamp(max=cap)
     ratio = torch.exp(new_log_probs - proximal_log_probs)
     policy_loss = (weights * torch.max(-advantages * ratio, -advantages * ratio.clamp(0.8, 1.2))).mean()
     value_loss = 0.5 * ((values - returns) ** 2).mean()
@@ -92,10 +105,61 @@ def test_a_decoupled_update_matches_a_hand_written_sgd_step(cap: float | None) -
             torch.testing.assert_close(p_new, p_ref - 0.1 * p_ref.grad, rtol=1e-5, atol=1e-6, msg=name)
     assert stats.importance_weight_mean == pytest.approx(weights.mean().item(), rel=1e-5)
     assert stats.policy_loss == pytest.approx(policy_loss.item(), abs=1e-6)
-    if cap is not None:
-        assert stats.importance_weight_mean < 1.0  # the two models differ: some weights fall below 1
+    # The sharp behaviour policy makes the weights far from 1 both ways (so the cap matters).
+    assert weights.min().item() < 0.5
+    if cap == 1.0:
+        assert weights.max().item() == 1.0
     else:
-        assert weights.max().item() > 1.0  # and some would exceed a cap of 1
+        assert weights.max().item() > 2.0
+
+
+def test_the_clip_is_around_the_proximal_policy_not_the_acting_one() -> None:
+    """lr 0: the policy does not move, so its ratio to the proximal policy (itself) stays 1 and
+    nothing is clipped; plain PPO's ratio to the (sharper) acting policy is clipped on many rows."""
+    behaviour = _sharp(_model(1))
+    with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
+        _fill(buffer, [behaviour], np.random.default_rng(4), versions=(0,))
+        learner_model = _model(0)
+        updater = _sgd_updater(learner_model, cap=1.0, lr=0.0, ppo_epochs=2, num_minibatches=4)
+        decoupled = updater.step(buffer, current_policy_version=1, proximal=updater.evaluate_rollout(buffer))
+        plain = _sgd_updater(_model(0), cap=1.0, lr=0.0, ppo_epochs=2, num_minibatches=4).step(
+            buffer, current_policy_version=1)
+    assert decoupled.clip_fraction == 0.0 and decoupled.approx_kl == pytest.approx(0.0, abs=1e-6)
+    assert plain.clip_fraction > 0.3 and plain.approx_kl > 0.1
+
+
+def test_gaussian_approx_kl_is_the_exact_kl_from_the_proximal_parameters() -> None:
+    distribution = DiagGaussian([-1.0, -1.0], [1.0, 1.0])
+    schema = build_schema({"": ((OBS_DIM,), np.float32)}, distribution)
+    torch.manual_seed(0)
+    acting = build_model({"": ((OBS_DIM,), np.float32)}, distribution)
+    with torch.no_grad():
+        acting.actor.log_std.copy_(torch.tensor([-0.5, 0.3]))
+    torch.manual_seed(1)
+    learner_model = build_model({"": ((OBS_DIM,), np.float32)}, distribution)
+    with RolloutBuffer(T, N, schema=schema, seed=0) as buffer:
+        _fill_schema_buffer(buffer, acting, np.random.default_rng(1), masked=False)
+        updater = _learner(learner_model, lr=0.0, ppo_epochs=1)
+        evaluation = updater.evaluate_rollout(buffer)
+        assert set(evaluation.distribution_fields) == {"action_mean", "action_std"}
+        assert evaluation.distribution_fields["action_mean"].shape == (T, N, 2)
+        decoupled = updater.step(buffer, current_policy_version=1, proximal=evaluation)
+        plain = _learner(copy.deepcopy(learner_model), lr=0.0, ppo_epochs=1).step(buffer, current_policy_version=1)
+    assert decoupled.approx_kl == pytest.approx(0.0, abs=1e-6)  # lr 0: no move from the proximal policy
+    assert plain.approx_kl > 0.05  # the exact KL from the acting policy's stored parameters
+
+
+def test_huge_importance_weights_stay_finite_at_the_cap() -> None:
+    model = _model(0)
+    with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
+        _fill(buffer, [model], np.random.default_rng(6))
+        evaluation = _sgd_updater(model, cap=1e6).evaluate_rollout(buffer)
+        far = RolloutEvaluation(evaluation.log_probs + 200.0, evaluation.values)  # exp(200) overflows float32
+        stats = _sgd_updater(model, cap=1e6, lr=0.0).step(buffer, current_policy_version=1, proximal=far)
+    assert stats.importance_weight_mean == pytest.approx(1e6, rel=1e-4)
+    assert np.isfinite(stats.policy_loss)
+    with pytest.raises(ValueError, match="importance_weight_cap"):
+        _sgd_updater(model, cap=float("inf"))
 
 
 def test_proximal_log_probs_equal_to_the_behaviours_give_plain_ppo_bit_for_bit() -> None:
@@ -109,7 +173,7 @@ def test_proximal_log_probs_equal_to_the_behaviours_give_plain_ppo_bit_for_bit()
         decoupled = PPOUpdater(decoupled_model, torch.optim.Adam(decoupled_model.parameters(), lr=1e-3),
                                device="cpu", ppo_epochs=2, num_minibatches=4, clip_coef=0.2, ent_coef=0.01,
                                vf_coef=0.5, max_grad_norm=0.5, seed=1).step(
-            buffer, current_policy_version=0, proximal_log_probs=buffer.log_probs.copy())
+            buffer, current_policy_version=0, proximal=RolloutEvaluation(buffer.log_probs.copy(), buffer.values.copy()))
     for p_plain, p_decoupled in zip(plain_model.parameters(), decoupled_model.parameters()):
         assert torch.equal(p_plain, p_decoupled)
     assert decoupled.importance_weight_mean == 1.0 and np.isnan(plain.importance_weight_mean)
@@ -170,3 +234,18 @@ def test_the_learner_reevaluates_rows_of_older_versions_only(cartpole, correctio
     np.testing.assert_allclose(buffer.returns, buffer.advantages + buffer.values, rtol=1e-5, atol=1e-5)
     stats = learner.step(actor_steps=2 * rows)
     assert 0.0 < stats.importance_weight_mean <= 1.0
+    assert learner.corrections_skipped == 0
+
+
+def test_a_diverged_critic_trains_without_the_correction_instead_of_stopping(cartpole) -> None:  # noqa: F811
+    env, _schema, buffer, model = cartpole
+    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1))
+    rollout = fill(buffer, PolicyStepper(env, copy.deepcopy(model)), 0)
+    learner.learner_model.version = 1  # the rows are one version behind the learner
+    acted_values = buffer.values.copy()
+    with torch.no_grad():
+        model.critic.weight.fill_(3e38)  # finite weights whose values overflow to inf
+    learner.prepare(rollout)
+    assert learner.corrections_skipped == 1
+    assert np.array_equal(buffer.values, acted_values)
+    assert np.isnan(learner.step(actor_steps=buffer.total_size).importance_weight_mean)
