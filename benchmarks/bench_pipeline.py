@@ -51,9 +51,10 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
-ACTOR_VARIANTS = ("groups2", "threads2", "inference_mode", "channels_last")
+ACTOR_VARIANTS = ("groups2", "threads2", "inference_mode", "channels_last", "onnxruntime")
 """Actor-loop variants of ``--actor-variants`` (issue 11): two overlapped env groups
-(``env_groups=2``), 2 torch threads, ``torch.inference_mode`` around the loop, a channels-last model."""
+(``env_groups=2``), 2 torch threads, ``torch.inference_mode`` around the loop, a channels-last model,
+forward passes by ONNX Runtime (``--actor-inference onnxruntime``)."""
 
 
 def _step_loop(env_id: str, num_envs: int, seconds: float, with_policy: bool, seed: int, out: mp.Queue,
@@ -76,6 +77,10 @@ def _step_loop(env_id: str, num_envs: int, seconds: float, with_policy: bool, se
         model = build_model(spec.observation_layout, distribution_for_env(spec))
         if variant == "channels_last":
             model = model.to(memory_format=torch.channels_last)
+        if variant == "onnxruntime":
+            from oakemu_core.onnx_inference import OnnxForward
+
+            model.use_inference_backend(OnnxForward(model))
         stepper = PolicyStepper(env, model)
         step = stepper.step
     else:

@@ -191,6 +191,11 @@ class OakEmuConfig(BaseSettings):
     seed: int = Field(1, ge=0, description="Seed for envs, torch and numpy.")
     device: str = Field("auto", description="Learner torch device: auto (cuda if available), cpu, cuda, cuda:N.")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per actor process.")
+    actor_inference: Literal["torch", "onnxruntime"] = Field(
+        "torch",
+        description="What runs the actors' forward passes: torch, or onnxruntime (extra 'onnx'; about 1.7x faster "
+        "for a Nature CNN on one core; one observation array, not dict observations).",
+    )
 
     # --- network addresses ---
     bind_host: str = Field("127.0.0.1", min_length=1, description="Address the learner binds its sockets to.")

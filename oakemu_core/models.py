@@ -363,7 +363,8 @@ class ActorCritic(nn.Module):
         obs = self._observations_to_tensor(observations)
         batch = len(next(iter(obs.values()))) if isinstance(obs, dict) else len(obs)
         mask = self._mask_to_tensor(action_mask, batch)
-        policy, values = self.policy_and_values(obs, mask)
+        head, values = self._inference_forward(obs)
+        policy = self.distribution.policy(head, mask)
         actions = policy.mode() if greedy else policy.sample(generator)
         log_probs = policy.log_prob(actions)
         dtype = _torch_dtype(self.distribution.action_dtype)
@@ -381,8 +382,19 @@ class ActorCritic(nn.Module):
         Used for the bootstrap value after the last rollout step and for the true final
         observation of a truncated episode. Raises ValueError for a wrong shape or dtype.
         """
-        _, values = self(self._observations_to_tensor(observations))
+        _, values = self._inference_forward(self._observations_to_tensor(observations))
         return values.to("cpu", torch.float32).numpy()
+
+    def _inference_forward(self, observations: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        forward = self.__dict__.get("_inference_backend")
+        return self(observations) if forward is None else forward(observations)
+
+    def use_inference_backend(self, forward: Any | None) -> None:
+        """Run :meth:`act` and :meth:`predict_values` through ``forward`` (the contract of
+        :meth:`forward`, e.g. :class:`oakemu_core.onnx_inference.OnnxForward`, which the caller
+        keeps in step with the weights) instead of this module; None: this module again. Training
+        (:meth:`policy_and_values`) always uses the module."""
+        self.__dict__["_inference_backend"] = forward
 
 
 def build_model(

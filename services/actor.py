@@ -26,6 +26,7 @@ import socket
 import threading
 import time
 import uuid
+from typing import Any
 
 import numpy as np
 import torch
@@ -148,6 +149,7 @@ class Actor:
         self.env_steps = 0
         self.env: VectorEnv | EnvGroups | None = None
         self.model: ActorCritic | None = None
+        self.onnx_forward: Any = None  # ONNX Runtime session of the model (actor_inference='onnxruntime')
         self.stepper: PolicyStepper | None = None
         self.policy_version = 0
         self.steps_per_message = 1
@@ -212,6 +214,9 @@ class Actor:
                                      normalize_observations=bool(env_config.get("normalize_observations")))
             self.model.eval()
             load_weight_arrays(self.model, reply.weights)  # the first actions come from the learner's weights
+            if self.config.actor_inference == "onnxruntime":
+                self.onnx_forward = self._onnx_forward(self.model)
+                self.model.use_inference_backend(self.onnx_forward)
             try:  # the learner's route_* settings; a scripted policy must import on this machine
                 routing = RoutingConfig.from_mapping(env_config)
                 router = PolicyRouter(self.env.spec, self.env.num_envs, routing, seed=seed) if routing.active else None
@@ -259,9 +264,23 @@ class Actor:
         self.weights_sub.setsockopt(zmq.LINGER, 0)
         self.weights_sub.connect(config.learner_address(config.weights_port))
 
+    @staticmethod
+    def _onnx_forward(model: ActorCritic) -> Any:
+        try:
+            from oakemu_core.onnx_inference import OnnxForward
+
+            return OnnxForward(model)
+        except ImportError as error:
+            raise ActorSetupError(f"actor_inference='onnxruntime' needs onnxruntime and onnx ({error}): "
+                                  "pip install 'oakemu-rl[onnx]', or use --actor-inference torch") from None
+        except ValueError as error:
+            raise ActorSetupError(str(error)) from None
+
     def _load_weights(self, version: int, weights: dict[str, np.ndarray]) -> None:
         assert self.model is not None
         load_weight_arrays(self.model, weights)
+        if self.onnx_forward is not None:
+            self.onnx_forward.load(self.model)
         if version != self.policy_version:
             self.rows_this_version = 0
         self.policy_version = version

@@ -263,7 +263,7 @@ def test_dockerfile_base_argument_venv_build_stage_non_root_exec_entrypoint():
     runs = [arguments for name, arguments in build_stage if name == "RUN"]
     torch_step = next(i for i, run in enumerate(runs) if '--index-url "$TORCH_INDEX_URL"' in run)
     assert '"torch==$TORCH_VERSION"' in runs[torch_step] and "python3 -m venv /opt/oakemu" in runs[torch_step]
-    project_step = next(i for i, run in enumerate(runs) if "/opt/oakemu/bin/pip install --find-links /tmp/wheelhouse /tmp/oakemu-src" in run)
+    project_step = next(i for i, run in enumerate(runs) if '/opt/oakemu/bin/pip install --find-links /tmp/wheelhouse "/tmp/oakemu-src[onnx]"' in run)
     assert torch_step < project_step
     assert all("ca-bundle.crt" in run for run in runs if "PIP_CERT" in run)
     # Final stage: only the venv is copied from the build stage (no wheelhouse, no CA bundle).

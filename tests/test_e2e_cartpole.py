@@ -51,14 +51,17 @@ def test_first_solved_window() -> None:
 
 
 @pytest.mark.slow
-def test_cartpole_two_actors_learn_within_budget(e2e: E2EProcesses, tmp_path: Path) -> None:
+@pytest.mark.parametrize("actor_inference", ["torch", "onnxruntime"])
+def test_cartpole_two_actors_learn_within_budget(e2e: E2EProcesses, tmp_path: Path, actor_inference: str) -> None:
+    """The same run whichever runs the actors' forward passes (torch or ONNX Runtime): the learner's
+    first-minibatch ratio check holds both to the torch module's log-probs."""
     runs_dir = tmp_path / "runs"
     ports = new_ports()
     train = e2e.start("train", [
         "train", "--env", "CartPole-v1", "--seed", "1", "--num-actors", "2", "--total-env-steps", str(STEP_BUDGET),
         "--envs-per-actor", "4", "--rollout-length", "128", "--ppo-epochs", "10", "--num-minibatches", "8",
         "--learning-rate", "1e-3", "--clip-coef", "0.2", "--ent-coef", "0.0", "--checkpoint-every-updates", "0",
-        *common_flags(ports, runs_dir),
+        "--actor-inference", actor_inference, *common_flags(ports, runs_dir),
     ])
     status = train.wait(timeout_s=240)
     run_dir = only_run_dir(runs_dir)
