@@ -51,10 +51,10 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
-ACTOR_VARIANTS = ("groups2", "threads2", "inference_mode", "channels_last", "onnxruntime")
+ACTOR_VARIANTS = ("groups2", "threads2", "inference_mode", "channels_last", "onnxruntime", "groups2+onnxruntime")
 """Actor-loop variants of ``--actor-variants`` (issue 11): two overlapped env groups
 (``env_groups=2``), 2 torch threads, ``torch.inference_mode`` around the loop, a channels-last model,
-forward passes by ONNX Runtime (``--actor-inference onnxruntime``)."""
+forward passes by ONNX Runtime (``--actor-inference onnxruntime``), and the two together."""
 
 
 def _step_loop(env_id: str, num_envs: int, seconds: float, with_policy: bool, seed: int, out: mp.Queue,
@@ -68,16 +68,17 @@ def _step_loop(env_id: str, num_envs: int, seconds: float, with_policy: bool, se
     from oakemu_core.models import build_model
     from oakemu_core.stepper import PolicyStepper
 
-    torch.set_num_threads(2 if variant == "threads2" else 1)
-    env = make_env_groups(env_id, num_envs, 2, seed=seed) if variant == "groups2" else make_vector_env(env_id, num_envs, seed=seed)
+    parts = set(variant.split("+"))
+    torch.set_num_threads(2 if "threads2" in parts else 1)
+    env = make_env_groups(env_id, num_envs, 2, seed=seed) if "groups2" in parts else make_vector_env(env_id, num_envs, seed=seed)
     spec = env.spec
-    mode = torch.inference_mode() if variant == "inference_mode" else contextlib.nullcontext()
+    mode = torch.inference_mode() if "inference_mode" in parts else contextlib.nullcontext()
     mode.__enter__()
     if with_policy:
         model = build_model(spec.observation_layout, distribution_for_env(spec))
-        if variant == "channels_last":
+        if "channels_last" in parts:
             model = model.to(memory_format=torch.channels_last)
-        if variant == "onnxruntime":
+        if "onnxruntime" in parts:
             from oakemu_core.onnx_inference import OnnxForward
 
             model.use_inference_backend(OnnxForward(model))
