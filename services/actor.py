@@ -215,7 +215,8 @@ class Actor:
             self.model.eval()
             load_weight_arrays(self.model, reply.weights)  # the first actions come from the learner's weights
             if self.config.actor_inference == "onnxruntime":
-                self.onnx_forward = self._onnx_forward(self.model)
+                self.onnx_forward = self._onnx_forward(self.model, self.config.torch_threads)
+                log.info("actor %s: forward passes by ONNX Runtime", self.actor_id)
                 self.model.use_inference_backend(self.onnx_forward)
             try:  # the learner's route_* settings; a scripted policy must import on this machine
                 routing = RoutingConfig.from_mapping(env_config)
@@ -265,16 +266,16 @@ class Actor:
         self.weights_sub.connect(config.learner_address(config.weights_port))
 
     @staticmethod
-    def _onnx_forward(model: ActorCritic) -> Any:
-        try:
-            from oakemu_core.onnx_inference import OnnxForward
+    def _onnx_forward(model: ActorCritic, threads: int) -> Any:
+        from oakemu_core.onnx_inference import OnnxForward
 
-            return OnnxForward(model)
-        except ImportError as error:
-            raise ActorSetupError(f"actor_inference='onnxruntime' needs onnxruntime and onnx ({error}): "
-                                  "pip install 'oakemu-rl[onnx]', or use --actor-inference torch") from None
+        try:
+            return OnnxForward(model, threads=threads)
         except ValueError as error:
             raise ActorSetupError(str(error)) from None
+        except Exception as error:  # noqa: BLE001 - the exporter's or ONNX Runtime's own: one readable line
+            raise ActorSetupError(f"actor_inference='onnxruntime' could not build the graph "
+                                  f"({type(error).__name__}: {error}); use --actor-inference torch") from None
 
     def _load_weights(self, version: int, weights: dict[str, np.ndarray]) -> None:
         assert self.model is not None
@@ -475,6 +476,10 @@ class _Rejoined(Exception):
 def main(config: OakEmuConfig) -> int:
     """Entry point of ``oakemu actor``: 0 when stopped, 1 when the learner is unreachable."""
     setup_logging(config.log_level, config.log_format)
+    if config.actor_inference == "onnxruntime":  # before joining: a missing package holds no slot
+        from oakemu_core.onnx_inference import check_available
+
+        check_available()
     torch.set_num_threads(config.torch_threads)
     stop_event = install_stop_signals()
     actor = Actor(config, stop_event)

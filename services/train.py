@@ -152,6 +152,10 @@ def main(config: OakEmuConfig, resume: Path | None = None) -> int:
     """
     # An unknown env id or a bad emulator setting fails here, before any folder or process exists.
     check_env(config.env_id, settings_file=config.emulator_settings, envs_per_process=config.envs_per_actor)
+    if config.actor_inference == "onnxruntime":
+        from oakemu_core.onnx_inference import check_available
+
+        check_available()
     if resume is not None:
         resume = Path(resume)
         if not (resume / "checkpoints").is_dir():

@@ -258,12 +258,12 @@ def test_dockerfile_base_argument_venv_build_stage_non_root_exec_entrypoint():
     build_stage = instructions[:names.index("FROM", names.index("FROM") + 1)]
     args = dict(arguments.split("=", 1) for name, arguments in build_stage if name == "ARG")
     assert args == {"BASE_IMAGE": "python:3.11-slim", "TORCH_INDEX_URL": "https://download.pytorch.org/whl/cpu",
-                    "TORCH_VERSION": "2.13.0"}
+                    "TORCH_VERSION": "2.13.0", "OAKEMU_EXTRAS": "onnx"}
     # Build stage: a venv, torch first (a wheelhouse wheel or TORCH_INDEX_URL), then the project.
     runs = [arguments for name, arguments in build_stage if name == "RUN"]
     torch_step = next(i for i, run in enumerate(runs) if '--index-url "$TORCH_INDEX_URL"' in run)
     assert '"torch==$TORCH_VERSION"' in runs[torch_step] and "python3 -m venv /opt/oakemu" in runs[torch_step]
-    project_step = next(i for i, run in enumerate(runs) if '/opt/oakemu/bin/pip install --find-links /tmp/wheelhouse "/tmp/oakemu-src[onnx]"' in run)
+    project_step = next(i for i, run in enumerate(runs) if '/opt/oakemu/bin/pip install --find-links /tmp/wheelhouse "/tmp/oakemu-src[$OAKEMU_EXTRAS]"' in run)
     assert torch_step < project_step
     assert all("ca-bundle.crt" in run for run in runs if "PIP_CERT" in run)
     # Final stage: only the venv is copied from the build stage (no wheelhouse, no CA bundle).

@@ -91,5 +91,11 @@ def test_cartpole_two_actors_learn_within_budget(e2e: E2EProcesses, tmp_path: Pa
     first = updates[0]
     assert first["charts/policy_version"] == 1
     assert first["diagnostics/first_minibatch_ratio_max_abs_dev"] is not None
-    assert first["diagnostics/first_minibatch_ratio_max_abs_dev"] < RATIO_TOLERANCE
+    # ... and on every later update whose first minibatch has rows of the learner's version (in
+    # asynchronous mode most rollouts are a version behind, so 1-4 of the updates here): the actors act
+    # with each new version's weights (a session left on old weights would give ratios far from 1).
+    deviations = [u["diagnostics/first_minibatch_ratio_max_abs_dev"] for u in updates]
+    assert max(d for d in deviations if d is not None) < RATIO_TOLERANCE
+    actor_logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("actor*.log"))
+    assert ("forward passes by ONNX Runtime" in actor_logs) == (actor_inference == "onnxruntime")
     assert (run_dir / "checkpoints" / "latest.pt").is_file(), "the final checkpoint is missing"

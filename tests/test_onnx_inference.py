@@ -7,9 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from oakemu_core.distributions import Categorical, DiagGaussian
+from oakemu_core.config import ConfigError
+from oakemu_core.distributions import Categorical, DiagGaussian, MultiCategorical
 from oakemu_core.models import build_model
-from oakemu_core.onnx_inference import OnnxForward
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnx")
+from oakemu_core.onnx_inference import OnnxForward, check_available  # noqa: E402
 
 
 def _outputs(model, observations: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -22,6 +26,7 @@ def _outputs(model, observations: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     ({"": ((4,), np.float32)}, Categorical(2)),  # CartPole: separate MLPs
     ({"": ((3,), np.float32)}, DiagGaussian([-2.0], [2.0])),  # Pendulum
     ({"": ((4, 84, 84), np.uint8)}, Categorical(4)),  # Atari: Nature CNN on uint8 frames
+    ({"": ((5,), np.float32)}, MultiCategorical([3, 2])),
 ])
 def test_the_session_gives_the_modules_outputs_and_follows_new_weights(layout, distribution) -> None:
     torch.manual_seed(0)
@@ -44,6 +49,9 @@ def test_the_session_gives_the_modules_outputs_and_follows_new_weights(layout, d
     np.testing.assert_allclose(forward(torch.from_numpy(observations))[0].numpy(), expected_head, rtol=1e-4, atol=1e-5)
     forward.load(model)  # only now does the session act with the new weights
     np.testing.assert_allclose(forward(torch.from_numpy(observations))[0].numpy(), new_head, rtol=1e-4, atol=1e-5)
+    one_head, one_value = forward(torch.from_numpy(observations[:1]))  # one row: a truncation's bootstrap
+    np.testing.assert_allclose(one_head.numpy(), new_head[:1], rtol=1e-4, atol=1e-5)
+    assert one_value.shape == (1,)
 
 
 def test_act_and_predict_values_run_through_the_backend() -> None:
@@ -84,3 +92,13 @@ def test_dict_observations_are_refused_with_the_reason() -> None:
     model = build_model({"image": ((1, 8, 8), np.uint8), "vector": ((3,), np.float32)}, Categorical(2))
     with pytest.raises(ValueError, match="dict observations are not supported"):
         OnnxForward(model)
+
+
+def test_a_missing_package_is_named_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    check_available()  # both installed here
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnx" else real_find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"needs onnx: pip install 'oakemu-rl\[onnx\]'"):
+        check_available()
