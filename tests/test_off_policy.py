@@ -18,7 +18,7 @@ from oakemu_core.rollout_buffer import RolloutBuffer
 from oakemu_core.step_schema import build_schema
 from oakemu_core.stepper import PolicyStepper
 from tests.test_learner import cartpole, fill, make_learner  # noqa: F401 (cartpole is a fixture)
-from tests.test_ppo import OBS_DIM, N, T, _fill, _fill_schema_buffer, _learner, _loss_inputs, _model
+from tests.test_ppo import OBS_DIM, N, T, _fill, _fill_schema_buffer, _learner, _loss_inputs, _model, _trainable_rows
 
 
 def test_importance_weights_scale_each_rows_clipped_surrogate_and_its_gradient() -> None:
@@ -84,12 +84,7 @@ def test_a_decoupled_update_matches_a_hand_written_sgd_step(cap: float) -> None:
         trainable[::3, 1] = False  # some rows out of training: the proximal figures must follow the flat rows
         buffer.mark_untrainable(~trainable)
         proximal = updater.evaluate_rollout(buffer)
-        obs = torch.from_numpy(buffer.observations[trainable])
-        actions = torch.from_numpy(buffer.actions[trainable])
-        behaviour_log_probs = torch.from_numpy(buffer.log_probs[trainable])
-        advantages = buffer.advantages[trainable].astype(np.float64)
-        advantages = torch.from_numpy(((advantages - advantages.mean()) / (advantages.std() + 1e-8)).astype(np.float32))
-        returns = torch.from_numpy(buffer.returns[trainable])
+        obs, actions, behaviour_log_probs, advantages, returns = _trainable_rows(buffer, trainable)
         stats = updater.step(buffer, current_policy_version=5, proximal=proximal)
 
     logits, values = reference(obs)

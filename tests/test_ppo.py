@@ -211,6 +211,16 @@ def test_updates_on_a_bandit_raise_the_probability_of_the_rewarded_action() -> N
     assert after > before + 0.2, (before, after)
 
 
+def _trainable_rows(buffer: RolloutBuffer, trainable: np.ndarray) -> tuple[torch.Tensor, ...]:
+    """``(observations, actions, stored log-probs, advantages normalised over these rows (population
+    std + 1e-8), returns)`` of the ``trainable`` rows, in row-major order, for hand-written updates."""
+    advantages = buffer.advantages[trainable].astype(np.float64)
+    advantages = ((advantages - advantages.mean()) / (advantages.std() + 1e-8)).astype(np.float32)
+    return (torch.from_numpy(buffer.observations[trainable]), torch.from_numpy(buffer.actions[trainable]),
+            torch.from_numpy(buffer.log_probs[trainable]), torch.from_numpy(advantages),
+            torch.from_numpy(buffer.returns[trainable]))
+
+
 @pytest.mark.parametrize("ent_coef", [0.01, 0.0])
 def test_one_update_matches_a_hand_written_sgd_step(ent_coef: float) -> None:
     """ppo_epochs=1, one minibatch, plain SGD, no effective grad clip: the new weights equal
@@ -229,12 +239,7 @@ def test_one_update_matches_a_hand_written_sgd_step(ent_coef: float) -> None:
         trainable = buffer.trainable.copy()
         trainable[::2, 0] = False  # some rows out of training
         buffer.mark_untrainable(~trainable)
-        obs = torch.from_numpy(buffer.observations[trainable])
-        actions = torch.from_numpy(buffer.actions[trainable])
-        old_log_probs = torch.from_numpy(buffer.log_probs[trainable])
-        advantages = buffer.advantages[trainable].astype(np.float64)
-        advantages = torch.from_numpy(((advantages - advantages.mean()) / (advantages.std() + 1e-8)).astype(np.float32))
-        returns = torch.from_numpy(buffer.returns[trainable])
+        obs, actions, old_log_probs, advantages, returns = _trainable_rows(buffer, trainable)
         stats = learner.step(buffer, current_policy_version=0)
         values_np, returns_np = buffer.values[trainable].astype(np.float64), buffer.returns[trainable].astype(np.float64)
 
