@@ -13,6 +13,10 @@ Printed, all measured in the same run:
   (numpy ``copyto``), MB/s: the ceiling's yardstick (target: ingest >= 25 % of it);
 * ``ingest``: env steps/s (rows/s) and MB/s (message array bytes) the learner writes, and its ratio
   to ``memcpy``;
+* ``ingest CPU per env step`` and ``ingest ceiling per learner CPU core``: CPU time of the threads
+  that ingest (the learner's loop thread and its ZeroMQ I/O threads, from ``/proc``) per row
+  written, and the rate one core of their own would reach: on this machine the synthetic actors
+  take the other core, so the measured rate is lower than what a learner with free cores ingests;
 * ``actor rate``: env steps/s of one real actor process (step loop with CPU inference, no transport),
   and how many such actor cores the ingest ceiling could feed;
 * ``ingest + training load``: the same ingest while a Nature-CNN forward/backward loop (torch, one
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import resource
 import sys
 import tempfile
 import threading
@@ -157,9 +162,11 @@ def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load
             if loader is not None:
                 loader.start()
                 time.sleep(2.0)  # the load has built its model and is running
-            start_steps, start = counters.env_steps, time.perf_counter()
+            start_steps, start, start_cpu = counters.env_steps, time.perf_counter(), _ingest_cpu_s(thread.native_id)
             time.sleep(seconds)
-            rate = (counters.env_steps - start_steps) / (time.perf_counter() - start)
+            rows = counters.env_steps - start_steps
+            rate = rows / (time.perf_counter() - start)
+            cpu_per_row = (_ingest_cpu_s(thread.native_id) - start_cpu) / max(rows, 1)
             dropped = dict(counters.dropped)
         finally:
             stop_actors.set()
@@ -177,7 +184,29 @@ def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load
             thread.join(120)
             learner.close()
             library_learner.PPOLearner.step = original_step
-    return rate, dropped
+    return rate, cpu_per_row, dropped
+
+
+def _ingest_cpu_s(ingest_thread_id: int) -> float:
+    """CPU seconds of the threads that ingest: the learner's loop thread (receive, decode, validate,
+    write) and this process's ZeroMQ I/O threads (the socket reads). Not the trainer thread: with PPO
+    switched off it only releases buffers, many times a second. Linux ``/proc``; elsewhere the whole
+    process (an over-estimate)."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    ticks = 0
+    for task in tasks.iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        if int(task.name) == ingest_thread_id or name.startswith("ZMQbg/IO"):
+            fields = stat.rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime + stime (proc(5))
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
@@ -209,12 +238,15 @@ def main() -> None:
     loads = [""] if args.no_training_load else ["", "thread", "process"]
     figures: dict[str, list[float]] = {"memcpy": [], **{f"ingest{load}": [] for load in loads}}
     dropped_all: list[dict] = []
+    cpu_per_row_all: list[float] = []
     for _ in range(args.repeats):
         figures["memcpy"].append(memcpy_mb_per_s(chunk))
         for load in loads:
-            rate, dropped = measure_ingest(args.env, args.actors, args.envs_per_actor, args.seconds, load,
-                                           steps_per_message)
+            rate, cpu_per_row, dropped = measure_ingest(args.env, args.actors, args.envs_per_actor, args.seconds,
+                                                        load, steps_per_message)
             figures[f"ingest{load}"].append(rate)
+            if not load:  # with a training thread the process's CPU time is not the ingest's alone
+                cpu_per_row_all.append(cpu_per_row)
             dropped_all.append(dropped)
     actor_rate = measure_local(args.env, 1, args.envs_per_actor, args.seconds, with_policy=True)
     memcpy = float(np.median(figures["memcpy"]))
@@ -231,6 +263,13 @@ def main() -> None:
                   f"{', '.join(f'{v:,.0f}' for v in values)}")
     print(f"{'ingest (MB/s of message arrays)':<58}{ingest_mb:>14,.0f}")
     print(f"ingest / memcpy bandwidth: {100 * ingest_mb / memcpy:.1f} % (target >= 25 %)")
+    cpu_per_row = float(np.median(cpu_per_row_all))
+    per_core = 1 / cpu_per_row
+    per_core_mb = per_core * bytes_per_row / 1e6
+    print(f"ingest CPU per env step: {1e6 * cpu_per_row:.2f} us (learner loop thread + ZeroMQ I/O threads; "
+          f"runs: {', '.join(f'{1e6 * v:.2f}' for v in cpu_per_row_all)})")
+    print(f"ingest ceiling per learner CPU core: {per_core:,.0f} env steps/s, {per_core_mb:,.0f} MB/s, "
+          f"{100 * per_core_mb / memcpy:.1f} % of memcpy (the synthetic actors above share this machine's cores)")
     print(f"one actor process (step loop, CPU inference): {actor_rate:,.0f} env steps/s; "
           f"the ingest ceiling feeds {ingest / actor_rate:.1f} such actor cores")
     if not args.no_training_load:

@@ -357,6 +357,8 @@ class PPOUpdater:
             torch.backends.cudnn.allow_tf32 = False
         self.model = model.to(self.device)
         self.optimizer = optimizer
+        # Listed once: model.parameters() walks the module tree, twice per SGD step otherwise.
+        self._trained_parameters = [parameter for parameter in self.model.parameters() if parameter.requires_grad]
         self.ppo_epochs = int(ppo_epochs)
         self.num_minibatches = int(num_minibatches)
         self.clip_coef = float(clip_coef)
@@ -565,9 +567,10 @@ class PPOUpdater:
                 if bc_term is not None:  # behaviour cloning on demonstrations, next to the PPO loss
                     bc_coef, sampler, bc_batch = bc_term
                     loss = loss + bc_coef * self._bc_loss(sampler, bc_batch)
-                self.optimizer.zero_grad(set_to_none=True)
+                for parameter in self._trained_parameters:  # zero_grad(set_to_none=True), minus its profiler hooks
+                    parameter.grad = None
                 loss.backward()
-                grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+                grad_norm = nn.utils.clip_grad_norm_(self._trained_parameters, self.max_grad_norm)
                 if torch.isfinite(grad_norm):
                     self.optimizer.step()
                 else:  # a non-finite gradient would turn every weight into NaN for good: skip it

@@ -114,6 +114,16 @@ def check_array(field_name: str, array: Any, shape: tuple[int, ...], dtype: np.d
         )
 
 
+def _dtype_range(dtype: np.dtype) -> tuple[float, float]:
+    """Smallest and largest value an array of ``dtype`` can hold (floats: -inf, inf)."""
+    if dtype.kind == "b":
+        return 0.0, 1.0
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return float(info.min), float(info.max)
+    return -math.inf, math.inf
+
+
 @dataclass(frozen=True, eq=False)
 class StepField:
     """One per-step field (see the module docstring).
@@ -154,12 +164,18 @@ class StepField:
                 array = np.asarray(value, dtype=np.float64)
                 np.broadcast_to(array, self.shape)  # raises ValueError when it cannot fit
                 object.__setattr__(self, bound, array)
+        # A bound the dtype cannot pass (uint8 frames in [0, 255], an int64 low of -2**63, an
+        # infinite float bound) is not checked: it would cost two passes over every frame for nothing.
+        smallest, largest = _dtype_range(self.dtype)
+        low = self.low if self.low is not None and np.any(self.low > smallest) else None
+        high = self.high if self.high is not None and np.any(self.high < largest) else None
+        object.__setattr__(self, "_checked_low", low)
+        object.__setattr__(self, "_checked_high", high)
         # Scalar bounds as Python floats: a step message's (n,) fields are checked with min() /
         # max() over a list, which costs a tenth of the numpy calls for a few values.
-        object.__setattr__(self, "_scalar_low", float(self.low) if self.low is not None and self.low.ndim == 0 else None)
-        object.__setattr__(self, "_scalar_high", float(self.high) if self.high is not None and self.high.ndim == 0 else None)
-        object.__setattr__(self, "_bounds_are_scalars", (self.low is None or self.low.ndim == 0)
-                           and (self.high is None or self.high.ndim == 0))
+        object.__setattr__(self, "_scalar_low", float(low) if low is not None and low.ndim == 0 else None)
+        object.__setattr__(self, "_scalar_high", float(high) if high is not None and high.ndim == 0 else None)
+        object.__setattr__(self, "_bounds_are_scalars", (low is None or low.ndim == 0) and (high is None or high.ndim == 0))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, StepField) and self.to_dict() == other.to_dict()
@@ -182,8 +198,8 @@ class StepField:
             too_low = self._scalar_low is not None and min(values) < self._scalar_low
             too_high = self._scalar_high is not None and max(values) > self._scalar_high
         else:
-            too_low = self.low is not None and bool(np.any(array < self.low))
-            too_high = self.high is not None and bool(np.any(array > self.high))
+            too_low = self._checked_low is not None and bool(np.any(array < self._checked_low))
+            too_high = self._checked_high is not None and bool(np.any(array > self._checked_high))
         if too_low:
             return f"{self.name}: expected values >= {_describe_bound(self.low)}, received min {array.min()!r}"
         if too_high:

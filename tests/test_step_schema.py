@@ -418,3 +418,29 @@ def test_step_consistency_agrees_for_a_few_envs_and_for_many() -> None:
             assert (check_step_consistency(schema, bad_dones) is None) == (not truncated.any())
             bad_bootstrap = arrays | {"bootstrap_values": np.where(~truncated, 2.0, 1.5).astype(np.float32)}
             assert (check_step_consistency(schema, bad_bootstrap) is None) == bool(truncated.all())
+
+
+def test_bounds_the_dtype_cannot_break_are_not_scanned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """uint8 frames in [0, 255] (every Atari observation) cost no pass over the data; a bound the
+    dtype can break is still checked, on its side only."""
+    vacuous = [StepField("observations", (4, 4), np.uint8, low=0, high=255),
+               StepField("observations", (4, 4), np.int16, low=-2**15, high=2**15 - 1),
+               StepField("x", (4, 4), np.float32, low=-np.inf, high=np.inf)]
+    high_only = StepField("observations", (4, 4), np.uint8, low=0, high=200)
+    low_only = StepField("observations", (4, 4), np.uint8, low=202, high=255)
+    scans: list[str] = []
+    real_any = np.any
+
+    def counting_any(array, *args, **kwargs):
+        scans.append("scan")
+        return real_any(array, *args, **kwargs)
+
+    monkeypatch.setattr(np, "any", counting_any)
+    frames = np.full((SMALL_ARRAY_SIZE + 1, 4, 4), 201, np.uint8)  # large enough for the numpy path
+    for item in vacuous:
+        assert item.check_values(frames.astype(item.dtype)) is None
+    assert scans == []
+    assert "expected values <= 200" in high_only.check_values(frames)
+    assert scans == ["scan"]  # the high side only: no uint8 is below 0
+    assert "expected values >= 202" in low_only.check_values(frames)
+    assert scans == ["scan", "scan"]
