@@ -13,10 +13,11 @@ Printed, all measured in the same run:
   (numpy ``copyto``), MB/s: the ceiling's yardstick (target: ingest >= 25 % of it);
 * ``ingest``: env steps/s (rows/s) and MB/s (message array bytes) the learner writes, and its ratio
   to ``memcpy``;
-* ``ingest CPU per env step`` and ``ingest ceiling per learner CPU core``: CPU time of the threads
-  that ingest (the learner's loop thread and its ZeroMQ I/O threads, from ``/proc``) per row
-  written, and the rate one core of their own would reach: on this machine the synthetic actors
-  take the other core, so the measured rate is lower than what a learner with free cores ingests;
+* ``ingest CPU per env step`` and ``estimated ingest ceiling per ingest core``: CPU time of the
+  threads that ingest (the learner's loop thread and its ZeroMQ I/O threads, from ``/proc``) per
+  row written, and its inverse: the rate those threads would reach on a core of their own, an
+  estimate (not measured: on this machine the synthetic actors take the other core; it leaves out
+  the trainer thread's per-rollout work and any wait for the GIL while a real update runs);
 * ``actor rate``: env steps/s of one real actor process (step loop with CPU inference, no transport),
   and how many such actor cores the ingest ceiling could feed;
 * ``ingest + training load``: the same ingest while a Nature-CNN forward/backward loop (torch, one
@@ -121,9 +122,10 @@ def memcpy_mb_per_s(chunk_bytes: int, seconds: float = 2.0, total_bytes: int = 2
 
 
 def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load: str = "",
-                   steps_per_message: int | str = "auto") -> tuple[float, dict]:
+                   steps_per_message: int | str = "auto") -> tuple[float, float, dict]:
     """Env steps/s the learner writes from ``actors`` synthetic actors; ``load``: "" (none), "thread"
-    (training loop in this process) or "process". Returns ``(rate, dropped counters)``."""
+    (training loop in this process) or "process". Returns ``(rate, CPU seconds of the ingest threads
+    per row written, dropped counters)``."""
     from oakemu_core import learner as library_learner
     from oakemu_core.config import OakEmuConfig
     from services import learner as learner_module
@@ -189,9 +191,10 @@ def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load
 
 def _ingest_cpu_s(ingest_thread_id: int) -> float:
     """CPU seconds of the threads that ingest: the learner's loop thread (receive, decode, validate,
-    write) and this process's ZeroMQ I/O threads (the socket reads). Not the trainer thread: with PPO
-    switched off it only releases buffers, many times a second. Linux ``/proc``; elsewhere the whole
-    process (an over-estimate)."""
+    write, and per full buffer its release and the weights' encoding and publishing) and this
+    process's ZeroMQ I/O threads (the socket reads). Not the trainer thread: with PPO switched off it
+    only prepares each rollout (GAE, lag statistics) and snapshots the weights, many times a second.
+    Linux ``/proc``; elsewhere the whole process (an over-estimate)."""
     tasks = Path("/proc/self/task")
     if not tasks.is_dir():
         usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -264,12 +267,13 @@ def main() -> None:
     print(f"{'ingest (MB/s of message arrays)':<58}{ingest_mb:>14,.0f}")
     print(f"ingest / memcpy bandwidth: {100 * ingest_mb / memcpy:.1f} % (target >= 25 %)")
     cpu_per_row = float(np.median(cpu_per_row_all))
-    per_core = 1 / cpu_per_row
+    per_core = 1 / max(cpu_per_row, 1e-9)  # no CPU tick counted: a run that wrote nothing
     per_core_mb = per_core * bytes_per_row / 1e6
     print(f"ingest CPU per env step: {1e6 * cpu_per_row:.2f} us (learner loop thread + ZeroMQ I/O threads; "
           f"runs: {', '.join(f'{1e6 * v:.2f}' for v in cpu_per_row_all)})")
-    print(f"ingest ceiling per learner CPU core: {per_core:,.0f} env steps/s, {per_core_mb:,.0f} MB/s, "
-          f"{100 * per_core_mb / memcpy:.1f} % of memcpy (the synthetic actors above share this machine's cores)")
+    print(f"estimated ingest ceiling per ingest core (1 / CPU per step): {per_core:,.0f} env steps/s, "
+          f"{per_core_mb:,.0f} MB/s, {100 * per_core_mb / memcpy:.1f} % of memcpy (the synthetic actors above "
+          f"share this machine's cores)")
     print(f"one actor process (step loop, CPU inference): {actor_rate:,.0f} env steps/s; "
           f"the ingest ceiling feeds {ingest / actor_rate:.1f} such actor cores")
     if not args.no_training_load:

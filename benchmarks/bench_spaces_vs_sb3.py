@@ -142,7 +142,7 @@ def oakemu_args(case: Case, *, seed: int, steps: int, runs_dir: Path, run_name: 
         "--normalize-rewards" if case.normalize_rewards else "--no-normalize-rewards",
         "--no-clip-rewards", "--max-policy-lag", str(case.max_policy_lag), "--device", "cpu",
         "--runs-dir", str(runs_dir), "--run-name", run_name, "--log-format", "plain",
-        "--checkpoint-every-updates", "0",
+        "--checkpoint-every-updates", "0", "--no-rollback",  # as SB3: no checkpoints, no automatic rollback
     ]
     for flag, port in zip(("--data-port", "--control-port", "--weights-port", "--telemetry-port", "--metrics-port"),
                           ports, strict=True):

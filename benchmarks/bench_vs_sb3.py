@@ -150,9 +150,9 @@ def oakemu_bench_args(bench: Bench, *, mode: str, seed: int, steps: int, runs_di
                       ports: list, torch_threads: int, num_actors: int = NUM_ACTORS) -> list[str]:
     """``oakemu train`` flags: the sibling's :func:`oakemu_args` (every hyperparameter explicit) with the value
     loss coefficient translated, reward clipping for Atari, the mode, ``num_actors`` actor processes
-    sharing the case's envs, no periodic evaluation and no automatic rollback (SB3 has none: an
-    update whose approx KL passed the rollback threshold ended a CartPole run at 500 return, with no
-    checkpoint to go back to, at 90k steps)."""
+    sharing the case's envs, and no periodic evaluation. The sibling's flags turn automatic rollback
+    off, as SB3 has none (an update whose approx KL passed the rollback threshold ended a CartPole
+    run at 500 return at 90k steps, with no checkpoint to go back to)."""
     case = replace(bench.case, vf_coef=bench.case.vf_coef * OAKEMU_VF_COEF_PER_SB3)
     if case.num_envs % num_actors:
         raise SystemExit(f"--actors {num_actors}: must divide the {case.num_envs} envs of {case.env_id}")
@@ -161,7 +161,7 @@ def oakemu_bench_args(bench: Bench, *, mode: str, seed: int, steps: int, runs_di
     args[args.index("--envs-per-actor") + 1] = str(case.num_envs // num_actors)
     if bench.atari:
         args = ["--clip-rewards" if arg == "--no-clip-rewards" else arg for arg in args]
-    return [*args, "--mode", mode, "--torch-threads", str(torch_threads), "--eval-every-updates", "0", "--no-rollback"]
+    return [*args, "--mode", mode, "--torch-threads", str(torch_threads), "--eval-every-updates", "0"]
 
 
 def sb3_bench_kwargs(bench: Bench, *, seed: int) -> dict:

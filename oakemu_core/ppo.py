@@ -357,7 +357,8 @@ class PPOUpdater:
             torch.backends.cudnn.allow_tf32 = False
         self.model = model.to(self.device)
         self.optimizer = optimizer
-        # Listed once: model.parameters() walks the module tree, twice per SGD step otherwise.
+        # Listed once: model.parameters() walks the module tree, twice per SGD step otherwise. The
+        # optimizer holds these same tensors; restores load into them in place (load_state_dict).
         self._trained_parameters = [parameter for parameter in self.model.parameters() if parameter.requires_grad]
         self.ppo_epochs = int(ppo_epochs)
         self.num_minibatches = int(num_minibatches)

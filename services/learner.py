@@ -169,6 +169,10 @@ class Trainer:
                               bc_sampler=self._bc_sampler())
         health = None
         if config.rollback:
+            if not config.checkpoint_every_updates and not config.checkpoint_every_seconds:
+                log.warning("rollback is on but no checkpoint is written before exit (checkpoint_every_updates "
+                            "and checkpoint_every_seconds are 0): a collapse before the first evaluation's "
+                            "best.pt stops the run instead of rolling back")
             health = HealthMonitor(max_approx_kl=config.rollback_max_approx_kl,
                                    eval_fraction=config.rollback_eval_fraction,
                                    eval_patience=config.rollback_eval_patience)

@@ -66,6 +66,7 @@ def test_oakemu_flags_parse_to_the_case(name: str, monkeypatch: pytest.MonkeyPat
     assert config.anneal_lr is False
     assert config.resolved_clip_value_range is None
     assert config.resolved_clip_rewards is False
+    assert config.rollback is False  # SB3 has no automatic rollback
 
 
 @pytest.mark.parametrize("name", sorted(bench.CASES))
