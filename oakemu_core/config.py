@@ -175,6 +175,13 @@ class OakEmuConfig(BaseSettings):
         1.0, gt=0.0, allow_inf_nan=False,
         description="Truncation of the decoupled objective's weights pi_current / pi_acting (V-trace's rho-bar).",
     )
+    publish_every_epoch: bool = Field(
+        True,
+        description="Async mode: also publish the weights after each epoch of an update (revisions of the version "
+        "in training), so actors act with weights at most one epoch old instead of up to a whole update; the rows "
+        "keep the version number (LunarLander 500k, 6 seeds: last-100 return 100.6 against 68.3). Ignored in sync "
+        "mode.",
+    )
     mode: Literal["async", "sync"] = Field(
         "async",
         description="async: actors keep stepping while the learner trains (rows up to max_policy_lag versions "

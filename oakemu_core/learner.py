@@ -46,6 +46,7 @@ __all__ = [
     "Schedule",
     "ThreadSafeModel",
     "TrainResult",
+    "WeightsRevision",
 ]
 
 log = logging.getLogger("oakemu.learner")
@@ -161,6 +162,16 @@ class ThreadSafeModel:
             return self.version, weights_to_arrays(self.model)
 
 
+@dataclass
+class WeightsRevision:
+    """Weights an epoch left within an update (``publish_every_epoch``), for the ingest thread to
+    publish: revision ``revision`` of ``policy_version`` (the version in training)."""
+
+    policy_version: int
+    revision: int
+    weights: dict[str, np.ndarray]
+
+
 # ---------------------------------------------------------------------------------------------
 # Hand-off between ingest and training
 # ---------------------------------------------------------------------------------------------
@@ -200,7 +211,7 @@ class RolloutHandshake:
 
     def __init__(self) -> None:
         self._inbox: queue.Queue[FullRollout] = queue.Queue(maxsize=1)
-        self._outbox: queue.Queue[TrainResult | BaseException] = queue.Queue()
+        self._outbox: queue.Queue[TrainResult | WeightsRevision | BaseException] = queue.Queue()
         self._busy = False
 
     @property
@@ -225,13 +236,13 @@ class RolloutHandshake:
                 continue
         return None
 
-    def complete(self, result: TrainResult | BaseException) -> None:
-        """Trainer: hand back a result (a rollout's, an unsolicited one such as BC pre-training,
-        or the exception that ended training)."""
+    def complete(self, result: TrainResult | WeightsRevision | BaseException) -> None:
+        """Trainer: hand back a result (a rollout's, an unsolicited one such as BC pre-training or
+        weights within an update, or the exception that ended training)."""
         self._outbox.put(result)
 
-    def results(self) -> list[TrainResult]:
-        """Ingest thread: every result ready now (non-blocking); a rollout's result clears
+    def results(self) -> list[TrainResult | WeightsRevision]:
+        """Ingest thread: every result ready now (non-blocking), in order; a rollout's result clears
         :attr:`busy`. Re-raises an exception the trainer handed back."""
         ready = []
         while True:
@@ -241,7 +252,7 @@ class RolloutHandshake:
                 return ready
             if isinstance(item, BaseException):
                 raise RuntimeError("trainer thread failed") from item
-            if item.slot is not None:
+            if isinstance(item, TrainResult) and item.slot is not None:
                 self._busy = False
             ready.append(item)
 
@@ -500,6 +511,9 @@ class PPOLearner:
         self.sgd_steps = 0
         """SGD (minibatch gradient) steps taken by this learner process (not checkpointed)."""
         self._sgd_steps_at_version: dict[int, int] = {}
+        self.revision_sink: Callable[[int, int, dict[str, np.ndarray]], None] | None = None
+        """``(policy_version, revision, weights)`` -> None: receives the weights after each epoch but
+        the last of an update (``publish_every_epoch``); set by :meth:`run` in asynchronous mode."""
 
     # ------------------------------------------------------------------ counters and state
     @property
@@ -672,7 +686,8 @@ class PPOLearner:
         with self.learner_model.locked() as model:
             try:
                 stats = self.updater.step(self.rollout_buffer, current_policy_version=self.policy_version,
-                                          bc_term=bc_term, proximal=evaluation)
+                                          bc_term=bc_term, proximal=evaluation,
+                                          after_epoch=None if self.revision_sink is None else self._publish_revision)
             except EmptyRolloutError:
                 stats = None
             model.update_observation_statistics(self.rollout_buffer.observations)
@@ -684,6 +699,12 @@ class PPOLearner:
         self._rollouts_collected += 1
         log.debug("update %d at %d actor steps", self.iterations, actor_steps)
         return stats
+
+    def _publish_revision(self, epochs_done: int) -> None:
+        """Hand the weights an epoch left (revision ``epochs_done`` of the version in training) to
+        :attr:`revision_sink`; called by the updater, with the model lock held."""
+        assert self.revision_sink is not None
+        self.revision_sink(self.policy_version, epochs_done, weights_to_arrays(self.model))
 
     def behaviour_cloning_phase(self) -> int:
         """Pre-train on demonstrations: ``bc_pretrain_updates`` replay-only rollouts of one epoch

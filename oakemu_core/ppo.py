@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -457,7 +458,8 @@ class PPOUpdater:
 
     def step(self, rollout_buffer: RolloutBuffer, *, current_policy_version: int,
              bc_term: tuple[float, Any, int] | None = None,
-             proximal: RolloutEvaluation | None = None) -> PPOUpdateStats:
+             proximal: RolloutEvaluation | None = None,
+             after_epoch: Callable[[int], None] | None = None) -> PPOUpdateStats:
         """One PPO update on the trainable rows of a full buffer whose GAE is computed.
 
         Args:
@@ -474,6 +476,9 @@ class PPOUpdater:
                 each row is weighted by ``min(importance_weight_cap, pi_prox / mu)``, and
                 ``approx_kl`` is measured from the proximal policy (exactly, for families with
                 stored parameters; else the ratio-based estimate over the stored rows).
+            after_epoch: called with the number of epochs done after every epoch but the last
+                (and not after an early stop), the weights as that epoch left them (the
+                learner publishes them to the actors), or None.
 
         Returns:
             :class:`PPOUpdateStats`.
@@ -588,6 +593,8 @@ class PPOUpdater:
             if self.target_kl is not None and epoch_kl.item() / len(minibatches) > self.target_kl:
                 early_stopped = epoch + 1 < self.ppo_epochs
                 break
+            if after_epoch is not None and epoch + 1 < self.ppo_epochs:
+                after_epoch(epoch + 1)
 
         if self.lr_schedule is not None:
             self.lr_schedule.step()

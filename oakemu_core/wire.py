@@ -80,12 +80,13 @@ __all__ = [
     "decode_step",
 ]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Version of this wire format; a frame with any other ``"protocol"`` value is rejected.
 Version 2: step messages carry a ``"fields"`` map keyed by the step schema's field names, and
 the join reply carries the schema itself. Version 3: the join reply's spec carries
 ``steps_per_message`` K; a step message of a spec with K > 1 carries K consecutive vector steps
-(every field ``(K, n, *shape)``, the episodes of all K steps in step order)."""
+(every field ``(K, n, *shape)``, the episodes of all K steps in step order). Version 4: a weights
+message carries ``"revision"`` (weights published after an epoch, within an update)."""
 
 REJECTION_REASONS = (
     "oversized",
@@ -536,10 +537,16 @@ class Leave:
 
 @dataclass(frozen=True, eq=False)
 class WeightsMessage:
-    """Learner PUB -> actors: new weights. ``weights``: parameter name -> array, in model order."""
+    """Learner PUB -> actors: new weights. ``weights``: parameter name -> array, in model order.
+
+    ``revision``: 0 for the weights an update ends with (the new ``policy_version``); 1, 2, ... for
+    the weights after each epoch of the update still running on ``policy_version`` (asynchronous
+    mode, ``publish_every_epoch``). An actor loads weights whose ``(policy_version, revision)`` is
+    newer than its own; the rows it acts keep ``policy_version``."""
 
     policy_version: int
     weights: dict[str, np.ndarray]
+    revision: int = 0
 
 
 ControlMessage = JoinRequest | JoinReply | Heartbeat | HeartbeatReply | Leave | WeightsMessage
@@ -623,10 +630,12 @@ def encode_leave(msg: Leave) -> bytes:
 def encode_weights(msg: WeightsMessage) -> bytes:
     """Serialise a :class:`WeightsMessage` (arrays passed to msgpack as memoryviews)."""
     _check_local_int(msg.policy_version, "policy_version")
+    _check_local_int(msg.revision, "revision")
     return _pack(
         {
             **_header(TYPE_WEIGHTS),
             "policy_version": int(msg.policy_version),
+            "revision": int(msg.revision),
             "weights": _encode_weights(msg.weights, "weights"),
         }
     )
@@ -689,8 +698,9 @@ def _decode_leave(obj: dict[str, Any]) -> Leave:
 
 
 def _decode_weights_message(obj: dict[str, Any]) -> WeightsMessage:
-    _require_fields(obj, ("policy_version", "weights"))
-    return WeightsMessage(policy_version=_get_int(obj, "policy_version"), weights=_decode_weights(obj["weights"], "weights"))
+    _require_fields(obj, ("policy_version", "revision", "weights"))
+    return WeightsMessage(policy_version=_get_int(obj, "policy_version"), weights=_decode_weights(obj["weights"], "weights"),
+                          revision=_get_int(obj, "revision"))
 
 
 _CONTROL_DECODERS: dict[str, Callable[[dict[str, Any]], ControlMessage]] = {

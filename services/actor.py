@@ -152,6 +152,7 @@ class Actor:
         self.onnx_forward: Any = None  # ONNX Runtime session of the model (actor_inference='onnxruntime')
         self.stepper: PolicyStepper | None = None
         self.policy_version = 0
+        self.weights_revision = 0  # > 0: weights published within the update that makes policy_version + 1
         self.steps_per_message = 1
         self.block: StepBlock | None = None
         self.sync_rollout_length = 0  # > 0: synchronous mode, rows per segment
@@ -159,6 +160,7 @@ class Actor:
         self.ahead_rows = 0  # asynchronous mode: allowance of vector steps per policy version (0: none)
         self.rows_this_version = 0  # vector steps acted since the current weights were loaded
         self.ahead_waits = 0
+        self.revisions_loaded = 0  # weights published within an update (publish_every_epoch) loaded
         self.ahead_waits_timed_out = 0
         self.data: zmq.Socket | None = None
         self.weights_sub: zmq.Socket | None = None
@@ -277,7 +279,7 @@ class Actor:
             raise ActorSetupError(f"actor_inference='onnxruntime' could not build the graph "
                                   f"({type(error).__name__}: {error}); use --actor-inference torch") from None
 
-    def _load_weights(self, version: int, weights: dict[str, np.ndarray]) -> None:
+    def _load_weights(self, version: int, weights: dict[str, np.ndarray], revision: int = 0) -> None:
         assert self.model is not None
         load_weight_arrays(self.model, weights)
         if self.onnx_forward is not None:
@@ -285,12 +287,15 @@ class Actor:
         if version != self.policy_version:
             self.rows_this_version = 0
         self.policy_version = version
+        self.weights_revision = revision
+        self.revisions_loaded += revision > 0
         if self.stepper is not None:
             self.stepper.policy_version = version
         self.learner_version = max(self.learner_version, version)
 
     def _poll_weights(self) -> bool:
-        """Load the newest weights waiting on the SUB socket, if newer; True when loaded.
+        """Load the newest weights waiting on the SUB socket, if newer (policy version, then the
+        revision within an update); True when loaded.
 
         Every queued weights message is read and only the last one (the newest version) decoded."""
         assert self.weights_sub is not None
@@ -308,8 +313,9 @@ class Actor:
         except MessageRejected as error:
             log.warning("malformed weights message ignored: %s", error)
             return False
-        if isinstance(message, WeightsMessage) and message.policy_version > self.policy_version:
-            self._load_weights(message.policy_version, message.weights)
+        if isinstance(message, WeightsMessage) and (
+                (message.policy_version, message.revision) > (self.policy_version, self.weights_revision)):
+            self._load_weights(message.policy_version, message.weights, message.revision)
             return True
         return False
 
@@ -458,6 +464,9 @@ class Actor:
 
     def close(self) -> None:
         """Say goodbye (best effort), then release env and sockets."""
+        if self.revisions_loaded:
+            log.info("actor %s loaded %d weight revisions published within updates", self.actor_id,
+                     self.revisions_loaded)
         if self.ahead_waits:
             log.info("actor %s waited for newer weights %d times (%d gave up after %.1f s)", self.actor_id,
                      self.ahead_waits, self.ahead_waits_timed_out, AHEAD_WAIT_S)

@@ -53,6 +53,7 @@ from oakemu_core.learner import (
     RuntimeContext,
     ThreadSafeModel,
     TrainResult,
+    WeightsRevision,
 )
 from oakemu_core.log_limits import RateLimitedLog
 from oakemu_core.memory_diagnostics import (
@@ -186,6 +187,9 @@ class Trainer:
             lr_factor=config.rollback_lr_factor, max_rollbacks=config.max_rollbacks,
         )
         self.handshake = RolloutHandshake()
+        if config.mode == "async" and config.publish_every_epoch:  # weights after each epoch, to the actors
+            self.ppo.revision_sink = lambda version, revision, weights: self.handshake.complete(
+                WeightsRevision(version, revision, weights))
         self.global_step = 0
         self.episodes = 0
         self._stop = threading.Event()
@@ -560,6 +564,10 @@ class Learner:
 
     def _collect_results(self) -> None:
         for result in self.trainer.handshake.results():
+            if isinstance(result, WeightsRevision):  # within an update: the actors' weights only
+                self.weights_pub.send(encode_weights(WeightsMessage(result.policy_version, result.weights,
+                                                                    revision=result.revision)), copy=False)
+                continue
             if result.slot is not None:
                 self.assembler.release(result.slot, result.policy_version)
             self.policy_version = result.policy_version

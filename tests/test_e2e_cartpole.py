@@ -51,17 +51,21 @@ def test_first_solved_window() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("actor_inference", ["torch", "onnxruntime"])
-def test_cartpole_two_actors_learn_within_budget(e2e: E2EProcesses, tmp_path: Path, actor_inference: str) -> None:
-    """The same run whichever runs the actors' forward passes (torch or ONNX Runtime): the learner's
-    first-minibatch ratio check holds both to the torch module's log-probs."""
+@pytest.mark.parametrize(("actor_inference", "publish_every_epoch"),
+                         [("torch", True), ("onnxruntime", True), ("torch", False)])
+def test_cartpole_two_actors_learn_within_budget(e2e: E2EProcesses, tmp_path: Path, actor_inference: str,
+                                                 publish_every_epoch: bool) -> None:
+    """The same run whichever runs the actors' forward passes (torch or ONNX Runtime), and with the
+    weights published after every epoch: the learner's first-minibatch ratio check holds the
+    actors' log-probs to the learner's on the rows labelled with its version."""
     runs_dir = tmp_path / "runs"
     ports = new_ports()
     train = e2e.start("train", [
         "train", "--env", "CartPole-v1", "--seed", "1", "--num-actors", "2", "--total-env-steps", str(STEP_BUDGET),
         "--envs-per-actor", "4", "--rollout-length", "128", "--ppo-epochs", "10", "--num-minibatches", "8",
         "--learning-rate", "1e-3", "--clip-coef", "0.2", "--ent-coef", "0.0", "--checkpoint-every-updates", "0",
-        "--actor-inference", actor_inference, *common_flags(ports, runs_dir),
+        "--actor-inference", actor_inference,
+        "--publish-every-epoch" if publish_every_epoch else "--no-publish-every-epoch", *common_flags(ports, runs_dir),
     ])
     status = train.wait(timeout_s=240)
     run_dir = only_run_dir(runs_dir)
@@ -98,4 +102,5 @@ def test_cartpole_two_actors_learn_within_budget(e2e: E2EProcesses, tmp_path: Pa
     assert max(d for d in deviations if d is not None) < RATIO_TOLERANCE
     actor_logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("actor*.log"))
     assert ("forward passes by ONNX Runtime" in actor_logs) == (actor_inference == "onnxruntime")
+    assert ("weight revisions published within updates" in actor_logs) == publish_every_epoch
     assert (run_dir / "checkpoints" / "latest.pt").is_file(), "the final checkpoint is missing"

@@ -26,6 +26,8 @@ from oakemu_core.learner import (
     RunCollapsedError,
     RuntimeContext,
     ThreadSafeModel,
+    TrainResult,
+    WeightsRevision,
 )
 from oakemu_core.models import build_model
 from oakemu_core.ppo import LinearSchedule
@@ -116,6 +118,41 @@ def test_run_trains_published_rollouts_and_stops(cartpole, tmp_path: Path) -> No
     assert not thread.is_alive()
     assert learner.iterations == 3
     assert (tmp_path / "checkpoints" / "checkpoint_00000002.pt").is_file()  # every 2 updates
+
+
+def test_weights_within_an_update_come_before_its_result(cartpole, tmp_path: Path) -> None:
+    """With a revision sink (publish_every_epoch) an update of 3 epochs hands back the weights of
+    epochs 1 and 2 as revisions of the version in training, then its result; busy until the result."""
+    env, _schema, buffer, model = cartpole
+    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=3))
+    stepper = PolicyStepper(env, model)
+    handshake = RolloutHandshake()
+    learner.revision_sink = lambda version, revision, weights: handshake.complete(
+        WeightsRevision(version, revision, weights))
+    policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_run_checkpoint)
+    stop_event = threading.Event()
+    thread = threading.Thread(target=learner.run, args=(stop_event, lambda: 123, handshake, policy))
+    thread.start()
+    try:
+        for update in range(2):
+            with learner.learner_model.locked():
+                rollout = fill(buffer, stepper, learner.policy_version)
+                before = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+            handshake.publish(rollout)
+            received: list = []
+            while not received or not isinstance(received[-1], TrainResult):
+                assert handshake.busy  # revisions do not end the update
+                received += handshake.results()
+            *revisions, result = received
+            assert [(r.policy_version, r.revision) for r in revisions] == [(update, 1), (update, 2)]
+            assert result.policy_version == update + 1 and not handshake.busy
+            for older, newer in zip([before, *[r.weights for r in revisions]], [*[r.weights for r in revisions], result.weights]):
+                assert set(newer) == set(before)
+                assert any(not np.array_equal(older[k], newer[k]) for k in before), "each epoch moves the weights"
+    finally:
+        stop_event.set()
+        thread.join(10)
+    assert not thread.is_alive()
 
 
 def test_collapse_is_rolled_back_with_a_higher_policy_version(cartpole, tmp_path: Path) -> None:

@@ -479,3 +479,30 @@ def test_advantages_are_normalised_per_minibatch(monkeypatch: pytest.MonkeyPatch
     whole = (raw - raw.mean()) / raw.std()
     first_epoch = np.sort(torch.cat(seen[:4]).double().numpy())
     assert not np.allclose(first_epoch, whole, atol=1e-3)
+
+
+def test_after_epoch_sees_the_weights_each_epoch_left() -> None:
+    """``after_epoch(k)`` runs after epochs 1 .. E-1 (not after the last, nor after an early stop)
+    with the weights k epochs left: equal to those of an update of k epochs from the same start
+    (one minibatch, so no shuffling)."""
+    rng = np.random.default_rng(0)
+    with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
+        start = _model()
+        _fill(buffer, [start], rng)
+        model = copy.deepcopy(start)
+        seen: dict[int, dict[str, torch.Tensor]] = {}
+        _learner(model, ppo_epochs=3, num_minibatches=1).step(
+            buffer, current_policy_version=0, after_epoch=lambda k: seen.__setitem__(k, copy.deepcopy(model.state_dict())))
+        assert sorted(seen) == [1, 2]
+        for k in (1, 2):
+            reference = copy.deepcopy(start)
+            _learner(reference, ppo_epochs=k, num_minibatches=1).step(buffer, current_policy_version=0)
+            for name, tensor in reference.state_dict().items():
+                torch.testing.assert_close(seen[k][name], tensor, rtol=0, atol=0)
+            assert any(not torch.equal(seen[k][name], tensor) for name, tensor in start.state_dict().items())
+
+        calls: list[int] = []  # epoch 1 starts at the acting policy (KL 0); epoch 2 passes target_kl
+        stats = _learner(copy.deepcopy(start), ppo_epochs=3, num_minibatches=1, target_kl=1e-6).step(
+            buffer, current_policy_version=0, after_epoch=calls.append)
+        assert stats.early_stopped and stats.epochs_completed == 2
+        assert calls == [1]

@@ -205,8 +205,17 @@ def test_join_reply_and_weights_round_trip() -> None:
     assert (refused.accepted, refused.reason, refused.actor_index, refused.spec, refused.weights) == (False, "full", -1, None, {})
 
     message = decode_message(encode_weights(WeightsMessage(6, weights)), max_bytes=MAX_BYTES)
-    assert isinstance(message, WeightsMessage) and message.policy_version == 6
+    assert isinstance(message, WeightsMessage) and (message.policy_version, message.revision) == (6, 0)
     np.testing.assert_array_equal(message.weights["conv.weight"], weights["conv.weight"])
+    within = decode_message(encode_weights(WeightsMessage(6, weights, revision=3)), max_bytes=MAX_BYTES)
+    assert (within.policy_version, within.revision) == (6, 3)
+    with pytest.raises(ValueError, match="revision"):
+        encode_weights(WeightsMessage(6, weights, revision=-1))
+    for revision in (-1, 1.5, None):
+        frame = msgpack.packb({"protocol": PROTOCOL_VERSION, "type": "weights", "policy_version": 6, "revision": revision,
+                               "weights": {}})
+        with pytest.raises(MessageRejected, match="revision"):
+            decode_message(frame, max_bytes=MAX_BYTES)
 
 
 def test_step_spec_dict_round_trip_and_validation() -> None:
@@ -578,10 +587,10 @@ def test_oversized_frame_is_rejected_before_decoding() -> None:
 
 
 def test_protocol_version_is_3() -> None:
-    assert PROTOCOL_VERSION == 3 and step_obj()["protocol"] == 3
+    assert PROTOCOL_VERSION == 4 and step_obj()["protocol"] == 4
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 4, "3", 3.0, None])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 5, "4", 4.0, None])
 def test_wrong_protocol(version: Any) -> None:
     obj = step_obj()
     obj["protocol"] = version
@@ -640,9 +649,9 @@ def test_msgpack_level_limits(frame: bytes) -> None:
           "env_steps_per_second": math.nan, "policy_lag": 0.0, "episodes": 0}, "schema"),
         ({"type": "join", "actor_id": "a", "incarnation": "b", "num_envs": 0, "hostname": "h"}, "schema"),
         ({"type": "leave", "actor_id": "a"}, "schema"),
-        ({"type": "weights", "policy_version": 1, "weights": {"w": {"dtype": "|O", "shape": [1], "data": b"x"}}}, "dtype"),
-        ({"type": "weights", "policy_version": 1, "weights": {"w": {"dtype": "<f4", "shape": [10**9], "data": b"xxxx"}}}, "size"),
-        ({"type": "weights", "policy_version": 1, "weights": {"w": wire_array(np.array([np.nan], np.float32))}}, "schema"),
+        ({"type": "weights", "policy_version": 1, "revision": 0, "weights": {"w": {"dtype": "|O", "shape": [1], "data": b"x"}}}, "dtype"),
+        ({"type": "weights", "policy_version": 1, "revision": 0, "weights": {"w": {"dtype": "<f4", "shape": [10**9], "data": b"xxxx"}}}, "size"),
+        ({"type": "weights", "policy_version": 1, "revision": 0, "weights": {"w": wire_array(np.array([np.nan], np.float32))}}, "schema"),
         ({"type": "join_reply", "accepted": True, "reason": "", "actor_index": 0, "spec": None, "env_config": {},
           "policy_version": 0, "weights": {}}, "schema"),
         ({"type": "join_reply", "accepted": True, "reason": "", "actor_index": 0,
