@@ -702,9 +702,12 @@ class PPOLearner:
 
     def _publish_revision(self, epochs_done: int) -> None:
         """Hand the weights an epoch left (revision ``epochs_done`` of the version in training) to
-        :attr:`revision_sink`; called by the updater, with the model lock held."""
+        :attr:`revision_sink`; called by the updater, with the model lock held. Non-finite weights
+        are kept back: the health check judges them at the end of the update."""
         assert self.revision_sink is not None
-        self.revision_sink(self.policy_version, epochs_done, weights_to_arrays(self.model))
+        weights = weights_to_arrays(self.model)
+        if all(np.isfinite(array).all() for array in weights.values()):
+            self.revision_sink(self.policy_version, epochs_done, weights)
 
     def behaviour_cloning_phase(self) -> int:
         """Pre-train on demonstrations: ``bc_pretrain_updates`` replay-only rollouts of one epoch

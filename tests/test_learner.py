@@ -155,6 +155,18 @@ def test_weights_within_an_update_come_before_its_result(cartpole, tmp_path: Pat
     assert not thread.is_alive()
 
 
+def test_non_finite_weights_are_not_published_within_an_update(cartpole) -> None:
+    _env, _schema, buffer, model = cartpole
+    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=3))
+    sent: list[tuple[int, int]] = []
+    learner.revision_sink = lambda version, revision, weights: sent.append((version, revision))
+    learner._publish_revision(1)
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] = float("nan")
+    learner._publish_revision(2)  # kept back: the update's health check judges it
+    assert sent == [(learner.policy_version, 1)]
+
+
 def test_collapse_is_rolled_back_with_a_higher_policy_version(cartpole, tmp_path: Path) -> None:
     env, _schema, buffer, model = cartpole
     learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1))
