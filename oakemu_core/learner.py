@@ -513,7 +513,10 @@ class PPOLearner:
         self._sgd_steps_at_version: dict[int, int] = {}
         self.revision_sink: Callable[[int, int, dict[str, np.ndarray]], None] | None = None
         """``(policy_version, revision, weights)`` -> None: receives the weights after each epoch but
-        the last of an update (``publish_every_epoch``); set by :meth:`run` in asynchronous mode."""
+        the last of an update (``publish_every_epoch``; the service sets it in asynchronous mode)."""
+        self.revision_max_approx_kl: float | None = None
+        """Weights of an epoch whose mean approx KL is above this are not handed to the sink (the
+        health check's threshold: the update may be rolled back); None: no limit."""
 
     # ------------------------------------------------------------------ counters and state
     @property
@@ -700,11 +703,16 @@ class PPOLearner:
         log.debug("update %d at %d actor steps", self.iterations, actor_steps)
         return stats
 
-    def _publish_revision(self, epochs_done: int) -> None:
+    def _publish_revision(self, epochs_done: int, approx_kl: float, nonfinite_minibatches: int) -> None:
         """Hand the weights an epoch left (revision ``epochs_done`` of the version in training) to
-        :attr:`revision_sink`; called by the updater, with the model lock held. Non-finite weights
-        are kept back: the health check judges them at the end of the update."""
+        :attr:`revision_sink`; called by the updater, with the model lock held. Kept back, for the
+        health check to judge at the end of the update: weights after a skipped non-finite
+        gradient, after an epoch whose approx KL passed :attr:`revision_max_approx_kl`, or that
+        are not finite."""
         assert self.revision_sink is not None
+        if nonfinite_minibatches or not math.isfinite(approx_kl) or (
+                self.revision_max_approx_kl is not None and approx_kl > self.revision_max_approx_kl):
+            return
         weights = weights_to_arrays(self.model)
         if all(np.isfinite(array).all() for array in weights.values()):
             self.revision_sink(self.policy_version, epochs_done, weights)

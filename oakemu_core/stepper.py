@@ -96,6 +96,8 @@ class PolicyStepper:
         self.model = model
         self.schema = schema if schema is not None else schema_for_env(env.spec)
         self.policy_version = policy_version
+        self.weights_revision = 0
+        """Revision of the weights within ``policy_version`` (weights published after an epoch)."""
         self.buffers = PPOActorStepBuffers.create(num_envs=env.num_envs, schema=self.schema)
         self.masked = "action_mask" in self.schema
         self._env_ids = list(range(env.num_envs))
@@ -110,6 +112,7 @@ class PolicyStepper:
         self._bundle: PPOActionBundle | None = None
         self._bundle, self._trainable = self._choose(self._observations, self._masks)
         self._bundle_version = policy_version
+        self._bundle_revision = 0
 
     def step(self, before_next_action: Callable[[], None] | None = None, *,
              segment_end: bool = False) -> SteppedRow:
@@ -129,7 +132,7 @@ class PolicyStepper:
             if before_next_action is not None:
                 before_next_action()
             self._bundle, self._trainable = self._choose(self._observations, self._masks)
-            self._bundle_version = self.policy_version
+            self._bundle_version, self._bundle_revision = self.policy_version, self.weights_revision
         buffers, model = self.buffers, self.model
         buffers.record_observations(self._observations)
         if self.masked:
@@ -160,7 +163,7 @@ class PolicyStepper:
         if self.router is not None:
             self.router.end_step(dones)
         self._bundle, self._trainable = self._choose(self._observations, self._masks)
-        self._bundle_version = self.policy_version
+        self._bundle_version, self._bundle_revision = self.policy_version, self.weights_revision
         return SteppedRow(buffers, acted_version, self._bundle.values, env_step)
 
     def reselect(self) -> bool:
@@ -169,12 +172,14 @@ class PolicyStepper:
         The actor calls this when it loaded newer weights after the bundle for the next step was
         chosen (while it waited to send a message): the next step is then acted by the new policy
         instead of one version behind. No-op (False) when no bundle is pending (synchronous mode
-        after a segment end) or the bundle already comes from the current version.
+        after a segment end) or the bundle already comes from the current weights (version and
+        revision).
         """
-        if self.grouped or self._bundle is None or self._bundle_version == self.policy_version:
+        if self.grouped or self._bundle is None or (
+                (self._bundle_version, self._bundle_revision) == (self.policy_version, self.weights_revision)):
             return False
         self._bundle, self._trainable = self._choose(self._observations, self._masks)
-        self._bundle_version = self.policy_version
+        self._bundle_version, self._bundle_revision = self.policy_version, self.weights_revision
         return True
 
     # -- overlapped env groups ----------------------------------------------------------------

@@ -291,6 +291,7 @@ class Actor:
         self.revisions_loaded += revision > 0
         if self.stepper is not None:
             self.stepper.policy_version = version
+            self.stepper.weights_revision = revision
         self.learner_version = max(self.learner_version, version)
 
     def _poll_weights(self) -> bool:

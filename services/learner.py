@@ -190,6 +190,7 @@ class Trainer:
         if config.mode == "async" and config.publish_every_epoch:  # weights after each epoch, to the actors
             self.ppo.revision_sink = lambda version, revision, weights: self.handshake.complete(
                 WeightsRevision(version, revision, weights))
+            self.ppo.revision_max_approx_kl = config.rollback_max_approx_kl if config.rollback else None
         self.global_step = 0
         self.episodes = 0
         self._stop = threading.Event()
@@ -563,10 +564,12 @@ class Learner:
             self.trainer.handshake.publish(rollout)
 
     def _collect_results(self) -> None:
-        for result in self.trainer.handshake.results():
+        results = self.trainer.handshake.results()
+        for position, result in enumerate(results):
             if isinstance(result, WeightsRevision):  # within an update: the actors' weights only
-                self.weights_pub.send(encode_weights(WeightsMessage(result.policy_version, result.weights,
-                                                                    revision=result.revision)), copy=False)
+                if position == len(results) - 1:  # newer weights later in the batch: only those are sent
+                    self.weights_pub.send(encode_weights(WeightsMessage(result.policy_version, result.weights,
+                                                                        revision=result.revision)), copy=False)
                 continue
             if result.slot is not None:
                 self.assembler.release(result.slot, result.policy_version)

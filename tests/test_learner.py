@@ -5,6 +5,7 @@ with a clear message. No sockets: rollouts come from a PolicyStepper on CartPole
 
 from __future__ import annotations
 
+import math
 import threading
 from pathlib import Path
 
@@ -155,15 +156,19 @@ def test_weights_within_an_update_come_before_its_result(cartpole, tmp_path: Pat
     assert not thread.is_alive()
 
 
-def test_non_finite_weights_are_not_published_within_an_update(cartpole) -> None:
+def test_weights_the_health_check_could_reject_are_not_published_within_an_update(cartpole) -> None:
     _env, _schema, buffer, model = cartpole
     learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=3))
     sent: list[tuple[int, int]] = []
     learner.revision_sink = lambda version, revision, weights: sent.append((version, revision))
-    learner._publish_revision(1)
+    learner.revision_max_approx_kl = 0.5
+    learner._publish_revision(1, 0.1, 0)
+    learner._publish_revision(2, 0.6, 0)  # kept back: the update's health check may roll it back
+    learner._publish_revision(2, 0.1, 1)  # a gradient was skipped as non-finite
+    learner._publish_revision(2, math.nan, 0)
     with torch.no_grad():
         next(model.parameters()).view(-1)[0] = float("nan")
-    learner._publish_revision(2)  # kept back: the update's health check judges it
+    learner._publish_revision(2, 0.1, 0)  # non-finite weights
     assert sent == [(learner.policy_version, 1)]
 
 

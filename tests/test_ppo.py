@@ -492,7 +492,8 @@ def test_after_epoch_sees_the_weights_each_epoch_left() -> None:
         model = copy.deepcopy(start)
         seen: dict[int, dict[str, torch.Tensor]] = {}
         _learner(model, ppo_epochs=3, num_minibatches=1).step(
-            buffer, current_policy_version=0, after_epoch=lambda k: seen.__setitem__(k, copy.deepcopy(model.state_dict())))
+            buffer, current_policy_version=0,
+            after_epoch=lambda k, kl, nonfinite: seen.__setitem__(k, copy.deepcopy(model.state_dict())))
         assert sorted(seen) == [1, 2]
         for k in (1, 2):
             reference = copy.deepcopy(start)
@@ -501,8 +502,9 @@ def test_after_epoch_sees_the_weights_each_epoch_left() -> None:
                 torch.testing.assert_close(seen[k][name], tensor, rtol=0, atol=0)
             assert any(not torch.equal(seen[k][name], tensor) for name, tensor in start.state_dict().items())
 
-        calls: list[int] = []  # epoch 1 starts at the acting policy (KL 0); epoch 2 passes target_kl
+        calls: list[tuple] = []  # epoch 1 starts at the acting policy (KL 0); epoch 2 passes target_kl
         stats = _learner(copy.deepcopy(start), ppo_epochs=3, num_minibatches=1, target_kl=1e-6).step(
-            buffer, current_policy_version=0, after_epoch=calls.append)
+            buffer, current_policy_version=0, after_epoch=lambda *args: calls.append(args))
         assert stats.early_stopped and stats.epochs_completed == 2
-        assert calls == [1]
+        assert [(k, nonfinite) for k, _kl, nonfinite in calls] == [(1, 0)]
+        assert abs(calls[0][1]) < 1e-6  # the first epoch's KL: measured before its only step

@@ -226,3 +226,19 @@ def test_masked_multi_discrete_stepper_never_sends_a_masked_action_to_the_env() 
         assert episodes == 4 * 40 // 8
     finally:
         env.close()
+
+
+def test_reselect_follows_the_weights_revision_as_well_as_the_version() -> None:
+    """Weights published within an update keep the version number: the pending action is chosen
+    again when the revision moves, once, and again when the version moves."""
+    env = make_vector_env("CartPole-v1", 2, seed=0)
+    try:
+        torch.manual_seed(0)
+        stepper = PolicyStepper(env, build_model(env.spec.observation_layout, distribution_for_env(env.spec)))
+        assert not stepper.reselect()  # the pending action comes from these weights
+        stepper.weights_revision = 1
+        assert stepper.reselect() and not stepper.reselect()
+        stepper.policy_version, stepper.weights_revision = 1, 0
+        assert stepper.reselect() and not stepper.reselect()
+    finally:
+        env.close()

@@ -586,7 +586,7 @@ def test_oversized_frame_is_rejected_before_decoding() -> None:
     assert info.value.reason == "oversized"
 
 
-def test_protocol_version_is_3() -> None:
+def test_protocol_version_is_4() -> None:
     assert PROTOCOL_VERSION == 4 and step_obj()["protocol"] == 4
 
 
