@@ -591,11 +591,14 @@ class PPOUpdater:
             self._synchronize()
             epoch_seconds.append(time.perf_counter() - epoch_start)
             epochs_completed += 1
-            if self.target_kl is not None and epoch_kl.item() / len(minibatches) > self.target_kl:
+            if self.target_kl is None and after_epoch is None:
+                continue
+            epoch_approx_kl = epoch_kl.item() / len(minibatches)  # one device sync per epoch, when needed
+            if self.target_kl is not None and epoch_approx_kl > self.target_kl:
                 early_stopped = epoch + 1 < self.ppo_epochs
                 break
             if after_epoch is not None and epoch + 1 < self.ppo_epochs:
-                after_epoch(epoch + 1, epoch_kl.item() / len(minibatches), nonfinite_minibatches)
+                after_epoch(epoch + 1, epoch_approx_kl, nonfinite_minibatches)
 
         if self.lr_schedule is not None:
             self.lr_schedule.step()

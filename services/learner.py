@@ -568,14 +568,13 @@ class Learner:
         for position, result in enumerate(results):
             if isinstance(result, WeightsRevision):  # within an update: the actors' weights only
                 if position == len(results) - 1:  # newer weights later in the batch: only those are sent
-                    self.weights_pub.send(encode_weights(WeightsMessage(result.policy_version, result.weights,
-                                                                        revision=result.revision)), copy=False)
+                    self._publish_weights(WeightsMessage(result.policy_version, result.weights, result.revision))
                 continue
             if result.slot is not None:
                 self.assembler.release(result.slot, result.policy_version)
             self.policy_version = result.policy_version
             self.latest_weights = result.weights
-            self.weights_pub.send(encode_weights(WeightsMessage(result.policy_version, result.weights)), copy=False)
+            self._publish_weights(WeightsMessage(result.policy_version, result.weights))
             for event in result.events:
                 log.info("%s", event)
             if result.slot is None:  # behaviour-cloning pre-training: new weights, no rollout
@@ -591,6 +590,9 @@ class Learner:
                 self.stopping_reason = "env-step budget reached"
                 log.info("stopping: %s at %d env steps, update %d", self.stopping_reason,
                          self.assembler.counters.env_steps, result.iterations)
+
+    def _publish_weights(self, message: WeightsMessage) -> None:
+        self.weights_pub.send(encode_weights(message), copy=False)
 
     def _log_update(self, result: TrainResult) -> None:
         """One metrics record, one log line and one telemetry snapshot per PPO update, all with the
