@@ -196,6 +196,17 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def fresh_run_dir(runs_dir: Path, run_name: str) -> Path:
+    """``runs_dir / run_name``, which must not exist yet: ``oakemu train`` would resume the run found
+    there (a 100k-step run's final checkpoint turned a 150k-step benchmark into 50k steps at 2.3x
+    the SPS). Raises SystemExit with the advice to pass a new ``--runs-dir``."""
+    run_dir = runs_dir / run_name
+    if run_dir.exists():
+        raise SystemExit(f"{run_dir} already holds a run, which oakemu train would resume instead of starting "
+                         "a new one: pass a new --runs-dir")
+    return run_dir
+
+
 def train_oakemu(args: list[str], *, log_path: Path, torch_threads: int, timeout_s: float = 3600) -> float:
     """Run ``oakemu train ARGS`` (``python -m services.cli``) from the repository root, output to ``log_path``;
     returns the wall seconds from launch to exit.  OMP_NUM_THREADS sets the learner's torch intra-op threads
@@ -215,11 +226,11 @@ def train_oakemu(args: list[str], *, log_path: Path, torch_threads: int, timeout
 def run_oakemu(case: Case, *, seed: int, steps: int, runs_dir: Path, eval_episodes: int, eval_seed: int,
                torch_threads: int) -> dict:
     run_name = f"oakemu-{case.env_id.replace('/', '-')}-s{seed}"
+    run_dir = fresh_run_dir(runs_dir, run_name)
     args = oakemu_args(case, seed=seed, steps=steps, runs_dir=runs_dir, run_name=run_name, ports=_free_ports(5))
     load_before = os.getloadavg()[0]
     wall = train_oakemu(args, log_path=runs_dir / f"{run_name}.log", torch_threads=torch_threads)
     load_after = os.getloadavg()[0]
-    run_dir = runs_dir / run_name
     episodes = sorted(_read_jsonl(run_dir / "episodes.jsonl"), key=lambda e: e["global_step"])
     metrics = _read_jsonl(run_dir / "metrics.jsonl")
     returns = [float(e["episodic_return"]) for e in episodes]

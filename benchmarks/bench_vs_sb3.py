@@ -93,6 +93,7 @@ from bench_spaces_vs_sb3 import (  # the sibling benchmark's case table, flag bu
     _mean,
     _ratio,
     _read_jsonl,
+    fresh_run_dir,
     oakemu_args,
     sb3_kwargs,
     train_oakemu,
@@ -268,12 +269,13 @@ def run_sb3(name: str, *, seed: int, steps: int, runs_dir: Path, torch_threads: 
 def run_oakemu_mode(name: str, *, mode: str, seed: int, steps: int, runs_dir: Path, torch_threads: int,
                     num_actors: int = NUM_ACTORS) -> dict:
     run_name = f"oakemu-{mode}-{name}-s{seed}"
+    run_dir = fresh_run_dir(runs_dir, run_name)
     args = oakemu_bench_args(BENCHES[name], mode=mode, seed=seed, steps=steps, runs_dir=runs_dir,
                              run_name=run_name, ports=_free_ports(5), torch_threads=torch_threads,
                              num_actors=num_actors)
     wall = train_oakemu(args, log_path=runs_dir / f"{run_name}.log", torch_threads=torch_threads, timeout_s=7200)
-    metrics = _read_jsonl(runs_dir / run_name / "metrics.jsonl")
-    episodes = sorted(_read_jsonl(runs_dir / run_name / "episodes.jsonl"), key=lambda e: e["global_step"])
+    metrics = _read_jsonl(run_dir / "metrics.jsonl")
+    episodes = sorted(_read_jsonl(run_dir / "episodes.jsonl"), key=lambda e: e["global_step"])
 
     def series(key: str) -> list[float]:
         return [m[key] for m in metrics if m.get(key) is not None]
