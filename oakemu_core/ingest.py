@@ -425,12 +425,14 @@ class RolloutAssembler:
                 if k < num_envs:  # fewer free columns than envs: the first k envs are written
                     fields = {name: array[:k] for name, array in fields.items()}
                 self.buffers[segment.slot].write_columns(
-                    segment.rows_written, segment.columns, fields, policy_version=message.policy_version)
+                    segment.rows_written, segment.columns, fields, policy_version=message.policy_version,
+                    policy_revision=message.revision)
             else:  # a block of K rows: validated whole, one bulk copy per field
                 if k < num_envs:
                     fields = {name: array[:, :k] for name, array in fields.items()}
                 self.buffers[segment.slot].write_column_rows(
-                    segment.rows_written, segment.columns, fields, policy_version=message.policy_version)
+                    segment.rows_written, segment.columns, fields, policy_version=message.policy_version,
+                    policy_revision=message.revision)
         except (ValueError, OverflowError) as error:  # the buffer validates before writing: nothing was written
             self._discard_segment(record)
             raise StepRejected("schema", str(error)) from None

@@ -510,7 +510,7 @@ class PPOLearner:
         self._rollouts_collected = 0
         self.sgd_steps = 0
         """SGD (minibatch gradient) steps taken by this learner process (not checkpointed)."""
-        self._sgd_steps_at_version: dict[int, int] = {}
+        self._sgd_steps_at: dict[tuple[int, int], int] = {}  # (version, revision) -> SGD steps when published
         self.revision_sink: Callable[[int, int, dict[str, np.ndarray]], None] | None = None
         """``(policy_version, revision, weights)`` -> None: receives the weights after each epoch but
         the last of an update (``publish_every_epoch``; the service sets it in asynchronous mode)."""
@@ -593,33 +593,44 @@ class PPOLearner:
         base = self.lr_schedule.value() if self.lr_schedule is not None else self.optimizer.param_groups[0]["lr"]
         return float(base) * self.lr_scale
 
-    def _note_version_sgd_steps(self) -> None:
-        """Remember how many SGD steps had been taken when the current version was published
-        (the newest 256 versions are kept)."""
-        self._sgd_steps_at_version[self.policy_version] = self.sgd_steps
-        while len(self._sgd_steps_at_version) > 256:
-            del self._sgd_steps_at_version[min(self._sgd_steps_at_version)]
+    def _note_sgd_steps(self, version: int, revision: int, sgd_steps: int) -> None:
+        """Remember how many SGD steps had been taken when revision ``revision`` of ``version``
+        was published (the entries of the newest 256 versions are kept)."""
+        self._sgd_steps_at[(version, revision)] = sgd_steps
+        if len(self._sgd_steps_at) > 256 and revision == 0:
+            oldest_kept = version - 255
+            for key in [key for key in self._sgd_steps_at if key[0] < oldest_kept]:
+                del self._sgd_steps_at[key]
 
-    def lag_in_sgd_steps(self, policy_versions: np.ndarray) -> dict[str, float]:
+    def lag_in_sgd_steps(self, policy_versions: np.ndarray,
+                         policy_revisions: np.ndarray | None = None) -> dict[str, float]:
         """Policy lag of rows measured in SGD steps instead of versions (one version is a whole
         update: ``ppo_epochs x num_minibatches`` SGD steps, fewer when ``target_kl`` stops early).
 
-        A row acted by version ``v`` lags ``sgd_steps(now) - sgd_steps(when v was published)``;
-        a version this process never published (before a resume) counts its versions times the
-        nominal ``ppo_epochs * num_minibatches``.
+        A row acted by revision ``r`` of version ``v`` lags ``sgd_steps(now) - sgd_steps(when
+        (v, r) was published)``: a revision published within an update counts the SGD steps the
+        update had taken by then. Weights this process never published (before a resume) count
+        ``(current version - v) * ppo_epochs * num_minibatches``.
+
+        Args:
+            policy_versions: the rows' versions (any shape, int).
+            policy_revisions: their revisions, the same shape; None: all 0.
 
         Returns:
             ``{"sgd_min", "sgd_mean", "sgd_max"}`` in SGD steps.
         """
         if policy_versions.size == 0:
             return {"sgd_min": 0.0, "sgd_mean": 0.0, "sgd_max": 0.0}
+        if policy_revisions is None:
+            policy_revisions = np.zeros_like(policy_versions)
         nominal = self.config.ppo_epochs * self.config.num_minibatches
-        versions, counts = np.unique(policy_versions, return_counts=True)
+        pairs, counts = np.unique(np.stack([np.ravel(policy_versions), np.ravel(policy_revisions)], axis=1),
+                                  axis=0, return_counts=True)
         current = self.policy_version
         lags = np.array([
-            self.sgd_steps - self._sgd_steps_at_version[int(v)] if int(v) in self._sgd_steps_at_version
-            else max(0, current - int(v)) * nominal
-            for v in versions
+            self.sgd_steps - self._sgd_steps_at[(v, r)] if (v, r) in self._sgd_steps_at
+            else max(0, current - v) * nominal
+            for v, r in pairs.tolist()
         ], dtype=np.float64)
         return {"sgd_min": float(lags.min()), "sgd_mean": float((lags * counts).sum() / counts.sum()),
                 "sgd_max": float(lags.max())}
@@ -640,7 +651,7 @@ class PPOLearner:
         self.rollout_buffer = buffer
         stale_rows, lag = drop_stale_rows(buffer, current_policy_version=self.policy_version,
                                           max_policy_lag=self.config.max_policy_lag)
-        lag.update(self.lag_in_sgd_steps(buffer.policy_versions))
+        lag.update(self.lag_in_sgd_steps(buffer.policy_versions, buffer.policy_revisions))
         self._proximal = None
         if self.config.off_policy_correction == "decoupled" and bool((buffer.policy_versions != self.policy_version).any()):
             with self.learner_model.locked():
@@ -696,7 +707,7 @@ class PPOLearner:
             model.update_observation_statistics(self.rollout_buffer.observations)
             self.learner_model.version += 1
         self.sgd_steps += stats.minibatches if stats is not None else 0
-        self._note_version_sgd_steps()
+        self._note_sgd_steps(self.policy_version, 0, self.sgd_steps)
         if self.lr_schedule is not None:
             self.lr_schedule.step()
         self._rollouts_collected += 1
@@ -715,6 +726,8 @@ class PPOLearner:
             return
         weights = weights_to_arrays(self.model)
         if all(np.isfinite(array).all() for array in weights.values()):
+            per_epoch = min(self.config.num_minibatches, int(self.rollout_buffer.trainable_size))  # as the updater
+            self._note_sgd_steps(self.policy_version, epochs_done, self.sgd_steps + epochs_done * per_epoch)
             self.revision_sink(self.policy_version, epochs_done, weights)
 
     def behaviour_cloning_phase(self) -> int:

@@ -4,7 +4,7 @@ Every *stored* field of the buffer's :class:`~oakemu_core.step_schema.StepSchema
 ``(T, N, *shape)`` array (``T = rollout_length`` rows, ``N = num_envs`` columns, one column per
 environment), in the field's own dtype (uint8 frames stay uint8): observations (one array per
 dict key), actions, log_probs, values, rewards, dones, bootstrap_values, trainable,
-policy_versions, advantages, returns, and whatever the action distribution adds (``action_mask``,
+policy_versions, policy_revisions, advantages, returns, and whatever the action distribution adds (``action_mask``,
 ``action_mean``, ``action_std``). Two bookkeeping arrays complete it: ``column_steps`` ``(N,)``
 (rows written so far in each column) and ``meta`` (write counters). The field list lives in the
 schema only; this module never names a distribution's fields.
@@ -200,9 +200,9 @@ def _check_positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
-def _check_policy_version(policy_version: Any) -> int:
+def _check_policy_version(policy_version: Any, name: str = "policy_version") -> int:
     if isinstance(policy_version, bool) or not isinstance(policy_version, (int, np.integer)) or policy_version < 0:
-        raise ValueError(f"policy_version: expected a non-negative int, received {policy_version!r}")
+        raise ValueError(f"{name}: expected a non-negative int, received {policy_version!r}")
     return int(policy_version)
 
 
@@ -276,7 +276,7 @@ class RolloutBuffer:
         self.schema = schema
         # Stored fields a writer provides (the learner computes advantages, returns, versions);
         # computed once (the schema never changes): every write validates against it.
-        self._writable = tuple(f for f in schema.stored if f.name not in ("policy_versions", "advantages", "returns"))
+        self._writable = tuple(f for f in schema.stored if f.name not in ("policy_versions", "policy_revisions", "advantages", "returns"))
         self._rollout_length = int(rollout_length)
         self._num_envs = int(num_envs)
         self._shared = shared
@@ -494,6 +494,12 @@ class RolloutBuffer:
         return self._view("policy_versions")
 
     @property
+    def policy_revisions(self) -> np.ndarray:
+        """``(T, N)`` int64, revision of those weights within the update that made the next version
+        (0: the version's own weights; 1, 2, ...: weights published during that update), read-only."""
+        return self._view("policy_revisions")
+
+    @property
     def advantages(self) -> np.ndarray:
         """``(T, N)`` float32, unnormalised GAE advantages from :meth:`compute_gae`, read-only."""
         return self._view("advantages")
@@ -544,6 +550,7 @@ class RolloutBuffer:
         *,
         bootstrap_values: np.ndarray | None = None,
         policy_version: int = 0,
+        policy_revision: int = 0,
         **fields: np.ndarray,
     ) -> None:
         """Write one row for all envs at row :attr:`step`.
@@ -563,13 +570,15 @@ class RolloutBuffer:
             bootstrap_values: ``(N,)`` float32 or None (zeros): V(true final observation) where
                 the episode was truncated on this step, 0 elsewhere (also where terminated).
             policy_version: version of the weights that chose the actions, >= 0.
+            policy_revision: their revision within the update running on that version, >= 0
+                (:attr:`policy_revisions`).
             **fields: the schema's other fields by name, e.g. ``action_mask=(N, width) bool``,
                 ``action_mean=`` / ``action_std=`` ``(N, d)`` float32.
 
         Raises:
             ValueError: wrong type, shape or dtype of a field (message names the field, expected
                 and received), an unknown or missing field, a non-zero bootstrap value where
-                ``dones`` is False, a negative policy version, or columns at different steps
+                ``dones`` is False, a negative policy version or revision, or columns at different steps
                 (use :meth:`write_columns`).
             OverflowError: when the buffer is full.
         """
@@ -588,9 +597,11 @@ class RolloutBuffer:
                  "bootstrap_values": bootstrap_values, **fields}
         complete = self._validate_row(self._num_envs, {k: v for k, v in named.items() if v is not None})
         version = _check_policy_version(policy_version)
+        revision = _check_policy_version(policy_revision, "policy_revision")
         for name, value in complete.items():
             self._arrays[name][step] = value
         self._arrays["policy_versions"][step] = version
+        self._arrays["policy_revisions"][step] = revision
         steps += 1
         self._bump(_GENERATION)
 
@@ -601,6 +612,7 @@ class RolloutBuffer:
         fields: Mapping[str, np.ndarray],
         *,
         policy_version: int = 0,
+        policy_revision: int = 0,
     ) -> None:
         """Write row ``step_index`` of some columns (an actor's envs, mapped to buffer columns).
 
@@ -616,6 +628,8 @@ class RolloutBuffer:
             columns: ``(K,)`` integer array of distinct column indices in ``[0, num_envs)``.
             fields: field name -> array, as in :meth:`add` for ``K`` columns.
             policy_version: version of the weights that chose the actions, >= 0.
+            policy_revision: their revision within the update running on that version, >= 0
+                (:attr:`policy_revisions`).
 
         Raises:
             ValueError: bad ``columns`` or ``step_index``, a column not holding ``step_index``
@@ -637,10 +651,12 @@ class RolloutBuffer:
             )
         complete = self._validate_row(len(columns), fields)
         version = _check_policy_version(policy_version)
+        revision = _check_policy_version(policy_revision, "policy_revision")
         row = int(step_index)
         for name, value in complete.items():
             self._arrays[name][row, index] = value
         self._arrays["policy_versions"][row, index] = version
+        self._arrays["policy_revisions"][row, index] = revision
         steps[index] += 1
         self._bump(_GENERATION)
 
@@ -651,6 +667,7 @@ class RolloutBuffer:
         fields: Mapping[str, np.ndarray],
         *,
         policy_version: int = 0,
+        policy_revision: int = 0,
     ) -> None:
         """Write ``R`` consecutive rows ``step_index .. step_index + R - 1`` of some columns at once
         (a step message carrying a block of ``R`` vector steps; ``R = 1`` is :meth:`write_columns`).
@@ -665,6 +682,7 @@ class RolloutBuffer:
             columns: ``(K,)`` integer array of distinct column indices in ``[0, num_envs)``.
             fields: field name -> ``(R, K, *shape)`` array; R >= 1, the same for every field.
             policy_version: version of the weights that chose the actions of all R rows, >= 0.
+            policy_revision: their revision, >= 0 (:attr:`policy_revisions`).
 
         Raises:
             ValueError: bad ``columns`` or ``step_index``, a column not holding ``step_index`` rows,
@@ -700,11 +718,13 @@ class RolloutBuffer:
                 merged[name] = value  # wrong shape: _validate_row names it
         complete = self._validate_row(count, merged)
         version = _check_policy_version(policy_version)
+        revision = _check_policy_version(policy_revision, "policy_revision")
         row0 = int(step_index)
         k = len(columns)
         for name, value in complete.items():
             self._arrays[name][row0:row0 + rows, index] = value.reshape(rows, k, *value.shape[1:])
         self._arrays["policy_versions"][row0:row0 + rows, index] = version
+        self._arrays["policy_revisions"][row0:row0 + rows, index] = revision
         steps[index] += rows
         self._bump(_GENERATION)
 

@@ -7,9 +7,9 @@ as for 30 KB. A :class:`StepBlock` gathers K vector steps of one actor into prea
 :class:`~oakemu_core.wire.StepMessage`; the learner validates the block whole and writes its K rows
 with one copy per field (:meth:`oakemu_core.rollout_buffer.RolloutBuffer.write_column_rows`).
 
-The message's ``policy_version`` is the OLDEST version that acted on any of the K steps (the
-actor loads new weights only between blocks, so normally all K agree; after a rejoin in the middle
-of a block they may not, and the oldest keeps the learner's lag check conservative).
+The message's ``(policy_version, revision)`` is that of the OLDEST weights that acted on any of the
+K steps (the actor loads new weights only between blocks, so normally all K agree; after a rejoin
+in the middle of a block they may not, and the oldest keeps the learner's lag check conservative).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ class StepBlock:
         self._items = tuple(self.arrays.items())
         self.count = 0
         self.policy_version = 0
+        self.revision = 0
         self.episode_returns: list[float] = []
         self.episode_lengths: list[int] = []
 
@@ -63,8 +64,10 @@ class StepBlock:
         self.episode_lengths = []
 
     def record(self, fields: Mapping[str, np.ndarray], policy_version: int,
-               episode_returns: Sequence[float] = (), episode_lengths: Sequence[int] = ()) -> None:
-        """Copy one vector step (every sent field, ``(n, *shape)``) into the next row of the block.
+               episode_returns: Sequence[float] = (), episode_lengths: Sequence[int] = (), *,
+               revision: int = 0) -> None:
+        """Copy one vector step (every sent field, ``(n, *shape)``), acted by revision ``revision``
+        of ``policy_version``, into the next row of the block.
 
         Raises:
             OverflowError: the block is already full (call :meth:`clear`).
@@ -76,7 +79,9 @@ class StepBlock:
             raise OverflowError(f"StepBlock.record: the block of {self.steps} steps is full")
         for name, array in self._items:
             array[index] = fields[name]
-        self.policy_version = int(policy_version) if index == 0 else min(self.policy_version, int(policy_version))
+        acted_by = (int(policy_version), int(revision))
+        if index == 0 or acted_by < (self.policy_version, self.revision):
+            self.policy_version, self.revision = acted_by
         if episode_returns:
             self.episode_returns.extend(episode_returns)
             self.episode_lengths.extend(episode_lengths)
@@ -93,4 +98,4 @@ class StepBlock:
             raise ValueError(f"StepBlock.message: {self.count} of {self.steps} steps recorded")
         return StepMessage(actor_id=actor_id, incarnation=incarnation, seq=seq, policy_version=self.policy_version,
                            fields=self.arrays, episode_returns=list(self.episode_returns),
-                           episode_lengths=list(self.episode_lengths))
+                           episode_lengths=list(self.episode_lengths), revision=self.revision)

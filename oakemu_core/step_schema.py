@@ -32,6 +32,7 @@ trainable           ()            bool     x     x              the row may be t
 action_mask         (mask width)  bool     x     x       x      allowed actions (masked envs only)
 action_mean/_std    (d,)          f32      x     x       x      Gaussian parameters (Box actions only)
 policy_versions     ()            i64            x       x      version of the acting weights
+policy_revisions    ()            i64            x              ... and their revision within it
 advantages          ()            f32            x       x      GAE (written by compute_gae)
 returns             ()            f32            x       x      advantages + values
 ==================  ============  =======  ====  ======  =====  =========================================
@@ -285,7 +286,7 @@ class StepSchema:
     _by_name: dict[str, StepField] = field(init=False, repr=False, compare=False)
 
     REQUIRED = ("actions", "log_probs", "values", "rewards", "dones", "truncated", "bootstrap_values",
-                "next_values", "trainable", "policy_versions", "advantages", "returns")
+                "next_values", "trainable", "policy_versions", "policy_revisions", "advantages", "returns")
 
     def __post_init__(self) -> None:
         fields = tuple(self.fields)
@@ -493,6 +494,7 @@ def build_schema(
                                     mask_segments=_mask_segments(distribution)))
     fields += [
         _scalar("policy_versions", np.int64, sent=False, minibatch=True, default=0),
+        _scalar("policy_revisions", np.int64, sent=False, default=0),
         _scalar("advantages", np.float32, sent=False, minibatch=True, default=0.0),
         _scalar("returns", np.float32, sent=False, minibatch=True, default=0.0),
     ]

@@ -55,12 +55,15 @@ class SteppedRow:
         policy_version: version of the weights that chose the actions.
         next_values: ``(n,)`` float32, V(next observation) by the policy of the next action.
         env_step: the env's :class:`VectorStep` (episode returns and lengths, raw).
+        policy_revision: revision of those weights within the update running on ``policy_version``
+            (0: the version's own weights).
     """
 
     buffers: PPOActorStepBuffers
     policy_version: int
     next_values: np.ndarray
     env_step: VectorStep
+    policy_revision: int = 0
 
 
 def select_rows(observations: Any, rows: np.ndarray) -> Any:
@@ -147,7 +150,7 @@ class PolicyStepper:
             bootstrap[truncated] = model.predict_values(select_rows(env_step.final_observations, truncated))
         dones = env_step.dones
         buffers.record_step_results(env_step.training_rewards, dones, truncated, bootstrap)
-        acted_version = self._bundle_version
+        acted_version, acted_revision = self._bundle_version, self._bundle_revision
         if segment_end:  # V(s_T) by the acting model; the next bundle waits for the new weights
             self._observations = env_step.observations
             self._masks = env_step.action_masks if self.masked else None
@@ -155,7 +158,7 @@ class PolicyStepper:
                 self.router.end_step(dones)
             self._bundle = None
             next_values = model.predict_values(self._observations).astype(np.float32, copy=False)
-            return SteppedRow(buffers, acted_version, next_values, env_step)
+            return SteppedRow(buffers, acted_version, next_values, env_step, acted_revision)
         if before_next_action is not None:
             before_next_action()
         self._observations = env_step.observations
@@ -164,7 +167,7 @@ class PolicyStepper:
             self.router.end_step(dones)
         self._bundle, self._trainable = self._choose(self._observations, self._masks)
         self._bundle_version, self._bundle_revision = self.policy_version, self.weights_revision
-        return SteppedRow(buffers, acted_version, self._bundle.values, env_step)
+        return SteppedRow(buffers, acted_version, self._bundle.values, env_step, acted_revision)
 
     def reselect(self) -> bool:
         """Choose the pending action bundle again with the current weights.
@@ -187,13 +190,13 @@ class PolicyStepper:
         self._g_obs = [group.reset() for group in env.groups]
         self._g_masks = [group.action_masks() if self.masked else None for group in env.groups]
         self._g_bundles: list[PPOActionBundle | None] = [None] * len(env.groups)
-        self._g_versions = [self.policy_version] * len(env.groups)
+        self._g_versions = [(self.policy_version, self.weights_revision)] * len(env.groups)
         self._in_flight = False
         self._bundle = None
 
     def _send_group(self, g: int) -> PPOActionBundle:
         bundle = self.model.act(self._g_obs[g], action_mask=self._g_masks[g])
-        self._g_bundles[g], self._g_versions[g] = bundle, self.policy_version
+        self._g_bundles[g], self._g_versions[g] = bundle, (self.policy_version, self.weights_revision)
         self.env.groups[g].step_async(bundle.actions)
         return bundle
 
@@ -210,7 +213,7 @@ class PolicyStepper:
         if self.masked:
             buffers.record_action_masks(np.concatenate(self._g_masks))
         buffers.record_action_bundle(_concat_bundles(self._g_bundles), trainable=self._all_trainable)
-        acted_version = min(self._g_versions)
+        acted_version, acted_revision = min(self._g_versions)  # the oldest weights that acted
         steps, next_values, bootstraps = [], [], []
         for g, group in enumerate(env.groups):
             step = group.step_wait()
@@ -244,7 +247,7 @@ class PolicyStepper:
         )
         truncated = env_step.truncated & ~env_step.terminated
         buffers.record_step_results(env_step.training_rewards, env_step.dones, truncated, np.concatenate(bootstraps))
-        return SteppedRow(buffers, acted_version, np.concatenate(next_values), env_step)
+        return SteppedRow(buffers, acted_version, np.concatenate(next_values), env_step, acted_revision)
 
     _started = False
 

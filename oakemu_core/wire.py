@@ -80,13 +80,14 @@ __all__ = [
     "decode_step",
 ]
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Version of this wire format; a frame with any other ``"protocol"`` value is rejected.
 Version 2: step messages carry a ``"fields"`` map keyed by the step schema's field names, and
 the join reply carries the schema itself. Version 3: the join reply's spec carries
 ``steps_per_message`` K; a step message of a spec with K > 1 carries K consecutive vector steps
 (every field ``(K, n, *shape)``, the episodes of all K steps in step order). Version 4: a weights
-message carries ``"revision"`` (weights published after an epoch, within an update)."""
+message carries ``"revision"`` (weights published after an epoch, within an update). Version 5: a
+step message carries the ``"revision"`` of the weights that acted, next to their version."""
 
 REJECTION_REASONS = (
     "oversized",
@@ -742,7 +743,8 @@ def decode_message(frame: bytes | bytearray | memoryview, *, max_bytes: int) -> 
 # ---------------------------------------------------------------------------------------------
 
 
-_STEP_FIELDS = ("actor_id", "incarnation", "seq", "policy_version", "fields", "episode_returns", "episode_lengths")
+_STEP_FIELDS = ("actor_id", "incarnation", "seq", "policy_version", "revision", "fields", "episode_returns",
+                "episode_lengths")
 
 
 @dataclass(frozen=True, eq=False)
@@ -762,6 +764,9 @@ class StepMessage:
         episode_returns: raw (unclipped) returns of the episodes that ended on this step (on
             any step of the block, in step order).
         episode_lengths: lengths, in env steps, of those episodes (same order and length).
+        revision: revision of those weights within the update running on ``policy_version``
+            (:class:`WeightsMessage`; 0 for the version's own weights). With K steps, the
+            ``(policy_version, revision)`` of the oldest weights that acted on any of them.
     """
 
     actor_id: str
@@ -771,6 +776,7 @@ class StepMessage:
     fields: dict[str, np.ndarray]
     episode_returns: list[float] = field(default_factory=list)
     episode_lengths: list[int] = field(default_factory=list)
+    revision: int = 0
 
     @property
     def num_envs(self) -> int:
@@ -800,6 +806,7 @@ def encode_step(msg: StepMessage) -> bytes:
     _check_local_id(msg.incarnation, "incarnation")
     _check_local_int(msg.seq, "seq")
     _check_local_int(msg.policy_version, "policy_version")
+    _check_local_int(msg.revision, "revision")
     episode_returns = [float(r) for r in msg.episode_returns]
     episode_lengths = [int(length) for length in msg.episode_lengths]
     if len(episode_returns) != len(episode_lengths):
@@ -814,6 +821,7 @@ def encode_step(msg: StepMessage) -> bytes:
             "incarnation": msg.incarnation,
             "seq": int(msg.seq),
             "policy_version": int(msg.policy_version),
+            "revision": int(msg.revision),
             "fields": {name: _encode_array(array, name) for name, array in msg.fields.items()},
             "episode_returns": episode_returns,
             "episode_lengths": episode_lengths,
@@ -863,6 +871,7 @@ def decode_step(
     incarnation = _get_str(obj, "incarnation")
     seq = _get_int(obj, "seq")
     policy_version = _get_int(obj, "policy_version")
+    revision = _get_int(obj, "revision")
     spec = spec_for(actor_id, incarnation)
     if spec is None:
         _reject("unknown_actor", f"actor_id={actor_id!r} incarnation={incarnation!r} has not joined (or was dropped)")
@@ -922,6 +931,7 @@ def decode_step(
         fields=arrays,
         episode_returns=episode_returns,
         episode_lengths=list(lengths),
+        revision=revision,
     )
 
 

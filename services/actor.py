@@ -440,7 +440,8 @@ class Actor:
                                    segment_end=segment_end)
                 fields = row.buffers.sent_fields(row.next_values, stepper.schema)
                 if block is not None:
-                    block.record(fields, row.policy_version, row.env_step.episode_returns, row.env_step.episode_lengths)
+                    block.record(fields, row.policy_version, row.env_step.episode_returns, row.env_step.episode_lengths,
+                                 revision=row.policy_revision)
                 self.env_steps += row.buffers.num_envs
                 self.rows_this_version += 1
                 self.episodes += len(row.env_step.episode_returns)
@@ -451,6 +452,7 @@ class Actor:
                     actor_id=self.actor_id, incarnation=self.incarnation, seq=self.seq,
                     policy_version=row.policy_version, fields=fields,
                     episode_returns=row.env_step.episode_returns, episode_lengths=row.env_step.episode_lengths,
+                    revision=row.policy_revision,
                 )
             try:
                 self.heartbeat_if_due()

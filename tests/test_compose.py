@@ -44,7 +44,7 @@ CONTAINER_PORTS = {
 ATARI_OBSERVATION_BYTES = 4 * 84 * 84  # 4 stacked 84x84 uint8 frames
 # Per rollout-buffer row besides the observation: actions i64 (8) + log_probs, values, rewards,
 # bootstrap_values, advantages, returns f32 (6 x 4) + dones, trainable bool (2) + policy_versions i64 (8).
-ROW_BYTES_BESIDES_OBSERVATION = 8 + 6 * 4 + 2 + 8
+ROW_BYTES_BESIDES_OBSERVATION = 8 + 6 * 4 + 2 + 8 + 8
 
 
 # --- reading compose files like `docker compose` does ----------------------------------------------
@@ -186,9 +186,9 @@ def test_shm_size_holds_two_default_atari_rollout_buffers(compose):
     assert env["OAKEMU_ENV_ID"] == "ALE/Breakout-v5"
     rollout_length, num_envs = int(env["OAKEMU_ROLLOUT_LENGTH"]), int(env["OAKEMU_NUM_ENVS"])
     assert (rollout_length, num_envs) == (128, 16)
-    # 2 buffers x 128 rows x 16 columns x (28224 + 42) bytes, + column_steps (8 bytes per column each)
+    # 2 buffers x 128 rows x 16 columns x (28224 + 50) bytes, + column_steps (8 bytes per column each)
     required = 2 * rollout_length * num_envs * (ATARI_OBSERVATION_BYTES + ROW_BYTES_BESIDES_OBSERVATION) + 2 * 8 * num_envs
-    assert required == 115_777_792
+    assert required == 115_810_560
     assert parse_bytes(learner["shm_size"]) >= 1.5 * required  # headroom for page rounding
     assert parse_bytes(learner["shm_size"]) > 64 * 2**20  # Docker's default /dev/shm would not do
 
@@ -205,7 +205,7 @@ def test_shm_formula_in_the_docs_matches_the_learner():
     expected_one_buffer = 128 * 16 * (ATARI_OBSERVATION_BYTES + ROW_BYTES_BESIDES_OBSERVATION) + 8 * 16 + 24
     assert rollout_buffer_bytes(config, schema_for_env(env_spec("ALE/Breakout-v5"))) == expected_one_buffer
     readme = (REPO_ROOT / "deploy" / "README.md").read_text()
-    assert "115,777,840" in readme and "28224 + 42" in readme
+    assert "115,810,608" in readme and "28224 + 50" in readme
 
 
 def test_actor_finds_learner_by_name_scales_restarts_and_holds_no_state(compose):

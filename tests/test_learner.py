@@ -154,6 +154,13 @@ def test_weights_within_an_update_come_before_its_result(cartpole, tmp_path: Pat
         stop_event.set()
         thread.join(10)
     assert not thread.is_alive()
+    # Lag in SGD steps (2 per epoch): (0, 1) came at 2, (0, 2) at 4, (1, 0) at 6, (1, 1) at 8,
+    # (1, 2) at 10 and (2, 0) at 12, now. Version 0 itself was never published by an update:
+    # 2 versions x 6 nominal SGD steps.
+    assert learner.sgd_steps == 12 and learner.policy_version == 2
+    lag = learner.lag_in_sgd_steps(np.array([[1, 1, 0], [0, 2, 0]]), np.array([[0, 2, 1], [1, 0, 0]]))
+    assert lag == {"sgd_min": 0.0, "sgd_mean": (6 + 2 + 10 + 10 + 0 + 12) / 6, "sgd_max": 12.0}
+    assert learner.lag_in_sgd_steps(np.array([1, 2]))["sgd_mean"] == (6 + 0) / 2  # no revisions given: 0
 
 
 def test_weights_the_health_check_could_reject_are_not_published_within_an_update(cartpole) -> None:

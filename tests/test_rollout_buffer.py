@@ -71,6 +71,7 @@ def test_layout_shapes_dtypes_and_memory(buffer: RolloutBuffer) -> None:
         "bootstrap_values": ((4, 3), np.float32),
         "trainable": ((4, 3), np.bool_),
         "policy_versions": ((4, 3), np.int64),
+        "policy_revisions": ((4, 3), np.int64),
         "advantages": ((4, 3), np.float32),
         "returns": ((4, 3), np.float32),
         "column_steps": ((3,), np.int64),
@@ -83,11 +84,11 @@ def test_layout_shapes_dtypes_and_memory(buffer: RolloutBuffer) -> None:
         array = buffer.field(name)
         assert array.shape == shape and array.dtype == dtype, name
         assert not array.flags.writeable, name
-    # Per row: obs 6 + action 8 + six float32 24 + two bools 2 + version 8 = 48 bytes, 12 rows;
-    # column_steps 3 x 8; meta: three int64 write counters, 24.
-    assert buffer.memory_bytes == 48 * 12 + 24 + 24
+    # Per row: obs 6 + action 8 + six float32 24 + two bools 2 + version 8 + revision 8 = 56
+    # bytes, 12 rows; column_steps 3 x 8; meta: three int64 write counters, 24.
+    assert buffer.memory_bytes == 56 * 12 + 24 + 24
     assert buffer.memory_bytes == sum(getattr(buffer, name).nbytes for name in expected) + 24
-    assert buffer.schema.stored_bytes_per_row() == 48
+    assert buffer.schema.stored_bytes_per_row() == 56
     assert buffer.memory_gb == pytest.approx(buffer.memory_bytes / 1024**3)
     assert buffer.memory_bytes == RolloutBuffer.estimate_memory_bytes(4, 3, buffer.schema)
     assert buffer.memory_bytes == RolloutBuffer.estimate_memory_bytes(4, 3, default_schema(OBS_SHAPE, np.uint8))
@@ -206,7 +207,11 @@ def test_bootstrap_value_without_done_is_rejected(buffer: RolloutBuffer) -> None
 def test_bad_policy_version_is_rejected(buffer: RolloutBuffer, version) -> None:
     with pytest.raises(ValueError, match="policy_version: expected a non-negative int"):
         buffer.add(**step_arrays(3), policy_version=version)
-    assert buffer.step == 0
+    with pytest.raises(ValueError, match="policy_revision: expected a non-negative int"):
+        buffer.add(**step_arrays(3), policy_revision=version)
+    with pytest.raises(ValueError, match="policy_revision: expected a non-negative int"):
+        buffer.write_columns(0, np.array([0]), step_arrays(1), policy_revision=version)
+    assert buffer.step == 0 and buffer.column_steps.tolist() == [0, 0, 0]
 
 
 # ---------------------------------------------------------------------------------- columns
@@ -214,7 +219,7 @@ def test_write_columns_fills_columns_independently(buffer: RolloutBuffer) -> Non
     first, second = np.array([2, 0]), np.array([1])
     for step in range(4):
         arrays = step_arrays(2, step)
-        buffer.write_columns(step, first, arrays, policy_version=3)
+        buffer.write_columns(step, first, arrays, policy_version=3, policy_revision=2)
     np.testing.assert_array_equal(buffer.column_steps, [4, 0, 4])
     assert buffer.step == 0 and not buffer.is_full
     # arrays[i] goes to column columns[i]: column 2 got env 0's data, column 0 env 1's.
@@ -224,6 +229,7 @@ def test_write_columns_fills_columns_independently(buffer: RolloutBuffer) -> Non
         buffer.write_columns(step, second, step_arrays(1, step), policy_version=4)
     assert buffer.is_full
     np.testing.assert_array_equal(buffer.policy_versions[0], [3, 4, 3])
+    np.testing.assert_array_equal(buffer.policy_revisions[0], [2, 0, 2])
 
 
 def test_write_columns_keeps_rows_contiguous(buffer: RolloutBuffer) -> None:
@@ -577,7 +583,7 @@ def test_owner_close_unlinks_every_segment() -> None:
     before = own_segments()
     rollout_buffer = RolloutBuffer(2, 2, (1,), np.uint8)
     names = sorted(own_segments() - before)
-    assert len(names) == 13, "11 stored fields + column_steps + meta"
+    assert len(names) == 14, "12 stored fields + column_steps + meta"
     assert all((SHM_DIR / name).exists() for name in names)
     assert len({name.split("_")[2] for name in names}) == 1, "one token per buffer"
     rollout_buffer.close()
@@ -616,7 +622,7 @@ def test_buffer_left_open_is_unlinked_at_interpreter_exit(run_python) -> None:
     )
     assert result.returncode == 0, result.stderr
     names = result.stdout.split()
-    assert len(names) == 13
+    assert len(names) == 14
     assert not any((SHM_DIR / name).exists() for name in names)
 
 
@@ -696,7 +702,7 @@ def test_no_segments_of_this_process_are_left() -> None:
         # oakemu_<pid>_<token>_<array>: one segment per stored schema field plus the bookkeeping arrays.
         arrays = {name.split("_", 3)[3] for name in created}
         assert arrays == {f.name for f in rollout_buffer.schema.stored} | {"column_steps", "meta"}
-        assert len(created) == 13
+        assert len(created) == 14
     assert own_segments() == before
 
 

@@ -293,11 +293,12 @@ def test_built_schemas_declare_the_standard_fields_once() -> None:
     assert {f.name for f in schema.sent} == {"observations", "actions", "log_probs", "values", "rewards", "dones",
                                              "truncated", "bootstrap_values", "next_values", "trainable"}
     assert {f.name for f in schema.stored} == {"observations", "actions", "log_probs", "values", "rewards", "dones",
-                                               "bootstrap_values", "trainable", "policy_versions", "advantages", "returns"}
+                                               "bootstrap_values", "trainable", "policy_versions", "policy_revisions",
+                                               "advantages", "returns"}
     assert {f.name for f in schema.minibatch} == {"observations", "actions", "log_probs", "values", "policy_versions",
                                                   "advantages", "returns"}
     assert schema["observations"].dtype == np.uint8 and schema["actions"].dtype == np.int64
-    assert schema.stored_bytes_per_row() == 4 * 84 * 84 + 8 + 6 * 4 + 2 + 8
+    assert schema.stored_bytes_per_row() == 4 * 84 * 84 + 8 + 6 * 4 + 2 + 8 + 8  # ... version, revision
     assert schema.sent_bytes_per_env() == 4 * 84 * 84 + 8 + 5 * 4 + 3
     assert "observations" in schema.describe() and "[sent,stored,minibatch]" in schema.describe()
     # The env's schema: observation layout + the distribution of its action space.

@@ -242,3 +242,28 @@ def test_reselect_follows_the_weights_revision_as_well_as_the_version() -> None:
         assert stepper.reselect() and not stepper.reselect()
     finally:
         env.close()
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_rows_carry_the_revision_of_the_weights_that_acted(groups: int) -> None:
+    """A row's ``(policy_version, policy_revision)`` is that of the bundle that chose its actions:
+    weights loaded after the next bundle was chosen act from the step after (with two env groups
+    the row takes the oldest group's)."""
+    env = (make_vector_env("CartPole-v1", 4, seed=0) if groups == 1
+           else make_env_groups("CartPole-v1", 4, groups, seed=0))
+    try:
+        torch.manual_seed(0)
+        stepper = PolicyStepper(env, build_model(env.spec.observation_layout, distribution_for_env(env.spec)),
+                                policy_version=3)
+        acted = []
+        for step in range(5):
+            if step == 2:
+                stepper.weights_revision = 2
+            if step == 4:
+                stepper.policy_version, stepper.weights_revision = 4, 0
+            row = stepper.step()
+            acted.append((row.policy_version, row.policy_revision))
+        assert acted == [(3, 0), (3, 0), (3, 0), (3, 2), (3, 2)]
+        assert (stepper.step().policy_version, stepper.step().policy_revision) == (4, 0)
+    finally:
+        env.close()

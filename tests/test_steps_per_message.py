@@ -75,19 +75,33 @@ def ingest_all(assembler: RolloutAssembler, frames: list[bytes]) -> None:
         assembler.ingest(message, current_policy_version=3, now=0.0)
 
 
+def test_a_block_carries_the_oldest_weights_that_acted_on_it() -> None:
+    """(version, revision) pairs ordered as tuples: revision 3 of version 2 is older than version 3."""
+    rng = np.random.default_rng(0)
+    block = StepBlock(SCHEMA, N, 3)
+    for version, revision in [(3, 0), (2, 3), (2, 5)]:
+        block.record(one_step(rng, 0)[0], version, revision=revision)
+    message = block.message("a", "inc", 0)
+    assert (message.policy_version, message.revision) == (2, 3)
+    block.clear()
+    for version, revision in [(4, 1), (4, 2), (5, 0)]:
+        block.record(one_step(rng, 0)[0], version, revision=revision)
+    assert (block.policy_version, block.revision) == (4, 1)
+
+
 def test_a_block_of_k_steps_writes_exactly_the_rows_of_k_single_step_messages(buffers: list[RolloutBuffer]) -> None:
     rng = np.random.default_rng(5)
     steps = [one_step(rng, s) for s in range(T)]
     single, blocked = RolloutAssembler(buffers[:2], actor_timeout_s=10), RolloutAssembler(buffers[2:], actor_timeout_s=10)
     single.join("a", "inc", StepSpec(N, SCHEMA), hostname="h", now=0.0)
     blocked.join("a", "inc", StepSpec(N, SCHEMA, steps_per_message=K), hostname="h", now=0.0)
-    frames_1 = [encode_step(StepMessage("a", "inc", s, 2, fields, r, l)) for s, (fields, r, l) in enumerate(steps)]
+    frames_1 = [encode_step(StepMessage("a", "inc", s, 2, fields, r, l, revision=1)) for s, (fields, r, l) in enumerate(steps)]
     block = StepBlock(SCHEMA, N, K)
     frames_k = []
     for b in range(T // K):
         block.clear()
         for fields, r, l in steps[b * K:(b + 1) * K]:
-            block.record(fields, 2, r, l)
+            block.record(fields, 2, r, l, revision=1)
         frames_k.append(encode_step(block.message("a", "inc", b)))
     decoded = decode_step(frames_k[0], blocked.spec_for, max_bytes=MAX_BYTES)
     assert decoded.num_steps == K and decoded.num_envs == N and decoded.fields["observations"].shape == (K, N, 3)
@@ -97,6 +111,7 @@ def test_a_block_of_k_steps_writes_exactly_the_rows_of_k_single_step_messages(bu
     ingest_all(single, frames_1)
     ingest_all(blocked, frames_k)
     one, many = buffers[0], buffers[2]
+    assert (one.policy_versions == 2).all() and (one.policy_revisions == 1).all()
     for name in [f.name for f in SCHEMA.stored] + ["column_steps"]:
         np.testing.assert_array_equal(getattr(one, name), getattr(many, name), err_msg=name)
     assert single.states == blocked.states == [SlotState.FULL, SlotState.FILLING]

@@ -65,6 +65,7 @@ def atari_step(seq: int = 0, seed: int = 0) -> StepMessage:
         incarnation=INCARNATION,
         seq=seq,
         policy_version=7,
+        revision=2,
         fields={
             "observations": rng.integers(0, 256, size=(N, 4, 84, 84), dtype=np.uint8),
             "actions": rng.integers(0, 4, size=N, dtype=np.int64),
@@ -122,7 +123,7 @@ def rejection(frame: bytes, decoder: str = "step") -> MessageRejected:
 
 
 def assert_steps_equal(a: StepMessage, b: StepMessage) -> None:
-    for name in ("actor_id", "incarnation", "seq", "policy_version", "episode_returns", "episode_lengths"):
+    for name in ("actor_id", "incarnation", "seq", "policy_version", "revision", "episode_returns", "episode_lengths"):
         assert getattr(a, name) == getattr(b, name), name
     assert a.fields.keys() == b.fields.keys()
     for name in a.fields:
@@ -370,7 +371,8 @@ def test_wrong_shape_is_rejected_naming_field_expected_received(field: str, shap
 
 
 @pytest.mark.parametrize(
-    "field", ["actor_id", "seq", "policy_version", "rewards", "trainable", "episode_returns", "protocol", "fields"]
+    "field", ["actor_id", "seq", "policy_version", "revision", "rewards", "trainable", "episode_returns", "protocol",
+              "fields"]
 )
 def test_missing_field(field: str) -> None:
     obj = step_obj()
@@ -399,6 +401,9 @@ def test_extra_field() -> None:
         ("seq", True),
         ("seq", 2.0),
         ("policy_version", None),
+        ("revision", -1),
+        ("revision", 1.0),
+        ("revision", None),
         ("actor_id", 7),
         ("actor_id", ""),
         ("incarnation", "x" * 1000),
@@ -586,11 +591,11 @@ def test_oversized_frame_is_rejected_before_decoding() -> None:
     assert info.value.reason == "oversized"
 
 
-def test_protocol_version_is_4() -> None:
-    assert PROTOCOL_VERSION == 4 and step_obj()["protocol"] == 4
+def test_protocol_version_is_5() -> None:
+    assert PROTOCOL_VERSION == 5 and step_obj()["protocol"] == 5
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 5, "4", 4.0, None])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 6, "5", 5.0, None])
 def test_wrong_protocol(version: Any) -> None:
     obj = step_obj()
     obj["protocol"] = version
