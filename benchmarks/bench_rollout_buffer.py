@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     num_steps, num_envs, repeats = args.rollout_length, args.num_envs, args.repeats
     rng = np.random.default_rng(0)
     steps = make_steps(rng, num_steps, num_envs)
-    bytes_per_step = sum(array.nbytes for array in steps[0].values()) + 8 * num_envs  # + policy_versions row
+    bytes_per_step = sum(array.nbytes for array in steps[0].values()) + 16 * num_envs  # + versions, revisions
 
     with RolloutBuffer(num_steps, num_envs, OBSERVATION_SHAPE, np.uint8) as buffer:
 
@@ -99,12 +99,14 @@ def main(argv: list[str] | None = None) -> None:
         # Baseline 2: per-field np.copyto into plain (T, N, ...) arrays (the bare work of add).
         plain = {name: np.zeros((num_steps, *array.shape), array.dtype) for name, array in steps[0].items()}
         plain_versions = np.zeros((num_steps, num_envs), np.int64)
+        plain_revisions = np.zeros((num_steps, num_envs), np.int64)
 
         def copy_fields() -> None:
             for t, step in enumerate(steps):
                 for name, array in step.items():
                     np.copyto(plain[name][t], array)
                 plain_versions[t] = 3
+                plain_revisions[t] = 0
 
         copy_fields()
         fields_per_step = median_seconds(copy_fields, repeats) / num_steps

@@ -338,8 +338,10 @@ class PPOActorStepBuffers:
                       next_values=next_values, trainable=self.trainable, **self.extras)
         return fields
 
-    def add_to_rollout_buffer(self, rollout_buffer: RolloutBuffer, *, policy_version: int = 0) -> None:
-        """Append the current step (all envs) to ``rollout_buffer`` with :meth:`RolloutBuffer.add`.
+    def add_to_rollout_buffer(self, rollout_buffer: RolloutBuffer, *, policy_version: int = 0,
+                              policy_revision: int = 0) -> None:
+        """Append the current step (all envs) to ``rollout_buffer`` with :meth:`RolloutBuffer.add`,
+        acted by revision ``policy_revision`` of ``policy_version``.
 
         Truncation reaches the buffer through ``dones`` and ``bootstrap_values``.
 
@@ -356,5 +358,6 @@ class PPOActorStepBuffers:
             self.trainable,
             bootstrap_values=self.bootstrap_values,
             policy_version=policy_version,
+            policy_revision=policy_revision,
             **self.extras,
         )

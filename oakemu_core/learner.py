@@ -587,6 +587,7 @@ class PPOLearner:
             self.optimizer.load_state_dict(state["optimizer"])
             self.lr_scale *= float(lr_factor)
             self.learner_model.version += 1
+        self._note_sgd_steps(self.policy_version, 0, self.sgd_steps)
 
     # ------------------------------------------------------------------ one update
     def _learning_rate(self) -> float:
@@ -609,8 +610,9 @@ class PPOLearner:
 
         A row acted by revision ``r`` of version ``v`` lags ``sgd_steps(now) - sgd_steps(when
         (v, r) was published)``: a revision published within an update counts the SGD steps the
-        update had taken by then. Weights this process never published (before a resume) count
-        ``(current version - v) * ppo_epochs * num_minibatches``.
+        update had taken by then, a version made by a rollback or behaviour cloning none. Weights
+        this process never published (before a resume) count ``(current version - v) * ppo_epochs
+        * num_minibatches``.
 
         Args:
             policy_versions: the rows' versions (any shape, int).
@@ -748,6 +750,7 @@ class PPOLearner:
                 self.bc_updates_done += 1
                 self._rollouts_collected += 1
             self.learner_model.version += 1
+        self._note_sgd_steps(self.policy_version, 0, self.sgd_steps)
         return remaining
 
     # ------------------------------------------------------------------ the loop

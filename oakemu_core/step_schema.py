@@ -419,7 +419,12 @@ class StepSchema:
             from oakemu_core.distributions import distribution_from_dict
 
             distribution = distribution_from_dict(distribution)
-        return cls(tuple(StepField.from_dict(f) for f in fields), distribution)
+        parsed = [StepField.from_dict(f) for f in fields]
+        names = [f.name for f in parsed]
+        if "policy_revisions" not in names and "policy_versions" in names:
+            # A schema saved before rows carried the revision (checkpoints of earlier runs).
+            parsed.insert(names.index("policy_versions") + 1, _policy_revisions_field())
+        return cls(tuple(parsed), distribution)
 
     def with_field(self, new: StepField) -> StepSchema:
         """A copy with one more field (e.g. a user's extra per-step data)."""
@@ -436,6 +441,10 @@ class StepSchema:
 
 def _scalar(name: str, dtype: Any, **roles: Any) -> StepField:
     return StepField(name, (), np.dtype(dtype), **roles)
+
+
+def _policy_revisions_field() -> StepField:
+    return _scalar("policy_revisions", np.int64, sent=False, default=0)
 
 
 def build_schema(
@@ -494,7 +503,7 @@ def build_schema(
                                     mask_segments=_mask_segments(distribution)))
     fields += [
         _scalar("policy_versions", np.int64, sent=False, minibatch=True, default=0),
-        _scalar("policy_revisions", np.int64, sent=False, default=0),
+        _policy_revisions_field(),
         _scalar("advantages", np.float32, sent=False, minibatch=True, default=0.0),
         _scalar("returns", np.float32, sent=False, minibatch=True, default=0.0),
     ]

@@ -3,7 +3,8 @@
 Every message is one msgpack map with ``"protocol"`` (= :data:`PROTOCOL_VERSION`) and ``"type"``;
 messages an actor sends also carry ``"actor_id"`` and ``"incarnation"`` (a fresh id on every actor
 start), and heartbeats / steps a ``"seq"`` (0, 1, 2, ... per incarnation) and the
-``"policy_version"`` that produced them.  Arrays travel as a map ::
+``"policy_version"`` that produced them (steps also the ``"revision"`` of those weights within an
+update).  Arrays travel as a map ::
 
     {"dtype": np.dtype.str (with byte order, e.g. "<f4", "|u1", "|b1", "<i8"),
      "shape": [int, ...],

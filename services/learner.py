@@ -604,8 +604,8 @@ class Learner:
                                      "charts/actors": len(self.assembler.actors),
                                      "charts/policy_version": result.policy_version}
         scalars.update({f"charts/policy_lag_{k}": result.lag[k] for k in ("min", "mean", "max")})
-        # The same lag in SGD steps (a version is a whole update of epochs x minibatches steps).
-        scalars.update({f"charts/policy_lag_sgd_steps_{k}": result.lag[f"sgd_{k}"] for k in ("mean", "max")
+        # The same lag in SGD steps, counting the revisions published within an update.
+        scalars.update({f"charts/policy_lag_sgd_steps_{k}": result.lag[f"sgd_{k}"] for k in ("min", "mean", "max")
                         if f"sgd_{k}" in result.lag})
         scalars["charts/newest_acting_policy_version"] = result.lag["newest_version"]
         scalars["charts/stale_rows"] = result.stale_rows

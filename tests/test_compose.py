@@ -43,7 +43,8 @@ CONTAINER_PORTS = {
 }
 ATARI_OBSERVATION_BYTES = 4 * 84 * 84  # 4 stacked 84x84 uint8 frames
 # Per rollout-buffer row besides the observation: actions i64 (8) + log_probs, values, rewards,
-# bootstrap_values, advantages, returns f32 (6 x 4) + dones, trainable bool (2) + policy_versions i64 (8).
+# bootstrap_values, advantages, returns f32 (6 x 4) + dones, trainable bool (2) + policy_versions,
+# policy_revisions i64 (16).
 ROW_BYTES_BESIDES_OBSERVATION = 8 + 6 * 4 + 2 + 8 + 8
 
 

@@ -103,4 +103,9 @@ def test_cartpole_two_actors_learn_within_budget(e2e: E2EProcesses, tmp_path: Pa
     actor_logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("actor*.log"))
     assert ("forward passes by ONNX Runtime" in actor_logs) == (actor_inference == "onnxruntime")
     assert ("weight revisions published within updates" in actor_logs) == publish_every_epoch
+    # Rows carry the revision that acted on them: with revisions some rows lag part of an update
+    # (80 SGD steps: 10 epochs x 8 minibatches); without, every lag is whole updates.
+    lags = [u["charts/policy_lag_sgd_steps_min"] for u in updates if u.get("charts/policy_lag_sgd_steps_min") is not None]
+    assert len(lags) >= len(updates) - 2
+    assert any(lag % 80 for lag in lags) == publish_every_epoch, lags
     assert (run_dir / "checkpoints" / "latest.pt").is_file(), "the final checkpoint is missing"

@@ -25,7 +25,7 @@ K8S_DIR = REPO_ROOT / "deploy" / "kubernetes"
 KUBERNETES_VERSION = "1.30.0"  # validate against an older API release than the newest, as clusters lag
 LEARNER_PORTS = {"data": 5555, "control": 5556, "weights": 5557, "telemetry": 5558, "metrics": 9100}
 ATARI_OBSERVATION_BYTES = 4 * 84 * 84
-ROW_BYTES_BESIDES_OBSERVATION = 42  # deploy/README.md, "Sizing shm_size"
+ROW_BYTES_BESIDES_OBSERVATION = 50  # deploy/README.md, "Sizing shm_size"
 
 
 def manifest_files() -> list[Path]:

@@ -58,7 +58,7 @@ def fill(buffer: RolloutBuffer, stepper: PolicyStepper, version: int) -> FullRol
     stepper.policy_version = version
     for _ in range(T):
         row = stepper.step()
-        row.buffers.add_to_rollout_buffer(buffer, policy_version=row.policy_version)
+        row.buffers.add_to_rollout_buffer(buffer, policy_version=row.policy_version, policy_revision=row.policy_revision)
     return FullRollout(slot=0, buffer=buffer, last_values=row.next_values.copy(),
                        last_dones=row.buffers.dones.copy())
 
@@ -161,6 +161,14 @@ def test_weights_within_an_update_come_before_its_result(cartpole, tmp_path: Pat
     lag = learner.lag_in_sgd_steps(np.array([[1, 1, 0], [0, 2, 0]]), np.array([[0, 2, 1], [1, 0, 0]]))
     assert lag == {"sgd_min": 0.0, "sgd_mean": (6 + 2 + 10 + 10 + 0 + 12) / 6, "sgd_max": 12.0}
     assert learner.lag_in_sgd_steps(np.array([1, 2]))["sgd_mean"] == (6 + 0) / 2  # no revisions given: 0
+    # prepare() reads the rows' revisions: a rollout acted by revision 1 of version 1 (its first row
+    # maybe by the bundle chosen before, revision 0).
+    stepper.weights_revision = 1
+    rollout = fill(buffer, stepper, 1)
+    assert (buffer.policy_versions == 1).all() and (buffer.policy_revisions == 1).any()
+    _stale, lag = learner.prepare(rollout)
+    expected = np.where(buffer.policy_revisions == 1, 12 - 8, 12 - 6).mean()
+    assert lag["sgd_mean"] == pytest.approx(expected) and lag["sgd_min"] == 4.0
 
 
 def test_weights_the_health_check_could_reject_are_not_published_within_an_update(cartpole) -> None:

@@ -28,7 +28,7 @@ from oakemu_core.run_folder import (
     truncate_after,
     truncate_run_logs,
 )
-from oakemu_core.step_schema import schema_for_env
+from oakemu_core.step_schema import StepSchema, schema_for_env
 from tests.fault_helpers import fill_disk, small_tmpfs_fixture  # noqa: F401 - the `small_tmpfs` fixture
 
 
@@ -229,3 +229,21 @@ def test_config_changes_lists_changed_fields_and_refuses_the_immutable_ones() ->
         config_changes(old, dict(new, env_id="Acrobot-v1"))
     with pytest.raises(ResumeMismatchError, match="normalize_observations: False -> True"):
         config_changes(dict(old, normalize_observations=False), dict(new, normalize_observations=True))
+
+
+def test_a_schema_saved_before_rows_carried_the_revision_still_resumes_and_loads() -> None:
+    """Checkpoints of earlier runs hold a schema without ``policy_revisions``: resume accepts it
+    (only the fields actors send, and the distribution, must match) and ``from_dict`` adds it."""
+    schema, model = _learner_parts("CartPole-v1")
+    old = schema.to_dict()
+    old["fields"] = [f for f in old["fields"] if f["name"] != "policy_revisions"]
+    assert len(old["fields"]) == len(schema.fields) - 1
+    check_resume_compatible({"env": {"env_id": "CartPole-v1", "schema": old}, "model": model.state_dict()},
+                            env_id="CartPole-v1", schema=schema, model=model)
+    assert StepSchema.from_dict(old).to_dict() == schema.to_dict()
+
+    changed = schema.to_dict()  # a sent field of another shape is still another space
+    next(f for f in changed["fields"] if f["name"] == "observations")["shape"] = [5]
+    with pytest.raises(ResumeMismatchError, match="spaces"):
+        check_resume_compatible({"env": {"env_id": "CartPole-v1", "schema": changed}}, env_id="CartPole-v1",
+                                schema=schema)
