@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -207,12 +208,34 @@ class RolloutHandshake:
 
     At most one rollout is in training at a time: :attr:`busy` is True from :meth:`publish` until
     the ingest thread collects its result with :meth:`results`.
+
+    :attr:`wake_fd` becomes readable when a result is handed back: the ingest thread polls it next
+    to its sockets, so it collects a result (and releases its buffer, publishes its weights) at
+    once instead of at its next poll timeout, when no step message would wake it. :meth:`close`
+    releases it.
     """
 
     def __init__(self) -> None:
         self._inbox: queue.Queue[FullRollout] = queue.Queue(maxsize=1)
         self._outbox: queue.Queue[TrainResult | WeightsRevision | BaseException] = queue.Queue()
         self._busy = False
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+
+    @property
+    def wake_fd(self) -> int:
+        """A file descriptor that is readable while a handed-back result waits (for a poller)."""
+        return self._wake_read
+
+    def close(self) -> None:
+        """Release :attr:`wake_fd` (idempotent)."""
+        for fd in (self._wake_read, self._wake_write):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._wake_read = self._wake_write = -1
 
     @property
     def busy(self) -> bool:
@@ -240,10 +263,19 @@ class RolloutHandshake:
         """Trainer: hand back a result (a rollout's, an unsolicited one such as BC pre-training or
         weights within an update, or the exception that ended training)."""
         self._outbox.put(result)
+        try:
+            os.write(self._wake_write, b"\0")
+        except (BlockingIOError, OSError):  # full: already readable; closed: nobody polls any more
+            pass
 
     def results(self) -> list[TrainResult | WeightsRevision]:
         """Ingest thread: every result ready now (non-blocking), in order; a rollout's result clears
         :attr:`busy`. Re-raises an exception the trainer handed back."""
+        try:  # drained before the queue is read: a result handed back meanwhile wakes the next poll
+            while os.read(self._wake_read, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
         ready = []
         while True:
             try:

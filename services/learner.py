@@ -743,6 +743,7 @@ class Learner:
         self.trainer.start(lambda: self.assembler.counters.env_steps)
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)
+        poller.register(self.trainer.handshake.wake_fd, zmq.POLLIN)  # a result handed back wakes the loop
         data_registered = False
         next_telemetry = next_expiry = time.monotonic()
         log.info("learner for %s: %d x %d rollout buffers (%.1f MiB each) on %s, device %s, run %s",
@@ -835,6 +836,7 @@ class Learner:
                 log.error("final checkpoint not written; the run resumes from %s",
                           self.trainer.checkpoint_writer.last_saved or "its start (no checkpoint)")
         finally:
+            self.trainer.handshake.close()
             self.metrics.close()
             self.episodes_log.close()
             self.telemetry.close()

@@ -121,6 +121,27 @@ def test_run_trains_published_rollouts_and_stops(cartpole, tmp_path: Path) -> No
     assert (tmp_path / "checkpoints" / "checkpoint_00000002.pt").is_file()  # every 2 updates
 
 
+def test_a_handed_back_result_wakes_the_ingest_threads_poller() -> None:
+    """``wake_fd`` is readable from ``complete`` until ``results`` collects what was handed back,
+    so the ingest loop needs no poll timeout to notice a finished update."""
+    import select
+
+    handshake = RolloutHandshake()
+    try:
+        readable = lambda: bool(select.select([handshake.wake_fd], [], [], 0)[0])  # noqa: E731
+        assert not readable()
+        for revision in range(1, 70_001):  # more than a pipe holds (64 KiB): complete never blocks
+            handshake.complete(WeightsRevision(0, revision, {}))
+        assert readable()
+        assert len(handshake.results()) == 70_000 and not readable()
+        handshake.complete(WeightsRevision(0, 1, {}))
+        assert readable()
+    finally:
+        handshake.close()
+    handshake.close()  # idempotent
+    handshake.complete(WeightsRevision(0, 2, {}))  # after close: queued, no wake-up, no error
+
+
 def test_weights_within_an_update_come_before_its_result(cartpole, tmp_path: Path) -> None:
     """With a revision sink (publish_every_epoch) an update of 3 epochs hands back the weights of
     epochs 1 and 2 as revisions of the version in training, then its result; busy until the result."""
