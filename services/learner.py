@@ -266,6 +266,11 @@ class Trainer:
         if self._thread is not None:
             self._thread.join(timeout_s)
 
+    @property
+    def running(self) -> bool:
+        """The trainer thread is alive (still, after a :meth:`stop` that timed out)."""
+        return self._thread is not None and self._thread.is_alive()
+
 
 # ------------------------------------------------------------------------------------ learner
 class Learner:
@@ -836,7 +841,8 @@ class Learner:
                 log.error("final checkpoint not written; the run resumes from %s",
                           self.trainer.checkpoint_writer.last_saved or "its start (no checkpoint)")
         finally:
-            self.trainer.handshake.close()
+            if not self.trainer.running:  # a trainer still inside complete() would write to a reused fd
+                self.trainer.handshake.close()
             self.metrics.close()
             self.episodes_log.close()
             self.telemetry.close()

@@ -116,6 +116,7 @@ def test_run_trains_published_rollouts_and_stops(cartpole, tmp_path: Path) -> No
     finally:
         stop_event.set()
         thread.join(10)
+        handshake.close()
     assert not thread.is_alive()
     assert learner.iterations == 3
     assert (tmp_path / "checkpoints" / "checkpoint_00000002.pt").is_file()  # every 2 updates
@@ -174,6 +175,7 @@ def test_weights_within_an_update_come_before_its_result(cartpole, tmp_path: Pat
     finally:
         stop_event.set()
         thread.join(10)
+        handshake.close()
     assert not thread.is_alive()
     # Lag in SGD steps (2 per epoch): (0, 1) came at 2, (0, 2) at 4, (1, 0) at 6, (1, 1) at 8,
     # (1, 2) at 10 and (2, 0) at 12, now. Version 0 itself was never published by an update:
