@@ -630,10 +630,9 @@ class PPOLearner:
         """Remember how many SGD steps had been taken when revision ``revision`` of ``version``
         was published (the entries of the newest 256 versions are kept)."""
         self._sgd_steps_at[(version, revision)] = sgd_steps
-        if len(self._sgd_steps_at) > 256 and revision == 0:
-            oldest_kept = version - 255
-            for key in [key for key in self._sgd_steps_at if key[0] < oldest_kept]:
-                del self._sgd_steps_at[key]
+        # Keys arrive in increasing order (a dict keeps it): the oldest are at the front.
+        while (oldest := next(iter(self._sgd_steps_at)))[0] < version - 255:
+            del self._sgd_steps_at[oldest]
 
     def lag_in_sgd_steps(self, policy_versions: np.ndarray,
                          policy_revisions: np.ndarray | None = None) -> dict[str, float]:
