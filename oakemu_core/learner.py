@@ -549,6 +549,9 @@ class PPOLearner:
         self.revision_max_approx_kl: float | None = None
         """Weights of an epoch whose mean approx KL is above this are not handed to the sink (the
         health check's threshold: the update may be rolled back); None: no limit."""
+        self.revision_min_sgd_steps = 1
+        """An epoch's weights go to the sink only when at least this many SGD steps were taken since
+        the weights last published (a version or a revision); 1: after every epoch."""
 
     # ------------------------------------------------------------------ counters and state
     @property
@@ -747,20 +750,25 @@ class PPOLearner:
         log.debug("update %d at %d actor steps", self.iterations, actor_steps)
         return stats
 
-    def _publish_revision(self, epochs_done: int, approx_kl: float, nonfinite_minibatches: int) -> None:
+    def _publish_revision(self, epochs_done: int, approx_kl: float, nonfinite_minibatches: int,
+                          update_sgd_steps: int) -> None:
         """Hand the weights an epoch left (revision ``epochs_done`` of the version in training) to
         :attr:`revision_sink`; called by the updater, with the model lock held. Kept back, for the
         health check to judge at the end of the update: weights after a skipped non-finite
         gradient, after an epoch whose approx KL passed :attr:`revision_max_approx_kl`, or that
-        are not finite."""
+        are not finite. Skipped while fewer than :attr:`revision_min_sgd_steps` SGD steps passed
+        since the last published weights."""
         assert self.revision_sink is not None
+        sgd_steps = self.sgd_steps + update_sgd_steps
+        last_published = next(reversed(self._sgd_steps_at.values()), 0)  # entries are kept in publishing order
+        if sgd_steps - last_published < self.revision_min_sgd_steps:
+            return
         if nonfinite_minibatches or not math.isfinite(approx_kl) or (
                 self.revision_max_approx_kl is not None and approx_kl > self.revision_max_approx_kl):
             return
         weights = weights_to_arrays(self.model)
         if all(np.isfinite(array).all() for array in weights.values()):
-            per_epoch = min(self.config.num_minibatches, int(self.rollout_buffer.trainable_size))  # as the updater
-            self._note_sgd_steps(self.policy_version, epochs_done, self.sgd_steps + epochs_done * per_epoch)
+            self._note_sgd_steps(self.policy_version, epochs_done, sgd_steps)
             self.revision_sink(self.policy_version, epochs_done, weights)
 
     def behaviour_cloning_phase(self) -> int:

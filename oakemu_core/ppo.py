@@ -459,7 +459,7 @@ class PPOUpdater:
     def step(self, rollout_buffer: RolloutBuffer, *, current_policy_version: int,
              bc_term: tuple[float, Any, int] | None = None,
              proximal: RolloutEvaluation | None = None,
-             after_epoch: Callable[[int, float, int], None] | None = None) -> PPOUpdateStats:
+             after_epoch: Callable[[int, float, int, int], None] | None = None) -> PPOUpdateStats:
         """One PPO update on the trainable rows of a full buffer whose GAE is computed.
 
         Args:
@@ -476,10 +476,11 @@ class PPOUpdater:
                 each row is weighted by ``min(importance_weight_cap, pi_prox / mu)``, and
                 ``approx_kl`` is measured from the proximal policy (exactly, for families with
                 stored parameters; else the ratio-based estimate over the stored rows).
-            after_epoch: called as ``after_epoch(epochs_done, approx_kl, nonfinite_minibatches)``
-                after every epoch but the last (and not after an early stop), with the weights as
-                that epoch left them (the learner publishes them to the actors), that epoch's mean
-                ``approx_kl`` and the minibatches skipped so far for a non-finite gradient; or None.
+            after_epoch: called as ``after_epoch(epochs_done, approx_kl, nonfinite_minibatches,
+                sgd_steps)`` after every epoch but the last (and not after an early stop), with the
+                weights as that epoch left them (the learner publishes them to the actors), that
+                epoch's mean ``approx_kl``, the minibatches skipped so far for a non-finite gradient
+                and the SGD steps (minibatches) this update has taken so far; or None.
 
         Returns:
             :class:`PPOUpdateStats`.
@@ -598,7 +599,7 @@ class PPOUpdater:
                 early_stopped = epoch + 1 < self.ppo_epochs
                 break
             if after_epoch is not None and epoch + 1 < self.ppo_epochs:
-                after_epoch(epoch + 1, epoch_approx_kl, nonfinite_minibatches)
+                after_epoch(epoch + 1, epoch_approx_kl, nonfinite_minibatches, minibatches_done)
 
         if self.lr_schedule is not None:
             self.lr_schedule.step()

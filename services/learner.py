@@ -15,6 +15,7 @@ Run with ``oakemu learner`` or ``python -m services.learner``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -191,6 +192,7 @@ class Trainer:
             self.ppo.revision_sink = lambda version, revision, weights: self.handshake.complete(
                 WeightsRevision(version, revision, weights))
             self.ppo.revision_max_approx_kl = config.rollback_max_approx_kl if config.rollback else None
+            self.ppo.revision_min_sgd_steps = config.publish_min_sgd_steps
         self.global_step = 0
         self.episodes = 0
         self._stop = threading.Event()
@@ -277,6 +279,13 @@ class Learner:
     """The learner process: sockets + assembler in this thread, :class:`Trainer` in another."""
 
     def __init__(self, config: OakEmuConfig, run_dir: Path) -> None:
+        # A start that fails half-way (a port in use, a bad checkpoint) releases what it made: the
+        # hand-back pipe, the shared-memory segments, the sockets and the log files.
+        with contextlib.ExitStack() as undo:
+            self._build(config, run_dir, undo)
+            undo.pop_all()
+
+    def _build(self, config: OakEmuConfig, run_dir: Path, undo: contextlib.ExitStack) -> None:
         self.config = config
         self.run_dir = run_dir
         self.spec = env_spec(config.env_id, settings_file=config.emulator_settings)
@@ -288,6 +297,7 @@ class Learner:
             log.warning("removed shared-memory segment %s left by a dead process", name)
         ensure_shm_capacity(num_rollout_buffers(config) * self.buffer_bytes)
         self.trainer = Trainer(config, self.spec, self.schema, run_dir)
+        undo.callback(self.trainer.handshake.close)
         resume_from = latest_checkpoint(run_dir)
         if resume_from is not None:
             self.trainer.restore(resume_from)
@@ -303,6 +313,8 @@ class Learner:
             RolloutBuffer(config.rollout_length, config.buffer_num_envs, schema=self.schema)
             for _ in range(num_rollout_buffers(config))
         ]
+        for buffer in self.buffers:
+            undo.callback(buffer.close)
         self.sync = config.mode == "sync"
         self.assembler = RolloutAssembler(self.buffers, actor_timeout_s=config.actor_timeout_s, sync=self.sync,
                                           max_policy_lag=config.max_policy_lag)
@@ -336,19 +348,25 @@ class Learner:
             "data": RateLimitedLog(log, "step messages", first_prefix="rejected step message"),
             "control": RateLimitedLog(log, "control messages", first_prefix="rejected control message"),
         }
-        self._setup_sockets()
+        self._setup_sockets(undo)
         self.metrics = MetricsLogger(run_dir)
+        undo.callback(self.metrics.close)
         # One line per finished episode (raw game score), as CleanRL logs charts/episodic_return.
         # Each record is written whole or not at all; a failed write is counted, never fatal.
         self.episodes_log = JsonLinesWriter(run_dir / "episodes.jsonl")
+        undo.callback(self.episodes_log.close)
         self.telemetry = TelemetryPublisher(config.bind_address(config.telemetry_port), context=self.context,
                                             security=self.security)
+        undo.callback(self.telemetry.close)
         self.prometheus = PrometheusExporter(config.metrics_port) if config.metrics_enabled else None
 
-    def _setup_sockets(self) -> None:
+    def _setup_sockets(self, undo: contextlib.ExitStack) -> None:
         config = self.config
         self.context = zmq.Context()
+        undo.callback(self.context.destroy, linger=0)  # closes the sockets made below too
         self.security = server_security(self.context, config)  # CURVE + ZAP when config.curve (oakemu_core.auth)
+        if self.security is not None:
+            undo.callback(self.security.close)
         self.peers = PeerBinding()  # each actor's messages only from the peer it joined from
         self.data = self._secure(self.context.socket(zmq.PULL))
         # A small receive queue: back-pressure reaches the actors quickly, and rows stay fresh.

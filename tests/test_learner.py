@@ -200,14 +200,31 @@ def test_weights_the_health_check_could_reject_are_not_published_within_an_updat
     sent: list[tuple[int, int]] = []
     learner.revision_sink = lambda version, revision, weights: sent.append((version, revision))
     learner.revision_max_approx_kl = 0.5
-    learner._publish_revision(1, 0.1, 0)
-    learner._publish_revision(2, 0.6, 0)  # kept back: the update's health check may roll it back
-    learner._publish_revision(2, 0.1, 1)  # a gradient was skipped as non-finite
-    learner._publish_revision(2, math.nan, 0)
+    learner._publish_revision(1, 0.1, 0, 2)
+    learner._publish_revision(2, 0.6, 0, 4)  # kept back: the update's health check may roll it back
+    learner._publish_revision(2, 0.1, 1, 4)  # a gradient was skipped as non-finite
+    learner._publish_revision(2, math.nan, 0, 4)
     with torch.no_grad():
         next(model.parameters()).view(-1)[0] = float("nan")
-    learner._publish_revision(2, 0.1, 0)  # non-finite weights
+    learner._publish_revision(2, 0.1, 0, 4)  # non-finite weights
     assert sent == [(learner.policy_version, 1)]
+
+
+def test_revisions_are_published_at_most_once_per_min_sgd_steps(cartpole) -> None:
+    """With ``revision_min_sgd_steps`` 3, an epoch's weights go out only when 3 SGD steps or more
+    passed since the weights last published (a version or a revision)."""
+    _env, _schema, buffer, model = cartpole
+    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=5))
+    sent: list[tuple[int, int]] = []
+    learner.revision_sink = lambda version, revision, weights: sent.append((version, revision))
+    learner.revision_min_sgd_steps = 3
+    learner.sgd_steps = 10
+    learner._note_sgd_steps(learner.policy_version, 0, 10)  # the version in training was published at 10
+    for epochs_done, update_sgd_steps in ((1, 2), (2, 4), (3, 5), (4, 7)):  # at 12, 14, 15, 17
+        learner._publish_revision(epochs_done, 0.01, 0, update_sgd_steps)
+    version = learner.policy_version
+    assert sent == [(version, 2), (version, 4)]  # 14 - 10 = 4 and 17 - 14 = 3; 2 and 1 are too few
+    assert learner._sgd_steps_at[(version, 2)] == 14 and learner._sgd_steps_at[(version, 4)] == 17
 
 
 def test_collapse_is_rolled_back_with_a_higher_policy_version(cartpole, tmp_path: Path) -> None:

@@ -51,3 +51,32 @@ def test_learner_refuses_a_rollout_that_does_not_fit_in_dev_shm(tmp_path: Path) 
     assert int(needed.group(1)) == NUM_ROLLOUT_BUFFERS * rollout_buffer_bytes(config, schema_for_env(env_spec(config.env_id)))
     assert "shm_size" in output
     assert "Traceback" not in output
+
+
+def test_a_learner_that_fails_to_start_releases_what_it_made(tmp_path: Path) -> None:
+    """A start that fails at its last step (the telemetry port is taken) leaves no file descriptor
+    (hand-back pipe, sockets, log files) and no shared-memory segment behind (conftest's leak check)."""
+    import os
+    import socket
+
+    import pytest
+
+    from oakemu_core.telemetry import TelemetryBindError
+    from services.learner import Learner
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = []
+        for _ in range(4):  # free ports for the other sockets
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                ports.append(probe.getsockname()[1])
+        config = OakEmuConfig(env_id="CartPole-v1", envs_per_actor=2, num_envs=2, rollout_length=8,
+                              runs_dir=tmp_path, run_name="taken", bind_host="127.0.0.1", data_port=ports[0],
+                              control_port=ports[1], weights_port=ports[2], metrics_port=ports[3],
+                              telemetry_port=taken.getsockname()[1], log_level="WARNING")
+        open_fds = set(os.listdir("/proc/self/fd"))
+        with pytest.raises(TelemetryBindError):
+            Learner(config, tmp_path / "taken")
+        assert set(os.listdir("/proc/self/fd")) - open_fds == set()

@@ -493,7 +493,7 @@ def test_after_epoch_sees_the_weights_each_epoch_left() -> None:
         seen: dict[int, dict[str, torch.Tensor]] = {}
         _learner(model, ppo_epochs=3, num_minibatches=1).step(
             buffer, current_policy_version=0,
-            after_epoch=lambda k, kl, nonfinite: seen.__setitem__(k, copy.deepcopy(model.state_dict())))
+            after_epoch=lambda k, kl, nonfinite, sgd_steps: seen.__setitem__(k, copy.deepcopy(model.state_dict())))
         assert sorted(seen) == [1, 2]
         for k in (1, 2):
             reference = copy.deepcopy(start)
@@ -506,5 +506,5 @@ def test_after_epoch_sees_the_weights_each_epoch_left() -> None:
         stats = _learner(copy.deepcopy(start), ppo_epochs=3, num_minibatches=1, target_kl=1e-6).step(
             buffer, current_policy_version=0, after_epoch=lambda *args: calls.append(args))
         assert stats.early_stopped and stats.epochs_completed == 2
-        assert [(k, nonfinite) for k, _kl, nonfinite in calls] == [(1, 0)]
+        assert [(k, nonfinite, sgd_steps) for k, _kl, nonfinite, sgd_steps in calls] == [(1, 0, 1)]
         assert abs(calls[0][1]) < 1e-6  # the first epoch's KL: measured before its only step
