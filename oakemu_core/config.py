@@ -188,7 +188,7 @@ class OakEmuConfig(BaseSettings):
         "many SGD steps were taken since weights were last published (1: after every epoch). Each publish costs a "
         "weights broadcast and a load in every actor; rows a few SGD steps old are fine (Sample Factory's rule of "
         "thumb: a lag under 20-30 SGD steps). CartPole at the rl-zoo settings (one SGD step per epoch): revisions "
-        "after every epoch cut SPS by about a fifth for 3 SGD steps less lag.",
+        "after every epoch cost up to a quarter of the SPS (about a tenth typically) for 3 SGD steps less lag.",
     )
     mode: Literal["async", "sync"] = Field(
         "async",

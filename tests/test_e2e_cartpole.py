@@ -56,8 +56,9 @@ def test_first_solved_window() -> None:
 def test_cartpole_two_actors_learn_within_budget(e2e: E2EProcesses, tmp_path: Path, actor_inference: str,
                                                  publish_every_epoch: bool) -> None:
     """The same run whichever runs the actors' forward passes (torch or ONNX Runtime), and with the
-    weights published after every epoch: the learner's first-minibatch ratio check holds the
-    actors' log-probs to the learner's on the rows labelled with its version."""
+    weights also published within updates (every 4th epoch here: 8 SGD steps per epoch,
+    publish_min_sgd_steps 32): the learner's first-minibatch ratio check holds the actors'
+    log-probs to the learner's on the rows labelled with its version."""
     runs_dir = tmp_path / "runs"
     ports = new_ports()
     train = e2e.start("train", [

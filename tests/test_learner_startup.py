@@ -61,6 +61,7 @@ def test_a_learner_that_fails_to_start_releases_what_it_made(tmp_path: Path) -> 
 
     import pytest
 
+    from oakemu_core.rollout_buffer import RolloutBuffer
     from oakemu_core.telemetry import TelemetryBindError
     from services.learner import Learner
 
@@ -76,7 +77,26 @@ def test_a_learner_that_fails_to_start_releases_what_it_made(tmp_path: Path) -> 
                               runs_dir=tmp_path, run_name="taken", bind_host="127.0.0.1", data_port=ports[0],
                               control_port=ports[1], weights_port=ports[2], metrics_port=ports[3],
                               telemetry_port=taken.getsockname()[1], log_level="WARNING")
+        with RolloutBuffer(8, 2, schema=schema_for_env(env_spec("CartPole-v1"))):
+            pass  # shared memory's resource tracker opens its pipe once per process: before the snapshot
         open_fds = set(os.listdir("/proc/self/fd"))
         with pytest.raises(TelemetryBindError):
             Learner(config, tmp_path / "taken")
         assert set(os.listdir("/proc/self/fd")) - open_fds == set()
+
+
+def test_the_trainer_hands_publish_min_sgd_steps_to_the_learner(tmp_path: Path) -> None:
+    """``publish_min_sgd_steps`` reaches the library learner in async mode (sync publishes no revisions)."""
+    from services.learner import Trainer
+
+    for mode, expected_sink in (("async", True), ("sync", False)):
+        config = OakEmuConfig(env_id="CartPole-v1", num_actors=1, envs_per_actor=2, num_envs=2, rollout_length=8,
+                              mode=mode, publish_min_sgd_steps=7, runs_dir=tmp_path, log_level="WARNING")
+        spec = env_spec(config.env_id)
+        trainer = Trainer(config, spec, schema_for_env(spec), tmp_path / mode)
+        try:
+            assert (trainer.ppo.revision_sink is not None) == expected_sink
+            if expected_sink:
+                assert trainer.ppo.revision_min_sgd_steps == 7
+        finally:
+            trainer.handshake.close()
