@@ -200,8 +200,9 @@ class OakEmuConfig(BaseSettings):
     steps_per_message: int | Literal["auto"] = Field(
         "auto",
         description="Vector steps an actor sends per step message (a divisor of rollout_length). auto: the "
-        "largest divisor <= min(32, rollout_length / 32) whose message holds <= 32 KiB of arrays (1 for Atari-sized "
-        "steps; 1-32 for small envs such as CartPole, by rollout_length: 4 at 128, 32 at 1024).",
+        "largest divisor <= min(32, rollout_length / 128) whose message holds <= 32 KiB of arrays (1 for Atari-sized "
+        "steps and for rollouts under 256 steps; for small envs such as CartPole 4 at rollout_length 512, 8 at "
+        "1024), so the rows queued while the learner's buffers are full stay a small part of a segment.",
     )
     seed: int = Field(1, ge=0, description="Seed for envs, torch and numpy.")
     device: str = Field("auto", description="Learner torch device: auto (cuda if available), cpu, cuda, cuda:N.")

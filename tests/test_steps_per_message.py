@@ -177,12 +177,14 @@ def test_steps_per_message_is_agreed_at_join_and_divides_the_rollout(buffers: li
     with pytest.raises(ValueError, match="steps_per_message"):
         OakEmuConfig(rollout_length=128, steps_per_message=3)
     assert OakEmuConfig(rollout_length=128, steps_per_message=8).resolved_steps_per_message(10) == 8
-    # auto: 1 for Atari-sized steps, more for small ones, bounded by rollout_length / 32 and 32.
+    # auto: 1 for Atari-sized steps, more for small ones, bounded by rollout_length / 128 and 32.
     assert auto_steps_per_message(8 * 28224, 128) == 1
-    assert auto_steps_per_message(8 * 41, 128) == 4
+    assert auto_steps_per_message(8 * 41, 128) == 1  # K <= rollout_length / 128
+    assert auto_steps_per_message(8 * 41, 512) == 4
     assert auto_steps_per_message(8 * 41, 32) == 1
-    assert auto_steps_per_message(16 * 50, 1024) == 32
-    assert OakEmuConfig(rollout_length=1024).resolved_steps_per_message(800) == 32
+    assert auto_steps_per_message(16 * 50, 1024) == 8
+    assert auto_steps_per_message(16 * 50, 4096) == 32  # at most 32 steps
+    assert OakEmuConfig(rollout_length=1024).resolved_steps_per_message(800) == 8
 
 
 def test_step_block_reports_the_oldest_acting_version_and_refuses_overflow() -> None:
