@@ -200,9 +200,10 @@ class OakEmuConfig(BaseSettings):
     steps_per_message: int | Literal["auto"] = Field(
         "auto",
         description="Vector steps an actor sends per step message (a divisor of rollout_length). auto: the "
-        "largest divisor <= min(32, rollout_length / 128) whose message holds <= 32 KiB of arrays (1 for Atari-sized "
-        "steps and for rollouts under 256 steps; for small envs such as CartPole 4 at rollout_length 512, 8 at "
-        "1024), so the rows queued while the learner's buffers are full stay a small part of a segment.",
+        "largest divisor <= min(32, rollout_length / 32) whose message holds <= 32 KiB of arrays and <= 128 env "
+        "steps (1 for Atari-sized steps; for small envs such as CartPole with 8 envs 4 at rollout_length 128; 8 for "
+        "16 envs at 1024): enough to amortise a message's cost, few enough rows acted while the learner's buffers "
+        "are full.",
     )
     seed: int = Field(1, ge=0, description="Seed for envs, torch and numpy.")
     device: str = Field("auto", description="Learner torch device: auto (cuda if available), cpu, cuda, cuda:N.")
@@ -391,14 +392,15 @@ class OakEmuConfig(BaseSettings):
         return self
 
     # --- derived values ---
-    def resolved_steps_per_message(self, step_bytes: int) -> int:
-        """Steps per message K for an actor whose one vector step carries ``step_bytes`` array bytes:
-        the configured int, or :func:`oakemu_core.wire.auto_steps_per_message` for ``"auto"``."""
+    def resolved_steps_per_message(self, step_bytes: int, num_envs: int) -> int:
+        """Steps per message K for an actor of ``num_envs`` envs whose one vector step carries
+        ``step_bytes`` array bytes: the configured int, or
+        :func:`oakemu_core.wire.auto_steps_per_message` for ``"auto"``."""
         if self.steps_per_message != "auto":
             return int(self.steps_per_message)
         from oakemu_core.wire import auto_steps_per_message
 
-        return auto_steps_per_message(step_bytes, self.rollout_length)
+        return auto_steps_per_message(step_bytes, self.rollout_length, num_envs=num_envs)
 
     @property
     def buffer_num_envs(self) -> int:

@@ -1034,42 +1034,52 @@ measured so far, and one step per message keeps an Atari actor's rows moving wit
 AUTO_MAX_STEPS_PER_MESSAGE = 32
 """Most steps :func:`auto_steps_per_message` puts in one message (caps how long an actor holds
 steps before sending them)."""
-AUTO_MESSAGES_PER_SEGMENT = 128
-""":func:`auto_steps_per_message` keeps ``K <= rollout_length / 128``: the socket queues between an
-actor and the learner hold about ten MESSAGES (high-water marks, kernel buffers of one message) and
-the learner holds up to ``HELD_SLACK_MESSAGES`` (16) more past a segment while no columns are free,
-so K steps per message multiply by K the rows acted while the learner's buffers were full, which
-train a version later. Measured: CartPole at rollout_length 32 (a loaded 2-core machine), K = 4 let
-queued rows reach training 3-6 versions old (stale rows 50 %), K = 1 kept them within 2;
-LunarLander-v3 at rollout_length 1024 (500k steps, async, seeds 1-3), K = 32 left a fifth to a
-quarter of the rows 2 versions old (policy lag 1.18-1.25 versions, 879-981 SGD steps; last-100
-return 80.6 / 100.4 / 45.6), K = 8 almost none (1.03 versions, 757-763 SGD steps; 115.7 / 91.8 /
-62.7) at the same SPS."""
+AUTO_MESSAGES_PER_SEGMENT = 32
+""":func:`auto_steps_per_message` keeps ``K <= rollout_length / 32``: the queues between an actor and
+the learner hold a few MESSAGES (high-water marks) plus a few KiB (kernel buffers: a dozen small
+messages), so K steps per message multiply the steps in flight by K. Measured on CartPole
+(rollout_length 32, a loaded 2-core machine): K = 4 let queued rows reach training 3-6 versions
+old (stale rows 50 %), K = 1 kept them within 2; 32 messages per segment keep the queued rows a
+small part of a segment."""
+AUTO_MESSAGE_TARGET_ROWS = 128
+"""Env steps (K x num_envs) :func:`auto_steps_per_message` packs into one message at most. A message's
+fixed cost (about 100 us on the learner) is then under 1 us per row, and larger messages only add
+to the rows acted while the learner's buffers are full (they wait in about ten socket messages and
+16 held ones, so they train a version later). LunarLander-v3, 16 envs, rollout_length 1024, 500k
+steps, async, seeds 1-3: K = 32 (2,048 rows per message) left a fifth to a quarter of the rows 2
+versions old (policy lag 1.18-1.25 versions, 879-981 SGD steps; last-100 return 80.6 / 100.4 /
+45.6), K = 8 (128 rows) almost none (1.03 versions, 757-763 SGD steps; 115.7 / 91.8 / 62.7), at
+the same SPS. Capping K by the rollout instead (rollout_length / 128) cost CartPole at the default
+settings (2 actors x 8 envs, rollout 128, cheap updates, ingest-bound) a quarter of its SPS at K = 1
+against K = 4 (6,703 / 8,760 against 10,230 / 10,963 steps/s), for no less lag."""
 
 
-def auto_steps_per_message(step_bytes: int, rollout_length: int, *,
+def auto_steps_per_message(step_bytes: int, rollout_length: int, *, num_envs: int,
                            target_bytes: int = AUTO_MESSAGE_TARGET_BYTES,
+                           target_rows: int = AUTO_MESSAGE_TARGET_ROWS,
                            max_steps: int = AUTO_MAX_STEPS_PER_MESSAGE) -> int:
     """The ``steps_per_message`` the learner gives an actor by default (``steps_per_message =
     "auto"``): the largest divisor K of ``rollout_length`` with ``K <= max_steps``,
-    ``K <= rollout_length / AUTO_MESSAGES_PER_SEGMENT`` (128) and ``K * step_bytes <= target_bytes``;
-    1 when one step is already ``target_bytes`` or more, or the rollout is shorter than 256 steps.
+    ``K <= rollout_length / AUTO_MESSAGES_PER_SEGMENT`` (32), ``K * step_bytes <= target_bytes`` and
+    ``K * num_envs <= target_rows``; 1 when one step is already ``target_bytes`` or more.
 
     Examples: ALE/Breakout-v5, 8 envs: one step is ~226 KB -> K = 1; CartPole-v1, 8 envs: ~330 bytes
-    -> K = 1 with rollout_length 128 or 32, 4 with 512; LunarLander-v3, 16 envs, rollout 1024 -> 8.
+    -> K = 4 with rollout_length 128, 1 with rollout_length 32; LunarLander-v3, 16 envs, rollout 1024 ->
+    8 (128 rows).
 
     Args:
         step_bytes: array bytes of one vector step of the actor (``num_envs * sent bytes per env``).
         rollout_length: rows per segment (T); K divides it.
+        num_envs: envs of the actor (rows per vector step).
 
     Raises:
-        ValueError: ``step_bytes`` < 1 or ``rollout_length`` < 1.
+        ValueError: ``step_bytes``, ``rollout_length`` or ``num_envs`` < 1.
     """
-    if step_bytes < 1 or rollout_length < 1:
-        raise ValueError(f"auto_steps_per_message: expected step_bytes >= 1 and rollout_length >= 1, "
-                         f"received {step_bytes}, {rollout_length}")
+    if step_bytes < 1 or rollout_length < 1 or num_envs < 1:
+        raise ValueError(f"auto_steps_per_message: expected step_bytes, rollout_length and num_envs >= 1, "
+                         f"received {step_bytes}, {rollout_length}, {num_envs}")
     best = 1
     for k in range(1, min(max_steps, rollout_length // AUTO_MESSAGES_PER_SEGMENT) + 1):
-        if rollout_length % k == 0 and k * step_bytes <= target_bytes:
+        if rollout_length % k == 0 and k * step_bytes <= target_bytes and k * num_envs <= target_rows:
             best = k
     return best

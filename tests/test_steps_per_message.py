@@ -176,15 +176,18 @@ def test_steps_per_message_is_agreed_at_join_and_divides_the_rollout(buffers: li
         assembler.join("a", "inc", StepSpec(N, SCHEMA, steps_per_message=3), hostname="h", now=0.0)
     with pytest.raises(ValueError, match="steps_per_message"):
         OakEmuConfig(rollout_length=128, steps_per_message=3)
-    assert OakEmuConfig(rollout_length=128, steps_per_message=8).resolved_steps_per_message(10) == 8
-    # auto: 1 for Atari-sized steps, more for small ones, bounded by rollout_length / 128 and 32.
-    assert auto_steps_per_message(8 * 28224, 128) == 1
-    assert auto_steps_per_message(8 * 41, 128) == 1  # K <= rollout_length / 128
-    assert auto_steps_per_message(8 * 41, 512) == 4
-    assert auto_steps_per_message(8 * 41, 32) == 1
-    assert auto_steps_per_message(16 * 50, 1024) == 8
-    assert auto_steps_per_message(16 * 50, 4096) == 32  # at most 32 steps
-    assert OakEmuConfig(rollout_length=1024).resolved_steps_per_message(800) == 8
+    assert OakEmuConfig(rollout_length=128, steps_per_message=8).resolved_steps_per_message(10, 2) == 8
+    # auto: 1 for Atari-sized steps, more for small ones, bounded by rollout_length / 32, 32 steps and
+    # 128 env steps (rows) per message.
+    assert auto_steps_per_message(8 * 28224, 128, num_envs=8) == 1
+    assert auto_steps_per_message(8 * 41, 128, num_envs=8) == 4
+    assert auto_steps_per_message(8 * 41, 32, num_envs=8) == 1
+    assert auto_steps_per_message(16 * 50, 1024, num_envs=16) == 8  # 128 rows
+    assert auto_steps_per_message(2 * 50, 1024, num_envs=2) == 32  # at most 32 steps
+    assert auto_steps_per_message(1 * 50, 2048, num_envs=1) == 32
+    assert OakEmuConfig(rollout_length=1024).resolved_steps_per_message(800, 16) == 8
+    with pytest.raises(ValueError, match="num_envs"):
+        auto_steps_per_message(800, 1024, num_envs=0)
 
 
 def test_step_block_reports_the_oldest_acting_version_and_refuses_overflow() -> None:
