@@ -1061,7 +1061,8 @@ def auto_steps_per_message(step_bytes: int, rollout_length: int, *, num_envs: in
     """The ``steps_per_message`` the learner gives an actor by default (``steps_per_message =
     "auto"``): the largest divisor K of ``rollout_length`` with ``K <= max_steps``,
     ``K <= rollout_length / AUTO_MESSAGES_PER_SEGMENT`` (32), ``K * step_bytes <= target_bytes`` and
-    ``K * num_envs <= target_rows``; 1 when one step is already ``target_bytes`` or more.
+    ``K * num_envs <= target_rows``; 1 when two steps already exceed ``target_bytes`` or
+    ``target_rows`` (more than 64 envs), or the rollout is shorter than 64 steps.
 
     Examples: ALE/Breakout-v5, 8 envs: one step is ~226 KB -> K = 1; CartPole-v1, 8 envs: ~330 bytes
     -> K = 4 with rollout_length 128, 1 with rollout_length 32; LunarLander-v3, 16 envs, rollout 1024 ->

@@ -85,6 +85,32 @@ def test_a_learner_that_fails_to_start_releases_what_it_made(tmp_path: Path) -> 
         assert set(os.listdir("/proc/self/fd")) - open_fds == set()
 
 
+def test_a_joining_actor_gets_steps_per_message_for_its_own_env_count(tmp_path: Path) -> None:
+    """K is computed from the joining actor's envs, not from the configured envs_per_actor or the
+    buffer's columns: 128 env steps per message at most, rollout_length 1024."""
+    import socket
+
+    from oakemu_core.wire import JoinRequest, decode_message
+    from services.learner import Learner
+
+    ports = []
+    for _ in range(5):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports.append(probe.getsockname()[1])
+    config = OakEmuConfig(env_id="CartPole-v1", num_actors=1, envs_per_actor=16, num_envs=16, rollout_length=1024,
+                          runs_dir=tmp_path, run_name="join", data_port=ports[0], control_port=ports[1],
+                          weights_port=ports[2], telemetry_port=ports[3], metrics_port=ports[4], log_level="WARNING")
+    learner = Learner(config, tmp_path / "join")
+    try:
+        for num_envs, expected in ((16, 8), (2, 32), (4, 32), (8, 16)):
+            reply = decode_message(learner._grant_join(JoinRequest(f"a{num_envs}", "inc", num_envs, "h"), 0.0, None),
+                                   max_bytes=2**24)
+            assert reply.spec.num_envs == num_envs and reply.spec.steps_per_message == expected, num_envs
+    finally:
+        learner.close()
+
+
 def test_the_trainer_hands_publish_min_sgd_steps_to_the_learner(tmp_path: Path) -> None:
     """``publish_min_sgd_steps`` reaches the library learner in async mode (sync publishes no revisions)."""
     from services.learner import Trainer

@@ -183,8 +183,10 @@ def test_steps_per_message_is_agreed_at_join_and_divides_the_rollout(buffers: li
     assert auto_steps_per_message(8 * 41, 128, num_envs=8) == 4
     assert auto_steps_per_message(8 * 41, 32, num_envs=8) == 1
     assert auto_steps_per_message(16 * 50, 1024, num_envs=16) == 8  # 128 rows
-    assert auto_steps_per_message(2 * 50, 1024, num_envs=2) == 32  # at most 32 steps
-    assert auto_steps_per_message(1 * 50, 2048, num_envs=1) == 32
+    assert auto_steps_per_message(2 * 50, 1024, num_envs=2) == 32  # rollout_length / 32
+    assert auto_steps_per_message(1 * 50, 2048, num_envs=1) == 32  # at most 32 steps
+    assert auto_steps_per_message(65 * 50, 1024, num_envs=65) == 1  # 2 x 65 rows > 128
+    assert auto_steps_per_message(200 * 50, 1024, num_envs=200) == 1
     assert OakEmuConfig(rollout_length=1024).resolved_steps_per_message(800, 16) == 8
     with pytest.raises(ValueError, match="num_envs"):
         auto_steps_per_message(800, 1024, num_envs=0)
