@@ -309,12 +309,10 @@ class Learner:
             if any(cut.values()):
                 log.info("removed records past the checkpoint's %d env steps: %s", self.trainer.global_step,
                          ", ".join(f"{name} {count}" for name, count in cut.items() if count))
-        self.buffers = [
-            RolloutBuffer(config.rollout_length, config.buffer_num_envs, schema=self.schema)
-            for _ in range(num_rollout_buffers(config))
-        ]
-        for buffer in self.buffers:
-            undo.callback(buffer.close)
+        self.buffers: list[RolloutBuffer] = []
+        for _ in range(num_rollout_buffers(config)):
+            self.buffers.append(RolloutBuffer(config.rollout_length, config.buffer_num_envs, schema=self.schema))
+            undo.callback(self.buffers[-1].close)  # also when the next one fails
         self.sync = config.mode == "sync"
         self.assembler = RolloutAssembler(self.buffers, actor_timeout_s=config.actor_timeout_s, sync=self.sync,
                                           max_policy_lag=config.max_policy_lag)
