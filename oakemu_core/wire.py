@@ -1046,10 +1046,10 @@ AUTO_MESSAGE_TARGET_ROWS = 128
 fixed cost (about 100 us on the learner) is then under 1 us per row, and larger messages only add
 to the rows acted while the learner's buffers are full (they wait in about ten socket messages and
 16 held ones, so they train a version later). LunarLander-v3, 16 envs, rollout_length 1024, 500k
-steps, async, seeds 1-3: K = 32 (2,048 rows per message) left a fifth to a quarter of the rows 2
-versions old (policy lag 1.18-1.25 versions, 879-981 SGD steps; last-100 return 80.6 / 100.4 /
-45.6), K = 8 (128 rows) almost none (1.03 versions, 757-763 SGD steps; 115.7 / 91.8 / 62.7), at
-the same SPS. Capping K by the rollout instead (rollout_length / 128) cost CartPole at the default
+steps, async, seeds 1-6: K = 32 (512 rows per message) left a sixth to a quarter of the rows 2
+versions old (policy lag 1.16-1.25 versions, 857-981 SGD steps; last-100 return mean 88.7, median
+95.4), K = 8 (128 rows) almost none (1.00-1.03 versions, 729-781 SGD steps; mean 110.7, median
+95.8), at the same SPS. Capping K by the rollout instead (rollout_length / 128) cost CartPole at the default
 settings (2 actors x 8 envs, rollout 128, cheap updates, ingest-bound) a quarter of its SPS at K = 1
 against K = 4 (6,703 / 8,760 against 10,230 / 10,963 steps/s), for no less lag."""
 
