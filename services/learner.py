@@ -281,9 +281,10 @@ class Learner:
     def __init__(self, config: OakEmuConfig, run_dir: Path) -> None:
         # A start that fails half-way (a port in use, a bad checkpoint) releases what it made: the
         # hand-back pipe, the shared-memory segments, the sockets and the log files.
+        # close() releases the same list, in reverse order, after the final checkpoint.
         with contextlib.ExitStack() as undo:
             self._build(config, run_dir, undo)
-            undo.pop_all()
+            self._release = undo.pop_all()
 
     def _build(self, config: OakEmuConfig, run_dir: Path, undo: contextlib.ExitStack) -> None:
         self.config = config
@@ -297,7 +298,7 @@ class Learner:
             log.warning("removed shared-memory segment %s left by a dead process", name)
         ensure_shm_capacity(num_rollout_buffers(config) * self.buffer_bytes)
         self.trainer = Trainer(config, self.spec, self.schema, run_dir)
-        undo.callback(self.trainer.handshake.close)
+        undo.callback(self._close_handshake)
         resume_from = latest_checkpoint(run_dir)
         if resume_from is not None:
             self.trainer.restore(resume_from)
@@ -357,6 +358,8 @@ class Learner:
                                             security=self.security)
         undo.callback(self.telemetry.close)
         self.prometheus = PrometheusExporter(config.metrics_port) if config.metrics_enabled else None
+        if self.prometheus is not None:
+            undo.callback(self.prometheus.close)
 
     def _setup_sockets(self, undo: contextlib.ExitStack) -> None:
         config = self.config
@@ -857,18 +860,11 @@ class Learner:
                 log.error("final checkpoint not written; the run resumes from %s",
                           self.trainer.checkpoint_writer.last_saved or "its start (no checkpoint)")
         finally:
-            if not self.trainer.running:  # a trainer still inside complete() would write to a reused fd
-                self.trainer.handshake.close()
-            self.metrics.close()
-            self.episodes_log.close()
-            self.telemetry.close()
-            if self.prometheus is not None:
-                self.prometheus.close()
-            if self.security is not None:
-                self.security.close()
-            self.context.destroy(linger=0)
-            for buffer in self.buffers:
-                buffer.close()
+            self._release.close()  # what __init__ registered, newest first; empty after the first call
+
+    def _close_handshake(self) -> None:
+        if not self.trainer.running:  # a trainer still inside complete() would write to a reused fd
+            self.trainer.handshake.close()
 
 
 def _finite_or_none(value: float) -> float | None:

@@ -126,3 +126,34 @@ def test_the_trainer_hands_publish_min_sgd_steps_to_the_learner(tmp_path: Path) 
                 assert trainer.ppo.revision_min_sgd_steps == 7
         finally:
             trainer.handshake.close()
+
+
+def test_a_closed_learner_releases_what_it_made(tmp_path: Path) -> None:
+    """close() writes the final checkpoint, then releases the one list __init__ registered: no file
+    descriptor (pipe, sockets, Prometheus' server, log files) and no shared-memory segment is left,
+    and a second close() releases nothing twice."""
+    import os
+    import socket
+
+    from oakemu_core.rollout_buffer import RolloutBuffer
+    from services.learner import Learner
+
+    ports = []
+    for _ in range(5):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports.append(probe.getsockname()[1])
+    config = OakEmuConfig(env_id="CartPole-v1", envs_per_actor=2, num_envs=2, rollout_length=8, runs_dir=tmp_path,
+                          run_name="closed", bind_host="127.0.0.1", data_port=ports[0], control_port=ports[1],
+                          weights_port=ports[2], telemetry_port=ports[3], metrics_port=ports[4], log_level="WARNING")
+    assert config.metrics_enabled
+    with RolloutBuffer(8, 2, schema=schema_for_env(env_spec("CartPole-v1"))):
+        pass  # shared memory's resource tracker opens its pipe once per process: before the snapshot
+    open_fds, segments = set(os.listdir("/proc/self/fd")), set(os.listdir("/dev/shm"))
+    learner = Learner(config, tmp_path / "closed")
+    assert set(os.listdir("/dev/shm")) - segments, "the learner's buffers live in /dev/shm"
+    learner.close()
+    assert set(os.listdir("/proc/self/fd")) - open_fds == set()
+    assert set(os.listdir("/dev/shm")) - segments == set()
+    assert list((tmp_path / "closed").glob("checkpoints/*")), "the final checkpoint is written before the release"
+    learner.close()  # idempotent: nothing left to release
