@@ -842,13 +842,13 @@ class Learner:
 
     def close(self) -> None:
         """Final checkpoint, then release sockets, loggers and shared memory (idempotent)."""
-        self.trainer.stop()
-        if self.trainer.tester is not None:
-            self._final_evaluation()
-        # The step count continues from every env step received, trained or not (monotonic).
-        self.trainer.global_step = max(self.trainer.global_step, self.assembler.counters.env_steps)
-        self.trainer.episodes = self.episodes
         try:
+            self.trainer.stop()
+            if self.trainer.tester is not None:
+                self._final_evaluation()
+            # The step count continues from every env step received, trained or not (monotonic).
+            self.trainer.global_step = max(self.trainer.global_step, self.assembler.counters.env_steps)
+            self.trainer.episodes = self.episodes
             try:
                 path = self.trainer.checkpoint()
             except CheckpointWriteFailed as error:  # already logged as the reason to stop, or the last straw
@@ -861,6 +861,7 @@ class Learner:
                           self.trainer.checkpoint_writer.last_saved or "its start (no checkpoint)")
         finally:
             self._release.close()  # what __init__ registered, newest first; empty after the first call
+            self._close_handshake()  # again: a trainer that outlived stop() kept the pipe open the first time
 
     def _close_handshake(self) -> None:
         if not self.trainer.running:  # a trainer still inside complete() would write to a reused fd

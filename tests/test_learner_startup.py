@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 from oakemu_core.config import OakEmuConfig
 from oakemu_core.envs import env_spec
 from oakemu_core.memory_diagnostics import shm_free_bytes
@@ -41,7 +40,7 @@ def test_learner_refuses_a_rollout_that_does_not_fit_in_dev_shm(tmp_path: Path) 
         [sys.executable, "-m", "services.cli", "learner", "--env-id", "ALE/Breakout-v5",
          "--envs-per-actor", "8", "--num-envs", str(num_envs), "--rollout-length", str(rollout_length),
          "--runs-dir", str(tmp_path), "--run-name", "too-big", "--metrics-port", "0"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
     )
     assert result.returncode == 1
     output = " ".join((result.stdout + result.stderr).split())
@@ -152,8 +151,50 @@ def test_a_closed_learner_releases_what_it_made(tmp_path: Path) -> None:
     open_fds, segments = set(os.listdir("/proc/self/fd")), set(os.listdir("/dev/shm"))
     learner = Learner(config, tmp_path / "closed")
     assert set(os.listdir("/dev/shm")) - segments, "the learner's buffers live in /dev/shm"
+    released_at_checkpoint = []
+    checkpoint = learner.trainer.checkpoint
+
+    def checkpoint_and_look() -> Path | None:
+        released_at_checkpoint.append((learner.buffers[0]._closed, learner.context.closed))
+        return checkpoint()
+
+    learner.trainer.checkpoint = checkpoint_and_look
     learner.close()
+    assert released_at_checkpoint == [(False, False)], "the final checkpoint comes before the release"
+    assert list((tmp_path / "closed").glob("checkpoints/*.pt"))
     assert set(os.listdir("/proc/self/fd")) - open_fds == set()
     assert set(os.listdir("/dev/shm")) - segments == set()
-    assert list((tmp_path / "closed").glob("checkpoints/*")), "the final checkpoint is written before the release"
     learner.close()  # idempotent: nothing left to release
+
+
+def test_the_pipe_outlives_a_trainer_that_did_not_stop_in_time(tmp_path: Path) -> None:
+    """A trainer thread still alive after stop() timed out may still hand back a result: the first
+    close() keeps the hand-back pipe open (a reused fd would get its write), a close() after the
+    thread ended releases it."""
+    import socket
+    import threading
+
+    from services.learner import Learner
+
+    ports = []
+    for _ in range(5):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports.append(probe.getsockname()[1])
+    config = OakEmuConfig(env_id="CartPole-v1", envs_per_actor=2, num_envs=2, rollout_length=8, runs_dir=tmp_path,
+                          run_name="late", bind_host="127.0.0.1", data_port=ports[0], control_port=ports[1],
+                          weights_port=ports[2], telemetry_port=ports[3], metrics_port=ports[4], log_level="WARNING")
+    learner = Learner(config, tmp_path / "late")
+    finish = threading.Event()
+    learner.trainer._thread = threading.Thread(target=finish.wait, daemon=True)  # a trainer deaf to stop()
+    learner.trainer._thread.start()
+    learner.trainer.stop = lambda timeout_s=60.0: None  # as if the join timed out
+    pipe = learner.trainer.handshake
+    try:
+        learner.close()
+        assert pipe.wake_fd != -1, "closed under a trainer that may still write to it"
+    finally:
+        finish.set()
+        learner.trainer._thread.join()
+        learner.close()
+    assert pipe.wake_fd == -1
