@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from oakemu_core.ingest import FullRollout, drop_stale_rows
-from oakemu_core.models import weights_to_arrays
+from oakemu_core.models import load_optimizer_state, weights_to_arrays
 from oakemu_core.normalization import RewardScaler
 from oakemu_core.ppo import EmptyRolloutError, PPOUpdater, PPOUpdateStats, RolloutEvaluation
 from oakemu_core.rollout_buffer import RolloutBuffer
@@ -609,7 +609,7 @@ class PPOLearner:
         """Inverse of :meth:`checkpoint_state` (resume)."""
         with self.learner_model.locked() as model:
             model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            load_optimizer_state(self.optimizer, state["optimizer"])
             if self.lr_schedule is not None and state.get("lr_schedule"):
                 self.lr_schedule.load_state_dict(state["lr_schedule"])
             self.restore_state(PPOLearnerRuntimeState.from_dict(state["ppo"]))
@@ -619,7 +619,7 @@ class PPOLearner:
         and a NEW policy version (versions never go back, so actors and lag checks stay sane)."""
         with self.learner_model.locked() as model:
             model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            load_optimizer_state(self.optimizer, state["optimizer"])
             self.lr_scale *= float(lr_factor)
             self.learner_model.version += 1
         self._note_sgd_steps(self.policy_version, 0, self.sgd_steps)

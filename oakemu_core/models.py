@@ -186,6 +186,7 @@ class ActorCritic(nn.Module):
             self.actor_torso = self.critic_torso = nn.Identity()
         self.actor = distribution.make_head(features)
         self.critic = _layer_init(nn.Linear(features, 1), std=1.0)
+        self.channels_last = False  # see use_channels_last()
 
     @staticmethod
     def _module_key(key: str) -> str:
@@ -201,6 +202,26 @@ class ActorCritic(nn.Module):
             if min(height, width) >= SMALL_CNN_MIN_SIZE:
                 return _small_cnn(channels, height, width)
         return nn.Flatten(), math.prod(shape)
+
+    @property
+    def has_convolutions(self) -> bool:
+        """Some observation goes through a CNN encoder (image observations of at least 7 x 7)."""
+        return any(isinstance(module, nn.Conv2d) for module in self.modules())
+
+    def use_channels_last(self) -> ActorCritic:
+        """Store the convolution weights channels-last (NHWC) and feed image observations to them
+        the same way; returns ``self``. Outputs and weights are the same (``state_dict`` holds the
+        same values, in another memory layout), up to float rounding.
+
+        Why: oneDNN's CPU convolutions are faster in this layout. One Nature-CNN forward + backward +
+        Adam step at batch 256 on a 2-core CPU: 65-72 ms against 100 ms (weights alone channels-last:
+        82 ms). Only worth it where the learner trains on the CPU.
+
+        An optimizer over these parameters must keep its state in the same layout: load its state
+        with :func:`load_optimizer_state` (fused Adam pairs elements by storage order).
+        """
+        self.channels_last = True
+        return self.to(memory_format=torch.channels_last)
 
     @property
     def device(self) -> torch.device:
@@ -234,6 +255,8 @@ class ActorCritic(nn.Module):
         if x.dtype != self._torch_dtypes[key]:
             raise ValueError(f"observations{'[' + repr(key) + ']' if key else ''}: expected dtype "
                              f"{self._torch_dtypes[key]}, got {x.dtype}")
+        if self.channels_last and x.dim() == 4:  # (B, C, H, W) images; uint8 is the cheaper copy
+            x = x.contiguous(memory_format=torch.channels_last)
         x = x.to(torch.float32)
         if dtype == np.uint8:
             return x / 255.0
@@ -413,6 +436,26 @@ def build_model(
         return ActorCritic({"": (tuple(observation_layout), distribution)}, Categorical(num_actions),
                            normalize_observations=normalize_observations)
     return ActorCritic(observation_layout, distribution, normalize_observations=normalize_observations)
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict(state)``, then each per-parameter state tensor (Adam's moments)
+    re-laid in its parameter's memory layout, values unchanged.
+
+    A checkpoint written by a learner whose convolutions were channels-last
+    (:meth:`ActorCritic.use_channels_last`) holds moments in that layout, and one written without
+    holds them contiguous; ``load_state_dict`` keeps the saved layout. Fused Adam pairs a parameter
+    and its moments element by element in storage order, so mismatched layouts would update the
+    wrong elements (measured: a conv weight off by 0.087 after one step at lr 0.1).
+
+    Raises:
+        whatever ``optimizer.load_state_dict`` raises for a state of another optimizer.
+    """
+    optimizer.load_state_dict(state)
+    for parameter, parameter_state in optimizer.state.items():
+        for name, value in parameter_state.items():
+            if isinstance(value, torch.Tensor) and value.shape == parameter.shape and value.stride() != parameter.stride():
+                parameter_state[name] = torch.empty_like(parameter, dtype=value.dtype).copy_(value)
 
 
 def weights_to_arrays(model: nn.Module) -> dict[str, np.ndarray]:

@@ -198,3 +198,18 @@ def test_the_pipe_outlives_a_trainer_that_did_not_stop_in_time(tmp_path: Path) -
         learner.trainer._thread.join()
         learner.close()
     assert pipe.wake_fd == -1
+
+
+def test_a_cpu_learner_keeps_image_convolutions_channels_last(tmp_path: Path) -> None:
+    """On the CPU the learner's CNN is channels-last (oneDNN's faster layout); an MLP stays as built."""
+    from services.learner import Trainer
+
+    for env_id, expected in (("ALE/Breakout-v5", True), ("CartPole-v1", False)):
+        config = OakEmuConfig(env_id=env_id, num_actors=1, envs_per_actor=2, num_envs=2, rollout_length=8,
+                              device="cpu", runs_dir=tmp_path, log_level="WARNING")
+        spec = env_spec(config.env_id)
+        trainer = Trainer(config, spec, schema_for_env(spec), tmp_path / env_id.replace("/", "-"))
+        try:
+            assert trainer.learner_model.model.channels_last is expected, env_id
+        finally:
+            trainer.handshake.close()
