@@ -205,7 +205,7 @@ class ActorCritic(nn.Module):
 
     @property
     def has_convolutions(self) -> bool:
-        """Some observation goes through a CNN encoder (image observations of at least 7 x 7)."""
+        """Some observation goes through a CNN encoder (images of at least SMALL_CNN_MIN_SIZE per side)."""
         return any(isinstance(module, nn.Conv2d) for module in self.modules())
 
     def use_channels_last(self) -> ActorCritic:
