@@ -130,3 +130,19 @@ def test_bench_vs_sb3_flags_match_the_case(name: str, monkeypatch: pytest.Monkey
     with pytest.raises(SystemExit, match="must divide"):
         module.oakemu_bench_args(target, mode="async", seed=3, steps=4096, runs_dir=tmp_path, run_name="r",
                                  ports=[1, 2, 3, 4, 5], torch_threads=1, num_actors=case.num_envs + 1)
+
+
+def test_bench_learner_layout_times_both_layouts_and_prints_their_ratio() -> None:
+    """A tiny run of benchmarks/bench_learner_layout.py: each layout timed, and the printed speed-up is
+    the quotient of the two printed medians."""
+    import re
+
+    script = REPO_ROOT / "benchmarks" / "bench_learner_layout.py"
+    result = subprocess.run([sys.executable, str(script), "--batch", "4", "--steps", "1", "--repeats", "1"],
+                            capture_output=True, text=True, timeout=300, check=False, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr
+    built = float(re.search(r"as built:\s+([\d.]+) ms", result.stdout).group(1))
+    last = float(re.search(r"channels-last:\s+([\d.]+) ms", result.stdout).group(1))
+    ratio = float(re.search(r"speed-up: ([\d.]+) x", result.stdout).group(1))
+    assert built > 0 and last > 0
+    assert abs(ratio - built / last) <= 0.01 + 0.05 * ratio  # the printed figures are rounded
