@@ -213,9 +213,10 @@ class ActorCritic(nn.Module):
         the same way; returns ``self``. Outputs and weights are the same (``state_dict`` holds the
         same values, in another memory layout), up to float rounding.
 
-        Why: oneDNN's CPU convolutions are faster in this layout. One Nature-CNN forward + backward +
-        Adam step at batch 256 on a 2-core CPU: 65-72 ms against 100 ms (weights alone channels-last:
-        82 ms). Only worth it where the learner trains on the CPU.
+        Why: oneDNN's CPU convolutions are faster in this layout. A Nature-CNN forward + backward +
+        fused Adam step on a 2-core CPU is 1.31-1.41 x faster at 64-512 rows, 1.00 x at 32
+        (``benchmarks/bench_learner_layout.py``; the weights alone channels-last gained about half of
+        that). Only worth it where the learner trains on the CPU.
 
         An optimizer over these parameters must keep its state in the same layout: load its state
         with :func:`load_optimizer_state` (fused Adam pairs elements by storage order).
@@ -449,7 +450,8 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
     wrong elements (measured: a conv weight off by 0.087 after one step at lr 0.1).
 
     Raises:
-        whatever ``optimizer.load_state_dict`` raises for a state of another optimizer.
+        ValueError: ``state`` belongs to an optimizer with other parameter groups (raised by
+            ``load_state_dict``, before anything is loaded).
     """
     optimizer.load_state_dict(state)
     for parameter, parameter_state in optimizer.state.items():

@@ -156,7 +156,7 @@ class Trainer:
         assert schema.distribution is not None
         model = build_model(spec.observation_layout, schema.distribution,
                             normalize_observations=config.normalize_observations).to(self.device)
-        if torch.device(self.device).type == "cpu" and model.has_convolutions:  # oneDNN: about 1.5 x faster PPO updates
+        if torch.device(self.device).type == "cpu" and model.has_convolutions:  # oneDNN: Breakout updates 1.38 x faster
             model.use_channels_last()
         self.learner_model = ThreadSafeModel(model)
         # The fused kernel (one op for all parameters instead of a Python loop over them) cuts an
