@@ -11,7 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from oakemu_core.distributions import Categorical, DiagGaussian, MultiCategorical, distribution_for_env
+from oakemu_core.distributions import (
+    Categorical,
+    DiagGaussian,
+    MultiCategorical,
+    distribution_for_env,
+)
 from oakemu_core.envs import EnvSpec
 from oakemu_core.models import (
     ActorCritic,
