@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,23 @@ from oakemu_core.step_schema import schema_for_env
 from services.learner import NUM_ROLLOUT_BUFFERS, rollout_buffer_bytes
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_ports(count: int) -> list[int]:
+    ports = []
+    for _ in range(count):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports.append(probe.getsockname()[1])
+    return ports
+
+
+def _cartpole_learner_config(tmp_path: Path, run_name: str) -> OakEmuConfig:
+    """A small CartPole learner on free loopback ports, metrics (Prometheus) on."""
+    data, control, weights, telemetry, metrics = _free_ports(5)
+    return OakEmuConfig(env_id="CartPole-v1", envs_per_actor=2, num_envs=2, rollout_length=8, runs_dir=tmp_path,
+                        run_name=run_name, bind_host="127.0.0.1", data_port=data, control_port=control,
+                        weights_port=weights, telemetry_port=telemetry, metrics_port=metrics, log_level="WARNING")
 
 
 def test_rollout_buffer_bytes_matches_a_real_buffer() -> None:
@@ -132,19 +150,11 @@ def test_a_closed_learner_releases_what_it_made(tmp_path: Path) -> None:
     descriptor (pipe, sockets, Prometheus' server, log files) and no shared-memory segment is left,
     and a second close() releases nothing twice."""
     import os
-    import socket
 
     from oakemu_core.rollout_buffer import RolloutBuffer
     from services.learner import Learner
 
-    ports = []
-    for _ in range(5):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            ports.append(probe.getsockname()[1])
-    config = OakEmuConfig(env_id="CartPole-v1", envs_per_actor=2, num_envs=2, rollout_length=8, runs_dir=tmp_path,
-                          run_name="closed", bind_host="127.0.0.1", data_port=ports[0], control_port=ports[1],
-                          weights_port=ports[2], telemetry_port=ports[3], metrics_port=ports[4], log_level="WARNING")
+    config = _cartpole_learner_config(tmp_path, "closed")
     assert config.metrics_enabled
     with RolloutBuffer(8, 2, schema=schema_for_env(env_spec("CartPole-v1"))):
         pass  # shared memory's resource tracker opens its pipe once per process: before the snapshot
@@ -171,20 +181,11 @@ def test_the_pipe_outlives_a_trainer_that_did_not_stop_in_time(tmp_path: Path) -
     """A trainer thread still alive after stop() timed out may still hand back a result: the first
     close() keeps the hand-back pipe open (a reused fd would get its write), a close() after the
     thread ended releases it."""
-    import socket
     import threading
 
     from services.learner import Learner
 
-    ports = []
-    for _ in range(5):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            ports.append(probe.getsockname()[1])
-    config = OakEmuConfig(env_id="CartPole-v1", envs_per_actor=2, num_envs=2, rollout_length=8, runs_dir=tmp_path,
-                          run_name="late", bind_host="127.0.0.1", data_port=ports[0], control_port=ports[1],
-                          weights_port=ports[2], telemetry_port=ports[3], metrics_port=ports[4], log_level="WARNING")
-    learner = Learner(config, tmp_path / "late")
+    learner = Learner(_cartpole_learner_config(tmp_path, "late"), tmp_path / "late")
     finish = threading.Event()
     learner.trainer._thread = threading.Thread(target=finish.wait, daemon=True)  # a trainer deaf to stop()
     learner.trainer._thread.start()
