@@ -74,7 +74,6 @@ def test_a_learner_that_fails_to_start_releases_what_it_made(tmp_path: Path) -> 
     """A start that fails at its last step (the telemetry port is taken) leaves no file descriptor
     (hand-back pipe, sockets, log files) and no shared-memory segment behind (conftest's leak check)."""
     import os
-    import socket
 
     import pytest
 
@@ -85,11 +84,7 @@ def test_a_learner_that_fails_to_start_releases_what_it_made(tmp_path: Path) -> 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        ports = []
-        for _ in range(4):  # free ports for the other sockets
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", 0))
-                ports.append(probe.getsockname()[1])
+        ports = _free_ports(4)  # for the other sockets
         config = OakEmuConfig(env_id="CartPole-v1", envs_per_actor=2, num_envs=2, rollout_length=8,
                               runs_dir=tmp_path, run_name="taken", bind_host="127.0.0.1", data_port=ports[0],
                               control_port=ports[1], weights_port=ports[2], metrics_port=ports[3],
@@ -105,16 +100,10 @@ def test_a_learner_that_fails_to_start_releases_what_it_made(tmp_path: Path) -> 
 def test_a_joining_actor_gets_steps_per_message_for_its_own_env_count(tmp_path: Path) -> None:
     """K is computed from the joining actor's envs, not from the configured envs_per_actor or the
     buffer's columns: 128 env steps per message at most, rollout_length 1024."""
-    import socket
-
     from oakemu_core.wire import JoinRequest, decode_message
     from services.learner import Learner
 
-    ports = []
-    for _ in range(5):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            ports.append(probe.getsockname()[1])
+    ports = _free_ports(5)
     config = OakEmuConfig(env_id="CartPole-v1", num_actors=1, envs_per_actor=16, num_envs=16, rollout_length=1024,
                           runs_dir=tmp_path, run_name="join", data_port=ports[0], control_port=ports[1],
                           weights_port=ports[2], telemetry_port=ports[3], metrics_port=ports[4], log_level="WARNING")
