@@ -78,6 +78,14 @@ class Segment:
     slot: int
     columns: np.ndarray  # (k,) int64 buffer columns; the actor's env i writes column columns[i]
     rows_written: int = 0
+    index: slice | np.ndarray = field(init=False)
+    """``columns`` as a slice when they are consecutive (a plain strided copy, several times cheaper
+    than numpy's fancy-index assignment), else ``columns``."""
+
+    def __post_init__(self) -> None:
+        first, count = int(self.columns[0]), len(self.columns)
+        consecutive = self.columns.tolist() == list(range(first, first + count))
+        self.index = slice(first, first + count) if consecutive else self.columns
 
 
 @dataclass
@@ -213,10 +221,13 @@ class RolloutAssembler:
             The new record; ``index`` is unique among joined actors (actors seed their envs with it).
 
         Raises:
-            ValueError: ``index`` is held by another joined actor, (synchronous mode) its columns
+            ValueError: the spec's schema is not the buffers' (a learner bug: messages are written
+                as checked against the spec), ``index`` is held by another joined actor, (synchronous mode) its columns
                 ``index * num_envs ...`` do not fit in the buffer, or the spec's
                 ``steps_per_message`` does not divide the rollout length.
         """
+        if spec.schema != self.buffers[0].schema:  # decode_step checks messages against spec.schema only
+            raise ValueError("the actor's step schema differs from the rollout buffers' schema")
         if self.rollout_length % spec.steps_per_message:
             raise ValueError(
                 f"steps_per_message: expected a divisor of rollout_length {self.rollout_length} (a step "
@@ -304,7 +315,9 @@ class RolloutAssembler:
 
         The message arrays and their values were already checked against the actor's spec by
         :func:`oakemu_core.wire.decode_step` (a message rejected there leaves a hole in the
-        actor's ``seq``, so its next message discards the unfinished segment as out of order).
+        actor's ``seq``, so its next message discards the unfinished segment as out of order); they
+        are written without a second check (:meth:`RolloutBuffer.write_validated`: the spec's schema
+        is the buffers', checked at :meth:`join`).
 
         Raises:
             StepRejected: unknown actor incarnation (``unknown_actor``), a sequence number below
@@ -419,21 +432,14 @@ class RolloutAssembler:
             record.segment = None
             self.counters.dropped["stale_steps"] += num_envs * rows
             return
-        try:
-            fields = message.fields
-            if rows == 1:
-                if k < num_envs:  # fewer free columns than envs: the first k envs are written
-                    fields = {name: array[:k] for name, array in fields.items()}
-                self.buffers[segment.slot].write_columns(
-                    segment.rows_written, segment.columns, fields, policy_version=message.policy_version,
-                    policy_revision=message.revision)
-            else:  # a block of K rows: validated whole, one bulk copy per field
-                if k < num_envs:
-                    fields = {name: array[:, :k] for name, array in fields.items()}
-                self.buffers[segment.slot].write_column_rows(
-                    segment.rows_written, segment.columns, fields, policy_version=message.policy_version,
-                    policy_revision=message.revision)
-        except (ValueError, OverflowError) as error:  # the buffer validates before writing: nothing was written
+        fields = message.fields
+        if k < num_envs:  # fewer free columns than envs: the first k envs are written
+            fields = {name: array[:k] if rows == 1 else array[:, :k] for name, array in fields.items()}
+        try:  # decode_step validated the fields against the buffers' schema (checked at join)
+            self.buffers[segment.slot].write_validated(
+                segment.rows_written, segment.index, fields, rows=None if rows == 1 else rows,
+                policy_version=message.policy_version, policy_revision=message.revision)
+        except (ValueError, OverflowError) as error:  # the row bookkeeping disagrees: nothing was written
             self._discard_segment(record)
             raise StepRejected("schema", str(error)) from None
         segment.rows_written += rows

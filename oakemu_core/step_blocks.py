@@ -5,7 +5,7 @@ encode, the syscalls, the learner's decode, validation and buffer write cost the
 as for 30 KB. A :class:`StepBlock` gathers K vector steps of one actor into preallocated
 ``(K, n, *shape)`` arrays (one per sent field of the step schema), then the actor sends them as one
 :class:`~oakemu_core.wire.StepMessage`; the learner validates the block whole and writes its K rows
-with one copy per field (:meth:`oakemu_core.rollout_buffer.RolloutBuffer.write_column_rows`).
+with one copy per field (:meth:`oakemu_core.rollout_buffer.RolloutBuffer.write_validated`, ``rows=K``).
 
 The message's ``(policy_version, revision)`` is that of the OLDEST weights that acted on any of the
 K steps (the actor loads new weights only between blocks, so normally all K agree; after a rejoin

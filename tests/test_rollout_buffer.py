@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 from collections.abc import Iterator
@@ -230,6 +231,42 @@ def test_write_columns_fills_columns_independently(buffer: RolloutBuffer) -> Non
     assert buffer.is_full
     np.testing.assert_array_equal(buffer.policy_versions[0], [3, 4, 3])
     np.testing.assert_array_equal(buffer.policy_revisions[0], [2, 0, 2])
+
+
+def _complete(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every writable field (write_validated fills no defaults), plus one the buffer does not store."""
+    lead = arrays["dones"].shape
+    return {**arrays, "bootstrap_values": np.zeros(lead, np.float32), "truncated": np.zeros(lead, bool),
+            "trainable": np.arange(math.prod(lead)).reshape(lead) % 2 == 0}
+
+
+def test_write_validated_stores_what_the_checked_writes_store(buffer: RolloutBuffer) -> None:
+    """One row into fancy-indexed columns, then a block of rows into a slice: the same buffer contents
+    as write_columns / write_column_rows."""
+    with RolloutBuffer(4, 3, OBS_SHAPE, np.uint8, seed=0) as checked:
+        one_row = _complete(step_arrays(2, 0))
+        block = {name: np.stack([_complete(step_arrays(1, s))[name] for s in (0, 1, 2)]) for name in one_row}
+        buffer.write_validated(0, np.array([2, 0]), one_row, policy_version=3, policy_revision=1)
+        checked.write_columns(0, np.array([2, 0]), one_row, policy_version=3, policy_revision=1)
+        buffer.write_validated(0, slice(1, 2), block, rows=3, policy_version=5)
+        checked.write_column_rows(0, np.array([1]), block, policy_version=5)
+        for name in ["observations", "actions", "log_probs", "values", "rewards", "dones", "bootstrap_values",
+                     "trainable", "policy_versions", "policy_revisions", "column_steps"]:
+            np.testing.assert_array_equal(getattr(buffer, name), getattr(checked, name), err_msg=name)
+        np.testing.assert_array_equal(buffer.column_steps, [1, 3, 1])
+        np.testing.assert_array_equal(buffer.trainable[0], [False, True, True])  # env 1 -> column 0
+
+
+def test_write_validated_checks_the_rows_and_writes_nothing_when_they_disagree(buffer: RolloutBuffer) -> None:
+    buffer.write_validated(0, slice(0, 2), _complete(step_arrays(2, 0)), policy_version=0)
+    before = {name: getattr(buffer, name).copy() for name in ("actions", "column_steps", "policy_versions")}
+    with pytest.raises(ValueError, match="step_index=0"):  # column 1 already holds a row
+        buffer.write_validated(0, np.array([1, 2]), _complete(step_arrays(2, 0)), policy_version=7)
+    block = {name: np.stack([value] * 4) for name, value in _complete(step_arrays(2, 1)).items()}
+    with pytest.raises(OverflowError, match="rollout_length 4"):  # rows 1..4 of a 4-row buffer
+        buffer.write_validated(1, slice(0, 2), block, rows=4, policy_version=7)
+    for name, value in before.items():
+        np.testing.assert_array_equal(getattr(buffer, name), value, err_msg=name)
 
 
 def test_write_columns_keeps_rows_contiguous(buffer: RolloutBuffer) -> None:
