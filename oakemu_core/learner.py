@@ -32,7 +32,7 @@ import torch
 from oakemu_core.ingest import FullRollout, drop_stale_rows
 from oakemu_core.models import load_optimizer_state, weights_to_arrays
 from oakemu_core.normalization import RewardScaler
-from oakemu_core.ppo import EmptyRolloutError, PPOUpdater, PPOUpdateStats, RolloutEvaluation
+from oakemu_core.ppo import PRECISIONS, EmptyRolloutError, PPOUpdater, PPOUpdateStats, RolloutEvaluation
 from oakemu_core.rollout_buffer import RolloutBuffer
 
 __all__ = [
@@ -88,11 +88,15 @@ class PPOExperimentConfiguration:
     bc_batch_size: int = 256
     bc_coef: float = 0.0
     bc_coef_decay: float = 1.0
+    learner_precision: str = "float32"
 
     def __post_init__(self) -> None:
         if self.off_policy_correction not in ("decoupled", "none"):
             raise ValueError(f"off_policy_correction: expected 'decoupled' or 'none', "
                              f"received {self.off_policy_correction!r}")
+        if self.learner_precision not in PRECISIONS:
+            raise ValueError(f"learner_precision: expected one of {list(PRECISIONS)}, "
+                             f"received {self.learner_precision!r}")
 
     @classmethod
     def from_config(cls, config: Any) -> PPOExperimentConfiguration:
@@ -531,6 +535,7 @@ class PPOLearner:
             max_grad_norm=config.max_grad_norm, target_kl=config.target_kl,
             normalize_advantages=config.normalize_advantages, lr_schedule=None, seed=config.seed,
             action_mask=action_mask, importance_weight_cap=config.importance_weight_cap,
+            precision=config.learner_precision,
         )
         self._proximal: tuple[RolloutBuffer, RolloutEvaluation] | None = None
         self.corrections_skipped = 0

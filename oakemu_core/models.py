@@ -289,10 +289,14 @@ class ActorCritic(nn.Module):
         inputs = self._inputs(observations)
         if self.separate_mlps:
             x = inputs[""]
-            return self.actor(self.actor_torso(x)), self.critic(self.critic_torso(x)).squeeze(-1)
-        features = torch.cat([self.encoders[self._module_key(key)](x) for key, x in inputs.items()], dim=-1)
-        hidden = self.mixer(features)
-        return self.actor(hidden), self.critic(hidden).squeeze(-1)
+            head, values = self.actor(self.actor_torso(x)), self.critic(self.critic_torso(x)).squeeze(-1)
+        else:
+            features = torch.cat([self.encoders[self._module_key(key)](x) for key, x in inputs.items()], dim=-1)
+            hidden = self.mixer(features)
+            head, values = self.actor(hidden), self.critic(hidden).squeeze(-1)
+        # Under bfloat16 autocast (the learner's mixed precision) the heads compute in bfloat16: the
+        # policy distribution, log-probs and losses are float32 all the same (a no-op otherwise).
+        return head.float(), values.float()
 
     def policy_and_values(self, observations: Any, action_mask: torch.Tensor | None = None) -> tuple[Policy, torch.Tensor]:
         """The action :class:`Policy` (masked when ``action_mask`` ``(B, width)`` bool is given)

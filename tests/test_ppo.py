@@ -187,9 +187,10 @@ def test_ratio_check_only_counts_rows_of_the_current_policy_version() -> None:
         assert math.isnan(deviation(9))
 
 
-def test_updates_on_a_bandit_raise_the_probability_of_the_rewarded_action() -> None:
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_updates_on_a_bandit_raise_the_probability_of_the_rewarded_action(precision: str) -> None:
     model = _model()
-    learner = _learner(model, lr=2.5e-3)
+    learner = _learner(model, lr=2.5e-3, precision=precision)
     probe = np.random.default_rng(9).normal(size=(256, OBS_DIM)).astype(np.float32)
 
     def p_rewarded() -> float:
@@ -205,10 +206,66 @@ def test_updates_on_a_bandit_raise_the_probability_of_the_rewarded_action() -> N
             _fill(buffer, [model], rng, reward_fn=lambda a: (a == 1).astype(np.float32),
                   versions=(update,), done_probability=1.0)
             stats = learner.step(buffer, current_policy_version=update)
-            assert stats.first_minibatch_ratio_max_abs_dev < 1e-5
+            assert stats.first_minibatch_ratio_max_abs_dev < (1e-5 if precision == "float32" else 1e-2)
     after = p_rewarded()
     assert 0.4 < before < 0.6
     assert after > before + 0.2, (before, after)
+
+
+def _layer_output_dtypes(model: torch.nn.Module) -> list[torch.dtype]:
+    """Collects the output dtype of every convolution and linear layer's forward passes."""
+    seen: list[torch.dtype] = []
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Conv2d, torch.nn.Linear)):
+            module.register_forward_hook(lambda _m, _i, output: seen.append(output.dtype))
+    return seen
+
+
+@pytest.mark.parametrize("precision, layer_dtype", [("float32", torch.float32), ("bfloat16", torch.bfloat16)])
+def test_the_update_runs_the_layers_in_its_precision_and_keeps_the_state_float32(
+        precision: str, layer_dtype: torch.dtype) -> None:
+    """A small CNN on 8x8 frames: every conv and linear layer of the update computes in the chosen
+    precision; weights, gradients and Adam's moments stay float32, the actor's API float32."""
+    torch.manual_seed(0)
+    model = build_model((2, 8, 8), np.uint8, 3)
+    assert any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
+    rng = np.random.default_rng(0)
+    generator = torch.Generator().manual_seed(0)
+    with RolloutBuffer(8, 4, (2, 8, 8), np.uint8, seed=0) as buffer:
+        for _ in range(buffer.rollout_length):
+            frames = rng.integers(0, 256, (4, 2, 8, 8), dtype=np.uint8)
+            bundle = model.act(frames, generator=generator)
+            buffer.add(frames, bundle.actions, bundle.log_probs, bundle.values,
+                       rng.normal(size=4).astype(np.float32), np.zeros(4, bool))
+        buffer.compute_gae(np.zeros(4, np.float32), np.zeros(4, bool), 0.99, 0.95)
+        learner = _learner(model, precision=precision)
+        seen = _layer_output_dtypes(model)
+        stats = learner.step(buffer, current_policy_version=0)
+    assert seen and set(seen) == {layer_dtype}
+    assert math.isfinite(stats.policy_loss) and math.isfinite(stats.value_loss)
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
+    moments = [state["exp_avg"] for state in learner.optimizer.state.values()]
+    assert moments and all(m.dtype == torch.float32 for m in moments)
+    bundle = model.act(rng.integers(0, 256, (4, 2, 8, 8), dtype=np.uint8), generator=generator)
+    assert bundle.log_probs.dtype == np.float32 and bundle.values.dtype == np.float32
+
+
+def test_a_bfloat16_update_moves_the_weights_as_the_float32_update_does() -> None:
+    """Mixed precision changes the arithmetic, not the update: from the same weights on the same
+    rollout, the two updates' weight changes point the same way (cosine > 0.99; an update from
+    another rollout is the yardstick of how different unrelated updates are)."""
+    def weight_change(precision: str, fill_seed: int) -> torch.Tensor:
+        model = _model(0)
+        start = torch.cat([p.detach().flatten() for p in model.parameters()])
+        with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
+            _fill(buffer, [model], np.random.default_rng(fill_seed))
+            _learner(model, precision=precision).step(buffer, current_policy_version=0)
+        return torch.cat([p.detach().flatten() for p in model.parameters()]) - start
+
+    float32, bfloat16, other = weight_change("float32", 1), weight_change("bfloat16", 1), weight_change("float32", 2)
+    assert not torch.equal(float32, bfloat16)  # the bfloat16 arithmetic did run
+    assert torch.nn.functional.cosine_similarity(float32, bfloat16, dim=0) > 0.99
+    assert torch.nn.functional.cosine_similarity(float32, other, dim=0) < 0.9
 
 
 def _trainable_rows(buffer: RolloutBuffer, trainable: np.ndarray) -> tuple[torch.Tensor, ...]:
@@ -341,6 +398,8 @@ def test_empty_rollout_and_bad_hyperparameters_are_rejected(served_minibatches: 
         _learner(model, num_minibatches=0)
     with pytest.raises(ValueError, match="clip_value_range"):
         _learner(model, clip_value_range=-0.1)
+    with pytest.raises(ValueError, match="precision"):
+        _learner(model, precision="float16")
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning", "ignore:overflow encountered:RuntimeWarning")
