@@ -233,7 +233,7 @@ def main() -> None:
     bytes_per_row = schema_for_env(env_spec(args.env)).sent_bytes_per_env()
     step_bytes = bytes_per_row * args.envs_per_actor
     rollout_length = OakEmuConfig(env_id=args.env).rollout_length
-    k = (auto_steps_per_message(step_bytes, rollout_length, num_envs=args.envs_per_actor) if steps_per_message == "auto"
+    k = (auto_steps_per_message(bytes_per_row, rollout_length, num_envs=args.envs_per_actor) if steps_per_message == "auto"
          else steps_per_message)
     chunk = step_bytes * k
     print(f"{args.env}: {args.actors} synthetic actor(s) x {args.envs_per_actor} envs, {bytes_per_row:,} bytes per "

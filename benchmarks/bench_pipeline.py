@@ -207,8 +207,8 @@ def bench_env(args: argparse.Namespace, env_id: str) -> None:
     from oakemu_core.step_schema import schema_for_env
 
     ks = [k if k == "auto" else int(k) for k in args.steps_per_message.split(",")]
-    step_bytes = args.envs_per_actor * schema_for_env(env_spec(env_id)).sent_bytes_per_env()
-    resolved = {k: OakEmuConfig(env_id=env_id).resolved_steps_per_message(step_bytes, args.envs_per_actor)
+    env_step_bytes = schema_for_env(env_spec(env_id)).sent_bytes_per_env()
+    resolved = {k: OakEmuConfig(env_id=env_id).resolved_steps_per_message(env_step_bytes, args.envs_per_actor)
                 if k == "auto" else k for k in ks}
     args.env = env_id
     print(f"{args.env}: {args.actors} actor process(es) x {args.envs_per_actor} envs, {args.seconds:.0f} s per "

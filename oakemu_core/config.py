@@ -399,15 +399,15 @@ class OakEmuConfig(BaseSettings):
         return self
 
     # --- derived values ---
-    def resolved_steps_per_message(self, step_bytes: int, num_envs: int) -> int:
-        """Steps per message K for an actor of ``num_envs`` envs whose one vector step carries
-        ``step_bytes`` array bytes: the configured int, or
+    def resolved_steps_per_message(self, env_step_bytes: int, num_envs: int) -> int:
+        """Steps per message K for an actor of ``num_envs`` envs, each of whose steps carries
+        ``env_step_bytes`` array bytes (``StepSchema.sent_bytes_per_env``): the configured int, or
         :func:`oakemu_core.wire.auto_steps_per_message` for ``"auto"``."""
         if self.steps_per_message != "auto":
             return int(self.steps_per_message)
         from oakemu_core.wire import auto_steps_per_message
 
-        return auto_steps_per_message(step_bytes, self.rollout_length, num_envs=num_envs)
+        return auto_steps_per_message(env_step_bytes, self.rollout_length, num_envs=num_envs)
 
     @property
     def buffer_num_envs(self) -> int:

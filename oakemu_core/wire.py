@@ -1054,13 +1054,13 @@ settings (2 actors x 8 envs, rollout 128, cheap updates, ingest-bound) a quarter
 against K = 4 (6,703 / 8,760 against 10,230 / 10,963 steps/s), for no less lag."""
 
 
-def auto_steps_per_message(step_bytes: int, rollout_length: int, *, num_envs: int,
+def auto_steps_per_message(env_step_bytes: int, rollout_length: int, *, num_envs: int,
                            target_bytes: int = AUTO_MESSAGE_TARGET_BYTES,
                            target_rows: int = AUTO_MESSAGE_TARGET_ROWS,
                            max_steps: int = AUTO_MAX_STEPS_PER_MESSAGE) -> int:
     """The ``steps_per_message`` the learner gives an actor by default (``steps_per_message =
     "auto"``): the largest divisor K of ``rollout_length`` with ``K <= max_steps``,
-    ``K <= rollout_length / AUTO_MESSAGES_PER_SEGMENT`` (32), ``K * step_bytes <= target_bytes`` and
+    ``K <= rollout_length / AUTO_MESSAGES_PER_SEGMENT`` (32), ``K * num_envs * env_step_bytes <= target_bytes`` and
     ``K * num_envs <= target_rows``; 1 when two steps already exceed ``target_bytes`` or
     ``target_rows`` (more than 64 envs), or the rollout is shorter than 64 steps.
 
@@ -1069,16 +1069,17 @@ def auto_steps_per_message(step_bytes: int, rollout_length: int, *, num_envs: in
     8 (128 rows).
 
     Args:
-        step_bytes: array bytes of one vector step of the actor (``num_envs * sent bytes per env``).
+        env_step_bytes: array bytes of one env's step (``StepSchema.sent_bytes_per_env()``).
         rollout_length: rows per segment (T); K divides it.
         num_envs: envs of the actor (rows per vector step).
 
     Raises:
-        ValueError: ``step_bytes``, ``rollout_length`` or ``num_envs`` < 1.
+        ValueError: ``env_step_bytes``, ``rollout_length`` or ``num_envs`` < 1.
     """
-    if step_bytes < 1 or rollout_length < 1 or num_envs < 1:
-        raise ValueError(f"auto_steps_per_message: expected step_bytes, rollout_length and num_envs >= 1, "
-                         f"received {step_bytes}, {rollout_length}, {num_envs}")
+    if env_step_bytes < 1 or rollout_length < 1 or num_envs < 1:
+        raise ValueError(f"auto_steps_per_message: expected env_step_bytes, rollout_length and num_envs >= 1, "
+                         f"received {env_step_bytes}, {rollout_length}, {num_envs}")
+    step_bytes = num_envs * env_step_bytes  # one vector step of the actor
     best = 1
     for k in range(1, min(max_steps, rollout_length // AUTO_MESSAGES_PER_SEGMENT) + 1):
         if rollout_length % k == 0 and k * step_bytes <= target_bytes and k * num_envs <= target_rows:

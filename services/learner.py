@@ -375,7 +375,7 @@ class Learner:
         # A small receive queue: back-pressure reaches the actors quickly, and rows stay fresh.
         self.data.setsockopt(zmq.RCVHWM, 4)
         typical = StepSpec(config.envs_per_actor, self.schema, steps_per_message=config.resolved_steps_per_message(
-            config.envs_per_actor * self.schema.sent_bytes_per_env(), config.envs_per_actor))
+            self.schema.sent_bytes_per_env(), config.envs_per_actor))
         self.data.setsockopt(zmq.RCVBUF, socket_buffer_bytes(typical.message_bytes()))
         self.data.setsockopt(zmq.LINGER, 0)
         # Memory guard: ZeroMQ drops a peer that sends more than this (never allocated). Messages
@@ -471,7 +471,7 @@ class Learner:
     def _grant_join(self, message: JoinRequest, now: float, index: int | None) -> bytes:
         """Register a joining actor (``index``: its synchronous-mode rank, None: the next number)
         and encode the join reply with its spec, env config and the current weights."""
-        steps = self.config.resolved_steps_per_message(message.num_envs * self.schema.sent_bytes_per_env(), message.num_envs)
+        steps = self.config.resolved_steps_per_message(self.schema.sent_bytes_per_env(), message.num_envs)
         spec = StepSpec(num_envs=message.num_envs, schema=self.schema, steps_per_message=steps)
         record = self.assembler.join(message.actor_id, message.incarnation, spec, hostname=message.hostname, now=now,
                                      index=index)

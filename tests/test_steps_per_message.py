@@ -176,20 +176,21 @@ def test_steps_per_message_is_agreed_at_join_and_divides_the_rollout(buffers: li
         assembler.join("a", "inc", StepSpec(N, SCHEMA, steps_per_message=3), hostname="h", now=0.0)
     with pytest.raises(ValueError, match="steps_per_message"):
         OakEmuConfig(rollout_length=128, steps_per_message=3)
-    assert OakEmuConfig(rollout_length=128, steps_per_message=8).resolved_steps_per_message(10, 2) == 8
+    assert OakEmuConfig(rollout_length=128, steps_per_message=8).resolved_steps_per_message(5, 2) == 8
     # auto: 1 for Atari-sized steps, more for small ones, bounded by rollout_length / 32, 32 steps and
     # 128 env steps (rows) per message.
-    assert auto_steps_per_message(8 * 28224, 128, num_envs=8) == 1
-    assert auto_steps_per_message(8 * 41, 128, num_envs=8) == 4
-    assert auto_steps_per_message(8 * 41, 32, num_envs=8) == 1
-    assert auto_steps_per_message(16 * 50, 1024, num_envs=16) == 8  # 128 rows
-    assert auto_steps_per_message(2 * 50, 1024, num_envs=2) == 32  # rollout_length / 32
-    assert auto_steps_per_message(1 * 50, 2048, num_envs=1) == 32  # at most 32 steps
-    assert auto_steps_per_message(65 * 50, 1024, num_envs=65) == 1  # 2 x 65 rows > 128
-    assert auto_steps_per_message(200 * 50, 1024, num_envs=200) == 1
-    assert OakEmuConfig(rollout_length=1024).resolved_steps_per_message(800, 16) == 8
+    assert auto_steps_per_message(28224, 128, num_envs=8) == 1
+    assert auto_steps_per_message(41, 128, num_envs=8) == 4
+    assert auto_steps_per_message(41, 32, num_envs=8) == 1
+    assert auto_steps_per_message(50, 1024, num_envs=16) == 8  # 128 rows
+    assert auto_steps_per_message(1000, 1024, num_envs=4) == 8  # 8 x 4 envs x 1,000 bytes <= 32 KiB
+    assert auto_steps_per_message(50, 1024, num_envs=2) == 32  # rollout_length / 32
+    assert auto_steps_per_message(50, 2048, num_envs=1) == 32  # at most 32 steps
+    assert auto_steps_per_message(50, 1024, num_envs=65) == 1  # 2 x 65 rows > 128
+    assert auto_steps_per_message(50, 1024, num_envs=200) == 1
+    assert OakEmuConfig(rollout_length=1024).resolved_steps_per_message(50, 16) == 8
     with pytest.raises(ValueError, match="num_envs"):
-        auto_steps_per_message(800, 1024, num_envs=0)
+        auto_steps_per_message(50, 1024, num_envs=0)
 
 
 def test_step_block_reports_the_oldest_acting_version_and_refuses_overflow() -> None:
