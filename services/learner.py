@@ -70,7 +70,7 @@ from oakemu_core.metrics import (
     update_scalars,
 )
 from oakemu_core.models import build_model
-from oakemu_core.ppo import LinearSchedule, PPOUpdateStats
+from oakemu_core.ppo import LinearSchedule, PPOUpdateStats, cpu_has_native_bfloat16
 from oakemu_core.rollout_buffer import RolloutBuffer
 from oakemu_core.run_folder import (
     check_resume_compatible,
@@ -158,6 +158,10 @@ class Trainer:
                             normalize_observations=config.normalize_observations).to(self.device)
         if torch.device(self.device).type == "cpu" and model.has_convolutions:  # oneDNN: Breakout updates 1.38 x faster
             model.use_channels_last()
+        if (config.learner_precision == "bfloat16" and torch.device(self.device).type == "cpu"
+                and cpu_has_native_bfloat16() is False):
+            log.warning("learner_precision bfloat16: this CPU has neither AVX512-BF16 nor AMX, so bfloat16 is "
+                        "emulated and the update is likely slower than with float32")
         self.learner_model = ThreadSafeModel(model)
         # The fused kernel (one op for all parameters instead of a Python loop over them) cuts an
         # SGD step of the CartPole MLP by 10-30 % on this CPU; same Adam (CleanRL's eps).

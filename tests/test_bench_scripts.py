@@ -132,9 +132,9 @@ def test_bench_vs_sb3_flags_match_the_case(name: str, monkeypatch: pytest.Monkey
                                  ports=[1, 2, 3, 4, 5], torch_threads=1, num_actors=case.num_envs + 1)
 
 
-def test_bench_learner_layout_times_both_layouts_and_prints_their_ratio() -> None:
-    """A tiny run of benchmarks/bench_learner_layout.py: each layout timed, and the printed speed-up is
-    the quotient of the two printed medians."""
+def test_bench_learner_layout_times_each_variant_and_prints_their_ratios() -> None:
+    """A tiny run of benchmarks/bench_learner_layout.py: each variant timed, and each printed speed-up is
+    the quotient of two printed medians."""
     import re
 
     script = REPO_ROOT / "benchmarks" / "bench_learner_layout.py"
@@ -143,6 +143,9 @@ def test_bench_learner_layout_times_both_layouts_and_prints_their_ratio() -> Non
     assert result.returncode == 0, result.stderr
     built = float(re.search(r"as built:\s+([\d.]+) ms", result.stdout).group(1))
     last = float(re.search(r"channels-last:\s+([\d.]+) ms", result.stdout).group(1))
-    ratio = float(re.search(r"speed-up: ([\d.]+) x", result.stdout).group(1))
-    assert built > 0 and last > 0
+    bfloat16 = float(re.search(r"bfloat16:\s+([\d.]+) ms", result.stdout).group(1))
+    ratio = float(re.search(r"channels-last speed-up: ([\d.]+) x", result.stdout).group(1))
+    bfloat16_ratio = float(re.search(r"bfloat16 speed-up over channels-last: ([\d.]+) x", result.stdout).group(1))
+    assert built > 0 and last > 0 and bfloat16 > 0
     assert abs(ratio - built / last) <= 0.01 + 0.05 * ratio  # the printed figures are rounded
+    assert abs(bfloat16_ratio - last / bfloat16) <= 0.01 + 0.05 * bfloat16_ratio

@@ -17,6 +17,7 @@ from oakemu_core.ppo import (
     LinearSchedule,
     PPOUpdater,
     PPORuntimeState,
+    cpu_has_native_bfloat16,
     explained_variance,
     ppo_losses,
 )
@@ -567,3 +568,15 @@ def test_after_epoch_sees_the_weights_each_epoch_left() -> None:
         assert stats.early_stopped and stats.epochs_completed == 2
         assert [(k, nonfinite, sgd_steps) for k, _kl, nonfinite, sgd_steps in calls] == [(1, 0, 1)]
         assert abs(calls[0][1]) < 1e-6  # the first epoch's KL: measured before its only step
+
+
+def test_native_bfloat16_is_read_from_the_cpu_flags(tmp_path) -> None:
+    def flags(line: str) -> str:
+        path = tmp_path / "cpuinfo"
+        path.write_text(f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: {line}\n\n")
+        return str(path)
+
+    assert cpu_has_native_bfloat16(flags("fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni")) is True
+    assert cpu_has_native_bfloat16(flags("fpu sse2 amx_tile amx_bf16 amx_int8")) is True
+    assert cpu_has_native_bfloat16(flags("fpu sse2 avx2 avx512f avx512_vnni")) is False
+    assert cpu_has_native_bfloat16(str(tmp_path / "missing")) is None
