@@ -209,10 +209,11 @@ class OakEmuConfig(BaseSettings):
     device: str = Field("auto", description="Learner torch device: auto (cuda if available), cpu, cuda, cuda:N.")
     learner_precision: Literal["float32", "bfloat16"] = Field(
         "float32",
-        description="Precision of the PPO update: float32, or bfloat16 mixed precision (torch.autocast: "
-        "convolutions and matmuls in bfloat16, weights, optimizer and losses float32). On CPUs with AVX512-BF16 "
-        "or AMX (and CUDA GPUs) a faster update for image observations; on other CPUs bfloat16 is emulated "
-        "and slower. Actors, evaluation and checkpoints stay float32.",
+        description="Precision of the PPO update: float32, or bfloat16 mixed precision (torch.autocast: the "
+        "torso's convolutions and matmuls in bfloat16; the heads, weights, optimizer and losses float32). On CPUs "
+        "with AVX512-BF16 or AMX and on GPUs of compute capability 8+ a faster update for image observations; "
+        "elsewhere bfloat16 is emulated and slower. Actors, evaluation, behaviour-cloning pre-training and "
+        "checkpoints stay float32.",
     )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per actor process.")
     actor_inference: Literal["torch", "onnxruntime"] = Field(

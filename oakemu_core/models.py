@@ -289,14 +289,19 @@ class ActorCritic(nn.Module):
         inputs = self._inputs(observations)
         if self.separate_mlps:
             x = inputs[""]
-            head, values = self.actor(self.actor_torso(x)), self.critic(self.critic_torso(x)).squeeze(-1)
-        else:
-            features = torch.cat([self.encoders[self._module_key(key)](x) for key, x in inputs.items()], dim=-1)
-            hidden = self.mixer(features)
-            head, values = self.actor(hidden), self.critic(hidden).squeeze(-1)
-        # Under bfloat16 autocast (the learner's mixed precision) the heads compute in bfloat16: the
-        # policy distribution, log-probs and losses are float32 all the same (a no-op otherwise).
-        return head.float(), values.float()
+            return self._heads(self.actor_torso(x), self.critic_torso(x))
+        features = torch.cat([self.encoders[self._module_key(key)](x) for key, x in inputs.items()], dim=-1)
+        hidden = self.mixer(features)
+        return self._heads(hidden, hidden)
+
+    def _heads(self, actor_input: torch.Tensor, critic_input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy head and the critic, always in float32: under the learner's bfloat16 autocast
+        (``learner_precision``) the torso computes in bfloat16, but the heads are tiny, and a value of
+        a few hundred rounded to bfloat16 is off by about 1 (the re-evaluated values feed GAE)."""
+        with torch.autocast(actor_input.device.type, enabled=False):
+            if actor_input.dtype != torch.float32:  # no cast op in float32 graphs (ONNX export)
+                actor_input, critic_input = actor_input.float(), critic_input.float()
+            return self.actor(actor_input), self.critic(critic_input).squeeze(-1)
 
     def policy_and_values(self, observations: Any, action_mask: torch.Tensor | None = None) -> tuple[Policy, torch.Tensor]:
         """The action :class:`Policy` (masked when ``action_mask`` ``(B, width)`` bool is given)

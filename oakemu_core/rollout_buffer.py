@@ -277,6 +277,8 @@ class RolloutBuffer:
         # Stored fields a writer provides (the learner computes advantages, returns, versions);
         # computed once (the schema never changes): every write validates against it.
         self._writable = tuple(f for f in schema.stored if f.name not in ("policy_versions", "policy_revisions", "advantages", "returns"))
+        # Writable fields actors do not send (a schema's own additions): write_validated stores their defaults.
+        self._unsent_defaults = {f.name: f.default for f in self._writable if not f.sent}
         self._rollout_length = int(rollout_length)
         self._num_envs = int(num_envs)
         self._shared = shared
@@ -736,8 +738,10 @@ class RolloutBuffer:
             step_index: the first row to write.
             columns: the ``K`` buffer columns, a slice (consecutive columns: a plain strided copy)
                 or a ``(K,)`` int64 array of distinct indices in ``[0, num_envs)``.
-            fields: every stored, sent field by name (others, e.g. ``truncated``, are ignored):
-                ``(K, *shape)`` arrays when ``rows`` is None (one row), else ``(rows, K, *shape)``.
+            fields: every writable field actors send, by name (others, e.g. ``truncated``, are
+                ignored; fields actors do not send get their default): ``(K, *shape)`` arrays when
+                ``rows`` is None (one row), else ``(rows, K, *shape)``. They are not checked: numpy
+                broadcasts a wrong shape where it can, or raises after earlier fields were written.
             rows: None for one row, else the number of consecutive rows in ``fields``.
             policy_version: version of the weights that chose the actions, >= 0 (not checked).
             policy_revision: their revision, >= 0 (not checked).
@@ -754,6 +758,8 @@ class RolloutBuffer:
         if np.any(held != step_index):
             raise ValueError(f"columns: expected every column to hold step_index={step_index} rows, "
                              f"received {held.tolist()}")
+        if self._unsent_defaults:
+            fields = {**fields, **self._unsent_defaults}
         self._store(step_index, rows, columns, fields, policy_version, policy_revision)
 
     def _store(self, row0: int, rows: int | None, index: slice | np.ndarray, fields: Mapping[str, np.ndarray],

@@ -1025,8 +1025,8 @@ class StepSpec:
 
 
 AUTO_MESSAGE_TARGET_BYTES = 32 * 1024
-"""Array bytes :func:`auto_steps_per_message` packs into one message at most (unless one step is
-already larger). Below this size a message's fixed cost (encode, syscalls, decode, validation,
+"""Array bytes :func:`auto_steps_per_message` packs into one message at most (unless one vector
+step of the actor's envs is already larger). Below this size a message's fixed cost (encode, syscalls, decode, validation,
 ingest: about 100 us on the learner) dominates by far. Larger messages still gain on a learner
 whose ingest is the limit (``bench_ingest.py``: a Breakout message of 4 steps x 8 envs is ingested
 at 1.26 x the rate of single steps), but the learner PPO update is the limit on every machine
@@ -1061,10 +1061,10 @@ def auto_steps_per_message(env_step_bytes: int, rollout_length: int, *, num_envs
     """The ``steps_per_message`` the learner gives an actor by default (``steps_per_message =
     "auto"``): the largest divisor K of ``rollout_length`` with ``K <= max_steps``,
     ``K <= rollout_length / AUTO_MESSAGES_PER_SEGMENT`` (32), ``K * num_envs * env_step_bytes <= target_bytes`` and
-    ``K * num_envs <= target_rows``; 1 when two steps already exceed ``target_bytes`` or
+    ``K * num_envs <= target_rows``; 1 when two vector steps already exceed ``target_bytes`` or
     ``target_rows`` (more than 64 envs), or the rollout is shorter than 64 steps.
 
-    Examples: ALE/Breakout-v5, 8 envs: one step is ~226 KB -> K = 1; CartPole-v1, 8 envs: ~330 bytes
+    Examples: ALE/Breakout-v5, 8 envs: one vector step is ~226 KB -> K = 1; CartPole-v1, 8 envs: ~330 bytes
     -> K = 4 with rollout_length 128, 1 with rollout_length 32; LunarLander-v3, 16 envs, rollout 1024 ->
     8 (128 rows).
 

@@ -158,10 +158,14 @@ class Trainer:
                             normalize_observations=config.normalize_observations).to(self.device)
         if torch.device(self.device).type == "cpu" and model.has_convolutions:  # oneDNN: Breakout updates 1.38 x faster
             model.use_channels_last()
-        if (config.learner_precision == "bfloat16" and torch.device(self.device).type == "cpu"
-                and cpu_has_native_bfloat16() is False):
-            log.warning("learner_precision bfloat16: this CPU has neither AVX512-BF16 nor AMX, so bfloat16 is "
-                        "emulated and the update is likely slower than with float32")
+        if config.learner_precision == "bfloat16":
+            device = torch.device(self.device)
+            if device.type == "cpu" and cpu_has_native_bfloat16() is False:
+                log.warning("learner_precision bfloat16: this CPU has neither AVX512-BF16 nor AMX, so bfloat16 is "
+                            "emulated and the update is likely slower than with float32")
+            elif device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
+                log.warning("learner_precision bfloat16: GPUs before compute capability 8 (Ampere) emulate "
+                            "bfloat16; the update is likely slower than with float32")
         self.learner_model = ThreadSafeModel(model)
         # The fused kernel (one op for all parameters instead of a Python loop over them) cuts an
         # SGD step of the CartPole MLP by 10-30 % on this CPU; same Adam (CleanRL's eps).

@@ -446,6 +446,26 @@ def test_a_spec_of_another_schema_is_refused_at_join(assembler: RolloutAssembler
     assert "a" not in assembler.actors
 
 
+def test_a_stored_field_actors_do_not_send_gets_its_default() -> None:
+    """A schema may store a field no actor sends (``sent=False`` with a default): the written rows hold
+    the default, as the checked write paths fill it."""
+    schema = SCHEMA.with_field(StepField("learner_note", (), np.float32, sent=False, default=0.5))
+    made = [RolloutBuffer(T, N, schema=schema) for _ in range(2)]
+    try:
+        assembler = RolloutAssembler(made, actor_timeout_s=TIMEOUT_S)
+        assembler.join("a", "a-1", StepSpec(2, schema), hostname="h", now=0.0)
+        msg = message("a", "a-1", 0, 2)
+        assert "learner_note" not in msg.fields
+        send(assembler, msg)
+        columns = assembler.actors["a"].segment.columns
+        check_rows(made[0], msg, 0, columns.tolist())
+        assert made[0].field("learner_note")[0, columns].tolist() == [0.5, 0.5]
+        assert made[0].field("learner_note")[1:].sum() == 0  # only the written row
+    finally:
+        for buffer in made:
+            buffer.close()
+
+
 def test_a_write_whose_rows_disagree_with_the_buffer_is_rejected_and_discards_the_segment(
     assembler: RolloutAssembler, buffers: list[RolloutBuffer]
 ) -> None:

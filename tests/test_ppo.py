@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from oakemu_core.demonstrations import DemonstrationBatch
 from oakemu_core.distributions import Categorical, DiagGaussian
 from oakemu_core.models import ActorCritic, build_model
 from oakemu_core.ppo import (
@@ -213,20 +214,33 @@ def test_updates_on_a_bandit_raise_the_probability_of_the_rewarded_action(precis
     assert after > before + 0.2, (before, after)
 
 
-def _layer_output_dtypes(model: torch.nn.Module) -> list[torch.dtype]:
-    """Collects the output dtype of every convolution and linear layer's forward passes."""
-    seen: list[torch.dtype] = []
+def _layer_output_dtypes(model: ActorCritic) -> dict[str, list[torch.dtype]]:
+    """Collects the output dtype of every forward pass of the torso's convolution and linear layers
+    (``"torso"``) and of the policy and value heads (``"heads"``)."""
+    seen: dict[str, list[torch.dtype]] = {"torso": [], "heads": []}
+    heads = {model.actor, model.critic}
     for module in model.modules():
         if isinstance(module, (torch.nn.Conv2d, torch.nn.Linear)):
-            module.register_forward_hook(lambda _m, _i, output: seen.append(output.dtype))
+            part = seen["heads" if module in heads else "torso"]
+            module.register_forward_hook(lambda _m, _i, output, part=part: part.append(output.dtype))
     return seen
 
 
-@pytest.mark.parametrize("precision, layer_dtype", [("float32", torch.float32), ("bfloat16", torch.bfloat16)])
-def test_the_update_runs_the_layers_in_its_precision_and_keeps_the_state_float32(
-        precision: str, layer_dtype: torch.dtype) -> None:
-    """A small CNN on 8x8 frames: every conv and linear layer of the update computes in the chosen
-    precision; weights, gradients and Adam's moments stay float32, the actor's API float32."""
+class _Demonstrations:
+    """A stand-in behaviour-cloning sampler: random frames and actions."""
+
+    def sample(self, batch_size: int, rng: np.random.Generator) -> DemonstrationBatch:
+        return DemonstrationBatch(rng.integers(0, 256, (batch_size, 2, 8, 8), dtype=np.uint8),
+                                  rng.integers(0, 3, batch_size), None)
+
+
+@pytest.mark.parametrize("precision, torso_dtype", [("float32", torch.float32), ("bfloat16", torch.bfloat16)])
+def test_the_update_runs_the_torso_in_its_precision_and_keeps_heads_and_state_float32(
+        precision: str, torso_dtype: torch.dtype) -> None:
+    """A small CNN on 8x8 frames: every forward pass of an update (the proximal re-evaluation, the
+    minibatches, behaviour cloning) runs the torso's conv and linear layers in the chosen precision
+    and the heads in float32; weights, gradients and Adam's moments stay float32, the actor's API
+    float32."""
     torch.manual_seed(0)
     model = build_model((2, 8, 8), np.uint8, 3)
     assert any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
@@ -241,8 +255,12 @@ def test_the_update_runs_the_layers_in_its_precision_and_keeps_the_state_float32
         buffer.compute_gae(np.zeros(4, np.float32), np.zeros(4, bool), 0.99, 0.95)
         learner = _learner(model, precision=precision)
         seen = _layer_output_dtypes(model)
-        stats = learner.step(buffer, current_policy_version=0)
-    assert seen and set(seen) == {layer_dtype}
+        proximal = learner.evaluate_rollout(buffer)
+        assert set(seen["torso"]) == {torso_dtype}
+        assert proximal.values.dtype == np.float32
+        stats = learner.step(buffer, current_policy_version=0, bc_term=(0.5, _Demonstrations(), 4))
+    assert set(seen["torso"]) == {torso_dtype}  # the minibatches and behaviour cloning too
+    assert seen["heads"] and set(seen["heads"]) == {torch.float32}
     assert math.isfinite(stats.policy_loss) and math.isfinite(stats.value_loss)
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
     moments = [state["exp_avg"] for state in learner.optimizer.state.values()]
