@@ -13,6 +13,8 @@ Printed, all measured in the same run:
   (numpy ``copyto``), MB/s: the ceiling's yardstick (target: ingest >= 25 % of it);
 * ``ingest``: env steps/s (rows/s) and MB/s (message array bytes) the learner writes, and its ratio
   to ``memcpy``;
+* ``in-process decode + write``: the same decode and write on encoded frames in one thread, with no
+  sockets and no other process: what the learner's own code costs, apart from the transport;
 * ``ingest CPU per env step`` and ``estimated ingest ceiling per ingest core``: CPU time of the
   threads that ingest (the learner's loop thread and its ZeroMQ I/O threads, from ``/proc``) per
   row written, and its inverse: the rate those threads would reach on a core of their own, an
@@ -189,6 +191,58 @@ def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load
     return rate, cpu_per_row, dropped
 
 
+def _valid_fields(schema, lead: tuple[int, ...]) -> dict[str, np.ndarray]:
+    """Arrays of every sent field of ``schema`` with leading dimensions ``lead`` that pass the wire's
+    value checks: zeros raised to the field's lower bound, masks allowing everything, trainable rows."""
+    fields = {}
+    for item in schema.sent:
+        array = np.zeros((*lead, *item.shape), item.dtype)
+        if item.mask_segments is not None or item.name == "trainable":
+            array[...] = True
+        elif item.low is not None:
+            array[...] = np.maximum(array, item.low)
+        fields[item.name] = array
+    return fields
+
+
+def in_process_rows_per_s(env_id: str, num_envs: int, steps_per_message: int, seconds: float) -> float:
+    """Env steps/s that decode (:func:`oakemu_core.wire.decode_step`) and write
+    (:class:`oakemu_core.ingest.RolloutAssembler`) reach in this thread on encoded step frames, with
+    no sockets: the learner's own share of the ingest cost. One actor of ``num_envs`` envs fills a
+    buffer of as many columns; each full buffer is released, and the actor joins again to restart
+    its ``seq`` at 0 (so one rollout's frames, encoded once, are replayed)."""
+    from oakemu_core.config import OakEmuConfig
+    from oakemu_core.envs import env_spec
+    from oakemu_core.ingest import RolloutAssembler
+    from oakemu_core.rollout_buffer import RolloutBuffer
+    from oakemu_core.step_schema import schema_for_env
+    from oakemu_core.wire import StepMessage, StepSpec, decode_step, encode_step
+
+    schema = schema_for_env(env_spec(env_id))
+    rollout_length, k = OakEmuConfig(env_id=env_id).rollout_length, steps_per_message
+    spec = StepSpec(num_envs, schema, steps_per_message=k)
+    fields = _valid_fields(schema, (num_envs,) if k == 1 else (k, num_envs))
+    frames = [encode_step(StepMessage("in-process", "0", seq, 0, fields)) for seq in range(rollout_length // k)]
+    max_bytes = 2 * len(frames[0])
+    buffers = [RolloutBuffer(rollout_length, num_envs, schema=schema) for _ in range(2)]
+    try:
+        assembler = RolloutAssembler(buffers, actor_timeout_s=1e9)
+        rows, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            assembler.join("in-process", "0", spec, hostname="bench", now=0.0)
+            for frame in frames:
+                message = decode_step(frame, assembler.spec_for, max_bytes=max_bytes)
+                assembler.ingest(message, current_policy_version=0, now=0.0)
+            rollout = assembler.take_full_rollout()
+            assert rollout is not None, "a replayed rollout must fill the buffer"
+            assembler.release(rollout.slot)
+            rows += rollout_length * num_envs
+        return rows / (time.perf_counter() - start)
+    finally:
+        for buffer in buffers:
+            buffer.close()
+
+
 def _ingest_cpu_s(ingest_thread_id: int) -> float:
     """CPU seconds of the threads that ingest: the learner's loop thread (receive, decode, validate,
     write, and per full buffer its release and the weights' encoding and publishing) and this
@@ -240,11 +294,12 @@ def main() -> None:
           f"env step, {k} vector step(s) per message ({chunk / 1024:.0f} KiB), {args.seconds:.0f} s per figure, median of "
           f"{args.repeats} interleaved repeats, {os.cpu_count()} CPUs")
     loads = [""] if args.no_training_load else ["", "thread", "process"]
-    figures: dict[str, list[float]] = {"memcpy": [], **{f"ingest{load}": [] for load in loads}}
+    figures: dict[str, list[float]] = {"memcpy": [], "in-process": [], **{f"ingest{load}": [] for load in loads}}
     dropped_all: list[dict] = []
     cpu_per_row_all: list[float] = []
     for _ in range(args.repeats):
         figures["memcpy"].append(memcpy_mb_per_s(chunk))
+        figures["in-process"].append(in_process_rows_per_s(args.env, args.envs_per_actor, k, args.seconds))
         for load in loads:
             rate, cpu_per_row, dropped = measure_ingest(args.env, args.actors, args.envs_per_actor, args.seconds,
                                                         load, steps_per_message)
@@ -267,6 +322,12 @@ def main() -> None:
                   f"{', '.join(f'{v:,.0f}' for v in values)}")
     print(f"{'ingest (MB/s of message arrays)':<58}{ingest_mb:>14,.0f}")
     print(f"ingest / memcpy bandwidth: {100 * ingest_mb / memcpy:.1f} % (target >= 25 %)")
+    in_process = float(np.median(figures["in-process"]))
+    in_process_mb = in_process * bytes_per_row / 1e6
+    print(f"{'in-process decode + write, no sockets (env steps/s)':<58}{in_process:>14,.0f}   "
+          f"{', '.join(f'{v:,.0f}' for v in figures['in-process'])}")
+    print(f"in-process / memcpy bandwidth: {100 * in_process_mb / memcpy:.1f} % ({in_process_mb:,.0f} MB/s, "
+          f"{1e6 / in_process:.2f} us per env step: the learner's own share of the ingest cost)")
     cpu_per_row = float(np.median(cpu_per_row_all))
     per_core = 1 / max(cpu_per_row, 1e-9)  # no CPU tick counted: a run that wrote nothing
     per_core_mb = per_core * bytes_per_row / 1e6

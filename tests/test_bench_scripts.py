@@ -149,3 +149,14 @@ def test_bench_learner_layout_times_each_variant_and_prints_their_ratios() -> No
     assert built > 0 and last > 0 and bfloat16 > 0
     assert abs(ratio - built / last) <= 0.01 + 0.05 * ratio  # the printed figures are rounded
     assert abs(bfloat16_ratio - last / bfloat16) <= 0.01 + 0.05 * bfloat16_ratio
+
+
+@pytest.mark.parametrize("env_id, steps_per_message", [("CartPole-v1", 1), ("CartPole-v1", 4), ("ALE/Breakout-v5", 1)])
+def test_bench_ingest_in_process_figure_decodes_and_writes_whole_rollouts(env_id: str, steps_per_message: int) -> None:
+    """benchmarks/bench_ingest.py's in-process figure: its synthetic fields pass decode_step's checks and
+    fill whole rollouts (the function asserts a full buffer after each), and it reports a positive rate."""
+    spec = importlib.util.spec_from_file_location("bench_ingest", REPO_ROOT / "benchmarks" / "bench_ingest.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.in_process_rows_per_s(env_id, 4, steps_per_message, seconds=0.05) > 0
