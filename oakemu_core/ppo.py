@@ -337,7 +337,7 @@ class PPOUpdater:
             run under ``torch.autocast`` with bfloat16, so the torso's convolutions and matmuls
             compute in bfloat16 while the heads (``ActorCritic`` opts them out), weights, gradients,
             optimizer state, policy distribution and losses stay float32. On a CPU with AVX512-BF16
-            or AMX a Nature-CNN minibatch step of 256 rows is about 1.8 x faster
+            or AMX a Nature-CNN minibatch step of 256 rows was 1.4-1.8 x faster
             (``benchmarks/bench_learner_layout.py``); on CPUs without them bfloat16 is emulated and
             slower. The learner's log-probs then differ a little from the actors' float32 ones
             (``first_minibatch_ratio_max_abs_dev``: 3e-5 in a Breakout run's first updates).
