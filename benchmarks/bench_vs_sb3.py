@@ -434,8 +434,10 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n in names if seeds[n]]
     num_actors = auto_actors() if args.actors == "auto" else args.actors
     print_configs(names, steps, args.torch_threads, num_actors)
+    settings = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("OAKEMU_"))
     print(f"\nnum_actors={num_actors}; torch intra-op threads {args.torch_threads} everywhere; "
-          f"seeds {seeds}; systems {args.systems}; commit {_commit()}")
+          f"seeds {seeds}; systems {args.systems}; commit {_commit()}; "
+          f"OakEmu settings from the environment: {settings or 'none'}")
     if args.print_configs:
         return 0
     temp = None if args.runs_dir else tempfile.TemporaryDirectory(prefix="bench_vs_sb3_")
