@@ -211,9 +211,9 @@ class OakEmuConfig(BaseSettings):
         "float32",
         description="Precision of the PPO update: float32, or bfloat16 mixed precision (torch.autocast: the "
         "torso's convolutions and matmuls in bfloat16; the heads, weights, optimizer and losses float32). On CPUs "
-        "with AVX512-BF16 or AMX a faster update for image observations (Breakout 1.55-1.68 x SPS; GPUs of compute "
-        "capability 8+ support it too, not measured here); elsewhere bfloat16 is emulated and slower. Actors, evaluation, behaviour-cloning pre-training and "
-        "checkpoints stay float32.",
+        "with AVX512-BF16 or AMX a faster update for image observations (Breakout 1.55-1.68 x SPS; GPUs of "
+        "compute capability 8+ support it too, not measured here); elsewhere bfloat16 is emulated and slower. "
+        "Actors, evaluation, behaviour-cloning pre-training and checkpoints stay float32.",
     )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per actor process.")
     actor_inference: Literal["torch", "onnxruntime"] = Field(

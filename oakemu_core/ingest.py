@@ -222,9 +222,9 @@ class RolloutAssembler:
 
         Raises:
             ValueError: the spec's schema is not the buffers' (a learner bug: messages are written
-                as checked against the spec), ``index`` is held by another joined actor, (synchronous mode) its columns
-                ``index * num_envs ...`` do not fit in the buffer, or the spec's
-                ``steps_per_message`` does not divide the rollout length.
+                as checked against the spec), ``index`` is held by another joined actor,
+                (synchronous mode) its columns ``index * num_envs ...`` do not fit in the buffer, or
+                the spec's ``steps_per_message`` does not divide the rollout length.
         """
         if spec.schema != self.buffers[0].schema:  # decode_step checks messages against spec.schema only
             raise ValueError("the actor's step schema differs from the rollout buffers' schema")

@@ -728,7 +728,8 @@ class RolloutBuffer:
         path for step messages, which :func:`oakemu_core.wire.decode_step` checked against a
         :class:`~oakemu_core.wire.StepSpec` of the same schema (the
         :class:`~oakemu_core.ingest.RolloutAssembler` refuses any other spec at join). Checking them
-        again cost about a third of the write (issue 11: 18-20 against 13-17 us per Atari step message, warm).
+        again cost about a third of the write (issue 11: 18-20 against 13-17 us per Atari step
+        message, warm).
 
         Only the row bookkeeping is checked: every column holds ``step_index`` rows and the rows
         fit. Field names, dtypes, shapes and values are NOT: a caller that cannot vouch for them
