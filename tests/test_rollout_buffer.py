@@ -234,7 +234,8 @@ def test_write_columns_fills_columns_independently(buffer: RolloutBuffer) -> Non
 
 
 def _complete(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Every writable field (write_validated fills no defaults), plus one the buffer does not store."""
+    """Every writable field actors send (write_validated fills no default for them), plus one the buffer
+    does not store."""
     lead = arrays["dones"].shape
     return {**arrays, "bootstrap_values": np.zeros(lead, np.float32), "truncated": np.zeros(lead, bool),
             "trainable": np.arange(math.prod(lead)).reshape(lead) % 2 == 0}
