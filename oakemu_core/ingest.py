@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from oakemu_core.rollout_buffer import RolloutBuffer
+from oakemu_core.rollout_buffer import RolloutBuffer, column_index
 from oakemu_core.wire import StepMessage, StepSpec
 
 HELD_SLACK_MESSAGES = 16
@@ -79,13 +79,10 @@ class Segment:
     columns: np.ndarray  # (k,) int64 buffer columns; the actor's env i writes column columns[i]
     rows_written: int = 0
     index: slice | np.ndarray = field(init=False)
-    """``columns`` as a slice when they are consecutive (a plain strided copy, several times cheaper
-    than numpy's fancy-index assignment), else ``columns``."""
+    """How the buffer indexes ``columns`` (:func:`~oakemu_core.rollout_buffer.column_index`)."""
 
     def __post_init__(self) -> None:
-        first, count = int(self.columns[0]), len(self.columns)
-        consecutive = self.columns.tolist() == list(range(first, first + count))
-        self.index = slice(first, first + count) if consecutive else self.columns
+        self.index = column_index(self.columns)
 
 
 @dataclass
