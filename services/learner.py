@@ -759,9 +759,9 @@ class Learner:
         for limiter in self.rejection_log.values():  # the summary of a burst that has ended
             limiter.flush()
         snapshot = self.snapshot(is_update=is_update)
-        self.telemetry.publish(snapshot)
-        if self.prometheus is not None:
+        if self.prometheus is not None:  # first: a client that saw this record scrapes figures as new
             self.prometheus.update(snapshot)
+        self.telemetry.publish(snapshot)
 
     # -- main loop --------------------------------------------------------------------------
     def run(self, stop_event: threading.Event) -> int:
