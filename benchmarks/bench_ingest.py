@@ -12,7 +12,9 @@ Printed, all measured in the same run:
 * ``memcpy``: single-thread copy of message-sized chunks into a buffer larger than the caches
   (numpy ``copyto``), MB/s: the ceiling's yardstick (target: ingest >= 25 % of it);
 * ``ingest``: env steps/s (rows/s) and MB/s (message array bytes) the learner writes, and its ratio
-  to ``memcpy``;
+  to ``memcpy``, with the step arrays in shared-memory step rings (``step_transport = "auto"``, what
+  actors on the learner's machine use: :mod:`oakemu_core.step_ring`) and, for comparison, inline
+  in the socket messages (``"sockets"``: actors on other machines or in other containers);
 * ``in-process decode + write``: the same decode and write on encoded frames in one thread, with no
   sockets and no other process: what the learner's own code costs, apart from the transport;
 * ``ingest CPU per env step`` and ``estimated ingest ceiling per ingest core``: CPU time of the
@@ -54,18 +56,20 @@ sys.path.insert(0, str(REPO))
 from benchmarks.bench_pipeline import _free_ports, measure_local  # noqa: E402
 
 
-def synthetic_actor(env_id: str, num_envs: int, ports: list[int], actor_id: str, stop: mp.Event) -> None:
-    """Join the learner, take one real vector step, then re-send its fields (``seq`` +1 each time)."""
+def synthetic_actor(env_id: str, num_envs: int, ports: list[int], actor_id: str, stop: mp.Event,
+                    transport: str = "auto") -> None:
+    """Join the learner, take one real vector step, then re-send its fields (``seq`` +1 each time),
+    through the step ring the learner offers (``transport`` "auto") or inline ("sockets")."""
     import torch
 
     from oakemu_core.config import OakEmuConfig
-    from oakemu_core.wire import StepMessage, encode_step
+    from oakemu_core.wire import StepMessage
     from services.actor import Actor
 
     torch.set_num_threads(1)
     config = OakEmuConfig(env_id=env_id, envs_per_actor=num_envs, actor_id=actor_id, log_level="WARNING",
                           data_port=ports[0], control_port=ports[1], weights_port=ports[2],
-                          telemetry_port=ports[3], metrics_port=ports[4])
+                          telemetry_port=ports[3], metrics_port=ports[4], step_transport=transport)
     actor = Actor(config, threading.Event())
     try:
         actor.join()
@@ -77,9 +81,8 @@ def synthetic_actor(env_id: str, num_envs: int, ports: list[int], actor_id: str,
             fields = {name: np.repeat(array[None], k, axis=0) for name, array in fields.items()}
         while not stop.is_set():
             actor._poll_weights()  # the learner publishes a version per released buffer
-            frame = encode_step(StepMessage(actor.actor_id, actor.incarnation, actor.seq, actor.policy_version, fields))
             actor.heartbeat_if_due()
-            actor.send(frame)
+            actor.send_step(StepMessage(actor.actor_id, actor.incarnation, actor.seq, actor.policy_version, fields))
             actor.seq += 1
     finally:
         actor.close()
@@ -124,10 +127,12 @@ def memcpy_mb_per_s(chunk_bytes: int, seconds: float = 2.0, total_bytes: int = 2
 
 
 def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load: str = "",
-                   steps_per_message: int | str = "auto") -> tuple[float, float, dict]:
+                   steps_per_message: int | str = "auto", transport: str = "auto",
+                   columns: int = 64) -> tuple[float, float, dict]:
     """Env steps/s the learner writes from ``actors`` synthetic actors; ``load``: "" (none), "thread"
-    (training loop in this process) or "process". Returns ``(rate, CPU seconds of the ingest threads
-    per row written, dropped counters)``."""
+    (training loop in this process) or "process"; ``transport``: the ``step_transport`` of learner
+    and actors ("auto": step rings here; "sockets"). Returns ``(rate, CPU seconds of the ingest
+    threads per row written, dropped counters)``. ``columns``: the learner's rollout buffer columns."""
     from oakemu_core import learner as library_learner
     from oakemu_core.config import OakEmuConfig
     from services import learner as learner_module
@@ -138,9 +143,10 @@ def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load
     with tempfile.TemporaryDirectory() as runs_dir:
         config = OakEmuConfig(
             env_id=env_id, num_actors=actors, envs_per_actor=num_envs, total_env_steps=10**12,
+            num_envs=columns,
             data_port=ports[0], control_port=ports[1], weights_port=ports[2], telemetry_port=ports[3],
             metrics_port=ports[4], runs_dir=Path(runs_dir), run_name="bench", checkpoint_every_updates=0,
-            steps_per_message=steps_per_message,
+            steps_per_message=steps_per_message, step_transport=transport,
             eval_every_updates=0, log_level="WARNING",
         )
         original_step = library_learner.PPOLearner.step
@@ -149,7 +155,8 @@ def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load
         stop = threading.Event()
         thread = threading.Thread(target=learner.run, args=(stop,), daemon=True)
         thread.start()
-        procs = [ctx.Process(target=synthetic_actor, args=(env_id, num_envs, ports, f"synthetic-{i}", stop_actors))
+        procs = [ctx.Process(target=synthetic_actor,
+                             args=(env_id, num_envs, ports, f"synthetic-{i}", stop_actors, transport))
                  for i in range(actors)]
         loader: threading.Thread | mp.Process | None = None
         if load == "thread":
@@ -276,25 +283,31 @@ def main() -> None:
     parser.add_argument("--steps-per-message", default="auto",
                         help="vector steps per message: 'auto' (the learner's default for the env) or a divisor of 128")
     parser.add_argument("--no-training-load", action="store_true", help="skip the GIL measurement")
+    parser.add_argument("--buffer-columns", type=int, default=64,
+                        help="the learner's rollout buffer columns (64: a rollout is 8,192 Breakout rows, as eight "
+                             "actors of 8 envs fill; the stubbed update's per-rollout work then stays small)")
     args = parser.parse_args()
     steps_per_message = args.steps_per_message if args.steps_per_message == "auto" else int(args.steps_per_message)
 
     from oakemu_core.config import OakEmuConfig
     from oakemu_core.envs import env_spec
     from oakemu_core.step_schema import schema_for_env
-    from oakemu_core.wire import auto_steps_per_message
+    from oakemu_core.wire import AUTO_MESSAGE_TARGET_BYTES, auto_steps_per_message
 
     bytes_per_row = schema_for_env(env_spec(args.env)).sent_bytes_per_env()
     step_bytes = bytes_per_row * args.envs_per_actor
     rollout_length = OakEmuConfig(env_id=args.env).rollout_length
-    k = (auto_steps_per_message(bytes_per_row, rollout_length, num_envs=args.envs_per_actor) if steps_per_message == "auto"
-         else steps_per_message)
+    k, k_sockets = ((auto_steps_per_message(bytes_per_row, rollout_length, num_envs=args.envs_per_actor,
+                                            target_bytes=target) for target in (None, AUTO_MESSAGE_TARGET_BYTES))
+                    if steps_per_message == "auto" else (steps_per_message, steps_per_message))
     chunk = step_bytes * k
     print(f"{args.env}: {args.actors} synthetic actor(s) x {args.envs_per_actor} envs, {bytes_per_row:,} bytes per "
-          f"env step, {k} vector step(s) per message ({chunk / 1024:.0f} KiB), {args.seconds:.0f} s per figure, median of "
+          f"env step, {k} vector step(s) per message ({chunk / 1024:.0f} KiB) with a step ring, {k_sockets} through the "
+          f"sockets only; buffers of {args.buffer_columns} columns; {args.seconds:.0f} s per figure, median of "
           f"{args.repeats} interleaved repeats, {os.cpu_count()} CPUs")
     loads = [""] if args.no_training_load else ["", "thread", "process"]
-    figures: dict[str, list[float]] = {"memcpy": [], "in-process": [], **{f"ingest{load}": [] for load in loads}}
+    figures: dict[str, list[float]] = {"memcpy": [], "in-process": [], "ingest-sockets": [],
+                                       **{f"ingest{load}": [] for load in loads}}
     dropped_all: list[dict] = []
     cpu_per_row_all: list[float] = []
     for _ in range(args.repeats):
@@ -302,11 +315,15 @@ def main() -> None:
         figures["in-process"].append(in_process_rows_per_s(args.env, args.envs_per_actor, k, args.seconds))
         for load in loads:
             rate, cpu_per_row, dropped = measure_ingest(args.env, args.actors, args.envs_per_actor, args.seconds,
-                                                        load, steps_per_message)
+                                                        load, steps_per_message, columns=args.buffer_columns)
             figures[f"ingest{load}"].append(rate)
             if not load:  # with a training thread the process's CPU time is not the ingest's alone
                 cpu_per_row_all.append(cpu_per_row)
             dropped_all.append(dropped)
+        rate, _, dropped = measure_ingest(args.env, args.actors, args.envs_per_actor, args.seconds, "",
+                                          steps_per_message, transport="sockets", columns=args.buffer_columns)
+        figures["ingest-sockets"].append(rate)
+        dropped_all.append(dropped)
     actor_rate = measure_local(args.env, 1, args.envs_per_actor, args.seconds, with_policy=True)
     memcpy = float(np.median(figures["memcpy"]))
     ingest = float(np.median(figures["ingest"]))
@@ -314,14 +331,19 @@ def main() -> None:
     print(f"{'measurement':<58}{'median':>14}   all runs")
     print(f"{'memcpy, message-sized chunks (MB/s)':<58}{memcpy:>14,.0f}   "
           f"{', '.join(f'{v:,.0f}' for v in figures['memcpy'])}")
-    for load, label in (("", "ingest"), ("thread", "ingest + training thread (shared GIL)"),
+    for load, label in (("", "ingest"), ("-sockets", "ingest through the sockets only"),
+                        ("thread", "ingest + training thread (shared GIL)"),
                         ("process", "ingest + training process (no shared GIL)")):
         if f"ingest{load}" in figures:
             values = figures[f"ingest{load}"]
             print(f"{label + ' (env steps/s)':<58}{float(np.median(values)):>14,.0f}   "
                   f"{', '.join(f'{v:,.0f}' for v in values)}")
+    sockets_mb = float(np.median(figures["ingest-sockets"])) * bytes_per_row / 1e6
     print(f"{'ingest (MB/s of message arrays)':<58}{ingest_mb:>14,.0f}")
-    print(f"ingest / memcpy bandwidth: {100 * ingest_mb / memcpy:.1f} % (target >= 25 %)")
+    print(f"ingest / memcpy bandwidth: {100 * ingest_mb / memcpy:.1f} % (target >= 25 %; arrays through step rings, "
+          f"the default for actors on the learner's machine)")
+    print(f"ingest through the sockets only / memcpy bandwidth: {100 * sockets_mb / memcpy:.1f} % ({sockets_mb:,.0f} "
+          f"MB/s: actors on other machines or in other containers)")
     in_process = float(np.median(figures["in-process"]))
     in_process_mb = in_process * bytes_per_row / 1e6
     print(f"{'in-process decode + write, no sockets (env steps/s)':<58}{in_process:>14,.0f}   "

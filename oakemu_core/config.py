@@ -222,6 +222,14 @@ class OakEmuConfig(BaseSettings):
         "for a Nature CNN on one core; one observation array, not dict observations).",
     )
 
+    step_transport: Literal["auto", "sockets"] = Field(
+        "auto",
+        description="How actors hand their step arrays to the learner: auto (through a shared-memory step ring when "
+        "actor and learner share a machine and /dev/shm, as `oakemu train`'s local actors do; inline in the "
+        "ZeroMQ messages otherwise, e.g. from another container or machine), or sockets (always inline). The "
+        "ring copies each byte once on the learner, not about six times (issue 11: bench_ingest.py).",
+    )
+
     # --- network addresses ---
     bind_host: str = Field("127.0.0.1", min_length=1, description="Address the learner binds its sockets to.")
     learner_host: str = Field("127.0.0.1", min_length=1, description="Where actors and monitors find the learner.")
@@ -400,15 +408,18 @@ class OakEmuConfig(BaseSettings):
         return self
 
     # --- derived values ---
-    def resolved_steps_per_message(self, env_step_bytes: int, num_envs: int) -> int:
+    def resolved_steps_per_message(self, env_step_bytes: int, num_envs: int, *, step_ring: bool = False) -> int:
         """Steps per message K for an actor of ``num_envs`` envs, each of whose steps carries
         ``env_step_bytes`` array bytes (``StepSchema.sent_bytes_per_env``): the configured int, or
-        :func:`oakemu_core.wire.auto_steps_per_message` for ``"auto"``."""
+        :func:`oakemu_core.wire.auto_steps_per_message` for ``"auto"``, without its bound on a
+        message's bytes for an actor offered a step ring (``step_ring``: the arrays do not travel in
+        the message; Breakout, 8 envs: K = 4, not 1)."""
         if self.steps_per_message != "auto":
             return int(self.steps_per_message)
         from oakemu_core.wire import auto_steps_per_message
 
-        return auto_steps_per_message(env_step_bytes, self.rollout_length, num_envs=num_envs)
+        return auto_steps_per_message(env_step_bytes, self.rollout_length, num_envs=num_envs,
+                                      **({"target_bytes": None} if step_ring else {}))
 
     @property
     def buffer_num_envs(self) -> int:

@@ -376,8 +376,9 @@ class RolloutAssembler:
         self._write(record, message)
 
     def _hold(self, record: ActorRecord, message: StepMessage) -> None:
-        """Queue a step message that found no free column; drop the oldest beyond one segment."""
-        record.pending.append(message)
+        """Queue a step message that found no free column; drop the oldest beyond one segment.
+        A step-ring message is copied out of its slot, which the learner releases after ingest."""
+        record.pending.append(message.owned())
         record.pending_rows += message.num_steps
         while record.pending_rows > self.rollout_length + HELD_SLACK_MESSAGES * record.spec.steps_per_message:
             oldest = record.pending.popleft()

@@ -43,14 +43,16 @@ the ``bytes`` objects msgpack unpacks (msgpack's one copy out of the frame; no f
 from __future__ import annotations
 
 import math
+import re
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from dataclasses import dataclass, field, replace
+from typing import Any, NoReturn, Protocol
 
 import msgpack
 import numpy as np
 
+from oakemu_core.shared_memory import SEGMENT_PREFIX
 from oakemu_core.step_schema import WIRE_DTYPES, StepSchema, check_step_consistency
 
 __all__ = [
@@ -64,6 +66,8 @@ __all__ = [
     "auto_steps_per_message",
     "JoinRequest",
     "JoinReply",
+    "StepRingOffer",
+    "MAX_RING_SLOTS",
     "Heartbeat",
     "HeartbeatReply",
     "Leave",
@@ -81,14 +85,17 @@ __all__ = [
     "decode_step",
 ]
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Version of this wire format; a frame with any other ``"protocol"`` value is rejected.
 Version 2: step messages carry a ``"fields"`` map keyed by the step schema's field names, and
 the join reply carries the schema itself. Version 3: the join reply's spec carries
 ``steps_per_message`` K; a step message of a spec with K > 1 carries K consecutive vector steps
 (every field ``(K, n, *shape)``, the episodes of all K steps in step order). Version 4: a weights
 message carries ``"revision"`` (weights published after an epoch, within an update). Version 5: a
-step message carries the ``"revision"`` of the weights that acted, next to their version."""
+step message carries the ``"revision"`` of the weights that acted, next to their version. Version 6:
+a join request carries the actor's ``"host_id"``, a join reply may offer a ``"step_ring"``, and a step
+message carries ``"slot"``: its arrays are in that slot of the actor's step ring (``"fields"`` is
+then empty; :mod:`oakemu_core.step_ring`), or nil for arrays inline."""
 
 REJECTION_REASONS = (
     "oversized",
@@ -121,6 +128,8 @@ MAX_NDIM = 32
 _MAX_MAP_LEN = 4096  # weights dicts hold tens of tensors; every other map is tiny
 _MAX_ARRAY_LEN = 65536  # shapes (<= MAX_NDIM) and per-message episode lists (<= K * num_envs)
 MAX_STEPS_PER_MESSAGE = 1024
+MAX_RING_SLOTS = 64
+"""Most slots a join reply's step ring may have (:mod:`oakemu_core.step_ring` uses 8)."""
 """Largest ``steps_per_message`` K a spec may declare."""
 _INT64_MAX = 2**63 - 1
 _ARRAY_KEYS = frozenset({"dtype", "shape", "data"})
@@ -256,10 +265,11 @@ def _decode_array(value: Any, name: str) -> np.ndarray:
     return _checked_contents(np.frombuffer(data, dtype=dtype).reshape(shape), data, name)
 
 
-def _checked_contents(array: np.ndarray, data: bytes, name: str) -> np.ndarray:
-    """``array`` (a view of ``data``) after the content checks: bool bytes in {0, 1}, floats finite."""
+def _checked_contents(array: np.ndarray, data: bytes | None, name: str) -> np.ndarray:
+    """``array`` (a view of ``data``; of shared memory when ``data`` is None) after the content
+    checks: bool bytes in {0, 1}, floats finite."""
     kind = array.dtype.kind
-    if kind == "b" and data.translate(None, b"\x00\x01"):
+    if kind == "b" and (array.tobytes() if data is None else data).translate(None, b"\x00\x01"):
         _reject("schema", f"{name}: bool array holds bytes other than 0 and 1")
     if kind == "f" and not _all_finite(array):
         _reject("schema", f"{name}: expected finite values, received NaN or inf")
@@ -466,12 +476,30 @@ class JoinRequest:
         incarnation: id unique to this start of the actor process (e.g. ``uuid4().hex``).
         num_envs: number of envs the actor steps (= columns it asks for).
         hostname: where the actor runs (diagnostics only).
+        host_id: the actor's kernel boot id (:func:`oakemu_core.step_ring.host_boot_id`) when it
+            can take a step ring, ``""`` when it sends its arrays inline only.
     """
 
     actor_id: str
     incarnation: str
     num_envs: int
     hostname: str
+    host_id: str = ""
+
+
+@dataclass(frozen=True)
+class StepRingOffer:
+    """A step ring the learner made for one actor (:mod:`oakemu_core.step_ring`).
+
+    Attributes:
+        name: shared-memory segment name (``oakemu_<pid>_<token>_stepring``).
+        token: 16 hex digits written in the ring's header; the actor checks them after attaching.
+        slots: message slots of the ring.
+    """
+
+    name: str
+    token: str
+    slots: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -487,6 +515,7 @@ class JoinReply:
             ``clip_rewards``, ``seed``, ...); values are None, bool, int, float or str.
         policy_version: version of ``weights``.
         weights: parameter name -> array (model ``state_dict`` as numpy); empty when refused.
+        step_ring: a shared-memory ring for the actor's step arrays, or None (send them inline).
     """
 
     accepted: bool
@@ -496,6 +525,7 @@ class JoinReply:
     env_config: dict[str, Any]
     policy_version: int
     weights: dict[str, np.ndarray] = field(default_factory=dict)
+    step_ring: StepRingOffer | None = None
 
 
 @dataclass(frozen=True)
@@ -566,6 +596,7 @@ def encode_join_request(msg: JoinRequest) -> bytes:
             "incarnation": msg.incarnation,
             "num_envs": int(msg.num_envs),
             "hostname": str(msg.hostname),
+            "host_id": str(msg.host_id),
         }
     )
 
@@ -589,6 +620,8 @@ def encode_join_reply(msg: JoinReply) -> bytes:
             "env_config": _encode_env_config(msg.env_config),
             "policy_version": int(msg.policy_version),
             "weights": _encode_weights(msg.weights, "weights"),
+            "step_ring": None if msg.step_ring is None else {
+                "name": msg.step_ring.name, "token": msg.step_ring.token, "slots": int(msg.step_ring.slots)},
         }
     )
 
@@ -644,17 +677,38 @@ def encode_weights(msg: WeightsMessage) -> bytes:
 
 
 def _decode_join(obj: dict[str, Any]) -> JoinRequest:
-    _require_fields(obj, ("actor_id", "incarnation", "num_envs", "hostname"))
+    _require_fields(obj, ("actor_id", "incarnation", "num_envs", "hostname", "host_id"))
     return JoinRequest(
         actor_id=_get_str(obj, "actor_id"),
         incarnation=_get_str(obj, "incarnation"),
         num_envs=_get_int(obj, "num_envs", minimum=1),
         hostname=_get_str(obj, "hostname", max_len=MAX_TEXT_LENGTH, allow_empty=True),
+        host_id=_get_str(obj, "host_id", allow_empty=True),
     )
 
 
+_RING_KEYS = frozenset({"name", "token", "slots"})
+_RING_TOKEN = re.compile(r"^[0-9a-f]{16}$")
+
+
+def _decode_step_ring(value: Any) -> StepRingOffer | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.keys() != _RING_KEYS:
+        _reject("schema", f"step_ring: expected None or a map with keys {sorted(_RING_KEYS)}")
+    name, token = _get_str(value, "name"), _get_str(value, "token")
+    if not name.startswith(SEGMENT_PREFIX) or not _RING_TOKEN.match(token):
+        _reject("schema", f"step_ring: expected an {SEGMENT_PREFIX}* segment and 16 hex digits, received "
+                          f"{_describe(name)} / {_describe(token)}")
+    slots = _get_int(value, "slots", minimum=1)
+    if slots > MAX_RING_SLOTS:
+        _reject("schema", f"step_ring.slots: expected at most {MAX_RING_SLOTS}, received {slots}")
+    return StepRingOffer(name=name, token=token, slots=slots)
+
+
 def _decode_join_reply(obj: dict[str, Any]) -> JoinReply:
-    _require_fields(obj, ("accepted", "reason", "actor_index", "spec", "env_config", "policy_version", "weights"))
+    _require_fields(obj, ("accepted", "reason", "actor_index", "spec", "env_config", "policy_version", "weights",
+                          "step_ring"))
     spec = obj["spec"]
     accepted = _get_bool(obj, "accepted")
     if accepted and spec is None:
@@ -667,6 +721,7 @@ def _decode_join_reply(obj: dict[str, Any]) -> JoinReply:
         env_config=_decode_env_config(obj["env_config"]),
         policy_version=_get_int(obj, "policy_version"),
         weights=_decode_weights(obj["weights"], "weights"),
+        step_ring=_decode_step_ring(obj["step_ring"]),
     )
 
 
@@ -744,7 +799,7 @@ def decode_message(frame: bytes | bytearray | memoryview, *, max_bytes: int) -> 
 # ---------------------------------------------------------------------------------------------
 
 
-_STEP_FIELDS = ("actor_id", "incarnation", "seq", "policy_version", "revision", "fields", "episode_returns",
+_STEP_FIELDS = ("actor_id", "incarnation", "seq", "policy_version", "revision", "fields", "slot", "episode_returns",
                 "episode_lengths")
 
 
@@ -768,6 +823,10 @@ class StepMessage:
         revision: revision of those weights within the update running on ``policy_version``
             (:class:`WeightsMessage`; 0 for the version's own weights). With K steps, the
             ``(policy_version, revision)`` of the oldest weights that acted on any of them.
+        slot: None: ``fields`` travel in the message. An int: the arrays are in this slot of the
+            actor's step ring (:mod:`oakemu_core.step_ring`). The actor sends ``fields`` empty;
+            :func:`decode_step` returns views of the slot in ``fields``, valid only until the
+            learner releases the message (:meth:`owned` copies them).
     """
 
     actor_id: str
@@ -778,6 +837,14 @@ class StepMessage:
     episode_returns: list[float] = field(default_factory=list)
     episode_lengths: list[int] = field(default_factory=list)
     revision: int = 0
+    slot: int | None = None
+
+    def owned(self) -> StepMessage:
+        """This message with arrays that stay valid after its ring slot is released: copies of a
+        slot's arrays, or ``self`` when the arrays came inline (views of a frame kept alive by them)."""
+        if self.slot is None:
+            return self
+        return replace(self, fields={name: array.copy() for name, array in self.fields.items()})
 
     @property
     def num_envs(self) -> int:
@@ -798,12 +865,19 @@ def encode_step(msg: StepMessage) -> bytes:
     array is not C-contiguous); msgpack copies it once into its buffer and once into the result.
     Shapes and dtypes are not checked against a spec here: the learner does that on decode.
 
+    A message whose arrays are in a step-ring slot (``msg.slot`` an int) is sent with ``fields``
+    empty.
+
     Raises:
         TypeError: an array field is not a numpy array or has a dtype not allowed on the wire.
-        ValueError: a scalar field has a bad value, or episode lists differ in length; the
-            message names the field.
+        ValueError: a scalar field has a bad value, episode lists differ in length, or a slot
+            message carries fields; the message names the field.
     """
     _check_local_id(msg.actor_id, "actor_id")
+    if msg.slot is not None:
+        _check_local_int(msg.slot, "slot")
+        if msg.fields:
+            raise ValueError("fields: expected none in a message whose arrays are in a step-ring slot")
     _check_local_id(msg.incarnation, "incarnation")
     _check_local_int(msg.seq, "seq")
     _check_local_int(msg.policy_version, "policy_version")
@@ -824,6 +898,7 @@ def encode_step(msg: StepMessage) -> bytes:
             "policy_version": int(msg.policy_version),
             "revision": int(msg.revision),
             "fields": {name: _encode_array(array, name) for name, array in msg.fields.items()},
+            "slot": None if msg.slot is None else int(msg.slot),
             "episode_returns": episode_returns,
             "episode_lengths": episode_lengths,
         }
@@ -835,6 +910,7 @@ def decode_step(
     spec_for: Callable[[str, str], StepSpec | None],
     *,
     max_bytes: int,
+    ring_for: Callable[[str, str], StepRingReader | None] | None = None,
 ) -> StepMessage:
     """Decode and validate one step frame against the spec of its sender.
 
@@ -845,21 +921,26 @@ def decode_step(
     values only on truncated rows, the action taken is allowed by its mask;
     :func:`oakemu_core.step_schema.check_step_consistency`); the episode lists (at most K * n
     episodes). A block is checked whole, every check vectorised over its K x n rows: one bad row
-    rejects the whole message.
+    rejects the whole message. A message whose arrays are in a step-ring slot (``"slot"`` an int:
+    :mod:`oakemu_core.step_ring`) is checked the same way on the slot's arrays; their dtypes and
+    shapes are the ring's layout, made from the same spec.
 
     Args:
         frame: one ZeroMQ frame from the PULL socket.
         spec_for: ``(actor_id, incarnation) -> StepSpec`` of a joined actor, or None if unknown.
         max_bytes: frames longer than this are rejected before any decoding.
+        ring_for: ``(actor_id, incarnation) ->`` that actor's step ring, or None (no ring; also
+            the default): then a slot message is rejected.
 
     Returns:
-        A :class:`StepMessage` whose arrays are read-only ``np.frombuffer`` views, with exactly the
-        dtypes and shapes of :meth:`StepSpec.array_layout`.
+        A :class:`StepMessage` whose arrays are read-only views, of the frame (``np.frombuffer``)
+        or of the ring slot, with exactly the dtypes and shapes of :meth:`StepSpec.array_layout`.
 
     Raises:
         MessageRejected: ``"oversized"``, ``"garbage"``, ``"protocol"``, ``"schema"`` (wrong type,
             missing / extra / wrong-typed field, NaN or inf in a float array or episode return,
-            more finished episodes than envs), ``"unknown_actor"``, ``"dtype"`` / ``"shape"``
+            more finished episodes than envs, a slot message from an actor without a ring or
+            with another slot than ``seq % slots``, fields next to a slot), ``"unknown_actor"``, ``"dtype"`` / ``"shape"``
             (detail names the field, expected and received value), ``"size"`` (declared shape
             disagrees with the data length), ``"value_range"`` (impossible values, named).
         TypeError: ``frame`` is not a bytes-like object (a caller bug, not wire input).
@@ -880,18 +961,23 @@ def decode_step(
     received = obj["fields"]
     if not isinstance(received, dict):
         _reject("schema", f"fields: expected a map field name -> array, received {type(received).__name__}")
-    expected_names = spec._field_names
-    if received.keys() != expected_names:
-        missing = sorted(expected_names - received.keys())
-        extra = sorted(map(_describe, received.keys() - expected_names))
+    slot = obj["slot"]
+    in_ring = None
+    if slot is not None:
+        in_ring = _slot_fields(slot, seq, received, ring_for(actor_id, incarnation) if ring_for else None, spec)
+    elif received.keys() != spec._field_names:
+        missing = sorted(spec._field_names - received.keys())
+        extra = sorted(map(_describe, received.keys() - spec._field_names))
         _reject("schema", f"fields: missing {missing}, extra {extra}")
     arrays: dict[str, np.ndarray] = {}
     rows: dict[str, np.ndarray] = {}  # (K * n, *shape) views: the value checks see one batch of rows
     for item, dtype_str, shape, shape_list, nbytes in spec._wire_layout:
         name = item.name
-        value = received[name]
+        value = None if in_ring is not None else received[name]
         data = value.get("data") if type(value) is dict else None
-        if (type(data) is bytes and len(data) == nbytes and len(value) == 3 and value.get("dtype") == dtype_str
+        if in_ring is not None:  # the ring's layout is the spec's: only the contents to check
+            array = _checked_contents(in_ring[name], None, name)
+        elif (type(data) is bytes and len(data) == nbytes and len(value) == 3 and value.get("dtype") == dtype_str
                 and value.get("shape") == shape_list and all(type(d) is int for d in value["shape"])):
             # The agreed dtype and shape, spelled exactly: no generic parsing (a message has a dozen fields).
             array = _checked_contents(np.frombuffer(data, dtype=item.dtype).reshape(shape), data, name)
@@ -933,7 +1019,30 @@ def decode_step(
         episode_returns=episode_returns,
         episode_lengths=list(lengths),
         revision=revision,
+        slot=slot,
     )
+
+
+class StepRingReader(Protocol):
+    """What :func:`decode_step` needs of a step ring (:class:`oakemu_core.step_ring.StepRing`)."""
+
+    slots: int
+    spec: StepSpec
+
+    def slot_fields(self, slot: int) -> dict[str, np.ndarray]: ...
+
+
+def _slot_fields(slot: Any, seq: int, received: dict, ring: StepRingReader | None,
+                 spec: StepSpec) -> dict[str, np.ndarray]:
+    """The arrays of a slot message (checks the slot against the ring), else rejects it."""
+    if received:
+        _reject("schema", f"fields: expected none in a slot message, received {sorted(map(_describe, received))}")
+    if ring is None:
+        _reject("schema", "slot: this actor has no step ring (send the fields inline)")
+    if type(slot) is not int or slot != seq % ring.slots or (ring.spec is not spec and ring.spec != spec):
+        _reject("schema", f"slot: expected seq % {ring.slots} = {seq % ring.slots} of this actor's ring, "
+                          f"received {_describe(slot)}")
+    return ring.slot_fields(slot)
 
 
 MAX_ABS_EPISODE_RETURN = 1e12
@@ -1055,7 +1164,7 @@ against K = 4 (6,703 / 8,760 against 10,230 / 10,963 steps/s), for no less lag."
 
 
 def auto_steps_per_message(env_step_bytes: int, rollout_length: int, *, num_envs: int,
-                           target_bytes: int = AUTO_MESSAGE_TARGET_BYTES,
+                           target_bytes: int | None = AUTO_MESSAGE_TARGET_BYTES,
                            target_rows: int = AUTO_MESSAGE_TARGET_ROWS,
                            max_steps: int = AUTO_MAX_STEPS_PER_MESSAGE) -> int:
     """The ``steps_per_message`` the learner gives an actor by default (``steps_per_message =
@@ -1072,6 +1181,8 @@ def auto_steps_per_message(env_step_bytes: int, rollout_length: int, *, num_envs
         env_step_bytes: array bytes of one env's step (``StepSchema.sent_bytes_per_env()``).
         rollout_length: rows per segment (T); K divides it.
         num_envs: envs of the actor (rows per vector step).
+        target_bytes: the bound on a message's array bytes; None: none (an actor with a step ring,
+            whose arrays do not travel in the message: Breakout, 8 envs -> K = 4).
 
     Raises:
         ValueError: ``env_step_bytes``, ``rollout_length`` or ``num_envs`` < 1.
@@ -1082,6 +1193,7 @@ def auto_steps_per_message(env_step_bytes: int, rollout_length: int, *, num_envs
     step_bytes = num_envs * env_step_bytes  # one vector step of the actor
     best = 1
     for k in range(1, min(max_steps, rollout_length // AUTO_MESSAGES_PER_SEGMENT) + 1):
-        if rollout_length % k == 0 and k * step_bytes <= target_bytes and k * num_envs <= target_rows:
+        if (rollout_length % k == 0 and (target_bytes is None or k * step_bytes <= target_bytes)
+                and k * num_envs <= target_rows):
             best = k
     return best

@@ -15,6 +15,11 @@ rows: the last row of each segment of ``rollout_length`` rows takes its ``next_v
 policy that acted, is sent, and then the actor waits (heartbeats continue) until weights newer
 than that policy arrive; the next segment is acted by them (policy lag 0 for every row).
 
+On the learner's machine (``step_transport = "auto"``) the arrays of each step message go through a
+shared-memory step ring the learner offers at join (:mod:`oakemu_core.step_ring`); the socket then
+carries only the message's scalars and the slot. The actor waits (heartbeats continue) while its
+next slot is still unread: the ring's slots are the back-pressure.
+
 Run with ``oakemu actor`` or ``python -m services.actor``.
 """
 
@@ -26,6 +31,7 @@ import socket
 import threading
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -37,6 +43,7 @@ from oakemu_core.envs import EnvGroups, VectorEnv, make_env_groups, make_vector_
 from oakemu_core.metrics import StepRateMeter
 from oakemu_core.models import ActorCritic, build_model, load_weight_arrays
 from oakemu_core.routing import PolicyRouter, RoutingConfig
+from oakemu_core.step_ring import StepRing, StepRingUnavailable, host_boot_id
 from oakemu_core.step_schema import schema_for_env
 from oakemu_core.step_blocks import StepBlock
 from oakemu_core.stepper import PolicyStepper
@@ -164,14 +171,17 @@ class Actor:
         self.ahead_waits_timed_out = 0
         self.data: zmq.Socket | None = None
         self.weights_sub: zmq.Socket | None = None
+        self.ring: StepRing | None = None  # shared-memory step ring of this incarnation, if offered and attached
+        self.ring_waits = 0  # messages that waited for their ring slot
 
     # -- joining ---------------------------------------------------------------------------
     def join(self) -> JoinReply:
         """Join (retrying while the learner is not up yet); loads the weights it returns."""
         self.incarnation = uuid.uuid4().hex
         self.seq = 0
+        host_id = host_boot_id() if self.config.step_transport == "auto" else ""
         request = encode_join_request(
-            JoinRequest(self.actor_id, self.incarnation, self.config.envs_per_actor, self.hostname)
+            JoinRequest(self.actor_id, self.incarnation, self.config.envs_per_actor, self.hostname, host_id)
         )
         # A learner may take a while to start (loading torch, building envs): be patient at join.
         deadline = time.monotonic() + max(JOIN_PATIENCE_S, self.patience_s)
@@ -236,12 +246,28 @@ class Actor:
                           if self.steps_per_message > 1 else None)
             self._connect_streams()
         self._load_weights(reply.policy_version, reply.weights)
+        self._attach_ring(reply)
         self.sync_rollout_length = int(env_config.get("rollout_length") or 0) if env_config.get("mode") == "sync" else 0
         self.ahead_rows = 0 if self.sync_rollout_length else AHEAD_SEGMENTS * int(env_config.get("rollout_length") or 0)
         self.segment_rows = 0  # a new incarnation starts a new segment
         self.last_reply = time.monotonic()
         log.info("actor %s joined as #%d: %s x %d envs, policy version %d", self.actor_id, reply.actor_index,
                  env_config["env_id"], self.config.envs_per_actor, reply.policy_version)
+
+    def _attach_ring(self, reply: JoinReply) -> None:
+        """Use the step ring the learner offered to this incarnation, if it is reachable from here."""
+        if self.ring is not None:  # the previous incarnation's ring
+            self.ring.close()
+            self.ring = None
+        if reply.step_ring is None or reply.spec is None:
+            return
+        try:
+            self.ring = StepRing.attach(reply.step_ring, reply.spec)
+        except StepRingUnavailable as error:  # e.g. another container's /dev/shm: inline it is
+            log.info("actor %s: step arrays go inline in the messages (%s)", self.actor_id, error)
+        else:
+            log.info("actor %s: step arrays go through shared memory (%s, %d slots)", self.actor_id,
+                     self.ring.name, self.ring.slots)
 
     def _connect_streams(self) -> None:
         config = self.config
@@ -350,6 +376,36 @@ class Actor:
             self.join()
             raise _Rejoined
 
+    def send_step(self, message: StepMessage) -> None:
+        """Send one step message: its arrays into the step ring's next slot when the actor has a
+        ring (waiting, with heartbeats, while the learner has not read that slot yet), else inline.
+        Raises :class:`_Rejoined` after a rejoin."""
+        ring = self.ring
+        if ring is not None:
+            if not ring.is_free(message.seq):
+                self.ring_waits += 1
+                self._wait_until(lambda: ring.is_free(message.seq))
+                if not ring.is_free(message.seq):  # told to stop meanwhile
+                    return
+            slot = ring.write(message.seq, message.fields)
+            message = replace(message, fields={}, slot=slot)
+        self.send(encode_step(message))
+
+    def _wait_until(self, ready: Any) -> None:
+        """Poll ``ready()`` until it is true or the actor is told to stop, first every 0.1 ms, backing
+        off to every 2 ms (a slot the learner is reading frees within a fraction of a millisecond; a
+        learner that is training may take seconds). Heartbeats go on, and (asynchronous mode) newer
+        weights are loaded and the pending action chosen again with them, as in :meth:`send`."""
+        assert self.weights_sub is not None
+        pause = 0.0001
+        while not ready() and not self.stop_event.is_set():
+            time.sleep(pause)
+            pause = min(2 * pause, 0.002)
+            if not self.sync_rollout_length and self.weights_sub.poll(0) and self._poll_weights() \
+                    and self.stepper is not None:
+                self.stepper.reselect()
+            self.heartbeat_if_due()
+
     def send(self, frame: bytes) -> None:
         """Send one step message, waiting (with heartbeats) while the learner applies back-pressure.
 
@@ -456,7 +512,7 @@ class Actor:
                 )
             try:
                 self.heartbeat_if_due()
-                self.send(encode_step(message))
+                self.send_step(message)
                 self.seq += 1
                 self.segment_rows = 0 if segment_end else self.segment_rows + k
                 if segment_end:
@@ -473,8 +529,13 @@ class Actor:
         if self.ahead_waits:
             log.info("actor %s waited for newer weights %d times (%d gave up after %.1f s)", self.actor_id,
                      self.ahead_waits, self.ahead_waits_timed_out, AHEAD_WAIT_S)
+        if self.ring_waits:
+            log.info("actor %s: %d step messages waited for a free step-ring slot", self.actor_id, self.ring_waits)
         if getattr(self, "incarnation", None) and self.data is not None:
             self.control.request(encode_leave(Leave(self.actor_id, self.incarnation)), timeout_s=0.5)
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
         self.control.close()
         if self.env is not None:
             self.env.close()

@@ -79,6 +79,7 @@ from oakemu_core.run_folder import (
     truncate_run_logs,
 )
 from oakemu_core.shared_memory import sweep_stale_segments
+from oakemu_core.step_ring import StepRings, host_boot_id
 from oakemu_core.step_schema import StepSchema, schema_for_env
 from oakemu_core.telemetry import (
     ActorTelemetry,
@@ -95,6 +96,7 @@ from oakemu_core.wire import (
     JoinRequest,
     Leave,
     MessageRejected,
+    StepRingOffer,
     StepSpec,
     WeightsMessage,
     decode_message,
@@ -357,6 +359,10 @@ class Learner:
             "data": RateLimitedLog(log, "step messages", first_prefix="rejected step message"),
             "control": RateLimitedLog(log, "control messages", first_prefix="rejected control message"),
         }
+        # Shared-memory step rings of the actors on this machine (oakemu_core/step_ring.py).
+        self.rings = StepRings()
+        undo.callback(self.rings.close)
+        self.host_id = host_boot_id() if config.step_transport == "auto" else ""
         self._setup_sockets(undo)
         self.metrics = MetricsLogger(run_dir)
         undo.callback(self.metrics.close)
@@ -479,7 +485,9 @@ class Learner:
     def _grant_join(self, message: JoinRequest, now: float, index: int | None) -> bytes:
         """Register a joining actor (``index``: its synchronous-mode rank, None: the next number)
         and encode the join reply with its spec, env config and the current weights."""
-        steps = self.config.resolved_steps_per_message(self.schema.sent_bytes_per_env(), message.num_envs)
+        ring = self._ring_reachable(message)
+        steps = self.config.resolved_steps_per_message(self.schema.sent_bytes_per_env(), message.num_envs,
+                                                       step_ring=ring)
         spec = StepSpec(num_envs=message.num_envs, schema=self.schema, steps_per_message=steps)
         record = self.assembler.join(message.actor_id, message.incarnation, spec, hostname=message.hostname, now=now,
                                      index=index)
@@ -503,8 +511,22 @@ class Learner:
             "rollout_length": self.config.rollout_length,
         }
         return encode_join_reply(
-            JoinReply(True, "", record.index, spec, env_config, self.policy_version, self.latest_weights)
+            JoinReply(True, "", record.index, spec, env_config, self.policy_version, self.latest_weights,
+                      step_ring=self._offer_ring(message, spec) if ring else None)
         )
+
+    def _ring_reachable(self, message: JoinRequest) -> bool:
+        """Whether the joining actor may share this machine's shared memory (same kernel boot id;
+        the actor's attach decides: another container's ``/dev/shm`` differs)."""
+        return bool(self.host_id) and message.host_id == self.host_id
+
+    def _offer_ring(self, message: JoinRequest, spec: StepSpec) -> StepRingOffer | None:
+        """A step ring for an actor on this machine, else None (its arrays go inline)."""
+        try:
+            return self.rings.offer(message.actor_id, message.incarnation, spec, self.config.rollout_length)
+        except OSError as error:  # e.g. /dev/shm full: the sockets carry the arrays instead
+            log.warning("no step ring for actor %s (%s): its step arrays go inline", message.actor_id, error)
+            return None
 
     def _sync_join(self, message: JoinRequest, now: float, identity: Any) -> bytes | None:
         """Synchronous mode: hold joins until ``num_actors`` actors have asked, then answer them all
@@ -564,9 +586,18 @@ class Learner:
                 continue
             frame = parts[0]
             try:
-                message = decode_step(frame.buffer, self.assembler.spec_for, max_bytes=self.config.max_message_bytes)
+                message = decode_step(frame.buffer, self.assembler.spec_for, max_bytes=self.config.max_message_bytes,
+                                      ring_for=self.rings.get)
+            except MessageRejected as error:  # a slot message rejected here is released by the next one
+                self.assembler.counters.rejected[error.reason] += 1
+                self.rejection_log["data"].event(error.reason, str(error))
+                continue
+            try:
                 if not self.peers.allows(message.actor_id, message.incarnation, frame):
                     raise StepRejected("impersonation", f"a step for actor {message.actor_id} from another peer")
+                if message.slot is None and self.rings.discard(message.actor_id, message.incarnation):
+                    log.info("actor %s sends its step arrays inline (its step ring is not reachable from it)",
+                             message.actor_id)
                 self.assembler.ingest(message, current_policy_version=self.policy_version, now=now)
             except StepRejected as error:
                 if error.reason != "departed_actor":  # late steps are counted as dropped, not rejected
@@ -577,6 +608,10 @@ class Learner:
                 self.assembler.counters.rejected[error.reason] += 1
                 self.rejection_log["data"].event(error.reason, str(error))
                 continue
+            finally:  # written or copied (held) by now, or rejected: the actor may reuse the slot
+                ring = self.rings.get(message.actor_id, message.incarnation) if message.slot is not None else None
+                if ring is not None:
+                    ring.release(message.seq)
             self.assembler.counters.accepted["step"] += 1
             if message.episode_returns:
                 self.episodes += len(message.episode_returns)
@@ -828,6 +863,7 @@ class Learner:
                 for actor_id in self.assembler.expire_silent_actors(now):
                     log.warning("actor %s silent for %.1f s: dropped, its unfinished segment discarded",
                                 actor_id, config.actor_timeout_s)
+                self.rings.retain({(r.actor_id, r.incarnation) for r in self.assembler.actors.values()})
                 next_expiry = now + 0.5
             if now >= next_telemetry:
                 self.rates.sample(now, self.assembler.counters.env_steps)

@@ -591,11 +591,11 @@ def test_oversized_frame_is_rejected_before_decoding() -> None:
     assert info.value.reason == "oversized"
 
 
-def test_protocol_version_is_5() -> None:
-    assert PROTOCOL_VERSION == 5 and step_obj()["protocol"] == 5
+def test_protocol_version_is_6() -> None:
+    assert PROTOCOL_VERSION == 6 and step_obj()["protocol"] == 6
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 6, "5", 5.0, None])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 7, "6", 6.0, None])
 def test_wrong_protocol(version: Any) -> None:
     obj = step_obj()
     obj["protocol"] = version

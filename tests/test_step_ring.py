@@ -1,0 +1,333 @@
+"""Step rings (oakemu_core/step_ring.py): the arrays of a step message in shared memory, checked by the
+learner like inline ones; flow control by the release counter; the learner's registry of rings."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+from oakemu_core.config import OakEmuConfig
+from oakemu_core.ingest import RolloutAssembler
+from oakemu_core.rollout_buffer import RolloutBuffer
+from oakemu_core.step_ring import (
+    DEPARTED_RINGS_KEPT,
+    StepRing,
+    StepRings,
+    StepRingUnavailable,
+    host_boot_id,
+    ring_slots,
+)
+from oakemu_core.wire import (
+    JoinReply,
+    JoinRequest,
+    MessageRejected,
+    StepMessage,
+    StepRingOffer,
+    StepSpec,
+    auto_steps_per_message,
+    decode_message,
+    decode_step,
+    encode_join_reply,
+    encode_join_request,
+    encode_step,
+)
+from tests.e2e_helpers import REPO_ROOT, E2EProcesses, common_flags, new_ports, only_run_dir, update_records, wait_for
+from tests.e2e_helpers import e2e_fixture  # noqa: F401
+from tests.test_wire import ACTOR, ATARI_SCHEMA, ATARI_SPEC, INCARNATION, MAX_BYTES, N, atari_step, known_spec
+
+BLOCK_SPEC = StepSpec(num_envs=N, schema=ATARI_SCHEMA, steps_per_message=4)
+
+
+@pytest.fixture
+def ring() -> Iterator[StepRing]:
+    made = StepRing.create(ATARI_SPEC, 3)
+    yield made
+    made.close()
+
+
+def block_step(seq: int) -> StepMessage:
+    """A valid 4-step block: four different Atari steps stacked, ``(4, N, ...)`` per field."""
+    steps = [atari_step(seq=seq, seed=10 * seq + i) for i in range(4)]
+    fields = {name: np.stack([s.fields[name] for s in steps]) for name in steps[0].fields}
+    return replace(steps[0], fields=fields, episode_returns=[1.0], episode_lengths=[9])
+
+
+def via_ring(ring: StepRing, actor: StepRing, msg: StepMessage) -> StepMessage:
+    """What the actor sends (arrays into the slot, a frame without them) and what the learner decodes."""
+    slot = actor.write(msg.seq, msg.fields)
+    frame = encode_step(replace(msg, fields={}, slot=slot))
+    return decode_step(frame, lambda a, i: ring.spec if (a, i) == (ACTOR, INCARNATION) else None,
+                       max_bytes=MAX_BYTES, ring_for=lambda a, i: ring)
+
+
+@pytest.mark.parametrize("spec", [ATARI_SPEC, BLOCK_SPEC], ids=["one-step", "four-step-block"])
+def test_a_message_through_the_ring_decodes_to_the_arrays_of_the_inline_message(spec: StepSpec) -> None:
+    learner_ring = StepRing.create(spec, 2)
+    actor_ring = StepRing.attach(learner_ring.offer(), spec)
+    try:
+        for seq in range(5):  # more messages than slots: slots are reused after release
+            msg = atari_step(seq=seq, seed=seq) if spec is ATARI_SPEC else block_step(seq)
+            inline = decode_step(encode_step(msg), lambda a, i: spec, max_bytes=MAX_BYTES)
+            ringed = via_ring(learner_ring, actor_ring, msg)
+            assert ringed.slot == seq % 2 and inline.slot is None
+            assert ringed.fields.keys() == inline.fields.keys()
+            for name, array in inline.fields.items():
+                assert ringed.fields[name].dtype == array.dtype and not ringed.fields[name].flags.writeable
+                np.testing.assert_array_equal(ringed.fields[name], array, err_msg=name)
+            assert (ringed.seq, ringed.policy_version, ringed.revision, ringed.episode_returns, ringed.episode_lengths) \
+                == (inline.seq, inline.policy_version, inline.revision, inline.episode_returns, inline.episode_lengths)
+            learner_ring.release(seq)
+    finally:
+        actor_ring.close()
+        learner_ring.close()
+
+
+def test_the_actor_may_not_rewrite_a_slot_the_learner_has_not_released(ring: StepRing) -> None:
+    actor = StepRing.attach(ring.offer(), ATARI_SPEC)
+    fields = atari_step().fields
+    try:
+        for seq in range(3):
+            assert actor.is_free(seq)
+            actor.write(seq, fields)
+        assert not actor.is_free(3)
+        with pytest.raises(RuntimeError, match="in use"):
+            actor.write(3, fields)
+        ring.release(0)  # the learner is done with message 0: its slot takes message 3
+        assert actor.released == 1 and actor.is_free(3) and not actor.is_free(4)
+        ring.release(2)  # every message below 3 is done
+        ring.release(1)  # an older release never lowers the counter
+        assert actor.released == 3 and actor.is_free(5) and not actor.is_free(6)
+    finally:
+        actor.close()
+
+
+def test_slot_views_share_memory_so_a_held_message_must_be_copied(ring: StepRing) -> None:
+    actor = StepRing.attach(ring.offer(), ATARI_SPEC)
+    try:
+        first = via_ring(ring, actor, atari_step(seq=0, seed=1))
+        owned = first.owned()
+        before = owned.fields["observations"].copy()
+        ring.release(0)
+        for seq in range(1, 4):  # seq 3 reuses slot 0
+            via_ring(ring, actor, atari_step(seq=seq, seed=50 + seq))
+            ring.release(seq)
+        assert not np.array_equal(first.fields["observations"], before)  # the view sees the new message
+        np.testing.assert_array_equal(owned.fields["observations"], before)  # the copy does not
+        inline = atari_step()
+        assert inline.owned() is inline  # inline arrays own their frame: no copy needed
+    finally:
+        actor.close()
+
+
+def test_the_assembler_copies_a_held_ring_message_out_of_its_slot() -> None:
+    buffers = [RolloutBuffer(2, N, schema=ATARI_SCHEMA) for _ in range(2)]
+    assembler = RolloutAssembler(buffers, actor_timeout_s=5.0)
+    ring = StepRing.create(ATARI_SPEC, 2)
+    actor = StepRing.attach(ring.offer(), ATARI_SPEC)
+    try:
+        assembler.join(ACTOR, INCARNATION, ATARI_SPEC, hostname="h", now=0.0)
+        for seq in range(4):  # fills both buffers (2 rows x N columns each)
+            assembler.ingest(via_ring(ring, actor, atari_step(seq=seq, seed=seq)), current_policy_version=7, now=0.0)
+            ring.release(seq)
+        held = via_ring(ring, actor, atari_step(seq=4, seed=4))  # no free column: held
+        assembler.ingest(held, current_policy_version=7, now=0.0)
+        assert assembler.pending_rows == 1
+        ring.release(4)
+        expected = atari_step(seq=4, seed=4).fields
+        via_ring(ring, actor, atari_step(seq=6, seed=99))  # seq 6 rewrites slot 0, where seq 4 was
+        rollout = assembler.take_full_rollout()
+        assert rollout is not None
+        assembler.release(rollout.slot)  # frees columns: the held message is written now
+        assert assembler.pending_rows == 0
+        np.testing.assert_array_equal(buffers[rollout.slot].observations[0], expected["observations"])
+        np.testing.assert_array_equal(buffers[rollout.slot].actions[0], expected["actions"])
+    finally:
+        actor.close()
+        ring.close()
+        for buffer in buffers:
+            buffer.close()
+
+
+def rejected(frame: bytes, ring_for) -> MessageRejected:
+    with pytest.raises(MessageRejected) as info:
+        decode_step(frame, known_spec, max_bytes=MAX_BYTES, ring_for=ring_for)
+    return info.value
+
+
+def test_slot_messages_the_learner_cannot_place_are_rejected(ring: StepRing) -> None:
+    frame = encode_step(replace(atari_step(seq=4), fields={}, slot=1))  # seq 4 % 3 slots = 1
+    actor = StepRing.attach(ring.offer(), ATARI_SPEC)
+    actor.write(0, atari_step().fields)
+    actor.write(1, atari_step().fields)
+    try:
+        assert "no step ring" in rejected(frame, lambda a, i: None).detail
+        assert "no step ring" in rejected(frame, None).detail  # decode_step's default: no rings
+        wrong_slot = encode_step(replace(atari_step(seq=4), fields={}, slot=2))
+        assert "slot" in rejected(wrong_slot, lambda a, i: ring).detail
+        other = StepRing.create(BLOCK_SPEC, 3)  # a ring of another spec
+        try:
+            assert "slot" in rejected(frame, lambda a, i: other).detail
+        finally:
+            other.close()
+        obj_with_fields = encode_step(replace(atari_step(seq=4), slot=None))  # fields inline ...
+        tampered = msgpack.unpackb(obj_with_fields, raw=False)
+        tampered["slot"] = 1  # ... and a slot as well
+        reason = rejected(msgpack.packb(tampered, use_bin_type=True), lambda a, i: ring)
+        assert reason.reason == "schema" and "none in a slot message" in reason.detail
+        assert decode_step(frame, known_spec, max_bytes=MAX_BYTES, ring_for=lambda a, i: ring).slot == 1
+    finally:
+        actor.close()
+
+
+@pytest.mark.parametrize(("name", "value", "reason"), [
+    ("values", np.nan, "schema"),  # floats must be finite
+    ("dones", 2, "schema"),  # bool bytes 0/1
+    ("actions", 4, "value_range"),  # 4 actions: 0..3
+])
+def test_slot_contents_get_the_checks_of_inline_arrays(ring: StepRing, name: str, value: float, reason: str) -> None:
+    actor = StepRing.attach(ring.offer(), ATARI_SPEC)
+    try:
+        actor.write(0, atari_step().fields)
+        raw = actor._slot_views[0][name]  # the actor's writable view: bytes a buggy actor could leave
+        if raw.dtype == bool:
+            raw.view(np.uint8)[3] = value
+        else:
+            raw[3] = value
+        frame = encode_step(replace(atari_step(seq=0), fields={}, slot=0))
+        assert rejected(frame, lambda a, i: ring).reason == reason
+    finally:
+        actor.close()
+
+
+def test_attach_refuses_a_segment_that_is_not_the_offered_ring(ring: StepRing) -> None:
+    offer = ring.offer()
+    with pytest.raises(StepRingUnavailable):
+        StepRing.attach(replace(offer, token="0" * 16), ATARI_SPEC)
+    with pytest.raises(StepRingUnavailable):
+        StepRing.attach(replace(offer, slots=4), ATARI_SPEC)
+    with pytest.raises(StepRingUnavailable):
+        StepRing.attach(offer, StepSpec(num_envs=N - 1, schema=ATARI_SCHEMA))  # another layout
+    with pytest.raises(StepRingUnavailable):
+        StepRing.attach(replace(offer, name="oakemu_1_abc_stepring"), ATARI_SPEC)  # e.g. another /dev/shm
+
+
+def test_the_registry_unlinks_departed_rings_but_keeps_a_few_readable() -> None:
+    rings = StepRings()
+    shm = Path("/dev/shm")
+    try:
+        offers = [rings.offer(f"actor-{i}", "inc", ATARI_SPEC, 128) for i in range(DEPARTED_RINGS_KEPT + 2)]
+        assert all((shm / offer.name).exists() for offer in offers)
+        assert offers[0].slots == ring_slots(1, 128) == 16
+        rings.retain({("actor-0", "inc")})
+        assert (shm / offers[0].name).exists() and rings.get("actor-0", "inc") is not None
+        assert not any((shm / offer.name).exists() for offer in offers[1:])  # departed: names gone at once
+        assert len(rings) == 1
+        readable = [i for i in range(1, len(offers)) if rings.get(f"actor-{i}", "inc") is not None]
+        assert readable == list(range(len(offers) - DEPARTED_RINGS_KEPT, len(offers)))  # the newest stay mapped
+        assert rings.discard("actor-0", "inc") and not (shm / offers[0].name).exists()
+        assert not rings.discard("actor-0", "inc")
+    finally:
+        rings.close()
+    assert not [name for name in os.listdir(shm) if name.endswith("_stepring")]
+
+
+def test_ring_slots_bound_the_vector_steps_in_flight() -> None:
+    assert ring_slots(1, 128) == 16
+    assert ring_slots(4, 128) == 4  # Breakout with a ring: K = 4
+    assert ring_slots(1, 32) == 4  # a short rollout: an eighth of it
+    assert ring_slots(8, 1024) == 2  # LunarLander: K = 8, two slots at least
+    assert ring_slots(32, 64) == 2
+
+
+def test_without_the_byte_bound_an_atari_actor_with_a_ring_sends_blocks() -> None:
+    env_step_bytes = ATARI_SCHEMA.sent_bytes_per_env()
+    assert auto_steps_per_message(env_step_bytes, 128, num_envs=8) == 1
+    assert auto_steps_per_message(env_step_bytes, 128, num_envs=8, target_bytes=None) == 4
+    config = OakEmuConfig()
+    assert config.resolved_steps_per_message(env_step_bytes, 8) == 1
+    assert config.resolved_steps_per_message(env_step_bytes, 8, step_ring=True) == 4
+    assert OakEmuConfig(steps_per_message=2).resolved_steps_per_message(env_step_bytes, 8, step_ring=True) == 2
+
+
+def test_join_messages_carry_the_host_id_and_the_ring_offer() -> None:
+    request = JoinRequest("a", "inc", 8, "host", host_id="boot-1")
+    assert decode_message(encode_join_request(request), max_bytes=MAX_BYTES) == request
+    offer = StepRingOffer(name="oakemu_12_abc_stepring", token="0123456789abcdef", slots=4)
+    reply = JoinReply(True, "", 0, ATARI_SPEC, {"seed": 1}, 3, {}, step_ring=offer)
+    decoded = decode_message(encode_join_reply(reply), max_bytes=MAX_BYTES)
+    assert decoded.step_ring == offer
+    assert decode_message(encode_join_reply(replace(reply, step_ring=None)), max_bytes=MAX_BYTES).step_ring is None
+
+
+@pytest.mark.parametrize("offer", [
+    StepRingOffer(name="/etc/passwd", token="0123456789abcdef", slots=4),  # not one of ours
+    StepRingOffer(name="oakemu_12_abc_stepring", token="xyz", slots=4),
+    StepRingOffer(name="oakemu_12_abc_stepring", token="0123456789abcdef", slots=65),
+    StepRingOffer(name="oakemu_12_abc_stepring", token="0123456789abcdef", slots=0),
+])
+def test_a_join_reply_with_a_bad_ring_offer_is_rejected(offer: StepRingOffer) -> None:
+    reply = JoinReply(True, "", 0, ATARI_SPEC, {"seed": 1}, 3, {}, step_ring=offer)
+    with pytest.raises(MessageRejected) as info:
+        decode_message(encode_join_reply(reply), max_bytes=MAX_BYTES)
+    assert info.value.reason == "schema"
+
+
+def test_host_boot_id_reads_the_kernel_file(tmp_path: Path) -> None:
+    (tmp_path / "boot_id").write_text("1234-abcd\n")
+    assert host_boot_id(tmp_path / "boot_id") == "1234-abcd"
+    assert host_boot_id(tmp_path / "missing") == ""
+
+
+UNREACHABLE_RING_HOOK = '''
+import os
+if os.environ.get("RINGTEST_UNREACHABLE"):
+    from oakemu_core import step_ring
+
+    def _unreachable(offer, spec):  # as from another container: its own /dev/shm
+        raise step_ring.StepRingUnavailable(f"no segment {offer.name} here")
+
+    step_ring.StepRing.attach = staticmethod(_unreachable)
+'''
+
+
+@pytest.mark.slow
+def test_local_actors_use_rings_and_others_fall_back_to_inline_arrays(e2e: E2EProcesses, tmp_path: Path) -> None:
+    """A learner and three actor processes on one machine: one takes the ring it is offered, one is
+    configured for the sockets only, one cannot attach its ring (as in another container). All three
+    train; the learner frees the unused ring at the first inline message; nothing is left in /dev/shm."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(UNREACHABLE_RING_HOOK)
+    path = os.pathsep.join([str(hooks), str(REPO_ROOT)])
+    runs_dir = tmp_path / "runs"
+    ports = new_ports()
+    budget = 12 * 32 * 12
+    learner = e2e.start("learner", [
+        "learner", "--env", "CartPole-v1", "--num-actors", "3", "--envs-per-actor", "4", "--rollout-length", "32",
+        "--total-env-steps", str(budget), "--checkpoint-every-updates", "0", "--run-name", "rings",
+        *common_flags(ports, runs_dir),
+    ], env={"PYTHONPATH": path})
+    actor_flags = ["actor", "--envs-per-actor", "4", *ports.flags()]
+    ringed = e2e.start("ringed", [*actor_flags, "--actor-id", "ringed"], env={"PYTHONPATH": path})
+    sockets = e2e.start("sockets", [*actor_flags, "--actor-id", "sockets", "--step-transport", "sockets"],
+                        env={"PYTHONPATH": path})
+    unreachable = e2e.start("unreachable", [*actor_flags, "--actor-id", "unreachable"],
+                            env={"PYTHONPATH": path, "RINGTEST_UNREACHABLE": "1"})
+    assert learner.wait(timeout_s=300) == 0, learner.describe()
+    wait_for(lambda: e2e.alive() == [], 30, "actors to exit after the learner")
+    assert "step arrays go through shared memory" in ringed.stderr() + ringed.stdout(), ringed.describe()
+    assert "shared memory" not in sockets.stderr() + sockets.stdout() + unreachable.stderr() + unreachable.stdout()
+    assert "step arrays go inline" in unreachable.stderr() + unreachable.stdout(), unreachable.describe()
+    learner_log = learner.stderr() + learner.stdout()
+    assert "actor unreachable sends its step arrays inline" in learner_log, learner.describe()
+    assert "actor sockets sends" not in learner_log  # it was never offered a ring
+    episodes = [json.loads(line) for line in (only_run_dir(runs_dir) / "episodes.jsonl").read_text().splitlines()]
+    assert {e["actor_id"] for e in episodes} == {"ringed", "sockets", "unreachable"}
+    assert update_records(only_run_dir(runs_dir))[-1]["global_step"] >= budget
