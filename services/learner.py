@@ -592,10 +592,13 @@ class Learner:
                 self.assembler.counters.rejected[error.reason] += 1
                 self.rejection_log["data"].event(error.reason, str(error))
                 continue
+            ring = None  # the step ring whose slot holds this message's arrays, once its sender is checked
             try:
                 if not self.peers.allows(message.actor_id, message.incarnation, frame):
                     raise StepRejected("impersonation", f"a step for actor {message.actor_id} from another peer")
-                if message.slot is None and self.rings.discard(message.actor_id, message.incarnation):
+                if message.slot is not None:
+                    ring = self.rings.get(message.actor_id, message.incarnation)
+                elif self.rings.discard(message.actor_id, message.incarnation):
                     log.info("actor %s sends its step arrays inline (its step ring is not reachable from it)",
                              message.actor_id)
                 self.assembler.ingest(message, current_policy_version=self.policy_version, now=now)
@@ -609,8 +612,7 @@ class Learner:
                 self.rejection_log["data"].event(error.reason, str(error))
                 continue
             finally:  # written or copied (held) by now, or rejected: the actor may reuse the slot
-                ring = self.rings.get(message.actor_id, message.incarnation) if message.slot is not None else None
-                if ring is not None:
+                if ring is not None:  # (not on another peer's word: it would free slots still queued)
                     ring.release(message.seq)
             self.assembler.counters.accepted["step"] += 1
             if message.episode_returns:

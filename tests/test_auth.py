@@ -43,6 +43,7 @@ from oakemu_core.wire import (
     encode_leave,
     encode_step,
 )
+from oakemu_core.step_ring import StepRing, host_boot_id
 from tests.e2e_helpers import E2EProcesses, Ports, common_flags, e2e_fixture, new_ports  # noqa: F401
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -130,12 +131,13 @@ def learner_args(ports: Ports, runs_dir: Path, *extra: str) -> list[str]:
             *common_flags(ports, runs_dir, *extra)]
 
 
-def valid_step(reply: JoinReply, actor_id: str, incarnation: str) -> bytes:
-    """A valid first step message (zeros, trainable) for the spec the learner sent in ``reply``."""
+def valid_fields(reply: JoinReply) -> dict[str, np.ndarray]:
+    """The arrays of a valid step (zeros, trainable) for the spec the learner sent in ``reply``."""
     assert reply.spec is not None
     fields = {name: np.zeros(shape, dtype) for name, (dtype, shape) in reply.spec.array_layout().items()}
     fields["trainable"] = np.ones_like(fields["trainable"])
-    return encode_step(StepMessage(actor_id, incarnation, 0, 0, fields))
+    return fields
+
 
 
 def request(sock: zmq.Socket, frame: bytes, timeout_s: float = 10.0) -> object:
@@ -174,8 +176,12 @@ def test_a_second_connection_cannot_leave_step_or_join_for_an_actor(e2e: E2EProc
     try:
         victim = context.socket(zmq.REQ)
         victim.connect(ports.control_address)
-        joined = request(victim, encode_join_request(JoinRequest("victim", "inc-victim", 2, "here")), timeout_s=90)
-        assert isinstance(joined, JoinReply) and joined.accepted, joined
+        joined = request(victim, encode_join_request(JoinRequest("victim", "inc-victim", 2, "here", host_boot_id())),
+                         timeout_s=90)
+        assert isinstance(joined, JoinReply) and joined.accepted and joined.step_ring is not None, joined
+        ring = StepRing.attach(joined.step_ring, joined.spec)  # the victim's step ring
+        ring.write(0, valid_fields(joined))
+        slot_step = encode_step(StepMessage("victim", "inc-victim", 0, 0, {}, slot=0))
 
         spoof_control = context.socket(zmq.REQ)  # same protocol, another source address
         spoof_control.connect(f"tcp://127.0.0.2:0;{ports.control_address.removeprefix('tcp://')}")
@@ -186,10 +192,11 @@ def test_a_second_connection_cannot_leave_step_or_join_for_an_actor(e2e: E2EProc
 
         spoof_data = context.socket(zmq.PUSH)
         spoof_data.connect(f"tcp://127.0.0.2:0;{ports.data_address.removeprefix('tcp://')}")
-        spoof_data.send(valid_step(joined, "victim", "inc-victim"))
+        spoof_data.send(slot_step)  # another peer must not release the victim's slot either
 
         snapshot = wait_snapshot(subscriber, lambda s: s.rejected_messages.get("impersonation", 0) >= 3, 30,
                                  "3 refused impersonations", learner.describe)
+        assert ring.released == 0, "another peer's step released the victim's ring slot"
         assert [a.actor_id for a in snapshot.actors] == ["victim"], "the spoofed leave dropped the victim"
         assert snapshot.global_step == 0, "a spoofed step reached the buffer"
         assert snapshot.actors[0].incarnation != "inc-victim", "telemetry published the incarnation"
@@ -198,8 +205,10 @@ def test_a_second_connection_cannot_leave_step_or_join_for_an_actor(e2e: E2EProc
         # The victim's own step and leave still work.
         real_data = context.socket(zmq.PUSH)
         real_data.connect(ports.data_address)
-        real_data.send(valid_step(joined, "victim", "inc-victim"))
+        real_data.send(slot_step)
         wait_snapshot(subscriber, lambda s: s.global_step == 2, 30, "the victim's own step", learner.describe)
+        assert ring.released == 1
+        ring.close()
         reply = request(victim, encode_leave(Leave("victim", "inc-victim")))
         assert isinstance(reply, HeartbeatReply) and reply.status == "stop"
         wait_snapshot(subscriber, lambda s: not s.actors, 30, "the victim's own leave", learner.describe)
