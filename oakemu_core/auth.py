@@ -271,18 +271,19 @@ def client_security(config: Any) -> ClientSecurity | None:
 # --- peer binding -------------------------------------------------------------------------------------
 
 
-def peer_of(frame: Any) -> tuple[str, str]:
+def peer_of(frame: Any, *, user_id: bool = True) -> tuple[str, str]:
     """(peer address, CURVE user id) of a received frame; empty strings where ZeroMQ has none (inproc, ipc)
-    or ``frame`` is not a :class:`zmq.Frame`."""
+    or ``frame`` is not a :class:`zmq.Frame`. ``user_id=False`` skips the user id (without CURVE there is
+    none, and asking ZeroMQ for it raises and catches an error per message)."""
     if not isinstance(frame, zmq.Frame):
         return "", ""
     identity = []
-    for prop in ("Peer-Address", "User-Id"):
+    for prop in ("Peer-Address", "User-Id") if user_id else ("Peer-Address",):
         try:
             identity.append(str(frame.get(prop) or ""))
         except (zmq.ZMQError, TypeError, ValueError):
             identity.append("")
-    return identity[0], identity[1]
+    return identity[0], identity[1] if user_id else ""
 
 
 def public_tag(incarnation: str) -> str:
@@ -296,15 +297,17 @@ class PeerBinding:
 
     ``bind`` at join, ``allows`` for every step, heartbeat and leave. A new join for an actor id that is
     bound to another peer is refused too, while that binding is live (``forget`` it when the actor
-    leaves or times out).
+    leaves or times out). ``user_ids``: whether peers carry CURVE user ids (the learner's sockets are
+    CURVE servers); False skips looking them up.
     """
 
     peers: dict[str, tuple[str, str, str]] = field(default_factory=dict)
     refused: Counter = field(default_factory=Counter)
+    user_ids: bool = True
 
     def bind(self, actor_id: str, incarnation: str, frame: Any) -> bool:
         """Record the join's peer; False (refused, counted) when ``actor_id`` is live on another peer."""
-        address, user = peer_of(frame)
+        address, user = peer_of(frame, user_id=self.user_ids)
         bound = self.peers.get(actor_id)
         if bound is not None and (bound[1], bound[2]) != (address, user):
             self.refused["impersonation"] += 1
@@ -322,7 +325,7 @@ class PeerBinding:
         bound = self.peers.get(actor_id)
         if bound is None:
             return True
-        if peer_of(frame) == (bound[1], bound[2]):
+        if peer_of(frame, user_id=self.user_ids) == (bound[1], bound[2]):
             return True  # the bound peer itself (an old incarnation's late message is the assembler's business)
         self.refused["impersonation"] += 1
         return False

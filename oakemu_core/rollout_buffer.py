@@ -765,7 +765,7 @@ class RolloutBuffer:
             raise OverflowError(f"rows: expected step_index + rows <= rollout_length {self._rollout_length}, "
                                 f"received step_index {step_index} + {rows or 1} rows")
         held = self._arrays["column_steps"][columns]
-        if np.any(held != step_index):
+        if (held != step_index).any():  # the method: np.any's dispatch costs as much again
             raise ValueError(f"columns: expected every column to hold step_index={step_index} rows, "
                              f"received {held.tolist()}")
         if self._unsent_defaults:

@@ -384,7 +384,8 @@ class Learner:
         self.security = server_security(self.context, config)  # CURVE + ZAP when config.curve (oakemu_core.auth)
         if self.security is not None:
             undo.callback(self.security.close)
-        self.peers = PeerBinding()  # each actor's messages only from the peer it joined from
+        # Each actor's messages only from the peer it joined from (and its CURVE key, with CURVE).
+        self.peers = PeerBinding(user_ids=self.security is not None)
         self.data = self._secure(self.context.socket(zmq.PULL))
         # A small receive queue: back-pressure reaches the actors quickly, and rows stay fresh.
         self.data.setsockopt(zmq.RCVHWM, 4)
