@@ -17,16 +17,21 @@ release counter), then the slots; each slot holds the spec's sent fields in
 Flow control: the header's ``released`` counts the messages the learner is done with (every
 ``seq`` below it). The actor writes message ``seq`` only when ``seq - released < slots``, so a slot
 is never rewritten while the learner may still read it, and at most ``slots`` messages are in flight
-(the sockets' high-water marks bounded them before: :data:`RING_SLOTS`). The learner copies what it
-keeps (written rows, or held messages: :meth:`oakemu_core.wire.StepMessage.owned`) before it
-releases. One writer per word: the actor writes slots, the learner writes ``released``; an aligned
-8-byte store is atomic, and the socket send / receive between writing a slot and reading it orders
-the two.
+(:func:`ring_slots`). The learner copies what it keeps (written rows, or held messages:
+:meth:`oakemu_core.wire.StepMessage.owned`) before it releases, and releases rejected messages too
+(else an actor whose messages are all rejected would wait for a slot forever). It checks a slot's
+values on a private copy, which is what it writes, so an actor that wrote a slot after sending it
+cannot slip unchecked values in; fields where every bit pattern is valid (uint8 frames) are copied
+from the slot directly. One writer per word: the actor writes slots, the learner writes
+``released``; an aligned 8-byte store is atomic. The socket send / receive orders the actor's write
+before the learner's read; the learner's reads before its release store are ordered on x86 (total
+store order), while weaker memory models rely on the interpreter's own barriers around them.
 
 Whether the two processes share the segment is tried, not assumed: the learner offers a ring when
-the actor's join request names the learner's boot id (same kernel), the actor attaches it and checks
-the token; in another container (its own ``/dev/shm``) or machine the attach fails and the actor
-sends its arrays inline, which the learner takes as the answer and frees the ring.
+the actor's join request names the learner's host id (kernel boot id and the device of ``/dev/shm``:
+containers share the boot id, not the ``/dev/shm`` mount), the actor attaches it and checks the
+token; where the attach fails anyway (another user) the actor sends its arrays inline, which the
+learner takes as the answer and frees the ring.
 """
 
 from __future__ import annotations
@@ -56,12 +61,15 @@ def ring_slots(steps_per_message: int, rollout_length: int) -> int:
     feed the learner 1.4 x faster than two (``bench_ingest.py``), so a waiting actor rarely stalls it.
     """
     return max(2, min(RING_VECTOR_STEPS, rollout_length // 8) // steps_per_message)
+    # (The floor of two slots can exceed an eighth of a segment when K is large against the rollout,
+    # e.g. a configured K = 32 at rollout 64: two slots are then a whole segment.)
 
 _MAGIC = b"OAKRING1"
 _HEADER_BYTES = 64
 _ALIGN = 64
 _SLOTS_WORD, _SLOT_BYTES_WORD, _RELEASED_WORD = 2, 3, 4  # header as int64 words: magic, token, these
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
+SHM_DIR = Path("/dev/shm")
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:
@@ -74,14 +82,17 @@ class StepRingUnavailable(Exception):
     """The offered ring cannot be used here (another ``/dev/shm``, or not the learner's segment)."""
 
 
-def host_boot_id(path: Path = BOOT_ID_PATH) -> str:
-    """This kernel's boot id (Linux), or ``""`` where there is none: a host identity that a
-    learner compares with an actor's before it offers a ring. Containers on one host share it,
-    which is why the ring is then tried, not assumed."""
+def shared_memory_host_id(boot_id_path: Path = BOOT_ID_PATH, shm_dir: Path = SHM_DIR) -> str:
+    """Who shares this process's POSIX shared memory: ``"<kernel boot id>/<device of /dev/shm>"``
+    (Linux), or ``""`` where either is missing. A learner offers a step ring to an actor whose join
+    request carries its own host id. Containers on one host share the boot id but each mounts its own
+    ``/dev/shm`` (another device number), unless they share the host's (``ipc: host``)."""
     try:
-        return path.read_text(encoding="ascii").strip()[:64]
+        boot_id = boot_id_path.read_text(encoding="ascii").strip()[:64]
+        device = shm_dir.stat().st_dev
     except (OSError, UnicodeDecodeError):
         return ""
+    return f"{boot_id}/{device}" if boot_id else ""
 
 
 def _field_offsets(spec: StepSpec) -> tuple[list[tuple[str, np.dtype, tuple[int, ...], int, int]], int]:
@@ -193,7 +204,9 @@ class StepRing:
 
         Raises:
             RuntimeError: the slot is still in use (check :meth:`is_free` first).
-            KeyError / ValueError: a field is missing or has another shape.
+            KeyError: the fields are not the spec's sent fields.
+            ValueError: a field has another shape (checked before anything is written).
+            TypeError: a field's dtype cannot be cast to the spec's (``same_kind``).
         """
         if not self.is_free(seq):
             raise RuntimeError(f"step ring slot of seq {seq} is in use (released {self.released})")
@@ -201,6 +214,9 @@ class StepRing:
         views = self._slot_views[slot]
         if fields.keys() != views.keys():
             raise KeyError(f"fields: expected {sorted(views)}, received {sorted(fields)}")
+        for name, view in views.items():
+            if np.shape(fields[name]) != view.shape:  # np.copyto would broadcast one step into a block
+                raise ValueError(f"{name}: expected shape {view.shape}, received {np.shape(fields[name])}")
         for name, view in views.items():
             np.copyto(view, fields[name], casting="same_kind")
         return slot
@@ -252,6 +268,9 @@ class StepRings:
         Raises:
             OSError: the system cannot create the segment (e.g. ``/dev/shm`` is full).
         """
+        previous = self._live.pop((actor_id, incarnation), None)  # a join retried with the same incarnation
+        if previous is not None:
+            previous.close()
         ring = StepRing.create(spec, ring_slots(spec.steps_per_message, rollout_length))
         self._live[(actor_id, incarnation)] = ring
         return ring.offer()

@@ -185,6 +185,15 @@ class StepField:
         return hash(repr(self.to_dict()))
 
     @property
+    def any_bits_valid(self) -> bool:
+        """Whether every bit pattern of the field is a valid value: an int / uint field without a
+        bound its dtype can fail and without mask segments (uint8 frames). Such a field has no content
+        check, so a step ring's slot of it is used in place; every other field is copied first
+        (:func:`oakemu_core.wire.decode_step`)."""
+        return (self.dtype.kind in "iu" and self._checked_low is None and self._checked_high is None
+                and self.mask_segments is None)
+
+    @property
     def item_bytes(self) -> int:
         """Bytes of one env's value."""
         return math.prod(self.shape) * self.dtype.itemsize

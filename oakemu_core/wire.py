@@ -128,9 +128,9 @@ MAX_NDIM = 32
 _MAX_MAP_LEN = 4096  # weights dicts hold tens of tensors; every other map is tiny
 _MAX_ARRAY_LEN = 65536  # shapes (<= MAX_NDIM) and per-message episode lists (<= K * num_envs)
 MAX_STEPS_PER_MESSAGE = 1024
-MAX_RING_SLOTS = 64
-"""Most slots a join reply's step ring may have (:mod:`oakemu_core.step_ring` uses 8)."""
 """Largest ``steps_per_message`` K a spec may declare."""
+MAX_RING_SLOTS = 64
+"""Most slots a join reply's step ring may have (:func:`oakemu_core.step_ring.ring_slots` gives 2-16)."""
 _INT64_MAX = 2**63 - 1
 _ARRAY_KEYS = frozenset({"dtype", "shape", "data"})
 
@@ -159,6 +159,8 @@ class MessageRejected(Exception):
             action out of range, a mask that allows nothing, an action its mask forbids, a huge
             reward, a bootstrap value on a row that was not truncated, ...).
         detail: human-readable text naming the field, the expected and the received value.
+        sender: ``(actor_id, incarnation, seq)`` of a step message rejected after its header was
+            read (:func:`decode_step`), else None.
     """
 
     def __init__(self, reason: str, detail: str) -> None:
@@ -166,6 +168,7 @@ class MessageRejected(Exception):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+        self.sender: tuple[str, str, int] | None = None
 
 
 def _reject(reason: str, detail: str) -> NoReturn:
@@ -476,7 +479,7 @@ class JoinRequest:
         incarnation: id unique to this start of the actor process (e.g. ``uuid4().hex``).
         num_envs: number of envs the actor steps (= columns it asks for).
         hostname: where the actor runs (diagnostics only).
-        host_id: the actor's kernel boot id (:func:`oakemu_core.step_ring.host_boot_id`) when it
+        host_id: the actor's shared-memory host id (:func:`oakemu_core.step_ring.shared_memory_host_id`) when it
             can take a step ring, ``""`` when it sends its arrays inline only.
     """
 
@@ -954,6 +957,17 @@ def decode_step(
     seq = _get_int(obj, "seq")
     policy_version = _get_int(obj, "policy_version")
     revision = _get_int(obj, "revision")
+    try:  # a rejection from here on names its sender: the learner releases a rejected ring slot
+        return _checked_step(obj, actor_id, incarnation, seq, policy_version, revision, spec_for, ring_for)
+    except MessageRejected as error:
+        error.sender = (actor_id, incarnation, seq)
+        raise
+
+
+def _checked_step(obj: dict[str, Any], actor_id: str, incarnation: str, seq: int, policy_version: int,
+                  revision: int, spec_for: Callable[[str, str], StepSpec | None],
+                  ring_for: Callable[[str, str], StepRingReader | None] | None) -> StepMessage:
+    """:func:`decode_step` after the header: the sender's spec, the arrays and the episodes."""
     spec = spec_for(actor_id, incarnation)
     if spec is None:
         _reject("unknown_actor", f"actor_id={actor_id!r} incarnation={incarnation!r} has not joined (or was dropped)")
@@ -976,7 +990,9 @@ def decode_step(
         value = None if in_ring is not None else received[name]
         data = value.get("data") if type(value) is dict else None
         if in_ring is not None:  # the ring's layout is the spec's: only the contents to check
-            array = _checked_contents(in_ring[name], None, name)
+            # Checked on a private copy, which is what gets written: the slot stays writable by the
+            # actor. Fields where every bit pattern is valid (uint8 frames: no check) are used in place.
+            array = in_ring[name] if item.any_bits_valid else _checked_contents(in_ring[name].copy(), None, name)
         elif (type(data) is bytes and len(data) == nbytes and len(value) == 3 and value.get("dtype") == dtype_str
                 and value.get("shape") == shape_list and all(type(d) is int for d in value["shape"])):
             # The agreed dtype and shape, spelled exactly: no generic parsing (a message has a dozen fields).

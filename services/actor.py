@@ -43,7 +43,7 @@ from oakemu_core.envs import EnvGroups, VectorEnv, make_env_groups, make_vector_
 from oakemu_core.metrics import StepRateMeter
 from oakemu_core.models import ActorCritic, build_model, load_weight_arrays
 from oakemu_core.routing import PolicyRouter, RoutingConfig
-from oakemu_core.step_ring import StepRing, StepRingUnavailable, host_boot_id
+from oakemu_core.step_ring import StepRing, StepRingUnavailable, shared_memory_host_id
 from oakemu_core.step_schema import schema_for_env
 from oakemu_core.step_blocks import StepBlock
 from oakemu_core.stepper import PolicyStepper
@@ -73,7 +73,8 @@ JOIN_PATIENCE_S = 120.0
 WEIGHTS_QUEUE_MESSAGES = 4
 """Weights messages the SUB socket queues (the actor reads them all and keeps the newest)."""
 WEIGHTS_WAIT_WARNING_S = 30.0
-"""Synchronous mode: say so when the weights of a finished segment take longer than this."""
+"""Say so when the weights of a finished segment (synchronous mode) or a free step-ring slot take
+longer than this."""
 AHEAD_SEGMENTS = 2
 """Asynchronous mode: an actor acts at most this many segments (``rollout_length`` vector steps
 each) with one policy version, then waits for newer weights. In steady state a new version comes
@@ -179,7 +180,7 @@ class Actor:
         """Join (retrying while the learner is not up yet); loads the weights it returns."""
         self.incarnation = uuid.uuid4().hex
         self.seq = 0
-        host_id = host_boot_id() if self.config.step_transport == "auto" else ""
+        host_id = shared_memory_host_id() if self.config.step_transport == "auto" else ""
         request = encode_join_request(
             JoinRequest(self.actor_id, self.incarnation, self.config.envs_per_actor, self.hostname, host_id)
         )
@@ -263,7 +264,7 @@ class Actor:
             return
         try:
             self.ring = StepRing.attach(reply.step_ring, reply.spec)
-        except StepRingUnavailable as error:  # e.g. another container's /dev/shm: inline it is
+        except StepRingUnavailable as error:  # e.g. another user's segment: inline it is
             log.info("actor %s: step arrays go inline in the messages (%s)", self.actor_id, error)
         else:
             log.info("actor %s: step arrays go through shared memory (%s, %d slots)", self.actor_id,
@@ -392,19 +393,29 @@ class Actor:
         self.send(encode_step(message))
 
     def _wait_until(self, ready: Any) -> None:
-        """Poll ``ready()`` until it is true or the actor is told to stop, first every 0.1 ms, backing
-        off to every 2 ms (a slot the learner is reading frees within a fraction of a millisecond; a
-        learner that is training may take seconds). Heartbeats go on, and (asynchronous mode) newer
-        weights are loaded and the pending action chosen again with them, as in :meth:`send`."""
+        """Poll ``ready()`` until it is true or the actor is told to stop: first every 0.1 ms, backing
+        off to every 10 ms (a slot the learner is reading frees within a fraction of a millisecond; a
+        learner that is training may take seconds). From 1 ms on the pause is a wait on the weights
+        socket. Heartbeats go on, and (asynchronous mode) newer weights are loaded and the pending
+        action chosen again with them, as in :meth:`send`. A wait past
+        :data:`WEIGHTS_WAIT_WARNING_S` is logged."""
         assert self.weights_sub is not None
-        pause = 0.0001
+        pause, start = 0.0001, time.monotonic()
+        warn_at = start + WEIGHTS_WAIT_WARNING_S
         while not ready() and not self.stop_event.is_set():
-            time.sleep(pause)
-            pause = min(2 * pause, 0.002)
-            if not self.sync_rollout_length and self.weights_sub.poll(0) and self._poll_weights() \
-                    and self.stepper is not None:
+            if pause < 0.001 or self.sync_rollout_length:  # sync mode loads weights only at segment ends
+                time.sleep(pause)
+                new_weights = False
+            else:
+                new_weights = bool(self.weights_sub.poll(int(pause * 1000)))
+            pause = min(2 * pause, 0.01)
+            if new_weights and self._poll_weights() and self.stepper is not None:
                 self.stepper.reselect()
             self.heartbeat_if_due()
+            if time.monotonic() > warn_at:
+                log.warning("actor %s: step message %d has waited %.0f s for a free step-ring slot", self.actor_id,
+                            self.seq, time.monotonic() - start)
+                warn_at += WEIGHTS_WAIT_WARNING_S
 
     def send(self, frame: bytes) -> None:
         """Send one step message, waiting (with heartbeats) while the learner applies back-pressure.

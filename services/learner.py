@@ -79,7 +79,7 @@ from oakemu_core.run_folder import (
     truncate_run_logs,
 )
 from oakemu_core.shared_memory import sweep_stale_segments
-from oakemu_core.step_ring import StepRings, host_boot_id
+from oakemu_core.step_ring import StepRings, shared_memory_host_id
 from oakemu_core.step_schema import StepSchema, schema_for_env
 from oakemu_core.telemetry import (
     ActorTelemetry,
@@ -362,7 +362,7 @@ class Learner:
         # Shared-memory step rings of the actors on this machine (oakemu_core/step_ring.py).
         self.rings = StepRings()
         undo.callback(self.rings.close)
-        self.host_id = host_boot_id() if config.step_transport == "auto" else ""
+        self.host_id = shared_memory_host_id() if config.step_transport == "auto" else ""
         self._setup_sockets(undo)
         self.metrics = MetricsLogger(run_dir)
         undo.callback(self.metrics.close)
@@ -517,8 +517,8 @@ class Learner:
         )
 
     def _ring_reachable(self, message: JoinRequest) -> bool:
-        """Whether the joining actor may share this machine's shared memory (same kernel boot id;
-        the actor's attach decides: another container's ``/dev/shm`` differs)."""
+        """Whether the joining actor may share this process's shared memory: the same kernel and
+        ``/dev/shm`` mount (:func:`~oakemu_core.step_ring.shared_memory_host_id`); its attach decides."""
         return bool(self.host_id) and message.host_id == self.host_id
 
     def _offer_ring(self, message: JoinRequest, spec: StepSpec) -> StepRingOffer | None:
@@ -589,7 +589,8 @@ class Learner:
             try:
                 message = decode_step(frame.buffer, self.assembler.spec_for, max_bytes=self.config.max_message_bytes,
                                       ring_for=self.rings.get)
-            except MessageRejected as error:  # a slot message rejected here is released by the next one
+            except MessageRejected as error:
+                self._release_rejected(error, frame)
                 self.assembler.counters.rejected[error.reason] += 1
                 self.rejection_log["data"].event(error.reason, str(error))
                 continue
@@ -624,6 +625,17 @@ class Learner:
                         "policy_version": message.policy_version, "episodic_return": episode_return,
                         "episodic_length": length,
                     })
+
+    def _release_rejected(self, error: MessageRejected, frame: Any) -> None:
+        """Free the ring slot of a step message rejected at decode (known sender, its own peer):
+        otherwise a few rejected messages in a row leave the actor waiting for a slot forever, and its
+        unfinished segment holds up every buffer behind it."""
+        if error.sender is None:
+            return
+        actor_id, incarnation, seq = error.sender
+        ring = self.rings.get(actor_id, incarnation)
+        if ring is not None and self.peers.allows(actor_id, incarnation, frame):
+            ring.release(seq)
 
     # -- results ----------------------------------------------------------------------------
     def _hand_off_full_rollouts(self) -> None:

@@ -43,7 +43,7 @@ from oakemu_core.wire import (
     encode_leave,
     encode_step,
 )
-from oakemu_core.step_ring import StepRing, host_boot_id
+from oakemu_core.step_ring import StepRing, shared_memory_host_id
 from tests.e2e_helpers import E2EProcesses, Ports, common_flags, e2e_fixture, new_ports  # noqa: F401
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -176,7 +176,7 @@ def test_a_second_connection_cannot_leave_step_or_join_for_an_actor(e2e: E2EProc
     try:
         victim = context.socket(zmq.REQ)
         victim.connect(ports.control_address)
-        joined = request(victim, encode_join_request(JoinRequest("victim", "inc-victim", 2, "here", host_boot_id())),
+        joined = request(victim, encode_join_request(JoinRequest("victim", "inc-victim", 2, "here", shared_memory_host_id())),
                          timeout_s=90)
         assert isinstance(joined, JoinReply) and joined.accepted and joined.step_ring is not None, joined
         ring = StepRing.attach(joined.step_ring, joined.spec)  # the victim's step ring

@@ -8,11 +8,14 @@ import os
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from types import MethodType, SimpleNamespace
 
 import msgpack
 import numpy as np
 import pytest
+import zmq
 
+from oakemu_core.auth import PeerBinding
 from oakemu_core.config import OakEmuConfig
 from oakemu_core.ingest import RolloutAssembler
 from oakemu_core.rollout_buffer import RolloutBuffer
@@ -21,7 +24,7 @@ from oakemu_core.step_ring import (
     StepRing,
     StepRings,
     StepRingUnavailable,
-    host_boot_id,
+    shared_memory_host_id,
     ring_slots,
 )
 from oakemu_core.wire import (
@@ -79,10 +82,11 @@ def test_a_message_through_the_ring_decodes_to_the_arrays_of_the_inline_message(
             assert ringed.slot == seq % 2 and inline.slot is None
             assert ringed.fields.keys() == inline.fields.keys()
             for name, array in inline.fields.items():
-                assert ringed.fields[name].dtype == array.dtype and not ringed.fields[name].flags.writeable
+                assert ringed.fields[name].dtype == array.dtype
                 np.testing.assert_array_equal(ringed.fields[name], array, err_msg=name)
             assert (ringed.seq, ringed.policy_version, ringed.revision, ringed.episode_returns, ringed.episode_lengths) \
                 == (inline.seq, inline.policy_version, inline.revision, inline.episode_returns, inline.episode_lengths)
+            assert not ringed.fields["observations"].flags.writeable  # a view of the slot
             learner_ring.release(seq)
     finally:
         actor_ring.close()
@@ -206,6 +210,87 @@ def test_slot_contents_get_the_checks_of_inline_arrays(ring: StepRing, name: str
         actor.close()
 
 
+def test_checked_fields_are_copied_before_the_check_and_frames_are_used_in_place(ring: StepRing) -> None:
+    """What the learner checks is what it writes: an actor (or anything) writing the slot after the
+    check cannot slip a NaN or an impossible action into the buffer. Frames, where every byte is a
+    valid pixel, are not copied."""
+    actor = StepRing.attach(ring.offer(), ATARI_SPEC)
+    try:
+        message = via_ring(ring, actor, atari_step(seq=0, seed=3))
+        expected = atari_step(seq=0, seed=3).fields
+        actor._slot_views[0]["values"][:] = np.nan  # written after the learner's check
+        actor._slot_views[0]["actions"][:] = 99
+        np.testing.assert_array_equal(message.fields["values"], expected["values"])
+        np.testing.assert_array_equal(message.fields["actions"], expected["actions"])
+        assert np.shares_memory(message.fields["observations"], ring._slot_views[0]["observations"])
+        assert [f.name for f in ATARI_SCHEMA.sent if f.any_bits_valid] == ["observations"]
+    finally:
+        actor.close()
+
+
+def test_write_refuses_fields_of_another_shape(ring: StepRing) -> None:
+    actor = StepRing.attach(ring.offer(), ATARI_SPEC)
+    try:
+        one_step = atari_step().fields
+        block = StepRing.create(BLOCK_SPEC, 2)
+        try:
+            with pytest.raises(ValueError, match="shape"):  # np.copyto would broadcast it into all 4 steps
+                block.write(0, one_step)
+        finally:
+            block.close()
+        with pytest.raises(KeyError):
+            actor.write(0, {name: a for name, a in one_step.items() if name != "values"})
+        with pytest.raises(TypeError):
+            actor.write(0, {**one_step, "actions": one_step["actions"].astype(np.float32)})
+    finally:
+        actor.close()
+
+
+def test_rejected_slot_messages_are_released_so_the_actor_never_waits_forever() -> None:
+    """The learner's data path (``Learner._handle_data``) on a 2-slot ring: two messages in a row
+    rejected at decode (a NaN value) must still free their slots, else the actor could never write
+    its next message and its unfinished segment would hold up every buffer behind it."""
+    from services.learner import Learner
+
+    buffers = [RolloutBuffer(16, N, schema=ATARI_SCHEMA) for _ in range(2)]
+    rings = StepRings()
+    try:
+        assembler = RolloutAssembler(buffers, actor_timeout_s=60.0)
+        assembler.join(ACTOR, INCARNATION, ATARI_SPEC, hostname="h", now=0.0)
+        offer = rings.offer(ACTOR, INCARNATION, ATARI_SPEC, 16)
+        assert offer.slots == 2
+        queue: list[bytes] = []
+
+        class Frames:  # the PULL socket
+            def recv_multipart(self, flags: int, copy: bool) -> list:
+                if not queue:
+                    raise zmq.Again()
+                frame = queue.pop(0)
+                return [type("Frame", (), {"buffer": frame})()]
+
+        learner = SimpleNamespace(
+            assembler=assembler, rings=rings, peers=PeerBinding(user_ids=False), data=Frames(), policy_version=7,
+            config=SimpleNamespace(max_message_bytes=MAX_BYTES), episodes=0,
+            rejection_log={"data": SimpleNamespace(event=lambda *args: None)},
+            episodes_log=SimpleNamespace(write=lambda record: None))
+        learner._release_rejected = MethodType(Learner._release_rejected, learner)
+        actor = StepRing.attach(offer, ATARI_SPEC)
+        for seq in range(6):
+            assert actor.is_free(seq), f"the actor waits for a slot at seq {seq} (released {actor.released})"
+            fields = atari_step(seq=seq, seed=seq).fields
+            if seq in (1, 2):
+                fields = {**fields, "values": np.full(N, np.nan, np.float32)}
+            queue.append(encode_step(replace(atari_step(seq=seq), fields={}, slot=actor.write(seq, fields))))
+            Learner._handle_data(learner, now=0.0)
+            assert actor.released == seq + 1
+        assert assembler.counters.rejected["schema"] == 2 and assembler.counters.accepted["step"] == 4
+        actor.close()
+    finally:
+        rings.close()
+        for buffer in buffers:
+            buffer.close()
+
+
 def test_attach_refuses_a_segment_that_is_not_the_offered_ring(ring: StepRing) -> None:
     offer = ring.offer()
     with pytest.raises(StepRingUnavailable):
@@ -231,11 +316,13 @@ def test_the_registry_unlinks_departed_rings_but_keeps_a_few_readable() -> None:
         assert len(rings) == 1
         readable = [i for i in range(1, len(offers)) if rings.get(f"actor-{i}", "inc") is not None]
         assert readable == list(range(len(offers) - DEPARTED_RINGS_KEPT, len(offers)))  # the newest stay mapped
-        assert rings.discard("actor-0", "inc") and not (shm / offers[0].name).exists()
+        again = rings.offer("actor-0", "inc", ATARI_SPEC, 128)  # a join retried with the same incarnation
+        assert not (shm / offers[0].name).exists() and (shm / again.name).exists()
+        assert rings.discard("actor-0", "inc") and not (shm / again.name).exists()
         assert not rings.discard("actor-0", "inc")
     finally:
         rings.close()
-    assert not [name for name in os.listdir(shm) if name.endswith("_stepring")]
+    assert not [name for name in os.listdir(shm) if name.startswith(f"oakemu_{os.getpid()}_")]
 
 
 def test_ring_slots_bound_the_vector_steps_in_flight() -> None:
@@ -279,10 +366,15 @@ def test_a_join_reply_with_a_bad_ring_offer_is_rejected(offer: StepRingOffer) ->
     assert info.value.reason == "schema"
 
 
-def test_host_boot_id_reads_the_kernel_file(tmp_path: Path) -> None:
+def test_the_host_id_names_the_kernel_and_the_shared_memory_mount(tmp_path: Path) -> None:
     (tmp_path / "boot_id").write_text("1234-abcd\n")
-    assert host_boot_id(tmp_path / "boot_id") == "1234-abcd"
-    assert host_boot_id(tmp_path / "missing") == ""
+    (tmp_path / "shm").mkdir()
+    host_id = shared_memory_host_id(tmp_path / "boot_id", tmp_path / "shm")
+    assert host_id == f"1234-abcd/{(tmp_path / 'shm').stat().st_dev}"
+    # Another /dev/shm mount (a container's own tmpfs) has another device number, so another id.
+    assert shared_memory_host_id(tmp_path / "boot_id", Path("/proc")) != host_id
+    assert shared_memory_host_id(tmp_path / "missing", tmp_path / "shm") == ""
+    assert shared_memory_host_id(tmp_path / "boot_id", tmp_path / "no-shm") == ""
 
 
 UNREACHABLE_RING_HOOK = '''
