@@ -87,6 +87,16 @@ def new_ports() -> Ports:
     return Ports(*free_ports(5))
 
 
+def python_path_with_site_hook(tmp_path: Path, code: str) -> str:
+    """A ``PYTHONPATH`` for child processes that finds this repository and runs ``code`` at their
+    start (as ``sitecustomize.py`` in ``tmp_path / "hooks"``): a test's way to slow or break one
+    part of a real process."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir(exist_ok=True)
+    (hooks / "sitecustomize.py").write_text(code)
+    return os.pathsep.join([str(hooks), str(REPO_ROOT)])
+
+
 def common_flags(ports: Ports, runs_dir: Path, *extra: str) -> list[str]:
     """Port flags, ``--runs-dir`` and ``extra`` flags, for any config-taking subcommand."""
     return [*ports.flags(), "--runs-dir", str(runs_dir), *extra]

@@ -41,7 +41,15 @@ from oakemu_core.wire import (
     encode_join_request,
     encode_step,
 )
-from tests.e2e_helpers import REPO_ROOT, E2EProcesses, common_flags, new_ports, only_run_dir, update_records, wait_for
+from tests.e2e_helpers import (
+    E2EProcesses,
+    common_flags,
+    new_ports,
+    only_run_dir,
+    python_path_with_site_hook,
+    update_records,
+    wait_for,
+)
 from tests.e2e_helpers import e2e_fixture  # noqa: F401
 from tests.test_wire import ACTOR, ATARI_SCHEMA, ATARI_SPEC, INCARNATION, MAX_BYTES, N, atari_step, known_spec
 
@@ -394,10 +402,7 @@ def test_local_actors_use_rings_and_others_fall_back_to_inline_arrays(e2e: E2EPr
     """A learner and three actor processes on one machine: one takes the ring it is offered, one is
     configured for the sockets only, one cannot attach its ring (as in another container). All three
     train; the learner frees the unused ring at the first inline message; nothing is left in /dev/shm."""
-    hooks = tmp_path / "hooks"
-    hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text(UNREACHABLE_RING_HOOK)
-    path = os.pathsep.join([str(hooks), str(REPO_ROOT)])
+    path = python_path_with_site_hook(tmp_path, UNREACHABLE_RING_HOOK)
     runs_dir = tmp_path / "runs"
     ports = new_ports()
     budget = 12 * 32 * 12

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import ast
-import os
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +32,15 @@ from oakemu_core.wire import (
     decode_step,
     encode_step,
 )
-from tests.e2e_helpers import REPO_ROOT, E2EProcesses, common_flags, new_ports, only_run_dir, update_records, wait_for
+from tests.e2e_helpers import (
+    E2EProcesses,
+    common_flags,
+    new_ports,
+    only_run_dir,
+    python_path_with_site_hook,
+    update_records,
+    wait_for,
+)
 from tests.e2e_helpers import e2e_fixture  # noqa: F401
 
 SCHEMA = build_schema({"": ((3,), np.float32)}, Categorical(4), )
@@ -255,10 +262,7 @@ SITE = textwrap.dedent('''
 def test_no_row_older_than_max_policy_lag_with_slow_updates_and_a_slow_actor(e2e: E2EProcesses, tmp_path: Path) -> None:
     """Real learner and actor processes; every PPO update sleeps 0.3 s and one actor is 10x slower
     than the other. Every logged update must have trained no row older than ``max_policy_lag``."""
-    hooks = tmp_path / "hooks"
-    hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text(SITE)
-    path = os.pathsep.join([str(hooks), str(REPO_ROOT)])
+    path = python_path_with_site_hook(tmp_path, SITE)
     runs_dir = tmp_path / "runs"
     ports = new_ports()
     budget = 24 * 32 * 8
