@@ -1,5 +1,5 @@
 """The learner's ingest ceiling: how many env steps per second one learner can take in, fed by
-synthetic actors that send Atari-sized step messages as fast as the sockets let them (issue 11).
+synthetic actors that send Atari-sized step messages as fast as the learner takes them (issue 11).
 
 A synthetic actor joins like a real one (same join, spec, sockets, back-pressure and weights
 polling: :class:`services.actor.Actor`), takes ONE real vector step for valid field values, and then
@@ -32,8 +32,14 @@ Printed, all measured in the same run:
 On a 2-core machine the synthetic actors, the learner and the training load share two cores, so the
 ceiling printed is a floor for a bigger learner machine; the ratios are what to compare.
 
+The figures from ``ingest`` down (CPU per step, actor cores, training load) use step rings; the line
+``ingest through the sockets only`` and its ratio to memcpy are the same measurement with
+``step_transport = "sockets"`` (and the K the learner gives such actors: 1 for Breakout). A run
+where a synthetic actor did not get its ring stops with an error instead of printing socket figures
+as ring figures.
+
 Usage: ``python benchmarks/bench_ingest.py [--env ALE/Breakout-v5] [--actors 1] [--envs-per-actor 8]
-[--steps-per-message auto] [--seconds 10] [--repeats 3] [--no-training-load]``
+[--steps-per-message auto] [--seconds 10] [--repeats 3] [--no-training-load] [--buffer-columns 64]``
 """
 
 from __future__ import annotations
@@ -170,6 +176,8 @@ def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load
             deadline = time.monotonic() + 120
             while counters.env_steps < actors * num_envs * 200 and time.monotonic() < deadline:
                 time.sleep(0.1)  # warm-up: actors joined and streaming
+            if transport == "auto" and len(learner.rings) != actors:  # each took its ring, none fell back
+                raise RuntimeError(f"{len(learner.rings)} of {actors} synthetic actors use a step ring")
             if loader is not None:
                 loader.start()
                 time.sleep(2.0)  # the load has built its model and is running

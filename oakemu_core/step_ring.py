@@ -8,7 +8,8 @@ for one actor incarnation (it owns and unlinks it). The actor copies a message's
 ``seq % slots`` and sends a small step message that names the slot instead of carrying the arrays
 (:class:`oakemu_core.wire.StepMessage` ``slot``); the learner validates the slot's arrays like inline
 ones, copies them into its rollout buffer, and marks the message released. Ordering, joins,
-heartbeats, back-pressure and rejection stay on the sockets; only the array bytes move.
+heartbeats and rejection stay on the sockets; the array bytes move through the ring, and its free
+slots are the actor's back-pressure (below).
 
 Layout: a 64-byte header (magic, a random token the actor checks, slot count and size, and the
 release counter), then the slots; each slot holds the spec's sent fields in
@@ -50,7 +51,7 @@ RING_VECTOR_STEPS = 16
 
 
 def ring_slots(steps_per_message: int, rollout_length: int) -> int:
-    """Slots of a ring for messages of K = ``steps_per_message`` vector steps:
+    """Slots of a ring for messages of K = ``steps_per_message`` >= 1 vector steps:
     ``max(2, min(16, rollout_length // 8) // K)``.
 
     The slots bound the rows between acting and ingest: at most an eighth of a segment, and 16 vector
@@ -200,7 +201,9 @@ class StepRing:
         Args:
             seq: the message's sequence number (0, 1, ... of this incarnation).
             fields: every sent field of the spec, with the shape of
-                :meth:`~oakemu_core.wire.StepSpec.array_layout` (cast to the field's dtype).
+                :meth:`~oakemu_core.wire.StepSpec.array_layout`, cast to the field's dtype with
+                numpy's ``same_kind`` rule (which narrows, e.g. int64 to uint8, without a check: the
+                learner's value checks see the narrowed values).
 
         Raises:
             RuntimeError: the slot is still in use (check :meth:`is_free` first).
@@ -223,8 +226,13 @@ class StepRing:
 
     # -- learner side ----------------------------------------------------------------------------
     def slot_fields(self, slot: int) -> dict[str, np.ndarray]:
-        """Read-only views of one slot's arrays (their contents are valid until the message is
-        released). The same view objects every time: do not keep them."""
+        """Read-only views of one slot's arrays, by field name, with the dtypes and shapes of
+        :meth:`~oakemu_core.wire.StepSpec.array_layout` (``(n, *shape)``, or ``(K, n, *shape)``).
+        Their contents are valid until the message is released; the same view objects every time.
+
+        Raises:
+            IndexError: ``slot`` is not in ``[0, slots)``.
+        """
         return self._read_views[slot]
 
     def release(self, seq: int) -> None:
@@ -243,7 +251,8 @@ class StepRing:
             self._shared.unlink()
 
     def close(self) -> None:
-        """Unmap (the owner also unlinks the name first). Idempotent; views handed out stay valid."""
+        """Drop this ring's hold on the segment (the owner also unlinks the name first). Idempotent.
+        The memory is unmapped when the last view of it is freed, this ring's own slot views included."""
         if self._shared.is_owner:
             self._shared.unlink()
         self._shared.close()

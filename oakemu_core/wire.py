@@ -38,6 +38,9 @@ Copies: :func:`encode_step` hands msgpack each C-contiguous array's own buffer
 (``ndarray.data``); msgpack copies it once into its (per-thread, reused) buffer and once more
 into the returned ``bytes``.  :func:`decode_step` returns read-only ``np.frombuffer`` views of
 the ``bytes`` objects msgpack unpacks (msgpack's one copy out of the frame; no further copy).
+A step message of an actor with a step ring carries ``"slot"`` and an empty ``"fields"`` map: its
+arrays are in that slot of the ring (:mod:`oakemu_core.step_ring`), and :func:`decode_step` reads
+them from there (frames in place, the checked fields as private copies).
 """
 
 from __future__ import annotations
@@ -828,8 +831,9 @@ class StepMessage:
             ``(policy_version, revision)`` of the oldest weights that acted on any of them.
         slot: None: ``fields`` travel in the message. An int: the arrays are in this slot of the
             actor's step ring (:mod:`oakemu_core.step_ring`). The actor sends ``fields`` empty;
-            :func:`decode_step` returns views of the slot in ``fields``, valid only until the
-            learner releases the message (:meth:`owned` copies them).
+            :func:`decode_step` returns in ``fields`` read-only views of the slot for the fields
+            where every bit pattern is valid (uint8 frames), valid only until the learner releases
+            the message (:meth:`owned` copies them), and private copies of the others.
     """
 
     actor_id: str
@@ -936,8 +940,11 @@ def decode_step(
             the default): then a slot message is rejected.
 
     Returns:
-        A :class:`StepMessage` whose arrays are read-only views, of the frame (``np.frombuffer``)
-        or of the ring slot, with exactly the dtypes and shapes of :meth:`StepSpec.array_layout`.
+        A :class:`StepMessage` whose arrays have exactly the dtypes and shapes of
+        :meth:`StepSpec.array_layout`: read-only ``np.frombuffer`` views of the frame; from a ring
+        slot, read-only views of it for the fields without a content check
+        (:attr:`~oakemu_core.step_schema.StepField.any_bits_valid`) and checked private copies of the
+        others (what is checked is what is written: the slot stays writable by the actor).
 
     Raises:
         MessageRejected: ``"oversized"``, ``"garbage"``, ``"protocol"``, ``"schema"`` (wrong type,
@@ -1155,7 +1162,9 @@ step of the actor's envs is already larger). Below this size a message's fixed c
 ingest: about 100 us on the learner) dominates by far. Larger messages still gain on a learner
 whose ingest is the limit (``bench_ingest.py``: a Breakout message of 4 steps x 8 envs is ingested
 at 1.26 x the rate of single steps), but the learner PPO update is the limit on every machine
-measured so far, and one step per message keeps an Atari actor's rows moving without delay."""
+measured so far, and one step per message keeps an Atari actor's rows moving without delay. An
+actor with a step ring has no byte bound (its arrays do not travel in the message): Breakout with 8
+envs then sends 4 steps per message."""
 AUTO_MAX_STEPS_PER_MESSAGE = 32
 """Most steps :func:`auto_steps_per_message` puts in one message (caps how long an actor holds
 steps before sending them)."""

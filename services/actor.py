@@ -4,7 +4,8 @@ Per vector step: record the observations and the policy's action bundle, step th
 rewards / dones / truncation (with the value of the TRUE final observation of a truncated episode,
 from the policy that acted), pick up newer weights, choose the next actions (whose values are also
 the bootstrap ``next_values`` of this step), then send one step message.  ``send`` blocks when the
-learner is not reading (back-pressure); heartbeats continue meanwhile.
+learner is not reading (back-pressure; with a step ring, below, the actor waits for a free slot
+first); heartbeats continue meanwhile.
 
 In the asynchronous mode an actor acts at most :data:`AHEAD_SEGMENTS` segments with one policy
 version; then it waits (at most :data:`AHEAD_WAIT_S`) for newer weights, so it does not compute

@@ -5,7 +5,7 @@ Two threads, each owning its state:
 - the *ingest* thread (main thread) owns every socket and the :class:`RolloutAssembler`: it serves
   joins and heartbeats, writes step messages into the filling buffer, hands full buffers to the
   trainer, publishes weights and telemetry, and stops reading step messages while no buffer is
-  filling (back-pressure: actors then block in ``send``);
+  filling (back-pressure: actors then block in ``send``, or wait for a free step-ring slot);
 - the *trainer* thread owns the model and optimizer: for each full buffer it drops rows that are too
   stale, computes GAE on the CPU, runs one PPO update on the device and returns new weights;
   it also writes checkpoints.
