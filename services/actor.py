@@ -246,9 +246,11 @@ class Actor:
             self.steps_per_message = reply.spec.steps_per_message
             self.block = (StepBlock(schema, self.env.num_envs, self.steps_per_message)
                           if self.steps_per_message > 1 else None)
+            self._attach_ring(reply)  # before the sockets: a ring sets the send queue's length
             self._connect_streams()
+        else:
+            self._attach_ring(reply)
         self._load_weights(reply.policy_version, reply.weights)
-        self._attach_ring(reply)
         self.sync_rollout_length = int(env_config.get("rollout_length") or 0) if env_config.get("mode") == "sync" else 0
         self.ahead_rows = 0 if self.sync_rollout_length else AHEAD_SEGMENTS * int(env_config.get("rollout_length") or 0)
         self.segment_rows = 0  # a new incarnation starts a new segment
@@ -278,7 +280,9 @@ class Actor:
             self.security.apply(self.data)
         # Back-pressure after two messages in flight (one when a message is a block of K > 1 steps:
         # the queues count messages, and K steps each would multiply the rows queued, hence their lag).
-        self.data.setsockopt(zmq.SNDHWM, 2 if self.steps_per_message == 1 else 1)
+        # With a step ring its slots bound the messages in flight: a queue as long lets them all go.
+        self.data.setsockopt(zmq.SNDHWM, self.ring.slots if self.ring is not None
+                             else 2 if self.steps_per_message == 1 else 1)
         # ... and a kernel buffer of a few messages: the default (MBs, autotuned) would hold
         # thousands of small messages, acted by policies many versions old.
         self.data.setsockopt(zmq.SNDBUF, socket_buffer_bytes(self.spec_message_bytes))
