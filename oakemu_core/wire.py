@@ -847,11 +847,13 @@ class StepMessage:
     slot: int | None = None
 
     def owned(self) -> StepMessage:
-        """This message with arrays that stay valid after its ring slot is released: copies of a
-        slot's arrays, or ``self`` when the arrays came inline (views of a frame kept alive by them)."""
+        """This message with arrays that stay valid after its ring slot is released: copies of the
+        read-only views of a slot (:func:`decode_step` made the other fields private copies already),
+        or ``self`` when the arrays came inline (views of a frame kept alive by them)."""
         if self.slot is None:
             return self
-        return replace(self, fields={name: array.copy() for name, array in self.fields.items()})
+        return replace(self, fields={name: array if array.flags.writeable else array.copy()
+                                     for name, array in self.fields.items()})
 
     @property
     def num_envs(self) -> int:

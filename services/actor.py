@@ -56,6 +56,7 @@ from oakemu_core.wire import (
     Leave,
     MessageRejected,
     StepMessage,
+    StepSpec,
     WeightsMessage,
     decode_message,
     encode_heartbeat,
@@ -174,6 +175,7 @@ class Actor:
         self.data: zmq.Socket | None = None
         self.weights_sub: zmq.Socket | None = None
         self.ring: StepRing | None = None  # shared-memory step ring of this incarnation, if offered and attached
+        self.message_layout: tuple[int, int] | None = None  # (K, ring slots or 0) the sockets are sized for
         self.ring_waits = 0  # messages that waited for their ring slot
 
     # -- joining ---------------------------------------------------------------------------
@@ -241,15 +243,8 @@ class Actor:
                 raise ActorSetupError(f"policy routing: {error}") from None
             self.stepper = PolicyStepper(self.env, self.model, schema=schema, policy_version=reply.policy_version,
                                          router=router)
-            self.spec_message_bytes = reply.spec.message_bytes()
-            # K vector steps per message (agreed at join; 1: send each step as it comes).
-            self.steps_per_message = reply.spec.steps_per_message
-            self.block = (StepBlock(schema, self.env.num_envs, self.steps_per_message)
-                          if self.steps_per_message > 1 else None)
-            self._attach_ring(reply)  # before the sockets: a ring sets the send queue's length
-            self._connect_streams()
-        else:
-            self._attach_ring(reply)
+        self._attach_ring(reply)
+        self._set_message_layout(reply.spec)
         self._load_weights(reply.policy_version, reply.weights)
         self.sync_rollout_length = int(env_config.get("rollout_length") or 0) if env_config.get("mode") == "sync" else 0
         self.ahead_rows = 0 if self.sync_rollout_length else AHEAD_SEGMENTS * int(env_config.get("rollout_length") or 0)
@@ -272,6 +267,26 @@ class Actor:
         else:
             log.info("actor %s: step arrays go through shared memory (%s, %d slots)", self.actor_id,
                      self.ring.name, self.ring.slots)
+
+    def _set_message_layout(self, spec: StepSpec) -> None:
+        """Take the join's steps per message K and step ring: the step block, and data and weights
+        sockets sized for them. A rejoin that changes either (a learner restarted with other
+        settings, or without room for a ring) gets fresh sockets: a queue sized for a ring's slots
+        would hold too many inline blocks, and their rows would train too old."""
+        layout = (spec.steps_per_message, self.ring.slots if self.ring is not None else 0)
+        if layout == self.message_layout:
+            return
+        if self.data is not None:  # a rejoin changed them: the old queues go with the old incarnation
+            self.data.close(linger=0)
+            self.weights_sub.close(linger=0)
+        assert self.env is not None
+        self.message_layout = layout
+        self.spec_message_bytes = spec.message_bytes()
+        # K vector steps per message (agreed at join; 1: send each step as it comes).
+        self.steps_per_message = spec.steps_per_message
+        self.block = (StepBlock(spec.schema, self.env.num_envs, self.steps_per_message)
+                      if self.steps_per_message > 1 else None)
+        self._connect_streams()
 
     def _connect_streams(self) -> None:
         config = self.config

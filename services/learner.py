@@ -486,10 +486,10 @@ class Learner:
     def _grant_join(self, message: JoinRequest, now: float, index: int | None) -> bytes:
         """Register a joining actor (``index``: its synchronous-mode rank, None: the next number)
         and encode the join reply with its spec, env config and the current weights."""
-        ring = self._ring_reachable(message)
-        steps = self.config.resolved_steps_per_message(self.schema.sent_bytes_per_env(), message.num_envs,
-                                                       step_ring=ring)
-        spec = StepSpec(num_envs=message.num_envs, schema=self.schema, steps_per_message=steps)
+        spec = self._step_spec(message, step_ring=self._ring_reachable(message))
+        ring = self._offer_ring(message, spec) if self._ring_reachable(message) else None
+        if ring is None and self._ring_reachable(message):  # no room for a ring: the K of inline messages
+            spec = self._step_spec(message, step_ring=False)
         record = self.assembler.join(message.actor_id, message.incarnation, spec, hostname=message.hostname, now=now,
                                      index=index)
         log.info("actor %s joined (%d envs, host %s, index %d)", message.actor_id, message.num_envs,
@@ -513,8 +513,14 @@ class Learner:
         }
         return encode_join_reply(
             JoinReply(True, "", record.index, spec, env_config, self.policy_version, self.latest_weights,
-                      step_ring=self._offer_ring(message, spec) if ring else None)
+                      step_ring=ring)
         )
+
+    def _step_spec(self, message: JoinRequest, *, step_ring: bool) -> StepSpec:
+        """The spec of a joining actor's step messages (K without the byte bound for a step ring)."""
+        steps = self.config.resolved_steps_per_message(self.schema.sent_bytes_per_env(), message.num_envs,
+                                                       step_ring=step_ring)
+        return StepSpec(num_envs=message.num_envs, schema=self.schema, steps_per_message=steps)
 
     def _ring_reachable(self, message: JoinRequest) -> bool:
         """Whether the joining actor may share this process's shared memory: the same kernel and

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -15,7 +16,6 @@ import numpy as np
 import pytest
 import zmq
 
-from oakemu_core.auth import PeerBinding
 from oakemu_core.config import OakEmuConfig
 from oakemu_core.ingest import RolloutAssembler
 from oakemu_core.rollout_buffer import RolloutBuffer
@@ -44,6 +44,7 @@ from oakemu_core.wire import (
 from tests.e2e_helpers import (
     E2EProcesses,
     common_flags,
+    free_ports,
     new_ports,
     only_run_dir,
     python_path_with_site_hook,
@@ -254,10 +255,12 @@ def test_write_refuses_fields_of_another_shape(ring: StepRing) -> None:
         actor.close()
 
 
-def test_rejected_slot_messages_are_released_so_the_actor_never_waits_forever() -> None:
-    """The learner's data path (``Learner._handle_data``) on a 2-slot ring: two messages in a row
-    rejected at decode (a NaN value) must still free their slots, else the actor could never write
-    its next message and its unfinished segment would hold up every buffer behind it."""
+def test_every_message_the_learner_reads_frees_its_slot_but_only_on_its_own_peers_word() -> None:
+    """The learner's data path (``Learner._handle_data``) on a 2-slot ring. Messages rejected at decode
+    (a NaN value) or at ingest (steps of a departed actor) must free their slots too, else two in a
+    row leave the actor unable to write its next message, and its unfinished segment holds up every
+    buffer behind it. A message from another peer must not free anything: the slots it names may
+    still be queued."""
     from services.learner import Learner
 
     buffers = [RolloutBuffer(16, N, schema=ATARI_SCHEMA) for _ in range(2)]
@@ -267,31 +270,47 @@ def test_rejected_slot_messages_are_released_so_the_actor_never_waits_forever() 
         assembler.join(ACTOR, INCARNATION, ATARI_SPEC, hostname="h", now=0.0)
         offer = rings.offer(ACTOR, INCARNATION, ATARI_SPEC, 16)
         assert offer.slots == 2
-        queue: list[bytes] = []
+        queue: list[tuple[bytes, str]] = []
 
-        class Frames:  # the PULL socket
+        class Frames:  # the PULL socket; each frame says which peer sent it
             def recv_multipart(self, flags: int, copy: bool) -> list:
                 if not queue:
                     raise zmq.Again()
-                frame = queue.pop(0)
-                return [type("Frame", (), {"buffer": frame})()]
+                frame, peer = queue.pop(0)
+                return [SimpleNamespace(buffer=frame, peer=peer)]
 
         learner = SimpleNamespace(
-            assembler=assembler, rings=rings, peers=PeerBinding(user_ids=False), data=Frames(), policy_version=7,
+            assembler=assembler, rings=rings, data=Frames(), policy_version=7,
+            peers=SimpleNamespace(allows=lambda actor_id, incarnation, frame: frame.peer == "own"),
             config=SimpleNamespace(max_message_bytes=MAX_BYTES), episodes=0,
             rejection_log={"data": SimpleNamespace(event=lambda *args: None)},
             episodes_log=SimpleNamespace(write=lambda record: None))
         learner._release_rejected = MethodType(Learner._release_rejected, learner)
         actor = StepRing.attach(offer, ATARI_SPEC)
-        for seq in range(6):
-            assert actor.is_free(seq), f"the actor waits for a slot at seq {seq} (released {actor.released})"
+
+        def send(seq: int, *, nan: bool = False, peer: str = "own") -> None:
             fields = atari_step(seq=seq, seed=seq).fields
-            if seq in (1, 2):
+            if nan:
                 fields = {**fields, "values": np.full(N, np.nan, np.float32)}
-            queue.append(encode_step(replace(atari_step(seq=seq), fields={}, slot=actor.write(seq, fields))))
+            assert actor.is_free(seq), f"the actor waits for a slot at seq {seq} (released {actor.released})"
+            queue.append((encode_step(replace(atari_step(seq=seq), fields={}, slot=actor.write(seq, fields))), peer))
             Learner._handle_data(learner, now=0.0)
+
+        send(0)
+        assert actor.released == 1
+        send(1, nan=True, peer="thief")  # refused at decode, from another peer: nothing freed
+        send(1, peer="thief")  # refused at the peer check
+        assert actor.released == 1 and assembler.counters.accepted["step"] == 1
+        for seq in (1, 2):  # refused at decode, from the actor's own peer
+            send(seq, nan=True)
             assert actor.released == seq + 1
-        assert assembler.counters.rejected["schema"] == 2 and assembler.counters.accepted["step"] == 4
+        send(3)
+        assert actor.released == 4 and assembler.counters.accepted["step"] == 2
+        assert assembler.leave(ACTOR, INCARNATION)
+        for seq in (4, 5, 6):  # late steps of a departed actor: refused at ingest
+            send(seq)
+            assert actor.released == seq + 1
+        assert assembler.counters.dropped["late_step_messages"] == 3
         actor.close()
     finally:
         rings.close()
@@ -330,7 +349,7 @@ def test_the_registry_unlinks_departed_rings_but_keeps_a_few_readable() -> None:
         assert not rings.discard("actor-0", "inc")
     finally:
         rings.close()
-    assert not [name for name in os.listdir(shm) if name.startswith(f"oakemu_{os.getpid()}_")]
+    assert not [offer.name for offer in [*offers, again] if (shm / offer.name).exists()]
 
 
 def test_ring_slots_bound_the_vector_steps_in_flight() -> None:
@@ -428,3 +447,31 @@ def test_local_actors_use_rings_and_others_fall_back_to_inline_arrays(e2e: E2EPr
     episodes = [json.loads(line) for line in (only_run_dir(runs_dir) / "episodes.jsonl").read_text().splitlines()]
     assert {e["actor_id"] for e in episodes} == {"ringed", "sockets", "unreachable"}
     assert update_records(only_run_dir(runs_dir))[-1]["global_step"] >= budget
+
+
+def test_a_rejoin_that_changes_k_or_the_ring_gets_fresh_sockets_sized_for_them() -> None:
+    """An actor's step block and send queue follow the join: a learner restarted without room for a
+    ring (or with other settings) must not leave inline 4-step blocks behind a queue sized for a ring."""
+    from services.actor import Actor
+
+    data, control, weights = free_ports(3)
+    config = OakEmuConfig(envs_per_actor=N, data_port=data, control_port=control, weights_port=weights)
+    actor = Actor(config, threading.Event())
+    try:
+        actor.env = SimpleNamespace(num_envs=N)
+        actor._set_message_layout(StepSpec(num_envs=N, schema=ATARI_SCHEMA))  # no ring: K = 1
+        first = actor.data
+        assert actor.block is None and first.getsockopt(zmq.SNDHWM) == 2
+        actor.ring = SimpleNamespace(slots=4)
+        actor._set_message_layout(BLOCK_SPEC)  # a rejoin with a ring: K = 4, four slots
+        assert actor.data is not first and first.closed
+        assert actor.steps_per_message == 4 and actor.block is not None and actor.data.getsockopt(zmq.SNDHWM) == 4
+        ringed = actor.data
+        actor._set_message_layout(BLOCK_SPEC)  # the same again: the same sockets
+        assert actor.data is ringed
+        actor.ring = None
+        actor._set_message_layout(BLOCK_SPEC)  # a learner without room for a ring: K = 4 inline
+        assert actor.data is not ringed and actor.data.getsockopt(zmq.SNDHWM) == 1
+    finally:
+        actor.env = actor.ring = None
+        actor.close()
