@@ -59,11 +59,11 @@ def ring_slots(steps_per_message: int, rollout_length: int) -> int:
     learner's receive queue of four, one in each kernel buffer), so rows are no older when trained
     than through the sockets (issue 11, bounded policy lag). Two slots at least: the actor fills one
     while the learner reads the other; four (Breakout: K = 4, rollout 128) let one synthetic actor
-    feed the learner 1.4 x faster than two (``bench_ingest.py``), so a waiting actor rarely stalls it.
+    feed the learner about 1.4 x faster than two (``bench_ingest.py``), so a waiting actor rarely
+    stalls it. The floor of two can exceed an eighth of a segment when K is large against the rollout
+    (a configured K = 32 at rollout 64: two slots are a whole segment).
     """
     return max(2, min(RING_VECTOR_STEPS, rollout_length // 8) // steps_per_message)
-    # (The floor of two slots can exceed an eighth of a segment when K is large against the rollout,
-    # e.g. a configured K = 32 at rollout 64: two slots are then a whole segment.)
 
 _MAGIC = b"OAKRING1"
 _HEADER_BYTES = 64

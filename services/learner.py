@@ -486,9 +486,10 @@ class Learner:
     def _grant_join(self, message: JoinRequest, now: float, index: int | None) -> bytes:
         """Register a joining actor (``index``: its synchronous-mode rank, None: the next number)
         and encode the join reply with its spec, env config and the current weights."""
-        spec = self._step_spec(message, step_ring=self._ring_reachable(message))
-        ring = self._offer_ring(message, spec) if self._ring_reachable(message) else None
-        if ring is None and self._ring_reachable(message):  # no room for a ring: the K of inline messages
+        reachable = self._ring_reachable(message)
+        spec = self._step_spec(message, step_ring=reachable)
+        ring = self._offer_ring(message, spec) if reachable else None
+        if reachable and ring is None:  # no room for a ring: the K of inline messages
             spec = self._step_spec(message, step_ring=False)
         record = self.assembler.join(message.actor_id, message.incarnation, spec, hostname=message.hostname, now=now,
                                      index=index)
