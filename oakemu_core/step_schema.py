@@ -177,6 +177,9 @@ class StepField:
         object.__setattr__(self, "_scalar_low", float(low) if low is not None and low.ndim == 0 else None)
         object.__setattr__(self, "_scalar_high", float(high) if high is not None and high.ndim == 0 else None)
         object.__setattr__(self, "_bounds_are_scalars", (low is None or low.ndim == 0) and (high is None or high.ndim == 0))
+        # Computed once: decode_step asks for every field of every step-ring message.
+        object.__setattr__(self, "_any_bits_valid", self.dtype.kind in "iu" and low is None and high is None
+                           and self.mask_segments is None)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, StepField) and self.to_dict() == other.to_dict()
@@ -190,8 +193,7 @@ class StepField:
         bound its dtype can fail and without mask segments (uint8 frames). Such a field has no content
         check, so a step ring's slot of it is used in place; every other field is copied first
         (:func:`oakemu_core.wire.decode_step`)."""
-        return (self.dtype.kind in "iu" and self._checked_low is None and self._checked_high is None
-                and self.mask_segments is None)
+        return self._any_bits_valid
 
     @property
     def item_bytes(self) -> int:

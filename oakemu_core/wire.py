@@ -56,7 +56,7 @@ import msgpack
 import numpy as np
 
 from oakemu_core.shared_memory import SEGMENT_PREFIX
-from oakemu_core.step_schema import WIRE_DTYPES, StepSchema, check_step_consistency
+from oakemu_core.step_schema import WIRE_DTYPES, StepField, StepSchema, check_step_consistency
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -996,22 +996,12 @@ def _checked_step(obj: dict[str, Any], actor_id: str, incarnation: str, seq: int
     rows: dict[str, np.ndarray] = {}  # (K * n, *shape) views: the value checks see one batch of rows
     for item, dtype_str, shape, shape_list, nbytes in spec._wire_layout:
         name = item.name
-        value = None if in_ring is not None else received[name]
-        data = value.get("data") if type(value) is dict else None
-        if in_ring is not None:  # the ring's layout is the spec's: only the contents to check
-            # Checked on a private copy, which is what gets written: the slot stays writable by the
-            # actor. Fields where every bit pattern is valid (uint8 frames: no check) are used in place.
-            array = in_ring[name] if item.any_bits_valid else _checked_contents(in_ring[name].copy(), None, name)
-        elif (type(data) is bytes and len(data) == nbytes and len(value) == 3 and value.get("dtype") == dtype_str
-                and value.get("shape") == shape_list and all(type(d) is int for d in value["shape"])):
-            # The agreed dtype and shape, spelled exactly: no generic parsing (a message has a dozen fields).
-            array = _checked_contents(np.frombuffer(data, dtype=item.dtype).reshape(shape), data, name)
-        else:  # anything else takes the generic path, which names what is wrong
-            array = _decode_array(value, name)
-            if array.dtype.str != dtype_str:
-                _reject("dtype", f"{name}: expected dtype {dtype_str!r}, received {array.dtype.str!r}")
-            if array.shape != shape:
-                _reject("shape", f"{name}: expected shape {list(shape)}, received {list(array.shape)}")
+        if in_ring is None:
+            array = _inline_array(received[name], item, dtype_str, shape, shape_list, nbytes)
+        elif item.any_bits_valid:  # the ring's layout is the spec's; no content check (uint8 frames): in place
+            array = in_ring[name]
+        else:  # checked on a private copy, which is what gets written: the slot stays writable by the actor
+            array = _checked_contents(in_ring[name].copy(), None, name)
         flat = array if spec.steps_per_message == 1 else array.reshape(-1, *item.shape)
         problem = item.check_values(flat)
         if problem is not None:
@@ -1046,6 +1036,23 @@ def _checked_step(obj: dict[str, Any], actor_id: str, incarnation: str, seq: int
         revision=revision,
         slot=slot,
     )
+
+
+def _inline_array(value: Any, item: StepField, dtype_str: str, shape: tuple[int, ...], shape_list: list[int],
+                  nbytes: int) -> np.ndarray:
+    """One inline array of a step message, with the agreed dtype and shape, contents checked."""
+    name = item.name
+    data = value.get("data") if type(value) is dict else None
+    if (type(data) is bytes and len(data) == nbytes and len(value) == 3 and value.get("dtype") == dtype_str
+            and value.get("shape") == shape_list and all(type(d) is int for d in value["shape"])):
+        # The agreed dtype and shape, spelled exactly: no generic parsing (a message has a dozen fields).
+        return _checked_contents(np.frombuffer(data, dtype=item.dtype).reshape(shape), data, name)
+    array = _decode_array(value, name)  # anything else takes the generic path, which names what is wrong
+    if array.dtype.str != dtype_str:
+        _reject("dtype", f"{name}: expected dtype {dtype_str!r}, received {array.dtype.str!r}")
+    if array.shape != shape:
+        _reject("shape", f"{name}: expected shape {list(shape)}, received {list(array.shape)}")
+    return array
 
 
 class StepRingReader(Protocol):
