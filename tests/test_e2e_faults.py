@@ -130,8 +130,11 @@ def test_killed_actor_is_dropped_and_a_late_actor_joins_and_contributes(e2e: E2E
         assert actor_c.wait(timeout_s=30) == 0, actor_c.describe()
     finally:
         telemetry.close()
-    versions = [u["charts/policy_version"] for u in update_records(run_dir)]
-    assert versions == sorted(versions) and set(versions) == set(range(1, int(versions[-1]) + 1))
+    records = update_records(run_dir)
+    versions = [u["charts/policy_version"] for u in records]
+    # Every update logged once, in order; an evaluation rollback uses up one version (best.pt restored).
+    assert versions == sorted(set(versions)) and versions[0] == 1
+    assert int(versions[-1]) - len(versions) == int(records[-1]["charts/rollbacks"])
     e2e.assert_all_exited(timeout_s=10)
     assert e2e.leftover_segments() == []
 
