@@ -124,6 +124,11 @@ class OakEmuConfig(BaseSettings):
         1, ge=1, description="Env groups per actor (2: while one group's emulators step, the actor infers the "
         "other's actions; pays off with threaded Atari envs). Needs env_groups <= envs_per_actor and no policy "
         "routing.")
+    emulator_threads: int | None = Field(
+        None, ge=1, description="ale-py emulator threads per actor (Atari ids; other envs step in the actor's own "
+        "thread), shared by its env groups. None: the CPUs this process may use divided by num_actors, at least 1 "
+        "(2 cores, 2 actors: 1 each; an actor then alternates stepping and inference on one core, and the actors "
+        "keep every core busy: issue 11, bench_pipeline.py --actor-only).")
     num_envs: int | None = Field(
         None, ge=1, description="Learner rollout buffer columns (default num_actors * envs_per_actor)."
     )
@@ -216,10 +221,12 @@ class OakEmuConfig(BaseSettings):
         "Actors, evaluation, behaviour-cloning pre-training and checkpoints stay float32.",
     )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per actor process.")
-    actor_inference: Literal["torch", "onnxruntime"] = Field(
+    actor_inference: Literal["torch", "onnxruntime", "bfloat16"] = Field(
         "torch",
-        description="What runs the actors' forward passes: torch, or onnxruntime (extra 'onnx'; about 1.7x faster "
-        "for a Nature CNN on one core; one observation array, not dict observations).",
+        description="What runs the actors' forward passes: torch, onnxruntime (extra 'onnx'; about 1.7x faster "
+        "for a Nature CNN on one core; one observation array, not dict observations), or bfloat16 (torch with a "
+        "bfloat16 image encoder, about 2x faster for a Nature CNN on CPUs with AMX or AVX512-BF16, slower "
+        "elsewhere; uint8 image observations only; the acting policy is the float32 one rounded to bfloat16).",
     )
 
     step_transport: Literal["auto", "sockets"] = Field(
@@ -431,6 +438,16 @@ class OakEmuConfig(BaseSettings):
         """Rows per rollout, ``rollout_length * buffer_num_envs``."""
         return self.rollout_length * self.buffer_num_envs
 
+    def resolved_emulator_threads(self, cpus: int | None = None) -> int:
+        """Emulator threads of one actor's env group: ``emulator_threads`` (None: ``cpus // num_actors``,
+        at least 1) divided among its ``env_groups``, at least 1 each.
+
+        Args:
+            cpus: CPUs this process may run on; None reads them (:func:`available_cpus`).
+        """
+        threads = self.emulator_threads or max(1, (cpus or available_cpus()) // self.num_actors)
+        return max(1, threads // min(self.env_groups, self.envs_per_actor))
+
     @property
     def resolved_clip_rewards(self) -> bool:
         """``clip_rewards`` with None resolved: True for Atari ids, else False."""
@@ -461,6 +478,14 @@ class OakEmuConfig(BaseSettings):
     def bind_address(self, port: int) -> str:
         """ZeroMQ address ``tcp://bind_host:port`` the learner binds."""
         return f"tcp://{_host_for_url(self.bind_host)}:{port}"
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, e.g. a container's cpuset), else ``os.cpu_count()``."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _host_for_url(host: str) -> str:

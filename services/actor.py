@@ -159,7 +159,7 @@ class Actor:
         self.env_steps = 0
         self.env: VectorEnv | EnvGroups | None = None
         self.model: ActorCritic | None = None
-        self.onnx_forward: Any = None  # ONNX Runtime session of the model (actor_inference='onnxruntime')
+        self.inference_backend: Any = None  # forward of actor_inference 'onnxruntime' or 'bfloat16' (has .load)
         self.stepper: PolicyStepper | None = None
         self.policy_version = 0
         self.weights_revision = 0  # > 0: weights published within the update that makes policy_version + 1
@@ -213,7 +213,8 @@ class Actor:
             torch.manual_seed(seed)
             env_kwargs = dict(clip_rewards=bool(env_config["clip_rewards"]),
                               max_episode_steps=env_config.get("max_episode_steps"),
-                              settings_file=env_config.get("emulator_settings"))
+                              settings_file=env_config.get("emulator_settings"),
+                              num_threads=self.config.resolved_emulator_threads())
             groups = min(self.config.env_groups, self.config.envs_per_actor)
             self.env = (make_env_groups(str(env_config["env_id"]), self.config.envs_per_actor, groups, seed=seed,
                                         **env_kwargs) if groups > 1  # overlapped stepping (issue 11)
@@ -230,10 +231,9 @@ class Actor:
                                      normalize_observations=bool(env_config.get("normalize_observations")))
             self.model.eval()
             load_weight_arrays(self.model, reply.weights)  # the first actions come from the learner's weights
-            if self.config.actor_inference == "onnxruntime":
-                self.onnx_forward = self._onnx_forward(self.model, self.config.torch_threads)
-                log.info("actor %s: forward passes by ONNX Runtime", self.actor_id)
-                self.model.use_inference_backend(self.onnx_forward)
+            if self.config.actor_inference != "torch":
+                self.inference_backend = self._inference_backend(self.model, self.config)
+                self.model.use_inference_backend(self.inference_backend)
             try:  # the learner's route_* settings; a scripted policy must import on this machine
                 routing = RoutingConfig.from_mapping(env_config)
                 router = PolicyRouter(self.env.spec, self.env.num_envs, routing, seed=seed) if routing.active else None
@@ -314,23 +314,36 @@ class Actor:
         self.weights_sub.setsockopt(zmq.LINGER, 0)
         self.weights_sub.connect(config.learner_address(config.weights_port))
 
-    @staticmethod
-    def _onnx_forward(model: ActorCritic, threads: int) -> Any:
-        from oakemu_core.onnx_inference import OnnxForward
-
+    def _inference_backend(self, model: ActorCritic, config: OakEmuConfig) -> Any:
+        """The forward passes of ``actor_inference`` 'onnxruntime' or 'bfloat16' for ``model``.
+        Raises :class:`ActorSetupError` when they cannot serve this model."""
         try:
-            return OnnxForward(model, threads=threads)
+            if config.actor_inference == "bfloat16":
+                from oakemu_core.bfloat16_inference import BFloat16Forward
+                from oakemu_core.ppo import cpu_has_native_bfloat16
+
+                backend: Any = BFloat16Forward(model)
+                log.info("actor %s: forward passes in bfloat16", self.actor_id)
+                if cpu_has_native_bfloat16() is False:
+                    log.warning("actor %s: this CPU has no AVX512-BF16 or AMX: bfloat16 is emulated and slower "
+                                "than --actor-inference torch", self.actor_id)
+                return backend
+            from oakemu_core.onnx_inference import OnnxForward
+
+            backend = OnnxForward(model, threads=config.torch_threads)
+            log.info("actor %s: forward passes by ONNX Runtime", self.actor_id)
+            return backend
         except ValueError as error:
             raise ActorSetupError(str(error)) from None
         except Exception as error:  # noqa: BLE001 - the exporter's or ONNX Runtime's own: one readable line
-            raise ActorSetupError(f"actor_inference='onnxruntime' could not build the graph "
+            raise ActorSetupError(f"actor_inference={config.actor_inference!r} could not be set up "
                                   f"({type(error).__name__}: {error}); use --actor-inference torch") from None
 
     def _load_weights(self, version: int, weights: dict[str, np.ndarray], revision: int = 0) -> None:
         assert self.model is not None
         load_weight_arrays(self.model, weights)
-        if self.onnx_forward is not None:
-            self.onnx_forward.load(self.model)
+        if self.inference_backend is not None:
+            self.inference_backend.load(self.model)
         if version != self.policy_version:
             self.rows_this_version = 0
         self.policy_version = version
