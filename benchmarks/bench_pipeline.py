@@ -19,7 +19,13 @@ default: the learner's rule, :func:`oakemu_core.wire.auto_steps_per_message`), a
 each env of ``--env`` (comma-separated; default Breakout and CartPole).
 
 Usage: ``python benchmarks/bench_pipeline.py [--env ALE/Breakout-v5,CartPole-v1] [--actors 1]
-[--envs-per-actor 8] [--seconds 15] [--repeats 3] [--steps-per-message 1,auto] [--curve]``
+[--envs-per-actor 8] [--seconds 15] [--repeats 3] [--steps-per-message 1,auto] [--curve]
+[--actor-only] [--actor-variants] [--per-core]``
+
+``--per-core`` measures what ``emulator_threads`` auto gives an actor per CPU: raw with one process
+per CPU and one emulator thread each, and the actor loop in that layout with torch, ONNX Runtime and
+bfloat16 forward passes; it reports them against the faster raw figure (one process of 8 envs on
+ale-py's default threads uses 1.6-1.7 of 2 cores; one process per core, both).
 """
 
 from __future__ import annotations
@@ -51,10 +57,16 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
-ACTOR_VARIANTS = ("groups2", "threads2", "inference_mode", "channels_last", "onnxruntime", "groups2+onnxruntime")
+ACTOR_VARIANTS = ("groups2", "threads2", "inference_mode", "channels_last", "onnxruntime", "groups2+onnxruntime",
+                  "bfloat16", "groups2+bfloat16")
 """Actor-loop variants of ``--actor-variants`` (issue 11): two overlapped env groups
 (``env_groups=2``), 2 torch threads, ``torch.inference_mode`` around the loop, a channels-last model,
-forward passes by ONNX Runtime (``--actor-inference onnxruntime``), and the two together."""
+forward passes by ONNX Runtime (``--actor-inference onnxruntime``), the two together, and a bfloat16
+image encoder (``--actor-inference bfloat16``) alone and with two groups."""
+
+PER_CORE_VARIANTS = ("torch", "onnxruntime", "bfloat16")
+"""Actor-loop variants of ``--per-core``: one actor process per CPU, one emulator thread each (what
+``emulator_threads`` auto gives ``num_actors`` = CPUs), each with these forward passes."""
 
 
 def _step_loop(env_id: str, num_envs: int, seconds: float, with_policy: bool, seed: int, out: mp.Queue,
@@ -70,7 +82,9 @@ def _step_loop(env_id: str, num_envs: int, seconds: float, with_policy: bool, se
 
     parts = set(variant.split("+"))
     torch.set_num_threads(2 if "threads2" in parts else 1)
-    env = make_env_groups(env_id, num_envs, 2, seed=seed) if "groups2" in parts else make_vector_env(env_id, num_envs, seed=seed)
+    threads = {"num_threads": 1} if "per_core" in parts else {}  # else ale-py's default of the adapter
+    env = (make_env_groups(env_id, num_envs, 2, seed=seed, **threads) if "groups2" in parts
+           else make_vector_env(env_id, num_envs, seed=seed, **threads))
     spec = env.spec
     mode = torch.inference_mode() if "inference_mode" in parts else contextlib.nullcontext()
     mode.__enter__()
@@ -82,6 +96,10 @@ def _step_loop(env_id: str, num_envs: int, seconds: float, with_policy: bool, se
             from oakemu_core.onnx_inference import OnnxForward
 
             model.use_inference_backend(OnnxForward(model))
+        if "bfloat16" in parts:
+            from oakemu_core.bfloat16_inference import BFloat16Forward
+
+            model.use_inference_backend(BFloat16Forward(model))
         stepper = PolicyStepper(env, model)
         step = stepper.step
     else:
@@ -196,6 +214,9 @@ def main() -> None:
     parser.add_argument("--actor-variants", action="store_true",
                         help="also measure actor-loop variants: " + ", ".join(ACTOR_VARIANTS))
     parser.add_argument("--actor-only", action="store_true", help="only raw and actor-loop figures (no learner)")
+    parser.add_argument("--per-core", action="store_true",
+                        help="also measure one process per CPU with one emulator thread each: raw, and the actor "
+                        "loop with " + ", ".join(PER_CORE_VARIANTS))
     args = parser.parse_args()
     for env_id in args.env.split(","):
         bench_env(args, env_id.strip())
@@ -217,7 +238,10 @@ def bench_env(args: argparse.Namespace, env_id: str) -> None:
     variants = list(ACTOR_VARIANTS) if args.actor_variants else []
     if args.actor_only:
         pipeline_keys, ks, args.no_end_to_end = [], [], True
+    cores = os.cpu_count() or 1
+    per_core = [f"per_core+{v}" for v in PER_CORE_VARIANTS] if args.per_core else []
     figures: dict[str, list[float]] = {"raw": [], "policy": [], **{v: [] for v in variants},
+                                       "per_core": [], **{v: [] for v in per_core},
                                        **{key: [] for key in pipeline_keys}, "end_to_end": [], "curve": []}
     common = (args.env, args.actors, args.envs_per_actor, args.seconds)
     for _ in range(args.repeats):  # interleaved, so a slow spell of the machine hits every figure
@@ -225,6 +249,11 @@ def bench_env(args: argparse.Namespace, env_id: str) -> None:
         figures["policy"].append(measure_local(*common, with_policy=True))
         for variant in variants:
             figures[variant].append(measure_local(*common, with_policy=True, variant=variant))
+        if per_core:
+            per_core_common = (args.env, cores, args.envs_per_actor, args.seconds)
+            figures["per_core"].append(measure_local(*per_core_common, with_policy=False, variant="per_core"))
+            for variant in per_core:
+                figures[variant].append(measure_local(*per_core_common, with_policy=True, variant=variant))
         for k, key in zip(ks, pipeline_keys):
             figures[key].append(measure_pipeline(*common, train=False, steps_per_message=k))
         if args.curve:
@@ -238,6 +267,8 @@ def bench_env(args: argparse.Namespace, env_id: str) -> None:
         ("raw env, random actions, no transport", "raw"),
         ("raw+policy: actor step loop, no transport", "policy"),
         *[(f"raw+policy, {v}", v) for v in variants],
+        *([(f"raw, {cores} processes x 1 emulator thread", "per_core")] if per_core else []),
+        *[(f"actor loop, {cores} actors x 1 thread, {v.split('+')[1]}", v) for v in per_core],
         *[(f"{key}: ZeroMQ -> ingest, no PPO", key) for key in pipeline_keys],
         *([("end-to-end: with PPO training (K auto)", "end_to_end")] if not args.no_end_to_end else []),
         *([("pipeline+curve: CURVE sockets, no PPO", "curve")] if args.curve else []),
@@ -248,6 +279,11 @@ def bench_env(args: argparse.Namespace, env_id: str) -> None:
     for v in variants:
         print(f"actor loop {v} / raw env (medians): {float(np.median(figures[v])) / raw:.3f} "
               f"(x{float(np.median(figures[v])) / policy:.2f} of the default loop)")
+    if per_core:  # against the faster of the two raw figures: the machine's own env rate
+        best_raw = max(raw, float(np.median(figures["per_core"])))
+        for v in per_core:
+            print(f"actor loop, {cores} actors x 1 thread, {v.split('+')[1]} / best raw env (medians): "
+                  f"{float(np.median(figures[v])) / best_raw:.3f} (/ raw: {float(np.median(figures[v])) / raw:.3f})")
     for key in pipeline_keys:
         value = float(np.median(figures[key]))
         print(f"transport cost, {key} (1 - pipeline / raw+policy, medians): {100 * (1 - value / policy):.1f} %")

@@ -250,8 +250,9 @@ class Actor:
         self.ahead_rows = 0 if self.sync_rollout_length else AHEAD_SEGMENTS * int(env_config.get("rollout_length") or 0)
         self.segment_rows = 0  # a new incarnation starts a new segment
         self.last_reply = time.monotonic()
-        log.info("actor %s joined as #%d: %s x %d envs, policy version %d", self.actor_id, reply.actor_index,
-                 env_config["env_id"], self.config.envs_per_actor, reply.policy_version)
+        log.info("actor %s joined as #%d: %s x %d envs (%d emulator threads per env group), policy version %d",
+                 self.actor_id, reply.actor_index, env_config["env_id"], self.config.envs_per_actor,
+                 self.config.resolved_emulator_threads(), reply.policy_version)
 
     def _attach_ring(self, reply: JoinReply) -> None:
         """Use the step ring the learner offered to this incarnation, if it is reachable from here."""

@@ -160,3 +160,38 @@ def test_bench_ingest_in_process_figure_decodes_and_writes_whole_rollouts(env_id
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.in_process_rows_per_s(env_id, 4, steps_per_message, seconds=0.05) > 0
+
+
+@pytest.mark.parametrize("variant", ["per_core", "per_core+torch", "per_core+bfloat16", "groups2+bfloat16"])
+def test_bench_pipeline_actor_loop_variants_step_with_their_settings(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/bench_pipeline.py's per-core and bfloat16 actor loops (``--per-core``, ``--actor-variants``),
+    in process: the env gets one emulator thread exactly when the variant is per-core, the model the
+    bfloat16 forward exactly when asked, and the loop reports a positive rate."""
+    import queue
+
+    from oakemu_core import envs
+    from oakemu_core.bfloat16_inference import BFloat16Forward
+    from oakemu_core.stepper import PolicyStepper
+
+    module_spec = importlib.util.spec_from_file_location("bench_pipeline", REPO_ROOT / "benchmarks" / "bench_pipeline.py")
+    bench_pipeline = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(bench_pipeline)
+    threads, backends = [], []
+    real_backend, real_stepper = envs._AtariBackend, PolicyStepper.__init__
+
+    def recording_backend(*args, **kwargs):
+        threads.append(kwargs["num_threads"])
+        return real_backend(*args, **kwargs)
+
+    def recording_stepper(self, env, model, **kwargs):
+        backends.append(type(model.__dict__.get("_inference_backend")))
+        real_stepper(self, env, model, **kwargs)
+
+    monkeypatch.setattr(envs, "_AtariBackend", recording_backend)
+    monkeypatch.setattr(PolicyStepper, "__init__", recording_stepper)
+    out: queue.Queue = queue.Queue()
+    bench_pipeline._step_loop("ALE/Breakout-v5", 2, 0.2, variant != "per_core", 1, out, variant)
+    assert out.get_nowait() > 0
+    groups = 2 if "groups2" in variant else 1
+    assert threads == [1 if variant.startswith("per_core") else None] * groups
+    assert backends == ([] if variant == "per_core" else [BFloat16Forward if "bfloat16" in variant else type(None)])

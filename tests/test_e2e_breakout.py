@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from oakemu_core.config import available_cpus
+
 from tests.e2e_helpers import (
     E2EProcesses,
     common_flags,
@@ -99,6 +101,37 @@ def test_breakout_train_resume_evaluate(e2e: E2EProcesses, tmp_path: Path) -> No
     assert match, evaluate.describe()
     mean, std = float(match.group(1)), float(match.group(2))
     assert mean >= 0.0 and std == 0.0  # one episode: std 0
+
+
+BFLOAT16_RATIO_TOLERANCE = 0.05
+"""Largest |ratio - 1| on the first minibatch when the actors act in bfloat16: the learner's float32
+log-probs against the bfloat16 actors' (rounding of the logits, about 1e-3 here)."""
+
+
+def test_breakout_with_bfloat16_actors_and_one_emulator_thread_each(e2e: E2EProcesses, tmp_path: Path) -> None:
+    """``--actor-inference bfloat16`` end to end: the actors say so, training runs, and the policy
+    that acted differs from the learner's float32 one by rounding only (the first minibatch's ratio);
+    the emulator threads are the CPUs divided by the 2 actors."""
+    runs_dir = tmp_path / "runs"
+    run_dir = runs_dir / "breakout-bf16"
+    train = e2e.start("train", [
+        "train", "--env", "ALE/Breakout-v5", "--num-actors", "2", "--envs-per-actor", "2", "--rollout-length", "16",
+        "--ppo-epochs", "2", "--num-minibatches", "2", "--run-name", "breakout-bf16", "--actor-inference", "bfloat16",
+        *train_args(common_flags(new_ports(), runs_dir), 3 * ROLLOUT_ROWS),
+    ])
+    status = train.wait(timeout_s=180)
+    assert status == 0, train.describe() + _log_tail(run_dir)
+    e2e.assert_all_exited(timeout_s=5)
+    assert e2e.leftover_segments() == []
+    threads = max(1, available_cpus() // 2)
+    for name in ("actor-0.log", "actor-1.log"):
+        log_text = (run_dir / "logs" / name).read_text(errors="replace")
+        assert "forward passes in bfloat16" in log_text and "Traceback" not in log_text
+        assert f"({threads} emulator threads per env group)" in log_text
+    updates = update_records(run_dir)
+    assert len(updates) >= 2, f"{len(updates)} PPO updates"
+    deviation = updates[0]["diagnostics/first_minibatch_ratio_max_abs_dev"]
+    assert 0.0 < deviation < BFLOAT16_RATIO_TOLERANCE  # not exactly float32's, and only rounding away
 
 
 def _log_tail(run_dir: Path, lines: int = 30) -> str:
