@@ -226,7 +226,8 @@ class OakEmuConfig(BaseSettings):
         description="What runs the actors' forward passes: torch, onnxruntime (extra 'onnx'; about 1.7x faster "
         "for a Nature CNN on one core; one observation array, not dict observations), or bfloat16 (torch with a "
         "bfloat16 image encoder, about 2x faster for a Nature CNN on CPUs with AMX or AVX512-BF16, slower "
-        "elsewhere; uint8 image observations only; the acting policy is the float32 one rounded to bfloat16).",
+        "elsewhere; uint8 image observations only; the acting policy is the float32 one rounded to bfloat16, so the "
+        "learner re-evaluates every rollout in float32).",
     )
 
     step_transport: Literal["auto", "sockets"] = Field(

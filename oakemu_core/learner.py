@@ -539,6 +539,9 @@ class PPOLearner:
         )
         self._proximal: tuple[RolloutBuffer, RolloutEvaluation] | None = None
         self.corrections_skipped = 0
+        self.reevaluate_every_rollout = False
+        """True once an actor acts with rounded weights (a bfloat16 forward): every rollout is then
+        re-evaluated in float32, not only those with rows of older versions (decoupled objective)."""
         """Updates whose re-evaluation gave non-finite figures (a diverged critic or policy): they
         trained without the off-policy correction, and the health checks judge the update."""
         self.reward_scaler = RewardScaler(config.gamma) if config.normalize_rewards else None
@@ -682,7 +685,8 @@ class PPOLearner:
         (if on), compute GAE on the CPU. Returns ``(stale rows, lag statistics)``.
 
         Re-evaluation (asynchronous mode): when any row was acted by an older version than the
-        learner's, every row is evaluated with the current weights. The current critic's V(s_t)
+        learner's, or :attr:`reevaluate_every_rollout` (actors with bfloat16 forward passes, in either
+        mode), every row is evaluated with the current weights. The current critic's V(s_t)
         replace the stored values before GAE (the bootstrap values after the segment's last row
         and at truncations stay the actors'), and the current policy becomes the proximal policy
         of the next :meth:`step` (decoupled objective, :func:`oakemu_core.ppo.ppo_losses`). A
@@ -694,7 +698,8 @@ class PPOLearner:
                                           max_policy_lag=self.config.max_policy_lag)
         lag.update(self.lag_in_sgd_steps(buffer.policy_versions, buffer.policy_revisions))
         self._proximal = None
-        if self.config.off_policy_correction == "decoupled" and bool((buffer.policy_versions != self.policy_version).any()):
+        if self.config.off_policy_correction == "decoupled" and (
+                self.reevaluate_every_rollout or bool((buffer.policy_versions != self.policy_version).any())):
             with self.learner_model.locked():
                 evaluation = self.updater.evaluate_rollout(buffer)
             if evaluation.finite_on(buffer.trainable):

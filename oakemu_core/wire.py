@@ -88,7 +88,7 @@ __all__ = [
     "decode_step",
 ]
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """Version of this wire format; a frame with any other ``"protocol"`` value is rejected.
 Version 2: step messages carry a ``"fields"`` map keyed by the step schema's field names, and
 the join reply carries the schema itself. Version 3: the join reply's spec carries
@@ -98,7 +98,12 @@ message carries ``"revision"`` (weights published after an epoch, within an upda
 step message carries the ``"revision"`` of the weights that acted, next to their version. Version 6:
 a join request carries the actor's ``"host_id"``, a join reply may offer a ``"step_ring"``, and a step
 message carries ``"slot"``: its arrays are in that slot of the actor's step ring (``"fields"`` is
-then empty; :mod:`oakemu_core.step_ring`), or nil for arrays inline."""
+then empty; :mod:`oakemu_core.step_ring`), or nil for arrays inline. Version 7: a join request
+carries the ``"inference_precision"`` of the actor's forward passes (``INFERENCE_PRECISIONS``)."""
+
+INFERENCE_PRECISIONS = ("float32", "bfloat16")
+"""Precisions of an actor's forward passes a join request may name: float32 (torch, ONNX Runtime) or
+bfloat16 (``actor_inference = "bfloat16"``; the learner then re-evaluates every rollout in float32)."""
 
 REJECTION_REASONS = (
     "oversized",
@@ -484,6 +489,8 @@ class JoinRequest:
         hostname: where the actor runs (diagnostics only).
         host_id: the actor's shared-memory host id (:func:`oakemu_core.step_ring.shared_memory_host_id`) when it
             can take a step ring, ``""`` when it sends its arrays inline only.
+        inference_precision: precision of the actor's forward passes, one of :data:`INFERENCE_PRECISIONS`:
+            its log-probs and values are those of the learner's weights rounded to it.
     """
 
     actor_id: str
@@ -491,6 +498,7 @@ class JoinRequest:
     num_envs: int
     hostname: str
     host_id: str = ""
+    inference_precision: str = "float32"
 
 
 @dataclass(frozen=True)
@@ -595,6 +603,9 @@ def encode_join_request(msg: JoinRequest) -> bytes:
     _check_local_id(msg.actor_id, "actor_id")
     _check_local_id(msg.incarnation, "incarnation")
     _check_local_int(msg.num_envs, "num_envs", minimum=1)
+    if msg.inference_precision not in INFERENCE_PRECISIONS:
+        raise ValueError(f"inference_precision: expected one of {INFERENCE_PRECISIONS}, received "
+                         f"{msg.inference_precision!r}")
     return _pack(
         {
             **_header(TYPE_JOIN),
@@ -603,6 +614,7 @@ def encode_join_request(msg: JoinRequest) -> bytes:
             "num_envs": int(msg.num_envs),
             "hostname": str(msg.hostname),
             "host_id": str(msg.host_id),
+            "inference_precision": msg.inference_precision,
         }
     )
 
@@ -683,13 +695,18 @@ def encode_weights(msg: WeightsMessage) -> bytes:
 
 
 def _decode_join(obj: dict[str, Any]) -> JoinRequest:
-    _require_fields(obj, ("actor_id", "incarnation", "num_envs", "hostname", "host_id"))
+    _require_fields(obj, ("actor_id", "incarnation", "num_envs", "hostname", "host_id", "inference_precision"))
+    precision = _get_str(obj, "inference_precision")
+    if precision not in INFERENCE_PRECISIONS:
+        raise MessageRejected("value_range", f"inference_precision: expected one of {INFERENCE_PRECISIONS}, "
+                              f"got {precision!r}")
     return JoinRequest(
         actor_id=_get_str(obj, "actor_id"),
         incarnation=_get_str(obj, "incarnation"),
         num_envs=_get_int(obj, "num_envs", minimum=1),
         hostname=_get_str(obj, "hostname", max_len=MAX_TEXT_LENGTH, allow_empty=True),
         host_id=_get_str(obj, "host_id", allow_empty=True),
+        inference_precision=precision,
     )
 
 

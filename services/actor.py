@@ -184,8 +184,9 @@ class Actor:
         self.incarnation = uuid.uuid4().hex
         self.seq = 0
         host_id = shared_memory_host_id() if self.config.step_transport == "auto" else ""
+        precision = "bfloat16" if self.config.actor_inference == "bfloat16" else "float32"
         request = encode_join_request(
-            JoinRequest(self.actor_id, self.incarnation, self.config.envs_per_actor, self.hostname, host_id)
+            JoinRequest(self.actor_id, self.incarnation, self.config.envs_per_actor, self.hostname, host_id, precision)
         )
         # A learner may take a while to start (loading torch, building envs): be patient at join.
         deadline = time.monotonic() + max(JOIN_PATIENCE_S, self.patience_s)

@@ -495,6 +495,12 @@ class Learner:
                                      index=index)
         log.info("actor %s joined (%d envs, host %s, index %d)", message.actor_id, message.num_envs,
                  message.hostname, record.index)
+        if message.inference_precision != "float32" and not self.trainer.ppo.reevaluate_every_rollout:
+            self.trainer.ppo.reevaluate_every_rollout = True
+            log.info("actor %s acts in %s: every rollout is re-evaluated in float32 before GAE%s", message.actor_id,
+                     message.inference_precision, "" if self.config.off_policy_correction == "decoupled" else
+                     " only with off_policy_correction 'decoupled' (the run has 'none': its rounded log-probs "
+                     "and values train as they are)")
         env_config = {
             "env_id": self.config.env_id,
             "max_episode_steps": self.config.max_episode_steps,

@@ -132,6 +132,11 @@ def test_breakout_with_bfloat16_actors_and_one_emulator_thread_each(e2e: E2EProc
     assert len(updates) >= 2, f"{len(updates)} PPO updates"
     deviation = updates[0]["diagnostics/first_minibatch_ratio_max_abs_dev"]
     assert 0.0 < deviation < BFLOAT16_RATIO_TOLERANCE  # not exactly float32's, and only rounding away
+    # The learner re-evaluated every rollout in float32, the first (all rows of version 0) included:
+    # each update was decoupled, its importance weights pi_learner / pi_bfloat16 within rounding of 1.
+    assert "acts in bfloat16: every rollout is re-evaluated" in (run_dir / "logs" / "learner.log").read_text()
+    weights = [u["diagnostics/importance_weight_mean"] for u in updates]
+    assert all(abs(w - 1.0) < BFLOAT16_RATIO_TOLERANCE for w in weights), weights  # NaN fails too
 
 
 def _log_tail(run_dir: Path, lines: int = 30) -> str:

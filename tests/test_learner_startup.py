@@ -117,6 +117,26 @@ def test_a_joining_actor_gets_steps_per_message_for_its_own_env_count(tmp_path: 
         learner.close()
 
 
+def test_an_actor_acting_in_bfloat16_turns_on_the_reevaluation_of_every_rollout(tmp_path: Path) -> None:
+    """The join request's precision reaches the library learner: float32 actors leave rollouts of the
+    current version as they are, the first bfloat16 actor makes every rollout re-evaluated."""
+    from oakemu_core.wire import JoinRequest
+    from services.learner import Learner
+
+    ports = _free_ports(5)
+    config = OakEmuConfig(env_id="CartPole-v1", num_actors=2, envs_per_actor=2, rollout_length=8, runs_dir=tmp_path,
+                          run_name="precision", data_port=ports[0], control_port=ports[1], weights_port=ports[2],
+                          telemetry_port=ports[3], metrics_port=ports[4], log_level="WARNING")
+    learner = Learner(config, tmp_path / "precision")
+    try:
+        learner._grant_join(JoinRequest("a", "inc-a", 2, "h"), 0.0, None)
+        assert learner.trainer.ppo.reevaluate_every_rollout is False
+        learner._grant_join(JoinRequest("b", "inc-b", 2, "h", inference_precision="bfloat16"), 0.0, None)
+        assert learner.trainer.ppo.reevaluate_every_rollout is True
+    finally:
+        learner.close()
+
+
 def test_the_trainer_hands_publish_min_sgd_steps_to_the_learner(tmp_path: Path) -> None:
     """``publish_min_sgd_steps`` reaches the library learner in async mode (sync publishes no revisions)."""
     from services.learner import Trainer

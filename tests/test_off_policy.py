@@ -232,6 +232,24 @@ def test_the_learner_reevaluates_rows_of_older_versions_only(cartpole, correctio
     assert learner.corrections_skipped == 0
 
 
+def test_rollouts_of_rounded_actors_are_reevaluated_even_when_all_rows_are_current(cartpole) -> None:  # noqa: F811
+    """An actor with bfloat16 forward passes joined (``reevaluate_every_rollout``): a rollout whose rows
+    are all of the learner's version is re-evaluated in float32 too, and trains with the decoupled
+    objective (its behaviour log-probs are the rounded policy's)."""
+    env, _schema, buffer, model = cartpole
+    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1))
+    learner.reevaluate_every_rollout = True
+    stepper = PolicyStepper(env, copy.deepcopy(model))
+    rows = buffer.total_size
+    rollout = fill(buffer, stepper, learner.policy_version)
+    buffer.replace_values(buffer.values + 0.5)  # as if the rounded critic were off: the learner's replace them
+    acted_values = buffer.values.copy()
+    learner.prepare(rollout)
+    np.testing.assert_allclose(buffer.values, acted_values - 0.5, rtol=1e-5, atol=1e-5)
+    stats = learner.step(actor_steps=rows)
+    assert np.isfinite(stats.importance_weight_mean)  # NaN when the update is not decoupled
+
+
 def test_a_diverged_critic_trains_without_the_correction_instead_of_stopping(cartpole) -> None:  # noqa: F811
     env, _schema, buffer, model = cartpole
     learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1))

@@ -184,6 +184,23 @@ def test_control_round_trips() -> None:
     assert decode_message(encode_leave(leave), max_bytes=MAX_BYTES) == leave
 
 
+def test_a_join_request_names_the_precision_of_the_actors_forward_passes() -> None:
+    """Protocol 7: float32 unless the actor says bfloat16; another name is refused on both sides, and
+    a request without the field (an older actor) is a schema rejection."""
+    join = JoinRequest(ACTOR, INCARNATION, 8, "box-1")
+    assert decode_message(encode_join_request(join), max_bytes=MAX_BYTES).inference_precision == "float32"
+    rounded = replace(join, inference_precision="bfloat16")
+    assert decode_message(encode_join_request(rounded), max_bytes=MAX_BYTES) == rounded
+    with pytest.raises(ValueError, match="inference_precision: expected one of"):
+        encode_join_request(replace(join, inference_precision="float16"))
+    obj = msgpack.unpackb(encode_join_request(join), raw=False)
+    with pytest.raises(MessageRejected, match="value_range: inference_precision: expected one of .* got 'int8'"):
+        decode_message(msgpack.packb({**obj, "inference_precision": "int8"}), max_bytes=MAX_BYTES)
+    del obj["inference_precision"]
+    with pytest.raises(MessageRejected, match=r"schema: .*missing fields \['inference_precision'\]"):
+        decode_message(msgpack.packb(obj), max_bytes=MAX_BYTES)
+
+
 def test_join_reply_and_weights_round_trip() -> None:
     weights = {
         "conv.weight": np.arange(2 * 3 * 2 * 2, dtype=np.float32).reshape(2, 3, 2, 2),
@@ -591,11 +608,11 @@ def test_oversized_frame_is_rejected_before_decoding() -> None:
     assert info.value.reason == "oversized"
 
 
-def test_protocol_version_is_6() -> None:
-    assert PROTOCOL_VERSION == 6 and step_obj()["protocol"] == 6
+def test_protocol_version_is_7() -> None:
+    assert PROTOCOL_VERSION == 7 and step_obj()["protocol"] == 7
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 7, "6", 6.0, None])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 6, 8, "7", 7.0, None])
 def test_wrong_protocol(version: Any) -> None:
     obj = step_obj()
     obj["protocol"] = version
