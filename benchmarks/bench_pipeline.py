@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import socket
 import subprocess
 import sys
@@ -130,7 +131,16 @@ def measure_local(env_id: str, actors: int, num_envs: int, seconds: float, *, wi
     ]
     for p in procs:
         p.start()
-    total = sum(out.get(timeout=seconds + 120) for _ in procs)
+    rates = []
+    while len(rates) < len(procs):  # a child that died (an error) fails the run at once, not after a timeout
+        try:
+            rates.append(out.get(timeout=1.0))
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"an actor-loop process ({variant or 'raw'}) exited with an error") from None
+    total = sum(rates)
     for p in procs:
         p.join()
     return total
@@ -238,8 +248,17 @@ def bench_env(args: argparse.Namespace, env_id: str) -> None:
     variants = list(ACTOR_VARIANTS) if args.actor_variants else []
     if args.actor_only:
         pipeline_keys, ks, args.no_end_to_end = [], [], True
-    cores = os.cpu_count() or 1
-    per_core = [f"per_core+{v}" for v in PER_CORE_VARIANTS] if args.per_core else []
+    from oakemu_core.bfloat16_inference import check_supported
+    from oakemu_core.config import available_cpus
+
+    try:
+        check_supported(env_spec(env_id).observation_layout)
+        images = True
+    except ValueError:  # the bfloat16 forward serves uint8 images only
+        images = False
+    variants = [v for v in variants if images or "bfloat16" not in v]
+    cores = available_cpus()
+    per_core = [f"per_core+{v}" for v in PER_CORE_VARIANTS if images or v != "bfloat16"] if args.per_core else []
     figures: dict[str, list[float]] = {"raw": [], "policy": [], **{v: [] for v in variants},
                                        "per_core": [], **{v: [] for v in per_core},
                                        **{key: [] for key in pipeline_keys}, "end_to_end": [], "curve": []}

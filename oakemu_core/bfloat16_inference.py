@@ -17,25 +17,49 @@ The policy that acts is the bfloat16 rounding of the learner's: its log-probs an
 float32 ones by rounding (on real Breakout frames with heads scaled to logits of about 1 and values of
 about 25: log-probs up to 0.007, values up to 2 %). The actor says so at join
 (``JoinRequest.inference_precision``) and the learner then re-evaluates every rollout in float32
-(``off_policy_correction = "decoupled"``): its values replace the actors' before GAE and the rounding
+(``off_policy_correction = "decoupled"``): its values V(s_t) replace the actors' before GAE (the
+bootstrap values after a segment's last row and at truncations stay the actors') and the rounding
 becomes an importance weight of the decoupled objective.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from torch import nn
 
-__all__ = ["BFloat16Forward", "PROBE_RELATIVE_TOLERANCE"]
+if TYPE_CHECKING:
+    import torch
+
+    from oakemu_core.models import ActorCritic
+
+__all__ = ["BFloat16Forward", "PROBE_RELATIVE_TOLERANCE", "check_supported"]
 
 PROBE_RELATIVE_TOLERANCE = 0.05
 """Largest difference to the float32 model on a probe batch, relative to the largest float32 output
 (bfloat16 keeps 8 significant bits, about 0.4 % per operation; a structural mistake, such as a missing
 ``/ 255``, is off by orders of magnitude)."""
+
+
+def check_supported(observation_layout: Mapping[str, tuple[tuple[int, ...], Any]]) -> None:
+    """Refuse observations the bfloat16 forward does not serve, before any process starts.
+
+    Args:
+        observation_layout: key -> ``(shape, dtype)`` (``EnvSpec.observation_layout``).
+
+    Raises:
+        ValueError: not exactly one observation, or not a uint8 image ``(C, H, W)``; the message
+            names what the env gives and the setting to use instead.
+    """
+    if len(observation_layout) != 1 or "" not in observation_layout:
+        raise ValueError(f"actor_inference='bfloat16': only for one image observation, this env gives the keys "
+                         f"{sorted(observation_layout)}; use actor_inference='torch'")
+    shape, dtype = observation_layout[""]
+    if np.dtype(dtype) != np.uint8 or len(shape) != 3:
+        raise ValueError(f"actor_inference='bfloat16': only for uint8 image observations (C, H, W), this env "
+                         f"gives {np.dtype(dtype).name} {tuple(shape)}; use actor_inference='torch'")
 
 
 class BFloat16Forward:
@@ -53,14 +77,11 @@ class BFloat16Forward:
             :data:`PROBE_RELATIVE_TOLERANCE` on a probe batch.
     """
 
-    def __init__(self, model: Any) -> None:
-        if model.is_dict or model.separate_mlps:
-            raise ValueError("actor_inference='bfloat16': only for one image observation (a CNN encoder); "
-                             "use actor_inference='torch'")
-        shape, dtype = model.observation_layout[""]
-        if np.dtype(dtype) != np.uint8 or len(shape) != 3:
-            raise ValueError(f"actor_inference='bfloat16': only for uint8 image observations (C, H, W), this env "
-                             f"gives {np.dtype(dtype).name} {tuple(shape)}; use actor_inference='torch'")
+    def __init__(self, model: ActorCritic) -> None:
+        import torch  # here, not at the top: `oakemu train` checks the setting before it imports torch
+
+        check_supported(model.observation_layout)
+        shape, _ = model.observation_layout[""]
         self._model = model
         self.load(model)
         probe = torch.randint(0, 256, (4, *shape), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
@@ -73,8 +94,18 @@ class BFloat16Forward:
                 raise ValueError(f"actor_inference='bfloat16': the {name} differs from the float32 model's by "
                                  f"{error:.3g} (largest output {scale:.3g}) on a probe batch")
 
-    def load(self, model: Any) -> None:
-        """Take ``model``'s current encoder weights (call after every weights update of ``model``)."""
+    def load(self, model: ActorCritic) -> None:
+        """Take ``model``'s current encoder weights (call after every weights update of ``model``; the
+        mixer and heads are ``model``'s own modules, current already). Copies the encoder (a Nature
+        CNN: 1.7 M parameters, a few ms), so the model's float32 weights stay as they are.
+
+        Raises:
+            ValueError: the image encoder does not start with a convolution (an image too small for
+                one: ``build_model`` then flattens it).
+        """
+        import torch
+        from torch import nn
+
         encoder = copy.deepcopy(model.encoders[model._module_key("")])
         first = encoder[0] if isinstance(encoder, nn.Sequential) and len(encoder) else None
         if not isinstance(first, nn.Conv2d):
@@ -83,8 +114,11 @@ class BFloat16Forward:
             first.weight.mul_(1.0 / 255.0)  # conv(x / 255, W) = conv(x, W / 255): frames stay integers
         self._encoder = encoder.to(torch.bfloat16).to(memory_format=torch.channels_last).eval()
 
-    @torch.no_grad()
     def __call__(self, observations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        frames = observations.to(dtype=torch.bfloat16, memory_format=torch.channels_last)
-        hidden = self._model.mixer(self._encoder(frames).float())
-        return self._model._heads(hidden, hidden)
+        """``(B, C, H, W)`` uint8 frames -> ``(head output (B, param_size), values (B,))``, float32."""
+        import torch
+
+        with torch.no_grad():
+            frames = observations.to(dtype=torch.bfloat16, memory_format=torch.channels_last)
+            hidden = self._model.mixer(self._encoder(frames).float())
+            return self._model._heads(hidden, hidden)

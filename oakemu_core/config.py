@@ -126,9 +126,10 @@ class OakEmuConfig(BaseSettings):
         "routing.")
     emulator_threads: int | None = Field(
         None, ge=1, description="ale-py emulator threads per actor (Atari ids; other envs step in the actor's own "
-        "thread), shared by its env groups. None: the CPUs this process may use divided by num_actors, at least 1 "
-        "(2 cores, 2 actors: 1 each; an actor then alternates stepping and inference on one core, and the actors "
-        "keep every core busy: issue 11, bench_pipeline.py --actor-only).")
+        "thread), split among its env groups (at least 1 each). None: the CPUs this process may use divided by "
+        "num_actors, at least 1, assuming num_actors actors share this machine as in `oakemu train` (2 cores, 2 "
+        "actors: 1 each; an actor then alternates stepping and inference on one core, and the actors keep every "
+        "core busy: issue 11, bench_pipeline.py --per-core). Set it for actors started on their own.")
     num_envs: int | None = Field(
         None, ge=1, description="Learner rollout buffer columns (default num_actors * envs_per_actor)."
     )

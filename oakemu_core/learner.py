@@ -539,11 +539,11 @@ class PPOLearner:
         )
         self._proximal: tuple[RolloutBuffer, RolloutEvaluation] | None = None
         self.corrections_skipped = 0
+        """Updates whose re-evaluation gave non-finite figures (a diverged critic or policy): they
+        trained without the off-policy correction, and the health checks judge the update."""
         self.reevaluate_every_rollout = False
         """True once an actor acts with rounded weights (a bfloat16 forward): every rollout is then
         re-evaluated in float32, not only those with rows of older versions (decoupled objective)."""
-        """Updates whose re-evaluation gave non-finite figures (a diverged critic or policy): they
-        trained without the off-policy correction, and the health checks judge the update."""
         self.reward_scaler = RewardScaler(config.gamma) if config.normalize_rewards else None
         self.lr_scale = 1.0
         self.bc_updates_done = 0
@@ -690,8 +690,8 @@ class PPOLearner:
         replace the stored values before GAE (the bootstrap values after the segment's last row
         and at truncations stay the actors'), and the current policy becomes the proximal policy
         of the next :meth:`step` (decoupled objective, :func:`oakemu_core.ppo.ppo_losses`). A
-        rollout whose rows are all of the current version, every rollout in sync mode, is left
-        as it is. A re-evaluation with non-finite figures is not used (:attr:`corrections_skipped`)."""
+        rollout whose rows are all of the current version (every rollout in sync mode) is left
+        as it is unless :attr:`reevaluate_every_rollout`. A re-evaluation with non-finite figures is not used (:attr:`corrections_skipped`)."""
         buffer = rollout.buffer
         self.rollout_buffer = buffer
         stale_rows, lag = drop_stale_rows(buffer, current_policy_version=self.policy_version,

@@ -40,7 +40,7 @@ import torch
 import zmq
 
 from oakemu_core.config import OakEmuConfig
-from oakemu_core.envs import EnvGroups, VectorEnv, make_env_groups, make_vector_env
+from oakemu_core.envs import EnvGroups, VectorEnv, is_atari_env, make_env_groups, make_vector_env
 from oakemu_core.metrics import StepRateMeter
 from oakemu_core.models import ActorCritic, build_model, load_weight_arrays
 from oakemu_core.routing import PolicyRouter, RoutingConfig
@@ -65,7 +65,7 @@ from oakemu_core.wire import (
     encode_step,
 )
 from oakemu_core.auth import client_security
-from services.runtime import RetryReporter, install_stop_signals, setup_logging, socket_buffer_bytes
+from services.runtime import SETUP_ERROR_EXIT_STATUS, RetryReporter, install_stop_signals, setup_logging, socket_buffer_bytes
 
 log = logging.getLogger("oakemu.actor")
 
@@ -251,9 +251,10 @@ class Actor:
         self.ahead_rows = 0 if self.sync_rollout_length else AHEAD_SEGMENTS * int(env_config.get("rollout_length") or 0)
         self.segment_rows = 0  # a new incarnation starts a new segment
         self.last_reply = time.monotonic()
-        log.info("actor %s joined as #%d: %s x %d envs (%d emulator threads per env group), policy version %d",
-                 self.actor_id, reply.actor_index, env_config["env_id"], self.config.envs_per_actor,
-                 self.config.resolved_emulator_threads(), reply.policy_version)
+        threads = (f" ({self.config.resolved_emulator_threads()} emulator threads per env group)"
+                   if is_atari_env(str(env_config["env_id"])) else "")
+        log.info("actor %s joined as #%d: %s x %d envs%s, policy version %d", self.actor_id, reply.actor_index,
+                 env_config["env_id"], self.config.envs_per_actor, threads, reply.policy_version)
 
     def _attach_ring(self, reply: JoinReply) -> None:
         """Use the step ring the learner offered to this incarnation, if it is reachable from here."""
@@ -604,9 +605,12 @@ def main(config: OakEmuConfig) -> int:
     actor = Actor(config, stop_event)
     try:
         return actor.run()
-    except (LearnerUnreachable, ActorSetupError) as error:
+    except LearnerUnreachable as error:
         log.error("actor %s: %s", actor.actor_id, error)
         return 1
+    except ActorSetupError as error:
+        log.error("actor %s: %s", actor.actor_id, error)
+        return SETUP_ERROR_EXIT_STATUS
     except KeyboardInterrupt:
         return 0
     finally:

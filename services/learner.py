@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import zmq
 
+from oakemu_core.bfloat16_inference import check_supported as check_bfloat16_supported
 from oakemu_core.auth import (
     PeerBinding,
     TransportSecurityError,
@@ -458,6 +459,12 @@ class Learner:
                 reason = f"num_envs: expected at most {MAX_ACTOR_ENVS}, received {message.num_envs}"
                 self.rejection_log["control"].event("schema", f"schema: join of actor {message.actor_id}: {reason}")
                 return encode_join_reply(JoinReply(False, reason, -1, None, {}, self.policy_version))
+            if message.inference_precision == "bfloat16":  # refused before it counts as an actor that rounds
+                try:
+                    check_bfloat16_supported(self.spec.observation_layout)
+                except ValueError as error:
+                    self.assembler.counters.accepted["join_refused"] += 1
+                    return encode_join_reply(JoinReply(False, str(error), -1, None, {}, self.policy_version))
             if self.sync:
                 return self._sync_join(message, now, identity)
             self.assembler.counters.accepted["join"] += 1
@@ -495,7 +502,7 @@ class Learner:
                                      index=index)
         log.info("actor %s joined (%d envs, host %s, index %d)", message.actor_id, message.num_envs,
                  message.hostname, record.index)
-        if message.inference_precision != "float32" and not self.trainer.ppo.reevaluate_every_rollout:
+        if message.inference_precision == "bfloat16" and not self.trainer.ppo.reevaluate_every_rollout:
             self.trainer.ppo.reevaluate_every_rollout = True
             log.info("actor %s acts in %s: every rollout is re-evaluated in float32 before GAE%s", message.actor_id,
                      message.inference_precision, "" if self.config.off_policy_correction == "decoupled" else

@@ -20,12 +20,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from oakemu_core.config import OakEmuConfig, to_toml
+from oakemu_core.config import ConfigError, OakEmuConfig, to_toml
 from oakemu_core.envs import check_env
 from oakemu_core.metrics import METRICS_FILE_NAME
 from oakemu_core.run_folder import check_resume_folder, format_changes
 from oakemu_core.telemetry import TelemetrySnapshot, TelemetrySubscriber
-from services.runtime import PARENT_PID_ENV, install_stop_signals, resolve_run_dir
+from services.runtime import PARENT_PID_ENV, SETUP_ERROR_EXIT_STATUS, install_stop_signals, resolve_run_dir
 
 log = logging.getLogger("oakemu.train")
 
@@ -43,6 +43,7 @@ class Child:
         self.env = env
         self.log_path = log_path
         self.restarts = 0
+        self.gave_up = False  # exited with an error and not restarted
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -151,7 +152,14 @@ def main(config: OakEmuConfig, resume: Path | None = None) -> int:
         oakemu_core.envs.UnsupportedEnvironmentError: unknown ``env_id``.
     """
     # An unknown env id or a bad emulator setting fails here, before any folder or process exists.
-    check_env(config.env_id, settings_file=config.emulator_settings, envs_per_process=config.envs_per_actor)
+    spec = check_env(config.env_id, settings_file=config.emulator_settings, envs_per_process=config.envs_per_actor)
+    if config.actor_inference == "bfloat16":
+        from oakemu_core.bfloat16_inference import check_supported
+
+        try:
+            check_supported(spec.observation_layout)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     if config.actor_inference == "onnxruntime":
         from oakemu_core.onnx_inference import check_available
 
@@ -210,7 +218,12 @@ def main(config: OakEmuConfig, resume: Path | None = None) -> int:
                     if snapshot.is_update and snapshot.iterations != last_update:
                         last_update = snapshot.iterations
                         progress.console.print(_update_line(snapshot), highlight=False, soft_wrap=True)
-                _restart_crashed(actors, console)
+                if _restart_crashed(actors, console):
+                    console.print("[red]every actor has stopped for good[/]: stopping the learner")
+                    learner.signal(signal.SIGTERM)
+                    learner.wait(STOP_GRACE_S)
+                    status = 1
+                    break
             else:
                 console.print("stopping: waiting for the learner's final checkpoint ...")
                 learner.signal(signal.SIGTERM)
@@ -236,12 +249,21 @@ def main(config: OakEmuConfig, resume: Path | None = None) -> int:
     return status
 
 
-def _restart_crashed(actors: list[Child], console: Console) -> None:
-    """Restart an actor that exited with an error (as compose's ``restart: on-failure`` does)."""
+def _restart_crashed(actors: list[Child], console: Console) -> bool:
+    """Restart an actor that exited with an error (as compose's ``restart: on-failure`` does), at most
+    :data:`MAX_ACTOR_RESTARTS` times, and never one that could not set up for this run (its status is
+    ``SETUP_ERROR_EXIT_STATUS``: it would fail the same way). Returns True when every actor has exited
+    and none will be restarted: nothing would ever fill a rollout."""
     for actor in actors:
         code = actor.poll()
-        if code not in (None, 0) and actor.restarts < MAX_ACTOR_RESTARTS:
-            actor.restarts += 1
-            console.print(f"[yellow]{actor.name} exited with status {code}; restarting "
-                          f"({actor.restarts}/{MAX_ACTOR_RESTARTS})[/]\n{actor.log_tail(5)}")
-            actor.start()
+        if code in (None, 0) or actor.gave_up:
+            continue
+        if code == SETUP_ERROR_EXIT_STATUS or actor.restarts >= MAX_ACTOR_RESTARTS:
+            actor.gave_up = True
+            console.print(f"[red]{actor.name} exited with status {code}; not restarted[/]\n{actor.log_tail(5)}")
+            continue
+        actor.restarts += 1
+        console.print(f"[yellow]{actor.name} exited with status {code}; restarting "
+                      f"({actor.restarts}/{MAX_ACTOR_RESTARTS})[/]\n{actor.log_tail(5)}")
+        actor.start()
+    return all(actor.gave_up for actor in actors)

@@ -92,10 +92,12 @@ def test_act_and_predict_values_run_through_the_backend() -> None:
 
 
 @pytest.mark.parametrize("layout, reason", [
-    ({"": ((4,), np.float32)}, "only for one image observation"),  # CartPole: separate MLPs
-    ({"": ((8,), np.uint8)}, "only for one image observation"),  # an MLP too
-    ({"": ((1, 8, 8), np.float32)}, r"only for uint8 image observations \(C, H, W\), this env gives float32 \(1, 8, 8\)"),
-    ({"image": ((1, 8, 8), np.uint8), "vector": ((3,), np.float32)}, "only for one image observation"),
+    ({"": ((4,), np.float32)}, r"only for uint8 image observations \(C, H, W\), this env gives float32 \(4,\)"),
+    ({"": ((8,), np.uint8)}, r"this env gives uint8 \(8,\)"),  # uint8, but an MLP's vector
+    ({"": ((1, 8, 8), np.float32)}, r"this env gives float32 \(1, 8, 8\)"),
+    ({"image": ((1, 8, 8), np.uint8), "vector": ((3,), np.float32)},
+     r"only for one image observation, this env gives the keys \['image', 'vector'\]"),
+    ({"": ((1, 4, 4), np.uint8)}, "does not start with a convolution"),  # too small for one: flattened
 ])
 def test_other_observations_are_refused_with_the_reason(layout, reason) -> None:
     with pytest.raises(ValueError, match=reason):
@@ -136,3 +138,30 @@ def test_actor_inference_bfloat16_is_a_setting() -> None:
     assert load_config(["--actor-inference", "bfloat16"]).actor_inference == "bfloat16"
     with pytest.raises(ConfigError, match="actor_inference"):
         load_config(["--actor-inference", "float16"])
+
+
+def test_the_actor_hands_every_weights_update_to_its_inference_backend() -> None:
+    """``Actor._load_weights`` (join, rejoin, weights messages and revisions all go through it) loads
+    the arrays into the model first, then the backend's ``load`` sees them: a bfloat16 encoder left
+    with old weights would act an old policy."""
+    from oakemu_core.models import weights_to_arrays
+    from services.actor import Actor
+
+    torch.manual_seed(3)
+    model = build_model(ATARI, Categorical(4))
+    seen = []
+
+    class Recording:
+        def load(self, loaded_model) -> None:
+            seen.append(loaded_model.encoders[loaded_model._module_key("")][0].weight.detach().clone())
+
+    actor = Actor.__new__(Actor)  # only what _load_weights touches
+    actor.model, actor.inference_backend, actor.stepper = model, Recording(), None
+    actor.policy_version = actor.weights_revision = actor.revisions_loaded = actor.learner_version = 0
+    actor.rows_this_version = 0
+    for version, revision in ((1, 0), (1, 2), (2, 0)):
+        arrays = weights_to_arrays(build_model(ATARI, Categorical(4)))
+        actor._load_weights(version, arrays, revision)
+        assert torch.equal(seen[-1], torch.from_numpy(arrays[next(k for k in arrays if k.endswith("0.weight"))]))
+        assert (actor.policy_version, actor.weights_revision) == (version, revision)
+    assert len(seen) == 3

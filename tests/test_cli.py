@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -173,3 +174,55 @@ def test_the_console_entry_point_exits_with_mains_status(monkeypatch: pytest.Mon
     with pytest.raises(SystemExit) as exit_info:
         cli.run()
     assert exit_info.value.code == 3 and frozen == [True]
+
+
+def test_train_refuses_bfloat16_actors_for_an_env_without_images_before_anything_starts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One readable line and exit 2, no run folder (the actors would fail at join and the run wait)."""
+    monkeypatch.chdir(tmp_path)
+    for key in [key for key in os.environ if key.startswith("OAKEMU_")]:
+        monkeypatch.delenv(key)
+    assert cli.main(["train", "--env", "CartPole-v1", "--actor-inference", "bfloat16", "--runs-dir",
+                     str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert "actor_inference='bfloat16': only for uint8 image observations (C, H, W), this env gives float32 (4,)" in err
+    assert "Traceback" not in err and not (tmp_path / "runs").exists()
+
+
+class _FakeChild:
+    """What ``services.train._restart_crashed`` reads of an actor process."""
+
+    def __init__(self, name: str, statuses: list[int | None]) -> None:
+        self.name, self.statuses, self.restarts, self.gave_up, self.starts = name, statuses, 0, False, 0
+
+    def poll(self) -> int | None:
+        return self.statuses[min(self.starts, len(self.statuses) - 1)]
+
+    def log_tail(self, lines: int) -> str:
+        return f"last {lines} lines of {self.name}"
+
+    def start(self) -> None:
+        self.starts += 1
+
+
+def test_oakemu_train_restarts_crashed_actors_but_not_setup_errors_and_says_when_none_is_left() -> None:
+    """A crash (status 1) is restarted up to MAX_ACTOR_RESTARTS times; an actor that cannot set up for
+    the run (SETUP_ERROR_EXIT_STATUS) is not; True only once every actor is gone for good."""
+    from rich.console import Console
+
+    from services.runtime import SETUP_ERROR_EXIT_STATUS
+    from services.train import MAX_ACTOR_RESTARTS, _restart_crashed
+
+    console = Console(file=io.StringIO())
+    crashing = _FakeChild("actor-0", [1])  # exits with 1 after every start
+    misconfigured = _FakeChild("actor-1", [SETUP_ERROR_EXIT_STATUS])
+    running = _FakeChild("actor-2", [None])
+    actors = [crashing, misconfigured, running]
+    results = [_restart_crashed(actors, console) for _ in range(MAX_ACTOR_RESTARTS + 3)]
+    assert crashing.starts == MAX_ACTOR_RESTARTS and crashing.gave_up
+    assert misconfigured.starts == 0 and misconfigured.gave_up
+    assert not running.gave_up and not any(results)  # one actor still runs: the run goes on
+    running.statuses = [SETUP_ERROR_EXIT_STATUS]
+    assert _restart_crashed(actors, console)
+    assert "actor-1 exited with status 3; not restarted" in console.file.getvalue()

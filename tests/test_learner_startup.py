@@ -117,22 +117,47 @@ def test_a_joining_actor_gets_steps_per_message_for_its_own_env_count(tmp_path: 
         learner.close()
 
 
-def test_an_actor_acting_in_bfloat16_turns_on_the_reevaluation_of_every_rollout(tmp_path: Path) -> None:
-    """The join request's precision reaches the library learner: float32 actors leave rollouts of the
-    current version as they are, the first bfloat16 actor makes every rollout re-evaluated."""
-    from oakemu_core.wire import JoinRequest
+def _precision_learner(tmp_path: Path, env_id: str):
     from services.learner import Learner
 
     ports = _free_ports(5)
-    config = OakEmuConfig(env_id="CartPole-v1", num_actors=2, envs_per_actor=2, rollout_length=8, runs_dir=tmp_path,
+    config = OakEmuConfig(env_id=env_id, num_actors=2, envs_per_actor=2, rollout_length=8, runs_dir=tmp_path,
                           run_name="precision", data_port=ports[0], control_port=ports[1], weights_port=ports[2],
                           telemetry_port=ports[3], metrics_port=ports[4], log_level="WARNING")
-    learner = Learner(config, tmp_path / "precision")
+    return Learner(config, tmp_path / "precision")
+
+
+def _join(learner, actor_id: str, precision: str):
+    """A join request through the learner's control handling (peer binding and refusals included)."""
+    from oakemu_core.wire import JoinRequest, decode_message, encode_join_request
+
+    request = JoinRequest(actor_id, f"inc-{actor_id}", 2, "h", inference_precision=precision)
+    frame = learner._reply(decode_message(encode_join_request(request), max_bytes=2**24), 0.0)
+    return decode_message(frame, max_bytes=2**26)
+
+
+def test_an_actor_acting_in_bfloat16_turns_on_the_reevaluation_of_every_rollout(tmp_path: Path) -> None:
+    """The join request's precision reaches the library learner: float32 actors leave rollouts of the
+    current version as they are, the first bfloat16 actor makes every rollout re-evaluated."""
+    learner = _precision_learner(tmp_path, "ALE/Breakout-v5")
     try:
-        learner._grant_join(JoinRequest("a", "inc-a", 2, "h"), 0.0, None)
+        assert _join(learner, "a", "float32").accepted
         assert learner.trainer.ppo.reevaluate_every_rollout is False
-        learner._grant_join(JoinRequest("b", "inc-b", 2, "h", inference_precision="bfloat16"), 0.0, None)
+        assert _join(learner, "b", "bfloat16").accepted
         assert learner.trainer.ppo.reevaluate_every_rollout is True
+    finally:
+        learner.close()
+
+
+def test_a_bfloat16_actor_is_refused_with_the_reason_where_the_env_has_no_images(tmp_path: Path) -> None:
+    """It would fail to build its forward passes: refused at join (not restarted by ``oakemu train``),
+    and the learner does not start re-evaluating every rollout for it."""
+    learner = _precision_learner(tmp_path, "CartPole-v1")
+    try:
+        reply = _join(learner, "b", "bfloat16")
+        assert not reply.accepted and "only for uint8 image observations" in reply.reason
+        assert learner.trainer.ppo.reevaluate_every_rollout is False
+        assert _join(learner, "a", "float32").accepted
     finally:
         learner.close()
 
