@@ -691,7 +691,8 @@ class PPOLearner:
         and at truncations stay the actors'), and the current policy becomes the proximal policy
         of the next :meth:`step` (decoupled objective, :func:`oakemu_core.ppo.ppo_losses`). A
         rollout whose rows are all of the current version (every rollout in sync mode) is left
-        as it is unless :attr:`reevaluate_every_rollout`. A re-evaluation with non-finite figures is not used (:attr:`corrections_skipped`)."""
+        as it is unless :attr:`reevaluate_every_rollout`. A re-evaluation with non-finite figures
+        is not used (:attr:`corrections_skipped`)."""
         buffer = rollout.buffer
         self.rollout_buffer = buffer
         stale_rows, lag = drop_stale_rows(buffer, current_policy_version=self.policy_version,

@@ -65,7 +65,13 @@ from oakemu_core.wire import (
     encode_step,
 )
 from oakemu_core.auth import client_security
-from services.runtime import SETUP_ERROR_EXIT_STATUS, RetryReporter, install_stop_signals, setup_logging, socket_buffer_bytes
+from services.runtime import (
+    SETUP_ERROR_EXIT_STATUS,
+    RetryReporter,
+    install_stop_signals,
+    setup_logging,
+    socket_buffer_bytes,
+)
 
 log = logging.getLogger("oakemu.actor")
 
@@ -233,7 +239,7 @@ class Actor:
             self.model.eval()
             load_weight_arrays(self.model, reply.weights)  # the first actions come from the learner's weights
             if self.config.actor_inference != "torch":
-                self.inference_backend = self._inference_backend(self.model, self.config)
+                self.inference_backend = self._inference_backend(self.model)
                 self.model.use_inference_backend(self.inference_backend)
             try:  # the learner's route_* settings; a scripted policy must import on this machine
                 routing = RoutingConfig.from_mapping(env_config)
@@ -317,9 +323,10 @@ class Actor:
         self.weights_sub.setsockopt(zmq.LINGER, 0)
         self.weights_sub.connect(config.learner_address(config.weights_port))
 
-    def _inference_backend(self, model: ActorCritic, config: OakEmuConfig) -> Any:
+    def _inference_backend(self, model: ActorCritic) -> Any:
         """The forward passes of ``actor_inference`` 'onnxruntime' or 'bfloat16' for ``model``.
         Raises :class:`ActorSetupError` when they cannot serve this model."""
+        config = self.config
         try:
             if config.actor_inference == "bfloat16":
                 from oakemu_core.bfloat16_inference import BFloat16Forward
