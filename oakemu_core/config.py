@@ -422,13 +422,14 @@ class OakEmuConfig(BaseSettings):
         ``env_step_bytes`` array bytes (``StepSchema.sent_bytes_per_env``): the configured int, or
         :func:`oakemu_core.wire.auto_steps_per_message` for ``"auto"``, without its bound on a
         message's bytes for an actor offered a step ring (``step_ring``: the arrays do not travel in
-        the message; Breakout, 8 envs: K = 4, not 1)."""
+        the message; Breakout, 8 envs: K = 4, not 1), and with its floor of
+        :data:`~oakemu_core.wire.AUTO_MESSAGE_MIN_ROWS` rows (CartPole, 8 envs, rollout 32: K = 4, not 1)."""
         if self.steps_per_message != "auto":
             return int(self.steps_per_message)
-        from oakemu_core.wire import auto_steps_per_message
+        from oakemu_core.wire import AUTO_MESSAGE_MIN_ROWS, auto_steps_per_message
 
-        return auto_steps_per_message(env_step_bytes, self.rollout_length, num_envs=num_envs,
-                                      **({"target_bytes": None} if step_ring else {}))
+        ring_bounds = {"target_bytes": None, "min_rows": AUTO_MESSAGE_MIN_ROWS} if step_ring else {}
+        return auto_steps_per_message(env_step_bytes, self.rollout_length, num_envs=num_envs, **ring_bounds)
 
     @property
     def buffer_num_envs(self) -> int:

@@ -343,7 +343,7 @@ def _swallow_tensorboard_thread_errors() -> None:
     """Keep a failed TensorBoard writer thread from printing a traceback into the log.
 
     TensorBoard writes events from a thread of its own; when that write fails (a full disk) the thread
-    dies with the error, which the next ``add_scalar``/``flush`` re-raises (and :class:`MetricsLogger`
+    dies with the error, which the next ``add_summary``/``flush`` re-raises (and :class:`MetricsLogger`
     counts). Python would also print the thread's traceback: this hook drops exactly those OSErrors and
     hands every other thread exception to the previous hook. Installed once per process.
     """
@@ -397,10 +397,10 @@ class MetricsLogger:
         return self._jsonl.failures + self.tensorboard_failures
 
     def _open_tensorboard(self) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard; only loggers need it
+        from torch.utils.tensorboard.writer import FileWriter  # imports tensorboard; only loggers need it
 
         try:
-            self._writer = SummaryWriter(log_dir=str(self.run_dir))
+            self._writer = FileWriter(str(self.run_dir))
         except Exception as error:  # noqa: BLE001 - a full disk must not stop training
             self._tensorboard_failed(error)
 
@@ -447,8 +447,13 @@ class MetricsLogger:
             values[name] = float(value)
 
         def add_all(writer: Any) -> None:
-            for name, value in values.items():
-                writer.add_scalar(name, value, int(global_step))
+            # One event holding every scalar of the call: TensorBoard reads it as one point per tag,
+            # and it costs a ninth of one ``add_scalar`` event per tag (0.16 against 1.43 ms for 40
+            # scalars), which the learner's main thread paid on every update.
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            summary = Summary(value=[Summary.Value(tag=name, simple_value=value) for name, value in values.items()])
+            writer.add_summary(summary, int(global_step))
 
         self._tensorboard(add_all)
         for name, value in values.items():

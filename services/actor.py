@@ -18,8 +18,9 @@ than that policy arrive; the next segment is acted by them (policy lag 0 for eve
 
 On the learner's machine (``step_transport = "auto"``) the arrays of each step message go through a
 shared-memory step ring the learner offers at join (:mod:`oakemu_core.step_ring`); the socket then
-carries only the message's scalars and the slot. The actor waits (heartbeats continue) while its
-next slot is still unread: the ring's slots are the back-pressure.
+carries only the message's scalars and the slot. The actor waits (heartbeats continue, newer
+weights are loaded) while its next slot is still unread, before it acts that message's steps: the
+ring's slots are the back-pressure, and all the rows an actor has acted ahead of the learner.
 
 Run with ``oakemu actor`` or ``python -m services.actor``.
 """
@@ -57,6 +58,7 @@ from oakemu_core.wire import (
     MessageRejected,
     StepMessage,
     StepSpec,
+    StopNotice,
     WeightsMessage,
     decode_message,
     encode_heartbeat,
@@ -368,7 +370,8 @@ class Actor:
         """Load the newest weights waiting on the SUB socket, if newer (policy version, then the
         revision within an update); True when loaded.
 
-        Every queued weights message is read and only the last one (the newest version) decoded."""
+        Every queued weights message is read and only the last one (the newest version) decoded. A
+        :class:`StopNotice` (the learner's last message on this socket) sets the stop event."""
         assert self.weights_sub is not None
         frame = None
         while True:
@@ -383,6 +386,10 @@ class Actor:
             message = decode_message(frame, max_bytes=self.config.max_message_bytes)
         except MessageRejected as error:
             log.warning("malformed weights message ignored: %s", error)
+            return False
+        if isinstance(message, StopNotice):
+            log.info("learner announced the end of the run to actor %s (%s)", self.actor_id, message.reason)
+            self.stop_event.set()
             return False
         if isinstance(message, WeightsMessage) and (
                 (message.policy_version, message.revision) > (self.policy_version, self.weights_revision)):
@@ -419,6 +426,18 @@ class Actor:
             log.warning("learner does not know actor %s/%s: joining again", self.actor_id, self.incarnation)
             self.join()
             raise _Rejoined
+
+    def wait_for_free_slot(self) -> None:
+        """With a step ring: wait (heartbeats go on, newer weights are loaded) until the slot of the
+        next message is free, before acting its steps. Rows then wait in the ring, never acted and
+        held in the actor as well: while the learner's buffers are full, at most the ring's slots of
+        rows are acted by weights that are about to be replaced (issue 11, policy lag). Raises
+        :class:`_Rejoined` after a rejoin."""
+        ring = self.ring
+        if ring is None or ring.is_free(self.seq):
+            return
+        self.ring_waits += 1
+        self._wait_until(lambda: ring.is_free(self.seq))
 
     def send_step(self, message: StepMessage) -> None:
         """Send one step message: its arrays into the step ring's next slot when the actor has a
@@ -538,6 +557,7 @@ class Actor:
             block, k = self.block, self.steps_per_message
             try:
                 self.wait_if_too_far_ahead()
+                self.wait_for_free_slot()
             except _Rejoined:
                 continue
             if block is not None:

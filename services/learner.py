@@ -99,11 +99,13 @@ from oakemu_core.wire import (
     MessageRejected,
     StepRingOffer,
     StepSpec,
+    StopNotice,
     WeightsMessage,
     decode_message,
     decode_step,
     encode_heartbeat_reply,
     encode_join_reply,
+    encode_stop,
     encode_weights,
 )
 from services.runtime import (
@@ -904,8 +906,10 @@ class Learner:
                 self.rates.sample(now, self.assembler.counters.env_steps)
                 self._publish_telemetry(is_update=False)
                 next_telemetry = now + TELEMETRY_PERIOD_S
-        # Tell the actors to stop for a moment, so they exit before we close the sockets.
+        # Tell the actors to stop for a moment, so they exit before we close the sockets: at once on
+        # the weights channel, and in the reply to each heartbeat (an actor that missed the notice).
         self.stopping_reason = self.stopping_reason or "the run collapsed"
+        self.weights_pub.send(encode_stop(StopNotice(self.stopping_reason)))
         self._drain_control(seconds=min(2.0, config.actor_timeout_s))
         return self.exit_status
 

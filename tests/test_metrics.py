@@ -104,6 +104,11 @@ def test_logger_writes_jsonl_and_tensorboard_events(tmp_path: Path) -> None:
     assert set(CLEANRL_NAMES) <= tags
     sps = [(e.step, e.value) for e in accumulator.Scalars("charts/SPS")]
     assert sps == [(1024, 1234.0), (2048, 900.0)]
+    # One event per log() call, holding all of its scalars (cheaper than an event per scalar).
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    scalar_events = [event for event in EventFileLoader(str(events[0])).Load() if event.HasField("summary")]
+    assert [(event.step, len(event.summary.value)) for event in scalar_events] == [(1024, len(scalars)), (2048, 1)]
 
 
 def test_logger_appends_on_resume_and_refuses_after_close(tmp_path: Path) -> None:

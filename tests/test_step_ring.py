@@ -356,8 +356,9 @@ def test_ring_slots_bound_the_vector_steps_in_flight() -> None:
     assert ring_slots(1, 128) == 16
     assert ring_slots(4, 128) == 4  # Breakout with a ring: K = 4
     assert ring_slots(1, 32) == 4  # a short rollout: an eighth of it
-    assert ring_slots(8, 1024) == 2  # LunarLander: K = 8, two slots at least
-    assert ring_slots(32, 64) == 2
+    assert ring_slots(8, 1024) == 2  # LunarLander: K = 8, 16 vector steps
+    assert ring_slots(32, 64) == 1  # one message is more than an eighth of a segment
+    assert ring_slots(4, 32) == 1  # the rl-zoo's CartPole: K = 4
 
 
 def test_without_the_byte_bound_an_atari_actor_with_a_ring_sends_blocks() -> None:
@@ -474,4 +475,64 @@ def test_a_rejoin_that_changes_k_or_the_ring_gets_fresh_sockets_sized_for_them()
         assert actor.data is not ringed and actor.data.getsockopt(zmq.SNDHWM) == 1
     finally:
         actor.env = actor.ring = None
+        actor.close()
+
+
+def test_an_actor_acts_the_next_message_only_once_its_ring_slot_is_free() -> None:
+    """Rows wait in the ring, not in the actor: with one slot, the steps of message 1 are acted only
+    after the learner has released message 0's slot (issue 11, policy lag)."""
+    import time
+
+    from services.actor import Actor
+
+    data, control, weights = free_ports(3)
+    config = OakEmuConfig(envs_per_actor=N, data_port=data, control_port=control, weights_port=weights)
+    stop = threading.Event()
+    actor = Actor(config, stop)
+    events: list[tuple[str, int, float]] = []
+    released = [-1]  # the highest seq the learner has released
+
+    class OneSlotRing:
+        slots = 1
+
+        def is_free(self, seq: int) -> bool:
+            return seq - (released[0] + 1) < self.slots
+
+        def close(self) -> None:
+            pass
+
+    def release_later(seq: int) -> None:
+        time.sleep(0.2)
+        events.append(("release", seq, time.monotonic()))
+        released[0] = seq
+
+    def step(**_: object) -> SimpleNamespace:
+        events.append(("step", actor.seq, time.monotonic()))
+        return SimpleNamespace(buffers=SimpleNamespace(num_envs=N, sent_fields=lambda *_: {}), next_values=None,
+                               policy_version=0, policy_revision=0,
+                               env_step=SimpleNamespace(episode_returns=[], episode_lengths=[]))
+
+    def send_step(message: StepMessage) -> None:
+        events.append(("send", message.seq, time.monotonic()))
+        threading.Thread(target=release_later, args=(message.seq,), daemon=True).start()
+        if message.seq == 2:
+            stop.set()
+
+    try:
+        actor.ring = OneSlotRing()
+        actor.join = lambda: None
+        actor.seq, actor.incarnation, actor.steps_per_message, actor.block = 0, "inc", 1, None  # as a join sets them
+        actor.stepper = SimpleNamespace(step=step, schema=None)
+        actor.send_step = send_step
+        actor.weights_sub = actor.context.socket(zmq.SUB)  # never receives: no newer weights
+        actor.next_heartbeat = float("inf")
+        assert actor.run() == 0
+        order = [(kind, seq) for kind, seq, _ in events if kind != "release"]
+        assert order == [("step", 0), ("send", 0), ("step", 1), ("send", 1), ("step", 2), ("send", 2)]
+        times = {(kind, seq): at for kind, seq, at in events}
+        for seq in (1, 2):  # each message's steps come after the release of the one before
+            assert times[("step", seq)] >= times[("release", seq - 1)]
+        assert actor.ring_waits == 2
+    finally:
+        actor.ring = None
         actor.close()

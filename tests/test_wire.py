@@ -608,11 +608,24 @@ def test_oversized_frame_is_rejected_before_decoding() -> None:
     assert info.value.reason == "oversized"
 
 
-def test_protocol_version_is_7() -> None:
-    assert PROTOCOL_VERSION == 7 and step_obj()["protocol"] == 7
+def test_protocol_version_is_8() -> None:
+    assert PROTOCOL_VERSION == 8 and step_obj()["protocol"] == 8
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 6, 8, "7", 7.0, None])
+def test_stop_notice_round_trip_and_rejections() -> None:
+    from oakemu_core.wire import StopNotice, encode_stop
+
+    assert decode_message(encode_stop(StopNotice("env-step budget reached")), max_bytes=MAX_BYTES) == StopNotice(
+        "env-step budget reached")
+    assert decode_message(encode_stop(StopNotice("")), max_bytes=MAX_BYTES) == StopNotice("")
+    with pytest.raises(ValueError, match="reason"):
+        encode_stop(StopNotice("x" * 5000))
+    for bad in ({"reason": 3}, {"reason": "x" * 5000}, {}, {"reason": "a", "extra": 1}):
+        frame = msgpack.packb({"protocol": PROTOCOL_VERSION, "type": "stop", **bad})
+        assert rejection(frame, decoder="message").reason == "schema"
+
+
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 6, 7, "8", 8.0, None])
 def test_wrong_protocol(version: Any) -> None:
     obj = step_obj()
     obj["protocol"] = version
