@@ -206,7 +206,8 @@ def test_a_second_connection_cannot_leave_step_or_join_for_an_actor(e2e: E2EProc
         real_data = context.socket(zmq.PUSH)
         real_data.connect(ports.data_address)
         real_data.send(slot_step)
-        wait_snapshot(subscriber, lambda s: s.global_step == 2, 30, "the victim's own step", learner.describe)
+        rows = joined.spec.steps_per_message * joined.spec.num_envs  # one message: K vector steps of 2 envs
+        wait_snapshot(subscriber, lambda s: s.global_step == rows, 30, "the victim's own step", learner.describe)
         assert ring.released == 1
         ring.close()
         reply = request(victim, encode_leave(Leave("victim", "inc-victim")))
