@@ -300,13 +300,12 @@ def main() -> None:
     from oakemu_core.config import OakEmuConfig
     from oakemu_core.envs import env_spec
     from oakemu_core.step_schema import schema_for_env
-    from oakemu_core.wire import AUTO_MESSAGE_TARGET_BYTES, auto_steps_per_message
 
     bytes_per_row = schema_for_env(env_spec(args.env)).sent_bytes_per_env()
     step_bytes = bytes_per_row * args.envs_per_actor
-    rollout_length = OakEmuConfig(env_id=args.env).rollout_length
-    k, k_sockets = ((auto_steps_per_message(bytes_per_row, rollout_length, num_envs=args.envs_per_actor,
-                                            target_bytes=target) for target in (None, AUTO_MESSAGE_TARGET_BYTES))
+    config = OakEmuConfig(env_id=args.env)
+    k, k_sockets = ((config.resolved_steps_per_message(bytes_per_row, args.envs_per_actor, step_ring=ring)
+                     for ring in (True, False))  # what the learner gives actors with and without a ring
                     if steps_per_message == "auto" else (steps_per_message, steps_per_message))
     chunk = step_bytes * k
     print(f"{args.env}: {args.actors} synthetic actor(s) x {args.envs_per_actor} envs, {bytes_per_row:,} bytes per "

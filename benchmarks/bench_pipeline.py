@@ -239,8 +239,8 @@ def bench_env(args: argparse.Namespace, env_id: str) -> None:
 
     ks = [k if k == "auto" else int(k) for k in args.steps_per_message.split(",")]
     env_step_bytes = schema_for_env(env_spec(env_id)).sent_bytes_per_env()
-    resolved = {k: OakEmuConfig(env_id=env_id).resolved_steps_per_message(env_step_bytes, args.envs_per_actor)
-                if k == "auto" else k for k in ks}
+    resolved = {k: OakEmuConfig(env_id=env_id).resolved_steps_per_message(  # actors here get a step ring
+                    env_step_bytes, args.envs_per_actor, step_ring=True) if k == "auto" else k for k in ks}
     args.env = env_id
     print(f"{args.env}: {args.actors} actor process(es) x {args.envs_per_actor} envs, {args.seconds:.0f} s per "
           f"figure, median of {args.repeats} interleaved repeats, {os.cpu_count()} CPUs")

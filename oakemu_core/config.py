@@ -208,8 +208,10 @@ class OakEmuConfig(BaseSettings):
         description="Vector steps an actor sends per step message (a divisor of rollout_length). auto: the "
         "largest divisor <= min(32, rollout_length / 32) whose message holds <= 32 KiB of arrays and <= 128 env "
         "steps (1 for Atari-sized steps, 4 for an actor with a step ring, whose arrays are not in the message; for "
-        "small envs such as CartPole with 8 envs 4 at rollout_length 128; 8 for 16 envs at 1024): enough to amortise "
-        "a message's cost, few enough rows acted while the learner's buffers are full.",
+        "small envs such as CartPole with 8 envs 4 at rollout_length 128; 8 for 16 envs at 1024); with a step ring "
+        "and a rollout under 64 steps, up to 32 env steps within an eighth of the rollout (CartPole, 8 envs, "
+        "rollout 32: 4): enough to amortise a message's cost, few enough rows acted while the learner's buffers "
+        "are full.",
     )
     seed: int = Field(1, ge=0, description="Seed for envs, torch and numpy.")
     device: str = Field("auto", description="Learner torch device: auto (cuda if available), cpu, cuda, cuda:N.")

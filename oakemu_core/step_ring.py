@@ -52,7 +52,8 @@ RING_VECTOR_STEPS = 16
 
 def ring_slots(steps_per_message: int, rollout_length: int) -> int:
     """Slots of a ring for messages of K = ``steps_per_message`` >= 1 vector steps:
-    ``max(1, min(16, rollout_length // 8) // K)``.
+    ``max(floor, min(16, rollout_length // 8) // K)``, where ``floor`` is 1 when one message is an eighth
+    of the rollout or more (``8 * K >= rollout_length``), else 2.
 
     The slots bound the rows between acting and ingest: at most an eighth of a segment, and 16 vector
     steps (the sockets held about eight one-step messages: the actor's send queue of two, the
@@ -60,13 +61,15 @@ def ring_slots(steps_per_message: int, rollout_length: int) -> int:
     than through the sockets (issue 11, bounded policy lag). An actor acts a message's steps only once
     its slot is free (:meth:`services.actor.Actor.wait_for_free_slot`), so these are all the rows it
     has acted ahead. Four slots (Breakout: K = 4, rollout 128) let one synthetic actor feed the learner
-    about 1.4 x faster than two (``bench_ingest.py``). One slot when an eighth of a segment is a single
-    message or less (CartPole at the rl-zoo settings: K = 4, rollout 32): the actor then waits while
+    about 1.4 x faster than two (``bench_ingest.py``), and two at least let the actor fill one while the
+    learner reads the other. One slot when an eighth of a segment is a single message or less
+    (CartPole at the rl-zoo settings: K = 4, rollout 32): the actor then waits while
     the learner reads it, which an actor faster than the learner can afford. Measured there (policy
     lag in versions, 3 seeds): 1.37 with two slots and acting before waiting for a slot, 1.25 with one,
     1.12-1.13 with one and waiting before acting; K = 1 with four slots had 1.14.
     """
-    return max(1, min(RING_VECTOR_STEPS, rollout_length // 8) // steps_per_message)
+    floor = 1 if 8 * steps_per_message >= rollout_length else 2
+    return max(floor, min(RING_VECTOR_STEPS, rollout_length // 8) // steps_per_message)
 
 _MAGIC = b"OAKRING1"
 _HEADER_BYTES = 64

@@ -142,7 +142,7 @@ _MAX_ARRAY_LEN = 65536  # shapes (<= MAX_NDIM) and per-message episode lists (<=
 MAX_STEPS_PER_MESSAGE = 1024
 """Largest ``steps_per_message`` K a spec may declare."""
 MAX_RING_SLOTS = 64
-"""Most slots a join reply's step ring may have (:func:`oakemu_core.step_ring.ring_slots` gives 2-16)."""
+"""Most slots a join reply's step ring may have (:func:`oakemu_core.step_ring.ring_slots` gives 1-16)."""
 _INT64_MAX = 2**63 - 1
 _ARRAY_KEYS = frozenset({"dtype", "shape", "data"})
 
@@ -1242,12 +1242,12 @@ against K = 4 (6,703 / 8,760 against 10,230 / 10,963 steps/s), for no less lag."
 
 AUTO_MESSAGE_MIN_ROWS = 32
 """Env steps (K x num_envs) :func:`auto_steps_per_message` allows in one message of an actor with a
-step ring even where ``rollout_length / 32`` vector steps are fewer, as long as K stays within an
-eighth of the rollout (``min_rows``).
+step ring when the rollout is shorter than 64 steps (where ``rollout_length / 32`` allows one vector
+step), as long as K stays within an eighth of the rollout (``min_rows``).
 Every message costs the learner's loop thread about 50 us of CPU, and while an update runs each one
 also hands the GIL back and forth with the trainer thread: CartPole at the rl-zoo settings (8 envs,
 rollout 32, 20 epochs on 256 rows, one actor) trained 1.2 x faster with K = 4 than with K = 1 (PPO
-update 27-28 against 33-34 ms; 100k env steps in 15.7-16.0 against 18.8-18.9 s). The step ring
+update 27-28 against 33-34 ms; 100k env steps in 15.8-16.1 against 18.8-18.9 s). The step ring
 (:func:`oakemu_core.step_ring.ring_slots`) and the actor's wait for a free slot before acting keep the
 rows acted ahead as few as with K = 1 (policy lag 1.13 against 1.14 versions)."""
 def auto_steps_per_message(env_step_bytes: int, rollout_length: int, *, num_envs: int,
@@ -1256,11 +1256,11 @@ def auto_steps_per_message(env_step_bytes: int, rollout_length: int, *, num_envs
                            max_steps: int = AUTO_MAX_STEPS_PER_MESSAGE, min_rows: int = 0) -> int:
     """The ``steps_per_message`` the learner gives an actor by default (``steps_per_message =
     "auto"``): the largest divisor K of ``rollout_length`` with ``K <= max_steps``,
-    ``K <= rollout_length / AUTO_MESSAGES_PER_SEGMENT`` (32) or, where that allows fewer rows, ``K *
-    num_envs <= min_rows`` and ``K <= rollout_length / 8``, and always ``K * num_envs *
-    env_step_bytes <= target_bytes`` and ``K * num_envs <= target_rows``; 1 when two vector steps
-    already exceed ``target_bytes`` or ``target_rows`` (more than 64 envs), or the rollout is shorter
-    than 64 steps and ``min_rows`` does not allow more.
+    ``K <= rollout_length / AUTO_MESSAGES_PER_SEGMENT`` (32) or, for a rollout shorter than 64
+    steps (where that is 1), ``K * num_envs <= min_rows`` and ``K <= rollout_length / 8``, and always
+    ``K * num_envs * env_step_bytes <= target_bytes`` and ``K * num_envs <= target_rows``; 1 when two
+    vector steps already exceed ``target_bytes`` or ``target_rows`` (more than 64 envs), or the
+    rollout is shorter than 64 steps and ``min_rows`` does not allow more.
 
     Examples: ALE/Breakout-v5, 8 envs: one vector step is ~226 KB -> K = 1; CartPole-v1, 8 envs: ~330 bytes
     -> K = 4 with rollout_length 128; with 32, 4 for an actor with a step ring (``min_rows`` 32:
@@ -1273,8 +1273,8 @@ def auto_steps_per_message(env_step_bytes: int, rollout_length: int, *, num_envs
         num_envs: envs of the actor (rows per vector step).
         target_bytes: the bound on a message's array bytes; None: none (an actor with a step ring,
             whose arrays do not travel in the message: Breakout, 8 envs -> K = 4).
-        min_rows: the rows (``K * num_envs``) a message may carry even beyond ``rollout_length /
-            32`` vector steps (within an eighth of the rollout); 0: none. For actors with a step ring,
+        min_rows: up to how many rows (``K * num_envs``) a message may carry when the rollout is
+            shorter than 64 steps (within an eighth of the rollout); 0: one vector step there. For actors with a step ring,
             whose slots bound the rows acted ahead (:func:`oakemu_core.step_ring.ring_slots`); through
             the sockets, whose queues count messages, K steps per message multiply those rows by K.
 
@@ -1285,8 +1285,9 @@ def auto_steps_per_message(env_step_bytes: int, rollout_length: int, *, num_envs
         raise ValueError(f"auto_steps_per_message: expected env_step_bytes, rollout_length and num_envs >= 1, "
                          f"received {env_step_bytes}, {rollout_length}, {num_envs}")
     step_bytes = num_envs * env_step_bytes  # one vector step of the actor
-    # At least min_rows rows per message where an eighth of the rollout allows it.
-    most = max(rollout_length // AUTO_MESSAGES_PER_SEGMENT, min(min_rows // num_envs, rollout_length // 8))
+    most = rollout_length // AUTO_MESSAGES_PER_SEGMENT
+    if most <= 1:  # a rollout under 64 steps: up to min_rows rows per message, within an eighth of it
+        most = max(1, min(min_rows // num_envs, rollout_length // 8))
     best = 1
     for k in range(1, min(max_steps, most) + 1):
         if (rollout_length % k == 0 and (target_bytes is None or k * step_bytes <= target_bytes)

@@ -20,7 +20,8 @@ On the learner's machine (``step_transport = "auto"``) the arrays of each step m
 shared-memory step ring the learner offers at join (:mod:`oakemu_core.step_ring`); the socket then
 carries only the message's scalars and the slot. The actor waits (heartbeats continue, newer
 weights are loaded) while its next slot is still unread, before it acts that message's steps: the
-ring's slots are the back-pressure, and all the rows an actor has acted ahead of the learner.
+ring's slots are the back-pressure, and bound the rows an actor has acted that the learner has not
+read yet (the learner may hold read ones while its buffers are full: ``oakemu_core/ingest.py``).
 
 Run with ``oakemu actor`` or ``python -m services.actor``.
 """
@@ -430,8 +431,8 @@ class Actor:
     def wait_for_free_slot(self) -> None:
         """With a step ring: wait (heartbeats go on, newer weights are loaded) until the slot of the
         next message is free, before acting its steps. Rows then wait in the ring, never acted and
-        held in the actor as well: while the learner's buffers are full, at most the ring's slots of
-        rows are acted by weights that are about to be replaced (issue 11, policy lag). Raises
+        held in the actor as well: while the learner stops reading, at most the ring's slots of rows
+        are acted by weights that are about to be replaced (issue 11, policy lag). Raises
         :class:`_Rejoined` after a rejoin."""
         ring = self.ring
         if ring is None or ring.is_free(self.seq):
@@ -560,6 +561,8 @@ class Actor:
                 self.wait_for_free_slot()
             except _Rejoined:
                 continue
+            if self.stop_event.is_set():  # told to stop while waiting: act nothing more
+                break
             if block is not None:
                 block.clear()
             for i in range(k):

@@ -358,7 +358,9 @@ def test_ring_slots_bound_the_vector_steps_in_flight() -> None:
     assert ring_slots(1, 32) == 4  # a short rollout: an eighth of it
     assert ring_slots(8, 1024) == 2  # LunarLander: K = 8, 16 vector steps
     assert ring_slots(32, 64) == 1  # one message is more than an eighth of a segment
-    assert ring_slots(4, 32) == 1  # the rl-zoo's CartPole: K = 4
+    assert ring_slots(4, 32) == 1  # the rl-zoo's CartPole: K = 4, an eighth of the rollout
+    assert ring_slots(16, 1024) == 2  # a message under an eighth of the rollout: two slots at least
+    assert ring_slots(1, 16) == 2
 
 
 def test_without_the_byte_bound_an_atari_actor_with_a_ring_sends_blocks() -> None:
@@ -502,7 +504,7 @@ def test_an_actor_acts_the_next_message_only_once_its_ring_slot_is_free() -> Non
             pass
 
     def release_later(seq: int) -> None:
-        time.sleep(0.2)
+        time.sleep(0.5)  # the actor reaches its wait long before
         events.append(("release", seq, time.monotonic()))
         released[0] = seq
 

@@ -184,19 +184,22 @@ def test_steps_per_message_is_agreed_at_join_and_divides_the_rollout(buffers: li
     with pytest.raises(ValueError, match="steps_per_message"):
         OakEmuConfig(rollout_length=128, steps_per_message=3)
     assert OakEmuConfig(rollout_length=128, steps_per_message=8).resolved_steps_per_message(5, 2) == 8
-    # auto: 1 for Atari-sized steps, more for small ones, bounded by rollout_length / 32 (or 32 rows
-    # within an eighth of the rollout), 32 steps and 128 env steps (rows) per message.
+    # auto: 1 for Atari-sized steps, more for small ones, bounded by rollout_length / 32 (with a ring and a
+    # rollout under 64 steps: up to 32 rows within an eighth of it), 32 steps and 128 env steps (rows) per message.
     assert auto_steps_per_message(28224, 128, num_envs=8) == 1
     assert auto_steps_per_message(41, 128, num_envs=8) == 4
     assert auto_steps_per_message(41, 32, num_envs=8) == 1  # through the sockets: rollout_length / 32
-    # With a step ring, at least 32 rows per message within an eighth of the rollout (min_rows).
+    # With a step ring and a rollout under 64 steps, up to 32 rows per message within an eighth of it (min_rows).
     assert auto_steps_per_message(41, 32, num_envs=8, target_bytes=None, min_rows=32) == 4  # the rl-zoo's CartPole
     assert auto_steps_per_message(41, 32, num_envs=1, target_bytes=None, min_rows=32) == 4  # an eighth of it
     assert auto_steps_per_message(41, 16, num_envs=8, target_bytes=None, min_rows=32) == 2
     assert auto_steps_per_message(41, 8, num_envs=8, target_bytes=None, min_rows=32) == 1
     assert auto_steps_per_message(41, 32, num_envs=16, target_bytes=None, min_rows=32) == 2
     assert auto_steps_per_message(41, 32, num_envs=64, target_bytes=None, min_rows=32) == 1
-    assert auto_steps_per_message(41, 128, num_envs=8, target_bytes=None, min_rows=32) == 4  # unchanged
+    assert auto_steps_per_message(41, 32, num_envs=12, target_bytes=None, min_rows=32) == 2  # 24 rows: up to 32
+    assert auto_steps_per_message(41, 128, num_envs=8, target_bytes=None, min_rows=32) == 4  # 64 steps and more:
+    assert auto_steps_per_message(41, 128, num_envs=2, target_bytes=None, min_rows=32) == 4  # rollout_length / 32
+    assert auto_steps_per_message(41, 64, num_envs=1, target_bytes=None, min_rows=32) == 2
     assert OakEmuConfig(rollout_length=32).resolved_steps_per_message(41, 8, step_ring=True) == 4
     assert OakEmuConfig(rollout_length=32).resolved_steps_per_message(41, 8) == 1
     assert auto_steps_per_message(50, 1024, num_envs=16) == 8  # 128 rows
