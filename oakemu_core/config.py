@@ -424,8 +424,9 @@ class OakEmuConfig(BaseSettings):
         ``env_step_bytes`` array bytes (``StepSchema.sent_bytes_per_env``): the configured int, or
         :func:`oakemu_core.wire.auto_steps_per_message` for ``"auto"``, without its bound on a
         message's bytes for an actor offered a step ring (``step_ring``: the arrays do not travel in
-        the message; Breakout, 8 envs: K = 4, not 1), and with its floor of
-        :data:`~oakemu_core.wire.AUTO_MESSAGE_MIN_ROWS` rows (CartPole, 8 envs, rollout 32: K = 4, not 1)."""
+        the message; Breakout, 8 envs: K = 4, not 1), and with its allowance of up to
+        :data:`~oakemu_core.wire.AUTO_MESSAGE_MIN_ROWS` rows at rollouts under 64 steps (CartPole, 8
+        envs, rollout 32: K = 4, not 1)."""
         if self.steps_per_message != "auto":
             return int(self.steps_per_message)
         from oakemu_core.wire import AUTO_MESSAGE_MIN_ROWS, auto_steps_per_message

@@ -59,8 +59,8 @@ def ring_slots(steps_per_message: int, rollout_length: int) -> int:
     steps (the sockets held about eight one-step messages: the actor's send queue of two, the
     learner's receive queue of four, one in each kernel buffer), so rows are no older when trained
     than through the sockets (issue 11, bounded policy lag). An actor acts a message's steps only once
-    its slot is free (:meth:`services.actor.Actor.wait_for_free_slot`), so these are all the rows it
-    has acted ahead. Four slots (Breakout: K = 4, rollout 128) let one synthetic actor feed the learner
+    its slot is free (:meth:`services.actor.Actor.wait_for_free_slot`), so these bound the rows it has
+    acted that the learner has not read yet. Four slots (Breakout: K = 4, rollout 128) let one synthetic actor feed the learner
     about 1.4 x faster than two (``bench_ingest.py``), and two at least let the actor fill one while the
     learner reads the other. One slot when an eighth of a segment is a single message or less
     (CartPole at the rl-zoo settings: K = 4, rollout 32): the actor then waits while

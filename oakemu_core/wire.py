@@ -1250,6 +1250,8 @@ rollout 32, 20 epochs on 256 rows, one actor) trained 1.2 x faster with K = 4 th
 update 27-28 against 33-34 ms; 100k env steps in 15.8-16.1 against 18.8-18.9 s). The step ring
 (:func:`oakemu_core.step_ring.ring_slots`) and the actor's wait for a free slot before acting keep the
 rows acted ahead as few as with K = 1 (policy lag 1.13 against 1.14 versions)."""
+
+
 def auto_steps_per_message(env_step_bytes: int, rollout_length: int, *, num_envs: int,
                            target_bytes: int | None = AUTO_MESSAGE_TARGET_BYTES,
                            target_rows: int = AUTO_MESSAGE_TARGET_ROWS,
@@ -1274,9 +1276,10 @@ def auto_steps_per_message(env_step_bytes: int, rollout_length: int, *, num_envs
         target_bytes: the bound on a message's array bytes; None: none (an actor with a step ring,
             whose arrays do not travel in the message: Breakout, 8 envs -> K = 4).
         min_rows: up to how many rows (``K * num_envs``) a message may carry when the rollout is
-            shorter than 64 steps (within an eighth of the rollout); 0: one vector step there. For actors with a step ring,
-            whose slots bound the rows acted ahead (:func:`oakemu_core.step_ring.ring_slots`); through
-            the sockets, whose queues count messages, K steps per message multiply those rows by K.
+            shorter than 64 steps (within an eighth of the rollout); 0: one vector step there. For
+            actors with a step ring, whose slots bound the rows acted ahead
+            (:func:`oakemu_core.step_ring.ring_slots`); through the sockets, whose queues count
+            messages, K steps per message would multiply those rows by K.
 
     Raises:
         ValueError: ``env_step_bytes``, ``rollout_length`` or ``num_envs`` < 1.

@@ -443,14 +443,12 @@ class Actor:
     def send_step(self, message: StepMessage) -> None:
         """Send one step message: its arrays into the step ring's next slot when the actor has a
         ring (waiting, with heartbeats, while the learner has not read that slot yet), else inline.
-        Raises :class:`_Rejoined` after a rejoin."""
+        ``message.seq`` is :attr:`seq`. Raises :class:`_Rejoined` after a rejoin."""
         ring = self.ring
         if ring is not None:
-            if not ring.is_free(message.seq):
-                self.ring_waits += 1
-                self._wait_until(lambda: ring.is_free(message.seq))
-                if not ring.is_free(message.seq):  # told to stop meanwhile
-                    return
+            self.wait_for_free_slot()  # free already when run() waited before acting
+            if not ring.is_free(message.seq):  # told to stop meanwhile
+                return
             slot = ring.write(message.seq, message.fields)
             message = replace(message, fields={}, slot=slot)
         self.send(encode_step(message))
