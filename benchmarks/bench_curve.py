@@ -4,7 +4,7 @@ The end-to-end figure (``bench_pipeline.py --curve``) moves with whatever else t
 one counts CPU seconds of the sending and receiving sockets (one process: ``time.process_time``
 covers ZeroMQ's I/O threads), so it holds on a busy machine too. Message sizes are those of one
 actor step with 8 envs: Breakout (4 x 84 x 84 uint8 observations) and CartPole (4 float32).
-The CURVE side runs the learner's own setup (``oakemu_core.auth``: ZAP authenticator, authorised
+The CURVE side runs the learner's own setup (``oakemu_core.transport.auth``: ZAP authenticator, authorised
 keys folder).
 
 Usage: ``python benchmarks/bench_curve.py [--messages 2000] [--repeats 5]``
@@ -25,7 +25,7 @@ import zmq
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from oakemu_core.auth import client_security, generate_keypair, server_security  # noqa: E402
+from oakemu_core.transport.auth import client_security, generate_keypair, server_security  # noqa: E402
 
 SIZES = {"Breakout, 8 envs": 8 * (4 * 84 * 84 + 40), "CartPole, 8 envs": 8 * (4 * 4 + 40)}
 

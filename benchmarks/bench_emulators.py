@@ -2,7 +2,7 @@
 
 One process, one core (OpenCV single-threaded).  Rows, each measured for ``--seconds``:
 
-* Game Boy (PyBoy, the generated test ROM, oakemu_core/emulators/testrom.py):
+* Game Boy (PyBoy, the generated test ROM, oakemu_core/envs/emulators/testrom.py):
   raw ``tick(1, render=False)`` and ``tick(1, render=True)`` frames/s, and ``tick(N, True)`` (N frames
   per call, only the last rendered: what one agent step costs the emulator); our Gymnasium env
   (``frames_per_action`` frames per agent step, button press + release, render only the last frame,
@@ -35,8 +35,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 warnings.filterwarnings("ignore")
 
-from oakemu_core.emulators import make_emulator_env
-from oakemu_core.emulators.testrom import write_test_rom
+from oakemu_core.envs.emulators import make_emulator_env
+from oakemu_core.envs.emulators.testrom import write_test_rom
 
 
 def rate(step: Callable[[], object], seconds: float) -> float:

@@ -2,9 +2,9 @@
 synthetic actors that send Atari-sized step messages as fast as the learner takes them (issue 11).
 
 A synthetic actor joins like a real one (same join, spec, sockets, back-pressure and weights
-polling: :class:`services.actor.Actor`), takes ONE real vector step for valid field values, and then
+polling: :class:`oakemu_services.actor.Actor`), takes ONE real vector step for valid field values, and then
 re-sends those fields with increasing ``seq`` and no env, no inference. The learner runs in this
-process (:class:`services.learner.Learner`) with PPO switched off, so full buffers are released at
+process (:class:`oakemu_services.learner.Learner`) with PPO switched off, so full buffers are released at
 once: what is measured is receive + decode/validate + write into shared memory.
 
 Printed, all measured in the same run:
@@ -13,7 +13,7 @@ Printed, all measured in the same run:
   (numpy ``copyto``), MB/s: the ceiling's yardstick (target: ingest >= 25 % of it);
 * ``ingest``: env steps/s (rows/s) and MB/s (message array bytes) the learner writes, and its ratio
   to ``memcpy``, with the step arrays in shared-memory step rings (``step_transport = "auto"``, what
-  actors on the learner's machine use: :mod:`oakemu_core.step_ring`) and, for comparison, inline
+  actors on the learner's machine use: :mod:`oakemu_core.transport.step_ring`) and, for comparison, inline
   in the socket messages (``"sockets"``: actors on other machines or in other containers);
 * ``in-process decode + write``: the same decode and write on encoded frames in one thread, with no
   sockets and no other process: what the learner's own code costs, apart from the transport;
@@ -69,8 +69,8 @@ def synthetic_actor(env_id: str, num_envs: int, ports: list[int], actor_id: str,
     import torch
 
     from oakemu_core.config import OakEmuConfig
-    from oakemu_core.wire import StepMessage
-    from services.actor import Actor
+    from oakemu_core.transport.wire import StepMessage
+    from oakemu_services.actor import Actor
 
     torch.set_num_threads(1)
     config = OakEmuConfig(env_id=env_id, envs_per_actor=num_envs, actor_id=actor_id, log_level="WARNING",
@@ -99,9 +99,9 @@ def training_load(env_id: str, stop: mp.Event, batch: int = 64) -> None:
     ``batch`` rows, one torch thread, until ``stop``."""
     import torch
 
-    from oakemu_core.distributions import distribution_for_env
+    from oakemu_core.policy.distributions import distribution_for_env
     from oakemu_core.envs import env_spec
-    from oakemu_core.models import build_model
+    from oakemu_core.policy.models import build_model
 
     torch.set_num_threads(1)
     spec = env_spec(env_id)
@@ -139,9 +139,9 @@ def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load
     (training loop in this process) or "process"; ``transport``: the ``step_transport`` of learner
     and actors ("auto": step rings here; "sockets"). Returns ``(rate, CPU seconds of the ingest
     threads per row written, dropped counters)``. ``columns``: the learner's rollout buffer columns."""
-    from oakemu_core import learner as library_learner
+    from oakemu_core.algo import learner as library_learner
     from oakemu_core.config import OakEmuConfig
-    from services import learner as learner_module
+    from oakemu_services import learner as learner_module
 
     ports = _free_ports(5)
     ctx = mp.get_context("spawn")
@@ -221,17 +221,17 @@ def _valid_fields(schema, lead: tuple[int, ...]) -> dict[str, np.ndarray]:
 
 
 def in_process_rows_per_s(env_id: str, num_envs: int, steps_per_message: int, seconds: float) -> float:
-    """Env steps/s that decode (:func:`oakemu_core.wire.decode_step`) and write
-    (:class:`oakemu_core.ingest.RolloutAssembler`) reach in this thread on encoded step frames, with
+    """Env steps/s that decode (:func:`oakemu_core.transport.wire.decode_step`) and write
+    (:class:`oakemu_core.storage.assembler.RolloutAssembler`) reach in this thread on encoded step frames, with
     no sockets: the learner's own share of the ingest cost. One actor of ``num_envs`` envs fills a
     buffer of as many columns; each full buffer is released, and the actor joins again to restart
     its ``seq`` at 0 (so one rollout's frames, encoded once, are replayed)."""
     from oakemu_core.config import OakEmuConfig
     from oakemu_core.envs import env_spec
-    from oakemu_core.ingest import RolloutAssembler
-    from oakemu_core.rollout_buffer import RolloutBuffer
+    from oakemu_core.storage.assembler import RolloutAssembler
+    from oakemu_core.storage.rollout_buffer import RolloutBuffer
     from oakemu_core.step_schema import schema_for_env
-    from oakemu_core.wire import StepMessage, StepSpec, decode_step, encode_step
+    from oakemu_core.transport.wire import StepMessage, StepSpec, decode_step, encode_step
 
     schema = schema_for_env(env_spec(env_id))
     rollout_length, k = OakEmuConfig(env_id=env_id).rollout_length, steps_per_message

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oakemu_core.models import ActorCritic, build_model  # noqa: E402
+from oakemu_core.policy.models import ActorCritic, build_model  # noqa: E402
 
 FRAME_SHAPE = (4, 84, 84)  # ALE's preprocessed, stacked frames
 

@@ -15,7 +15,7 @@ figure, ``pipeline+curve``, streams over CURVE-encrypted, ZAP-authenticated sock
 run); its cost is ``1 - pipeline+curve / pipeline``.
 
 The pipeline figure is measured for each ``--steps-per-message`` value (``1`` and ``auto`` by
-default: the learner's rule, :func:`oakemu_core.wire.auto_steps_per_message`), and every figure for
+default: the learner's rule, :func:`oakemu_core.transport.wire.auto_steps_per_message`), and every figure for
 each env of ``--env`` (comma-separated; default Breakout and CartPole).
 
 Usage: ``python benchmarks/bench_pipeline.py [--env ALE/Breakout-v5,CartPole-v1] [--actors 1]
@@ -76,10 +76,10 @@ def _step_loop(env_id: str, num_envs: int, seconds: float, with_policy: bool, se
 
     import torch
 
-    from oakemu_core.distributions import distribution_for_env
+    from oakemu_core.policy.distributions import distribution_for_env
     from oakemu_core.envs import make_env_groups, make_vector_env
-    from oakemu_core.models import build_model
-    from oakemu_core.stepper import PolicyStepper
+    from oakemu_core.policy.models import build_model
+    from oakemu_core.actor.stepper import PolicyStepper
 
     parts = set(variant.split("+"))
     torch.set_num_threads(2 if "threads2" in parts else 1)
@@ -94,11 +94,11 @@ def _step_loop(env_id: str, num_envs: int, seconds: float, with_policy: bool, se
         if "channels_last" in parts:
             model = model.to(memory_format=torch.channels_last)
         if "onnxruntime" in parts:
-            from oakemu_core.onnx_inference import OnnxForward
+            from oakemu_core.policy.onnx_inference import OnnxForward
 
             model.use_inference_backend(OnnxForward(model))
         if "bfloat16" in parts:
-            from oakemu_core.bfloat16_inference import BFloat16Forward
+            from oakemu_core.policy.bfloat16_inference import BFloat16Forward
 
             model.use_inference_backend(BFloat16Forward(model))
         stepper = PolicyStepper(env, model)
@@ -150,9 +150,9 @@ def measure_pipeline(env_id: str, actors: int, num_envs: int, seconds: float, *,
                      curve: bool = False, steps_per_message: int | str = "auto") -> float:
     """Env steps/s written by a learner (this process) fed by ``actors`` actor processes (over CURVE
     sockets when ``curve``)."""
-    from oakemu_core.auth import generate_keypair
+    from oakemu_core.transport.auth import generate_keypair
     from oakemu_core.config import OakEmuConfig
-    from services import learner as learner_module
+    from oakemu_services import learner as learner_module
 
     ports = _free_ports(5)
     with tempfile.TemporaryDirectory() as runs_dir:
@@ -172,7 +172,7 @@ def measure_pipeline(env_id: str, actors: int, num_envs: int, seconds: float, *,
             metrics_port=ports[4], runs_dir=Path(runs_dir), run_name="bench", checkpoint_every_updates=0,
             log_level="WARNING", steps_per_message=steps_per_message, **security,
         )
-        from oakemu_core import learner as library_learner
+        from oakemu_core.algo import learner as library_learner
 
         original_step = library_learner.PPOLearner.step
         if not train:  # full buffers are released at once: no PPO update, same weights
@@ -186,7 +186,7 @@ def measure_pipeline(env_id: str, actors: int, num_envs: int, seconds: float, *,
                  f"--control-port={ports[1]}", f"--weights-port={ports[2]}", f"--telemetry-port={ports[3]}",
                  f"--metrics-port={ports[4]}", "--torch-threads=1"]
         procs = [
-            subprocess.Popen([sys.executable, "-m", "services.cli", "actor", f"--actor-id=bench-{i}", *flags],
+            subprocess.Popen([sys.executable, "-m", "oakemu_services.cli", "actor", f"--actor-id=bench-{i}", *flags],
                              cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for i in range(actors)
         ]
@@ -248,7 +248,7 @@ def bench_env(args: argparse.Namespace, env_id: str) -> None:
     variants = list(ACTOR_VARIANTS) if args.actor_variants else []
     if args.actor_only:
         pipeline_keys, ks, args.no_end_to_end = [], [], True
-    from oakemu_core.bfloat16_inference import check_supported
+    from oakemu_core.policy.bfloat16_inference import check_supported
     from oakemu_core.config import available_cpus
 
     try:

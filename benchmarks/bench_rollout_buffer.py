@@ -5,7 +5,7 @@ Atari-sized by default: 128 steps x 64 envs, observations 4x84x84 uint8. Prints,
 - ``add`` per step (one row for all envs, validation included) as a ratio to one ``np.copyto`` of
   the same number of bytes (what ``add`` writes per step), and to per-field ``np.copyto`` into
   plain numpy arrays of the same layout (the bare work ``add`` has to do);
-- ``compute_gae`` (the buffer method and the bare :func:`oakemu_core.gae.compute_gae`) as a ratio
+- ``compute_gae`` (the buffer method and the bare :func:`oakemu_core.storage.gae.compute_gae`) as a ratio
   to copying the arrays it reads (rewards, values, dones, bootstrap_values, last_values) and
   writes (advantages, returns).
 
@@ -27,8 +27,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from oakemu_core import gae  # noqa: E402
-from oakemu_core.rollout_buffer import RolloutBuffer  # noqa: E402
+from oakemu_core.storage import gae  # noqa: E402
+from oakemu_core.storage.rollout_buffer import RolloutBuffer  # noqa: E402
 
 OBSERVATION_SHAPE = (4, 84, 84)
 

@@ -12,7 +12,7 @@ printed) and the same env-step budget, one run at a time:
   ``info["action_mask"]``).  Issue 7 names ``Taxi-v3``; Gymnasium 1.4 refuses it as deprecated
   (``DeprecatedEnv: ... Please use Taxi-v4``), and v4 is the same task.
 
-OakEmu runs as its users run it: ``python -m services.cli train`` (= ``oakemu train``; a learner and 2
+OakEmu runs as its users run it: ``python -m oakemu_services.cli train`` (= ``oakemu train``; a learner and 2
 actor processes, asynchronous, ``--max-policy-lag 1``), free ports per run so that runs never collide
 with others on 5555-5559.  SB3 runs in a child process of this script (``--sb3-worker``), so both
 sides pay interpreter start-up and imports.  Both sides get the same torch intra-op thread count
@@ -208,14 +208,14 @@ def fresh_run_dir(runs_dir: Path, run_name: str) -> Path:
 
 
 def train_oakemu(args: list[str], *, log_path: Path, torch_threads: int, timeout_s: float = 3600) -> float:
-    """Run ``oakemu train ARGS`` (``python -m services.cli``) from the repository root, output to ``log_path``;
+    """Run ``oakemu train ARGS`` (``python -m oakemu_services.cli``) from the repository root, output to ``log_path``;
     returns the wall seconds from launch to exit.  OMP_NUM_THREADS sets the learner's torch intra-op threads
     (actors use --torch-threads, default 1).  Also used by ``bench_vs_sb3.py``."""
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS=str(torch_threads))
     start = time.perf_counter()
     with open(log_path, "wb") as log:
-        process = subprocess.run([sys.executable, "-m", "services.cli", "train", *args], cwd=REPO, env=env,
+        process = subprocess.run([sys.executable, "-m", "oakemu_services.cli", "train", *args], cwd=REPO, env=env,
                                  stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
     wall = time.perf_counter() - start
     if process.returncode != 0:
@@ -235,7 +235,7 @@ def run_oakemu(case: Case, *, seed: int, steps: int, runs_dir: Path, eval_episod
     metrics = _read_jsonl(run_dir / "metrics.jsonl")
     returns = [float(e["episodic_return"]) for e in episodes]
     sys.path.insert(0, str(REPO))
-    from services.evaluate import evaluate  # after the run: keeps the parent light
+    from oakemu_services.evaluate import evaluate  # after the run: keeps the parent light
 
     eval_returns = evaluate(run_dir, episodes=eval_episodes, greedy=True, seed=eval_seed)
     lags = [m["charts/policy_lag_mean"] for m in metrics if "charts/policy_lag_mean" in m]

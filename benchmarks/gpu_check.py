@@ -20,12 +20,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oakemu_core.distributions import distribution_for_env  # noqa: E402
+from oakemu_core.policy.distributions import distribution_for_env  # noqa: E402
 from oakemu_core.envs import make_vector_env  # noqa: E402
-from oakemu_core.models import build_model, load_weight_arrays, weights_to_arrays  # noqa: E402
-from oakemu_core.ppo import PPOUpdater  # noqa: E402
-from oakemu_core.rollout_buffer import RolloutBuffer  # noqa: E402
-from oakemu_core.stepper import PolicyStepper  # noqa: E402
+from oakemu_core.policy.models import build_model, load_weight_arrays, weights_to_arrays  # noqa: E402
+from oakemu_core.algo.ppo import PPOUpdater  # noqa: E402
+from oakemu_core.storage.rollout_buffer import RolloutBuffer  # noqa: E402
+from oakemu_core.actor.stepper import PolicyStepper  # noqa: E402
 
 
 def main() -> None:

@@ -266,7 +266,7 @@ class OakEmuConfig(BaseSettings):
         "fewer are logged, counted and retried at the next checkpoint."
     )
 
-    # --- automatic rollback (see oakemu_core/learner.py HealthMonitor) ---
+    # --- automatic rollback (see oakemu_core/algo/learner.py HealthMonitor) ---
     rollback: bool = Field(
         True, description="Roll back to the last good checkpoint when the run collapses (non-finite loss or "
         "weights, approx KL above rollback_max_approx_kl, evaluation return collapsing)."
@@ -286,7 +286,7 @@ class OakEmuConfig(BaseSettings):
     bc_coef: float = Field(0.0, ge=0.0, description="Weight of a BC term in the PPO loss (0: none).")
     bc_coef_decay: float = Field(1.0, gt=0.0, le=1.0, description="bc_coef multiplier per update.")
 
-    # --- policy routing (oakemu_core/routing.py): routed steps are stored for GAE, never trained on ---
+    # --- policy routing (oakemu_core/actor/routing.py): routed steps are stored for GAE, never trained on ---
     route_random_first_steps: int = Field(
         0, ge=0, description="Random actions for the first N steps of every episode (non-trainable rows)."
     )
@@ -308,7 +308,7 @@ class OakEmuConfig(BaseSettings):
         "auto = rich when stderr is a terminal, else plain.",
     )
 
-    # --- periodic evaluation (oakemu_core/tester.py: a process of its own, envs that never feed the buffer) ---
+    # --- periodic evaluation (oakemu_core/run/tester.py: a process of its own, envs that never feed the buffer) ---
     eval_every_updates: int = Field(
         10, ge=0, description="Evaluate the newest weights every N PPO updates and at the end (0: never)."
     )
@@ -422,14 +422,14 @@ class OakEmuConfig(BaseSettings):
     def resolved_steps_per_message(self, env_step_bytes: int, num_envs: int, *, step_ring: bool = False) -> int:
         """Steps per message K for an actor of ``num_envs`` envs, each of whose steps carries
         ``env_step_bytes`` array bytes (``StepSchema.sent_bytes_per_env``): the configured int, or
-        :func:`oakemu_core.wire.auto_steps_per_message` for ``"auto"``, without its bound on a
+        :func:`oakemu_core.transport.wire.auto_steps_per_message` for ``"auto"``, without its bound on a
         message's bytes for an actor offered a step ring (``step_ring``: the arrays do not travel in
         the message; Breakout, 8 envs: K = 4, not 1), and with its allowance of up to
-        :data:`~oakemu_core.wire.AUTO_MESSAGE_MIN_ROWS` rows at rollouts under 64 steps (CartPole, 8
+        :data:`~oakemu_core.transport.wire.AUTO_MESSAGE_MIN_ROWS` rows at rollouts under 64 steps (CartPole, 8
         envs, rollout 32: K = 4, not 1)."""
         if self.steps_per_message != "auto":
             return int(self.steps_per_message)
-        from oakemu_core.wire import AUTO_MESSAGE_MIN_ROWS, auto_steps_per_message
+        from oakemu_core.transport.wire import AUTO_MESSAGE_MIN_ROWS, auto_steps_per_message
 
         ring_bounds = {"target_bytes": None, "min_rows": AUTO_MESSAGE_MIN_ROWS} if step_ring else {}
         return auto_steps_per_message(env_step_bytes, self.rollout_length, num_envs=num_envs, **ring_bounds)

@@ -1,7 +1,7 @@
 """The one declaration of every per-step field: name, per-env shape, dtype, roles and value checks.
 
 A :class:`StepSchema` is built once from the env's observation layout and the policy's
-:class:`~oakemu_core.distributions.ActionDistribution` (:func:`build_schema`), in the spirit of
+:class:`~oakemu_core.policy.distributions.ActionDistribution` (:func:`build_schema`), in the spirit of
 Sample Factory's ``alloc_trajectory_tensors`` (spaces + one list of policy outputs) and TorchRL's
 composite specs. Everything else is derived from it: the rollout buffer's shared-memory arrays
 and their size (``/dev/shm`` check, ``shm_size`` advice), validation of writes, the wire encoding
@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:  # torch is imported lazily: the schema, buffers and wire stay torch-free
-    from oakemu_core.distributions import ActionDistribution
+    from oakemu_core.policy.distributions import ActionDistribution
 
 __all__ = [
     "MAX_ABS_STEP_VALUE",
@@ -192,7 +192,7 @@ class StepField:
         """Whether every bit pattern of the field is a valid value: an int / uint field without a
         bound its dtype can fail and without mask segments (uint8 frames). Such a field has no content
         check, so a step ring's slot of it is used in place; every other field is copied first
-        (:func:`oakemu_core.wire.decode_step`)."""
+        (:func:`oakemu_core.transport.wire.decode_step`)."""
         return self._any_bits_valid
 
     @property
@@ -427,7 +427,7 @@ class StepSchema:
         if distribution is not None:
             if not isinstance(distribution, dict):
                 raise ValueError("schema: distribution must be a map or None")
-            from oakemu_core.distributions import distribution_from_dict
+            from oakemu_core.policy.distributions import distribution_from_dict
 
             distribution = distribution_from_dict(distribution)
         parsed = [StepField.from_dict(f) for f in fields]
@@ -592,7 +592,7 @@ def taken_action_allowed(distribution: ActionDistribution, actions: np.ndarray, 
 
 def schema_for_env(spec: Any) -> StepSchema:
     """The step schema of an :class:`oakemu_core.envs.EnvSpec`: its observation layout and the
-    distribution of its action space (:func:`oakemu_core.distributions.distribution_for_env`)."""
-    from oakemu_core.distributions import distribution_for_env
+    distribution of its action space (:func:`oakemu_core.policy.distributions.distribution_for_env`)."""
+    from oakemu_core.policy.distributions import distribution_for_env
 
     return build_schema(spec.observation_layout, distribution_for_env(spec))

@@ -17,13 +17,13 @@ policy that acted, is sent, and then the actor waits (heartbeats continue) until
 than that policy arrive; the next segment is acted by them (policy lag 0 for every row).
 
 On the learner's machine (``step_transport = "auto"``) the arrays of each step message go through a
-shared-memory step ring the learner offers at join (:mod:`oakemu_core.step_ring`); the socket then
+shared-memory step ring the learner offers at join (:mod:`oakemu_core.transport.step_ring`); the socket then
 carries only the message's scalars and the slot. The actor waits (heartbeats continue, newer
 weights are loaded) while its next slot is still unread, before it acts that message's steps: the
 ring's slots are the back-pressure, and bound the rows an actor has acted that the learner has not
-read yet (the learner may hold read ones while its buffers are full: ``oakemu_core/ingest.py``).
+read yet (the learner may hold read ones while its buffers are full: ``oakemu_core/storage/assembler.py``).
 
-Run with ``oakemu actor`` or ``python -m services.actor``.
+Run with ``oakemu actor`` or ``python -m oakemu_services.actor``.
 """
 
 from __future__ import annotations
@@ -43,14 +43,14 @@ import zmq
 
 from oakemu_core.config import OakEmuConfig
 from oakemu_core.envs import EnvGroups, VectorEnv, is_atari_env, make_env_groups, make_vector_env
-from oakemu_core.metrics import StepRateMeter
-from oakemu_core.models import ActorCritic, build_model, load_weight_arrays
-from oakemu_core.routing import PolicyRouter, RoutingConfig
-from oakemu_core.step_ring import StepRing, StepRingUnavailable, shared_memory_host_id
+from oakemu_core.run.metrics import StepRateMeter
+from oakemu_core.policy.models import ActorCritic, build_model, load_weight_arrays
+from oakemu_core.actor.routing import PolicyRouter, RoutingConfig
+from oakemu_core.transport.step_ring import StepRing, StepRingUnavailable, shared_memory_host_id
 from oakemu_core.step_schema import schema_for_env
-from oakemu_core.step_blocks import StepBlock
-from oakemu_core.stepper import PolicyStepper
-from oakemu_core.wire import (
+from oakemu_core.transport.step_blocks import StepBlock
+from oakemu_core.actor.stepper import PolicyStepper
+from oakemu_core.transport.wire import (
     Heartbeat,
     HeartbeatReply,
     JoinReply,
@@ -67,8 +67,8 @@ from oakemu_core.wire import (
     encode_leave,
     encode_step,
 )
-from oakemu_core.auth import client_security
-from services.runtime import (
+from oakemu_core.transport.auth import client_security
+from oakemu_services.runtime import (
     SETUP_ERROR_EXIT_STATUS,
     RetryReporter,
     install_stop_signals,
@@ -110,7 +110,7 @@ class ActorSetupError(RuntimeError):
 class ControlChannel:
     """REQ socket to the learner's control ROUTER, recreated after a timeout (ZeroMQ "lazy pirate")."""
 
-    security = None  # an oakemu_core.auth.ClientSecurity when CURVE is on
+    security = None  # an oakemu_core.transport.auth.ClientSecurity when CURVE is on
     def __init__(self, context: zmq.Context, address: str, max_bytes: int) -> None:
         self.context = context
         self.address = address
@@ -156,7 +156,7 @@ class Actor:
         self.hostname = socket.gethostname()
         self.context = zmq.Context()
         self.control = ControlChannel(self.context, config.learner_address(config.control_port), config.max_message_bytes)
-        self.security = self.control.security = client_security(config)  # CURVE keys (oakemu_core.auth)
+        self.security = self.control.security = client_security(config)  # CURVE keys (oakemu_core.transport.auth)
         self.patience_s = 3 * config.actor_timeout_s
         # Heartbeats that get no answer mid-run are reported every few seconds, not only the give-up.
         self.silence = RetryReporter(log, "learner", self.control.address, give_up_s=self.patience_s)
@@ -332,8 +332,8 @@ class Actor:
         config = self.config
         try:
             if config.actor_inference == "bfloat16":
-                from oakemu_core.bfloat16_inference import BFloat16Forward
-                from oakemu_core.ppo import cpu_has_native_bfloat16
+                from oakemu_core.policy.bfloat16_inference import BFloat16Forward
+                from oakemu_core.algo.ppo import cpu_has_native_bfloat16
 
                 backend: Any = BFloat16Forward(model)
                 log.info("actor %s: forward passes in bfloat16", self.actor_id)
@@ -341,7 +341,7 @@ class Actor:
                     log.warning("actor %s: this CPU has no AVX512-BF16 or AMX: bfloat16 is emulated and slower "
                                 "than --actor-inference torch", self.actor_id)
                 return backend
-            from oakemu_core.onnx_inference import OnnxForward
+            from oakemu_core.policy.onnx_inference import OnnxForward
 
             backend = OnnxForward(model, threads=config.torch_threads)
             log.info("actor %s: forward passes by ONNX Runtime", self.actor_id)
@@ -625,7 +625,7 @@ def main(config: OakEmuConfig) -> int:
     """Entry point of ``oakemu actor``: 0 when stopped, 1 when the learner is unreachable."""
     setup_logging(config.log_level, config.log_format)
     if config.actor_inference == "onnxruntime":  # before joining: a missing package holds no slot
-        from oakemu_core.onnx_inference import check_available
+        from oakemu_core.policy.onnx_inference import check_available
 
         check_available()
     torch.set_num_threads(config.torch_threads)
@@ -648,6 +648,6 @@ def main(config: OakEmuConfig) -> int:
 if __name__ == "__main__":
     import sys
 
-    from services.cli import main as cli_main
+    from oakemu_services.cli import main as cli_main
 
     raise SystemExit(cli_main(["actor", *sys.argv[1:]]))

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 
-from oakemu_core.checkpoint import load_checkpoint, resolve_checkpoint
-from oakemu_core.evaluation import build_evaluation, play_episodes
+from oakemu_core.run.checkpoint import load_checkpoint, resolve_checkpoint
+from oakemu_core.run.evaluation import build_evaluation, play_episodes
 
 DEFAULT_MAX_EPISODE_STEPS = 27_000
 """Time limit when the run had none: 108k frames at frame skip 4, the usual Atari evaluation cap."""
@@ -19,12 +19,12 @@ def evaluate(checkpoint: Path, *, episodes: int, greedy: bool, seed: int) -> lis
 
     Raises:
         FileNotFoundError: no checkpoint at ``checkpoint`` (a run folder is searched for its latest).
-        oakemu_core.checkpoint.CheckpointError: unreadable checkpoint.
+        oakemu_core.run.checkpoint.CheckpointError: unreadable checkpoint.
     """
     path = resolve_checkpoint(checkpoint)
     state = load_checkpoint(path)
     env_info, config = state["env"], state["config"]
-    # The same builder as the learner's tester (oakemu_core.tester): one evaluation code path.
+    # The same builder as the learner's tester (oakemu_core.run.tester): one evaluation code path.
     model, env = build_evaluation(env_info["env_id"], env_info["schema"], seed=seed,
                                   max_episode_steps=config.get("max_episode_steps"),
                                   settings_file=config.get("emulator_settings"),

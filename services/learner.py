@@ -10,7 +10,7 @@ Two threads, each owning its state:
   stale, computes GAE on the CPU, runs one PPO update on the device and returns new weights;
   it also writes checkpoints.
 
-Run with ``oakemu learner`` or ``python -m services.learner``.
+Run with ``oakemu learner`` or ``python -m oakemu_services.learner``.
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ import numpy as np
 import torch
 import zmq
 
-from oakemu_core.bfloat16_inference import check_supported as check_bfloat16_supported
-from oakemu_core.auth import (
+from oakemu_core.policy.bfloat16_inference import check_supported as check_bfloat16_supported
+from oakemu_core.transport.auth import (
     PeerBinding,
     TransportSecurityError,
     public_tag,
     server_security,
 )
-from oakemu_core.checkpoint import (
+from oakemu_core.run.checkpoint import (
     CheckpointWriteFailed,
     CheckpointWriter,
     capture_rng_state,
@@ -44,8 +44,8 @@ from oakemu_core.checkpoint import (
 )
 from oakemu_core.config import OakEmuConfig, resolved_device, to_toml
 from oakemu_core.envs import EnvSpec, check_env, env_spec
-from oakemu_core.ingest import RolloutAssembler, SlotState, StepRejected
-from oakemu_core.learner import (
+from oakemu_core.storage.assembler import RolloutAssembler, SlotState, StepRejected
+from oakemu_core.algo.learner import (
     CheckpointPolicy,
     HealthMonitor,
     PPOExperimentConfiguration,
@@ -57,12 +57,12 @@ from oakemu_core.learner import (
     TrainResult,
     WeightsRevision,
 )
-from oakemu_core.log_limits import RateLimitedLog
-from oakemu_core.memory_diagnostics import (
+from oakemu_core.run.log_limits import RateLimitedLog
+from oakemu_core.storage.memory import (
     SharedMemoryTooSmallError,
     ensure_shm_capacity,
 )
-from oakemu_core.metrics import (
+from oakemu_core.run.metrics import (
     EpisodeWindow,
     JsonLinesWriter,
     MetricsLogger,
@@ -70,27 +70,27 @@ from oakemu_core.metrics import (
     evaluation_scalars,
     update_scalars,
 )
-from oakemu_core.models import build_model
-from oakemu_core.ppo import LinearSchedule, PPOUpdateStats, cpu_has_native_bfloat16
-from oakemu_core.rollout_buffer import RolloutBuffer
-from oakemu_core.run_folder import (
+from oakemu_core.policy.models import build_model
+from oakemu_core.algo.ppo import LinearSchedule, PPOUpdateStats, cpu_has_native_bfloat16
+from oakemu_core.storage.rollout_buffer import RolloutBuffer
+from oakemu_core.run.run_folder import (
     check_resume_compatible,
     check_resume_folder,
     format_changes,
     truncate_run_logs,
 )
 from oakemu_core.shared_memory import sweep_stale_segments
-from oakemu_core.step_ring import StepRings, shared_memory_host_id
+from oakemu_core.transport.step_ring import StepRings, shared_memory_host_id
 from oakemu_core.step_schema import StepSchema, schema_for_env
-from oakemu_core.telemetry import (
+from oakemu_core.run.telemetry import (
     ActorTelemetry,
     PrometheusExporter,
     TelemetryHistory,
     TelemetryPublisher,
     TelemetrySnapshot,
 )
-from oakemu_core.tester import EvaluationReport, tester_from_config
-from oakemu_core.wire import (
+from oakemu_core.run.tester import EvaluationReport, tester_from_config
+from oakemu_core.transport.wire import (
     Heartbeat,
     HeartbeatReply,
     JoinReply,
@@ -108,7 +108,7 @@ from oakemu_core.wire import (
     encode_stop,
     encode_weights,
 )
-from services.runtime import (
+from oakemu_services.runtime import (
     install_stop_signals,
     resolve_run_dir,
     setup_logging,
@@ -224,7 +224,7 @@ class Trainer:
     def _bc_sampler(self) -> Any:
         if self.config.bc_dataset is None:
             return None
-        from oakemu_core.demonstrations import DemonstrationSampler
+        from oakemu_core.algo.demonstrations import DemonstrationSampler
 
         return DemonstrationSampler(self.config.bc_dataset, self.spec)
 
@@ -251,7 +251,7 @@ class Trainer:
         return state
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """Everything a resume needs, as plain values (see :mod:`oakemu_core.checkpoint`)."""
+        """Everything a resume needs, as plain values (see :mod:`oakemu_core.run.checkpoint`)."""
         return {
             **self.ppo.checkpoint_state(),
             "rng": capture_rng_state(),
@@ -362,7 +362,7 @@ class Learner:
             "data": RateLimitedLog(log, "step messages", first_prefix="rejected step message"),
             "control": RateLimitedLog(log, "control messages", first_prefix="rejected control message"),
         }
-        # Shared-memory step rings of the actors on this machine (oakemu_core/step_ring.py).
+        # Shared-memory step rings of the actors on this machine (oakemu_core/transport/step_ring.py).
         self.rings = StepRings()
         undo.callback(self.rings.close)
         self.host_id = shared_memory_host_id() if config.step_transport == "auto" else ""
@@ -384,7 +384,7 @@ class Learner:
         config = self.config
         self.context = zmq.Context()
         undo.callback(self.context.destroy, linger=0)  # closes the sockets made below too
-        self.security = server_security(self.context, config)  # CURVE + ZAP when config.curve (oakemu_core.auth)
+        self.security = server_security(self.context, config)  # CURVE + ZAP when config.curve (oakemu_core.transport.auth)
         if self.security is not None:
             undo.callback(self.security.close)
         # Each actor's messages only from the peer it joined from (and its CURVE key, with CURVE).
@@ -517,7 +517,7 @@ class Learner:
             "normalize_observations": self.config.normalize_observations,
             "emulator_settings": self.config.emulator_settings,
             "seed": self.config.seed + 1000 * (record.index + 1),
-            # policy routing (oakemu_core/routing.py): the actor routes, the rows arrive non-trainable
+            # policy routing (oakemu_core/actor/routing.py): the actor routes, the rows arrive non-trainable
             "route_random_first_steps": self.config.route_random_first_steps,
             "route_random_probability": self.config.route_random_probability,
             "route_scripted_policy": self.config.route_scripted_policy,
@@ -540,7 +540,7 @@ class Learner:
 
     def _ring_reachable(self, message: JoinRequest) -> bool:
         """Whether the joining actor may share this process's shared memory: the same kernel and
-        ``/dev/shm`` mount (:func:`~oakemu_core.step_ring.shared_memory_host_id`); its attach decides."""
+        ``/dev/shm`` mount (:func:`~oakemu_core.transport.step_ring.shared_memory_host_id`); its attach decides."""
         return bool(self.host_id) and message.host_id == self.host_id
 
     def _offer_ring(self, message: JoinRequest, spec: StepSpec) -> StepRingOffer | None:
@@ -981,6 +981,6 @@ def main(config: OakEmuConfig) -> int:
 
 
 if __name__ == "__main__":
-    from services.cli import main as cli_main
+    from oakemu_services.cli import main as cli_main
 
     raise SystemExit(cli_main(["learner", *__import__("sys").argv[1:]]))

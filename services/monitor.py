@@ -1,7 +1,7 @@
 """``oakemu monitor``: attach to a running learner's telemetry and show it, read-only.
 
 Any number of monitors can attach and detach at any time; they only subscribe to the learner's
-lossy telemetry PUB socket (see ``oakemu_core.telemetry``), so none of them can slow or change
+lossy telemetry PUB socket (see ``oakemu_core.run.telemetry``), so none of them can slow or change
 training.
 
 Modes:
@@ -35,7 +35,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from oakemu_core.telemetry import TelemetryAddressError, TelemetrySnapshot, TelemetrySubscriber
+from oakemu_core.run.telemetry import TelemetryAddressError, TelemetrySnapshot, TelemetrySubscriber
 
 EXIT_OK = 0
 EXIT_NO_TELEMETRY = 1
@@ -63,7 +63,7 @@ def main(connect: str, *, json_output: bool = False, once: bool = False, timeout
         once: print one snapshot and exit.
         timeout_s: seconds to wait for telemetry before giving up (first snapshot; in ``--json``
             mode also any later silence). Must be > 0.
-        security: an :class:`oakemu_core.auth.ClientSecurity` (CURVE keys) when the learner requires them.
+        security: an :class:`oakemu_core.transport.auth.ClientSecurity` (CURVE keys) when the learner requires them.
 
     Returns:
         The process exit code: :data:`EXIT_OK`, :data:`EXIT_NO_TELEMETRY` or :data:`EXIT_BAD_ADDRESS`.
@@ -372,8 +372,8 @@ def _stop_on_signals() -> Iterator[threading.Event]:
 
 
 def _module_main(argv: list[str]) -> int:
-    """``python -m services.monitor ...``: the same as ``oakemu monitor ...``."""
-    from services.cli import main as cli_main
+    """``python -m oakemu_services.monitor ...``: the same as ``oakemu monitor ...``."""
+    from oakemu_services.cli import main as cli_main
 
     return cli_main(["monitor", *argv])
 

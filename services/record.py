@@ -1,5 +1,5 @@
 """``oakemu record``: play episodes with a checkpoint's policy, random or scripted play, and write
-them as a Minari dataset of demonstrations (see :mod:`oakemu_core.demonstrations`).
+them as a Minari dataset of demonstrations (see :mod:`oakemu_core.algo.demonstrations`).
 
     oakemu record --env CartPole-v1 --episodes 20 --output demos/cartpole --policy my_pkg.experts:cartpole
     oakemu record --checkpoint runs/<run>/checkpoints/best.pt --episodes 20 --output demos/breakout
@@ -26,11 +26,11 @@ def load_checkpoint_policy(checkpoint: Path) -> tuple[Any, str, dict[str, Any]]:
 
     Raises:
         FileNotFoundError: no checkpoint there (a run folder is searched for its latest).
-        oakemu_core.checkpoint.CheckpointError: unreadable checkpoint.
+        oakemu_core.run.checkpoint.CheckpointError: unreadable checkpoint.
     """
-    from oakemu_core.checkpoint import load_checkpoint, resolve_checkpoint
+    from oakemu_core.run.checkpoint import load_checkpoint, resolve_checkpoint
     from oakemu_core.envs import env_spec
-    from oakemu_core.models import build_model
+    from oakemu_core.policy.models import build_model
     from oakemu_core.step_schema import StepSchema
 
     path = resolve_checkpoint(checkpoint)
@@ -58,18 +58,18 @@ def record(
     max_episode_steps: int | None = None,
     overwrite: bool = False,
 ) -> Any:
-    """Record the dataset; returns :class:`oakemu_core.demonstrations.RecordingSummary`.
+    """Record the dataset; returns :class:`oakemu_core.algo.demonstrations.RecordingSummary`.
 
     Exactly one of ``checkpoint`` and ``policy`` (default: ``"random"``). With a checkpoint the env
     id (and time limit, emulator settings) default to the run's; another ``env_id`` is refused.
 
     Raises:
         ValueError: both a checkpoint and a policy, no env id, or an env id other than the
-            checkpoint's; see also :func:`oakemu_core.demonstrations.record_dataset`.
+            checkpoint's; see also :func:`oakemu_core.algo.demonstrations.record_dataset`.
     """
     import torch
 
-    from oakemu_core.demonstrations import record_dataset
+    from oakemu_core.algo.demonstrations import record_dataset
 
     torch.set_num_threads(1)
     settings_file = None
@@ -100,8 +100,8 @@ def record(
 def main(**kwargs: Any) -> int:
     """Entry point (keyword arguments of :func:`record`): prints one summary line; 0 on success,
     2 for a usage error (one line on stderr, no traceback)."""
-    from oakemu_core.checkpoint import CheckpointError
-    from oakemu_core.demonstrations import (
+    from oakemu_core.run.checkpoint import CheckpointError
+    from oakemu_core.algo.demonstrations import (
         DemonstrationDataError,
         MinariNotInstalledError,
     )

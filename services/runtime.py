@@ -18,7 +18,7 @@ from oakemu_core.config import OakEmuConfig
 
 PARENT_PID_ENV = "OAKEMU_PARENT_PID"
 SETUP_ERROR_EXIT_STATUS = 3
-"""Exit status of an actor that cannot serve the learner's run (``services.actor.ActorSetupError``):
+"""Exit status of an actor that cannot serve the learner's run (``oakemu_services.actor.ActorSetupError``):
 restarting it would fail the same way, so ``oakemu train`` does not."""
 """Set by ``oakemu train`` for its children: they die with it even if it is killed with SIGKILL."""
 

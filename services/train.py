@@ -22,10 +22,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from oakemu_core.config import ConfigError, OakEmuConfig, to_toml
 from oakemu_core.envs import check_env
-from oakemu_core.metrics import METRICS_FILE_NAME
-from oakemu_core.run_folder import check_resume_folder, format_changes
-from oakemu_core.telemetry import TelemetrySnapshot, TelemetrySubscriber
-from services.runtime import PARENT_PID_ENV, SETUP_ERROR_EXIT_STATUS, install_stop_signals, resolve_run_dir
+from oakemu_core.run.metrics import METRICS_FILE_NAME
+from oakemu_core.run.run_folder import check_resume_folder, format_changes
+from oakemu_core.run.telemetry import TelemetrySnapshot, TelemetrySubscriber
+from oakemu_services.runtime import PARENT_PID_ENV, SETUP_ERROR_EXIT_STATUS, install_stop_signals, resolve_run_dir
 
 log = logging.getLogger("oakemu.train")
 
@@ -154,14 +154,14 @@ def main(config: OakEmuConfig, resume: Path | None = None) -> int:
     # An unknown env id or a bad emulator setting fails here, before any folder or process exists.
     spec = check_env(config.env_id, settings_file=config.emulator_settings, envs_per_process=config.envs_per_actor)
     if config.actor_inference == "bfloat16":
-        from oakemu_core.bfloat16_inference import check_supported
+        from oakemu_core.policy.bfloat16_inference import check_supported
 
         try:
             check_supported(spec.observation_layout)
         except ValueError as error:
             raise ConfigError(str(error)) from None
     if config.actor_inference == "onnxruntime":
-        from oakemu_core.onnx_inference import check_available
+        from oakemu_core.policy.onnx_inference import check_available
 
         check_available()
     if resume is not None:
@@ -186,7 +186,7 @@ def main(config: OakEmuConfig, resume: Path | None = None) -> int:
         console.print(f"[yellow]resuming {run_dir} with changed settings[/] (config.toml -> now): "
                       f"{format_changes(changes)}", highlight=False, soft_wrap=True)
     stop_event = install_stop_signals()
-    cli = [sys.executable, "-m", "services.cli"]
+    cli = [sys.executable, "-m", "oakemu_services.cli"]
     learner = Child("learner", [*cli, "learner"], _child_env(config_file), logs_dir / "learner.log")
     actors = [
         Child(f"actor-{i}", [*cli, "actor"], _child_env(config_file, OAKEMU_ACTOR_ID=f"actor-{i}"),

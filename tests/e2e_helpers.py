@@ -1,6 +1,6 @@
 """Helpers for the end-to-end tests: free ports, ``oakemu`` service processes, cleanup checks.
 
-Every process is started as ``python -m services.cli <command> ...`` in a session of its own
+Every process is started as ``python -m oakemu_services.cli <command> ...`` in a session of its own
 (its pid is its process-group id), with stdout and stderr written to files under the test's
 ``tmp_path``.  The :func:`e2e_fixture` (``e2e``) tracks those processes and, while the test runs, every
 descendant they start (``oakemu train`` starts its learner and actors in sessions of their own);
@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import pytest
 
 from oakemu_core.shared_memory import SEGMENT_PREFIX, parse_segment_owner
-from oakemu_core.telemetry import TelemetrySnapshot, TelemetrySubscriber
+from oakemu_core.run.telemetry import TelemetrySnapshot, TelemetrySubscriber
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHM_DIR = Path("/dev/shm")
@@ -151,7 +151,7 @@ def segments_of(pids: set[int]) -> list[str]:
 
 # --------------------------------------------------------------------------------- processes
 class ServiceProcess:
-    """One started ``python -m services.cli ...`` process and its output files."""
+    """One started ``python -m oakemu_services.cli ...`` process and its output files."""
 
     def __init__(self, name: str, args: list[str], popen: subprocess.Popen[bytes], stdout: Path, stderr: Path) -> None:
         self.name = name
@@ -209,13 +209,13 @@ class E2EProcesses:
 
     # -- starting ---------------------------------------------------------------------------
     def start(self, name: str, args: Sequence[str], *, env: dict[str, str] | None = None) -> ServiceProcess:
-        """Start ``python -m services.cli *args`` in its own session; output to ``tmp_path/<name>.{stdout,stderr}``."""
+        """Start ``python -m oakemu_services.cli *args`` in its own session; output to ``tmp_path/<name>.{stdout,stderr}``."""
         child_env = {k: v for k, v in os.environ.items() if not k.startswith("OAKEMU_")}
         child_env["PYTHONUNBUFFERED"] = "1"
         child_env.update(env or {})
         stdout_path = self.tmp_path / f"{name}.stdout"
         stderr_path = self.tmp_path / f"{name}.stderr"
-        command = [sys.executable, "-m", "services.cli", *args]
+        command = [sys.executable, "-m", "oakemu_services.cli", *args]
         with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
             popen = subprocess.Popen(
                 command, cwd=REPO_ROOT, env=child_env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,

@@ -1,6 +1,6 @@
 """Gymnasium ids for the emulator tests, usable through the ``module:EnvId`` form without a settings flag.
 
-``tests.emulator_envs:OakEmuGameBoyTest-v0``: the generated test ROM (oakemu_core/emulators/testrom.py)
+``tests.emulator_envs:OakEmuGameBoyTest-v0``: the generated test ROM (oakemu_core/envs/emulators/testrom.py)
 with a reward of +1 per new press of A, 4 frames per action, 32-step episodes.  Importing this
 module writes the ROM and its settings file to a folder under the system temp dir (atomically,
 named by content, so concurrent actor processes agree) and registers the id.
@@ -16,8 +16,8 @@ from typing import Any
 
 import gymnasium
 
-from oakemu_core.emulators import make_emulator_env
-from oakemu_core.emulators.testrom import build_test_rom
+from oakemu_core.envs.emulators import make_emulator_env
+from oakemu_core.envs.emulators.testrom import build_test_rom
 
 EPISODE_STEPS = 32
 SETTINGS = f"""

@@ -1,4 +1,4 @@
-"""Tests for oakemu_core.actor_step_buffers: recording actions and step results, writing to a buffer."""
+"""Tests for oakemu_core.actor.step_buffers: recording actions and step results, writing to a buffer."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from oakemu_core import PPOActionBundle, PPOActorStepBuffers, RolloutBuffer
-from oakemu_core.distributions import Categorical, DiagGaussian
+from oakemu_core.policy.distributions import Categorical, DiagGaussian
 from oakemu_core.step_schema import build_schema
 
 OBS_SHAPE = (2, 2)

@@ -9,12 +9,12 @@ import numpy as np
 import zmq
 
 from oakemu_core.config import OakEmuConfig
-from oakemu_core.wire import StopNotice, WeightsMessage, encode_stop, encode_weights
+from oakemu_core.transport.wire import StopNotice, WeightsMessage, encode_stop, encode_weights
 from tests.e2e_helpers import free_ports
 
 
 def test_a_stop_notice_on_the_weights_channel_stops_the_actor() -> None:
-    from services.actor import Actor
+    from oakemu_services.actor import Actor
 
     data, control, weights = free_ports(3)
     config = OakEmuConfig(data_port=data, control_port=control, weights_port=weights)

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import zmq
 
-from oakemu_core.auth import (
+from oakemu_core.transport.auth import (
     PeerBinding,
     TransportSecurityError,
     generate_keypair,
@@ -31,8 +31,8 @@ from oakemu_core.auth import (
     load_public_key,
     public_tag,
 )
-from oakemu_core.telemetry import TelemetrySnapshot, TelemetrySubscriber
-from oakemu_core.wire import (
+from oakemu_core.run.telemetry import TelemetrySnapshot, TelemetrySubscriber
+from oakemu_core.transport.wire import (
     HeartbeatReply,
     JoinReply,
     JoinRequest,
@@ -43,7 +43,7 @@ from oakemu_core.wire import (
     encode_leave,
     encode_step,
 )
-from oakemu_core.step_ring import StepRing, shared_memory_host_id
+from oakemu_core.transport.step_ring import StepRing, shared_memory_host_id
 from tests.e2e_helpers import E2EProcesses, Ports, common_flags, e2e_fixture, new_ports  # noqa: F401
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +74,7 @@ def test_generate_keypair_writes_a_public_file_and_a_private_secret_file(tmp_pat
 
 def test_oakemu_keygen_cli_and_its_user_errors(tmp_path: Path) -> None:
     def keygen(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "services.cli", "keygen", *args], cwd=REPO_ROOT,
+        return subprocess.run([sys.executable, "-m", "oakemu_services.cli", "keygen", *args], cwd=REPO_ROOT,
                               capture_output=True, text=True, timeout=60, check=False)
 
     first = keygen("learner", "--dir", str(tmp_path))
@@ -257,12 +257,12 @@ def test_curve_only_authorised_keys_join_train_and_watch(e2e: E2EProcesses, tmp_
         # Monitors: without an authorised key (or without CURVE) nothing arrives.
         for env in (client_env("intruder"), {}):
             monitor = subprocess.run(
-                [sys.executable, "-m", "services.cli", "monitor", "--connect", ports.telemetry_address, "--once",
+                [sys.executable, "-m", "oakemu_services.cli", "monitor", "--connect", ports.telemetry_address, "--once",
                  "--json", "--timeout", "3"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False,
                 env={**{k: v for k, v in os.environ.items() if not k.startswith("OAKEMU_")}, **env})
             assert monitor.returncode != 0 and "{" not in monitor.stdout, (env, monitor.stdout, monitor.stderr)
         authorised_monitor = subprocess.run(
-            [sys.executable, "-m", "services.cli", "monitor", "--connect", ports.telemetry_address, "--once",
+            [sys.executable, "-m", "oakemu_services.cli", "monitor", "--connect", ports.telemetry_address, "--once",
              "--json", "--timeout", "10"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False,
             env={**{k: v for k, v in os.environ.items() if not k.startswith("OAKEMU_")}, **client_env("monitor")})
         assert authorised_monitor.returncode == 0 and '"good"' in authorised_monitor.stdout, authorised_monitor.stderr

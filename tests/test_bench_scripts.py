@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from services import cli
+from oakemu_services import cli
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "benchmarks" / "bench_spaces_vs_sb3.py"
@@ -38,14 +38,14 @@ def test_help_runs_without_sb3_imports() -> None:
 
 
 def _train_config(args: list[str], monkeypatch: pytest.MonkeyPatch) -> Any:
-    """The config `oakemu train ARGS` would train with (no OAKEMU_* variables; services.train faked)."""
+    """The config `oakemu train ARGS` would train with (no OAKEMU_* variables; oakemu_services.train faked)."""
     for variable in list(os.environ):
         if variable.startswith("OAKEMU_"):
             monkeypatch.delenv(variable)
     calls: list[tuple[Any, ...]] = []
-    fake = types.ModuleType("services.train")
+    fake = types.ModuleType("oakemu_services.train")
     fake.main = lambda *args, **kwargs: calls.append(args) or 0  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "services.train", fake)
+    monkeypatch.setitem(sys.modules, "oakemu_services.train", fake)
     assert cli.main(["train", *args]) == 0
     return calls[0][0]
 
@@ -170,8 +170,8 @@ def test_bench_pipeline_actor_loop_variants_step_with_their_settings(variant: st
     import queue
 
     from oakemu_core import envs
-    from oakemu_core.bfloat16_inference import BFloat16Forward
-    from oakemu_core.stepper import PolicyStepper
+    from oakemu_core.policy.bfloat16_inference import BFloat16Forward
+    from oakemu_core.actor.stepper import PolicyStepper
 
     module_spec = importlib.util.spec_from_file_location("bench_pipeline", REPO_ROOT / "benchmarks" / "bench_pipeline.py")
     bench_pipeline = importlib.util.module_from_spec(module_spec)

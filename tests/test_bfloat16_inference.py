@@ -1,4 +1,4 @@
-"""Actor inference with a bfloat16 image encoder (oakemu_core/bfloat16_inference.py): outputs within
+"""Actor inference with a bfloat16 image encoder (oakemu_core/policy/bfloat16_inference.py): outputs within
 bfloat16 rounding of the float32 model's, new weights only after ``load``, ``act`` through the
 backend, refusals with a reason; and the emulator threads an actor asks for."""
 
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from oakemu_core.bfloat16_inference import BFloat16Forward
+from oakemu_core.policy.bfloat16_inference import BFloat16Forward
 from oakemu_core.config import OakEmuConfig
-from oakemu_core.distributions import Categorical
-from oakemu_core.models import build_model
+from oakemu_core.policy.distributions import Categorical
+from oakemu_core.policy.models import build_model
 
 ATARI = {"": ((4, 84, 84), np.uint8)}
 
@@ -144,8 +144,8 @@ def test_the_actor_hands_every_weights_update_to_its_inference_backend() -> None
     """``Actor._load_weights`` (join, rejoin, weights messages and revisions all go through it) loads
     the arrays into the model first, then the backend's ``load`` sees them: a bfloat16 encoder left
     with old weights would act an old policy."""
-    from oakemu_core.models import weights_to_arrays
-    from services.actor import Actor
+    from oakemu_core.policy.models import weights_to_arrays
+    from oakemu_services.actor import Actor
 
     torch.manual_seed(3)
     model = build_model(ATARI, Categorical(4))

@@ -1,4 +1,4 @@
-"""Tests for oakemu_core.checkpoint: atomic writes, crash safety, latest lookup, RNG state."""
+"""Tests for oakemu_core.run.checkpoint: atomic writes, crash safety, latest lookup, RNG state."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from oakemu_core import checkpoint as ckpt
-from oakemu_core.checkpoint import (
+from oakemu_core.run import checkpoint as ckpt
+from oakemu_core.run.checkpoint import (
     CheckpointError,
     capture_rng_state,
     checkpoint_path,

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from oakemu_core.config import OakEmuConfig
-from services import cli
+from oakemu_services import cli
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,14 +26,14 @@ def _clean_oakemu_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class FakeService:
-    """Stands in for services.<name>; records the arguments of main() and returns a set code."""
+    """Stands in for oakemu_services.<name>; records the arguments of main() and returns a set code."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str, return_code: int = 0) -> None:
         self.calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
         self.return_code = return_code
-        module = types.ModuleType(f"services.{name}")
+        module = types.ModuleType(f"oakemu_services.{name}")
         module.main = self._main  # type: ignore[attr-defined]
-        monkeypatch.setitem(sys.modules, f"services.{name}", module)
+        monkeypatch.setitem(sys.modules, f"oakemu_services.{name}", module)
 
     def _main(self, *args: Any, **kwargs: Any) -> int:
         self.calls.append((args, kwargs))
@@ -141,15 +141,15 @@ def test_help_lists_generated_config_flags(capsys: pytest.CaptureFixture[str]) -
 def test_missing_service_module_is_reported(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setitem(sys.modules, "services.learner", None)  # makes the import raise ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "oakemu_services.learner", None)  # makes the import raise ModuleNotFoundError
     assert cli.main(["learner"]) == 1
-    assert "services.learner" in capsys.readouterr().err
+    assert "oakemu_services.learner" in capsys.readouterr().err
 
 
 def test_python_dash_m_runs_the_cli() -> None:
     env = {key: value for key, value in os.environ.items() if not key.startswith("OAKEMU_")}
     result = subprocess.run(
-        [sys.executable, "-m", "services.cli", "train", "--ppo-epochs", "0"],
+        [sys.executable, "-m", "oakemu_services.cli", "train", "--ppo-epochs", "0"],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -165,7 +165,7 @@ def test_the_console_entry_point_exits_with_mains_status(monkeypatch: pytest.Mon
     import tomllib
 
     scripts = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["oakemu"] == "services.cli:run"
+    assert scripts["oakemu"] == "oakemu_services.cli:run"
     import gc
 
     frozen: list[bool] = []  # the real gc.freeze would keep this test process's garbage for good
@@ -191,7 +191,7 @@ def test_train_refuses_bfloat16_actors_for_an_env_without_images_before_anything
 
 
 class _FakeChild:
-    """What ``services.train._restart_crashed`` reads of an actor process."""
+    """What ``oakemu_services.train._restart_crashed`` reads of an actor process."""
 
     def __init__(self, name: str, statuses: list[int | None]) -> None:
         self.name, self.statuses, self.restarts, self.gave_up, self.starts = name, statuses, 0, False, 0
@@ -211,8 +211,8 @@ def test_oakemu_train_restarts_crashed_actors_but_not_setup_errors_and_says_when
     the run (SETUP_ERROR_EXIT_STATUS) is not; True only once every actor is gone for good."""
     from rich.console import Console
 
-    from services.runtime import SETUP_ERROR_EXIT_STATUS
-    from services.train import MAX_ACTOR_RESTARTS, _restart_crashed
+    from oakemu_services.runtime import SETUP_ERROR_EXIT_STATUS
+    from oakemu_services.train import MAX_ACTOR_RESTARTS, _restart_crashed
 
     console = Console(file=io.StringIO())
     crashing = _FakeChild("actor-0", [1])  # exits with 1 after every start

@@ -199,7 +199,7 @@ def test_shm_formula_in_the_docs_matches_the_learner():
     from oakemu_core.config import load_config
     from oakemu_core.envs import env_spec
     from oakemu_core.step_schema import schema_for_env
-    from services.learner import rollout_buffer_bytes
+    from oakemu_services.learner import rollout_buffer_bytes
 
     config = load_config(["--env-id", "ALE/Breakout-v5", "--num-envs", "16", "--rollout-length", "128"])
     # + column_steps (8 bytes per column) + the layout record (meta, 3 x int64)
@@ -326,7 +326,7 @@ def test_dockerignore_keeps_runs_and_caches_out(path):
     assert dockerignore_excludes(path)
 
 
-@pytest.mark.parametrize("path", ["pyproject.toml", "README.md", "oakemu_core/telemetry.py", "services/cli.py"])
+@pytest.mark.parametrize("path", ["pyproject.toml", "README.md", "oakemu_core/run/telemetry.py", "services/cli.py"])
 def test_dockerignore_keeps_what_pip_install_needs(path):
     assert not dockerignore_excludes(path)
 
@@ -397,7 +397,7 @@ class LocalDeployment:
     def argv(self, service_name: str, *extra: str) -> list[str]:
         argv = [*image_entrypoint(), *self.compose["services"][service_name]["command"], *extra]
         assert argv[0] == "oakemu"
-        argv = [sys.executable, "-m", "services.cli", *argv[1:]]
+        argv = [sys.executable, "-m", "oakemu_services.cli", *argv[1:]]
         return [self._local_address(argument) for argument in argv]
 
     def _local_address(self, argument: str) -> str:
@@ -595,7 +595,7 @@ def test_compose_services_as_local_processes_scale_1_3_2_and_stop(local_deployme
     assert learner.returncode == 0, deployment.logs()
     assert segments_owned_by(learner.pid) == []
 
-    from oakemu_core.checkpoint import latest_checkpoint
+    from oakemu_core.run.checkpoint import latest_checkpoint
 
     run_dir = deployment.runs_dir / "compose-local"
     assert latest_checkpoint(run_dir) is not None, deployment.logs()

@@ -1,4 +1,4 @@
-"""Behaviour cloning from Minari demonstrations (oakemu_core/demonstrations.py, oakemu record)."""
+"""Behaviour cloning from Minari demonstrations (oakemu_core/algo/demonstrations.py, oakemu record)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from oakemu_core.distributions import distribution_for_env
+from oakemu_core.policy.distributions import distribution_for_env
 from oakemu_core.envs import env_spec, make_eval_env
-from oakemu_core.evaluation import play_episodes
-from oakemu_core.models import build_model
+from oakemu_core.run.evaluation import play_episodes
+from oakemu_core.policy.models import build_model
 
 pytest.importorskip("h5py", reason="behaviour cloning needs the optional minari[hdf5] extra: pip install 'oakemu-rl[bc]'")
 minari = pytest.importorskip("minari", reason="behaviour cloning needs the optional minari extra: pip install 'oakemu-rl[bc]'")
 
-from oakemu_core.demonstrations import (  # after the skip
+from oakemu_core.algo.demonstrations import (  # after the skip
     BCSampler,
     DemonstrationDataError,
     DemonstrationMismatchError,
@@ -210,9 +210,9 @@ def test_without_minari_the_error_says_what_to_install(monkeypatch: pytest.Monke
 
 def test_oakemu_record_with_a_scripted_policy_and_with_a_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    from oakemu_core.checkpoint import save_checkpoint
+    from oakemu_core.run.checkpoint import save_checkpoint
     from oakemu_core.step_schema import schema_for_env
-    from services.cli import main
+    from oakemu_services.cli import main
 
     monkeypatch.chdir(Path(__file__).resolve().parents[1])  # tests.test_demonstrations is importable from here
     scripted = tmp_path / "scripted"

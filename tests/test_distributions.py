@@ -1,4 +1,4 @@
-"""Tests for oakemu_core.distributions: every family against an independent reference
+"""Tests for oakemu_core.policy.distributions: every family against an independent reference
 (torch.distributions or numpy formulas written here), masks, modes, plain-value round trips and
 the choice of family per Gymnasium space."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from gymnasium import spaces
 
-from oakemu_core.distributions import (
+from oakemu_core.policy.distributions import (
     Bernoulli,
     Categorical,
     DiagGaussian,
@@ -19,7 +19,7 @@ from oakemu_core.distributions import (
     distribution_for_space,
     distribution_from_dict,
 )
-from oakemu_core.distributions import _gumbel_argmax  # the sampler's noise step, tested alone
+from oakemu_core.policy.distributions import _gumbel_argmax  # the sampler's noise step, tested alone
 
 B = 64
 

@@ -348,7 +348,7 @@ def test_compose_scale_kill_stop_resume_and_down(compose: Compose) -> None:
 
 def read_checkpoint_step(compose: Compose) -> int:
     """The ``global_step`` of the run's latest checkpoint, read in a one-off learner container."""
-    code = ("from pathlib import Path; from oakemu_core.checkpoint import latest_checkpoint, load_checkpoint; "
+    code = ("from pathlib import Path; from oakemu_core.run.checkpoint import latest_checkpoint, load_checkpoint; "
             "p = latest_checkpoint(Path('/data/runs/main')); print(load_checkpoint(p, map_location='cpu')['global_step'])")
     result = compose("run", "--rm", "--no-deps", "-T", "--entrypoint", "python", "learner", "-c", code, timeout=120)
     return int(result.stdout.split()[-1])

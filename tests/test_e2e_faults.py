@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import zmq
 
-from oakemu_core.telemetry import TelemetrySnapshot
-from oakemu_core.wire import (
+from oakemu_core.run.telemetry import TelemetrySnapshot
+from oakemu_core.transport.wire import (
     JoinReply,
     JoinRequest,
     StepMessage,
@@ -273,7 +273,7 @@ def test_sigint_to_oakemu_train_stops_everything_cleanly(e2e: E2EProcesses, tmp_
     finally:
         telemetry.close()
     commands = [command for _, command in e2e.alive()]
-    roles = sorted(c.split("services.cli ")[1].split()[0] for c in commands if "services.cli " in c)
+    roles = sorted(c.split("oakemu_services.cli ")[1].split()[0] for c in commands if "oakemu_services.cli " in c)
     assert roles == ["actor", "actor", "learner", "train"], commands
 
     started = time.monotonic()

@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 import zmq
 
-from oakemu_core.checkpoint import latest_checkpoint, load_checkpoint
-from oakemu_core.telemetry import TelemetrySnapshot
-from oakemu_core.wire import (
+from oakemu_core.run.checkpoint import latest_checkpoint, load_checkpoint
+from oakemu_core.run.telemetry import TelemetrySnapshot
+from oakemu_core.transport.wire import (
     Heartbeat,
     JoinReply,
     JoinRequest,

@@ -91,10 +91,10 @@ def test_taxi_policy_never_takes_a_masked_action() -> None:
     stored mask, and by Taxi's own ``action_mask(state)`` computed independently."""
     import gymnasium
 
-    from oakemu_core.distributions import distribution_for_env
+    from oakemu_core.policy.distributions import distribution_for_env
     from oakemu_core.envs import make_vector_env
-    from oakemu_core.models import build_model
-    from oakemu_core.stepper import PolicyStepper
+    from oakemu_core.policy.models import build_model
+    from oakemu_core.actor.stepper import PolicyStepper
 
     env = make_vector_env("Taxi-v4", 4, seed=3)
     references = [gymnasium.make("Taxi-v4").unwrapped for _ in range(4)]

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from oakemu_core.checkpoint import load_checkpoint
-from oakemu_core.telemetry import TelemetrySnapshot, TelemetrySubscriber
+from oakemu_core.run.checkpoint import load_checkpoint
+from oakemu_core.run.telemetry import TelemetrySnapshot, TelemetrySubscriber
 from tests.e2e_helpers import (
     E2EProcesses,
     Ports,

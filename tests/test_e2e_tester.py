@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from oakemu_core.checkpoint import load_checkpoint
-from oakemu_core.tester import EVAL_SEED_OFFSET
-from services.evaluate import evaluate
+from oakemu_core.run.checkpoint import load_checkpoint
+from oakemu_core.run.tester import EVAL_SEED_OFFSET
+from oakemu_services.evaluate import evaluate
 from tests.e2e_helpers import (
     E2EProcesses,
     common_flags,

@@ -1,6 +1,6 @@
 """Game Boy backend (PyBoy) on the generated test ROM: env behaviour, RAM rewards, states, bad inputs.
 
-The ROM (oakemu_core/emulators/testrom.py) counts new presses of A at 0xC000 and keeps an (x, y)
+The ROM (oakemu_core/envs/emulators/testrom.py) counts new presses of A at 0xC000 and keeps an (x, y)
 position at 0xC001/0xC002 moved by the direction buttons.
 """
 
@@ -16,16 +16,16 @@ import pytest
 
 pytest.importorskip("pyboy", reason="PyBoy is not installed (pip install 'oakemu-rl[emulators]')")
 
-from oakemu_core.emulators import (
+from oakemu_core.envs.emulators import (
     EmulatorConfigError,
     is_emulator_env,
     make_emulator_env,
     validate_emulator_env,
 )
-from oakemu_core.emulators.gameboy import check_gameboy_rom
-from oakemu_core.emulators.ram import read_value
-from oakemu_core.emulators.settings import RamValue
-from oakemu_core.emulators.testrom import (
+from oakemu_core.envs.emulators.gameboy import check_gameboy_rom
+from oakemu_core.envs.emulators.ram import read_value
+from oakemu_core.envs.emulators.settings import RamValue
+from oakemu_core.envs.emulators.testrom import (
     A_COUNTER,
     NINTENDO_LOGO,
     X_POSITION,
@@ -247,8 +247,8 @@ def test_read_value_kinds() -> None:
 
 
 def test_signed_delta_and_sum_over_addresses() -> None:
-    from oakemu_core.emulators.ram import RewardTracker
-    from oakemu_core.emulators.settings import RewardTerm
+    from oakemu_core.envs.emulators.ram import RewardTracker
+    from oakemu_core.envs.emulators.settings import RewardTerm
 
     memory = bytearray(0x10000)
     read = memory.__getitem__
@@ -385,8 +385,8 @@ def test_a_state_pyboy_cannot_load(rom: Path, settings: Callable[..., Path], tmp
 
 def test_pokemon_example_settings_are_valid() -> None:
     """examples/pokemon_red/emulator.toml parses and its addresses are valid (Pokemon Red has cartridge RAM)."""
-    from oakemu_core.emulators.ram import check_gameboy_addresses
-    from oakemu_core.emulators.settings import load_emulator_settings
+    from oakemu_core.envs.emulators.ram import check_gameboy_addresses
+    from oakemu_core.envs.emulators.settings import load_emulator_settings
 
     path = Path(__file__).resolve().parents[1] / "examples" / "pokemon_red" / "emulator.toml"
     settings, _ = load_emulator_settings(path)

@@ -16,13 +16,13 @@ import pytest
 
 retro = pytest.importorskip("stable_retro", reason="stable-retro is not installed (pip install 'oakemu-rl[emulators]')")
 
-from oakemu_core.emulators import (
+from oakemu_core.envs.emulators import (
     EmulatorConfigError,
     EmulatorProcessError,
     make_emulator_env,
     validate_emulator_env,
 )
-from oakemu_core.emulators.retro_backend import open_retro_envs
+from oakemu_core.envs.emulators.retro_backend import open_retro_envs
 
 GAME = "Airstriker-Genesis-v0"
 ENV_ID = f"retro:{GAME}"

@@ -17,13 +17,13 @@ import torch
 
 pytest.importorskip("ale_py")
 
-from oakemu_core.distributions import distribution_for_env  # noqa: E402
+from oakemu_core.policy.distributions import distribution_for_env  # noqa: E402
 from oakemu_core.envs import EnvGroups, make_env_groups, make_vector_env  # noqa: E402
-from oakemu_core.ingest import RolloutAssembler  # noqa: E402
-from oakemu_core.models import build_model  # noqa: E402
-from oakemu_core.rollout_buffer import RolloutBuffer  # noqa: E402
-from oakemu_core.stepper import PolicyStepper  # noqa: E402
-from oakemu_core.wire import StepMessage, StepSpec, decode_step, encode_step  # noqa: E402
+from oakemu_core.storage.assembler import RolloutAssembler  # noqa: E402
+from oakemu_core.policy.models import build_model  # noqa: E402
+from oakemu_core.storage.rollout_buffer import RolloutBuffer  # noqa: E402
+from oakemu_core.actor.stepper import PolicyStepper  # noqa: E402
+from oakemu_core.transport.wire import StepMessage, StepSpec, decode_step, encode_step  # noqa: E402
 
 ENV_ID = "ALE/Breakout-v5"
 SEED = 11

@@ -593,9 +593,9 @@ def test_emulator_ids_go_through_make_emulator_env(monkeypatch: pytest.MonkeyPat
         )
         return None if env_id.endswith("unknown") else gymnasium.make("CartPole-v1")
 
-    fake = types.ModuleType("oakemu_core.emulators")
+    fake = types.ModuleType("oakemu_core.envs.emulators")
     fake.make_emulator_env = make_emulator_env  # type: ignore[attr-defined]
-    monkeypatch.setitem(__import__("sys").modules, "oakemu_core.emulators", fake)
+    monkeypatch.setitem(__import__("sys").modules, "oakemu_core.envs.emulators", fake)
     env_spec.cache_clear()
     spec = env_spec("gameboy:fake-rom", settings_file="s.toml")
     assert spec.observation_layout == {"": ((4,), np.dtype(np.float32))} and spec.env_id == "gameboy:fake-rom"
@@ -607,7 +607,7 @@ def test_emulator_ids_go_through_make_emulator_env(monkeypatch: pytest.MonkeyPat
     assert any(c["max_episode_steps"] == 7 for c in calls)
     with pytest.raises(UnsupportedEnvironmentError, match="known emulator id"):
         env_spec("gameboy:unknown")
-    monkeypatch.setitem(__import__("sys").modules, "oakemu_core.emulators", None)  # import fails
+    monkeypatch.setitem(__import__("sys").modules, "oakemu_core.envs.emulators", None)  # import fails
     env_spec.cache_clear()
     with pytest.raises(UnsupportedEnvironmentError, match="emulator support.*not installed"):
         env_spec("gameboy:fake-rom")

@@ -11,14 +11,14 @@ import msgpack
 import pytest
 from rich.console import Console
 
-from oakemu_core.metrics import (
+from oakemu_core.run.metrics import (
     EVAL_EPISODIC_LENGTH,
     EVAL_EPISODIC_RETURN,
     EVAL_EPISODIC_RETURN_STD,
     MetricsLogger,
     evaluation_scalars,
 )
-from oakemu_core.telemetry import (
+from oakemu_core.run.telemetry import (
     HISTORY_MAX_POINTS,
     PrometheusExporter,
     TelemetryHistory,
@@ -27,8 +27,8 @@ from oakemu_core.telemetry import (
     decode_snapshot,
     encode_snapshot,
 )
-from oakemu_core.tester import EvaluationReport
-from services import monitor
+from oakemu_core.run.tester import EvaluationReport
+from oakemu_services import monitor
 from tests.test_monitor import make_snapshot, publishing
 
 

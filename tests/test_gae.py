@@ -1,4 +1,4 @@
-"""Tests for oakemu_core.gae.compute_gae, against hand-computed numbers and a per-element reference."""
+"""Tests for oakemu_core.storage.gae.compute_gae, against hand-computed numbers and a per-element reference."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oakemu_core.gae import compute_gae
+from oakemu_core.storage.gae import compute_gae
 
 GAMMA = 0.99
 GAE_LAMBDA = 0.95

@@ -13,17 +13,17 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from oakemu_core.ingest import (
+from oakemu_core.storage.assembler import (
     HELD_SLACK_MESSAGES,
     RolloutAssembler,
     SlotState,
     StepRejected,
     drop_stale_rows,
 )
-from oakemu_core.distributions import Categorical
-from oakemu_core.rollout_buffer import RolloutBuffer
+from oakemu_core.policy.distributions import Categorical
+from oakemu_core.storage.rollout_buffer import RolloutBuffer
 from oakemu_core.step_schema import StepField, build_schema
-from oakemu_core.wire import (
+from oakemu_core.transport.wire import (
     MessageRejected,
     StepMessage,
     StepSpec,
@@ -370,7 +370,7 @@ def test_drop_stale_rows_with_no_stale_row(buffers: list[RolloutBuffer]) -> None
 
 
 def test_learner_path_counts_a_late_step_of_a_departed_actor_as_dropped(assembler: RolloutAssembler) -> None:
-    """What services.learner does with each frame: decode against the joined spec, then ingest."""
+    """What oakemu_services.learner does with each frame: decode against the joined spec, then ingest."""
     assembler.join("a", "a-1", spec(3), hostname="h", now=0.0)
     frame = encode_step(message("a", "a-1", 0, 3))
     assert assembler.leave("a", "a-1")
@@ -381,7 +381,7 @@ def test_learner_path_counts_a_late_step_of_a_departed_actor_as_dropped(assemble
 
 
 def learner_path(assembler: RolloutAssembler, msg: StepMessage, *, version: int = 0) -> None:
-    """What services.learner does with each frame: decode against the joined spec, then ingest."""
+    """What oakemu_services.learner does with each frame: decode against the joined spec, then ingest."""
     frame = encode_step(msg)
     assembler.ingest(decode_step(frame, assembler.spec_for, max_bytes=2**20), current_policy_version=version, now=0.0)
 

@@ -1,4 +1,4 @@
-"""The seed-002 learner API (oakemu_core/learner.py), called as the page writes it, and automatic
+"""The seed-002 learner API (oakemu_core/algo/learner.py), called as the page writes it, and automatic
 rollback: a collapse injected into a real learner is detected, rolled back, counted, and training
 goes on from the restored weights under a higher policy version; a run that keeps collapsing stops
 with a clear message. No sockets: rollouts come from a PolicyStepper on CartPole."""
@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from oakemu_core.checkpoint import load_checkpoint, save_run_checkpoint
-from oakemu_core.distributions import distribution_for_env
+from oakemu_core.run.checkpoint import load_checkpoint, save_run_checkpoint
+from oakemu_core.policy.distributions import distribution_for_env
 from oakemu_core.envs import make_vector_env
-from oakemu_core.ingest import FullRollout
-from oakemu_core.learner import (
+from oakemu_core.storage.assembler import FullRollout
+from oakemu_core.algo.learner import (
     CheckpointPolicy,
     HealthMonitor,
     PPOExperimentConfiguration,
@@ -30,11 +30,11 @@ from oakemu_core.learner import (
     TrainResult,
     WeightsRevision,
 )
-from oakemu_core.models import build_model
-from oakemu_core.ppo import LinearSchedule
-from oakemu_core.rollout_buffer import RolloutBuffer
+from oakemu_core.policy.models import build_model
+from oakemu_core.algo.ppo import LinearSchedule
+from oakemu_core.storage.rollout_buffer import RolloutBuffer
 from oakemu_core.step_schema import schema_for_env
-from oakemu_core.stepper import PolicyStepper
+from oakemu_core.actor.stepper import PolicyStepper
 
 T, N = 32, 4
 
@@ -292,8 +292,8 @@ def test_learning_rate_that_destroys_the_policy_is_caught_by_the_kl_check(cartpo
 
 def test_evaluation_collapse_rolls_back_to_best(cartpole, tmp_path: Path) -> None:
     """Three evaluations in a row below half of the best restore best.pt (the evaluated weights)."""
-    from oakemu_core.models import weights_to_arrays
-    from oakemu_core.tester import EvaluationReport
+    from oakemu_core.policy.models import weights_to_arrays
+    from oakemu_core.run.tester import EvaluationReport
 
     def report(mean: float, version: int, weights=None) -> EvaluationReport:
         return EvaluationReport(policy_version=version, global_step=100 * version, episodes=1, return_mean=mean,

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from oakemu_core.config import OakEmuConfig
 from oakemu_core.envs import env_spec
-from oakemu_core.memory_diagnostics import shm_free_bytes
+from oakemu_core.storage.memory import shm_free_bytes
 from oakemu_core.step_schema import schema_for_env
-from services.learner import NUM_ROLLOUT_BUFFERS, rollout_buffer_bytes
+from oakemu_services.learner import NUM_ROLLOUT_BUFFERS, rollout_buffer_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,7 +37,7 @@ def _cartpole_learner_config(tmp_path: Path, run_name: str) -> OakEmuConfig:
 def test_rollout_buffer_bytes_matches_a_real_buffer() -> None:
     """The learner's /dev/shm figure is what a buffer of the run's schema really allocates: every
     stored field (here Taxi's masks too) plus column_steps and the 3-slot meta array."""
-    from oakemu_core.rollout_buffer import RolloutBuffer
+    from oakemu_core.storage.rollout_buffer import RolloutBuffer
 
     for env_id in ("CartPole-v1", "Taxi-v4", "Pendulum-v1"):
         config = OakEmuConfig(env_id=env_id, envs_per_actor=3, num_envs=6, rollout_length=10)
@@ -55,7 +55,7 @@ def test_learner_refuses_a_rollout_that_does_not_fit_in_dev_shm(tmp_path: Path) 
     rollout_length = 8
     num_envs = int(free // (NUM_ROLLOUT_BUFFERS * rollout_length * per_env_step)) + 8
     result = subprocess.run(
-        [sys.executable, "-m", "services.cli", "learner", "--env-id", "ALE/Breakout-v5",
+        [sys.executable, "-m", "oakemu_services.cli", "learner", "--env-id", "ALE/Breakout-v5",
          "--envs-per-actor", "8", "--num-envs", str(num_envs), "--rollout-length", str(rollout_length),
          "--runs-dir", str(tmp_path), "--run-name", "too-big", "--metrics-port", "0"],
         cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
@@ -77,9 +77,9 @@ def test_a_learner_that_fails_to_start_releases_what_it_made(tmp_path: Path) -> 
 
     import pytest
 
-    from oakemu_core.rollout_buffer import RolloutBuffer
-    from oakemu_core.telemetry import TelemetryBindError
-    from services.learner import Learner
+    from oakemu_core.storage.rollout_buffer import RolloutBuffer
+    from oakemu_core.run.telemetry import TelemetryBindError
+    from oakemu_services.learner import Learner
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -100,8 +100,8 @@ def test_a_learner_that_fails_to_start_releases_what_it_made(tmp_path: Path) -> 
 def test_a_joining_actor_gets_steps_per_message_for_its_own_env_count(tmp_path: Path) -> None:
     """K is computed from the joining actor's envs, not from the configured envs_per_actor or the
     buffer's columns: 128 env steps per message at most, rollout_length 1024."""
-    from oakemu_core.wire import JoinRequest, decode_message
-    from services.learner import Learner
+    from oakemu_core.transport.wire import JoinRequest, decode_message
+    from oakemu_services.learner import Learner
 
     ports = _free_ports(5)
     config = OakEmuConfig(env_id="CartPole-v1", num_actors=1, envs_per_actor=16, num_envs=16, rollout_length=1024,
@@ -118,7 +118,7 @@ def test_a_joining_actor_gets_steps_per_message_for_its_own_env_count(tmp_path: 
 
 
 def _precision_learner(tmp_path: Path, env_id: str):
-    from services.learner import Learner
+    from oakemu_services.learner import Learner
 
     ports = _free_ports(5)
     config = OakEmuConfig(env_id=env_id, num_actors=2, envs_per_actor=2, rollout_length=8, runs_dir=tmp_path,
@@ -129,7 +129,7 @@ def _precision_learner(tmp_path: Path, env_id: str):
 
 def _join(learner, actor_id: str, precision: str):
     """A join request through the learner's control handling (peer binding and refusals included)."""
-    from oakemu_core.wire import JoinRequest, decode_message, encode_join_request
+    from oakemu_core.transport.wire import JoinRequest, decode_message, encode_join_request
 
     request = JoinRequest(actor_id, f"inc-{actor_id}", 2, "h", inference_precision=precision)
     frame = learner._reply(decode_message(encode_join_request(request), max_bytes=2**24), 0.0)
@@ -164,7 +164,7 @@ def test_a_bfloat16_actor_is_refused_with_the_reason_where_the_env_has_no_images
 
 def test_the_trainer_hands_publish_min_sgd_steps_to_the_learner(tmp_path: Path) -> None:
     """``publish_min_sgd_steps`` reaches the library learner in async mode (sync publishes no revisions)."""
-    from services.learner import Trainer
+    from oakemu_services.learner import Trainer
 
     for mode, expected_sink in (("async", True), ("sync", False)):
         config = OakEmuConfig(env_id="CartPole-v1", num_actors=1, envs_per_actor=2, num_envs=2, rollout_length=8,
@@ -185,8 +185,8 @@ def test_a_closed_learner_releases_what_it_made(tmp_path: Path) -> None:
     and a second close() releases nothing twice."""
     import os
 
-    from oakemu_core.rollout_buffer import RolloutBuffer
-    from services.learner import Learner
+    from oakemu_core.storage.rollout_buffer import RolloutBuffer
+    from oakemu_services.learner import Learner
 
     config = _cartpole_learner_config(tmp_path, "closed")
     assert config.metrics_enabled
@@ -217,7 +217,7 @@ def test_the_pipe_outlives_a_trainer_that_did_not_stop_in_time(tmp_path: Path) -
     thread ended releases it."""
     import threading
 
-    from services.learner import Learner
+    from oakemu_services.learner import Learner
 
     learner = Learner(_cartpole_learner_config(tmp_path, "late"), tmp_path / "late")
     finish = threading.Event()
@@ -237,7 +237,7 @@ def test_the_pipe_outlives_a_trainer_that_did_not_stop_in_time(tmp_path: Path) -
 
 def test_a_cpu_learner_keeps_image_convolutions_channels_last(tmp_path: Path) -> None:
     """On the CPU the learner's CNN is channels-last (oneDNN's faster layout); an MLP stays as built."""
-    from services.learner import Trainer
+    from oakemu_services.learner import Trainer
 
     for env_id, expected in (("ALE/Breakout-v5", True), ("CartPole-v1", False)):
         config = OakEmuConfig(env_id=env_id, num_actors=1, envs_per_actor=2, num_envs=2, rollout_length=8,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services.runtime import RetryReporter, resolved_log_format
+from oakemu_services.runtime import RetryReporter, resolved_log_format
 from tests.e2e_helpers import E2EProcesses, e2e_fixture, new_ports  # noqa: F401
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +25,7 @@ def log_in_child(log_format: str) -> list[str]:
     """stderr lines of a child process that logs a long record, a multi-line one and an exception."""
     code = f"""
 import logging
-from services.runtime import setup_logging
+from oakemu_services.runtime import setup_logging
 setup_logging("INFO", {log_format!r})
 log = logging.getLogger("oakemu.test")
 log.info("update %5d | " + "x" * 200 + " | actors %d", 7, 3)

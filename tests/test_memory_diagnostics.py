@@ -1,4 +1,4 @@
-"""Tests for oakemu_core.memory_diagnostics on fake /proc and cgroup trees and the real machine."""
+"""Tests for oakemu_core.storage.memory on fake /proc and cgroup trees and the real machine."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from oakemu_core.memory_diagnostics import (
+from oakemu_core.storage.memory import (
     RolloutBufferMemoryDiagnostic,
     SharedMemoryTooSmallError,
     ensure_shm_capacity,

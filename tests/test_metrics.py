@@ -1,4 +1,4 @@
-"""Tests for oakemu_core.metrics: episode window statistics, JSON-lines and TensorBoard output."""
+"""Tests for oakemu_core.run.metrics: episode window statistics, JSON-lines and TensorBoard output."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from oakemu_core.metrics import EpisodeWindow, MetricsLogger, episode_scalars, update_scalars
+from oakemu_core.run.metrics import EpisodeWindow, MetricsLogger, episode_scalars, update_scalars
 
 CLEANRL_NAMES = [
     "charts/episodic_return",
@@ -125,7 +125,7 @@ def test_logger_appends_on_resume_and_refuses_after_close(tmp_path: Path) -> Non
 
 
 def test_step_rate_meter_over_its_window() -> None:
-    from oakemu_core.metrics import StepRateMeter
+    from oakemu_core.run.metrics import StepRateMeter
 
     meter = StepRateMeter(window=3)
     assert meter.rate == 0.0

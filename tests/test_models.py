@@ -1,4 +1,4 @@
-"""Tests for oakemu_core.models: per-key encoders, uint8 scaling, act/evaluate agreement (masked,
+"""Tests for oakemu_core.policy.models: per-key encoders, uint8 scaling, act/evaluate agreement (masked,
 multi-discrete, Gaussian), observation normalisation, weights round trip."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from oakemu_core.distributions import (
+from oakemu_core.policy.distributions import (
     Categorical,
     DiagGaussian,
     MultiCategorical,
     distribution_for_env,
 )
 from oakemu_core.envs import EnvSpec
-from oakemu_core.models import (
+from oakemu_core.policy.models import (
     ActorCritic,
     RunningNormalizer,
     build_model,

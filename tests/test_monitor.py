@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from oakemu_core.telemetry import ActorTelemetry, TelemetryPublisher, TelemetrySnapshot
-from services import monitor
+from oakemu_core.run.telemetry import ActorTelemetry, TelemetryPublisher, TelemetrySnapshot
+from oakemu_services import monitor
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,8 +75,8 @@ def free_port() -> int:
 
 def monitor_command(*args: str) -> list[str]:
     if (REPO_ROOT / "services" / "cli.py").exists():
-        return [sys.executable, "-m", "services.cli", "monitor", *args]
-    return [sys.executable, "-c", "import sys; from services.monitor import main; sys.exit(main(sys.argv[1], "
+        return [sys.executable, "-m", "oakemu_services.cli", "monitor", *args]
+    return [sys.executable, "-c", "import sys; from oakemu_services.monitor import main; sys.exit(main(sys.argv[1], "
             "json_output='--json' in sys.argv, once='--once' in sys.argv, timeout_s=2.0))", *args]
 
 

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from oakemu_core.distributions import DiagGaussian, distribution_for_env
+from oakemu_core.policy.distributions import DiagGaussian, distribution_for_env
 from oakemu_core.envs import make_vector_env
-from oakemu_core.learner import PPOExperimentConfiguration
-from oakemu_core.models import build_model
-from oakemu_core.ppo import PPOUpdater, RolloutEvaluation, ppo_losses
-from oakemu_core.rollout_buffer import RolloutBuffer
+from oakemu_core.algo.learner import PPOExperimentConfiguration
+from oakemu_core.policy.models import build_model
+from oakemu_core.algo.ppo import PPOUpdater, RolloutEvaluation, ppo_losses
+from oakemu_core.storage.rollout_buffer import RolloutBuffer
 from oakemu_core.step_schema import build_schema
-from oakemu_core.stepper import PolicyStepper
+from oakemu_core.actor.stepper import PolicyStepper
 from tests.test_learner import cartpole, fill, make_learner  # noqa: F401 (cartpole is a fixture)
 from tests.test_ppo import OBS_DIM, N, T, _fill, _fill_schema_buffer, _learner, _loss_inputs, _model, _trainable_rows
 

@@ -1,4 +1,4 @@
-"""Actor inference with ONNX Runtime (oakemu_core/onnx_inference.py): the same outputs as the torch
+"""Actor inference with ONNX Runtime (oakemu_core/policy/onnx_inference.py): the same outputs as the torch
 module, new weights after ``load``, ``act`` through the backend, refusals with a reason."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from oakemu_core.config import ConfigError
-from oakemu_core.distributions import Categorical, DiagGaussian, MultiCategorical
-from oakemu_core.models import build_model
+from oakemu_core.policy.distributions import Categorical, DiagGaussian, MultiCategorical
+from oakemu_core.policy.models import build_model
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
-from oakemu_core.onnx_inference import OnnxForward, check_available  # noqa: E402
+from oakemu_core.policy.onnx_inference import OnnxForward, check_available  # noqa: E402
 
 
 def _outputs(model, observations: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

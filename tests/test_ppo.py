@@ -1,4 +1,4 @@
-"""Tests for oakemu_core.ppo: loss terms against hand-computed numbers, the schedule, and the learner
+"""Tests for oakemu_core.algo.ppo: loss terms against hand-computed numbers, the schedule, and the learner
 on real RolloutBuffers (ratio check, learning on a bandit, early stop, counters)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from oakemu_core.demonstrations import DemonstrationBatch
-from oakemu_core.distributions import Categorical, DiagGaussian
-from oakemu_core.models import ActorCritic, build_model
-from oakemu_core.ppo import (
+from oakemu_core.algo.demonstrations import DemonstrationBatch
+from oakemu_core.policy.distributions import Categorical, DiagGaussian
+from oakemu_core.policy.models import ActorCritic, build_model
+from oakemu_core.algo.ppo import (
     EmptyRolloutError,
     LinearSchedule,
     PPOUpdater,
@@ -22,7 +22,7 @@ from oakemu_core.ppo import (
     explained_variance,
     ppo_losses,
 )
-from oakemu_core.rollout_buffer import FlatBatch, RolloutBuffer
+from oakemu_core.storage.rollout_buffer import FlatBatch, RolloutBuffer
 from oakemu_core.step_schema import build_schema
 
 
@@ -530,7 +530,7 @@ def test_gaussian_approx_kl_is_the_exact_kl_from_the_stored_parameters() -> None
 def test_advantages_are_normalised_per_minibatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each minibatch's advantages enter the loss with mean 0 and population std 1 (SB3 / CleanRL),
     not normalised once over the whole rollout (whose minibatch means would not be 0)."""
-    import oakemu_core.ppo as ppo_module
+    import oakemu_core.algo.ppo as ppo_module
 
     seen: list[torch.Tensor] = []
     original = ppo_module.ppo_losses

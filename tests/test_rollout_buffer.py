@@ -1,4 +1,4 @@
-"""Tests for oakemu_core.rollout_buffer: layout, validation, column writes, GAE, minibatches, sharing."""
+"""Tests for oakemu_core.storage.rollout_buffer: layout, validation, column writes, GAE, minibatches, sharing."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import oakemu_core.memory_diagnostics as memory_diagnostics
+import oakemu_core.storage.memory as memory_diagnostics
 from oakemu_core import RolloutBuffer, RolloutMinibatch
-from oakemu_core.memory_diagnostics import SharedMemoryTooSmallError
-from oakemu_core.distributions import Categorical
-from oakemu_core.rollout_buffer import FlatBatch, StaleAdvantagesError, normalize_advantages
+from oakemu_core.storage.memory import SharedMemoryTooSmallError
+from oakemu_core.policy.distributions import Categorical
+from oakemu_core.storage.rollout_buffer import FlatBatch, StaleAdvantagesError, normalize_advantages
 from oakemu_core.shared_memory import SEGMENT_PREFIX
 from oakemu_core.step_schema import build_schema, default_schema
 from tests.conftest import SHM_DIR, own_segments
@@ -652,7 +652,7 @@ def test_buffer_left_open_is_unlinked_at_interpreter_exit(run_python) -> None:
     result = run_python(
         """
         import numpy as np
-        from oakemu_core.rollout_buffer import RolloutBuffer
+        from oakemu_core.storage.rollout_buffer import RolloutBuffer
         import os
         kept = RolloutBuffer(2, 2, (3,), np.uint8)
         print(" ".join(sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"oakemu_{os.getpid()}_"))))

@@ -1,4 +1,4 @@
-"""Policy routing (oakemu_core/routing.py): routed steps are stored and counted, never trained on."""
+"""Policy routing (oakemu_core/actor/routing.py): routed steps are stored and counted, never trained on."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from oakemu_core.distributions import distribution_for_env
+from oakemu_core.policy.distributions import distribution_for_env
 from oakemu_core.envs import EnvSpec, env_spec, make_vector_env
-from oakemu_core.models import build_model
-from oakemu_core.ppo import EmptyRolloutError, PPOUpdater
-from oakemu_core.rollout_buffer import RolloutBuffer
-from oakemu_core.routing import (
+from oakemu_core.policy.models import build_model
+from oakemu_core.algo.ppo import EmptyRolloutError, PPOUpdater
+from oakemu_core.storage.rollout_buffer import RolloutBuffer
+from oakemu_core.actor.routing import (
     ROUTE_POLICY,
     ROUTE_RANDOM,
     ROUTE_SCRIPTED,
@@ -21,7 +21,7 @@ from oakemu_core.routing import (
     random_actions,
 )
 from oakemu_core.step_schema import schema_for_env
-from oakemu_core.stepper import PolicyStepper
+from oakemu_core.actor.stepper import PolicyStepper
 
 T, N = 64, 4
 

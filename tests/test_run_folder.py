@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from oakemu_core.checkpoint import CheckpointWriteFailed, CheckpointWriter, latest_checkpoint, load_checkpoint
+from oakemu_core.run.checkpoint import CheckpointWriteFailed, CheckpointWriter, latest_checkpoint, load_checkpoint
 from oakemu_core.envs import env_spec
-from oakemu_core.log_limits import RateLimitedLog
-from oakemu_core.metrics import JsonLinesWriter, MetricsLogger
-from oakemu_core.models import build_model
-from oakemu_core.run_folder import (
+from oakemu_core.run.log_limits import RateLimitedLog
+from oakemu_core.run.metrics import JsonLinesWriter, MetricsLogger
+from oakemu_core.policy.models import build_model
+from oakemu_core.run.run_folder import (
     ResumeMismatchError,
     check_resume_compatible,
     config_changes,

@@ -1,4 +1,4 @@
-"""Step rings (oakemu_core/step_ring.py): the arrays of a step message in shared memory, checked by the
+"""Step rings (oakemu_core/transport/step_ring.py): the arrays of a step message in shared memory, checked by the
 learner like inline ones; flow control by the release counter; the learner's registry of rings."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import pytest
 import zmq
 
 from oakemu_core.config import OakEmuConfig
-from oakemu_core.ingest import RolloutAssembler
-from oakemu_core.rollout_buffer import RolloutBuffer
-from oakemu_core.step_ring import (
+from oakemu_core.storage.assembler import RolloutAssembler
+from oakemu_core.storage.rollout_buffer import RolloutBuffer
+from oakemu_core.transport.step_ring import (
     DEPARTED_RINGS_KEPT,
     StepRing,
     StepRings,
@@ -27,7 +27,7 @@ from oakemu_core.step_ring import (
     shared_memory_host_id,
     ring_slots,
 )
-from oakemu_core.wire import (
+from oakemu_core.transport.wire import (
     JoinReply,
     JoinRequest,
     MessageRejected,
@@ -261,7 +261,7 @@ def test_every_message_the_learner_reads_frees_its_slot_but_only_on_its_own_peer
     row leave the actor unable to write its next message, and its unfinished segment holds up every
     buffer behind it. A message from another peer must not free anything: the slots it names may
     still be queued."""
-    from services.learner import Learner
+    from oakemu_services.learner import Learner
 
     buffers = [RolloutBuffer(16, N, schema=ATARI_SCHEMA) for _ in range(2)]
     rings = StepRings()
@@ -410,7 +410,7 @@ def test_the_host_id_names_the_kernel_and_the_shared_memory_mount(tmp_path: Path
 UNREACHABLE_RING_HOOK = '''
 import os
 if os.environ.get("RINGTEST_UNREACHABLE"):
-    from oakemu_core import step_ring
+    from oakemu_core.transport import step_ring
 
     def _unreachable(offer, spec):  # as from another container: its own /dev/shm
         raise step_ring.StepRingUnavailable(f"no segment {offer.name} here")
@@ -455,7 +455,7 @@ def test_local_actors_use_rings_and_others_fall_back_to_inline_arrays(e2e: E2EPr
 def test_a_rejoin_that_changes_k_or_the_ring_gets_fresh_sockets_sized_for_them() -> None:
     """An actor's step block and send queue follow the join: a learner restarted without room for a
     ring (or with other settings) must not leave inline 4-step blocks behind a queue sized for a ring."""
-    from services.actor import Actor
+    from oakemu_services.actor import Actor
 
     data, control, weights = free_ports(3)
     config = OakEmuConfig(envs_per_actor=N, data_port=data, control_port=control, weights_port=weights)
@@ -485,7 +485,7 @@ def test_an_actor_acts_the_next_message_only_once_its_ring_slot_is_free() -> Non
     after the learner has released message 0's slot (issue 11, policy lag)."""
     import time
 
-    from services.actor import Actor
+    from oakemu_services.actor import Actor
 
     data, control, weights = free_ports(3)
     config = OakEmuConfig(envs_per_actor=N, data_port=data, control_port=control, weights_port=weights)

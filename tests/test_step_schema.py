@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from oakemu_core import PPOActorStepBuffers, RolloutBuffer
-from oakemu_core.distributions import Bernoulli, Categorical, DiagGaussian, MultiCategorical
+from oakemu_core.policy.distributions import Bernoulli, Categorical, DiagGaussian, MultiCategorical
 from oakemu_core.envs import EnvSpec
 from oakemu_core.step_schema import (
     SMALL_ARRAY_SIZE,
@@ -23,7 +23,7 @@ from oakemu_core.step_schema import (
     default_schema,
     schema_for_env,
 )
-from oakemu_core.wire import MessageRejected, StepMessage, StepSpec, decode_step, encode_step
+from oakemu_core.transport.wire import MessageRejected, StepMessage, StepSpec, decode_step, encode_step
 
 MAX_BYTES = 1 << 22
 

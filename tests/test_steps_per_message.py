@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 
 from oakemu_core.config import OakEmuConfig
-from oakemu_core.distributions import Categorical
-from oakemu_core.ingest import RolloutAssembler, SlotState
-from oakemu_core.rollout_buffer import RolloutBuffer
-from oakemu_core.step_blocks import StepBlock
+from oakemu_core.policy.distributions import Categorical
+from oakemu_core.storage.assembler import RolloutAssembler, SlotState
+from oakemu_core.storage.rollout_buffer import RolloutBuffer
+from oakemu_core.transport.step_blocks import StepBlock
 from oakemu_core.step_schema import build_schema
-from oakemu_core.wire import (
+from oakemu_core.transport.wire import (
     MessageRejected,
     StepMessage,
     StepSpec,
@@ -255,14 +255,14 @@ SITE = textwrap.dedent('''
     _update = float(os.environ.get("LAGTEST_UPDATE_SLEEP_S") or 0)
     _step = float(os.environ.get("LAGTEST_STEP_SLEEP_S") or 0)
     if _update:
-        import oakemu_core.learner as _learner
+        import oakemu_core.algo.learner as _learner
         _original_step = _learner.PPOLearner.step
         def _slow_step(self, *args, **kwargs):
             time.sleep(_update)
             return _original_step(self, *args, **kwargs)
         _learner.PPOLearner.step = _slow_step
     if _step:
-        import oakemu_core.stepper as _stepper
+        import oakemu_core.actor.stepper as _stepper
         _original = _stepper.PolicyStepper.step
         def _slow(self, *args, **kwargs):
             time.sleep(_step)

@@ -16,11 +16,11 @@ import torch
 
 from oakemu_core.config import ConfigError, load_config
 from oakemu_core.envs import make_vector_env
-from oakemu_core.ingest import RolloutAssembler, SlotState
-from oakemu_core.metrics import RunStepRates
-from oakemu_core.models import build_model
-from oakemu_core.rollout_buffer import RolloutBuffer
-from oakemu_core.stepper import PolicyStepper
+from oakemu_core.storage.assembler import RolloutAssembler, SlotState
+from oakemu_core.run.metrics import RunStepRates
+from oakemu_core.policy.models import build_model
+from oakemu_core.storage.rollout_buffer import RolloutBuffer
+from oakemu_core.actor.stepper import PolicyStepper
 from tests.test_ingest import N, SCHEMA, T, message, spec
 
 SEED = 11
@@ -196,7 +196,7 @@ def test_run_step_rates_since_start_and_recent_window() -> None:
 
 # ----------------------------------------------------------------------------- console's last line
 def test_final_console_line_comes_from_the_last_update_record(tmp_path) -> None:
-    from services.train import _final_update_line
+    from oakemu_services.train import _final_update_line
 
     assert _final_update_line(tmp_path) is None  # no metrics.jsonl yet
     (tmp_path / "metrics.jsonl").write_text(

@@ -11,7 +11,7 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from oakemu_core.telemetry import (
+from oakemu_core.run.telemetry import (
     TELEMETRY_PROTOCOL_VERSION,
     TELEMETRY_TOPIC,
     ActorTelemetry,

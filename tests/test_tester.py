@@ -1,4 +1,4 @@
-"""The learner's tester (oakemu_core/tester.py): its own process, the ``oakemu evaluate`` code path,
+"""The learner's tester (oakemu_core/run/tester.py): its own process, the ``oakemu evaluate`` code path,
 newest-weights-only queueing, clean shutdown, and best.pt.
 
 Every test closes its testers in a fixture, also when it fails, and checks that no child is left.
@@ -21,18 +21,18 @@ import numpy as np
 import pytest
 import torch
 
-from oakemu_core.checkpoint import load_checkpoint
+from oakemu_core.run.checkpoint import load_checkpoint
 from oakemu_core.envs import env_spec
-from oakemu_core.evaluation import build_evaluation, play_episodes
-from oakemu_core.models import load_weight_arrays, weights_to_arrays
+from oakemu_core.run.evaluation import build_evaluation, play_episodes
+from oakemu_core.policy.models import load_weight_arrays, weights_to_arrays
 from oakemu_core.step_schema import schema_for_env
-from oakemu_core.tester import (
+from oakemu_core.run.tester import (
     BEST_NAME,
     BestCheckpointTracker,
     EvaluationReport,
     Tester,
 )
-from services.evaluate import evaluate
+from oakemu_services.evaluate import evaluate
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CARTPOLE = "CartPole-v1"
@@ -238,7 +238,7 @@ def test_the_tester_process_exits_when_its_parent_is_killed(tmp_path: Path) -> N
     script = textwrap.dedent(f"""
         import os, sys, time
         sys.path.insert(0, {str(REPO_ROOT)!r})
-        from oakemu_core.tester import Tester
+        from oakemu_core.run.tester import Tester
         from tests.test_tester import random_weights, schema_of
         if __name__ == "__main__":
             tester = Tester({SLOW_CARTPOLE!r}, episodes=500, greedy=True, seed=0,

@@ -1,4 +1,4 @@
-"""Tests for oakemu_core.wire: round trips, every rejection reason, zero-copy decode, fuzzing."""
+"""Tests for oakemu_core.transport.wire: round trips, every rejection reason, zero-copy decode, fuzzing."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from oakemu_core import wire
-from oakemu_core.distributions import Categorical, DiagGaussian
+from oakemu_core.transport import wire
+from oakemu_core.policy.distributions import Categorical, DiagGaussian
 from oakemu_core.step_schema import build_schema, check_step_consistency, default_schema
-from oakemu_core.wire import (
+from oakemu_core.transport.wire import (
     PROTOCOL_VERSION,
     REJECTION_REASONS,
     Heartbeat,
@@ -613,7 +613,7 @@ def test_protocol_version_is_8() -> None:
 
 
 def test_stop_notice_round_trip_and_rejections() -> None:
-    from oakemu_core.wire import StopNotice, encode_stop
+    from oakemu_core.transport.wire import StopNotice, encode_stop
 
     assert decode_message(encode_stop(StopNotice("env-step budget reached")), max_bytes=MAX_BYTES) == StopNotice(
         "env-step budget reached")

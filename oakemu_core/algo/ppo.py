@@ -1,0 +1,702 @@
+"""PPO: the clipped loss and the learner update over a :class:`RolloutBuffer`.
+
+The update follows CleanRL ``ppo_atari.py`` top to bottom: learning rate for this update ->
+epochs x shuffled minibatches -> ratio -> clipped surrogate, value loss, entropy -> one loss ->
+gradient clip -> optimizer step -> optional target-KL early stop -> statistics. GAE has already
+been computed into the buffer by the caller.
+
+References:
+    Schulman et al. 2017, "Proximal Policy Optimization Algorithms" (clipped surrogate, eq. 7;
+    total objective with value and entropy terms, eq. 9).
+    Huang et al. 2022, "The 37 Implementation Details of Proximal Policy Optimization" and CleanRL
+    (value clipping as in OpenAI baselines, approximate KL ``mean((ratio - 1) - log ratio)``,
+    the k3 estimator of http://joschu.net/blog/kl-approx.html).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from oakemu_core.storage.rollout_buffer import RolloutBuffer
+
+__all__ = [
+    "EmptyRolloutError",
+    "RolloutEvaluation",
+    "LinearSchedule",
+    "PPOUpdater",
+    "PPORuntimeState",
+    "PPOUpdateStats",
+    "PRECISIONS",
+    "cpu_has_native_bfloat16",
+    "explained_variance",
+    "ppo_losses",
+]
+
+
+PRECISIONS = ("float32", "bfloat16")
+"""The learner's update precisions (:class:`PPOUpdater` ``precision``): plain float32, or bfloat16
+mixed precision (autocast) of the model's forward and backward passes."""
+
+
+def cpu_has_native_bfloat16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
+    """Whether this CPU computes bfloat16 natively (the ``avx512_bf16`` or ``amx_bf16`` flag of
+    Linux's ``/proc/cpuinfo``); None where that file cannot be read (another OS). Without them
+    oneDNN emulates bfloat16, and a ``"bfloat16"`` update is slower than a float32 one."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as file:
+            flags = next((line.split(":", 1)[1].split() for line in file if line.startswith("flags")), None)
+    except OSError:
+        return None
+    return None if flags is None else bool({"avx512_bf16", "amx_bf16"} & set(flags))
+
+
+PROXIMAL = "proximal_"
+"""Prefix of the flat-batch fields holding the proximal policy's figures (decoupled objective):
+``proximal_log_probs`` and e.g. ``proximal_action_mean``."""
+
+
+@dataclass(frozen=True)
+class RolloutEvaluation:
+    """A rollout's stored rows evaluated by the learner's current weights
+    (:meth:`PPOUpdater.evaluate_rollout`); all arrays on the CPU, ``(T, N, ...)``.
+
+    Attributes:
+        log_probs: ``(T, N)`` float32, log pi(a_t | s_t) of the stored actions.
+        values: ``(T, N)`` float32, V(s_t) of the current critic.
+        distribution_fields: the distribution's stored parameters (e.g. ``action_mean``,
+            ``action_std``: ``(T, N, *action_shape)`` float32); empty for categorical families.
+    """
+
+    log_probs: np.ndarray
+    values: np.ndarray
+    distribution_fields: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def finite_on(self, rows: np.ndarray) -> bool:
+        """Whether every value, and the log-probs and parameters of ``rows`` (``(T, N)`` bool),
+        are finite (a critic or policy that diverged gives NaN or inf)."""
+        return bool(np.isfinite(self.values).all() and np.isfinite(self.log_probs[rows]).all()
+                    and all(np.isfinite(array[rows]).all() for array in self.distribution_fields.values()))
+
+
+class EmptyRolloutError(ValueError):
+    """The rollout buffer has no trainable row (for example every row was dropped for policy lag),
+    so no PPO update can run on it."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Learning-rate schedule
+# ---------------------------------------------------------------------------------------------
+class LinearSchedule:
+    """A value that moves linearly from ``start`` to ``end`` over ``total_updates`` updates, then
+    stays at ``end``.
+
+    ``value()`` at update ``k`` (``k`` = number of :meth:`step` calls so far) is
+    ``start + (end - start) * min(k, total_updates) / total_updates``. CleanRL anneals the learning
+    rate the same way (``frac = 1 - (iteration - 1) / num_iterations``) with ``end = 0``.
+
+    Raises:
+        ValueError: ``total_updates`` < 1.
+    """
+
+    def __init__(self, start: float, end: float, total_updates: int) -> None:
+        if int(total_updates) < 1:
+            raise ValueError(f"total_updates: expected >= 1, got {total_updates}")
+        self.start = float(start)
+        self.end = float(end)
+        self.total_updates = int(total_updates)
+        self.updates = 0
+
+    def value(self) -> float:
+        """The value for the next update."""
+        fraction = min(self.updates, self.total_updates) / self.total_updates
+        return self.start + (self.end - self.start) * fraction
+
+    def step(self) -> None:
+        """Advance by one update."""
+        self.updates += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-value state for a checkpoint."""
+        return {"start": self.start, "end": self.end, "total_updates": self.total_updates, "updates": self.updates}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; raises ValueError naming a missing or invalid entry."""
+        for key in ("start", "end", "total_updates", "updates"):
+            if key not in state:
+                raise ValueError(f"LinearSchedule state: missing {key!r}, got keys {sorted(state)}")
+        if int(state["total_updates"]) < 1 or int(state["updates"]) < 0:
+            raise ValueError(
+                f"LinearSchedule state: expected total_updates >= 1 and updates >= 0, got "
+                f"{state['total_updates']} and {state['updates']}"
+            )
+        self.start = float(state["start"])
+        self.end = float(state["end"])
+        self.total_updates = int(state["total_updates"])
+        self.updates = int(state["updates"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss
+# ---------------------------------------------------------------------------------------------
+def ppo_losses(
+    new_log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    new_values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    entropy: torch.Tensor,
+    *,
+    clip_coef: float,
+    clip_value_range: float | None,
+    importance_weights: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The PPO loss terms for one minibatch. All inputs are ``(B,)`` float tensors.
+
+    Args:
+        new_log_probs: log pi_theta(a|s) under the policy being trained (with gradients).
+        old_log_probs: log pi_theta_old(a|s): recorded by the actor, or with the decoupled
+            objective the proximal policy's (the learner's weights before the update).
+        advantages: advantage estimates (already normalised if wanted).
+        new_values: V_theta(s) (with gradients). old_values: V recorded by the actor, or
+            re-evaluated by the learner before the update (decoupled objective).
+        returns: value targets (GAE advantages + old values).
+        entropy: per-row entropy of the current policy.
+        clip_coef: epsilon of the clipped surrogate; also the value clip range.
+        clip_value_range: clip the value change to ``[-c, c]`` around the actor's value, in value
+            units (OpenAI baselines / CleanRL use the policy's clip coefficient); None: plain
+            MSE (SB3's default). A range tiny next to the returns freezes the critic on the
+            clipped rows, so it is its own setting, not ``clip_coef``.
+        importance_weights: ``(B,)`` weights ``pi_prox(a|s) / mu(a|s)`` (proximal over behaviour
+            policy), without gradients, multiplying each row's clipped surrogate: the decoupled
+            PPO objective of Hilton, Cobbe and Schulman 2022, "Batch size-invariance for policy
+            optimization" (the clip keeps the update near the proximal policy; the weights correct
+            for the behaviour policy). The caller may truncate them (V-trace's rho-bar). None:
+            every weight 1 (plain PPO).
+
+    Returns:
+        A dict of scalar tensors ``policy_loss`` (to minimise: minus eq. 7 of Schulman et al.
+        2017, ``mean(max(-A r, -A clip(r, 1-eps, 1+eps)))``), ``value_loss``
+        (``0.5 * mean((V - R)^2)``, or with clipping
+        ``0.5 * mean(max((V - R)^2, (V_old + clip(V - V_old, -eps, eps) - R)^2))``), ``entropy``
+        (mean), and without gradients ``approx_kl`` (``mean((r - 1) - log r)``), ``clip_fraction``
+        (share of rows with ``|r - 1| > eps``); plus ``ratio``, the ``(B,)`` ratios ``r``.
+    """
+    log_ratio = new_log_probs - old_log_probs
+    ratio = log_ratio.exp()
+
+    # Clipped surrogate objective (Schulman et al. 2017, eq. 7), negated to be minimised.
+    policy_loss_unclipped = -advantages * ratio
+    policy_loss_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_coef, 1.0 + clip_coef)
+    policy_loss_rows = torch.max(policy_loss_unclipped, policy_loss_clipped)
+    if importance_weights is not None:
+        policy_loss_rows = importance_weights * policy_loss_rows
+    policy_loss = policy_loss_rows.mean()
+
+    # Value loss, optionally clipped around the actor's value estimate.
+    value_loss_unclipped = (new_values - returns) ** 2
+    if clip_value_range is not None:
+        values_clipped = old_values + torch.clamp(new_values - old_values, -clip_value_range, clip_value_range)
+        value_loss_clipped = (values_clipped - returns) ** 2
+        value_loss = 0.5 * torch.max(value_loss_unclipped, value_loss_clipped).mean()
+    else:
+        value_loss = 0.5 * value_loss_unclipped.mean()
+
+    with torch.no_grad():
+        approx_kl = ((ratio - 1.0) - log_ratio).mean()
+        clip_fraction = ((ratio - 1.0).abs() > clip_coef).float().mean()
+
+    return {
+        "policy_loss": policy_loss,
+        "value_loss": value_loss,
+        "entropy": entropy.mean(),
+        "approx_kl": approx_kl,
+        "clip_fraction": clip_fraction,
+        "ratio": ratio.detach(),
+    }
+
+
+def explained_variance(predictions: np.ndarray, targets: np.ndarray) -> float:
+    """``1 - Var(targets - predictions) / Var(targets)`` (as CleanRL/SB3), NaN if Var(targets) is 0
+    or the arrays are empty. 1 is a perfect value function, 0 no better than a constant."""
+    predictions = np.asarray(predictions, dtype=np.float64)
+    targets = np.asarray(targets, dtype=np.float64)
+    if targets.size == 0:
+        return math.nan
+    variance = np.var(targets)
+    if variance == 0:
+        return math.nan
+    return float(1.0 - np.var(targets - predictions) / variance)
+
+
+# ---------------------------------------------------------------------------------------------
+# Learner
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class PPOUpdateStats:
+    """What one :meth:`PPOUpdater.step` did.
+
+    Losses, entropy, approx_kl and clip_fraction are means over every minibatch that was trained
+    on. ``explained_variance`` compares the actor's values with the GAE returns over the trainable
+    rows. ``first_minibatch_ratio_max_abs_dev`` is max |ratio - 1| on the first minibatch before any
+    gradient step, over its rows produced by the learner's current policy version (NaN if none):
+    it should be ~0 when actor and learner agree on log-probs. Times are wall-clock seconds.
+    """
+
+    policy_loss: float
+    value_loss: float
+    entropy: float
+    approx_kl: float
+    clip_fraction: float
+    explained_variance: float
+    learning_rate: float
+    epochs_completed: int
+    minibatches: int
+    early_stopped: bool
+    first_minibatch_ratio_max_abs_dev: float
+    update_seconds: float
+    epoch_seconds: list[float] = field(default_factory=list)
+    trainable_rows: int = 0
+    nonfinite_minibatches: int = 0
+    """Minibatches whose gradient was not finite; their optimizer step was skipped."""
+    importance_weight_mean: float = math.nan
+    """Mean truncated weight ``min(cap, pi_prox / mu)`` over the trained rows with the decoupled
+    objective (NaN without it): 1 when the behaviour policy is the proximal one."""
+
+
+@dataclass
+class PPORuntimeState:
+    """Learner counters for checkpoints.
+
+    ``iterations``: PPO updates completed. ``rollouts_collected``: rollouts consumed (one per
+    update here). ``policy_version``: version of the learner's current weights.
+    ``shuffle_rng_state``: state of the minibatch-shuffling generator (plain values), or None.
+    """
+
+    iterations: int = 0
+    rollouts_collected: int = 0
+    policy_version: int = 0
+    shuffle_rng_state: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-value dict for :func:`oakemu_core.run.checkpoint.save_checkpoint`."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, state: dict[str, Any]) -> PPORuntimeState:
+        """Inverse of :meth:`to_dict`; raises ValueError naming a missing counter."""
+        for key in ("iterations", "rollouts_collected", "policy_version"):
+            if key not in state:
+                raise ValueError(f"PPORuntimeState: missing {key!r}, got keys {sorted(state)}")
+        return cls(
+            iterations=int(state["iterations"]),
+            rollouts_collected=int(state["rollouts_collected"]),
+            policy_version=int(state["policy_version"]),
+            shuffle_rng_state=state.get("shuffle_rng_state"),
+        )
+
+
+class PPOUpdater:
+    """Runs PPO updates of ``model`` on full rollout buffers.
+
+    Args:
+        model: an :class:`oakemu_core.policy.models.ActorCritic` (``policy_and_values(observations,
+            action_mask) -> (Policy, values)`` and a ``distribution``); moved to ``device``.
+        optimizer: optimizer over ``model``'s parameters (CleanRL: Adam, eps=1e-5).
+        device: where the update runs (``"cuda"`` or ``"cpu"``). On CUDA, TF32 matmuls and
+            convolutions are switched off process-wide so that learner log-probs match the actor's
+            float32 CPU log-probs (the ratio check).
+        ppo_epochs: passes over the rollout per update (>= 1).
+        num_minibatches: minibatches per epoch (>= 1).
+        clip_coef: PPO clip epsilon (> 0); also the value clip range.
+        clip_value_range: value clip range in value units, None: unclipped (see :func:`ppo_losses`).
+        ent_coef, vf_coef: weights of the entropy bonus and of the value loss (>= 0).
+        max_grad_norm: global gradient-norm clip (> 0).
+        target_kl: stop the update after an epoch whose mean approx_kl exceeds it (None: never).
+        normalize_advantages: normalise each minibatch's advantages to mean 0, std 1 (population
+            std, + 1e-8), as SB3 and CleanRL do; the statistics are over the minibatch's rows,
+            all trainable (issue 11: normalising the whole rollout once instead trained
+            LunarLander to a lower return at 1M steps than SB3 with the same settings).
+        lr_schedule: learning rate per update; None keeps the optimizer's learning rate.
+        seed: seed of the minibatch-shuffling generator.
+        importance_weight_cap: truncation of the decoupled objective's weights ``pi_prox / mu``
+            (V-trace's rho-bar, Espeholt et al. 2018, "IMPALA"; not part of Hilton et al.'s
+            objective); it also keeps them finite. Used only when :meth:`step` gets a proximal
+            policy.
+        precision: ``"float32"``, or ``"bfloat16"``: mixed precision, the model's forward passes
+            (and so their backward: the proximal re-evaluation, the minibatches, behaviour cloning)
+            run under ``torch.autocast`` with bfloat16, so the torso's convolutions and matmuls
+            compute in bfloat16 while the heads (``ActorCritic`` opts them out), weights, gradients,
+            optimizer state, policy distribution and losses stay float32. On a CPU with AVX512-BF16
+            or AMX a Nature-CNN minibatch step of 256 rows was 1.4-1.8 x faster
+            (``benchmarks/bench_learner_layout.py``); on CPUs without them bfloat16 is emulated and
+            slower. The learner's log-probs then differ a little from the actors' float32 ones
+            (``first_minibatch_ratio_max_abs_dev``: 3e-5 in a Breakout run's first updates).
+
+    Raises:
+        ValueError: a hyperparameter out of range (names it, with the received value).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        device: str | torch.device,
+        ppo_epochs: int,
+        num_minibatches: int,
+        clip_coef: float,
+        clip_value_range: float | None = None,
+        ent_coef: float,
+        vf_coef: float,
+        max_grad_norm: float,
+        target_kl: float | None = None,
+        normalize_advantages: bool = True,
+        lr_schedule: LinearSchedule | None = None,
+        seed: int = 0,
+        action_mask: torch.Tensor | None = None,
+        importance_weight_cap: float = 1.0,
+        precision: str = "float32",
+    ) -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision: expected one of {list(PRECISIONS)}, got {precision!r}")
+        self.precision = precision
+        checks = {
+            "ppo_epochs": (ppo_epochs, ppo_epochs >= 1, ">= 1"),
+            "num_minibatches": (num_minibatches, num_minibatches >= 1, ">= 1"),
+            "clip_coef": (clip_coef, clip_coef > 0, "> 0"),
+            "ent_coef": (ent_coef, ent_coef >= 0, ">= 0"),
+            "vf_coef": (vf_coef, vf_coef >= 0, ">= 0"),
+            "max_grad_norm": (max_grad_norm, max_grad_norm > 0, "> 0"),
+            "target_kl": (target_kl, target_kl is None or target_kl > 0, "> 0 or None"),
+            "clip_value_range": (clip_value_range, clip_value_range is None or clip_value_range >= 0, ">= 0 or None"),
+            "importance_weight_cap": (importance_weight_cap, 0 < importance_weight_cap < math.inf, "> 0 and finite"),
+        }
+        for name, (value, ok, expected) in checks.items():
+            if not ok:
+                raise ValueError(f"{name}: expected {expected}, got {value}")
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+        self.model = model.to(self.device)
+        self.optimizer = optimizer
+        # Listed once: model.parameters() walks the module tree, twice per SGD step otherwise. The
+        # optimizer holds these same tensors; restores load into them in place (load_state_dict).
+        self._trained_parameters = [parameter for parameter in self.model.parameters() if parameter.requires_grad]
+        self.ppo_epochs = int(ppo_epochs)
+        self.num_minibatches = int(num_minibatches)
+        self.clip_coef = float(clip_coef)
+        self.clip_value_range = None if clip_value_range is None else float(clip_value_range)
+        self.ent_coef = float(ent_coef)
+        self.vf_coef = float(vf_coef)
+        self.max_grad_norm = float(max_grad_norm)
+        self.target_kl = None if target_kl is None else float(target_kl)
+        self.normalize_advantages = bool(normalize_advantages)
+        self.lr_schedule = lr_schedule
+        self._shuffle_rng = np.random.default_rng(seed)
+        self.action_mask = None if action_mask is None else action_mask.to(self.device, torch.bool)
+        self.importance_weight_cap = float(importance_weight_cap)
+        self._iterations = 0
+        self._rollouts_collected = 0
+        self.policy_version = 0
+
+    # ------------------------------------------------------------------ counters
+    @property
+    def iterations(self) -> int:
+        """PPO updates completed."""
+        return self._iterations
+
+    @property
+    def rollouts_collected(self) -> int:
+        """Rollouts consumed by updates."""
+        return self._rollouts_collected
+
+    def state(self) -> PPORuntimeState:
+        """Counters, policy version and shuffle-generator state for a checkpoint."""
+        return PPORuntimeState(
+            iterations=self._iterations,
+            rollouts_collected=self._rollouts_collected,
+            policy_version=self.policy_version,
+            shuffle_rng_state=self._shuffle_rng.bit_generator.state,
+        )
+
+    def restore_state(self, state: PPORuntimeState) -> None:
+        """Restore :meth:`state`'s counters (model, optimizer and schedule are restored by their own
+        ``load_state_dict``). Raises ValueError for negative counters."""
+        if min(state.iterations, state.rollouts_collected, state.policy_version) < 0:
+            raise ValueError(f"PPORuntimeState: counters must be >= 0, got {state}")
+        self._iterations = int(state.iterations)
+        self._rollouts_collected = int(state.rollouts_collected)
+        self.policy_version = int(state.policy_version)
+        if state.shuffle_rng_state is not None:
+            self._shuffle_rng.bit_generator.state = state.shuffle_rng_state
+
+    # ------------------------------------------------------------------ update
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def evaluate_rollout(self, rollout_buffer: RolloutBuffer, *, chunk_rows: int = 256) -> RolloutEvaluation:
+        """Re-evaluate every stored row with the current weights: the proximal policy's log-probs
+        of the stored actions and its stored parameters, and the current critic's values
+        (asynchronous mode: the rows were acted by older versions).
+
+        Args:
+            rollout_buffer: a full buffer (observations, actions and masks written).
+            chunk_rows: rows per forward pass. 256: the forward passes of a Nature CNN on one CPU
+                thread over 2,048 Breakout rows took 0.42 s in chunks of 256, 0.93 s in chunks of 1,024.
+
+        Returns:
+            A :class:`RolloutEvaluation`. A row whose stored action the current masks forbid gets
+            a very negative log-prob (only non-trainable rows can have one).
+        """
+        schema = rollout_buffer.schema
+        total = rollout_buffer.total_size
+        names = [*schema.observation_names, "actions", *(["action_mask"] if "action_mask" in schema else [])]
+        flat = {name: rollout_buffer.field(name).reshape(total, *schema[name].shape) for name in names}
+        log_probs = np.empty(total, dtype=np.float32)
+        values = np.empty(total, dtype=np.float32)
+        stored = {name: np.empty((total, *shape), dtype=np.float32)
+                  for name, (shape, _) in self.model.distribution.stored_fields().items()}
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for start in range(0, total, chunk_rows):
+                chunk = {name: torch.from_numpy(array[start:start + chunk_rows].copy()).to(self.device)
+                         for name, array in flat.items()}
+                with self._forward_precision():
+                    policy, chunk_values = self.model.policy_and_values(
+                        schema.join_observations(chunk), self._row_masks(chunk.get("action_mask")))
+                end = start + len(chunk["actions"])
+                log_probs[start:end] = policy.log_prob(chunk["actions"]).float().cpu().numpy()
+                values[start:end] = chunk_values.float().cpu().numpy()
+                for name, tensor in policy.stored().items():
+                    stored[name][start:end] = tensor.float().cpu().numpy()
+        finally:
+            self.model.train(was_training)
+        lead = (rollout_buffer.rollout_length, rollout_buffer.num_envs)
+        return RolloutEvaluation(log_probs.reshape(lead), values.reshape(lead),
+                                 {name: array.reshape(*lead, *array.shape[1:]) for name, array in stored.items()})
+
+    def step(self, rollout_buffer: RolloutBuffer, *, current_policy_version: int,
+             bc_term: tuple[float, Any, int] | None = None,
+             proximal: RolloutEvaluation | None = None,
+             after_epoch: Callable[[int, float, int, int], None] | None = None) -> PPOUpdateStats:
+        """One PPO update on the trainable rows of a full buffer whose GAE is computed.
+
+        Args:
+            rollout_buffer: the buffer to train on (``compute_gae`` already called).
+            current_policy_version: version of the weights ``model`` holds now. Rows recorded with
+                this version are used for the ratio check. Afterwards :attr:`policy_version` is
+                ``current_policy_version + 1`` (the weights changed).
+            bc_term: ``(coefficient, demonstration sampler, batch size)``: add ``coefficient *``
+                the demonstrations' negative log-likelihood to every minibatch's loss
+                (:func:`oakemu_core.algo.demonstrations.bc_loss`), or None.
+            proximal: the buffer evaluated by the weights ``model`` holds now
+                (:meth:`evaluate_rollout`), or None. Given, the update uses the decoupled
+                objective (:func:`ppo_losses`): the ratio is taken against the proximal log-probs,
+                each row is weighted by ``min(importance_weight_cap, pi_prox / mu)``, and
+                ``approx_kl`` is measured from the proximal policy (exactly, for families with
+                stored parameters; else the ratio-based estimate over the stored rows).
+            after_epoch: called as ``after_epoch(epochs_done, approx_kl, nonfinite_minibatches,
+                sgd_steps)`` after every epoch but the last (and not after an early stop), with the
+                weights as that epoch left them (the learner publishes them to the actors), that
+                epoch's mean ``approx_kl``, the minibatches skipped so far for a non-finite gradient
+                and the SGD steps (minibatches) this update has taken so far; or None.
+
+        Returns:
+            :class:`PPOUpdateStats`.
+
+        Raises:
+            EmptyRolloutError: the buffer has no trainable row. With fewer trainable rows than
+                ``num_minibatches``, each epoch uses one minibatch per row instead.
+        """
+        trainable_rows = int(rollout_buffer.trainable_size)
+        if trainable_rows == 0:
+            raise EmptyRolloutError("rollout_buffer: 0 trainable rows, expected at least 1")
+        # A rollout left with fewer rows than minibatches (most rows dropped as stale) still trains,
+        # with one row per minibatch.
+        num_minibatches = min(self.num_minibatches, trainable_rows)
+        start_time = time.perf_counter()
+
+        # Learning rate for this update (CleanRL anneals it before the epochs).
+        if self.lr_schedule is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.lr_schedule.value()
+        learning_rate = float(self.optimizer.param_groups[0]["lr"])
+
+        self.model.train()
+        reported = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction")
+        totals = {key: torch.zeros((), device=self.device) for key in reported}
+        first_minibatch_ratio_max_abs_dev = math.nan
+        minibatches_done = 0
+        epochs_completed = 0
+        early_stopped = False
+        epoch_seconds: list[float] = []
+        nonfinite_minibatches = 0
+
+        # Flatten and upload the trainable rows once; every epoch only reshuffles and indexes them.
+        flat = rollout_buffer.flat_batch(self.device)
+        decoupled = proximal is not None
+        kl_reference = ""  # the stored parameters the exact KL is measured from: the acting policy's
+        if decoupled:  # the cached flat batch stays as it is: a new one holds the extra fields
+            arrays = {"log_probs": proximal.log_probs, **proximal.distribution_fields}
+            flat = replace(flat, fields={**flat.fields, **{
+                PROXIMAL + name: torch.from_numpy(array.reshape(-1, *array.shape[2:])[flat.rows]).to(self.device)
+                for name, array in arrays.items()}})
+            kl_reference = PROXIMAL  # the trust region is around the proximal policy
+        log_weight_cap = math.log(self.importance_weight_cap)
+        weight_total = torch.zeros((), device=self.device)
+        stored_parameters = tuple(self.model.distribution.stored_fields())
+        for epoch in range(self.ppo_epochs):
+            epoch_start = time.perf_counter()
+            epoch_kl = torch.zeros((), device=self.device)
+            # One minibatch: every row in stored order (shuffling it would only cost copies).
+            minibatches = [flat.whole()] if num_minibatches == 1 else flat.minibatches(num_minibatches, self._shuffle_rng)
+            for minibatch in minibatches:
+                with self._forward_precision():
+                    policy, new_values = self.model.policy_and_values(
+                        minibatch.observations, self._row_masks(minibatch.fields.get("action_mask"))
+                    )
+                advantages = minibatch.advantages
+                if self.normalize_advantages:  # per minibatch (SB3, CleanRL); population std
+                    advantages = (advantages - advantages.mean()) / (advantages.std(correction=0) + 1e-8)
+                with torch.set_grad_enabled(bool(self.ent_coef)):  # weighted 0 it would only cost backward ops
+                    entropy = policy.entropy()
+                new_log_probs = policy.log_prob(minibatch.actions)
+                old_log_probs, weights = minibatch.log_probs, None
+                if decoupled:
+                    old_log_probs = minibatch.fields[PROXIMAL + "log_probs"]
+                    weights = (old_log_probs - minibatch.log_probs).clamp(max=log_weight_cap).exp()
+                    weight_total += weights.mean()
+                losses = ppo_losses(
+                    new_log_probs,
+                    old_log_probs,
+                    advantages,
+                    new_values,
+                    minibatch.values,
+                    minibatch.returns,
+                    entropy,
+                    clip_coef=self.clip_coef,
+                    clip_value_range=self.clip_value_range,
+                    importance_weights=weights,
+                )
+                if stored_parameters:  # the exact KL from the stored parameters
+                    with torch.no_grad():
+                        kl = policy.kl_from({name: minibatch.fields[kl_reference + name] for name in stored_parameters})
+                        losses["approx_kl"] = kl.mean()
+                if minibatches_done == 0:  # before any gradient step: actor and learner should agree
+                    behaviour_ratio = (new_log_probs.detach() - minibatch.log_probs).exp()
+                    first_minibatch_ratio_max_abs_dev = self._ratio_deviation(
+                        behaviour_ratio, minibatch.fields["policy_versions"], current_policy_version
+                    )
+
+                # Total loss (Schulman et al. 2017, eq. 9, negated): policy - c2 * entropy + c1 * value.
+                loss = losses["policy_loss"] + self.vf_coef * losses["value_loss"]
+                if self.ent_coef:
+                    loss = loss - self.ent_coef * losses["entropy"]
+                if bc_term is not None:  # behaviour cloning on demonstrations, next to the PPO loss
+                    bc_coef, sampler, bc_batch = bc_term
+                    loss = loss + bc_coef * self._bc_loss(sampler, bc_batch)
+                for parameter in self._trained_parameters:  # zero_grad(set_to_none=True), minus its profiler hooks
+                    parameter.grad = None
+                loss.backward()
+                grad_norm = nn.utils.clip_grad_norm_(self._trained_parameters, self.max_grad_norm)
+                if torch.isfinite(grad_norm):
+                    self.optimizer.step()
+                else:  # a non-finite gradient would turn every weight into NaN for good: skip it
+                    nonfinite_minibatches += 1
+
+                for key in totals:
+                    totals[key] += losses[key].detach()
+                epoch_kl += losses["approx_kl"]
+                minibatches_done += 1
+
+            self._synchronize()
+            epoch_seconds.append(time.perf_counter() - epoch_start)
+            epochs_completed += 1
+            if self.target_kl is None and after_epoch is None:
+                continue
+            epoch_approx_kl = epoch_kl.item() / len(minibatches)  # one device sync per epoch, when needed
+            if self.target_kl is not None and epoch_approx_kl > self.target_kl:
+                early_stopped = epoch + 1 < self.ppo_epochs
+                break
+            if after_epoch is not None and epoch + 1 < self.ppo_epochs:
+                after_epoch(epoch + 1, epoch_approx_kl, nonfinite_minibatches, minibatches_done)
+
+        if self.lr_schedule is not None:
+            self.lr_schedule.step()
+        self._iterations += 1
+        self._rollouts_collected += 1
+        self.policy_version = int(current_policy_version) + 1
+
+        diagnostics = rollout_buffer.trainable_diagnostics()
+        means = {key: value.item() / minibatches_done for key, value in totals.items()}
+        return PPOUpdateStats(
+            policy_loss=means["policy_loss"],
+            value_loss=means["value_loss"],
+            entropy=means["entropy"],
+            approx_kl=means["approx_kl"],
+            clip_fraction=means["clip_fraction"],
+            explained_variance=(
+                math.nan if diagnostics is None else explained_variance(diagnostics.values, diagnostics.returns)
+            ),
+            learning_rate=learning_rate,
+            epochs_completed=epochs_completed,
+            minibatches=minibatches_done,
+            early_stopped=early_stopped,
+            first_minibatch_ratio_max_abs_dev=first_minibatch_ratio_max_abs_dev,
+            update_seconds=time.perf_counter() - start_time,
+            epoch_seconds=epoch_seconds,
+            trainable_rows=trainable_rows,
+            nonfinite_minibatches=nonfinite_minibatches,
+            importance_weight_mean=weight_total.item() / minibatches_done if decoupled else math.nan,
+        )
+
+    # ------------------------------------------------------------------ ratio check
+    def shuffle_rng_state(self) -> dict[str, Any]:
+        """State of the minibatch-shuffling generator (plain values)."""
+        return self._shuffle_rng.bit_generator.state
+
+    def restore_counters(self, iterations: int, shuffle_rng_state: dict[str, Any] | None) -> None:
+        """Restore the update count and the shuffling generator (resume)."""
+        self._iterations = int(iterations)
+        if shuffle_rng_state is not None:
+            self._shuffle_rng.bit_generator.state = shuffle_rng_state
+
+    def _row_masks(self, masks: torch.Tensor | None) -> torch.Tensor | None:
+        """Each row's action mask ANDed with the learner-wide ``action_mask`` (either may be None)."""
+        if self.action_mask is None:
+            return masks
+        return self.action_mask.expand(masks.shape) & masks if masks is not None else self.action_mask.unsqueeze(0)
+
+    def _bc_loss(self, sampler: Any, batch_size: int) -> torch.Tensor:
+        from oakemu_core.algo.demonstrations import bc_loss, batch_to_device
+
+        batch = batch_to_device(sampler.sample(batch_size, self._shuffle_rng), self.device)
+        with self._forward_precision():
+            policy, _ = self.model.policy_and_values(batch.observations, self._row_masks(batch.action_mask))
+        return bc_loss(policy, batch.actions)
+
+    def _forward_precision(self) -> torch.autocast:
+        """The context of every forward pass of the update: bfloat16 autocast, or a no-op for float32."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bfloat16")
+
+    @staticmethod
+    def _ratio_deviation(ratio: torch.Tensor, versions: torch.Tensor, current_policy_version: int) -> float:
+        """max |ratio - 1| over the minibatch rows acted by ``current_policy_version`` (NaN if none)."""
+        is_current = versions == int(current_policy_version)
+        if not bool(is_current.any()):
+            return math.nan
+        return float((ratio[is_current] - 1.0).abs().max().item())

@@ -1,0 +1,1 @@
+"""What acts: the actor-critic models, action distributions and fast actor inference."""

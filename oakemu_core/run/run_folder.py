@@ -1,0 +1,325 @@
+"""A run folder across restarts: safe resume checks and cutting logs back to the checkpoint.
+
+A run folder (``runs/<name>/``) holds ``config.toml``, ``checkpoints/``, ``metrics.jsonl`` and
+``episodes.jsonl``. A learner started on a folder that already has a checkpoint resumes from it;
+before anything in the folder is written:
+
+1. :func:`check_resume_compatible` compares the checkpoint with what this learner was asked for
+   (env id, observation/action spaces through the step schema, model parameter names and shapes)
+   and raises :class:`ResumeMismatchError` (one message naming both sides and how to start a new
+   run) when they disagree;
+2. :func:`truncate_run_logs` cuts ``metrics.jsonl`` and ``episodes.jsonl`` back to the records whose
+   ``global_step`` is at most the checkpoint's, so the resumed run does not write the same range of
+   steps twice (``global_step`` never goes back in either file, whatever the number of crashes).
+
+:func:`config_changes` lists which settings of a run's ``config.toml`` a resume would change and
+refuses the ones that cannot change (:data:`IMMUTABLE_FIELDS`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "IMMUTABLE_FIELDS",
+    "LOG_FILE_NAMES",
+    "ResumeMismatchError",
+    "check_resume_compatible",
+    "check_resume_folder",
+    "config_changes",
+    "describe_spaces",
+    "format_changes",
+    "truncate_after",
+    "truncate_run_logs",
+]
+
+LOG_FILE_NAMES = ("metrics.jsonl", "episodes.jsonl")
+"""The JSON-lines logs of a run folder that carry ``global_step``."""
+
+IMMUTABLE_FIELDS = ("env_id", "normalize_observations")
+"""Settings a resumed run cannot change: they decide the environment's spaces or the model's shape."""
+
+IGNORED_FIELDS = frozenset({"config_file", "runs_dir", "run_name"})
+"""Settings not compared on resume (where the run lives, not how it trains)."""
+
+NEW_RUN_HINT = "to start a new run instead, give it another name (--run-name NAME or OAKEMU_RUN_NAME=NAME)"
+
+
+class ResumeMismatchError(ValueError):
+    """A run folder's checkpoint (or config) does not fit the learner asked to resume it.
+
+    The message is one line: what the folder holds, what was requested, that nothing was changed,
+    and how to start a new run. ``oakemu`` maps it to exit status 2.
+    """
+
+
+# ------------------------------------------------------------------------------- resume checks
+def describe_spaces(schema: Mapping[str, Any] | None) -> str:
+    """Short text of the spaces in a ``StepSchema.to_dict()``: observation fields and the action distribution,
+    e.g. ``observations float32 (4,); actions categorical(num_actions=2)``."""
+    if not isinstance(schema, Mapping):
+        return "unknown spaces"
+    parts = []
+    for field in schema.get("fields", []):
+        if not isinstance(field, Mapping):
+            continue
+        name = str(field.get("name", "?"))
+        if name == "observations" or name.startswith("observations"):
+            parts.append(f"{name} {_dtype_name(field.get('dtype'))} {tuple(field.get('shape', ()))}")
+    distribution = schema.get("distribution")
+    if isinstance(distribution, Mapping):
+        details = ", ".join(f"{k}={v}" for k, v in distribution.items() if k != "kind" and v not in (None, 0, [], ()))
+        parts.append(f"actions {distribution.get('kind', '?')}({details})")
+    return "; ".join(parts) or "unknown spaces"
+
+
+def _dtype_name(dtype: Any) -> str:
+    try:
+        import numpy as np
+
+        return str(np.dtype(dtype))
+    except TypeError:
+        return str(dtype)
+
+
+def _spaces_key(schema: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What must match between two schemas: the name, shape and dtype of every field actors send,
+    and the distribution. (Value bounds, roles and the fields the learner keeps for itself, such as
+    ``policy_revisions``, are left out: they may change between versions without changing a space.)"""
+    fields = tuple(
+        (str(f.get("name")), tuple(f.get("shape", ())), _dtype_name(f.get("dtype")))
+        for f in schema.get("fields", []) if isinstance(f, Mapping) and f.get("sent", True)
+    )
+    distribution = schema.get("distribution")
+    return fields, json.dumps(distribution, sort_keys=True, default=str)
+
+
+def check_resume_compatible(checkpoint_state: Mapping[str, Any], *, env_id: str, schema: Any,
+                            model: Any = None, checkpoint_path: Path | str | None = None) -> None:
+    """Refuse to resume from a checkpoint made for another env, other spaces or another model.
+
+    Compares ``checkpoint_state["env"]`` (``{"env_id", "schema": StepSchema.to_dict()}``; older
+    checkpoints without it are checked on the model alone) with ``env_id`` / ``schema``, and the
+    parameter names and shapes of ``checkpoint_state["model"]`` with ``model.state_dict()``. Reads only:
+    nothing is written or loaded into ``model``.
+
+    Args:
+        checkpoint_state: the dict from :func:`oakemu_core.run.checkpoint.load_checkpoint`.
+        env_id: the env id this learner was asked for.
+        schema: this learner's :class:`~oakemu_core.step_schema.StepSchema` (or its ``to_dict()``).
+        model: this learner's freshly built model (a ``torch.nn.Module``); None skips the model check.
+        checkpoint_path: the checkpoint file, named in the message.
+
+    Raises:
+        ResumeMismatchError: env id, spaces or model differ; the one-line message names both sides,
+            says nothing was changed and how to start a new run.
+    """
+    where = f"checkpoint {checkpoint_path}" if checkpoint_path is not None else "the run's checkpoint"
+    requested_schema = schema.to_dict() if hasattr(schema, "to_dict") else schema
+    env = checkpoint_state.get("env")
+    problems: list[str] = []
+    saved_env_id = env.get("env_id") if isinstance(env, Mapping) else None
+    saved_schema = env.get("schema") if isinstance(env, Mapping) else None
+    if saved_env_id is not None and saved_env_id != env_id:
+        problems.append(f"env {saved_env_id!r} vs requested {env_id!r}")
+    if isinstance(saved_schema, Mapping) and isinstance(requested_schema, Mapping) and (
+        _spaces_key(saved_schema) != _spaces_key(requested_schema)
+    ):
+        problems.append(f"spaces [{describe_spaces(saved_schema)}] vs requested [{describe_spaces(requested_schema)}]")
+    if model is not None and not problems:  # another env nearly always means another model: say the cause once
+        model_problem = _model_mismatch(checkpoint_state.get("model"), model)
+        if model_problem:
+            problems.append(model_problem)
+    if problems:
+        raise ResumeMismatchError(
+            f"cannot resume: {where} was made for another environment or model ({'; '.join(problems)}); "
+            f"nothing in the run folder was changed. Resume with the run's own settings, or {NEW_RUN_HINT}"
+        )
+
+
+def _model_mismatch(saved: Any, model: Any) -> str:
+    """'' when ``saved`` (a state dict) has exactly ``model``'s parameter names and shapes, else what differs."""
+    if not isinstance(saved, Mapping):
+        return "model: the checkpoint holds no model state"
+    current = model.state_dict()
+    missing = [k for k in current if k not in saved]
+    unexpected = [k for k in saved if k not in current]
+    shapes = [
+        f"{k} {tuple(saved[k].shape)} vs {tuple(current[k].shape)}"
+        for k in current if k in saved and hasattr(saved[k], "shape") and tuple(saved[k].shape) != tuple(current[k].shape)
+    ]
+    parts = []
+    if shapes:
+        parts.append("parameter shapes differ: " + ", ".join(shapes[:3]) + (" ..." if len(shapes) > 3 else ""))
+    if missing:
+        parts.append("missing in the checkpoint: " + ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else ""))
+    if unexpected:
+        parts.append("not in this model: " + ", ".join(unexpected[:3]) + (" ..." if len(unexpected) > 3 else ""))
+    return ("model (checkpoint vs requested): " + "; ".join(parts)) if parts else ""
+
+
+def config_changes(old: Mapping[str, Any], new: Mapping[str, Any], *,
+                   immutable: tuple[str, ...] = IMMUTABLE_FIELDS) -> dict[str, tuple[Any, Any]]:
+    """Settings that differ between a run's saved configuration and the one requested for its resume.
+
+    Args:
+        old: the run's settings (``config.toml`` read with ``tomllib``; unset fields are absent).
+        new: the requested settings (``OakEmuConfig.model_dump(mode="json")``).
+        immutable: settings that cannot change (default :data:`IMMUTABLE_FIELDS`).
+
+    Returns:
+        ``{field: (old, new)}`` for every differing field except :data:`IGNORED_FIELDS` (absent = None).
+
+    Raises:
+        ResumeMismatchError: an ``immutable`` field differs (the message lists them as ``field: old -> new``).
+    """
+    changes: dict[str, tuple[Any, Any]] = {}
+    for name in sorted(set(old) | set(new)):
+        if name in IGNORED_FIELDS:
+            continue
+        before, after = _plain(old.get(name)), _plain(new.get(name))
+        if before != after:
+            changes[name] = (before, after)
+    refused = {k: v for k, v in changes.items() if k in immutable}
+    if refused:
+        listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in refused.items())
+        raise ResumeMismatchError(
+            f"cannot resume: the run was made with other settings that cannot change ({listed}); nothing in the "
+            f"run folder was changed. Resume with the run's own settings, or {NEW_RUN_HINT}"
+        )
+    return changes
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, float) and value.is_integer():
+        return value  # 1.0 == 1 compares equal already
+    return value
+
+
+def format_changes(changes: Mapping[str, tuple[Any, Any]]) -> str:
+    """``field: old -> new, ...`` (for the resume warning)."""
+    return ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
+
+
+# ------------------------------------------------------------------------------------ log cuts
+def truncate_after(path: Path, global_step: int) -> int:
+    """Keep only the records of a JSON-lines file whose ``global_step`` is <= ``global_step``.
+
+    Lines that are not complete JSON objects (a record half-written by a crash) are dropped too;
+    records without a ``global_step`` are kept. The file is rewritten atomically (temporary file in
+    the same folder, fsync, rename), so a crash during the cut leaves the old or the new file. A file
+    with nothing to cut is not touched.
+
+    Args:
+        path: the ``.jsonl`` file; a missing file is left missing.
+        global_step: the checkpoint's env-step count.
+
+    Returns:
+        The number of lines removed.
+
+    Raises:
+        OSError: the file cannot be read or rewritten (the original is then untouched).
+    """
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept: list[bytes] = []
+    removed = 0
+    with open(path, "rb") as source:
+        for line in source:
+            if not line.endswith(b"\n"):  # a torn last line
+                removed += 1
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                removed += 1
+                continue
+            step = record.get("global_step") if isinstance(record, dict) else None
+            if not isinstance(record, dict) or (isinstance(step, (int, float)) and step > global_step):
+                removed += 1
+                continue
+            kept.append(line)
+    if removed == 0:
+        return 0
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as target:
+            target.writelines(kept)
+            target.flush()
+            os.fsync(target.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return removed
+
+
+def truncate_run_logs(run_dir: Path, global_step: int) -> dict[str, int]:
+    """:func:`truncate_after` on each of :data:`LOG_FILE_NAMES` in ``run_dir``; returns lines removed by file name."""
+    return {name: truncate_after(Path(run_dir) / name, global_step) for name in LOG_FILE_NAMES}
+
+
+# ------------------------------------------------------------------------------ whole folder
+def check_resume_folder(run_dir: Path, config: Any, *, check_model: bool = True) -> dict[str, tuple[Any, Any]]:
+    """Everything a process checks before it writes into a run folder it may resume (reads only).
+
+    When ``run_dir`` has a checkpoint: compares its ``config.toml`` with ``config``
+    (:func:`config_changes`) and the checkpoint with the env, spaces and model ``config`` asks for
+    (:func:`check_resume_compatible`; the model is built on the CPU when ``check_model``). A folder
+    without a checkpoint is a new run: nothing is compared.
+
+    Args:
+        run_dir: the run folder.
+        config: the requested :class:`~oakemu_core.config.OakEmuConfig`.
+        check_model: also build the model and compare parameter names and shapes.
+
+    Returns:
+        ``{field: (old, new)}`` of the settings that will change (for a warning); {} for a new run.
+
+    Raises:
+        ResumeMismatchError: a setting that cannot change differs, or the checkpoint was made for
+            another env, other spaces or another model.
+        oakemu_core.run.checkpoint.CheckpointError: the checkpoint cannot be read.
+    """
+    import tomllib
+
+    # A new run has no checkpoint file yet: answer without importing torch (checkpoint.py does),
+    # which would hold up ``oakemu train`` by 1-2 s before it starts any child process.
+    if not any((Path(run_dir) / "checkpoints").glob("*.pt")):
+        return {}
+    from oakemu_core.run.checkpoint import latest_checkpoint, load_checkpoint
+
+    checkpoint = latest_checkpoint(Path(run_dir))
+    if checkpoint is None:
+        return {}
+    changes: dict[str, tuple[Any, Any]] = {}
+    config_toml = Path(run_dir) / "config.toml"
+    if config_toml.is_file():
+        try:
+            old = tomllib.loads(config_toml.read_text(encoding="utf-8"))
+        except (OSError, tomllib.TOMLDecodeError):
+            old = None  # an unreadable config.toml is rewritten by the learner; the checkpoint still decides
+        if old is not None:
+            changes = config_changes(old, config.model_dump(mode="json"))
+    from oakemu_core.envs import env_spec
+    from oakemu_core.step_schema import schema_for_env
+
+    spec = env_spec(config.env_id, settings_file=config.emulator_settings)
+    schema = schema_for_env(spec)
+    model = None
+    if check_model and schema.distribution is not None:
+        from oakemu_core.policy.models import build_model
+
+        model = build_model(spec.observation_layout, schema.distribution,
+                            normalize_observations=config.normalize_observations)
+    state = load_checkpoint(checkpoint, map_location="cpu")
+    check_resume_compatible(state, env_id=config.env_id, schema=schema, model=model, checkpoint_path=checkpoint)
+    return changes

@@ -1,0 +1,1 @@
+"""Actor <-> learner messages: the msgpack codec, control and step messages, step rings, CURVE auth."""
