@@ -1,4 +1,5 @@
-"""Shared fixtures: shared-memory leak check and helpers to run Python in a child process."""
+"""Shared fixtures: shared-memory leak check, helpers to run Python in a child process, and the
+end-to-end fixtures ``e2e`` (``tests/e2e_helpers.py``) and ``small_tmpfs`` (``tests/fault_helpers.py``)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,12 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 
 from oakemu_core.shared_memory import SEGMENT_PREFIX
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SHM_DIR = Path("/dev/shm")
+from tests.e2e_helpers import REPO_ROOT, SHM_DIR, e2e_fixture  # noqa: F401 - the `e2e` fixture
+from tests.fault_helpers import small_tmpfs_fixture  # noqa: F401 - the `small_tmpfs` fixture
 
 
 def own_segments() -> set[str]:

@@ -1,8 +1,7 @@
 """Helpers for disk-full tests: a small real tmpfs (when this process may mount one) and a filler.
 
-Import the fixture with ``from tests.fault_helpers import small_tmpfs_fixture  # noqa: F401`` and ask for
-``small_tmpfs``: a folder on a fresh 2 MiB tmpfs, unmounted (and removed) on teardown, also when the test
-failed. Tests that need it are skipped where ``mount -t tmpfs`` is not allowed (not root, no
+The fixture ``small_tmpfs`` (registered for every test in ``tests/conftest.py``): a folder on a fresh
+2 MiB tmpfs, unmounted (and removed) on teardown, also when the test failed. Tests that need it are skipped where ``mount -t tmpfs`` is not allowed (not root, no
 CAP_SYS_ADMIN).
 """
 

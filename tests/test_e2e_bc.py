@@ -1,6 +1,6 @@
 """End to end: demonstrations recorded with ``oakemu record`` (a scripted CartPole expert) lift the
-FIRST evaluation of ``oakemu train --bc-dataset ...`` far above a random policy before any PPO update
-(issue 8). The first tester report is of the weights published after behaviour cloning (policy
+FIRST evaluation of ``oakemu train --bc-dataset ...`` far above a random policy before any PPO update.
+The first tester report is of the weights published after behaviour cloning (policy
 version 1), played greedily; a random CartPole policy returns about 22."""
 
 from __future__ import annotations
@@ -9,14 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e_helpers import (
-    E2EProcesses,
-    common_flags,
-    e2e_fixture,  # noqa: F401 - the `e2e` fixture
-    new_ports,
-    only_run_dir,
-    read_jsonl,
-)
+from tests.e2e_helpers import E2EProcesses, read_jsonl
 
 pytest.importorskip("minari", reason="behaviour cloning needs the bc extra (minari)")
 
@@ -30,22 +23,18 @@ def test_bc_pretraining_lifts_the_first_evaluation(e2e: E2EProcesses, tmp_path: 
                                   "--policy", "tests.test_demonstrations:cartpole_expert", "--seed", "0"])
     assert record.wait(timeout_s=120) == 0, record.describe()
 
-    runs_dir = tmp_path / "runs"
-    train = e2e.start("train", [
-        "train", "--env", "CartPole-v1", "--seed", "1", "--num-actors", "1", "--envs-per-actor", "4",
+    run = e2e.train([
+        "--env", "CartPole-v1", "--seed", "1", "--num-actors", "1", "--envs-per-actor", "4",
         "--rollout-length", "64", "--total-env-steps", "16384", "--bc-dataset", str(dataset),
         "--bc-pretrain-updates", "10", "--bc-batch-size", "64", "--learning-rate", "1e-3",
-        "--eval-every-updates", "1000", "--eval-episodes", "3", *common_flags(new_ports(), runs_dir),
-    ])
-    assert train.wait(timeout_s=300) == 0, train.describe()
-    run_dir = only_run_dir(runs_dir)
-    log = (run_dir / "logs" / "learner.log").read_text(errors="replace")
+        "--eval-every-updates", "1000", "--eval-episodes", "3",
+    ], timeout_s=300)
+    run_dir, log = run.run_dir, run.learner_log
     assert "behaviour cloning: 10 replay-only updates" in log
     assert "Traceback" not in log and "collapsed" not in log
 
-    # The tester's first report is of the behaviour-cloned weights: the learner submits a run's first
-    # weights kept, so they are evaluated even when the run outpaces the tester's start-up (a CI run
-    # once ended before the tester was ready, and only the final weights were evaluated).
+    # The tester's first report is of the behaviour-cloned weights: the learner keeps a run's first
+    # weights for the tester, so they are evaluated even when the run outpaces the tester's start-up.
     evaluations = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "eval/episodic_return" in r]
     first = min(evaluations, key=lambda r: r["eval/policy_version"])
     assert first["eval/policy_version"] == 1, "the first evaluation is of the behaviour-cloned weights"

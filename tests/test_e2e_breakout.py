@@ -10,20 +10,11 @@ from __future__ import annotations
 
 import itertools
 import re
-from pathlib import Path
 
 import pytest
 
 from oakemu_core.config import available_cpus
-
-from tests.e2e_helpers import (
-    E2EProcesses,
-    common_flags,
-    e2e_fixture,  # noqa: F401 - the `e2e` fixture
-    new_ports,
-    read_jsonl,
-    update_records,
-)
+from tests.e2e_helpers import E2EProcesses, new_ports, read_jsonl, update_records
 
 pytestmark = pytest.mark.slow
 
@@ -34,29 +25,18 @@ RATIO_TOLERANCE = 1e-5
 EVALUATE_LINE = re.compile(r"episodes\s+1\s+mean\s+(-?\d+\.\d+)\s+std\s+(\d+\.\d+)")
 
 
-def train_args(ports_flags: list[str], budget: int) -> list[str]:
-    return ["--total-env-steps", str(budget), *ports_flags]
-
-
-def test_breakout_train_resume_evaluate(e2e: E2EProcesses, tmp_path: Path) -> None:
-    runs_dir = tmp_path / "runs"
-    run_dir = runs_dir / "breakout"
-    first = e2e.start("train-1", [
-        "train", "--env", "ALE/Breakout-v5", "--num-actors", "2", "--envs-per-actor", "2", "--rollout-length", "16",
-        "--ppo-epochs", "4", "--num-minibatches", "2", "--run-name", "breakout",
-        *train_args(common_flags(new_ports(), runs_dir), FIRST_BUDGET),
-    ])
-    status = first.wait(timeout_s=180)
-    assert status == 0, first.describe() + _log_tail(run_dir)
-    e2e.assert_all_exited(timeout_s=5)
-    assert e2e.leftover_segments() == []
+def test_breakout_train_resume_evaluate(e2e: E2EProcesses) -> None:
+    run_dir = e2e.runs_dir / "breakout"
+    e2e.train([
+        "--env", "ALE/Breakout-v5", "--num-actors", "2", "--envs-per-actor", "2", "--rollout-length", "16",
+        "--ppo-epochs", "4", "--num-minibatches", "2", "--run-name", "breakout", "--total-env-steps", str(FIRST_BUDGET),
+    ], timeout_s=180)
 
     # The run folder: resolved config, TensorBoard events, metrics, episodes, logs, checkpoints.
     config_text = (run_dir / "config.toml").read_text()
     assert 'env_id = "ALE/Breakout-v5"' in config_text and "rollout_length = 16" in config_text
     assert list(run_dir.glob("events.out.tfevents.*")), "no TensorBoard event file"
     assert {p.name for p in (run_dir / "logs").glob("*.log")} == {"learner.log", "actor-0.log", "actor-1.log"}
-    assert "Traceback" not in (run_dir / "logs" / "learner.log").read_text(errors="replace")
     checkpoints = sorted((run_dir / "checkpoints").glob("checkpoint_*.pt"))
     assert checkpoints and (run_dir / "checkpoints" / "latest.pt").is_file()
 
@@ -72,12 +52,9 @@ def test_breakout_train_resume_evaluate(e2e: E2EProcesses, tmp_path: Path) -> No
 
     # Resume: the step count and the update numbering continue from the checkpoint.
     resumed = e2e.start("train-2", [
-        "train", "--resume", str(run_dir), *train_args(new_ports().flags(), RESUMED_BUDGET),
+        "train", "--resume", str(run_dir), "--total-env-steps", str(RESUMED_BUDGET), *new_ports().flags(),
     ])
-    status = resumed.wait(timeout_s=180)
-    assert status == 0, resumed.describe() + _log_tail(run_dir)
-    e2e.assert_all_exited(timeout_s=5)
-    assert e2e.leftover_segments() == []
+    e2e.finish(resumed, timeout_s=180, run_dir=run_dir)
     assert "resumed from" in (run_dir / "logs" / "learner.log").read_text(errors="replace")
     all_updates = update_records(run_dir)
     after = all_updates[len(updates):]
@@ -108,21 +85,16 @@ BFLOAT16_RATIO_TOLERANCE = 0.05
 log-probs against the bfloat16 actors' (rounding of the logits, about 1e-3 here)."""
 
 
-def test_breakout_with_bfloat16_actors_and_one_emulator_thread_each(e2e: E2EProcesses, tmp_path: Path) -> None:
+def test_breakout_with_bfloat16_actors_and_one_emulator_thread_each(e2e: E2EProcesses) -> None:
     """``--actor-inference bfloat16`` end to end: the actors say so, training runs, and the policy
     that acted differs from the learner's float32 one by rounding only (the first minibatch's ratio);
     the emulator threads are the CPUs divided by the 2 actors."""
-    runs_dir = tmp_path / "runs"
-    run_dir = runs_dir / "breakout-bf16"
-    train = e2e.start("train", [
-        "train", "--env", "ALE/Breakout-v5", "--num-actors", "2", "--envs-per-actor", "2", "--rollout-length", "16",
+    run_dir = e2e.runs_dir / "breakout-bf16"
+    e2e.train([
+        "--env", "ALE/Breakout-v5", "--num-actors", "2", "--envs-per-actor", "2", "--rollout-length", "16",
         "--ppo-epochs", "2", "--num-minibatches", "2", "--run-name", "breakout-bf16", "--actor-inference", "bfloat16",
-        *train_args(common_flags(new_ports(), runs_dir), 3 * ROLLOUT_ROWS),
-    ])
-    status = train.wait(timeout_s=180)
-    assert status == 0, train.describe() + _log_tail(run_dir)
-    e2e.assert_all_exited(timeout_s=5)
-    assert e2e.leftover_segments() == []
+        "--total-env-steps", str(3 * ROLLOUT_ROWS),
+    ], timeout_s=180)
     threads = max(1, available_cpus() // 2)
     for name in ("actor-0.log", "actor-1.log"):
         log_text = (run_dir / "logs" / name).read_text(errors="replace")
@@ -141,10 +113,3 @@ def test_breakout_with_bfloat16_actors_and_one_emulator_thread_each(e2e: E2EProc
     assert "acts in bfloat16: every rollout is re-evaluated" in (run_dir / "logs" / "learner.log").read_text()
     weights = [u["diagnostics/importance_weight_mean"] for u in updates]
     assert all(abs(w - 1.0) < BFLOAT16_RATIO_TOLERANCE for w in weights), weights  # NaN fails too
-
-
-def _log_tail(run_dir: Path, lines: int = 30) -> str:
-    path = run_dir / "logs" / "learner.log"
-    if not path.exists():
-        return ""
-    return "\n--- learner.log tail:\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:])

@@ -29,12 +29,8 @@ from oakemu_core.transport.wire import (
 )
 from tests.e2e_helpers import (
     E2EProcesses,
-    Ports,
     ServiceProcess,
-    Telemetry,
-    common_flags,
-    e2e_fixture,  # noqa: F401 - the `e2e` fixture
-    new_ports,
+    describe_all,
     read_jsonl,
     update_records,
 )
@@ -45,16 +41,16 @@ RUN_NAME = "faults"
 LEARNER_MAX_MESSAGE_BYTES = 65_536
 
 
-def learner_args(ports: Ports, runs_dir: Path, *extra: str) -> list[str]:
+def learner_args(e2e: E2EProcesses, *extra: str) -> list[str]:
     """A CartPole learner for 2 actors x 2 envs, rollouts of 32 steps, a budget it never reaches."""
     return ["learner", "--env", "CartPole-v1", "--num-actors", "2", "--envs-per-actor", "2", "--rollout-length", "32",
             "--ppo-epochs", "2", "--num-minibatches", "2", "--total-env-steps", "100000000",
-            "--checkpoint-every-updates", "0", "--run-name", RUN_NAME, *common_flags(ports, runs_dir, *extra)]
+            "--checkpoint-every-updates", "0", "--run-name", RUN_NAME, *e2e.flags(*extra)]
 
 
-def actor_args(ports: Ports, runs_dir: Path, actor_id: str, *extra: str) -> list[str]:
+def actor_args(e2e: E2EProcesses, actor_id: str, *extra: str) -> list[str]:
     return ["actor", "--env", "CartPole-v1", "--envs-per-actor", "2", "--actor-id", actor_id,
-            *common_flags(ports, runs_dir, *extra)]
+            *e2e.flags(*extra)]
 
 
 def actor_ids(snapshot: TelemetrySnapshot) -> set[str]:
@@ -63,10 +59,6 @@ def actor_ids(snapshot: TelemetrySnapshot) -> set[str]:
 
 def episode_actor_ids(run_dir: Path) -> set[str]:
     return {e["actor_id"] for e in read_jsonl(run_dir / "episodes.jsonl")}
-
-
-def diagnostics(*processes: ServiceProcess) -> callable:
-    return lambda: "\n".join(p.describe(25) for p in processes)
 
 
 def stop_learner_and_check(learner: ServiceProcess, run_dir: Path, iterations_before: int) -> None:
@@ -81,62 +73,57 @@ def stop_learner_and_check(learner: ServiceProcess, run_dir: Path, iterations_be
 
 
 # -------------------------------------------------------------------- (a) kill, join, leave
-def test_killed_actor_is_dropped_and_a_late_actor_joins_and_contributes(e2e: E2EProcesses, tmp_path: Path) -> None:
-    runs_dir, ports = tmp_path / "runs", new_ports()
-    run_dir = runs_dir / RUN_NAME
-    telemetry = Telemetry(ports.telemetry_address)
-    try:
-        # The learner drops actors silent for 2 s. (Actors keep the default patience: an actor
-        # gives up joining after 3 x its own actor_timeout_s, and a learner on a busy 2-core
-        # machine may need more than 6 s to start.)
-        learner = e2e.start("learner", learner_args(ports, runs_dir, "--actor-timeout-s", "2"))
-        telemetry.wait(lambda s: True, 60, "the learner's first telemetry snapshot", diagnostics(learner))
-        actor_a = e2e.start("actor-a", actor_args(ports, runs_dir, "actor-a"))
-        actor_b = e2e.start("actor-b", actor_args(ports, runs_dir, "actor-b"))
-        why = diagnostics(learner, actor_a, actor_b)
-        # Both listed is not enough: on a loaded machine actor-b alone can fill every column while
-        # actor-a is still starting. Wait until actor-a's own episodes reached the learner.
-        before = telemetry.wait(
-            lambda s: s.iterations >= 3 and actor_ids(s) == {"actor-a", "actor-b"}
-            and {"actor-a", "actor-b"} <= episode_actor_ids(run_dir),
-            90, "3 updates with episodes from both actors", why,
-        )
+def test_killed_actor_is_dropped_and_a_late_actor_joins_and_contributes(e2e: E2EProcesses) -> None:
+    run_dir = e2e.runs_dir / RUN_NAME
+    telemetry = e2e.telemetry()
+    # The learner drops actors silent for 2 s. (Actors keep the default patience: an actor
+    # gives up joining after 3 x its own actor_timeout_s, and a learner on a busy 2-core
+    # machine may need more than 6 s to start.)
+    learner = e2e.start("learner", learner_args(e2e, "--actor-timeout-s", "2"))
+    telemetry.wait(lambda s: True, 60, "the learner's first telemetry snapshot", describe_all(learner))
+    actor_a = e2e.start("actor-a", actor_args(e2e, "actor-a"))
+    actor_b = e2e.start("actor-b", actor_args(e2e, "actor-b"))
+    why = describe_all(learner, actor_a, actor_b)
+    # Both listed is not enough: on a loaded machine actor-b alone can fill every column while
+    # actor-a is still starting. Wait until actor-a's own episodes reached the learner.
+    before = telemetry.wait(
+        lambda s: s.iterations >= 3 and actor_ids(s) == {"actor-a", "actor-b"}
+        and {"actor-a", "actor-b"} <= episode_actor_ids(run_dir),
+        90, "3 updates with episodes from both actors", why,
+    )
 
-        # SIGKILL one actor while it streams (it cannot say goodbye): dropped after the 2 s timeout.
-        actor_a.popen.kill()
-        actor_a.wait(timeout_s=10)
-        killed_at = before.iterations
-        after_kill = telemetry.wait(
-            lambda s: s.iterations >= killed_at + 3 and actor_ids(s) == {"actor-b"}
-            and s.dropped.get("timed_out_actors", 0) >= 1,
-            60, "3 more updates without actor-a, which timed out", why,
-        )
-        assert after_kill.dropped.get("timed_out_actors", 0) == 1
+    # SIGKILL one actor while it streams (it cannot say goodbye): dropped after the 2 s timeout.
+    actor_a.popen.kill()
+    actor_a.wait(timeout_s=10)
+    killed_at = before.iterations
+    after_kill = telemetry.wait(
+        lambda s: s.iterations >= killed_at + 3 and actor_ids(s) == {"actor-b"}
+        and s.dropped.get("timed_out_actors", 0) >= 1,
+        60, "3 more updates without actor-a, which timed out", why,
+    )
+    assert after_kill.dropped.get("timed_out_actors", 0) == 1
 
-        # A new actor joins later; the remaining original one leaves (SIGTERM: says goodbye, exits 0).
-        actor_c = e2e.start("actor-c", actor_args(ports, runs_dir, "actor-c"))
-        why = diagnostics(learner, actor_b, actor_c)
-        telemetry.wait(lambda s: "actor-c" in actor_ids(s), 60, "actor-c joined", why)
-        actor_b.send_signal(signal.SIGTERM)
-        assert actor_b.wait(timeout_s=20) == 0, actor_b.describe()
-        left_at = telemetry.wait(lambda s: actor_ids(s) == {"actor-c"}, 30, "actor-b left", why).iterations
-        final = telemetry.wait(lambda s: s.iterations >= left_at + 3 and actor_ids(s) == {"actor-c"}, 60,
-                               "3 more updates from actor-c alone", why)
-        assert final.dropped.get("timed_out_actors", 0) == 1  # actor-b left, it did not time out
-        # Rollouts after actor-b left hold only actor-c's steps, so actor-c's episodes reach the learner.
-        assert {"actor-a", "actor-b", "actor-c"} <= episode_actor_ids(run_dir)
+    # A new actor joins later; the remaining original one leaves (SIGTERM: says goodbye, exits 0).
+    actor_c = e2e.start("actor-c", actor_args(e2e, "actor-c"))
+    why = describe_all(learner, actor_b, actor_c)
+    telemetry.wait(lambda s: "actor-c" in actor_ids(s), 60, "actor-c joined", why)
+    actor_b.send_signal(signal.SIGTERM)
+    assert actor_b.wait(timeout_s=20) == 0, actor_b.describe()
+    left_at = telemetry.wait(lambda s: actor_ids(s) == {"actor-c"}, 30, "actor-b left", why).iterations
+    final = telemetry.wait(lambda s: s.iterations >= left_at + 3 and actor_ids(s) == {"actor-c"}, 60,
+                           "3 more updates from actor-c alone", why)
+    assert final.dropped.get("timed_out_actors", 0) == 1  # actor-b left, it did not time out
+    # Rollouts after actor-b left hold only actor-c's steps, so actor-c's episodes reach the learner.
+    assert {"actor-a", "actor-b", "actor-c"} <= episode_actor_ids(run_dir)
 
-        stop_learner_and_check(learner, run_dir, final.iterations)
-        assert actor_c.wait(timeout_s=30) == 0, actor_c.describe()
-    finally:
-        telemetry.close()
+    stop_learner_and_check(learner, run_dir, final.iterations)
+    assert actor_c.wait(timeout_s=30) == 0, actor_c.describe()
     records = update_records(run_dir)
     versions = [u["charts/policy_version"] for u in records]
     # Every update logged once, in order; an evaluation rollback uses up one version (best.pt restored).
     assert versions == sorted(set(versions)) and versions[0] == 1
     assert int(versions[-1]) - len(versions) == int(records[-1]["charts/rollbacks"])
-    e2e.assert_all_exited(timeout_s=10)
-    assert e2e.leftover_segments() == []
+    e2e.assert_clean(timeout_s=10)
 
 
 # ------------------------------------------------------------------------ (b) malformed input
@@ -173,105 +160,96 @@ def _pack(obj: dict) -> bytes:
 def test_malformed_messages_are_rejected_and_counted_while_training_goes_on(
     e2e: E2EProcesses, tmp_path: Path
 ) -> None:
-    runs_dir, ports = tmp_path / "runs", new_ports()
-    run_dir = runs_dir / RUN_NAME
-    telemetry = Telemetry(ports.telemetry_address)
+    run_dir = e2e.runs_dir / RUN_NAME
+    telemetry = e2e.telemetry()
     context = zmq.Context()
-    try:
-        learner = e2e.start("learner", learner_args(
-            ports, runs_dir, "--max-message-bytes", str(LEARNER_MAX_MESSAGE_BYTES), "--num-actors", "1"))
-        actor = e2e.start("actor", actor_args(ports, runs_dir, "actor-0"))
-        why = diagnostics(learner, actor)
-        before = telemetry.wait(lambda s: s.iterations >= 2, 90, "2 updates", why)
-        rejected_before = dict(before.rejected_messages)
+    e2e.defer(context.destroy, linger=0)
+    learner = e2e.start("learner", learner_args(
+        e2e, "--max-message-bytes", str(LEARNER_MAX_MESSAGE_BYTES), "--num-actors", "1"))
+    actor = e2e.start("actor", actor_args(e2e, "actor-0"))
+    why = describe_all(learner, actor)
+    before = telemetry.wait(lambda s: s.iterations >= 2, 90, "2 updates", why)
+    rejected_before = dict(before.rejected_messages)
 
-        # An intruder joins properly (so its steps are checked against its spec), then misbehaves.
-        control = context.socket(zmq.REQ)
-        control.setsockopt(zmq.LINGER, 0)
-        control.connect(ports.control_address)
-        control.send(encode_join_request(JoinRequest("intruder", "inc-intruder", 2, "test")))
-        assert control.poll(10_000), "no join reply"
-        reply = decode_message(control.recv(), max_bytes=64 * 2**20)
-        assert isinstance(reply, JoinReply) and reply.accepted
+    # An intruder joins properly (so its steps are checked against its spec), then misbehaves.
+    control = context.socket(zmq.REQ)
+    control.setsockopt(zmq.LINGER, 0)
+    control.connect(e2e.ports.control_address)
+    control.send(encode_join_request(JoinRequest("intruder", "inc-intruder", 2, "test")))
+    assert control.poll(10_000), "no join reply"
+    reply = decode_message(control.recv(), max_bytes=64 * 2**20)
+    assert isinstance(reply, JoinReply) and reply.accepted
 
-        valid = _valid_step("intruder", "inc-intruder", 2)
-        missing_field = dict(valid, fields={k: v for k, v in valid["fields"].items() if k != "rewards"})
+    valid = _valid_step("intruder", "inc-intruder", 2)
+    missing_field = dict(valid, fields={k: v for k, v in valid["fields"].items() if k != "rewards"})
 
-        def with_observations(array: dict) -> dict:  # the same message with one damaged field
-            return dict(valid, fields={**valid["fields"], "observations": array})
+    def with_observations(array: dict) -> dict:  # the same message with one damaged field
+        return dict(valid, fields={**valid["fields"], "observations": array})
 
-        wrong_dtype = with_observations({"dtype": "<f8", "shape": [2, 4], "data": bytes(2 * 4 * 8)})
-        wrong_shape = with_observations({"dtype": "<f4", "shape": [3, 4], "data": bytes(3 * 4 * 4)})
-        huge_shape = with_observations({"dtype": "<f4", "shape": [2**40, 4], "data": bytes(32)})
-        bomb_path = tmp_path / "unpickled"
-        frames = {
-            "garbage": b"\xc1\xc1 definitely not msgpack \x00\xff",
-            "missing field": _pack(missing_field),
-            "wrong dtype": _pack(wrong_dtype),
-            "wrong shape": _pack(wrong_shape),
-            "huge declared shape": _pack(huge_shape),
-            "pickle": pickle.dumps(_PickleBomb(bomb_path)),
-            "oversized": bytes(LEARNER_MAX_MESSAGE_BYTES + 1),
-        }
-        push = context.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 0)
-        push.connect(ports.data_address)
-        for frame in frames.values():
-            assert push.poll(10_000, zmq.POLLOUT)
-            push.send(frame)
-        # Garbage on the control socket too: the learner answers (REQ must get a reply) and counts it.
-        control.send(b"\xc1 not a control message")
-        assert control.poll(10_000), "the learner did not answer a garbage control request"
-        decode_message(control.recv(), max_bytes=64 * 2**20)
+    wrong_dtype = with_observations({"dtype": "<f8", "shape": [2, 4], "data": bytes(2 * 4 * 8)})
+    wrong_shape = with_observations({"dtype": "<f4", "shape": [3, 4], "data": bytes(3 * 4 * 4)})
+    huge_shape = with_observations({"dtype": "<f4", "shape": [2**40, 4], "data": bytes(32)})
+    bomb_path = tmp_path / "unpickled"
+    frames = {
+        "garbage": b"\xc1\xc1 definitely not msgpack \x00\xff",
+        "missing field": _pack(missing_field),
+        "wrong dtype": _pack(wrong_dtype),
+        "wrong shape": _pack(wrong_shape),
+        "huge declared shape": _pack(huge_shape),
+        "pickle": pickle.dumps(_PickleBomb(bomb_path)),
+        "oversized": bytes(LEARNER_MAX_MESSAGE_BYTES + 1),
+    }
+    push = context.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(e2e.ports.data_address)
+    for frame in frames.values():
+        assert push.poll(10_000, zmq.POLLOUT)
+        push.send(frame)
+    # Garbage on the control socket too: the learner answers (REQ must get a reply) and counts it.
+    control.send(b"\xc1 not a control message")
+    assert control.poll(10_000), "the learner did not answer a garbage control request"
+    decode_message(control.recv(), max_bytes=64 * 2**20)
 
-        expected = {"garbage": 3, "schema": 1, "dtype": 1, "shape": 1, "size": 1, "oversized": 1}
+    expected = {"garbage": 3, "schema": 1, "dtype": 1, "shape": 1, "size": 1, "oversized": 1}
 
-        def counted(s: TelemetrySnapshot) -> bool:
-            return all(s.rejected_messages.get(k, 0) - rejected_before.get(k, 0) >= n for k, n in expected.items())
+    def counted(s: TelemetrySnapshot) -> bool:
+        return all(s.rejected_messages.get(k, 0) - rejected_before.get(k, 0) >= n for k, n in expected.items())
 
-        seen = telemetry.wait(counted, 30, f"rejections {expected}", why)
-        delta = {k: v - rejected_before.get(k, 0) for k, v in seen.rejected_messages.items()}
-        delta = {k: v for k, v in delta.items() if v}
-        assert delta == expected
-        assert not bomb_path.exists(), "the pickle payload was unpickled"
+    seen = telemetry.wait(counted, 30, f"rejections {expected}", why)
+    delta = {k: v - rejected_before.get(k, 0) for k, v in seen.rejected_messages.items()}
+    delta = {k: v for k, v in delta.items() if v}
+    assert delta == expected
+    assert not bomb_path.exists(), "the pickle payload was unpickled"
 
-        # Training is unaffected: more updates complete, with finite losses, and the actor is still there.
-        telemetry.wait(lambda s: s.iterations >= seen.iterations + 3, 60, "3 more updates", why)
-        # (A rollout whose rows all exceeded max_policy_lag is logged without losses: skip those.)
-        trained = [u for u in update_records(run_dir) if "losses/policy_loss" in u]
-        assert len(trained) >= seen.iterations + 3
-        for update in trained:
-            for key in ("losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl"):
-                assert update[key] is not None and np.isfinite(update[key]), (key, update)
-        assert "actor-0" in actor_ids(telemetry.latest)
-        log = learner.stderr()
-        assert "Traceback" not in log
-        assert "rejected step message" in log and "rejected control message" in log
+    # Training is unaffected: more updates complete, with finite losses, and the actor is still there.
+    telemetry.wait(lambda s: s.iterations >= seen.iterations + 3, 60, "3 more updates", why)
+    # (A rollout whose rows all exceeded max_policy_lag is logged without losses: skip those.)
+    trained = [u for u in update_records(run_dir) if "losses/policy_loss" in u]
+    assert len(trained) >= seen.iterations + 3
+    for update in trained:
+        for key in ("losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl"):
+            assert update[key] is not None and np.isfinite(update[key]), (key, update)
+    assert "actor-0" in actor_ids(telemetry.latest)
+    log = learner.stderr()
+    assert "Traceback" not in log
+    assert "rejected step message" in log and "rejected control message" in log
 
-        stop_learner_and_check(learner, run_dir, seen.iterations)
-        assert actor.wait(timeout_s=30) == 0, actor.describe()
-    finally:
-        context.destroy(linger=0)
-        telemetry.close()
-    e2e.assert_all_exited(timeout_s=10)
-    assert e2e.leftover_segments() == []
+    stop_learner_and_check(learner, run_dir, seen.iterations)
+    assert actor.wait(timeout_s=30) == 0, actor.describe()
+    e2e.assert_clean(timeout_s=10)
 
 
 # ------------------------------------------------------------------- (c) Ctrl-C on oakemu train
-def test_sigint_to_oakemu_train_stops_everything_cleanly(e2e: E2EProcesses, tmp_path: Path) -> None:
-    runs_dir, ports = tmp_path / "runs", new_ports()
-    run_dir = runs_dir / RUN_NAME
-    telemetry = Telemetry(ports.telemetry_address)
-    try:
-        train = e2e.start("train", [
-            "train", "--env", "CartPole-v1", "--num-actors", "2", "--envs-per-actor", "2", "--rollout-length", "32",
-            "--ppo-epochs", "2", "--num-minibatches", "2", "--total-env-steps", "100000000", "--run-name", RUN_NAME,
-            "--checkpoint-every-updates", "0", *common_flags(ports, runs_dir),
-        ])
-        telemetry.wait(lambda s: s.iterations >= 2 and s.num_actors == 2, 90, "2 updates with 2 actors",
-                       diagnostics(train))
-    finally:
-        telemetry.close()
+def test_sigint_to_oakemu_train_stops_everything_cleanly(e2e: E2EProcesses) -> None:
+    run_dir = e2e.runs_dir / RUN_NAME
+    telemetry = e2e.telemetry()
+    train = e2e.start("train", [
+        "train", "--env", "CartPole-v1", "--num-actors", "2", "--envs-per-actor", "2", "--rollout-length", "32",
+        "--ppo-epochs", "2", "--num-minibatches", "2", "--total-env-steps", "100000000", "--run-name", RUN_NAME,
+        "--checkpoint-every-updates", "0", *e2e.flags(),
+    ])
+    telemetry.wait(lambda s: s.iterations >= 2 and s.num_actors == 2, 90, "2 updates with 2 actors",
+                   describe_all(train))
     commands = [command for _, command in e2e.alive()]
     roles = sorted(c.split("oakemu_services.cli ")[1].split()[0] for c in commands if "oakemu_services.cli " in c)
     assert roles == ["actor", "actor", "learner", "train"], commands

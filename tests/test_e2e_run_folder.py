@@ -1,4 +1,4 @@
-"""Issue 8 faults end to end (real ``oakemu learner`` / ``oakemu actor`` / ``oakemu train`` processes):
+"""Faults end to end (real ``oakemu learner`` / ``oakemu actor`` / ``oakemu train`` processes):
 
 - a full disk during a run (a real 2 MiB tmpfs mounted by the test): training goes on, the previous
   checkpoint stays loadable, the error names the file, JSON lines stay whole, checkpoints resume after
@@ -15,10 +15,8 @@ import hashlib
 import json
 import re
 import signal
-import time
 from pathlib import Path
 
-import msgpack
 import numpy as np
 import pytest
 import zmq
@@ -37,38 +35,24 @@ from oakemu_core.transport.wire import (
     encode_leave,
     encode_step,
 )
-from tests.e2e_helpers import (
-    E2EProcesses,
-    Ports,
-    ServiceProcess,
-    Telemetry,
-    common_flags,
-    e2e_fixture,  # noqa: F401 - the `e2e` fixture
-    new_ports,
-    read_jsonl,
-    wait_for,
-)
-from tests.fault_helpers import fill_disk, small_tmpfs_fixture  # noqa: F401 - the `small_tmpfs` fixture
+from tests.e2e_helpers import E2EProcesses, describe_all, read_jsonl, wait_for
+from tests.fault_helpers import fill_disk
 
 pytestmark = pytest.mark.slow
 
 RUN_NAME = "faults"
 
 
-def learner_args(ports: Ports, runs_dir: Path, *extra: str, env: str = "CartPole-v1") -> list[str]:
+def learner_args(e2e: E2EProcesses, *extra: str, env: str = "CartPole-v1") -> list[str]:
     """A learner for 1 actor x 2 envs, rollouts of 16 steps, a budget it never reaches."""
     return ["learner", "--env", env, "--num-actors", "1", "--envs-per-actor", "2", "--rollout-length", "16",
             "--ppo-epochs", "1", "--num-minibatches", "2", "--total-env-steps", "100000000",
-            "--run-name", RUN_NAME, "--log-format", "plain", *common_flags(ports, runs_dir, *extra)]
+            "--run-name", RUN_NAME, "--log-format", "plain", *e2e.flags(*extra)]
 
 
-def actor_args(ports: Ports, runs_dir: Path, actor_id: str = "actor-0") -> list[str]:
+def actor_args(e2e: E2EProcesses, actor_id: str = "actor-0") -> list[str]:
     return ["actor", "--env", "CartPole-v1", "--envs-per-actor", "2", "--actor-id", actor_id,
-            "--log-format", "plain", *common_flags(ports, runs_dir)]
-
-
-def why(*processes: ServiceProcess):
-    return lambda: "\n".join(p.describe(25) for p in processes)
+            "--log-format", "plain", *e2e.flags()]
 
 
 def checkpoint_update(path: Path | None) -> int:
@@ -86,82 +70,75 @@ def global_steps(path: Path) -> list[int]:
 
 
 # ------------------------------------------------------------------------------- full disk
-def test_full_disk_does_not_stop_training(small_tmpfs: Path, e2e: E2EProcesses, tmp_path: Path) -> None:
-    runs_dir, ports = small_tmpfs / "runs", new_ports()
-    run_dir = runs_dir / RUN_NAME
-    telemetry = Telemetry(ports.telemetry_address)
-    try:
-        learner = e2e.start("learner", learner_args(ports, runs_dir, "--checkpoint-every-updates", "1",
-                                                    "--max-checkpoint-failures", "1000"))
-        actor = e2e.start("actor", actor_args(ports, runs_dir))
-        explain = why(learner, actor)
-        telemetry.wait(lambda s: s.iterations >= 3, 120, "3 updates", explain)
-        wait_for(lambda: latest_checkpoint(run_dir) is not None, 30, "a checkpoint", on_timeout=explain)
+def test_full_disk_does_not_stop_training(small_tmpfs: Path, e2e: E2EProcesses) -> None:
+    e2e.runs_dir = small_tmpfs / "runs"
+    run_dir = e2e.runs_dir / RUN_NAME
+    telemetry = e2e.telemetry()
+    learner = e2e.start("learner", learner_args(e2e, "--checkpoint-every-updates", "1",
+                                                "--max-checkpoint-failures", "1000"))
+    actor = e2e.start("actor", actor_args(e2e))
+    explain = describe_all(learner, actor)
+    telemetry.wait(lambda s: s.iterations >= 3, 120, "3 updates", explain)
+    wait_for(lambda: latest_checkpoint(run_dir) is not None, 30, "a checkpoint", on_timeout=explain)
 
-        filler = fill_disk(small_tmpfs)  # the run folder's file system is now full
-        kept = latest_checkpoint(run_dir)
-        full_at = telemetry.wait(lambda s: True, 10, "a snapshot", explain)
-        during = telemetry.wait(
-            lambda s: s.checkpoint_failures >= 3 and s.iterations >= full_at.iterations + 4, 120,
-            "3 failed checkpoints while training goes on", explain)
-        assert learner.poll() is None, learner.describe()
-        assert during.log_write_failures > 0  # metrics records dropped (whole), counted
-        # The previous checkpoint is untouched and loadable; no temporary file is left behind.
-        assert latest_checkpoint(run_dir) == kept
-        assert load_checkpoint(kept)["env"]["env_id"] == "CartPole-v1"
-        # A checkpoint write may be in flight right now (one per update): its temporary file must be
-        # gone once that write failed; none may stay.
-        in_flight = {p.name for p in (run_dir / "checkpoints").iterdir() if p.name.endswith(".tmp")}
-        wait_for(lambda: not in_flight & {p.name for p in (run_dir / "checkpoints").iterdir()}, 10,
-                 f"the temporary files {sorted(in_flight)} removed", on_timeout=explain)
-        log = learner.stderr()
-        failure_lines = [line for line in log.splitlines() if "not written: [Errno 28] No space left on device" in line]
-        assert failure_lines, explain()
-        assert re.search(rf"checkpoint {re.escape(str(run_dir))}/checkpoints/checkpoint_\d{{8}}\.pt not written", log)
-        assert "bytes needed" in failure_lines[0] and "bytes free" in failure_lines[0]
-        assert f"{kept} is kept and loadable" in failure_lines[0]
-        # One line per failed checkpoint (training went on meanwhile, so the log may hold more than
-        # the snapshot counted): their "N of M failures in a row" numbers are 1, 2, 3, ...
-        assert len(failure_lines) >= during.checkpoint_failures
-        in_a_row = [int(m.group(1)) for m in map(re.compile(r"\((\d+) of \d+ failures in a row").search, failure_lines) if m]
-        assert in_a_row == list(range(1, len(failure_lines) + 1)), in_a_row
-        assert_whole_json_lines(run_dir / "metrics.jsonl")
-        assert_whole_json_lines(run_dir / "episodes.jsonl")
+    filler = fill_disk(small_tmpfs)  # the run folder's file system is now full
+    kept = latest_checkpoint(run_dir)
+    full_at = telemetry.wait(lambda s: True, 10, "a snapshot", explain)
+    during = telemetry.wait(
+        lambda s: s.checkpoint_failures >= 3 and s.iterations >= full_at.iterations + 4, 120,
+        "3 failed checkpoints while training goes on", explain)
+    assert learner.poll() is None, learner.describe()
+    assert during.log_write_failures > 0  # metrics records dropped (whole), counted
+    # The previous checkpoint is untouched and loadable; no temporary file is left behind.
+    assert latest_checkpoint(run_dir) == kept
+    assert load_checkpoint(kept)["env"]["env_id"] == "CartPole-v1"
+    # A checkpoint write may be in flight right now (one per update): its temporary file must be
+    # gone once that write failed; none may stay.
+    in_flight = {p.name for p in (run_dir / "checkpoints").iterdir() if p.name.endswith(".tmp")}
+    wait_for(lambda: not in_flight & {p.name for p in (run_dir / "checkpoints").iterdir()}, 10,
+             f"the temporary files {sorted(in_flight)} removed", on_timeout=explain)
+    log = learner.stderr()
+    failure_lines = [line for line in log.splitlines() if "not written: [Errno 28] No space left on device" in line]
+    assert failure_lines, explain()
+    assert re.search(rf"checkpoint {re.escape(str(run_dir))}/checkpoints/checkpoint_\d{{8}}\.pt not written", log)
+    assert "bytes needed" in failure_lines[0] and "bytes free" in failure_lines[0]
+    assert f"{kept} is kept and loadable" in failure_lines[0]
+    # One line per failed checkpoint (training went on meanwhile, so the log may hold more than
+    # the snapshot counted): their "N of M failures in a row" numbers are 1, 2, 3, ...
+    assert len(failure_lines) >= during.checkpoint_failures
+    in_a_row = [int(m.group(1)) for m in map(re.compile(r"\((\d+) of \d+ failures in a row").search, failure_lines) if m]
+    assert in_a_row == list(range(1, len(failure_lines) + 1)), in_a_row
+    assert_whole_json_lines(run_dir / "metrics.jsonl")
+    assert_whole_json_lines(run_dir / "episodes.jsonl")
 
-        # Space comes back: the next checkpoint time writes again (the retry), counters stay.
-        filler.unlink()
-        wait_for(lambda: checkpoint_update(latest_checkpoint(run_dir)) > checkpoint_update(kept), 60,
-                 "a checkpoint after the space came back", on_timeout=explain)
-        load_checkpoint(latest_checkpoint(run_dir))
+    # Space comes back: the next checkpoint time writes again (the retry), counters stay.
+    filler.unlink()
+    wait_for(lambda: checkpoint_update(latest_checkpoint(run_dir)) > checkpoint_update(kept), 60,
+             "a checkpoint after the space came back", on_timeout=explain)
+    load_checkpoint(latest_checkpoint(run_dir))
 
-        learner.send_signal(signal.SIGTERM)
-        assert learner.wait(timeout_s=60) == 0, learner.describe()
-        assert actor.wait(timeout_s=30) == 0, actor.describe()
-        assert "Traceback" not in learner.stderr() and "Exception in thread" not in learner.stderr()
-    finally:
-        telemetry.close()
-    e2e.assert_all_exited(timeout_s=10)
-    assert e2e.leftover_segments() == []
+    learner.send_signal(signal.SIGTERM)
+    assert learner.wait(timeout_s=60) == 0, learner.describe()
+    assert actor.wait(timeout_s=30) == 0, actor.describe()
+    assert "Traceback" not in learner.stderr() and "Exception in thread" not in learner.stderr()
+    e2e.assert_clean(timeout_s=10)
 
 
 # ------------------------------------------------------------------------- kill -9 + resume
-def test_logs_are_not_written_twice_after_kill_9_and_resume(e2e: E2EProcesses, tmp_path: Path) -> None:
-    runs_dir, ports = tmp_path / "runs", new_ports()
-    run_dir = runs_dir / RUN_NAME
+def test_logs_are_not_written_twice_after_kill_9_and_resume(e2e: E2EProcesses) -> None:
+    run_dir = e2e.runs_dir / RUN_NAME
     records_past_checkpoint = 0
     iterations = 0
     for round_number in range(4):  # 3 kills, then a clean stop
-        telemetry = Telemetry(ports.telemetry_address)
-        try:
-            learner = e2e.start(f"learner-{round_number}", learner_args(ports, runs_dir, "--checkpoint-every-updates", "3"))
-            actor = e2e.start(f"actor-{round_number}", actor_args(ports, runs_dir))
-            explain = why(learner, actor)
-            start = iterations
-            snapshot = telemetry.wait(lambda s, start=start: s.iterations >= start + 4, 120,
-                                      f"round {round_number}: 4 more updates", explain)
-            iterations = snapshot.iterations
-        finally:
-            telemetry.close()
+        telemetry = e2e.telemetry()  # a subscriber per round: no snapshot of an earlier round is read
+        learner = e2e.start(f"learner-{round_number}", learner_args(e2e, "--checkpoint-every-updates", "3"))
+        actor = e2e.start(f"actor-{round_number}", actor_args(e2e))
+        explain = describe_all(learner, actor)
+        start = iterations
+        snapshot = telemetry.wait(lambda s, start=start: s.iterations >= start + 4, 120,
+                                  f"round {round_number}: 4 more updates", explain)
+        iterations = snapshot.iterations
+        telemetry.close()
         if round_number < 3:
             learner.popen.kill()
             actor.popen.kill()
@@ -184,8 +161,7 @@ def test_logs_are_not_written_twice_after_kill_9_and_resume(e2e: E2EProcesses, t
         backs = [(a, b) for a, b in zip(steps, steps[1:]) if b < a]
         assert backs == [], f"{name}: global_step went back {len(backs)} times: {backs[:5]}"
     assert any("removed records past the checkpoint" in e2e.started[i].stderr() for i in range(len(e2e.started)))
-    e2e.assert_all_exited(timeout_s=10)
-    assert e2e.leftover_segments() == []
+    e2e.assert_clean(timeout_s=10)
 
 
 # ----------------------------------------------------------------------- flood + every frame
@@ -203,105 +179,100 @@ def _step(actor_id: str, incarnation: str, seq: int, n: int = 2, obs_dtype=np.fl
     ))
 
 
-def test_flood_of_malformed_frames_is_counted_exactly_with_a_bounded_log(e2e: E2EProcesses, tmp_path: Path) -> None:
-    runs_dir, ports = tmp_path / "runs", new_ports()
-    telemetry = Telemetry(ports.telemetry_address)
+def test_flood_of_malformed_frames_is_counted_exactly_with_a_bounded_log(e2e: E2EProcesses) -> None:
+    telemetry = e2e.telemetry()
     context = zmq.Context()
-    try:
-        learner = e2e.start("learner", learner_args(ports, runs_dir, "--rollout-length", "64", "--steps-per-message", "1",
-                                                    "--checkpoint-every-updates", "0"))
-        explain = why(learner)
-        telemetry.wait(lambda s: True, 60, "the learner's first snapshot", explain)
-        control = context.socket(zmq.DEALER)  # REQ envelopes by hand: many requests without waiting
-        control.setsockopt(zmq.LINGER, 0)
-        control.connect(ports.control_address)
-        data = context.socket(zmq.PUSH)
-        data.setsockopt(zmq.LINGER, 0)
-        data.setsockopt(zmq.SNDHWM, 100_000)
-        data.connect(ports.data_address)
-        sent = {"data": 0, "control": 0}
+    e2e.defer(context.destroy, linger=0)
+    learner = e2e.start("learner", learner_args(e2e, "--rollout-length", "64", "--steps-per-message", "1",
+                                                "--checkpoint-every-updates", "0"))
+    explain = describe_all(learner)
+    telemetry.wait(lambda s: True, 60, "the learner's first snapshot", explain)
+    control = context.socket(zmq.DEALER)  # REQ envelopes by hand: many requests without waiting
+    control.setsockopt(zmq.LINGER, 0)
+    control.connect(e2e.ports.control_address)
+    data = context.socket(zmq.PUSH)
+    data.setsockopt(zmq.LINGER, 0)
+    data.setsockopt(zmq.SNDHWM, 100_000)
+    data.connect(e2e.ports.data_address)
+    sent = {"data": 0, "control": 0}
 
-        def request(body: bytes, wait: bool = True) -> None:
-            control.send_multipart([b"", body])
-            sent["control"] += 1
-            if wait:
-                assert control.poll(10_000), "no reply"
-                reply = control.recv_multipart()
-                decode_message(reply[-1], max_bytes=64 * 2**20)
+    def request(body: bytes, wait: bool = True) -> None:
+        control.send_multipart([b"", body])
+        sent["control"] += 1
+        if wait:
+            assert control.poll(10_000), "no reply"
+            reply = control.recv_multipart()
+            decode_message(reply[-1], max_bytes=64 * 2**20)
 
-        def push(*frames: bytes) -> None:
-            data.send_multipart(list(frames))
-            sent["data"] += 1
+    def push(*frames: bytes) -> None:
+        data.send_multipart(list(frames))
+        sent["data"] += 1
 
-        request(encode_join_request(JoinRequest("intruder", "inc-1", 2, "test")))
-        for seq in range(10):
-            push(_step("intruder", "inc-1", seq))
-        telemetry.wait(lambda s: s.messages_accepted.get("step", 0) >= 10, 30, "10 accepted steps", explain)
-        request(encode_heartbeat(Heartbeat("intruder", "inc-1", 10, 0, 1.0, 0.0, 0)))
-        request(encode_heartbeat(Heartbeat("ghost", "inc-x", 0, 0, 1.0, 0.0, 0)))  # unknown: answered "rejoin"
-        request(encode_leave(Leave("ghost", "inc-x")))
-        request(b"\xc1 not a control message")  # garbage, answered
-        request(_step("intruder", "inc-1", 99))  # a step on the control socket: schema
-        control.send_multipart([b"not-empty", b"body"])  # a bad REQ envelope: garbage, not answered
-        control.send(b"one frame")  # [identity, body]: garbage, not answered
-        sent["control"] += 2
-        push(b"a", b"two-part data message")  # garbage
-        push(_step("stranger", "inc-9", 0))  # unknown_actor
-        push(_step("intruder", "inc-1", 10, obs_dtype=np.float64))  # dtype
-        push(_step("intruder", "inc-1", 50))  # a gap (seq 10 was rejected): accepted, the gap counted as dropped
-        push(_step("intruder", "inc-1", 5))  # a replayed seq: out_of_order
-        # The flood: 3,000 garbage frames and 1,000 of a wrong shape.
-        for i in range(3000):
-            push(b"\xc1 garbage %d" % i)
-        for _ in range(1000):
-            push(_step("intruder", "inc-1", 51, obs_rows=3))
-        # The two sockets are not ordered with each other: let the learner read every data message first.
-        telemetry.wait(lambda s: s.messages_received.get("data", 0) >= sent["data"], 60, "the flood read", explain)
-        request(encode_leave(Leave("intruder", "inc-1")))
-        for seq in range(51, 56):  # in flight after the leave: late steps
-            push(_step("intruder", "inc-1", seq))
-        expected_rejected = {"garbage": 1 + 2 + 1 + 3000, "schema": 1, "unknown_actor": 1, "dtype": 1,
-                             "out_of_order": 1, "shape": 1000}
+    request(encode_join_request(JoinRequest("intruder", "inc-1", 2, "test")))
+    for seq in range(10):
+        push(_step("intruder", "inc-1", seq))
+    telemetry.wait(lambda s: s.messages_accepted.get("step", 0) >= 10, 30, "10 accepted steps", explain)
+    request(encode_heartbeat(Heartbeat("intruder", "inc-1", 10, 0, 1.0, 0.0, 0)))
+    request(encode_heartbeat(Heartbeat("ghost", "inc-x", 0, 0, 1.0, 0.0, 0)))  # unknown: answered "rejoin"
+    request(encode_leave(Leave("ghost", "inc-x")))
+    request(b"\xc1 not a control message")  # garbage, answered
+    request(_step("intruder", "inc-1", 99))  # a step on the control socket: schema
+    control.send_multipart([b"not-empty", b"body"])  # a bad REQ envelope: garbage, not answered
+    control.send(b"one frame")  # [identity, body]: garbage, not answered
+    sent["control"] += 2
+    push(b"a", b"two-part data message")  # garbage
+    push(_step("stranger", "inc-9", 0))  # unknown_actor
+    push(_step("intruder", "inc-1", 10, obs_dtype=np.float64))  # dtype
+    push(_step("intruder", "inc-1", 50))  # a gap (seq 10 was rejected): accepted, the gap counted as dropped
+    push(_step("intruder", "inc-1", 5))  # a replayed seq: out_of_order
+    # The flood: 3,000 garbage frames and 1,000 of a wrong shape.
+    for i in range(3000):
+        push(b"\xc1 garbage %d" % i)
+    for _ in range(1000):
+        push(_step("intruder", "inc-1", 51, obs_rows=3))
+    # The two sockets are not ordered with each other: let the learner read every data message first.
+    telemetry.wait(lambda s: s.messages_received.get("data", 0) >= sent["data"], 60, "the flood read", explain)
+    request(encode_leave(Leave("intruder", "inc-1")))
+    for seq in range(51, 56):  # in flight after the leave: late steps
+        push(_step("intruder", "inc-1", seq))
+    expected_rejected = {"garbage": 1 + 2 + 1 + 3000, "schema": 1, "unknown_actor": 1, "dtype": 1,
+                         "out_of_order": 1, "shape": 1000}
 
-        def settled(s: TelemetrySnapshot) -> bool:
-            return (sum(s.messages_received.values()) >= sent["data"] + sent["control"]
-                    and s.dropped.get("late_step_messages", 0) >= 5)
+    def settled(s: TelemetrySnapshot) -> bool:
+        return (sum(s.messages_received.values()) >= sent["data"] + sent["control"]
+                and s.dropped.get("late_step_messages", 0) >= 5)
 
-        final = telemetry.wait(settled, 60, f"{sent} messages received", explain)
-        assert final.messages_received == sent
-        assert final.rejected_messages == expected_rejected, (final.rejected_messages, final.messages_accepted, final.dropped)
-        assert final.messages_accepted == {"join": 1, "step": 11, "heartbeat": 1, "unknown_actor_control": 2,
-                                           "leave": 1}
-        assert final.dropped.get("late_step_messages") == 5 and final.dropped.get("late_steps") == 10
-        accounted = (sum(final.messages_accepted.values()) + sum(final.rejected_messages.values())
-                     + final.dropped["late_step_messages"])
-        assert accounted == sum(sent.values()) == 4029
+    final = telemetry.wait(settled, 60, f"{sent} messages received", explain)
+    assert final.messages_received == sent
+    assert final.rejected_messages == expected_rejected, (final.rejected_messages, final.messages_accepted, final.dropped)
+    assert final.messages_accepted == {"join": 1, "step": 11, "heartbeat": 1, "unknown_actor_control": 2,
+                                       "leave": 1}
+    assert final.dropped.get("late_step_messages") == 5 and final.dropped.get("late_steps") == 10
+    accounted = (sum(final.messages_accepted.values()) + sum(final.rejected_messages.values())
+                 + final.dropped["late_step_messages"])
+    assert accounted == sum(sent.values()) == 4029
 
-        # The log: the first rejection of each reason in full, then a summary every 5 s.
-        def rejection_lines() -> list[str]:
-            return [line for line in learner.stderr().splitlines() if " rejected " in line]
+    # The log: the first rejection of each reason in full, then a summary every 5 s.
+    def rejection_lines() -> list[str]:
+        return [line for line in learner.stderr().splitlines() if " rejected " in line]
 
-        def reported_total() -> int:
-            total = 0
-            for line in rejection_lines():
-                match = re.search(r"rejected (\d+) (?:step|control) messages in the last", line)
-                total += int(match.group(1)) if match else 1
-            return total
+    def reported_total() -> int:
+        total = 0
+        for line in rejection_lines():
+            match = re.search(r"rejected (\d+) (?:step|control) messages in the last", line)
+            total += int(match.group(1)) if match else 1
+        return total
 
-        wait_for(lambda: reported_total() == sum(expected_rejected.values()), 20,
-                 "the summary lines to report every rejection", on_timeout=lambda: "\n".join(rejection_lines()))
-        lines = rejection_lines()
-        assert len(lines) <= 20, "\n".join(lines)
-        assert any("rejected step message: garbage" in line for line in lines)
-        assert any("rejected control message: garbage" in line for line in lines)
-        assert learner.poll() is None and "Traceback" not in learner.stderr()
-        learner.send_signal(signal.SIGTERM)
-        assert learner.wait(timeout_s=60) == 0, learner.describe()
-    finally:
-        context.destroy(linger=0)
-        telemetry.close()
-    e2e.assert_all_exited(timeout_s=10)
-    assert e2e.leftover_segments() == []
+    wait_for(lambda: reported_total() == sum(expected_rejected.values()), 20,
+             "the summary lines to report every rejection", on_timeout=lambda: "\n".join(rejection_lines()))
+    lines = rejection_lines()
+    assert len(lines) <= 20, "\n".join(lines)
+    assert any("rejected step message: garbage" in line for line in lines)
+    assert any("rejected control message: garbage" in line for line in lines)
+    assert learner.poll() is None and "Traceback" not in learner.stderr()
+    learner.send_signal(signal.SIGTERM)
+    assert learner.wait(timeout_s=60) == 0, learner.describe()
+    e2e.assert_clean(timeout_s=10)
 
 
 # ------------------------------------------------------------------------- resume mismatch
@@ -310,15 +281,11 @@ def folder_checksums(run_dir: Path) -> dict[str, str]:
             for p in sorted(run_dir.rglob("*"))}
 
 
-def test_resume_with_another_env_is_refused_and_changes_nothing(e2e: E2EProcesses, tmp_path: Path) -> None:
-    runs_dir, ports = tmp_path / "runs", new_ports()
-    run_dir = runs_dir / RUN_NAME
-    telemetry = Telemetry(ports.telemetry_address)
-    try:
-        learner = e2e.start("learner", learner_args(ports, runs_dir))
-        telemetry.wait(lambda s: True, 60, "the learner's first snapshot", why(learner))
-    finally:
-        telemetry.close()
+def test_resume_with_another_env_is_refused_and_changes_nothing(e2e: E2EProcesses) -> None:
+    run_dir = e2e.runs_dir / RUN_NAME
+    telemetry = e2e.telemetry()
+    learner = e2e.start("learner", learner_args(e2e))
+    telemetry.wait(lambda s: True, 60, "the learner's first snapshot", describe_all(learner))
     learner.send_signal(signal.SIGTERM)
     assert learner.wait(timeout_s=60) == 0, learner.describe()
     assert latest_checkpoint(run_dir) is not None
@@ -326,11 +293,11 @@ def test_resume_with_another_env_is_refused_and_changes_nothing(e2e: E2EProcesse
     before = folder_checksums(run_dir)
 
     attempts = {
-        "learner": learner_args(ports, runs_dir, env="Acrobot-v1"),
-        "train-resume": ["train", "--resume", str(run_dir), "--env", "Acrobot-v1", *ports.flags()],
+        "learner": learner_args(e2e, env="Acrobot-v1"),
+        "train-resume": ["train", "--resume", str(run_dir), "--env", "Acrobot-v1", *e2e.ports.flags()],
         "train-same-name": ["train", "--env", "Acrobot-v1", "--run-name", RUN_NAME, "--num-actors", "1",
                             "--envs-per-actor", "2", "--rollout-length", "16",
-                            *common_flags(ports, runs_dir)],
+                            *e2e.flags()],
     }
     for name, args in attempts.items():
         process = e2e.start(name, args)
@@ -345,5 +312,4 @@ def test_resume_with_another_env_is_refused_and_changes_nothing(e2e: E2EProcesse
         assert "CartPole-v1" in line and "Acrobot-v1" in line, line
         assert "--run-name" in line and "OAKEMU_RUN_NAME" in line and "nothing in the run folder was changed" in line
         assert folder_checksums(run_dir) == before, f"{name} changed the run folder"
-    e2e.assert_all_exited(timeout_s=10)
-    assert e2e.leftover_segments() == []
+    e2e.assert_clean(timeout_s=10)

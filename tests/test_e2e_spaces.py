@@ -24,19 +24,10 @@ thresholds calibrated on a loaded 2-core machine, in runs reaching the figure in
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-from tests.e2e_helpers import (
-    E2EProcesses,
-    common_flags,
-    e2e_fixture,  # noqa: F401 - the `e2e` fixture
-    new_ports,
-    only_run_dir,
-    read_jsonl,
-)
+from tests.e2e_helpers import E2EProcesses, read_jsonl
 
 LAST_EPISODES = 20
 BANDIT = ["--envs-per-actor", "4", "--rollout-length", "128", "--ppo-epochs", "4", "--num-minibatches", "4",
@@ -56,23 +47,17 @@ CASES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_space_learns_above_random_and_evaluates(case: str, e2e: E2EProcesses, tmp_path: Path) -> None:
+def test_space_learns_above_random_and_evaluates(case: str, e2e: E2EProcesses) -> None:
     env_id, budget, threshold, flags = CASES[case]
-    runs_dir = tmp_path / "runs"
-    train = e2e.start("train", [
-        "train", "--env", env_id, "--seed", "1", "--num-actors", "2", "--total-env-steps", str(budget),
-        "--checkpoint-every-updates", "0", *flags, *common_flags(new_ports(), runs_dir),
-    ])
-    status = train.wait(timeout_s=300)
-    run_dir = only_run_dir(runs_dir)
+    run_dir = e2e.train([
+        "--env", env_id, "--seed", "1", "--num-actors", "2", "--total-env-steps", str(budget),
+        "--checkpoint-every-updates", "0", *flags,
+    ], timeout_s=300).run_dir
     logs = {path.name: path.read_text(errors="replace") for path in (run_dir / "logs").glob("*.log")}
-    assert status == 0, train.describe() + "\n--- learner.log tail:\n" + logs.get("learner.log", "")[-3000:]
     for name, text in logs.items():
         assert "Traceback" not in text, f"{name}:\n{text[-3000:]}"
     # Every step message was accepted: no masked action, no wrong field, nothing rejected.
     assert "rejected step message" not in logs["learner.log"]
-    e2e.assert_all_exited(timeout_s=5)
-    assert e2e.leftover_segments() == []
 
     episodes = read_jsonl(run_dir / "episodes.jsonl")
     assert len(episodes) >= LAST_EPISODES

@@ -19,16 +19,7 @@ import pytest
 
 from oakemu_core.run.checkpoint import load_checkpoint
 from oakemu_core.run.telemetry import TelemetrySnapshot, TelemetrySubscriber
-from tests.e2e_helpers import (
-    E2EProcesses,
-    Ports,
-    common_flags,
-    e2e_fixture,  # noqa: F401 - the `e2e` fixture
-    new_ports,
-    only_run_dir,
-    read_jsonl,
-    update_records,
-)
+from tests.e2e_helpers import E2EProcesses, Ports, new_ports, read_jsonl, update_records
 
 ROLLOUT_LENGTH = 32
 NUM_ACTORS = 2
@@ -72,26 +63,19 @@ class TelemetryLog:
 
 def train(e2e: E2EProcesses, tmp_path: Path, name: str, mode: str, seed: int = 5) -> dict[str, Any]:
     """One short ``oakemu train`` run; returns its run folder, console text and telemetry."""
-    runs_dir = tmp_path / name
     ports = new_ports()
     telemetry = TelemetryLog(ports)
     try:
-        process = e2e.start(name, [
-            "train", "--env", "CartPole-v1", "--mode", mode, "--seed", str(seed), "--num-actors", str(NUM_ACTORS),
+        run = e2e.train([
+            "--env", "CartPole-v1", "--mode", mode, "--seed", str(seed), "--num-actors", str(NUM_ACTORS),
             "--envs-per-actor", str(ENVS_PER_ACTOR), "--rollout-length", str(ROLLOUT_LENGTH),
             "--total-env-steps", str(BUDGET), "--ppo-epochs", "4", "--num-minibatches", "4",
             "--learning-rate", "1e-3", "--checkpoint-every-updates", "0", "--eval-every-updates", "0",
-            *common_flags(ports, runs_dir),
-        ])
-        status = process.wait(timeout_s=180)
+        ], name=name, timeout_s=180, ports=ports, runs_dir=tmp_path / name)
     finally:
         snapshots = telemetry.close()
-    run_dir = only_run_dir(runs_dir)
-    learner_log = (run_dir / "logs" / "learner.log").read_text(errors="replace")
-    assert status == 0, process.describe() + "\n--- learner.log tail:\n" + "\n".join(learner_log.splitlines()[-30:])
-    assert "Traceback" not in learner_log
-    return {"run_dir": run_dir, "console": process.stdout() + process.stderr(), "telemetry": snapshots,
-            "learner_log": learner_log}
+    return {"run_dir": run.run_dir, "console": run.process.stdout() + run.process.stderr(), "telemetry": snapshots,
+            "learner_log": run.learner_log}
 
 
 def check_counters_agree(run: dict[str, Any]) -> list[dict[str, Any]]:

@@ -17,15 +17,7 @@ import pytest
 from oakemu_core.run.checkpoint import load_checkpoint
 from oakemu_core.run.tester import EVAL_SEED_OFFSET
 from oakemu_services.evaluate import evaluate
-from tests.e2e_helpers import (
-    E2EProcesses,
-    common_flags,
-    e2e_fixture,  # noqa: F401 - the `e2e` fixture
-    new_ports,
-    only_run_dir,
-    read_jsonl,
-    update_records,
-)
+from tests.e2e_helpers import E2EProcesses, new_ports, read_jsonl, update_records
 
 SEED = 3
 STEPS = 32_768  # 64 updates of 128 steps x 4 envs: 5-10 s, long enough for a ratio of two runs
@@ -39,21 +31,13 @@ cost about 0.3-0.5 s per 0.2 s of training: a ratio near 0.3, which this bound c
 
 
 def train(e2e: E2EProcesses, tmp_path: Path, name: str, eval_every: int) -> Path:
-    runs_dir = tmp_path / name
-    process = e2e.start(name, [
-        "train", "--env", "CartPole-v1", "--seed", str(SEED), "--num-actors", "1", "--envs-per-actor", "4",
+    """One run to its end; ``e2e.train`` also checks that the tester process exited with the rest."""
+    return e2e.train([
+        "--env", "CartPole-v1", "--seed", str(SEED), "--num-actors", "1", "--envs-per-actor", "4",
         "--rollout-length", "128", "--total-env-steps", str(STEPS), "--ppo-epochs", "4",
         "--num-minibatches", "4", "--learning-rate", "1e-3", "--checkpoint-every-updates", "0",
         "--eval-every-updates", str(eval_every), "--eval-episodes", str(EVAL_EPISODES), "--eval-greedy", "true",
-        *common_flags(new_ports(), runs_dir),
-    ])
-    status = process.wait(timeout_s=300)
-    run_dir = only_run_dir(runs_dir)
-    log = (run_dir / "logs" / "learner.log").read_text(errors="replace")
-    assert status == 0, process.describe() + "\n--- learner.log tail:\n" + "\n".join(log.splitlines()[-30:])
-    assert "Traceback" not in log
-    e2e.assert_all_exited(timeout_s=10)  # the tester process included
-    return run_dir
+    ], name=name, timeout_s=300, ports=new_ports(), runs_dir=tmp_path / name, exit_timeout_s=10).run_dir
 
 
 @pytest.mark.slow
