@@ -25,7 +25,7 @@ def test_bc_pretraining_lifts_the_first_evaluation(e2e: E2EProcesses, tmp_path: 
 
     run = e2e.train([
         "--env", "CartPole-v1", "--seed", "1", "--num-actors", "1", "--envs-per-actor", "4",
-        "--rollout-length", "64", "--total-env-steps", "16384", "--bc-dataset", str(dataset),
+        "--rollout-length", "64", "--total-env-steps", "4096", "--bc-dataset", str(dataset),
         "--bc-pretrain-updates", "10", "--bc-batch-size", "64", "--learning-rate", "1e-3",
         "--eval-every-updates", "1000", "--eval-episodes", "3",
     ], timeout_s=300)

@@ -1,10 +1,11 @@
 """End to end: ``oakemu train`` on CartPole-v1 with 2 actor processes learns over the real ZeroMQ path.
 
-Success criterion (issue 3): the mean episodic return of the last 20 finished episodes
-(``episodes.jsonl``, in the order the learner received them) reaches at least 195 within a fixed
-env-step budget, with a fixed seed.  The run is asynchronous (two actors race the learner), so it is
-not bit-for-bit reproducible; the budget has a margin: in 6 runs of this configuration on a loaded
-2-core machine the 20-episode mean first reached 195 between 15k and 19k env steps (budget 32k).
+Success criterion: the mean episodic return of 20 consecutive finished episodes (``episodes.jsonl``,
+in the order the learner received them) reaches at least 195 within a fixed env-step budget, with a
+fixed seed. The run is asynchronous (two actors race the learner; that is what this test covers), so
+it is not bit-for-bit reproducible: the budget is about twice the steps the slowest of the runs
+tried needed, and with learning broken (learning rate 0, or the policy loss's sign flipped) the
+mean stays far below 195 (figures: ``docs/notes/tests.md``).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import pytest
 
 from tests.e2e_helpers import E2EProcesses, read_jsonl, update_records
 
-STEP_BUDGET = 32_768
-"""Env steps: 32 rollouts of 128 steps x 8 columns."""
+STEP_BUDGET = 24_576
+"""Env steps: 24 rollouts of 128 steps x 8 columns."""
 SOLVED_RETURN = 195.0
 LAST_EPISODES = 20
 RATIO_TOLERANCE = 1e-5
