@@ -633,7 +633,10 @@ class PPOLearner:
         self._note_sgd_steps(self.policy_version, 0, self.sgd_steps)
 
     # ------------------------------------------------------------------ one update
-    def _learning_rate(self) -> float:
+    @property
+    def learning_rate(self) -> float:
+        """The learning rate of the next update: the schedule's value (else the optimizer's) times
+        :attr:`lr_scale` (lowered by rollbacks)."""
         base = self.lr_schedule.value() if self.lr_schedule is not None else self.optimizer.param_groups[0]["lr"]
         return float(base) * self.lr_scale
 
@@ -735,7 +738,7 @@ class PPOLearner:
         if self.rollout_buffer is None:
             raise ValueError("PPOLearner.step: no rollout buffer")
         for group in self.optimizer.param_groups:
-            group["lr"] = self._learning_rate()
+            group["lr"] = self.learning_rate
         bc_term = None
         if self.bc_sampler is not None and self.config.bc_coef > 0:
             coef = self.config.bc_coef * self.config.bc_coef_decay ** self.iterations
