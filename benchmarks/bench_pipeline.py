@@ -176,7 +176,7 @@ def measure_pipeline(env_id: str, actors: int, num_envs: int, seconds: float, *,
 
         original_step = library_learner.PPOLearner.step
         if not train:  # full buffers are released at once: no PPO update, same weights
-            library_learner.PPOLearner.step = lambda self, actor_steps: None
+            library_learner.PPOLearner.step = lambda self, *args, **kwargs: None
         learner = learner_module.Learner(config, Path(runs_dir) / "bench")
         stop = threading.Event()
         thread = threading.Thread(target=learner.run, args=(stop,), daemon=True)

@@ -33,6 +33,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from oakemu_core.algo.settings import PPOSettings
+
 __all__ = [
     "CONFIG_FILE_ENV_VAR",
     "ConfigError",
@@ -96,8 +98,12 @@ class _ConfigFileSource(PydanticBaseSettingsSource):
         return dict(self._data)
 
 
-class OakEmuConfig(BaseSettings):
-    """All settings of a training run, an actor, a learner or a monitor (flat, one line each)."""
+class OakEmuConfig(PPOSettings, BaseSettings):
+    """All settings of a training run, an actor, a learner or a monitor (flat, one line each).
+
+    The PPO hyperparameters (and the seed) are the fields of :class:`~oakemu_core.algo.settings.PPOSettings`,
+    declared there once and inherited here.
+    """
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -142,45 +148,15 @@ class OakEmuConfig(BaseSettings):
     normalize_observations: bool = Field(
         False, description="Normalise float observations by the learner's running mean/std (as SB3 VecNormalize)."
     )
-    normalize_rewards: bool = Field(
-        False, description="Scale training rewards by the running std of the discounted return (as SB3 VecNormalize)."
-    )
     emulator_settings: str | None = Field(
         None, description="TOML file of an emulator backend (gameboy:/retro: ids): ROM, states, rewards, ..."
     )
 
-    # --- rollout and PPO (CleanRL ppo_atari.py defaults) ---
+    # --- rollout and learning rate (the PPO hyperparameters are PPOSettings' fields) ---
     rollout_length: int = Field(128, ge=1, description="Steps per env per rollout (T).")
     total_env_steps: int = Field(10_000_000, ge=1, description="Stop after this many env steps (all envs).")
-    ppo_epochs: int = Field(4, ge=1, description="Passes over each rollout per PPO update.")
-    num_minibatches: int = Field(4, ge=1, description="Minibatches per epoch.")
     learning_rate: float = Field(2.5e-4, gt=0.0, description="Adam learning rate (start value when annealed).")
     anneal_lr: bool = Field(True, description="Anneal the learning rate linearly to 0 over total_env_steps.")
-    clip_coef: float = Field(0.1, gt=0.0, description="PPO surrogate clipping coefficient epsilon.")
-    clip_value_range: float | Literal["auto"] | None = Field(
-        "auto",
-        description="Clip the value change per update to +-this, in value units (None/null: plain MSE, SB3's "
-        "default; auto: clip_coef for Atari ids as CleanRL, off otherwise).",
-    )
-    ent_coef: float = Field(0.01, ge=0.0, description="Entropy bonus coefficient.")
-    vf_coef: float = Field(0.5, ge=0.0, description="Value loss coefficient.")
-    gamma: float = Field(0.99, ge=0.0, le=1.0, description="Discount factor.")
-    gae_lambda: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda (Schulman et al. 2016).")
-    max_grad_norm: float = Field(0.5, gt=0.0, description="Global gradient norm clip.")
-    target_kl: float | None = Field(None, gt=0.0, description="Stop the epochs early above this approx KL.")
-    normalize_advantages: bool = Field(True, description="Normalise advantages per minibatch (trainable rows).")
-    max_policy_lag: int = Field(2, ge=0, description="Drop rows acted by a policy this many versions old.")
-    off_policy_correction: Literal["decoupled", "none"] = Field(
-        "decoupled",
-        description="Rows acted by an older policy version (async mode): decoupled = re-evaluate them with the "
-        "current weights before GAE (values) and clip the update around the current policy (the decoupled objective "
-        "of Hilton et al. 2022), weighting each row by min(importance_weight_cap, pi_current / pi_acting); none = "
-        "plain PPO on the stale rows.",
-    )
-    importance_weight_cap: float = Field(
-        1.0, gt=0.0, allow_inf_nan=False,
-        description="Truncation of the decoupled objective's weights pi_current / pi_acting (V-trace's rho-bar).",
-    )
     publish_every_epoch: bool = Field(
         True,
         description="Async mode: also publish the weights after each epoch of an update (revisions of the version "
@@ -213,16 +189,7 @@ class OakEmuConfig(BaseSettings):
         "rollout 32: 4): enough to amortise a message's cost, few enough rows acted while the learner's buffers "
         "are full.",
     )
-    seed: int = Field(1, ge=0, description="Seed for envs, torch and numpy.")
     device: str = Field("auto", description="Learner torch device: auto (cuda if available), cpu, cuda, cuda:N.")
-    learner_precision: Literal["float32", "bfloat16"] = Field(
-        "float32",
-        description="Precision of the PPO update: float32, or bfloat16 mixed precision (torch.autocast: the "
-        "torso's convolutions and matmuls in bfloat16; the heads, weights, optimizer and losses float32). On CPUs "
-        "with AVX512-BF16 or AMX a faster update for image observations (Breakout 1.55-1.68 x SPS; GPUs of "
-        "compute capability 8+ support it too, not measured here); elsewhere bfloat16 is emulated and slower. "
-        "Actors, evaluation, behaviour-cloning pre-training and checkpoints stay float32.",
-    )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per actor process.")
     actor_inference: Literal["torch", "onnxruntime", "bfloat16"] = Field(
         "torch",
@@ -281,10 +248,6 @@ class OakEmuConfig(BaseSettings):
 
     # --- behaviour cloning (demonstrations in the Minari format, see `oakemu record`) ---
     bc_dataset: str | None = Field(None, description="Local Minari dataset folder of demonstrations (None: no BC).")
-    bc_pretrain_updates: int = Field(0, ge=0, description="Replay-only BC updates (one epoch each) before PPO.")
-    bc_batch_size: int = Field(256, ge=1, description="Demonstration rows per BC update / per minibatch BC term.")
-    bc_coef: float = Field(0.0, ge=0.0, description="Weight of a BC term in the PPO loss (0: none).")
-    bc_coef_decay: float = Field(1.0, gt=0.0, le=1.0, description="bc_coef multiplier per update.")
 
     # --- policy routing (oakemu_core/actor/routing.py): routed steps are stored for GAE, never trained on ---
     route_random_first_steps: int = Field(
@@ -368,7 +331,7 @@ class OakEmuConfig(BaseSettings):
             raise ValueError(f"expected a single folder name without path separators, received {value!r}")
         return value
 
-    @field_validator("learning_rate", "clip_coef", "ent_coef", "vf_coef", "max_grad_norm", "actor_timeout_s")
+    @field_validator("learning_rate", "actor_timeout_s")
     @classmethod
     def _check_finite(cls, value: float) -> float:
         if not math.isfinite(value):

@@ -25,7 +25,8 @@ from typing import Any
 
 import zmq
 
-from oakemu_core.algo.learner import RunCollapsedError, TrainResult, WeightsRevision
+from oakemu_core.algo.handshake import RunProgress, TrainResult, WeightsRevision
+from oakemu_core.algo.health import RunCollapsedError
 from oakemu_core.algo.trainer import Trainer
 from oakemu_core.config import OakEmuConfig, resolved_device, to_toml
 from oakemu_core.envs import check_env, env_spec
@@ -63,9 +64,6 @@ log = logging.getLogger("oakemu.learner")
 NUM_ROLLOUT_BUFFERS = 2
 """One buffer fills while the other trains (asynchronous mode; the synchronous mode has one)."""
 TELEMETRY_PERIOD_S = 1.0
-FINAL_EVALUATION_TIMEOUT_S = 30.0
-"""Longest wait (s) for the evaluation of the final weights at exit: shutdown stays prompt even when
-a greedy early Atari policy never loses a life (episodes then run to the 27,000-step limit)."""
 RECV_BATCH = 64
 """Step messages read per loop turn before serving control messages again."""
 CONTROL_BATCH = 64
@@ -106,7 +104,7 @@ class Learner:
         self.config = config
         self.run_dir = run_dir
         if trainer is not None:
-            undo.callback(trainer.handshake.close)
+            undo.callback(trainer.close)
         self.spec = trainer.spec if trainer is not None else env_spec(config.env_id, settings_file=config.emulator_settings)
         self.schema = trainer.schema if trainer is not None else schema_for_env(self.spec)
         self.buffer_bytes = rollout_buffer_bytes(config, self.schema)
@@ -115,8 +113,11 @@ class Learner:
         for name in sweep_stale_segments():
             log.warning("removed shared-memory segment %s left by a dead process", name)
         ensure_shm_capacity(num_rollout_buffers(config) * self.buffer_bytes)
-        self.trainer = trainer or Trainer(config, self.spec, self.schema, run_dir, device=resolved_device(config))
-        undo.callback(self._close_handshake)
+        if trainer is None:
+            self.trainer = Trainer(config, self.spec, self.schema, run_dir, device=resolved_device(config))
+            undo.callback(self.trainer.close)
+        else:
+            self.trainer = trainer
         self.trainer.resume()
         self.buffers: list[RolloutBuffer] = []
         for _ in range(num_rollout_buffers(config)):
@@ -124,13 +125,13 @@ class Learner:
             undo.callback(self.buffers[-1].close)  # also when the next one fails
         self.assembler = RolloutAssembler(self.buffers, actor_timeout_s=config.actor_timeout_s,
                                           sync=config.mode == "sync", max_policy_lag=config.max_policy_lag)
-        self.assembler.counters.env_steps = self.trainer.global_step
+        self.assembler.counters.env_steps = self.trainer.progress.global_step
         # Behaviour cloning runs before the first weights are published: no actor ever acts with
         # the pre-BC policy on rows that PPO would then train with the post-BC one.
         bc_updates = self.trainer.ppo.behaviour_cloning_phase()
         if bc_updates:
             log.info("behaviour cloning: %d replay-only updates on %s", bc_updates, config.bc_dataset)
-        self.episodes = self.trainer.episodes
+        self.episodes = self.trainer.progress.episodes
         self.telemetry = LearnerTelemetry(run_dir.name, config.env_id, started=time.monotonic(),
                                           start_steps=self.assembler.counters.env_steps)
         self.exit_status = 0
@@ -304,11 +305,12 @@ class Learner:
             return
         rollout = self.assembler.take_full_rollout()
         if rollout is not None:
-            if self.control_server.reevaluate_every_rollout:
-                self.trainer.ppo.reevaluate_every_rollout = True
-            self.trainer.global_step = self.assembler.counters.env_steps
-            self.trainer.episodes = self.episodes
-            self.trainer.handshake.publish(rollout)
+            self.trainer.handshake.publish(rollout, self._progress(),
+                                           reevaluate=self.control_server.reevaluate_every_rollout)
+
+    def _progress(self) -> RunProgress:
+        """The run's counters now: every env step received, trained or not, and every episode."""
+        return RunProgress(self.assembler.counters.env_steps, self.episodes)
 
     def _collect_results(self) -> None:
         results = self.trainer.handshake.results()
@@ -340,21 +342,11 @@ class Learner:
     def _log_update(self, result: TrainResult) -> None:
         """One metrics record, one log line and one telemetry snapshot per PPO update, all with the
         same update number (``charts/update``), ``global_step`` and SPS."""
-        step = self.assembler.counters.env_steps
-        scalars = self.telemetry.record_update(result, step, time.monotonic(), actors=len(self.assembler.actors))
-        if result.stats is not None and result.stats.nonfinite_minibatches:
-            log.warning("update %d: %d minibatches had a non-finite gradient and were skipped",
-                        result.iterations, result.stats.nonfinite_minibatches)
-        self.metrics.log(step, scalars)
+        step, actors = self.assembler.counters.env_steps, len(self.assembler.actors)
+        self.metrics.log(step, self.telemetry.record_update(result, step, time.monotonic(), actors=actors))
         for report in result.evaluations:
             self._log_evaluation(report)
-        window = self.telemetry.window
-        ret = f"{window.mean:8.2f}" if window.count else "     n/a"
-        loss = (f"pg {result.stats.policy_loss:+.3f} v {result.stats.value_loss:.3f} ent {result.stats.entropy:.3f} "
-                f"kl {result.stats.approx_kl:.4f}") if result.stats else "no trainable rows"
-        log.info("update %5d | steps %9d | SPS %6.0f (recent %6.0f) | episodes %6d | return %s | %s | actors %d",
-                 result.iterations, step, self.telemetry.sps(), self.telemetry.rates.recent(), self.episodes, ret,
-                 loss, len(self.assembler.actors))
+        self.telemetry.log_update(result, step, episodes=self.episodes, actors=actors)
         self._publish_telemetry(is_update=True)
 
     def _log_evaluation(self, report: EvaluationReport) -> None:
@@ -365,27 +357,6 @@ class Learner:
         log.info("evaluation of policy version %d: return %.2f +- %.2f over %d episodes (%s)",
                  report.policy_version, report.return_mean, report.return_std, report.episodes,
                  "greedy" if report.greedy else "sampled")
-
-    def _final_evaluation(self) -> None:
-        """Evaluate the final weights (training has stopped), keeping best.pt; then stop the tester."""
-        tester = self.trainer.tester
-        try:
-            if tester.alive:
-                tester.submit(self.trainer.policy_version, self.trainer.weights(), self.assembler.counters.env_steps,
-                              keep=True)
-                version = self.trainer.policy_version
-                reports = tester.drain(timeout_s=FINAL_EVALUATION_TIMEOUT_S)
-                for report in reports:
-                    self._log_evaluation(report)
-                    for note in self.trainer.checkpoints.after_evaluation(self.trainer.ppo, report):
-                        log.info("%s", note)
-                if not any(report.policy_version == version for report in reports):
-                    log.warning("the evaluation of the final weights did not finish within %.0f s: skipped "
-                                "(oakemu evaluate plays the final checkpoint)", FINAL_EVALUATION_TIMEOUT_S)
-        except RunCollapsedError as error:
-            log.error("%s", error)
-        finally:
-            tester.close()
 
     # -- telemetry --------------------------------------------------------------------------
     def _publish_telemetry(self, *, is_update: bool) -> None:
@@ -503,31 +474,29 @@ class Learner:
                 self._handle_control(time.monotonic())
 
     def close(self) -> None:
-        """Final checkpoint, then release sockets, loggers and shared memory (idempotent)."""
+        """Stop the trainer (it evaluates the final weights and writes the final checkpoint), log
+        what it handed back, then release sockets, loggers and shared memory (idempotent)."""
         try:
+            self.trainer.handshake.report(self._progress())
             self.trainer.stop()
-            if self.trainer.tester is not None:
-                self._final_evaluation()
-            # The step count continues from every env step received, trained or not (monotonic).
-            self.trainer.global_step = max(self.trainer.global_step, self.assembler.counters.env_steps)
-            self.trainer.episodes = self.episodes
-            try:
-                path = self.trainer.checkpoint()
-            except CheckpointWriteFailed as error:  # already logged as the reason to stop, or the last straw
-                log.error("final checkpoint not written: %s", error)
-                path = None
-            if path is not None:
-                log.info("final checkpoint %s", path)
-            else:
-                log.error("final checkpoint not written; the run resumes from %s",
-                          self.trainer.checkpoint_writer.last_saved or "its start (no checkpoint)")
+            self._log_final_results()
         finally:
             self._release.close()  # what __init__ registered, newest first; empty after the first call
-            self._close_handshake()  # again: a trainer that outlived stop() kept the pipe open the first time
+            self.trainer.close()  # again: a trainer that outlived stop() kept the pipe open the first time
 
-    def _close_handshake(self) -> None:
-        if not self.trainer.running:  # a trainer still inside complete() would write to a reused fd
-            self.trainer.handshake.close()
+    def _log_final_results(self) -> None:
+        """The notes and the final weights' evaluations the stopped trainer handed back."""
+        try:
+            results = self.trainer.handshake.results()
+        except RuntimeError as error:  # the trainer failed after the loop had stopped reading results
+            log.error("%s", error.__cause__)
+            return
+        for result in results:
+            if isinstance(result, TrainResult):
+                for event in result.events:
+                    log.info("%s", event)
+                for report in result.evaluations:
+                    self._log_evaluation(report)
 
 
 def main(config: OakEmuConfig) -> int:

@@ -251,3 +251,27 @@ def test_a_cpu_learner_keeps_image_convolutions_channels_last(tmp_path: Path) ->
             assert trainer.learner_model.model.channels_last is expected, env_id
         finally:
             trainer.handshake.close()
+
+
+def test_the_trainers_final_checkpoint_records_the_counters_reported_last(tmp_path: Path) -> None:
+    """The ingest thread reports the run's counters through the handshake; when the trainer stops,
+    its thread writes the final checkpoint with them."""
+    from oakemu_core.algo.handshake import RunProgress
+    from oakemu_core.algo.trainer import Trainer
+    from oakemu_core.run.checkpoint import latest_checkpoint, load_checkpoint
+
+    config = OakEmuConfig(env_id="CartPole-v1", num_actors=1, envs_per_actor=2, num_envs=2, rollout_length=8,
+                          device="cpu", eval_every_updates=0, runs_dir=tmp_path, log_level="WARNING")
+    spec = env_spec(config.env_id)
+    trainer = Trainer(config, spec, schema_for_env(spec), tmp_path / "final", device="cpu")
+    try:
+        trainer.start(lambda: 123)
+        trainer.handshake.report(RunProgress(global_step=123, episodes=4))
+        trainer.stop()
+        assert not trainer.running
+        state = load_checkpoint(latest_checkpoint(tmp_path / "final"))
+        assert (state["global_step"], state["episodes"]) == (123, 4)
+        (final,) = trainer.handshake.results()
+        assert final.slot is None
+    finally:
+        trainer.close()

@@ -19,16 +19,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from oakemu_core.algo.learner import (
-    CheckpointPolicy,
-    HealthMonitor,
-    PPOExperimentConfiguration,
-    PPOLearner,
-    RolloutHandshake,
-    RuntimeContext,
-    ThreadSafeModel,
-    WeightsRevision,
-)
+from oakemu_core.algo.handshake import RolloutHandshake, RunProgress, WeightsRevision
+from oakemu_core.algo.health import CheckpointPolicy, HealthMonitor
+from oakemu_core.algo.learner import PPOExperimentConfiguration, PPOLearner, RuntimeContext, ThreadSafeModel
 from oakemu_core.algo.ppo import LinearSchedule, cpu_has_native_bfloat16
 from oakemu_core.policy.models import build_model
 from oakemu_core.run.checkpoint import (
@@ -85,8 +78,9 @@ class Trainer:
         self.tester = tester_from_config(config, schema.to_dict())
         context = RuntimeContext(PPOExperimentConfiguration.from_config(config), device, tester=self.tester,
                                  eval_every_updates=config.eval_every_updates)
+        self.handshake = RolloutHandshake()
         self.ppo = learner_type(context, self.learner_model, None, self.optimizer, self.schedule,
-                                bc_sampler=self._bc_sampler())
+                                bc_sampler=self._bc_sampler(), **self._revisions())
         # A failed write (full disk) is logged with the file and the bytes needed/free, counted and
         # retried at the next checkpoint; max_checkpoint_failures in a row raise CheckpointWriteFailed.
         self.checkpoint_writer = CheckpointWriter(run_dir, keep_last=config.keep_checkpoints,
@@ -96,14 +90,6 @@ class Trainer:
             every_updates=config.checkpoint_every_updates, every_seconds=config.checkpoint_every_seconds,
             lr_factor=config.rollback_lr_factor, max_rollbacks=config.max_rollbacks,
         )
-        self.handshake = RolloutHandshake()
-        if config.mode == "async" and config.publish_every_epoch:  # weights after each epoch, to the actors
-            self.ppo.revision_sink = lambda version, revision, weights: self.handshake.complete(
-                WeightsRevision(version, revision, weights))
-            self.ppo.revision_max_approx_kl = config.rollback_max_approx_kl if config.rollback else None
-            self.ppo.revision_min_sgd_steps = config.publish_min_sgd_steps
-        self.global_step = 0
-        self.episodes = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -124,6 +110,19 @@ class Trainer:
                 log.warning("learner_precision bfloat16: GPUs before compute capability 8 (Ampere) emulate "
                             "bfloat16; the update is likely slower than with float32")
         return model
+
+    def _revisions(self) -> dict[str, Any]:
+        """The learner's revision keywords: in the asynchronous mode with ``publish_every_epoch``,
+        the weights after each epoch go back through the handshake, for the actors."""
+        config = self.config
+        if config.mode != "async" or not config.publish_every_epoch:
+            return {}
+
+        def sink(version: int, revision: int, weights: dict[str, np.ndarray]) -> None:
+            self.handshake.complete(WeightsRevision(version, revision, weights))
+
+        return {"revision_sink": sink, "revision_min_sgd_steps": config.publish_min_sgd_steps,
+                "revision_max_approx_kl": config.rollback_max_approx_kl if config.rollback else None}
 
     def _health_monitor(self) -> HealthMonitor | None:
         """The collapse detector of ``rollback`` (None when rollback is off)."""
@@ -154,6 +153,12 @@ class Trainer:
 
     # -- state ------------------------------------------------------------------------------
     @property
+    def progress(self) -> RunProgress:
+        """The run's counters (env steps, episodes) the checkpoints record: those restored, then
+        those the ingest thread reports through :attr:`handshake`."""
+        return self.handshake.progress
+
+    @property
     def policy_version(self) -> int:
         """Version of the model's current weights."""
         return self.ppo.policy_version
@@ -175,8 +180,7 @@ class Trainer:
         self.ppo.load_checkpoint_state(state)
         self._follow_budget()
         restore_rng_state(state["rng"])
-        self.global_step = int(state["global_step"])
-        self.episodes = int(state["episodes"])
+        self.handshake.report(RunProgress(int(state["global_step"]), int(state["episodes"])))
         return state
 
     def resume(self) -> Path | None:
@@ -187,20 +191,22 @@ class Trainer:
         if path is None:
             return None
         self.restore(path)
-        log.info("resumed from %s at %d env steps, update %d", path, self.global_step, self.ppo.iterations)
-        cut = truncate_run_logs(self.run_dir, self.global_step)
+        step = self.progress.global_step
+        log.info("resumed from %s at %d env steps, update %d", path, step, self.ppo.iterations)
+        cut = truncate_run_logs(self.run_dir, step)
         if any(cut.values()):
-            log.info("removed records past the checkpoint's %d env steps: %s", self.global_step,
+            log.info("removed records past the checkpoint's %d env steps: %s", step,
                      ", ".join(f"{name} {count}" for name, count in cut.items() if count))
         return path
 
     def checkpoint_state(self) -> dict[str, Any]:
         """Everything a resume needs, as plain values (see :mod:`oakemu_core.run.checkpoint`)."""
+        progress = self.progress
         return {
             **self.ppo.checkpoint_state(),
             "rng": capture_rng_state(),
-            "global_step": int(self.global_step),
-            "episodes": int(self.episodes),
+            "global_step": int(progress.global_step),
+            "episodes": int(progress.episodes),
             "config": self.config.model_dump(mode="json"),
             "env": {"env_id": self.spec.env_id, "schema": self.schema.to_dict()},
         }
@@ -210,7 +216,7 @@ class Trainer:
         return self.checkpoint_writer.save(update, state)
 
     def checkpoint(self) -> Path | None:
-        """Write a checkpoint now (the final one at exit)."""
+        """Write the final checkpoint now (None: not written, logged)."""
         return self.checkpoints.final(self.ppo)
 
     # -- thread -----------------------------------------------------------------------------
@@ -223,10 +229,22 @@ class Trainer:
         self._thread.start()
 
     def stop(self, timeout_s: float = 60.0) -> None:
-        """Ask the trainer thread to stop and wait for it at most ``timeout_s`` seconds."""
+        """Stop training: the trainer thread evaluates the final weights, writes the final checkpoint
+        (with the counters last reported to :attr:`handshake`) and ends; this waits for it at most
+        ``timeout_s`` seconds. Without a thread (never started) the final checkpoint is written here."""
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is None:
+            self.checkpoint()
+        else:
             self._thread.join(timeout_s)
+
+    def close(self) -> None:
+        """Stop the tester and release the hand-back pipe, unless the trainer thread still runs (it
+        may still write to the pipe: call again once it ended). Idempotent."""
+        if self.tester is not None:
+            self.tester.close()
+        if not self.running:
+            self.handshake.close()
 
     @property
     def running(self) -> bool:

@@ -7,6 +7,7 @@ No sockets: the service publishes what :meth:`LearnerTelemetry.snapshot` returns
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import TYPE_CHECKING, Any
@@ -16,11 +17,13 @@ from oakemu_core.run.telemetry import ActorTelemetry, TelemetryHistory, Telemetr
 from oakemu_core.transport.auth import public_tag
 
 if TYPE_CHECKING:
-    from oakemu_core.algo.learner import TrainResult
+    from oakemu_core.algo.handshake import TrainResult
     from oakemu_core.algo.ppo import PPOUpdateStats
     from oakemu_core.storage.assembler import RolloutAssembler
 
 __all__ = ["LearnerTelemetry"]
+
+log = logging.getLogger("oakemu.learner")
 
 EPISODE_WINDOW = 100
 """Finished episodes the return and length figures average over (CleanRL / SB3 log the last 100)."""
@@ -86,6 +89,19 @@ class LearnerTelemetry:
             scalars["charts/episodic_length"] = self.window.mean_length
         self.history.record_update(global_step, episodic_return, self.sps())
         return scalars
+
+    def log_update(self, result: TrainResult, global_step: int, *, episodes: int, actors: int) -> None:
+        """The update's log line (update number, env steps, SPS, episodes, mean return, losses,
+        actors), after a warning when minibatches were skipped for a non-finite gradient."""
+        stats = result.stats
+        if stats is not None and stats.nonfinite_minibatches:
+            log.warning("update %d: %d minibatches had a non-finite gradient and were skipped",
+                        result.iterations, stats.nonfinite_minibatches)
+        ret = f"{self.window.mean:8.2f}" if self.window.count else "     n/a"
+        loss = (f"pg {stats.policy_loss:+.3f} v {stats.value_loss:.3f} ent {stats.entropy:.3f} "
+                f"kl {stats.approx_kl:.4f}") if stats else "no trainable rows"
+        log.info("update %5d | steps %9d | SPS %6.0f (recent %6.0f) | episodes %6d | return %s | %s | actors %d",
+                 result.iterations, global_step, self.sps(), self.rates.recent(), episodes, ret, loss, actors)
 
     def snapshot(self, assembler: RolloutAssembler, *, policy_version: int, iterations: int, episodes: int,
                  learning_rate: float, checkpoint_failures: int, log_write_failures: int,
