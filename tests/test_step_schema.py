@@ -85,9 +85,9 @@ def test_a_field_added_to_the_schema_reaches_storage_wire_step_buffers_and_minib
         # Required and validated on write, the message naming the field.
         row = valid_fields(schema, n)
         with pytest.raises(ValueError, match="^my_extra: required field missing"):
-            buffer.write_columns(0, np.arange(n), {k: v for k, v in row.items() if k != "my_extra"})
+            buffer.write(0, np.arange(n), {k: v for k, v in row.items() if k != "my_extra"})
         with pytest.raises(ValueError, match=r"^my_extra: expected shape \(2, 3\) and dtype float32.*float64"):
-            buffer.write_columns(0, np.arange(n), {**row, "my_extra": row["my_extra"].astype(np.float64)})
+            buffer.write(0, np.arange(n), {**row, "my_extra": row["my_extra"].astype(np.float64)})
         with pytest.raises(ValueError, match=r"^my_extra: expected shape \(2, 3\).*received shape \(2, 2\)"):
             buffer.add(**{**row, "my_extra": np.zeros((n, 2), np.float32)})
         assert buffer.step == 0
@@ -100,7 +100,7 @@ def test_a_field_added_to_the_schema_reaches_storage_wire_step_buffers_and_minib
             fields["my_extra"] = np.arange(n * 3, dtype=np.float32).reshape(n, 3) + 100 * t
             decoded = decode(schema, fields, n)
             np.testing.assert_array_equal(decoded.fields["my_extra"], fields["my_extra"])
-            buffer.write_columns(t, np.arange(n), decoded.fields)
+            buffer.write(t, np.arange(n), decoded.fields)
             sent_rows.append(fields["my_extra"])
         error = rejected(schema, {**fields, "my_extra": fields["my_extra"].astype(np.float64)}, n)
         assert error.reason == "dtype" and "my_extra" in error.detail
@@ -169,7 +169,7 @@ def test_dict_observations_keep_their_dtypes_from_the_wire_to_the_minibatch() ->
             fields["observations.vector"] = np.stack([np.arange(n) + 10 * t, -np.arange(n)], axis=1).astype(np.float32)
             decoded = decode(schema, fields, n)
             assert decoded.fields["observations.image"].dtype == np.uint8
-            buffer.write_columns(t, np.arange(n), decoded.fields)
+            buffer.write(t, np.arange(n), decoded.fields)
         observations = buffer.observations
         assert set(observations) == {"image", "vector"}
         assert observations["image"].dtype == np.uint8 and observations["image"].shape == (steps, n, 1, 6, 6)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
-from oakemu_core.step_schema import StepSchema, check_array, default_schema
+from oakemu_core.step_schema import StepSchema, check_array, resolve_schema
 
 _CORE_FIELDS = frozenset({"actions", "log_probs", "values", "rewards", "dones", "trainable", "truncated",
                           "bootstrap_values", "next_values"})
@@ -105,15 +105,13 @@ class PPOActorStepBuffers:
             schema: the step schema; replaces the four arguments above (any space).
 
         Raises:
-            ValueError: if ``num_envs`` is not a positive int, or neither a schema nor an
-                observation shape/dtype is given.
+            ValueError: if ``num_envs`` is not a positive int, or not exactly one of a schema and an
+                observation shape/dtype is given (:func:`~oakemu_core.step_schema.resolve_schema`).
         """
         if isinstance(num_envs, bool) or not isinstance(num_envs, (int, np.integer)) or num_envs <= 0:
             raise ValueError(f"num_envs: expected a positive int, received {num_envs!r}")
-        if schema is None:
-            if observation_shape is None or observation_dtype is None:
-                raise ValueError("create: expected observation_shape and observation_dtype, or schema=")
-            schema = default_schema(tuple(observation_shape), observation_dtype, tuple(action_shape), action_dtype)
+        schema = resolve_schema("PPOActorStepBuffers.create", schema, observation_shape, observation_dtype,
+                                action_shape, action_dtype)
         arrays = {f.name: np.zeros((int(num_envs), *f.shape), dtype=f.dtype) for f in schema.sent}
         arrays.pop("next_values")  # known only after the next action is chosen (see stepper)
         observations = schema.join_observations({n: arrays.pop(n) for n in schema.observation_names})

@@ -313,7 +313,7 @@ class RolloutAssembler:
         The message arrays and their values were already checked against the actor's spec by
         :func:`oakemu_core.transport.wire.decode_step` (a message rejected there leaves a hole in the
         actor's ``seq``, so its next message discards the unfinished segment as out of order); they
-        are written without a second check (:meth:`RolloutBuffer.write_validated`: the spec's schema
+        are written without a second check (:meth:`RolloutBuffer.write` with ``validated=True``: the spec's schema
         is the buffers', checked at :meth:`join`).
 
         Raises:
@@ -434,9 +434,9 @@ class RolloutAssembler:
         if k < num_envs:  # fewer free columns than envs: the first k envs are written
             fields = {name: array[:k] if rows == 1 else array[:, :k] for name, array in fields.items()}
         try:  # decode_step validated the fields against the buffers' schema (checked at join)
-            self.buffers[segment.slot].write_validated(
+            self.buffers[segment.slot].write(
                 segment.rows_written, segment.index, fields, rows=None if rows == 1 else rows,
-                policy_version=message.policy_version, policy_revision=message.revision)
+                policy_version=message.policy_version, policy_revision=message.revision, validated=True)
         except (ValueError, OverflowError) as error:  # the row bookkeeping disagrees: nothing was written
             self._discard_segment(record)
             raise StepRejected("schema", str(error)) from None
