@@ -785,6 +785,67 @@ def test_schema_fields_are_stored_required_and_served_in_minibatches() -> None:
         assert minibatch.fields["action_mask"].dtype == torch.bool and minibatch.fields["action_mask"].shape == (2, 3)
 
 
+def test_add_takes_the_seed_keyword_action_masks_and_checks_masks_as_the_wire_does() -> None:
+    """seed 004's ``add(..., action_masks=)``; a mask that allows nothing and an action its mask
+    forbids are refused by add as they are by decode_step (the same schema checks), nothing written."""
+    from oakemu_core.transport.wire import MessageRejected, StepMessage, StepSpec, decode_step, encode_step
+
+    schema = masked_schema()
+    arrays = step_arrays(2, 0, obs_shape=(2,))
+    arrays["actions"] = np.array([0, 1])
+    empty_row = np.array([[True, False, False], [False, False, False]])
+    forbidden = np.array([[True, False, False], [True, False, False]])
+    with RolloutBuffer(2, 2, schema=schema) as rollout_buffer:
+        with pytest.raises(ValueError, match="^action_mask: env 1 allows no action"):
+            rollout_buffer.add(**arrays, action_masks=empty_row)
+        with pytest.raises(ValueError, match="^actions: env 1 took an action its action_mask forbids"):
+            rollout_buffer.add(**arrays, action_masks=forbidden)
+        with pytest.raises(ValueError, match="^action_masks: received the masks twice"):
+            rollout_buffer.add(**arrays, action_masks=forbidden, action_mask=forbidden)
+        assert rollout_buffer.step == 0 and not rollout_buffer.field("action_mask").any()
+        allowed = np.array([[True, False, False], [False, True, False]])
+        rollout_buffer.add(**arrays, action_masks=allowed)
+        np.testing.assert_array_equal(rollout_buffer.field("action_mask")[0], allowed)
+    sent = {**arrays, "truncated": np.zeros(2, bool), "bootstrap_values": np.zeros(2, np.float32),
+            "next_values": np.zeros(2, np.float32), "trainable": np.ones(2, bool)}
+    for mask in (empty_row, forbidden):
+        frame = encode_step(StepMessage("a", "a-1", 0, 0, {**sent, "action_mask": mask}))
+        with pytest.raises(MessageRejected) as info:
+            decode_step(frame, lambda *_: StepSpec(2, schema), max_bytes=1 << 20)
+        assert info.value.reason == "value_range"
+
+
+@pytest.mark.parametrize(
+    ("field", "bad", "message"),
+    [
+        ("rewards", np.array([0.0, np.nan, 0.0], np.float32), "^rewards: expected finite values"),
+        ("values", np.array([np.inf, 0.0, 0.0], np.float32), "^values: expected finite values"),
+        ("actions", np.array([0, 3, 1]), r"^actions: expected values <= 2"),
+        ("actions", np.array([0, -1, 1]), r"^actions: expected values >= 0"),
+    ],
+)
+def test_add_refuses_impossible_values_as_the_wire_does(field: str, bad: np.ndarray, message: str) -> None:
+    with RolloutBuffer(2, 3, schema=build_schema({"": (OBS_SHAPE, np.uint8)}, Categorical(3))) as rollout_buffer:
+        arrays = {**step_arrays(3), "actions": np.array([0, 1, 2])}
+        with pytest.raises(ValueError, match=message):
+            rollout_buffer.add(**{**arrays, field: bad})
+        assert rollout_buffer.step == 0
+        # Finite numbers beyond the wire's magnitude limit are the caller's to store (the wire guards the network).
+        rollout_buffer.add(**{**arrays, "rewards": np.full(3, 3e38, np.float32)})
+        assert rollout_buffer.step == 1
+
+
+def test_the_checked_write_applies_the_truncation_rules_when_truncated_is_given(buffer: RolloutBuffer) -> None:
+    arrays = {**step_arrays(3), "truncated": np.array([False, True, False])}
+    with pytest.raises(ValueError, match="^truncated: every truncated env must also be done"):
+        buffer.write(0, np.arange(3), arrays)
+    arrays["dones"] = np.array([False, True, False])
+    with pytest.raises(ValueError, match="^truncated: expected shape"):
+        buffer.write(0, np.arange(3), {**arrays, "truncated": np.zeros(2, bool)})
+    buffer.write(0, np.arange(3), {**arrays, "bootstrap_values": np.array([0.0, 1.5, 0.0], np.float32)})
+    assert buffer.bootstrap_values[0].tolist() == [0.0, 1.5, 0.0] and buffer.dones[0].tolist() == [False, True, False]
+
+
 def test_scale_rewards_multiplies_and_makes_advantages_stale(buffer: RolloutBuffer) -> None:
     fill(buffer)
     gae_ready(buffer)

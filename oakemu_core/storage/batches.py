@@ -23,7 +23,12 @@ from oakemu_core.step_schema import StepSchema
 if TYPE_CHECKING:  # torch is imported lazily: actors and tools can use the buffer without it
     import torch
 
-__all__ = ["FlatBatch", "RolloutMinibatch", "normalize_advantages"]
+__all__ = ["FlatBatch", "RolloutBufferTrainableDiagnostics", "RolloutMinibatch", "StaleAdvantagesError",
+           "normalize_advantages"]
+
+
+class StaleAdvantagesError(RuntimeError):
+    """Minibatches were requested while the advantages do not describe the stored rows."""
 
 
 class RolloutMinibatch(NamedTuple):
@@ -129,6 +134,21 @@ class FlatBatch:
             returns=picked["returns"],
             fields=picked,
         )
+
+
+@dataclass(frozen=True)
+class RolloutBufferTrainableDiagnostics:
+    """The trainable rows of a rollout, flattened in row-major ``(t, env)`` order, for learner logging.
+
+    Attributes:
+        values: ``(M,)`` float32, V(s_t) as stored (the acting policy's, or the learner's after re-evaluation).
+        returns: ``(M,)`` float32, GAE returns.
+        advantages: ``(M,)`` float32, unnormalised GAE advantages.
+    """
+
+    values: np.ndarray
+    returns: np.ndarray
+    advantages: np.ndarray
 
 
 def normalize_advantages(advantages: np.ndarray, trainable: np.ndarray, eps: float = 1e-8) -> np.ndarray:

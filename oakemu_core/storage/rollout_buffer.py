@@ -9,9 +9,8 @@ policy_versions, policy_revisions, advantages, returns, and whatever the action 
 ``column_steps`` ``(N,)`` (rows written so far in each column) and ``meta`` (write counters). The
 field list lives in the schema only; this module never names a distribution's fields.
 
-Every array is a :class:`~oakemu_core.shared_memory.SharedArray` owned by this buffer: it alone
-unlinks the segments (``close()``, context-manager exit, garbage collection, interpreter exit);
-construction first sweeps segments of dead owners.
+The arrays are :class:`~oakemu_core.storage.shared_fields.SharedFields` owned by this buffer: it
+alone unlinks the segments (``close()``, context-manager exit, garbage collection, interpreter exit).
 
 One way in, one way out (Stable-Baselines3's ``add`` / ``get``): :meth:`RolloutBuffer.write` is
 the only write, :meth:`RolloutBuffer.flat_batch` the only read for PPO
@@ -28,17 +27,22 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from oakemu_core.shared_memory import SharedArray, new_token, sweep_stale_segments
 from oakemu_core.step_schema import StepSchema, check_array, check_step_values, resolve_schema
 from oakemu_core.storage import gae
-from oakemu_core.storage.batches import FlatBatch, RolloutMinibatch, normalize_advantages
-from oakemu_core.storage.memory import RolloutBufferMemoryDiagnostic, ensure_shm_capacity, rollout_memory_pressure
+from oakemu_core.storage.batches import (
+    FlatBatch,
+    RolloutBufferTrainableDiagnostics,
+    RolloutMinibatch,
+    StaleAdvantagesError,
+    normalize_advantages,
+)
+from oakemu_core.storage.memory import RolloutBufferMemoryDiagnostic, rollout_memory_pressure
+from oakemu_core.storage.shared_fields import SHM_DIR, SharedFields, layout_bytes
 
 if TYPE_CHECKING:  # torch is imported lazily: actors and tools can use the buffer without it
     import torch
@@ -54,32 +58,11 @@ __all__ = [
     "normalize_advantages",
 ]
 
-SHM_DIR = Path("/dev/shm")
-
 _GENERATION, _MASK_GENERATION, _GAE_GENERATION = 0, 1, 2
 """Slots of the ``meta`` array: data writes, trainable-mask changes, data generation at GAE."""
 _COMPUTED = ("policy_versions", "policy_revisions", "advantages", "returns")
 """Stored fields the buffer fills itself (:meth:`RolloutBuffer.write` stamps the versions,
 :meth:`RolloutBuffer.compute_gae` the advantages and returns); a writer provides the others."""
-
-
-@dataclass(frozen=True)
-class RolloutBufferTrainableDiagnostics:
-    """The trainable rows of a rollout, flattened in row-major ``(t, env)`` order.
-
-    Attributes:
-        values: ``(M,)`` float32, V(s_t) as stored (the acting policy's, or the learner's after re-evaluation).
-        returns: ``(M,)`` float32, GAE returns.
-        advantages: ``(M,)`` float32, unnormalised GAE advantages.
-    """
-
-    values: np.ndarray
-    returns: np.ndarray
-    advantages: np.ndarray
-
-
-class StaleAdvantagesError(RuntimeError):
-    """Minibatches were requested while the advantages do not describe the stored rows."""
 
 
 def column_index(columns: np.ndarray) -> slice | np.ndarray:
@@ -210,20 +193,7 @@ class RolloutBuffer:
         shm_dir: str | os.PathLike[str] = SHM_DIR,
     ) -> None:
         schema = resolve_schema("RolloutBuffer", schema, observation_shape, observation_dtype, action_shape, action_dtype)
-        layout = _array_layout(rollout_length, num_envs, schema)
-        if Path(shm_dir).is_dir():
-            sweep_stale_segments(shm_dir)
-            ensure_shm_capacity(self.estimate_memory_bytes(rollout_length, num_envs, schema), shm_dir)
-        shared: dict[str, SharedArray] = {}
-        token = new_token()  # one token per buffer: its segments are oakemu_<pid>_<token>_<array>
-        try:
-            for name, (shape, dtype) in layout.items():
-                shared[name] = SharedArray.create(shape, dtype, field=name.replace(".", "__"), token=token)
-        except BaseException:
-            for array in shared.values():
-                array.unlink()
-                array.close()
-            raise
+        self._fields = SharedFields(_array_layout(rollout_length, num_envs, schema), shm_dir)
         self.schema = schema
         # Computed once (the schema never changes): every write goes by them.
         self._writable = tuple(f for f in schema.stored if f.name not in _COMPUTED)
@@ -233,13 +203,8 @@ class RolloutBuffer:
         self._rollout_length = int(rollout_length)
         self._num_envs = int(num_envs)
         self._all_columns = np.arange(self._num_envs, dtype=np.int64)
-        self._shared = shared
-        self._arrays: dict[str, np.ndarray] = {name: array.array for name, array in shared.items()}
-        self._views: dict[str, np.ndarray] = {}
-        for name, array in self._arrays.items():
-            view = array.view()
-            view.flags.writeable = False
-            self._views[name] = view
+        self._arrays = self._fields.arrays  # writable: this buffer's writes only
+        self._views = self._fields.views  # read-only: what the buffer hands out
         self._arrays["meta"][_GAE_GENERATION] = -1
         self._closed = False
         self._flat_cache: tuple[tuple[Any, ...], FlatBatch] | None = None
@@ -250,7 +215,7 @@ class RolloutBuffer:
     @staticmethod
     def estimate_memory_bytes(rollout_length: int, num_envs: int, schema: StepSchema) -> int:
         """Shared-memory bytes a buffer with these arguments allocates (its :attr:`memory_bytes`)."""
-        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in _array_layout(rollout_length, num_envs, schema).values())
+        return layout_bytes(_array_layout(rollout_length, num_envs, schema))
 
     # ------------------------------------------------------------------ life cycle
     def close(self) -> None:
@@ -265,10 +230,7 @@ class RolloutBuffer:
         self._flat_cache = None
         self._views = {}
         self._arrays = {}
-        for array in self._shared.values():
-            if array.is_owner:
-                array.unlink()
-            array.close()
+        self._fields.close()
 
     def __enter__(self) -> RolloutBuffer:
         return self
@@ -357,7 +319,7 @@ class RolloutBuffer:
     def memory_bytes(self) -> int:
         """Bytes of all preallocated arrays (shared memory): the sum of their ``nbytes``."""
         self._check_open()
-        return sum(array.nbytes for array in self._shared.values())
+        return self._fields.nbytes
 
     @property
     def memory_gb(self) -> float:
@@ -814,13 +776,7 @@ class RolloutBuffer:
         """
         self._check_open()
         _check_positive_int("num_minibatches", num_minibatches)
-        resident = 0  # bytes of this buffer's segments already backed by memory
-        for array in self._shared.values():
-            try:
-                resident += os.stat(self._shm_dir / array.name).st_blocks * 512
-            except OSError:
-                continue
         cached = 0 if self._flat_cache is None else sum(
             t.numel() * t.element_size() for t in self._flat_cache[1].fields.values() if t.device.type == "cuda")
         return rollout_memory_pressure(self.schema, self.total_size, num_minibatches, buffer_bytes=self.memory_bytes,
-                                       resident_bytes=resident, shm_dir=self._shm_dir, cached_cuda_bytes=cached)
+                                       resident_bytes=self._fields.resident_bytes(), shm_dir=self._shm_dir, cached_cuda_bytes=cached)
