@@ -123,7 +123,7 @@ def _array_layout(rollout_length: int, num_envs: int, schema: StepSchema) -> dic
 def _merge_leading(value: Any, lead: tuple[int, ...]) -> Any:
     """A ``(*lead, *shape)`` array as ``(prod(lead), *shape)`` (a view where numpy can); anything
     else unchanged, for the shape check to name."""
-    if len(lead) == 1 or not isinstance(value, np.ndarray) or value.shape[:len(lead)] != lead:
+    if not isinstance(value, np.ndarray) or value.shape[:len(lead)] != lead:
         return value
     return value.reshape(math.prod(lead), *value.shape[len(lead):])
 
@@ -427,7 +427,7 @@ class RolloutBuffer:
         named = {**self.schema.split_observations(observations), "actions": actions, "log_probs": log_probs,
                  "values": values, "rewards": rewards, "dones": dones, "trainable": trainable,
                  "bootstrap_values": bootstrap_values, **fields}
-        self.write(step, self._all_columns, {k: v for k, v in named.items() if v is not None},
+        self.write(step, slice(None), {k: v for k, v in named.items() if v is not None},
                    policy_version=policy_version, policy_revision=policy_revision)
 
     def write(
@@ -459,8 +459,7 @@ class RolloutBuffer:
         Args:
             step_index: the first row to write, >= 0.
             columns: the ``K`` buffer columns: a ``(K,)`` integer array of distinct indices in
-                ``[0, num_envs)``; validated: also a slice of consecutive columns
-                (:func:`column_index`).
+                ``[0, num_envs)``, or a slice of consecutive columns (:func:`column_index`).
             fields: field name -> ``(K, *shape)`` array, ``(rows, K, *shape)`` with ``rows``: every
                 writable stored field (those with a default, ``trainable`` and
                 ``bootstrap_values``, may be left out); ``truncated`` and ``next_values`` (sent by
@@ -487,12 +486,16 @@ class RolloutBuffer:
                 fields = {**fields, **self._unsent_defaults}
             self._store(step_index, rows, columns, fields, policy_version, policy_revision)
             return
-        columns, index = checked_columns(columns, self._num_envs)
+        if isinstance(columns, slice):  # consecutive columns: nothing to check but the fields' K
+            index, k = columns, len(self._all_columns[columns])
+        else:
+            columns, index = checked_columns(columns, self._num_envs)
+            k = len(columns)
         _check_non_negative_int("step_index", step_index)
         if rows is not None:
             _check_positive_int("rows", rows)
         self._check_rows_free(int(step_index), rows, index)
-        complete = self._checked_fields(fields, rows, len(columns))
+        complete = self._checked_fields(fields, rows, k)
         version = _check_non_negative_int("policy_version", policy_version)
         revision = _check_non_negative_int("policy_revision", policy_revision)
         self._store(int(step_index), rows, index, complete, version, revision)
@@ -515,7 +518,7 @@ class RolloutBuffer:
         ``rows``) after the checks of :meth:`write`, defaults filled in, in the shape given."""
         lead = (k,) if rows is None else (rows, k)
         count = math.prod(lead)
-        flat = {name: _merge_leading(value, lead) for name, value in fields.items()}  # (count, *shape)
+        flat = dict(fields) if rows is None else {name: _merge_leading(value, lead) for name, value in fields.items()}
         sent_only = {f.name: flat.pop(f.name) for f in self._sent_only if f.name in flat}
         self.schema.check_arrays(flat, count, self._writable)
         for name, value in sent_only.items():
