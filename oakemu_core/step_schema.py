@@ -602,13 +602,13 @@ def check_step_consistency(schema: StepSchema, arrays: Mapping[str, np.ndarray])
         Why the step is impossible, or None.
     """
     truncated, dones = arrays.get("truncated"), arrays["dones"]
-    if truncated is None:
+    if truncated is None:  # a local writer's step: storage keeps truncation in dones + bootstrap_values
         bootstrap = arrays.get("bootstrap_values")
         if bootstrap is not None and np.count_nonzero(bootstrap) and np.any(bootstrap[~dones] != 0):
             bad = np.flatnonzero((bootstrap != 0) & ~dones).tolist()
             return (f"bootstrap_values: expected 0 where dones is False (a bootstrap value belongs to a "
                     f"truncated step), received non-zero values at positions {bad}")
-    if truncated is not None:
+    else:
         bootstrap = arrays["bootstrap_values"]
         if truncated.size <= SMALL_ARRAY_SIZE:  # a few envs: plain Python is cheaper than numpy calls
             rows = list(zip(truncated.ravel().tolist(), dones.ravel().tolist(), bootstrap.ravel().tolist()))
