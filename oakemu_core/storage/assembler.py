@@ -328,8 +328,8 @@ class RolloutAssembler:
         The message arrays and their values were already checked against the actor's spec by
         :func:`oakemu_core.transport.wire.decode_step` (a message rejected there leaves a hole in the
         actor's ``seq``, so its next message discards the unfinished segment as out of order); they
-        are written without a second check (:meth:`RolloutBuffer.write` with ``validated=True``: the spec's schema
-        is the buffers', checked at :meth:`join`).
+        are written without a second check (:meth:`RolloutBuffer.write` with ``validated=True``: the
+        spec's schema is the buffers', checked at :meth:`join`).
 
         Raises:
             StepRejected: unknown actor incarnation (``unknown_actor``), a sequence number below
@@ -525,12 +525,12 @@ class RolloutAssembler:
         actor's held queue is full while a training will soon free a buffer.
 
         A full held queue would drop that actor's oldest steps at its next message (steps computed
-        and thrown away). While a buffer trains, not reading makes every actor wait in ``send`` instead (back-pressure); the
-        release drains the held steps, and reading resumes. Without a training in flight the reads
-        go on: the buffer that would free columns may be waiting for another actor's steps. A
-        slower actor's rows delayed by the pause stay within ``max_policy_lag``: they continue a
-        started segment, whose buffer's training version was fixed when it started, and a new
-        segment is checked before it starts (:meth:`trains_at`)."""
+        and thrown away). While a buffer trains, not reading makes every actor wait in ``send``
+        instead (back-pressure); the release drains the held steps, and reading resumes. Without a
+        training in flight the reads go on: the buffer that would free columns may be waiting for
+        another actor's steps. A slower actor's rows delayed by the pause stay within
+        ``max_policy_lag``: they continue a started segment, whose buffer's training version was
+        fixed when it started, and a new segment is checked before it starts (:meth:`trains_at`)."""
         if not any(state is SlotState.FILLING for state in self.states):
             return False
         if SlotState.TRAINING in self.states:

@@ -192,7 +192,8 @@ class RolloutBuffer:
         seed: int | None = None,
         shm_dir: str | os.PathLike[str] = SHM_DIR,
     ) -> None:
-        schema = resolve_schema("RolloutBuffer", schema, observation_shape, observation_dtype, action_shape, action_dtype)
+        schema = resolve_schema("RolloutBuffer", schema, observation_shape, observation_dtype,
+                                action_shape, action_dtype)
         self._fields = SharedFields(_array_layout(rollout_length, num_envs, schema), shm_dir)
         self.schema = schema
         # Computed once (the schema never changes): every write goes by them.
@@ -518,7 +519,7 @@ class RolloutBuffer:
         ``rows``) after the checks of :meth:`write`, defaults filled in, in the shape given."""
         lead = (k,) if rows is None else (rows, k)
         count = math.prod(lead)
-        flat = dict(fields) if rows is None else {name: _merge_leading(value, lead) for name, value in fields.items()}
+        flat = dict(fields) if rows is None else {name: _merge_leading(v, lead) for name, v in fields.items()}
         sent_only = {f.name: flat.pop(f.name) for f in self._sent_only if f.name in flat}
         self.schema.check_arrays(flat, count, self._writable)
         for name, value in sent_only.items():
@@ -718,7 +719,8 @@ class RolloutBuffer:
 
         self._check_open()
         if not self.advantages_are_current:
-            raise StaleAdvantagesError("minibatches: the advantages are stale; call compute_gae() after the last write or reset")
+            raise StaleAdvantagesError(
+                "minibatches: the advantages are stale; call compute_gae() after the last write or reset")
         torch_device = torch.device(device)
         meta = self._arrays["meta"]
         key = (int(meta[_GENERATION]), int(meta[_MASK_GENERATION]), str(torch_device), bool(normalize_advantages))
@@ -781,5 +783,6 @@ class RolloutBuffer:
         _check_positive_int("num_minibatches", num_minibatches)
         cached = 0 if self._flat_cache is None else sum(
             t.numel() * t.element_size() for t in self._flat_cache[1].fields.values() if t.device.type == "cuda")
-        return rollout_memory_pressure(self.schema, self.total_size, num_minibatches, buffer_bytes=self.memory_bytes,
-                                       resident_bytes=self._fields.resident_bytes(), shm_dir=self._shm_dir, cached_cuda_bytes=cached)
+        return rollout_memory_pressure(self.schema, self.total_size, num_minibatches,
+                                       buffer_bytes=self.memory_bytes, resident_bytes=self._fields.resident_bytes(),
+                                       shm_dir=self._shm_dir, cached_cuda_bytes=cached)
