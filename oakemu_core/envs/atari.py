@@ -94,7 +94,7 @@ class AtariBackend:
             autoreset_mode="SameStep",
             repeat_action_probability=settings.repeat_action_probability,
             full_action_space=settings.full_action_space,
-            reward_clipping=False,  # clipped by the adapter, so episode returns stay raw
+            reward_clipping=False,  # VectorEnv clips the training rewards, so episode returns stay raw
             frameskip=ATARI_FRAME_SKIP,
             maxpool=True,
             noop_max=ATARI_NOOP_MAX,
