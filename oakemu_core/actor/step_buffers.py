@@ -11,33 +11,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from oakemu_core.storage.rollout_buffer import RolloutBuffer
+from oakemu_core.policy.action_bundle import PPOActionBundle
 from oakemu_core.step_schema import StepSchema, check_array, resolve_schema
+
+if TYPE_CHECKING:
+    from oakemu_core.storage.rollout_buffer import RolloutBuffer
 
 _CORE_FIELDS = frozenset({"actions", "log_probs", "values", "rewards", "dones", "trainable", "truncated",
                           "bootstrap_values", "next_values"})
-
-
-@dataclass(frozen=True)
-class PPOActionBundle:
-    """What the policy produced for a batch of observations.
-
-    Attributes:
-        actions: ``(batch, *action_shape)``, the action dtype (int64 for a categorical policy).
-        log_probs: ``(batch,)`` float32, log pi(action | observation) of the acting policy.
-        values: ``(batch,)`` float32, V(observation) of the acting policy.
-        distribution_fields: the distribution's stored parameters by field name (a Gaussian's
-            ``action_mean`` / ``action_std`` ``(batch, d)`` float32); empty for other families.
-    """
-
-    actions: np.ndarray
-    log_probs: np.ndarray
-    values: np.ndarray
-    distribution_fields: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
