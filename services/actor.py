@@ -42,7 +42,10 @@ import torch
 import zmq
 
 from oakemu_core.config import OakEmuConfig
-from oakemu_core.envs import EnvGroups, VectorEnv, is_atari_env, make_env_groups, make_vector_env
+from oakemu_core.envs import VectorEnv, make_vector_env
+from oakemu_core.envs.factory import make_env_groups
+from oakemu_core.envs.spec import is_atari_env
+from oakemu_core.envs.vector import EnvGroups
 from oakemu_core.run.metrics import StepRateMeter
 from oakemu_core.policy.models import ActorCritic, build_model, load_weight_arrays
 from oakemu_core.actor.routing import PolicyRouter, RoutingConfig

@@ -29,7 +29,8 @@ from oakemu_core.algo.handshake import RunProgress, TrainResult, WeightsRevision
 from oakemu_core.algo.health import RunCollapsedError
 from oakemu_core.algo.trainer import Trainer
 from oakemu_core.config import OakEmuConfig, resolved_device, to_toml
-from oakemu_core.envs import check_env, env_spec
+from oakemu_core.envs import env_spec
+from oakemu_core.envs.factory import check_env
 from oakemu_core.run.checkpoint import CheckpointWriteFailed
 from oakemu_core.run.learner_telemetry import LearnerTelemetry
 from oakemu_core.run.log_limits import RateLimitedLog
