@@ -268,6 +268,50 @@ class PPOUpdateStats:
     objective (NaN without it): 1 when the behaviour policy is the proximal one."""
 
 
+class _UpdateTally:
+    """What one update accumulates for its :class:`PPOUpdateStats` (sums stay on the device until
+    the end: one sync per update)."""
+
+    REPORTED = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction")
+
+    def __init__(self, device: torch.device, *, learning_rate: float) -> None:
+        self.start_time = time.perf_counter()
+        self.learning_rate = learning_rate
+        self.totals = {key: torch.zeros((), device=device) for key in self.REPORTED}
+        self.weight_total = torch.zeros((), device=device)
+        self.minibatches = 0
+        self.nonfinite_minibatches = 0
+        self.first_minibatch_ratio_max_abs_dev = math.nan
+        self.epoch_seconds: list[float] = []
+        self.early_stopped = False
+
+    def add(self, losses: dict[str, torch.Tensor]) -> None:
+        """One trained minibatch's loss terms."""
+        for key in self.totals:
+            self.totals[key] += losses[key].detach()
+        self.minibatches += 1
+
+    def stats(self, rollout_buffer: RolloutBuffer, trainable_rows: int, *, decoupled: bool) -> PPOUpdateStats:
+        diagnostics = rollout_buffer.trainable_diagnostics()
+        means = {key: value.item() / self.minibatches for key, value in self.totals.items()}
+        return PPOUpdateStats(
+            **means,
+            explained_variance=(
+                math.nan if diagnostics is None else explained_variance(diagnostics.values, diagnostics.returns)
+            ),
+            learning_rate=self.learning_rate,
+            epochs_completed=len(self.epoch_seconds),
+            minibatches=self.minibatches,
+            early_stopped=self.early_stopped,
+            first_minibatch_ratio_max_abs_dev=self.first_minibatch_ratio_max_abs_dev,
+            update_seconds=time.perf_counter() - self.start_time,
+            epoch_seconds=self.epoch_seconds,
+            trainable_rows=trainable_rows,
+            nonfinite_minibatches=self.nonfinite_minibatches,
+            importance_weight_mean=self.weight_total.item() / self.minibatches if decoupled else math.nan,
+        )
+
+
 class PPOUpdater:
     """Runs PPO updates of ``model`` on full rollout buffers.
 
@@ -326,6 +370,7 @@ class PPOUpdater:
         # Listed once: model.parameters() walks the module tree, twice per SGD step otherwise. The
         # optimizer holds these same tensors; restores load into them in place (load_state_dict).
         self._trained_parameters = [parameter for parameter in self.model.parameters() if parameter.requires_grad]
+        self._stored_parameters = tuple(self.model.distribution.stored_fields())  # parameters for the exact KL
         self._shuffle_rng = np.random.default_rng(self.settings.seed)
         self.action_mask = None if action_mask is None else action_mask.to(self.device, torch.bool)
         self._iterations = 0
@@ -422,132 +467,105 @@ class PPOUpdater:
         # with one row per minibatch.
         settings = self.settings
         num_minibatches = min(settings.num_minibatches, trainable_rows)
-        start_time = time.perf_counter()
-        learning_rate = float(self.optimizer.param_groups[0]["lr"])
-
+        tally = _UpdateTally(self.device, learning_rate=float(self.optimizer.param_groups[0]["lr"]))
         self.model.train()
-        reported = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction")
-        totals = {key: torch.zeros((), device=self.device) for key in reported}
-        first_minibatch_ratio_max_abs_dev = math.nan
-        minibatches_done = 0
-        epochs_completed = 0
-        early_stopped = False
-        epoch_seconds: list[float] = []
-        nonfinite_minibatches = 0
-
-        # Flatten and upload the trainable rows once; every epoch only reshuffles and indexes them.
-        flat = rollout_buffer.flat_batch(self.device)
-        decoupled = proximal is not None
-        kl_reference = ""  # the stored parameters the exact KL is measured from: the acting policy's
-        if decoupled:  # the cached flat batch stays as it is: a new one holds the extra fields
-            arrays = {"log_probs": proximal.log_probs, **proximal.distribution_fields}
-            flat = replace(flat, fields={**flat.fields, **{
-                PROXIMAL + name: torch.from_numpy(array.reshape(-1, *array.shape[2:])[flat.rows]).to(self.device)
-                for name, array in arrays.items()}})
-            kl_reference = PROXIMAL  # the trust region is around the proximal policy
-        log_weight_cap = math.log(settings.importance_weight_cap)
-        weight_total = torch.zeros((), device=self.device)
-        stored_parameters = tuple(self.model.distribution.stored_fields())
+        flat, kl_reference = self._upload(rollout_buffer, proximal)
         for epoch in range(settings.ppo_epochs):
             epoch_start = time.perf_counter()
             epoch_kl = torch.zeros((), device=self.device)
             # One minibatch: every row in stored order (shuffling it would only cost copies).
             minibatches = [flat.whole()] if num_minibatches == 1 else flat.minibatches(num_minibatches, self._shuffle_rng)
             for minibatch in minibatches:
-                with self._forward_precision():
-                    policy, new_values = self.model.policy_and_values(
-                        minibatch.observations, self._row_masks(minibatch.fields.get("action_mask"))
-                    )
-                advantages = minibatch.advantages
-                if settings.normalize_advantages:  # per minibatch (SB3, CleanRL); population std
-                    advantages = (advantages - advantages.mean()) / (advantages.std(correction=0) + 1e-8)
-                with torch.set_grad_enabled(bool(settings.ent_coef)):  # weighted 0 it would only cost backward ops
-                    entropy = policy.entropy()
-                new_log_probs = policy.log_prob(minibatch.actions)
-                old_log_probs, weights = minibatch.log_probs, None
-                if decoupled:
-                    old_log_probs = minibatch.fields[PROXIMAL + "log_probs"]
-                    weights = (old_log_probs - minibatch.log_probs).clamp(max=log_weight_cap).exp()
-                    weight_total += weights.mean()
-                losses = ppo_losses(
-                    new_log_probs,
-                    old_log_probs,
-                    advantages,
-                    new_values,
-                    minibatch.values,
-                    minibatch.returns,
-                    entropy,
-                    clip_coef=settings.clip_coef,
-                    clip_value_range=settings.value_clip,
-                    importance_weights=weights,
-                )
-                if stored_parameters:  # the exact KL from the stored parameters
-                    with torch.no_grad():
-                        kl = policy.kl_from({name: minibatch.fields[kl_reference + name] for name in stored_parameters})
-                        losses["approx_kl"] = kl.mean()
-                if minibatches_done == 0:  # before any gradient step: actor and learner should agree
+                losses, new_log_probs, weights = self._minibatch_losses(minibatch, kl_reference)
+                if weights is not None:
+                    tally.weight_total += weights.mean()
+                if tally.minibatches == 0:  # before any gradient step: actor and learner should agree
                     behaviour_ratio = (new_log_probs.detach() - minibatch.log_probs).exp()
-                    first_minibatch_ratio_max_abs_dev = self._ratio_deviation(
+                    tally.first_minibatch_ratio_max_abs_dev = self._ratio_deviation(
                         behaviour_ratio, minibatch.fields["policy_versions"], current_policy_version
                     )
-
-                # Total loss (Schulman et al. 2017, eq. 9, negated): policy - c2 * entropy + c1 * value.
-                loss = losses["policy_loss"] + settings.vf_coef * losses["value_loss"]
-                if settings.ent_coef:
-                    loss = loss - settings.ent_coef * losses["entropy"]
-                if bc_term is not None:  # behaviour cloning on demonstrations, next to the PPO loss
-                    bc_coef, sampler, bc_batch = bc_term
-                    loss = loss + bc_coef * self._bc_loss(sampler, bc_batch)
-                for parameter in self._trained_parameters:  # zero_grad(set_to_none=True), minus its profiler hooks
-                    parameter.grad = None
-                loss.backward()
-                grad_norm = nn.utils.clip_grad_norm_(self._trained_parameters, settings.max_grad_norm)
-                if torch.isfinite(grad_norm):
-                    self.optimizer.step()
-                else:  # a non-finite gradient would turn every weight into NaN for good: skip it
-                    nonfinite_minibatches += 1
-
-                for key in totals:
-                    totals[key] += losses[key].detach()
+                if not self._sgd_step(losses, bc_term):
+                    tally.nonfinite_minibatches += 1
+                tally.add(losses)
                 epoch_kl += losses["approx_kl"]
-                minibatches_done += 1
 
             self._synchronize()
-            epoch_seconds.append(time.perf_counter() - epoch_start)
-            epochs_completed += 1
+            tally.epoch_seconds.append(time.perf_counter() - epoch_start)
             if settings.target_kl is None and after_epoch is None:
                 continue
             epoch_approx_kl = epoch_kl.item() / len(minibatches)  # one device sync per epoch, when needed
             if settings.target_kl is not None and epoch_approx_kl > settings.target_kl:
-                early_stopped = epoch + 1 < settings.ppo_epochs
+                tally.early_stopped = epoch + 1 < settings.ppo_epochs
                 break
             if after_epoch is not None and epoch + 1 < settings.ppo_epochs:
-                after_epoch(epoch + 1, epoch_approx_kl, nonfinite_minibatches, minibatches_done)
+                after_epoch(epoch + 1, epoch_approx_kl, tally.nonfinite_minibatches, tally.minibatches)
 
         self._iterations += 1
+        return tally.stats(rollout_buffer, trainable_rows, decoupled=proximal is not None)
 
-        diagnostics = rollout_buffer.trainable_diagnostics()
-        means = {key: value.item() / minibatches_done for key, value in totals.items()}
-        return PPOUpdateStats(
-            policy_loss=means["policy_loss"],
-            value_loss=means["value_loss"],
-            entropy=means["entropy"],
-            approx_kl=means["approx_kl"],
-            clip_fraction=means["clip_fraction"],
-            explained_variance=(
-                math.nan if diagnostics is None else explained_variance(diagnostics.values, diagnostics.returns)
-            ),
-            learning_rate=learning_rate,
-            epochs_completed=epochs_completed,
-            minibatches=minibatches_done,
-            early_stopped=early_stopped,
-            first_minibatch_ratio_max_abs_dev=first_minibatch_ratio_max_abs_dev,
-            update_seconds=time.perf_counter() - start_time,
-            epoch_seconds=epoch_seconds,
-            trainable_rows=trainable_rows,
-            nonfinite_minibatches=nonfinite_minibatches,
-            importance_weight_mean=weight_total.item() / minibatches_done if decoupled else math.nan,
-        )
+    def _upload(self, rollout_buffer: RolloutBuffer, proximal: RolloutEvaluation | None) -> tuple[Any, str]:
+        """The trainable rows flattened and uploaded once (every epoch only reshuffles and indexes
+        them), with the proximal policy's figures as extra fields when given; and the prefix of the
+        stored parameters the exact KL is measured from (``""``: the acting policy's)."""
+        flat = rollout_buffer.flat_batch(self.device)
+        if proximal is None:
+            return flat, ""
+        # The cached flat batch stays as it is: a new one holds the extra fields.
+        arrays = {"log_probs": proximal.log_probs, **proximal.distribution_fields}
+        flat = replace(flat, fields={**flat.fields, **{
+            PROXIMAL + name: torch.from_numpy(array.reshape(-1, *array.shape[2:])[flat.rows]).to(self.device)
+            for name, array in arrays.items()}})
+        return flat, PROXIMAL  # the trust region is around the proximal policy
+
+    def _minibatch_losses(self, minibatch: Any, kl_reference: str) -> tuple[dict[str, torch.Tensor], torch.Tensor,
+                                                                             torch.Tensor | None]:
+        """One minibatch's forward pass and loss terms (:func:`ppo_losses`); with the proximal
+        figures (decoupled objective) the ratio is taken against them and each row weighted by
+        ``min(importance_weight_cap, pi_prox / mu)``; families with stored parameters get the exact
+        KL. Returns the losses, the new log-probs and the weights (None: plain PPO)."""
+        settings = self.settings
+        with self._forward_precision():
+            policy, new_values = self.model.policy_and_values(
+                minibatch.observations, self._row_masks(minibatch.fields.get("action_mask"))
+            )
+        advantages = minibatch.advantages
+        if settings.normalize_advantages:  # per minibatch (SB3, CleanRL); population std
+            advantages = (advantages - advantages.mean()) / (advantages.std(correction=0) + 1e-8)
+        with torch.set_grad_enabled(bool(settings.ent_coef)):  # weighted 0 it would only cost backward ops
+            entropy = policy.entropy()
+        new_log_probs = policy.log_prob(minibatch.actions)
+        old_log_probs, weights = minibatch.log_probs, None
+        if PROXIMAL + "log_probs" in minibatch.fields:
+            old_log_probs = minibatch.fields[PROXIMAL + "log_probs"]
+            weights = (old_log_probs - minibatch.log_probs).clamp(max=math.log(settings.importance_weight_cap)).exp()
+        losses = ppo_losses(new_log_probs, old_log_probs, advantages, new_values, minibatch.values, minibatch.returns,
+                            entropy, clip_coef=settings.clip_coef, clip_value_range=settings.value_clip,
+                            importance_weights=weights)
+        if self._stored_parameters:  # the exact KL from the stored parameters
+            with torch.no_grad():
+                kl = policy.kl_from({name: minibatch.fields[kl_reference + name] for name in self._stored_parameters})
+                losses["approx_kl"] = kl.mean()
+        return losses, new_log_probs, weights
+
+    def _sgd_step(self, losses: dict[str, torch.Tensor], bc_term: tuple[float, Any, int] | None) -> bool:
+        """Backward pass and optimizer step on the total loss (Schulman et al. 2017, eq. 9, negated:
+        policy - c2 * entropy + c1 * value, plus the behaviour-cloning term); False when the
+        gradient was not finite and the step was skipped (it would turn every weight into NaN)."""
+        settings = self.settings
+        loss = losses["policy_loss"] + settings.vf_coef * losses["value_loss"]
+        if settings.ent_coef:
+            loss = loss - settings.ent_coef * losses["entropy"]
+        if bc_term is not None:  # behaviour cloning on demonstrations, next to the PPO loss
+            bc_coef, sampler, bc_batch = bc_term
+            loss = loss + bc_coef * self._bc_loss(sampler, bc_batch)
+        for parameter in self._trained_parameters:  # zero_grad(set_to_none=True), minus its profiler hooks
+            parameter.grad = None
+        loss.backward()
+        grad_norm = nn.utils.clip_grad_norm_(self._trained_parameters, settings.max_grad_norm)
+        if not torch.isfinite(grad_norm):
+            return False
+        self.optimizer.step()
+        return True
 
     # ------------------------------------------------------------------ ratio check
     def shuffle_rng_state(self) -> dict[str, Any]:
