@@ -33,7 +33,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from oakemu_core.algo.settings import PPOSettings
+from oakemu_core.algo.settings import PPOSettings, finite_number
 from oakemu_core.envs.spec import is_atari_env
 from oakemu_core.errors import ConfigError
 
@@ -315,9 +315,7 @@ class OakEmuConfig(PPOSettings, BaseSettings):
     @field_validator("learning_rate", "actor_timeout_s")
     @classmethod
     def _check_finite(cls, value: float) -> float:
-        if not math.isfinite(value):
-            raise ValueError(f"expected a finite number, received {value!r}")
-        return value
+        return finite_number(value)
 
     @model_validator(mode="after")
     def _check_consistency(self) -> OakEmuConfig:

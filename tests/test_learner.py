@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -121,6 +123,20 @@ def test_run_trains_published_rollouts_and_stops(cartpole, tmp_path: Path) -> No
     assert (tmp_path / "checkpoints" / "checkpoint_00000002.pt").is_file()  # every 2 updates
 
 
+@contextmanager
+def running(learner: PPOLearner, handshake: RolloutHandshake, policy: CheckpointPolicy) -> Iterator[threading.Thread]:
+    """``learner.run`` in a thread of its own while the block runs (global step 123); stopped and
+    joined (10 s at most) when it ends."""
+    stop_event = threading.Event()
+    thread = threading.Thread(target=learner.run, args=(stop_event, lambda: 123, handshake, policy))
+    thread.start()
+    try:
+        yield thread
+    finally:
+        stop_event.set()
+        thread.join(10)
+
+
 def test_run_writes_the_final_checkpoint_when_it_stops(cartpole, tmp_path: Path) -> None:
     """Seed 002: run() manages periodic and final checkpointing. With periodic checkpoints off, the
     run folder holds the final checkpoint once run() returns, and a last result (no slot) is handed
@@ -129,22 +145,14 @@ def test_run_writes_the_final_checkpoint_when_it_stops(cartpole, tmp_path: Path)
     learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1))
     stepper = PolicyStepper(env, model)
     handshake = RolloutHandshake()
-    policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_run_checkpoint,
-                              every_updates=0)
-    stop_event = threading.Event()
-    thread = threading.Thread(target=learner.run, args=(stop_event, lambda: 123, handshake, policy))
-    thread.start()
-    try:
+    no_periodic = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_run_checkpoint,
+                                   every_updates=0)
+    with running(learner, handshake, no_periodic) as thread:
         with learner.learner_model.locked():
-            rollout = fill(buffer, stepper, learner.policy_version)
-        handshake.publish(rollout)
-        results = []
-        while not results:
-            results = handshake.results()
+            handshake.publish(fill(buffer, stepper, learner.policy_version))
+        while not handshake.results():
+            pass
         assert not list(tmp_path.glob("checkpoints/*.pt")), "no periodic checkpoint"
-    finally:
-        stop_event.set()
-        thread.join(10)
     assert not thread.is_alive()
     assert [p.name for p in tmp_path.glob("checkpoints/checkpoint_*.pt")] == ["checkpoint_00000001.pt"]
     state = load_checkpoint(tmp_path / "checkpoints" / "latest.pt")

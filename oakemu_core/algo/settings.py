@@ -13,11 +13,18 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-__all__ = ["PRECISIONS", "PPOSettings"]
+__all__ = ["PRECISIONS", "PPOSettings", "finite_number"]
 
 PRECISIONS = ("float32", "bfloat16")
 """The learner's update precisions (``learner_precision``): plain float32, or bfloat16 mixed
 precision (autocast) of the model's forward and backward passes."""
+
+
+def finite_number(value: float) -> float:
+    """``value`` when it is finite. Raises ValueError (the message names the received value)."""
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite number, received {value!r}")
+    return value
 
 
 class PPOSettings(BaseModel):
@@ -75,9 +82,7 @@ class PPOSettings(BaseModel):
     @field_validator("clip_coef", "ent_coef", "vf_coef", "max_grad_norm")
     @classmethod
     def _check_finite_coefficient(cls, value: float) -> float:
-        if not math.isfinite(value):
-            raise ValueError(f"expected a finite number, received {value!r}")
-        return value
+        return finite_number(value)
 
     @field_validator("clip_value_range")
     @classmethod
