@@ -9,7 +9,8 @@ Two threads, each owning its state:
   then block in ``send``, or wait for a free step-ring slot);
 - the *trainer* thread (:class:`~oakemu_core.algo.trainer.Trainer`) owns the model and optimizer:
   for each full buffer it drops rows that are too stale, computes GAE on the CPU, runs one PPO
-  update on the device and returns new weights; it also writes checkpoints.
+  update on the device and returns new weights; it writes the periodic checkpoints and, once
+  stopped, evaluates the final weights and writes the final checkpoint.
 
 Run with ``oakemu learner`` or ``python -m oakemu_services.learner``.
 """
