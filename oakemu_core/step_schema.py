@@ -192,7 +192,7 @@ class StepField:
         """Whether every bit pattern of the field is a valid value: an int / uint field without a
         bound its dtype can fail and without mask segments (uint8 frames). Such a field has no content
         check, so a step ring's slot of it is used in place; every other field is copied first
-        (:func:`oakemu_core.transport.wire.decode_step`)."""
+        (:func:`oakemu_core.transport.steps.decode_step`)."""
         return self._any_bits_valid
 
     @property

@@ -80,6 +80,7 @@ from oakemu_core.run.run_folder import (
     truncate_run_logs,
 )
 from oakemu_core.shared_memory import sweep_stale_segments
+from oakemu_core.transport.channels import StepReceiver
 from oakemu_core.transport.step_ring import StepRings, shared_memory_host_id
 from oakemu_core.step_schema import StepSchema, schema_for_env
 from oakemu_core.run.telemetry import (
@@ -90,24 +91,23 @@ from oakemu_core.run.telemetry import (
     TelemetrySnapshot,
 )
 from oakemu_core.run.tester import EvaluationReport, tester_from_config
-from oakemu_core.transport.wire import (
+from oakemu_core.transport.codec import MessageRejected
+from oakemu_core.transport.control import (
     Heartbeat,
     HeartbeatReply,
     JoinReply,
     JoinRequest,
     Leave,
-    MessageRejected,
     StepRingOffer,
-    StepSpec,
     StopNotice,
     WeightsMessage,
     decode_message,
-    decode_step,
     encode_heartbeat_reply,
     encode_join_reply,
     encode_stop,
     encode_weights,
 )
+from oakemu_core.transport.steps import StepSpec
 from oakemu_services.runtime import (
     install_stop_signals,
     resolve_run_dir,
@@ -595,6 +595,8 @@ class Learner:
 
     # -- data -------------------------------------------------------------------------------
     def _handle_data(self, now: float) -> None:
+        receiver = StepReceiver(self.rings, self.assembler.spec_for, self.peers.allows,
+                                max_bytes=self.config.max_message_bytes)
         for _ in range(RECV_BATCH):
             if not self.assembler.accepting:
                 return
@@ -609,23 +611,16 @@ class Learner:
                 continue
             frame = parts[0]
             try:
-                message = decode_step(frame.buffer, self.assembler.spec_for, max_bytes=self.config.max_message_bytes,
-                                      ring_for=self.rings.get)
+                message = receiver.decode(frame)
             except MessageRejected as error:
-                self._release_rejected(error, frame)
                 self.assembler.counters.rejected[error.reason] += 1
                 self.rejection_log["data"].event(error.reason, str(error))
                 continue
-            ring = None  # the step ring whose slot holds this message's arrays, once its sender is checked
             try:
                 if not self.peers.allows(message.actor_id, message.incarnation, frame):
                     raise StepRejected("impersonation", f"a step for actor {message.actor_id} from another peer")
-                if message.slot is not None:
-                    ring = self.rings.get(message.actor_id, message.incarnation)
-                elif self.rings.discard(message.actor_id, message.incarnation):
-                    log.info("actor %s sends its step arrays inline (its step ring is not reachable from it)",
-                             message.actor_id)
-                self.assembler.ingest(message, current_policy_version=self.policy_version, now=now)
+                with receiver.holding(message):  # written or copied (held) by the end, or rejected: slot freed
+                    self.assembler.ingest(message, current_policy_version=self.policy_version, now=now)
             except StepRejected as error:
                 if error.reason != "departed_actor":  # late steps are counted as dropped, not rejected
                     self.assembler.counters.rejected[error.reason] += 1
@@ -635,9 +630,6 @@ class Learner:
                 self.assembler.counters.rejected[error.reason] += 1
                 self.rejection_log["data"].event(error.reason, str(error))
                 continue
-            finally:  # written or copied (held) by now, or rejected: the actor may reuse the slot
-                if ring is not None:  # (not on another peer's word: it would free slots still queued)
-                    ring.release(message.seq)
             self.assembler.counters.accepted["step"] += 1
             if message.episode_returns:
                 self.episodes += len(message.episode_returns)
@@ -647,17 +639,6 @@ class Learner:
                         "policy_version": message.policy_version, "episodic_return": episode_return,
                         "episodic_length": length,
                     })
-
-    def _release_rejected(self, error: MessageRejected, frame: Any) -> None:
-        """Free the ring slot of a step message rejected at decode (known sender, its own peer):
-        otherwise a few rejected messages in a row leave the actor waiting for a slot forever, and its
-        unfinished segment holds up every buffer behind it."""
-        if error.sender is None:
-            return
-        actor_id, incarnation, seq = error.sender
-        ring = self.rings.get(actor_id, incarnation)
-        if ring is not None and self.peers.allows(actor_id, incarnation, frame):
-            ring.release(seq)
 
     # -- results ----------------------------------------------------------------------------
     def _hand_off_full_rollouts(self) -> None:

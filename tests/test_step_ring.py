@@ -27,20 +27,17 @@ from oakemu_core.transport.step_ring import (
     shared_memory_host_id,
     ring_slots,
 )
-from oakemu_core.transport.wire import (
+from oakemu_core.transport.batching import auto_steps_per_message
+from oakemu_core.transport.codec import MessageRejected
+from oakemu_core.transport.control import (
     JoinReply,
     JoinRequest,
-    MessageRejected,
-    StepMessage,
     StepRingOffer,
-    StepSpec,
-    auto_steps_per_message,
     decode_message,
-    decode_step,
     encode_join_reply,
     encode_join_request,
-    encode_step,
 )
+from oakemu_core.transport.steps import StepMessage, StepSpec, decode_step, encode_step
 from tests.e2e_helpers import (
     E2EProcesses,
     common_flags,

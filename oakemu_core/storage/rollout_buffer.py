@@ -734,8 +734,8 @@ class RolloutBuffer:
         policy_revision: int = 0,
     ) -> None:
         """Write fields that were already validated against this buffer's schema: the learner's
-        path for step messages, which :func:`oakemu_core.transport.wire.decode_step` checked against a
-        :class:`~oakemu_core.transport.wire.StepSpec` of the same schema (the
+        path for step messages, which :func:`oakemu_core.transport.steps.decode_step` checked against a
+        :class:`~oakemu_core.transport.steps.StepSpec` of the same schema (the
         :class:`~oakemu_core.storage.assembler.RolloutAssembler` refuses any other spec at join). Checking them
         again cost about a third of the write (issue 11: 18-20 against 13-17 us per Atari step
         message, warm).

@@ -4,7 +4,7 @@ Small envs (CartPole: ~40 bytes per env step) pay far more for a message than fo
 encode, the syscalls, the learner's decode, validation and buffer write cost the same for 300 bytes
 as for 30 KB. A :class:`StepBlock` gathers K vector steps of one actor into preallocated
 ``(K, n, *shape)`` arrays (one per sent field of the step schema), then the actor sends them as one
-:class:`~oakemu_core.transport.wire.StepMessage`; the learner validates the block whole and writes its K rows
+:class:`~oakemu_core.transport.steps.StepMessage`; the learner validates the block whole and writes its K rows
 with one copy per field (:meth:`oakemu_core.storage.rollout_buffer.RolloutBuffer.write_validated`, ``rows=K``).
 
 The message's ``(policy_version, revision)`` is that of the OLDEST weights that acted on any of the
@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from oakemu_core.step_schema import StepSchema
-from oakemu_core.transport.wire import StepMessage
+from oakemu_core.transport.steps import StepMessage
 
 __all__ = ["StepBlock"]
 
