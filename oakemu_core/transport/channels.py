@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import zmq
 
+from oakemu_core.transport.auth import ClientSecurity
 from oakemu_core.transport.codec import MessageRejected
 from oakemu_core.transport.step_ring import StepRing, StepRings
 from oakemu_core.transport.steps import StepMessage, StepSpec, decode_step, encode_step
@@ -41,6 +42,7 @@ __all__ = [
     "RingStepChannel",
     "open_step_channel",
     "send_queue_messages",
+    "step_socket_connector",
     "StepReceiver",
 ]
 
@@ -100,6 +102,24 @@ def send_queue_messages(steps_per_message: int, ring: StepRing | None) -> int:
     if ring is not None:
         return int(ring.slots)
     return 2 if steps_per_message == 1 else 1
+
+
+def step_socket_connector(context: zmq.Context, address: str, *, buffer_bytes: int,
+                          security: ClientSecurity | None = None) -> Callable[[int], zmq.Socket]:
+    """``connect`` for :func:`open_step_channel`: ``connect(queue_messages)`` makes a PUSH socket to the
+    learner's data endpoint ``address`` whose send queue holds ``queue_messages`` messages and whose
+    kernel send buffer ``buffer_bytes`` (about one message: the default, autotuned to MBs, would hold
+    thousands of small messages acted by policies many versions old), with ``security``'s CURVE keys."""
+    def connect(queue_messages: int) -> zmq.Socket:
+        socket = context.socket(zmq.PUSH)
+        if security is not None:
+            security.apply(socket)
+        socket.setsockopt(zmq.SNDHWM, queue_messages)
+        socket.setsockopt(zmq.SNDBUF, buffer_bytes)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(address)
+        return socket
+    return connect
 
 
 def _layout(steps_per_message: int, ring: StepRing | None) -> tuple[int, int]:
