@@ -25,7 +25,7 @@ Usage: ``python benchmarks/bench_pipeline.py [--env ALE/Breakout-v5,CartPole-v1]
 ``--per-core`` measures what ``emulator_threads`` auto gives an actor per CPU: raw with one process
 per CPU and one emulator thread each, and the actor loop in that layout with torch, ONNX Runtime and
 bfloat16 forward passes; it reports them against the faster raw figure (one process of 8 envs on
-ale-py's default threads uses 1.6-1.7 of 2 cores; one process per core, both).
+ale-py's default threads may leave part of the cores idle; one process per core keeps them busy).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def _free_ports(count: int) -> list[int]:
 
 ACTOR_VARIANTS = ("groups2", "threads2", "inference_mode", "channels_last", "onnxruntime", "groups2+onnxruntime",
                   "bfloat16", "groups2+bfloat16")
-"""Actor-loop variants of ``--actor-variants`` (issue 11): two overlapped env groups
+"""Actor-loop variants of ``--actor-variants``: two overlapped env groups
 (``env_groups=2``), 2 torch threads, ``torch.inference_mode`` around the loop, a channels-last model,
 forward passes by ONNX Runtime (``--actor-inference onnxruntime``), the two together, and a bfloat16
 image encoder (``--actor-inference bfloat16``) alone and with two groups."""

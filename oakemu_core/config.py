@@ -119,19 +119,19 @@ class OakEmuConfig(BaseSettings):
     )
 
     # --- environment ---
-    env_id: str = Field("ALE/Breakout-v5", min_length=1, description="Gymnasium or ale-py environment id.")
+    env_id: str = Field(
+        "ALE/Breakout-v5", min_length=1,
+        description="Environment id: ale-py (ALE/...), any Gymnasium id, module:EnvId for a custom env, gameboy:ROM "
+        "or retro:Game-Id.")
     num_actors: int = Field(2, ge=1, description="Actor processes the embedded `oakemu train` starts.")
     envs_per_actor: int = Field(8, ge=1, description="Environments each actor steps in one vector env.")
     env_groups: int = Field(
-        1, ge=1, description="Env groups per actor (2: while one group's emulators step, the actor infers the "
-        "other's actions; pays off with threaded Atari envs). Needs env_groups <= envs_per_actor and no policy "
-        "routing.")
+        1, ge=1, description="Env groups per actor: while one group's emulators step, the actor infers the other "
+        "groups' actions (threaded Atari envs). Needs env_groups <= envs_per_actor and no policy routing.")
     emulator_threads: int | None = Field(
         None, ge=1, description="ale-py emulator threads per actor (Atari ids; other envs step in the actor's own "
         "thread), split among its env groups (at least 1 each). None: the CPUs this process may use divided by "
-        "num_actors, at least 1, assuming num_actors actors share this machine as in `oakemu train` (2 cores, 2 "
-        "actors: 1 each; an actor then alternates stepping and inference on one core, and the actors keep every "
-        "core busy: issue 11, bench_pipeline.py --per-core). Set it for actors started on their own.")
+        "num_actors, at least 1, as for the actors of `oakemu train`; set it for actors started on their own.")
     num_envs: int | None = Field(
         None, ge=1, description="Learner rollout buffer columns (default num_actors * envs_per_actor)."
     )
@@ -186,17 +186,12 @@ class OakEmuConfig(BaseSettings):
     publish_every_epoch: bool = Field(
         True,
         description="Async mode: also publish the weights after each epoch of an update (revisions of the version "
-        "in training), so actors act with weights at most one epoch old instead of up to a whole update; the rows "
-        "keep the version number (LunarLander 500k, 6 seeds: last-100 return 100.6 against 68.3). Ignored in sync "
-        "mode.",
+        "in training), so actors act with weights at most one epoch old. Ignored in sync mode.",
     )
     publish_min_sgd_steps: int = Field(
         32, ge=1,
-        description="Async mode with publish_every_epoch: an epoch's weights are published only when at least this "
-        "many SGD steps were taken since weights were last published (1: after every epoch). Each publish costs a "
-        "weights broadcast and a load in every actor; rows a few SGD steps old are fine (Sample Factory's rule of "
-        "thumb: a lag under 20-30 SGD steps). CartPole at the rl-zoo settings (one SGD step per epoch): revisions "
-        "after every epoch cost up to a quarter of the SPS (about a tenth typically) for 3 SGD steps less lag.",
+        description="Async mode with publish_every_epoch: publish an epoch's weights only when at least this many "
+        "SGD steps were taken since the weights were last published (1: after every epoch).",
     )
     mode: Literal["async", "sync"] = Field(
         "async",
@@ -208,39 +203,31 @@ class OakEmuConfig(BaseSettings):
     steps_per_message: int | Literal["auto"] = Field(
         "auto",
         description="Vector steps an actor sends per step message (a divisor of rollout_length). auto: the "
-        "largest divisor <= min(32, rollout_length / 32) whose message holds <= 32 KiB of arrays and <= 128 env "
-        "steps (1 for Atari-sized steps, 4 for an actor with a step ring, whose arrays are not in the message; for "
-        "small envs such as CartPole with 8 envs 4 at rollout_length 128; 8 for 16 envs at 1024); with a step ring "
-        "and a rollout under 64 steps, up to 32 env steps within an eighth of the rollout (CartPole, 8 envs, "
-        "rollout 32: 4): enough to amortise a message's cost, few enough rows acted while the learner's buffers "
-        "are full.",
+        "largest divisor <= min(32, rollout_length / 32) whose message holds <= 32 KiB of arrays (no byte bound "
+        "with a step ring) and <= 128 env steps; with a step ring and a rollout under 64 steps, up to 32 env steps "
+        "within an eighth of the rollout.",
     )
     seed: int = Field(1, ge=0, description="Seed for envs, torch and numpy.")
     device: str = Field("auto", description="Learner torch device: auto (cuda if available), cpu, cuda, cuda:N.")
     learner_precision: Literal["float32", "bfloat16"] = Field(
         "float32",
         description="Precision of the PPO update: float32, or bfloat16 mixed precision (torch.autocast: the "
-        "torso's convolutions and matmuls in bfloat16; the heads, weights, optimizer and losses float32). On CPUs "
-        "with AVX512-BF16 or AMX a faster update for image observations (Breakout 1.55-1.68 x SPS; GPUs of "
-        "compute capability 8+ support it too, not measured here); elsewhere bfloat16 is emulated and slower. "
-        "Actors, evaluation, behaviour-cloning pre-training and checkpoints stay float32.",
+        "torso's convolutions and matmuls in bfloat16; heads, weights, optimizer and losses float32). Native on "
+        "CPUs with AVX512-BF16 or AMX and GPUs of compute capability 8+, emulated and slower elsewhere.",
     )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per actor process.")
     actor_inference: Literal["torch", "onnxruntime", "bfloat16"] = Field(
         "torch",
-        description="What runs the actors' forward passes: torch, onnxruntime (extra 'onnx'; about 1.7x faster "
-        "for a Nature CNN on one core; one observation array, not dict observations), or bfloat16 (torch with a "
-        "bfloat16 image encoder, about 2x faster for a Nature CNN on CPUs with AMX or AVX512-BF16, slower "
-        "elsewhere; uint8 image observations only; the acting policy is the float32 one rounded to bfloat16, so the "
-        "learner re-evaluates every rollout in float32).",
+        description="What runs the actors' forward passes: torch; onnxruntime (extra 'onnx'; one observation "
+        "array, not dict observations); or bfloat16 (uint8 image observations only; native on CPUs with AMX or "
+        "AVX512-BF16, emulated and slower elsewhere; the learner then re-evaluates every rollout in float32).",
     )
 
     step_transport: Literal["auto", "sockets"] = Field(
         "auto",
         description="How actors hand their step arrays to the learner: auto (through a shared-memory step ring when "
         "actor and learner share a machine and /dev/shm, as `oakemu train`'s local actors do; inline in the "
-        "ZeroMQ messages otherwise, e.g. from another container or machine), or sockets (always inline). The "
-        "ring copies each byte once on the learner, not about six times (issue 11: bench_ingest.py).",
+        "ZeroMQ messages otherwise, e.g. from another container or machine), or sockets (always inline).",
     )
 
     # --- network addresses ---
@@ -318,7 +305,7 @@ class OakEmuConfig(BaseSettings):
     eval_greedy: bool | Literal["auto"] = Field(
         "auto",
         description="Evaluate with the policy's mode (greedy) instead of sampling; auto: greedy except for Atari "
-        "ids (as rl-zoo: an early greedy Atari policy may never serve the ball, so its episodes last 27,000 steps).",
+        "ids, whose early greedy policies may never serve the ball (rl-zoo's choice).",
     )
 
     # --- transport security (ZeroMQ CURVE, see deploy/README.md) ---

@@ -19,7 +19,7 @@ from the policy of the rollout) and the next bundle is NOT chosen; the caller se
 the weights trained on the rollout, and the next :meth:`PolicyStepper.step` chooses the bundle with
 them first (its ``before_next_action`` hook runs before that choice).
 
-Overlapped env groups (issue 11, Sample Factory's double-buffered sampling): given an
+Overlapped env groups (Sample Factory's double-buffered sampling): given an
 :class:`oakemu_core.envs.EnvGroups` of G > 1 vector envs, one :meth:`PolicyStepper.step` waits for
 group 0's step, chooses its next actions and sends them (group 0 steps in its emulator threads
 again), then does the same for group 1, ...: the policy's CPU inference of one group runs while the
@@ -140,7 +140,7 @@ class PolicyStepper:
         buffers.record_observations(self._observations)
         if self.masked:
             buffers.record_action_masks(self._masks)
-        # Whole-vector copies, no per-env Python loop (issue 11: per-step overhead of small envs).
+        # Whole-vector copies, no per-env Python loop (the per-step overhead of small envs).
         buffers.record_action_bundle(self._bundle, trainable=self._trainable)
         env_step = self.env.step(self._bundle.actions)
         truncated = env_step.truncated & ~env_step.terminated

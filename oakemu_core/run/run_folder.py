@@ -292,7 +292,7 @@ def check_resume_folder(run_dir: Path, config: Any, *, check_model: bool = True)
     import tomllib
 
     # A new run has no checkpoint file yet: answer without importing torch (checkpoint.py does),
-    # which would hold up ``oakemu train`` by 1-2 s before it starts any child process.
+    # which would hold up ``oakemu train`` before it starts any child process.
     if not any((Path(run_dir) / "checkpoints").glob("*.pt")):
         return {}
     from oakemu_core.run.checkpoint import latest_checkpoint, load_checkpoint
