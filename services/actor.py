@@ -92,9 +92,10 @@ class Actor:
         control = ControlChannel(self.context, config.learner_address(config.control_port), config.max_message_bytes,
                                  self.security)
         patience_s = 3 * config.actor_timeout_s
-        request = JoinRequest(self.actor_id, "", config.envs_per_actor, socket.gethostname(),
-                              shared_memory_host_id() if config.step_transport == "auto" else "",
-                              "bfloat16" if config.actor_inference == "bfloat16" else "float32")
+        request = JoinRequest(  # the client gives every join its own incarnation
+            actor_id=self.actor_id, incarnation="", num_envs=config.envs_per_actor, hostname=socket.gethostname(),
+            host_id=shared_memory_host_id() if config.step_transport == "auto" else "",
+            inference_precision="bfloat16" if config.actor_inference == "bfloat16" else "float32")
         # Heartbeats that get no answer mid-run are reported every few seconds, not only the give-up.
         self.client = LearnerClient(control, request, patience_s=patience_s,
                                     silence=RetryReporter(log, "learner", control.address, give_up_s=patience_s))
