@@ -77,7 +77,8 @@ def _step_loop(env_id: str, num_envs: int, seconds: float, with_policy: bool, se
     import torch
 
     from oakemu_core.policy.distributions import distribution_for_env
-    from oakemu_core.envs import make_env_groups, make_vector_env
+    from oakemu_core.envs import make_vector_env
+    from oakemu_core.envs.factory import make_env_groups
     from oakemu_core.policy.models import build_model
     from oakemu_core.actor.stepper import PolicyStepper
 

@@ -212,7 +212,7 @@ def sb3_worker(spec: dict) -> dict:
             FrameStackObservation,
         )
 
-        from oakemu_core.envs import (
+        from oakemu_core.envs.atari import (
             ATARI_FRAME_SKIP,
             ATARI_IMAGE_SIZE,
             ATARI_NOOP_MAX,

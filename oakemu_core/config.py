@@ -33,6 +33,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from oakemu_core.envs.spec import is_atari_env
+from oakemu_core.errors import ConfigError
 from oakemu_core.transport.batching import AUTO_MESSAGE_MIN_ROWS, auto_steps_per_message
 
 __all__ = [
@@ -42,7 +44,6 @@ __all__ = [
     "add_config_arguments",
     "config_from_namespace",
     "format_validation_error",
-    "is_atari_env",
     "load_config",
     "resolved_device",
     "to_toml",
@@ -55,15 +56,6 @@ CONFIG_FILE_ENV_VAR = "OAKEMU_CONFIG_FILE"
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 _PORT_FIELDS = ("data_port", "control_port", "weights_port", "telemetry_port", "metrics_port")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-
-class ConfigError(ValueError):
-    """A configuration value given by the user is invalid (message names field, expected, received)."""
-
-
-def is_atari_env(env_id: str) -> bool:
-    """Return True for Atari ids served by ale-py: ``ALE/...`` or ``...NoFrameskip...`` ids."""
-    return env_id.startswith("ALE/") or "NoFrameskip" in env_id
 
 
 class _ConfigFileSource(PydanticBaseSettingsSource):

@@ -46,7 +46,8 @@ from oakemu_core.actor.client import (
 from oakemu_core.actor.stepper import PolicyStepper
 from oakemu_core.algo.ppo import cpu_has_native_bfloat16
 from oakemu_core.config import OakEmuConfig
-from oakemu_core.envs import EnvGroups, VectorEnv, is_atari_env
+from oakemu_core.envs.spec import is_atari_env
+from oakemu_core.envs.vector import EnvGroups, VectorEnv
 from oakemu_core.policy.models import ActorCritic, load_weight_arrays
 from oakemu_core.run.metrics import StepRateMeter
 from oakemu_core.transport.auth import client_security

@@ -43,7 +43,8 @@ from oakemu_core.run.checkpoint import (
     restore_rng_state,
 )
 from oakemu_core.config import OakEmuConfig, resolved_device, to_toml
-from oakemu_core.envs import EnvSpec, check_env, env_spec
+from oakemu_core.envs import EnvSpec, env_spec
+from oakemu_core.envs.factory import check_env
 from oakemu_core.storage.assembler import RolloutAssembler, SlotState, StepRejected
 from oakemu_core.algo.learner import (
     CheckpointPolicy,

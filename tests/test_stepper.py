@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from oakemu_core.policy.distributions import distribution_for_env
-from oakemu_core.envs import EnvSpec, make_env_groups, make_vector_env
+from oakemu_core.envs import EnvSpec, make_vector_env
+from oakemu_core.envs.factory import make_env_groups
 from oakemu_core.storage.assembler import RolloutAssembler
 from oakemu_core.policy.models import ActorCritic, build_model
 from oakemu_core.storage.rollout_buffer import RolloutBuffer

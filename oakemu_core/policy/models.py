@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from oakemu_core.actor.step_buffers import PPOActionBundle
+from oakemu_core.policy.action_bundle import PPOActionBundle
 from oakemu_core.policy.distributions import ActionDistribution, Categorical, Policy
 
 __all__ = [

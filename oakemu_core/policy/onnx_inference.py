@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from oakemu_core.errors import ConfigError
+
 __all__ = ["OnnxForward", "PROBE_TOLERANCE", "check_available"]
 
 PROBE_TOLERANCE = 1e-4
@@ -32,10 +34,8 @@ def check_available() -> None:
     train`` starts anything.
 
     Raises:
-        oakemu_core.config.ConfigError: one of them is missing (the message names the extra).
+        oakemu_core.errors.ConfigError: one of them is missing (the message names the extra).
     """
-    from oakemu_core.config import ConfigError
-
     missing = [name for name in ("onnxruntime", "onnx") if importlib.util.find_spec(name) is None]
     if missing:
         raise ConfigError(f"actor_inference='onnxruntime' needs {' and '.join(missing)}: pip install "
