@@ -71,7 +71,7 @@ def synthetic_actor(env_id: str, num_envs: int, ports: list[int], actor_id: str,
     import torch
 
     from oakemu_core.config import OakEmuConfig
-    from oakemu_core.transport.wire import StepMessage
+    from oakemu_core.transport.steps import StepMessage
     from oakemu_services.actor import Actor
 
     torch.set_num_threads(1)
@@ -234,7 +234,7 @@ def _valid_fields(schema, lead: tuple[int, ...]) -> dict[str, np.ndarray]:
 
 
 def in_process_rows_per_s(env_id: str, num_envs: int, steps_per_message: int, seconds: float) -> float:
-    """Env steps/s that decode (:func:`oakemu_core.transport.wire.decode_step`) and write
+    """Env steps/s that decode (:func:`oakemu_core.transport.steps.decode_step`) and write
     (:class:`oakemu_core.storage.assembler.RolloutAssembler`) reach in this thread on encoded step frames, with
     no sockets: the learner's own share of the ingest cost. One actor of ``num_envs`` envs fills a
     buffer of as many columns; each full buffer is released, and the actor joins again to restart
@@ -244,7 +244,7 @@ def in_process_rows_per_s(env_id: str, num_envs: int, steps_per_message: int, se
     from oakemu_core.storage.assembler import RolloutAssembler
     from oakemu_core.storage.rollout_buffer import RolloutBuffer
     from oakemu_core.step_schema import schema_for_env
-    from oakemu_core.transport.wire import StepMessage, StepSpec, decode_step, encode_step
+    from oakemu_core.transport.steps import StepMessage, StepSpec, decode_step, encode_step
 
     schema = schema_for_env(env_spec(env_id))
     rollout_length, k = OakEmuConfig(env_id=env_id).rollout_length, steps_per_message

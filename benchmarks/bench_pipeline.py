@@ -15,7 +15,7 @@ figure, ``pipeline+curve``, streams over CURVE-encrypted, ZAP-authenticated sock
 run); its cost is ``1 - pipeline+curve / pipeline``.
 
 The pipeline figure is measured for each ``--steps-per-message`` value (``1`` and ``auto`` by
-default: the learner's rule, :func:`oakemu_core.transport.wire.auto_steps_per_message`), and every figure for
+default: the learner's rule, :func:`oakemu_core.transport.batching.auto_steps_per_message`), and every figure for
 each env of ``--env`` (comma-separated; default Breakout and CartPole).
 
 Usage: ``python benchmarks/bench_pipeline.py [--env ALE/Breakout-v5,CartPole-v1] [--actors 1]

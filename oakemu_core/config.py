@@ -36,6 +36,7 @@ from pydantic_settings import (
 from oakemu_core.algo.settings import PPOSettings, finite_number
 from oakemu_core.envs.spec import is_atari_env
 from oakemu_core.errors import ConfigError
+from oakemu_core.transport.batching import AUTO_MESSAGE_MIN_ROWS, auto_steps_per_message
 
 __all__ = [
     "CONFIG_FILE_ENV_VAR",
@@ -364,15 +365,13 @@ class OakEmuConfig(PPOSettings, BaseSettings):
     def resolved_steps_per_message(self, env_step_bytes: int, num_envs: int, *, step_ring: bool = False) -> int:
         """Steps per message K for an actor of ``num_envs`` envs, each of whose steps carries
         ``env_step_bytes`` array bytes (``StepSchema.sent_bytes_per_env``): the configured int, or
-        :func:`oakemu_core.transport.wire.auto_steps_per_message` for ``"auto"``, without its bound on a
+        :func:`oakemu_core.transport.batching.auto_steps_per_message` for ``"auto"``, without its bound on a
         message's bytes for an actor offered a step ring (``step_ring``: the arrays do not travel in
         the message; Breakout, 8 envs: K = 4, not 1), and with its allowance of up to
-        :data:`~oakemu_core.transport.wire.AUTO_MESSAGE_MIN_ROWS` rows at rollouts under 64 steps (CartPole, 8
+        :data:`~oakemu_core.transport.batching.AUTO_MESSAGE_MIN_ROWS` rows at rollouts under 64 steps (CartPole, 8
         envs, rollout 32: K = 4, not 1)."""
         if self.steps_per_message != "auto":
             return int(self.steps_per_message)
-        from oakemu_core.transport.wire import AUTO_MESSAGE_MIN_ROWS, auto_steps_per_message
-
         ring_bounds = {"target_bytes": None, "min_rows": AUTO_MESSAGE_MIN_ROWS} if step_ring else {}
         return auto_steps_per_message(env_step_bytes, self.rollout_length, num_envs=num_envs, **ring_bounds)
 

@@ -194,7 +194,7 @@ class StepField:
         """Whether every bit pattern of the field is a valid value: an int / uint field without a
         bound its dtype can fail and without mask segments (uint8 frames). Such a field has no content
         check, so a step ring's slot of it is used in place; every other field is copied first
-        (:func:`oakemu_core.transport.wire.decode_step`)."""
+        (:func:`oakemu_core.transport.steps.decode_step`)."""
         return self._any_bits_valid
 
     @property
@@ -632,7 +632,7 @@ def check_step_consistency(schema: StepSchema, arrays: Mapping[str, np.ndarray])
 
 def check_step_values(schema: StepSchema, arrays: Mapping[str, np.ndarray]) -> None:
     """Check one step's values for a writer that is not behind the wire (the seed API's
-    ``RolloutBuffer.add``) with the checks :func:`oakemu_core.transport.wire.decode_step` applies
+    ``RolloutBuffer.add``) with the checks :func:`oakemu_core.transport.steps.decode_step` applies
     to a step message: floats finite; :meth:`StepField.check_values` of the
     :attr:`~StepSchema.action_fields` (actions within the action space, distribution parameters in
     range, masks that allow something); then :func:`check_step_consistency` (truncation rules,

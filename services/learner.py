@@ -22,7 +22,6 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import zmq
 
@@ -45,20 +44,20 @@ from oakemu_core.storage.assembler import RolloutAssembler, SlotState, StepRejec
 from oakemu_core.storage.memory import SharedMemoryTooSmallError, ensure_shm_capacity
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
 from oakemu_core.transport.auth import PeerBinding, TransportSecurityError, server_security
-from oakemu_core.transport.control_server import ControlServer
-from oakemu_core.transport.step_ring import StepRings, shared_memory_host_id
-from oakemu_core.transport.wire import (
+from oakemu_core.transport.channels import StepReceiver
+from oakemu_core.transport.codec import MessageRejected
+from oakemu_core.transport.control import (
     JoinRequest,
-    MessageRejected,
     StepRingOffer,
-    StepSpec,
     StopNotice,
     WeightsMessage,
     decode_message,
-    decode_step,
     encode_stop,
     encode_weights,
 )
+from oakemu_core.transport.control_server import ControlServer
+from oakemu_core.transport.step_ring import StepRings, shared_memory_host_id
+from oakemu_core.transport.steps import StepSpec
 from oakemu_services.runtime import install_stop_signals, resolve_run_dir, setup_logging, socket_buffer_bytes
 
 log = logging.getLogger("oakemu.learner")
@@ -174,6 +173,8 @@ class Learner:
             undo.callback(self.security.close)
         # Each actor's messages only from the peer it joined from (and its CURVE key, with CURVE).
         self.peers = PeerBinding(user_ids=self.security is not None)
+        self.receiver = StepReceiver(self.rings, self.assembler.spec_for, self.peers.allows,
+                                     max_bytes=config.max_message_bytes)
         self.data = self._secure(self.context.socket(zmq.PULL))
         # A small receive queue: back-pressure reaches the actors quickly, and rows stay fresh.
         self.data.setsockopt(zmq.RCVHWM, 4)
@@ -237,6 +238,7 @@ class Learner:
 
     # -- data -------------------------------------------------------------------------------
     def _handle_data(self, now: float) -> None:
+        receiver = self.receiver
         for _ in range(RECV_BATCH):
             if not self.assembler.accepting:
                 return
@@ -251,23 +253,16 @@ class Learner:
                 continue
             frame = parts[0]
             try:
-                message = decode_step(frame.buffer, self.assembler.spec_for, max_bytes=self.config.max_message_bytes,
-                                      ring_for=self.rings.get)
+                message = receiver.decode(frame)
             except MessageRejected as error:
-                self._release_rejected(error, frame)
                 self.assembler.counters.rejected[error.reason] += 1
                 self.rejection_log["data"].event(error.reason, str(error))
                 continue
-            ring = None  # the step ring whose slot holds this message's arrays, once its sender is checked
             try:
                 if not self.peers.allows(message.actor_id, message.incarnation, frame):
                     raise StepRejected("impersonation", f"a step for actor {message.actor_id} from another peer")
-                if message.slot is not None:
-                    ring = self.rings.get(message.actor_id, message.incarnation)
-                elif self.rings.discard(message.actor_id, message.incarnation):
-                    log.info("actor %s sends its step arrays inline (its step ring is not reachable from it)",
-                             message.actor_id)
-                self.assembler.ingest(message, current_policy_version=self.policy_version, now=now)
+                with receiver.holding(message):  # written or copied (held) by the end, or rejected: slot freed
+                    self.assembler.ingest(message, current_policy_version=self.policy_version, now=now)
             except StepRejected as error:
                 if error.reason != "departed_actor":  # late steps are counted as dropped, not rejected
                     self.assembler.counters.rejected[error.reason] += 1
@@ -277,9 +272,6 @@ class Learner:
                 self.assembler.counters.rejected[error.reason] += 1
                 self.rejection_log["data"].event(error.reason, str(error))
                 continue
-            finally:  # written or copied (held) by now, or rejected: the actor may reuse the slot
-                if ring is not None:  # (not on another peer's word: it would free slots still queued)
-                    ring.release(message.seq)
             self.assembler.counters.accepted["step"] += 1
             if message.episode_returns:
                 self.episodes += len(message.episode_returns)
@@ -289,17 +281,6 @@ class Learner:
                         "policy_version": message.policy_version, "episodic_return": episode_return,
                         "episodic_length": length,
                     })
-
-    def _release_rejected(self, error: MessageRejected, frame: Any) -> None:
-        """Free the ring slot of a step message rejected at decode (known sender, its own peer):
-        otherwise a few rejected messages in a row leave the actor waiting for a slot forever, and its
-        unfinished segment holds up every buffer behind it."""
-        if error.sender is None:
-            return
-        actor_id, incarnation, seq = error.sender
-        ring = self.rings.get(actor_id, incarnation)
-        if ring is not None and self.peers.allows(actor_id, incarnation, frame):
-            ring.release(seq)
 
     # -- results ----------------------------------------------------------------------------
     def _hand_off_full_rollouts(self) -> None:

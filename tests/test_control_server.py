@@ -15,13 +15,13 @@ from oakemu_core.step_schema import schema_for_env
 from oakemu_core.storage.assembler import RolloutAssembler
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
 from oakemu_core.transport.control_server import MAX_ACTOR_ENVS, ControlServer
-from oakemu_core.transport.wire import (
+from oakemu_core.transport.codec import MessageRejected
+from oakemu_core.transport.control import (
     Heartbeat,
     HeartbeatReply,
     JoinReply,
     JoinRequest,
     Leave,
-    MessageRejected,
     StepRingOffer,
     decode_message,
 )

@@ -25,7 +25,7 @@ from oakemu_core.storage.assembler import RolloutAssembler  # noqa: E402
 from oakemu_core.policy.models import build_model  # noqa: E402
 from oakemu_core.storage.rollout_buffer import RolloutBuffer  # noqa: E402
 from oakemu_core.actor.stepper import PolicyStepper  # noqa: E402
-from oakemu_core.transport.wire import StepMessage, StepSpec, decode_step, encode_step  # noqa: E402
+from oakemu_core.transport.steps import StepMessage, StepSpec, decode_step, encode_step  # noqa: E402
 
 ENV_ID = "ALE/Breakout-v5"
 SEED = 11

@@ -23,13 +23,8 @@ from oakemu_core.storage.assembler import (
 from oakemu_core.policy.distributions import Categorical
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
 from oakemu_core.step_schema import StepField, build_schema
-from oakemu_core.transport.wire import (
-    MessageRejected,
-    StepMessage,
-    StepSpec,
-    decode_step,
-    encode_step,
-)
+from oakemu_core.transport.codec import MessageRejected
+from oakemu_core.transport.steps import StepMessage, StepSpec, decode_step, encode_step
 
 T = 3  # rollout length
 N = 6  # buffer columns

@@ -100,7 +100,7 @@ def test_a_learner_that_fails_to_start_releases_what_it_made(tmp_path: Path) -> 
 def test_a_joining_actor_gets_steps_per_message_for_its_own_env_count(tmp_path: Path) -> None:
     """K is computed from the joining actor's envs, not from the configured envs_per_actor or the
     buffer's columns: 128 env steps per message at most, rollout_length 1024."""
-    from oakemu_core.transport.wire import JoinRequest, decode_message
+    from oakemu_core.transport.control import JoinRequest, decode_message
     from oakemu_services.learner import Learner
 
     ports = _free_ports(5)
@@ -129,7 +129,7 @@ def _precision_learner(tmp_path: Path, env_id: str):
 
 def _join(learner, actor_id: str, precision: str):
     """A join request through the learner's control handling (peer binding and refusals included)."""
-    from oakemu_core.transport.wire import JoinRequest, decode_message, encode_join_request
+    from oakemu_core.transport.control import JoinRequest, decode_message, encode_join_request
 
     request = JoinRequest(actor_id, f"inc-{actor_id}", 2, "h", inference_precision=precision)
     [(_, frame)] = learner.control_server.reply(decode_message(encode_join_request(request), max_bytes=2**24), 0.0)

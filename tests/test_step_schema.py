@@ -25,7 +25,8 @@ from oakemu_core.step_schema import (
     resolve_schema,
     schema_for_env,
 )
-from oakemu_core.transport.wire import MessageRejected, StepMessage, StepSpec, decode_step, encode_step
+from oakemu_core.transport.codec import MessageRejected
+from oakemu_core.transport.steps import StepMessage, StepSpec, decode_step, encode_step
 
 MAX_BYTES = 1 << 22
 

@@ -7,7 +7,7 @@ and hands it to
   (:class:`TelemetrySubscriber`, ``oakemu monitor``) may attach and detach at any time. Sending never
   blocks: a PUB socket drops messages for a subscriber whose queue (``send_hwm`` messages) is full,
   and the send itself is ``NOBLOCK``. Telemetry is lossy by design, so no monitor can slow or change
-  training. (Trajectory data never travels over PUB/SUB: see ``wire.py`` / ``ingest.py``.)
+  training. (Trajectory data never travels over PUB/SUB: see ``transport/steps.py`` / ``storage/assembler.py``.)
 * :class:`PrometheusExporter` - the same figures as Prometheus metrics over HTTP (default port 9100),
   all named ``oakemu_*``, for existing Grafana dashboards.
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from oakemu_core.storage.rollout_buffer import RolloutBuffer, column_index
-from oakemu_core.transport.wire import StepMessage, StepSpec
+from oakemu_core.transport.steps import StepMessage, StepSpec
 
 HELD_SLACK_MESSAGES = 16
 """Messages an actor's held queue takes beyond one segment. An asynchronous actor acts at most two
@@ -326,7 +326,7 @@ class RolloutAssembler:
         """Write one validated step message into its actor's segment.
 
         The message arrays and their values were already checked against the actor's spec by
-        :func:`oakemu_core.transport.wire.decode_step` (a message rejected there leaves a hole in the
+        :func:`oakemu_core.transport.steps.decode_step` (a message rejected there leaves a hole in the
         actor's ``seq``, so its next message discards the unfinished segment as out of order); they
         are written without a second check (:meth:`RolloutBuffer.write` with ``validated=True``: the
         spec's schema is the buffers', checked at :meth:`join`).

@@ -448,7 +448,7 @@ class RolloutBuffer:
         Every listed column must hold exactly ``step_index`` rows, so columns stay contiguous.
         ``fields[name][i]`` (``fields[name][r, i]`` with ``rows``) goes to column ``columns[i]``.
         Everything is checked before anything is written, as
-        :func:`~oakemu_core.transport.wire.decode_step` checks a step message: the columns, the
+        :func:`~oakemu_core.transport.steps.decode_step` checks a step message: the columns, the
         field names, dtypes and shapes (:meth:`~oakemu_core.step_schema.StepSchema.check_arrays`),
         the values (:func:`~oakemu_core.step_schema.check_step_values`: finite floats, bounds,
         masks, truncation rules, masked actions), the policy version and revision. With

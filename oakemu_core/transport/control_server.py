@@ -1,15 +1,15 @@
 """The learner's side of the control protocol, without sockets: joins, heartbeats and leaves in,
 encoded replies out.
 
-:class:`ControlServer` takes a decoded request (:class:`~oakemu_core.transport.wire.JoinRequest`,
-:class:`~oakemu_core.transport.wire.Heartbeat`, :class:`~oakemu_core.transport.wire.Leave`) with the
+:class:`ControlServer` takes a decoded request (:class:`~oakemu_core.transport.control.JoinRequest`,
+:class:`~oakemu_core.transport.control.Heartbeat`, :class:`~oakemu_core.transport.control.Leave`) with the
 ZeroMQ identity and peer it came from, and returns the replies to send as ``(identity, frame)``
 pairs: usually one, none for a synchronous-mode join held until every actor has asked, and one per
 held join when the last one arrives. It decides
 
 * who may speak for an actor (:class:`~oakemu_core.transport.auth.PeerBinding`: impersonation is
   refused and counted);
-* whether a join is accepted, with which :class:`~oakemu_core.transport.wire.StepSpec` (steps per
+* whether a join is accepted, with which :class:`~oakemu_core.transport.steps.StepSpec` (steps per
   message from the joining actor's env count), step ring (a callback the service passes in) and
   ``env_config`` (the scalars every actor builds its envs from);
 * the synchronous mode's ranks: joins wait until ``num_actors`` actors have asked, then take their
@@ -29,18 +29,18 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from oakemu_core.policy.bfloat16_inference import check_supported as check_bfloat16_supported
-from oakemu_core.transport.wire import (
+from oakemu_core.transport.codec import MessageRejected
+from oakemu_core.transport.control import (
     Heartbeat,
     HeartbeatReply,
     JoinReply,
     JoinRequest,
     Leave,
-    MessageRejected,
     StepRingOffer,
-    StepSpec,
     encode_heartbeat_reply,
     encode_join_reply,
 )
+from oakemu_core.transport.steps import StepSpec
 
 if TYPE_CHECKING:
     from oakemu_core.config import OakEmuConfig
