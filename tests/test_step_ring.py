@@ -19,6 +19,7 @@ import zmq
 from oakemu_core.config import OakEmuConfig
 from oakemu_core.storage.assembler import RolloutAssembler
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
+from oakemu_core.transport.channels import StepReceiver
 from oakemu_core.transport.step_ring import (
     DEPARTED_RINGS_KEPT,
     StepRing,
@@ -276,9 +277,10 @@ def test_every_message_the_learner_reads_frees_its_slot_but_only_on_its_own_peer
                 frame, peer = queue.pop(0)
                 return [SimpleNamespace(buffer=frame, peer=peer)]
 
+        peers = SimpleNamespace(allows=lambda actor_id, incarnation, frame: frame.peer == "own")
         learner = SimpleNamespace(
-            assembler=assembler, rings=rings, data=Frames(), policy_version=7,
-            peers=SimpleNamespace(allows=lambda actor_id, incarnation, frame: frame.peer == "own"),
+            assembler=assembler, rings=rings, data=Frames(), policy_version=7, peers=peers,
+            receiver=StepReceiver(rings, assembler.spec_for, peers.allows, max_bytes=MAX_BYTES),
             config=SimpleNamespace(max_message_bytes=MAX_BYTES), episodes=0,
             rejection_log={"data": SimpleNamespace(event=lambda *args: None)},
             episodes_log=SimpleNamespace(write=lambda record: None))
