@@ -7,7 +7,7 @@ message's fixed cost no longer matters past :data:`AUTO_MESSAGE_TARGET_BYTES`), 
 held in one message wait for it and train later, :data:`AUTO_MESSAGE_TARGET_ROWS`), and by the
 rollout (the queues between actor and learner count messages, so K steps per message multiply the
 rows in flight by K: :data:`AUTO_MESSAGES_PER_SEGMENT`). The measurements behind the constants are
-in ``docs/notes/transport.md``.
+in ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ __all__ = [
 PROTOCOL_VERSION = 8
 """Version of the wire format; a frame with any other ``"protocol"`` value is rejected. Raised
 whenever a message gains, loses or changes a field (the changes of each version:
-``docs/notes/transport.md``)."""
+``docs/benchmarks.md``)."""
 
 REJECTION_REASONS = (
     "oversized",

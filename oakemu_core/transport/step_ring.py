@@ -64,7 +64,7 @@ def ring_slots(steps_per_message: int, rollout_length: int) -> int:
     these bound the rows it has acted that the learner has not read yet. Two slots at least let the
     actor fill one while the learner reads the other; one when a single message is an eighth of a
     segment or more, where the actor then waits while the learner reads it (measurements:
-    ``docs/notes/transport.md``).
+    ``docs/benchmarks.md``).
     """
     floor = 1 if 8 * steps_per_message >= rollout_length else 2
     return max(floor, min(RING_VECTOR_STEPS, rollout_length // 8) // steps_per_message)
