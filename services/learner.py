@@ -36,7 +36,8 @@ from oakemu_core.run.learner_telemetry import LearnerTelemetry
 from oakemu_core.run.log_limits import RateLimitedLog
 from oakemu_core.run.metrics import JsonLinesWriter, MetricsLogger, evaluation_scalars
 from oakemu_core.run.run_folder import check_resume_folder, format_changes
-from oakemu_core.run.telemetry import PrometheusExporter, TelemetryPublisher
+from oakemu_core.run.prometheus import PrometheusExporter
+from oakemu_core.run.telemetry import TelemetryPublisher
 from oakemu_core.run.tester import EvaluationReport
 from oakemu_core.shared_memory import sweep_stale_segments
 from oakemu_core.step_schema import StepSchema, schema_for_env
