@@ -1,11 +1,12 @@
 """The learner's ingest ceiling: how many env steps per second one learner can take in, fed by
-synthetic actors that send Atari-sized step messages as fast as the learner takes them (issue 11).
+synthetic actors that send Atari-sized step messages as fast as the learner takes them.
 
 A synthetic actor joins like a real one (same join, spec, sockets, back-pressure and weights
 polling: :class:`oakemu_services.actor.Actor`), takes ONE real vector step for valid field values, and then
 re-sends those fields with increasing ``seq`` and no env, no inference. The learner runs in this
-process (:class:`oakemu_services.learner.Learner`) with PPO switched off, so full buffers are released at
-once: what is measured is receive + decode/validate + write into shared memory.
+process (:class:`oakemu_services.learner.Learner`) with PPO switched off (its injected trainer's update
+does nothing: :class:`NoUpdateLearner`), so full buffers are released at once: what is measured is
+receive + decode/validate + write into shared memory.
 
 Printed, all measured in the same run:
 
@@ -60,6 +61,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_pipeline import _free_ports, measure_local  # noqa: E402
+from oakemu_core.algo.learner import PPOLearner  # noqa: E402
 
 
 def synthetic_actor(env_id: str, num_envs: int, ports: list[int], actor_id: str, stop: mp.Event,
@@ -69,7 +71,7 @@ def synthetic_actor(env_id: str, num_envs: int, ports: list[int], actor_id: str,
     import torch
 
     from oakemu_core.config import OakEmuConfig
-    from oakemu_core.transport.wire import StepMessage
+    from oakemu_core.transport.steps import StepMessage
     from oakemu_services.actor import Actor
 
     torch.set_num_threads(1)
@@ -132,6 +134,14 @@ def memcpy_mb_per_s(chunk_bytes: int, seconds: float = 2.0, total_bytes: int = 2
     return copied / (time.perf_counter() - start) / 1e6
 
 
+class NoUpdateLearner(PPOLearner):
+    """A :class:`~oakemu_core.algo.learner.PPOLearner` whose update does nothing: each rollout is
+    prepared (stale rows, GAE) and handed back at once, with the same weights."""
+
+    def step(self, actor_steps: int, *args: object, **kwargs: object) -> None:
+        return None
+
+
 def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load: str = "",
                    steps_per_message: int | str = "auto", transport: str = "auto",
                    columns: int = 64) -> tuple[float, float, dict]:
@@ -139,9 +149,11 @@ def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load
     (training loop in this process) or "process"; ``transport``: the ``step_transport`` of learner
     and actors ("auto": step rings here; "sockets"). Returns ``(rate, CPU seconds of the ingest
     threads per row written, dropped counters)``. ``columns``: the learner's rollout buffer columns."""
-    from oakemu_core.algo import learner as library_learner
-    from oakemu_core.config import OakEmuConfig
-    from oakemu_services import learner as learner_module
+    from oakemu_core.algo.trainer import Trainer
+    from oakemu_core.config import OakEmuConfig, resolved_device
+    from oakemu_core.envs import env_spec
+    from oakemu_core.step_schema import schema_for_env
+    from oakemu_services.learner import Learner
 
     ports = _free_ports(5)
     ctx = mp.get_context("spawn")
@@ -155,9 +167,11 @@ def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load
             steps_per_message=steps_per_message, step_transport=transport,
             eval_every_updates=0, log_level="WARNING",
         )
-        original_step = library_learner.PPOLearner.step
-        library_learner.PPOLearner.step = lambda self, actor_steps: None  # buffers released at once
-        learner = learner_module.Learner(config, Path(runs_dir) / "bench")
+        spec = env_spec(env_id)
+        run_dir = Path(runs_dir) / "bench"
+        trainer = Trainer(config, spec, schema_for_env(spec), run_dir, device=resolved_device(config),
+                          learner_type=NoUpdateLearner)  # full buffers released at once
+        learner = Learner(config, run_dir, trainer=trainer)
         stop = threading.Event()
         thread = threading.Thread(target=learner.run, args=(stop,), daemon=True)
         thread.start()
@@ -202,7 +216,6 @@ def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load
             stop.set()
             thread.join(120)
             learner.close()
-            library_learner.PPOLearner.step = original_step
     return rate, cpu_per_row, dropped
 
 
@@ -221,7 +234,7 @@ def _valid_fields(schema, lead: tuple[int, ...]) -> dict[str, np.ndarray]:
 
 
 def in_process_rows_per_s(env_id: str, num_envs: int, steps_per_message: int, seconds: float) -> float:
-    """Env steps/s that decode (:func:`oakemu_core.transport.wire.decode_step`) and write
+    """Env steps/s that decode (:func:`oakemu_core.transport.steps.decode_step`) and write
     (:class:`oakemu_core.storage.assembler.RolloutAssembler`) reach in this thread on encoded step frames, with
     no sockets: the learner's own share of the ingest cost. One actor of ``num_envs`` envs fills a
     buffer of as many columns; each full buffer is released, and the actor joins again to restart
@@ -231,7 +244,7 @@ def in_process_rows_per_s(env_id: str, num_envs: int, steps_per_message: int, se
     from oakemu_core.storage.assembler import RolloutAssembler
     from oakemu_core.storage.rollout_buffer import RolloutBuffer
     from oakemu_core.step_schema import schema_for_env
-    from oakemu_core.transport.wire import StepMessage, StepSpec, decode_step, encode_step
+    from oakemu_core.transport.steps import StepMessage, StepSpec, decode_step, encode_step
 
     schema = schema_for_env(env_spec(env_id))
     rollout_length, k = OakEmuConfig(env_id=env_id).rollout_length, steps_per_message

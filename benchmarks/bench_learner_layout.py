@@ -3,7 +3,7 @@
 and channels-last with bfloat16 mixed precision (``learner_precision = "bfloat16"``: the forward
 under ``torch.autocast``, as ``PPOUpdater`` runs it), timed in turn in the same run.
 
-The learner turns channels-last on when it trains on the CPU (``services/learner.py``, ``Trainer``);
+The learner turns channels-last on when it trains on the CPU (its ``Trainer``);
 bfloat16 is a setting (off by default): it pays on CPUs with AVX512-BF16 or AMX and on GPUs, and is
 emulated, slower, elsewhere. Prints the median milliseconds per step of each variant over
 interleaved repeats and the speed-ups of channels-last over as built, and of bfloat16 over

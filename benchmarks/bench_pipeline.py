@@ -15,7 +15,7 @@ figure, ``pipeline+curve``, streams over CURVE-encrypted, ZAP-authenticated sock
 run); its cost is ``1 - pipeline+curve / pipeline``.
 
 The pipeline figure is measured for each ``--steps-per-message`` value (``1`` and ``auto`` by
-default: the learner's rule, :func:`oakemu_core.transport.wire.auto_steps_per_message`), and every figure for
+default: the learner's rule, :func:`oakemu_core.transport.batching.auto_steps_per_message`), and every figure for
 each env of ``--env`` (comma-separated; default Breakout and CartPole).
 
 Usage: ``python benchmarks/bench_pipeline.py [--env ALE/Breakout-v5,CartPole-v1] [--actors 1]
@@ -25,7 +25,7 @@ Usage: ``python benchmarks/bench_pipeline.py [--env ALE/Breakout-v5,CartPole-v1]
 ``--per-core`` measures what ``emulator_threads`` auto gives an actor per CPU: raw with one process
 per CPU and one emulator thread each, and the actor loop in that layout with torch, ONNX Runtime and
 bfloat16 forward passes; it reports them against the faster raw figure (one process of 8 envs on
-ale-py's default threads uses 1.6-1.7 of 2 cores; one process per core, both).
+ale-py's default threads may leave part of the cores idle; one process per core keeps them busy).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def _free_ports(count: int) -> list[int]:
 
 ACTOR_VARIANTS = ("groups2", "threads2", "inference_mode", "channels_last", "onnxruntime", "groups2+onnxruntime",
                   "bfloat16", "groups2+bfloat16")
-"""Actor-loop variants of ``--actor-variants`` (issue 11): two overlapped env groups
+"""Actor-loop variants of ``--actor-variants``: two overlapped env groups
 (``env_groups=2``), 2 torch threads, ``torch.inference_mode`` around the loop, a channels-last model,
 forward passes by ONNX Runtime (``--actor-inference onnxruntime``), the two together, and a bfloat16
 image encoder (``--actor-inference bfloat16``) alone and with two groups."""
@@ -77,7 +77,8 @@ def _step_loop(env_id: str, num_envs: int, seconds: float, with_policy: bool, se
     import torch
 
     from oakemu_core.policy.distributions import distribution_for_env
-    from oakemu_core.envs import make_env_groups, make_vector_env
+    from oakemu_core.envs import make_vector_env
+    from oakemu_core.envs.factory import make_env_groups
     from oakemu_core.policy.models import build_model
     from oakemu_core.actor.stepper import PolicyStepper
 
@@ -176,7 +177,7 @@ def measure_pipeline(env_id: str, actors: int, num_envs: int, seconds: float, *,
 
         original_step = library_learner.PPOLearner.step
         if not train:  # full buffers are released at once: no PPO update, same weights
-            library_learner.PPOLearner.step = lambda self, actor_steps: None
+            library_learner.PPOLearner.step = lambda self, *args, **kwargs: None
         learner = learner_module.Learner(config, Path(runs_dir) / "bench")
         stop = threading.Event()
         thread = threading.Thread(target=learner.run, args=(stop,), daemon=True)

@@ -9,16 +9,15 @@ printed) and the same env-step budget, one run at a time:
   --normalize-rewards``;
 * ``taxi``: ``Taxi-v4`` (``Discrete`` observations one-hot, action masks), sb3-contrib ``MaskablePPO``
   with ``ActionMasker`` (Taxi's own ``action_mask(state)``) against ``oakemu train`` (which reads
-  ``info["action_mask"]``).  Issue 7 names ``Taxi-v3``; Gymnasium 1.4 refuses it as deprecated
-  (``DeprecatedEnv: ... Please use Taxi-v4``), and v4 is the same task.
+  ``info["action_mask"]``).  Gymnasium 1.4 refuses ``Taxi-v3`` as deprecated; v4 is the same task.
 
 OakEmu runs as its users run it: ``python -m oakemu_services.cli train`` (= ``oakemu train``; a learner and 2
 actor processes, asynchronous, ``--max-policy-lag 1``), free ports per run so that runs never collide
 with others on 5555-5559.  SB3 runs in a child process of this script (``--sb3-worker``), so both
 sides pay interpreter start-up and imports.  Both sides get the same torch intra-op thread count
-(``--torch-threads``, default 1: the SB3 process and OakEmu's learner; OakEmu's actors use 1 each).
-On a busy 2-core machine torch's default of one thread per core made SB3's Pendulum run 15x slower
-(2.4 s against 37 s for 4,096 steps), which would measure contention, not the algorithms.
+(``--torch-threads``, default 1: the SB3 process and OakEmu's learner; OakEmu's actors use 1 each):
+on a busy small machine torch's default of one thread per core would measure contention, not the
+algorithms.
 
 What the numbers mean.
 
@@ -33,7 +32,7 @@ What the numbers mean.
   (negative for both envs here) a ratio above 1 means OakEmu is *worse*, so the table also prints
   the plain difference; for wall time below 1 means OakEmu is faster.
 * ``lag`` / ``stale``: OakEmu's mean policy lag (versions; 0 = on-policy like SB3) and rows dropped as
-  stale, from ``metrics.jsonl``: the price of its asynchronous mode (issue 11).  ``acted`` is the env
+  stale, from ``metrics.jsonl``: the price of its asynchronous mode.  ``acted`` is the env
   steps OakEmu's actors played in finished episodes, trained or not; above ``env steps`` (the trained
   rows, the budget) when the learner threw actor steps away (stale or no buffer capacity).
 * Reference points: random policy about -1230 on Pendulum (solved about -200), about -770 on Taxi
@@ -244,7 +243,7 @@ def run_oakemu(case: Case, *, seed: int, steps: int, runs_dir: Path, eval_episod
         "eval": _mean(eval_returns), "env_steps": int(metrics[-1]["global_step"]) if metrics else 0,
         "updates": len(metrics), "policy_lag_mean": _mean(lags),
         # env steps the actors played in finished episodes (trained or not): above env_steps when the
-        # learner dropped actor steps (stale or no buffer capacity; issue 11)
+        # learner dropped actor steps (stale or no buffer capacity)
         "acted_steps": int(sum(e["episodic_length"] for e in episodes)),
         "episodes_per_actor": {a: sum(e.get("actor_id") == a for e in episodes)
                                for a in sorted({str(e.get("actor_id")) for e in episodes})},

@@ -1,4 +1,4 @@
-"""Throughput and sample efficiency side by side: SB3 PPO, OakEmu-RL asynchronous, OakEmu-RL synchronous (issue 11).
+"""Throughput and sample efficiency side by side: SB3 PPO, OakEmu-RL asynchronous, OakEmu-RL synchronous.
 
 What it measures.  For each case and seed, three runs from scratch with the same PPO hyperparameters and
 env-step budget, strictly one after another, the three systems interleaved (their order rotates with the
@@ -10,8 +10,8 @@ seed, so that a change of machine load does not always hit the same system):
 * ``oakemu-sync``: the same with ``--mode sync`` (on-policy: actors wait for the weights trained on
   their rollout, policy lag 0, as SB3).
 
-Cases (hyperparameters: rl-baselines3-zoo's ``ppo.yml``, the table of issue 11; printed in full, both
-sides, before the runs):
+Cases (hyperparameters: rl-baselines3-zoo's ``ppo.yml``; printed in full, both sides, before the
+runs):
 
 * ``cartpole``: ``CartPole-v1``, 8 envs x 32 steps, 20 epochs, 1 minibatch (batch 256), lr 1e-3, clip
   0.2, gamma 0.98, lambda 0.8, no entropy bonus; 100k steps.  The zoo anneals lr and clip range
@@ -212,7 +212,7 @@ def sb3_worker(spec: dict) -> dict:
             FrameStackObservation,
         )
 
-        from oakemu_core.envs import (
+        from oakemu_core.envs.atari import (
             ATARI_FRAME_SKIP,
             ATARI_IMAGE_SIZE,
             ATARI_NOOP_MAX,

@@ -61,12 +61,12 @@ def main() -> None:
             buffer.compute_gae(row.next_values, buffer.dones[-1].copy(), 0.99, 0.95)
             uploads_before = buffer.observation_uploads
             start = time.perf_counter()
-            stats = learner.step(buffer, current_policy_version=learner.policy_version)
+            stats = learner.step(buffer, current_policy_version=stepper.policy_version)
             elapsed = time.perf_counter() - start
             uploads = buffer.observation_uploads - uploads_before
             # The actors get the new weights (as the learner publishes them) for the next rollout.
             load_weight_arrays(actor_model, weights_to_arrays(learner_model))
-            stepper.policy_version = learner.policy_version
+            stepper.policy_version += 1
             per_epoch = elapsed / max(1, stats.epochs_completed)
             print(f"{update + 1:>6} {uploads:>8} {stats.first_minibatch_ratio_max_abs_dev:>11.2e} {per_epoch:>8.3f} "
                   f"{stats.policy_loss:>12.4f} {stats.approx_kl:>10.5f}")

@@ -33,6 +33,11 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from oakemu_core.algo.settings import PPOSettings, finite_number
+from oakemu_core.envs.spec import is_atari_env
+from oakemu_core.errors import ConfigError
+from oakemu_core.transport.batching import AUTO_MESSAGE_MIN_ROWS, auto_steps_per_message
+
 __all__ = [
     "CONFIG_FILE_ENV_VAR",
     "ConfigError",
@@ -40,7 +45,6 @@ __all__ = [
     "add_config_arguments",
     "config_from_namespace",
     "format_validation_error",
-    "is_atari_env",
     "load_config",
     "resolved_device",
     "to_toml",
@@ -53,15 +57,6 @@ CONFIG_FILE_ENV_VAR = "OAKEMU_CONFIG_FILE"
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 _PORT_FIELDS = ("data_port", "control_port", "weights_port", "telemetry_port", "metrics_port")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-
-class ConfigError(ValueError):
-    """A configuration value given by the user is invalid (message names field, expected, received)."""
-
-
-def is_atari_env(env_id: str) -> bool:
-    """Return True for Atari ids served by ale-py: ``ALE/...`` or ``...NoFrameskip...`` ids."""
-    return env_id.startswith("ALE/") or "NoFrameskip" in env_id
 
 
 class _ConfigFileSource(PydanticBaseSettingsSource):
@@ -96,8 +91,12 @@ class _ConfigFileSource(PydanticBaseSettingsSource):
         return dict(self._data)
 
 
-class OakEmuConfig(BaseSettings):
-    """All settings of a training run, an actor, a learner or a monitor (flat, one line each)."""
+class OakEmuConfig(PPOSettings, BaseSettings):
+    """All settings of a training run, an actor, a learner or a monitor (flat, one line each).
+
+    The PPO hyperparameters (and the seed) are the fields of :class:`~oakemu_core.algo.settings.PPOSettings`,
+    declared there once and inherited here.
+    """
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -117,19 +116,19 @@ class OakEmuConfig(BaseSettings):
     )
 
     # --- environment ---
-    env_id: str = Field("ALE/Breakout-v5", min_length=1, description="Gymnasium or ale-py environment id.")
+    env_id: str = Field(
+        "ALE/Breakout-v5", min_length=1,
+        description="Environment id: ale-py (ALE/...), any Gymnasium id, module:EnvId for a custom env, gameboy:ROM "
+        "or retro:Game-Id.")
     num_actors: int = Field(2, ge=1, description="Actor processes the embedded `oakemu train` starts.")
     envs_per_actor: int = Field(8, ge=1, description="Environments each actor steps in one vector env.")
     env_groups: int = Field(
-        1, ge=1, description="Env groups per actor (2: while one group's emulators step, the actor infers the "
-        "other's actions; pays off with threaded Atari envs). Needs env_groups <= envs_per_actor and no policy "
-        "routing.")
+        1, ge=1, description="Env groups per actor: while one group's emulators step, the actor infers the other "
+        "groups' actions (threaded Atari envs). Needs env_groups <= envs_per_actor and no policy routing.")
     emulator_threads: int | None = Field(
         None, ge=1, description="ale-py emulator threads per actor (Atari ids; other envs step in the actor's own "
         "thread), split among its env groups (at least 1 each). None: the CPUs this process may use divided by "
-        "num_actors, at least 1, assuming num_actors actors share this machine as in `oakemu train` (2 cores, 2 "
-        "actors: 1 each; an actor then alternates stepping and inference on one core, and the actors keep every "
-        "core busy: issue 11, bench_pipeline.py --per-core). Set it for actors started on their own.")
+        "num_actors, at least 1, as for the actors of `oakemu train`; set it for actors started on their own.")
     num_envs: int | None = Field(
         None, ge=1, description="Learner rollout buffer columns (default num_actors * envs_per_actor)."
     )
@@ -142,59 +141,24 @@ class OakEmuConfig(BaseSettings):
     normalize_observations: bool = Field(
         False, description="Normalise float observations by the learner's running mean/std (as SB3 VecNormalize)."
     )
-    normalize_rewards: bool = Field(
-        False, description="Scale training rewards by the running std of the discounted return (as SB3 VecNormalize)."
-    )
     emulator_settings: str | None = Field(
         None, description="TOML file of an emulator backend (gameboy:/retro: ids): ROM, states, rewards, ..."
     )
 
-    # --- rollout and PPO (CleanRL ppo_atari.py defaults) ---
+    # --- rollout and learning rate (the PPO hyperparameters are PPOSettings' fields) ---
     rollout_length: int = Field(128, ge=1, description="Steps per env per rollout (T).")
     total_env_steps: int = Field(10_000_000, ge=1, description="Stop after this many env steps (all envs).")
-    ppo_epochs: int = Field(4, ge=1, description="Passes over each rollout per PPO update.")
-    num_minibatches: int = Field(4, ge=1, description="Minibatches per epoch.")
     learning_rate: float = Field(2.5e-4, gt=0.0, description="Adam learning rate (start value when annealed).")
     anneal_lr: bool = Field(True, description="Anneal the learning rate linearly to 0 over total_env_steps.")
-    clip_coef: float = Field(0.1, gt=0.0, description="PPO surrogate clipping coefficient epsilon.")
-    clip_value_range: float | Literal["auto"] | None = Field(
-        "auto",
-        description="Clip the value change per update to +-this, in value units (None/null: plain MSE, SB3's "
-        "default; auto: clip_coef for Atari ids as CleanRL, off otherwise).",
-    )
-    ent_coef: float = Field(0.01, ge=0.0, description="Entropy bonus coefficient.")
-    vf_coef: float = Field(0.5, ge=0.0, description="Value loss coefficient.")
-    gamma: float = Field(0.99, ge=0.0, le=1.0, description="Discount factor.")
-    gae_lambda: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda (Schulman et al. 2016).")
-    max_grad_norm: float = Field(0.5, gt=0.0, description="Global gradient norm clip.")
-    target_kl: float | None = Field(None, gt=0.0, description="Stop the epochs early above this approx KL.")
-    normalize_advantages: bool = Field(True, description="Normalise advantages per minibatch (trainable rows).")
-    max_policy_lag: int = Field(2, ge=0, description="Drop rows acted by a policy this many versions old.")
-    off_policy_correction: Literal["decoupled", "none"] = Field(
-        "decoupled",
-        description="Rows acted by an older policy version (async mode): decoupled = re-evaluate them with the "
-        "current weights before GAE (values) and clip the update around the current policy (the decoupled objective "
-        "of Hilton et al. 2022), weighting each row by min(importance_weight_cap, pi_current / pi_acting); none = "
-        "plain PPO on the stale rows.",
-    )
-    importance_weight_cap: float = Field(
-        1.0, gt=0.0, allow_inf_nan=False,
-        description="Truncation of the decoupled objective's weights pi_current / pi_acting (V-trace's rho-bar).",
-    )
     publish_every_epoch: bool = Field(
         True,
         description="Async mode: also publish the weights after each epoch of an update (revisions of the version "
-        "in training), so actors act with weights at most one epoch old instead of up to a whole update; the rows "
-        "keep the version number (LunarLander 500k, 6 seeds: last-100 return 100.6 against 68.3). Ignored in sync "
-        "mode.",
+        "in training), so actors act with weights at most one epoch old. Ignored in sync mode.",
     )
     publish_min_sgd_steps: int = Field(
         32, ge=1,
-        description="Async mode with publish_every_epoch: an epoch's weights are published only when at least this "
-        "many SGD steps were taken since weights were last published (1: after every epoch). Each publish costs a "
-        "weights broadcast and a load in every actor; rows a few SGD steps old are fine (Sample Factory's rule of "
-        "thumb: a lag under 20-30 SGD steps). CartPole at the rl-zoo settings (one SGD step per epoch): revisions "
-        "after every epoch cost up to a quarter of the SPS (about a tenth typically) for 3 SGD steps less lag.",
+        description="Async mode with publish_every_epoch: publish an epoch's weights only when at least this many "
+        "SGD steps were taken since the weights were last published (1: after every epoch).",
     )
     mode: Literal["async", "sync"] = Field(
         "async",
@@ -206,39 +170,24 @@ class OakEmuConfig(BaseSettings):
     steps_per_message: int | Literal["auto"] = Field(
         "auto",
         description="Vector steps an actor sends per step message (a divisor of rollout_length). auto: the "
-        "largest divisor <= min(32, rollout_length / 32) whose message holds <= 32 KiB of arrays and <= 128 env "
-        "steps (1 for Atari-sized steps, 4 for an actor with a step ring, whose arrays are not in the message; for "
-        "small envs such as CartPole with 8 envs 4 at rollout_length 128; 8 for 16 envs at 1024); with a step ring "
-        "and a rollout under 64 steps, up to 32 env steps within an eighth of the rollout (CartPole, 8 envs, "
-        "rollout 32: 4): enough to amortise a message's cost, few enough rows acted while the learner's buffers "
-        "are full.",
+        "largest divisor <= min(32, rollout_length / 32) whose message holds <= 32 KiB of arrays (no byte bound "
+        "with a step ring) and <= 128 env steps; with a step ring and a rollout under 64 steps, up to 32 env steps "
+        "within an eighth of the rollout.",
     )
-    seed: int = Field(1, ge=0, description="Seed for envs, torch and numpy.")
     device: str = Field("auto", description="Learner torch device: auto (cuda if available), cpu, cuda, cuda:N.")
-    learner_precision: Literal["float32", "bfloat16"] = Field(
-        "float32",
-        description="Precision of the PPO update: float32, or bfloat16 mixed precision (torch.autocast: the "
-        "torso's convolutions and matmuls in bfloat16; the heads, weights, optimizer and losses float32). On CPUs "
-        "with AVX512-BF16 or AMX a faster update for image observations (Breakout 1.55-1.68 x SPS; GPUs of "
-        "compute capability 8+ support it too, not measured here); elsewhere bfloat16 is emulated and slower. "
-        "Actors, evaluation, behaviour-cloning pre-training and checkpoints stay float32.",
-    )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per actor process.")
     actor_inference: Literal["torch", "onnxruntime", "bfloat16"] = Field(
         "torch",
-        description="What runs the actors' forward passes: torch, onnxruntime (extra 'onnx'; about 1.7x faster "
-        "for a Nature CNN on one core; one observation array, not dict observations), or bfloat16 (torch with a "
-        "bfloat16 image encoder, about 2x faster for a Nature CNN on CPUs with AMX or AVX512-BF16, slower "
-        "elsewhere; uint8 image observations only; the acting policy is the float32 one rounded to bfloat16, so the "
-        "learner re-evaluates every rollout in float32).",
+        description="What runs the actors' forward passes: torch; onnxruntime (extra 'onnx'; one observation "
+        "array, not dict observations); or bfloat16 (uint8 image observations only; native on CPUs with AMX or "
+        "AVX512-BF16, emulated and slower elsewhere; the learner then re-evaluates every rollout in float32).",
     )
 
     step_transport: Literal["auto", "sockets"] = Field(
         "auto",
         description="How actors hand their step arrays to the learner: auto (through a shared-memory step ring when "
         "actor and learner share a machine and /dev/shm, as `oakemu train`'s local actors do; inline in the "
-        "ZeroMQ messages otherwise, e.g. from another container or machine), or sockets (always inline). The "
-        "ring copies each byte once on the learner, not about six times (issue 11: bench_ingest.py).",
+        "ZeroMQ messages otherwise, e.g. from another container or machine), or sockets (always inline).",
     )
 
     # --- network addresses ---
@@ -281,10 +230,6 @@ class OakEmuConfig(BaseSettings):
 
     # --- behaviour cloning (demonstrations in the Minari format, see `oakemu record`) ---
     bc_dataset: str | None = Field(None, description="Local Minari dataset folder of demonstrations (None: no BC).")
-    bc_pretrain_updates: int = Field(0, ge=0, description="Replay-only BC updates (one epoch each) before PPO.")
-    bc_batch_size: int = Field(256, ge=1, description="Demonstration rows per BC update / per minibatch BC term.")
-    bc_coef: float = Field(0.0, ge=0.0, description="Weight of a BC term in the PPO loss (0: none).")
-    bc_coef_decay: float = Field(1.0, gt=0.0, le=1.0, description="bc_coef multiplier per update.")
 
     # --- policy routing (oakemu_core/actor/routing.py): routed steps are stored for GAE, never trained on ---
     route_random_first_steps: int = Field(
@@ -316,7 +261,7 @@ class OakEmuConfig(BaseSettings):
     eval_greedy: bool | Literal["auto"] = Field(
         "auto",
         description="Evaluate with the policy's mode (greedy) instead of sampling; auto: greedy except for Atari "
-        "ids (as rl-zoo: an early greedy Atari policy may never serve the ball, so its episodes last 27,000 steps).",
+        "ids, whose early greedy policies may never serve the ball (rl-zoo's choice).",
     )
 
     # --- transport security (ZeroMQ CURVE, see deploy/README.md) ---
@@ -368,12 +313,10 @@ class OakEmuConfig(BaseSettings):
             raise ValueError(f"expected a single folder name without path separators, received {value!r}")
         return value
 
-    @field_validator("learning_rate", "clip_coef", "ent_coef", "vf_coef", "max_grad_norm", "actor_timeout_s")
+    @field_validator("learning_rate", "actor_timeout_s")
     @classmethod
     def _check_finite(cls, value: float) -> float:
-        if not math.isfinite(value):
-            raise ValueError(f"expected a finite number, received {value!r}")
-        return value
+        return finite_number(value)
 
     @model_validator(mode="after")
     def _check_consistency(self) -> OakEmuConfig:
@@ -422,15 +365,13 @@ class OakEmuConfig(BaseSettings):
     def resolved_steps_per_message(self, env_step_bytes: int, num_envs: int, *, step_ring: bool = False) -> int:
         """Steps per message K for an actor of ``num_envs`` envs, each of whose steps carries
         ``env_step_bytes`` array bytes (``StepSchema.sent_bytes_per_env``): the configured int, or
-        :func:`oakemu_core.transport.wire.auto_steps_per_message` for ``"auto"``, without its bound on a
+        :func:`oakemu_core.transport.batching.auto_steps_per_message` for ``"auto"``, without its bound on a
         message's bytes for an actor offered a step ring (``step_ring``: the arrays do not travel in
         the message; Breakout, 8 envs: K = 4, not 1), and with its allowance of up to
-        :data:`~oakemu_core.transport.wire.AUTO_MESSAGE_MIN_ROWS` rows at rollouts under 64 steps (CartPole, 8
+        :data:`~oakemu_core.transport.batching.AUTO_MESSAGE_MIN_ROWS` rows at rollouts under 64 steps (CartPole, 8
         envs, rollout 32: K = 4, not 1)."""
         if self.steps_per_message != "auto":
             return int(self.steps_per_message)
-        from oakemu_core.transport.wire import AUTO_MESSAGE_MIN_ROWS, auto_steps_per_message
-
         ring_bounds = {"target_bytes": None, "min_rows": AUTO_MESSAGE_MIN_ROWS} if step_ring else {}
         return auto_steps_per_message(env_step_bytes, self.rollout_length, num_envs=num_envs, **ring_bounds)
 

@@ -41,7 +41,7 @@ returns             ()            f32            x       x      advantages + val
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -59,8 +59,10 @@ __all__ = [
     "WIRE_DTYPES",
     "build_schema",
     "check_array",
+    "check_step_values",
     "default_schema",
     "observation_field_name",
+    "resolve_schema",
     "schema_for_env",
 ]
 
@@ -192,7 +194,7 @@ class StepField:
         """Whether every bit pattern of the field is a valid value: an int / uint field without a
         bound its dtype can fail and without mask segments (uint8 frames). Such a field has no content
         check, so a step ring's slot of it is used in place; every other field is copied first
-        (:func:`oakemu_core.transport.wire.decode_step`)."""
+        (:func:`oakemu_core.transport.steps.decode_step`)."""
         return self._any_bits_valid
 
     @property
@@ -342,6 +344,15 @@ class StepSchema:
     def minibatch(self) -> tuple[StepField, ...]:
         """Fields PPO minibatches carry."""
         return tuple(f for f in self.fields if f.minibatch)
+
+    @cached_property
+    def action_fields(self) -> tuple[StepField, ...]:
+        """Fields the action distribution reads back in the update: ``actions``, its stored
+        parameters (``action_mean``, ``action_std``) and ``action_mask``."""
+        names = {"actions", "action_mask"}
+        if self.distribution is not None:
+            names.update(self.distribution.stored_fields())
+        return tuple(f for f in self.fields if f.name in names)
 
     @cached_property
     def observation_names(self) -> tuple[str, ...]:
@@ -542,18 +553,62 @@ def default_schema(
                         action_shape=tuple(action_shape), action_dtype=action_dtype)
 
 
+def resolve_schema(
+    owner: str,
+    schema: StepSchema | None,
+    observation_shape: Sequence[int] | None,
+    observation_dtype: Any,
+    action_shape: Sequence[int] = (),
+    action_dtype: Any = np.int64,
+) -> StepSchema:
+    """The schema of a constructor that takes the fields in one of two forms: the seed API's plain
+    form (one observation shape and dtype, an action shape and dtype: :func:`default_schema`) or
+    ``schema=`` (any observation and action space).
+
+    Args:
+        owner: the constructor's name, for error messages (``"RolloutBuffer"``).
+        schema: the schema, or None for the plain form.
+        observation_shape: shape of one observation, a tuple (or list) of non-negative ints.
+        observation_dtype: dtype of observations, kept as is (e.g. ``np.uint8``).
+        action_shape: shape of one action, ``()`` for a discrete action.
+        action_dtype: dtype of actions.
+
+    Raises:
+        ValueError: neither form, both, or an observation shape that is not a sequence of
+            non-negative ints.
+    """
+    if schema is not None:
+        if observation_shape is not None or observation_dtype is not None:
+            raise ValueError(f"{owner}: pass either schema= or observation_shape/observation_dtype, not both")
+        return schema
+    if observation_shape is None or observation_dtype is None:
+        raise ValueError(f"{owner}: expected observation_shape and observation_dtype, or schema=")
+    if not isinstance(observation_shape, (tuple, list)) or any(
+            isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0 for d in observation_shape):
+        raise ValueError(f"observation_shape: expected a tuple of non-negative ints, received {observation_shape!r}")
+    return default_schema(tuple(observation_shape), observation_dtype, tuple(action_shape), action_dtype)
+
+
 def check_step_consistency(schema: StepSchema, arrays: Mapping[str, np.ndarray]) -> str | None:
     """Rules that relate fields of one step (all ``(n, ...)`` arrays already of the right shape):
 
     * a truncated env is also done (``dones`` = terminated OR truncated);
     * ``bootstrap_values`` is 0 where the env was not truncated (a terminal state has no future);
+      without ``truncated`` (a local writer: storage keeps truncation in ``dones`` and
+      ``bootstrap_values`` only), 0 where the env is not done;
     * the action taken is allowed by the row's ``action_mask`` (masked actions are never taken).
 
     Returns:
         Why the step is impossible, or None.
     """
     truncated, dones = arrays.get("truncated"), arrays["dones"]
-    if truncated is not None:
+    if truncated is None:  # a local writer's step: storage keeps truncation in dones + bootstrap_values
+        bootstrap = arrays.get("bootstrap_values")
+        if bootstrap is not None and np.count_nonzero(bootstrap) and np.any(bootstrap[~dones] != 0):
+            bad = np.flatnonzero((bootstrap != 0) & ~dones).tolist()
+            return (f"bootstrap_values: expected 0 where dones is False (a bootstrap value belongs to a "
+                    f"truncated step), received non-zero values at positions {bad}")
+    else:
         bootstrap = arrays["bootstrap_values"]
         if truncated.size <= SMALL_ARRAY_SIZE:  # a few envs: plain Python is cheaper than numpy calls
             rows = list(zip(truncated.ravel().tolist(), dones.ravel().tolist(), bootstrap.ravel().tolist()))
@@ -573,6 +628,39 @@ def check_step_consistency(schema: StepSchema, arrays: Mapping[str, np.ndarray])
             env = int(np.flatnonzero(~allowed)[0])
             return f"actions: env {env} took an action its action_mask forbids"
     return None
+
+
+def check_step_values(schema: StepSchema, arrays: Mapping[str, np.ndarray]) -> None:
+    """Check one step's values for a writer that is not behind the wire (the seed API's
+    ``RolloutBuffer.add``) with the checks :func:`oakemu_core.transport.steps.decode_step` applies
+    to a step message: floats finite; :meth:`StepField.check_values` of the
+    :attr:`~StepSchema.action_fields` (actions within the action space, distribution parameters in
+    range, masks that allow something); then :func:`check_step_consistency` (truncation rules,
+    masked actions never taken).
+
+    The wire's magnitude limit on the other fields (rewards, values, log probabilities:
+    :data:`MAX_ABS_STEP_VALUE`) guards the learner against garbage from the network; a local
+    writer may store any finite number there.
+
+    Args:
+        schema: the step schema.
+        arrays: field name -> ``(n, *shape)`` array of the field's dtype and shape (checked before,
+            e.g. by :meth:`StepSchema.check_arrays`); at least ``dones`` (and ``actions`` with an
+            ``action_mask``).
+
+    Raises:
+        ValueError: the first impossible value; the message names the field.
+    """
+    for name, array in arrays.items():
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            raise ValueError(f"{name}: expected finite values, received NaN or inf")
+    for item in schema.action_fields:
+        problem = None if item.name not in arrays else item.check_values(arrays[item.name])
+        if problem is not None:
+            raise ValueError(problem)
+    problem = check_step_consistency(schema, arrays)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def taken_action_allowed(distribution: ActionDistribution, actions: np.ndarray, mask: np.ndarray) -> np.ndarray:

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from oakemu_core.config import ConfigError, OakEmuConfig, to_toml
-from oakemu_core.envs import check_env
+from oakemu_core.envs.factory import check_env
 from oakemu_core.run.metrics import METRICS_FILE_NAME
 from oakemu_core.run.run_folder import check_resume_folder, format_changes
 from oakemu_core.run.telemetry import TelemetrySnapshot, TelemetrySubscriber

@@ -52,6 +52,14 @@ def test_create_supports_continuous_actions() -> None:
         PPOActorStepBuffers.create(num_envs=0, observation_shape=(3,), observation_dtype=np.float32)
 
 
+def test_create_needs_exactly_one_description_of_the_fields() -> None:
+    schema = build_schema({"": ((3,), np.float32)}, Categorical(2))
+    with pytest.raises(ValueError, match="expected observation_shape and observation_dtype, or schema="):
+        PPOActorStepBuffers.create(num_envs=2)
+    with pytest.raises(ValueError, match="either schema= or observation_shape"):
+        PPOActorStepBuffers.create(num_envs=2, observation_shape=(3,), observation_dtype=np.float32, schema=schema)
+
+
 def test_record_action_bundle_for_a_subset_of_envs(steps: PPOActorStepBuffers) -> None:
     steps.reset_action_selection()
     steps.record_action_bundle_for_env_ids(

@@ -9,7 +9,7 @@ import numpy as np
 import zmq
 
 from oakemu_core.config import OakEmuConfig
-from oakemu_core.transport.wire import StopNotice, WeightsMessage, encode_stop, encode_weights
+from oakemu_core.transport.control import StopNotice, WeightsMessage, encode_stop, encode_weights
 from tests.e2e_helpers import free_ports
 
 

@@ -32,17 +32,16 @@ from oakemu_core.transport.auth import (
     public_tag,
 )
 from oakemu_core.run.telemetry import TelemetrySnapshot, TelemetrySubscriber
-from oakemu_core.transport.wire import (
+from oakemu_core.transport.control import (
     HeartbeatReply,
     JoinReply,
     JoinRequest,
     Leave,
-    StepMessage,
     decode_message,
     encode_join_request,
     encode_leave,
-    encode_step,
 )
+from oakemu_core.transport.steps import StepMessage, encode_step
 from oakemu_core.transport.step_ring import StepRing, shared_memory_host_id
 from tests.e2e_helpers import E2EProcesses, Ports, common_flags, e2e_fixture, new_ports  # noqa: F401
 

@@ -169,7 +169,7 @@ def test_bench_pipeline_actor_loop_variants_step_with_their_settings(variant: st
     bfloat16 forward exactly when asked, and the loop reports a positive rate."""
     import queue
 
-    from oakemu_core import envs
+    from oakemu_core.envs import factory
     from oakemu_core.policy.bfloat16_inference import BFloat16Forward
     from oakemu_core.actor.stepper import PolicyStepper
 
@@ -177,7 +177,7 @@ def test_bench_pipeline_actor_loop_variants_step_with_their_settings(variant: st
     bench_pipeline = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(bench_pipeline)
     threads, backends = [], []
-    real_backend, real_stepper = envs._AtariBackend, PolicyStepper.__init__
+    real_backend, real_stepper = factory.AtariBackend, PolicyStepper.__init__
 
     def recording_backend(*args, **kwargs):
         threads.append(kwargs["num_threads"])
@@ -187,7 +187,7 @@ def test_bench_pipeline_actor_loop_variants_step_with_their_settings(variant: st
         backends.append(type(model.__dict__.get("_inference_backend")))
         real_stepper(self, env, model, **kwargs)
 
-    monkeypatch.setattr(envs, "_AtariBackend", recording_backend)
+    monkeypatch.setattr(factory, "AtariBackend", recording_backend)
     monkeypatch.setattr(PolicyStepper, "__init__", recording_stepper)
     out: queue.Queue = queue.Queue()
     bench_pipeline._step_loop("ALE/Breakout-v5", 2, 0.2, variant != "per_core", 1, out, variant)

@@ -12,11 +12,11 @@ from oakemu_core.config import (
     CONFIG_FILE_ENV_VAR,
     ConfigError,
     OakEmuConfig,
-    is_atari_env,
     load_config,
     resolved_device,
     to_toml,
 )
+from oakemu_core.envs.spec import is_atari_env
 
 
 @pytest.fixture(autouse=True)

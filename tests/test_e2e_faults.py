@@ -19,14 +19,8 @@ import pytest
 import zmq
 
 from oakemu_core.run.telemetry import TelemetrySnapshot
-from oakemu_core.transport.wire import (
-    JoinReply,
-    JoinRequest,
-    StepMessage,
-    decode_message,
-    encode_join_request,
-    encode_step,
-)
+from oakemu_core.transport.control import JoinReply, JoinRequest, decode_message, encode_join_request
+from oakemu_core.transport.steps import StepMessage, encode_step
 from tests.e2e_helpers import (
     E2EProcesses,
     ServiceProcess,

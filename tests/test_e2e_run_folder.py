@@ -23,18 +23,17 @@ import zmq
 
 from oakemu_core.run.checkpoint import latest_checkpoint, load_checkpoint
 from oakemu_core.run.telemetry import TelemetrySnapshot
-from oakemu_core.transport.wire import (
+from oakemu_core.transport.control import (
     Heartbeat,
     JoinReply,
     JoinRequest,
     Leave,
-    StepMessage,
     decode_message,
     encode_heartbeat,
     encode_join_request,
     encode_leave,
-    encode_step,
 )
+from oakemu_core.transport.steps import StepMessage, encode_step
 from tests.e2e_helpers import E2EProcesses, describe_all, read_jsonl, wait_for
 from tests.fault_helpers import fill_disk
 

@@ -18,12 +18,14 @@ import torch
 pytest.importorskip("ale_py")
 
 from oakemu_core.policy.distributions import distribution_for_env  # noqa: E402
-from oakemu_core.envs import EnvGroups, make_env_groups, make_vector_env  # noqa: E402
+from oakemu_core.envs import make_vector_env  # noqa: E402
+from oakemu_core.envs.factory import make_env_groups  # noqa: E402
+from oakemu_core.envs.vector import EnvGroups  # noqa: E402
 from oakemu_core.storage.assembler import RolloutAssembler  # noqa: E402
 from oakemu_core.policy.models import build_model  # noqa: E402
 from oakemu_core.storage.rollout_buffer import RolloutBuffer  # noqa: E402
 from oakemu_core.actor.stepper import PolicyStepper  # noqa: E402
-from oakemu_core.transport.wire import StepMessage, StepSpec, decode_step, encode_step  # noqa: E402
+from oakemu_core.transport.steps import StepMessage, StepSpec, decode_step, encode_step  # noqa: E402
 
 ENV_ID = "ALE/Breakout-v5"
 SEED = 11

@@ -18,9 +18,9 @@ from oakemu_core.run.metrics import (
     MetricsLogger,
     evaluation_scalars,
 )
+from oakemu_core.run.prometheus import PrometheusExporter
 from oakemu_core.run.telemetry import (
     HISTORY_MAX_POINTS,
-    PrometheusExporter,
     TelemetryHistory,
     TelemetryHistoryData,
     TelemetryRejected,

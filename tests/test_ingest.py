@@ -23,13 +23,8 @@ from oakemu_core.storage.assembler import (
 from oakemu_core.policy.distributions import Categorical
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
 from oakemu_core.step_schema import StepField, build_schema
-from oakemu_core.transport.wire import (
-    MessageRejected,
-    StepMessage,
-    StepSpec,
-    decode_step,
-    encode_step,
-)
+from oakemu_core.transport.codec import MessageRejected
+from oakemu_core.transport.steps import StepMessage, StepSpec, decode_step, encode_step
 
 T = 3  # rollout length
 N = 6  # buffer columns
@@ -334,7 +329,7 @@ def test_drop_stale_rows_marks_rows_over_the_lag_and_reports_lag_stats(buffers: 
         for column in range(N):
             trainable = np.array([(t, column) != already_untrainable])
             zero = np.zeros(1, np.float32)
-            buffer.write_columns(
+            buffer.write(
                 t, np.array([column]),
                 {"observations": rng.normal(size=(1, 2)).astype(np.float32), "actions": np.array([0]),
                  "log_probs": zero, "values": zero, "rewards": zero, "dones": np.array([False]), "trainable": trainable},
@@ -474,7 +469,7 @@ def test_a_write_whose_rows_disagree_with_the_buffer_is_rejected_and_discards_th
     send(assembler, message("b", "b-1", 0, 2))
     columns = assembler.actors["b"].segment.columns
     assert buffers[0].column_steps[columns].tolist() == [1, 1]
-    buffers[0].write_columns(1, columns[:1], message("x", "x", 0, 1).fields)  # behind the assembler's back
+    buffers[0].write(1, columns[:1], message("x", "x", 0, 1).fields)  # behind the assembler's back
     with pytest.raises(StepRejected) as caught:
         send(assembler, message("b", "b-1", 1, 2))
     assert caught.value.reason == "schema" and "step_index=1" in caught.value.detail

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -17,18 +19,14 @@ from oakemu_core.run.checkpoint import load_checkpoint, save_run_checkpoint
 from oakemu_core.policy.distributions import distribution_for_env
 from oakemu_core.envs import make_vector_env
 from oakemu_core.storage.assembler import FullRollout
+from oakemu_core.algo.handshake import RolloutHandshake, TrainResult, WeightsRevision
+from oakemu_core.algo.health import CheckpointPolicy, HealthMonitor, RunCollapsedError
 from oakemu_core.algo.learner import (
-    CheckpointPolicy,
-    HealthMonitor,
     PPOExperimentConfiguration,
     PPOLearner,
     PPOLearnerRuntimeState,
-    RolloutHandshake,
-    RunCollapsedError,
     RuntimeContext,
     ThreadSafeModel,
-    TrainResult,
-    WeightsRevision,
 )
 from oakemu_core.policy.models import build_model
 from oakemu_core.algo.ppo import LinearSchedule
@@ -63,12 +61,15 @@ def fill(buffer: RolloutBuffer, stepper: PolicyStepper, version: int) -> FullRol
                        last_dones=row.buffers.dones.copy())
 
 
-def make_learner(model, buffer, config: PPOExperimentConfiguration) -> PPOLearner:
+def make_learner(model, buffer, config: PPOExperimentConfiguration, **revisions) -> PPOLearner:
+    """A CPU learner (Adam, learning rate 1e-3 annealed over 100 updates); ``revisions``: its
+    ``revision_sink`` / ``revision_max_approx_kl`` / ``revision_min_sgd_steps``."""
     context = RuntimeContext(config, torch.device("cpu"))
     learner_model = ThreadSafeModel(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-5)
     lr_schedule = LinearSchedule(1e-3, 0.0, 100)
-    return PPOLearner(context, learner_model, buffer, optimizer, lr_schedule, action_mask=None, bc_sampler=None)
+    return PPOLearner(context, learner_model, buffer, optimizer, lr_schedule, action_mask=None, bc_sampler=None,
+                      **revisions)
 
 
 def test_seed_002_calls_as_written(cartpole) -> None:
@@ -122,6 +123,45 @@ def test_run_trains_published_rollouts_and_stops(cartpole, tmp_path: Path) -> No
     assert (tmp_path / "checkpoints" / "checkpoint_00000002.pt").is_file()  # every 2 updates
 
 
+@contextmanager
+def running(learner: PPOLearner, handshake: RolloutHandshake, policy: CheckpointPolicy) -> Iterator[threading.Thread]:
+    """``learner.run`` in a thread of its own while the block runs (global step 123); stopped and
+    joined (10 s at most) when it ends."""
+    stop_event = threading.Event()
+    thread = threading.Thread(target=learner.run, args=(stop_event, lambda: 123, handshake, policy))
+    thread.start()
+    try:
+        yield thread
+    finally:
+        stop_event.set()
+        thread.join(10)
+
+
+def test_run_writes_the_final_checkpoint_when_it_stops(cartpole, tmp_path: Path) -> None:
+    """Seed 002: run() manages periodic and final checkpointing. With periodic checkpoints off, the
+    run folder holds the final checkpoint once run() returns, and a last result (no slot) is handed
+    back after the update's."""
+    env, _schema, buffer, model = cartpole
+    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1))
+    stepper = PolicyStepper(env, model)
+    handshake = RolloutHandshake()
+    no_periodic = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_run_checkpoint,
+                                   every_updates=0)
+    with running(learner, handshake, no_periodic) as thread:
+        with learner.learner_model.locked():
+            handshake.publish(fill(buffer, stepper, learner.policy_version))
+        while not handshake.results():
+            pass
+        assert not list(tmp_path.glob("checkpoints/*.pt")), "no periodic checkpoint"
+    assert not thread.is_alive()
+    assert [p.name for p in tmp_path.glob("checkpoints/checkpoint_*.pt")] == ["checkpoint_00000001.pt"]
+    state = load_checkpoint(tmp_path / "checkpoints" / "latest.pt")
+    assert state["ppo"]["iterations"] == 1 and state["ppo"]["policy_version"] == 1
+    (final,) = handshake.results()
+    assert isinstance(final, TrainResult) and final.slot is None and final.policy_version == 1
+    handshake.close()
+
+
 def test_a_handed_back_result_wakes_the_ingest_threads_poller() -> None:
     """``wake_fd`` is readable from ``complete`` until ``results`` collects what was handed back,
     so the ingest loop needs no poll timeout to notice a finished update."""
@@ -147,11 +187,11 @@ def test_weights_within_an_update_come_before_its_result(cartpole, tmp_path: Pat
     """With a revision sink (publish_every_epoch) an update of 3 epochs hands back the weights of
     epochs 1 and 2 as revisions of the version in training, then its result; busy until the result."""
     env, _schema, buffer, model = cartpole
-    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=3))
-    stepper = PolicyStepper(env, model)
     handshake = RolloutHandshake()
-    learner.revision_sink = lambda version, revision, weights: handshake.complete(
-        WeightsRevision(version, revision, weights))
+    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=3),
+                           revision_sink=lambda version, revision, weights: handshake.complete(
+                               WeightsRevision(version, revision, weights)))
+    stepper = PolicyStepper(env, model)
     policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_run_checkpoint)
     stop_event = threading.Event()
     thread = threading.Thread(target=learner.run, args=(stop_event, lambda: 123, handshake, policy))
@@ -189,24 +229,24 @@ def test_weights_within_an_update_come_before_its_result(cartpole, tmp_path: Pat
     stepper.weights_revision = 1
     rollout = fill(buffer, stepper, 1)
     assert (buffer.policy_versions == 1).all() and (buffer.policy_revisions == 1).any()
-    _stale, lag = learner.prepare(rollout)
+    lag = learner.prepare(rollout).lag
     expected = np.where(buffer.policy_revisions == 1, 12 - 8, 12 - 6).mean()
     assert lag["sgd_mean"] == pytest.approx(expected) and lag["sgd_min"] == 4.0
 
 
 def test_weights_the_health_check_could_reject_are_not_published_within_an_update(cartpole) -> None:
     _env, _schema, buffer, model = cartpole
-    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=3))
     sent: list[tuple[int, int]] = []
-    learner.revision_sink = lambda version, revision, weights: sent.append((version, revision))
-    learner.revision_max_approx_kl = 0.5
-    learner._publish_revision(1, 0.1, 0, 2)
-    learner._publish_revision(2, 0.6, 0, 4)  # kept back: the update's health check may roll it back
-    learner._publish_revision(2, 0.1, 1, 4)  # a gradient was skipped as non-finite
-    learner._publish_revision(2, math.nan, 0, 4)
+    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=3),
+                           revision_sink=lambda version, revision, weights: sent.append((version, revision)),
+                           revision_max_approx_kl=0.5)
+    learner.publish_revision(1, 0.1, 0, 2)
+    learner.publish_revision(2, 0.6, 0, 4)  # kept back: the update's health check may roll it back
+    learner.publish_revision(2, 0.1, 1, 4)  # a gradient was skipped as non-finite
+    learner.publish_revision(2, math.nan, 0, 4)
     with torch.no_grad():
         next(model.parameters()).view(-1)[0] = float("nan")
-    learner._publish_revision(2, 0.1, 0, 4)  # non-finite weights
+    learner.publish_revision(2, 0.1, 0, 4)  # non-finite weights
     assert sent == [(learner.policy_version, 1)]
 
 
@@ -214,17 +254,17 @@ def test_revisions_are_published_at_most_once_per_min_sgd_steps(cartpole) -> Non
     """With ``revision_min_sgd_steps`` 3, an epoch's weights go out only when 3 SGD steps or more
     passed since the weights last published (a version or a revision)."""
     _env, _schema, buffer, model = cartpole
-    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=5))
     sent: list[tuple[int, int]] = []
-    learner.revision_sink = lambda version, revision, weights: sent.append((version, revision))
-    learner.revision_min_sgd_steps = 3
-    learner.sgd_steps = 10
-    learner._note_sgd_steps(learner.policy_version, 0, 10)  # the version in training was published at 10
+    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=5),
+                           revision_sink=lambda version, revision, weights: sent.append((version, revision)),
+                           revision_min_sgd_steps=3)
+    learner.sgd_ledger.sgd_steps = 10
+    learner.sgd_ledger.note(learner.policy_version, 0, 10)  # the version in training was published at 10
     for epochs_done, update_sgd_steps in ((1, 2), (2, 4), (3, 5), (4, 7)):  # at 12, 14, 15, 17
-        learner._publish_revision(epochs_done, 0.01, 0, update_sgd_steps)
+        learner.publish_revision(epochs_done, 0.01, 0, update_sgd_steps)
     version = learner.policy_version
     assert sent == [(version, 2), (version, 4)]  # 14 - 10 = 4 and 17 - 14 = 3; 2 and 1 are too few
-    assert learner._sgd_steps_at[(version, 2)] == 14 and learner._sgd_steps_at[(version, 4)] == 17
+    assert learner.sgd_ledger.published[(version, 2)] == 14 and learner.sgd_ledger.published[(version, 4)] == 17
 
 
 def test_collapse_is_rolled_back_with_a_higher_policy_version(cartpole, tmp_path: Path) -> None:
@@ -234,17 +274,17 @@ def test_collapse_is_rolled_back_with_a_higher_policy_version(cartpole, tmp_path
     policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_run_checkpoint,
                               health=HealthMonitor(), every_updates=1, lr_factor=0.5, max_rollbacks=2)
     rollout = fill(buffer, stepper, learner.policy_version)
-    learner.prepare(rollout)
-    assert policy.after_update(learner, learner.step(0)) == []  # healthy: checkpoint 1 written
+    prepared = learner.prepare(rollout)
+    assert policy.after_update(learner, learner.step(0, prepared)) == []  # healthy: checkpoint 1 written
     good = load_checkpoint(tmp_path / "checkpoints" / "latest.pt")["model"]
 
     # Garbage weights (as a destroyed policy would have): detected after the next update.
     rollout = fill(buffer, stepper, learner.policy_version)
     with torch.no_grad():
         next(model.parameters()).fill_(float("nan"))
-    learner.prepare(rollout)
+    prepared = learner.prepare(rollout)
     version_before = learner.policy_version
-    notes = policy.after_update(learner, learner.step(0))
+    notes = policy.after_update(learner, learner.step(0, prepared))
     assert len(notes) == 1 and "rollback 1/2" in notes[0] and "non-finite" in notes[0]
     assert policy.rollbacks == 1
     assert learner.policy_version > version_before
@@ -253,8 +293,8 @@ def test_collapse_is_rolled_back_with_a_higher_policy_version(cartpole, tmp_path
     assert learner.lr_scale == 0.5
 
     # Training goes on from the restored weights.
-    learner.prepare(fill(buffer, stepper, learner.policy_version))
-    stats = learner.step(0)
+    prepared = learner.prepare(fill(buffer, stepper, learner.policy_version))
+    stats = learner.step(0, prepared)
     assert stats is not None and np.isfinite(stats.policy_loss)
     assert policy.after_update(learner, stats) == []
 
@@ -262,14 +302,14 @@ def test_collapse_is_rolled_back_with_a_higher_policy_version(cartpole, tmp_path
     rollout = fill(buffer, stepper, learner.policy_version)
     with torch.no_grad():
         next(model.parameters()).fill_(float("inf"))
-    learner.prepare(rollout)
-    policy.after_update(learner, learner.step(0))  # rollback 2
+    prepared = learner.prepare(rollout)
+    policy.after_update(learner, learner.step(0, prepared))  # rollback 2
     rollout = fill(buffer, stepper, learner.policy_version)
     with torch.no_grad():
         next(model.parameters()).fill_(float("nan"))
-    learner.prepare(rollout)
+    prepared = learner.prepare(rollout)
     with pytest.raises(RunCollapsedError, match="after 2 rollbacks"):
-        policy.after_update(learner, learner.step(0))
+        policy.after_update(learner, learner.step(0, prepared))
 
 
 def test_learning_rate_that_destroys_the_policy_is_caught_by_the_kl_check(cartpole, tmp_path: Path) -> None:
@@ -278,13 +318,13 @@ def test_learning_rate_that_destroys_the_policy_is_caught_by_the_kl_check(cartpo
     stepper = PolicyStepper(env, model)
     policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_run_checkpoint,
                               health=HealthMonitor(max_approx_kl=0.5), every_updates=1)
-    learner.prepare(fill(buffer, stepper, 0))
-    policy.after_update(learner, learner.step(0))
+    prepared = learner.prepare(fill(buffer, stepper, 0))
+    policy.after_update(learner, learner.step(0, prepared))
     learner.lr_schedule = None
     for group in learner.optimizer.param_groups:
         group["lr"] = 50.0  # destroys the policy within one update
-    learner.prepare(fill(buffer, stepper, learner.policy_version))
-    stats = learner.step(0)
+    prepared = learner.prepare(fill(buffer, stepper, learner.policy_version))
+    stats = learner.step(0, prepared)
     assert stats is not None
     notes = policy.after_update(learner, stats)
     assert notes and "rollback 1/" in notes[0], (stats.approx_kl, notes)

@@ -1,4 +1,4 @@
-"""The learner refuses to start when /dev/shm cannot hold its two rollout buffers (issue 4)."""
+"""The learner refuses to start when /dev/shm cannot hold its two rollout buffers."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def test_a_learner_that_fails_to_start_releases_what_it_made(tmp_path: Path) -> 
 def test_a_joining_actor_gets_steps_per_message_for_its_own_env_count(tmp_path: Path) -> None:
     """K is computed from the joining actor's envs, not from the configured envs_per_actor or the
     buffer's columns: 128 env steps per message at most, rollout_length 1024."""
-    from oakemu_core.transport.wire import JoinRequest, decode_message
+    from oakemu_core.transport.control import JoinRequest, decode_message
     from oakemu_services.learner import Learner
 
     ports = _free_ports(5)
@@ -110,8 +110,8 @@ def test_a_joining_actor_gets_steps_per_message_for_its_own_env_count(tmp_path: 
     learner = Learner(config, tmp_path / "join")
     try:
         for num_envs, expected in ((16, 8), (2, 32), (4, 32), (8, 16)):
-            reply = decode_message(learner._grant_join(JoinRequest(f"a{num_envs}", "inc", num_envs, "h"), 0.0, None),
-                                   max_bytes=2**24)
+            request = JoinRequest(f"a{num_envs}", "inc", num_envs, "h")
+            reply = decode_message(learner.control_server.grant_join(request, 0.0, None), max_bytes=2**24)
             assert reply.spec.num_envs == num_envs and reply.spec.steps_per_message == expected, num_envs
     finally:
         learner.close()
@@ -129,10 +129,10 @@ def _precision_learner(tmp_path: Path, env_id: str):
 
 def _join(learner, actor_id: str, precision: str):
     """A join request through the learner's control handling (peer binding and refusals included)."""
-    from oakemu_core.transport.wire import JoinRequest, decode_message, encode_join_request
+    from oakemu_core.transport.control import JoinRequest, decode_message, encode_join_request
 
     request = JoinRequest(actor_id, f"inc-{actor_id}", 2, "h", inference_precision=precision)
-    frame = learner._reply(decode_message(encode_join_request(request), max_bytes=2**24), 0.0)
+    [(_, frame)] = learner.control_server.reply(decode_message(encode_join_request(request), max_bytes=2**24), 0.0)
     return decode_message(frame, max_bytes=2**26)
 
 
@@ -142,9 +142,9 @@ def test_an_actor_acting_in_bfloat16_turns_on_the_reevaluation_of_every_rollout(
     learner = _precision_learner(tmp_path, "ALE/Breakout-v5")
     try:
         assert _join(learner, "a", "float32").accepted
-        assert learner.trainer.ppo.reevaluate_every_rollout is False
+        assert learner.control_server.reevaluate_every_rollout is False
         assert _join(learner, "b", "bfloat16").accepted
-        assert learner.trainer.ppo.reevaluate_every_rollout is True
+        assert learner.control_server.reevaluate_every_rollout is True
     finally:
         learner.close()
 
@@ -156,7 +156,7 @@ def test_a_bfloat16_actor_is_refused_with_the_reason_where_the_env_has_no_images
     try:
         reply = _join(learner, "b", "bfloat16")
         assert not reply.accepted and "only for uint8 image observations" in reply.reason
-        assert learner.trainer.ppo.reevaluate_every_rollout is False
+        assert learner.control_server.reevaluate_every_rollout is False
         assert _join(learner, "a", "float32").accepted
     finally:
         learner.close()
@@ -164,13 +164,14 @@ def test_a_bfloat16_actor_is_refused_with_the_reason_where_the_env_has_no_images
 
 def test_the_trainer_hands_publish_min_sgd_steps_to_the_learner(tmp_path: Path) -> None:
     """``publish_min_sgd_steps`` reaches the library learner in async mode (sync publishes no revisions)."""
-    from oakemu_services.learner import Trainer
+    from oakemu_core.algo.trainer import Trainer
+    from oakemu_core.config import resolved_device
 
     for mode, expected_sink in (("async", True), ("sync", False)):
         config = OakEmuConfig(env_id="CartPole-v1", num_actors=1, envs_per_actor=2, num_envs=2, rollout_length=8,
                               mode=mode, publish_min_sgd_steps=7, runs_dir=tmp_path, log_level="WARNING")
         spec = env_spec(config.env_id)
-        trainer = Trainer(config, spec, schema_for_env(spec), tmp_path / mode)
+        trainer = Trainer(config, spec, schema_for_env(spec), tmp_path / mode, device=resolved_device(config))
         try:
             assert (trainer.ppo.revision_sink is not None) == expected_sink
             if expected_sink:
@@ -237,14 +238,40 @@ def test_the_pipe_outlives_a_trainer_that_did_not_stop_in_time(tmp_path: Path) -
 
 def test_a_cpu_learner_keeps_image_convolutions_channels_last(tmp_path: Path) -> None:
     """On the CPU the learner's CNN is channels-last (oneDNN's faster layout); an MLP stays as built."""
-    from oakemu_services.learner import Trainer
+    from oakemu_core.algo.trainer import Trainer
+    from oakemu_core.config import resolved_device
 
     for env_id, expected in (("ALE/Breakout-v5", True), ("CartPole-v1", False)):
         config = OakEmuConfig(env_id=env_id, num_actors=1, envs_per_actor=2, num_envs=2, rollout_length=8,
                               device="cpu", runs_dir=tmp_path, log_level="WARNING")
         spec = env_spec(config.env_id)
-        trainer = Trainer(config, spec, schema_for_env(spec), tmp_path / env_id.replace("/", "-"))
+        trainer = Trainer(config, spec, schema_for_env(spec), tmp_path / env_id.replace("/", "-"),
+                          device=resolved_device(config))
         try:
             assert trainer.learner_model.model.channels_last is expected, env_id
         finally:
             trainer.handshake.close()
+
+
+def test_the_trainers_final_checkpoint_records_the_counters_reported_last(tmp_path: Path) -> None:
+    """The ingest thread reports the run's counters through the handshake; when the trainer stops,
+    its thread writes the final checkpoint with them."""
+    from oakemu_core.algo.handshake import RunProgress
+    from oakemu_core.algo.trainer import Trainer
+    from oakemu_core.run.checkpoint import latest_checkpoint, load_checkpoint
+
+    config = OakEmuConfig(env_id="CartPole-v1", num_actors=1, envs_per_actor=2, num_envs=2, rollout_length=8,
+                          device="cpu", eval_every_updates=0, runs_dir=tmp_path, log_level="WARNING")
+    spec = env_spec(config.env_id)
+    trainer = Trainer(config, spec, schema_for_env(spec), tmp_path / "final", device="cpu")
+    try:
+        trainer.start(lambda: 123)
+        trainer.handshake.report(RunProgress(global_step=123, episodes=4))
+        trainer.stop()
+        assert not trainer.running
+        state = load_checkpoint(latest_checkpoint(tmp_path / "final"))
+        assert (state["global_step"], state["episodes"]) == (123, 4)
+        (final,) = trainer.handshake.results()
+        assert final.slot is None
+    finally:
+        trainer.close()

@@ -207,18 +207,18 @@ def test_the_learner_reevaluates_rows_of_older_versions_only(cartpole, correctio
     # Rows of the learner's own version (synchronous mode): nothing is re-evaluated.
     rollout = fill(buffer, stepper, learner.policy_version)
     acted_values = buffer.values.copy()
-    learner.prepare(rollout)
+    prepared = learner.prepare(rollout)
     assert np.array_equal(buffer.values, acted_values)
-    stats = learner.step(actor_steps=rows)
+    stats = learner.step(actor_steps=rows, rollout=prepared)
     assert np.isnan(stats.importance_weight_mean)
 
     # The same actor weights, now one version behind the learner's.
     rollout = fill(buffer, stepper, learner.policy_version - 1)
     acted_values = buffer.values.copy()
-    learner.prepare(rollout)
+    prepared = learner.prepare(rollout)
     if correction == "none":
         assert np.array_equal(buffer.values, acted_values)
-        assert np.isnan(learner.step(actor_steps=2 * rows).importance_weight_mean)
+        assert np.isnan(learner.step(actor_steps=2 * rows, rollout=prepared).importance_weight_mean)
         return
     with torch.no_grad():  # the learner's critic before its update
         _, _, critic_values = model.evaluate_actions(
@@ -227,26 +227,25 @@ def test_the_learner_reevaluates_rows_of_older_versions_only(cartpole, correctio
     assert np.abs(buffer.values - acted_values).max() > 1e-4
     # GAE was recomputed from the replaced values: returns = advantages + values.
     np.testing.assert_allclose(buffer.returns, buffer.advantages + buffer.values, rtol=1e-5, atol=1e-5)
-    stats = learner.step(actor_steps=2 * rows)
+    stats = learner.step(actor_steps=2 * rows, rollout=prepared)
     assert 0.0 < stats.importance_weight_mean <= 1.0
     assert learner.corrections_skipped == 0
 
 
 def test_rollouts_of_rounded_actors_are_reevaluated_even_when_all_rows_are_current(cartpole) -> None:  # noqa: F811
-    """An actor with bfloat16 forward passes joined (``reevaluate_every_rollout``): a rollout whose rows
+    """An actor with bfloat16 forward passes joined (the rollout says ``reevaluate``): a rollout whose rows
     are all of the learner's version is re-evaluated in float32 too, and trains with the decoupled
     objective (its behaviour log-probs are the rounded policy's)."""
     env, _schema, buffer, model = cartpole
     learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1))
-    learner.reevaluate_every_rollout = True
     stepper = PolicyStepper(env, copy.deepcopy(model))
     rows = buffer.total_size
     rollout = fill(buffer, stepper, learner.policy_version)
     buffer.replace_values(buffer.values + 0.5)  # as if the rounded critic were off: the learner's replace them
     acted_values = buffer.values.copy()
-    learner.prepare(rollout)
+    prepared = learner.prepare(rollout, reevaluate=True)
     np.testing.assert_allclose(buffer.values, acted_values - 0.5, rtol=1e-5, atol=1e-5)
-    stats = learner.step(actor_steps=rows)
+    stats = learner.step(actor_steps=rows, rollout=prepared)
     assert np.isfinite(stats.importance_weight_mean)  # NaN when the update is not decoupled
 
 
@@ -258,7 +257,7 @@ def test_a_diverged_critic_trains_without_the_correction_instead_of_stopping(car
     acted_values = buffer.values.copy()
     with torch.no_grad():
         model.critic.weight.fill_(3e38)  # finite weights whose values overflow to inf
-    learner.prepare(rollout)
+    prepared = learner.prepare(rollout)
     assert learner.corrections_skipped == 1
     assert np.array_equal(buffer.values, acted_values)
-    assert np.isnan(learner.step(actor_steps=buffer.total_size).importance_weight_mean)
+    assert np.isnan(learner.step(actor_steps=buffer.total_size, rollout=prepared).importance_weight_mean)

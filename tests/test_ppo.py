@@ -13,11 +13,17 @@ import torch
 from oakemu_core.algo.demonstrations import DemonstrationBatch
 from oakemu_core.policy.distributions import Categorical, DiagGaussian
 from oakemu_core.policy.models import ActorCritic, build_model
+from oakemu_core.algo.learner import (
+    PPOExperimentConfiguration,
+    PPOLearner,
+    PPOLearnerRuntimeState,
+    RuntimeContext,
+    ThreadSafeModel,
+)
 from oakemu_core.algo.ppo import (
     EmptyRolloutError,
     LinearSchedule,
     PPOUpdater,
-    PPORuntimeState,
     cpu_has_native_bfloat16,
     explained_variance,
     ppo_losses,
@@ -102,10 +108,10 @@ def test_linear_schedule_and_its_state() -> None:
 
 
 def test_runtime_state_dict_round_trip() -> None:
-    state = PPORuntimeState(iterations=3, rollouts_collected=4, policy_version=5, shuffle_rng_state={"a": 1})
-    assert PPORuntimeState.from_dict(state.to_dict()) == state
+    state = PPOLearnerRuntimeState(iterations=3, rollouts_collected=4, policy_version=5, shuffle_rng_state={"a": 1})
+    assert PPOLearnerRuntimeState.from_dict(state.to_dict()) == state
     with pytest.raises(ValueError, match="policy_version"):
-        PPORuntimeState.from_dict({"iterations": 1, "rollouts_collected": 1})
+        PPOLearnerRuntimeState.from_dict({"iterations": 1, "rollouts_collected": 1})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,7 +198,7 @@ def test_ratio_check_only_counts_rows_of_the_current_policy_version() -> None:
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 def test_updates_on_a_bandit_raise_the_probability_of_the_rewarded_action(precision: str) -> None:
     model = _model()
-    learner = _learner(model, lr=2.5e-3, precision=precision)
+    learner = _learner(model, lr=2.5e-3, learner_precision=precision)
     probe = np.random.default_rng(9).normal(size=(256, OBS_DIM)).astype(np.float32)
 
     def p_rewarded() -> float:
@@ -253,7 +259,7 @@ def test_the_update_runs_the_torso_in_its_precision_and_keeps_heads_and_state_fl
             buffer.add(frames, bundle.actions, bundle.log_probs, bundle.values,
                        rng.normal(size=4).astype(np.float32), np.zeros(4, bool))
         buffer.compute_gae(np.zeros(4, np.float32), np.zeros(4, bool), 0.99, 0.95)
-        learner = _learner(model, precision=precision)
+        learner = _learner(model, learner_precision=precision)
         seen = _layer_output_dtypes(model)
         proximal = learner.evaluate_rollout(buffer)
         assert set(seen["torso"]) == {torso_dtype}
@@ -278,7 +284,7 @@ def test_a_bfloat16_update_moves_the_weights_as_the_float32_update_does() -> Non
         start = torch.cat([p.detach().flatten() for p in model.parameters()])
         with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
             _fill(buffer, [model], np.random.default_rng(fill_seed))
-            _learner(model, precision=precision).step(buffer, current_policy_version=0)
+            _learner(model, learner_precision=precision).step(buffer, current_policy_version=0)
         return torch.cat([p.detach().flatten() for p in model.parameters()]) - start
 
     float32, bfloat16, other = weight_change("float32", 1), weight_change("bfloat16", 1), weight_change("float32", 2)
@@ -366,27 +372,35 @@ def served_minibatches(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     return calls
 
 
+def _scheduled_learner(model: ActorCritic, buffer: RolloutBuffer, schedule: LinearSchedule) -> PPOLearner:
+    """The settings of :func:`_learner` in a :class:`PPOLearner` training on ``buffer`` with ``schedule``."""
+    config = PPOExperimentConfiguration(ppo_epochs=4, num_minibatches=4, clip_coef=0.2, clip_value_range=0.2,
+                                        ent_coef=0.0, vf_coef=0.5, max_grad_norm=0.5, seed=0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-5)
+    return PPOLearner(RuntimeContext(config, torch.device("cpu")), ThreadSafeModel(model), buffer, optimizer, schedule)
+
+
 def test_learning_rate_schedule_counters_and_state_restore(served_minibatches: list[dict]) -> None:
     model = _model()
     schedule = LinearSchedule(1e-3, 0.0, 10)
-    learner = _learner(model, lr_schedule=schedule)
     with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
+        learner = _scheduled_learner(model, buffer, schedule)
         _fill(buffer, [model], np.random.default_rng(5))
-        rates = [learner.step(buffer, current_policy_version=v).learning_rate for v in (0, 1)]
+        rates = [learner.step(actor_steps=0).learning_rate for v in (0, 1)]
         assert rates == pytest.approx([1e-3, 0.9e-3])
         assert (learner.iterations, learner.rollouts_collected, learner.policy_version) == (2, 2, 2)
 
         saved = learner.state()
-        resumed = _learner(_model(), lr_schedule=LinearSchedule(1e-3, 0.0, 10))
+        resumed = _scheduled_learner(_model(), buffer, LinearSchedule(1e-3, 0.0, 10))
         resumed.lr_schedule.load_state_dict(schedule.state_dict())
-        resumed.restore_state(PPORuntimeState.from_dict(saved.to_dict()))
+        resumed.restore_state(PPOLearnerRuntimeState.from_dict(saved.to_dict()))
         assert (resumed.iterations, resumed.rollouts_collected, resumed.policy_version) == (2, 2, 2)
         # The shuffle generator continues where it stopped: same next minibatch rows.
         served_minibatches.clear()
-        learner.step(buffer, current_policy_version=2)
+        learner.step(actor_steps=0)
         rows_original = [call["order"] for call in served_minibatches]
         served_minibatches.clear()
-        third = resumed.step(buffer, current_policy_version=2)
+        third = resumed.step(actor_steps=0)
         rows_resumed = [call["order"] for call in served_minibatches]
         assert len(rows_original) == len(rows_resumed) == 4  # one shuffle per epoch
         for a, b in zip(rows_original, rows_resumed, strict=True):
@@ -394,7 +408,7 @@ def test_learning_rate_schedule_counters_and_state_restore(served_minibatches: l
         assert not np.array_equal(rows_original[0], rows_original[1]), "each epoch reshuffles"
         assert third.learning_rate == pytest.approx(0.8e-3)
         with pytest.raises(ValueError, match="counters"):
-            resumed.restore_state(PPORuntimeState(iterations=-1))
+            resumed.restore_state(PPOLearnerRuntimeState(iterations=-1))
 
 
 def test_empty_rollout_and_bad_hyperparameters_are_rejected(served_minibatches: list[dict]) -> None:
@@ -418,7 +432,7 @@ def test_empty_rollout_and_bad_hyperparameters_are_rejected(served_minibatches: 
     with pytest.raises(ValueError, match="clip_value_range"):
         _learner(model, clip_value_range=-0.1)
     with pytest.raises(ValueError, match="precision"):
-        _learner(model, precision="float16")
+        _learner(model, learner_precision="float16")
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning", "ignore:overflow encountered:RuntimeWarning")

@@ -183,13 +183,13 @@ def test_add_rejects_wrong_fields_and_writes_nothing(
 
 
 @pytest.mark.parametrize(("field", "bad", "expected", "received"), WRONG_FIELDS)
-def test_write_columns_rejects_wrong_fields_and_writes_nothing(
+def test_write_rejects_wrong_fields_and_writes_nothing(
     buffer: RolloutBuffer, field: str, bad, expected: str, received: str
 ) -> None:
     arrays = step_arrays(3, step=5)
     arrays[field] = bad
     with pytest.raises(ValueError, match=rf"^{field}: expected .*{expected}.*received .*{received}"):
-        buffer.write_columns(0, np.array([2, 0, 1]), arrays)
+        buffer.write(0, np.array([2, 0, 1]), arrays)
     np.testing.assert_array_equal(buffer.column_steps, [0, 0, 0])
     assert not buffer.observations.any() and not buffer.actions.any() and not buffer.rewards.any()
 
@@ -211,46 +211,46 @@ def test_bad_policy_version_is_rejected(buffer: RolloutBuffer, version) -> None:
     with pytest.raises(ValueError, match="policy_revision: expected a non-negative int"):
         buffer.add(**step_arrays(3), policy_revision=version)
     with pytest.raises(ValueError, match="policy_revision: expected a non-negative int"):
-        buffer.write_columns(0, np.array([0]), step_arrays(1), policy_revision=version)
+        buffer.write(0, np.array([0]), step_arrays(1), policy_revision=version)
     assert buffer.step == 0 and buffer.column_steps.tolist() == [0, 0, 0]
 
 
 # ---------------------------------------------------------------------------------- columns
-def test_write_columns_fills_columns_independently(buffer: RolloutBuffer) -> None:
+def test_write_fills_columns_independently(buffer: RolloutBuffer) -> None:
     first, second = np.array([2, 0]), np.array([1])
     for step in range(4):
         arrays = step_arrays(2, step)
-        buffer.write_columns(step, first, arrays, policy_version=3, policy_revision=2)
+        buffer.write(step, first, arrays, policy_version=3, policy_revision=2)
     np.testing.assert_array_equal(buffer.column_steps, [4, 0, 4])
     assert buffer.step == 0 and not buffer.is_full
     # arrays[i] goes to column columns[i]: column 2 got env 0's data, column 0 env 1's.
     np.testing.assert_array_equal(buffer.actions[:, 2], [0, 10, 20, 30])
     np.testing.assert_array_equal(buffer.actions[:, 0], [1, 11, 21, 31])
     for step in range(4):
-        buffer.write_columns(step, second, step_arrays(1, step), policy_version=4)
+        buffer.write(step, second, step_arrays(1, step), policy_version=4)
     assert buffer.is_full
     np.testing.assert_array_equal(buffer.policy_versions[0], [3, 4, 3])
     np.testing.assert_array_equal(buffer.policy_revisions[0], [2, 0, 2])
 
 
 def _complete(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Every writable field actors send (write_validated fills no default for them), plus one the buffer
+    """Every writable field actors send (a validated write fills no default for them), plus one the buffer
     does not store."""
     lead = arrays["dones"].shape
     return {**arrays, "bootstrap_values": np.zeros(lead, np.float32), "truncated": np.zeros(lead, bool),
             "trainable": np.arange(math.prod(lead)).reshape(lead) % 2 == 0}
 
 
-def test_write_validated_stores_what_the_checked_writes_store(buffer: RolloutBuffer) -> None:
+def test_a_validated_write_stores_what_a_checked_write_stores(buffer: RolloutBuffer) -> None:
     """One row into fancy-indexed columns, then a block of rows into a slice: the same buffer contents
-    as write_columns / write_column_rows."""
+    as the checked write."""
     with RolloutBuffer(4, 3, OBS_SHAPE, np.uint8, seed=0) as checked:
         one_row = _complete(step_arrays(2, 0))
         block = {name: np.stack([_complete(step_arrays(1, s))[name] for s in (0, 1, 2)]) for name in one_row}
-        buffer.write_validated(0, np.array([2, 0]), one_row, policy_version=3, policy_revision=1)
-        checked.write_columns(0, np.array([2, 0]), one_row, policy_version=3, policy_revision=1)
-        buffer.write_validated(0, slice(1, 2), block, rows=3, policy_version=5)
-        checked.write_column_rows(0, np.array([1]), block, policy_version=5)
+        buffer.write(0, np.array([2, 0]), one_row, policy_version=3, policy_revision=1, validated=True)
+        checked.write(0, np.array([2, 0]), one_row, policy_version=3, policy_revision=1)
+        buffer.write(0, slice(1, 2), block, rows=3, policy_version=5, validated=True)
+        checked.write(0, np.array([1]), block, rows=3, policy_version=5)
         for name in ["observations", "actions", "log_probs", "values", "rewards", "dones", "bootstrap_values",
                      "trainable", "policy_versions", "policy_revisions", "column_steps"]:
             np.testing.assert_array_equal(getattr(buffer, name), getattr(checked, name), err_msg=name)
@@ -258,29 +258,29 @@ def test_write_validated_stores_what_the_checked_writes_store(buffer: RolloutBuf
         np.testing.assert_array_equal(buffer.trainable[0], [False, True, True])  # env 1 -> column 0
 
 
-def test_write_validated_checks_the_rows_and_writes_nothing_when_they_disagree(buffer: RolloutBuffer) -> None:
-    buffer.write_validated(0, slice(0, 2), _complete(step_arrays(2, 0)), policy_version=0)
+def test_a_validated_write_checks_the_rows_and_writes_nothing_when_they_disagree(buffer: RolloutBuffer) -> None:
+    buffer.write(0, slice(0, 2), _complete(step_arrays(2, 0)), policy_version=0, validated=True)
     before = {name: getattr(buffer, name).copy() for name in ("actions", "column_steps", "policy_versions")}
     with pytest.raises(ValueError, match="step_index=0"):  # column 1 already holds a row
-        buffer.write_validated(0, np.array([1, 2]), _complete(step_arrays(2, 0)), policy_version=7)
+        buffer.write(0, np.array([1, 2]), _complete(step_arrays(2, 0)), policy_version=7, validated=True)
     block = {name: np.stack([value] * 4) for name, value in _complete(step_arrays(2, 1)).items()}
     with pytest.raises(OverflowError, match="rollout_length 4"):  # rows 1..4 of a 4-row buffer
-        buffer.write_validated(1, slice(0, 2), block, rows=4, policy_version=7)
+        buffer.write(1, slice(0, 2), block, rows=4, policy_version=7, validated=True)
     for name, value in before.items():
         np.testing.assert_array_equal(getattr(buffer, name), value, err_msg=name)
 
 
-def test_write_columns_keeps_rows_contiguous(buffer: RolloutBuffer) -> None:
-    buffer.write_columns(0, np.array([0, 1]), step_arrays(2, 0))
+def test_write_keeps_rows_contiguous(buffer: RolloutBuffer) -> None:
+    buffer.write(0, np.array([0, 1]), step_arrays(2, 0))
     with pytest.raises(ValueError, match=r"columns: expected every column to hold step_index=1 rows, received columns \[2\] holding \[0\]"):
-        buffer.write_columns(1, np.array([1, 2]), step_arrays(2, 1))
+        buffer.write(1, np.array([1, 2]), step_arrays(2, 1))
     np.testing.assert_array_equal(buffer.column_steps, [1, 1, 0]), "column 1 must not be written"
     with pytest.raises(ValueError, match="step_index=0"):
-        buffer.write_columns(0, np.array([0]), step_arrays(1, 0))
+        buffer.write(0, np.array([0]), step_arrays(1, 0))
     with pytest.raises(ValueError, match="add: expected every column at the same step"):
         buffer.add(**step_arrays(3))
     with pytest.raises(OverflowError, match="step_index"):
-        buffer.write_columns(4, np.array([0]), step_arrays(1, 0))
+        buffer.write(4, np.array([0]), step_arrays(1, 0))
 
 
 @pytest.mark.parametrize(
@@ -297,19 +297,19 @@ def test_write_columns_keeps_rows_contiguous(buffer: RolloutBuffer) -> None:
 def test_bad_columns_are_rejected(buffer: RolloutBuffer, columns, message: str) -> None:
     count = len(np.asarray(columns).reshape(-1))
     with pytest.raises(ValueError, match=f"columns: .*{message}"):
-        buffer.write_columns(0, columns, step_arrays(count))
+        buffer.write(0, columns, step_arrays(count))
     np.testing.assert_array_equal(buffer.column_steps, [0, 0, 0])
 
 
 def test_reset_columns_discards_an_unfinished_segment(buffer: RolloutBuffer) -> None:
     for step in range(2):
-        buffer.write_columns(step, np.array([0, 1, 2]), step_arrays(3, step))
+        buffer.write(step, np.array([0, 1, 2]), step_arrays(3, step))
     buffer.reset_columns(np.array([1]))
     np.testing.assert_array_equal(buffer.column_steps, [2, 0, 2])
     assert not buffer.trainable[:, 1].any()
     assert buffer.trainable_size == 4
     for step in range(2):
-        buffer.write_columns(step, np.array([1]), step_arrays(1, step + 7))
+        buffer.write(step, np.array([1]), step_arrays(1, step + 7))
     np.testing.assert_array_equal(buffer.actions[:2, 1], [70, 80])
 
 
@@ -768,7 +768,7 @@ def test_schema_fields_are_stored_required_and_served_in_minibatches() -> None:
         with pytest.raises(ValueError, match=r"^action_mask: expected shape \(2, 3\) and dtype bool.*dtype uint8"):
             rollout_buffer.add(**arrays, action_mask=np.ones((2, 3), np.uint8))
         with pytest.raises(ValueError, match=r"^action_mask: expected shape \(2, 3\).*received shape \(2, 4\)"):
-            rollout_buffer.write_columns(0, np.array([0, 1]), {**arrays, "action_mask": np.ones((2, 4), bool)})
+            rollout_buffer.write(0, np.array([0, 1]), {**arrays, "action_mask": np.ones((2, 4), bool)})
         with pytest.raises(ValueError, match=r"unknown fields \['my_extra'\]"):
             rollout_buffer.add(**arrays, action_mask=np.ones((2, 3), bool), my_extra=np.zeros(2, np.float32))
         assert rollout_buffer.step == 0 and not rollout_buffer.field("action_mask").any()
@@ -783,6 +783,68 @@ def test_schema_fields_are_stored_required_and_served_in_minibatches() -> None:
         np.testing.assert_array_equal(flat.fields["action_mask"].numpy(), np.stack(masks).reshape(4, 3)[flat.rows])
         minibatch = rollout_buffer.get_minibatches(2, "cpu")[0]
         assert minibatch.fields["action_mask"].dtype == torch.bool and minibatch.fields["action_mask"].shape == (2, 3)
+
+
+def test_add_takes_the_seed_keyword_action_masks_and_checks_masks_as_the_wire_does() -> None:
+    """seed 004's ``add(..., action_masks=)``; a mask that allows nothing and an action its mask
+    forbids are refused by add as they are by decode_step (the same schema checks), nothing written."""
+    from oakemu_core.transport.codec import MessageRejected
+    from oakemu_core.transport.steps import StepMessage, StepSpec, decode_step, encode_step
+
+    schema = masked_schema()
+    arrays = step_arrays(2, 0, obs_shape=(2,))
+    arrays["actions"] = np.array([0, 1])
+    empty_row = np.array([[True, False, False], [False, False, False]])
+    forbidden = np.array([[True, False, False], [True, False, False]])
+    with RolloutBuffer(2, 2, schema=schema) as rollout_buffer:
+        with pytest.raises(ValueError, match="^action_mask: env 1 allows no action"):
+            rollout_buffer.add(**arrays, action_masks=empty_row)
+        with pytest.raises(ValueError, match="^actions: env 1 took an action its action_mask forbids"):
+            rollout_buffer.add(**arrays, action_masks=forbidden)
+        with pytest.raises(ValueError, match="^action_masks: received the masks twice"):
+            rollout_buffer.add(**arrays, action_masks=forbidden, action_mask=forbidden)
+        assert rollout_buffer.step == 0 and not rollout_buffer.field("action_mask").any()
+        allowed = np.array([[True, False, False], [False, True, False]])
+        rollout_buffer.add(**arrays, action_masks=allowed)
+        np.testing.assert_array_equal(rollout_buffer.field("action_mask")[0], allowed)
+    sent = {**arrays, "truncated": np.zeros(2, bool), "bootstrap_values": np.zeros(2, np.float32),
+            "next_values": np.zeros(2, np.float32), "trainable": np.ones(2, bool)}
+    for mask in (empty_row, forbidden):
+        frame = encode_step(StepMessage("a", "a-1", 0, 0, {**sent, "action_mask": mask}))
+        with pytest.raises(MessageRejected) as info:
+            decode_step(frame, lambda *_: StepSpec(2, schema), max_bytes=1 << 20)
+        assert info.value.reason == "value_range"
+
+
+@pytest.mark.parametrize(
+    ("field", "bad", "message"),
+    [
+        ("rewards", np.array([0.0, np.nan, 0.0], np.float32), "^rewards: expected finite values"),
+        ("values", np.array([np.inf, 0.0, 0.0], np.float32), "^values: expected finite values"),
+        ("actions", np.array([0, 3, 1]), r"^actions: expected values <= 2"),
+        ("actions", np.array([0, -1, 1]), r"^actions: expected values >= 0"),
+    ],
+)
+def test_add_refuses_impossible_values_as_the_wire_does(field: str, bad: np.ndarray, message: str) -> None:
+    with RolloutBuffer(2, 3, schema=build_schema({"": (OBS_SHAPE, np.uint8)}, Categorical(3))) as rollout_buffer:
+        arrays = {**step_arrays(3), "actions": np.array([0, 1, 2])}
+        with pytest.raises(ValueError, match=message):
+            rollout_buffer.add(**{**arrays, field: bad})
+        assert rollout_buffer.step == 0
+        # Finite numbers beyond the wire's magnitude limit are the caller's to store (the wire guards the network).
+        rollout_buffer.add(**{**arrays, "rewards": np.full(3, 3e38, np.float32)})
+        assert rollout_buffer.step == 1
+
+
+def test_the_checked_write_applies_the_truncation_rules_when_truncated_is_given(buffer: RolloutBuffer) -> None:
+    arrays = {**step_arrays(3), "truncated": np.array([False, True, False])}
+    with pytest.raises(ValueError, match="^truncated: every truncated env must also be done"):
+        buffer.write(0, np.arange(3), arrays)
+    arrays["dones"] = np.array([False, True, False])
+    with pytest.raises(ValueError, match="^truncated: expected shape"):
+        buffer.write(0, np.arange(3), {**arrays, "truncated": np.zeros(2, bool)})
+    buffer.write(0, np.arange(3), {**arrays, "bootstrap_values": np.array([0.0, 1.5, 0.0], np.float32)})
+    assert buffer.bootstrap_values[0].tolist() == [0.0, 1.5, 0.0] and buffer.dones[0].tolist() == [False, True, False]
 
 
 def test_scale_rewards_multiplies_and_makes_advantages_stale(buffer: RolloutBuffer) -> None:

@@ -9,7 +9,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from types import MethodType, SimpleNamespace
+from types import SimpleNamespace
 
 import msgpack
 import numpy as np
@@ -19,6 +19,7 @@ import zmq
 from oakemu_core.config import OakEmuConfig
 from oakemu_core.storage.assembler import RolloutAssembler
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
+from oakemu_core.transport.channels import StepReceiver
 from oakemu_core.transport.step_ring import (
     DEPARTED_RINGS_KEPT,
     StepRing,
@@ -27,20 +28,17 @@ from oakemu_core.transport.step_ring import (
     shared_memory_host_id,
     ring_slots,
 )
-from oakemu_core.transport.wire import (
+from oakemu_core.transport.batching import auto_steps_per_message
+from oakemu_core.transport.codec import MessageRejected
+from oakemu_core.transport.control import (
     JoinReply,
     JoinRequest,
-    MessageRejected,
-    StepMessage,
     StepRingOffer,
-    StepSpec,
-    auto_steps_per_message,
     decode_message,
-    decode_step,
     encode_join_reply,
     encode_join_request,
-    encode_step,
 )
+from oakemu_core.transport.steps import StepMessage, StepSpec, decode_step, encode_step
 from tests.e2e_helpers import (
     E2EProcesses,
     common_flags,
@@ -279,13 +277,13 @@ def test_every_message_the_learner_reads_frees_its_slot_but_only_on_its_own_peer
                 frame, peer = queue.pop(0)
                 return [SimpleNamespace(buffer=frame, peer=peer)]
 
+        peers = SimpleNamespace(allows=lambda actor_id, incarnation, frame: frame.peer == "own")
         learner = SimpleNamespace(
-            assembler=assembler, rings=rings, data=Frames(), policy_version=7,
-            peers=SimpleNamespace(allows=lambda actor_id, incarnation, frame: frame.peer == "own"),
+            assembler=assembler, rings=rings, data=Frames(), policy_version=7, peers=peers,
+            receiver=StepReceiver(rings, assembler.spec_for, peers.allows, max_bytes=MAX_BYTES),
             config=SimpleNamespace(max_message_bytes=MAX_BYTES), episodes=0,
             rejection_log={"data": SimpleNamespace(event=lambda *args: None)},
             episodes_log=SimpleNamespace(write=lambda record: None))
-        learner._release_rejected = MethodType(Learner._release_rejected, learner)
         actor = StepRing.attach(offer, ATARI_SPEC)
 
         def send(seq: int, *, nan: bool = False, peer: str = "own") -> None:
@@ -460,29 +458,27 @@ def test_a_rejoin_that_changes_k_or_the_ring_gets_fresh_sockets_sized_for_them()
     data, control, weights = free_ports(3)
     config = OakEmuConfig(envs_per_actor=N, data_port=data, control_port=control, weights_port=weights)
     actor = Actor(config, threading.Event())
+    ring = SimpleNamespace(slots=4, close=lambda: None)
     try:
-        actor.env = SimpleNamespace(num_envs=N)
-        actor._set_message_layout(StepSpec(num_envs=N, schema=ATARI_SCHEMA))  # no ring: K = 1
-        first = actor.data
-        assert actor.block is None and first.getsockopt(zmq.SNDHWM) == 2
-        actor.ring = SimpleNamespace(slots=4)
-        actor._set_message_layout(BLOCK_SPEC)  # a rejoin with a ring: K = 4, four slots
-        assert actor.data is not first and first.closed
-        assert actor.steps_per_message == 4 and actor.block is not None and actor.data.getsockopt(zmq.SNDHWM) == 4
-        ringed = actor.data
-        actor._set_message_layout(BLOCK_SPEC)  # the same again: the same sockets
-        assert actor.data is ringed
-        actor.ring = None
-        actor._set_message_layout(BLOCK_SPEC)  # a learner without room for a ring: K = 4 inline
-        assert actor.data is not ringed and actor.data.getsockopt(zmq.SNDHWM) == 1
+        actor._open_channel(StepSpec(num_envs=N, schema=ATARI_SCHEMA), None)  # no ring: K = 1
+        first = actor.channel.socket
+        assert actor.block.steps == 1 and first.getsockopt(zmq.SNDHWM) == 2
+        actor._open_channel(BLOCK_SPEC, ring)  # a rejoin with a ring: K = 4, four slots
+        assert actor.channel.socket is not first and first.closed
+        assert (actor.steps_per_message == 4 and actor.block.steps == 4
+                and actor.channel.socket.getsockopt(zmq.SNDHWM) == 4)
+        ringed = actor.channel.socket
+        actor._open_channel(BLOCK_SPEC, ring)  # the same again: the same sockets
+        assert actor.channel.socket is ringed
+        actor._open_channel(BLOCK_SPEC, None)  # a learner without room for a ring: K = 4 inline
+        assert actor.channel.socket is not ringed and actor.channel.socket.getsockopt(zmq.SNDHWM) == 1
     finally:
-        actor.env = actor.ring = None
         actor.close()
 
 
 def test_an_actor_acts_the_next_message_only_once_its_ring_slot_is_free() -> None:
     """Rows wait in the ring, not in the actor: with one slot, the steps of message 1 are acted only
-    after the learner has released message 0's slot (issue 11, policy lag)."""
+    after the learner has released message 0's slot (policy lag)."""
     import time
 
     from oakemu_services.actor import Actor
@@ -521,9 +517,9 @@ def test_an_actor_acts_the_next_message_only_once_its_ring_slot_is_free() -> Non
             stop.set()
 
     try:
-        actor.ring = OneSlotRing()
+        actor._open_channel(StepSpec(num_envs=N, schema=ATARI_SCHEMA), OneSlotRing())  # as a join does
         actor.join = lambda: None
-        actor.seq, actor.incarnation, actor.steps_per_message, actor.block = 0, "inc", 1, None  # as a join sets them
+        actor.seq, actor.client.incarnation = 0, "inc"
         actor.stepper = SimpleNamespace(step=step, schema=None)
         actor.send_step = send_step
         actor.weights_sub = actor.context.socket(zmq.SUB)  # never receives: no newer weights
@@ -534,7 +530,6 @@ def test_an_actor_acts_the_next_message_only_once_its_ring_slot_is_free() -> Non
         times = {(kind, seq): at for kind, seq, at in events}
         for seq in (1, 2):  # each message's steps come after the release of the one before
             assert times[("step", seq)] >= times[("release", seq - 1)]
-        assert actor.ring_waits == 2
+        assert actor.channel.slot_waits == 2
     finally:
-        actor.ring = None
         actor.close()

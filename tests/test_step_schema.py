@@ -20,10 +20,13 @@ from oakemu_core.step_schema import (
     StepSchema,
     build_schema,
     check_step_consistency,
+    check_step_values,
     default_schema,
+    resolve_schema,
     schema_for_env,
 )
-from oakemu_core.transport.wire import MessageRejected, StepMessage, StepSpec, decode_step, encode_step
+from oakemu_core.transport.codec import MessageRejected
+from oakemu_core.transport.steps import StepMessage, StepSpec, decode_step, encode_step
 
 MAX_BYTES = 1 << 22
 
@@ -85,9 +88,9 @@ def test_a_field_added_to_the_schema_reaches_storage_wire_step_buffers_and_minib
         # Required and validated on write, the message naming the field.
         row = valid_fields(schema, n)
         with pytest.raises(ValueError, match="^my_extra: required field missing"):
-            buffer.write_columns(0, np.arange(n), {k: v for k, v in row.items() if k != "my_extra"})
+            buffer.write(0, np.arange(n), {k: v for k, v in row.items() if k != "my_extra"})
         with pytest.raises(ValueError, match=r"^my_extra: expected shape \(2, 3\) and dtype float32.*float64"):
-            buffer.write_columns(0, np.arange(n), {**row, "my_extra": row["my_extra"].astype(np.float64)})
+            buffer.write(0, np.arange(n), {**row, "my_extra": row["my_extra"].astype(np.float64)})
         with pytest.raises(ValueError, match=r"^my_extra: expected shape \(2, 3\).*received shape \(2, 2\)"):
             buffer.add(**{**row, "my_extra": np.zeros((n, 2), np.float32)})
         assert buffer.step == 0
@@ -100,7 +103,7 @@ def test_a_field_added_to_the_schema_reaches_storage_wire_step_buffers_and_minib
             fields["my_extra"] = np.arange(n * 3, dtype=np.float32).reshape(n, 3) + 100 * t
             decoded = decode(schema, fields, n)
             np.testing.assert_array_equal(decoded.fields["my_extra"], fields["my_extra"])
-            buffer.write_columns(t, np.arange(n), decoded.fields)
+            buffer.write(t, np.arange(n), decoded.fields)
             sent_rows.append(fields["my_extra"])
         error = rejected(schema, {**fields, "my_extra": fields["my_extra"].astype(np.float64)}, n)
         assert error.reason == "dtype" and "my_extra" in error.detail
@@ -169,7 +172,7 @@ def test_dict_observations_keep_their_dtypes_from_the_wire_to_the_minibatch() ->
             fields["observations.vector"] = np.stack([np.arange(n) + 10 * t, -np.arange(n)], axis=1).astype(np.float32)
             decoded = decode(schema, fields, n)
             assert decoded.fields["observations.image"].dtype == np.uint8
-            buffer.write_columns(t, np.arange(n), decoded.fields)
+            buffer.write(t, np.arange(n), decoded.fields)
         observations = buffer.observations
         assert set(observations) == {"image", "vector"}
         assert observations["image"].dtype == np.uint8 and observations["image"].shape == (steps, n, 1, 6, 6)
@@ -284,6 +287,50 @@ def test_check_step_consistency_rules() -> None:
     ok = {**fields, "truncated": np.array([False, True]), "dones": np.array([False, True]),
           "bootstrap_values": np.array([0.0, 1.0], np.float32)}
     assert check_step_consistency(schema, ok) is None
+
+
+def test_without_truncated_a_bootstrap_value_needs_a_done() -> None:
+    """A local writer's step (no truncation flags: storage keeps them in dones + bootstrap_values)."""
+    schema = default_schema((2,), np.uint8)
+    fields = {"dones": np.array([False, True]), "bootstrap_values": np.array([0.0, 2.0], np.float32)}
+    assert check_step_consistency(schema, fields) is None
+    problem = check_step_consistency(schema, {**fields, "dones": np.array([False, False])})
+    assert problem.startswith("bootstrap_values: expected 0 where dones is False") and "[1]" in problem
+
+
+def test_local_step_values_are_checked_with_the_schema_checks_of_the_wire() -> None:
+    schema = build_schema({"": ((2,), np.float32)}, Categorical(3, masked=True))
+    assert [f.name for f in schema.action_fields] == ["actions", "action_mask"]
+    fields = {name: value for name, value in valid_fields(schema, 2).items() if name != "next_values"}
+    fields["actions"] = np.array([0, 2])
+    check_step_values(schema, fields)
+    check_step_values(schema, {**fields, "rewards": np.full(2, 3e38, np.float32)})  # finite: no magnitude limit
+    for bad, message in [
+        ({"rewards": np.array([0.0, np.nan], np.float32)}, "^rewards: expected finite values"),
+        ({"actions": np.array([0, 3])}, "^actions: expected values <= 2"),
+        ({"action_mask": np.array([[True, True, True], [False, False, False]])}, "^action_mask: env 1 allows no action"),
+        ({"action_mask": np.array([[True, True, True], [True, True, False]])}, "^actions: env 1 took an action"),
+        ({"truncated": np.array([True, False])}, "^truncated: every truncated env must also be done"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            check_step_values(schema, {**fields, **bad})
+    gaussian = build_schema({"": ((2,), np.float32)}, DiagGaussian([-1.0], [1.0]))
+    assert {f.name for f in gaussian.action_fields} == {"actions", "action_mean", "action_std"}
+
+
+def test_resolve_schema_takes_exactly_one_description_of_the_fields() -> None:
+    plain = resolve_schema("Owner", None, (2,), np.uint8)
+    assert plain == default_schema((2,), np.uint8)
+    assert resolve_schema("Owner", None, [2], np.uint8, (3,), np.float32) == default_schema((2,), np.uint8, (3,), np.float32)
+    schema = build_schema({"": ((2,), np.float32)}, Categorical(3))
+    assert resolve_schema("Owner", schema, None, None) is schema
+    with pytest.raises(ValueError, match="^Owner: expected observation_shape and observation_dtype, or schema="):
+        resolve_schema("Owner", None, (2,), None)
+    with pytest.raises(ValueError, match="^Owner: pass either schema= or observation_shape"):
+        resolve_schema("Owner", schema, (2,), np.uint8)
+    for bad in ((-1,), (2.0,), "2", 2):
+        with pytest.raises(ValueError, match="^observation_shape: expected a tuple of non-negative ints"):
+            resolve_schema("Owner", None, bad, np.uint8)
 
 
 # ---------------------------------------------------------------------------------- building and plain form

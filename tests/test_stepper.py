@@ -17,13 +17,14 @@ import pytest
 import torch
 
 from oakemu_core.policy.distributions import distribution_for_env
-from oakemu_core.envs import EnvSpec, make_env_groups, make_vector_env
+from oakemu_core.envs import EnvSpec, make_vector_env
+from oakemu_core.envs.factory import make_env_groups
 from oakemu_core.storage.assembler import RolloutAssembler
 from oakemu_core.policy.models import ActorCritic, build_model
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
 from oakemu_core.actor.stepper import PolicyStepper
 from oakemu_core.step_schema import StepSchema, schema_for_env
-from oakemu_core.transport.wire import StepMessage, StepSpec, decode_step, encode_step
+from oakemu_core.transport.steps import StepMessage, StepSpec, decode_step, encode_step
 
 SEED = 7
 GAMMA = 0.99

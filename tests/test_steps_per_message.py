@@ -24,14 +24,9 @@ from oakemu_core.storage.assembler import RolloutAssembler, SlotState
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
 from oakemu_core.transport.step_blocks import StepBlock
 from oakemu_core.step_schema import build_schema
-from oakemu_core.transport.wire import (
-    MessageRejected,
-    StepMessage,
-    StepSpec,
-    auto_steps_per_message,
-    decode_step,
-    encode_step,
-)
+from oakemu_core.transport.batching import auto_steps_per_message
+from oakemu_core.transport.codec import MessageRejected
+from oakemu_core.transport.steps import StepMessage, StepSpec, decode_step, encode_step
 from tests.e2e_helpers import (
     E2EProcesses,
     common_flags,

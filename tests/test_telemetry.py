@@ -11,11 +11,11 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
+from oakemu_core.run.prometheus import PrometheusExporter
 from oakemu_core.run.telemetry import (
     TELEMETRY_PROTOCOL_VERSION,
     TELEMETRY_TOPIC,
     ActorTelemetry,
-    PrometheusExporter,
     TelemetryAddressError,
     TelemetryBindError,
     TelemetryPublisher,

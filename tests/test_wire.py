@@ -1,4 +1,4 @@
-"""Tests for oakemu_core.transport.wire: round trips, every rejection reason, zero-copy decode, fuzzing."""
+"""Tests for the wire codec and messages (oakemu_core.transport.codec / control / steps): round trips, every rejection reason, zero-copy decode, fuzzing."""
 
 from __future__ import annotations
 
@@ -14,31 +14,26 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from oakemu_core.transport import wire
+from oakemu_core.transport import codec, control, steps
 from oakemu_core.policy.distributions import Categorical, DiagGaussian
 from oakemu_core.step_schema import build_schema, check_step_consistency, default_schema
-from oakemu_core.transport.wire import (
-    PROTOCOL_VERSION,
-    REJECTION_REASONS,
+from oakemu_core.transport.codec import PROTOCOL_VERSION, REJECTION_REASONS, MessageRejected
+from oakemu_core.transport.control import (
     Heartbeat,
     HeartbeatReply,
     JoinReply,
     JoinRequest,
     Leave,
-    MessageRejected,
-    StepMessage,
-    StepSpec,
     WeightsMessage,
     decode_message,
-    decode_step,
     encode_heartbeat,
     encode_heartbeat_reply,
     encode_join_reply,
     encode_join_request,
     encode_leave,
-    encode_step,
     encode_weights,
 )
+from oakemu_core.transport.steps import StepMessage, StepSpec, decode_step, encode_step
 
 MAX_BYTES = 1 << 20
 N = 8
@@ -335,7 +330,7 @@ def test_decoded_arrays_are_read_only_views_of_the_unpacked_bytes() -> None:
 
 def test_encoder_passes_the_array_buffer_without_copying() -> None:
     obs = atari_step().fields["observations"]
-    data = wire._encode_array(obs, "observations")["data"]
+    data = codec.encode_array(obs, "observations")["data"]
     assert np.shares_memory(np.frombuffer(data, dtype=np.uint8), obs)
 
 
@@ -613,7 +608,7 @@ def test_protocol_version_is_8() -> None:
 
 
 def test_stop_notice_round_trip_and_rejections() -> None:
-    from oakemu_core.transport.wire import StopNotice, encode_stop
+    from oakemu_core.transport.control import StopNotice, encode_stop
 
     assert decode_message(encode_stop(StopNotice("env-step budget reached")), max_bytes=MAX_BYTES) == StopNotice(
         "env-step budget reached")
@@ -781,11 +776,11 @@ _msgpack_values = st.recursive(
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
     max_leaves=20,
 )
-_field_names = st.sampled_from(sorted({"protocol", "type", "dtype", "shape", "data", *wire._STEP_FIELDS, *SENT}))
+_field_names = st.sampled_from(sorted({"protocol", "type", "dtype", "shape", "data", *steps._STEP_FIELDS, *SENT}))
 
 
 @FUZZ
-@given(st.dictionaries(_field_names, _msgpack_values, max_size=8), st.sampled_from(sorted(wire._CONTROL_DECODERS) + ["step"]))
+@given(st.dictionaries(_field_names, _msgpack_values, max_size=8), st.sampled_from(sorted(control._CONTROL_DECODERS) + ["step"]))
 def test_fuzz_structured_maps(obj: dict[str, Any], message_type: str) -> None:
     obj.setdefault("protocol", PROTOCOL_VERSION)
     obj.setdefault("type", message_type)

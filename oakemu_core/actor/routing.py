@@ -43,8 +43,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from oakemu_core.actor.step_buffers import PPOActionBundle
-from oakemu_core.envs import EnvSpec
+from oakemu_core.envs.spec import EnvSpec
+from oakemu_core.policy.action_bundle import PPOActionBundle
 
 __all__ = [
     "ROUTE_NAMES",

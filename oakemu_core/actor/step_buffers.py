@@ -11,33 +11,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from oakemu_core.storage.rollout_buffer import RolloutBuffer
-from oakemu_core.step_schema import StepSchema, check_array, default_schema
+from oakemu_core.policy.action_bundle import PPOActionBundle
+from oakemu_core.step_schema import StepSchema, check_array, resolve_schema
+
+if TYPE_CHECKING:
+    from oakemu_core.storage.rollout_buffer import RolloutBuffer
 
 _CORE_FIELDS = frozenset({"actions", "log_probs", "values", "rewards", "dones", "trainable", "truncated",
                           "bootstrap_values", "next_values"})
-
-
-@dataclass(frozen=True)
-class PPOActionBundle:
-    """What the policy produced for a batch of observations.
-
-    Attributes:
-        actions: ``(batch, *action_shape)``, the action dtype (int64 for a categorical policy).
-        log_probs: ``(batch,)`` float32, log pi(action | observation) of the acting policy.
-        values: ``(batch,)`` float32, V(observation) of the acting policy.
-        distribution_fields: the distribution's stored parameters by field name (a Gaussian's
-            ``action_mean`` / ``action_std`` ``(batch, d)`` float32); empty for other families.
-    """
-
-    actions: np.ndarray
-    log_probs: np.ndarray
-    values: np.ndarray
-    distribution_fields: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
@@ -105,15 +90,13 @@ class PPOActorStepBuffers:
             schema: the step schema; replaces the four arguments above (any space).
 
         Raises:
-            ValueError: if ``num_envs`` is not a positive int, or neither a schema nor an
-                observation shape/dtype is given.
+            ValueError: if ``num_envs`` is not a positive int, or not exactly one of a schema and an
+                observation shape/dtype is given (:func:`~oakemu_core.step_schema.resolve_schema`).
         """
         if isinstance(num_envs, bool) or not isinstance(num_envs, (int, np.integer)) or num_envs <= 0:
             raise ValueError(f"num_envs: expected a positive int, received {num_envs!r}")
-        if schema is None:
-            if observation_shape is None or observation_dtype is None:
-                raise ValueError("create: expected observation_shape and observation_dtype, or schema=")
-            schema = default_schema(tuple(observation_shape), observation_dtype, tuple(action_shape), action_dtype)
+        schema = resolve_schema("PPOActorStepBuffers.create", schema, observation_shape, observation_dtype,
+                                action_shape, action_dtype)
         arrays = {f.name: np.zeros((int(num_envs), *f.shape), dtype=f.dtype) for f in schema.sent}
         arrays.pop("next_values")  # known only after the next action is chosen (see stepper)
         observations = schema.join_observations({n: arrays.pop(n) for n in schema.observation_names})

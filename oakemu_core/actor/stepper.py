@@ -19,8 +19,8 @@ from the policy of the rollout) and the next bundle is NOT chosen; the caller se
 the weights trained on the rollout, and the next :meth:`PolicyStepper.step` chooses the bundle with
 them first (its ``before_next_action`` hook runs before that choice).
 
-Overlapped env groups (issue 11, Sample Factory's double-buffered sampling): given an
-:class:`oakemu_core.envs.EnvGroups` of G > 1 vector envs, one :meth:`PolicyStepper.step` waits for
+Overlapped env groups (Sample Factory's double-buffered sampling): given an
+:class:`oakemu_core.envs.vector.EnvGroups` of G > 1 vector envs, one :meth:`PolicyStepper.step` waits for
 group 0's step, chooses its next actions and sends them (group 0 steps in its emulator threads
 again), then does the same for group 1, ...: the policy's CPU inference of one group runs while the
 other groups' emulators step. The row returned is the same as with one vector env of all the envs
@@ -38,10 +38,11 @@ from typing import Any
 
 import numpy as np
 
-from oakemu_core.actor.step_buffers import PPOActionBundle, PPOActorStepBuffers
-from oakemu_core.envs import EnvGroups, VectorEnv, VectorStep
-from oakemu_core.policy.models import ActorCritic
 from oakemu_core.actor.routing import PolicyRouter
+from oakemu_core.actor.step_buffers import PPOActorStepBuffers
+from oakemu_core.envs.vector import EnvGroups, VectorEnv, VectorStep
+from oakemu_core.policy.action_bundle import PPOActionBundle
+from oakemu_core.policy.models import ActorCritic
 from oakemu_core.step_schema import StepSchema, schema_for_env
 
 
@@ -140,7 +141,7 @@ class PolicyStepper:
         buffers.record_observations(self._observations)
         if self.masked:
             buffers.record_action_masks(self._masks)
-        # Whole-vector copies, no per-env Python loop (issue 11: per-step overhead of small envs).
+        # Whole-vector copies, no per-env Python loop (the per-step overhead of small envs).
         buffers.record_action_bundle(self._bundle, trainable=self._trainable)
         env_step = self.env.step(self._bundle.actions)
         truncated = env_step.truncated & ~env_step.terminated

@@ -51,8 +51,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from oakemu_core.envs import PLAIN_KEY, EnvSpec, make_vector_env
 from oakemu_core.actor.routing import checked_actions, load_callable, random_actions
+from oakemu_core.envs.factory import make_vector_env
+from oakemu_core.envs.spec import PLAIN_KEY, EnvSpec
 
 __all__ = [
     "BCSampler",

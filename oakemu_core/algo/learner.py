@@ -1,114 +1,69 @@
-"""The learner's training life (seed page 002): ``PPOLearner.step`` / ``run``, the rollout hand-off,
-the checkpoint / rollback seam, and the lock-holding model container.
+"""The learner's training life (seed page 002): ``PPOLearner.step`` / ``run`` and the lock-holding
+model container.
 
 ``PPOLearner.run`` is the trainer thread of ``oakemu learner``: it waits for a full rollout
-published by the ingest thread (:class:`RolloutHandshake`), prepares it (drops rows whose policy
-lag is too large, scales rewards, computes GAE on the CPU), runs one PPO update on the device
+published by the ingest thread (:class:`~oakemu_core.algo.handshake.RolloutHandshake`), prepares it
+(:meth:`PPOLearner.prepare`: drops rows whose policy lag is too large, re-evaluates rows of older
+versions, scales rewards, computes GAE on the CPU), runs one PPO update on the device
 (:meth:`PPOLearner.step`), updates the observation statistics, notifies the tester, lets the
-:class:`CheckpointPolicy` checkpoint and judge the run's health (rolling back to the last good
-checkpoint on a collapse), and hands the new weights back. Behaviour-cloning pre-training on
-demonstrations (``bc_sampler``) runs first, as replay-only rollouts of one epoch each.
+:class:`~oakemu_core.algo.health.CheckpointPolicy` checkpoint and judge the run's health (rolling
+back to the last good checkpoint on a collapse), and hands the new weights back. Behaviour-cloning
+pre-training on demonstrations (``bc_sampler``) runs first, as replay-only rollouts of one epoch
+each. When it stops, it evaluates the final weights and writes the final checkpoint.
 
-The service (``services/learner.py``) only wires these pieces to sockets and loggers.
+The service (``oakemu_services.learner``) only wires these pieces to sockets and loggers.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
-import queue
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
+from pydantic import ConfigDict
 
-from oakemu_core.storage.assembler import FullRollout, drop_stale_rows
-from oakemu_core.policy.models import load_optimizer_state, weights_to_arrays
+from oakemu_core.algo.handshake import RolloutHandshake, TrainResult
+from oakemu_core.algo.health import CheckpointPolicy, RunCollapsedError
 from oakemu_core.algo.normalization import RewardScaler
-from oakemu_core.algo.ppo import PRECISIONS, EmptyRolloutError, PPOUpdater, PPOUpdateStats, RolloutEvaluation
+from oakemu_core.algo.ppo import EmptyRolloutError, PPOUpdater, PPOUpdateStats, RolloutEvaluation
+from oakemu_core.algo.settings import PPOSettings
+from oakemu_core.policy.models import load_optimizer_state, weights_to_arrays
+from oakemu_core.storage.assembler import FullRollout, drop_stale_rows
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
 
 __all__ = [
-    "CheckpointPolicy",
-    "HealthMonitor",
+    "FINAL_EVALUATION_TIMEOUT_S",
     "PPOExperimentConfiguration",
     "PPOLearner",
     "PPOLearnerRuntimeState",
-    "RolloutHandshake",
-    "RunCollapsedError",
+    "PreparedRollout",
     "RuntimeContext",
     "Schedule",
+    "SgdStepLedger",
     "ThreadSafeModel",
-    "TrainResult",
-    "WeightsRevision",
 ]
 
 log = logging.getLogger("oakemu.learner")
 C = TypeVar("C")
 
+FINAL_EVALUATION_TIMEOUT_S = 30.0
+"""Longest wait (s) for the evaluation of the final weights when :meth:`PPOLearner.run` stops:
+shutdown stays prompt even when a greedy early Atari policy never loses a life (episodes then run
+to the 27,000-step limit)."""
 
-# ---------------------------------------------------------------------------------------------
-# Configuration, context, schedule, model container
-# ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PPOExperimentConfiguration:
-    """The hyperparameters :class:`PPOLearner` reads (CleanRL ``ppo_atari.py`` defaults).
 
-    Build from the service configuration with :meth:`from_config`; every field has the meaning
-    of the :class:`oakemu_core.config.OakEmuConfig` field of the same name.
+class PPOExperimentConfiguration(PPOSettings):
+    """The hyperparameters :class:`PPOLearner` reads: :class:`~oakemu_core.algo.settings.PPOSettings`,
+    frozen. Build it from the service configuration with :meth:`from_config` (``clip_value_range``
+    resolved from the env id)."""
 
-    Raises:
-        ValueError: ``off_policy_correction`` is not ``"decoupled"`` or ``"none"``.
-    """
-
-    ppo_epochs: int = 4
-    num_minibatches: int = 4
-    clip_coef: float = 0.1
-    clip_value_range: float | None = None
-    ent_coef: float = 0.01
-    vf_coef: float = 0.5
-    max_grad_norm: float = 0.5
-    target_kl: float | None = None
-    normalize_advantages: bool = True
-    gamma: float = 0.99
-    gae_lambda: float = 0.95
-    max_policy_lag: int = 2
-    off_policy_correction: str = "decoupled"
-    importance_weight_cap: float = 1.0
-    normalize_rewards: bool = False
-    seed: int = 1
-    bc_pretrain_updates: int = 0
-    bc_batch_size: int = 256
-    bc_coef: float = 0.0
-    bc_coef_decay: float = 1.0
-    learner_precision: str = "float32"
-
-    def __post_init__(self) -> None:
-        if self.off_policy_correction not in ("decoupled", "none"):
-            raise ValueError(f"off_policy_correction: expected 'decoupled' or 'none', "
-                             f"received {self.off_policy_correction!r}")
-        if self.learner_precision not in PRECISIONS:
-            raise ValueError(f"learner_precision: expected one of {list(PRECISIONS)}, "
-                             f"received {self.learner_precision!r}")
-
-    @classmethod
-    def from_config(cls, config: Any) -> PPOExperimentConfiguration:
-        """Pick the fields above from an :class:`~oakemu_core.config.OakEmuConfig` (or anything with
-        those attributes; ``clip_value_range`` is taken resolved)."""
-        values = {}
-        for name in cls.__dataclass_fields__:
-            if name == "clip_value_range":
-                values[name] = getattr(config, "resolved_clip_value_range", None)
-            elif hasattr(config, name):
-                values[name] = getattr(config, name)
-        return cls(**values)
+    model_config = ConfigDict(frozen=True)
 
 
 class Schedule(Protocol):
@@ -168,303 +123,6 @@ class ThreadSafeModel:
 
 
 @dataclass
-class WeightsRevision:
-    """Weights an epoch left within an update (``publish_every_epoch``), for the ingest thread to
-    publish: revision ``revision`` of ``policy_version`` (the version in training)."""
-
-    policy_version: int
-    revision: int
-    weights: dict[str, np.ndarray]
-
-
-# ---------------------------------------------------------------------------------------------
-# Hand-off between ingest and training
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class TrainResult:
-    """What the trainer hands back after a rollout (or a behaviour-cloning phase).
-
-    Attributes:
-        slot: the rollout buffer's slot (to release), or None for a BC phase.
-        policy_version: version of ``weights``. weights: the new weights.
-        stats: the update's statistics (None when no row was trainable).
-        stale_rows: rows dropped for policy lag. lag: lag ``min``/``mean``/``max``/``newest_version``.
-        iterations: PPO updates so far. evaluations: tester reports that arrived meanwhile.
-        events: human-readable notes (rollbacks, BC phases) to log.
-        trainable_share: trainable rows / rows of the rollout.
-    """
-
-    slot: int | None
-    policy_version: int
-    weights: dict[str, np.ndarray]
-    stats: PPOUpdateStats | None
-    stale_rows: int = 0
-    lag: dict[str, float] = field(default_factory=dict)
-    iterations: int = 0
-    evaluations: list[Any] = field(default_factory=list)
-    events: list[str] = field(default_factory=list)
-    trainable_share: float = 1.0
-    rollbacks: int = 0
-
-
-class RolloutHandshake:
-    """Synchronises the hand-off of full rollouts from the ingest thread to the trainer.
-
-    At most one rollout is in training at a time: :attr:`busy` is True from :meth:`publish` until
-    the ingest thread collects its result with :meth:`results`.
-
-    :attr:`wake_fd` becomes readable when a result is handed back: the ingest thread polls it next
-    to its sockets, so it collects a result (and releases its buffer, publishes its weights) at
-    once instead of at its next poll timeout, when no step message would wake it. :meth:`close`
-    releases it.
-    """
-
-    def __init__(self) -> None:
-        self._inbox: queue.Queue[FullRollout] = queue.Queue(maxsize=1)
-        self._outbox: queue.Queue[TrainResult | WeightsRevision | BaseException] = queue.Queue()
-        self._busy = False
-        self._wake_read, self._wake_write = os.pipe()
-        os.set_blocking(self._wake_read, False)
-        os.set_blocking(self._wake_write, False)
-
-    @property
-    def wake_fd(self) -> int:
-        """A file descriptor that is readable while a handed-back result waits (for a poller)."""
-        return self._wake_read
-
-    def close(self) -> None:
-        """Release :attr:`wake_fd` (idempotent)."""
-        for fd in (self._wake_read, self._wake_write):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._wake_read = self._wake_write = -1
-
-    @property
-    def busy(self) -> bool:
-        """A rollout was published and its result not collected yet."""
-        return self._busy
-
-    def publish(self, rollout: FullRollout) -> None:
-        """Ingest thread: hand a full rollout to training. Raises RuntimeError when busy."""
-        if self._busy:
-            raise RuntimeError("RolloutHandshake.publish: the previous rollout is still in training")
-        self._busy = True
-        self._inbox.put(rollout)
-
-    def wait_for_rollout(self, stop_event: threading.Event, timeout_s: float = 0.1) -> FullRollout | None:
-        """Trainer: the next published rollout, or None once ``stop_event`` is set (polls every
-        ``timeout_s`` seconds)."""
-        while not stop_event.is_set():
-            try:
-                return self._inbox.get(timeout=timeout_s)
-            except queue.Empty:
-                continue
-        return None
-
-    def complete(self, result: TrainResult | WeightsRevision | BaseException) -> None:
-        """Trainer: hand back a result (a rollout's, an unsolicited one such as BC pre-training or
-        weights within an update, or the exception that ended training)."""
-        self._outbox.put(result)
-        try:
-            os.write(self._wake_write, b"\0")
-        except (BlockingIOError, OSError):  # full: already readable; closed: nobody polls any more
-            pass
-
-    def results(self) -> list[TrainResult | WeightsRevision]:
-        """Ingest thread: every result ready now (non-blocking), in order; a rollout's result clears
-        :attr:`busy`. Re-raises an exception the trainer handed back."""
-        try:  # drained before the queue is read: a result handed back meanwhile wakes the next poll
-            while os.read(self._wake_read, 4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
-        ready = []
-        while True:
-            try:
-                item = self._outbox.get_nowait()
-            except queue.Empty:
-                return ready
-            if isinstance(item, BaseException):
-                raise RuntimeError("trainer thread failed") from item
-            if isinstance(item, TrainResult) and item.slot is not None:
-                self._busy = False
-            ready.append(item)
-
-
-# ---------------------------------------------------------------------------------------------
-# Health, checkpoints and rollback
-# ---------------------------------------------------------------------------------------------
-class RunCollapsedError(RuntimeError):
-    """The run kept collapsing after the configured number of rollbacks: training stops."""
-
-
-@dataclass
-class HealthMonitor:
-    """Judges an update (and the evaluations) for signs of a collapsed run.
-
-    A collapse is: a non-finite loss or weight; an approximate KL above ``max_approx_kl``; or the
-    evaluation return below ``eval_fraction`` of the best evaluation (measured from the worst
-    return seen, so negative-return games work) for ``eval_patience`` evaluations in a row.
-
-    Args:
-        max_approx_kl: KL threshold (None: not checked).
-        eval_fraction: in (0, 1); None disables the evaluation check.
-        eval_patience: consecutive low evaluations that make a collapse.
-    """
-
-    max_approx_kl: float | None = 1.0
-    eval_fraction: float | None = 0.5
-    eval_patience: int = 3
-    best_eval: float = -math.inf
-    worst_eval: float = math.inf
-    low_evaluations: int = 0
-
-    def check_update(self, stats: PPOUpdateStats | None, model: torch.nn.Module) -> str | None:
-        """Why this update collapsed the run, or None."""
-        if stats is not None:
-            for name in ("policy_loss", "value_loss", "entropy", "approx_kl"):
-                if not math.isfinite(getattr(stats, name)):
-                    return f"non-finite {name} ({getattr(stats, name)})"
-            if self.max_approx_kl is not None and stats.approx_kl > self.max_approx_kl:
-                return f"approx_kl {stats.approx_kl:.3g} > {self.max_approx_kl:g}"
-        for name, tensor in model.state_dict().items():
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                return f"non-finite weights in {name}"
-        return None
-
-    def check_evaluation(self, mean_return: float) -> str | None:
-        """Record an evaluation; why the run collapsed, or None."""
-        self.worst_eval = min(self.worst_eval, mean_return)
-        improved = mean_return > self.best_eval
-        self.best_eval = max(self.best_eval, mean_return)
-        if self.eval_fraction is None or improved or not math.isfinite(self.worst_eval):
-            self.low_evaluations = 0
-            return None
-        floor = self.worst_eval + self.eval_fraction * (self.best_eval - self.worst_eval)
-        self.low_evaluations = self.low_evaluations + 1 if mean_return < floor else 0
-        if self.low_evaluations >= self.eval_patience:
-            self.low_evaluations = 0
-            return (f"evaluation return {mean_return:.2f} below {self.eval_fraction:g} of the best "
-                    f"({self.best_eval:.2f}) for {self.eval_patience} evaluations")
-        return None
-
-
-class CheckpointPolicy:
-    """When and where the learner checkpoints, and how it recovers from a collapse.
-
-    Periodic checkpoints every ``every_updates`` updates and/or ``every_seconds`` of wall time,
-    a final one, ``best.pt`` for the best evaluation, the newest ``keep_last`` numbered files
-    kept. On a collapse (:class:`HealthMonitor`) the learner is restored from ``best.pt`` (or
-    the latest checkpoint), its learning rate multiplied by ``lr_factor``, and its weights
-    published under a new policy version; after ``max_rollbacks`` rollbacks
-    :class:`RunCollapsedError` stops training.
-
-    Args:
-        run_dir: the run folder (``checkpoints/`` inside).
-        state_fn: returns the complete checkpoint state (learner state plus the service's counters).
-        save_fn: ``(run_dir, update, state) -> Path | None``: writes one numbered checkpoint and
-            points ``latest.pt`` at it (None when the write failed and was reported).
-        health: the collapse detector, None: no rollback.
-        every_updates, every_seconds: periodic checkpoints (0: off).
-        lr_factor: learning-rate multiplier per rollback, in (0, 1].
-        max_rollbacks: rollbacks before giving up.
-    """
-
-    def __init__(
-        self,
-        run_dir: Path,
-        *,
-        state_fn: Callable[[], dict[str, Any]],
-        save_fn: Callable[[Path, int, dict[str, Any]], Path | None],
-        health: HealthMonitor | None = None,
-        every_updates: int = 50,
-        every_seconds: float = 0.0,
-        lr_factor: float = 0.5,
-        max_rollbacks: int = 3,
-    ) -> None:
-        self.run_dir = Path(run_dir)
-        self.state_fn = state_fn
-        self.save_fn = save_fn
-        self.health = health
-        self.every_updates = int(every_updates)
-        self.every_seconds = float(every_seconds)
-        self.lr_factor = float(lr_factor)
-        self.max_rollbacks = int(max_rollbacks)
-        self.rollbacks = 0
-        self._last_save = time.monotonic()
-        from oakemu_core.run.tester import BestCheckpointTracker
-
-        self.best = BestCheckpointTracker(self.run_dir)
-
-    @property
-    def best_path(self) -> Path:
-        return self.best.path
-
-    def save(self, update: int) -> Path | None:
-        """Write a numbered checkpoint of the current state now."""
-        self._last_save = time.monotonic()
-        return self.save_fn(self.run_dir, update, self.state_fn())
-
-    def after_update(self, learner: PPOLearner, stats: PPOUpdateStats | None) -> list[str]:
-        """Judge the update, roll back if it collapsed, checkpoint when due; returns notes to log.
-
-        Raises:
-            RunCollapsedError: a collapse after ``max_rollbacks`` rollbacks.
-        """
-        reason = self.health.check_update(stats, learner.model) if self.health is not None else None
-        if reason is not None:
-            return [self.roll_back(learner, reason)]
-        due_updates = self.every_updates and learner.iterations % self.every_updates == 0
-        due_time = self.every_seconds and time.monotonic() - self._last_save >= self.every_seconds
-        if stats is not None and (due_updates or due_time):
-            self.save(learner.iterations)
-        return []
-
-    def after_evaluation(self, learner: PPOLearner, report: Any) -> list[str]:
-        """Record a tester report (:class:`oakemu_core.run.tester.EvaluationReport`): keep ``best.pt``
-        (the evaluated weights) when it is the best so far, roll back on an evaluation collapse."""
-        mean = float(report.return_mean)
-        if self.health is not None and (reason := self.health.check_evaluation(mean)) is not None:
-            return [self.roll_back(learner, reason)]
-        try:
-            if self.best.consider(report, self.state_fn):
-                return [f"best.pt: evaluation return {mean:.2f} (policy version {report.policy_version})"]
-        except OSError as error:
-            return [f"could not write {self.best.path}: {error}"]
-        return []
-
-    def roll_back(self, learner: PPOLearner, reason: str) -> str:
-        """Restore the last good checkpoint, lower the learning rate, bump the policy version.
-
-        Raises:
-            RunCollapsedError: after ``max_rollbacks`` rollbacks, or with no checkpoint to go back to.
-        """
-        from oakemu_core.run.checkpoint import latest_checkpoint, load_checkpoint
-
-        if self.rollbacks >= self.max_rollbacks:
-            raise RunCollapsedError(f"the run collapsed again ({reason}) after {self.rollbacks} rollbacks: stopping; "
-                                    f"lower the learning rate or check the env's rewards")
-        path = self.best_path if self.best_path.is_file() else latest_checkpoint(self.run_dir)
-        if path is None:
-            raise RunCollapsedError(f"the run collapsed ({reason}) before any checkpoint was written: stopping")
-        learner.restore_weights(load_checkpoint(path, map_location=learner.device), lr_factor=self.lr_factor)
-        self.rollbacks += 1
-        if self.health is not None:
-            self.health.low_evaluations = 0
-        return (f"rollback {self.rollbacks}/{self.max_rollbacks}: {reason}; restored {path.name}, learning rate "
-                f"x{learner.lr_scale:g}, policy version {learner.policy_version}")
-
-    def final(self, learner: PPOLearner) -> Path | None:
-        """The final checkpoint (at exit)."""
-        return self.save(learner.iterations)
-
-
-# ---------------------------------------------------------------------------------------------
-# The learner
-# ---------------------------------------------------------------------------------------------
-@dataclass
 class PPOLearnerRuntimeState:
     """Learner counters for checkpoints: PPO updates, rollouts consumed, policy version, the
     shuffle generator's state, the learning-rate scale left by rollbacks, and BC progress."""
@@ -492,20 +150,102 @@ class PPOLearnerRuntimeState:
         return cls(**known)
 
 
+class SgdStepLedger:
+    """SGD (minibatch gradient) steps taken by this learner process (not checkpointed), and how
+    many had been taken when each ``(policy version, revision)`` was published.
+
+    Attributes:
+        sgd_steps: SGD steps taken so far.
+        published: ``(version, revision) -> SGD steps`` at its publishing, for the newest
+            :data:`KEPT_VERSIONS` versions, in publishing order.
+    """
+
+    KEPT_VERSIONS = 256
+
+    def __init__(self) -> None:
+        self.sgd_steps = 0
+        self.published: dict[tuple[int, int], int] = {}
+
+    @property
+    def last_published(self) -> int:
+        """SGD steps when the newest weights (a version or a revision) were published; 0 before any."""
+        return next(reversed(self.published.values()), 0)
+
+    def note(self, version: int, revision: int, sgd_steps: int) -> None:
+        """Revision ``revision`` of ``version`` was published after ``sgd_steps`` SGD steps."""
+        self.published[(version, revision)] = sgd_steps
+        # Keys arrive in increasing order (a dict keeps it): the oldest are at the front.
+        while (oldest := next(iter(self.published)))[0] < version - (self.KEPT_VERSIONS - 1):
+            del self.published[oldest]
+
+    def lag(self, policy_versions: np.ndarray, policy_revisions: np.ndarray | None, *, current_version: int,
+            sgd_steps_per_version: int) -> dict[str, float]:
+        """Policy lag of rows in SGD steps: a row acted by revision ``r`` of version ``v`` lags
+        ``sgd_steps - published[(v, r)]``; weights this process never published (before a resume)
+        count ``(current_version - v) * sgd_steps_per_version``.
+
+        Args:
+            policy_versions: the rows' versions (any shape, int).
+            policy_revisions: their revisions, the same shape; None: all 0.
+
+        Returns:
+            ``{"sgd_min", "sgd_mean", "sgd_max"}`` in SGD steps (0 for no rows).
+        """
+        if policy_versions.size == 0:
+            return {"sgd_min": 0.0, "sgd_mean": 0.0, "sgd_max": 0.0}
+        if policy_revisions is None:
+            policy_revisions = np.zeros_like(policy_versions)
+        pairs, counts = np.unique(np.stack([np.ravel(policy_versions), np.ravel(policy_revisions)], axis=1),
+                                  axis=0, return_counts=True)
+        lags = np.array([
+            self.sgd_steps - self.published[(v, r)] if (v, r) in self.published
+            else max(0, current_version - v) * sgd_steps_per_version
+            for v, r in pairs.tolist()
+        ], dtype=np.float64)
+        return {"sgd_min": float(lags.min()), "sgd_mean": float((lags * counts).sum() / counts.sum()),
+                "sgd_max": float(lags.max())}
+
+
+@dataclass(frozen=True)
+class PreparedRollout:
+    """A rollout ready for :meth:`PPOLearner.step` (:meth:`PPOLearner.prepare`'s result).
+
+    Attributes:
+        buffer: the rollout's buffer, stale rows marked untrainable, GAE computed.
+        stale_rows: rows dropped for policy lag.
+        lag: lag ``min`` / ``mean`` / ``max`` / ``newest_version`` in versions, and ``sgd_min`` /
+            ``sgd_mean`` / ``sgd_max`` in SGD steps.
+        proximal: the rows evaluated by the weights before the update (the decoupled objective's
+            proximal policy), or None (plain PPO).
+    """
+
+    buffer: RolloutBuffer
+    stale_rows: int = 0
+    lag: dict[str, float] = field(default_factory=dict)
+    proximal: RolloutEvaluation | None = None
+
+
 class PPOLearner:
     """PPO learner that performs clipped policy-gradient updates on completed rollouts.
 
     Args:
         context: the runtime context (configuration, device, tester).
         learner_model: the model container (with lock); its model is moved to the device.
-        rollout_buffer: the rollout buffer :meth:`step` consumes (``run`` points it at each
-            published rollout in turn).
+        rollout_buffer: the buffer :meth:`step` trains on when it is given no prepared rollout
+            (GAE computed by the caller), or None.
         optimizer: optimizer over the model's parameters (CleanRL: Adam, eps 1e-5).
-        lr_schedule: learning rate per update (a :class:`Schedule`).
+        lr_schedule: learning rate per update (a :class:`Schedule`); None keeps the optimizer's.
         action_mask: optional ``(mask width,)`` bool tensor on the learner device, ANDed with
             every row's mask (e.g. actions a game never allows).
         bc_sampler: optional behaviour-cloning data source
             (:class:`oakemu_core.algo.demonstrations.DemonstrationSampler`).
+        revision_sink: ``(policy_version, revision, weights) -> None``: receives the weights after
+            each epoch but the last of an update (``publish_every_epoch``), or None.
+        revision_max_approx_kl: weights of an epoch whose mean approx KL is above this are not
+            handed to the sink (the health check's threshold: the update may be rolled back);
+            None: no limit.
+        revision_min_sgd_steps: an epoch's weights go to the sink only when at least this many SGD
+            steps were taken since the weights last published (a version or a revision).
     """
 
     def __init__(
@@ -517,6 +257,10 @@ class PPOLearner:
         lr_schedule: Schedule | None,
         action_mask: torch.Tensor | None = None,
         bc_sampler: Any = None,
+        *,
+        revision_sink: Callable[[int, int, dict[str, np.ndarray]], None] | None = None,
+        revision_max_approx_kl: float | None = None,
+        revision_min_sgd_steps: int = 1,
     ) -> None:
         config = context.config
         self.context = context
@@ -525,41 +269,20 @@ class PPOLearner:
         self.rollout_buffer = rollout_buffer
         self.optimizer = optimizer
         self.lr_schedule = lr_schedule
-        self.action_mask = action_mask
         self.bc_sampler = bc_sampler
         self.device = torch.device(context.device)
-        self.updater = PPOUpdater(
-            learner_model.model, optimizer, device=self.device, ppo_epochs=config.ppo_epochs,
-            num_minibatches=config.num_minibatches, clip_coef=config.clip_coef,
-            clip_value_range=config.clip_value_range, ent_coef=config.ent_coef, vf_coef=config.vf_coef,
-            max_grad_norm=config.max_grad_norm, target_kl=config.target_kl,
-            normalize_advantages=config.normalize_advantages, lr_schedule=None, seed=config.seed,
-            action_mask=action_mask, importance_weight_cap=config.importance_weight_cap,
-            precision=config.learner_precision,
-        )
-        self._proximal: tuple[RolloutBuffer, RolloutEvaluation] | None = None
+        self.updater = PPOUpdater(learner_model.model, optimizer, config, device=self.device, action_mask=action_mask)
+        self.revision_sink = revision_sink
+        self.revision_max_approx_kl = revision_max_approx_kl
+        self.revision_min_sgd_steps = int(revision_min_sgd_steps)
         self.corrections_skipped = 0
         """Updates whose re-evaluation gave non-finite figures (a diverged critic or policy): they
         trained without the off-policy correction, and the health checks judge the update."""
-        self.reevaluate_every_rollout = False
-        """True once an actor acts with rounded weights (a bfloat16 forward): every rollout is then
-        re-evaluated in float32, not only those with rows of older versions (decoupled objective)."""
         self.reward_scaler = RewardScaler(config.gamma) if config.normalize_rewards else None
         self.lr_scale = 1.0
         self.bc_updates_done = 0
         self._rollouts_collected = 0
-        self.sgd_steps = 0
-        """SGD (minibatch gradient) steps taken by this learner process (not checkpointed)."""
-        self._sgd_steps_at: dict[tuple[int, int], int] = {}  # (version, revision) -> SGD steps when published
-        self.revision_sink: Callable[[int, int, dict[str, np.ndarray]], None] | None = None
-        """``(policy_version, revision, weights)`` -> None: receives the weights after each epoch but
-        the last of an update (``publish_every_epoch``; the service sets it in asynchronous mode)."""
-        self.revision_max_approx_kl: float | None = None
-        """Weights of an epoch whose mean approx KL is above this are not handed to the sink (the
-        health check's threshold: the update may be rolled back); None: no limit."""
-        self.revision_min_sgd_steps = 1
-        """An epoch's weights go to the sink only when at least this many SGD steps were taken since
-        the weights last published (a version or a revision); 1: after every epoch."""
+        self.sgd_ledger = SgdStepLedger()
 
     # ------------------------------------------------------------------ counters and state
     @property
@@ -580,6 +303,18 @@ class PPOLearner:
     def policy_version(self) -> int:
         """Version of the learner's current weights (monotonic, also across rollbacks)."""
         return self.learner_model.version
+
+    @property
+    def sgd_steps(self) -> int:
+        """SGD steps taken by this learner process."""
+        return self.sgd_ledger.sgd_steps
+
+    @property
+    def learning_rate(self) -> float:
+        """The learning rate of the next update: the schedule's value (else the optimizer's) times
+        :attr:`lr_scale` (lowered by rollbacks)."""
+        base = self.lr_schedule.value() if self.lr_schedule is not None else self.optimizer.param_groups[0]["lr"]
+        return float(base) * self.lr_scale
 
     def state(self) -> PPOLearnerRuntimeState:
         """Counters and generator state for a checkpoint."""
@@ -630,82 +365,42 @@ class PPOLearner:
             load_optimizer_state(self.optimizer, state["optimizer"])
             self.lr_scale *= float(lr_factor)
             self.learner_model.version += 1
-        self._note_sgd_steps(self.policy_version, 0, self.sgd_steps)
-
-    # ------------------------------------------------------------------ one update
-    def _learning_rate(self) -> float:
-        base = self.lr_schedule.value() if self.lr_schedule is not None else self.optimizer.param_groups[0]["lr"]
-        return float(base) * self.lr_scale
-
-    def _note_sgd_steps(self, version: int, revision: int, sgd_steps: int) -> None:
-        """Remember how many SGD steps had been taken when revision ``revision`` of ``version``
-        was published (the entries of the newest 256 versions are kept)."""
-        self._sgd_steps_at[(version, revision)] = sgd_steps
-        # Keys arrive in increasing order (a dict keeps it): the oldest are at the front.
-        while (oldest := next(iter(self._sgd_steps_at)))[0] < version - 255:
-            del self._sgd_steps_at[oldest]
+        self.sgd_ledger.note(self.policy_version, 0, self.sgd_steps)
 
     def lag_in_sgd_steps(self, policy_versions: np.ndarray,
                          policy_revisions: np.ndarray | None = None) -> dict[str, float]:
-        """Policy lag of rows measured in SGD steps instead of versions (one version is a whole
-        update: ``ppo_epochs x num_minibatches`` SGD steps, fewer when ``target_kl`` stops early).
+        """Policy lag of rows measured in SGD steps instead of versions (:meth:`SgdStepLedger.lag`;
+        one version is a whole update: ``ppo_epochs x num_minibatches`` SGD steps, fewer when
+        ``target_kl`` stops early, and counts that many for weights published before a resume)."""
+        return self.sgd_ledger.lag(policy_versions, policy_revisions, current_version=self.policy_version,
+                                   sgd_steps_per_version=self.config.ppo_epochs * self.config.num_minibatches)
 
-        A row acted by revision ``r`` of version ``v`` lags ``sgd_steps(now) - sgd_steps(when
-        (v, r) was published)``: a revision published within an update counts the SGD steps the
-        update had taken by then, a version made by a rollback or behaviour cloning none. Weights
-        this process never published (before a resume) count ``(current version - v) * ppo_epochs
-        * num_minibatches``.
-
-        Args:
-            policy_versions: the rows' versions (any shape, int).
-            policy_revisions: their revisions, the same shape; None: all 0.
-
-        Returns:
-            ``{"sgd_min", "sgd_mean", "sgd_max"}`` in SGD steps.
-        """
-        if policy_versions.size == 0:
-            return {"sgd_min": 0.0, "sgd_mean": 0.0, "sgd_max": 0.0}
-        if policy_revisions is None:
-            policy_revisions = np.zeros_like(policy_versions)
-        nominal = self.config.ppo_epochs * self.config.num_minibatches
-        pairs, counts = np.unique(np.stack([np.ravel(policy_versions), np.ravel(policy_revisions)], axis=1),
-                                  axis=0, return_counts=True)
-        current = self.policy_version
-        lags = np.array([
-            self.sgd_steps - self._sgd_steps_at[(v, r)] if (v, r) in self._sgd_steps_at
-            else max(0, current - v) * nominal
-            for v, r in pairs.tolist()
-        ], dtype=np.float64)
-        return {"sgd_min": float(lags.min()), "sgd_mean": float((lags * counts).sum() / counts.sum()),
-                "sgd_max": float(lags.max())}
-
-    def prepare(self, rollout: FullRollout) -> tuple[int, dict[str, float]]:
-        """Make a published rollout the current buffer: drop rows too stale for PPO, re-evaluate
+    # ------------------------------------------------------------------ one update
+    def prepare(self, rollout: FullRollout, *, reevaluate: bool = False) -> PreparedRollout:
+        """Make a published rollout ready for :meth:`step`: drop rows too stale for PPO, re-evaluate
         rows acted by older versions (``off_policy_correction="decoupled"``), scale the rewards
-        (if on), compute GAE on the CPU. Returns ``(stale rows, lag statistics)``.
+        (if on), compute GAE on the CPU.
 
-        Re-evaluation (asynchronous mode): when any row was acted by an older version than the
-        learner's, or :attr:`reevaluate_every_rollout` (actors with bfloat16 forward passes, in either
-        mode), every row is evaluated with the current weights. The current critic's V(s_t)
-        replace the stored values before GAE (the bootstrap values after the segment's last row
-        and at truncations stay the actors'), and the current policy becomes the proximal policy
-        of the next :meth:`step` (decoupled objective, :func:`oakemu_core.algo.ppo.ppo_losses`). A
-        rollout whose rows are all of the current version (every rollout in sync mode) is left
-        as it is unless :attr:`reevaluate_every_rollout`. A re-evaluation with non-finite figures
-        is not used (:attr:`corrections_skipped`)."""
+        Re-evaluation: when any row was acted by an older version than the learner's, or
+        ``reevaluate`` (actors with bfloat16 forward passes, in either mode), every row is
+        evaluated with the current weights. The current critic's V(s_t) replace the stored values
+        before GAE (the bootstrap values after the segment's last row and at truncations stay the
+        actors'), and the current policy becomes the proximal policy of the update (decoupled
+        objective, :func:`oakemu_core.algo.ppo.ppo_losses`). A rollout whose rows are all of the
+        current version (every rollout in sync mode) is left as it is unless ``reevaluate``. A
+        re-evaluation with non-finite figures is not used (:attr:`corrections_skipped`)."""
         buffer = rollout.buffer
-        self.rollout_buffer = buffer
         stale_rows, lag = drop_stale_rows(buffer, current_policy_version=self.policy_version,
                                           max_policy_lag=self.config.max_policy_lag)
         lag.update(self.lag_in_sgd_steps(buffer.policy_versions, buffer.policy_revisions))
-        self._proximal = None
+        proximal = None
         if self.config.off_policy_correction == "decoupled" and (
-                self.reevaluate_every_rollout or bool((buffer.policy_versions != self.policy_version).any())):
+                reevaluate or bool((buffer.policy_versions != self.policy_version).any())):
             with self.learner_model.locked():
                 evaluation = self.updater.evaluate_rollout(buffer)
             if evaluation.finite_on(buffer.trainable):
                 buffer.replace_values(evaluation.values)
-                self._proximal = (buffer, evaluation)
+                proximal = evaluation
             else:
                 self.corrections_skipped += 1
                 log.warning("update %d: the current weights give non-finite values or log-probs on this "
@@ -713,10 +408,11 @@ class PPOLearner:
         if self.reward_scaler is not None:
             buffer.scale_rewards(self.reward_scaler.update(buffer.rewards, buffer.dones))
         buffer.compute_gae(rollout.last_values, rollout.last_dones, self.config.gamma, self.config.gae_lambda)
-        return stale_rows, lag
+        return PreparedRollout(buffer, stale_rows, lag, proximal)
 
-    def step(self, actor_steps: int) -> PPOUpdateStats | None:
-        """Perform a full PPO update on the current rollout buffer contents (GAE computed).
+    def step(self, actor_steps: int, rollout: PreparedRollout | None = None) -> PPOUpdateStats | None:
+        """Perform a full PPO update on ``rollout`` (:meth:`prepare`'s result), or on the current
+        rollout buffer's contents (GAE computed by the caller).
 
         Runs ``ppo_epochs`` epochs on the trainable rows; with a BC sampler and ``bc_coef`` > 0 a
         behaviour-cloning term (decaying by ``bc_coef_decay`` per update) joins the loss. The
@@ -725,6 +421,7 @@ class PPOLearner:
 
         Args:
             actor_steps: the current actor step count (for logging).
+            rollout: the prepared rollout; None: the constructor's ``rollout_buffer``, plain PPO.
 
         Returns:
             The update's statistics, or None when the buffer has no trainable row.
@@ -732,54 +429,51 @@ class PPOLearner:
         Raises:
             ValueError: no rollout buffer. StaleAdvantagesError: GAE not computed since the last write.
         """
-        if self.rollout_buffer is None:
+        buffer = self.rollout_buffer if rollout is None else rollout.buffer
+        if buffer is None:
             raise ValueError("PPOLearner.step: no rollout buffer")
         for group in self.optimizer.param_groups:
-            group["lr"] = self._learning_rate()
+            group["lr"] = self.learning_rate
         bc_term = None
         if self.bc_sampler is not None and self.config.bc_coef > 0:
             coef = self.config.bc_coef * self.config.bc_coef_decay ** self.iterations
             bc_term = (coef, self.bc_sampler, self.config.bc_batch_size)
         stats = None
-        # The proximal policy describes the buffer prepare() evaluated, under the weights before this update.
-        proximal, self._proximal = self._proximal, None
-        evaluation = proximal[1] if proximal is not None and proximal[0] is self.rollout_buffer else None
         with self.learner_model.locked() as model:
             try:
-                stats = self.updater.step(self.rollout_buffer, current_policy_version=self.policy_version,
-                                          bc_term=bc_term, proximal=evaluation,
-                                          after_epoch=None if self.revision_sink is None else self._publish_revision)
+                stats = self.updater.step(buffer, current_policy_version=self.policy_version, bc_term=bc_term,
+                                          proximal=None if rollout is None else rollout.proximal,
+                                          after_epoch=None if self.revision_sink is None else self.publish_revision)
             except EmptyRolloutError:
                 stats = None
-            model.update_observation_statistics(self.rollout_buffer.observations)
+            model.update_observation_statistics(buffer.observations)
             self.learner_model.version += 1
-        self.sgd_steps += stats.minibatches if stats is not None else 0
-        self._note_sgd_steps(self.policy_version, 0, self.sgd_steps)
+        self.sgd_ledger.sgd_steps += stats.minibatches if stats is not None else 0
+        self.sgd_ledger.note(self.policy_version, 0, self.sgd_steps)
         if self.lr_schedule is not None:
             self.lr_schedule.step()
         self._rollouts_collected += 1
         log.debug("update %d at %d actor steps", self.iterations, actor_steps)
         return stats
 
-    def _publish_revision(self, epochs_done: int, approx_kl: float, nonfinite_minibatches: int,
-                          update_sgd_steps: int) -> None:
+    def publish_revision(self, epochs_done: int, approx_kl: float, nonfinite_minibatches: int,
+                         update_sgd_steps: int) -> None:
         """Hand the weights an epoch left (revision ``epochs_done`` of the version in training) to
-        :attr:`revision_sink`; called by the updater, with the model lock held. Kept back, for the
-        health check to judge at the end of the update: weights after a skipped non-finite
-        gradient, after an epoch whose approx KL passed :attr:`revision_max_approx_kl`, or that
-        are not finite. Skipped while fewer than :attr:`revision_min_sgd_steps` SGD steps passed
+        the revision sink; the updater's ``after_epoch`` callback, called with the model lock held.
+        Kept back, for the health check to judge at the end of the update: weights after a skipped
+        non-finite gradient, after an epoch whose approx KL passed ``revision_max_approx_kl``, or
+        that are not finite. Skipped while fewer than ``revision_min_sgd_steps`` SGD steps passed
         since the last published weights."""
         assert self.revision_sink is not None
         sgd_steps = self.sgd_steps + update_sgd_steps
-        last_published = next(reversed(self._sgd_steps_at.values()), 0)  # entries are kept in publishing order
-        if sgd_steps - last_published < self.revision_min_sgd_steps:
+        if sgd_steps - self.sgd_ledger.last_published < self.revision_min_sgd_steps:
             return
         if nonfinite_minibatches or not math.isfinite(approx_kl) or (
                 self.revision_max_approx_kl is not None and approx_kl > self.revision_max_approx_kl):
             return
         weights = weights_to_arrays(self.model)
         if all(np.isfinite(array).all() for array in weights.values()):
-            self._note_sgd_steps(self.policy_version, epochs_done, sgd_steps)
+            self.sgd_ledger.note(self.policy_version, epochs_done, sgd_steps)
             self.revision_sink(self.policy_version, epochs_done, weights)
 
     def behaviour_cloning_phase(self) -> int:
@@ -800,7 +494,7 @@ class PPOLearner:
                 self.bc_updates_done += 1
                 self._rollouts_collected += 1
             self.learner_model.version += 1
-        self._note_sgd_steps(self.policy_version, 0, self.sgd_steps)
+        self.sgd_ledger.note(self.policy_version, 0, self.sgd_steps)
         return remaining
 
     # ------------------------------------------------------------------ the loop
@@ -812,17 +506,29 @@ class PPOLearner:
         policy: CheckpointPolicy,
     ) -> None:
         """Main learner loop: wait for a published rollout, run a PPO update, notify the tester,
-        feed automatic rollback monitoring, and manage periodic checkpointing; hand each result
-        back through ``rollout_handshake``. Returns when ``stop_event`` is set (the service then
-        writes the final checkpoint with ``policy.final``). An exception (for example
-        :class:`RunCollapsedError`) is handed back through the handshake and ends the loop."""
+        feed automatic rollback monitoring, and manage periodic and final checkpointing; hand each
+        result back through ``rollout_handshake``.
+
+        Once ``stop_event`` is set it evaluates the final weights (with the tester, at most
+        :data:`FINAL_EVALUATION_TIMEOUT_S` seconds, keeping ``best.pt``), writes the final
+        checkpoint (``policy.final``: the checkpoint state reads the run's counters the ingest
+        thread reported last) and hands back a last :class:`TrainResult` (no slot) with the
+        evaluations and notes; then it returns. An exception (for example
+        :class:`RunCollapsedError`) is handed back through the handshake and ends the training;
+        the final evaluation and checkpoint still follow, once ``stop_event`` is set."""
         try:
-            self._run(stop_event, current_step, rollout_handshake, policy)
+            self._train(stop_event, current_step, rollout_handshake, policy)
         except BaseException as error:  # surfaced in the ingest thread, which stops the run
             rollout_handshake.complete(error)
+            stop_event.wait()
+        evaluations, notes = self._final_evaluation(current_step(), policy)
+        policy.final(self)
+        version, weights = self.learner_model.snapshot()
+        rollout_handshake.complete(TrainResult(None, version, weights, None, iterations=self.iterations,
+                                               evaluations=evaluations, events=notes))
 
-    def _run(self, stop_event: threading.Event, current_step: Callable[[], int],
-             handshake: RolloutHandshake, policy: CheckpointPolicy) -> None:
+    def _train(self, stop_event: threading.Event, current_step: Callable[[], int],
+               handshake: RolloutHandshake, policy: CheckpointPolicy) -> None:
         done = self.behaviour_cloning_phase()
         if done:
             version, weights = self.learner_model.snapshot()
@@ -830,20 +536,20 @@ class PPOLearner:
                                            events=[f"behaviour cloning: {done} replay-only updates"]))
             self._submit_to_tester(current_step(), force=True)
         while not stop_event.is_set():
-            rollout = handshake.wait_for_rollout(stop_event)
-            if rollout is None:
+            published = handshake.wait_for_rollout(stop_event)
+            if published is None:
                 return
-            stale_rows, lag = self.prepare(rollout)
-            trainable = self.rollout_buffer.trainable_size
-            stats = self.step(current_step())
+            prepared = self.prepare(published.rollout, reevaluate=published.reevaluate)
+            stats = self.step(current_step(), prepared)
             events = policy.after_update(self, stats)
             evaluations, notes = self._poll_tester(policy)
             events += notes
             self._submit_to_tester(current_step())
             version, weights = self.learner_model.snapshot()
             handshake.complete(TrainResult(
-                rollout.slot, version, weights, stats, stale_rows, lag, self.iterations, evaluations, events,
-                trainable_share=trainable / max(1, self.rollout_buffer.total_size), rollbacks=policy.rollbacks,
+                published.rollout.slot, version, weights, stats, prepared.stale_rows, prepared.lag, self.iterations,
+                evaluations, events, trainable_share=prepared.buffer.trainable_size / max(1, prepared.buffer.total_size),
+                rollbacks=policy.rollbacks,
             ))
 
     def _submit_to_tester(self, global_step: int, *, force: bool = False) -> None:
@@ -862,4 +568,23 @@ class PPOLearner:
         reports, notes = tester.poll(), []
         for report in reports:
             notes += policy.after_evaluation(self, report)
+        return reports, notes
+
+    def _final_evaluation(self, global_step: int, policy: CheckpointPolicy) -> tuple[list[Any], list[str]]:
+        """Evaluate the final weights (training has stopped) and judge the reports (``best.pt``,
+        rollback); returns the reports and the notes. A collapse is logged, not raised."""
+        tester = self.context.tester
+        if tester is None or not tester.alive:
+            return [], []
+        version, weights = self.learner_model.snapshot()
+        tester.submit(version, weights, global_step, keep=True)
+        reports, notes = tester.drain(timeout_s=FINAL_EVALUATION_TIMEOUT_S), []
+        try:
+            for report in reports:
+                notes += policy.after_evaluation(self, report)
+        except RunCollapsedError as error:
+            log.error("%s", error)
+        if not any(report.policy_version == version for report in reports):
+            log.warning("the evaluation of the final weights did not finish within %.0f s: skipped "
+                        "(oakemu evaluate plays the final checkpoint)", FINAL_EVALUATION_TIMEOUT_S)
         return reports, notes

@@ -1,7 +1,7 @@
 """PPO: the clipped loss and the learner update over a :class:`RolloutBuffer`.
 
-The update follows CleanRL ``ppo_atari.py`` top to bottom: learning rate for this update ->
-epochs x shuffled minibatches -> ratio -> clipped surrogate, value loss, entropy -> one loss ->
+The update follows CleanRL ``ppo_atari.py`` top to bottom (the caller sets the learning rate
+before it): epochs x shuffled minibatches -> ratio -> clipped surrogate, value loss, entropy -> one loss ->
 gradient clip -> optimizer step -> optional target-KL early stop -> statistics. GAE has already
 been computed into the buffer by the caller.
 
@@ -18,12 +18,14 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
+
+from oakemu_core.algo.settings import PPOSettings
 
 if TYPE_CHECKING:
     from oakemu_core.storage.rollout_buffer import RolloutBuffer
@@ -33,18 +35,11 @@ __all__ = [
     "RolloutEvaluation",
     "LinearSchedule",
     "PPOUpdater",
-    "PPORuntimeState",
     "PPOUpdateStats",
-    "PRECISIONS",
     "cpu_has_native_bfloat16",
     "explained_variance",
     "ppo_losses",
 ]
-
-
-PRECISIONS = ("float32", "bfloat16")
-"""The learner's update precisions (:class:`PPOUpdater` ``precision``): plain float32, or bfloat16
-mixed precision (autocast) of the model's forward and backward passes."""
 
 
 def cpu_has_native_bfloat16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
@@ -273,35 +268,47 @@ class PPOUpdateStats:
     objective (NaN without it): 1 when the behaviour policy is the proximal one."""
 
 
-@dataclass
-class PPORuntimeState:
-    """Learner counters for checkpoints.
+class _UpdateTally:
+    """What one update accumulates for its :class:`PPOUpdateStats` (sums stay on the device until
+    the end: one sync per update)."""
 
-    ``iterations``: PPO updates completed. ``rollouts_collected``: rollouts consumed (one per
-    update here). ``policy_version``: version of the learner's current weights.
-    ``shuffle_rng_state``: state of the minibatch-shuffling generator (plain values), or None.
-    """
+    REPORTED = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction")
 
-    iterations: int = 0
-    rollouts_collected: int = 0
-    policy_version: int = 0
-    shuffle_rng_state: dict[str, Any] | None = None
+    def __init__(self, device: torch.device, *, learning_rate: float) -> None:
+        self.start_time = time.perf_counter()
+        self.learning_rate = learning_rate
+        self.totals = {key: torch.zeros((), device=device) for key in self.REPORTED}
+        self.weight_total = torch.zeros((), device=device)
+        self.minibatches = 0
+        self.nonfinite_minibatches = 0
+        self.first_minibatch_ratio_max_abs_dev = math.nan
+        self.epoch_seconds: list[float] = []
+        self.early_stopped = False
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain-value dict for :func:`oakemu_core.run.checkpoint.save_checkpoint`."""
-        return asdict(self)
+    def add(self, losses: dict[str, torch.Tensor]) -> None:
+        """One trained minibatch's loss terms."""
+        for key in self.totals:
+            self.totals[key] += losses[key].detach()
+        self.minibatches += 1
 
-    @classmethod
-    def from_dict(cls, state: dict[str, Any]) -> PPORuntimeState:
-        """Inverse of :meth:`to_dict`; raises ValueError naming a missing counter."""
-        for key in ("iterations", "rollouts_collected", "policy_version"):
-            if key not in state:
-                raise ValueError(f"PPORuntimeState: missing {key!r}, got keys {sorted(state)}")
-        return cls(
-            iterations=int(state["iterations"]),
-            rollouts_collected=int(state["rollouts_collected"]),
-            policy_version=int(state["policy_version"]),
-            shuffle_rng_state=state.get("shuffle_rng_state"),
+    def stats(self, rollout_buffer: RolloutBuffer, trainable_rows: int, *, decoupled: bool) -> PPOUpdateStats:
+        diagnostics = rollout_buffer.trainable_diagnostics()
+        means = {key: value.item() / self.minibatches for key, value in self.totals.items()}
+        return PPOUpdateStats(
+            **means,
+            explained_variance=(
+                math.nan if diagnostics is None else explained_variance(diagnostics.values, diagnostics.returns)
+            ),
+            learning_rate=self.learning_rate,
+            epochs_completed=len(self.epoch_seconds),
+            minibatches=self.minibatches,
+            early_stopped=self.early_stopped,
+            first_minibatch_ratio_max_abs_dev=self.first_minibatch_ratio_max_abs_dev,
+            update_seconds=time.perf_counter() - self.start_time,
+            epoch_seconds=self.epoch_seconds,
+            trainable_rows=trainable_rows,
+            nonfinite_minibatches=self.nonfinite_minibatches,
+            importance_weight_mean=self.weight_total.item() / self.minibatches if decoupled else math.nan,
         )
 
 
@@ -311,79 +318,49 @@ class PPOUpdater:
     Args:
         model: an :class:`oakemu_core.policy.models.ActorCritic` (``policy_and_values(observations,
             action_mask) -> (Policy, values)`` and a ``distribution``); moved to ``device``.
-        optimizer: optimizer over ``model``'s parameters (CleanRL: Adam, eps=1e-5).
+        optimizer: optimizer over ``model``'s parameters (CleanRL: Adam, eps=1e-5); its learning
+            rate is the caller's to set before each update.
+        settings: the hyperparameters (:class:`~oakemu_core.algo.settings.PPOSettings`, or anything
+            :meth:`PPOSettings.from_config` reads, e.g. the whole configuration); None: the defaults.
+            Those the update reads: ``ppo_epochs``, ``num_minibatches``, ``clip_coef``,
+            ``clip_value_range``, ``ent_coef``, ``vf_coef``, ``max_grad_norm``, ``target_kl``,
+            ``normalize_advantages``, ``importance_weight_cap`` (the truncation of the decoupled
+            objective's weights ``pi_prox / mu``: V-trace's rho-bar, Espeholt et al. 2018,
+            "IMPALA"; used only when :meth:`step` gets a proximal policy), ``seed`` (of the
+            minibatch-shuffling generator) and ``learner_precision``.
         device: where the update runs (``"cuda"`` or ``"cpu"``). On CUDA, TF32 matmuls and
             convolutions are switched off process-wide so that learner log-probs match the actor's
             float32 CPU log-probs (the ratio check).
-        ppo_epochs: passes over the rollout per update (>= 1).
-        num_minibatches: minibatches per epoch (>= 1).
-        clip_coef: PPO clip epsilon (> 0); also the value clip range.
-        clip_value_range: value clip range in value units, None: unclipped (see :func:`ppo_losses`).
-        ent_coef, vf_coef: weights of the entropy bonus and of the value loss (>= 0).
-        max_grad_norm: global gradient-norm clip (> 0).
-        target_kl: stop the update after an epoch whose mean approx_kl exceeds it (None: never).
-        normalize_advantages: normalise each minibatch's advantages to mean 0, std 1 (population
-            std, + 1e-8), as SB3 and CleanRL do; the statistics are over the minibatch's rows,
-            all trainable (issue 11: normalising the whole rollout once instead trained
-            LunarLander to a lower return at 1M steps than SB3 with the same settings).
-        lr_schedule: learning rate per update; None keeps the optimizer's learning rate.
-        seed: seed of the minibatch-shuffling generator.
-        importance_weight_cap: truncation of the decoupled objective's weights ``pi_prox / mu``
-            (V-trace's rho-bar, Espeholt et al. 2018, "IMPALA"; not part of Hilton et al.'s
-            objective); it also keeps them finite. Used only when :meth:`step` gets a proximal
-            policy.
-        precision: ``"float32"``, or ``"bfloat16"``: mixed precision, the model's forward passes
-            (and so their backward: the proximal re-evaluation, the minibatches, behaviour cloning)
-            run under ``torch.autocast`` with bfloat16, so the torso's convolutions and matmuls
-            compute in bfloat16 while the heads (``ActorCritic`` opts them out), weights, gradients,
-            optimizer state, policy distribution and losses stay float32. On a CPU with AVX512-BF16
-            or AMX a Nature-CNN minibatch step of 256 rows was 1.4-1.8 x faster
-            (``benchmarks/bench_learner_layout.py``); on CPUs without them bfloat16 is emulated and
-            slower. The learner's log-probs then differ a little from the actors' float32 ones
-            (``first_minibatch_ratio_max_abs_dev``: 3e-5 in a Breakout run's first updates).
+        action_mask: optional ``(mask width,)`` bool tensor ANDed with every row's mask.
+        **overrides: settings fields by name, replacing those of ``settings``.
+
+    Advantages are normalised per minibatch (``normalize_advantages``: mean 0, population std +
+    1e-8, over the minibatch's rows, all trainable), as SB3 and CleanRL do.
+
+    ``learner_precision="bfloat16"`` is mixed precision: the model's forward passes (and so their
+    backward: the proximal re-evaluation, the minibatches, behaviour cloning) run under
+    ``torch.autocast`` with bfloat16, so the torso's convolutions and matmuls compute in bfloat16
+    while the heads (``ActorCritic`` opts them out), weights, gradients, optimizer state, policy
+    distribution and losses stay float32. CPUs without AVX512-BF16 or AMX emulate bfloat16 (slower
+    than float32). The learner's log-probs then differ a little from the actors' float32 ones
+    (``first_minibatch_ratio_max_abs_dev``).
 
     Raises:
-        ValueError: a hyperparameter out of range (names it, with the received value).
+        pydantic.ValidationError (a ValueError): a hyperparameter out of range (names it, with the
+            received value).
     """
 
     def __init__(
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
+        settings: Any = None,
         *,
         device: str | torch.device,
-        ppo_epochs: int,
-        num_minibatches: int,
-        clip_coef: float,
-        clip_value_range: float | None = None,
-        ent_coef: float,
-        vf_coef: float,
-        max_grad_norm: float,
-        target_kl: float | None = None,
-        normalize_advantages: bool = True,
-        lr_schedule: LinearSchedule | None = None,
-        seed: int = 0,
         action_mask: torch.Tensor | None = None,
-        importance_weight_cap: float = 1.0,
-        precision: str = "float32",
+        **overrides: Any,
     ) -> None:
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision: expected one of {list(PRECISIONS)}, got {precision!r}")
-        self.precision = precision
-        checks = {
-            "ppo_epochs": (ppo_epochs, ppo_epochs >= 1, ">= 1"),
-            "num_minibatches": (num_minibatches, num_minibatches >= 1, ">= 1"),
-            "clip_coef": (clip_coef, clip_coef > 0, "> 0"),
-            "ent_coef": (ent_coef, ent_coef >= 0, ">= 0"),
-            "vf_coef": (vf_coef, vf_coef >= 0, ">= 0"),
-            "max_grad_norm": (max_grad_norm, max_grad_norm > 0, "> 0"),
-            "target_kl": (target_kl, target_kl is None or target_kl > 0, "> 0 or None"),
-            "clip_value_range": (clip_value_range, clip_value_range is None or clip_value_range >= 0, ">= 0 or None"),
-            "importance_weight_cap": (importance_weight_cap, 0 < importance_weight_cap < math.inf, "> 0 and finite"),
-        }
-        for name, (value, ok, expected) in checks.items():
-            if not ok:
-                raise ValueError(f"{name}: expected {expected}, got {value}")
+        self.settings = PPOSettings.from_config(settings if settings is not None else PPOSettings(), **overrides)
         self.device = torch.device(device)
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = False
@@ -393,53 +370,15 @@ class PPOUpdater:
         # Listed once: model.parameters() walks the module tree, twice per SGD step otherwise. The
         # optimizer holds these same tensors; restores load into them in place (load_state_dict).
         self._trained_parameters = [parameter for parameter in self.model.parameters() if parameter.requires_grad]
-        self.ppo_epochs = int(ppo_epochs)
-        self.num_minibatches = int(num_minibatches)
-        self.clip_coef = float(clip_coef)
-        self.clip_value_range = None if clip_value_range is None else float(clip_value_range)
-        self.ent_coef = float(ent_coef)
-        self.vf_coef = float(vf_coef)
-        self.max_grad_norm = float(max_grad_norm)
-        self.target_kl = None if target_kl is None else float(target_kl)
-        self.normalize_advantages = bool(normalize_advantages)
-        self.lr_schedule = lr_schedule
-        self._shuffle_rng = np.random.default_rng(seed)
+        self._stored_parameters = tuple(self.model.distribution.stored_fields())  # parameters for the exact KL
+        self._shuffle_rng = np.random.default_rng(self.settings.seed)
         self.action_mask = None if action_mask is None else action_mask.to(self.device, torch.bool)
-        self.importance_weight_cap = float(importance_weight_cap)
         self._iterations = 0
-        self._rollouts_collected = 0
-        self.policy_version = 0
 
-    # ------------------------------------------------------------------ counters
     @property
     def iterations(self) -> int:
         """PPO updates completed."""
         return self._iterations
-
-    @property
-    def rollouts_collected(self) -> int:
-        """Rollouts consumed by updates."""
-        return self._rollouts_collected
-
-    def state(self) -> PPORuntimeState:
-        """Counters, policy version and shuffle-generator state for a checkpoint."""
-        return PPORuntimeState(
-            iterations=self._iterations,
-            rollouts_collected=self._rollouts_collected,
-            policy_version=self.policy_version,
-            shuffle_rng_state=self._shuffle_rng.bit_generator.state,
-        )
-
-    def restore_state(self, state: PPORuntimeState) -> None:
-        """Restore :meth:`state`'s counters (model, optimizer and schedule are restored by their own
-        ``load_state_dict``). Raises ValueError for negative counters."""
-        if min(state.iterations, state.rollouts_collected, state.policy_version) < 0:
-            raise ValueError(f"PPORuntimeState: counters must be >= 0, got {state}")
-        self._iterations = int(state.iterations)
-        self._rollouts_collected = int(state.rollouts_collected)
-        self.policy_version = int(state.policy_version)
-        if state.shuffle_rng_state is not None:
-            self._shuffle_rng.bit_generator.state = state.shuffle_rng_state
 
     # ------------------------------------------------------------------ update
     def _synchronize(self) -> None:
@@ -454,8 +393,7 @@ class PPOUpdater:
 
         Args:
             rollout_buffer: a full buffer (observations, actions and masks written).
-            chunk_rows: rows per forward pass. 256: the forward passes of a Nature CNN on one CPU
-                thread over 2,048 Breakout rows took 0.42 s in chunks of 256, 0.93 s in chunks of 1,024.
+            chunk_rows: rows per forward pass (small chunks keep a CNN's activations in the caches).
 
         Returns:
             A :class:`RolloutEvaluation`. A row whose stored action the current masks forbid gets
@@ -497,9 +435,9 @@ class PPOUpdater:
 
         Args:
             rollout_buffer: the buffer to train on (``compute_gae`` already called).
-            current_policy_version: version of the weights ``model`` holds now. Rows recorded with
-                this version are used for the ratio check. Afterwards :attr:`policy_version` is
-                ``current_policy_version + 1`` (the weights changed).
+            current_policy_version: version of the weights ``model`` holds now (the caller owns the
+                version and counts the update). Rows recorded with this version are used for the
+                ratio check.
             bc_term: ``(coefficient, demonstration sampler, batch size)``: add ``coefficient *``
                 the demonstrations' negative log-likelihood to every minibatch's loss
                 (:func:`oakemu_core.algo.demonstrations.bc_loss`), or None.
@@ -527,142 +465,107 @@ class PPOUpdater:
             raise EmptyRolloutError("rollout_buffer: 0 trainable rows, expected at least 1")
         # A rollout left with fewer rows than minibatches (most rows dropped as stale) still trains,
         # with one row per minibatch.
-        num_minibatches = min(self.num_minibatches, trainable_rows)
-        start_time = time.perf_counter()
-
-        # Learning rate for this update (CleanRL anneals it before the epochs).
-        if self.lr_schedule is not None:
-            for group in self.optimizer.param_groups:
-                group["lr"] = self.lr_schedule.value()
-        learning_rate = float(self.optimizer.param_groups[0]["lr"])
-
+        settings = self.settings
+        num_minibatches = min(settings.num_minibatches, trainable_rows)
+        tally = _UpdateTally(self.device, learning_rate=float(self.optimizer.param_groups[0]["lr"]))
         self.model.train()
-        reported = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction")
-        totals = {key: torch.zeros((), device=self.device) for key in reported}
-        first_minibatch_ratio_max_abs_dev = math.nan
-        minibatches_done = 0
-        epochs_completed = 0
-        early_stopped = False
-        epoch_seconds: list[float] = []
-        nonfinite_minibatches = 0
-
-        # Flatten and upload the trainable rows once; every epoch only reshuffles and indexes them.
-        flat = rollout_buffer.flat_batch(self.device)
-        decoupled = proximal is not None
-        kl_reference = ""  # the stored parameters the exact KL is measured from: the acting policy's
-        if decoupled:  # the cached flat batch stays as it is: a new one holds the extra fields
-            arrays = {"log_probs": proximal.log_probs, **proximal.distribution_fields}
-            flat = replace(flat, fields={**flat.fields, **{
-                PROXIMAL + name: torch.from_numpy(array.reshape(-1, *array.shape[2:])[flat.rows]).to(self.device)
-                for name, array in arrays.items()}})
-            kl_reference = PROXIMAL  # the trust region is around the proximal policy
-        log_weight_cap = math.log(self.importance_weight_cap)
-        weight_total = torch.zeros((), device=self.device)
-        stored_parameters = tuple(self.model.distribution.stored_fields())
-        for epoch in range(self.ppo_epochs):
+        flat, kl_reference = self._upload(rollout_buffer, proximal)
+        for epoch in range(settings.ppo_epochs):
             epoch_start = time.perf_counter()
             epoch_kl = torch.zeros((), device=self.device)
             # One minibatch: every row in stored order (shuffling it would only cost copies).
             minibatches = [flat.whole()] if num_minibatches == 1 else flat.minibatches(num_minibatches, self._shuffle_rng)
             for minibatch in minibatches:
-                with self._forward_precision():
-                    policy, new_values = self.model.policy_and_values(
-                        minibatch.observations, self._row_masks(minibatch.fields.get("action_mask"))
-                    )
-                advantages = minibatch.advantages
-                if self.normalize_advantages:  # per minibatch (SB3, CleanRL); population std
-                    advantages = (advantages - advantages.mean()) / (advantages.std(correction=0) + 1e-8)
-                with torch.set_grad_enabled(bool(self.ent_coef)):  # weighted 0 it would only cost backward ops
-                    entropy = policy.entropy()
-                new_log_probs = policy.log_prob(minibatch.actions)
-                old_log_probs, weights = minibatch.log_probs, None
-                if decoupled:
-                    old_log_probs = minibatch.fields[PROXIMAL + "log_probs"]
-                    weights = (old_log_probs - minibatch.log_probs).clamp(max=log_weight_cap).exp()
-                    weight_total += weights.mean()
-                losses = ppo_losses(
-                    new_log_probs,
-                    old_log_probs,
-                    advantages,
-                    new_values,
-                    minibatch.values,
-                    minibatch.returns,
-                    entropy,
-                    clip_coef=self.clip_coef,
-                    clip_value_range=self.clip_value_range,
-                    importance_weights=weights,
-                )
-                if stored_parameters:  # the exact KL from the stored parameters
-                    with torch.no_grad():
-                        kl = policy.kl_from({name: minibatch.fields[kl_reference + name] for name in stored_parameters})
-                        losses["approx_kl"] = kl.mean()
-                if minibatches_done == 0:  # before any gradient step: actor and learner should agree
+                losses, new_log_probs, weights = self._minibatch_losses(minibatch, kl_reference)
+                if weights is not None:
+                    tally.weight_total += weights.mean()
+                if tally.minibatches == 0:  # before any gradient step: actor and learner should agree
                     behaviour_ratio = (new_log_probs.detach() - minibatch.log_probs).exp()
-                    first_minibatch_ratio_max_abs_dev = self._ratio_deviation(
+                    tally.first_minibatch_ratio_max_abs_dev = self._ratio_deviation(
                         behaviour_ratio, minibatch.fields["policy_versions"], current_policy_version
                     )
-
-                # Total loss (Schulman et al. 2017, eq. 9, negated): policy - c2 * entropy + c1 * value.
-                loss = losses["policy_loss"] + self.vf_coef * losses["value_loss"]
-                if self.ent_coef:
-                    loss = loss - self.ent_coef * losses["entropy"]
-                if bc_term is not None:  # behaviour cloning on demonstrations, next to the PPO loss
-                    bc_coef, sampler, bc_batch = bc_term
-                    loss = loss + bc_coef * self._bc_loss(sampler, bc_batch)
-                for parameter in self._trained_parameters:  # zero_grad(set_to_none=True), minus its profiler hooks
-                    parameter.grad = None
-                loss.backward()
-                grad_norm = nn.utils.clip_grad_norm_(self._trained_parameters, self.max_grad_norm)
-                if torch.isfinite(grad_norm):
-                    self.optimizer.step()
-                else:  # a non-finite gradient would turn every weight into NaN for good: skip it
-                    nonfinite_minibatches += 1
-
-                for key in totals:
-                    totals[key] += losses[key].detach()
+                if not self._sgd_step(losses, bc_term):
+                    tally.nonfinite_minibatches += 1
+                tally.add(losses)
                 epoch_kl += losses["approx_kl"]
-                minibatches_done += 1
 
             self._synchronize()
-            epoch_seconds.append(time.perf_counter() - epoch_start)
-            epochs_completed += 1
-            if self.target_kl is None and after_epoch is None:
+            tally.epoch_seconds.append(time.perf_counter() - epoch_start)
+            if settings.target_kl is None and after_epoch is None:
                 continue
             epoch_approx_kl = epoch_kl.item() / len(minibatches)  # one device sync per epoch, when needed
-            if self.target_kl is not None and epoch_approx_kl > self.target_kl:
-                early_stopped = epoch + 1 < self.ppo_epochs
+            if settings.target_kl is not None and epoch_approx_kl > settings.target_kl:
+                tally.early_stopped = epoch + 1 < settings.ppo_epochs
                 break
-            if after_epoch is not None and epoch + 1 < self.ppo_epochs:
-                after_epoch(epoch + 1, epoch_approx_kl, nonfinite_minibatches, minibatches_done)
+            if after_epoch is not None and epoch + 1 < settings.ppo_epochs:
+                after_epoch(epoch + 1, epoch_approx_kl, tally.nonfinite_minibatches, tally.minibatches)
 
-        if self.lr_schedule is not None:
-            self.lr_schedule.step()
         self._iterations += 1
-        self._rollouts_collected += 1
-        self.policy_version = int(current_policy_version) + 1
+        return tally.stats(rollout_buffer, trainable_rows, decoupled=proximal is not None)
 
-        diagnostics = rollout_buffer.trainable_diagnostics()
-        means = {key: value.item() / minibatches_done for key, value in totals.items()}
-        return PPOUpdateStats(
-            policy_loss=means["policy_loss"],
-            value_loss=means["value_loss"],
-            entropy=means["entropy"],
-            approx_kl=means["approx_kl"],
-            clip_fraction=means["clip_fraction"],
-            explained_variance=(
-                math.nan if diagnostics is None else explained_variance(diagnostics.values, diagnostics.returns)
-            ),
-            learning_rate=learning_rate,
-            epochs_completed=epochs_completed,
-            minibatches=minibatches_done,
-            early_stopped=early_stopped,
-            first_minibatch_ratio_max_abs_dev=first_minibatch_ratio_max_abs_dev,
-            update_seconds=time.perf_counter() - start_time,
-            epoch_seconds=epoch_seconds,
-            trainable_rows=trainable_rows,
-            nonfinite_minibatches=nonfinite_minibatches,
-            importance_weight_mean=weight_total.item() / minibatches_done if decoupled else math.nan,
-        )
+    def _upload(self, rollout_buffer: RolloutBuffer, proximal: RolloutEvaluation | None) -> tuple[Any, str]:
+        """The trainable rows flattened and uploaded once (every epoch only reshuffles and indexes
+        them), with the proximal policy's figures as extra fields when given; and the prefix of the
+        stored parameters the exact KL is measured from (``""``: the acting policy's)."""
+        flat = rollout_buffer.flat_batch(self.device)
+        if proximal is None:
+            return flat, ""
+        # The cached flat batch stays as it is: a new one holds the extra fields.
+        arrays = {"log_probs": proximal.log_probs, **proximal.distribution_fields}
+        flat = replace(flat, fields={**flat.fields, **{
+            PROXIMAL + name: torch.from_numpy(array.reshape(-1, *array.shape[2:])[flat.rows]).to(self.device)
+            for name, array in arrays.items()}})
+        return flat, PROXIMAL  # the trust region is around the proximal policy
+
+    def _minibatch_losses(self, minibatch: Any, kl_reference: str) -> tuple[dict[str, torch.Tensor], torch.Tensor,
+                                                                             torch.Tensor | None]:
+        """One minibatch's forward pass and loss terms (:func:`ppo_losses`); with the proximal
+        figures (decoupled objective) the ratio is taken against them and each row weighted by
+        ``min(importance_weight_cap, pi_prox / mu)``; families with stored parameters get the exact
+        KL. Returns the losses, the new log-probs and the weights (None: plain PPO)."""
+        settings = self.settings
+        with self._forward_precision():
+            policy, new_values = self.model.policy_and_values(
+                minibatch.observations, self._row_masks(minibatch.fields.get("action_mask"))
+            )
+        advantages = minibatch.advantages
+        if settings.normalize_advantages:  # per minibatch (SB3, CleanRL); population std
+            advantages = (advantages - advantages.mean()) / (advantages.std(correction=0) + 1e-8)
+        with torch.set_grad_enabled(bool(settings.ent_coef)):  # weighted 0 it would only cost backward ops
+            entropy = policy.entropy()
+        new_log_probs = policy.log_prob(minibatch.actions)
+        old_log_probs, weights = minibatch.log_probs, None
+        if PROXIMAL + "log_probs" in minibatch.fields:
+            old_log_probs = minibatch.fields[PROXIMAL + "log_probs"]
+            weights = (old_log_probs - minibatch.log_probs).clamp(max=math.log(settings.importance_weight_cap)).exp()
+        losses = ppo_losses(new_log_probs, old_log_probs, advantages, new_values, minibatch.values, minibatch.returns,
+                            entropy, clip_coef=settings.clip_coef, clip_value_range=settings.value_clip,
+                            importance_weights=weights)
+        if self._stored_parameters:  # the exact KL from the stored parameters
+            with torch.no_grad():
+                kl = policy.kl_from({name: minibatch.fields[kl_reference + name] for name in self._stored_parameters})
+                losses["approx_kl"] = kl.mean()
+        return losses, new_log_probs, weights
+
+    def _sgd_step(self, losses: dict[str, torch.Tensor], bc_term: tuple[float, Any, int] | None) -> bool:
+        """Backward pass and optimizer step on the total loss (Schulman et al. 2017, eq. 9, negated:
+        policy - c2 * entropy + c1 * value, plus the behaviour-cloning term); False when the
+        gradient was not finite and the step was skipped (it would turn every weight into NaN)."""
+        settings = self.settings
+        loss = losses["policy_loss"] + settings.vf_coef * losses["value_loss"]
+        if settings.ent_coef:
+            loss = loss - settings.ent_coef * losses["entropy"]
+        if bc_term is not None:  # behaviour cloning on demonstrations, next to the PPO loss
+            bc_coef, sampler, bc_batch = bc_term
+            loss = loss + bc_coef * self._bc_loss(sampler, bc_batch)
+        for parameter in self._trained_parameters:  # zero_grad(set_to_none=True), minus its profiler hooks
+            parameter.grad = None
+        loss.backward()
+        grad_norm = nn.utils.clip_grad_norm_(self._trained_parameters, settings.max_grad_norm)
+        if not torch.isfinite(grad_norm):
+            return False
+        self.optimizer.step()
+        return True
 
     # ------------------------------------------------------------------ ratio check
     def shuffle_rng_state(self) -> dict[str, Any]:
@@ -691,7 +594,7 @@ class PPOUpdater:
 
     def _forward_precision(self) -> torch.autocast:
         """The context of every forward pass of the update: bfloat16 autocast, or a no-op for float32."""
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bfloat16")
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.settings.learner_precision == "bfloat16")
 
     @staticmethod
     def _ratio_deviation(ratio: torch.Tensor, versions: torch.Tensor, current_policy_version: int) -> float:

@@ -1,5 +1,4 @@
-"""Actor inference in bfloat16 for image observations (``--actor-inference bfloat16``; issue 11, actors
-close to the emulator).
+"""Actor inference in bfloat16 for image observations (``--actor-inference bfloat16``).
 
 The image encoder (a Nature CNN for Atari) runs with bfloat16 weights in channels-last layout, which
 oneDNN computes with AMX or AVX512-BF16 where the CPU has them; the mixer and the policy and value
@@ -7,15 +6,11 @@ heads stay float32 (they are tiny, and a value of a few hundred rounded to bfloa
 The ``/ 255`` scaling of uint8 frames is folded into the first convolution's weights, so a frame
 becomes bfloat16 in one copy (integers up to 256 are exact in bfloat16).
 
-Measured on one core of an AMX CPU (2026-12-03, a batch of 8 Breakout observations, random weights):
-float32 torch 1.9-2.0 ms per forward, ONNX Runtime 1.15 ms, this 0.94 ms. Two actors of 8 envs, one
-emulator thread each, on 2 cores: 1,400 / 1,630 / 1,790 env steps/s per actor with torch / ONNX
-Runtime / bfloat16 (``bench_pipeline.py --actor-only``). Without native bfloat16 oneDNN emulates it
-and this is slower than float32 (the actor logs a warning).
+Without native bfloat16 oneDNN emulates it and this is slower than float32 (the actor logs a
+warning). Timings against torch and ONNX Runtime: ``docs/benchmarks.md``.
 
 The policy that acts is the bfloat16 rounding of the learner's: its log-probs and values differ from
-float32 ones by rounding (on real Breakout frames with heads scaled to logits of about 1 and values of
-about 25: log-probs up to 0.007, values up to 2 %). The actor says so at join
+float32 ones by rounding (log-probs by up to about 0.01, values by about 2 %). The actor says so at join
 (``JoinRequest.inference_precision``) and the learner then re-evaluates every rollout in float32
 (``off_policy_correction = "decoupled"``): its values V(s_t) replace the actors' before GAE (the
 bootstrap values after a segment's last row and at truncations stay the actors') and the rounding

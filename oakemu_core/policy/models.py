@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from oakemu_core.actor.step_buffers import PPOActionBundle
+from oakemu_core.policy.action_bundle import PPOActionBundle
 from oakemu_core.policy.distributions import ActionDistribution, Categorical, Policy
 
 __all__ = [
@@ -213,10 +213,8 @@ class ActorCritic(nn.Module):
         the same way; returns ``self``. Outputs and weights are the same (``state_dict`` holds the
         same values, in another memory layout), up to float rounding.
 
-        Why: oneDNN's CPU convolutions are faster in this layout. A Nature-CNN forward + backward +
-        fused Adam step on a 2-core CPU is 1.31-1.41 x faster at 64-512 rows, 1.00 x at 32
-        (``benchmarks/bench_learner_layout.py``; the weights alone channels-last gained about half of
-        that). Only worth it where the learner trains on the CPU.
+        Why: oneDNN's CPU convolutions are faster in this layout (``benchmarks/bench_learner_layout.py``;
+        figures in ``docs/benchmarks.md``). Only worth it where the learner trains on the CPU.
 
         An optimizer over these parameters must keep its state in the same layout: load its state
         with :func:`load_optimizer_state` (fused Adam pairs elements by storage order).
@@ -226,8 +224,8 @@ class ActorCritic(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        """The device of the model's parameters (cached: walking the modules for it cost ~6-10 us
-        per actor step). Every way parameters move resets it: :meth:`_apply` (``.to()``,
+        """The device of the model's parameters (cached: walking the modules for it on every actor
+        step is a measurable cost for small envs). Every way parameters move resets it: :meth:`_apply` (``.to()``,
         ``.cuda()``, ``to_empty``), :meth:`load_state_dict` (``assign=True`` swaps the
         parameters) and unpickling."""
         device = self.__dict__.get("_device")
@@ -456,7 +454,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
     (:meth:`ActorCritic.use_channels_last`) holds moments in that layout, and one written without
     holds them contiguous; ``load_state_dict`` keeps the saved layout. Fused Adam pairs a parameter
     and its moments element by element in storage order, so mismatched layouts would update the
-    wrong elements (measured: a conv weight off by 0.087 after one step at lr 0.1).
+    wrong elements.
 
     Raises:
         ValueError: ``state`` belongs to an optimizer with other parameter groups (raised by

@@ -1,13 +1,11 @@
 """Actor inference with ONNX Runtime: the actor-critic's forward pass (observations -> policy-head
-output, values) run by an ``onnxruntime`` CPU session instead of torch (issue 11, actors close to
-the emulator; ``--actor-inference onnxruntime``, optional extra ``onnx``).
+output, values) run by an ``onnxruntime`` CPU session instead of torch (``--actor-inference
+onnxruntime``, optional extra ``onnx``).
 
-Measured on one core (Nature CNN, a batch of 8 Breakout observations): torch 2.8-3.3 ms per forward,
-ONNX Runtime 1.6-1.8 ms; the Breakout actor loop (``bench_pipeline.py --actor-variants``) rose from
-0.41 to 0.46 of the raw env rate, and to 0.57 with two env groups. The graph is exported once per actor start (about 1 s); each new policy version only swaps
-the weights into the exported graph and builds a new session (20-40 ms), because ONNX Runtime
-prepares constant weights for its kernels (feeding the weights as graph inputs instead ran at
-4.5 ms, slower than torch). Sampling, log-probs and masks stay in torch
+The graph is exported once per actor start; each new policy version swaps the weights into the
+exported graph as constants and builds a new session, because ONNX Runtime prepares constant
+weights for its kernels (weights fed as graph inputs run slower than torch). Timings:
+``docs/benchmarks.md``. Sampling, log-probs and masks stay in torch
 (:meth:`oakemu_core.policy.models.ActorCritic.act`).
 """
 
@@ -22,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from oakemu_core.errors import ConfigError
+
 __all__ = ["OnnxForward", "PROBE_TOLERANCE", "check_available"]
 
 PROBE_TOLERANCE = 1e-4
@@ -34,10 +34,8 @@ def check_available() -> None:
     train`` starts anything.
 
     Raises:
-        oakemu_core.config.ConfigError: one of them is missing (the message names the extra).
+        oakemu_core.errors.ConfigError: one of them is missing (the message names the extra).
     """
-    from oakemu_core.config import ConfigError
-
     missing = [name for name in ("onnxruntime", "onnx") if importlib.util.find_spec(name) is None]
     if missing:
         raise ConfigError(f"actor_inference='onnxruntime' needs {' and '.join(missing)}: pip install "

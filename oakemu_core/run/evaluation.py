@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from oakemu_core.envs import VectorEnv, make_eval_env
+from oakemu_core.envs.factory import make_eval_env
+from oakemu_core.envs.vector import VectorEnv
 from oakemu_core.policy.models import ActorCritic, build_model
 
 __all__ = ["EvaluationResult", "build_evaluation", "play_episodes"]

@@ -292,7 +292,7 @@ def check_resume_folder(run_dir: Path, config: Any, *, check_model: bool = True)
     import tomllib
 
     # A new run has no checkpoint file yet: answer without importing torch (checkpoint.py does),
-    # which would hold up ``oakemu train`` by 1-2 s before it starts any child process.
+    # which would hold up ``oakemu train`` before it starts any child process.
     if not any((Path(run_dir) / "checkpoints").glob("*.pt")):
         return {}
     from oakemu_core.run.checkpoint import latest_checkpoint, load_checkpoint
@@ -309,7 +309,7 @@ def check_resume_folder(run_dir: Path, config: Any, *, check_model: bool = True)
             old = None  # an unreadable config.toml is rewritten by the learner; the checkpoint still decides
         if old is not None:
             changes = config_changes(old, config.model_dump(mode="json"))
-    from oakemu_core.envs import env_spec
+    from oakemu_core.envs.factory import env_spec
     from oakemu_core.step_schema import schema_for_env
 
     spec = env_spec(config.env_id, settings_file=config.emulator_settings)

@@ -1,4 +1,4 @@
-"""Read-only, lossy telemetry from the learner: snapshots over ZeroMQ PUB/SUB and Prometheus metrics.
+"""Read-only, lossy telemetry from the learner: the snapshot and its ZeroMQ PUB/SUB channel.
 
 The learner builds one :class:`TelemetrySnapshot` about once per second and after every PPO update
 and hands it to
@@ -7,9 +7,9 @@ and hands it to
   (:class:`TelemetrySubscriber`, ``oakemu monitor``) may attach and detach at any time. Sending never
   blocks: a PUB socket drops messages for a subscriber whose queue (``send_hwm`` messages) is full,
   and the send itself is ``NOBLOCK``. Telemetry is lossy by design, so no monitor can slow or change
-  training. (Trajectory data never travels over PUB/SUB: see ``wire.py`` / ``ingest.py``.)
-* :class:`PrometheusExporter` - the same figures as Prometheus metrics over HTTP (default port 9100),
-  all named ``oakemu_*``, for existing Grafana dashboards.
+  training. (Trajectory data never travels over PUB/SUB: see ``transport/steps.py`` / ``storage/assembler.py``.)
+* :class:`~oakemu_core.run.prometheus.PrometheusExporter` - the same figures as Prometheus metrics
+  over HTTP (default port 9100), all named ``oakemu_*``.
 
 Wire format of one telemetry message (two ZeroMQ frames, no pickle):
 
@@ -26,14 +26,12 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Callable
+from typing import Any
 
 import msgpack
 import pydantic
 import zmq
-from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
-from prometheus_client.registry import Collector
 
 TELEMETRY_PROTOCOL_VERSION = 2
 """Version of the telemetry message layout; bumped on any incompatible change of the fields
@@ -463,6 +461,28 @@ def decode_frames(frames: list[bytes]) -> TelemetrySnapshot:
     return decode_snapshot(frames[1])
 
 
+def _open_socket(context: zmq.Context | None, kind: int, security: Any, options: dict[int, Any],
+                 attach: Callable[[zmq.Socket], None], error: Callable[[zmq.ZMQError], TelemetryError]) -> zmq.Socket:
+    """A ZeroMQ socket of ``kind`` with CURVE (``security.apply``, or None), ``LINGER`` 0 and
+    ``options``, then bound or connected by ``attach``.
+
+    Raises:
+        TelemetryError: ``error(exc)`` when ``attach`` fails (the socket is closed first).
+    """
+    sock = (context or zmq.Context.instance()).socket(kind)
+    if security is not None:  # oakemu_core.transport.auth: a CURVE server (PUB) or client (SUB)
+        security.apply(sock)
+    sock.setsockopt(zmq.LINGER, 0)
+    for option, value in options.items():
+        sock.setsockopt(option, value)
+    try:
+        attach(sock)
+    except zmq.ZMQError as exc:
+        sock.close(linger=0)
+        raise error(exc) from exc
+    return sock
+
+
 class TelemetryPublisher:
     """ZeroMQ PUB socket the learner publishes snapshots on; never blocks the caller.
 
@@ -479,20 +499,10 @@ class TelemetryPublisher:
 
     def __init__(self, bind_address: str, *, send_hwm: int = 4, context: zmq.Context | None = None,
                  security: Any = None) -> None:
-        self._context = context or zmq.Context.instance()
-        self._socket = self._context.socket(zmq.PUB)
-        if security is not None:  # oakemu_core.transport.auth.ServerSecurity: CURVE server (ZAP runs in ``context``)
-            security.apply(self._socket)
-        self._socket.setsockopt(zmq.SNDHWM, send_hwm)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        try:
-            self._socket.bind(bind_address)
-        except zmq.ZMQError as exc:
-            self._socket.close(linger=0)
-            raise TelemetryBindError(
-                f"cannot bind telemetry publisher to {bind_address!r}: {exc} "
-                "(set OAKEMU_TELEMETRY_PORT / OAKEMU_BIND_HOST to a free address)"
-            ) from exc
+        self._socket = _open_socket(
+            context, zmq.PUB, security, {zmq.SNDHWM: send_hwm}, lambda sock: sock.bind(bind_address),
+            lambda exc: TelemetryBindError(f"cannot bind telemetry publisher to {bind_address!r}: {exc} "
+                                           "(set OAKEMU_TELEMETRY_PORT / OAKEMU_BIND_HOST to a free address)"))
         self.address: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         """The bound endpoint, with the actual port when ``bind_address`` used ``*``."""
         self.published = 0
@@ -558,22 +568,12 @@ class TelemetrySubscriber:
         security: Any = None,
     ) -> None:
         self.connect_address = connect_address
-        self._context = context or zmq.Context.instance()
-        self._socket = self._context.socket(zmq.SUB)
-        if security is not None:  # oakemu_core.transport.auth.ClientSecurity: CURVE client
-            security.apply(self._socket)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.RCVHWM, receive_hwm)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-        self._socket.setsockopt(zmq.SUBSCRIBE, TELEMETRY_TOPIC)
-        try:
-            self._socket.connect(connect_address)
-        except zmq.ZMQError as exc:
-            self._socket.close(linger=0)
-            raise TelemetryAddressError(
-                f"telemetry address {connect_address!r} is not a valid ZeroMQ endpoint "
-                f"(expected tcp://HOST:PORT or ipc://PATH): {exc}"
-            ) from exc
+        self._socket = _open_socket(
+            context, zmq.SUB, security,
+            {zmq.RCVHWM: receive_hwm, zmq.MAXMSGSIZE: max_message_bytes, zmq.SUBSCRIBE: TELEMETRY_TOPIC},
+            lambda sock: sock.connect(connect_address),
+            lambda exc: TelemetryAddressError(f"telemetry address {connect_address!r} is not a valid ZeroMQ "
+                                              f"endpoint (expected tcp://HOST:PORT or ipc://PATH): {exc}"))
         self.received = 0
         """Valid snapshots received."""
         self.rejected = 0
@@ -615,175 +615,6 @@ class TelemetrySubscriber:
             self._socket.close(linger=0)
 
     def __enter__(self) -> TelemetrySubscriber:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-
-class _SnapshotCollector(Collector):
-    """Prometheus collector that exposes the latest snapshot (nothing before the first one)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._snapshot: TelemetrySnapshot | None = None
-
-    def set(self, snapshot: TelemetrySnapshot) -> None:
-        with self._lock:
-            self._snapshot = snapshot
-
-    def collect(self) -> Iterator[object]:
-        with self._lock:
-            snap = self._snapshot
-
-        def value(field: str) -> float | None:
-            return None if snap is None else getattr(snap, field)
-
-        def gauge(name: str, doc: str, field: str) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name, doc)
-            if value(field) is not None:
-                family.add_metric([], value(field))
-            return family
-
-        def counter(name: str, doc: str, field: str) -> CounterMetricFamily:
-            family = CounterMetricFamily(name, doc)
-            if value(field) is not None:
-                family.add_metric([], value(field))
-            return family
-
-        def labelled(family: GaugeMetricFamily | CounterMetricFamily, values: dict[str, float | None]):
-            for label, value in values.items():
-                if value is not None:
-                    family.add_metric([label], value)
-            return family
-
-        s = snap
-        info = InfoMetricFamily("oakemu_run", "Run name and environment id of the learner")
-        if s is not None:
-            info.add_metric([], {"run_name": s.run_name, "env_id": s.env_id})
-        yield info
-        yield counter("oakemu_env_steps", "Env steps written to rollout buffers (all envs)", "global_step")
-        yield gauge("oakemu_sps", "Env steps per second, wall clock since the learner started", "sps")
-        yield gauge("oakemu_sps_recent", "Env steps per second over the last ~10 s", "sps_recent")
-        yield gauge("oakemu_policy_version", "Version of the newest published weights", "policy_version")
-        yield counter("oakemu_updates", "PPO updates completed", "iterations")
-        yield counter("oakemu_episodes", "Episodes finished (all actors)", "episodes")
-        yield gauge("oakemu_episodic_return_mean", "Mean raw episodic return, recent window",
-                    "episodic_return_mean")
-        yield gauge("oakemu_episodic_return_min", "Min raw episodic return, recent window",
-                    "episodic_return_min")
-        yield gauge("oakemu_episodic_return_max", "Max raw episodic return, recent window",
-                    "episodic_return_max")
-        yield gauge("oakemu_episodic_length_mean", "Mean episode length (env steps), recent window",
-                    "episodic_length_mean")
-        loss = GaugeMetricFamily("oakemu_loss", "PPO losses of the last update", labels=["kind"])
-        if s is not None:
-            labelled(loss, {"policy": s.policy_loss, "value": s.value_loss, "entropy": s.entropy})
-        yield loss
-        yield gauge("oakemu_approx_kl", "Approximate KL(old || new) of the last update", "approx_kl")
-        yield gauge("oakemu_clip_fraction", "Fraction of samples clipped in the last update",
-                    "clip_fraction")
-        yield gauge("oakemu_explained_variance", "Explained variance of the value function",
-                    "explained_variance")
-        yield gauge("oakemu_learning_rate", "Current learning rate", "learning_rate")
-        yield gauge("oakemu_buffer_fill", "Fraction (0..1) of the filling rollout buffer written",
-                    "buffer_fill")
-        yield gauge("oakemu_trainable_share", "Fraction (0..1) of the last rollout's rows trained on",
-                    "trainable_share")
-        rejected = CounterMetricFamily("oakemu_rejected_messages", "Messages rejected, by reason",
-                                       labels=["reason"])
-        dropped = CounterMetricFamily("oakemu_dropped", "Rows, steps or actors dropped, by kind",
-                                      labels=["kind"])
-        if s is not None:
-            labelled(rejected, dict(s.rejected_messages))
-            labelled(dropped, {kind: 0 for kind in DROPPED_KINDS} | dict(s.dropped))
-        yield rejected
-        yield dropped
-        received = CounterMetricFamily("oakemu_messages_received", "ZeroMQ messages read, by socket",
-                                       labels=["socket"])
-        accepted = CounterMetricFamily("oakemu_messages_accepted", "Messages served, by kind", labels=["kind"])
-        if s is not None:
-            labelled(received, dict(s.messages_received))
-            labelled(accepted, dict(s.messages_accepted))
-        yield received
-        yield accepted
-        yield counter("oakemu_checkpoint_failures", "Checkpoint writes that failed (full disk, ...)",
-                      "checkpoint_failures")
-        yield counter("oakemu_log_write_failures", "Metric/episode records dropped by failed writes",
-                      "log_write_failures")
-        yield gauge("oakemu_eval_return_mean", "Mean raw episodic return of the latest evaluation",
-                    "eval_return_mean")
-        yield gauge("oakemu_eval_return_std", "Std of the raw episodic return of the latest evaluation",
-                    "eval_return_std")
-        yield gauge("oakemu_eval_length_mean", "Mean episode length (agent steps) of the latest evaluation",
-                    "eval_length_mean")
-        yield gauge("oakemu_eval_policy_version", "Policy version of the latest evaluation", "eval_policy_version")
-        yield gauge("oakemu_best_eval_return", "Best mean evaluation return so far (best.pt)", "best_eval_return")
-        yield gauge("oakemu_actors", "Connected actors", "num_actors")
-        lag = GaugeMetricFamily("oakemu_policy_lag", "Policy lag (versions) of the last rollout's rows",
-                                labels=["stat"])
-        if s is not None:
-            labelled(lag, {"min": s.policy_lag_min, "mean": s.policy_lag_mean, "max": s.policy_lag_max})
-        yield lag
-        actor_sps = GaugeMetricFamily("oakemu_actor_sps", "Env steps per second of one actor",
-                                      labels=["actor_id"])
-        actor_envs = GaugeMetricFamily("oakemu_actor_envs", "Environments of one actor", labels=["actor_id"])
-        if s is not None:
-            for actor in s.actors:
-                actor_sps.add_metric([actor.actor_id], actor.sps)
-                actor_envs.add_metric([actor.actor_id], actor.num_envs)
-        yield actor_sps
-        yield actor_envs
-
-
-class PrometheusExporter:
-    """Serves the latest snapshot as Prometheus metrics (``oakemu_*``) over HTTP at ``/metrics``.
-
-    Counters (``oakemu_env_steps_total``, ``oakemu_updates_total``, ``oakemu_episodes_total``,
-    ``oakemu_rejected_messages_total{reason}``, ``oakemu_dropped_total{kind}``) carry the learner's
-    own running totals; gauges carry the latest value. A figure that does not exist yet (no
-    update, no episode) has no sample. Metrics are kept in a private registry by default, so several
-    exporters can live in one process.
-
-    Args:
-        port: TCP port to serve on; ``0`` picks a free one (see :attr:`port`).
-        registry: registry to add the metrics to (default: a new ``CollectorRegistry``).
-        addr: interface to listen on (``"0.0.0.0"`` in a container, ``"127.0.0.1"`` for local use).
-
-    Raises:
-        TelemetryBindError: the port is in use or the address invalid.
-    """
-
-    def __init__(self, port: int, registry: CollectorRegistry | None = None, *, addr: str = "0.0.0.0") -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
-        self._collector = _SnapshotCollector()
-        self.registry.register(self._collector)
-        try:
-            self._server, self._thread = start_http_server(port, addr=addr, registry=self.registry)
-        except OSError as exc:
-            self.registry.unregister(self._collector)
-            raise TelemetryBindError(
-                f"cannot serve Prometheus metrics on {addr}:{port}: {exc} "
-                "(set OAKEMU_METRICS_PORT to a free port)"
-            ) from exc
-        self.port: int = self._server.server_port
-        """The port actually served (useful with ``port=0``)."""
-        self._closed = False
-
-    def update(self, snapshot: TelemetrySnapshot) -> None:
-        """Expose ``snapshot``'s figures from now on (thread-safe, O(1))."""
-        self._collector.set(snapshot)
-
-    def close(self) -> None:
-        """Stop the HTTP server and remove the metrics from the registry. Idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._server.shutdown()
-            self._server.server_close()
-            self._thread.join(timeout=5)
-            self.registry.unregister(self._collector)
-
-    def __enter__(self) -> PrometheusExporter:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

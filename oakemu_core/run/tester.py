@@ -18,7 +18,7 @@ when the parent closes it, when the parent dies (it watches its parent pid), and
 main module is imported again in the child (as ``__mp_main__``): a script that starts a tester
 keeps its work under ``if __name__ == "__main__":`` (``oakemu`` and ``python -m oakemu_services.cli`` do).
 
-Lead's loop, in short::
+The learner's loop, in short::
 
     tester = tester_from_config(cfg, schema.to_dict())   # None when cfg.eval_every_updates == 0
     tester.start()

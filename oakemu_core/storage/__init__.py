@@ -1,1 +1,2 @@
-"""The learner's rollout storage: the shared-memory rollout buffer, GAE, memory checks, the assembler."""
+"""The learner's rollout storage: the shared-memory rollout buffer (one checked write), the batches
+PPO reads, GAE, memory checks, the assembler."""

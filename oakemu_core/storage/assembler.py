@@ -1,24 +1,23 @@
 """Learner-side rollout assembly: actor registry, column assignment, double buffering, policy lag.
 
-The learner owns ``len(buffers)`` rollout buffers (two by default) of shape ``(T, N)``.  A buffer is
+The learner owns ``len(buffers)`` rollout buffers (two by default) of shape ``(T, N)``. A buffer is
 *filling* while actors stream steps into it, *full* when every column holds ``T`` rows, and
-*training* while the PPO update reads it.  Actors step their envs in lockstep and send one step
+*training* while the PPO update reads it. Actors step their envs in lockstep and send one step
 message per vector step; each actor gets a *segment*: up to ``num_envs`` free columns of the oldest
-filling buffer, written row by row for ``T`` messages.  A segment that does not finish (the actor
+filling buffer, written row by row for ``T`` messages. A segment that does not finish (the actor
 crashed, went silent, or sent out of order) is discarded: its columns are emptied and handed to the
-next actor that asks.  Steps that find no free column are held, not dropped (issue 11: 13.8 % of
-actor steps used to be discarded): the actor's messages queue in its record, consecutive in
-``seq``, and are written as a new segment as soon as columns free (a buffer is released after
-training, or another actor's segment is discarded).  The queue holds at most one segment (``T``
-rows) per actor plus :data:`HELD_SLACK_MESSAGES` messages (the steps an actor that stopped at its
-allowance may still have in the sockets); beyond that its OLDEST messages are dropped and counted
-as ``no_capacity_steps`` (the newest rows stay consecutive).  A segment never starts with a step that would reach
-training older than ``max_policy_lag`` (a held step, or one that waited in the sockets while
-both buffers were busy): it is dropped as ``stale_steps`` and the next step starts the segment,
-so no stale row is written (issue 11).  The other
-``no_capacity_steps``: an actor given fewer free columns than it has envs (the buffer's columns
-are not a multiple of ``envs_per_actor``) loses the rows of its extra envs.  Back-pressure in the
-learner loop (it stops reading while no buffer is filling) makes actors wait in ``send``.
+next actor that asks. Steps that find no free column are held, not dropped: the actor's messages
+queue in its record, consecutive in ``seq``, and are written as a new segment as soon as columns
+free (a buffer is released after training, or another actor's segment is discarded). The queue holds
+at most one segment (``T`` rows) per actor plus :data:`HELD_SLACK_MESSAGES` messages (the steps an
+actor that stopped at its allowance may still have in the sockets); beyond that its OLDEST messages
+are dropped and counted as ``no_capacity_steps`` (the newest rows stay consecutive). A segment never
+starts with a step that would reach training older than ``max_policy_lag`` (a held step, or one that
+waited in the sockets while both buffers were busy): it is dropped as ``stale_steps`` and the next
+step starts the segment, so no stale row is written. The other ``no_capacity_steps``: an actor given
+fewer free columns than it has envs (the buffer's columns are not a multiple of ``envs_per_actor``)
+loses the rows of its extra envs. Back-pressure in the learner loop (it stops reading while no
+buffer is filling) makes actors wait in ``send``.
 
 In the synchronous mode (``sync=True``, one buffer) the columns are not handed out first come,
 first served: the actor with index ``i`` (the learner gives the indices in actor-id order) always
@@ -38,15 +37,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from oakemu_core.storage.rollout_buffer import RolloutBuffer, column_index
-from oakemu_core.transport.wire import StepMessage, StepSpec
+from oakemu_core.transport.steps import StepMessage, StepSpec
 
 HELD_SLACK_MESSAGES = 16
 """Messages an actor's held queue takes beyond one segment. An asynchronous actor acts at most two
 segments per policy version (``oakemu_services.actor.AHEAD_SEGMENTS``), but the messages still in the
 sockets when a version arrives were acted by the one before (a few messages: the actor's send
-high-water mark, kernel buffers sized to a few messages, the learner's receive queue). Measured
-with a 10x slower second actor: without the slack about 4 % of the fast actor's steps were
-dropped, about 70 steps per run, a few per stall."""
+high-water mark, kernel buffers sized to a few messages, the learner's receive queue)."""
 
 FREE = -1
 """Column owner marker: the column holds no rows and belongs to no segment."""
@@ -86,6 +83,24 @@ class Segment:
 
 
 @dataclass
+class LagWindow:
+    """Arrival lag of one actor's step messages (learner version - acting version, in versions),
+    counted since the window was opened."""
+
+    count: int = 0
+    total: int = 0
+    low: int = 0
+    high: int = 0
+
+    def add(self, lag: int) -> None:
+        """Count one message's lag."""
+        self.low = lag if self.count == 0 else min(self.low, lag)
+        self.high = lag if self.count == 0 else max(self.high, lag)
+        self.count += 1
+        self.total += lag
+
+
+@dataclass
 class ActorRecord:
     """What the learner knows of one joined actor incarnation."""
 
@@ -100,8 +115,8 @@ class ActorRecord:
     segment: Segment | None = None
     env_steps_per_second: float = 0.0
     policy_lag: float = 0.0
-    lag_window: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
-    """Arrival lag of its step messages since :meth:`take_lag`: ``[count, sum, min, max]`` in versions."""
+    lag_window: LagWindow = field(default_factory=LagWindow)
+    """Arrival lag of its step messages since :meth:`RolloutAssembler.take_lag`."""
     lag_stats: tuple[float, float, float] | None = None
     """``(min, mean, max)`` arrival lag of the last non-empty window (:meth:`RolloutAssembler.take_lag`)."""
     episodes: int = 0
@@ -281,10 +296,10 @@ class RolloutAssembler:
         """``(min, mean, max)`` policy lag at arrival (learner version - acting version, in versions)
         of the actor's step messages since the last call (the previous figures when none arrived
         since; None before the first); resets the window."""
-        count, total, low, high = record.lag_window
-        if count:
-            record.lag_window = [0, 0, 0, 0]
-            record.lag_stats = (float(low), total / count, float(high))
+        window = record.lag_window
+        if window.count:
+            record.lag_window = LagWindow()
+            record.lag_stats = (float(window.low), window.total / window.count, float(window.high))
         return record.lag_stats
 
     def leave(self, actor_id: str, incarnation: str) -> bool:
@@ -311,10 +326,10 @@ class RolloutAssembler:
         """Write one validated step message into its actor's segment.
 
         The message arrays and their values were already checked against the actor's spec by
-        :func:`oakemu_core.transport.wire.decode_step` (a message rejected there leaves a hole in the
+        :func:`oakemu_core.transport.steps.decode_step` (a message rejected there leaves a hole in the
         actor's ``seq``, so its next message discards the unfinished segment as out of order); they
-        are written without a second check (:meth:`RolloutBuffer.write_validated`: the spec's schema
-        is the buffers', checked at :meth:`join`).
+        are written without a second check (:meth:`RolloutBuffer.write` with ``validated=True``: the
+        spec's schema is the buffers', checked at :meth:`join`).
 
         Raises:
             StepRejected: unknown actor incarnation (``unknown_actor``), a sequence number below
@@ -355,11 +370,7 @@ class RolloutAssembler:
         record.next_seq += 1
         record.last_heard = now
         self._policy_version = max(self._policy_version, current_policy_version)
-        lag, window = current_policy_version - message.policy_version, record.lag_window
-        window[2] = lag if window[0] == 0 else min(window[2], lag)
-        window[3] = lag if window[0] == 0 else max(window[3], lag)
-        window[0] += 1
-        window[1] += lag
+        record.lag_window.add(current_policy_version - message.policy_version)
         if self.sync:  # released in (index, seq) order when the rollout is full
             if message.episode_returns:
                 self._round_episodes.append((record.index, message.seq, list(message.episode_returns),
@@ -434,9 +445,9 @@ class RolloutAssembler:
         if k < num_envs:  # fewer free columns than envs: the first k envs are written
             fields = {name: array[:k] if rows == 1 else array[:, :k] for name, array in fields.items()}
         try:  # decode_step validated the fields against the buffers' schema (checked at join)
-            self.buffers[segment.slot].write_validated(
+            self.buffers[segment.slot].write(
                 segment.rows_written, segment.index, fields, rows=None if rows == 1 else rows,
-                policy_version=message.policy_version, policy_revision=message.revision)
+                policy_version=message.policy_version, policy_revision=message.revision, validated=True)
         except (ValueError, OverflowError) as error:  # the row bookkeeping disagrees: nothing was written
             self._discard_segment(record)
             raise StepRejected("schema", str(error)) from None
@@ -513,14 +524,13 @@ class RolloutAssembler:
         """True while the learner should keep reading step messages: some buffer is filling, and no
         actor's held queue is full while a training will soon free a buffer.
 
-        A full held queue would drop that actor's oldest steps at its next message (issue 11: 22-29 %
-        of actor steps on CartPole at rollout 32 were computed and thrown away). While a buffer
-        trains, not reading makes every actor wait in ``send`` instead (back-pressure); the
-        release drains the held steps, and reading resumes. Without a training in flight the reads
-        go on: the buffer that would free columns may be waiting for another actor's steps. A
-        slower actor's rows delayed by the pause stay within ``max_policy_lag``: they continue a
-        started segment, whose buffer's training version was fixed when it started, and a new
-        segment is checked before it starts (:meth:`trains_at`)."""
+        A full held queue would drop that actor's oldest steps at its next message (steps computed
+        and thrown away). While a buffer trains, not reading makes every actor wait in ``send``
+        instead (back-pressure); the release drains the held steps, and reading resumes. Without a
+        training in flight the reads go on: the buffer that would free columns may be waiting for
+        another actor's steps. A slower actor's rows delayed by the pause stay within
+        ``max_policy_lag``: they continue a started segment, whose buffer's training version was
+        fixed when it started, and a new segment is checked before it starts (:meth:`trains_at`)."""
         if not any(state is SlotState.FILLING for state in self.states):
             return False
         if SlotState.TRAINING in self.states:
@@ -534,7 +544,7 @@ class RolloutAssembler:
         filling. Otherwise an actor that stalls in the middle of its segment (descheduled, slow
         network) would pin that buffer while the other buffer filled and trained again and again
         with the other actors' steps, and the pinned rows would reach training many policy
-        versions old (issue 11: rows 17-20 versions old with ``max_policy_lag`` 2). In order,
+        versions old (far beyond ``max_policy_lag``). In order,
         the policy version advances by one per rollout, so a row's lag stays bounded by the
         buffers in the ring plus the steps in flight.
         """

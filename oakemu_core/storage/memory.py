@@ -1,4 +1,5 @@
-"""Host, ``/dev/shm`` and CUDA memory figures, and the shared-memory capacity check.
+"""Host, ``/dev/shm`` and CUDA memory figures, the shared-memory capacity check, and the memory a
+rollout buffer and one PPO update are projected to need.
 
 All sizes are in bytes. The host figure respects container limits: it is the smaller of the
 kernel's ``MemAvailable`` and the headroom (limit minus usage, reclaimable page cache excluded) of
@@ -7,9 +8,14 @@ every memory cgroup above this process, cgroup v2 or v1.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from oakemu_core.step_schema import StepSchema
 
 _CGROUP_V1_NO_LIMIT = 1 << 62  # v1 reports "no limit" as a huge page-aligned number near 2**63
 
@@ -245,3 +251,62 @@ def make_diagnostic(resource: str, required_bytes: int, available_bytes: int, wh
         f"{format_bytes(available_bytes)} ({available_bytes} bytes) available: {verdict}"
     )
     return RolloutBufferMemoryDiagnostic(resource, int(required_bytes), int(available_bytes), ok, message)
+
+
+def rollout_memory_pressure(
+    schema: StepSchema,
+    rows: int,
+    num_minibatches: int,
+    *,
+    buffer_bytes: int,
+    resident_bytes: int,
+    shm_dir: Path,
+    cached_cuda_bytes: int = 0,
+) -> list[RolloutBufferMemoryDiagnostic]:
+    """Project the memory a rollout buffer and one PPO update need, per resource.
+
+    Figures (worst case: every row trainable):
+
+    - ``cpu``: the shared arrays plus the flat batch gathered on the host (and, without CUDA,
+      the flat batch itself and one minibatch of observations as float32 for the network),
+      against :func:`host_available_bytes` plus the buffer's already resident pages.
+    - ``shm``: the shared arrays against ``shm_dir`` free space plus the buffer's own resident
+      segments (Docker gives a container 64 MB by default); left out when ``shm_dir`` is absent.
+    - ``cuda:<i>`` when CUDA is available: the flat batch, one minibatch's copy of it and one
+      float32 minibatch of observations, against free device memory plus the current cache.
+
+    Args:
+        schema: the buffer's step schema.
+        rows: rows of the buffer (``T * N``).
+        num_minibatches: PPO minibatches per epoch, positive.
+        buffer_bytes: bytes of the buffer's shared arrays.
+        resident_bytes: bytes of them already backed by memory (counted as used).
+        shm_dir: the shared-memory file system.
+        cached_cuda_bytes: bytes of the buffer's flat batch already uploaded to CUDA.
+
+    Returns:
+        One :class:`RolloutBufferMemoryDiagnostic` per resource.
+    """
+    import torch
+
+    flat_bytes = rows * sum(f.item_bytes for f in schema.minibatch) + rows * 8  # + row indices
+    observation_elements = sum(math.prod(schema[n].shape) for n in schema.observation_names)
+    float_minibatch_bytes = math.ceil(rows / num_minibatches) * observation_elements * 4
+    minibatch_copy = math.ceil(flat_bytes / num_minibatches)
+    cuda = torch.cuda.is_available()
+    diagnostics: list[RolloutBufferMemoryDiagnostic] = []
+    host_transient = flat_bytes + rows * 4  # gathered rows + normalised advantages
+    if not cuda:
+        host_transient += flat_bytes + minibatch_copy + float_minibatch_bytes
+    diagnostics.append(make_diagnostic("cpu", buffer_bytes + host_transient, host_available_bytes() + resident_bytes,
+                                       "rollout arrays and one update's flat batch"))
+    if shm_dir.is_dir():
+        diagnostics.append(make_diagnostic("shm", buffer_bytes, shm_free_bytes(shm_dir) + resident_bytes,
+                                           "rollout arrays"))
+    if cuda:
+        index = torch.cuda.current_device()
+        free = cuda_free_bytes(index) or 0
+        diagnostics.append(make_diagnostic(f"cuda:{index}", flat_bytes + minibatch_copy + float_minibatch_bytes,
+                                           free + cached_cuda_bytes,
+                                           "flat batch, one minibatch and one float32 minibatch of observations"))
+    return diagnostics

@@ -4,8 +4,11 @@ Small envs (CartPole: ~40 bytes per env step) pay far more for a message than fo
 encode, the syscalls, the learner's decode, validation and buffer write cost the same for 300 bytes
 as for 30 KB. A :class:`StepBlock` gathers K vector steps of one actor into preallocated
 ``(K, n, *shape)`` arrays (one per sent field of the step schema), then the actor sends them as one
-:class:`~oakemu_core.transport.wire.StepMessage`; the learner validates the block whole and writes its K rows
-with one copy per field (:meth:`oakemu_core.storage.rollout_buffer.RolloutBuffer.write_validated`, ``rows=K``).
+:class:`~oakemu_core.transport.steps.StepMessage`; the learner validates the block whole and writes its K rows
+with one copy per field (:meth:`oakemu_core.storage.rollout_buffer.RolloutBuffer.write` with ``validated=True``, ``rows=K``).
+
+A block of one step (K = 1) copies nothing: it keeps the recorded step's own ``(n, *shape)`` arrays,
+so an actor sends every message through a block whatever its K.
 
 The message's ``(policy_version, revision)`` is that of the OLDEST weights that acted on any of the
 K steps (the actor loads new weights only between blocks, so normally all K agree; after a rejoin
@@ -19,13 +22,14 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from oakemu_core.step_schema import StepSchema
-from oakemu_core.transport.wire import StepMessage
+from oakemu_core.transport.steps import StepMessage
 
 __all__ = ["StepBlock"]
 
 
 class StepBlock:
-    """Preallocated ``(K, n, *shape)`` arrays for every sent field of ``schema``.
+    """Preallocated ``(K, n, *shape)`` arrays for every sent field of ``schema``; for K = 1, the
+    recorded step's own ``(n, *shape)`` arrays (no copy: valid while the caller keeps them unchanged).
 
     Args:
         schema: the step schema (its *sent* fields are stored).
@@ -44,7 +48,7 @@ class StepBlock:
         self.steps = int(steps)
         self.arrays: dict[str, np.ndarray] = {
             f.name: np.zeros((self.steps, self.num_envs, *f.shape), dtype=f.dtype) for f in schema.sent
-        }
+        } if self.steps > 1 else {}
         self._items = tuple(self.arrays.items())
         self.count = 0
         self.policy_version = 0
@@ -67,16 +71,18 @@ class StepBlock:
                episode_returns: Sequence[float] = (), episode_lengths: Sequence[int] = (), *,
                revision: int = 0) -> None:
         """Copy one vector step (every sent field, ``(n, *shape)``), acted by revision ``revision``
-        of ``policy_version``, into the next row of the block.
+        of ``policy_version``, into the next row of the block (K = 1: keep its arrays).
 
         Raises:
             OverflowError: the block is already full (call :meth:`clear`).
-            KeyError: a sent field is missing from ``fields``.
-            ValueError: a field does not broadcast to ``(n, *shape)`` (numpy's message).
+            KeyError: a sent field is missing from ``fields`` (K > 1).
+            ValueError: a field does not broadcast to ``(n, *shape)`` (numpy's message; K > 1).
         """
         index = self.count
         if index >= self.steps:
             raise OverflowError(f"StepBlock.record: the block of {self.steps} steps is full")
+        if self.steps == 1:
+            self.arrays = dict(fields)
         for name, array in self._items:
             array[index] = fields[name]
         acted_by = (int(policy_version), int(revision))

@@ -1,25 +1,26 @@
 """Step rings: an actor on the learner's machine hands over its step arrays in shared memory.
 
 Through the sockets, every byte of a step message is copied about six times (msgpack on the actor,
-the kernel twice, ZeroMQ, msgpack on the learner, the rollout buffer): a Breakout learner ingested
-4.6 % of memcpy's bandwidth, and bare ZeroMQ alone tops out near 16 % on a 2-core machine (issue 11).
-A :class:`StepRing` is a shared-memory segment of ``slots`` message slots, created by the learner
-for one actor incarnation (it owns and unlinks it). The actor copies a message's arrays into slot
-``seq % slots`` and sends a small step message that names the slot instead of carrying the arrays
-(:class:`oakemu_core.transport.wire.StepMessage` ``slot``); the learner validates the slot's arrays like inline
-ones, copies them into its rollout buffer, and marks the message released. Ordering, joins,
-heartbeats and rejection stay on the sockets; the array bytes move through the ring, and its free
-slots are the actor's back-pressure (below).
+the kernel twice, ZeroMQ, msgpack on the learner, the rollout buffer). A :class:`StepRing` is a
+shared-memory segment of ``slots`` message slots, created by the learner for one actor incarnation
+(it owns and unlinks it). The actor copies a message's arrays into slot ``seq % slots`` and sends a
+small step message that names the slot instead of carrying the arrays
+(:class:`oakemu_core.transport.steps.StepMessage` ``slot``); the learner validates the slot's arrays
+like inline ones, copies them into its rollout buffer, and marks the message released. Ordering,
+joins, heartbeats and rejection stay on the sockets; the array bytes move through the ring, and its
+free slots are the actor's back-pressure (below). The two ends that use a ring are
+:class:`oakemu_core.transport.channels.RingStepChannel` (actor) and
+:class:`oakemu_core.transport.channels.StepReceiver` (learner).
 
 Layout: a 64-byte header (magic, a random token the actor checks, slot count and size, and the
 release counter), then the slots; each slot holds the spec's sent fields in
-:meth:`oakemu_core.transport.wire.StepSpec.array_layout` order, each at a 64-byte-aligned offset, C order.
+:meth:`oakemu_core.transport.steps.StepSpec.array_layout` order, each at a 64-byte-aligned offset, C order.
 
 Flow control: the header's ``released`` counts the messages the learner is done with (every
 ``seq`` below it). The actor writes message ``seq`` only when ``seq - released < slots``, so a slot
 is never rewritten while the learner may still read it, and at most ``slots`` messages are in flight
 (:func:`ring_slots`). The learner copies what it keeps (written rows, or held messages:
-:meth:`oakemu_core.transport.wire.StepMessage.owned`) before it releases, and releases rejected messages too
+:meth:`oakemu_core.transport.steps.StepMessage.owned`) before it releases, and releases rejected messages too
 (else an actor whose messages are all rejected would wait for a slot forever). It checks a slot's
 values on a private copy, which is what it writes, so an actor that wrote a slot after sending it
 cannot slip unchecked values in; fields where every bit pattern is valid (uint8 frames) are copied
@@ -44,7 +45,8 @@ from pathlib import Path
 import numpy as np
 
 from oakemu_core.shared_memory import SharedArray
-from oakemu_core.transport.wire import StepRingOffer, StepSpec
+from oakemu_core.transport.control import StepRingOffer
+from oakemu_core.transport.steps import StepSpec
 
 RING_VECTOR_STEPS = 16
 """Most vector steps a ring holds in flight (:func:`ring_slots`)."""
@@ -55,21 +57,18 @@ def ring_slots(steps_per_message: int, rollout_length: int) -> int:
     ``max(floor, min(16, rollout_length // 8) // K)``, where ``floor`` is 1 when one message is an eighth
     of the rollout or more (``8 * K >= rollout_length``), else 2.
 
-    The slots bound the rows between acting and ingest: at most an eighth of a segment, and 16 vector
-    steps (the sockets held about eight one-step messages: the actor's send queue of two, the
-    learner's receive queue of four, one in each kernel buffer), so rows are no older when trained
-    than through the sockets (issue 11, bounded policy lag). An actor acts a message's steps only once
-    its slot is free (:meth:`oakemu_services.actor.Actor.wait_for_free_slot`), so these bound the rows it has
-    acted that the learner has not read yet. Four slots (Breakout: K = 4, rollout 128) let one synthetic actor feed the learner
-    about 1.4 x faster than two (``bench_ingest.py``), and two at least let the actor fill one while the
-    learner reads the other. One slot when an eighth of a segment is a single message or less
-    (CartPole at the rl-zoo settings: K = 4, rollout 32): the actor then waits while
-    the learner reads it, which an actor faster than the learner can afford. Measured there (policy
-    lag in versions, 3 seeds): 1.37 with two slots and acting before waiting for a slot, 1.25 with one,
-    1.12-1.13 with one and waiting before acting; K = 1 with four slots had 1.14.
+    The slots bound the rows between acting and ingest: at most an eighth of a segment, and
+    :data:`RING_VECTOR_STEPS` vector steps (about what the socket queues hold of one-step messages),
+    so rows are no older when trained than through the sockets. An actor acts a message's steps only
+    once its slot is free (:meth:`oakemu_core.transport.channels.RingStepChannel.wait_writable`), so
+    these bound the rows it has acted that the learner has not read yet. Two slots at least let the
+    actor fill one while the learner reads the other; one when a single message is an eighth of a
+    segment or more, where the actor then waits while the learner reads it (measurements:
+    ``docs/benchmarks.md``).
     """
     floor = 1 if 8 * steps_per_message >= rollout_length else 2
     return max(floor, min(RING_VECTOR_STEPS, rollout_length // 8) // steps_per_message)
+
 
 _MAGIC = b"OAKRING1"
 _HEADER_BYTES = 64
@@ -119,7 +118,7 @@ class StepRing:
     actor writes, one learner reads.
 
     Attributes:
-        spec: the actor's :class:`~oakemu_core.transport.wire.StepSpec` (field dtypes and shapes of a slot).
+        spec: the actor's :class:`~oakemu_core.transport.steps.StepSpec` (field dtypes and shapes of a slot).
         slots: number of slots.
     """
 
@@ -207,7 +206,7 @@ class StepRing:
         Args:
             seq: the message's sequence number (0, 1, ... of this incarnation).
             fields: every sent field of the spec, with the shape of
-                :meth:`~oakemu_core.transport.wire.StepSpec.array_layout`, cast to the field's dtype with
+                :meth:`~oakemu_core.transport.steps.StepSpec.array_layout`, cast to the field's dtype with
                 numpy's ``same_kind`` rule (which narrows, e.g. int64 to uint8, without a check: the
                 learner's value checks see the narrowed values).
 
@@ -233,7 +232,7 @@ class StepRing:
     # -- learner side ----------------------------------------------------------------------------
     def slot_fields(self, slot: int) -> dict[str, np.ndarray]:
         """Read-only views of one slot's arrays, by field name, with the dtypes and shapes of
-        :meth:`~oakemu_core.transport.wire.StepSpec.array_layout` (``(n, *shape)``, or ``(K, n, *shape)``).
+        :meth:`~oakemu_core.transport.steps.StepSpec.array_layout` (``(n, *shape)``, or ``(K, n, *shape)``).
         Their contents are valid until the message is released; the same view objects every time.
 
         Raises:

@@ -1,0 +1,368 @@
+"""An actor's side of the control protocol: join, heartbeats, leave, weights, the step ring, and what a join sets up.
+
+An actor reaches the learner through three sockets: the control REQ socket (:class:`ControlChannel`,
+used by :class:`LearnerClient` for join, heartbeat and leave), the weights SUB socket
+(:func:`subscribe_weights`, read with :func:`newest_message`) and its step channel
+(:mod:`oakemu_core.transport.channels`, made from the join's spec and the ring
+:meth:`LearnerClient.attach_ring` attached). The join reply's ``env_config`` and weights make the
+actor's envs, model and stepper (:func:`make_envs`, :func:`make_model`, :func:`make_inference_backend`,
+:func:`make_stepper`).
+
+The process loop around these is ``oakemu_services.actor``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+import zmq
+
+from oakemu_core.actor.routing import PolicyRouter, RoutingConfig
+from oakemu_core.actor.stepper import PolicyStepper
+from oakemu_core.envs.factory import make_env_groups, make_vector_env
+from oakemu_core.envs.vector import EnvGroups, VectorEnv
+from oakemu_core.policy.models import ActorCritic, build_model, load_weight_arrays
+from oakemu_core.step_schema import schema_for_env
+from oakemu_core.transport.codec import MessageRejected
+from oakemu_core.transport.control import (
+    ControlMessage,
+    Heartbeat,
+    HeartbeatReply,
+    JoinReply,
+    JoinRequest,
+    Leave,
+    decode_message,
+    encode_heartbeat,
+    encode_join_request,
+    encode_leave,
+)
+from oakemu_core.transport.step_ring import StepRing, StepRingUnavailable
+
+if TYPE_CHECKING:
+    from oakemu_core.config import OakEmuConfig
+    from oakemu_core.transport.auth import ClientSecurity
+
+__all__ = [
+    "REQUEST_TIMEOUT_S",
+    "JOIN_PATIENCE_S",
+    "WEIGHTS_QUEUE_MESSAGES",
+    "LearnerUnreachable",
+    "ActorSetupError",
+    "RetryReport",
+    "ControlChannel",
+    "LearnerClient",
+    "subscribe_weights",
+    "newest_message",
+    "make_envs",
+    "make_model",
+    "make_inference_backend",
+    "make_stepper",
+]
+
+log = logging.getLogger("oakemu.actor")
+
+REQUEST_TIMEOUT_S = 2.0
+"""Longest wait (s) for the learner's reply to one control request; the socket is then remade."""
+JOIN_PATIENCE_S = 120.0
+"""Shortest time (s) an actor keeps trying to join: a learner may take a while to start (loading
+torch, building envs)."""
+WEIGHTS_QUEUE_MESSAGES = 4
+"""Weights messages the SUB socket queues (the actor reads them all and keeps the newest)."""
+
+
+class LearnerUnreachable(RuntimeError):
+    """The learner did not answer for longer than the configured patience."""
+
+
+class ActorSetupError(RuntimeError):
+    """This actor cannot serve the learner's run (e.g. its env gives other step fields)."""
+
+
+class RetryReport(Protocol):
+    """Says whom a process is trying to reach (``oakemu_services.runtime.RetryReporter``):
+    ``attempt()`` before each try, ``succeeded()`` once the peer answered."""
+
+    def attempt(self) -> None: ...
+
+    def succeeded(self) -> None: ...
+
+
+class ControlChannel:
+    """REQ socket to the learner's control ROUTER, remade after a timeout (ZeroMQ "lazy pirate").
+
+    Args:
+        context: the actor's ZeroMQ context.
+        address: the learner's control endpoint (``tcp://host:port``).
+        max_bytes: longest reply accepted.
+        security: CURVE keys applied to the socket (:func:`oakemu_core.transport.auth.client_security`),
+            or None.
+    """
+
+    def __init__(self, context: zmq.Context, address: str, max_bytes: int,
+                 security: ClientSecurity | None = None) -> None:
+        self.context = context
+        self.address = address
+        self.max_bytes = max_bytes
+        self.security = security
+        self.socket: zmq.Socket | None = None
+
+    def _connect(self) -> zmq.Socket:
+        if self.socket is None:
+            self.socket = self.context.socket(zmq.REQ)
+            if self.security is not None:
+                self.security.apply(self.socket)
+            self.socket.setsockopt(zmq.LINGER, 0)
+            self.socket.connect(self.address)
+        return self.socket
+
+    def request(self, frame: bytes, timeout_s: float = REQUEST_TIMEOUT_S) -> ControlMessage | None:
+        """Send one request; the decoded reply, or None on timeout or a malformed reply."""
+        sock = self._connect()
+        sock.send(frame)
+        if not sock.poll(int(timeout_s * 1000)):
+            sock.close(linger=0)
+            self.socket = None
+            return None
+        try:
+            return decode_message(sock.recv(), max_bytes=self.max_bytes)
+        except MessageRejected as error:
+            log.warning("malformed reply from the learner: %s", error)
+            return None
+
+    def close(self) -> None:
+        """Close the socket (a later request makes a new one)."""
+        if self.socket is not None:
+            self.socket.close(linger=0)
+            self.socket = None
+
+
+class LearnerClient:
+    """One actor's requests to the learner: join, heartbeat, leave; and the ring a join offers.
+
+    Args:
+        control: the control channel to the learner.
+        request: the join request without its incarnation (:meth:`join` makes a fresh one each time).
+        patience_s: how long the learner may stay silent to heartbeats before it counts as gone.
+        silence: reports heartbeats that get no answer.
+
+    Attributes:
+        incarnation: id of the current join (``""`` before the first).
+    """
+
+    def __init__(self, control: ControlChannel, request: JoinRequest, *, patience_s: float,
+                 silence: RetryReport) -> None:
+        self.control = control
+        self.request = request
+        self.patience_s = patience_s
+        self.silence = silence
+        self.incarnation = ""
+        self.last_reply = time.monotonic()
+
+    @property
+    def join_patience_s(self) -> float:
+        """How long :meth:`join` keeps trying: ``max(JOIN_PATIENCE_S, patience_s)``."""
+        return max(JOIN_PATIENCE_S, self.patience_s)
+
+    @property
+    def actor_id(self) -> str:
+        """The actor's stable name."""
+        return self.request.actor_id
+
+    def join(self, stop: threading.Event, reporter: RetryReport) -> JoinReply:
+        """Join as a fresh incarnation, asking again every :data:`REQUEST_TIMEOUT_S` until the learner
+        answers (``reporter`` says whom the actor is trying to reach meanwhile).
+
+        Returns:
+            The accepted reply (``spec`` not None).
+
+        Raises:
+            ActorSetupError: the learner refused the actor (the reason says why).
+            LearnerUnreachable: no answer within :attr:`join_patience_s`.
+            KeyboardInterrupt: ``stop`` was set before an answer came.
+        """
+        self.incarnation = uuid.uuid4().hex
+        frame = encode_join_request(replace(self.request, incarnation=self.incarnation))
+        patience_s = self.join_patience_s
+        deadline = time.monotonic() + patience_s
+        while not stop.is_set():
+            reporter.attempt()
+            reply = self.control.request(frame)
+            if isinstance(reply, JoinReply):
+                reporter.succeeded()
+                if not reply.accepted:
+                    raise ActorSetupError(f"learner refused actor {self.actor_id}: {reply.reason}")
+                self.last_reply = time.monotonic()
+                return reply
+            if time.monotonic() > deadline:
+                raise LearnerUnreachable(f"no learner answered at {self.control.address} for {patience_s:.0f} s")
+        raise KeyboardInterrupt
+
+    def heartbeat(self, seq: int, policy_version: int, env_steps_per_second: float, policy_lag: float,
+                  episodes: int) -> HeartbeatReply | None:
+        """Send one heartbeat (the figures of :class:`~oakemu_core.transport.control.Heartbeat`);
+        the learner's reply, or None when it did not answer in time.
+
+        Raises:
+            LearnerUnreachable: the learner has not answered for longer than ``patience_s``.
+        """
+        reply = self.control.request(encode_heartbeat(Heartbeat(
+            self.actor_id, self.incarnation, seq, policy_version, env_steps_per_second, policy_lag, episodes)))
+        if not isinstance(reply, HeartbeatReply):
+            self.silence.attempt()
+            if time.monotonic() - self.last_reply > self.patience_s:
+                raise LearnerUnreachable(f"learner silent for {self.patience_s:.0f} s")
+            return None
+        self.silence.succeeded()
+        self.last_reply = time.monotonic()
+        return reply
+
+    def leave(self, timeout_s: float = 0.5) -> None:
+        """Tell the learner this incarnation stops (best effort: no retry)."""
+        if self.incarnation:
+            self.control.request(encode_leave(Leave(self.actor_id, self.incarnation)), timeout_s=timeout_s)
+
+    def attach_ring(self, reply: JoinReply) -> StepRing | None:
+        """The step ring the join offered, attached, or None: none offered, or not reachable from here
+        (e.g. another user's segment or another ``/dev/shm``; the arrays then go inline, which tells the
+        learner to free the ring)."""
+        if reply.step_ring is None or reply.spec is None:
+            return None
+        try:
+            ring = StepRing.attach(reply.step_ring, reply.spec)
+        except StepRingUnavailable as error:
+            log.info("actor %s: step arrays go inline in the messages (%s)", self.actor_id, error)
+            return None
+        log.info("actor %s: step arrays go through shared memory (%s, %d slots)", self.actor_id, ring.name,
+                 ring.slots)
+        return ring
+
+
+def subscribe_weights(context: zmq.Context, address: str, security: ClientSecurity | None = None) -> zmq.Socket:
+    """A SUB socket on the learner's weights channel (weights and stop messages), queueing at most
+    :data:`WEIGHTS_QUEUE_MESSAGES`; read it with :func:`newest_message`.
+
+    Not ``ZMQ_CONFLATE``: its double buffer can lose the wake-up of an idle reader (the pipe stays
+    inactive), and a reader waiting for weights already sent would wait forever.
+    """
+    sub = context.socket(zmq.SUB)
+    if security is not None:
+        security.apply(sub)
+    sub.setsockopt(zmq.RCVHWM, WEIGHTS_QUEUE_MESSAGES)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(address)
+    return sub
+
+
+def newest_message(sub: zmq.Socket, max_bytes: int) -> ControlMessage | None:
+    """Read every message waiting on the weights socket ``sub`` and decode only the last (the newest
+    weights, or the learner's stop notice, its last message); None when nothing waited or the last
+    one was malformed (logged)."""
+    frame = None
+    while True:
+        try:
+            frame = sub.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            break
+    if frame is None:
+        return None
+    try:
+        return decode_message(frame.buffer, max_bytes=max_bytes)
+    except MessageRejected as error:
+        log.warning("malformed weights message ignored: %s", error)
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# what a join reply sets up
+# ---------------------------------------------------------------------------------------------
+
+
+def make_envs(config: OakEmuConfig, reply: JoinReply) -> VectorEnv | EnvGroups:
+    """The actor's ``envs_per_actor`` envs of the join's ``env_config`` (in ``env_groups`` stepped
+    side by side when more than one), after checking they give the step fields the learner expects.
+
+    Raises:
+        ActorSetupError: the local env gives other step fields (another version of the env or of
+            OakEmu-RL here).
+    """
+    assert reply.spec is not None
+    env_config = reply.env_config
+    env_id, seed = str(env_config["env_id"]), int(env_config["seed"])
+    kwargs = dict(clip_rewards=bool(env_config["clip_rewards"]), max_episode_steps=env_config.get("max_episode_steps"),
+                  settings_file=env_config.get("emulator_settings"), num_threads=config.resolved_emulator_threads())
+    groups = min(config.env_groups, config.envs_per_actor)
+    env = (make_env_groups(env_id, config.envs_per_actor, groups, seed=seed, **kwargs) if groups > 1
+           else make_vector_env(env_id, config.envs_per_actor, seed=seed, **kwargs))
+    local, schema = schema_for_env(env.spec), reply.spec.schema
+    if local != schema:
+        env.close()
+        raise ActorSetupError(
+            f"this actor's {env_id} gives step fields [{local.describe()}], the learner expects "
+            f"[{schema.describe()}]: install the same env and OakEmu-RL versions as the learner"
+        )
+    return env
+
+
+def make_model(env: VectorEnv | EnvGroups, reply: JoinReply) -> ActorCritic:
+    """The actor's CPU model for ``env``, in eval mode, with the join's weights loaded."""
+    assert reply.spec is not None
+    model = build_model(env.spec.observation_layout, reply.spec.schema.distribution,
+                        normalize_observations=bool(reply.env_config.get("normalize_observations")))
+    model.eval()
+    load_weight_arrays(model, reply.weights)
+    return model
+
+
+def make_inference_backend(kind: str, model: ActorCritic, *, threads: int, actor_id: str = "") -> Any:
+    """The forward passes of ``actor_inference`` ``kind`` for ``model``: ``"bfloat16"``
+    (:class:`~oakemu_core.policy.bfloat16_inference.BFloat16Forward`) or ``"onnxruntime"``
+    (:class:`~oakemu_core.policy.onnx_inference.OnnxForward`, ``threads`` intra-op threads); give it to
+    :meth:`~oakemu_core.policy.models.ActorCritic.use_inference_backend`, and ``load`` it after each
+    weights update.
+
+    Raises:
+        ActorSetupError: the backend cannot serve this model (or cannot be set up here).
+    """
+    try:
+        if kind == "bfloat16":
+            from oakemu_core.policy.bfloat16_inference import BFloat16Forward
+
+            backend: Any = BFloat16Forward(model)
+            log.info("actor %s: forward passes in bfloat16", actor_id)
+            return backend
+        from oakemu_core.policy.onnx_inference import OnnxForward
+
+        backend = OnnxForward(model, threads=threads)
+        log.info("actor %s: forward passes by ONNX Runtime", actor_id)
+        return backend
+    except ValueError as error:
+        raise ActorSetupError(str(error)) from None
+    except Exception as error:  # noqa: BLE001 - the exporter's or ONNX Runtime's own: one readable line
+        raise ActorSetupError(f"actor_inference={kind!r} could not be set up "
+                              f"({type(error).__name__}: {error}); use --actor-inference torch") from None
+
+
+def make_stepper(env: VectorEnv | EnvGroups, model: ActorCritic, reply: JoinReply) -> PolicyStepper:
+    """The stepper of ``env`` with ``model`` (its first actions are chosen here: give the model its
+    inference backend first), routing as the join's ``route_*`` settings say.
+
+    Raises:
+        ActorSetupError: the routing settings cannot be served here (a scripted policy that does not
+            import on this machine, or routing with ``env_groups`` > 1).
+    """
+    assert reply.spec is not None
+    try:
+        routing = RoutingConfig.from_mapping(reply.env_config)
+        router = (PolicyRouter(env.spec, env.num_envs, routing, seed=int(reply.env_config["seed"]))
+                  if routing.active else None)
+        if router is not None and isinstance(env, EnvGroups):
+            raise ValueError("not supported with env_groups > 1")
+    except ValueError as error:
+        raise ActorSetupError(f"policy routing: {error}") from None
+    return PolicyStepper(env, model, schema=reply.spec.schema, policy_version=reply.policy_version, router=router)

@@ -1,0 +1,151 @@
+"""Atari ids through ale-py's threaded ``AtariVectorEnv``, with the usual DQN/PPO preprocessing
+built in (Machado et al. 2018, "Revisiting the ALE"; CleanRL ``ppo_atari.py``).
+
+No-op reset (up to 30), frame skip 4 with max-pooling over the last two frames, 84x84 grayscale,
+4 stacked frames, sticky actions as the registered id says (0.25 for ``-v5``, 0.0 for
+``NoFrameskip-v4``), minimal action set, FIRE on reset where the game has it. Observations
+``(n, 4, 84, 84)`` uint8, ``Discrete`` actions, no action masks. Rewards are returned raw
+(:class:`oakemu_core.envs.vector.VectorEnv` clips the training rewards).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from oakemu_core.envs.spec import EnvSpec, UnsupportedEnvironmentError
+
+__all__ = ["ATARI_FRAME_SKIP", "ATARI_IMAGE_SIZE", "ATARI_NOOP_MAX", "ATARI_STACK", "AtariBackend"]
+
+ATARI_FRAME_SKIP = 4
+ATARI_STACK = 4
+ATARI_IMAGE_SIZE = 84
+ATARI_NOOP_MAX = 30
+ATARI_DEFAULT_MAX_FRAMES = 108_000  # 27,000 agent steps = 30 minutes of play at 60 Hz
+
+
+@dataclass(frozen=True)
+class _AtariSettings:
+    game: str
+    repeat_action_probability: float
+    full_action_space: bool
+    max_num_frames_per_episode: int
+
+
+def _atari_settings(env_id: str) -> _AtariSettings:
+    """Read the ROM name and emulator settings from ale-py's Gymnasium registration of ``env_id``.
+
+    ``ALE/Breakout-v5`` -> game ``breakout``; ``ALE/MontezumaRevenge-v5`` -> ``montezuma_revenge``.
+    """
+    import ale_py
+    import gymnasium
+
+    gymnasium.register_envs(ale_py)
+    try:
+        registered = gymnasium.spec(env_id)
+    except gymnasium.error.Error as error:
+        raise UnsupportedEnvironmentError(
+            f"env_id: expected an Atari id registered by ale-py (e.g. 'ALE/Breakout-v5'), received {env_id!r} ({error})"
+        ) from None
+    kwargs = registered.kwargs
+    obs_type = kwargs.get("obs_type", "rgb")
+    if obs_type not in ("rgb", "grayscale") or "game" not in kwargs:
+        raise UnsupportedEnvironmentError(
+            f"env_id: expected an Atari id with image observations, received {env_id!r} (obs_type={obs_type!r})"
+        )
+    return _AtariSettings(
+        game=str(kwargs["game"]),
+        repeat_action_probability=float(kwargs.get("repeat_action_probability", 0.25)),
+        full_action_space=bool(kwargs.get("full_action_space", False)),
+        max_num_frames_per_episode=int(kwargs.get("max_num_frames_per_episode") or ATARI_DEFAULT_MAX_FRAMES),
+    )
+
+
+class AtariBackend:
+    """ale-py's threaded ``AtariVectorEnv`` in same-step autoreset mode, raw rewards.
+
+    Implements :class:`oakemu_core.envs.vector.Backend` with ``send`` / ``recv`` (the emulators step
+    in ale-py's threads). :attr:`spec` is read from the emulator's own spaces, so the spec of an
+    Atari id is the spec of a one-env backend.
+
+    Raises:
+        UnsupportedEnvironmentError: ``env_id`` is not an ale-py id with image observations.
+    """
+
+    def __init__(
+        self, env_id: str, num_envs: int, *, max_episode_steps: int | None, num_threads: int | None
+    ) -> None:
+        from ale_py.vector_env import AtariVectorEnv
+
+        settings = _atari_settings(env_id)
+        max_frames = (
+            max_episode_steps * ATARI_FRAME_SKIP  # ALE counts emulator frames, we count agent steps
+            if max_episode_steps is not None
+            else settings.max_num_frames_per_episode
+        )
+        self.num_envs = num_envs
+        self._env = AtariVectorEnv(
+            settings.game,
+            num_envs,
+            num_threads=num_threads if num_threads is not None else min(num_envs, os.cpu_count() or 1),
+            autoreset_mode="SameStep",
+            repeat_action_probability=settings.repeat_action_probability,
+            full_action_space=settings.full_action_space,
+            reward_clipping=False,  # VectorEnv clips the training rewards, so episode returns stay raw
+            frameskip=ATARI_FRAME_SKIP,
+            maxpool=True,
+            noop_max=ATARI_NOOP_MAX,
+            stack_num=ATARI_STACK,
+            img_height=ATARI_IMAGE_SIZE,
+            img_width=ATARI_IMAGE_SIZE,
+            grayscale=True,
+            max_num_frames_per_episode=max_frames,
+        )
+        self.spec = EnvSpec.discrete(
+            env_id,
+            tuple(self._env.single_observation_space.shape),
+            self._env.single_observation_space.dtype,
+            int(self._env.single_action_space.n),
+            is_atari=True,
+        )
+        self._in_order = np.arange(num_envs)
+
+    def reset(self, seed: int | None) -> tuple[np.ndarray, None]:
+        observations, info = self._env.reset(seed=seed)
+        return self._ordered(observations, info), None
+
+    def step(self, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, None]:
+        self.send(actions)
+        return self.recv()
+
+    def send(self, actions: np.ndarray) -> None:
+        """Start stepping (ale-py's own threads step the emulators; returns at once)."""
+        self._env.send(actions)
+
+    def recv(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, None]:
+        """Wait for the step started by :meth:`send`."""
+        observations, rewards, terminated, truncated, info = self._env.recv()
+        order = None if np.array_equal(info["env_id"], self._in_order) else np.argsort(info["env_id"])
+        if order is not None:  # ale-py returns rows in env order when batch_size == num_envs; be safe
+            observations, rewards, terminated, truncated = (
+                observations[order], rewards[order], terminated[order], truncated[order]
+            )
+        dones = terminated | truncated
+        final_observations = observations
+        if dones.any():
+            # SameStep mode: info["final_obs"] is a full (n, ...) array, valid on the done rows.
+            reported = info["final_obs"] if order is None else info["final_obs"][order]
+            final_observations = observations.copy()
+            final_observations[dones] = reported[dones]
+        return observations, rewards.astype(np.float64), terminated, truncated, final_observations, None
+
+    def _ordered(self, observations: np.ndarray, info: dict[str, Any]) -> np.ndarray:
+        if np.array_equal(info["env_id"], self._in_order):
+            return observations
+        return observations[np.argsort(info["env_id"])]
+
+    def close(self) -> None:
+        self._env.close()

@@ -1,0 +1,217 @@
+"""The public way in: build an env id's :class:`~oakemu_core.envs.vector.VectorEnv`, read its
+:class:`~oakemu_core.envs.spec.EnvSpec`, check it before any process starts.
+
+The backend is picked from the env id (:mod:`oakemu_core.envs.spec`): Atari ids go to
+:class:`~oakemu_core.envs.atari.AtariBackend`; emulator ids (``gameboy:...``, ``retro:...``) build
+one ``gymnasium.Env`` per copy through :func:`oakemu_core.envs.emulators.make_emulator_env`, and
+every other id one ``gymnasium.make(env_id)`` per copy, both behind
+:class:`~oakemu_core.envs.gymnasium.GymnasiumBackend`. A new backend implements
+:class:`~oakemu_core.envs.vector.Backend` and a branch in :func:`make_vector_env` / :func:`env_spec`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+from typing import Any
+
+from oakemu_core.envs.atari import AtariBackend
+from oakemu_core.envs.gymnasium import GymnasiumBackend, gymnasium_spec
+from oakemu_core.envs.spec import (
+    EMULATOR_ID_PREFIXES,
+    EnvSpec,
+    UnsupportedEnvironmentError,
+    is_atari_env,
+    is_emulator_env,
+)
+from oakemu_core.envs.vector import Backend, EnvGroups, VectorEnv
+
+__all__ = ["check_env", "env_spec", "make_env_groups", "make_eval_env", "make_vector_env"]
+
+
+def _import_env_module(env_id: str) -> None:
+    """Import the module of a ``module:EnvId`` id (it registers EnvId), as gymnasium.make would.
+
+    Like ``python -m``, the working directory is searched too (appended to ``sys.path``), so
+    ``tests.spaces_envs:...`` or ``my_envs:...`` resolve from the directory a command runs in.
+    """
+    module = env_id.split(":", 1)[0]
+    try:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as error:
+            cwd = os.getcwd()
+            top = module.split(".")[0]
+            if error.name not in (top, module) or cwd in sys.path or "" in sys.path:
+                raise
+            sys.path.append(cwd)
+            importlib.import_module(module)
+    except Exception as error:  # any failure of a user's module: one clear message
+        raise UnsupportedEnvironmentError(
+            f"env_id: expected 'module:EnvId' with an importable module that registers EnvId, received "
+            f"{env_id!r}: importing {module!r} failed with {type(error).__name__}: {error}"
+        ) from error
+
+
+def _make_emulator_env(env_id: str, max_episode_steps: int | None, settings_file: str | None, seed: int | None) -> Any:
+    try:
+        emulators = importlib.import_module("oakemu_core.envs.emulators")
+    except ImportError as error:
+        raise UnsupportedEnvironmentError(
+            f"env_id: {env_id!r} needs emulator support, which is not installed ({type(error).__name__}: {error})"
+        ) from None
+    make_emulator_env = getattr(emulators, "make_emulator_env", None)
+    if make_emulator_env is None:
+        raise UnsupportedEnvironmentError(
+            f"env_id: {env_id!r} needs emulator support, which is not installed "
+            "(oakemu_core.envs.emulators has no make_emulator_env)"
+        )
+    env = make_emulator_env(env_id, max_episode_steps=max_episode_steps, settings_file=settings_file, seed=seed)
+    if env is None:
+        raise UnsupportedEnvironmentError(
+            f"env_id: expected a known emulator id ({', '.join(p + '...' for p in EMULATOR_ID_PREFIXES)}), "
+            f"received {env_id!r}"
+        )
+    return env
+
+
+def _make_gymnasium_env(
+    env_id: str, max_episode_steps: int | None, *, settings_file: str | None = None, seed: int | None = None
+) -> Any:
+    """One raw env: emulator ids through ``oakemu_core.envs.emulators``, everything else through ``gymnasium.make``.
+
+    ``settings_file`` and ``seed`` are passed to emulator backends only (Gymnasium envs are seeded
+    by their first reset).
+    """
+    if is_emulator_env(env_id):
+        return _make_emulator_env(env_id, max_episode_steps, settings_file, seed)
+    import gymnasium
+
+    if ":" in env_id:
+        _import_env_module(env_id)
+    kwargs = {} if max_episode_steps is None else {"max_episode_steps": max_episode_steps}
+    try:
+        return gymnasium.make(env_id, **kwargs)
+    except (gymnasium.error.Error, ImportError) as error:
+        raise UnsupportedEnvironmentError(
+            f"env_id: expected a registered Gymnasium id (e.g. 'CartPole-v1', or 'module:EnvId' for a custom env), "
+            f"received {env_id!r} ({type(error).__name__}: {error})"
+        ) from None
+
+
+@functools.lru_cache(maxsize=32)
+def env_spec(env_id: str, *, settings_file: str | None = None) -> EnvSpec:
+    """Spaces of ``env_id`` as the vector env will report them (builds one env, resets it once, closes it).
+
+    Cached per ``(env_id, settings_file)``; cheap to call early (the CLI does, before any process starts).
+
+    Raises:
+        UnsupportedEnvironmentError: unknown id, a module that cannot be imported, unsupported spaces
+            (the message names the space), or emulator support not installed.
+        InvalidActionMaskError: the env's first action mask is malformed or allows nothing.
+    """
+    if is_atari_env(env_id):
+        backend = AtariBackend(env_id, 1, max_episode_steps=None, num_threads=1)
+        backend.close()
+        return backend.spec
+    env = _make_gymnasium_env(env_id, None, settings_file=settings_file)
+    try:
+        return gymnasium_spec(env_id, env)
+    finally:
+        env.close()
+
+
+def make_vector_env(
+    env_id: str,
+    num_envs: int,
+    *,
+    seed: int | None,
+    clip_rewards: bool | None = None,
+    max_episode_steps: int | None = None,
+    num_threads: int | None = None,
+    settings_file: str | None = None,
+) -> VectorEnv:
+    """Build ``num_envs`` copies of ``env_id`` behind one :class:`VectorEnv`.
+
+    Args:
+        env_id: Atari id (``ALE/Breakout-v5``, ``BreakoutNoFrameskip-v4``), emulator id
+            (``gameboy:...``, ``retro:...``), any Gymnasium id, or ``module:EnvId`` for a custom env.
+        num_envs: envs stepped together (>= 1).
+        seed: seed of the first reset; env ``i`` is seeded with ``seed + i``. None: unseeded.
+        clip_rewards: clip ``training_rewards`` to [-1, 1]; None means on for Atari ids, off otherwise.
+        max_episode_steps: time limit in agent steps (truncation) replacing the id's own; None keeps it.
+        num_threads: emulator threads (Atari only; default ``min(num_envs, cpu_count)``).
+        settings_file: emulator settings file, passed to ``make_emulator_env`` (emulator ids only).
+
+    Raises:
+        ValueError: ``num_envs`` < 1 or ``max_episode_steps`` < 1.
+        UnsupportedEnvironmentError: unknown id or unsupported spaces.
+    """
+    if num_envs < 1:
+        raise ValueError(f"num_envs: expected >= 1, received {num_envs}")
+    if max_episode_steps is not None and max_episode_steps < 1:
+        raise ValueError(f"max_episode_steps: expected >= 1 or None, received {max_episode_steps}")
+    atari = is_atari_env(env_id)
+    backend: Backend
+    if atari:
+        backend = AtariBackend(env_id, num_envs, max_episode_steps=max_episode_steps, num_threads=num_threads)
+    else:
+        spec = env_spec(env_id, settings_file=settings_file)
+
+        def make_env(index: int) -> Any:
+            env_seed = None if seed is None else seed + index
+            return _make_gymnasium_env(env_id, max_episode_steps, settings_file=settings_file, seed=env_seed)
+
+        backend = GymnasiumBackend(spec, make_env, num_envs)
+    return VectorEnv(backend, seed=seed, clip_rewards=atari if clip_rewards is None else clip_rewards)
+
+
+def make_env_groups(env_id: str, num_envs: int, groups: int, *, seed: int | None, **kwargs: Any) -> EnvGroups:
+    """``num_envs`` envs in ``groups`` vector envs (sizes differ by at most one); keyword arguments
+    as :func:`make_vector_env`.
+
+    Raises:
+        ValueError: ``groups`` < 1 or more groups than envs.
+    """
+    if groups < 1 or groups > num_envs:
+        raise ValueError(f"env_groups: expected 1 <= groups <= num_envs {num_envs}, received {groups}")
+    sizes = [num_envs // groups + (1 if g < num_envs % groups else 0) for g in range(groups)]
+    made, first = [], 0
+    for size in sizes:
+        made.append(make_vector_env(env_id, size, seed=None if seed is None else seed + first, **kwargs))
+        first += size
+    return EnvGroups(made)
+
+
+def make_eval_env(
+    env_id: str, *, seed: int | None, max_episode_steps: int | None = None, settings_file: str | None = None
+) -> VectorEnv:
+    """One env of ``env_id`` without reward clipping, for evaluation (same preprocessing as training)."""
+    return make_vector_env(
+        env_id,
+        1,
+        seed=seed,
+        clip_rewards=False,
+        max_episode_steps=max_episode_steps,
+        num_threads=1,
+        settings_file=settings_file,
+    )
+
+
+def check_env(env_id: str, *, settings_file: str | None = None, envs_per_process: int | None = None) -> EnvSpec:
+    """Everything that can be checked about an env before any process starts; returns its spec.
+
+    Emulator ids (``gameboy:`` / ``retro:``) are validated by their backend first (ROM, settings
+    file, reward spec, emulators per process), then the spec is built (spaces supported?).
+
+    Raises:
+        UnsupportedEnvironmentError: unknown id or unsupported spaces.
+        oakemu_core.envs.emulators.EmulatorConfigError: a bad emulator setting (a ``ValueError``).
+    """
+    if is_emulator_env(env_id):
+        from oakemu_core.envs.emulators import validate_emulator_env
+
+        validate_emulator_env(env_id, settings_file, envs_per_process=envs_per_process)
+    return env_spec(env_id, settings_file=settings_file)

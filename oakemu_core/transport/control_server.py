@@ -1,0 +1,267 @@
+"""The learner's side of the control protocol, without sockets: joins, heartbeats and leaves in,
+encoded replies out.
+
+:class:`ControlServer` takes a decoded request (:class:`~oakemu_core.transport.control.JoinRequest`,
+:class:`~oakemu_core.transport.control.Heartbeat`, :class:`~oakemu_core.transport.control.Leave`) with the
+ZeroMQ identity and peer it came from, and returns the replies to send as ``(identity, frame)``
+pairs: usually one, none for a synchronous-mode join held until every actor has asked, and one per
+held join when the last one arrives. It decides
+
+* who may speak for an actor (:class:`~oakemu_core.transport.auth.PeerBinding`: impersonation is
+  refused and counted);
+* whether a join is accepted, with which :class:`~oakemu_core.transport.steps.StepSpec` (steps per
+  message from the joining actor's env count), step ring (a callback the service passes in) and
+  ``env_config`` (the scalars every actor builds its envs from);
+* the synchronous mode's ranks: joins wait until ``num_actors`` actors have asked, then take their
+  indices in actor-id order (columns and env seeds do not depend on who connected first); later
+  joins take their old index or a free one;
+* whether the run has an actor acting with rounded weights (:attr:`ControlServer.reevaluate_every_rollout`).
+
+The service (``oakemu_services.learner``) owns the sockets and the envelope framing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from oakemu_core.policy.bfloat16_inference import check_supported as check_bfloat16_supported
+from oakemu_core.transport.codec import MessageRejected
+from oakemu_core.transport.control import (
+    Heartbeat,
+    HeartbeatReply,
+    JoinReply,
+    JoinRequest,
+    Leave,
+    StepRingOffer,
+    encode_heartbeat_reply,
+    encode_join_reply,
+)
+from oakemu_core.transport.steps import StepSpec
+
+if TYPE_CHECKING:
+    from oakemu_core.config import OakEmuConfig
+    from oakemu_core.step_schema import StepSchema
+    from oakemu_core.storage.assembler import RolloutAssembler
+    from oakemu_core.transport.auth import PeerBinding
+
+__all__ = ["MAX_ACTOR_ENVS", "ControlServer", "Reply", "env_config"]
+
+log = logging.getLogger("oakemu.learner")
+
+MAX_ACTOR_ENVS = 65_536
+"""Largest ``num_envs`` an actor may declare (the wire's limit for one array dimension)."""
+
+Reply = tuple[Any, bytes]
+"""``(identity, encoded reply)``: the ZeroMQ identity of the requester and the frame to send it."""
+
+
+def env_config(config: OakEmuConfig, index: int) -> dict[str, Any]:
+    """The scalars the actor of index ``index`` builds its envs from (the join reply's
+    ``env_config``): env id and limits, reward clipping, observation normalisation, emulator
+    settings, its env seed (``seed + 1000 * (index + 1)``), policy routing (the actor routes, the
+    rows arrive non-trainable: :mod:`oakemu_core.actor.routing`) and the mode (in ``"sync"`` the
+    actor ends a segment every ``rollout_length`` steps and waits there for the weights trained on
+    it)."""
+    return {
+        "env_id": config.env_id,
+        "max_episode_steps": config.max_episode_steps,
+        "clip_rewards": config.resolved_clip_rewards,
+        "normalize_observations": config.normalize_observations,
+        "emulator_settings": config.emulator_settings,
+        "seed": config.seed + 1000 * (index + 1),
+        "route_random_first_steps": config.route_random_first_steps,
+        "route_random_probability": config.route_random_probability,
+        "route_scripted_policy": config.route_scripted_policy,
+        "route_scripted_probability": config.route_scripted_probability,
+        "mode": config.mode,
+        "rollout_length": config.rollout_length,
+    }
+
+
+class ControlServer:
+    """Answers the actors' control requests (see the module docstring).
+
+    Args:
+        config: the run's configuration (mode, actors, env settings, steps per message).
+        schema: the run's step schema (the joining actors' step specs).
+        observation_layout: the env's observation layout (may an actor act in bfloat16?).
+        assembler: registers joined actors, heartbeats and leaves; its ``counters`` count every
+            request served (``accepted``) or refused (``rejected``).
+        peers: binds each actor id to the connection it joined from.
+        rejections: logs a refused request, ``event(reason, text)`` (rate limited by the caller).
+        host_id: this machine's shared-memory host id; ``""``: no step rings.
+        offer_ring: ``(request, spec) -> StepRingOffer | None``: makes a step ring for a joining
+            actor on this machine (None: no room, its arrays go inline).
+        policy_version, weights: the weights the actors get now (see :meth:`publish`).
+    """
+
+    def __init__(self, config: OakEmuConfig, schema: StepSchema, observation_layout: Any,
+                 assembler: RolloutAssembler, peers: PeerBinding, rejections: Any, *, host_id: str,
+                 offer_ring: Callable[[JoinRequest, StepSpec], StepRingOffer | None],
+                 policy_version: int, weights: dict[str, np.ndarray]) -> None:
+        self.config = config
+        self.schema = schema
+        self.observation_layout = observation_layout
+        self.assembler = assembler
+        self.counters = assembler.counters
+        self.peers = peers
+        self.rejections = rejections
+        self.host_id = host_id
+        self.offer_ring = offer_ring
+        self.sync = config.mode == "sync"
+        self.policy_version = int(policy_version)
+        self.weights = weights
+        self.reevaluate_every_rollout = False
+        """True once an actor acting with rounded weights (bfloat16) joined: every rollout is then
+        re-evaluated in float32 before GAE."""
+        self._pending_joins: dict[str, tuple[Any, JoinRequest]] = {}
+        self._sync_ranks: dict[str, int] = {}
+
+    def publish(self, policy_version: int, weights: dict[str, np.ndarray]) -> None:
+        """The newest weights published to the actors: what joining actors get and what every
+        reply reports as the learner's version."""
+        self.policy_version = int(policy_version)
+        self.weights = weights
+
+    # -- replies -----------------------------------------------------------------------------
+    def rejoin(self) -> bytes:
+        """The reply to a request that cannot be served (undecodable, unknown or refused): rejoin."""
+        return encode_heartbeat_reply(HeartbeatReply(status="rejoin", policy_version=self.policy_version))
+
+    def refuse_join(self, reason: str) -> bytes:
+        """A join reply refusing the join for ``reason``."""
+        return encode_join_reply(JoinReply(False, reason, -1, None, {}, self.policy_version))
+
+    def undecodable(self, error: MessageRejected) -> bytes:
+        """Count a request rejected by the decoder and answer it with ``rejoin``."""
+        self.counters.rejected[error.reason] += 1
+        self.rejections.event(error.reason, str(error))
+        return self.rejoin()
+
+    def reply(self, message: Any, now: float, *, identity: Any = None, peer: Any = None,
+              stopping: bool = False) -> list[Reply]:
+        """Serve one decoded request from ``identity`` (its connection ``peer``, for the peer
+        binding) at monotonic time ``now``; ``stopping``: the learner is shutting down (joins are
+        refused, heartbeats answered ``stop``). Returns the replies to send, in order."""
+        if isinstance(message, (JoinRequest, Heartbeat, Leave)) and not (
+            self.peers.bind(message.actor_id, message.incarnation, peer) if isinstance(message, JoinRequest)
+            else self.peers.allows(message.actor_id, message.incarnation, peer)
+        ):  # another connection speaking for a known actor: refused and counted
+            self.counters.rejected["impersonation"] += 1
+            self.rejections.event(
+                "impersonation", f"impersonation: a {type(message).__name__} for actor {message.actor_id} from another peer")
+            refusal = (self.refuse_join("actor id in use by another connection") if isinstance(message, JoinRequest)
+                       else self.rejoin())
+            return [(identity, refusal)]
+        if isinstance(message, JoinRequest):
+            return self._join(message, now, identity, stopping)
+        if isinstance(message, Heartbeat):
+            known = self.assembler.heartbeat(
+                message.actor_id, message.incarnation, now=now,
+                env_steps_per_second=message.env_steps_per_second, policy_lag=message.policy_lag,
+                episodes=message.episodes,
+            )
+            self.counters.accepted["heartbeat" if known else "unknown_actor_control"] += 1
+            status = "stop" if stopping else ("ok" if known else "rejoin")
+            return [(identity, encode_heartbeat_reply(HeartbeatReply(status=status, policy_version=self.policy_version)))]
+        if isinstance(message, Leave):
+            if self.assembler.leave(message.actor_id, message.incarnation):
+                self.counters.accepted["leave"] += 1
+                log.info("actor %s left", message.actor_id)
+            else:
+                self.counters.accepted["unknown_actor_control"] += 1
+            return [(identity, encode_heartbeat_reply(HeartbeatReply(status="stop", policy_version=self.policy_version)))]
+        self.counters.rejected["schema"] += 1
+        self.rejections.event("schema", f"schema: a {type(message).__name__} is not a request the learner serves")
+        return [(identity, self.rejoin())]
+
+    def _join(self, message: JoinRequest, now: float, identity: Any, stopping: bool) -> list[Reply]:
+        if stopping:
+            self.counters.accepted["join_refused"] += 1
+            return [(identity, self.refuse_join("learner is stopping"))]
+        if message.num_envs > MAX_ACTOR_ENVS:
+            self.counters.rejected["schema"] += 1
+            reason = f"num_envs: expected at most {MAX_ACTOR_ENVS}, received {message.num_envs}"
+            self.rejections.event("schema", f"schema: join of actor {message.actor_id}: {reason}")
+            return [(identity, self.refuse_join(reason))]
+        if message.inference_precision == "bfloat16":  # refused before it counts as an actor that rounds
+            try:
+                check_bfloat16_supported(self.observation_layout)
+            except ValueError as error:
+                self.counters.accepted["join_refused"] += 1
+                return [(identity, self.refuse_join(str(error)))]
+        if self.sync:
+            return self._sync_join(message, now, identity)
+        self.counters.accepted["join"] += 1
+        return [(identity, self.grant_join(message, now, index=None))]
+
+    def grant_join(self, message: JoinRequest, now: float, index: int | None) -> bytes:
+        """Register a joining actor (``index``: its synchronous-mode rank, None: the next number)
+        and encode the join reply with its spec, env config and the current weights."""
+        reachable = bool(self.host_id) and message.host_id == self.host_id  # same kernel and /dev/shm mount
+        spec = self.step_spec(message, step_ring=reachable)
+        ring = self.offer_ring(message, spec) if reachable else None
+        if reachable and ring is None:  # no room for a ring: the K of inline messages
+            spec = self.step_spec(message, step_ring=False)
+        record = self.assembler.join(message.actor_id, message.incarnation, spec, hostname=message.hostname, now=now,
+                                     index=index)
+        log.info("actor %s joined (%d envs, host %s, index %d)", message.actor_id, message.num_envs,
+                 message.hostname, record.index)
+        if message.inference_precision == "bfloat16" and not self.reevaluate_every_rollout:
+            self.reevaluate_every_rollout = True
+            log.info("actor %s acts in %s: every rollout is re-evaluated in float32 before GAE%s", message.actor_id,
+                     message.inference_precision, "" if self.config.off_policy_correction == "decoupled" else
+                     " only with off_policy_correction 'decoupled' (the run has 'none': its rounded log-probs "
+                     "and values train as they are)")
+        return encode_join_reply(
+            JoinReply(True, "", record.index, spec, env_config(self.config, record.index), self.policy_version,
+                      self.weights, step_ring=ring)
+        )
+
+    def step_spec(self, message: JoinRequest, *, step_ring: bool) -> StepSpec:
+        """The spec of a joining actor's step messages (K without the byte bound for a step ring)."""
+        steps = self.config.resolved_steps_per_message(self.schema.sent_bytes_per_env(), message.num_envs,
+                                                       step_ring=step_ring)
+        return StepSpec(num_envs=message.num_envs, schema=self.schema, steps_per_message=steps)
+
+    def _sync_join(self, message: JoinRequest, now: float, identity: Any) -> list[Reply]:
+        """Synchronous mode: hold joins until ``num_actors`` actors have asked, then answer them all
+        with indices in actor-id order; later joins take their old index or a free one."""
+        config = self.config
+        if message.num_envs != config.envs_per_actor:
+            self.counters.accepted["join_refused"] += 1
+            reason = (f"mode='sync': every actor steps envs_per_actor={config.envs_per_actor} envs, "
+                      f"received num_envs={message.num_envs}")
+            log.warning("refused actor %s: %s", message.actor_id, reason)
+            return [(identity, self.refuse_join(reason))]
+        self.counters.accepted["join"] += 1  # a held join counts when it arrives (each retry too)
+        if self._sync_ranks:  # the run has started: an actor comes back or replaces one that left
+            held = {r.index for r in self.assembler.actors.values() if r.actor_id != message.actor_id}
+            rank = self._sync_ranks.get(message.actor_id)
+            if rank is None or rank in held:
+                free = sorted(set(range(config.num_actors)) - held)
+                rank = free[0] if free else None
+            if rank is None:
+                self.counters.accepted["join"] -= 1
+                self.counters.accepted["join_refused"] += 1
+                reason = f"mode='sync': the run's num_actors={config.num_actors} actors are all connected"
+                log.warning("refused actor %s: %s", message.actor_id, reason)
+                return [(identity, self.refuse_join(reason))]
+            self._sync_ranks[message.actor_id] = rank
+            return [(identity, self.grant_join(message, now, index=rank))]
+        self._pending_joins[message.actor_id] = (identity, message)  # a retry replaces the held request
+        if len(self._pending_joins) < config.num_actors:
+            log.info("mode='sync': actor %s waits for %d more actor(s) to join", message.actor_id,
+                     config.num_actors - len(self._pending_joins))
+            return []
+        pending, self._pending_joins = self._pending_joins, {}
+        replies = []
+        for rank, actor_id in enumerate(sorted(pending)):
+            self._sync_ranks[actor_id] = rank
+            held_identity, request = pending[actor_id]
+            replies.append((held_identity, self.grant_join(request, now, index=rank)))
+        return replies

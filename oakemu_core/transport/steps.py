@@ -1,0 +1,433 @@
+"""Step messages: one actor's env steps (arrays of every sent field of the step schema) and their checks.
+
+A step message (``"type": "step"``, actor PUSH -> learner PULL) carries ``"actor_id"``,
+``"incarnation"`` (a fresh id on every actor start), ``"seq"`` (0, 1, 2, ... per incarnation), the
+``"policy_version"`` and ``"revision"`` of the weights that acted, the ``"fields"`` map (field name
+-> wire array, :mod:`oakemu_core.transport.codec`), ``"slot"`` and the episodes that ended.
+:class:`StepSpec`, agreed at join time, says what the arrays of one actor must look like;
+:func:`decode_step` checks every message against it and raises only
+:class:`~oakemu_core.transport.codec.MessageRejected`. Ordering of ``seq`` is checked by the
+learner (:mod:`oakemu_core.storage.assembler`), not here.
+
+Copies: :func:`encode_step` hands msgpack each C-contiguous array's own buffer
+(``ndarray.data``); msgpack copies it once into its (per-thread, reused) buffer and once more
+into the returned ``bytes``. :func:`decode_step` returns read-only ``np.frombuffer`` views of
+the ``bytes`` objects msgpack unpacks (msgpack's one copy out of the frame; no further copy).
+A step message of an actor with a step ring carries ``"slot"`` and an empty ``"fields"`` map: its
+arrays are in that slot of the ring (:mod:`oakemu_core.transport.step_ring`), and :func:`decode_step`
+reads them from there (frames in place, the checked fields as private copies).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import numpy as np
+
+from oakemu_core.step_schema import StepField, StepSchema, check_step_consistency
+from oakemu_core.transport.codec import (
+    INT64_MAX,
+    MAX_ARRAY_LEN,
+    MessageRejected,
+    check_local_id,
+    check_local_int,
+    checked_contents,
+    decode_array,
+    describe,
+    encode_array,
+    finite_float,
+    get_int,
+    get_str,
+    header,
+    pack,
+    reject,
+    require_fields,
+    unpack,
+)
+
+__all__ = [
+    "TYPE_STEP",
+    "MAX_STEPS_PER_MESSAGE",
+    "MAX_ABS_EPISODE_RETURN",
+    "StepSpec",
+    "StepMessage",
+    "StepRingReader",
+    "encode_step",
+    "decode_step",
+]
+
+TYPE_STEP = "step"
+"""The ``"type"`` of a step message."""
+
+MAX_STEPS_PER_MESSAGE = 1024
+"""Largest ``steps_per_message`` K a spec may declare."""
+
+MAX_ABS_EPISODE_RETURN = 1e12
+"""Largest magnitude accepted for a raw episodic return."""
+
+_STEP_FIELDS = ("actor_id", "incarnation", "seq", "policy_version", "revision", "fields", "slot", "episode_returns",
+                "episode_lengths")
+
+
+# ---------------------------------------------------------------------------------------------
+# StepSpec
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """What every step message of one actor must look like; agreed at join time.
+
+    Attributes:
+        num_envs: n, the number of envs of the actor = leading dimension of every step array.
+        schema: the run's :class:`~oakemu_core.step_schema.StepSchema`; its *sent* fields are the
+            message's arrays.
+        steps_per_message: K, consecutive vector steps per step message (the learner chooses it
+            at join, see :func:`oakemu_core.transport.batching.auto_steps_per_message`; it divides
+            the rollout length so a message never crosses a segment boundary). K = 1: arrays
+            ``(n, *shape)``; K > 1: ``(K, n, *shape)``.
+
+    Raises:
+        ValueError: ``num_envs`` is not an int >= 1, or ``steps_per_message`` not an int in
+            ``[1, MAX_STEPS_PER_MESSAGE]``.
+    """
+
+    num_envs: int
+    schema: StepSchema
+    steps_per_message: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_envs, bool) or not isinstance(self.num_envs, (int, np.integer)) or self.num_envs < 1:
+            raise ValueError(f"num_envs: expected an int >= 1, received {self.num_envs!r}")
+        object.__setattr__(self, "num_envs", int(self.num_envs))
+        k = self.steps_per_message
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_STEPS_PER_MESSAGE:
+            raise ValueError(f"steps_per_message: expected an int in [1, {MAX_STEPS_PER_MESSAGE}], received {k!r}")
+        object.__setattr__(self, "steps_per_message", int(k))
+        # (field, canonical dtype str, shape) of every sent field, computed once for decode_step.
+        lead = (self.num_envs,) if k == 1 else (int(k), self.num_envs)
+        layout = tuple((f, f.dtype.str, (*lead, *f.shape), [*lead, *f.shape], math.prod(lead) * f.item_bytes)
+                       for f in self.schema.sent)
+        object.__setattr__(self, "_wire_layout", layout)
+        object.__setattr__(self, "_field_names", frozenset(f.name for f in self.schema.sent))
+
+    def array_layout(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+        """Expected ``(dtype, shape)`` of every array of a :class:`StepMessage` (the schema's sent
+        fields with a leading dimension n = ``num_envs``, after K when ``steps_per_message`` > 1)."""
+        return {item.name: (item.dtype, shape) for item, _, shape, _, _ in self._wire_layout}
+
+    def message_bytes(self) -> int:
+        """Approximate encoded size of one step message in bytes (array bytes of K steps + 1 KiB of
+        keys and headers).
+
+        Used to size socket buffers, so that the data in flight stays a few messages, not MBs.
+        """
+        return self.steps_per_message * self.num_envs * self.schema.sent_bytes_per_env() + 1024
+
+    def to_dict(self) -> dict[str, Any]:
+        """msgpack-able form: ``num_envs``, ``steps_per_message`` and the schema's plain form."""
+        return {"num_envs": self.num_envs, "steps_per_message": self.steps_per_message,
+                "schema": self.schema.to_dict()}
+
+    @classmethod
+    def from_dict(cls, value: Any) -> StepSpec:
+        """Inverse of :meth:`to_dict` for untrusted input.
+
+        Raises:
+            MessageRejected: ``"schema"`` (not a map, missing/extra keys, wrong types, an invalid
+                schema).
+        """
+        if not isinstance(value, dict) or value.keys() != {"num_envs", "steps_per_message", "schema"}:
+            received = sorted(map(str, value)) if isinstance(value, dict) else type(value).__name__
+            reject("schema", f"spec: expected keys ['num_envs', 'schema', 'steps_per_message'], received {received}")
+        num_envs = value["num_envs"]
+        if type(num_envs) is not int or not 1 <= num_envs <= MAX_ARRAY_LEN:
+            reject("schema", f"spec.num_envs: expected an int in [1, {MAX_ARRAY_LEN}], received {describe(num_envs)}")
+        steps = value["steps_per_message"]
+        if type(steps) is not int or not 1 <= steps <= MAX_STEPS_PER_MESSAGE:
+            reject("schema", f"spec.steps_per_message: expected an int in [1, {MAX_STEPS_PER_MESSAGE}], "
+                             f"received {describe(steps)}")
+        try:
+            schema = StepSchema.from_dict(value["schema"])
+        except ValueError as error:
+            reject("schema", f"spec.schema: {error}")
+        return cls(num_envs=num_envs, schema=schema, steps_per_message=steps)
+
+
+# ---------------------------------------------------------------------------------------------
+# StepMessage
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class StepMessage:
+    """Actor PUSH -> learner PULL: one env step (or a block of K consecutive steps) of all n envs
+    of one actor.
+
+    Attributes:
+        actor_id, incarnation: identify the sender; must match a joined actor.
+        seq: 0, 1, 2, ... per incarnation (ordering is checked by the learner).
+        policy_version: version of the weights that chose the actions.
+        fields: every *sent* field of the actor's step schema by name, ``(n, *shape)`` each
+            (observations, actions, log_probs, values, rewards, dones, truncated,
+            bootstrap_values, next_values, trainable, and e.g. action_mask, action_mean, ...;
+            see :mod:`oakemu_core.step_schema`); ``(K, n, *shape)`` each when the actor's spec
+            has ``steps_per_message`` K > 1 (row ``i`` is the block's i-th step, in time order).
+        episode_returns: raw (unclipped) returns of the episodes that ended on this step (on
+            any step of the block, in step order).
+        episode_lengths: lengths, in env steps, of those episodes (same order and length).
+        revision: revision of those weights within the update running on ``policy_version``
+            (:class:`~oakemu_core.transport.control.WeightsMessage`; 0 for the version's own
+            weights). With K steps, the ``(policy_version, revision)`` of the oldest weights that
+            acted on any of them.
+        slot: None: ``fields`` travel in the message. An int: the arrays are in this slot of the
+            actor's step ring (:mod:`oakemu_core.transport.step_ring`). The actor sends ``fields``
+            empty; :func:`decode_step` returns in ``fields`` read-only views of the slot for the
+            fields where every bit pattern is valid (uint8 frames), valid only until the learner
+            releases the message (:meth:`owned` copies them), and private copies of the others.
+    """
+
+    actor_id: str
+    incarnation: str
+    seq: int
+    policy_version: int
+    fields: dict[str, np.ndarray]
+    episode_returns: list[float] = field(default_factory=list)
+    episode_lengths: list[int] = field(default_factory=list)
+    revision: int = 0
+    slot: int | None = None
+
+    def owned(self) -> StepMessage:
+        """This message with arrays that stay valid after its ring slot is released: copies of the
+        read-only views of a slot (:func:`decode_step` made the other fields private copies already),
+        or ``self`` when the arrays came inline (views of a frame kept alive by them)."""
+        if self.slot is None:
+            return self
+        return replace(self, fields={name: array if array.flags.writeable else array.copy()
+                                     for name, array in self.fields.items()})
+
+    @property
+    def num_envs(self) -> int:
+        """n, the envs of the sending actor."""
+        return int(self.fields["dones"].shape[-1])
+
+    @property
+    def num_steps(self) -> int:
+        """K, the vector steps this message carries (1 for a one-step ``(n, *shape)`` message)."""
+        dones = self.fields["dones"]
+        return 1 if dones.ndim == 1 else int(dones.shape[0])
+
+
+def encode_step(msg: StepMessage) -> bytes:
+    """Serialise a :class:`StepMessage` for the PUSH socket.
+
+    Each array goes to msgpack as a ``memoryview`` of its C-contiguous buffer (no copy unless the
+    array is not C-contiguous); msgpack copies it once into its buffer and once into the result.
+    Shapes and dtypes are not checked against a spec here: the learner does that on decode.
+
+    A message whose arrays are in a step-ring slot (``msg.slot`` an int) is sent with ``fields``
+    empty.
+
+    Raises:
+        TypeError: an array field is not a numpy array or has a dtype not allowed on the wire.
+        ValueError: a scalar field has a bad value, episode lists differ in length, or a slot
+            message carries fields; the message names the field.
+    """
+    check_local_id(msg.actor_id, "actor_id")
+    if msg.slot is not None:
+        check_local_int(msg.slot, "slot")
+        if msg.fields:
+            raise ValueError("fields: expected none in a message whose arrays are in a step-ring slot")
+    check_local_id(msg.incarnation, "incarnation")
+    check_local_int(msg.seq, "seq")
+    check_local_int(msg.policy_version, "policy_version")
+    check_local_int(msg.revision, "revision")
+    episode_returns = [float(r) for r in msg.episode_returns]
+    episode_lengths = [int(length) for length in msg.episode_lengths]
+    if len(episode_returns) != len(episode_lengths):
+        raise ValueError(
+            f"episode_lengths: expected {len(episode_returns)} entries (one per episode return), "
+            f"received {len(episode_lengths)}"
+        )
+    return pack(
+        {
+            **header(TYPE_STEP),
+            "actor_id": msg.actor_id,
+            "incarnation": msg.incarnation,
+            "seq": int(msg.seq),
+            "policy_version": int(msg.policy_version),
+            "revision": int(msg.revision),
+            "fields": {name: encode_array(array, name) for name, array in msg.fields.items()},
+            "slot": None if msg.slot is None else int(msg.slot),
+            "episode_returns": episode_returns,
+            "episode_lengths": episode_lengths,
+        }
+    )
+
+
+class StepRingReader(Protocol):
+    """What :func:`decode_step` needs of a step ring (:class:`oakemu_core.transport.step_ring.StepRing`)."""
+
+    slots: int
+    spec: StepSpec
+
+    def slot_fields(self, slot: int) -> dict[str, np.ndarray]: ...
+
+
+def decode_step(
+    frame: bytes | bytearray | memoryview,
+    spec_for: Callable[[str, str], StepSpec | None],
+    *,
+    max_bytes: int,
+    ring_for: Callable[[str, str], StepRingReader | None] | None = None,
+) -> StepMessage:
+    """Decode and validate one step frame against the spec of its sender.
+
+    Checks, in order: framing and header; the sender is known; exactly the schema's sent fields,
+    each with the agreed dtype and shape ``(n, *shape)``, or ``(K, n, *shape)`` for a spec with
+    ``steps_per_message`` K > 1 (floats finite, bools 0/1); each field's value checks (bounds,
+    masks that allow something); the rules between fields (truncated implies done, bootstrap
+    values only on truncated rows, the action taken is allowed by its mask;
+    :func:`oakemu_core.step_schema.check_step_consistency`); the episode lists (at most K * n
+    episodes). A block is checked whole, every check vectorised over its K x n rows: one bad row
+    rejects the whole message. A message whose arrays are in a step-ring slot (``"slot"`` an int:
+    :mod:`oakemu_core.transport.step_ring`) is checked the same way on the slot's arrays; their
+    dtypes and shapes are the ring's layout, made from the same spec.
+
+    Args:
+        frame: one ZeroMQ frame from the PULL socket.
+        spec_for: ``(actor_id, incarnation) -> StepSpec`` of a joined actor, or None if unknown.
+        max_bytes: frames longer than this are rejected before any decoding.
+        ring_for: ``(actor_id, incarnation) ->`` that actor's step ring, or None (no ring; also
+            the default): then a slot message is rejected.
+
+    Returns:
+        A :class:`StepMessage` whose arrays have exactly the dtypes and shapes of
+        :meth:`StepSpec.array_layout`: read-only ``np.frombuffer`` views of the frame; from a ring
+        slot, read-only views of it for the fields without a content check
+        (:attr:`~oakemu_core.step_schema.StepField.any_bits_valid`) and checked private copies of the
+        others (what is checked is what is written: the slot stays writable by the actor).
+
+    Raises:
+        MessageRejected: ``"oversized"``, ``"garbage"``, ``"protocol"``, ``"schema"`` (wrong type,
+            missing / extra / wrong-typed field, NaN or inf in a float array or episode return,
+            more finished episodes than envs, a slot message from an actor without a ring or
+            with another slot than ``seq % slots``, fields next to a slot), ``"unknown_actor"``,
+            ``"dtype"`` / ``"shape"`` (detail names the field, expected and received value),
+            ``"size"`` (declared shape disagrees with the data length), ``"value_range"``
+            (impossible values, named). Once the header is read, the error's ``sender`` names
+            ``(actor_id, incarnation, seq)``.
+        TypeError: ``frame`` is not a bytes-like object (a caller bug, not wire input).
+    """
+    obj, message_type = unpack(frame, max_bytes)
+    if message_type != TYPE_STEP:
+        reject("schema", f"type: expected {TYPE_STEP!r}, received {describe(message_type)}")
+    require_fields(obj, _STEP_FIELDS)
+    actor_id = get_str(obj, "actor_id")
+    incarnation = get_str(obj, "incarnation")
+    seq = get_int(obj, "seq")
+    policy_version = get_int(obj, "policy_version")
+    revision = get_int(obj, "revision")
+    try:  # a rejection from here on names its sender: the learner releases a rejected ring slot
+        return _checked_step(obj, actor_id, incarnation, seq, policy_version, revision, spec_for, ring_for)
+    except MessageRejected as error:
+        error.sender = (actor_id, incarnation, seq)
+        raise
+
+
+def _checked_step(obj: dict[str, Any], actor_id: str, incarnation: str, seq: int, policy_version: int,
+                  revision: int, spec_for: Callable[[str, str], StepSpec | None],
+                  ring_for: Callable[[str, str], StepRingReader | None] | None) -> StepMessage:
+    """:func:`decode_step` after the header: the sender's spec, the arrays and the episodes."""
+    spec = spec_for(actor_id, incarnation)
+    if spec is None:
+        reject("unknown_actor", f"actor_id={actor_id!r} incarnation={incarnation!r} has not joined (or was dropped)")
+
+    received = obj["fields"]
+    if not isinstance(received, dict):
+        reject("schema", f"fields: expected a map field name -> array, received {type(received).__name__}")
+    slot = obj["slot"]
+    in_ring = None
+    if slot is not None:
+        in_ring = _slot_fields(slot, seq, received, ring_for(actor_id, incarnation) if ring_for else None, spec)
+    elif received.keys() != spec._field_names:
+        missing = sorted(spec._field_names - received.keys())
+        extra = sorted(map(describe, received.keys() - spec._field_names))
+        reject("schema", f"fields: missing {missing}, extra {extra}")
+    arrays: dict[str, np.ndarray] = {}
+    rows: dict[str, np.ndarray] = {}  # (K * n, *shape) views: the value checks see one batch of rows
+    for item, dtype_str, shape, shape_list, nbytes in spec._wire_layout:
+        name = item.name
+        if in_ring is None:
+            array = _inline_array(received[name], item, dtype_str, shape, shape_list, nbytes)
+        elif item.any_bits_valid:  # the ring's layout is the spec's; no content check (uint8 frames): in place
+            array = in_ring[name]
+        else:  # checked on a private copy, which is what gets written: the slot stays writable by the actor
+            array = checked_contents(in_ring[name].copy(), None, name)
+        flat = array if spec.steps_per_message == 1 else array.reshape(-1, *item.shape)
+        problem = item.check_values(flat)
+        if problem is not None:
+            reject("value_range", problem)
+        arrays[name] = array
+        rows[name] = flat
+    problem = check_step_consistency(spec.schema, rows)
+    if problem is not None:
+        reject("value_range", problem)
+
+    returns, lengths = obj["episode_returns"], obj["episode_lengths"]
+    if not isinstance(returns, list) or not isinstance(lengths, list) or len(returns) != len(lengths):
+        reject("schema", "episode_returns / episode_lengths: expected two lists of equal length")
+    if len(returns) > spec.num_envs * spec.steps_per_message:
+        reject("schema", f"episode_returns: expected at most {spec.num_envs} episodes per step x "
+                         f"{spec.steps_per_message} steps, received {len(returns)}")
+    episode_returns = [finite_float(r, "episode_returns") for r in returns]
+    if any(abs(r) > MAX_ABS_EPISODE_RETURN for r in episode_returns):
+        reject("value_range", f"episode_returns: expected |x| <= {MAX_ABS_EPISODE_RETURN:g}")
+    for length in lengths:
+        if type(length) is not int or not 0 <= length <= INT64_MAX:
+            reject("schema", f"episode_lengths: expected non-negative ints, received {describe(length)}")
+
+    return StepMessage(
+        actor_id=actor_id,
+        incarnation=incarnation,
+        seq=seq,
+        policy_version=policy_version,
+        fields=arrays,
+        episode_returns=episode_returns,
+        episode_lengths=list(lengths),
+        revision=revision,
+        slot=slot,
+    )
+
+
+def _inline_array(value: Any, item: StepField, dtype_str: str, shape: tuple[int, ...], shape_list: list[int],
+                  nbytes: int) -> np.ndarray:
+    """One inline array of a step message, with the agreed dtype and shape, contents checked."""
+    name = item.name
+    data = value.get("data") if type(value) is dict else None
+    if (type(data) is bytes and len(data) == nbytes and len(value) == 3 and value.get("dtype") == dtype_str
+            and value.get("shape") == shape_list and all(type(d) is int for d in value["shape"])):
+        # The agreed dtype and shape, spelled exactly: no generic parsing (a message has a dozen fields).
+        return checked_contents(np.frombuffer(data, dtype=item.dtype).reshape(shape), data, name)
+    array = decode_array(value, name)  # anything else takes the generic path, which names what is wrong
+    if array.dtype.str != dtype_str:
+        reject("dtype", f"{name}: expected dtype {dtype_str!r}, received {array.dtype.str!r}")
+    if array.shape != shape:
+        reject("shape", f"{name}: expected shape {list(shape)}, received {list(array.shape)}")
+    return array
+
+
+def _slot_fields(slot: Any, seq: int, received: dict, ring: StepRingReader | None,
+                 spec: StepSpec) -> dict[str, np.ndarray]:
+    """The arrays of a slot message (checks the slot against the ring), else rejects it."""
+    if received:
+        reject("schema", f"fields: expected none in a slot message, received {sorted(map(describe, received))}")
+    if ring is None:
+        reject("schema", "slot: this actor has no step ring (send the fields inline)")
+    if type(slot) is not int or slot != seq % ring.slots or (ring.spec is not spec and ring.spec != spec):
+        reject("schema", f"slot: expected seq % {ring.slots} = {seq % ring.slots} of this actor's ring, "
+                         f"received {describe(slot)}")
+    return ring.slot_fields(slot)

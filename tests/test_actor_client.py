@@ -1,0 +1,252 @@
+"""The actor's side of the control protocol (oakemu_core/actor/client.py), without a learner: join,
+heartbeats and leave against a scripted control channel, the ring attach, the weights socket, and
+the envs, model and stepper a join reply sets up."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from oakemu_core.actor import client
+from oakemu_core.actor.client import (
+    ActorSetupError,
+    ControlChannel,
+    LearnerClient,
+    LearnerUnreachable,
+    make_envs,
+    make_model,
+    make_stepper,
+    newest_message,
+    subscribe_weights,
+)
+from oakemu_core.config import OakEmuConfig
+from oakemu_core.envs import env_spec
+from oakemu_core.policy.models import build_model, weights_to_arrays
+from oakemu_core.step_schema import schema_for_env
+from oakemu_core.transport.control import (
+    HeartbeatReply,
+    JoinReply,
+    JoinRequest,
+    Leave,
+    StepRingOffer,
+    StopNotice,
+    WeightsMessage,
+    decode_message,
+    encode_heartbeat_reply,
+    encode_stop,
+    encode_weights,
+)
+from oakemu_core.transport.step_ring import StepRing, StepRings
+from oakemu_core.transport.steps import StepSpec
+from tests.test_wire import ATARI_SPEC
+
+MAX_BYTES = 1 << 20
+REQUEST = JoinRequest("actor-0", "", 2, "host", "boot/1", "float32")
+
+
+class Recorder:
+    """A :class:`~oakemu_core.actor.client.RetryReport` that counts its calls."""
+
+    def __init__(self) -> None:
+        self.attempts = 0
+        self.successes = 0
+
+    def attempt(self) -> None:
+        self.attempts += 1
+
+    def succeeded(self) -> None:
+        self.successes += 1
+
+
+class ScriptedControl:
+    """A control channel that answers each request with the next scripted reply (None: no answer)."""
+
+    address = "tcp://learner:5556"
+
+    def __init__(self, *replies: Any) -> None:
+        self.replies = list(replies)
+        self.requests: list[Any] = []
+
+    def request(self, frame: bytes, timeout_s: float = 2.0) -> Any:
+        self.requests.append(decode_message(frame, max_bytes=MAX_BYTES))
+        return self.replies.pop(0) if self.replies else None
+
+
+def accepted(**changes: Any) -> JoinReply:
+    return replace(JoinReply(True, "", 3, ATARI_SPEC, {"env_id": "X", "seed": 1}, 5), **changes)
+
+
+def learner_client(control: ScriptedControl, patience_s: float = 10.0) -> tuple[LearnerClient, Recorder]:
+    silence = Recorder()
+    return LearnerClient(control, REQUEST, patience_s=patience_s, silence=silence), silence
+
+
+def test_join_asks_again_until_the_learner_answers_as_a_fresh_incarnation() -> None:
+    control = ScriptedControl(None, accepted(), accepted())
+    learner, _ = learner_client(control)
+    reporter = Recorder()
+    reply = learner.join(threading.Event(), reporter)
+    assert reply.accepted and reply.actor_index == 3
+    assert (reporter.attempts, reporter.successes) == (2, 1)
+    first = learner.incarnation
+    assert len(first) == 32 and [r.incarnation for r in control.requests] == [first, first]
+    assert control.requests[0] == replace(REQUEST, incarnation=first)
+    learner.join(threading.Event(), Recorder())
+    assert learner.incarnation != first and control.requests[-1].incarnation == learner.incarnation
+
+
+def test_a_refused_join_is_a_setup_error_and_a_stop_interrupts_the_wait() -> None:
+    refused = ScriptedControl(JoinReply(False, "run is full", -1, None, {}, 0))
+    with pytest.raises(ActorSetupError, match="run is full"):
+        learner_client(refused)[0].join(threading.Event(), Recorder())
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(KeyboardInterrupt):
+        learner_client(ScriptedControl())[0].join(stop, Recorder())
+
+
+def test_a_learner_that_never_answers_a_join_is_unreachable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(client, "JOIN_PATIENCE_S", 0.0)
+    learner, _ = learner_client(ScriptedControl(), patience_s=0.0)
+    with pytest.raises(LearnerUnreachable, match="learner:5556"):
+        learner.join(threading.Event(), Recorder())
+
+
+def test_heartbeats_report_silence_and_give_up_after_the_patience() -> None:
+    control = ScriptedControl(accepted(), HeartbeatReply("ok", 7), None)
+    learner, silence = learner_client(control, patience_s=0.2)
+    learner.join(threading.Event(), Recorder())
+    assert learner.heartbeat(4, 5, 100.0, 2.0, 1) == HeartbeatReply("ok", 7)
+    sent = control.requests[-1]
+    assert (sent.incarnation, sent.seq, sent.policy_version, sent.policy_lag, sent.episodes) == (
+        learner.incarnation, 4, 5, 2.0, 1)
+    assert learner.heartbeat(5, 5, 100.0, 2.0, 1) is None and silence.attempts == 1
+    time.sleep(0.3)
+    with pytest.raises(LearnerUnreachable, match="silent"):
+        learner.heartbeat(5, 5, 100.0, 2.0, 1)
+
+
+def test_leave_names_the_incarnation_and_only_after_a_join() -> None:
+    control = ScriptedControl(accepted())
+    learner, _ = learner_client(control)
+    learner.leave()
+    assert control.requests == []
+    learner.join(threading.Event(), Recorder())
+    learner.leave()
+    assert control.requests[-1] == Leave("actor-0", learner.incarnation)
+
+
+def test_the_offered_ring_is_attached_when_reachable_else_the_arrays_go_inline() -> None:
+    learner, _ = learner_client(ScriptedControl())
+    assert learner.attach_ring(accepted()) is None
+    rings = StepRings()
+    try:
+        offer = rings.offer("actor-0", "inc", ATARI_SPEC, 16)
+        ring = learner.attach_ring(accepted(step_ring=offer))
+        assert isinstance(ring, StepRing) and ring.slots == offer.slots
+        ring.close()
+        elsewhere = StepRingOffer(f"{offer.name}x", offer.token, offer.slots)  # as in another /dev/shm
+        assert learner.attach_ring(accepted(step_ring=elsewhere)) is None
+    finally:
+        rings.close()
+
+
+def test_the_control_channel_decodes_replies_and_remakes_its_socket_after_a_timeout() -> None:
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.bind("inproc://control")
+    answers = [encode_heartbeat_reply(HeartbeatReply("stop", 2)), b"not msgpack"]
+
+    def serve() -> None:
+        for answer in answers:
+            identity, empty, _ = router.recv_multipart()
+            router.send_multipart([identity, empty, answer])
+
+    server = threading.Thread(target=serve)
+    server.start()
+    control = ControlChannel(context, "inproc://control", MAX_BYTES)
+    try:
+        assert control.request(b"hello") == HeartbeatReply("stop", 2)
+        assert control.request(b"hello") is None  # malformed reply
+        server.join()
+        assert control.request(b"hello", timeout_s=0.05) is None and control.socket is None
+    finally:
+        control.close()
+        router.close(linger=0)
+        context.destroy(linger=0)
+
+
+@pytest.fixture
+def weights_pub() -> Iterator[tuple[zmq.Context, zmq.Socket]]:
+    context = zmq.Context()
+    pub = context.socket(zmq.PUB)
+    pub.bind("inproc://weights")
+    yield context, pub
+    pub.close(linger=0)
+    context.destroy(linger=0)
+
+
+def test_the_newest_weights_message_wins(weights_pub: tuple[zmq.Context, zmq.Socket]) -> None:
+    context, pub = weights_pub
+    sub = subscribe_weights(context, "inproc://weights")
+    assert newest_message(sub, MAX_BYTES) is None
+    deadline = time.monotonic() + 5
+    while not sub.poll(10):  # a PUB drops what it sends before the SUB is connected
+        pub.send(encode_weights(WeightsMessage(0, {"w": np.zeros(2, np.float32)})))
+        assert time.monotonic() < deadline
+    for version in (1, 2):
+        pub.send(encode_weights(WeightsMessage(version, {"w": np.full(2, version, np.float32)})))
+    time.sleep(0.05)
+    newest = newest_message(sub, MAX_BYTES)
+    assert isinstance(newest, WeightsMessage) and newest.policy_version == 2
+    pub.send(b"garbage")
+    time.sleep(0.05)
+    assert newest_message(sub, MAX_BYTES) is None
+    pub.send(encode_stop(StopNotice("done")))
+    time.sleep(0.05)
+    assert newest_message(sub, MAX_BYTES) == StopNotice("done")
+
+
+def cartpole_reply(schema: Any = None, **env_config: Any) -> JoinReply:
+    spec = env_spec("CartPole-v1")
+    schema = schema or schema_for_env(spec)
+    torch.manual_seed(0)
+    weights = weights_to_arrays(build_model(spec.observation_layout, schema.distribution))
+    config = {"env_id": "CartPole-v1", "seed": 1, "clip_rewards": False, "max_episode_steps": None,
+              "emulator_settings": None, "normalize_observations": False, **env_config}
+    return JoinReply(True, "", 0, StepSpec(2, schema), config, 4, weights)
+
+
+def test_a_join_reply_sets_up_envs_model_and_stepper() -> None:
+    reply = cartpole_reply()
+    env = make_envs(OakEmuConfig(envs_per_actor=2), reply)
+    try:
+        model = make_model(env, reply)
+        for name, array in weights_to_arrays(model).items():
+            np.testing.assert_array_equal(array, reply.weights[name])
+        stepper = make_stepper(env, model, reply)
+        assert stepper.policy_version == 4 and stepper.router is None
+        row = stepper.step()
+        assert row.buffers.num_envs == 2
+    finally:
+        env.close()
+
+
+def test_a_join_reply_the_actor_cannot_serve_is_a_setup_error() -> None:
+    with pytest.raises(ActorSetupError, match="step fields"):
+        make_envs(OakEmuConfig(envs_per_actor=2), cartpole_reply(schema=ATARI_SPEC.schema))
+    reply = cartpole_reply(route_scripted_policy="no_such_module:policy", route_scripted_probability=0.5)
+    env = make_envs(OakEmuConfig(envs_per_actor=2), reply)
+    try:
+        with pytest.raises(ActorSetupError, match="policy routing"):
+            make_stepper(env, make_model(env, reply), reply)
+    finally:
+        env.close()
