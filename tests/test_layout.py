@@ -15,9 +15,9 @@ no function or method over :data:`MAX_FUNCTION_LINES` (from its ``def`` line to 
 docstring included), in ``oakemu_core/`` and ``services/``.
 
 What breaks a rule today is listed in :data:`UPWARD_IMPORT_EXCEPTIONS`, :data:`CYCLE_EXCEPTIONS`
-and :data:`SIZE_EXCEPTIONS`, each with its reason; entries marked ``TO GO`` are being removed by the
-redesign under way, ``TO DECIDE`` ones wait for a choice of layout. A new offender fails the tests, and so does an entry nothing needs any more
-(delete it).
+and :data:`SIZE_EXCEPTIONS`, each with its reason: ``TO GO`` entries are being removed by the
+redesign under way, ``TO DECIDE`` ones wait for a choice of layout. A new offender fails the
+tests, and so does an entry nothing needs any more (delete it).
 
 The sources are parsed with :mod:`ast`; nothing is imported.
 """
