@@ -5,7 +5,7 @@ in the order the learner received them) reaches at least 195 within a fixed env-
 fixed seed. The run is asynchronous (two actors race the learner; that is what this test covers), so
 it is not bit-for-bit reproducible: the budget is about twice the steps the slowest of the runs
 tried needed, and with learning broken (learning rate 0, or the policy loss's sign flipped) the
-mean stays far below 195 (figures: ``docs/notes/tests.md``).
+mean stays far below 195 (figures: ``docs/benchmarks.md``).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ COMPARED = ("losses/value_loss", "losses/entropy", "losses/clipfrac",
             "charts/policy_version")
 RATIO_LOSSES = ("losses/policy_loss", "losses/approx_kl")
 """Compared to 1e-6 relative, not exactly: the actors' float32 log-probs enter only the PPO ratio,
-and their last bits may differ between two runs (2e-7 relative seen; see docs/notes/tests.md).
+and their last bits may differ between two runs (2e-7 relative seen; see docs/benchmarks.md).
 Everything discrete (episodes, steps, versions) and the other losses are compared exactly."""
 
 

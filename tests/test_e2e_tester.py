@@ -25,7 +25,7 @@ EVAL_EPISODES = 3
 MIN_SPS_RATIO = 0.6
 """Training with evaluation every 2 updates keeps at least this share of the SPS without it. The
 tester is a niced process of its own, so the ratio stays near 1 (the wall-clock SPS of two short
-runs is noisy: see docs/notes/tests.md for the ratios seen). Evaluating inside the learner's loop
+runs is noisy: see docs/benchmarks.md for the ratios seen). Evaluating inside the learner's loop
 instead (3 greedy episodes of up to 500 steps every 2 updates of 512 steps) would cost more than the
 training itself: a ratio near 0.3, which this bound catches."""
 
