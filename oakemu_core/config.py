@@ -16,10 +16,11 @@ whose message names the field, the expected and the received value.
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -48,6 +49,7 @@ __all__ = [
     "load_config",
     "resolved_device",
     "to_toml",
+    "unknown_environment_variables",
 ]
 
 ENV_PREFIX = "OAKEMU_"
@@ -121,6 +123,8 @@ class OakEmuConfig(PPOSettings, BaseSettings):
         description="Environment id: ale-py (ALE/...), any Gymnasium id, module:EnvId for a custom env, gameboy:ROM "
         "or retro:Game-Id.")
     num_actors: int = Field(2, ge=1, description="Actor processes the embedded `oakemu train` starts.")
+    actor_restarts: int = Field(
+        5, ge=0, description="Times `oakemu train` restarts an actor that exits with an error (0: never).")
     envs_per_actor: int = Field(8, ge=1, description="Environments each actor steps in one vector env.")
     env_groups: int = Field(
         1, ge=1, description="Env groups per actor: while one group's emulators step, the actor infers the other "
@@ -427,6 +431,37 @@ class OakEmuConfig(PPOSettings, BaseSettings):
         return f"tcp://{_host_for_url(self.bind_host)}:{port}"
 
 
+DEPLOYMENT_VARIABLES = frozenset({
+    CONFIG_FILE_ENV_VAR, "OAKEMU_PARENT_PID", "OAKEMU_VENV", "OAKEMU_TORCH", "OAKEMU_TORCH_INDEX", "OAKEMU_EXTRAS",
+    "OAKEMU_IMAGE", "OAKEMU_IMAGE_CACHE", "OAKEMU_CUDA_IMAGE", "OAKEMU_TEST_IMAGE", "OAKEMU_SHM_SIZE",
+    "OAKEMU_ACTORS", "OAKEMU_LEARNER_CONSTRAINT", "OAKEMU_CURVE_ACTOR_SECRET_KEY", "OAKEMU_CURVE_MONITOR_SECRET_KEY",
+})
+"""``OAKEMU_*`` variables that are not settings: the TOML file, the launcher's own, and those of ``run.sh``,
+the compose files and the image build (``OAKEMU_PUBLISH_*`` too)."""
+
+
+def unknown_environment_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """A warning per ``OAKEMU_*`` variable that names no setting (a typo is otherwise ignored silently),
+    naming the closest setting's variable when one is close (:func:`difflib.get_close_matches`).
+
+    Args:
+        environ: the variables to look at (default ``os.environ``).
+    """
+    environ = os.environ if environ is None else environ
+    known = {ENV_PREFIX + name.upper() for name in OakEmuConfig.model_fields if name != "config_file"}
+    warnings = []
+    for name in sorted(environ):
+        if not name.upper().startswith(ENV_PREFIX) or name.upper() in known | DEPLOYMENT_VARIABLES:
+            continue
+        if name.upper().startswith(ENV_PREFIX + "PUBLISH_"):
+            continue
+        suffixes = sorted(variable[len(ENV_PREFIX):] for variable in known)
+        close = difflib.get_close_matches(name.upper()[len(ENV_PREFIX):], suffixes, n=1, cutoff=0.6)
+        hint = f"did you mean {ENV_PREFIX}{close[0]}?" if close else "`oakemu train --help` lists the settings"
+        warnings.append(f"{name} is not a setting and is ignored ({hint})")
+    return warnings
+
+
 def available_cpus() -> int:
     """CPUs this process may run on (its affinity mask, e.g. a container's cpuset), else ``os.cpu_count()``."""
     try:
@@ -576,8 +611,8 @@ def load_config(
 
 
 def format_validation_error(error: ValidationError) -> str:
-    """One line per invalid field: ``field: message (received value)``."""
-    lines = ["invalid configuration:"]
+    """One line: ``invalid configuration: field: message, received value; field: ...``."""
+    lines: list[str] = []
     for item in error.errors(include_url=False):
         location = ".".join(str(part) for part in item["loc"]) or "config"
         received = item.get("input")
@@ -585,11 +620,13 @@ def format_validation_error(error: ValidationError) -> str:
         if message.startswith("Value error, "):
             message = message[len("Value error, "):]
         if item["type"] == "extra_forbidden":
-            lines.append(f"  {location}: unknown setting (received {received!r})")
+            close = difflib.get_close_matches(location, OakEmuConfig.model_fields, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            lines.append(f"{location}: unknown setting (received {received!r}){hint}")
         elif not item["loc"]:
-            lines.append(f"  {message}")
+            lines.append(message)
         elif "received" in message:
-            lines.append(f"  {location}: {message}")
+            lines.append(f"{location}: {message}")
         else:
-            lines.append(f"  {location}: {message}, received {received!r}")
-    return "\n".join(lines)
+            lines.append(f"{location}: {message}, received {received!r}")
+    return "invalid configuration: " + "; ".join(lines)

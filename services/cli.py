@@ -25,7 +25,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from oakemu_core.config import ConfigError, add_config_arguments, config_from_namespace, load_config
+from oakemu_core.config import add_config_arguments, config_from_namespace, load_config, unknown_environment_variables
+from oakemu_core.errors import UserError
+from oakemu_core.run.run_folder import check_resume_path
 
 __all__ = ["build_parser", "main"]
 
@@ -164,89 +166,78 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_request:  # --help (0) or a usage error (2, message already printed)
         return _exit_code(exit_request)
     command: str = namespace.command
-    fields = argparse.Namespace(
-        **{key: value for key, value in vars(namespace).items() if key not in ("command", "resume")}
-    )
+    for warning in unknown_environment_variables():
+        print(f"{PROG} {command}: warning: {warning}", file=sys.stderr)
     try:
-        if command == "train":
-            # A resumed run starts from its own resolved config.toml; flags and OAKEMU_* still win.
-            resumed_config = namespace.resume / "config.toml" if namespace.resume is not None else None
-            config = config_from_namespace(fields, cli_sources["train"], toml_path=resumed_config)
-            return int(_service("train").main(config, namespace.resume))
-        if command == "learner":
-            config = config_from_namespace(fields, cli_sources["learner"])
-            return int(_service("learner").main(config))
-        if command == "actor":
-            config = config_from_namespace(fields, cli_sources["actor"])
-            return int(_service("actor").main(config))
-        if command == "monitor":
-            from oakemu_core.transport.auth import client_security
-
-            config = load_config(None, prog=f"{PROG} monitor")  # OAKEMU_* settings: learner address, CURVE keys
-            connect = namespace.connect or config.learner_address(config.telemetry_port)
-            monitor = _service("monitor")
-            return int(
-                monitor.main(connect, json_output=namespace.json, once=namespace.once, timeout_s=namespace.timeout,
-                             security=client_security(config))
-            )
-        if command == "keygen":
-            from oakemu_core.transport.auth import generate_keypair, load_public_key
-
-            public, secret = generate_keypair(namespace.dir, namespace.name, overwrite=namespace.force)
-            print(f"public key {public}: {load_public_key(public).decode()}")
-            print(f"secret key {secret} (keep it private)")
-            return 0
-        if command == "record":
-            return int(
-                _service("record").main(
-                    env_id=namespace.env_id, episodes=namespace.episodes, output=namespace.output,
-                    checkpoint=namespace.checkpoint, policy=namespace.policy, seed=namespace.seed,
-                    num_envs=namespace.num_envs, greedy=namespace.greedy,
-                    max_episode_steps=namespace.max_episode_steps, overwrite=namespace.overwrite,
-                )
-            )
-        if command == "evaluate":
-            evaluate = _service("evaluate")
-            return int(
-                evaluate.main(
-                    namespace.checkpoint, episodes=namespace.episodes, greedy=namespace.greedy, seed=namespace.seed
-                )
-            )
-    except ConfigError as error:
-        print(f"{PROG} {command}: error: {error}", file=sys.stderr)
-        return EXIT_USAGE
+        return _dispatch(command, namespace, cli_sources)
+    except UserError as error:  # every mistake a user can fix: one line, no traceback
+        print(f"{PROG} {command}: error: {_one_line(error)}", file=sys.stderr)
+        return error.exit_status
     except ServiceUnavailable as error:
         print(f"{PROG} {command}: error: {error}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before the services installed their handlers
         return 130
-    except Exception as error:  # noqa: BLE001 - user mistakes get one line, bugs keep their traceback
-        status = _user_error_status(error)
-        if status is None:
-            raise
-        print(f"{PROG} {command}: error: {error}", file=sys.stderr)
-        return status
+    except OSError as error:  # the machine, not the input: a permission, a full disk
+        print(f"{PROG} {command}: error: {_one_line(error)}", file=sys.stderr)
+        return 1
+
+
+def _dispatch(command: str, namespace: argparse.Namespace, cli_sources: dict[str, Any]) -> int:
+    """Build the subcommand's configuration and run its service; returns the exit status."""
+    fields = argparse.Namespace(
+        **{key: value for key, value in vars(namespace).items() if key not in ("command", "resume")}
+    )
+    if command == "train":
+        # A resumed run starts from its own resolved config.toml; flags and OAKEMU_* still win.
+        resumed_config = check_resume_path(namespace.resume) if namespace.resume is not None else None
+        config = config_from_namespace(fields, cli_sources["train"], toml_path=resumed_config)
+        return int(_service("train").main(config, namespace.resume))
+    if command == "learner":
+        config = config_from_namespace(fields, cli_sources["learner"])
+        return int(_service("learner").main(config))
+    if command == "actor":
+        config = config_from_namespace(fields, cli_sources["actor"])
+        return int(_service("actor").main(config))
+    if command == "monitor":
+        from oakemu_core.transport.auth import client_security
+
+        config = load_config(None, prog=f"{PROG} monitor")  # OAKEMU_* settings: learner address, CURVE keys
+        connect = namespace.connect or config.learner_address(config.telemetry_port)
+        monitor = _service("monitor")
+        return int(
+            monitor.main(connect, json_output=namespace.json, once=namespace.once, timeout_s=namespace.timeout,
+                         security=client_security(config))
+        )
+    if command == "keygen":
+        from oakemu_core.transport.auth import generate_keypair, load_public_key
+
+        public, secret = generate_keypair(namespace.dir, namespace.name, overwrite=namespace.force)
+        print(f"public key {public}: {load_public_key(public).decode()}")
+        print(f"secret key {secret} (keep it private)")
+        return 0
+    if command == "record":
+        return int(
+            _service("record").main(
+                env_id=namespace.env_id, episodes=namespace.episodes, output=namespace.output,
+                checkpoint=namespace.checkpoint, policy=namespace.policy, seed=namespace.seed,
+                num_envs=namespace.num_envs, greedy=namespace.greedy,
+                max_episode_steps=namespace.max_episode_steps, overwrite=namespace.overwrite,
+            )
+        )
+    if command == "evaluate":
+        evaluate = _service("evaluate")
+        return int(
+            evaluate.main(
+                namespace.checkpoint, episodes=namespace.episodes, greedy=namespace.greedy, seed=namespace.seed
+            )
+        )
     raise AssertionError(f"unhandled command {command!r}")  # argparse restricts the choices
 
 
-def _user_error_status(error: Exception) -> int | None:
-    """Exit status for an error the user can fix (2: bad input, 1: environment), None for a bug."""
-    import zmq
-
-    from oakemu_core.transport.auth import TransportSecurityError
-    from oakemu_core.envs import UnsupportedEnvironmentError
-    from oakemu_core.run.run_folder import ResumeMismatchError
-
-    if isinstance(error, (UnsupportedEnvironmentError, FileNotFoundError, TransportSecurityError,
-                          ResumeMismatchError)):  # ResumeMismatchError: nothing in the run folder was written
-        return EXIT_USAGE
-    if type(error).__name__ in ("EmulatorConfigError", "EmulatorProcessError", "InvalidActionMaskError"):
-        return EXIT_USAGE
-    if isinstance(error, zmq.ZMQError) or (isinstance(error, OSError) and error.errno is not None):
-        return 1  # e.g. "Address already in use": another learner holds the port
-    if type(error).__name__ == "TelemetryBindError":
-        return 1
-    return None
+def _one_line(error: BaseException) -> str:
+    """The error's message on one line (newlines joined with "; ")."""
+    return "; ".join(part.strip() for part in str(error).splitlines() if part.strip()) or type(error).__name__
 
 
 class ServiceUnavailable(RuntimeError):

@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console
-
+from oakemu_core.errors import CheckpointError
 from oakemu_core.run.checkpoint import load_checkpoint, resolve_checkpoint
 from oakemu_core.run.evaluation import build_evaluation, play_episodes
 
@@ -18,11 +17,14 @@ def evaluate(checkpoint: Path, *, episodes: int, greedy: bool, seed: int) -> lis
     """Play ``episodes`` episodes with the checkpoint's policy (CPU); returns their raw returns.
 
     Raises:
-        FileNotFoundError: no checkpoint at ``checkpoint`` (a run folder is searched for its latest).
-        oakemu_core.run.checkpoint.CheckpointError: unreadable checkpoint.
+        oakemu_core.errors.CheckpointError: no checkpoint at ``checkpoint`` (a run folder is searched for its
+            latest), or a file that is not a checkpoint of ``oakemu train``.
     """
     path = resolve_checkpoint(checkpoint)
     state = load_checkpoint(path)
+    missing = [key for key in ("env", "config", "model") if not isinstance(state.get(key), dict)]
+    if missing:
+        raise CheckpointError(f"checkpoint: {path} is not a checkpoint of oakemu train (no {', '.join(missing)})")
     env_info, config = state["env"], state["config"]
     # The same builder as the learner's tester (oakemu_core.run.tester): one evaluation code path.
     model, env = build_evaluation(env_info["env_id"], env_info["schema"], seed=seed,
@@ -38,12 +40,12 @@ def evaluate(checkpoint: Path, *, episodes: int, greedy: bool, seed: int) -> lis
 
 
 def main(checkpoint: Path, *, episodes: int, greedy: bool, seed: int) -> int:
-    """Entry point: prints one line ``episodes N  mean M  std S`` (population std); 0 on success."""
-    try:
-        returns = evaluate(checkpoint, episodes=episodes, greedy=greedy, seed=seed)
-    except FileNotFoundError as error:  # bad input, like any other usage error
-        Console(stderr=True).print(f"[red]oakemu evaluate: {error}[/]")
-        return 2
+    """Entry point: prints one line ``episodes N  mean M  std S`` (population std); 0 on success.
+
+    Raises:
+        oakemu_core.errors.CheckpointError: as :func:`evaluate` (``oakemu`` prints it, exit status 2).
+    """
+    returns = evaluate(checkpoint, episodes=episodes, greedy=greedy, seed=seed)  # a CheckpointError: the CLI says it
     mode = "greedy" if greedy else "sampled"
     # Plain print: one unwrapped line that scripts can parse.
     print(f"{checkpoint}: {mode} policy, episodes {len(returns)}  mean {np.mean(returns):.2f}  "

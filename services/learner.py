@@ -59,7 +59,13 @@ from oakemu_core.transport.control import (
 from oakemu_core.transport.control_server import ControlServer
 from oakemu_core.transport.step_ring import StepRings, shared_memory_host_id
 from oakemu_core.transport.steps import StepSpec
-from oakemu_services.runtime import install_stop_signals, resolve_run_dir, setup_logging, socket_buffer_bytes
+from oakemu_services.runtime import (
+    check_ports_free,
+    install_stop_signals,
+    resolve_run_dir,
+    setup_logging,
+    socket_buffer_bytes,
+)
 
 log = logging.getLogger("oakemu.learner")
 
@@ -128,6 +134,7 @@ class Learner:
         self.assembler = RolloutAssembler(self.buffers, actor_timeout_s=config.actor_timeout_s,
                                           sync=config.mode == "sync", max_policy_lag=config.max_policy_lag)
         self.assembler.counters.env_steps = self.trainer.progress.global_step
+        self.trained_env_steps = self.trainer.ppo.trained_env_steps  # the budget counts these, not rows received
         # Behaviour cloning runs before the first weights are published: no actor ever acts with
         # the pre-BC policy on rows that PPO would then train with the post-BC one.
         bc_updates = self.trainer.ppo.behaviour_cloning_phase()
@@ -312,13 +319,13 @@ class Learner:
             if result.slot is None:  # behaviour-cloning pre-training: new weights, no rollout
                 continue
             self.assembler.counters.dropped["stale_rows"] += result.stale_rows
+            # The budget counts env steps trained on: discarded and stale rows never count.
+            self.trained_env_steps = result.trained_env_steps
             self._log_update(result)
-            # A full rollout still waiting is trained before the run stops (not left untrained).
-            budget_spent = self.assembler.counters.env_steps >= self.config.total_env_steps
-            if budget_spent and not self.stopping_reason and SlotState.FULL not in self.assembler.states:
+            if self.trained_env_steps >= self.config.total_env_steps and not self.stopping_reason:
                 self.stopping_reason = "env-step budget reached"
-                log.info("stopping: %s at %d env steps, update %d", self.stopping_reason,
-                         self.assembler.counters.env_steps, result.iterations)
+                log.info("stopping: %s: %d env steps trained (%d received), update %d", self.stopping_reason,
+                         self.trained_env_steps, self.assembler.counters.env_steps, result.iterations)
 
     def _publish_weights(self, message: WeightsMessage) -> None:
         self.weights_pub.send(encode_weights(message), copy=False)
@@ -353,6 +360,7 @@ class Learner:
             episodes=self.episodes, learning_rate=self.trainer.ppo.learning_rate,
             checkpoint_failures=self.trainer.checkpoint_writer.failures,
             log_write_failures=self.metrics.write_failures + self.episodes_log.failures, is_update=is_update,
+            trained_env_steps=self.trained_env_steps,
         )
         if self.prometheus is not None:  # first: a client that saw this record scrapes figures as new
             self.prometheus.update(snapshot)
@@ -380,11 +388,10 @@ class Learner:
                  config.env_id, config.rollout_length, config.buffer_num_envs, self.buffer_bytes / 2**20,
                  config.bind_host, self.trainer.device, self.run_dir)
         while True:
-            # The budget stops the run right after an update is logged (_collect_results), so the last
-            # metrics record, the telemetry and the final checkpoint agree on global_step and the
-            # update count. Once the budget is spent, steps are read only while no update is in flight
-            # (to fill the rollout that will be the last one); a resume with nothing left stops here.
-            budget_spent = self.assembler.counters.env_steps >= config.total_env_steps
+            # The budget stops the run right after the update that spends it is logged (_collect_results),
+            # so the last metrics record, the telemetry and the final checkpoint agree on global_step and
+            # the update count; a resume with nothing left stops here.
+            budget_spent = self.trained_env_steps >= config.total_env_steps
             if not self.stopping_reason and (stop_event.is_set() or (budget_spent and self._nothing_in_flight())):
                 self.stopping_reason = "signal" if stop_event.is_set() else "env-step budget reached"
                 log.info("stopping: %s", self.stopping_reason)
@@ -486,8 +493,10 @@ class Learner:
 def main(config: OakEmuConfig) -> int:
     """Entry point of ``oakemu learner``: run until the budget is spent or SIGINT/SIGTERM."""
     setup_logging(config.log_level, config.log_format)
-    # An unknown env id fails here, before the run folder is created.
+    # An unknown env id, a missing device or a port in use fails here, before the run folder is created.
     check_env(config.env_id, settings_file=config.emulator_settings)
+    resolved_device(config)
+    check_ports_free(config)
     run_dir = resolve_run_dir(config)
     # Resuming a folder: say which settings change; refuse (ResumeMismatchError, exit 2) another env,
     # other spaces or model, or a setting that cannot change, before anything in the folder is written.

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import logging
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -15,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from oakemu_core.config import OakEmuConfig
+from oakemu_core.errors import ConfigError
 
 PARENT_PID_ENV = "OAKEMU_PARENT_PID"
 SETUP_ERROR_EXIT_STATUS = 3
@@ -114,15 +117,83 @@ def resolve_run_dir(config: OakEmuConfig) -> Path:
     return run_dir
 
 
-def install_stop_signals() -> threading.Event:
-    """An event set by the first SIGINT or SIGTERM (main thread only); a second one exits at once."""
-    stop_event = threading.Event()
+class StopRequest(threading.Event):
+    """An event set by a stop signal; :attr:`signum` is the first signal that set it (None while unset)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.signum: int | None = None
+
+    @property
+    def exit_status(self) -> int:
+        """The shell's status for a process stopped by :attr:`signum`: ``128 + signum`` (Ctrl-C: 130); 0 if unset."""
+        return 128 + self.signum if self.signum is not None else 0
+
+
+PORT_FIELDS = ("data_port", "control_port", "weights_port", "telemetry_port", "metrics_port")
+"""The settings naming a port the learner listens on (``metrics_port``: Prometheus, 0 or None: off)."""
+
+
+def learner_ports(config: OakEmuConfig) -> dict[str, int]:
+    """``{setting: port}`` of every port the learner of ``config`` listens on."""
+    return {name: int(getattr(config, name)) for name in PORT_FIELDS if getattr(config, name)}
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether ``port`` on ``host`` is taken: a TCP bind with ``SO_REUSEADDR`` (as ZeroMQ and the
+    Prometheus server bind) fails with EADDRINUSE.
+
+    Raises:
+        ConfigError: ``host`` is no address of this machine (the bind fails for another reason).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host.strip("[]"), port))
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                return True
+            raise ConfigError(f"bind_host: expected an address of this machine, received {host!r} "
+                              f"({error.strerror or error})") from None
+    return False
+
+
+def check_ports_free(config: OakEmuConfig) -> None:
+    """Refuse to start a learner whose ports are taken (another learner or ``oakemu train`` runs), before
+    any process or run folder exists. The Prometheus port is checked on 0.0.0.0, where it listens.
+
+    Raises:
+        ConfigError: names every port in use and the flag that changes it.
+    """
+    taken = [f"{name}={port}" for name, port in learner_ports(config).items()
+             if port_in_use("0.0.0.0" if name == "metrics_port" else config.bind_host, port)]
+    if taken:
+        flags = ", ".join("--" + item.split("=")[0].replace("_", "-") for item in taken)
+        raise ConfigError(f"ports in use on {config.bind_host}: {', '.join(taken)} (another learner or oakemu train "
+                          f"holds them); choose others with {flags}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on now (the kernel's choice for a bind to port 0)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host.strip("[]"), 0))
+        return int(probe.getsockname()[1])
+
+
+def install_stop_signals() -> StopRequest:
+    """A :class:`StopRequest` set by the first SIGINT or SIGTERM (main thread only); a second Ctrl-C
+    exits at once."""
+    stop_event = StopRequest()
 
     def handler(signum: int, _frame: object) -> None:
         # Only a second Ctrl-C means "now": SIGTERM may arrive more than once (parent-death
         # signal, docker stop) and must still let the final checkpoint be written.
         if stop_event.is_set() and signum == signal.SIGINT:
             raise KeyboardInterrupt
+        if stop_event.signum is None:
+            stop_event.signum = signum
         stop_event.set()
 
     signal.signal(signal.SIGINT, handler)

@@ -43,6 +43,7 @@ class FakeService:
 def test_train_dispatch_with_config_flags_and_resume(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     train = FakeService(monkeypatch, "train", return_code=7)
     # The run's own resolved config.toml is the base of a resumed run; flags still win over it.
+    (tmp_path / "checkpoints").mkdir()
     (tmp_path / "config.toml").write_text('env_id = "Acrobot-v1"\nseed = 9\ntotal_env_steps = 100\n', encoding="utf-8")
     code = cli.main(["train", "--env", "CartPole-v1", "--total-env-steps", "5000", "--resume", str(tmp_path)])
     assert code == 7
@@ -207,22 +208,136 @@ class _FakeChild:
 
 
 def test_oakemu_train_restarts_crashed_actors_but_not_setup_errors_and_says_when_none_is_left() -> None:
-    """A crash (status 1) is restarted up to MAX_ACTOR_RESTARTS times; an actor that cannot set up for
+    """A crash (status 1) is restarted up to actor_restarts times; an actor that cannot set up for
     the run (SETUP_ERROR_EXIT_STATUS) is not; True only once every actor is gone for good."""
     from rich.console import Console
 
     from oakemu_services.runtime import SETUP_ERROR_EXIT_STATUS
-    from oakemu_services.train import MAX_ACTOR_RESTARTS, _restart_crashed
+    from oakemu_services.train import _restart_crashed
 
+    max_restarts = 5
     console = Console(file=io.StringIO())
     crashing = _FakeChild("actor-0", [1])  # exits with 1 after every start
     misconfigured = _FakeChild("actor-1", [SETUP_ERROR_EXIT_STATUS])
     running = _FakeChild("actor-2", [None])
     actors = [crashing, misconfigured, running]
-    results = [_restart_crashed(actors, console) for _ in range(MAX_ACTOR_RESTARTS + 3)]
-    assert crashing.starts == MAX_ACTOR_RESTARTS and crashing.gave_up
+    results = [_restart_crashed(actors, console, max_restarts) for _ in range(max_restarts + 3)]
+    assert crashing.starts == max_restarts and crashing.gave_up
     assert misconfigured.starts == 0 and misconfigured.gave_up
     assert not running.gave_up and not any(results)  # one actor still runs: the run goes on
     running.statuses = [SETUP_ERROR_EXIT_STATUS]
-    assert _restart_crashed(actors, console)
+    assert _restart_crashed(actors, console, max_restarts)
     assert "actor-1 exited with status 3; not restarted" in console.file.getvalue()
+
+
+# ------------------------------------------------------------------------------- honest exits
+def test_every_user_error_class_is_one_user_error() -> None:
+    """The CLI catches one class: each error a user can cause derives from it."""
+    from oakemu_core.algo.demonstrations import DemonstrationDataError, DemonstrationMismatchError
+    from oakemu_core.envs import UnsupportedEnvironmentError
+    from oakemu_core.envs.emulators.settings import EmulatorConfigError
+    from oakemu_core.errors import CheckpointError, ConfigError, DiskFullError, RunFolderError, UserError
+    from oakemu_core.run.checkpoint import CheckpointNotFoundError
+    from oakemu_core.run.run_folder import ResumeMismatchError
+    from oakemu_core.run.telemetry import TelemetryBindError
+    from oakemu_core.storage.memory import SharedMemoryTooSmallError
+    from oakemu_core.transport.auth import TransportSecurityError
+
+    for error in (ConfigError, CheckpointError, CheckpointNotFoundError, RunFolderError, DiskFullError,
+                  UnsupportedEnvironmentError, EmulatorConfigError, ResumeMismatchError, TelemetryBindError,
+                  SharedMemoryTooSmallError, TransportSecurityError, DemonstrationDataError,
+                  DemonstrationMismatchError):
+        assert issubclass(error, UserError), error
+    assert issubclass(CheckpointNotFoundError, FileNotFoundError)  # callers catching FileNotFoundError still do
+    assert DiskFullError.exit_status == 1 and ConfigError.exit_status == 2
+
+
+def test_evaluate_of_a_file_that_is_no_checkpoint_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    not_a_checkpoint = tmp_path / "config.toml"
+    not_a_checkpoint.write_text('env_id = "CartPole-v1"\n', encoding="utf-8")
+    assert cli.main(["evaluate", str(not_a_checkpoint)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and "weights_only" not in err
+    assert f"{not_a_checkpoint} is not a readable checkpoint" in err
+    assert cli.main(["evaluate", str(tmp_path / "missing.pt")]) == 2
+    assert "no such checkpoint file" in capsys.readouterr().err
+
+
+def test_resume_of_a_missing_path_names_resume(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["train", "--resume", str(tmp_path / "no-such-run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("oakemu train: error: --resume ") and "does not exist" in err
+    assert "OAKEMU_CONFIG_FILE" not in err and err.count("\n") == 1
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a CUDA device")
+def test_device_cuda_without_a_gpu_exits_2_before_any_folder_or_process(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(subprocess, "Popen", _no_process)
+    assert cli.main(["train", "--env", "CartPole-v1", "--device", "cuda", "--runs-dir", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert "device: expected an available device, received 'cuda'" in err and err.count("\n") == 1
+    assert not (tmp_path / "runs").exists()
+
+
+def _no_process(*args: Any, **kwargs: Any) -> None:
+    raise AssertionError(f"a process was started: {args}")
+
+
+def test_a_port_in_use_exits_2_before_any_folder_or_process(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    monkeypatch.setattr(subprocess, "Popen", _no_process)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        assert cli.main(["train", "--env", "CartPole-v1", "--control-port", str(port), "--metrics-port", "0",
+                         "--runs-dir", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert f"ports in use on 127.0.0.1: control_port={port}" in err and "--control-port" in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_resume_of_a_run_that_spent_its_budget_says_so_and_starts_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from oakemu_core.config import load_config, to_toml
+    from oakemu_core.envs import env_spec
+    from oakemu_core.policy.models import build_model
+    from oakemu_core.run.checkpoint import save_run_checkpoint
+    from oakemu_core.step_schema import schema_for_env
+
+    monkeypatch.setattr(subprocess, "Popen", _no_process)
+    run_dir = tmp_path / "runs" / "done"
+    run_dir.mkdir(parents=True)
+    config = load_config(["--env", "CartPole-v1", "--total-env-steps", "1000"])
+    (run_dir / "config.toml").write_text(to_toml(config), encoding="utf-8")
+    schema = schema_for_env(env_spec("CartPole-v1"))
+    model = build_model(env_spec("CartPole-v1").observation_layout, schema.distribution)
+    save_run_checkpoint(run_dir, 4, {"model": model.state_dict(), "global_step": 1100, "episodes": 3,
+                                     "ppo": {"iterations": 4, "trained_env_steps": 1024},
+                                     "env": {"env_id": "CartPole-v1", "schema": schema.to_dict()}})
+    assert cli.main(["train", "--resume", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "already reached its budget (1024 env steps trained by update 4, total_env_steps=1000)" in err
+    assert "--total-env-steps" in err and err.count("\n") == 1
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "config.toml"]  # nothing written
+
+
+def test_unknown_oakemu_variables_warn_with_the_closest_setting(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    train = FakeService(monkeypatch, "train")
+    monkeypatch.setenv("OAKEMU_LERNING_RATE", "1")
+    monkeypatch.setenv("OAKEMU_SHM_SIZE", "2g")  # a compose variable, not a setting: no warning
+    assert cli.main(["train"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: OAKEMU_LERNING_RATE is not a setting and is ignored (did you mean OAKEMU_LEARNING_RATE?)" in err
+    assert "SHM_SIZE" not in err
+    assert train.calls[0][0][0].learning_rate == 2.5e-4

@@ -252,8 +252,28 @@ def test_sigint_to_oakemu_train_stops_everything_cleanly(e2e: E2EProcesses) -> N
     train.send_signal(signal.SIGINT)  # the launcher alone, as Ctrl-C in a terminal would reach it
     status = train.wait(timeout_s=30)
     e2e.assert_all_exited(timeout_s=max(1.0, 30 - (time.monotonic() - started)))
-    assert status == 0, train.describe()
+    assert status == 130, train.describe()  # the shell's status for Ctrl-C, after the clean stop
+    assert "stopped by SIGINT" in train.stderr() and "done:" not in train.stderr()
     assert e2e.leftover_segments() == []
     log = (run_dir / "logs" / "learner.log").read_text(errors="replace")
     assert "stopping: signal" in log and "final checkpoint" in log and "Traceback" not in log
     assert (run_dir / "checkpoints" / "latest.pt").is_file()
+
+
+# ------------------------------------------------------------- (d) an env that always crashes
+def test_a_run_whose_env_crashes_exits_non_zero_naming_the_env_error(e2e: E2EProcesses) -> None:
+    """The env raises after 200 steps, before any rollout of 256 steps is full: the rows discarded with
+    each crash never count toward the budget, the actor gives up (no restart allowed), and the launcher
+    exits 1 with one line naming the env's error, never "done"."""
+    train = e2e.start("train", [
+        "train", "--env", "tests.crash_envs:CrashingCartPole-v0", "--num-actors", "1", "--envs-per-actor", "2",
+        "--rollout-length", "256", "--total-env-steps", "600", "--actor-restarts", "0", "--eval-every-updates", "0",
+        "--run-name", RUN_NAME, *e2e.flags(),
+    ])
+    status = train.wait(timeout_s=90)
+    err = train.stderr()
+    assert status == 1, train.describe()
+    assert "error: every actor stopped for good" in err, err
+    assert "first actor error: actor-0: tests.crash_envs.EnvBugError: simulated env bug after 200 steps" in err
+    assert "done:" not in err and "budget reached" not in (e2e.runs_dir / RUN_NAME / "logs" / "learner.log").read_text()
+    e2e.assert_clean(timeout_s=10)

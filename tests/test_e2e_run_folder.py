@@ -159,6 +159,9 @@ def test_logs_are_not_written_twice_after_kill_9_and_resume(e2e: E2EProcesses) -
         assert steps, name
         backs = [(a, b) for a, b in zip(steps, steps[1:]) if b < a]
         assert backs == [], f"{name}: global_step went back {len(backs)} times: {backs[:5]}"
+    # ... and kept each checkpointed update's own record: charts/update has no gap and no repeat.
+    updates = [int(r["charts/update"]) for r in read_jsonl(run_dir / "metrics.jsonl") if "charts/update" in r]
+    assert updates == list(range(1, len(updates) + 1)), updates
     assert any("removed records past the checkpoint" in e2e.started[i].stderr() for i in range(len(e2e.started)))
     e2e.assert_clean(timeout_s=10)
 

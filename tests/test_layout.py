@@ -74,7 +74,6 @@ SIZE_EXCEPTIONS: dict[str, str] = {
     "oakemu_core/algo/demonstrations.py::record_dataset": "TO GO: the episode loop and the Minari writing in one function",
     "oakemu_core/algo/demonstrations.py::behaviour_cloning_update": "TO GO: sampling, loss and logging in one function",
     "oakemu_core/run/prometheus.py::_SnapshotCollector.collect": "TO GO: one snapshot section per helper",
-    "services/train.py::main": "TO GO: the launcher's start / watch / stop phases become functions",
     "services/cli.py::build_parser": "TO GO: one sub-parser builder per command",
 }
 

@@ -112,6 +112,7 @@ def test_run_trains_published_rollouts_and_stops(cartpole, tmp_path: Path) -> No
                 results = handshake.results()
             (result,) = results
             assert result.slot == 0 and result.policy_version == update + 1 and result.stats is not None
+            assert result.trained_env_steps == (update + 1) * T * N  # the budget's count: every row, none stale
             assert not handshake.busy
             assert set(result.weights) == set(model.state_dict())
     finally:
@@ -121,6 +122,35 @@ def test_run_trains_published_rollouts_and_stops(cartpole, tmp_path: Path) -> No
     assert not thread.is_alive()
     assert learner.iterations == 3
     assert (tmp_path / "checkpoints" / "checkpoint_00000002.pt").is_file()  # every 2 updates
+
+
+def test_rows_too_stale_to_train_never_count_as_trained_env_steps(cartpole, tmp_path: Path) -> None:
+    """A rollout acted by a policy more than max_policy_lag versions old trains nothing: the run's budget
+    (trained env steps) does not move, and the count survives a checkpoint."""
+    env, _schema, buffer, model = cartpole
+    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1, max_policy_lag=1))
+    stepper = PolicyStepper(env, model)
+    handshake = RolloutHandshake()
+    policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_run_checkpoint)
+    trained, stale = [], []
+    with running(learner, handshake, policy):
+        for acted_by in (0, 1, 0):  # the third rollout: acted by version 0 when the learner is at 2
+            with learner.learner_model.locked():
+                rollout = fill(buffer, stepper, acted_by)
+            handshake.publish(rollout)
+            results = []
+            while not results:
+                results = handshake.results()
+            trained.append(results[0].trained_env_steps)
+            stale.append(results[0].stale_rows)
+    handshake.close()
+    # Each env's first row was acted at the end of the previous rollout, by version 1: not stale.
+    assert stale == [0, 0, T * N - N]
+    assert trained == [T * N, 2 * T * N, 2 * T * N + N]
+    restored = PPOLearnerRuntimeState.from_dict(learner.state().to_dict())
+    assert restored.trained_env_steps == 2 * T * N + N
+    assert PPOLearnerRuntimeState.from_dict({"iterations": 1, "rollouts_collected": 1,
+                                             "policy_version": 1}).trained_env_steps is None  # an older checkpoint
 
 
 @contextmanager

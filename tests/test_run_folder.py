@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from oakemu_core.errors import DiskFullError
 from oakemu_core.run.checkpoint import CheckpointWriteFailed, CheckpointWriter, latest_checkpoint, load_checkpoint
 from oakemu_core.envs import env_spec
 from oakemu_core.run.log_limits import RateLimitedLog
@@ -25,8 +26,10 @@ from oakemu_core.run.run_folder import (
     ResumeMismatchError,
     check_resume_compatible,
     config_changes,
+    resume_step,
     truncate_after,
     truncate_run_logs,
+    write_text_atomic,
 )
 from oakemu_core.step_schema import StepSchema, schema_for_env
 from tests.fault_helpers import fill_disk, small_tmpfs_fixture  # noqa: F401 - the `small_tmpfs` fixture
@@ -183,6 +186,49 @@ def test_truncate_after_keeps_records_up_to_the_checkpoint_and_drops_torn_lines(
     (tmp_path / "metrics.jsonl").write_text('{"global_step": 5}\n{"global_step": 35}\n')
     assert truncate_run_logs(tmp_path, 20) == {"metrics.jsonl": 1, "episodes.jsonl": 1}
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_a_resume_keeps_the_checkpointed_updates_record_so_charts_update_has_no_gap(tmp_path: Path) -> None:
+    """The checkpoint of update 2 records the steps at its rollout's hand-off (200); its metrics record
+    came later (256). The resumed count starts at 256: the record stays, later ones go, even one that
+    shares its global_step (update 3 here)."""
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"global_step": 128, "charts/update": 1}, {"global_step": 256, "charts/update": 2},
+        {"global_step": 256, "eval/episodic_return": 9.0}, {"global_step": 256, "charts/update": 3},
+        {"global_step": 384, "charts/update": 4}]))
+    (tmp_path / "episodes.jsonl").write_text('{"global_step": 190}\n{"global_step": 250}\n{"global_step": 300}\n')
+    step = resume_step(tmp_path, 200, update=2)
+    assert step == 256
+    assert truncate_run_logs(tmp_path, step, update=2) == {"metrics.jsonl": 2, "episodes.jsonl": 1}
+    assert [r.get("charts/update") for r in _lines(tmp_path / "metrics.jsonl")] == [1, 2, None]
+    assert resume_step(tmp_path, 500, update=2) == 500  # never below the checkpoint's count
+    assert resume_step(tmp_path / "nothing", 200, update=2) == 200
+
+
+def test_config_toml_is_written_atomically_and_a_full_disk_names_path_and_bytes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / "config.toml"
+    write_text_atomic(target, "seed = 1\n")
+    assert target.read_text() == "seed = 1\n"
+
+    def no_space(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    with pytest.raises(DiskFullError) as caught:
+        write_text_atomic(target, "seed = 2\n")
+    message = str(caught.value)
+    assert f"cannot write {target}: No space left on device (9 bytes needed, " in message
+    assert "bytes free on" in message
+    assert target.read_text() == "seed = 1\n"  # the old file, whole
+    assert [p.name for p in tmp_path.iterdir()] == ["config.toml"]  # no temporary file left
+
+
+def test_config_toml_on_a_full_tmpfs(small_tmpfs: Path) -> None:
+    fill_disk(small_tmpfs)
+    with pytest.raises(DiskFullError, match=rf"cannot write {small_tmpfs}/config.toml: .*bytes needed, \d+ bytes free"):
+        write_text_atomic(small_tmpfs / "config.toml", "x" * 20_000)
+    assert not (small_tmpfs / "config.toml").exists()
 
 
 # ------------------------------------------------------------------------------ resume checks

@@ -54,6 +54,7 @@ from torch import nn
 from oakemu_core.actor.routing import checked_actions, load_callable, random_actions
 from oakemu_core.envs.factory import make_vector_env
 from oakemu_core.envs.spec import PLAIN_KEY, EnvSpec
+from oakemu_core.errors import UserError
 
 __all__ = [
     "BCSampler",
@@ -77,16 +78,16 @@ RecordingPolicy = Callable[[Any, np.ndarray | None], Any]
 _MINARI_ENV_LOCK = threading.Lock()  # MINARI_DATASETS_PATH is process-global while a dataset is written
 
 
-class MinariNotInstalledError(ImportError):
+class MinariNotInstalledError(UserError, ImportError):
     """The optional ``minari`` package (with h5py) is missing: ``pip install 'oakemu-rl[bc]'``."""
 
 
-class DemonstrationDataError(ValueError):
+class DemonstrationDataError(UserError, ValueError):
     """A demonstration dataset cannot be used: missing folder, not a Minari dataset, no steps,
     or an output folder that already exists (the message names the path)."""
 
 
-class DemonstrationMismatchError(ValueError):
+class DemonstrationMismatchError(UserError, ValueError):
     """The dataset's observation or action space differs from the run's; the message names both."""
 
 

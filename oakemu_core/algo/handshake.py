@@ -74,6 +74,7 @@ class TrainResult:
         iterations: PPO updates so far. evaluations: tester reports that arrived meanwhile.
         events: human-readable notes (rollbacks, BC phases) to log.
         trainable_share: trainable rows / rows of the rollout. rollbacks: rollbacks so far.
+        trained_env_steps: env steps of every rollout trained on so far (rows less stale rows).
     """
 
     slot: int | None
@@ -87,6 +88,7 @@ class TrainResult:
     events: list[str] = field(default_factory=list)
     trainable_share: float = 1.0
     rollbacks: int = 0
+    trained_env_steps: int = 0
 
 
 class RolloutHandshake:

@@ -134,6 +134,9 @@ class PPOLearnerRuntimeState:
     lr_scale: float = 1.0
     bc_updates_done: int = 0
     reward_scaler: dict[str, Any] | None = None
+    trained_env_steps: int | None = None
+    """Env steps of the rollouts PPO trained on (rows of each rollout less its stale rows); None in
+    checkpoints that predate the count."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values for a checkpoint."""
@@ -282,6 +285,8 @@ class PPOLearner:
         self.lr_scale = 1.0
         self.bc_updates_done = 0
         self._rollouts_collected = 0
+        self.trained_env_steps = 0
+        """Env steps of the rollouts trained on: each rollout's rows less its stale rows (the run's budget)."""
         self.sgd_ledger = SgdStepLedger()
 
     # ------------------------------------------------------------------ counters and state
@@ -323,6 +328,7 @@ class PPOLearner:
             policy_version=self.policy_version, shuffle_rng_state=self.updater.shuffle_rng_state(),
             lr_scale=self.lr_scale, bc_updates_done=self.bc_updates_done,
             reward_scaler=None if self.reward_scaler is None else self.reward_scaler.state_dict(),
+            trained_env_steps=self.trained_env_steps,
         )
 
     def restore_state(self, state: PPOLearnerRuntimeState) -> None:
@@ -335,6 +341,8 @@ class PPOLearner:
         self.learner_model.version = int(state.policy_version)
         self.lr_scale = float(state.lr_scale)
         self.bc_updates_done = int(state.bc_updates_done)
+        if state.trained_env_steps is not None:
+            self.trained_env_steps = int(state.trained_env_steps)
         if self.reward_scaler is not None and state.reward_scaler:
             self.reward_scaler.load_state_dict(state.reward_scaler)
 
@@ -541,6 +549,7 @@ class PPOLearner:
                 return
             prepared = self.prepare(published.rollout, reevaluate=published.reevaluate)
             stats = self.step(current_step(), prepared)
+            self.trained_env_steps += prepared.buffer.total_size - prepared.stale_rows
             events = policy.after_update(self, stats)
             evaluations, notes = self._poll_tester(policy)
             events += notes
@@ -549,7 +558,7 @@ class PPOLearner:
             handshake.complete(TrainResult(
                 published.rollout.slot, version, weights, stats, prepared.stale_rows, prepared.lag, self.iterations,
                 evaluations, events, trainable_share=prepared.buffer.trainable_size / max(1, prepared.buffer.total_size),
-                rollbacks=policy.rollbacks,
+                rollbacks=policy.rollbacks, trained_env_steps=self.trained_env_steps,
             ))
 
     def _submit_to_tester(self, global_step: int, *, force: bool = False) -> None:

@@ -27,11 +27,12 @@ from oakemu_core.policy.models import build_model
 from oakemu_core.run.checkpoint import (
     CheckpointWriter,
     capture_rng_state,
+    checkpoint_trained_steps,
     latest_checkpoint,
     load_checkpoint,
     restore_rng_state,
 )
-from oakemu_core.run.run_folder import check_resume_compatible, truncate_run_logs
+from oakemu_core.run.run_folder import check_resume_compatible, resume_step, truncate_run_logs
 from oakemu_core.run.tester import tester_from_config
 
 if TYPE_CHECKING:
@@ -133,6 +134,8 @@ class Trainer:
             log.warning("rollback is on but no checkpoint is written before exit (checkpoint_every_updates "
                         "and checkpoint_every_seconds are 0): a collapse before the first evaluation's "
                         "best.pt stops the run instead of rolling back")
+        log.info("rollback on: a collapsing run returns to its last good checkpoint with the learning rate x %s "
+                 "(at most %d times; rollback=false turns it off)", config.rollback_lr_factor, config.max_rollbacks)
         return HealthMonitor(max_approx_kl=config.rollback_max_approx_kl, eval_fraction=config.rollback_eval_fraction,
                              eval_patience=config.rollback_eval_patience)
 
@@ -178,6 +181,7 @@ class Trainer:
         check_resume_compatible(state, env_id=self.spec.env_id, schema=self.schema, model=self.ppo.model,
                                 checkpoint_path=path)
         self.ppo.load_checkpoint_state(state)
+        self.ppo.trained_env_steps = checkpoint_trained_steps(state)
         self._follow_budget()
         restore_rng_state(state["rng"])
         self.handshake.report(RunProgress(int(state["global_step"]), int(state["episodes"])))
@@ -191,9 +195,11 @@ class Trainer:
         if path is None:
             return None
         self.restore(path)
-        step = self.progress.global_step
+        # The checkpointed update's own metrics record stays: charts/update continues without a gap.
+        step = resume_step(self.run_dir, self.progress.global_step, self.ppo.iterations)
+        self.handshake.report(RunProgress(step, self.progress.episodes))
         log.info("resumed from %s at %d env steps, update %d", path, step, self.ppo.iterations)
-        cut = truncate_run_logs(self.run_dir, step)
+        cut = truncate_run_logs(self.run_dir, step, update=self.ppo.iterations)
         if any(cut.values()):
             log.info("removed records past the checkpoint's %d env steps: %s", step,
                      ", ".join(f"{name} {count}" for name, count in cut.items() if count))

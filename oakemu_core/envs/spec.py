@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from oakemu_core.errors import UserError
+
 __all__ = [
     "EMULATOR_ID_PREFIXES",
     "PLAIN_KEY",
@@ -44,14 +46,14 @@ def is_emulator_env(env_id: str) -> bool:
     return env_id.startswith(EMULATOR_ID_PREFIXES)
 
 
-class UnsupportedEnvironmentError(ValueError):
+class UnsupportedEnvironmentError(UserError, ValueError):
     """The env id is unknown, cannot be imported or built, or its spaces are not supported.
 
     The message names the env id, what is expected and what was received (e.g. the space).
     """
 
 
-class InvalidActionMaskError(ValueError):
+class InvalidActionMaskError(UserError, ValueError):
     """An env produced an action mask of the wrong width or dtype, or one that allows no action.
 
     The message names the env id, the env index in its vector env and the received mask.

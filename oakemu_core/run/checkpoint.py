@@ -34,14 +34,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from oakemu_core.errors import CheckpointError
+
 __all__ = [
     "CHECKPOINT_DIR_NAME",
     "LATEST_NAME",
     "CheckpointError",
+    "CheckpointNotFoundError",
     "CheckpointWriteFailed",
     "CheckpointWriter",
     "capture_rng_state",
     "checkpoint_path",
+    "checkpoint_trained_steps",
     "latest_checkpoint",
     "load_checkpoint",
     "restore_rng_state",
@@ -58,8 +62,8 @@ _PLAIN_SCALARS = (str, int, float, bool, type(None))
 log = logging.getLogger("oakemu.checkpoint")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint file exists but cannot be read (truncated, corrupt, or not a checkpoint)."""
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint at the given path (no such file, or a run folder without checkpoints)."""
 
 
 class CheckpointWriteFailed(RuntimeError):
@@ -145,19 +149,38 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dic
         The saved dict.
 
     Raises:
-        FileNotFoundError: no file at ``path``.
-        CheckpointError: the file is truncated, corrupt, holds disallowed objects, or is not a dict.
+        CheckpointNotFoundError: no file at ``path`` (a FileNotFoundError too).
+        CheckpointError: the file is truncated, corrupt, holds disallowed objects, or is not a dict;
+            the message is one line naming the file.
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint: no file at {path}")
+        raise CheckpointNotFoundError(f"checkpoint: no file at {path}")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # torch raises RuntimeError, EOFError, UnpicklingError, ...
-        raise CheckpointError(f"checkpoint: cannot read {path} ({type(exc).__name__}: {exc})") from exc
+        raise CheckpointError(f"checkpoint: {path} is not a readable checkpoint (expected a file written by "
+                              f"oakemu train; torch: {_torch_reason(exc)})") from exc
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint: {path} holds a {type(state).__name__}, expected a dict")
     return state
+
+
+def _torch_reason(error: Exception) -> str:
+    """The gist of a ``torch.load`` error on one line (its pickler detail, not its advice to unpickle
+    untrusted files), at most 160 characters."""
+    text = str(error)
+    detail = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:Check the documentation|$)", text, re.S)
+    reason = " ".join((detail.group(1) if detail else text.strip().splitlines()[0] if text.strip() else "").split())
+    reason = f"{type(error).__name__}: {reason}" if reason else type(error).__name__
+    return reason if len(reason) <= 160 else reason[:157] + "..."
+
+
+def checkpoint_trained_steps(state: Mapping[str, Any]) -> int:
+    """Env steps trained on when a checkpoint was written (the run's budget count): its
+    ``ppo.trained_env_steps``, or for checkpoints without it the env steps received (``global_step``)."""
+    trained = state.get("ppo", {}).get("trained_env_steps") if isinstance(state.get("ppo"), Mapping) else None
+    return int(trained if trained is not None else state.get("global_step", 0))
 
 
 def checkpoint_path(run_dir: Path, update: int) -> Path:
@@ -230,16 +253,17 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     """A checkpoint file from a path that is either the file or a run folder (its latest checkpoint).
 
     Raises:
-        FileNotFoundError: a run folder without checkpoints, or no such file.
+        CheckpointNotFoundError: a folder without checkpoints, or no such file.
     """
     path = Path(path)
     if path.is_dir():
         found = latest_checkpoint(path)
         if found is None:
-            raise FileNotFoundError(f"{path}: run folder without checkpoints")
+            raise CheckpointNotFoundError(f"{path}: expected a checkpoint file or a run folder with checkpoints/, "
+                                          "received a folder without checkpoints")
         path = found
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no such checkpoint")
+        raise CheckpointNotFoundError(f"{path}: no such checkpoint file")
     return path
 
 

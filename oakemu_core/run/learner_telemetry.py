@@ -105,7 +105,7 @@ class LearnerTelemetry:
 
     def snapshot(self, assembler: RolloutAssembler, *, policy_version: int, iterations: int, episodes: int,
                  learning_rate: float, checkpoint_failures: int, log_write_failures: int,
-                 is_update: bool) -> TelemetrySnapshot:
+                 is_update: bool, trained_env_steps: int = 0) -> TelemetrySnapshot:
         """The learner's state now: these figures, the assembler's counters, buffer fill and actors
         (each actor's row lag since the last snapshot, else its heartbeat's), and the given values
         (``learning_rate``: the schedule's, reported until an update reports its own)."""
@@ -121,6 +121,7 @@ class LearnerTelemetry:
             sps_recent=self.rates.recent(),
             policy_version=policy_version,
             iterations=iterations,
+            trained_env_steps=trained_env_steps,
             episodes=episodes,
             episodic_return_mean=window.mean if window.count else None,
             episodic_return_min=window.min if window.count else None,

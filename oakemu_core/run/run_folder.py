@@ -18,12 +18,16 @@ refuses the ones that cannot change (:data:`IMMUTABLE_FIELDS`).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from oakemu_core.errors import DiskFullError, RunFolderError, UserError
 
 __all__ = [
     "IMMUTABLE_FIELDS",
@@ -31,11 +35,14 @@ __all__ = [
     "ResumeMismatchError",
     "check_resume_compatible",
     "check_resume_folder",
+    "check_resume_path",
     "config_changes",
     "describe_spaces",
     "format_changes",
+    "resume_step",
     "truncate_after",
     "truncate_run_logs",
+    "write_text_atomic",
 ]
 
 LOG_FILE_NAMES = ("metrics.jsonl", "episodes.jsonl")
@@ -44,13 +51,14 @@ LOG_FILE_NAMES = ("metrics.jsonl", "episodes.jsonl")
 IMMUTABLE_FIELDS = ("env_id", "normalize_observations")
 """Settings a resumed run cannot change: they decide the environment's spaces or the model's shape."""
 
-IGNORED_FIELDS = frozenset({"config_file", "runs_dir", "run_name"})
-"""Settings not compared on resume (where the run lives, not how it trains)."""
+IGNORED_FIELDS = frozenset({"config_file", "runs_dir", "run_name", "data_port", "control_port", "weights_port",
+                            "telemetry_port", "metrics_port"})
+"""Settings not compared on resume (where the run lives and listens, not how it trains)."""
 
 NEW_RUN_HINT = "to start a new run instead, give it another name (--run-name NAME or OAKEMU_RUN_NAME=NAME)"
 
 
-class ResumeMismatchError(ValueError):
+class ResumeMismatchError(UserError, ValueError):
     """A run folder's checkpoint (or config) does not fit the learner asked to resume it.
 
     The message is one line: what the folder holds, what was requested, that nothing was changed,
@@ -209,8 +217,27 @@ def format_changes(changes: Mapping[str, tuple[Any, Any]]) -> str:
 
 
 # ------------------------------------------------------------------------------------ log cuts
-def truncate_after(path: Path, global_step: int) -> int:
-    """Keep only the records of a JSON-lines file whose ``global_step`` is <= ``global_step``.
+def _read_records(path: Path) -> tuple[list[tuple[bytes, dict[str, Any]]], int]:
+    """``([(line, record), ...], torn)``: the complete JSON-object lines of a JSON-lines file, and how
+    many lines were not (a record half-written by a crash, garbage)."""
+    records: list[tuple[bytes, dict[str, Any]]] = []
+    torn = 0
+    with open(path, "rb") as source:
+        for line in source:
+            try:
+                record = json.loads(line) if line.endswith(b"\n") else None
+            except ValueError:
+                record = None
+            if isinstance(record, dict):
+                records.append((line, record))
+            else:
+                torn += 1
+    return records, torn
+
+
+def truncate_after(path: Path, global_step: int, *, update: int | None = None) -> int:
+    """Keep only the records of a JSON-lines file whose ``global_step`` is <= ``global_step`` and,
+    with ``update``, whose ``charts/update`` is <= ``update``.
 
     Lines that are not complete JSON objects (a record half-written by a crash) are dropped too;
     records without a ``global_step`` are kept. The file is rewritten atomically (temporary file in
@@ -219,7 +246,8 @@ def truncate_after(path: Path, global_step: int) -> int:
 
     Args:
         path: the ``.jsonl`` file; a missing file is left missing.
-        global_step: the checkpoint's env-step count.
+        global_step: the env-step count the resumed run starts from (:func:`resume_step`).
+        update: the checkpoint's PPO update (None: records are cut by ``global_step`` alone).
 
     Returns:
         The number of lines removed.
@@ -230,45 +258,47 @@ def truncate_after(path: Path, global_step: int) -> int:
     path = Path(path)
     if not path.is_file():
         return 0
+    records, removed = _read_records(path)
     kept: list[bytes] = []
-    removed = 0
-    with open(path, "rb") as source:
-        for line in source:
-            if not line.endswith(b"\n"):  # a torn last line
-                removed += 1
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                removed += 1
-                continue
-            step = record.get("global_step") if isinstance(record, dict) else None
-            if not isinstance(record, dict) or (isinstance(step, (int, float)) and step > global_step):
-                removed += 1
-                continue
+    for line, record in records:
+        step, record_update = record.get("global_step"), record.get("charts/update")
+        if (isinstance(step, (int, float)) and step > global_step) or (
+                update is not None and isinstance(record_update, (int, float)) and record_update > update):
+            removed += 1
+        else:
             kept.append(line)
     if removed == 0:
         return 0
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as target:
-            target.writelines(kept)
-            target.flush()
-            os.fsync(target.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+    _replace_atomically(path, kept)
     return removed
 
 
-def truncate_run_logs(run_dir: Path, global_step: int) -> dict[str, int]:
+def resume_step(run_dir: Path, checkpoint_step: int, update: int) -> int:
+    """The env-step count a run resumed from the checkpoint of ``update`` starts from.
+
+    A periodic checkpoint records the env steps received when its update's rollout was handed to
+    training (``checkpoint_step``); the update's own metrics record was written when its result came
+    back, some steps later. The resumed count starts at that record's ``global_step`` (when
+    ``metrics.jsonl`` holds it), so the record is kept, ``charts/update`` continues without a gap and
+    ``global_step`` never goes back. The steps in between were received and lost with the crash, as
+    discarded rows are: ``global_step`` counts them, the budget (trained env steps) does not.
+    """
+    path = Path(run_dir) / LOG_FILE_NAMES[0]
+    if not path.is_file():
+        return int(checkpoint_step)
+    steps = [record.get("global_step") for _, record in _read_records(path)[0]
+             if record.get("charts/update") == update]
+    return max([int(checkpoint_step)] + [int(step) for step in steps if isinstance(step, (int, float))])
+
+
+def truncate_run_logs(run_dir: Path, global_step: int, *, update: int | None = None) -> dict[str, int]:
     """:func:`truncate_after` on each of :data:`LOG_FILE_NAMES` in ``run_dir``; returns lines removed by file name."""
-    return {name: truncate_after(Path(run_dir) / name, global_step) for name in LOG_FILE_NAMES}
+    return {name: truncate_after(Path(run_dir) / name, global_step, update=update) for name in LOG_FILE_NAMES}
 
 
 # ------------------------------------------------------------------------------ whole folder
-def check_resume_folder(run_dir: Path, config: Any, *, check_model: bool = True) -> dict[str, tuple[Any, Any]]:
+def check_resume_folder(run_dir: Path, config: Any, *, check_model: bool = True,
+                        check_budget: bool = False) -> dict[str, tuple[Any, Any]]:
     """Everything a process checks before it writes into a run folder it may resume (reads only).
 
     When ``run_dir`` has a checkpoint: compares its ``config.toml`` with ``config``
@@ -280,6 +310,7 @@ def check_resume_folder(run_dir: Path, config: Any, *, check_model: bool = True)
         run_dir: the run folder.
         config: the requested :class:`~oakemu_core.config.OakEmuConfig`.
         check_model: also build the model and compare parameter names and shapes.
+        check_budget: also refuse a run whose checkpoint already trained ``config.total_env_steps``.
 
     Returns:
         ``{field: (old, new)}`` of the settings that will change (for a warning); {} for a new run.
@@ -288,6 +319,7 @@ def check_resume_folder(run_dir: Path, config: Any, *, check_model: bool = True)
         ResumeMismatchError: a setting that cannot change differs, or the checkpoint was made for
             another env, other spaces or another model.
         oakemu_core.run.checkpoint.CheckpointError: the checkpoint cannot be read.
+        RunFolderError: with ``check_budget``, the run has nothing left to train.
     """
     import tomllib
 
@@ -322,4 +354,82 @@ def check_resume_folder(run_dir: Path, config: Any, *, check_model: bool = True)
                             normalize_observations=config.normalize_observations)
     state = load_checkpoint(checkpoint, map_location="cpu")
     check_resume_compatible(state, env_id=config.env_id, schema=schema, model=model, checkpoint_path=checkpoint)
+    if check_budget:
+        _check_budget_left(state, config.total_env_steps, run_dir)
     return changes
+
+
+def _check_budget_left(state: Mapping[str, Any], total_env_steps: int, run_dir: Path) -> None:
+    """Raise :class:`RunFolderError` when the checkpoint ``state`` already trained ``total_env_steps``."""
+    from oakemu_core.run.checkpoint import checkpoint_trained_steps
+
+    trained = checkpoint_trained_steps(state)
+    if trained >= total_env_steps:
+        update = state.get("ppo", {}).get("iterations", "?") if isinstance(state.get("ppo"), Mapping) else "?"
+        raise RunFolderError(
+            f"{run_dir}: the run already reached its budget ({trained} env steps trained by update "
+            f"{update}, total_env_steps={total_env_steps}); to train it longer, raise --total-env-steps"
+        )
+
+
+def check_resume_path(run_dir: Path) -> Path:
+    """The ``config.toml`` of a run folder given to ``--resume``.
+
+    Raises:
+        RunFolderError: no such folder, or a folder without ``config.toml`` (the message names
+            ``--resume`` and the path). A folder without a checkpoint yet starts from the beginning.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise RunFolderError(f"--resume {run_dir}: expected a run folder (runs/<name>/), received a path that "
+                             f"{'is a file' if run_dir.exists() else 'does not exist'}")
+    config_toml = run_dir / "config.toml"
+    if not config_toml.is_file():
+        raise RunFolderError(f"--resume {run_dir}: expected a run folder written by oakemu train, received a "
+                             "folder without config.toml")
+    return config_toml
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically: a temporary file in the same folder, fsync,
+    rename; a reader sees the old file or the whole new one, never a part.
+
+    Raises:
+        DiskFullError: no space (or quota) left; the message names the path, the bytes needed and free.
+        OSError: any other write error. The temporary file is removed in both cases.
+    """
+    _replace_atomically(Path(path), [text.encode("utf-8")])
+
+
+def _replace_atomically(path: Path, chunks: list[bytes]) -> None:
+    """Replace ``path`` with ``chunks`` through a fsynced temporary file and a rename (see
+    :func:`write_text_atomic`)."""
+    try:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as error:
+        raise _disk_full(error, path, sum(map(len, chunks))) from None
+    try:
+        with os.fdopen(fd, "wb") as target:
+            target.writelines(chunks)
+            target.flush()
+            os.fsync(target.fileno())
+        os.replace(tmp_name, path)
+    except OSError as error:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise _disk_full(error, path, sum(map(len, chunks))) from None
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+
+
+def _disk_full(error: OSError, path: Path, needed: int) -> OSError:
+    """:class:`DiskFullError` naming ``path``, ``needed`` bytes and the free bytes for ENOSPC / EDQUOT;
+    ``error`` itself otherwise."""
+    if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return error
+    try:
+        free = f"{shutil.disk_usage(path.parent).free} bytes free"
+    except OSError:
+        free = "free space unknown"
+    return DiskFullError(f"cannot write {path}: {error.strerror or error} ({needed} bytes needed, {free} on "
+                         f"{path.parent})")

@@ -33,9 +33,11 @@ import msgpack
 import pydantic
 import zmq
 
-TELEMETRY_PROTOCOL_VERSION = 2
+from oakemu_core.errors import UserError
+
+TELEMETRY_PROTOCOL_VERSION = 3
 """Version of the telemetry message layout; bumped on any incompatible change of the fields
-(2: evaluation figures, history curves, message/checkpoint counters, trainable share)."""
+(2: evaluation figures, history curves, message/checkpoint counters, trainable share; 3: trained env steps)."""
 
 TELEMETRY_TOPIC = b"oakemu.telemetry"
 """First frame of every telemetry message (ZeroMQ SUB prefix filter)."""
@@ -51,11 +53,11 @@ class TelemetryError(RuntimeError):
     """Base class of telemetry errors a user can cause (bad address, port in use)."""
 
 
-class TelemetryBindError(TelemetryError):
+class TelemetryBindError(TelemetryError, UserError):
     """The publisher or the Prometheus exporter cannot bind its address / port."""
 
 
-class TelemetryAddressError(TelemetryError, ValueError):
+class TelemetryAddressError(TelemetryError, UserError, ValueError):
     """A connect address is not a valid ZeroMQ endpoint."""
 
 
@@ -331,6 +333,8 @@ class TelemetrySnapshot(pydantic.BaseModel):
         sps_recent: env steps per second over the last ~10 s (``charts/SPS_recent``).
         policy_version: version of the newest published weights.
         iterations: PPO updates completed.
+        trained_env_steps: env steps of the rollouts PPO trained on (the count the budget
+            ``total_env_steps`` is spent by; rows discarded or too stale never count).
         episodes: episodes finished (all actors).
         episodic_return_mean / _min / _max: raw game score over the recent episode window.
         episodic_length_mean: episode length (env steps) over the recent episode window.
@@ -371,6 +375,7 @@ class TelemetrySnapshot(pydantic.BaseModel):
     sps_recent: float = pydantic.Field(default=0.0, ge=0)
     policy_version: int = pydantic.Field(ge=0)
     iterations: int = pydantic.Field(ge=0)
+    trained_env_steps: int = pydantic.Field(default=0, ge=0)
     episodes: int = pydantic.Field(ge=0)
     episodic_return_mean: float | None = None
     episodic_return_min: float | None = None

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from oakemu_core.errors import UserError
+
 if TYPE_CHECKING:
     from oakemu_core.step_schema import StepSchema
 
@@ -39,7 +41,7 @@ class RolloutBufferMemoryDiagnostic:
     message: str
 
 
-class SharedMemoryTooSmallError(ValueError):
+class SharedMemoryTooSmallError(UserError, ValueError):
     """``/dev/shm`` has less free space than the rollout buffers need."""
 
 

@@ -33,6 +33,8 @@ from typing import Any
 import zmq
 import zmq.auth
 
+from oakemu_core.errors import UserError
+
 __all__ = [
     "ZAP_DOMAIN",
     "ClientSecurity",
@@ -54,7 +56,7 @@ PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
 
 
-class TransportSecurityError(ValueError):
+class TransportSecurityError(UserError, ValueError):
     """A key file or folder is missing or unreadable, or CURVE is on without the keys it needs."""
 
 

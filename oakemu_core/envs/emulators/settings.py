@@ -17,6 +17,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from oakemu_core.errors import UserError
+
 __all__ = [
     "GAMEBOY_BUTTONS",
     "EmulatorConfigError",
@@ -38,7 +40,7 @@ _HOOK_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _KEY_PATTERN = re.compile(r"^[A-Za-z_]\w*$")
 
 
-class EmulatorConfigError(ValueError):
+class EmulatorConfigError(UserError, ValueError):
     """An emulator env id or settings file is unusable (message names what, expected, received)."""
 
 
