@@ -21,6 +21,7 @@ import math
 import os
 import re
 from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,6 +38,7 @@ from pydantic_settings import (
 from oakemu_core.algo.settings import PPOSettings, finite_number
 from oakemu_core.envs.spec import is_atari_env
 from oakemu_core.errors import ConfigError
+from oakemu_core.run.run_folder import PORT_FIELDS
 from oakemu_core.transport.batching import AUTO_MESSAGE_MIN_ROWS, auto_steps_per_message
 
 __all__ = [
@@ -57,7 +59,6 @@ CONFIG_FILE_ENV_VAR = "OAKEMU_CONFIG_FILE"
 """Environment variable naming the TOML file (used when no ``--config`` flag is given)."""
 
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
-_PORT_FIELDS = ("data_port", "control_port", "weights_port", "telemetry_port", "metrics_port")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -85,6 +86,25 @@ class _ConfigFileSource(PydanticBaseSettingsSource):
             except ValueError as error:  # tomllib.TOMLDecodeError is a ValueError
                 raise ConfigError(f"config_file: {str(self.path)!r} is not valid TOML: {error}") from error
             self._data = dict(source.toml_data)
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover
+        return self._data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self._data)
+
+
+_BASE_SETTINGS: ContextVar[Mapping[str, Any]] = ContextVar("oakemu_base_settings", default={})
+"""Settings below the TOML file and above the defaults while a configuration is built (:func:`config_from_namespace`'s
+``base``: a preset, the resumed run's own ``config.toml``)."""
+
+
+class _BaseSettingsSource(PydanticBaseSettingsSource):
+    """The lowest source above the defaults: :data:`_BASE_SETTINGS` as set for this construction."""
+
+    def __init__(self, settings_cls: type[BaseSettings]) -> None:
+        super().__init__(settings_cls)
+        self._data = dict(_BASE_SETTINGS.get())
 
     def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover
         return self._data.get(field_name), field_name, False
@@ -295,7 +315,8 @@ class OakEmuConfig(PPOSettings, BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         """Sources, highest precedence first; pydantic-settings puts the CLI source in front."""
         init_kwargs = getattr(init_settings, "init_kwargs", {})
-        return (init_settings, env_settings, _ConfigFileSource(settings_cls, init_kwargs))
+        return (init_settings, env_settings, _ConfigFileSource(settings_cls, init_kwargs),
+                _BaseSettingsSource(settings_cls))
 
     # --- validation ---
     @field_validator("log_level", mode="before")
@@ -356,7 +377,7 @@ class OakEmuConfig(PPOSettings, BaseSettings):
                 f"{self.route_scripted_probability!r}"
             )
         used: dict[int, str] = {}
-        for name in _PORT_FIELDS:
+        for name in PORT_FIELDS:
             port = getattr(self, name)
             if not port:
                 continue
@@ -569,11 +590,12 @@ def config_from_namespace(
     cli_source: CliSettingsSource[Any],
     *,
     toml_path: str | os.PathLike[str] | None = None,
+    base: Mapping[str, Any] | None = None,
 ) -> OakEmuConfig:
-    """Build and validate the config from parsed flags, ``OAKEMU_*`` variables, TOML and defaults.
+    """Build and validate the config from parsed flags, ``OAKEMU_*`` variables, TOML, ``base`` and defaults.
 
     The TOML file is ``namespace.config`` (``--config``) when given, else ``toml_path``, else
-    ``$OAKEMU_CONFIG_FILE``.
+    ``$OAKEMU_CONFIG_FILE``. ``base`` holds settings below it (a preset, a resumed run's own settings).
 
     Raises:
         ConfigError: a value is invalid or the TOML file is missing or malformed.
@@ -583,10 +605,13 @@ def config_from_namespace(
     init_kwargs: dict[str, Any] = {}
     if config_path is not None:
         init_kwargs["config_file"] = Path(config_path)
+    token = _BASE_SETTINGS.set(dict(base or {}))
     try:
         return OakEmuConfig(_cli_settings_source=cli_source(parsed_args=flags), **init_kwargs)
     except ValidationError as error:
         raise ConfigError(format_validation_error(error)) from None
+    finally:
+        _BASE_SETTINGS.reset(token)
 
 
 def load_config(

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from oakemu_core.config import add_config_arguments, config_from_namespace, load_config, unknown_environment_variables
-from oakemu_core.errors import UserError
-from oakemu_core.run.run_folder import check_resume_path
+from oakemu_core.errors import ConfigError, UserError
+from oakemu_core.run.run_folder import resumed_settings
 
 __all__ = ["build_parser", "main"]
 
@@ -86,6 +86,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         description="Read-only live view of a running learner (telemetry PUB socket).",
         allow_abbrev=False,
     )
+    monitor.add_argument("run", nargs="?", default=None, metavar="RUN",
+                         help="a run on this machine: its folder, or its name in $OAKEMU_RUNS_DIR (default runs)")
     monitor.add_argument(
         "--connect",
         default=None,
@@ -190,8 +192,8 @@ def _dispatch(command: str, namespace: argparse.Namespace, cli_sources: dict[str
     )
     if command == "train":
         # A resumed run starts from its own resolved config.toml; flags and OAKEMU_* still win.
-        resumed_config = check_resume_path(namespace.resume) if namespace.resume is not None else None
-        config = config_from_namespace(fields, cli_sources["train"], toml_path=resumed_config)
+        resumed = resumed_settings(namespace.resume) if namespace.resume is not None else None
+        config = config_from_namespace(fields, cli_sources["train"], base=resumed)
         return int(_service("train").main(config, namespace.resume))
     if command == "learner":
         config = config_from_namespace(fields, cli_sources["learner"])
@@ -203,8 +205,11 @@ def _dispatch(command: str, namespace: argparse.Namespace, cli_sources: dict[str
         from oakemu_core.transport.auth import client_security
 
         config = load_config(None, prog=f"{PROG} monitor")  # OAKEMU_* settings: learner address, CURVE keys
-        connect = namespace.connect or config.learner_address(config.telemetry_port)
         monitor = _service("monitor")
+        if namespace.run is not None and namespace.connect is not None:
+            raise ConfigError("monitor: expected RUN or --connect, received both")
+        connect = (monitor.run_telemetry_address(namespace.run, config.runs_dir) if namespace.run is not None
+                   else namespace.connect or config.learner_address(config.telemetry_port))
         return int(
             monitor.main(connect, json_output=namespace.json, once=namespace.once, timeout_s=namespace.timeout,
                          security=client_security(config))

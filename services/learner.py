@@ -419,6 +419,8 @@ class Learner:
                     raise
                 log.error("%s", error.__cause__)  # a clear stop: no traceback, final checkpoint kept
                 self.exit_status = 1
+                if isinstance(error.__cause__, CheckpointWriteFailed):
+                    self.stopping_reason = "checkpoints cannot be written (see the learner's log)"
                 break
             if not self.stopping_reason:
                 self._hand_off_full_rollouts()

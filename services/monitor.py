@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console, Group
@@ -35,6 +36,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from oakemu_core.errors import RunFolderError
 from oakemu_core.run.telemetry import TelemetryAddressError, TelemetrySnapshot, TelemetrySubscriber
 
 EXIT_OK = 0
@@ -94,6 +96,35 @@ def main(connect: str, *, json_output: bool = False, once: bool = False, timeout
         return EXIT_OK
     finally:
         subscriber.close()
+
+
+def run_telemetry_address(run: str | Path, runs_dir: str | Path = "runs") -> str:
+    """The telemetry address of a run on this machine, from its folder's ``config.toml`` (which records
+    the ports ``oakemu train`` chose).
+
+    Args:
+        run: the run folder, or its name in ``runs_dir``.
+        runs_dir: where run folders are (``runs_dir``, default ``runs``).
+
+    Raises:
+        RunFolderError: neither ``run`` nor ``runs_dir/run`` is a run folder with a readable ``config.toml``
+            holding ``telemetry_port``.
+    """
+    import tomllib
+
+    candidates = [Path(run), Path(runs_dir) / str(run)]
+    folder = next((path for path in candidates if (path / "config.toml").is_file()), None)
+    if folder is None:
+        raise RunFolderError(f"monitor: expected a run folder or the name of one in {runs_dir}/, received {str(run)!r} "
+                             "(no config.toml there)")
+    try:
+        settings = tomllib.loads((folder / "config.toml").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
+        raise RunFolderError(f"monitor: cannot read {folder / 'config.toml'} ({error})") from None
+    port = settings.get("telemetry_port", 5558)
+    host = str(settings.get("bind_host", "127.0.0.1"))
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # listening everywhere: reach it locally
+    return f"tcp://{f'[{host}]' if ':' in host else host}:{port}"
 
 
 class _Stopped(Exception):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -13,11 +14,12 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from oakemu_core.config import OakEmuConfig
 from oakemu_core.errors import ConfigError
+from oakemu_core.run.run_folder import PORT_FIELDS
 
 PARENT_PID_ENV = "OAKEMU_PARENT_PID"
 SETUP_ERROR_EXIT_STATUS = 3
@@ -130,10 +132,6 @@ class StopRequest(threading.Event):
         return 128 + self.signum if self.signum is not None else 0
 
 
-PORT_FIELDS = ("data_port", "control_port", "weights_port", "telemetry_port", "metrics_port")
-"""The settings naming a port the learner listens on (``metrics_port``: Prometheus, 0 or None: off)."""
-
-
 def learner_ports(config: OakEmuConfig) -> dict[str, int]:
     """``{setting: port}`` of every port the learner of ``config`` listens on."""
     return {name: int(getattr(config, name)) for name in PORT_FIELDS if getattr(config, name)}
@@ -174,12 +172,27 @@ def check_ports_free(config: OakEmuConfig) -> None:
                           f"holds them); choose others with {flags}")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that nothing listens on now (the kernel's choice for a bind to port 0)."""
+def free_ports(count: int, host: str = "127.0.0.1", *, avoid: Collection[int] = ()) -> list[int]:
+    """``count`` distinct TCP ports on ``host`` that nothing listens on now and not in ``avoid`` (the
+    kernel's choices for binds to port 0, held together until all are chosen)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.bind((host.strip("[]"), 0))
-        return int(probe.getsockname()[1])
+    with contextlib.ExitStack() as held:
+        ports: list[int] = []
+        while len(ports) < count:
+            probe = held.enter_context(socket.socket(family, socket.SOCK_STREAM))
+            probe.bind((host.strip("[]"), 0))
+            port = int(probe.getsockname()[1])
+            if port not in avoid:
+                ports.append(port)
+        return ports
+
+
+def with_free_ports(config: OakEmuConfig) -> OakEmuConfig:
+    """``config`` with a free port (:func:`free_ports`) for every port setting it was not given (flag,
+    ``OAKEMU_*`` variable, TOML file): several ``oakemu train`` runs then share a machine."""
+    unset = [name for name in PORT_FIELDS if name not in config.model_fields_set]
+    given = {int(getattr(config, name)) for name in PORT_FIELDS if name in config.model_fields_set}
+    return config.model_copy(update=dict(zip(unset, free_ports(len(unset), config.bind_host, avoid=given))))
 
 
 def install_stop_signals() -> StopRequest:

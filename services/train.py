@@ -45,6 +45,7 @@ from oakemu_services.runtime import (
     check_ports_free,
     default_run_name,
     install_stop_signals,
+    with_free_ports,
 )
 
 log = logging.getLogger("oakemu.train")
@@ -157,12 +158,15 @@ def check_can_start(config: OakEmuConfig) -> None:
 
 
 def plan_run(config: OakEmuConfig, resume: Path | None = None) -> RunPlan:
-    """Check the run (:func:`check_can_start`, the resumed folder and its budget), then make the run
-    folder with ``logs/`` and write the resolved ``config.toml`` (atomically).
+    """Choose free ports for the ports not given (:func:`~oakemu_services.runtime.with_free_ports`), check
+    the run (:func:`check_can_start`, the resumed folder and its budget), then make the run folder with
+    ``logs/`` and write the resolved ``config.toml`` (atomically): it records the ports, which
+    ``oakemu monitor RUN_DIR`` reads.
 
     Raises:
         UserError (a subclass): a check failed; nothing was created or written.
     """
+    config = with_free_ports(config)
     check_can_start(config)
     if resume is not None:
         config = config.model_copy(update={"runs_dir": Path(resume).parent, "run_name": Path(resume).name})
@@ -395,6 +399,8 @@ def main(config: OakEmuConfig, resume: Path | None = None) -> int:
                       highlight=False, soft_wrap=True)
     console.print(f"[bold]oakemu train[/]: {config.env_id}, {config.num_actors} actors x {config.envs_per_actor} "
                   f"envs, {config.total_env_steps} env steps -> {plan.run_dir}" + (" (resumed)" if plan.resumed else ""))
+    prometheus = f"; Prometheus: http://127.0.0.1:{config.metrics_port}/metrics" if config.metrics_enabled else ""
+    console.print(f"live view: oakemu monitor {plan.run_dir}{prometheus}", highlight=False, soft_wrap=True)
     stop = install_stop_signals()
     launch = Launch(plan, console)
     ended_by = "signal"

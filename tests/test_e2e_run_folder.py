@@ -15,6 +15,7 @@ import hashlib
 import json
 import re
 import signal
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -314,4 +315,29 @@ def test_resume_with_another_env_is_refused_and_changes_nothing(e2e: E2EProcesse
         assert "CartPole-v1" in line and "Acrobot-v1" in line, line
         assert "--run-name" in line and "OAKEMU_RUN_NAME" in line and "nothing in the run folder was changed" in line
         assert folder_checksums(run_dir) == before, f"{name} changed the run folder"
+    e2e.assert_clean(timeout_s=10)
+
+
+# ------------------------------------------------------------------------ two runs, one machine
+def test_two_oakemu_train_runs_share_a_machine_and_the_monitor_finds_each_by_its_folder(
+        e2e: E2EProcesses) -> None:
+    """No port flags: each launcher picks free ports (Prometheus included), records them in its
+    config.toml, and `oakemu monitor RUN_DIR` reads them there; both runs finish."""
+    args = ["--env", "CartPole-v1", "--num-actors", "1", "--envs-per-actor", "4", "--rollout-length", "32",
+            "--ppo-epochs", "1", "--num-minibatches", "2", "--total-env-steps", "2048", "--eval-every-updates", "0",
+            "--runs-dir", str(e2e.runs_dir)]
+    runs = {name: e2e.start(name, ["train", *args, "--run-name", name]) for name in ("first", "second")}
+    explain = describe_all(*runs.values())
+    config_files = [e2e.runs_dir / name / "config.toml" for name in runs]
+    wait_for(lambda: all(path.is_file() for path in config_files), 60, "both config.toml", on_timeout=explain)
+    monitor = e2e.start("monitor", ["monitor", str(e2e.runs_dir / "first"), "--once", "--json", "--timeout", "60"])
+    assert monitor.wait(timeout_s=90) == 0, monitor.describe()
+    assert json.loads(monitor.stdout().splitlines()[0])["run_name"] == "first"
+    for name, process in runs.items():
+        assert process.wait(timeout_s=180) == 0, process.describe()
+        assert "done: run folder" in process.stderr(), process.describe()
+    ports = [{key: value for key, value in tomllib.loads(path.read_text()).items() if key.endswith("_port")}
+             for path in config_files]
+    assert len(set(ports[0].values()) | set(ports[1].values())) == 10, ports  # ten distinct ports
+    assert 5555 not in ports[0].values() and ports[0]["metrics_port"] != 9100
     e2e.assert_clean(timeout_s=10)

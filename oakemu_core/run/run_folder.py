@@ -32,10 +32,11 @@ from oakemu_core.errors import DiskFullError, RunFolderError, UserError
 __all__ = [
     "IMMUTABLE_FIELDS",
     "LOG_FILE_NAMES",
+    "PORT_FIELDS",
     "ResumeMismatchError",
     "check_resume_compatible",
     "check_resume_folder",
-    "check_resume_path",
+    "resumed_settings",
     "config_changes",
     "describe_spaces",
     "format_changes",
@@ -51,8 +52,10 @@ LOG_FILE_NAMES = ("metrics.jsonl", "episodes.jsonl")
 IMMUTABLE_FIELDS = ("env_id", "normalize_observations")
 """Settings a resumed run cannot change: they decide the environment's spaces or the model's shape."""
 
-IGNORED_FIELDS = frozenset({"config_file", "runs_dir", "run_name", "data_port", "control_port", "weights_port",
-                            "telemetry_port", "metrics_port"})
+PORT_FIELDS = ("data_port", "control_port", "weights_port", "telemetry_port", "metrics_port")
+"""The settings naming a port the learner listens on."""
+
+IGNORED_FIELDS = frozenset({"config_file", "runs_dir", "run_name", *PORT_FIELDS})
 """Settings not compared on resume (where the run lives and listens, not how it trains)."""
 
 NEW_RUN_HINT = "to start a new run instead, give it another name (--run-name NAME or OAKEMU_RUN_NAME=NAME)"
@@ -372,13 +375,17 @@ def _check_budget_left(state: Mapping[str, Any], total_env_steps: int, run_dir: 
         )
 
 
-def check_resume_path(run_dir: Path) -> Path:
-    """The ``config.toml`` of a run folder given to ``--resume``.
+def resumed_settings(run_dir: Path) -> dict[str, Any]:
+    """The settings of a run folder given to ``--resume``: its ``config.toml`` without the ports
+    (:data:`PORT_FIELDS`: a resumed ``oakemu train`` picks free ones again).
 
     Raises:
-        RunFolderError: no such folder, or a folder without ``config.toml`` (the message names
-            ``--resume`` and the path). A folder without a checkpoint yet starts from the beginning.
+        RunFolderError: no such folder, a folder without ``config.toml``, or one that is not valid TOML
+            (the message names ``--resume`` and the path). A folder without a checkpoint yet starts
+            from the beginning.
     """
+    import tomllib
+
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise RunFolderError(f"--resume {run_dir}: expected a run folder (runs/<name>/), received a path that "
@@ -387,7 +394,11 @@ def check_resume_path(run_dir: Path) -> Path:
     if not config_toml.is_file():
         raise RunFolderError(f"--resume {run_dir}: expected a run folder written by oakemu train, received a "
                              "folder without config.toml")
-    return config_toml
+    try:
+        settings = tomllib.loads(config_toml.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
+        raise RunFolderError(f"--resume {run_dir}: cannot read config.toml ({error})") from None
+    return {name: value for name, value in settings.items() if name not in PORT_FIELDS}
 
 
 def write_text_atomic(path: Path, text: str) -> None:
