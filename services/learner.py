@@ -35,7 +35,7 @@ from oakemu_core.run.checkpoint import CheckpointWriteFailed
 from oakemu_core.run.learner_telemetry import LearnerTelemetry
 from oakemu_core.run.log_limits import RateLimitedLog
 from oakemu_core.run.metrics import JsonLinesWriter, MetricsLogger, evaluation_scalars
-from oakemu_core.run.run_folder import check_resume_folder, format_changes
+from oakemu_core.run.run_folder import check_resume_folder, format_changes, write_text_atomic
 from oakemu_core.run.prometheus import PrometheusExporter
 from oakemu_core.run.telemetry import TelemetryPublisher
 from oakemu_core.run.tester import EvaluationReport
@@ -371,7 +371,7 @@ class Learner:
         """Serve until the env-step budget is spent or ``stop_event`` is set; returns the exit status
         (0, or 1 when the run collapsed or checkpoints kept failing)."""
         config = self.config
-        (self.run_dir / "config.toml").write_text(to_toml(config))
+        write_text_atomic(self.run_dir / "config.toml", to_toml(config))
         if self.trainer.tester is not None:
             self.trainer.tester.start()
             # The first evaluation: the initial (or behaviour-cloned, or resumed) weights; kept, so a

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from oakemu_core.config import OakEmuConfig
 from oakemu_core.errors import ConfigError
-from oakemu_core.run.run_folder import PORT_FIELDS
+from oakemu_core.run.run_folder import PORT_FIELDS, make_run_folder
 
 PARENT_PID_ENV = "OAKEMU_PARENT_PID"
 SETUP_ERROR_EXIT_STATUS = 3
@@ -113,10 +113,12 @@ def default_run_name(config: OakEmuConfig) -> str:
 
 
 def resolve_run_dir(config: OakEmuConfig) -> Path:
-    """``runs_dir / run_name`` (created); a new timestamped name when ``run_name`` is unset."""
-    run_dir = Path(config.runs_dir) / (config.run_name or default_run_name(config))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
+    """``runs_dir / run_name`` (created, with ``logs/``); a new timestamped name when ``run_name`` is unset.
+
+    Raises:
+        DiskFullError: no room for the folder (the message names it and the bytes free).
+    """
+    return make_run_folder(Path(config.runs_dir) / (config.run_name or default_run_name(config)))
 
 
 class StopRequest(threading.Event):

@@ -36,7 +36,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from oakemu_core.config import ConfigError, OakEmuConfig, resolved_device, to_toml
 from oakemu_core.envs.factory import check_env
 from oakemu_core.run.metrics import METRICS_FILE_NAME
-from oakemu_core.run.run_folder import check_resume_folder, format_changes, write_text_atomic
+from oakemu_core.run.run_folder import check_resume_folder, format_changes, make_run_folder, write_text_atomic
 from oakemu_core.run.telemetry import TelemetrySnapshot, TelemetrySubscriber
 from oakemu_services.runtime import (
     PARENT_PID_ENV,
@@ -55,6 +55,8 @@ STOP_GRACE_S = 60.0
 
 _ERROR_RECORD = re.compile(r"^\S+ (?:ERROR|CRITICAL) [\w.]+: (.+)$")
 """A plain log record of level ERROR or CRITICAL (:class:`oakemu_services.runtime.OneLineFormatter`)."""
+_CLI_ERROR = re.compile(r"^oakemu \w+: error: (.+)$")
+"""The one line ``oakemu`` prints for a user error (:mod:`oakemu_services.cli`)."""
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Failed|Interrupt)\b.*")
 """The last line of a Python traceback: ``module.ErrorName: message``."""
 
@@ -111,7 +113,7 @@ def last_error(text: str) -> str | None:
     line (``module.NameError: message``), whichever comes last; None when there is none."""
     for line in reversed(text.splitlines()):
         line = line.strip()
-        record = _ERROR_RECORD.match(line)
+        record = _ERROR_RECORD.match(line) or _CLI_ERROR.match(line)
         if record:
             return record.group(1)
         if _EXCEPTION_LINE.match(line):
@@ -176,7 +178,7 @@ def plan_run(config: OakEmuConfig, resume: Path | None = None) -> RunPlan:
     # A folder with a checkpoint is resumed: refuse another env / spaces / model, a setting that cannot
     # change, or a run with nothing left to train, before anything in it is written.
     changes = check_resume_folder(run_dir, config, check_budget=True)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    make_run_folder(run_dir)
     write_text_atomic(run_dir / "config.toml", to_toml(config))
     return RunPlan(config, run_dir, resumed=resume is not None, changes=changes)
 

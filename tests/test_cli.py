@@ -276,15 +276,21 @@ def test_resume_of_a_missing_path_names_resume(tmp_path: Path, capsys: pytest.Ca
 def test_device_cuda_without_a_gpu_exits_2_before_any_folder_or_process(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(subprocess, "Popen", _no_process)
+    _forbid_processes(monkeypatch)
     assert cli.main(["train", "--env", "CartPole-v1", "--device", "cuda", "--runs-dir", str(tmp_path / "runs")]) == 2
     err = capsys.readouterr().err
     assert "device: expected an available device, received 'cuda'" in err and err.count("\n") == 1
     assert not (tmp_path / "runs").exists()
 
 
-def _no_process(*args: Any, **kwargs: Any) -> None:
-    raise AssertionError(f"a process was started: {args}")
+def _forbid_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``oakemu train`` fail the test if it starts a learner or an actor."""
+    from oakemu_services.train import Child
+
+    def start(child: Any) -> None:
+        raise AssertionError(f"{child.name} was started")
+
+    monkeypatch.setattr(Child, "start", start)
 
 
 def test_a_port_in_use_exits_2_before_any_folder_or_process(
@@ -292,7 +298,7 @@ def test_a_port_in_use_exits_2_before_any_folder_or_process(
 ) -> None:
     import socket
 
-    monkeypatch.setattr(subprocess, "Popen", _no_process)
+    _forbid_processes(monkeypatch)
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
@@ -313,7 +319,7 @@ def test_resume_of_a_run_that_spent_its_budget_says_so_and_starts_nothing(
     from oakemu_core.run.checkpoint import save_run_checkpoint
     from oakemu_core.step_schema import schema_for_env
 
-    monkeypatch.setattr(subprocess, "Popen", _no_process)
+    _forbid_processes(monkeypatch)
     run_dir = tmp_path / "runs" / "done"
     run_dir.mkdir(parents=True)
     config = load_config(["--env", "CartPole-v1", "--total-env-steps", "1000"])
@@ -341,3 +347,17 @@ def test_unknown_oakemu_variables_warn_with_the_closest_setting(
     assert "warning: OAKEMU_LERNING_RATE is not a setting and is ignored (did you mean OAKEMU_LEARNING_RATE?)" in err
     assert "SHM_SIZE" not in err
     assert train.calls[0][0][0].learning_rate == 2.5e-4
+
+
+def test_train_on_a_full_disk_is_one_line_naming_the_path_and_the_bytes(
+    small_tmpfs: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.fault_helpers import fill_disk
+
+    _forbid_processes(monkeypatch)
+    fill_disk(small_tmpfs)
+    assert cli.main(["train", "--env", "CartPole-v1", "--runs-dir", str(small_tmpfs / "runs"), "--run-name", "r"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"cannot write {small_tmpfs}/runs/r/" in err and "No space left on device" in err
+    assert "bytes needed" in err and "bytes free on" in err

@@ -40,6 +40,7 @@ __all__ = [
     "config_changes",
     "describe_spaces",
     "format_changes",
+    "make_run_folder",
     "resume_step",
     "truncate_after",
     "truncate_run_logs",
@@ -401,6 +402,20 @@ def resumed_settings(run_dir: Path) -> dict[str, Any]:
     return {name: value for name, value in settings.items() if name not in PORT_FIELDS}
 
 
+def make_run_folder(run_dir: Path) -> Path:
+    """Create ``run_dir`` and its ``logs/`` folder (parents too; existing ones are kept); returns ``run_dir``.
+
+    Raises:
+        DiskFullError: no space (or quota) left; the message names the folder and the bytes free.
+    """
+    run_dir = Path(run_dir)
+    try:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise _disk_full(error, run_dir / "logs", 4096) from None  # a directory takes at least a block
+    return run_dir
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` atomically: a temporary file in the same folder, fsync,
     rename; a reader sees the old file or the whole new one, never a part.
@@ -438,8 +453,9 @@ def _disk_full(error: OSError, path: Path, needed: int) -> OSError:
     ``error`` itself otherwise."""
     if error.errno not in (errno.ENOSPC, errno.EDQUOT):
         return error
+    existing = next((folder for folder in path.parents if folder.exists()), Path("."))
     try:
-        free = f"{shutil.disk_usage(path.parent).free} bytes free"
+        free = f"{shutil.disk_usage(existing).free} bytes free"
     except OSError:
         free = "free space unknown"
     return DiskFullError(f"cannot write {path}: {error.strerror or error} ({needed} bytes needed, {free} on "
