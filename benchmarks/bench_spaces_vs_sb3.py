@@ -1,8 +1,8 @@
 """Learning comparison: OakEmu-RL against Stable-Baselines3 / sb3-contrib, same hyperparameters and steps.
 
 What it measures.  For each case and seed, both systems train from scratch on the same env with the
-same PPO hyperparameters (one table, :data:`CASES`, from which both sides' settings are derived and
-printed) and the same env-step budget, one run at a time:
+same PPO hyperparameters (one table, :data:`CASES`, read from the presets ``oakemu_core/presets/
+{pendulum,taxi}.toml``, from which both sides' settings are derived and printed) and the same env-step budget, one run at a time:
 
 * ``pendulum``: ``Pendulum-v1`` (``Box`` actions, diagonal Gaussian), SB3 ``PPO`` over ``DummyVecEnv``
   + ``VecNormalize`` (observations and rewards) against ``oakemu train --normalize-observations
@@ -61,6 +61,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from oakemu_core.presets import load_preset
+
 REPO = Path(__file__).resolve().parents[1]
 
 NUM_ACTORS = 2
@@ -103,19 +105,25 @@ class Case:
         return self.num_envs * self.rollout_length // self.num_minibatches
 
 
-CASES: dict[str, Case] = {
-    "pendulum": Case(
-        env_id="Pendulum-v1", total_env_steps=100_000, num_envs=4, rollout_length=512, ppo_epochs=10,
-        num_minibatches=32, learning_rate=1e-3, gamma=0.9, gae_lambda=0.95, clip_coef=0.2, ent_coef=0.0,
-        vf_coef=0.5, max_grad_norm=0.5, normalize_observations=True, normalize_rewards=True,
-        action_masks=False,
-    ),
-    "taxi": Case(
-        env_id="Taxi-v4", total_env_steps=100_000, num_envs=8, rollout_length=128, ppo_epochs=4,
-        num_minibatches=4, learning_rate=1e-3, gamma=0.99, gae_lambda=0.95, clip_coef=0.2, ent_coef=0.01,
-        vf_coef=0.5, max_grad_norm=0.5, normalize_observations=False, normalize_rewards=False,
-        action_masks=True,
-    ),
+def case_from_preset(name: str, *, vf_coef_per_sb3: float = 1.0, **fields: object) -> Case:
+    """The :class:`Case` of a preset (``oakemu_core/presets/<name>.toml``, the one home of the tuned values):
+    its env and hyperparameters, ``num_envs`` = actors x envs per actor; ``vf_coef`` divided by
+    ``vf_coef_per_sb3`` (the case holds SB3's meaning where the caller translates it); ``fields`` set the
+    rest (budget, masks, policy lag, network description)."""
+    settings = load_preset(name).settings
+    keys = ("env_id", "total_env_steps", "rollout_length", "ppo_epochs", "num_minibatches", "learning_rate", "gamma",
+            "gae_lambda", "clip_coef", "ent_coef", "max_grad_norm")
+    values: dict[str, object] = {key: settings[key] for key in keys}
+    values.update(num_envs=settings["num_actors"] * settings["envs_per_actor"],
+                  vf_coef=settings["vf_coef"] / vf_coef_per_sb3, action_masks=False,
+                  normalize_observations=settings.get("normalize_observations", False),
+                  normalize_rewards=settings.get("normalize_rewards", False))
+    return Case(**{**values, **fields})  # type: ignore[arg-type]
+
+
+CASES: dict[str, Case] = {  # vf_coef: both sides get the preset's value as it is
+    "pendulum": case_from_preset("pendulum"),
+    "taxi": case_from_preset("taxi", action_masks=True),
 }
 
 VECNORMALIZE_CLIP = 10.0

@@ -10,8 +10,8 @@ seed, so that a change of machine load does not always hit the same system):
 * ``oakemu-sync``: the same with ``--mode sync`` (on-policy: actors wait for the weights trained on
   their rollout, policy lag 0, as SB3).
 
-Cases (hyperparameters: rl-baselines3-zoo's ``ppo.yml``; printed in full, both sides, before the
-runs):
+Cases (hyperparameters: rl-baselines3-zoo's ``ppo.yml``, read from the presets ``oakemu_core/presets/
+{cartpole,lunarlander,atari}.toml``; printed in full, both sides, before the runs):
 
 * ``cartpole``: ``CartPole-v1``, 8 envs x 32 steps, 20 epochs, 1 minibatch (batch 256), lr 1e-3, clip
   0.2, gamma 0.98, lambda 0.8, no entropy bonus; 100k steps.  The zoo anneals lr and clip range
@@ -93,6 +93,7 @@ from bench_spaces_vs_sb3 import (  # the sibling benchmark's case table, flag bu
     _mean,
     _ratio,
     _read_jsonl,
+    case_from_preset,
     fresh_run_dir,
     oakemu_args,
     sb3_kwargs,
@@ -116,29 +117,16 @@ class Bench:
     window: int = 20
 
 
-_ZOO_COMMON = {"vf_coef": 0.5, "max_grad_norm": 0.5, "normalize_observations": False, "normalize_rewards": False,
-               "action_masks": False, "max_policy_lag": 2}  # max_policy_lag: OakEmu's default (async only)
-
 _MLP = "separate actor and critic MLPs 64-64 tanh, orthogonal init, categorical head"
+_ZOO = {"vf_coef_per_sb3": OAKEMU_VF_COEF_PER_SB3, "max_policy_lag": 2}  # max_policy_lag: OakEmu's default (async only)
 
+# The hyperparameters are the presets' (oakemu_core/presets/*.toml: rl-baselines3-zoo's values).
 BENCHES: dict[str, Bench] = {
-    "cartpole": Bench(
-        Case(env_id="CartPole-v1", total_env_steps=100_000, num_envs=8, rollout_length=32, ppo_epochs=20,
-             num_minibatches=1, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, clip_coef=0.2, ent_coef=0.0,
-             net_arch=_MLP, **_ZOO_COMMON),
-        quick_steps=16_384, threshold=475.0,
-    ),
-    "lunarlander": Bench(
-        Case(env_id="LunarLander-v3", total_env_steps=1_000_000, num_envs=16, rollout_length=1024, ppo_epochs=4,
-             num_minibatches=256, learning_rate=3e-4, gamma=0.999, gae_lambda=0.98, clip_coef=0.2, ent_coef=0.01,
-             net_arch=_MLP, **_ZOO_COMMON),
-        quick_steps=32_768,
-    ),
+    "cartpole": Bench(case_from_preset("cartpole", net_arch=_MLP, **_ZOO), quick_steps=16_384, threshold=475.0),
+    "lunarlander": Bench(case_from_preset("lunarlander", net_arch=_MLP, **_ZOO), quick_steps=32_768),
     "breakout": Bench(
-        Case(env_id="ALE/Breakout-v5", total_env_steps=40_000, num_envs=8, rollout_length=128, ppo_epochs=4,
-             num_minibatches=4, learning_rate=2.5e-4, gamma=0.99, gae_lambda=0.95, clip_coef=0.1, ent_coef=0.01,
-             net_arch="Nature CNN (3 conv + 512 ReLU) shared by linear policy and value heads, orthogonal init",
-             **_ZOO_COMMON),
+        case_from_preset("atari", total_env_steps=40_000, **_ZOO,
+                         net_arch="Nature CNN (3 conv + 512 ReLU) shared by linear policy and value heads, orthogonal init"),
         quick_steps=4_096, atari=True,
     ),
 }

@@ -49,6 +49,7 @@ __all__ = [
     "config_from_namespace",
     "format_validation_error",
     "load_config",
+    "make_config",
     "resolved_device",
     "to_toml",
     "unknown_environment_variables",
@@ -608,6 +609,23 @@ def config_from_namespace(
     token = _BASE_SETTINGS.set(dict(base or {}))
     try:
         return OakEmuConfig(_cli_settings_source=cli_source(parsed_args=flags), **init_kwargs)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error)) from None
+    finally:
+        _BASE_SETTINGS.reset(token)
+
+
+def make_config(base: Mapping[str, Any] | None = None, **settings: Any) -> OakEmuConfig:
+    """The validated configuration from ``settings`` (field name -> value), ``OAKEMU_*`` variables, the
+    TOML file (``settings["config_file"]`` or ``$OAKEMU_CONFIG_FILE``), ``base`` (a preset's settings) and
+    the defaults, in that precedence; the Python API's counterpart of the command line.
+
+    Raises:
+        ConfigError: an unknown setting, a value of the wrong type or out of range (one line).
+    """
+    token = _BASE_SETTINGS.set(dict(base or {}))
+    try:
+        return OakEmuConfig(**settings)
     except ValidationError as error:
         raise ConfigError(format_validation_error(error)) from None
     finally:

@@ -27,6 +27,7 @@ from typing import Any
 
 from oakemu_core.config import add_config_arguments, config_from_namespace, load_config, unknown_environment_variables
 from oakemu_core.errors import ConfigError, UserError
+from oakemu_core.presets import load_preset, preset_names
 from oakemu_core.run.run_folder import resumed_settings
 
 __all__ = ["build_parser", "main"]
@@ -62,6 +63,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         metavar="RUN_DIR",
         help="continue the run in RUN_DIR from its last checkpoint",
     )
+    train.add_argument("--preset", default=None, metavar="NAME",
+                       help=f"start from a preset's settings ({', '.join(preset_names())}); flags, OAKEMU_* "
+                       "variables and --config override them")
     cli_sources["train"] = add_config_arguments(train)
 
     learner = commands.add_parser(
@@ -188,12 +192,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _dispatch(command: str, namespace: argparse.Namespace, cli_sources: dict[str, Any]) -> int:
     """Build the subcommand's configuration and run its service; returns the exit status."""
     fields = argparse.Namespace(
-        **{key: value for key, value in vars(namespace).items() if key not in ("command", "resume")}
+        **{key: value for key, value in vars(namespace).items() if key not in ("command", "resume", "preset")}
     )
     if command == "train":
-        # A resumed run starts from its own resolved config.toml; flags and OAKEMU_* still win.
-        resumed = resumed_settings(namespace.resume) if namespace.resume is not None else None
-        config = config_from_namespace(fields, cli_sources["train"], base=resumed)
+        # A preset, then a resumed run's own config.toml, under --config, OAKEMU_* and flags.
+        base = load_preset(namespace.preset).settings if namespace.preset is not None else {}
+        if namespace.resume is not None:
+            base = {**base, **resumed_settings(namespace.resume)}
+        config = config_from_namespace(fields, cli_sources["train"], base=base)
+        if namespace.preset is not None:
+            preset = load_preset(namespace.preset)
+            print(f"preset {preset.name}: {preset.description}; expect {preset.expect}", file=sys.stderr)
         return int(_service("train").main(config, namespace.resume))
     if command == "learner":
         config = config_from_namespace(fields, cli_sources["learner"])

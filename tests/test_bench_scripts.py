@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from oakemu_core.presets import load_preset
 from oakemu_services import cli
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -119,6 +120,10 @@ def test_bench_vs_sb3_flags_match_the_case(name: str, monkeypatch: pytest.Monkey
             kwargs["n_steps"], kwargs["n_epochs"], kwargs["learning_rate"], kwargs["gamma"], kwargs["gae_lambda"],
             kwargs["clip_range"], kwargs["ent_coef"], kwargs["max_grad_norm"])
         assert config.vf_coef == 2 * kwargs["vf_coef"]
+        preset = load_preset({"breakout": "atari"}.get(name, name)).settings  # the one home of the values
+        for key in ("env_id", "rollout_length", "ppo_epochs", "num_minibatches", "learning_rate", "gamma",
+                    "gae_lambda", "clip_coef", "ent_coef", "vf_coef", "max_grad_norm"):
+            assert getattr(config, key) == preset[key], key
         assert config.anneal_lr is False and config.resolved_clip_value_range is None is kwargs["clip_range_vf"]
         assert config.resolved_clip_rewards is target.atari
     # One actor process (--actors auto on 2 cores) gets every env of the case; a count that does not

@@ -44,7 +44,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("storage",),
     ("run",),
     ("algo",),
-    ("config",),
+    ("config", "presets"),  # presets: named settings files, layered into the configuration
     ("oakemu_core",),  # the package root's __init__: re-exports what a user starts from
     ("services",),
 )

@@ -1,0 +1,61 @@
+"""Presets: each shipped file loads and validates as a configuration; flags, OAKEMU_* variables and a TOML
+file override it; the benchmark reads its hyperparameters from them."""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from oakemu_core.config import OakEmuConfig, make_config
+from oakemu_core.errors import ConfigError
+from oakemu_core.presets import load_preset, preset_names
+from oakemu_services import cli
+
+EXPECTED = {"cartpole": "CartPole-v1", "lunarlander": "LunarLander-v3", "pendulum": "Pendulum-v1",
+            "acrobot": "Acrobot-v1", "taxi": "Taxi-v4", "atari": "ALE/Breakout-v5"}
+
+
+@pytest.fixture(autouse=True)
+def _clean_oakemu_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("OAKEMU_"):
+            monkeypatch.delenv(name)
+
+
+def test_the_package_ships_every_preset() -> None:
+    assert preset_names() == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_each_preset_loads_and_validates(name: str) -> None:
+    preset = load_preset(name)
+    assert preset.description and preset.expect
+    config = make_config(base=preset.settings)
+    assert config.env_id == EXPECTED[name]
+    for key, value in preset.settings.items():
+        assert getattr(config, key) == value, key  # every setting is a field, taken as written
+    assert config.batch_size % config.num_minibatches == 0  # whole minibatches
+
+
+def test_an_unknown_preset_names_the_closest_one() -> None:
+    with pytest.raises(ConfigError, match=r"received 'cartpol'; did you mean 'cartpole'\?"):
+        load_preset("cartpol")
+
+
+def test_flags_variables_and_toml_override_a_preset(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    calls: list[tuple[Any, ...]] = []
+    fake = types.ModuleType("oakemu_services.train")
+    fake.main = lambda *args, **kwargs: calls.append(args) or 0  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "oakemu_services.train", fake)
+    toml_file = tmp_path / "mine.toml"
+    toml_file.write_text("gamma = 0.97\n", encoding="utf-8")
+    monkeypatch.setenv("OAKEMU_PPO_EPOCHS", "7")
+    assert cli.main(["train", "--preset", "cartpole", "--learning-rate", "5e-4", "--config", str(toml_file)]) == 0
+    config: OakEmuConfig = calls[0][0]
+    assert (config.env_id, config.rollout_length, config.num_actors) == ("CartPole-v1", 32, 1)  # the preset
+    assert (config.learning_rate, config.ppo_epochs, config.gamma) == (5e-4, 7, 0.97)  # flag, variable, TOML
