@@ -183,9 +183,8 @@ def measure_pipeline(env_id: str, actors: int, num_envs: int, seconds: float, *,
         thread = threading.Thread(target=learner.run, args=(stop,), daemon=True)
         thread.start()
         env = {**os.environ, "OAKEMU_LOG_LEVEL": "WARNING", **actor_security}
-        flags = [f"--env-id={env_id}", f"--envs-per-actor={num_envs}", f"--data-port={ports[0]}",
-                 f"--control-port={ports[1]}", f"--weights-port={ports[2]}", f"--telemetry-port={ports[3]}",
-                 f"--metrics-port={ports[4]}", "--torch-threads=1"]
+        flags = [f"--envs-per-actor={num_envs}", f"--data-port={ports[0]}", f"--control-port={ports[1]}",
+                 f"--weights-port={ports[2]}", "--torch-threads=1"]
         procs = [
             subprocess.Popen([sys.executable, "-m", "oakemu_services.cli", "actor", f"--actor-id=bench-{i}", *flags],
                              cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -28,8 +28,6 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
-    CliSettingsSource,
-    CliSuppress,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
@@ -38,6 +36,7 @@ from pydantic_settings import (
 from oakemu_core.algo.settings import PPOSettings, finite_number
 from oakemu_core.envs.spec import is_atari_env
 from oakemu_core.errors import ConfigError
+from oakemu_core.options import add_setting_arguments, given_settings
 from oakemu_core.run.run_folder import PORT_FIELDS
 from oakemu_core.transport.batching import AUTO_MESSAGE_MIN_ROWS, auto_steps_per_message
 
@@ -127,14 +126,10 @@ class OakEmuConfig(PPOSettings, BaseSettings):
         env_parse_none_str="null",
         extra="forbid",
         validate_default=True,
-        cli_kebab_case=True,
-        cli_implicit_flags=True,
-        cli_shortcuts={"env-id": "env"},
-        cli_hide_none_type=True,
     )
 
     # --- configuration file (recorded so a run folder says where its settings came from) ---
-    config_file: CliSuppress[Path | None] = Field(
+    config_file: Path | None = Field(
         None, description="TOML file read below flags and OAKEMU_* variables (--config or OAKEMU_CONFIG_FILE)."
     )
 
@@ -151,9 +146,8 @@ class OakEmuConfig(PPOSettings, BaseSettings):
         1, ge=1, description="Env groups per actor: while one group's emulators step, the actor infers the other "
         "groups' actions (threaded Atari envs). Needs env_groups <= envs_per_actor and no policy routing.")
     emulator_threads: int | None = Field(
-        None, ge=1, description="ale-py emulator threads per actor (Atari ids; other envs step in the actor's own "
-        "thread), split among its env groups (at least 1 each). None: the CPUs this process may use divided by "
-        "num_actors, at least 1, as for the actors of `oakemu train`; set it for actors started on their own.")
+        None, ge=1, description="ale-py emulator threads per actor (Atari ids), split among its env groups. None: "
+        "the CPUs this process may use divided by num_actors, at least 1.")
     num_envs: int | None = Field(
         None, ge=1, description="Learner rollout buffer columns (default num_actors * envs_per_actor)."
     )
@@ -172,7 +166,9 @@ class OakEmuConfig(PPOSettings, BaseSettings):
 
     # --- rollout and learning rate (the PPO hyperparameters are PPOSettings' fields) ---
     rollout_length: int = Field(128, ge=1, description="Steps per env per rollout (T).")
-    total_env_steps: int = Field(10_000_000, ge=1, description="Stop after this many env steps (all envs).")
+    total_env_steps: int = Field(
+        10_000_000, ge=1, description="Stop after the PPO update that brings the env steps trained on (all envs) to "
+        "this many; rows discarded or too stale to train never count.")
     learning_rate: float = Field(2.5e-4, gt=0.0, description="Adam learning rate (start value when annealed).")
     anneal_lr: bool = Field(True, description="Anneal the learning rate linearly to 0 over total_env_steps.")
     publish_every_epoch: bool = Field(
@@ -194,25 +190,21 @@ class OakEmuConfig(PPOSettings, BaseSettings):
     )
     steps_per_message: int | Literal["auto"] = Field(
         "auto",
-        description="Vector steps an actor sends per step message (a divisor of rollout_length). auto: the "
-        "largest divisor <= min(32, rollout_length / 32) whose message holds <= 32 KiB of arrays (no byte bound "
-        "with a step ring) and <= 128 env steps; with a step ring and a rollout under 64 steps, up to 32 env steps "
-        "within an eighth of the rollout.",
+        description="Vector steps an actor sends per step message: a divisor of rollout_length, or auto (chosen "
+        "from the message's bytes and the rollout length, oakemu_core.transport.batching).",
     )
     device: str = Field("auto", description="Learner torch device: auto (cuda if available), cpu, cuda, cuda:N.")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per actor process.")
     actor_inference: Literal["torch", "onnxruntime", "bfloat16"] = Field(
         "torch",
-        description="What runs the actors' forward passes: torch; onnxruntime (extra 'onnx'; one observation "
-        "array, not dict observations); or bfloat16 (uint8 image observations only; native on CPUs with AMX or "
-        "AVX512-BF16, emulated and slower elsewhere; the learner then re-evaluates every rollout in float32).",
+        description="What runs the actors' forward passes: torch; onnxruntime (extra 'onnx', not for dict "
+        "observations); or bfloat16 (uint8 image observations only; the learner re-evaluates every rollout).",
     )
 
     step_transport: Literal["auto", "sockets"] = Field(
         "auto",
-        description="How actors hand their step arrays to the learner: auto (through a shared-memory step ring when "
-        "actor and learner share a machine and /dev/shm, as `oakemu train`'s local actors do; inline in the "
-        "ZeroMQ messages otherwise, e.g. from another container or machine), or sockets (always inline).",
+        description="How actors hand their step arrays to the learner: auto (a shared-memory step ring when they "
+        "share a machine and /dev/shm, inline in the ZeroMQ messages otherwise), or sockets (always inline).",
     )
 
     # --- network addresses ---
@@ -243,7 +235,8 @@ class OakEmuConfig(PPOSettings, BaseSettings):
     # --- automatic rollback (see oakemu_core/algo/learner.py HealthMonitor) ---
     rollback: bool = Field(
         True, description="Roll back to the last good checkpoint when the run collapses (non-finite loss or "
-        "weights, approx KL above rollback_max_approx_kl, evaluation return collapsing)."
+        "weights, approx KL above rollback_max_approx_kl, evaluation return collapsing), with the learning rate "
+        "multiplied by rollback_lr_factor."
     )
     rollback_max_approx_kl: float | None = Field(1.0, gt=0.0, description="approx KL of an update that counts as a collapse.")
     rollback_eval_fraction: float | None = Field(
@@ -568,32 +561,20 @@ class _RaisingArgumentParser(argparse.ArgumentParser):
         raise ConfigError(f"{self.prog}: {message}")
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> CliSettingsSource[argparse.ArgumentParser]:
-    """Add ``--config PATH`` and one flag per config field to ``parser``.
-
-    The field flags are generated by pydantic-settings from the model (kebab case, with field
-    descriptions as help, ``--flag/--no-flag`` for booleans, ``null`` for None). Parse with the
-    parser, then build the config with :func:`config_from_namespace`.
-    """
-    parser.add_argument(
-        "--config",
-        dest="config",
-        type=Path,
-        default=None,
-        metavar="PATH",
-        help=f"TOML file with settings (below flags and OAKEMU_* variables; default ${CONFIG_FILE_ENV_VAR}).",
-    )
-    return CliSettingsSource(OakEmuConfig, root_parser=parser)
+def add_config_arguments(parser: argparse.ArgumentParser, command: str | None = None) -> None:
+    """Add ``--config FILE`` and the options of the settings ``command`` offers (``train``, ``learner``,
+    ``actor``; None: every setting), grouped by role (:mod:`oakemu_core.options`). Parse with the parser,
+    then build the config with :func:`config_from_namespace`."""
+    add_setting_arguments(parser, OakEmuConfig.model_fields, command)
 
 
 def config_from_namespace(
     namespace: argparse.Namespace,
-    cli_source: CliSettingsSource[Any],
     *,
     toml_path: str | os.PathLike[str] | None = None,
     base: Mapping[str, Any] | None = None,
 ) -> OakEmuConfig:
-    """Build and validate the config from parsed flags, ``OAKEMU_*`` variables, TOML, ``base`` and defaults.
+    """Build and validate the config from parsed options, ``OAKEMU_*`` variables, TOML, ``base`` and defaults.
 
     The TOML file is ``namespace.config`` (``--config``) when given, else ``toml_path``, else
     ``$OAKEMU_CONFIG_FILE``. ``base`` holds settings below it (a preset, a resumed run's own settings).
@@ -601,18 +582,11 @@ def config_from_namespace(
     Raises:
         ConfigError: a value is invalid or the TOML file is missing or malformed.
     """
-    flags = {key: value for key, value in vars(namespace).items() if key != "config"}
+    settings = given_settings(namespace, OakEmuConfig.model_fields)
     config_path = getattr(namespace, "config", None) or toml_path
-    init_kwargs: dict[str, Any] = {}
     if config_path is not None:
-        init_kwargs["config_file"] = Path(config_path)
-    token = _BASE_SETTINGS.set(dict(base or {}))
-    try:
-        return OakEmuConfig(_cli_settings_source=cli_source(parsed_args=flags), **init_kwargs)
-    except ValidationError as error:
-        raise ConfigError(format_validation_error(error)) from None
-    finally:
-        _BASE_SETTINGS.reset(token)
+        settings["config_file"] = Path(config_path)
+    return make_config(base, **settings)
 
 
 def make_config(base: Mapping[str, Any] | None = None, **settings: Any) -> OakEmuConfig:
@@ -648,9 +622,9 @@ def load_config(
             malformed TOML file. The message names the field, expected and received values.
     """
     parser = _RaisingArgumentParser(prog=prog, allow_abbrev=False)
-    cli_source = add_config_arguments(parser)
+    add_config_arguments(parser)
     namespace = parser.parse_args(list(args or []))
-    return config_from_namespace(namespace, cli_source, toml_path=toml_path)
+    return config_from_namespace(namespace, toml_path=toml_path)
 
 
 def format_validation_error(error: ValidationError) -> str:

@@ -50,10 +50,12 @@ class Ports:
     telemetry: int
     metrics: int
 
-    def flags(self) -> list[str]:
-        """``--data-port P1 --control-port P2 --weights-port P3 --telemetry-port P4 --metrics-port P5``."""
+    def flags(self, role: str = "learner") -> list[str]:
+        """``--data-port P1 --control-port P2 --weights-port P3 --telemetry-port P4 --metrics-port P5`` for a
+        learner or ``oakemu train``; an actor's three (``role="actor"``: data, control, weights)."""
         values = (self.data, self.control, self.weights, self.telemetry, self.metrics)
-        return [item for flag, port in zip(PORT_FLAGS, values) for item in (flag, str(port))]
+        count = 3 if role == "actor" else 5
+        return [item for flag, port in list(zip(PORT_FLAGS, values))[:count] for item in (flag, str(port))]
 
     @property
     def telemetry_address(self) -> str:
@@ -97,8 +99,11 @@ def python_path_with_site_hook(tmp_path: Path, code: str) -> str:
     return os.pathsep.join([str(hooks), str(REPO_ROOT)])
 
 
-def common_flags(ports: Ports, runs_dir: Path, *extra: str) -> list[str]:
-    """Port flags, ``--runs-dir`` and ``extra`` flags, for any config-taking subcommand."""
+def common_flags(ports: Ports, runs_dir: Path, *extra: str, role: str = "learner") -> list[str]:
+    """Port flags, ``--runs-dir`` and ``extra`` flags for a learner or ``oakemu train``; an actor's port
+    flags and ``extra`` for ``role="actor"`` (each command offers only the options it uses)."""
+    if role == "actor":
+        return [*ports.flags("actor"), *extra]
     return [*ports.flags(), "--runs-dir", str(runs_dir), *extra]
 
 
@@ -321,9 +326,9 @@ class E2EProcesses:
                 self._seen[popen.pid] = stat[1]
         return process
 
-    def flags(self, *extra: str) -> list[str]:
+    def flags(self, *extra: str, role: str = "learner") -> list[str]:
         """:func:`common_flags` with this test's ``ports`` and ``runs_dir``."""
-        return common_flags(self.ports, self.runs_dir, *extra)
+        return common_flags(self.ports, self.runs_dir, *extra, role=role)
 
     def telemetry(self, ports: Ports | None = None) -> Telemetry:
         """A :class:`Telemetry` subscriber on ``ports`` (default: this test's), closed on teardown at the latest."""

@@ -237,7 +237,7 @@ def test_curve_only_authorised_keys_join_train_and_watch(e2e: E2EProcesses, tmp_
     learner = e2e.start("learner", learner_args(ports, runs_dir), env={
         "OAKEMU_CURVE": "true", "OAKEMU_CURVE_SECRET_KEY": str(keys / "learner.key_secret"),
         "OAKEMU_CURVE_AUTHORIZED_KEYS": str(authorised)})
-    actor_flags = ["--env", "CartPole-v1", "--envs-per-actor", "2", *common_flags(ports, runs_dir)]
+    actor_flags = ["--envs-per-actor", "2", *common_flags(ports, runs_dir, role="actor")]
     actor = e2e.start("actor", ["actor", "--actor-id", "good", *actor_flags], env=client_env("actor"))
     intruder = e2e.start("intruder", ["actor", "--actor-id", "intruder", *actor_flags], env=client_env("intruder"))
     context = zmq.Context()

@@ -80,7 +80,8 @@ def test_train_without_resume_reads_environment_and_toml(monkeypatch: pytest.Mon
 def test_learner_and_actor_dispatch(monkeypatch: pytest.MonkeyPatch, command: str) -> None:
     service = FakeService(monkeypatch, command, return_code=3)
     monkeypatch.setenv("OAKEMU_LEARNER_HOST", "10.0.0.2")
-    assert cli.main([command, "--envs-per-actor", "4", "--actor-id", "a1"]) == 3
+    monkeypatch.setenv("OAKEMU_ACTOR_ID", "a1")  # a setting the learner does not offer as an option: still read
+    assert cli.main([command, "--envs-per-actor", "4"]) == 3
     [((config,), kwargs)] = service.calls
     assert kwargs == {}
     assert (config.envs_per_actor, config.actor_id, config.learner_host) == (4, "a1", "10.0.0.2")
@@ -132,11 +133,49 @@ def test_usage_errors_exit_2(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
     assert actor.calls == []
 
 
-def test_help_lists_generated_config_flags(capsys: pytest.CaptureFixture[str]) -> None:
+def test_help_lists_each_commands_own_options_in_groups(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["train", "--help"]) == 0
     out = capsys.readouterr().out
-    for flag in ("--resume", "--config", "--env-id", "--env", "--total-env-steps", "--no-anneal-lr", "--learner-host"):
-        assert flag in out
+    for flag in ("--resume", "--preset", "--config FILE", "--env-id ENV, --env ENV", "--total-env-steps STEPS",
+                 "--no-anneal-lr", "--clip-value-range RANGE|auto|null", "--data-port PORT", "--mode {async,sync}"):
+        assert flag in out, flag
+    for group in ("environment settings:", "PPO settings:", "asynchronous mode settings:", "transport settings:",
+                  "checkpoints settings:", "rollback settings:", "behaviour cloning settings:", "routing settings:",
+                  "logging settings:"):
+        assert group in out, group
+    assert "--learner-host" not in out and "--curve" not in out and "--actor-id" not in out
+    assert "(default: null)" not in out and " str]" not in out and " int]" not in out
+    assert cli.main(["actor", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--learner-host HOST" in out and "--curve-server-key FILE" in out and "--envs-per-actor N" in out
+    assert "--learning-rate" not in out and "--ppo-epochs" not in out and "--run-name" not in out
+
+
+def test_version_typos_and_options_of_other_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("oakemu 0.")
+    assert cli.main(["train", "--totl-env-steps", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "did you mean --total-env-steps?" in err
+    assert cli.main(["actor", "--learning-rate", "1e-3"]) == 2
+    assert "--learning-rate is a setting of oakemu train and oakemu learner, not of oakemu actor" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("word", ["None", "null", "NULL"])
+def test_none_and_null_both_unset_an_optional_setting(monkeypatch: pytest.MonkeyPatch, word: str) -> None:
+    train = FakeService(monkeypatch, "train")
+    assert cli.main(["train", "--clip-value-range", word, "--metrics-port", word, "--target-kl", word]) == 0
+    config = train.calls[0][0][0]
+    assert (config.clip_value_range, config.metrics_port, config.target_kl) == (None, None, None)
+
+
+def test_every_setting_is_in_one_option_group() -> None:
+    from oakemu_core.options import GROUPS
+
+    grouped = [name for group in GROUPS for name in group.fields]
+    assert sorted(grouped) == sorted(set(OakEmuConfig.model_fields) - {"config_file"})
+    assert len(grouped) == len(set(grouped))
 
 
 def test_missing_service_module_is_reported(

@@ -43,8 +43,7 @@ def learner_args(e2e: E2EProcesses, *extra: str) -> list[str]:
 
 
 def actor_args(e2e: E2EProcesses, actor_id: str, *extra: str) -> list[str]:
-    return ["actor", "--env", "CartPole-v1", "--envs-per-actor", "2", "--actor-id", actor_id,
-            *e2e.flags(*extra)]
+    return ["actor", "--envs-per-actor", "2", "--actor-id", actor_id, *e2e.flags(*extra, role="actor")]
 
 
 def actor_ids(snapshot: TelemetrySnapshot) -> set[str]:

@@ -51,8 +51,8 @@ def learner_args(e2e: E2EProcesses, *extra: str, env: str = "CartPole-v1") -> li
 
 
 def actor_args(e2e: E2EProcesses, actor_id: str = "actor-0") -> list[str]:
-    return ["actor", "--env", "CartPole-v1", "--envs-per-actor", "2", "--actor-id", actor_id,
-            "--log-format", "plain", *e2e.flags()]
+    return ["actor", "--envs-per-actor", "2", "--actor-id", actor_id, "--log-format", "plain",
+            *e2e.flags(role="actor")]
 
 
 def checkpoint_update(path: Path | None) -> int:

@@ -44,7 +44,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("storage",),
     ("run",),
     ("algo",),
-    ("config", "presets"),  # presets: named settings files, layered into the configuration
+    ("config", "options", "presets"),  # the model, its command-line options, named sets of settings
     ("oakemu_core",),  # the package root's __init__: re-exports what a user starts from
     ("services",),
 )
@@ -74,7 +74,6 @@ SIZE_EXCEPTIONS: dict[str, str] = {
     "oakemu_core/algo/demonstrations.py::record_dataset": "TO GO: the episode loop and the Minari writing in one function",
     "oakemu_core/algo/demonstrations.py::behaviour_cloning_update": "TO GO: sampling, loss and logging in one function",
     "oakemu_core/run/prometheus.py::_SnapshotCollector.collect": "TO GO: one snapshot section per helper",
-    "services/cli.py::build_parser": "TO GO: one sub-parser builder per command",
 }
 
 

@@ -92,8 +92,7 @@ def test_retry_reporter_says_whom_it_tries_at_once_and_every_period(caplog: pyte
 @pytest.mark.slow
 def test_an_actor_without_a_learner_says_where_it_is_trying(e2e: E2EProcesses, tmp_path: Path) -> None:
     ports = new_ports()  # nothing listens there
-    actor = e2e.start("actor", ["actor", "--env", "CartPole-v1", "--learner-host", "127.0.0.1",
-                                "--control-port", str(ports.control), "--runs-dir", str(tmp_path)])
+    actor = e2e.start("actor", ["actor", "--learner-host", "127.0.0.1", "--control-port", str(ports.control)])
     address = f"tcp://127.0.0.1:{ports.control}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and f"still trying to reach the learner at {address}" not in actor.stderr():
@@ -115,7 +114,7 @@ def test_an_actor_that_loses_its_learner_mid_run_says_so_and_gives_up(e2e: E2EPr
     learner = e2e.start("learner", ["learner", "--env", "CartPole-v1", "--num-actors", "1", "--envs-per-actor", "2",
                                     "--actor-timeout-s", "4", "--eval-every-updates", "0",
                                     *common_flags(ports, tmp_path / "runs")])
-    actor = e2e.start("actor", ["actor", "--envs-per-actor", "2", "--actor-timeout-s", "4", *ports.flags()])
+    actor = e2e.start("actor", ["actor", "--envs-per-actor", "2", "--actor-timeout-s", "4", *ports.flags("actor")])
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and "joined as" not in actor.stderr():
         time.sleep(0.5)

@@ -431,7 +431,7 @@ def test_local_actors_use_rings_and_others_fall_back_to_inline_arrays(e2e: E2EPr
         "--total-env-steps", str(budget), "--checkpoint-every-updates", "0", "--run-name", "rings",
         *common_flags(ports, runs_dir),
     ], env={"PYTHONPATH": path})
-    actor_flags = ["actor", "--envs-per-actor", "4", *ports.flags()]
+    actor_flags = ["actor", "--envs-per-actor", "4", *ports.flags("actor")]
     ringed = e2e.start("ringed", [*actor_flags, "--actor-id", "ringed"], env={"PYTHONPATH": path})
     sockets = e2e.start("sockets", [*actor_flags, "--actor-id", "sockets", "--step-transport", "sockets"],
                         env={"PYTHONPATH": path})

@@ -279,7 +279,7 @@ def test_no_row_older_than_max_policy_lag_with_slow_updates_and_a_slow_actor(e2e
         "--ppo-epochs", "2", "--num-minibatches", "2", "--max-policy-lag", "2", "--total-env-steps", str(budget),
         "--checkpoint-every-updates", "0", "--run-name", "lag", *common_flags(ports, runs_dir),
     ], env={"PYTHONPATH": path, "LAGTEST_UPDATE_SLEEP_S": "0.3"})
-    actor_flags = ["actor", "--envs-per-actor", "4", *ports.flags()]
+    actor_flags = ["actor", "--envs-per-actor", "4", *ports.flags("actor")]
     e2e.start("fast", [*actor_flags, "--actor-id", "fast"], env={"PYTHONPATH": path})
     e2e.start("slow", [*actor_flags, "--actor-id", "slow"], env={"PYTHONPATH": path, "LAGTEST_STEP_SLEEP_S": "0.02"})
     status = learner.wait(timeout_s=300)

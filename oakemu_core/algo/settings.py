@@ -59,9 +59,8 @@ class PPOSettings(BaseModel):
     off_policy_correction: Literal["decoupled", "none"] = Field(
         "decoupled",
         description="Rows acted by an older policy version (async mode): decoupled = re-evaluate them with the "
-        "current weights before GAE (values) and clip the update around the current policy (the decoupled objective "
-        "of Hilton et al. 2022), weighting each row by min(importance_weight_cap, pi_current / pi_acting); none = "
-        "plain PPO on the stale rows.",
+        "current weights and use the decoupled objective (Hilton et al. 2022) with weights capped at "
+        "importance_weight_cap; none = plain PPO on them.",
     )
     importance_weight_cap: float = Field(
         1.0, gt=0.0, allow_inf_nan=False,
@@ -70,9 +69,8 @@ class PPOSettings(BaseModel):
     seed: int = Field(1, ge=0, description="Seed for envs, torch and numpy.")
     learner_precision: Literal["float32", "bfloat16"] = Field(
         "float32",
-        description="Precision of the PPO update: float32, or bfloat16 mixed precision (torch.autocast: the "
-        "torso's convolutions and matmuls in bfloat16; heads, weights, optimizer and losses float32). Native on "
-        "CPUs with AVX512-BF16 or AMX and GPUs of compute capability 8+, emulated and slower elsewhere.",
+        description="Precision of the PPO update: float32, or bfloat16 mixed precision (torch.autocast; weights, "
+        "optimizer and losses stay float32). Native on CPUs with AVX512-BF16 or AMX and recent GPUs only.",
     )
     bc_pretrain_updates: int = Field(0, ge=0, description="Replay-only BC updates (one epoch each) before PPO.")
     bc_batch_size: int = Field(256, ge=1, description="Demonstration rows per BC update / per minibatch BC term.")
