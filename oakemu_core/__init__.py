@@ -5,7 +5,9 @@ fills per-step buffers) -> ``transport`` (step and control messages, step rings)
 (the shared-memory rollout buffer, GAE, minibatches) -> ``algo`` (the PPO update, the learner
 loop); ``policy`` is what acts, ``run`` what surrounds a run (checkpoints, metrics, evaluation).
 
-The names a user starts from are importable from here. The rollout-core names load eagerly; the
+The names a user starts from are importable from here: ``train(config=None, preset=None, **settings) -> Run``
+and ``load_policy(checkpoint) -> Policy`` for training and acting from Python (``train`` comes from
+``oakemu_services.api``: it runs the service processes). The rollout-core names load eagerly; the
 others load on first use, so ``import oakemu_core`` does not import torch.
 """
 
@@ -25,10 +27,13 @@ if TYPE_CHECKING:
                                           RuntimeContext, ThreadSafeModel)
     from oakemu_core.algo.settings import PPOSettings
     from oakemu_core.algo.trainer import Trainer
-    from oakemu_core.config import OakEmuConfig, load_config
+    from oakemu_core.config import OakEmuConfig, load_config, make_config
     from oakemu_core.envs import EnvSpec, env_spec, make_vector_env
     from oakemu_core.policy.models import ActorCritic, build_model
     from oakemu_core.run.checkpoint import load_checkpoint
+    from oakemu_core.run.loading import Policy, load_policy
+    from oakemu_core.run.results import Run
+    from oakemu_services.api import TrainingFailed, train
 
 # name -> the module that defines it (loaded by __getattr__ on first use).
 _LAZY = {
@@ -49,6 +54,13 @@ _LAZY = {
     "ActorCritic": "oakemu_core.policy.models",
     "build_model": "oakemu_core.policy.models",
     "load_checkpoint": "oakemu_core.run.checkpoint",
+    "Policy": "oakemu_core.run.loading",
+    "load_policy": "oakemu_core.run.loading",
+    "Run": "oakemu_core.run.results",
+    "make_config": "oakemu_core.config",
+    # The one name served from the services package: training from Python starts the service processes.
+    "train": "oakemu_services.api",
+    "TrainingFailed": "oakemu_services.api",
 }
 
 __all__ = ["PPOActionBundle", "PPOActorStepBuffers", "RolloutBuffer", "RolloutMinibatch", *_LAZY]

@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from oakemu_core.errors import CheckpointError
-from oakemu_core.run.checkpoint import load_checkpoint, resolve_checkpoint
+from oakemu_core.run.checkpoint import load_run_checkpoint
 from oakemu_core.run.evaluation import build_evaluation, play_episodes
 
 DEFAULT_MAX_EPISODE_STEPS = 27_000
@@ -20,11 +19,7 @@ def evaluate(checkpoint: Path, *, episodes: int, greedy: bool, seed: int) -> lis
         oakemu_core.errors.CheckpointError: no checkpoint at ``checkpoint`` (a run folder is searched for its
             latest), or a file that is not a checkpoint of ``oakemu train``.
     """
-    path = resolve_checkpoint(checkpoint)
-    state = load_checkpoint(path)
-    missing = [key for key in ("env", "config", "model") if not isinstance(state.get(key), dict)]
-    if missing:
-        raise CheckpointError(f"checkpoint: {path} is not a checkpoint of oakemu train (no {', '.join(missing)})")
+    _, state = load_run_checkpoint(checkpoint)
     env_info, config = state["env"], state["config"]
     # The same builder as the learner's tester (oakemu_core.run.tester): one evaluation code path.
     model, env = build_evaluation(env_info["env_id"], env_info["schema"], seed=seed,

@@ -19,7 +19,6 @@ Four phases, one function each:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -36,7 +35,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from oakemu_core.config import ConfigError, OakEmuConfig, resolved_device, to_toml
 from oakemu_core.envs.factory import check_env
 from oakemu_core.run.metrics import METRICS_FILE_NAME
-from oakemu_core.run.run_folder import check_resume_folder, format_changes, make_run_folder, write_text_atomic
+from oakemu_core.run.run_folder import (
+    check_resume_folder,
+    format_changes,
+    make_run_folder,
+    read_json_lines,
+    write_text_atomic,
+)
 from oakemu_core.run.telemetry import TelemetrySnapshot, TelemetrySubscriber
 from oakemu_services.runtime import (
     PARENT_PID_ENV,
@@ -210,29 +215,16 @@ def _update_line(snapshot: TelemetrySnapshot) -> str:
             f"actors {snapshot.num_actors}")
 
 
-def _last_update_record(run_dir: Path) -> dict[str, Any] | None:
-    """The last PPO update's record in ``run_dir/metrics.jsonl`` (the durable record), or None."""
-    last = None
-    try:
-        with open(run_dir / METRICS_FILE_NAME, encoding="utf-8") as lines:
-            for line in lines:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(record, dict) and "charts/update" in record:
-                    last = record
-    except OSError:
-        return None
-    return last
-
-
 def _final_update_line(run_dir: Path) -> tuple[int, str] | None:
     """``(update, line)`` of the last PPO update recorded in ``run_dir/metrics.jsonl`` (telemetry is
     lossy and the learner may exit before its last snapshots are read), or None when no update was recorded."""
-    last = _last_update_record(run_dir)
-    if last is None:
+    try:
+        updates = [record for record in read_json_lines(run_dir / METRICS_FILE_NAME) if "charts/update" in record]
+    except OSError:
         return None
+    if not updates:
+        return None
+    last = updates[-1]
 
     def figure(name: str, spec: str, missing: str = "n/a") -> str:
         value = last.get(name)

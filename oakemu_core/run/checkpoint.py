@@ -48,6 +48,7 @@ __all__ = [
     "checkpoint_trained_steps",
     "latest_checkpoint",
     "load_checkpoint",
+    "load_run_checkpoint",
     "restore_rng_state",
     "save_checkpoint",
     "save_run_checkpoint",
@@ -174,6 +175,22 @@ def _torch_reason(error: Exception) -> str:
     reason = " ".join((detail.group(1) if detail else text.strip().splitlines()[0] if text.strip() else "").split())
     reason = f"{type(error).__name__}: {reason}" if reason else type(error).__name__
     return reason if len(reason) <= 160 else reason[:157] + "..."
+
+
+def load_run_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
+    """``(file, state)`` of a checkpoint of ``oakemu train``: a file, or a run folder's latest
+    (:func:`resolve_checkpoint`), loaded on the CPU (:func:`load_checkpoint`).
+
+    Raises:
+        CheckpointError: no checkpoint there, an unreadable file, or one without the ``env``, ``config``
+            and ``model`` entries every checkpoint of a run holds.
+    """
+    file = resolve_checkpoint(path)
+    state = load_checkpoint(file)
+    missing = [key for key in ("env", "config", "model") if not isinstance(state.get(key), dict)]
+    if missing:
+        raise CheckpointError(f"checkpoint: {file} is not a checkpoint of oakemu train (no {', '.join(missing)})")
+    return file, state
 
 
 def checkpoint_trained_steps(state: Mapping[str, Any]) -> int:

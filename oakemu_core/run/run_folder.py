@@ -41,6 +41,7 @@ __all__ = [
     "describe_spaces",
     "format_changes",
     "make_run_folder",
+    "read_json_lines",
     "resume_step",
     "truncate_after",
     "truncate_run_logs",
@@ -237,6 +238,17 @@ def _read_records(path: Path) -> tuple[list[tuple[bytes, dict[str, Any]]], int]:
             else:
                 torn += 1
     return records, torn
+
+
+def read_json_lines(path: Path) -> list[dict[str, Any]]:
+    """The complete JSON-object records of a JSON-lines file (``metrics.jsonl``, ``episodes.jsonl``), in
+    order; a torn or malformed line is skipped, a missing file reads as none.
+
+    Raises:
+        OSError: the file exists but cannot be read.
+    """
+    path = Path(path)
+    return [record for _, record in _read_records(path)[0]] if path.is_file() else []
 
 
 def truncate_after(path: Path, global_step: int, *, update: int | None = None) -> int:

@@ -1,0 +1,111 @@
+"""A trained policy out of a run: :func:`load_policy` and :class:`Policy` (the Python API's way to act).
+
+:func:`load_policy` reads a checkpoint of ``oakemu train`` (a ``.pt`` file, or a run folder: its latest
+checkpoint) with torch's ``weights_only`` loader and rebuilds the policy from what the checkpoint
+holds (the step schema: observation fields and action distribution; the observation normaliser's
+setting), without making the env. What a path can be is decided in :func:`load_policy` alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from oakemu_core.errors import CheckpointError
+from oakemu_core.policy.models import ActorCritic, build_model
+from oakemu_core.run.checkpoint import load_run_checkpoint
+from oakemu_core.step_schema import StepSchema
+
+__all__ = ["Policy", "load_policy"]
+
+
+class Policy:
+    """A trained policy on the CPU, in eval mode.
+
+    Attributes:
+        env_id: the env it was trained on.
+        observation_layout: observation key -> (shape, dtype) of one observation (key ``""`` for a plain
+            one): the observations as oakemu's env adapter gives them (Gymnasium ``Box`` observations as
+            they are, ``Discrete`` ones one-hot, Atari frames 4 x 84 x 84 uint8, dict keys flattened ``a.b``).
+        action_mask_width: width of an action mask (0: the policy takes none).
+        source: the checkpoint it was loaded from.
+    """
+
+    def __init__(self, model: ActorCritic, env_id: str, source: Path) -> None:
+        self.model = model
+        self.env_id = env_id
+        self.source = source
+        self.observation_layout = dict(model.observation_layout)
+        self.action_mask_width = int(model.distribution.mask_width or 0)
+
+    def act(self, observation: Any, action_mask: Any = None, *, greedy: bool = True) -> np.ndarray:
+        """The action for one observation, or actions for a batch.
+
+        Args:
+            observation: one observation of :attr:`observation_layout` (an array, or a dict key -> array),
+                or a batch of them (a leading axis); converted to the layout's dtype.
+            action_mask: bool of width :attr:`action_mask_width` (or ``(B, width)``): True where an action
+                may be taken; masked actions are never chosen. None: every action allowed.
+            greedy: the distribution's most likely action; False samples (torch's global RNG).
+
+        Returns:
+            The action (a numpy scalar or array of the action space's shape), or ``(B, ...)`` actions.
+
+        Raises:
+            ValueError: an observation or mask of the wrong shape, or a mask that allows nothing.
+        """
+        batch, batched = self._batch(observation)
+        count = len(next(iter(batch.values())))
+        mask = None
+        if self.action_mask_width:
+            mask = (np.ones((count, self.action_mask_width), dtype=bool) if action_mask is None
+                    else np.asarray(action_mask, dtype=bool).reshape(count, self.action_mask_width))
+        observations = batch[""] if set(batch) == {""} else batch
+        actions = self.model.act(observations, action_mask=mask, greedy=greedy).actions
+        return actions if batched else actions[0]
+
+    def _batch(self, observation: Any) -> tuple[dict[str, np.ndarray], bool]:
+        """``({key: (B, *shape) array}, batched)`` from one observation or a batch of them."""
+        values = observation if isinstance(observation, dict) else {"": observation}
+        if set(values) != set(self.observation_layout):
+            raise ValueError(f"observation: expected the keys {sorted(self.observation_layout)}, received "
+                             f"{sorted(values)}")
+        arrays: dict[str, np.ndarray] = {}
+        batched: set[bool] = set()
+        for key, (shape, dtype) in self.observation_layout.items():
+            array = np.asarray(values[key], dtype=dtype)
+            if array.shape == shape:
+                batched.add(False)
+                array = array[None]
+            elif array.ndim == len(shape) + 1 and array.shape[1:] == shape:
+                batched.add(True)
+            else:
+                raise ValueError(f"observation{'[' + repr(key) + ']' if key else ''}: expected shape {shape} or "
+                                 f"(B, *{shape}), received {array.shape}")
+            arrays[key] = np.ascontiguousarray(array)
+        if len(batched) != 1:
+            raise ValueError("observation: expected every key batched or none")
+        return arrays, batched.pop()
+
+
+def load_policy(checkpoint: str | Path) -> Policy:
+    """The policy of a checkpoint of ``oakemu train``: a ``.pt`` file, or a run folder (its latest
+    checkpoint). Loaded on the CPU without unpickling code (``torch.load(weights_only=True)``).
+
+    Raises:
+        oakemu_core.errors.CheckpointError: no checkpoint there, or a file that is not one of ``oakemu train``.
+    """
+    path, state = load_run_checkpoint(checkpoint)
+    try:
+        schema = StepSchema.from_dict(dict(state["env"]["schema"]))
+    except (KeyError, TypeError, ValueError) as error:
+        raise CheckpointError(f"checkpoint: {path} holds no usable step schema ({error})") from None
+    layout = {schema.observation_key(name): (schema[name].shape, schema[name].dtype)
+              for name in schema.observation_names}
+    model = build_model(layout, schema.distribution,
+                        normalize_observations=bool(state["config"].get("normalize_observations")))
+    model.load_state_dict(state["model"])
+    model.eval()
+    return Policy(model, str(state["env"].get("env_id", "")), path)

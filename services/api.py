@@ -1,0 +1,71 @@
+"""The Python API's training entry point: :func:`train` runs ``oakemu train`` from Python and returns its
+:class:`~oakemu_core.run.results.Run` (exported as ``oakemu_core.train``).
+
+    import oakemu_core
+
+    run = oakemu_core.train(preset="cartpole", total_env_steps=20_000)
+    print(run.run_dir, run.updates, run.best_evaluation)
+    policy = run.load_policy()
+
+It starts the same learner and actor processes as the command (this process waits for them, shows the
+progress and handles Ctrl-C: call it from the main thread, as a notebook cell or a script does).
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+from oakemu_core.config import OakEmuConfig, make_config
+from oakemu_core.errors import ConfigError
+from oakemu_core.presets import load_preset
+from oakemu_core.run.results import Run, read_run
+from oakemu_services import train as launcher
+from oakemu_services.runtime import default_run_name
+
+__all__ = ["TrainingFailed", "train"]
+
+
+class TrainingFailed(RuntimeError):
+    """``oakemu train`` ended without training its budget (every actor gave up, no update was made, the
+    learner failed); the message says why, :attr:`run` holds what the run folder recorded."""
+
+    def __init__(self, message: str, run: Run) -> None:
+        super().__init__(message)
+        self.run = run
+
+
+def train(config: OakEmuConfig | None = None, preset: str | None = None, **overrides: Any) -> Run:
+    """Train until the env-step budget is spent; returns the finished :class:`Run`.
+
+    Settings, highest precedence first: ``overrides`` (field name -> value, e.g. ``total_env_steps=20_000``),
+    then ``config``'s settings (those it was given), or else ``OAKEMU_*`` variables and the TOML file of
+    ``$OAKEMU_CONFIG_FILE``, then the ``preset``, then the defaults. Ports not given are chosen free, so
+    several calls (or ``oakemu train`` runs) may share a machine.
+
+    Raises:
+        UserError (a subclass, e.g. ConfigError): a setting, a preset name, the env or a port is wrong;
+            nothing was started.
+        TrainingFailed: the run ended without training its budget (message and :attr:`TrainingFailed.run`).
+        KeyboardInterrupt: Ctrl-C stopped the run (after its final checkpoint).
+    """
+    if config is not None and preset is not None:
+        raise ConfigError("train: expected config or preset, received both")
+    base = load_preset(preset).settings if preset is not None else {}
+    given = {name: getattr(config, name) for name in config.model_fields_set} if config is not None else {}
+    config = make_config(base, **{**given, **overrides})
+    if config.run_name is None:  # named here, so that the run folder is known when the launcher returns
+        config = config.model_copy(update={"run_name": default_run_name(config)})
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        status = launcher.main(config)
+    finally:  # the launcher's stop handlers served this run only
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    run = read_run(config.runs_dir / str(config.run_name), status)
+    if status in (130, 143):
+        raise KeyboardInterrupt(f"training stopped by a signal; the run folder {run.run_dir} can be resumed")
+    if status != 0:
+        raise TrainingFailed(f"oakemu train exited with status {status} after {run.updates} updates (logs: "
+                             f"{run.run_dir / 'logs'})", run)
+    return run
