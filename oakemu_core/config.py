@@ -34,6 +34,7 @@ from pydantic_settings import (
 )
 
 from oakemu_core.algo.settings import PPOSettings, finite_number
+from oakemu_core.envs.options import ATARI_FRAME_SKIP, ATARI_NOOP_MAX, ATARI_STACK, EnvOptions
 from oakemu_core.envs.spec import is_atari_env
 from oakemu_core.errors import ConfigError
 from oakemu_core.options import add_setting_arguments, given_settings
@@ -163,6 +164,20 @@ class OakEmuConfig(PPOSettings, BaseSettings):
     emulator_settings: str | None = Field(
         None, description="TOML file of an emulator backend (gameboy:/retro: ids): ROM, states, rewards, ..."
     )
+    env_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments of gymnasium.make for non-Atari ids: a JSON object on the command line "
+        "and in OAKEMU_ENV_KWARGS, a table in TOML, e.g. {\"continuous\": true}.")
+    atari_frame_skip: int = Field(ATARI_FRAME_SKIP, ge=1, description="Atari: emulator frames per agent step "
+                                  "(the last two max-pooled).")
+    atari_frame_stack: int = Field(ATARI_STACK, ge=1, description="Atari: frames stacked into one observation.")
+    atari_noop_max: int = Field(ATARI_NOOP_MAX, ge=0, description="Atari: most no-op actions at an episode's start.")
+    atari_sticky_actions: float | None = Field(
+        None, ge=0.0, le=1.0, description="Atari: probability of repeating the previous action (None: the id's own, "
+        "0.25 for -v5 ids).")
+    atari_episodic_life: bool = Field(
+        False, description="Atari: a lost life ends the episode (the game restarts, so episodes and their logged "
+        "returns are per life).")
 
     # --- rollout and learning rate (the PPO hyperparameters are PPOSettings' fields) ---
     rollout_length: int = Field(128, ge=1, description="Steps per env per rollout (T).")
@@ -415,6 +430,11 @@ class OakEmuConfig(PPOSettings, BaseSettings):
         return max(1, threads // min(self.env_groups, self.envs_per_actor))
 
     @property
+    def env_options(self) -> EnvOptions:
+        """How the env is made beyond its id: ``env_kwargs`` and the ``atari_*`` settings."""
+        return EnvOptions.from_settings(self)
+
+    @property
     def resolved_clip_rewards(self) -> bool:
         """``clip_rewards`` with None resolved: True for Atari ids, else False."""
         return is_atari_env(self.env_id) if self.clip_rewards is None else self.clip_rewards
@@ -547,6 +567,10 @@ def _toml_scalar(value: Any) -> str:
         return repr(value)
     if isinstance(value, Path):
         value = str(value)
+    if isinstance(value, Mapping):  # an inline table; keys quoted
+        return "{" + ", ".join(f"{_toml_scalar(str(key))} = {_toml_scalar(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_scalar(item) for item in value) + "]"
     if isinstance(value, str):
         escaped = value.replace("\\", "\\\\").replace('"', '\\"')
         escaped = "".join(ch if ch >= " " else f"\\u{ord(ch):04x}" for ch in escaped)

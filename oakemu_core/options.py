@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -49,7 +50,8 @@ class Group:
 GROUPS: tuple[Group, ...] = (
     Group("environment", "What is played, and how its episodes are cut and scored.", {
         "env_id": _TL, "seed": _TL, "max_episode_steps": _TL, "clip_rewards": _TL, "normalize_observations": _TL,
-        "emulator_settings": _TL}),
+        "emulator_settings": _TL, "env_kwargs": _TL, "atari_frame_skip": _TL, "atari_frame_stack": _TL,
+        "atari_noop_max": _TL, "atari_sticky_actions": _TL, "atari_episodic_life": _TL}),
     Group("run", "The budget, the run folder and the learner's device.", {
         "total_env_steps": _TL, "runs_dir": _TL, "run_name": _TL, "device": _TL, "learner_precision": _TL}),
     Group("actors", "Actor processes and the envs each steps.", {
@@ -87,7 +89,8 @@ GROUPS: tuple[Group, ...] = (
 )
 
 METAVARS = {
-    "env_id": "ENV", "seed": "SEED", "max_episode_steps": "STEPS", "emulator_settings": "FILE",
+    "env_id": "ENV", "seed": "SEED", "env_kwargs": "JSON", "atari_frame_skip": "FRAMES", "atari_frame_stack": "FRAMES",
+    "atari_noop_max": "STEPS", "atari_sticky_actions": "P|null", "max_episode_steps": "STEPS", "emulator_settings": "FILE",
     "total_env_steps": "STEPS", "runs_dir": "DIR", "run_name": "NAME", "device": "DEVICE",
     "actor_id": "NAME", "rollout_length": "STEPS", "learning_rate": "LR", "clip_coef": "EPSILON",
     "clip_value_range": "RANGE|auto|null", "ent_coef": "COEF", "vf_coef": "COEF", "gamma": "GAMMA",
@@ -129,6 +132,8 @@ def _converter(field: str, members: tuple[Any, ...]) -> Callable[[str], Any]:
     literals = _literals(members)
     kinds = [member for member in members if member in (int, float, str, Path, bool)]
     optional = type(None) in members
+    if any(typing.get_origin(member) is dict or member is dict for member in members):
+        return _json_object
 
     def convert(text: str) -> Any:
         word = text.strip().lower()
@@ -151,6 +156,18 @@ def _converter(field: str, members: tuple[Any, ...]) -> Callable[[str], Any]:
 
     convert.__name__ = field  # argparse names the option's type in some messages
     return convert
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A JSON object (keyword arguments) from an option's value."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"continuous\": true}}', received "
+                                         f"{text!r} ({error})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, received {text!r}")
+    return value
 
 
 def _expected(members: tuple[Any, ...]) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+
+from oakemu_core.envs.options import EnvOptions
 from oakemu_core.run.checkpoint import load_run_checkpoint
 from oakemu_core.run.evaluation import build_evaluation, play_episodes
 
@@ -25,7 +27,8 @@ def evaluate(checkpoint: Path, *, episodes: int, greedy: bool, seed: int) -> lis
     model, env = build_evaluation(env_info["env_id"], env_info["schema"], seed=seed,
                                   max_episode_steps=config.get("max_episode_steps"),
                                   settings_file=config.get("emulator_settings"),
-                                  normalize_observations=bool(config.get("normalize_observations")))
+                                  normalize_observations=bool(config.get("normalize_observations")),
+                                  env_options=EnvOptions.from_settings(config))
     try:
         model.load_state_dict(state["model"])
         model.eval()

@@ -113,7 +113,8 @@ class Learner:
         self.run_dir = run_dir
         if trainer is not None:
             undo.callback(trainer.close)
-        self.spec = trainer.spec if trainer is not None else env_spec(config.env_id, settings_file=config.emulator_settings)
+        self.spec = trainer.spec if trainer is not None else env_spec(config.env_id, settings_file=config.emulator_settings,
+                                                                      options=config.env_options)
         self.schema = trainer.schema if trainer is not None else schema_for_env(self.spec)
         self.buffer_bytes = rollout_buffer_bytes(config, self.schema)
         # Free what a killed learner left behind, then refuse now with the size needed, instead of
@@ -496,7 +497,7 @@ def main(config: OakEmuConfig) -> int:
     """Entry point of ``oakemu learner``: run until the budget is spent or SIGINT/SIGTERM."""
     setup_logging(config.log_level, config.log_format)
     # An unknown env id, a missing device or a port in use fails here, before the run folder is created.
-    check_env(config.env_id, settings_file=config.emulator_settings)
+    check_env(config.env_id, settings_file=config.emulator_settings, options=config.env_options)
     resolved_device(config)
     check_ports_free(config)
     run_dir = resolve_run_dir(config)

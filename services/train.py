@@ -147,7 +147,8 @@ def check_can_start(config: OakEmuConfig) -> None:
     Raises:
         UserError (a subclass): the first problem found, in one line.
     """
-    spec = check_env(config.env_id, settings_file=config.emulator_settings, envs_per_process=config.envs_per_actor)
+    spec = check_env(config.env_id, settings_file=config.emulator_settings, envs_per_process=config.envs_per_actor,
+                     options=config.env_options)
     if config.actor_inference == "bfloat16":
         from oakemu_core.policy.bfloat16_inference import check_supported
 

@@ -25,6 +25,7 @@ import zmq
 from oakemu_core.actor.routing import PolicyRouter, RoutingConfig
 from oakemu_core.actor.stepper import PolicyStepper
 from oakemu_core.envs.factory import make_env_groups, make_vector_env
+from oakemu_core.envs.options import EnvOptions
 from oakemu_core.envs.vector import EnvGroups, VectorEnv
 from oakemu_core.policy.models import ActorCritic, build_model, load_weight_arrays
 from oakemu_core.step_schema import schema_for_env
@@ -295,7 +296,8 @@ def make_envs(config: OakEmuConfig, reply: JoinReply) -> VectorEnv | EnvGroups:
     env_config = reply.env_config
     env_id, seed = str(env_config["env_id"]), int(env_config["seed"])
     kwargs = dict(clip_rewards=bool(env_config["clip_rewards"]), max_episode_steps=env_config.get("max_episode_steps"),
-                  settings_file=env_config.get("emulator_settings"), num_threads=config.resolved_emulator_threads())
+                  settings_file=env_config.get("emulator_settings"), num_threads=config.resolved_emulator_threads(),
+                  options=EnvOptions.from_settings(env_config))
     groups = min(config.env_groups, config.envs_per_actor)
     env = (make_env_groups(env_id, config.envs_per_actor, groups, seed=seed, **kwargs) if groups > 1
            else make_vector_env(env_id, config.envs_per_actor, seed=seed, **kwargs))

@@ -3,7 +3,8 @@ built in (Machado et al. 2018, "Revisiting the ALE"; CleanRL ``ppo_atari.py``).
 
 No-op reset (up to 30), frame skip 4 with max-pooling over the last two frames, 84x84 grayscale,
 4 stacked frames, sticky actions as the registered id says (0.25 for ``-v5``, 0.0 for
-``NoFrameskip-v4``), minimal action set, FIRE on reset where the game has it. Observations
+``NoFrameskip-v4``), minimal action set, FIRE on reset where the game has it; the no-ops, frame skip,
+stack, sticky actions and life-loss episodes are :class:`~oakemu_core.envs.options.EnvOptions`. Observations
 ``(n, 4, 84, 84)`` uint8, ``Discrete`` actions, no action masks. Rewards are returned raw
 (:class:`oakemu_core.envs.vector.VectorEnv` clips the training rewards).
 """
@@ -16,14 +17,12 @@ from typing import Any
 
 import numpy as np
 
+from oakemu_core.envs.options import ATARI_FRAME_SKIP, ATARI_NOOP_MAX, ATARI_STACK, EnvOptions
 from oakemu_core.envs.spec import EnvSpec, UnsupportedEnvironmentError
 
 __all__ = ["ATARI_FRAME_SKIP", "ATARI_IMAGE_SIZE", "ATARI_NOOP_MAX", "ATARI_STACK", "AtariBackend"]
 
-ATARI_FRAME_SKIP = 4
-ATARI_STACK = 4
 ATARI_IMAGE_SIZE = 84
-ATARI_NOOP_MAX = 30
 ATARI_DEFAULT_MAX_FRAMES = 108_000  # 27,000 agent steps = 30 minutes of play at 60 Hz
 
 
@@ -76,13 +75,16 @@ class AtariBackend:
     """
 
     def __init__(
-        self, env_id: str, num_envs: int, *, max_episode_steps: int | None, num_threads: int | None
+        self, env_id: str, num_envs: int, *, max_episode_steps: int | None, num_threads: int | None,
+        options: EnvOptions | None = None,
     ) -> None:
         from ale_py.vector_env import AtariVectorEnv
 
         settings = _atari_settings(env_id)
+        options = options or EnvOptions()
+        sticky = options.atari_sticky_actions
         max_frames = (
-            max_episode_steps * ATARI_FRAME_SKIP  # ALE counts emulator frames, we count agent steps
+            max_episode_steps * options.atari_frame_skip  # ALE counts emulator frames, we count agent steps
             if max_episode_steps is not None
             else settings.max_num_frames_per_episode
         )
@@ -92,13 +94,14 @@ class AtariBackend:
             num_envs,
             num_threads=num_threads if num_threads is not None else min(num_envs, os.cpu_count() or 1),
             autoreset_mode="SameStep",
-            repeat_action_probability=settings.repeat_action_probability,
+            repeat_action_probability=settings.repeat_action_probability if sticky is None else float(sticky),
             full_action_space=settings.full_action_space,
             reward_clipping=False,  # VectorEnv clips the training rewards, so episode returns stay raw
-            frameskip=ATARI_FRAME_SKIP,
+            frameskip=options.atari_frame_skip,
             maxpool=True,
-            noop_max=ATARI_NOOP_MAX,
-            stack_num=ATARI_STACK,
+            noop_max=options.atari_noop_max,
+            stack_num=options.atari_frame_stack,
+            episodic_life=options.atari_episodic_life,
             img_height=ATARI_IMAGE_SIZE,
             img_width=ATARI_IMAGE_SIZE,
             grayscale=True,

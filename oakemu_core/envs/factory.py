@@ -19,6 +19,7 @@ from typing import Any
 
 from oakemu_core.envs.atari import AtariBackend
 from oakemu_core.envs.gymnasium import GymnasiumBackend, gymnasium_spec
+from oakemu_core.envs.options import EnvOptions
 from oakemu_core.envs.spec import (
     EMULATOR_ID_PREFIXES,
     EnvSpec,
@@ -78,9 +79,11 @@ def _make_emulator_env(env_id: str, max_episode_steps: int | None, settings_file
 
 
 def _make_gymnasium_env(
-    env_id: str, max_episode_steps: int | None, *, settings_file: str | None = None, seed: int | None = None
+    env_id: str, max_episode_steps: int | None, *, settings_file: str | None = None, seed: int | None = None,
+    make_kwargs: dict[str, Any] | None = None,
 ) -> Any:
-    """One raw env: emulator ids through ``oakemu_core.envs.emulators``, everything else through ``gymnasium.make``.
+    """One raw env: emulator ids through ``oakemu_core.envs.emulators``, everything else through ``gymnasium.make``
+    (with ``make_kwargs``).
 
     ``settings_file`` and ``seed`` are passed to emulator backends only (Gymnasium envs are seeded
     by their first reset).
@@ -91,9 +94,13 @@ def _make_gymnasium_env(
 
     if ":" in env_id:
         _import_env_module(env_id)
-    kwargs = {} if max_episode_steps is None else {"max_episode_steps": max_episode_steps}
+    kwargs = {**(make_kwargs or {}), **({} if max_episode_steps is None else {"max_episode_steps": max_episode_steps})}
     try:
         return gymnasium.make(env_id, **kwargs)
+    except TypeError as error:  # a keyword the env does not take
+        raise UnsupportedEnvironmentError(
+            f"env_kwargs: expected keyword arguments that {env_id!r} takes, received {make_kwargs!r} ({error})"
+        ) from None
     except (gymnasium.error.Error, ImportError) as error:
         raise UnsupportedEnvironmentError(
             f"env_id: expected a registered Gymnasium id (e.g. 'CartPole-v1', or 'module:EnvId' for a custom env), "
@@ -102,7 +109,7 @@ def _make_gymnasium_env(
 
 
 @functools.lru_cache(maxsize=32)
-def env_spec(env_id: str, *, settings_file: str | None = None) -> EnvSpec:
+def env_spec(env_id: str, *, settings_file: str | None = None, options: EnvOptions | None = None) -> EnvSpec:
     """Spaces of ``env_id`` as the vector env will report them (builds one env, resets it once, closes it).
 
     Cached per ``(env_id, settings_file)``; cheap to call early (the CLI does, before any process starts).
@@ -112,11 +119,12 @@ def env_spec(env_id: str, *, settings_file: str | None = None) -> EnvSpec:
             (the message names the space), or emulator support not installed.
         InvalidActionMaskError: the env's first action mask is malformed or allows nothing.
     """
+    options = options or EnvOptions()
     if is_atari_env(env_id):
-        backend = AtariBackend(env_id, 1, max_episode_steps=None, num_threads=1)
+        backend = AtariBackend(env_id, 1, max_episode_steps=None, num_threads=1, options=options)
         backend.close()
         return backend.spec
-    env = _make_gymnasium_env(env_id, None, settings_file=settings_file)
+    env = _make_gymnasium_env(env_id, None, settings_file=settings_file, make_kwargs=options.make_kwargs)
     try:
         return gymnasium_spec(env_id, env)
     finally:
@@ -132,6 +140,7 @@ def make_vector_env(
     max_episode_steps: int | None = None,
     num_threads: int | None = None,
     settings_file: str | None = None,
+    options: EnvOptions | None = None,
 ) -> VectorEnv:
     """Build ``num_envs`` copies of ``env_id`` behind one :class:`VectorEnv`.
 
@@ -144,6 +153,7 @@ def make_vector_env(
         max_episode_steps: time limit in agent steps (truncation) replacing the id's own; None keeps it.
         num_threads: emulator threads (Atari only; default ``min(num_envs, cpu_count)``).
         settings_file: emulator settings file, passed to ``make_emulator_env`` (emulator ids only).
+        options: ``gymnasium.make`` keyword arguments and Atari preprocessing (None: the defaults).
 
     Raises:
         ValueError: ``num_envs`` < 1 or ``max_episode_steps`` < 1.
@@ -156,13 +166,16 @@ def make_vector_env(
     atari = is_atari_env(env_id)
     backend: Backend
     if atari:
-        backend = AtariBackend(env_id, num_envs, max_episode_steps=max_episode_steps, num_threads=num_threads)
+        backend = AtariBackend(env_id, num_envs, max_episode_steps=max_episode_steps, num_threads=num_threads,
+                               options=options)
     else:
-        spec = env_spec(env_id, settings_file=settings_file)
+        spec = env_spec(env_id, settings_file=settings_file, options=options)
+        make_kwargs = (options or EnvOptions()).make_kwargs
 
         def make_env(index: int) -> Any:
             env_seed = None if seed is None else seed + index
-            return _make_gymnasium_env(env_id, max_episode_steps, settings_file=settings_file, seed=env_seed)
+            return _make_gymnasium_env(env_id, max_episode_steps, settings_file=settings_file, seed=env_seed,
+                                       make_kwargs=make_kwargs)
 
         backend = GymnasiumBackend(spec, make_env, num_envs)
     return VectorEnv(backend, seed=seed, clip_rewards=atari if clip_rewards is None else clip_rewards)
@@ -186,21 +199,16 @@ def make_env_groups(env_id: str, num_envs: int, groups: int, *, seed: int | None
 
 
 def make_eval_env(
-    env_id: str, *, seed: int | None, max_episode_steps: int | None = None, settings_file: str | None = None
+    env_id: str, *, seed: int | None, max_episode_steps: int | None = None, settings_file: str | None = None,
+    options: EnvOptions | None = None,
 ) -> VectorEnv:
     """One env of ``env_id`` without reward clipping, for evaluation (same preprocessing as training)."""
-    return make_vector_env(
-        env_id,
-        1,
-        seed=seed,
-        clip_rewards=False,
-        max_episode_steps=max_episode_steps,
-        num_threads=1,
-        settings_file=settings_file,
-    )
+    return make_vector_env(env_id, 1, seed=seed, clip_rewards=False, max_episode_steps=max_episode_steps,
+                           num_threads=1, settings_file=settings_file, options=options)
 
 
-def check_env(env_id: str, *, settings_file: str | None = None, envs_per_process: int | None = None) -> EnvSpec:
+def check_env(env_id: str, *, settings_file: str | None = None, envs_per_process: int | None = None,
+              options: EnvOptions | None = None) -> EnvSpec:
     """Everything that can be checked about an env before any process starts; returns its spec.
 
     Emulator ids (``gameboy:`` / ``retro:``) are validated by their backend first (ROM, settings
@@ -214,4 +222,4 @@ def check_env(env_id: str, *, settings_file: str | None = None, envs_per_process
         from oakemu_core.envs.emulators import validate_emulator_env
 
         validate_emulator_env(env_id, settings_file, envs_per_process=envs_per_process)
-    return env_spec(env_id, settings_file=settings_file)
+    return env_spec(env_id, settings_file=settings_file, options=options)

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from oakemu_core.envs.factory import make_eval_env
+from oakemu_core.envs.options import EnvOptions
 from oakemu_core.envs.vector import VectorEnv
 from oakemu_core.policy.models import ActorCritic, build_model
 
@@ -42,6 +43,7 @@ def build_evaluation(
     max_episode_steps: int | None = None,
     settings_file: str | None = None,
     normalize_observations: bool = False,
+    env_options: EnvOptions | None = None,
 ) -> tuple[ActorCritic, VectorEnv]:
     """The one place that builds an evaluation's policy and env (``oakemu evaluate`` and the tester).
 
@@ -60,6 +62,7 @@ def build_evaluation(
         seed: env and torch seed; None leaves both unseeded.
         max_episode_steps, settings_file, normalize_observations: the run's settings of these names
             (``config.max_episode_steps``, ``config.emulator_settings``, ``config.normalize_observations``).
+        env_options: the run's ``gymnasium.make`` keyword arguments and Atari preprocessing (``config.env_options``).
 
     Raises:
         ValueError: a malformed schema dict (from ``StepSchema.from_dict``).
@@ -70,7 +73,8 @@ def build_evaluation(
     schema = StepSchema.from_dict(dict(schema_dict))
     if seed is not None:
         torch.manual_seed(seed)
-    env = make_eval_env(env_id, seed=seed, max_episode_steps=max_episode_steps, settings_file=settings_file)
+    env = make_eval_env(env_id, seed=seed, max_episode_steps=max_episode_steps, settings_file=settings_file,
+                        options=env_options)
     try:
         model = build_model(env.spec.observation_layout, schema.distribution,
                             normalize_observations=bool(normalize_observations))

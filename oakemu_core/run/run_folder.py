@@ -360,7 +360,7 @@ def check_resume_folder(run_dir: Path, config: Any, *, check_model: bool = True,
     from oakemu_core.envs.factory import env_spec
     from oakemu_core.step_schema import schema_for_env
 
-    spec = env_spec(config.env_id, settings_file=config.emulator_settings)
+    spec = env_spec(config.env_id, settings_file=config.emulator_settings, options=config.env_options)
     schema = schema_for_env(spec)
     model = None
     if check_model and schema.distribution is not None:

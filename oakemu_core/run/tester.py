@@ -51,6 +51,8 @@ from typing import Any
 
 import numpy as np
 
+from oakemu_core.envs.options import EnvOptions
+
 __all__ = [
     "BEST_NAME",
     "BestCheckpointTracker",
@@ -245,6 +247,7 @@ class Tester:
         normalize_observations: bool = False,
         schema_dict: Mapping[str, Any],
         nice: int = 10,
+        env_options: EnvOptions | None = None,
     ) -> None:
         if int(episodes) < 1:
             raise ValueError(f"episodes: expected >= 1, received {episodes}")
@@ -258,6 +261,7 @@ class Tester:
             "env_id": env_id, "schema_dict": dict(schema_dict), "episodes": self.episodes,
             "greedy": self.greedy, "seed": self.seed, "settings_file": settings_file,
             "max_episode_steps": max_episode_steps, "normalize_observations": bool(normalize_observations),
+            "env_options": env_options,
         }
         self._nice = int(nice)
         self._lock = threading.Lock()
@@ -668,4 +672,5 @@ def tester_from_config(config: Any, schema_dict: Mapping[str, Any]) -> Tester | 
     return Tester(config.env_id, episodes=config.eval_episodes, greedy=config.resolved_eval_greedy,
                   seed=config.seed + EVAL_SEED_OFFSET, settings_file=config.emulator_settings,
                   max_episode_steps=config.max_episode_steps,
-                  normalize_observations=config.normalize_observations, schema_dict=schema_dict)
+                  normalize_observations=config.normalize_observations, schema_dict=schema_dict,
+                  env_options=config.env_options)

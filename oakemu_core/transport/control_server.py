@@ -79,6 +79,7 @@ def env_config(config: OakEmuConfig, index: int) -> dict[str, Any]:
         "route_scripted_probability": config.route_scripted_probability,
         "mode": config.mode,
         "rollout_length": config.rollout_length,
+        **config.env_options.to_dict(),  # gymnasium.make keyword arguments, Atari preprocessing
     }
 
 

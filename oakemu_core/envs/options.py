@@ -1,0 +1,77 @@
+"""How an env is made beyond its id: :class:`EnvOptions` (Gymnasium ``make`` keyword arguments, the Atari
+preprocessing users toggle).
+
+One value travels from the settings (``env_kwargs``, ``atari_*``) to every place that makes the env: the
+learner's spec, the actors (in the join's ``env_config``, as scalars), the tester, ``oakemu evaluate``
+(from a checkpoint's settings). The defaults make the envs as before these settings existed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+__all__ = ["ATARI_FRAME_SKIP", "ATARI_NOOP_MAX", "ATARI_STACK", "EnvOptions"]
+
+ATARI_FRAME_SKIP = 4
+"""Emulator frames per agent step (the last two max-pooled)."""
+ATARI_STACK = 4
+"""Frames stacked into one observation."""
+ATARI_NOOP_MAX = 30
+"""Most no-op actions at an episode's start."""
+
+
+@dataclass(frozen=True)
+class EnvOptions:
+    """Everything but the id that decides how an env is made (hashable: a cache key).
+
+    Attributes:
+        env_kwargs: keyword arguments of ``gymnasium.make`` (non-Atari ids), as canonical JSON text (an
+            object, keys sorted); :attr:`make_kwargs` is the dict.
+        atari_frame_skip: emulator frames per agent step, the last two max-pooled (Atari ids).
+        atari_frame_stack: frames stacked into one observation (Atari ids).
+        atari_noop_max: most no-op actions at an episode's start (Atari ids).
+        atari_sticky_actions: probability of repeating the previous action (Atari ids); None: the
+            registered id's own (0.25 for ``-v5``, 0 for ``NoFrameskip-v4``).
+        atari_episodic_life: a lost life ends the episode (Atari ids; ale-py's ``episodic_life``: the
+            game restarts, so episodes, and the episodic returns logged, are per life).
+    """
+
+    env_kwargs: str = "{}"
+    atari_frame_skip: int = ATARI_FRAME_SKIP
+    atari_frame_stack: int = ATARI_STACK
+    atari_noop_max: int = ATARI_NOOP_MAX
+    atari_sticky_actions: float | None = None
+    atari_episodic_life: bool = False
+
+    @property
+    def make_kwargs(self) -> dict[str, Any]:
+        """:attr:`env_kwargs` as a dict."""
+        return dict(json.loads(self.env_kwargs))
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> EnvOptions:
+        """The options of a settings object (an ``OakEmuConfig``) or mapping (a join's ``env_config``, a
+        checkpoint's ``config``); a setting it lacks takes its default, ``env_kwargs`` may be a dict or
+        JSON text.
+
+        Raises:
+            ValueError: ``env_kwargs`` is not a JSON object.
+        """
+        def read(name: str, default: Any) -> Any:
+            value = settings.get(name, default) if isinstance(settings, Mapping) else getattr(settings, name, default)
+            return default if value is None and name != "atari_sticky_actions" else value
+
+        kwargs = read("env_kwargs", {})
+        if isinstance(kwargs, str):
+            kwargs = json.loads(kwargs)
+        if not isinstance(kwargs, Mapping):
+            raise ValueError(f"env_kwargs: expected a JSON object of keyword arguments, received {kwargs!r}")
+        values = {f.name: read(f.name, f.default) for f in fields(cls) if f.name != "env_kwargs"}
+        return cls(env_kwargs=json.dumps(dict(kwargs), sort_keys=True), **values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options as scalars (``env_kwargs`` as JSON text): what a join's ``env_config`` carries."""
+        return asdict(self)
