@@ -167,6 +167,11 @@ class OakEmuConfig(PPOSettings, BaseSettings):
         "then waits for the weights trained on it (policy lag 0, a seed reproduces exactly on one machine; "
         "needs num_envs == num_actors * envs_per_actor).",
     )
+    max_actors: int | None = Field(
+        None, ge=1,
+        description="Sync mode: the most actors one rollout takes (the buffer is allocated for max_actors * "
+        "envs_per_actor columns; a join beyond them is refused). None: max(4, 2 * num_actors).",
+    )
     steps_per_message: int | Literal["auto"] = Field(
         "auto",
         description="Vector steps an actor sends per step message (a divisor of rollout_length). auto: the "
@@ -379,6 +384,20 @@ class OakEmuConfig(PPOSettings, BaseSettings):
     def buffer_num_envs(self) -> int:
         """Learner rollout buffer columns N: ``num_envs`` or ``num_actors * envs_per_actor``."""
         return self.num_envs if self.num_envs is not None else self.num_actors * self.envs_per_actor
+
+    @property
+    def resolved_max_actors(self) -> int:
+        """``max_actors``, or ``max(4, 2 * num_actors)``."""
+        return self.max_actors if self.max_actors is not None else max(4, 2 * self.num_actors)
+
+    @property
+    def allocated_num_envs(self) -> int:
+        """Columns of each rollout buffer the learner allocates: :attr:`buffer_num_envs`, and in sync
+        mode room for ``resolved_max_actors`` actors (a rollout holds the columns of the actors
+        present when it starts)."""
+        if self.mode != "sync":
+            return self.buffer_num_envs
+        return max(self.buffer_num_envs, self.resolved_max_actors * self.envs_per_actor)
 
     @property
     def batch_size(self) -> int:

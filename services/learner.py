@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -82,7 +83,7 @@ def num_rollout_buffers(config: OakEmuConfig) -> int:
 
 def rollout_buffer_bytes(config: OakEmuConfig, schema: StepSchema) -> int:
     """Shared-memory bytes of one rollout buffer for ``config`` (every stored field of ``schema``)."""
-    return RolloutBuffer.estimate_memory_bytes(config.rollout_length, config.buffer_num_envs, schema)
+    return RolloutBuffer.estimate_memory_bytes(config.rollout_length, config.allocated_num_envs, schema)
 
 
 class Learner:
@@ -123,10 +124,11 @@ class Learner:
         self.trainer.resume()
         self.buffers: list[RolloutBuffer] = []
         for _ in range(num_rollout_buffers(config)):
-            self.buffers.append(RolloutBuffer(config.rollout_length, config.buffer_num_envs, schema=self.schema))
+            self.buffers.append(RolloutBuffer(config.rollout_length, config.allocated_num_envs, schema=self.schema))
             undo.callback(self.buffers[-1].close)  # also when the next one fails
         self.assembler = RolloutAssembler(self.buffers, actor_timeout_s=config.actor_timeout_s,
-                                          sync=config.mode == "sync", max_policy_lag=config.max_policy_lag)
+                                          sync=config.mode == "sync", max_policy_lag=config.max_policy_lag,
+                                          planned_columns=config.buffer_num_envs)
         self.assembler.counters.env_steps = self.trainer.progress.global_step
         # Behaviour cloning runs before the first weights are published: no actor ever acts with
         # the pre-BC policy on rows that PPO would then train with the post-BC one.
@@ -232,10 +234,13 @@ class Learner:
             except MessageRejected as error:
                 self.control.send_multipart([identity, b"", self.control_server.undecodable(error)])
                 continue
-            # None held: a synchronous-mode join waits until every actor has asked, then all are answered.
-            for to, reply in self.control_server.reply(message, now, identity=identity, peer=frame,
-                                                       stopping=bool(self.stopping_reason)):
-                self.control.send_multipart([to, b"", reply])
+            # None held: a synchronous-mode join may wait for the next rollout (answered by _answer_held_joins).
+            self._send_replies(self.control_server.reply(message, now, identity=identity, peer=frame,
+                                                         stopping=bool(self.stopping_reason)))
+
+    def _send_replies(self, replies: list[tuple[Any, bytes]]) -> None:
+        for to, reply in replies:
+            self.control.send_multipart([to, b"", reply])
 
     # -- data -------------------------------------------------------------------------------
     def _handle_data(self, now: float) -> None:
@@ -303,9 +308,10 @@ class Learner:
                 if position == len(results) - 1:  # newer weights later in the batch: only those are sent
                     self._publish_weights(WeightsMessage(result.policy_version, result.weights, result.revision))
                 continue
+            # Published before the release: the joins held for the next rollout get these weights.
+            self.control_server.publish(result.policy_version, result.weights)
             if result.slot is not None:
                 self.assembler.release(result.slot, result.policy_version)
-            self.control_server.publish(result.policy_version, result.weights)
             self._publish_weights(WeightsMessage(result.policy_version, result.weights))
             for event in result.events:
                 log.info("%s", event)
@@ -377,7 +383,7 @@ class Learner:
         data_registered = False
         next_telemetry = next_expiry = time.monotonic()
         log.info("learner for %s: %d x %d rollout buffers (%.1f MiB each) on %s, device %s, run %s",
-                 config.env_id, config.rollout_length, config.buffer_num_envs, self.buffer_bytes / 2**20,
+                 config.env_id, config.rollout_length, config.allocated_num_envs, self.buffer_bytes / 2**20,
                  config.bind_host, self.trainer.device, self.run_dir)
         while True:
             # The budget stops the run right after an update is logged (_collect_results), so the last
@@ -415,6 +421,7 @@ class Learner:
                 break
             if not self.stopping_reason:
                 self._hand_off_full_rollouts()
+                self._send_replies(self.control_server.tick(now))  # synchronous mode's held joins
             if now >= next_expiry:
                 self._expire_silent_actors(now)
                 next_expiry = now + 0.5

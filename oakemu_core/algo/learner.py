@@ -217,12 +217,26 @@ class PreparedRollout:
             ``sgd_mean`` / ``sgd_max`` in SGD steps.
         proximal: the rows evaluated by the weights before the update (the decoupled objective's
             proximal policy), or None (plain PPO).
+        columns_used: ``(N,)`` bool, the columns that hold rows, or None: every column (see
+            :attr:`oakemu_core.storage.assembler.FullRollout.columns_used`).
+        num_minibatches: minibatches per epoch: ``num_minibatches`` scaled by the columns used over
+            the rollout's planned columns (the minibatch size stays), at least 1; None: ``num_minibatches``.
     """
 
     buffer: RolloutBuffer
     stale_rows: int = 0
     lag: dict[str, float] = field(default_factory=dict)
     proximal: RolloutEvaluation | None = None
+    columns_used: np.ndarray | None = None
+    num_minibatches: int | None = None
+
+
+def _columns(observations: Any, used: np.ndarray) -> Any:
+    """``(T, k, ...)`` rows of the columns ``used`` (``(N,)`` bool) of ``(T, N, ...)`` observations
+    (an array or a dict of arrays)."""
+    if isinstance(observations, dict):
+        return {key: value[:, used] for key, value in observations.items()}
+    return observations[:, used]
 
 
 class PPOLearner:
@@ -405,10 +419,18 @@ class PPOLearner:
                 self.corrections_skipped += 1
                 log.warning("update %d: the current weights give non-finite values or log-probs on this "
                             "rollout; it trains without the off-policy correction", self.iterations + 1)
+        used = rollout.columns_used
         if self.reward_scaler is not None:
-            buffer.scale_rewards(self.reward_scaler.update(buffer.rewards, buffer.dones))
+            rewards, dones = buffer.rewards, buffer.dones
+            if used is not None:
+                rewards, dones = rewards[:, used], dones[:, used]
+            buffer.scale_rewards(self.reward_scaler.update(rewards, dones))
         buffer.compute_gae(rollout.last_values, rollout.last_dones, self.config.gamma, self.config.gae_lambda)
-        return PreparedRollout(buffer, stale_rows, lag, proximal)
+        num_minibatches = None
+        if used is not None:
+            planned = rollout.planned_columns or buffer.num_envs
+            num_minibatches = max(1, round(self.config.num_minibatches * int(used.sum()) / planned))
+        return PreparedRollout(buffer, stale_rows, lag, proximal, used, num_minibatches)
 
     def step(self, actor_steps: int, rollout: PreparedRollout | None = None) -> PPOUpdateStats | None:
         """Perform a full PPO update on ``rollout`` (:meth:`prepare`'s result), or on the current
@@ -443,10 +465,13 @@ class PPOLearner:
             try:
                 stats = self.updater.step(buffer, current_policy_version=self.policy_version, bc_term=bc_term,
                                           proximal=None if rollout is None else rollout.proximal,
+                                          num_minibatches=None if rollout is None else rollout.num_minibatches,
                                           after_epoch=None if self.revision_sink is None else self.publish_revision)
             except EmptyRolloutError:
                 stats = None
-            model.update_observation_statistics(buffer.observations)
+            used = None if rollout is None else rollout.columns_used
+            model.update_observation_statistics(
+                buffer.observations if used is None else _columns(buffer.observations, used))
             self.learner_model.version += 1
         self.sgd_ledger.sgd_steps += stats.minibatches if stats is not None else 0
         self.sgd_ledger.note(self.policy_version, 0, self.sgd_steps)

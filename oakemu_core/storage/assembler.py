@@ -19,11 +19,19 @@ fewer free columns than it has envs (the buffer's columns are not a multiple of 
 loses the rows of its extra envs. Back-pressure in the learner loop (it stops reading while no
 buffer is filling) makes actors wait in ``send``.
 
-In the synchronous mode (``sync=True``, one buffer) the columns are not handed out first come,
-first served: the actor with index ``i`` (the learner gives the indices in actor-id order) always
-fills columns ``i * num_envs ... (i + 1) * num_envs - 1``, and the episodes a rollout's messages
-report enter :attr:`RolloutAssembler.episode_returns` sorted by (actor index, seq) when the rollout
-is full, so a seed's run does not depend on the order in which messages arrived.
+In the synchronous mode (``sync=True``, one buffer) a rollout is a *round*: its *members* are the
+actors joined when it opens (at the start, and when the trained buffer is released), each filling its
+own block of columns, members in index order from column 0 (the learner gives the indices in actor-id
+order, so a fixed set of actors fills the same columns every round and a seed reproduces). An actor
+that joins while the round is under way (a row is written) is not a member: the learner holds its
+join until the next round opens (:attr:`RolloutAssembler.round_open`). The round is full when every
+member's columns hold ``T`` rows; a member that leaves or is dropped takes its unfinished segment
+with it (discarded, never trained), so the round is full with the other members' rows. Columns no
+member filled are *sealed* (counted as full, no trainable row) and the rollout says which columns
+hold rows (:attr:`FullRollout.columns_used`). A round whose members all left with nothing finished
+opens again. The episodes a rollout's messages report enter :attr:`RolloutAssembler.episode_returns`
+sorted by (actor index, seq) when the rollout is full, so a seed's run does not depend on the order
+in which messages arrived.
 
 Everything here is plain Python + numpy and runs in the learner's ingest thread; no sockets.
 """
@@ -135,6 +143,12 @@ class FullRollout:
     buffer: RolloutBuffer
     last_values: np.ndarray  # (N,) float32: V(s_T) of each column's last step
     last_dones: np.ndarray  # (N,) bool: dones of each column's last row (== buffer.dones[-1])
+    columns_used: np.ndarray | None = None
+    """``(N,)`` bool: the columns that hold rows (synchronous mode; the others are sealed, with no
+    trainable row), or None: every column."""
+    planned_columns: int = 0
+    """Columns a rollout holds when the run's planned actors fill it (the minibatch size is the
+    planned rows over ``num_minibatches``); 0: ``N``."""
 
 
 @dataclass
@@ -150,6 +164,7 @@ class IngestCounters:
     """Dropped data by kind: ``no_capacity_steps``, ``stale_steps`` (env steps too old for
     ``max_policy_lag`` to start a segment), ``discarded_segment_rows``, ``stale_rows``,
     ``timed_out_actors``, ``seq_gap_steps`` (step messages missing from an actor's sequence),
+    ``not_member_steps`` (synchronous mode: env steps of an actor that is not filling the rollout),
     ``late_steps`` (env steps that arrived after their actor left) and
     ``late_step_messages`` (the step messages that carried them)."""
     received: Counter = field(default_factory=Counter)
@@ -176,20 +191,22 @@ class RolloutAssembler:
             spec; two give double buffering (one fills while the other trains).
         actor_timeout_s: an actor not heard from (step or heartbeat) for this many seconds is
             dropped and its unfinished segment discarded.
-        sync: synchronous mode (see the module docstring): actor ``index`` owns the columns
-            ``index * num_envs ...`` of every rollout; episodes are released in (index, seq) order
-            when a rollout is full.
+        sync: synchronous mode (see the module docstring): a rollout's members are the actors
+            joined when it opens, each owns a block of columns, in index order; episodes are
+            released in (index, seq) order when a rollout is full.
         max_policy_lag: when set, a step that would be more than this many versions old when its
             buffer trains does not start a segment: it is dropped and counted as ``stale_steps``
             (rows of a started segment are never older: an actor's versions only grow, and a
             buffer's training version is fixed once it has a segment, see :meth:`trains_at`).
+        planned_columns: the columns a rollout holds with the run's planned actors (synchronous
+            mode, where the buffer may hold more: see :attr:`FullRollout.planned_columns`); 0: ``N``.
 
     Raises:
         ValueError: if ``buffers`` is empty or the buffers disagree in shape.
     """
 
     def __init__(self, buffers: list[RolloutBuffer], *, actor_timeout_s: float, sync: bool = False,
-                 max_policy_lag: int | None = None) -> None:
+                 max_policy_lag: int | None = None, planned_columns: int = 0) -> None:
         if not buffers:
             raise ValueError("RolloutAssembler needs at least one rollout buffer, got none")
         shapes = {(b.rollout_length, b.num_envs, b.schema) for b in buffers}
@@ -199,6 +216,7 @@ class RolloutAssembler:
         self.rollout_length = buffers[0].rollout_length
         self.num_columns = buffers[0].num_envs
         self.actor_timeout_s = actor_timeout_s
+        self.planned_columns = int(planned_columns)
         self.states = [SlotState.FILLING for _ in buffers]
         self._owners = [np.full(self.num_columns, FREE, dtype=np.int64) for _ in buffers]
         self._last_values = [np.zeros(self.num_columns, np.float32) for _ in buffers]
@@ -219,6 +237,8 @@ class RolloutAssembler:
         self._policy_version = 0  # the newest version known here (ingest, release)
         # Synchronous mode: (actor index, seq, returns, lengths) of the filling rollout's messages.
         self._round_episodes: list[tuple[int, int, list[float], list[int]]] = []
+        # Synchronous mode: the members of the filling rollout, actor id -> its columns.
+        self._members: dict[str, np.ndarray] = {}
 
     # ----------------------------------------------------------------------------------- actors
     def join(self, actor_id: str, incarnation: str, spec: StepSpec, *, hostname: str, now: float,
@@ -235,8 +255,9 @@ class RolloutAssembler:
         Raises:
             ValueError: the spec's schema is not the buffers' (a learner bug: messages are written
                 as checked against the spec), ``index`` is held by another joined actor,
-                (synchronous mode) its columns ``index * num_envs ...`` do not fit in the buffer, or
-                the spec's ``steps_per_message`` does not divide the rollout length.
+                (synchronous mode) the joined actors' envs would not fit in the buffer
+                (:meth:`has_room_for`), or the spec's ``steps_per_message`` does not divide the
+                rollout length.
         """
         if spec.schema != self.buffers[0].schema:  # decode_step checks messages against spec.schema only
             raise ValueError("the actor's step schema differs from the rollout buffers' schema")
@@ -251,12 +272,9 @@ class RolloutAssembler:
             holders = [r.actor_id for r in self.actors.values() if r.index == index]
             if holders:
                 raise ValueError(f"actor index {index} is held by actor {holders[0]!r}")
-        if self.sync:
-            rank = self._next_actor_index if index is None else index
-            if (rank + 1) * spec.num_envs > self.num_columns:
-                raise ValueError(
-                    f"sync mode: actor index {rank} x {spec.num_envs} envs needs columns up to "
-                    f"{(rank + 1) * spec.num_envs}, the buffer has {self.num_columns}")
+        if self.sync and not self.has_room_for(spec.num_envs):
+            raise ValueError(f"sync mode: {spec.num_envs} more envs do not fit in the buffer's "
+                             f"{self.num_columns} columns beside the joined actors' {self.joined_envs}")
         if index is None:
             index = self._next_actor_index
         record = ActorRecord(
@@ -270,7 +288,53 @@ class RolloutAssembler:
         )
         self._next_actor_index = max(self._next_actor_index, index) + 1
         self.actors[actor_id] = record
+        if self.sync and self.round_open:
+            self._open_round()
         return record
+
+    @property
+    def joined_envs(self) -> int:
+        """Envs of every joined actor (the columns they would fill in one rollout)."""
+        return sum(r.spec.num_envs for r in self.actors.values())
+
+    def has_room_for(self, num_envs: int) -> bool:
+        """True when an actor of ``num_envs`` envs fits in the buffer beside the joined actors."""
+        return self.joined_envs + num_envs <= self.num_columns
+
+    # ------------------------------------------------------------------- synchronous rounds
+    @property
+    def round_open(self) -> bool:
+        """Synchronous mode: True while the filling rollout has no row and no segment yet, so an
+        actor joining now is one of its members (else its join waits for the next rollout)."""
+        return self.states[0] is SlotState.FILLING and bool(np.all(self._owners[0] == FREE))
+
+    @property
+    def members(self) -> dict[str, np.ndarray]:
+        """Synchronous mode: the filling rollout's members, actor id -> its ``(k,)`` int64 columns."""
+        return dict(self._members)
+
+    def _open_round(self) -> None:
+        """Make every joined actor a member of the filling rollout, in index order from column 0."""
+        self._members = {}
+        start = 0
+        for record in sorted(self.actors.values(), key=lambda r: r.index):
+            k = record.spec.num_envs
+            self._members[record.actor_id] = np.arange(start, start + k, dtype=np.int64)
+            start += k
+
+    def _close_round_if_done(self) -> None:
+        """Synchronous mode: the rollout is full when every member's columns hold ``T`` rows (and one
+        column does); with no member left and nothing finished, the round opens again."""
+        owners = self._owners[0]
+        if self.states[0] is not SlotState.FILLING:
+            return
+        if not np.any(owners == COMPLETE):
+            if self.round_open:  # nothing written: whoever is joined now fills it
+                self._open_round()
+            return
+        if all(np.all(owners[columns] == COMPLETE) for columns in self._members.values()):
+            self.states[0] = SlotState.FULL
+            self._release_round_episodes()
 
     def spec_for(self, actor_id: str, incarnation: str) -> StepSpec | None:
         """The step spec agreed at join time (also for a departed incarnation), or None if unknown."""
@@ -381,6 +445,9 @@ class RolloutAssembler:
 
         if record.segment is None and not record.pending:
             record.segment = self._assign_segment(record)
+        if self.sync and record.segment is None:  # not a member, or its columns are done: not held
+            self.counters.dropped["not_member_steps"] += message.num_envs * message.num_steps
+            return
         if record.segment is None or record.pending:  # no free column: hold it (one segment at most)
             self._hold(record, message)
             return
@@ -462,13 +529,11 @@ class RolloutAssembler:
     def _assign_segment(self, record: ActorRecord) -> Segment | None:
         """Give the actor up to ``num_envs`` free columns of the oldest filling buffer."""
         filling = [s for s, state in enumerate(self.states) if state is SlotState.FILLING]
-        if self.sync:  # the actor's own block of columns, in the oldest filling buffer
-            k = record.spec.num_envs
-            columns = np.arange(record.index * k, (record.index + 1) * k, dtype=np.int64)
-            for slot in sorted(filling, key=lambda s: self._generation[s]):
-                if np.all(self._owners[slot][columns] == FREE):
-                    self._owners[slot][columns] = record.index
-                    return Segment(slot=slot, columns=columns)
+        if self.sync:  # a member's own block of columns, while they are free
+            columns = self._members.get(record.actor_id)
+            if filling and columns is not None and np.all(self._owners[0][columns] == FREE):
+                self._owners[0][columns] = record.index
+                return Segment(slot=0, columns=columns)
             return None
         for slot in sorted(filling, key=lambda s: self._generation[s]):
             free = np.flatnonzero(self._owners[slot] == FREE)
@@ -488,9 +553,10 @@ class RolloutAssembler:
         self._last_dones[segment.slot][segment.columns] = (dones if last == 0 else dones[last])[:k]
         self._owners[segment.slot][segment.columns] = COMPLETE
         record.segment = None
-        if np.all(self._owners[segment.slot] == COMPLETE):
+        if self.sync:
+            self._close_round_if_done()
+        elif np.all(self._owners[segment.slot] == COMPLETE):
             self.states[segment.slot] = SlotState.FULL
-            self._release_round_episodes()
 
     def _release_round_episodes(self) -> None:
         """Synchronous mode: the full rollout's episodes, in (actor index, seq) order."""
@@ -504,6 +570,9 @@ class RolloutAssembler:
         self._discard_segment(record)
         self._drop_pending(record)
         self.actors.pop(record.actor_id, None)
+        if self.sync:
+            self._members.pop(record.actor_id, None)
+            self._close_round_if_done()
         self._departed[record.incarnation] = record.spec
         while len(self._departed) > 1024:
             del self._departed[next(iter(self._departed))]
@@ -555,11 +624,20 @@ class RolloutAssembler:
         if self.states[slot] is not SlotState.FULL:
             return None
         self.states[slot] = SlotState.TRAINING
+        columns_used = None
+        unused = np.flatnonzero(self._owners[slot] != COMPLETE)
+        if unused.size:  # synchronous mode: columns no member filled hold no trainable row
+            self.buffers[slot].seal_columns(unused)
+            self._last_values[slot][unused] = 0.0
+            self._last_dones[slot][unused] = False
+            columns_used = self._owners[slot] == COMPLETE
         return FullRollout(
             slot=slot,
             buffer=self.buffers[slot],
             last_values=self._last_values[slot].copy(),
             last_dones=self._last_dones[slot].copy(),
+            columns_used=columns_used,
+            planned_columns=self.planned_columns,
         )
 
     def release(self, slot: int, policy_version: int | None = None) -> None:
@@ -575,6 +653,8 @@ class RolloutAssembler:
         self.states[slot] = SlotState.FILLING
         if policy_version is not None:
             self._policy_version = max(self._policy_version, policy_version)
+        if self.sync:
+            self._open_round()
         self._drain_all()
 
     def trains_at(self, slot: int) -> int:

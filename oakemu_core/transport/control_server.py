@@ -4,17 +4,20 @@ encoded replies out.
 :class:`ControlServer` takes a decoded request (:class:`~oakemu_core.transport.control.JoinRequest`,
 :class:`~oakemu_core.transport.control.Heartbeat`, :class:`~oakemu_core.transport.control.Leave`) with the
 ZeroMQ identity and peer it came from, and returns the replies to send as ``(identity, frame)``
-pairs: usually one, none for a synchronous-mode join held until every actor has asked, and one per
-held join when the last one arrives. It decides
+pairs: usually one, none for a synchronous-mode join that is held (see below); held joins are
+answered by :meth:`ControlServer.tick`. It decides
 
 * who may speak for an actor (:class:`~oakemu_core.transport.auth.PeerBinding`: impersonation is
   refused and counted);
 * whether a join is accepted, with which :class:`~oakemu_core.transport.steps.StepSpec` (steps per
   message from the joining actor's env count), step ring (a callback the service passes in) and
   ``env_config`` (the scalars every actor builds its envs from);
-* the synchronous mode's ranks: joins wait until ``num_actors`` actors have asked, then take their
-  indices in actor-id order (columns and env seeds do not depend on who connected first); later
-  joins take their old index or a free one;
+* the synchronous mode's rollout members: the first rollout waits until ``num_actors`` actors have
+  asked (or :data:`START_GRACE_S` after the first asked), then they join with indices in actor-id
+  order (columns and env seeds do not depend on who connected first); later a join is answered while
+  the filling rollout has no row yet (the actor is one of its members) and held otherwise, until the
+  next rollout opens (it then acts with the weights that rollout is acted by); a returning actor takes
+  its old index, a new one the lowest free index; the buffer's room (``max_actors``) bounds the actors;
 * whether the run has an actor acting with rounded weights (:attr:`ControlServer.reevaluate_every_rollout`).
 
 The service (``oakemu_services.learner``) owns the sockets and the envelope framing.
@@ -48,12 +51,16 @@ if TYPE_CHECKING:
     from oakemu_core.storage.assembler import RolloutAssembler
     from oakemu_core.transport.auth import PeerBinding
 
-__all__ = ["MAX_ACTOR_ENVS", "ControlServer", "Reply", "env_config"]
+__all__ = ["MAX_ACTOR_ENVS", "START_GRACE_S", "ControlServer", "Reply", "env_config"]
 
 log = logging.getLogger("oakemu.learner")
 
 MAX_ACTOR_ENVS = 65_536
 """Largest ``num_envs`` an actor may declare (the wire's limit for one array dimension)."""
+
+START_GRACE_S = 30.0
+"""Synchronous mode: the first rollout starts with the actors that asked to join this many seconds
+after the first one, when fewer than ``num_actors`` did."""
 
 Reply = tuple[Any, bytes]
 """``(identity, encoded reply)``: the ZeroMQ identity of the requester and the frame to send it."""
@@ -119,6 +126,8 @@ class ControlServer:
         """True once an actor acting with rounded weights (bfloat16) joined: every rollout is then
         re-evaluated in float32 before GAE."""
         self._pending_joins: dict[str, tuple[Any, JoinRequest]] = {}
+        self._first_pending_at: float | None = None
+        self._started = False  # synchronous mode: the first rollout's members have joined
         self._sync_ranks: dict[str, int] = {}
 
     def publish(self, policy_version: int, weights: dict[str, np.ndarray]) -> None:
@@ -229,8 +238,8 @@ class ControlServer:
         return StepSpec(num_envs=message.num_envs, schema=self.schema, steps_per_message=steps)
 
     def _sync_join(self, message: JoinRequest, now: float, identity: Any) -> list[Reply]:
-        """Synchronous mode: hold joins until ``num_actors`` actors have asked, then answer them all
-        with indices in actor-id order; later joins take their old index or a free one."""
+        """Synchronous mode: answer the join now when the filling rollout has no row yet, else hold
+        it for :meth:`tick` (see the module docstring)."""
         config = self.config
         if message.num_envs != config.envs_per_actor:
             self.counters.accepted["join_refused"] += 1
@@ -239,29 +248,54 @@ class ControlServer:
             log.warning("refused actor %s: %s", message.actor_id, reason)
             return [(identity, self.refuse_join(reason))]
         self.counters.accepted["join"] += 1  # a held join counts when it arrives (each retry too)
-        if self._sync_ranks:  # the run has started: an actor comes back or replaces one that left
-            held = {r.index for r in self.assembler.actors.values() if r.actor_id != message.actor_id}
-            rank = self._sync_ranks.get(message.actor_id)
-            if rank is None or rank in held:
-                free = sorted(set(range(config.num_actors)) - held)
-                rank = free[0] if free else None
-            if rank is None:
-                self.counters.accepted["join"] -= 1
-                self.counters.accepted["join_refused"] += 1
-                reason = f"mode='sync': the run's num_actors={config.num_actors} actors are all connected"
-                log.warning("refused actor %s: %s", message.actor_id, reason)
-                return [(identity, self.refuse_join(reason))]
-            self._sync_ranks[message.actor_id] = rank
-            return [(identity, self.grant_join(message, now, index=rank))]
+        previous = self.assembler.actors.get(message.actor_id)
+        if previous is not None and previous.incarnation != message.incarnation:
+            # The actor restarted: its old incarnation acts no more, its unfinished segment goes now.
+            self.assembler.leave(previous.actor_id, previous.incarnation)
+            log.info("actor %s restarted: its previous incarnation left", message.actor_id)
+        if message.actor_id not in self._pending_joins:
+            if self._started:
+                log.info("mode='sync': actor %s joins at the next rollout", message.actor_id)
+            else:
+                log.info("mode='sync': actor %s waits for %d more actor(s) to join (at most %.0f s)",
+                         message.actor_id, max(0, config.num_actors - len(self._pending_joins) - 1), START_GRACE_S)
         self._pending_joins[message.actor_id] = (identity, message)  # a retry replaces the held request
-        if len(self._pending_joins) < config.num_actors:
-            log.info("mode='sync': actor %s waits for %d more actor(s) to join", message.actor_id,
-                     config.num_actors - len(self._pending_joins))
+        if self._first_pending_at is None:
+            self._first_pending_at = now
+        return self.tick(now)
+
+    def tick(self, now: float) -> list[Reply]:
+        """Synchronous mode: answer the held joins that may join now (the replies to send): the first
+        rollout's actors once ``num_actors`` asked or :data:`START_GRACE_S` passed, later ones while
+        the filling rollout has no row yet. Call it every loop turn (and after a buffer is released)."""
+        if not self.sync or not self._pending_joins:
             return []
-        pending, self._pending_joins = self._pending_joins, {}
+        if not self._started:
+            waited = now - (self._first_pending_at if self._first_pending_at is not None else now)
+            if len(self._pending_joins) < self.config.num_actors and waited < START_GRACE_S:
+                return []
+        elif not self.assembler.round_open:
+            return []
+        self._started = True
+        pending, self._pending_joins, self._first_pending_at = self._pending_joins, {}, None
         replies = []
-        for rank, actor_id in enumerate(sorted(pending)):
-            self._sync_ranks[actor_id] = rank
-            held_identity, request = pending[actor_id]
-            replies.append((held_identity, self.grant_join(request, now, index=rank)))
+        for actor_id in sorted(pending):
+            identity, request = pending[actor_id]
+            replies.append((identity, self._grant_sync(request, now)))
         return replies
+
+    def _grant_sync(self, message: JoinRequest, now: float) -> bytes:
+        """Join a held actor with its old index (or the lowest free one), if the buffer has room."""
+        if not self.assembler.has_room_for(message.num_envs):
+            self.counters.accepted["join"] -= 1
+            self.counters.accepted["join_refused"] += 1
+            reason = (f"mode='sync': the rollout buffer holds max_actors={self.config.resolved_max_actors} "
+                      f"actors of {self.config.envs_per_actor} envs, all joined (raise max_actors)")
+            log.warning("refused actor %s: %s", message.actor_id, reason)
+            return self.refuse_join(reason)
+        held = {r.index for r in self.assembler.actors.values()}
+        rank = self._sync_ranks.get(message.actor_id)
+        if rank is None or rank in held:
+            rank = next(i for i in range(len(held) + 1) if i not in held)
+        self._sync_ranks[message.actor_id] = rank
+        return self.grant_join(message, now, index=rank)
