@@ -275,3 +275,15 @@ def test_final_console_line_comes_from_the_last_update_record(tmp_path) -> None:
     assert update == 2
     assert line.startswith("update     2 | steps       512 | SPS    110 (recent    130) | return    21.50")
     assert "actors 2" in line
+
+
+def test_a_repeated_join_of_the_same_incarnation_keeps_its_place_in_the_rollout(one_buffer) -> None:
+    assembler = RolloutAssembler([one_buffer], actor_timeout_s=5.0, sync=True)
+    assembler.join("a", "inc-a", spec(3), hostname="h", now=0.0, index=0)
+    assembler.join("z", "inc-z", spec(3), hostname="h", now=0.0, index=1)
+    send_segment(assembler, "a", 1)
+    assembler.join("z", "inc-z", spec(3), hostname="h", now=1.0, index=1)  # z's join reply was lost: it asks again
+    assert assembler.members["z"].tolist() == [3, 4, 5]
+    send_segment(assembler, "z", T)
+    send_segment(assembler, "a", T - 1, first_seq=1)
+    assert assembler.states[0] is SlotState.FULL

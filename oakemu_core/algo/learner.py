@@ -404,12 +404,16 @@ class PPOLearner:
         current version (every rollout in sync mode) is left as it is unless ``reevaluate``. A
         re-evaluation with non-finite figures is not used (:attr:`corrections_skipped`)."""
         buffer = rollout.buffer
+        used = rollout.columns_used  # sealed columns (no rows) count for no statistic
         stale_rows, lag = drop_stale_rows(buffer, current_policy_version=self.policy_version,
-                                          max_policy_lag=self.config.max_policy_lag)
-        lag.update(self.lag_in_sgd_steps(buffer.policy_versions, buffer.policy_revisions))
+                                          max_policy_lag=self.config.max_policy_lag, columns=used)
+        versions, revisions = buffer.policy_versions, buffer.policy_revisions
+        if used is not None:
+            versions, revisions = versions[:, used], revisions[:, used]
+        lag.update(self.lag_in_sgd_steps(versions, revisions))
         proximal = None
         if self.config.off_policy_correction == "decoupled" and (
-                reevaluate or bool((buffer.policy_versions != self.policy_version).any())):
+                reevaluate or bool((versions != self.policy_version).any())):
             with self.learner_model.locked():
                 evaluation = self.updater.evaluate_rollout(buffer)
             if evaluation.finite_on(buffer.trainable):
@@ -419,7 +423,6 @@ class PPOLearner:
                 self.corrections_skipped += 1
                 log.warning("update %d: the current weights give non-finite values or log-probs on this "
                             "rollout; it trains without the off-policy correction", self.iterations + 1)
-        used = rollout.columns_used
         if self.reward_scaler is not None:
             rewards, dones = buffer.rewards, buffer.dones
             if used is not None:
@@ -571,10 +574,13 @@ class PPOLearner:
             events += notes
             self._submit_to_tester(current_step())
             version, weights = self.learner_model.snapshot()
+            buffer, used = prepared.buffer, prepared.columns_used
+            columns = buffer.num_envs if used is None else int(used.sum())
             handshake.complete(TrainResult(
                 published.rollout.slot, version, weights, stats, prepared.stale_rows, prepared.lag, self.iterations,
-                evaluations, events, trainable_share=prepared.buffer.trainable_size / max(1, prepared.buffer.total_size),
-                rollbacks=policy.rollbacks,
+                evaluations, events, trainable_share=buffer.trainable_size / max(1, columns * buffer.rollout_length),
+                rollbacks=policy.rollbacks, columns=columns,
+                planned_columns=published.rollout.planned_columns or buffer.num_envs,
             ))
 
     def _submit_to_tester(self, global_step: int, *, force: bool = False) -> None:

@@ -266,6 +266,8 @@ class RolloutAssembler:
                 f"steps_per_message: expected a divisor of rollout_length {self.rollout_length} (a step "
                 f"message never crosses a segment boundary), received {spec.steps_per_message}")
         previous = self.actors.get(actor_id)
+        # A repeated join of the same incarnation (its reply was lost) keeps its place in the rollout.
+        kept = self._members.get(actor_id) if previous is not None and previous.incarnation == incarnation else None
         if previous is not None:
             self._forget(previous)
         if index is not None:
@@ -290,6 +292,8 @@ class RolloutAssembler:
         self.actors[actor_id] = record
         if self.sync and self.round_open:
             self._open_round()
+        elif kept is not None and np.all(self._owners[0][kept] == FREE):
+            self._members[actor_id] = kept
         return record
 
     @property
@@ -672,12 +676,14 @@ class RolloutAssembler:
         return self.trains_at(slot) - policy_version > self.max_policy_lag
 
     def buffer_fill(self) -> float:
-        """Fraction of rows written in the oldest filling buffer (0..1), 1.0 when none is filling."""
+        """Fraction of rows written in the oldest filling buffer (0..1; synchronous mode: of its
+        members' rows), 1.0 when none is filling."""
         filling = [s for s, state in enumerate(self.states) if state is SlotState.FILLING]
         if not filling:
             return 1.0
         slot = min(filling, key=lambda s: self._generation[s])
-        return float(self.buffers[slot].column_steps.sum()) / (self.rollout_length * self.num_columns)
+        columns = sum(len(c) for c in self._members.values()) if self.sync else self.num_columns
+        return float(self.buffers[slot].column_steps.sum()) / (self.rollout_length * max(1, columns))
 
     def take_episodes(self) -> tuple[list[float], list[int]]:
         """Episodic returns and lengths received since the last call."""
@@ -686,19 +692,26 @@ class RolloutAssembler:
         return returns, lengths
 
 
-def drop_stale_rows(buffer: RolloutBuffer, *, current_policy_version: int, max_policy_lag: int) -> tuple[int, dict[str, float]]:
+def drop_stale_rows(buffer: RolloutBuffer, *, current_policy_version: int, max_policy_lag: int,
+                    columns: np.ndarray | None = None) -> tuple[int, dict[str, float]]:
     """Exclude rows whose policy lag exceeds ``max_policy_lag`` from training.
 
     Policy lag of a row = ``current_policy_version - policy_versions[t, e]`` (updates between the
     policy that acted and the one about to be trained).
 
+    Args:
+        columns: ``(N,)`` bool, the columns that hold rows (the others are sealed and not looked
+            at), or None: every column.
+
     Returns:
-        ``(rows_dropped, stats)``: ``stats`` holds the lag ``min``/``mean``/``max`` over all rows and
-        ``newest_version``, the highest policy version that acted in the rollout.
+        ``(rows_dropped, stats)``: ``stats`` holds the lag ``min``/``mean``/``max`` over the rows
+        of ``columns`` and ``newest_version``, the highest policy version that acted in them.
     """
     versions = buffer.policy_versions
     lag = current_policy_version - versions
     dropped = buffer.mark_untrainable(lag > max_policy_lag)
+    if columns is not None:
+        versions, lag = versions[:, columns], lag[:, columns]
     return dropped, {
         "min": float(lag.min()),
         "mean": float(lag.mean()),

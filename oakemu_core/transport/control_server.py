@@ -249,7 +249,10 @@ class ControlServer:
             return [(identity, self.refuse_join(reason))]
         self.counters.accepted["join"] += 1  # a held join counts when it arrives (each retry too)
         previous = self.assembler.actors.get(message.actor_id)
-        if previous is not None and previous.incarnation != message.incarnation:
+        if previous is not None and previous.incarnation == message.incarnation:
+            # A retry of a join answered already (the reply was lost): answered again, at once.
+            return [(identity, self.grant_join(message, now, index=previous.index))]
+        if previous is not None:
             # The actor restarted: its old incarnation acts no more, its unfinished segment goes now.
             self.assembler.leave(previous.actor_id, previous.incarnation)
             log.info("actor %s restarted: its previous incarnation left", message.actor_id)
