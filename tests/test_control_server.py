@@ -228,3 +228,14 @@ def test_the_first_sync_rollout_starts_with_the_actors_present_after_the_grace_p
     assert server.tick(START_GRACE_S - 1.0) == []
     replies = decoded(server.tick(START_GRACE_S + 0.1))
     assert [(to, reply.actor_index) for to, reply in replies] == [("a", 0), ("b", 1)]
+
+
+def test_a_heartbeat_reply_says_how_many_of_the_actors_steps_the_learner_holds(make_server) -> None:
+    server = make_server(num_actors=1, envs_per_actor=2)  # async: two buffers of 2 columns x 32 rows
+    join(server, "a")
+    for seq in range(2 * 32 + 3):  # both buffers full (none trains here): the last 3 steps are held
+        server.assembler.ingest(cartpole_step("a", seq), current_policy_version=3, now=0.0)
+    assert heartbeat(server, "a") == HeartbeatReply("ok", 3, held_rows=3)
+    assert server.assembler.take_full_rollout() is not None
+    server.assembler.release(0, policy_version=4)  # the held steps go into the released buffer
+    assert heartbeat(server, "a") == HeartbeatReply("ok", 3, held_rows=0)

@@ -185,10 +185,13 @@ class Heartbeat:
 @dataclass(frozen=True)
 class HeartbeatReply:
     """Learner -> actor: ``"ok"``, ``"rejoin"`` (learner forgot this incarnation: join again) or
-    ``"stop"`` (shut down), plus the learner's current policy version."""
+    ``"stop"`` (shut down), plus the learner's current policy version and ``held_rows``: vector
+    steps of this actor that the learner holds for lack of free columns (an actor with held steps
+    waits for newer weights instead of acting ahead: what it acted now would be thrown away)."""
 
     status: str
     policy_version: int
+    held_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -363,7 +366,9 @@ def encode_heartbeat_reply(msg: HeartbeatReply) -> bytes:
     if msg.status not in HEARTBEAT_STATUSES:
         raise ValueError(f"status: expected one of {HEARTBEAT_STATUSES}, received {msg.status!r}")
     check_local_int(msg.policy_version, "policy_version")
-    return pack({**header(TYPE_HEARTBEAT_REPLY), "status": msg.status, "policy_version": int(msg.policy_version)})
+    check_local_int(msg.held_rows, "held_rows")
+    return pack({**header(TYPE_HEARTBEAT_REPLY), "status": msg.status, "policy_version": int(msg.policy_version),
+                 "held_rows": int(msg.held_rows)})
 
 
 def encode_leave(msg: Leave) -> bytes:
@@ -470,11 +475,12 @@ def _decode_heartbeat(obj: dict[str, Any]) -> Heartbeat:
 
 
 def _decode_heartbeat_reply(obj: dict[str, Any]) -> HeartbeatReply:
-    require_fields(obj, ("status", "policy_version"))
+    require_fields(obj, ("status", "policy_version", "held_rows"))
     status = obj["status"]
     if type(status) is not str or status not in HEARTBEAT_STATUSES:
         reject("schema", f"status: expected one of {HEARTBEAT_STATUSES}, received {describe(status)}")
-    return HeartbeatReply(status=status, policy_version=get_int(obj, "policy_version"))
+    return HeartbeatReply(status=status, policy_version=get_int(obj, "policy_version"),
+                          held_rows=get_int(obj, "held_rows"))
 
 
 def _decode_leave(obj: dict[str, Any]) -> Leave:

@@ -176,7 +176,10 @@ class ControlServer:
             )
             self.counters.accepted["heartbeat" if known else "unknown_actor_control"] += 1
             status = "stop" if stopping else ("ok" if known else "rejoin")
-            return [(identity, encode_heartbeat_reply(HeartbeatReply(status=status, policy_version=self.policy_version)))]
+            record = self.assembler.actors.get(message.actor_id)
+            held = record.pending_rows if known and record is not None else 0
+            return [(identity, encode_heartbeat_reply(
+                HeartbeatReply(status=status, policy_version=self.policy_version, held_rows=held)))]
         if isinstance(message, Leave):
             if self.assembler.leave(message.actor_id, message.incarnation):
                 self.counters.accepted["leave"] += 1
