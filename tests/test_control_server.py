@@ -231,9 +231,9 @@ def test_the_first_sync_rollout_starts_with_the_actors_present_after_the_grace_p
 
 
 def test_a_heartbeat_reply_says_how_many_of_the_actors_steps_the_learner_holds(make_server) -> None:
-    server = make_server(num_actors=1, envs_per_actor=2)  # async: two buffers of 2 columns x 32 rows
+    server = make_server(num_actors=1, envs_per_actor=2)  # async, one buffer of 2 columns x 32 rows
     join(server, "a")
-    for seq in range(2 * 32 + 3):  # both buffers full (none trains here): the last 3 steps are held
+    for seq in range(32 + 3):  # the buffer is full (it does not train here): the last 3 steps are held
         server.assembler.ingest(cartpole_step("a", seq), current_policy_version=3, now=0.0)
     assert heartbeat(server, "a") == HeartbeatReply("ok", 3, held_rows=3)
     assert server.assembler.take_full_rollout() is not None
