@@ -161,11 +161,11 @@ class OakEmuConfig(PPOSettings, BaseSettings):
         "SGD steps were taken since the weights were last published (1: after every epoch).",
     )
     mode: Literal["async", "sync"] = Field(
-        "async",
-        description="async: actors keep stepping while the learner trains (rows up to max_policy_lag versions "
-        "old, two rollout buffers); sync: on-policy, each actor fills its own columns of the one rollout buffer "
-        "then waits for the weights trained on it (policy lag 0, a seed reproduces exactly on one machine; "
-        "needs num_envs == num_actors * envs_per_actor).",
+        "sync",
+        description="sync: on-policy as SB3; each rollout is filled by the actors present when it starts, each "
+        "actor then waits for the weights trained on it (policy lag 0; actors may die, join or leave; a fixed set "
+        "reproduces a seed on one machine; needs num_envs == num_actors * envs_per_actor). async: actors keep "
+        "stepping while the learner trains (rows up to max_policy_lag versions old, two rollout buffers).",
     )
     max_actors: int | None = Field(
         None, ge=1,

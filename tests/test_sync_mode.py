@@ -233,7 +233,7 @@ def test_a_rollout_whose_members_all_left_with_nothing_finished_opens_again(one_
 
 # ------------------------------------------------------------------------------------- config
 def test_sync_mode_needs_one_column_per_actor_env() -> None:
-    assert load_config([]).mode == "async"
+    assert load_config([]).mode == "sync"
     assert load_config(["--mode", "sync", "--num-actors", "2", "--envs-per-actor", "4"]).buffer_num_envs == 8
     with pytest.raises(ConfigError, match="mode='sync'.*exactly 8 columns.*num_envs=12"):
         load_config(["--mode", "sync", "--num-actors", "2", "--envs-per-actor", "4", "--num-envs", "12"])
