@@ -130,7 +130,8 @@ class OakEmuConfig(PPOSettings, BaseSettings):
         "thread), split among its env groups (at least 1 each). None: the CPUs this process may use divided by "
         "num_actors, at least 1, as for the actors of `oakemu train`; set it for actors started on their own.")
     num_envs: int | None = Field(
-        None, ge=1, description="Learner rollout buffer columns (default num_actors * envs_per_actor)."
+        None, ge=1, description="Rollout columns the learner plans for (default num_actors * envs_per_actor): the "
+        "rollout size, so minibatch rows = rollout_length * num_envs / num_minibatches. Async: the buffer's columns."
     )
     max_episode_steps: int | None = Field(
         None, ge=1, description="Time limit in agent steps overriding the env's own (None keeps it)."
@@ -164,7 +165,7 @@ class OakEmuConfig(PPOSettings, BaseSettings):
         "sync",
         description="sync: on-policy as SB3; each rollout is filled by the actors present when it starts, each "
         "actor then waits for the weights trained on it (policy lag 0; actors may die, join or leave; a fixed set "
-        "reproduces a seed on one machine; needs num_envs == num_actors * envs_per_actor). async: actors keep "
+        "reproduces a seed on one machine; num_envs sets the minibatch size). async: actors keep "
         "stepping while the learner trains (rows up to max_policy_lag versions old, two rollout buffers).",
     )
     max_actors: int | None = Field(
@@ -330,12 +331,6 @@ class OakEmuConfig(PPOSettings, BaseSettings):
             raise ValueError(
                 f"num_envs: the learner's {buffer_columns} buffer columns must hold at least one actor's "
                 f"envs_per_actor={self.envs_per_actor} envs; received num_envs={self.num_envs}"
-            )
-        if self.mode == "sync" and buffer_columns != self.num_actors * self.envs_per_actor:
-            raise ValueError(
-                f"num_envs: mode='sync' gives each of the num_actors={self.num_actors} actors its own "
-                f"envs_per_actor={self.envs_per_actor} columns, so the buffer needs exactly "
-                f"{self.num_actors * self.envs_per_actor} columns; received num_envs={self.num_envs}"
             )
         if self.steps_per_message != "auto" and (
                 self.steps_per_message < 1 or self.rollout_length % self.steps_per_message):

@@ -232,11 +232,14 @@ def test_a_rollout_whose_members_all_left_with_nothing_finished_opens_again(one_
 
 
 # ------------------------------------------------------------------------------------- config
-def test_sync_mode_needs_one_column_per_actor_env() -> None:
+def test_sync_mode_plans_num_envs_columns_and_allocates_room_for_max_actors() -> None:
     assert load_config([]).mode == "sync"
-    assert load_config(["--mode", "sync", "--num-actors", "2", "--envs-per-actor", "4"]).buffer_num_envs == 8
-    with pytest.raises(ConfigError, match="mode='sync'.*exactly 8 columns.*num_envs=12"):
-        load_config(["--mode", "sync", "--num-actors", "2", "--envs-per-actor", "4", "--num-envs", "12"])
+    config = load_config(["--mode", "sync", "--num-actors", "2", "--envs-per-actor", "4"])
+    assert (config.buffer_num_envs, config.resolved_max_actors, config.allocated_num_envs) == (8, 4, 16)
+    config = load_config(["--num-actors", "3", "--envs-per-actor", "4", "--num-envs", "20", "--max-actors", "2"])
+    assert (config.buffer_num_envs, config.allocated_num_envs) == (20, 20), "room for the planned columns at least"
+    config = load_config(["--mode", "async", "--num-actors", "2", "--envs-per-actor", "4", "--max-actors", "9"])
+    assert config.allocated_num_envs == 8, "async: the buffers hold num_envs columns"
     with pytest.raises(ConfigError, match="mode"):
         load_config(["--mode", "lockstep"])
 
