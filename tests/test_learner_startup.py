@@ -29,7 +29,7 @@ def _free_ports(count: int) -> list[int]:
 def _cartpole_learner_config(tmp_path: Path, run_name: str) -> OakEmuConfig:
     """A small CartPole learner on free loopback ports, metrics (Prometheus) on."""
     data, control, weights, telemetry, metrics = _free_ports(5)
-    return OakEmuConfig(env_id="CartPole-v1", envs_per_actor=2, num_envs=2, rollout_length=8, runs_dir=tmp_path,
+    return OakEmuConfig(env_id="CartPole-v1", num_actors=1, envs_per_actor=2, num_envs=2, rollout_length=8, runs_dir=tmp_path,
                         run_name=run_name, bind_host="127.0.0.1", data_port=data, control_port=control,
                         weights_port=weights, telemetry_port=telemetry, metrics_port=metrics, log_level="WARNING")
 
@@ -66,7 +66,7 @@ def test_learner_refuses_a_rollout_that_does_not_fit_in_dev_shm(tmp_path: Path) 
     assert needed, output
     config = OakEmuConfig(env_id="ALE/Breakout-v5", envs_per_actor=8, num_envs=num_envs, rollout_length=rollout_length,
                           mode="async")
-    assert int(needed.group(1)) == num_rollout_buffers(config) * rollout_buffer_bytes(config, schema_for_env(env_spec(config.env_id)))
+    assert int(needed.group(1)) == NUM_ROLLOUT_BUFFERS * rollout_buffer_bytes(config, schema_for_env(env_spec(config.env_id)))
     assert "shm_size" in output
     assert "Traceback" not in output
 
