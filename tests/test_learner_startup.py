@@ -122,7 +122,7 @@ def _precision_learner(tmp_path: Path, env_id: str):
     from oakemu_services.learner import Learner
 
     ports = _free_ports(5)
-    config = OakEmuConfig(env_id=env_id, num_actors=2, envs_per_actor=2, rollout_length=8, runs_dir=tmp_path,
+    config = OakEmuConfig(env_id=env_id, num_actors=1, envs_per_actor=2, rollout_length=8, runs_dir=tmp_path,
                           run_name="precision", data_port=ports[0], control_port=ports[1], weights_port=ports[2],
                           telemetry_port=ports[3], metrics_port=ports[4], log_level="WARNING")
     return Learner(config, tmp_path / "precision")
