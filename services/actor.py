@@ -53,6 +53,7 @@ from oakemu_core.run.metrics import StepRateMeter
 from oakemu_core.transport.auth import client_security
 from oakemu_core.transport.channels import StepChannel, open_step_channel, step_socket_connector
 from oakemu_core.transport.control import JoinReply, JoinRequest, StopNotice, WeightsMessage
+from oakemu_core.transport.liveness import process_identity
 from oakemu_core.transport.step_blocks import StepBlock
 from oakemu_core.transport.step_ring import StepRing, shared_memory_host_id
 from oakemu_core.transport.steps import StepMessage, StepSpec
@@ -93,10 +94,12 @@ class Actor:
         control = ControlChannel(self.context, config.learner_address(config.control_port), config.max_message_bytes,
                                  self.security)
         patience_s = 3 * config.actor_timeout_s
+        pid, pid_namespace = process_identity()
         request = JoinRequest(  # the client gives every join its own incarnation
             actor_id=self.actor_id, incarnation="", num_envs=config.envs_per_actor, hostname=socket.gethostname(),
             host_id=shared_memory_host_id() if config.step_transport == "auto" else "",
-            inference_precision="bfloat16" if config.actor_inference == "bfloat16" else "float32")
+            inference_precision="bfloat16" if config.actor_inference == "bfloat16" else "float32",
+            pid=pid, pid_namespace=pid_namespace)
         # Heartbeats that get no answer mid-run are reported every few seconds, not only the give-up.
         self.client = LearnerClient(control, request, patience_s=patience_s,
                                     silence=RetryReporter(log, "learner", control.address, give_up_s=patience_s))

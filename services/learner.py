@@ -438,10 +438,12 @@ class Learner:
 
     def _expire_silent_actors(self, now: float) -> None:
         """Drop actors silent for ``actor_timeout_s``, with their peer bindings and step rings."""
-        self.peers.retain(self.assembler.actors)
+        for actor_id, why in self.control_server.drop_gone_actors():
+            log.warning("actor %s %s (its process): dropped, its unfinished segment discarded", actor_id, why)
         for actor_id in self.assembler.expire_silent_actors(now):
             log.warning("actor %s silent for %.1f s: dropped, its unfinished segment discarded",
                         actor_id, self.config.actor_timeout_s)
+        self.peers.retain(self.assembler.actors)
         self.rings.retain({(r.actor_id, r.incarnation) for r in self.assembler.actors.values()})
 
     def _log_ingest_summary(self) -> None:

@@ -53,6 +53,7 @@ def make_server() -> Iterator[Any]:
     buffers: list[RolloutBuffer] = []
 
     def make(*, host_id: str = "", offer_ring: Any = None, **settings: Any) -> ControlServer:
+        settings.setdefault("mode", "async")  # the tests of the synchronous mode say so
         config = OakEmuConfig(env_id="CartPole-v1", rollout_length=32, seed=7, log_level="WARNING", **settings)
         spec = env_spec(config.env_id)
         schema = schema_for_env(spec)

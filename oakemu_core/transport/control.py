@@ -108,6 +108,9 @@ class JoinRequest:
             ring, ``""`` when it sends its arrays inline only.
         inference_precision: precision of the actor's forward passes, one of :data:`INFERENCE_PRECISIONS`:
             its log-probs and values are those of the learner's weights rounded to it.
+        pid, pid_namespace: the actor's process id and PID namespace
+            (:func:`oakemu_core.transport.liveness.process_identity`); a learner in the same namespace
+            notices at once when the process exits (0 / ``""``: unknown).
     """
 
     actor_id: str
@@ -116,6 +119,8 @@ class JoinRequest:
     hostname: str
     host_id: str = ""
     inference_precision: str = "float32"
+    pid: int = 0
+    pid_namespace: str = ""
 
 
 @dataclass(frozen=True)
@@ -311,6 +316,8 @@ def encode_join_request(msg: JoinRequest) -> bytes:
             "hostname": str(msg.hostname),
             "host_id": str(msg.host_id),
             "inference_precision": msg.inference_precision,
+            "pid": int(msg.pid),
+            "pid_namespace": str(msg.pid_namespace),
         }
     )
 
@@ -405,7 +412,8 @@ def encode_stop(msg: StopNotice) -> bytes:
 
 
 def _decode_join(obj: dict[str, Any]) -> JoinRequest:
-    require_fields(obj, ("actor_id", "incarnation", "num_envs", "hostname", "host_id", "inference_precision"))
+    require_fields(obj, ("actor_id", "incarnation", "num_envs", "hostname", "host_id", "inference_precision", "pid",
+                         "pid_namespace"))
     precision = get_str(obj, "inference_precision")
     if precision not in INFERENCE_PRECISIONS:
         raise MessageRejected("value_range", f"inference_precision: expected one of {INFERENCE_PRECISIONS}, "
@@ -417,6 +425,8 @@ def _decode_join(obj: dict[str, Any]) -> JoinRequest:
         hostname=get_str(obj, "hostname", max_len=MAX_TEXT_LENGTH, allow_empty=True),
         host_id=get_str(obj, "host_id", allow_empty=True),
         inference_precision=precision,
+        pid=get_int(obj, "pid"),
+        pid_namespace=get_str(obj, "pid_namespace", max_len=MAX_TEXT_LENGTH, allow_empty=True),
     )
 
 

@@ -18,7 +18,9 @@ answered by :meth:`ControlServer.tick`. It decides
   the filling rollout has no row yet (the actor is one of its members) and held otherwise, until the
   next rollout opens (it then acts with the weights that rollout is acted by); a returning actor takes
   its old index, a new one the lowest free index; the buffer's room (``max_actors``) bounds the actors;
-* whether the run has an actor acting with rounded weights (:attr:`ControlServer.reevaluate_every_rollout`).
+* whether the run has an actor acting with rounded weights (:attr:`ControlServer.reevaluate_every_rollout`);
+* which actors' processes it watches (:class:`~oakemu_core.transport.liveness.LocalProcesses`: those in
+  the learner's PID namespace), so one that exits is dropped at once (:meth:`ControlServer.drop_gone_actors`).
 
 The service (``oakemu_services.learner``) owns the sockets and the envelope framing.
 """
@@ -43,6 +45,7 @@ from oakemu_core.transport.control import (
     encode_heartbeat_reply,
     encode_join_reply,
 )
+from oakemu_core.transport.liveness import LocalProcesses
 from oakemu_core.transport.steps import StepSpec
 
 if TYPE_CHECKING:
@@ -104,12 +107,14 @@ class ControlServer:
         offer_ring: ``(request, spec) -> StepRingOffer | None``: makes a step ring for a joining
             actor on this machine (None: no room, its arrays go inline).
         policy_version, weights: the weights the actors get now (see :meth:`publish`).
+        processes: watches the joined actors' processes (None: a :class:`LocalProcesses` on ``/proc``).
     """
 
     def __init__(self, config: OakEmuConfig, schema: StepSchema, observation_layout: Any,
                  assembler: RolloutAssembler, peers: PeerBinding, rejections: Any, *, host_id: str,
                  offer_ring: Callable[[JoinRequest, StepSpec], StepRingOffer | None],
-                 policy_version: int, weights: dict[str, np.ndarray]) -> None:
+                 policy_version: int, weights: dict[str, np.ndarray],
+                 processes: LocalProcesses | None = None) -> None:
         self.config = config
         self.schema = schema
         self.observation_layout = observation_layout
@@ -122,6 +127,7 @@ class ControlServer:
         self.sync = config.mode == "sync"
         self.policy_version = int(policy_version)
         self.weights = weights
+        self.processes = processes if processes is not None else LocalProcesses()
         self.reevaluate_every_rollout = False
         """True once an actor acting with rounded weights (bfloat16) joined: every rollout is then
         re-evaluated in float32 before GAE."""
@@ -221,8 +227,9 @@ class ControlServer:
             spec = self.step_spec(message, step_ring=False)
         record = self.assembler.join(message.actor_id, message.incarnation, spec, hostname=message.hostname, now=now,
                                      index=index)
-        log.info("actor %s joined (%d envs, host %s, index %d)", message.actor_id, message.num_envs,
-                 message.hostname, record.index)
+        watched = self.processes.watch(message.actor_id, message.incarnation, message.pid, message.pid_namespace)
+        log.info("actor %s joined (%d envs, host %s, index %d%s)", message.actor_id, message.num_envs,
+                 message.hostname, record.index, f", process {message.pid} watched" if watched else "")
         if message.inference_precision == "bfloat16" and not self.reevaluate_every_rollout:
             self.reevaluate_every_rollout = True
             log.info("actor %s acts in %s: every rollout is re-evaluated in float32 before GAE%s", message.actor_id,
@@ -233,6 +240,19 @@ class ControlServer:
             JoinReply(True, "", record.index, spec, env_config(self.config, record.index), self.policy_version,
                       self.weights, step_ring=ring)
         )
+
+    def drop_gone_actors(self) -> list[tuple[str, str]]:
+        """Drop the joined actors whose watched process exited or was stopped (their unfinished
+        segments are discarded now, not after ``actor_timeout_s``), counted as ``dropped["exited_actors"]``
+        / ``dropped["stopped_actors"]``; returns ``(actor_id, why)`` of each. A stopped one that is
+        continued is told to rejoin at its next heartbeat."""
+        dropped = []
+        self.processes.retain({(r.actor_id, r.incarnation) for r in self.assembler.actors.values()})
+        for actor_id, incarnation, why in self.processes.gone():
+            if self.assembler.leave(actor_id, incarnation):
+                self.assembler.counters.dropped[f"{why}_actors"] += 1
+                dropped.append((actor_id, why))
+        return dropped
 
     def step_spec(self, message: JoinRequest, *, step_ring: bool) -> StepSpec:
         """The spec of a joining actor's step messages (K without the byte bound for a step ring)."""
