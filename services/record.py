@@ -31,12 +31,12 @@ def load_checkpoint_policy(checkpoint: Path) -> tuple[Any, str, dict[str, Any]]:
     from oakemu_core.run.checkpoint import load_checkpoint, resolve_checkpoint
     from oakemu_core.envs import env_spec
     from oakemu_core.policy.models import build_model
-    from oakemu_core.step_schema import StepSchema
+    from oakemu_core.policy.schemas import schema_from_dict
 
     path = resolve_checkpoint(checkpoint)
     state = load_checkpoint(path)
     env_info, config = state["env"], dict(state.get("config") or {})
-    schema = StepSchema.from_dict(env_info["schema"])
+    schema = schema_from_dict(env_info["schema"])
     spec = env_spec(env_info["env_id"], settings_file=config.get("emulator_settings"))
     model = build_model(spec.observation_layout, schema.distribution,
                         normalize_observations=bool(config.get("normalize_observations")))

@@ -211,7 +211,7 @@ def test_without_minari_the_error_says_what_to_install(monkeypatch: pytest.Monke
 def test_oakemu_record_with_a_scripted_policy_and_with_a_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     from oakemu_core.run.checkpoint import save_checkpoint
-    from oakemu_core.step_schema import schema_for_env
+    from oakemu_core.policy.schemas import schema_for_env
     from oakemu_services.cli import main
 
     monkeypatch.chdir(Path(__file__).resolve().parents[1])  # tests.test_demonstrations is importable from here

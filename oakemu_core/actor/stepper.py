@@ -43,7 +43,8 @@ from oakemu_core.actor.step_buffers import PPOActorStepBuffers
 from oakemu_core.envs.vector import EnvGroups, VectorEnv, VectorStep
 from oakemu_core.policy.action_bundle import PPOActionBundle
 from oakemu_core.policy.models import ActorCritic
-from oakemu_core.step_schema import StepSchema, schema_for_env
+from oakemu_core.policy.schemas import schema_for_env
+from oakemu_core.step_schema import StepSchema
 
 
 @dataclass
