@@ -1,5 +1,5 @@
 """``oakemu record``: play episodes with a checkpoint's policy, random or scripted play, and write
-them as a Minari dataset of demonstrations (see :mod:`oakemu_core.algo.demonstrations`).
+them as a Minari dataset of demonstrations (see :mod:`oakemu_core.algo.recording`).
 
     oakemu record --env CartPole-v1 --episodes 20 --output demos/cartpole --policy my_pkg.experts:cartpole
     oakemu record --checkpoint runs/<run>/checkpoints/best.pt --episodes 20 --output demos/breakout
@@ -58,18 +58,18 @@ def record(
     max_episode_steps: int | None = None,
     overwrite: bool = False,
 ) -> Any:
-    """Record the dataset; returns :class:`oakemu_core.algo.demonstrations.RecordingSummary`.
+    """Record the dataset; returns :class:`oakemu_core.algo.recording.RecordingSummary`.
 
     Exactly one of ``checkpoint`` and ``policy`` (default: ``"random"``). With a checkpoint the env
     id (and time limit, emulator settings) default to the run's; another ``env_id`` is refused.
 
     Raises:
         ValueError: both a checkpoint and a policy, no env id, or an env id other than the
-            checkpoint's; see also :func:`oakemu_core.algo.demonstrations.record_dataset`.
+            checkpoint's; see also :func:`oakemu_core.algo.recording.record_dataset`.
     """
     import torch
 
-    from oakemu_core.algo.demonstrations import record_dataset
+    from oakemu_core.algo.recording import record_dataset
 
     torch.set_num_threads(1)
     settings_file = None

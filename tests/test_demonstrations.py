@@ -1,4 +1,5 @@
-"""Behaviour cloning from Minari demonstrations (oakemu_core/algo/demonstrations.py, oakemu record)."""
+"""Behaviour cloning from Minari demonstrations (oakemu_core/algo/demonstrations.py, recording.py,
+behaviour_cloning.py, oakemu record)."""
 
 from __future__ import annotations
 
@@ -24,11 +25,10 @@ from oakemu_core.algo.demonstrations import (  # after the skip
     DemonstrationSampler,
     MinariNotInstalledError,
     batch_to_device,
-    bc_loss,
-    behaviour_cloning_update,
     dataset_spaces,
-    record_dataset,
 )
+from oakemu_core.algo.behaviour_cloning import bc_loss, behaviour_cloning_update  # noqa: E402
+from oakemu_core.algo.recording import record_dataset  # noqa: E402
 
 EXPERT_EPISODES = 4
 
