@@ -54,6 +54,12 @@ def _scalar(kind: type[Family], snap: TelemetrySnapshot | None, name: str, doc: 
     return family
 
 
+def _gauges(snap: TelemetrySnapshot | None, table: tuple[tuple[str, str, str], ...]) -> Iterator[Family]:
+    """One gauge per ``(name, doc, field)`` of ``table`` (:func:`_scalar`)."""
+    for name, doc, field in table:
+        yield _scalar(GaugeMetricFamily, snap, name, doc, field)
+
+
 def _labelled(family: Family, values: dict[str, float | None]) -> Family:
     """``family`` with one sample per label of ``values`` (None values left out)."""
     for label, value in values.items():
@@ -86,15 +92,14 @@ def _update_metrics(s: TelemetrySnapshot | None) -> Iterator[Family]:
     if s is not None:
         _labelled(loss, {"policy": s.policy_loss, "value": s.value_loss, "entropy": s.entropy})
     yield loss
-    for name, doc, field in (
+    yield from _gauges(s, (
         ("oakemu_approx_kl", "Approximate KL(old || new) of the last update", "approx_kl"),
         ("oakemu_clip_fraction", "Fraction of samples clipped in the last update", "clip_fraction"),
         ("oakemu_explained_variance", "Explained variance of the value function", "explained_variance"),
         ("oakemu_learning_rate", "Current learning rate", "learning_rate"),
         ("oakemu_buffer_fill", "Fraction (0..1) of the filling rollout buffer written", "buffer_fill"),
         ("oakemu_trainable_share", "Fraction (0..1) of the last rollout's rows trained on", "trainable_share"),
-    ):
-        yield _scalar(GaugeMetricFamily, s, name, doc, field)
+    ))
 
 
 def _message_metrics(s: TelemetrySnapshot | None) -> Iterator[Family]:
@@ -121,14 +126,13 @@ def _message_metrics(s: TelemetrySnapshot | None) -> Iterator[Family]:
 
 def _evaluation_metrics(s: TelemetrySnapshot | None) -> Iterator[Family]:
     """The latest evaluation and the best one so far."""
-    for name, doc, field in (
+    yield from _gauges(s, (
         ("oakemu_eval_return_mean", "Mean raw episodic return of the latest evaluation", "eval_return_mean"),
         ("oakemu_eval_return_std", "Std of the raw episodic return of the latest evaluation", "eval_return_std"),
         ("oakemu_eval_length_mean", "Mean episode length (agent steps) of the latest evaluation", "eval_length_mean"),
         ("oakemu_eval_policy_version", "Policy version of the latest evaluation", "eval_policy_version"),
         ("oakemu_best_eval_return", "Best mean evaluation return so far (best.pt)", "best_eval_return"),
-    ):
-        yield _scalar(GaugeMetricFamily, s, name, doc, field)
+    ))
 
 
 def _actor_metrics(s: TelemetrySnapshot | None) -> Iterator[Family]:
