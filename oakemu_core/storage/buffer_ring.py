@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from oakemu_core.storage.rollout_buffer import RolloutBuffer, column_index
+from oakemu_core.storage.rollout_buffer import RolloutBuffer
+from oakemu_core.storage.row_checks import column_index
 
 __all__ = ["COMPLETE", "FREE", "BufferRing", "FullRollout", "Segment", "SlotState"]
 
