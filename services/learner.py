@@ -41,7 +41,8 @@ from oakemu_core.run.prometheus import PrometheusExporter
 from oakemu_core.run.telemetry import TelemetryPublisher
 from oakemu_core.run.tester import EvaluationReport
 from oakemu_core.shared_memory import sweep_stale_segments
-from oakemu_core.step_schema import StepSchema, schema_for_env
+from oakemu_core.policy.schemas import schema_for_env
+from oakemu_core.step_schema import StepSchema
 from oakemu_core.storage.assembler import RolloutAssembler, SlotState, StepRejected
 from oakemu_core.storage.memory import SharedMemoryTooSmallError, ensure_shm_capacity
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
@@ -84,6 +85,15 @@ def num_rollout_buffers(config: OakEmuConfig) -> int:
 def rollout_buffer_bytes(config: OakEmuConfig, schema: StepSchema) -> int:
     """Shared-memory bytes of one rollout buffer for ``config`` (every stored field of ``schema``)."""
     return RolloutBuffer.estimate_memory_bytes(config.rollout_length, config.allocated_num_envs, schema)
+
+
+def log_ingest_summary(assembler: RolloutAssembler) -> None:
+    """One line to compare runs: env steps written, rows held, dropped steps, buffer states."""
+    counters = assembler.counters
+    buffers = ", ".join(f"{state.value} {int(buffer.column_steps.sum())} rows"
+                        for state, buffer in zip(assembler.states, assembler.buffers))
+    log.info("ingest: %d env steps written, %d vector steps held, dropped %s; buffers: %s",
+             counters.env_steps, assembler.pending_rows, dict(counters.dropped), buffers)
 
 
 class Learner:
@@ -395,7 +405,7 @@ class Learner:
                 self.stopping_reason = "signal" if stop_event.is_set() else "env-step budget reached"
                 log.info("stopping: %s", self.stopping_reason)
             if self.stopping_reason and not self.trainer.handshake.busy:
-                self._log_ingest_summary()
+                log_ingest_summary(self.assembler)
                 break
             want_data = (self.assembler.accepting and not self.stopping_reason
                          and not (budget_spent and self.trainer.handshake.busy))
@@ -445,14 +455,6 @@ class Learner:
                         actor_id, self.config.actor_timeout_s)
         self.peers.retain(self.assembler.actors)
         self.rings.retain({(r.actor_id, r.incarnation) for r in self.assembler.actors.values()})
-
-    def _log_ingest_summary(self) -> None:
-        """One line to compare runs: env steps written, rows held, dropped steps, buffer states."""
-        counters = self.assembler.counters
-        buffers = ", ".join(f"{state.value} {int(buffer.column_steps.sum())} rows"
-                            for state, buffer in zip(self.assembler.states, self.buffers))
-        log.info("ingest: %d env steps written, %d vector steps held, dropped %s; buffers: %s",
-                 counters.env_steps, self.assembler.pending_rows, dict(counters.dropped), buffers)
 
     def _nothing_in_flight(self) -> bool:
         """No rollout in training, none full, and no row written in a filling buffer."""

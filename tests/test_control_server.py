@@ -11,7 +11,7 @@ import pytest
 
 from oakemu_core.config import OakEmuConfig
 from oakemu_core.envs import env_spec
-from oakemu_core.step_schema import schema_for_env
+from oakemu_core.policy.schemas import schema_for_env
 from oakemu_core.storage.assembler import RolloutAssembler
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
 from oakemu_core.transport.control_server import MAX_ACTOR_ENVS, START_GRACE_S, ControlServer
@@ -201,7 +201,7 @@ def test_sync_joins_wait_for_every_actor_then_take_ranks_in_actor_id_order(make_
 
     # Nothing written yet: a third actor joins this rollout at once.
     [(_, gamma)] = join(server, "gamma")
-    assert gamma.accepted and gamma.actor_index == 2 and set(server.assembler.members) == {"alpha", "zeta", "gamma"}
+    assert gamma.accepted and gamma.actor_index == 2 and set(server.assembler.round.members) == {"alpha", "zeta", "gamma"}
     server.assembler.ingest(cartpole_step("alpha", 0), current_policy_version=3, now=0.0)
     assert join(server, "delta") == [], "the rollout is under way (alpha wrote a row): delta waits for the next one"
     server.reply(Leave("zeta", "inc-zeta"), 1.0, identity="z-identity", peer="own")
@@ -210,7 +210,7 @@ def test_sync_joins_wait_for_every_actor_then_take_ranks_in_actor_id_order(make_
     server.reply(Leave("alpha", "inc-alpha"), 1.0, identity="a-identity", peer="own")
     [(to, delta)] = decoded(server.tick(1.0))
     assert to == "delta" and delta.accepted and delta.actor_index == 0 and delta.policy_version == 3
-    assert set(server.assembler.members) == {"gamma", "delta"}
+    assert set(server.assembler.round.members) == {"gamma", "delta"}
     # zeta comes back to its old rank 1; a fifth actor finds no room (the buffer holds max_actors=4).
     [(_, zeta)] = decoded(server.reply(JoinRequest("zeta", "inc-zeta-2", 2, "host"), 2.0, identity="z2", peer="own"))
     assert zeta.accepted and zeta.actor_index == 1

@@ -203,20 +203,20 @@ def test_a_member_that_leaves_mid_rollout_takes_its_rows_and_the_others_fill_the
 def test_a_join_during_a_rollout_starts_at_the_next_one_and_a_leave_returns_the_columns(one_buffer) -> None:
     assembler = RolloutAssembler([one_buffer], actor_timeout_s=5.0, sync=True)
     assembler.join("a", "inc-a", spec(3), hostname="h", now=0.0, index=0)
-    assert assembler.round_open and set(assembler.members) == {"a"}
+    assert assembler.round.is_open and set(assembler.round.members) == {"a"}
     send_segment(assembler, "a", 1)
-    assert not assembler.round_open
+    assert not assembler.round.is_open
     assembler.join("m", "inc-m", spec(3), hostname="h", now=0.0, index=1)  # the control server holds such joins
-    assert set(assembler.members) == {"a"}
+    assert set(assembler.round.members) == {"a"}
     send_segment(assembler, "m", 1)  # not a member: not written, counted
     assert assembler.counters.dropped["not_member_steps"] == 3
     send_segment(assembler, "a", T - 1, first_seq=1)
     rollout = assembler.take_full_rollout()
     assert rollout is not None and rollout.columns_used.sum() == 3
     assembler.release(rollout.slot, policy_version=1)
-    assert {k: v.tolist() for k, v in assembler.members.items()} == {"a": [0, 1, 2], "m": [3, 4, 5]}
+    assert {k: v.tolist() for k, v in assembler.round.members.items()} == {"a": [0, 1, 2], "m": [3, 4, 5]}
     assert assembler.leave("m", "inc-m")
-    assert set(assembler.members) == {"a"}, "a rollout with no row yet is filled by the actors joined now"
+    assert set(assembler.round.members) == {"a"}, "a rollout with no row yet is filled by the actors joined now"
 
 
 def test_a_rollout_whose_members_all_left_with_nothing_finished_opens_again(one_buffer) -> None:
@@ -224,9 +224,9 @@ def test_a_rollout_whose_members_all_left_with_nothing_finished_opens_again(one_
     assembler.join("a", "inc-a", spec(3), hostname="h", now=0.0, index=0)
     send_segment(assembler, "a", 2)
     assert assembler.expire_silent_actors(now=10.0) == ["a"]
-    assert assembler.round_open and assembler.states[0] is SlotState.FILLING and not assembler.members
+    assert assembler.round.is_open and assembler.states[0] is SlotState.FILLING and not assembler.round.members
     assembler.join("b", "inc-b", spec(3), hostname="h", now=10.0, index=0)
-    assert set(assembler.members) == {"b"}
+    assert set(assembler.round.members) == {"b"}
     send_segment(assembler, "b", T)
     assert assembler.states[0] is SlotState.FULL
 
@@ -286,7 +286,7 @@ def test_a_repeated_join_of_the_same_incarnation_keeps_its_place_in_the_rollout(
     assembler.join("z", "inc-z", spec(3), hostname="h", now=0.0, index=1)
     send_segment(assembler, "a", 1)
     assembler.join("z", "inc-z", spec(3), hostname="h", now=1.0, index=1)  # z's join reply was lost: it asks again
-    assert assembler.members["z"].tolist() == [3, 4, 5]
+    assert assembler.round.members["z"].tolist() == [3, 4, 5]
     send_segment(assembler, "z", T)
     send_segment(assembler, "a", T - 1, first_seq=1)
     assert assembler.states[0] is SlotState.FULL

@@ -156,7 +156,7 @@ class LearnerTelemetry:
                     policy_lag_min=lag[0] if lag else None, policy_lag_max=lag[2] if lag else None,
                 )
                 for r in assembler.actors.values()
-                for lag in (assembler.take_lag(r),)
+                for lag in (r.take_lag(),)
             ],
             is_update=is_update,
             **self.history.snapshot_fields(),

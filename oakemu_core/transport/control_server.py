@@ -300,7 +300,7 @@ class ControlServer:
             waited = now - (self._first_pending_at if self._first_pending_at is not None else now)
             if len(self._pending_joins) < self.config.num_actors and waited < START_GRACE_S:
                 return []
-        elif not self.assembler.round_open:
+        elif not self.assembler.round.is_open:
             return []
         self._started = True
         pending, self._pending_joins, self._first_pending_at = self._pending_joins, {}, None
