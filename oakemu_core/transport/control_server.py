@@ -279,16 +279,18 @@ class ControlServer:
             # The actor restarted: its old incarnation acts no more, its unfinished segment goes now.
             self.assembler.leave(previous.actor_id, previous.incarnation)
             log.info("actor %s restarted: its previous incarnation left", message.actor_id)
-        if message.actor_id not in self._pending_joins:
+        first_ask = message.actor_id not in self._pending_joins
+        self._pending_joins[message.actor_id] = (identity, message)  # a retry replaces the held request
+        if self._first_pending_at is None:
+            self._first_pending_at = now
+        replies = self.tick(now)
+        if first_ask and message.actor_id in self._pending_joins:
             if self._started:
                 log.info("mode='sync': actor %s joins at the next rollout", message.actor_id)
             else:
                 log.info("mode='sync': actor %s waits for %d more actor(s) to join (at most %.0f s)",
-                         message.actor_id, max(0, config.num_actors - len(self._pending_joins) - 1), START_GRACE_S)
-        self._pending_joins[message.actor_id] = (identity, message)  # a retry replaces the held request
-        if self._first_pending_at is None:
-            self._first_pending_at = now
-        return self.tick(now)
+                         message.actor_id, config.num_actors - len(self._pending_joins), START_GRACE_S)
+        return replies
 
     def tick(self, now: float) -> list[Reply]:
         """Synchronous mode: answer the held joins that may join now (the replies to send): the first
