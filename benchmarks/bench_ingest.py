@@ -161,7 +161,7 @@ def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load
     with tempfile.TemporaryDirectory() as runs_dir:
         config = OakEmuConfig(
             env_id=env_id, num_actors=actors, envs_per_actor=num_envs, total_env_steps=10**12,
-            num_envs=columns,
+            num_envs=columns, mode="async",
             data_port=ports[0], control_port=ports[1], weights_port=ports[2], telemetry_port=ports[3],
             metrics_port=ports[4], runs_dir=Path(runs_dir), run_name="bench", checkpoint_every_updates=0,
             steps_per_message=steps_per_message, step_transport=transport,

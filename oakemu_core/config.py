@@ -130,7 +130,8 @@ class OakEmuConfig(PPOSettings, BaseSettings):
         "thread), split among its env groups (at least 1 each). None: the CPUs this process may use divided by "
         "num_actors, at least 1, as for the actors of `oakemu train`; set it for actors started on their own.")
     num_envs: int | None = Field(
-        None, ge=1, description="Learner rollout buffer columns (default num_actors * envs_per_actor)."
+        None, ge=1, description="Rollout columns the learner plans for (default num_actors * envs_per_actor): the "
+        "rollout size, so minibatch rows = rollout_length * num_envs / num_minibatches. Async: the buffer's columns."
     )
     max_episode_steps: int | None = Field(
         None, ge=1, description="Time limit in agent steps overriding the env's own (None keeps it)."
@@ -161,11 +162,16 @@ class OakEmuConfig(PPOSettings, BaseSettings):
         "SGD steps were taken since the weights were last published (1: after every epoch).",
     )
     mode: Literal["async", "sync"] = Field(
-        "async",
-        description="async: actors keep stepping while the learner trains (rows up to max_policy_lag versions "
-        "old, two rollout buffers); sync: on-policy, each actor fills its own columns of the one rollout buffer "
-        "then waits for the weights trained on it (policy lag 0, a seed reproduces exactly on one machine; "
-        "needs num_envs == num_actors * envs_per_actor).",
+        "sync",
+        description="sync: on-policy as SB3; each rollout is filled by the actors present when it starts, each "
+        "actor then waits for the weights trained on it (policy lag 0; actors may die, join or leave; a fixed set "
+        "reproduces a seed on one machine; num_envs sets the minibatch size). async: actors keep "
+        "stepping while the learner trains (rows up to max_policy_lag versions old, two rollout buffers).",
+    )
+    max_actors: int | None = Field(
+        None, ge=1,
+        description="Sync mode: the most actors one rollout takes (the buffer is allocated for max_actors * "
+        "envs_per_actor columns; a join beyond them is refused). None: max(4, 2 * num_actors).",
     )
     steps_per_message: int | Literal["auto"] = Field(
         "auto",
@@ -326,12 +332,6 @@ class OakEmuConfig(PPOSettings, BaseSettings):
                 f"num_envs: the learner's {buffer_columns} buffer columns must hold at least one actor's "
                 f"envs_per_actor={self.envs_per_actor} envs; received num_envs={self.num_envs}"
             )
-        if self.mode == "sync" and buffer_columns != self.num_actors * self.envs_per_actor:
-            raise ValueError(
-                f"num_envs: mode='sync' gives each of the num_actors={self.num_actors} actors its own "
-                f"envs_per_actor={self.envs_per_actor} columns, so the buffer needs exactly "
-                f"{self.num_actors * self.envs_per_actor} columns; received num_envs={self.num_envs}"
-            )
         if self.steps_per_message != "auto" and (
                 self.steps_per_message < 1 or self.rollout_length % self.steps_per_message):
             raise ValueError(
@@ -379,6 +379,20 @@ class OakEmuConfig(PPOSettings, BaseSettings):
     def buffer_num_envs(self) -> int:
         """Learner rollout buffer columns N: ``num_envs`` or ``num_actors * envs_per_actor``."""
         return self.num_envs if self.num_envs is not None else self.num_actors * self.envs_per_actor
+
+    @property
+    def resolved_max_actors(self) -> int:
+        """``max_actors``, or ``max(4, 2 * num_actors)``."""
+        return self.max_actors if self.max_actors is not None else max(4, 2 * self.num_actors)
+
+    @property
+    def allocated_num_envs(self) -> int:
+        """Columns of each rollout buffer the learner allocates: :attr:`buffer_num_envs`, and in sync
+        mode room for ``resolved_max_actors`` actors (a rollout holds the columns of the actors
+        present when it starts)."""
+        if self.mode != "sync":
+            return self.buffer_num_envs
+        return max(self.buffer_num_envs, self.resolved_max_actors * self.envs_per_actor)
 
     @property
     def batch_size(self) -> int:

@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -83,7 +84,16 @@ def num_rollout_buffers(config: OakEmuConfig) -> int:
 
 def rollout_buffer_bytes(config: OakEmuConfig, schema: StepSchema) -> int:
     """Shared-memory bytes of one rollout buffer for ``config`` (every stored field of ``schema``)."""
-    return RolloutBuffer.estimate_memory_bytes(config.rollout_length, config.buffer_num_envs, schema)
+    return RolloutBuffer.estimate_memory_bytes(config.rollout_length, config.allocated_num_envs, schema)
+
+
+def log_ingest_summary(assembler: RolloutAssembler) -> None:
+    """One line to compare runs: env steps written, rows held, dropped steps, buffer states."""
+    counters = assembler.counters
+    buffers = ", ".join(f"{state.value} {int(buffer.column_steps.sum())} rows"
+                        for state, buffer in zip(assembler.states, assembler.buffers))
+    log.info("ingest: %d env steps written, %d vector steps held, dropped %s; buffers: %s",
+             counters.env_steps, assembler.pending_rows, dict(counters.dropped), buffers)
 
 
 class Learner:
@@ -124,10 +134,11 @@ class Learner:
         self.trainer.resume()
         self.buffers: list[RolloutBuffer] = []
         for _ in range(num_rollout_buffers(config)):
-            self.buffers.append(RolloutBuffer(config.rollout_length, config.buffer_num_envs, schema=self.schema))
+            self.buffers.append(RolloutBuffer(config.rollout_length, config.allocated_num_envs, schema=self.schema))
             undo.callback(self.buffers[-1].close)  # also when the next one fails
         self.assembler = RolloutAssembler(self.buffers, actor_timeout_s=config.actor_timeout_s,
-                                          sync=config.mode == "sync", max_policy_lag=config.max_policy_lag)
+                                          sync=config.mode == "sync", max_policy_lag=config.max_policy_lag,
+                                          planned_columns=config.buffer_num_envs)
         self.assembler.counters.env_steps = self.trainer.progress.global_step
         # Behaviour cloning runs before the first weights are published: no actor ever acts with
         # the pre-BC policy on rows that PPO would then train with the post-BC one.
@@ -233,10 +244,13 @@ class Learner:
             except MessageRejected as error:
                 self.control.send_multipart([identity, b"", self.control_server.undecodable(error)])
                 continue
-            # None held: a synchronous-mode join waits until every actor has asked, then all are answered.
-            for to, reply in self.control_server.reply(message, now, identity=identity, peer=frame,
-                                                       stopping=bool(self.stopping_reason)):
-                self.control.send_multipart([to, b"", reply])
+            # None held: a synchronous-mode join may wait for the next rollout (answered by _answer_held_joins).
+            self._send_replies(self.control_server.reply(message, now, identity=identity, peer=frame,
+                                                         stopping=bool(self.stopping_reason)))
+
+    def _send_replies(self, replies: list[tuple[Any, bytes]]) -> None:
+        for to, reply in replies:
+            self.control.send_multipart([to, b"", reply])
 
     # -- data -------------------------------------------------------------------------------
     def _handle_data(self, now: float) -> None:
@@ -304,9 +318,10 @@ class Learner:
                 if position == len(results) - 1:  # newer weights later in the batch: only those are sent
                     self._publish_weights(WeightsMessage(result.policy_version, result.weights, result.revision))
                 continue
+            # Published before the release: the joins held for the next rollout get these weights.
+            self.control_server.publish(result.policy_version, result.weights)
             if result.slot is not None:
                 self.assembler.release(result.slot, result.policy_version)
-            self.control_server.publish(result.policy_version, result.weights)
             self._publish_weights(WeightsMessage(result.policy_version, result.weights))
             for event in result.events:
                 log.info("%s", event)
@@ -378,7 +393,7 @@ class Learner:
         data_registered = False
         next_telemetry = next_expiry = time.monotonic()
         log.info("learner for %s: %d x %d rollout buffers (%.1f MiB each) on %s, device %s, run %s",
-                 config.env_id, config.rollout_length, config.buffer_num_envs, self.buffer_bytes / 2**20,
+                 config.env_id, config.rollout_length, config.allocated_num_envs, self.buffer_bytes / 2**20,
                  config.bind_host, self.trainer.device, self.run_dir)
         while True:
             # The budget stops the run right after an update is logged (_collect_results), so the last
@@ -390,7 +405,7 @@ class Learner:
                 self.stopping_reason = "signal" if stop_event.is_set() else "env-step budget reached"
                 log.info("stopping: %s", self.stopping_reason)
             if self.stopping_reason and not self.trainer.handshake.busy:
-                self._log_ingest_summary()
+                log_ingest_summary(self.assembler)
                 break
             want_data = (self.assembler.accepting and not self.stopping_reason
                          and not (budget_spent and self.trainer.handshake.busy))
@@ -416,6 +431,7 @@ class Learner:
                 break
             if not self.stopping_reason:
                 self._hand_off_full_rollouts()
+                self._send_replies(self.control_server.tick(now))  # synchronous mode's held joins
             if now >= next_expiry:
                 self._expire_silent_actors(now)
                 next_expiry = now + 0.5
@@ -432,19 +448,13 @@ class Learner:
 
     def _expire_silent_actors(self, now: float) -> None:
         """Drop actors silent for ``actor_timeout_s``, with their peer bindings and step rings."""
-        self.peers.retain(self.assembler.actors)
+        for actor_id, why in self.control_server.drop_gone_actors():
+            log.warning("actor %s %s (its process): dropped, its unfinished segment discarded", actor_id, why)
         for actor_id in self.assembler.expire_silent_actors(now):
             log.warning("actor %s silent for %.1f s: dropped, its unfinished segment discarded",
                         actor_id, self.config.actor_timeout_s)
+        self.peers.retain(self.assembler.actors)
         self.rings.retain({(r.actor_id, r.incarnation) for r in self.assembler.actors.values()})
-
-    def _log_ingest_summary(self) -> None:
-        """One line to compare runs: env steps written, rows held, dropped steps, buffer states."""
-        counters = self.assembler.counters
-        buffers = ", ".join(f"{state.value} {int(buffer.column_steps.sum())} rows"
-                            for state, buffer in zip(self.assembler.states, self.buffers))
-        log.info("ingest: %d env steps written, %d vector steps held, dropped %s; buffers: %s",
-                 counters.env_steps, self.assembler.pending_rows, dict(counters.dropped), buffers)
 
     def _nothing_in_flight(self) -> bool:
         """No rollout in training, none full, and no row written in a filling buffer."""

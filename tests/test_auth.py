@@ -123,8 +123,9 @@ def test_peer_binding_refuses_another_peer_and_counts() -> None:
 
 
 def learner_args(ports: Ports, runs_dir: Path, *extra: str) -> list[str]:
-    """A CartPole learner for 1 actor x 2 envs that never reaches its budget; slow actor timeout."""
-    return ["learner", "--env", "CartPole-v1", "--num-actors", "1", "--envs-per-actor", "2", "--rollout-length", "32",
+    """A CartPole learner for 1 actor x 2 envs that never reaches its budget; slow actor timeout. Async
+    mode: the synthetic actors here join and never step (in sync mode a rollout would wait for them)."""
+    return ["learner", "--env", "CartPole-v1", "--mode", "async", "--num-actors", "1", "--envs-per-actor", "2", "--rollout-length", "32",
             "--ppo-epochs", "2", "--num-minibatches", "2", "--total-env-steps", "100000000",
             "--checkpoint-every-updates", "0", "--eval-every-updates", "0", "--run-name", "auth", "--actor-timeout-s", "60",
             *common_flags(ports, runs_dir, *extra)]

@@ -14,8 +14,9 @@ from oakemu_core.envs import env_spec
 from oakemu_core.policy.schemas import schema_for_env
 from oakemu_core.storage.assembler import RolloutAssembler
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
-from oakemu_core.transport.control_server import MAX_ACTOR_ENVS, ControlServer
+from oakemu_core.transport.control_server import MAX_ACTOR_ENVS, START_GRACE_S, ControlServer
 from oakemu_core.transport.codec import MessageRejected
+from oakemu_core.transport.steps import StepMessage
 from oakemu_core.transport.control import (
     Heartbeat,
     HeartbeatReply,
@@ -52,10 +53,11 @@ def make_server() -> Iterator[Any]:
     buffers: list[RolloutBuffer] = []
 
     def make(*, host_id: str = "", offer_ring: Any = None, **settings: Any) -> ControlServer:
+        settings.setdefault("mode", "async")  # the tests of the synchronous mode say so
         config = OakEmuConfig(env_id="CartPole-v1", rollout_length=32, seed=7, log_level="WARNING", **settings)
         spec = env_spec(config.env_id)
         schema = schema_for_env(spec)
-        buffers.append(RolloutBuffer(config.rollout_length, config.buffer_num_envs, schema=schema))
+        buffers.append(RolloutBuffer(config.rollout_length, config.allocated_num_envs, schema=schema))
         assembler = RolloutAssembler([buffers[-1]], actor_timeout_s=10.0, sync=config.mode == "sync")
         return ControlServer(config, schema, spec.observation_layout, assembler, Peers(), Rejections(),
                              host_id=host_id, offer_ring=offer_ring or (lambda request, spec: None),
@@ -178,8 +180,18 @@ def test_a_bfloat16_actor_turns_on_the_reevaluation_of_every_rollout_where_image
     assert server.reevaluate_every_rollout is False
 
 
+def cartpole_step(actor_id: str, seq: int, num_envs: int = 2) -> StepMessage:
+    """A CartPole step message of zeros from ``inc-<actor_id>``."""
+    return StepMessage(actor_id, f"inc-{actor_id}", seq, 3, fields={
+        "observations": np.zeros((num_envs, 4), np.float32), "actions": np.zeros(num_envs, np.int64),
+        "log_probs": np.zeros(num_envs, np.float32), "values": np.zeros(num_envs, np.float32),
+        "rewards": np.ones(num_envs, np.float32), "dones": np.zeros(num_envs, bool),
+        "truncated": np.zeros(num_envs, bool), "bootstrap_values": np.zeros(num_envs, np.float32),
+        "next_values": np.zeros(num_envs, np.float32), "trainable": np.ones(num_envs, bool)})
+
+
 def test_sync_joins_wait_for_every_actor_then_take_ranks_in_actor_id_order(make_server) -> None:
-    server = make_server(mode="sync", num_actors=2, envs_per_actor=2)
+    server = make_server(mode="sync", num_actors=2, envs_per_actor=2, max_actors=4)
     assert join(server, "zeta", identity="z-identity") == [], "held until both actors asked"
     assert server.counters.accepted["join"] == 1
     replies = join(server, "alpha", identity="a-identity")
@@ -187,12 +199,44 @@ def test_sync_joins_wait_for_every_actor_then_take_ranks_in_actor_id_order(make_
     assert all(reply.accepted and reply.env_config["mode"] == "sync" for _, reply in replies)
     assert {r.actor_id: r.index for r in server.assembler.actors.values()} == {"alpha": 0, "zeta": 1}
 
-    # The run has started: a third actor finds no free rank; one that left is replaced at its rank.
-    [(_, refused)] = join(server, "gamma")
-    assert not refused.accepted and "actors are all connected" in refused.reason
+    # Nothing written yet: a third actor joins this rollout at once.
+    [(_, gamma)] = join(server, "gamma")
+    assert gamma.accepted and gamma.actor_index == 2 and set(server.assembler.round.members) == {"alpha", "zeta", "gamma"}
+    server.assembler.ingest(cartpole_step("alpha", 0), current_policy_version=3, now=0.0)
+    assert join(server, "delta") == [], "the rollout is under way (alpha wrote a row): delta waits for the next one"
     server.reply(Leave("zeta", "inc-zeta"), 1.0, identity="z-identity", peer="own")
-    [(_, replacement)] = join(server, "gamma")
-    assert replacement.accepted and replacement.actor_index == 1
-    [(_, wrong)] = join(server, "delta", num_envs=3)
+    assert server.tick(1.0) == [] and "delta" not in server.assembler.actors
+    # The members leave with nothing finished: the rollout opens again and delta joins it, at the lowest free rank.
+    server.reply(Leave("alpha", "inc-alpha"), 1.0, identity="a-identity", peer="own")
+    [(to, delta)] = decoded(server.tick(1.0))
+    assert to == "delta" and delta.accepted and delta.actor_index == 0 and delta.policy_version == 3
+    assert set(server.assembler.round.members) == {"gamma", "delta"}
+    # zeta comes back to its old rank 1; a fifth actor finds no room (the buffer holds max_actors=4).
+    [(_, zeta)] = decoded(server.reply(JoinRequest("zeta", "inc-zeta-2", 2, "host"), 2.0, identity="z2", peer="own"))
+    assert zeta.accepted and zeta.actor_index == 1
+    [(_, omega)] = join(server, "omega")
+    assert omega.accepted and omega.actor_index == 3
+    [(_, full)] = join(server, "psi")
+    assert not full.accepted and "max_actors=4" in full.reason
+    [(_, wrong)] = join(server, "epsilon", num_envs=3)
     assert not wrong.accepted and "envs_per_actor=2" in wrong.reason
     assert server.counters.accepted["join_refused"] == 2
+
+
+def test_the_first_sync_rollout_starts_with_the_actors_present_after_the_grace_period(make_server) -> None:
+    server = make_server(mode="sync", num_actors=3, envs_per_actor=2)
+    assert join(server, "b") == [] and join(server, "a") == []
+    assert server.tick(START_GRACE_S - 1.0) == []
+    replies = decoded(server.tick(START_GRACE_S + 0.1))
+    assert [(to, reply.actor_index) for to, reply in replies] == [("a", 0), ("b", 1)]
+
+
+def test_a_heartbeat_reply_says_how_many_of_the_actors_steps_the_learner_holds(make_server) -> None:
+    server = make_server(num_actors=1, envs_per_actor=2)  # async, one buffer of 2 columns x 32 rows
+    join(server, "a")
+    for seq in range(32 + 3):  # the buffer is full (it does not train here): the last 3 steps are held
+        server.assembler.ingest(cartpole_step("a", seq), current_policy_version=3, now=0.0)
+    assert heartbeat(server, "a") == HeartbeatReply("ok", 3, held_rows=3)
+    assert server.assembler.take_full_rollout() is not None
+    server.assembler.release(0, policy_version=4)  # the held steps go into the released buffer
+    assert heartbeat(server, "a") == HeartbeatReply("ok", 3, held_rows=0)

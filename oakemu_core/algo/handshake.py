@@ -74,6 +74,8 @@ class TrainResult:
         iterations: PPO updates so far. evaluations: tester reports that arrived meanwhile.
         events: human-readable notes (rollbacks, BC phases) to log.
         trainable_share: trainable rows / rows of the rollout. rollbacks: rollbacks so far.
+        columns: the rollout's columns that held rows (0: not a rollout). planned_columns: the
+            columns the run's planned actors fill (fewer columns: the rollout trained with fewer rows).
     """
 
     slot: int | None
@@ -87,6 +89,8 @@ class TrainResult:
     events: list[str] = field(default_factory=list)
     trainable_share: float = 1.0
     rollbacks: int = 0
+    columns: int = 0
+    planned_columns: int = 0
 
 
 class RolloutHandshake:

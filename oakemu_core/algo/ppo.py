@@ -430,7 +430,8 @@ class PPOUpdater:
     def step(self, rollout_buffer: RolloutBuffer, *, current_policy_version: int,
              bc_term: tuple[float, Any, int] | None = None,
              proximal: RolloutEvaluation | None = None,
-             after_epoch: Callable[[int, float, int, int], None] | None = None) -> PPOUpdateStats:
+             after_epoch: Callable[[int, float, int, int], None] | None = None,
+             num_minibatches: int | None = None) -> PPOUpdateStats:
         """One PPO update on the trainable rows of a full buffer whose GAE is computed.
 
         Args:
@@ -452,6 +453,7 @@ class PPOUpdater:
                 weights as that epoch left them (the learner publishes them to the actors), that
                 epoch's mean ``approx_kl``, the minibatches skipped so far for a non-finite gradient
                 and the SGD steps (minibatches) this update has taken so far; or None.
+            num_minibatches: minibatches per epoch; None: the settings' ``num_minibatches``.
 
         Returns:
             :class:`PPOUpdateStats`.
@@ -466,7 +468,7 @@ class PPOUpdater:
         # A rollout left with fewer rows than minibatches (most rows dropped as stale) still trains,
         # with one row per minibatch.
         settings = self.settings
-        num_minibatches = min(settings.num_minibatches, trainable_rows)
+        num_minibatches = min(num_minibatches or settings.num_minibatches, trainable_rows)
         tally = _UpdateTally(self.device, learning_rate=float(self.optimizer.param_groups[0]["lr"]))
         self.model.train()
         flat, kl_reference = self._upload(rollout_buffer, proximal)

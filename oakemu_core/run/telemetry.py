@@ -354,6 +354,9 @@ class TelemetrySnapshot(pydantic.BaseModel):
         eval_return_mean / eval_return_std / eval_length_mean: the latest tester evaluation (raw
             episodic return mean and population std, mean length in agent steps); None before one.
         eval_policy_version: version of the weights that evaluation played.
+        rollout_columns / planned_columns: columns that held rows in the newest update's rollout,
+            and the columns the run's planned actors fill (fewer: it trained with fewer rows; more:
+            more actors joined); None before an update.
         best_eval_return: highest evaluation mean return so far (the evaluation kept as best.pt).
         history: bounded training / evaluation curves of the whole run (:class:`TelemetryHistoryData`).
         actors: the connected actors.
@@ -398,6 +401,8 @@ class TelemetrySnapshot(pydantic.BaseModel):
     eval_return_std: float | None = None
     eval_length_mean: float | None = None
     eval_policy_version: int | None = pydantic.Field(default=None, ge=0)
+    rollout_columns: int | None = pydantic.Field(default=None, ge=0)
+    planned_columns: int | None = pydantic.Field(default=None, ge=0)
     best_eval_return: float | None = None
     history: TelemetryHistoryData = pydantic.Field(default_factory=TelemetryHistoryData)
     actors: list[ActorTelemetry] = pydantic.Field(default_factory=list)

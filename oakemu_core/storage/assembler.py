@@ -19,10 +19,11 @@ loses the rows of its extra envs. Back-pressure in the learner loop (it stops re
 buffer is filling) makes actors wait in ``send``.
 
 In the synchronous mode (``sync=True``, one buffer) the columns are not handed out first come,
-first served: the actor with index ``i`` (the learner gives the indices in actor-id order) always
-fills columns ``i * num_envs ... (i + 1) * num_envs - 1``, and the episodes a rollout's messages
-report enter :attr:`RolloutAssembler.episode_returns` sorted by (actor index, seq) when the rollout
-is full, so a seed's run does not depend on the order in which messages arrived.
+first served: a rollout is a :class:`~oakemu_core.storage.rounds.RolloutRound` whose members (the
+actors joined when it opens) each fill their own block of columns; steps of an actor that is not a
+member are not written (``not_member_steps``). The episodes a rollout's messages report enter
+:attr:`RolloutAssembler.episode_returns` sorted by (actor index, seq) when the rollout is full, so a
+seed's run does not depend on the order in which messages arrived.
 
 Everything here is plain Python + numpy and runs in the learner's ingest thread; no sockets.
 """
@@ -32,8 +33,11 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from oakemu_core.storage.buffer_ring import BufferRing, FullRollout, Segment, SlotState
+import numpy as np
+
+from oakemu_core.storage.buffer_ring import FREE, BufferRing, FullRollout, Segment, SlotState
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
+from oakemu_core.storage.rounds import RolloutRound
 from oakemu_core.transport.steps import StepMessage, StepSpec
 
 __all__ = [
@@ -97,15 +101,32 @@ class ActorRecord:
     env_steps_per_second: float = 0.0
     policy_lag: float = 0.0
     lag_window: LagWindow = field(default_factory=LagWindow)
-    """Arrival lag of its step messages since :meth:`RolloutAssembler.take_lag`."""
+    """Arrival lag of its step messages since :meth:`take_lag`."""
     lag_stats: tuple[float, float, float] | None = None
-    """``(min, mean, max)`` arrival lag of the last non-empty window (:meth:`RolloutAssembler.take_lag`)."""
+    """``(min, mean, max)`` arrival lag of the last non-empty window (:meth:`take_lag`)."""
     episodes: int = 0
     env_steps: int = 0
     pending: deque = field(default_factory=deque)
     """Step messages that found no free column, oldest first, consecutive in ``seq``; written as
     soon as columns free (:meth:`RolloutAssembler.release`), at most one segment of rows."""
     pending_rows: int = 0
+
+    def take_lag(self) -> tuple[float, float, float] | None:
+        """``(min, mean, max)`` policy lag at arrival (learner version - acting version, in versions)
+        of the actor's step messages since the last call (the previous figures when none arrived
+        since; None before the first); resets the window."""
+        window = self.lag_window
+        if window.count:
+            self.lag_window = LagWindow()
+            self.lag_stats = (float(window.low), window.total / window.count, float(window.high))
+        return self.lag_stats
+
+    def clear_pending(self) -> int:
+        """Forget the held messages; returns the env steps they held."""
+        steps = self.spec.num_envs * self.pending_rows
+        self.pending.clear()
+        self.pending_rows = 0
+        return steps
 
 
 @dataclass
@@ -120,7 +141,10 @@ class IngestCounters:
     dropped: Counter = field(default_factory=Counter)
     """Dropped data by kind: ``no_capacity_steps``, ``stale_steps`` (env steps too old for
     ``max_policy_lag`` to start a segment), ``discarded_segment_rows``, ``stale_rows``,
-    ``timed_out_actors``, ``seq_gap_steps`` (step messages missing from an actor's sequence),
+    ``timed_out_actors``, ``exited_actors`` / ``stopped_actors`` (a watched local process ended or
+    was stopped: :mod:`oakemu_core.transport.liveness`), ``seq_gap_steps`` (step messages missing
+    from an actor's sequence), ``not_member_steps`` (synchronous mode: env steps of an actor that is
+    not filling the rollout),
     ``late_steps`` (env steps that arrived after their actor left) and
     ``late_step_messages`` (the step messages that carried them)."""
     received: Counter = field(default_factory=Counter)
@@ -147,21 +171,23 @@ class RolloutAssembler:
             spec; two give double buffering (one fills while the other trains).
         actor_timeout_s: an actor not heard from (step or heartbeat) for this many seconds is
             dropped and its unfinished segment discarded.
-        sync: synchronous mode (see the module docstring): actor ``index`` owns the columns
-            ``index * num_envs ...`` of every rollout; episodes are released in (index, seq) order
-            when a rollout is full.
+        sync: synchronous mode (see the module docstring): a rollout's members are the actors
+            joined when it opens, each owns a block of columns, in index order; episodes are
+            released in (index, seq) order when a rollout is full.
         max_policy_lag: when set, a step that would be more than this many versions old when its
             buffer trains does not start a segment: it is dropped and counted as ``stale_steps``
             (rows of a started segment are never older: an actor's versions only grow, and a
             buffer's training version is fixed once it has a segment, see :meth:`trains_at`).
+        planned_columns: the columns a rollout holds with the run's planned actors (synchronous
+            mode, where the buffer may hold more: :attr:`FullRollout.planned_columns`); 0: ``N``.
 
     Raises:
         ValueError: if ``buffers`` is empty or the buffers disagree in shape.
     """
 
     def __init__(self, buffers: list[RolloutBuffer], *, actor_timeout_s: float, sync: bool = False,
-                 max_policy_lag: int | None = None) -> None:
-        self._ring = BufferRing(buffers)
+                 max_policy_lag: int | None = None, planned_columns: int = 0) -> None:
+        self._ring = BufferRing(buffers, planned_columns)
         self.buffers = self._ring.buffers
         self.rollout_length = self._ring.rollout_length
         self.num_columns = self._ring.num_columns
@@ -179,6 +205,8 @@ class RolloutAssembler:
         self._policy_version = 0  # the newest version known here (ingest, release)
         # Synchronous mode: (actor index, seq, returns, lengths) of the filling rollout's messages.
         self._round_episodes: list[tuple[int, int, list[float], list[int]]] = []
+        self.round = RolloutRound(self._ring)
+        """Synchronous mode: the filling rollout's members."""
 
     @property
     def states(self) -> list[SlotState]:
@@ -200,8 +228,9 @@ class RolloutAssembler:
         Raises:
             ValueError: the spec's schema is not the buffers' (a learner bug: messages are written
                 as checked against the spec), ``index`` is held by another joined actor,
-                (synchronous mode) its columns ``index * num_envs ...`` do not fit in the buffer, or
-                the spec's ``steps_per_message`` does not divide the rollout length.
+                (synchronous mode) the joined actors' envs would not fit in the buffer
+                (:meth:`has_room_for`), or the spec's ``steps_per_message`` does not divide the
+                rollout length.
         """
         if spec.schema != self.buffers[0].schema:  # decode_step checks messages against spec.schema only
             raise ValueError("the actor's step schema differs from the rollout buffers' schema")
@@ -210,18 +239,18 @@ class RolloutAssembler:
                 f"steps_per_message: expected a divisor of rollout_length {self.rollout_length} (a step "
                 f"message never crosses a segment boundary), received {spec.steps_per_message}")
         previous = self.actors.get(actor_id)
+        # A repeated join of the same incarnation (its reply was lost) keeps its place in the round.
+        kept = (self.round.members.get(actor_id)
+                if previous is not None and previous.incarnation == incarnation else None)
         if previous is not None:
             self._forget(previous)
         if index is not None:
             holders = [r.actor_id for r in self.actors.values() if r.index == index]
             if holders:
                 raise ValueError(f"actor index {index} is held by actor {holders[0]!r}")
-        if self.sync:
-            rank = self._next_actor_index if index is None else index
-            if (rank + 1) * spec.num_envs > self.num_columns:
-                raise ValueError(
-                    f"sync mode: actor index {rank} x {spec.num_envs} envs needs columns up to "
-                    f"{(rank + 1) * spec.num_envs}, the buffer has {self.num_columns}")
+        if self.sync and not self.has_room_for(spec.num_envs):
+            raise ValueError(f"sync mode: {spec.num_envs} more envs do not fit in the buffer's "
+                             f"{self.num_columns} columns beside the joined actors'")
         if index is None:
             index = self._next_actor_index
         record = ActorRecord(
@@ -235,7 +264,20 @@ class RolloutAssembler:
         )
         self._next_actor_index = max(self._next_actor_index, index) + 1
         self.actors[actor_id] = record
+        if self.sync and self.round.is_open:
+            self.round.open(self.actors.values())
+        elif kept is not None and np.all(self._ring.owners(0)[kept] == FREE):
+            self.round.members[actor_id] = kept
         return record
+
+    def has_room_for(self, num_envs: int) -> bool:
+        """True when an actor of ``num_envs`` envs fits in the buffer beside the joined actors."""
+        return sum(r.spec.num_envs for r in self.actors.values()) + num_envs <= self.num_columns
+
+    def _close_round_if_done(self) -> None:
+        """Synchronous mode: episodes are released when the rollout is full (:meth:`RolloutRound.close`)."""
+        if self.round.close(self.actors.values()):
+            self._release_round_episodes()
 
     def spec_for(self, actor_id: str, incarnation: str) -> StepSpec | None:
         """The step spec agreed at join time (also for a departed incarnation), or None if unknown."""
@@ -255,17 +297,6 @@ class RolloutAssembler:
         record.policy_lag = policy_lag
         record.episodes = episodes
         return True
-
-    @staticmethod
-    def take_lag(record: ActorRecord) -> tuple[float, float, float] | None:
-        """``(min, mean, max)`` policy lag at arrival (learner version - acting version, in versions)
-        of the actor's step messages since the last call (the previous figures when none arrived
-        since; None before the first); resets the window."""
-        window = record.lag_window
-        if window.count:
-            record.lag_window = LagWindow()
-            record.lag_stats = (float(window.low), window.total / window.count, float(window.high))
-        return record.lag_stats
 
     def leave(self, actor_id: str, incarnation: str) -> bool:
         """Remove an actor that says goodbye; its unfinished segment is discarded."""
@@ -322,9 +353,7 @@ class RolloutAssembler:
             self.counters.dropped["seq_gap_steps"] += message.seq - record.next_seq
             self._discard_segment(record)
             if record.pending:  # held rows are not consecutive with this step any more
-                self.counters.dropped["discarded_segment_rows"] += record.spec.num_envs * record.pending_rows
-                record.pending.clear()
-                record.pending_rows = 0
+                self.counters.dropped["discarded_segment_rows"] += record.clear_pending()
             self._drain_all()
             record.next_seq = message.seq
         if message.policy_version > current_policy_version:
@@ -336,6 +365,11 @@ class RolloutAssembler:
         record.last_heard = now
         self._policy_version = max(self._policy_version, current_policy_version)
         record.lag_window.add(current_policy_version - message.policy_version)
+        if record.segment is None and not record.pending:
+            record.segment = self._claim(record)
+        if self.sync and record.segment is None:  # not a member, or its columns are done: not held
+            self.counters.dropped["not_member_steps"] += message.num_envs * message.num_steps
+            return
         if self.sync:  # released in (index, seq) order when the rollout is full
             if message.episode_returns:
                 self._round_episodes.append((record.index, message.seq, list(message.episode_returns),
@@ -343,13 +377,18 @@ class RolloutAssembler:
         else:
             self.episode_returns.extend(message.episode_returns)
             self.episode_lengths.extend(message.episode_lengths)
-
-        if record.segment is None and not record.pending:
-            record.segment = self._ring.claim(record.index, record.spec.num_envs, own_block=self.sync)
         if record.segment is None or record.pending:  # no free column: hold it (one segment at most)
             self._hold(record, message)
             return
         self._write(record, message)
+
+    def _claim(self, record: ActorRecord) -> Segment | None:
+        """Free columns for the actor's next segment (synchronous mode: its own block, if it is a
+        member of the filling rollout), or None."""
+        if not self.sync:
+            return self._ring.claim(record.index, record.spec.num_envs)
+        block = self.round.members.get(record.actor_id)
+        return None if block is None else self._ring.claim(record.index, len(block), block=block)
 
     def _hold(self, record: ActorRecord, message: StepMessage) -> None:
         """Queue a step message that found no free column; drop the oldest beyond one segment.
@@ -366,7 +405,7 @@ class RolloutAssembler:
         """Write the actor's held messages while it gets columns."""
         while record.pending:
             if record.segment is None:
-                record.segment = self._ring.claim(record.index, record.spec.num_envs, own_block=self.sync)
+                record.segment = self._claim(record)
                 if record.segment is None:
                     return
             message = record.pending.popleft()
@@ -380,12 +419,6 @@ class RolloutAssembler:
         """Columns were freed: write held messages, actors in index order."""
         for record in sorted((r for r in self.actors.values() if r.pending), key=lambda r: r.index):
             self._drain(record)
-
-    def _drop_pending(self, record: ActorRecord) -> None:
-        if record.pending:
-            self.counters.dropped["no_capacity_steps"] += record.spec.num_envs * record.pending_rows
-            record.pending.clear()
-            record.pending_rows = 0
 
     @property
     def pending_rows(self) -> int:
@@ -432,8 +465,10 @@ class RolloutAssembler:
         next_values, dones = message.fields["next_values"], message.fields["dones"]
         record.segment = None
         if self._ring.complete(segment, (next_values if last == 0 else next_values[last])[:k],
-                               (dones if last == 0 else dones[last])[:k]):
+                               (dones if last == 0 else dones[last])[:k], full_when_all=not self.sync):
             self._release_round_episodes()
+        if self.sync:
+            self._close_round_if_done()
 
     def _release_round_episodes(self) -> None:
         """Synchronous mode: the full rollout's episodes, in (actor index, seq) order."""
@@ -445,11 +480,15 @@ class RolloutAssembler:
     def _forget(self, record: ActorRecord) -> None:
         """Remove an actor: discard its unfinished segment, remember the incarnation as departed."""
         self._discard_segment(record)
-        self._drop_pending(record)
+        if record.pending:
+            self.counters.dropped["no_capacity_steps"] += record.clear_pending()
         self.actors.pop(record.actor_id, None)
         self._departed[record.incarnation] = record.spec
         while len(self._departed) > 1024:
             del self._departed[next(iter(self._departed))]
+        if self.sync:
+            self.round.remove(record.actor_id)
+            self._close_round_if_done()
 
     def _discard_segment(self, record: ActorRecord) -> None:
         segment = record.segment
@@ -494,6 +533,8 @@ class RolloutAssembler:
         self._ring.release(slot)
         if policy_version is not None:
             self._policy_version = max(self._policy_version, policy_version)
+        if self.sync:
+            self.round.open(self.actors.values())
         self._drain_all()
 
     def trains_at(self, slot: int) -> int:
@@ -509,8 +550,9 @@ class RolloutAssembler:
         return self.trains_at(slot) - policy_version > self.max_policy_lag
 
     def buffer_fill(self) -> float:
-        """Fraction of rows written in the oldest filling buffer (0..1), 1.0 when none is filling."""
-        return self._ring.buffer_fill()
+        """Fraction of rows written in the oldest filling buffer (0..1; synchronous mode: of its
+        members' rows), 1.0 when none is filling."""
+        return self._ring.buffer_fill(self.round.columns if self.sync else None)
 
     def take_episodes(self) -> tuple[list[float], list[int]]:
         """Episodic returns and lengths received since the last call."""
@@ -519,19 +561,26 @@ class RolloutAssembler:
         return returns, lengths
 
 
-def drop_stale_rows(buffer: RolloutBuffer, *, current_policy_version: int, max_policy_lag: int) -> tuple[int, dict[str, float]]:
+def drop_stale_rows(buffer: RolloutBuffer, *, current_policy_version: int, max_policy_lag: int,
+                    columns: np.ndarray | None = None) -> tuple[int, dict[str, float]]:
     """Exclude rows whose policy lag exceeds ``max_policy_lag`` from training.
 
     Policy lag of a row = ``current_policy_version - policy_versions[t, e]`` (updates between the
     policy that acted and the one about to be trained).
 
+    Args:
+        columns: ``(N,)`` bool, the columns that hold rows (the others are sealed and not looked
+            at), or None: every column.
+
     Returns:
-        ``(rows_dropped, stats)``: ``stats`` holds the lag ``min``/``mean``/``max`` over all rows and
-        ``newest_version``, the highest policy version that acted in the rollout.
+        ``(rows_dropped, stats)``: ``stats`` holds the lag ``min``/``mean``/``max`` over the rows
+        of ``columns`` and ``newest_version``, the highest policy version that acted in them.
     """
     versions = buffer.policy_versions
     lag = current_policy_version - versions
     dropped = buffer.mark_untrainable(lag > max_policy_lag)
+    if columns is not None:
+        versions, lag = versions[:, columns], lag[:, columns]
     return dropped, {
         "min": float(lag.min()),
         "mean": float(lag.mean()),

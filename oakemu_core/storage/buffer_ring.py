@@ -59,6 +59,12 @@ class FullRollout:
     buffer: RolloutBuffer
     last_values: np.ndarray  # (N,) float32: V(s_T) of each column's last step
     last_dones: np.ndarray  # (N,) bool: dones of each column's last row (== buffer.dones[-1])
+    columns_used: np.ndarray | None = None
+    """``(N,)`` bool: the columns that hold rows (synchronous mode; the others are sealed, with no
+    trainable row), or None: every column."""
+    planned_columns: int = 0
+    """Columns a rollout holds when the run's planned actors fill it (the minibatch size is the
+    planned rows over ``num_minibatches``); 0: ``N``."""
 
 
 class BufferRing:
@@ -66,12 +72,13 @@ class BufferRing:
 
     Args:
         buffers: the rollout buffers, all with the same ``(T, N)`` shape and step schema.
+        planned_columns: see :attr:`FullRollout.planned_columns`.
 
     Raises:
         ValueError: if ``buffers`` is empty or the buffers disagree in shape or schema.
     """
 
-    def __init__(self, buffers: list[RolloutBuffer]) -> None:
+    def __init__(self, buffers: list[RolloutBuffer], planned_columns: int = 0) -> None:
         if not buffers:
             raise ValueError("RolloutAssembler needs at least one rollout buffer, got none")
         if len({(b.rollout_length, b.num_envs, b.schema) for b in buffers}) != 1:
@@ -85,22 +92,29 @@ class BufferRing:
         self._last_dones = [np.zeros(self.num_columns, bool) for _ in buffers]
         self._generation = list(range(len(buffers)))
         self._next_generation = len(buffers)
+        self.planned_columns = int(planned_columns)
 
     def _filling(self) -> list[int]:
         """The filling buffers' slots, oldest generation first."""
         filling = [s for s, state in enumerate(self.states) if state is SlotState.FILLING]
         return sorted(filling, key=lambda s: self._generation[s])
 
-    def claim(self, owner: int, num_envs: int, *, own_block: bool) -> Segment | None:
+    def owners(self, slot: int) -> np.ndarray:
+        """``(N,)`` int64 owner of each column of buffer ``slot``: an actor index, :data:`FREE` or
+        :data:`COMPLETE` (read-only)."""
+        view = self._owners[slot].view()
+        view.flags.writeable = False
+        return view
+
+    def claim(self, owner: int, num_envs: int, *, block: np.ndarray | None = None) -> Segment | None:
         """Give ``owner`` (an actor index) up to ``num_envs`` free columns of the oldest filling
-        buffer that has any, or None. ``own_block`` (synchronous mode): exactly the columns
-        ``owner * num_envs ... (owner + 1) * num_envs - 1``, in the oldest buffer where they are free."""
-        if own_block:
-            columns = np.arange(owner * num_envs, (owner + 1) * num_envs, dtype=np.int64)
+        buffer that has any, or None. ``block`` (synchronous mode): exactly these ``(k,)`` int64
+        columns, in the oldest buffer where they are free."""
+        if block is not None:
             for slot in self._filling():
-                if np.all(self._owners[slot][columns] == FREE):
-                    self._owners[slot][columns] = owner
-                    return Segment(slot=slot, columns=columns)
+                if np.all(self._owners[slot][block] == FREE):
+                    self._owners[slot][block] = owner
+                    return Segment(slot=slot, columns=block)
             return None
         for slot in self._filling():
             free = np.flatnonzero(self._owners[slot] == FREE)
@@ -120,16 +134,24 @@ class BufferRing:
         self.buffers[segment.slot].reset_columns(segment.columns)
         self._owners[segment.slot][segment.columns] = FREE
 
-    def complete(self, segment: Segment, last_values: np.ndarray, last_dones: np.ndarray) -> bool:
+    def complete(self, segment: Segment, last_values: np.ndarray, last_dones: np.ndarray, *,
+                 full_when_all: bool = True) -> bool:
         """Mark a segment's columns complete with the ``(k,)`` bootstrap data of their last row
-        (V(s_T), dones); returns True when this made its buffer full."""
+        (V(s_T), dones); returns True when this made its buffer full (every column complete;
+        ``full_when_all=False``: never, the caller decides with :meth:`mark_full`)."""
         self._last_values[segment.slot][segment.columns] = last_values
         self._last_dones[segment.slot][segment.columns] = last_dones
         self._owners[segment.slot][segment.columns] = COMPLETE
-        if np.all(self._owners[segment.slot] == COMPLETE):
+        if full_when_all and np.all(self._owners[segment.slot] == COMPLETE):
             self.states[segment.slot] = SlotState.FULL
             return True
         return False
+
+    def mark_full(self, slot: int) -> None:
+        """A filling buffer is full with the columns it has complete (the others are sealed when
+        it is taken for training, :meth:`take_full_rollout`)."""
+        assert self.states[slot] is SlotState.FILLING, (slot, self.states[slot])
+        self.states[slot] = SlotState.FULL
 
     def take_full_rollout(self) -> FullRollout | None:
         """Hand the oldest buffer to training if it is full (its state becomes TRAINING), or None.
@@ -148,8 +170,16 @@ class BufferRing:
         if self.states[slot] is not SlotState.FULL:
             return None
         self.states[slot] = SlotState.TRAINING
+        columns_used = None
+        unused = np.flatnonzero(self._owners[slot] != COMPLETE)
+        if unused.size:  # columns no actor filled (synchronous mode) hold no trainable row
+            self.buffers[slot].seal_columns(unused)
+            self._last_values[slot][unused] = 0.0
+            self._last_dones[slot][unused] = False
+            columns_used = self._owners[slot] == COMPLETE
         return FullRollout(slot=slot, buffer=self.buffers[slot], last_values=self._last_values[slot].copy(),
-                           last_dones=self._last_dones[slot].copy())
+                           last_dones=self._last_dones[slot].copy(), columns_used=columns_used,
+                           planned_columns=self.planned_columns)
 
     def release(self, slot: int) -> None:
         """Return a trained buffer to filling, emptied, behind the other filling buffers.
@@ -170,9 +200,11 @@ class BufferRing:
         return sum(1 for other, state in enumerate(self.states) if other != slot and (
             state is SlotState.TRAINING or self._generation[other] < self._generation[slot]))
 
-    def buffer_fill(self) -> float:
-        """Fraction of rows written in the oldest filling buffer (0..1), 1.0 when none is filling."""
+    def buffer_fill(self, columns: int | None = None) -> float:
+        """Fraction of rows written in the oldest filling buffer (0..1) out of ``columns`` columns
+        (None: all of them), 1.0 when none is filling."""
         filling = self._filling()
         if not filling:
             return 1.0
-        return float(self.buffers[filling[0]].column_steps.sum()) / (self.rollout_length * self.num_columns)
+        rows = self.rollout_length * max(1, self.num_columns if columns is None else columns)
+        return float(self.buffers[filling[0]].column_steps.sum()) / rows

@@ -302,6 +302,23 @@ class RolloutArrays:
         self._empty(slice(None))
         self._arrays["meta"][GAE_GENERATION] = -1
 
+    def seal_columns(self, index: np.ndarray) -> None:
+        """Count the columns ``index`` (``(k,)`` int64, holding no rows) as full with no trainable
+        row: a rollout trained with fewer columns than the buffer has. GAE then reads zero
+        rewards, values and dones there; the other fields are never read for them.
+
+        Raises:
+            ValueError: a column of ``index`` already holds rows.
+        """
+        self._check_open()
+        arrays = self._arrays
+        if np.any(arrays["column_steps"][index]):
+            raise ValueError("seal_columns: expected empty columns, received columns that hold rows")
+        self._empty(index)
+        for name in ("rewards", "values"):
+            arrays[name][:, index] = 0.0
+        arrays["column_steps"][index] = self._rollout_length
+
     def _empty(self, index: slice | np.ndarray) -> None:
         """Forget every row of the columns ``index``: no rows held, none trainable, no episode
         ends or bootstrap values left for GAE (the other fields are overwritten before they are read)."""

@@ -108,6 +108,9 @@ class JoinRequest:
             ring, ``""`` when it sends its arrays inline only.
         inference_precision: precision of the actor's forward passes, one of :data:`INFERENCE_PRECISIONS`:
             its log-probs and values are those of the learner's weights rounded to it.
+        pid, pid_namespace: the actor's process id and PID namespace
+            (:func:`oakemu_core.transport.liveness.process_identity`); a learner in the same namespace
+            notices at once when the process exits (0 / ``""``: unknown).
     """
 
     actor_id: str
@@ -116,6 +119,8 @@ class JoinRequest:
     hostname: str
     host_id: str = ""
     inference_precision: str = "float32"
+    pid: int = 0
+    pid_namespace: str = ""
 
 
 @dataclass(frozen=True)
@@ -185,10 +190,13 @@ class Heartbeat:
 @dataclass(frozen=True)
 class HeartbeatReply:
     """Learner -> actor: ``"ok"``, ``"rejoin"`` (learner forgot this incarnation: join again) or
-    ``"stop"`` (shut down), plus the learner's current policy version."""
+    ``"stop"`` (shut down), plus the learner's current policy version and ``held_rows``: vector
+    steps of this actor that the learner holds for lack of free columns (an actor with held steps
+    waits for newer weights instead of acting ahead: what it acted now would be thrown away)."""
 
     status: str
     policy_version: int
+    held_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -308,6 +316,8 @@ def encode_join_request(msg: JoinRequest) -> bytes:
             "hostname": str(msg.hostname),
             "host_id": str(msg.host_id),
             "inference_precision": msg.inference_precision,
+            "pid": int(msg.pid),
+            "pid_namespace": str(msg.pid_namespace),
         }
     )
 
@@ -363,7 +373,9 @@ def encode_heartbeat_reply(msg: HeartbeatReply) -> bytes:
     if msg.status not in HEARTBEAT_STATUSES:
         raise ValueError(f"status: expected one of {HEARTBEAT_STATUSES}, received {msg.status!r}")
     check_local_int(msg.policy_version, "policy_version")
-    return pack({**header(TYPE_HEARTBEAT_REPLY), "status": msg.status, "policy_version": int(msg.policy_version)})
+    check_local_int(msg.held_rows, "held_rows")
+    return pack({**header(TYPE_HEARTBEAT_REPLY), "status": msg.status, "policy_version": int(msg.policy_version),
+                 "held_rows": int(msg.held_rows)})
 
 
 def encode_leave(msg: Leave) -> bytes:
@@ -400,7 +412,8 @@ def encode_stop(msg: StopNotice) -> bytes:
 
 
 def _decode_join(obj: dict[str, Any]) -> JoinRequest:
-    require_fields(obj, ("actor_id", "incarnation", "num_envs", "hostname", "host_id", "inference_precision"))
+    require_fields(obj, ("actor_id", "incarnation", "num_envs", "hostname", "host_id", "inference_precision", "pid",
+                         "pid_namespace"))
     precision = get_str(obj, "inference_precision")
     if precision not in INFERENCE_PRECISIONS:
         raise MessageRejected("value_range", f"inference_precision: expected one of {INFERENCE_PRECISIONS}, "
@@ -412,6 +425,8 @@ def _decode_join(obj: dict[str, Any]) -> JoinRequest:
         hostname=get_str(obj, "hostname", max_len=MAX_TEXT_LENGTH, allow_empty=True),
         host_id=get_str(obj, "host_id", allow_empty=True),
         inference_precision=precision,
+        pid=get_int(obj, "pid"),
+        pid_namespace=get_str(obj, "pid_namespace", max_len=MAX_TEXT_LENGTH, allow_empty=True),
     )
 
 
@@ -470,11 +485,12 @@ def _decode_heartbeat(obj: dict[str, Any]) -> Heartbeat:
 
 
 def _decode_heartbeat_reply(obj: dict[str, Any]) -> HeartbeatReply:
-    require_fields(obj, ("status", "policy_version"))
+    require_fields(obj, ("status", "policy_version", "held_rows"))
     status = obj["status"]
     if type(status) is not str or status not in HEARTBEAT_STATUSES:
         reject("schema", f"status: expected one of {HEARTBEAT_STATUSES}, received {describe(status)}")
-    return HeartbeatReply(status=status, policy_version=get_int(obj, "policy_version"))
+    return HeartbeatReply(status=status, policy_version=get_int(obj, "policy_version"),
+                          held_rows=get_int(obj, "held_rows"))
 
 
 def _decode_leave(obj: dict[str, Any]) -> Leave:

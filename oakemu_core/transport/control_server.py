@@ -4,18 +4,23 @@ encoded replies out.
 :class:`ControlServer` takes a decoded request (:class:`~oakemu_core.transport.control.JoinRequest`,
 :class:`~oakemu_core.transport.control.Heartbeat`, :class:`~oakemu_core.transport.control.Leave`) with the
 ZeroMQ identity and peer it came from, and returns the replies to send as ``(identity, frame)``
-pairs: usually one, none for a synchronous-mode join held until every actor has asked, and one per
-held join when the last one arrives. It decides
+pairs: usually one, none for a synchronous-mode join that is held (see below); held joins are
+answered by :meth:`ControlServer.tick`. It decides
 
 * who may speak for an actor (:class:`~oakemu_core.transport.auth.PeerBinding`: impersonation is
   refused and counted);
 * whether a join is accepted, with which :class:`~oakemu_core.transport.steps.StepSpec` (steps per
   message from the joining actor's env count), step ring (a callback the service passes in) and
   ``env_config`` (the scalars every actor builds its envs from);
-* the synchronous mode's ranks: joins wait until ``num_actors`` actors have asked, then take their
-  indices in actor-id order (columns and env seeds do not depend on who connected first); later
-  joins take their old index or a free one;
-* whether the run has an actor acting with rounded weights (:attr:`ControlServer.reevaluate_every_rollout`).
+* the synchronous mode's rollout members: the first rollout waits until ``num_actors`` actors have
+  asked (or :data:`START_GRACE_S` after the first asked), then they join with indices in actor-id
+  order (columns and env seeds do not depend on who connected first); later a join is answered while
+  the filling rollout has no row yet (the actor is one of its members) and held otherwise, until the
+  next rollout opens (it then acts with the weights that rollout is acted by); a returning actor takes
+  its old index, a new one the lowest free index; the buffer's room (``max_actors``) bounds the actors;
+* whether the run has an actor acting with rounded weights (:attr:`ControlServer.reevaluate_every_rollout`);
+* which actors' processes it watches (:class:`~oakemu_core.transport.liveness.LocalProcesses`: those in
+  the learner's PID namespace), so one that exits is dropped at once (:meth:`ControlServer.drop_gone_actors`).
 
 The service (``oakemu_services.learner``) owns the sockets and the envelope framing.
 """
@@ -40,6 +45,7 @@ from oakemu_core.transport.control import (
     encode_heartbeat_reply,
     encode_join_reply,
 )
+from oakemu_core.transport.liveness import LocalProcesses
 from oakemu_core.transport.steps import StepSpec
 
 if TYPE_CHECKING:
@@ -48,12 +54,16 @@ if TYPE_CHECKING:
     from oakemu_core.storage.assembler import RolloutAssembler
     from oakemu_core.transport.auth import PeerBinding
 
-__all__ = ["MAX_ACTOR_ENVS", "ControlServer", "Reply", "env_config"]
+__all__ = ["MAX_ACTOR_ENVS", "START_GRACE_S", "ControlServer", "Reply", "env_config"]
 
 log = logging.getLogger("oakemu.learner")
 
 MAX_ACTOR_ENVS = 65_536
 """Largest ``num_envs`` an actor may declare (the wire's limit for one array dimension)."""
+
+START_GRACE_S = 30.0
+"""Synchronous mode: the first rollout starts with the actors that asked to join this many seconds
+after the first one, when fewer than ``num_actors`` did."""
 
 Reply = tuple[Any, bytes]
 """``(identity, encoded reply)``: the ZeroMQ identity of the requester and the frame to send it."""
@@ -97,12 +107,14 @@ class ControlServer:
         offer_ring: ``(request, spec) -> StepRingOffer | None``: makes a step ring for a joining
             actor on this machine (None: no room, its arrays go inline).
         policy_version, weights: the weights the actors get now (see :meth:`publish`).
+        processes: watches the joined actors' processes (None: a :class:`LocalProcesses` on ``/proc``).
     """
 
     def __init__(self, config: OakEmuConfig, schema: StepSchema, observation_layout: Any,
                  assembler: RolloutAssembler, peers: PeerBinding, rejections: Any, *, host_id: str,
                  offer_ring: Callable[[JoinRequest, StepSpec], StepRingOffer | None],
-                 policy_version: int, weights: dict[str, np.ndarray]) -> None:
+                 policy_version: int, weights: dict[str, np.ndarray],
+                 processes: LocalProcesses | None = None) -> None:
         self.config = config
         self.schema = schema
         self.observation_layout = observation_layout
@@ -115,10 +127,13 @@ class ControlServer:
         self.sync = config.mode == "sync"
         self.policy_version = int(policy_version)
         self.weights = weights
+        self.processes = processes if processes is not None else LocalProcesses()
         self.reevaluate_every_rollout = False
         """True once an actor acting with rounded weights (bfloat16) joined: every rollout is then
         re-evaluated in float32 before GAE."""
         self._pending_joins: dict[str, tuple[Any, JoinRequest]] = {}
+        self._first_pending_at: float | None = None
+        self._started = False  # synchronous mode: the first rollout's members have joined
         self._sync_ranks: dict[str, int] = {}
 
     def publish(self, policy_version: int, weights: dict[str, np.ndarray]) -> None:
@@ -167,7 +182,10 @@ class ControlServer:
             )
             self.counters.accepted["heartbeat" if known else "unknown_actor_control"] += 1
             status = "stop" if stopping else ("ok" if known else "rejoin")
-            return [(identity, encode_heartbeat_reply(HeartbeatReply(status=status, policy_version=self.policy_version)))]
+            record = self.assembler.actors.get(message.actor_id)
+            held = record.pending_rows if known and record is not None else 0
+            return [(identity, encode_heartbeat_reply(
+                HeartbeatReply(status=status, policy_version=self.policy_version, held_rows=held)))]
         if isinstance(message, Leave):
             if self.assembler.leave(message.actor_id, message.incarnation):
                 self.counters.accepted["leave"] += 1
@@ -209,8 +227,9 @@ class ControlServer:
             spec = self.step_spec(message, step_ring=False)
         record = self.assembler.join(message.actor_id, message.incarnation, spec, hostname=message.hostname, now=now,
                                      index=index)
-        log.info("actor %s joined (%d envs, host %s, index %d)", message.actor_id, message.num_envs,
-                 message.hostname, record.index)
+        watched = self.processes.watch(message.actor_id, message.incarnation, message.pid, message.pid_namespace)
+        log.info("actor %s joined (%d envs, host %s, index %d%s)", message.actor_id, message.num_envs,
+                 message.hostname, record.index, f", process {message.pid} watched" if watched else "")
         if message.inference_precision == "bfloat16" and not self.reevaluate_every_rollout:
             self.reevaluate_every_rollout = True
             log.info("actor %s acts in %s: every rollout is re-evaluated in float32 before GAE%s", message.actor_id,
@@ -222,6 +241,19 @@ class ControlServer:
                       self.weights, step_ring=ring)
         )
 
+    def drop_gone_actors(self) -> list[tuple[str, str]]:
+        """Drop the joined actors whose watched process exited or was stopped (their unfinished
+        segments are discarded now, not after ``actor_timeout_s``), counted as ``dropped["exited_actors"]``
+        / ``dropped["stopped_actors"]``; returns ``(actor_id, why)`` of each. A stopped one that is
+        continued is told to rejoin at its next heartbeat."""
+        dropped = []
+        self.processes.retain({(r.actor_id, r.incarnation) for r in self.assembler.actors.values()})
+        for actor_id, incarnation, why in self.processes.gone():
+            if self.assembler.leave(actor_id, incarnation):
+                self.assembler.counters.dropped[f"{why}_actors"] += 1
+                dropped.append((actor_id, why))
+        return dropped
+
     def step_spec(self, message: JoinRequest, *, step_ring: bool) -> StepSpec:
         """The spec of a joining actor's step messages (K without the byte bound for a step ring)."""
         steps = self.config.resolved_steps_per_message(self.schema.sent_bytes_per_env(), message.num_envs,
@@ -229,8 +261,8 @@ class ControlServer:
         return StepSpec(num_envs=message.num_envs, schema=self.schema, steps_per_message=steps)
 
     def _sync_join(self, message: JoinRequest, now: float, identity: Any) -> list[Reply]:
-        """Synchronous mode: hold joins until ``num_actors`` actors have asked, then answer them all
-        with indices in actor-id order; later joins take their old index or a free one."""
+        """Synchronous mode: answer the join now when the filling rollout has no row yet, else hold
+        it for :meth:`tick` (see the module docstring)."""
         config = self.config
         if message.num_envs != config.envs_per_actor:
             self.counters.accepted["join_refused"] += 1
@@ -239,29 +271,59 @@ class ControlServer:
             log.warning("refused actor %s: %s", message.actor_id, reason)
             return [(identity, self.refuse_join(reason))]
         self.counters.accepted["join"] += 1  # a held join counts when it arrives (each retry too)
-        if self._sync_ranks:  # the run has started: an actor comes back or replaces one that left
-            held = {r.index for r in self.assembler.actors.values() if r.actor_id != message.actor_id}
-            rank = self._sync_ranks.get(message.actor_id)
-            if rank is None or rank in held:
-                free = sorted(set(range(config.num_actors)) - held)
-                rank = free[0] if free else None
-            if rank is None:
-                self.counters.accepted["join"] -= 1
-                self.counters.accepted["join_refused"] += 1
-                reason = f"mode='sync': the run's num_actors={config.num_actors} actors are all connected"
-                log.warning("refused actor %s: %s", message.actor_id, reason)
-                return [(identity, self.refuse_join(reason))]
-            self._sync_ranks[message.actor_id] = rank
-            return [(identity, self.grant_join(message, now, index=rank))]
+        previous = self.assembler.actors.get(message.actor_id)
+        if previous is not None and previous.incarnation == message.incarnation:
+            # A retry of a join answered already (the reply was lost): answered again, at once.
+            return [(identity, self.grant_join(message, now, index=previous.index))]
+        if previous is not None:
+            # The actor restarted: its old incarnation acts no more, its unfinished segment goes now.
+            self.assembler.leave(previous.actor_id, previous.incarnation)
+            log.info("actor %s restarted: its previous incarnation left", message.actor_id)
+        first_ask = message.actor_id not in self._pending_joins
         self._pending_joins[message.actor_id] = (identity, message)  # a retry replaces the held request
-        if len(self._pending_joins) < config.num_actors:
-            log.info("mode='sync': actor %s waits for %d more actor(s) to join", message.actor_id,
-                     config.num_actors - len(self._pending_joins))
-            return []
-        pending, self._pending_joins = self._pending_joins, {}
-        replies = []
-        for rank, actor_id in enumerate(sorted(pending)):
-            self._sync_ranks[actor_id] = rank
-            held_identity, request = pending[actor_id]
-            replies.append((held_identity, self.grant_join(request, now, index=rank)))
+        if self._first_pending_at is None:
+            self._first_pending_at = now
+        replies = self.tick(now)
+        if first_ask and message.actor_id in self._pending_joins:
+            if self._started:
+                log.info("mode='sync': actor %s joins at the next rollout", message.actor_id)
+            else:
+                log.info("mode='sync': actor %s waits for %d more actor(s) to join (at most %.0f s)",
+                         message.actor_id, config.num_actors - len(self._pending_joins), START_GRACE_S)
         return replies
+
+    def tick(self, now: float) -> list[Reply]:
+        """Synchronous mode: answer the held joins that may join now (the replies to send): the first
+        rollout's actors once ``num_actors`` asked or :data:`START_GRACE_S` passed, later ones while
+        the filling rollout has no row yet. Call it every loop turn (and after a buffer is released)."""
+        if not self.sync or not self._pending_joins:
+            return []
+        if not self._started:
+            waited = now - (self._first_pending_at if self._first_pending_at is not None else now)
+            if len(self._pending_joins) < self.config.num_actors and waited < START_GRACE_S:
+                return []
+        elif not self.assembler.round.is_open:
+            return []
+        self._started = True
+        pending, self._pending_joins, self._first_pending_at = self._pending_joins, {}, None
+        replies = []
+        for actor_id in sorted(pending):
+            identity, request = pending[actor_id]
+            replies.append((identity, self._grant_sync(request, now)))
+        return replies
+
+    def _grant_sync(self, message: JoinRequest, now: float) -> bytes:
+        """Join a held actor with its old index (or the lowest free one), if the buffer has room."""
+        if not self.assembler.has_room_for(message.num_envs):
+            self.counters.accepted["join"] -= 1
+            self.counters.accepted["join_refused"] += 1
+            reason = (f"mode='sync': the rollout buffer holds max_actors={self.config.resolved_max_actors} "
+                      f"actors of {self.config.envs_per_actor} envs, all joined (raise max_actors)")
+            log.warning("refused actor %s: %s", message.actor_id, reason)
+            return self.refuse_join(reason)
+        held = {r.index for r in self.assembler.actors.values()}
+        rank = self._sync_ranks.get(message.actor_id)
+        if rank is None or rank in held:
+            rank = next(i for i in range(len(held) + 1) if i not in held)
+        self._sync_ranks[message.actor_id] = rank
+        return self.grant_join(message, now, index=rank)
