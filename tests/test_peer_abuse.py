@@ -9,10 +9,8 @@ refuse and count each, keep serving the real actor, and keep its log short.
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,15 +35,7 @@ from oakemu_core.transport.control import (
 from oakemu_core.transport.step_ring import shared_memory_host_id
 from oakemu_core.transport.steps import StepMessage, encode_step
 from oakemu_services.learner import NOTICE_BURST, Learner
-
-
-def _free_ports(count: int) -> list[int]:
-    ports = []
-    for _ in range(count):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            ports.append(probe.getsockname()[1])
-    return ports
+from tests.e2e_helpers import new_ports
 
 
 class Harness:
@@ -81,11 +71,11 @@ class Harness:
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
-    ports = _free_ports(5)
+    ports = new_ports()
     runs = tmp_path_factory.mktemp("runs")
     config = OakEmuConfig(env_id="CartPole-v1", num_actors=1, envs_per_actor=2, rollout_length=8, runs_dir=runs,
-                          run_name="abuse", bind_host="127.0.0.1", data_port=ports[0], control_port=ports[1],
-                          weights_port=ports[2], telemetry_port=ports[3], metrics_port=ports[4],
+                          run_name="abuse", bind_host="127.0.0.1", data_port=ports.data, control_port=ports.control,
+                          weights_port=ports.weights, telemetry_port=ports.telemetry, metrics_port=ports.metrics,
                           actor_timeout_s=600.0, eval_every_updates=0, log_level="WARNING")
     learner = Learner(config, runs / "abuse")
     made = Harness(learner)
