@@ -208,7 +208,7 @@ class Learner:
         # Each actor's messages only from the peer it joined from (and its CURVE key, with CURVE).
         self.peers = PeerBinding(user_ids=self.security is not None)
         self.receiver = StepReceiver(self.rings, self.assembler.spec_for, self.peers.allows,
-                                     max_bytes=config.max_message_bytes)
+                                     max_bytes=config.max_message_bytes, notices=self.rejection_log["notices"])
         self.data = self._secure(self.context.socket(zmq.PULL))
         # A small receive queue: back-pressure reaches the actors quickly, and rows stay fresh.
         self.data.setsockopt(zmq.RCVHWM, 4)
