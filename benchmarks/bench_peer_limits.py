@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from oakemu_core.config import OakEmuConfig  # noqa: E402
 from oakemu_core.envs import env_spec  # noqa: E402
-from oakemu_core.step_schema import schema_for_env  # noqa: E402
+from oakemu_core.policy.schemas import schema_for_env  # noqa: E402
 from oakemu_core.transport.peer_limits import PeerLimits  # noqa: E402
 from oakemu_core.transport.steps import StepMessage, StepSpec, decode_step, encode_step  # noqa: E402
 

@@ -14,9 +14,9 @@ import pytest
 
 from oakemu_core.config import OakEmuConfig
 from oakemu_core.envs import env_spec
+from oakemu_core.policy.schemas import schema_for_env
 from oakemu_core.run.learner_telemetry import LearnerTelemetry
 from oakemu_core.run.log_limits import RateLimitedLog
-from oakemu_core.step_schema import schema_for_env
 from oakemu_core.storage.assembler import RolloutAssembler
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
 from oakemu_core.transport.auth import Connection, PeerBinding

@@ -12,7 +12,7 @@ import pytest
 
 from oakemu_core.config import OakEmuConfig
 from oakemu_core.envs import env_spec
-from oakemu_core.step_schema import schema_for_env
+from oakemu_core.policy.schemas import schema_for_env
 from oakemu_core.transport.control import JoinRequest
 from oakemu_core.transport.peer_limits import VALUE_BOUND_FACTOR, PeerLimits
 from oakemu_core.transport.step_ring import StepRing, StepRingRefused, StepRings, ring_slots
