@@ -20,7 +20,7 @@ Two independent protections:
   its public key. A join for that id, or a heartbeat or leave, from any other connection is refused
   and counted (``impersonation``), whatever incarnation it names. Step messages (a PUSH socket has
   no routing id) are bound to the join's address and key, and name the incarnation: a secret the
-  actor makes, never published (telemetry shows :func:`public_tag` of it) nor logged.
+  actor makes, never published (telemetry shows :func:`public_tag` of it) nor logged while it is live.
 
 Key files are ZeroMQ's own certificate format (``zmq.auth.create_certificates``):
 ``NAME.key`` (public) and ``NAME.key_secret`` (public + secret, mode 0600).
