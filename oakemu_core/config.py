@@ -286,6 +286,42 @@ class OakEmuConfig(PPOSettings, BaseSettings):
         None, description="Learner: folder of the public key files (*.key) of the actors and monitors it accepts."
     )
 
+    # --- what the learner takes from its peers (the trust model: deploy/README.md) ---
+    max_envs_per_actor: int = Field(
+        1024, ge=1, le=65536, description="Learner: refuse a join asking for more envs than this (never below "
+        "envs_per_actor)."
+    )
+    max_connected_actors: int = Field(
+        1024, ge=1, description="Learner: refuse joins of further actor ids while this many actors are connected."
+    )
+    reward_low: float | None = Field(
+        None, allow_inf_nan=False, description="Learner: lowest raw reward one env step can give (None: not "
+        "declared). With reward_high, step messages whose rewards, value estimates or episode returns no env "
+        "of the run can give are refused."
+    )
+    reward_high: float | None = Field(
+        None, allow_inf_nan=False, description="Learner: highest raw reward one env step can give (see reward_low)."
+    )
+    step_ring_max_mib: float = Field(
+        1024.0, gt=0.0, allow_inf_nan=False, description="Learner: shared memory (MiB) its step rings take "
+        "together; an actor whose ring finds no room sends its step arrays inline."
+    )
+    step_ring_max_mib_per_actor: float = Field(
+        128.0, gt=0.0, allow_inf_nan=False, description="Learner: largest step ring (MiB) of one actor; a larger "
+        "one is not made (its step arrays go inline)."
+    )
+    metrics_host: str | None = Field(
+        None, min_length=1, description="Address the Prometheus endpoint binds (None: bind_host)."
+    )
+
+    @model_validator(mode="after")
+    def _check_reward_range(self) -> OakEmuConfig:
+        if (self.reward_low is None) != (self.reward_high is None) or (
+                self.reward_low is not None and self.reward_low > self.reward_high):
+            raise ValueError(f"reward_low / reward_high: expected both unset or reward_low <= reward_high, "
+                             f"received {self.reward_low} and {self.reward_high}")
+        return self
+
     @classmethod
     def settings_customise_sources(
         cls,

@@ -164,13 +164,14 @@ class PrometheusExporter:
     Args:
         port: TCP port to serve on; ``0`` picks a free one (see :attr:`port`).
         registry: registry to add the metrics to (default: a new ``CollectorRegistry``).
-        addr: interface to listen on (``"0.0.0.0"`` in a container, ``"127.0.0.1"`` for local use).
+        addr: interface to listen on (the learner passes ``metrics_host``, else its ``bind_host``:
+            ``"0.0.0.0"`` in a container, ``"127.0.0.1"`` for local use).
 
     Raises:
         TelemetryBindError: the port is in use or the address invalid.
     """
 
-    def __init__(self, port: int, registry: CollectorRegistry | None = None, *, addr: str = "0.0.0.0") -> None:
+    def __init__(self, port: int, registry: CollectorRegistry | None = None, *, addr: str = "127.0.0.1") -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._collector = _SnapshotCollector()
         self.registry.register(self._collector)
@@ -180,7 +181,7 @@ class PrometheusExporter:
             self.registry.unregister(self._collector)
             raise TelemetryBindError(
                 f"cannot serve Prometheus metrics on {addr}:{port}: {exc} "
-                "(set OAKEMU_METRICS_PORT to a free port)"
+                "(set OAKEMU_METRICS_PORT to a free port, OAKEMU_METRICS_HOST to an address of this machine)"
             ) from exc
         self.port: int = self._server.server_port
         """The port actually served (useful with ``port=0``)."""

@@ -51,6 +51,8 @@ __all__ = [
     "INFERENCE_PRECISIONS",
     "HEARTBEAT_STATUSES",
     "MAX_RING_SLOTS",
+    "MAX_HEARTBEAT_FIGURE",
+    "ACTOR_ID_IN_USE",
     "JoinRequest",
     "JoinReply",
     "StepRingOffer",
@@ -76,6 +78,14 @@ bfloat16 (``actor_inference = "bfloat16"``; the learner then re-evaluates every 
 
 HEARTBEAT_STATUSES = ("ok", "rejoin", "stop")
 """Allowed :attr:`HeartbeatReply.status` values."""
+
+MAX_HEARTBEAT_FIGURE = 1e9
+"""Largest ``env_steps_per_second`` (env steps / s) and ``policy_lag`` (versions) a heartbeat may
+report: far above any real actor, and small enough for every figure the learner derives from them."""
+
+ACTOR_ID_IN_USE = "actor id in use by another connection"
+"""Start of the reason of a join refused because a live actor holds the id on another connection
+(its own earlier process, until it times out, or someone else): the actor may ask again later."""
 
 MAX_RING_SLOTS = 64
 """Most slots a join reply's step ring may have (:func:`oakemu_core.transport.step_ring.ring_slots` gives 1-16)."""
@@ -173,8 +183,10 @@ class Heartbeat:
         actor_id, incarnation: as in :class:`JoinRequest`.
         seq: seq of the next step message this incarnation will send (= step messages sent so far).
         policy_version: version of the weights the actor acts with now.
-        env_steps_per_second: the actor's env steps per second (all its envs), finite, >= 0.
-        policy_lag: learner version minus acting version as last seen by the actor, in versions.
+        env_steps_per_second: the actor's env steps per second (all its envs), in
+            ``[0, MAX_HEARTBEAT_FIGURE]``.
+        policy_lag: learner version minus acting version as last seen by the actor, in versions,
+            in ``[0, MAX_HEARTBEAT_FIGURE]``.
         episodes: episodes finished by this incarnation so far.
     """
 
@@ -354,6 +366,10 @@ def encode_heartbeat(msg: Heartbeat) -> bytes:
     check_local_int(msg.seq, "seq")
     check_local_int(msg.policy_version, "policy_version")
     check_local_int(msg.episodes, "episodes")
+    for name in ("env_steps_per_second", "policy_lag"):
+        value = getattr(msg, name)
+        if not 0.0 <= value <= MAX_HEARTBEAT_FIGURE:  # also refuses NaN
+            raise ValueError(f"{name}: expected a float in [0, {MAX_HEARTBEAT_FIGURE:g}], received {value!r}")
     return pack(
         {
             **header(TYPE_HEARTBEAT),
@@ -473,14 +489,17 @@ def _decode_heartbeat(obj: dict[str, Any]) -> Heartbeat:
         obj,
         ("actor_id", "incarnation", "seq", "policy_version", "env_steps_per_second", "policy_lag", "episodes"),
     )
+    figures = {name: get_float(obj, name) for name in ("env_steps_per_second", "policy_lag")}
+    for name, value in figures.items():  # telemetry and its schema take them as they are
+        if not 0.0 <= value <= MAX_HEARTBEAT_FIGURE:
+            reject("value_range", f"{name}: expected a float in [0, {MAX_HEARTBEAT_FIGURE:g}], received {value!r}")
     return Heartbeat(
         actor_id=get_str(obj, "actor_id"),
         incarnation=get_str(obj, "incarnation"),
         seq=get_int(obj, "seq"),
         policy_version=get_int(obj, "policy_version"),
-        env_steps_per_second=get_float(obj, "env_steps_per_second"),
-        policy_lag=get_float(obj, "policy_lag"),
         episodes=get_int(obj, "episodes"),
+        **figures,
     )
 
 
