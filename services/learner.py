@@ -493,7 +493,7 @@ class Learner:
         for actor_id in expired:
             notices.event("timeout", f"actor {actor_id} silent for {self.config.actor_timeout_s:.1f}"
                           " s: dropped, its unfinished segment discarded", level=logging.WARNING)
-        self.peers.retain(self.assembler.actors)
+        self.peers.retain(set(self.assembler.actors) | self.control_server.held_joins)
         self.rings.retain({(r.actor_id, r.incarnation) for r in self.assembler.actors.values()},
                           free=set(expired))
 

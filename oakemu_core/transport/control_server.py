@@ -340,6 +340,11 @@ class ControlServer:
             replies.append((identity, self._grant_sync(request, now)))
         return replies
 
+    @property
+    def held_joins(self) -> set[str]:
+        """Synchronous mode: ids of the actors whose join is held (their peer bindings stay)."""
+        return set(self._pending_joins)
+
     def _grant_sync(self, message: JoinRequest, now: float) -> bytes:
         """Join a held actor with its old index (or the lowest free one), if the buffer has room."""
         if not self.assembler.has_room_for(message.num_envs):
