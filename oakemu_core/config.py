@@ -263,6 +263,10 @@ class OakEmuConfig(PPOSettings, BaseSettings):
         description="Evaluate with the policy's mode (greedy) instead of sampling; auto: greedy except for Atari "
         "ids, whose early greedy policies may never serve the ball (rl-zoo's choice).",
     )
+    eval_video: bool = Field(
+        True, description="Record the first episode of every evaluation as run_dir/videos/update_<N>.mp4 and in "
+        "TensorBoard (full-colour frames; needs the video extra: pip install 'oakemu-rl[video]').",
+    )
 
     # --- transport security (ZeroMQ CURVE, see deploy/README.md) ---
     curve: bool = Field(

@@ -4,7 +4,7 @@
     oakemu learner [--config PATH] [config flags]
     oakemu actor [--config PATH] [config flags]
     oakemu monitor [--connect tcp://HOST:PORT] [--json] [--once] [--timeout S]
-    oakemu evaluate CHECKPOINT [--episodes N] [--greedy | --sampled] [--seed S]
+    oakemu evaluate CHECKPOINT [--episodes N] [--greedy | --sampled] [--seed S] [--video DIR] [--json]
     oakemu keygen NAME [--dir DIR] [--force]
     oakemu record --env ENV --episodes N --output PATH [--checkpoint CKPT | --policy random|module:callable] [--seed S]
 
@@ -115,6 +115,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     )
     policy.add_argument("--sampled", dest="greedy", action="store_false", help="sample actions from the policy")
     evaluate.add_argument("--seed", type=int, default=1, help="environment seed (default 1)")
+    evaluate.add_argument("--video", type=Path, default=None, metavar="DIR",
+                          help="record every episode as DIR/episode_<n>.mp4 (the game's full-colour screen; needs "
+                          "pip install 'oakemu-rl[video]')")
+    evaluate.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
     record = commands.add_parser(
         "record",
@@ -209,7 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             evaluate = _service("evaluate")
             return int(
                 evaluate.main(
-                    namespace.checkpoint, episodes=namespace.episodes, greedy=namespace.greedy, seed=namespace.seed
+                    namespace.checkpoint, episodes=namespace.episodes, greedy=namespace.greedy, seed=namespace.seed,
+                    video_dir=namespace.video, json_output=namespace.json,
                 )
             )
     except ConfigError as error:

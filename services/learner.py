@@ -337,6 +337,9 @@ class Learner:
         """A tester report into metrics (at the current step: global_step never goes back),
         the telemetry history and the log."""
         self.metrics.log(self.assembler.counters.env_steps, evaluation_scalars(report))
+        if report.video_path is not None:
+            self.metrics.log_video(self.assembler.counters.env_steps, "eval/video", Path(report.video_path),
+                                   report.video_preview)
         self.telemetry.history.record_evaluation(report)
         log.info("evaluation of policy version %d: return %.2f +- %.2f over %d episodes (%s)",
                  report.policy_version, report.return_mean, report.return_std, report.episodes,

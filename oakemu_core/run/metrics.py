@@ -459,6 +459,15 @@ class MetricsLogger:
             record[name] = value if math.isfinite(value) else None
         self._jsonl.write(record)
 
+    def log_video(self, global_step: int, tag: str, path: Path, preview: Any = None) -> None:
+        """An evaluation video at ``path`` (MP4): its ``preview`` (:class:`oakemu_core.run.video.VideoPreview`,
+        or None) becomes an animated image under ``tag`` in TensorBoard. Write errors are counted, not raised."""
+        if preview is not None:
+            from oakemu_core.run.video import preview_summary
+
+            summary = preview_summary(tag, preview)
+            self._tensorboard(lambda writer: writer.add_summary(summary, int(global_step)))
+
     def flush(self) -> None:
         """Push buffered TensorBoard events to disk (JSON lines are never buffered)."""
         self._tensorboard(lambda writer: writer.flush())
