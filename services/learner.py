@@ -39,6 +39,7 @@ from oakemu_core.run.run_folder import check_resume_folder, format_changes
 from oakemu_core.run.prometheus import PrometheusExporter
 from oakemu_core.run.telemetry import TelemetryPublisher
 from oakemu_core.run.tester import EvaluationReport
+from oakemu_core.run.tracking import check_tracker_available, tracker_from_config
 from oakemu_core.shared_memory import sweep_stale_segments
 from oakemu_core.step_schema import StepSchema, schema_for_env
 from oakemu_core.storage.assembler import RolloutAssembler, SlotState, StepRejected
@@ -152,7 +153,10 @@ class Learner:
             host_id=shared_memory_host_id() if config.step_transport == "auto" else "", offer_ring=self._offer_ring,
             policy_version=self.trainer.policy_version, weights=self.trainer.weights(),
         )
-        self.metrics = MetricsLogger(run_dir)
+        self.tracker = tracker_from_config(config, run_dir)  # MLflow / W&B, None unless --track
+        if self.tracker is not None:
+            undo.callback(self.tracker.close)  # after the metrics, with the final checkpoint written
+        self.metrics = MetricsLogger(run_dir, tracker=self.tracker)
         undo.callback(self.metrics.close)
         # One line per finished episode (raw game score), as CleanRL logs charts/episodic_return.
         # Each record is written whole or not at all; a failed write is counted, never fatal.
@@ -491,6 +495,7 @@ def main(config: OakEmuConfig) -> int:
     setup_logging(config.log_level, config.log_format)
     # An unknown env id fails here, before the run folder is created.
     check_env(config.env_id, settings_file=config.emulator_settings)
+    check_tracker_available(config.track)
     run_dir = resolve_run_dir(config)
     # Resuming a folder: say which settings change; refuse (ResumeMismatchError, exit 2) another env,
     # other spaces or model, or a setting that cannot change, before anything in the folder is written.

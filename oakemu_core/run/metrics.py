@@ -373,10 +373,14 @@ class MetricsLogger:
     (:class:`JsonLinesWriter`), a TensorBoard error closes the events writer, which is reopened (a new
     events file) at most every :data:`TENSORBOARD_RETRY_S` seconds; both are counted in
     :attr:`write_failures` and logged at most every :data:`WRITE_FAILURE_LOG_PERIOD_S` seconds.
+
+    ``tracker`` (:class:`oakemu_core.run.tracking.Tracker`, optional) receives every scalar and video
+    as well; the logger does not close it.
     """
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, *, tracker: Any = None) -> None:
         self.run_dir = Path(run_dir)
+        self._tracker = tracker
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.run_dir / METRICS_FILE_NAME
         _swallow_tensorboard_thread_errors()
@@ -455,13 +459,18 @@ class MetricsLogger:
             writer.add_summary(summary, int(global_step))
 
         self._tensorboard(add_all)
+        if self._tracker is not None:
+            self._tracker.log_scalars(int(global_step), values)
         for name, value in values.items():
             record[name] = value if math.isfinite(value) else None
         self._jsonl.write(record)
 
     def log_video(self, global_step: int, tag: str, path: Path, preview: Any = None) -> None:
         """An evaluation video at ``path`` (MP4): its ``preview`` (:class:`oakemu_core.run.video.VideoPreview`,
-        or None) becomes an animated image under ``tag`` in TensorBoard. Write errors are counted, not raised."""
+        or None) becomes an animated image under ``tag`` in TensorBoard, the MP4 goes to the tracker.
+        Write errors are counted, not raised."""
+        if self._tracker is not None:
+            self._tracker.log_video(int(global_step), tag, path)
         if preview is not None:
             from oakemu_core.run.video import preview_summary
 
