@@ -31,9 +31,10 @@ class Evaluation:
 
 
 def evaluate_checkpoint(checkpoint: Path, *, episodes: int, greedy: bool, seed: int,
-                        video_dir: Path | None = None) -> Evaluation:
+                        video_dir: Path | None = None, videos: int | None = None) -> Evaluation:
     """Play ``episodes`` episodes with the checkpoint's policy (CPU); with ``video_dir``, record each
-    as an MP4 of the game's full-colour screen (the returns are the same with or without).
+    (or the first ``videos``) as an MP4 of the game's full-colour screen (the returns are the same
+    with or without).
 
     Raises:
         FileNotFoundError: no checkpoint at ``checkpoint`` (a run folder is searched for its latest).
@@ -43,26 +44,27 @@ def evaluate_checkpoint(checkpoint: Path, *, episodes: int, greedy: bool, seed: 
     path = resolve_checkpoint(checkpoint)
     state = load_checkpoint(path)
     env_info, config = state["env"], state["config"]
-    videos = None
+    recorder = None
     if video_dir is not None:
-        videos = EpisodeVideos(lambda index: Path(video_dir) / f"episode_{index + 1}.mp4", episodes=episodes)
+        recorder = EpisodeVideos(lambda index: Path(video_dir) / f"episode_{index + 1}.mp4",
+                                 episodes=episodes if videos is None else videos)
     # The same builder as the learner's tester (oakemu_core.run.tester): one evaluation code path.
     model, env = build_evaluation(env_info["env_id"], env_info["schema"], seed=seed,
                                   max_episode_steps=config.get("max_episode_steps"),
                                   settings_file=config.get("emulator_settings"),
                                   normalize_observations=bool(config.get("normalize_observations")),
-                                  frame_sink=videos)
+                                  frame_sink=recorder)
     try:
         model.load_state_dict(state["model"])
         model.eval()
         result = play_episodes(model, env, episodes=episodes, greedy=greedy)
     finally:
         env.close()
-        if videos is not None:
-            videos.close()
+        if recorder is not None:
+            recorder.close()
     return Evaluation(env_info["env_id"], result.returns, result.lengths,
-                      videos=[] if videos is None else list(videos.paths),
-                      video_error=None if videos is None else videos.error)
+                      videos=[] if recorder is None else list(recorder.paths),
+                      video_error=None if recorder is None else recorder.error)
 
 
 def evaluate(checkpoint: Path, *, episodes: int, greedy: bool, seed: int) -> list[float]:

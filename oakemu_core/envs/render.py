@@ -18,6 +18,7 @@ Rendering never changes what the policy sees or the episode's returns.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Protocol
 
 import gymnasium
@@ -113,6 +114,9 @@ def rendered_episodes(env: Any, sink: FrameSink, env_id: str) -> Any:
     action), else :data:`DEFAULT_FPS`. A ``render()`` that raises or returns anything but an
     ``(H, W, 3)`` uint8 array calls ``sink.fail`` once; the episode goes on unrecorded.
     """
+    # rgb_array frames need no display: pygame (classic control) draws off screen instead of probing
+    # for a window system (which prints errors on a headless machine).
+    os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
     return _RenderedEpisodes(env, sink, env_id)
 
 
