@@ -264,7 +264,7 @@ def test_dockerfile_base_argument_venv_build_stage_non_root_exec_entrypoint():
     build_stage = instructions[:names.index("FROM", names.index("FROM") + 1)]
     args = dict(arguments.split("=", 1) for name, arguments in build_stage if name == "ARG")
     assert args == {"BASE_IMAGE": "python:3.11-slim", "TORCH_INDEX_URL": "https://download.pytorch.org/whl/cpu",
-                    "TORCH_VERSION": "2.13.0", "OAKEMU_EXTRAS": "onnx"}
+                    "TORCH_VERSION": "2.13.0", "OAKEMU_EXTRAS": "onnx,emulators,video"}
     # Build stage: a venv, torch first (a wheelhouse wheel or TORCH_INDEX_URL), then the project.
     runs = [arguments for name, arguments in build_stage if name == "RUN"]
     torch_step = next(i for i, run in enumerate(runs) if '--index-url "$TORCH_INDEX_URL"' in run)
