@@ -153,10 +153,7 @@ class Learner:
             host_id=shared_memory_host_id() if config.step_transport == "auto" else "", offer_ring=self._offer_ring,
             policy_version=self.trainer.policy_version, weights=self.trainer.weights(),
         )
-        self.tracker = tracker_from_config(config, run_dir)  # MLflow / W&B, None unless --track
-        if self.tracker is not None:
-            undo.callback(self.tracker.close)  # after the metrics, with the final checkpoint written
-        self.metrics = MetricsLogger(run_dir, tracker=self.tracker)
+        self.metrics = MetricsLogger(run_dir, tracker=tracker_from_config(config, run_dir))  # --track: MLflow, W&B
         undo.callback(self.metrics.close)
         # One line per finished episode (raw game score), as CleanRL logs charts/episodic_return.
         # Each record is written whole or not at all; a failed write is counted, never fatal.
@@ -341,9 +338,7 @@ class Learner:
         """A tester report into metrics (at the current step: global_step never goes back),
         the telemetry history and the log."""
         self.metrics.log(self.assembler.counters.env_steps, evaluation_scalars(report))
-        if report.video_path is not None:
-            self.metrics.log_video(self.assembler.counters.env_steps, "eval/video", Path(report.video_path),
-                                   report.video_preview)
+        self.metrics.log_video(self.assembler.counters.env_steps, "eval/video", report.video_path, report.video_preview)
         self.telemetry.history.record_evaluation(report)
         log.info("evaluation of policy version %d: return %.2f +- %.2f over %d episodes (%s)",
                  report.policy_version, report.return_mean, report.return_std, report.episodes,

@@ -375,7 +375,7 @@ class MetricsLogger:
     :attr:`write_failures` and logged at most every :data:`WRITE_FAILURE_LOG_PERIOD_S` seconds.
 
     ``tracker`` (:class:`oakemu_core.run.tracking.Tracker`, optional) receives every scalar and video
-    as well; the logger does not close it.
+    as well; the logger owns it and closes it last (the tracker then uploads the final checkpoint).
     """
 
     def __init__(self, run_dir: Path, *, tracker: Any = None) -> None:
@@ -465,12 +465,14 @@ class MetricsLogger:
             record[name] = value if math.isfinite(value) else None
         self._jsonl.write(record)
 
-    def log_video(self, global_step: int, tag: str, path: Path, preview: Any = None) -> None:
-        """An evaluation video at ``path`` (MP4): its ``preview`` (:class:`oakemu_core.run.video.VideoPreview`,
-        or None) becomes an animated image under ``tag`` in TensorBoard, the MP4 goes to the tracker.
-        Write errors are counted, not raised."""
+    def log_video(self, global_step: int, tag: str, path: Path | str | None, preview: Any = None) -> None:
+        """An evaluation video at ``path`` (MP4; None: nothing to log): its ``preview``
+        (:class:`oakemu_core.run.video.VideoPreview`, or None) becomes an animated image under ``tag`` in
+        TensorBoard, the MP4 goes to the tracker. Write errors are counted, not raised."""
+        if path is None:
+            return
         if self._tracker is not None:
-            self._tracker.log_video(int(global_step), tag, path)
+            self._tracker.log_video(int(global_step), tag, Path(path))
         if preview is not None:
             from oakemu_core.run.video import preview_summary
 
@@ -490,6 +492,8 @@ class MetricsLogger:
             self._tensorboard(lambda writer: writer.close())
         self._tb_failure_log.flush(float("inf"))
         self._jsonl.close()
+        if self._tracker is not None:
+            self._tracker.close()
 
     def __enter__(self) -> MetricsLogger:
         return self

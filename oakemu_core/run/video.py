@@ -168,6 +168,7 @@ class EpisodeVideos:
             writer.close()
             os.replace(self._partial, self._path)
         except Exception as error:  # noqa: BLE001
+            self._partial.unlink(missing_ok=True)
             self.fail(f"cannot write {self._path}: {type(error).__name__}: {error}")
             return
         self.paths.append(self._path)
