@@ -32,7 +32,7 @@ from oakemu_core.envs import env_spec  # noqa: E402
 from oakemu_core.policy.models import weights_to_arrays  # noqa: E402
 from oakemu_core.run.evaluation import build_evaluation  # noqa: E402
 from oakemu_core.run.tester import Tester  # noqa: E402
-from oakemu_core.step_schema import schema_for_env  # noqa: E402
+from oakemu_core.policy.schemas import schema_for_env  # noqa: E402
 
 
 def random_weights(env_id: str, schema: dict) -> dict:

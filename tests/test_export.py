@@ -19,7 +19,7 @@ from oakemu_core.envs import env_spec  # noqa: E402
 from oakemu_core.policy.export import load_policy_folder, read_policy_info  # noqa: E402
 from oakemu_core.policy.models import build_model  # noqa: E402
 from oakemu_core.run.checkpoint import save_checkpoint  # noqa: E402
-from oakemu_core.step_schema import StepSchema, schema_for_env  # noqa: E402
+from oakemu_core.policy.schemas import schema_for_env, schema_from_dict  # noqa: E402
 from oakemu_services import cli  # noqa: E402
 from oakemu_services import export as export_service  # noqa: E402
 
@@ -35,7 +35,7 @@ def checkpoint(tmp_path: Path) -> Path:
     spec = env_spec(CARTPOLE)
     schema = schema_for_env(spec).to_dict()
     torch.manual_seed(11)
-    model = build_model(spec.observation_layout, StepSchema.from_dict(schema).distribution, normalize_observations=True)
+    model = build_model(spec.observation_layout, schema_from_dict(schema).distribution, normalize_observations=True)
     model.normalizers["obs_"].update(torch.randn(64, 4) * 3 + 1)
     path = tmp_path / "checkpoint_00000042.pt"
     save_checkpoint(path, {"model": model.state_dict(), "env": {"env_id": CARTPOLE, "schema": schema},
@@ -50,7 +50,7 @@ def checkpoint_outputs(path: Path) -> tuple[list[int], list[float]]:
 
     state = load_checkpoint(path)
     spec = env_spec(CARTPOLE)
-    model = build_model(spec.observation_layout, StepSchema.from_dict(state["env"]["schema"]).distribution,
+    model = build_model(spec.observation_layout, schema_from_dict(state["env"]["schema"]).distribution,
                         normalize_observations=True)
     model.load_state_dict(state["model"])
     bundle = model.eval().act(OBSERVATIONS, greedy=True)

@@ -23,7 +23,7 @@ from oakemu_core.run.checkpoint import save_checkpoint  # noqa: E402
 from oakemu_core.run.evaluation import build_evaluation, play_episodes  # noqa: E402
 from oakemu_core.run.metrics import MetricsLogger  # noqa: E402
 from oakemu_core.run.video import EpisodeVideos, VideoPreview  # noqa: E402
-from oakemu_core.step_schema import schema_for_env  # noqa: E402
+from oakemu_core.policy.schemas import schema_for_env  # noqa: E402
 from oakemu_services import cli  # noqa: E402
 
 CARTPOLE = "CartPole-v1"

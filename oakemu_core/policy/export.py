@@ -144,7 +144,7 @@ def load_policy_folder(directory: Path) -> ActorCritic:
         PolicyFolderError: not an exported policy folder, or weights that do not fit its spaces.
         ConfigError: safetensors is not installed.
     """
-    from oakemu_core.step_schema import StepSchema
+    from oakemu_core.policy.schemas import schema_from_dict
 
     load_file = _safetensors().load_file
     directory = Path(directory)
@@ -152,7 +152,7 @@ def load_policy_folder(directory: Path) -> ActorCritic:
     try:
         layout = {key: (tuple(entry["shape"]), np.dtype(entry["dtype"]))
                   for key, entry in spaces["observation_layout"].items()}
-        schema = StepSchema.from_dict(spaces["schema"])
+        schema = schema_from_dict(spaces["schema"])
         model = build_model(layout, schema.distribution, normalize_observations=bool(info["normalize_observations"]))
         model.load_state_dict(load_file(str(directory / WEIGHTS_FILE)))
     except (KeyError, TypeError, ValueError, RuntimeError, OSError) as error:
