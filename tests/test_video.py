@@ -198,3 +198,11 @@ def test_the_tester_records_the_first_episode_of_each_evaluation(tmp_path: Path)
         assert list(report.returns) == play_episodes(model, env, episodes=2, greedy=True).returns
     finally:
         env.close()
+
+
+def test_stable_retro_video_is_the_consoles_screen(tmp_path: Path) -> None:
+    pytest.importorskip("stable_retro", reason="the stable-retro backend needs the emulators extra")
+    returns, lengths, paths = recorded("retro:Airstriker-Genesis-v0", tmp_path, max_episode_steps=30)
+    frames = decode(paths[0])
+    assert frames.shape == (lengths[0] + 1, 224, 320, 3)  # the Genesis screen, not the 84x84 observation
+    assert len({frame.tobytes() for frame in frames}) > 1
