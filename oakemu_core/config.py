@@ -269,6 +269,20 @@ class OakEmuConfig(PPOSettings, BaseSettings):
         description="Evaluate with the policy's mode (greedy) instead of sampling; auto: greedy except for Atari "
         "ids, whose early greedy policies may never serve the ball (rl-zoo's choice).",
     )
+    eval_video: bool = Field(
+        True, description="Record the first episode of every evaluation as run_dir/videos/update_<N>.mp4 and in "
+        "TensorBoard (full-colour frames; needs the video extra: pip install 'oakemu-rl[video]').",
+    )
+
+    # --- experiment tracking (oakemu_core/run/tracking.py; optional extras mlflow, wandb) ---
+    track: Literal["none", "mlflow", "wandb"] = Field(
+        "none", description="Also send the config, every scalar, the evaluation videos and the final checkpoint to "
+        "MLflow or Weights & Biases (WANDB_MODE=offline works without a network).",
+    )
+    track_uri: str | None = Field(
+        None, description="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else the local file store ./mlruns)."
+    )
+    track_project: str = Field("oakemu", min_length=1, description="MLflow experiment or W&B project name.")
 
     # --- transport security (ZeroMQ CURVE, see deploy/README.md) ---
     curve: bool = Field(

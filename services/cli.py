@@ -4,7 +4,8 @@
     oakemu learner [--config PATH] [config flags]
     oakemu actor [--config PATH] [config flags]
     oakemu monitor [--connect tcp://HOST:PORT] [--json] [--once] [--timeout S]
-    oakemu evaluate CHECKPOINT [--episodes N] [--greedy | --sampled] [--seed S]
+    oakemu evaluate CHECKPOINT [--episodes N] [--greedy | --sampled] [--seed S] [--video DIR] [--json]
+    oakemu export CHECKPOINT DIR [--episodes N] [--sampled] [--seed S] [--no-video] [--push-to-hub OWNER/NAME]
     oakemu keygen NAME [--dir DIR] [--force]
     oakemu record --env ENV --episodes N --output PATH [--checkpoint CKPT | --policy random|module:callable] [--seed S]
 
@@ -115,6 +116,30 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     )
     policy.add_argument("--sampled", dest="greedy", action="store_false", help="sample actions from the policy")
     evaluate.add_argument("--seed", type=int, default=1, help="environment seed (default 1)")
+    evaluate.add_argument("--video", type=Path, default=None, metavar="DIR",
+                          help="record every episode as DIR/episode_<n>.mp4 (the game's full-colour screen; needs "
+                          "pip install 'oakemu-rl[video]')")
+    evaluate.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+    export = commands.add_parser(
+        "export",
+        help="write a trained policy as a pickle-free folder (safetensors, JSON, model card, video)",
+        description="Evaluate the policy in CHECKPOINT and write it to DIR as safetensors weights, its config and "
+        "spaces as JSON and a Hugging Face-style model card with the result and a video (load it with "
+        "oakemu_core.policy.export.load_policy_folder). Needs pip install 'oakemu-rl[export,video]'.",
+        allow_abbrev=False,
+    )
+    export.add_argument("checkpoint", type=Path, metavar="CHECKPOINT", help="checkpoint file (or run folder)")
+    export.add_argument("directory", type=Path, metavar="DIR", help="folder to write (absent or empty)")
+    export.add_argument("--episodes", type=_positive_int, default=10, metavar="N",
+                        help="evaluation episodes for the model card (default 10)")
+    export.add_argument("--sampled", dest="greedy", action="store_false", default=True,
+                        help="evaluate with sampled actions instead of the most likely ones")
+    export.add_argument("--seed", type=int, default=1, help="environment seed of the evaluation (default 1)")
+    export.add_argument("--no-video", dest="video", action="store_false", default=True,
+                        help="leave the evaluation video (replay.mp4) out")
+    export.add_argument("--push-to-hub", default=None, metavar="OWNER/NAME",
+                        help="also upload the folder to this Hugging Face Hub model repository (token: HF_TOKEN)")
 
     record = commands.add_parser(
         "record",
@@ -205,11 +230,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                     max_episode_steps=namespace.max_episode_steps, overwrite=namespace.overwrite,
                 )
             )
+        if command == "export":
+            return int(_service("export").main(
+                namespace.checkpoint, namespace.directory, episodes=namespace.episodes, greedy=namespace.greedy,
+                seed=namespace.seed, video=namespace.video, push_to_hub_repo=namespace.push_to_hub,
+            ))
         if command == "evaluate":
             evaluate = _service("evaluate")
             return int(
                 evaluate.main(
-                    namespace.checkpoint, episodes=namespace.episodes, greedy=namespace.greedy, seed=namespace.seed
+                    namespace.checkpoint, episodes=namespace.episodes, greedy=namespace.greedy, seed=namespace.seed,
+                    video_dir=namespace.video, json_output=namespace.json,
                 )
             )
     except ConfigError as error:

@@ -41,6 +41,7 @@ from oakemu_core.run.run_folder import check_resume_folder, format_changes
 from oakemu_core.run.prometheus import PrometheusExporter
 from oakemu_core.run.telemetry import TelemetryPublisher
 from oakemu_core.run.tester import EvaluationReport
+from oakemu_core.run.tracking import check_tracker_available, tracker_from_config
 from oakemu_core.shared_memory import sweep_stale_segments
 from oakemu_core.policy.schemas import schema_for_env
 from oakemu_core.step_schema import StepSchema
@@ -201,7 +202,7 @@ class Learner:
             policy_version=self.trainer.policy_version, weights=self.trainer.weights(),
             notices=self.rejection_log["notices"], limits=self.peer_limits,
         )
-        self.metrics = MetricsLogger(run_dir)
+        self.metrics = MetricsLogger(run_dir, tracker=tracker_from_config(config, run_dir))  # --track: MLflow, W&B
         undo.callback(self.metrics.close)
         # One line per finished episode (raw game score), as CleanRL logs charts/episodic_return.
         # Each record is written whole or not at all; a failed write is counted, never fatal.
@@ -385,6 +386,7 @@ class Learner:
         """A tester report into metrics (at the current step: global_step never goes back),
         the telemetry history and the log."""
         self.metrics.log(self.assembler.counters.env_steps, evaluation_scalars(report))
+        self.metrics.log_video(self.assembler.counters.env_steps, "eval/video", report.video_path, report.video_preview)
         self.telemetry.history.record_evaluation(report)
         log.info("evaluation of policy version %d: return %.2f +- %.2f over %d episodes (%s)",
                  report.policy_version, report.return_mean, report.return_std, report.episodes,
@@ -540,6 +542,7 @@ def main(config: OakEmuConfig) -> int:
     setup_logging(config.log_level, config.log_format)
     # An unknown env id fails here, before the run folder is created.
     check_env(config.env_id, settings_file=config.emulator_settings)
+    check_tracker_available(config.track)
     run_dir = resolve_run_dir(config)
     # Resuming a folder: say which settings change; refuse (ResumeMismatchError, exit 2) another env,
     # other spaces or model, or a setting that cannot change, before anything in the folder is written.

@@ -158,6 +158,7 @@ def render_snapshot(snapshot: TelemetrySnapshot, *, address: str, age_s: float, 
                      f"(v{snapshot.eval_policy_version})")
     training.add_row("eval length", _fmt(snapshot.eval_length_mean, ".1f"))
     training.add_row("best eval", _fmt(snapshot.best_eval_return, ".2f"))
+    training.add_row("eval video", snapshot.eval_video or "-")
 
     update = _key_value_table("Last update")
     update.add_row("policy loss", _fmt(snapshot.policy_loss, ".4f"))

@@ -25,6 +25,7 @@ from oakemu_core.envs.factory import check_env
 from oakemu_core.run.metrics import METRICS_FILE_NAME
 from oakemu_core.run.run_folder import check_resume_folder, format_changes
 from oakemu_core.run.telemetry import TelemetrySnapshot, TelemetrySubscriber
+from oakemu_core.run.tracking import check_tracker_available
 from oakemu_services.runtime import PARENT_PID_ENV, SETUP_ERROR_EXIT_STATUS, install_stop_signals, resolve_run_dir
 
 log = logging.getLogger("oakemu.train")
@@ -164,6 +165,7 @@ def main(config: OakEmuConfig, resume: Path | None = None) -> int:
         from oakemu_core.policy.onnx_inference import check_available
 
         check_available()
+    check_tracker_available(config.track)  # --track mlflow / wandb: its package is installed
     if resume is not None:
         resume = Path(resume)
         if not (resume / "checkpoints").is_dir():

@@ -105,8 +105,8 @@ def test_evaluate_dispatch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
     assert cli.main(["evaluate", str(checkpoint), "--episodes", "3", "--sampled", "--seed", "9"]) == 0
     assert cli.main(["evaluate", str(checkpoint)]) == 0
     assert evaluate.calls == [
-        ((checkpoint,), {"episodes": 3, "greedy": False, "seed": 9}),
-        ((checkpoint,), {"episodes": 10, "greedy": True, "seed": 1}),
+        ((checkpoint,), {"episodes": 3, "greedy": False, "seed": 9, "video_dir": None, "json_output": False}),
+        ((checkpoint,), {"episodes": 10, "greedy": True, "seed": 1, "video_dir": None, "json_output": False}),
     ]
 
 

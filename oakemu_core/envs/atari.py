@@ -18,11 +18,13 @@ import numpy as np
 
 from oakemu_core.envs.spec import EnvSpec, UnsupportedEnvironmentError
 
-__all__ = ["ATARI_FRAME_SKIP", "ATARI_IMAGE_SIZE", "ATARI_NOOP_MAX", "ATARI_STACK", "AtariBackend"]
+__all__ = ["ALE_SCREEN", "ATARI_FRAME_SKIP", "ATARI_IMAGE_SIZE", "ATARI_NOOP_MAX", "ATARI_STACK", "AtariBackend"]
 
 ATARI_FRAME_SKIP = 4
 ATARI_STACK = 4
 ATARI_IMAGE_SIZE = 84
+ALE_SCREEN = (210, 160)
+"""Height and width of the Atari 2600 screen as the ALE emulates it."""
 ATARI_NOOP_MAX = 30
 ATARI_DEFAULT_MAX_FRAMES = 108_000  # 27,000 agent steps = 30 minutes of play at 60 Hz
 
@@ -71,12 +73,17 @@ class AtariBackend:
     in ale-py's threads). :attr:`spec` is read from the emulator's own spaces, so the spec of an
     Atari id is the spec of a one-env backend.
 
+    With ``screen=True`` the observations are the colour screen instead, ``(n, 1, 210, 160, 3)``
+    uint8 (one frame, max-pooled over the last two of the frame skip): the same game, seeded the
+    same way, for videos (:class:`oakemu_core.envs.render.RecordingAtariBackend`).
+
     Raises:
         UnsupportedEnvironmentError: ``env_id`` is not an ale-py id with image observations.
     """
 
     def __init__(
-        self, env_id: str, num_envs: int, *, max_episode_steps: int | None, num_threads: int | None
+        self, env_id: str, num_envs: int, *, max_episode_steps: int | None, num_threads: int | None,
+        screen: bool = False,
     ) -> None:
         from ale_py.vector_env import AtariVectorEnv
 
@@ -98,10 +105,10 @@ class AtariBackend:
             frameskip=ATARI_FRAME_SKIP,
             maxpool=True,
             noop_max=ATARI_NOOP_MAX,
-            stack_num=ATARI_STACK,
-            img_height=ATARI_IMAGE_SIZE,
-            img_width=ATARI_IMAGE_SIZE,
-            grayscale=True,
+            stack_num=1 if screen else ATARI_STACK,
+            img_height=ALE_SCREEN[0] if screen else ATARI_IMAGE_SIZE,
+            img_width=ALE_SCREEN[1] if screen else ATARI_IMAGE_SIZE,
+            grayscale=not screen,
             max_num_frames_per_episode=max_frames,
         )
         self.spec = EnvSpec.discrete(

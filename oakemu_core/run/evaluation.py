@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -12,6 +12,9 @@ import torch
 from oakemu_core.envs.factory import make_eval_env
 from oakemu_core.envs.vector import VectorEnv
 from oakemu_core.policy.models import ActorCritic, build_model
+
+if TYPE_CHECKING:
+    from oakemu_core.envs.render import FrameSink
 
 __all__ = ["EvaluationResult", "build_evaluation", "play_episodes"]
 
@@ -42,6 +45,7 @@ def build_evaluation(
     max_episode_steps: int | None = None,
     settings_file: str | None = None,
     normalize_observations: bool = False,
+    frame_sink: FrameSink | None = None,
 ) -> tuple[ActorCritic, VectorEnv]:
     """The one place that builds an evaluation's policy and env (``oakemu evaluate`` and the tester).
 
@@ -60,6 +64,9 @@ def build_evaluation(
         seed: env and torch seed; None leaves both unseeded.
         max_episode_steps, settings_file, normalize_observations: the run's settings of these names
             (``config.max_episode_steps``, ``config.emulator_settings``, ``config.normalize_observations``).
+        frame_sink: receives the full-colour frames of the episodes played
+            (:class:`oakemu_core.run.video.EpisodeVideos`); rendering changes neither the actions nor
+            the returns. None: nothing renders.
 
     Raises:
         ValueError: a malformed schema dict (from ``schema_from_dict``).
@@ -70,7 +77,8 @@ def build_evaluation(
     schema = schema_from_dict(dict(schema_dict))
     if seed is not None:
         torch.manual_seed(seed)
-    env = make_eval_env(env_id, seed=seed, max_episode_steps=max_episode_steps, settings_file=settings_file)
+    env = make_eval_env(env_id, seed=seed, max_episode_steps=max_episode_steps, settings_file=settings_file,
+                        frame_sink=frame_sink)
     try:
         model = build_model(env.spec.observation_layout, schema.distribution,
                             normalize_observations=bool(normalize_observations))

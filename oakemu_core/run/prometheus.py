@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
@@ -158,7 +158,9 @@ class PrometheusExporter:
     Counters (``oakemu_env_steps_total``, ``oakemu_updates_total``, ``oakemu_episodes_total``,
     ``oakemu_rejected_messages_total{reason}``, ``oakemu_dropped_total{kind}``) carry the learner's
     own running totals; gauges carry the latest value. A figure that does not exist yet (no
-    update, no episode) has no sample. Metrics are kept in a private registry by default, so several
+    update, no episode) has no sample. The learner process's own figures come with them
+    (``process_resident_memory_bytes``, ``process_cpu_seconds_total``, ...: prometheus_client's
+    process collector, Linux). Metrics are kept in a private registry by default, so several
     exporters can live in one process.
 
     Args:
@@ -175,9 +177,11 @@ class PrometheusExporter:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._collector = _SnapshotCollector()
         self.registry.register(self._collector)
+        self._process = ProcessCollector(registry=self.registry)  # process_* figures: memory, CPU, fds
         try:
             self._server, self._thread = start_http_server(port, addr=addr, registry=self.registry)
         except OSError as exc:
+            self.registry.unregister(self._process)
             self.registry.unregister(self._collector)
             raise TelemetryBindError(
                 f"cannot serve Prometheus metrics on {addr}:{port}: {exc} "
@@ -198,6 +202,7 @@ class PrometheusExporter:
             self._server.shutdown()
             self._server.server_close()
             self._thread.join(timeout=5)
+            self.registry.unregister(self._process)
             self.registry.unregister(self._collector)
 
     def __enter__(self) -> PrometheusExporter:
