@@ -8,7 +8,7 @@ Every command takes them in Gymnasium's ``module:EnvId`` form from the repositor
 
     oakemu train --env benchmarks.minigrid_envs:MiniGrid-Empty-5x5-Img-v0 --mode sync
 
-Needs the ``minigrid`` package (extra ``bench``).
+Needs the ``minigrid`` package (extra ``minigrid``).
 """
 
 from __future__ import annotations
