@@ -40,23 +40,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_spaces_vs_sb3 import (  # the sibling benchmark's case table, flag builders and helpers
-    NUM_ACTORS,
-    REPO,
-    Case,
-    _free_ports,
-    _mean,
-    _read_jsonl,
-    fresh_run_dir,
-    oakemu_args,
-    sb3_kwargs,
-    train_oakemu,
-)
+import bench_spaces_vs_sb3 as spaces  # the sibling benchmark: Case, flag builders, run helpers
 
 ENV_MODULE = "benchmarks.minigrid_envs"
 
-CASE = Case(
-    env_id="MiniGrid-Empty-5x5-Img-v0", total_env_steps=40_000, num_envs=NUM_ACTORS * 8, rollout_length=128,
+CASE = spaces.Case(
+    env_id="MiniGrid-Empty-5x5-Img-v0", total_env_steps=40_000, num_envs=spaces.NUM_ACTORS * 8, rollout_length=128,
     ppo_epochs=4, num_minibatches=4, learning_rate=2.5e-4, gamma=0.99, gae_lambda=0.95, clip_coef=0.1,
     ent_coef=0.01, vf_coef=0.5, max_grad_norm=0.5, normalize_observations=False, normalize_rewards=False,
     action_masks=False, max_policy_lag=2,
@@ -69,18 +58,18 @@ def oakemu_minigrid_args(env_id: str, *, mode: str, seed: int, steps: int, runs_
                          ports: list) -> list[str]:
     """``oakemu train`` flags: every hyperparameter of :data:`CASE` explicit, the env in ``module:EnvId``
     form, the mode, and no periodic evaluation or checkpoints."""
-    args = oakemu_args(CASE, seed=seed, steps=steps, runs_dir=runs_dir, run_name=run_name, ports=ports)
+    args = spaces.oakemu_args(CASE, seed=seed, steps=steps, runs_dir=runs_dir, run_name=run_name, ports=ports)
     args[args.index("--env") + 1] = f"{ENV_MODULE}:{env_id}"
     return [*args, "--mode", mode, "--eval-every-updates", "0"]
 
 
 def run_oakemu(env_id: str, *, mode: str, seed: int, steps: int, runs_dir: Path) -> dict:
     run_name = f"oakemu-{mode}-{env_id}-s{seed}"
-    run_dir = fresh_run_dir(runs_dir, run_name)
+    run_dir = spaces.fresh_run_dir(runs_dir, run_name)
     args = oakemu_minigrid_args(env_id, mode=mode, seed=seed, steps=steps, runs_dir=runs_dir, run_name=run_name,
-                                ports=_free_ports(5))
-    wall = train_oakemu(args, log_path=runs_dir / f"{run_name}.log", torch_threads=1)
-    episodes = sorted(_read_jsonl(run_dir / "episodes.jsonl"), key=lambda e: e["global_step"])
+                                ports=spaces._free_ports(5))
+    wall = spaces.train_oakemu(args, log_path=runs_dir / f"{run_name}.log", torch_threads=1)
+    episodes = sorted(spaces._read_jsonl(run_dir / "episodes.jsonl"), key=lambda e: e["global_step"])
     return {"wall_s": wall, "episodes": [(int(e["global_step"]), float(e["episodic_return"])) for e in episodes]}
 
 
@@ -96,7 +85,7 @@ def sb3_worker(spec: dict) -> dict:
 
     venv = make_vec_env(f"{ENV_MODULE}:{spec['env_id']}", n_envs=CASE.num_envs, seed=spec["seed"],
                         vec_env_cls=DummyVecEnv)
-    PPO("MlpPolicy", venv, **sb3_kwargs(CASE, seed=spec["seed"])).learn(total_timesteps=spec["steps"])
+    PPO("MlpPolicy", venv, **spaces.sb3_kwargs(CASE, seed=spec["seed"])).learn(total_timesteps=spec["steps"])
     episodes = []
     for monitor in venv.envs:  # make_vec_env puts the Monitor outermost
         ends = np.cumsum(monitor.get_episode_lengths()) * CASE.num_envs
@@ -106,10 +95,10 @@ def sb3_worker(spec: dict) -> dict:
 
 def run_sb3(env_id: str, *, seed: int, steps: int, runs_dir: Path) -> dict:
     spec = {"env_id": env_id, "seed": seed, "steps": steps}
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=str(spaces.REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     start = time.perf_counter()
     with open(runs_dir / f"sb3-{env_id}-s{seed}.log", "w") as log:
-        process = subprocess.run([sys.executable, __file__, "--sb3-worker", json.dumps(spec)], cwd=REPO, env=env,
+        process = subprocess.run([sys.executable, __file__, "--sb3-worker", json.dumps(spec)], cwd=spaces.REPO, env=env,
                                  stdout=subprocess.PIPE, stderr=log, text=True, timeout=3600, check=False)
     if process.returncode != 0:
         raise RuntimeError(f"SB3 worker exited {process.returncode}; see {log.name}")
@@ -123,8 +112,8 @@ def summarize(result: dict, steps: int) -> dict:
     bins: list[list[float]] = [[] for _ in range(10)]
     for step, value in episodes:
         bins[min(9, max(0, (step - 1) * 10 // steps))].append(value)
-    return {"last50": _mean(returns[-50:]), "last100": _mean(returns[-100:]), "episodes": len(returns),
-            "curve": [round(_mean(b), 2) for b in bins], "wall_s": result["wall_s"]}
+    return {"last50": spaces._mean(returns[-50:]), "last100": spaces._mean(returns[-100:]), "episodes": len(returns),
+            "curve": [round(spaces._mean(b), 2) for b in bins], "wall_s": result["wall_s"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,8 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     print("shared hyperparameters:", asdict(CASE), f"batch_size={CASE.batch_size}")
     print("oakemu train", " ".join(oakemu_minigrid_args(args.env, mode="MODE", seed=0, steps=args.steps,
                                                         runs_dir=Path("DIR"), run_name="NAME", ports=["P"] * 5)))
-    print("SB3: PPO('MlpPolicy', make_vec_env(id, DummyVecEnv), **", sb3_kwargs(CASE, seed=0), ")")
-    systems = [s if s == "sb3" else f"oakemu-{m}" for s in args.systems for m in (args.modes if s == "oakemu" else [""])]
+    print("SB3: PPO('MlpPolicy', make_vec_env(id, DummyVecEnv), **", spaces.sb3_kwargs(CASE, seed=0), ")")
+    systems = [f"oakemu-{mode}" for mode in args.modes] if "oakemu" in args.systems else []
+    systems = ["sb3", *systems] if "sb3" in args.systems else systems
     temp = None if args.runs_dir else tempfile.TemporaryDirectory(prefix="bench_minigrid_")
     runs_dir = Path(temp.name) if temp else args.runs_dir.resolve()
     runs_dir.mkdir(parents=True, exist_ok=True)
