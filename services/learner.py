@@ -40,7 +40,8 @@ from oakemu_core.run.prometheus import PrometheusExporter
 from oakemu_core.run.telemetry import TelemetryPublisher
 from oakemu_core.run.tester import EvaluationReport
 from oakemu_core.shared_memory import sweep_stale_segments
-from oakemu_core.step_schema import StepSchema, schema_for_env
+from oakemu_core.policy.schemas import schema_for_env
+from oakemu_core.step_schema import StepSchema
 from oakemu_core.storage.assembler import RolloutAssembler, SlotState, StepRejected
 from oakemu_core.storage.memory import SharedMemoryTooSmallError, ensure_shm_capacity
 from oakemu_core.storage.rollout_buffer import RolloutBuffer

@@ -30,7 +30,7 @@ from oakemu_core.actor.client import (
 from oakemu_core.config import OakEmuConfig
 from oakemu_core.envs import env_spec
 from oakemu_core.policy.models import build_model, weights_to_arrays
-from oakemu_core.step_schema import schema_for_env
+from oakemu_core.policy.schemas import schema_for_env
 from oakemu_core.transport.control import (
     HeartbeatReply,
     JoinReply,

@@ -11,7 +11,7 @@ import pytest
 
 from oakemu_core.config import OakEmuConfig
 from oakemu_core.envs import env_spec
-from oakemu_core.step_schema import schema_for_env
+from oakemu_core.policy.schemas import schema_for_env
 from oakemu_core.storage.assembler import RolloutAssembler
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
 from oakemu_core.transport.control_server import MAX_ACTOR_ENVS, ControlServer

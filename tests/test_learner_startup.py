@@ -11,7 +11,7 @@ from pathlib import Path
 from oakemu_core.config import OakEmuConfig
 from oakemu_core.envs import env_spec
 from oakemu_core.storage.memory import shm_free_bytes
-from oakemu_core.step_schema import schema_for_env
+from oakemu_core.policy.schemas import schema_for_env
 from oakemu_services.learner import NUM_ROLLOUT_BUFFERS, rollout_buffer_bytes
 
 REPO = Path(__file__).resolve().parents[1]

@@ -27,7 +27,7 @@ from oakemu_core.actor.stepper import PolicyStepper
 from oakemu_core.envs.factory import make_env_groups, make_vector_env
 from oakemu_core.envs.vector import EnvGroups, VectorEnv
 from oakemu_core.policy.models import ActorCritic, build_model, load_weight_arrays
-from oakemu_core.step_schema import schema_for_env
+from oakemu_core.policy.schemas import schema_for_env
 from oakemu_core.transport.codec import MessageRejected
 from oakemu_core.transport.control import (
     ControlMessage,

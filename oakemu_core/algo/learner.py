@@ -483,7 +483,7 @@ class PPOLearner:
         remaining = self.config.bc_pretrain_updates - self.bc_updates_done
         if self.bc_sampler is None or remaining <= 0:
             return 0
-        from oakemu_core.algo.demonstrations import behaviour_cloning_update
+        from oakemu_core.algo.behaviour_cloning import behaviour_cloning_update
 
         with self.learner_model.locked() as model:
             for _ in range(remaining):

@@ -440,7 +440,7 @@ class PPOUpdater:
                 ratio check.
             bc_term: ``(coefficient, demonstration sampler, batch size)``: add ``coefficient *``
                 the demonstrations' negative log-likelihood to every minibatch's loss
-                (:func:`oakemu_core.algo.demonstrations.bc_loss`), or None.
+                (:func:`oakemu_core.algo.behaviour_cloning.bc_loss`), or None.
             proximal: the buffer evaluated by the weights ``model`` holds now
                 (:meth:`evaluate_rollout`), or None. Given, the update uses the decoupled
                 objective (:func:`ppo_losses`): the ratio is taken against the proximal log-probs,
@@ -585,7 +585,8 @@ class PPOUpdater:
         return self.action_mask.expand(masks.shape) & masks if masks is not None else self.action_mask.unsqueeze(0)
 
     def _bc_loss(self, sampler: Any, batch_size: int) -> torch.Tensor:
-        from oakemu_core.algo.demonstrations import bc_loss, batch_to_device
+        from oakemu_core.algo.behaviour_cloning import bc_loss
+        from oakemu_core.algo.demonstrations import batch_to_device
 
         batch = batch_to_device(sampler.sample(batch_size, self._shuffle_rng), self.device)
         with self._forward_precision():

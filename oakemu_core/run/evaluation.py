@@ -62,12 +62,12 @@ def build_evaluation(
             (``config.max_episode_steps``, ``config.emulator_settings``, ``config.normalize_observations``).
 
     Raises:
-        ValueError: a malformed schema dict (from ``StepSchema.from_dict``).
+        ValueError: a malformed schema dict (from ``schema_from_dict``).
         oakemu_core.envs.UnsupportedEnvironmentError: unknown env id or unsupported spaces.
     """
-    from oakemu_core.step_schema import StepSchema
+    from oakemu_core.policy.schemas import schema_from_dict
 
-    schema = StepSchema.from_dict(dict(schema_dict))
+    schema = schema_from_dict(dict(schema_dict))
     if seed is not None:
         torch.manual_seed(seed)
     env = make_eval_env(env_id, seed=seed, max_episode_steps=max_episode_steps, settings_file=settings_file)

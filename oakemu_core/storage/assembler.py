@@ -1,8 +1,7 @@
 """Learner-side rollout assembly: actor registry, column assignment, double buffering, policy lag.
 
-The learner owns ``len(buffers)`` rollout buffers (two by default) of shape ``(T, N)``. A buffer is
-*filling* while actors stream steps into it, *full* when every column holds ``T`` rows, and
-*training* while the PPO update reads it. Actors step their envs in lockstep and send one step
+The learner owns ``len(buffers)`` rollout buffers (two by default) of shape ``(T, N)``, kept by a
+:class:`~oakemu_core.storage.buffer_ring.BufferRing` (filling, full, training; column owners). Actors step their envs in lockstep and send one step
 message per vector step; each actor gets a *segment*: up to ``num_envs`` free columns of the oldest
 filling buffer, written row by row for ``T`` messages. A segment that does not finish (the actor
 crashed, went silent, or sent out of order) is discarded: its columns are emptied and handed to the
@@ -30,34 +29,30 @@ Everything here is plain Python + numpy and runs in the learner's ingest thread;
 
 from __future__ import annotations
 
-import enum
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from oakemu_core.storage.rollout_buffer import RolloutBuffer, column_index
+from oakemu_core.storage.buffer_ring import BufferRing, FullRollout, Segment, SlotState
+from oakemu_core.storage.rollout_buffer import RolloutBuffer
 from oakemu_core.transport.steps import StepMessage, StepSpec
+
+__all__ = [
+    "HELD_SLACK_MESSAGES",
+    "ActorRecord",
+    "FullRollout",
+    "IngestCounters",
+    "LagWindow",
+    "RolloutAssembler",
+    "SlotState",
+    "StepRejected",
+    "drop_stale_rows",
+]
 
 HELD_SLACK_MESSAGES = 16
 """Messages an actor's held queue takes beyond one segment. An asynchronous actor acts at most two
 segments per policy version (``oakemu_services.actor.AHEAD_SEGMENTS``), but the messages still in the
 sockets when a version arrives were acted by the one before (a few messages: the actor's send
 high-water mark, kernel buffers sized to a few messages, the learner's receive queue)."""
-
-FREE = -1
-"""Column owner marker: the column holds no rows and belongs to no segment."""
-COMPLETE = -2
-"""Column owner marker: the column holds a finished segment of ``T`` rows."""
-
-
-class SlotState(enum.Enum):
-    """Life cycle of one rollout buffer: filling -> full -> training -> filling."""
-
-    FILLING = "filling"
-    FULL = "full"
-    TRAINING = "training"
-
 
 class StepRejected(Exception):
     """A well-formed step message that the learner refuses (``reason`` is a short counter key)."""
@@ -66,20 +61,6 @@ class StepRejected(Exception):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
-
-
-@dataclass
-class Segment:
-    """Columns of one buffer that one actor is filling, and how many rows it has written."""
-
-    slot: int
-    columns: np.ndarray  # (k,) int64 buffer columns; the actor's env i writes column columns[i]
-    rows_written: int = 0
-    index: slice | np.ndarray = field(init=False)
-    """How the buffer indexes ``columns`` (:func:`~oakemu_core.storage.rollout_buffer.column_index`)."""
-
-    def __post_init__(self) -> None:
-        self.index = column_index(self.columns)
 
 
 @dataclass
@@ -125,16 +106,6 @@ class ActorRecord:
     """Step messages that found no free column, oldest first, consecutive in ``seq``; written as
     soon as columns free (:meth:`RolloutAssembler.release`), at most one segment of rows."""
     pending_rows: int = 0
-
-
-@dataclass
-class FullRollout:
-    """A full buffer handed to training, with its bootstrap data for GAE."""
-
-    slot: int
-    buffer: RolloutBuffer
-    last_values: np.ndarray  # (N,) float32: V(s_T) of each column's last step
-    last_dones: np.ndarray  # (N,) bool: dones of each column's last row (== buffer.dones[-1])
 
 
 @dataclass
@@ -190,22 +161,11 @@ class RolloutAssembler:
 
     def __init__(self, buffers: list[RolloutBuffer], *, actor_timeout_s: float, sync: bool = False,
                  max_policy_lag: int | None = None) -> None:
-        if not buffers:
-            raise ValueError("RolloutAssembler needs at least one rollout buffer, got none")
-        shapes = {(b.rollout_length, b.num_envs, b.schema) for b in buffers}
-        if len(shapes) != 1:
-            raise ValueError("rollout buffers must share T, N and the step schema")
-        self.buffers = buffers
-        self.rollout_length = buffers[0].rollout_length
-        self.num_columns = buffers[0].num_envs
+        self._ring = BufferRing(buffers)
+        self.buffers = self._ring.buffers
+        self.rollout_length = self._ring.rollout_length
+        self.num_columns = self._ring.num_columns
         self.actor_timeout_s = actor_timeout_s
-        self.states = [SlotState.FILLING for _ in buffers]
-        self._owners = [np.full(self.num_columns, FREE, dtype=np.int64) for _ in buffers]
-        self._last_values = [np.zeros(self.num_columns, np.float32) for _ in buffers]
-        self._last_dones = [np.zeros(self.num_columns, bool) for _ in buffers]
-        # Filling order: a lower generation fills first, so rollouts complete one at a time.
-        self._generation = list(range(len(buffers)))
-        self._next_generation = len(buffers)
         self._next_actor_index = 0
         self.actors: dict[str, ActorRecord] = {}
         # Specs of incarnations that left or were dropped (bounded, oldest forgotten first): their
@@ -219,6 +179,11 @@ class RolloutAssembler:
         self._policy_version = 0  # the newest version known here (ingest, release)
         # Synchronous mode: (actor index, seq, returns, lengths) of the filling rollout's messages.
         self._round_episodes: list[tuple[int, int, list[float], list[int]]] = []
+
+    @property
+    def states(self) -> list[SlotState]:
+        """The state of each buffer, by slot (:attr:`BufferRing.states`)."""
+        return self._ring.states
 
     # ----------------------------------------------------------------------------------- actors
     def join(self, actor_id: str, incarnation: str, spec: StepSpec, *, hostname: str, now: float,
@@ -380,7 +345,7 @@ class RolloutAssembler:
             self.episode_lengths.extend(message.episode_lengths)
 
         if record.segment is None and not record.pending:
-            record.segment = self._assign_segment(record)
+            record.segment = self._ring.claim(record.index, record.spec.num_envs, own_block=self.sync)
         if record.segment is None or record.pending:  # no free column: hold it (one segment at most)
             self._hold(record, message)
             return
@@ -401,7 +366,7 @@ class RolloutAssembler:
         """Write the actor's held messages while it gets columns."""
         while record.pending:
             if record.segment is None:
-                record.segment = self._assign_segment(record)
+                record.segment = self._ring.claim(record.index, record.spec.num_envs, own_block=self.sync)
                 if record.segment is None:
                     return
             message = record.pending.popleft()
@@ -437,7 +402,7 @@ class RolloutAssembler:
         # Our invariant: segments live only in filling buffers (the trainer reads the others).
         assert self.states[segment.slot] is SlotState.FILLING, (segment.slot, self.states[segment.slot])
         if segment.rows_written == 0 and self._too_old_for(segment.slot, message.policy_version):
-            self._owners[segment.slot][segment.columns] = FREE  # the next step may start it
+            self._ring.unclaim(segment)  # the next step may start it
             record.segment = None
             self.counters.dropped["stale_steps"] += num_envs * rows
             return
@@ -459,37 +424,15 @@ class RolloutAssembler:
         if segment.rows_written == self.rollout_length:
             self._finish_segment(record, message)
 
-    def _assign_segment(self, record: ActorRecord) -> Segment | None:
-        """Give the actor up to ``num_envs`` free columns of the oldest filling buffer."""
-        filling = [s for s, state in enumerate(self.states) if state is SlotState.FILLING]
-        if self.sync:  # the actor's own block of columns, in the oldest filling buffer
-            k = record.spec.num_envs
-            columns = np.arange(record.index * k, (record.index + 1) * k, dtype=np.int64)
-            for slot in sorted(filling, key=lambda s: self._generation[s]):
-                if np.all(self._owners[slot][columns] == FREE):
-                    self._owners[slot][columns] = record.index
-                    return Segment(slot=slot, columns=columns)
-            return None
-        for slot in sorted(filling, key=lambda s: self._generation[s]):
-            free = np.flatnonzero(self._owners[slot] == FREE)
-            if free.size:
-                columns = free[: record.spec.num_envs].astype(np.int64)
-                self._owners[slot][columns] = record.index
-                return Segment(slot=slot, columns=columns)
-        return None
-
     def _finish_segment(self, record: ActorRecord, message: StepMessage) -> None:
         segment = record.segment
         assert segment is not None
         k = len(segment.columns)
         last = message.num_steps - 1  # the block's last step ends the segment
         next_values, dones = message.fields["next_values"], message.fields["dones"]
-        self._last_values[segment.slot][segment.columns] = (next_values if last == 0 else next_values[last])[:k]
-        self._last_dones[segment.slot][segment.columns] = (dones if last == 0 else dones[last])[:k]
-        self._owners[segment.slot][segment.columns] = COMPLETE
         record.segment = None
-        if np.all(self._owners[segment.slot] == COMPLETE):
-            self.states[segment.slot] = SlotState.FULL
+        if self._ring.complete(segment, (next_values if last == 0 else next_values[last])[:k],
+                               (dones if last == 0 else dones[last])[:k]):
             self._release_round_episodes()
 
     def _release_round_episodes(self) -> None:
@@ -512,9 +455,7 @@ class RolloutAssembler:
         segment = record.segment
         if segment is None:
             return
-        assert self.states[segment.slot] is SlotState.FILLING, (segment.slot, self.states[segment.slot])
-        self.buffers[segment.slot].reset_columns(segment.columns)
-        self._owners[segment.slot][segment.columns] = FREE
+        self._ring.discard(segment)
         self.counters.dropped["discarded_segment_rows"] += segment.rows_written * len(segment.columns)
         record.segment = None
 
@@ -538,41 +479,19 @@ class RolloutAssembler:
         return True
 
     def take_full_rollout(self) -> FullRollout | None:
-        """Hand the oldest buffer to training if it is full (its state becomes TRAINING), or None.
-
-        Buffers train in generation order: a newer full buffer waits while an older one is still
-        filling. Otherwise an actor that stalls in the middle of its segment (descheduled, slow
-        network) would pin that buffer while the other buffer filled and trained again and again
-        with the other actors' steps, and the pinned rows would reach training many policy
-        versions old (far beyond ``max_policy_lag``). In order,
-        the policy version advances by one per rollout, so a row's lag stays bounded by the
-        buffers in the ring plus the steps in flight.
-        """
-        waiting = [s for s, state in enumerate(self.states) if state is not SlotState.TRAINING]
-        if not waiting:
-            return None
-        slot = min(waiting, key=lambda s: self._generation[s])
-        if self.states[slot] is not SlotState.FULL:
-            return None
-        self.states[slot] = SlotState.TRAINING
-        return FullRollout(
-            slot=slot,
-            buffer=self.buffers[slot],
-            last_values=self._last_values[slot].copy(),
-            last_dones=self._last_dones[slot].copy(),
-        )
+        """Hand the oldest buffer to training if it is full (its state becomes TRAINING), or None
+        (:meth:`BufferRing.take_full_rollout`: buffers train in generation order)."""
+        return self._ring.take_full_rollout()
 
     def release(self, slot: int, policy_version: int | None = None) -> None:
         """Return a trained buffer to filling, emptied, behind the other filling buffers; held
         steps are written into it (``policy_version``: the version its training produced, for the
-        ``max_policy_lag`` check of the segments that start now)."""
-        if self.states[slot] is not SlotState.TRAINING:
-            raise ValueError(f"buffer {slot} is {self.states[slot].value}, expected training")
-        self.buffers[slot].reset()
-        self._owners[slot][:] = FREE
-        self._generation[slot] = self._next_generation
-        self._next_generation += 1
-        self.states[slot] = SlotState.FILLING
+        ``max_policy_lag`` check of the segments that start now).
+
+        Raises:
+            ValueError: the buffer is not training.
+        """
+        self._ring.release(slot)
         if policy_version is not None:
             self._policy_version = max(self._policy_version, policy_version)
         self._drain_all()
@@ -581,9 +500,7 @@ class RolloutAssembler:
         """The policy version the buffer ``slot`` will be trained with (at the earliest): the newest
         version known here plus one per buffer that trains before it (buffers train in generation
         order, each training adds one version)."""
-        ahead = sum(1 for other, state in enumerate(self.states) if other != slot and (
-            state is SlotState.TRAINING or self._generation[other] < self._generation[slot]))
-        return self._policy_version + ahead
+        return self._policy_version + self._ring.trains_ahead_of(slot)
 
     def _too_old_for(self, slot: int, policy_version: int) -> bool:
         """True when a row acted by ``policy_version`` would train in ``slot`` older than ``max_policy_lag``."""
@@ -593,11 +510,7 @@ class RolloutAssembler:
 
     def buffer_fill(self) -> float:
         """Fraction of rows written in the oldest filling buffer (0..1), 1.0 when none is filling."""
-        filling = [s for s, state in enumerate(self.states) if state is SlotState.FILLING]
-        if not filling:
-            return 1.0
-        slot = min(filling, key=lambda s: self._generation[s])
-        return float(self.buffers[slot].column_steps.sum()) / (self.rollout_length * self.num_columns)
+        return self._ring.buffer_fill()
 
     def take_episodes(self) -> tuple[list[float], list[int]]:
         """Episodic returns and lengths received since the last call."""
