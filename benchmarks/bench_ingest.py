@@ -152,7 +152,7 @@ def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load
     from oakemu_core.algo.trainer import Trainer
     from oakemu_core.config import OakEmuConfig, resolved_device
     from oakemu_core.envs import env_spec
-    from oakemu_core.step_schema import schema_for_env
+    from oakemu_core.policy.schemas import schema_for_env
     from oakemu_services.learner import Learner
 
     ports = _free_ports(5)
@@ -161,7 +161,7 @@ def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load
     with tempfile.TemporaryDirectory() as runs_dir:
         config = OakEmuConfig(
             env_id=env_id, num_actors=actors, envs_per_actor=num_envs, total_env_steps=10**12,
-            num_envs=columns,
+            num_envs=columns, mode="async",
             data_port=ports[0], control_port=ports[1], weights_port=ports[2], telemetry_port=ports[3],
             metrics_port=ports[4], runs_dir=Path(runs_dir), run_name="bench", checkpoint_every_updates=0,
             steps_per_message=steps_per_message, step_transport=transport,
@@ -243,7 +243,7 @@ def in_process_rows_per_s(env_id: str, num_envs: int, steps_per_message: int, se
     from oakemu_core.envs import env_spec
     from oakemu_core.storage.assembler import RolloutAssembler
     from oakemu_core.storage.rollout_buffer import RolloutBuffer
-    from oakemu_core.step_schema import schema_for_env
+    from oakemu_core.policy.schemas import schema_for_env
     from oakemu_core.transport.steps import StepMessage, StepSpec, decode_step, encode_step
 
     schema = schema_for_env(env_spec(env_id))
@@ -312,7 +312,7 @@ def main() -> None:
 
     from oakemu_core.config import OakEmuConfig
     from oakemu_core.envs import env_spec
-    from oakemu_core.step_schema import schema_for_env
+    from oakemu_core.policy.schemas import schema_for_env
 
     bytes_per_row = schema_for_env(env_spec(args.env)).sent_bytes_per_env()
     step_bytes = bytes_per_row * args.envs_per_actor

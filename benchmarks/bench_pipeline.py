@@ -235,7 +235,7 @@ def main() -> None:
 def bench_env(args: argparse.Namespace, env_id: str) -> None:
     from oakemu_core.config import OakEmuConfig
     from oakemu_core.envs import env_spec
-    from oakemu_core.step_schema import schema_for_env
+    from oakemu_core.policy.schemas import schema_for_env
 
     ks = [k if k == "auto" else int(k) for k in args.steps_per_message.split(",")]
     env_step_bytes = schema_for_env(env_spec(env_id)).sent_bytes_per_env()

@@ -34,10 +34,10 @@ from pydantic_settings import (
 )
 
 from oakemu_core.algo.settings import PPOSettings, finite_number
-from oakemu_core.envs.options import ATARI_FRAME_SKIP, ATARI_NOOP_MAX, ATARI_STACK, EnvOptions
+from oakemu_core.envs.options import EnvSettings
 from oakemu_core.envs.spec import is_atari_env
 from oakemu_core.errors import ConfigError
-from oakemu_core.options import add_setting_arguments, given_settings
+from oakemu_core.options import add_setting_arguments, given_settings, unknown_variables
 from oakemu_core.run.run_folder import PORT_FIELDS
 from oakemu_core.transport.batching import AUTO_MESSAGE_MIN_ROWS, auto_steps_per_message
 
@@ -114,7 +114,7 @@ class _BaseSettingsSource(PydanticBaseSettingsSource):
         return dict(self._data)
 
 
-class OakEmuConfig(PPOSettings, BaseSettings):
+class OakEmuConfig(PPOSettings, EnvSettings, BaseSettings):
     """All settings of a training run, an actor, a learner or a monitor (flat, one line each).
 
     The PPO hyperparameters (and the seed) are the fields of :class:`~oakemu_core.algo.settings.PPOSettings`,
@@ -150,7 +150,8 @@ class OakEmuConfig(PPOSettings, BaseSettings):
         None, ge=1, description="ale-py emulator threads per actor (Atari ids), split among its env groups. None: "
         "the CPUs this process may use divided by num_actors, at least 1.")
     num_envs: int | None = Field(
-        None, ge=1, description="Learner rollout buffer columns (default num_actors * envs_per_actor)."
+        None, ge=1, description="Rollout columns the learner plans for (default num_actors * envs_per_actor): the "
+        "rollout size, so minibatch rows = rollout_length * num_envs / num_minibatches. Async: the buffer's columns."
     )
     max_episode_steps: int | None = Field(
         None, ge=1, description="Time limit in agent steps overriding the env's own (None keeps it)."
@@ -164,20 +165,6 @@ class OakEmuConfig(PPOSettings, BaseSettings):
     emulator_settings: str | None = Field(
         None, description="TOML file of an emulator backend (gameboy:/retro: ids): ROM, states, rewards, ..."
     )
-    env_kwargs: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Keyword arguments of gymnasium.make for non-Atari ids: a JSON object on the command line "
-        "and in OAKEMU_ENV_KWARGS, a table in TOML, e.g. {\"continuous\": true}.")
-    atari_frame_skip: int = Field(ATARI_FRAME_SKIP, ge=1, description="Atari: emulator frames per agent step "
-                                  "(the last two max-pooled).")
-    atari_frame_stack: int = Field(ATARI_STACK, ge=1, description="Atari: frames stacked into one observation.")
-    atari_noop_max: int = Field(ATARI_NOOP_MAX, ge=0, description="Atari: most no-op actions at an episode's start.")
-    atari_sticky_actions: float | None = Field(
-        None, ge=0.0, le=1.0, description="Atari: probability of repeating the previous action (None: the id's own, "
-        "0.25 for -v5 ids).")
-    atari_episodic_life: bool = Field(
-        False, description="Atari: a lost life ends the episode (the game restarts, so episodes and their logged "
-        "returns are per life).")
 
     # --- rollout and learning rate (the PPO hyperparameters are PPOSettings' fields) ---
     rollout_length: int = Field(128, ge=1, description="Steps per env per rollout (T).")
@@ -197,11 +184,16 @@ class OakEmuConfig(PPOSettings, BaseSettings):
         "SGD steps were taken since the weights were last published (1: after every epoch).",
     )
     mode: Literal["async", "sync"] = Field(
-        "async",
-        description="async: actors keep stepping while the learner trains (rows up to max_policy_lag versions "
-        "old, two rollout buffers); sync: on-policy, each actor fills its own columns of the one rollout buffer "
-        "then waits for the weights trained on it (policy lag 0, a seed reproduces exactly on one machine; "
-        "needs num_envs == num_actors * envs_per_actor).",
+        "sync",
+        description="sync: on-policy as SB3; each rollout is filled by the actors present when it starts, each "
+        "actor then waits for the weights trained on it (policy lag 0; actors may die, join or leave; a fixed set "
+        "reproduces a seed on one machine; num_envs sets the minibatch size). async: actors keep "
+        "stepping while the learner trains (rows up to max_policy_lag versions old, two rollout buffers).",
+    )
+    max_actors: int | None = Field(
+        None, ge=1,
+        description="Sync mode: the most actors one rollout takes (the buffer is allocated for max_actors * "
+        "envs_per_actor columns; a join beyond them is refused). None: max(4, 2 * num_actors).",
     )
     steps_per_message: int | Literal["auto"] = Field(
         "auto",
@@ -296,6 +288,20 @@ class OakEmuConfig(PPOSettings, BaseSettings):
         description="Evaluate with the policy's mode (greedy) instead of sampling; auto: greedy except for Atari "
         "ids, whose early greedy policies may never serve the ball (rl-zoo's choice).",
     )
+    eval_video: bool = Field(
+        True, description="Record the first episode of every evaluation as run_dir/videos/update_<N>.mp4 and in "
+        "TensorBoard (full-colour frames; needs the video extra: pip install 'oakemu-rl[video]').",
+    )
+
+    # --- experiment tracking (oakemu_core/run/tracking.py; optional extras mlflow, wandb) ---
+    track: Literal["none", "mlflow", "wandb"] = Field(
+        "none", description="Also send the config, every scalar, the evaluation videos and the final checkpoint to "
+        "MLflow or Weights & Biases (WANDB_MODE=offline works without a network).",
+    )
+    track_uri: str | None = Field(
+        None, description="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else the local file store ./mlruns)."
+    )
+    track_project: str = Field("oakemu", min_length=1, description="MLflow experiment or W&B project name.")
 
     # --- transport security (ZeroMQ CURVE, see deploy/README.md) ---
     curve: bool = Field(
@@ -312,6 +318,42 @@ class OakEmuConfig(PPOSettings, BaseSettings):
     curve_authorized_keys: Path | None = Field(
         None, description="Learner: folder of the public key files (*.key) of the actors and monitors it accepts."
     )
+
+    # --- what the learner takes from its peers (the trust model: deploy/README.md) ---
+    max_envs_per_actor: int = Field(
+        1024, ge=1, le=65536, description="Learner: refuse a join asking for more envs than this (never below "
+        "envs_per_actor)."
+    )
+    max_connected_actors: int = Field(
+        1024, ge=1, description="Learner: refuse joins of further actor ids while this many actors are connected."
+    )
+    reward_low: float | None = Field(
+        None, allow_inf_nan=False, description="Learner: lowest raw reward one env step can give (None: not "
+        "declared). With reward_high, step messages whose rewards, value estimates or episode returns no env "
+        "of the run can give are refused."
+    )
+    reward_high: float | None = Field(
+        None, allow_inf_nan=False, description="Learner: highest raw reward one env step can give (see reward_low)."
+    )
+    step_ring_max_mib: float = Field(
+        1024.0, gt=0.0, allow_inf_nan=False, description="Learner: shared memory (MiB) its step rings take "
+        "together; an actor whose ring finds no room sends its step arrays inline."
+    )
+    step_ring_max_mib_per_actor: float = Field(
+        128.0, gt=0.0, allow_inf_nan=False, description="Learner: largest step ring (MiB) of one actor; a larger "
+        "one is not made (its step arrays go inline)."
+    )
+    metrics_host: str | None = Field(
+        None, min_length=1, description="Address the Prometheus endpoint binds (None: bind_host)."
+    )
+
+    @model_validator(mode="after")
+    def _check_reward_range(self) -> OakEmuConfig:
+        if (self.reward_low is None) != (self.reward_high is None) or (
+                self.reward_low is not None and self.reward_low > self.reward_high):
+            raise ValueError(f"reward_low / reward_high: expected both unset or reward_low <= reward_high, "
+                             f"received {self.reward_low} and {self.reward_high}")
+        return self
 
     @classmethod
     def settings_customise_sources(
@@ -359,12 +401,6 @@ class OakEmuConfig(PPOSettings, BaseSettings):
             raise ValueError(
                 f"num_envs: the learner's {buffer_columns} buffer columns must hold at least one actor's "
                 f"envs_per_actor={self.envs_per_actor} envs; received num_envs={self.num_envs}"
-            )
-        if self.mode == "sync" and buffer_columns != self.num_actors * self.envs_per_actor:
-            raise ValueError(
-                f"num_envs: mode='sync' gives each of the num_actors={self.num_actors} actors its own "
-                f"envs_per_actor={self.envs_per_actor} columns, so the buffer needs exactly "
-                f"{self.num_actors * self.envs_per_actor} columns; received num_envs={self.num_envs}"
             )
         if self.steps_per_message != "auto" and (
                 self.steps_per_message < 1 or self.rollout_length % self.steps_per_message):
@@ -415,6 +451,20 @@ class OakEmuConfig(PPOSettings, BaseSettings):
         return self.num_envs if self.num_envs is not None else self.num_actors * self.envs_per_actor
 
     @property
+    def resolved_max_actors(self) -> int:
+        """``max_actors``, or ``max(4, 2 * num_actors)``."""
+        return self.max_actors if self.max_actors is not None else max(4, 2 * self.num_actors)
+
+    @property
+    def allocated_num_envs(self) -> int:
+        """Columns of each rollout buffer the learner allocates: :attr:`buffer_num_envs`, and in sync
+        mode room for ``resolved_max_actors`` actors (a rollout holds the columns of the actors
+        present when it starts)."""
+        if self.mode != "sync":
+            return self.buffer_num_envs
+        return max(self.buffer_num_envs, self.resolved_max_actors * self.envs_per_actor)
+
+    @property
     def batch_size(self) -> int:
         """Rows per rollout, ``rollout_length * buffer_num_envs``."""
         return self.rollout_length * self.buffer_num_envs
@@ -428,11 +478,6 @@ class OakEmuConfig(PPOSettings, BaseSettings):
         """
         threads = self.emulator_threads or max(1, (cpus or available_cpus()) // self.num_actors)
         return max(1, threads // min(self.env_groups, self.envs_per_actor))
-
-    @property
-    def env_options(self) -> EnvOptions:
-        """How the env is made beyond its id: ``env_kwargs`` and the ``atari_*`` settings."""
-        return EnvOptions.from_settings(self)
 
     @property
     def resolved_clip_rewards(self) -> bool:
@@ -466,35 +511,9 @@ class OakEmuConfig(PPOSettings, BaseSettings):
         return f"tcp://{_host_for_url(self.bind_host)}:{port}"
 
 
-DEPLOYMENT_VARIABLES = frozenset({
-    CONFIG_FILE_ENV_VAR, "OAKEMU_PARENT_PID", "OAKEMU_VENV", "OAKEMU_TORCH", "OAKEMU_TORCH_INDEX", "OAKEMU_EXTRAS",
-    "OAKEMU_IMAGE", "OAKEMU_IMAGE_CACHE", "OAKEMU_CUDA_IMAGE", "OAKEMU_TEST_IMAGE", "OAKEMU_SHM_SIZE",
-    "OAKEMU_ACTORS", "OAKEMU_LEARNER_CONSTRAINT", "OAKEMU_CURVE_ACTOR_SECRET_KEY", "OAKEMU_CURVE_MONITOR_SECRET_KEY",
-})
-"""``OAKEMU_*`` variables that are not settings: the TOML file, the launcher's own, and those of ``run.sh``,
-the compose files and the image build (``OAKEMU_PUBLISH_*`` too)."""
-
-
 def unknown_environment_variables(environ: Mapping[str, str] | None = None) -> list[str]:
-    """A warning per ``OAKEMU_*`` variable that names no setting (a typo is otherwise ignored silently),
-    naming the closest setting's variable when one is close (:func:`difflib.get_close_matches`).
-
-    Args:
-        environ: the variables to look at (default ``os.environ``).
-    """
-    environ = os.environ if environ is None else environ
-    known = {ENV_PREFIX + name.upper() for name in OakEmuConfig.model_fields if name != "config_file"}
-    warnings = []
-    for name in sorted(environ):
-        if not name.upper().startswith(ENV_PREFIX) or name.upper() in known | DEPLOYMENT_VARIABLES:
-            continue
-        if name.upper().startswith(ENV_PREFIX + "PUBLISH_"):
-            continue
-        suffixes = sorted(variable[len(ENV_PREFIX):] for variable in known)
-        close = difflib.get_close_matches(name.upper()[len(ENV_PREFIX):], suffixes, n=1, cutoff=0.6)
-        hint = f"did you mean {ENV_PREFIX}{close[0]}?" if close else "`oakemu train --help` lists the settings"
-        warnings.append(f"{name} is not a setting and is ignored ({hint})")
-    return warnings
+    """A warning per ``OAKEMU_*`` variable that names no setting (:func:`oakemu_core.options.unknown_variables`)."""
+    return unknown_variables(OakEmuConfig.model_fields, os.environ if environ is None else environ)
 
 
 def available_cpus() -> int:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 __all__ = ["COMMANDS", "GROUPS", "Group", "add_setting_arguments", "given_settings", "option_name",
-           "unknown_option_hint"]
+           "unknown_option_hint", "unknown_variables"]
 
 TRAIN, LEARNER, ACTOR = "train", "learner", "actor"
 COMMANDS = (TRAIN, LEARNER, ACTOR)
@@ -55,7 +55,8 @@ GROUPS: tuple[Group, ...] = (
     Group("run", "The budget, the run folder and the learner's device.", {
         "total_env_steps": _TL, "runs_dir": _TL, "run_name": _TL, "device": _TL, "learner_precision": _TL}),
     Group("actors", "Actor processes and the envs each steps.", {
-        "num_actors": _TL, "actor_restarts": (TRAIN,), "envs_per_actor": _TLA, "num_envs": _TL, "env_groups": _TA,
+        "num_actors": _TL, "actor_restarts": (TRAIN,), "envs_per_actor": _TLA, "num_envs": _TL, "max_actors": _TL,
+        "env_groups": _TA,
         "emulator_threads": _TA, "torch_threads": _TA, "actor_inference": _TA, "actor_id": (ACTOR,)}),
     Group("PPO", "The PPO update (CleanRL's names and defaults).", {
         "rollout_length": _TL, "ppo_epochs": _TL, "num_minibatches": _TL, "learning_rate": _TL, "anneal_lr": _TL,
@@ -66,13 +67,14 @@ GROUPS: tuple[Group, ...] = (
         "publish_every_epoch": _TL, "publish_min_sgd_steps": _TL, "steps_per_message": _TL}),
     Group("transport", "Addresses, ports and message limits between the learner and its actors.", {
         "step_transport": _TLA, "bind_host": _TL, "learner_host": (ACTOR,), "data_port": _TLA, "control_port": _TLA,
-        "weights_port": _TLA, "telemetry_port": _TL, "metrics_port": _TL, "actor_timeout_s": _TLA,
+        "weights_port": _TLA, "telemetry_port": _TL, "metrics_port": _TL, "metrics_host": _TL,
+        "actor_timeout_s": _TLA,
         "max_message_bytes": _TLA}),
     Group("checkpoints", "When checkpoints are written and how many are kept.", {
         "checkpoint_every_updates": _TL, "checkpoint_every_seconds": _TL, "keep_checkpoints": _TL,
         "max_checkpoint_failures": _TL}),
     Group("evaluation", "Periodic evaluation of the newest weights, in a process of its own.", {
-        "eval_every_updates": _TL, "eval_episodes": _TL, "eval_greedy": _TL}),
+        "eval_every_updates": _TL, "eval_episodes": _TL, "eval_greedy": _TL, "eval_video": _TL}),
     Group("rollback", "Going back to the last good checkpoint when a run collapses (on by default; each "
           "rollback multiplies the learning rate by rollback_lr_factor).", {
               "rollback": _TL, "rollback_max_approx_kl": _TL, "rollback_eval_fraction": _TL,
@@ -83,9 +85,14 @@ GROUPS: tuple[Group, ...] = (
         "route_random_first_steps": _TL, "route_random_probability": _TL, "route_scripted_policy": _TL,
         "route_scripted_probability": _TL}),
     Group("logging", "Log records of every process.", {"log_level": _TLA, "log_format": _TLA}),
-    Group("security", "ZeroMQ CURVE encryption and authentication (deploy/README.md).", {
+    Group("tracking", "Experiment trackers the learner also reports to (MLflow, Weights & Biases).", {
+        "track": _TL, "track_uri": _TL, "track_project": _TL}),
+    Group("security", "ZeroMQ CURVE encryption and authentication, and the learner's limits on its peers "
+          "(deploy/README.md).", {
         "curve": (LEARNER, ACTOR), "curve_secret_key": (LEARNER, ACTOR), "curve_server_key": (ACTOR,),
-        "curve_authorized_keys": (LEARNER,)}),
+        "curve_authorized_keys": (LEARNER,), "max_envs_per_actor": (LEARNER,), "max_connected_actors": (LEARNER,),
+        "reward_low": (LEARNER,), "reward_high": (LEARNER,), "step_ring_max_mib": (LEARNER,),
+        "step_ring_max_mib_per_actor": (LEARNER,)}),
 )
 
 METAVARS = {
@@ -102,7 +109,9 @@ METAVARS = {
     "bc_batch_size": "ROWS", "bc_coef": "COEF", "bc_coef_decay": "FACTOR", "route_random_first_steps": "STEPS",
     "route_random_probability": "P", "route_scripted_policy": "MODULE:CALLABLE", "route_scripted_probability": "P",
     "eval_greedy": "auto|true|false", "curve_secret_key": "FILE", "curve_server_key": "FILE",
-    "curve_authorized_keys": "DIR",
+    "curve_authorized_keys": "DIR", "metrics_host": "HOST", "track_uri": "URI", "track_project": "NAME",
+    "reward_low": "REWARD|null", "reward_high": "REWARD|null", "step_ring_max_mib": "MIB",
+    "step_ring_max_mib_per_actor": "MIB", "max_actors": "N|null",
 }
 """What a value is, where its type alone would not say it (ports are PORT, counts N, other numbers X)."""
 
@@ -249,3 +258,31 @@ def unknown_option_hint(option: str, offered: Iterable[str], command: str | None
         return f"{name} is a setting of oakemu {' and oakemu '.join(elsewhere)}, not of oakemu {command}"
     close = difflib.get_close_matches(name, [o for o in offered if o.startswith("--")], n=1, cutoff=0.6)
     return f"did you mean {close[0]}?" if close else ""
+
+
+ENV_PREFIX = "OAKEMU_"
+DEPLOYMENT_VARIABLES = frozenset({
+    "OAKEMU_CONFIG_FILE", "OAKEMU_PARENT_PID", "OAKEMU_VENV", "OAKEMU_TORCH", "OAKEMU_TORCH_INDEX", "OAKEMU_EXTRAS",
+    "OAKEMU_IMAGE", "OAKEMU_IMAGE_CACHE", "OAKEMU_CUDA_IMAGE", "OAKEMU_TEST_IMAGE", "OAKEMU_SHM_SIZE",
+    "OAKEMU_ACTORS", "OAKEMU_LEARNER_CONSTRAINT", "OAKEMU_CURVE_ACTOR_SECRET_KEY", "OAKEMU_CURVE_MONITOR_SECRET_KEY",
+})
+"""``OAKEMU_*`` variables that are not settings: the TOML file, the launcher's own, and those of ``run.sh``,
+the compose files and the image build (``OAKEMU_PUBLISH_*`` too)."""
+
+
+def unknown_variables(fields: Iterable[str], environ: Mapping[str, str]) -> list[str]:
+    """A warning per ``OAKEMU_*`` variable of ``environ`` that names none of the settings ``fields`` (a typo is
+    otherwise ignored silently), naming the closest setting's variable when one is close
+    (:func:`difflib.get_close_matches`)."""
+    known = {ENV_PREFIX + name.upper() for name in fields if name != "config_file"}
+    suffixes = sorted(variable[len(ENV_PREFIX):] for variable in known)
+    warnings = []
+    for name in sorted(environ):
+        upper = name.upper()
+        if not upper.startswith(ENV_PREFIX) or upper in known | DEPLOYMENT_VARIABLES or \
+                upper.startswith(ENV_PREFIX + "PUBLISH_"):
+            continue
+        close = difflib.get_close_matches(upper[len(ENV_PREFIX):], suffixes, n=1, cutoff=0.6)
+        hint = f"did you mean {ENV_PREFIX}{close[0]}?" if close else "`oakemu train --help` lists the settings"
+        warnings.append(f"{name} is not a setting and is ignored ({hint})")
+    return warnings

@@ -41,7 +41,7 @@ returns             ()            f32            x       x      advantages + val
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -63,7 +63,6 @@ __all__ = [
     "default_schema",
     "observation_field_name",
     "resolve_schema",
-    "schema_for_env",
 ]
 
 OBSERVATION_FIELD = "observations"
@@ -427,8 +426,20 @@ class StepSchema:
         }
 
     @classmethod
-    def from_dict(cls, value: Any) -> StepSchema:
-        """Inverse of :meth:`to_dict` for untrusted input. Raises ValueError naming what is wrong."""
+    def from_dict(cls, value: Any,
+                  distribution_from_dict: Callable[[dict[str, Any]], ActionDistribution] | None = None) -> StepSchema:
+        """Inverse of :meth:`to_dict` for untrusted input.
+
+        Args:
+            value: a :meth:`to_dict` map.
+            distribution_from_dict: parses its ``distribution`` map (the policy layer's
+                :func:`~oakemu_core.policy.distributions.distribution_from_dict`;
+                :func:`oakemu_core.policy.schemas.schema_from_dict` passes it); needed unless the
+                distribution is None.
+
+        Raises:
+            ValueError: naming what is wrong, or a distribution map without ``distribution_from_dict``.
+        """
         if not isinstance(value, dict) or value.keys() != {"fields", "distribution"}:
             raise ValueError("schema: expected a map with keys ['distribution', 'fields']")
         fields = value["fields"]
@@ -438,8 +449,9 @@ class StepSchema:
         if distribution is not None:
             if not isinstance(distribution, dict):
                 raise ValueError("schema: distribution must be a map or None")
-            from oakemu_core.policy.distributions import distribution_from_dict
-
+            if distribution_from_dict is None:
+                raise ValueError("schema: has an action distribution; parse it with "
+                                 "oakemu_core.policy.schemas.schema_from_dict")
             distribution = distribution_from_dict(distribution)
         parsed = [StepField.from_dict(f) for f in fields]
         names = [f.name for f in parsed]
@@ -677,10 +689,3 @@ def taken_action_allowed(distribution: ActionDistribution, actions: np.ndarray, 
         return np.take_along_axis(mask, columns, axis=1).all(axis=1)
     return np.ones(actions.shape[0], dtype=bool)
 
-
-def schema_for_env(spec: Any) -> StepSchema:
-    """The step schema of an :class:`oakemu_core.envs.EnvSpec`: its observation layout and the
-    distribution of its action space (:func:`oakemu_core.policy.distributions.distribution_for_env`)."""
-    from oakemu_core.policy.distributions import distribution_for_env
-
-    return build_schema(spec.observation_layout, distribution_for_env(spec))

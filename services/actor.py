@@ -53,6 +53,7 @@ from oakemu_core.run.metrics import StepRateMeter
 from oakemu_core.transport.auth import client_security
 from oakemu_core.transport.channels import StepChannel, open_step_channel, step_socket_connector
 from oakemu_core.transport.control import JoinReply, JoinRequest, StopNotice, WeightsMessage
+from oakemu_core.transport.liveness import process_identity
 from oakemu_core.transport.step_blocks import StepBlock
 from oakemu_core.transport.step_ring import StepRing, shared_memory_host_id
 from oakemu_core.transport.steps import StepMessage, StepSpec
@@ -93,15 +94,18 @@ class Actor:
         control = ControlChannel(self.context, config.learner_address(config.control_port), config.max_message_bytes,
                                  self.security)
         patience_s = 3 * config.actor_timeout_s
+        pid, pid_namespace = process_identity()
         request = JoinRequest(  # the client gives every join its own incarnation
             actor_id=self.actor_id, incarnation="", num_envs=config.envs_per_actor, hostname=socket.gethostname(),
             host_id=shared_memory_host_id() if config.step_transport == "auto" else "",
-            inference_precision="bfloat16" if config.actor_inference == "bfloat16" else "float32")
+            inference_precision="bfloat16" if config.actor_inference == "bfloat16" else "float32",
+            pid=pid, pid_namespace=pid_namespace)
         # Heartbeats that get no answer mid-run are reported every few seconds, not only the give-up.
         self.client = LearnerClient(control, request, patience_s=patience_s,
                                     silence=RetryReporter(log, "learner", control.address, give_up_s=patience_s))
         self.next_heartbeat = 0.0
         self.learner_version = 0
+        self.learner_holds_rows = 0  # the last heartbeat reply's held_rows: steps of ours the learner holds
         self.episodes = 0
         self.sps_meter = StepRateMeter(window=32)
         self.env_steps = 0
@@ -217,6 +221,7 @@ class Actor:
         if reply is None:
             return
         self.learner_version = max(self.learner_version, reply.policy_version)
+        self.learner_holds_rows = reply.held_rows
         if reply.status == "stop":
             log.info("learner asked actor %s to stop", self.actor_id)
             self.stop_event.set()
@@ -254,7 +259,8 @@ class Actor:
 
     def _wait_for_weights_newer_than(self, version: int, *, give_up_s: float | None) -> bool:
         """Poll the weights socket (heartbeats go on) until weights newer than ``version`` are
-        loaded (True), the actor is told to stop, or ``give_up_s`` passed (False). Without a limit
+        loaded (True), the actor is told to stop, or ``give_up_s`` passed while the learner holds
+        none of this actor's steps (False: acting on now is not thrown away). Without a limit
         (synchronous mode, at a segment end) a long wait is logged every :data:`WEIGHTS_WAIT_WARNING_S`.
         Raises :class:`_Rejoined` after a rejoin."""
         assert self.weights_sub is not None
@@ -262,7 +268,7 @@ class Actor:
         warn_at = start + WEIGHTS_WAIT_WARNING_S
         while not self.stop_event.is_set() and self.policy_version <= version:
             now = time.monotonic()
-            if give_up_s is not None and now - start > give_up_s:
+            if give_up_s is not None and now - start > give_up_s and not self.learner_holds_rows:
                 return False
             if give_up_s is None and now > warn_at:
                 log.warning("actor %s: waiting %.0f s for the weights after version %d (learner at version %d)",
@@ -275,7 +281,8 @@ class Actor:
 
     def wait_if_too_far_ahead(self) -> None:
         """Asynchronous mode: after :data:`AHEAD_SEGMENTS` segments acted by the current weights,
-        wait for newer ones (heartbeats go on), at most :data:`AHEAD_WAIT_S`; the pending next action
+        wait for newer ones (heartbeats go on), at most :data:`AHEAD_WAIT_S` while the learner holds
+        none of its steps (else until they arrive: what it acted now would be thrown away); the pending next action
         is then chosen again with them. Raises :class:`_Rejoined` after a rejoin."""
         if not self.ahead_rows or self.rows_this_version < self.ahead_rows:
             return

@@ -4,7 +4,8 @@
     oakemu learner [--config FILE] [SETTING ...]
     oakemu actor [--config FILE] [SETTING ...]
     oakemu monitor [RUN | --connect tcp://HOST:PORT] [--json] [--once] [--timeout S]
-    oakemu evaluate CHECKPOINT [--episodes N] [--greedy | --sampled] [--seed S]
+    oakemu evaluate CHECKPOINT [--episodes N] [--greedy | --sampled] [--seed S] [--video DIR] [--json]
+    oakemu export CHECKPOINT DIR [--episodes N] [--sampled] [--seed S] [--no-video] [--push-to-hub OWNER/NAME]
     oakemu keygen NAME [--dir DIR] [--force]
     oakemu record --env ENV --episodes N --output PATH [--checkpoint CKPT | --policy random|module:callable] [--seed S]
 
@@ -54,7 +55,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                      allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
-    for add in (_add_train, _add_learner, _add_actor, _add_monitor, _add_evaluate, _add_record, _add_keygen):
+    for add in (_add_train, _add_learner, _add_actor, _add_monitor, _add_evaluate, _add_export, _add_record,
+                _add_keygen):
         add(commands)
     return parser, dict(commands.choices)
 
@@ -129,6 +131,30 @@ def _add_evaluate(commands: Any) -> None:
                         help="take the most likely action (default)")
     policy.add_argument("--sampled", dest="greedy", action="store_false", help="sample actions from the policy")
     evaluate.add_argument("--seed", type=int, default=1, metavar="SEED", help="environment seed (default 1)")
+    evaluate.add_argument("--video", type=Path, default=None, metavar="DIR",
+                          help="record every episode as DIR/episode_<n>.mp4 (the game's full-colour screen; needs "
+                          "pip install 'oakemu-rl[video]')")
+    evaluate.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+
+def _add_export(commands: Any) -> None:
+    export = commands.add_parser(
+        "export", help="write a trained policy as a pickle-free folder (safetensors, JSON, model card, video)",
+        description="Evaluate the policy in CHECKPOINT and write it to DIR as safetensors weights, its config and "
+        "spaces as JSON and a Hugging Face-style model card with the result and a video. Needs pip install "
+        "'oakemu-rl[export,video]'.", allow_abbrev=False)
+    export.add_argument("checkpoint", type=Path, metavar="CHECKPOINT", help="checkpoint file (or run folder)")
+    export.add_argument("directory", type=Path, metavar="DIR", help="folder to write (absent or empty)")
+    export.add_argument("--episodes", type=_positive_int, default=10, metavar="N",
+                        help="evaluation episodes for the model card (default 10)")
+    export.add_argument("--sampled", dest="greedy", action="store_false", default=True,
+                        help="evaluate with sampled actions instead of the most likely ones")
+    export.add_argument("--seed", type=int, default=1, metavar="SEED",
+                        help="environment seed of the evaluation (default 1)")
+    export.add_argument("--no-video", dest="video", action="store_false", default=True,
+                        help="leave the evaluation video (replay.mp4) out")
+    export.add_argument("--push-to-hub", default=None, metavar="OWNER/NAME",
+                        help="also upload the folder to this Hugging Face Hub model repository (token: HF_TOKEN)")
 
 
 def _add_record(commands: Any) -> None:
@@ -239,7 +265,13 @@ def _record(namespace: argparse.Namespace) -> int:
 
 def _evaluate(namespace: argparse.Namespace) -> int:
     return int(_service("evaluate").main(namespace.checkpoint, episodes=namespace.episodes, greedy=namespace.greedy,
-                                         seed=namespace.seed))
+                                         seed=namespace.seed, video_dir=namespace.video, json_output=namespace.json))
+
+
+def _export(namespace: argparse.Namespace) -> int:
+    return int(_service("export").main(
+        namespace.checkpoint, namespace.directory, episodes=namespace.episodes, greedy=namespace.greedy,
+        seed=namespace.seed, video=namespace.video, push_to_hub_repo=namespace.push_to_hub))
 
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
@@ -250,6 +282,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "keygen": _keygen,
     "record": _record,
     "evaluate": _evaluate,
+    "export": _export,
 }
 """What each subcommand runs: it builds the service's arguments and returns its exit status."""
 

@@ -21,7 +21,9 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -39,8 +41,10 @@ from oakemu_core.run.run_folder import check_resume_folder, format_changes, writ
 from oakemu_core.run.prometheus import PrometheusExporter
 from oakemu_core.run.telemetry import TelemetryPublisher
 from oakemu_core.run.tester import EvaluationReport
+from oakemu_core.run.tracking import check_tracker_available, tracker_from_config
 from oakemu_core.shared_memory import sweep_stale_segments
-from oakemu_core.step_schema import StepSchema, schema_for_env
+from oakemu_core.policy.schemas import schema_for_env
+from oakemu_core.step_schema import StepSchema
 from oakemu_core.storage.assembler import RolloutAssembler, SlotState, StepRejected
 from oakemu_core.storage.memory import SharedMemoryTooSmallError, ensure_shm_capacity
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
@@ -57,6 +61,7 @@ from oakemu_core.transport.control import (
     encode_weights,
 )
 from oakemu_core.transport.control_server import ControlServer
+from oakemu_core.transport.peer_limits import PeerLimits
 from oakemu_core.transport.step_ring import StepRings, shared_memory_host_id
 from oakemu_core.transport.steps import StepSpec
 from oakemu_services.runtime import (
@@ -78,6 +83,35 @@ CONTROL_BATCH = 64
 """Control requests served per loop turn."""
 MAX_CONTROL_MESSAGE_BYTES = 1 << 20
 """Joins, heartbeats and leaves are tiny; ZeroMQ drops a peer that sends more."""
+NOTICE_BURST = 64
+"""Lines of actors joining, leaving or timing out logged in full per 5 s (then one summary line)."""
+
+
+def peer_logs() -> dict[str, RateLimitedLog]:
+    """The rate-limited logs of every line a peer can cause: rejected step (``data``) and control
+    (``control``) messages, counted exactly elsewhere, log the first of each reason and a summary
+    every 5 s; joins, leaves, timeouts and refused step rings (``notices``) up to :data:`NOTICE_BURST`
+    lines per 5 s in full, then a summary."""
+    return {
+        "data": RateLimitedLog(log, "step messages", first_prefix="rejected step message"),
+        "control": RateLimitedLog(log, "control messages", first_prefix="rejected control message"),
+        "notices": RateLimitedLog(log, "actor events", first_prefix="", verb="skipped the lines of",
+                                  level=logging.INFO, burst=NOTICE_BURST),
+    }
+
+
+def ring_offerer(rings: StepRings, rollout_length: int,
+                 notices: RateLimitedLog) -> Callable[[JoinRequest, StepSpec], StepRingOffer | None]:
+    """The ``offer_ring`` of the :class:`ControlServer`: a step ring for an actor on this machine,
+    else None (its arrays go inline; the reason goes to ``notices``)."""
+    def offer(message: JoinRequest, spec: StepSpec) -> StepRingOffer | None:
+        try:
+            return rings.offer(message.actor_id, message.incarnation, spec, rollout_length)
+        except OSError as error:  # e.g. /dev/shm full, or the rings' memory limits: the sockets carry the arrays
+            notices.event("no_ring", f"no step ring for actor {message.actor_id} ({error}): its step arrays go inline",
+                          level=logging.WARNING)
+            return None
+    return offer
 
 
 def num_rollout_buffers(config: OakEmuConfig) -> int:
@@ -88,7 +122,22 @@ def num_rollout_buffers(config: OakEmuConfig) -> int:
 
 def rollout_buffer_bytes(config: OakEmuConfig, schema: StepSchema) -> int:
     """Shared-memory bytes of one rollout buffer for ``config`` (every stored field of ``schema``)."""
-    return RolloutBuffer.estimate_memory_bytes(config.rollout_length, config.buffer_num_envs, schema)
+    return RolloutBuffer.estimate_memory_bytes(config.rollout_length, config.allocated_num_envs, schema)
+
+
+def send_replies(control: zmq.Socket, replies: list[tuple[Any, bytes]]) -> None:
+    """Send ``(identity, frame)`` control replies on the ROUTER socket ``control`` (REQ envelopes)."""
+    for to, reply in replies:
+        control.send_multipart([to, b"", reply])
+
+
+def log_ingest_summary(assembler: RolloutAssembler) -> None:
+    """One line to compare runs: env steps written, rows held, dropped steps, buffer states."""
+    counters = assembler.counters
+    buffers = ", ".join(f"{state.value} {int(buffer.column_steps.sum())} rows"
+                        for state, buffer in zip(assembler.states, assembler.buffers))
+    log.info("ingest: %d env steps written, %d vector steps held, dropped %s; buffers: %s",
+             counters.env_steps, assembler.pending_rows, dict(counters.dropped), buffers)
 
 
 class Learner:
@@ -130,10 +179,11 @@ class Learner:
         self.trainer.resume()
         self.buffers: list[RolloutBuffer] = []
         for _ in range(num_rollout_buffers(config)):
-            self.buffers.append(RolloutBuffer(config.rollout_length, config.buffer_num_envs, schema=self.schema))
+            self.buffers.append(RolloutBuffer(config.rollout_length, config.allocated_num_envs, schema=self.schema))
             undo.callback(self.buffers[-1].close)  # also when the next one fails
         self.assembler = RolloutAssembler(self.buffers, actor_timeout_s=config.actor_timeout_s,
-                                          sync=config.mode == "sync", max_policy_lag=config.max_policy_lag)
+                                          sync=config.mode == "sync", max_policy_lag=config.max_policy_lag,
+                                          planned_columns=config.buffer_num_envs)
         self.assembler.counters.env_steps = self.trainer.progress.global_step
         self.trained_env_steps = self.trainer.ppo.trained_env_steps  # the budget counts these, not rows received
         # Behaviour cloning runs before the first weights are published: no actor ever acts with
@@ -146,30 +196,31 @@ class Learner:
                                           start_steps=self.assembler.counters.env_steps)
         self.exit_status = 0
         self.stopping_reason = ""
-        # Rejections are counted exactly; the log gets the first of each reason and a summary every 5 s.
-        self.rejection_log = {
-            "data": RateLimitedLog(log, "step messages", first_prefix="rejected step message"),
-            "control": RateLimitedLog(log, "control messages", first_prefix="rejected control message"),
-        }
+        self.rejection_log = peer_logs()
+        self.peer_limits = PeerLimits.from_config(config)
         # Shared-memory step rings of the actors on this machine (oakemu_core/transport/step_ring.py).
-        self.rings = StepRings()
+        self.rings = StepRings(max_bytes=int(config.step_ring_max_mib * 2**20),
+                               max_bytes_per_actor=int(config.step_ring_max_mib_per_actor * 2**20))
         undo.callback(self.rings.close)
+        self._ring_offer = ring_offerer(self.rings, config.rollout_length, self.rejection_log["notices"])
         self._setup_sockets(undo)
         self.control_server = ControlServer(
             config, self.schema, self.spec.observation_layout, self.assembler, self.peers, self.rejection_log["control"],
-            host_id=shared_memory_host_id() if config.step_transport == "auto" else "", offer_ring=self._offer_ring,
+            host_id=shared_memory_host_id() if config.step_transport == "auto" else "", offer_ring=self._ring_offer,
             policy_version=self.trainer.policy_version, weights=self.trainer.weights(),
+            notices=self.rejection_log["notices"], limits=self.peer_limits,
         )
-        self.metrics = MetricsLogger(run_dir)
+        self.metrics = MetricsLogger(run_dir, tracker=tracker_from_config(config, run_dir))  # --track: MLflow, W&B
         undo.callback(self.metrics.close)
         # One line per finished episode (raw game score), as CleanRL logs charts/episodic_return.
         # Each record is written whole or not at all; a failed write is counted, never fatal.
         self.episodes_log = JsonLinesWriter(run_dir / "episodes.jsonl")
         undo.callback(self.episodes_log.close)
         self.telemetry_pub = TelemetryPublisher(config.bind_address(config.telemetry_port), context=self.context,
-                                                security=self.security)
+                                                security=self.security and self.security.for_role("monitor"))
         undo.callback(self.telemetry_pub.close)
-        self.prometheus = PrometheusExporter(config.metrics_port) if config.metrics_enabled else None
+        metrics_host = (config.metrics_host or config.bind_host).strip("[]")  # where the learner binds, not 0.0.0.0
+        self.prometheus = PrometheusExporter(config.metrics_port, addr=metrics_host) if config.metrics_enabled else None
         if self.prometheus is not None:
             undo.callback(self.prometheus.close)
 
@@ -177,13 +228,14 @@ class Learner:
         config = self.config
         self.context = zmq.Context()
         undo.callback(self.context.destroy, linger=0)  # closes the sockets made below too
-        self.security = server_security(self.context, config)  # CURVE + ZAP when config.curve (oakemu_core.transport.auth)
+        refusals = RateLimitedLog(log, "connections", first_prefix="refused connection")  # the ZAP thread's own log
+        self.security = server_security(self.context, config, refusals)  # CURVE + ZAP (oakemu_core.transport.auth)
         if self.security is not None:
             undo.callback(self.security.close)
         # Each actor's messages only from the peer it joined from (and its CURVE key, with CURVE).
         self.peers = PeerBinding(user_ids=self.security is not None)
         self.receiver = StepReceiver(self.rings, self.assembler.spec_for, self.peers.allows,
-                                     max_bytes=config.max_message_bytes)
+                                     max_bytes=config.max_message_bytes, notices=self.rejection_log["notices"])
         self.data = self._secure(self.context.socket(zmq.PULL))
         # A small receive queue: back-pressure reaches the actors quickly, and rows stay fresh.
         self.data.setsockopt(zmq.RCVHWM, 4)
@@ -197,6 +249,7 @@ class Learner:
         self.data.bind(config.bind_address(config.data_port))
         self.control = self._secure(self.context.socket(zmq.ROUTER))
         self.control.setsockopt(zmq.LINGER, 0)
+        self.control.setsockopt(zmq.ROUTER_HANDOVER, 1)  # an actor's remade socket keeps its routing id (auth.py)
         self.control.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE_BYTES)
         self.control.bind(config.bind_address(config.control_port))
         self.weights_pub = self._secure(self.context.socket(zmq.PUB))
@@ -206,14 +259,6 @@ class Learner:
 
     def _secure(self, sock: zmq.Socket) -> zmq.Socket:
         return self.security.apply(sock) if self.security is not None else sock
-
-    def _offer_ring(self, message: JoinRequest, spec: StepSpec) -> StepRingOffer | None:
-        """A step ring for an actor on this machine, else None (its arrays go inline)."""
-        try:
-            return self.rings.offer(message.actor_id, message.incarnation, spec, self.config.rollout_length)
-        except OSError as error:  # e.g. /dev/shm full: the sockets carry the arrays instead
-            log.warning("no step ring for actor %s (%s): its step arrays go inline", message.actor_id, error)
-            return None
 
     @property
     def policy_version(self) -> int:
@@ -240,10 +285,10 @@ class Learner:
             except MessageRejected as error:
                 self.control.send_multipart([identity, b"", self.control_server.undecodable(error)])
                 continue
-            # None held: a synchronous-mode join waits until every actor has asked, then all are answered.
-            for to, reply in self.control_server.reply(message, now, identity=identity, peer=frame,
-                                                       stopping=bool(self.stopping_reason)):
-                self.control.send_multipart([to, b"", reply])
+            # None held: a synchronous-mode join may wait for the next rollout (ControlServer.tick answers it).
+            send_replies(self.control, self.control_server.reply(  # peer: routing id, address and CURVE key (auth.py)
+                message, now, identity=identity, peer=self.peers.connection(identity, frame),
+                stopping=bool(self.stopping_reason)))
 
     # -- data -------------------------------------------------------------------------------
     def _handle_data(self, now: float) -> None:
@@ -271,6 +316,9 @@ class Learner:
                 if not self.peers.allows(message.actor_id, message.incarnation, frame):
                     raise StepRejected("impersonation", f"a step for actor {message.actor_id} from another peer")
                 with receiver.holding(message):  # written or copied (held) by the end, or rejected: slot freed
+                    problem = self.peer_limits.check_step(message)  # values no actor of this run can send
+                    if problem is not None:
+                        raise StepRejected("value_range", f"value_range: actor {message.actor_id}: {problem}")
                     self.assembler.ingest(message, current_policy_version=self.policy_version, now=now)
             except StepRejected as error:
                 if error.reason != "departed_actor":  # late steps are counted as dropped, not rejected
@@ -311,17 +359,17 @@ class Learner:
                 if position == len(results) - 1:  # newer weights later in the batch: only those are sent
                     self._publish_weights(WeightsMessage(result.policy_version, result.weights, result.revision))
                 continue
+            # Published before the release: the joins held for the next rollout get these weights.
+            self.control_server.publish(result.policy_version, result.weights)
             if result.slot is not None:
                 self.assembler.release(result.slot, result.policy_version)
-            self.control_server.publish(result.policy_version, result.weights)
             self._publish_weights(WeightsMessage(result.policy_version, result.weights))
             for event in result.events:
                 log.info("%s", event)
             if result.slot is None:  # behaviour-cloning pre-training: new weights, no rollout
                 continue
             self.assembler.counters.dropped["stale_rows"] += result.stale_rows
-            # The budget counts env steps trained on: discarded and stale rows never count.
-            self.trained_env_steps = result.trained_env_steps
+            self.trained_env_steps = result.trained_env_steps  # the budget: discarded and stale rows never count
             self._log_update(result)
             if self.trained_env_steps >= self.config.total_env_steps and not self.stopping_reason:
                 self.stopping_reason = "env-step budget reached"
@@ -345,6 +393,7 @@ class Learner:
         """A tester report into metrics (at the current step: global_step never goes back),
         the telemetry history and the log."""
         self.metrics.log(self.assembler.counters.env_steps, evaluation_scalars(report))
+        self.metrics.log_video(self.assembler.counters.env_steps, "eval/video", report.video_path, report.video_preview)
         self.telemetry.history.record_evaluation(report)
         log.info("evaluation of policy version %d: return %.2f +- %.2f over %d episodes (%s)",
                  report.policy_version, report.return_mean, report.return_std, report.episodes,
@@ -356,13 +405,14 @@ class Learner:
             self.assembler.counters.rejected["unauthorized_key"] = self.security.refused
         for limiter in self.rejection_log.values():  # the summary of a burst that has ended
             limiter.flush()
+        if self.security is not None:
+            self.security.flush_log()
         snapshot = self.telemetry.snapshot(
             self.assembler, policy_version=self.policy_version, iterations=self.trainer.ppo.iterations,
             episodes=self.episodes, learning_rate=self.trainer.ppo.learning_rate,
             checkpoint_failures=self.trainer.checkpoint_writer.failures,
             log_write_failures=self.metrics.write_failures + self.episodes_log.failures, is_update=is_update,
-            trained_env_steps=self.trained_env_steps,
-        )
+            trained_env_steps=self.trained_env_steps)
         if self.prometheus is not None:  # first: a client that saw this record scrapes figures as new
             self.prometheus.update(snapshot)
         self.telemetry_pub.publish(snapshot)
@@ -386,18 +436,16 @@ class Learner:
         data_registered = False
         next_telemetry = next_expiry = time.monotonic()
         log.info("learner for %s: %d x %d rollout buffers (%.1f MiB each) on %s, device %s, run %s",
-                 config.env_id, config.rollout_length, config.buffer_num_envs, self.buffer_bytes / 2**20,
+                 config.env_id, config.rollout_length, config.allocated_num_envs, self.buffer_bytes / 2**20,
                  config.bind_host, self.trainer.device, self.run_dir)
         while True:
-            # The budget stops the run right after the update that spends it is logged (_collect_results),
-            # so the last metrics record, the telemetry and the final checkpoint agree on global_step and
-            # the update count; a resume with nothing left stops here.
+            # The update that spends the budget stops the run (_collect_results); a resume with nothing left here.
             budget_spent = self.trained_env_steps >= config.total_env_steps
             if not self.stopping_reason and (stop_event.is_set() or (budget_spent and self._nothing_in_flight())):
                 self.stopping_reason = "signal" if stop_event.is_set() else "env-step budget reached"
                 log.info("stopping: %s", self.stopping_reason)
             if self.stopping_reason and not self.trainer.handshake.busy:
-                self._log_ingest_summary()
+                log_ingest_summary(self.assembler)
                 break
             want_data = (self.assembler.accepting and not self.stopping_reason
                          and not (budget_spent and self.trainer.handshake.busy))
@@ -419,12 +467,12 @@ class Learner:
                 if not isinstance(error.__cause__, (RunCollapsedError, CheckpointWriteFailed)):
                     raise
                 log.error("%s", error.__cause__)  # a clear stop: no traceback, final checkpoint kept
-                self.exit_status = 1
-                if isinstance(error.__cause__, CheckpointWriteFailed):
-                    self.stopping_reason = "checkpoints cannot be written (see the learner's log)"
+                self.exit_status, failed = 1, isinstance(error.__cause__, CheckpointWriteFailed)
+                self.stopping_reason = "checkpoint writes keep failing" if failed else self.stopping_reason
                 break
             if not self.stopping_reason:
                 self._hand_off_full_rollouts()
+                send_replies(self.control, self.control_server.tick(now))  # synchronous mode's held joins
             if now >= next_expiry:
                 self._expire_silent_actors(now)
                 next_expiry = now + 0.5
@@ -440,20 +488,21 @@ class Learner:
         return self.exit_status
 
     def _expire_silent_actors(self, now: float) -> None:
-        """Drop actors silent for ``actor_timeout_s``, with their peer bindings and step rings."""
-        self.peers.retain(self.assembler.actors)
-        for actor_id in self.assembler.expire_silent_actors(now):
-            log.warning("actor %s silent for %.1f s: dropped, its unfinished segment discarded",
-                        actor_id, self.config.actor_timeout_s)
-        self.rings.retain({(r.actor_id, r.incarnation) for r in self.assembler.actors.values()})
-
-    def _log_ingest_summary(self) -> None:
-        """One line to compare runs: env steps written, rows held, dropped steps, buffer states."""
-        counters = self.assembler.counters
-        buffers = ", ".join(f"{state.value} {int(buffer.column_steps.sum())} rows"
-                            for state, buffer in zip(self.assembler.states, self.buffers))
-        log.info("ingest: %d env steps written, %d vector steps held, dropped %s; buffers: %s",
-                 counters.env_steps, self.assembler.pending_rows, dict(counters.dropped), buffers)
+        """Drop actors whose watched process ended, and actors silent for ``actor_timeout_s``, with
+        their peer bindings and step rings (the rings of timed-out actors are freed at once, not kept
+        for late messages)."""
+        notices = self.rejection_log["notices"]
+        gone = self.control_server.drop_gone_actors()
+        for actor_id, why in gone:
+            notices.event("gone", f"actor {actor_id} {why} (its process): dropped, its unfinished segment discarded",
+                          level=logging.WARNING)
+        expired = self.assembler.expire_silent_actors(now)
+        for actor_id in expired:
+            notices.event("timeout", f"actor {actor_id} silent for {self.config.actor_timeout_s:.1f}"
+                          " s: dropped, its unfinished segment discarded", level=logging.WARNING)
+        self.peers.retain(set(self.assembler.actors) | self.control_server.held_joins)
+        self.rings.retain({(r.actor_id, r.incarnation) for r in self.assembler.actors.values()},
+                          free=set(expired))
 
     def _nothing_in_flight(self) -> bool:
         """No rollout in training, none full, and no row written in a filling buffer."""
@@ -496,8 +545,9 @@ class Learner:
 def main(config: OakEmuConfig) -> int:
     """Entry point of ``oakemu learner``: run until the budget is spent or SIGINT/SIGTERM."""
     setup_logging(config.log_level, config.log_format)
-    # An unknown env id, a missing device or a port in use fails here, before the run folder is created.
+    # An unknown env id, a missing device or tracker or a port in use fails here, before the run folder exists.
     check_env(config.env_id, settings_file=config.emulator_settings, options=config.env_options)
+    check_tracker_available(config.track)
     resolved_device(config)
     check_ports_free(config)
     run_dir = resolve_run_dir(config)

@@ -189,6 +189,7 @@ def render_snapshot(snapshot: TelemetrySnapshot, *, address: str, age_s: float, 
                      f"(v{snapshot.eval_policy_version})")
     training.add_row("eval length", _fmt(snapshot.eval_length_mean, ".1f"))
     training.add_row("best eval", _fmt(snapshot.best_eval_return, ".2f"))
+    training.add_row("eval video", snapshot.eval_video or "-")
 
     update = _key_value_table("Last update")
     update.add_row("policy loss", _fmt(snapshot.policy_loss, ".4f"))
@@ -200,6 +201,9 @@ def render_snapshot(snapshot: TelemetrySnapshot, *, address: str, age_s: float, 
     update.add_row("learning rate", _fmt(snapshot.learning_rate, ".2e"))
     update.add_row("trainable rows", "-" if snapshot.trainable_share is None
                    else _fmt(100.0 * snapshot.trainable_share, ".1f") + " %")
+    if snapshot.rollout_columns is not None:
+        update.add_row("rollout columns", f"{snapshot.rollout_columns} (planned {snapshot.planned_columns})",
+                       style="yellow" if snapshot.rollout_columns != snapshot.planned_columns else None)
     update.add_row("policy lag", f"{_fmt(snapshot.policy_lag_min, '.0f')} / {_fmt(snapshot.policy_lag_mean, '.2f')}"
                                  f" / {_fmt(snapshot.policy_lag_max, '.0f')}  (min/mean/max)")
 

@@ -1,5 +1,5 @@
 """``oakemu record``: play episodes with a checkpoint's policy, random or scripted play, and write
-them as a Minari dataset of demonstrations (see :mod:`oakemu_core.algo.demonstrations`).
+them as a Minari dataset of demonstrations (see :mod:`oakemu_core.algo.recording`).
 
     oakemu record --env CartPole-v1 --episodes 20 --output demos/cartpole --policy my_pkg.experts:cartpole
     oakemu record --checkpoint runs/<run>/checkpoints/best.pt --episodes 20 --output demos/breakout
@@ -31,12 +31,12 @@ def load_checkpoint_policy(checkpoint: Path) -> tuple[Any, str, dict[str, Any]]:
     from oakemu_core.run.checkpoint import load_checkpoint, resolve_checkpoint
     from oakemu_core.envs import env_spec
     from oakemu_core.policy.models import build_model
-    from oakemu_core.step_schema import StepSchema
+    from oakemu_core.policy.schemas import schema_from_dict
 
     path = resolve_checkpoint(checkpoint)
     state = load_checkpoint(path)
     env_info, config = state["env"], dict(state.get("config") or {})
-    schema = StepSchema.from_dict(env_info["schema"])
+    schema = schema_from_dict(env_info["schema"])
     spec = env_spec(env_info["env_id"], settings_file=config.get("emulator_settings"))
     model = build_model(spec.observation_layout, schema.distribution,
                         normalize_observations=bool(config.get("normalize_observations")))
@@ -58,18 +58,18 @@ def record(
     max_episode_steps: int | None = None,
     overwrite: bool = False,
 ) -> Any:
-    """Record the dataset; returns :class:`oakemu_core.algo.demonstrations.RecordingSummary`.
+    """Record the dataset; returns :class:`oakemu_core.algo.recording.RecordingSummary`.
 
     Exactly one of ``checkpoint`` and ``policy`` (default: ``"random"``). With a checkpoint the env
     id (and time limit, emulator settings) default to the run's; another ``env_id`` is refused.
 
     Raises:
         ValueError: both a checkpoint and a policy, no env id, or an env id other than the
-            checkpoint's; see also :func:`oakemu_core.algo.demonstrations.record_dataset`.
+            checkpoint's; see also :func:`oakemu_core.algo.recording.record_dataset`.
     """
     import torch
 
-    from oakemu_core.algo.demonstrations import record_dataset
+    from oakemu_core.algo.recording import record_dataset
 
     torch.set_num_threads(1)
     settings_file = None

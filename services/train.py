@@ -43,6 +43,7 @@ from oakemu_core.run.run_folder import (
     write_text_atomic,
 )
 from oakemu_core.run.telemetry import TelemetrySnapshot, TelemetrySubscriber
+from oakemu_core.run.tracking import check_tracker_available
 from oakemu_services.runtime import (
     PARENT_PID_ENV,
     SETUP_ERROR_EXIT_STATUS,
@@ -160,6 +161,7 @@ def check_can_start(config: OakEmuConfig) -> None:
         from oakemu_core.policy.onnx_inference import check_available
 
         check_available()
+    check_tracker_available(config.track)  # --track mlflow / wandb: its package is installed
     if config.device not in ("auto", "cpu"):
         resolved_device(config)  # imports torch: only for a device that may be missing
     check_ports_free(config)

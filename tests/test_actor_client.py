@@ -30,8 +30,9 @@ from oakemu_core.actor.client import (
 from oakemu_core.config import OakEmuConfig
 from oakemu_core.envs import env_spec
 from oakemu_core.policy.models import build_model, weights_to_arrays
-from oakemu_core.step_schema import schema_for_env
+from oakemu_core.policy.schemas import schema_for_env
 from oakemu_core.transport.control import (
+    ACTOR_ID_IN_USE,
     HeartbeatReply,
     JoinReply,
     JoinRequest,
@@ -113,6 +114,17 @@ def test_a_refused_join_is_a_setup_error_and_a_stop_interrupts_the_wait() -> Non
         learner_client(ScriptedControl())[0].join(stop, Recorder())
 
 
+def test_a_join_refused_because_the_id_is_in_use_is_asked_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The learner still holds the id for this actor's previous process (until it times out): the
+    actor asks again with the same incarnation instead of giving up as for other refusals."""
+    monkeypatch.setattr(client, "REQUEST_TIMEOUT_S", 0.01)
+    in_use = JoinReply(False, f"{ACTOR_ID_IN_USE} (until that actor leaves or times out)", -1, None, {}, 0)
+    control = ScriptedControl(in_use, in_use, accepted())
+    learner, _ = learner_client(control)
+    assert learner.join(threading.Event(), Recorder()).accepted
+    assert len(control.requests) == 3 and len({r.incarnation for r in control.requests}) == 1
+
+
 def test_a_learner_that_never_answers_a_join_is_unreachable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(client, "JOIN_PATIENCE_S", 0.0)
     learner, _ = learner_client(ScriptedControl(), patience_s=0.0)
@@ -178,6 +190,33 @@ def test_the_control_channel_decodes_replies_and_remakes_its_socket_after_a_time
         assert control.request(b"hello") is None  # malformed reply
         server.join()
         assert control.request(b"hello", timeout_s=0.05) is None and control.socket is None
+    finally:
+        control.close()
+        router.close(linger=0)
+        context.destroy(linger=0)
+
+
+def test_a_remade_control_socket_keeps_the_actors_routing_id() -> None:
+    """The learner binds the actor to its routing id: a socket remade after a timeout must come back
+    with the same one (a secret of this channel), which the ROUTER hands over to the new connection."""
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    router.bind("inproc://control-ids")
+    control = ControlChannel(context, "inproc://control-ids", MAX_BYTES)
+    try:
+        assert control.request(b"unanswered", timeout_s=0.05) is None and control.socket is None
+        first, _, _ = router.recv_multipart()
+        replies: list[Any] = []
+        asker = threading.Thread(target=lambda: replies.append(control.request(b"again", timeout_s=5.0)))
+        asker.start()
+        assert router.poll(5000)
+        second, empty, _ = router.recv_multipart()
+        router.send_multipart([second, empty, encode_heartbeat_reply(HeartbeatReply("ok", 1))])
+        asker.join()
+        assert first == second == control.routing_id and len(first) == 16
+        assert replies == [HeartbeatReply("ok", 1)]
+        assert ControlChannel(context, "inproc://control-ids", MAX_BYTES).routing_id != first
     finally:
         control.close()
         router.close(linger=0)

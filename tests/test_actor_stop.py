@@ -1,4 +1,4 @@
-"""An actor stops on the learner's stop notice (wire protocol 8), not only at its next heartbeat."""
+"""An actor stops on the learner's stop notice (wire protocol 9), not only at its next heartbeat."""
 
 from __future__ import annotations
 

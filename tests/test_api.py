@@ -15,7 +15,7 @@ from oakemu_core.envs import env_spec
 from oakemu_core.errors import CheckpointError, ConfigError
 from oakemu_core.policy.models import build_model
 from oakemu_core.run.checkpoint import save_run_checkpoint
-from oakemu_core.step_schema import schema_for_env
+from oakemu_core.policy.schemas import schema_for_env
 
 
 @pytest.fixture(autouse=True)

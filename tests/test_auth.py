@@ -1,12 +1,12 @@
 """Authenticated transport (ZeroMQ CURVE + ZAP) and actor identity bound to its connection, on real sockets.
 
 Unit tests for the key files, then end-to-end tests with a real learner process:
-- without CURVE, a second connection (another source address, 127.0.0.2) cannot leave, step or join
-  for an actor that joined from 127.0.0.1: refused and counted as ``impersonation``; telemetry never
-  shows the incarnation;
+- without CURVE, a second connection cannot leave, heartbeat or join for an actor that joined from
+  127.0.0.1, not even from 127.0.0.1 with the actor's incarnation, nor step for it from another
+  address (127.0.0.2): refused and counted as ``impersonation``; telemetry never shows the incarnation;
 - with CURVE, an authorised actor trains, while an actor and a monitor without an authorised key are
-  refused (counted as ``unauthorized_key``), never join and never receive weights or telemetry; an
-  authorised key cannot speak for an actor that joined with another key.
+  refused (counted as ``unauthorized_key``), never join and never receive weights or telemetry; a
+  monitor key cannot join; a second connection with the same actor key cannot speak for an actor.
 """
 
 from __future__ import annotations
@@ -17,19 +17,24 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
 import zmq
 
 from oakemu_core.transport.auth import (
+    Connection,
     PeerBinding,
     TransportSecurityError,
     generate_keypair,
     is_loopback,
     load_keypair,
     load_public_key,
+    new_routing_id,
     public_tag,
+    server_security,
 )
 from oakemu_core.run.telemetry import TelemetrySnapshot, TelemetrySubscriber
 from oakemu_core.transport.control import (
@@ -91,9 +96,10 @@ def test_is_loopback() -> None:
     assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.5") and not is_loopback("learner")
 
 
-def test_peer_binding_refuses_another_peer_and_counts() -> None:
+def test_peer_binding_refuses_another_connection_and_counts() -> None:
+    """Control requests are bound to the join's connection (routing id, address, CURVE key); step
+    frames to its address and key (real frames carry the peer address; anything else has none)."""
     binding = PeerBinding()
-    # Frames from real sockets carry the peer address; anything else has none (""), as inproc does.
     context = zmq.Context()
     try:
         pull = context.socket(zmq.PULL)
@@ -106,25 +112,98 @@ def test_peer_binding_refuses_another_peer_and_counts() -> None:
             frame = pull.recv(copy=False)
             frames[frame.bytes.decode()] = frame
             push.close(linger=0)
-        assert binding.bind("a", "inc-1", frames["127.0.0.1"])
-        assert binding.allows("a", "inc-1", frames["127.0.0.1"])
-        assert not binding.allows("a", "inc-1", frames["127.0.0.2"])
-        assert not binding.bind("a", "inc-2", frames["127.0.0.2"])  # a join as a live actor from elsewhere
-        assert binding.refused["impersonation"] == 2
+        joined = binding.connection(b"actor-a", frames["127.0.0.1"])
+        assert joined == Connection(b"actor-a", "127.0.0.1", "")
+        same_host = binding.connection(b"other", frames["127.0.0.1"])
+        assert binding.bind("a", "inc-1", joined)
+        assert binding.allows_control("a", "inc-1", joined) and binding.allows("a", "inc-1", frames["127.0.0.1"])
+        assert binding.bind("a", "inc-2", joined), "a rejoin from its own connection"
+        assert not binding.allows_control("a", "inc-2", same_host)  # a stolen incarnation, same host
+        assert not binding.bind("a", "inc-3", same_host)  # a join as a live actor from another connection
+        assert not binding.allows("a", "inc-2", frames["127.0.0.2"])  # a step from another address
+        assert binding.refused["impersonation"] == 3
         assert binding.allows("unknown", "x", frames["127.0.0.2"])  # unknown actors are the assembler's business
         binding.retain(set())
-        assert binding.bind("a", "inc-3", frames["127.0.0.2"])  # after the actor is gone, a new peer may use the id
+        assert binding.bind("a", "inc-3", same_host)  # after the actor is gone, a new connection may use the id
     finally:
         context.destroy(linger=0)
     assert public_tag("inc-1") != "inc-1" and len(public_tag("inc-1")) == 12
+    routing_ids = {new_routing_id() for _ in range(100)}
+    assert len(routing_ids) == 100 and all(len(r) == 16 and r[0] != 0 for r in routing_ids)
+
+
+def test_key_roles_a_monitor_key_cannot_join_an_actor_key_cannot_watch_and_identity_is_per_connection(
+        tmp_path: Path) -> None:
+    """Real CURVE sockets in this process: keys in ``actors/`` reach the control socket only, keys in
+    ``monitors/`` the telemetry socket only, keys in the folder itself (the layout before roles) both;
+    refusals are counted. Two connections with the same (shared) actor key are still two identities."""
+    keys, authorised = tmp_path / "keys", tmp_path / "keys" / "authorized"
+    for name in ("learner", "actor", "monitor", "legacy"):
+        generate_keypair(keys, name)
+    for name, folder in (("actor", authorised / "actors"), ("monitor", authorised / "monitors"), ("legacy", authorised)):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+    server_key = load_public_key(keys / "learner.key")
+    config = SimpleNamespace(curve=True, bind_host="127.0.0.1", curve_secret_key=keys / "learner.key_secret",
+                             curve_authorized_keys=authorised)
+    context = zmq.Context()
+    security = server_security(context, config)
+    clients: list[zmq.Socket] = []
+    try:
+        control = security.apply(context.socket(zmq.ROUTER))
+        control_port = control.bind_to_random_port("tcp://127.0.0.1")
+        telemetry = security.for_role("monitor").apply(context.socket(zmq.PUB))
+        telemetry_port = telemetry.bind_to_random_port("tcp://127.0.0.1")
+
+        def joins(name: str) -> tuple[Any, Any] | None:
+            """Whether a join from a REQ socket with key ``name`` reaches the control socket: (identity, frame)."""
+            req = secure(context.socket(zmq.REQ), keys, name, server_key)
+            clients.append(req)
+            req.connect(f"tcp://127.0.0.1:{control_port}")
+            req.send(encode_join_request(JoinRequest("victim", f"inc-{name}", 2, "here")))
+            if not control.poll(2000):
+                return None
+            identity, _, frame = control.recv_multipart(copy=False)
+            return identity, frame
+
+        def watches(name: str) -> bool:
+            """Whether a SUB socket with key ``name`` receives what the telemetry socket publishes."""
+            sub = secure(context.socket(zmq.SUB), keys, name, server_key)
+            clients.append(sub)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(f"tcp://127.0.0.1:{telemetry_port}")
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                telemetry.send(b"snapshot")
+                if sub.poll(100):
+                    return True
+            return False
+
+        assert joins("monitor") is None, "a monitor key joined as an actor"
+        assert not watches("actor"), "an actor key read telemetry"
+        assert watches("monitor") and watches("legacy")
+        first, second, legacy = joins("actor"), joins("actor"), joins("legacy")
+        assert first is not None and second is not None and legacy is not None
+        assert security.refused == 2
+        binding = PeerBinding(user_ids=True)
+        victim, thief = (binding.connection(*first), binding.connection(*second))
+        assert victim.user_id == thief.user_id == load_public_key(keys / "actor.key").decode()
+        assert binding.bind("victim", "inc-actor", victim)
+        assert not binding.bind("victim", "inc-thief", thief), "the shared actor key took over a live actor's id"
+    finally:
+        for client in clients:  # first: a refused client retries its handshake, which needs the authenticator
+            client.close(linger=0)
+        security.close()
+        context.destroy(linger=0)
 
 
 # --- end to end -------------------------------------------------------------------------------------
 
 
 def learner_args(ports: Ports, runs_dir: Path, *extra: str) -> list[str]:
-    """A CartPole learner for 1 actor x 2 envs that never reaches its budget; slow actor timeout."""
-    return ["learner", "--env", "CartPole-v1", "--num-actors", "1", "--envs-per-actor", "2", "--rollout-length", "32",
+    """A CartPole learner for 1 actor x 2 envs that never reaches its budget; slow actor timeout. Async
+    mode: the synthetic actors here join and never step (in sync mode a rollout would wait for them)."""
+    return ["learner", "--env", "CartPole-v1", "--mode", "async", "--num-actors", "1", "--envs-per-actor", "2", "--rollout-length", "32",
             "--ppo-epochs", "2", "--num-minibatches", "2", "--total-env-steps", "100000000",
             "--checkpoint-every-updates", "0", "--eval-every-updates", "0", "--run-name", "auth", "--actor-timeout-s", "60",
             *common_flags(ports, runs_dir, *extra)]
@@ -182,9 +261,9 @@ def test_a_second_connection_cannot_leave_step_or_join_for_an_actor(e2e: E2EProc
         ring.write(0, valid_fields(joined))
         slot_step = encode_step(StepMessage("victim", "inc-victim", 0, 0, {}, slot=0))
 
-        spoof_control = context.socket(zmq.REQ)  # same protocol, another source address
-        spoof_control.connect(f"tcp://127.0.0.2:0;{ports.control_address.removeprefix('tcp://')}")
-        leave_reply = request(spoof_control, encode_leave(Leave("victim", "inc-victim")))
+        spoof_control = context.socket(zmq.REQ)  # same protocol and host, another connection
+        spoof_control.connect(ports.control_address)
+        leave_reply = request(spoof_control, encode_leave(Leave("victim", "inc-victim")))  # a stolen incarnation
         assert isinstance(leave_reply, HeartbeatReply) and leave_reply.status != "stop"
         join_reply = request(spoof_control, encode_join_request(JoinRequest("victim", "inc-thief", 2, "there")))
         assert isinstance(join_reply, JoinReply) and not join_reply.accepted
@@ -226,8 +305,9 @@ def test_curve_only_authorised_keys_join_train_and_watch(e2e: E2EProcesses, tmp_
     for name in ("learner", "actor", "actor2", "monitor", "intruder"):
         generate_keypair(keys, name)
     authorised.mkdir()
-    for name in ("actor", "actor2", "monitor"):
-        (authorised / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+    for name, role in (("actor", "actors"), ("actor2", "actors"), ("monitor", "monitors")):
+        (authorised / role).mkdir(exist_ok=True)
+        (authorised / role / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
     server = load_public_key(keys / "learner.key")
     client_env = lambda name: {
         "OAKEMU_CURVE": "true", "OAKEMU_CURVE_SECRET_KEY": str(keys / f"{name}.key_secret"),
@@ -266,19 +346,30 @@ def test_curve_only_authorised_keys_join_train_and_watch(e2e: E2EProcesses, tmp_
             env={**{k: v for k, v in os.environ.items() if not k.startswith("OAKEMU_")}, **client_env("monitor")})
         assert authorised_monitor.returncode == 0 and '"good"' in authorised_monitor.stdout, authorised_monitor.stderr
 
-        # An authorised key cannot speak for an actor that joined with another key (same address).
+        # A second connection with the same actor key cannot speak for an actor (same address).
         joined = secure(context.socket(zmq.REQ), keys, "actor2", server)
         joined.connect(ports.control_address)
         reply = request(joined, encode_join_request(JoinRequest("victim", "inc-v", 2, "here")))
         assert isinstance(reply, JoinReply) and reply.accepted
-        other = secure(context.socket(zmq.REQ), keys, "monitor", server)
+        other = secure(context.socket(zmq.REQ), keys, "actor2", server)
         other.connect(ports.control_address)
         before = counted.rejected_messages.get("impersonation", 0)
         reply = request(other, encode_leave(Leave("victim", "inc-v")))
         assert isinstance(reply, HeartbeatReply) and reply.status != "stop"
-        after = wait_snapshot(subscriber, lambda s: s.rejected_messages.get("impersonation", 0) > before, 30,
-                              "a refused leave from another key", why)
+        reply = request(other, encode_join_request(JoinRequest("victim", "inc-thief", 2, "here")))
+        assert isinstance(reply, JoinReply) and not reply.accepted
+        after = wait_snapshot(subscriber, lambda s: s.rejected_messages.get("impersonation", 0) >= before + 2, 30,
+                              "a refused leave and join from another connection with the same key", why)
         assert "victim" in {a.actor_id for a in after.actors}
+        # A monitor key cannot join as an actor: its handshake on the control socket is refused.
+        refused = after.rejected_messages.get("unauthorized_key", 0)
+        spy = secure(context.socket(zmq.REQ), keys, "monitor", server)
+        spy.connect(ports.control_address)
+        spy.send(encode_join_request(JoinRequest("spy", "inc-spy", 2, "here")))
+        assert not spy.poll(3000), "the learner answered a monitor key on its control socket"
+        final = wait_snapshot(subscriber, lambda s: s.rejected_messages.get("unauthorized_key", 0) > refused, 30,
+                              "the monitor key's refused join", why)
+        assert "spy" not in {a.actor_id for a in final.actors}
         assert "Traceback" not in learner.stderr()
     finally:
         subscriber.close()

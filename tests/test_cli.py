@@ -107,8 +107,8 @@ def test_evaluate_dispatch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
     assert cli.main(["evaluate", str(checkpoint), "--episodes", "3", "--sampled", "--seed", "9"]) == 0
     assert cli.main(["evaluate", str(checkpoint)]) == 0
     assert evaluate.calls == [
-        ((checkpoint,), {"episodes": 3, "greedy": False, "seed": 9}),
-        ((checkpoint,), {"episodes": 10, "greedy": True, "seed": 1}),
+        ((checkpoint,), {"episodes": 3, "greedy": False, "seed": 9, "video_dir": None, "json_output": False}),
+        ((checkpoint,), {"episodes": 10, "greedy": True, "seed": 1, "video_dir": None, "json_output": False}),
     ]
 
 
@@ -356,7 +356,7 @@ def test_resume_of_a_run_that_spent_its_budget_says_so_and_starts_nothing(
     from oakemu_core.envs import env_spec
     from oakemu_core.policy.models import build_model
     from oakemu_core.run.checkpoint import save_run_checkpoint
-    from oakemu_core.step_schema import schema_for_env
+    from oakemu_core.policy.schemas import schema_for_env
 
     _forbid_processes(monkeypatch)
     run_dir = tmp_path / "runs" / "done"

@@ -1,8 +1,11 @@
 """The learner's control protocol without sockets (oakemu_core.transport.control_server): joins and
-their env config, heartbeats, leaves, refusals, step rings and the synchronous mode's ranks."""
+their env config, heartbeats, leaves, refusals, step rings and the synchronous mode's ranks; and what
+a peer may not do: speak for an actor from another connection, ask for more than the run's limits,
+report figures the telemetry cannot hold, flood the log."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,12 +14,17 @@ import pytest
 
 from oakemu_core.config import OakEmuConfig
 from oakemu_core.envs import env_spec
-from oakemu_core.step_schema import schema_for_env
+from oakemu_core.policy.schemas import schema_for_env
+from oakemu_core.run.learner_telemetry import LearnerTelemetry
+from oakemu_core.run.log_limits import RateLimitedLog
 from oakemu_core.storage.assembler import RolloutAssembler
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
-from oakemu_core.transport.control_server import MAX_ACTOR_ENVS, ControlServer
-from oakemu_core.transport.codec import MessageRejected
+from oakemu_core.transport.auth import Connection, PeerBinding
+from oakemu_core.transport.control_server import MAX_ACTOR_ENVS, START_GRACE_S, ControlServer
+from oakemu_core.transport.codec import MessageRejected, header, pack
+from oakemu_core.transport.steps import StepMessage
 from oakemu_core.transport.control import (
+    ACTOR_ID_IN_USE,
     Heartbeat,
     HeartbeatReply,
     JoinReply,
@@ -24,19 +32,20 @@ from oakemu_core.transport.control import (
     Leave,
     StepRingOffer,
     decode_message,
+    encode_heartbeat,
+    encode_leave,
 )
 
 WEIGHTS = {"w": np.arange(3, dtype=np.float32)}
 
 
-class Peers:
-    """A peer binding where the connection ``"thief"`` may not speak for anybody."""
+THIEF = Connection(b"thief", "127.0.0.1", "")
+"""Another connection on the actors' own host (and, without CURVE, the same user id: none)."""
 
-    def bind(self, actor_id: str, incarnation: str, peer: Any) -> bool:
-        return peer != "thief"
 
-    def allows(self, actor_id: str, incarnation: str, peer: Any) -> bool:
-        return peer != "thief"
+def own(actor_id: str) -> Connection:
+    """The connection actor ``actor_id`` joins from (its routing id is its name, here)."""
+    return Connection(actor_id.encode(), "127.0.0.1", "")
 
 
 class Rejections:
@@ -52,12 +61,13 @@ def make_server() -> Iterator[Any]:
     buffers: list[RolloutBuffer] = []
 
     def make(*, host_id: str = "", offer_ring: Any = None, **settings: Any) -> ControlServer:
+        settings.setdefault("mode", "async")  # the tests of the synchronous mode say so
         config = OakEmuConfig(env_id="CartPole-v1", rollout_length=32, seed=7, log_level="WARNING", **settings)
         spec = env_spec(config.env_id)
         schema = schema_for_env(spec)
-        buffers.append(RolloutBuffer(config.rollout_length, config.buffer_num_envs, schema=schema))
+        buffers.append(RolloutBuffer(config.rollout_length, config.allocated_num_envs, schema=schema))
         assembler = RolloutAssembler([buffers[-1]], actor_timeout_s=10.0, sync=config.mode == "sync")
-        return ControlServer(config, schema, spec.observation_layout, assembler, Peers(), Rejections(),
+        return ControlServer(config, schema, spec.observation_layout, assembler, PeerBinding(user_ids=False), Rejections(),
                              host_id=host_id, offer_ring=offer_ring or (lambda request, spec: None),
                              policy_version=3, weights=WEIGHTS)
 
@@ -70,16 +80,17 @@ def decoded(replies: list[tuple[Any, bytes]]) -> list[tuple[Any, Any]]:
     return [(identity, decode_message(frame, max_bytes=2**24)) for identity, frame in replies]
 
 
-def join(server: ControlServer, actor_id: str, *, num_envs: int = 2, identity: Any = None, peer: Any = "own",
-         stopping: bool = False, **request: Any) -> list[tuple[Any, Any]]:
-    message = JoinRequest(actor_id, f"inc-{actor_id}", num_envs, "host", **request)
-    return decoded(server.reply(message, 0.0, identity=identity or actor_id, peer=peer, stopping=stopping))
+def join(server: ControlServer, actor_id: str, *, num_envs: int = 2, identity: Any = None, peer: Any = None,
+         stopping: bool = False, incarnation: str | None = None, **request: Any) -> list[tuple[Any, Any]]:
+    message = JoinRequest(actor_id, incarnation or f"inc-{actor_id}", num_envs, "host", **request)
+    return decoded(server.reply(message, 0.0, identity=identity or actor_id, peer=peer or own(actor_id),
+                                stopping=stopping))
 
 
-def heartbeat(server: ControlServer, actor_id: str, *, incarnation: str | None = None, peer: Any = "own",
+def heartbeat(server: ControlServer, actor_id: str, *, incarnation: str | None = None, peer: Any = None,
               stopping: bool = False) -> HeartbeatReply:
     message = Heartbeat(actor_id, incarnation or f"inc-{actor_id}", 0, 3, 10.0, 0.0, 0)
-    [(_, reply)] = decoded(server.reply(message, 1.0, identity=actor_id, peer=peer, stopping=stopping))
+    [(_, reply)] = decoded(server.reply(message, 1.0, identity=actor_id, peer=peer or own(actor_id), stopping=stopping))
     return reply
 
 
@@ -108,14 +119,15 @@ def test_joins_are_refused_when_stopping_too_wide_or_from_another_peer(make_serv
     [(_, reply)] = join(server, "a", stopping=True)
     assert not reply.accepted and reply.reason == "learner is stopping" and reply.actor_index == -1
     assert server.counters.accepted["join_refused"] == 1
-    [(_, reply)] = join(server, "a", num_envs=MAX_ACTOR_ENVS + 1)
-    assert not reply.accepted and f"expected at most {MAX_ACTOR_ENVS}" in reply.reason
-    assert server.counters.rejected["schema"] == 1
-    [(_, reply)] = join(server, "a", peer="thief")
+    [(_, reply)] = join(server, "a", num_envs=1025)
+    assert not reply.accepted and "expected at most max_envs_per_actor=1024" in reply.reason
+    assert server.counters.rejected["value_range"] == 1
+    join(server, "a")
+    [(_, reply)] = join(server, "a", peer=THIEF)
     assert not reply.accepted and "another connection" in reply.reason
     assert server.counters.rejected["impersonation"] == 1
-    assert [reason for reason, _ in server.rejections.events] == ["schema", "impersonation"]
-    assert server.assembler.actors == {}
+    assert [reason for reason, _ in server.rejections.events] == ["value_range", "impersonation"]
+    assert list(server.assembler.actors) == ["a"]
 
 
 def test_heartbeats_answer_ok_rejoin_or_stop(make_server) -> None:
@@ -126,7 +138,7 @@ def test_heartbeats_answer_ok_rejoin_or_stop(make_server) -> None:
     assert heartbeat(server, "a", incarnation="old").status == "rejoin"
     assert heartbeat(server, "nobody").status == "rejoin"
     assert heartbeat(server, "a", stopping=True).status == "stop"
-    assert heartbeat(server, "a", peer="thief").status == "rejoin"
+    assert heartbeat(server, "a", peer=THIEF).status == "rejoin"
     assert server.counters.accepted["heartbeat"] == 2 and server.counters.accepted["unknown_actor_control"] == 2
     assert server.counters.rejected["impersonation"] == 1
 
@@ -134,10 +146,11 @@ def test_heartbeats_answer_ok_rejoin_or_stop(make_server) -> None:
 def test_a_leave_forgets_the_actor_and_is_answered_stop(make_server) -> None:
     server = make_server()
     join(server, "a")
-    [(_, reply)] = decoded(server.reply(Leave("a", "inc-a"), 2.0, identity="a", peer="own"))
+    [(_, reply)] = decoded(server.reply(Leave("a", "inc-a"), 2.0, identity="a", peer=own("a")))
     assert reply.status == "stop" and "a" not in server.assembler.actors
     assert server.counters.accepted["leave"] == 1
-    [(_, again)] = decoded(server.reply(Leave("a", "inc-a"), 2.0, identity="a", peer="own"))
+    assert join(server, "a", peer=THIEF, incarnation="inc-a2")[0][1].accepted, "an id that left is free to join"
+    [(_, again)] = decoded(server.reply(Leave("a", "inc-a"), 2.0, identity="a", peer=THIEF))
     assert again.status == "stop" and server.counters.accepted["unknown_actor_control"] == 1
 
 
@@ -178,8 +191,18 @@ def test_a_bfloat16_actor_turns_on_the_reevaluation_of_every_rollout_where_image
     assert server.reevaluate_every_rollout is False
 
 
+def cartpole_step(actor_id: str, seq: int, num_envs: int = 2) -> StepMessage:
+    """A CartPole step message of zeros from ``inc-<actor_id>``."""
+    return StepMessage(actor_id, f"inc-{actor_id}", seq, 3, fields={
+        "observations": np.zeros((num_envs, 4), np.float32), "actions": np.zeros(num_envs, np.int64),
+        "log_probs": np.zeros(num_envs, np.float32), "values": np.zeros(num_envs, np.float32),
+        "rewards": np.ones(num_envs, np.float32), "dones": np.zeros(num_envs, bool),
+        "truncated": np.zeros(num_envs, bool), "bootstrap_values": np.zeros(num_envs, np.float32),
+        "next_values": np.zeros(num_envs, np.float32), "trainable": np.ones(num_envs, bool)})
+
+
 def test_sync_joins_wait_for_every_actor_then_take_ranks_in_actor_id_order(make_server) -> None:
-    server = make_server(mode="sync", num_actors=2, envs_per_actor=2)
+    server = make_server(mode="sync", num_actors=2, envs_per_actor=2, max_actors=4)
     assert join(server, "zeta", identity="z-identity") == [], "held until both actors asked"
     assert server.counters.accepted["join"] == 1
     replies = join(server, "alpha", identity="a-identity")
@@ -187,12 +210,162 @@ def test_sync_joins_wait_for_every_actor_then_take_ranks_in_actor_id_order(make_
     assert all(reply.accepted and reply.env_config["mode"] == "sync" for _, reply in replies)
     assert {r.actor_id: r.index for r in server.assembler.actors.values()} == {"alpha": 0, "zeta": 1}
 
-    # The run has started: a third actor finds no free rank; one that left is replaced at its rank.
-    [(_, refused)] = join(server, "gamma")
-    assert not refused.accepted and "actors are all connected" in refused.reason
-    server.reply(Leave("zeta", "inc-zeta"), 1.0, identity="z-identity", peer="own")
-    [(_, replacement)] = join(server, "gamma")
-    assert replacement.accepted and replacement.actor_index == 1
-    [(_, wrong)] = join(server, "delta", num_envs=3)
+    # Nothing written yet: a third actor joins this rollout at once.
+    [(_, gamma)] = join(server, "gamma")
+    assert gamma.accepted and gamma.actor_index == 2 and set(server.assembler.round.members) == {"alpha", "zeta", "gamma"}
+    server.assembler.ingest(cartpole_step("alpha", 0), current_policy_version=3, now=0.0)
+    assert join(server, "delta") == [], "the rollout is under way (alpha wrote a row): delta waits for the next one"
+    server.reply(Leave("zeta", "inc-zeta"), 1.0, identity="zeta", peer=own("zeta"))
+    assert server.tick(1.0) == [] and "delta" not in server.assembler.actors
+    # The members leave with nothing finished: the rollout opens again and delta joins it, at the lowest free rank.
+    server.reply(Leave("alpha", "inc-alpha"), 1.0, identity="alpha", peer=own("alpha"))
+    [(to, delta)] = decoded(server.tick(1.0))
+    assert to == "delta" and delta.accepted and delta.actor_index == 0 and delta.policy_version == 3
+    assert set(server.assembler.round.members) == {"gamma", "delta"}
+    # zeta comes back to its old rank 1; a fifth actor finds no room (the buffer holds max_actors=4).
+    [(_, zeta)] = decoded(server.reply(JoinRequest("zeta", "inc-zeta-2", 2, "host"), 2.0, identity="zeta", peer=own("zeta")))
+    assert zeta.accepted and zeta.actor_index == 1
+    [(_, omega)] = join(server, "omega")
+    assert omega.accepted and omega.actor_index == 3
+    [(_, full)] = join(server, "psi")
+    assert not full.accepted and "max_actors=4" in full.reason
+    [(_, wrong)] = join(server, "epsilon", num_envs=3)
     assert not wrong.accepted and "envs_per_actor=2" in wrong.reason
     assert server.counters.accepted["join_refused"] == 2
+
+
+def test_the_first_sync_rollout_starts_with_the_actors_present_after_the_grace_period(make_server) -> None:
+    server = make_server(mode="sync", num_actors=3, envs_per_actor=2)
+    assert join(server, "b") == [] and join(server, "a") == []
+    assert server.tick(START_GRACE_S - 1.0) == []
+    replies = decoded(server.tick(START_GRACE_S + 0.1))
+    assert [(to, reply.actor_index) for to, reply in replies] == [("a", 0), ("b", 1)]
+
+
+def test_a_heartbeat_reply_says_how_many_of_the_actors_steps_the_learner_holds(make_server) -> None:
+    server = make_server(num_actors=1, envs_per_actor=2)  # async, one buffer of 2 columns x 32 rows
+    join(server, "a")
+    for seq in range(32 + 3):  # the buffer is full (it does not train here): the last 3 steps are held
+        server.assembler.ingest(cartpole_step("a", seq), current_policy_version=3, now=0.0)
+    assert heartbeat(server, "a") == HeartbeatReply("ok", 3, held_rows=3)
+    assert server.assembler.take_full_rollout() is not None
+    server.assembler.release(0, policy_version=4)  # the held steps go into the released buffer
+    assert heartbeat(server, "a") == HeartbeatReply("ok", 3, held_rows=0)
+
+
+# --- what a peer may not do ------------------------------------------------------------------------
+
+
+def serve(server: ControlServer, frame: bytes, peer: Connection, now: float = 1.0) -> Any:
+    """What the learner does with a control frame: decode (a rejection is counted and answered
+    ``rejoin``), then serve; the decoded reply."""
+    try:
+        message = decode_message(frame, max_bytes=2**20)
+    except MessageRejected as error:
+        return decode_message(server.undecodable(error), max_bytes=2**20)
+    [(_, reply)] = server.reply(message, now, identity=peer.routing_id, peer=peer)
+    return decode_message(reply, max_bytes=2**24)
+
+
+@pytest.mark.parametrize("curve", [False, True], ids=["plain", "curve"])
+def test_a_join_never_takes_over_a_live_actors_id_from_another_connection(make_server, curve: bool) -> None:
+    """Neither another connection on the same host (plain), nor one holding the same, shared actor
+    key or another key (CURVE), nor the victim's routing id from another key: the victim keeps its
+    id, index and incarnation, and its heartbeats are still answered ``ok``."""
+    server = make_server(num_actors=2)
+    server.peers.user_ids = curve
+    key = "actor-key" if curve else ""
+    victim = Connection(b"victim-routing-id", "127.0.0.1", key)
+    thieves = [Connection(b"thief", "127.0.0.1", key)]  # same host; with CURVE the shared actor key
+    if curve:
+        thieves += [Connection(b"thief", "127.0.0.1", "other-key"), Connection(b"victim-routing-id", "127.0.0.1", "other-key")]
+    assert join(server, "victim", peer=victim)[0][1].accepted
+    for attempt in range(20):  # one join every 0.4 s for 8 s, as the abuse run did
+        thief = thieves[attempt % len(thieves)]
+        [(_, reply)] = join(server, "victim", peer=thief, incarnation=f"thief-{attempt}")
+        assert not reply.accepted and reply.reason.startswith(ACTOR_ID_IN_USE)
+    record = server.assembler.actors["victim"]
+    assert (record.incarnation, record.index) == ("inc-victim", 0)
+    assert server.counters.rejected["impersonation"] == 20 and server.counters.accepted["join"] == 1
+    assert heartbeat(server, "victim", peer=victim).status == "ok"
+
+
+def test_a_leave_or_heartbeat_with_a_stolen_incarnation_from_the_same_host_is_refused(make_server) -> None:
+    """Another connection on 127.0.0.1 that knows the victim's incarnation: refused, counted as
+    impersonation; the victim stays, and its own leave still works."""
+    server = make_server()
+    victim, thief = own("victim"), THIEF
+    join(server, "victim", peer=victim)
+    stolen = Heartbeat("victim", "inc-victim", 5, 3, 1e6, 0.0, 10_000)
+    assert serve(server, encode_leave(Leave("victim", "inc-victim")), thief).status == "rejoin"
+    assert serve(server, encode_heartbeat(stolen), thief).status == "rejoin"
+    assert server.counters.rejected["impersonation"] == 2
+    assert "victim" in server.assembler.actors and server.assembler.actors["victim"].env_steps_per_second == 0.0
+    assert serve(server, encode_leave(Leave("victim", "inc-victim")), victim).status == "stop"
+    assert "victim" not in server.assembler.actors
+
+
+def test_a_heartbeat_with_a_negative_rate_is_rejected_counted_and_telemetry_still_builds(make_server) -> None:
+    """``env_steps_per_second = -1.0`` is a valid float on the wire; the telemetry schema refuses it, so
+    it must never reach the actor's record (the learner would exit on its next snapshot)."""
+    server = make_server()
+    join(server, "a")
+    forged = pack({**header("heartbeat"), "actor_id": "a", "incarnation": "inc-a", "seq": 0, "policy_version": 3,
+                   "env_steps_per_second": -1.0, "policy_lag": 0.0, "episodes": 0})
+    assert serve(server, forged, own("a")).status == "rejoin"
+    lag = pack({**header("heartbeat"), "actor_id": "a", "incarnation": "inc-a", "seq": 0, "policy_version": 3,
+                "env_steps_per_second": 10.0, "policy_lag": -5.0, "episodes": 0})
+    assert serve(server, lag, own("a")).status == "rejoin"
+    assert server.counters.rejected["value_range"] == 2
+    assert server.assembler.actors["a"].env_steps_per_second == 0.0 and server.assembler.actors["a"].policy_lag == 0.0
+    telemetry = LearnerTelemetry("run", "CartPole-v1", started=0.0, start_steps=0)
+    snapshot = telemetry.snapshot(server.assembler, policy_version=3, iterations=0, episodes=0, learning_rate=1e-3,
+                                  checkpoint_failures=0, log_write_failures=0, is_update=False)
+    assert [a.sps for a in snapshot.actors] == [0.0] and snapshot.rejected_messages["value_range"] == 2
+    with pytest.raises(ValueError, match="env_steps_per_second"):
+        encode_heartbeat(Heartbeat("a", "inc-a", 0, 3, -1.0, 0.0, 0))  # our own actors never send one
+
+
+def test_a_join_asking_for_65536_envs_is_refused_before_a_step_ring_is_made(make_server) -> None:
+    offered: list[str] = []
+    server = make_server(host_id="here", offer_ring=lambda request, spec: offered.append(request.actor_id))
+    [(_, reply)] = join(server, "greedy", num_envs=65_536, host_id="here")
+    assert not reply.accepted and "max_envs_per_actor=1024" in reply.reason and "65536" in reply.reason
+    assert offered == [] and server.assembler.actors == {}
+    assert server.counters.rejected["value_range"] == 1
+    wide = make_server(envs_per_actor=2048, num_envs=2048)  # the cap is never below the run's own actors
+    assert join(wide, "wide", num_envs=2048)[0][1].accepted
+
+
+def test_joins_of_new_actor_ids_stop_at_max_connected_actors(make_server) -> None:
+    server = make_server(max_connected_actors=2)
+    assert join(server, "a")[0][1].accepted and join(server, "b")[0][1].accepted
+    [(_, refused)] = join(server, "c")
+    assert not refused.accepted and "max_connected_actors=2" in refused.reason
+    assert join(server, "a", incarnation="inc-a2")[0][1].accepted, "a connected actor may rejoin"
+
+
+def test_a_join_floods_log_lines_are_bounded(make_server, caplog: pytest.LogCaptureFixture) -> None:
+    """300 joins in 3 s (fake clock), new ids and takeover attempts: at most the burst, one first
+    line per reason and one summary per 5 s reach the log; every join is still counted."""
+    clock = [0.0]
+    logger = logging.getLogger("oakemu.learner")
+    notices = RateLimitedLog(logger, "actor events", first_prefix="", verb="skipped the lines of", level=logging.INFO,
+                             burst=8, clock=lambda: clock[0])
+    rejections = RateLimitedLog(logger, "control messages", first_prefix="rejected control message",
+                                clock=lambda: clock[0])
+    server = make_server(max_connected_actors=100)
+    server.notices, server.rejections = notices, rejections
+    with caplog.at_level(logging.INFO, logger="oakemu.learner"):
+        for i in range(300):
+            clock[0] = i / 100
+            join(server, f"flood-{i}" if i % 2 else "flood-1", peer=Connection(b"x%d" % i, "127.0.0.1", ""))
+        clock[0] = 10.0
+        notices.flush()
+        rejections.flush()
+    lines = [r.getMessage() for r in caplog.records if r.name == "oakemu.learner"]
+    # notices: 1 first + 8 burst + 1 summary; rejections: 2 firsts (impersonation, value_range) + 1 summary
+    assert len(lines) <= 13, lines
+    assert notices.events + rejections.events == 300
+    assert server.counters.accepted["join"] + server.counters.rejected["impersonation"] + \
+        server.counters.rejected["value_range"] == 300

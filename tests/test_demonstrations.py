@@ -1,4 +1,5 @@
-"""Behaviour cloning from Minari demonstrations (oakemu_core/algo/demonstrations.py, oakemu record)."""
+"""Behaviour cloning from Minari demonstrations (oakemu_core/algo/demonstrations.py, recording.py,
+behaviour_cloning.py, oakemu record)."""
 
 from __future__ import annotations
 
@@ -24,11 +25,10 @@ from oakemu_core.algo.demonstrations import (  # after the skip
     DemonstrationSampler,
     MinariNotInstalledError,
     batch_to_device,
-    bc_loss,
-    behaviour_cloning_update,
     dataset_spaces,
-    record_dataset,
 )
+from oakemu_core.algo.behaviour_cloning import bc_loss, behaviour_cloning_update  # noqa: E402
+from oakemu_core.algo.recording import record_dataset  # noqa: E402
 
 EXPERT_EPISODES = 4
 
@@ -211,7 +211,7 @@ def test_without_minari_the_error_says_what_to_install(monkeypatch: pytest.Monke
 def test_oakemu_record_with_a_scripted_policy_and_with_a_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     from oakemu_core.run.checkpoint import save_checkpoint
-    from oakemu_core.step_schema import schema_for_env
+    from oakemu_core.policy.schemas import schema_for_env
     from oakemu_services.cli import main
 
     monkeypatch.chdir(Path(__file__).resolve().parents[1])  # tests.test_demonstrations is importable from here

@@ -272,6 +272,37 @@ def find_ca_bundle() -> Path | None:
     return None
 
 
+def test_the_image_trains_the_generated_game_boy_rom_and_records_its_screen(oakemu_image: str, tmp_path: Path) -> None:
+    """The emulators and video extras are in the image: ``oakemu train`` on the generated Game Boy test
+    ROM (tests/emulator_envs.py) for 2,048 env steps in a container, with evaluation videos."""
+    import imageio.v3 as iio
+
+    from tests.emulator_envs import test_files
+
+    work = tmp_path / "work"
+    work.mkdir()
+    work.chmod(0o777)  # the image's user (uid 10001) writes the run folder here
+    for source in test_files():
+        shutil.copy(source, work / source.name)
+    label = f"oakemu-test-gameboy={os.getpid()}"
+    try:
+        run(["docker", "run", "--rm", "--label", label, "--shm-size", "64m", "-v", f"{work}:/work", oakemu_image,
+             "train", "--env", "gameboy:/work/test.gb", "--emulator-settings", "/work/emulator.toml",
+             "--num-actors", "1", "--envs-per-actor", "2", "--rollout-length", "64", "--total-env-steps", "2048",
+             "--eval-every-updates", "8", "--eval-episodes", "1", "--runs-dir", "/work/runs", "--run-name", "gb",
+             "--log-format", "plain"], timeout=900)
+    finally:
+        remove_labelled(label)
+    assert leftovers(label) == {}
+    run_dir = work / "runs" / "gb"
+    steps = [json.loads(line)["global_step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert max(steps) >= 2048
+    videos = sorted((run_dir / "videos").glob("update_*.mp4"))
+    assert videos, f"no evaluation video in {run_dir}"
+    frames = iio.imread(videos[-1], plugin="FFMPEG", index=None)
+    assert frames.shape[1:] == (144, 160, 3) and len({frame.tobytes() for frame in frames}) > 1
+
+
 # --- compose ---------------------------------------------------------------------------------------
 
 

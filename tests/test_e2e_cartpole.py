@@ -53,7 +53,7 @@ def test_cartpole_two_actors_learn_within_budget(e2e: E2EProcesses, actor_infere
     # e2e.train also checks that the launcher waited for its learner and actors: nothing of the run
     # is left running or in /dev/shm.
     run_dir = e2e.train([
-        "--env", "CartPole-v1", "--seed", "1", "--num-actors", "2", "--total-env-steps", str(STEP_BUDGET),
+        "--env", "CartPole-v1", "--mode", "async", "--seed", "1", "--num-actors", "2", "--total-env-steps", str(STEP_BUDGET),
         "--envs-per-actor", "4", "--rollout-length", "128", "--ppo-epochs", "10", "--num-minibatches", "8",
         "--learning-rate", "1e-3", "--clip-coef", "0.2", "--ent-coef", "0.0", "--checkpoint-every-updates", "0",
         "--actor-inference", actor_inference,

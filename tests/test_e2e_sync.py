@@ -8,6 +8,7 @@ Each run: CartPole-v1, 2 actors x 4 envs, 32 steps per rollout, 2,048 env steps 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import math
 import re
 import threading
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from oakemu_core.run.checkpoint import load_checkpoint
+from oakemu_core.run.checkpoint import latest_checkpoint, load_checkpoint
 from oakemu_core.run.telemetry import TelemetrySnapshot, TelemetrySubscriber
 from tests.e2e_helpers import E2EProcesses, Ports, new_ports, read_jsonl, update_records
 
@@ -60,8 +61,8 @@ class TelemetryLog:
         return self.snapshots
 
 
-def train(e2e: E2EProcesses, tmp_path: Path, name: str, mode: str, seed: int = 5) -> dict[str, Any]:
-    """One short ``oakemu train`` run; returns its run folder, console text and telemetry."""
+def train(e2e: E2EProcesses, tmp_path: Path, name: str, mode: str, seed: int = 5, *extra: str) -> dict[str, Any]:
+    """One short ``oakemu train`` run (``extra``: more flags); returns its run folder, console text and telemetry."""
     ports = new_ports()
     telemetry = TelemetryLog(ports)
     try:
@@ -69,7 +70,7 @@ def train(e2e: E2EProcesses, tmp_path: Path, name: str, mode: str, seed: int = 5
             "--env", "CartPole-v1", "--mode", mode, "--seed", str(seed), "--num-actors", str(NUM_ACTORS),
             "--envs-per-actor", str(ENVS_PER_ACTOR), "--rollout-length", str(ROLLOUT_LENGTH),
             "--total-env-steps", str(BUDGET), "--ppo-epochs", "4", "--num-minibatches", "4",
-            "--learning-rate", "1e-3", "--checkpoint-every-updates", "0", "--eval-every-updates", "0",
+            "--learning-rate", "1e-3", "--checkpoint-every-updates", "0", "--eval-every-updates", "0", *extra,
         ], name=name, timeout_s=180, ports=ports, runs_dir=tmp_path / name)
     finally:
         snapshots = telemetry.close()
@@ -115,6 +116,21 @@ def episodes_by_actor(run_dir: Path) -> dict[str, list[float]]:
     return found
 
 
+def check_mlflow_run(store: str, run_dir: Path, records: list[dict[str, Any]]) -> None:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=store)
+    [tracked] = client.search_runs([client.get_experiment_by_name("oakemu").experiment_id])
+    assert tracked.info.run_name == run_dir.name and tracked.info.status == "FINISHED"
+    assert tracked.data.params["mode"] == "async" and tracked.data.params["seed"] == "5"
+    for name in ("charts/episodic_return", "losses/approx_kl", "charts/SPS"):
+        logged = [(r["global_step"], r[name]) for r in records if r.get(name) is not None]
+        history = client.get_metric_history(tracked.info.run_id, name)
+        assert sorted((m.step, m.value) for m in history) == sorted(logged), name
+    final = latest_checkpoint(run_dir)
+    assert [a.path for a in client.list_artifacts(tracked.info.run_id, "checkpoints")] == [f"checkpoints/{final.name}"]
+
+
 @pytest.mark.slow
 def test_sync_mode_reproduces_a_seed_with_policy_lag_zero_and_counters_that_agree(
         e2e: E2EProcesses, tmp_path: Path) -> None:
@@ -135,9 +151,14 @@ def test_sync_mode_reproduces_a_seed_with_policy_lag_zero_and_counters_that_agre
 
 
 @pytest.mark.slow
-def test_async_mode_counters_agree(e2e: E2EProcesses, tmp_path: Path) -> None:
-    run = train(e2e, tmp_path, "async", "async")
+def test_async_mode_counters_agree(e2e: E2EProcesses, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reads its file store only when allowed
+    tracked = importlib.util.find_spec("mlflow") is not None  # the mlflow extra (in dev)
+    store = (tmp_path / "mlruns").as_uri()
+    run = train(e2e, tmp_path, "async", "async", 5, *(["--track", "mlflow", "--track-uri", store] if tracked else []))
     records = check_counters_agree(run)
+    if tracked:  # the learner sent every scalar and the final checkpoint to MLflow's file store
+        check_mlflow_run(store, run["run_dir"], records)
     # The budget counts env steps trained on (each rollout's rows less its stale rows): the run stops
     # right after the update that brings them to BUDGET, as SB3 stops after the rollout that does.
     trained = np.cumsum([BATCH - r["charts/stale_rows"] for r in records])

@@ -2,7 +2,7 @@
 
 The tester logs ``eval/episodic_return`` (mean, std, length) to ``metrics.jsonl``, keeps
 ``checkpoints/best.pt`` = the checkpoint of the best evaluation (replaying it with the tester's
-settings gives that evaluation's mean return), leaves no process behind, and slows training by a
+settings gives that evaluation's mean return), records a video of every evaluation, leaves no process behind, and slows training by a
 small measured amount: the same short run with and without evaluation, compared by the learner's
 ``charts/SPS`` of the last update (wall-clock env steps per second since the learner started).
 """
@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import imageio.v3 as iio
 import numpy as np
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from oakemu_core.run.checkpoint import load_checkpoint
 from oakemu_core.run.tester import EVAL_SEED_OFFSET
@@ -58,6 +60,18 @@ def test_training_evaluates_itself_keeps_best_and_is_not_slowed_much(e2e: E2EPro
     steps = [r["global_step"] for r in records]
     assert steps == sorted(steps), "metrics.jsonl went back in global_step"
     assert not any("eval/episodic_return" in r for r in read_jsonl(baseline_dir / "metrics.jsonl"))
+
+    # Every evaluation records its first episode (CartPole's 400 x 600 render) for the run folder and
+    # TensorBoard; the final weights' video is there.
+    videos = sorted((run_dir / "videos").glob("update_*.mp4"))
+    assert run_dir / "videos" / f"update_{int(final_version)}.mp4" in videos
+    assert not list((run_dir / "videos").glob("*.partial.mp4"))
+    frames = iio.imread(run_dir / "videos" / f"update_{int(final_version)}.mp4", plugin="FFMPEG", index=None)
+    assert frames.shape[1:] == (400, 600, 3) and len(frames) >= 2
+    assert not (baseline_dir / "videos").exists()
+    events = EventAccumulator(str(run_dir), size_guidance={"images": 0, "scalars": 1})
+    events.Reload()
+    assert len(events.Images("eval/video")) == len(videos)
 
     best_path = run_dir / "checkpoints" / "best.pt"
     assert best_path.is_file()

@@ -31,7 +31,7 @@ from oakemu_core.algo.learner import (
 from oakemu_core.policy.models import build_model
 from oakemu_core.algo.ppo import LinearSchedule
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
-from oakemu_core.step_schema import schema_for_env
+from oakemu_core.policy.schemas import schema_for_env
 from oakemu_core.actor.stepper import PolicyStepper
 
 T, N = 32, 4

@@ -11,7 +11,7 @@ from pathlib import Path
 from oakemu_core.config import OakEmuConfig
 from oakemu_core.envs import env_spec
 from oakemu_core.storage.memory import shm_free_bytes
-from oakemu_core.step_schema import schema_for_env
+from oakemu_core.policy.schemas import schema_for_env
 from oakemu_services.learner import NUM_ROLLOUT_BUFFERS, rollout_buffer_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ def _free_ports(count: int) -> list[int]:
 def _cartpole_learner_config(tmp_path: Path, run_name: str) -> OakEmuConfig:
     """A small CartPole learner on free loopback ports, metrics (Prometheus) on."""
     data, control, weights, telemetry, metrics = _free_ports(5)
-    return OakEmuConfig(env_id="CartPole-v1", envs_per_actor=2, num_envs=2, rollout_length=8, runs_dir=tmp_path,
+    return OakEmuConfig(env_id="CartPole-v1", num_actors=1, envs_per_actor=2, num_envs=2, rollout_length=8, runs_dir=tmp_path,
                         run_name=run_name, bind_host="127.0.0.1", data_port=data, control_port=control,
                         weights_port=weights, telemetry_port=telemetry, metrics_port=metrics, log_level="WARNING")
 
@@ -40,7 +40,7 @@ def test_rollout_buffer_bytes_matches_a_real_buffer() -> None:
     from oakemu_core.storage.rollout_buffer import RolloutBuffer
 
     for env_id in ("CartPole-v1", "Taxi-v4", "Pendulum-v1"):
-        config = OakEmuConfig(env_id=env_id, envs_per_actor=3, num_envs=6, rollout_length=10)
+        config = OakEmuConfig(env_id=env_id, envs_per_actor=3, num_envs=6, rollout_length=10, mode="async")
         schema = schema_for_env(env_spec(config.env_id))
         with RolloutBuffer(10, 6, schema=schema) as buffer:
             array_bytes = sum(buffer.field(f.name).nbytes for f in schema.stored) + buffer.column_steps.nbytes + 3 * 8
@@ -55,7 +55,7 @@ def test_learner_refuses_a_rollout_that_does_not_fit_in_dev_shm(tmp_path: Path) 
     rollout_length = 8
     num_envs = int(free // (NUM_ROLLOUT_BUFFERS * rollout_length * per_env_step)) + 8
     result = subprocess.run(
-        [sys.executable, "-m", "oakemu_services.cli", "learner", "--env-id", "ALE/Breakout-v5",
+        [sys.executable, "-m", "oakemu_services.cli", "learner", "--env-id", "ALE/Breakout-v5", "--mode", "async",
          "--envs-per-actor", "8", "--num-envs", str(num_envs), "--rollout-length", str(rollout_length),
          "--runs-dir", str(tmp_path), "--run-name", "too-big", "--metrics-port", "0"],
         cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
@@ -64,7 +64,8 @@ def test_learner_refuses_a_rollout_that_does_not_fit_in_dev_shm(tmp_path: Path) 
     output = " ".join((result.stdout + result.stderr).split())
     needed = re.search(r"need (\d+) bytes", output)
     assert needed, output
-    config = OakEmuConfig(env_id="ALE/Breakout-v5", envs_per_actor=8, num_envs=num_envs, rollout_length=rollout_length)
+    config = OakEmuConfig(env_id="ALE/Breakout-v5", envs_per_actor=8, num_envs=num_envs, rollout_length=rollout_length,
+                          mode="async")
     assert int(needed.group(1)) == NUM_ROLLOUT_BUFFERS * rollout_buffer_bytes(config, schema_for_env(env_spec(config.env_id)))
     assert "shm_size" in output
     assert "Traceback" not in output
@@ -121,7 +122,7 @@ def _precision_learner(tmp_path: Path, env_id: str):
     from oakemu_services.learner import Learner
 
     ports = _free_ports(5)
-    config = OakEmuConfig(env_id=env_id, num_actors=2, envs_per_actor=2, rollout_length=8, runs_dir=tmp_path,
+    config = OakEmuConfig(env_id=env_id, num_actors=1, envs_per_actor=2, rollout_length=8, runs_dir=tmp_path,
                           run_name="precision", data_port=ports[0], control_port=ports[1], weights_port=ports[2],
                           telemetry_port=ports[3], metrics_port=ports[4], log_level="WARNING")
     return Learner(config, tmp_path / "precision")

@@ -20,7 +20,7 @@ from oakemu_core.actor.routing import (
     load_callable,
     random_actions,
 )
-from oakemu_core.step_schema import schema_for_env
+from oakemu_core.policy.schemas import schema_for_env
 from oakemu_core.actor.stepper import PolicyStepper
 
 T, N = 64, 4

@@ -31,7 +31,7 @@ from oakemu_core.run.run_folder import (
     truncate_run_logs,
     write_text_atomic,
 )
-from oakemu_core.step_schema import StepSchema, schema_for_env
+from oakemu_core.policy.schemas import schema_for_env, schema_from_dict
 from tests.fault_helpers import fill_disk, small_tmpfs_fixture  # noqa: F401 - the `small_tmpfs` fixture
 
 
@@ -286,7 +286,7 @@ def test_a_schema_saved_before_rows_carried_the_revision_still_resumes_and_loads
     assert len(old["fields"]) == len(schema.fields) - 1
     check_resume_compatible({"env": {"env_id": "CartPole-v1", "schema": old}, "model": model.state_dict()},
                             env_id="CartPole-v1", schema=schema, model=model)
-    assert StepSchema.from_dict(old).to_dict() == schema.to_dict()
+    assert schema_from_dict(old).to_dict() == schema.to_dict()
 
     changed = schema.to_dict()  # a sent field of another shape is still another space
     next(f for f in changed["fields"] if f["name"] == "observations")["shape"] = [5]

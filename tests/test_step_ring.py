@@ -280,6 +280,7 @@ def test_every_message_the_learner_reads_frees_its_slot_but_only_on_its_own_peer
         peers = SimpleNamespace(allows=lambda actor_id, incarnation, frame: frame.peer == "own")
         learner = SimpleNamespace(
             assembler=assembler, rings=rings, data=Frames(), policy_version=7, peers=peers,
+            peer_limits=SimpleNamespace(check_step=lambda message: None),
             receiver=StepReceiver(rings, assembler.spec_for, peers.allows, max_bytes=MAX_BYTES),
             config=SimpleNamespace(max_message_bytes=MAX_BYTES), episodes=0,
             rejection_log={"data": SimpleNamespace(event=lambda *args: None)},

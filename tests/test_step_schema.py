@@ -23,8 +23,8 @@ from oakemu_core.step_schema import (
     check_step_values,
     default_schema,
     resolve_schema,
-    schema_for_env,
 )
+from oakemu_core.policy.schemas import schema_for_env, schema_from_dict
 from oakemu_core.transport.codec import MessageRejected
 from oakemu_core.transport.steps import StepMessage, StepSpec, decode_step, encode_step
 
@@ -367,7 +367,7 @@ def test_built_schemas_declare_the_standard_fields_once() -> None:
 )
 def test_schema_plain_value_round_trip(schema: StepSchema) -> None:
     as_dict = schema.to_dict()
-    again = StepSchema.from_dict(msgpack.unpackb(msgpack.packb(as_dict)))
+    again = schema_from_dict(msgpack.unpackb(msgpack.packb(as_dict)))
     assert again == schema and hash(again) == hash(schema)
     assert again.names == schema.names and again.distribution == schema.distribution
     for mine, theirs in zip(schema.fields, again.fields, strict=True):
@@ -415,7 +415,16 @@ MASKED = build_schema({"": ((3,), np.float32)}, Categorical(3, masked=True))
 )
 def test_malformed_schema_dicts_are_refused(bad: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        StepSchema.from_dict(bad)
+        schema_from_dict(bad)
+
+
+def test_the_schema_reads_a_distribution_only_through_the_policy_layer() -> None:
+    # step_schema sits below policy/: it parses a distribution with the parser it is given.
+    plain = default_schema((3,), np.float32)
+    assert StepSchema.from_dict(plain.to_dict()) == plain
+    with pytest.raises(ValueError, match="schema_from_dict"):
+        StepSchema.from_dict(MASKED.to_dict())
+    assert schema_from_dict(MASKED.to_dict()) == MASKED
 
 
 def test_invalid_fields_and_schemas_are_refused_when_declared() -> None:

@@ -23,7 +23,8 @@ from oakemu_core.storage.assembler import RolloutAssembler
 from oakemu_core.policy.models import ActorCritic, build_model
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
 from oakemu_core.actor.stepper import PolicyStepper
-from oakemu_core.step_schema import StepSchema, schema_for_env
+from oakemu_core.policy.schemas import schema_for_env
+from oakemu_core.step_schema import StepSchema
 from oakemu_core.transport.steps import StepMessage, StepSpec, decode_step, encode_step
 
 SEED = 7

@@ -1,5 +1,6 @@
-"""The synchronous mode's building blocks without sockets (issue 11): the stepper's segment end, the
-assembler's fixed columns and arrival-order-free episodes, the config check, and the run's SPS.
+"""The synchronous mode's building blocks without sockets: the stepper's segment end, the
+assembler's columns per rollout (members, leaves, joins) and arrival-order-free episodes, the config
+check, and the run's SPS.
 
 The end-to-end checks (two runs of one seed give the same metrics, policy lag 0, counters that
 agree) are in ``tests/test_e2e_sync.py``.
@@ -156,23 +157,89 @@ def test_sync_columns_follow_the_actor_index_and_episodes_the_actor_order(one_bu
         assert released == [100.0, 101.0, 102.0, 200.0, 201.0, 202.0]  # (index, seq) order
 
 
-def test_sync_join_refuses_a_taken_index_and_one_past_the_columns(one_buffer: RolloutBuffer) -> None:
+def test_sync_join_refuses_a_taken_index_and_actors_past_the_buffers_room(one_buffer: RolloutBuffer) -> None:
     assembler = RolloutAssembler([one_buffer], actor_timeout_s=5.0, sync=True)
     assembler.join("a", "inc-a", spec(3), hostname="h", now=0.0, index=0)
     with pytest.raises(ValueError, match="held by actor 'a'"):
         assembler.join("b", "inc-b", spec(3), hostname="h", now=0.0, index=0)
-    with pytest.raises(ValueError, match="needs columns up to 9"):
-        assembler.join("c", "inc-c", spec(3), hostname="h", now=0.0, index=2)
-    # a new incarnation of "a" takes its own index back
+    assembler.join("c", "inc-c", spec(3), hostname="h", now=0.0, index=5)  # any index: columns follow the order
+    assert not assembler.has_room_for(3)
+    with pytest.raises(ValueError, match="do not fit in the buffer's 6 columns"):
+        assembler.join("d", "inc-d", spec(3), hostname="h", now=0.0, index=2)
+    # a new incarnation of "a" takes its own index back (and its old room)
     assert assembler.join("a", "inc-a2", spec(3), hostname="h", now=1.0, index=0).index == 0
 
 
+# ------------------------------------------------------------------------------ elastic rounds
+def send_segment(assembler: RolloutAssembler, actor_id: str, rows: int, *, first_seq: int = 0) -> None:
+    for seq in range(first_seq, first_seq + rows):
+        assembler.ingest(message(actor_id, "inc-" + actor_id, seq, 3), current_policy_version=0, now=0.0)
+
+
+def columns_of(buffer: RolloutBuffer, actor_id: str) -> list[int]:
+    code = float(sum(actor_id.encode()))  # message(): observations[0, env, 0] = code + env
+    return sorted(int(c) for c in np.flatnonzero(np.isin(buffer.observations[0, :, 0], code + np.arange(3))))
+
+
+def test_a_member_that_leaves_mid_rollout_takes_its_rows_and_the_others_fill_the_rollout(one_buffer) -> None:
+    assembler = RolloutAssembler([one_buffer], actor_timeout_s=5.0, sync=True, planned_columns=6)
+    assembler.join("a", "inc-a", spec(3), hostname="h", now=0.0, index=0)
+    assembler.join("z", "inc-z", spec(3), hostname="h", now=0.0, index=1)
+    send_segment(assembler, "z", 2)  # z's unfinished segment: 2 of T=3 rows
+    send_segment(assembler, "a", T)
+    assert assembler.states[0] is SlotState.FILLING, "the rollout waits for z while it is joined"
+    assert assembler.leave("z", "inc-z")
+    assert assembler.states[0] is SlotState.FULL
+    rollout = assembler.take_full_rollout()
+    assert rollout is not None and rollout.planned_columns == 6
+    np.testing.assert_array_equal(rollout.columns_used, [True] * 3 + [False] * 3)
+    assert one_buffer.is_full, "the columns nobody filled are sealed, so GAE runs"
+    assert one_buffer.trainable[:, :3].all() and not one_buffer.trainable[:, 3:].any(), "z's rows never train"
+    assert assembler.counters.dropped["discarded_segment_rows"] == 2 * 3
+    one_buffer.compute_gae(rollout.last_values, rollout.last_dones, 0.99, 0.95)
+    assert np.isfinite(one_buffer.advantages).all()
+
+
+def test_a_join_during_a_rollout_starts_at_the_next_one_and_a_leave_returns_the_columns(one_buffer) -> None:
+    assembler = RolloutAssembler([one_buffer], actor_timeout_s=5.0, sync=True)
+    assembler.join("a", "inc-a", spec(3), hostname="h", now=0.0, index=0)
+    assert assembler.round.is_open and set(assembler.round.members) == {"a"}
+    send_segment(assembler, "a", 1)
+    assert not assembler.round.is_open
+    assembler.join("m", "inc-m", spec(3), hostname="h", now=0.0, index=1)  # the control server holds such joins
+    assert set(assembler.round.members) == {"a"}
+    send_segment(assembler, "m", 1)  # not a member: not written, counted
+    assert assembler.counters.dropped["not_member_steps"] == 3
+    send_segment(assembler, "a", T - 1, first_seq=1)
+    rollout = assembler.take_full_rollout()
+    assert rollout is not None and rollout.columns_used.sum() == 3
+    assembler.release(rollout.slot, policy_version=1)
+    assert {k: v.tolist() for k, v in assembler.round.members.items()} == {"a": [0, 1, 2], "m": [3, 4, 5]}
+    assert assembler.leave("m", "inc-m")
+    assert set(assembler.round.members) == {"a"}, "a rollout with no row yet is filled by the actors joined now"
+
+
+def test_a_rollout_whose_members_all_left_with_nothing_finished_opens_again(one_buffer) -> None:
+    assembler = RolloutAssembler([one_buffer], actor_timeout_s=5.0, sync=True)
+    assembler.join("a", "inc-a", spec(3), hostname="h", now=0.0, index=0)
+    send_segment(assembler, "a", 2)
+    assert assembler.expire_silent_actors(now=10.0) == ["a"]
+    assert assembler.round.is_open and assembler.states[0] is SlotState.FILLING and not assembler.round.members
+    assembler.join("b", "inc-b", spec(3), hostname="h", now=10.0, index=0)
+    assert set(assembler.round.members) == {"b"}
+    send_segment(assembler, "b", T)
+    assert assembler.states[0] is SlotState.FULL
+
+
 # ------------------------------------------------------------------------------------- config
-def test_sync_mode_needs_one_column_per_actor_env() -> None:
-    assert load_config([]).mode == "async"
-    assert load_config(["--mode", "sync", "--num-actors", "2", "--envs-per-actor", "4"]).buffer_num_envs == 8
-    with pytest.raises(ConfigError, match="mode='sync'.*exactly 8 columns.*num_envs=12"):
-        load_config(["--mode", "sync", "--num-actors", "2", "--envs-per-actor", "4", "--num-envs", "12"])
+def test_sync_mode_plans_num_envs_columns_and_allocates_room_for_max_actors() -> None:
+    assert load_config([]).mode == "sync"
+    config = load_config(["--mode", "sync", "--num-actors", "2", "--envs-per-actor", "4"])
+    assert (config.buffer_num_envs, config.resolved_max_actors, config.allocated_num_envs) == (8, 4, 16)
+    config = load_config(["--num-actors", "3", "--envs-per-actor", "4", "--num-envs", "20", "--max-actors", "2"])
+    assert (config.buffer_num_envs, config.allocated_num_envs) == (20, 20), "room for the planned columns at least"
+    config = load_config(["--mode", "async", "--num-actors", "2", "--envs-per-actor", "4", "--max-actors", "9"])
+    assert config.allocated_num_envs == 8, "async: the buffers hold num_envs columns"
     with pytest.raises(ConfigError, match="mode"):
         load_config(["--mode", "lockstep"])
 
@@ -211,3 +278,15 @@ def test_final_console_line_comes_from_the_last_update_record(tmp_path) -> None:
     assert update == 2
     assert line.startswith("update     2 | steps       512 | SPS    110 (recent    130) | return    21.50")
     assert "actors 2" in line
+
+
+def test_a_repeated_join_of_the_same_incarnation_keeps_its_place_in_the_rollout(one_buffer) -> None:
+    assembler = RolloutAssembler([one_buffer], actor_timeout_s=5.0, sync=True)
+    assembler.join("a", "inc-a", spec(3), hostname="h", now=0.0, index=0)
+    assembler.join("z", "inc-z", spec(3), hostname="h", now=0.0, index=1)
+    send_segment(assembler, "a", 1)
+    assembler.join("z", "inc-z", spec(3), hostname="h", now=1.0, index=1)  # z's join reply was lost: it asks again
+    assert assembler.round.members["z"].tolist() == [3, 4, 5]
+    send_segment(assembler, "z", T)
+    send_segment(assembler, "a", T - 1, first_seq=1)
+    assert assembler.states[0] is SlotState.FULL

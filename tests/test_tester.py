@@ -25,7 +25,7 @@ from oakemu_core.run.checkpoint import load_checkpoint
 from oakemu_core.envs import env_spec
 from oakemu_core.run.evaluation import build_evaluation, play_episodes
 from oakemu_core.policy.models import load_weight_arrays, weights_to_arrays
-from oakemu_core.step_schema import schema_for_env
+from oakemu_core.policy.schemas import schema_for_env
 from oakemu_core.run.tester import (
     BEST_NAME,
     BestCheckpointTracker,

@@ -603,8 +603,8 @@ def test_oversized_frame_is_rejected_before_decoding() -> None:
     assert info.value.reason == "oversized"
 
 
-def test_protocol_version_is_8() -> None:
-    assert PROTOCOL_VERSION == 8 and step_obj()["protocol"] == 8
+def test_protocol_version_is_9() -> None:
+    assert PROTOCOL_VERSION == 9 and step_obj()["protocol"] == 9
 
 
 def test_stop_notice_round_trip_and_rejections() -> None:

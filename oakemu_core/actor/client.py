@@ -28,9 +28,11 @@ from oakemu_core.envs.factory import make_env_groups, make_vector_env
 from oakemu_core.envs.options import EnvOptions
 from oakemu_core.envs.vector import EnvGroups, VectorEnv
 from oakemu_core.policy.models import ActorCritic, build_model, load_weight_arrays
-from oakemu_core.step_schema import schema_for_env
+from oakemu_core.policy.schemas import schema_for_env
+from oakemu_core.transport.auth import new_routing_id
 from oakemu_core.transport.codec import MessageRejected
 from oakemu_core.transport.control import (
+    ACTOR_ID_IN_USE,
     ControlMessage,
     Heartbeat,
     HeartbeatReply,
@@ -96,6 +98,9 @@ class RetryReport(Protocol):
 class ControlChannel:
     """REQ socket to the learner's control ROUTER, remade after a timeout (ZeroMQ "lazy pirate").
 
+    Every socket it makes has the same secret routing id (:func:`~oakemu_core.transport.auth.new_routing_id`):
+    the learner binds the actor to it, so a remade socket still speaks for the actor and nobody else can.
+
     Args:
         context: the actor's ZeroMQ context.
         address: the learner's control endpoint (``tcp://host:port``).
@@ -110,11 +115,13 @@ class ControlChannel:
         self.address = address
         self.max_bytes = max_bytes
         self.security = security
+        self.routing_id = new_routing_id()
         self.socket: zmq.Socket | None = None
 
     def _connect(self) -> zmq.Socket:
         if self.socket is None:
             self.socket = self.context.socket(zmq.REQ)
+            self.socket.routing_id = self.routing_id
             if self.security is not None:
                 self.security.apply(self.socket)
             self.socket.setsockopt(zmq.LINGER, 0)
@@ -181,9 +188,12 @@ class LearnerClient:
         Returns:
             The accepted reply (``spec`` not None).
 
+        A join refused because a connected actor holds the id (this actor's earlier process, until the
+        learner drops it) is asked again within the same patience.
+
         Raises:
             ActorSetupError: the learner refused the actor (the reason says why).
-            LearnerUnreachable: no answer within :attr:`join_patience_s`.
+            LearnerUnreachable: no answer (or the id still in use) within :attr:`join_patience_s`.
             KeyboardInterrupt: ``stop`` was set before an answer came.
         """
         self.incarnation = uuid.uuid4().hex
@@ -195,6 +205,10 @@ class LearnerClient:
             reply = self.control.request(frame)
             if isinstance(reply, JoinReply):
                 reporter.succeeded()
+                if not reply.accepted and reply.reason.startswith(ACTOR_ID_IN_USE) and time.monotonic() < deadline:
+                    log.warning("actor %s: %s; asking again", self.actor_id, reply.reason)
+                    stop.wait(REQUEST_TIMEOUT_S)
+                    continue
                 if not reply.accepted:
                     raise ActorSetupError(f"learner refused actor {self.actor_id}: {reply.reason}")
                 self.last_reply = time.monotonic()

@@ -139,7 +139,7 @@ class RoutingConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# Building blocks shared with oakemu_core.algo.demonstrations (recording)
+# Building blocks shared with oakemu_core.algo.recording
 # ---------------------------------------------------------------------------------------------
 def load_callable(reference: str, *, what: str = "policy") -> Callable[..., Any]:
     """Import ``module:attribute`` (dots allowed in both parts) and return the callable.

@@ -43,7 +43,8 @@ from oakemu_core.actor.step_buffers import PPOActorStepBuffers
 from oakemu_core.envs.vector import EnvGroups, VectorEnv, VectorStep
 from oakemu_core.policy.action_bundle import PPOActionBundle
 from oakemu_core.policy.models import ActorCritic
-from oakemu_core.step_schema import StepSchema, schema_for_env
+from oakemu_core.policy.schemas import schema_for_env
+from oakemu_core.step_schema import StepSchema
 
 
 @dataclass
@@ -81,7 +82,7 @@ class PolicyStepper:
         env: the vector env (already built; reset here).
         model: the actor-critic used for CPU inference (its distribution fits the env's actions).
         schema: the step schema the buffers follow (the learner's, from the join reply); by
-            default the env's own (:func:`oakemu_core.step_schema.schema_for_env`).
+            default the env's own (:func:`oakemu_core.policy.schemas.schema_for_env`).
         policy_version: version of ``model``'s current weights; update :attr:`policy_version`
             whenever new weights are loaded.
         router: policy routing (:class:`oakemu_core.actor.routing.PolicyRouter`): routed envs act with

@@ -75,6 +75,8 @@ class TrainResult:
         events: human-readable notes (rollbacks, BC phases) to log.
         trainable_share: trainable rows / rows of the rollout. rollbacks: rollbacks so far.
         trained_env_steps: env steps of every rollout trained on so far (rows less stale rows).
+        columns: the rollout's columns that held rows (0: not a rollout). planned_columns: the
+            columns the run's planned actors fill (fewer columns: the rollout trained with fewer rows).
     """
 
     slot: int | None
@@ -89,6 +91,8 @@ class TrainResult:
     trainable_share: float = 1.0
     rollbacks: int = 0
     trained_env_steps: int = 0
+    columns: int = 0
+    planned_columns: int = 0
 
 
 class RolloutHandshake:

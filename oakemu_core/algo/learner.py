@@ -220,12 +220,26 @@ class PreparedRollout:
             ``sgd_mean`` / ``sgd_max`` in SGD steps.
         proximal: the rows evaluated by the weights before the update (the decoupled objective's
             proximal policy), or None (plain PPO).
+        columns_used: ``(N,)`` bool, the columns that hold rows, or None: every column (see
+            :attr:`oakemu_core.storage.assembler.FullRollout.columns_used`).
+        num_minibatches: minibatches per epoch: ``num_minibatches`` scaled by the columns used over
+            the rollout's planned columns (the minibatch size stays), at least 1; None: ``num_minibatches``.
     """
 
     buffer: RolloutBuffer
     stale_rows: int = 0
     lag: dict[str, float] = field(default_factory=dict)
     proximal: RolloutEvaluation | None = None
+    columns_used: np.ndarray | None = None
+    num_minibatches: int | None = None
+
+
+def _columns(observations: Any, used: np.ndarray) -> Any:
+    """``(T, k, ...)`` rows of the columns ``used`` (``(N,)`` bool) of ``(T, N, ...)`` observations
+    (an array or a dict of arrays)."""
+    if isinstance(observations, dict):
+        return {key: value[:, used] for key, value in observations.items()}
+    return observations[:, used]
 
 
 class PPOLearner:
@@ -398,12 +412,16 @@ class PPOLearner:
         current version (every rollout in sync mode) is left as it is unless ``reevaluate``. A
         re-evaluation with non-finite figures is not used (:attr:`corrections_skipped`)."""
         buffer = rollout.buffer
+        used = rollout.columns_used  # sealed columns (no rows) count for no statistic
         stale_rows, lag = drop_stale_rows(buffer, current_policy_version=self.policy_version,
-                                          max_policy_lag=self.config.max_policy_lag)
-        lag.update(self.lag_in_sgd_steps(buffer.policy_versions, buffer.policy_revisions))
+                                          max_policy_lag=self.config.max_policy_lag, columns=used)
+        versions, revisions = buffer.policy_versions, buffer.policy_revisions
+        if used is not None:
+            versions, revisions = versions[:, used], revisions[:, used]
+        lag.update(self.lag_in_sgd_steps(versions, revisions))
         proximal = None
         if self.config.off_policy_correction == "decoupled" and (
-                reevaluate or bool((buffer.policy_versions != self.policy_version).any())):
+                reevaluate or bool((versions != self.policy_version).any())):
             with self.learner_model.locked():
                 evaluation = self.updater.evaluate_rollout(buffer)
             if evaluation.finite_on(buffer.trainable):
@@ -414,9 +432,16 @@ class PPOLearner:
                 log.warning("update %d: the current weights give non-finite values or log-probs on this "
                             "rollout; it trains without the off-policy correction", self.iterations + 1)
         if self.reward_scaler is not None:
-            buffer.scale_rewards(self.reward_scaler.update(buffer.rewards, buffer.dones))
+            rewards, dones = buffer.rewards, buffer.dones
+            if used is not None:
+                rewards, dones = rewards[:, used], dones[:, used]
+            buffer.scale_rewards(self.reward_scaler.update(rewards, dones))
         buffer.compute_gae(rollout.last_values, rollout.last_dones, self.config.gamma, self.config.gae_lambda)
-        return PreparedRollout(buffer, stale_rows, lag, proximal)
+        num_minibatches = None
+        if used is not None:
+            planned = rollout.planned_columns or buffer.num_envs
+            num_minibatches = max(1, round(self.config.num_minibatches * int(used.sum()) / planned))
+        return PreparedRollout(buffer, stale_rows, lag, proximal, used, num_minibatches)
 
     def step(self, actor_steps: int, rollout: PreparedRollout | None = None) -> PPOUpdateStats | None:
         """Perform a full PPO update on ``rollout`` (:meth:`prepare`'s result), or on the current
@@ -451,10 +476,13 @@ class PPOLearner:
             try:
                 stats = self.updater.step(buffer, current_policy_version=self.policy_version, bc_term=bc_term,
                                           proximal=None if rollout is None else rollout.proximal,
+                                          num_minibatches=None if rollout is None else rollout.num_minibatches,
                                           after_epoch=None if self.revision_sink is None else self.publish_revision)
             except EmptyRolloutError:
                 stats = None
-            model.update_observation_statistics(buffer.observations)
+            used = None if rollout is None else rollout.columns_used
+            model.update_observation_statistics(
+                buffer.observations if used is None else _columns(buffer.observations, used))
             self.learner_model.version += 1
         self.sgd_ledger.sgd_steps += stats.minibatches if stats is not None else 0
         self.sgd_ledger.note(self.policy_version, 0, self.sgd_steps)
@@ -491,7 +519,7 @@ class PPOLearner:
         remaining = self.config.bc_pretrain_updates - self.bc_updates_done
         if self.bc_sampler is None or remaining <= 0:
             return 0
-        from oakemu_core.algo.demonstrations import behaviour_cloning_update
+        from oakemu_core.algo.behaviour_cloning import behaviour_cloning_update
 
         with self.learner_model.locked() as model:
             for _ in range(remaining):
@@ -549,7 +577,9 @@ class PPOLearner:
                 return
             prepared = self.prepare(published.rollout, reevaluate=published.reevaluate)
             stats = self.step(current_step(), prepared)
-            self.trained_env_steps += prepared.buffer.total_size - prepared.stale_rows
+            buffer, used = prepared.buffer, prepared.columns_used
+            columns = buffer.num_envs if used is None else int(used.sum())
+            self.trained_env_steps += max(0, columns * buffer.rollout_length - prepared.stale_rows)
             events = policy.after_update(self, stats)
             evaluations, notes = self._poll_tester(policy)
             events += notes
@@ -557,8 +587,10 @@ class PPOLearner:
             version, weights = self.learner_model.snapshot()
             handshake.complete(TrainResult(
                 published.rollout.slot, version, weights, stats, prepared.stale_rows, prepared.lag, self.iterations,
-                evaluations, events, trainable_share=prepared.buffer.trainable_size / max(1, prepared.buffer.total_size),
-                rollbacks=policy.rollbacks, trained_env_steps=self.trained_env_steps,
+                evaluations, events, trainable_share=buffer.trainable_size / max(1, columns * buffer.rollout_length),
+                rollbacks=policy.rollbacks, columns=columns,
+                planned_columns=published.rollout.planned_columns or buffer.num_envs,
+                trained_env_steps=self.trained_env_steps,
             ))
 
     def _submit_to_tester(self, global_step: int, *, force: bool = False) -> None:

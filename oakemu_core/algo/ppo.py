@@ -430,7 +430,8 @@ class PPOUpdater:
     def step(self, rollout_buffer: RolloutBuffer, *, current_policy_version: int,
              bc_term: tuple[float, Any, int] | None = None,
              proximal: RolloutEvaluation | None = None,
-             after_epoch: Callable[[int, float, int, int], None] | None = None) -> PPOUpdateStats:
+             after_epoch: Callable[[int, float, int, int], None] | None = None,
+             num_minibatches: int | None = None) -> PPOUpdateStats:
         """One PPO update on the trainable rows of a full buffer whose GAE is computed.
 
         Args:
@@ -440,7 +441,7 @@ class PPOUpdater:
                 ratio check.
             bc_term: ``(coefficient, demonstration sampler, batch size)``: add ``coefficient *``
                 the demonstrations' negative log-likelihood to every minibatch's loss
-                (:func:`oakemu_core.algo.demonstrations.bc_loss`), or None.
+                (:func:`oakemu_core.algo.behaviour_cloning.bc_loss`), or None.
             proximal: the buffer evaluated by the weights ``model`` holds now
                 (:meth:`evaluate_rollout`), or None. Given, the update uses the decoupled
                 objective (:func:`ppo_losses`): the ratio is taken against the proximal log-probs,
@@ -452,6 +453,7 @@ class PPOUpdater:
                 weights as that epoch left them (the learner publishes them to the actors), that
                 epoch's mean ``approx_kl``, the minibatches skipped so far for a non-finite gradient
                 and the SGD steps (minibatches) this update has taken so far; or None.
+            num_minibatches: minibatches per epoch; None: the settings' ``num_minibatches``.
 
         Returns:
             :class:`PPOUpdateStats`.
@@ -466,7 +468,7 @@ class PPOUpdater:
         # A rollout left with fewer rows than minibatches (most rows dropped as stale) still trains,
         # with one row per minibatch.
         settings = self.settings
-        num_minibatches = min(settings.num_minibatches, trainable_rows)
+        num_minibatches = min(num_minibatches or settings.num_minibatches, trainable_rows)
         tally = _UpdateTally(self.device, learning_rate=float(self.optimizer.param_groups[0]["lr"]))
         self.model.train()
         flat, kl_reference = self._upload(rollout_buffer, proximal)
@@ -585,7 +587,8 @@ class PPOUpdater:
         return self.action_mask.expand(masks.shape) & masks if masks is not None else self.action_mask.unsqueeze(0)
 
     def _bc_loss(self, sampler: Any, batch_size: int) -> torch.Tensor:
-        from oakemu_core.algo.demonstrations import bc_loss, batch_to_device
+        from oakemu_core.algo.behaviour_cloning import bc_loss
+        from oakemu_core.algo.demonstrations import batch_to_device
 
         batch = batch_to_device(sampler.sample(batch_size, self._shuffle_rng), self.device)
         with self._forward_precision():

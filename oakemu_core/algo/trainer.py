@@ -76,7 +76,7 @@ class Trainer:
         self.schedule = LinearSchedule(config.learning_rate, 0.0, 1)
         self._follow_budget()
         # Periodic evaluation in a process of its own (None when eval_every_updates is 0).
-        self.tester = tester_from_config(config, schema.to_dict())
+        self.tester = tester_from_config(config, schema.to_dict(), run_dir=run_dir)
         context = RuntimeContext(PPOExperimentConfiguration.from_config(config), device, tester=self.tester,
                                  eval_every_updates=config.eval_every_updates)
         self.handshake = RolloutHandshake()

@@ -20,9 +20,11 @@ import numpy as np
 from oakemu_core.envs.options import ATARI_FRAME_SKIP, ATARI_NOOP_MAX, ATARI_STACK, EnvOptions
 from oakemu_core.envs.spec import EnvSpec, UnsupportedEnvironmentError
 
-__all__ = ["ATARI_FRAME_SKIP", "ATARI_IMAGE_SIZE", "ATARI_NOOP_MAX", "ATARI_STACK", "AtariBackend"]
+__all__ = ["ALE_SCREEN", "ATARI_FRAME_SKIP", "ATARI_IMAGE_SIZE", "ATARI_NOOP_MAX", "ATARI_STACK", "AtariBackend"]
 
 ATARI_IMAGE_SIZE = 84
+ALE_SCREEN = (210, 160)
+"""Height and width of the Atari 2600 screen as the ALE emulates it."""
 ATARI_DEFAULT_MAX_FRAMES = 108_000  # 27,000 agent steps = 30 minutes of play at 60 Hz
 
 
@@ -70,13 +72,17 @@ class AtariBackend:
     in ale-py's threads). :attr:`spec` is read from the emulator's own spaces, so the spec of an
     Atari id is the spec of a one-env backend.
 
+    With ``screen=True`` the observations are the colour screen instead, ``(n, 1, 210, 160, 3)``
+    uint8 (one frame, max-pooled over the last two of the frame skip): the same game, seeded the
+    same way, for videos (:class:`oakemu_core.envs.render.RecordingAtariBackend`).
+
     Raises:
         UnsupportedEnvironmentError: ``env_id`` is not an ale-py id with image observations.
     """
 
     def __init__(
         self, env_id: str, num_envs: int, *, max_episode_steps: int | None, num_threads: int | None,
-        options: EnvOptions | None = None,
+        options: EnvOptions | None = None, screen: bool = False,
     ) -> None:
         from ale_py.vector_env import AtariVectorEnv
 
@@ -100,11 +106,11 @@ class AtariBackend:
             frameskip=options.atari_frame_skip,
             maxpool=True,
             noop_max=options.atari_noop_max,
-            stack_num=options.atari_frame_stack,
+            stack_num=1 if screen else options.atari_frame_stack,
             episodic_life=options.atari_episodic_life,
-            img_height=ATARI_IMAGE_SIZE,
-            img_width=ATARI_IMAGE_SIZE,
-            grayscale=True,
+            img_height=ALE_SCREEN[0] if screen else ATARI_IMAGE_SIZE,
+            img_width=ALE_SCREEN[1] if screen else ATARI_IMAGE_SIZE,
+            grayscale=not screen,
             max_num_frames_per_episode=max_frames,
         )
         self.spec = EnvSpec.discrete(

@@ -15,7 +15,7 @@ import functools
 import importlib
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from oakemu_core.envs.atari import AtariBackend
 from oakemu_core.envs.gymnasium import GymnasiumBackend, gymnasium_spec
@@ -28,6 +28,9 @@ from oakemu_core.envs.spec import (
     is_emulator_env,
 )
 from oakemu_core.envs.vector import Backend, EnvGroups, VectorEnv
+
+if TYPE_CHECKING:
+    from oakemu_core.envs.render import FrameSink
 
 __all__ = ["check_env", "env_spec", "make_env_groups", "make_eval_env", "make_vector_env"]
 
@@ -56,7 +59,8 @@ def _import_env_module(env_id: str) -> None:
         ) from error
 
 
-def _make_emulator_env(env_id: str, max_episode_steps: int | None, settings_file: str | None, seed: int | None) -> Any:
+def _make_emulator_env(env_id: str, max_episode_steps: int | None, settings_file: str | None, seed: int | None,
+                       render_mode: str | None) -> Any:
     try:
         emulators = importlib.import_module("oakemu_core.envs.emulators")
     except ImportError as error:
@@ -69,7 +73,9 @@ def _make_emulator_env(env_id: str, max_episode_steps: int | None, settings_file
             f"env_id: {env_id!r} needs emulator support, which is not installed "
             "(oakemu_core.envs.emulators has no make_emulator_env)"
         )
-    env = make_emulator_env(env_id, max_episode_steps=max_episode_steps, settings_file=settings_file, seed=seed)
+    rendering = {} if render_mode is None else {"render_mode": render_mode}
+    env = make_emulator_env(env_id, max_episode_steps=max_episode_steps, settings_file=settings_file, seed=seed,
+                            **rendering)
     if env is None:
         raise UnsupportedEnvironmentError(
             f"env_id: expected a known emulator id ({', '.join(p + '...' for p in EMULATOR_ID_PREFIXES)}), "
@@ -80,21 +86,25 @@ def _make_emulator_env(env_id: str, max_episode_steps: int | None, settings_file
 
 def _make_gymnasium_env(
     env_id: str, max_episode_steps: int | None, *, settings_file: str | None = None, seed: int | None = None,
-    make_kwargs: dict[str, Any] | None = None,
+    render_mode: str | None = None, make_kwargs: dict[str, Any] | None = None,
 ) -> Any:
     """One raw env: emulator ids through ``oakemu_core.envs.emulators``, everything else through ``gymnasium.make``
     (with ``make_kwargs``).
 
     ``settings_file`` and ``seed`` are passed to emulator backends only (Gymnasium envs are seeded
-    by their first reset).
+    by their first reset); ``render_mode`` to every env.
     """
     if is_emulator_env(env_id):
-        return _make_emulator_env(env_id, max_episode_steps, settings_file, seed)
+        return _make_emulator_env(env_id, max_episode_steps, settings_file, seed, render_mode)
     import gymnasium
 
     if ":" in env_id:
         _import_env_module(env_id)
-    kwargs = {**(make_kwargs or {}), **({} if max_episode_steps is None else {"max_episode_steps": max_episode_steps})}
+    kwargs: dict[str, Any] = {**(make_kwargs or {})}
+    if max_episode_steps is not None:
+        kwargs["max_episode_steps"] = max_episode_steps
+    if render_mode is not None:
+        kwargs["render_mode"] = render_mode
     try:
         return gymnasium.make(env_id, **kwargs)
     except TypeError as error:  # a keyword the env does not take
@@ -141,6 +151,7 @@ def make_vector_env(
     num_threads: int | None = None,
     settings_file: str | None = None,
     options: EnvOptions | None = None,
+    frame_sink: FrameSink | None = None,
 ) -> VectorEnv:
     """Build ``num_envs`` copies of ``env_id`` behind one :class:`VectorEnv`.
 
@@ -154,18 +165,26 @@ def make_vector_env(
         num_threads: emulator threads (Atari only; default ``min(num_envs, cpu_count)``).
         settings_file: emulator settings file, passed to ``make_emulator_env`` (emulator ids only).
         options: ``gymnasium.make`` keyword arguments and Atari preprocessing (None: the defaults).
+        frame_sink: receives the full-colour frames of env 0's episodes (videos of evaluations,
+            :mod:`oakemu_core.envs.render`); needs ``num_envs == 1``. None: nothing renders.
 
     Raises:
-        ValueError: ``num_envs`` < 1 or ``max_episode_steps`` < 1.
+        ValueError: ``num_envs`` < 1, ``max_episode_steps`` < 1, or a ``frame_sink`` with more envs.
         UnsupportedEnvironmentError: unknown id or unsupported spaces.
     """
     if num_envs < 1:
         raise ValueError(f"num_envs: expected >= 1, received {num_envs}")
+    if frame_sink is not None and num_envs != 1:
+        raise ValueError(f"frame_sink: records one env, received num_envs {num_envs}")
     if max_episode_steps is not None and max_episode_steps < 1:
         raise ValueError(f"max_episode_steps: expected >= 1 or None, received {max_episode_steps}")
     atari = is_atari_env(env_id)
     backend: Backend
-    if atari:
+    if atari and frame_sink is not None:
+        from oakemu_core.envs.render import RecordingAtariBackend
+
+        backend = RecordingAtariBackend(env_id, max_episode_steps=max_episode_steps, sink=frame_sink, options=options)
+    elif atari:
         backend = AtariBackend(env_id, num_envs, max_episode_steps=max_episode_steps, num_threads=num_threads,
                                options=options)
     else:
@@ -174,8 +193,19 @@ def make_vector_env(
 
         def make_env(index: int) -> Any:
             env_seed = None if seed is None else seed + index
-            return _make_gymnasium_env(env_id, max_episode_steps, settings_file=settings_file, seed=env_seed,
-                                       make_kwargs=make_kwargs)
+            if frame_sink is None:
+                return _make_gymnasium_env(env_id, max_episode_steps, settings_file=settings_file, seed=env_seed,
+                                           make_kwargs=make_kwargs)
+            from oakemu_core.envs.render import rendered_episodes
+
+            try:
+                env = _make_gymnasium_env(env_id, max_episode_steps, settings_file=settings_file, seed=env_seed,
+                                          render_mode="rgb_array", make_kwargs=make_kwargs)
+            except TypeError as error:  # an env class that takes no render_mode: evaluated unrecorded
+                frame_sink.fail(f"{env_id!r} cannot be recorded: it takes no render_mode ({error})")
+                return _make_gymnasium_env(env_id, max_episode_steps, settings_file=settings_file, seed=env_seed,
+                                           make_kwargs=make_kwargs)
+            return rendered_episodes(env, frame_sink, env_id)
 
         backend = GymnasiumBackend(spec, make_env, num_envs)
     return VectorEnv(backend, seed=seed, clip_rewards=atari if clip_rewards is None else clip_rewards)
@@ -201,10 +231,12 @@ def make_env_groups(env_id: str, num_envs: int, groups: int, *, seed: int | None
 def make_eval_env(
     env_id: str, *, seed: int | None, max_episode_steps: int | None = None, settings_file: str | None = None,
     options: EnvOptions | None = None,
+    frame_sink: FrameSink | None = None,
 ) -> VectorEnv:
-    """One env of ``env_id`` without reward clipping, for evaluation (same preprocessing as training)."""
+    """One env of ``env_id`` without reward clipping, for evaluation (same preprocessing as training);
+    with ``frame_sink``, its episodes' full-colour frames go there (:mod:`oakemu_core.envs.render`)."""
     return make_vector_env(env_id, 1, seed=seed, clip_rewards=False, max_episode_steps=max_episode_steps,
-                           num_threads=1, settings_file=settings_file, options=options)
+                           num_threads=1, settings_file=settings_file, options=options, frame_sink=frame_sink)
 
 
 def check_env(env_id: str, *, settings_file: str | None = None, envs_per_process: int | None = None,

@@ -13,7 +13,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-__all__ = ["ATARI_FRAME_SKIP", "ATARI_NOOP_MAX", "ATARI_STACK", "EnvOptions"]
+from pydantic import BaseModel, Field
+
+__all__ = ["ATARI_FRAME_SKIP", "ATARI_NOOP_MAX", "ATARI_STACK", "EnvOptions", "EnvSettings"]
 
 ATARI_FRAME_SKIP = 4
 """Emulator frames per agent step (the last two max-pooled)."""
@@ -75,3 +77,27 @@ class EnvOptions:
     def to_dict(self) -> dict[str, Any]:
         """The options as scalars (``env_kwargs`` as JSON text): what a join's ``env_config`` carries."""
         return asdict(self)
+
+
+class EnvSettings(BaseModel):
+    """The settings :class:`EnvOptions` is made of (:class:`oakemu_core.config.OakEmuConfig` inherits them)."""
+
+    env_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments of gymnasium.make for non-Atari ids: a JSON object on the command line "
+        "and in OAKEMU_ENV_KWARGS, a table in TOML, e.g. {\"continuous\": true}.")
+    atari_frame_skip: int = Field(ATARI_FRAME_SKIP, ge=1, description="Atari: emulator frames per agent step "
+                                  "(the last two max-pooled).")
+    atari_frame_stack: int = Field(ATARI_STACK, ge=1, description="Atari: frames stacked into one observation.")
+    atari_noop_max: int = Field(ATARI_NOOP_MAX, ge=0, description="Atari: most no-op actions at an episode's start.")
+    atari_sticky_actions: float | None = Field(
+        None, ge=0.0, le=1.0, description="Atari: probability of repeating the previous action (None: the id's own, "
+        "0.25 for -v5 ids).")
+    atari_episodic_life: bool = Field(
+        False, description="Atari: a lost life ends the episode (the game restarts, so episodes and their logged "
+        "returns are per life).")
+
+    @property
+    def env_options(self) -> EnvOptions:
+        """How the env is made beyond its id: ``env_kwargs`` and the ``atari_*`` settings."""
+        return EnvOptions.from_settings(self)

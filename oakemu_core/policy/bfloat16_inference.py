@@ -96,12 +96,13 @@ class BFloat16Forward:
 
         Raises:
             ValueError: the image encoder does not start with a convolution (an image too small for
-                one: ``build_model`` then flattens it).
+                one, or channel-last: ``build_model`` then flattens it).
         """
         import torch
         from torch import nn
 
-        encoder = copy.deepcopy(model.encoders[model._module_key("")])
+        encoders = getattr(model, "encoders", None)  # None: a non-picture observation, flattened into MLPs
+        encoder = copy.deepcopy(encoders[model._module_key("")]) if encoders is not None else None
         first = encoder[0] if isinstance(encoder, nn.Sequential) and len(encoder) else None
         if not isinstance(first, nn.Conv2d):
             raise ValueError("actor_inference='bfloat16': the image encoder does not start with a convolution")

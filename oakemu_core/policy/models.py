@@ -6,20 +6,28 @@ An :class:`ActorCritic` is built from an observation layout (key -> per-env shap
 It never asks which action space it serves: the distribution makes the policy head and turns its
 output into a :class:`~oakemu_core.policy.distributions.Policy`.
 
-Torsos:
+A *picture* is a channel-first ``(C, H, W)`` key with H and W at least ``SMALL_CNN_MIN_SIZE`` (5);
+a CNN encodes it. Torsos:
 
-* one plain vector observation ``(D,)`` (classic control): separate actor and critic MLPs, 64-64
-  tanh, as CleanRL ``ppo.py`` / ``ppo_continuous_action.py``;
-* otherwise one encoder per key, concatenated (SB3's ``CombinedExtractor``): image-shaped keys
-  ``(C, H, W)`` get the Nature CNN of Mnih et al. 2015 (conv 32x8/4, 64x4/2, 64x3/1, fc 512, ReLU;
-  CleanRL ``ppo_atari.py``) when at least 36 x 36, and a small 3x3 CNN (fc 256) when smaller (SB3
-  fails there with a conv2d size error); other keys are flattened. With more than one key a
-  256-unit ReLU layer mixes the concatenated features. Actor and critic share the torso.
+* one plain observation that is not a picture (a vector ``(D,)`` as in classic control, or any
+  other shape, flattened: MiniGrid's ``(7, 7, 3)`` symbolic grid, a ``(1, 4, 4)`` frame): separate
+  actor and critic MLPs, 64-64 tanh, as CleanRL ``ppo.py`` / ``ppo_continuous_action.py`` and SB3's
+  ``MlpPolicy``;
+* otherwise one encoder per key, concatenated (SB3's ``CombinedExtractor``): pictures get the Nature
+  CNN of Mnih et al. 2015 (conv 32x8/4, 64x4/2, 64x3/1, fc 512, ReLU; CleanRL ``ppo_atari.py``) when
+  at least 36 x 36, and a small 3x3 CNN (fc 256) when smaller (SB3 fails there with a conv2d size
+  error); other keys are flattened. With more than one key a 256-unit ReLU layer mixes the
+  concatenated features. Actor and critic share the torso.
 
-uint8 image keys travel as uint8 and are scaled to [0, 1] on the model's device. Float keys may be
-normalised by running statistics (:class:`RunningNormalizer`, as SB3's ``VecNormalize``): the
+Scaling. uint8 pictures travel as uint8 and are scaled to [0, 1] on the model's device. uint8 keys
+that are not pictures (symbolic grids, RAM bytes) are always normalised by running statistics
+(:class:`RunningNormalizer`, as SB3's ``VecNormalize``): their ``Box(0, 255)`` bounds say nothing
+about their scale, and ``/ 255`` would shrink MiniGrid's indices 0..10 to 0..0.04, which a 64-64 tanh
+MLP learns from several times slower (``docs/benchmarks.md``). Float keys are normalised the same way
+under ``normalize_observations``; other keys reach the network as their float values. The
 statistics are buffers of the model, so they travel to the actors with the weights, are saved in
-checkpoints and are used by ``oakemu evaluate``; only the learner updates them.
+checkpoints and are used by ``oakemu evaluate``; only the learner updates them (after each update:
+the first rollout sees the raw values).
 
 Initialisation follows CleanRL: orthogonal weights with gain sqrt(2) for hidden layers, 0.01 for
 the policy head and 1 for the value output, zero biases.
@@ -64,7 +72,7 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
 
 
 class RunningNormalizer(nn.Module):
-    """Running mean / variance of a float observation key; ``forward`` returns
+    """Running mean / variance of an observation key; ``forward`` returns
     ``clip((x - mean) / sqrt(var + eps), -clip, clip)`` (SB3 ``VecNormalize``, clip 10).
 
     Statistics are buffers (``mean``, ``var``, ``count``), merged with each batch by the parallel
@@ -120,6 +128,25 @@ def _small_cnn(channels: int, height: int, width: int) -> tuple[nn.Module, int]:
     return torso, 256
 
 
+def _is_picture(shape: tuple[int, ...]) -> bool:
+    """A channel-first ``(C, H, W)`` key that a CNN encodes: both sides at least SMALL_CNN_MIN_SIZE.
+
+    Anything else is flattened, e.g. MiniGrid's ``(7, 7, 3)`` channel-last grid of symbolic indices,
+    read as C = 7, H = 7, W = 3.
+    """
+    return len(shape) == 3 and min(shape[1:]) >= SMALL_CNN_MIN_SIZE
+
+
+def _normalized(shape: tuple[int, ...], dtype: np.dtype, normalize_observations: bool) -> bool:
+    """Whether a key gets a :class:`RunningNormalizer`: float keys under ``normalize_observations``,
+    and uint8 keys that are not pictures always (a uint8 grid of symbolic indices or a RAM dump has no
+    pixel scale: MiniGrid declares ``Box(0, 255)`` for indices 0..10, which ``/ 255`` shrinks to
+    0..0.04)."""
+    if dtype == np.uint8:
+        return not _is_picture(shape)
+    return normalize_observations and dtype.kind == "f"
+
+
 def _mlp(in_features: int) -> nn.Sequential:
     return nn.Sequential(
         _layer_init(nn.Linear(in_features, 64)), nn.Tanh(),
@@ -133,7 +160,8 @@ class ActorCritic(nn.Module):
     Args:
         observation_layout: key -> (per-env shape, dtype); key ``""`` for a plain observation.
         distribution: the action distribution (decides the policy head and the action space).
-        normalize_observations: keep running statistics of float keys and normalise with them.
+        normalize_observations: keep running statistics of float keys and normalise with them
+            (uint8 keys that are not pictures are normalised either way).
 
     Raises:
         ValueError: an empty layout, or a key with a non-positive dimension.
@@ -158,15 +186,14 @@ class ActorCritic(nn.Module):
         self.is_dict = "" not in self.observation_layout
         self._torch_dtypes = {key: _torch_dtype(dtype) for key, (_, dtype) in self.observation_layout.items()}
         self.normalizers = nn.ModuleDict()
-        if normalize_observations:
-            for key, (shape, dtype) in self.observation_layout.items():
-                if dtype.kind == "f":
-                    self.normalizers[self._module_key(key)] = RunningNormalizer(shape)
+        for key, (shape, dtype) in self.observation_layout.items():
+            if _normalized(shape, dtype, normalize_observations):
+                self.normalizers[self._module_key(key)] = RunningNormalizer(shape)
 
         only = self.observation_layout.get("")
-        self.separate_mlps = only is not None and len(only[0]) == 1
-        if self.separate_mlps:  # CleanRL's classic-control networks
-            (dim,) = only[0]
+        self.separate_mlps = only is not None and not _is_picture(only[0])
+        if self.separate_mlps:  # CleanRL's classic-control networks, on the flattened observation
+            dim = math.prod(only[0])
             self.actor_torso: nn.Module = _mlp(dim)
             self.critic_torso: nn.Module = _mlp(dim)
             features = 64
@@ -195,12 +222,11 @@ class ActorCritic(nn.Module):
 
     @staticmethod
     def _encoder(shape: tuple[int, ...]) -> tuple[nn.Module, int]:
-        if len(shape) == 3:
+        if _is_picture(shape):
             channels, height, width = shape
             if min(height, width) >= NATURE_CNN_MIN_SIZE:
                 return _nature_cnn(channels, height, width)
-            if min(height, width) >= SMALL_CNN_MIN_SIZE:
-                return _small_cnn(channels, height, width)
+            return _small_cnn(channels, height, width)
         return nn.Flatten(), math.prod(shape)
 
     @property
@@ -257,7 +283,7 @@ class ActorCritic(nn.Module):
         if self.channels_last and x.dim() == 4:  # (B, C, H, W) images; uint8 is the cheaper copy
             x = x.contiguous(memory_format=torch.channels_last)
         x = x.to(torch.float32)
-        if dtype == np.uint8:
+        if dtype == np.uint8 and _is_picture(shape):
             return x / 255.0
         normalizer = self.normalizers[self._module_key(key)] if self._module_key(key) in self.normalizers else None
         return normalizer(x) if normalizer is not None else x
@@ -286,7 +312,7 @@ class ActorCritic(nn.Module):
         """
         inputs = self._inputs(observations)
         if self.separate_mlps:
-            x = inputs[""]
+            x = inputs[""].flatten(1)
             return self._heads(self.actor_torso(x), self.critic_torso(x))
         features = torch.cat([self.encoders[self._module_key(key)](x) for key, x in inputs.items()], dim=-1)
         hidden = self.mixer(features)

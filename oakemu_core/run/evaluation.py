@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -13,6 +13,9 @@ from oakemu_core.envs.factory import make_eval_env
 from oakemu_core.envs.options import EnvOptions
 from oakemu_core.envs.vector import VectorEnv
 from oakemu_core.policy.models import ActorCritic, build_model
+
+if TYPE_CHECKING:
+    from oakemu_core.envs.render import FrameSink
 
 __all__ = ["EvaluationResult", "build_evaluation", "play_episodes"]
 
@@ -44,6 +47,7 @@ def build_evaluation(
     settings_file: str | None = None,
     normalize_observations: bool = False,
     env_options: EnvOptions | None = None,
+    frame_sink: FrameSink | None = None,
 ) -> tuple[ActorCritic, VectorEnv]:
     """The one place that builds an evaluation's policy and env (``oakemu evaluate`` and the tester).
 
@@ -63,18 +67,21 @@ def build_evaluation(
         max_episode_steps, settings_file, normalize_observations: the run's settings of these names
             (``config.max_episode_steps``, ``config.emulator_settings``, ``config.normalize_observations``).
         env_options: the run's ``gymnasium.make`` keyword arguments and Atari preprocessing (``config.env_options``).
+        frame_sink: receives the full-colour frames of the episodes played
+            (:class:`oakemu_core.run.video.EpisodeVideos`); rendering changes neither the actions nor
+            the returns. None: nothing renders.
 
     Raises:
-        ValueError: a malformed schema dict (from ``StepSchema.from_dict``).
+        ValueError: a malformed schema dict (from ``schema_from_dict``).
         oakemu_core.envs.UnsupportedEnvironmentError: unknown env id or unsupported spaces.
     """
-    from oakemu_core.step_schema import StepSchema
+    from oakemu_core.policy.schemas import schema_from_dict
 
-    schema = StepSchema.from_dict(dict(schema_dict))
+    schema = schema_from_dict(dict(schema_dict))
     if seed is not None:
         torch.manual_seed(seed)
     env = make_eval_env(env_id, seed=seed, max_episode_steps=max_episode_steps, settings_file=settings_file,
-                        options=env_options)
+                        options=env_options, frame_sink=frame_sink)
     try:
         model = build_model(env.spec.observation_layout, schema.distribution,
                             normalize_observations=bool(normalize_observations))

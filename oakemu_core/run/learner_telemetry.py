@@ -44,6 +44,7 @@ class LearnerTelemetry:
         last_stats: the newest update's statistics (None before one with trainable rows).
         last_lag: policy lag ``min`` / ``mean`` / ``max`` (versions) of the newest update's rows.
         trainable_share: trainable rows / rows of the newest update's rollout.
+        columns: ``(columns that held rows, planned columns)`` of the newest update's rollout.
     """
 
     def __init__(self, run_name: str, env_id: str, *, started: float, start_steps: int) -> None:
@@ -55,6 +56,7 @@ class LearnerTelemetry:
         self.last_stats: PPOUpdateStats | None = None
         self.last_lag: dict[str, float] = {}
         self.trainable_share = 1.0
+        self.columns: tuple[int, int] | None = None
 
     def sps(self) -> float:
         """Env steps per second since the learner started (wall clock, start-up included), as of
@@ -69,6 +71,7 @@ class LearnerTelemetry:
         self.rates.sample(now, global_step)
         self.last_lag = result.lag
         self.trainable_share = result.trainable_share
+        self.columns = (result.columns, result.planned_columns)
         scalars: dict[str, float] = {"charts/update": result.iterations, "charts/SPS": self.sps(),
                                      "charts/SPS_recent": self.rates.recent(), "charts/actors": actors,
                                      "charts/policy_version": result.policy_version}
@@ -79,6 +82,8 @@ class LearnerTelemetry:
         scalars["charts/newest_acting_policy_version"] = result.lag["newest_version"]
         scalars["charts/stale_rows"] = result.stale_rows
         scalars["charts/trainable_share"] = result.trainable_share
+        scalars["charts/rollout_columns"] = result.columns
+        scalars["charts/rollout_rows"] = result.stats.trainable_rows if result.stats is not None else 0
         scalars["charts/rollbacks"] = result.rollbacks
         if result.stats is not None:
             self.last_stats = result.stats
@@ -100,8 +105,10 @@ class LearnerTelemetry:
         ret = f"{self.window.mean:8.2f}" if self.window.count else "     n/a"
         loss = (f"pg {stats.policy_loss:+.3f} v {stats.value_loss:.3f} ent {stats.entropy:.3f} "
                 f"kl {stats.approx_kl:.4f}") if stats else "no trainable rows"
-        log.info("update %5d | steps %9d | SPS %6.0f (recent %6.0f) | episodes %6d | return %s | %s | actors %d",
-                 result.iterations, global_step, self.sps(), self.rates.recent(), episodes, ret, loss, actors)
+        fewer = (f" | {result.columns} of {result.planned_columns} columns"
+                 if result.columns and result.columns != result.planned_columns else "")
+        log.info("update %5d | steps %9d | SPS %6.0f (recent %6.0f) | episodes %6d | return %s | %s | actors %d%s",
+                 result.iterations, global_step, self.sps(), self.rates.recent(), episodes, ret, loss, actors, fewer)
 
     def snapshot(self, assembler: RolloutAssembler, *, policy_version: int, iterations: int, episodes: int,
                  learning_rate: float, checkpoint_failures: int, log_write_failures: int,
@@ -136,6 +143,8 @@ class LearnerTelemetry:
             messages_accepted=dict(counters.accepted),
             checkpoint_failures=checkpoint_failures,
             trainable_share=self.trainable_share,
+            rollout_columns=self.columns[0] if self.columns else None,
+            planned_columns=self.columns[1] if self.columns else None,
             log_write_failures=log_write_failures,
             policy_lag_min=self.last_lag.get("min"),
             policy_lag_mean=self.last_lag.get("mean"),
@@ -148,7 +157,7 @@ class LearnerTelemetry:
                     policy_lag_min=lag[0] if lag else None, policy_lag_max=lag[2] if lag else None,
                 )
                 for r in assembler.actors.values()
-                for lag in (assembler.take_lag(r),)
+                for lag in (r.take_lag(),)
             ],
             is_update=is_update,
             **self.history.snapshot_fields(),

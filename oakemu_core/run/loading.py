@@ -16,7 +16,7 @@ import numpy as np
 from oakemu_core.errors import CheckpointError
 from oakemu_core.policy.models import ActorCritic, build_model
 from oakemu_core.run.checkpoint import load_run_checkpoint
-from oakemu_core.step_schema import StepSchema
+from oakemu_core.policy.schemas import schema_from_dict
 
 __all__ = ["Policy", "load_policy"]
 
@@ -99,7 +99,7 @@ def load_policy(checkpoint: str | Path) -> Policy:
     """
     path, state = load_run_checkpoint(checkpoint)
     try:
-        schema = StepSchema.from_dict(dict(state["env"]["schema"]))
+        schema = schema_from_dict(dict(state["env"]["schema"]))
     except (KeyError, TypeError, ValueError) as error:
         raise CheckpointError(f"checkpoint: {path} holds no usable step schema ({error})") from None
     layout = {schema.observation_key(name): (schema[name].shape, schema[name].dtype)

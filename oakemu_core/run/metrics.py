@@ -373,10 +373,14 @@ class MetricsLogger:
     (:class:`JsonLinesWriter`), a TensorBoard error closes the events writer, which is reopened (a new
     events file) at most every :data:`TENSORBOARD_RETRY_S` seconds; both are counted in
     :attr:`write_failures` and logged at most every :data:`WRITE_FAILURE_LOG_PERIOD_S` seconds.
+
+    ``tracker`` (:class:`oakemu_core.run.tracking.Tracker`, optional) receives every scalar and video
+    as well; the logger owns it and closes it last (the tracker then uploads the final checkpoint).
     """
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, *, tracker: Any = None) -> None:
         self.run_dir = Path(run_dir)
+        self._tracker = tracker
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.run_dir / METRICS_FILE_NAME
         _swallow_tensorboard_thread_errors()
@@ -455,9 +459,25 @@ class MetricsLogger:
             writer.add_summary(summary, int(global_step))
 
         self._tensorboard(add_all)
+        if self._tracker is not None:
+            self._tracker.log_scalars(int(global_step), values)
         for name, value in values.items():
             record[name] = value if math.isfinite(value) else None
         self._jsonl.write(record)
+
+    def log_video(self, global_step: int, tag: str, path: Path | str | None, preview: Any = None) -> None:
+        """An evaluation video at ``path`` (MP4; None: nothing to log): its ``preview``
+        (:class:`oakemu_core.run.video.VideoPreview`, or None) becomes an animated image under ``tag`` in
+        TensorBoard, the MP4 goes to the tracker. Write errors are counted, not raised."""
+        if path is None:
+            return
+        if self._tracker is not None:
+            self._tracker.log_video(int(global_step), tag, Path(path))
+        if preview is not None:
+            from oakemu_core.run.video import preview_summary
+
+            summary = preview_summary(tag, preview)
+            self._tensorboard(lambda writer: writer.add_summary(summary, int(global_step)))
 
     def flush(self) -> None:
         """Push buffered TensorBoard events to disk (JSON lines are never buffered)."""
@@ -472,6 +492,8 @@ class MetricsLogger:
             self._tensorboard(lambda writer: writer.close())
         self._tb_failure_log.flush(float("inf"))
         self._jsonl.close()
+        if self._tracker is not None:
+            self._tracker.close()
 
     def __enter__(self) -> MetricsLogger:
         return self

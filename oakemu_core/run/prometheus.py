@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
@@ -30,105 +30,126 @@ class _SnapshotCollector(Collector):
     def collect(self) -> Iterator[object]:
         with self._lock:
             snap = self._snapshot
-
-        def value(field: str) -> float | None:
-            return None if snap is None else getattr(snap, field)
-
-        def gauge(name: str, doc: str, field: str) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name, doc)
-            if value(field) is not None:
-                family.add_metric([], value(field))
-            return family
-
-        def counter(name: str, doc: str, field: str) -> CounterMetricFamily:
-            family = CounterMetricFamily(name, doc)
-            if value(field) is not None:
-                family.add_metric([], value(field))
-            return family
-
-        def labelled(family: GaugeMetricFamily | CounterMetricFamily, values: dict[str, float | None]):
-            for label, value in values.items():
-                if value is not None:
-                    family.add_metric([label], value)
-            return family
-
-        s = snap
         info = InfoMetricFamily("oakemu_run", "Run name and environment id of the learner")
-        if s is not None:
-            info.add_metric([], {"run_name": s.run_name, "env_id": s.env_id})
+        if snap is not None:
+            info.add_metric([], {"run_name": snap.run_name, "env_id": snap.env_id})
         yield info
-        yield counter("oakemu_env_steps", "Env steps written to rollout buffers (all envs)", "global_step")
-        yield gauge("oakemu_sps", "Env steps per second, wall clock since the learner started", "sps")
-        yield gauge("oakemu_sps_recent", "Env steps per second over the last ~10 s", "sps_recent")
-        yield gauge("oakemu_policy_version", "Version of the newest published weights", "policy_version")
-        yield counter("oakemu_updates", "PPO updates completed", "iterations")
-        yield counter("oakemu_episodes", "Episodes finished (all actors)", "episodes")
-        yield gauge("oakemu_episodic_return_mean", "Mean raw episodic return, recent window",
-                    "episodic_return_mean")
-        yield gauge("oakemu_episodic_return_min", "Min raw episodic return, recent window",
-                    "episodic_return_min")
-        yield gauge("oakemu_episodic_return_max", "Max raw episodic return, recent window",
-                    "episodic_return_max")
-        yield gauge("oakemu_episodic_length_mean", "Mean episode length (env steps), recent window",
-                    "episodic_length_mean")
-        loss = GaugeMetricFamily("oakemu_loss", "PPO losses of the last update", labels=["kind"])
-        if s is not None:
-            labelled(loss, {"policy": s.policy_loss, "value": s.value_loss, "entropy": s.entropy})
-        yield loss
-        yield gauge("oakemu_approx_kl", "Approximate KL(old || new) of the last update", "approx_kl")
-        yield gauge("oakemu_clip_fraction", "Fraction of samples clipped in the last update",
-                    "clip_fraction")
-        yield gauge("oakemu_explained_variance", "Explained variance of the value function",
-                    "explained_variance")
-        yield gauge("oakemu_learning_rate", "Current learning rate", "learning_rate")
-        yield gauge("oakemu_buffer_fill", "Fraction (0..1) of the filling rollout buffer written",
-                    "buffer_fill")
-        yield gauge("oakemu_trainable_share", "Fraction (0..1) of the last rollout's rows trained on",
-                    "trainable_share")
-        rejected = CounterMetricFamily("oakemu_rejected_messages", "Messages rejected, by reason",
-                                       labels=["reason"])
-        dropped = CounterMetricFamily("oakemu_dropped", "Rows, steps or actors dropped, by kind",
-                                      labels=["kind"])
-        if s is not None:
-            labelled(rejected, dict(s.rejected_messages))
-            labelled(dropped, {kind: 0 for kind in DROPPED_KINDS} | dict(s.dropped))
-        yield rejected
-        yield dropped
-        received = CounterMetricFamily("oakemu_messages_received", "ZeroMQ messages read, by socket",
-                                       labels=["socket"])
-        accepted = CounterMetricFamily("oakemu_messages_accepted", "Messages served, by kind", labels=["kind"])
-        if s is not None:
-            labelled(received, dict(s.messages_received))
-            labelled(accepted, dict(s.messages_accepted))
-        yield received
-        yield accepted
-        yield counter("oakemu_checkpoint_failures", "Checkpoint writes that failed (full disk, ...)",
-                      "checkpoint_failures")
-        yield counter("oakemu_log_write_failures", "Metric/episode records dropped by failed writes",
-                      "log_write_failures")
-        yield gauge("oakemu_eval_return_mean", "Mean raw episodic return of the latest evaluation",
-                    "eval_return_mean")
-        yield gauge("oakemu_eval_return_std", "Std of the raw episodic return of the latest evaluation",
-                    "eval_return_std")
-        yield gauge("oakemu_eval_length_mean", "Mean episode length (agent steps) of the latest evaluation",
-                    "eval_length_mean")
-        yield gauge("oakemu_eval_policy_version", "Policy version of the latest evaluation", "eval_policy_version")
-        yield gauge("oakemu_best_eval_return", "Best mean evaluation return so far (best.pt)", "best_eval_return")
-        yield gauge("oakemu_actors", "Connected actors", "num_actors")
-        lag = GaugeMetricFamily("oakemu_policy_lag", "Policy lag (versions) of the last rollout's rows",
-                                labels=["stat"])
-        if s is not None:
-            labelled(lag, {"min": s.policy_lag_min, "mean": s.policy_lag_mean, "max": s.policy_lag_max})
-        yield lag
-        actor_sps = GaugeMetricFamily("oakemu_actor_sps", "Env steps per second of one actor",
-                                      labels=["actor_id"])
-        actor_envs = GaugeMetricFamily("oakemu_actor_envs", "Environments of one actor", labels=["actor_id"])
-        if s is not None:
-            for actor in s.actors:
-                actor_sps.add_metric([actor.actor_id], actor.sps)
-                actor_envs.add_metric([actor.actor_id], actor.num_envs)
-        yield actor_sps
-        yield actor_envs
+        yield from _progress_metrics(snap)
+        yield from _update_metrics(snap)
+        yield from _message_metrics(snap)
+        yield from _evaluation_metrics(snap)
+        yield from _actor_metrics(snap)
+
+
+Family = GaugeMetricFamily | CounterMetricFamily
+
+
+def _scalar(kind: type[Family], snap: TelemetrySnapshot | None, name: str, doc: str, field: str) -> Family:
+    """A gauge or counter of one snapshot field (no sample before the first snapshot or while the
+    field is None)."""
+    family = kind(name, doc)
+    value = None if snap is None else getattr(snap, field)
+    if value is not None:
+        family.add_metric([], value)
+    return family
+
+
+def _gauges(snap: TelemetrySnapshot | None, table: tuple[tuple[str, str, str], ...]) -> Iterator[Family]:
+    """One gauge per ``(name, doc, field)`` of ``table`` (:func:`_scalar`)."""
+    for name, doc, field in table:
+        yield _scalar(GaugeMetricFamily, snap, name, doc, field)
+
+
+def _labelled(family: Family, values: dict[str, float | None]) -> Family:
+    """``family`` with one sample per label of ``values`` (None values left out)."""
+    for label, value in values.items():
+        if value is not None:
+            family.add_metric([label], value)
+    return family
+
+
+def _progress_metrics(s: TelemetrySnapshot | None) -> Iterator[Family]:
+    """Env steps, speed, policy version, updates and episodes."""
+    yield _scalar(CounterMetricFamily, s, "oakemu_env_steps", "Env steps written to rollout buffers (all envs)",
+                  "global_step")
+    yield _scalar(GaugeMetricFamily, s, "oakemu_sps", "Env steps per second, wall clock since the learner started",
+                  "sps")
+    yield _scalar(GaugeMetricFamily, s, "oakemu_sps_recent", "Env steps per second over the last ~10 s", "sps_recent")
+    yield _scalar(GaugeMetricFamily, s, "oakemu_policy_version", "Version of the newest published weights",
+                  "policy_version")
+    yield _scalar(CounterMetricFamily, s, "oakemu_updates", "PPO updates completed", "iterations")
+    yield _scalar(CounterMetricFamily, s, "oakemu_episodes", "Episodes finished (all actors)", "episodes")
+    for stat in ("mean", "min", "max"):
+        yield _scalar(GaugeMetricFamily, s, f"oakemu_episodic_return_{stat}",
+                      f"{stat.capitalize()} raw episodic return, recent window", f"episodic_return_{stat}")
+    yield _scalar(GaugeMetricFamily, s, "oakemu_episodic_length_mean", "Mean episode length (env steps), recent window",
+                  "episodic_length_mean")
+
+
+def _update_metrics(s: TelemetrySnapshot | None) -> Iterator[Family]:
+    """The last PPO update's losses and statistics, the learning rate and the buffers' fill."""
+    loss = GaugeMetricFamily("oakemu_loss", "PPO losses of the last update", labels=["kind"])
+    if s is not None:
+        _labelled(loss, {"policy": s.policy_loss, "value": s.value_loss, "entropy": s.entropy})
+    yield loss
+    yield from _gauges(s, (
+        ("oakemu_approx_kl", "Approximate KL(old || new) of the last update", "approx_kl"),
+        ("oakemu_clip_fraction", "Fraction of samples clipped in the last update", "clip_fraction"),
+        ("oakemu_explained_variance", "Explained variance of the value function", "explained_variance"),
+        ("oakemu_learning_rate", "Current learning rate", "learning_rate"),
+        ("oakemu_buffer_fill", "Fraction (0..1) of the filling rollout buffer written", "buffer_fill"),
+        ("oakemu_trainable_share", "Fraction (0..1) of the last rollout's rows trained on", "trainable_share"),
+    ))
+
+
+def _message_metrics(s: TelemetrySnapshot | None) -> Iterator[Family]:
+    """Messages received, accepted and rejected, dropped data, failed writes."""
+    rejected = CounterMetricFamily("oakemu_rejected_messages", "Messages rejected, by reason", labels=["reason"])
+    dropped = CounterMetricFamily("oakemu_dropped", "Rows, steps or actors dropped, by kind", labels=["kind"])
+    if s is not None:
+        _labelled(rejected, dict(s.rejected_messages))
+        _labelled(dropped, {kind: 0 for kind in DROPPED_KINDS} | dict(s.dropped))
+    yield rejected
+    yield dropped
+    received = CounterMetricFamily("oakemu_messages_received", "ZeroMQ messages read, by socket", labels=["socket"])
+    accepted = CounterMetricFamily("oakemu_messages_accepted", "Messages served, by kind", labels=["kind"])
+    if s is not None:
+        _labelled(received, dict(s.messages_received))
+        _labelled(accepted, dict(s.messages_accepted))
+    yield received
+    yield accepted
+    yield _scalar(CounterMetricFamily, s, "oakemu_checkpoint_failures", "Checkpoint writes that failed (full disk, ...)",
+                  "checkpoint_failures")
+    yield _scalar(CounterMetricFamily, s, "oakemu_log_write_failures", "Metric/episode records dropped by failed writes",
+                  "log_write_failures")
+
+
+def _evaluation_metrics(s: TelemetrySnapshot | None) -> Iterator[Family]:
+    """The latest evaluation and the best one so far."""
+    yield from _gauges(s, (
+        ("oakemu_eval_return_mean", "Mean raw episodic return of the latest evaluation", "eval_return_mean"),
+        ("oakemu_eval_return_std", "Std of the raw episodic return of the latest evaluation", "eval_return_std"),
+        ("oakemu_eval_length_mean", "Mean episode length (agent steps) of the latest evaluation", "eval_length_mean"),
+        ("oakemu_eval_policy_version", "Policy version of the latest evaluation", "eval_policy_version"),
+        ("oakemu_best_eval_return", "Best mean evaluation return so far (best.pt)", "best_eval_return"),
+    ))
+
+
+def _actor_metrics(s: TelemetrySnapshot | None) -> Iterator[Family]:
+    """Connected actors, the last rollout's policy lag, each actor's speed and envs."""
+    yield _scalar(GaugeMetricFamily, s, "oakemu_actors", "Connected actors", "num_actors")
+    lag = GaugeMetricFamily("oakemu_policy_lag", "Policy lag (versions) of the last rollout's rows", labels=["stat"])
+    if s is not None:
+        _labelled(lag, {"min": s.policy_lag_min, "mean": s.policy_lag_mean, "max": s.policy_lag_max})
+    yield lag
+    actor_sps = GaugeMetricFamily("oakemu_actor_sps", "Env steps per second of one actor", labels=["actor_id"])
+    actor_envs = GaugeMetricFamily("oakemu_actor_envs", "Environments of one actor", labels=["actor_id"])
+    if s is not None:
+        for actor in s.actors:
+            actor_sps.add_metric([actor.actor_id], actor.sps)
+            actor_envs.add_metric([actor.actor_id], actor.num_envs)
+    yield actor_sps
+    yield actor_envs
 
 
 class PrometheusExporter:
@@ -137,29 +158,34 @@ class PrometheusExporter:
     Counters (``oakemu_env_steps_total``, ``oakemu_updates_total``, ``oakemu_episodes_total``,
     ``oakemu_rejected_messages_total{reason}``, ``oakemu_dropped_total{kind}``) carry the learner's
     own running totals; gauges carry the latest value. A figure that does not exist yet (no
-    update, no episode) has no sample. Metrics are kept in a private registry by default, so several
+    update, no episode) has no sample. The learner process's own figures come with them
+    (``process_resident_memory_bytes``, ``process_cpu_seconds_total``, ...: prometheus_client's
+    process collector, Linux). Metrics are kept in a private registry by default, so several
     exporters can live in one process.
 
     Args:
         port: TCP port to serve on; ``0`` picks a free one (see :attr:`port`).
         registry: registry to add the metrics to (default: a new ``CollectorRegistry``).
-        addr: interface to listen on (``"0.0.0.0"`` in a container, ``"127.0.0.1"`` for local use).
+        addr: interface to listen on (the learner passes ``metrics_host``, else its ``bind_host``:
+            ``"0.0.0.0"`` in a container, ``"127.0.0.1"`` for local use).
 
     Raises:
         TelemetryBindError: the port is in use or the address invalid.
     """
 
-    def __init__(self, port: int, registry: CollectorRegistry | None = None, *, addr: str = "0.0.0.0") -> None:
+    def __init__(self, port: int, registry: CollectorRegistry | None = None, *, addr: str = "127.0.0.1") -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._collector = _SnapshotCollector()
         self.registry.register(self._collector)
+        self._process = ProcessCollector(registry=self.registry)  # process_* figures: memory, CPU, fds
         try:
             self._server, self._thread = start_http_server(port, addr=addr, registry=self.registry)
         except OSError as exc:
+            self.registry.unregister(self._process)
             self.registry.unregister(self._collector)
             raise TelemetryBindError(
                 f"cannot serve Prometheus metrics on {addr}:{port}: {exc} "
-                "(set OAKEMU_METRICS_PORT to a free port)"
+                "(set OAKEMU_METRICS_PORT to a free port, OAKEMU_METRICS_HOST to an address of this machine)"
             ) from exc
         self.port: int = self._server.server_port
         """The port actually served (useful with ``port=0``)."""
@@ -176,6 +202,7 @@ class PrometheusExporter:
             self._server.shutdown()
             self._server.server_close()
             self._thread.join(timeout=5)
+            self.registry.unregister(self._process)
             self.registry.unregister(self._collector)
 
     def __enter__(self) -> PrometheusExporter:

@@ -358,7 +358,7 @@ def check_resume_folder(run_dir: Path, config: Any, *, check_model: bool = True,
         if old is not None:
             changes = config_changes(old, config.model_dump(mode="json"))
     from oakemu_core.envs.factory import env_spec
-    from oakemu_core.step_schema import schema_for_env
+    from oakemu_core.policy.schemas import schema_for_env
 
     spec = env_spec(config.env_id, settings_file=config.emulator_settings, options=config.env_options)
     schema = schema_for_env(spec)

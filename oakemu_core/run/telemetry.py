@@ -216,6 +216,8 @@ class TelemetryHistory:
         self._latest: EvaluationPoint | None = None
         self.best_eval_return: float | None = None
         """Highest mean evaluation return so far (None before the first evaluation)."""
+        self.eval_video: str | None = None
+        """Path of the newest evaluation video (None before the first)."""
         self._data: TelemetryHistoryData | None = None
 
     def record_update(self, global_step: int, episodic_return: float | None, sps: float | None,
@@ -238,6 +240,7 @@ class TelemetryHistory:
         with self._lock:
             self._evaluations.add(point)
             self._latest = point
+            self.eval_video = getattr(report, "video_path", None) or self.eval_video
             if point.return_mean is not None and (self.best_eval_return is None
                                                   or point.return_mean > self.best_eval_return):
                 self.best_eval_return = point.return_mean
@@ -253,17 +256,18 @@ class TelemetryHistory:
 
     def snapshot_fields(self) -> dict[str, Any]:
         """Keyword arguments for :class:`TelemetrySnapshot`: ``eval_return_mean``,
-        ``eval_return_std``, ``eval_length_mean``, ``eval_policy_version``, ``best_eval_return``
-        and ``history``."""
+        ``eval_return_std``, ``eval_length_mean``, ``eval_policy_version``, ``best_eval_return``,
+        ``eval_video`` and ``history``."""
         history = self.data()
         with self._lock:
-            latest, best = self._latest, self.best_eval_return
+            latest, best, video = self._latest, self.best_eval_return, self.eval_video
         return {
             "eval_return_mean": None if latest is None else latest.return_mean,
             "eval_return_std": None if latest is None else latest.return_std,
             "eval_length_mean": None if latest is None else latest.length_mean,
             "eval_policy_version": None if latest is None else latest.policy_version,
             "best_eval_return": best,
+            "eval_video": video,
             "history": history,
         }
 
@@ -277,6 +281,7 @@ class TelemetryHistory:
                 "evaluations": [point.model_dump() for point in self._evaluations.points()],
                 "evaluation_series": self._evaluations.state(),
                 "best_eval_return": self.best_eval_return,
+                "eval_video": self.eval_video,
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -305,6 +310,7 @@ class TelemetryHistory:
             evaluations = self._evaluations.points()
             self._latest = evaluations[-1] if evaluations else None
             self.best_eval_return = None if best is None else float(best)
+            self.eval_video = state.get("eval_video")
             self._data = None
 
 
@@ -358,7 +364,11 @@ class TelemetrySnapshot(pydantic.BaseModel):
         eval_return_mean / eval_return_std / eval_length_mean: the latest tester evaluation (raw
             episodic return mean and population std, mean length in agent steps); None before one.
         eval_policy_version: version of the weights that evaluation played.
+        rollout_columns / planned_columns: columns that held rows in the newest update's rollout,
+            and the columns the run's planned actors fill (fewer: it trained with fewer rows; more:
+            more actors joined); None before an update.
         best_eval_return: highest evaluation mean return so far (the evaluation kept as best.pt).
+        eval_video: path (on the learner's machine) of the newest evaluation video, or None.
         history: bounded training / evaluation curves of the whole run (:class:`TelemetryHistoryData`).
         actors: the connected actors.
         is_update: ``True`` when the snapshot was published right after a PPO update.
@@ -403,7 +413,10 @@ class TelemetrySnapshot(pydantic.BaseModel):
     eval_return_std: float | None = None
     eval_length_mean: float | None = None
     eval_policy_version: int | None = pydantic.Field(default=None, ge=0)
+    rollout_columns: int | None = pydantic.Field(default=None, ge=0)
+    planned_columns: int | None = pydantic.Field(default=None, ge=0)
     best_eval_return: float | None = None
+    eval_video: str | None = None
     history: TelemetryHistoryData = pydantic.Field(default_factory=TelemetryHistoryData)
     actors: list[ActorTelemetry] = pydantic.Field(default_factory=list)
     is_update: bool = False

@@ -51,8 +51,6 @@ from typing import Any
 
 import numpy as np
 
-from oakemu_core.envs.options import EnvOptions
-
 __all__ = [
     "BEST_NAME",
     "BestCheckpointTracker",
@@ -97,6 +95,8 @@ class EvaluationReport:
         greedy: whether actions were the distribution's mode (else sampled).
         wall_seconds: wall-clock seconds the evaluation took in the tester process (build + play).
         finished_at: unix time (s) at which the tester process finished it.
+        video_path, video_error, video_preview: the first episode's MP4, why it is missing, its
+            preview for TensorBoard (:func:`oakemu_core.run.video.video_fields`); None when videos are off.
         weights: the evaluated weights (parent side only, never compared or printed), so
             :class:`BestCheckpointTracker` saves exactly what was evaluated.
     """
@@ -112,6 +112,9 @@ class EvaluationReport:
     greedy: bool
     wall_seconds: float
     finished_at: float
+    video_path: str | None = None
+    video_error: str | None = None
+    video_preview: Any = field(default=None, compare=False, repr=False)
     weights: Mapping[str, np.ndarray] | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -151,22 +154,25 @@ def _child_main(conn: multiprocessing.connection.Connection, parent_pid: int, op
     torch.set_num_threads(1)
     episodes, greedy, seed = options.pop("episodes"), options.pop("greedy"), options.pop("seed")
     env_id, schema_dict = options.pop("env_id"), options.pop("schema_dict")
+    video_dir = options.pop("video_dir")
 
-    def build() -> tuple[Any, Any]:
-        return build_evaluation(env_id, schema_dict, seed=seed, **options)
+    def build(frame_sink: Any = None) -> tuple[Any, Any]:
+        return build_evaluation(env_id, schema_dict, seed=seed, frame_sink=frame_sink, **options)
 
     try:
-        _serve(conn, build, episodes=episodes, greedy=greedy)
+        _serve(conn, build, episodes=episodes, greedy=greedy, video_dir=video_dir)
     finally:
         import gc
 
         gc.freeze()  # skip collecting torch's modules at exit (about 1 s of CPU the learner waits for)
 
 
-def _serve(conn: multiprocessing.connection.Connection, build: Callable[[], tuple[Any, Any]], *,
-           episodes: int, greedy: bool) -> None:
-    """The tester process's loop: check the settings once, then evaluate what arrives on ``conn``."""
+def _serve(conn: multiprocessing.connection.Connection, build: Callable[..., tuple[Any, Any]], *,
+           episodes: int, greedy: bool, video_dir: str | None) -> None:
+    """The tester process's loop: check the settings once, then evaluate what arrives on ``conn``
+    (recording the first episode of each evaluation into ``video_dir`` unless it is None)."""
     from oakemu_core.run.evaluation import play_episodes
+    from oakemu_core.run.video import evaluation_videos, video_fields
     from oakemu_core.policy.models import load_weight_arrays
 
     try:
@@ -185,14 +191,18 @@ def _serve(conn: multiprocessing.connection.Connection, build: Callable[[], tupl
             return
         _, policy_version, global_step, weights = message
         started = time.perf_counter()
+        videos = None
         try:
-            model, env = build()
+            videos = evaluation_videos(video_dir, policy_version)
+            model, env = build(videos)
             try:
                 load_weight_arrays(model, weights)
                 result = play_episodes(model, env, episodes=episodes, greedy=greedy)
             finally:
                 env.close()
         except Exception as exc:
+            if videos is not None:
+                videos.close()
             conn.send(("error", policy_version, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
             continue
         conn.send(("report", {
@@ -207,6 +217,7 @@ def _serve(conn: multiprocessing.connection.Connection, build: Callable[[], tupl
             "greedy": bool(greedy),
             "wall_seconds": time.perf_counter() - started,
             "finished_at": time.time(),
+            **video_fields(videos),
         }))
 
 
@@ -227,6 +238,8 @@ class Tester:
         normalize_observations: the run's ``normalize_observations`` (the model layout must match
             the submitted weights).
         schema_dict: the run's step schema, ``StepSchema.to_dict()``.
+        video_dir: record the first episode of every evaluation as ``video_dir/update_<policy
+            version>.mp4`` (:mod:`oakemu_core.run.video`; needs the ``video`` extra); None: no videos.
         nice: niceness added to the tester process (0..19) so it yields the CPU to training.
 
     Raises:
@@ -246,8 +259,9 @@ class Tester:
         max_episode_steps: int | None = None,
         normalize_observations: bool = False,
         schema_dict: Mapping[str, Any],
+        video_dir: Path | str | None = None,
         nice: int = 10,
-        env_options: EnvOptions | None = None,
+        env_options: Any = None,  # an oakemu_core.envs.options.EnvOptions: gymnasium.make kwargs, Atari settings
     ) -> None:
         if int(episodes) < 1:
             raise ValueError(f"episodes: expected >= 1, received {episodes}")
@@ -262,6 +276,7 @@ class Tester:
             "greedy": self.greedy, "seed": self.seed, "settings_file": settings_file,
             "max_episode_steps": max_episode_steps, "normalize_observations": bool(normalize_observations),
             "env_options": env_options,
+            "video_dir": None if video_dir is None else str(video_dir),
         }
         self._nice = int(nice)
         self._lock = threading.Lock()
@@ -291,6 +306,8 @@ class Tester:
         """Evaluations finished (reports produced)."""
         self.failed = 0
         """Evaluations that raised in the tester process (see :attr:`last_error`)."""
+        self.video_failed = 0
+        """Evaluations without their video although videos are on (the first reason is logged)."""
 
     # -- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -530,6 +547,9 @@ class Tester:
             in_flight, self._in_flight = self._in_flight, None
             if kind == "report":
                 values = dict(message[1])
+                if values.get("video_error") and not self.video_failed:
+                    logger.warning("tester: no evaluation video: %s", values["video_error"])
+                self.video_failed += bool(values.get("video_error"))
                 weights = in_flight[2] if in_flight is not None and in_flight[0] == values["policy_version"] else None
                 self._reports.append(EvaluationReport(**values, weights=weights))
                 self.completed += 1
@@ -660,17 +680,21 @@ def _weights_as_state_dict(weights: Mapping[str, np.ndarray], model_state: Any) 
     return result
 
 
-def tester_from_config(config: Any, schema_dict: Mapping[str, Any]) -> Tester | None:
+def tester_from_config(config: Any, schema_dict: Mapping[str, Any], *, run_dir: Path | None = None) -> Tester | None:
     """The run's tester (not started) from an :class:`oakemu_core.config.OakEmuConfig`, or None
     when evaluation is off (``eval_every_updates == 0``).
 
     Settings used: ``env_id``, ``eval_episodes``, ``eval_greedy`` (resolved), ``seed`` (+ :data:`EVAL_SEED_OFFSET`),
-    ``emulator_settings``, ``max_episode_steps``, ``normalize_observations``.
+    ``emulator_settings``, ``max_episode_steps``, ``normalize_observations``, ``eval_video`` (videos
+    go to ``run_dir/videos/``; none without ``run_dir``, or, with a warning, without the ``video`` extra).
     """
+    from oakemu_core.run.video import run_video_dir
+
     if not config.eval_every_updates:
         return None
+    video_dir = run_video_dir(run_dir) if getattr(config, "eval_video", False) and run_dir is not None else None
     return Tester(config.env_id, episodes=config.eval_episodes, greedy=config.resolved_eval_greedy,
                   seed=config.seed + EVAL_SEED_OFFSET, settings_file=config.emulator_settings,
                   max_episode_steps=config.max_episode_steps,
-                  normalize_observations=config.normalize_observations, schema_dict=schema_dict,
+                  normalize_observations=config.normalize_observations, schema_dict=schema_dict, video_dir=video_dir,
                   env_options=config.env_options)

@@ -1,8 +1,7 @@
 """Learner-side rollout assembly: actor registry, column assignment, double buffering, policy lag.
 
-The learner owns ``len(buffers)`` rollout buffers (two by default) of shape ``(T, N)``. A buffer is
-*filling* while actors stream steps into it, *full* when every column holds ``T`` rows, and
-*training* while the PPO update reads it. Actors step their envs in lockstep and send one step
+The learner owns ``len(buffers)`` rollout buffers (two by default) of shape ``(T, N)``, kept by a
+:class:`~oakemu_core.storage.buffer_ring.BufferRing` (filling, full, training; column owners). Actors step their envs in lockstep and send one step
 message per vector step; each actor gets a *segment*: up to ``num_envs`` free columns of the oldest
 filling buffer, written row by row for ``T`` messages. A segment that does not finish (the actor
 crashed, went silent, or sent out of order) is discarded: its columns are emptied and handed to the
@@ -20,44 +19,44 @@ loses the rows of its extra envs. Back-pressure in the learner loop (it stops re
 buffer is filling) makes actors wait in ``send``.
 
 In the synchronous mode (``sync=True``, one buffer) the columns are not handed out first come,
-first served: the actor with index ``i`` (the learner gives the indices in actor-id order) always
-fills columns ``i * num_envs ... (i + 1) * num_envs - 1``, and the episodes a rollout's messages
-report enter :attr:`RolloutAssembler.episode_returns` sorted by (actor index, seq) when the rollout
-is full, so a seed's run does not depend on the order in which messages arrived.
+first served: a rollout is a :class:`~oakemu_core.storage.rounds.RolloutRound` whose members (the
+actors joined when it opens) each fill their own block of columns; steps of an actor that is not a
+member are not written (``not_member_steps``). The episodes a rollout's messages report enter
+:attr:`RolloutAssembler.episode_returns` sorted by (actor index, seq) when the rollout is full, so a
+seed's run does not depend on the order in which messages arrived.
 
 Everything here is plain Python + numpy and runs in the learner's ingest thread; no sockets.
 """
 
 from __future__ import annotations
 
-import enum
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from oakemu_core.storage.rollout_buffer import RolloutBuffer, column_index
+from oakemu_core.storage.buffer_ring import FREE, BufferRing, FullRollout, Segment, SlotState
+from oakemu_core.storage.rollout_buffer import RolloutBuffer
+from oakemu_core.storage.rounds import RolloutRound
 from oakemu_core.transport.steps import StepMessage, StepSpec
+
+__all__ = [
+    "HELD_SLACK_MESSAGES",
+    "ActorRecord",
+    "FullRollout",
+    "IngestCounters",
+    "LagWindow",
+    "RolloutAssembler",
+    "SlotState",
+    "StepRejected",
+    "drop_stale_rows",
+]
 
 HELD_SLACK_MESSAGES = 16
 """Messages an actor's held queue takes beyond one segment. An asynchronous actor acts at most two
 segments per policy version (``oakemu_services.actor.AHEAD_SEGMENTS``), but the messages still in the
 sockets when a version arrives were acted by the one before (a few messages: the actor's send
 high-water mark, kernel buffers sized to a few messages, the learner's receive queue)."""
-
-FREE = -1
-"""Column owner marker: the column holds no rows and belongs to no segment."""
-COMPLETE = -2
-"""Column owner marker: the column holds a finished segment of ``T`` rows."""
-
-
-class SlotState(enum.Enum):
-    """Life cycle of one rollout buffer: filling -> full -> training -> filling."""
-
-    FILLING = "filling"
-    FULL = "full"
-    TRAINING = "training"
-
 
 class StepRejected(Exception):
     """A well-formed step message that the learner refuses (``reason`` is a short counter key)."""
@@ -66,20 +65,6 @@ class StepRejected(Exception):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
-
-
-@dataclass
-class Segment:
-    """Columns of one buffer that one actor is filling, and how many rows it has written."""
-
-    slot: int
-    columns: np.ndarray  # (k,) int64 buffer columns; the actor's env i writes column columns[i]
-    rows_written: int = 0
-    index: slice | np.ndarray = field(init=False)
-    """How the buffer indexes ``columns`` (:func:`~oakemu_core.storage.rollout_buffer.column_index`)."""
-
-    def __post_init__(self) -> None:
-        self.index = column_index(self.columns)
 
 
 @dataclass
@@ -116,9 +101,9 @@ class ActorRecord:
     env_steps_per_second: float = 0.0
     policy_lag: float = 0.0
     lag_window: LagWindow = field(default_factory=LagWindow)
-    """Arrival lag of its step messages since :meth:`RolloutAssembler.take_lag`."""
+    """Arrival lag of its step messages since :meth:`take_lag`."""
     lag_stats: tuple[float, float, float] | None = None
-    """``(min, mean, max)`` arrival lag of the last non-empty window (:meth:`RolloutAssembler.take_lag`)."""
+    """``(min, mean, max)`` arrival lag of the last non-empty window (:meth:`take_lag`)."""
     episodes: int = 0
     env_steps: int = 0
     pending: deque = field(default_factory=deque)
@@ -126,15 +111,22 @@ class ActorRecord:
     soon as columns free (:meth:`RolloutAssembler.release`), at most one segment of rows."""
     pending_rows: int = 0
 
+    def take_lag(self) -> tuple[float, float, float] | None:
+        """``(min, mean, max)`` policy lag at arrival (learner version - acting version, in versions)
+        of the actor's step messages since the last call (the previous figures when none arrived
+        since; None before the first); resets the window."""
+        window = self.lag_window
+        if window.count:
+            self.lag_window = LagWindow()
+            self.lag_stats = (float(window.low), window.total / window.count, float(window.high))
+        return self.lag_stats
 
-@dataclass
-class FullRollout:
-    """A full buffer handed to training, with its bootstrap data for GAE."""
-
-    slot: int
-    buffer: RolloutBuffer
-    last_values: np.ndarray  # (N,) float32: V(s_T) of each column's last step
-    last_dones: np.ndarray  # (N,) bool: dones of each column's last row (== buffer.dones[-1])
+    def clear_pending(self) -> int:
+        """Forget the held messages; returns the env steps they held."""
+        steps = self.spec.num_envs * self.pending_rows
+        self.pending.clear()
+        self.pending_rows = 0
+        return steps
 
 
 @dataclass
@@ -149,7 +141,10 @@ class IngestCounters:
     dropped: Counter = field(default_factory=Counter)
     """Dropped data by kind: ``no_capacity_steps``, ``stale_steps`` (env steps too old for
     ``max_policy_lag`` to start a segment), ``discarded_segment_rows``, ``stale_rows``,
-    ``timed_out_actors``, ``seq_gap_steps`` (step messages missing from an actor's sequence),
+    ``timed_out_actors``, ``exited_actors`` / ``stopped_actors`` (a watched local process ended or
+    was stopped: :mod:`oakemu_core.transport.liveness`), ``seq_gap_steps`` (step messages missing
+    from an actor's sequence), ``not_member_steps`` (synchronous mode: env steps of an actor that is
+    not filling the rollout),
     ``late_steps`` (env steps that arrived after their actor left) and
     ``late_step_messages`` (the step messages that carried them)."""
     received: Counter = field(default_factory=Counter)
@@ -176,36 +171,27 @@ class RolloutAssembler:
             spec; two give double buffering (one fills while the other trains).
         actor_timeout_s: an actor not heard from (step or heartbeat) for this many seconds is
             dropped and its unfinished segment discarded.
-        sync: synchronous mode (see the module docstring): actor ``index`` owns the columns
-            ``index * num_envs ...`` of every rollout; episodes are released in (index, seq) order
-            when a rollout is full.
+        sync: synchronous mode (see the module docstring): a rollout's members are the actors
+            joined when it opens, each owns a block of columns, in index order; episodes are
+            released in (index, seq) order when a rollout is full.
         max_policy_lag: when set, a step that would be more than this many versions old when its
             buffer trains does not start a segment: it is dropped and counted as ``stale_steps``
             (rows of a started segment are never older: an actor's versions only grow, and a
             buffer's training version is fixed once it has a segment, see :meth:`trains_at`).
+        planned_columns: the columns a rollout holds with the run's planned actors (synchronous
+            mode, where the buffer may hold more: :attr:`FullRollout.planned_columns`); 0: ``N``.
 
     Raises:
         ValueError: if ``buffers`` is empty or the buffers disagree in shape.
     """
 
     def __init__(self, buffers: list[RolloutBuffer], *, actor_timeout_s: float, sync: bool = False,
-                 max_policy_lag: int | None = None) -> None:
-        if not buffers:
-            raise ValueError("RolloutAssembler needs at least one rollout buffer, got none")
-        shapes = {(b.rollout_length, b.num_envs, b.schema) for b in buffers}
-        if len(shapes) != 1:
-            raise ValueError("rollout buffers must share T, N and the step schema")
-        self.buffers = buffers
-        self.rollout_length = buffers[0].rollout_length
-        self.num_columns = buffers[0].num_envs
+                 max_policy_lag: int | None = None, planned_columns: int = 0) -> None:
+        self._ring = BufferRing(buffers, planned_columns)
+        self.buffers = self._ring.buffers
+        self.rollout_length = self._ring.rollout_length
+        self.num_columns = self._ring.num_columns
         self.actor_timeout_s = actor_timeout_s
-        self.states = [SlotState.FILLING for _ in buffers]
-        self._owners = [np.full(self.num_columns, FREE, dtype=np.int64) for _ in buffers]
-        self._last_values = [np.zeros(self.num_columns, np.float32) for _ in buffers]
-        self._last_dones = [np.zeros(self.num_columns, bool) for _ in buffers]
-        # Filling order: a lower generation fills first, so rollouts complete one at a time.
-        self._generation = list(range(len(buffers)))
-        self._next_generation = len(buffers)
         self._next_actor_index = 0
         self.actors: dict[str, ActorRecord] = {}
         # Specs of incarnations that left or were dropped (bounded, oldest forgotten first): their
@@ -219,6 +205,13 @@ class RolloutAssembler:
         self._policy_version = 0  # the newest version known here (ingest, release)
         # Synchronous mode: (actor index, seq, returns, lengths) of the filling rollout's messages.
         self._round_episodes: list[tuple[int, int, list[float], list[int]]] = []
+        self.round = RolloutRound(self._ring)
+        """Synchronous mode: the filling rollout's members."""
+
+    @property
+    def states(self) -> list[SlotState]:
+        """The state of each buffer, by slot (:attr:`BufferRing.states`)."""
+        return self._ring.states
 
     # ----------------------------------------------------------------------------------- actors
     def join(self, actor_id: str, incarnation: str, spec: StepSpec, *, hostname: str, now: float,
@@ -235,8 +228,9 @@ class RolloutAssembler:
         Raises:
             ValueError: the spec's schema is not the buffers' (a learner bug: messages are written
                 as checked against the spec), ``index`` is held by another joined actor,
-                (synchronous mode) its columns ``index * num_envs ...`` do not fit in the buffer, or
-                the spec's ``steps_per_message`` does not divide the rollout length.
+                (synchronous mode) the joined actors' envs would not fit in the buffer
+                (:meth:`has_room_for`), or the spec's ``steps_per_message`` does not divide the
+                rollout length.
         """
         if spec.schema != self.buffers[0].schema:  # decode_step checks messages against spec.schema only
             raise ValueError("the actor's step schema differs from the rollout buffers' schema")
@@ -245,18 +239,18 @@ class RolloutAssembler:
                 f"steps_per_message: expected a divisor of rollout_length {self.rollout_length} (a step "
                 f"message never crosses a segment boundary), received {spec.steps_per_message}")
         previous = self.actors.get(actor_id)
+        # A repeated join of the same incarnation (its reply was lost) keeps its place in the round.
+        kept = (self.round.members.get(actor_id)
+                if previous is not None and previous.incarnation == incarnation else None)
         if previous is not None:
             self._forget(previous)
         if index is not None:
             holders = [r.actor_id for r in self.actors.values() if r.index == index]
             if holders:
                 raise ValueError(f"actor index {index} is held by actor {holders[0]!r}")
-        if self.sync:
-            rank = self._next_actor_index if index is None else index
-            if (rank + 1) * spec.num_envs > self.num_columns:
-                raise ValueError(
-                    f"sync mode: actor index {rank} x {spec.num_envs} envs needs columns up to "
-                    f"{(rank + 1) * spec.num_envs}, the buffer has {self.num_columns}")
+        if self.sync and not self.has_room_for(spec.num_envs):
+            raise ValueError(f"sync mode: {spec.num_envs} more envs do not fit in the buffer's "
+                             f"{self.num_columns} columns beside the joined actors'")
         if index is None:
             index = self._next_actor_index
         record = ActorRecord(
@@ -270,7 +264,20 @@ class RolloutAssembler:
         )
         self._next_actor_index = max(self._next_actor_index, index) + 1
         self.actors[actor_id] = record
+        if self.sync and self.round.is_open:
+            self.round.open(self.actors.values())
+        elif kept is not None and np.all(self._ring.owners(0)[kept] == FREE):
+            self.round.members[actor_id] = kept
         return record
+
+    def has_room_for(self, num_envs: int) -> bool:
+        """True when an actor of ``num_envs`` envs fits in the buffer beside the joined actors."""
+        return sum(r.spec.num_envs for r in self.actors.values()) + num_envs <= self.num_columns
+
+    def _close_round_if_done(self) -> None:
+        """Synchronous mode: episodes are released when the rollout is full (:meth:`RolloutRound.close`)."""
+        if self.round.close(self.actors.values()):
+            self._release_round_episodes()
 
     def spec_for(self, actor_id: str, incarnation: str) -> StepSpec | None:
         """The step spec agreed at join time (also for a departed incarnation), or None if unknown."""
@@ -290,17 +297,6 @@ class RolloutAssembler:
         record.policy_lag = policy_lag
         record.episodes = episodes
         return True
-
-    @staticmethod
-    def take_lag(record: ActorRecord) -> tuple[float, float, float] | None:
-        """``(min, mean, max)`` policy lag at arrival (learner version - acting version, in versions)
-        of the actor's step messages since the last call (the previous figures when none arrived
-        since; None before the first); resets the window."""
-        window = record.lag_window
-        if window.count:
-            record.lag_window = LagWindow()
-            record.lag_stats = (float(window.low), window.total / window.count, float(window.high))
-        return record.lag_stats
 
     def leave(self, actor_id: str, incarnation: str) -> bool:
         """Remove an actor that says goodbye; its unfinished segment is discarded."""
@@ -357,9 +353,7 @@ class RolloutAssembler:
             self.counters.dropped["seq_gap_steps"] += message.seq - record.next_seq
             self._discard_segment(record)
             if record.pending:  # held rows are not consecutive with this step any more
-                self.counters.dropped["discarded_segment_rows"] += record.spec.num_envs * record.pending_rows
-                record.pending.clear()
-                record.pending_rows = 0
+                self.counters.dropped["discarded_segment_rows"] += record.clear_pending()
             self._drain_all()
             record.next_seq = message.seq
         if message.policy_version > current_policy_version:
@@ -371,6 +365,11 @@ class RolloutAssembler:
         record.last_heard = now
         self._policy_version = max(self._policy_version, current_policy_version)
         record.lag_window.add(current_policy_version - message.policy_version)
+        if record.segment is None and not record.pending:
+            record.segment = self._claim(record)
+        if self.sync and record.segment is None:  # not a member, or its columns are done: not held
+            self.counters.dropped["not_member_steps"] += message.num_envs * message.num_steps
+            return
         if self.sync:  # released in (index, seq) order when the rollout is full
             if message.episode_returns:
                 self._round_episodes.append((record.index, message.seq, list(message.episode_returns),
@@ -378,13 +377,18 @@ class RolloutAssembler:
         else:
             self.episode_returns.extend(message.episode_returns)
             self.episode_lengths.extend(message.episode_lengths)
-
-        if record.segment is None and not record.pending:
-            record.segment = self._assign_segment(record)
         if record.segment is None or record.pending:  # no free column: hold it (one segment at most)
             self._hold(record, message)
             return
         self._write(record, message)
+
+    def _claim(self, record: ActorRecord) -> Segment | None:
+        """Free columns for the actor's next segment (synchronous mode: its own block, if it is a
+        member of the filling rollout), or None."""
+        if not self.sync:
+            return self._ring.claim(record.index, record.spec.num_envs)
+        block = self.round.members.get(record.actor_id)
+        return None if block is None else self._ring.claim(record.index, len(block), block=block)
 
     def _hold(self, record: ActorRecord, message: StepMessage) -> None:
         """Queue a step message that found no free column; drop the oldest beyond one segment.
@@ -401,7 +405,7 @@ class RolloutAssembler:
         """Write the actor's held messages while it gets columns."""
         while record.pending:
             if record.segment is None:
-                record.segment = self._assign_segment(record)
+                record.segment = self._claim(record)
                 if record.segment is None:
                     return
             message = record.pending.popleft()
@@ -415,12 +419,6 @@ class RolloutAssembler:
         """Columns were freed: write held messages, actors in index order."""
         for record in sorted((r for r in self.actors.values() if r.pending), key=lambda r: r.index):
             self._drain(record)
-
-    def _drop_pending(self, record: ActorRecord) -> None:
-        if record.pending:
-            self.counters.dropped["no_capacity_steps"] += record.spec.num_envs * record.pending_rows
-            record.pending.clear()
-            record.pending_rows = 0
 
     @property
     def pending_rows(self) -> int:
@@ -437,7 +435,7 @@ class RolloutAssembler:
         # Our invariant: segments live only in filling buffers (the trainer reads the others).
         assert self.states[segment.slot] is SlotState.FILLING, (segment.slot, self.states[segment.slot])
         if segment.rows_written == 0 and self._too_old_for(segment.slot, message.policy_version):
-            self._owners[segment.slot][segment.columns] = FREE  # the next step may start it
+            self._ring.unclaim(segment)  # the next step may start it
             record.segment = None
             self.counters.dropped["stale_steps"] += num_envs * rows
             return
@@ -459,38 +457,18 @@ class RolloutAssembler:
         if segment.rows_written == self.rollout_length:
             self._finish_segment(record, message)
 
-    def _assign_segment(self, record: ActorRecord) -> Segment | None:
-        """Give the actor up to ``num_envs`` free columns of the oldest filling buffer."""
-        filling = [s for s, state in enumerate(self.states) if state is SlotState.FILLING]
-        if self.sync:  # the actor's own block of columns, in the oldest filling buffer
-            k = record.spec.num_envs
-            columns = np.arange(record.index * k, (record.index + 1) * k, dtype=np.int64)
-            for slot in sorted(filling, key=lambda s: self._generation[s]):
-                if np.all(self._owners[slot][columns] == FREE):
-                    self._owners[slot][columns] = record.index
-                    return Segment(slot=slot, columns=columns)
-            return None
-        for slot in sorted(filling, key=lambda s: self._generation[s]):
-            free = np.flatnonzero(self._owners[slot] == FREE)
-            if free.size:
-                columns = free[: record.spec.num_envs].astype(np.int64)
-                self._owners[slot][columns] = record.index
-                return Segment(slot=slot, columns=columns)
-        return None
-
     def _finish_segment(self, record: ActorRecord, message: StepMessage) -> None:
         segment = record.segment
         assert segment is not None
         k = len(segment.columns)
         last = message.num_steps - 1  # the block's last step ends the segment
         next_values, dones = message.fields["next_values"], message.fields["dones"]
-        self._last_values[segment.slot][segment.columns] = (next_values if last == 0 else next_values[last])[:k]
-        self._last_dones[segment.slot][segment.columns] = (dones if last == 0 else dones[last])[:k]
-        self._owners[segment.slot][segment.columns] = COMPLETE
         record.segment = None
-        if np.all(self._owners[segment.slot] == COMPLETE):
-            self.states[segment.slot] = SlotState.FULL
+        if self._ring.complete(segment, (next_values if last == 0 else next_values[last])[:k],
+                               (dones if last == 0 else dones[last])[:k], full_when_all=not self.sync):
             self._release_round_episodes()
+        if self.sync:
+            self._close_round_if_done()
 
     def _release_round_episodes(self) -> None:
         """Synchronous mode: the full rollout's episodes, in (actor index, seq) order."""
@@ -502,19 +480,21 @@ class RolloutAssembler:
     def _forget(self, record: ActorRecord) -> None:
         """Remove an actor: discard its unfinished segment, remember the incarnation as departed."""
         self._discard_segment(record)
-        self._drop_pending(record)
+        if record.pending:
+            self.counters.dropped["no_capacity_steps"] += record.clear_pending()
         self.actors.pop(record.actor_id, None)
         self._departed[record.incarnation] = record.spec
         while len(self._departed) > 1024:
             del self._departed[next(iter(self._departed))]
+        if self.sync:
+            self.round.remove(record.actor_id)
+            self._close_round_if_done()
 
     def _discard_segment(self, record: ActorRecord) -> None:
         segment = record.segment
         if segment is None:
             return
-        assert self.states[segment.slot] is SlotState.FILLING, (segment.slot, self.states[segment.slot])
-        self.buffers[segment.slot].reset_columns(segment.columns)
-        self._owners[segment.slot][segment.columns] = FREE
+        self._ring.discard(segment)
         self.counters.dropped["discarded_segment_rows"] += segment.rows_written * len(segment.columns)
         record.segment = None
 
@@ -538,52 +518,30 @@ class RolloutAssembler:
         return True
 
     def take_full_rollout(self) -> FullRollout | None:
-        """Hand the oldest buffer to training if it is full (its state becomes TRAINING), or None.
-
-        Buffers train in generation order: a newer full buffer waits while an older one is still
-        filling. Otherwise an actor that stalls in the middle of its segment (descheduled, slow
-        network) would pin that buffer while the other buffer filled and trained again and again
-        with the other actors' steps, and the pinned rows would reach training many policy
-        versions old (far beyond ``max_policy_lag``). In order,
-        the policy version advances by one per rollout, so a row's lag stays bounded by the
-        buffers in the ring plus the steps in flight.
-        """
-        waiting = [s for s, state in enumerate(self.states) if state is not SlotState.TRAINING]
-        if not waiting:
-            return None
-        slot = min(waiting, key=lambda s: self._generation[s])
-        if self.states[slot] is not SlotState.FULL:
-            return None
-        self.states[slot] = SlotState.TRAINING
-        return FullRollout(
-            slot=slot,
-            buffer=self.buffers[slot],
-            last_values=self._last_values[slot].copy(),
-            last_dones=self._last_dones[slot].copy(),
-        )
+        """Hand the oldest buffer to training if it is full (its state becomes TRAINING), or None
+        (:meth:`BufferRing.take_full_rollout`: buffers train in generation order)."""
+        return self._ring.take_full_rollout()
 
     def release(self, slot: int, policy_version: int | None = None) -> None:
         """Return a trained buffer to filling, emptied, behind the other filling buffers; held
         steps are written into it (``policy_version``: the version its training produced, for the
-        ``max_policy_lag`` check of the segments that start now)."""
-        if self.states[slot] is not SlotState.TRAINING:
-            raise ValueError(f"buffer {slot} is {self.states[slot].value}, expected training")
-        self.buffers[slot].reset()
-        self._owners[slot][:] = FREE
-        self._generation[slot] = self._next_generation
-        self._next_generation += 1
-        self.states[slot] = SlotState.FILLING
+        ``max_policy_lag`` check of the segments that start now).
+
+        Raises:
+            ValueError: the buffer is not training.
+        """
+        self._ring.release(slot)
         if policy_version is not None:
             self._policy_version = max(self._policy_version, policy_version)
+        if self.sync:
+            self.round.open(self.actors.values())
         self._drain_all()
 
     def trains_at(self, slot: int) -> int:
         """The policy version the buffer ``slot`` will be trained with (at the earliest): the newest
         version known here plus one per buffer that trains before it (buffers train in generation
         order, each training adds one version)."""
-        ahead = sum(1 for other, state in enumerate(self.states) if other != slot and (
-            state is SlotState.TRAINING or self._generation[other] < self._generation[slot]))
-        return self._policy_version + ahead
+        return self._policy_version + self._ring.trains_ahead_of(slot)
 
     def _too_old_for(self, slot: int, policy_version: int) -> bool:
         """True when a row acted by ``policy_version`` would train in ``slot`` older than ``max_policy_lag``."""
@@ -592,12 +550,9 @@ class RolloutAssembler:
         return self.trains_at(slot) - policy_version > self.max_policy_lag
 
     def buffer_fill(self) -> float:
-        """Fraction of rows written in the oldest filling buffer (0..1), 1.0 when none is filling."""
-        filling = [s for s, state in enumerate(self.states) if state is SlotState.FILLING]
-        if not filling:
-            return 1.0
-        slot = min(filling, key=lambda s: self._generation[s])
-        return float(self.buffers[slot].column_steps.sum()) / (self.rollout_length * self.num_columns)
+        """Fraction of rows written in the oldest filling buffer (0..1; synchronous mode: of its
+        members' rows), 1.0 when none is filling."""
+        return self._ring.buffer_fill(self.round.columns if self.sync else None)
 
     def take_episodes(self) -> tuple[list[float], list[int]]:
         """Episodic returns and lengths received since the last call."""
@@ -606,19 +561,26 @@ class RolloutAssembler:
         return returns, lengths
 
 
-def drop_stale_rows(buffer: RolloutBuffer, *, current_policy_version: int, max_policy_lag: int) -> tuple[int, dict[str, float]]:
+def drop_stale_rows(buffer: RolloutBuffer, *, current_policy_version: int, max_policy_lag: int,
+                    columns: np.ndarray | None = None) -> tuple[int, dict[str, float]]:
     """Exclude rows whose policy lag exceeds ``max_policy_lag`` from training.
 
     Policy lag of a row = ``current_policy_version - policy_versions[t, e]`` (updates between the
     policy that acted and the one about to be trained).
 
+    Args:
+        columns: ``(N,)`` bool, the columns that hold rows (the others are sealed and not looked
+            at), or None: every column.
+
     Returns:
-        ``(rows_dropped, stats)``: ``stats`` holds the lag ``min``/``mean``/``max`` over all rows and
-        ``newest_version``, the highest policy version that acted in the rollout.
+        ``(rows_dropped, stats)``: ``stats`` holds the lag ``min``/``mean``/``max`` over the rows
+        of ``columns`` and ``newest_version``, the highest policy version that acted in them.
     """
     versions = buffer.policy_versions
     lag = current_policy_version - versions
     dropped = buffer.mark_untrainable(lag > max_policy_lag)
+    if columns is not None:
+        versions, lag = versions[:, columns], lag[:, columns]
     return dropped, {
         "min": float(lag.min()),
         "mean": float(lag.mean()),

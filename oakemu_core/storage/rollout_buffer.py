@@ -1,30 +1,25 @@
-"""The learner's rollout storage: preallocated shared-memory arrays, one checked write, GAE.
+"""The learner's rollout storage: one checked write, GAE and minibatches over shared-memory arrays.
 
-Every *stored* field of the buffer's :class:`~oakemu_core.step_schema.StepSchema` is one
-``(T, N, *shape)`` array (``T = rollout_length`` rows, ``N = num_envs`` columns, one column per
-environment), in the field's own dtype (uint8 frames stay uint8): observations (one array per
-dict key), actions, log_probs, values, rewards, dones, bootstrap_values, trainable,
-policy_versions, policy_revisions, advantages, returns, and whatever the action distribution adds
-(``action_mask``, ``action_mean``, ``action_std``). Two bookkeeping arrays complete it:
-``column_steps`` ``(N,)`` (rows written so far in each column) and ``meta`` (write counters). The
-field list lives in the schema only; this module never names a distribution's fields.
-
-The arrays are :class:`~oakemu_core.storage.shared_fields.SharedFields` owned by this buffer: it
-alone unlinks the segments (``close()``, context-manager exit, garbage collection, interpreter exit).
+A :class:`RolloutBuffer` is the :class:`~oakemu_core.storage.rollout_arrays.RolloutArrays` of its
+:class:`~oakemu_core.step_schema.StepSchema` (one ``(T, N, *shape)`` array per stored field:
+observations, one array per dict key, actions, log_probs, values, rewards, dones,
+bootstrap_values, trainable, policy_versions, policy_revisions, advantages, returns, and whatever
+the action distribution adds: ``action_mask``, ``action_mean``, ``action_std``) plus the way rows
+go in and come out. The field list lives in the schema only; this module never names a
+distribution's fields.
 
 One way in, one way out (Stable-Baselines3's ``add`` / ``get``): :meth:`RolloutBuffer.write` is
-the only write, :meth:`RolloutBuffer.flat_batch` the only read for PPO
-(:mod:`oakemu_core.storage.batches`); the seed API's :meth:`~RolloutBuffer.add` and
-:meth:`~RolloutBuffer.get_minibatches` are thin layers over them. Unlike Stable-Baselines3's
-buffers, observations are never cast to float32 (4x the memory for Atari frames), one class serves
-plain and dict observations and every action space (no subclass per variant), user errors raise
-``ValueError`` naming the field instead of failing an ``assert``, and reading minibatches never
-changes the stored arrays.
+the only write (its checks: :mod:`oakemu_core.storage.row_checks`), :meth:`RolloutBuffer.flat_batch`
+the only read for PPO (:mod:`oakemu_core.storage.batches`); the seed API's
+:meth:`~RolloutBuffer.add` and :meth:`~RolloutBuffer.get_minibatches` are thin layers over them.
+Unlike Stable-Baselines3's buffers, observations are never cast to float32 (4x the memory for
+Atari frames), one class serves plain and dict observations and every action space (no subclass
+per variant), user errors raise ``ValueError`` naming the field instead of failing an ``assert``,
+and reading minibatches never changes the stored arrays.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from oakemu_core.step_schema import StepSchema, check_array, check_step_values, resolve_schema
+from oakemu_core.step_schema import StepSchema, check_array, resolve_schema
 from oakemu_core.storage import gae
 from oakemu_core.storage.batches import (
     FlatBatch,
@@ -42,7 +37,15 @@ from oakemu_core.storage.batches import (
     normalize_advantages,
 )
 from oakemu_core.storage.memory import RolloutBufferMemoryDiagnostic, rollout_memory_pressure
-from oakemu_core.storage.shared_fields import SHM_DIR, SharedFields, layout_bytes
+from oakemu_core.storage.rollout_arrays import DATA_GENERATION, GAE_GENERATION, MASK_GENERATION, RolloutArrays
+from oakemu_core.storage.row_checks import (
+    WriteChecks,
+    check_non_negative_int,
+    check_positive_int,
+    checked_columns,
+    column_index,
+)
+from oakemu_core.storage.shared_fields import SHM_DIR
 
 if TYPE_CHECKING:  # torch is imported lazily: actors and tools can use the buffer without it
     import torch
@@ -58,94 +61,8 @@ __all__ = [
     "normalize_advantages",
 ]
 
-_GENERATION, _MASK_GENERATION, _GAE_GENERATION = 0, 1, 2
-"""Slots of the ``meta`` array: data writes, trainable-mask changes, data generation at GAE."""
-_COMPUTED = ("policy_versions", "policy_revisions", "advantages", "returns")
-"""Stored fields the buffer fills itself (:meth:`RolloutBuffer.write` stamps the versions,
-:meth:`RolloutBuffer.compute_gae` the advantages and returns); a writer provides the others."""
 
-
-def column_index(columns: np.ndarray) -> slice | np.ndarray:
-    """How to index ``(K,)`` int64 buffer ``columns``: a slice when they are consecutive (a plain
-    strided copy, several times cheaper than numpy's fancy-index assignment), else the array itself."""
-    listed = columns.tolist()
-    if listed and listed == list(range(listed[0], listed[0] + len(listed))):
-        return slice(listed[0], listed[0] + len(listed))
-    return columns
-
-
-def checked_columns(columns: Any, num_columns: int) -> tuple[np.ndarray, slice | np.ndarray]:
-    """``(columns as int64, their index)`` (:func:`column_index`) after checking them: a 1-D
-    integer array of distinct indices in ``[0, num_columns)`` (in Python: an actor has a few to a
-    few hundred columns).
-
-    Raises:
-        ValueError: naming what is wrong with ``columns``.
-    """
-    if not isinstance(columns, np.ndarray) or columns.ndim != 1 or not np.issubdtype(columns.dtype, np.integer):
-        received = f"shape {columns.shape} dtype {columns.dtype}" if isinstance(columns, np.ndarray) else type(columns).__name__
-        raise ValueError(f"columns: expected a 1-D integer numpy array, received {received}")
-    listed = columns.tolist()
-    if listed and (min(listed) < 0 or max(listed) >= num_columns):
-        raise ValueError(f"columns: expected indices in [0, {num_columns}), received {listed}")
-    if len(set(listed)) != len(listed):
-        raise ValueError(f"columns: expected distinct indices, received {listed}")
-    columns = columns.astype(np.int64, copy=False)
-    return columns, column_index(columns)
-
-
-def _check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"{name}: expected a positive int, received {value!r}")
-    return int(value)
-
-
-def _check_non_negative_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"{name}: expected a non-negative int, received {value!r}")
-    return int(value)
-
-
-def _array_layout(rollout_length: int, num_envs: int, schema: StepSchema) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
-    """``{array name: (shape, dtype)}`` of every array a buffer allocates: each stored field of
-    ``schema`` as ``(T, N, *shape)``, plus ``column_steps`` ``(N,)`` and ``meta`` ``(3,)``.
-
-    Raises:
-        ValueError: for a non-positive ``rollout_length`` / ``num_envs``.
-    """
-    rows = (_check_positive_int("rollout_length", rollout_length), _check_positive_int("num_envs", num_envs))
-    layout = {f.name: (rows + f.shape, f.dtype) for f in schema.stored}
-    layout["column_steps"] = ((rows[1],), np.dtype(np.int64))
-    layout["meta"] = ((3,), np.dtype(np.int64))
-    return layout
-
-
-def _merge_leading(value: Any, lead: tuple[int, ...]) -> Any:
-    """A ``(*lead, *shape)`` array as ``(prod(lead), *shape)`` (a view where numpy can); anything
-    else unchanged, for the shape check to name."""
-    if not isinstance(value, np.ndarray) or value.shape[:len(lead)] != lead:
-        return value
-    return value.reshape(math.prod(lead), *value.shape[len(lead):])
-
-
-class _StoredField:
-    """A read-only ``(T, N, *shape)`` view of one stored array, read as an attribute of the buffer
-    (``buffer.rewards``); the attribute's name is the array's name."""
-
-    def __init__(self, doc: str) -> None:
-        self.__doc__ = doc
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, buffer: RolloutBuffer | None, owner: type | None = None) -> Any:
-        return self if buffer is None else buffer._view(self.name)
-
-    def __set__(self, buffer: RolloutBuffer, value: Any) -> None:
-        raise AttributeError(f"{self.name} is a read-only view; write rows with RolloutBuffer.write")
-
-
-class RolloutBuffer:
+class RolloutBuffer(RolloutArrays):
     """Fixed-size PPO rollout storage in shared memory, filled row by row, read as minibatches.
 
     A buffer holds ``rollout_length`` rows for each of ``num_envs`` columns. :meth:`write` writes
@@ -194,176 +111,23 @@ class RolloutBuffer:
     ) -> None:
         schema = resolve_schema("RolloutBuffer", schema, observation_shape, observation_dtype,
                                 action_shape, action_dtype)
-        self._fields = SharedFields(_array_layout(rollout_length, num_envs, schema), shm_dir)
-        self.schema = schema
-        # Computed once (the schema never changes): every write goes by them.
-        self._writable = tuple(f for f in schema.stored if f.name not in _COMPUTED)
-        self._sent_only = tuple(f for f in schema.sent if not f.stored)  # truncated, next_values
-        # Writable fields actors do not send (a schema's own additions): a validated write stores their defaults.
-        self._unsent_defaults = {f.name: f.default for f in self._writable if not f.sent}
-        self._rollout_length = int(rollout_length)
-        self._num_envs = int(num_envs)
+        super().__init__(rollout_length, num_envs, schema, shm_dir)
+        self._checks = WriteChecks(schema)  # the field lists every write goes by, computed once
         self._all_columns = np.arange(self._num_envs, dtype=np.int64)
-        self._arrays = self._fields.arrays  # writable: this buffer's writes only
-        self._views = self._fields.views  # read-only: what the buffer hands out
-        self._arrays["meta"][_GAE_GENERATION] = -1
-        self._closed = False
         self._flat_cache: tuple[tuple[Any, ...], FlatBatch] | None = None
         self._observation_uploads = 0
         self._rng = np.random.default_rng(seed)
         self._shm_dir = Path(shm_dir)
 
-    @staticmethod
-    def estimate_memory_bytes(rollout_length: int, num_envs: int, schema: StepSchema) -> int:
-        """Shared-memory bytes a buffer with these arguments allocates (its :attr:`memory_bytes`)."""
-        return layout_bytes(_array_layout(rollout_length, num_envs, schema))
-
-    # ------------------------------------------------------------------ life cycle
     def close(self) -> None:
-        """Release the mappings and unlink the segments (idempotent).
-
-        Arrays read from the buffer before stay readable (the memory is unmapped when the last of
-        them is freed); every buffer method raises ``RuntimeError`` afterwards.
-        """
-        if self._closed:
-            return
-        self._closed = True
+        """Drop the uploaded flat batch, then close the arrays (:meth:`RolloutArrays.close`)."""
         self._flat_cache = None
-        self._views = {}
-        self._arrays = {}
-        self._fields.close()
-
-    def __enter__(self) -> RolloutBuffer:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def __getstate__(self) -> None:
-        raise TypeError("RolloutBuffer cannot be pickled: it owns shared-memory segments")
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else f"step={self.step}/{self._rollout_length}"
-        return (f"RolloutBuffer(rollout_length={self._rollout_length}, num_envs={self._num_envs}, "
-                f"fields={list(self.schema.names)}, {state})")
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("RolloutBuffer is closed")
-
-    def _view(self, name: str) -> np.ndarray:
-        self._check_open()
-        return self._views[name]
-
-    def _bump(self, slot: int) -> None:
-        self._arrays["meta"][slot] += 1
-
-    # ------------------------------------------------------------------ properties
-    @property
-    def rollout_length(self) -> int:
-        """Rows per column (``T``)."""
-        return self._rollout_length
-
-    @property
-    def num_envs(self) -> int:
-        """Columns (``N``), one per environment."""
-        return self._num_envs
-
-    @property
-    def observation_shape(self) -> Any:
-        """Shape of one observation; for dict observations a dict key -> shape."""
-        shapes = {self.schema.observation_key(n): self.schema[n].shape for n in self.schema.observation_names}
-        return shapes[""] if not self.schema.is_dict_observation else shapes
-
-    @property
-    def observation_dtype(self) -> Any:
-        """Dtype of stored observations; for dict observations a dict key -> dtype."""
-        dtypes = {self.schema.observation_key(n): self.schema[n].dtype for n in self.schema.observation_names}
-        return dtypes[""] if not self.schema.is_dict_observation else dtypes
-
-    @property
-    def action_shape(self) -> tuple[int, ...]:
-        """Shape of one action (``()`` for discrete actions)."""
-        return self.schema["actions"].shape
-
-    @property
-    def action_dtype(self) -> np.dtype[Any]:
-        """Dtype of stored actions."""
-        return self.schema["actions"].dtype
-
-    @property
-    def closed(self) -> bool:
-        """True after :meth:`close`."""
-        return self._closed
-
-    @property
-    def step(self) -> int:
-        """Rows written in every column: the row :meth:`add` writes next (min of :attr:`column_steps`)."""
-        return int(self._view("column_steps").min())
-
-    @property
-    def is_full(self) -> bool:
-        """True when every column holds ``rollout_length`` rows."""
-        return bool(np.all(self._view("column_steps") == self._rollout_length))
-
-    @property
-    def total_size(self) -> int:
-        """Transitions the buffer holds when full: ``rollout_length * num_envs``."""
-        return self._rollout_length * self._num_envs
-
-    @property
-    def trainable_size(self) -> int:
-        """Written rows that are trainable (what :meth:`get_minibatches` serves)."""
-        return int(np.count_nonzero(self._view("trainable")))
-
-    @property
-    def memory_bytes(self) -> int:
-        """Bytes of all preallocated arrays (shared memory): the sum of their ``nbytes``."""
-        self._check_open()
-        return self._fields.nbytes
-
-    @property
-    def memory_gb(self) -> float:
-        """:attr:`memory_bytes` in GiB."""
-        return self.memory_bytes / 1024**3
+        super().close()
 
     @property
     def observation_uploads(self) -> int:
         """How many times this buffer uploaded its observations to a device (flat-batch cache misses)."""
         return self._observation_uploads
-
-    # ------------------------------------------------------------------ views
-    def field(self, name: str) -> np.ndarray:
-        """Read-only ``(T, N, *shape)`` view of any stored field (or ``column_steps``) by name.
-
-        Raises:
-            KeyError: not a stored field of this buffer's schema.
-        """
-        self._check_open()
-        if name not in self._views or name == "meta":
-            raise KeyError(f"{name!r}: not a stored field; stored fields are {[f.name for f in self.schema.stored]}")
-        return self._views[name]
-
-    @property
-    def observations(self) -> Any:
-        """``(T, N, *observation_shape)``, or for dict observations a dict key -> array; read-only."""
-        return self.schema.join_observations({n: self._view(n) for n in self.schema.observation_names})
-
-    # Read-only views of the standard fields by attribute; any stored field by name: field().
-    actions = _StoredField("``(T, N, *action_shape)`` action dtype, a_t as sampled.")
-    log_probs = _StoredField("``(T, N)`` float32, log pi(a_t | s_t) of the acting policy.")
-    values = _StoredField("``(T, N)`` float32, V(s_t) of the acting policy (the learner's critic after replace_values).")
-    rewards = _StoredField("``(T, N)`` float32, r_t.")
-    dones = _StoredField("``(T, N)`` bool, the episode ended on step t (terminated OR truncated).")
-    bootstrap_values = _StoredField("``(T, N)`` float32, V(true final observation) on truncated steps, else 0.")
-    trainable = _StoredField("``(T, N)`` bool, the row may enter a minibatch (see mark_untrainable).")
-    policy_versions = _StoredField("``(T, N)`` int64, version of the weights that chose each action.")
-    policy_revisions = _StoredField(
-        "``(T, N)`` int64, revision of those weights within the update that made the next version "
-        "(0: the version's own weights; 1, 2, ...: weights published during that update).")
-    advantages = _StoredField("``(T, N)`` float32, unnormalised GAE advantages from compute_gae.")
-    returns = _StoredField("``(T, N)`` float32, ``advantages + values`` from compute_gae.")
-    column_steps = _StoredField("``(N,)`` int64, rows written so far in each column.")
 
     # ------------------------------------------------------------------ writing
     def add(
@@ -483,8 +247,8 @@ class RolloutBuffer:
         self._check_open()
         if validated:
             self._check_rows_free(step_index, rows, columns)
-            if self._unsent_defaults:
-                fields = {**fields, **self._unsent_defaults}
+            if self._checks.unsent_defaults:
+                fields = {**fields, **self._checks.unsent_defaults}
             self._store(step_index, rows, columns, fields, policy_version, policy_revision)
             return
         if isinstance(columns, slice):  # consecutive columns: nothing to check but the fields' K
@@ -492,13 +256,13 @@ class RolloutBuffer:
         else:
             columns, index = checked_columns(columns, self._num_envs)
             k = len(columns)
-        _check_non_negative_int("step_index", step_index)
+        check_non_negative_int("step_index", step_index)
         if rows is not None:
-            _check_positive_int("rows", rows)
+            check_positive_int("rows", rows)
         self._check_rows_free(int(step_index), rows, index)
-        complete = self._checked_fields(fields, rows, k)
-        version = _check_non_negative_int("policy_version", policy_version)
-        revision = _check_non_negative_int("policy_revision", policy_revision)
+        complete = self._checks.checked_fields(fields, rows, k)
+        version = check_non_negative_int("policy_version", policy_version)
+        revision = check_non_negative_int("policy_revision", policy_revision)
         self._store(int(step_index), rows, index, complete, version, revision)
 
     def _check_rows_free(self, step_index: int, rows: int | None, index: slice | np.ndarray) -> None:
@@ -514,115 +278,18 @@ class RolloutBuffer:
                 f"columns {self._all_columns[index][wrong].tolist()} holding {held[wrong].tolist()} rows"
             )
 
-    def _checked_fields(self, fields: Mapping[str, Any], rows: int | None, k: int) -> dict[str, np.ndarray]:
-        """Every writable field of ``fields`` (``(K, ...)`` arrays, ``(rows, K, ...)`` with
-        ``rows``) after the checks of :meth:`write`, defaults filled in, in the shape given."""
-        lead = (k,) if rows is None else (rows, k)
-        count = math.prod(lead)
-        flat = dict(fields) if rows is None else {name: _merge_leading(v, lead) for name, v in fields.items()}
-        sent_only = {f.name: flat.pop(f.name) for f in self._sent_only if f.name in flat}
-        self.schema.check_arrays(flat, count, self._writable)
-        for name, value in sent_only.items():
-            check_array(name, value, (count, *self.schema[name].shape), self.schema[name].dtype)
-        complete = {}
-        for item in self._writable:
-            value = flat.get(item.name)
-            complete[item.name] = np.full((count, *item.shape), item.default, item.dtype) if value is None else value
-        check_step_values(self.schema, {**complete, **sent_only})
-        if rows is None:
-            return complete
-        return {name: value.reshape(*lead, *value.shape[1:]) for name, value in complete.items()}
-
     def _store(self, row0: int, rows: int | None, index: slice | np.ndarray, fields: Mapping[str, np.ndarray],
                version: int, revision: int) -> None:
         """Copy every writable field into row ``row0`` (``rows`` None) or rows ``row0 .. row0 +
         rows - 1`` of the columns ``index``, stamp the policy version, count the rows. No checks."""
         at = row0 if rows is None else slice(row0, row0 + rows)
         arrays = self._arrays
-        for item in self._writable:
+        for item in self._checks.writable:
             arrays[item.name][at, index] = fields[item.name]
         arrays["policy_versions"][at, index] = version
         arrays["policy_revisions"][at, index] = revision
         arrays["column_steps"][index] += 1 if rows is None else rows
-        self._bump(_GENERATION)
-
-    # ------------------------------------------------------------------ edits
-    def reset_columns(self, columns: np.ndarray) -> None:
-        """Discard every row of some columns (the unfinished segment of a dropped actor).
-
-        Their :attr:`column_steps` become 0 and their rows are no longer trainable.
-
-        Raises:
-            ValueError: bad ``columns`` (see :func:`checked_columns`).
-        """
-        self._check_open()
-        self._empty(checked_columns(columns, self._num_envs)[1])
-
-    def mark_untrainable(self, mask: np.ndarray) -> int:
-        """Exclude the rows where ``mask`` is True from training (e.g. policy lag too large).
-
-        Args:
-            mask: ``(T, N)`` bool.
-
-        Returns:
-            How many rows were trainable before and are not any more.
-
-        Raises:
-            ValueError: wrong shape or dtype of ``mask``.
-        """
-        self._check_open()
-        check_array("mask", mask, (self._rollout_length, self._num_envs), np.dtype(np.bool_))
-        trainable = self._arrays["trainable"]
-        cleared = int(np.count_nonzero(trainable & mask))
-        trainable[mask] = False
-        self._bump(_MASK_GENERATION)
-        return cleared
-
-    def scale_rewards(self, factor: float) -> None:
-        """Multiply every stored reward by ``factor`` (reward scaling before GAE; see
-        :class:`oakemu_core.algo.normalization.RewardScaler`).
-
-        Raises:
-            ValueError: a non-finite or non-positive factor.
-        """
-        self._check_open()
-        if not math.isfinite(factor) or factor <= 0:
-            raise ValueError(f"factor: expected a finite positive float, received {factor!r}")
-        self._arrays["rewards"] *= np.float32(factor)
-        self._bump(_GENERATION)
-
-    def replace_values(self, values: np.ndarray) -> None:
-        """Overwrite every stored V(s_t) (the learner's critic re-evaluating rows that an older
-        policy version acted; :meth:`compute_gae` must run again afterwards).
-
-        Args:
-            values: ``(T, N)`` float32, finite.
-
-        Raises:
-            ValueError: a wrong shape or dtype, or a non-finite value.
-        """
-        self._check_open()
-        check_array("values", values, (self._rollout_length, self._num_envs), np.dtype(np.float32))
-        if not np.isfinite(values).all():
-            raise ValueError("values: expected finite values, received NaN or inf")
-        self._arrays["values"][...] = values
-        self._bump(_GENERATION)
-
-    def reset(self) -> None:
-        """Empty the buffer for the next rollout, keeping its memory (no reallocation)."""
-        self._check_open()
-        self._empty(slice(None))
-        self._arrays["meta"][_GAE_GENERATION] = -1
-
-    def _empty(self, index: slice | np.ndarray) -> None:
-        """Forget every row of the columns ``index``: no rows held, none trainable, no episode
-        ends or bootstrap values left for GAE (the other fields are overwritten before they are read)."""
-        arrays = self._arrays
-        arrays["column_steps"][index] = 0
-        arrays["trainable"][:, index] = False
-        arrays["dones"][:, index] = False
-        arrays["bootstrap_values"][:, index] = 0.0
-        self._bump(_GENERATION)
+        self._bump(DATA_GENERATION)
 
     # ------------------------------------------------------------------ GAE
     def compute_gae(self, last_values: np.ndarray, last_dones: np.ndarray, gamma: float, gae_lambda: float) -> None:
@@ -667,13 +334,13 @@ class RolloutBuffer:
         self._arrays["advantages"][...] = advantages
         self._arrays["returns"][...] = returns
         meta = self._arrays["meta"]
-        meta[_GAE_GENERATION] = meta[_GENERATION]
+        meta[GAE_GENERATION] = meta[DATA_GENERATION]
 
     @property
     def advantages_are_current(self) -> bool:
         """True when :meth:`compute_gae` ran after the last write, reset or column reset."""
         meta = self._view("meta")
-        return bool(meta[_GAE_GENERATION] == meta[_GENERATION])
+        return bool(meta[GAE_GENERATION] == meta[DATA_GENERATION])
 
     def normalized_advantages(self) -> np.ndarray:
         """``(T, N)`` float32 advantages normalised over trainable rows (0 on the others).
@@ -723,7 +390,7 @@ class RolloutBuffer:
                 "minibatches: the advantages are stale; call compute_gae() after the last write or reset")
         torch_device = torch.device(device)
         meta = self._arrays["meta"]
-        key = (int(meta[_GENERATION]), int(meta[_MASK_GENERATION]), str(torch_device), bool(normalize_advantages))
+        key = (int(meta[DATA_GENERATION]), int(meta[MASK_GENERATION]), str(torch_device), bool(normalize_advantages))
         if self._flat_cache is not None and self._flat_cache[0] == key:
             return self._flat_cache[1]
         self._flat_cache = None  # free the old upload before making the new one
@@ -780,7 +447,7 @@ class RolloutBuffer:
             ValueError: if ``num_minibatches`` is not a positive int.
         """
         self._check_open()
-        _check_positive_int("num_minibatches", num_minibatches)
+        check_positive_int("num_minibatches", num_minibatches)
         cached = 0 if self._flat_cache is None else sum(
             t.numel() * t.element_size() for t in self._flat_cache[1].fields.values() if t.device.type == "cuda")
         return rollout_memory_pressure(self.schema, self.total_size, num_minibatches,

@@ -279,14 +279,17 @@ class StepReceiver:
         allows: ``(actor_id, incarnation, frame) ->`` whether the frame comes from the peer that actor
             joined from (:meth:`oakemu_core.transport.auth.PeerBinding.allows`).
         max_bytes: frames longer than this are rejected before decoding.
+        notices: logs that an actor sends inline although offered a ring, ``event(reason, text,
+            level=...)`` (a peer can cause it once per join: rate limited by the caller); None: the log.
     """
 
     def __init__(self, rings: StepRings, spec_for: Callable[[str, str], StepSpec | None],
-                 allows: Callable[[str, str, Any], bool], *, max_bytes: int) -> None:
+                 allows: Callable[[str, str, Any], bool], *, max_bytes: int, notices: Any = None) -> None:
         self.rings = rings
         self.spec_for = spec_for
         self.allows = allows
         self.max_bytes = max_bytes
+        self.notices = notices
 
     def decode(self, frame: Any) -> StepMessage:
         """The checked step message of one ZeroMQ frame (its ``buffer`` is decoded; the frame names
@@ -317,8 +320,11 @@ class StepReceiver:
         if message.slot is not None:
             ring = self.rings.get(message.actor_id, message.incarnation)
         elif self.rings.discard(message.actor_id, message.incarnation):
-            log.info("actor %s sends its step arrays inline (its step ring is not reachable from it)",
-                     message.actor_id)
+            line = f"actor {message.actor_id} sends its step arrays inline (its step ring is not reachable from it)"
+            if self.notices is not None:
+                self.notices.event("ring_unreachable", line, level=logging.INFO)
+            else:
+                log.info("%s", line)
         try:
             yield
         finally:

@@ -61,7 +61,7 @@ __all__ = [
     "require_fields",
 ]
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 """Version of the wire format; a frame with any other ``"protocol"`` value is rejected. Raised
 whenever a message gains, loses or changes a field (the changes of each version:
 ``docs/benchmarks.md``)."""
@@ -261,13 +261,15 @@ def _all_finite(array: np.ndarray) -> bool:
 
 
 def get_str(obj: dict, key: str, *, max_len: int = MAX_ID_LENGTH, allow_empty: bool = False) -> str:
-    """``obj[key]`` as a str of at most ``max_len`` characters (non-empty unless ``allow_empty``);
-    else :class:`MessageRejected` ``"schema"``."""
+    """``obj[key]`` as a str of at most ``max_len`` printable characters (non-empty unless
+    ``allow_empty``); else :class:`MessageRejected` ``"schema"``. Printable (``str.isprintable``: no
+    line breaks, escape sequences or other control characters), because these strings reach log
+    lines and terminal views, where a peer must not be able to forge a line or move the cursor."""
     value = obj[key]
-    if not isinstance(value, str) or len(value) > max_len or (not value and not allow_empty):
+    if not isinstance(value, str) or len(value) > max_len or (not value and not allow_empty) or not value.isprintable():
         reject(
             "schema",
-            f"{key}: expected a {'' if allow_empty else 'non-empty '}str of at most {max_len} chars, "
+            f"{key}: expected a {'' if allow_empty else 'non-empty '}str of at most {max_len} printable chars, "
             f"received {describe(value)}",
         )
     return value
@@ -302,9 +304,10 @@ def get_float(obj: dict, key: str) -> float:
 
 
 def check_local_id(value: Any, name: str) -> None:
-    """Raise ValueError unless ``value`` is a non-empty str of at most :data:`MAX_ID_LENGTH` chars."""
-    if not isinstance(value, str) or not value or len(value) > MAX_ID_LENGTH:
-        raise ValueError(f"{name}: expected a non-empty str of at most {MAX_ID_LENGTH} chars, received {value!r}")
+    """Raise ValueError unless ``value`` is a non-empty str of at most :data:`MAX_ID_LENGTH` printable chars."""
+    if not isinstance(value, str) or not value or len(value) > MAX_ID_LENGTH or not value.isprintable():
+        raise ValueError(f"{name}: expected a non-empty str of at most {MAX_ID_LENGTH} printable chars, "
+                         f"received {value!r}")
 
 
 def check_local_int(value: Any, name: str, minimum: int = 0) -> None:

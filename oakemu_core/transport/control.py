@@ -51,6 +51,8 @@ __all__ = [
     "INFERENCE_PRECISIONS",
     "HEARTBEAT_STATUSES",
     "MAX_RING_SLOTS",
+    "MAX_HEARTBEAT_FIGURE",
+    "ACTOR_ID_IN_USE",
     "JoinRequest",
     "JoinReply",
     "StepRingOffer",
@@ -76,6 +78,14 @@ bfloat16 (``actor_inference = "bfloat16"``; the learner then re-evaluates every 
 
 HEARTBEAT_STATUSES = ("ok", "rejoin", "stop")
 """Allowed :attr:`HeartbeatReply.status` values."""
+
+MAX_HEARTBEAT_FIGURE = 1e9
+"""Largest ``env_steps_per_second`` (env steps / s) and ``policy_lag`` (versions) a heartbeat may
+report: far above any real actor, and small enough for every figure the learner derives from them."""
+
+ACTOR_ID_IN_USE = "actor id in use by another connection"
+"""Start of the reason of a join refused because a live actor holds the id on another connection
+(its own earlier process, until it times out, or someone else): the actor may ask again later."""
 
 MAX_RING_SLOTS = 64
 """Most slots a join reply's step ring may have (:func:`oakemu_core.transport.step_ring.ring_slots` gives 1-16)."""
@@ -108,6 +118,9 @@ class JoinRequest:
             ring, ``""`` when it sends its arrays inline only.
         inference_precision: precision of the actor's forward passes, one of :data:`INFERENCE_PRECISIONS`:
             its log-probs and values are those of the learner's weights rounded to it.
+        pid, pid_namespace: the actor's process id and PID namespace
+            (:func:`oakemu_core.transport.liveness.process_identity`); a learner in the same namespace
+            notices at once when the process exits (0 / ``""``: unknown).
     """
 
     actor_id: str
@@ -116,6 +129,8 @@ class JoinRequest:
     hostname: str
     host_id: str = ""
     inference_precision: str = "float32"
+    pid: int = 0
+    pid_namespace: str = ""
 
 
 @dataclass(frozen=True)
@@ -168,8 +183,10 @@ class Heartbeat:
         actor_id, incarnation: as in :class:`JoinRequest`.
         seq: seq of the next step message this incarnation will send (= step messages sent so far).
         policy_version: version of the weights the actor acts with now.
-        env_steps_per_second: the actor's env steps per second (all its envs), finite, >= 0.
-        policy_lag: learner version minus acting version as last seen by the actor, in versions.
+        env_steps_per_second: the actor's env steps per second (all its envs), in
+            ``[0, MAX_HEARTBEAT_FIGURE]``.
+        policy_lag: learner version minus acting version as last seen by the actor, in versions,
+            in ``[0, MAX_HEARTBEAT_FIGURE]``.
         episodes: episodes finished by this incarnation so far.
     """
 
@@ -185,10 +202,13 @@ class Heartbeat:
 @dataclass(frozen=True)
 class HeartbeatReply:
     """Learner -> actor: ``"ok"``, ``"rejoin"`` (learner forgot this incarnation: join again) or
-    ``"stop"`` (shut down), plus the learner's current policy version."""
+    ``"stop"`` (shut down), plus the learner's current policy version and ``held_rows``: vector
+    steps of this actor that the learner holds for lack of free columns (an actor with held steps
+    waits for newer weights instead of acting ahead: what it acted now would be thrown away)."""
 
     status: str
     policy_version: int
+    held_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -308,6 +328,8 @@ def encode_join_request(msg: JoinRequest) -> bytes:
             "hostname": str(msg.hostname),
             "host_id": str(msg.host_id),
             "inference_precision": msg.inference_precision,
+            "pid": int(msg.pid),
+            "pid_namespace": str(msg.pid_namespace),
         }
     )
 
@@ -344,6 +366,10 @@ def encode_heartbeat(msg: Heartbeat) -> bytes:
     check_local_int(msg.seq, "seq")
     check_local_int(msg.policy_version, "policy_version")
     check_local_int(msg.episodes, "episodes")
+    for name in ("env_steps_per_second", "policy_lag"):
+        value = getattr(msg, name)
+        if not 0.0 <= value <= MAX_HEARTBEAT_FIGURE:  # also refuses NaN
+            raise ValueError(f"{name}: expected a float in [0, {MAX_HEARTBEAT_FIGURE:g}], received {value!r}")
     return pack(
         {
             **header(TYPE_HEARTBEAT),
@@ -363,7 +389,9 @@ def encode_heartbeat_reply(msg: HeartbeatReply) -> bytes:
     if msg.status not in HEARTBEAT_STATUSES:
         raise ValueError(f"status: expected one of {HEARTBEAT_STATUSES}, received {msg.status!r}")
     check_local_int(msg.policy_version, "policy_version")
-    return pack({**header(TYPE_HEARTBEAT_REPLY), "status": msg.status, "policy_version": int(msg.policy_version)})
+    check_local_int(msg.held_rows, "held_rows")
+    return pack({**header(TYPE_HEARTBEAT_REPLY), "status": msg.status, "policy_version": int(msg.policy_version),
+                 "held_rows": int(msg.held_rows)})
 
 
 def encode_leave(msg: Leave) -> bytes:
@@ -400,7 +428,8 @@ def encode_stop(msg: StopNotice) -> bytes:
 
 
 def _decode_join(obj: dict[str, Any]) -> JoinRequest:
-    require_fields(obj, ("actor_id", "incarnation", "num_envs", "hostname", "host_id", "inference_precision"))
+    require_fields(obj, ("actor_id", "incarnation", "num_envs", "hostname", "host_id", "inference_precision", "pid",
+                         "pid_namespace"))
     precision = get_str(obj, "inference_precision")
     if precision not in INFERENCE_PRECISIONS:
         raise MessageRejected("value_range", f"inference_precision: expected one of {INFERENCE_PRECISIONS}, "
@@ -412,6 +441,8 @@ def _decode_join(obj: dict[str, Any]) -> JoinRequest:
         hostname=get_str(obj, "hostname", max_len=MAX_TEXT_LENGTH, allow_empty=True),
         host_id=get_str(obj, "host_id", allow_empty=True),
         inference_precision=precision,
+        pid=get_int(obj, "pid"),
+        pid_namespace=get_str(obj, "pid_namespace", max_len=MAX_TEXT_LENGTH, allow_empty=True),
     )
 
 
@@ -458,23 +489,27 @@ def _decode_heartbeat(obj: dict[str, Any]) -> Heartbeat:
         obj,
         ("actor_id", "incarnation", "seq", "policy_version", "env_steps_per_second", "policy_lag", "episodes"),
     )
+    figures = {name: get_float(obj, name) for name in ("env_steps_per_second", "policy_lag")}
+    for name, value in figures.items():  # telemetry and its schema take them as they are
+        if not 0.0 <= value <= MAX_HEARTBEAT_FIGURE:
+            reject("value_range", f"{name}: expected a float in [0, {MAX_HEARTBEAT_FIGURE:g}], received {value!r}")
     return Heartbeat(
         actor_id=get_str(obj, "actor_id"),
         incarnation=get_str(obj, "incarnation"),
         seq=get_int(obj, "seq"),
         policy_version=get_int(obj, "policy_version"),
-        env_steps_per_second=get_float(obj, "env_steps_per_second"),
-        policy_lag=get_float(obj, "policy_lag"),
         episodes=get_int(obj, "episodes"),
+        **figures,
     )
 
 
 def _decode_heartbeat_reply(obj: dict[str, Any]) -> HeartbeatReply:
-    require_fields(obj, ("status", "policy_version"))
+    require_fields(obj, ("status", "policy_version", "held_rows"))
     status = obj["status"]
     if type(status) is not str or status not in HEARTBEAT_STATUSES:
         reject("schema", f"status: expected one of {HEARTBEAT_STATUSES}, received {describe(status)}")
-    return HeartbeatReply(status=status, policy_version=get_int(obj, "policy_version"))
+    return HeartbeatReply(status=status, policy_version=get_int(obj, "policy_version"),
+                          held_rows=get_int(obj, "held_rows"))
 
 
 def _decode_leave(obj: dict[str, Any]) -> Leave:

@@ -4,20 +4,29 @@ encoded replies out.
 :class:`ControlServer` takes a decoded request (:class:`~oakemu_core.transport.control.JoinRequest`,
 :class:`~oakemu_core.transport.control.Heartbeat`, :class:`~oakemu_core.transport.control.Leave`) with the
 ZeroMQ identity and peer it came from, and returns the replies to send as ``(identity, frame)``
-pairs: usually one, none for a synchronous-mode join held until every actor has asked, and one per
-held join when the last one arrives. It decides
+pairs: usually one, none for a synchronous-mode join that is held (see below); held joins are
+answered by :meth:`ControlServer.tick`. It decides
 
-* who may speak for an actor (:class:`~oakemu_core.transport.auth.PeerBinding`: impersonation is
-  refused and counted);
+* who may speak for an actor (:class:`~oakemu_core.transport.auth.PeerBinding`: an actor id belongs
+  to the connection it joined from while the actor is connected; a join, heartbeat or leave for it
+  from any other connection is refused and counted as ``impersonation``);
+* whether a join is within the run's limits (:class:`~oakemu_core.transport.peer_limits.PeerLimits`:
+  env count, connected actors);
 * whether a join is accepted, with which :class:`~oakemu_core.transport.steps.StepSpec` (steps per
   message from the joining actor's env count), step ring (a callback the service passes in) and
   ``env_config`` (the scalars every actor builds its envs from);
-* the synchronous mode's ranks: joins wait until ``num_actors`` actors have asked, then take their
-  indices in actor-id order (columns and env seeds do not depend on who connected first); later
-  joins take their old index or a free one;
-* whether the run has an actor acting with rounded weights (:attr:`ControlServer.reevaluate_every_rollout`).
+* the synchronous mode's rollout members: the first rollout waits until ``num_actors`` actors have
+  asked (or :data:`START_GRACE_S` after the first asked), then they join with indices in actor-id
+  order (columns and env seeds do not depend on who connected first); later a join is answered while
+  the filling rollout has no row yet (the actor is one of its members) and held otherwise, until the
+  next rollout opens (it then acts with the weights that rollout is acted by); a returning actor takes
+  its old index, a new one the lowest free index; the buffer's room (``max_actors``) bounds the actors;
+* whether the run has an actor acting with rounded weights (:attr:`ControlServer.reevaluate_every_rollout`);
+* which actors' processes it watches (:class:`~oakemu_core.transport.liveness.LocalProcesses`: those in
+  the learner's PID namespace), so one that exits is dropped at once (:meth:`ControlServer.drop_gone_actors`).
 
-The service (``oakemu_services.learner``) owns the sockets and the envelope framing.
+The service (``oakemu_services.learner``) owns the sockets and the envelope framing. Every log line
+a peer can cause goes through a rate-limited log (``rejections``, ``notices``).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import numpy as np
 from oakemu_core.policy.bfloat16_inference import check_supported as check_bfloat16_supported
 from oakemu_core.transport.codec import MessageRejected
 from oakemu_core.transport.control import (
+    ACTOR_ID_IN_USE,
     Heartbeat,
     HeartbeatReply,
     JoinReply,
@@ -40,6 +50,8 @@ from oakemu_core.transport.control import (
     encode_heartbeat_reply,
     encode_join_reply,
 )
+from oakemu_core.transport.liveness import LocalProcesses
+from oakemu_core.transport.peer_limits import PeerLimits
 from oakemu_core.transport.steps import StepSpec
 
 if TYPE_CHECKING:
@@ -48,12 +60,17 @@ if TYPE_CHECKING:
     from oakemu_core.storage.assembler import RolloutAssembler
     from oakemu_core.transport.auth import PeerBinding
 
-__all__ = ["MAX_ACTOR_ENVS", "ControlServer", "Reply", "env_config"]
+__all__ = ["MAX_ACTOR_ENVS", "START_GRACE_S", "ControlServer", "Reply", "env_config"]
 
 log = logging.getLogger("oakemu.learner")
 
 MAX_ACTOR_ENVS = 65_536
-"""Largest ``num_envs`` an actor may declare (the wire's limit for one array dimension)."""
+"""Largest ``num_envs`` an actor may declare (the wire's limit for one array dimension); the run's
+own, lower limit is ``max_envs_per_actor`` (:class:`~oakemu_core.transport.peer_limits.PeerLimits`)."""
+
+START_GRACE_S = 30.0
+"""Synchronous mode: the first rollout starts with the actors that asked to join this many seconds
+after the first one, when fewer than ``num_actors`` did."""
 
 Reply = tuple[Any, bytes]
 """``(identity, encoded reply)``: the ZeroMQ identity of the requester and the frame to send it."""
@@ -92,18 +109,24 @@ class ControlServer:
         observation_layout: the env's observation layout (may an actor act in bfloat16?).
         assembler: registers joined actors, heartbeats and leaves; its ``counters`` count every
             request served (``accepted``) or refused (``rejected``).
-        peers: binds each actor id to the connection it joined from.
+        peers: binds each actor id to the connection it joined from; the ``peer`` of :meth:`reply` is
+            what its ``bind`` / ``allows_control`` take (:meth:`~oakemu_core.transport.auth.PeerBinding.connection`).
         rejections: logs a refused request, ``event(reason, text)`` (rate limited by the caller).
+        notices: logs an actor's joins, leaves and waits, ``event(reason, text, level=...)`` (rate
+            limited by the caller); None logs every line.
+        limits: what a join may ask for; None: the limits of ``config``.
         host_id: this machine's shared-memory host id; ``""``: no step rings.
         offer_ring: ``(request, spec) -> StepRingOffer | None``: makes a step ring for a joining
             actor on this machine (None: no room, its arrays go inline).
         policy_version, weights: the weights the actors get now (see :meth:`publish`).
+        processes: watches the joined actors' processes (None: a :class:`LocalProcesses` on ``/proc``).
     """
 
     def __init__(self, config: OakEmuConfig, schema: StepSchema, observation_layout: Any,
                  assembler: RolloutAssembler, peers: PeerBinding, rejections: Any, *, host_id: str,
                  offer_ring: Callable[[JoinRequest, StepSpec], StepRingOffer | None],
-                 policy_version: int, weights: dict[str, np.ndarray]) -> None:
+                 policy_version: int, weights: dict[str, np.ndarray], notices: Any = None,
+                 limits: PeerLimits | None = None, processes: LocalProcesses | None = None) -> None:
         self.config = config
         self.schema = schema
         self.observation_layout = observation_layout
@@ -111,15 +134,20 @@ class ControlServer:
         self.counters = assembler.counters
         self.peers = peers
         self.rejections = rejections
+        self.notices = notices if notices is not None else _EveryLine()
+        self.limits = limits if limits is not None else PeerLimits.from_config(config)
         self.host_id = host_id
         self.offer_ring = offer_ring
         self.sync = config.mode == "sync"
         self.policy_version = int(policy_version)
         self.weights = weights
+        self.processes = processes if processes is not None else LocalProcesses()
         self.reevaluate_every_rollout = False
         """True once an actor acting with rounded weights (bfloat16) joined: every rollout is then
         re-evaluated in float32 before GAE."""
         self._pending_joins: dict[str, tuple[Any, JoinRequest]] = {}
+        self._first_pending_at: float | None = None
+        self._started = False  # synchronous mode: the first rollout's members have joined
         self._sync_ranks: dict[str, int] = {}
 
     def publish(self, policy_version: int, weights: dict[str, np.ndarray]) -> None:
@@ -148,16 +176,10 @@ class ControlServer:
         """Serve one decoded request from ``identity`` (its connection ``peer``, for the peer
         binding) at monotonic time ``now``; ``stopping``: the learner is shutting down (joins are
         refused, heartbeats answered ``stop``). Returns the replies to send, in order."""
-        if isinstance(message, (JoinRequest, Heartbeat, Leave)) and not (
-            self.peers.bind(message.actor_id, message.incarnation, peer) if isinstance(message, JoinRequest)
-            else self.peers.allows(message.actor_id, message.incarnation, peer)
-        ):  # another connection speaking for a known actor: refused and counted
-            self.counters.rejected["impersonation"] += 1
-            self.rejections.event(
-                "impersonation", f"impersonation: a {type(message).__name__} for actor {message.actor_id} from another peer")
-            refusal = (self.refuse_join("actor id in use by another connection") if isinstance(message, JoinRequest)
-                       else self.rejoin())
-            return [(identity, refusal)]
+        if isinstance(message, (JoinRequest, Heartbeat, Leave)):
+            refusal = self._refuse_impersonation(message, peer)
+            if refusal is not None:
+                return [(identity, refusal)]
         if isinstance(message, JoinRequest):
             return self._join(message, now, identity, stopping)
         if isinstance(message, Heartbeat):
@@ -168,11 +190,15 @@ class ControlServer:
             )
             self.counters.accepted["heartbeat" if known else "unknown_actor_control"] += 1
             status = "stop" if stopping else ("ok" if known else "rejoin")
-            return [(identity, encode_heartbeat_reply(HeartbeatReply(status=status, policy_version=self.policy_version)))]
+            record = self.assembler.actors.get(message.actor_id)
+            held = record.pending_rows if known and record is not None else 0
+            return [(identity, encode_heartbeat_reply(
+                HeartbeatReply(status=status, policy_version=self.policy_version, held_rows=held)))]
         if isinstance(message, Leave):
             if self.assembler.leave(message.actor_id, message.incarnation):
                 self.counters.accepted["leave"] += 1
-                log.info("actor %s left", message.actor_id)
+                self.peers.forget(message.actor_id)
+                self.notices.event("leave", f"actor {message.actor_id} left", level=logging.INFO)
             else:
                 self.counters.accepted["unknown_actor_control"] += 1
             return [(identity, encode_heartbeat_reply(HeartbeatReply(status="stop", policy_version=self.policy_version)))]
@@ -180,14 +206,33 @@ class ControlServer:
         self.rejections.event("schema", f"schema: a {type(message).__name__} is not a request the learner serves")
         return [(identity, self.rejoin())]
 
+    def _refuse_impersonation(self, message: JoinRequest | Heartbeat | Leave, peer: Any) -> bytes | None:
+        """None when ``peer`` may speak for ``message.actor_id``; else the refusal, counted as
+        ``impersonation``: a join for an actor id that a connected actor holds on another connection
+        (the id is not taken over), a heartbeat or leave from another connection than its join's."""
+        if isinstance(message, JoinRequest):
+            if self.peers.bind(message.actor_id, message.incarnation, peer):
+                return None
+            refusal = self.refuse_join(f"{ACTOR_ID_IN_USE} (until that actor leaves or times out)")
+        elif self.peers.allows_control(message.actor_id, message.incarnation, peer):
+            return None
+        else:
+            refusal = self.rejoin()
+        self.counters.rejected["impersonation"] += 1
+        self.rejections.event(
+            "impersonation", f"impersonation: a {type(message).__name__} for actor {message.actor_id} from another "
+            "connection than its join's")
+        return refusal
+
     def _join(self, message: JoinRequest, now: float, identity: Any, stopping: bool) -> list[Reply]:
         if stopping:
             self.counters.accepted["join_refused"] += 1
             return [(identity, self.refuse_join("learner is stopping"))]
-        if message.num_envs > MAX_ACTOR_ENVS:
-            self.counters.rejected["schema"] += 1
-            reason = f"num_envs: expected at most {MAX_ACTOR_ENVS}, received {message.num_envs}"
-            self.rejections.event("schema", f"schema: join of actor {message.actor_id}: {reason}")
+        reason = self.limits.check_join(message, connected=len(self.assembler.actors),
+                                        known=message.actor_id in self.assembler.actors)
+        if reason is not None:
+            self.counters.rejected["value_range"] += 1
+            self.rejections.event("value_range", f"value_range: join of actor {message.actor_id}: {reason}")
             return [(identity, self.refuse_join(reason))]
         if message.inference_precision == "bfloat16":  # refused before it counts as an actor that rounds
             try:
@@ -210,8 +255,10 @@ class ControlServer:
             spec = self.step_spec(message, step_ring=False)
         record = self.assembler.join(message.actor_id, message.incarnation, spec, hostname=message.hostname, now=now,
                                      index=index)
-        log.info("actor %s joined (%d envs, host %s, index %d)", message.actor_id, message.num_envs,
-                 message.hostname, record.index)
+        watched = self.processes.watch(message.actor_id, message.incarnation, message.pid, message.pid_namespace)
+        self.notices.event("join", f"actor {message.actor_id} joined ({message.num_envs} envs, host "
+                           f"{message.hostname}, index {record.index}"
+                           f"{f', process {message.pid} watched' if watched else ''})", level=logging.INFO)
         if message.inference_precision == "bfloat16" and not self.reevaluate_every_rollout:
             self.reevaluate_every_rollout = True
             log.info("actor %s acts in %s: every rollout is re-evaluated in float32 before GAE%s", message.actor_id,
@@ -223,6 +270,19 @@ class ControlServer:
                       self.weights, step_ring=ring)
         )
 
+    def drop_gone_actors(self) -> list[tuple[str, str]]:
+        """Drop the joined actors whose watched process exited or was stopped (their unfinished
+        segments are discarded now, not after ``actor_timeout_s``), counted as ``dropped["exited_actors"]``
+        / ``dropped["stopped_actors"]``; returns ``(actor_id, why)`` of each. A stopped one that is
+        continued is told to rejoin at its next heartbeat."""
+        dropped = []
+        self.processes.retain({(r.actor_id, r.incarnation) for r in self.assembler.actors.values()})
+        for actor_id, incarnation, why in self.processes.gone():
+            if self.assembler.leave(actor_id, incarnation):
+                self.assembler.counters.dropped[f"{why}_actors"] += 1
+                dropped.append((actor_id, why))
+        return dropped
+
     def step_spec(self, message: JoinRequest, *, step_ring: bool) -> StepSpec:
         """The spec of a joining actor's step messages (K without the byte bound for a step ring)."""
         steps = self.config.resolved_steps_per_message(self.schema.sent_bytes_per_env(), message.num_envs,
@@ -230,39 +290,81 @@ class ControlServer:
         return StepSpec(num_envs=message.num_envs, schema=self.schema, steps_per_message=steps)
 
     def _sync_join(self, message: JoinRequest, now: float, identity: Any) -> list[Reply]:
-        """Synchronous mode: hold joins until ``num_actors`` actors have asked, then answer them all
-        with indices in actor-id order; later joins take their old index or a free one."""
+        """Synchronous mode: answer the join now when the filling rollout has no row yet, else hold
+        it for :meth:`tick` (see the module docstring)."""
         config = self.config
         if message.num_envs != config.envs_per_actor:
             self.counters.accepted["join_refused"] += 1
             reason = (f"mode='sync': every actor steps envs_per_actor={config.envs_per_actor} envs, "
                       f"received num_envs={message.num_envs}")
-            log.warning("refused actor %s: %s", message.actor_id, reason)
+            self.notices.event("join_refused", f"refused actor {message.actor_id}: {reason}", level=logging.WARNING)
             return [(identity, self.refuse_join(reason))]
         self.counters.accepted["join"] += 1  # a held join counts when it arrives (each retry too)
-        if self._sync_ranks:  # the run has started: an actor comes back or replaces one that left
-            held = {r.index for r in self.assembler.actors.values() if r.actor_id != message.actor_id}
-            rank = self._sync_ranks.get(message.actor_id)
-            if rank is None or rank in held:
-                free = sorted(set(range(config.num_actors)) - held)
-                rank = free[0] if free else None
-            if rank is None:
-                self.counters.accepted["join"] -= 1
-                self.counters.accepted["join_refused"] += 1
-                reason = f"mode='sync': the run's num_actors={config.num_actors} actors are all connected"
-                log.warning("refused actor %s: %s", message.actor_id, reason)
-                return [(identity, self.refuse_join(reason))]
-            self._sync_ranks[message.actor_id] = rank
-            return [(identity, self.grant_join(message, now, index=rank))]
+        previous = self.assembler.actors.get(message.actor_id)
+        if previous is not None and previous.incarnation == message.incarnation:
+            # A retry of a join answered already (the reply was lost): answered again, at once.
+            return [(identity, self.grant_join(message, now, index=previous.index))]
+        if previous is not None:
+            # The actor restarted: its old incarnation acts no more, its unfinished segment goes now.
+            self.assembler.leave(previous.actor_id, previous.incarnation)
+            self.notices.event("restart", f"actor {message.actor_id} restarted: its previous incarnation left",
+                               level=logging.INFO)
+        first_ask = message.actor_id not in self._pending_joins
         self._pending_joins[message.actor_id] = (identity, message)  # a retry replaces the held request
-        if len(self._pending_joins) < config.num_actors:
-            log.info("mode='sync': actor %s waits for %d more actor(s) to join", message.actor_id,
-                     config.num_actors - len(self._pending_joins))
-            return []
-        pending, self._pending_joins = self._pending_joins, {}
-        replies = []
-        for rank, actor_id in enumerate(sorted(pending)):
-            self._sync_ranks[actor_id] = rank
-            held_identity, request = pending[actor_id]
-            replies.append((held_identity, self.grant_join(request, now, index=rank)))
+        if self._first_pending_at is None:
+            self._first_pending_at = now
+        replies = self.tick(now)
+        if first_ask and message.actor_id in self._pending_joins:
+            self.notices.event("sync_wait", f"mode='sync': actor {message.actor_id} joins at the next rollout"
+                               if self._started else f"mode='sync': actor {message.actor_id} waits for "
+                               f"{config.num_actors - len(self._pending_joins)} more actor(s) to join (at most "
+                               f"{START_GRACE_S:.0f} s)", level=logging.INFO)
         return replies
+
+    def tick(self, now: float) -> list[Reply]:
+        """Synchronous mode: answer the held joins that may join now (the replies to send): the first
+        rollout's actors once ``num_actors`` asked or :data:`START_GRACE_S` passed, later ones while
+        the filling rollout has no row yet. Call it every loop turn (and after a buffer is released)."""
+        if not self.sync or not self._pending_joins:
+            return []
+        if not self._started:
+            waited = now - (self._first_pending_at if self._first_pending_at is not None else now)
+            if len(self._pending_joins) < self.config.num_actors and waited < START_GRACE_S:
+                return []
+        elif not self.assembler.round.is_open:
+            return []
+        self._started = True
+        pending, self._pending_joins, self._first_pending_at = self._pending_joins, {}, None
+        replies = []
+        for actor_id in sorted(pending):
+            identity, request = pending[actor_id]
+            replies.append((identity, self._grant_sync(request, now)))
+        return replies
+
+    @property
+    def held_joins(self) -> set[str]:
+        """Synchronous mode: ids of the actors whose join is held (their peer bindings stay)."""
+        return set(self._pending_joins)
+
+    def _grant_sync(self, message: JoinRequest, now: float) -> bytes:
+        """Join a held actor with its old index (or the lowest free one), if the buffer has room."""
+        if not self.assembler.has_room_for(message.num_envs):
+            self.counters.accepted["join"] -= 1
+            self.counters.accepted["join_refused"] += 1
+            reason = (f"mode='sync': the rollout buffer holds max_actors={self.config.resolved_max_actors} "
+                      f"actors of {self.config.envs_per_actor} envs, all joined (raise max_actors)")
+            self.notices.event("join_refused", f"refused actor {message.actor_id}: {reason}", level=logging.WARNING)
+            return self.refuse_join(reason)
+        held = {r.index for r in self.assembler.actors.values()}
+        rank = self._sync_ranks.get(message.actor_id)
+        if rank is None or rank in held:
+            rank = next(i for i in range(len(held) + 1) if i not in held)
+        self._sync_ranks[message.actor_id] = rank
+        return self.grant_join(message, now, index=rank)
+
+
+class _EveryLine:
+    """The ``notices`` of a server built without a rate-limited log: every event is a line."""
+
+    def event(self, reason: str, detail: str, *, level: int = logging.INFO) -> None:
+        log.log(level, "%s", detail)

@@ -268,24 +268,58 @@ DEPARTED_RINGS_KEPT = 8
 messages still in the sockets decode and count as late steps, not as malformed."""
 
 
+class StepRingRefused(OSError):
+    """A ring would exceed the learner's step-ring memory limits (the actor's arrays go inline)."""
+
+
 class StepRings:
     """The learner's step rings by ``(actor_id, incarnation)``: made at join, freed when the actor
-    departs or turns out to send inline (then its ring was not reachable from the actor)."""
+    departs or turns out to send inline (then its ring was not reachable from the actor).
 
-    def __init__(self) -> None:
+    Args:
+        max_bytes: most shared memory (bytes) all rings take together, departed ones kept mapped
+            included (those are freed first to make room); None: no limit.
+        max_bytes_per_actor: largest ring (bytes); None: no limit.
+    """
+
+    def __init__(self, *, max_bytes: int | None = None, max_bytes_per_actor: int | None = None) -> None:
+        self.max_bytes = max_bytes
+        self.max_bytes_per_actor = max_bytes_per_actor
         self._live: dict[tuple[str, str], StepRing] = {}
         self._departed: dict[tuple[str, str], StepRing] = {}
 
+    @property
+    def used_bytes(self) -> int:
+        """Shared-memory bytes of the rings this learner holds (live and departed)."""
+        return sum(ring.segment_bytes(ring.spec, ring.slots) for ring in [*self._live.values(), *self._departed.values()])
+
     def offer(self, actor_id: str, incarnation: str, spec: StepSpec, rollout_length: int) -> StepRingOffer:
-        """Create a ring (:func:`ring_slots` slots) for a joining actor and return its offer.
+        """Create a ring (:func:`ring_slots` slots) for a joining actor and return its offer. The
+        rings of the actor's earlier incarnations depart (kept for their late messages).
 
         Raises:
+            StepRingRefused: the ring is larger than ``max_bytes_per_actor``, or finds no room in
+                ``max_bytes`` (an ``OSError``).
             OSError: the system cannot create the segment (e.g. ``/dev/shm`` is full).
         """
         previous = self._live.pop((actor_id, incarnation), None)  # a join retried with the same incarnation
         if previous is not None:
             previous.close()
-        ring = StepRing.create(spec, ring_slots(spec.steps_per_message, rollout_length))
+        for key in [key for key in self._live if key[0] == actor_id]:
+            self._depart(key)
+        slots = ring_slots(spec.steps_per_message, rollout_length)
+        size = StepRing.segment_bytes(spec, slots)
+        if self.max_bytes_per_actor is not None and size > self.max_bytes_per_actor:
+            raise StepRingRefused(f"a ring of {size / 2**20:.1f} MiB is larger than step_ring_max_mib_per_actor "
+                                  f"({self.max_bytes_per_actor / 2**20:.1f} MiB)")
+        if self.max_bytes is not None:
+            while self._departed and self.used_bytes + size > self.max_bytes:
+                self._departed.pop(next(iter(self._departed))).close()
+            if self.used_bytes + size > self.max_bytes:
+                raise StepRingRefused(f"the step rings take {self.used_bytes / 2**20:.1f} MiB, a ring of "
+                                      f"{size / 2**20:.1f} MiB more exceeds step_ring_max_mib "
+                                      f"({self.max_bytes / 2**20:.1f} MiB)")
+        ring = StepRing.create(spec, slots)
         self._live[(actor_id, incarnation)] = ring
         return ring.offer()
 
@@ -301,15 +335,22 @@ class StepRings:
             ring.close()
         return ring is not None
 
-    def retain(self, live: set[tuple[str, str]]) -> None:
-        """Unlink the rings of incarnations not in ``live`` and keep the newest
-        :data:`DEPARTED_RINGS_KEPT` of them mapped for late messages."""
+    def retain(self, live: set[tuple[str, str]], free: set[str] = frozenset()) -> None:
+        """Unlink the rings of incarnations not in ``live``: those of the actor ids in ``free`` (actors
+        that timed out: nothing of theirs is in flight) are unmapped at once, the others depart, and
+        the newest :data:`DEPARTED_RINGS_KEPT` departed ones stay mapped for late messages."""
         for key in [key for key in self._live if key not in live]:
-            ring = self._live.pop(key)
-            ring.close_name()
-            self._departed[key] = ring
+            if key[0] in free:
+                self._live.pop(key).close()
+            else:
+                self._depart(key)
         while len(self._departed) > DEPARTED_RINGS_KEPT:
             self._departed.pop(next(iter(self._departed))).close()
+
+    def _depart(self, key: tuple[str, str]) -> None:
+        ring = self._live.pop(key)
+        ring.close_name()
+        self._departed[key] = ring
 
     def __len__(self) -> int:
         return len(self._live)

@@ -150,8 +150,10 @@ class StepSpec:
         if type(steps) is not int or not 1 <= steps <= MAX_STEPS_PER_MESSAGE:
             reject("schema", f"spec.steps_per_message: expected an int in [1, {MAX_STEPS_PER_MESSAGE}], "
                              f"received {describe(steps)}")
+        from oakemu_core.policy.schemas import schema_from_dict  # torch only where a schema is read
+
         try:
-            schema = StepSchema.from_dict(value["schema"])
+            schema = schema_from_dict(value["schema"])
         except ValueError as error:
             reject("schema", f"spec.schema: {error}")
         return cls(num_envs=num_envs, schema=schema, steps_per_message=steps)

@@ -152,7 +152,8 @@ def make_emulator_env(
         settings_file: the emulator settings TOML (required for ``gameboy:`` ids: the reward spec).
         seed: seeds the env's random stream at construction (state sampling, sticky actions);
             ``reset(seed=...)`` reseeds as usual.
-        render_mode: ``"rgb_array"`` to let ``env.render()`` return the full-size screen.
+        render_mode: ``"rgb_array"`` to let ``env.render()`` return the full-size screen (the
+            env's ``metadata["render_fps"]`` is then 60 / frames per action).
 
     Raises:
         EmulatorConfigError: as :func:`validate_emulator_env`.
@@ -178,11 +179,15 @@ def make_emulator_env(
             resolved.rom, settings.gameboy, states=resolved.states or [], hook=resolved.hook, render_mode=render_mode
         )
         default_size, default_limit = _GAMEBOY_SCREEN, settings.gameboy.max_episode_steps
+        frames_per_action = settings.gameboy.frames_per_action
     else:
         from oakemu_core.envs.emulators.retro_backend import RetroGameEnv
 
         env = RetroGameEnv(resolved.target, settings.retro, states=resolved.states, render_mode=render_mode)
         default_size, default_limit = _RETRO_SCREEN, settings.retro.max_episode_steps
+        frames_per_action = settings.retro.frames_per_action
+    if render_mode is not None:  # one rendered frame per agent step (both consoles run at 60 frames/s)
+        env.metadata = {**env.metadata, "render_fps": 60 / frames_per_action}
     if seed is not None:
         env.np_random, _ = seeding.np_random(seed)
         env.action_space.seed(seed)

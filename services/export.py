@@ -1,0 +1,81 @@
+"""``oakemu export CHECKPOINT DIR``: a trained policy as a pickle-free folder
+(:mod:`oakemu_core.policy.export`: safetensors weights, config and spaces as JSON, observation
+normalisation statistics, a model card with an evaluation and its video), optionally uploaded to a
+Hugging Face Hub model repository (``--push-to-hub OWNER/NAME``)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+
+from oakemu_core.envs import env_spec
+from oakemu_core.errors import ConfigError
+from oakemu_core.policy.export import write_policy_folder
+from oakemu_core.run.checkpoint import load_checkpoint, resolve_checkpoint
+from oakemu_core.run.video import VideoUnavailableError
+from oakemu_services.evaluate import evaluate_checkpoint
+
+
+def export(checkpoint: Path, directory: Path, *, episodes: int, greedy: bool, seed: int, video: bool = True) -> Path:
+    """Evaluate the checkpoint's policy (``episodes`` episodes, the first recorded unless ``video`` is
+    False) and write the policy folder ``directory``; returns it.
+
+    Raises:
+        FileNotFoundError: no checkpoint. FileExistsError: ``directory`` is not empty.
+        oakemu_core.run.video.VideoUnavailableError: ``video`` without the ``video`` extra.
+        ConfigError: safetensors is not installed.
+    """
+    path = resolve_checkpoint(checkpoint)
+    directory = Path(directory)
+    if directory.exists() and any(directory.iterdir()):
+        raise FileExistsError(f"{directory}: exists and is not empty")
+    state = load_checkpoint(path)
+    env_id, config = state["env"]["env_id"], state["config"]
+    with tempfile.TemporaryDirectory(prefix="oakemu-export-") as scratch:
+        result = evaluate_checkpoint(path, episodes=episodes, greedy=greedy, seed=seed,
+                                     video_dir=Path(scratch) if video else None, videos=1)
+        layout = env_spec(env_id, settings_file=config.get("emulator_settings")).observation_layout
+        evaluation = {"episodes": len(result.returns), "mean": float(np.mean(result.returns)),
+                      "std": float(np.std(result.returns)), "greedy": greedy, "seed": seed}
+        trained = {"policy_version": int((state.get("ppo") or {}).get("policy_version", 0)),
+                   "global_step": int(state.get("global_step", 0))}
+        return write_policy_folder(directory, state["model"], env_id=env_id, observation_layout=layout,
+                                   schema=state["env"]["schema"], config=config, trained=trained,
+                                   evaluation=evaluation, video=result.videos[0] if result.videos else None)
+
+
+def push_to_hub(directory: Path, repo_id: str, *, private: bool = False) -> str:
+    """Upload the policy folder to the Hugging Face Hub model repository ``repo_id`` (created when
+    missing); returns the repository's URL. The token comes from ``HF_TOKEN`` or ``hf auth login``.
+
+    Raises:
+        ConfigError: huggingface_hub is not installed.
+    """
+    try:
+        from huggingface_hub import HfApi
+    except ImportError:
+        raise ConfigError("--push-to-hub needs huggingface_hub: pip install 'oakemu-rl[export]'") from None
+    api = HfApi()
+    url = api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+    api.upload_folder(folder_path=str(directory), repo_id=repo_id, repo_type="model",
+                      commit_message=f"oakemu export of {Path(directory).name}")
+    return str(url)
+
+
+def main(checkpoint: Path, directory: Path, *, episodes: int, greedy: bool, seed: int, video: bool = True,
+         push_to_hub_repo: str | None = None) -> int:
+    """Entry point: export, print the folder (and the Hub URL); 0 on success, 2 on a user mistake."""
+    console = Console(stderr=True)
+    try:
+        folder = export(checkpoint, directory, episodes=episodes, greedy=greedy, seed=seed, video=video)
+    except (FileNotFoundError, FileExistsError, VideoUnavailableError) as error:
+        hint = " (or --no-video)" if isinstance(error, VideoUnavailableError) else ""
+        console.print(f"[red]oakemu export: {error}{hint}[/]")
+        return 2
+    print(f"{checkpoint}: exported to {folder}")
+    if push_to_hub_repo is not None:
+        print(f"pushed to {push_to_hub(folder, push_to_hub_repo)}")
+    return 0

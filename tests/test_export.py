@@ -1,0 +1,150 @@
+"""``oakemu export``: a checkpoint's policy as a pickle-free folder (safetensors + JSON + model card +
+video) that :func:`load_policy_folder` loads in a fresh process to the same actions and values."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("safetensors", reason="needs the export extra: pip install 'oakemu-rl[export]'")
+
+from oakemu_core.envs import env_spec  # noqa: E402
+from oakemu_core.policy.export import load_policy_folder, read_policy_info  # noqa: E402
+from oakemu_core.policy.models import build_model  # noqa: E402
+from oakemu_core.run.checkpoint import save_checkpoint  # noqa: E402
+from oakemu_core.policy.schemas import schema_for_env, schema_from_dict  # noqa: E402
+from oakemu_services import cli  # noqa: E402
+from oakemu_services import export as export_service  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CARTPOLE = "CartPole-v1"
+OBSERVATIONS = np.random.default_rng(0).normal(0.0, 1.0, size=(100, 4)).astype(np.float32)
+"""100 fixed observations; CartPole's own start states are all near 0, these reach both actions."""
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    """A CartPole checkpoint with observation normalisation whose statistics are not the defaults."""
+    spec = env_spec(CARTPOLE)
+    schema = schema_for_env(spec).to_dict()
+    torch.manual_seed(11)
+    model = build_model(spec.observation_layout, schema_from_dict(schema).distribution, normalize_observations=True)
+    model.normalizers["obs_"].update(torch.randn(64, 4) * 3 + 1)
+    path = tmp_path / "checkpoint_00000042.pt"
+    save_checkpoint(path, {"model": model.state_dict(), "env": {"env_id": CARTPOLE, "schema": schema},
+                           "config": {"normalize_observations": True, "learning_rate": 1e-3, "num_actors": 1,
+                                      "envs_per_actor": 8, "rollout_length": 32},
+                           "ppo": {"policy_version": 42}, "global_step": 10752})
+    return path
+
+
+def checkpoint_outputs(path: Path) -> tuple[list[int], list[float]]:
+    from oakemu_core.run.checkpoint import load_checkpoint
+
+    state = load_checkpoint(path)
+    spec = env_spec(CARTPOLE)
+    model = build_model(spec.observation_layout, schema_from_dict(state["env"]["schema"]).distribution,
+                        normalize_observations=True)
+    model.load_state_dict(state["model"])
+    bundle = model.eval().act(OBSERVATIONS, greedy=True)
+    return bundle.actions.tolist(), bundle.values.tolist()
+
+
+FRESH_PROCESS = textwrap.dedent("""
+    import json, pickle, sys
+    import numpy as np, torch
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an exported policy must load without pickle")
+
+    torch.load = pickle.load = pickle.loads = refuse
+    from oakemu_core.policy.export import load_policy_folder
+
+    policy = load_policy_folder(sys.argv[1])
+    observations = np.array(json.loads(sys.argv[2]), dtype=np.float32)
+    bundle = policy.act(observations, greedy=True)
+    print(json.dumps({"actions": bundle.actions.tolist(), "values": bundle.values.tolist()}))
+""")
+
+
+@pytest.mark.slow
+def test_export_then_load_in_a_fresh_process_gives_the_checkpoints_actions(checkpoint: Path, tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "policy"
+    assert cli.main(["export", str(checkpoint), str(folder), "--episodes", "2"]) == 0
+    assert str(folder) in capsys.readouterr().out
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "README.md", "config.json", "model.safetensors", "obs_normalization.json", "replay.mp4", "spaces.json"]
+    for path in folder.iterdir():  # no pickle (protocol 2+ starts with 0x80) and no torch zip archive
+        head = path.read_bytes()[:4]
+        assert not head.startswith(b"\x80") and head != b"PK\x03\x04", path.name
+
+    fresh = subprocess.run([sys.executable, "-c", FRESH_PROCESS, str(folder), json.dumps(OBSERVATIONS.tolist())],
+                           capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert fresh.returncode == 0, fresh.stderr
+    loaded = json.loads(fresh.stdout)
+    actions, values = checkpoint_outputs(checkpoint)
+    assert loaded["actions"] == actions and 0 < sum(actions) < len(actions)
+    np.testing.assert_allclose(loaded["values"], values, rtol=1e-6)
+
+    info, spaces = read_policy_info(folder)
+    assert (info["env_id"], info["policy_version"], info["global_step"]) == (CARTPOLE, 42, 10752)
+    assert spaces["observation_layout"] == {"": {"shape": [4], "dtype": "float32"}}
+    stats = json.loads((folder / "obs_normalization.json").read_text())
+    model = load_policy_folder(folder)
+    np.testing.assert_allclose(stats[""]["mean"], model.normalizers["obs_"].mean.numpy(), rtol=1e-6)
+    card = (folder / "README.md").read_text()
+    evaluation = info["evaluation"]
+    assert evaluation["episodes"] == 2 and card.startswith("---\nlibrary_name: oakemu-rl\n")
+    assert f"value: {evaluation['mean']:.2f} +/- {evaluation['std']:.2f}" in card and "replay.mp4" in card
+
+
+def test_export_refuses_a_folder_in_use_and_a_missing_checkpoint(checkpoint: Path, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "keep.txt").write_text("mine")
+    assert cli.main(["export", str(checkpoint), str(tmp_path / "used"), "--no-video"]) == 2
+    assert "not empty" in capsys.readouterr().err and (tmp_path / "used" / "keep.txt").read_text() == "mine"
+    assert cli.main(["export", str(tmp_path / "missing.pt"), str(tmp_path / "out"), "--no-video"]) == 2
+    assert not (tmp_path / "out").exists()
+
+
+def test_push_to_hub_creates_the_repository_and_uploads_the_folder(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    huggingface_hub = pytest.importorskip("huggingface_hub", reason="needs the export extra")
+    calls = []
+
+    class FakeApi:
+        def create_repo(self, repo_id, **kwargs):
+            calls.append(("create_repo", repo_id, kwargs))
+            return f"https://huggingface.co/{repo_id}"
+
+        def upload_folder(self, **kwargs):
+            calls.append(("upload_folder", kwargs["repo_id"], kwargs))
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    assert export_service.push_to_hub(tmp_path, "me/ppo-cartpole") == "https://huggingface.co/me/ppo-cartpole"
+    assert [(name, repo) for name, repo, _ in calls] == [("create_repo", "me/ppo-cartpole"),
+                                                         ("upload_folder", "me/ppo-cartpole")]
+    assert calls[1][2]["folder_path"] == str(tmp_path) and calls[0][2]["exist_ok"] is True
+
+
+def test_the_model_card_front_matter_is_yaml_for_any_env_id() -> None:
+    import yaml
+
+    from oakemu_core.policy.export import model_card
+
+    info = {"env_id": "gameboy:roms/game: deluxe.gb", "evaluation": {"episodes": 3, "mean": 1.5, "std": 0.5,
+            "greedy": True, "seed": 1}, "global_step": 10, "policy_version": 1, "config": {}}
+    spaces = {"observation_layout": {"screen": {"shape": [4, 72, 80], "dtype": "uint8"}}}
+    front = yaml.safe_load(model_card(info, spaces, has_video=False).split("---\n")[1])
+    assert front["tags"][-1] == info["env_id"]
+    [result] = front["model-index"][0]["results"]
+    assert result["dataset"]["name"] == info["env_id"] and result["metrics"][0]["value"] == "1.50 +/- 0.50"
