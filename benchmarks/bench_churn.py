@@ -4,8 +4,8 @@ without an actor killed (``kill -9``) every ``--kill-every-s`` seconds and resta
 
 Each run is one ``oakemu learner`` and ``--actors`` ``oakemu actor`` processes (the envs of the
 rl-zoo case split among them), all in the default mode (sync). Printed per run: wall time to the
-budget, env steps until the last-20-episode mean return first reached 475, kills, the updates that
-trained with fewer columns than planned, and the learner's dropped-data counters.
+budget, env steps until the last-20-episode mean return first reached 475, kills, the longest wait
+from a kill to the next update, and the updates that trained with fewer columns than planned.
 
     python benchmarks/bench_churn.py --steps 200000 --seeds 1
 
@@ -68,13 +68,14 @@ def run(*, seed: int, steps: int, actors: int, churn: bool, kill_every_s: float,
 
     processes = {i: actor(i) for i in range(actors)}
     started = time.monotonic()
-    kills, next_kill, restarts = 0, started + kill_every_s, []
+    kills, next_kill, restarts, kill_times = 0, started + kill_every_s, [], []
     try:
         while learner.poll() is None:
             now = time.monotonic()
             if churn and now >= next_kill:
                 victim = kills % actors
                 processes[victim].kill()
+                kill_times.append(time.time())
                 processes[victim].wait(10)
                 restarts.append((now + restart_after_s, victim))
                 kills += 1
@@ -93,9 +94,11 @@ def run(*, seed: int, steps: int, actors: int, churn: bool, kill_every_s: float,
     updates = [r for r in _read_jsonl(run_dir / "metrics.jsonl") if "charts/update" in r]
     fewer = sum(1 for r in updates if r.get("charts/rollout_columns", 0) < bench.case.num_envs)
     last = updates[-1] if updates else {}
+    update_times = [r["wall_time"] for r in updates]
+    waits = [min((t for t in update_times if t > k), default=k) - k for k in kill_times]
     return {"run": name, "wall_s": wall_s, "env_steps": int(last.get("global_step", 0)), "kills": kills,
             "to_475": steps_to_threshold(episodes, THRESHOLD, WINDOW), "updates": len(updates),
-            "fewer_columns": fewer, "exit": learner.returncode}
+            "fewer_columns": fewer, "kill_to_update_s": max(waits, default=0.0), "exit": learner.returncode}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,11 +119,12 @@ def main(argv: list[str] | None = None) -> int:
                                 kill_every_s=args.kill_every_s, restart_after_s=args.restart_after_s,
                                 runs_dir=runs_dir))
                 print(rows[-1], flush=True)
-    print("\n| run | env steps | wall s | steps to 475 | kills | updates | with fewer columns |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| run | env steps | wall s | steps to 475 | kills | kill to next update, max s | updates | "
+          "with fewer columns |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['run']} | {r['env_steps']:,} | {r['wall_s']:.0f} | {r['to_475'] or 'not reached'} | "
-              f"{r['kills']} | {r['updates']} | {r['fewer_columns']} |")
+              f"{r['kills']} | {r['kill_to_update_s']:.1f} | {r['updates']} | {r['fewer_columns']} |")
     return 0 if all(r["exit"] == 0 and r["updates"] for r in rows) else 1
 
 
