@@ -57,14 +57,15 @@ def run(*, seed: int, steps: int, actors: int, churn: bool, kill_every_s: float,
     args = oakemu_bench_args(bench, mode="sync", seed=seed, steps=steps, runs_dir=runs_dir, run_name=name,
                              ports=ports, torch_threads=1, num_actors=actors)
     envs_per_actor = args[args.index("--envs-per-actor") + 1]
-    port_flags = [a for i, a in enumerate(args) if a.endswith("-port") or (i and args[i - 1].endswith("-port"))]
+    actor_ports = ("--data-port", "--control-port", "--weights-port")  # the ports an actor uses
+    port_flags = [a for i, a in enumerate(args) if a in actor_ports or (i and args[i - 1] in actor_ports)]
     logs = runs_dir / f"{name}.logs"
     logs.mkdir(parents=True, exist_ok=True)
     learner = start(["learner", *args, "--actor-timeout-s", "5"], logs / "learner.log")
 
     def actor(i: int) -> subprocess.Popen:
-        return start(["actor", "--env", bench.case.env_id, "--envs-per-actor", envs_per_actor, "--actor-id", f"a{i}",
-                      "--torch-threads", "1", *port_flags], logs / f"a{i}.log")
+        return start(["actor", "--envs-per-actor", envs_per_actor, "--actor-id", f"a{i}", "--torch-threads", "1",
+                      *port_flags], logs / f"a{i}.log")
 
     processes = {i: actor(i) for i in range(actors)}
     started = time.monotonic()

@@ -41,8 +41,8 @@ def learner_args(e2e: E2EProcesses, mode: str, num_actors: int, *extra: str) -> 
 
 
 def start_actor(e2e: E2EProcesses, actor_id: str) -> ServiceProcess:
-    return e2e.start(actor_id, ["actor", "--env", "CartPole-v1", "--envs-per-actor", str(ENVS),
-                                "--actor-id", actor_id, *e2e.flags()])
+    return e2e.start(actor_id, ["actor", "--envs-per-actor", str(ENVS), "--actor-id", actor_id,
+                                *e2e.flags(role="actor")])
 
 
 def actor_ids(snapshot: TelemetrySnapshot) -> set[str]:
