@@ -488,9 +488,8 @@ class Learner:
         return self.exit_status
 
     def _expire_silent_actors(self, now: float) -> None:
-        """Drop actors whose watched process ended, and actors silent for ``actor_timeout_s``, with
-        their peer bindings and step rings (the rings of timed-out actors are freed at once, not kept
-        for late messages)."""
+        """Drop actors whose watched process ended or that were silent for ``actor_timeout_s``, with their
+        peer bindings and step rings (timed-out actors' rings are freed at once, not kept for late messages)."""
         notices = self.rejection_log["notices"]
         gone = self.control_server.drop_gone_actors()
         for actor_id, why in gone:

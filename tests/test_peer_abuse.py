@@ -71,9 +71,10 @@ class Harness:
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
+    # Async mode: the synthetic actors here join and never step (a synchronous rollout would wait for them).
     ports = new_ports()
     runs = tmp_path_factory.mktemp("runs")
-    config = OakEmuConfig(env_id="CartPole-v1", num_actors=1, envs_per_actor=2, rollout_length=8, runs_dir=runs,
+    config = OakEmuConfig(env_id="CartPole-v1", mode="async", num_actors=1, envs_per_actor=2, rollout_length=8, runs_dir=runs,
                           run_name="abuse", bind_host="127.0.0.1", data_port=ports.data, control_port=ports.control,
                           weights_port=ports.weights, telemetry_port=ports.telemetry, metrics_port=ports.metrics,
                           actor_timeout_s=600.0, eval_every_updates=0, log_level="WARNING")
