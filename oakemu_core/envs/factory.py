@@ -107,7 +107,9 @@ def _make_gymnasium_env(
         kwargs["render_mode"] = render_mode
     try:
         return gymnasium.make(env_id, **kwargs)
-    except TypeError as error:  # a keyword the env does not take
+    except TypeError as error:  # a keyword the env does not take (render_mode: the caller's to handle)
+        if render_mode is not None or not make_kwargs:
+            raise
         raise UnsupportedEnvironmentError(
             f"env_kwargs: expected keyword arguments that {env_id!r} takes, received {make_kwargs!r} ({error})"
         ) from None
