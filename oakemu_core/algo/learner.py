@@ -301,6 +301,8 @@ class PPOLearner:
         self._rollouts_collected = 0
         self.trained_env_steps = 0
         """Env steps of the rollouts trained on: each rollout's rows less its stale rows (the run's budget)."""
+        self._submitted_version = -1  # the newest weights handed to the tester, and those it reported on
+        self._reported_versions: set[int] = set()
         self.sgd_ledger = SgdStepLedger()
 
     # ------------------------------------------------------------------ counters and state
@@ -601,12 +603,14 @@ class PPOLearner:
             return
         version, weights = self.learner_model.snapshot()
         tester.submit(version, weights, global_step, keep=force)
+        self._submitted_version = version
 
     def _poll_tester(self, policy: CheckpointPolicy) -> tuple[list[Any], list[str]]:
         tester = self.context.tester
         if tester is None:
             return [], []
         reports, notes = tester.poll(), []
+        self._reported_versions.update(report.policy_version for report in reports)
         for report in reports:
             notes += policy.after_evaluation(self, report)
         return reports, notes
@@ -618,14 +622,15 @@ class PPOLearner:
         if tester is None or not tester.alive:
             return [], []
         version, weights = self.learner_model.snapshot()
-        tester.submit(version, weights, global_step, keep=True)
+        if version != self._submitted_version:  # else its periodic evaluation is done or on its way: not twice
+            tester.submit(version, weights, global_step, keep=True)
         reports, notes = tester.drain(timeout_s=FINAL_EVALUATION_TIMEOUT_S), []
         try:
             for report in reports:
                 notes += policy.after_evaluation(self, report)
         except RunCollapsedError as error:
             log.error("%s", error)
-        if not any(report.policy_version == version for report in reports):
+        if version not in self._reported_versions | {report.policy_version for report in reports}:
             log.warning("the evaluation of the final weights did not finish within %.0f s: skipped "
                         "(oakemu evaluate plays the final checkpoint)", FINAL_EVALUATION_TIMEOUT_S)
         return reports, notes
