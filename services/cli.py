@@ -86,21 +86,22 @@ def _add_train(commands: Any) -> None:
 
 
 def _add_learner(commands: Any) -> None:
-    learner = commands.add_parser(
-        "learner", help="run only the learner (actors connect to it by address)",
-        description="Bind the learner's sockets on bind_host and train with the actors that join; a run folder that "
-        "has a checkpoint is resumed.",
-        usage="%(prog)s [--config FILE] [SETTING ...]", allow_abbrev=False)
-    add_config_arguments(learner, "learner")
+    _add_service(commands, "learner", "run only the learner (actors connect to it by address)",
+                 "Bind the learner's sockets on bind_host and train with the actors that join; a run folder that "
+                 "has a checkpoint is resumed.")
 
 
 def _add_actor(commands: Any) -> None:
-    actor = commands.add_parser(
-        "actor", help="run one actor that joins the learner at learner_host",
-        description="Step envs_per_actor environments and stream the steps to the learner at learner_host; the "
-        "environment and its settings come from the learner.",
-        usage="%(prog)s [--config FILE] [SETTING ...]", allow_abbrev=False)
-    add_config_arguments(actor, "actor")
+    _add_service(commands, "actor", "run one actor that joins the learner at learner_host",
+                 "Step envs_per_actor environments and stream the steps to the learner at learner_host; the "
+                 "environment and its settings come from the learner.")
+
+
+def _add_service(commands: Any, name: str, summary: str, description: str) -> None:
+    """A subcommand that takes the settings its process reads, and nothing else."""
+    service = commands.add_parser(name, help=summary, description=description,
+                                  usage="%(prog)s [--config FILE] [SETTING ...]", allow_abbrev=False)
+    add_config_arguments(service, name)
 
 
 def _add_monitor(commands: Any) -> None:

@@ -23,6 +23,14 @@ def own_segments() -> set[str]:
     return {path.name for path in SHM_DIR.glob(f"{SEGMENT_PREFIX}{os.getpid()}_*")}
 
 
+@pytest.fixture
+def no_oakemu_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ``OAKEMU_*`` environment variable of the shell reaches the test's configurations."""
+    for name in list(os.environ):
+        if name.startswith("OAKEMU_"):
+            monkeypatch.delenv(name)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import gymnasium
@@ -18,11 +17,7 @@ from oakemu_core.run.checkpoint import save_run_checkpoint
 from oakemu_core.policy.schemas import schema_for_env
 
 
-@pytest.fixture(autouse=True)
-def _clean_oakemu_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("OAKEMU_"):
-            monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("no_oakemu_variables")
 
 
 def _checkpoint(run_dir: Path, env_id: str) -> Path:

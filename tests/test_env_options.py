@@ -3,7 +3,6 @@ to the env (spec, vector env, a join's env_config)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -15,11 +14,7 @@ from oakemu_core.envs.options import EnvOptions
 from oakemu_core.transport.control_server import env_config
 
 
-@pytest.fixture(autouse=True)
-def _clean_oakemu_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("OAKEMU_"):
-            monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("no_oakemu_variables")
 
 
 def test_the_defaults_make_the_envs_as_before() -> None:

@@ -3,7 +3,6 @@ file override it; the benchmark reads its hyperparameters from them."""
 
 from __future__ import annotations
 
-import os
 import sys
 import types
 from pathlib import Path
@@ -20,11 +19,7 @@ EXPECTED = {"cartpole": "CartPole-v1", "lunarlander": "LunarLander-v3", "pendulu
             "acrobot": "Acrobot-v1", "taxi": "Taxi-v4", "atari": "ALE/Breakout-v5"}
 
 
-@pytest.fixture(autouse=True)
-def _clean_oakemu_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("OAKEMU_"):
-            monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("no_oakemu_variables")
 
 
 def test_the_package_ships_every_preset() -> None:
