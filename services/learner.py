@@ -301,13 +301,9 @@ class Learner:
             except zmq.Again:
                 return
             self.assembler.counters.received["data"] += 1
-            if len(parts) != 1:  # actors send one frame per step message
-                self.assembler.counters.rejected["garbage"] += 1
-                self.rejection_log["data"].event("garbage", f"garbage: expected 1 frame, received {len(parts)}")
-                continue
-            frame = parts[0]
+            frame = parts[0]  # the header: it names the peer
             try:
-                message = receiver.decode(frame)
+                message = receiver.decode(parts)
             except MessageRejected as error:
                 self.assembler.counters.rejected[error.reason] += 1
                 self.rejection_log["data"].event(error.reason, str(error))
@@ -489,7 +485,7 @@ class Learner:
 
     def _expire_silent_actors(self, now: float) -> None:
         """Drop actors whose watched process ended or that were silent for ``actor_timeout_s``, with their
-        peer bindings and step rings (timed-out actors' rings are freed at once, not kept for late messages)."""
+        peer bindings, step rings and last frame stacks (timed-out actors' rings are freed at once, not kept for late messages)."""
         notices = self.rejection_log["notices"]
         gone = self.control_server.drop_gone_actors()
         for actor_id, why in gone:
@@ -500,8 +496,9 @@ class Learner:
             notices.event("timeout", f"actor {actor_id} silent for {self.config.actor_timeout_s:.1f}"
                           " s: dropped, its unfinished segment discarded", level=logging.WARNING)
         self.peers.retain(set(self.assembler.actors) | self.control_server.held_joins)
-        self.rings.retain({(r.actor_id, r.incarnation) for r in self.assembler.actors.values()},
-                          free=set(expired))
+        live = {(r.actor_id, r.incarnation) for r in self.assembler.actors.values()}
+        self.rings.retain(live, free=set(expired))
+        self.receiver.retain(live)
 
     def _nothing_in_flight(self) -> bool:
         """No rollout in training, none full, and no row written in a filling buffer."""

@@ -270,7 +270,7 @@ def test_a_second_connection_cannot_leave_step_or_join_for_an_actor(e2e: E2EProc
 
         spoof_data = context.socket(zmq.PUSH)
         spoof_data.connect(f"tcp://127.0.0.2:0;{ports.data_address.removeprefix('tcp://')}")
-        spoof_data.send(slot_step)  # another peer must not release the victim's slot either
+        spoof_data.send_multipart(slot_step)  # another peer must not release the victim's slot either
 
         snapshot = wait_snapshot(subscriber, lambda s: s.rejected_messages.get("impersonation", 0) >= 3, 30,
                                  "3 refused impersonations", learner.describe)
@@ -283,7 +283,7 @@ def test_a_second_connection_cannot_leave_step_or_join_for_an_actor(e2e: E2EProc
         # The victim's own step and leave still work.
         real_data = context.socket(zmq.PUSH)
         real_data.connect(ports.data_address)
-        real_data.send(slot_step)
+        real_data.send_multipart(slot_step)
         rows = joined.spec.steps_per_message * joined.spec.num_envs  # one message: K vector steps of 2 envs
         wait_snapshot(subscriber, lambda s: s.global_step == rows, 30, "the victim's own step", learner.describe)
         assert ring.released == 1

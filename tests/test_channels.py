@@ -63,6 +63,11 @@ def pipe(context: zmq.Context, name: str, queue: int = 2) -> tuple[zmq.Socket, z
     return pull, push
 
 
+def frames_of(frames: list, peer: str = "own") -> list[SimpleNamespace]:
+    """A received multipart message as the learner's receiver sees it: frames with a ``buffer``, the peer."""
+    return [SimpleNamespace(buffer=frame, peer=peer) for frame in frames]
+
+
 def test_the_send_queue_holds_a_rings_slots_else_two_steps_or_one_block() -> None:
     assert send_queue_messages(1, None) == 2
     assert send_queue_messages(4, None) == 1
@@ -71,14 +76,14 @@ def test_the_send_queue_holds_a_rings_slots_else_two_steps_or_one_block() -> Non
 
 def test_the_socket_channel_sends_the_arrays_inline(context: zmq.Context) -> None:
     pull, push = pipe(context, "inline")
-    channel = SocketStepChannel(push, threading.Event(), 1)
+    channel = SocketStepChannel(push, threading.Event(), ATARI_SPEC)
     message = atari_step(seq=0)
     pauses = Pauses()
     channel.wait_writable(0, pauses)
     channel.send(message, pauses)
-    frame = pull.recv()
-    assert frame == encode_step(message) and pauses.calls == []
-    decoded = decode_step(frame, known_spec, max_bytes=MAX_BYTES)
+    frames = pull.recv_multipart()
+    assert frames == [bytes(frame) for frame in encode_step(message, ATARI_SPEC)] and pauses.calls == []
+    decoded = decode_step(frames, known_spec, max_bytes=MAX_BYTES)
     np.testing.assert_array_equal(decoded.fields["observations"], message.fields["observations"])
     channel.close()
     assert push.closed
@@ -87,7 +92,7 @@ def test_the_socket_channel_sends_the_arrays_inline(context: zmq.Context) -> Non
 def test_a_full_socket_queue_pauses_until_stopped(context: zmq.Context) -> None:
     push = context.socket(zmq.PUSH)  # no peer: every send would block
     stop = threading.Event()
-    channel = SocketStepChannel(push, stop, 1)
+    channel = SocketStepChannel(push, stop, ATARI_SPEC)
     pauses = Pauses(then=stop.set)
     channel.send(atari_step(), pauses)  # gives up once told to stop
     assert pauses.calls == [(0.1, push)]
@@ -99,7 +104,7 @@ def test_the_ring_channel_waits_for_the_slot_then_sends_only_the_header(context:
     offer = rings.offer(ACTOR, INCARNATION, ATARI_SPEC, 16)  # 2 slots
     learner_ring = rings.get(ACTOR, INCARNATION)
     pull, push = pipe(context, "ring", queue=offer.slots)
-    channel = RingStepChannel(push, StepRing.attach(offer, ATARI_SPEC), threading.Event(), 1)
+    channel = RingStepChannel(push, StepRing.attach(offer, ATARI_SPEC), threading.Event(), ATARI_SPEC)
     receiver = StepReceiver(rings, known_spec, lambda *_: True, max_bytes=MAX_BYTES)
     free = Pauses()
     for seq in range(2):
@@ -110,8 +115,9 @@ def test_the_ring_channel_waits_for_the_slot_then_sends_only_the_header(context:
     channel.wait_writable(2, released)
     assert len(released.calls) == 1 and channel.slot_waits == 1
     for seq in range(2):
-        frame = pull.recv(copy=False)
-        message = receiver.decode(frame)
+        frames = pull.recv_multipart(copy=False)
+        assert len(frames) == 1  # the header alone
+        message = receiver.decode(frames)
         assert message.slot == seq % 2
         np.testing.assert_array_equal(message.fields["observations"], atari_step(seed=seq).fields["observations"])
     channel.close()
@@ -122,7 +128,7 @@ def test_a_ring_channel_told_to_stop_while_waiting_sends_nothing(context: zmq.Co
     pull, push = pipe(context, "stopped", queue=offer.slots)
     stop = threading.Event()
     ring = StepRing.attach(offer, ATARI_SPEC)
-    channel = RingStepChannel(push, ring, stop, 1)
+    channel = RingStepChannel(push, ring, stop, ATARI_SPEC)
     for seq in range(2):
         channel.send(atari_step(seq=seq), Pauses())
     channel.send(atari_step(seq=2), Pauses(then=stop.set))
@@ -163,12 +169,12 @@ def test_the_receiver_frees_a_slot_after_ingest_or_rejection_on_its_own_peers_wo
     own = {"own"}
     receiver = StepReceiver(rings, known_spec, lambda a, i, frame: frame.peer in own, max_bytes=MAX_BYTES)
 
-    def slot_frame(seq: int, peer: str = "own", nan: bool = False) -> SimpleNamespace:
+    def slot_frame(seq: int, peer: str = "own", nan: bool = False) -> list[SimpleNamespace]:
         fields = atari_step(seq=seq).fields
         if nan:
             fields = {**fields, "values": np.full(N, np.nan, np.float32)}
         slot = actor_ring.write(seq, fields)
-        return SimpleNamespace(buffer=encode_step(replace(atari_step(seq=seq), fields={}, slot=slot)), peer=peer)
+        return frames_of(encode_step(replace(atari_step(seq=seq), fields={}, slot=slot)), peer)
 
     message = receiver.decode(slot_frame(0))
     assert actor_ring.released == 0
@@ -190,7 +196,7 @@ def test_the_receiver_frees_a_slot_after_ingest_or_rejection_on_its_own_peers_wo
 def test_an_inline_message_frees_the_ring_its_actor_could_not_attach(rings: StepRings) -> None:
     rings.offer(ACTOR, INCARNATION, ATARI_SPEC, 16)
     receiver = StepReceiver(rings, known_spec, lambda *_: True, max_bytes=MAX_BYTES)
-    message = receiver.decode(SimpleNamespace(buffer=encode_step(atari_step())))
+    message = receiver.decode(frames_of(encode_step(atari_step(), ATARI_SPEC)))
     with receiver.holding(message):
         pass
     assert len(rings) == 0

@@ -13,14 +13,15 @@ import signal
 import time
 from pathlib import Path
 
-import msgpack
 import numpy as np
 import pytest
 import zmq
 
 from oakemu_core.run.telemetry import TelemetrySnapshot
 from oakemu_core.transport.control import JoinReply, JoinRequest, decode_message, encode_join_request
-from oakemu_core.transport.steps import StepMessage, encode_step
+from oakemu_core.policy.distributions import Categorical
+from oakemu_core.step_schema import build_schema
+from oakemu_core.transport.steps import StepMessage, StepSpec, encode_step
 from tests.e2e_helpers import (
     E2EProcesses,
     ServiceProcess,
@@ -134,10 +135,12 @@ class _PickleBomb:
         return (os.makedirs, (str(self.path),))
 
 
-def _valid_step(actor_id: str, incarnation: str, num_envs: int) -> dict:
-    """A valid step message of the intruder, as the msgpack map (to be damaged by the test)."""
+def _valid_step(actor_id: str, incarnation: str, num_envs: int) -> list[bytes]:
+    """A valid step message of the intruder, its frames (to be damaged by the test): the header, then
+    observations, actions, log_probs, values, rewards, ... (the schema's order)."""
     n = num_envs
-    frame = encode_step(StepMessage(
+    schema = build_schema({"": ((4,), np.float32)}, Categorical(2))
+    frames = encode_step(StepMessage(
         actor_id=actor_id, incarnation=incarnation, seq=0, policy_version=0,
         fields={
             "observations": np.zeros((n, 4), np.float32), "actions": np.zeros(n, np.int64),
@@ -146,12 +149,8 @@ def _valid_step(actor_id: str, incarnation: str, num_envs: int) -> dict:
             "bootstrap_values": np.zeros(n, np.float32), "next_values": np.zeros(n, np.float32),
             "trainable": np.ones(n, bool),
         },
-    ))
-    return msgpack.unpackb(frame, raw=False)
-
-
-def _pack(obj: dict) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    ), StepSpec(n, schema))
+    return [bytes(frame) for frame in frames]
 
 
 def test_malformed_messages_are_rejected_and_counted_while_training_goes_on(
@@ -178,36 +177,31 @@ def test_malformed_messages_are_rejected_and_counted_while_training_goes_on(
     assert isinstance(reply, JoinReply) and reply.accepted
 
     valid = _valid_step("intruder", "inc-intruder", 2)
-    missing_field = dict(valid, fields={k: v for k, v in valid["fields"].items() if k != "rewards"})
-
-    def with_observations(array: dict) -> dict:  # the same message with one damaged field
-        return dict(valid, fields={**valid["fields"], "observations": array})
-
-    wrong_dtype = with_observations({"dtype": "<f8", "shape": [2, 4], "data": bytes(2 * 4 * 8)})
-    wrong_shape = with_observations({"dtype": "<f4", "shape": [3, 4], "data": bytes(3 * 4 * 4)})
-    huge_shape = with_observations({"dtype": "<f4", "shape": [2**40, 4], "data": bytes(32)})
+    header, observations, rest = valid[0], valid[1], valid[2:]
     bomb_path = tmp_path / "unpickled"
-    frames = {
-        "garbage": b"\xc1\xc1 definitely not msgpack \x00\xff",
-        "missing field": _pack(missing_field),
-        "wrong dtype": _pack(wrong_dtype),
-        "wrong shape": _pack(wrong_shape),
-        "huge declared shape": _pack(huge_shape),
-        "pickle": pickle.dumps(_PickleBomb(bomb_path)),
-        "oversized": bytes(LEARNER_MAX_MESSAGE_BYTES + 1),
+    messages = {
+        "garbage": [b"\xc1\xc1 definitely not msgpack \x00\xff"],
+        "missing frame (rewards)": [header, observations, *rest[:3], *rest[4:]],
+        "extra frame": [*valid, valid[-1]],
+        "wrong dtype (float64 observations)": [header, bytes(2 * 4 * 8), *rest],
+        "wrong shape (3 envs)": [header, bytes(3 * 4 * 4), *rest],
+        "truncated frame": [header, observations[:-1], *rest],
+        "oversized frame": [header, observations * 1000, *rest],
+        "pickle": [pickle.dumps(_PickleBomb(bomb_path))],
+        "oversized": [bytes(LEARNER_MAX_MESSAGE_BYTES + 1)],
     }
     push = context.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
     push.connect(e2e.ports.data_address)
-    for frame in frames.values():
+    for frames in messages.values():
         assert push.poll(10_000, zmq.POLLOUT)
-        push.send(frame)
+        push.send_multipart(frames)
     # Garbage on the control socket too: the learner answers (REQ must get a reply) and counts it.
     control.send(b"\xc1 not a control message")
     assert control.poll(10_000), "the learner did not answer a garbage control request"
     decode_message(control.recv(), max_bytes=64 * 2**20)
 
-    expected = {"garbage": 3, "schema": 1, "dtype": 1, "shape": 1, "size": 1, "oversized": 1}
+    expected = {"garbage": 3, "schema": 2, "size": 4, "oversized": 1}
 
     def counted(s: TelemetrySnapshot) -> bool:
         return all(s.rejected_messages.get(k, 0) - rejected_before.get(k, 0) >= n for k, n in expected.items())

@@ -34,7 +34,9 @@ from oakemu_core.transport.control import (
     encode_join_request,
     encode_leave,
 )
-from oakemu_core.transport.steps import StepMessage, encode_step
+from oakemu_core.policy.distributions import Categorical
+from oakemu_core.step_schema import build_schema
+from oakemu_core.transport.steps import StepMessage, StepSpec, encode_step
 from tests.e2e_helpers import E2EProcesses, describe_all, read_jsonl, wait_for
 from tests.fault_helpers import fill_disk
 
@@ -168,18 +170,22 @@ def test_logs_are_not_written_twice_after_kill_9_and_resume(e2e: E2EProcesses) -
 
 
 # ----------------------------------------------------------------------- flood + every frame
-def _step(actor_id: str, incarnation: str, seq: int, n: int = 2, obs_dtype=np.float32, obs_rows: int | None = None) -> bytes:
+def _step(actor_id: str, incarnation: str, seq: int, n: int = 2, obs_dtype=np.float32,
+          obs_rows: int | None = None) -> list[bytes]:
+    """The frames of a CartPole step message; another observation dtype or row count: the bytes of
+    such an array in the observations' frame."""
     rows = n if obs_rows is None else obs_rows
-    return encode_step(StepMessage(
+    frames = encode_step(StepMessage(
         actor_id=actor_id, incarnation=incarnation, seq=seq, policy_version=0,
         fields={
-            "observations": np.zeros((rows, 4), obs_dtype), "actions": np.zeros(n, np.int64),
+            "observations": np.zeros((n, 4), np.float32), "actions": np.zeros(n, np.int64),
             "log_probs": np.full(n, -0.69, np.float32), "values": np.zeros(n, np.float32),
             "rewards": np.ones(n, np.float32), "dones": np.zeros(n, bool), "truncated": np.zeros(n, bool),
             "bootstrap_values": np.zeros(n, np.float32), "next_values": np.zeros(n, np.float32),
             "trainable": np.ones(n, bool),
         },
-    ))
+    ), StepSpec(n, build_schema({"": ((4,), np.float32)}, Categorical(2))))
+    return [bytes(frames[0]), np.zeros((rows, 4), obs_dtype).tobytes(), *map(bytes, frames[2:])]
 
 
 def test_flood_of_malformed_frames_is_counted_exactly_with_a_bounded_log(e2e: E2EProcesses) -> None:
@@ -207,8 +213,8 @@ def test_flood_of_malformed_frames_is_counted_exactly_with_a_bounded_log(e2e: E2
             reply = control.recv_multipart()
             decode_message(reply[-1], max_bytes=64 * 2**20)
 
-    def push(*frames: bytes) -> None:
-        data.send_multipart(list(frames))
+    def push(frames: list[bytes]) -> None:
+        data.send_multipart(frames)
         sent["data"] += 1
 
     request(encode_join_request(JoinRequest("intruder", "inc-1", 2, "test")))
@@ -219,18 +225,18 @@ def test_flood_of_malformed_frames_is_counted_exactly_with_a_bounded_log(e2e: E2
     request(encode_heartbeat(Heartbeat("ghost", "inc-x", 0, 0, 1.0, 0.0, 0)))  # unknown: answered "rejoin"
     request(encode_leave(Leave("ghost", "inc-x")))
     request(b"\xc1 not a control message")  # garbage, answered
-    request(_step("intruder", "inc-1", 99))  # a step on the control socket: schema
+    request(_step("intruder", "inc-1", 99)[0])  # a step's header on the control socket: schema
     control.send_multipart([b"not-empty", b"body"])  # a bad REQ envelope: garbage, not answered
     control.send(b"one frame")  # [identity, body]: garbage, not answered
     sent["control"] += 2
-    push(b"a", b"two-part data message")  # garbage
+    push([b"a", b"two-part data message"])  # garbage
     push(_step("stranger", "inc-9", 0))  # unknown_actor
-    push(_step("intruder", "inc-1", 10, obs_dtype=np.float64))  # dtype
+    push(_step("intruder", "inc-1", 10, obs_dtype=np.float64))  # a frame of another dtype: size
     push(_step("intruder", "inc-1", 50))  # a gap (seq 10 was rejected): accepted, the gap counted as dropped
     push(_step("intruder", "inc-1", 5))  # a replayed seq: out_of_order
     # The flood: 3,000 garbage frames and 1,000 of a wrong shape.
     for i in range(3000):
-        push(b"\xc1 garbage %d" % i)
+        push([b"\xc1 garbage %d" % i])
     for _ in range(1000):
         push(_step("intruder", "inc-1", 51, obs_rows=3))
     # The two sockets are not ordered with each other: let the learner read every data message first.
@@ -238,8 +244,8 @@ def test_flood_of_malformed_frames_is_counted_exactly_with_a_bounded_log(e2e: E2
     request(encode_leave(Leave("intruder", "inc-1")))
     for seq in range(51, 56):  # in flight after the leave: late steps
         push(_step("intruder", "inc-1", seq))
-    expected_rejected = {"garbage": 1 + 2 + 1 + 3000, "schema": 1, "unknown_actor": 1, "dtype": 1,
-                         "out_of_order": 1, "shape": 1000}
+    expected_rejected = {"garbage": 1 + 2 + 1 + 3000, "schema": 1, "unknown_actor": 1, "size": 1 + 1000,
+                         "out_of_order": 1}
 
     def settled(s: TelemetrySnapshot) -> bool:
         return (sum(s.messages_received.values()) >= sent["data"] + sent["control"]

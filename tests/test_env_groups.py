@@ -95,7 +95,7 @@ def test_overlapped_groups_step_every_env_once_per_row_and_keep_columns() -> Non
         assembler.join("a", "inc", StepSpec(num_envs=NUM_ENVS, schema=schema), hostname="h", now=0.0)
         for seq, (fields, version) in enumerate(rows):
             frame = encode_step(StepMessage(actor_id="a", incarnation="inc", seq=seq, policy_version=version,
-                                            fields=fields))
+                                            fields=fields), assembler.spec_for("a", "inc"))
             assembler.ingest(decode_step(frame, assembler.spec_for, max_bytes=1 << 24),
                              current_policy_version=0, now=0.0)
         assert assembler.counters.env_steps == STEPS * NUM_ENVS

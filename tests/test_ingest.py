@@ -367,7 +367,7 @@ def test_drop_stale_rows_with_no_stale_row(buffers: list[RolloutBuffer]) -> None
 def test_learner_path_counts_a_late_step_of_a_departed_actor_as_dropped(assembler: RolloutAssembler) -> None:
     """What oakemu_services.learner does with each frame: decode against the joined spec, then ingest."""
     assembler.join("a", "a-1", spec(3), hostname="h", now=0.0)
-    frame = encode_step(message("a", "a-1", 0, 3))
+    frame = encode_step(message("a", "a-1", 0, 3), spec(3))
     assert assembler.leave("a", "a-1")
     with pytest.raises((StepRejected, MessageRejected)) as caught:  # the learner catches both
         assembler.ingest(decode_step(frame, assembler.spec_for, max_bytes=2**20), current_policy_version=0, now=1.0)
@@ -377,7 +377,7 @@ def test_learner_path_counts_a_late_step_of_a_departed_actor_as_dropped(assemble
 
 def learner_path(assembler: RolloutAssembler, msg: StepMessage, *, version: int = 0) -> None:
     """What oakemu_services.learner does with each frame: decode against the joined spec, then ingest."""
-    frame = encode_step(msg)
+    frame = encode_step(msg, spec(msg.num_envs))
     assembler.ingest(decode_step(frame, assembler.spec_for, max_bytes=2**20), current_policy_version=version, now=0.0)
 
 

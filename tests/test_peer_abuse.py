@@ -134,7 +134,7 @@ def test_a_second_connection_with_a_stolen_incarnation_is_refused_and_the_actor_
     data = harness.context.socket(zmq.PUSH)
     data.connect(harness.data_address)
     written = learner.assembler.counters.env_steps
-    data.send(encode_step(StepMessage("victim", "inc-victim", 0, 0, fields)))
+    data.send_multipart(encode_step(StepMessage("victim", "inc-victim", 0, 0, fields), spec))
     deadline = time.monotonic() + 10.0
     while learner.assembler.counters.env_steps == written and time.monotonic() < deadline:
         learner._handle_data(time.monotonic())

@@ -810,7 +810,7 @@ def test_add_takes_the_seed_keyword_action_masks_and_checks_masks_as_the_wire_do
     sent = {**arrays, "truncated": np.zeros(2, bool), "bootstrap_values": np.zeros(2, np.float32),
             "next_values": np.zeros(2, np.float32), "trainable": np.ones(2, bool)}
     for mask in (empty_row, forbidden):
-        frame = encode_step(StepMessage("a", "a-1", 0, 0, {**sent, "action_mask": mask}))
+        frame = encode_step(StepMessage("a", "a-1", 0, 0, {**sent, "action_mask": mask}), StepSpec(2, schema))
         with pytest.raises(MessageRejected) as info:
             decode_step(frame, lambda *_: StepSpec(2, schema), max_bytes=1 << 20)
         assert info.value.reason == "value_range"

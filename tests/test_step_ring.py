@@ -84,7 +84,7 @@ def test_a_message_through_the_ring_decodes_to_the_arrays_of_the_inline_message(
     try:
         for seq in range(5):  # more messages than slots: slots are reused after release
             msg = atari_step(seq=seq, seed=seq) if spec is ATARI_SPEC else block_step(seq)
-            inline = decode_step(encode_step(msg), lambda a, i: spec, max_bytes=MAX_BYTES)
+            inline = decode_step(encode_step(msg, spec), lambda a, i: spec, max_bytes=MAX_BYTES)
             ringed = via_ring(learner_ring, actor_ring, msg)
             assert ringed.slot == seq % 2 and inline.slot is None
             assert ringed.fields.keys() == inline.fields.keys()
@@ -187,11 +187,11 @@ def test_slot_messages_the_learner_cannot_place_are_rejected(ring: StepRing) -> 
             assert "slot" in rejected(frame, lambda a, i: other).detail
         finally:
             other.close()
-        obj_with_fields = encode_step(replace(atari_step(seq=4), slot=None))  # fields inline ...
-        tampered = msgpack.unpackb(obj_with_fields, raw=False)
+        with_fields = encode_step(replace(atari_step(seq=4), slot=None), ATARI_SPEC)  # arrays inline ...
+        tampered = msgpack.unpackb(with_fields[0], raw=False)
         tampered["slot"] = 1  # ... and a slot as well
-        reason = rejected(msgpack.packb(tampered, use_bin_type=True), lambda a, i: ring)
-        assert reason.reason == "schema" and "none in a slot message" in reason.detail
+        reason = rejected([msgpack.packb(tampered, use_bin_type=True), *with_fields[1:]], lambda a, i: ring)
+        assert reason.reason == "schema" and "header alone in a slot message" in reason.detail
         assert decode_step(frame, known_spec, max_bytes=MAX_BYTES, ring_for=lambda a, i: ring).slot == 1
     finally:
         actor.close()
@@ -268,14 +268,14 @@ def test_every_message_the_learner_reads_frees_its_slot_but_only_on_its_own_peer
         assembler.join(ACTOR, INCARNATION, ATARI_SPEC, hostname="h", now=0.0)
         offer = rings.offer(ACTOR, INCARNATION, ATARI_SPEC, 16)
         assert offer.slots == 2
-        queue: list[tuple[bytes, str]] = []
+        queue: list[tuple[list, str]] = []
 
         class Frames:  # the PULL socket; each frame says which peer sent it
             def recv_multipart(self, flags: int, copy: bool) -> list:
                 if not queue:
                     raise zmq.Again()
-                frame, peer = queue.pop(0)
-                return [SimpleNamespace(buffer=frame, peer=peer)]
+                frames, peer = queue.pop(0)
+                return [SimpleNamespace(buffer=frame, peer=peer) for frame in frames]
 
         peers = SimpleNamespace(allows=lambda actor_id, incarnation, frame: frame.peer == "own")
         learner = SimpleNamespace(

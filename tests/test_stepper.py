@@ -172,7 +172,7 @@ def test_truncation_reaches_gae_through_the_assembler() -> None:
             frame = encode_step(StepMessage(
                 actor_id="actor-0", incarnation="inc", seq=seq, policy_version=row.policy_version,
                 fields=row.fields, episode_returns=row.episode_returns, episode_lengths=row.episode_lengths,
-            ))
+            ), step_spec)
             message = decode_step(frame, assembler.spec_for, max_bytes=1 << 20)
             assembler.ingest(message, current_policy_version=3, now=0.0)
         rollout = assembler.take_full_rollout()
@@ -223,7 +223,7 @@ def test_masked_multi_discrete_stepper_never_sends_a_masked_action_to_the_env() 
             actions = row.buffers.actions
             assert masks[np.arange(4), actions[:, 0]].all() and masks[np.arange(4), 3 + actions[:, 1]].all()
             episodes += len(row.env_step.episode_returns)
-            frame = encode_step(StepMessage("a", "b", seq, 0, row.buffers.sent_fields(row.next_values, schema)))
+            frame = encode_step(StepMessage("a", "b", seq, 0, row.buffers.sent_fields(row.next_values, schema)), spec)
             decode_step(frame, lambda *_: spec, max_bytes=1 << 20)
         assert episodes == 4 * 40 // 8
     finally:

@@ -97,14 +97,16 @@ def test_a_block_of_k_steps_writes_exactly_the_rows_of_k_single_step_messages(bu
     single, blocked = RolloutAssembler(buffers[:2], actor_timeout_s=10), RolloutAssembler(buffers[2:], actor_timeout_s=10)
     single.join("a", "inc", StepSpec(N, SCHEMA), hostname="h", now=0.0)
     blocked.join("a", "inc", StepSpec(N, SCHEMA, steps_per_message=K), hostname="h", now=0.0)
-    frames_1 = [encode_step(StepMessage("a", "inc", s, 2, fields, r, l, revision=1)) for s, (fields, r, l) in enumerate(steps)]
+    frames_1 = [encode_step(StepMessage("a", "inc", s, 2, fields, r, l, revision=1), StepSpec(N, SCHEMA))
+                for s, (fields, r, l) in enumerate(steps)]
     block = StepBlock(SCHEMA, N, K)
     frames_k = []
     for b in range(T // K):
         block.clear()
         for fields, r, l in steps[b * K:(b + 1) * K]:
             block.record(fields, 2, r, l, revision=1)
-        frames_k.append(encode_step(block.message("a", "inc", b)))
+        frames_k.append([bytes(frame) for frame in  # as sent: copied before the block's next record
+                         encode_step(block.message("a", "inc", b), blocked.spec_for("a", "inc"))])
     decoded = decode_step(frames_k[0], blocked.spec_for, max_bytes=MAX_BYTES)
     assert decoded.num_steps == K and decoded.num_envs == N and decoded.fields["observations"].shape == (K, N, 3)
     for name in decoded.fields:
@@ -142,7 +144,7 @@ def test_a_malformed_block_is_rejected_whole(buffers: list[RolloutBuffer], corru
         fields["bootstrap_values"][:] = 0
         block.record(fields, 0, r, l)
     corrupt(block.arrays)
-    frame = encode_step(block.message("a", "inc", 0))
+    frame = encode_step(block.message("a", "inc", 0), spec)
     with pytest.raises(MessageRejected) as info:
         decode_step(frame, assembler.spec_for, max_bytes=MAX_BYTES)
     assert info.value.reason == reason
@@ -153,16 +155,18 @@ def test_a_block_of_the_wrong_length_or_layout_is_rejected(buffers: list[Rollout
     rng = np.random.default_rng(1)
     spec = StepSpec(N, SCHEMA, steps_per_message=K)
     fields = {name: np.stack([a] * (K - 1)) for name, a in one_step(rng, 0)[0].items()}
+    short = encode_step(StepMessage("a", "i", 0, 0, fields), StepSpec(N, SCHEMA, steps_per_message=K - 1))
     with pytest.raises(MessageRejected) as info:
-        decode_step(encode_step(StepMessage("a", "i", 0, 0, fields)), lambda a, i: spec, max_bytes=MAX_BYTES)
-    assert info.value.reason == "shape"
+        decode_step(short, lambda a, i: spec, max_bytes=MAX_BYTES)
+    assert info.value.reason == "size"
     single = one_step(rng, 0)[0]  # a one-step message where the spec agreed on blocks of K
     with pytest.raises(MessageRejected) as info:
-        decode_step(encode_step(StepMessage("a", "i", 0, 0, single)), lambda a, i: spec, max_bytes=MAX_BYTES)
-    assert info.value.reason == "shape"
+        decode_step(encode_step(StepMessage("a", "i", 0, 0, single), StepSpec(N, SCHEMA)), lambda a, i: spec,
+                    max_bytes=MAX_BYTES)
+    assert info.value.reason == "size"
     too_many = {name: np.stack([a] * K) for name, a in single.items()}
     with pytest.raises(MessageRejected) as info:  # more episodes than K x N
-        decode_step(encode_step(StepMessage("a", "i", 0, 0, too_many, [1.0] * (K * N + 1), [1] * (K * N + 1))),
+        decode_step(encode_step(StepMessage("a", "i", 0, 0, too_many, [1.0] * (K * N + 1), [1] * (K * N + 1)), spec),
                     lambda a, i: spec, max_bytes=MAX_BYTES)
     assert info.value.reason == "schema"
 

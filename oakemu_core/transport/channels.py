@@ -4,8 +4,9 @@ Actor side: a step channel (:func:`open_step_channel`, at every join) takes the 
 messages in ``seq`` order: :meth:`~SocketStepChannel.wait_writable` before the actor acts the steps
 of message ``seq``, :meth:`~SocketStepChannel.send` once they are acted.
 
-- :class:`SocketStepChannel`: the arrays travel inline in the message, through the actor's PUSH
-  socket. Back-pressure: the socket's send queue (:func:`send_queue_messages`) is full.
+- :class:`SocketStepChannel`: the arrays travel inline, as frames of the message, through the actor's
+  PUSH socket, stacked frames deduplicated (:class:`~oakemu_core.transport.steps.StepEncoder`).
+  Back-pressure: the socket's send queue (:func:`send_queue_messages`) is full.
 - :class:`RingStepChannel`: the arrays go into the message's slot of the actor's step ring
   (:mod:`oakemu_core.transport.step_ring`); the socket carries the header and the slot. Back-pressure:
   the slot is not free yet, and the actor waits for it before acting, so the ring's slots bound the
@@ -14,8 +15,9 @@ of message ``seq``, :meth:`~SocketStepChannel.send` once they are acted.
 While a channel waits it hands control to the actor's :class:`Pause` (heartbeats, newer weights), and
 it gives up, dropping the message, once the actor's stop event is set.
 
-Learner side: :class:`StepReceiver` decodes a step frame (arrays inline or in the sender's ring
-slot) and frees the slot once the learner is done with the message, whether ingested or rejected.
+Learner side: :class:`StepReceiver` decodes a step message (arrays inline or in the sender's ring
+slot), keeps the last stacks of each actor's stacked fields, and frees the slot once the learner is
+done with the message, whether ingested or rejected.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -33,7 +35,8 @@ import zmq
 from oakemu_core.transport.auth import ClientSecurity
 from oakemu_core.transport.codec import MessageRejected
 from oakemu_core.transport.step_ring import StepRing, StepRings
-from oakemu_core.transport.steps import StepMessage, StepSpec, decode_step, encode_step
+from oakemu_core.transport.frame_stacks import StackHistories
+from oakemu_core.transport.steps import Frame, StepEncoder, StepMessage, StepSpec, decode_step, encode_step
 
 __all__ = [
     "Pause",
@@ -133,7 +136,7 @@ class SocketStepChannel:
     Args:
         socket: a connected PUSH socket, its send queue :func:`send_queue_messages` long.
         stop: the actor's stop event: a wait ends when it is set, and the message is not sent.
-        steps_per_message: K of the actor's spec.
+        spec: the actor's step spec (its K; the frames of its messages).
 
     Attributes:
         socket: the PUSH socket (owned: :meth:`close` closes it).
@@ -142,11 +145,12 @@ class SocketStepChannel:
             of the previous incarnation by :func:`open_step_channel`).
     """
 
-    def __init__(self, socket: zmq.Socket, stop: threading.Event, steps_per_message: int) -> None:
+    def __init__(self, socket: zmq.Socket, stop: threading.Event, spec: StepSpec) -> None:
         self.socket = socket
         self.stop = stop
-        self.layout = _layout(steps_per_message, None)
+        self.layout = _layout(spec.steps_per_message, None)
         self.slot_waits = 0
+        self.encoder = StepEncoder(spec)
 
     def wait_writable(self, seq: int, pause: Pause) -> None:
         """Wait until message ``seq`` may be written; through the socket, at once."""
@@ -158,15 +162,23 @@ class SocketStepChannel:
         Raises:
             TypeError / ValueError: from :func:`~oakemu_core.transport.steps.encode_step`.
         """
-        self._send_frame(encode_step(message), pause)
+        self._send_frames(self.encoder.encode(message), pause)
 
-    def _send_frame(self, frame: bytes, pause: Pause) -> None:
+    def _send_frames(self, frames: Sequence[Frame], pause: Pause) -> None:
+        """Send one multipart message: views of the actor's arrays are copied into it (the actor
+        reuses them at once), buffers made for the message (``bytearray``) go without a copy."""
         while not self.stop.is_set():
-            try:
-                self.socket.send(frame, zmq.NOBLOCK, copy=False)
-                return
+            try:  # a full queue refuses the first frame; the others then always go
+                self.socket.send(frames[0], zmq.NOBLOCK | (zmq.SNDMORE if len(frames) > 1 else 0))
+                break
             except zmq.Again:
                 pause(SEND_RETRY_S, self.socket)
+        else:
+            return
+        last = len(frames) - 1
+        for index in range(1, len(frames)):
+            frame = frames[index]
+            self.socket.send(frame, zmq.SNDMORE if index < last else 0, copy=not isinstance(frame, bytearray))
 
     def detach(self) -> zmq.Socket:
         """Hand the socket over (to the next incarnation's channel) and free the rest."""
@@ -181,15 +193,15 @@ class RingStepChannel(SocketStepChannel):
     """An actor's step messages with their arrays in its step ring; the socket carries the rest.
 
     Args:
-        socket, stop, steps_per_message: as for :class:`SocketStepChannel`.
+        socket, stop, spec: as for :class:`SocketStepChannel`.
         ring: the ring the actor attached (:meth:`~oakemu_core.transport.step_ring.StepRing.attach`);
             owned: :meth:`close` closes it.
     """
 
-    def __init__(self, socket: zmq.Socket, ring: StepRing, stop: threading.Event, steps_per_message: int) -> None:
-        super().__init__(socket, stop, steps_per_message)
+    def __init__(self, socket: zmq.Socket, ring: StepRing, stop: threading.Event, spec: StepSpec) -> None:
+        super().__init__(socket, stop, spec)
         self.ring = ring
-        self.layout = _layout(steps_per_message, ring)
+        self.layout = _layout(spec.steps_per_message, ring)
 
     def wait_writable(self, seq: int, pause: Pause) -> None:
         """Wait until the slot of message ``seq`` is free (the learner released ``seq - slots``),
@@ -223,7 +235,7 @@ class RingStepChannel(SocketStepChannel):
         if not self.ring.is_free(message.seq):  # told to stop meanwhile
             return
         slot = self.ring.write(message.seq, message.fields)
-        self._send_frame(encode_step(replace(message, fields={}, slot=slot)), pause)
+        self._send_frames(encode_step(replace(message, fields={}, slot=slot)), pause)
 
     def detach(self) -> zmq.Socket:
         """Close the ring (it belongs to this incarnation) and hand the socket over."""
@@ -261,13 +273,18 @@ def open_step_channel(spec: StepSpec, ring: StepRing | None, connect: Callable[[
             previous.close()
     if socket is None:
         socket = connect(send_queue_messages(k, ring))
-    channel = SocketStepChannel(socket, stop, k) if ring is None else RingStepChannel(socket, ring, stop, k)
+    channel = SocketStepChannel(socket, stop, spec) if ring is None else RingStepChannel(socket, ring, stop, spec)
     channel.slot_waits = previous.slot_waits if previous is not None else 0
     return channel
 
 
 class StepReceiver:
-    """The learner's end of the actors' step channels: decodes step frames and frees ring slots.
+    """The learner's end of the actors' step channels: decodes step messages, keeps each actor's last
+    stacks (stacked-frame deduplication) and frees ring slots.
+
+    The stacks of a message are remembered only when it comes from its actor's own peer: another
+    peer's message must not become the stack the actor's next message is rebuilt from. They are
+    forgotten with the actor (:meth:`retain`).
 
     A message whose arrays are in a ring slot holds that slot until the learner is done with it
     (:meth:`holding`); a message rejected at decode frees its slot at once. A slot is freed only on
@@ -278,7 +295,7 @@ class StepReceiver:
         spec_for: ``(actor_id, incarnation) -> StepSpec`` of a joined actor, or None.
         allows: ``(actor_id, incarnation, frame) ->`` whether the frame comes from the peer that actor
             joined from (:meth:`oakemu_core.transport.auth.PeerBinding.allows`).
-        max_bytes: frames longer than this are rejected before decoding.
+        max_bytes: messages longer than this (all frames) are rejected before decoding.
         notices: logs that an actor sends inline although offered a ring, ``event(reason, text,
             level=...)`` (a peer can cause it once per join: rate limited by the caller); None: the log.
     """
@@ -290,25 +307,38 @@ class StepReceiver:
         self.allows = allows
         self.max_bytes = max_bytes
         self.notices = notices
+        self.stacks = StackHistories()
 
-    def decode(self, frame: Any) -> StepMessage:
-        """The checked step message of one ZeroMQ frame (its ``buffer`` is decoded; the frame names
-        the peer), arrays inline or read from the sender's ring slot.
+    def decode(self, frames: Sequence[Any]) -> StepMessage:
+        """The checked step message of one multipart ZeroMQ message (``zmq.Frame`` objects, their
+        ``buffer`` decoded; the first names the peer), arrays inline or read from the sender's ring slot.
 
         Raises:
             MessageRejected: as :func:`~oakemu_core.transport.steps.decode_step`. When the sender was
                 read (a known incarnation, from its own peer), its slot is freed first: otherwise a few
                 rejected messages in a row leave the actor waiting for a slot forever.
         """
+        peer = frames[0] if frames else None
         try:
-            return decode_step(frame.buffer, self.spec_for, max_bytes=self.max_bytes, ring_for=self.rings.get)
+            message = decode_step([frame.buffer for frame in frames], self.spec_for, max_bytes=self.max_bytes,
+                                  ring_for=self.rings.get, stacks_for=self.stacks.previous)
         except MessageRejected as error:
             if error.sender is not None:
                 actor_id, incarnation, seq = error.sender
                 ring = self.rings.get(actor_id, incarnation)
-                if ring is not None and self.allows(actor_id, incarnation, frame):
+                if ring is not None and self.allows(actor_id, incarnation, peer):
                     ring.release(seq)
             raise
+        spec = self.spec_for(message.actor_id, message.incarnation)
+        if message.slot is None and spec is not None and spec.stacked \
+                and self.allows(message.actor_id, message.incarnation, peer):
+            self.stacks.remember(message.actor_id, message.incarnation, message.seq, message.fields, spec.stacked,
+                                 block=spec.steps_per_message > 1)
+        return message
+
+    def retain(self, keys: set[tuple[str, str]]) -> None:
+        """Forget the stacks of every ``(actor_id, incarnation)`` not in ``keys`` (left, timed out, rejoined)."""
+        self.stacks.retain(keys)
 
     @contextlib.contextmanager
     def holding(self, message: StepMessage) -> Iterator[None]:

@@ -94,8 +94,8 @@ class StepBlock:
         self.count = index + 1
 
     def message(self, actor_id: str, incarnation: str, seq: int) -> StepMessage:
-        """The full block as one step message (arrays are the block's own, not copies: encode it
-        before the next :meth:`record`).
+        """The full block as one step message (arrays are the block's own, not copies: send it
+        before the next :meth:`record`; its encoded frames are views of them).
 
         Raises:
             ValueError: the block is not full.

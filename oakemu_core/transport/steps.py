@@ -1,27 +1,29 @@
 """Step messages: one actor's env steps (arrays of every sent field of the step schema) and their checks.
 
-A step message (``"type": "step"``, actor PUSH -> learner PULL) carries ``"actor_id"``,
-``"incarnation"`` (a fresh id on every actor start), ``"seq"`` (0, 1, 2, ... per incarnation), the
-``"policy_version"`` and ``"revision"`` of the weights that acted, the ``"fields"`` map (field name
--> wire array, :mod:`oakemu_core.transport.codec`), ``"slot"`` and the episodes that ended.
-:class:`StepSpec`, agreed at join time, says what the arrays of one actor must look like;
-:func:`decode_step` checks every message against it and raises only
-:class:`~oakemu_core.transport.codec.MessageRejected`. Ordering of ``seq`` is checked by the
-learner (:mod:`oakemu_core.storage.assembler`), not here.
+A step message (actor PUSH -> learner PULL) is one multipart ZeroMQ message: a small msgpack header
+(``"type": "step"``, ``"actor_id"``, ``"incarnation"`` (a fresh id on every actor start), ``"seq"``
+(0, 1, 2, ... per incarnation), the ``"policy_version"`` and ``"revision"`` of the weights that acted,
+``"slot"`` and the episodes that ended), then one frame per sent field of the step schema, in the
+schema's order, holding the field's raw C-order bytes (no dtype, shape or name on the wire: they are
+the :class:`StepSpec` agreed at join). A stacked observation field (Atari's ``(4, 84, 84)`` frames)
+travels as two frames, its per-row flags and the newest frames plus the whole stacks of flagged
+rows (:mod:`oakemu_core.transport.frame_stacks`). :func:`decode_step` checks every message against the
+sender's spec (frame count, each frame's byte length, then the contents) and raises only
+:class:`~oakemu_core.transport.codec.MessageRejected`. Ordering of ``seq`` is checked by the learner
+(:mod:`oakemu_core.storage.assembler`), not here.
 
-Copies: :func:`encode_step` hands msgpack each C-contiguous array's own buffer
-(``ndarray.data``); msgpack copies it once into its (per-thread, reused) buffer and once more
-into the returned ``bytes``. :func:`decode_step` returns read-only ``np.frombuffer`` views of
-the ``bytes`` objects msgpack unpacks (msgpack's one copy out of the frame; no further copy).
-A step message of an actor with a step ring carries ``"slot"`` and an empty ``"fields"`` map: its
-arrays are in that slot of the ring (:mod:`oakemu_core.transport.step_ring`), and :func:`decode_step`
-reads them from there (frames in place, the checked fields as private copies).
+Copies: :func:`encode_step` returns views of the message's arrays (the sender's socket copies them
+once into its messages) and fresh buffers for deduplicated stacks (sent without a copy);
+:func:`decode_step` returns read-only ``np.frombuffer`` views of the received frames (no copy) and a
+private array of each rebuilt stack. A step message of an actor with a step ring is the header alone
+with ``"slot"`` set: its arrays are in that slot of the ring (:mod:`oakemu_core.transport.step_ring`),
+and :func:`decode_step` reads them from there (frames in place, the checked fields as private copies).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -35,9 +37,7 @@ from oakemu_core.transport.codec import (
     check_local_id,
     check_local_int,
     checked_contents,
-    decode_array,
     describe,
-    encode_array,
     finite_float,
     get_int,
     get_str,
@@ -47,6 +47,7 @@ from oakemu_core.transport.codec import (
     require_fields,
     unpack,
 )
+from oakemu_core.transport.frame_stacks import StackEncoder, rebuild_stacks, stacked_fields
 
 __all__ = [
     "TYPE_STEP",
@@ -55,6 +56,7 @@ __all__ = [
     "StepSpec",
     "StepMessage",
     "StepRingReader",
+    "StepEncoder",
     "encode_step",
     "decode_step",
 ]
@@ -68,8 +70,11 @@ MAX_STEPS_PER_MESSAGE = 1024
 MAX_ABS_EPISODE_RETURN = 1e12
 """Largest magnitude accepted for a raw episodic return."""
 
-_STEP_FIELDS = ("actor_id", "incarnation", "seq", "policy_version", "revision", "fields", "slot", "episode_returns",
+_STEP_FIELDS = ("actor_id", "incarnation", "seq", "policy_version", "revision", "slot", "episode_returns",
                 "episode_lengths")
+
+Frame = bytes | bytearray | memoryview
+"""One ZeroMQ frame of a step message as :func:`encode_step` makes it and :func:`decode_step` reads it."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,6 +98,11 @@ class StepSpec:
     Raises:
         ValueError: ``num_envs`` is not an int >= 1, or ``steps_per_message`` not an int in
             ``[1, MAX_STEPS_PER_MESSAGE]``.
+
+    Derived attributes: ``lead`` (``(n,)`` or ``(K, n)``), ``stacked`` (the names of the deduplicated
+    stacked fields, :func:`~oakemu_core.transport.frame_stacks.stacked_fields`) and ``frame_count``
+    (frames of a step message with its arrays inline: the header, one per field, one more per
+    stacked field).
     """
 
     num_envs: int
@@ -107,17 +117,21 @@ class StepSpec:
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_STEPS_PER_MESSAGE:
             raise ValueError(f"steps_per_message: expected an int in [1, {MAX_STEPS_PER_MESSAGE}], received {k!r}")
         object.__setattr__(self, "steps_per_message", int(k))
-        # (field, canonical dtype str, shape) of every sent field, computed once for decode_step.
+        # (field, shape, bytes, stacked) of every sent field in wire order, computed once for decode_step.
         lead = (self.num_envs,) if k == 1 else (int(k), self.num_envs)
-        layout = tuple((f, f.dtype.str, (*lead, *f.shape), [*lead, *f.shape], math.prod(lead) * f.item_bytes)
+        stacked = stacked_fields(self.schema)
+        layout = tuple((f, (*lead, *f.shape), math.prod(lead) * f.item_bytes, f.name in stacked)
                        for f in self.schema.sent)
+        object.__setattr__(self, "lead", lead)
+        object.__setattr__(self, "stacked", stacked)
         object.__setattr__(self, "_wire_layout", layout)
         object.__setattr__(self, "_field_names", frozenset(f.name for f in self.schema.sent))
+        object.__setattr__(self, "frame_count", 1 + len(layout) + len(stacked))
 
     def array_layout(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
         """Expected ``(dtype, shape)`` of every array of a :class:`StepMessage` (the schema's sent
         fields with a leading dimension n = ``num_envs``, after K when ``steps_per_message`` > 1)."""
-        return {item.name: (item.dtype, shape) for item, _, shape, _, _ in self._wire_layout}
+        return {item.name: (item.dtype, shape) for item, shape, _, _ in self._wire_layout}
 
     def message_bytes(self) -> int:
         """Approximate encoded size of one step message in bytes (array bytes of K steps + 1 KiB of
@@ -223,26 +237,54 @@ class StepMessage:
         return 1 if dones.ndim == 1 else int(dones.shape[0])
 
 
-def encode_step(msg: StepMessage) -> bytes:
-    """Serialise a :class:`StepMessage` for the PUSH socket.
+class StepEncoder:
+    """An actor's encoder of its step messages (:func:`encode_step`) with stacked-frame deduplication:
+    it remembers the last rows it encoded, so make one per step channel (a rejoined actor starts over
+    with whole stacks, as the learner expects of a new incarnation).
 
-    Each array goes to msgpack as a ``memoryview`` of its C-contiguous buffer (no copy unless the
-    array is not C-contiguous); msgpack copies it once into its buffer and once into the result.
-    Shapes and dtypes are not checked against a spec here: the learner does that on decode.
+    Args:
+        spec: the actor's step spec (the frames' order, shapes and stacked fields).
+    """
 
-    A message whose arrays are in a step-ring slot (``msg.slot`` an int) is sent with ``fields``
-    empty.
+    def __init__(self, spec: StepSpec) -> None:
+        self.spec = spec
+        self.stacks = StackEncoder()
+
+    def encode(self, msg: StepMessage) -> list[Frame]:
+        """The frames of ``msg`` (see :func:`encode_step`)."""
+        return _encode(msg, self.spec, self.stacks)
+
+
+def encode_step(msg: StepMessage, spec: StepSpec | None = None) -> list[Frame]:
+    """The frames of a :class:`StepMessage` for the PUSH socket (``send_multipart``), every stack whole.
+
+    Frames: the msgpack header (``bytes``), then each sent field of ``spec`` in the schema's order:
+    a ``memoryview`` of the array's C-contiguous buffer (a view, no copy, unless the array is not
+    C-contiguous: send it with a copy, or keep the array unchanged until sent), and for a stacked field
+    its flags (``bytes``) and data (a fresh ``bytearray``; see
+    :mod:`oakemu_core.transport.frame_stacks`). A message whose arrays are in a step-ring slot
+    (``msg.slot`` an int) is the header alone, and needs no spec. :class:`StepEncoder` sends only the
+    newest frame of a stack where it can.
 
     Raises:
-        TypeError: an array field is not a numpy array or has a dtype not allowed on the wire.
-        ValueError: a scalar field has a bad value, episode lists differ in length, or a slot
-            message carries fields; the message names the field.
+        TypeError: an array field is not a numpy array or has another dtype than the spec's.
+        ValueError: a scalar field has a bad value, episode lists differ in length, a slot message
+            carries fields, a message with fields has no spec, the fields are not the spec's sent
+            fields, or an array's shape is not the spec's; the message names the field.
     """
+    return _encode(msg, spec, StackEncoder())
+
+
+def _encode(msg: StepMessage, spec: StepSpec | None, stacks: StackEncoder) -> list[Frame]:
     check_local_id(msg.actor_id, "actor_id")
     if msg.slot is not None:
         check_local_int(msg.slot, "slot")
         if msg.fields:
             raise ValueError("fields: expected none in a message whose arrays are in a step-ring slot")
+    elif spec is None:
+        raise ValueError("spec: a step message with its arrays inline needs the actor's step spec")
+    elif msg.fields.keys() != spec._field_names:
+        raise ValueError(f"fields: expected {sorted(spec._field_names)}, received {sorted(msg.fields)}")
     check_local_id(msg.incarnation, "incarnation")
     check_local_int(msg.seq, "seq")
     check_local_int(msg.policy_version, "policy_version")
@@ -254,20 +296,32 @@ def encode_step(msg: StepMessage) -> bytes:
             f"episode_lengths: expected {len(episode_returns)} entries (one per episode return), "
             f"received {len(episode_lengths)}"
         )
-    return pack(
-        {
-            **header(TYPE_STEP),
-            "actor_id": msg.actor_id,
-            "incarnation": msg.incarnation,
-            "seq": int(msg.seq),
-            "policy_version": int(msg.policy_version),
-            "revision": int(msg.revision),
-            "fields": {name: encode_array(array, name) for name, array in msg.fields.items()},
-            "slot": None if msg.slot is None else int(msg.slot),
-            "episode_returns": episode_returns,
-            "episode_lengths": episode_lengths,
-        }
-    )
+    frames: list[Frame] = [pack({
+        **header(TYPE_STEP),
+        "actor_id": msg.actor_id,
+        "incarnation": msg.incarnation,
+        "seq": int(msg.seq),
+        "policy_version": int(msg.policy_version),
+        "revision": int(msg.revision),
+        "slot": None if msg.slot is None else int(msg.slot),
+        "episode_returns": episode_returns,
+        "episode_lengths": episode_lengths,
+    })]
+    if msg.slot is not None:
+        return frames
+    assert spec is not None
+    for item, shape, _, stacked in spec._wire_layout:
+        array = msg.fields[item.name]
+        if not isinstance(array, np.ndarray) or array.dtype != item.dtype:
+            received = array.dtype if isinstance(array, np.ndarray) else type(array).__name__
+            raise TypeError(f"{item.name}: expected a numpy array of dtype {item.dtype}, received {received}")
+        if array.shape != shape:
+            raise ValueError(f"{item.name}: expected shape {list(shape)}, received {list(array.shape)}")
+        if stacked:
+            frames.extend(stacks.encode(item, array, int(msg.seq), spec.num_envs))
+        else:
+            frames.append(memoryview(np.ascontiguousarray(array)).cast("B"))
+    return frames
 
 
 class StepRingReader(Protocol):
@@ -280,51 +334,66 @@ class StepRingReader(Protocol):
 
 
 def decode_step(
-    frame: bytes | bytearray | memoryview,
+    frames: Sequence[Frame],
     spec_for: Callable[[str, str], StepSpec | None],
     *,
     max_bytes: int,
     ring_for: Callable[[str, str], StepRingReader | None] | None = None,
+    stacks_for: Callable[[str, str, int], Mapping[str, np.ndarray] | None] | None = None,
 ) -> StepMessage:
-    """Decode and validate one step frame against the spec of its sender.
+    """Decode and validate one step message (its ZeroMQ frames) against the spec of its sender.
 
-    Checks, in order: framing and header; the sender is known; exactly the schema's sent fields,
-    each with the agreed dtype and shape ``(n, *shape)``, or ``(K, n, *shape)`` for a spec with
-    ``steps_per_message`` K > 1 (floats finite, bools 0/1); each field's value checks (bounds,
-    masks that allow something); the rules between fields (truncated implies done, bootstrap
-    values only on truncated rows, the action taken is allowed by its mask;
+    Checks, in order: the total size; the header (framing, protocol, types); the sender is known;
+    the frame count (:attr:`StepSpec.frame_count`, or the header alone for a slot message); each
+    array frame's byte length (the spec's dtype itemsize x shape, or what a stacked field's flags
+    declare); the contents (floats finite, bools 0/1); each field's value checks (bounds, masks that
+    allow something); the rules between fields (truncated implies done, bootstrap values only on
+    truncated rows, the action taken is allowed by its mask;
     :func:`oakemu_core.step_schema.check_step_consistency`); the episode lists (at most K * n
-    episodes). A block is checked whole, every check vectorised over its K x n rows: one bad row
-    rejects the whole message. A message whose arrays are in a step-ring slot (``"slot"`` an int:
-    :mod:`oakemu_core.transport.step_ring`) is checked the same way on the slot's arrays; their
+    episodes). A block of K steps is checked whole, every check vectorised over its K x n rows: one bad
+    row rejects the whole message. A message whose arrays are in a step-ring slot (``"slot"`` an
+    int: :mod:`oakemu_core.transport.step_ring`) is checked the same way on the slot's arrays; their
     dtypes and shapes are the ring's layout, made from the same spec.
 
     Args:
-        frame: one ZeroMQ frame from the PULL socket.
+        frames: the message's ZeroMQ frames (bytes-like: ``zmq.Frame.buffer`` views), header first.
         spec_for: ``(actor_id, incarnation) -> StepSpec`` of a joined actor, or None if unknown.
-        max_bytes: frames longer than this are rejected before any decoding.
+        max_bytes: messages whose frames total more than this are rejected before any decoding.
         ring_for: ``(actor_id, incarnation) ->`` that actor's step ring, or None (no ring; also
             the default): then a slot message is rejected.
+        stacks_for: ``(actor_id, incarnation, seq) ->`` the last rows of every stacked field of that
+            incarnation's message ``seq - 1`` (:meth:`~oakemu_core.transport.frame_stacks.StackHistories.previous`),
+            or None (also the default): then a row sent as its newest frame only is rejected.
 
     Returns:
         A :class:`StepMessage` whose arrays have exactly the dtypes and shapes of
-        :meth:`StepSpec.array_layout`: read-only ``np.frombuffer`` views of the frame; from a ring
-        slot, read-only views of it for the fields without a content check
-        (:attr:`~oakemu_core.step_schema.StepField.any_bits_valid`) and checked private copies of the
-        others (what is checked is what is written: the slot stays writable by the actor).
+        :meth:`StepSpec.array_layout`: read-only ``np.frombuffer`` views of the frames, private
+        read-only arrays of rebuilt stacks; from a ring slot, read-only views of it for the fields
+        without a content check (:attr:`~oakemu_core.step_schema.StepField.any_bits_valid`) and checked
+        private copies of the others (what is checked is what is written: the slot stays writable by
+        the actor).
 
     Raises:
         MessageRejected: ``"oversized"``, ``"garbage"``, ``"protocol"``, ``"schema"`` (wrong type,
-            missing / extra / wrong-typed field, NaN or inf in a float array or episode return,
-            more finished episodes than envs, a slot message from an actor without a ring or
-            with another slot than ``seq % slots``, fields next to a slot), ``"unknown_actor"``,
-            ``"dtype"`` / ``"shape"`` (detail names the field, expected and received value),
-            ``"size"`` (declared shape disagrees with the data length), ``"value_range"``
-            (impossible values, named). Once the header is read, the error's ``sender`` names
-            ``(actor_id, incarnation, seq)``.
-        TypeError: ``frame`` is not a bytes-like object (a caller bug, not wire input).
+            missing / extra / wrong-typed header field, missing or extra frames, NaN or inf in a float
+            array or episode return, bool bytes other than 0 / 1, more finished episodes than envs, a
+            slot message from an actor without a ring or with another slot than ``seq % slots``,
+            array frames after a slot message, a newest-frame-only row with no stack to rebuild
+            from), ``"unknown_actor"``, ``"size"`` (a frame's length is not the agreed one; detail
+            names the field, expected and received bytes), ``"value_range"`` (impossible values,
+            named). Once the header is read, the error's ``sender`` names ``(actor_id, incarnation, seq)``.
+        TypeError: a frame is not a bytes-like object (a caller bug, not wire input).
     """
-    obj, message_type = unpack(frame, max_bytes)
+    if not frames:
+        reject("garbage", "expected a multipart step message, received no frame")
+    try:
+        views = [memoryview(frame) for frame in frames]
+    except TypeError:
+        raise TypeError("frames: expected bytes, bytearray or memoryview frames") from None
+    size = sum(view.nbytes for view in views)
+    if size > max_bytes:
+        reject("oversized", f"message is {size} bytes in {len(views)} frames, limit max_bytes={max_bytes}")
+    obj, message_type = unpack(frames[0], max_bytes)
     if message_type != TYPE_STEP:
         reject("schema", f"type: expected {TYPE_STEP!r}, received {describe(message_type)}")
     require_fields(obj, _STEP_FIELDS)
@@ -334,47 +403,70 @@ def decode_step(
     policy_version = get_int(obj, "policy_version")
     revision = get_int(obj, "revision")
     try:  # a rejection from here on names its sender: the learner releases a rejected ring slot
-        return _checked_step(obj, actor_id, incarnation, seq, policy_version, revision, spec_for, ring_for)
+        spec = spec_for(actor_id, incarnation)
+        if spec is None:
+            reject("unknown_actor", f"actor_id={actor_id!r} incarnation={incarnation!r} has not joined (or was dropped)")
+        if obj["slot"] is None:
+            previous = stacks_for(actor_id, incarnation, seq) if stacks_for is not None and spec.stacked else None
+            arrays = _frame_arrays(views, spec, previous)
+        else:
+            if len(views) != 1:
+                reject("schema", f"frames: expected the header alone in a slot message, received {len(views)} frames")
+            ring = ring_for(actor_id, incarnation) if ring_for else None
+            arrays = _slot_arrays(_slot_fields(obj["slot"], seq, ring, spec), spec)
+        episode_returns, episode_lengths = _checked_fields(obj, arrays, spec)
     except MessageRejected as error:
         error.sender = (actor_id, incarnation, seq)
         raise
+    return StepMessage(actor_id=actor_id, incarnation=incarnation, seq=seq, policy_version=policy_version,
+                       fields=arrays, episode_returns=episode_returns, episode_lengths=episode_lengths,
+                       revision=revision, slot=obj["slot"])
 
 
-def _checked_step(obj: dict[str, Any], actor_id: str, incarnation: str, seq: int, policy_version: int,
-                  revision: int, spec_for: Callable[[str, str], StepSpec | None],
-                  ring_for: Callable[[str, str], StepRingReader | None] | None) -> StepMessage:
-    """:func:`decode_step` after the header: the sender's spec, the arrays and the episodes."""
-    spec = spec_for(actor_id, incarnation)
-    if spec is None:
-        reject("unknown_actor", f"actor_id={actor_id!r} incarnation={incarnation!r} has not joined (or was dropped)")
-
-    received = obj["fields"]
-    if not isinstance(received, dict):
-        reject("schema", f"fields: expected a map field name -> array, received {type(received).__name__}")
-    slot = obj["slot"]
-    in_ring = None
-    if slot is not None:
-        in_ring = _slot_fields(slot, seq, received, ring_for(actor_id, incarnation) if ring_for else None, spec)
-    elif received.keys() != spec._field_names:
-        missing = sorted(spec._field_names - received.keys())
-        extra = sorted(map(describe, received.keys() - spec._field_names))
-        reject("schema", f"fields: missing {missing}, extra {extra}")
+def _frame_arrays(views: list[memoryview], spec: StepSpec,
+                  previous: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+    """The arrays of an inline message's frames (after the header), lengths and contents checked."""
+    if len(views) != spec.frame_count:
+        reject("schema", f"frames: expected {spec.frame_count} (the header, one per sent field and one more per "
+                         f"stacked field), received {len(views)}")
     arrays: dict[str, np.ndarray] = {}
-    rows: dict[str, np.ndarray] = {}  # (K * n, *shape) views: the value checks see one batch of rows
-    for item, dtype_str, shape, shape_list, nbytes in spec._wire_layout:
+    index = 1
+    for item, shape, nbytes, stacked in spec._wire_layout:
         name = item.name
-        if in_ring is None:
-            array = _inline_array(received[name], item, dtype_str, shape, shape_list, nbytes)
-        elif item.any_bits_valid:  # the ring's layout is the spec's; no content check (uint8 frames): in place
-            array = in_ring[name]
-        else:  # checked on a private copy, which is what gets written: the slot stays writable by the actor
-            array = checked_contents(in_ring[name].copy(), None, name)
+        if stacked:
+            arrays[name] = rebuild_stacks(item, views[index], views[index + 1], spec.lead,
+                                          None if previous is None else previous[name])
+            index += 2
+            continue
+        view = views[index]
+        index += 1
+        if view.nbytes != nbytes:
+            reject("size", f"{name}: expected {nbytes} bytes ({item.dtype.str} x {list(shape)}), received {view.nbytes}")
+        array = np.frombuffer(view, dtype=item.dtype).reshape(shape)
+        if array.flags.writeable:
+            array.flags.writeable = False
+        arrays[name] = array if item.any_bits_valid else checked_contents(array, None, name)
+    return arrays
+
+
+def _slot_arrays(in_ring: dict[str, np.ndarray], spec: StepSpec) -> dict[str, np.ndarray]:
+    """The arrays of a slot message: frames in place, checked fields as checked private copies."""
+    return {item.name: in_ring[item.name] if item.any_bits_valid  # no content check (uint8 frames): in place
+            else checked_contents(in_ring[item.name].copy(), None, item.name)  # checked what is written
+            for item, _, _, _ in spec._wire_layout}
+
+
+def _checked_fields(obj: dict[str, Any], arrays: dict[str, np.ndarray],
+                    spec: StepSpec) -> tuple[list[float], list[int]]:
+    """The value checks of every field, the rules between fields and the episode lists."""
+    rows: dict[str, np.ndarray] = {}  # (K * n, *shape) views: the value checks see one batch of rows
+    for item, _, _, _ in spec._wire_layout:
+        array = arrays[item.name]
         flat = array if spec.steps_per_message == 1 else array.reshape(-1, *item.shape)
         problem = item.check_values(flat)
         if problem is not None:
             reject("value_range", problem)
-        arrays[name] = array
-        rows[name] = flat
+        rows[item.name] = flat
     problem = check_step_consistency(spec.schema, rows)
     if problem is not None:
         reject("value_range", problem)
@@ -391,42 +483,11 @@ def _checked_step(obj: dict[str, Any], actor_id: str, incarnation: str, seq: int
     for length in lengths:
         if type(length) is not int or not 0 <= length <= INT64_MAX:
             reject("schema", f"episode_lengths: expected non-negative ints, received {describe(length)}")
-
-    return StepMessage(
-        actor_id=actor_id,
-        incarnation=incarnation,
-        seq=seq,
-        policy_version=policy_version,
-        fields=arrays,
-        episode_returns=episode_returns,
-        episode_lengths=list(lengths),
-        revision=revision,
-        slot=slot,
-    )
+    return episode_returns, list(lengths)
 
 
-def _inline_array(value: Any, item: StepField, dtype_str: str, shape: tuple[int, ...], shape_list: list[int],
-                  nbytes: int) -> np.ndarray:
-    """One inline array of a step message, with the agreed dtype and shape, contents checked."""
-    name = item.name
-    data = value.get("data") if type(value) is dict else None
-    if (type(data) is bytes and len(data) == nbytes and len(value) == 3 and value.get("dtype") == dtype_str
-            and value.get("shape") == shape_list and all(type(d) is int for d in value["shape"])):
-        # The agreed dtype and shape, spelled exactly: no generic parsing (a message has a dozen fields).
-        return checked_contents(np.frombuffer(data, dtype=item.dtype).reshape(shape), data, name)
-    array = decode_array(value, name)  # anything else takes the generic path, which names what is wrong
-    if array.dtype.str != dtype_str:
-        reject("dtype", f"{name}: expected dtype {dtype_str!r}, received {array.dtype.str!r}")
-    if array.shape != shape:
-        reject("shape", f"{name}: expected shape {list(shape)}, received {list(array.shape)}")
-    return array
-
-
-def _slot_fields(slot: Any, seq: int, received: dict, ring: StepRingReader | None,
-                 spec: StepSpec) -> dict[str, np.ndarray]:
+def _slot_fields(slot: Any, seq: int, ring: StepRingReader | None, spec: StepSpec) -> dict[str, np.ndarray]:
     """The arrays of a slot message (checks the slot against the ring), else rejects it."""
-    if received:
-        reject("schema", f"fields: expected none in a slot message, received {sorted(map(describe, received))}")
     if ring is None:
         reject("schema", "slot: this actor has no step ring (send the fields inline)")
     if type(slot) is not int or slot != seq % ring.slots or (ring.spec is not spec and ring.spec != spec):

@@ -1,0 +1,161 @@
+"""Stacked-frame deduplication on the socket path: an actor sends an env's newest frame only when the
+rest of its stack is what it sent the step before; the learner keeps each env's last stack and rebuilds.
+
+A *stacked field* (:func:`stacked_fields`) is a sent observation field of dtype uint8 whose per-env
+shape is ``(S, *frame)`` with ``S >= 2`` and at least two frame dimensions: Atari's ``(4, 84, 84)``,
+an emulator's ``(4, H, W, 3)``; oldest frame first. In a step message of K vector steps of n envs
+(:mod:`oakemu_core.transport.steps`) such a field travels as two ZeroMQ frames:
+
+1. ``flags``: ``(K, n)`` bool, one byte per row, 1 where the row carries its whole stack;
+2. ``data``: the newest frame of every row, ``(K, n, *frame)`` uint8 in row order, followed by the
+   ``S - 1`` older frames of each flagged row, ``(count, S - 1, *frame)`` in row order.
+
+A row goes without its older frames only when they equal frames ``1..S-1`` of the env's previous row
+(the row before it in the block, or the env's last row of message ``seq - 1``): the rebuilt stack is
+then byte-identical to the actor's whatever the env does (reset stacks simply fail the comparison and
+go whole). The learner rebuilds a newest-frame-only row only from the last rows of message ``seq - 1``
+of the same actor incarnation, and rejects the message otherwise (a message it rejected or never
+received leaves no stack to rebuild from). So that such a learner recovers, the actor sends the first
+row of every :data:`KEYFRAME_MESSAGES`-th message whole, as a video codec sends key frames.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from oakemu_core.step_schema import OBSERVATION_FIELD, StepField, StepSchema
+from oakemu_core.transport.codec import checked_contents, reject
+
+__all__ = ["KEYFRAME_MESSAGES", "stacked_fields", "StackEncoder", "StackHistories", "rebuild_stacks"]
+
+KEYFRAME_MESSAGES = 64
+"""Every message whose ``seq`` is a multiple of this sends its first row of every env whole (3 frames
+of 4 every 64 steps: under 5 % more bytes for Atari)."""
+
+
+def stacked_fields(schema: StepSchema) -> frozenset[str]:
+    """Names of ``schema``'s sent fields that travel deduplicated (see the module docstring)."""
+    return frozenset(f.name for f in schema.sent if f.dtype == np.uint8 and len(f.shape) >= 3 and f.shape[0] >= 2
+                     and (f.name == OBSERVATION_FIELD or f.name.startswith(OBSERVATION_FIELD + ".")))
+
+
+def _frame_bytes(item: StepField) -> int:
+    return math.prod(item.shape[1:])
+
+
+class StackEncoder:
+    """The actor's side: the last row it sent of every env, per stacked field (one per channel, so a
+    rejoined actor starts with whole stacks)."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, np.ndarray] = {}
+
+    def encode(self, item: StepField, array: np.ndarray, seq: int, num_envs: int) -> tuple[bytes, bytearray]:
+        """The ``flags`` and ``data`` frames of ``array`` (``(n, S, *frame)`` or ``(K, n, S, *frame)``
+        uint8) in message ``seq``; remembers its last row.
+
+        ``data`` is a fresh buffer, owned by the caller (it may go to ZeroMQ without a copy).
+        """
+        rows = np.ascontiguousarray(array).reshape(-1, num_envs, *item.shape)  # (K, n, S, *frame)
+        steps = rows.shape[0]
+        previous = None if seq % KEYFRAME_MESSAGES == 0 else self.last.get(item.name)
+        whole = np.ones((steps, num_envs), dtype=bool)
+        for k in range(steps):
+            before = previous if k == 0 else rows[k - 1]
+            if before is not None:
+                whole[k] = ~(rows[k, :, :-1] == before[:, 1:]).reshape(num_envs, -1).all(axis=1)
+        count = int(whole.sum())
+        frame = _frame_bytes(item)
+        newest_bytes = steps * num_envs * frame
+        data = bytearray(newest_bytes + count * (item.shape[0] - 1) * frame)
+        view = np.frombuffer(data, dtype=np.uint8)
+        view[:newest_bytes].reshape(rows.shape[:2] + item.shape[1:])[...] = rows[:, :, -1]
+        if count:
+            view[newest_bytes:].reshape(count, item.shape[0] - 1, *item.shape[1:])[...] = rows[:, :, :-1][whole]
+        self.last[item.name] = rows[-1].copy()
+        return whole.tobytes(), data
+
+
+def rebuild_stacks(item: StepField, flags_frame: memoryview, data_frame: memoryview, lead: tuple[int, ...],
+                   previous: np.ndarray | None) -> np.ndarray:
+    """The learner's side: the stacks of a stacked field from its two frames.
+
+    Args:
+        item: the stacked field, per-env shape ``(S, *frame)``.
+        flags_frame, data_frame: the field's frames (module docstring).
+        lead: ``(n,)`` or ``(K, n)``, the message's leading dimensions.
+        previous: ``(n, S, *frame)``, the env's last rows of message ``seq - 1``, or None (none known).
+
+    Returns:
+        A private, read-only ``(*lead, S, *frame)`` uint8 array.
+
+    Raises:
+        MessageRejected: ``"size"`` (a frame's length is not the one its flags declare), ``"schema"``
+            (flag bytes other than 0 and 1; a newest-frame-only row with no stack to rebuild from).
+    """
+    name = item.name
+    steps, num_envs = (1, lead[0]) if len(lead) == 1 else lead
+    if flags_frame.nbytes != steps * num_envs:
+        reject("size", f"{name}: expected a flags frame of {steps * num_envs} bytes, received {flags_frame.nbytes}")
+    whole = checked_contents(np.frombuffer(flags_frame, dtype=bool), None, f"{name} flags").reshape(steps, num_envs)
+    count = int(whole.sum())
+    stack, frame = item.shape[0], _frame_bytes(item)
+    newest_bytes = steps * num_envs * frame
+    expected = newest_bytes + count * (stack - 1) * frame
+    if data_frame.nbytes != expected:
+        reject("size", f"{name}: {count} whole stacks of {steps * num_envs} rows declare {expected} bytes, "
+                       f"received {data_frame.nbytes}")
+    if previous is None and not whole[0].all():
+        env = int(np.flatnonzero(~whole[0])[0])
+        reject("schema", f"{name}: env {env} sent its newest frame only, but the learner holds no stack of it from "
+                         "the message before (a whole stack must come first)")
+    data = np.frombuffer(data_frame, dtype=np.uint8)
+    newest = data[:newest_bytes].reshape(steps, num_envs, *item.shape[1:])
+    older = data[newest_bytes:].reshape(count, stack - 1, *item.shape[1:])
+    out = np.empty((steps, num_envs, *item.shape), dtype=np.uint8)
+    taken = 0
+    for k in range(steps):
+        row_whole = whole[k]
+        row_count = int(row_whole.sum())
+        if row_count < num_envs:
+            out[k, :, :-1] = (previous if k == 0 else out[k - 1])[:, 1:]
+        if row_count == num_envs:
+            out[k, :, :-1] = older[taken:taken + row_count]
+        elif row_count:
+            out[k, row_whole, :-1] = older[taken:taken + row_count]
+        out[k, :, -1] = newest[k]
+        taken += row_count
+    out.flags.writeable = False
+    return out.reshape(*lead, *item.shape)
+
+
+class StackHistories:
+    """The learner's side: per actor incarnation, the last rows of its stacked fields and the ``seq`` of
+    the message they came from (what :func:`rebuild_stacks` rebuilds the next message from)."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[str, str], tuple[int, dict[str, np.ndarray]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+    def previous(self, actor_id: str, incarnation: str, seq: int) -> Mapping[str, np.ndarray] | None:
+        """The last rows (field -> ``(n, S, *frame)``) of that incarnation's message ``seq - 1``, or None."""
+        entry = self._last.get((actor_id, incarnation))
+        return entry[1] if entry is not None and entry[0] == seq - 1 else None
+
+    def remember(self, actor_id: str, incarnation: str, seq: int, fields: Mapping[str, np.ndarray],
+                 names: Iterable[str], block: bool) -> None:
+        """Keep the last rows of ``names`` in ``fields`` (a decoded message's arrays, ``(K, n, ...)`` when
+        ``block`` else ``(n, ...)``; read-only and private: kept without a copy)."""
+        self._last[(actor_id, incarnation)] = (seq, {name: fields[name][-1] if block else fields[name]
+                                                      for name in names})
+
+    def retain(self, keys: set[tuple[str, str]]) -> None:
+        """Forget every incarnation not in ``keys`` (actors that left, timed out or rejoined)."""
+        for key in [key for key in self._last if key not in keys]:
+            del self._last[key]
+
