@@ -87,13 +87,38 @@ def synthetic_actor(env_id: str, num_envs: int, ports: list[int], actor_id: str,
         k = actor.steps_per_message
         if k > 1:  # a block of K identical steps, (K, n, *shape) per field
             fields = {name: np.repeat(array[None], k, axis=0) for name, array in fields.items()}
+        shift = stack_shifter(fields, actor.stepper.schema, k)
         while not stop.is_set():
             actor._poll_weights()  # the learner publishes a version per released buffer
             actor.heartbeat_if_due()
+            shift()
             actor.send_step(StepMessage(actor.actor_id, actor.incarnation, actor.seq, actor.policy_version, fields))
             actor.seq += 1
     finally:
         actor.close()
+
+
+def stack_shifter(fields: dict[str, np.ndarray], schema, k: int, pool_size: int = 64):
+    """``shift()``: moves every stacked observation of ``fields`` (in place) one frame on, the newest
+    frame drawn from a pool of random frames, as an env's frame stack moves between steps (K > 1: the
+    block's steps follow each other), so stacked-frame deduplication sees real steps."""
+    from oakemu_core.transport.frame_stacks import stacked_fields
+
+    names = sorted(stacked_fields(schema))
+    rng = np.random.default_rng(0)
+    pools = {name: rng.integers(0, 256, (pool_size, *schema[name].shape[1:]), np.uint8) for name in names}
+    state = {"next": 0}
+
+    def shift() -> None:
+        for name in names:
+            blocks = fields[name] if k > 1 else fields[name][None]
+            for step in range(blocks.shape[0]):
+                previous = blocks[step - 1] if step else blocks[-1]
+                blocks[step, :, :-1] = previous[:, 1:]
+                blocks[step, :, -1] = pools[name][state["next"] % pool_size]
+                state["next"] += 1
+
+    return shift
 
 
 def training_load(env_id: str, stop: mp.Event, batch: int = 64) -> None:
@@ -250,8 +275,9 @@ def in_process_rows_per_s(env_id: str, num_envs: int, steps_per_message: int, se
     rollout_length, k = OakEmuConfig(env_id=env_id).rollout_length, steps_per_message
     spec = StepSpec(num_envs, schema, steps_per_message=k)
     fields = _valid_fields(schema, (num_envs,) if k == 1 else (k, num_envs))
-    frames = [encode_step(StepMessage("in-process", "0", seq, 0, fields)) for seq in range(rollout_length // k)]
-    max_bytes = 2 * len(frames[0])
+    frames = [[bytes(frame) for frame in encode_step(StepMessage("in-process", "0", seq, 0, fields), spec)]
+              for seq in range(rollout_length // k)]
+    max_bytes = 2 * sum(map(len, frames[0]))
     buffers = [RolloutBuffer(rollout_length, num_envs, schema=schema) for _ in range(2)]
     try:
         assembler = RolloutAssembler(buffers, actor_timeout_s=1e9)
@@ -294,6 +320,43 @@ def _ingest_cpu_s(ingest_thread_id: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def wire_bytes_per_env_step(env_id: str, num_envs: int, k: int, messages: int = 256) -> float:
+    """Mean bytes (all frames) of a step message per env step, for a stream of stacks that move one
+    frame per step (:func:`stack_shifter`) encoded as an actor's socket channel does
+    (:class:`oakemu_core.transport.steps.StepEncoder`: newest frames only, key frames included)."""
+    from oakemu_core.envs import env_spec
+    from oakemu_core.policy.schemas import schema_for_env
+    from oakemu_core.transport.steps import StepEncoder, StepMessage, StepSpec
+
+    schema = schema_for_env(env_spec(env_id))
+    spec = StepSpec(num_envs, schema, steps_per_message=k)
+    fields = _valid_fields(schema, spec.lead)
+    shift, encoder, total = stack_shifter(fields, schema, k), StepEncoder(spec), 0
+    for seq in range(messages):
+        shift()
+        total += sum(memoryview(frame).nbytes for frame in encoder.encode(StepMessage("a", "0", seq, 0, fields)))
+    return total / (messages * k * num_envs)
+
+
+def sockets_only(args: argparse.Namespace, k: int, bytes_per_row: int) -> None:
+    """``--sockets-only``: memcpy, ingest through the sockets, wire bytes per env step."""
+    memcpy_all, rates, dropped_all = [], [], []
+    for _ in range(args.repeats):
+        memcpy_all.append(memcpy_mb_per_s(bytes_per_row * args.envs_per_actor * k))
+        rate, _, dropped = measure_ingest(args.env, args.actors, args.envs_per_actor, args.seconds, "", k,
+                                          transport="sockets", columns=args.buffer_columns)
+        rates.append(rate)
+        dropped_all.append(dropped)
+    memcpy, rate = float(np.median(memcpy_all)), float(np.median(rates))
+    print(f"{'memcpy, message-sized chunks (MB/s)':<58}{memcpy:>14,.0f}   {', '.join(f'{v:,.0f}' for v in memcpy_all)}")
+    print(f"{'ingest through the sockets (env steps/s)':<58}{rate:>14,.0f}   {', '.join(f'{v:,.0f}' for v in rates)}")
+    print(f"ingest through the sockets / memcpy bandwidth: {100 * rate * bytes_per_row / 1e6 / memcpy:.1f} % "
+          f"({rate * bytes_per_row / 1e6:,.0f} MB/s of rows written; target >= 25 %)")
+    wire = wire_bytes_per_env_step(args.env, args.envs_per_actor, k)
+    print(f"bytes on the wire per env step: {wire:,.0f} (rows of {bytes_per_row:,} bytes; stacked frames deduplicated)")
+    print(f"dropped over all ingest runs: {dropped_all}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--env", default="ALE/Breakout-v5")
@@ -304,6 +367,9 @@ def main() -> None:
     parser.add_argument("--steps-per-message", default="auto",
                         help="vector steps per message: 'auto' (the learner's default for the env) or a divisor of 128")
     parser.add_argument("--no-training-load", action="store_true", help="skip the GIL measurement")
+    parser.add_argument("--sockets-only", action="store_true",
+                        help="measure only the socket path (remote actors): memcpy, ingest through the sockets and "
+                             "bytes on the wire per env step")
     parser.add_argument("--buffer-columns", type=int, default=64,
                         help="the learner's rollout buffer columns (64: a rollout is 8,192 Breakout rows, as eight "
                              "actors of 8 envs fill; the stubbed update's per-rollout work then stays small)")
@@ -325,6 +391,9 @@ def main() -> None:
           f"env step, {k} vector step(s) per message ({chunk / 1024:.0f} KiB) with a step ring, {k_sockets} through the "
           f"sockets only; buffers of {args.buffer_columns} columns; {args.seconds:.0f} s per figure, median of "
           f"{args.repeats} interleaved repeats, {os.cpu_count()} CPUs")
+    if args.sockets_only:
+        sockets_only(args, k_sockets, bytes_per_row)
+        return
     loads = [""] if args.no_training_load else ["", "thread", "process"]
     figures: dict[str, list[float]] = {"memcpy": [], "in-process": [], "ingest-sockets": [],
                                        **{f"ingest{load}": [] for load in loads}}

@@ -44,9 +44,9 @@ def main() -> None:
             fields = {name: np.zeros(shape, dtype) for name, (dtype, shape) in spec.array_layout().items()}
             fields["trainable"][...] = True
             message = StepMessage("a", "i", 0, 0, fields)
-            frame = encode_step(message)
+            frames = [bytes(frame) for frame in encode_step(message, spec)]
             check = per_message_us(lambda: limits.check_step(message), args.repeat)
-            decode = per_message_us(lambda: decode_step(frame, lambda a, i: spec, max_bytes=2**28), args.repeat)
+            decode = per_message_us(lambda: decode_step(frames, lambda a, i: spec, max_bytes=2**28), args.repeat)
             print(f"{env_id:16s} {num_envs:4d} {k}  {check:13.1f}  {decode:14.1f}  {check / decode:5.1%}")
 
 
