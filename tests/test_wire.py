@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from oakemu_core.transport import codec, control, steps
+from oakemu_core.transport import control, steps
 from oakemu_core.policy.distributions import Categorical, DiagGaussian
 from oakemu_core.step_schema import build_schema, check_step_consistency, default_schema
 from oakemu_core.transport.codec import PROTOCOL_VERSION, REJECTION_REASONS, MessageRejected

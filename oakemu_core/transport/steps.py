@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from oakemu_core.step_schema import StepField, StepSchema, check_step_consistency
+from oakemu_core.step_schema import StepSchema, check_step_consistency
 from oakemu_core.transport.codec import (
     INT64_MAX,
     MAX_ARRAY_LEN,
