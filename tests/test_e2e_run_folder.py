@@ -229,7 +229,7 @@ def test_flood_of_malformed_frames_is_counted_exactly_with_a_bounded_log(e2e: E2
     control.send_multipart([b"not-empty", b"body"])  # a bad REQ envelope: garbage, not answered
     control.send(b"one frame")  # [identity, body]: garbage, not answered
     sent["control"] += 2
-    push([b"a", b"two-part data message"])  # garbage
+    push([b"\xc1 not a header", b"second frame"])  # garbage
     push(_step("stranger", "inc-9", 0))  # unknown_actor
     push(_step("intruder", "inc-1", 10, obs_dtype=np.float64))  # a frame of another dtype: size
     push(_step("intruder", "inc-1", 50))  # a gap (seq 10 was rejected): accepted, the gap counted as dropped
