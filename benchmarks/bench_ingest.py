@@ -340,18 +340,23 @@ def wire_bytes_per_env_step(env_id: str, num_envs: int, k: int, messages: int = 
 
 def sockets_only(args: argparse.Namespace, k: int, bytes_per_row: int) -> None:
     """``--sockets-only``: memcpy, ingest through the sockets, wire bytes per env step."""
-    memcpy_all, rates, dropped_all = [], [], []
+    memcpy_all, rates, cpu_all, dropped_all = [], [], [], []
     for _ in range(args.repeats):
         memcpy_all.append(memcpy_mb_per_s(bytes_per_row * args.envs_per_actor * k))
-        rate, _, dropped = measure_ingest(args.env, args.actors, args.envs_per_actor, args.seconds, "", k,
-                                          transport="sockets", columns=args.buffer_columns)
+        rate, cpu_per_row, dropped = measure_ingest(args.env, args.actors, args.envs_per_actor, args.seconds, "", k,
+                                                    transport="sockets", columns=args.buffer_columns)
         rates.append(rate)
+        cpu_all.append(cpu_per_row)
         dropped_all.append(dropped)
     memcpy, rate = float(np.median(memcpy_all)), float(np.median(rates))
     print(f"{'memcpy, message-sized chunks (MB/s)':<58}{memcpy:>14,.0f}   {', '.join(f'{v:,.0f}' for v in memcpy_all)}")
     print(f"{'ingest through the sockets (env steps/s)':<58}{rate:>14,.0f}   {', '.join(f'{v:,.0f}' for v in rates)}")
     print(f"ingest through the sockets / memcpy bandwidth: {100 * rate * bytes_per_row / 1e6 / memcpy:.1f} % "
           f"({rate * bytes_per_row / 1e6:,.0f} MB/s of rows written; target >= 25 %)")
+    cpu = float(np.median(cpu_all))
+    print(f"ingest CPU per env step: {1e6 * cpu:.2f} us (learner loop thread + ZeroMQ I/O threads; runs: "
+          f"{', '.join(f'{1e6 * v:.2f}' for v in cpu_all)}); ceiling per ingest core {1 / max(cpu, 1e-9):,.0f} "
+          f"env steps/s, {100 * bytes_per_row / max(cpu, 1e-9) / 1e6 / memcpy:.1f} % of memcpy")
     wire = wire_bytes_per_env_step(args.env, args.envs_per_actor, k)
     print(f"bytes on the wire per env step: {wire:,.0f} (rows of {bytes_per_row:,} bytes; stacked frames deduplicated)")
     print(f"dropped over all ingest runs: {dropped_all}")
