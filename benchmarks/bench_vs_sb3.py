@@ -100,7 +100,8 @@ from bench_spaces_vs_sb3 import (  # the sibling benchmark's case table, flag bu
     train_oakemu,
 )
 
-from oakemu_core.config import available_cpus, fit_actor_count  # noqa: E402  (after the sibling import path)
+from oakemu_core.actor.fitting import fit_actor_count  # noqa: E402  (after the sibling import path)
+from oakemu_core.config import available_cpus  # noqa: E402
 
 OAKEMU_VF_COEF_PER_SB3 = 2.0
 """OakEmu's value loss is ``0.5 * MSE`` (CleanRL), SB3's is ``MSE``: OakEmu ``--vf-coef`` = 2 x SB3 ``vf_coef``."""

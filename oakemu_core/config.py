@@ -33,6 +33,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from oakemu_core.actor.fitting import available_cpus, fit_actors
 from oakemu_core.algo.settings import PPOSettings, finite_number
 from oakemu_core.envs.options import EnvSettings
 from oakemu_core.envs.spec import is_atari_env
@@ -47,7 +48,6 @@ __all__ = [
     "OakEmuConfig",
     "add_config_arguments",
     "config_from_namespace",
-    "fit_actor_count",
     "format_validation_error",
     "load_config",
     "make_config",
@@ -57,10 +57,6 @@ __all__ = [
 ]
 
 ENV_PREFIX = "OAKEMU_"
-DEFAULT_NUM_ENVS = 16
-"""Rollout columns when neither ``num_envs`` nor ``num_actors`` / ``envs_per_actor`` are given."""
-MIN_FITTED_ENVS_PER_ACTOR = 4
-"""Fewest envs :func:`fit_actor_count` gives one actor (below it, per-message costs dominate small envs)."""
 CONFIG_FILE_ENV_VAR = "OAKEMU_CONFIG_FILE"
 """Environment variable naming the TOML file (used when no ``--config`` flag is given)."""
 
@@ -144,14 +140,12 @@ class OakEmuConfig(PPOSettings, EnvSettings, BaseSettings):
         "ALE/Breakout-v5", min_length=1,
         description="Environment id: ale-py (ALE/...), any Gymnasium id, module:EnvId for a custom env, gameboy:ROM "
         "or retro:Game-Id.")
-    num_actors: int | None = Field(
-        None, ge=1, description="Actor processes the embedded `oakemu train` starts. None: fit the machine (one per "
-        "CPU the learner leaves, at least 4 envs each, num_envs split evenly; see fit_actor_count).")
+    num_actors: int | None = Field(None, ge=1, description="Actor processes `oakemu train` starts (None: num_envs "
+                                   "split over one actor per CPU the learner leaves, at least 4 envs each).")
     actor_restarts: int = Field(
         5, ge=0, description="Times `oakemu train` restarts an actor that exits with an error (0: never).")
-    envs_per_actor: int = Field(
-        8, ge=1, description="Environments each actor steps in one vector env (when neither it nor num_actors is "
-        "given: num_envs / the fitted actor count).")
+    envs_per_actor: int = Field(8, ge=1, description="Environments each actor steps in one vector env (neither it "
+                                "nor num_actors given: num_envs / the fitted actor count).")
     env_groups: int = Field(
         1, ge=1, description="Env groups per actor: while one group's emulators step, the actor infers the other "
         "groups' actions (threaded Atari envs). Needs env_groups <= envs_per_actor and no policy routing.")
@@ -431,30 +425,14 @@ class OakEmuConfig(PPOSettings, EnvSettings, BaseSettings):
                 f"probability > 0) or neither, received {self.route_scripted_policy!r} and "
                 f"{self.route_scripted_probability!r}"
             )
-        used: dict[int, str] = {}
-        for name in PORT_FIELDS:
-            port = getattr(self, name)
-            if not port:
-                continue
-            if port in used:
-                raise ValueError(f"{name}: expected a port different from {used[port]}={port}, received {port}")
-            used[port] = name
+        _check_ports_differ(self)
         return self
 
     def _fit_actors(self) -> None:
-        """Fill ``num_actors`` (and ``envs_per_actor`` when it was not given either) from the rollout's
-        columns: ``num_envs`` (default :data:`DEFAULT_NUM_ENVS`) split over the actors
-        :func:`fit_actor_count` picks for this machine's CPUs. Given values are kept; with ``num_actors``
-        and ``num_envs`` given, ``envs_per_actor`` is ``ceil(num_envs / num_actors)``."""
-        given = self.model_fields_set
-        total = self.num_envs or DEFAULT_NUM_ENVS
-        if self.num_actors is None and "envs_per_actor" in given:
-            self.num_actors = -(-total // self.envs_per_actor)
-        elif self.num_actors is None:
-            self.num_actors = fit_actor_count(total, available_cpus())
-            self.envs_per_actor = total // self.num_actors
-        elif "envs_per_actor" not in given and self.num_envs is not None:
-            self.envs_per_actor = -(-self.num_envs // self.num_actors)
+        """Fill what was not given of ``num_actors`` / ``envs_per_actor`` (:func:`~oakemu_core.actor.fitting.fit_actors`)."""
+        self.num_actors, self.envs_per_actor = fit_actors(
+            self.num_actors, self.envs_per_actor, self.num_envs,
+            envs_per_actor_given="envs_per_actor" in self.model_fields_set, cpus=available_cpus())
 
     # --- derived values ---
     def resolved_steps_per_message(self, env_step_bytes: int, num_envs: int, *, step_ring: bool = False) -> int:
@@ -541,26 +519,13 @@ def unknown_environment_variables(environ: Mapping[str, str] | None = None) -> l
     return unknown_variables(OakEmuConfig.model_fields, os.environ if environ is None else environ)
 
 
-def fit_actor_count(num_envs: int, cpus: int) -> int:
-    """Actor processes for ``num_envs`` envs on ``cpus`` CPUs: the largest divisor of ``num_envs`` that
-    leaves one CPU to the learner (``<= cpus - 1``) and gives each actor at least
-    :data:`MIN_FITTED_ENVS_PER_ACTOR` envs; 1 when none does. 16 envs: 1 actor on 2 CPUs, 2 on 4, 4 on 8+.
-
-    Args:
-        num_envs: the rollout's columns (>= 1).
-        cpus: CPUs available to the run (>= 1).
-    """
-    fitting = [a for a in range(1, max(1, cpus - 1) + 1)
-               if num_envs % a == 0 and num_envs // a >= MIN_FITTED_ENVS_PER_ACTOR]
-    return max(fitting, default=1)
-
-
-def available_cpus() -> int:
-    """CPUs this process may run on (its affinity mask, e.g. a container's cpuset), else ``os.cpu_count()``."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux
-        return os.cpu_count() or 1
+def _check_ports_differ(config: OakEmuConfig) -> None:
+    used: dict[int, str] = {}
+    for name in PORT_FIELDS:
+        port = getattr(config, name)
+        if port and port in used:
+            raise ValueError(f"{name}: expected a port different from {used[port]}={port}, received {port}")
+        used[port] = name
 
 
 def _host_for_url(host: str) -> str:

@@ -13,11 +13,11 @@ from oakemu_core.config import (
     ConfigError,
     OakEmuConfig,
     available_cpus,
-    fit_actor_count,
     load_config,
     resolved_device,
     to_toml,
 )
+from oakemu_core.actor.fitting import fit_actor_count
 from oakemu_core.envs.spec import is_atari_env
 
 
