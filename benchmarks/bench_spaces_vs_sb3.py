@@ -107,15 +107,14 @@ class Case:
 
 def case_from_preset(name: str, *, vf_coef_per_sb3: float = 1.0, **fields: object) -> Case:
     """The :class:`Case` of a preset (``oakemu_core/presets/<name>.toml``, the one home of the tuned values):
-    its env and hyperparameters, ``num_envs`` = actors x envs per actor; ``vf_coef`` divided by
+    its env and hyperparameters, its ``num_envs``; ``vf_coef`` divided by
     ``vf_coef_per_sb3`` (the case holds SB3's meaning where the caller translates it); ``fields`` set the
     rest (budget, masks, policy lag, network description)."""
     settings = load_preset(name).settings
     keys = ("env_id", "total_env_steps", "rollout_length", "ppo_epochs", "num_minibatches", "learning_rate", "gamma",
-            "gae_lambda", "clip_coef", "ent_coef", "max_grad_norm")
+            "gae_lambda", "clip_coef", "ent_coef", "max_grad_norm", "num_envs")
     values: dict[str, object] = {key: settings[key] for key in keys}
-    values.update(num_envs=settings["num_actors"] * settings["envs_per_actor"],
-                  vf_coef=settings["vf_coef"] / vf_coef_per_sb3, action_masks=False,
+    values.update(vf_coef=settings["vf_coef"] / vf_coef_per_sb3, action_masks=False,
                   normalize_observations=settings.get("normalize_observations", False),
                   normalize_rewards=settings.get("normalize_rewards", False))
     return Case(**{**values, **fields})  # type: ignore[arg-type]

@@ -100,6 +100,9 @@ from bench_spaces_vs_sb3 import (  # the sibling benchmark's case table, flag bu
     train_oakemu,
 )
 
+from oakemu_core.actor.fitting import fit_actor_count  # noqa: E402  (after the sibling import path)
+from oakemu_core.config import available_cpus  # noqa: E402
+
 OAKEMU_VF_COEF_PER_SB3 = 2.0
 """OakEmu's value loss is ``0.5 * MSE`` (CleanRL), SB3's is ``MSE``: OakEmu ``--vf-coef`` = 2 x SB3 ``vf_coef``."""
 
@@ -387,14 +390,6 @@ def _actors(text: str) -> str | int:
     return value
 
 
-def auto_actors() -> int:
-    """One actor process per CPU core the learner leaves (at most ``NUM_ACTORS``): on 2 cores two actors
-    and the learner share the cores three ways, and the PPO update, which bounds small envs, ran
-    1.2-1.4 x slower than with one actor of twice the envs (CartPole, 50k steps: 2,760-3,010 against
-    3,450-3,670 SPS)."""
-    return max(1, min(NUM_ACTORS, (os.cpu_count() or 2) - 1))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -410,8 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="torch intra-op threads of the SB3 process, OakEmu's learner and each OakEmu actor")
     parser.add_argument("--actors", default="auto", type=_actors,
-                        help="OakEmu actor processes sharing each case's envs; auto: one per CPU core left "
-                             f"after the learner's, at most {NUM_ACTORS} (1 on a 2-core machine)")
+                        help="OakEmu actor processes sharing each case's envs; auto: what `oakemu train` fits "
+                             "to this machine (oakemu_core.config.fit_actor_count; 1 on a 2-core machine)")
     parser.add_argument("--runs-dir", type=Path, default=None, help="keep run folders here (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="also write every result to this JSON file")
     parser.add_argument("--print-configs", action="store_true", help="print both sides' settings and exit")
@@ -427,7 +422,10 @@ def main(argv: list[str] | None = None) -> int:
     seed_values = args.seeds if not (args.quick and args.seeds == ["1", "2"]) else ["1"]
     seeds = _per_case(seed_values, names, _seeds, "--seeds")
     names = [n for n in names if seeds[n]]
-    num_actors = auto_actors() if args.actors == "auto" else args.actors
+    fitted = {fit_actor_count(BENCHES[n].case.num_envs, available_cpus()) for n in names}
+    if args.actors == "auto" and len(fitted) > 1:
+        raise SystemExit(f"--actors auto fits {sorted(fitted)} actors to these cases' envs: run them one at a time")
+    num_actors = fitted.pop() if args.actors == "auto" else args.actors
     print_configs(names, steps, args.torch_threads, num_actors)
     settings = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("OAKEMU_"))
     print(f"\nnum_actors={num_actors}; torch intra-op threads {args.torch_threads} everywhere; "

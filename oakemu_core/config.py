@@ -33,6 +33,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from oakemu_core.actor.fitting import available_cpus, fit_actors
 from oakemu_core.algo.settings import PPOSettings, finite_number
 from oakemu_core.envs.options import EnvSettings
 from oakemu_core.envs.spec import is_atari_env
@@ -139,10 +140,12 @@ class OakEmuConfig(PPOSettings, EnvSettings, BaseSettings):
         "ALE/Breakout-v5", min_length=1,
         description="Environment id: ale-py (ALE/...), any Gymnasium id, module:EnvId for a custom env, gameboy:ROM "
         "or retro:Game-Id.")
-    num_actors: int = Field(2, ge=1, description="Actor processes the embedded `oakemu train` starts.")
+    num_actors: int | None = Field(None, ge=1, description="Actor processes `oakemu train` starts (None: num_envs "
+                                   "split over one actor per CPU the learner leaves, at least 4 envs each).")
     actor_restarts: int = Field(
         5, ge=0, description="Times `oakemu train` restarts an actor that exits with an error (0: never).")
-    envs_per_actor: int = Field(8, ge=1, description="Environments each actor steps in one vector env.")
+    envs_per_actor: int = Field(8, ge=1, description="Environments each actor steps in one vector env (neither it "
+                                "nor num_actors given: num_envs / the fitted actor count).")
     env_groups: int = Field(
         1, ge=1, description="Env groups per actor: while one group's emulators step, the actor infers the other "
         "groups' actions (threaded Atari envs). Needs env_groups <= envs_per_actor and no policy routing.")
@@ -396,6 +399,7 @@ class OakEmuConfig(PPOSettings, EnvSettings, BaseSettings):
 
     @model_validator(mode="after")
     def _check_consistency(self) -> OakEmuConfig:
+        self._fit_actors()
         buffer_columns = self.buffer_num_envs
         if buffer_columns < self.envs_per_actor:
             raise ValueError(
@@ -421,15 +425,14 @@ class OakEmuConfig(PPOSettings, EnvSettings, BaseSettings):
                 f"probability > 0) or neither, received {self.route_scripted_policy!r} and "
                 f"{self.route_scripted_probability!r}"
             )
-        used: dict[int, str] = {}
-        for name in PORT_FIELDS:
-            port = getattr(self, name)
-            if not port:
-                continue
-            if port in used:
-                raise ValueError(f"{name}: expected a port different from {used[port]}={port}, received {port}")
-            used[port] = name
+        _check_ports_differ(self)
         return self
+
+    def _fit_actors(self) -> None:
+        """Fill what was not given of ``num_actors`` / ``envs_per_actor`` (:func:`~oakemu_core.actor.fitting.fit_actors`)."""
+        self.num_actors, self.envs_per_actor = fit_actors(
+            self.num_actors, self.envs_per_actor, self.num_envs,
+            envs_per_actor_given="envs_per_actor" in self.model_fields_set, cpus=available_cpus())
 
     # --- derived values ---
     def resolved_steps_per_message(self, env_step_bytes: int, num_envs: int, *, step_ring: bool = False) -> int:
@@ -516,12 +519,13 @@ def unknown_environment_variables(environ: Mapping[str, str] | None = None) -> l
     return unknown_variables(OakEmuConfig.model_fields, os.environ if environ is None else environ)
 
 
-def available_cpus() -> int:
-    """CPUs this process may run on (its affinity mask, e.g. a container's cpuset), else ``os.cpu_count()``."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux
-        return os.cpu_count() or 1
+def _check_ports_differ(config: OakEmuConfig) -> None:
+    used: dict[int, str] = {}
+    for name in PORT_FIELDS:
+        port = getattr(config, name)
+        if port and port in used:
+            raise ValueError(f"{name}: expected a port different from {used[port]}={port}, received {port}")
+        used[port] = name
 
 
 def _host_for_url(host: str) -> str:

@@ -12,10 +12,12 @@ from oakemu_core.config import (
     CONFIG_FILE_ENV_VAR,
     ConfigError,
     OakEmuConfig,
+    available_cpus,
     load_config,
     resolved_device,
     to_toml,
 )
+from oakemu_core.actor.fitting import fit_actor_count
 from oakemu_core.envs.spec import is_atari_env
 
 
@@ -36,8 +38,6 @@ def test_defaults_are_the_usual_atari_ppo_settings() -> None:
     config = load_config([])
     expected = {
         "env_id": "ALE/Breakout-v5",
-        "num_actors": 2,
-        "envs_per_actor": 8,
         "num_envs": None,
         "rollout_length": 128,
         "total_env_steps": 10_000_000,
@@ -72,9 +72,31 @@ def test_defaults_are_the_usual_atari_ppo_settings() -> None:
         "log_level": "INFO",
     }
     assert {name: getattr(config, name) for name in expected} == expected
-    assert config.buffer_num_envs == 16
+    assert config.buffer_num_envs == config.num_actors * config.envs_per_actor == 16
+    assert config.num_actors == fit_actor_count(16, available_cpus())
     assert config.batch_size == 128 * 16
     assert config.resolved_clip_rewards is True
+
+
+@pytest.mark.parametrize(("num_envs", "cpus", "actors"), [
+    (16, 1, 1), (16, 2, 1), (16, 3, 2), (16, 4, 2), (16, 5, 4), (16, 8, 4), (16, 64, 4),
+    (8, 2, 1), (8, 3, 2), (8, 16, 2), (4, 16, 1), (6, 8, 1), (3, 8, 1), (32, 16, 8),
+])
+def test_fit_actor_count_leaves_the_learner_a_cpu_and_each_actor_four_envs(num_envs: int, cpus: int,
+                                                                          actors: int) -> None:
+    assert fit_actor_count(num_envs, cpus) == actors
+
+
+def test_actors_are_fitted_only_when_neither_count_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("oakemu_core.config.available_cpus", lambda: 8)
+    fitted = OakEmuConfig(num_envs=8)
+    assert (fitted.num_actors, fitted.envs_per_actor, fitted.buffer_num_envs) == (2, 4, 8)
+    assert (OakEmuConfig().num_actors, OakEmuConfig().envs_per_actor) == (4, 4)
+    assert (OakEmuConfig(num_actors=3).num_actors, OakEmuConfig(num_actors=3).envs_per_actor) == (3, 8)
+    by_envs = OakEmuConfig(envs_per_actor=8)
+    assert (by_envs.num_actors, by_envs.buffer_num_envs) == (2, 16)
+    split = OakEmuConfig(num_envs=10, num_actors=3)
+    assert split.envs_per_actor == 4
 
 
 def test_every_field_has_a_description() -> None:
@@ -159,7 +181,7 @@ def test_environment_variables_empty_means_unset_and_null_means_none(monkeypatch
         (["--control-port", "5555"], "control_port", "5555"),
         (["--device", "gpu"], "device", "gpu"),
         (["--gamma", "1.5"], "gamma", "1.5"),
-        (["--num-envs", "4"], "num_envs", "4"),
+        (["--num-envs", "4", "--envs-per-actor", "8"], "num_envs", "4"),
         (["--run-name", "a/b"], "run_name", "a/b"),
         (["--learning-rate", "nan"], "learning_rate", "nan"),
     ],

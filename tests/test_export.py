@@ -65,11 +65,12 @@ FRESH_PROCESS = textwrap.dedent("""
         raise AssertionError("an exported policy must load without pickle")
 
     torch.load = pickle.load = pickle.loads = refuse
-    from oakemu_core.policy.export import load_policy_folder
+    import oakemu_core
 
-    policy = load_policy_folder(sys.argv[1])
+    policy = oakemu_core.load_policy(sys.argv[1])
     observations = np.array(json.loads(sys.argv[2]), dtype=np.float32)
-    bundle = policy.act(observations, greedy=True)
+    bundle = policy.model.act(observations, greedy=True)
+    assert (policy.act(observations) == bundle.actions).all() and policy.env_id == "CartPole-v1"
     print(json.dumps({"actions": bundle.actions.tolist(), "values": bundle.values.tolist()}))
 """)
 

@@ -37,10 +37,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from oakemu_core.errors import ConfigError
+from oakemu_core.errors import ConfigError, UserError
 from oakemu_core.policy.models import ActorCritic, build_model
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "PolicyFolderError", "load_policy_folder", "model_card", "read_policy_info",
+__all__ = ["FORMAT", "FORMAT_VERSION", "PolicyFolderError", "is_policy_folder", "load_policy_folder", "model_card", "read_policy_info",
            "write_policy_folder"]
 
 FORMAT = "oakemu-policy"
@@ -50,7 +50,7 @@ WEIGHTS_FILE, CONFIG_FILE, SPACES_FILE, NORMALIZATION_FILE = (
 CARD_FILE, VIDEO_FILE = "README.md", "replay.mp4"
 
 
-class PolicyFolderError(ValueError):
+class PolicyFolderError(UserError, ValueError):
     """A folder that is not a readable exported policy (the message names the file and the problem)."""
 
 
@@ -113,6 +113,11 @@ def write_policy_folder(directory: Path, state_dict: Mapping[str, torch.Tensor],
         shutil.copyfile(video, directory / VIDEO_FILE)
     (directory / CARD_FILE).write_text(model_card(info, spaces, has_video=video is not None))
     return directory
+
+
+def is_policy_folder(path: str | Path) -> bool:
+    """True when ``path`` is a folder holding an exported policy's ``spaces.json`` (read nothing else)."""
+    return (Path(path) / SPACES_FILE).is_file()
 
 
 def read_policy_info(directory: Path) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -1,8 +1,8 @@
 """A trained policy out of a run: :func:`load_policy` and :class:`Policy` (the Python API's way to act).
 
 :func:`load_policy` reads a checkpoint of ``oakemu train`` (a ``.pt`` file, or a run folder: its latest
-checkpoint) with torch's ``weights_only`` loader and rebuilds the policy from what the checkpoint
-holds (the step schema: observation fields and action distribution; the observation normaliser's
+checkpoint) with torch's ``weights_only`` loader, or a policy folder of ``oakemu export`` (safetensors and
+JSON, no pickle), and rebuilds the policy from what it holds (the step schema: observation fields and action distribution; the observation normaliser's
 setting), without making the env. What a path can be is decided in :func:`load_policy` alone.
 """
 
@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from oakemu_core.errors import CheckpointError
+from oakemu_core.policy.export import is_policy_folder, load_policy_folder, read_policy_info
 from oakemu_core.policy.models import ActorCritic, build_model
 from oakemu_core.run.checkpoint import load_run_checkpoint
 from oakemu_core.policy.schemas import schema_from_dict
@@ -91,12 +92,17 @@ class Policy:
 
 
 def load_policy(checkpoint: str | Path) -> Policy:
-    """The policy of a checkpoint of ``oakemu train``: a ``.pt`` file, or a run folder (its latest
-    checkpoint). Loaded on the CPU without unpickling code (``torch.load(weights_only=True)``).
+    """The policy of a checkpoint of ``oakemu train``: a ``.pt`` file, a run folder (its latest
+    checkpoint), or a policy folder written by ``oakemu export``. Loaded on the CPU without unpickling
+    code (``torch.load(weights_only=True)``; an exported folder with no torch loader at all).
 
     Raises:
         oakemu_core.errors.CheckpointError: no checkpoint there, or a file that is not one of ``oakemu train``.
+        oakemu_core.policy.export.PolicyFolderError: an exported folder that is damaged or of another format.
     """
+    if is_policy_folder(checkpoint):
+        info, _ = read_policy_info(Path(checkpoint))
+        return Policy(load_policy_folder(Path(checkpoint)), str(info.get("env_id", "")), Path(checkpoint))
     path, state = load_run_checkpoint(checkpoint)
     try:
         schema = schema_from_dict(dict(state["env"]["schema"]))
