@@ -384,19 +384,7 @@ def decode_step(
             named). Once the header is read, the error's ``sender`` names ``(actor_id, incarnation, seq)``.
         TypeError: a frame is not a bytes-like object (a caller bug, not wire input).
     """
-    if not frames:
-        reject("garbage", "expected a multipart step message, received no frame")
-    try:
-        views = [memoryview(frame) for frame in frames]
-    except TypeError:
-        raise TypeError("frames: expected bytes, bytearray or memoryview frames") from None
-    size = sum(view.nbytes for view in views)
-    if size > max_bytes:
-        reject("oversized", f"message is {size} bytes in {len(views)} frames, limit max_bytes={max_bytes}")
-    obj, message_type = unpack(frames[0], max_bytes)
-    if message_type != TYPE_STEP:
-        reject("schema", f"type: expected {TYPE_STEP!r}, received {describe(message_type)}")
-    require_fields(obj, _STEP_FIELDS)
+    views, obj = _header(frames, max_bytes)
     actor_id = get_str(obj, "actor_id")
     incarnation = get_str(obj, "incarnation")
     seq = get_int(obj, "seq")
@@ -421,6 +409,24 @@ def decode_step(
     return StepMessage(actor_id=actor_id, incarnation=incarnation, seq=seq, policy_version=policy_version,
                        fields=arrays, episode_returns=episode_returns, episode_lengths=episode_lengths,
                        revision=revision, slot=obj["slot"])
+
+
+def _header(frames: Sequence[Frame], max_bytes: int) -> tuple[list[memoryview], dict[str, Any]]:
+    """Views of the frames and the header's map, after the total size, framing, protocol and keys."""
+    if not frames:
+        reject("garbage", "expected a multipart step message, received no frame")
+    try:
+        views = [memoryview(frame) for frame in frames]
+    except TypeError:
+        raise TypeError("frames: expected bytes, bytearray or memoryview frames") from None
+    size = sum(view.nbytes for view in views)
+    if size > max_bytes:
+        reject("oversized", f"message is {size} bytes in {len(views)} frames, limit max_bytes={max_bytes}")
+    obj, message_type = unpack(views[0], max_bytes)
+    if message_type != TYPE_STEP:
+        reject("schema", f"type: expected {TYPE_STEP!r}, received {describe(message_type)}")
+    require_fields(obj, _STEP_FIELDS)
+    return views, obj
 
 
 def _frame_arrays(views: list[memoryview], spec: StepSpec,
