@@ -167,6 +167,7 @@ def trained_returns(run_dir: Path, episodes: int, seed: int, clip: ClipFrames | 
     from oakemu_core.run.evaluation import play_episodes
 
     torch.manual_seed(seed)
+    torch.set_num_threads(1)  # batch-1 inference: more threads only spin against the emulator on a busy machine
     policy = load_policy(run_dir)
     env = make_eval_env(ENV_ID, seed=seed, frame_sink=clip)
     try:
