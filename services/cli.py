@@ -179,6 +179,8 @@ def _add_record(commands: Any) -> None:
     record.add_argument("--sampled", dest="greedy", action="store_false", default=True,
                         help="with --checkpoint: sample actions instead of taking the most likely one")
     record.add_argument("--overwrite", action="store_true", help="replace an existing dataset folder")
+    record.add_argument("--env-kwargs", default=None, metavar="JSON",
+                        help='gymnasium.make keyword arguments, e.g. \'{"continuous": true}\' (a checkpoint uses its run\'s)')
 
 
 def _add_keygen(commands: Any) -> None:
@@ -261,7 +263,8 @@ def _record(namespace: argparse.Namespace) -> int:
     return int(_service("record").main(
         env_id=namespace.env_id, episodes=namespace.episodes, output=namespace.output,
         checkpoint=namespace.checkpoint, policy=namespace.policy, seed=namespace.seed, num_envs=namespace.num_envs,
-        greedy=namespace.greedy, max_episode_steps=namespace.max_episode_steps, overwrite=namespace.overwrite))
+        greedy=namespace.greedy, max_episode_steps=namespace.max_episode_steps, overwrite=namespace.overwrite,
+        env_kwargs=namespace.env_kwargs))
 
 
 def _evaluate(namespace: argparse.Namespace) -> int:

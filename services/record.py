@@ -30,6 +30,7 @@ def load_checkpoint_policy(checkpoint: Path) -> tuple[Any, str, dict[str, Any]]:
     """
     from oakemu_core.run.checkpoint import load_checkpoint, resolve_checkpoint
     from oakemu_core.envs import env_spec
+    from oakemu_core.envs.options import EnvOptions
     from oakemu_core.policy.models import build_model
     from oakemu_core.policy.schemas import schema_from_dict
 
@@ -37,7 +38,8 @@ def load_checkpoint_policy(checkpoint: Path) -> tuple[Any, str, dict[str, Any]]:
     state = load_checkpoint(path)
     env_info, config = state["env"], dict(state.get("config") or {})
     schema = schema_from_dict(env_info["schema"])
-    spec = env_spec(env_info["env_id"], settings_file=config.get("emulator_settings"))
+    spec = env_spec(env_info["env_id"], settings_file=config.get("emulator_settings"),
+                    options=EnvOptions.from_settings(config))
     model = build_model(spec.observation_layout, schema.distribution,
                         normalize_observations=bool(config.get("normalize_observations")))
     model.load_state_dict(state["model"])
@@ -57,11 +59,14 @@ def record(
     greedy: bool = True,
     max_episode_steps: int | None = None,
     overwrite: bool = False,
+    env_kwargs: str | None = None,
 ) -> Any:
     """Record the dataset; returns :class:`oakemu_core.algo.recording.RecordingSummary`.
 
     Exactly one of ``checkpoint`` and ``policy`` (default: ``"random"``). With a checkpoint the env
-    id (and time limit, emulator settings) default to the run's; another ``env_id`` is refused.
+    id (and time limit, emulator settings, ``gymnasium.make`` keyword arguments, Atari preprocessing) are the
+    run's; another ``env_id`` or ``env_kwargs`` is refused. ``env_kwargs``: a JSON object of ``gymnasium.make``
+    keyword arguments (without a checkpoint).
 
     Raises:
         ValueError: both a checkpoint and a policy, no env id, or an env id other than the
@@ -70,6 +75,7 @@ def record(
     import torch
 
     from oakemu_core.algo.recording import record_dataset
+    from oakemu_core.envs.options import EnvOptions
 
     torch.set_num_threads(1)
     settings_file = None
@@ -82,6 +88,9 @@ def record(
                              "(leave --env out to record on the checkpoint's env)")
         env_id = run_env_id
         settings_file = config.get("emulator_settings")
+        if env_kwargs is not None:
+            raise ValueError("--env-kwargs: a checkpoint records on its run's env settings; leave it out")
+        options = EnvOptions.from_settings(config)
         if max_episode_steps is None:
             max_episode_steps = config.get("max_episode_steps")
         acting: Any = model
@@ -90,11 +99,12 @@ def record(
         if env_id is None:
             raise ValueError("--env: expected an env id (or --checkpoint, whose env is used)")
         acting = policy or "random"
+        options = EnvOptions.from_settings({"env_kwargs": env_kwargs or "{}"})
         name = f"policy {acting}"
     torch.manual_seed(seed)
     return record_dataset(env_id, output, episodes=episodes, policy=acting, seed=seed, num_envs=num_envs,
                           max_episode_steps=max_episode_steps, settings_file=settings_file, greedy=greedy,
-                          algorithm_name=f"oakemu record ({name})", overwrite=overwrite)
+                          algorithm_name=f"oakemu record ({name})", overwrite=overwrite, options=options)
 
 
 def main(**kwargs: Any) -> int:

@@ -242,3 +242,35 @@ def test_oakemu_record_with_a_scripted_policy_and_with_a_checkpoint(tmp_path: Pa
     assert "trained on 'CartPole-v1'" in capsys.readouterr().err
     assert main(["record", "--episodes", "1", "--output", str(tmp_path / "bad")]) == 2
     assert "--env" in capsys.readouterr().err
+
+
+def test_oakemu_record_plays_the_env_settings_of_the_run_or_of_env_kwargs(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from oakemu_core.run.checkpoint import save_checkpoint
+    from oakemu_core.policy.schemas import schema_for_env
+    from oakemu_services.cli import main
+
+    def lengths(folder: Path) -> list[int]:
+        return [len(episode) for episode in minari.MinariDataset(folder / "data").iterate_episodes()]
+
+    random_play = tmp_path / "random"
+    assert main(["record", "--env", "CartPole-v1", "--episodes", "3", "--output", str(random_play),
+                 "--env-kwargs", '{"max_episode_steps": 7}']) == 0
+    assert max(lengths(random_play)) == 7  # random CartPole lasts longer than 7 steps: the kwargs reached make()
+
+    spec = env_spec("CartPole-v1")
+    checkpoint = tmp_path / "run" / "checkpoints" / "latest.pt"
+    save_checkpoint(checkpoint, {"env": {"env_id": "CartPole-v1", "schema": schema_for_env(spec).to_dict()},
+                                 "config": {"env_kwargs": {"max_episode_steps": 5}},
+                                 "model": _fresh_model("CartPole-v1", seed=5).state_dict()})
+    from_run = tmp_path / "from-run"
+    assert main(["record", "--checkpoint", str(checkpoint), "--episodes", "2", "--output", str(from_run)]) == 0
+    assert lengths(from_run) == [5, 5]  # a greedy untrained policy keeps the pole up longer than 5 steps
+    capsys.readouterr()
+
+    assert main(["record", "--env", "CartPole-v1", "--episodes", "1", "--output", str(tmp_path / "bad"),
+                 "--env-kwargs", "[1]"]) == 2
+    assert "env_kwargs" in capsys.readouterr().err
+    assert main(["record", "--checkpoint", str(checkpoint), "--episodes", "1", "--output", str(tmp_path / "bad"),
+                 "--env-kwargs", "{}"]) == 2
+    assert "--env-kwargs" in capsys.readouterr().err

@@ -35,6 +35,7 @@ pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(1500)]
 # Small CartPole runs: 3 actors x 4 envs fill a 12-column, 32-step buffer in a fraction of a second.
 RUN_SETTINGS = {
     "OAKEMU_ENV_ID": "CartPole-v1",
+    "OAKEMU_MODE": "sync",
     "OAKEMU_ENVS_PER_ACTOR": "4",
     "OAKEMU_NUM_ENVS": "12",
     "OAKEMU_ROLLOUT_LENGTH": "32",

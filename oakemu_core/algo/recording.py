@@ -34,6 +34,7 @@ from torch import nn
 from oakemu_core.actor.routing import checked_actions, load_callable, random_actions
 from oakemu_core.algo.demonstrations import DemonstrationDataError, dataset_spaces, import_minari
 from oakemu_core.envs.factory import make_vector_env
+from oakemu_core.envs.options import EnvOptions
 from oakemu_core.envs.spec import PLAIN_KEY, EnvSpec
 
 __all__ = ["RecordingPolicy", "RecordingSummary", "make_recording_policy", "record_dataset"]
@@ -125,6 +126,7 @@ def record_dataset(
     num_envs: int = 1,
     max_episode_steps: int | None = None,
     settings_file: str | None = None,
+    options: EnvOptions | None = None,
     greedy: bool = True,
     algorithm_name: str | None = None,
     overwrite: bool = False,
@@ -146,6 +148,7 @@ def record_dataset(
         num_envs: envs played together.
         max_episode_steps: time limit replacing the env's own (None keeps it).
         settings_file: emulator settings file (``gameboy:`` / ``retro:`` ids).
+        options: ``gymnasium.make`` keyword arguments and Atari preprocessing (None: the defaults).
         greedy: a model policy acts greedily (default) or samples.
         algorithm_name: Minari ``algorithm_name`` metadata (default: describes ``policy``).
         overwrite: replace an existing ``output`` folder.
@@ -168,7 +171,7 @@ def record_dataset(
     if output.exists() and not overwrite:
         raise DemonstrationDataError(f"{output}: already exists; choose another --output or remove it")
     env = make_vector_env(env_id, int(num_envs), seed=seed, clip_rewards=False,
-                          max_episode_steps=max_episode_steps, settings_file=settings_file)
+                          max_episode_steps=max_episode_steps, settings_file=settings_file, options=options)
     try:
         spec = env.spec
         act = make_recording_policy(policy, spec, seed=seed, greedy=greedy)
