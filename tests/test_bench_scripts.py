@@ -10,6 +10,7 @@ import types
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from oakemu_core.presets import load_preset
@@ -19,8 +20,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "benchmarks" / "bench_spaces_vs_sb3.py"
 
 
-def _load_bench() -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_spaces_vs_sb3", SCRIPT)
+def _load_script(name: str) -> types.ModuleType:
+    """benchmarks/NAME.py as a module (not run as a script)."""
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "benchmarks" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look the module up while building the class
@@ -28,7 +30,7 @@ def _load_bench() -> types.ModuleType:
     return module
 
 
-bench = _load_bench()
+bench = _load_script("bench_spaces_vs_sb3")
 
 
 def test_help_runs_without_sb3_imports() -> None:
@@ -200,3 +202,49 @@ def test_bench_pipeline_actor_loop_variants_step_with_their_settings(variant: st
     groups = 2 if "groups2" in variant else 1
     assert threads == [1 if variant.startswith("per_core") else None] * groups
     assert backends == ([] if variant == "per_core" else [BFloat16Forward if "bfloat16" in variant else type(None)])
+
+
+showcase = _load_script("showcase_airstriker")
+
+
+def test_showcase_reads_the_training_and_evaluation_curve_from_metrics_lines() -> None:
+    lines = [
+        '{"global_step": 512, "charts/episodic_return": NaN, "losses/entropy": 8.3}',
+        "",
+        '{"global_step": 1024, "charts/episodic_return": 70.0}',
+        '{"global_step": 1100, "eval/episodic_return": 90.0, "eval/episodic_return_std": 5.0, '
+        '"eval/weights_global_step": 1024.0}',
+        '{"global_step": 1536, "charts/episodic_return": 75.5}',
+    ]
+    curve = showcase.read_curve(lines)
+    assert (curve.train_steps, curve.train_returns) == ([1024, 1536], [70.0, 75.5])
+    assert (curve.eval_steps, curve.eval_means, curve.eval_stds) == ([1024], [90.0], [5.0])
+
+
+def test_showcase_beats_random_needs_the_mean_above_random_mean_plus_two_std_over_ten_episodes() -> None:
+    random = [60.0, 80.0, 100.0] * 4  # mean 80, population std sqrt(800 / 3) = 16.33: the bar is 112.66
+    assert showcase.beats_random([113.0] * 10, random)
+    assert not showcase.beats_random([112.0] * 10, random)
+    assert not showcase.beats_random([500.0] * 9, random)  # too few trained episodes
+    assert not showcase.beats_random([500.0] * 10, random[:9])  # too few random ones
+
+
+def test_showcase_trains_airstriker_with_evaluation_and_one_env_per_actor(monkeypatch: pytest.MonkeyPatch,
+                                                                        tmp_path: Path) -> None:
+    args = showcase.train_args(steps=4096, seed=3, runs_dir=tmp_path, run_name="r")
+    config = _train_config(args, monkeypatch)
+    assert config.env_id == "retro:Airstriker-Genesis-v0" and config.total_env_steps == 4096 and config.seed == 3
+    assert config.envs_per_actor == 1 and config.num_actors == 4 and config.mode == "async"
+    assert config.clip_rewards is True and config.eval_greedy is False and config.eval_every_updates > 0
+    assert config.runs_dir == tmp_path and config.run_name == "r"
+
+
+def test_showcase_clip_keeps_every_second_frame_of_its_seconds_downscaled() -> None:
+    clip = showcase.ClipFrames(seconds=1.0, skip=0.4)  # at 15 frames per second: frames 6 to 20
+    assert clip.begin(15.0)
+    for value in range(40):
+        clip.add(np.full((224, 320, 3), value, dtype=np.uint8))
+    clip.end()
+    assert not clip.begin(15.0)  # the first episode only
+    assert [int(frame[0, 0, 0]) for frame in clip.frames] == [6, 8, 10, 12, 14, 16, 18, 20]
+    assert {frame.shape for frame in clip.frames} == {(112, 160, 3)}
