@@ -97,6 +97,7 @@ from bench_spaces_vs_sb3 import (  # the sibling benchmark's case table, flag bu
     fresh_run_dir,
     oakemu_args,
     sb3_kwargs,
+    sb3_vec_env_settings,
     train_oakemu,
 )
 
@@ -123,6 +124,18 @@ class Bench:
 _MLP = "separate actor and critic MLPs 64-64 tanh, orthogonal init, categorical head"
 _ZOO = {"vf_coef_per_sb3": OAKEMU_VF_COEF_PER_SB3, "max_policy_lag": 2}  # max_policy_lag: OakEmu's default (async only)
 
+
+def sb3_default_case(env_id: str, total_env_steps: int = 1_000_000) -> Case:
+    """A MuJoCo locomotion case at SB3 ``PPO``'s default hyperparameters (one env, ``n_steps`` 2048, batch 64,
+    10 epochs, lr 3e-4, gamma 0.99, lambda 0.95, clip 0.2, no entropy bonus, ``vf_coef`` 0.5, gradient norm
+    0.5) with observations and rewards normalised (``VecNormalize``; rl-baselines3-zoo's ``normalize: true``
+    for these tasks); 1M steps, the zoo's budget. Needs ``gymnasium[mujoco]``."""
+    return Case(env_id=env_id, total_env_steps=total_env_steps, num_envs=1, rollout_length=2048, ppo_epochs=10,
+                num_minibatches=32, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95, clip_coef=0.2, ent_coef=0.0,
+                vf_coef=0.5, max_grad_norm=0.5, normalize_observations=True, normalize_rewards=True,
+                action_masks=False, max_policy_lag=2)
+
+
 # The hyperparameters are the presets' (oakemu_core/presets/*.toml: rl-baselines3-zoo's values).
 BENCHES: dict[str, Bench] = {
     "cartpole": Bench(case_from_preset("cartpole", net_arch=_MLP, **_ZOO), quick_steps=16_384, threshold=475.0),
@@ -132,6 +145,9 @@ BENCHES: dict[str, Bench] = {
                          net_arch="Nature CNN (3 conv + 512 ReLU) shared by linear policy and value heads, orthogonal init"),
         quick_steps=4_096, atari=True,
     ),
+    "pendulum": Bench(case_from_preset("pendulum", **_ZOO), quick_steps=8_192),
+    "hopper": Bench(sb3_default_case("Hopper-v5"), quick_steps=8_192),
+    "halfcheetah": Bench(sb3_default_case("HalfCheetah-v5"), quick_steps=8_192),
 }
 
 
@@ -173,7 +189,9 @@ def sb3_env_description(bench: Bench) -> str:
     if bench.atari:
         return ("DummyVecEnv of Monitor(FrameStackObservation(AtariPreprocessing(gym.make(id, frameskip=1), noop_max=30, "
                 "frame_skip=4, screen_size=84, terminal_on_life_loss=False, grayscale_obs=True), 4)) + ClipReward(-1, 1)")
-    return "make_vec_env(id, vec_env_cls=DummyVecEnv) (Monitor per env)"
+    normalize = sb3_vec_env_settings(bench.case)["VecNormalize"]
+    return "make_vec_env(id, vec_env_cls=DummyVecEnv) (Monitor per env)" + (f" + VecNormalize(**{normalize})"
+                                                                          if normalize else "")
 
 
 # ------------------------------------------------------------------------------------------------- SB3
@@ -191,7 +209,7 @@ def sb3_worker(spec: dict) -> dict:
     from stable_baselines3 import PPO
     from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.env_util import make_vec_env
-    from stable_baselines3.common.vec_env import DummyVecEnv
+    from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
 
     bench = BENCHES[spec["name"]]
     case = bench.case
@@ -222,6 +240,9 @@ def sb3_worker(spec: dict) -> dict:
                             wrapper_class=ClipReward, wrapper_kwargs={"min_reward": -1.0, "max_reward": 1.0})
     else:
         venv = make_vec_env(case.env_id, n_envs=case.num_envs, seed=spec["seed"], vec_env_cls=DummyVecEnv)
+    normalize = sb3_vec_env_settings(case)["VecNormalize"]
+    if normalize is not None:  # outside the Monitors: episode returns stay raw
+        venv = VecNormalize(venv, **normalize)
 
     class EpisodeLog(BaseCallback):
         def __init__(self) -> None:
@@ -410,8 +431,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs-dir", type=Path, default=None, help="keep run folders here (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="also write every result to this JSON file")
     parser.add_argument("--print-configs", action="store_true", help="print both sides' settings and exit")
+    parser.add_argument("--report", nargs="+", type=Path, metavar="JSON",
+                        help="print the tables of earlier --json files (merged by case, seed and steps) and exit")
     parser.add_argument("--sb3-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+
+    if args.report:
+        missing = [str(p) for p in args.report if not p.is_file()]
+        if missing:
+            raise SystemExit(f"--report: no such file: {', '.join(missing)}")
+        print_table(merge_results(args.report))
+        return 0
 
     if args.sb3_worker:
         print(json.dumps(sb3_worker(json.loads(args.sb3_worker))))
@@ -501,6 +531,52 @@ def print_table(results: list[dict]) -> None:
                 if system in row:
                     print(f"  curve (mean return per tenth of {row['steps']:,} steps) seed {row['seed']} {system}: "
                           f"{row[system]['curve']}")
+        print_means(rows)
+
+
+def mean_curve(rows: list[dict], system: str) -> list[float] | None:
+    """Per-window mean over the rows (seeds) that ran ``system`` (nan windows left out); None when none did."""
+    curves = [row[system]["curve"] for row in rows if system in row]
+    if not curves:
+        return None
+    return [round(_mean([c[i] for c in curves if c[i] == c[i]]), 1) for i in range(len(curves[0]))]
+
+
+def print_means(rows: list[dict]) -> None:
+    """Means over seeds per system: last-100 return, wall time, the return per window, and how each OakEmu
+    mode compares with SB3 (last-100 and wall ratios; windows at >= 0.95 x SB3's mean among those where
+    SB3's mean is positive, and the smallest difference elsewhere)."""
+    sb3_curve = mean_curve(rows, "sb3")
+    for system in SYSTEMS:
+        done = [row[system] for row in rows if system in row]
+        if not done:
+            continue
+        seeds = [row["seed"] for row in rows if system in row]
+        last100, wall = _mean([r["last100"] for r in done]), _mean([r["wall_s"] for r in done])
+        line = f"  {system}: seeds {seeds}, mean last100 {last100:.1f}, mean wall {wall:,.0f} s"
+        sb3 = [row["sb3"] for row in rows if "sb3" in row]
+        if system != "sb3" and sb3:
+            line += (f" ({last100 / _mean([r['last100'] for r in sb3]):.2f} x SB3's return, "
+                     f"{wall / _mean([r['wall_s'] for r in sb3]):.2f} x its wall)")
+        print(line)
+        curve_here = mean_curve(rows, system)
+        print(f"    mean curve: {curve_here}")
+        if system != "sb3" and sb3_curve and curve_here:
+            positive = [(o, b) for o, b in zip(curve_here, sb3_curve, strict=True) if b > 0]
+            held = sum(o >= 0.95 * b for o, b in positive)
+            print(f"    windows at >= 0.95 x SB3's mean: {held} of {len(positive)} where SB3's is positive; "
+                  f"ratios {[round(o / b, 2) for o, b in positive]}")
+
+
+def merge_results(paths: list[Path]) -> list[dict]:
+    """Rows of several ``--json`` files merged by (case, seed, steps); a later file's system replaces an earlier one's."""
+    merged: dict[tuple, dict] = {}
+    for path in paths:
+        for row in json.loads(path.read_text()):
+            key = (row["case"], row["seed"], row["steps"])
+            merged.setdefault(key, {k: row[k] for k in ("case", "env", "seed", "steps")}).update(
+                {s: row[s] for s in SYSTEMS if s in row})
+    return sorted(merged.values(), key=lambda r: (r["case"], r["steps"], r["seed"]))
 
 
 if __name__ == "__main__":

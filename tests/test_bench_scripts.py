@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -95,24 +96,29 @@ def test_sb3_kwargs_build_the_same_algorithm(name: str) -> None:
 BENCH_VS_SB3 = REPO_ROOT / "benchmarks" / "bench_vs_sb3.py"
 
 
-@pytest.mark.parametrize("name", ["cartpole", "lunarlander", "breakout"])
+def _bench_vs_sb3():
+    spec = importlib.util.spec_from_file_location("bench_vs_sb3", BENCH_VS_SB3)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", ["cartpole", "lunarlander", "breakout", "pendulum", "hopper"])
 def test_bench_vs_sb3_flags_match_the_case(name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """benchmarks/bench_vs_sb3.py: --help runs; both modes' flags give the case's config, vf_coef in OakEmu's
     0.5 * MSE meaning (2 x SB3's), rewards clipped for Atari only."""
     result = subprocess.run([sys.executable, str(BENCH_VS_SB3), "--help"], capture_output=True, text=True,
                             timeout=120, check=False)
     assert result.returncode == 0 and "--quick" in result.stdout, result.stderr
-    spec = importlib.util.spec_from_file_location("bench_vs_sb3", BENCH_VS_SB3)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = _bench_vs_sb3()
     target = module.BENCHES[name]
     case = target.case
     kwargs = module.sb3_bench_kwargs(target, seed=3)
     for mode in ("async", "sync"):
         args = module.oakemu_bench_args(target, mode=mode, seed=3, steps=4096, runs_dir=tmp_path, run_name="r",
-                                        ports=[1, 2, 3, 4, 5], torch_threads=1)
+                                        ports=[1, 2, 3, 4, 5], torch_threads=1, num_actors=min(2, case.num_envs))
         config = _train_config(args, monkeypatch)
         assert (config.mode, config.env_id, config.seed, config.eval_every_updates) == (mode, case.env_id, 3, 0)
         assert config.num_actors * config.envs_per_actor == case.num_envs
@@ -122,6 +128,13 @@ def test_bench_vs_sb3_flags_match_the_case(name: str, monkeypatch: pytest.Monkey
             kwargs["n_steps"], kwargs["n_epochs"], kwargs["learning_rate"], kwargs["gamma"], kwargs["gae_lambda"],
             kwargs["clip_range"], kwargs["ent_coef"], kwargs["max_grad_norm"])
         assert config.vf_coef == 2 * kwargs["vf_coef"]
+        assert (config.normalize_observations, config.normalize_rewards) == (case.normalize_observations,
+                                                                            case.normalize_rewards)
+        normalize = module.sb3_vec_env_settings(case)["VecNormalize"]
+        assert (normalize is not None) is case.normalize_observations
+        if name == "hopper":  # SB3's own defaults, not a preset
+            assert (kwargs["n_steps"], kwargs["batch_size"], kwargs["n_epochs"], kwargs["vf_coef"]) == (2048, 64, 10, 0.5)
+            continue
         preset = load_preset({"breakout": "atari"}.get(name, name)).settings  # the one home of the values
         for key in ("env_id", "rollout_length", "ppo_epochs", "num_minibatches", "learning_rate", "gamma",
                     "gae_lambda", "clip_coef", "ent_coef", "vf_coef", "max_grad_norm"):
@@ -137,6 +150,40 @@ def test_bench_vs_sb3_flags_match_the_case(name: str, monkeypatch: pytest.Monkey
     with pytest.raises(SystemExit, match="must divide"):
         module.oakemu_bench_args(target, mode="async", seed=3, steps=4096, runs_dir=tmp_path, run_name="r",
                                  ports=[1, 2, 3, 4, 5], torch_threads=1, num_actors=case.num_envs + 1)
+
+
+def test_bench_vs_sb3_report_merges_json_files_and_prints_means_over_seeds(tmp_path: Path) -> None:
+    """``bench_vs_sb3.py --report``: rows of two JSON files merged by case and seed (a later file adds systems),
+    and the printed means over seeds are the means of the rows' figures."""
+    def result(last100: float, wall: float, curve: list[float]) -> dict:
+        return {"sps": 1000.0, "last100": last100, "wall_s": wall, "curve": curve, "to_threshold": None}
+
+    first = [{"case": "lunarlander", "env": "LunarLander-v3", "seed": 1, "steps": 100,
+              "sb3": result(200.0, 800.0, [-100.0, 100.0])},
+             {"case": "lunarlander", "env": "LunarLander-v3", "seed": 2, "steps": 100,
+              "sb3": result(100.0, 600.0, [-50.0, 200.0])}]
+    second = [{"case": "lunarlander", "env": "LunarLander-v3", "seed": 1, "steps": 100,
+               "oakemu-sync": result(190.0, 200.0, [-90.0, 150.0])},
+              {"case": "lunarlander", "env": "LunarLander-v3", "seed": 2, "steps": 100,
+               "oakemu-sync": result(80.0, 220.0, [-60.0, 130.0])}]
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, rows in zip(paths, (first, second), strict=True):
+        path.write_text(json.dumps(rows))
+    merged = _bench_vs_sb3().merge_results(paths)
+    assert [(row["seed"], sorted(k for k in row if k.startswith(("sb3", "oakemu")))) for row in merged] == [
+        (1, ["oakemu-sync", "sb3"]), (2, ["oakemu-sync", "sb3"])]
+    printed = subprocess.run([sys.executable, str(BENCH_VS_SB3), "--report", *map(str, paths)], capture_output=True,
+                             text=True, timeout=120, check=False)
+    assert printed.returncode == 0, printed.stderr
+    # SB3: last100 (200 + 100) / 2 = 150, wall 700, curve [-75, 150]; sync: 135, 210, curve [-75, 140].
+    assert "sb3: seeds [1, 2], mean last100 150.0, mean wall 700 s" in printed.stdout
+    assert "oakemu-sync: seeds [1, 2], mean last100 135.0, mean wall 210 s (0.90 x SB3's return, 0.30 x its wall)" \
+        in printed.stdout
+    assert "mean curve: [-75.0, 140.0]" in printed.stdout
+    assert "windows at >= 0.95 x SB3's mean: 0 of 1 where SB3's is positive; ratios [0.93]" in printed.stdout
+    missing = subprocess.run([sys.executable, str(BENCH_VS_SB3), "--report", str(tmp_path / "none.json")],
+                             capture_output=True, text=True, timeout=120, check=False)
+    assert missing.returncode != 0 and "no such file" in missing.stderr
 
 
 def test_bench_learner_layout_times_each_variant_and_prints_their_ratios() -> None:
