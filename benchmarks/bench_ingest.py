@@ -169,11 +169,15 @@ class NoUpdateLearner(PPOLearner):
 
 def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load: str = "",
                    steps_per_message: int | str = "auto", transport: str = "auto",
-                   columns: int = 64) -> tuple[float, float, dict]:
+                   columns: int = 64, learner_type: type[PPOLearner] = NoUpdateLearner,
+                   **settings: object) -> tuple[float, float, dict]:
     """Env steps/s the learner writes from ``actors`` synthetic actors; ``load``: "" (none), "thread"
     (training loop in this process) or "process"; ``transport``: the ``step_transport`` of learner
     and actors ("auto": step rings here; "sockets"). Returns ``(rate, CPU seconds of the ingest
-    threads per row written, dropped counters)``. ``columns``: the learner's rollout buffer columns."""
+    threads per row written, dropped counters)``. ``columns``: the learner's rollout buffer columns;
+    ``learner_type``: the trainer's learner (default: one whose update does nothing);
+    ``settings``: further :class:`~oakemu_core.config.OakEmuConfig` fields (e.g. the PPO settings of
+    a learner that trains)."""
     from oakemu_core.algo.trainer import Trainer
     from oakemu_core.config import OakEmuConfig, resolved_device
     from oakemu_core.envs import env_spec
@@ -184,18 +188,18 @@ def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load
     ctx = mp.get_context("spawn")
     stop_actors, stop_load = ctx.Event(), ctx.Event()
     with tempfile.TemporaryDirectory() as runs_dir:
-        config = OakEmuConfig(
-            env_id=env_id, num_actors=actors, envs_per_actor=num_envs, total_env_steps=10**12,
-            num_envs=columns, mode="async",
-            data_port=ports[0], control_port=ports[1], weights_port=ports[2], telemetry_port=ports[3],
-            metrics_port=ports[4], runs_dir=Path(runs_dir), run_name="bench", checkpoint_every_updates=0,
-            steps_per_message=steps_per_message, step_transport=transport,
-            eval_every_updates=0, log_level="WARNING",
-        )
+        config = OakEmuConfig(**{
+            "env_id": env_id, "num_actors": actors, "envs_per_actor": num_envs, "total_env_steps": 10**12,
+            "num_envs": columns, "mode": "async",
+            "data_port": ports[0], "control_port": ports[1], "weights_port": ports[2], "telemetry_port": ports[3],
+            "metrics_port": ports[4], "runs_dir": Path(runs_dir), "run_name": "bench", "checkpoint_every_updates": 0,
+            "steps_per_message": steps_per_message, "step_transport": transport,
+            "eval_every_updates": 0, "log_level": "WARNING", **settings,
+        })
         spec = env_spec(env_id)
         run_dir = Path(runs_dir) / "bench"
         trainer = Trainer(config, spec, schema_for_env(spec), run_dir, device=resolved_device(config),
-                          learner_type=NoUpdateLearner)  # full buffers released at once
+                          learner_type=learner_type)  # by default full buffers are released at once
         learner = Learner(config, run_dir, trainer=trainer)
         stop = threading.Event()
         thread = threading.Thread(target=learner.run, args=(stop,), daemon=True)

@@ -1,79 +1,285 @@
-"""Device check of the learner path: a few PPO updates on real Breakout rollouts on ``--device``.
+"""Device check of the learner: PPO updates of the Nature CNN at the Breakout settings on ``--device``,
+their overhead over a bare torch loop of the same SGD steps, and an end-to-end run in which synthetic
+actors feed the training learner at its ingest ceiling.
 
-For a lent GPU machine (``python benchmarks/gpu_check.py --device cuda``); it also runs on the CPU.
-Per update it prints: observation uploads to the device during the update (expected: 1, the cached
-upload reused by every epoch), the first-minibatch PPO ratio deviation from 1 (actor on the CPU vs
-learner on the device; expected < 1e-5 on the first update, whose rows the learner's own weights
-produced), and the seconds per epoch.
+Run it on a machine with a GPU as ``python benchmarks/gpu_check.py --device cuda`` (a few minutes;
+well under 10); without ``--device`` it takes CUDA when torch sees a GPU, else the CPU.
+``--quick`` is the CPU fallback at tiny sizes (seconds; what the tests run). The settings are the
+``atari`` preset's (``oakemu_core/presets/atari.toml``: 8 envs x 128 steps, 4 epochs of 4 minibatches
+of 256 rows); ``--envs``, ``--steps`` and ``--actors`` change the sizes.
 
-Usage: ``python benchmarks/gpu_check.py [--device cuda] [--updates 3] [--envs 16] [--steps 128]``
+Printed, all measured in the same run:
+
+1. Per update, on real Breakout rollouts (the env stepped in this process by a CPU actor whose weights
+   follow the learner's): observation uploads to the device during the update (expected: 1, the cached
+   upload reused by every epoch), the first-minibatch PPO ratio deviation from 1 (actor on the CPU vs
+   learner on the device; expected < 1e-5, CUDA's TF32 being off), seconds per epoch, and the
+   update's seconds through the production path (``PPOLearner.step`` of the learner's ``Trainer``:
+   its model, fused Adam, ``PPOUpdater``) next to a bare torch loop of the same SGD steps on the same
+   rows (a copy of the model; the rollout uploaded once, then per minibatch of the same shape:
+   forward, a policy-gradient + value + entropy loss, backward, Adam step; no ratio, clipping,
+   gradient-norm clip, statistics or locks).
+2. ``update``: the medians over the updates after the first (the first warms the kernels up) of both
+   times, and ``production / bare``, the overhead of the production path (expected: a few percent
+   above 1 on a GPU, where the PPO bookkeeping's small kernels weigh most).
+3. ``end to end``: synthetic actors (``benchmarks/bench_ingest.py``: real joins, step rings, Atari-
+   sized step messages sent as fast as the learner takes them) feed the in-process learner
+   (``oakemu_services.learner.Learner``) whose trainer really trains: the env steps/s trained (rows
+   of the updates after the first, over the time between their ends), the env steps/s ingested, the
+   update time within the run, the training ceiling (rows per update / update time) and the share of
+   the time the trainer is busy (near 100 %: training is the limit; well below: ingest is).
+
+On a GPU the trained rate should approach the lower of the ingest ceiling and the training ceiling;
+on the CPU training is the limit by far.
+
+Usage: ``python benchmarks/gpu_check.py [--device cuda] [--updates 5] [--envs 8] [--steps 128]
+[--actors 1] [--seconds 30] [--torch-threads N] [--quick]``
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import statistics
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
-from oakemu_core.policy.distributions import distribution_for_env  # noqa: E402
-from oakemu_core.envs import make_vector_env  # noqa: E402
-from oakemu_core.policy.models import build_model, load_weight_arrays, weights_to_arrays  # noqa: E402
-from oakemu_core.algo.ppo import PPOUpdater  # noqa: E402
-from oakemu_core.storage.rollout_buffer import RolloutBuffer  # noqa: E402
+from benchmarks.bench_ingest import measure_ingest  # noqa: E402
 from oakemu_core.actor.stepper import PolicyStepper  # noqa: E402
+from oakemu_core.algo.learner import PPOLearner  # noqa: E402
+from oakemu_core.algo.trainer import Trainer  # noqa: E402
+from oakemu_core.config import OakEmuConfig, resolved_device  # noqa: E402
+from oakemu_core.envs import make_vector_env  # noqa: E402
+from oakemu_core.errors import ConfigError  # noqa: E402
+from oakemu_core.policy.models import load_weight_arrays  # noqa: E402
+from oakemu_core.policy.schemas import schema_for_env  # noqa: E402
+from oakemu_core.presets import load_preset  # noqa: E402
+from oakemu_core.storage.buffer_ring import FullRollout  # noqa: E402
+from oakemu_core.storage.rollout_buffer import RolloutBuffer  # noqa: E402
+
+QUICK = {"updates": 2, "envs": 2, "steps": 16, "actors": 1, "seconds": 4.0, "torch_threads": 1}
+"""``--quick``: the CPU fallback's sizes (a rollout of 32 rows, minibatches of 8) on one torch thread
+(steadier times on a loaded machine)."""
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--env", default="ALE/Breakout-v5")
-    parser.add_argument("--updates", type=int, default=3)
-    parser.add_argument("--envs", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=128)
-    args = parser.parse_args()
+@dataclass(frozen=True)
+class UpdateRow:
+    """One update of part 1: uploads, ratio deviation, seconds per epoch, seconds of the production
+    update and of the bare loop, policy loss and approximate KL."""
 
-    torch.manual_seed(1)
-    env = make_vector_env(args.env, args.envs, seed=1)
-    spec = env.spec
-    actor_model = build_model(spec.observation_layout, distribution_for_env(spec))
-    learner_model = build_model(spec.observation_layout, distribution_for_env(spec))
-    load_weight_arrays(learner_model, weights_to_arrays(actor_model))
-    learner = PPOUpdater(
-        learner_model, torch.optim.Adam(learner_model.parameters(), lr=2.5e-4, eps=1e-5), device=args.device,
-        ppo_epochs=4, num_minibatches=4, clip_coef=0.1, clip_value_range=0.1, ent_coef=0.01, vf_coef=0.5,
-        max_grad_norm=0.5,
-    )
-    stepper = PolicyStepper(env, actor_model, policy_version=0)
-    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    print(f"device {args.device} ({name}), {args.env}, rollout {args.steps} x {args.envs}")
-    print(f"{'update':>6} {'uploads':>8} {'ratio dev':>11} {'s/epoch':>8} {'policy loss':>12} {'approx kl':>10}")
-    with RolloutBuffer(args.steps, args.envs, schema=stepper.schema, seed=1) as buffer:
-        for update in range(args.updates):
-            buffer.reset()
-            for _ in range(args.steps):
-                row = stepper.step()
-                row.buffers.add_to_rollout_buffer(buffer, policy_version=row.policy_version)
-            buffer.compute_gae(row.next_values, buffer.dones[-1].copy(), 0.99, 0.95)
-            uploads_before = buffer.observation_uploads
+    uploads: int
+    ratio_deviation: float
+    seconds_per_epoch: float
+    production_s: float
+    bare_s: float
+    policy_loss: float
+    approx_kl: float
+
+
+def preset_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``atari`` preset's settings with this check's device and sizes, no evaluation, checkpoint or
+    rollback (nothing but the updates runs)."""
+    return {**load_preset("atari").settings, "device": args.device, "num_envs": args.envs,
+            "rollout_length": args.steps, "eval_every_updates": 0, "checkpoint_every_updates": 0,
+            "rollback": False, "log_level": "WARNING"}
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bare_update_seconds(model: torch.nn.Module, optimizer: torch.optim.Optimizer, buffer: RolloutBuffer,
+                        config: OakEmuConfig, rng: np.random.Generator) -> float:
+    """Wall seconds of ``ppo_epochs`` x ``num_minibatches`` plain SGD steps on ``buffer``'s rows: the
+    rows uploaded to the model's device once, then per shuffled minibatch forward, loss
+    ``-mean(log pi(a|s) A) + vf_coef mean((V - R)^2) - ent_coef mean(entropy)``, backward, optimizer
+    step (the work any PPO update does, without its bookkeeping)."""
+    device = next(model.parameters()).device
+    schema, rows = buffer.schema, buffer.total_size
+    start = time.perf_counter()
+    fields = {name: torch.from_numpy(buffer.field(name).reshape(rows, *schema[name].shape).copy()).to(device)
+              for name in (*schema.observation_names, "actions")}
+    advantages = torch.from_numpy(buffer.advantages.reshape(rows).copy()).to(device)
+    returns = torch.from_numpy(buffer.returns.reshape(rows).copy()).to(device)
+    size = rows // config.num_minibatches
+    model.train()
+    for _ in range(config.ppo_epochs):
+        order = torch.from_numpy(rng.permutation(rows)).to(device)
+        for first in range(0, size * config.num_minibatches, size):
+            index = order[first:first + size]
+            policy, values = model.policy_and_values(
+                schema.join_observations({name: fields[name][index] for name in schema.observation_names}))
+            loss = (-(policy.log_prob(fields["actions"][index]) * advantages[index]).mean()
+                    + config.vf_coef * (values - returns[index]).square().mean()
+                    - config.ent_coef * policy.entropy().mean())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+    _synchronize(device)
+    return time.perf_counter() - start
+
+
+def update_rows(args: argparse.Namespace, config: OakEmuConfig, device: str) -> list[UpdateRow]:
+    """Part 1: ``args.updates`` rollouts of real Breakout steps, each trained by the production path
+    (timed) and then by the bare loop on a copy of the model (timed)."""
+    # One emulator thread: idle emulator threads would compete with torch's for the cores while the
+    # updates are timed.
+    env = make_vector_env(config.env_id, config.num_envs, seed=1, num_threads=1)
+    try:
+        with tempfile.TemporaryDirectory() as run_dir:
+            trainer = Trainer(config, env.spec, schema_for_env(env.spec), Path(run_dir), device=device)
+            try:
+                learner = trainer.ppo
+                bare_model = copy.deepcopy(learner.model)
+                bare_optimizer = torch.optim.Adam(bare_model.parameters(), lr=config.learning_rate, eps=1e-5,
+                                                  fused=learner.device.type in ("cpu", "cuda"))
+                stepper = PolicyStepper(env, copy.deepcopy(learner.model).to("cpu"),
+                                        policy_version=learner.policy_version)
+                rng = np.random.default_rng(1)
+                with RolloutBuffer(config.rollout_length, config.num_envs, schema=stepper.schema, seed=1) as buffer:
+                    return [_one_update(trainer, stepper, buffer, bare_model, bare_optimizer, rng)
+                            for _ in range(args.updates)]
+            finally:
+                trainer.close()
+    finally:
+        env.close()
+
+
+def _one_update(trainer: Trainer, stepper: PolicyStepper, buffer: RolloutBuffer, bare_model: torch.nn.Module,
+                bare_optimizer: torch.optim.Optimizer, rng: np.random.Generator) -> UpdateRow:
+    """Collect one rollout with the actor's weights equal to the learner's, train it through the
+    production path, then through the bare loop; the actor takes the new weights."""
+    learner = trainer.ppo
+    buffer.reset()
+    for _ in range(buffer.rollout_length):
+        row = stepper.step()
+        row.buffers.add_to_rollout_buffer(buffer, policy_version=row.policy_version)
+    prepared = learner.prepare(FullRollout(0, buffer, row.next_values, buffer.dones[-1].copy()))
+    uploads_before = buffer.observation_uploads
+    _synchronize(learner.device)
+    start = time.perf_counter()
+    stats = learner.step(0, prepared)
+    production = time.perf_counter() - start
+    assert stats is not None, "a rollout of the current policy has trainable rows"
+    uploads = buffer.observation_uploads - uploads_before
+    bare = bare_update_seconds(bare_model, bare_optimizer, buffer, trainer.config, rng)
+    load_weight_arrays(stepper.model, trainer.weights())  # as the learner publishes them
+    stepper.policy_version = learner.policy_version
+    return UpdateRow(uploads, stats.first_minibatch_ratio_max_abs_dev, production / max(1, stats.epochs_completed),
+                     production, bare, stats.policy_loss, stats.approx_kl)
+
+
+def timed_learner(records: list[tuple[float, float, int]]) -> type[PPOLearner]:
+    """A :class:`PPOLearner` that appends ``(end time, update seconds, rows trained)`` to ``records``
+    after each update (``time.perf_counter`` seconds)."""
+
+    class TimedLearner(PPOLearner):
+        def step(self, actor_steps: int, rollout: Any = None) -> Any:
+            _synchronize(self.device)
             start = time.perf_counter()
-            stats = learner.step(buffer, current_policy_version=stepper.policy_version)
-            elapsed = time.perf_counter() - start
-            uploads = buffer.observation_uploads - uploads_before
-            # The actors get the new weights (as the learner publishes them) for the next rollout.
-            load_weight_arrays(actor_model, weights_to_arrays(learner_model))
-            stepper.policy_version += 1
-            per_epoch = elapsed / max(1, stats.epochs_completed)
-            print(f"{update + 1:>6} {uploads:>8} {stats.first_minibatch_ratio_max_abs_dev:>11.2e} {per_epoch:>8.3f} "
-                  f"{stats.policy_loss:>12.4f} {stats.approx_kl:>10.5f}")
-    env.close()
-    if args.device.startswith("cuda"):
+            stats = super().step(actor_steps, rollout)
+            end = time.perf_counter()
+            records.append((end, end - start, 0 if stats is None else stats.trainable_rows))
+            return stats
+
+    return TimedLearner
+
+
+def end_to_end(args: argparse.Namespace, settings: dict[str, Any]) -> tuple[float, list[tuple[float, float, int]]]:
+    """Part 3: ingested env steps/s and the update records of a learner that trains what the
+    synthetic actors send."""
+    records: list[tuple[float, float, int]] = []
+    overrides = {name: value for name, value in settings.items() if name not in ("env_id", "num_envs", "log_level")}
+    ingested, _, _ = measure_ingest(settings["env_id"], args.actors, args.envs // args.actors, args.seconds,
+                                    columns=args.envs, learner_type=timed_learner(records), **overrides)
+    return ingested, records
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values[1:] if len(values) > 1 else values)  # the first update warms up
+
+
+def report_updates(rows: list[UpdateRow]) -> None:
+    print(f"{'update':>6} {'uploads':>8} {'ratio dev':>11} {'s/epoch':>8} {'production s':>13} {'bare s':>9} "
+          f"{'policy loss':>12} {'approx kl':>10}")
+    for number, row in enumerate(rows, 1):
+        print(f"{number:>6} {row.uploads:>8} {row.ratio_deviation:>11.2e} {row.seconds_per_epoch:>8.3f} "
+              f"{row.production_s:>13.4f} {row.bare_s:>9.4f} {row.policy_loss:>12.4f} {row.approx_kl:>10.5f}")
+    production = _median([row.production_s for row in rows])
+    bare = _median([row.bare_s for row in rows])
+    print(f"update (median after the first): production {1e3 * production:.2f} ms, bare loop {1e3 * bare:.2f} ms, "
+          f"production / bare {production / bare:.3f}")
+
+
+def report_end_to_end(ingested: float, records: list[tuple[float, float, int]], rows_per_update: int) -> None:
+    if len(records) < 2:
+        raise SystemExit(f"end to end: {len(records)} update(s) in the run; a rate needs 2 (raise --seconds)")
+    trained = sum(rows for _, _, rows in records[1:]) / (records[-1][0] - records[0][0])
+    update = _median([seconds for _, seconds, _ in records])
+    ceiling = rows_per_update / update
+    print(f"end to end: {trained:,.0f} env steps/s trained over {len(records) - 1} updates, {ingested:,.0f} env "
+          f"steps/s ingested; update {1e3 * update:.2f} ms (median) = training ceiling {ceiling:,.0f} env steps/s; "
+          f"trainer busy {100 * trained / ceiling:.1f} %")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="the learner's torch device (default: cuda when torch sees a GPU, else cpu)")
+    parser.add_argument("--updates", type=int, default=5, help="updates of part 1; the first is a warm-up")
+    parser.add_argument("--envs", type=int, default=None, help="envs per rollout (default: the preset's 8)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per rollout (default: the preset's 128)")
+    parser.add_argument("--actors", type=int, default=1, help="synthetic actor processes end to end; divides --envs")
+    parser.add_argument("--seconds", type=float, default=30.0, help="length of the end-to-end run")
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch intra-op threads of this process (default: torch's, one per core)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes for the CPU fallback: " + ", ".join(
+        f"--{name.replace('_', '-')} {value}" for name, value in QUICK.items()))
+    args = parser.parse_args(argv)
+    preset = load_preset("atari").settings
+    if args.quick:
+        vars(args).update(QUICK)
+    args.envs = args.envs or preset["num_envs"]
+    args.steps = args.steps or preset["rollout_length"]
+    if min(args.updates, args.envs, args.steps, args.actors, args.torch_threads or 1) < 1 or args.envs % args.actors:
+        parser.error("expected --updates, --envs, --steps, --actors, --torch-threads >= 1 and --actors dividing --envs")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    settings = preset_settings(args)
+    try:
+        config = OakEmuConfig(**settings)
+        device = resolved_device(config)
+    except (ConfigError, ValueError) as error:
+        print(f"gpu_check: {error}".splitlines()[0], file=sys.stderr)
+        return 2
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+    print(f"device {device} ({name}), {config.env_id}, rollout {config.rollout_length} x {config.num_envs}, "
+          f"{config.ppo_epochs} epochs x {config.num_minibatches} minibatches of "
+          f"{config.batch_size // config.num_minibatches} rows, torch threads {torch.get_num_threads()}")
+    torch.manual_seed(1)
+    report_updates(update_rows(args, config, device))
+    ingested, records = end_to_end(args, settings)
+    report_end_to_end(ingested, records, config.batch_size)
+    if device.startswith("cuda"):
         print(f"peak device memory {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -295,3 +295,72 @@ def test_showcase_clip_keeps_every_second_frame_of_its_seconds_downscaled() -> N
     assert not clip.begin(15.0)  # the first episode only
     assert [int(frame[0, 0, 0]) for frame in clip.frames] == [6, 8, 10, 12, 14, 16, 18, 20]
     assert {frame.shape for frame in clip.frames} == {(112, 160, 3)}
+
+
+GPU_CHECK = REPO_ROOT / "benchmarks" / "gpu_check.py"
+
+
+def _run_gpu_check(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """benchmarks/gpu_check.py ARGS in a session of its own: on a timeout or a failure of the test every
+    process it started is killed and its shared-memory segments removed (the script itself must leave
+    none: asserted)."""
+    import signal
+
+    from oakemu_core.shared_memory import SEGMENT_PREFIX
+    from tests.e2e_helpers import SHM_DIR
+
+    process = subprocess.Popen([sys.executable, str(GPU_CHECK), *args], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    left: list[Path] = []
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # the synthetic actors, if the script did not stop them
+        except ProcessLookupError:
+            pass
+        process.wait()
+        left = sorted(SHM_DIR.glob(f"{SEGMENT_PREFIX}{process.pid}_*")) if SHM_DIR.is_dir() else []
+        for path in left:
+            path.unlink(missing_ok=True)
+    assert not left, f"gpu_check left shared-memory segments: {[path.name for path in left]}"
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+@pytest.mark.slow
+def test_gpu_check_cpu_fallback_prints_consistent_update_and_end_to_end_figures() -> None:
+    """benchmarks/gpu_check.py --quick on the CPU: one upload per update, actor and learner agree on the
+    log-probs, the printed medians are the table's and their ratio their quotient; end to end, updates
+    ran and the training ceiling and busy share follow from the printed rate and update time."""
+    import re
+
+    result = _run_gpu_check("--quick", "--device", "cpu", timeout=240)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    table = [line.split() for line in out.splitlines() if re.match(r"\s+\d+\s+\d+\s", line)]
+    assert len(table) == 2  # --quick: 2 updates
+    for row in table:
+        uploads, deviation, per_epoch, production, bare = int(row[1]), *map(float, row[2:6])
+        assert uploads == 1 and deviation < 1e-5
+        assert per_epoch > 0 and production > 0 and bare > 0
+        assert abs(per_epoch - production / 4) <= 1e-3  # the preset's 4 epochs
+    medians = re.search(r"production ([\d.]+) ms, bare loop ([\d.]+) ms, production / bare ([\d.]+)", out)
+    production_ms, bare_ms, ratio = map(float, medians.groups())
+    assert abs(production_ms - 1e3 * float(table[1][4])) <= 0.1 and abs(bare_ms - 1e3 * float(table[1][5])) <= 0.1
+    assert abs(ratio - production_ms / bare_ms) <= 0.002 + 0.001 * ratio
+    figures = re.search(r"end to end: ([\d,]+) env steps/s trained over (\d+) updates, ([\d,]+) env steps/s "
+                        r"ingested; update ([\d.]+) ms \(median\) = training ceiling ([\d,]+) env steps/s; "
+                        r"trainer busy ([\d.]+) %", out)
+    assert figures is not None, out
+    trained, updates, ingested, update_ms, ceiling, busy = (float(value.replace(",", "")) for value in figures.groups())
+    assert trained > 0 and updates >= 1 and ingested > 0 and update_ms > 0
+    assert abs(ceiling - 32 / (update_ms / 1e3)) <= 1 + 0.01 * ceiling  # 2 envs x 16 steps per update
+    assert abs(busy - 100 * trained / ceiling) <= 0.1 + 0.01 * busy
+
+
+def test_gpu_check_asking_for_a_missing_device_exits_2_with_one_line() -> None:
+    if __import__("torch").cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    result = _run_gpu_check("--quick", "--device", "cuda", timeout=120)
+    assert result.returncode == 2 and result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1 and "cuda" in result.stderr
