@@ -11,9 +11,13 @@ every ``envs x K / actor-sps`` seconds). N actors cannot each be a process on a 
 the real :class:`oakemu_services.learner.Learner` in a process of its own, in the asynchronous mode,
 with PPO switched off (:class:`benchmarks.synthetic_actors.NewVersionNoUpdateLearner`: full buffers
 are released at once, each as a new policy version with the same weights, so the figures are the
-learner's ingest, not a training speed, while actors pace themselves and lag as in training); its rollout
-buffers hold every actor's envs (``num_envs = N x envs``). CartPole by default (``--env``), so 256
-actors' buffers fit in memory.
+learner's ingest, not a training speed, while actors pace themselves and lag as in training). Its
+rollout buffers hold every actor's envs (``num_envs = N x envs``; ``--buffer-columns`` for fewer,
+so that actors compete for columns): a buffer is then full only when every actor wrote a segment,
+and actors that are two segments ahead wait for it, so equal actors get equal shares. CartPole by
+default (``--env``), so 256 actors' buffers fit in memory. On a machine of few cores the actors and
+the learner share them: the ingest printed is then what the machine feeds, and the CPU line says
+which side took the cores.
 
 Printed per N, in this order:
 
@@ -25,7 +29,8 @@ Printed per N, in this order:
   fairness index ``(sum x)^2 / (N sum x^2)``: 1 is an even share, 1/N one actor takes all), policy
   lag at arrival (learner version - version that acted, in versions: mean of the per-actor means
   over 1 s windows, and the largest), the learner's CPU per env step (its loop thread and ZeroMQ
-  I/O threads), and its resident memory (RSS, MiB) idle before the joins, at the end, and its peak;
+  I/O threads) and that of the learner and actor processes, and the learner's resident memory (RSS,
+  MiB) idle before the joins, at the start and the end of the window, and its peak;
 * learner restart: the learner process is killed (SIGKILL, as a crash) and a new one started on
   the same ports; seconds until it is up, until all N actors joined it again and until every one of
   them has had steps written, and how many actors came back.
@@ -61,16 +66,26 @@ WAIT_S = 120.0
 
 
 # ----------------------------------------------------------------------------------- the learner
+def process_cpu_s(pid: int | str = "self") -> float:
+    """CPU seconds (user + system, all threads) of process ``pid`` so far (Linux ``/proc``; 0.0 when
+    it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime (proc(5))
+
+
 def learner_stats(learner, thread: threading.Thread) -> dict:
     """What the harness reads from the learner process: its clock, counters, per-actor records
     ``{actor_id: (incarnation, env steps written, joined_at, (lag low, mean, high) or None)}``,
-    memory (MiB) and the CPU seconds of its ingest threads."""
+    memory (MiB) and the CPU seconds of its ingest threads and of the whole process."""
     counters = learner.assembler.counters
     records = list(learner.assembler.actors.values())  # one C call: safe beside the loop thread
     status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
     return {
         "now": time.monotonic(), "alive": thread.is_alive(), "env_steps": counters.env_steps,
-        "version": learner.policy_version, "cpu_s": ingest_cpu_s(thread.native_id),
+        "version": learner.policy_version, "cpu_s": ingest_cpu_s(thread.native_id), "process_cpu_s": process_cpu_s(),
         "actors": {r.actor_id: (r.incarnation, r.env_steps, r.joined_at, r.lag_stats) for r in records},
         "accepted": dict(counters.accepted), "rejected": dict(counters.rejected), "dropped": dict(counters.dropped),
         "rss_mib": int(status["VmRSS"].split()[0]) / 1024, "peak_mib": int(status["VmHWM"].split()[0]) / 1024,
@@ -237,6 +252,10 @@ class ActorHosts:
         for _ in self.processes:
             self.ready.get(timeout=WAIT_S)
 
+    def cpu_s(self) -> float:
+        """CPU seconds the actor processes used so far."""
+        return sum(process_cpu_s(process.pid) for process in self.processes if process.pid is not None)
+
     def close(self) -> dict:
         """Stop the actors (they leave) and the processes; returns every actor's outcome."""
         self.stop.set()
@@ -277,9 +296,9 @@ def wait_all_stepping(learner: LearnerHandle, n: int, since: float) -> dict:
             "refused": refused, "joins": stats["accepted"].get("join", 0)}
 
 
-def steady_window(learner: LearnerHandle, n: int, seconds: float) -> dict:
-    """Ingest, each actor's share, policy lag and learner memory over ``seconds``."""
-    first = learner.stats()
+def steady_window(learner: LearnerHandle, hosts: ActorHosts, n: int, seconds: float) -> dict:
+    """Ingest, each actor's share, policy lag, CPU use and learner memory over ``seconds``."""
+    first, actors_cpu = learner.stats(), hosts.cpu_s()
     lag_means, lag_highs = [], []
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -290,6 +309,7 @@ def steady_window(learner: LearnerHandle, n: int, seconds: float) -> dict:
                 lag_means.append(lag[1])
                 lag_highs.append(lag[2])
     elapsed = last["now"] - first["now"]
+    actors_cpu = hosts.cpu_s() - actors_cpu
     rates = []
     for actor_id in (f"actor-{i}" for i in range(n)):
         incarnation, steps, _, _ = last["actors"].get(actor_id, ("", 0, 0.0, None))
@@ -307,7 +327,9 @@ def steady_window(learner: LearnerHandle, n: int, seconds: float) -> dict:
         "versions_per_s": (last["version"] - first["version"]) / elapsed,
         "cpu_us": 1e6 * (last["cpu_s"] - first["cpu_s"]) / max(rows, 1),
         "cpu_share": (last["cpu_s"] - first["cpu_s"]) / elapsed,
-        "rss_mib": last["rss_mib"], "peak_mib": last["peak_mib"], "dropped": lost,
+        "process_share": (last["process_cpu_s"] - first["process_cpu_s"]) / elapsed,
+        "actors_share": actors_cpu / elapsed,
+        "rss_start_mib": first["rss_mib"], "rss_mib": last["rss_mib"], "peak_mib": last["peak_mib"], "dropped": lost,
     }
 
 
@@ -324,17 +346,20 @@ def restart(learner: LearnerHandle, n: int) -> dict:
 
 
 def run_many(n: int, *, env_id: str = "CartPole-v1", envs_per_actor: int = 4, actor_sps: float = 2000.0,
-             processes: int = 4, seconds: float = 20.0, warmup_s: float = 3.0) -> dict:
-    """One learner and ``n`` simulated remote actors: join storm, steady window, restart. Returns
-    ``{"storm", "steady", "restart", "idle_rss_mib", "outcomes"}`` (see the module docstring);
+             processes: int = 4, seconds: float = 20.0, warmup_s: float = 3.0, columns: int | None = None) -> dict:
+    """One learner (``columns`` buffer columns, None: ``n x envs_per_actor``) and ``n`` simulated
+    remote actors: join storm, steady window, restart. Returns
+    ``{"storm", "steady", "restart", "idle_rss_mib", "outcomes", "learner_pids", "actor_pids"}`` (see
+    the module docstring; ``outcomes``: ``{actor_id: {"error", "rejoins"}}``);
     every process started is stopped and the learners' shared memory removed, also on errors."""
     ports = _free_ports(5)
     with tempfile.TemporaryDirectory() as runs_dir:
         settings = dict(
-            env_id=env_id, num_actors=n, envs_per_actor=envs_per_actor, total_env_steps=10**12, mode="async",
+            env_id=env_id, num_actors=n, envs_per_actor=envs_per_actor, num_envs=columns, total_env_steps=10**12,
+            mode="async",
             data_port=ports[0], control_port=ports[1], weights_port=ports[2], telemetry_port=ports[3],
             metrics_port=0, runs_dir=runs_dir, run_name="bench", checkpoint_every_updates=0,
-            step_transport="sockets", eval_every_updates=0, log_level="WARNING")
+            step_transport="sockets", eval_every_updates=0, rollback=False, log_level="WARNING")
         learner = LearnerHandle(settings, Path(runs_dir) / "bench")
         hosts = ActorHosts(env_id, envs_per_actor, ports, n, processes, actor_sps)
         result: dict = {}
@@ -346,12 +371,14 @@ def run_many(n: int, *, env_id: str = "CartPole-v1", envs_per_actor: int = 4, ac
             hosts.go.set()
             result["storm"] = wait_all_stepping(learner, n, go)
             time.sleep(warmup_s)
-            result["steady"] = steady_window(learner, n, seconds)
+            result["steady"] = steady_window(learner, hosts, n, seconds)
             result["restart"] = restart(learner, n)
         finally:
             result["outcomes"] = hosts.close()
             learner.stop()
             learner.cleanup()
+            result["learner_pids"] = list(learner.pids)
+            result["actor_pids"] = [p.pid for p in hosts.processes if p.pid is not None]
     return result
 
 
@@ -372,9 +399,12 @@ def report(n: int, result: dict, args: argparse.Namespace) -> str:
           f"offered); per actor min {steady['min']:,.0f} / median {steady['median']:,.0f} / max {steady['max']:,.0f}"
           f" ({steady['zero']} with none), Jain {steady['jain']:.3f}")
     print(f"  policy lag at arrival: mean {steady['lag_mean']:.2f}, max {steady['lag_max']:.0f} versions "
-          f"({steady['versions_per_s']:.2f} versions/s); learner ingest CPU {steady['cpu_us']:.1f} us per env step, "
-          f"{100 * steady['cpu_share']:.0f} % of a core; dropped {steady['dropped'] or 'nothing'}")
-    print(f"  learner RSS: {result['idle_rss_mib']:.0f} MiB idle, {steady['rss_mib']:.0f} MiB streaming, peak "
+          f"({steady['versions_per_s']:.2f} versions/s); dropped {steady['dropped'] or 'nothing'}")
+    print(f"  CPU: learner ingest {steady['cpu_us']:.1f} us per env step, ingest threads {100 * steady['cpu_share']:.0f} "
+          f"% of a core, learner process {100 * steady['process_share']:.0f} %, actor processes "
+          f"{100 * steady['actors_share']:.0f} % ({os.cpu_count()} cores)")
+    print(f"  learner RSS: {result['idle_rss_mib']:.0f} MiB idle, {steady['rss_start_mib']:.0f} -> {steady['rss_mib']:.0f} "
+          f"MiB over the steady window, peak "
           f"{steady['peak_mib']:.0f} MiB; after the restart {again['rss_mib']:.0f} MiB")
     print(f"  restart: learner up after {again['up_s']:.1f} s, {again['joined']} joined after {_s(again['joined_s'])} s,"
           f" {again['stepping']} stepping after {_s(again['stepping_s'])} s")
@@ -393,16 +423,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--envs-per-actor", type=int, default=4)
     parser.add_argument("--actor-sps", type=float, default=2000.0, help="env steps/s each simulated actor holds")
     parser.add_argument("--actor-processes", type=int, default=4, help="processes the simulated actors share")
+    parser.add_argument("--buffer-columns", type=int, help="the learner's rollout buffer columns (default: actors x envs)")
     args = parser.parse_args(argv)
-    if min(args.actors) < 1 or args.seconds <= 0 or args.actor_sps <= 0 or args.actor_processes < 1:
-        parser.exit(2, "bench_many_actors: --actors, --seconds, --actor-sps and --actor-processes must be positive\n")
-    print(f"{args.env}: one learner (PPO off, async, sockets only), simulated remote actors of {args.envs_per_actor} "
+    if (min(args.actors) < 1 or args.seconds <= 0 or args.actor_sps <= 0 or args.actor_processes < 1
+            or (args.buffer_columns is not None and args.buffer_columns < args.envs_per_actor)):
+        parser.exit(2, "bench_many_actors: --actors, --seconds, --actor-sps and --actor-processes must be positive, "
+                       "--buffer-columns at least --envs-per-actor\n")
+    columns = f"{args.buffer_columns} buffer columns" if args.buffer_columns else "buffer columns = actors x envs"
+    print(f"{args.env}: one learner (PPO off, async, sockets only, {columns}), simulated remote actors of {args.envs_per_actor} "
           f"envs at {args.actor_sps:,.0f} env steps/s each in {args.actor_processes} processes; {args.seconds:.0f} s "
           f"steady window; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
     rows = []
     for n in args.actors:
         result = run_many(n, env_id=args.env, envs_per_actor=args.envs_per_actor, actor_sps=args.actor_sps,
-                          processes=args.actor_processes, seconds=args.seconds)
+                          processes=args.actor_processes, seconds=args.seconds, columns=args.buffer_columns)
         rows.append(report(n, result, args))
     print("\n| actors | ingest env steps/s | per actor min / median / max | Jain | lag mean / max | learner RSS MiB "
           "idle / streaming / peak | storm: all joined s / all stepping s / refused | restart: up s / all stepping s "
