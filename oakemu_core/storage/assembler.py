@@ -111,9 +111,9 @@ class ActorRecord:
     """Step messages that found no free column, oldest first, consecutive in ``seq``; written as
     soon as columns free (:meth:`RolloutAssembler.release`), at most one segment of rows."""
     pending_rows: int = 0
-    held_since: int = 0
-    """When its current held queue started (the assembler's count of queues started): freed columns
-    go to the actor that has held steps longest (:meth:`RolloutAssembler._drain_all`)."""
+    served: int = 0
+    """When it last started writing a segment (the assembler's count of segments started; 0: never):
+    freed columns go to the actor served least recently (:meth:`RolloutAssembler._drain_all`)."""
 
     def take_lag(self) -> tuple[float, float, float] | None:
         """``(min, mean, max)`` policy lag at arrival (learner version - acting version, in versions)
@@ -197,7 +197,7 @@ class RolloutAssembler:
         self.num_columns = self._ring.num_columns
         self.actor_timeout_s = actor_timeout_s
         self._next_actor_index = 0
-        self._held_queues = itertools.count(1)  # numbers the held queues started: ActorRecord.held_since
+        self._segments_started = itertools.count(1)  # numbers the segments started: ActorRecord.served
         self.actors: dict[str, ActorRecord] = {}
         # Specs of incarnations that left or were dropped (bounded, oldest forgotten first): their
         # steps still in flight decode normally and are counted as late, not as malformed.
@@ -398,8 +398,6 @@ class RolloutAssembler:
     def _hold(self, record: ActorRecord, message: StepMessage) -> None:
         """Queue a step message that found no free column; drop the oldest beyond one segment.
         A step-ring message is copied out of its slot, which the learner releases after ingest."""
-        if not record.pending:  # a new held queue: its place in the drain order
-            record.held_since = next(self._held_queues)
         record.pending.append(message.owned())
         record.pending_rows += message.num_steps
         while record.pending_rows > self.rollout_length + HELD_SLACK_MESSAGES * record.spec.steps_per_message:
@@ -423,9 +421,9 @@ class RolloutAssembler:
                 pass
 
     def _drain_all(self) -> None:
-        """Columns were freed: write held messages, the actor that has held steps longest first (in index
-        order the lowest indices would take every freed column while more envs than columns hold)."""
-        for record in sorted((r for r in self.actors.values() if r.pending), key=lambda r: r.held_since):
+        """Columns were freed: write held messages, the actor served least recently first (in index order
+        the lowest indices would take every freed column while more envs than columns hold steps)."""
+        for record in sorted((r for r in self.actors.values() if r.pending), key=lambda r: r.served):
             self._drain(record)
 
     @property
@@ -457,6 +455,8 @@ class RolloutAssembler:
         except (ValueError, OverflowError) as error:  # the row bookkeeping disagrees: nothing was written
             self._discard_segment(record)
             raise StepRejected("schema", str(error)) from None
+        if segment.rows_written == 0:  # its place in the drain order
+            record.served = next(self._segments_started)
         segment.rows_written += rows
         record.env_steps += k * rows
         self.counters.env_steps += k * rows
