@@ -30,7 +30,8 @@ Printed per N, in this order:
   lag at arrival (learner version - version that acted, in versions: mean of the per-actor means
   over 1 s windows, and the largest), the learner's CPU per env step (its loop thread and ZeroMQ
   I/O threads) and that of the learner and actor processes, and the learner's resident memory (RSS,
-  MiB) idle before the joins, at the start and the end of the window, and its peak;
+  MiB) idle before the joins, at the start and the end of the window, the highest of each half of
+  the window (growth that does not level off shows as a second half above the first), and its peak;
 * learner restart: the learner process is killed (SIGKILL, as a crash) and a new one started on
   the same ports; seconds until it is up, until all N actors joined it again and until every one of
   them has had steps written, and how many actors came back.
@@ -299,11 +300,12 @@ def wait_all_stepping(learner: LearnerHandle, n: int, since: float) -> dict:
 def steady_window(learner: LearnerHandle, hosts: ActorHosts, n: int, seconds: float) -> dict:
     """Ingest, each actor's share, policy lag, CPU use and learner memory over ``seconds``."""
     first, actors_cpu = learner.stats(), hosts.cpu_s()
-    lag_means, lag_highs = [], []
+    lag_means, lag_highs, rss = [], [], []
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         time.sleep(min(1.0, max(0.0, end - time.monotonic())))
         last = learner.stats()
+        rss.append(last["rss_mib"])
         for _, _, _, lag in last["actors"].values():
             if lag is not None:
                 lag_means.append(lag[1])
@@ -329,6 +331,7 @@ def steady_window(learner: LearnerHandle, hosts: ActorHosts, n: int, seconds: fl
         "cpu_share": (last["cpu_s"] - first["cpu_s"]) / elapsed,
         "process_share": (last["process_cpu_s"] - first["process_cpu_s"]) / elapsed,
         "actors_share": actors_cpu / elapsed,
+        "rss_halves_mib": (max(rss[:len(rss) // 2] or rss), max(rss[len(rss) // 2:])),
         "rss_start_mib": first["rss_mib"], "rss_mib": last["rss_mib"], "peak_mib": last["peak_mib"], "dropped": lost,
     }
 
@@ -404,7 +407,8 @@ def report(n: int, result: dict, args: argparse.Namespace) -> str:
           f"% of a core, learner process {100 * steady['process_share']:.0f} %, actor processes "
           f"{100 * steady['actors_share']:.0f} % ({os.cpu_count()} cores)")
     print(f"  learner RSS: {result['idle_rss_mib']:.0f} MiB idle, {steady['rss_start_mib']:.0f} -> {steady['rss_mib']:.0f} "
-          f"MiB over the steady window, peak "
+          f"MiB over the steady window (highest in its first / second half: {steady['rss_halves_mib'][0]:.0f} / "
+          f"{steady['rss_halves_mib'][1]:.0f}), peak "
           f"{steady['peak_mib']:.0f} MiB; after the restart {again['rss_mib']:.0f} MiB")
     print(f"  restart: learner up after {again['up_s']:.1f} s, {again['joined']} joined after {_s(again['joined_s'])} s,"
           f" {again['stepping']} stepping after {_s(again['stepping_s'])} s")
