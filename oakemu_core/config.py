@@ -35,6 +35,7 @@ from pydantic_settings import (
 
 from oakemu_core.actor.fitting import available_cpus, fit_actors
 from oakemu_core.algo.settings import PPOSettings, finite_number
+from oakemu_core.envs.emulators import RETRO_PREFIX
 from oakemu_core.envs.options import EnvSettings
 from oakemu_core.envs.spec import is_atari_env
 from oakemu_core.errors import ConfigError
@@ -432,7 +433,8 @@ class OakEmuConfig(PPOSettings, EnvSettings, BaseSettings):
         """Fill what was not given of ``num_actors`` / ``envs_per_actor`` (:func:`~oakemu_core.actor.fitting.fit_actors`)."""
         self.num_actors, self.envs_per_actor = fit_actors(
             self.num_actors, self.envs_per_actor, self.num_envs,
-            envs_per_actor_given="envs_per_actor" in self.model_fields_set, cpus=available_cpus())
+            envs_per_actor_given="envs_per_actor" in self.model_fields_set, cpus=available_cpus(),
+            one_env_per_actor=self.env_id.startswith(RETRO_PREFIX))
 
     # --- derived values ---
     def resolved_steps_per_message(self, env_step_bytes: int, num_envs: int, *, step_ring: bool = False) -> int:

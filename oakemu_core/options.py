@@ -115,6 +115,9 @@ METAVARS = {
 }
 """What a value is, where its type alone would not say it (ports are PORT, counts N, other numbers X)."""
 
+HELP_DEFAULTS = {"envs_per_actor": "fitted; 8 with num_actors given", "num_envs": "16 when no count is given"}
+"""The default a setting's help shows where its field default alone would mislead (fitted values)."""
+
 _NONE_WORDS = ("none", "null")
 _TRUE_WORDS, _FALSE_WORDS = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
@@ -229,11 +232,28 @@ def add_setting_arguments(parser: argparse.ArgumentParser, fields: Mapping[str, 
             _add_setting(arguments, name, fields[name])
 
 
+def _tri_state(text: str) -> bool | None:
+    """The value of ``--flag VALUE`` for a ``bool | None`` setting: auto / null / none -> None, else a boolean."""
+    word = text.strip().lower()
+    if word in ("auto", *_NONE_WORDS):
+        return None
+    if word in _TRUE_WORDS + _FALSE_WORDS:
+        return word in _TRUE_WORDS
+    raise argparse.ArgumentTypeError(f"expected auto, null, true or false, received {text!r}")
+
+
 def _add_setting(arguments: Any, name: str, info: Any) -> None:
     members = _members(info.annotation)
     flags = [option_name(name)] + (["--env"] if name == "env_id" else [])
-    help_text = _help(info.description, info.default)
-    if set(members) <= {bool, type(None)}:
+    help_text = _help(info.description, info.get_default(call_default_factory=True) if name not in HELP_DEFAULTS
+                      else HELP_DEFAULTS[name])
+    if set(members) == {bool, type(None)}:  # --flag [auto|true|false], --no-flag
+        arguments.add_argument(*flags, dest=name, nargs="?", const=True, type=_tri_state, default=argparse.SUPPRESS,
+                               metavar="auto|false", help=f"{help_text} --no-{flags[0][2:]}: false.")
+        arguments.add_argument(f"--no-{flags[0][2:]}", dest=name, action="store_const", const=False,
+                               default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        return
+    if set(members) == {bool}:
         arguments.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                help=help_text)
         return
@@ -265,6 +285,7 @@ DEPLOYMENT_VARIABLES = frozenset({
     "OAKEMU_CONFIG_FILE", "OAKEMU_PARENT_PID", "OAKEMU_VENV", "OAKEMU_TORCH", "OAKEMU_TORCH_INDEX", "OAKEMU_EXTRAS",
     "OAKEMU_IMAGE", "OAKEMU_IMAGE_CACHE", "OAKEMU_CUDA_IMAGE", "OAKEMU_TEST_IMAGE", "OAKEMU_SHM_SIZE",
     "OAKEMU_ACTORS", "OAKEMU_LEARNER_CONSTRAINT", "OAKEMU_CURVE_ACTOR_SECRET_KEY", "OAKEMU_CURVE_MONITOR_SECRET_KEY",
+    "OAKEMU_GRAFANA_IMAGE", "OAKEMU_PROMETHEUS_IMAGE", "OAKEMU_GRAFANA_ADMIN_PASSWORD",
 })
 """``OAKEMU_*`` variables that are not settings: the TOML file, the launcher's own, and those of ``run.sh``,
 the compose files and the image build (``OAKEMU_PUBLISH_*`` too)."""

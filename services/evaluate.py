@@ -12,7 +12,7 @@ from rich.console import Console
 from oakemu_core.envs.options import EnvOptions
 from oakemu_core.run.checkpoint import load_run_checkpoint
 from oakemu_core.run.evaluation import build_evaluation, play_episodes
-from oakemu_core.run.video import EpisodeVideos, VideoUnavailableError
+from oakemu_core.run.video import EpisodeVideos
 
 DEFAULT_MAX_EPISODE_STEPS = 27_000
 """Time limit when the run had none: 108k frames at frame skip 4, the usual Atari evaluation cap."""
@@ -94,12 +94,9 @@ def main(checkpoint: Path, *, episodes: int, greedy: bool, seed: int, video_dir:
          json_output: bool = False) -> int:
     """Entry point: prints one line ``episodes N  mean M  std S`` (population std), or with
     ``json_output`` one JSON object (:func:`result_json`); 0 on success, 1 when videos were asked
-    for and the env could not be recorded (the result is printed all the same)."""
-    try:
-        evaluation = evaluate_checkpoint(checkpoint, episodes=episodes, greedy=greedy, seed=seed, video_dir=video_dir)
-    except VideoUnavailableError as error:  # bad input (a CheckpointError is the CLI's to say)
-        Console(stderr=True).print(f"[red]oakemu evaluate: {error}[/]")
-        return 2
+    for and the env could not be recorded (the result is printed all the same). A user mistake (no checkpoint,
+    no video writer) raises a :class:`~oakemu_core.errors.UserError` for the CLI to report."""
+    evaluation = evaluate_checkpoint(checkpoint, episodes=episodes, greedy=greedy, seed=seed, video_dir=video_dir)
     returns = evaluation.returns
     if json_output:
         print(result_json(checkpoint, evaluation, greedy=greedy, seed=seed))

@@ -9,11 +9,10 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console
 
 from oakemu_core.envs import env_spec
 from oakemu_core.errors import ConfigError
-from oakemu_core.policy.export import write_policy_folder
+from oakemu_core.policy.export import PolicyFolderError, write_policy_folder
 from oakemu_core.run.checkpoint import load_checkpoint, resolve_checkpoint
 from oakemu_core.run.video import VideoUnavailableError
 from oakemu_services.evaluate import evaluate_checkpoint
@@ -24,14 +23,14 @@ def export(checkpoint: Path, directory: Path, *, episodes: int, greedy: bool, se
     False) and write the policy folder ``directory``; returns it.
 
     Raises:
-        FileNotFoundError: no checkpoint. FileExistsError: ``directory`` is not empty.
-        oakemu_core.run.video.VideoUnavailableError: ``video`` without the ``video`` extra.
+        CheckpointError: no checkpoint, or not a readable one. PolicyFolderError: ``directory`` is not empty.
+        oakemu_core.run.video.VideoUnavailableError: ``video`` without the ``video`` extra (a UserError).
         ConfigError: safetensors is not installed.
     """
     path = resolve_checkpoint(checkpoint)
     directory = Path(directory)
     if directory.exists() and any(directory.iterdir()):
-        raise FileExistsError(f"{directory}: exists and is not empty")
+        raise PolicyFolderError(f"{directory}: exists and is not empty")
     state = load_checkpoint(path)
     env_id, config = state["env"]["env_id"], state["config"]
     with tempfile.TemporaryDirectory(prefix="oakemu-export-") as scratch:
@@ -68,13 +67,10 @@ def push_to_hub(directory: Path, repo_id: str, *, private: bool = False) -> str:
 def main(checkpoint: Path, directory: Path, *, episodes: int, greedy: bool, seed: int, video: bool = True,
          push_to_hub_repo: str | None = None) -> int:
     """Entry point: export, print the folder (and the Hub URL); 0 on success, 2 on a user mistake."""
-    console = Console(stderr=True)
     try:
         folder = export(checkpoint, directory, episodes=episodes, greedy=greedy, seed=seed, video=video)
-    except (FileNotFoundError, FileExistsError, VideoUnavailableError) as error:
-        hint = " (or --no-video)" if isinstance(error, VideoUnavailableError) else ""
-        console.print(f"[red]oakemu export: {error}{hint}[/]")
-        return 2
+    except VideoUnavailableError as error:
+        raise VideoUnavailableError(f"{error} (or --no-video)") from None
     print(f"{checkpoint}: exported to {folder}")
     if push_to_hub_repo is not None:
         print(f"pushed to {push_to_hub(folder, push_to_hub_repo)}")

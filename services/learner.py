@@ -557,7 +557,7 @@ def main(config: OakEmuConfig) -> int:
         learner = Learner(config, run_dir)
     except (SharedMemoryTooSmallError, TransportSecurityError) as error:  # a deployment mistake: say what to change, no traceback
         log.error("learner cannot start: %s", error)
-        return 1
+        return error.exit_status
     try:
         return learner.run(stop_event)
     finally:

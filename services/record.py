@@ -10,15 +10,14 @@ The dataset is then used by a run with ``--bc-dataset demos/cartpole``.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["load_checkpoint_policy", "main", "record"]
+from oakemu_core.errors import ConfigError
 
-EXIT_USAGE = 2
+__all__ = ["load_checkpoint_policy", "main", "record"]
 
 
 def load_checkpoint_policy(checkpoint: Path) -> tuple[Any, str, dict[str, Any]]:
@@ -81,15 +80,15 @@ def record(
     settings_file = None
     if checkpoint is not None:
         if policy is not None:
-            raise ValueError("record: expected --checkpoint or --policy, not both")
+            raise ConfigError("record: expected --checkpoint or --policy, not both")
         model, run_env_id, config = load_checkpoint_policy(checkpoint)
         if env_id is not None and env_id != run_env_id:
-            raise ValueError(f"--env: the checkpoint {checkpoint} was trained on {run_env_id!r}, received {env_id!r} "
+            raise ConfigError(f"--env: the checkpoint {checkpoint} was trained on {run_env_id!r}, received {env_id!r} "
                              "(leave --env out to record on the checkpoint's env)")
         env_id = run_env_id
         settings_file = config.get("emulator_settings")
         if env_kwargs is not None:
-            raise ValueError("--env-kwargs: a checkpoint records on its run's env settings; leave it out")
+            raise ConfigError("--env-kwargs: a checkpoint records on its run's env settings; leave it out")
         options = EnvOptions.from_settings(config)
         if max_episode_steps is None:
             max_episode_steps = config.get("max_episode_steps")
@@ -97,7 +96,7 @@ def record(
         name = f"checkpoint {checkpoint} ({'greedy' if greedy else 'sampled'})"
     else:
         if env_id is None:
-            raise ValueError("--env: expected an env id (or --checkpoint, whose env is used)")
+            raise ConfigError("--env: expected an env id (or --checkpoint, whose env is used)")
         acting = policy or "random"
         options = EnvOptions.from_settings({"env_kwargs": env_kwargs or "{}"})
         name = f"policy {acting}"
@@ -108,21 +107,9 @@ def record(
 
 
 def main(**kwargs: Any) -> int:
-    """Entry point (keyword arguments of :func:`record`): prints one summary line; 0 on success,
-    2 for a usage error (one line on stderr, no traceback)."""
-    from oakemu_core.run.checkpoint import CheckpointError
-    from oakemu_core.algo.demonstrations import (
-        DemonstrationDataError,
-        MinariNotInstalledError,
-    )
-    from oakemu_core.envs import UnsupportedEnvironmentError
-
-    try:
-        summary = record(**kwargs)
-    except (ValueError, FileNotFoundError, CheckpointError, MinariNotInstalledError, DemonstrationDataError,
-            UnsupportedEnvironmentError) as error:
-        print(f"oakemu record: error: {error}", file=sys.stderr)
-        return EXIT_USAGE
+    """Entry point (keyword arguments of :func:`record`): prints one summary line and returns 0. A user
+    mistake raises a :class:`~oakemu_core.errors.UserError`, which the CLI reports (one line, exit 2)."""
+    summary = record(**kwargs)  # a user mistake raises a UserError, which the CLI reports (exit 2)
     print(f"{summary.path}: {summary.episodes} episodes, {summary.steps} steps, return mean "
           f"{np.mean(summary.returns):.2f} std {np.std(summary.returns):.2f} (Minari dataset {summary.dataset_id})")
     return 0

@@ -145,6 +145,9 @@ def test_help_lists_each_commands_own_options_in_groups(capsys: pytest.CaptureFi
         assert group in out, group
     assert "--learner-host" not in out and "--curve" not in out and "--actor-id" not in out
     assert "(default: null)" not in out and " str]" not in out and " int]" not in out
+    assert "Undefined" not in out and "(default: {})" in out  # a default_factory's value (env_kwargs)
+    assert "--clip-rewards [auto|false]" in out and "--no-clip-rewards: false." in out
+    assert "(default: fitted; 8 with num_actors given)" in " ".join(out.split())
     assert cli.main(["actor", "--help"]) == 0
     out = capsys.readouterr().out
     assert "--learner-host HOST" in out and "--curve-server-key FILE" in out and "--envs-per-actor N" in out
@@ -280,12 +283,14 @@ def test_every_user_error_class_is_one_user_error() -> None:
     from oakemu_core.run.run_folder import ResumeMismatchError
     from oakemu_core.run.telemetry import TelemetryBindError
     from oakemu_core.storage.memory import SharedMemoryTooSmallError
+    from oakemu_core.policy.export import PolicyFolderError
+    from oakemu_core.run.video import VideoUnavailableError
     from oakemu_core.transport.auth import TransportSecurityError
 
     for error in (ConfigError, CheckpointError, CheckpointNotFoundError, RunFolderError, DiskFullError,
                   UnsupportedEnvironmentError, EmulatorConfigError, ResumeMismatchError, TelemetryBindError,
                   SharedMemoryTooSmallError, TransportSecurityError, DemonstrationDataError,
-                  DemonstrationMismatchError):
+                  DemonstrationMismatchError, VideoUnavailableError, PolicyFolderError):
         assert issubclass(error, UserError), error
     assert issubclass(CheckpointNotFoundError, FileNotFoundError)  # callers catching FileNotFoundError still do
     assert DiskFullError.exit_status == 1 and ConfigError.exit_status == 2
@@ -373,6 +378,28 @@ def test_resume_of_a_run_that_spent_its_budget_says_so_and_starts_nothing(
     assert "already reached its budget (1024 env steps trained by update 4, total_env_steps=1000)" in err
     assert "--total-env-steps" in err and err.count("\n") == 1
     assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "config.toml"]  # nothing written
+
+
+@pytest.mark.parametrize("given, expected", [([], "absent"), (["--clip-rewards"], True), (["--no-clip-rewards"], False),
+                                             (["--clip-rewards", "auto"], None), (["--clip-rewards", "null"], None),
+                                             (["--clip-rewards", "false"], False)])
+def test_a_setting_that_may_be_none_takes_auto_from_the_command_line(given: list[str], expected: object) -> None:
+    """``bool | None`` settings: on, off, and back to the automatic choice (None) from the command line."""
+    parser, _ = cli.build_parser()
+    assert getattr(parser.parse_args(["train", *given]), "clip_rewards", "absent") == expected
+
+
+def test_every_oakemu_variable_of_the_deploy_files_is_a_setting_or_a_known_deployment_variable() -> None:
+    """The compose, stack and Kubernetes files' ``OAKEMU_*`` variables never trigger the unknown-variable warning."""
+    import re
+
+    from oakemu_core.config import OakEmuConfig
+    from oakemu_core.options import unknown_variables
+
+    files = [REPO_ROOT / "docker-compose.yml", *sorted((REPO_ROOT / "deploy").rglob("*.y*ml"))]
+    names = {name for path in files for name in re.findall(r"\bOAKEMU_[A-Z0-9_]+", path.read_text())}
+    assert "OAKEMU_GRAFANA_IMAGE" in names and "OAKEMU_MODE" in names  # the files were read
+    assert unknown_variables(OakEmuConfig.model_fields, dict.fromkeys(names, "x")) == []
 
 
 def test_unknown_oakemu_variables_warn_with_the_closest_setting(

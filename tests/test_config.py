@@ -97,6 +97,12 @@ def test_actors_are_fitted_only_when_neither_count_is_given(monkeypatch: pytest.
     assert (by_envs.num_actors, by_envs.buffer_num_envs) == (2, 16)
     split = OakEmuConfig(num_envs=10, num_actors=3)
     assert split.envs_per_actor == 4
+    # stable-retro runs one emulator per process: one env per actor, one actor per CPU the learner leaves.
+    retro = "retro:Airstriker-Genesis-v0"
+    assert (OakEmuConfig(env_id=retro).num_actors, OakEmuConfig(env_id=retro).envs_per_actor) == (7, 1)
+    assert (OakEmuConfig(env_id=retro, num_envs=3).num_actors, OakEmuConfig(env_id=retro, num_envs=3).envs_per_actor) \
+        == (3, 1)
+    assert OakEmuConfig(env_id=retro, num_actors=2, envs_per_actor=2).envs_per_actor == 2  # given: kept (refused later)
 
 
 def test_every_field_has_a_description() -> None:

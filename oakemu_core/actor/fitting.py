@@ -28,15 +28,19 @@ def fit_actor_count(num_envs: int, cpus: int) -> int:
 
 
 def fit_actors(num_actors: int | None, envs_per_actor: int, num_envs: int | None, *, envs_per_actor_given: bool,
-               cpus: int) -> tuple[int, int]:
+               cpus: int, one_env_per_actor: bool = False) -> tuple[int, int]:
     """``(num_actors, envs_per_actor)`` with what was not given filled in; given values are kept.
 
+    * neither count given, an env that runs one emulator per process (``one_env_per_actor``: stable-retro):
+      one env per actor, ``num_envs`` actors, or one per CPU the learner leaves when ``num_envs`` is not given;
     * neither count given: ``num_envs`` (default :data:`DEFAULT_NUM_ENVS`) split over
       :func:`fit_actor_count` actors;
     * only ``envs_per_actor`` given: ``ceil(num_envs / envs_per_actor)`` actors;
     * ``num_actors`` and ``num_envs`` given: ``ceil(num_envs / num_actors)`` envs each;
     * only ``num_actors`` given: ``envs_per_actor`` as it is (its default).
     """
+    if one_env_per_actor and num_actors is None and not envs_per_actor_given:
+        return num_envs or max(1, cpus - 1), 1
     total = num_envs or DEFAULT_NUM_ENVS
     if num_actors is None and envs_per_actor_given:
         return -(-total // envs_per_actor), envs_per_actor

@@ -15,6 +15,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from oakemu_core.errors import ConfigError
+
 __all__ = ["ATARI_FRAME_SKIP", "ATARI_NOOP_MAX", "ATARI_STACK", "EnvOptions", "EnvSettings"]
 
 ATARI_FRAME_SKIP = 4
@@ -60,7 +62,7 @@ class EnvOptions:
         JSON text.
 
         Raises:
-            ValueError: ``env_kwargs`` is not a JSON object.
+            ConfigError: ``env_kwargs`` is not a JSON object (a ValueError too).
         """
         def read(name: str, default: Any) -> Any:
             value = settings.get(name, default) if isinstance(settings, Mapping) else getattr(settings, name, default)
@@ -68,9 +70,13 @@ class EnvOptions:
 
         kwargs = read("env_kwargs", {})
         if isinstance(kwargs, str):
-            kwargs = json.loads(kwargs)
+            try:
+                kwargs = json.loads(kwargs)
+            except json.JSONDecodeError as error:
+                raise ConfigError(f"env_kwargs: expected a JSON object of keyword arguments, received {kwargs!r} "
+                                  f"({error.msg})") from None
         if not isinstance(kwargs, Mapping):
-            raise ValueError(f"env_kwargs: expected a JSON object of keyword arguments, received {kwargs!r}")
+            raise ConfigError(f"env_kwargs: expected a JSON object of keyword arguments, received {kwargs!r}")
         values = {f.name: read(f.name, f.default) for f in fields(cls) if f.name != "env_kwargs"}
         return cls(env_kwargs=json.dumps(dict(kwargs), sort_keys=True), **values)
 

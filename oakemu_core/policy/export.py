@@ -51,7 +51,8 @@ CARD_FILE, VIDEO_FILE = "README.md", "replay.mp4"
 
 
 class PolicyFolderError(UserError, ValueError):
-    """A folder that is not a readable exported policy (the message names the file and the problem)."""
+    """A folder that is not a readable exported policy, or an export target that is not empty (the message
+    names the file and the problem)."""
 
 
 def _safetensors() -> Any:
@@ -83,13 +84,13 @@ def write_policy_folder(directory: Path, state_dict: Mapping[str, torch.Tensor],
         video: an MP4 of an evaluation episode, copied as ``replay.mp4``.
 
     Raises:
-        FileExistsError: ``directory`` exists and is not empty.
+        PolicyFolderError: ``directory`` exists and is not empty.
         ConfigError: safetensors is not installed.
     """
     save_file = _safetensors().save_file
     directory = Path(directory)
     if directory.exists() and any(directory.iterdir()):
-        raise FileExistsError(f"{directory}: exists and is not empty")
+        raise PolicyFolderError(f"{directory}: exists and is not empty")
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in state_dict.items()}
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": FORMAT, "env_id": env_id})

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from oakemu_core.errors import ConfigError
+from oakemu_core.run.run_folder import write_text_atomic
 
 __all__ = ["TRACKERS", "Tracker", "check_tracker_available", "tracker_from_config"]
 
@@ -225,7 +226,7 @@ class Tracker:
         else:
             backend = _Wandb(run_dir=self.run_dir, project=options["project"], **common)
         if backend.run_id != run_id:
-            state_file.write_text(json.dumps({"tracker": self.kind, "run_id": backend.run_id}) + "\n")
+            write_text_atomic(state_file, json.dumps({"tracker": self.kind, "run_id": backend.run_id}) + "\n")
         log.info("tracking with %s: run %s", self.kind, backend.run_id)
         return backend
 

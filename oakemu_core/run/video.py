@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from oakemu_core.errors import UserError
+
 __all__ = [
     "VIDEO_DIR_NAME",
     "EpisodeVideos",
@@ -44,8 +46,9 @@ PREVIEW_MAX_WIDTH = 240
 _INSTALL_HINT = "videos need imageio and imageio-ffmpeg: pip install 'oakemu-rl[video]'"
 
 
-class VideoUnavailableError(RuntimeError):
-    """The video writer (imageio with its ffmpeg plugin) is not installed."""
+class VideoUnavailableError(UserError, RuntimeError):
+    """The video writer (imageio with its ffmpeg plugin) is not installed (exit 2: install the extra or
+    leave videos off)."""
 
 
 def video_writer_available() -> bool:

@@ -42,7 +42,10 @@ class RolloutBufferMemoryDiagnostic:
 
 
 class SharedMemoryTooSmallError(UserError, ValueError):
-    """``/dev/shm`` has less free space than the rollout buffers need."""
+    """``/dev/shm`` has less free space than the rollout buffers need. Exit status 1, as
+    :class:`~oakemu_core.errors.DiskFullError`: the settings may be right, the machine needs room."""
+
+    exit_status = 1
 
 
 def format_bytes(num_bytes: int) -> str:

@@ -17,6 +17,7 @@ Entry points for the env factory and config validation:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,9 @@ class _Resolved:
 
 def _require_pyboy() -> None:
     try:
-        import pyboy  # noqa: F401
+        with warnings.catch_warnings():  # pysdl2-dll's "Using SDL2 binaries" notice at import: not the user's concern
+            warnings.simplefilter("ignore", UserWarning)
+            import pyboy  # noqa: F401
     except ImportError:
         raise EmulatorConfigError(
             "gameboy: ids need PyBoy; install the emulator extra: pip install 'oakemu-rl[emulators]'"
