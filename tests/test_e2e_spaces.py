@@ -5,7 +5,7 @@ final checkpoint.
 Every run is in sync mode, so a seed gives the same training on one machine (not bit for bit across
 machines). At each budget seeds 1, 2 and 3 all clear the threshold with a margin, and the run
 fails with learning broken (learning rate 0, or the policy loss's sign flipped); the figures, and
-the smaller budgets tried, are in ``docs/notes/tests.md``. Random and optimal returns of the
+the smaller budgets tried, are in ``docs/benchmarks.md`` (Learning budgets). Random and optimal returns of the
 bandit envs: ``tests/spaces_envs.py``. Threshold: the mean return of the last 20 episodes.
 
 * ``Pendulum-v1`` (Box actions, Gaussian): random about -1230; threshold -1000 in 40k steps.
