@@ -1,12 +1,13 @@
 """The learner's ingest ceiling: how many env steps per second one learner can take in, fed by
 synthetic actors that send Atari-sized step messages as fast as the learner takes them.
 
-A synthetic actor joins like a real one (same join, spec, sockets, back-pressure and weights
-polling: :class:`oakemu_services.actor.Actor`), takes ONE real vector step for valid field values, and then
-re-sends those fields with increasing ``seq`` and no env, no inference. The learner runs in this
-process (:class:`oakemu_services.learner.Learner`) with PPO switched off (its injected trainer's update
-does nothing: :class:`NoUpdateLearner`), so full buffers are released at once: what is measured is
-receive + decode/validate + write into shared memory.
+A synthetic actor (:class:`benchmarks.synthetic_actors.SyntheticActor`) joins like a real one (same
+join, spec, sockets, back-pressure and weights polling: :class:`oakemu_services.actor.Actor`), takes
+ONE real vector step for valid field values, and then re-sends those fields with increasing ``seq``
+and no env, no inference. The learner runs in this process (:class:`oakemu_services.learner.Learner`)
+with PPO switched off (its injected trainer's update does nothing:
+:class:`benchmarks.synthetic_actors.NoUpdateLearner`), so full buffers are released at once: what is
+measured is receive + decode/validate + write into shared memory.
 
 Printed, all measured in the same run:
 
@@ -61,64 +62,25 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_pipeline import _free_ports, measure_local  # noqa: E402
+from benchmarks.synthetic_actors import NoUpdateLearner, SyntheticActor, learner_with, stack_shifter  # noqa: E402
 from oakemu_core.algo.learner import PPOLearner  # noqa: E402
 
 
 def synthetic_actor(env_id: str, num_envs: int, ports: list[int], actor_id: str, stop: mp.Event,
                     transport: str = "auto") -> None:
-    """Join the learner, take one real vector step, then re-send its fields (``seq`` +1 each time),
-    through the step ring the learner offers (``transport`` "auto") or inline ("sockets")."""
+    """A :class:`SyntheticActor` that joins the learner and re-sends its one real vector step as fast
+    as the learner takes it, through the step ring the learner offers (``transport`` "auto") or inline
+    ("sockets"), until ``stop``."""
     import torch
 
-    from oakemu_core.config import OakEmuConfig
-    from oakemu_core.transport.steps import StepMessage
-    from oakemu_services.actor import Actor
-
     torch.set_num_threads(1)
-    config = OakEmuConfig(env_id=env_id, envs_per_actor=num_envs, actor_id=actor_id, log_level="WARNING",
-                          data_port=ports[0], control_port=ports[1], weights_port=ports[2],
-                          telemetry_port=ports[3], metrics_port=ports[4], step_transport=transport)
-    actor = Actor(config, threading.Event())
+    actor = SyntheticActor(env_id, num_envs, ports, actor_id, threading.Event(), transport)
     try:
         actor.join()
-        assert actor.stepper is not None
-        row = actor.stepper.step(before_next_action=None, segment_end=False)
-        fields = row.buffers.sent_fields(row.next_values, actor.stepper.schema)
-        k = actor.steps_per_message
-        if k > 1:  # a block of K identical steps, (K, n, *shape) per field
-            fields = {name: np.repeat(array[None], k, axis=0) for name, array in fields.items()}
-        shift = stack_shifter(fields, actor.stepper.schema, k)
         while not stop.is_set():
-            actor._poll_weights()  # the learner publishes a version per released buffer
-            actor.heartbeat_if_due()
-            shift()
-            actor.send_step(StepMessage(actor.actor_id, actor.incarnation, actor.seq, actor.policy_version, fields))
-            actor.seq += 1
+            actor.send_next()
     finally:
         actor.close()
-
-
-def stack_shifter(fields: dict[str, np.ndarray], schema, k: int, pool_size: int = 64):
-    """``shift()``: moves every stacked observation of ``fields`` (in place) one frame on, the newest
-    frame drawn from a pool of random frames, as an env's frame stack moves between steps (K > 1: the
-    block's steps follow each other), so stacked-frame deduplication sees real steps."""
-    from oakemu_core.transport.frame_stacks import stacked_fields
-
-    names = sorted(stacked_fields(schema))
-    rng = np.random.default_rng(0)
-    pools = {name: rng.integers(0, 256, (pool_size, *schema[name].shape[1:]), np.uint8) for name in names}
-    state = {"next": 0}
-
-    def shift() -> None:
-        for name in names:
-            blocks = fields[name] if k > 1 else fields[name][None]
-            for step in range(blocks.shape[0]):
-                previous = blocks[step - 1] if step else blocks[-1]
-                blocks[step, :, :-1] = previous[:, 1:]
-                blocks[step, :, -1] = pools[name][state["next"] % pool_size]
-                state["next"] += 1
-
-    return shift
 
 
 def training_load(env_id: str, stop: mp.Event, batch: int = 64) -> None:
@@ -159,14 +121,6 @@ def memcpy_mb_per_s(chunk_bytes: int, seconds: float = 2.0, total_bytes: int = 2
     return copied / (time.perf_counter() - start) / 1e6
 
 
-class NoUpdateLearner(PPOLearner):
-    """A :class:`~oakemu_core.algo.learner.PPOLearner` whose update does nothing: each rollout is
-    prepared (stale rows, GAE) and handed back at once, with the same weights."""
-
-    def step(self, actor_steps: int, *args: object, **kwargs: object) -> None:
-        return None
-
-
 def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load: str = "",
                    steps_per_message: int | str = "auto", transport: str = "auto",
                    columns: int = 64, learner_type: type[PPOLearner] = NoUpdateLearner,
@@ -175,14 +129,10 @@ def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load
     (training loop in this process) or "process"; ``transport``: the ``step_transport`` of learner
     and actors ("auto": step rings here; "sockets"). Returns ``(rate, CPU seconds of the ingest
     threads per row written, dropped counters)``. ``columns``: the learner's rollout buffer columns;
-    ``learner_type``: the trainer's learner (default: one whose update does nothing);
-    ``settings``: further :class:`~oakemu_core.config.OakEmuConfig` fields (e.g. the PPO settings of
-    a learner that trains)."""
-    from oakemu_core.algo.trainer import Trainer
-    from oakemu_core.config import OakEmuConfig, resolved_device
-    from oakemu_core.envs import env_spec
-    from oakemu_core.policy.schemas import schema_for_env
-    from oakemu_services.learner import Learner
+    ``learner_type``: the trainer's learner (default: one whose update does nothing: full buffers are
+    released at once); ``settings``: further :class:`~oakemu_core.config.OakEmuConfig` fields (e.g.
+    the PPO settings of a learner that trains)."""
+    from oakemu_core.config import OakEmuConfig
 
     ports = _free_ports(5)
     ctx = mp.get_context("spawn")
@@ -196,11 +146,7 @@ def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load
             "steps_per_message": steps_per_message, "step_transport": transport,
             "eval_every_updates": 0, "log_level": "WARNING", **settings,
         })
-        spec = env_spec(env_id)
-        run_dir = Path(runs_dir) / "bench"
-        trainer = Trainer(config, spec, schema_for_env(spec), run_dir, device=resolved_device(config),
-                          learner_type=learner_type)  # by default full buffers are released at once
-        learner = Learner(config, run_dir, trainer=trainer)
+        learner = learner_with(config, Path(runs_dir) / "bench", learner_type)
         stop = threading.Event()
         thread = threading.Thread(target=learner.run, args=(stop,), daemon=True)
         thread.start()
@@ -224,11 +170,11 @@ def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load
             if loader is not None:
                 loader.start()
                 time.sleep(2.0)  # the load has built its model and is running
-            start_steps, start, start_cpu = counters.env_steps, time.perf_counter(), _ingest_cpu_s(thread.native_id)
+            start_steps, start, start_cpu = counters.env_steps, time.perf_counter(), ingest_cpu_s(thread.native_id)
             time.sleep(seconds)
             rows = counters.env_steps - start_steps
             rate = rows / (time.perf_counter() - start)
-            cpu_per_row = (_ingest_cpu_s(thread.native_id) - start_cpu) / max(rows, 1)
+            cpu_per_row = (ingest_cpu_s(thread.native_id) - start_cpu) / max(rows, 1)
             dropped = dict(counters.dropped)
         finally:
             stop_actors.set()
@@ -301,7 +247,7 @@ def in_process_rows_per_s(env_id: str, num_envs: int, steps_per_message: int, se
             buffer.close()
 
 
-def _ingest_cpu_s(ingest_thread_id: int) -> float:
+def ingest_cpu_s(ingest_thread_id: int) -> float:
     """CPU seconds of the threads that ingest: the learner's loop thread (receive, decode, validate,
     write, and per full buffer its release and the weights' encoding and publishing) and this
     process's ZeroMQ I/O threads (the socket reads). Not the trainer thread: with PPO switched off it

@@ -529,6 +529,26 @@ def test_an_over_subscribed_learner_holds_steps_instead_of_dropping_them(
     assert assembler.counters.env_steps + 3 * assembler.pending_rows == sent
 
 
+def test_freed_columns_go_to_the_actor_served_least_recently_not_the_lowest_index(
+    assembler: RolloutAssembler, buffers: list[RolloutBuffer]
+) -> None:
+    """Both buffers taken, "early" (index 0) has written a segment, "late" (index 9) none; both hold
+    a step: the columns a release frees go to "late", and "early" keeps holding (by index, low
+    indices would take every freed column while more envs than columns hold steps: the others starve)."""
+    for name, index in (("early", 0), ("y", 1), ("late", 9)):
+        assembler.join(name, f"{name}-1", spec(6), hostname="h", now=0.0, index=index)
+    fill_segment(assembler, "early", "early-1", 6)  # buffer 0 full
+    send(assembler, message("y", "y-1", 0, 6))  # buffer 1's columns taken
+    send(assembler, message("late", "late-1", 0, 6))
+    send(assembler, message("early", "early-1", T, 6))
+    assert assembler.actors["late"].pending and assembler.actors["early"].pending
+    assert assembler.take_full_rollout().slot == 0
+    assembler.release(0)
+    late, early = assembler.actors["late"], assembler.actors["early"]
+    assert late.segment is not None and late.segment.slot == 0 and not late.pending
+    assert early.segment is None and early.pending_rows == 1
+
+
 def test_a_held_backlog_keeps_one_segment_plus_the_slack_and_drops_the_oldest(
     assembler: RolloutAssembler, buffers: list[RolloutBuffer]
 ) -> None:

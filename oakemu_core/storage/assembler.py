@@ -30,6 +30,7 @@ Everything here is plain Python + numpy and runs in the learner's ingest thread;
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -110,6 +111,9 @@ class ActorRecord:
     """Step messages that found no free column, oldest first, consecutive in ``seq``; written as
     soon as columns free (:meth:`RolloutAssembler.release`), at most one segment of rows."""
     pending_rows: int = 0
+    served: int = 0
+    """When it last started writing a segment (the assembler's count of segments started; 0: never):
+    freed columns go to the actor served least recently (:meth:`RolloutAssembler._drain_all`)."""
 
     def take_lag(self) -> tuple[float, float, float] | None:
         """``(min, mean, max)`` policy lag at arrival (learner version - acting version, in versions)
@@ -193,6 +197,7 @@ class RolloutAssembler:
         self.num_columns = self._ring.num_columns
         self.actor_timeout_s = actor_timeout_s
         self._next_actor_index = 0
+        self._segments_started = itertools.count(1)  # numbers the segments started: ActorRecord.served
         self.actors: dict[str, ActorRecord] = {}
         # Specs of incarnations that left or were dropped (bounded, oldest forgotten first): their
         # steps still in flight decode normally and are counted as late, not as malformed.
@@ -416,8 +421,9 @@ class RolloutAssembler:
                 pass
 
     def _drain_all(self) -> None:
-        """Columns were freed: write held messages, actors in index order."""
-        for record in sorted((r for r in self.actors.values() if r.pending), key=lambda r: r.index):
+        """Columns were freed: write held messages, the actor served least recently first (in index order
+        the lowest indices would take every freed column while more envs than columns hold steps)."""
+        for record in sorted((r for r in self.actors.values() if r.pending), key=lambda r: r.served):
             self._drain(record)
 
     @property
@@ -449,6 +455,8 @@ class RolloutAssembler:
         except (ValueError, OverflowError) as error:  # the row bookkeeping disagrees: nothing was written
             self._discard_segment(record)
             raise StepRejected("schema", str(error)) from None
+        if segment.rows_written == 0:  # its place in the drain order
+            record.served = next(self._segments_started)
         segment.rows_written += rows
         record.env_steps += k * rows
         self.counters.env_steps += k * rows
