@@ -20,14 +20,16 @@ Printed, all measured in the same run:
    forward, a policy-gradient + value + entropy loss, backward, Adam step; no ratio, clipping,
    gradient-norm clip, statistics or locks).
 2. ``update``: the medians over the updates after the first (the first warms the kernels up) of both
-   times, and ``production / bare``, the overhead of the production path (expected: a few percent
-   above 1 on a GPU, where the PPO bookkeeping's small kernels weigh most).
-3. ``end to end``: synthetic actors (``benchmarks/bench_ingest.py``: real joins, step rings, Atari-
-   sized step messages sent as fast as the learner takes them) feed the in-process learner
-   (``oakemu_services.learner.Learner``) whose trainer really trains: the env steps/s trained (rows
-   of the updates after the first, over the time between their ends), the env steps/s ingested, the
-   update time within the run, the training ceiling (rows per update / update time) and the share of
-   the time the trainer is busy (near 100 %: training is the limit; well below: ingest is).
+   times, and ``production / bare``, the overhead of the production path (expected near 1; what is
+   above it is the PPO bookkeeping, whose many small kernels weigh more on a GPU than on a CPU). On
+   a loaded machine each figure varies by tens of percent between updates.
+3. ``end to end``: synthetic actors (``benchmarks/bench_ingest.py``'s ``measure_ingest``: real joins,
+   step rings, Atari-sized step messages sent as fast as the learner takes them) feed the in-process
+   learner (``oakemu_services.learner.Learner``) whose trainer really trains: the env steps/s
+   trained (rows of the updates after the first, over the time between their ends), the env steps/s
+   ingested, the update time within the run, the training ceiling (rows per update / update time)
+   and the share of the time the trainer is busy (near 100 %: training is the limit; well below:
+   ingest is).
 
 On a GPU the trained rate should approach the lower of the ingest ceiling and the training ceiling;
 on the CPU training is the limit by far.
