@@ -189,10 +189,9 @@ class OakEmuConfig(PPOSettings, EnvSettings, BaseSettings):
     )
     mode: Literal["async", "sync"] = Field(
         "sync",
-        description="sync: on-policy as SB3; each rollout is filled by the actors present when it starts, each "
-        "actor then waits for the weights trained on it (policy lag 0; actors may die, join or leave; a fixed set "
-        "reproduces a seed on one machine; num_envs sets the minibatch size). async: actors keep "
-        "stepping while the learner trains (rows up to max_policy_lag versions old, two rollout buffers).",
+        description="sync: on-policy as SB3, actors wait for the weights trained on their rows (elastic; a fixed "
+        "set of actors reproduces a seed). async: actors keep stepping while the learner trains (rows up to "
+        "max_policy_lag versions old).",
     )
     max_actors: int | None = Field(
         None, ge=1,
