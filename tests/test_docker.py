@@ -18,6 +18,7 @@ import socket
 import subprocess
 import tarfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -411,6 +412,125 @@ def check_env_change_refused(compose: Compose) -> str:
     if "CartPole-v1" not in logs or "Acrobot-v1" not in logs:
         return f"the refusal does not name both env ids: {logs[-600:]}"
     return ""
+
+
+# --- several hosts: learner, actors and monitor in three compose projects ------------------------------
+
+REMOTE_ACTORS_FILE = REPO_ROOT / "deploy" / "compose.remote-actors.yml"
+
+
+@pytest.fixture
+def projects(tmp_path: Path, oakemu_image: str) -> Iterator[Callable[..., Compose]]:
+    """Makes compose projects (``make(name, files, **settings)``); every one is brought down at the end."""
+    env_file = tmp_path / "empty.env"  # not the repository's .env, if a developer has one
+    env_file.write_text("")
+    made: list[Compose] = []
+
+    def make(name: str, files: list[Path], **settings: str) -> Compose:
+        environment = {**clean_environment(), **RUN_SETTINGS, **settings}
+        project = Compose(f"oakemu-test-{os.getpid()}-{name}", files, environment, env_file)
+        project.down()  # a project of a killed earlier run of this test
+        made.append(project)
+        return project
+
+    try:
+        yield make
+    finally:
+        for project in reversed(made):  # actors before the learner they talk to
+            project.down()
+    left = {project.project: leftovers(f"com.docker.compose.project={project.project}") for project in made}
+    assert not any(left.values()), f"docker compose down -v left {left}"
+
+
+def make_keys(image: str, folder: Path) -> None:
+    """``oakemu keygen`` in the image (so uid 10001 owns the secret files): learner, actor, monitor,
+    and a stranger whose key is not authorised; public keys of actor and monitor filed by role."""
+    folder.mkdir()
+    folder.chmod(0o777)
+    names = ("learner", "actor", "monitor", "stranger")
+    script = "; ".join(f"oakemu keygen {name} --dir /keys >/dev/null" for name in names)
+    run(["docker", "run", "--rm", "-v", f"{folder}:/keys", "--entrypoint", "sh", image, "-c", f"set -e; {script}"])
+    for role, name in (("actors", "actor"), ("monitors", "monitor")):
+        (folder / "authorized" / role).mkdir(parents=True, exist_ok=True)
+        shutil.copy(folder / f"{name}.key", folder / "authorized" / role / f"{name}.key")
+    folder.chmod(0o755)
+
+
+def inspect(container: str, template: str) -> Any:
+    """``docker inspect --format TEMPLATE`` of one container, the template giving JSON (``{{json ...}}``)."""
+    return json.loads(run(["docker", "inspect", "--format", template, container]).stdout)
+
+
+def scrape_metrics(port: int) -> dict[str, float]:
+    """The learner's Prometheus figures from the host's published port: ``name{labels}`` -> value
+    ({} while nothing answers there)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            text = response.read().decode()
+    except OSError:  # the learner is starting: the port is published, nothing listens behind it yet
+        return {}
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def test_actors_and_monitor_of_other_projects_reach_a_curve_learner_only_through_its_published_ports(
+    projects: Callable[..., Compose], oakemu_image: str, tmp_path: Path
+) -> None:
+    """Multi-host on one engine: the learner (docker-compose.yml, CURVE on) in one project, two actors
+    with the authorised key and one with an unauthorised key in a second (deploy/compose.remote-actors.yml,
+    its own network, learner reached as host.docker.internal through the published ports), and the
+    monitor in a third. The keyed actors train, the stranger is refused and counted."""
+    keys = tmp_path / "keys"
+    make_keys(oakemu_image, keys)
+    ports = {name: free_port() for name in ("DATA", "CONTROL", "WEIGHTS", "TELEMETRY", "METRICS")}
+    override = tmp_path / "learner-keys.yml"
+    override.write_text(f"services:\n  learner:\n    volumes: ['{keys}:/keys:ro']\n")
+    learner = projects("learner", [COMPOSE_FILE, override], OAKEMU_NUM_ENVS="8", OAKEMU_CURVE="true",
+                       OAKEMU_CURVE_SECRET_KEY="/keys/learner.key_secret", OAKEMU_CURVE_AUTHORIZED_KEYS="/keys/authorized",
+                       **{f"OAKEMU_PUBLISH_{name}_PORT": str(port) for name, port in ports.items()})
+    remote = {"OAKEMU_LEARNER_HOST": "host.docker.internal", "OAKEMU_KEYS_DIR": str(keys),
+              "OAKEMU_DATA_PORT": str(ports["DATA"]), "OAKEMU_CONTROL_PORT": str(ports["CONTROL"]),
+              "OAKEMU_WEIGHTS_PORT": str(ports["WEIGHTS"]), "OAKEMU_TELEMETRY_PORT": str(ports["TELEMETRY"])}
+    actors = projects("actors", [REMOTE_ACTORS_FILE], **remote)
+    monitor = projects("monitor", [REMOTE_ACTORS_FILE], **remote)
+
+    learner("up", "-d", "--no-build", "learner")
+    actors("up", "-d", "--no-build", "--scale", "actor=2")
+    stranger = actors("run", "-d", "--no-deps", "-e", "OAKEMU_CURVE_SECRET_KEY=/keys/stranger.key_secret",
+                      "actor").stdout.strip().splitlines()[-1]
+    [learner_container] = learner.container_ids("learner")
+    keyed = actors.container_ids("actor")
+    assert len(keyed) == 2
+    learner_networks = inspect(learner_container, "{{json .NetworkSettings.Networks}}").keys()
+    for container in (*keyed, stranger):  # no network in common: only the published ports lead to the learner
+        assert learner_networks.isdisjoint(inspect(container, "{{json .NetworkSettings.Networks}}"))
+
+    def trained_and_refused() -> dict[str, float]:
+        figures = scrape_metrics(ports["METRICS"])
+        seen = {name: figures.get(name, 0) for name in ("oakemu_actors", "oakemu_updates_total",
+                                                          'oakemu_rejected_messages_total{reason="unauthorized_key"}')}
+        assert list(seen.values())[0] == 2 and all(value >= 1 for value in seen.values()), seen
+        return figures
+
+    figures = wait_for("2 actors, updates and a refused key in the published /metrics", trained_and_refused,
+                       timeout_s=120, period_s=1)
+
+    snapshot = snapshot_from(monitor("run", "--rm", "-T", "monitor", "monitor", "--once", "--json", "--timeout", "10",
+                                     timeout=90).stdout)
+    joined = {actor["actor_id"]: actor for actor in snapshot["actors"]}  # ids: <container hostname>-<pid>
+    keyed_hosts = sorted(inspect(container, "{{json .Config.Hostname}}") for container in keyed)
+    assert sorted(name.rsplit("-", 1)[0] for name in joined) == keyed_hosts, (joined, keyed_hosts)
+    assert all(actor["policy_lag"] is not None for actor in joined.values()), joined  # rows arrived from each
+    assert snapshot["global_step"] >= figures["oakemu_env_steps_total"] > 0
+    assert snapshot["rejected_messages"].get("unauthorized_key", 0) >= 1, snapshot["rejected_messages"]
+    assert set(snapshot["rejected_messages"]) <= {"unauthorized_key"}, snapshot["rejected_messages"]
+
+    learner_log = learner.logs("learner")
+    for actor_id in joined:
+        assert f"actor {actor_id} joined" in learner_log
+    assert "unauthorized_key" in learner_log and "for the actor role" in learner_log
+    assert inspect(stranger, "{{json .Config.Hostname}}") not in learner_log, "the unauthorised actor got through"
+    assert inspect(stranger, "{{json .State.Running}}") is True, "the refused actor should keep retrying, not crash"
 
 
 # --- swarm -----------------------------------------------------------------------------------------
