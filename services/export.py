@@ -12,7 +12,7 @@ import numpy as np
 
 from oakemu_core.envs import env_spec
 from oakemu_core.errors import ConfigError
-from oakemu_core.policy.export import PolicyFolderError, write_policy_folder
+from oakemu_core.policy.export import check_export_target, write_policy_folder
 from oakemu_core.run.checkpoint import load_checkpoint, resolve_checkpoint
 from oakemu_core.run.video import VideoUnavailableError
 from oakemu_services.evaluate import evaluate_checkpoint
@@ -29,8 +29,7 @@ def export(checkpoint: Path, directory: Path, *, episodes: int, greedy: bool, se
     """
     path = resolve_checkpoint(checkpoint)
     directory = Path(directory)
-    if directory.exists() and any(directory.iterdir()):
-        raise PolicyFolderError(f"{directory}: exists and is not empty")
+    check_export_target(directory)  # before the evaluation, not after it
     state = load_checkpoint(path)
     env_id, config = state["env"]["env_id"], state["config"]
     with tempfile.TemporaryDirectory(prefix="oakemu-export-") as scratch:

@@ -109,7 +109,7 @@ def record(
 def main(**kwargs: Any) -> int:
     """Entry point (keyword arguments of :func:`record`): prints one summary line and returns 0. A user
     mistake raises a :class:`~oakemu_core.errors.UserError`, which the CLI reports (one line, exit 2)."""
-    summary = record(**kwargs)  # a user mistake raises a UserError, which the CLI reports (exit 2)
+    summary = record(**kwargs)
     print(f"{summary.path}: {summary.episodes} episodes, {summary.steps} steps, return mean "
           f"{np.mean(summary.returns):.2f} std {np.std(summary.returns):.2f} (Minari dataset {summary.dataset_id})")
     return 0

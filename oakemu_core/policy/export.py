@@ -40,7 +40,7 @@ import torch
 from oakemu_core.errors import ConfigError, UserError
 from oakemu_core.policy.models import ActorCritic, build_model
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "PolicyFolderError", "is_policy_folder", "load_policy_folder", "model_card", "read_policy_info",
+__all__ = ["FORMAT", "FORMAT_VERSION", "PolicyFolderError", "check_export_target", "is_policy_folder", "load_policy_folder", "model_card", "read_policy_info",
            "write_policy_folder"]
 
 FORMAT = "oakemu-policy"
@@ -67,6 +67,12 @@ def _layout_json(layout: Mapping[str, tuple[tuple[int, ...], Any]]) -> dict[str,
     return {key: {"shape": [int(n) for n in shape], "dtype": np.dtype(dtype).name} for key, (shape, dtype) in layout.items()}
 
 
+def check_export_target(directory: Path) -> None:
+    """Raise :class:`PolicyFolderError` unless ``directory`` is absent or empty (where a policy folder may go)."""
+    if directory.exists() and any(directory.iterdir()):
+        raise PolicyFolderError(f"{directory}: exists and is not empty")
+
+
 def write_policy_folder(directory: Path, state_dict: Mapping[str, torch.Tensor], *, env_id: str,
                         observation_layout: Mapping[str, tuple[tuple[int, ...], Any]], schema: Mapping[str, Any],
                         config: Mapping[str, Any], trained: Mapping[str, int],
@@ -89,8 +95,7 @@ def write_policy_folder(directory: Path, state_dict: Mapping[str, torch.Tensor],
     """
     save_file = _safetensors().save_file
     directory = Path(directory)
-    if directory.exists() and any(directory.iterdir()):
-        raise PolicyFolderError(f"{directory}: exists and is not empty")
+    check_export_target(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in state_dict.items()}
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": FORMAT, "env_id": env_id})
