@@ -58,9 +58,11 @@ from oakemu_core.transport.step_blocks import StepBlock
 from oakemu_core.transport.step_ring import StepRing, shared_memory_host_id
 from oakemu_core.transport.steps import StepMessage, StepSpec
 from oakemu_services.runtime import (
+    INTERRUPTED_EXIT_STATUS,
     SETUP_ERROR_EXIT_STATUS,
     RetryReporter,
     install_stop_signals,
+    interrupted_status,
     setup_logging,
     socket_buffer_bytes,
 )
@@ -364,7 +366,8 @@ class _Rejoined(Exception):
 
 
 def main(config: OakEmuConfig) -> int:
-    """Entry point of ``oakemu actor``: 0 when stopped, 1 when the learner is unreachable."""
+    """Entry point of ``oakemu actor``: 0 when told to stop (by the learner, or SIGTERM), 130 after
+    Ctrl-C (SIGINT), 1 when the learner is unreachable."""
     setup_logging(config.log_level, config.log_format)
     if config.actor_inference == "onnxruntime":  # before joining: a missing package holds no slot
         from oakemu_core.policy.onnx_inference import check_available
@@ -374,15 +377,15 @@ def main(config: OakEmuConfig) -> int:
     stop_event = install_stop_signals()
     actor = Actor(config, stop_event)
     try:
-        return actor.run()
+        return interrupted_status(actor.run(), stop_event)
     except LearnerUnreachable as error:
         log.error("actor %s: %s", actor.actor_id, error)
         return 1
     except ActorSetupError as error:
         log.error("actor %s: %s", actor.actor_id, error)
         return SETUP_ERROR_EXIT_STATUS
-    except KeyboardInterrupt:
-        return 0
+    except KeyboardInterrupt:  # stopped while joining, or a second Ctrl-C
+        return interrupted_status(0, stop_event) if stop_event.is_set() else INTERRUPTED_EXIT_STATUS
     finally:
         actor.close()
 

@@ -232,9 +232,7 @@ def _train(namespace: argparse.Namespace) -> int:
     if namespace.resume is not None:
         base.update(resumed_settings(namespace.resume))
     config = config_from_namespace(namespace, base=base)
-    if preset is not None:
-        print(f"preset {preset.name}: {preset.description}; expect {preset.expect}", file=sys.stderr)
-    return int(_service("train").main(config, namespace.resume))
+    return int(_service("train").main(config, namespace.resume, preset=preset))
 
 
 def _monitor(namespace: argparse.Namespace) -> int:

@@ -65,8 +65,10 @@ from oakemu_core.transport.peer_limits import PeerLimits
 from oakemu_core.transport.step_ring import StepRings, shared_memory_host_id
 from oakemu_core.transport.steps import StepSpec
 from oakemu_services.runtime import (
+    INTERRUPTED_EXIT_STATUS,
     check_ports_free,
     install_stop_signals,
+    interrupted_status,
     resolve_run_dir,
     setup_logging,
     socket_buffer_bytes,
@@ -539,7 +541,13 @@ class Learner:
 
 
 def main(config: OakEmuConfig) -> int:
-    """Entry point of ``oakemu learner``: run until the budget is spent or SIGINT/SIGTERM."""
+    """Entry point of ``oakemu learner``: run until the budget is spent or SIGINT/SIGTERM.
+
+    Returns:
+        0 when the budget is spent or after SIGTERM (an orchestrator's stop: ``docker stop``,
+        Kubernetes), 130 after Ctrl-C (SIGINT), both after the final checkpoint; 1 when the run
+        collapsed, checkpoints kept failing or ``/dev/shm`` is too small.
+    """
     setup_logging(config.log_level, config.log_format)
     # An unknown env id, a missing device or tracker or a port in use fails here, before the run folder exists.
     check_env(config.env_id, settings_file=config.emulator_settings, options=config.env_options)
@@ -559,9 +567,12 @@ def main(config: OakEmuConfig) -> int:
         log.error("learner cannot start: %s", error)
         return error.exit_status
     try:
-        return learner.run(stop_event)
+        status = learner.run(stop_event)
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now
+        status = INTERRUPTED_EXIT_STATUS
     finally:
         learner.close()
+    return interrupted_status(status, stop_event)
 
 
 if __name__ == "__main__":

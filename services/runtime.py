@@ -134,6 +134,16 @@ class StopRequest(threading.Event):
         return 128 + self.signum if self.signum is not None else 0
 
 
+INTERRUPTED_EXIT_STATUS = 128 + signal.SIGINT
+"""The shell's status after Ctrl-C (130)."""
+
+
+def interrupted_status(status: int, stop: StopRequest) -> int:
+    """A service's exit status: ``status``, or 130 when it ended cleanly after Ctrl-C (SIGINT). SIGTERM
+    keeps ``status``: it is how Docker, Swarm and Kubernetes stop a service, not a failure."""
+    return INTERRUPTED_EXIT_STATUS if status == 0 and stop.signum == signal.SIGINT else status
+
+
 def learner_ports(config: OakEmuConfig) -> dict[str, int]:
     """``{setting: port}`` of every port the learner of ``config`` listens on."""
     return {name: int(getattr(config, name)) for name in PORT_FIELDS if getattr(config, name)}

@@ -34,6 +34,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from oakemu_core.config import ConfigError, OakEmuConfig, resolved_device, to_toml
 from oakemu_core.envs.factory import check_env
+from oakemu_core.presets import Preset
 from oakemu_core.run.metrics import METRICS_FILE_NAME
 from oakemu_core.run.run_folder import (
     check_resume_folder,
@@ -370,13 +371,15 @@ def report(launch: Launch, ended_by: str, stop: StopRequest, console: Console) -
     return 0
 
 
-def main(config: OakEmuConfig, resume: Path | None = None) -> int:
+def main(config: OakEmuConfig, resume: Path | None = None, *, preset: Preset | None = None) -> int:
     """Run learner + actors until the env-step budget is spent or the user stops it.
 
     Args:
         config: the resolved configuration (with ``--resume``, already layered over the run's own
             ``config.toml``).
         resume: run folder to continue; its last checkpoint is restored by the learner.
+        preset: the preset ``config`` starts from; its line (what to expect) is printed once the run
+            can start.
 
     Returns:
         The exit status (see the module docstring).
@@ -387,6 +390,9 @@ def main(config: OakEmuConfig, resume: Path | None = None) -> int:
     plan = plan_run(config, resume)
     config = plan.config
     console = Console(stderr=True)
+    if preset is not None:
+        console.print(f"preset {preset.name}: {preset.description}; expect {preset.expect}", highlight=False,
+                      soft_wrap=True)
     if plan.changes:
         console.print(f"[yellow]resuming {plan.run_dir} with changed settings[/] (config.toml -> now): "
                       f"{format_changes(plan.changes)}", highlight=False, soft_wrap=True)

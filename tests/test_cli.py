@@ -49,7 +49,7 @@ def test_train_dispatch_with_config_flags_and_resume(monkeypatch: pytest.MonkeyP
     assert code == 7
     [(args, kwargs)] = train.calls
     config, resume = args
-    assert kwargs == {}
+    assert kwargs == {"preset": None}
     assert isinstance(config, OakEmuConfig)
     assert config.env_id == "CartPole-v1"
     assert config.total_env_steps == 5000
@@ -321,7 +321,8 @@ def test_device_cuda_without_a_gpu_exits_2_before_any_folder_or_process(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _forbid_processes(monkeypatch)
-    assert cli.main(["train", "--env", "CartPole-v1", "--device", "cuda", "--runs-dir", str(tmp_path / "runs")]) == 2
+    # With a preset too: its line (what to expect of the run) comes only for a run that starts.
+    assert cli.main(["train", "--preset", "cartpole", "--device", "cuda", "--runs-dir", str(tmp_path / "runs")]) == 2
     err = capsys.readouterr().err
     assert "device: expected an available device, received 'cuda'" in err and err.count("\n") == 1
     assert not (tmp_path / "runs").exists()

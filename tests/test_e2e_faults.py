@@ -101,12 +101,13 @@ def test_killed_actor_is_dropped_and_a_late_actor_joins_and_contributes(e2e: E2E
     )
     assert after_kill.dropped.get("exited_actors", 0) == 1 and dropped_actors(after_kill) == 1
 
-    # A new actor joins later; the remaining original one leaves (SIGTERM: says goodbye, exits 0).
+    # A new actor joins later; the remaining original one leaves (Ctrl-C: says goodbye, exits 130).
     actor_c = e2e.start("actor-c", actor_args(e2e, "actor-c"))
     why = describe_all(learner, actor_b, actor_c)
     telemetry.wait(lambda s: "actor-c" in actor_ids(s), 60, "actor-c joined", why)
-    actor_b.send_signal(signal.SIGTERM)
-    assert actor_b.wait(timeout_s=20) == 0, actor_b.describe()
+    actor_b.send_signal(signal.SIGINT)
+    assert actor_b.wait(timeout_s=20) == 130, actor_b.describe()
+    assert "Traceback" not in actor_b.stderr(), actor_b.describe()
     left_at = telemetry.wait(lambda s: actor_ids(s) == {"actor-c"}, 30, "actor-b left", why).iterations
     final = telemetry.wait(lambda s: s.iterations >= left_at + 3 and actor_ids(s) == {"actor-c"}, 60,
                            "3 more updates from actor-c alone", why)

@@ -126,6 +126,29 @@ def test_full_disk_does_not_stop_training(small_tmpfs: Path, e2e: E2EProcesses) 
     e2e.assert_clean(timeout_s=10)
 
 
+def test_checkpoints_that_keep_failing_make_oakemu_train_exit_1_naming_the_file(
+        small_tmpfs: Path, e2e: E2EProcesses) -> None:
+    e2e.runs_dir = small_tmpfs / "runs"
+    run_dir = e2e.runs_dir / RUN_NAME
+    telemetry = e2e.telemetry()
+    train = e2e.start("train", [
+        "train", "--env", "CartPole-v1", "--num-actors", "1", "--envs-per-actor", "2", "--rollout-length", "16",
+        "--ppo-epochs", "1", "--num-minibatches", "2", "--total-env-steps", "100000000", "--run-name", RUN_NAME,
+        "--checkpoint-every-updates", "1", "--max-checkpoint-failures", "2", *e2e.flags()])
+    explain = describe_all(train)
+    telemetry.wait(lambda s: s.iterations >= 2, 120, "2 updates", explain)
+    wait_for(lambda: latest_checkpoint(run_dir) is not None, 30, "a checkpoint", on_timeout=explain)
+    # Room for log lines, not for a checkpoint: the next two checkpoint writes fail, the run stops.
+    fill_disk(small_tmpfs, leave_bytes=48 * 1024)
+    status = train.wait(timeout_s=90)
+    out = train.stderr()
+    assert status == 1, train.describe()
+    assert "error: the learner exited with status 1" in out and "done:" not in out, train.describe()
+    assert "checkpoint writes in a row failed" in out and str(run_dir / "checkpoints") in out, train.describe()
+    assert "No space left on device" in out and "Traceback" not in out, train.describe()
+    e2e.assert_clean(timeout_s=10)
+
+
 # ------------------------------------------------------------------------- kill -9 + resume
 def test_logs_are_not_written_twice_after_kill_9_and_resume(e2e: E2EProcesses) -> None:
     run_dir = e2e.runs_dir / RUN_NAME
@@ -150,9 +173,10 @@ def test_logs_are_not_written_twice_after_kill_9_and_resume(e2e: E2EProcesses) -
             records_past_checkpoint += sum(
                 step > checkpoint_step for name in ("metrics.jsonl", "episodes.jsonl")
                 for step in global_steps(run_dir / name))
-        else:
-            learner.send_signal(signal.SIGTERM)
-            assert learner.wait(timeout_s=60) == 0, learner.describe()
+        else:  # Ctrl-C on the learner: final checkpoint, exit 130; its actor is told to stop (exit 0)
+            learner.send_signal(signal.SIGINT)
+            assert learner.wait(timeout_s=60) == 130, learner.describe()
+            assert "final checkpoint" in learner.stderr() and "Traceback" not in learner.stderr(), learner.describe()
             assert actor.wait(timeout_s=30) == 0, actor.describe()
     # The kills did leave records past the checkpoint (else this test would prove nothing) ...
     assert records_past_checkpoint > 0

@@ -160,16 +160,19 @@ def test_checkpoint_writer_on_a_full_tmpfs(small_tmpfs: Path, caplog: pytest.Log
 
 def test_checkpoint_writer_with_an_injected_write_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                         caplog: pytest.LogCaptureFixture) -> None:
-    real_save = torch.save
+    # The bytes reach the page cache; the fsync that must put them on the disk fails (as a full disk
+    # or a quota reports a delayed write): the temporary file goes, the previous checkpoint stays.
+    from oakemu_core.run import checkpoint as checkpoint_module
+
+    real_fsync = os.fsync
     full = {"on": False}
 
-    def save(obj, f, *args, **kwargs):
-        if full["on"] and not isinstance(f, __import__("io").BytesIO):
-            f.write(b"partial")
+    def fsync(fd: int) -> None:
+        if full["on"]:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_save(obj, f, *args, **kwargs)
+        real_fsync(fd)
 
-    monkeypatch.setattr(torch, "save", save)
+    monkeypatch.setattr(checkpoint_module.os, "fsync", fsync)
     _check_full_disk_checkpoints(tmp_path / "run", lambda: full.update(on=True), lambda: full.update(on=False), caplog)
 
 

@@ -197,6 +197,6 @@ class CheckpointPolicy:
         if path is not None:
             log.info("final checkpoint %s", path)
         else:
-            log.error("final checkpoint not written; the run resumes from %s",
-                      latest_checkpoint(self.run_dir) or "its start (no checkpoint)")
+            log.warning("final checkpoint not written; the run resumes from %s",
+                        latest_checkpoint(self.run_dir) or "its start (no checkpoint)")
         return path

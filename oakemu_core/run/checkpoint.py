@@ -122,11 +122,15 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     if not isinstance(state, dict):
         raise TypeError(f"checkpoint state: expected a dict, got {type(state).__name__}")
     _check_plain(state, "state")
+    # Serialised in memory first: torch's zip writer reports a failed file write (a full disk) as a
+    # RuntimeError ("unexpected pos"); a plain write of the bytes raises the OSError itself.
+    serialised = io.BytesIO()
+    torch.save(state, serialised)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
+            f.write(serialised.getbuffer())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_name, path)
