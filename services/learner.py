@@ -102,13 +102,13 @@ def peer_logs() -> dict[str, RateLimitedLog]:
     }
 
 
-def ring_offerer(rings: StepRings, rollout_length: int,
-                 notices: RateLimitedLog) -> Callable[[JoinRequest, StepSpec], StepRingOffer | None]:
+def ring_offerer(rings: StepRings, rollout_length: int, notices: RateLimitedLog, *,
+                 synchronous: bool) -> Callable[[JoinRequest, StepSpec], StepRingOffer | None]:
     """The ``offer_ring`` of the :class:`ControlServer`: a step ring for an actor on this machine,
     else None (its arrays go inline; the reason goes to ``notices``)."""
     def offer(message: JoinRequest, spec: StepSpec) -> StepRingOffer | None:
         try:
-            return rings.offer(message.actor_id, message.incarnation, spec, rollout_length)
+            return rings.offer(message.actor_id, message.incarnation, spec, rollout_length, synchronous=synchronous)
         except OSError as error:  # e.g. /dev/shm full, or the rings' memory limits: the sockets carry the arrays
             notices.event("no_ring", f"no step ring for actor {message.actor_id} ({error}): its step arrays go inline",
                           level=logging.WARNING)
@@ -204,7 +204,8 @@ class Learner:
         self.rings = StepRings(max_bytes=int(config.step_ring_max_mib * 2**20),
                                max_bytes_per_actor=int(config.step_ring_max_mib_per_actor * 2**20))
         undo.callback(self.rings.close)
-        self._ring_offer = ring_offerer(self.rings, config.rollout_length, self.rejection_log["notices"])
+        self._ring_offer = ring_offerer(self.rings, config.rollout_length, self.rejection_log["notices"],
+                                        synchronous=config.mode == "sync")
         self._setup_sockets(undo)
         self.control_server = ControlServer(
             config, self.schema, self.spec.observation_layout, self.assembler, self.peers, self.rejection_log["control"],

@@ -360,6 +360,21 @@ def test_ring_slots_bound_the_vector_steps_in_flight() -> None:
     assert ring_slots(4, 32) == 1  # the rl-zoo's CartPole: K = 4, an eighth of the rollout
     assert ring_slots(16, 1024) == 2  # a message under an eighth of the rollout: two slots at least
     assert ring_slots(1, 16) == 2
+    # Synchronous mode: ingest time adds no lag, so up to 16 vector steps of the segment.
+    assert ring_slots(4, 32, synchronous=True) == 4  # CartPole: the actor no longer waits for every message
+    assert ring_slots(1, 128, synchronous=True) == 16
+    assert ring_slots(8, 1024, synchronous=True) == 2
+    assert ring_slots(32, 64, synchronous=True) == 2  # two slots at least
+    assert ring_slots(1, 8, synchronous=True) == 8  # not more than a segment
+
+
+def test_a_synchronous_learner_offers_rings_of_its_mode() -> None:
+    rings = StepRings()
+    try:
+        assert rings.offer("a", "i", ATARI_SPEC, 32).slots == ring_slots(1, 32) == 4
+        assert rings.offer("b", "i", ATARI_SPEC, 32, synchronous=True).slots == ring_slots(1, 32, synchronous=True) == 16
+    finally:
+        rings.close()
 
 
 def test_without_the_byte_bound_an_atari_actor_with_a_ring_sends_blocks() -> None:

@@ -52,10 +52,11 @@ RING_VECTOR_STEPS = 16
 """Most vector steps a ring holds in flight (:func:`ring_slots`)."""
 
 
-def ring_slots(steps_per_message: int, rollout_length: int) -> int:
+def ring_slots(steps_per_message: int, rollout_length: int, *, synchronous: bool = False) -> int:
     """Slots of a ring for messages of K = ``steps_per_message`` >= 1 vector steps:
     ``max(floor, min(16, rollout_length // 8) // K)``, where ``floor`` is 1 when one message is an eighth
-    of the rollout or more (``8 * K >= rollout_length``), else 2.
+    of the rollout or more (``8 * K >= rollout_length``), else 2. ``synchronous`` (``--mode sync``):
+    ``max(2, min(16, rollout_length) // K)``.
 
     The slots bound the rows between acting and ingest: at most an eighth of a segment, and
     :data:`RING_VECTOR_STEPS` vector steps (about what the socket queues hold of one-step messages),
@@ -65,7 +66,13 @@ def ring_slots(steps_per_message: int, rollout_length: int) -> int:
     actor fill one while the learner reads the other; one when a single message is an eighth of a
     segment or more, where the actor then waits while the learner reads it (measurements:
     ``docs/benchmarks.md``).
+
+    In synchronous mode every row of a segment is acted by one policy version and trained on only when
+    the whole rollout is in, so the time a row waits for ingest adds no lag: the ring holds up to
+    :data:`RING_VECTOR_STEPS` vector steps of the segment, and the actor rarely waits for a slot.
     """
+    if synchronous:
+        return max(2, min(RING_VECTOR_STEPS, rollout_length) // steps_per_message)
     floor = 1 if 8 * steps_per_message >= rollout_length else 2
     return max(floor, min(RING_VECTOR_STEPS, rollout_length // 8) // steps_per_message)
 
@@ -293,9 +300,11 @@ class StepRings:
         """Shared-memory bytes of the rings this learner holds (live and departed)."""
         return sum(ring.segment_bytes(ring.spec, ring.slots) for ring in [*self._live.values(), *self._departed.values()])
 
-    def offer(self, actor_id: str, incarnation: str, spec: StepSpec, rollout_length: int) -> StepRingOffer:
-        """Create a ring (:func:`ring_slots` slots) for a joining actor and return its offer. The
-        rings of the actor's earlier incarnations depart (kept for their late messages).
+    def offer(self, actor_id: str, incarnation: str, spec: StepSpec, rollout_length: int, *,
+              synchronous: bool = False) -> StepRingOffer:
+        """Create a ring (:func:`ring_slots` slots, ``synchronous`` for ``--mode sync``) for a joining
+        actor and return its offer. The rings of the actor's earlier incarnations depart (kept for their
+        late messages).
 
         Raises:
             StepRingRefused: the ring is larger than ``max_bytes_per_actor``, or finds no room in
@@ -307,7 +316,7 @@ class StepRings:
             previous.close()
         for key in [key for key in self._live if key[0] == actor_id]:
             self._depart(key)
-        slots = ring_slots(spec.steps_per_message, rollout_length)
+        slots = ring_slots(spec.steps_per_message, rollout_length, synchronous=synchronous)
         size = StepRing.segment_bytes(spec, slots)
         if self.max_bytes_per_actor is not None and size > self.max_bytes_per_actor:
             raise StepRingRefused(f"a ring of {size / 2**20:.1f} MiB is larger than step_ring_max_mib_per_actor "
