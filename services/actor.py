@@ -158,9 +158,9 @@ class Actor:
             self.stepper = make_stepper(self.env, self.model, reply)
             self.weights_sub = subscribe_weights(self.context, self.config.learner_address(self.config.weights_port),
                                                  self.security)
+        self.sync_rollout_length = int(env_config.get("rollout_length") or 0) if env_config.get("mode") == "sync" else 0
         self._open_channel(spec, self.client.attach_ring(reply))
         self._load_weights(reply.policy_version, reply.weights)
-        self.sync_rollout_length = int(env_config.get("rollout_length") or 0) if env_config.get("mode") == "sync" else 0
         self.ahead_rows = 0 if self.sync_rollout_length else AHEAD_SEGMENTS * int(env_config.get("rollout_length") or 0)
         self.segment_rows = 0  # a new incarnation starts a new segment
         threads = (f" ({self.config.resolved_emulator_threads()} emulator threads per env group)"
@@ -174,7 +174,8 @@ class Actor:
         closed, its socket kept when sized the same) and the step block of its K."""
         connect = step_socket_connector(self.context, self.config.learner_address(self.config.data_port),
                                         buffer_bytes=socket_buffer_bytes(spec.message_bytes()), security=self.security)
-        self.channel = open_step_channel(spec, ring, connect, self.stop_event, previous=self.channel)
+        self.channel = open_step_channel(spec, ring, connect, self.stop_event, previous=self.channel,
+                                         sync_rollout_length=self.sync_rollout_length)
         self.steps_per_message = spec.steps_per_message
         self.block = StepBlock(spec.schema, spec.num_envs, spec.steps_per_message)
 

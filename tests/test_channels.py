@@ -72,6 +72,11 @@ def test_the_send_queue_holds_a_rings_slots_else_two_steps_or_one_block() -> Non
     assert send_queue_messages(1, None) == 2
     assert send_queue_messages(4, None) == 1
     assert send_queue_messages(4, SimpleNamespace(slots=3)) == 3
+    # Synchronous mode: queued rows add no lag; up to 16 vector steps of the segment, 2 messages at least.
+    assert send_queue_messages(4, None, sync_rollout_length=32) == 4
+    assert send_queue_messages(1, None, sync_rollout_length=128) == 16
+    assert send_queue_messages(32, None, sync_rollout_length=64) == 2
+    assert send_queue_messages(4, SimpleNamespace(slots=3), sync_rollout_length=32) == 3
 
 
 def test_the_socket_channel_sends_the_arrays_inline(context: zmq.Context) -> None:
@@ -151,7 +156,7 @@ def test_a_rejoin_keeps_the_socket_only_for_the_same_k_and_ring_slots(context: z
     closed: list[str] = []
     ring = SimpleNamespace(slots=4, close=lambda: closed.append("ring"))
     first = open_step_channel(ATARI_SPEC, None, connect, stop)
-    assert isinstance(first, SocketStepChannel) and first.layout == (1, 0)
+    assert isinstance(first, SocketStepChannel) and first.layout == (1, 0, 2)
     ringed = open_step_channel(BLOCK_SPEC, ring, connect, stop, previous=first)
     assert isinstance(ringed, RingStepChannel) and first.socket.closed and len(made) == 2
     ringed.slot_waits = 3
@@ -160,7 +165,11 @@ def test_a_rejoin_keeps_the_socket_only_for_the_same_k_and_ring_slots(context: z
     inline = open_step_channel(BLOCK_SPEC, None, connect, stop, previous=again)
     assert inline.socket is not again.socket and again.socket.closed and closed == ["ring", "ring"]
     assert queues == [2, 4, 1]
-    inline.close()
+    # Synchronous mode queues more blocks of a segment: another socket, not the asynchronous one.
+    synchronous = open_step_channel(BLOCK_SPEC, None, connect, stop, previous=inline, sync_rollout_length=64)
+    assert synchronous.socket is not inline.socket and inline.socket.closed
+    assert queues == [2, 4, 1, send_queue_messages(BLOCK_SPEC.steps_per_message, None, sync_rollout_length=64)]
+    synchronous.close()
 
 
 def test_the_receiver_frees_a_slot_after_ingest_or_rejection_on_its_own_peers_word(rings: StepRings) -> None:

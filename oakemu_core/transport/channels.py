@@ -34,7 +34,7 @@ import zmq
 
 from oakemu_core.transport.auth import ClientSecurity
 from oakemu_core.transport.codec import MessageRejected
-from oakemu_core.transport.step_ring import StepRing, StepRings
+from oakemu_core.transport.step_ring import RING_VECTOR_STEPS, StepRing, StepRings
 from oakemu_core.transport.frame_stacks import StackHistories
 from oakemu_core.transport.steps import Frame, StepEncoder, StepMessage, StepSpec, decode_step, encode_step
 
@@ -95,15 +95,19 @@ class StepChannel(Protocol):
         """Free the channel and its socket."""
 
 
-def send_queue_messages(steps_per_message: int, ring: StepRing | None) -> int:
+def send_queue_messages(steps_per_message: int, ring: StepRing | None, *, sync_rollout_length: int = 0) -> int:
     """Step messages an actor's PUSH socket queues before a send waits (its ``SNDHWM``).
 
     With a step ring, its slots: they bound the messages in flight, and a queue as long lets them all
     go. Else 2 one-step messages, or 1 block of K > 1 steps: the queues count messages, and K steps
-    each would multiply the rows queued, hence their policy lag.
+    each would multiply the rows queued, hence their policy lag. In synchronous mode
+    (``sync_rollout_length`` > 0, rows per segment) a queued row adds no lag: the messages of up to
+    :data:`~oakemu_core.transport.step_ring.RING_VECTOR_STEPS` vector steps of the segment, 2 at least.
     """
     if ring is not None:
         return int(ring.slots)
+    if sync_rollout_length > 0:
+        return max(2, min(RING_VECTOR_STEPS, sync_rollout_length) // steps_per_message)
     return 2 if steps_per_message == 1 else 1
 
 
@@ -125,9 +129,11 @@ def step_socket_connector(context: zmq.Context, address: str, *, buffer_bytes: i
     return connect
 
 
-def _layout(steps_per_message: int, ring: StepRing | None) -> tuple[int, int]:
-    """What a channel's socket was made for: K and the ring's slots (0 without a ring)."""
-    return steps_per_message, ring.slots if ring is not None else 0
+def _layout(steps_per_message: int, ring: StepRing | None, queue_messages: int | None = None) -> tuple[int, int, int]:
+    """What a channel's socket was made for: K, the ring's slots (0 without a ring) and its send queue
+    (``SNDHWM``; default: :func:`send_queue_messages` of asynchronous mode)."""
+    queue = send_queue_messages(steps_per_message, ring) if queue_messages is None else queue_messages
+    return steps_per_message, ring.slots if ring is not None else 0, queue
 
 
 class SocketStepChannel:
@@ -249,7 +255,8 @@ class RingStepChannel(SocketStepChannel):
 
 
 def open_step_channel(spec: StepSpec, ring: StepRing | None, connect: Callable[[int], zmq.Socket],
-                      stop: threading.Event, previous: StepChannel | None = None) -> StepChannel:
+                      stop: threading.Event, previous: StepChannel | None = None, *,
+                      sync_rollout_length: int = 0) -> StepChannel:
     """The step channel of a (re)joined actor incarnation: through ``ring`` when it attached one,
     else with the arrays inline.
 
@@ -263,17 +270,21 @@ def open_step_channel(spec: StepSpec, ring: StepRing | None, connect: Callable[[
             is kept when it was made for the same K and ring slots, else a fresh one is connected (a
             queue sized for a ring's slots would hold too many inline blocks, whose rows would train
             too old). Its :attr:`~SocketStepChannel.slot_waits` count on.
+        sync_rollout_length: rows per segment in synchronous mode, 0 in asynchronous mode
+            (:func:`send_queue_messages`).
     """
     k = spec.steps_per_message
+    queue = send_queue_messages(k, ring, sync_rollout_length=sync_rollout_length)
     socket = None
     if previous is not None:
-        if previous.layout == _layout(k, ring):
+        if previous.layout == _layout(k, ring, queue):
             socket = previous.detach()
         else:
             previous.close()
     if socket is None:
-        socket = connect(send_queue_messages(k, ring))
+        socket = connect(queue)
     channel = SocketStepChannel(socket, stop, spec) if ring is None else RingStepChannel(socket, ring, stop, spec)
+    channel.layout = _layout(k, ring, queue)
     channel.slot_waits = previous.slot_waits if previous is not None else 0
     return channel
 
