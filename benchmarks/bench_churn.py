@@ -15,6 +15,7 @@ A run takes about ``steps / SPS`` seconds (a few minutes for 200k on 2 cores).
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
@@ -31,10 +32,28 @@ WINDOW = 20
 
 
 def start(role_args: list[str], log: Path) -> subprocess.Popen:
-    """``python -m oakemu_services.cli`` with ``role_args``, output to ``log``, in its own session."""
+    """``python -m oakemu_services.cli`` with ``role_args``, output to ``log``, in its own session, one
+    torch thread (``OMP_NUM_THREADS=1``, as ``bench_vs_sb3.py`` gives every process)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(log, "ab") as out:
         return subprocess.Popen([sys.executable, "-m", "oakemu_services.cli", *role_args], cwd=REPO, stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+
+
+def learner_args(train_args: list[str]) -> list[str]:
+    """The ``oakemu learner`` options among ``oakemu train`` flags (``--flag value`` pairs and
+    ``--flag`` / ``--no-flag`` switches): each subcommand takes only the options it uses."""
+    from oakemu_services.cli import build_parser
+
+    options = build_parser()[1]["learner"]._option_string_actions
+    kept: list[str] = []
+    for i, arg in enumerate(train_args):
+        if arg.startswith("--"):
+            if arg in options:
+                kept.append(arg)
+        elif i and train_args[i - 1].startswith("--") and train_args[i - 1] in options:
+            kept.append(arg)
+    return kept
 
 
 def stop(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> None:
@@ -61,7 +80,7 @@ def run(*, seed: int, steps: int, actors: int, churn: bool, kill_every_s: float,
     port_flags = [a for i, a in enumerate(args) if a in actor_ports or (i and args[i - 1] in actor_ports)]
     logs = runs_dir / f"{name}.logs"
     logs.mkdir(parents=True, exist_ok=True)
-    learner = start(["learner", *args, "--actor-timeout-s", "5"], logs / "learner.log")
+    learner = start(["learner", *learner_args(args), "--actor-timeout-s", "5"], logs / "learner.log")
 
     def actor(i: int) -> subprocess.Popen:
         return start(["actor", "--envs-per-actor", envs_per_actor, "--actor-id", f"a{i}", "--torch-threads", "1",
@@ -90,6 +109,9 @@ def run(*, seed: int, steps: int, actors: int, churn: bool, kill_every_s: float,
         for process in processes.values():
             stop(process)
         stop(learner)
+    if learner.returncode != 0:
+        tail = (logs / "learner.log").read_text(errors="replace").strip().splitlines()[-3:]
+        raise SystemExit(f"{name}: the learner exited with status {learner.returncode}: " + " | ".join(tail))
     run_dir = runs_dir / name
     episodes = [(e["global_step"], e["episodic_return"]) for e in _read_jsonl(run_dir / "episodes.jsonl")]
     updates = [r for r in _read_jsonl(run_dir / "metrics.jsonl") if "charts/update" in r]

@@ -365,3 +365,18 @@ def test_gpu_check_asking_for_a_missing_device_exits_2_with_one_line(capsys: pyt
     assert _load_script("gpu_check").main(["--quick", "--device", "cuda"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1 and "cuda" in err
+
+
+def test_bench_churn_gives_the_learner_only_options_it_takes() -> None:
+    """The churn benchmark starts ``oakemu learner`` with the ``oakemu train`` flags of its case: the
+    ones the learner does not offer (``--torch-threads``, ``--num-actors``) must be left out, else it
+    exits 2 at once and the benchmark measures nothing."""
+    churn, vs_sb3 = _load_script("bench_churn"), _load_script("bench_vs_sb3")
+    args = vs_sb3.oakemu_bench_args(vs_sb3.BENCHES["cartpole"], mode="sync", seed=1, steps=4096, runs_dir=Path("r"),
+                                    run_name="n", ports=[5001, 5002, 5003, 5004, 5005], torch_threads=1, num_actors=2)
+    assert "--torch-threads" in args
+    kept = churn.learner_args(args)
+    assert "--torch-threads" not in kept and "--mode" in kept and kept[kept.index("--mode") + 1] == "sync"
+    parser = cli.build_parser()[1]["learner"]
+    namespace, unknown = parser.parse_known_args(kept)
+    assert unknown == [] and namespace.total_env_steps == 4096
