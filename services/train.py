@@ -35,7 +35,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from oakemu_core.config import ConfigError, OakEmuConfig, resolved_device, to_toml
 from oakemu_core.envs.factory import check_env
 from oakemu_core.presets import Preset
-from oakemu_core.run.metrics import METRICS_FILE_NAME
+from oakemu_core.run.metrics import EVAL_EPISODIC_RETURN, METRICS_FILE_NAME
 from oakemu_core.run.run_folder import (
     check_resume_folder,
     format_changes,
@@ -44,6 +44,7 @@ from oakemu_core.run.run_folder import (
     write_text_atomic,
 )
 from oakemu_core.run.telemetry import TelemetrySnapshot, TelemetrySubscriber
+from oakemu_core.run.tester import BEST_NAME
 from oakemu_core.run.tracking import check_tracker_available
 from oakemu_services.runtime import (
     PARENT_PID_ENV,
@@ -219,6 +220,26 @@ def _update_line(snapshot: TelemetrySnapshot) -> str:
             f"actors {snapshot.num_actors}")
 
 
+def _best_evaluation(run_dir: Path) -> str | None:
+    """``best evaluation: ...`` naming ``checkpoints/best.pt`` and its return, when the tester kept one
+    and the last evaluation is below it (the checkpoint to evaluate or export is then not the last one);
+    None otherwise."""
+    best_file = run_dir / "checkpoints" / BEST_NAME
+    try:
+        evaluations = [r for r in read_json_lines(run_dir / METRICS_FILE_NAME) if EVAL_EPISODIC_RETURN in r]
+    except OSError:
+        return None
+    if not evaluations or not best_file.is_file():
+        return None
+    best = max(evaluations, key=lambda r: r[EVAL_EPISODIC_RETURN])
+    last = evaluations[-1]
+    if last[EVAL_EPISODIC_RETURN] >= best[EVAL_EPISODIC_RETURN]:
+        return None
+    return (f"best evaluation: return {best[EVAL_EPISODIC_RETURN]:.2f} (policy version "
+            f"{int(best.get('eval/policy_version', -1))}), last {last[EVAL_EPISODIC_RETURN]:.2f}: "
+            f"oakemu evaluate {best_file}")
+
+
 def _final_update_line(run_dir: Path) -> tuple[int, str] | None:
     """``(update, line)`` of the last PPO update recorded in ``run_dir/metrics.jsonl`` (telemetry is
     lossy and the learner may exit before its last snapshots are read), or None when no update was recorded."""
@@ -351,7 +372,8 @@ def report(launch: Launch, ended_by: str, stop: StopRequest, console: Console) -
     actor_error = f"; first actor error: {launch.first_actor_error}" if launch.first_actor_error else ""
     if ended_by == "signal":
         name = signal.Signals(stop.signum).name if stop.signum else "a signal"
-        console.print(f"stopped by {name}: run folder {run_dir} (continue with oakemu train --resume {run_dir})")
+        console.print(f"stopped by {name}: run folder {run_dir} (continue with oakemu train --resume {run_dir})",
+                      highlight=False, soft_wrap=True)
         return stop.exit_status or 130
     if ended_by == "actors":
         console.print(f"[red]error: every actor stopped for good, the run cannot go on{actor_error}[/] "
@@ -367,7 +389,11 @@ def report(launch: Launch, ended_by: str, stop: StopRequest, console: Console) -
         console.print(f"[red]error: the run made no PPO update{actor_error}[/] (logs: {run_dir / 'logs'})",
                       highlight=False, soft_wrap=True)
         return 1
-    console.print(f"done: run folder {run_dir} (TensorBoard: tensorboard --logdir {run_dir.parent})")
+    best = _best_evaluation(run_dir)
+    if best is not None:
+        console.print(best, highlight=False, soft_wrap=True)
+    console.print(f"done: run folder {run_dir} (TensorBoard: tensorboard --logdir {run_dir.parent})",
+                  highlight=False, soft_wrap=True)
     return 0
 
 
@@ -401,7 +427,8 @@ def main(config: OakEmuConfig, resume: Path | None = None, *, preset: Preset | N
                       f"x {config.rollback_lr_factor} (at most {config.max_rollbacks} times; --no-rollback turns it off)",
                       highlight=False, soft_wrap=True)
     console.print(f"[bold]oakemu train[/]: {config.env_id}, {config.num_actors} actors x {config.envs_per_actor} "
-                  f"envs, {config.total_env_steps} env steps -> {plan.run_dir}" + (" (resumed)" if plan.resumed else ""))
+                  f"envs, {config.total_env_steps} env steps -> {plan.run_dir}" + (" (resumed)" if plan.resumed else ""),
+                  highlight=False, soft_wrap=True)
     prometheus = f"; Prometheus: http://127.0.0.1:{config.metrics_port}/metrics" if config.metrics_enabled else ""
     console.print(f"live view: oakemu monitor {plan.run_dir}{prometheus}", highlight=False, soft_wrap=True)
     stop = install_stop_signals()

@@ -88,9 +88,12 @@ def _random_return(episodes: int = 20) -> float:
 
 @pytest.mark.slow
 def test_train_a_preset_from_python_returns_a_run_that_beats_random_play(tmp_path: Path) -> None:
-    """12,288 env steps of the cartpole preset, sync mode (a seed reproduces): measured final evaluations
-    216.8 (seed 1) and 437.8 (seed 2) against about 22 for random play; a run that does not learn stays near 22."""
-    run = oakemu_core.train(preset="cartpole", total_env_steps=12_288, mode="sync", runs_dir=tmp_path / "runs")
+    """12,288 env steps of the cartpole preset, sync mode (a seed reproduces), its learning rate constant
+    (annealed over so short a budget it halves what the run learns: 126.8 / 160.4): measured final
+    evaluations 216.8 (seed 1) and 437.8 (seed 2) against about 22 for random play; a run that does not
+    learn stays near 22."""
+    run = oakemu_core.train(preset="cartpole", total_env_steps=12_288, mode="sync", anneal_lr=False,
+                            runs_dir=tmp_path / "runs")
     assert run.exit_status == 0 and run.updates == 12_288 // 256
     assert run.final_evaluation is not None and run.best_evaluation is not None
     assert run.final_evaluation > 4 * _random_return(), run
