@@ -24,10 +24,11 @@ from tests.e2e_helpers import E2EProcesses, new_ports, read_jsonl, update_record
 SEED = 3
 STEPS = 32_768  # 64 updates of 128 steps x 4 envs: long enough for a ratio of two wall-clock SPS
 EVAL_EPISODES = 3
-MIN_SPS_RATIO = 0.6
+MIN_SPS_RATIO = 0.45
 """Training with evaluation every 2 updates keeps at least this share of the SPS without it. The
-tester is a niced process of its own, so the ratio stays near 1 (the wall-clock SPS of two short
-runs is noisy: see docs/benchmarks.md for the ratios seen). Evaluating inside the learner's loop
+tester is a niced process of its own, so on an idle 2-core machine the ratio is about 0.67 (its
+episodes still take CPU from the actor and learner; 0.585 on a machine busy with other runs: the
+wall-clock SPS of two short runs is noisy, see docs/benchmarks.md). Evaluating inside the learner's loop
 instead (3 greedy episodes of up to 500 steps every 2 updates of 512 steps) would cost more than the
 training itself: a ratio near 0.3, which this bound catches."""
 
