@@ -47,14 +47,10 @@ sys.path.insert(0, str(REPO))
 ENV_ID = "retro:Airstriker-Genesis-v0"
 MIN_EPISODES = 10
 """Episodes per policy at least before :func:`beats_random` can say yes."""
-TRAIN_FLAGS = (
-    "--mode", "async", "--num-actors", "4", "--envs-per-actor", "1",  # stable-retro: one emulator per process
-    "--clip-rewards",                      # Atari-style [-1, 1] training rewards; the logged return stays the score
-    "--eval-every-updates", "25", "--eval-episodes", "5", "--eval-greedy", "false",  # sampled, as in training
-    "--no-eval-video", "--device", "cpu",
-)
-"""``oakemu train`` flags besides the env, budget, seed and run folder; PPO settings are the defaults
-(CleanRL's Atari ones: 128-step rollouts, 4 epochs of 4 minibatches, learning rate 2.5e-4 annealed)."""
+TRAIN_FLAGS = ("--preset", "airstriker", "--device", "cpu")
+"""``oakemu train`` flags besides the budget, seed and run folder: the ``airstriker`` preset
+(``oakemu_core/presets/airstriker.toml``: async, 4 actors x 1 emulator, training rewards clipped to
+[-1, 1], sampled evaluations every 25 updates without video, CleanRL's Atari PPO settings)."""
 GIF_WIDTH = 160
 """Width (pixels) of the GIF's frames (the Genesis screen is 320 x 224)."""
 GIF_FRAME_STRIDE = 2
@@ -104,7 +100,7 @@ def beats_random(trained: list[float], random: list[float], *, min_episodes: int
 
 def train_args(*, steps: int, seed: int, runs_dir: Path, run_name: str) -> list[str]:
     """The arguments after ``oakemu train`` that the showcase trains with."""
-    return ["--env", ENV_ID, "--total-env-steps", str(steps), "--seed", str(seed), *TRAIN_FLAGS,
+    return [*TRAIN_FLAGS, "--total-env-steps", str(steps), "--seed", str(seed),
             "--runs-dir", str(runs_dir), "--run-name", run_name]
 
 

@@ -16,7 +16,8 @@ from oakemu_core.presets import load_preset, preset_names
 from oakemu_services import cli
 
 EXPECTED = {"cartpole": "CartPole-v1", "lunarlander": "LunarLander-v3", "pendulum": "Pendulum-v1",
-            "acrobot": "Acrobot-v1", "taxi": "Taxi-v4", "atari": "ALE/Breakout-v5"}
+            "acrobot": "Acrobot-v1", "taxi": "Taxi-v4", "atari": "ALE/Breakout-v5",
+            "airstriker": "retro:Airstriker-Genesis-v0"}
 
 
 pytestmark = pytest.mark.usefixtures("no_oakemu_variables")
