@@ -199,8 +199,13 @@ def _add_keygen(commands: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``oakemu`` command; returns the process exit status (2 for usage/config errors)."""
     parser, subcommand_parsers = build_parser()
+    args = list(sys.argv[1:] if argv is None else argv)
+    command_word = next((arg for arg in args if not arg.startswith("-")), None)
+    if command_word in _COMMANDS:  # before parsing: `--help` and usage errors warn too
+        for warning in unknown_environment_variables():
+            print(f"{PROG} {command_word}: warning: {warning}", file=sys.stderr)
     try:
-        namespace, unknown = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+        namespace, unknown = parser.parse_known_args(args)
         if unknown:  # report with the subcommand's name, and the closest option it offers
             command_parser = subcommand_parsers[namespace.command]
             hint = unknown_option_hint(unknown[0], command_parser._option_string_actions, namespace.command)
@@ -208,8 +213,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_request:  # --help, --version (0) or a usage error (2, message already printed)
         return _exit_code(exit_request)
     command: str = namespace.command
-    for warning in unknown_environment_variables():
-        print(f"{PROG} {command}: warning: {warning}", file=sys.stderr)
     try:
         return _COMMANDS[command](namespace)
     except UserError as error:  # every mistake a user can fix: one line, no traceback

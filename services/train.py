@@ -438,7 +438,8 @@ def main(config: OakEmuConfig, resume: Path | None = None, *, preset: Preset | N
         launch.start()
         ended_by = launch.watch(stop)
         if ended_by == "signal":
-            console.print("stopping: waiting for the learner's final checkpoint ...")
+            console.print("stopping: waiting for the learner's final checkpoint ..." if launch.last_update >= 0
+                          else "stopping: no update made yet, stopping the learner and actors ...")
         elif ended_by == "actors":
             console.print("[red]every actor has stopped for good[/]: stopping the learner")
     finally:

@@ -415,6 +415,8 @@ def test_unknown_oakemu_variables_warn_with_the_closest_setting(
     assert "warning: OAKEMU_LERNING_RATE is not a setting and is ignored (did you mean OAKEMU_LEARNING_RATE?)" in err
     assert "SHM_SIZE" not in err
     assert train.calls[0][0][0].learning_rate == 2.5e-4
+    assert cli.main(["train", "--help"]) == 0  # a user reading the help learns of the typo too
+    assert "did you mean OAKEMU_LEARNING_RATE?" in capsys.readouterr().err
 
 
 def test_train_on_a_full_disk_is_one_line_naming_the_path_and_the_bytes(
