@@ -34,7 +34,7 @@ import zmq
 
 from oakemu_core.transport.auth import ClientSecurity
 from oakemu_core.transport.codec import MessageRejected
-from oakemu_core.transport.step_ring import RING_VECTOR_STEPS, StepRing, StepRings
+from oakemu_core.transport.step_ring import StepRing, StepRings, ring_slots
 from oakemu_core.transport.frame_stacks import StackHistories
 from oakemu_core.transport.steps import Frame, StepEncoder, StepMessage, StepSpec, decode_step, encode_step
 
@@ -101,13 +101,13 @@ def send_queue_messages(steps_per_message: int, ring: StepRing | None, *, sync_r
     With a step ring, its slots: they bound the messages in flight, and a queue as long lets them all
     go. Else 2 one-step messages, or 1 block of K > 1 steps: the queues count messages, and K steps
     each would multiply the rows queued, hence their policy lag. In synchronous mode
-    (``sync_rollout_length`` > 0, rows per segment) a queued row adds no lag: the messages of up to
-    :data:`~oakemu_core.transport.step_ring.RING_VECTOR_STEPS` vector steps of the segment, 2 at least.
+    (``sync_rollout_length`` > 0, rows per segment) a queued row adds no lag: as many messages as a
+    synchronous ring has slots (:func:`~oakemu_core.transport.step_ring.ring_slots`).
     """
     if ring is not None:
         return int(ring.slots)
     if sync_rollout_length > 0:
-        return max(2, min(RING_VECTOR_STEPS, sync_rollout_length) // steps_per_message)
+        return ring_slots(steps_per_message, sync_rollout_length, synchronous=True)
     return 2 if steps_per_message == 1 else 1
 
 
