@@ -36,7 +36,7 @@ ceiling printed is a floor for a bigger learner machine; the ratios are what to 
 
 The figures from ``ingest`` down (CPU per step, actor cores, training load) use step rings; the line
 ``ingest through the sockets only`` and its ratio to memcpy are the same measurement with
-``step_transport = "sockets"`` (and the K the learner gives such actors: 1 for Breakout). A run
+``step_transport = "sockets"`` (and the K the learner gives such actors: 4 for Breakout, as with a ring). A run
 where a synthetic actor did not get its ring stops with an error instead of printing socket figures
 as ring figures.
 
@@ -334,11 +334,14 @@ def main() -> None:
     from oakemu_core.config import OakEmuConfig
     from oakemu_core.envs import env_spec
     from oakemu_core.policy.schemas import schema_for_env
+    from oakemu_core.transport.frame_stacks import wire_bytes_per_env
 
-    bytes_per_row = schema_for_env(env_spec(args.env)).sent_bytes_per_env()
+    schema = schema_for_env(env_spec(args.env))
+    bytes_per_row = schema.sent_bytes_per_env()
     step_bytes = bytes_per_row * args.envs_per_actor
     config = OakEmuConfig(env_id=args.env)
-    k, k_sockets = ((config.resolved_steps_per_message(bytes_per_row, args.envs_per_actor, step_ring=ring)
+    wire_bytes = wire_bytes_per_env(schema)
+    k, k_sockets = ((config.resolved_steps_per_message(wire_bytes, args.envs_per_actor, step_ring=ring)
                      for ring in (True, False))  # what the learner gives actors with and without a ring
                     if steps_per_message == "auto" else (steps_per_message, steps_per_message))
     chunk = step_bytes * k

@@ -437,11 +437,11 @@ class OakEmuConfig(PPOSettings, EnvSettings, BaseSettings):
 
     # --- derived values ---
     def resolved_steps_per_message(self, env_step_bytes: int, num_envs: int, *, step_ring: bool = False) -> int:
-        """Steps per message K for an actor of ``num_envs`` envs, each of whose steps carries
-        ``env_step_bytes`` array bytes (``StepSchema.sent_bytes_per_env``): the configured int, or
-        :func:`oakemu_core.transport.batching.auto_steps_per_message` for ``"auto"``, without its bound on a
-        message's bytes for an actor offered a step ring (``step_ring``: the arrays do not travel in
-        the message; Breakout, 8 envs: K = 4, not 1), and with its allowance of up to
+        """Steps per message K for an actor of ``num_envs`` envs, each of whose steps puts
+        ``env_step_bytes`` bytes on the wire (:func:`oakemu_core.transport.frame_stacks.wire_bytes_per_env`):
+        the configured int, or :func:`oakemu_core.transport.batching.auto_steps_per_message` for ``"auto"``,
+        without its bound on a message's bytes for an actor offered a step ring (``step_ring``: the
+        arrays do not travel in the message), and with its allowance of up to
         :data:`~oakemu_core.transport.batching.AUTO_MESSAGE_MIN_ROWS` rows at rollouts under 64 steps (CartPole, 8
         envs, rollout 32: K = 4, not 1)."""
         if self.steps_per_message != "auto":

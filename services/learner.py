@@ -61,6 +61,7 @@ from oakemu_core.transport.control import (
     encode_weights,
 )
 from oakemu_core.transport.control_server import ControlServer
+from oakemu_core.transport.frame_stacks import wire_bytes_per_env
 from oakemu_core.transport.peer_limits import PeerLimits
 from oakemu_core.transport.step_ring import StepRings, shared_memory_host_id
 from oakemu_core.transport.steps import StepSpec
@@ -243,7 +244,7 @@ class Learner:
         # A small receive queue: back-pressure reaches the actors quickly, and rows stay fresh.
         self.data.setsockopt(zmq.RCVHWM, 4)
         typical = StepSpec(config.envs_per_actor, self.schema, steps_per_message=config.resolved_steps_per_message(
-            self.schema.sent_bytes_per_env(), config.envs_per_actor))
+            wire_bytes_per_env(self.schema), config.envs_per_actor))
         self.data.setsockopt(zmq.RCVBUF, socket_buffer_bytes(typical.message_bytes()))
         self.data.setsockopt(zmq.LINGER, 0)
         # Memory guard: ZeroMQ drops a peer that sends more than this (never allocated). Messages

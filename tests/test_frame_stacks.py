@@ -15,7 +15,7 @@ from oakemu_core.storage.assembler import RolloutAssembler
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
 from oakemu_core.transport.channels import StepReceiver
 from oakemu_core.transport.codec import MessageRejected
-from oakemu_core.transport.frame_stacks import KEYFRAME_MESSAGES, StackHistories, stacked_fields
+from oakemu_core.transport.frame_stacks import KEYFRAME_MESSAGES, StackedRows, StackHistories, stacked_fields
 from oakemu_core.transport.step_ring import StepRings
 from oakemu_core.transport.steps import StepEncoder, StepMessage, StepSpec, decode_step, encode_step
 from tests.test_step_schema import valid_fields
@@ -68,7 +68,7 @@ def stream(schema: StepSchema, k: int, messages: int, seed: int = 0) -> list[dic
     return out
 
 
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", [1, 3, 4, 6])  # K below, at and above a stack of 4
 @pytest.mark.parametrize("kind", sorted(SCHEMAS))
 def test_every_space_kind_decodes_to_exactly_the_rows_sent(kind: str, k: int) -> None:
     """Deduplicated or whole, the decoded arrays are byte for byte the actor's, across env resets and
@@ -86,9 +86,15 @@ def test_every_space_kind_decodes_to_exactly_the_rows_sent(kind: str, k: int) ->
         histories.remember("a", "inc", seq, decoded.fields, spec.stacked, block=k > 1)
         assert decoded.fields.keys() == whole.fields.keys() == fields.keys()
         for name, array in fields.items():
-            for got in (decoded.fields[name], whole.fields[name]):
+            got = decoded.fields[name]
+            if name in spec.stacked:  # rebuilt where written, or as a private array
+                assert isinstance(got, StackedRows)
+                written = np.zeros(array.shape, np.uint8)
+                got.write_into(written)
+                assert written.tobytes() == array.tobytes(), (name, seq)
+            for got in (got, whole.fields[name]):
                 assert got.dtype == array.dtype and got.shape == array.shape, name
-                assert got.tobytes() == array.tobytes(), (name, seq)
+                assert np.asarray(got).tobytes() == array.tobytes(), (name, seq)
         assert len(frames) == spec.frame_count
         if spec.stacked:
             flags = np.frombuffer(frames[1 + [f.name for f in schema.sent].index(sorted(spec.stacked)[0])], bool)
@@ -136,8 +142,8 @@ def test_the_learner_never_rebuilds_from_a_stale_stack() -> None:
             assert info.value.reason == "schema" and "no stack" in info.value.detail
             assert info.value.sender == ("a", "inc", seq)
     recovered = decode(KEYFRAME_MESSAGES)  # the key frame: every env whole
-    assert recovered.fields["observations"].tobytes() == sent[KEYFRAME_MESSAGES]["observations"].tobytes()
-    assert decode(KEYFRAME_MESSAGES + 1).fields["observations"].tobytes() == \
+    assert np.asarray(recovered.fields["observations"]).tobytes() == sent[KEYFRAME_MESSAGES]["observations"].tobytes()
+    assert np.asarray(decode(KEYFRAME_MESSAGES + 1).fields["observations"]).tobytes() == \
         sent[KEYFRAME_MESSAGES + 1]["observations"].tobytes()
 
     rejoined = StepEncoder(spec)  # a new channel of a new incarnation
@@ -165,17 +171,19 @@ def test_a_spoofed_message_never_becomes_the_stack_the_next_message_is_rebuilt_f
     receiver.decode(frames(forged, 1, "thief", encode=lambda m: encode_step(m, spec)))  # whole stacks, other peer
     assert receiver.stacks.previous("a", "inc", 1) is not None  # still the actor's message 0
     message = receiver.decode(frames(sent[1], 1, "own"))
-    assert message.fields["observations"].tobytes() == sent[1]["observations"].tobytes()
+    assert np.asarray(message.fields["observations"]).tobytes() == sent[1]["observations"].tobytes()
     receiver.retain(set())
     assert len(receiver.stacks) == 0
 
 
-def test_a_deduplicated_rollout_is_byte_identical_to_the_whole_stack_rollout() -> None:
-    """Through the assembler into shared memory, across env resets and rollout boundaries."""
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_deduplicated_rollout_is_byte_identical_to_the_whole_stack_rollout(k: int) -> None:
+    """Through the assembler into shared memory (the stacks rebuilt in the buffer's rows), across env
+    resets and rollout boundaries, one step or blocks of K per message."""
     schema = build_schema({"": ((4, 7, 5), np.uint8)}, Categorical(4))
     t = 4
-    spec = StepSpec(N, schema)
-    sent = stream(schema, 1, 3 * t, seed=7)
+    spec = StepSpec(N, schema, steps_per_message=k)
+    sent = stream(schema, k, 3 * t // k, seed=7)
     results = []
     for dedup in (True, False):
         buffers = [RolloutBuffer(t, N, schema=schema) for _ in range(2)]
@@ -202,8 +210,8 @@ def test_a_deduplicated_rollout_is_byte_identical_to_the_whole_stack_rollout() -
     for deduplicated, whole, index in zip(results[0], results[1], range(3)):
         for name in deduplicated:
             assert deduplicated[name].tobytes() == whole[name].tobytes(), name
-        expected = np.stack([sent[index * t + row]["observations"] for row in range(t)])
-        assert deduplicated["observations"].tobytes() == expected.tobytes()
+        rows = np.concatenate([fields["observations"] if k > 1 else fields["observations"][None] for fields in sent])
+        assert deduplicated["observations"].tobytes() == rows[index * t:(index + 1) * t].tobytes()
 
 
 def test_a_block_row_may_build_on_the_row_before_it_in_the_block() -> None:
@@ -214,4 +222,4 @@ def test_a_block_row_may_build_on_the_row_before_it_in_the_block() -> None:
     flags = np.frombuffer(frames[1], bool).reshape(4, N)
     assert flags[0].all() and not flags[1:].all()  # row 0 whole (nothing before it), later rows build on it
     decoded = decode_step(frames, lambda a, i: spec, max_bytes=MAX_BYTES)
-    assert decoded.fields["observations"].tobytes() == fields["observations"].tobytes()
+    assert np.asarray(decoded.fields["observations"]).tobytes() == fields["observations"].tobytes()

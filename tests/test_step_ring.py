@@ -30,6 +30,7 @@ from oakemu_core.transport.step_ring import (
 )
 from oakemu_core.transport.batching import auto_steps_per_message
 from oakemu_core.transport.codec import MessageRejected
+from oakemu_core.transport.frame_stacks import wire_bytes_per_env
 from oakemu_core.transport.control import (
     JoinReply,
     JoinRequest,
@@ -377,14 +378,19 @@ def test_a_synchronous_learner_offers_rings_of_its_mode() -> None:
         rings.close()
 
 
-def test_without_the_byte_bound_an_atari_actor_with_a_ring_sends_blocks() -> None:
-    env_step_bytes = ATARI_SCHEMA.sent_bytes_per_env()
-    assert auto_steps_per_message(env_step_bytes, 128, num_envs=8) == 1
-    assert auto_steps_per_message(env_step_bytes, 128, num_envs=8, target_bytes=None) == 4
+def test_an_atari_actor_sends_blocks_through_the_sockets_as_with_a_ring() -> None:
+    # What a socket actor's step puts on the wire: the newest 84 x 84 frame of its stack, not the stack.
+    wire = wire_bytes_per_env(ATARI_SCHEMA)
+    assert wire == ATARI_SCHEMA.sent_bytes_per_env() - 3 * 84 * 84
+    assert auto_steps_per_message(wire, 128, num_envs=8) == 4
+    assert auto_steps_per_message(wire, 128, num_envs=8, target_bytes=None) == 4
+    # The byte bound (the memory a message holds in the queues) still keeps raw 210 x 160 RGB frames at K = 1.
+    assert auto_steps_per_message(210 * 160 * 3, 128, num_envs=8) == 1
+    assert auto_steps_per_message(210 * 160 * 3, 128, num_envs=8, target_bytes=None) == 4
     config = OakEmuConfig()
-    assert config.resolved_steps_per_message(env_step_bytes, 8) == 1
-    assert config.resolved_steps_per_message(env_step_bytes, 8, step_ring=True) == 4
-    assert OakEmuConfig(steps_per_message=2).resolved_steps_per_message(env_step_bytes, 8, step_ring=True) == 2
+    assert config.resolved_steps_per_message(wire, 8) == 4
+    assert config.resolved_steps_per_message(wire, 8, step_ring=True) == 4
+    assert OakEmuConfig(steps_per_message=2).resolved_steps_per_message(wire, 8, step_ring=True) == 2
 
 
 def test_join_messages_carry_the_host_id_and_the_ring_offer() -> None:

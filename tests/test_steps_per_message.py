@@ -183,9 +183,10 @@ def test_steps_per_message_is_agreed_at_join_and_divides_the_rollout(buffers: li
     with pytest.raises(ValueError, match="steps_per_message"):
         OakEmuConfig(rollout_length=128, steps_per_message=3)
     assert OakEmuConfig(rollout_length=128, steps_per_message=8).resolved_steps_per_message(5, 2) == 8
-    # auto: 1 for Atari-sized steps, more for small ones, bounded by rollout_length / 32 (with a ring and a
+    # auto: 1 for steps of raw RGB frames (8 x 100 KB per vector step), more for small ones, bounded by rollout_length / 32 (with a ring and a
     # rollout under 64 steps: up to 32 rows within an eighth of it), 32 steps and 128 env steps (rows) per message.
-    assert auto_steps_per_message(28224, 128, num_envs=8) == 1
+    assert auto_steps_per_message(210 * 160 * 3, 128, num_envs=8) == 1
+    assert auto_steps_per_message(210 * 160 * 3, 128, num_envs=4) == 2  # 2 x 4 x 100 KB <= 1 MiB
     assert auto_steps_per_message(41, 128, num_envs=8) == 4
     assert auto_steps_per_message(41, 32, num_envs=8) == 1  # through the sockets: rollout_length / 32
     # With a step ring and a rollout under 64 steps, up to 32 rows per message within an eighth of it (min_rows).
@@ -202,7 +203,8 @@ def test_steps_per_message_is_agreed_at_join_and_divides_the_rollout(buffers: li
     assert OakEmuConfig(rollout_length=32).resolved_steps_per_message(41, 8, step_ring=True) == 4
     assert OakEmuConfig(rollout_length=32).resolved_steps_per_message(41, 8) == 1
     assert auto_steps_per_message(50, 1024, num_envs=16) == 8  # 128 rows
-    assert auto_steps_per_message(1000, 1024, num_envs=4) == 8  # 8 x 4 envs x 1,000 bytes <= 32 KiB
+    assert auto_steps_per_message(30_000, 1024, num_envs=4) == 8  # 8 x 4 envs x 30,000 bytes <= 1 MiB
+    assert auto_steps_per_message(40_000, 1024, num_envs=4) == 4  # 8 x 4 x 40,000 bytes > 1 MiB
     assert auto_steps_per_message(50, 1024, num_envs=2) == 32  # rollout_length / 32
     assert auto_steps_per_message(50, 2048, num_envs=1) == 32  # at most 32 steps
     assert auto_steps_per_message(50, 1024, num_envs=65) == 1  # 2 x 65 rows > 128

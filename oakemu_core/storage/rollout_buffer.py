@@ -46,6 +46,7 @@ from oakemu_core.storage.row_checks import (
     column_index,
 )
 from oakemu_core.storage.shared_fields import SHM_DIR
+from oakemu_core.transport.frame_stacks import StackedRows
 
 if TYPE_CHECKING:  # torch is imported lazily: actors and tools can use the buffer without it
     import torch
@@ -229,7 +230,10 @@ class RolloutBuffer(RolloutArrays):
                 writable stored field (those with a default, ``trainable`` and
                 ``bootstrap_values``, may be left out); ``truncated`` and ``next_values`` (sent by
                 actors, not stored: storage keeps truncation in ``dones`` and
-                ``bootstrap_values``) are checked when present, then dropped.
+                ``bootstrap_values``) are checked when present, then dropped. With ``validated``
+                a field may be a step message's deduplicated stacks
+                (:class:`~oakemu_core.transport.frame_stacks.StackedRows`): rebuilt straight into
+                the rows.
             rows: None for one row, else the number of consecutive rows in ``fields``, >= 1.
             policy_version: version of the weights that chose the actions, >= 0.
             policy_revision: their revision within the update running on that version, >= 0
@@ -285,7 +289,11 @@ class RolloutBuffer(RolloutArrays):
         at = row0 if rows is None else slice(row0, row0 + rows)
         arrays = self._arrays
         for item in self._checks.writable:
-            arrays[item.name][at, index] = fields[item.name]
+            value = fields[item.name]
+            if isinstance(value, StackedRows) and isinstance(index, slice):  # rebuilt straight into the rows
+                value.write_into(arrays[item.name][at, index])
+            else:  # an array, a default, or stacks rebuilt first (np.asarray) for columns that are not a slice
+                arrays[item.name][at, index] = value
         arrays["policy_versions"][at, index] = version
         arrays["policy_revisions"][at, index] = revision
         arrays["column_steps"][index] += 1 if rows is None else rows

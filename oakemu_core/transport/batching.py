@@ -1,9 +1,9 @@
 """How many vector steps travel in one step message: the ``steps_per_message = "auto"`` rule.
 
 A message has a fixed cost on both sides (encode, syscalls, decode, validation, ingest) whatever its
-size, so small envs gain from sending K consecutive vector steps at once
-(:class:`oakemu_core.transport.step_blocks.StepBlock`). K is bounded three ways: by bytes (a
-message's fixed cost no longer matters past :data:`AUTO_MESSAGE_TARGET_BYTES`), by rows (the rows
+size, so every env gains from sending K consecutive vector steps at once
+(:class:`oakemu_core.transport.step_blocks.StepBlock`). K is bounded three ways: by bytes (the
+memory one message holds in the queues, :data:`AUTO_MESSAGE_TARGET_BYTES`), by rows (the rows
 held in one message wait for it and train later, :data:`AUTO_MESSAGE_TARGET_ROWS`), and by the
 rollout (the queues between actor and learner count messages, so K steps per message multiply the
 rows in flight by K: :data:`AUTO_MESSAGES_PER_SEGMENT`). The measurements behind the constants are
@@ -21,10 +21,12 @@ __all__ = [
     "auto_steps_per_message",
 ]
 
-AUTO_MESSAGE_TARGET_BYTES = 32 * 1024
-"""Array bytes :func:`auto_steps_per_message` packs into one message at most, unless one vector
-step of the actor's envs is already larger. An actor with a step ring has no byte bound (its arrays
-do not travel in the message)."""
+AUTO_MESSAGE_TARGET_BYTES = 1024 * 1024
+"""Bytes on the wire (:func:`oakemu_core.transport.frame_stacks.wire_bytes_per_env`: stacked frames
+deduplicated) :func:`auto_steps_per_message` packs into one message at most, unless one vector step
+of the actor's envs is already larger: a bound on the memory a message holds in the queues between
+actor and learner, not on its fixed cost (which the rows bound amortises). An actor with a step ring
+has no byte bound (its arrays do not travel in the message)."""
 
 AUTO_MAX_STEPS_PER_MESSAGE = 32
 """Most steps :func:`auto_steps_per_message` puts in one message (caps how long an actor holds
@@ -61,13 +63,14 @@ def auto_steps_per_message(env_step_bytes: int, rollout_length: int, *, num_envs
     vector steps already exceed ``target_bytes`` or ``target_rows`` (more than 64 envs), or the
     rollout is shorter than 64 steps and ``min_rows`` does not allow more.
 
-    Examples: ALE/Breakout-v5, 8 envs: one vector step is ~226 KB -> K = 1 (K = 4 with a step ring,
-    ``target_bytes=None``); CartPole-v1, 8 envs: ~330 bytes -> K = 4 with rollout_length 128; with 32,
+    Examples: ALE/Breakout-v5, 8 envs: one vector step puts ~57 KB on the wire (newest frames) -> K = 4,
+    as with a step ring (``target_bytes=None``); 8 envs of raw 210 x 160 RGB frames (~800 KB) -> K = 1; CartPole-v1, 8 envs: ~330 bytes -> K = 4 with rollout_length 128; with 32,
     4 for an actor with a step ring (``min_rows`` 32: :data:`AUTO_MESSAGE_MIN_ROWS`) and 1 through the
     sockets; LunarLander-v3, 16 envs, rollout 1024 -> 8 (128 rows).
 
     Args:
-        env_step_bytes: array bytes of one env's step (``StepSchema.sent_bytes_per_env()``).
+        env_step_bytes: bytes one env's step puts on the wire
+            (:func:`~oakemu_core.transport.frame_stacks.wire_bytes_per_env`).
         rollout_length: rows per segment (T); K divides it.
         num_envs: envs of the actor (rows per vector step).
         target_bytes: the bound on a message's array bytes; None: none (an actor with a step ring,

@@ -50,6 +50,7 @@ from oakemu_core.transport.control import (
     encode_heartbeat_reply,
     encode_join_reply,
 )
+from oakemu_core.transport.frame_stacks import wire_bytes_per_env
 from oakemu_core.transport.liveness import LocalProcesses
 from oakemu_core.transport.peer_limits import PeerLimits
 from oakemu_core.transport.steps import StepSpec
@@ -285,7 +286,7 @@ class ControlServer:
 
     def step_spec(self, message: JoinRequest, *, step_ring: bool) -> StepSpec:
         """The spec of a joining actor's step messages (K without the byte bound for a step ring)."""
-        steps = self.config.resolved_steps_per_message(self.schema.sent_bytes_per_env(), message.num_envs,
+        steps = self.config.resolved_steps_per_message(wire_bytes_per_env(self.schema), message.num_envs,
                                                        step_ring=step_ring)
         return StepSpec(num_envs=message.num_envs, schema=self.schema, steps_per_message=steps)
 

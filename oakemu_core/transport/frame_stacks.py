@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
 from oakemu_core.step_schema import OBSERVATION_FIELD, StepField, StepSchema
 from oakemu_core.transport.codec import checked_contents, reject
 
-__all__ = ["KEYFRAME_MESSAGES", "stacked_fields", "StackEncoder", "StackHistories", "rebuild_stacks"]
+__all__ = ["KEYFRAME_MESSAGES", "stacked_fields", "wire_bytes_per_env", "StackEncoder", "StackHistories", "StackedRows",
+           "decode_stacks", "rebuild_stacks"]
 
 KEYFRAME_MESSAGES = 64
 """Every message whose ``seq`` is a multiple of this sends its first row of every env whole (3 frames
@@ -40,6 +42,14 @@ def stacked_fields(schema: StepSchema) -> frozenset[str]:
     """Names of ``schema``'s sent fields that travel deduplicated (see the module docstring)."""
     return frozenset(f.name for f in schema.sent if f.dtype == np.uint8 and len(f.shape) >= 3 and f.shape[0] >= 2
                      and (f.name == OBSERVATION_FIELD or f.name.startswith(OBSERVATION_FIELD + ".")))
+
+
+def wire_bytes_per_env(schema: StepSchema) -> int:
+    """Array bytes one env's step puts on the socket path in the steady state: every sent field whole,
+    each stacked field as its newest frame (Atari, ``(4, 84, 84)``: 7,056 bytes instead of 28,224).
+    Whole stacks after resets and in key-frame messages are not counted."""
+    stacked = stacked_fields(schema)
+    return sum(_frame_bytes(f) if f.name in stacked else f.item_bytes for f in schema.sent)
 
 
 def _frame_bytes(item: StepField) -> int:
@@ -79,18 +89,16 @@ class StackEncoder:
         return whole.tobytes(), data
 
 
-def rebuild_stacks(item: StepField, flags_frame: memoryview, data_frame: memoryview, lead: tuple[int, ...],
-                   previous: np.ndarray | None) -> np.ndarray:
-    """The learner's side: the stacks of a stacked field from its two frames.
+def decode_stacks(item: StepField, flags_frame: memoryview, data_frame: memoryview, lead: tuple[int, ...],
+                  previous: np.ndarray | None) -> StackedRows:
+    """The learner's side: the stacks of a stacked field from its two frames, checked, rebuilt where
+    they are written (:meth:`StackedRows.write_into`: one copy of each row).
 
     Args:
         item: the stacked field, per-env shape ``(S, *frame)``.
         flags_frame, data_frame: the field's frames (module docstring).
         lead: ``(n,)`` or ``(K, n)``, the message's leading dimensions.
         previous: ``(n, S, *frame)``, the env's last rows of message ``seq - 1``, or None (none known).
-
-    Returns:
-        A private, read-only ``(*lead, S, *frame)`` uint8 array.
 
     Raises:
         MessageRejected: ``"size"`` (a frame's length is not the one its flags declare), ``"schema"``
@@ -115,21 +123,92 @@ def rebuild_stacks(item: StepField, flags_frame: memoryview, data_frame: memoryv
     data = np.frombuffer(data_frame, dtype=np.uint8)
     newest = data[:newest_bytes].reshape(steps, num_envs, *item.shape[1:])
     older = data[newest_bytes:].reshape(count, stack - 1, *item.shape[1:])
-    out = np.empty((steps, num_envs, *item.shape), dtype=np.uint8)
-    taken = 0
-    for k in range(steps):
-        row_whole = whole[k]
-        row_count = int(row_whole.sum())
-        if row_count < num_envs:
-            out[k, :, :-1] = (previous if k == 0 else out[k - 1])[:, 1:]
-        if row_count == num_envs:
-            out[k, :, :-1] = older[taken:taken + row_count]
-        elif row_count:
-            out[k, row_whole, :-1] = older[taken:taken + row_count]
-        out[k, :, -1] = newest[k]
-        taken += row_count
-    out.flags.writeable = False
-    return out.reshape(*lead, *item.shape)
+    return StackedRows(item.shape, lead, whole, newest, older, previous)
+
+
+def rebuild_stacks(item: StepField, flags_frame: memoryview, data_frame: memoryview, lead: tuple[int, ...],
+                   previous: np.ndarray | None) -> np.ndarray:
+    """:func:`decode_stacks` rebuilt into a private, read-only ``(*lead, S, *frame)`` uint8 array."""
+    return np.asarray(decode_stacks(item, flags_frame, data_frame, lead, previous))
+
+
+class StackedRows:
+    """The checked frames of a stacked field of one step message, an array-like of shape
+    ``(*lead, S, *frame)`` and dtype uint8 that is rebuilt where it is written: :meth:`write_into` a
+    view (the rollout buffer's rows: the one copy of each row), or ``np.asarray`` (a private,
+    read-only array; indexing does this too). Made by :func:`decode_stacks`.
+
+    Args:
+        shape: the field's per-env shape ``(S, *frame)``.
+        lead: ``(n,)`` or ``(K, n)``.
+        whole: ``(K, n)`` bool, the rows sent whole.
+        newest: ``(K, n, *frame)``, every row's newest frame.
+        older: ``(count, S - 1, *frame)``, the older frames of the whole rows, in row order.
+        previous: ``(n, S, *frame)``, the last rows of the message before, or None (every row of the
+            first step whole).
+    """
+
+    dtype = np.dtype(np.uint8)
+
+    def __init__(self, shape: tuple[int, ...], lead: tuple[int, ...], whole: np.ndarray, newest: np.ndarray,
+                 older: np.ndarray, previous: np.ndarray | None) -> None:
+        self.shape = (*lead, *shape)
+        self.ndim = len(self.shape)
+        self._block = len(lead) == 2  # K > 1: (K, n, S, *frame)
+        self._whole, self._newest, self._older, self._previous = whole, newest, older, previous
+        self._array: np.ndarray | None = None
+
+    def write_into(self, out: np.ndarray) -> None:
+        """Rebuild the stacks into ``out`` (a writable array or view of :attr:`shape`; its step ``k - 1``
+        is read back to rebuild step ``k``)."""
+        whole, newest, older = self._whole, self._newest, self._older
+        steps, num_envs = whole.shape
+        rows = out if self._block else out[None]  # (K, n, S, *frame), a view
+        taken = 0
+        for k in range(steps):
+            row_whole = whole[k]
+            row_count = int(row_whole.sum())
+            if row_count < num_envs:
+                rows[k, :, :-1] = (self._previous if k == 0 else rows[k - 1])[:, 1:]
+            if row_count == num_envs:
+                rows[k, :, :-1] = older[taken:taken + row_count]
+            elif row_count:
+                rows[k, row_whole, :-1] = older[taken:taken + row_count]
+            rows[k, :, -1] = newest[k]
+            taken += row_count
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        if self._array is None:
+            array = np.empty(self.shape, dtype=np.uint8)
+            self.write_into(array)
+            array.flags.writeable = False
+            self._array = array
+        return self._array if dtype is None or np.dtype(dtype) == self.dtype else self._array.astype(dtype)
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        return np.asarray(self)[key]
+
+    def last_rows(self) -> np.ndarray:
+        """A private ``(n, S, *frame)`` array of the last step's stacks (what the next message is
+        rebuilt from), made from the frames without rebuilding the other steps."""
+        if self._array is not None:
+            return (self._array[-1] if self._block else self._array).copy()
+        whole, newest, older = self._whole, self._newest, self._older
+        steps, num_envs = whole.shape
+        stack = older.shape[1] + 1
+        out = np.empty((num_envs, stack, *newest.shape[2:]), dtype=np.uint8)
+        # Envs without a whole row in the message: the previous stack moved on by the K newest frames
+        # (without a previous stack every env's first row is whole: the loop below fills them all).
+        kept = stack - min(steps, stack)
+        if kept and self._previous is not None:
+            out[:, :kept] = self._previous[:, stack - kept:]
+        out[:, kept:] = newest[steps - (stack - kept):].swapaxes(0, 1)
+        order = np.cumsum(whole.ravel()).reshape(whole.shape) - 1  # each whole row's place in ``older``
+        for env in np.flatnonzero(whole.any(axis=0)):  # from its last whole row on (resets, key frames)
+            last = int(np.flatnonzero(whole[:, env])[-1])
+            frames = [*older[order[last, env]], *newest[last:, env]]
+            out[env] = np.stack(frames[-stack:])
+        return out
 
 
 class StackHistories:
@@ -147,15 +226,19 @@ class StackHistories:
         entry = self._last.get((actor_id, incarnation))
         return entry[1] if entry is not None and entry[0] == seq - 1 else None
 
-    def remember(self, actor_id: str, incarnation: str, seq: int, fields: Mapping[str, np.ndarray],
+    def remember(self, actor_id: str, incarnation: str, seq: int, fields: Mapping[str, np.ndarray | StackedRows],
                  names: Iterable[str], block: bool) -> None:
         """Keep the last rows of ``names`` in ``fields`` (a decoded message's arrays, ``(K, n, ...)`` when
-        ``block`` else ``(n, ...)``; read-only and private: kept without a copy)."""
-        self._last[(actor_id, incarnation)] = (seq, {name: fields[name][-1] if block else fields[name]
-                                                      for name in names})
+        ``block`` else ``(n, ...)``: :class:`StackedRows`, or read-only private arrays kept without a copy)."""
+        self._last[(actor_id, incarnation)] = (seq, {name: _last_rows(fields[name], block) for name in names})
 
     def retain(self, keys: set[tuple[str, str]]) -> None:
         """Forget every incarnation not in ``keys`` (actors that left, timed out or rejoined)."""
         for key in [key for key in self._last if key not in keys]:
             del self._last[key]
 
+
+def _last_rows(value: np.ndarray | StackedRows, block: bool) -> np.ndarray:
+    if isinstance(value, StackedRows):
+        return value.last_rows()
+    return value[-1] if block else value

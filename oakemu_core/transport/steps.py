@@ -14,8 +14,9 @@ sender's spec (frame count, each frame's byte length, then the contents) and rai
 
 Copies: :func:`encode_step` returns views of the message's arrays (the sender's socket copies them
 once into its messages) and fresh buffers for deduplicated stacks (sent without a copy);
-:func:`decode_step` returns read-only ``np.frombuffer`` views of the received frames (no copy) and a
-private array of each rebuilt stack. A step message of an actor with a step ring is the header alone
+:func:`decode_step` returns read-only ``np.frombuffer`` views of the received frames (no copy) and each
+deduplicated stack as a :class:`~oakemu_core.transport.frame_stacks.StackedRows`, rebuilt where the
+learner writes it (one copy). A step message of an actor with a step ring is the header alone
 with ``"slot"`` set: its arrays are in that slot of the ring (:mod:`oakemu_core.transport.step_ring`),
 and :func:`decode_step` reads them from there (frames in place, the checked fields as private copies).
 """
@@ -47,7 +48,7 @@ from oakemu_core.transport.codec import (
     require_fields,
     unpack,
 )
-from oakemu_core.transport.frame_stacks import StackEncoder, rebuild_stacks, stacked_fields
+from oakemu_core.transport.frame_stacks import StackedRows, StackEncoder, decode_stacks, rebuild_stacks, stacked_fields
 
 __all__ = [
     "TYPE_STEP",
@@ -192,6 +193,9 @@ class StepMessage:
             bootstrap_values, next_values, trainable, and e.g. action_mask, action_mean, ...;
             see :mod:`oakemu_core.step_schema`); ``(K, n, *shape)`` each when the actor's spec
             has ``steps_per_message`` K > 1 (row ``i`` is the block's i-th step, in time order).
+            A stacked uint8 field received newest-frame-only is a
+            :class:`~oakemu_core.transport.frame_stacks.StackedRows` of that shape: rebuilt where
+            it is written (``write_into``), or by ``np.asarray``.
         episode_returns: raw (unclipped) returns of the episodes that ended on this step (on
             any step of the block, in step order).
         episode_lengths: lengths, in env steps, of those episodes (same order and length).
@@ -367,8 +371,9 @@ def decode_step(
 
     Returns:
         A :class:`StepMessage` whose arrays have exactly the dtypes and shapes of
-        :meth:`StepSpec.array_layout`: read-only ``np.frombuffer`` views of the frames, private
-        read-only arrays of rebuilt stacks; from a ring slot, read-only views of it for the fields
+        :meth:`StepSpec.array_layout`: read-only ``np.frombuffer`` views of the frames,
+        :class:`~oakemu_core.transport.frame_stacks.StackedRows` of deduplicated stacks (private
+        read-only arrays where their values need a check); from a ring slot, read-only views of it for the fields
         without a content check (:attr:`~oakemu_core.step_schema.StepField.any_bits_valid`) and checked
         private copies of the others (what is checked is what is written: the slot stays writable by
         the actor).
@@ -439,9 +444,10 @@ def _frame_arrays(views: list[memoryview], spec: StepSpec,
     index = 1
     for item, shape, nbytes, stacked in spec._wire_layout:
         name = item.name
-        if stacked:
-            arrays[name] = rebuild_stacks(item, views[index], views[index + 1], spec.lead,
-                                          None if previous is None else previous[name])
+        if stacked:  # rebuilt where written, unless its values need a check (bounds tighter than uint8's)
+            rebuild = decode_stacks if item.any_bits_valid else rebuild_stacks
+            arrays[name] = rebuild(item, views[index], views[index + 1], spec.lead,
+                                   None if previous is None else previous[name])
             index += 2
             continue
         view = views[index]
@@ -468,6 +474,8 @@ def _checked_fields(obj: dict[str, Any], arrays: dict[str, np.ndarray],
     rows: dict[str, np.ndarray] = {}  # (K * n, *shape) views: the value checks see one batch of rows
     for item, _, _, _ in spec._wire_layout:
         array = arrays[item.name]
+        if isinstance(array, StackedRows):  # uint8 frames without bounds to check: any bit pattern is valid
+            continue
         flat = array if spec.steps_per_message == 1 else array.reshape(-1, *item.shape)
         problem = item.check_values(flat)
         if problem is not None:
