@@ -156,6 +156,7 @@ class StackedRows:
         self.ndim = len(self.shape)
         self._block = len(lead) == 2  # K > 1: (K, n, S, *frame)
         self._whole, self._newest, self._older, self._previous = whole, newest, older, previous
+        self._counts = whole.sum(axis=1).tolist()  # whole rows per step
         self._array: np.ndarray | None = None
 
     def write_into(self, out: np.ndarray) -> None:
@@ -165,9 +166,8 @@ class StackedRows:
         steps, num_envs = whole.shape
         rows = out if self._block else out[None]  # (K, n, S, *frame), a view
         taken = 0
-        for k in range(steps):
+        for k, row_count in enumerate(self._counts):
             row_whole = whole[k]
-            row_count = int(row_whole.sum())
             if row_count < num_envs:
                 rows[k, :, :-1] = (self._previous if k == 0 else rows[k - 1])[:, 1:]
             if row_count == num_envs:
@@ -189,13 +189,18 @@ class StackedRows:
         return np.asarray(self)[key]
 
     def last_rows(self) -> np.ndarray:
-        """A private ``(n, S, *frame)`` array of the last step's stacks (what the next message is
-        rebuilt from), made from the frames without rebuilding the other steps."""
+        """A read-only ``(n, S, *frame)`` array of the last step's stacks (what the next message is
+        rebuilt from), made from the frames without rebuilding the other steps: a view of them when
+        the message has K >= S steps and no whole row, else a private array."""
         if self._array is not None:
-            return (self._array[-1] if self._block else self._array).copy()
+            return self._array[-1] if self._block else self._array
         whole, newest, older = self._whole, self._newest, self._older
         steps, num_envs = whole.shape
         stack = older.shape[1] + 1
+        if steps >= stack and not any(self._counts):  # the S newest frames of each env: no copy
+            view = newest[steps - stack:].swapaxes(0, 1)
+            view.flags.writeable = False
+            return view
         out = np.empty((num_envs, stack, *newest.shape[2:]), dtype=np.uint8)
         # Envs without a whole row in the message: the previous stack moved on by the K newest frames
         # (without a previous stack every env's first row is whole: the loop below fills them all).
@@ -208,6 +213,7 @@ class StackedRows:
             last = int(np.flatnonzero(whole[:, env])[-1])
             frames = [*older[order[last, env]], *newest[last:, env]]
             out[env] = np.stack(frames[-stack:])
+        out.flags.writeable = False
         return out
 
 
