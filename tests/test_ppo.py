@@ -139,7 +139,8 @@ def _learner(model: ActorCritic, **overrides) -> PPOUpdater:
     )
     kwargs.update(overrides)
     lr = kwargs.pop("lr", 2.5e-3)
-    return PPOUpdater(model, torch.optim.Adam(model.parameters(), lr=lr, eps=1e-5), **kwargs)
+    fused = kwargs.pop("fused", None)
+    return PPOUpdater(model, torch.optim.Adam(model.parameters(), lr=lr, eps=1e-5, fused=fused), **kwargs)
 
 
 def _fill(
@@ -436,17 +437,27 @@ def test_empty_rollout_and_bad_hyperparameters_are_rejected(served_minibatches: 
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning", "ignore:overflow encountered:RuntimeWarning")
-def test_a_non_finite_gradient_skips_the_step_and_keeps_the_weights_finite() -> None:
+@pytest.mark.parametrize("fused", [False, True])  # skipped on the host, or by the fused kernel (found_inf)
+def test_a_non_finite_gradient_skips_the_step_and_keeps_the_weights_finite(fused: bool) -> None:
     model = _model()
     before = copy.deepcopy(model.state_dict())
     with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
+        _fill(buffer, [model], np.random.default_rng(0))
+        learner = _learner(model, fused=fused)
+        learner.step(buffer, current_policy_version=0)  # finite: every step taken
+        after_finite = copy.deepcopy(model.state_dict())
+        adam = copy.deepcopy(learner.optimizer.state_dict()["state"])
+        assert all(int(state["step"]) == 4 * 4 for state in adam.values())
         # Finite rewards whose returns overflow float32: the value loss becomes inf / NaN.
+        buffer.reset()
         _fill(buffer, [model], np.random.default_rng(0), reward_fn=lambda actions: np.full(actions.shape, 3e38))
-        stats = _learner(model).step(buffer, current_policy_version=0)
-    assert stats.nonfinite_minibatches > 0
+        stats = learner.step(buffer, current_policy_version=0)
+    assert stats.nonfinite_minibatches == stats.minibatches == 4 * 4
     assert all(torch.isfinite(p).all() for p in model.parameters())
     for name, tensor in model.state_dict().items():  # every step was skipped: weights unchanged
-        assert torch.equal(tensor, before[name]), name
+        assert torch.equal(tensor, after_finite[name]) and not torch.equal(tensor, before[name]), name
+    for key, state in learner.optimizer.state_dict()["state"].items():  # and Adam's moments and step count
+        assert all(torch.equal(state[name], adam[key][name]) for name in ("step", "exp_avg", "exp_avg_sq")), key
 
 
 def test_observations_are_uploaded_once_per_update_not_per_epoch() -> None:

@@ -280,7 +280,7 @@ class _UpdateTally:
         self.totals = {key: torch.zeros((), device=device) for key in self.REPORTED}
         self.weight_total = torch.zeros((), device=device)
         self.minibatches = 0
-        self.nonfinite_minibatches = 0
+        self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)  # minibatches whose step was skipped
         self.first_minibatch_ratio_max_abs_dev = math.nan
         self.epoch_seconds: list[float] = []
         self.early_stopped = False
@@ -290,6 +290,11 @@ class _UpdateTally:
         for key in self.totals:
             self.totals[key] += losses[key].detach()
         self.minibatches += 1
+
+    @property
+    def nonfinite_minibatches(self) -> int:
+        """Minibatches so far whose gradient was not finite (one device sync)."""
+        return int(self.nonfinite.item())
 
     def stats(self, rollout_buffer: RolloutBuffer, trainable_rows: int, *, decoupled: bool) -> PPOUpdateStats:
         diagnostics = rollout_buffer.trainable_diagnostics()
@@ -370,6 +375,9 @@ class PPOUpdater:
         # Listed once: model.parameters() walks the module tree, twice per SGD step otherwise. The
         # optimizer holds these same tensors; restores load into them in place (load_state_dict).
         self._trained_parameters = [parameter for parameter in self.model.parameters() if parameter.requires_grad]
+        # A fused optimizer (torch.optim.Adam(fused=True)) skips a step on the device when told through
+        # ``found_inf``, the hook torch.amp.GradScaler uses: no host sync per minibatch to test the gradient.
+        self._skips_on_device = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         self._stored_parameters = tuple(self.model.distribution.stored_fields())  # parameters for the exact KL
         self._shuffle_rng = np.random.default_rng(self.settings.seed)
         self.action_mask = None if action_mask is None else action_mask.to(self.device, torch.bool)
@@ -486,8 +494,7 @@ class PPOUpdater:
                     tally.first_minibatch_ratio_max_abs_dev = self._ratio_deviation(
                         behaviour_ratio, minibatch.fields["policy_versions"], current_policy_version
                     )
-                if not self._sgd_step(losses, bc_term):
-                    tally.nonfinite_minibatches += 1
+                tally.nonfinite += self._sgd_step(losses, bc_term)
                 tally.add(losses)
                 epoch_kl += losses["approx_kl"]
 
@@ -549,10 +556,11 @@ class PPOUpdater:
                 losses["approx_kl"] = kl.mean()
         return losses, new_log_probs, weights
 
-    def _sgd_step(self, losses: dict[str, torch.Tensor], bc_term: tuple[float, Any, int] | None) -> bool:
+    def _sgd_step(self, losses: dict[str, torch.Tensor], bc_term: tuple[float, Any, int] | None) -> torch.Tensor:
         """Backward pass and optimizer step on the total loss (Schulman et al. 2017, eq. 9, negated:
-        policy - c2 * entropy + c1 * value, plus the behaviour-cloning term); False when the
-        gradient was not finite and the step was skipped (it would turn every weight into NaN)."""
+        policy - c2 * entropy + c1 * value, plus the behaviour-cloning term). Returns a 0-dim bool
+        tensor on the device, True when the gradient was not finite and the step was skipped (it
+        would turn every weight into NaN)."""
         settings = self.settings
         loss = losses["policy_loss"] + settings.vf_coef * losses["value_loss"]
         if settings.ent_coef:
@@ -564,10 +572,13 @@ class PPOUpdater:
             parameter.grad = None
         loss.backward()
         grad_norm = nn.utils.clip_grad_norm_(self._trained_parameters, settings.max_grad_norm)
-        if not torch.isfinite(grad_norm):
-            return False
-        self.optimizer.step()
-        return True
+        nonfinite = ~torch.isfinite(grad_norm)
+        if self._skips_on_device:  # parameters, moments and step count stay as they were where found_inf is 1
+            self.optimizer.found_inf = nonfinite.float()
+            self.optimizer.step()
+        elif not nonfinite:
+            self.optimizer.step()
+        return nonfinite
 
     # ------------------------------------------------------------------ ratio check
     def shuffle_rng_state(self) -> dict[str, Any]:
