@@ -52,8 +52,9 @@ GROUPS: tuple[Group, ...] = (
         "env_id": _TL, "seed": _TL, "max_episode_steps": _TL, "clip_rewards": _TL, "normalize_observations": _TL,
         "emulator_settings": _TL, "env_kwargs": _TL, "atari_frame_skip": _TL, "atari_frame_stack": _TL,
         "atari_noop_max": _TL, "atari_sticky_actions": _TL, "atari_episodic_life": _TL}),
-    Group("run", "The budget, the run folder and the learner's device.", {
-        "total_env_steps": _TL, "runs_dir": _TL, "run_name": _TL, "device": _TL, "learner_precision": _TL}),
+    Group("run", "The budget, the run folder and the learner's device and threads.", {
+        "total_env_steps": _TL, "runs_dir": _TL, "run_name": _TL, "device": _TL, "learner_precision": _TL,
+        "learner_threads": _TL}),
     Group("actors", "Actor processes and the envs each steps.", {
         "num_actors": _TL, "actor_restarts": (TRAIN,), "envs_per_actor": _TLA, "num_envs": _TL, "max_actors": _TL,
         "env_groups": _TA,

@@ -542,6 +542,19 @@ class Learner:
                     self._log_evaluation(report)
 
 
+def learner_torch_threads(learner_threads: int | None, has_convolutions: bool) -> int | None:
+    """The learner process's torch intra-op threads: ``learner_threads`` when given; else 1 for a model
+    without convolutions, None (torch's default, one per core) for one with.
+
+    An MLP's ops at PPO's minibatch sizes are too small for torch to split across threads, and the
+    idle threads only contend with the learner's own; convolutions gain from more (measured in
+    docs/benchmarks.md, "The learner's torch threads").
+    """
+    if learner_threads is not None:
+        return learner_threads
+    return None if has_convolutions else 1
+
+
 def main(config: OakEmuConfig) -> int:
     """Entry point of ``oakemu learner``: run until the budget is spent or SIGINT/SIGTERM.
 
@@ -568,6 +581,12 @@ def main(config: OakEmuConfig) -> int:
     except (SharedMemoryTooSmallError, TransportSecurityError) as error:  # a deployment mistake: say what to change, no traceback
         log.error("learner cannot start: %s", error)
         return error.exit_status
+    threads = learner_torch_threads(config.learner_threads, learner.trainer.learner_model.model.has_convolutions)
+    if threads is not None:
+        import torch  # the learner's model imported it already
+
+        torch.set_num_threads(threads)
+    log.info("learner torch threads: %s", threads or "torch's default (one per core)")
     try:
         status = learner.run(stop_event)
     except KeyboardInterrupt:  # a second Ctrl-C: stop now

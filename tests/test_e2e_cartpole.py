@@ -83,6 +83,7 @@ def test_cartpole_two_actors_learn_within_budget(e2e: E2EProcesses, actor_infere
     # with each new version's weights (a session left on old weights would give ratios far from 1).
     deviations = [u["diagnostics/first_minibatch_ratio_max_abs_dev"] for u in updates]
     assert max(d for d in deviations if d is not None) < RATIO_TOLERANCE
+    assert "learner torch threads: 1" in (run_dir / "logs" / "learner.log").read_text()  # an MLP: one thread
     actor_logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("actor*.log"))
     assert ("forward passes by ONNX Runtime" in actor_logs) == (actor_inference == "onnxruntime")
     assert ("weight revisions published within updates" in actor_logs) == publish_every_epoch

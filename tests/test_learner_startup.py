@@ -12,7 +12,7 @@ from oakemu_core.config import OakEmuConfig
 from oakemu_core.envs import env_spec
 from oakemu_core.storage.memory import shm_free_bytes
 from oakemu_core.policy.schemas import schema_for_env
-from oakemu_services.learner import NUM_ROLLOUT_BUFFERS, rollout_buffer_bytes
+from oakemu_services.learner import NUM_ROLLOUT_BUFFERS, learner_torch_threads, rollout_buffer_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -276,3 +276,10 @@ def test_the_trainers_final_checkpoint_records_the_counters_reported_last(tmp_pa
         assert final.slot is None
     finally:
         trainer.close()
+
+
+def test_an_mlp_learner_takes_one_torch_thread_a_cnn_learner_torch_default_unless_given() -> None:
+    assert learner_torch_threads(None, has_convolutions=False) == 1
+    assert learner_torch_threads(None, has_convolutions=True) is None
+    assert learner_torch_threads(3, has_convolutions=False) == 3
+    assert learner_torch_threads(2, has_convolutions=True) == 2
