@@ -220,15 +220,20 @@ def _update_line(snapshot: TelemetrySnapshot) -> str:
             f"actors {snapshot.num_actors}")
 
 
-def _best_evaluation(run_dir: Path) -> str | None:
-    """``best evaluation: ...`` naming ``checkpoints/best.pt`` and its return, when the tester kept one
-    and the last evaluation is below it (the checkpoint to evaluate or export is then not the last one);
-    None otherwise."""
-    best_file = run_dir / "checkpoints" / BEST_NAME
+def _metrics_records(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of ``run_dir/metrics.jsonl`` ([] when it cannot be read)."""
     try:
-        evaluations = [r for r in read_json_lines(run_dir / METRICS_FILE_NAME) if EVAL_EPISODIC_RETURN in r]
+        return list(read_json_lines(run_dir / METRICS_FILE_NAME))
     except OSError:
-        return None
+        return []
+
+
+def _best_evaluation(run_dir: Path, records: list[dict[str, Any]]) -> str | None:
+    """``best evaluation: ...`` naming ``checkpoints/best.pt`` and its return, when the tester kept one
+    and the last evaluation in ``records`` (metrics.jsonl) is below it (the checkpoint to evaluate or
+    export is then not the last one); None otherwise."""
+    best_file = run_dir / "checkpoints" / BEST_NAME
+    evaluations = [r for r in records if EVAL_EPISODIC_RETURN in r]
     if not evaluations or not best_file.is_file():
         return None
     best = max(evaluations, key=lambda r: r[EVAL_EPISODIC_RETURN])
@@ -240,13 +245,10 @@ def _best_evaluation(run_dir: Path) -> str | None:
             f"oakemu evaluate {best_file}")
 
 
-def _final_update_line(run_dir: Path) -> tuple[int, str] | None:
-    """``(update, line)`` of the last PPO update recorded in ``run_dir/metrics.jsonl`` (telemetry is
-    lossy and the learner may exit before its last snapshots are read), or None when no update was recorded."""
-    try:
-        updates = [record for record in read_json_lines(run_dir / METRICS_FILE_NAME) if "charts/update" in record]
-    except OSError:
-        return None
+def _final_update_line(records: list[dict[str, Any]]) -> tuple[int, str] | None:
+    """``(update, line)`` of the last PPO update in ``records`` (metrics.jsonl: telemetry is lossy and
+    the learner may exit before its last snapshots are read), or None when no update was recorded."""
+    updates = [record for record in records if "charts/update" in record]
     if not updates:
         return None
     last = updates[-1]
@@ -365,7 +367,8 @@ class Launch:
 def report(launch: Launch, ended_by: str, stop: StopRequest, console: Console) -> int:
     """Say how the run ended and return the exit status (see the module docstring)."""
     run_dir = launch.plan.run_dir
-    final = _final_update_line(run_dir)
+    records = _metrics_records(run_dir)
+    final = _final_update_line(records)
     if final is not None and final[0] != launch.last_update:
         # The last update line agrees with metrics.jsonl even when the last telemetry was missed.
         console.print(final[1], highlight=False, soft_wrap=True)
@@ -389,7 +392,7 @@ def report(launch: Launch, ended_by: str, stop: StopRequest, console: Console) -
         console.print(f"[red]error: the run made no PPO update{actor_error}[/] (logs: {run_dir / 'logs'})",
                       highlight=False, soft_wrap=True)
         return 1
-    best = _best_evaluation(run_dir)
+    best = _best_evaluation(run_dir, records)
     if best is not None:
         console.print(best, highlight=False, soft_wrap=True)
     console.print(f"done: run folder {run_dir} (TensorBoard: tensorboard --logdir {run_dir.parent})",

@@ -263,9 +263,9 @@ def test_run_step_rates_since_start_and_recent_window() -> None:
 
 # ----------------------------------------------------------------------------- console's last line
 def test_final_console_line_comes_from_the_last_update_record(tmp_path) -> None:
-    from oakemu_services.train import _final_update_line
+    from oakemu_services.train import _final_update_line, _metrics_records
 
-    assert _final_update_line(tmp_path) is None  # no metrics.jsonl yet
+    assert _metrics_records(tmp_path) == [] and _final_update_line([]) is None  # no metrics.jsonl yet
     (tmp_path / "metrics.jsonl").write_text(
         '{"global_step": 256, "charts/update": 1, "charts/SPS": 100.0, "charts/SPS_recent": 120.0}\n'
         '{"global_step": 300, "eval/episodic_return": 9.0}\n'  # not an update record
@@ -274,7 +274,7 @@ def test_final_console_line_comes_from_the_last_update_record(tmp_path) -> None:
         '"losses/entropy": 0.69, "charts/actors": 2}\n'
         '{"global_step": 7'  # a torn last line is skipped
     )
-    update, line = _final_update_line(tmp_path)
+    update, line = _final_update_line(_metrics_records(tmp_path))
     assert update == 2
     assert line.startswith("update     2 | steps       512 | SPS    110 (recent    130) | return    21.50")
     assert "actors 2" in line

@@ -79,7 +79,7 @@ class StepChannel(Protocol):
     :class:`RingStepChannel`)."""
 
     socket: zmq.Socket
-    layout: tuple[int, int]
+    layout: tuple[int, int, int]
     slot_waits: int
 
     def wait_writable(self, seq: int, pause: Pause) -> None:
@@ -143,18 +143,23 @@ class SocketStepChannel:
         socket: a connected PUSH socket, its send queue :func:`send_queue_messages` long.
         stop: the actor's stop event: a wait ends when it is set, and the message is not sent.
         spec: the actor's step spec (its K; the frames of its messages).
+        queue_messages: the socket's send queue (``SNDHWM``); default: :func:`send_queue_messages` of
+            asynchronous mode.
 
     Attributes:
         socket: the PUSH socket (owned: :meth:`close` closes it).
-        layout: ``(K, ring slots or 0)`` the socket was made for.
+        layout: ``(K, ring slots or 0, send queue)`` the socket was made for.
         slot_waits: messages that waited for a free ring slot (0 here; counted on from the channel
             of the previous incarnation by :func:`open_step_channel`).
     """
 
-    def __init__(self, socket: zmq.Socket, stop: threading.Event, spec: StepSpec) -> None:
+    ring: StepRing | None = None  # a RingStepChannel's ring
+
+    def __init__(self, socket: zmq.Socket, stop: threading.Event, spec: StepSpec,
+                 queue_messages: int | None = None) -> None:
         self.socket = socket
         self.stop = stop
-        self.layout = _layout(spec.steps_per_message, None)
+        self.layout = _layout(spec.steps_per_message, self.ring, queue_messages)
         self.slot_waits = 0
         self.encoder = StepEncoder(spec)
 
@@ -204,10 +209,10 @@ class RingStepChannel(SocketStepChannel):
             owned: :meth:`close` closes it.
     """
 
-    def __init__(self, socket: zmq.Socket, ring: StepRing, stop: threading.Event, spec: StepSpec) -> None:
-        super().__init__(socket, stop, spec)
+    def __init__(self, socket: zmq.Socket, ring: StepRing, stop: threading.Event, spec: StepSpec,
+                 queue_messages: int | None = None) -> None:
         self.ring = ring
-        self.layout = _layout(spec.steps_per_message, ring)
+        super().__init__(socket, stop, spec, queue_messages)
 
     def wait_writable(self, seq: int, pause: Pause) -> None:
         """Wait until the slot of message ``seq`` is free (the learner released ``seq - slots``),
@@ -283,8 +288,8 @@ def open_step_channel(spec: StepSpec, ring: StepRing | None, connect: Callable[[
             previous.close()
     if socket is None:
         socket = connect(queue)
-    channel = SocketStepChannel(socket, stop, spec) if ring is None else RingStepChannel(socket, ring, stop, spec)
-    channel.layout = _layout(k, ring, queue)
+    channel = (SocketStepChannel(socket, stop, spec, queue) if ring is None
+               else RingStepChannel(socket, ring, stop, spec, queue))
     channel.slot_waits = previous.slot_waits if previous is not None else 0
     return channel
 
