@@ -458,6 +458,11 @@ def test_a_non_finite_gradient_skips_the_step_and_keeps_the_weights_finite(fused
         assert torch.equal(tensor, after_finite[name]) and not torch.equal(tensor, before[name]), name
     for key, state in learner.optimizer.state_dict()["state"].items():  # and Adam's moments and step count
         assert all(torch.equal(state[name], adam[key][name]) for name in ("step", "exp_avg", "exp_avg_sq")), key
+    # The skip applies to those minibatches only: a later plain step (behaviour cloning) still steps.
+    assert not hasattr(learner.optimizer, "found_inf")
+    learner.model(torch.zeros(1, OBS_DIM))[1].sum().backward()
+    learner.optimizer.step()
+    assert any(not torch.equal(tensor, after_finite[name]) for name, tensor in model.state_dict().items())
 
 
 def test_observations_are_uploaded_once_per_update_not_per_epoch() -> None:

@@ -369,6 +369,8 @@ def test_decoded_arrays_are_read_only_views_of_the_received_frames() -> None:
             assert isinstance(array, StackedRows)
             rebuilt = np.asarray(array)
             assert not rebuilt.flags.writeable and np.asarray(array) is rebuilt  # made once
+            copied = np.array(array, copy=True)  # a copy asked for is private and writable
+            assert copied is not rebuilt and copied.flags.writeable and np.array_equal(copied, rebuilt)
             assert not any(np.shares_memory(rebuilt, np.frombuffer(frame, np.uint8)) for frame in frames)
             continue
         assert not array.flags.writeable, name

@@ -575,7 +575,10 @@ class PPOUpdater:
         nonfinite = ~torch.isfinite(grad_norm)
         if self._skips_on_device:  # parameters, moments and step count stay as they were where found_inf is 1
             self.optimizer.found_inf = nonfinite.float()
-            self.optimizer.step()
+            try:
+                self.optimizer.step()
+            finally:  # read by every later step(), as GradScaler's is: it must not outlive this one
+                del self.optimizer.found_inf
         elif not nonfinite:
             self.optimizer.step()
         return nonfinite

@@ -177,13 +177,17 @@ class StackedRows:
             rows[k, :, -1] = newest[k]
             taken += row_count
 
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        """The rebuilt stacks: one private read-only array made at the first call; a writable copy
+        when ``copy`` is true or ``dtype`` is another (numpy's ``__array__`` protocol)."""
         if self._array is None:
             array = np.empty(self.shape, dtype=np.uint8)
             self.write_into(array)
             array.flags.writeable = False
             self._array = array
-        return self._array if dtype is None or np.dtype(dtype) == self.dtype else self._array.astype(dtype)
+        if dtype is not None and np.dtype(dtype) != self.dtype:
+            return self._array.astype(dtype)
+        return self._array.copy() if copy else self._array
 
     def __getitem__(self, key: Any) -> np.ndarray:
         return np.asarray(self)[key]

@@ -48,7 +48,14 @@ from oakemu_core.transport.codec import (
     require_fields,
     unpack,
 )
-from oakemu_core.transport.frame_stacks import StackedRows, StackEncoder, decode_stacks, rebuild_stacks, stacked_fields
+from oakemu_core.transport.frame_stacks import (
+    StackedRows,
+    StackEncoder,
+    decode_stacks,
+    rebuild_stacks,
+    stacked_fields,
+    wire_bytes_per_env,
+)
 
 __all__ = [
     "TYPE_STEP",
@@ -135,12 +142,13 @@ class StepSpec:
         return {item.name: (item.dtype, shape) for item, shape, _, _ in self._wire_layout}
 
     def message_bytes(self) -> int:
-        """Approximate encoded size of one step message in bytes (array bytes of K steps + 1 KiB of
-        keys and headers).
+        """Approximate encoded size of one step message in bytes in the steady state: the bytes K steps
+        put on the wire (stacked frames deduplicated, :func:`~oakemu_core.transport.frame_stacks.wire_bytes_per_env`)
+        + 1 KiB of keys and headers. A message with whole stacks (resets, key frames) is larger.
 
-        Used to size socket buffers, so that the data in flight stays a few messages, not MBs.
+        Used to size socket buffers, so that the data in flight stays about one message, not MBs.
         """
-        return self.steps_per_message * self.num_envs * self.schema.sent_bytes_per_env() + 1024
+        return self.steps_per_message * self.num_envs * wire_bytes_per_env(self.schema) + 1024
 
     def to_dict(self) -> dict[str, Any]:
         """msgpack-able form: ``num_envs``, ``steps_per_message`` and the schema's plain form."""
