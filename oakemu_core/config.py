@@ -205,8 +205,8 @@ class OakEmuConfig(PPOSettings, EnvSettings, BaseSettings):
     )
     device: str = Field("auto", description="Learner torch device: auto (cuda if available), cpu, cuda, cuda:N.")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per actor process.")
-    learner_threads: int | None = Field(None, ge=1, description="torch intra-op threads of the learner process. None: "
-                                        "1 for a model without convolutions, torch's default (one per core) for a CNN.")
+    learner_threads: int | None = Field(None, ge=1, description="torch intra-op threads of the learner process (default: "
+                                        "1 for a model without convolutions, torch's, one per core, for a CNN).")
     actor_inference: Literal["torch", "onnxruntime", "bfloat16"] = Field(
         "torch",
         description="What runs the actors' forward passes: torch; onnxruntime (extra 'onnx', not for dict "
