@@ -182,6 +182,29 @@ def test_an_actor_on_this_machine_gets_a_step_ring_or_the_inline_spec(make_serve
     assert remote.step_ring is None and remote.spec.steps_per_message == inline_k
 
 
+def test_a_socket_actor_s_whole_stack_messages_fit_max_message_bytes() -> None:
+    """Breakout through the sockets: K = 4 by default; a lower max_message_bytes lowers K until a
+    message of whole stacks (resets, key frames) fits it, never below 1."""
+    spec = env_spec("ALE/Breakout-v5")
+    schema = schema_for_env(spec)
+    whole_step = 16 * schema.sent_bytes_per_env()  # 16 envs, whole stacks: ~452 KB
+
+    with RolloutBuffer(8, 16, schema=schema) as buffer:
+        assembler = RolloutAssembler([buffer], actor_timeout_s=10.0)
+
+        def k(max_message_bytes: int, step_ring: bool = False) -> int:
+            config = OakEmuConfig(env_id="ALE/Breakout-v5", max_message_bytes=max_message_bytes, log_level="WARNING")
+            server = ControlServer(config, schema, spec.observation_layout, assembler, PeerBinding(user_ids=False),
+                                   Rejections(), host_id="", offer_ring=lambda request, spec: None, policy_version=0,
+                                   weights=WEIGHTS)
+            return server.step_spec(JoinRequest("a", "i", 16, "h"), step_ring=step_ring).steps_per_message
+
+        assert k(64 * 2**20) == 4
+        assert k(2 * whole_step + 1024) == 2
+        assert k(2 * whole_step) == 1 == k(whole_step // 2)
+        assert k(2 * whole_step, step_ring=True) == 4  # a ring's message is its header
+
+
 def test_a_bfloat16_actor_turns_on_the_reevaluation_of_every_rollout_where_images_allow_it(make_server) -> None:
     server = make_server()
     [(_, refused)] = join(server, "b", inference_precision="bfloat16")

@@ -285,10 +285,17 @@ class ControlServer:
         return dropped
 
     def step_spec(self, message: JoinRequest, *, step_ring: bool) -> StepSpec:
-        """The spec of a joining actor's step messages (K without the byte bound for a step ring)."""
-        steps = self.config.resolved_steps_per_message(wire_bytes_per_env(self.schema), message.num_envs,
-                                                       step_ring=step_ring)
-        return StepSpec(num_envs=message.num_envs, schema=self.schema, steps_per_message=steps)
+        """The spec of a joining actor's step messages (K without the byte bound for a step ring). Through
+        the sockets an automatic K also keeps a message of whole stacks (after resets, key frames: up to
+        S times the deduplicated bytes) within ``max_message_bytes``, or such messages, and every
+        message rebuilt from them, would be rejected."""
+        config, num_envs = self.config, message.num_envs
+        steps = config.resolved_steps_per_message(wire_bytes_per_env(self.schema), num_envs, step_ring=step_ring)
+        if not step_ring and config.steps_per_message == "auto":
+            whole_step = num_envs * self.schema.sent_bytes_per_env()
+            steps = max(k for k in range(1, steps + 1)
+                        if steps % k == 0 and (k == 1 or k * whole_step + 1024 <= config.max_message_bytes))
+        return StepSpec(num_envs=num_envs, schema=self.schema, steps_per_message=steps)
 
     def _sync_join(self, message: JoinRequest, now: float, identity: Any) -> list[Reply]:
         """Synchronous mode: answer the join now when the filling rollout has no row yet, else hold
