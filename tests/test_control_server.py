@@ -101,7 +101,7 @@ def test_a_join_gets_its_index_spec_env_config_and_the_published_weights(make_se
     assert reply.actor_index == 0 and reply.policy_version == 3
     np.testing.assert_array_equal(reply.weights["w"], WEIGHTS["w"])
     assert reply.spec.num_envs == 2 and reply.spec.steps_per_message == server.step_spec(
-        JoinRequest("a", "inc-a", 2, "host"), step_ring=False).steps_per_message
+        2, step_ring=False).steps_per_message
     assert reply.env_config["env_id"] == "CartPole-v1" and reply.env_config["seed"] == 7 + 1000 * 1
     assert reply.env_config["mode"] == "async" and reply.env_config["rollout_length"] == 32
     assert reply.step_ring is None
@@ -174,8 +174,8 @@ def test_an_actor_on_this_machine_gets_a_step_ring_or_the_inline_spec(make_serve
     [(_, ringed)] = join(server, "fits", host_id="here")
     [(_, full)] = join(server, "full", host_id="here")
     [(_, remote)] = join(server, "remote", host_id="elsewhere")
-    ring_k = server.step_spec(JoinRequest("x", "x", 2, "h"), step_ring=True).steps_per_message
-    inline_k = server.step_spec(JoinRequest("x", "x", 2, "h"), step_ring=False).steps_per_message
+    ring_k = server.step_spec(2, step_ring=True).steps_per_message
+    inline_k = server.step_spec(2, step_ring=False).steps_per_message
     assert offered == [("fits", ring_k), ("full", ring_k)], "only actors on this machine are offered a ring"
     assert ringed.step_ring == ring and ringed.spec.steps_per_message == ring_k
     assert full.step_ring is None and full.spec.steps_per_message == inline_k
@@ -197,7 +197,7 @@ def test_a_socket_actor_s_whole_stack_messages_fit_max_message_bytes() -> None:
             server = ControlServer(config, schema, spec.observation_layout, assembler, PeerBinding(user_ids=False),
                                    Rejections(), host_id="", offer_ring=lambda request, spec: None, policy_version=0,
                                    weights=WEIGHTS)
-            return server.step_spec(JoinRequest("a", "i", 16, "h"), step_ring=step_ring).steps_per_message
+            return server.step_spec(16, step_ring=step_ring).steps_per_message
 
         assert k(64 * 2**20) == 4
         assert k(2 * whole_step + 1024) == 2

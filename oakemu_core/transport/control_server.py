@@ -250,10 +250,10 @@ class ControlServer:
         """Register a joining actor (``index``: its synchronous-mode rank, None: the next number)
         and encode the join reply with its spec, env config and the current weights."""
         reachable = bool(self.host_id) and message.host_id == self.host_id  # same kernel and /dev/shm mount
-        spec = self.step_spec(message, step_ring=reachable)
+        spec = self.step_spec(message.num_envs, step_ring=reachable)
         ring = self.offer_ring(message, spec) if reachable else None
         if reachable and ring is None:  # no room for a ring: the K of inline messages
-            spec = self.step_spec(message, step_ring=False)
+            spec = self.step_spec(message.num_envs, step_ring=False)
         record = self.assembler.join(message.actor_id, message.incarnation, spec, hostname=message.hostname, now=now,
                                      index=index)
         watched = self.processes.watch(message.actor_id, message.incarnation, message.pid, message.pid_namespace)
@@ -284,12 +284,13 @@ class ControlServer:
                 dropped.append((actor_id, why))
         return dropped
 
-    def step_spec(self, message: JoinRequest, *, step_ring: bool) -> StepSpec:
-        """The spec of a joining actor's step messages (K without the byte bound for a step ring). Through
+    def step_spec(self, num_envs: int, *, step_ring: bool) -> StepSpec:
+        """The spec of the step messages of an actor of ``num_envs`` envs (K without the byte bound for a
+        step ring). Through
         the sockets an automatic K also keeps a message of whole stacks (after resets, key frames: up to
         S times the deduplicated bytes) within ``max_message_bytes``, or such messages, and every
         message rebuilt from them, would be rejected."""
-        config, num_envs = self.config, message.num_envs
+        config = self.config
         steps = config.resolved_steps_per_message(wire_bytes_per_env(self.schema), num_envs, step_ring=step_ring)
         if not step_ring and config.steps_per_message == "auto":
             whole_step = num_envs * self.schema.sent_bytes_per_env()
