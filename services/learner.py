@@ -129,9 +129,16 @@ def rollout_buffer_bytes(config: OakEmuConfig, schema: StepSchema) -> int:
 
 
 def send_replies(control: zmq.Socket, replies: list[tuple[Any, bytes]]) -> None:
-    """Send ``(identity, frame)`` control replies on the ROUTER socket ``control`` (REQ envelopes)."""
+    """Send ``(envelope, frame)`` control replies on the ROUTER socket ``control``: ``envelope`` is the
+    request's frames before its empty delimiter (routing id, and the request id of a REQ_CORRELATE socket)."""
     for to, reply in replies:
-        control.send_multipart([to, b"", reply])
+        control.send_multipart([*to, b"", reply])
+
+
+def is_request_envelope(parts: list[Any]) -> bool:
+    """Whether a control message's frames are a REQ envelope: ``[routing id, empty, body]``, or
+    ``[routing id, request id (4 bytes), empty, body]`` from a REQ_CORRELATE socket."""
+    return (len(parts) == 3 or (len(parts) == 4 and len(parts[1].bytes) == 4)) and parts[-2].bytes == b""
 
 
 def log_ingest_summary(assembler: RolloutAssembler) -> None:
@@ -253,7 +260,7 @@ class Learner:
         self.data.bind(config.bind_address(config.data_port))
         self.control = self._secure(self.context.socket(zmq.ROUTER))
         self.control.setsockopt(zmq.LINGER, 0)
-        self.control.setsockopt(zmq.ROUTER_HANDOVER, 1)  # an actor's remade socket keeps its routing id (auth.py)
+        self.control.setsockopt(zmq.ROUTER_HANDOVER, 1)  # an actor's reconnected socket keeps its routing id (auth.py)
         self.control.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE_BYTES)
         self.control.bind(config.bind_address(config.control_port))
         self.weights_pub = self._secure(self.context.socket(zmq.PUB))
@@ -277,21 +284,21 @@ class Learner:
             except zmq.Again:
                 return
             self.assembler.counters.received["control"] += 1
-            if len(parts) != 3 or parts[1].bytes != b"":  # not [identity, "", body]: a peer that does not speak REQ
+            if not is_request_envelope(parts):  # a peer that does not speak REQ
                 self.assembler.counters.rejected["garbage"] += 1
                 self.rejection_log["control"].event(
-                    "garbage", f"garbage: expected a REQ envelope [identity, empty, body], received {len(parts)} "
-                    "frames (not answered)")
+                    "garbage", f"garbage: expected a REQ envelope [identity, (4-byte request id,) empty, body], "
+                    f"received {len(parts)} frames (not answered)")
                 continue
-            identity, _, frame = parts
+            identity, envelope, frame = parts[0], tuple(parts[:-2]), parts[-1]
             try:
                 message = decode_message(frame.bytes, max_bytes=self.config.max_message_bytes)
             except MessageRejected as error:
-                self.control.send_multipart([identity, b"", self.control_server.undecodable(error)])
+                send_replies(self.control, [(envelope, self.control_server.undecodable(error))])
                 continue
             # None held: a synchronous-mode join may wait for the next rollout (ControlServer.tick answers it).
             send_replies(self.control, self.control_server.reply(  # peer: routing id, address and CURVE key (auth.py)
-                message, now, identity=identity, peer=self.peers.connection(identity, frame),
+                message, now, identity=envelope, peer=self.peers.connection(identity, frame),
                 stopping=bool(self.stopping_reason)))
 
     # -- data -------------------------------------------------------------------------------

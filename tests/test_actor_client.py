@@ -171,16 +171,18 @@ def test_the_offered_ring_is_attached_when_reachable_else_the_arrays_go_inline()
         rings.close()
 
 
-def test_the_control_channel_decodes_replies_and_remakes_its_socket_after_a_timeout() -> None:
+def test_the_control_channel_decodes_replies_and_keeps_its_socket_after_a_timeout() -> None:
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
     router.bind("inproc://control")
     answers = [encode_heartbeat_reply(HeartbeatReply("stop", 2)), b"not msgpack"]
+    envelopes: list[list[bytes]] = []
 
     def serve() -> None:
         for answer in answers:
-            identity, empty, _ = router.recv_multipart()
-            router.send_multipart([identity, empty, answer])
+            *envelope, _ = router.recv_multipart()  # [routing id, request id, empty]: echoed as the learner does
+            envelopes.append(envelope)
+            router.send_multipart([*envelope, answer])
 
     server = threading.Thread(target=serve)
     server.start()
@@ -189,36 +191,122 @@ def test_the_control_channel_decodes_replies_and_remakes_its_socket_after_a_time
         assert control.request(b"hello") == HeartbeatReply("stop", 2)
         assert control.request(b"hello") is None  # malformed reply
         server.join()
-        assert control.request(b"hello", timeout_s=0.05) is None and control.socket is None
+        socket = control.socket
+        assert control.request(b"hello", timeout_s=0.05) is None and control.socket is socket
+        assert [len(e) for e in envelopes] == [3, 3] and envelopes[0][1] != envelopes[1][1]
+        assert all(e[0] == control.routing_id and len(e[1]) == 4 and e[2] == b"" for e in envelopes)
     finally:
         control.close()
         router.close(linger=0)
         context.destroy(linger=0)
 
 
-def test_a_remade_control_socket_keeps_the_actors_routing_id() -> None:
-    """The learner binds the actor to its routing id: a socket remade after a timeout must come back
-    with the same one (a secret of this channel), which the ROUTER hands over to the new connection."""
+def test_a_reply_to_an_unanswered_request_is_dropped_and_the_newest_is_answered() -> None:
+    """After a timeout the channel asks again on the same connection (one routing id, a secret of
+    the channel); a late reply to the first request is not taken as the answer to the second."""
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.ROUTER_HANDOVER, 1)
     router.bind("inproc://control-ids")
     control = ControlChannel(context, "inproc://control-ids", MAX_BYTES)
     try:
-        assert control.request(b"unanswered", timeout_s=0.05) is None and control.socket is None
-        first, _, _ = router.recv_multipart()
+        assert control.request(b"unanswered", timeout_s=0.05) is None
+        *first, body = router.recv_multipart()
+        assert body == b"unanswered"
         replies: list[Any] = []
         asker = threading.Thread(target=lambda: replies.append(control.request(b"again", timeout_s=5.0)))
         asker.start()
         assert router.poll(5000)
-        second, empty, _ = router.recv_multipart()
-        router.send_multipart([second, empty, encode_heartbeat_reply(HeartbeatReply("ok", 1))])
+        *second, body = router.recv_multipart()
+        assert body == b"again"
+        router.send_multipart([*first, encode_heartbeat_reply(HeartbeatReply("stop", 1))])  # late: dropped
+        router.send_multipart([*second, encode_heartbeat_reply(HeartbeatReply("ok", 2))])
         asker.join()
-        assert first == second == control.routing_id and len(first) == 16
-        assert replies == [HeartbeatReply("ok", 1)]
-        assert ControlChannel(context, "inproc://control-ids", MAX_BYTES).routing_id != first
+        assert replies == [HeartbeatReply("ok", 2)]
+        assert first[0] == second[0] == control.routing_id and len(first[0]) == 16 and first[1] != second[1]
+        assert ControlChannel(context, "inproc://control-ids", MAX_BYTES).routing_id != first[0]
     finally:
         control.close()
+        router.close(linger=0)
+        context.destroy(linger=0)
+
+
+class QuickControl(ControlChannel):
+    """A control channel whose requests time out after 0.1 s (the join loop uses the default)."""
+
+    def request(self, frame: bytes, timeout_s: float = 0.1) -> Any:
+        return super().request(frame, timeout_s)
+
+
+def free_tcp_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_joins_asked_while_the_learner_is_bound_but_busy_all_come_from_the_actors_connection() -> None:
+    """A learner that binds its sockets before a slow start (a GPU's initialisation, a checkpoint)
+    reads the join asked several times at once: every copy comes from the actor's one connection, so
+    the peer binding takes each (no impersonation) and the actor gets the answer to its newest copy."""
+    from oakemu_core.transport.auth import PeerBinding
+    from oakemu_core.transport.control import encode_join_reply
+    from services.learner import is_request_envelope
+
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    router.bind(address)
+    learner = LearnerClient(QuickControl(context, address, MAX_BYTES), REQUEST, patience_s=10.0, silence=Recorder())
+    replies: list[JoinReply] = []
+    joiner = threading.Thread(target=lambda: replies.append(learner.join(threading.Event(), Recorder())))
+    try:
+        joiner.start()
+        time.sleep(0.8)  # busy: the join is asked again every 0.1 s meanwhile
+        peers, answered = PeerBinding(user_ids=False), 0
+        while joiner.is_alive() and router.poll(2000):
+            parts = router.recv_multipart(copy=False)
+            assert is_request_envelope(parts)
+            request = decode_message(parts[-1].bytes, max_bytes=MAX_BYTES)
+            assert peers.bind(request.actor_id, request.incarnation, peers.connection(parts[0], parts[-1]))
+            answered += 1
+            router.send_multipart([*parts[:-1], encode_join_reply(accepted(actor_index=answered))])
+            time.sleep(0.01)  # the joiner may take the answer before the next copy is read
+        joiner.join(5.0)
+        assert answered >= 3 and not peers.refused
+        assert replies[0].accepted and 1 <= replies[0].actor_index <= answered
+        assert router.poll(500) == 0 or not joiner.is_alive()
+    finally:
+        learner.control.close()
+        router.close(linger=0)
+        context.destroy(linger=0)
+
+
+def test_no_request_piles_up_while_no_learner_listens() -> None:
+    """Requests queue only on a completed connection: a join asked for a while before the learner
+    binds reaches it once, not once per attempt."""
+    from oakemu_core.transport.control import encode_join_reply
+
+    context = zmq.Context()
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    learner = LearnerClient(QuickControl(context, address, MAX_BYTES), REQUEST, patience_s=10.0, silence=Recorder())
+    replies: list[JoinReply] = []
+    joiner = threading.Thread(target=lambda: replies.append(learner.join(threading.Event(), Recorder())))
+    router = context.socket(zmq.ROUTER)
+    try:
+        joiner.start()
+        time.sleep(0.6)  # 0.1 s per attempt: about 6 attempts with no learner
+        router.bind(address)
+        assert router.poll(5000)
+        *envelope, _ = router.recv_multipart()
+        router.send_multipart([*envelope, encode_join_reply(accepted())])
+        joiner.join(5.0)
+        assert replies and replies[0].accepted
+        assert router.poll(300) == 0  # no earlier attempt was queued to arrive now
+    finally:
+        learner.control.close()
         router.close(linger=0)
         context.destroy(linger=0)
 

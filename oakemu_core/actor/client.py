@@ -70,7 +70,7 @@ __all__ = [
 log = logging.getLogger("oakemu.actor")
 
 REQUEST_TIMEOUT_S = 2.0
-"""Longest wait (s) for the learner's reply to one control request; the socket is then remade."""
+"""Longest wait (s) for the learner's reply to one control request (then the request may be asked again)."""
 JOIN_PATIENCE_S = 120.0
 """Shortest time (s) an actor keeps trying to join: a learner may take a while to start (loading
 torch, building envs)."""
@@ -96,10 +96,18 @@ class RetryReport(Protocol):
 
 
 class ControlChannel:
-    """REQ socket to the learner's control ROUTER, remade after a timeout (ZeroMQ "lazy pirate").
+    """One REQ socket to the learner's control ROUTER, kept for the channel's life.
 
-    Every socket it makes has the same secret routing id (:func:`~oakemu_core.transport.auth.new_routing_id`):
-    the learner binds the actor to it, so a remade socket still speaks for the actor and nobody else can.
+    Every request carries a request id (``REQ_CORRELATE``: the learner echoes the envelope
+    ``[request id, empty]``) and a new request may follow one left unanswered (``REQ_RELAXED``): a
+    reply to an earlier request is dropped, so :meth:`request` returns only the answer to the newest.
+    Requests queue only on a completed connection (``IMMEDIATE``): while no learner listens, nothing
+    piles up to be delivered when one starts. The socket is never remade after a timeout: a remade
+    socket would leave its unanswered requests queued at a learner that is bound but busy (starting
+    on a GPU, loading a checkpoint), to be read later from a connection that is gone.
+
+    The socket's routing id is a secret of the channel (:func:`~oakemu_core.transport.auth.new_routing_id`):
+    the learner binds the actor to it.
 
     Args:
         context: the actor's ZeroMQ context.
@@ -124,23 +132,34 @@ class ControlChannel:
             self.socket.routing_id = self.routing_id
             if self.security is not None:
                 self.security.apply(self.socket)
+            for option in (zmq.REQ_CORRELATE, zmq.REQ_RELAXED, zmq.IMMEDIATE):
+                self.socket.setsockopt(option, 1)
             self.socket.setsockopt(zmq.LINGER, 0)
             self.socket.connect(self.address)
         return self.socket
 
     def request(self, frame: bytes, timeout_s: float = REQUEST_TIMEOUT_S) -> ControlMessage | None:
-        """Send one request; the decoded reply, or None on timeout or a malformed reply."""
+        """Send one request; the decoded reply to it, or None: no connection, no reply within
+        ``timeout_s``, or a malformed reply."""
         sock = self._connect()
-        sock.send(frame)
-        if not sock.poll(int(timeout_s * 1000)):
-            sock.close(linger=0)
-            self.socket = None
+        deadline = time.monotonic() + timeout_s
+        if not sock.poll(int(timeout_s * 1000), zmq.POLLOUT):  # no connection to the learner yet
             return None
         try:
-            return decode_message(sock.recv(), max_bytes=self.max_bytes)
-        except MessageRejected as error:
-            log.warning("malformed reply from the learner: %s", error)
+            sock.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
             return None
+        while (remaining := deadline - time.monotonic()) > 0 and sock.poll(max(1, int(remaining * 1000))):
+            try:
+                reply = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:  # the message that woke the poll answered an earlier request: dropped
+                continue
+            try:
+                return decode_message(reply, max_bytes=self.max_bytes)
+            except MessageRejected as error:
+                log.warning("malformed reply from the learner: %s", error)
+                return None
+        return None
 
     def close(self) -> None:
         """Close the socket (a later request makes a new one)."""

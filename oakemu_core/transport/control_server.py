@@ -244,7 +244,9 @@ class ControlServer:
         if self.sync:
             return self._sync_join(message, now, identity)
         self.counters.accepted["join"] += 1
-        return [(identity, self.grant_join(message, now, index=None))]
+        previous = self.assembler.actors.get(message.actor_id)  # a retry of a join answered already keeps its index
+        index = previous.index if previous is not None and previous.incarnation == message.incarnation else None
+        return [(identity, self.grant_join(message, now, index=index))]
 
     def grant_join(self, message: JoinRequest, now: float, index: int | None) -> bytes:
         """Register a joining actor (``index``: its synchronous-mode rank, None: the next number)
