@@ -47,8 +47,9 @@ def test_first_solved_window() -> None:
 def test_cartpole_two_actors_learn_within_budget(e2e: E2EProcesses, actor_inference: str,
                                                  publish_every_epoch: bool) -> None:
     """The same run whichever runs the actors' forward passes (torch or ONNX Runtime), and with the
-    weights also published within updates (every 4th epoch here: 8 SGD steps per epoch,
-    publish_min_sgd_steps 32): the learner's first-minibatch ratio check holds the actors'
+    weights also published within updates (after every epoch of 8 SGD steps here: the actors of a
+    machine with fast cores fill the next rollout within the first third of an update, before a
+    publish after 32 SGD steps): the learner's first-minibatch ratio check holds the actors'
     log-probs to the learner's on the rows labelled with its version."""
     # e2e.train also checks that the launcher waited for its learner and actors: nothing of the run
     # is left running or in /dev/shm.
@@ -57,7 +58,7 @@ def test_cartpole_two_actors_learn_within_budget(e2e: E2EProcesses, actor_infere
         "--envs-per-actor", "4", "--rollout-length", "128", "--ppo-epochs", "10", "--num-minibatches", "8",
         "--learning-rate", "1e-3", "--clip-coef", "0.2", "--ent-coef", "0.0", "--checkpoint-every-updates", "0",
         "--actor-inference", actor_inference,
-        "--publish-every-epoch" if publish_every_epoch else "--no-publish-every-epoch",
+        "--publish-every-epoch" if publish_every_epoch else "--no-publish-every-epoch", "--publish-min-sgd-steps", "8",
     ], timeout_s=240).run_dir
 
     episodes = read_jsonl(run_dir / "episodes.jsonl")
