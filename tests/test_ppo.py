@@ -589,6 +589,31 @@ def test_advantages_are_normalised_per_minibatch(monkeypatch: pytest.MonkeyPatch
     assert not np.allclose(first_epoch, whole, atol=1e-3)
 
 
+def test_one_minibatch_sees_the_same_normalised_advantages_every_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one minibatch (every row, every epoch) the advantages are normalised once for the
+    update: each epoch's loss gets the same tensor, mean 0 and population std 1 over the rows."""
+    import oakemu_core.algo.ppo as ppo_module
+
+    seen: list[torch.Tensor] = []
+    original = ppo_module.ppo_losses
+
+    def recording(new_log_probs, old_log_probs, advantages, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(advantages)
+        return original(new_log_probs, old_log_probs, advantages, *args, **kwargs)
+
+    monkeypatch.setattr(ppo_module, "ppo_losses", recording)
+    model = _model()
+    learner = PPOUpdater(model, torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-5), device="cpu", ppo_epochs=3,
+                         num_minibatches=1, clip_coef=0.2, clip_value_range=None, ent_coef=0.0, vf_coef=0.5,
+                         max_grad_norm=0.5)
+    with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
+        _fill(buffer, [model], np.random.default_rng(6))
+        raw = buffer.advantages.reshape(-1).astype(np.float64)
+        learner.step(buffer, current_policy_version=0)
+    assert len(seen) == 3 and seen[0] is seen[1] is seen[2]
+    np.testing.assert_allclose(seen[0].double().numpy(), (raw - raw.mean()) / raw.std(), atol=1e-5)
+
+
 def test_after_epoch_sees_the_weights_each_epoch_left() -> None:
     """``after_epoch(k)`` runs after epochs 1 .. E-1 (not after the last, nor after an early stop)
     with the weights k epochs left: equal to those of an update of k epochs from the same start

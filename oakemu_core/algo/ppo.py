@@ -480,11 +480,14 @@ class PPOUpdater:
         tally = _UpdateTally(self.device, learning_rate=float(self.optimizer.param_groups[0]["lr"]))
         self.model.train()
         flat, kl_reference = self._upload(rollout_buffer, proximal)
+        # One minibatch: every row in stored order (shuffling it would only cost copies), its
+        # advantages normalised once for every epoch.
+        whole = self._normalised(flat.whole()) if num_minibatches == 1 else None
         for epoch in range(settings.ppo_epochs):
             epoch_start = time.perf_counter()
             epoch_kl = torch.zeros((), device=self.device)
-            # One minibatch: every row in stored order (shuffling it would only cost copies).
-            minibatches = [flat.whole()] if num_minibatches == 1 else flat.minibatches(num_minibatches, self._shuffle_rng)
+            minibatches = [whole] if whole is not None else [
+                self._normalised(minibatch) for minibatch in flat.minibatches(num_minibatches, self._shuffle_rng)]
             for minibatch in minibatches:
                 losses, new_log_probs, weights = self._minibatch_losses(minibatch, kl_reference)
                 if weights is not None:
@@ -526,20 +529,27 @@ class PPOUpdater:
             for name, array in arrays.items()}})
         return flat, PROXIMAL  # the trust region is around the proximal policy
 
+    def _normalised(self, minibatch: Any) -> Any:
+        """``minibatch`` with its advantages normalised when the settings ask (per minibatch, as SB3
+        and CleanRL: ``(A - mean) / (population std + 1e-8)``), else as it is."""
+        if not self.settings.normalize_advantages:
+            return minibatch
+        advantages = minibatch.advantages
+        return minibatch._replace(advantages=(advantages - advantages.mean()) / (advantages.std(correction=0) + 1e-8))
+
     def _minibatch_losses(self, minibatch: Any, kl_reference: str) -> tuple[dict[str, torch.Tensor], torch.Tensor,
                                                                              torch.Tensor | None]:
         """One minibatch's forward pass and loss terms (:func:`ppo_losses`); with the proximal
         figures (decoupled objective) the ratio is taken against them and each row weighted by
         ``min(importance_weight_cap, pi_prox / mu)``; families with stored parameters get the exact
-        KL. Returns the losses, the new log-probs and the weights (None: plain PPO)."""
+        KL. ``minibatch``'s advantages are used as they are (:meth:`_normalised` first). Returns the
+        losses, the new log-probs and the weights (None: plain PPO)."""
         settings = self.settings
         with self._forward_precision():
             policy, new_values = self.model.policy_and_values(
                 minibatch.observations, self._row_masks(minibatch.fields.get("action_mask"))
             )
         advantages = minibatch.advantages
-        if settings.normalize_advantages:  # per minibatch (SB3, CleanRL); population std
-            advantages = (advantages - advantages.mean()) / (advantages.std(correction=0) + 1e-8)
         with torch.set_grad_enabled(bool(settings.ent_coef)):  # weighted 0 it would only cost backward ops
             entropy = policy.entropy()
         new_log_probs = policy.log_prob(minibatch.actions)
