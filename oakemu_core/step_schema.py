@@ -178,6 +178,7 @@ class StepField:
         object.__setattr__(self, "_scalar_low", float(low) if low is not None and low.ndim == 0 else None)
         object.__setattr__(self, "_scalar_high", float(high) if high is not None and high.ndim == 0 else None)
         object.__setattr__(self, "_bounds_are_scalars", (low is None or low.ndim == 0) and (high is None or high.ndim == 0))
+        object.__setattr__(self, "_values_unchecked", low is None and high is None and self.mask_segments is None)
         # Computed once: decode_step asks for every field of every step-ring message.
         object.__setattr__(self, "_any_bits_valid", self.dtype.kind in "iu" and low is None and high is None
                            and self.mask_segments is None)
@@ -204,7 +205,7 @@ class StepField:
     def check_values(self, array: np.ndarray) -> str | None:
         """Why ``array`` (``(n, *shape)``, already of the right dtype and shape) holds impossible
         values, or None when it is fine: bounds, then mask segments."""
-        if array.size == 0:
+        if array.size == 0 or self._values_unchecked:  # bools, uint8 frames: nothing to check
             return None
         if self._bounds_are_scalars and array.size <= SMALL_ARRAY_SIZE:
             values = array.ravel().tolist()
@@ -623,9 +624,13 @@ def check_step_consistency(schema: StepSchema, arrays: Mapping[str, np.ndarray])
     else:
         bootstrap = arrays["bootstrap_values"]
         if truncated.size <= SMALL_ARRAY_SIZE:  # a few envs: plain Python is cheaper than numpy calls
-            rows = list(zip(truncated.ravel().tolist(), dones.ravel().tolist(), bootstrap.ravel().tolist()))
-            truncated_not_done = any(t and not d for t, d, _ in rows)
-            bootstrap_not_truncated = any(b != 0 and not t for t, _, b in rows)
+            flags = truncated.ravel().tolist()
+            if not any(flags):  # the usual step: nothing truncated, so every bootstrap value must be 0
+                truncated_not_done, bootstrap_not_truncated = False, any(bootstrap.ravel().tolist())
+            else:
+                rows = list(zip(flags, dones.ravel().tolist(), bootstrap.ravel().tolist()))
+                truncated_not_done = any(t and not d for t, d, _ in rows)
+                bootstrap_not_truncated = any(b != 0 and not t for t, _, b in rows)
         else:
             truncated_not_done = bool(np.any(truncated & ~dones))
             bootstrap_not_truncated = bool(np.any(bootstrap[~truncated] != 0))

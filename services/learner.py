@@ -49,7 +49,7 @@ from oakemu_core.storage.assembler import RolloutAssembler, SlotState, StepRejec
 from oakemu_core.storage.memory import SharedMemoryTooSmallError, ensure_shm_capacity
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
 from oakemu_core.transport.auth import PeerBinding, TransportSecurityError, server_security
-from oakemu_core.transport.channels import StepReceiver
+from oakemu_core.transport.channels import StepReceiver, recv_frames
 from oakemu_core.transport.codec import MessageRejected
 from oakemu_core.transport.control import (
     JoinRequest,
@@ -308,7 +308,7 @@ class Learner:
             if not self.assembler.accepting:
                 return
             try:
-                parts = self.data.recv_multipart(zmq.NOBLOCK, copy=False)
+                parts = recv_frames(self.data)
             except zmq.Again:
                 return
             self.assembler.counters.received["data"] += 1

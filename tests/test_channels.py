@@ -17,6 +17,7 @@ from oakemu_core.transport.channels import (
     SocketStepChannel,
     StepReceiver,
     open_step_channel,
+    recv_frames,
     send_queue_messages,
 )
 from oakemu_core.transport.codec import MessageRejected
@@ -92,6 +93,25 @@ def test_the_socket_channel_sends_the_arrays_inline(context: zmq.Context) -> Non
     np.testing.assert_array_equal(decoded.fields["observations"], message.fields["observations"])
     channel.close()
     assert push.closed
+
+
+def test_recv_frames_returns_each_message_whole_as_frames(context: zmq.Context) -> None:
+    """The learner's receive: every frame of one message, the next message apart, and zmq.Again when
+    none is queued."""
+    pull, push = pipe(context, "frames", queue=4)
+    with pytest.raises(zmq.Again):
+        recv_frames(pull)
+    messages = [[bytes(frame) for frame in encode_step(atari_step(seq=seq), ATARI_SPEC)] for seq in range(2)]
+    messages.append([b"alone"])
+    for frames in messages:
+        push.send_multipart(frames)
+    for frames in messages:
+        pull.poll(1000)
+        received = recv_frames(pull)
+        assert all(isinstance(frame, zmq.Frame) for frame in received)
+        assert [frame.bytes for frame in received] == frames
+    with pytest.raises(zmq.Again):
+        recv_frames(pull)
 
 
 def test_a_full_socket_queue_pauses_until_stopped(context: zmq.Context) -> None:

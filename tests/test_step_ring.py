@@ -271,12 +271,17 @@ def test_every_message_the_learner_reads_frees_its_slot_but_only_on_its_own_peer
         assert offer.slots == 2
         queue: list[tuple[list, str]] = []
 
-        class Frames:  # the PULL socket; each frame says which peer sent it
-            def recv_multipart(self, flags: int, copy: bool) -> list:
-                if not queue:
-                    raise zmq.Again()
-                frames, peer = queue.pop(0)
-                return [SimpleNamespace(buffer=frame, peer=peer) for frame in frames]
+        class Frames:  # the PULL socket; each frame says which peer sent it and whether more follow
+            parts: list = []
+
+            def recv(self, flags: int, copy: bool) -> SimpleNamespace:
+                if not self.parts:
+                    if not queue:
+                        raise zmq.Again()
+                    frames, peer = queue.pop(0)
+                    self.parts = [SimpleNamespace(buffer=frame, peer=peer, more=i < len(frames) - 1)
+                                  for i, frame in enumerate(frames)]
+                return self.parts.pop(0)
 
         peers = SimpleNamespace(allows=lambda actor_id, incarnation, frame: frame.peer == "own")
         learner = SimpleNamespace(

@@ -47,6 +47,7 @@ __all__ = [
     "send_queue_messages",
     "step_socket_connector",
     "StepReceiver",
+    "recv_frames",
 ]
 
 log = logging.getLogger("oakemu.transport")
@@ -292,6 +293,23 @@ def open_step_channel(spec: StepSpec, ring: StepRing | None, connect: Callable[[
                else RingStepChannel(socket, ring, stop, spec, queue))
     channel.slot_waits = previous.slot_waits if previous is not None else 0
     return channel
+
+
+def recv_frames(socket: zmq.Socket) -> list[zmq.Frame]:
+    """One queued multipart message of ``socket`` as ``zmq.Frame`` objects, without waiting: what
+    ``recv_multipart(zmq.NOBLOCK, copy=False)`` returns, but each frame's ``more`` says whether another
+    follows instead of a ``getsockopt(RCVMORE)`` after every frame (half the CPU for a step message's
+    dozen frames).
+
+    Raises:
+        zmq.Again: no message is queued.
+    """
+    frame = socket.recv(zmq.NOBLOCK, copy=False)
+    frames = [frame]
+    while frame.more:  # the parts of a message arrive together: the rest are there
+        frame = socket.recv(zmq.NOBLOCK, copy=False)
+        frames.append(frame)
+    return frames
 
 
 class StepReceiver:

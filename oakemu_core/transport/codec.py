@@ -250,8 +250,9 @@ def checked_contents(array: np.ndarray, data: bytes | None, name: str) -> np.nda
 def _all_finite(array: np.ndarray) -> bool:
     """Whether every element is finite; plain Python for small arrays, where a numpy ufunc
     call costs more than the loop (a step message has five ``(n,)`` float fields)."""
-    if array.size <= 64:
-        return all(map(math.isfinite, array.reshape(-1).tolist()))
+    if array.size <= 64:  # a finite sum has finite terms; else (or a sum that overflowed) each value is looked at
+        values = array.reshape(-1).tolist()
+        return math.isfinite(sum(values)) or all(map(math.isfinite, values))
     return bool(np.isfinite(array).all())
 
 
