@@ -71,6 +71,7 @@ class ScriptedControl:
     """A control channel that answers each request with the next scripted reply (None: no answer)."""
 
     address = "tcp://learner:5556"
+    connected = False
 
     def __init__(self, *replies: Any) -> None:
         self.replies = list(replies)
@@ -126,10 +127,16 @@ def test_a_join_refused_because_the_id_is_in_use_is_asked_again(monkeypatch: pyt
 
 
 def test_a_learner_that_never_answers_a_join_is_unreachable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The error names the address, and where a connection was made but nothing answered, the likely
+    cause (a learner older than the actor drops its requests unanswered)."""
     monkeypatch.setattr(client, "JOIN_PATIENCE_S", 0.0)
     learner, _ = learner_client(ScriptedControl(), patience_s=0.0)
-    with pytest.raises(LearnerUnreachable, match="learner:5556"):
+    with pytest.raises(LearnerUnreachable, match="learner:5556 for 0 s$"):
         learner.join(threading.Event(), Recorder())
+    silent = ScriptedControl()
+    silent.connected = True
+    with pytest.raises(LearnerUnreachable, match="upgrade the learner first"):
+        learner_client(silent, patience_s=0.0)[0].join(threading.Event(), Recorder())
 
 
 def test_heartbeats_report_silence_and_give_up_after_the_patience() -> None:
@@ -193,6 +200,10 @@ def test_the_control_channel_decodes_replies_and_keeps_its_socket_after_a_timeou
         server.join()
         socket = control.socket
         assert control.request(b"hello", timeout_s=0.05) is None and control.socket is socket
+        assert control.connected  # sent on the connection, unanswered
+        nobody = ControlChannel(context, f"tcp://127.0.0.1:{free_tcp_port()}", MAX_BYTES)
+        assert nobody.request(b"hello", timeout_s=0.05) is None and not nobody.connected
+        nobody.close()
         assert [len(e) for e in envelopes] == [3, 3] and envelopes[0][1] != envelopes[1][1]
         assert all(e[0] == control.routing_id and len(e[1]) == 4 and e[2] == b"" for e in envelopes)
     finally:
@@ -308,6 +319,97 @@ def test_no_request_piles_up_while_no_learner_listens() -> None:
     finally:
         learner.control.close()
         router.close(linger=0)
+        context.destroy(linger=0)
+
+
+class FreezingProxy:
+    """A TCP proxy to ``port`` on 127.0.0.1 whose :meth:`freeze` stops forwarding on the connections
+    open now, closing nothing (a half-open path: a stale NAT entry), while new ones pass."""
+
+    def __init__(self, port: int) -> None:
+        import socket
+
+        self.port_to, self.frozen, self.accepted, self.closed = port, set(), 0, False
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.pairs: list[tuple[Any, Any]] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while not self.closed:
+            try:
+                client_side, _ = self.listener.accept()
+            except OSError:
+                return
+            pair = (client_side, socket.create_connection(("127.0.0.1", self.port_to)))
+            self.pairs.append(pair)
+            self.accepted += 1
+            threading.Thread(target=self._pump, args=(pair,), daemon=True).start()
+
+    def _pump(self, pair: tuple[Any, Any]) -> None:
+        import select
+
+        try:
+            while not self.closed:
+                if id(pair) in self.frozen:
+                    time.sleep(0.05)
+                    continue
+                readable, _, _ = select.select(list(pair), [], [], 0.05)
+                for source in readable:
+                    data = source.recv(65536) if id(pair) not in self.frozen else b""
+                    if not data and id(pair) not in self.frozen:
+                        return
+                    (pair[1] if source is pair[0] else pair[0]).sendall(data)
+        except OSError:  # closed by close()
+            return
+
+    def freeze(self) -> None:
+        self.frozen |= {id(pair) for pair in self.pairs}
+
+    def close(self) -> None:
+        self.closed = True
+        self.listener.close()
+        for pair in self.pairs:
+            for sock in pair:
+                sock.close()
+
+
+def test_the_control_channel_heals_a_connection_that_went_silent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A control connection that stops carrying bytes without closing (a half-open path) answers no
+    connection heartbeat: it is closed and made again, and the next request is answered through the
+    new one instead of the actor waiting until TCP gives up."""
+    monkeypatch.setattr(client, "CONNECTION_HEARTBEAT_IVL_MS", 100)
+    monkeypatch.setattr(client, "CONNECTION_HEARTBEAT_TIMEOUT_MS", 500)
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    proxy = FreezingProxy(router.bind_to_random_port("tcp://127.0.0.1"))
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if router.poll(50):
+                *envelope, _ = router.recv_multipart()
+                router.send_multipart([*envelope, encode_heartbeat_reply(HeartbeatReply("ok", 1))])
+
+    server = threading.Thread(target=serve)
+    server.start()
+    control = ControlChannel(context, f"tcp://127.0.0.1:{proxy.port}", MAX_BYTES)
+    try:
+        assert control.request(b"first", timeout_s=5.0) == HeartbeatReply("ok", 1)
+        proxy.freeze()
+        deadline, reply = time.monotonic() + 8.0, None
+        while reply is None and time.monotonic() < deadline:
+            reply = control.request(b"again", timeout_s=0.5)
+        assert reply == HeartbeatReply("ok", 1) and proxy.accepted == 2
+    finally:
+        stop.set()
+        server.join()
+        control.close()
+        router.close(linger=0)
+        proxy.close()
         context.destroy(linger=0)
 
 

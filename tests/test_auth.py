@@ -253,6 +253,7 @@ def test_a_second_connection_cannot_leave_step_or_join_for_an_actor(e2e: E2EProc
     subscriber = TelemetrySubscriber(ports.telemetry_address)
     try:
         victim = context.socket(zmq.REQ)
+        victim.routing_id = new_routing_id()  # as an actor's control socket
         victim.connect(ports.control_address)
         joined = request(victim, encode_join_request(JoinRequest("victim", "inc-victim", 2, "here", shared_memory_host_id())),
                          timeout_s=90)
@@ -262,6 +263,7 @@ def test_a_second_connection_cannot_leave_step_or_join_for_an_actor(e2e: E2EProc
         slot_step = encode_step(StepMessage("victim", "inc-victim", 0, 0, {}, slot=0))
 
         spoof_control = context.socket(zmq.REQ)  # same protocol and host, another connection
+        spoof_control.routing_id = new_routing_id()  # one of its own (without, it would be anonymous_connection)
         spoof_control.connect(ports.control_address)
         leave_reply = request(spoof_control, encode_leave(Leave("victim", "inc-victim")))  # a stolen incarnation
         assert isinstance(leave_reply, HeartbeatReply) and leave_reply.status != "stop"
@@ -348,10 +350,12 @@ def test_curve_only_authorised_keys_join_train_and_watch(e2e: E2EProcesses, tmp_
 
         # A second connection with the same actor key cannot speak for an actor (same address).
         joined = secure(context.socket(zmq.REQ), keys, "actor2", server)
+        joined.routing_id = new_routing_id()
         joined.connect(ports.control_address)
         reply = request(joined, encode_join_request(JoinRequest("victim", "inc-v", 2, "here")))
         assert isinstance(reply, JoinReply) and reply.accepted
         other = secure(context.socket(zmq.REQ), keys, "actor2", server)
+        other.routing_id = new_routing_id()
         other.connect(ports.control_address)
         before = counted.rejected_messages.get("impersonation", 0)
         reply = request(other, encode_leave(Leave("victim", "inc-v")))

@@ -20,7 +20,7 @@ from oakemu_core.run.log_limits import RateLimitedLog
 from oakemu_core.storage.assembler import RolloutAssembler
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
 from oakemu_core.transport.auth import Connection, PeerBinding
-from oakemu_core.transport.control_server import MAX_ACTOR_ENVS, START_GRACE_S, ControlServer
+from oakemu_core.transport.control_server import ANONYMOUS_REFUSAL, MAX_ACTOR_ENVS, START_GRACE_S, ControlServer
 from oakemu_core.transport.codec import MessageRejected, header, pack
 from oakemu_core.transport.steps import StepMessage
 from oakemu_core.transport.control import (
@@ -311,6 +311,23 @@ def test_a_join_never_takes_over_a_live_actors_id_from_another_connection(make_s
     assert (record.incarnation, record.index) == ("inc-victim", 0)
     assert server.counters.rejected["impersonation"] == 20 and server.counters.accepted["join"] == 1
     assert heartbeat(server, "victim", peer=victim).status == "ok"
+
+
+def test_a_connection_whose_routing_id_zeromq_generated_speaks_for_no_actor(make_server) -> None:
+    """The unread join of an actor's earlier connection, handed a generated routing id when the actor
+    reconnected (or a client that set none): refused and counted as ``anonymous_connection``, never
+    bound, so the actor's live connection joins at once; its heartbeat for a joined actor is not
+    counted as impersonation and leaves the actor in place."""
+    server = make_server()
+    stale = Connection(b"\x00\x6b\x8b\x45\x67", "127.0.0.1", "")
+    [(_, refused)] = join(server, "a", peer=stale)
+    assert not refused.accepted and refused.reason == ANONYMOUS_REFUSAL
+    assert "a" not in server.assembler.actors and "a" not in server.peers.peers
+    [(_, accepted)] = join(server, "a")  # the live connection, same incarnation
+    assert accepted.accepted and server.counters.rejected["anonymous_connection"] == 1
+    assert heartbeat(server, "a", peer=stale).status == "rejoin"
+    assert heartbeat(server, "a").status == "ok" and set(server.assembler.actors) == {"a"}
+    assert server.counters.rejected["anonymous_connection"] == 2 and server.counters.rejected["impersonation"] == 0
 
 
 def test_a_leave_or_heartbeat_with_a_stolen_incarnation_from_the_same_host_is_refused(make_server) -> None:

@@ -19,6 +19,7 @@ import zmq
 
 from oakemu_core.run.telemetry import TelemetrySnapshot
 from oakemu_core.transport.control import JoinReply, JoinRequest, decode_message, encode_join_request
+from oakemu_core.transport.auth import new_routing_id
 from oakemu_core.policy.distributions import Categorical
 from oakemu_core.step_schema import build_schema
 from oakemu_core.transport.steps import StepMessage, StepSpec, encode_step
@@ -171,6 +172,7 @@ def test_malformed_messages_are_rejected_and_counted_while_training_goes_on(
     # An intruder joins properly (so its steps are checked against its spec), then misbehaves.
     control = context.socket(zmq.REQ)
     control.setsockopt(zmq.LINGER, 0)
+    control.routing_id = new_routing_id()  # as an actor's control socket
     control.connect(e2e.ports.control_address)
     control.send(encode_join_request(JoinRequest("intruder", "inc-intruder", 2, "test")))
     assert control.poll(10_000), "no join reply"

@@ -54,6 +54,7 @@ __all__ = [
     "REQUEST_TIMEOUT_S",
     "JOIN_PATIENCE_S",
     "WEIGHTS_QUEUE_MESSAGES",
+    "keep_alive",
     "LearnerUnreachable",
     "ActorSetupError",
     "RetryReport",
@@ -74,6 +75,13 @@ REQUEST_TIMEOUT_S = 2.0
 JOIN_PATIENCE_S = 120.0
 """Shortest time (s) an actor keeps trying to join: a learner may take a while to start (loading
 torch, building envs)."""
+CONNECTION_HEARTBEAT_IVL_MS = 1000
+"""ZeroMQ connection heartbeat (ZMTP PING) on the actor's control and weights sockets when nothing else
+went out for this long (ms): answered by the learner's I/O thread, busy or not."""
+CONNECTION_HEARTBEAT_TIMEOUT_MS = 5000
+"""A connection that answers no PING within this (ms) is closed and made again: a half-open path (a
+stale NAT or connection-tracking entry, a learner replaced behind one address) heals itself instead of
+holding the socket until TCP gives up (about 15 minutes). Also sent as the TTL the learner applies."""
 WEIGHTS_QUEUE_MESSAGES = 4
 """Weights messages the SUB socket queues (the actor reads them all and keeps the newest)."""
 
@@ -104,7 +112,9 @@ class ControlChannel:
     Requests queue only on a completed connection (``IMMEDIATE``): while no learner listens, nothing
     piles up to be delivered when one starts. The socket is never remade after a timeout: a remade
     socket would leave its unanswered requests queued at a learner that is bound but busy (starting
-    on a GPU, loading a checkpoint), to be read later from a connection that is gone.
+    on a GPU, loading a checkpoint), to be read later from a connection that is gone. ZeroMQ's
+    connection heartbeats (:func:`keep_alive`) close and remake a connection that went silent; the
+    learner refuses what arrives late from the closed one (``anonymous_connection``).
 
     The socket's routing id is a secret of the channel (:func:`~oakemu_core.transport.auth.new_routing_id`):
     the learner binds the actor to it.
@@ -125,6 +135,9 @@ class ControlChannel:
         self.security = security
         self.routing_id = new_routing_id()
         self.socket: zmq.Socket | None = None
+        self.connected = False
+        """Whether the last request that got no reply went out on a connection (the learner's port is
+        open, nothing answered) rather than finding none."""
 
     def _connect(self) -> zmq.Socket:
         if self.socket is None:
@@ -134,6 +147,7 @@ class ControlChannel:
                 self.security.apply(self.socket)
             for option in (zmq.REQ_CORRELATE, zmq.REQ_RELAXED, zmq.IMMEDIATE):
                 self.socket.setsockopt(option, 1)
+            keep_alive(self.socket)
             self.socket.setsockopt(zmq.LINGER, 0)
             self.socket.connect(self.address)
         return self.socket
@@ -143,12 +157,14 @@ class ControlChannel:
         ``timeout_s``, or a malformed reply."""
         sock = self._connect()
         deadline = time.monotonic() + timeout_s
+        self.connected = False
         if not sock.poll(int(timeout_s * 1000), zmq.POLLOUT):  # no connection to the learner yet
             return None
         try:
             sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:
             return None
+        self.connected = True
         while (remaining := deadline - time.monotonic()) > 0 and sock.poll(max(1, int(remaining * 1000))):
             try:
                 reply = sock.recv(zmq.NOBLOCK)
@@ -233,7 +249,9 @@ class LearnerClient:
                 self.last_reply = time.monotonic()
                 return reply
             if time.monotonic() > deadline:
-                raise LearnerUnreachable(f"no learner answered at {self.control.address} for {patience_s:.0f} s")
+                hint = (": its port accepts connections but nothing answered the join (a learner older than this "
+                        "actor does not: upgrade the learner first)" if self.control.connected else "")
+                raise LearnerUnreachable(f"no learner answered at {self.control.address} for {patience_s:.0f} s{hint}")
         raise KeyboardInterrupt
 
     def heartbeat(self, seq: int, policy_version: int, env_steps_per_second: float, policy_lag: float,
@@ -276,6 +294,14 @@ class LearnerClient:
         return ring
 
 
+def keep_alive(sock: zmq.Socket) -> None:
+    """Turn on ZeroMQ's connection heartbeats (:data:`CONNECTION_HEARTBEAT_IVL_MS`,
+    :data:`CONNECTION_HEARTBEAT_TIMEOUT_MS`) on a socket before it connects."""
+    sock.setsockopt(zmq.HEARTBEAT_IVL, CONNECTION_HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, CONNECTION_HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, CONNECTION_HEARTBEAT_TIMEOUT_MS)
+
+
 def subscribe_weights(context: zmq.Context, address: str, security: ClientSecurity | None = None) -> zmq.Socket:
     """A SUB socket on the learner's weights channel (weights and stop messages), queueing at most
     :data:`WEIGHTS_QUEUE_MESSAGES`; read it with :func:`newest_message`.
@@ -286,6 +312,7 @@ def subscribe_weights(context: zmq.Context, address: str, security: ClientSecuri
     sub = context.socket(zmq.SUB)
     if security is not None:
         security.apply(sub)
+    keep_alive(sub)
     sub.setsockopt(zmq.RCVHWM, WEIGHTS_QUEUE_MESSAGES)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.LINGER, 0)

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from oakemu_core.policy.bfloat16_inference import check_supported as check_bfloat16_supported
+from oakemu_core.transport.auth import is_generated_routing_id
 from oakemu_core.transport.codec import MessageRejected
 from oakemu_core.transport.control import (
     ACTOR_ID_IN_USE,
@@ -61,9 +62,13 @@ if TYPE_CHECKING:
     from oakemu_core.storage.assembler import RolloutAssembler
     from oakemu_core.transport.auth import PeerBinding
 
-__all__ = ["MAX_ACTOR_ENVS", "START_GRACE_S", "ControlServer", "Reply", "env_config"]
+__all__ = ["ANONYMOUS_REFUSAL", "MAX_ACTOR_ENVS", "START_GRACE_S", "ControlServer", "Reply", "env_config"]
 
 log = logging.getLogger("oakemu.learner")
+
+ANONYMOUS_REFUSAL = ("the control socket has no routing id of its own: an actor's REQ socket sets one "
+                     "(oakemu_core.transport.auth.new_routing_id), kept for the process's life")
+"""Reason of a join refused from a connection whose routing id ZeroMQ generated."""
 
 MAX_ACTOR_ENVS = 65_536
 """Largest ``num_envs`` an actor may declare (the wire's limit for one array dimension); the run's
@@ -209,8 +214,17 @@ class ControlServer:
 
     def _refuse_impersonation(self, message: JoinRequest | Heartbeat | Leave, peer: Any) -> bytes | None:
         """None when ``peer`` may speak for ``message.actor_id``; else the refusal, counted as
-        ``impersonation``: a join for an actor id that a connected actor holds on another connection
+        ``anonymous_connection`` (a routing id ZeroMQ generated: :func:`~oakemu_core.transport.auth.is_generated_routing_id`)
+        or ``impersonation``: a join for an actor id that a connected actor holds on another connection
         (the id is not taken over), a heartbeat or leave from another connection than its join's."""
+        if peer is not None and is_generated_routing_id(peer.routing_id):
+            # An earlier connection's unread request (the actor reconnected; ZeroMQ handed its routing
+            # id to the new one), or a client that set no routing id: bound, it would tie the actor to
+            # a connection nobody reads.
+            self.counters.rejected["anonymous_connection"] += 1
+            self.rejections.event("anonymous_connection", f"anonymous_connection: a {type(message).__name__} for "
+                                  f"actor {message.actor_id} from a connection without a routing id of its own")
+            return self.refuse_join(ANONYMOUS_REFUSAL) if isinstance(message, JoinRequest) else self.rejoin()
         if isinstance(message, JoinRequest):
             if self.peers.bind(message.actor_id, message.incarnation, peer):
                 return None
