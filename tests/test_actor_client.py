@@ -45,6 +45,7 @@ from oakemu_core.transport.control import (
     encode_stop,
     encode_weights,
 )
+from oakemu_core.transport import keepalive
 from oakemu_core.transport.step_ring import StepRing, StepRings
 from oakemu_core.transport.steps import StepSpec
 from tests.test_wire import ATARI_SPEC
@@ -380,8 +381,8 @@ def test_the_control_channel_heals_a_connection_that_went_silent(monkeypatch: py
     """A control connection that stops carrying bytes without closing (a half-open path) answers no
     connection heartbeat: it is closed and made again, and the next request is answered through the
     new one instead of the actor waiting until TCP gives up."""
-    monkeypatch.setattr(client, "CONNECTION_HEARTBEAT_IVL_MS", 100)
-    monkeypatch.setattr(client, "CONNECTION_HEARTBEAT_TIMEOUT_MS", 500)
+    monkeypatch.setattr(keepalive, "HEARTBEAT_IVL_MS", 100)
+    monkeypatch.setattr(keepalive, "HEARTBEAT_TIMEOUT_MS", 500)
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.ROUTER_HANDOVER, 1)

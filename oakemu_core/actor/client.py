@@ -31,6 +31,7 @@ from oakemu_core.policy.models import ActorCritic, build_model, load_weight_arra
 from oakemu_core.policy.schemas import schema_for_env
 from oakemu_core.transport.auth import new_routing_id
 from oakemu_core.transport.codec import MessageRejected
+from oakemu_core.transport.keepalive import keep_alive
 from oakemu_core.transport.control import (
     ACTOR_ID_IN_USE,
     ControlMessage,
@@ -54,7 +55,6 @@ __all__ = [
     "REQUEST_TIMEOUT_S",
     "JOIN_PATIENCE_S",
     "WEIGHTS_QUEUE_MESSAGES",
-    "keep_alive",
     "LearnerUnreachable",
     "ActorSetupError",
     "RetryReport",
@@ -75,13 +75,6 @@ REQUEST_TIMEOUT_S = 2.0
 JOIN_PATIENCE_S = 120.0
 """Shortest time (s) an actor keeps trying to join: a learner may take a while to start (loading
 torch, building envs)."""
-CONNECTION_HEARTBEAT_IVL_MS = 1000
-"""ZeroMQ connection heartbeat (ZMTP PING) on the actor's control and weights sockets when nothing else
-went out for this long (ms): answered by the learner's I/O thread, busy or not."""
-CONNECTION_HEARTBEAT_TIMEOUT_MS = 5000
-"""A connection that answers no PING within this (ms) is closed and made again: a half-open path (a
-stale NAT or connection-tracking entry, a learner replaced behind one address) heals itself instead of
-holding the socket until TCP gives up (about 15 minutes). Also sent as the TTL the learner applies."""
 WEIGHTS_QUEUE_MESSAGES = 4
 """Weights messages the SUB socket queues (the actor reads them all and keeps the newest)."""
 
@@ -113,8 +106,9 @@ class ControlChannel:
     piles up to be delivered when one starts. The socket is never remade after a timeout: a remade
     socket would leave its unanswered requests queued at a learner that is bound but busy (starting
     on a GPU, loading a checkpoint), to be read later from a connection that is gone. ZeroMQ's
-    connection heartbeats (:func:`keep_alive`) close and remake a connection that went silent; the
-    learner refuses what arrives late from the closed one (``anonymous_connection``).
+    connection heartbeats (:func:`~oakemu_core.transport.keepalive.keep_alive`) close and remake a
+    connection that went silent; the learner refuses what arrives late from the closed one
+    (``anonymous_connection``).
 
     The socket's routing id is a secret of the channel (:func:`~oakemu_core.transport.auth.new_routing_id`):
     the learner binds the actor to it.
@@ -292,14 +286,6 @@ class LearnerClient:
         log.info("actor %s: step arrays go through shared memory (%s, %d slots)", self.actor_id, ring.name,
                  ring.slots)
         return ring
-
-
-def keep_alive(sock: zmq.Socket) -> None:
-    """Turn on ZeroMQ's connection heartbeats (:data:`CONNECTION_HEARTBEAT_IVL_MS`,
-    :data:`CONNECTION_HEARTBEAT_TIMEOUT_MS`) on a socket before it connects."""
-    sock.setsockopt(zmq.HEARTBEAT_IVL, CONNECTION_HEARTBEAT_IVL_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, CONNECTION_HEARTBEAT_TIMEOUT_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TTL, CONNECTION_HEARTBEAT_TIMEOUT_MS)
 
 
 def subscribe_weights(context: zmq.Context, address: str, security: ClientSecurity | None = None) -> zmq.Socket:

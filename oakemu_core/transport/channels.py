@@ -36,6 +36,7 @@ from oakemu_core.transport.auth import ClientSecurity
 from oakemu_core.transport.codec import MessageRejected
 from oakemu_core.transport.step_ring import StepRing, StepRings, ring_slots
 from oakemu_core.transport.frame_stacks import StackHistories
+from oakemu_core.transport.keepalive import keep_alive
 from oakemu_core.transport.steps import Frame, StepEncoder, StepMessage, StepSpec, decode_step, encode_step
 
 __all__ = [
@@ -122,6 +123,7 @@ def step_socket_connector(context: zmq.Context, address: str, *, buffer_bytes: i
         socket = context.socket(zmq.PUSH)
         if security is not None:
             security.apply(socket)
+        keep_alive(socket)
         socket.setsockopt(zmq.SNDHWM, queue_messages)
         socket.setsockopt(zmq.SNDBUF, buffer_bytes)
         socket.setsockopt(zmq.LINGER, 0)
