@@ -24,6 +24,7 @@ import zmq
 
 from oakemu_core.run.checkpoint import latest_checkpoint, load_checkpoint
 from oakemu_core.run.telemetry import TelemetrySnapshot
+from oakemu_core.transport.auth import new_routing_id
 from oakemu_core.transport.control import (
     Heartbeat,
     JoinReply,
@@ -221,6 +222,7 @@ def test_flood_of_malformed_frames_is_counted_exactly_with_a_bounded_log(e2e: E2
     explain = describe_all(learner)
     telemetry.wait(lambda s: True, 60, "the learner's first snapshot", explain)
     control = context.socket(zmq.DEALER)  # REQ envelopes by hand: many requests without waiting
+    control.routing_id = new_routing_id()  # as an actor's control socket (without: anonymous_connection)
     control.setsockopt(zmq.LINGER, 0)
     control.connect(e2e.ports.control_address)
     data = context.socket(zmq.PUSH)
