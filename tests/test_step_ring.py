@@ -348,8 +348,10 @@ def test_the_registry_unlinks_departed_rings_but_keeps_a_few_readable() -> None:
         assert len(rings) == 1
         readable = [i for i in range(1, len(offers)) if rings.get(f"actor-{i}", "inc") is not None]
         assert readable == list(range(len(offers) - DEPARTED_RINGS_KEPT, len(offers)))  # the newest stay mapped
-        again = rings.offer("actor-0", "inc", ATARI_SPEC, 128)  # a join retried with the same incarnation
-        assert not (shm / offers[0].name).exists() and (shm / again.name).exists()
+        same = rings.offer("actor-0", "inc", ATARI_SPEC, 128)  # a join retried with the same incarnation
+        assert same == offers[0] and (shm / same.name).exists()  # offered its ring again
+        again = rings.offer("actor-0", "inc", ATARI_SPEC, 64)  # ... unless the ring would differ (slots)
+        assert not (shm / offers[0].name).exists() and (shm / again.name).exists() and again.slots != same.slots
         assert rings.discard("actor-0", "inc") and not (shm / again.name).exists()
         assert not rings.discard("actor-0", "inc")
     finally:

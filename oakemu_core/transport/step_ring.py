@@ -304,19 +304,22 @@ class StepRings:
               synchronous: bool = False) -> StepRingOffer:
         """Create a ring (:func:`ring_slots` slots, ``synchronous`` for ``--mode sync``) for a joining
         actor and return its offer. The rings of the actor's earlier incarnations depart (kept for their
-        late messages).
+        late messages); a join retried by the same incarnation is offered its ring again.
 
         Raises:
             StepRingRefused: the ring is larger than ``max_bytes_per_actor``, or finds no room in
                 ``max_bytes`` (an ``OSError``).
             OSError: the system cannot create the segment (e.g. ``/dev/shm`` is full).
         """
+        slots = ring_slots(spec.steps_per_message, rollout_length, synchronous=synchronous)
         previous = self._live.pop((actor_id, incarnation), None)  # a join retried with the same incarnation
+        if previous is not None and previous.spec == spec and previous.slots == slots:
+            self._live[(actor_id, incarnation)] = previous  # offered again: whichever reply the actor took, one ring
+            return previous.offer()
         if previous is not None:
             previous.close()
         for key in [key for key in self._live if key[0] == actor_id]:
             self._depart(key)
-        slots = ring_slots(spec.steps_per_message, rollout_length, synchronous=synchronous)
         size = StepRing.segment_bytes(spec, slots)
         if self.max_bytes_per_actor is not None and size > self.max_bytes_per_actor:
             raise StepRingRefused(f"a ring of {size / 2**20:.1f} MiB is larger than step_ring_max_mib_per_actor "
