@@ -434,8 +434,7 @@ class Learner:
             self.trainer.tester.start()
             # The first evaluation: the initial (or behaviour-cloned, or resumed) weights; kept, so a
             # tester still starting evaluates them and not only the newest weights.
-            self.trainer.tester.submit(self.policy_version, self.control_server.weights,
-                                       self.assembler.counters.env_steps, keep=True)
+            self.trainer.ppo.submit_to_tester(self.assembler.counters.env_steps, force=True)
         self.trainer.start(lambda: self.assembler.counters.env_steps)
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)

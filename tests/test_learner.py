@@ -10,6 +10,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -387,3 +388,30 @@ def test_evaluation_collapse_rolls_back_to_best(cartpole, tmp_path: Path) -> Non
     assert notes and "rollback 1/" in notes[0] and "evaluation return" in notes[0]
     for name, tensor in model.state_dict().items():
         np.testing.assert_array_equal(tensor.numpy(), best_weights[name])
+
+
+def test_the_final_evaluation_does_not_submit_the_run_s_first_weights_twice(cartpole) -> None:
+    """A run stopped before its first update: the first weights, submitted at start, are the final
+    ones too and go to the tester once; after an update the final weights are submitted."""
+
+    class RecordingTester:
+        alive = True
+
+        def __init__(self) -> None:
+            self.submitted: list[int] = []
+
+        def submit(self, version: int, weights: Any, global_step: int, *, keep: bool = False) -> None:
+            self.submitted.append(version)
+
+        def drain(self, timeout_s: float) -> list[Any]:
+            return []
+
+    _env, _schema, buffer, model = cartpole
+    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1))
+    tester = learner.context.tester = RecordingTester()
+    learner.submit_to_tester(0, force=True)  # what the learner service does at start
+    learner._final_evaluation(0, policy=None)
+    assert tester.submitted == [0]
+    learner.learner_model.version += 1  # as an update does
+    learner._final_evaluation(0, policy=None)
+    assert tester.submitted == [0, 1]

@@ -572,7 +572,7 @@ class PPOLearner:
             version, weights = self.learner_model.snapshot()
             handshake.complete(TrainResult(None, version, weights, None, iterations=self.iterations,
                                            events=[f"behaviour cloning: {done} replay-only updates"]))
-            self._submit_to_tester(current_step(), force=True)
+            self.submit_to_tester(current_step(), force=True)
         while not stop_event.is_set():
             published = handshake.wait_for_rollout(stop_event)
             if published is None:
@@ -585,7 +585,7 @@ class PPOLearner:
             events = policy.after_update(self, stats)
             evaluations, notes = self._poll_tester(policy)
             events += notes
-            self._submit_to_tester(current_step())
+            self.submit_to_tester(current_step())
             version, weights = self.learner_model.snapshot()
             handshake.complete(TrainResult(
                 published.rollout.slot, version, weights, stats, prepared.stale_rows, prepared.lag, self.iterations,
@@ -595,9 +595,10 @@ class PPOLearner:
                 trained_env_steps=self.trained_env_steps,
             ))
 
-    def _submit_to_tester(self, global_step: int, *, force: bool = False) -> None:
+    def submit_to_tester(self, global_step: int, *, force: bool = False) -> None:
         """Submit the weights every ``eval_every_updates`` updates; ``force``: now, and kept (the
-        behaviour-cloned weights are evaluated whatever follows)."""
+        first weights of a run, the behaviour-cloned ones: evaluated whatever follows). The final
+        evaluation does not submit the same version again."""
         tester, every = self.context.tester, self.context.eval_every_updates
         if tester is None or not (force or (every and self.iterations % every == 0)):
             return
