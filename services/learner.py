@@ -60,8 +60,7 @@ from oakemu_core.transport.control import (
     encode_stop,
     encode_weights,
 )
-from oakemu_core.transport.control_server import ControlServer
-from oakemu_core.transport.frame_stacks import wire_bytes_per_env
+from oakemu_core.transport.control_server import ControlServer, step_spec_for
 from oakemu_core.transport.peer_limits import PeerLimits
 from oakemu_core.transport.step_ring import StepRings, shared_memory_host_id
 from oakemu_core.transport.steps import StepSpec
@@ -250,8 +249,7 @@ class Learner:
         self.data = self._secure(self.context.socket(zmq.PULL))
         # A small receive queue: back-pressure reaches the actors quickly, and rows stay fresh.
         self.data.setsockopt(zmq.RCVHWM, 4)
-        typical = StepSpec(config.envs_per_actor, self.schema, steps_per_message=config.resolved_steps_per_message(
-            wire_bytes_per_env(self.schema), config.envs_per_actor))
+        typical = step_spec_for(config, self.schema, config.envs_per_actor, step_ring=False)  # an actor elsewhere
         self.data.setsockopt(zmq.RCVBUF, socket_buffer_bytes(typical.message_bytes()))
         self.data.setsockopt(zmq.LINGER, 0)
         # Memory guard: ZeroMQ drops a peer that sends more than this (never allocated). Messages

@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from oakemu_core.storage.assembler import RolloutAssembler
     from oakemu_core.transport.auth import PeerBinding
 
-__all__ = ["ANONYMOUS_REFUSAL", "MAX_ACTOR_ENVS", "START_GRACE_S", "ControlServer", "Reply", "env_config"]
+__all__ = ["ANONYMOUS_REFUSAL", "MAX_ACTOR_ENVS", "START_GRACE_S", "ControlServer", "Reply", "env_config", "step_spec_for"]
 
 log = logging.getLogger("oakemu.learner")
 
@@ -104,6 +104,20 @@ def env_config(config: OakEmuConfig, index: int) -> dict[str, Any]:
         "rollout_length": config.rollout_length,
         **config.env_options.to_dict(),  # gymnasium.make keyword arguments, Atari preprocessing
     }
+
+
+def step_spec_for(config: OakEmuConfig, schema: StepSchema, num_envs: int, *, step_ring: bool) -> StepSpec:
+    """The spec of the step messages of an actor of ``num_envs`` envs: K from
+    ``config.resolved_steps_per_message`` (without the byte bound for a step ring). Through the
+    sockets an automatic K also keeps a message of whole stacks (after resets, key frames: up to S
+    times the deduplicated bytes) within ``max_message_bytes``, or such messages, and every message
+    rebuilt from them, would be rejected."""
+    steps = config.resolved_steps_per_message(wire_bytes_per_env(schema), num_envs, step_ring=step_ring)
+    if not step_ring and config.steps_per_message == "auto":
+        whole_step = num_envs * schema.sent_bytes_per_env()
+        steps = max(k for k in range(1, steps + 1)
+                    if steps % k == 0 and (k == 1 or k * whole_step + 1024 <= config.max_message_bytes))
+    return StepSpec(num_envs=num_envs, schema=schema, steps_per_message=steps)
 
 
 class ControlServer:
@@ -301,18 +315,8 @@ class ControlServer:
         return dropped
 
     def step_spec(self, num_envs: int, *, step_ring: bool) -> StepSpec:
-        """The spec of the step messages of an actor of ``num_envs`` envs (K without the byte bound for a
-        step ring). Through
-        the sockets an automatic K also keeps a message of whole stacks (after resets, key frames: up to
-        S times the deduplicated bytes) within ``max_message_bytes``, or such messages, and every
-        message rebuilt from them, would be rejected."""
-        config = self.config
-        steps = config.resolved_steps_per_message(wire_bytes_per_env(self.schema), num_envs, step_ring=step_ring)
-        if not step_ring and config.steps_per_message == "auto":
-            whole_step = num_envs * self.schema.sent_bytes_per_env()
-            steps = max(k for k in range(1, steps + 1)
-                        if steps % k == 0 and (k == 1 or k * whole_step + 1024 <= config.max_message_bytes))
-        return StepSpec(num_envs=num_envs, schema=self.schema, steps_per_message=steps)
+        """The spec of the step messages of an actor of ``num_envs`` envs (:func:`step_spec_for`)."""
+        return step_spec_for(self.config, self.schema, num_envs, step_ring=step_ring)
 
     def _sync_join(self, message: JoinRequest, now: float, identity: Any) -> list[Reply]:
         """Synchronous mode: answer the join now when the filling rollout has no row yet, else hold
