@@ -313,6 +313,23 @@ def test_a_join_never_takes_over_a_live_actors_id_from_another_connection(make_s
     assert heartbeat(server, "victim", peer=victim).status == "ok"
 
 
+def test_a_join_asked_again_is_answered_again_with_its_index_and_said_once(make_server) -> None:
+    """The copies of one join (one incarnation, one connection: asked again while the learner was
+    busy) are each answered with the same index; the log says the actor joined once."""
+    said: list[str] = []
+
+    class Notices:
+        def event(self, reason: str, text: str, *, level: int = logging.INFO) -> None:
+            said.append(reason)
+
+    server = make_server()
+    server.notices = Notices()
+    join(server, "other")
+    replies = [join(server, "a")[0][1] for _ in range(3)]
+    assert all(r.accepted for r in replies) and {r.actor_index for r in replies} == {1}
+    assert said.count("join") == 2 and set(server.assembler.actors) == {"other", "a"}
+
+
 def test_a_connection_whose_routing_id_zeromq_generated_speaks_for_no_actor(make_server) -> None:
     """The unread join of an actor's earlier connection, handed a generated routing id when the actor
     reconnected (or a client that set none): refused and counted as ``anonymous_connection``, never

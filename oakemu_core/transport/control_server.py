@@ -279,6 +279,8 @@ class ControlServer:
     def grant_join(self, message: JoinRequest, now: float, index: int | None) -> bytes:
         """Register a joining actor (``index``: its synchronous-mode rank, None: the next number)
         and encode the join reply with its spec, env config and the current weights."""
+        previous = self.assembler.actors.get(message.actor_id)
+        retried = previous is not None and previous.incarnation == message.incarnation  # its reply was not taken
         reachable = bool(self.host_id) and message.host_id == self.host_id  # same kernel and /dev/shm mount
         spec = self.step_spec(message.num_envs, step_ring=reachable)
         ring = self.offer_ring(message, spec) if reachable else None
@@ -287,9 +289,10 @@ class ControlServer:
         record = self.assembler.join(message.actor_id, message.incarnation, spec, hostname=message.hostname, now=now,
                                      index=index)
         watched = self.processes.watch(message.actor_id, message.incarnation, message.pid, message.pid_namespace)
-        self.notices.event("join", f"actor {message.actor_id} joined ({message.num_envs} envs, host "
-                           f"{message.hostname}, index {record.index}"
-                           f"{f', process {message.pid} watched' if watched else ''})", level=logging.INFO)
+        if not retried:  # a join asked again is answered again, and said once
+            self.notices.event("join", f"actor {message.actor_id} joined ({message.num_envs} envs, host "
+                               f"{message.hostname}, index {record.index}"
+                               f"{f', process {message.pid} watched' if watched else ''})", level=logging.INFO)
         if message.inference_precision == "bfloat16" and not self.reevaluate_every_rollout:
             self.reevaluate_every_rollout = True
             log.info("actor %s acts in %s: every rollout is re-evaluated in float32 before GAE%s", message.actor_id,
