@@ -314,6 +314,8 @@ class Learner:
             try:
                 message = receiver.decode(parts)
             except MessageRejected as error:
+                if error.sender is not None and self.assembler.count_late(*error.sender[:2]):
+                    continue  # a departed incarnation's message in flight when it left: dropped as late
                 self.assembler.counters.rejected[error.reason] += 1
                 self.rejection_log["data"].event(error.reason, str(error))
                 continue

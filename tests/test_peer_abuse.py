@@ -142,6 +142,39 @@ def test_a_second_connection_with_a_stolen_incarnation_is_refused_and_the_actor_
     assert learner.assembler.counters.env_steps == written + spec.steps_per_message * spec.num_envs
 
 
+def test_a_message_of_a_departed_incarnation_that_cannot_be_decoded_is_a_late_step(harness: Harness) -> None:
+    """A step message still in flight when its actor left, which the learner can no longer decode (a
+    stacked observation sent as its newest frame only: the stack history left with the actor; here a
+    frame short): counted as late steps, not as a rejection. The same message of a joined actor is
+    rejected."""
+    learner, actor = harness.learner, harness.client()
+    reply = join(harness, actor, "leaver", "inc-leaver")
+    spec = reply.spec
+    fields = {name: np.zeros(shape, dtype) for name, (dtype, shape) in spec.array_layout().items()}
+    broken = encode_step(StepMessage("leaver", "inc-leaver", 0, 0, fields), spec)[:-1]
+    data = harness.context.socket(zmq.PUSH)
+    data.connect(harness.data_address)
+    counters = learner.assembler.counters
+
+    def deliver() -> None:
+        seen = counters.received["data"]
+        data.send_multipart(broken)
+        deadline = time.monotonic() + 10.0
+        while counters.received["data"] == seen and time.monotonic() < deadline:
+            learner._handle_data(time.monotonic())
+            time.sleep(0.005)
+
+    rejected = sum(counters.rejected.values())
+    deliver()
+    assert sum(counters.rejected.values()) == rejected + 1  # joined: a malformed message
+    assert harness.request(actor, encode_leave(Leave("leaver", "inc-leaver"))).status == "stop"
+    late, rejected = counters.dropped["late_steps"], sum(counters.rejected.values())
+    deliver()
+    assert counters.dropped["late_steps"] == late + spec.num_envs * spec.steps_per_message
+    assert sum(counters.rejected.values()) == rejected
+    data.close(linger=0)
+
+
 def test_a_join_asking_for_65536_envs_is_refused_and_makes_no_step_ring(harness: Harness) -> None:
     learner = harness.learner
     assert learner.rings.used_bytes == 0

@@ -44,6 +44,7 @@ from oakemu_core.transport.steps import StepMessage, StepSpec
 __all__ = [
     "HELD_SLACK_MESSAGES",
     "ActorRecord",
+    "DepartedIncarnations",
     "FullRollout",
     "IngestCounters",
     "LagWindow",
@@ -167,6 +168,35 @@ class IngestCounters:
                 - self.dropped["late_step_messages"])
 
 
+class DepartedIncarnations:
+    """The step specs of the newest :data:`KEPT` incarnations that left or were dropped, for their late
+    messages (in flight when they left): decoded against their spec, counted in ``counters`` as
+    ``dropped["late_steps"]`` and ``dropped["late_step_messages"]``, never written."""
+
+    KEPT = 1024
+
+    def __init__(self, counters: IngestCounters) -> None:
+        self.counters = counters
+        self._specs: dict[str, StepSpec] = {}
+
+    def add(self, incarnation: str, spec: StepSpec) -> None:
+        self._specs[incarnation] = spec
+        while len(self._specs) > self.KEPT:
+            del self._specs[next(iter(self._specs))]
+
+    def spec(self, incarnation: str) -> StepSpec | None:
+        return self._specs.get(incarnation)
+
+    def count_late(self, incarnation: str) -> bool:
+        """Count one message of ``incarnation`` as late (True) when it departed, else False."""
+        spec = self._specs.get(incarnation)
+        if spec is None:
+            return False
+        self.counters.dropped["late_steps"] += spec.num_envs * spec.steps_per_message
+        self.counters.dropped["late_step_messages"] += 1
+        return True
+
+
 class RolloutAssembler:
     """Routes validated step messages from many actors into the columns of the learner's buffers.
 
@@ -199,10 +229,8 @@ class RolloutAssembler:
         self._next_actor_index = 0
         self._segments_started = itertools.count(1)  # numbers the segments started: ActorRecord.served
         self.actors: dict[str, ActorRecord] = {}
-        # Specs of incarnations that left or were dropped (bounded, oldest forgotten first): their
-        # steps still in flight decode normally and are counted as late, not as malformed.
-        self._departed: dict[str, StepSpec] = {}
         self.counters = IngestCounters()
+        self.departed = DepartedIncarnations(self.counters)  # their steps in flight: late, not malformed
         self.episode_returns: list[float] = []
         self.episode_lengths: list[int] = []
         self.sync = bool(sync)
@@ -288,8 +316,13 @@ class RolloutAssembler:
         """The step spec agreed at join time (also for a departed incarnation), or None if unknown."""
         record = self.actors.get(actor_id)
         if record is None or record.incarnation != incarnation:
-            return self._departed.get(incarnation)
+            return self.departed.spec(incarnation)
         return record.spec
+
+    def count_late(self, actor_id: str, incarnation: str) -> bool:
+        """Count a message of a departed ``incarnation`` (not ``actor_id``'s live one) as late (True), else False."""
+        record = self.actors.get(actor_id)
+        return (record is None or record.incarnation != incarnation) and self.departed.count_late(incarnation)
 
     def heartbeat(self, actor_id: str, incarnation: str, *, now: float, env_steps_per_second: float,
                   policy_lag: float, episodes: int) -> bool:
@@ -343,10 +376,7 @@ class RolloutAssembler:
         """
         record = self.actors.get(message.actor_id)
         if record is None or record.incarnation != message.incarnation:
-            if message.incarnation in self._departed:
-                # Steps still in flight when the actor left or was dropped: expected, not malformed.
-                self.counters.dropped["late_steps"] += message.num_envs * message.num_steps
-                self.counters.dropped["late_step_messages"] += 1
+            if self.departed.count_late(message.incarnation):  # in flight when the actor left: expected
                 raise StepRejected("departed_actor", f"actor {message.actor_id!r}/{message.incarnation} has left")
             raise StepRejected("unknown_actor", f"actor {message.actor_id!r}/{message.incarnation} has not joined")
         if message.seq < record.next_seq:  # a replay or a duplicate: never written twice
@@ -491,9 +521,7 @@ class RolloutAssembler:
         if record.pending:
             self.counters.dropped["no_capacity_steps"] += record.clear_pending()
         self.actors.pop(record.actor_id, None)
-        self._departed[record.incarnation] = record.spec
-        while len(self._departed) > 1024:
-            del self._departed[next(iter(self._departed))]
+        self.departed.add(record.incarnation, record.spec)
         if self.sync:
             self.round.remove(record.actor_id)
             self._close_round_if_done()
