@@ -557,41 +557,10 @@ def test_gaussian_approx_kl_is_the_exact_kl_from_the_stored_parameters() -> None
         assert abs(k3 - expected) > 1e-3
 
 
-def test_advantages_are_normalised_per_minibatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each minibatch's advantages enter the loss with mean 0 and population std 1 (SB3 / CleanRL),
-    not normalised once over the whole rollout (whose minibatch means would not be 0)."""
-    import oakemu_core.algo.ppo as ppo_module
-
-    seen: list[torch.Tensor] = []
-    original = ppo_module.ppo_losses
-
-    def recording(new_log_probs, old_log_probs, advantages, *args, **kwargs):  # type: ignore[no-untyped-def]
-        seen.append(advantages.detach().clone())
-        return original(new_log_probs, old_log_probs, advantages, *args, **kwargs)
-
-    monkeypatch.setattr(ppo_module, "ppo_losses", recording)
-    model = _model()
-    learner = PPOUpdater(model, torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-5), device="cpu", ppo_epochs=2,
-                         num_minibatches=4, clip_coef=0.2, clip_value_range=None, ent_coef=0.0, vf_coef=0.5,
-                         max_grad_norm=0.5)
-    with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
-        _fill(buffer, [model], np.random.default_rng(5))
-        raw = np.sort(buffer.advantages.reshape(-1).astype(np.float64))
-        learner.step(buffer, current_policy_version=0)
-    assert len(seen) == 2 * 4 and all(len(a) == T * N // 4 for a in seen)
-    for advantages in seen:
-        a = advantages.double()
-        assert abs(a.mean().item()) < 1e-5 and a.std(correction=0).item() == pytest.approx(1.0, abs=1e-4)
-    # Each epoch's minibatches together are an affine image of the raw advantages per minibatch,
-    # so their union is not the rollout-wide normalisation.
-    whole = (raw - raw.mean()) / raw.std()
-    first_epoch = np.sort(torch.cat(seen[:4]).double().numpy())
-    assert not np.allclose(first_epoch, whole, atol=1e-3)
-
-
-def test_one_minibatch_sees_the_same_normalised_advantages_every_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With one minibatch (every row, every epoch) the advantages are normalised once for the
-    update: each epoch's loss gets the same tensor, mean 0 and population std 1 over the rows."""
+def _advantages_seen_by_the_loss(monkeypatch: pytest.MonkeyPatch, *, ppo_epochs: int, num_minibatches: int,
+                                 seed: int) -> tuple[list[torch.Tensor], np.ndarray]:
+    """One update of a fresh learner: the advantages tensor each ``ppo_losses`` call received, in call
+    order, and the buffer's raw advantages (flat, float64)."""
     import oakemu_core.algo.ppo as ppo_module
 
     seen: list[torch.Tensor] = []
@@ -603,13 +572,36 @@ def test_one_minibatch_sees_the_same_normalised_advantages_every_epoch(monkeypat
 
     monkeypatch.setattr(ppo_module, "ppo_losses", recording)
     model = _model()
-    learner = PPOUpdater(model, torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-5), device="cpu", ppo_epochs=3,
-                         num_minibatches=1, clip_coef=0.2, clip_value_range=None, ent_coef=0.0, vf_coef=0.5,
-                         max_grad_norm=0.5)
+    learner = PPOUpdater(model, torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-5), device="cpu",
+                         ppo_epochs=ppo_epochs, num_minibatches=num_minibatches, clip_coef=0.2, clip_value_range=None,
+                         ent_coef=0.0, vf_coef=0.5, max_grad_norm=0.5)
     with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
-        _fill(buffer, [model], np.random.default_rng(6))
+        _fill(buffer, [model], np.random.default_rng(seed))
         raw = buffer.advantages.reshape(-1).astype(np.float64)
         learner.step(buffer, current_policy_version=0)
+    return seen, raw
+
+
+def test_advantages_are_normalised_per_minibatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each minibatch's advantages enter the loss with mean 0 and population std 1 (SB3 / CleanRL),
+    not normalised once over the whole rollout (whose minibatch means would not be 0)."""
+    seen, raw = _advantages_seen_by_the_loss(monkeypatch, ppo_epochs=2, num_minibatches=4, seed=5)
+    raw = np.sort(raw)
+    assert len(seen) == 2 * 4 and all(len(a) == T * N // 4 for a in seen)
+    for advantages in seen:
+        a = advantages.detach().double()
+        assert abs(a.mean().item()) < 1e-5 and a.std(correction=0).item() == pytest.approx(1.0, abs=1e-4)
+    # Each epoch's minibatches together are an affine image of the raw advantages per minibatch,
+    # so their union is not the rollout-wide normalisation.
+    whole = (raw - raw.mean()) / raw.std()
+    first_epoch = np.sort(torch.cat(seen[:4]).detach().double().numpy())
+    assert not np.allclose(first_epoch, whole, atol=1e-3)
+
+
+def test_one_minibatch_sees_the_same_normalised_advantages_every_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one minibatch (every row, every epoch) the advantages are normalised once for the
+    update: each epoch's loss gets the same tensor, mean 0 and population std 1 over the rows."""
+    seen, raw = _advantages_seen_by_the_loss(monkeypatch, ppo_epochs=3, num_minibatches=1, seed=6)
     assert len(seen) == 3 and seen[0] is seen[1] is seen[2]
     np.testing.assert_allclose(seen[0].double().numpy(), (raw - raw.mean()) / raw.std(), atol=1e-5)
 
