@@ -59,7 +59,7 @@ from oakemu_core.transport.steps import StepSpec
 if TYPE_CHECKING:
     from oakemu_core.config import OakEmuConfig
     from oakemu_core.step_schema import StepSchema
-    from oakemu_core.storage.assembler import RolloutAssembler
+    from oakemu_core.storage.assembler import ActorRecord, RolloutAssembler
     from oakemu_core.transport.auth import PeerBinding
 
 __all__ = ["ANONYMOUS_REFUSAL", "MAX_ACTOR_ENVS", "START_GRACE_S", "ControlServer", "Reply", "env_config", "step_spec_for"]
@@ -272,15 +272,20 @@ class ControlServer:
         if self.sync:
             return self._sync_join(message, now, identity)
         self.counters.accepted["join"] += 1
-        previous = self.assembler.actors.get(message.actor_id)  # a retry of a join answered already keeps its index
-        index = previous.index if previous is not None and previous.incarnation == message.incarnation else None
-        return [(identity, self.grant_join(message, now, index=index))]
+        return [(identity, self.grant_join(message, now, index=None))]
+
+    def _answered_before(self, message: JoinRequest) -> ActorRecord | None:
+        """The joined record of ``message``'s incarnation (a join asked again), or None."""
+        record = self.assembler.actors.get(message.actor_id)
+        return record if record is not None and record.incarnation == message.incarnation else None
 
     def grant_join(self, message: JoinRequest, now: float, index: int | None) -> bytes:
-        """Register a joining actor (``index``: its synchronous-mode rank, None: the next number)
-        and encode the join reply with its spec, env config and the current weights."""
-        previous = self.assembler.actors.get(message.actor_id)
-        retried = previous is not None and previous.incarnation == message.incarnation  # its reply was not taken
+        """Register a joining actor (``index``: its synchronous-mode rank, None: the next number; a
+        join asked again keeps its index) and encode the join reply with its spec, env config and the
+        current weights."""
+        retried = self._answered_before(message)
+        if retried is not None:
+            index = retried.index
         reachable = bool(self.host_id) and message.host_id == self.host_id  # same kernel and /dev/shm mount
         spec = self.step_spec(message.num_envs, step_ring=reachable)
         ring = self.offer_ring(message, spec) if reachable else None
@@ -289,7 +294,7 @@ class ControlServer:
         record = self.assembler.join(message.actor_id, message.incarnation, spec, hostname=message.hostname, now=now,
                                      index=index)
         watched = self.processes.watch(message.actor_id, message.incarnation, message.pid, message.pid_namespace)
-        if not retried:  # a join asked again is answered again, and said once
+        if retried is None:  # a join asked again is answered again, and said once
             self.notices.event("join", f"actor {message.actor_id} joined ({message.num_envs} envs, host "
                                f"{message.hostname}, index {record.index}"
                                f"{f', process {message.pid} watched' if watched else ''})", level=logging.INFO)
@@ -332,10 +337,9 @@ class ControlServer:
             self.notices.event("join_refused", f"refused actor {message.actor_id}: {reason}", level=logging.WARNING)
             return [(identity, self.refuse_join(reason))]
         self.counters.accepted["join"] += 1  # a held join counts when it arrives (each retry too)
+        if self._answered_before(message) is not None:  # its reply was not taken: answered again, at once
+            return [(identity, self.grant_join(message, now, index=None))]
         previous = self.assembler.actors.get(message.actor_id)
-        if previous is not None and previous.incarnation == message.incarnation:
-            # A retry of a join answered already (the reply was lost): answered again, at once.
-            return [(identity, self.grant_join(message, now, index=previous.index))]
         if previous is not None:
             # The actor restarted: its old incarnation acts no more, its unfinished segment goes now.
             self.assembler.leave(previous.actor_id, previous.incarnation)
