@@ -192,17 +192,23 @@ class StackedRows:
             taken += row_count
 
     def _shift_into(self, rows: np.ndarray) -> None:
-        """``rows`` (``(K, n, S, *frame)``) when no row is whole: step ``k``'s stacks are the previous
-        message's last stacks moved on by the newest frames of steps ``0..k``, each frame copied from
-        the message (about 7 % faster into shared memory than reading step ``k - 1`` back)."""
+        """``rows`` (``(K, n, S, *frame)``) when no row is whole, each step by :meth:`_shift_step_into`,
+        every frame copied from the message (about 7 % faster into shared memory than reading step
+        ``k - 1`` back)."""
+        assert self._previous is not None  # decode_stacks: a message without whole rows has previous stacks
+        for k in range(self._newest.shape[0]):
+            self._shift_step_into(k, rows[k])
+
+    def _shift_step_into(self, k: int, out: np.ndarray) -> None:
+        """``out`` (``(n, S, *frame)``): step ``k``'s stacks as the previous message's last stacks moved
+        on by the newest frames of steps ``0..k``: right for every env without a whole row up to step
+        ``k`` (without previous stacks, the frames before them are left as they were)."""
         newest, previous = self._newest, self._previous
-        assert previous is not None  # decode_stacks: a message without whole rows has previous stacks
-        stack = previous.shape[1]
-        for k in range(newest.shape[0]):
-            kept = max(0, stack - 1 - k)  # frames of the previous message's last stacks still in step k's
-            if kept:
-                rows[k, :, :kept] = previous[:, stack - kept:]
-            rows[k, :, kept:] = newest[k + 1 - (stack - kept):k + 1].swapaxes(0, 1)
+        stack = self._older.shape[1] + 1
+        kept = max(0, stack - 1 - k)  # frames of the previous message's last stacks still in step k's
+        if kept and previous is not None:
+            out[:, :kept] = previous[:, stack - kept:]
+        out[:, kept:] = newest[k + 1 - (stack - kept):k + 1].swapaxes(0, 1)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         """The rebuilt stacks: one private read-only array made at the first call; a writable copy
@@ -235,10 +241,7 @@ class StackedRows:
         out = np.empty((num_envs, stack, *newest.shape[2:]), dtype=np.uint8)
         # Envs without a whole row in the message: the previous stack moved on by the K newest frames
         # (without a previous stack every env's first row is whole: the loop below fills them all).
-        kept = stack - min(steps, stack)
-        if kept and self._previous is not None:
-            out[:, :kept] = self._previous[:, stack - kept:]
-        out[:, kept:] = newest[steps - (stack - kept):].swapaxes(0, 1)
+        self._shift_step_into(steps - 1, out)
         order = np.cumsum(whole.ravel()).reshape(whole.shape) - 1  # each whole row's place in ``older``
         for env in np.flatnonzero(whole.any(axis=0)):  # from its last whole row on (resets, key frames)
             last = int(np.flatnonzero(whole[:, env])[-1])
