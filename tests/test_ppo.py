@@ -304,18 +304,19 @@ def _trainable_rows(buffer: RolloutBuffer, trainable: np.ndarray) -> tuple[torch
             torch.from_numpy(buffer.returns[trainable]))
 
 
-@pytest.mark.parametrize("ent_coef", [0.01, 0.0])
-def test_one_update_matches_a_hand_written_sgd_step(ent_coef: float) -> None:
-    """ppo_epochs=1, one minibatch, plain SGD, no effective grad clip: the new weights equal
-    w - lr * grad of the PPO loss written out here independently (normalised advantages over all
-    trainable rows; at the first step the ratio is 1). With ent_coef 0 the entropy is computed
+@pytest.mark.parametrize(("ent_coef", "max_grad_norm"), [(0.01, 1e9), (0.0, 1e9), (0.01, 0.05)])
+def test_one_update_matches_a_hand_written_sgd_step(ent_coef: float, max_grad_norm: float) -> None:
+    """ppo_epochs=1, one minibatch, plain SGD: the new weights equal w - lr * c * grad of the PPO
+    loss written out here independently (normalised advantages over all trainable rows; at the
+    first step the ratio is 1), with c = min(1, max_grad_norm / (||grad|| + 1e-6)) over all
+    parameters' gradients (1 for 1e9; below 1 for 0.05). With ent_coef 0 the entropy is computed
     outside the autograd graph and still reported."""
     model = _model()
     reference = copy.deepcopy(model)
     lr, vf_coef = 0.1, 0.5
     learner = PPOUpdater(
         model, torch.optim.SGD(model.parameters(), lr=lr), device="cpu", ppo_epochs=1, num_minibatches=1,
-        clip_coef=0.2, clip_value_range=None, ent_coef=ent_coef, vf_coef=vf_coef, max_grad_norm=1e9,
+        clip_coef=0.2, clip_value_range=None, ent_coef=ent_coef, vf_coef=vf_coef, max_grad_norm=max_grad_norm,
     )
     with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
         _fill(buffer, [reference], np.random.default_rng(3))
@@ -334,9 +335,12 @@ def test_one_update_matches_a_hand_written_sgd_step(ent_coef: float) -> None:
     value_loss = 0.5 * ((values - returns) ** 2).mean()
     entropy = -(log_p.exp() * log_p).sum(-1).mean()
     (policy_loss - ent_coef * entropy + vf_coef * value_loss).backward()
+    norm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in reference.parameters()))
+    scale = min(1.0, max_grad_norm / (norm + 1e-6))
+    assert (scale < 0.5) == (max_grad_norm < 1)  # the small bound does clip
     with torch.no_grad():
         for (name, p_ref), p_new in zip(reference.named_parameters(), model.parameters()):
-            torch.testing.assert_close(p_new, p_ref - lr * p_ref.grad, rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(p_new, p_ref - lr * scale * p_ref.grad, rtol=1e-5, atol=1e-6, msg=name)
     assert stats.policy_loss == pytest.approx(policy_loss.item(), abs=1e-6)
     assert stats.value_loss == pytest.approx(value_loss.item(), rel=1e-5)
     assert stats.entropy == pytest.approx(entropy.item(), rel=1e-5)

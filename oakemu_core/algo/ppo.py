@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from oakemu_core.algo.flat_gradients import FlatGradients
 from oakemu_core.algo.settings import PPOSettings
 
 if TYPE_CHECKING:
@@ -340,7 +341,10 @@ class PPOUpdater:
         **overrides: settings fields by name, replacing those of ``settings``.
 
     Advantages are normalised per minibatch (``normalize_advantages``: mean 0, population std +
-    1e-8, over the minibatch's rows, all trainable), as SB3 and CleanRL do.
+    1e-8, over the minibatch's rows, all trainable), as SB3 and CleanRL do. The gradients of the
+    trained parameters share one buffer (:class:`~oakemu_core.algo.flat_gradients.FlatGradients`):
+    every parameter takes an optimizer step each minibatch, with a zero gradient where the loss
+    does not depend on it.
 
     ``learner_precision="bfloat16"`` is mixed precision: the model's forward passes (and so their
     backward: the proximal re-evaluation, the minibatches, behaviour cloning) run under
@@ -372,9 +376,9 @@ class PPOUpdater:
             torch.backends.cudnn.allow_tf32 = False
         self.model = model.to(self.device)
         self.optimizer = optimizer
-        # Listed once: model.parameters() walks the module tree, twice per SGD step otherwise. The
-        # optimizer holds these same tensors; restores load into them in place (load_state_dict).
-        self._trained_parameters = [parameter for parameter in self.model.parameters() if parameter.requires_grad]
+        # The optimizer holds these same tensors; restores load into them in place (load_state_dict).
+        # Their gradients live in one buffer: zeroing and clipping them are one op each.
+        self._gradients = FlatGradients(parameter for parameter in self.model.parameters() if parameter.requires_grad)
         # A fused optimizer (torch.optim.Adam(fused=True)) skips a step on the device when told through
         # ``found_inf``, the hook torch.amp.GradScaler uses: no host sync per minibatch to test the gradient.
         self._skips_on_device = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
@@ -578,10 +582,9 @@ class PPOUpdater:
         if bc_term is not None:  # behaviour cloning on demonstrations, next to the PPO loss
             bc_coef, sampler, bc_batch = bc_term
             loss = loss + bc_coef * self._bc_loss(sampler, bc_batch)
-        for parameter in self._trained_parameters:  # zero_grad(set_to_none=True), minus its profiler hooks
-            parameter.grad = None
+        self._gradients.zero()
         loss.backward()
-        grad_norm = nn.utils.clip_grad_norm_(self._trained_parameters, settings.max_grad_norm)
+        grad_norm = self._gradients.clip_norm_(settings.max_grad_norm)
         nonfinite = ~torch.isfinite(grad_norm)
         if self._skips_on_device:  # parameters, moments and step count stay as they were where found_inf is 1
             self.optimizer.found_inf = nonfinite.float()
