@@ -441,13 +441,17 @@ def test_empty_rollout_and_bad_hyperparameters_are_rejected(served_minibatches: 
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning", "ignore:overflow encountered:RuntimeWarning")
-@pytest.mark.parametrize("fused", [False, True])  # skipped on the host, or by the fused kernel (found_inf)
-def test_a_non_finite_gradient_skips_the_step_and_keeps_the_weights_finite(fused: bool) -> None:
+@pytest.mark.parametrize(("fused", "on_device"), [(False, False), (True, False), (True, True)])
+def test_a_non_finite_gradient_skips_the_step_and_keeps_the_weights_finite(fused: bool, on_device: bool) -> None:
+    """Skipped on the host (the CPU's path), or by the fused kernel told through ``found_inf`` (an
+    accelerator's path, forced here on the CPU, whose fused kernel takes the same hook)."""
     model = _model()
     before = copy.deepcopy(model.state_dict())
     with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
         _fill(buffer, [model], np.random.default_rng(0))
         learner = _learner(model, fused=fused)
+        assert not learner._skips_on_device
+        learner._skips_on_device = on_device
         learner.step(buffer, current_policy_version=0)  # finite: every step taken
         after_finite = copy.deepcopy(model.state_dict())
         adam = copy.deepcopy(learner.optimizer.state_dict()["state"])

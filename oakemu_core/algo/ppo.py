@@ -379,9 +379,11 @@ class PPOUpdater:
         # The optimizer holds these same tensors; restores load into them in place (load_state_dict).
         # Their gradients live in one buffer: zeroing and clipping them are one op each.
         self._gradients = FlatGradients(parameter for parameter in self.model.parameters() if parameter.requires_grad)
-        # A fused optimizer (torch.optim.Adam(fused=True)) skips a step on the device when told through
-        # ``found_inf``, the hook torch.amp.GradScaler uses: no host sync per minibatch to test the gradient.
-        self._skips_on_device = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        # On an accelerator a fused optimizer (torch.optim.Adam(fused=True)) skips a step on the device
+        # when told through ``found_inf``, the hook torch.amp.GradScaler uses: no host sync per minibatch
+        # to test the gradient. On the CPU that test costs nothing, and the hook costs two ops a step.
+        self._skips_on_device = (self.device.type != "cpu"
+                                 and bool(getattr(optimizer, "_step_supports_amp_scaling", False)))
         self._stored_parameters = tuple(self.model.distribution.stored_fields())  # parameters for the exact KL
         self._shuffle_rng = np.random.default_rng(self.settings.seed)
         self.action_mask = None if action_mask is None else action_mask.to(self.device, torch.bool)
