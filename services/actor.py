@@ -108,6 +108,7 @@ class Actor:
         self.next_heartbeat = 0.0
         self.learner_version = 0
         self.learner_holds_rows = 0  # the last heartbeat reply's held_rows: steps of ours the learner holds
+        self.held_weights: WeightsMessage | None = None  # read within a synchronous segment, loaded at its end
         self.episodes = 0
         self.sps_meter = StepRateMeter(window=32)
         self.env_steps = 0
@@ -195,20 +196,35 @@ class Actor:
             self.stepper.weights_revision = revision
         self.learner_version = max(self.learner_version, version)
 
-    def _poll_weights(self) -> bool:
+    def _poll_weights(self, *, hold: bool = False) -> bool:
         """Load the newest weights waiting on the weights socket, if newer (policy version, then the
-        revision within an update); True when loaded. A :class:`StopNotice` sets the stop event."""
+        revision within an update); True when loaded. A :class:`StopNotice` sets the stop event.
+        ``hold``: keep newer weights for :meth:`_load_held_weights` instead (a synchronous segment is
+        acted by one version to its end), so a wait inside a segment still hears a stop notice."""
         assert self.weights_sub is not None
         message = newest_message(self.weights_sub, self.config.max_message_bytes)
         if isinstance(message, StopNotice):
             log.info("learner announced the end of the run to actor %s (%s)", self.actor_id, message.reason)
             self.stop_event.set()
             return False
-        if isinstance(message, WeightsMessage) and (
-                (message.policy_version, message.revision) > (self.policy_version, self.weights_revision)):
+        if not isinstance(message, WeightsMessage) or not self._is_newer(message):
+            return False
+        if hold:
+            if self.held_weights is None or (message.policy_version, message.revision) > (
+                    self.held_weights.policy_version, self.held_weights.revision):
+                self.held_weights = message
+            return False
+        self._load_weights(message.policy_version, message.weights, message.revision)
+        return True
+
+    def _is_newer(self, message: WeightsMessage) -> bool:
+        return (message.policy_version, message.revision) > (self.policy_version, self.weights_revision)
+
+    def _load_held_weights(self) -> None:
+        """Load the weights :meth:`_poll_weights` held during a synchronous segment, if still newer."""
+        message, self.held_weights = self.held_weights, None
+        if message is not None and self._is_newer(message):
             self._load_weights(message.policy_version, message.weights, message.revision)
-            return True
-        return False
 
     # -- waiting ---------------------------------------------------------------------------
     def heartbeat_if_due(self) -> None:
@@ -235,22 +251,23 @@ class Actor:
 
     def _pause(self, seconds: float, writable: zmq.Socket | None = None) -> None:
         """The wait of the step channel (:class:`oakemu_core.transport.channels.Pause`): up to ``seconds``,
-        ended early by ``writable`` becoming writable or (asynchronous mode) by newer weights, which are
-        loaded and the pending action chosen again with them, so the actor does not resume with a policy
-        that went stale while it waited; a pause under 1 ms is a sleep. Then a heartbeat if due."""
+        ended early by ``writable`` becoming writable or by a message on the weights socket. Newer
+        weights are loaded and the pending action chosen again with them (asynchronous mode: the actor
+        does not resume with a policy that went stale while it waited) or held for the segment's end
+        (synchronous mode); a stop notice stops the actor at once. A pause under 1 ms is a sleep. Then
+        a heartbeat if due."""
         assert self.weights_sub is not None
         if writable is not None:
             poller = zmq.Poller()
             poller.register(writable, zmq.POLLOUT)
-            if not self.sync_rollout_length:  # sync mode loads weights only at segment ends
-                poller.register(self.weights_sub, zmq.POLLIN)
-            new_weights = bool(dict(poller.poll(int(seconds * 1000))).get(self.weights_sub))
-        elif seconds < 0.001 or self.sync_rollout_length:
+            poller.register(self.weights_sub, zmq.POLLIN)
+            readable = bool(dict(poller.poll(int(seconds * 1000))).get(self.weights_sub))
+        elif seconds < 0.001:
             time.sleep(seconds)
-            new_weights = False
+            readable = False
         else:
-            new_weights = bool(self.weights_sub.poll(int(seconds * 1000)))
-        if new_weights and self._poll_weights() and self.stepper is not None:
+            readable = bool(self.weights_sub.poll(int(seconds * 1000)))
+        if readable and self._poll_weights(hold=bool(self.sync_rollout_length)) and self.stepper is not None:
             self.stepper.reselect()
         self.heartbeat_if_due()
 
@@ -267,6 +284,7 @@ class Actor:
         (synchronous mode, at a segment end) a long wait is logged every :data:`WEIGHTS_WAIT_WARNING_S`.
         Raises :class:`_Rejoined` after a rejoin."""
         assert self.weights_sub is not None
+        self._load_held_weights()
         start = time.monotonic()
         warn_at = start + WEIGHTS_WAIT_WARNING_S
         while not self.stop_event.is_set() and self.policy_version <= version:
