@@ -6,7 +6,8 @@ Run it on a machine with a GPU as ``python benchmarks/gpu_check.py --device cuda
 well under 10); without ``--device`` it takes CUDA when torch sees a GPU, else the CPU.
 ``--quick`` is the CPU fallback at tiny sizes (seconds; what the tests run). The settings are the
 ``atari`` preset's (``oakemu_core/presets/atari.toml``: 8 envs x 128 steps, 4 epochs of 4 minibatches
-of 256 rows); ``--envs``, ``--steps`` and ``--actors`` change the sizes.
+of 256 rows); ``--preset`` takes another preset's (``cartpole``: the MLP update whose time decides
+synchronous CartPole's throughput on a CPU), ``--envs``, ``--steps`` and ``--actors`` change the sizes.
 
 Printed, all measured in the same run:
 
@@ -65,7 +66,7 @@ from oakemu_core.envs import make_vector_env  # noqa: E402
 from oakemu_core.errors import ConfigError  # noqa: E402
 from oakemu_core.policy.models import load_weight_arrays  # noqa: E402
 from oakemu_core.policy.schemas import schema_for_env  # noqa: E402
-from oakemu_core.presets import load_preset  # noqa: E402
+from oakemu_core.presets import load_preset, preset_names  # noqa: E402
 from oakemu_core.storage.buffer_ring import FullRollout  # noqa: E402
 from oakemu_core.storage.rollout_buffer import RolloutBuffer  # noqa: E402
 
@@ -89,9 +90,9 @@ class UpdateRow:
 
 
 def preset_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``atari`` preset's settings with this check's device and sizes, no evaluation, checkpoint or
+    """The ``--preset``'s settings with this check's device and sizes, no evaluation, checkpoint or
     rollback (nothing but the updates runs)."""
-    return {**load_preset("atari").settings, "device": args.device, "num_envs": args.envs,
+    return {**load_preset(args.preset).settings, "device": args.device, "num_envs": args.envs,
             "rollout_length": args.steps, "eval_every_updates": 0, "checkpoint_every_updates": 0,
             "rollback": False, "log_level": "WARNING"}
 
@@ -239,9 +240,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="the learner's torch device (default: cuda when torch sees a GPU, else cpu)")
+    parser.add_argument("--preset", default="atari", choices=preset_names(),
+                        help="the preset whose settings and env the check uses (default: atari, Breakout)")
     parser.add_argument("--updates", type=int, default=5, help="updates of part 1; the first is a warm-up")
-    parser.add_argument("--envs", type=int, default=None, help="envs per rollout (default: the preset's 8)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per rollout (default: the preset's 128)")
+    parser.add_argument("--envs", type=int, default=None, help="envs per rollout (default: the preset's)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per rollout (default: the preset's)")
     parser.add_argument("--actors", type=int, default=1, help="synthetic actor processes end to end; divides --envs")
     parser.add_argument("--seconds", type=float, default=30.0, help="length of the end-to-end run")
     parser.add_argument("--torch-threads", type=int, default=None,
@@ -249,7 +252,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny sizes for the CPU fallback: " + ", ".join(
         f"--{name.replace('_', '-')} {value}" for name, value in QUICK.items()))
     args = parser.parse_args(argv)
-    preset = load_preset("atari").settings
+    preset = load_preset(args.preset).settings
     if args.quick:
         vars(args).update(QUICK)
     args.envs = args.envs or preset["num_envs"]

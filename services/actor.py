@@ -209,10 +209,8 @@ class Actor:
             return False
         if not isinstance(message, WeightsMessage) or not self._is_newer(message):
             return False
-        if hold:
-            if self.held_weights is None or (message.policy_version, message.revision) > (
-                    self.held_weights.policy_version, self.held_weights.revision):
-                self.held_weights = message
+        if hold:  # messages come in order: the newest read is the newest sent
+            self.held_weights = message
             return False
         self._load_weights(message.policy_version, message.weights, message.revision)
         return True

@@ -24,6 +24,7 @@ def stub(held_rows_after: list[int]) -> SimpleNamespace:
     actor = SimpleNamespace(stop_event=threading.Event(), policy_version=3, learner_version=3, actor_id="a",
                             weights_sub=Weights(), learner_holds_rows=held_rows_after[0], heartbeats=0)
     actor._poll_weights = lambda: False
+    actor._load_held_weights = lambda: None  # none held: asynchronous mode
 
     def heartbeat_if_due() -> None:
         actor.heartbeats += 1
