@@ -40,8 +40,13 @@ The figures from ``ingest`` down (CPU per step, actor cores, training load) use 
 where a synthetic actor did not get its ring stops with an error instead of printing socket figures
 as ring figures.
 
+``--sockets-only --feeder replay``: the synthetic actors encode 64 messages once and re-send them with
+fresh headers (:meth:`~benchmarks.synthetic_actors.SyntheticActor.start_replay`); the learner's work per
+message is the same, and the cores are left to it, as they are when the actors run on other machines.
+
 Usage: ``python benchmarks/bench_ingest.py [--env ALE/Breakout-v5] [--actors 1] [--envs-per-actor 8]
-[--steps-per-message auto] [--seconds 10] [--repeats 3] [--no-training-load] [--buffer-columns 64]``
+[--steps-per-message auto] [--seconds 10] [--repeats 3] [--no-training-load] [--buffer-columns 64]
+[--sockets-only [--feeder encode|replay]]``
 """
 
 from __future__ import annotations
@@ -67,16 +72,19 @@ from oakemu_core.algo.learner import PPOLearner  # noqa: E402
 
 
 def synthetic_actor(env_id: str, num_envs: int, ports: list[int], actor_id: str, stop: mp.Event,
-                    transport: str = "auto") -> None:
+                    transport: str = "auto", replay: bool = False) -> None:
     """A :class:`SyntheticActor` that joins the learner and re-sends its one real vector step as fast
     as the learner takes it, through the step ring the learner offers (``transport`` "auto") or inline
-    ("sockets"), until ``stop``."""
+    ("sockets"), until ``stop``; ``replay``: inline messages encoded once and re-sent
+    (:meth:`SyntheticActor.start_replay`)."""
     import torch
 
     torch.set_num_threads(1)
     actor = SyntheticActor(env_id, num_envs, ports, actor_id, threading.Event(), transport)
     try:
         actor.join()
+        if replay:
+            actor.start_replay()
         while not stop.is_set():
             actor.send_next()
     finally:
@@ -123,7 +131,7 @@ def memcpy_mb_per_s(chunk_bytes: int, seconds: float = 2.0, total_bytes: int = 2
 
 def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load: str = "",
                    steps_per_message: int | str = "auto", transport: str = "auto",
-                   columns: int = 64, learner_type: type[PPOLearner] = NoUpdateLearner,
+                   columns: int = 64, learner_type: type[PPOLearner] = NoUpdateLearner, replay: bool = False,
                    **settings: object) -> tuple[float, float, dict]:
     """Env steps/s the learner writes from ``actors`` synthetic actors; ``load``: "" (none), "thread"
     (training loop in this process) or "process"; ``transport``: the ``step_transport`` of learner
@@ -131,7 +139,8 @@ def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load
     threads per row written, dropped counters)``. ``columns``: the learner's rollout buffer columns;
     ``learner_type``: the trainer's learner (default: one whose update does nothing: full buffers are
     released at once); ``settings``: further :class:`~oakemu_core.config.OakEmuConfig` fields (e.g.
-    the PPO settings of a learner that trains)."""
+    the PPO settings of a learner that trains); ``replay``: the actors re-send messages encoded once
+    (``transport`` "sockets" only: :meth:`SyntheticActor.start_replay`)."""
     from oakemu_core.config import OakEmuConfig
 
     ports = _free_ports(5)
@@ -151,7 +160,7 @@ def measure_ingest(env_id: str, actors: int, num_envs: int, seconds: float, load
         thread = threading.Thread(target=learner.run, args=(stop,), daemon=True)
         thread.start()
         procs = [ctx.Process(target=synthetic_actor,
-                             args=(env_id, num_envs, ports, f"synthetic-{i}", stop_actors, transport))
+                             args=(env_id, num_envs, ports, f"synthetic-{i}", stop_actors, transport, replay))
                  for i in range(actors)]
         loader: threading.Thread | mp.Process | None = None
         if load == "thread":
@@ -294,7 +303,8 @@ def sockets_only(args: argparse.Namespace, k: int, bytes_per_row: int) -> None:
     for _ in range(args.repeats):
         memcpy_all.append(memcpy_mb_per_s(bytes_per_row * args.envs_per_actor * k))
         rate, cpu_per_row, dropped = measure_ingest(args.env, args.actors, args.envs_per_actor, args.seconds, "", k,
-                                                    transport="sockets", columns=args.buffer_columns)
+                                                    transport="sockets", columns=args.buffer_columns,
+                                                    replay=args.feeder == "replay")
         rates.append(rate)
         cpu_all.append(cpu_per_row)
         dropped_all.append(dropped)
@@ -325,10 +335,17 @@ def main() -> None:
     parser.add_argument("--sockets-only", action="store_true",
                         help="measure only the socket path (remote actors): memcpy, ingest through the sockets and "
                              "bytes on the wire per env step")
+    parser.add_argument("--feeder", choices=("encode", "replay"), default="encode",
+                        help="with --sockets-only, how the synthetic actors make each message: encode (stacks moved "
+                             "on, deduplicated and encoded on these same cores, as a local actor) or replay (64 "
+                             "messages encoded once and re-sent with fresh headers: the cores left to the learner, as "
+                             "with actors on other machines)")
     parser.add_argument("--buffer-columns", type=int, default=64,
                         help="the learner's rollout buffer columns (64: a rollout is 8,192 Breakout rows, as eight "
                              "actors of 8 envs fill; the stubbed update's per-rollout work then stays small)")
     args = parser.parse_args()
+    if args.feeder == "replay" and not args.sockets_only:
+        parser.error("--feeder replay: with --sockets-only (ring messages carry no arrays to replay)")
     steps_per_message = args.steps_per_message if args.steps_per_message == "auto" else int(args.steps_per_message)
 
     from oakemu_core.config import OakEmuConfig
@@ -350,6 +367,7 @@ def main() -> None:
           f"sockets only; buffers of {args.buffer_columns} columns; {args.seconds:.0f} s per figure, median of "
           f"{args.repeats} interleaved repeats, {os.cpu_count()} CPUs")
     if args.sockets_only:
+        print(f"socket messages: {'replayed (encoded once)' if args.feeder == 'replay' else 'encoded by each actor'}")
         sockets_only(args, k_sockets, bytes_per_row)
         return
     loads = [""] if args.no_training_load else ["", "thread", "process"]

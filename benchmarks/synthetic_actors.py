@@ -2,7 +2,8 @@
 
 * :class:`SyntheticActor`: joins like a real actor (same join, spec, sockets, back-pressure, weights
   polling and heartbeats: :class:`oakemu_services.actor.Actor`), takes ONE real vector step for
-  valid field values, then re-sends those fields with increasing ``seq``: no env, no inference.
+  valid field values, then re-sends those fields with increasing ``seq``: no env, no inference; or
+  (:meth:`SyntheticActor.start_replay`) re-sends 64 messages encoded once, with fresh headers.
 * :class:`NoUpdateLearner` (and :class:`NewVersionNoUpdateLearner`) and :func:`no_update_learner`:
   a :class:`oakemu_services.learner.Learner` whose PPO update does nothing, so full buffers are released at once and what is measured is the
   learner's receive, decode/validate and write into shared memory; :func:`learner_with`: the same
@@ -104,6 +105,7 @@ class SyntheticActor:
         self.fields: dict[str, np.ndarray] = {}
         self.shift = lambda: None
         self.rejoins = 0
+        self.replayed: list[tuple[dict, list]] = []  # (header, frames) per message of a replay cycle
 
     @property
     def env_steps_per_message(self) -> int:
@@ -126,13 +128,37 @@ class SyntheticActor:
         self.fields = fields
         self.shift = stack_shifter(fields, actor.stepper.schema, k)
 
+    def start_replay(self) -> None:
+        """From now on :meth:`send_next` re-sends messages encoded once: ``KEYFRAME_MESSAGES`` (64)
+        consecutive messages are encoded here (stacks moved on, deduplicated, key frames where the
+        actor's encoder puts them), then message ``seq`` goes as number ``seq % 64`` of them with a
+        fresh header (``seq``, ``policy_version``). The learner receives, checks, rebuilds and writes
+        each as a real one; this process spends only the sends, as if it encoded on a machine of its
+        own (a remote actor). After :meth:`join`; through the sockets only (no step ring)."""
+        import msgpack
+
+        from oakemu_core.transport.frame_stacks import KEYFRAME_MESSAGES
+        from oakemu_core.transport.steps import StepMessage
+
+        actor = self.actor
+        if actor.channel is None or actor.channel.ring is not None:
+            raise ValueError("start_replay: expected an actor that joined and sends through the sockets")
+        self.replayed = []
+        for seq in range(KEYFRAME_MESSAGES):
+            self.shift()
+            frames = actor.channel.encoder.encode(StepMessage(actor.actor_id, actor.incarnation, seq,
+                                                              actor.policy_version, self.fields))
+            kept = [frame if isinstance(frame, (bytes, bytearray)) else bytes(frame) for frame in frames]
+            self.replayed.append((msgpack.unpackb(kept[0]), kept[1:]))
+
     def send_next(self, *, hold_ahead: bool = False) -> bool:
         """Pick up newer weights, heartbeat if due, and send the next message (waiting while the
         channel cannot take it); with ``hold_ahead`` first wait as a real asynchronous actor does
         once it acted two segments with one policy version (:meth:`Actor.wait_if_too_far_ahead`).
-        Returns False when the learner had forgotten this actor (it restarted, or timed the actor
+        After :meth:`start_replay` the message is the next replayed one. Returns False when the learner had forgotten this actor (it restarted, or timed the actor
         out): the actor joined again and the message was not sent. Raises ``LearnerUnreachable``
         when the learner stays silent past the actor's patience."""
+        from oakemu_core.transport.codec import pack
         from oakemu_core.transport.steps import StepMessage
         from oakemu_services.actor import _Rejoined  # the actor loop's own signal: a rejoin happened
 
@@ -142,11 +168,18 @@ class SyntheticActor:
             actor.heartbeat_if_due()
             if hold_ahead:
                 actor.wait_if_too_far_ahead()
-            self.shift()
-            actor.send_step(StepMessage(actor.actor_id, actor.incarnation, actor.seq, actor.policy_version,
-                                        self.fields))
+            if self.replayed:
+                head, frames = self.replayed[actor.seq % len(self.replayed)]
+                actor.channel.send_frames([pack({**head, "seq": actor.seq, "policy_version": actor.policy_version}),
+                                           *frames], actor._pause)
+            else:
+                self.shift()
+                actor.send_step(StepMessage(actor.actor_id, actor.incarnation, actor.seq, actor.policy_version,
+                                            self.fields))
         except _Rejoined:
             self.rejoins += 1
+            if self.replayed:  # a new incarnation: its messages start over, whole stacks first
+                self.start_replay()
             return False
         actor.seq += 1
         actor.rows_this_version += actor.steps_per_message

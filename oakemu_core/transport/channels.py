@@ -176,9 +176,9 @@ class SocketStepChannel:
         Raises:
             TypeError / ValueError: from :func:`~oakemu_core.transport.steps.encode_step`.
         """
-        self._send_frames(self.encoder.encode(message), pause)
+        self.send_frames(self.encoder.encode(message), pause)
 
-    def _send_frames(self, frames: Sequence[Frame], pause: Pause) -> None:
+    def send_frames(self, frames: Sequence[Frame], pause: Pause) -> None:
         """Send one multipart message: views of the actor's arrays are copied into it (the actor
         reuses them at once), buffers made for the message (``bytearray``) go without a copy."""
         while not self.stop.is_set():
@@ -249,7 +249,7 @@ class RingStepChannel(SocketStepChannel):
         if not self.ring.is_free(message.seq):  # told to stop meanwhile
             return
         slot = self.ring.write(message.seq, message.fields)
-        self._send_frames(encode_step(replace(message, fields={}, slot=slot)), pause)
+        self.send_frames(encode_step(replace(message, fields={}, slot=slot)), pause)
 
     def detach(self) -> zmq.Socket:
         """Close the ring (it belongs to this incarnation) and hand the socket over."""
