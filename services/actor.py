@@ -164,6 +164,7 @@ class Actor:
         self._load_weights(reply.policy_version, reply.weights)
         self.ahead_rows = 0 if self.sync_rollout_length else AHEAD_SEGMENTS * int(env_config.get("rollout_length") or 0)
         self.segment_rows = 0  # a new incarnation starts a new segment
+        self.held_weights = None  # read for the last one's segment, perhaps from a learner that restarted since
         threads = (f" ({self.config.resolved_emulator_threads()} emulator threads per env group)"
                    if is_atari_env(str(env_config["env_id"])) else "")
         log.info("actor %s joined as #%d: %s x %d envs%s, policy version %d", self.actor_id, reply.actor_index,

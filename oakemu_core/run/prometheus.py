@@ -175,9 +175,9 @@ class _QuietHandler(WSGIRequestHandler):
 def _serve(port: int, addr: str, registry: CollectorRegistry) -> tuple[WSGIServer, threading.Thread]:
     """``registry`` over HTTP at ``addr:port`` (IPv4 or IPv6, as the address resolves), served by a
     daemon thread; prometheus_client's ``start_http_server`` with a shorter shutdown poll."""
-    family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][0]
+    family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     server_class = type("_Server", (_MetricsServer,), {"address_family": family})
-    server = make_server(addr, port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler)
+    server = make_server(sockaddr[0], port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": SHUTDOWN_POLL_S},
                               name="prometheus", daemon=True)
     thread.start()
