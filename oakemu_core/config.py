@@ -207,10 +207,11 @@ class OakEmuConfig(PPOSettings, EnvSettings, BaseSettings):
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per actor process.")
     learner_threads: int | None = Field(None, ge=1, description="torch intra-op threads of the learner process (default: "
                                         "1 for a model without convolutions, torch's, one per core, for a CNN).")
-    actor_inference: Literal["torch", "onnxruntime", "bfloat16"] = Field(
-        "torch",
-        description="What runs the actors' forward passes: torch; onnxruntime (extra 'onnx', not for dict "
-        "observations); or bfloat16 (uint8 image observations only; the learner re-evaluates every rollout).",
+    actor_inference: Literal["auto", "torch", "numpy", "onnxruntime", "bfloat16"] = Field(
+        "auto",
+        description="What runs the actors' forward passes: auto (numpy for MLP models of vector observations, "
+        "else torch); torch; numpy (MLP models only); onnxruntime (extra 'onnx', not for dict observations); "
+        "or bfloat16 (uint8 image observations only; the learner re-evaluates every rollout).",
     )
 
     step_transport: Literal["auto", "sockets"] = Field(

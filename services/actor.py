@@ -114,7 +114,7 @@ class Actor:
         self.env_steps = 0
         self.env: VectorEnv | EnvGroups | None = None
         self.model: ActorCritic | None = None
-        self.inference_backend: Any = None  # forward of actor_inference 'onnxruntime' or 'bfloat16' (has .load)
+        self.inference_backend: Any = None  # forward of actor_inference other than torch's (has .load)
         self.stepper: PolicyStepper | None = None
         self.policy_version = 0
         self.weights_revision = 0  # > 0: weights published within the update that makes policy_version + 1
@@ -152,7 +152,7 @@ class Actor:
             if self.config.actor_inference != "torch":
                 self.inference_backend = make_inference_backend(self.config.actor_inference, self.model,
                                                                 threads=self.config.torch_threads, actor_id=self.actor_id)
-                self.model.use_inference_backend(self.inference_backend)
+                self.model.use_inference_backend(self.inference_backend)  # None ("auto" for a CNN): torch's
                 if self.config.actor_inference == "bfloat16" and cpu_has_native_bfloat16() is False:
                     log.warning("actor %s: this CPU has no AVX512-BF16 or AMX: bfloat16 is emulated and slower "
                                 "than --actor-inference torch", self.actor_id)

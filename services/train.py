@@ -159,6 +159,13 @@ def check_can_start(config: OakEmuConfig) -> None:
             check_supported(spec.observation_layout)
         except ValueError as error:
             raise ConfigError(str(error)) from None
+    if config.actor_inference == "numpy":
+        from oakemu_core.policy.numpy_inference import check_supported as check_numpy_supported
+
+        try:
+            check_numpy_supported(spec.observation_layout)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     if config.actor_inference == "onnxruntime":
         from oakemu_core.policy.onnx_inference import check_available
 

@@ -136,7 +136,7 @@ def test_actor_inference_bfloat16_is_a_setting() -> None:
     from oakemu_core.config import ConfigError, load_config
 
     assert load_config(["--actor-inference", "bfloat16"]).actor_inference == "bfloat16"
-    with pytest.raises(ConfigError, match=r"--actor-inference: expected 'torch' or 'onnxruntime' or 'bfloat16'"):
+    with pytest.raises(ConfigError, match=r"--actor-inference: expected 'auto' or 'torch' or 'numpy' or 'onnxruntime' or 'bfloat16'"):
         load_config(["--actor-inference", "float16"])
 
 

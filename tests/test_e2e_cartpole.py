@@ -43,7 +43,7 @@ def test_first_solved_window() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("actor_inference", "publish_every_epoch"),
-                         [("torch", True), ("onnxruntime", True), ("torch", False)])
+                         [("torch", True), ("onnxruntime", True), ("auto", False)])
 def test_cartpole_two_actors_learn_within_budget(e2e: E2EProcesses, actor_inference: str,
                                                  publish_every_epoch: bool) -> None:
     """The same run whichever runs the actors' forward passes (torch or ONNX Runtime), and with the
@@ -87,6 +87,7 @@ def test_cartpole_two_actors_learn_within_budget(e2e: E2EProcesses, actor_infere
     assert "learner torch threads: 1" in (run_dir / "logs" / "learner.log").read_text()  # an MLP: one thread
     actor_logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("actor*.log"))
     assert ("forward passes by ONNX Runtime" in actor_logs) == (actor_inference == "onnxruntime")
+    assert ("forward passes in numpy" in actor_logs) == (actor_inference == "auto")  # an MLP: numpy
     assert ("weight revisions published within updates" in actor_logs) == publish_every_epoch
     # The actors stopped on the learner's notice on the weights channel (or, if a heartbeat reply came
     # first, on that): each logged one of the two, and the notice reached at least one.

@@ -368,7 +368,9 @@ def make_model(env: VectorEnv | EnvGroups, reply: JoinReply) -> ActorCritic:
 
 
 def make_inference_backend(kind: str, model: ActorCritic, *, threads: int, actor_id: str = "") -> Any:
-    """The forward passes of ``actor_inference`` ``kind`` for ``model``: ``"bfloat16"``
+    """The forward passes of ``actor_inference`` ``kind`` for ``model``: ``"numpy"``
+    (:class:`~oakemu_core.policy.numpy_inference.NumpyForward`), ``"auto"`` (numpy where it serves the
+    model, else None: torch's own), ``"bfloat16"``
     (:class:`~oakemu_core.policy.bfloat16_inference.BFloat16Forward`) or ``"onnxruntime"``
     (:class:`~oakemu_core.policy.onnx_inference.OnnxForward`, ``threads`` intra-op threads); give it to
     :meth:`~oakemu_core.policy.models.ActorCritic.use_inference_backend`, and ``load`` it after each
@@ -378,6 +380,14 @@ def make_inference_backend(kind: str, model: ActorCritic, *, threads: int, actor
         ActorSetupError: the backend cannot serve this model (or cannot be set up here).
     """
     try:
+        if kind in ("auto", "numpy"):
+            from oakemu_core.policy.numpy_inference import NumpyForward
+
+            if kind == "auto" and NumpyForward.unsupported_reason(model):
+                return None
+            backend = NumpyForward(model)
+            log.info("actor %s: forward passes in numpy", actor_id)
+            return backend
         if kind == "bfloat16":
             from oakemu_core.policy.bfloat16_inference import BFloat16Forward
 

@@ -50,6 +50,7 @@ __all__ = [
     "ActorCritic",
     "RunningNormalizer",
     "build_model",
+    "has_separate_mlps",
     "load_weight_arrays",
     "weights_to_arrays",
 ]
@@ -137,6 +138,13 @@ def _is_picture(shape: tuple[int, ...]) -> bool:
     return len(shape) == 3 and min(shape[1:]) >= SMALL_CNN_MIN_SIZE
 
 
+def has_separate_mlps(observation_layout: Mapping[str, tuple[tuple[int, ...], Any]]) -> bool:
+    """Whether the model of ``observation_layout`` (key -> (shape, dtype)) flattens one observation into
+    separate actor and critic MLPs (CleanRL's classic-control networks): one key ``""``, not a picture."""
+    only = observation_layout.get("")
+    return only is not None and not _is_picture(tuple(only[0]))
+
+
 def _normalized(shape: tuple[int, ...], dtype: np.dtype, normalize_observations: bool) -> bool:
     """Whether a key gets a :class:`RunningNormalizer`: float keys under ``normalize_observations``,
     and uint8 keys that are not pictures always (a uint8 grid of symbolic indices or a RAM dump has no
@@ -190,10 +198,9 @@ class ActorCritic(nn.Module):
             if _normalized(shape, dtype, normalize_observations):
                 self.normalizers[self._module_key(key)] = RunningNormalizer(shape)
 
-        only = self.observation_layout.get("")
-        self.separate_mlps = only is not None and not _is_picture(only[0])
+        self.separate_mlps = has_separate_mlps(self.observation_layout)
         if self.separate_mlps:  # CleanRL's classic-control networks, on the flattened observation
-            dim = math.prod(only[0])
+            dim = math.prod(self.observation_layout[""][0])
             self.actor_torso: nn.Module = _mlp(dim)
             self.critic_torso: nn.Module = _mlp(dim)
             features = 64
@@ -441,6 +448,16 @@ class ActorCritic(nn.Module):
         """
         _, values = self._inference_forward(self._observations_to_tensor(observations))
         return values.to("cpu", torch.float32).numpy()
+
+    def probe_observations(self, rows: int = 2) -> torch.Tensor:
+        """``rows`` deterministic observations (seed 0) of the model's one observation key, in its
+        shape and dtype: what an inference backend compares with this module when it is built."""
+        shape, _ = self.observation_layout[""]
+        dtype = self._torch_dtypes[""]
+        generator = torch.Generator().manual_seed(0)
+        if dtype.is_floating_point:
+            return torch.randn((rows, *shape), generator=generator).to(dtype)
+        return torch.randint(0, 2 if dtype == torch.bool else 100, (rows, *shape), generator=generator).to(dtype)
 
     def _inference_forward(self, observations: Any) -> tuple[torch.Tensor, torch.Tensor]:
         forward = self.__dict__.get("_inference_backend")

@@ -70,8 +70,7 @@ class OnnxForward:
         self._options = onnxruntime.SessionOptions()
         self._options.intra_op_num_threads = threads
         self._options.inter_op_num_threads = 1
-        shape, _ = model.observation_layout[""]
-        probe = self._probe(model, shape)
+        probe = model.probe_observations()
         # The exporter merges weights of equal value (zero biases, say) into one graph weight, whose
         # name then stands for several parameters: export a copy whose weights all differ.
         backend = model.__dict__.pop("_inference_backend", None)  # a session cannot be deep-copied
@@ -102,15 +101,6 @@ class OnnxForward:
             if not torch.allclose(got, want, rtol=PROBE_TOLERANCE, atol=PROBE_TOLERANCE):  # False on NaN too
                 raise ValueError(f"actor_inference='onnxruntime': the exported graph's {name} differs from the "
                                  f"model's by {float((got - want).abs().max()):.3g} on a probe batch")
-
-    @staticmethod
-    def _probe(model: Any, shape: tuple[int, ...]) -> torch.Tensor:
-        """A batch of 2 deterministic observations of the model's dtype."""
-        dtype = model._torch_dtypes[""]
-        generator = torch.Generator().manual_seed(0)
-        if dtype.is_floating_point:
-            return torch.randn((2, *shape), generator=generator).to(dtype)
-        return torch.randint(0, 2 if dtype == torch.bool else 100, (2, *shape), generator=generator).to(dtype)
 
     def load(self, model: Any) -> None:
         """Put ``model``'s current weights (parameters and normaliser statistics) into the graph and

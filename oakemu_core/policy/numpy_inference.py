@@ -1,0 +1,129 @@
+"""Actor inference with numpy: the forward pass of an actor-critic with separate MLP torsos (one
+vector observation: CleanRL's classic-control networks) as numpy matrix products instead of torch
+modules (``actor_inference = "numpy"``; ``"auto"`` picks it for such models).
+
+A forward pass of a few rows through two 64-64 tanh MLPs is a dozen small products: torch spends
+most of it on per-module and per-op overhead (8 CartPole rows: 63 us through the modules, 15 us in
+numpy; ``docs/benchmarks.md``). The weights are copied out of the model at every load; sampling,
+log-probs and masks stay in torch (:meth:`oakemu_core.policy.models.ActorCritic.act`). The products
+round differently from torch's kernels, so the actors' log-probs differ from the learner's by float32
+rounding (a first-minibatch ratio within about 1e-6 of 1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+__all__ = ["NumpyForward", "PROBE_TOLERANCE", "check_supported"]
+
+PROBE_TOLERANCE = 1e-4
+"""Relative and absolute tolerance between numpy and torch on a probe batch when the backend is
+built."""
+
+
+def check_supported(observation_layout: dict[str, tuple[tuple[int, ...], Any]]) -> None:
+    """Before anything starts: raise ValueError (one line) when the model of ``observation_layout``
+    (key -> (shape, dtype), e.g. an env spec's) has no separate MLP torsos."""
+    from oakemu_core.policy.models import has_separate_mlps
+
+    if not has_separate_mlps(observation_layout):
+        raise ValueError(f"actor_inference='numpy': only for one vector observation (MLP torsos), this env "
+                         f"gives {_describe(observation_layout)}; use actor_inference='torch' or 'auto'")
+
+
+def _describe(observation_layout: dict[str, tuple[tuple[int, ...], Any]]) -> str:
+    if set(observation_layout) != {""}:
+        return f"the keys {sorted(observation_layout)}"
+    shape, dtype = observation_layout[""]
+    return f"{np.dtype(dtype).name} {tuple(shape)} pictures"
+
+
+class NumpyForward:
+    """``model.forward`` in numpy for an :class:`~oakemu_core.policy.models.ActorCritic` with separate
+    MLP torsos, with the contract of :meth:`ActorCritic.forward` for one observation tensor: ``(B,
+    *shape)`` CPU tensor of the model's observation dtype -> ``(head output (B, param_size) float32,
+    values (B,) float32)`` CPU tensors.
+
+    The pass: float32 observations, normalised by the model's running statistics when it keeps them
+    (``clip((x - mean) / sqrt(var + eps), -clip, clip)``), flattened; each torso's Linear and Tanh
+    layers in order; the policy head (a Linear, or the Gaussian head's mean Linear next to its state-
+    independent ``log_std``) on the actor torso, the critic Linear on the critic torso.
+
+    Args:
+        model: the actor's model on the CPU with its current weights.
+
+    Raises:
+        ValueError: the model has no separate MLP torsos (pictures, dict observations), holds a layer
+            this pass does not know, or its output differs from the model's on a probe batch by more
+            than :data:`PROBE_TOLERANCE`.
+    """
+
+    def __init__(self, model: Any) -> None:
+        reason = self.unsupported_reason(model)
+        if reason:
+            raise ValueError(f"actor_inference='numpy': {reason}; use actor_inference='torch'")
+        self.load(model)
+        probe = model.probe_observations()
+        with torch.no_grad():
+            expected = model(probe)
+        for name, got, want in zip(("head", "values"), self(probe), expected):
+            if not torch.allclose(got, want, rtol=PROBE_TOLERANCE, atol=PROBE_TOLERANCE):  # False on NaN too
+                raise ValueError(f"actor_inference='numpy': the {name} differs from the model's by "
+                                 f"{float((got - want).abs().max()):.3g} on a probe batch")
+
+    @staticmethod
+    def unsupported_reason(model: Any) -> str | None:
+        """Why this pass cannot serve ``model``, or None when it can."""
+        if not getattr(model, "separate_mlps", False):
+            return "only for models with separate MLP torsos (one vector observation)"
+        for torso in (model.actor_torso, model.critic_torso):
+            unknown = [type(layer).__name__ for layer in torso if not isinstance(layer, (nn.Linear, nn.Tanh))]
+            if unknown:
+                return f"a torso holds layers {unknown} (expected Linear and Tanh)"
+        head = model.actor
+        if not isinstance(head, nn.Linear) and not (isinstance(getattr(head, "mean", None), nn.Linear)
+                                                    and isinstance(getattr(head, "log_std", None), nn.Parameter)):
+            return f"the policy head {type(head).__name__} is neither a Linear nor a Gaussian mean and log std"
+        return None
+
+    def load(self, model: Any) -> None:
+        """Copy ``model``'s current weights and normaliser statistics (call after every weights update)."""
+        def arrays(module: nn.Module) -> tuple[np.ndarray, np.ndarray]:  # (in, out) weight for x @ w, bias
+            return (module.weight.detach().numpy().T.copy(), module.bias.detach().numpy().copy())
+
+        self._torsos = [[arrays(layer) if isinstance(layer, nn.Linear) else None for layer in torso]
+                        for torso in (model.actor_torso, model.critic_torso)]
+        head = model.actor
+        self._head = arrays(head if isinstance(head, nn.Linear) else head.mean)
+        self._log_std = None if isinstance(head, nn.Linear) else head.log_std.detach().numpy().copy()
+        self._critic = arrays(model.critic)
+        key = model._module_key("")
+        normalizer = model.normalizers[key] if key in model.normalizers else None
+        self._normalizer = None if normalizer is None else (
+            normalizer.mean.numpy().copy(), np.sqrt(normalizer.var.numpy() + np.float32(normalizer.eps)),
+            np.float32(normalizer.clip))
+
+    def __call__(self, observations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = observations.numpy().astype(np.float32, copy=False)
+        if self._normalizer is not None:
+            mean, std, clip = self._normalizer
+            x = np.clip((x - mean) / std, -clip, clip)
+        x = x.reshape(len(x), -1)
+        actor, critic = (_mlp(x, layers) for layers in self._torsos)
+        head = actor @ self._head[0] + self._head[1]
+        if self._log_std is not None:
+            head = np.concatenate([head, np.broadcast_to(self._log_std, head.shape)], axis=1)
+        values = critic @ self._critic[0] + self._critic[1]
+        return torch.from_numpy(head), torch.from_numpy(values[:, 0])
+
+
+def _mlp(x: np.ndarray, layers: list[tuple[np.ndarray, np.ndarray] | None]) -> np.ndarray:
+    """``x`` through Linear layers (weight, bias) and Tanh (None) in order."""
+    for layer in layers:
+        x = np.tanh(x) if layer is None else x @ layer[0] + layer[1]
+    return x
+

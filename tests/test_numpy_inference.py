@@ -1,0 +1,82 @@
+"""Actor inference with numpy (``actor_inference = "numpy"``, what ``"auto"`` picks for MLP models):
+the same head output and values as the torch module, weights followed at every load."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from oakemu_core.actor.client import make_inference_backend
+from oakemu_core.policy.distributions import Categorical, DiagGaussian
+from oakemu_core.policy.models import ActorCritic
+from oakemu_core.policy.numpy_inference import NumpyForward, check_supported
+
+
+def _model(shape: tuple[int, ...], dtype: type, distribution, *, normalize: bool = False) -> ActorCritic:
+    torch.manual_seed(0)
+    return ActorCritic({"": (shape, np.dtype(dtype))}, distribution, normalize_observations=normalize)
+
+
+CASES = {
+    "categorical": lambda: _model((4,), np.float32, Categorical(2)),
+    "gaussian": lambda: _model((3,), np.float32, DiagGaussian(np.full(2, -1.0), np.full(2, 1.0))),
+    "normalised": lambda: _model((5,), np.float32, Categorical(3), normalize=True),
+    "uint8 grid": lambda: _model((7, 7, 3), np.uint8, Categorical(7)),  # MiniGrid: normalised either way
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_numpy_pass_gives_the_modules_outputs_and_follows_new_weights(case: str) -> None:
+    """Outputs within float32 rounding of the module's, for every head kind and with observation
+    statistics; after the weights (and statistics) change, ``load`` takes the new ones."""
+    model = CASES[case]()
+    shape, dtype = model.observation_layout[""]
+    rng = np.random.default_rng(1)
+    observations = (rng.integers(0, 11, (16, *shape)) if dtype == np.uint8 else 3 * rng.standard_normal((16, *shape)))
+    batch = torch.from_numpy(observations.astype(dtype))
+    forward = NumpyForward(model)
+    with torch.no_grad():
+        model.update_observation_statistics(observations.astype(dtype))  # what a learner's update changes
+        for parameter in model.parameters():
+            parameter.add_(0.1 * torch.randn_like(parameter))
+        stale, _ = forward(batch)
+        forward.load(model)
+        expected = model(batch)
+    got = forward(batch)
+    assert not torch.allclose(stale, expected[0], atol=1e-3)  # the old weights' output was another
+    for name, value, want in zip(("head", "values"), got, expected):
+        assert value.dtype == torch.float32 and value.shape == want.shape, name
+        torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_act_through_the_numpy_pass_samples_what_torch_samples() -> None:
+    """``act`` with the backend: the same actions as torch's module with the same generator, and
+    log-probs and values within float32 rounding."""
+    model = CASES["categorical"]()
+    observations = np.random.default_rng(2).standard_normal((32, 4)).astype(np.float32)
+    plain = model.act(observations, generator=torch.Generator().manual_seed(5))
+    model.use_inference_backend(NumpyForward(model))
+    fast = model.act(observations, generator=torch.Generator().manual_seed(5))
+    np.testing.assert_array_equal(fast.actions, plain.actions)
+    np.testing.assert_allclose(fast.log_probs, plain.log_probs, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(fast.values, plain.values, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_picks_numpy_for_mlps_and_torch_for_pictures() -> None:
+    mlp = CASES["categorical"]()
+    assert isinstance(make_inference_backend("auto", mlp, threads=1), NumpyForward)
+    cnn = _model((4, 84, 84), np.uint8, Categorical(4))
+    assert make_inference_backend("auto", cnn, threads=1) is None
+    with pytest.raises(ValueError, match="only for models with separate MLP torsos"):
+        NumpyForward(cnn)
+    with pytest.raises(ValueError, match=r"uint8 \(4, 84, 84\) pictures; use actor_inference='torch'"):
+        check_supported(cnn.observation_layout)
+    check_supported(mlp.observation_layout)  # no error
+
+
+def test_a_layer_the_pass_does_not_know_is_refused() -> None:
+    model = CASES["categorical"]()
+    model.actor_torso[1] = torch.nn.ReLU()
+    with pytest.raises(ValueError, match=r"layers \['ReLU'\]"):
+        NumpyForward(model)
