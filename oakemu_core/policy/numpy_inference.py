@@ -80,6 +80,8 @@ class NumpyForward:
         """Why this pass cannot serve ``model``, or None when it can."""
         if not getattr(model, "separate_mlps", False):
             return "only for models with separate MLP torsos (one vector observation)"
+        if model.device.type != "cpu":
+            return f"only for a model on the CPU, this one is on {model.device}"
         for torso in (model.actor_torso, model.critic_torso):
             unknown = [type(layer).__name__ for layer in torso if not isinstance(layer, (nn.Linear, nn.Tanh))]
             if unknown:
