@@ -6,8 +6,9 @@ A forward pass of a few rows through two 64-64 tanh MLPs is a dozen small produc
 most of it on per-module and per-op overhead (8 CartPole rows: 63 us through the modules, 15 us in
 numpy; ``docs/benchmarks.md``). The weights are copied out of the model at every load; sampling,
 log-probs and masks stay in torch (:meth:`oakemu_core.policy.models.ActorCritic.act`). The products
-round differently from torch's kernels, so the actors' log-probs differ from the learner's by float32
-rounding (a first-minibatch ratio within about 1e-6 of 1).
+round differently from torch's kernels, as the learner's batched kernels do: the actors' log-probs
+differ from the learner's by float32 rounding (a first-minibatch ratio within about 1e-6 of 1, as
+with torch actors).
 """
 
 from __future__ import annotations
