@@ -3,8 +3,8 @@
 Zeroing the gradients, their global L2 norm and clipping by it are then one tensor op each,
 whatever the number of parameters. ``torch.nn.utils.clip_grad_norm_`` computes the same norm (the
 norm of the per-parameter norms) and the same coefficient ``min(1, max_norm / (norm + 1e-6))``
-through several foreach ops and Python grouping per call: on a small MLP that was about 15 % of an
-SGD step on the CPU (figures in ``docs/benchmarks.md``). The two norms agree up to float32
+through several foreach ops and Python grouping per call: on a small MLP about 15 % of an SGD step
+on the CPU (figures in ``docs/benchmarks.md``). The two norms agree up to float32
 rounding, not bit for bit (the sums run in another order).
 
 Backward keeps the views: autograd accumulates into a gradient that is already defined

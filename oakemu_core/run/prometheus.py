@@ -157,8 +157,8 @@ def _actor_metrics(s: TelemetrySnapshot | None) -> Iterator[Family]:
 
 SHUTDOWN_POLL_S = 0.05
 """How often the HTTP server's loop looks for a shutdown request: :meth:`PrometheusExporter.close`
-waits up to this long (``prometheus_client.start_http_server`` polls every 0.5 s, which made every
-learner's exit half a second longer)."""
+(at every learner's exit) waits up to this long; ``prometheus_client.start_http_server`` polls every
+0.5 s."""
 
 
 class _MetricsServer(ThreadingMixIn, WSGIServer):
