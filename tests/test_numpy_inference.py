@@ -80,3 +80,17 @@ def test_a_layer_the_pass_does_not_know_is_refused() -> None:
     model.actor_torso[1] = torch.nn.ReLU()
     with pytest.raises(ValueError, match=r"layers \['ReLU'\]"):
         NumpyForward(model)
+
+
+def test_a_pass_that_disagrees_with_the_module_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe batch at build time catches a numpy pass that drifted from the torch module."""
+    model = CASES["gaussian"]()
+    original = NumpyForward.__call__
+
+    def off_by_a_little(self: NumpyForward, observations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        head, values = original(self, observations)
+        return head, values + 1e-2
+
+    monkeypatch.setattr(NumpyForward, "__call__", off_by_a_little)
+    with pytest.raises(ValueError, match=r"actor_inference='numpy': its values are off the model's by 0.01"):
+        NumpyForward(model)

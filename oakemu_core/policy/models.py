@@ -459,6 +459,18 @@ class ActorCritic(nn.Module):
             return torch.randn((rows, *shape), generator=generator).to(dtype)
         return torch.randint(0, 2 if dtype == torch.bool else 100, (rows, *shape), generator=generator).to(dtype)
 
+    def check_inference_backend(self, forward: Any, *, what: str, tolerance: float) -> None:
+        """Raise ValueError when ``forward`` (an inference backend: the contract of :meth:`forward`)
+        gives a head output or values further than ``tolerance`` (relative and absolute) from this
+        module's on :meth:`probe_observations`; ``what`` names the backend in the message."""
+        probe = self.probe_observations()
+        with torch.no_grad():
+            expected = self(probe)
+        for name, got, want in zip(("head outputs", "values"), forward(probe), expected):
+            if not torch.allclose(got, want, rtol=tolerance, atol=tolerance):  # False on NaN too
+                raise ValueError(f"{what}: its {name} are off the model's by "
+                                 f"{float((got - want).abs().max()):.3g} on a probe batch")
+
     def _inference_forward(self, observations: Any) -> tuple[torch.Tensor, torch.Tensor]:
         forward = self.__dict__.get("_inference_backend")
         return self(observations) if forward is None else forward(observations)

@@ -68,13 +68,7 @@ class NumpyForward:
         if reason:
             raise ValueError(f"actor_inference='numpy': {reason}; use actor_inference='torch'")
         self.load(model)
-        probe = model.probe_observations()
-        with torch.no_grad():
-            expected = model(probe)
-        for name, got, want in zip(("head", "values"), self(probe), expected):
-            if not torch.allclose(got, want, rtol=PROBE_TOLERANCE, atol=PROBE_TOLERANCE):  # False on NaN too
-                raise ValueError(f"actor_inference='numpy': the {name} differs from the model's by "
-                                 f"{float((got - want).abs().max()):.3g} on a probe batch")
+        model.check_inference_backend(self, what="actor_inference='numpy'", tolerance=PROBE_TOLERANCE)
 
     @staticmethod
     def unsupported_reason(model: Any) -> str | None:

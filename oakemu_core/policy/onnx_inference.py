@@ -95,12 +95,8 @@ class OnnxForward:
         if missing:  # a renamed weight would never be updated: refuse instead of acting with stale ones
             raise ValueError(f"actor_inference='onnxruntime': parameters {missing[:4]} are not graph weights")
         self.load(model)
-        with torch.no_grad():
-            expected = model(probe)
-        for name, got, want in zip(("head", "values"), self(probe), expected):
-            if not torch.allclose(got, want, rtol=PROBE_TOLERANCE, atol=PROBE_TOLERANCE):  # False on NaN too
-                raise ValueError(f"actor_inference='onnxruntime': the exported graph's {name} differs from the "
-                                 f"model's by {float((got - want).abs().max()):.3g} on a probe batch")
+        model.check_inference_backend(self, what="actor_inference='onnxruntime' (the exported graph)",
+                                      tolerance=PROBE_TOLERANCE)
 
     def load(self, model: Any) -> None:
         """Put ``model``'s current weights (parameters and normaliser statistics) into the graph and
