@@ -212,6 +212,7 @@ class Actor:
             return False
         if hold:  # messages come in order: the newest read is the newest sent
             self.held_weights = message
+            self.learner_version = max(self.learner_version, message.policy_version)  # the lag heartbeats report
             return False
         self._load_weights(message.policy_version, message.weights, message.revision)
         return True

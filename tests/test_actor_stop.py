@@ -95,6 +95,7 @@ def test_a_synchronous_actor_waiting_inside_its_segment_hears_the_stop_and_keeps
     actor.sync_rollout_length = 32
     _pause_until_read(weights, _weights(1))
     assert weights.loaded == [] and actor.held_weights is not None  # held for the segment's end
+    assert actor.learner_version == 1  # the lag its heartbeats report counts the held version
     assert actor._wait_for_weights_newer_than(0, give_up_s=None) and weights.loaded == [1]
     assert actor.held_weights is None and not actor.stop_event.is_set()
     _pause_until_read(weights, encode_stop(StopNotice("env-step budget reached")))
