@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from oakemu_core.algo.flat_gradients import FlatGradients
+from oakemu_core.algo.flat_parameters import FlatAdam, FlatGradients
 from oakemu_core.algo.settings import PPOSettings
 
 if TYPE_CHECKING:
@@ -342,7 +342,8 @@ class PPOUpdater:
 
     Advantages are normalised per minibatch (``normalize_advantages``: mean 0, population std +
     1e-8, over the minibatch's rows, all trainable), as SB3 and CleanRL do. The gradients of the
-    trained parameters share one buffer (:class:`~oakemu_core.algo.flat_gradients.FlatGradients`):
+    trained parameters share one buffer (:class:`~oakemu_core.algo.flat_parameters.FlatGradients`;
+    with a :class:`~oakemu_core.algo.flat_parameters.FlatAdam` optimizer, its own, and their values another):
     every parameter takes an optimizer step each minibatch, with a zero gradient where the loss
     does not depend on it.
 
@@ -378,7 +379,13 @@ class PPOUpdater:
         self.optimizer = optimizer
         # The optimizer holds these same tensors; restores load into them in place (load_state_dict).
         # Their gradients live in one buffer: zeroing and clipping them are one op each.
-        self._gradients = FlatGradients(parameter for parameter in self.model.parameters() if parameter.requires_grad)
+        trained = [parameter for parameter in self.model.parameters() if parameter.requires_grad]
+        if isinstance(optimizer, FlatAdam):  # its buffers already hold the parameters and gradients
+            if [id(parameter) for parameter in optimizer.flat.parameters] != [id(parameter) for parameter in trained]:
+                raise ValueError("PPOUpdater: the FlatAdam optimizer is not over the model's trained parameters")
+            self._gradients: FlatGradients = optimizer.flat
+        else:
+            self._gradients = FlatGradients(trained)
         # On an accelerator a fused optimizer (torch.optim.Adam(fused=True)) skips a step on the device
         # when told through ``found_inf``, the hook torch.amp.GradScaler uses: no host sync per minibatch
         # to test the gradient. On the CPU that test costs nothing, and the hook costs two ops a step.

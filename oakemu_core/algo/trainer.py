@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from oakemu_core.algo.flat_parameters import FlatAdam
 from oakemu_core.algo.handshake import RolloutHandshake, RunProgress, WeightsRevision
 from oakemu_core.algo.health import CheckpointPolicy, HealthMonitor
 from oakemu_core.algo.learner import PPOExperimentConfiguration, PPOLearner, RuntimeContext, ThreadSafeModel
@@ -69,10 +70,10 @@ class Trainer:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.learner_model = ThreadSafeModel(self._build_model())
         model = self.learner_model.model
-        # The fused kernel: one op for all parameters instead of a Python loop over them; same Adam
-        # as CleanRL (eps 1e-5).
-        self.optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate, eps=1e-5,
-                                          fused=torch.device(device).type in ("cpu", "cuda"))
+        # Same Adam as CleanRL (eps 1e-5), fused (one op for all parameters instead of a Python loop
+        # over them) over one flat tensor holding them all (FlatAdam: its per-step work done once).
+        self.optimizer = FlatAdam((parameter for parameter in model.parameters() if parameter.requires_grad),
+                                  lr=config.learning_rate, eps=1e-5, fused=torch.device(device).type in ("cpu", "cuda"))
         self.schedule = LinearSchedule(config.learning_rate, 0.0, 1)
         self._follow_budget()
         # Periodic evaluation in a process of its own (None when eval_every_updates is 0).
