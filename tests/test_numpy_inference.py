@@ -50,14 +50,26 @@ def test_the_numpy_pass_gives_the_modules_outputs_and_follows_new_weights(case: 
         torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-5, msg=name)
 
 
-def test_act_through_the_numpy_pass_samples_what_torch_samples() -> None:
-    """``act`` with the backend: the same actions as torch's module with the same generator, and
-    log-probs and values within float32 rounding."""
-    model = CASES["categorical"]()
-    observations = np.random.default_rng(2).standard_normal((32, 4)).astype(np.float32)
-    plain = model.act(observations, generator=torch.Generator().manual_seed(5))
+@pytest.mark.parametrize("masked", [False, True])
+def test_act_through_the_numpy_pass_samples_what_torch_samples(masked: bool) -> None:
+    """``act`` with the backend (sampling in numpy too): the same actions as torch's module with
+    the same generator, never a masked one, and log-probs and values within float32 rounding."""
+    torch.manual_seed(0)
+    model = ActorCritic({"": ((4,), np.dtype(np.float32))}, Categorical(5, masked=masked))
+    rng = np.random.default_rng(2)
+    observations = rng.standard_normal((256, 4)).astype(np.float32)
+    mask = None
+    if masked:
+        mask = rng.random((256, 5)) < 0.5
+        mask[np.arange(256), rng.integers(0, 5, 256)] = True  # every row allows an action
+    plain = model.act(observations, action_mask=mask, generator=torch.Generator().manual_seed(5))
     model.use_inference_backend(NumpyForward(model))
-    fast = model.act(observations, generator=torch.Generator().manual_seed(5))
+    assert model.__dict__["_samples_in_numpy"]
+    fast = model.act(observations, action_mask=mask, generator=torch.Generator().manual_seed(5))
+    assert fast.actions.dtype == plain.actions.dtype == np.int64 and fast.log_probs.dtype == np.float32
+    assert len(np.unique(fast.actions)) > 1  # sampled, not one action everywhere
+    if masked:
+        assert mask[np.arange(256), fast.actions].all()
     np.testing.assert_array_equal(fast.actions, plain.actions)
     np.testing.assert_allclose(fast.log_probs, plain.log_probs, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(fast.values, plain.values, rtol=1e-5, atol=1e-6)

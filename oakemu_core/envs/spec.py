@@ -11,6 +11,7 @@ An env id is one of:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,7 +156,7 @@ class EnvSpec:
 
     # -- actions --------------------------------------------------------------------------
 
-    @property
+    @functools.cached_property  # read on every step (the action check)
     def action_kind(self) -> str:
         """``"discrete"``, ``"multi_discrete"``, ``"multi_binary"`` or ``"box"``."""
         import gymnasium
@@ -181,12 +182,12 @@ class EnvSpec:
             )
         return int(self.action_space.n)
 
-    @property
+    @functools.cached_property  # read on every step (the action check)
     def action_shape(self) -> tuple[int, ...]:
         """Shape of ONE action: ``()`` Discrete, ``(k,)`` MultiDiscrete / MultiBinary, ``(d,)`` Box."""
         return tuple(int(d) for d in self.action_space.shape)
 
-    @property
+    @functools.cached_property  # read on every step (the action check)
     def action_dtype(self) -> np.dtype:
         """int64 (Discrete, MultiDiscrete), int8 (MultiBinary) or float32 (Box)."""
         return np.dtype({"discrete": np.int64, "multi_discrete": np.int64, "multi_binary": np.int8,

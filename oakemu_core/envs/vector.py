@@ -231,7 +231,7 @@ class VectorEnv:
             raise ValueError(f"actions: expected shape {expected_shape}, received {actions.shape}")
         kind = spec.action_kind
         if kind == "box":
-            if not (np.issubdtype(actions.dtype, np.floating) or np.issubdtype(actions.dtype, np.integer)):
+            if actions.dtype.kind not in "fiu":  # a real or integer dtype
                 raise ValueError(f"actions: expected a real (float32) dtype, received {actions.dtype}")
             finite = np.isfinite(actions)
             if not finite.all():
@@ -243,17 +243,16 @@ class VectorEnv:
             return actions.astype(np.float32, copy=False)
         if kind == "multi_binary" and actions.dtype == np.bool_:
             actions = actions.astype(np.int8)
-        if not np.issubdtype(actions.dtype, np.integer):
+        if actions.dtype.kind not in "iu":  # an integer dtype
             raise ValueError(f"actions: expected an integer dtype ({spec.action_dtype}), received {actions.dtype}")
         if kind == "discrete":
-            high = np.full(expected_shape, spec.num_actions)
+            high: Any = spec.num_actions
             description = f"[0, {spec.num_actions})"
         elif kind == "multi_discrete":
             high = np.broadcast_to(spec.action_space.nvec.astype(np.int64), expected_shape)
             description = f"[0, nvec) with nvec {spec.action_space.nvec.tolist()}"
         else:
-            high = np.full(expected_shape, 2)
-            description = "{0, 1}"
+            high, description = 2, "{0, 1}"
         bad = (actions < 0) | (actions >= high)
         if bad.any():
             row = int(np.flatnonzero(bad.reshape(n, -1).any(axis=1))[0])

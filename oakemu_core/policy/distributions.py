@@ -143,6 +143,31 @@ def _gumbel_argmax(log_probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tens
     return (log_probs + gumbel).argmax(dim=-1)
 
 
+def sample_categorical_numpy(logits: np.ndarray, mask: np.ndarray | None,
+                             uniform: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:class:`CategoricalPolicy`'s ``sample`` and ``log_prob`` in numpy, for actors whose forward
+    pass runs in numpy (:class:`oakemu_core.policy.numpy_inference.NumpyForward`).
+
+    Args:
+        logits: ``(B, n)`` float32.
+        mask: ``(B, n)`` bool (True: allowed) or None.
+        uniform: ``(B, n)`` float32 noise in ``[0, 1)``: the torch path's draws
+            (:func:`_sample_categorical`), so the same generator gives the same actions.
+
+    Returns:
+        ``(actions (B,) int64, log_probs (B,) float32)``: the Gumbel-max sample of
+        :func:`_gumbel_argmax` and its log-probability by log-softmax, equal to the torch path's up
+        to float32 rounding.
+    """
+    if mask is not None:
+        logits = np.where(mask, logits, np.float32(_MASKED_LOGIT))
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    uniform = np.maximum(uniform, np.finfo(uniform.dtype).tiny)
+    actions = (log_probs - np.log(-np.log(uniform))).argmax(axis=-1)
+    return actions, log_probs[np.arange(len(actions)), actions]
+
+
 class CategoricalPolicy(Policy):
     """Categorical over ``n`` actions; ``mask`` ``(B, n)`` bool or None."""
 

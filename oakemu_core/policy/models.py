@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from oakemu_core.policy.action_bundle import PPOActionBundle
-from oakemu_core.policy.distributions import ActionDistribution, Categorical, Policy
+from oakemu_core.policy.distributions import ActionDistribution, Categorical, Policy, sample_categorical_numpy
 
 __all__ = [
     "ActorCritic",
@@ -428,6 +428,13 @@ class ActorCritic(nn.Module):
         batch = len(next(iter(obs.values()))) if isinstance(obs, dict) else len(obs)
         mask = self._mask_to_tensor(action_mask, batch)
         head, values = self._inference_forward(obs)
+        if not greedy and self.__dict__.get("_samples_in_numpy"):  # the same draws, the rest in numpy
+            uniform = torch.rand(head.shape, generator=generator,
+                                 device=generator.device if generator is not None else head.device)
+            actions, log_probs = sample_categorical_numpy(head.numpy(), action_mask, uniform.cpu().numpy())
+            return PPOActionBundle(actions=actions.astype(self.distribution.action_dtype, copy=False),
+                                   log_probs=log_probs.astype(np.float32, copy=False),
+                                   values=values.numpy().astype(np.float32, copy=False), distribution_fields={})
         policy = self.distribution.policy(head, mask)
         actions = policy.mode() if greedy else policy.sample(generator)
         log_probs = policy.log_prob(actions)
@@ -479,8 +486,12 @@ class ActorCritic(nn.Module):
         """Run :meth:`act` and :meth:`predict_values` through ``forward`` (the contract of
         :meth:`forward`, e.g. :class:`oakemu_core.policy.onnx_inference.OnnxForward`, which the caller
         keeps in step with the weights) instead of this module; None: this module again. Training
-        (:meth:`policy_and_values`) always uses the module."""
+        (:meth:`policy_and_values`) always uses the module. A backend whose outputs are numpy arrays
+        on the CPU (``numpy_outputs``) and a categorical policy: :meth:`act` samples in numpy too
+        (:func:`~oakemu_core.policy.distributions.sample_categorical_numpy`: the same actions)."""
         self.__dict__["_inference_backend"] = forward
+        self.__dict__["_samples_in_numpy"] = (bool(getattr(forward, "numpy_outputs", False))
+                                              and isinstance(self.distribution, Categorical))
 
 
 def build_model(

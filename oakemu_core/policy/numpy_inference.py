@@ -63,6 +63,9 @@ class NumpyForward:
             than :data:`PROBE_TOLERANCE`.
     """
 
+    numpy_outputs = True
+    """The outputs are CPU tensors over numpy arrays (``ActorCritic.act`` then samples in numpy)."""
+
     def __init__(self, model: Any) -> None:
         reason = self.unsupported_reason(model)
         if reason:
