@@ -65,6 +65,7 @@ from oakemu_services.runtime import (
     interrupted_status,
     setup_logging,
     socket_buffer_bytes,
+    startup_done,
 )
 
 __all__ = ["Actor", "ActorSetupError", "LearnerUnreachable", "main"]
@@ -321,6 +322,7 @@ class Actor:
     def run(self) -> int:
         """Join, then act and send one message of K vector steps at a time until told to stop; 0."""
         self.join()
+        startup_done()
         assert self.stepper is not None
         stepper = self.stepper
         while not self.stop_event.is_set():

@@ -32,6 +32,7 @@ from oakemu_core.errors import ConfigError, UserError
 from oakemu_core.options import unknown_option_hint
 from oakemu_core.presets import load_preset, preset_names
 from oakemu_core.run.run_folder import resumed_settings
+from oakemu_services.runtime import startup_done
 
 __all__ = ["build_parser", "main"]
 
@@ -213,6 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_request:  # --help, --version (0) or a usage error (2, message already printed)
         return _exit_code(exit_request)
     command: str = namespace.command
+    if command not in _CALL_STARTUP_DONE_THEMSELVES:
+        startup_done()
     try:
         return _COMMANDS[command](namespace)
     except UserError as error:  # every mistake a user can fix: one line, no traceback
@@ -301,6 +304,10 @@ class ServiceUnavailable(RuntimeError):
     """The module implementing a subcommand cannot be imported."""
 
 
+_CALL_STARTUP_DONE_THEMSELVES = frozenset({"learner", "actor"})
+"""Commands whose service turns the garbage collector back on when it is ready (the rest before they start)."""
+
+
 def _service(name: str) -> Any:
     """Import ``oakemu_services.<name>`` lazily (only the chosen subcommand's dependencies load)."""
     module_name = f"oakemu_services.{name}"
@@ -346,9 +353,11 @@ def run() -> None:
     CPU collecting its modules at exit, and ``oakemu train`` stops three or more such processes at
     once. Exit handlers (``atexit``, ``logging.shutdown``) and thread joins still run, but an object
     caught in a reference cycle is no longer finalised at exit: close files and sockets
-    explicitly (every service does) instead of relying on ``__del__``."""
+    explicitly (every service does) instead of relying on ``__del__``. The collector is off
+    during a service's start (:func:`oakemu_services.runtime.startup_done`)."""
     import gc
 
+    gc.disable()
     status = main()
     gc.freeze()
     sys.exit(status)

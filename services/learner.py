@@ -72,6 +72,7 @@ from oakemu_services.runtime import (
     resolve_run_dir,
     setup_logging,
     socket_buffer_bytes,
+    startup_done,
 )
 
 log = logging.getLogger("oakemu.learner")
@@ -593,6 +594,7 @@ def main(config: OakEmuConfig) -> int:
 
         torch.set_num_threads(threads)
     log.info("learner torch threads: %s", threads or "torch's default (one per core)")
+    startup_done()
     try:
         status = learner.run(stop_event)
     except KeyboardInterrupt:  # a second Ctrl-C: stop now

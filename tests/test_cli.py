@@ -214,10 +214,52 @@ def test_the_console_entry_point_exits_with_mains_status(monkeypatch: pytest.Mon
 
     frozen: list[bool] = []  # the real gc.freeze would keep this test process's garbage for good
     monkeypatch.setattr(gc, "freeze", lambda: frozen.append(True))
-    monkeypatch.setattr(cli, "main", lambda: 3)
-    with pytest.raises(SystemExit) as exit_info:
-        cli.run()
+    collecting: list[bool] = []
+    monkeypatch.setattr(cli, "main", lambda: collecting.append(gc.isenabled()) or 3)
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            cli.run()
+    finally:
+        gc.enable()
     assert exit_info.value.code == 3 and frozen == [True]
+    assert collecting == [False]  # the service's start runs without the garbage collector
+
+
+@pytest.mark.parametrize(("command", "collects"), [("keygen", True), ("learner", False), ("actor", False)])
+def test_the_garbage_collector_is_back_before_a_command_that_does_not_turn_it_on_itself(
+        monkeypatch: pytest.MonkeyPatch, command: str, collects: bool) -> None:
+    """Commands other than learner and actor start with the collector on (frozen first); the learner
+    and an actor turn it on themselves when ready (runtime.startup_done)."""
+    import gc
+
+    frozen: list[bool] = []
+    monkeypatch.setattr(gc, "freeze", lambda: frozen.append(True))
+    seen: list[bool] = []
+    monkeypatch.setitem(cli._COMMANDS, command, lambda namespace: seen.append(gc.isenabled()) or 0)
+    gc.disable()
+    try:
+        assert cli.main([command] + (["name"] if command == "keygen" else [])) == 0
+    finally:
+        gc.enable()
+    assert seen == [collects] and frozen == ([True] if collects else [])
+
+
+def test_startup_done_freezes_and_collects_again_only_where_the_collector_was_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
+    from oakemu_services.runtime import startup_done
+
+    frozen: list[bool] = []
+    monkeypatch.setattr(gc, "freeze", lambda: frozen.append(True))
+    startup_done()  # on already (a service run in-process): nothing to do
+    assert frozen == [] and gc.isenabled()
+    gc.disable()
+    try:
+        startup_done()
+        assert frozen == [True] and gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_train_refuses_bfloat16_actors_for_an_env_without_images_before_anything_starts(
