@@ -356,8 +356,10 @@ def run() -> None:
     explicitly (every service does) instead of relying on ``__del__``. The collector is off
     during a service's start (:func:`oakemu_services.runtime.startup_done`)."""
     import gc
+    import os
 
     gc.disable()
+    os.register_at_fork(after_in_child=gc.enable)  # a process forked during a start (an env's workers) collects
     status = main()
     gc.freeze()
     sys.exit(status)

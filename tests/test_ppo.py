@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from oakemu_core.algo.flat_parameters import FlatAdam
 from oakemu_core.algo.demonstrations import DemonstrationBatch
 from oakemu_core.policy.distributions import Categorical, DiagGaussian
 from oakemu_core.policy.models import ActorCritic, build_model
@@ -274,6 +275,47 @@ def test_the_update_runs_the_torso_in_its_precision_and_keeps_heads_and_state_fl
     assert moments and all(m.dtype == torch.float32 for m in moments)
     bundle = model.act(rng.integers(0, 256, (4, 2, 8, 8), dtype=np.uint8), generator=generator)
     assert bundle.log_probs.dtype == np.float32 and bundle.values.dtype == np.float32
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_an_update_with_flat_adam_moves_the_weights_as_with_torch_adam(fused: bool) -> None:
+    """Two updates (4 epochs x 4 minibatches each, gradient clipping) from the same weights on the
+    same rollouts: FlatAdam's weights and Adam state end as torch.optim.Adam's within float32
+    rounding, and both moved."""
+    def trained(flat: bool) -> tuple[ActorCritic, dict]:
+        model = _model(0)
+        adam = FlatAdam if flat else torch.optim.Adam
+        optimizer = adam(model.parameters(), lr=2.5e-3, eps=1e-5, fused=fused)
+        learner = PPOUpdater(model, optimizer, device="cpu", ppo_epochs=4, num_minibatches=4, clip_coef=0.2,
+                             clip_value_range=0.2, vf_coef=0.5, max_grad_norm=0.5, seed=0)
+        for update in range(2):
+            with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
+                _fill(buffer, [model], np.random.default_rng(update))
+                learner.step(buffer, current_policy_version=update)
+        return model, optimizer.state_dict()
+
+    (flat_model, flat_state), (model, state) = trained(True), trained(False)
+    assert not torch.equal(model.critic.weight, _model(0).critic.weight)
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(dict(flat_model.named_parameters())[name], parameter, rtol=1e-4, atol=1e-6,
+                                   msg=name)
+    for index, entry in state["state"].items():
+        torch.testing.assert_close(flat_state["state"][index]["exp_avg_sq"], entry["exp_avg_sq"], rtol=1e-3, atol=1e-9)
+        assert float(flat_state["state"][index]["step"]) == float(entry["step"]) == 32
+
+
+def test_the_learner_steps_a_flat_adam_unless_behaviour_cloning_trains_the_policy_alone(tmp_path) -> None:
+    from oakemu_core.algo.trainer import build_optimizer
+    from oakemu_core.config import OakEmuConfig
+
+    model = _model(0)
+    plain = OakEmuConfig(env_id="CartPole-v1")
+    assert isinstance(build_optimizer(plain, model, "cpu"), FlatAdam)
+    bc_term = OakEmuConfig(env_id="CartPole-v1", bc_dataset=str(tmp_path), bc_coef=0.1)  # next to PPO's loss
+    assert isinstance(build_optimizer(bc_term, _model(0), "cpu"), FlatAdam)
+    pretrain = OakEmuConfig(env_id="CartPole-v1", bc_dataset=str(tmp_path), bc_pretrain_updates=5)
+    optimizer = build_optimizer(pretrain, _model(0), "cpu")
+    assert type(optimizer) is torch.optim.Adam and optimizer.defaults["eps"] == 1e-5
 
 
 def test_a_bfloat16_update_moves_the_weights_as_the_float32_update_does() -> None:

@@ -203,13 +203,15 @@ def test_random_controlled_rows_are_stored_non_trainable_and_excluded_from_advan
         assert diagnostics is not None and diagnostics.advantages.size == int(trainable.sum())
 
         # PPO on it: the first minibatch's ratio is 1 (on-policy rows only), the update runs.
-        updater = PPOUpdater(_model(spec), torch.optim.Adam(model.parameters(), lr=2.5e-4, eps=1e-5), device="cpu",
+        trained = _model(spec)
+        trained.load_state_dict(model.state_dict())
+        updater = PPOUpdater(trained, torch.optim.Adam(trained.parameters(), lr=2.5e-4, eps=1e-5), device="cpu",
                              ppo_epochs=2, num_minibatches=4, clip_coef=0.2, ent_coef=0.0, vf_coef=0.5,
                              max_grad_norm=0.5, seed=0)
-        updater.model.load_state_dict(model.state_dict())
         stats = updater.step(buffer, current_policy_version=stepper.policy_version)
         assert stats.first_minibatch_ratio_max_abs_dev < 1e-5
         assert stats.trainable_rows == int(trainable.sum())
+        assert not torch.equal(trained.critic.weight, model.critic.weight)  # the update trained the model
     env.close()
 
 

@@ -142,7 +142,7 @@ def _bc_step(model: nn.Module, optimizer: torch.optim.Optimizer, minibatch: Demo
     policy, _ = model.policy_and_values(minibatch.observations, minibatch.action_mask)
     actions = minibatch.actions
     loss = bc_loss(policy, actions)
-    optimizer.zero_grad(set_to_none=False)  # in place: the gradients may be views of one buffer
+    optimizer.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     if torch.isfinite(grad_norm):

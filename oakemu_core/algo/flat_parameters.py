@@ -216,17 +216,23 @@ class FlatAdam(torch.optim.Adam):
     :meth:`load_state_dict` takes the per-parameter format. :meth:`zero_grad` zeroes in place
     (the parameters' gradients stay views of :attr:`flat`'s buffer).
 
+    Every parameter takes every step. Where torch's Adam skips a parameter whose gradient is None
+    (outside the loss), this one steps it with a zero gradient: its moments decay and the step count
+    it shares with the others rises, which changes its bias correction later. Equal when every
+    step's loss depends on every parameter (PPO's); for steps that train part of the model
+    (behaviour-cloning pre-training trains no critic) use ``torch.optim.Adam``.
+
     Args:
         parameters: the trained parameters, in their final device and memory layout.
-        **kwargs: ``torch.optim.Adam``'s settings (``lr``, ``eps``, ``fused``, ...).
+        *args, **kwargs: ``torch.optim.Adam``'s settings (``lr``, ``betas``, ``eps``, ``fused``, ...).
 
     Raises:
         ValueError: as :class:`FlatParameters`, or an Adam setting's own.
     """
 
-    def __init__(self, parameters: Iterable[torch.Tensor], **kwargs: Any) -> None:
+    def __init__(self, parameters: Iterable[torch.Tensor], *args: Any, **kwargs: Any) -> None:
         self.flat = FlatParameters(parameters)
-        super().__init__([self.flat.values], **kwargs)
+        super().__init__([self.flat.values], *args, **kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero every gradient in place (``set_to_none`` is not followed: the gradients are views)."""

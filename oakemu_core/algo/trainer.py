@@ -46,6 +46,19 @@ __all__ = ["Trainer"]
 log = logging.getLogger("oakemu.learner")
 
 
+def build_optimizer(config: OakEmuConfig, model: torch.nn.Module, device: str) -> torch.optim.Optimizer:
+    """The learner's Adam (CleanRL's: eps 1e-5), fused where torch has the kernel (one op for all
+    parameters instead of a Python loop over them): over one flat tensor holding the trained
+    parameters (:class:`~oakemu_core.algo.flat_parameters.FlatAdam`: its per-step work done once),
+    or torch's own over the parameters when behaviour-cloning pre-training will train the policy
+    alone (``bc_dataset`` and ``bc_pretrain_updates``), whose critic Adam must then skip."""
+    trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    kwargs: dict[str, Any] = {"lr": config.learning_rate, "eps": 1e-5, "fused": torch.device(device).type in ("cpu", "cuda")}
+    if config.bc_dataset and config.bc_pretrain_updates:
+        return torch.optim.Adam(trained, **kwargs)
+    return FlatAdam(trained, **kwargs)
+
+
 class Trainer:
     """Model, optimizer, schedule, :class:`PPOLearner`, checkpoint policy and resume of one run.
 
@@ -70,10 +83,7 @@ class Trainer:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.learner_model = ThreadSafeModel(self._build_model())
         model = self.learner_model.model
-        # Same Adam as CleanRL (eps 1e-5), fused (one op for all parameters instead of a Python loop
-        # over them) over one flat tensor holding them all (FlatAdam: its per-step work done once).
-        self.optimizer = FlatAdam((parameter for parameter in model.parameters() if parameter.requires_grad),
-                                  lr=config.learning_rate, eps=1e-5, fused=torch.device(device).type in ("cpu", "cuda"))
+        self.optimizer = build_optimizer(config, model, device)
         self.schedule = LinearSchedule(config.learning_rate, 0.0, 1)
         self._follow_budget()
         # Periodic evaluation in a process of its own (None when eval_every_updates is 0).
