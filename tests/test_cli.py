@@ -510,3 +510,55 @@ def test_the_end_of_a_run_names_best_pt_when_the_last_evaluation_is_below_it(tmp
     assert line.endswith(f"oakemu evaluate {tmp_path / 'checkpoints' / 'best.pt'}")
     evaluations(20.0, 500.0)
     assert _best_evaluation(tmp_path, _metrics_records(tmp_path)) is None  # the last evaluation is the best
+
+
+def test_the_learner_and_an_actor_turn_the_collector_on_once_ready(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    """With the collector off (as cli.run leaves it), the learner is serving and an actor stepping
+    with it on again: learner.main calls startup_done before Learner.run, Actor.run after join."""
+    import gc
+    import threading
+
+    from oakemu_services import actor as actor_service
+    from oakemu_services import learner as learner_service
+
+    monkeypatch.setattr(gc, "freeze", lambda: None)
+    serving: list[bool] = []
+
+    class FakeLearner:
+        def __init__(self, config: OakEmuConfig, run_dir: Path) -> None:
+            self.trainer = types.SimpleNamespace(
+                learner_model=types.SimpleNamespace(model=types.SimpleNamespace(has_convolutions=False)))
+
+        def run(self, stop_event: threading.Event) -> int:
+            serving.append(gc.isenabled())
+            return 0
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(learner_service, "Learner", FakeLearner)
+    from oakemu_services.runtime import StopRequest
+
+    monkeypatch.setattr(learner_service, "install_stop_signals", StopRequest)
+    monkeypatch.setattr(learner_service, "learner_torch_threads", lambda *args: None)
+    monkeypatch.setattr(learner_service, "check_ports_free", lambda config: None)
+    stop = threading.Event()
+    actor = actor_service.Actor(OakEmuConfig(env_id="CartPole-v1"), stop)
+
+    def join() -> None:  # the first join: the actor would step from here on
+        serving.append(gc.isenabled())
+        actor.stepper = object()
+        stop.set()
+
+    monkeypatch.setattr(actor, "join", join)
+    try:
+        for start in (lambda: learner_service.main(OakEmuConfig(env_id="CartPole-v1", runs_dir=str(tmp_path))),
+                      actor.run):
+            gc.disable()
+            assert start() == 0
+            serving.append(gc.isenabled())
+    finally:
+        gc.enable()
+        actor.close()
+    assert serving == [True, True, False, True]  # learner serving and after; actor joining, then after
