@@ -164,16 +164,19 @@ class FlatParameters(FlatGradients):
         """An optimizer ``state_dict`` over ``[values]`` as the one an optimizer over the parameters
         would give: state entries ``0 .. n-1`` (each ``(size,)`` tensor cut into the parameters'
         views, each 0-d tensor such as Adam's ``step`` copied), one group listing them."""
+        def cut(value: Any, index: int) -> Any:
+            if not isinstance(value, torch.Tensor):
+                return value
+            if value.dim() == 1 and value.numel() == self.size:
+                return self.segment(value, index)
+            return value.clone()
+
         (group,) = state["param_groups"]
         entries = state["state"].get(group["params"][0])
         per_parameter: dict[int, dict[str, Any]] = {}
         if entries is not None:
             for index in range(len(self.parameters)):
-                per_parameter[index] = {
-                    name: (self.segment(value, index) if isinstance(value, torch.Tensor) and value.dim() == 1
-                           and value.numel() == self.size else value.clone() if isinstance(value, torch.Tensor)
-                           else value)
-                    for name, value in entries.items()}
+                per_parameter[index] = {name: cut(value, index) for name, value in entries.items()}
         return {"state": per_parameter, "param_groups": [{**group, "params": list(range(len(self.parameters)))}]}
 
     def flat_state(self, state: dict[str, Any]) -> dict[str, Any]:
