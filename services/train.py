@@ -19,6 +19,7 @@ Four phases, one function each:
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import re
@@ -152,18 +153,10 @@ def check_can_start(config: OakEmuConfig) -> None:
     """
     spec = check_env(config.env_id, settings_file=config.emulator_settings, envs_per_process=config.envs_per_actor,
                      options=config.env_options)
-    if config.actor_inference == "bfloat16":
-        from oakemu_core.policy.bfloat16_inference import check_supported
-
+    if config.actor_inference in ("bfloat16", "numpy"):  # backends for some observations only
+        module = importlib.import_module(f"oakemu_core.policy.{config.actor_inference}_inference")
         try:
-            check_supported(spec.observation_layout)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-    if config.actor_inference == "numpy":
-        from oakemu_core.policy.numpy_inference import check_supported as check_numpy_supported
-
-        try:
-            check_numpy_supported(spec.observation_layout)
+            module.check_supported(spec.observation_layout)
         except ValueError as error:
             raise ConfigError(str(error)) from None
     if config.actor_inference == "onnxruntime":

@@ -50,8 +50,9 @@ def build_optimizer(config: OakEmuConfig, model: torch.nn.Module, device: str) -
     """The learner's Adam (CleanRL's: eps 1e-5), fused where torch has the kernel (one op for all
     parameters instead of a Python loop over them): over one flat tensor holding the trained
     parameters (:class:`~oakemu_core.algo.flat_parameters.FlatAdam`: its per-step work done once),
-    or torch's own over the parameters when behaviour-cloning pre-training will train the policy
-    alone (``bc_dataset`` and ``bc_pretrain_updates``), whose critic Adam must then skip."""
+    or torch's own over the parameters when behaviour-cloning pre-training (``bc_dataset`` and
+    ``bc_pretrain_updates``) will train the policy alone: torch's Adam skips the untouched critic,
+    FlatAdam would step it."""
     trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
     kwargs: dict[str, Any] = {"lr": config.learning_rate, "eps": 1e-5, "fused": torch.device(device).type in ("cpu", "cuda")}
     if config.bc_dataset and config.bc_pretrain_updates:

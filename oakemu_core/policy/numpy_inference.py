@@ -4,8 +4,9 @@ modules (``actor_inference = "numpy"``; ``"auto"`` picks it for such models).
 
 A forward pass of a few rows through two 64-64 tanh MLPs is a dozen small products: torch spends
 most of it on per-module and per-op overhead (8 CartPole rows: 63 us through the modules, 15 us in
-numpy; ``docs/benchmarks.md``). The weights are copied out of the model at every load; sampling,
-log-probs and masks stay in torch (:meth:`oakemu_core.policy.models.ActorCritic.act`). The products
+numpy; ``docs/benchmarks.md``). The weights are copied out of the model at every load. A
+categorical policy then samples in numpy too (same draws, same actions); other distributions sample
+in torch (:meth:`oakemu_core.policy.models.ActorCritic.act`). The products
 round differently from torch's kernels, as the learner's batched kernels do: the actors' log-probs
 differ from the learner's by float32 rounding (a first-minibatch ratio within about 1e-6 of 1, as
 with torch actors).
@@ -126,4 +127,3 @@ def _mlp(x: np.ndarray, layers: list[tuple[np.ndarray, np.ndarray] | None]) -> n
     for layer in layers:
         x = np.tanh(x) if layer is None else x @ layer[0] + layer[1]
     return x
-
