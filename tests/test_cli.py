@@ -562,3 +562,16 @@ def test_the_learner_and_an_actor_turn_the_collector_on_once_ready(monkeypatch: 
         gc.enable()
         actor.close()
     assert serving == [True, True, False, True]  # learner serving and after; actor joining, then after
+
+
+def test_train_refuses_numpy_actors_for_pictures_before_anything_starts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    for key in [key for key in os.environ if key.startswith("OAKEMU_")]:
+        monkeypatch.delenv(key)
+    assert cli.main(["train", "--env", "ALE/Breakout-v5", "--actor-inference", "numpy", "--runs-dir",
+                     str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert "actor_inference='numpy': only for one vector observation (MLP torsos), this env gives uint8" in err
+    assert "Traceback" not in err and not (tmp_path / "runs").exists()
