@@ -13,7 +13,7 @@ The settings are options of the commands whose process reads them, grouped by ro
 (:mod:`oakemu_core.options`; ``oakemu train --help`` lists them); ``OAKEMU_*`` environment variables
 and a TOML file fill in what the options leave out. Each subcommand imports its service lazily and
 returns the service's exit status. A mistake the user can fix (:class:`~oakemu_core.errors.UserError`)
-prints one line and exits with its status (2 for bad input); an unknown option names the closest one.
+prints one line and exits with its status (2 for bad input); an unknown command or option names the closest one.
 
 Also runnable as ``python -m oakemu_services.cli ...``.
 """
@@ -21,6 +21,7 @@ Also runnable as ``python -m oakemu_services.cli ...``.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 from collections.abc import Callable, Sequence
@@ -202,6 +203,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser, subcommand_parsers = build_parser()
     args = list(sys.argv[1:] if argv is None else argv)
     command_word = next((arg for arg in args if not arg.startswith("-")), None)
+    if command_word is not None and command_word not in _COMMANDS:
+        print(f"{PROG}: error: {unknown_command_hint(command_word)}", file=sys.stderr)
+        return EXIT_USAGE
     if command_word in _COMMANDS:  # before parsing: `--help` and usage errors warn too
         for warning in unknown_environment_variables():
             print(f"{PROG} {command_word}: warning: {warning}", file=sys.stderr)
@@ -229,6 +233,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as error:  # the machine, not the input: a permission, a full disk
         print(f"{PROG} {command}: error: {_one_line(error)}", file=sys.stderr)
         return 1
+
+
+def unknown_command_hint(word: str) -> str:
+    """The error for a word that names no subcommand, with the closest one (:func:`difflib.get_close_matches`)."""
+    close = difflib.get_close_matches(word, list(_COMMANDS), n=1, cutoff=0.6)
+    return f"unknown command {word!r} " + (f"(did you mean {close[0]!r}?)" if close else f"({PROG} --help lists the commands)")
 
 
 def _train(namespace: argparse.Namespace) -> int:

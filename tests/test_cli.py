@@ -575,3 +575,15 @@ def test_train_refuses_numpy_actors_for_pictures_before_anything_starts(
     err = capsys.readouterr().err
     assert "actor_inference='numpy': only for one vector observation (MLP torsos), this env gives uint8" in err
     assert "Traceback" not in err and not (tmp_path / "runs").exists()
+
+
+# ------------------------------------------------------------------------------- unknown commands
+@pytest.mark.parametrize(("word", "hint"), [("trian", " (did you mean 'train'?)"), ("evalute", " (did you mean "
+                                            "'evaluate'?)"), ("fly", " (oakemu --help lists the commands)")])
+def test_an_unknown_command_is_one_line_naming_the_closest_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], word: str, hint: str
+) -> None:
+    train = FakeService(monkeypatch, "train")
+    assert cli.main([word, "--env", "CartPole-v1"]) == 2
+    assert capsys.readouterr().err == f"oakemu: error: unknown command '{word}'{hint}\n"
+    assert train.calls == []
