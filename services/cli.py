@@ -238,7 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def unknown_command_hint(word: str) -> str:
     """The error for a word that names no subcommand, with the closest one (:func:`difflib.get_close_matches`)."""
     close = difflib.get_close_matches(word, list(_COMMANDS), n=1, cutoff=0.6)
-    return f"unknown command {word!r} " + (f"(did you mean {close[0]!r}?)" if close else f"({PROG} --help lists the commands)")
+    hint = f"did you mean {close[0]!r}?" if close else f"{PROG} --help lists the commands"
+    return f"unknown command {word!r} ({hint})"
 
 
 def _train(namespace: argparse.Namespace) -> int:
