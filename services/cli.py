@@ -127,7 +127,8 @@ def _add_evaluate(commands: Any) -> None:
         "evaluate", help="play episodes with a checkpoint and print mean and std of the episodic return",
         description="Play episodes with the policy in CHECKPOINT; print the mean and std of the raw episodic return.",
         allow_abbrev=False)
-    evaluate.add_argument("checkpoint", type=Path, metavar="CHECKPOINT", help="checkpoint file (or run folder)")
+    evaluate.add_argument("checkpoint", type=Path, metavar="CHECKPOINT",
+                          help="checkpoint file, run folder, or a folder written by oakemu export")
     evaluate.add_argument("--episodes", type=_positive_int, default=10, metavar="N", help="episodes (default 10)")
     policy = evaluate.add_mutually_exclusive_group()
     policy.add_argument("--greedy", dest="greedy", action="store_true", default=True,

@@ -1,15 +1,20 @@
-"""``oakemu evaluate CHECKPOINT``: play episodes with a trained policy and report the episodic return."""
+"""``oakemu evaluate CHECKPOINT``: play episodes with a trained policy and report the episodic return.
+
+CHECKPOINT is a checkpoint of ``oakemu train`` (a ``.pt`` file, or a run folder: its latest) or a policy
+folder written by ``oakemu export`` (safetensors and JSON): both play the same episodes."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from rich.console import Console
 
 from oakemu_core.envs.options import EnvOptions
+from oakemu_core.policy.export import is_policy_folder, load_policy_folder, read_policy_info
 from oakemu_core.run.checkpoint import load_run_checkpoint
 from oakemu_core.run.evaluation import build_evaluation, play_episodes
 from oakemu_core.run.video import EpisodeVideos
@@ -40,31 +45,42 @@ def evaluate_checkpoint(checkpoint: Path, *, episodes: int, greedy: bool, seed: 
     Raises:
         oakemu_core.errors.CheckpointError: no checkpoint at ``checkpoint`` (a run folder is searched for its
             latest), or a file that is not a checkpoint of ``oakemu train``.
+        oakemu_core.policy.export.PolicyFolderError: an exported policy folder that is damaged.
         oakemu_core.run.video.VideoUnavailableError: ``video_dir`` without the ``video`` extra.
     """
-    _, state = load_run_checkpoint(checkpoint)
-    env_info, config = state["env"], state["config"]
+    env_id, schema, config, weights = _read_policy(checkpoint)
     recorder = None
     if video_dir is not None:
         recorder = EpisodeVideos(lambda index: Path(video_dir) / f"episode_{index + 1}.mp4",
                                  episodes=episodes if videos is None else videos)
     # The same builder as the learner's tester (oakemu_core.run.tester): one evaluation code path.
-    model, env = build_evaluation(env_info["env_id"], env_info["schema"], seed=seed,
+    model, env = build_evaluation(env_id, schema, seed=seed,
                                   max_episode_steps=config.get("max_episode_steps"),
                                   settings_file=config.get("emulator_settings"),
                                   normalize_observations=bool(config.get("normalize_observations")),
                                   env_options=EnvOptions.from_settings(config), frame_sink=recorder)
     try:
-        model.load_state_dict(state["model"])
+        model.load_state_dict(weights)
         model.eval()
         result = play_episodes(model, env, episodes=episodes, greedy=greedy)
     finally:
         env.close()
         if recorder is not None:
             recorder.close()
-    return Evaluation(env_info["env_id"], result.returns, result.lengths,
+    return Evaluation(env_id, result.returns, result.lengths,
                       videos=[] if recorder is None else list(recorder.paths),
                       video_error=None if recorder is None else recorder.error)
+
+
+def _read_policy(source: Path) -> tuple[str, dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """``(env id, step schema dict, the run's config, state_dict)`` of a checkpoint, a run folder (its latest
+    checkpoint) or a policy folder of ``oakemu export``."""
+    if is_policy_folder(source):
+        info, spaces = read_policy_info(Path(source))
+        return (str(info.get("env_id", "")), spaces.get("schema") or {}, dict(info.get("config") or {}),
+                load_policy_folder(Path(source)).state_dict())
+    _, state = load_run_checkpoint(source)
+    return state["env"]["env_id"], state["env"]["schema"], state["config"], state["model"]
 
 
 def evaluate(checkpoint: Path, *, episodes: int, greedy: bool, seed: int) -> list[float]:

@@ -149,3 +149,59 @@ def test_the_model_card_front_matter_is_yaml_for_any_env_id() -> None:
     assert front["tags"][-1] == info["env_id"]
     [result] = front["model-index"][0]["results"]
     assert result["dataset"]["name"] == info["env_id"] and result["metrics"][0]["value"] == "1.50 +/- 0.50"
+
+
+def write_exported(state_path: Path, folder: Path) -> Path:
+    """The policy folder of a checkpoint, written without an evaluation (what ``oakemu export`` writes
+    after it)."""
+    from oakemu_core.policy.export import write_policy_folder
+    from oakemu_core.run.checkpoint import load_checkpoint
+
+    state = load_checkpoint(state_path)
+    env_id = state["env"]["env_id"]
+    return write_policy_folder(folder, state["model"], env_id=env_id,
+                               observation_layout=env_spec(env_id).observation_layout,
+                               schema=state["env"]["schema"], config=state["config"],
+                               trained={"policy_version": 42, "global_step": 10752})
+
+
+def test_evaluate_takes_an_exported_folder_and_plays_the_checkpoints_episodes(
+        checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = write_exported(checkpoint, tmp_path / "policy")
+    results = []
+    for source in (checkpoint, folder):
+        assert cli.main(["evaluate", str(source), "--episodes", "3", "--seed", "5", "--json"]) == 0
+        results.append(json.loads(capsys.readouterr().out))
+    from_checkpoint, from_folder = results
+    assert from_folder["checkpoint"] == str(folder) and from_folder["env_id"] == CARTPOLE
+    assert from_folder["returns"] == from_checkpoint["returns"] and from_folder["episodes"] == 3
+
+
+def python_block(card: str) -> str:
+    """The model card's code: its one fenced ``python`` block."""
+    [block] = [part.split("```", 1)[0] for part in card.split("```python\n")[1:]]
+    return block
+
+
+@pytest.mark.parametrize("env_id", [CARTPOLE, "tests.spaces_envs:DictTarget-v0"])
+def test_the_model_cards_code_runs_and_is_the_readmes_python_api(tmp_path: Path, env_id: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import oakemu_core
+
+    spec = env_spec(env_id)
+    schema = schema_for_env(spec).to_dict()
+    model = build_model(spec.observation_layout, schema_from_dict(schema).distribution)
+    path = tmp_path / "checkpoint_00000001.pt"
+    save_checkpoint(path, {"model": model.state_dict(), "env": {"env_id": env_id, "schema": schema}, "config": {}})
+    folder = write_exported(path, tmp_path / "my-policy")
+    code = python_block((folder / "README.md").read_text())
+    readme = (REPO_ROOT / "README.md").read_text()
+    for line in ("policy = oakemu_core.load_policy(", "action = policy.act(observation)"):
+        assert line in code and line in readme, line
+    monkeypatch.chdir(tmp_path)  # the card names the folder as exported
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    policy = oakemu_core.load_policy(folder)
+    assert namespace["policy"].env_id == env_id
+    assert np.array_equal(namespace["action"], policy.act(namespace["observation"]))
+    assert np.shape(namespace["action"]) == spec.action_space.shape

@@ -1,7 +1,8 @@
 """A trained policy as a plain folder: no pickle, readable without this package's checkpoints.
 
 Written by ``oakemu export CHECKPOINT DIR`` (:func:`write_policy_folder`), read by
-:func:`load_policy_folder`. The layout follows the Hugging Face Hub's model repositories:
+:func:`load_policy_folder` (behind ``oakemu_core.load_policy`` and ``oakemu evaluate``). The layout follows the
+Hugging Face Hub's model repositories:
 
 =============================  ==================================================================
 file                           contents
@@ -18,7 +19,8 @@ file                           contents
                                the policy divides ``(x - mean)`` by ``sqrt(var + 1e-8)``, clipped
                                to [-10, 10] (:class:`oakemu_core.policy.models.RunningNormalizer`)
 ``README.md``                  the model card (YAML front matter: library, tags, the Hub's
-                               ``model-index`` with the evaluation's ``mean_reward``)
+                               ``model-index`` with the evaluation's ``mean_reward``; its Python
+                               code is :func:`usage_code`)
 ``replay.mp4``                 one evaluation episode (when a video was given)
 =============================  ==================================================================
 
@@ -40,8 +42,8 @@ import torch
 from oakemu_core.errors import ConfigError, UserError
 from oakemu_core.policy.models import ActorCritic, build_model
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "PolicyFolderError", "check_export_target", "is_policy_folder", "load_policy_folder", "model_card", "read_policy_info",
-           "write_policy_folder"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "PolicyFolderError", "check_export_target", "is_policy_folder",
+           "load_policy_folder", "model_card", "read_policy_info", "usage_code", "write_policy_folder"]
 
 FORMAT = "oakemu-policy"
 FORMAT_VERSION = 1
@@ -117,7 +119,7 @@ def write_policy_folder(directory: Path, state_dict: Mapping[str, torch.Tensor],
         (directory / NORMALIZATION_FILE).write_text(json.dumps(stats, indent=2) + "\n")
     if video is not None:
         shutil.copyfile(video, directory / VIDEO_FILE)
-    (directory / CARD_FILE).write_text(model_card(info, spaces, has_video=video is not None))
+    (directory / CARD_FILE).write_text(model_card(info, spaces, has_video=video is not None, folder=directory.name))
     return directory
 
 
@@ -171,8 +173,25 @@ def load_policy_folder(directory: Path) -> ActorCritic:
     return model.eval()
 
 
-def model_card(info: Mapping[str, Any], spaces: Mapping[str, Any], *, has_video: bool) -> str:
-    """The folder's README.md: YAML front matter in the Hub's layout for RL models, then how to load it."""
+def usage_code(folder: str, observation_layout: Mapping[str, Mapping[str, Any]]) -> str:
+    """The model card's Python code: :func:`oakemu_core.load_policy` on the folder (by its name) and
+    ``Policy.act`` on an all-zeros observation of the policy's own layout (``spaces.json``), lines ending in
+    a newline."""
+    zeros = {key: f"np.zeros({tuple(entry['shape'])}, np.{np.dtype(entry['dtype']).name})"
+             for key, entry in observation_layout.items()}
+    observation = (zeros[""] if set(zeros) == {""} else
+                   "{" + ", ".join(f"{json.dumps(key)}: {value}" for key, value in zeros.items()) + "}")
+    return (f"import numpy as np\n"
+            f"import oakemu_core  # pip install 'oakemu-rl[export]'\n\n"
+            f"policy = oakemu_core.load_policy({json.dumps(folder)})  # this folder: safetensors + JSON, no pickle\n"
+            f"observation = {observation}  # as oakemu's env adapter gives it\n"
+            f"action = policy.act(observation)  # greedy; one observation or a batch\n")
+
+
+def model_card(info: Mapping[str, Any], spaces: Mapping[str, Any], *, has_video: bool,
+               folder: str = "policy") -> str:
+    """The folder's README.md: YAML front matter in the Hub's layout for RL models, then how to load it
+    (:func:`usage_code`, loading the folder by the name ``folder``)."""
     env_id, evaluation = info["env_id"], info.get("evaluation")
     config = info.get("config") or {}
     metric = ""
@@ -216,11 +235,7 @@ Trained with OakEmu-RL (actor/learner PPO) for {info.get('global_step', 0):,} en
 ## Use
 
 ```python
-from oakemu_core.policy.export import load_policy_folder   # pip install 'oakemu-rl[export]'
-
-policy = load_policy_folder("this-folder")                  # safetensors + JSON, no pickle
-actions = policy.act(observations, greedy=True).actions       # a batch of observations
-```
+{usage_code(folder, spaces["observation_layout"])}```
 
 Observations: {layout} (as the env id's preprocessing gives them). Observation normalisation:
 {'running statistics in `obs_normalization.json` (also in the weights)' if info.get('normalize_observations') else 'none'}.
