@@ -5,8 +5,10 @@ Hugging Face Hub model repository (``--push-to-hub OWNER/NAME``)."""
 
 from __future__ import annotations
 
+import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -45,9 +47,12 @@ def export(checkpoint: Path, directory: Path, *, episodes: int, greedy: bool, se
                                    evaluation=evaluation, video=result.videos[0] if result.videos else None)
 
 
-def push_to_hub(directory: Path, repo_id: str, *, private: bool = False) -> str:
-    """Upload the policy folder to the Hugging Face Hub model repository ``repo_id`` (created when
-    missing); returns the repository's URL. The token comes from ``HF_TOKEN`` or ``hf auth login``.
+class HubUnavailable(RuntimeError):
+    """The Hugging Face Hub could not be reached, or refused the upload (the message says which, and why)."""
+
+
+def _hub_api() -> Any:
+    """huggingface_hub's ``HfApi`` class.
 
     Raises:
         ConfigError: huggingface_hub is not installed.
@@ -56,21 +61,75 @@ def push_to_hub(directory: Path, repo_id: str, *, private: bool = False) -> str:
         from huggingface_hub import HfApi
     except ImportError:
         raise ConfigError("--push-to-hub needs huggingface_hub: pip install 'oakemu-rl[export]'") from None
-    api = HfApi()
-    url = api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
-    api.upload_folder(folder_path=str(directory), repo_id=repo_id, repo_type="model",
-                      commit_message=f"oakemu export of {Path(directory).name}")
+    return HfApi
+
+
+def check_hub_repository(repo_id: str) -> None:
+    """Check, before anything is evaluated or written, that ``repo_id`` can be pushed to: huggingface_hub
+    is installed and ``repo_id`` is a well-formed ``OWNER/NAME``.
+
+    Raises:
+        ConfigError: huggingface_hub is not installed, or ``repo_id`` is malformed.
+    """
+    _hub_api()
+    from huggingface_hub.utils import validate_repo_id
+
+    if repo_id.count("/") != 1:
+        raise ConfigError(f"--push-to-hub: expected OWNER/NAME, received {repo_id!r}")
+    try:
+        validate_repo_id(repo_id)
+    except ValueError as error:
+        raise ConfigError(f"--push-to-hub: {error}") from None
+
+
+def push_to_hub(directory: Path, repo_id: str, *, private: bool = False) -> str:
+    """Upload the policy folder to the Hugging Face Hub model repository ``repo_id`` (created when
+    missing); returns the repository's URL. The token comes from ``HF_TOKEN`` or ``hf auth login``.
+
+    Raises:
+        ConfigError: huggingface_hub is not installed.
+        HubUnavailable: the Hub could not be reached (no network, ``HF_HUB_OFFLINE``) or answered with an
+            HTTP error (no or a wrong token, no write access).
+    """
+    api = _hub_api()()
+    from huggingface_hub import errors
+
+    # The Hub's own errors are OSErrors; its HTTP client's (a refused connection, a timeout) derive from
+    # the HTTPError that huggingface_hub.errors re-exports.
+    network_errors = (OSError, getattr(errors, "HTTPError", OSError))
+    try:
+        url = api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+        api.upload_folder(folder_path=str(directory), repo_id=repo_id, repo_type="model",
+                          commit_message=f"oakemu export of {Path(directory).name}")
+    except errors.HfHubHTTPError as error:
+        raise HubUnavailable(f"the Hugging Face Hub refused the upload to {repo_id}: {_first_line(error)}") from None
+    except network_errors as error:
+        raise HubUnavailable(f"could not reach the Hugging Face Hub: {_first_line(error)}") from None
     return str(url)
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
 
 
 def main(checkpoint: Path, directory: Path, *, episodes: int, greedy: bool, seed: int, video: bool = True,
          push_to_hub_repo: str | None = None) -> int:
-    """Entry point: export, print the folder (and the Hub URL); 0 on success, 2 on a user mistake."""
+    """Entry point: export, print the folder (and the Hub URL); 0 on success, 2 on a user mistake (raised as a
+    :class:`~oakemu_core.errors.UserError` for the CLI to report), 1 when the Hub could not be reached or
+    refused the upload (one line on stderr; the exported folder stays on disk)."""
+    if push_to_hub_repo is not None:
+        check_hub_repository(push_to_hub_repo)
     try:
         folder = export(checkpoint, directory, episodes=episodes, greedy=greedy, seed=seed, video=video)
     except VideoUnavailableError as error:
         raise VideoUnavailableError(f"{error} (or --no-video)") from None
-    print(f"{checkpoint}: exported to {folder}")
+    print(f"{checkpoint}: exported to {folder}", flush=True)
     if push_to_hub_repo is not None:
-        print(f"pushed to {push_to_hub(folder, push_to_hub_repo)}")
+        try:
+            url = push_to_hub(folder, push_to_hub_repo)
+        except HubUnavailable as error:
+            print(f"oakemu export: error: {error}; the exported policy stays in {folder}", file=sys.stderr)
+            return 1
+        print(f"pushed to {url}")
     return 0

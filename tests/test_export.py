@@ -4,6 +4,7 @@ video) that :func:`load_policy_folder` loads in a fresh process to the same acti
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -205,3 +206,41 @@ def test_the_model_cards_code_runs_and_is_the_readmes_python_api(tmp_path: Path,
     assert namespace["policy"].env_id == env_id
     assert np.array_equal(namespace["action"], policy.act(namespace["observation"]))
     assert np.shape(namespace["action"]) == spec.action_space.shape
+
+
+def hub_unreachable_environment(tmp_path: Path) -> dict[str, str]:
+    """The environment of a process whose Hugging Face Hub is a closed loopback port (no network is used)."""
+    import socket
+
+    with socket.socket() as sock:  # bound and closed: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("HF_", "OAKEMU_"))}
+    env.update(HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_TOKEN="hf_not_a_real_token", HF_HOME=str(tmp_path / "hf"),
+               PYTHONPATH=str(REPO_ROOT))
+    return env
+
+
+def test_push_to_an_unreachable_hub_is_one_line_exit_1_and_keeps_the_exported_folder(checkpoint: Path,
+                                                                                     tmp_path: Path) -> None:
+    pytest.importorskip("huggingface_hub", reason="needs the export extra")
+    folder = tmp_path / "policy"
+    result = subprocess.run([sys.executable, "-m", "oakemu_services.cli", "export", str(checkpoint), str(folder),
+                             "--episodes", "1", "--no-video", "--push-to-hub", "me/ppo-cartpole"],
+                            capture_output=True, text=True, cwd=tmp_path, env=hub_unreachable_environment(tmp_path),
+                            timeout=180)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith("oakemu export: error: could not reach the Hugging Face Hub: ")
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert f"the exported policy stays in {folder}" in result.stderr
+    assert f"exported to {folder}" in result.stdout and (folder / "model.safetensors").is_file()
+
+
+def test_push_to_hub_with_a_malformed_repository_id_is_refused_before_the_export(
+        checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("huggingface_hub", reason="needs the export extra")
+    assert cli.main(["export", str(checkpoint), str(tmp_path / "policy"), "--no-video",
+                     "--push-to-hub", "me/not a name"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("oakemu export: error: --push-to-hub: ") and err.count("\n") == 1
+    assert not (tmp_path / "policy").exists()
