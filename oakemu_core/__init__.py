@@ -6,7 +6,8 @@ fills per-step buffers) -> ``transport`` (step and control messages, step rings)
 loop); ``policy`` is what acts, ``run`` what surrounds a run (checkpoints, metrics, evaluation).
 
 The names a user starts from are importable from here: ``train(config=None, preset=None, **settings) -> Run``
-and ``load_policy(checkpoint) -> Policy`` for training and acting from Python (``train`` comes from
+(with ``Callback``, ``UpdateInfo``, ``EvaluationInfo`` for its callbacks) and ``load_policy(checkpoint) -> Policy``
+for training and acting from Python (``train`` comes from
 ``oakemu_services.api``: it runs the service processes). The rollout-core names load eagerly; the
 others load on first use, so ``import oakemu_core`` does not import torch.
 """
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from oakemu_core.config import OakEmuConfig, load_config, make_config
     from oakemu_core.envs import EnvSpec, env_spec, make_vector_env
     from oakemu_core.policy.models import ActorCritic, build_model
+    from oakemu_core.run.callbacks import Callback, EvaluationInfo, UpdateInfo
     from oakemu_core.run.checkpoint import load_checkpoint
     from oakemu_core.run.loading import Policy, load_policy
     from oakemu_core.run.results import Run
@@ -57,6 +59,9 @@ _LAZY = {
     "Policy": "oakemu_core.run.loading",
     "load_policy": "oakemu_core.run.loading",
     "Run": "oakemu_core.run.results",
+    "Callback": "oakemu_core.run.callbacks",
+    "UpdateInfo": "oakemu_core.run.callbacks",
+    "EvaluationInfo": "oakemu_core.run.callbacks",
     "make_config": "oakemu_core.config",
     # The one name served from the services package: training from Python starts the service processes.
     "train": "oakemu_services.api",

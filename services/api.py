@@ -9,21 +9,26 @@
 
 It starts the same learner and actor processes as the command (this process waits for them, shows the
 progress and handles Ctrl-C: call it from the main thread, as a notebook cell or a script does).
+``callbacks`` are called on each PPO update and evaluation and may stop the run early
+(:mod:`oakemu_core.run.callbacks`); ``verbose=0`` prints errors only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import signal
+from collections.abc import Iterable
 from typing import Any
 
 from oakemu_core.config import OakEmuConfig, make_config
 from oakemu_core.errors import ConfigError
 from oakemu_core.presets import load_preset
+from oakemu_core.run.callbacks import Callback, CallbackLike, CallbackRunner, EvaluationInfo, UpdateInfo
 from oakemu_core.run.results import Run, read_run
 from oakemu_services import train as launcher
 from oakemu_services.runtime import default_run_name
 
-__all__ = ["TrainingFailed", "train"]
+__all__ = ["Callback", "EvaluationInfo", "TrainingFailed", "UpdateInfo", "train"]
 
 
 class TrainingFailed(RuntimeError):
@@ -35,19 +40,29 @@ class TrainingFailed(RuntimeError):
         self.run = run
 
 
-def train(config: OakEmuConfig | None = None, preset: str | None = None, **overrides: Any) -> Run:
-    """Train until the env-step budget is spent; returns the finished :class:`Run`.
+def train(config: OakEmuConfig | None = None, preset: str | None = None, *,
+          callbacks: CallbackLike | Iterable[CallbackLike] | None = None, verbose: int = 1, **overrides: Any) -> Run:
+    """Train until the env-step budget is spent or a callback stops the run; returns the :class:`Run`.
 
     Settings, highest precedence first: ``overrides`` (field name -> value, e.g. ``total_env_steps=20_000``),
     then ``config``'s settings (those it was given), or else ``OAKEMU_*`` variables and the TOML file of
     ``$OAKEMU_CONFIG_FILE``, then the ``preset``, then the defaults. Ports not given are chosen free, so
     several calls (or ``oakemu train`` runs) may share a machine.
 
+    ``callbacks``: a :class:`~oakemu_core.run.callbacks.Callback` (``on_update(info)``,
+    ``on_evaluation(info)``), a callable taking an :class:`UpdateInfo` or :class:`EvaluationInfo`, or a
+    list of them, called in this process after each PPO update and each evaluation. One returning
+    ``False`` stops the run as Ctrl-C would (the learner finishes its update and writes the final
+    checkpoint) and ``train`` returns the run with ``stopped_by_callback`` True. ``verbose``: 1 shows
+    progress on stderr (a bar on a terminal, a line every 15 s elsewhere), 0 only errors.
+
     Raises:
         UserError (a subclass, e.g. ConfigError): a setting, a preset name, the env or a port is wrong;
             nothing was started.
         TrainingFailed: the run ended without training its budget (message and :attr:`TrainingFailed.run`).
         KeyboardInterrupt: Ctrl-C stopped the run (after its final checkpoint).
+        TypeError: a callback is neither a Callback nor callable (nothing was started).
+        Exception: what a callback raised, once the run it stopped has ended (final checkpoint written).
     """
     if config is not None and preset is not None:
         raise ConfigError("train: expected config or preset, received both")
@@ -56,13 +71,18 @@ def train(config: OakEmuConfig | None = None, preset: str | None = None, **overr
     config = make_config(base, **{**given, **overrides})
     if config.run_name is None:  # named here, so that the run folder is known when the launcher returns
         config = config.model_copy(update={"run_name": default_run_name(config)})
+    runner = CallbackRunner(callbacks) if callbacks is not None else None
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        status = launcher.main(config)
+        status = launcher.main(config, verbose=verbose, callbacks=runner)
     finally:  # the launcher's stop handlers served this run only
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
     run = read_run(config.runs_dir / str(config.run_name), status)
+    if runner is not None and runner.error is not None:
+        raise runner.error
+    if runner is not None and runner.stopping and status == 0:
+        return dataclasses.replace(run, stopped_by_callback=True)
     if status in (130, 143):
         raise KeyboardInterrupt(f"training stopped by a signal; the run folder {run.run_dir} can be resumed")
     if status != 0:

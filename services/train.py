@@ -12,9 +12,14 @@ Four phases, one function each:
    children die with the launcher even when it is killed (Linux parent-death signal), so no orphan
    process or shared-memory segment stays;
 4. :func:`report` says how the run ended and returns the exit status: 0 only for a run that made
-   PPO updates and ended by its budget; ``128 + signal`` (Ctrl-C: 130) after a stop by signal; 1
-   when every actor gave up or no update was made (naming the first actor error), or the learner's
-   own status when it failed.
+   PPO updates and ended by its budget (or was stopped by a Python API callback); ``128 + signal``
+   (Ctrl-C: 130) after a stop by signal; 1 when every actor gave up, no update was made (naming the
+   first actor error), the learner was killed by a signal (naming it) or a callback raised; the
+   learner's own status when it exited with an error.
+
+Each child's output (stdout and stderr) goes through the launcher (:class:`ChildOutput`) into its log
+file, so its last error is known even when the log cannot be written (a full disk). What the console
+shows while the run trains and at its end: :mod:`oakemu_services.train_view`.
 """
 
 from __future__ import annotations
@@ -26,26 +31,29 @@ import re
 import signal
 import subprocess
 import sys
+import threading
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+import oakemu_core
+import oakemu_services
 from oakemu_core.config import ConfigError, OakEmuConfig, resolved_device, to_toml
 from oakemu_core.envs.factory import check_env
 from oakemu_core.presets import Preset
-from oakemu_core.run.metrics import EVAL_EPISODIC_RETURN, METRICS_FILE_NAME
+from oakemu_core.run.callbacks import CallbackRunner, RecordFollower
+from oakemu_core.run.metrics import METRICS_FILE_NAME
 from oakemu_core.run.run_folder import (
     check_resume_folder,
     format_changes,
     make_run_folder,
-    read_json_lines,
     write_text_atomic,
 )
-from oakemu_core.run.telemetry import TelemetrySnapshot, TelemetrySubscriber
-from oakemu_core.run.tester import BEST_NAME
+from oakemu_core.run.telemetry import TelemetrySubscriber
 from oakemu_core.run.tracking import check_tracker_available
 from oakemu_services.runtime import (
     PARENT_PID_ENV,
@@ -56,11 +64,18 @@ from oakemu_services.runtime import (
     install_stop_signals,
     with_free_ports,
 )
+from oakemu_services.train_view import end_lines, print_line, progress_view
+from oakemu_services.train_view import final_update_line as _final_update_line
+from oakemu_services.train_view import metrics_records as _metrics_records
 
 log = logging.getLogger("oakemu.train")
 
 STOP_GRACE_S = 60.0
 """How long the learner may take to finish an update and write its final checkpoint."""
+OUTPUT_LINES_KEPT = 400
+"""The newest lines of a child's output the launcher keeps in memory (its errors are read from them)."""
+OUTPUT_DRAIN_S = 2.0
+"""How long the launcher waits for the rest of an exited child's output."""
 
 _ERROR_RECORD = re.compile(r"^\S+ (?:ERROR|CRITICAL) [\w.]+: (.+)$")
 """A plain log record of level ERROR or CRITICAL (:class:`oakemu_services.runtime.OneLineFormatter`)."""
@@ -68,10 +83,69 @@ _CLI_ERROR = re.compile(r"^oakemu \w+: error: (.+)$")
 """The one line ``oakemu`` prints for a user error (:mod:`oakemu_services.cli`)."""
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Failed|Interrupt)\b.*")
 """The last line of a Python traceback: ``module.ErrorName: message``."""
+_TRACEBACK_START = "Traceback (most recent call last):"
+_OWN_CODE = tuple(str(Path(package.__file__).parent) + os.sep for package in (oakemu_core, oakemu_services))
+"""Where oakemu's own source files are: their frames are left out of a crash shown on the console."""
+
+
+def exit_description(status: int) -> str:
+    """``exited with status N``, or ``was killed by SIGNAME`` for a negative status (Popen's returncode
+    of a process ended by a signal)."""
+    if status >= 0:
+        return f"exited with status {status}"
+    try:
+        name = signal.Signals(-status).name
+    except ValueError:
+        name = f"signal {-status}"
+    hint = " (the kernel's out-of-memory killer sends it: see dmesg)" if -status == signal.SIGKILL else ""
+    return f"was killed by {name}{hint}"
+
+
+class ChildOutput:
+    """A child's output (stdout and stderr, one pipe), copied line by line to its log file by a thread
+    of its own, the newest :data:`OUTPUT_LINES_KEPT` lines kept in memory: the launcher reads the
+    child's last error from them, also when the log file cannot be written (a full disk)."""
+
+    def __init__(self, pipe: IO[bytes], log_path: Path) -> None:
+        self.log_path = log_path
+        self.write_error: str | None = None
+        """Why lines could not be appended to the log file (the first failure); None while all were."""
+        self._pipe = pipe
+        self._lines: deque[str] = deque(maxlen=OUTPUT_LINES_KEPT)
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._copy, name=f"oakemu-output-{log_path.stem}", daemon=True)
+        self._thread.start()
+
+    def _copy(self) -> None:
+        try:
+            fd: int | None = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as error:
+            fd, self.write_error = None, error.strerror or str(error)
+        with self._pipe:
+            for line in iter(lambda: self._pipe.readline(65536), b""):
+                with self._lock:
+                    self._lines.append(line.decode(errors="replace").rstrip("\r\n"))
+                if fd is None:
+                    continue
+                try:
+                    os.write(fd, line)
+                except OSError as error:  # a full disk: the line stays in memory only
+                    self.write_error = self.write_error or error.strerror or str(error)
+        if fd is not None:
+            os.close(fd)
+
+    def lines(self) -> list[str]:
+        """The newest lines (oldest first), without their line ends."""
+        with self._lock:
+            return list(self._lines)
+
+    def drain(self, timeout_s: float = OUTPUT_DRAIN_S) -> None:
+        """Wait until the output ended (every writer closed it) or ``timeout_s`` passed."""
+        self._thread.join(timeout_s)
 
 
 class Child:
-    """One service process with its log file."""
+    """One service process with its log file (its output goes through :class:`ChildOutput`)."""
 
     def __init__(self, name: str, command: list[str], env: dict[str, str], log_path: Path) -> None:
         self.name = name
@@ -81,14 +155,16 @@ class Child:
         self.restarts = 0
         self.gave_up = False  # exited with an error and not restarted
         self.process: subprocess.Popen[bytes] | None = None
+        self.output: ChildOutput | None = None
+        """The output of the newest start."""
 
     def start(self) -> None:
-        log_file = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it; closed when we exit
         # A session of its own: Ctrl-C reaches only the launcher, which then stops children in order.
         self.process = subprocess.Popen(
-            self.command, env=self.env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+            self.command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
         )
-        log_file.close()
+        assert self.process.stdout is not None
+        self.output = ChildOutput(self.process.stdout, self.log_path)
 
     def poll(self) -> int | None:
         return None if self.process is None else self.process.poll()
@@ -107,14 +183,21 @@ class Child:
             return self.process.wait()
 
     def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
+        """The last ``lines`` lines of the newest start's output (all of it once the child exited)."""
+        if self.output is None:
             return ""
+        if self.poll() is not None:
+            self.output.drain()
+        return "\n".join(self.output.lines()[-lines:])
+
+    def log_note(self) -> str:
+        """``log: <path>``, with why it is incomplete when lines could not be written to it."""
+        missing = self.output.write_error if self.output is not None else None
+        return f"log: {self.log_path}" + (f", incomplete: {missing}" if missing else "")
 
     def error_line(self) -> str | None:
-        """The newest error in its log: the last traceback's final line or ERROR record, else None."""
-        return last_error(self.log_tail(200))
+        """The newest error in its output: the last traceback's final line or ERROR record, else None."""
+        return last_error(self.log_tail(OUTPUT_LINES_KEPT))
 
 
 def last_error(text: str) -> str | None:
@@ -193,6 +276,38 @@ def plan_run(config: OakEmuConfig, resume: Path | None = None) -> RunPlan:
     return RunPlan(config, run_dir, resumed=resume is not None, changes=changes)
 
 
+def crash_traceback(text: str) -> list[str] | None:
+    """The last Python traceback in ``text`` (from ``Traceback (most recent call last):`` to its
+    exception line) with oakemu's own frames left out when the error was raised outside oakemu (a
+    user's env): ``[header, "  (N frames of oakemu left out)", frames..., exception]``; None when
+    ``text`` holds no traceback."""
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith(_TRACEBACK_START)]
+    if not starts:
+        return None
+    frames: list[list[str]] = []
+    exception = None
+    for line in lines[starts[-1] + 1:]:
+        if line.startswith("  File "):
+            frames.append([line])
+        elif line.startswith("    ") and frames:
+            frames[-1].append(line)
+        elif line.strip():
+            exception = line
+            break
+    if exception is None:
+        return None
+
+    def own(frame: list[str]) -> bool:
+        path = frame[0].split('"')[1] if frame[0].count('"') >= 2 else ""
+        return path.startswith(_OWN_CODE) or path.startswith("<frozen ")
+
+    kept = frames if not frames or own(frames[-1]) else [frame for frame in frames if not own(frame)]
+    left_out = len(frames) - len(kept)
+    note = [f"  ({left_out} frames of oakemu left out)"] if left_out else []
+    return [_TRACEBACK_START, *note, *(line for frame in kept for line in frame), exception]
+
+
 def _child_env(config_file: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OAKEMU_")}
     env.update({"OAKEMU_CONFIG_FILE": str(config_file), PARENT_PID_ENV: str(os.getpid()), **extra})
@@ -200,89 +315,37 @@ def _child_env(config_file: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def _progress_text(snapshot: TelemetrySnapshot) -> str:
-    """Short live figures for the progress bar (fits an 80-column terminal with the bar)."""
-    ret = f"{snapshot.episodic_return_mean:.1f}" if snapshot.episodic_return_mean is not None else "n/a"
-    return f"{snapshot.sps_recent:.0f} SPS, return {ret}"
-
-
-def _update_line(snapshot: TelemetrySnapshot) -> str:
-    """One line per PPO update: steps, SPS (since start, last 10 s), episodes, mean episodic return,
-    losses, actors."""
-    ret = f"{snapshot.episodic_return_mean:8.2f}" if snapshot.episodic_return_mean is not None else "     n/a"
-    losses = (
-        f" | pg {snapshot.policy_loss:+.3f} v {snapshot.value_loss:.3f} ent {snapshot.entropy:.3f}"
-        if snapshot.policy_loss is not None
-        else ""
-    )
-    return (f"update {snapshot.iterations:5d} | steps {snapshot.global_step:9d} | SPS {snapshot.sps:6.0f} "
-            f"(recent {snapshot.sps_recent:6.0f}) | episodes {snapshot.episodes:6d} | return {ret}{losses} | "
-            f"actors {snapshot.num_actors}")
-
-
-def _metrics_records(run_dir: Path) -> list[dict[str, Any]]:
-    """The records of ``run_dir/metrics.jsonl`` ([] when it cannot be read)."""
-    try:
-        return list(read_json_lines(run_dir / METRICS_FILE_NAME))
-    except OSError:
-        return []
-
-
-def _best_evaluation(run_dir: Path, records: list[dict[str, Any]]) -> str | None:
-    """``best evaluation: ...`` naming ``checkpoints/best.pt`` and its return, when the tester kept one
-    and the last evaluation in ``records`` (metrics.jsonl) is below it (the checkpoint to evaluate or
-    export is then not the last one); None otherwise."""
-    best_file = run_dir / "checkpoints" / BEST_NAME
-    evaluations = [r for r in records if EVAL_EPISODIC_RETURN in r]
-    if not evaluations or not best_file.is_file():
-        return None
-    best = max(evaluations, key=lambda r: r[EVAL_EPISODIC_RETURN])
-    last = evaluations[-1]
-    if last[EVAL_EPISODIC_RETURN] >= best[EVAL_EPISODIC_RETURN]:
-        return None
-    return (f"best evaluation: return {best[EVAL_EPISODIC_RETURN]:.2f} (policy version "
-            f"{int(best.get('eval/policy_version', -1))}), last {last[EVAL_EPISODIC_RETURN]:.2f}: "
-            f"oakemu evaluate {best_file}")
-
-
-def _final_update_line(records: list[dict[str, Any]]) -> tuple[int, str] | None:
-    """``(update, line)`` of the last PPO update in ``records`` (metrics.jsonl: telemetry is lossy and
-    the learner may exit before its last snapshots are read), or None when no update was recorded."""
-    updates = [record for record in records if "charts/update" in record]
-    if not updates:
-        return None
-    last = updates[-1]
-
-    def figure(name: str, spec: str, missing: str = "n/a") -> str:
-        value = last.get(name)
-        return format(value, spec) if isinstance(value, (int, float)) else missing
-
-    update = int(last["charts/update"])
-    losses = (f" | pg {figure('losses/policy_loss', '+.3f')} v {figure('losses/value_loss', '.3f')} "
-              f"ent {figure('losses/entropy', '.3f')}") if "losses/policy_loss" in last else ""
-    return update, (f"update {update:5d} | steps {int(last['global_step']):9d} | SPS {figure('charts/SPS', '6.0f')} "
-                    f"(recent {figure('charts/SPS_recent', '6.0f')}) | return "
-                    f"{figure('charts/episodic_return', '8.2f', '     n/a')}{losses} | actors "
-                    f"{figure('charts/actors', '.0f')} (final, metrics.jsonl)")
-
-
-def _restart_crashed(actors: list[Child], console: Console, max_restarts: int) -> bool:
+def _restart_crashed(actors: list[Child], console: Console, max_restarts: int,
+                     shown_errors: set[str] | None = None) -> bool:
     """Restart an actor that exited with an error (as compose's ``restart: on-failure`` does), at most
     ``max_restarts`` times, and never one that could not set up for this run (its status is
     ``SETUP_ERROR_EXIT_STATUS``: it would fail the same way). Returns True when every actor has exited
-    and none will be restarted: nothing would ever fill a rollout."""
+    and none will be restarted: nothing would ever fill a rollout.
+
+    Each exit is one line on ``console``; the first exit with an error not in ``shown_errors`` (the
+    errors already shown, updated here) adds the crash's traceback (:func:`crash_traceback`, else the
+    output's last lines), a later one says ``(same error: ...)``."""
+    shown = set() if shown_errors is None else shown_errors
     for actor in actors:
         code = actor.poll()
         if code in (None, 0) or actor.gave_up:
             continue
-        if code == SETUP_ERROR_EXIT_STATUS or actor.restarts >= max_restarts:
-            actor.gave_up = True
-            console.print(f"[red]{actor.name} exited with status {code}; not restarted[/]\n{actor.log_tail(5)}")
-            continue
-        actor.restarts += 1
-        console.print(f"[yellow]{actor.name} exited with status {code}; restarting "
-                      f"({actor.restarts}/{max_restarts})[/]\n{actor.log_tail(5)}")
-        actor.start()
+        actor.gave_up = code == SETUP_ERROR_EXIT_STATUS or actor.restarts >= max_restarts
+        if not actor.gave_up:
+            actor.restarts += 1
+        what = "not restarted" if actor.gave_up else f"restarting ({actor.restarts}/{max_restarts})"
+        style = "red" if actor.gave_up else "yellow"
+        output = actor.log_tail(OUTPUT_LINES_KEPT)
+        error = last_error(output)
+        if error is not None and error in shown:
+            print_line(console, f"{actor.name} {exit_description(code)} (same error: {error}); {what}", style)
+        else:
+            shown.update([error] if error is not None else [])
+            details = crash_traceback(output) or output.splitlines()[-5:]
+            print_line(console, f"{actor.name} {exit_description(code)}; {what}", style)
+            print_line(console, "\n".join(details))
+        if not actor.gave_up:
+            actor.start()
     return all(actor.gave_up for actor in actors)
 
 
@@ -290,12 +353,23 @@ class Launch:
     """The learner and actor processes of one planned run, and the progress view while they train.
 
     :meth:`watch` returns why it stopped watching: ``"signal"`` (Ctrl-C / SIGTERM), ``"learner"`` (the
-    learner exited: budget spent, or a failure) or ``"actors"`` (every actor gave up).
+    learner exited: budget spent, or a failure), ``"actors"`` (every actor gave up) or ``"callback"``
+    (a Python API callback returned False or raised).
+
+    Args:
+        plan: the planned run.
+        console: where progress and notes go (a quiet console for ``verbose=0``).
+        verbose: 0: no progress output, only errors; 1: progress (:func:`~oakemu_services.train_view.progress_view`).
+        callbacks: the Python API's callbacks, fed with the run's ``metrics.jsonl`` records, or None.
     """
 
-    def __init__(self, plan: RunPlan, console: Console) -> None:
+    def __init__(self, plan: RunPlan, console: Console, *, verbose: int = 1,
+                 callbacks: CallbackRunner | None = None) -> None:
         self.plan = plan
         self.console = console
+        self.errors = Console(stderr=True) if console.quiet else console
+        """Where errors go: the console, or a console of their own when it is quiet."""
+        self.verbose = verbose
         config, logs_dir = plan.config, plan.run_dir / "logs"
         cli = [sys.executable, "-m", "oakemu_services.cli"]
         self.learner = Child("learner", [*cli, "learner"], _child_env(plan.config_file), logs_dir / "learner.log")
@@ -306,8 +380,12 @@ class Launch:
         ]
         self.first_actor_error: str | None = None
         """``actor-N: <error line>`` of the first actor that exited with an error."""
+        self.shown_errors: set[str] = set()
+        """Actor errors already shown with their traceback."""
         self.last_update = -1
         self.learner_status: int | None = None
+        self.callbacks = callbacks
+        self._records = RecordFollower(plan.run_dir / METRICS_FILE_NAME, since=time.time())
 
     def start(self) -> None:
         self.learner.start()
@@ -315,46 +393,48 @@ class Launch:
             actor.start()
 
     def watch(self, stop: StopRequest) -> str:
-        """Show progress until the learner exits, every actor gave up, or ``stop`` is set."""
+        """Show progress until the learner exits, every actor gave up, a callback stops the run, or
+        ``stop`` is set."""
         config = self.plan.config
         subscriber = TelemetrySubscriber(config.learner_address(config.telemetry_port))
-        # "trained": env steps PPO trained on, the count the budget is spent by; ETA at the recent rate.
-        columns = (TextColumn("[bold blue]trained"), BarColumn(bar_width=12), MofNCompleteColumn(),
-                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(compact=True),
-                   TextColumn("{task.fields[info]}"))
+        view = progress_view(self.console, config.total_env_steps, self.verbose)
         try:
-            with Progress(*columns, console=self.console, transient=False) as progress:
-                task = progress.add_task("train", total=config.total_env_steps, info="starting learner and actors")
-                while not stop.is_set():
-                    self.learner_status = self.learner.poll()
-                    if self.learner_status is not None:
-                        return "learner"
-                    snapshot = subscriber.receive(timeout_s=0.1)  # short: the learner's exit is seen at once
-                    if snapshot is not None:
-                        self._show(progress, task, snapshot)
-                    self._note_actor_errors()
-                    if _restart_crashed(self.actors, self.console, config.actor_restarts):
-                        return "actors"
-                return "signal"
+            while not stop.is_set():
+                self.learner_status = self.learner.poll()
+                if self.learner_status is not None:
+                    return "learner"
+                snapshot = subscriber.receive(timeout_s=0.1)  # short: the learner's exit is seen at once
+                if snapshot is not None:
+                    view.show(snapshot)
+                view.tick()
+                if self.feed_callbacks():
+                    return "callback"
+                self._note_actor_errors()
+                if _restart_crashed(self.actors, self.console, config.actor_restarts, self.shown_errors):
+                    return "actors"
+            return "signal"
         finally:
+            self.last_update = view.last_update
+            view.close()
             subscriber.close()
 
-    def _show(self, progress: Progress, task: Any, snapshot: TelemetrySnapshot) -> None:
-        progress.update(task, completed=snapshot.trained_env_steps, info=_progress_text(snapshot))
-        if snapshot.is_update and snapshot.iterations != self.last_update:
-            self.last_update = snapshot.iterations
-            progress.console.print(_update_line(snapshot), highlight=False, soft_wrap=True)
+    def feed_callbacks(self, *, may_stop: bool = True) -> bool:
+        """Give the callbacks the run's new ``metrics.jsonl`` records; True when one stops the run
+        (``may_stop=False``: the run has ended, a ``False`` is ignored)."""
+        return self.callbacks is not None and self.callbacks.feed(self._records.new_records(), may_stop=may_stop)
 
     def _note_actor_errors(self) -> None:
         if self.first_actor_error is not None:
             return
         for actor in self.actors:
-            if actor.poll() not in (None, 0):
-                self.first_actor_error = f"{actor.name}: {actor.error_line() or f'exit status {actor.poll()}'}"
+            code = actor.poll()
+            if code not in (None, 0):
+                self.first_actor_error = f"{actor.name}: {actor.error_line() or exit_description(code)}"
                 return
 
     def stop(self) -> None:
-        """Stop the learner first (it finishes its update and writes the final checkpoint), then the actors."""
+        """Stop the learner first (it finishes its update and writes the final checkpoint), then the
+        actors; then wait (briefly) for the rest of their output."""
         self.learner.signal(signal.SIGTERM)
         status = self.learner.wait(STOP_GRACE_S)
         self.learner_status = status if self.learner_status is None else self.learner_status
@@ -362,45 +442,58 @@ class Launch:
             actor.signal(signal.SIGTERM)
         for actor in self.actors:
             actor.wait(10.0)
+        for child in (self.learner, *self.actors):
+            if child.output is not None:
+                child.output.drain()
 
 
 def report(launch: Launch, ended_by: str, stop: StopRequest, console: Console) -> int:
-    """Say how the run ended and return the exit status (see the module docstring)."""
-    run_dir = launch.plan.run_dir
+    """Say how the run ended and return the exit status (see the module docstring). Errors go to
+    ``launch.errors``, the rest to ``console``."""
+    run_dir, errors = launch.plan.run_dir, launch.errors
     records = _metrics_records(run_dir)
     final = _final_update_line(records)
     if final is not None and final[0] != launch.last_update:
         # The last update line agrees with metrics.jsonl even when the last telemetry was missed.
-        console.print(final[1], highlight=False, soft_wrap=True)
+        print_line(console, final[1])
     actor_error = f"; first actor error: {launch.first_actor_error}" if launch.first_actor_error else ""
+    callbacks = launch.callbacks
+    if callbacks is not None and callbacks.error is not None:
+        print_line(errors, f"error: {callbacks.stop_reason}: the run stopped (run folder {run_dir})", "red")
+        return 1
     if ended_by == "signal":
         name = signal.Signals(stop.signum).name if stop.signum else "a signal"
-        console.print(f"stopped by {name}: run folder {run_dir} (continue with oakemu train --resume {run_dir})",
-                      highlight=False, soft_wrap=True)
+        print_line(console, f"stopped by {name}: run folder {run_dir} (continue with oakemu train --resume {run_dir})")
         return stop.exit_status or 130
     if ended_by == "actors":
-        console.print(f"[red]error: every actor stopped for good, the run cannot go on{actor_error}[/] "
-                      f"(logs: {run_dir / 'logs'})", highlight=False, soft_wrap=True)
+        print_line(errors, f"error: every actor stopped for good, the run cannot go on{actor_error} "
+                           f"(logs: {run_dir / 'logs'})", "red")
         return 1
     status = launch.learner_status or 0
     if status != 0:
-        reason = launch.learner.error_line() or "see its log"
-        console.print(f"[red]error: the learner exited with status {status}: {reason}[/] "
-                      f"(log: {launch.learner.log_path})", highlight=False, soft_wrap=True)
-        return status
+        learner = launch.learner
+        if status < 0:  # a signal the launcher did not send (the launcher's own stop ends as "signal")
+            reason = f"the learner {exit_description(status)}"
+        else:
+            reason = (f"the learner {exit_description(status)}: "
+                      f"{learner.error_line() or 'its output holds no error'}")
+        print_line(errors, f"error: {reason}{actor_error} ({learner.log_note()})", "red")
+        return 1 if status < 0 else status
     if final is None:
-        console.print(f"[red]error: the run made no PPO update{actor_error}[/] (logs: {run_dir / 'logs'})",
-                      highlight=False, soft_wrap=True)
+        print_line(errors, f"error: the run made no PPO update{actor_error} (logs: {run_dir / 'logs'})", "red")
         return 1
-    best = _best_evaluation(run_dir, records)
-    if best is not None:
-        console.print(best, highlight=False, soft_wrap=True)
-    console.print(f"done: run folder {run_dir} (TensorBoard: tensorboard --logdir {run_dir.parent})",
-                  highlight=False, soft_wrap=True)
+    stopped = ended_by == "callback" and callbacks is not None
+    lines = end_lines(run_dir, records, resumable=stopped)
+    for line in lines[:-1]:
+        print_line(console, line)
+    print_line(console, f"stopped by a callback ({callbacks.stop_reason}): run folder {run_dir}" if stopped
+               else f"done: run folder {run_dir}")
+    print_line(console, lines[-1])
     return 0
 
 
-def main(config: OakEmuConfig, resume: Path | None = None, *, preset: Preset | None = None) -> int:
+def main(config: OakEmuConfig, resume: Path | None = None, *, preset: Preset | None = None,
+         verbose: int = 1, callbacks: CallbackRunner | None = None) -> int:
     """Run learner + actors until the env-step budget is spent or the user stops it.
 
     Args:
@@ -409,6 +502,9 @@ def main(config: OakEmuConfig, resume: Path | None = None, *, preset: Preset | N
         resume: run folder to continue; its last checkpoint is restored by the learner.
         preset: the preset ``config`` starts from; its line (what to expect) is printed once the run
             can start.
+        verbose: 1: progress and notes on stderr; 0: errors only (the Python API's quiet mode).
+        callbacks: the Python API's callbacks (:class:`~oakemu_core.run.callbacks.CallbackRunner`): fed
+            each update and evaluation; when one stops the run, the run stops as after SIGTERM.
 
     Returns:
         The exit status (see the module docstring).
@@ -418,7 +514,7 @@ def main(config: OakEmuConfig, resume: Path | None = None, *, preset: Preset | N
     """
     plan = plan_run(config, resume)
     config = plan.config
-    console = Console(stderr=True)
+    console = Console(stderr=True, quiet=verbose <= 0)
     if preset is not None:
         console.print(f"preset {preset.name}: {preset.description}; expect {preset.expect}", highlight=False,
                       soft_wrap=True)
@@ -435,16 +531,20 @@ def main(config: OakEmuConfig, resume: Path | None = None, *, preset: Preset | N
     prometheus = f"; Prometheus: http://127.0.0.1:{config.metrics_port}/metrics" if config.metrics_enabled else ""
     console.print(f"live view: oakemu monitor {plan.run_dir}{prometheus}", highlight=False, soft_wrap=True)
     stop = install_stop_signals()
-    launch = Launch(plan, console)
+    launch = Launch(plan, console, verbose=verbose, callbacks=callbacks)
     ended_by = "signal"
     try:
         launch.start()
         ended_by = launch.watch(stop)
-        if ended_by == "signal":
-            console.print("stopping: waiting for the learner's final checkpoint ..." if launch.last_update >= 0
-                          else "stopping: no update made yet, stopping the learner and actors ...")
+        if ended_by in ("signal", "callback"):
+            why = f" ({callbacks.stop_reason})" if ended_by == "callback" and callbacks is not None else ""
+            print_line(console, f"stopping{why}: " + ("waiting for the learner's final checkpoint ..."
+                                                       if launch.last_update >= 0
+                                                       else "no update made yet, stopping the learner and actors ..."))
         elif ended_by == "actors":
-            console.print("[red]every actor has stopped for good[/]: stopping the learner")
+            print_line(launch.errors, "every actor has stopped for good: stopping the learner", "red")
     finally:
         launch.stop()
+    if ended_by == "learner":  # the records of the run's end (the final evaluation) for the callbacks
+        launch.feed_callbacks(may_stop=False)
     return report(launch, ended_by, stop, console)

@@ -491,27 +491,6 @@ def test_train_on_a_full_disk_is_one_line_naming_the_path_and_the_bytes(
     assert "bytes needed" in err and "bytes free on" in err
 
 
-def test_the_end_of_a_run_names_best_pt_when_the_last_evaluation_is_below_it(tmp_path: Path) -> None:
-    from oakemu_services.train import _best_evaluation, _metrics_records
-
-    def evaluations(*returns: float) -> None:
-        records = [{"global_step": 100 * i, "eval/episodic_return": r, "eval/policy_version": float(10 * i)}
-                   for i, r in enumerate(returns)]
-        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-
-    evaluations(20.0, 500.0, 96.5)
-    # No best.pt kept (no tester): nothing to point at.
-    assert _best_evaluation(tmp_path, _metrics_records(tmp_path)) is None
-    (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / "best.pt").write_bytes(b"")
-    line = _best_evaluation(tmp_path, _metrics_records(tmp_path))
-    assert line is not None
-    assert "return 500.00 (policy version 10)" in line and "last 96.50" in line
-    assert line.endswith(f"oakemu evaluate {tmp_path / 'checkpoints' / 'best.pt'}")
-    evaluations(20.0, 500.0)
-    assert _best_evaluation(tmp_path, _metrics_records(tmp_path)) is None  # the last evaluation is the best
-
-
 def test_the_learner_and_an_actor_turn_the_collector_on_once_ready(monkeypatch: pytest.MonkeyPatch,
                                                                    tmp_path: Path) -> None:
     """With the collector off (as cli.run leaves it), the learner is serving and an actor stepping

@@ -33,6 +33,7 @@ class Run:
         best_evaluation: the highest evaluation mean return of the run, None without evaluations.
         latest_checkpoint: the newest checkpoint, None when none was written.
         best_checkpoint: ``checkpoints/best.pt`` (the best evaluation's weights), None when absent.
+        stopped_by_callback: a callback of ``train`` stopped the run before its budget was spent.
     """
 
     run_dir: Path
@@ -43,6 +44,7 @@ class Run:
     best_evaluation: float | None
     latest_checkpoint: Path | None
     best_checkpoint: Path | None
+    stopped_by_callback: bool = False
 
     def load_policy(self, *, best: bool = False) -> Policy:
         """The policy of the latest checkpoint, or of ``best.pt`` (``best=True``).
