@@ -109,7 +109,8 @@ def _add_service(commands: Any, name: str, summary: str, description: str) -> No
 def _add_monitor(commands: Any) -> None:
     monitor = commands.add_parser(
         "monitor", help="attach to a running learner's telemetry and show a live view",
-        description="Read-only live view of a running learner (its telemetry socket).", allow_abbrev=False)
+        description="Read-only live view of a running learner (its telemetry socket). A run on this machine that is "
+        "not running (it finished or stopped) is shown as its folder last recorded it.", allow_abbrev=False)
     monitor.add_argument("run", nargs="?", default=None, metavar="RUN",
                          help="a run on this machine: its folder, or its name in $OAKEMU_RUNS_DIR (default runs)")
     monitor.add_argument("--connect", default=None, metavar="tcp://HOST:PORT",
@@ -260,10 +261,11 @@ def _monitor(namespace: argparse.Namespace) -> int:
     monitor = _service("monitor")
     if namespace.run is not None and namespace.connect is not None:
         raise ConfigError("monitor: expected RUN or --connect, received both")
-    connect = (monitor.run_telemetry_address(namespace.run, config.runs_dir) if namespace.run is not None
+    run_dir = monitor.run_folder(namespace.run, config.runs_dir) if namespace.run is not None else None
+    connect = (monitor.run_telemetry_address(run_dir) if run_dir is not None
                else namespace.connect or config.learner_address(config.telemetry_port))
     return int(monitor.main(connect, json_output=namespace.json, once=namespace.once, timeout_s=namespace.timeout,
-                            security=client_security(config)))
+                            security=client_security(config), run_dir=run_dir))
 
 
 def _keygen(namespace: argparse.Namespace) -> int:

@@ -13,6 +13,11 @@ Modes:
   once), then every snapshot published after a PPO update (``"is_update": true``);
 * ``--once``: print one snapshot (as a view, or as JSON with ``--json``) and exit 0.
 
+A run on this machine (``oakemu monitor RUN``) that is not running - nothing listens on its telemetry
+port, and its folder holds update records or checkpoints - is not waited for: the monitor prints the
+run's last state from its folder (:func:`report_run_folder`) and exits 0. A run folder without either
+(a run just starting) is waited for like an address.
+
 If no telemetry arrives within ``timeout_s`` the monitor says so on stderr and exits with
 :data:`EXIT_NO_TELEMETRY`; it never hangs. In ``--json`` mode the same applies when the learner goes
 silent later. Ctrl-C (or SIGTERM) exits cleanly with 0.
@@ -23,7 +28,9 @@ from __future__ import annotations
 import json
 import math
 import signal
+import socket
 import sys
+import tomllib
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -37,6 +44,9 @@ from rich.table import Table
 from rich.text import Text
 
 from oakemu_core.errors import RunFolderError
+from oakemu_core.run.metrics import EPISODIC_RETURN, METRICS_FILE_NAME, SPS
+from oakemu_core.run.results import Run, read_run
+from oakemu_core.run.run_folder import read_json_lines
 from oakemu_core.run.telemetry import TelemetryAddressError, TelemetrySnapshot, TelemetrySubscriber
 
 EXIT_OK = 0
@@ -54,13 +64,18 @@ CURVE_WIDTH = 60
 SPARK_BLOCKS = "▁▂▃▄▅▆▇█"
 """Eight levels of a sparkline, lowest first; a column without data is a space."""
 
+LISTEN_PROBE_TIMEOUT_S = 1.0
+"""How long :func:`learner_listening` waits for a TCP connection to the telemetry port (s)."""
+
 
 def main(connect: str, *, json_output: bool = False, once: bool = False, timeout_s: float = 5.0,
-         security: Any = None) -> int:
+         security: Any = None, run_dir: Path | None = None) -> int:
     """Run the monitor against the telemetry publisher at ``connect``.
 
     Args:
         connect: ZeroMQ endpoint of the learner's telemetry, e.g. ``"tcp://learner:5558"``.
+        run_dir: the run folder whose learner ``connect`` is (``oakemu monitor RUN``): when nothing listens
+            there and the folder shows the run trained, its last state is printed instead of waiting.
         json_output: print JSON lines instead of the live view.
         once: print one snapshot and exit.
         timeout_s: seconds to wait for telemetry before giving up (first snapshot; in ``--json``
@@ -80,6 +95,9 @@ def main(connect: str, *, json_output: bool = False, once: bool = False, timeout
     except TelemetryAddressError as exc:
         print(f"oakemu monitor: {exc}", file=sys.stderr)
         return EXIT_BAD_ADDRESS
+    if run_dir is not None and run_has_trained(read_run(run_dir)) and not learner_listening(connect):
+        subscriber.close()
+        return report_run_folder(run_dir, address=connect, json_output=json_output)
     try:
         with _stop_on_signals() as stop:
             first = _receive(subscriber, timeout_s, stop)
@@ -98,6 +116,32 @@ def main(connect: str, *, json_output: bool = False, once: bool = False, timeout
         subscriber.close()
 
 
+def run_folder(run: str | Path, runs_dir: str | Path = "runs") -> Path:
+    """The folder of a run on this machine: ``run`` itself or ``runs_dir/run``, whichever holds a ``config.toml``.
+
+    Raises:
+        RunFolderError: neither does.
+    """
+    candidates = [Path(run), Path(runs_dir) / str(run)]
+    folder = next((path for path in candidates if (path / "config.toml").is_file()), None)
+    if folder is None:
+        raise RunFolderError(f"monitor: expected a run folder or the name of one in {runs_dir}/, received {str(run)!r} "
+                             "(no config.toml there)")
+    return folder
+
+
+def _run_settings(folder: Path) -> dict[str, Any]:
+    """The run folder's ``config.toml``.
+
+    Raises:
+        RunFolderError: it cannot be read or parsed.
+    """
+    try:
+        return tomllib.loads((folder / "config.toml").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
+        raise RunFolderError(f"monitor: cannot read {folder / 'config.toml'} ({error})") from None
+
+
 def run_telemetry_address(run: str | Path, runs_dir: str | Path = "runs") -> str:
     """The telemetry address of a run on this machine, from its folder's ``config.toml`` (which records
     the ports ``oakemu train`` chose).
@@ -110,21 +154,76 @@ def run_telemetry_address(run: str | Path, runs_dir: str | Path = "runs") -> str
         RunFolderError: neither ``run`` nor ``runs_dir/run`` is a run folder with a readable ``config.toml``
             holding ``telemetry_port``.
     """
-    import tomllib
-
-    candidates = [Path(run), Path(runs_dir) / str(run)]
-    folder = next((path for path in candidates if (path / "config.toml").is_file()), None)
-    if folder is None:
-        raise RunFolderError(f"monitor: expected a run folder or the name of one in {runs_dir}/, received {str(run)!r} "
-                             "(no config.toml there)")
-    try:
-        settings = tomllib.loads((folder / "config.toml").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
-        raise RunFolderError(f"monitor: cannot read {folder / 'config.toml'} ({error})") from None
+    settings = _run_settings(run_folder(run, runs_dir))
     port = settings.get("telemetry_port", 5558)
     host = str(settings.get("bind_host", "127.0.0.1"))
     host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # listening everywhere: reach it locally
     return f"tcp://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def run_has_trained(run: Run) -> bool:
+    """True when the run folder holds an update record or a checkpoint (a run that has not got that far
+    may still be starting)."""
+    return run.updates > 0 or run.latest_checkpoint is not None
+
+
+def learner_listening(connect: str, timeout_s: float = LISTEN_PROBE_TIMEOUT_S) -> bool:
+    """Whether something accepts TCP connections at the ``tcp://HOST:PORT`` endpoint ``connect`` (the
+    learner's telemetry socket). A refused or failed connection is False; an endpoint of another transport,
+    or no answer within ``timeout_s``, is True (it may be a learner: wait for its telemetry)."""
+    host, _, port = connect.removeprefix("tcp://").rpartition(":")
+    if not connect.startswith("tcp://") or not port.isdigit():
+        return True
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except TimeoutError:
+        return True
+    except OSError:
+        return False
+
+
+def _last_update(run_dir: Path) -> dict[str, Any]:
+    """The last update record of the run's ``metrics.jsonl`` (``{}`` for none)."""
+    return next((r for r in reversed(read_json_lines(run_dir / METRICS_FILE_NAME)) if "charts/update" in r), {})
+
+
+def report_run_folder(run_dir: Path, *, address: str, json_output: bool = False) -> int:
+    """Print the last state of a run that is not running, from its folder; returns :data:`EXIT_OK`.
+
+    The view says whether the run finished (trained ``total_env_steps``) or is not running, then its last
+    update (number, env steps, training return, SPS since start), its final and best evaluation return and
+    its checkpoints. ``json_output``: one JSON object with ``run_dir``, ``running`` (false), ``finished``,
+    ``updates``, ``global_step``, ``total_env_steps``, ``episodic_return``, ``sps``, ``final_evaluation``,
+    ``best_evaluation``, ``latest_checkpoint`` and ``best_checkpoint`` (null where the folder has none).
+
+    Raises:
+        RunFolderError: ``config.toml`` cannot be read.
+    """
+    run = read_run(run_dir)
+    total = _run_settings(Path(run_dir)).get("total_env_steps")
+    total = total if isinstance(total, int) else None
+    finished = total is not None and run.global_step >= total
+    last = _last_update(Path(run_dir))
+    episodic_return, sps = last.get(EPISODIC_RETURN), last.get(SPS)
+    if json_output:
+        _print_line(json.dumps(_finite_or_none({
+            "run_dir": str(run_dir), "running": False, "finished": finished, "updates": run.updates,
+            "global_step": run.global_step, "total_env_steps": total, "episodic_return": episodic_return,
+            "sps": sps, "final_evaluation": run.final_evaluation, "best_evaluation": run.best_evaluation,
+            "latest_checkpoint": None if run.latest_checkpoint is None else str(run.latest_checkpoint),
+            "best_checkpoint": None if run.best_checkpoint is None else str(run.best_checkpoint)})))
+        return EXIT_OK
+    state = "finished" if finished else "is not running"
+    lines = [f"run {Path(run_dir).name} {state} (no learner at {address}); its last state, from {run_dir}:",
+             f"last update {run.updates}: env steps {run.global_step:,}"
+             + ("" if total is None else f" of {total:,}")
+             + f", return {_fmt(episodic_return, '.2f')}, SPS {_fmt(sps, ',.0f')}",
+             f"evaluation return: final {_fmt(run.final_evaluation, '.2f')}, best {_fmt(run.best_evaluation, '.2f')}",
+             f"latest checkpoint: {run.latest_checkpoint or '-'}; best: {run.best_checkpoint or '-'}"]
+    for line in lines:
+        _print_line(line)
+    return EXIT_OK
 
 
 class _Stopped(Exception):

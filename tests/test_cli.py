@@ -91,7 +91,8 @@ def test_learner_and_actor_dispatch(monkeypatch: pytest.MonkeyPatch, command: st
 def test_monitor_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     monitor = FakeService(monkeypatch, "monitor", return_code=1)
     assert cli.main(["monitor", "--connect", "tcp://h:1234", "--json", "--once", "--timeout", "2.5"]) == 1
-    assert monitor.calls == [(("tcp://h:1234",), {"json_output": True, "once": True, "timeout_s": 2.5, "security": None})]
+    assert monitor.calls == [(("tcp://h:1234",), {"json_output": True, "once": True, "timeout_s": 2.5, "security": None,
+                                                  "run_dir": None})]
 
 
 def test_monitor_default_address_comes_from_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -99,7 +100,8 @@ def test_monitor_default_address_comes_from_configuration(monkeypatch: pytest.Mo
     monkeypatch.setenv("OAKEMU_LEARNER_HOST", "learner")
     monkeypatch.setenv("OAKEMU_TELEMETRY_PORT", "6000")
     assert cli.main(["monitor"]) == 0
-    assert monitor.calls == [(("tcp://learner:6000",), {"json_output": False, "once": False, "timeout_s": 5.0, "security": None})]
+    assert monitor.calls == [(("tcp://learner:6000",), {"json_output": False, "once": False, "timeout_s": 5.0,
+                                                     "security": None, "run_dir": None})]
 
 
 def test_evaluate_dispatch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

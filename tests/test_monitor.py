@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -12,7 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -199,3 +200,76 @@ def test_live_view_exits_cleanly_on_ctrl_c_and_sigterm(sig):
     assert process.returncode == 0, stderr
     assert "Traceback" not in stderr
     assert "monitor-test" in stdout
+
+
+# ------------------------------------------------------------------------------- a run that is not running
+def write_run_folder(run_dir: Path, *, telemetry_port: int, total_env_steps: int, updates: int = 2) -> Path:
+    """A run folder as ``oakemu train`` leaves it: config.toml, ``updates`` update records of 1,024 env steps
+    and an evaluation in metrics.jsonl, numbered checkpoints and best.pt."""
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "config.toml").write_text(f'env_id = "CartPole-v1"\ntotal_env_steps = {total_env_steps}\n'
+                                         f'telemetry_port = {telemetry_port}\n', encoding="utf-8")
+    records = [{"global_step": 1024 * n, "charts/update": n, "charts/SPS": 1500.0 + n,
+                "charts/episodic_return": 20.0 + n} for n in range(1, updates + 1)]
+    records.insert(1, {"global_step": 1024, "eval/episodic_return": 131.5})
+    records.append({"global_step": 1024 * updates, "eval/episodic_return": 99.25})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    for n in range(1, updates + 1):
+        (run_dir / "checkpoints" / f"checkpoint_{n:08d}.pt").write_bytes(b"")
+    (run_dir / "checkpoints" / "best.pt").write_bytes(b"")
+    return run_dir
+
+
+def monitor_run(run_dir: Path, *args: str) -> tuple[int, str, str, float]:
+    """``oakemu monitor RUN_DIR ARGS`` in this process: (exit status, stdout, stderr, seconds)."""
+    from oakemu_services import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    start = time.monotonic()
+    with redirect_stdout(out), redirect_stderr(err):
+        status = cli.main(["monitor", str(run_dir), *args])
+    return status, out.getvalue(), err.getvalue(), time.monotonic() - start
+
+
+@pytest.mark.parametrize("once", [True, False])
+def test_a_finished_run_is_shown_from_its_folder_at_once(tmp_path: Path, once: bool) -> None:
+    run_dir = write_run_folder(tmp_path / "cartpole-run", telemetry_port=free_port(), total_env_steps=2048)
+    status, out, err, seconds = monitor_run(run_dir, "--timeout", "20", *(["--once"] if once else []))
+    assert (status, err) == (0, ""), err
+    assert seconds < 10  # never waits for the timeout: nothing listens on the run's telemetry port
+    assert "run cartpole-run finished (no learner at tcp://127.0.0.1:" in out
+    assert "last update 2: env steps 2,048 of 2,048, return 22.00, SPS 1,502" in out
+    assert "evaluation return: final 99.25, best 131.50" in out
+    assert f"{run_dir / 'checkpoints' / 'checkpoint_00000002.pt'}" in out and "best.pt" in out
+
+
+def test_a_stopped_run_is_not_running_and_json_gives_its_last_state(tmp_path: Path) -> None:
+    run_dir = write_run_folder(tmp_path / "stopped", telemetry_port=free_port(), total_env_steps=10_000)
+    status, out, err, _ = monitor_run(run_dir, "--json", "--once")
+    assert (status, err) == (0, ""), err
+    [line] = out.splitlines()
+    state = json.loads(line)
+    assert (state["running"], state["finished"], state["updates"], state["global_step"]) == (False, False, 2, 2048)
+    assert (state["total_env_steps"], state["episodic_return"], state["sps"]) == (10_000, 22.0, 1502.0)
+    assert (state["final_evaluation"], state["best_evaluation"]) == (99.25, 131.5)
+    status, out, _, _ = monitor_run(run_dir, "--once")
+    assert status == 0 and "run stopped is not running (no learner at " in out
+    assert "env steps 2,048 of 10,000" in out
+
+
+def test_a_run_without_files_yet_keeps_waiting_for_its_learner(tmp_path: Path) -> None:
+    run_dir = tmp_path / "starting"
+    run_dir.mkdir()
+    (run_dir / "config.toml").write_text(f"telemetry_port = {free_port()}\n", encoding="utf-8")
+    status, out, err, seconds = monitor_run(run_dir, "--once", "--timeout", "1")
+    assert status == monitor.EXIT_NO_TELEMETRY and out == "" and seconds >= 0.9
+    assert "within 1 s: is the learner running?" in err
+
+
+def test_a_live_learner_of_a_run_with_files_is_monitored(tmp_path: Path) -> None:
+    with publishing(lambda i: make_snapshot(4096)) as address:
+        port = int(address.rsplit(":", 1)[1])
+        run_dir = write_run_folder(tmp_path / "live", telemetry_port=port, total_env_steps=2048)
+        status, out, err, _ = monitor_run(run_dir, "--json", "--once", "--timeout", "20")
+    assert status == 0, err
+    assert json.loads(out)["global_step"] == 4096
