@@ -36,7 +36,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -45,9 +45,11 @@ from rich.text import Text
 
 from oakemu_core.errors import RunFolderError
 from oakemu_core.run.metrics import EPISODIC_RETURN, METRICS_FILE_NAME, SPS
-from oakemu_core.run.results import Run, read_run
 from oakemu_core.run.run_folder import read_json_lines
 from oakemu_core.run.telemetry import TelemetryAddressError, TelemetrySnapshot, TelemetrySubscriber
+
+if TYPE_CHECKING:
+    from oakemu_core.run.results import Run
 
 EXIT_OK = 0
 EXIT_NO_TELEMETRY = 1
@@ -90,14 +92,17 @@ def main(connect: str, *, json_output: bool = False, once: bool = False, timeout
     """
     if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
         raise ValueError(f"timeout_s must be a positive number of seconds, received {timeout_s!r}")
+    if run_dir is not None and not learner_listening(connect):
+        from oakemu_core.run.results import read_run  # imports torch: only for a run that is not running
+
+        run = read_run(run_dir)
+        if run_has_trained(run):
+            return report_run_folder(run, address=connect, json_output=json_output)
     try:
         subscriber = TelemetrySubscriber(connect, security=security)
     except TelemetryAddressError as exc:
         print(f"oakemu monitor: {exc}", file=sys.stderr)
         return EXIT_BAD_ADDRESS
-    if run_dir is not None and run_has_trained(read_run(run_dir)) and not learner_listening(connect):
-        subscriber.close()
-        return report_run_folder(run_dir, address=connect, json_output=json_output)
     try:
         with _stop_on_signals() as stop:
             first = _receive(subscriber, timeout_s, stop)
@@ -188,8 +193,9 @@ def _last_update(run_dir: Path) -> dict[str, Any]:
     return next((r for r in reversed(read_json_lines(run_dir / METRICS_FILE_NAME)) if "charts/update" in r), {})
 
 
-def report_run_folder(run_dir: Path, *, address: str, json_output: bool = False) -> int:
-    """Print the last state of a run that is not running, from its folder; returns :data:`EXIT_OK`.
+def report_run_folder(run: Run, *, address: str, json_output: bool = False) -> int:
+    """Print the last state of a run that is not running, read from its folder (``oakemu_core.run.results.read_run``
+    and the last update record of ``metrics.jsonl``); returns :data:`EXIT_OK`.
 
     The view says whether the run finished (trained ``total_env_steps``) or is not running, then its last
     update (number, env steps, training return, SPS since start), its final and best evaluation return and
@@ -200,11 +206,11 @@ def report_run_folder(run_dir: Path, *, address: str, json_output: bool = False)
     Raises:
         RunFolderError: ``config.toml`` cannot be read.
     """
-    run = read_run(run_dir)
-    total = _run_settings(Path(run_dir)).get("total_env_steps")
+    run_dir = run.run_dir
+    total = _run_settings(run_dir).get("total_env_steps")
     total = total if isinstance(total, int) else None
     finished = total is not None and run.global_step >= total
-    last = _last_update(Path(run_dir))
+    last = _last_update(run_dir)
     episodic_return, sps = last.get(EPISODIC_RETURN), last.get(SPS)
     if json_output:
         _print_line(json.dumps(_finite_or_none({
@@ -215,7 +221,7 @@ def report_run_folder(run_dir: Path, *, address: str, json_output: bool = False)
             "best_checkpoint": None if run.best_checkpoint is None else str(run.best_checkpoint)})))
         return EXIT_OK
     state = "finished" if finished else "is not running"
-    lines = [f"run {Path(run_dir).name} {state} (no learner at {address}); its last state, from {run_dir}:",
+    lines = [f"run {run_dir.name} {state} (no learner at {address}); its last state, from {run_dir}:",
              f"last update {run.updates}: env steps {run.global_step:,}"
              + ("" if total is None else f" of {total:,}")
              + f", return {_fmt(episodic_return, '.2f')}, SPS {_fmt(sps, ',.0f')}",

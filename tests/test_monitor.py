@@ -273,3 +273,12 @@ def test_a_live_learner_of_a_run_with_files_is_monitored(tmp_path: Path) -> None
         status, out, err, _ = monitor_run(run_dir, "--json", "--once", "--timeout", "20")
     assert status == 0, err
     assert json.loads(out)["global_step"] == 4096
+
+
+def test_the_monitor_starts_without_importing_torch() -> None:
+    """A monitor attaches within a second or two: torch (1 s or more to import) loads only to report a run
+    that is not running."""
+    code = "import sys, oakemu_services.monitor; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            cwd=REPO_ROOT, env=subprocess_env(), check=True)
+    assert result.stdout.strip() == "False"
