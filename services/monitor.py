@@ -44,8 +44,6 @@ from rich.table import Table
 from rich.text import Text
 
 from oakemu_core.errors import RunFolderError
-from oakemu_core.run.metrics import EPISODIC_RETURN, METRICS_FILE_NAME, SPS
-from oakemu_core.run.run_folder import read_json_lines
 from oakemu_core.run.telemetry import TelemetryAddressError, TelemetrySnapshot, TelemetrySubscriber
 
 if TYPE_CHECKING:
@@ -188,14 +186,9 @@ def learner_listening(connect: str, timeout_s: float = LISTEN_PROBE_TIMEOUT_S) -
         return False
 
 
-def _last_update(run_dir: Path) -> dict[str, Any]:
-    """The last update record of the run's ``metrics.jsonl`` (``{}`` for none)."""
-    return next((r for r in reversed(read_json_lines(run_dir / METRICS_FILE_NAME)) if "charts/update" in r), {})
-
-
 def report_run_folder(run: Run, *, address: str, json_output: bool = False) -> int:
-    """Print the last state of a run that is not running, read from its folder (``oakemu_core.run.results.read_run``
-    and the last update record of ``metrics.jsonl``); returns :data:`EXIT_OK`.
+    """Print the last state of a run that is not running, as its folder records it
+    (:func:`oakemu_core.run.results.read_run`); returns :data:`EXIT_OK`.
 
     The view says whether the run finished (trained ``total_env_steps``) or is not running, then its last
     update (number, env steps, training return, SPS since start), its final and best evaluation return and
@@ -210,13 +203,11 @@ def report_run_folder(run: Run, *, address: str, json_output: bool = False) -> i
     total = _run_settings(run_dir).get("total_env_steps")
     total = total if isinstance(total, int) else None
     finished = total is not None and run.global_step >= total
-    last = _last_update(run_dir)
-    episodic_return, sps = last.get(EPISODIC_RETURN), last.get(SPS)
     if json_output:
         _print_line(json.dumps(_finite_or_none({
             "run_dir": str(run_dir), "running": False, "finished": finished, "updates": run.updates,
-            "global_step": run.global_step, "total_env_steps": total, "episodic_return": episodic_return,
-            "sps": sps, "final_evaluation": run.final_evaluation, "best_evaluation": run.best_evaluation,
+            "global_step": run.global_step, "total_env_steps": total, "episodic_return": run.episodic_return,
+            "sps": run.sps, "final_evaluation": run.final_evaluation, "best_evaluation": run.best_evaluation,
             "latest_checkpoint": None if run.latest_checkpoint is None else str(run.latest_checkpoint),
             "best_checkpoint": None if run.best_checkpoint is None else str(run.best_checkpoint)})))
         return EXIT_OK
@@ -224,7 +215,7 @@ def report_run_folder(run: Run, *, address: str, json_output: bool = False) -> i
     lines = [f"run {run_dir.name} {state} (no learner at {address}); its last state, from {run_dir}:",
              f"last update {run.updates}: env steps {run.global_step:,}"
              + ("" if total is None else f" of {total:,}")
-             + f", return {_fmt(episodic_return, '.2f')}, SPS {_fmt(sps, ',.0f')}",
+             + f", return {_fmt(run.episodic_return, '.2f')}, SPS {_fmt(run.sps, ',.0f')}",
              f"evaluation return: final {_fmt(run.final_evaluation, '.2f')}, best {_fmt(run.best_evaluation, '.2f')}",
              f"latest checkpoint: {run.latest_checkpoint or '-'}; best: {run.best_checkpoint or '-'}"]
     for line in lines:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from oakemu_core.errors import CheckpointError
 from oakemu_core.run.checkpoint import CHECKPOINT_DIR_NAME, latest_checkpoint
-from oakemu_core.run.metrics import EVAL_EPISODIC_RETURN, METRICS_FILE_NAME
+from oakemu_core.run.metrics import EPISODIC_RETURN, EVAL_EPISODIC_RETURN, METRICS_FILE_NAME, SPS
 from oakemu_core.run.run_folder import read_json_lines
 
 if TYPE_CHECKING:
@@ -34,6 +34,9 @@ class Run:
         latest_checkpoint: the newest checkpoint, None when none was written.
         best_checkpoint: ``checkpoints/best.pt`` (the best evaluation's weights), None when absent.
         stopped_by_callback: a callback of ``train`` stopped the run before its budget was spent.
+        episodic_return: mean training return (the episode window's) of the last update record, None
+            without one or before any episode finished.
+        sps: env steps per second since the learner started, of the last update record (None without one).
     """
 
     run_dir: Path
@@ -45,6 +48,8 @@ class Run:
     latest_checkpoint: Path | None
     best_checkpoint: Path | None
     stopped_by_callback: bool = False
+    episodic_return: float | None = None
+    sps: float | None = None
 
     def load_policy(self, *, best: bool = False) -> Policy:
         """The policy of the latest checkpoint, or of ``best.pt`` (``best=True``).
@@ -78,4 +83,11 @@ def read_run(run_dir: str | Path, exit_status: int = 0) -> Run:
         final_evaluation=evaluations[-1] if evaluations else None,
         best_evaluation=max(evaluations) if evaluations else None,
         latest_checkpoint=latest_checkpoint(run_dir), best_checkpoint=best if best.is_file() else None,
+        episodic_return=_number(updates[-1].get(EPISODIC_RETURN)) if updates else None,
+        sps=_number(updates[-1].get(SPS)) if updates else None,
     )
+
+
+def _number(value: Any) -> float | None:
+    """A record's value as a float, None when it is missing or not a number."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
