@@ -341,10 +341,10 @@ class OakEmuConfig(PPOSettings, EnvSettings, BaseSettings):
     reward_high: float | None = Field(
         None, allow_inf_nan=False, description="Learner: highest raw reward one env step can give (see reward_low)."
     )
-    step_ring_max_mib: float = Field(
-        1024.0, gt=0.0, allow_inf_nan=False, description="Learner: shared memory (MiB) its step rings take "
-        "together; an actor whose ring finds no room sends its step arrays inline."
-    )
+    step_ring_max_mib: float | None = Field(
+        None, gt=0.0, allow_inf_nan=False, description="Learner: shared memory (MiB) its step rings take together "
+        "(None: a quarter of /dev/shm; at most what /dev/shm holds beside the rollout buffers); an actor whose "
+        "ring finds no room sends its step arrays inline.")
     step_ring_max_mib_per_actor: float = Field(
         128.0, gt=0.0, allow_inf_nan=False, description="Learner: largest step ring (MiB) of one actor; a larger "
         "one is not made (its step arrays go inline)."

@@ -14,6 +14,11 @@ could not store. A synchronous one (``env_config["mode"] == "sync"``) sends the 
 segment of ``rollout_length`` rows (its ``next_values`` from the policy that acted) and waits for
 weights newer than that policy, which act the next segment (policy lag 0 for every row).
 
+Weights come on the weights channel; an actor whose heartbeat replies name a newer policy version
+than it has for :data:`~oakemu_core.actor.client.WEIGHTS_MISSED_S` asks for them on the control
+socket instead (the channel lost them), in both modes: asynchronous, it loads them at once;
+synchronous, they are kept for the segment's end like weights read inside a segment.
+
 Talking to the learner (join, heartbeats, weights, leave, the ring) is :mod:`oakemu_core.actor.client`.
 Run with ``oakemu actor`` or ``python -m oakemu_services.actor``.
 """
@@ -32,6 +37,7 @@ import torch
 import zmq
 
 from oakemu_core.actor.client import (
+    WEIGHTS_MISSED_S,
     ActorSetupError,
     ControlChannel,
     LearnerClient,
@@ -110,6 +116,8 @@ class Actor:
         self.learner_version = 0
         self.learner_holds_rows = 0  # the last heartbeat reply's held_rows: steps of ours the learner holds
         self.held_weights: WeightsMessage | None = None  # read within a synchronous segment, loaded at its end
+        self.behind_since: float | None = None  # when a heartbeat reply first named a version newer than ours
+        self.weights_fetched = 0  # weights asked for on the control socket (the weights channel missed them)
         self.episodes = 0
         self.sps_meter = StepRateMeter(window=32)
         self.env_steps = 0
@@ -166,6 +174,7 @@ class Actor:
         self.ahead_rows = 0 if self.sync_rollout_length else AHEAD_SEGMENTS * int(env_config.get("rollout_length") or 0)
         self.segment_rows = 0  # a new incarnation starts a new segment
         self.held_weights = None  # read for the last one's segment, perhaps from a learner that restarted since
+        self.behind_since = None
         threads = (f" ({self.config.resolved_emulator_threads()} emulator threads per env group)"
                    if is_atari_env(str(env_config["env_id"])) else "")
         log.info("actor %s joined as #%d: %s x %d envs%s, policy version %d", self.actor_id, reply.actor_index,
@@ -209,10 +218,17 @@ class Actor:
             log.info("learner announced the end of the run to actor %s (%s)", self.actor_id, message.reason)
             self.stop_event.set()
             return False
-        if not isinstance(message, WeightsMessage) or not self._is_newer(message):
+        return isinstance(message, WeightsMessage) and self._take_weights(message, hold=hold)
+
+    def _take_weights(self, message: WeightsMessage, *, hold: bool) -> bool:
+        """Load ``message`` if newer than the weights acting (True), or with ``hold`` keep it for
+        :meth:`_load_held_weights` if newer than those and any held already (False)."""
+        if not self._is_newer(message):
             return False
-        if hold:  # messages come in order: the newest read is the newest sent
-            self.held_weights = message
+        if hold:
+            held = self.held_weights
+            if held is None or (message.policy_version, message.revision) > (held.policy_version, held.revision):
+                self.held_weights = message
             self.learner_version = max(self.learner_version, message.policy_version)  # the lag heartbeats report
             return False
         self._load_weights(message.policy_version, message.weights, message.revision)
@@ -249,7 +265,38 @@ class Actor:
             log.warning("learner does not know actor %s/%s: joining again", self.actor_id, self.incarnation)
             self.join()
             raise _Rejoined
+        else:
+            self._catch_up(reply.policy_version, now)
 
+    def _newest_weights_version(self) -> int:
+        """The newest policy version this actor has: acting, or held for its segment's end."""
+        return max(self.policy_version, -1 if self.held_weights is None else self.held_weights.policy_version)
+
+    def _catch_up(self, learner_version: int, now: float) -> None:
+        """After a heartbeat reply naming the learner's ``learner_version``: once the actor has been behind
+        it for :data:`~oakemu_core.actor.client.WEIGHTS_MISSED_S` with the weights channel read, ask
+        for the current weights on the control socket. Asynchronous mode: loaded at once (the pending
+        action chosen again with them); synchronous: held for the segment's end."""
+        hold = bool(self.sync_rollout_length)
+        if learner_version > self._newest_weights_version() and self._poll_weights(hold=hold) and self.stepper:
+            self.stepper.reselect()
+        if learner_version <= self._newest_weights_version():
+            self.behind_since = None
+            return
+        if self.behind_since is None:
+            self.behind_since = now
+        if now - self.behind_since < WEIGHTS_MISSED_S or self.stop_event.is_set():
+            return
+        self.behind_since = None  # the next request another WEIGHTS_MISSED_S later, if this one fails
+        message = self.client.fetch_weights()
+        if message is None:
+            return
+        self.weights_fetched += 1
+        log.log(logging.WARNING if self.weights_fetched == 1 else logging.DEBUG,
+                "actor %s: the weights channel missed policy version %d (acting with %d): fetched on the control "
+                "socket", self.actor_id, message.policy_version, self.policy_version)
+        if self._take_weights(message, hold=hold) and self.stepper is not None:
+            self.stepper.reselect()
     def _pause(self, seconds: float, writable: zmq.Socket | None = None) -> None:
         """The wait of the step channel (:class:`oakemu_core.transport.channels.Pause`): up to ``seconds``,
         ended early by ``writable`` becoming writable or by a message on the weights socket. Newer
@@ -289,6 +336,7 @@ class Actor:
         start = time.monotonic()
         warn_at = start + WEIGHTS_WAIT_WARNING_S
         while not self.stop_event.is_set() and self.policy_version <= version:
+            self._load_held_weights()  # those a heartbeat's weights request brought
             now = time.monotonic()
             if give_up_s is not None and now - start > give_up_s and not self.learner_holds_rows:
                 return False
@@ -366,6 +414,9 @@ class Actor:
         if self.revisions_loaded:
             log.info("actor %s loaded %d weight revisions published within updates", self.actor_id,
                      self.revisions_loaded)
+        if self.weights_fetched:
+            log.info("actor %s fetched the weights %d times on the control socket (the weights channel missed them)",
+                     self.actor_id, self.weights_fetched)
         if self.ahead_waits:
             log.info("actor %s waited for newer weights %d times (%d gave up after %.1f s)", self.actor_id,
                      self.ahead_waits, self.ahead_waits_timed_out, AHEAD_WAIT_S)

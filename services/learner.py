@@ -46,7 +46,7 @@ from oakemu_core.shared_memory import sweep_stale_segments
 from oakemu_core.policy.schemas import schema_for_env
 from oakemu_core.step_schema import StepSchema
 from oakemu_core.storage.assembler import RolloutAssembler, SlotState, StepRejected
-from oakemu_core.storage.memory import SharedMemoryTooSmallError, ensure_shm_capacity
+from oakemu_core.storage.memory import SharedMemoryTooSmallError, ensure_shm_capacity, step_ring_budget
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
 from oakemu_core.transport.auth import PeerBinding, TransportSecurityError, server_security
 from oakemu_core.transport.channels import StepReceiver, recv_frames
@@ -115,6 +115,16 @@ def ring_offerer(rings: StepRings, rollout_length: int, notices: RateLimitedLog,
                           level=logging.WARNING)
             return None
     return offer
+
+
+def make_step_rings(config: OakEmuConfig, *, reserved_bytes: int) -> StepRings:
+    """The learner's step rings, within ``step_ring_max_mib`` and what ``/dev/shm`` holds beside
+    ``reserved_bytes`` (the rollout buffers): :func:`~oakemu_core.storage.memory.step_ring_budget`,
+    whose note (a setting lowered to fit) is logged."""
+    ring_bytes, note = step_ring_budget(config.step_ring_max_mib, reserved_bytes=reserved_bytes)
+    if note:
+        log.warning("%s", note)
+    return StepRings(max_bytes=ring_bytes, max_bytes_per_actor=int(config.step_ring_max_mib_per_actor * 2**20))
 
 
 def num_rollout_buffers(config: OakEmuConfig) -> int:
@@ -209,8 +219,7 @@ class Learner:
         self.rejection_log = peer_logs()
         self.peer_limits = PeerLimits.from_config(config)
         # Shared-memory step rings of the actors on this machine (oakemu_core/transport/step_ring.py).
-        self.rings = StepRings(max_bytes=int(config.step_ring_max_mib * 2**20),
-                               max_bytes_per_actor=int(config.step_ring_max_mib_per_actor * 2**20))
+        self.rings = make_step_rings(config, reserved_bytes=num_rollout_buffers(config) * self.buffer_bytes)
         undo.callback(self.rings.close)
         self._ring_offer = ring_offerer(self.rings, config.rollout_length, self.rejection_log["notices"],
                                         synchronous=config.mode == "sync")

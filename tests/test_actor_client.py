@@ -40,6 +40,7 @@ from oakemu_core.transport.control import (
     StepRingOffer,
     StopNotice,
     WeightsMessage,
+    WeightsRequest,
     decode_message,
     encode_heartbeat_reply,
     encode_stop,
@@ -138,6 +139,58 @@ def test_a_learner_that_never_answers_a_join_is_unreachable(monkeypatch: pytest.
     silent.connected = True
     with pytest.raises(LearnerUnreachable, match="upgrade the learner first"):
         learner_client(silent, patience_s=0.0)[0].join(threading.Event(), Recorder())
+
+
+def wait_reply(reason: str, retry_after_s: float) -> JoinReply:
+    return JoinReply(False, reason, -1, None, {}, 0, retry_after_s=retry_after_s)
+
+
+def test_a_join_told_to_wait_logs_why_instead_of_no_answer_and_asks_again(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A synchronous learner holding the join for its planned actors answers "waiting for N more
+    actors (up to 30 s)" (retry_after_s 0): the actor logs that reason once (not every answer), reports
+    no attempt to reach a silent learner after the first, asks again with the same incarnation at once,
+    and the answers do not count against its patience (here 0 s)."""
+    monkeypatch.setattr(client, "JOIN_PATIENCE_S", 0.0)
+    waiting = wait_reply("mode='sync': waiting for 1 more actor(s) to join (up to 30 s, 29 s left)", 0.0)
+    control = ScriptedControl(*[waiting] * 5, accepted())
+    learner, _ = learner_client(control, patience_s=0.0)
+    reporter = Recorder()
+    with caplog.at_level("INFO", logger="oakemu.actor"):
+        assert learner.join(threading.Event(), reporter).accepted
+    assert len(control.requests) == 6 and len({r.incarnation for r in control.requests}) == 1
+    assert reporter.attempts == 1, "the learner answered every ask: nothing to report as silence"
+    said = [r.getMessage() for r in caplog.records if "waiting for 1 more actor" in r.getMessage()]
+    assert said == ["actor actor-0: the learner answered: mode='sync': waiting for 1 more actor(s) to join "
+                    "(up to 30 s, 29 s left)"]
+
+
+def test_a_join_of_a_host_over_its_join_rate_backs_off_for_the_time_the_learner_names() -> None:
+    throttled = wait_reply("too many joins from host 10.0.0.9: retry in 0.2 s", 0.2)
+    control = ScriptedControl(throttled, throttled, accepted())
+    asked_at: list[float] = []
+    request = control.request
+
+    def timed(frame: bytes, timeout_s: float = 2.0) -> Any:
+        asked_at.append(time.monotonic())
+        return request(frame, timeout_s)
+
+    control.request = timed
+    learner, _ = learner_client(control)
+    assert learner.join(threading.Event(), Recorder()).accepted
+    gaps = [b - a for a, b in zip(asked_at, asked_at[1:])]
+    assert len(gaps) == 2 and all(0.2 <= gap < 0.2 * (1 + client.RETRY_JITTER) + 0.2 for gap in gaps), gaps
+
+
+def test_fetch_weights_asks_on_the_control_socket_and_returns_only_weights() -> None:
+    weights = WeightsMessage(9, {"w": np.ones(2, np.float32)})
+    control = ScriptedControl(accepted(), weights, HeartbeatReply("rejoin", 9), None)
+    learner, _ = learner_client(control)
+    learner.join(threading.Event(), Recorder())
+    assert learner.fetch_weights() is weights
+    assert control.requests[-1] == WeightsRequest("actor-0", learner.incarnation)
+    assert learner.fetch_weights() is None, "rejoin: the next heartbeat acts on it"
+    assert learner.fetch_weights() is None, "no answer"
 
 
 def test_heartbeats_report_silence_and_give_up_after_the_patience() -> None:

@@ -1,12 +1,13 @@
 """The learner's control protocol without sockets (oakemu_core.transport.control_server): joins and
 their env config, heartbeats, leaves, refusals, step rings and the synchronous mode's ranks; and what
 a peer may not do: speak for an actor from another connection, ask for more than the run's limits,
-report figures the telemetry cannot hold, flood the log."""
+report figures the telemetry cannot hold, flood the log or join faster than its host's rate."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -20,21 +21,33 @@ from oakemu_core.run.log_limits import RateLimitedLog
 from oakemu_core.storage.assembler import RolloutAssembler
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
 from oakemu_core.transport.auth import Connection, PeerBinding
-from oakemu_core.transport.control_server import ANONYMOUS_REFUSAL, MAX_ACTOR_ENVS, START_GRACE_S, ControlServer
+from oakemu_core.transport.control_server import (
+    ANONYMOUS_REFUSAL,
+    JOIN_WAIT_NOTICE_S,
+    MAX_ACTOR_ENVS,
+    START_GRACE_S,
+    ControlServer,
+)
 from oakemu_core.transport.codec import MessageRejected, header, pack
 from oakemu_core.transport.steps import StepMessage
 from oakemu_core.transport.control import (
     ACTOR_ID_IN_USE,
+    MAX_RETRY_AFTER_S,
     Heartbeat,
     HeartbeatReply,
     JoinReply,
     JoinRequest,
     Leave,
     StepRingOffer,
+    WeightsMessage,
+    WeightsRequest,
     decode_message,
     encode_heartbeat,
+    encode_join_reply,
     encode_leave,
+    encode_weights_request,
 )
+from oakemu_core.transport.peer_limits import JOIN_BURST_PER_HOST, JOINS_PER_SECOND_PER_HOST
 
 WEIGHTS = {"w": np.arange(3, dtype=np.float32)}
 
@@ -239,7 +252,10 @@ def test_sync_joins_wait_for_every_actor_then_take_ranks_in_actor_id_order(make_
     server.assembler.ingest(cartpole_step("alpha", 0), current_policy_version=3, now=0.0)
     assert join(server, "delta") == [], "the rollout is under way (alpha wrote a row): delta waits for the next one"
     server.reply(Leave("zeta", "inc-zeta"), 1.0, identity="zeta", peer=own("zeta"))
-    assert server.tick(1.0) == [] and "delta" not in server.assembler.actors
+    [(to, notice)] = decoded(server.tick(1.0))  # held for JOIN_WAIT_NOTICE_S: told why it waits
+    assert to == "delta" and not notice.accepted and notice.retry_after_s == 0.0 and "next rollout" in notice.reason
+    assert server.tick(1.1) == [] and "delta" not in server.assembler.actors
+    assert join(server, "delta") == [], "asked again at once, held again"
     # The members leave with nothing finished: the rollout opens again and delta joins it, at the lowest free rank.
     server.reply(Leave("alpha", "inc-alpha"), 1.0, identity="alpha", peer=own("alpha"))
     [(to, delta)] = decoded(server.tick(1.0))
@@ -260,7 +276,10 @@ def test_sync_joins_wait_for_every_actor_then_take_ranks_in_actor_id_order(make_
 def test_the_first_sync_rollout_starts_with_the_actors_present_after_the_grace_period(make_server) -> None:
     server = make_server(mode="sync", num_actors=3, envs_per_actor=2)
     assert join(server, "b") == [] and join(server, "a") == []
-    assert server.tick(START_GRACE_S - 1.0) == []
+    notices = decoded(server.tick(START_GRACE_S - 1.0))
+    assert sorted(to for to, _ in notices) == ["a", "b"]
+    assert all(not n.accepted and n.retry_after_s == 0.0 and "1 more actor(s)" in n.reason for _, n in notices)
+    assert join(server, "b") == [] and join(server, "a") == [], "asked again at once, held again"
     replies = decoded(server.tick(START_GRACE_S + 0.1))
     assert [(to, reply.actor_index) for to, reply in replies] == [("a", 0), ("b", 1)]
 
@@ -425,4 +444,130 @@ def test_a_join_floods_log_lines_are_bounded(make_server, caplog: pytest.LogCapt
     assert len(lines) <= 13, lines
     assert notices.events + rejections.events == 300
     assert server.counters.accepted["join"] + server.counters.rejected["impersonation"] + \
-        server.counters.rejected["value_range"] == 300
+        server.counters.rejected["value_range"] + server.counters.rejected["join_rate"] == 300
+
+
+# --- weights asked for on the control socket, held joins told why they wait, joins per host -------
+
+
+def ask_weights(server: ControlServer, actor_id: str, *, incarnation: str | None = None, peer: Any = None,
+                stopping: bool = False) -> Any:
+    message = WeightsRequest(actor_id, incarnation or f"inc-{actor_id}")
+    [(_, reply)] = decoded(server.reply(message, 1.0, identity=actor_id, peer=peer or own(actor_id),
+                                        stopping=stopping))
+    return reply
+
+
+def test_a_joined_actor_asking_for_the_weights_gets_the_current_ones_on_the_control_socket(make_server) -> None:
+    """What an actor whose weights channel missed publications asks (wire protocol 11): the weights
+    the learner published last, each version encoded once; only its own incarnation from its own
+    connection; ``rejoin`` for an unknown incarnation, ``stop`` while stopping."""
+    server = make_server()
+    join(server, "a")
+    reply = ask_weights(server, "a")
+    assert isinstance(reply, WeightsMessage) and (reply.policy_version, reply.revision) == (3, 0)
+    np.testing.assert_array_equal(reply.weights["w"], WEIGHTS["w"])
+    server.publish(9, {"w": np.full(3, 2.0, np.float32)})
+    newer = ask_weights(server, "a")
+    assert newer.policy_version == 9 and newer.weights["w"].tolist() == [2.0, 2.0, 2.0]
+    assert server.counters.accepted["weights_request"] == 2
+    assert ask_weights(server, "a", incarnation="old") == HeartbeatReply("rejoin", 9)
+    assert ask_weights(server, "nobody") == HeartbeatReply("rejoin", 9)
+    assert ask_weights(server, "a", peer=THIEF) == HeartbeatReply("rejoin", 9)
+    assert server.counters.rejected["impersonation"] == 1 and server.counters.accepted["unknown_actor_control"] == 2
+    assert ask_weights(server, "a", stopping=True).status == "stop"
+    round_trip = decode_message(encode_weights_request(WeightsRequest("a", "inc-a")), max_bytes=1024)
+    assert round_trip == WeightsRequest("a", "inc-a")
+
+
+class Notices:
+    """A ``notices`` log that keeps ``(reason, text)`` of every event."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+
+    def event(self, reason: str, text: str, *, level: int = logging.INFO) -> None:
+        self.events.append((reason, text))
+
+
+def test_a_resumed_sync_run_tells_its_one_actor_that_it_waits_for_the_planned_second(make_server) -> None:
+    """``docker compose stop`` then ``up --scale actor=1`` on a run planned for 2 actors: the join is
+    held up to START_GRACE_S for the second, and meanwhile answered every JOIN_WAIT_NOTICE_S with why
+    (a join reply with retry_after_s 0: the actor asks again at once), never left silent long enough
+    for the actor to count the learner as unreachable (2 s); the learner logs the same reason, and
+    that the rollout starts with fewer actors than planned."""
+    server = make_server(mode="sync", num_actors=2, envs_per_actor=2)
+    server.notices = notices = Notices()
+    asked = JoinRequest("solo", "inc-solo", 2, "host")
+    now = 0.0
+    assert server.reply(asked, now, identity="ask-0", peer=own("solo")) == []  # held
+    [(reason, said)] = notices.events
+    assert reason == "sync_wait" and "waiting for 1 more actor(s) to join (up to 30 s" in said
+    answers = []
+    while now < START_GRACE_S + 1.0:
+        now += 0.1
+        replies = decoded(server.tick(now))
+        if replies:  # the answer to the outstanding ask; the actor asks again at once, until granted
+            answers.append((now, replies))
+            if replies[0][1].accepted:
+                break
+            server.reply(asked, now, identity=f"ask-{len(answers)}", peer=own("solo"))
+    *waits, (granted_at, [(to, grant)]) = answers
+    assert grant.accepted and grant.actor_index == 0 and START_GRACE_S <= granted_at < START_GRACE_S + 0.2
+    assert to == f"ask-{len(waits)}", "the grant answers the newest ask"
+    times = [0.0] + [at for at, _ in waits] + [granted_at]
+    assert max(b - a for a, b in zip(times, times[1:])) <= JOIN_WAIT_NOTICE_S + 0.1 < 2.0
+    for _, [(to, wait)] in waits:
+        assert not wait.accepted and wait.retry_after_s == 0.0 and wait.actor_index == -1
+        assert "waiting for 1 more actor(s) to join (up to 30 s" in wait.reason
+    assert "1 s left" in waits[-1][1][0][1].reason
+    assert ("sync_start", "mode='sync': the first rollout starts with 1 of 2 planned actors (30 s passed)") in \
+        notices.events
+    assert server.counters.accepted["join"] == len(answers), "each ask counted when it arrives"
+
+
+def test_joins_beyond_a_hosts_rate_are_told_when_to_retry_and_counted(make_server) -> None:
+    """A token bucket per peer host: JOIN_BURST_PER_HOST joins at once, then JOINS_PER_SECOND_PER_HOST;
+    each join beyond is answered "too many joins, retry in X s" (retry_after_s X), counted, and makes
+    no step ring; another host is not slowed; a join asked again by an incarnation that joined takes no
+    token; after the wait the actor gets in."""
+    offered: list[str] = []
+
+    def offer(request: JoinRequest, spec: Any) -> StepRingOffer:
+        offered.append(request.actor_id)
+        return StepRingOffer("oakemu_test_stepring", "0" * 16, 2)
+
+    server = make_server(host_id="here", offer_ring=offer, max_connected_actors=1000)
+    flood = Connection(b"flood", "10.0.0.9", "")
+
+    def join_from(host_peer: Connection, name: str, now: float) -> JoinReply:
+        message = JoinRequest(name, f"inc-{name}", 2, "host", host_id="here")
+        peer = Connection(name.encode(), host_peer.address, "")
+        [(_, reply)] = decoded(server.reply(message, now, identity=name, peer=peer))
+        return reply
+
+    replies = [join_from(flood, f"f{i}", 0.0) for i in range(JOIN_BURST_PER_HOST + 8)]
+    assert all(r.accepted for r in replies[:JOIN_BURST_PER_HOST])
+    throttled = replies[JOIN_BURST_PER_HOST:]
+    assert all(not r.accepted and r.retry_after_s == pytest.approx(1 / JOINS_PER_SECOND_PER_HOST)
+               and r.reason == f"too many joins from host 10.0.0.9: retry in {1 / JOINS_PER_SECOND_PER_HOST:.1f} s"
+               for r in throttled)
+    assert server.counters.rejected["join_rate"] == 8 and len(offered) == JOIN_BURST_PER_HOST
+    assert join_from(Connection(b"x", "10.0.0.10", ""), "other-host", 0.0).accepted
+    assert join_from(flood, "f0", 0.0).accepted, "a join asked again by a joined incarnation is not throttled"
+    later = join_from(flood, f"f{JOIN_BURST_PER_HOST}", throttled[0].retry_after_s)
+    assert later.accepted and server.counters.rejected["join_rate"] == 8
+
+
+def test_a_join_reply_s_retry_after_is_checked_on_both_ends() -> None:
+    wait = JoinReply(False, "waiting", -1, None, {}, 0, retry_after_s=0.5)
+    assert decode_message(encode_join_reply(wait), max_bytes=1024).retry_after_s == 0.5
+    for bad in (-1.0, MAX_RETRY_AFTER_S + 1, float("nan")):
+        with pytest.raises(ValueError, match="retry_after_s"):
+            encode_join_reply(replace(wait, retry_after_s=bad))
+    with pytest.raises(ValueError, match="retry_after_s"):
+        encode_join_reply(replace(wait, accepted=True, retry_after_s=0.0))
+    forged = pack({**header("join_reply"), "accepted": False, "reason": "", "actor_index": -1, "spec": None,
+                   "env_config": {}, "policy_version": 0, "weights": {}, "step_ring": None, "retry_after_s": -5.0})
+    with pytest.raises(MessageRejected, match="retry_after_s"):
+        decode_message(forged, max_bytes=1024)

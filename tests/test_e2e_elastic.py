@@ -12,6 +12,9 @@ watches the learner's telemetry.
 * Asynchronous mode, 2 actors: one is killed; the survivor's steps are never computed and thrown
   away (``no_capacity_steps`` stays 0: it waits while the learner holds its steps) and the next update
   comes within the same bound.
+* Both modes, 1 actor whose weights subscription reaches no learner (it misses every publication, as
+  a subscriber that connected late or fell behind misses some): it gets each version on the control
+  socket once a heartbeat reply names it, and the run trains to its budget.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import time
 import pytest
 
 from oakemu_core.run.telemetry import TelemetrySnapshot
-from tests.e2e_helpers import E2EProcesses, ServiceProcess, describe_all
+from tests.e2e_helpers import E2EProcesses, ServiceProcess, describe_all, free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -117,4 +120,25 @@ def test_async_mode_loses_no_healthy_step_when_an_actor_dies(e2e: E2EProcesses) 
     assert settled.dropped.get("no_capacity_steps", 0) == 0, settled.dropped
     learner.send_signal(signal.SIGTERM)
     assert learner.wait(timeout_s=60) == 0, learner.describe()
+    e2e.assert_clean(timeout_s=20)
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_an_actor_whose_weights_channel_drops_every_publication_still_trains_to_the_budget(
+        e2e: E2EProcesses, mode: str) -> None:
+    """Before, the asynchronous actor acted with version 0 throughout (its rows stale beyond
+    max_policy_lag 2 from the third update on, so no update came and nothing more was published) and
+    the synchronous one waited at its first segment's end for ever."""
+    budget = 8 * 64  # 8 updates of 32 rows x 2 envs
+    learner = e2e.start("learner", learner_args(e2e, mode, 1, "--total-env-steps", str(budget)))
+    flags = e2e.flags(role="actor")
+    nowhere = str(free_ports(1)[0])  # no learner publishes there
+    flags[flags.index("--weights-port") + 1] = nowhere
+    actor = e2e.start("deaf", ["actor", "--envs-per-actor", str(ENVS), "--actor-id", "deaf", *flags])
+    assert learner.wait(timeout_s=120) == 0, describe_all(learner, actor)()
+    log = learner.stdout() + learner.stderr()
+    assert "env-step budget reached" in log, describe_all(learner, actor)()
+    assert "asked for the weights of version" in log, "the actor got its weights on the control socket"
+    assert actor.wait(timeout_s=30) == 0, actor.describe()
+    assert "fetched the weights" in actor.stdout() + actor.stderr()
     e2e.assert_clean(timeout_s=20)

@@ -1,4 +1,5 @@
-"""Tests for oakemu_core.storage.memory on fake /proc and cgroup trees and the real machine."""
+"""Tests for oakemu_core.storage.memory on fake /proc and cgroup trees and the real machine, and the
+step rings' share of /dev/shm."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ from oakemu_core.storage.memory import (
     SharedMemoryTooSmallError,
     ensure_shm_capacity,
     host_available_bytes,
+    STEP_RING_SHM_SHARE,
     make_diagnostic,
     shm_free_bytes,
+    shm_total_bytes,
+    step_ring_budget,
 )
 
 GIB = 1024**3
@@ -108,3 +112,72 @@ def test_make_diagnostic() -> None:
     assert "fits" in fits.message and "10 bytes" in fits.message
     too_big = make_diagnostic("cpu", 11, 10, "rollout arrays")
     assert not too_big.ok and "DOES NOT FIT" in too_big.message
+
+
+# --- the step rings' share of /dev/shm -----------------------------------------------------------------
+
+MIB = 2**20
+
+
+def fake_mount(monkeypatch: pytest.MonkeyPatch, size_bytes: int) -> None:
+    """``os.statvfs`` reports a file system of ``size_bytes`` (4 KiB blocks) everywhere."""
+    stats = os.statvfs("/")
+    fields = dict(f_blocks=size_bytes // 4096, f_frsize=4096, f_bavail=size_bytes // 4096)
+    monkeypatch.setattr(os, "statvfs", lambda path: type("Stats", (), {**{n: getattr(stats, n) for n in dir(stats)
+                                                                         if n.startswith("f_")}, **fields})())
+
+
+def test_the_mount_size_is_statvfs_blocks_times_fragment_size() -> None:
+    stats = os.statvfs("/dev/shm")
+    assert shm_total_bytes("/dev/shm") == stats.f_blocks * stats.f_frsize > 0
+
+
+def test_the_step_rings_default_to_a_quarter_of_dev_shm_and_never_take_the_rollout_buffers_room(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Docker's shm_size 256 MiB with 110 MiB of rollout buffers (Atari defaults): the rings get 64 MiB,
+    not the former fixed 1,024 MiB (four times the mount); an explicit setting is honoured where it
+    fits and lowered, with a note naming the setting and both sizes, where it does not."""
+    fake_mount(monkeypatch, 256 * MIB)
+    assert step_ring_budget(None, reserved_bytes=110 * MIB) == (int(256 * MIB * STEP_RING_SHM_SHARE), "")
+    assert step_ring_budget(None, reserved_bytes=220 * MIB) == (36 * MIB, ""), "at most the room left"
+    assert step_ring_budget(100.0, reserved_bytes=110 * MIB) == (100 * MIB, "")
+    budget, note = step_ring_budget(1024.0, reserved_bytes=110 * MIB)
+    assert budget == 146 * MIB
+    assert note.startswith("step_ring_max_mib=1024 is more than /dev/shm holds beside the rollout buffers "
+                           "(146.0 MiB of its 256.0 MiB)")
+    assert step_ring_budget(None, reserved_bytes=300 * MIB) == (0, "")
+
+
+def test_without_a_shared_memory_mount_the_setting_stands_or_no_ring_is_made(tmp_path: Path) -> None:
+    assert step_ring_budget(8.0, reserved_bytes=0, path=tmp_path / "absent") == (8 * MIB, "")
+    assert step_ring_budget(None, reserved_bytes=0, path=tmp_path / "absent") == (0, "")
+
+
+def test_the_learner_caps_its_step_rings_by_the_mount(monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """300 local joins of 1,024 CartPole envs once committed 222 MiB of rings in a 256 MiB /dev/shm: the
+    learner's rings now stop at a quarter of it (the rest of those actors send inline)."""
+    from oakemu_core.config import OakEmuConfig
+    from oakemu_core.envs import env_spec
+    from oakemu_core.policy.schemas import schema_for_env
+    from oakemu_core.transport.step_ring import StepRingRefused
+    from oakemu_core.transport.steps import StepSpec
+    from oakemu_services.learner import make_step_rings
+
+    fake_mount(monkeypatch, 256 * MIB)
+    rings = make_step_rings(OakEmuConfig(env_id="CartPole-v1"), reserved_bytes=10 * MIB)
+    monkeypatch.undo()  # the rings are real segments in the real /dev/shm
+    spec = StepSpec(num_envs=1024, schema=schema_for_env(env_spec("CartPole-v1")), steps_per_message=1)
+    try:
+        assert rings.max_bytes == 64 * MIB
+        made = 0
+        with pytest.raises(StepRingRefused, match="step_ring_max_mib"):
+            for made in range(300):
+                rings.offer(f"a{made}", "i", spec, 128)
+        assert 0 < made < 300 and rings.used_bytes <= 64 * MIB
+    finally:
+        rings.close()
+    with caplog.at_level("WARNING", logger="oakemu.learner"):
+        fake_mount(monkeypatch, 256 * MIB)
+        make_step_rings(OakEmuConfig(env_id="CartPole-v1", step_ring_max_mib=1024), reserved_bytes=10 * MIB).close()
+    assert any("step_ring_max_mib=1024 is more than /dev/shm" in r.getMessage() for r in caplog.records)

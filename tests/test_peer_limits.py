@@ -1,5 +1,6 @@
 """What the learner takes from a peer beyond the wire's own checks (oakemu_core.transport.peer_limits),
-and the step rings' memory limits (oakemu_core.transport.step_ring.StepRings), without sockets."""
+the step rings' memory limits (oakemu_core.transport.step_ring.StepRings) and the joins per host
+(oakemu_core.transport.peer_limits.JoinRate), without sockets."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from oakemu_core.config import OakEmuConfig
 from oakemu_core.envs import env_spec
 from oakemu_core.policy.schemas import schema_for_env
 from oakemu_core.transport.control import JoinRequest
-from oakemu_core.transport.peer_limits import VALUE_BOUND_FACTOR, PeerLimits
+from oakemu_core.transport import peer_limits
+from oakemu_core.transport.peer_limits import VALUE_BOUND_FACTOR, JoinRate, PeerLimits
 from oakemu_core.transport.step_ring import StepRing, StepRingRefused, StepRings, ring_slots
 from oakemu_core.transport.steps import StepMessage, StepSpec
 
@@ -128,3 +130,30 @@ def test_step_rings_are_capped_per_actor_and_in_total_and_freed_when_an_actor_ti
     finally:
         rings.close()
     assert rings.used_bytes == 0
+
+
+# --- joins per host ------------------------------------------------------------------------------------
+
+
+def test_a_hosts_joins_are_a_token_bucket_of_its_burst_refilled_at_its_rate() -> None:
+    rate = JoinRate(per_second=4.0, burst=3)
+    assert [rate.take("h", 0.0) for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert rate.take("h", 0.0) == pytest.approx(0.25), "the seconds until the next token"
+    assert rate.take("h", 0.1) == pytest.approx(0.15), "a refused join takes no token"
+    assert rate.take("other", 0.1) == 0.0, "each host its own bucket"
+    assert rate.take("h", 0.25) == 0.0 and rate.take("h", 0.25) > 0.0
+    assert [rate.take("h", 100.0) for _ in range(4)][-1] > 0.0, "refilled to the burst, not beyond"
+    with pytest.raises(ValueError):
+        JoinRate(per_second=0.0)
+
+
+def test_join_buckets_of_hosts_that_refilled_are_forgotten_beyond_the_tracked_hosts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(peer_limits, "MAX_TRACKED_HOSTS", 4)
+    rate = JoinRate(per_second=1.0, burst=2)
+    for i in range(4):
+        rate.take(f"h{i}", 0.0)
+    rate.take("busy", 9.0)
+    rate.take("busy", 9.0)  # empty: kept
+    rate.take("new", 10.0)  # the fifth bucket: the refilled ones go
+    assert set(rate._buckets) <= {"busy", "new"} and "busy" in rate._buckets

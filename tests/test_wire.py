@@ -655,8 +655,8 @@ def test_oversized_message_is_rejected_before_decoding() -> None:
     assert info.value.reason == "oversized"
 
 
-def test_protocol_version_is_10() -> None:
-    assert PROTOCOL_VERSION == 10 and step_obj()["protocol"] == 10
+def test_protocol_version_is_11() -> None:
+    assert PROTOCOL_VERSION == 11 and step_obj()["protocol"] == 11
 
 
 def test_stop_notice_round_trip_and_rejections() -> None:

@@ -1,12 +1,28 @@
 """An actor's side of the control protocol: join, heartbeats, leave, weights, the step ring, and what a join sets up.
 
 An actor reaches the learner through three sockets: the control REQ socket (:class:`ControlChannel`,
-used by :class:`LearnerClient` for join, heartbeat and leave), the weights SUB socket
+used by :class:`LearnerClient` for join, heartbeat, leave and weights requests), the weights SUB socket
 (:func:`subscribe_weights`, read with :func:`newest_message`) and its step channel
 (:mod:`oakemu_core.transport.channels`, made from the join's spec and the ring
 :meth:`LearnerClient.attach_ring` attached). The join reply's ``env_config`` and weights make the
 actor's envs, model and stepper (:func:`make_envs`, :func:`make_model`, :func:`make_inference_backend`,
 :func:`make_stepper`).
+
+Weights reach an actor on the weights channel, a PUB/SUB broadcast that loses what is published while
+the actor's subscription is not connected yet (it connects after the first join) or its queue is full.
+An actor that missed a publication would act with weights the learner no longer trains near: its rows
+go stale, no update comes, nothing more is published. So each heartbeat reply names the learner's
+current policy version, and an actor still behind it one :data:`WEIGHTS_MISSED_S` later asks for the
+current weights on the control socket (:meth:`LearnerClient.fetch_weights`). The control socket is
+point to point and a request left unanswered is asked again, so the weights arrive whatever the
+weights channel lost; a re-publication on the weights channel could be lost the same way, and would go
+to every actor. The weights channel stays the fast path: a request is the exception.
+
+A join may be answered "not yet" (a join reply with ``retry_after_s``): a synchronous run waiting
+for its planned actors, or too many joins from this host. The actor logs the reason (first, then
+every :data:`WAIT_LOG_PERIOD_S`), waits ``retry_after_s`` (a random share longer, so actors of one host
+spread out) and asks again with the same incarnation; the learner is there, so these waits do not
+count against the join's patience.
 
 The process loop around these is ``oakemu_services.actor``.
 """
@@ -14,6 +30,7 @@ The process loop around these is ``oakemu_services.actor``.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 import uuid
@@ -40,10 +57,13 @@ from oakemu_core.transport.control import (
     JoinReply,
     JoinRequest,
     Leave,
+    WeightsMessage,
+    WeightsRequest,
     decode_message,
     encode_heartbeat,
     encode_join_request,
     encode_leave,
+    encode_weights_request,
 )
 from oakemu_core.transport.step_ring import StepRing, StepRingUnavailable
 
@@ -55,6 +75,8 @@ __all__ = [
     "REQUEST_TIMEOUT_S",
     "JOIN_PATIENCE_S",
     "WEIGHTS_QUEUE_MESSAGES",
+    "WEIGHTS_MISSED_S",
+    "WAIT_LOG_PERIOD_S",
     "LearnerUnreachable",
     "ActorSetupError",
     "RetryReport",
@@ -77,6 +99,14 @@ JOIN_PATIENCE_S = 120.0
 torch, building envs)."""
 WEIGHTS_QUEUE_MESSAGES = 4
 """Weights messages the SUB socket queues (the actor reads them all and keeps the newest)."""
+WEIGHTS_MISSED_S = 1.0
+"""How long (s) an actor may stay behind the policy version its heartbeat replies name, the weights
+channel read meanwhile, before it asks for the weights on the control socket (a publication takes
+milliseconds to arrive)."""
+WAIT_LOG_PERIOD_S = 5.0
+"""A join answered "not yet" is logged at the first such answer, then at most once per this many seconds."""
+RETRY_JITTER = 0.5
+"""A join told to retry after X s asks again after X to (1 + this) * X s."""
 
 
 class LearnerUnreachable(RuntimeError):
@@ -218,7 +248,8 @@ class LearnerClient:
             The accepted reply (``spec`` not None).
 
         A join refused because a connected actor holds the id (this actor's earlier process, until the
-        learner drops it) is asked again within the same patience.
+        learner drops it) is asked again within the same patience; one answered "not yet"
+        (``retry_after_s``) is logged and asked again after that wait, the patience starting over.
 
         Raises:
             ActorSetupError: the learner refused the actor (the reason says why).
@@ -229,11 +260,22 @@ class LearnerClient:
         frame = encode_join_request(replace(self.request, incarnation=self.incarnation))
         patience_s = self.join_patience_s
         deadline = time.monotonic() + patience_s
+        answered, said_at = False, -WAIT_LOG_PERIOD_S
         while not stop.is_set():
-            reporter.attempt()
+            if not answered:  # the learner answered the last ask: no "no answer" line for this one
+                reporter.attempt()
             reply = self.control.request(frame)
+            answered = isinstance(reply, JoinReply)
             if isinstance(reply, JoinReply):
                 reporter.succeeded()
+                if not reply.accepted and reply.retry_after_s is not None:
+                    now = time.monotonic()
+                    if now - said_at >= WAIT_LOG_PERIOD_S:
+                        log.info("actor %s: the learner answered: %s", self.actor_id, reply.reason)
+                        said_at = now
+                    deadline = now + patience_s
+                    stop.wait(reply.retry_after_s * (1.0 + RETRY_JITTER * random.random()))
+                    continue
                 if not reply.accepted and reply.reason.startswith(ACTOR_ID_IN_USE) and time.monotonic() < deadline:
                     log.warning("actor %s: %s; asking again", self.actor_id, reply.reason)
                     stop.wait(REQUEST_TIMEOUT_S)
@@ -266,6 +308,15 @@ class LearnerClient:
         self.silence.succeeded()
         self.last_reply = time.monotonic()
         return reply
+
+    def fetch_weights(self) -> WeightsMessage | None:
+        """Ask the learner for its current weights on the control socket (the weights channel missed
+        them); the weights, or None: no answer in time, or the learner answered ``rejoin`` / ``stop``
+        (the next heartbeat acts on it)."""
+        reply = self.control.request(encode_weights_request(WeightsRequest(self.actor_id, self.incarnation)))
+        if reply is not None:
+            self.last_reply = time.monotonic()
+        return reply if isinstance(reply, WeightsMessage) else None
 
     def leave(self, timeout_s: float = 0.5) -> None:
         """Tell the learner this incarnation stops (best effort: no retry)."""

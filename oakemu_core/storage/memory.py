@@ -1,5 +1,6 @@
-"""Host, ``/dev/shm`` and CUDA memory figures, the shared-memory capacity check, and the memory a
-rollout buffer and one PPO update are projected to need.
+"""Host, ``/dev/shm`` and CUDA memory figures, the shared-memory capacity check, the share of
+``/dev/shm`` the learner's step rings may take, and the memory a rollout buffer and one PPO update are
+projected to need.
 
 All sizes are in bytes. The host figure respects container limits: it is the smaller of the
 kernel's ``MemAvailable`` and the headroom (limit minus usage, reclaimable page cache excluded) of
@@ -20,6 +21,10 @@ if TYPE_CHECKING:
     from oakemu_core.step_schema import StepSchema
 
 _CGROUP_V1_NO_LIMIT = 1 << 62  # v1 reports "no limit" as a huge page-aligned number near 2**63
+
+STEP_RING_SHM_SHARE = 0.25
+"""Share of the ``/dev/shm`` mount's size the learner's step rings take at most by default
+(``step_ring_max_mib`` unset): Docker's ``shm_size`` 256 MiB gives them 64 MiB."""
 
 
 @dataclass(frozen=True)
@@ -202,6 +207,41 @@ def shm_free_bytes(path: str | os.PathLike[str] = "/dev/shm") -> int:
     """
     stats = os.statvfs(path)
     return int(stats.f_bavail) * int(stats.f_frsize)
+
+
+def shm_total_bytes(path: str | os.PathLike[str] = "/dev/shm") -> int:
+    """Return the size of the file system at ``path`` (``statvfs``: ``f_blocks * f_frsize``): a tmpfs
+    mount's ``size``, e.g. Docker's ``shm_size``.
+
+    Raises:
+        OSError: when ``path`` does not exist.
+    """
+    stats = os.statvfs(path)
+    return int(stats.f_blocks) * int(stats.f_frsize)
+
+
+def step_ring_budget(setting_mib: float | None, *, reserved_bytes: int,
+                     path: str | os.PathLike[str] = "/dev/shm") -> tuple[int, str]:
+    """The bytes the learner's step rings may take together in ``path``, and a note ("" or one line).
+
+    ``setting_mib`` (``step_ring_max_mib``, MiB) when given, else :data:`STEP_RING_SHM_SHARE` of the
+    mount's size; either way at most what the mount holds beside ``reserved_bytes`` (the rollout
+    buffers). A setting larger than that is lowered to it, and the note says so. Without the mount
+    (no POSIX shared memory here): the setting, or 0 (no rings).
+    """
+    setting = None if setting_mib is None else int(setting_mib * 2**20)
+    try:
+        size = shm_total_bytes(path)
+    except OSError:
+        return (setting or 0), ""
+    room = max(0, size - int(reserved_bytes))
+    if setting is None:
+        return min(int(size * STEP_RING_SHM_SHARE), room), ""
+    if setting <= room:
+        return setting, ""
+    return room, (f"step_ring_max_mib={setting_mib:g} is more than {path} holds beside the rollout buffers "
+                  f"({format_bytes(room)} of its {format_bytes(size)}): the step rings take at most "
+                  f"{format_bytes(room)} (raise shm_size, or lower step_ring_max_mib)")
 
 
 def shm_size_hint(required_bytes: int) -> str:

@@ -61,7 +61,7 @@ __all__ = [
     "require_fields",
 ]
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 """Version of the wire format; a frame with any other ``"protocol"`` value is rejected. Raised
 whenever a message gains, loses or changes a field (the changes of each version:
 ``docs/benchmarks.md``)."""

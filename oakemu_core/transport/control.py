@@ -7,7 +7,10 @@ Message types (``"type"`` tag: dataclass, direction, encoder):
 - ``heartbeat``: :class:`Heartbeat`, actor REQ -> learner ROUTER, :func:`encode_heartbeat`
 - ``heartbeat_reply``: :class:`HeartbeatReply`, learner ROUTER -> actor REQ, :func:`encode_heartbeat_reply`
 - ``leave``: :class:`Leave`, actor REQ -> learner ROUTER, :func:`encode_leave`
-- ``weights``: :class:`WeightsMessage`, learner PUB -> actor SUB, :func:`encode_weights`
+- ``weights_request``: :class:`WeightsRequest`, actor REQ -> learner ROUTER, :func:`encode_weights_request`
+  (answered with a ``weights`` message on the control socket)
+- ``weights``: :class:`WeightsMessage`, learner PUB -> actor SUB (or learner ROUTER -> actor REQ, the
+  reply to a ``weights_request``), :func:`encode_weights`
 - ``stop``: :class:`StopNotice`, learner PUB -> actor SUB, :func:`encode_stop`
 
 (step messages: :mod:`oakemu_core.transport.steps`). Messages an actor sends carry ``"actor_id"``
@@ -52,6 +55,7 @@ __all__ = [
     "HEARTBEAT_STATUSES",
     "MAX_RING_SLOTS",
     "MAX_HEARTBEAT_FIGURE",
+    "MAX_RETRY_AFTER_S",
     "ACTOR_ID_IN_USE",
     "JoinRequest",
     "JoinReply",
@@ -59,6 +63,7 @@ __all__ = [
     "Heartbeat",
     "HeartbeatReply",
     "Leave",
+    "WeightsRequest",
     "WeightsMessage",
     "StopNotice",
     "ControlMessage",
@@ -67,6 +72,7 @@ __all__ = [
     "encode_heartbeat",
     "encode_heartbeat_reply",
     "encode_leave",
+    "encode_weights_request",
     "encode_weights",
     "encode_stop",
     "decode_message",
@@ -87,6 +93,9 @@ ACTOR_ID_IN_USE = "actor id in use by another connection"
 """Start of the reason of a join refused because a live actor holds the id on another connection
 (its own earlier process, until it times out, or someone else): the actor may ask again later."""
 
+MAX_RETRY_AFTER_S = 3600.0
+"""Longest ``retry_after_s`` (s) a join reply may carry."""
+
 MAX_RING_SLOTS = 64
 """Most slots a join reply's step ring may have (:func:`oakemu_core.transport.step_ring.ring_slots` gives 1-16)."""
 
@@ -95,6 +104,7 @@ TYPE_JOIN_REPLY = "join_reply"
 TYPE_HEARTBEAT = "heartbeat"
 TYPE_HEARTBEAT_REPLY = "heartbeat_reply"
 TYPE_LEAVE = "leave"
+TYPE_WEIGHTS_REQUEST = "weights_request"
 TYPE_WEIGHTS = "weights"
 TYPE_STOP = "stop"
 
@@ -163,6 +173,10 @@ class JoinReply:
         policy_version: version of ``weights``.
         weights: parameter name -> array (model ``state_dict`` as numpy); empty when refused.
         step_ring: a shared-memory ring for the actor's step arrays, or None (send them inline).
+        retry_after_s: None for a final answer; with ``accepted`` False, seconds (``[0,
+            MAX_RETRY_AFTER_S]``) after which the actor asks again with the same request: the join is
+            neither refused nor granted yet (``reason`` says why: a synchronous run waiting for its
+            actors, or too many joins from the actor's host).
     """
 
     accepted: bool
@@ -173,6 +187,7 @@ class JoinReply:
     policy_version: int
     weights: dict[str, np.ndarray] = field(default_factory=dict)
     step_ring: StepRingOffer | None = None
+    retry_after_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -202,7 +217,8 @@ class Heartbeat:
 @dataclass(frozen=True)
 class HeartbeatReply:
     """Learner -> actor: ``"ok"``, ``"rejoin"`` (learner forgot this incarnation: join again) or
-    ``"stop"`` (shut down), plus the learner's current policy version and ``held_rows``: vector
+    ``"stop"`` (shut down), plus the learner's current policy version (an actor whose weights channel
+    has not delivered that version asks for it: :class:`WeightsRequest`) and ``held_rows``: vector
     steps of this actor that the learner holds for lack of free columns (an actor with held steps
     waits for newer weights instead of acting ahead: what it acted now would be thrown away)."""
 
@@ -214,6 +230,18 @@ class HeartbeatReply:
 @dataclass(frozen=True)
 class Leave:
     """Actor -> learner: the actor is stopping; its incomplete segment may be discarded now."""
+
+    actor_id: str
+    incarnation: str
+
+
+@dataclass(frozen=True)
+class WeightsRequest:
+    """Actor -> learner (control socket): send me your current weights. An actor asks when a heartbeat
+    reply names a newer policy version than any its weights channel delivered (a PUB/SUB subscriber
+    loses what is published while it is not connected or its queue is full). Answered with a
+    :class:`WeightsMessage` of the learner's current version (revision 0), or a :class:`HeartbeatReply`
+    ``"rejoin"`` / ``"stop"``."""
 
     actor_id: str
     incarnation: str
@@ -241,7 +269,8 @@ class StopNotice:
     reason: str
 
 
-ControlMessage = JoinRequest | JoinReply | Heartbeat | HeartbeatReply | Leave | WeightsMessage | StopNotice
+ControlMessage = (JoinRequest | JoinReply | Heartbeat | HeartbeatReply | Leave | WeightsRequest | WeightsMessage
+                  | StopNotice)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,6 +372,9 @@ def encode_join_reply(msg: JoinReply) -> bytes:
     """
     check_local_int(msg.actor_index, "actor_index", minimum=-1)
     check_local_int(msg.policy_version, "policy_version")
+    if msg.retry_after_s is not None and (msg.accepted or not 0.0 <= msg.retry_after_s <= MAX_RETRY_AFTER_S):
+        raise ValueError(f"retry_after_s: expected None, or a float in [0, {MAX_RETRY_AFTER_S:g}] in a join reply "
+                         f"that is not accepted, received {msg.retry_after_s!r}")
     return pack(
         {
             **header(TYPE_JOIN_REPLY),
@@ -355,6 +387,7 @@ def encode_join_reply(msg: JoinReply) -> bytes:
             "weights": _encode_weights(msg.weights, "weights"),
             "step_ring": None if msg.step_ring is None else {
                 "name": msg.step_ring.name, "token": msg.step_ring.token, "slots": int(msg.step_ring.slots)},
+            "retry_after_s": None if msg.retry_after_s is None else float(msg.retry_after_s),
         }
     )
 
@@ -399,6 +432,13 @@ def encode_leave(msg: Leave) -> bytes:
     check_local_id(msg.actor_id, "actor_id")
     check_local_id(msg.incarnation, "incarnation")
     return pack({**header(TYPE_LEAVE), "actor_id": msg.actor_id, "incarnation": msg.incarnation})
+
+
+def encode_weights_request(msg: WeightsRequest) -> bytes:
+    """Serialise a :class:`WeightsRequest`. Raises ValueError naming a field with a bad value."""
+    check_local_id(msg.actor_id, "actor_id")
+    check_local_id(msg.incarnation, "incarnation")
+    return pack({**header(TYPE_WEIGHTS_REQUEST), "actor_id": msg.actor_id, "incarnation": msg.incarnation})
 
 
 def encode_weights(msg: WeightsMessage) -> bytes:
@@ -467,11 +507,15 @@ def _decode_step_ring(value: Any) -> StepRingOffer | None:
 
 def _decode_join_reply(obj: dict[str, Any]) -> JoinReply:
     require_fields(obj, ("accepted", "reason", "actor_index", "spec", "env_config", "policy_version", "weights",
-                         "step_ring"))
+                         "step_ring", "retry_after_s"))
     spec = obj["spec"]
     accepted = get_bool(obj, "accepted")
     if accepted and spec is None:
         reject("schema", "spec: expected a step spec in an accepted join reply, received None")
+    retry_after_s = None if obj["retry_after_s"] is None else get_float(obj, "retry_after_s")
+    if retry_after_s is not None and (accepted or not 0.0 <= retry_after_s <= MAX_RETRY_AFTER_S):
+        reject("schema", f"retry_after_s: expected nil, or a float in [0, {MAX_RETRY_AFTER_S:g}] in a join reply "
+                         f"that is not accepted, received {describe(obj['retry_after_s'])}")
     return JoinReply(
         accepted=accepted,
         reason=get_str(obj, "reason", max_len=MAX_TEXT_LENGTH, allow_empty=True),
@@ -481,6 +525,7 @@ def _decode_join_reply(obj: dict[str, Any]) -> JoinReply:
         policy_version=get_int(obj, "policy_version"),
         weights=_decode_weights(obj["weights"], "weights"),
         step_ring=_decode_step_ring(obj["step_ring"]),
+        retry_after_s=retry_after_s,
     )
 
 
@@ -517,6 +562,11 @@ def _decode_leave(obj: dict[str, Any]) -> Leave:
     return Leave(actor_id=get_str(obj, "actor_id"), incarnation=get_str(obj, "incarnation"))
 
 
+def _decode_weights_request(obj: dict[str, Any]) -> WeightsRequest:
+    require_fields(obj, ("actor_id", "incarnation"))
+    return WeightsRequest(actor_id=get_str(obj, "actor_id"), incarnation=get_str(obj, "incarnation"))
+
+
 def _decode_stop(obj: dict[str, Any]) -> StopNotice:
     require_fields(obj, ("reason",))
     return StopNotice(reason=get_str(obj, "reason", max_len=MAX_TEXT_LENGTH, allow_empty=True))
@@ -534,6 +584,7 @@ _CONTROL_DECODERS: dict[str, Callable[[dict[str, Any]], ControlMessage]] = {
     TYPE_HEARTBEAT: _decode_heartbeat,
     TYPE_HEARTBEAT_REPLY: _decode_heartbeat_reply,
     TYPE_LEAVE: _decode_leave,
+    TYPE_WEIGHTS_REQUEST: _decode_weights_request,
     TYPE_WEIGHTS: _decode_weights_message,
     TYPE_STOP: _decode_stop,
 }
@@ -548,7 +599,8 @@ def decode_message(frame: bytes | bytearray | memoryview, *, max_bytes: int) -> 
 
     Returns:
         A :class:`JoinRequest`, :class:`JoinReply`, :class:`Heartbeat`, :class:`HeartbeatReply`,
-        :class:`Leave`, :class:`WeightsMessage` or :class:`StopNotice`; arrays are read-only views.
+        :class:`Leave`, :class:`WeightsRequest`, :class:`WeightsMessage` or :class:`StopNotice`; arrays
+        are read-only views.
 
     Raises:
         MessageRejected: for any malformed frame (``reason`` in

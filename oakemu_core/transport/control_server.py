@@ -11,7 +11,9 @@ answered by :meth:`ControlServer.tick`. It decides
   to the connection it joined from while the actor is connected; a join, heartbeat or leave for it
   from any other connection is refused and counted as ``impersonation``);
 * whether a join is within the run's limits (:class:`~oakemu_core.transport.peer_limits.PeerLimits`:
-  env count, connected actors);
+  env count, connected actors) and its host's join rate (:class:`~oakemu_core.transport.peer_limits.JoinRate`:
+  a join beyond it is answered "too many joins, retry in X s" with ``retry_after_s``; a join asked again
+  by an incarnation already joined or held takes no further token);
 * whether a join is accepted, with which :class:`~oakemu_core.transport.steps.StepSpec` (steps per
   message from the joining actor's env count), step ring (a callback the service passes in) and
   ``env_config`` (the scalars every actor builds its envs from);
@@ -20,7 +22,13 @@ answered by :meth:`ControlServer.tick`. It decides
   order (columns and env seeds do not depend on who connected first); later a join is answered while
   the filling rollout has no row yet (the actor is one of its members) and held otherwise, until the
   next rollout opens (it then acts with the weights that rollout is acted by); a returning actor takes
-  its old index, a new one the lowest free index; the buffer's room (``max_actors``) bounds the actors;
+  its old index, a new one the lowest free index; the buffer's room (``max_actors``) bounds the actors.
+  A held join is answered within :data:`JOIN_WAIT_NOTICE_S` either way: granted, or told why it waits
+  ("waiting for N more actors (up to 30 s)", ``retry_after_s`` 0), and the actor asks again at once;
+* the weights an actor asks for on the control socket (a ``weights_request``: its weights channel
+  missed a version the heartbeat replies name), answered with the current ones; the control socket is
+  point to point and its requests are asked again, so an actor gets them even when every publication
+  on the weights channel passes it by (a subscriber that connected late or whose queue was full);
 * whether the run has an actor acting with rounded weights (:attr:`ControlServer.reevaluate_every_rollout`);
 * which actors' processes it watches (:class:`~oakemu_core.transport.liveness.LocalProcesses`: those in
   the learner's PID namespace), so one that exits is dropped at once (:meth:`ControlServer.drop_gone_actors`).
@@ -32,7 +40,9 @@ a peer can cause goes through a rate-limited log (``rejections``, ``notices``).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -48,12 +58,15 @@ from oakemu_core.transport.control import (
     JoinRequest,
     Leave,
     StepRingOffer,
+    WeightsMessage,
+    WeightsRequest,
     encode_heartbeat_reply,
     encode_join_reply,
+    encode_weights,
 )
 from oakemu_core.transport.frame_stacks import wire_bytes_per_env
 from oakemu_core.transport.liveness import LocalProcesses
-from oakemu_core.transport.peer_limits import PeerLimits
+from oakemu_core.transport.peer_limits import JoinRate, PeerLimits
 from oakemu_core.transport.steps import StepSpec
 
 if TYPE_CHECKING:
@@ -62,7 +75,8 @@ if TYPE_CHECKING:
     from oakemu_core.storage.assembler import ActorRecord, RolloutAssembler
     from oakemu_core.transport.auth import PeerBinding
 
-__all__ = ["ANONYMOUS_REFUSAL", "MAX_ACTOR_ENVS", "START_GRACE_S", "ControlServer", "Reply", "env_config", "step_spec_for"]
+__all__ = ["ANONYMOUS_REFUSAL", "JOIN_WAIT_NOTICE_S", "MAX_ACTOR_ENVS", "START_GRACE_S", "ControlServer", "Reply",
+           "env_config", "step_spec_for"]
 
 log = logging.getLogger("oakemu.learner")
 
@@ -77,6 +91,12 @@ own, lower limit is ``max_envs_per_actor`` (:class:`~oakemu_core.transport.peer_
 START_GRACE_S = 30.0
 """Synchronous mode: the first rollout starts with the actors that asked to join this many seconds
 after the first one, when fewer than ``num_actors`` did."""
+
+JOIN_WAIT_NOTICE_S = 0.5
+"""Synchronous mode: longest time (s) a held join goes unanswered; then it is told why it waits (a join
+reply with ``retry_after_s`` 0) and the actor asks again at once. Well below the actor's request timeout
+(``oakemu_core.actor.client.REQUEST_TIMEOUT_S``, 2 s), so a held actor hears from the learner instead of
+counting it silent."""
 
 Reply = tuple[Any, bytes]
 """``(identity, encoded reply)``: the ZeroMQ identity of the requester and the frame to send it."""
@@ -140,13 +160,15 @@ class ControlServer:
             actor on this machine (None: no room, its arrays go inline).
         policy_version, weights: the weights the actors get now (see :meth:`publish`).
         processes: watches the joined actors' processes (None: a :class:`LocalProcesses` on ``/proc``).
+        join_rate: the joins each peer host may ask for (None: :class:`JoinRate`'s defaults).
     """
 
     def __init__(self, config: OakEmuConfig, schema: StepSchema, observation_layout: Any,
                  assembler: RolloutAssembler, peers: PeerBinding, rejections: Any, *, host_id: str,
                  offer_ring: Callable[[JoinRequest, StepSpec], StepRingOffer | None],
                  policy_version: int, weights: dict[str, np.ndarray], notices: Any = None,
-                 limits: PeerLimits | None = None, processes: LocalProcesses | None = None) -> None:
+                 limits: PeerLimits | None = None, processes: LocalProcesses | None = None,
+                 join_rate: JoinRate | None = None) -> None:
         self.config = config
         self.schema = schema
         self.observation_layout = observation_layout
@@ -162,10 +184,12 @@ class ControlServer:
         self.policy_version = int(policy_version)
         self.weights = weights
         self.processes = processes if processes is not None else LocalProcesses()
+        self.join_rate = join_rate if join_rate is not None else JoinRate()
+        self._weights_frame: bytes | None = None  # the current weights, encoded once for weights requests
         self.reevaluate_every_rollout = False
         """True once an actor acting with rounded weights (bfloat16) joined: every rollout is then
         re-evaluated in float32 before GAE."""
-        self._pending_joins: dict[str, tuple[Any, JoinRequest]] = {}
+        self._pending_joins: dict[str, _HeldJoin] = {}
         self._first_pending_at: float | None = None
         self._started = False  # synchronous mode: the first rollout's members have joined
         self._sync_ranks: dict[str, int] = {}
@@ -175,6 +199,7 @@ class ControlServer:
         reply reports as the learner's version."""
         self.policy_version = int(policy_version)
         self.weights = weights
+        self._weights_frame = None
 
     # -- replies -----------------------------------------------------------------------------
     def rejoin(self) -> bytes:
@@ -196,7 +221,11 @@ class ControlServer:
         """Serve one decoded request from ``identity`` (its connection ``peer``, for the peer
         binding) at monotonic time ``now``; ``stopping``: the learner is shutting down (joins are
         refused, heartbeats answered ``stop``). Returns the replies to send, in order."""
-        if isinstance(message, (JoinRequest, Heartbeat, Leave)):
+        if isinstance(message, JoinRequest) and not stopping:
+            throttled = self._throttle(message, now, peer)
+            if throttled is not None:
+                return [(identity, throttled)]
+        if isinstance(message, (JoinRequest, Heartbeat, Leave, WeightsRequest)):
             refusal = self._refuse_impersonation(message, peer)
             if refusal is not None:
                 return [(identity, refusal)]
@@ -214,6 +243,8 @@ class ControlServer:
             held = record.pending_rows if known and record is not None else 0
             return [(identity, encode_heartbeat_reply(
                 HeartbeatReply(status=status, policy_version=self.policy_version, held_rows=held)))]
+        if isinstance(message, WeightsRequest):
+            return [(identity, self._weights_reply(message, stopping))]
         if isinstance(message, Leave):
             if self.assembler.leave(message.actor_id, message.incarnation):
                 self.counters.accepted["leave"] += 1
@@ -226,7 +257,40 @@ class ControlServer:
         self.rejections.event("schema", f"schema: a {type(message).__name__} is not a request the learner serves")
         return [(identity, self.rejoin())]
 
-    def _refuse_impersonation(self, message: JoinRequest | Heartbeat | Leave, peer: Any) -> bytes | None:
+    def _weights_reply(self, message: WeightsRequest, stopping: bool) -> bytes:
+        """The current weights for a joined incarnation (encoded once per version), else ``rejoin`` (or
+        ``stop`` while stopping)."""
+        record = self.assembler.actors.get(message.actor_id)
+        if stopping or record is None or record.incarnation != message.incarnation:
+            self.counters.accepted["join_refused" if stopping else "unknown_actor_control"] += 1
+            return encode_heartbeat_reply(HeartbeatReply("stop" if stopping else "rejoin", self.policy_version))
+        self.counters.accepted["weights_request"] += 1
+        self.notices.event("weights_request", f"actor {message.actor_id} asked for the weights of version "
+                           f"{self.policy_version} on the control socket (its weights channel missed them)",
+                           level=logging.INFO)
+        if self._weights_frame is None:
+            self._weights_frame = encode_weights(WeightsMessage(self.policy_version, self.weights))
+        return self._weights_frame
+
+    def _throttle(self, message: JoinRequest, now: float, peer: Any) -> bytes | None:
+        """None when ``message`` may be served (its host's :class:`JoinRate` had a token, or its
+        incarnation joined or is held already: a join asked again); else the reply "too many joins,
+        retry in X s", counted as ``rejected["join_rate"]``."""
+        held = self._pending_joins.get(message.actor_id)
+        if self._answered_before(message) is not None or (held is not None
+                                                           and held.request.incarnation == message.incarnation):
+            return None
+        host = peer.address if peer is not None else ""
+        wait_s = self.join_rate.take(host, now)
+        if wait_s <= 0.0:
+            return None
+        self.counters.rejected["join_rate"] += 1
+        reason = f"too many joins from host {host or '(unknown)'}: retry in {wait_s:.1f} s"
+        self.notices.event("join_rate", f"actor {message.actor_id}: {reason}", level=logging.WARNING)
+        return encode_join_reply(JoinReply(False, reason, -1, None, {}, self.policy_version, retry_after_s=wait_s))
+
+    def _refuse_impersonation(self, message: JoinRequest | Heartbeat | Leave | WeightsRequest,
+                              peer: Any) -> bytes | None:
         """None when ``peer`` may speak for ``message.actor_id``; else the refusal, counted as
         ``anonymous_connection`` (a routing id ZeroMQ generated: :func:`~oakemu_core.transport.auth.is_generated_routing_id`)
         or ``impersonation``: a join for an actor id that a connected actor holds on another connection
@@ -346,35 +410,58 @@ class ControlServer:
             self.notices.event("restart", f"actor {message.actor_id} restarted: its previous incarnation left",
                                level=logging.INFO)
         first_ask = message.actor_id not in self._pending_joins
-        self._pending_joins[message.actor_id] = (identity, message)  # a retry replaces the held request
+        self._pending_joins[message.actor_id] = _HeldJoin(identity, message, now)  # a retry replaces the held one
         if self._first_pending_at is None:
             self._first_pending_at = now
         replies = self.tick(now)
         if first_ask and message.actor_id in self._pending_joins:
-            self.notices.event("sync_wait", f"mode='sync': actor {message.actor_id} joins at the next rollout"
-                               if self._started else f"mode='sync': actor {message.actor_id} waits for "
-                               f"{config.num_actors - len(self._pending_joins)} more actor(s) to join (at most "
-                               f"{START_GRACE_S:.0f} s)", level=logging.INFO)
+            self.notices.event("sync_wait", f"actor {message.actor_id}: {self._wait_reason(now)}", level=logging.INFO)
         return replies
 
+    def _wait_reason(self, now: float) -> str:
+        """Why the held joins wait (what the learner logs and the held actors are told)."""
+        if self._started:
+            return "mode='sync': joins at the next rollout (the current one is under way)"
+        first = self._first_pending_at if self._first_pending_at is not None else now
+        return (f"mode='sync': waiting for {self.config.num_actors - len(self._pending_joins)} more actor(s) to join "
+                f"(up to {START_GRACE_S:.0f} s, {math.ceil(max(0.0, START_GRACE_S - (now - first)))} s left)")
+
     def tick(self, now: float) -> list[Reply]:
-        """Synchronous mode: answer the held joins that may join now (the replies to send): the first
-        rollout's actors once ``num_actors`` asked or :data:`START_GRACE_S` passed, later ones while
-        the filling rollout has no row yet. Call it every loop turn (and after a buffer is released)."""
+        """Synchronous mode: the replies to the held joins (to send): grants to those that may join now
+        (the first rollout's actors once ``num_actors`` asked or :data:`START_GRACE_S` passed, later
+        ones while the filling rollout has no row yet), else a wait notice to each held
+        :data:`JOIN_WAIT_NOTICE_S`. A join granted while its actor asks again gets its grant then (a
+        join asked again). Call it every loop turn (and after a buffer is released)."""
         if not self.sync or not self._pending_joins:
             return []
         if not self._started:
             waited = now - (self._first_pending_at if self._first_pending_at is not None else now)
             if len(self._pending_joins) < self.config.num_actors and waited < START_GRACE_S:
-                return []
+                return self._wait_notices(now)
+            if len(self._pending_joins) < self.config.num_actors:
+                self.notices.event("sync_start", f"mode='sync': the first rollout starts with {len(self._pending_joins)} "
+                                   f"of {self.config.num_actors} planned actors ({START_GRACE_S:.0f} s passed)",
+                                   level=logging.WARNING)
         elif not self.assembler.round.is_open:
-            return []
+            return self._wait_notices(now)
         self._started = True
         pending, self._pending_joins, self._first_pending_at = self._pending_joins, {}, None
         replies = []
         for actor_id in sorted(pending):
-            identity, request = pending[actor_id]
-            replies.append((identity, self._grant_sync(request, now)))
+            held = pending[actor_id]
+            reply = self._grant_sync(held.request, now)
+            if held.identity is not None:
+                replies.append((held.identity, reply))
+        return replies
+
+    def _wait_notices(self, now: float) -> list[Reply]:
+        """A wait notice to each held join unanswered for :data:`JOIN_WAIT_NOTICE_S` (then it is answered)."""
+        replies = []
+        for held in self._pending_joins.values():
+            if held.identity is not None and now - held.asked_at >= JOIN_WAIT_NOTICE_S:
+                replies.append((held.identity, encode_join_reply(JoinReply(
+                    False, self._wait_reason(now), -1, None, {}, self.policy_version, retry_after_s=0.0))))
+                held.identity = None
         return replies
 
     @property
@@ -397,6 +484,16 @@ class ControlServer:
             rank = next(i for i in range(len(held) + 1) if i not in held)
         self._sync_ranks[message.actor_id] = rank
         return self.grant_join(message, now, index=rank)
+
+
+@dataclass
+class _HeldJoin:
+    """A synchronous-mode join waiting (:meth:`ControlServer.tick`): its request, asked at monotonic
+    ``asked_at``, and where to answer it (None: answered with a wait notice; it asks again)."""
+
+    identity: Any
+    request: JoinRequest
+    asked_at: float
 
 
 class _EveryLine:

@@ -25,6 +25,12 @@ uses the value:
 A value that fails is a ``"value_range"`` rejection of the whole message: counted and logged (rate
 limited) by the caller, never written. What an authenticated actor is still trusted with (the
 content of its rows within these bounds): ``deploy/README.md``.
+
+:class:`JoinRate` bounds how fast joins come from one host (the connection's peer address): a
+token bucket of :data:`JOIN_BURST_PER_HOST` joins refilled at :data:`JOINS_PER_SECOND_PER_HOST`.
+Every join a host's actors ask beyond it is answered "too many joins, retry in X s" (the actor
+waits and asks again); each join can make a step ring, so a flood of joins would otherwise take
+shared memory faster than the departed actors' timeouts free it.
 """
 
 from __future__ import annotations
@@ -41,10 +47,20 @@ if TYPE_CHECKING:
     from oakemu_core.transport.control import JoinRequest
     from oakemu_core.transport.steps import StepMessage
 
-__all__ = ["VALUE_BOUND_FACTOR", "PeerLimits"]
+__all__ = ["JOINS_PER_SECOND_PER_HOST", "JOIN_BURST_PER_HOST", "VALUE_BOUND_FACTOR", "JoinRate", "PeerLimits"]
 
 VALUE_BOUND_FACTOR = 10.0
 """Slack of the value-estimate bound over the largest discounted return (see the module docstring)."""
+
+JOINS_PER_SECOND_PER_HOST = 10.0
+"""Joins per second one host's actors may ask for, once its burst is spent (:class:`JoinRate`)."""
+
+JOIN_BURST_PER_HOST = 32
+"""Joins one host's actors may ask for at once: a machine's worth of actors starting together, or
+rejoining a restarted learner."""
+
+MAX_TRACKED_HOSTS = 4096
+"""Hosts whose join buckets :class:`JoinRate` keeps; beyond, the buckets that are full again go."""
 
 _VALUE_FIELDS = ("values", "bootstrap_values", "next_values")
 _RETURN_TOLERANCE = 1e-6
@@ -150,3 +166,38 @@ def _outside(array: np.ndarray, name: str, low: float, high: float) -> str | Non
     if smallest < low or largest > high:
         return f"{name}: expected values in [{low:g}, {high:g}] for this run, received [{smallest:g}, {largest:g}]"
     return None
+
+
+class JoinRate:
+    """A token bucket of joins per peer host: ``burst`` joins at once, then ``per_second``.
+
+    Args:
+        per_second: tokens (joins) a host's bucket gains per second, > 0.
+        burst: tokens a bucket holds at most (a new host starts full), >= 1.
+    """
+
+    def __init__(self, per_second: float = JOINS_PER_SECOND_PER_HOST, burst: int = JOIN_BURST_PER_HOST) -> None:
+        if not per_second > 0 or burst < 1:
+            raise ValueError(f"per_second > 0 and burst >= 1 expected, received {per_second!r} and {burst!r}")
+        self.per_second = float(per_second)
+        self.burst = float(burst)
+        self._buckets: dict[str, tuple[float, float]] = {}  # host -> (tokens, monotonic time of that count)
+
+    def take(self, host: str, now: float) -> float:
+        """Take one join of ``host`` at monotonic time ``now`` (s): 0.0 when it may join now (a token
+        taken), else the seconds until its bucket holds a token again (nothing taken)."""
+        tokens, then = self._buckets.get(host, (self.burst, now))
+        tokens = min(self.burst, tokens + max(0.0, now - then) * self.per_second)
+        if tokens >= 1.0:
+            self._buckets[host] = (tokens - 1.0, now)
+            if len(self._buckets) > MAX_TRACKED_HOSTS:
+                self._forget_full(now)
+            return 0.0
+        self._buckets[host] = (tokens, now)
+        return (1.0 - tokens) / self.per_second
+
+    def _forget_full(self, now: float) -> None:
+        """Drop the buckets that have refilled (a host that comes back starts full all the same)."""
+        for host, (tokens, then) in list(self._buckets.items()):
+            if tokens + (now - then) * self.per_second >= self.burst:
+                del self._buckets[host]
