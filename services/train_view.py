@@ -224,12 +224,13 @@ def _evaluation_text(record: dict[str, Any]) -> str:
     return f"return {record[EVAL_EPISODIC_RETURN]:.2f}{of_version}"
 
 
-def _video(run_dir: Path, record: dict[str, Any]) -> Path | None:
-    """The video of the evaluation ``record`` (``videos/update_<policy version>.mp4``) when it exists."""
+def _video(run_dir: Path, name: str, record: dict[str, Any]) -> Path | None:
+    """``videos/<name>`` (the tester's ``best.mp4`` / ``final.mp4``), else the video of the evaluation
+    ``record`` (``videos/update_<policy version>.mp4``), when it exists; None otherwise."""
+    path = run_dir / VIDEO_DIR_NAME / name
     version = record.get("eval/policy_version")
-    if not isinstance(version, (int, float)):
-        return None
-    path = evaluation_video_path(run_dir / VIDEO_DIR_NAME, int(version))
+    if not path.is_file() and isinstance(version, (int, float)):
+        path = evaluation_video_path(run_dir / VIDEO_DIR_NAME, int(version))
     return path if path.is_file() else None
 
 
@@ -238,7 +239,8 @@ def end_lines(run_dir: Path, records: list[dict[str, Any]], *, resumable: bool) 
 
     * ``evaluation: final return F (policy version V), best return B (policy version W): checkpoints/best.pt``
       (the best part when the tester kept ``best.pt``);
-    * ``videos: best <path>, final <path>`` for the videos of those evaluations in ``videos/``;
+    * ``videos: best <path>, final <path>``: ``videos/best.mp4`` and ``videos/final.mp4``, or else the
+      ``videos/update_<policy version>.mp4`` of those evaluations, those that exist;
     * ``next: ...`` the commands that come next: ``oakemu evaluate`` and ``oakemu export`` of ``best.pt``
       (else the latest checkpoint), ``tensorboard``, and ``oakemu train --resume`` when ``resumable``.
     """
@@ -250,7 +252,7 @@ def end_lines(run_dir: Path, records: list[dict[str, Any]], *, resumable: bool) 
         best = max(evaluations, key=lambda r: r[EVAL_EPISODIC_RETURN])
         kept = f": {best_file}" if best_file.is_file() else ""
         lines.append(f"evaluation: final {_evaluation_text(final)}, best {_evaluation_text(best)}{kept}")
-        videos = {"best": _video(run_dir, best), "final": _video(run_dir, final)}
+        videos = {"best": _video(run_dir, "best.mp4", best), "final": _video(run_dir, "final.mp4", final)}
         if videos["best"] == videos["final"]:
             videos.pop("final")
         named = [f"{which} {path}" for which, path in videos.items() if path is not None]

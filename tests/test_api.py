@@ -102,3 +102,52 @@ def test_train_a_preset_from_python_returns_a_run_that_beats_random_play(tmp_pat
     policy = run.load_policy(best=True)
     observation, _ = gymnasium.make("CartPole-v1").reset(seed=0)
     assert int(policy.act(observation)) in (0, 1)
+
+
+@pytest.mark.slow
+def test_a_callback_stops_training_early_quietly_and_train_returns_the_run(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A Callback returning False at update 3 stops a run with a budget of 4,000 updates: train returns
+    the Run (final checkpoint written, stopped_by_callback); verbose=0 prints nothing."""
+    updates: list[oakemu_core.UpdateInfo] = []
+    seen: list[object] = []
+
+    class StopAfterThreeUpdates(oakemu_core.Callback):
+        def on_update(self, info: oakemu_core.UpdateInfo) -> bool:
+            updates.append(info)
+            return info.update < 3
+
+    run = oakemu_core.train(preset="cartpole", total_env_steps=1_024_000, runs_dir=tmp_path / "runs",
+                            callbacks=[StopAfterThreeUpdates(), seen.append], verbose=0)
+    assert run.stopped_by_callback and run.exit_status == 0
+    assert [info.update for info in updates] == [1, 2, 3]  # none after the one that stopped the run
+    assert updates[0].global_step > 0 and updates[0].policy_loss is not None and updates[0].learning_rate
+    assert [info for info in seen if isinstance(info, oakemu_core.UpdateInfo)] == updates[:2]
+    assert 3 <= run.updates < 1_024_000 // 256 and run.latest_checkpoint is not None
+    err = capfd.readouterr().err
+    assert err == "", err
+    _no_child_process_left()
+
+
+@pytest.mark.slow
+def test_an_exception_in_a_callback_stops_the_run_and_train_raises_it_after_clean_up(tmp_path: Path) -> None:
+    def broken(info: object) -> None:
+        if isinstance(info, oakemu_core.UpdateInfo) and info.update >= 2:
+            raise ValueError("a bug in my callback")
+
+    with pytest.raises(ValueError, match="a bug in my callback"):
+        oakemu_core.train(preset="cartpole", total_env_steps=1_024_000, runs_dir=tmp_path / "runs", callbacks=broken,
+                          verbose=0)
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert oakemu_core.load_policy(run_dir) is not None  # the final checkpoint of the stopped run
+    _no_child_process_left()
+
+
+def _no_child_process_left() -> None:
+    import os
+
+    from tests.e2e_helpers import descendants, wait_for
+
+    wait_for(lambda: not descendants([os.getpid()]), 15, "the run's processes to exit",
+             on_timeout=lambda: str(descendants([os.getpid()])))
