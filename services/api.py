@@ -26,7 +26,6 @@ from oakemu_core.presets import load_preset
 from oakemu_core.run.callbacks import Callback, CallbackLike, CallbackRunner, EvaluationInfo, UpdateInfo
 from oakemu_core.run.results import Run, read_run
 from oakemu_services import train as launcher
-from oakemu_services.runtime import default_run_name
 
 __all__ = ["Callback", "EvaluationInfo", "TrainingFailed", "UpdateInfo", "train"]
 
@@ -69,16 +68,16 @@ def train(config: OakEmuConfig | None = None, preset: str | None = None, *,
     base = load_preset(preset).settings if preset is not None else {}
     given = {name: getattr(config, name) for name in config.model_fields_set} if config is not None else {}
     config = make_config(base, **{**given, **overrides})
-    if config.run_name is None:  # named here, so that the run folder is known when the launcher returns
-        config = config.model_copy(update={"run_name": default_run_name(config)})
     runner = CallbackRunner(callbacks) if callbacks is not None else None
+    plan = launcher.plan_run(config)  # chooses the run folder (a free name) and holds it and the ports
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        status = launcher.main(config, verbose=verbose, callbacks=runner)
-    finally:  # the launcher's stop handlers served this run only
+        status = launcher.main(plan.config, verbose=verbose, callbacks=runner, plan=plan)
+    finally:  # the launcher's stop handlers, run folder and ports served this run only
+        plan.release()
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
-    run = read_run(config.runs_dir / str(config.run_name), status)
+    run = read_run(plan.run_dir, status)
     if runner is not None and runner.error is not None:
         raise runner.error
     if runner is not None and runner.stopping and status == 0:

@@ -66,10 +66,10 @@ from oakemu_core.transport.step_ring import StepRings, shared_memory_host_id
 from oakemu_core.transport.steps import StepSpec
 from oakemu_services.runtime import (
     INTERRUPTED_EXIT_STATUS,
-    check_ports_free,
+    claim_ports,
+    claim_run_dir,
     install_stop_signals,
     interrupted_status,
-    resolve_run_dir,
     setup_logging,
     socket_buffer_bytes,
     startup_done,
@@ -584,8 +584,8 @@ def main(config: OakEmuConfig) -> int:
     check_env(config.env_id, settings_file=config.emulator_settings, options=config.env_options)
     check_tracker_available(config.track)
     resolved_device(config)
-    check_ports_free(config)
-    run_dir = resolve_run_dir(config)
+    # Ports and run folder stay held until this process exits (oakemu train holds them for its learner).
+    ports, (run_dir, run_lock) = claim_ports(config), claim_run_dir(config)
     # Resuming a folder: say which settings change; refuse (ResumeMismatchError, exit 2) another env,
     # other spaces or model, or a setting that cannot change, before anything in the folder is written.
     changes = check_resume_folder(run_dir, config, check_model=False)  # the model is checked in restore

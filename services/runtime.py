@@ -12,15 +12,18 @@ import os
 import re
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Collection
 from pathlib import Path
 
 from oakemu_core.config import OakEmuConfig
 from oakemu_core.errors import ConfigError
-from oakemu_core.run.run_folder import PORT_FIELDS, make_run_folder
+from oakemu_core.run.run_folder import PORT_FIELDS, make_new_run_folder, make_run_folder
+from oakemu_core.run.run_lock import RunFolderLock, holder_pid
 
 PARENT_PID_ENV = "OAKEMU_PARENT_PID"
 SETUP_ERROR_EXIT_STATUS = 3
@@ -113,13 +116,32 @@ def default_run_name(config: OakEmuConfig) -> str:
     return f"{env}__{config.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def resolve_run_dir(config: OakEmuConfig) -> Path:
-    """``runs_dir / run_name`` (created, with ``logs/``); a new timestamped name when ``run_name`` is unset.
+def claim_run_dir(config: OakEmuConfig) -> tuple[Path, RunFolderLock | None]:
+    """The learner's run folder (with ``logs/``), held by this process for the run (:class:`RunFolderLock`).
+
+    Without ``run_name``, a new folder named by :func:`default_run_name` (``-2``, ``-3``, ... when that
+    is taken). With ``run_name``, that folder, made when missing (a folder with a checkpoint is resumed).
+    Under ``oakemu train`` (``OAKEMU_PARENT_PID``), the launcher holds the folder for its learner: None
+    is returned as the lock then.
+
+    Returns:
+        ``(run_dir, lock)``.
 
     Raises:
+        RunFolderBusyError: another live run holds the folder (the message names its pid).
+        RunFolderError: the folder cannot be made or locked (read-only, not a folder).
         DiskFullError: no room for the folder (the message names it and the bytes free).
     """
-    return make_run_folder(Path(config.runs_dir) / (config.run_name or default_run_name(config)))
+    runs_dir = Path(config.runs_dir)
+    if config.run_name is None:
+        lock = make_new_run_folder(runs_dir, default_run_name(config), numbered=True)
+        return make_run_folder(lock.run_dir), lock
+    run_dir = make_run_folder(runs_dir / config.run_name)
+    parent = os.environ.get(PARENT_PID_ENV)
+    if parent and parent.isdigit() and holder_pid(run_dir) == int(parent):
+        return run_dir, None
+    return run_dir, RunFolderLock.acquire(run_dir, hint="stop that run first, or give this learner another "
+                                                        "--run-name")
 
 
 class StopRequest(threading.Event):
@@ -175,14 +197,130 @@ def check_ports_free(config: OakEmuConfig) -> None:
     any process or run folder exists. The Prometheus port is checked on 0.0.0.0, where it listens.
 
     Raises:
-        ConfigError: names every port in use and the flag that changes it.
+        PortsInUseError: names every port in use and the flag that changes it.
     """
-    taken = [f"{name}={port}" for name, port in learner_ports(config).items()
-             if port_in_use("0.0.0.0" if name == "metrics_port" else config.bind_host, port)]
+    taken = {name: f"{name}={port}" for name, port in learner_ports(config).items()
+             if port_in_use("0.0.0.0" if name == "metrics_port" else config.bind_host, port)}
     if taken:
-        flags = ", ".join("--" + item.split("=")[0].replace("_", "-") for item in taken)
-        raise ConfigError(f"ports in use on {config.bind_host}: {', '.join(taken)} (another learner or oakemu train "
-                          f"holds them); choose others with {flags}")
+        raise PortsInUseError(config.bind_host, taken)
+
+
+class PortsInUseError(ConfigError):
+    """Ports a learner needs are in use; :attr:`names` are their settings (``data_port``, ...)."""
+
+    def __init__(self, host: str, taken: dict[str, str]) -> None:
+        flags = ", ".join("--" + name.replace("_", "-") for name in taken)
+        super().__init__(f"ports in use on {host}: {', '.join(taken.values())} (another learner or oakemu train "
+                         f"holds them); choose others with {flags}")
+        self.names = tuple(taken)
+
+
+PORT_CLAIM_PREFIX = "oakemu-port-"
+"""The name of the abstract Unix socket (``\\0oakemu-port-<port>``) by which a process claims a TCP port."""
+
+
+class PortClaims:
+    """The learner ports this process claimed (see :func:`claim_ports`); :meth:`release` gives them up
+    (so do the object's collection and the process's exit)."""
+
+    def __init__(self, sockets: list[socket.socket]) -> None:
+        self._release = weakref.finalize(self, _close_all, sockets)
+
+    def release(self) -> None:
+        self._release()
+
+
+def _close_all(sockets: list[socket.socket]) -> None:
+    for sock in sockets:
+        sock.close()
+
+
+def _claim_port(port: int) -> tuple[socket.socket | None, int | None]:
+    """``(claim, None)`` when this process now holds the claim on ``port`` (``(None, None)`` where
+    claims do not exist: not Linux); ``(None, pid)`` when another process holds it (pid 0: unknown)."""
+    if not sys.platform.startswith("linux"):
+        return None, None
+    address = f"\0{PORT_CLAIM_PREFIX}{port}"
+    claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        claim.bind(address)
+    except OSError as error:
+        claim.close()
+        return (None, _claim_holder(address)) if error.errno == errno.EADDRINUSE else (None, None)
+    claim.listen(socket.SOMAXCONN)  # a listening claim tells who holds it (SO_PEERCRED of a connection)
+    return claim, None
+
+
+def _claim_holder(address: str) -> int:
+    """The pid of the process holding the claim at ``address`` (0 when it cannot be told)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)
+        try:
+            probe.connect(address)
+            credentials = probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        except OSError:
+            return 0
+    return int(struct.unpack("3i", credentials)[0])
+
+
+def claim_ports(config: OakEmuConfig) -> PortClaims:
+    """Claim the ports the learner of ``config`` listens on, from its start until this process exits,
+    or refuse them: in use (a TCP bind fails, :func:`check_ports_free`), or claimed by another process.
+
+    A learner binds its ports seconds after its start was checked (torch, the env and the model load
+    first): a run started meanwhile would find them free too and fail late. So ``oakemu train`` and a
+    standalone learner claim each port by binding an abstract Unix socket named after it (Linux; scoped,
+    as TCP ports are, to the network namespace; the kernel drops it when the process dies). A claim held
+    by the process that started this one (``OAKEMU_PARENT_PID``: the launcher of this learner) or by
+    this process is this learner's own.
+
+    Raises:
+        PortsInUseError: names every port in use (and the pid of a process that claimed it) and the
+            flag that changes it; nothing stays claimed.
+        ConfigError: ``bind_host`` is no address of this machine.
+    """
+    ports = learner_ports(config)
+    parent = os.environ.get(PARENT_PID_ENV, "")
+    own = {os.getpid(), int(parent) if parent.isdigit() else os.getpid()}
+    held: list[socket.socket] = []
+    taken: dict[str, str] = {}
+    claims = PortClaims(held)
+    for name, port in ports.items():
+        claim, holder = _claim_port(port)
+        if claim is not None:
+            held.append(claim)
+        elif holder is not None and holder not in own:
+            taken[name] = f"{name}={port} (claimed by {f'pid {holder}' if holder else 'another process'})"
+    try:
+        check_ports_free(config)
+    except PortsInUseError as error:
+        taken = {name: taken.get(name, f"{name}={ports[name]}") for name in (*taken, *error.names)}
+    except BaseException:
+        claims.release()
+        raise
+    if taken:
+        claims.release()
+        raise PortsInUseError(config.bind_host, taken)
+    return claims
+
+
+def claim_free_ports(config: OakEmuConfig, tries: int = 5) -> tuple[OakEmuConfig, PortClaims]:
+    """:func:`with_free_ports` and :func:`claim_ports`: ``config`` with free ports for those not given,
+    all claimed. A chosen port that another run claimed in the meantime is chosen again (``tries`` times).
+
+    Raises:
+        PortsInUseError: a port given is in use (or the choices kept colliding).
+        ConfigError: as :func:`claim_ports`.
+    """
+    attempt = 1
+    while True:
+        chosen = with_free_ports(config)
+        try:
+            return chosen, claim_ports(chosen)
+        except PortsInUseError as error:
+            if attempt >= tries or any(name in config.model_fields_set for name in error.names):
+                raise
+        attempt += 1
 
 
 def free_ports(count: int, host: str = "127.0.0.1", *, avoid: Collection[int] = ()) -> list[int]:

@@ -24,6 +24,7 @@ shows while the run trains and at its end: :mod:`oakemu_services.train_view`.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -48,21 +49,24 @@ from oakemu_core.presets import Preset
 from oakemu_core.run.callbacks import CallbackRunner, RecordFollower
 from oakemu_core.run.metrics import METRICS_FILE_NAME
 from oakemu_core.run.run_folder import (
+    check_config_complete,
     check_resume_folder,
     format_changes,
+    make_new_run_folder,
     make_run_folder,
     write_text_atomic,
 )
+from oakemu_core.run.run_lock import RunFolderLock
 from oakemu_core.run.telemetry import TelemetrySubscriber
 from oakemu_core.run.tracking import check_tracker_available
 from oakemu_services.runtime import (
     PARENT_PID_ENV,
     SETUP_ERROR_EXIT_STATUS,
+    PortClaims,
     StopRequest,
-    check_ports_free,
+    claim_free_ports,
     default_run_name,
     install_stop_signals,
-    with_free_ports,
 )
 from oakemu_services.train_view import end_lines, print_line, progress_view
 from oakemu_services.train_view import final_update_line as _final_update_line
@@ -147,11 +151,14 @@ class ChildOutput:
 class Child:
     """One service process with its log file (its output goes through :class:`ChildOutput`)."""
 
-    def __init__(self, name: str, command: list[str], env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, name: str, command: list[str], env: dict[str, str], log_path: Path,
+                 pass_fds: tuple[int, ...] = ()) -> None:
         self.name = name
         self.command = command
         self.env = env
         self.log_path = log_path
+        self.pass_fds = pass_fds
+        """Descriptors the process inherits (the learner: the run folder's lock)."""
         self.restarts = 0
         self.gave_up = False  # exited with an error and not restarted
         self.process: subprocess.Popen[bytes] | None = None
@@ -161,7 +168,8 @@ class Child:
     def start(self) -> None:
         # A session of its own: Ctrl-C reaches only the launcher, which then stops children in order.
         self.process = subprocess.Popen(
-            self.command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+            self.command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+            pass_fds=self.pass_fds,
         )
         assert self.process.stdout is not None
         self.output = ChildOutput(self.process.stdout, self.log_path)
@@ -215,21 +223,40 @@ def last_error(text: str) -> str | None:
 
 @dataclass
 class RunPlan:
-    """A run that passed every check: its configuration, folder and the settings a resume changes."""
+    """A run that passed every check: its configuration, folder, the settings a resume changes, and what
+    this process holds for the run until :meth:`release` (or its exit): the run folder's lock and the
+    learner's port claims."""
 
     config: OakEmuConfig
     run_dir: Path
     resumed: bool
     changes: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    """Warnings to show before the run starts (an unreadable checkpoint set aside)."""
+    lock: RunFolderLock | None = None
+    ports: PortClaims | None = None
 
     @property
     def config_file(self) -> Path:
         return self.run_dir / "config.toml"
 
+    @property
+    def learner_fds(self) -> tuple[int, ...]:
+        """Descriptors the learner inherits: the run folder's lock, so that the run stays live (and its
+        folder refused to another run) until the learner has exited too, also after ``kill -9`` of the
+        launcher."""
+        return () if self.lock is None or self.lock.fd is None else (self.lock.fd,)
+
+    def release(self) -> None:
+        """Give up the run folder and the ports; call it once the run's processes have exited."""
+        for held in (self.ports, self.lock):
+            if held is not None:
+                held.release()
+
 
 def check_can_start(config: OakEmuConfig) -> None:
-    """What refuses a run before anything exists: the env id and emulator settings, the actors'
-    inference backend, the learner's device, the learner's ports.
+    """What refuses a run before anything exists, after its ports (:func:`plan_run`): the env id and
+    emulator settings, the actors' inference backend, the tracker, the learner's device.
 
     Raises:
         UserError (a subclass): the first problem found, in one line.
@@ -249,31 +276,78 @@ def check_can_start(config: OakEmuConfig) -> None:
     check_tracker_available(config.track)  # --track mlflow / wandb: its package is installed
     if config.device not in ("auto", "cpu"):
         resolved_device(config)  # imports torch: only for a device that may be missing
-    check_ports_free(config)
+
+
+SETTING_NAMES = tuple(name for name in OakEmuConfig.model_fields if name != "config_file")
+"""The settings a complete ``config.toml`` names."""
 
 
 def plan_run(config: OakEmuConfig, resume: Path | None = None) -> RunPlan:
-    """Choose free ports for the ports not given (:func:`~oakemu_services.runtime.with_free_ports`), check
-    the run (:func:`check_can_start`, the resumed folder and its budget), then make the run folder with
-    ``logs/`` and write the resolved ``config.toml`` (atomically): it records the ports, which
-    ``oakemu monitor RUN_DIR`` reads.
+    """Check the run and claim what it needs, before any process exists; when a check fails, nothing is
+    left made, written or held.
+
+    1. ports: free ones for the ports not given, all claimed for this run
+       (:func:`~oakemu_services.runtime.claim_free_ports`): a port in use is refused first, fast;
+    2. :func:`check_can_start`;
+    3. the run folder, held by this process for the run (:class:`~oakemu_core.run.run_lock.RunFolderLock`).
+       With ``resume``: that folder, refused while a live run holds it or when its ``config.toml`` is
+       incomplete. Otherwise a new folder, never one that holds a run: ``run_name`` is refused when it
+       exists (naming the pid of a live run; pointing a stopped one to ``--resume``); without a name,
+       :func:`~oakemu_services.runtime.default_run_name`, with ``-2``, ``-3``, ... when that is taken;
+    4. a resumed folder: :func:`~oakemu_core.run.run_folder.check_resume_folder` (env, spaces, model,
+       settings that cannot change, budget left; a newer checkpoint that does not load is set aside);
+    5. ``logs/`` and the resolved ``config.toml`` (atomically): it records the ports and the run's name,
+       which ``oakemu monitor RUN_DIR`` reads.
+
+    Returns:
+        The plan; :attr:`RunPlan.run_dir` is the folder chosen (the Python API reads it there).
 
     Raises:
-        UserError (a subclass): a check failed; nothing was created or written.
+        UserError (a subclass): a check failed; one line.
     """
-    config = with_free_ports(config)
-    check_can_start(config)
     if resume is not None:
-        config = config.model_copy(update={"runs_dir": Path(resume).parent, "run_name": Path(resume).name})
-    elif config.run_name is None:
-        config = config.model_copy(update={"run_name": default_run_name(config)})
-    run_dir = Path(config.runs_dir) / str(config.run_name)
-    # A folder with a checkpoint is resumed: refuse another env / spaces / model, a setting that cannot
-    # change, or a run with nothing left to train, before anything in it is written.
-    changes = check_resume_folder(run_dir, config, check_budget=True)
-    make_run_folder(run_dir)
-    write_text_atomic(run_dir / "config.toml", to_toml(config))
-    return RunPlan(config, run_dir, resumed=resume is not None, changes=changes)
+        check_config_complete(resume, SETTING_NAMES)
+    config, ports = claim_free_ports(config)
+    with contextlib.ExitStack() as undo:
+        undo.callback(ports.release)
+        check_can_start(config)
+        lock = _claim_run_folder(config, resume, undo)
+        run_dir = lock.run_dir
+        config = config.model_copy(update={"runs_dir": run_dir.parent, "run_name": run_dir.name})
+        notes: list[str] = []
+        # A resumed folder: refuse another env / spaces / model, a setting that cannot change, or a run
+        # with nothing left to train, before anything in it is written.
+        changes = check_resume_folder(run_dir, config, check_budget=True, notes=notes) if resume is not None else {}
+        make_run_folder(run_dir)
+        write_text_atomic(run_dir / "config.toml", to_toml(config))
+        undo.pop_all()
+    return RunPlan(config, run_dir, resumed=resume is not None, changes=changes, notes=notes, lock=lock, ports=ports)
+
+
+def _claim_run_folder(config: OakEmuConfig, resume: Path | None, undo: contextlib.ExitStack) -> RunFolderLock:
+    """The run folder of :func:`plan_run`'s step 3, held; ``undo`` gives it up (and removes a folder made
+    here) when a later step fails."""
+    if resume is not None:
+        lock = RunFolderLock.acquire(Path(resume), hint="wait for it to end, or stop it, before resuming it")
+        undo.callback(lock.release)
+        return lock
+    runs_dir = Path(config.runs_dir)
+    numbered = config.run_name is None
+    name = default_run_name(config) if numbered else str(config.run_name)
+    existed = not numbered and (runs_dir / name).exists()
+    lock = make_new_run_folder(runs_dir, name, numbered=numbered,
+                               hint=f"to continue that run: oakemu train --resume {runs_dir / name}; for a new "
+                               "run, choose another --run-name")
+    if not existed:  # runs last: after the lock file went, the folder and logs/ made here, if still empty
+        undo.callback(_remove_empty, lock.run_dir)
+    undo.callback(lock.release)
+    return lock
+
+
+def _remove_empty(run_dir: Path) -> None:
+    for folder in (run_dir / "logs", run_dir):
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 def crash_traceback(text: str) -> list[str] | None:
@@ -372,7 +446,8 @@ class Launch:
         self.verbose = verbose
         config, logs_dir = plan.config, plan.run_dir / "logs"
         cli = [sys.executable, "-m", "oakemu_services.cli"]
-        self.learner = Child("learner", [*cli, "learner"], _child_env(plan.config_file), logs_dir / "learner.log")
+        self.learner = Child("learner", [*cli, "learner"], _child_env(plan.config_file), logs_dir / "learner.log",
+                             pass_fds=plan.learner_fds)
         self.actors = [
             Child(f"actor-{i}", [*cli, "actor"], _child_env(plan.config_file, OAKEMU_ACTOR_ID=f"actor-{i}"),
                   logs_dir / f"actor-{i}.log")
@@ -493,7 +568,7 @@ def report(launch: Launch, ended_by: str, stop: StopRequest, console: Console) -
 
 
 def main(config: OakEmuConfig, resume: Path | None = None, *, preset: Preset | None = None,
-         verbose: int = 1, callbacks: CallbackRunner | None = None) -> int:
+         verbose: int = 1, callbacks: CallbackRunner | None = None, plan: RunPlan | None = None) -> int:
     """Run learner + actors until the env-step budget is spent or the user stops it.
 
     Args:
@@ -505,6 +580,9 @@ def main(config: OakEmuConfig, resume: Path | None = None, *, preset: Preset | N
         verbose: 1: progress and notes on stderr; 0: errors only (the Python API's quiet mode).
         callbacks: the Python API's callbacks (:class:`~oakemu_core.run.callbacks.CallbackRunner`): fed
             each update and evaluation; when one stops the run, the run stops as after SIGTERM.
+        plan: the run already planned (:func:`plan_run`; the Python API plans first to know the run's
+            folder, and releases the plan); ``config`` and ``resume`` are then not used. Without it the
+            run's folder and ports stay held until this process exits.
 
     Returns:
         The exit status (see the module docstring).
@@ -512,12 +590,14 @@ def main(config: OakEmuConfig, resume: Path | None = None, *, preset: Preset | N
     Raises:
         UserError (a subclass): the run cannot start (:func:`plan_run`); nothing was started or created.
     """
-    plan = plan_run(config, resume)
+    plan = plan_run(config, resume) if plan is None else plan
     config = plan.config
     console = Console(stderr=True, quiet=verbose <= 0)
     if preset is not None:
         console.print(f"preset {preset.name}: {preset.description}; expect {preset.expect}", highlight=False,
                       soft_wrap=True)
+    for note in plan.notes:
+        print_line(console, f"warning: {note}", "yellow")
     if plan.changes:
         console.print(f"[yellow]resuming {plan.run_dir} with changed settings[/] (config.toml -> now): "
                       f"{format_changes(plan.changes)}", highlight=False, soft_wrap=True)

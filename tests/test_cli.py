@@ -523,7 +523,7 @@ def test_the_learner_and_an_actor_turn_the_collector_on_once_ready(monkeypatch: 
 
     monkeypatch.setattr(learner_service, "install_stop_signals", StopRequest)
     monkeypatch.setattr(learner_service, "learner_torch_threads", lambda *args: None)
-    monkeypatch.setattr(learner_service, "check_ports_free", lambda config: None)
+    monkeypatch.setattr(learner_service, "claim_ports", lambda config: None)
     stop = threading.Event()
     actor = actor_service.Actor(OakEmuConfig(env_id="CartPole-v1"), stop)
 

@@ -6,7 +6,10 @@
 - ``kill -9`` + resume, three times: ``global_step`` never goes back in ``metrics.jsonl`` / ``episodes.jsonl``;
 - a flood of malformed frames: a bounded number of log lines, exact counters, and every message the
   learner read is accepted, rejected by reason or a late step (books balanced over real sockets);
-- resume with another env id: one clear line, exit status 2, no traceback, nothing in the run folder changed.
+- resume with another env id: one clear line, exit status 2, no traceback, nothing in the run folder changed;
+- a run folder belongs to one run: two runs named in the same second get a folder each; a live run's
+  folder is refused (naming its pid) until its processes are gone, also after ``kill -9``; a damaged
+  newest checkpoint is skipped on resume.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import pytest
 import zmq
 
 from oakemu_core.run.checkpoint import latest_checkpoint, load_checkpoint
+from oakemu_core.run.run_lock import holder_pid
 from oakemu_core.run.telemetry import TelemetrySnapshot
 from oakemu_core.transport.auth import new_routing_id
 from oakemu_core.transport.control import (
@@ -38,7 +42,7 @@ from oakemu_core.transport.control import (
 from oakemu_core.policy.distributions import Categorical
 from oakemu_core.step_schema import build_schema
 from oakemu_core.transport.steps import StepMessage, StepSpec, encode_step
-from tests.e2e_helpers import E2EProcesses, describe_all, read_jsonl, wait_for
+from tests.e2e_helpers import E2EProcesses, describe_all, python_path_with_site_hook, read_jsonl, wait_for
 from tests.fault_helpers import fill_disk
 
 pytestmark = pytest.mark.slow
@@ -330,9 +334,6 @@ def test_resume_with_another_env_is_refused_and_changes_nothing(e2e: E2EProcesse
     attempts = {
         "learner": learner_args(e2e, env="Acrobot-v1"),
         "train-resume": ["train", "--resume", str(run_dir), "--env", "Acrobot-v1", *e2e.ports.flags()],
-        "train-same-name": ["train", "--env", "Acrobot-v1", "--run-name", RUN_NAME, "--num-actors", "1",
-                            "--envs-per-actor", "2", "--rollout-length", "16",
-                            *e2e.flags()],
     }
     for name, args in attempts.items():
         process = e2e.start(name, args)
@@ -347,29 +348,94 @@ def test_resume_with_another_env_is_refused_and_changes_nothing(e2e: E2EProcesse
         assert "CartPole-v1" in line and "Acrobot-v1" in line, line
         assert "--run-name" in line and "OAKEMU_RUN_NAME" in line and "nothing in the run folder was changed" in line
         assert folder_checksums(run_dir) == before, f"{name} changed the run folder"
+    # A new run given the stopped run's name is refused too: it would silently continue that run.
+    same_name = e2e.start("train-same-name", ["train", "--env", "Acrobot-v1", "--run-name", RUN_NAME, "--num-actors",
+                                              "1", "--envs-per-actor", "2", "--rollout-length", "16", *e2e.flags()])
+    assert same_name.wait(timeout_s=120) == 2, same_name.describe()
+    [line] = [line for line in same_name.stderr().splitlines() if "error" in line]
+    assert f"{run_dir} exists and holds an earlier run" in line and f"--resume {run_dir}" in line, line
+    assert folder_checksums(run_dir) == before
     e2e.assert_clean(timeout_s=10)
 
 
 # ------------------------------------------------------------------------ two runs, one machine
+FROZEN_CLOCK_HOOK = """
+import time
+_strftime = time.strftime
+time.strftime = lambda fmt, *args: "20240102-030405" if fmt == "%Y%m%d-%H%M%S" else _strftime(fmt, *args)
+"""
+"""A site hook that names every run of a process in the same second."""
+
+
 def test_two_oakemu_train_runs_share_a_machine_and_the_monitor_finds_each_by_its_folder(
         e2e: E2EProcesses) -> None:
-    """No port flags: each launcher picks free ports (Prometheus included), records them in its
-    config.toml, and `oakemu monitor RUN_DIR` reads them there; both runs finish."""
+    """Two runs of one env and seed started in the same second: each launcher makes a folder of its
+    own (``-2`` for the second), picks free ports (Prometheus included) and records them in its
+    config.toml, and `oakemu monitor RUN_DIR` reads them there; both runs finish, each learner.log holds
+    one learner."""
     args = ["--env", "CartPole-v1", "--num-actors", "1", "--envs-per-actor", "4", "--rollout-length", "32",
             "--ppo-epochs", "1", "--num-minibatches", "2", "--total-env-steps", "2048", "--eval-every-updates", "0",
             "--runs-dir", str(e2e.runs_dir)]
-    runs = {name: e2e.start(name, ["train", *args, "--run-name", name]) for name in ("first", "second")}
+    frozen = {"PYTHONPATH": python_path_with_site_hook(e2e.tmp_path, FROZEN_CLOCK_HOOK)}
+    runs = {name: e2e.start(name, ["train", *args], env=frozen) for name in ("first", "second")}
     explain = describe_all(*runs.values())
-    config_files = [e2e.runs_dir / name / "config.toml" for name in runs]
+    name = "CartPole-v1__1__20240102-030405"
+    run_dirs = [e2e.runs_dir / name, e2e.runs_dir / f"{name}-2"]
+    config_files = [run_dir / "config.toml" for run_dir in run_dirs]
     wait_for(lambda: all(path.is_file() for path in config_files), 60, "both config.toml", on_timeout=explain)
-    monitor = e2e.start("monitor", ["monitor", str(e2e.runs_dir / "first"), "--once", "--json", "--timeout", "60"])
+    monitor = e2e.start("monitor", ["monitor", str(run_dirs[1]), "--once", "--json", "--timeout", "60"])
     assert monitor.wait(timeout_s=90) == 0, monitor.describe()
-    assert json.loads(monitor.stdout().splitlines()[0])["run_name"] == "first"
-    for name, process in runs.items():
+    assert json.loads(monitor.stdout().splitlines()[0])["run_name"] == f"{name}-2"
+    for process in runs.values():
         assert process.wait(timeout_s=180) == 0, process.describe()
         assert "done: run folder" in process.stderr(), process.describe()
-    ports = [{key: value for key, value in tomllib.loads(path.read_text()).items() if key.endswith("_port")}
-             for path in config_files]
+    assert sorted(p.name for p in e2e.runs_dir.iterdir()) == [name, f"{name}-2"]
+    settings = [tomllib.loads(path.read_text()) for path in config_files]
+    assert [s["run_name"] for s in settings] == [name, f"{name}-2"]
+    ports = [{key: value for key, value in s.items() if key.endswith("_port")} for s in settings]
     assert len(set(ports[0].values()) | set(ports[1].values())) == 10, ports  # ten distinct ports
     assert 5555 not in ports[0].values() and ports[0]["metrics_port"] != 9100
+    for run_dir in run_dirs:
+        log = (run_dir / "logs" / "learner.log").read_text()
+        assert log.count("learner torch threads") == 1 and "Traceback" not in log, log[-2000:]
+        assert not (run_dir / "run.lock").exists()  # given up at the end
     e2e.assert_clean(timeout_s=10)
+
+
+# ------------------------------------------------------------------------ a live run's folder
+def test_a_live_run_holds_its_folder_until_it_is_gone_then_resumes_past_a_damaged_checkpoint(
+        e2e: E2EProcesses) -> None:
+    """While `oakemu train --run-name exp1` runs, a second run of that name and a --resume of it are
+    refused at once naming its launcher's pid. kill -9 of the launcher: its learner writes a final
+    checkpoint and exits, the folder is free. A damaged newest checkpoint does not block the resume:
+    it resumes from the one before, with a warning, and trains to the end."""
+    run_dir = e2e.runs_dir / "exp1"
+    small = ["--num-actors", "1", "--envs-per-actor", "2", "--rollout-length", "16", "--ppo-epochs", "1",
+             "--num-minibatches", "2", "--eval-every-updates", "0", "--checkpoint-every-updates", "1"]
+    telemetry = e2e.telemetry()
+    first = e2e.start("first", ["train", "--env", "CartPole-v1", *small, "--total-env-steps", "100000000",
+                                "--run-name", "exp1", *e2e.flags()])
+    telemetry.wait(lambda s: s.iterations >= 3, 120, "3 updates", describe_all(first))
+    assert holder_pid(run_dir) == first.pid
+    for name, args in {"same-name": ["train", "--env", "CartPole-v1", "--run-name", "exp1", "--runs-dir",
+                                     str(e2e.runs_dir)],
+                       "resume": ["train", "--resume", str(run_dir)]}.items():
+        refused = e2e.start(name, args)
+        assert refused.wait(timeout_s=60) == 2, refused.describe()
+        [line] = [line for line in refused.stderr().splitlines() if line.strip()]
+        assert f"{run_dir} is in use by a live run (pid {first.pid})" in line, line
+    first.popen.kill()  # kill -9 of the launcher
+    first.wait(timeout_s=10)
+    wait_for(lambda: holder_pid(run_dir) is None, 90, "the run folder given up by the stopped learner",
+             on_timeout=describe_all(first))
+    checkpoints = sorted((run_dir / "checkpoints").glob("checkpoint_*.pt"))
+    newest, previous = checkpoints[-1], checkpoints[-2]
+    newest.write_bytes(newest.read_bytes()[:1000])  # damaged outside oakemu (a bad copy)
+    budget = int(load_checkpoint(previous)["ppo"]["trained_env_steps"]) + 64  # two more updates
+    resumed = e2e.start("resumed", ["train", "--resume", str(run_dir), "--total-env-steps", str(budget),
+                                    *e2e.ports.flags()])
+    e2e.finish(resumed, timeout_s=180, run_dir=run_dir)
+    err = resumed.stderr()
+    assert f"warning: checkpoint {newest} is not readable" in err and f"resuming from {previous.name}" in err, err
+    assert "(resumed)" in err and (newest.parent / (newest.name + ".unreadable")).is_file()
+    assert holder_pid(run_dir) is None

@@ -49,9 +49,11 @@ __all__ = [
     "latest_checkpoint",
     "load_checkpoint",
     "load_run_checkpoint",
+    "newest_readable_checkpoint",
     "restore_rng_state",
     "save_checkpoint",
     "save_run_checkpoint",
+    "set_aside_unreadable",
 ]
 
 CHECKPOINT_DIR_NAME = "checkpoints"
@@ -268,6 +270,72 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
         return latest.resolve() if latest.is_symlink() else latest
     numbered = _numbered_checkpoints(directory)
     return numbered[-1][1] if numbered else None
+
+
+UNREADABLE_SUFFIX = ".unreadable"
+"""Appended to the name of a checkpoint file that a resume found unreadable and set aside."""
+
+
+def newest_readable_checkpoint(run_dir: Path, map_location: str | torch.device = "cpu",
+                               ) -> tuple[Path, dict[str, Any], list[tuple[Path, str]]] | None:
+    """The checkpoint a run folder resumes from: the newest one that loads, newest first ``latest.pt``
+    (its target), then ``checkpoint_<n>.pt`` by falling ``n``. Reads only.
+
+    Returns:
+        ``(file, state, unreadable)``: the file, its loaded state and ``(file, reason)`` for each newer
+        candidate that did not load (truncated, damaged); None when the folder has no checkpoint.
+
+    Raises:
+        CheckpointError: there are checkpoints and none loads; one line naming each file and why.
+    """
+    directory = Path(run_dir) / CHECKPOINT_DIR_NAME
+    candidates: list[Path] = []
+    latest = directory / LATEST_NAME
+    if latest.is_file():
+        candidates.append(latest.resolve() if latest.is_symlink() else latest)
+    candidates += [path for _, path in reversed(_numbered_checkpoints(directory)) if path not in candidates]
+    unreadable: list[tuple[Path, str]] = []
+    for path in candidates:
+        try:
+            return path, load_checkpoint(path, map_location=map_location), unreadable
+        except CheckpointError as error:
+            cause = error.__cause__
+            unreadable.append((path, _torch_reason(cause) if isinstance(cause, Exception) else str(error)))
+    if unreadable:
+        listed = "; ".join(f"{path.name}: {reason}" for path, reason in unreadable)
+        raise CheckpointError(f"cannot resume {run_dir}: no checkpoint in {directory} is readable (truncated or "
+                              f"damaged; torch: {listed}); nothing in the run folder was changed")
+    return None
+
+
+def set_aside_unreadable(resumed: Path, unreadable: list[tuple[Path, str]]) -> list[str]:
+    """Rename each unreadable checkpoint to ``<name>.unreadable`` (kept for inspection; a resumed run
+    writes its numbers again) and point ``latest.pt`` at ``resumed``, the file the run resumes from.
+
+    Args:
+        resumed: the checkpoint the run resumes from (:func:`newest_readable_checkpoint`).
+        unreadable: ``(file, reason)`` of the newer files that did not load.
+
+    Returns:
+        One line per file set aside: which, why, what the run resumes from instead.
+
+    Raises:
+        OSError: a rename or the new ``latest.pt`` link failed.
+    """
+    notes = []
+    for path, reason in unreadable:
+        kept = path.with_name(path.name + UNREADABLE_SUFFIX)
+        os.replace(path, kept)
+        notes.append(f"checkpoint {path} is not readable (truncated or damaged; torch: {reason}); resuming from "
+                     f"{resumed.name} instead (the file is kept as {kept.name})")
+    if unreadable and _CHECKPOINT_RE.match(resumed.name):
+        directory = resumed.parent
+        tmp_link = directory / f".{LATEST_NAME}.{os.getpid()}.tmp"
+        tmp_link.unlink(missing_ok=True)
+        os.symlink(resumed.name, tmp_link)
+        os.replace(tmp_link, directory / LATEST_NAME)
+        _fsync_directory(directory)
+    return notes
 
 
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:

@@ -20,26 +20,31 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
+import re
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
 from oakemu_core.errors import DiskFullError, RunFolderError, UserError
+from oakemu_core.run.run_lock import LOCK_FILE_NAME, RunFolderBusyError, RunFolderLock, live_holder
 
 __all__ = [
     "IMMUTABLE_FIELDS",
     "LOG_FILE_NAMES",
     "PORT_FIELDS",
     "ResumeMismatchError",
+    "check_config_complete",
     "check_resume_compatible",
     "check_resume_folder",
     "resumed_settings",
     "config_changes",
     "describe_spaces",
     "format_changes",
+    "make_new_run_folder",
     "make_run_folder",
     "read_json_lines",
     "resume_step",
@@ -59,6 +64,8 @@ PORT_FIELDS = ("data_port", "control_port", "weights_port", "telemetry_port", "m
 
 IGNORED_FIELDS = frozenset({"config_file", "runs_dir", "run_name", *PORT_FIELDS})
 """Settings not compared on resume (where the run lives and listens, not how it trains)."""
+
+log = logging.getLogger("oakemu.run_folder")
 
 NEW_RUN_HINT = "to start a new run instead, give it another name (--run-name NAME or OAKEMU_RUN_NAME=NAME)"
 
@@ -313,20 +320,26 @@ def truncate_run_logs(run_dir: Path, global_step: int, *, update: int | None = N
 
 
 # ------------------------------------------------------------------------------ whole folder
-def check_resume_folder(run_dir: Path, config: Any, *, check_model: bool = True,
-                        check_budget: bool = False) -> dict[str, tuple[Any, Any]]:
-    """Everything a process checks before it writes into a run folder it may resume (reads only).
+def check_resume_folder(run_dir: Path, config: Any, *, check_model: bool = True, check_budget: bool = False,
+                        notes: list[str] | None = None) -> dict[str, tuple[Any, Any]]:
+    """Everything a process checks before it writes into a run folder it may resume; call it holding
+    the folder (:class:`~oakemu_core.run.run_lock.RunFolderLock`).
 
-    When ``run_dir`` has a checkpoint: compares its ``config.toml`` with ``config``
-    (:func:`config_changes`) and the checkpoint with the env, spaces and model ``config`` asks for
-    (:func:`check_resume_compatible`; the model is built on the CPU when ``check_model``). A folder
-    without a checkpoint is a new run: nothing is compared.
+    When ``run_dir`` has a checkpoint: checks that its ``config.toml`` names every setting
+    (:func:`check_config_complete`) and compares it with ``config`` (:func:`config_changes`), then
+    compares the checkpoint the run resumes from (the newest readable one,
+    :func:`~oakemu_core.run.checkpoint.newest_readable_checkpoint`) with the env, spaces and model
+    ``config`` asks for (:func:`check_resume_compatible`; the model is built on the CPU when
+    ``check_model``). Only once every check passed are newer checkpoints that do not load set aside
+    (:func:`~oakemu_core.run.checkpoint.set_aside_unreadable`): the run resumes from the older one. A
+    folder without a checkpoint is a new run: nothing is compared.
 
     Args:
         run_dir: the run folder.
         config: the requested :class:`~oakemu_core.config.OakEmuConfig`.
         check_model: also build the model and compare parameter names and shapes.
         check_budget: also refuse a run whose checkpoint already trained ``config.total_env_steps``.
+        notes: receives one line per unreadable checkpoint set aside; None logs them as warnings.
 
     Returns:
         ``{field: (old, new)}`` of the settings that will change (for a warning); {} for a new run.
@@ -334,8 +347,9 @@ def check_resume_folder(run_dir: Path, config: Any, *, check_model: bool = True,
     Raises:
         ResumeMismatchError: a setting that cannot change differs, or the checkpoint was made for
             another env, other spaces or another model.
-        oakemu_core.run.checkpoint.CheckpointError: the checkpoint cannot be read.
-        RunFolderError: with ``check_budget``, the run has nothing left to train.
+        oakemu_core.run.checkpoint.CheckpointError: no checkpoint of the folder loads.
+        RunFolderError: ``config.toml`` lacks settings; with ``check_budget``, the run has nothing left
+            to train. Nothing in the folder was changed in these cases.
     """
     import tomllib
 
@@ -343,20 +357,22 @@ def check_resume_folder(run_dir: Path, config: Any, *, check_model: bool = True,
     # which would hold up ``oakemu train`` before it starts any child process.
     if not any((Path(run_dir) / "checkpoints").glob("*.pt")):
         return {}
-    from oakemu_core.run.checkpoint import latest_checkpoint, load_checkpoint
+    from oakemu_core.run.checkpoint import newest_readable_checkpoint, set_aside_unreadable
 
-    checkpoint = latest_checkpoint(Path(run_dir))
-    if checkpoint is None:
-        return {}
     changes: dict[str, tuple[Any, Any]] = {}
     config_toml = Path(run_dir) / "config.toml"
     if config_toml.is_file():
         try:
             old = tomllib.loads(config_toml.read_text(encoding="utf-8"))
-        except (OSError, tomllib.TOMLDecodeError):
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
             old = None  # an unreadable config.toml is rewritten by the learner; the checkpoint still decides
         if old is not None:
+            check_config_complete(run_dir, [name for name in type(config).model_fields if name != "config_file"])
             changes = config_changes(old, config.model_dump(mode="json"))
+    found = newest_readable_checkpoint(Path(run_dir))
+    if found is None:
+        return changes
+    checkpoint, state, unreadable = found
     from oakemu_core.envs.factory import env_spec
     from oakemu_core.policy.schemas import schema_for_env
 
@@ -368,10 +384,14 @@ def check_resume_folder(run_dir: Path, config: Any, *, check_model: bool = True,
 
         model = build_model(spec.observation_layout, schema.distribution,
                             normalize_observations=config.normalize_observations)
-    state = load_checkpoint(checkpoint, map_location="cpu")
     check_resume_compatible(state, env_id=config.env_id, schema=schema, model=model, checkpoint_path=checkpoint)
     if check_budget:
         _check_budget_left(state, config.total_env_steps, run_dir)
+    for note in set_aside_unreadable(checkpoint, unreadable):
+        if notes is not None:
+            notes.append(note)
+        else:
+            log.warning("%s", note)
     return changes
 
 
@@ -386,6 +406,40 @@ def _check_budget_left(state: Mapping[str, Any], total_env_steps: int, run_dir: 
             f"{run_dir}: the run already reached its budget ({trained} env steps trained by update "
             f"{update}, total_env_steps={total_env_steps}); to train it longer, raise --total-env-steps"
         )
+
+
+_UNSET_LINE = re.compile(r"^#\s*([A-Za-z_]\w*) = \(unset\)\s*$", re.MULTILINE)
+"""How ``config.toml`` names a setting whose value is None (``to_toml`` writes it as a comment)."""
+
+
+def check_config_complete(run_dir: Path, field_names: Collection[str]) -> None:
+    """Refuse a run folder whose ``config.toml`` does not name every setting: a file cut short (a
+    copy, a crash outside ``oakemu``) is still valid TOML, and the settings it lost would silently take
+    their defaults. ``config.toml`` names each setting as ``name = value`` or, unset, ``# name = (unset)``.
+    A missing or unparsable file passes (the callers deal with those).
+
+    Args:
+        run_dir: the run folder.
+        field_names: every setting a complete file names (``OakEmuConfig.model_fields`` without ``config_file``).
+
+    Raises:
+        RunFolderError: one line naming the file and the settings it lacks.
+    """
+    import tomllib
+
+    path = Path(run_dir) / "config.toml"
+    try:
+        text = path.read_text(encoding="utf-8")
+        settings = tomllib.loads(text)
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return
+    named = set(settings) | set(_UNSET_LINE.findall(text))
+    missing = [name for name in field_names if name not in named]
+    if missing:
+        listed = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise RunFolderError(f"{path} is incomplete: it lacks {len(missing)} of {len(field_names)} settings "
+                             f"({listed}); it was cut short, so the run's settings are unknown. Nothing was "
+                             f"changed; restore the file, or {NEW_RUN_HINT}")
 
 
 def resumed_settings(run_dir: Path) -> dict[str, Any]:
@@ -419,13 +473,99 @@ def make_run_folder(run_dir: Path) -> Path:
 
     Raises:
         DiskFullError: no space (or quota) left; the message names the folder and the bytes free.
+        RunFolderError: the place is read-only, not a folder or not writable (one line naming it).
     """
     run_dir = Path(run_dir)
-    try:
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise _disk_full(error, run_dir / "logs", 4096) from None  # a directory takes at least a block
+    _make_folder(run_dir / "logs", run_dir.parent, parents=True)
     return run_dir
+
+
+NEW_NAME_TRIES = 1000
+"""How many numbered names (``name-2`` ... ``name-1000``) :func:`make_new_run_folder` tries."""
+
+
+def make_new_run_folder(runs_dir: Path, name: str, *, numbered: bool, hint: str = "") -> RunFolderLock:
+    """Make a new run folder ``runs_dir/name`` and hold it (:class:`RunFolderLock`): a new run never
+    writes into a folder that exists.
+
+    Each candidate is made with ``mkdir`` without ``exist_ok``, so two processes never take the same
+    one. With ``numbered``, the first free of ``name``, ``name-2``, ``name-3``, ... is taken (two runs
+    named in the same second); without it, ``name`` is taken only when it does not exist or is an empty
+    folder. ``runs_dir`` (and its parents) is made when missing.
+
+    Args:
+        runs_dir: the folder holding run folders.
+        name: the run's name.
+        numbered: take a numbered name when ``name`` exists, instead of refusing.
+        hint: (not numbered) what to do instead, appended to the refusal of an existing folder.
+
+    Returns:
+        The lock; its ``run_dir`` is the folder made.
+
+    Raises:
+        RunFolderBusyError: (not numbered) a live run holds ``name`` (the message names its pid).
+        RunFolderError: (not numbered) ``name`` holds another run; or ``runs_dir`` is read-only, not a
+            folder or not writable (one line naming it).
+        DiskFullError: no space (or quota) left.
+    """
+    runs_dir = Path(runs_dir)
+    _make_folder(runs_dir, runs_dir, parents=True)
+    candidates = [name, *(f"{name}-{n}" for n in range(2, NEW_NAME_TRIES + 1))] if numbered else [name]
+    for candidate in candidates:
+        run_dir = runs_dir / candidate
+        if _make_folder(run_dir, runs_dir):
+            try:
+                return RunFolderLock.acquire(run_dir)
+            except BaseException:
+                run_dir.rmdir()  # made here, still empty
+                raise
+        if not numbered:
+            return _take_empty_folder(run_dir, hint)
+    raise RunFolderError(f"--runs-dir {runs_dir}: {name} and {name}-2 ... {name}-{NEW_NAME_TRIES} are all taken; "
+                         "choose another --run-name")
+
+
+def _make_folder(folder: Path, runs_dir: Path, *, parents: bool = False) -> bool:
+    """``mkdir folder``: True when made, False when something of that name exists (with ``parents``,
+    an existing folder is fine: True).
+
+    Raises:
+        RunFolderError: ``runs_dir`` is read-only, not a folder or not writable.
+        DiskFullError: no space left.
+    """
+    try:
+        folder.mkdir(parents=parents, exist_ok=parents)
+    except FileExistsError:
+        if parents:  # exist_ok: it exists and is no folder
+            raise RunFolderError(f"--runs-dir {runs_dir}: expected a folder for run folders, received a file"
+                                 f"{'' if folder == runs_dir else f' at {folder}'}") from None
+        return False
+    except OSError as error:
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _disk_full(error, folder, 4096) from None
+        raise RunFolderError(f"--runs-dir {runs_dir}: cannot make {folder} ({error.strerror or error}); "
+                             "choose a folder this user can write with --runs-dir") from None
+    return True
+
+
+def _take_empty_folder(run_dir: Path, hint: str) -> RunFolderLock:
+    """Hold the existing ``run_dir`` for a new run when it is an empty folder; refuse it otherwise."""
+    then = f"; {hint}" if hint else ""
+    if not run_dir.is_dir():
+        raise RunFolderError(f"{run_dir} exists and is not a folder; nothing was changed{then}")
+    holder = live_holder(run_dir)
+    if holder is not None:
+        raise RunFolderBusyError(f"{run_dir} is in use by a live run ({holder}); nothing was changed{then}")
+    if not _holds_files(run_dir):
+        lock = RunFolderLock.acquire(run_dir, hint=hint)
+        if not _holds_files(run_dir):
+            return lock
+        lock.release()
+    raise RunFolderError(f"{run_dir} exists and holds an earlier run; nothing was changed{then}")
+
+
+def _holds_files(run_dir: Path) -> bool:
+    return any(entry.name != LOCK_FILE_NAME for entry in run_dir.iterdir())
 
 
 def write_text_atomic(path: Path, text: str) -> None:
