@@ -1,4 +1,5 @@
-"""Process plumbing shared by the services: logging, run folders, stop signals, parent-death signal."""
+"""Process plumbing shared by the services: logging, run folders (named and held), the learner's ports
+(checked and claimed), stop signals, parent-death signal."""
 
 from __future__ import annotations
 

@@ -2,9 +2,10 @@
 
 Four phases, one function each:
 
-1. :func:`plan_run` checks everything that can refuse the run (env id, actor inference, device, a
-   resumed folder and the budget it has left, ports) before any process or run folder exists, then
-   makes the run folder and writes the resolved ``config.toml`` into it (atomically);
+1. :func:`plan_run` checks everything that can refuse the run (ports first, claimed for the run; env
+   id, actor inference, device; a resumed folder, live or not, and the budget it has left) before any
+   process exists, then makes a run folder of its own (held by this process for the run, never one
+   that holds another run) and writes the resolved ``config.toml`` into it (atomically);
 2. :class:`Launch` starts ``oakemu learner`` and ``oakemu actor`` children that read that file
    (``OAKEMU_CONFIG_FILE``), shows live progress from the learner's telemetry and restarts an actor
    that crashes (at most ``actor_restarts`` times);
@@ -336,8 +337,8 @@ def _claim_run_folder(config: OakEmuConfig, resume: Path | None, undo: contextli
     name = default_run_name(config) if numbered else str(config.run_name)
     existed = not numbered and (runs_dir / name).exists()
     lock = make_new_run_folder(runs_dir, name, numbered=numbered,
-                               hint=f"to continue that run: oakemu train --resume {runs_dir / name}; for a new "
-                               "run, choose another --run-name")
+                               hint=f"to continue that run once stopped: oakemu train --resume {runs_dir / name}; "
+                               "for a new run, choose another --run-name")
     if not existed:  # runs last: after the lock file went, the folder and logs/ made here, if still empty
         undo.callback(_remove_empty, lock.run_dir)
     undo.callback(lock.release)
