@@ -353,8 +353,9 @@ class TelemetrySnapshot(pydantic.BaseModel):
         policy_lag_min / _mean / _max: policy lag (versions) of the rows of the last rollout.
         messages_received: ZeroMQ messages the learner read, by socket (``data``, ``control``).
         messages_accepted: messages it served, by kind (``step``, ``join``, ``heartbeat``, ``leave``,
-            ``join_refused`` (learner stopping), ``unknown_actor_control`` (heartbeat/leave of an
-            incarnation it does not know: answered "rejoin")). Every message read is accepted, rejected
+            ``weights_request`` (weights asked for on the control socket), ``join_refused`` (learner
+            stopping), ``unknown_actor_control`` (heartbeat/leave/weights request of an incarnation it
+            does not know: answered "rejoin")). Every message read is accepted, rejected
             (:attr:`rejected_messages`, except ``unauthorized_key``, which counts refused connections) or
             a late step (``dropped["late_step_messages"]``).
         checkpoint_failures: checkpoint writes that failed (full disk, ...) since the learner started.

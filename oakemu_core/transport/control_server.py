@@ -261,10 +261,10 @@ class ControlServer:
         """The current weights for a joined incarnation (encoded once per version), else ``rejoin`` (or
         ``stop`` while stopping)."""
         record = self.assembler.actors.get(message.actor_id)
-        if stopping or record is None or record.incarnation != message.incarnation:
-            self.counters.accepted["join_refused" if stopping else "unknown_actor_control"] += 1
+        known = record is not None and record.incarnation == message.incarnation
+        self.counters.accepted["weights_request" if known else "unknown_actor_control"] += 1
+        if stopping or not known:
             return encode_heartbeat_reply(HeartbeatReply("stop" if stopping else "rejoin", self.policy_version))
-        self.counters.accepted["weights_request"] += 1
         self.notices.event("weights_request", f"actor {message.actor_id} asked for the weights of version "
                            f"{self.policy_version} on the control socket (its weights channel missed them)",
                            level=logging.INFO)
