@@ -60,6 +60,7 @@ from oakemu_core.run.run_folder import (
 from oakemu_core.run.run_lock import RunFolderLock
 from oakemu_core.run.telemetry import TelemetrySubscriber
 from oakemu_core.run.tracking import check_tracker_available
+from oakemu_core.shared_memory import SEGMENT_PREFIX, parse_segment_owner
 from oakemu_services.runtime import (
     PARENT_PID_ENV,
     SETUP_ERROR_EXIT_STATUS,
@@ -89,6 +90,8 @@ _CLI_ERROR = re.compile(r"^oakemu \w+: error: (.+)$")
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Failed|Interrupt)\b.*")
 """The last line of a Python traceback: ``module.ErrorName: message``."""
 _TRACEBACK_START = "Traceback (most recent call last):"
+_FINAL_CHECKPOINT_FAILED = "final checkpoint not written: "
+"""How the learner's error about its final checkpoint starts (``CheckpointPolicy.final`` in ``algo/health.py``)."""
 _OWN_CODE = tuple(str(Path(package.__file__).parent) + os.sep for package in (oakemu_core, oakemu_services))
 """Where oakemu's own source files are: their frames are left out of a crash shown on the console."""
 
@@ -102,14 +105,15 @@ def exit_description(status: int) -> str:
         name = signal.Signals(-status).name
     except ValueError:
         name = f"signal {-status}"
-    hint = " (the kernel's out-of-memory killer sends it: see dmesg)" if -status == signal.SIGKILL else ""
-    return f"was killed by {name}{hint}"
+    return f"was killed by {name}"
 
 
 class ChildOutput:
     """A child's output (stdout and stderr, one pipe), copied line by line to its log file by a thread
     of its own, the newest :data:`OUTPUT_LINES_KEPT` lines kept in memory: the launcher reads the
-    child's last error from them, also when the log file cannot be written (a full disk)."""
+    child's last error from them, also when the log file cannot be written (a full disk). A launcher
+    killed with SIGKILL takes the pipe with it: its children still stop cleanly (parent-death signal,
+    final checkpoint) but their last lines do not reach the log."""
 
     def __init__(self, pipe: IO[bytes], log_path: Path) -> None:
         self.log_path = log_path
@@ -178,6 +182,18 @@ class Child:
     def poll(self) -> int | None:
         return None if self.process is None else self.process.poll()
 
+    def remove_leftover_segments(self, shm_dir: Path = Path("/dev/shm")) -> list[str]:
+        """Unlink the shared-memory segments (``oakemu_<pid>_*``) of the newest start when a signal
+        killed it (it had no chance to); returns their names."""
+        if self.process is None or (self.process.poll() or 0) >= 0 or not shm_dir.is_dir():
+            return []
+        removed = []
+        for path in shm_dir.glob(f"{SEGMENT_PREFIX}{self.process.pid}_*"):
+            if parse_segment_owner(path.name) == self.process.pid:
+                path.unlink(missing_ok=True)
+                removed.append(path.name)
+        return sorted(removed)
+
     def signal(self, signum: int) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signum)
@@ -208,18 +224,39 @@ class Child:
         """The newest error in its output: the last traceback's final line or ERROR record, else None."""
         return last_error(self.log_tail(OUTPUT_LINES_KEPT))
 
+    def stop_reason(self) -> str | None:
+        """Why it stopped, from its output (:func:`stop_reason`)."""
+        return stop_reason(self.log_tail(OUTPUT_LINES_KEPT))
 
-def last_error(text: str) -> str | None:
-    """The newest error of a log text: the last ERROR/CRITICAL record's message or traceback's final
-    line (``module.NameError: message``), whichever comes last; None when there is none."""
-    for line in reversed(text.splitlines()):
+
+def errors_in(text: str) -> list[str]:
+    """The errors of a log text, oldest first: each ERROR/CRITICAL record's message and each
+    traceback's final line (``module.NameError: message``)."""
+    errors = []
+    for line in text.splitlines():
         line = line.strip()
         record = _ERROR_RECORD.match(line) or _CLI_ERROR.match(line)
         if record:
-            return record.group(1)
-        if _EXCEPTION_LINE.match(line):
-            return line
-    return None
+            errors.append(record.group(1))
+        elif _EXCEPTION_LINE.match(line):
+            errors.append(line)
+    return errors
+
+
+def last_error(text: str) -> str | None:
+    """The newest error of a log text (:func:`errors_in`); None when there is none."""
+    errors = errors_in(text)
+    return errors[-1] if errors else None
+
+
+def stop_reason(text: str) -> str | None:
+    """Why the learner whose log text is ``text`` stopped: its newest error, or, when that is the
+    failure of its final checkpoint (which follows the error that stopped it), the error before it
+    with ``; the final checkpoint was not written either``; None when it logged no error."""
+    errors = errors_in(text)
+    if len(errors) >= 2 and errors[-1].startswith(_FINAL_CHECKPOINT_FAILED):
+        return f"{errors[-2]}; the final checkpoint was not written either"
+    return errors[-1] if errors else None
 
 
 @dataclass
@@ -510,7 +547,8 @@ class Launch:
 
     def stop(self) -> None:
         """Stop the learner first (it finishes its update and writes the final checkpoint), then the
-        actors; then wait (briefly) for the rest of their output."""
+        actors; then remove the shared memory of a child a signal killed and wait (briefly) for the rest
+        of their output."""
         self.learner.signal(signal.SIGTERM)
         status = self.learner.wait(STOP_GRACE_S)
         self.learner_status = status if self.learner_status is None else self.learner_status
@@ -519,6 +557,7 @@ class Launch:
         for actor in self.actors:
             actor.wait(10.0)
         for child in (self.learner, *self.actors):
+            child.remove_leftover_segments()
             if child.output is not None:
                 child.output.drain()
 
@@ -548,12 +587,14 @@ def report(launch: Launch, ended_by: str, stop: StopRequest, console: Console) -
     status = launch.learner_status or 0
     if status != 0:
         learner = launch.learner
+        note = learner.log_note()
         if status < 0:  # a signal the launcher did not send (the launcher's own stop ends as "signal")
             reason = f"the learner {exit_description(status)}"
+            if status == -signal.SIGKILL:
+                note = f"out of memory? the kernel's OOM killer sends SIGKILL: see dmesg; {note}"
         else:
-            reason = (f"the learner {exit_description(status)}: "
-                      f"{learner.error_line() or 'its output holds no error'}")
-        print_line(errors, f"error: {reason}{actor_error} ({learner.log_note()})", "red")
+            reason = f"the learner {exit_description(status)}: {learner.stop_reason() or 'its output holds no error'}"
+        print_line(errors, f"error: {reason}{actor_error} ({note})", "red")
         return 1 if status < 0 else status
     if final is None:
         print_line(errors, f"error: the run made no PPO update{actor_error} (logs: {run_dir / 'logs'})", "red")

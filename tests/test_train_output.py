@@ -18,7 +18,14 @@ from rich.console import Console
 from oakemu_core.run.callbacks import Callback, CallbackRunner, EvaluationInfo, RecordFollower, UpdateInfo
 from oakemu_core.run.telemetry import TelemetrySnapshot
 from oakemu_services.runtime import StopRequest
-from oakemu_services.train import ChildOutput, _restart_crashed, crash_traceback, exit_description, report
+from oakemu_services.train import (
+    ChildOutput,
+    _restart_crashed,
+    crash_traceback,
+    exit_description,
+    report,
+    stop_reason,
+)
 from oakemu_services.train_view import BarView, PlainView, QuietView, end_lines, metrics_records, progress_view
 from tests.fault_helpers import fill_disk
 
@@ -103,6 +110,11 @@ def test_the_end_names_the_final_and_best_evaluation_their_videos_and_the_next_c
     assert lines[1] == f"videos: best {run_dir}/videos/update_10.mp4"
     assert lines[-1].startswith(f"next: oakemu train --resume {run_dir}; oakemu evaluate {run_dir}/checkpoints/best.pt")
 
+    for name in ("best.mp4", "final.mp4"):  # the tester's copies of the best and the last evaluation's video
+        (run_dir / "videos" / name).write_bytes(b"")
+    lines = end_lines(run_dir, metrics_records(run_dir), resumable=False)
+    assert lines[1] == f"videos: best {run_dir}/videos/best.mp4, final {run_dir}/videos/final.mp4"
+
 
 def test_a_run_without_evaluations_ends_with_the_next_commands_only(tmp_path: Path) -> None:
     _write_metrics(tmp_path, {"global_step": 256, "charts/update": 1})
@@ -113,13 +125,13 @@ def test_a_run_without_evaluations_ends_with_the_next_commands_only(tmp_path: Pa
 def test_a_negative_status_is_named_as_the_signal_that_killed_the_process() -> None:
     assert exit_description(1) == "exited with status 1"
     assert exit_description(-15) == "was killed by SIGTERM"
-    assert exit_description(-9).startswith("was killed by SIGKILL (the kernel's out-of-memory killer")
+    assert exit_description(-9) == "was killed by SIGKILL"
 
 
 def _launch(tmp_path: Path, learner_status: int, output: str = "") -> SimpleNamespace:
     """What :func:`report` reads of a Launch whose learner exited with ``learner_status``."""
     console = text_console()
-    learner = SimpleNamespace(error_line=lambda: None, log_note=lambda: f"log: {tmp_path / 'learner.log'}")
+    learner = SimpleNamespace(stop_reason=lambda: None, log_note=lambda: f"log: {tmp_path / 'learner.log'}")
     return SimpleNamespace(plan=SimpleNamespace(run_dir=tmp_path), errors=console, last_update=-1,
                            first_actor_error=None, callbacks=None, learner_status=learner_status, learner=learner)
 
@@ -130,7 +142,25 @@ def test_a_learner_killed_by_sigkill_exits_1_naming_the_signal(tmp_path: Path) -
     status = report(launch, "learner", StopRequest(), launch.errors)  # type: ignore[arg-type]
     said = launch.errors.file.getvalue()
     assert status == 1, said
-    assert "error: the learner was killed by SIGKILL" in said and "see its log" not in said
+    assert "error: the learner was killed by SIGKILL (out of memory? the kernel's OOM killer" in said
+    assert "see its log" not in said
+
+
+def test_the_learner_stopped_by_failed_checkpoints_is_named_before_its_final_checkpoint() -> None:
+    logged = "\n".join([
+        "2026-01-01T00:00:00.000+0000 ERROR oakemu.checkpoint: checkpoint c3.pt not written: [Errno 28] No space "
+        "left on device; training goes on, retried at the next checkpoint (1 of 2 failures in a row allowed)",
+        "2026-01-01T00:00:01.000+0000 ERROR oakemu.learner: 2 checkpoint writes in a row failed (max_checkpoint_"
+        "failures = 2), stopping; last: checkpoint c4.pt not written: [Errno 28] No space left on device",
+        "2026-01-01T00:00:01.000+0000 ERROR oakemu.learner: final checkpoint not written: 3 checkpoint writes in a "
+        "row failed (max_checkpoint_failures = 2), stopping; last: checkpoint c4.pt not written",
+        "2026-01-01T00:00:01.000+0000 WARNING oakemu.learner: final checkpoint not written; the run resumes from c2.pt",
+    ])
+    assert stop_reason(logged) == ("2 checkpoint writes in a row failed (max_checkpoint_failures = 2), stopping; last: "
+                                   "checkpoint c4.pt not written: [Errno 28] No space left on device; the final "
+                                   "checkpoint was not written either")
+    assert stop_reason(logged.split("\n")[0]).endswith("1 of 2 failures in a row allowed)")
+    assert stop_reason("INFO only") is None
 
 
 # --------------------------------------------------------------------------- restarted actors
