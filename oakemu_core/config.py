@@ -40,6 +40,7 @@ from oakemu_core.envs.options import EnvSettings
 from oakemu_core.envs.spec import is_atari_env
 from oakemu_core.errors import ConfigError
 from oakemu_core.options import add_setting_arguments, given_settings, unknown_variables
+from oakemu_core.run.evaluation_settings import EvaluationSettings
 from oakemu_core.run.run_folder import PORT_FIELDS
 from oakemu_core.transport.batching import AUTO_MESSAGE_MIN_ROWS, auto_steps_per_message
 
@@ -116,11 +117,12 @@ class _BaseSettingsSource(PydanticBaseSettingsSource):
         return dict(self._data)
 
 
-class OakEmuConfig(PPOSettings, EnvSettings, BaseSettings):
+class OakEmuConfig(PPOSettings, EnvSettings, EvaluationSettings, BaseSettings):
     """All settings of a training run, an actor, a learner or a monitor (flat, one line each).
 
     The PPO hyperparameters (and the seed) are the fields of :class:`~oakemu_core.algo.settings.PPOSettings`,
-    declared there once and inherited here.
+    declared there once and inherited here; so are the environment's (:class:`~oakemu_core.envs.options.EnvSettings`)
+    and the periodic evaluation's (:class:`~oakemu_core.run.evaluation_settings.EvaluationSettings`).
     """
 
     model_config = SettingsConfigDict(
@@ -282,21 +284,6 @@ class OakEmuConfig(PPOSettings, EnvSettings, BaseSettings):
         "auto",
         description="Log records: rich (terminal view), plain or json (one record per line); "
         "auto = rich when stderr is a terminal, else plain.",
-    )
-
-    # --- periodic evaluation (oakemu_core/run/tester.py: a process of its own, envs that never feed the buffer) ---
-    eval_every_updates: int = Field(
-        10, ge=0, description="Evaluate the newest weights every N PPO updates and at the end (0: never)."
-    )
-    eval_episodes: int = Field(5, ge=1, description="Episodes per evaluation (raw, unclipped episodic return).")
-    eval_greedy: bool | Literal["auto"] = Field(
-        "auto",
-        description="Evaluate with the policy's mode (greedy) instead of sampling; auto: greedy except for Atari "
-        "ids, whose early greedy policies may never serve the ball (rl-zoo's choice).",
-    )
-    eval_video: bool = Field(
-        True, description="Record the first episode of every evaluation as run_dir/videos/update_<N>.mp4 and in "
-        "TensorBoard (full-colour frames; needs the video extra: pip install 'oakemu-rl[video]').",
     )
 
     # --- experiment tracking (oakemu_core/run/tracking.py; optional extras mlflow, wandb) ---

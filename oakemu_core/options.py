@@ -75,7 +75,8 @@ GROUPS: tuple[Group, ...] = (
         "checkpoint_every_updates": _TL, "checkpoint_every_seconds": _TL, "keep_checkpoints": _TL,
         "max_checkpoint_failures": _TL}),
     Group("evaluation", "Periodic evaluation of the newest weights, in a process of its own.", {
-        "eval_every_updates": _TL, "eval_episodes": _TL, "eval_greedy": _TL, "eval_video": _TL}),
+        "eval_every_updates": _TL, "eval_max_share": _TL, "eval_episodes": _TL, "eval_greedy": _TL, "eval_video": _TL,
+        "eval_video_every": _TL}),
     Group("rollback", "Going back to the last good checkpoint when a run collapses (on by default; each "
           "rollback multiplies the learning rate by rollback_lr_factor).", {
               "rollback": _TL, "rollback_max_approx_kl": _TL, "rollback_eval_fraction": _TL,
@@ -112,7 +113,7 @@ METAVARS = {
     "eval_greedy": "auto|true|false", "curve_secret_key": "FILE", "curve_server_key": "FILE",
     "curve_authorized_keys": "DIR", "metrics_host": "HOST", "track_uri": "URI", "track_project": "NAME",
     "reward_low": "REWARD|null", "reward_high": "REWARD|null", "step_ring_max_mib": "MIB",
-    "step_ring_max_mib_per_actor": "MIB", "max_actors": "N|null",
+    "step_ring_max_mib_per_actor": "MIB", "max_actors": "N|null", "eval_max_share": "SHARE",
 }
 """What a value is, where its type alone would not say it (ports are PORT, counts N, other numbers X)."""
 

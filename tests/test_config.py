@@ -269,3 +269,19 @@ def test_evaluation_is_greedy_except_for_atari_by_default() -> None:
     assert load_config(["--env", "CartPole-v1"]).resolved_eval_greedy is True
     assert load_config(["--env", "ALE/Breakout-v5", "--eval-greedy", "true"]).resolved_eval_greedy is True
     assert load_config(["--env", "CartPole-v1", "--eval-greedy", "false"]).resolved_eval_greedy is False
+
+
+def test_evaluation_defaults_keep_the_tester_cheap_and_record_best_and_final() -> None:
+    """Periodic evaluation paced to a tenth of the wall time; videos of the best, the final and every 10th
+    evaluation (tests/test_tester.py and test_tester_videos.py show what these settings do)."""
+    config = load_config([])
+    assert (config.eval_every_updates, config.eval_max_share, config.eval_video, config.eval_video_every) == (
+        10, 0.1, True, 10)
+    for name in ("eval_max_share", "eval_video_every"):
+        assert "(default" not in OakEmuConfig.model_fields[name].description  # --help adds the default
+    paced = load_config(["--eval-max-share", "0.25", "--eval-video-every", "0"])
+    assert (paced.eval_max_share, paced.eval_video_every) == (0.25, 0)
+    for args, field in ((["--eval-max-share", "0"], "eval_max_share"), (["--eval-max-share", "1.5"], "eval_max_share"),
+                        (["--eval-video-every", "-1"], "eval_video_every")):
+        with pytest.raises(ConfigError, match=field):
+            load_config(args)

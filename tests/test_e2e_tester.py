@@ -2,8 +2,8 @@
 
 The tester logs ``eval/episodic_return`` (mean, std, length) to ``metrics.jsonl``, keeps
 ``checkpoints/best.pt`` = the checkpoint of the best evaluation (replaying it with the tester's
-settings gives that evaluation's mean return), records a video of every evaluation, leaves no process behind, and slows training by a
-small measured amount: the same short run with and without evaluation, compared by the learner's
+settings gives that evaluation's mean return), records the best and the final evaluation as video,
+leaves no process behind, and slows training by a small measured amount: the same short run with and without evaluation, compared by the learner's
 ``charts/SPS`` of the last update (wall-clock env steps per second since the learner started).
 """
 
@@ -62,17 +62,24 @@ def test_training_evaluates_itself_keeps_best_and_is_not_slowed_much(e2e: E2EPro
     assert steps == sorted(steps), "metrics.jsonl went back in global_step"
     assert not any("eval/episodic_return" in r for r in read_jsonl(baseline_dir / "metrics.jsonl"))
 
-    # Every evaluation records its first episode (CartPole's 400 x 600 render) for the run folder and
-    # TensorBoard; the final weights' video is there.
-    videos = sorted((run_dir / "videos").glob("update_*.mp4"))
-    assert run_dir / "videos" / f"update_{int(final_version)}.mp4" in videos
-    assert not list((run_dir / "videos").glob("*.partial.mp4"))
-    frames = iio.imread(run_dir / "videos" / f"update_{int(final_version)}.mp4", plugin="FFMPEG", index=None)
-    assert frames.shape[1:] == (400, 600, 3) and len(frames) >= 2
+    # Videos (CartPole's 400 x 600 render) a user can watch: best.mp4 of the best evaluation, final.mp4
+    # of the final weights' one, update_<N>.mp4 of every 10th evaluation (the first included); each in
+    # TensorBoard when its evaluation recorded it. No unfinished file is left.
+    videos = run_dir / "videos"
+    names = sorted(path.name for path in videos.iterdir())
+    assert {"best.mp4", "final.mp4", "update_0.mp4"} <= set(names), names
+    assert all(name in ("best.mp4", "final.mp4") or name.startswith("update_") for name in names), names
+    assert not list(videos.glob("*.partial.mp4"))
+    for name in ("best.mp4", "final.mp4"):
+        frames = iio.imread(videos / name, plugin="FFMPEG", index=None)
+        assert frames.shape[1:] == (400, 600, 3) and len(frames) >= 2, name
+    final_length = evaluations[-1]["eval/episodic_length"]
+    if evaluations[-1]["eval/episodic_return_std"] == 0:  # all greedy episodes alike: the first's length is known
+        assert len(iio.imread(videos / "final.mp4", plugin="FFMPEG", index=None)) == final_length + 1
     assert not (baseline_dir / "videos").exists()
     events = EventAccumulator(str(run_dir), size_guidance={"images": 0, "scalars": 1})
     events.Reload()
-    assert len(events.Images("eval/video")) == len(videos)
+    assert 1 <= len(events.Images("eval/video")) <= len(evaluations)
 
     best_path = run_dir / "checkpoints" / "best.pt"
     assert best_path.is_file()

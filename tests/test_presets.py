@@ -8,10 +8,14 @@ import types
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from oakemu_core.config import OakEmuConfig, make_config
+from oakemu_core.envs import env_spec
 from oakemu_core.errors import ConfigError
+from oakemu_core.policy.schemas import schema_for_env
+from oakemu_core.run.evaluation import build_evaluation
 from oakemu_core.presets import load_preset, preset_names
 from oakemu_services import cli
 
@@ -36,6 +40,45 @@ def test_each_preset_loads_and_validates(name: str) -> None:
     for key, value in preset.settings.items():
         assert getattr(config, key) == value, key  # every setting is a field, taken as written
     assert config.batch_size % config.num_minibatches == 0  # whole minibatches
+
+
+class _FirstFrames:
+    """A frame sink (oakemu_core.envs.render.FrameSink) that keeps the first frames of an episode."""
+
+    def __init__(self) -> None:
+        self.frames: list[np.ndarray] = []
+        self.error: str | None = None
+
+    def begin(self, fps: float) -> bool:
+        return not self.frames and self.error is None
+
+    def add(self, frame: np.ndarray) -> None:
+        self.frames.append(frame)
+
+    def end(self) -> None:
+        pass
+
+    def fail(self, reason: str) -> None:
+        self.error = reason
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_each_preset_evaluates_and_records_videos_of_an_env_that_renders(name: str) -> None:
+    # A user who trains a preset can watch it: evaluations on, with videos (best.mp4, final.mp4), and the
+    # env renders full-colour frames with what the main install brings (box2d for LunarLander included).
+    config = make_config(base=load_preset(name).settings)
+    assert config.eval_every_updates > 0 and config.eval_video, name
+    sink = _FirstFrames()
+    model, env = build_evaluation(config.env_id, schema_for_env(env_spec(config.env_id)).to_dict(), seed=0,
+                                  max_episode_steps=3, env_options=config.env_options, frame_sink=sink)
+    try:
+        observations = env.reset()
+        env.step(model.act(observations, action_mask=env.action_masks(), greedy=True).actions)
+    finally:
+        env.close()
+    assert sink.error is None and sink.frames, name
+    frame = sink.frames[0]
+    assert frame.dtype == np.uint8 and frame.ndim == 3 and frame.shape[2] == 3 and frame.std() > 0, name
 
 
 def test_an_unknown_preset_names_the_closest_one() -> None:

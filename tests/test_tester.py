@@ -189,6 +189,35 @@ def test_kept_weights_are_evaluated_even_when_newer_ones_follow(testers) -> None
     assert reports[1].returns == tuple(in_process_returns(SLOW_CARTPOLE, weights[2], seed=5, episodes=2))
 
 
+def test_periodic_evaluations_are_paced_to_a_share_of_the_wall_time(testers) -> None:
+    # max_share 0.1: an evaluation that took s seconds holds the next plain one until 10 s after it
+    # started. Weights submitted meanwhile replace the waiting set; kept ones and drain() do not wait.
+    tester = testers(SLOW_CARTPOLE, episodes=3, seed=2, max_share=0.1)
+    weights = [random_weights(SLOW_CARTPOLE, seed) for seed in range(3)]
+    assert tester.submit(1, weights[0], 100)
+    wait_until(lambda: tester.completed == 1, READY_TIMEOUT_S, "evaluation 1")
+    [first] = tester.poll()
+    assert first.wall_seconds > 0.1  # SlowCartPole: 10 ms a step
+    assert tester.submit(2, weights[1], 200) and tester.submit(3, weights[2], 300)
+    time.sleep(min(2.0, 5 * first.wall_seconds))
+    assert (tester.evaluating, tester.pending, tester.superseded) == (None, 3, 1), "the next one waits its turn"
+    assert tester.submit(4, weights[0], 400, keep=True)  # kept weights start at once
+    wait_until(lambda: tester.completed == 2, READY_TIMEOUT_S, "the kept evaluation")
+    assert [r.policy_version for r in tester.poll()] == [4] and tester.superseded == 2
+    assert tester.submit(5, weights[1], 500)
+    started = time.monotonic()
+    reports = tester.drain(READY_TIMEOUT_S)  # the end of a run: no pacing
+    assert [r.policy_version for r in reports] == [5]
+    assert time.monotonic() - started < 5 * reports[0].wall_seconds
+
+
+def test_pacing_and_video_settings_are_checked() -> None:
+    schema = schema_of(CARTPOLE)
+    for bad in ({"max_share": 0.0}, {"max_share": 1.5}, {"video_every": -1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Tester(CARTPOLE, episodes=1, greedy=True, seed=0, schema_dict=schema, **bad)
+
+
 def test_close_stops_a_running_evaluation_and_leaves_no_process(testers) -> None:
     tester = testers(SLOW_CARTPOLE, episodes=500, seed=1)  # minutes of evaluation
     assert tester.submit(1, random_weights(SLOW_CARTPOLE, 0), 0)

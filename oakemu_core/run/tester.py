@@ -1,4 +1,4 @@
-"""The learner's tester: evaluates the newest weights in a process of its own, and keeps ``best.pt``.
+"""The learner's tester: evaluates the newest weights in a process of its own, paced, with videos.
 
 :class:`Tester` plays whole episodes with submitted weights on dedicated envs that never feed the
 rollout buffer (one env without reward clipping, so returns are the raw game score), through the
@@ -12,17 +12,28 @@ never waits for it. In the parent one small feeder thread hands weights to the c
 idle and collects its reports; :meth:`Tester.submit` and :meth:`Tester.poll` only take a lock.
 A submit while an evaluation runs replaces the newest waiting set (the newest weights win, the
 replaced set is counted in :attr:`Tester.superseded`) unless that set was submitted with
-``keep=True`` (a run's first and final weights). The child exits
-when the parent closes it, when the parent dies (it watches its parent pid), and ignores SIGINT
+``keep=True`` (a run's first and final weights). The child
+(:mod:`oakemu_core.run.tester_process`) exits when the parent closes it, when the parent dies (it watches its parent pid), and ignores SIGINT
 (Ctrl-C reaches the learner, which closes the tester). As with any ``spawn`` child, the parent's
 main module is imported again in the child (as ``__mp_main__``): a script that starts a tester
 keeps its work under ``if __name__ == "__main__":`` (``oakemu`` and ``python -m oakemu_services.cli`` do).
 
+Pacing. Periodic evaluations take CPU from training (on 2 cores a back-to-back tester cost CartPole
+about a quarter of its wall time), so a plain (not kept) submission waits until the tester has been
+idle long enough: an evaluation that took ``s`` seconds (hand-off to report) lets the next one start
+``s / max_share`` seconds after it started, so the tester is busy at most ``max_share`` of the wall
+time. Weights submitted meanwhile replace the waiting set, as above. Kept weights and everything
+waiting when :meth:`Tester.drain` is called (the final evaluation) start at once.
+
+Videos (``video_dir``): ``update_<policy version>.mp4`` of every ``video_every``-th evaluation handed
+to the child (the first included), ``best.mp4`` of the best one so far and ``final.mp4`` of the last
+one, which :meth:`Tester.drain` asks for (:mod:`oakemu_core.run.tester_process`).
+
 The learner's loop, in short::
 
-    tester = tester_from_config(cfg, schema.to_dict())   # None when cfg.eval_every_updates == 0
+    tester = tester_from_config(cfg, schema.to_dict(), run_dir=run_dir)   # None: eval_every_updates == 0
     tester.start()
-    best = BestCheckpointTracker(run_dir)
+    best = BestCheckpointTracker(run_dir)   # oakemu_core.run.best_checkpoint
     ...  # after update u:
     if cfg.eval_every_updates and u % cfg.eval_every_updates == 0:
         tester.submit(policy_version, weights_to_arrays(model), global_step)
@@ -31,25 +42,26 @@ The learner's loop, in short::
         history.record_evaluation(report)                      # oakemu_core.run.telemetry.TelemetryHistory
         best.consider(report, checkpoint_state)
     ...  # at the end
-    tester.submit(...); reports = tester.drain(timeout_s=...); tester.close()
+    tester.submit(..., keep=True); reports = tester.drain(timeout_s=...); tester.close()
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import multiprocessing
 import multiprocessing.connection
 import os
 import threading
 import time
-import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from oakemu_core.run.best_checkpoint import BEST_NAME, BestCheckpointTracker
+from oakemu_core.run.tester_process import child_main
 
 __all__ = [
     "BEST_NAME",
@@ -63,16 +75,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-BEST_NAME = "best.pt"
-"""File name of the best evaluated checkpoint, next to ``latest.pt`` in ``run_dir/checkpoints/``."""
-
 EVAL_SEED_OFFSET = 10_000
 """The tester's seed is ``config.seed + EVAL_SEED_OFFSET``: envs the actors' seeds never reach, and
 ``oakemu evaluate CKPT --seed <that>`` replays an evaluation exactly (greedy)."""
 
 _START_METHOD = "spawn"
 _STOP_TIMEOUT_S = 5.0
-_PARENT_WATCH_INTERVAL_S = 0.5
 
 
 class TesterError(RuntimeError):
@@ -95,8 +103,10 @@ class EvaluationReport:
         greedy: whether actions were the distribution's mode (else sampled).
         wall_seconds: wall-clock seconds the evaluation took in the tester process (build + play).
         finished_at: unix time (s) at which the tester process finished it.
-        video_path, video_error, video_preview: the first episode's MP4, why it is missing, its
-            preview for TensorBoard (:func:`oakemu_core.run.video.video_fields`); None when videos are off.
+        video_path, video_error, video_preview: the MP4 of the first episode that this evaluation
+            recorded (``update_<N>.mp4``, ``final.mp4`` or ``best.mp4``), why a video is missing, its
+            preview for TensorBoard; None when no video was due or videos are off.
+        videos: every video file this evaluation wrote (e.g. ``update_<N>.mp4`` and ``best.mp4``).
         weights: the evaluated weights (parent side only, never compared or printed), so
             :class:`BestCheckpointTracker` saves exactly what was evaluated.
     """
@@ -115,6 +125,7 @@ class EvaluationReport:
     video_path: str | None = None
     video_error: str | None = None
     video_preview: Any = field(default=None, compare=False, repr=False)
+    videos: tuple[str, ...] = ()
     weights: Mapping[str, np.ndarray] | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -126,99 +137,6 @@ class EvaluationReport:
     def std_return(self) -> float:
         """Alias of :attr:`return_std`."""
         return self.return_std
-
-
-# ------------------------------------------------------------------------------------ child process
-def _watch_parent(parent_pid: int) -> None:
-    """Exit the tester process at once when its parent is gone (killed -9 mid-evaluation)."""
-    while True:
-        time.sleep(_PARENT_WATCH_INTERVAL_S)
-        if os.getppid() != parent_pid:
-            os._exit(0)
-
-
-def _child_main(conn: multiprocessing.connection.Connection, parent_pid: int, options: dict[str, Any]) -> None:
-    """The tester process: build once to check the settings, then evaluate what arrives on ``conn``.
-
-    Messages in: ``("evaluate", policy_version, global_step, weights)`` or ``("stop",)``.
-    Messages out: ``("ready",)``, ``("report", dict)``, ``("error", policy_version | None, text)``.
-    """
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's business; it closes us
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="tester-parent-watch").start()
-    import torch  # the parent has already niced this process (Tester.start)
-
-    from oakemu_core.run.evaluation import build_evaluation
-
-    torch.set_num_threads(1)
-    episodes, greedy, seed = options.pop("episodes"), options.pop("greedy"), options.pop("seed")
-    env_id, schema_dict = options.pop("env_id"), options.pop("schema_dict")
-    video_dir = options.pop("video_dir")
-
-    def build(frame_sink: Any = None) -> tuple[Any, Any]:
-        return build_evaluation(env_id, schema_dict, seed=seed, frame_sink=frame_sink, **options)
-
-    try:
-        _serve(conn, build, episodes=episodes, greedy=greedy, video_dir=video_dir)
-    finally:
-        import gc
-
-        gc.freeze()  # skip collecting torch's modules at exit (about 1 s of CPU the learner waits for)
-
-
-def _serve(conn: multiprocessing.connection.Connection, build: Callable[..., tuple[Any, Any]], *,
-           episodes: int, greedy: bool, video_dir: str | None) -> None:
-    """The tester process's loop: check the settings once, then evaluate what arrives on ``conn``
-    (recording the first episode of each evaluation into ``video_dir`` unless it is None)."""
-    from oakemu_core.run.evaluation import play_episodes
-    from oakemu_core.run.video import evaluation_videos, video_fields
-    from oakemu_core.policy.models import load_weight_arrays
-
-    try:
-        _, env = build()  # fail fast on a bad env id, schema or settings file
-        env.close()
-    except Exception as exc:
-        conn.send(("error", None, f"{type(exc).__name__}: {exc}"))
-        return
-    conn.send(("ready",))
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return
-        if message[0] != "evaluate":
-            return
-        _, policy_version, global_step, weights = message
-        started = time.perf_counter()
-        videos = None
-        try:
-            videos = evaluation_videos(video_dir, policy_version)
-            model, env = build(videos)
-            try:
-                load_weight_arrays(model, weights)
-                result = play_episodes(model, env, episodes=episodes, greedy=greedy)
-            finally:
-                env.close()
-        except Exception as exc:
-            if videos is not None:
-                videos.close()
-            conn.send(("error", policy_version, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-            continue
-        conn.send(("report", {
-            "policy_version": policy_version,
-            "global_step": global_step,
-            "episodes": len(result.returns),
-            "return_mean": result.mean,
-            "return_std": result.std,
-            "length_mean": float(np.mean(result.lengths)),
-            "returns": tuple(float(r) for r in result.returns),
-            "lengths": tuple(int(n) for n in result.lengths),
-            "greedy": bool(greedy),
-            "wall_seconds": time.perf_counter() - started,
-            "finished_at": time.time(),
-            **video_fields(videos),
-        }))
 
 
 # ------------------------------------------------------------------------------------ parent side
@@ -238,12 +156,19 @@ class Tester:
         normalize_observations: the run's ``normalize_observations`` (the model layout must match
             the submitted weights).
         schema_dict: the run's step schema, ``StepSchema.to_dict()``.
-        video_dir: record the first episode of every evaluation as ``video_dir/update_<policy
-            version>.mp4`` (:mod:`oakemu_core.run.video`; needs the ``video`` extra); None: no videos.
+        video_dir: folder of the evaluation videos (``best.mp4``, ``final.mp4``, ``update_<policy
+            version>.mp4``; :mod:`oakemu_core.run.video`, needs the ``video`` extra); None: no videos.
+        video_every: also record every this-many-th evaluation as ``update_<policy version>.mp4``,
+            the first one included (0: only ``best.mp4`` and ``final.mp4``).
+        max_share: pace plain submissions so the tester is busy at most this share of the wall time,
+            in (0, 1] (1: the next evaluation starts as soon as the last one ends); see the module docstring.
+        best_return: the best mean evaluation return so far (a resumed run's ``best.pt``): ``best.mp4``
+            is replaced only by a better one. None: no evaluation yet.
         nice: niceness added to the tester process (0..19) so it yields the CPU to training.
 
     Raises:
-        ValueError: ``episodes`` < 1 or ``nice`` outside 0..19.
+        ValueError: ``episodes`` < 1, ``video_every`` < 0, ``max_share`` outside (0, 1] or ``nice``
+            outside 0..19.
     """
 
     __test__ = False  # not a pytest test class, whatever its name
@@ -260,11 +185,18 @@ class Tester:
         normalize_observations: bool = False,
         schema_dict: Mapping[str, Any],
         video_dir: Path | str | None = None,
+        video_every: int = 1,
+        max_share: float = 1.0,
+        best_return: float | None = None,
         nice: int = 10,
         env_options: Any = None,  # an oakemu_core.envs.options.EnvOptions: gymnasium.make kwargs, Atari settings
     ) -> None:
         if int(episodes) < 1:
             raise ValueError(f"episodes: expected >= 1, received {episodes}")
+        if int(video_every) < 0:
+            raise ValueError(f"video_every: expected >= 0, received {video_every}")
+        if not 0.0 < float(max_share) <= 1.0:
+            raise ValueError(f"max_share: expected a share in (0, 1], received {max_share}")
         if not 0 <= int(nice) <= 19:
             raise ValueError(f"nice: expected 0..19, received {nice}")
         self.env_id = env_id
@@ -275,15 +207,22 @@ class Tester:
             "env_id": env_id, "schema_dict": dict(schema_dict), "episodes": self.episodes,
             "greedy": self.greedy, "seed": self.seed, "settings_file": settings_file,
             "max_episode_steps": max_episode_steps, "normalize_observations": bool(normalize_observations),
-            "env_options": env_options,
+            "env_options": env_options, "best_return": None if best_return is None else float(best_return),
             "video_dir": None if video_dir is None else str(video_dir),
         }
+        self._videos, self._video_every, self._max_share = video_dir is not None, int(video_every), float(max_share)
         self._nice = int(nice)
         self._lock = threading.Lock()
         # Waiting jobs ``(policy_version, global_step, weights, keep)``, oldest first: any number of
         # kept ones and at most one that a newer submission replaces.
         self._pending: list[tuple[int, int, Mapping[str, np.ndarray], bool]] = []
         self._in_flight: tuple[int, int, Mapping[str, np.ndarray], bool] | None = None
+        self._handed_out = 0  # evaluations handed to the child (the video_every count)
+        self._handed_at = 0.0  # time.monotonic() of the last hand-off
+        self._next_start = 0.0  # time.monotonic() before which a plain submission waits (pacing)
+        self._draining = False  # drain() runs: nothing waits for pacing, the last evaluation is final
+        self._final_video_due = False  # drain() wants final.mp4 once nothing runs or waits
+        self._final_video_asked = False  # the child is making final.mp4
         self._reports: list[EvaluationReport] = []
         self._idle = threading.Condition(self._lock)
         self._ready = False
@@ -308,6 +247,8 @@ class Tester:
         """Evaluations that raised in the tester process (see :attr:`last_error`)."""
         self.video_failed = 0
         """Evaluations without their video although videos are on (the first reason is logged)."""
+        self.final_video: str | None = None
+        """``final.mp4`` once :meth:`drain` made it (None before, without videos, or when it failed)."""
 
     # -- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -328,7 +269,7 @@ class Tester:
             self._wake_r, self._wake_w = os.pipe()
             os.set_blocking(self._wake_w, False)
             self._process = context.Process(
-                target=_child_main, args=(child_conn, os.getpid(), dict(self._options)),
+                target=child_main, args=(child_conn, os.getpid(), dict(self._options)),
                 name=f"oakemu-tester-{self.env_id}", daemon=True,
             )
             self._process.start()
@@ -467,15 +408,21 @@ class Tester:
         return reports
 
     def drain(self, timeout_s: float) -> list[EvaluationReport]:
-        """Wait until nothing is running or waiting (or ``timeout_s`` seconds passed, or the process
-        died), then return :meth:`poll`'s reports. For the final evaluation and tests."""
+        """The final evaluation: start what waits at once (no pacing), then, with videos, make the last
+        evaluation's ``final.mp4`` (:attr:`final_video`); wait until all that is done (or ``timeout_s``
+        seconds passed, or the process died) and return :meth:`poll`'s reports. Submissions after it
+        are paced again."""
         deadline = time.monotonic() + max(0.0, timeout_s)
         with self._lock:
-            while (self._in_flight is not None or self._pending) and not self._closing:
+            self._draining, self._final_video_due = True, self._videos
+        self._wake()
+        with self._lock:
+            while (self._in_flight is not None or self._pending or self._final_video_due) and not self._closing:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self.alive:
                     break
                 self._idle.wait(min(remaining, 0.2))
+            self._draining = self._final_video_due = False
         return self.poll()
 
     # -- feeder thread -------------------------------------------------------------------------
@@ -507,12 +454,10 @@ class Tester:
                 with self._lock:
                     if self._closing:
                         return
-                    job = None
-                    if self._ready and self._in_flight is None and self._pending:
-                        job = self._in_flight = self._pending.pop(0)
-                if job is not None:
-                    conn.send(("evaluate", job[0], job[1], dict(job[2])))
-                ready = multiprocessing.connection.wait([conn, sentinel, self._wake_r])
+                    message, wait_s = self._next_message()
+                if message is not None:
+                    conn.send(message)
+                ready = multiprocessing.connection.wait([conn, sentinel, self._wake_r], wait_s)
                 if self._wake_r in ready:
                     os.read(self._wake_r, 4096)
                 if conn in ready:
@@ -538,12 +483,42 @@ class Tester:
             with self._lock:
                 self._idle.notify_all()
 
+    def _next_message(self) -> tuple[tuple[Any, ...] | None, float | None]:
+        """What to send the child now (under the lock), and how long to wait at most before asking again
+        (None: until woken): a waiting job when the child is idle and pacing allows it, else ``final.mp4``
+        when :meth:`drain` wants it and nothing waits."""
+        if not self._ready or self._in_flight is not None or self._final_video_asked:
+            return None, None
+        if not self._pending:
+            if self._final_video_due:
+                self._final_video_asked = True
+                return ("final_video",), None
+            return None, None
+        wait_s = self._next_start - time.monotonic()
+        if wait_s > 0 and not self._pending[0][3] and not self._draining:
+            return None, wait_s
+        job = self._in_flight = self._pending.pop(0)
+        due = self._videos and self._video_every > 0 and self._handed_out % self._video_every == 0
+        record = "update" if due else "final" if self._videos and self._draining and not self._pending else None
+        self._handed_out += 1
+        self._handed_at = time.monotonic()
+        return ("evaluate", job[0], job[1], dict(job[2]), record), None
+
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
         with self._lock:
             if kind == "ready":
                 self._ready = True
                 return
+            if kind == "final_video":
+                self._final_video_asked = self._final_video_due = False
+                self.final_video = message[1]
+                if message[2]:
+                    logger.warning("tester: no final video: %s", message[2])
+                self._idle.notify_all()
+                return
+            finished = time.monotonic()  # pacing: busy at most max_share of the time since the hand-off
+            self._next_start = self._handed_at + (finished - self._handed_at) / self._max_share
             in_flight, self._in_flight = self._in_flight, None
             if kind == "report":
                 values = dict(message[1])
@@ -564,137 +539,24 @@ class Tester:
             self._idle.notify_all()
 
 
-# ------------------------------------------------------------------------------------ best.pt
-class BestCheckpointTracker:
-    """Keeps ``run_dir/checkpoints/best.pt``: the checkpoint of the best evaluation so far.
-
-    :meth:`consider` writes ``best.pt`` (atomically, :func:`oakemu_core.run.checkpoint.save_checkpoint`)
-    only when a report's mean return is finite and strictly above the best so far. The file is the
-    learner's usual checkpoint dict (``state_fn()``) with two changes: ``state["model"]`` holds the
-    *evaluated* weights (the report's, cast to the dtypes of ``state["model"]``), not the newer ones
-    the learner trained since, and ``state["best_evaluation"]`` records the evaluation (policy
-    version, global step, mean/std return, mean length, episodes, greedy). The optimizer and
-    counters in it are those of the moment of writing: best.pt is for ``oakemu evaluate`` and
-    deployment, ``latest.pt`` for resuming. ``oakemu evaluate run/checkpoints/best.pt`` works.
-
-    Args:
-        run_dir: the run folder.
-        best_return: the best mean return so far; None reads it from an existing ``best.pt``
-            (its ``best_evaluation``), else starts at minus infinity.
-    """
-
-    def __init__(self, run_dir: Path, *, best_return: float | None = None) -> None:
-        from oakemu_core.run.checkpoint import CHECKPOINT_DIR_NAME
-
-        self.path = Path(run_dir) / CHECKPOINT_DIR_NAME / BEST_NAME
-        """Where best.pt lives."""
-        self.best_return = -math.inf if best_return is None else float(best_return)
-        """Mean return of the evaluation in best.pt (-inf before the first)."""
-        self.best_policy_version: int | None = None
-        """Policy version of the weights in best.pt (None before the first, or unknown)."""
-        if best_return is None and self.path.is_file():
-            self._read_existing()
-
-    def _read_existing(self) -> None:
-        from oakemu_core.run.checkpoint import CheckpointError, load_checkpoint
-
-        try:
-            info = load_checkpoint(self.path).get("best_evaluation") or {}
-        except (CheckpointError, OSError) as exc:
-            logger.warning("best checkpoint %s is unreadable (%s); the next evaluation replaces it", self.path, exc)
-            return
-        value = info.get("return_mean")
-        if isinstance(value, (int, float)) and math.isfinite(value):
-            self.best_return = float(value)
-            self.best_policy_version = info.get("policy_version")
-
-    def consider(self, report: EvaluationReport, state_fn: Callable[[], dict[str, Any]]) -> bool:
-        """Write ``best.pt`` when ``report`` beats the best so far.
-
-        Args:
-            report: a finished evaluation (its ``weights`` replace ``state["model"]`` when present).
-            state_fn: returns the learner's checkpoint dict (``model``, ``optimizer``, ``env``,
-                ``config``, ...); called only when the report is better.
-
-        Returns:
-            True when best.pt was written.
-
-        Raises:
-            ValueError: the report's weights do not fit ``state["model"]`` (names or shapes); nothing
-                is written. TypeError/OSError as :func:`oakemu_core.run.checkpoint.save_checkpoint`
-                (the previous best.pt stays; the best so far is unchanged).
-        """
-        from oakemu_core.run.checkpoint import save_checkpoint
-
-        mean = float(report.return_mean)
-        if not math.isfinite(mean) or mean <= self.best_return:
-            return False
-        state = dict(state_fn())
-        if report.weights is not None:
-            state["model"] = _weights_as_state_dict(report.weights, state.get("model"))
-        state["best_evaluation"] = {
-            "policy_version": int(report.policy_version),
-            "global_step": int(report.global_step),
-            "return_mean": mean,
-            "return_std": float(report.return_std),
-            "length_mean": float(report.length_mean),
-            "episodes": int(report.episodes),
-            "greedy": bool(report.greedy),
-            "finished_at": float(report.finished_at),
-        }
-        save_checkpoint(self.path, state)
-        self.best_return = mean
-        self.best_policy_version = int(report.policy_version)
-        return True
-
-    def state_dict(self) -> dict[str, Any]:
-        """Plain values for the learner's checkpoint (``best_return`` is None before the first)."""
-        return {"best_return": None if math.isinf(self.best_return) else self.best_return,
-                "best_policy_version": self.best_policy_version}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s values (a resumed run only replaces best.pt when it improves)."""
-        value = state.get("best_return")
-        self.best_return = -math.inf if value is None else float(value)
-        self.best_policy_version = state.get("best_policy_version")
-
-
-def _weights_as_state_dict(weights: Mapping[str, np.ndarray], model_state: Any) -> dict[str, Any]:
-    import torch
-
-    if isinstance(model_state, Mapping):
-        missing, extra = sorted(set(model_state) - set(weights)), sorted(set(weights) - set(model_state))
-        if missing or extra:
-            raise ValueError(f"best checkpoint: evaluated weights do not fit the model: missing {missing}, "
-                             f"unexpected {extra}")
-    result: dict[str, Any] = {}
-    for name, array in weights.items():
-        tensor = torch.from_numpy(np.array(array, copy=True))
-        if isinstance(model_state, Mapping):
-            reference = model_state[name]
-            if tuple(reference.shape) != tuple(tensor.shape):
-                raise ValueError(f"best checkpoint: weights[{name!r}] has shape {tuple(tensor.shape)}, the model "
-                                 f"{tuple(reference.shape)}")
-            tensor = tensor.to(reference.dtype)
-        result[name] = tensor
-    return result
-
-
 def tester_from_config(config: Any, schema_dict: Mapping[str, Any], *, run_dir: Path | None = None) -> Tester | None:
     """The run's tester (not started) from an :class:`oakemu_core.config.OakEmuConfig`, or None
     when evaluation is off (``eval_every_updates == 0``).
 
     Settings used: ``env_id``, ``eval_episodes``, ``eval_greedy`` (resolved), ``seed`` (+ :data:`EVAL_SEED_OFFSET`),
-    ``emulator_settings``, ``max_episode_steps``, ``normalize_observations``, ``eval_video`` (videos
-    go to ``run_dir/videos/``; none without ``run_dir``, or, with a warning, without the ``video`` extra).
+    ``emulator_settings``, ``max_episode_steps``, ``normalize_observations``, ``eval_max_share``, ``eval_video``
+    (videos go to ``run_dir/videos/``; none without ``run_dir``, or, with a warning, without the ``video``
+    extra) and ``eval_video_every``. A resumed run's ``best.pt`` gives the best return so far.
     """
     from oakemu_core.run.video import run_video_dir
 
     if not config.eval_every_updates:
         return None
     video_dir = run_video_dir(run_dir) if getattr(config, "eval_video", False) and run_dir is not None else None
+    best = BestCheckpointTracker(run_dir).state_dict()["best_return"] if video_dir is not None else None
     return Tester(config.env_id, episodes=config.eval_episodes, greedy=config.resolved_eval_greedy,
                   seed=config.seed + EVAL_SEED_OFFSET, settings_file=config.emulator_settings,
                   max_episode_steps=config.max_episode_steps,
                   normalize_observations=config.normalize_observations, schema_dict=schema_dict, video_dir=video_dir,
+                  video_every=config.eval_video_every, max_share=config.eval_max_share, best_return=best,
                   env_options=config.env_options)
