@@ -90,7 +90,7 @@ def main(connect: str, *, json_output: bool = False, once: bool = False, timeout
     """
     if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
         raise ValueError(f"timeout_s must be a positive number of seconds, received {timeout_s!r}")
-    if run_dir is not None and not learner_listening(connect):
+    if run_dir is not None and not _held_by_live_run(run_dir) and not learner_listening(connect):
         from oakemu_core.run.results import read_run  # imports torch: only for a run that is not running
 
         run = read_run(run_dir)
@@ -117,6 +117,17 @@ def main(connect: str, *, json_output: bool = False, once: bool = False, timeout
         return EXIT_OK
     finally:
         subscriber.close()
+
+
+def _held_by_live_run(run_dir: Path) -> bool:
+    """Whether a live process holds ``run_dir`` (its ``run.lock``): a run whose learner has not opened its
+    telemetry port yet is live too. An unreadable lock file counts as live (the monitor then waits)."""
+    from oakemu_core.run.run_lock import holder_pid
+
+    try:
+        return holder_pid(run_dir) is not None
+    except OSError:
+        return True
 
 
 def run_folder(run: str | Path, runs_dir: str | Path = "runs") -> Path:

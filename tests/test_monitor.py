@@ -266,6 +266,20 @@ def test_a_run_without_files_yet_keeps_waiting_for_its_learner(tmp_path: Path) -
     assert "within 1 s: is the learner running?" in err
 
 
+def test_a_run_held_by_a_live_process_waits_for_its_learner_even_with_files(tmp_path: Path) -> None:
+    """A resumed run whose learner has not opened its telemetry port yet is live (its run.lock is held)."""
+    from oakemu_core.run.run_lock import RunFolderLock
+
+    run_dir = write_run_folder(tmp_path / "resuming", telemetry_port=free_port(), total_env_steps=10_000)
+    lock = RunFolderLock.acquire(run_dir)
+    try:
+        status, out, err, seconds = monitor_run(run_dir, "--once", "--timeout", "1")
+    finally:
+        lock.release()
+    assert status == monitor.EXIT_NO_TELEMETRY and out == "" and seconds >= 0.9
+    assert "is the learner running?" in err
+
+
 def test_a_live_learner_of_a_run_with_files_is_monitored(tmp_path: Path) -> None:
     with publishing(lambda i: make_snapshot(4096)) as address:
         port = int(address.rsplit(":", 1)[1])
