@@ -278,7 +278,8 @@ class Actor:
         for the current weights on the control socket. Asynchronous mode: loaded at once (the pending
         action chosen again with them); synchronous: held for the segment's end."""
         hold = bool(self.sync_rollout_length)
-        if learner_version > self._newest_weights_version() and self._poll_weights(hold=hold) and self.stepper:
+        if (learner_version > self._newest_weights_version() and self._poll_weights(hold=hold)
+                and self.stepper is not None):
             self.stepper.reselect()
         if learner_version <= self._newest_weights_version():
             self.behind_since = None
@@ -297,6 +298,7 @@ class Actor:
                 "socket", self.actor_id, message.policy_version, self.policy_version)
         if self._take_weights(message, hold=hold) and self.stepper is not None:
             self.stepper.reselect()
+
     def _pause(self, seconds: float, writable: zmq.Socket | None = None) -> None:
         """The wait of the step channel (:class:`oakemu_core.transport.channels.Pause`): up to ``seconds``,
         ended early by ``writable`` becoming writable or by a message on the weights socket. Newer
