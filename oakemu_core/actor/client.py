@@ -262,7 +262,7 @@ class LearnerClient:
         deadline = time.monotonic() + patience_s
         answered, said_at = False, -WAIT_LOG_PERIOD_S
         while not stop.is_set():
-            if not answered:  # the learner answered the last ask: no "no answer" line for this one
+            if not answered:  # after an answer, asking again is no try to reach a silent learner
                 reporter.attempt()
             reply = self.control.request(frame)
             answered = isinstance(reply, JoinReply)
