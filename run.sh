@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One entry point for a fresh machine: creates .venv on first use (CPU torch first, then the
-# project with its test extras), then runs `oakemu ARGS...` or, for `./run.sh test`, the test suite.
+# One entry point for a fresh machine: creates .venv on first use (CPU torch first, then the project with
+# what every preset needs: the `presets` extra), then runs `oakemu ARGS...`; `./run.sh test` adds the test
+# tools (the `dev` extra) on its first use and runs the test suite. An install runs again after
+# pyproject.toml changes. OAKEMU_INSTALL_DRY_RUN=1 prints the install commands due instead, and exits.
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV="${OAKEMU_VENV:-.venv}"
@@ -9,15 +11,29 @@ TORCH_REQUIREMENT="${OAKEMU_TORCH:-torch==2.13.0}"   # any torch>=2.2 works
 # OAKEMU_TORCH_INDEX=https://download.pytorch.org/whl/cpu (machines with a local CPU wheel need nothing).
 TORCH_INDEX_ARGS=()
 if [ -n "${OAKEMU_TORCH_INDEX:-}" ]; then TORCH_INDEX_ARGS=(--index-url "$OAKEMU_TORCH_INDEX"); fi
+PIP=("$VENV/bin/pip" install --quiet --disable-pip-version-check)
 
-if [ ! -x "$VENV/bin/oakemu" ] || [ pyproject.toml -nt "$VENV/.oakemu-installed" ]; then
-  echo "run.sh: installing into $VENV (first use) ..." >&2
+install() {  # run an install step, or only print it (OAKEMU_INSTALL_DRY_RUN=1)
+  if [ -n "${OAKEMU_INSTALL_DRY_RUN:-}" ]; then echo "$*"; else "$@"; fi
+}
+due() {  # true when the install that wrote marker $1 has to run (never ran, or pyproject.toml is newer)
+  [ ! -e "$VENV/$1" ] || [ pyproject.toml -nt "$VENV/$1" ]
+}
+
+if [ ! -x "$VENV/bin/oakemu" ] || due .oakemu-installed; then
+  echo "run.sh: installing OakEmu-RL and what its presets need into $VENV ..." >&2
   python3 -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "OakEmu-RL needs Python 3.11 or newer")'
-  python3 -m venv "$VENV"
-  "$VENV/bin/pip" install --quiet --disable-pip-version-check "${TORCH_INDEX_ARGS[@]}" "$TORCH_REQUIREMENT"
-  "$VENV/bin/pip" install --quiet --disable-pip-version-check -e ".[dev]"
-  touch "$VENV/.oakemu-installed"
+  if [ ! -x "$VENV/bin/python" ]; then install python3 -m venv "$VENV"; fi
+  install "${PIP[@]}" "${TORCH_INDEX_ARGS[@]}" "$TORCH_REQUIREMENT"
+  install "${PIP[@]}" -e ".[presets]"
+  install touch "$VENV/.oakemu-installed"
 fi
+if [ "${1:-}" = "test" ] && due .oakemu-test-installed; then
+  echo "run.sh: installing the test tools into $VENV (first test run) ..." >&2
+  install "${PIP[@]}" -e ".[dev]"
+  install touch "$VENV/.oakemu-test-installed"
+fi
+if [ -n "${OAKEMU_INSTALL_DRY_RUN:-}" ]; then exit 0; fi
 
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"

@@ -11,7 +11,8 @@ Videos (``video_dir`` not None; :mod:`oakemu_core.run.video`), each the first ep
 * ``update_<policy version>.mp4``: evaluations the parent asks to record (every K-th, ``eval_video_every``);
 * ``best.mp4``: the evaluation whose mean return is a new best (the rule of ``best.pt``,
   :func:`oakemu_core.run.best_checkpoint.is_new_best`), replaced by each better one;
-* ``final.mp4``: the last evaluation (``record="final"``, or ``("final_video",)`` after it).
+* ``final.mp4``: the last evaluation (``record="final"``, or ``("final_video",)`` after it), without a
+  TensorBoard preview (the run waits for it: half a second of GIF encoding saved for CartPole).
 
 An evaluation recorded anyway gives its file to ``best.mp4`` / ``final.mp4`` by copy; else its first
 episode is played again with a recorder: the evaluation is built anew with the same seed
@@ -143,7 +144,7 @@ class _Evaluator:
         if self._video_dir is not None and record is not None:
             path = (final_video_path(self._video_dir) if record == "final"
                     else evaluation_video_path(self._video_dir, policy_version))
-            videos = episode_video(path)
+            videos = episode_video(path, preview=record != "final")  # the run waits for the final: no GIF
         result = self._play(weights, self._episodes, videos)
         written = list(videos.paths) if videos is not None else []
         error = videos.error if videos is not None else None
