@@ -3,6 +3,7 @@ file override it; the benchmark reads its hyperparameters from them."""
 
 from __future__ import annotations
 
+import re
 import sys
 import types
 from pathlib import Path
@@ -98,3 +99,21 @@ def test_flags_variables_and_toml_override_a_preset(monkeypatch: pytest.MonkeyPa
     config: OakEmuConfig = calls[0][0]
     assert (config.env_id, config.rollout_length, config.num_actors) == ("CartPole-v1", 32, 1)  # the preset
     assert (config.learning_rate, config.ppo_epochs, config.gamma) == (5e-4, 7, 0.97)  # flag, variable, TOML
+
+
+RANGE = re.compile(r"\d+(?: seconds| minutes?)?(?: to |-)\d+ (?:seconds|minutes?|hours)")
+"""A time as a range, quiet machine to busy one: "20-60 seconds", "20 seconds to 1 minute", "5-30 hours"."""
+
+
+def test_preset_times_are_ranges_from_a_quiet_to_a_busy_machine() -> None:
+    # One figure from a quiet machine misleads on a busy one (CartPole took 60 s, not "about 30").
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    rows = {match.group(1): match.group(2) for match in re.finditer(r"^\| `(\w+)` \|.*\| ([^|]+) \|$", readme, re.M)}
+    assert sorted(rows) == preset_names()
+    for name, time_cell in rows.items():
+        assert RANGE.search(time_cell), (name, time_cell)
+        expect = load_preset(name).expect
+        assert RANGE.search(expect) and "quiet to busy" in expect, (name, expect)
+    quick_start = readme[readme.index("## Quick start"):readme.index("### Presets")]
+    assert "about 30 seconds" not in quick_start
+    assert re.search(r"--preset cartpole`.*\n?.*reaches a return of 500 in " + RANGE.pattern, quick_start)
