@@ -8,7 +8,7 @@ videos and the final checkpoint, sent to MLflow or Weights & Biases as well.
   MLflow 3 keeps the file store in maintenance mode and refuses it unless ``MLFLOW_ALLOW_FILE_STORE``
   is true, which this module sets for the file store it opens. Experiment: ``--track-project``;
   run name: the run folder's name. Params: the configuration (one per setting, as strings);
-  metrics: every scalar at ``global_step``; artifacts: ``videos/update_<N>.mp4`` and
+  metrics: every scalar at ``global_step``; artifacts: the evaluation videos (``videos/best.mp4``, ...) and
   ``checkpoints/<final checkpoint>``.
 * ``--track wandb`` (extra ``wandb``): project ``--track-project``, run name and files under the run
   folder (``run_dir/wandb/``); config: the configuration; ``run.log`` of every scalar at
