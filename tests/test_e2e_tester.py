@@ -3,8 +3,9 @@
 The tester logs ``eval/episodic_return`` (mean, std, length) to ``metrics.jsonl``, keeps
 ``checkpoints/best.pt`` = the checkpoint of the best evaluation (replaying it with the tester's
 settings gives that evaluation's mean return), records the best and the final evaluation as video,
-leaves no process behind, and slows training by a small measured amount: the same short run with and without evaluation, compared by the learner's
-``charts/SPS`` of the last update (wall-clock env steps per second since the learner started).
+leaves no process behind, and slows training by a small measured amount: the same short run with and
+without evaluation, compared by the learner's ``charts/SPS`` of the last update (wall-clock env steps
+per second since the learner started).
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ STEPS = 32_768  # 64 updates of 128 steps x 4 envs: long enough for a ratio of t
 EVAL_EPISODES = 3
 MIN_SPS_RATIO = 0.45
 """Training with evaluation every 2 updates keeps at least this share of the SPS without it. The
-tester is a niced process of its own, so on an idle 2-core machine the ratio is about 0.67 (its
-episodes still take CPU from the actor and learner; 0.585 on a machine busy with other runs: the
-wall-clock SPS of two short runs is noisy, see docs/benchmarks.md). Evaluating inside the learner's loop
+tester is a niced process of its own, paced to a tenth of the wall time (eval_max_share), so few of
+those evaluations run (1.24 on a busy machine: the wall-clock SPS of two short runs is noisy, see
+docs/benchmarks.md); without pacing the ratio was 0.585-0.76. Evaluating inside the learner's loop
 instead (3 greedy episodes of up to 500 steps every 2 updates of 512 steps) would cost more than the
 training itself: a ratio near 0.3, which this bound catches."""
 

@@ -12,8 +12,8 @@ never waits for it. In the parent one small feeder thread hands weights to the c
 idle and collects its reports; :meth:`Tester.submit` and :meth:`Tester.poll` only take a lock.
 A submit while an evaluation runs replaces the newest waiting set (the newest weights win, the
 replaced set is counted in :attr:`Tester.superseded`) unless that set was submitted with
-``keep=True`` (a run's first and final weights). The child
-(:mod:`oakemu_core.run.tester_process`) exits when the parent closes it, when the parent dies (it watches its parent pid), and ignores SIGINT
+``keep=True`` (a run's first and final weights). The child (:mod:`oakemu_core.run.tester_process`)
+exits when the parent closes it, when the parent dies (it watches its parent pid), and ignores SIGINT
 (Ctrl-C reaches the learner, which closes the tester). As with any ``spawn`` child, the parent's
 main module is imported again in the child (as ``__mp_main__``): a script that starts a tester
 keeps its work under ``if __name__ == "__main__":`` (``oakemu`` and ``python -m oakemu_services.cli`` do).
