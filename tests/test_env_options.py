@@ -17,11 +17,11 @@ from oakemu_core.transport.control_server import env_config
 pytestmark = pytest.mark.usefixtures("no_oakemu_variables")
 
 
-def test_the_defaults_make_the_envs_as_before() -> None:
+def test_the_defaults_are_cleanrls_atari_preprocessing() -> None:
     options = make_config().env_options
     assert options == EnvOptions() and options.make_kwargs == {}
     assert (options.atari_frame_skip, options.atari_frame_stack, options.atari_noop_max) == (4, 4, 30)
-    assert options.atari_sticky_actions is None and options.atari_episodic_life is False
+    assert options.atari_sticky_actions is None and options.atari_episodic_life is True
 
 
 def test_env_kwargs_from_an_option_a_variable_or_toml(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

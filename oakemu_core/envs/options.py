@@ -3,7 +3,8 @@ preprocessing users toggle).
 
 One value travels from the settings (``env_kwargs``, ``atari_*``) to every place that makes the env: the
 learner's spec, the actors (in the join's ``env_config``, as scalars), the tester, ``oakemu evaluate``
-(from a checkpoint's settings). The defaults make the envs as before these settings existed.
+(from a checkpoint's settings). The defaults are CleanRL ``ppo_atari.py``'s preprocessing (life-loss episodes
+included) with the registered id's sticky actions.
 """
 
 from __future__ import annotations
@@ -39,8 +40,11 @@ class EnvOptions:
         atari_noop_max: most no-op actions at an episode's start (Atari ids).
         atari_sticky_actions: probability of repeating the previous action (Atari ids); None: the
             registered id's own (0.25 for ``-v5``, 0 for ``NoFrameskip-v4``).
-        atari_episodic_life: a lost life ends the episode (Atari ids; ale-py's ``episodic_life``: the
-            game restarts, so episodes, and the episodic returns logged, are per life).
+        atari_episodic_life: a lost life ends the learner's episode while the game goes on (Atari ids;
+            SB3's ``EpisodicLifeEnv`` and ``FireResetEnv`` as in rl-baselines3-zoo and CleanRL
+            ``ppo_atari.py``): ``terminated`` is True on a lost life (no bootstrap across it), the game is
+            not restarted, the next step plays FIRE where the game has it, and the logged episodic
+            return and length are the whole game's. Not ale-py's ``episodic_life``, which restarts the game.
     """
 
     env_kwargs: str = "{}"
@@ -48,7 +52,7 @@ class EnvOptions:
     atari_frame_stack: int = ATARI_STACK
     atari_noop_max: int = ATARI_NOOP_MAX
     atari_sticky_actions: float | None = None
-    atari_episodic_life: bool = False
+    atari_episodic_life: bool = True
 
     @property
     def make_kwargs(self) -> dict[str, Any]:
@@ -100,8 +104,8 @@ class EnvSettings(BaseModel):
         None, ge=0.0, le=1.0, description="Atari: probability of repeating the previous action (None: the id's own, "
         "0.25 for -v5 ids).")
     atari_episodic_life: bool = Field(
-        False, description="Atari: a lost life ends the episode (the game restarts, so episodes and their logged "
-        "returns are per life).")
+        True, description="Atari: a lost life ends the learner's episode while the game goes on, FIRE is pressed "
+        "after it where the game has FIRE (SB3's EpisodicLifeEnv, CleanRL); the logged return is the whole game's.")
 
     @property
     def env_options(self) -> EnvOptions:

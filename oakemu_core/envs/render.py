@@ -157,12 +157,17 @@ class RecordingAtariBackend:
         if self._screen is not None:
             self._screen.send(actions)
 
+    @property
+    def games_ended(self) -> np.ndarray:
+        """``(1,)`` bool: the env's game ended on the last step (a video is one game, not one life)."""
+        return self._env.games_ended
+
     def recv(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, None]:
         result = self._env.recv()
         if self._screen is not None:
-            frames, _, terminated, truncated, final_frames, _ = self._screen.recv()
-            done = bool(result[2][0] or result[3][0])
-            if done != bool(terminated[0] or truncated[0]):
+            frames, _, _, _, final_frames, _ = self._screen.recv()
+            done = bool(self._env.games_ended[0])
+            if done != bool(self._screen.games_ended[0]):
                 self._close_screen()
                 self._sink.fail("the colour twin of the Atari env went out of step; video stopped")
             elif self._recording:

@@ -9,6 +9,11 @@ Learning"; SB3 issue #633).
 
 Rewards: ``training_rewards`` are clipped to [-1, 1] when reward clipping is on (the factory's
 default: on for Atari ids), while ``episode_returns`` always report the raw game score.
+
+Episodes for the learner and games: ``terminated`` / ``truncated`` end the learner's episodes, while the
+episode statistics (``episode_returns``, ``episode_lengths``) count whole games. They differ only where a
+backend ends episodes before the game does (Atari life-loss episodes, SB3's ``EpisodicLifeEnv``: a lost
+life is ``terminated`` and the game goes on); such a backend says which rows' games ended in ``games_ended``.
 """
 
 from __future__ import annotations
@@ -32,14 +37,16 @@ class VectorStep:
             autoreset): ``(n, *shape)`` array for a plain space, ``{key: (n, *shape)}`` for a dict
             space (shapes and dtypes as in ``EnvSpec.observation_layout``).
         training_rewards: ``(n,)`` float32; rewards for training, clipped to [-1, 1] when clipping is on.
-        terminated: ``(n,)`` bool; the episode reached a terminal state (no bootstrap).
+        terminated: ``(n,)`` bool; the episode reached a terminal state (no bootstrap): the game is over, or
+            with Atari life-loss episodes a life was lost (the game goes on).
         truncated: ``(n,)`` bool; the episode was cut by a time limit (bootstrap from the final observation).
         final_observations: same structure as ``observations``; on rows where ``terminated |
             truncated`` the TRUE last observation of the finished episode. Other rows hold the same
             values as ``observations`` (arrays may then be the very same objects: read, do not write).
-        episode_returns: raw (unclipped) game score of each episode that ended this step.
-        episode_lengths: length in agent steps of each episode that ended this step.
-        episode_env_ids: env index (row) of each episode that ended this step, same order.
+        episode_returns: raw (unclipped) game score of each game that ended this step (with life-loss
+            episodes a game spans several of the learner's episodes; it ends on a done row).
+        episode_lengths: length in agent steps of each game that ended this step.
+        episode_env_ids: env index (row) of each game that ended this step, same order.
         action_masks: ``(n, action_mask_width)`` bool, the masks of ``observations`` (on rows that
             ended: the new episode's first mask); None when the env has no masks.
     """
@@ -65,6 +72,11 @@ class Backend(Protocol):
 
     A backend whose envs step in threads of their own may also provide ``send(actions)`` and
     ``recv()`` (the two halves of :meth:`step`); :class:`VectorEnv` then steps asynchronously.
+
+    A backend whose episodes can end before the game does (Atari life-loss episodes) also has
+    ``games_ended``: after each reset and step, ``(n,)`` bool, the rows whose game ended (and restarted),
+    a subset of ``terminated | truncated``. :class:`VectorEnv` counts the episode statistics per game
+    then; without it every done row ends a game.
     """
 
     spec: EnvSpec
@@ -188,11 +200,12 @@ class VectorEnv:
 
         self._running_returns += raw_rewards
         self._running_lengths += 1
-        done_rows = np.flatnonzero(terminated | truncated)
-        episode_returns = [float(self._running_returns[row]) for row in done_rows]
-        episode_lengths = [int(self._running_lengths[row]) for row in done_rows]
-        self._running_returns[done_rows] = 0.0
-        self._running_lengths[done_rows] = 0
+        games_ended = getattr(self._backend, "games_ended", None)
+        ended_rows = np.flatnonzero(terminated | truncated if games_ended is None else games_ended)
+        episode_returns = [float(self._running_returns[row]) for row in ended_rows]
+        episode_lengths = [int(self._running_lengths[row]) for row in ended_rows]
+        self._running_returns[ended_rows] = 0.0
+        self._running_lengths[ended_rows] = 0
 
         training_rewards = raw_rewards.astype(np.float32)
         if self.clip_rewards:
@@ -205,7 +218,7 @@ class VectorEnv:
             final_observations=final_observations,
             episode_returns=episode_returns,
             episode_lengths=episode_lengths,
-            episode_env_ids=[int(row) for row in done_rows],
+            episode_env_ids=[int(row) for row in ended_rows],
             action_masks=masks,
         )
 
