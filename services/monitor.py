@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import socket
 import sys
@@ -63,6 +64,10 @@ CURVE_WIDTH = 60
 
 SPARK_BLOCKS = "▁▂▃▄▅▆▇█"
 """Eight levels of a sparkline, lowest first; a column without data is a space."""
+
+NON_TERMINAL_WIDTH = 200
+"""Columns of the ``--once`` view when stdout is not a terminal and ``COLUMNS`` is unset (rich's default, 80,
+would wrap the labels of the side-by-side tables)."""
 
 LISTEN_PROBE_TIMEOUT_S = 1.0
 """How long :func:`learner_listening` waits for a TCP connection to the telemetry port (s)."""
@@ -110,13 +115,22 @@ def main(connect: str, *, json_output: bool = False, once: bool = False, timeout
             if json_output:
                 return _run_json(subscriber, first, once=once, timeout_s=timeout_s, stop=stop)
             if once:
-                Console().print(render_snapshot(first, address=connect, age_s=0.0))
+                _once_console().print(render_snapshot(first, address=connect, age_s=0.0))
                 return EXIT_OK
             return _run_live(subscriber, first, timeout_s=timeout_s, stop=stop)
     except (KeyboardInterrupt, _Stopped):
         return EXIT_OK
     finally:
         subscriber.close()
+
+
+def _once_console() -> Console:
+    """The console of the ``--once`` view: the terminal's width, or ``COLUMNS``; else (a pipe, a file)
+    :data:`NON_TERMINAL_WIDTH` columns."""
+    console = Console()
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(width=NON_TERMINAL_WIDTH)
+    return console
 
 
 def _held_by_live_run(run_dir: Path) -> bool:
@@ -202,10 +216,14 @@ def report_run_folder(run: Run, *, address: str, json_output: bool = False) -> i
     (:func:`oakemu_core.run.results.read_run`); returns :data:`EXIT_OK`.
 
     The view says whether the run finished (trained ``total_env_steps``) or is not running, then its last
-    update (number, env steps, training return, SPS since start), its final and best evaluation return and
-    its checkpoints. ``json_output``: one JSON object with ``run_dir``, ``running`` (false), ``finished``,
-    ``updates``, ``global_step``, ``total_env_steps``, ``episodic_return``, ``sps``, ``final_evaluation``,
-    ``best_evaluation``, ``latest_checkpoint`` and ``best_checkpoint`` (null where the folder has none).
+    update (number, env steps, training return, SPS since start), its evaluation return - the final one
+    for a finished run, else the last evaluation with its policy version - and the best, its checkpoints,
+    and for a run that can go on (not finished, with a checkpoint) the command that resumes it.
+    ``json_output``: one JSON object with ``run_dir``, ``running`` (false), ``finished``, ``updates``,
+    ``global_step``, ``total_env_steps``, ``episodic_return``, ``sps``, ``final_evaluation`` (a finished run's
+    last evaluation), ``last_evaluation``, ``last_evaluation_policy_version``, ``best_evaluation``,
+    ``latest_checkpoint``, ``best_checkpoint`` and ``resume_command`` (null where the folder has none or it
+    does not apply).
 
     Raises:
         RunFolderError: ``config.toml`` cannot be read.
@@ -214,24 +232,45 @@ def report_run_folder(run: Run, *, address: str, json_output: bool = False) -> i
     total = _run_settings(run_dir).get("total_env_steps")
     total = total if isinstance(total, int) else None
     finished = total is not None and run.global_step >= total
+    version = _last_evaluation_version(run_dir)
+    resume = (f"oakemu train --resume {run_dir}" if not finished and run.latest_checkpoint is not None
+              else None)
     if json_output:
         _print_line(json.dumps(_finite_or_none({
             "run_dir": str(run_dir), "running": False, "finished": finished, "updates": run.updates,
             "global_step": run.global_step, "total_env_steps": total, "episodic_return": run.episodic_return,
-            "sps": run.sps, "final_evaluation": run.final_evaluation, "best_evaluation": run.best_evaluation,
+            "sps": run.sps, "final_evaluation": run.final_evaluation if finished else None,
+            "last_evaluation": run.final_evaluation, "last_evaluation_policy_version": version,
+            "best_evaluation": run.best_evaluation,
             "latest_checkpoint": None if run.latest_checkpoint is None else str(run.latest_checkpoint),
-            "best_checkpoint": None if run.best_checkpoint is None else str(run.best_checkpoint)})))
+            "best_checkpoint": None if run.best_checkpoint is None else str(run.best_checkpoint),
+            "resume_command": resume})))
         return EXIT_OK
     state = "finished" if finished else "is not running"
+    last = "final" if finished else "last evaluation" + ("" if version is None else f" (policy version {version})")
     lines = [f"run {run_dir.name} {state} (no learner at {address}); its last state, from {run_dir}:",
              f"last update {run.updates}: env steps {run.global_step:,}"
              + ("" if total is None else f" of {total:,}")
              + f", return {_fmt(run.episodic_return, '.2f')}, SPS {_fmt(run.sps, ',.0f')}",
-             f"evaluation return: final {_fmt(run.final_evaluation, '.2f')}, best {_fmt(run.best_evaluation, '.2f')}",
+             f"evaluation return: {last} {_fmt(run.final_evaluation, '.2f')}, best {_fmt(run.best_evaluation, '.2f')}",
              f"latest checkpoint: {run.latest_checkpoint or '-'}; best: {run.best_checkpoint or '-'}"]
+    if resume is not None:
+        lines.append(f"resume: {resume}")
     for line in lines:
         _print_line(line)
     return EXIT_OK
+
+
+def _last_evaluation_version(run_dir: Path) -> int | None:
+    """The policy version (``eval/policy_version``) of the last evaluation in the run's ``metrics.jsonl``,
+    None without evaluations or when it is not recorded."""
+    from oakemu_core.run.metrics import EVAL_EPISODIC_RETURN, METRICS_FILE_NAME
+    from oakemu_core.run.run_folder import read_json_lines
+
+    evaluations = [record for record in read_json_lines(run_dir / METRICS_FILE_NAME)
+                   if isinstance(record.get(EVAL_EPISODIC_RETURN), (int, float))]
+    version = evaluations[-1].get("eval/policy_version") if evaluations else None
+    return int(version) if isinstance(version, (int, float)) and math.isfinite(version) else None
 
 
 class _Stopped(Exception):

@@ -211,8 +211,8 @@ def write_run_folder(run_dir: Path, *, telemetry_port: int, total_env_steps: int
                                          f'telemetry_port = {telemetry_port}\n', encoding="utf-8")
     records = [{"global_step": 1024 * n, "charts/update": n, "charts/SPS": 1500.0 + n,
                 "charts/episodic_return": 20.0 + n} for n in range(1, updates + 1)]
-    records.insert(1, {"global_step": 1024, "eval/episodic_return": 131.5})
-    records.append({"global_step": 1024 * updates, "eval/episodic_return": 99.25})
+    records.insert(1, {"global_step": 1024, "eval/episodic_return": 131.5, "eval/policy_version": 1})
+    records.append({"global_step": 1024 * updates, "eval/episodic_return": 99.25, "eval/policy_version": updates})
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     for n in range(1, updates + 1):
         (run_dir / "checkpoints" / f"checkpoint_{n:08d}.pt").write_bytes(b"")
@@ -251,10 +251,53 @@ def test_a_stopped_run_is_not_running_and_json_gives_its_last_state(tmp_path: Pa
     state = json.loads(line)
     assert (state["running"], state["finished"], state["updates"], state["global_step"]) == (False, False, 2, 2048)
     assert (state["total_env_steps"], state["episodic_return"], state["sps"]) == (10_000, 22.0, 1502.0)
-    assert (state["final_evaluation"], state["best_evaluation"]) == (99.25, 131.5)
+    assert (state["final_evaluation"], state["last_evaluation"], state["best_evaluation"]) == (None, 99.25, 131.5)
+    assert state["last_evaluation_policy_version"] == 2
+    assert state["resume_command"] == f"oakemu train --resume {run_dir}"
     status, out, _, _ = monitor_run(run_dir, "--once")
     assert status == 0 and "run stopped is not running (no learner at " in out
     assert "env steps 2,048 of 10,000" in out
+
+
+def test_a_run_that_did_not_finish_shows_its_last_evaluation_not_a_final_one(tmp_path: Path) -> None:
+    """A learner killed after its first evaluation (of policy version 0): that evaluation is not a final one."""
+    run_dir = write_run_folder(tmp_path / "killed", telemetry_port=free_port(), total_env_steps=10_000, updates=1)
+    records = [{"global_step": 0, "eval/episodic_return": 60.4, "eval/policy_version": 0},
+               {"global_step": 1024, "charts/update": 1, "charts/SPS": 900.0}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    status, out, err, _ = monitor_run(run_dir, "--once")
+    assert (status, err) == (0, ""), err
+    assert "evaluation return: last evaluation (policy version 0) 60.40, best 60.40" in out
+    assert "final" not in out
+    status, out, _, _ = monitor_run(run_dir, "--json", "--once")
+    state = json.loads(out)
+    assert (state["final_evaluation"], state["last_evaluation"], state["last_evaluation_policy_version"]) == (
+        None, 60.4, 0)
+
+
+def test_a_stopped_run_with_a_checkpoint_and_budget_left_shows_how_to_resume_it(tmp_path: Path) -> None:
+    stopped = write_run_folder(tmp_path / "stopped", telemetry_port=free_port(), total_env_steps=10_000)
+    finished = write_run_folder(tmp_path / "finished", telemetry_port=free_port(), total_env_steps=2048)
+    no_checkpoint = write_run_folder(tmp_path / "no-checkpoint", telemetry_port=free_port(), total_env_steps=10_000)
+    for path in (no_checkpoint / "checkpoints").iterdir():
+        path.unlink()
+    status, out, _, _ = monitor_run(stopped, "--once")
+    assert status == 0 and f"resume: oakemu train --resume {stopped}\n" in out
+    for run_dir in (finished, no_checkpoint):
+        status, out, _, _ = monitor_run(run_dir, "--once")
+        assert status == 0 and "last update 2" in out and "--resume" not in out
+        status, out, _, _ = monitor_run(run_dir, "--json", "--once")
+        assert json.loads(out)["resume_command"] is None
+
+
+def test_once_outside_a_terminal_does_not_wrap_the_labels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Piped or redirected (no terminal, no COLUMNS): rich's 80 columns would break "SPS (since start)"."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    out = io.StringIO()
+    with publishing(lambda i: make_snapshot(12345)) as address, redirect_stdout(out):
+        assert monitor.main(address, once=True, timeout_s=20) == 0
+    for label in ("SPS (since start)", "SPS (last 10 s)", "return min / max", "policy lag", "explained var"):
+        assert label in out.getvalue(), out.getvalue()
 
 
 def test_a_run_without_files_yet_keeps_waiting_for_its_learner(tmp_path: Path) -> None:
