@@ -122,3 +122,27 @@ def test_rng_state_round_trip_through_a_checkpoint(tmp_path: Path) -> None:
     torch.testing.assert_close(got[3], expected[3], rtol=0, atol=0)
     with pytest.raises(ValueError, match="numpy"):
         restore_rng_state({"python": random.getstate(), "torch": torch.get_rng_state()})
+
+
+def test_a_damaged_latest_target_is_set_aside_once_with_a_relative_run_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``latest.pt`` (a symlink) and ``checkpoint_<n>.pt`` are one file: with a relative run folder (the
+    README's ``runs/NAME``) it is still tried, and set aside, once; ``latest.pt`` then points at the
+    checkpoint the run resumes from, and paths keep the form the run folder was given in."""
+    monkeypatch.chdir(tmp_path)
+    run_dir = Path("runs") / "r6"
+    for update in (50, 79):
+        save_run_checkpoint(run_dir, update, {"update": update})
+    directory = run_dir / "checkpoints"
+    assert latest_checkpoint(run_dir) == directory / "checkpoint_00000079.pt"  # relative, as given
+    os.truncate(directory / "latest.pt", 20)  # through the link: checkpoint_00000079.pt is damaged
+    found = ckpt.newest_readable_checkpoint(run_dir)
+    assert found is not None
+    resumed, state, unreadable = found
+    assert resumed == directory / "checkpoint_00000050.pt" and state == {"update": 50}
+    assert [path for path, _ in unreadable] == [directory / "checkpoint_00000079.pt"]
+    [note] = ckpt.set_aside_unreadable(resumed, unreadable)
+    assert f"checkpoint {directory / 'checkpoint_00000079.pt'} is not readable" in note
+    assert (directory / "checkpoint_00000079.pt.unreadable").is_file()
+    assert os.readlink(directory / "latest.pt") == "checkpoint_00000050.pt"
+    assert load_checkpoint(directory / "latest.pt") == {"update": 50}

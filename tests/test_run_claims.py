@@ -221,6 +221,25 @@ def test_resume_skips_an_unreadable_newest_checkpoint_with_a_warning(tmp_path: P
         plan.release()
 
 
+def test_resume_of_a_relative_run_folder_sets_a_damaged_latest_aside(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--resume runs/NAME`` (relative, as the README writes it) with ``latest.pt`` damaged through its
+    link: one warning, the damaged file kept, ``latest.pt`` pointing at the checkpoint resumed from."""
+    monkeypatch.chdir(tmp_path)
+    run_dir = Path("runs") / "r6"
+    config = _stopped_run(run_dir, updates=(1, 2))
+    os.truncate(run_dir / "checkpoints" / "latest.pt", 5000)
+    plan = launcher.plan_run(config, resume=run_dir)
+    try:
+        [note] = plan.notes
+        assert f"checkpoint {run_dir / 'checkpoints' / 'checkpoint_00000002.pt'} is not readable" in note, note
+        assert (run_dir / "checkpoints" / "checkpoint_00000002.pt.unreadable").stat().st_size == 5000
+        assert os.readlink(run_dir / "checkpoints" / "latest.pt") == "checkpoint_00000001.pt"
+        assert latest_checkpoint(run_dir) == run_dir / "checkpoints" / "checkpoint_00000001.pt"
+    finally:
+        plan.release()
+
+
 def test_resume_with_no_readable_checkpoint_is_one_line_and_changes_nothing(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], no_processes: None) -> None:
     run_dir = tmp_path / "runs" / "exp1"

@@ -265,11 +265,28 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     ``checkpoint_<n>.pt``.
     """
     directory = Path(run_dir) / CHECKPOINT_DIR_NAME
-    latest = directory / LATEST_NAME
-    if latest.is_file():  # follows the symlink; False for a dangling one
-        return latest.resolve() if latest.is_symlink() else latest
+    target = _latest_target(directory)
+    if target is not None:
+        return target
     numbered = _numbered_checkpoints(directory)
     return numbered[-1][1] if numbered else None
+
+
+def _latest_target(directory: Path) -> Path | None:
+    """The file ``directory/latest.pt`` stands for, None when it is missing or dangling: a plain file is
+    itself; a link to a name in ``directory`` (as :func:`save_run_checkpoint` makes it) is
+    ``directory/<name>``, in the form ``directory`` was given in (relative stays relative); any other
+    link is its resolved path."""
+    latest = directory / LATEST_NAME
+    if not latest.is_file():  # follows the symlink; False for a dangling one
+        return None
+    if not latest.is_symlink():
+        return latest
+    target = Path(os.readlink(latest))
+    named = directory / target
+    if not target.is_absolute() and len(target.parts) == 1 and target.name not in (".", "..") and not named.is_symlink():
+        return named
+    return latest.resolve()
 
 
 UNREADABLE_SUFFIX = ".unreadable"
@@ -289,11 +306,11 @@ def newest_readable_checkpoint(run_dir: Path, map_location: str | torch.device =
         CheckpointError: there are checkpoints and none loads; one line naming each file and why.
     """
     directory = Path(run_dir) / CHECKPOINT_DIR_NAME
-    candidates: list[Path] = []
-    latest = directory / LATEST_NAME
-    if latest.is_file():
-        candidates.append(latest.resolve() if latest.is_symlink() else latest)
-    candidates += [path for _, path in reversed(_numbered_checkpoints(directory)) if path not in candidates]
+    latest = _latest_target(directory)
+    candidates: list[Path] = [] if latest is None else [latest]
+    # latest.pt's target is one of the numbered files: each file is tried (and set aside) once.
+    seen = {path.resolve() for path in candidates}
+    candidates += [path for _, path in reversed(_numbered_checkpoints(directory)) if path.resolve() not in seen]
     unreadable: list[tuple[Path, str]] = []
     for path in candidates:
         try:
