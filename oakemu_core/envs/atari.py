@@ -94,7 +94,7 @@ class AtariBackend:
 
     games_ended: np.ndarray
     """``(n,)`` bool after each reset / step: the rows whose game ended (game over or time limit) and
-    restarted; ``terminated | truncated`` without life-loss episodes, where the episode statistics count a game."""
+    restarted, where the episode statistics count a game; ``terminated | truncated`` without life-loss episodes."""
 
     def __init__(
         self, env_id: str, num_envs: int, *, max_episode_steps: int | None, num_threads: int | None,
