@@ -17,6 +17,7 @@ from oakemu_core.envs.options import EnvOptions
 from oakemu_core.policy.export import is_policy_folder, load_policy_folder, read_policy_info
 from oakemu_core.run.checkpoint import load_run_checkpoint
 from oakemu_core.run.evaluation import build_evaluation, play_episodes
+from oakemu_core.run.loading import check_policy_path
 from oakemu_core.run.video import EpisodeVideos
 
 DEFAULT_MAX_EPISODE_STEPS = 27_000
@@ -74,7 +75,13 @@ def evaluate_checkpoint(checkpoint: Path, *, episodes: int, greedy: bool, seed: 
 
 def _read_policy(source: Path) -> tuple[str, dict[str, Any], dict[str, Any], dict[str, Any]]:
     """``(env id, step schema dict, the run's config, state_dict)`` of a checkpoint, a run folder (its latest
-    checkpoint) or a policy folder of ``oakemu export``."""
+    checkpoint) or a policy folder of ``oakemu export``.
+
+    Raises:
+        oakemu_core.errors.CheckpointError: nothing at ``source`` (:func:`oakemu_core.run.loading.check_policy_path`),
+            or no checkpoint there.
+    """
+    source = check_policy_path(source)
     if is_policy_folder(source):
         info, spaces = read_policy_info(Path(source))
         return (str(info.get("env_id", "")), spaces.get("schema") or {}, dict(info.get("config") or {}),

@@ -14,7 +14,7 @@ import numpy as np
 
 from oakemu_core.envs import env_spec
 from oakemu_core.errors import ConfigError
-from oakemu_core.policy.export import check_export_target, write_policy_folder
+from oakemu_core.policy.export import check_export_target, read_policy_info, write_policy_folder
 from oakemu_core.run.checkpoint import load_checkpoint, resolve_checkpoint
 from oakemu_core.run.video import VideoUnavailableError
 from oakemu_services.evaluate import evaluate_checkpoint
@@ -45,6 +45,21 @@ def export(checkpoint: Path, directory: Path, *, episodes: int, greedy: bool, se
         return write_policy_folder(directory, state["model"], env_id=env_id, observation_layout=layout,
                                    schema=state["env"]["schema"], config=config, trained=trained,
                                    evaluation=evaluation, video=result.videos[0] if result.videos else None)
+
+
+def export_lines(checkpoint: Path, folder: Path) -> list[str]:
+    """What ``oakemu export`` prints once the folder is written: ``CHECKPOINT: exported to FOLDER``, the
+    evaluation it measured (``config.json``'s, the model card's: mean +/- population std of the raw return, the
+    episodes, greedy or sampled actions, the env seed) and the files written, by name."""
+    info, _ = read_policy_info(folder)
+    evaluation = info.get("evaluation")
+    lines = [f"{checkpoint}: exported to {folder}"]
+    if evaluation:
+        lines.append(f"evaluation return: {evaluation['mean']:.2f} +/- {evaluation['std']:.2f} over "
+                     f"{evaluation['episodes']} episodes ({'greedy' if evaluation['greedy'] else 'sampled'} actions, "
+                     f"env seed {evaluation['seed']})")
+    lines.append("files: " + ", ".join(sorted(path.name for path in Path(folder).iterdir())))
+    return lines
 
 
 class HubUnavailable(RuntimeError):
@@ -115,16 +130,18 @@ def _first_line(error: BaseException) -> str:
 
 def main(checkpoint: Path, directory: Path, *, episodes: int, greedy: bool, seed: int, video: bool = True,
          push_to_hub_repo: str | None = None) -> int:
-    """Entry point: export, print the folder (and the Hub URL); 0 on success, 2 on a user mistake (raised as a
-    :class:`~oakemu_core.errors.UserError` for the CLI to report), 1 when the Hub could not be reached or
-    refused the upload (one line on stderr; the exported folder stays on disk)."""
+    """Entry point: export, print the folder, its evaluation and files (:func:`export_lines`) and the Hub URL;
+    0 on success, 2 on a user mistake (raised as a :class:`~oakemu_core.errors.UserError` for the CLI to
+    report), 1 when the Hub could not be reached or refused the upload (one line on stderr; the exported
+    folder stays on disk)."""
     if push_to_hub_repo is not None:
         check_hub_repository(push_to_hub_repo)
     try:
         folder = export(checkpoint, directory, episodes=episodes, greedy=greedy, seed=seed, video=video)
     except VideoUnavailableError as error:
         raise VideoUnavailableError(f"{error} (or --no-video)") from None
-    print(f"{checkpoint}: exported to {folder}", flush=True)
+    for line in export_lines(checkpoint, folder):
+        print(line, flush=True)
     if push_to_hub_repo is not None:
         try:
             url = push_to_hub(folder, push_to_hub_repo)

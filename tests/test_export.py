@@ -244,3 +244,50 @@ def test_push_to_hub_with_a_malformed_repository_id_is_refused_before_the_export
     err = capsys.readouterr().err
     assert err.startswith("oakemu export: error: --push-to-hub: ") and err.count("\n") == 1
     assert not (tmp_path / "policy").exists()
+
+
+def test_export_prints_the_evaluation_return_and_the_files_it_wrote(checkpoint: Path, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "policy"
+    assert cli.main(["export", str(checkpoint), str(folder), "--episodes", "2", "--no-video"]) == 0
+    out = capsys.readouterr().out
+    evaluation = read_policy_info(folder)[0]["evaluation"]
+    assert f"{checkpoint}: exported to {folder}\n" in out
+    assert (f"evaluation return: {evaluation['mean']:.2f} +/- {evaluation['std']:.2f} over 2 episodes "
+            f"(greedy actions, env seed {evaluation['seed']})\n") in out
+    assert "files: README.md, config.json, model.safetensors, obs_normalization.json, spaces.json\n" in out
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_every_exported_file_gets_the_umasks_mode(checkpoint: Path, tmp_path: Path, umask: int) -> None:
+    previous = os.umask(umask)
+    try:
+        folder = write_exported(checkpoint, tmp_path / "policy")
+    finally:
+        os.umask(previous)
+    modes = {path.name: oct(path.stat().st_mode & 0o777) for path in folder.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {oct(0o666 & ~umask)}, modes
+
+
+def test_load_policy_of_a_missing_path_names_every_kind_of_path_it_takes(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    import oakemu_core
+    from oakemu_core.errors import CheckpointError
+
+    missing = tmp_path / "cartpole-policy"
+    with pytest.raises(CheckpointError) as raised:
+        oakemu_core.load_policy(missing)
+    assert str(raised.value) == f"no such checkpoint file or exported/run folder: {missing}"
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["evaluate", "cartpole-policy"]) == 2
+    err = capsys.readouterr().err
+    assert "no such checkpoint file or exported/run folder: cartpole-policy" in err and err.count("\n") == 1
+
+
+def test_the_model_cards_code_says_it_takes_the_folders_path(tmp_path: Path) -> None:
+    from oakemu_core.policy.export import usage_code
+
+    code = usage_code("cartpole-policy", {"": {"shape": [4], "dtype": "float32"}})
+    [line] = [line for line in code.splitlines() if "load_policy(" in line]
+    assert line.startswith('policy = oakemu_core.load_policy("cartpole-policy")  # the path of this folder')

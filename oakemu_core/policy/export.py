@@ -95,12 +95,13 @@ def write_policy_folder(directory: Path, state_dict: Mapping[str, torch.Tensor],
         PolicyFolderError: ``directory`` exists and is not empty.
         ConfigError: safetensors is not installed.
     """
-    save_file = _safetensors().save_file
+    serialize = _safetensors().save
     directory = Path(directory)
     check_export_target(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in state_dict.items()}
-    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": FORMAT, "env_id": env_id})
+    # Bytes written by open(): the file gets the umask's mode like the others (safetensors' save_file makes it 0600).
+    (directory / WEIGHTS_FILE).write_bytes(serialize(tensors, metadata={"format": FORMAT, "env_id": env_id}))
     normalize = bool(config.get("normalize_observations"))
     info = {"format": FORMAT, "format_version": FORMAT_VERSION, "env_id": env_id,
             "normalize_observations": normalize, **{k: int(v) for k, v in trained.items()},
@@ -174,16 +175,16 @@ def load_policy_folder(directory: Path) -> ActorCritic:
 
 
 def usage_code(folder: str, observation_layout: Mapping[str, Mapping[str, Any]]) -> str:
-    """The model card's Python code: :func:`oakemu_core.load_policy` on the folder (by its name) and
-    ``Policy.act`` on an all-zeros observation of the policy's own layout (``spaces.json``), lines ending in
-    a newline."""
+    """The model card's Python code: :func:`oakemu_core.load_policy` on the folder (by its name, which a comment
+    says stands for the folder's path) and ``Policy.act`` on an all-zeros observation of the policy's own layout
+    (``spaces.json``), lines ending in a newline."""
     zeros = {key: f"np.zeros({tuple(entry['shape'])}, np.{np.dtype(entry['dtype']).name})"
              for key, entry in observation_layout.items()}
     observation = (zeros[""] if set(zeros) == {""} else
                    "{" + ", ".join(f"{json.dumps(key)}: {value}" for key, value in zeros.items()) + "}")
     return (f"import numpy as np\n"
             f"import oakemu_core  # pip install 'oakemu-rl[export]'\n\n"
-            f"policy = oakemu_core.load_policy({json.dumps(folder)})  # this folder: safetensors + JSON, no pickle\n"
+            f"policy = oakemu_core.load_policy({json.dumps(folder)})  # the path of this folder; no pickle\n"
             f"observation = {observation}  # as oakemu's env adapter gives it\n"
             f"action = policy.act(observation)  # greedy; one observation or a batch\n")
 

@@ -16,10 +16,10 @@ import numpy as np
 from oakemu_core.errors import CheckpointError
 from oakemu_core.policy.export import is_policy_folder, load_policy_folder, read_policy_info
 from oakemu_core.policy.models import ActorCritic, build_model
-from oakemu_core.run.checkpoint import load_run_checkpoint
+from oakemu_core.run.checkpoint import CheckpointNotFoundError, load_run_checkpoint
 from oakemu_core.policy.schemas import schema_from_dict
 
-__all__ = ["Policy", "load_policy"]
+__all__ = ["Policy", "check_policy_path", "load_policy"]
 
 
 class Policy:
@@ -91,15 +91,30 @@ class Policy:
         return arrays, batched.pop()
 
 
+def check_policy_path(path: str | Path) -> Path:
+    """``path`` as a Path, when something is there that :func:`load_policy` may read (a checkpoint file, a run
+    folder or an exported policy folder); a relative path is relative to the working directory.
+
+    Raises:
+        oakemu_core.run.checkpoint.CheckpointNotFoundError: nothing at ``path``.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointNotFoundError(f"no such checkpoint file or exported/run folder: {path}")
+    return path
+
+
 def load_policy(checkpoint: str | Path) -> Policy:
     """The policy of a checkpoint of ``oakemu train``: a ``.pt`` file, a run folder (its latest
     checkpoint), or a policy folder written by ``oakemu export``. Loaded on the CPU without unpickling
     code (``torch.load(weights_only=True)``; an exported folder with no torch loader at all).
 
     Raises:
-        oakemu_core.errors.CheckpointError: no checkpoint there, or a file that is not one of ``oakemu train``.
+        oakemu_core.errors.CheckpointError: nothing at ``checkpoint`` (:func:`check_policy_path`), no checkpoint
+            there, or a file that is not one of ``oakemu train``.
         oakemu_core.policy.export.PolicyFolderError: an exported folder that is damaged or of another format.
     """
+    checkpoint = check_policy_path(checkpoint)
     if is_policy_folder(checkpoint):
         info, _ = read_policy_info(Path(checkpoint))
         return Policy(load_policy_folder(Path(checkpoint)), str(info.get("env_id", "")), Path(checkpoint))
