@@ -537,6 +537,7 @@ class Learner:
         what it handed back, then release sockets, loggers and shared memory (idempotent)."""
         try:
             self.trainer.handshake.report(self._progress())
+            self.trainer.checkpoint_writer.final = True  # the next checkpoint is the run's last
             self.trainer.stop()
             self._log_final_results()
         finally:
@@ -577,7 +578,8 @@ def main(config: OakEmuConfig) -> int:
     Returns:
         0 when the budget is spent or after SIGTERM (an orchestrator's stop: ``docker stop``,
         Kubernetes), 130 after Ctrl-C (SIGINT), both after the final checkpoint; 1 when the run
-        collapsed, checkpoints kept failing or ``/dev/shm`` is too small.
+        collapsed, checkpoints kept failing, the final checkpoint was not written (a full disk: logged
+        as ``final checkpoint <file> not written: ...``) or ``/dev/shm`` is too small.
     """
     setup_logging(config.log_level, config.log_format)
     # An unknown env id, a missing device or tracker or a port in use fails here, before the run folder exists.
@@ -610,6 +612,10 @@ def main(config: OakEmuConfig) -> int:
         status = INTERRUPTED_EXIT_STATUS
     finally:
         learner.close()
+    if learner.trainer.checkpoint_writer.final_saved is None:  # a run without its final checkpoint never exits 0
+        if learner.trainer.running:
+            log.error("final checkpoint not written: the trainer did not finish its last update in time")
+        status = status or 1
     return interrupted_status(status, stop_event)
 
 

@@ -70,7 +70,7 @@ from oakemu_services.runtime import (
     default_run_name,
     install_stop_signals,
 )
-from oakemu_services.train_view import end_lines, print_line, progress_view
+from oakemu_services.train_view import end_lines, policy_checkpoint, print_line, progress_view
 from oakemu_services.train_view import final_update_line as _final_update_line
 from oakemu_services.train_view import metrics_records as _metrics_records
 
@@ -89,9 +89,12 @@ _CLI_ERROR = re.compile(r"^oakemu \w+: error: (.+)$")
 """The one line ``oakemu`` prints for a user error (:mod:`oakemu_services.cli`)."""
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Failed|Interrupt)\b.*")
 """The last line of a Python traceback: ``module.ErrorName: message``."""
+_STOPPING_RECORD = re.compile(r"^\S+ INFO [\w.]+: stopping: (.+)$")
+"""The learner's record of a stop that is no error (its budget spent, a signal)."""
 _TRACEBACK_START = "Traceback (most recent call last):"
-_FINAL_CHECKPOINT_FAILED = "final checkpoint not written: "
-"""How the learner's error about its final checkpoint starts (``CheckpointPolicy.final`` in ``algo/health.py``)."""
+_FINAL_CHECKPOINT_FAILED = re.compile(r"^final checkpoint\b.* not written")
+"""How the learner's error about its final checkpoint starts (``CheckpointWriter`` in ``run/checkpoint.py``,
+``CheckpointPolicy.final`` in ``algo/health.py``)."""
 _OWN_CODE = tuple(str(Path(package.__file__).parent) + os.sep for package in (oakemu_core, oakemu_services))
 """Where oakemu's own source files are: their frames are left out of a crash shown on the console."""
 
@@ -229,18 +232,28 @@ class Child:
         return stop_reason(self.log_tail(OUTPUT_LINES_KEPT))
 
 
-def errors_in(text: str) -> list[str]:
-    """The errors of a log text, oldest first: each ERROR/CRITICAL record's message and each
-    traceback's final line (``module.NameError: message``)."""
-    errors = []
+def _log_events(text: str) -> list[tuple[str, str]]:
+    """The errors and stops of a log text, oldest first: ``("error", message)`` for each ERROR/CRITICAL
+    record, ``oakemu`` error line and traceback's final line (``module.NameError: message``); ``("stop",
+    reason)`` for each learner record of a stop that is no error (``stopping: env-step budget reached``)."""
+    events = []
     for line in text.splitlines():
         line = line.strip()
         record = _ERROR_RECORD.match(line) or _CLI_ERROR.match(line)
+        stopping = _STOPPING_RECORD.match(line)
         if record:
-            errors.append(record.group(1))
+            events.append(("error", record.group(1)))
+        elif stopping:
+            events.append(("stop", stopping.group(1)))
         elif _EXCEPTION_LINE.match(line):
-            errors.append(line)
-    return errors
+            events.append(("error", line))
+    return events
+
+
+def errors_in(text: str) -> list[str]:
+    """The errors of a log text, oldest first: each ERROR/CRITICAL record's message and each
+    traceback's final line (``module.NameError: message``)."""
+    return [message for kind, message in _log_events(text) if kind == "error"]
 
 
 def last_error(text: str) -> str | None:
@@ -251,11 +264,14 @@ def last_error(text: str) -> str | None:
 
 def stop_reason(text: str) -> str | None:
     """Why the learner whose log text is ``text`` stopped: its newest error, or, when that is the
-    failure of its final checkpoint (which follows the error that stopped it), the error before it
-    with ``; the final checkpoint was not written either``; None when it logged no error."""
-    errors = errors_in(text)
-    if len(errors) >= 2 and errors[-1].startswith(_FINAL_CHECKPOINT_FAILED):
-        return f"{errors[-2]}; the final checkpoint was not written either"
+    failure of its final checkpoint following the error that stopped it (no ``stopping: ...`` record of
+    a budget spent or a signal between them), the error before it with ``; the final checkpoint was not
+    written either``; None when it logged no error."""
+    events = _log_events(text)
+    final_failed = bool(events) and _FINAL_CHECKPOINT_FAILED.match(events[-1][1]) is not None
+    if final_failed and len(events) >= 2 and events[-1][0] == events[-2][0] == "error":
+        return f"{events[-2][1]}; the final checkpoint was not written either"
+    errors = [message for kind, message in events if kind == "error"]
     return errors[-1] if errors else None
 
 
@@ -568,36 +584,37 @@ def report(launch: Launch, ended_by: str, stop: StopRequest, console: Console) -
     run_dir, errors = launch.plan.run_dir, launch.errors
     records = _metrics_records(run_dir)
     final = _final_update_line(records)
-    if final is not None and final[0] != launch.last_update:
+    if final is not None and final[0] > launch.last_update:
         # The last update line agrees with metrics.jsonl even when the last telemetry was missed.
         print_line(console, final[1])
     actor_error = f"; first actor error: {launch.first_actor_error}" if launch.first_actor_error else ""
+    resume = f"oakemu train --resume {run_dir}" if policy_checkpoint(run_dir) is not None else None
     callbacks = launch.callbacks
     if callbacks is not None and callbacks.error is not None:
         print_line(errors, f"error: {callbacks.stop_reason}: the run stopped (run folder {run_dir})", "red")
         return 1
+    status = launch.learner_status or 0
     if ended_by == "signal":
         name = signal.Signals(stop.signum).name if stop.signum else "a signal"
-        print_line(console, f"stopped by {name}: run folder {run_dir} (continue with oakemu train --resume {run_dir})")
+        continue_with = f" (continue with {resume})" if resume else ""
+        print_line(console, f"stopped by {name}: run folder {run_dir}{continue_with}")
+        if status > 0 and status != stop.exit_status:  # the learner's own failure (its final checkpoint)
+            print_line(errors, f"error: {_learner_failure(launch.learner, status)}", "red")
         return stop.exit_status or 130
     if ended_by == "actors":
         print_line(errors, f"error: every actor stopped for good, the run cannot go on{actor_error} "
                            f"(logs: {run_dir / 'logs'})", "red")
         return 1
-    status = launch.learner_status or 0
     if status != 0:
-        learner = launch.learner
-        note = learner.log_note()
-        if status < 0:  # a signal the launcher did not send (the launcher's own stop ends as "signal")
-            reason = f"the learner {exit_description(status)}"
-            if status == -signal.SIGKILL:
-                note = f"out of memory? the kernel's OOM killer sends SIGKILL: see dmesg; {note}"
-        else:
-            reason = f"the learner {exit_description(status)}: {learner.stop_reason() or 'its output holds no error'}"
-        print_line(errors, f"error: {reason}{actor_error} ({note})", "red")
+        then = f"; continue with {resume}" if status < 0 and resume else ""
+        print_line(errors, f"error: {_learner_failure(launch.learner, status, actor_error)}{then}", "red")
         return 1 if status < 0 else status
-    if final is None:
+    if final is None and launch.last_update < 0:
         print_line(errors, f"error: the run made no PPO update{actor_error} (logs: {run_dir / 'logs'})", "red")
+        return 1
+    if resume is None:  # a learner that exited 0 wrote its final checkpoint: this one did not
+        print_line(errors, f"error: the run ended without a checkpoint in {run_dir / 'checkpoints'} "
+                           f"({launch.learner.log_note()})", "red")
         return 1
     stopped = ended_by == "callback" and callbacks is not None
     lines = end_lines(run_dir, records, resumable=stopped)
@@ -607,6 +624,19 @@ def report(launch: Launch, ended_by: str, stop: StopRequest, console: Console) -
                else f"done: run folder {run_dir}")
     print_line(console, lines[-1])
     return 0
+
+
+def _learner_failure(learner: Child, status: int, actor_error: str = "") -> str:
+    """``the learner <exited with status N: its error | was killed by SIG...>`` with its log (and, for
+    SIGKILL, the OOM killer's part), for a learner that exited with ``status`` != 0."""
+    note = learner.log_note()
+    if status < 0:  # a signal the launcher did not send (the launcher's own stop ends as "signal")
+        reason = f"the learner {exit_description(status)}"
+        if status == -signal.SIGKILL:
+            note = f"out of memory? the kernel's OOM killer sends SIGKILL: see dmesg; {note}"
+    else:
+        reason = f"the learner {exit_description(status)}: {learner.stop_reason() or 'its output holds no error'}"
+    return f"{reason}{actor_error} ({note})"
 
 
 def main(config: OakEmuConfig, resume: Path | None = None, *, preset: Preset | None = None,

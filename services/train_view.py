@@ -234,6 +234,17 @@ def _video(run_dir: Path, name: str, record: dict[str, Any]) -> Path | None:
     return path if path.is_file() else None
 
 
+def policy_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint the next commands use: ``checkpoints/best.pt`` when kept, else ``checkpoints/latest.pt``
+    when it leads to a file, else the newest ``checkpoint_<n>.pt``; None when the run has no checkpoint."""
+    directory = run_dir / "checkpoints"
+    for path in (directory / BEST_NAME, directory / "latest.pt"):
+        if path.is_file():  # follows latest.pt's link: False for a dangling one
+            return path
+    numbered = sorted(directory.glob("checkpoint_*.pt")) if directory.is_dir() else []
+    return numbered[-1] if numbered else None
+
+
 def end_lines(run_dir: Path, records: list[dict[str, Any]], *, resumable: bool) -> list[str]:
     """What a run that ended cleanly leaves to say, given its ``metrics.jsonl`` ``records``:
 
@@ -241,8 +252,9 @@ def end_lines(run_dir: Path, records: list[dict[str, Any]], *, resumable: bool) 
       (the best part when the tester kept ``best.pt``);
     * ``videos: best <path>, final <path>``: ``videos/best.mp4`` and ``videos/final.mp4``, or else the
       ``videos/update_<policy version>.mp4`` of those evaluations, those that exist;
-    * ``next: ...`` the commands that come next: ``oakemu evaluate`` and ``oakemu export`` of ``best.pt``
-      (else the latest checkpoint), ``tensorboard``, and ``oakemu train --resume`` when ``resumable``.
+    * ``next: ...`` the commands that come next: ``oakemu evaluate`` and ``oakemu export`` of
+      :func:`policy_checkpoint` (none without a checkpoint), ``tensorboard``, and ``oakemu train --resume``
+      when ``resumable``.
     """
     lines = []
     evaluations = [r for r in records if isinstance(r.get(EVAL_EPISODIC_RETURN), (int, float))]
@@ -258,9 +270,9 @@ def end_lines(run_dir: Path, records: list[dict[str, Any]], *, resumable: bool) 
         named = [f"{which} {path}" for which, path in videos.items() if path is not None]
         if named:
             lines.append(f"videos: {', '.join(named)}")
-    checkpoint = best_file if best_file.is_file() else run_dir / "checkpoints" / "latest.pt"
-    commands = [f"oakemu evaluate {checkpoint}", f"oakemu export {checkpoint} DIR",
-                f"tensorboard --logdir {run_dir.parent}"]
+    checkpoint = policy_checkpoint(run_dir)
+    commands = [f"oakemu evaluate {checkpoint}", f"oakemu export {checkpoint} DIR"] if checkpoint is not None else []
+    commands.append(f"tensorboard --logdir {run_dir.parent}")
     if resumable:
         commands.insert(0, f"oakemu train --resume {run_dir}")
     lines.append("next: " + "; ".join(commands))

@@ -2,7 +2,7 @@
 
 - a full disk during a run (a real 2 MiB tmpfs mounted by the test): training goes on, the previous
   checkpoint stays loadable, the error names the file, JSON lines stay whole, checkpoints resume after
-  space comes back;
+  space comes back; a final checkpoint that cannot be written makes ``oakemu train`` exit 1 naming it;
 - ``kill -9`` + resume, three times: ``global_step`` never goes back in ``metrics.jsonl`` / ``episodes.jsonl``;
 - a flood of malformed frames: a bounded number of log lines, exact counters, and every message the
   learner read is accepted, rejected by reason or a late step (books balanced over real sockets);
@@ -151,6 +151,34 @@ def test_checkpoints_that_keep_failing_make_oakemu_train_exit_1_naming_the_file(
     assert "error: the learner exited with status 1" in out and "done:" not in out, train.describe()
     assert "checkpoint writes in a row failed" in out and str(run_dir / "checkpoints") in out, train.describe()
     assert "No space left on device" in out and "Traceback" not in out, train.describe()
+    e2e.assert_clean(timeout_s=10)
+
+
+def test_a_run_whose_final_checkpoint_cannot_be_written_exits_1_naming_the_file_and_the_bytes(
+        small_tmpfs: Path, e2e: E2EProcesses) -> None:
+    """The disk fills during the run, before any checkpoint: the budget is trained, the final checkpoint
+    fails, and ``oakemu train`` ends with one error line naming it (not ``done:`` and a ``next:`` line
+    naming a ``latest.pt`` that does not exist), exit 1, also though the learner's log is cut off."""
+    e2e.runs_dir = small_tmpfs / "runs"
+    run_dir = e2e.runs_dir / RUN_NAME
+    telemetry = e2e.telemetry()
+    train = e2e.start("train", [
+        "train", "--env", "CartPole-v1", "--num-actors", "1", "--envs-per-actor", "2", "--rollout-length", "16",
+        "--ppo-epochs", "1", "--num-minibatches", "2", "--total-env-steps", "6400", "--run-name", RUN_NAME,
+        "--checkpoint-every-updates", "100000", *e2e.flags()])
+    explain = describe_all(train)
+    telemetry.wait(lambda s: s.iterations >= 1, 120, "an update", explain)
+    fill_disk(small_tmpfs)
+    status = train.wait(timeout_s=180)
+    out = train.stderr()
+    assert status == 1, train.describe()
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("error: the learner exited with status 1: final checkpoint "
+                           f"{run_dir}/checkpoints/checkpoint_"), train.describe()
+    assert "not written: [Errno 28] No space left on device" in last and "bytes needed" in last, last
+    assert "bytes free" in last and "Traceback" not in out, last
+    assert "done:" not in out and "next:" not in out, train.describe()
+    assert not list((run_dir / "checkpoints").glob("checkpoint_*.pt"))
     e2e.assert_clean(timeout_s=10)
 
 

@@ -176,6 +176,23 @@ def test_checkpoint_writer_with_an_injected_write_error(tmp_path: Path, monkeypa
     _check_full_disk_checkpoints(tmp_path / "run", lambda: full.update(on=True), lambda: full.update(on=False), caplog)
 
 
+def test_a_failed_final_checkpoint_is_logged_as_the_final_one_and_known_as_not_written(
+        small_tmpfs: Path, caplog: pytest.LogCaptureFixture) -> None:
+    run_dir = small_tmpfs / "run"
+    writer = CheckpointWriter(run_dir, keep_last=2, max_consecutive_failures=1)
+    filler = fill_disk(small_tmpfs)
+    writer.final = True
+    with caplog.at_level(logging.ERROR, logger="oakemu.checkpoint"):
+        assert writer.save(7, _state(7)) is None  # no CheckpointWriteFailed: no retry follows anyway
+    [message] = [r.getMessage() for r in caplog.records]
+    path = run_dir / "checkpoints" / "checkpoint_00000007.pt"
+    assert message.startswith(f"final checkpoint {path} not written: [Errno 28] No space left on device ("), message
+    assert "bytes needed" in message and "bytes free" in message and "no earlier checkpoint" in message
+    assert "training goes on" not in message and writer.final_saved is None
+    filler.unlink()
+    assert writer.save(7, _state(7)) == path and writer.final_saved == path
+
+
 # ------------------------------------------------------------------------------- log cuts
 def test_truncate_after_keeps_records_up_to_the_checkpoint_and_drops_torn_lines(tmp_path: Path) -> None:
     path = tmp_path / "episodes.jsonl"

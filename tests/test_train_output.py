@@ -95,6 +95,9 @@ def test_the_end_names_the_final_and_best_evaluation_their_videos_and_the_next_c
     (run_dir / "videos").mkdir()
     for version in (0, 10, 12):
         (run_dir / "videos" / f"update_{version}.mp4").write_bytes(b"")
+    (run_dir / "checkpoints").mkdir()
+    (run_dir / "checkpoints" / "checkpoint_00000012.pt").write_bytes(b"")
+    (run_dir / "checkpoints" / "latest.pt").symlink_to("checkpoint_00000012.pt")
     lines = end_lines(run_dir, metrics_records(run_dir), resumable=False)
     assert lines[0] == ("evaluation: final return 96.50 (policy version 12), best return 500.00 "
                         "(policy version 10)")  # no best.pt kept (no tester): nothing to point at
@@ -102,7 +105,6 @@ def test_the_end_names_the_final_and_best_evaluation_their_videos_and_the_next_c
     assert lines[-1].startswith(f"next: oakemu evaluate {run_dir}/checkpoints/latest.pt; oakemu export ")
     assert f"tensorboard --logdir {tmp_path / 'runs'}" in lines[-1] and "--resume" not in lines[-1]
 
-    (run_dir / "checkpoints").mkdir()
     (run_dir / "checkpoints" / "best.pt").write_bytes(b"")
     (run_dir / "videos" / "update_12.mp4").unlink()
     lines = end_lines(run_dir, metrics_records(run_dir), resumable=True)
@@ -121,6 +123,17 @@ def test_a_run_without_evaluations_ends_with_the_next_commands_only(tmp_path: Pa
     assert [line.split(":")[0] for line in end_lines(tmp_path, metrics_records(tmp_path), resumable=False)] == ["next"]
 
 
+def test_the_next_commands_never_name_a_checkpoint_that_does_not_exist(tmp_path: Path) -> None:
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    (directory / "latest.pt").symlink_to("checkpoint_00000079.pt")  # dangling: its write failed
+    [line] = end_lines(tmp_path, [], resumable=False)
+    assert line == f"next: tensorboard --logdir {tmp_path.parent}"
+    (directory / "checkpoint_00000050.pt").write_bytes(b"")
+    [line] = end_lines(tmp_path, [], resumable=False)
+    assert line.startswith(f"next: oakemu evaluate {directory / 'checkpoint_00000050.pt'}; oakemu export "), line
+
+
 # ------------------------------------------------------------------------------- how it ended
 def test_a_negative_status_is_named_as_the_signal_that_killed_the_process() -> None:
     assert exit_description(1) == "exited with status 1"
@@ -129,9 +142,11 @@ def test_a_negative_status_is_named_as_the_signal_that_killed_the_process() -> N
 
 
 def _launch(tmp_path: Path, learner_status: int, output: str = "") -> SimpleNamespace:
-    """What :func:`report` reads of a Launch whose learner exited with ``learner_status``."""
+    """What :func:`report` reads of a Launch whose learner exited with ``learner_status`` after writing
+    ``output``."""
     console = text_console()
-    learner = SimpleNamespace(stop_reason=lambda: None, log_note=lambda: f"log: {tmp_path / 'learner.log'}")
+    learner = SimpleNamespace(stop_reason=lambda: stop_reason(output),
+                              log_note=lambda: f"log: {tmp_path / 'learner.log'}")
     return SimpleNamespace(plan=SimpleNamespace(run_dir=tmp_path), errors=console, last_update=-1,
                            first_actor_error=None, callbacks=None, learner_status=learner_status, learner=learner)
 
@@ -143,7 +158,62 @@ def test_a_learner_killed_by_sigkill_exits_1_naming_the_signal(tmp_path: Path) -
     said = launch.errors.file.getvalue()
     assert status == 1, said
     assert "error: the learner was killed by SIGKILL (out of memory? the kernel's OOM killer" in said
-    assert "see its log" not in said
+    assert "see its log" not in said and "--resume" not in said  # no checkpoint to continue from
+
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "checkpoint_00000001.pt").write_bytes(b"")
+    launch = _launch(tmp_path, -9)
+    assert report(launch, "learner", StopRequest(), launch.errors) == 1  # type: ignore[arg-type]
+    said = launch.errors.file.getvalue()
+    assert said.rstrip().endswith(f"; continue with oakemu train --resume {tmp_path}"), said
+
+
+_BUDGET_SPENT_ON_A_FULL_DISK = "\n".join([
+    "2026-01-01T00:00:00.000+0000 ERROR oakemu.checkpoint: checkpoint r/checkpoints/checkpoint_00000050.pt not "
+    "written: [Errno 28] No space left on device (90000 bytes needed, 4096 bytes free on r/checkpoints); no earlier "
+    "checkpoint; training goes on, retried at the next checkpoint (1 of 5 failures in a row allowed)",
+    "2026-01-01T00:00:01.000+0000 INFO oakemu.learner: stopping: env-step budget reached",
+    "2026-01-01T00:00:02.000+0000 ERROR oakemu.checkpoint: final checkpoint r/checkpoints/checkpoint_00000079.pt not "
+    "written: [Errno 28] No space left on device (90000 bytes needed, 0 bytes free on r/checkpoints); no earlier "
+    "checkpoint",
+    "2026-01-01T00:00:02.000+0000 WARNING oakemu.learner: final checkpoint not written; the run resumes from its "
+    "start (no checkpoint)",
+])
+
+
+def test_a_run_whose_final_checkpoint_was_not_written_exits_1_naming_the_file_and_the_bytes(tmp_path: Path) -> None:
+    _write_metrics(tmp_path, {"global_step": 256, "charts/update": 1})
+    launch = _launch(tmp_path, 1, _BUDGET_SPENT_ON_A_FULL_DISK)
+    console = text_console()
+    assert report(launch, "learner", StopRequest(), console) == 1  # type: ignore[arg-type]
+    said = console.file.getvalue() + launch.errors.file.getvalue()  # the error console is written last
+    last = said.strip().splitlines()[-1]
+    assert last.startswith("error: the learner exited with status 1: final checkpoint "
+                           "r/checkpoints/checkpoint_00000079.pt not written: [Errno 28] No space left on device "
+                           "(90000 bytes needed, 0 bytes free on r/checkpoints)"), said
+    assert "either" not in last and "done:" not in said and "next:" not in said
+
+
+def test_a_learner_that_exited_0_without_a_checkpoint_is_no_success(tmp_path: Path) -> None:
+    _write_metrics(tmp_path, {"global_step": 256, "charts/update": 1})
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest.pt").symlink_to("checkpoint_00000001.pt")  # dangling
+    launch = _launch(tmp_path, 0)
+    console = text_console()
+    assert report(launch, "learner", StopRequest(), console) == 1  # type: ignore[arg-type]
+    said = launch.errors.file.getvalue() + console.file.getvalue()
+    assert f"error: the run ended without a checkpoint in {tmp_path / 'checkpoints'}" in said, said
+    assert "done:" not in said and "next:" not in said
+
+
+def test_an_older_metrics_record_is_not_shown_as_the_final_update(tmp_path: Path) -> None:
+    """metrics.jsonl cut short (a full disk) lags behind the updates already shown from telemetry."""
+    _write_metrics(tmp_path, {"global_step": 256, "charts/update": 63})
+    launch = _launch(tmp_path, 1, _BUDGET_SPENT_ON_A_FULL_DISK)
+    launch.last_update = 79
+    console = text_console()
+    report(launch, "learner", StopRequest(), console)  # type: ignore[arg-type]
+    assert "update    63" not in console.file.getvalue() + launch.errors.file.getvalue()
 
 
 def test_the_learner_stopped_by_failed_checkpoints_is_named_before_its_final_checkpoint() -> None:

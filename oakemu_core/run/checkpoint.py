@@ -284,7 +284,8 @@ def _latest_target(directory: Path) -> Path | None:
         return latest
     target = Path(os.readlink(latest))
     named = directory / target
-    if not target.is_absolute() and len(target.parts) == 1 and target.name not in (".", "..") and not named.is_symlink():
+    plain_name = not target.is_absolute() and len(target.parts) == 1 and target.name not in (".", "..")
+    if plain_name and not named.is_symlink():
         return named
     return latest.resolve()
 
@@ -439,7 +440,11 @@ class CheckpointWriter:
     - after ``max_consecutive_failures`` failures in a row, :meth:`save` raises
       :class:`CheckpointWriteFailed` with that message (training should stop).
 
-    A successful save resets :attr:`consecutive_failures` to 0. Not thread-safe: call it from one thread.
+    A successful save resets :attr:`consecutive_failures` to 0. Once the run stops, its owner sets
+    :attr:`final`: the next save is the run's final checkpoint; when it fails, one ERROR line
+    ``final checkpoint <file> not written: ...`` (the same details) is logged, :meth:`save` returns None
+    and raises nothing (no retry follows), and :attr:`final_saved` stays None. Not thread-safe: call it
+    from one thread (setting :attr:`final` from another before the final save is fine).
 
     Args:
         run_dir: the run folder.
@@ -469,6 +474,10 @@ class CheckpointWriter:
         """The newest checkpoint known to be complete (written by this writer, or found at start)."""
         self.last_error: str | None = None
         """The message of the last failure (None after a success)."""
+        self.final = False
+        """Set when the run stops: the next save is its final checkpoint (see the class docstring)."""
+        self.final_saved: Path | None = None
+        """The final checkpoint once written (a save after :attr:`final` was set); None until then."""
 
     def save(self, update: int, state: dict[str, Any]) -> Path | None:
         """Write the checkpoint of ``update`` (see the class docstring).
@@ -481,7 +490,8 @@ class CheckpointWriter:
             The numbered checkpoint path, or None when the write failed (logged and counted).
 
         Raises:
-            CheckpointWriteFailed: this was the ``max_consecutive_failures``-th failure in a row.
+            CheckpointWriteFailed: this was the ``max_consecutive_failures``-th failure in a row (never for
+                the final checkpoint, :attr:`final`).
             TypeError: ``state`` holds a value a checkpoint cannot hold (a bug, nothing is written).
             ValueError: negative ``update``.
         """
@@ -492,6 +502,9 @@ class CheckpointWriter:
             self.failures += 1
             self.consecutive_failures += 1
             self.last_error = self._describe_failure(path, state, error)
+            if self.final:
+                self.logger.error("final %s", self.last_error)
+                return None
             if self.consecutive_failures >= self.max_consecutive_failures:
                 raise CheckpointWriteFailed(
                     f"{self.consecutive_failures} checkpoint writes in a row failed (max_checkpoint_failures = "
@@ -503,6 +516,8 @@ class CheckpointWriter:
         self.consecutive_failures = 0
         self.last_error = None
         self.last_saved = path
+        if self.final:
+            self.final_saved = path
         return path
 
     def _describe_failure(self, path: Path, state: dict[str, Any], error: OSError) -> str:
