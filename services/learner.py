@@ -590,7 +590,7 @@ def main(config: OakEmuConfig) -> int:
     ports, (run_dir, run_lock) = claim_ports(config), claim_run_dir(config)
     # Resuming a folder: say which settings change; refuse (ResumeMismatchError, exit 2) another env,
     # other spaces or model, or a setting that cannot change, before anything in the folder is written.
-    changes = check_resume_folder(run_dir, config, check_model=False)  # the model is checked in restore
+    changes = check_resume_folder(run_dir, config, check_model=False).changes  # the model is checked in restore
     if changes:
         log.warning("resuming %s with changed settings (config.toml -> now): %s", run_dir, format_changes(changes))
     stop_event = install_stop_signals()

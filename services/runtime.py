@@ -207,12 +207,18 @@ def check_ports_free(config: OakEmuConfig) -> None:
 
 
 class PortsInUseError(ConfigError):
-    """Ports a learner needs are in use; :attr:`names` are their settings (``data_port``, ...)."""
+    """Ports a learner needs are in use; :attr:`names` are their settings (``data_port``, ...).
+
+    Args:
+        host: the address the ports were checked on.
+        taken: ``{setting: "setting=port"}``, the text naming the process that claimed it where a claim
+            did (``" (claimed by pid N)"``); the holder of a port taken without a claim is not known.
+    """
 
     def __init__(self, host: str, taken: dict[str, str]) -> None:
         flags = ", ".join("--" + name.replace("_", "-") for name in taken)
-        super().__init__(f"ports in use on {host}: {', '.join(taken.values())} (another learner or oakemu train "
-                         f"holds them); choose others with {flags}")
+        ports, others = ("port", "another") if len(taken) == 1 else ("ports", "others")
+        super().__init__(f"{ports} in use on {host}: {', '.join(taken.values())}; choose {others} with {flags}")
         self.names = tuple(taken)
 
 
@@ -291,7 +297,7 @@ def claim_ports(config: OakEmuConfig) -> PortClaims:
         if claim is not None:
             held.append(claim)
         elif holder is not None and holder not in own:
-            taken[name] = f"{name}={port} (claimed by {f'pid {holder}' if holder else 'another process'})"
+            taken[name] = f"{name}={port} (claimed by {f'pid {holder}' if holder else 'another oakemu process'})"
     try:
         check_ports_free(config)
     except PortsInUseError as error:

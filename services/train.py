@@ -55,6 +55,7 @@ from oakemu_core.run.run_folder import (
     format_changes,
     make_new_run_folder,
     make_run_folder,
+    spent_budget,
     write_text_atomic,
 )
 from oakemu_core.run.run_lock import RunFolderLock
@@ -287,6 +288,8 @@ class RunPlan:
     changes: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     """Warnings to show before the run starts (an unreadable checkpoint set aside)."""
+    resumed_from: str | None = None
+    """A resumed run: which checkpoint it continues from (:meth:`~oakemu_core.run.run_folder.ResumeCheck.describe`)."""
     lock: RunFolderLock | None = None
     ports: PortClaims | None = None
 
@@ -371,11 +374,12 @@ def plan_run(config: OakEmuConfig, resume: Path | None = None) -> RunPlan:
         notes: list[str] = []
         # A resumed folder: refuse another env / spaces / model, a setting that cannot change, or a run
         # with nothing left to train, before anything in it is written.
-        changes = check_resume_folder(run_dir, config, check_budget=True, notes=notes) if resume is not None else {}
+        check = check_resume_folder(run_dir, config, check_budget=True, notes=notes) if resume is not None else None
         make_run_folder(run_dir)
         write_text_atomic(run_dir / "config.toml", to_toml(config))
         undo.pop_all()
-    return RunPlan(config, run_dir, resumed=resume is not None, changes=changes, notes=notes, lock=lock, ports=ports)
+    return RunPlan(config, run_dir, resumed=resume is not None, changes=check.changes if check else {}, notes=notes,
+                   resumed_from=check.describe(run_dir) if check else None, lock=lock, ports=ports)
 
 
 def _claim_run_folder(config: OakEmuConfig, resume: Path | None, undo: contextlib.ExitStack) -> RunFolderLock:
@@ -389,13 +393,24 @@ def _claim_run_folder(config: OakEmuConfig, resume: Path | None, undo: contextli
     numbered = config.run_name is None
     name = default_run_name(config) if numbered else str(config.run_name)
     existed = not numbered and (runs_dir / name).exists()
-    lock = make_new_run_folder(runs_dir, name, numbered=numbered,
-                               hint=f"to continue that run once stopped: oakemu train --resume {runs_dir / name}; "
-                               "for a new run, choose another --run-name")
+    lock = make_new_run_folder(runs_dir, name, numbered=numbered, hint=_existing_run_hint)
     if not existed:  # runs last: after the lock file went, the folder and logs/ made here, if still empty
         undo.callback(_remove_empty, lock.run_dir)
     undo.callback(lock.release)
     return lock
+
+
+def _existing_run_hint(run_dir: Path, live: bool) -> str:
+    """What to do instead of ``--run-name`` of the run in ``run_dir``: resume it (once it stopped), with a
+    larger ``--total-env-steps`` when it trained its whole budget, or choose another name."""
+    new_run = "for a new run, choose another --run-name"
+    if live:
+        return f"to continue that run once stopped: oakemu train --resume {run_dir}; {new_run}"
+    spent = spent_budget(run_dir)
+    if spent is not None:
+        return (f"it trained its whole budget ({spent[0]:,} env steps, total_env_steps={spent[1]}); to train it "
+                f"longer: oakemu train --resume {run_dir} --total-env-steps N with N above {spent[0]}; {new_run}")
+    return f"to continue that run: oakemu train --resume {run_dir}; {new_run}"
 
 
 def _remove_empty(run_dir: Path) -> None:
@@ -639,6 +654,11 @@ def _learner_failure(learner: Child, status: int, actor_error: str = "") -> str:
     return f"{reason}{actor_error} ({note})"
 
 
+def _count(number: int, noun: str) -> str:
+    """``1 actor``, ``2 actors``."""
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
+
+
 def main(config: OakEmuConfig, resume: Path | None = None, *, preset: Preset | None = None,
          verbose: int = 1, callbacks: CallbackRunner | None = None, plan: RunPlan | None = None) -> int:
     """Run learner + actors until the env-step budget is spent or the user stops it.
@@ -670,16 +690,18 @@ def main(config: OakEmuConfig, resume: Path | None = None, *, preset: Preset | N
                       soft_wrap=True)
     for note in plan.notes:
         print_line(console, f"warning: {note}", "yellow")
+    if plan.resumed_from is not None:
+        print_line(console, plan.resumed_from)
     if plan.changes:
-        console.print(f"[yellow]resuming {plan.run_dir} with changed settings[/] (config.toml -> now): "
+        console.print("[yellow]changed settings[/] (config.toml -> now): "
                       f"{format_changes(plan.changes)}", highlight=False, soft_wrap=True)
     if config.rollback:
         console.print(f"rollback on: a collapsing run returns to its last good checkpoint with the learning rate "
                       f"x {config.rollback_lr_factor} (at most {config.max_rollbacks} times; --no-rollback turns it off)",
                       highlight=False, soft_wrap=True)
-    console.print(f"[bold]oakemu train[/]: {config.env_id}, {config.num_actors} actors x {config.envs_per_actor} "
-                  f"envs, {config.total_env_steps} env steps -> {plan.run_dir}" + (" (resumed)" if plan.resumed else ""),
-                  highlight=False, soft_wrap=True)
+    actors, envs = _count(config.num_actors, "actor"), _count(config.envs_per_actor, "env")
+    console.print(f"[bold]oakemu train[/]: {config.env_id}, {actors} x {envs}, {config.total_env_steps} env steps -> "
+                  f"{plan.run_dir}" + (" (resumed)" if plan.resumed else ""), highlight=False, soft_wrap=True)
     prometheus = f"; Prometheus: http://127.0.0.1:{config.metrics_port}/metrics" if config.metrics_enabled else ""
     console.print(f"live view: oakemu monitor {plan.run_dir}{prometheus}", highlight=False, soft_wrap=True)
     stop = install_stop_signals()

@@ -412,7 +412,9 @@ def test_a_port_in_use_exits_2_before_any_folder_or_process(
         assert cli.main(["train", "--env", "CartPole-v1", "--control-port", str(port), "--metrics-port", "0",
                          "--runs-dir", str(tmp_path / "runs")]) == 2
     err = capsys.readouterr().err
-    assert f"ports in use on 127.0.0.1: control_port={port}" in err and "--control-port" in err
+    assert f"oakemu train: error: port in use on 127.0.0.1: control_port={port}; choose another with " \
+           "--control-port" in err, err
+    assert "another learner" not in err  # a plain socket holds it: no guess who
     assert not (tmp_path / "runs").exists()
 
 
@@ -509,7 +511,8 @@ def test_the_learner_and_an_actor_turn_the_collector_on_once_ready(monkeypatch: 
     class FakeLearner:
         def __init__(self, config: OakEmuConfig, run_dir: Path) -> None:
             self.trainer = types.SimpleNamespace(
-                learner_model=types.SimpleNamespace(model=types.SimpleNamespace(has_convolutions=False)))
+                learner_model=types.SimpleNamespace(model=types.SimpleNamespace(has_convolutions=False)),
+                checkpoint_writer=types.SimpleNamespace(final_saved=run_dir / "checkpoint_00000001.pt"), running=False)
 
         def run(self, stop_event: threading.Event) -> int:
             serving.append(gc.isenabled())

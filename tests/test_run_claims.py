@@ -28,6 +28,7 @@ from oakemu_core.run.run_folder import check_config_complete, check_resume_folde
 from oakemu_core.run.run_lock import LOCK_FILE_NAME, RunFolderBusyError, RunFolderLock, holder_pid, live_holder
 from oakemu_services import cli
 from oakemu_services import train as launcher
+from oakemu_services.runtime import PortsInUseError, StopRequest
 from tests.e2e_helpers import REPO_ROOT
 
 FROZEN = "20240102-030405"
@@ -199,6 +200,44 @@ def test_run_name_of_a_stopped_run_is_refused_pointing_to_resume(
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
 
 
+def test_run_name_of_a_run_that_spent_its_budget_points_to_resume_with_a_larger_budget(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], no_processes: None) -> None:
+    run_dir = tmp_path / "runs" / "exp1"
+    _stopped_run(run_dir, trained=60_000)  # update 2 trained 120,000 of total_env_steps=100000
+    assert cli.main(["train", "--env", "CartPole-v1", "--run-name", "exp1", "--runs-dir", str(tmp_path / "runs")]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"{run_dir} exists and holds an earlier run; nothing was changed; it trained its whole budget (120,000 " \
+           "env steps, total_env_steps=100000)" in line, line
+    assert f"oakemu train --resume {run_dir} --total-env-steps N with N above 120000" in line, line
+    assert "once stopped" not in line and "another --run-name" in line
+
+
+def test_a_resumed_run_says_which_checkpoint_it_continues_from(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    run_dir = tmp_path / "runs" / "exp1"
+    config = _stopped_run(run_dir, updates=(1, 2), trained=25_600).model_copy(
+        update={"num_actors": 1, "envs_per_actor": 1})
+
+    class Launched(Exception):
+        """What the test's Launch raises: the console lines before the processes start are printed."""
+
+    def launch(*_args: Any, **_kwargs: Any) -> None:
+        raise Launched
+
+    monkeypatch.setattr(launcher, "install_stop_signals", StopRequest)
+    monkeypatch.setattr(launcher, "Launch", launch)
+    plan = launcher.plan_run(config, resume=run_dir)
+    try:
+        with pytest.raises(Launched):
+            launcher.main(config, plan=plan)
+    finally:
+        plan.release()
+    err = capsys.readouterr().err
+    assert f"resuming {run_dir} from checkpoint_00000002.pt (update 2, 51,200 env steps trained)\n" in err, err
+    assert ": CartPole-v1, 1 actor x 1 env, 100000 env steps -> " in err, err
+    assert "changed settings (config.toml -> now): " in err and f"resuming {run_dir} with" not in err
+
+
 # ------------------------------------------------------------------- unreadable checkpoints
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
 def test_resume_skips_an_unreadable_newest_checkpoint_with_a_warning(tmp_path: Path, damage: str) -> None:
@@ -312,8 +351,12 @@ def test_a_port_claimed_by_a_run_that_is_starting_is_refused_fast(
         starting.send_signal(signal.SIGKILL)
         starting.wait(10)
     line = _one_error_line(capsys.readouterr().err)
-    assert f"ports in use on 127.0.0.1: weights_port={weights} (claimed by pid {starting.pid})" in line, line
-    assert "--weights-port" in line and took < 10
+    assert f"port in use on 127.0.0.1: weights_port={weights} (claimed by pid {starting.pid}); choose another with " \
+           "--weights-port" in line, line
+    assert took < 10
+    plural = str(PortsInUseError("127.0.0.1", {"data_port": "data_port=5555", "weights_port": "weights_port=5557"}))
+    assert plural == ("ports in use on 127.0.0.1: data_port=5555, weights_port=5557; choose others with --data-port, "
+                      "--weights-port")
     assert not (tmp_path / "runs").exists()
 
 

@@ -194,6 +194,21 @@ def test_a_run_whose_final_checkpoint_was_not_written_exits_1_naming_the_file_an
     assert "either" not in last and "done:" not in said and "next:" not in said
 
 
+def test_a_stop_by_ctrl_c_whose_final_checkpoint_failed_says_so_last(tmp_path: Path) -> None:
+    import signal
+
+    _write_metrics(tmp_path, {"global_step": 256, "charts/update": 1})
+    launch = _launch(tmp_path, 1, _BUDGET_SPENT_ON_A_FULL_DISK)
+    stop = StopRequest()
+    stop.signum = signal.SIGINT
+    console = text_console()
+    assert report(launch, "signal", stop, console) == 130  # type: ignore[arg-type]
+    said = console.file.getvalue() + launch.errors.file.getvalue()
+    assert f"stopped by SIGINT: run folder {tmp_path}\n" in said, said  # no checkpoint: no --resume
+    assert said.strip().splitlines()[-1].startswith("error: the learner exited with status 1: final checkpoint "
+                                                    "r/checkpoints/checkpoint_00000079.pt not written"), said
+
+
 def test_a_learner_that_exited_0_without_a_checkpoint_is_no_success(tmp_path: Path) -> None:
     _write_metrics(tmp_path, {"global_step": 256, "charts/update": 1})
     (tmp_path / "checkpoints").mkdir()

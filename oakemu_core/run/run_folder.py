@@ -18,6 +18,7 @@ refuses the ones that cannot change (:data:`IMMUTABLE_FIELDS`).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -25,7 +26,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ __all__ = [
     "IMMUTABLE_FIELDS",
     "LOG_FILE_NAMES",
     "PORT_FIELDS",
+    "ResumeCheck",
     "ResumeMismatchError",
     "check_config_complete",
     "check_resume_compatible",
@@ -48,6 +50,7 @@ __all__ = [
     "make_run_folder",
     "read_json_lines",
     "resume_step",
+    "spent_budget",
     "truncate_after",
     "truncate_run_logs",
     "write_text_atomic",
@@ -320,8 +323,33 @@ def truncate_run_logs(run_dir: Path, global_step: int, *, update: int | None = N
 
 
 # ------------------------------------------------------------------------------ whole folder
+@dataclasses.dataclass(frozen=True)
+class ResumeCheck:
+    """What :func:`check_resume_folder` found in a run folder.
+
+    Attributes:
+        changes: ``{setting: (old, new)}`` of the settings a resume changes ({} for a new run).
+        checkpoint: the checkpoint the run resumes from; None when the folder has none (a new run).
+        update: that checkpoint's PPO update (0 without one).
+        trained_env_steps: the env steps it trained on, the count the budget is spent by (0 without one).
+    """
+
+    changes: dict[str, tuple[Any, Any]] = dataclasses.field(default_factory=dict)
+    checkpoint: Path | None = None
+    update: int = 0
+    trained_env_steps: int = 0
+
+    def describe(self, run_dir: Path) -> str:
+        """``resuming RUN_DIR from checkpoint_<n>.pt (update N, S env steps trained)``, or, without a
+        checkpoint, that training starts from the beginning."""
+        if self.checkpoint is None:
+            return f"resuming {run_dir}: it has no checkpoint yet, training starts from the beginning"
+        return (f"resuming {run_dir} from {self.checkpoint.name} (update {self.update}, "
+                f"{self.trained_env_steps:,} env steps trained)")
+
+
 def check_resume_folder(run_dir: Path, config: Any, *, check_model: bool = True, check_budget: bool = False,
-                        notes: list[str] | None = None) -> dict[str, tuple[Any, Any]]:
+                        notes: list[str] | None = None) -> ResumeCheck:
     """Everything a process checks before it writes into a run folder it may resume; call it holding
     the folder (:class:`~oakemu_core.run.run_lock.RunFolderLock`).
 
@@ -342,7 +370,8 @@ def check_resume_folder(run_dir: Path, config: Any, *, check_model: bool = True,
         notes: receives one line per unreadable checkpoint set aside; None logs them as warnings.
 
     Returns:
-        ``{field: (old, new)}`` of the settings that will change (for a warning); {} for a new run.
+        :class:`ResumeCheck`: the settings that will change (for a warning) and the checkpoint the run
+        resumes from; no changes and no checkpoint for a new run.
 
     Raises:
         ResumeMismatchError: a setting that cannot change differs, or the checkpoint was made for
@@ -356,7 +385,7 @@ def check_resume_folder(run_dir: Path, config: Any, *, check_model: bool = True,
     # A new run has no checkpoint file yet: answer without importing torch (checkpoint.py does),
     # which would hold up ``oakemu train`` before it starts any child process.
     if not any((Path(run_dir) / "checkpoints").glob("*.pt")):
-        return {}
+        return ResumeCheck()
     from oakemu_core.run.checkpoint import newest_readable_checkpoint, set_aside_unreadable
 
     changes: dict[str, tuple[Any, Any]] = {}
@@ -371,7 +400,7 @@ def check_resume_folder(run_dir: Path, config: Any, *, check_model: bool = True,
             changes = config_changes(old, config.model_dump(mode="json"))
     found = newest_readable_checkpoint(Path(run_dir))
     if found is None:
-        return changes
+        return ResumeCheck(changes)
     checkpoint, state, unreadable = found
     from oakemu_core.envs.factory import env_spec
     from oakemu_core.policy.schemas import schema_for_env
@@ -392,7 +421,12 @@ def check_resume_folder(run_dir: Path, config: Any, *, check_model: bool = True,
             notes.append(note)
         else:
             log.warning("%s", note)
-    return changes
+    from oakemu_core.run.checkpoint import checkpoint_trained_steps
+
+    ppo = state.get("ppo")
+    update = ppo.get("iterations") if isinstance(ppo, Mapping) else None
+    return ResumeCheck(changes, checkpoint, int(update) if isinstance(update, int) else 0,
+                       checkpoint_trained_steps(state))
 
 
 def _check_budget_left(state: Mapping[str, Any], total_env_steps: int, run_dir: Path) -> None:
@@ -406,6 +440,26 @@ def _check_budget_left(state: Mapping[str, Any], total_env_steps: int, run_dir: 
             f"{run_dir}: the run already reached its budget ({trained} env steps trained by update "
             f"{update}, total_env_steps={total_env_steps}); to train it longer, raise --total-env-steps"
         )
+
+
+def spent_budget(run_dir: Path) -> tuple[int, int] | None:
+    """``(trained, total_env_steps)`` when the run in ``run_dir`` trained its whole budget: the env steps
+    its newest readable checkpoint trained on and the ``total_env_steps`` of its ``config.toml``; None
+    when it has budget left or either cannot be read. Reads only (loads the checkpoint: imports torch)."""
+    import tomllib
+
+    from oakemu_core.errors import CheckpointError
+    from oakemu_core.run.checkpoint import checkpoint_trained_steps, newest_readable_checkpoint
+
+    try:
+        total = tomllib.loads((Path(run_dir) / "config.toml").read_text(encoding="utf-8")).get("total_env_steps")
+        found = newest_readable_checkpoint(Path(run_dir))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, CheckpointError):
+        return None
+    if found is None or not isinstance(total, int):
+        return None
+    trained = checkpoint_trained_steps(found[1])
+    return (trained, total) if trained >= total else None
 
 
 _UNSET_LINE = re.compile(r"^#\s*([A-Za-z_]\w*) = \(unset\)\s*$", re.MULTILINE)
@@ -484,7 +538,8 @@ NEW_NAME_TRIES = 1000
 """How many numbered names (``name-2`` ... ``name-1000``) :func:`make_new_run_folder` tries."""
 
 
-def make_new_run_folder(runs_dir: Path, name: str, *, numbered: bool, hint: str = "") -> RunFolderLock:
+def make_new_run_folder(runs_dir: Path, name: str, *, numbered: bool,
+                        hint: str | Callable[[Path, bool], str] = "") -> RunFolderLock:
     """Make a new run folder ``runs_dir/name`` and hold it (:class:`RunFolderLock`): a new run never
     writes into a folder that exists.
 
@@ -497,7 +552,8 @@ def make_new_run_folder(runs_dir: Path, name: str, *, numbered: bool, hint: str 
         runs_dir: the folder holding run folders.
         name: the run's name.
         numbered: take a numbered name when ``name`` exists, instead of refusing.
-        hint: (not numbered) what to do instead, appended to the refusal of an existing folder.
+        hint: (not numbered) what to do instead, appended to the refusal of an existing folder; or a
+            function of the folder and whether a live run holds it that returns that text.
 
     Returns:
         The lock; its ``run_dir`` is the folder made.
@@ -548,20 +604,24 @@ def _make_folder(folder: Path, runs_dir: Path, *, parents: bool = False) -> bool
     return True
 
 
-def _take_empty_folder(run_dir: Path, hint: str) -> RunFolderLock:
+def _take_empty_folder(run_dir: Path, hint: str | Callable[[Path, bool], str]) -> RunFolderLock:
     """Hold the existing ``run_dir`` for a new run when it is an empty folder; refuse it otherwise."""
-    then = f"; {hint}" if hint else ""
+
+    def then(live: bool) -> str:
+        text = hint(run_dir, live) if callable(hint) else hint
+        return f"; {text}" if text else ""
+
     if not run_dir.is_dir():
-        raise RunFolderError(f"{run_dir} exists and is not a folder; nothing was changed{then}")
+        raise RunFolderError(f"{run_dir} exists and is not a folder; nothing was changed{then(False)}")
     holder = live_holder(run_dir)
     if holder is not None:
-        raise RunFolderBusyError(f"{run_dir} is in use by a live run ({holder}); nothing was changed{then}")
+        raise RunFolderBusyError(f"{run_dir} is in use by a live run ({holder}); nothing was changed{then(True)}")
     if not _holds_files(run_dir):
-        lock = RunFolderLock.acquire(run_dir, hint=hint)
+        lock = RunFolderLock.acquire(run_dir, hint=then(True)[2:])
         if not _holds_files(run_dir):
             return lock
         lock.release()
-    raise RunFolderError(f"{run_dir} exists and holds an earlier run; nothing was changed{then}")
+    raise RunFolderError(f"{run_dir} exists and holds an earlier run; nothing was changed{then(False)}")
 
 
 def _holds_files(run_dir: Path) -> bool:
