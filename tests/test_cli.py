@@ -391,7 +391,7 @@ def test_device_cuda_without_a_gpu_exits_2_before_any_folder_or_process(
 
 def _forbid_processes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make ``oakemu train`` fail the test if it starts a learner or an actor."""
-    from oakemu_services.train import Child
+    from oakemu_services.train_children import Child
 
     def start(child: Any) -> None:
         raise AssertionError(f"{child.name} was started")

@@ -18,14 +18,8 @@ from rich.console import Console
 from oakemu_core.run.callbacks import Callback, CallbackRunner, EvaluationInfo, RecordFollower, UpdateInfo
 from oakemu_core.run.telemetry import TelemetrySnapshot
 from oakemu_services.runtime import StopRequest
-from oakemu_services.train import (
-    ChildOutput,
-    _restart_crashed,
-    crash_traceback,
-    exit_description,
-    report,
-    stop_reason,
-)
+from oakemu_services.train import _restart_crashed, report
+from oakemu_services.train_children import ChildOutput, crash_traceback, exit_description, stop_reason
 from oakemu_services.train_view import BarView, PlainView, QuietView, end_lines, metrics_records, progress_view
 from tests.fault_helpers import fill_disk
 
