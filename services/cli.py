@@ -1,6 +1,6 @@
 """``oakemu`` command line: one entry point, one subcommand per service.
 
-    oakemu train [--preset NAME] [--resume RUN_DIR] [--config FILE] [SETTING ...]
+    oakemu train [--preset NAME] [--resume RUN] [--config FILE] [SETTING ...]
     oakemu learner [--config FILE] [SETTING ...]
     oakemu actor [--config FILE] [SETTING ...]
     oakemu monitor [RUN | --connect tcp://HOST:PORT] [--json] [--once] [--timeout S]
@@ -56,7 +56,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     parser = _Parser(prog=PROG, description="OakEmu-RL: actor/learner PPO on emulator games over ZeroMQ.",
                      allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)  # none: main lists them
     for add in (_add_train, _add_learner, _add_actor, _add_monitor, _add_evaluate, _add_export, _add_record,
                 _add_keygen):
         add(commands)
@@ -77,13 +77,14 @@ def _add_train(commands: Any) -> None:
         "train", help="train on this machine: a learner and num_actors actor processes",
         description="Start a learner and num_actors actors on this machine and train until total_env_steps env "
         "steps were trained; the run folder records the settings, logs, metrics and checkpoints.",
-        usage="%(prog)s [--preset NAME] [--resume RUN_DIR] [--config FILE] [SETTING ...]", allow_abbrev=False)
+        usage="%(prog)s [--preset NAME] [--resume RUN] [--config FILE] [SETTING ...]", allow_abbrev=False)
     start = train.add_argument_group("starting point")
     start.add_argument("--preset", default=None, metavar="NAME",
                        help=f"start from a preset's settings ({', '.join(preset_names())}); options, OAKEMU_* "
                        "variables and --config override them")
-    start.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
-                       help="continue the run in RUN_DIR from its last checkpoint, with its own settings")
+    start.add_argument("--resume", type=Path, default=None, metavar="RUN",
+                       help="continue a run from its last checkpoint, with its own settings: its folder, or its name "
+                       "in the runs folder (--runs-dir, default runs)")
     add_config_arguments(train, "train")
 
 
@@ -213,6 +214,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{PROG} {command_word}: warning: {warning}", file=sys.stderr)
     try:
         namespace, unknown = parser.parse_known_args(args)
+        if namespace.command is None:  # `oakemu` alone, or only options: name the commands
+            if unknown:
+                parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+            print(f"{PROG}: error: expected a command: {', '.join(subcommand_parsers)} ({PROG} --help describes them, "
+                  f"{PROG} COMMAND --help one)", file=sys.stderr)
+            return EXIT_USAGE
         if unknown:  # report with the subcommand's name, and the closest option it offers
             command_parser = subcommand_parsers[namespace.command]
             hint = unknown_option_hint(unknown[0], command_parser._option_string_actions, namespace.command)
@@ -249,9 +256,21 @@ def _train(namespace: argparse.Namespace) -> int:
     preset = load_preset(namespace.preset) if namespace.preset is not None else None
     base = dict(preset.settings) if preset is not None else {}
     if namespace.resume is not None:
+        namespace.resume = _resume_folder(namespace, base)
         base.update(resumed_settings(namespace.resume))
     config = config_from_namespace(namespace, base=base)
     return int(_service("train").main(config, namespace.resume, preset=preset))
+
+
+def _resume_folder(namespace: argparse.Namespace, base: dict[str, Any]) -> Path:
+    """The run folder ``--resume RUN`` names: RUN itself when it exists, else, for a name, ``RUN`` in the
+    runs folder (``--runs-dir``, ``OAKEMU_RUNS_DIR``, ``--config``'s or the preset's, default ``runs``), as
+    ``oakemu monitor RUN`` finds it; RUN again when neither exists (:func:`resumed_settings` refuses it)."""
+    run: Path = namespace.resume
+    if run.exists() or len(run.parts) != 1:
+        return run
+    named = Path(config_from_namespace(namespace, base=base).runs_dir) / run
+    return named if named.exists() else run
 
 
 def _monitor(namespace: argparse.Namespace) -> int:

@@ -146,3 +146,18 @@ def test_a_damaged_latest_target_is_set_aside_once_with_a_relative_run_path(
     assert (directory / "checkpoint_00000079.pt.unreadable").is_file()
     assert os.readlink(directory / "latest.pt") == "checkpoint_00000050.pt"
     assert load_checkpoint(directory / "latest.pt") == {"update": 50}
+
+
+def test_a_runs_checkpoints_keep_the_path_form_of_its_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Run.latest_checkpoint`` is relative when the run folder was given relative, as ``run_dir`` and
+    ``best_checkpoint`` are (not latest.pt's target resolved to an absolute path)."""
+    from oakemu_core.run.results import read_run
+
+    monkeypatch.chdir(tmp_path)
+    for run_dir in (Path("runs") / "r", tmp_path / "runs" / "r"):
+        save_run_checkpoint(run_dir, 3, {"update": 3})
+        (run_dir / "checkpoints" / "best.pt").write_bytes(b"")
+        run = read_run(run_dir)
+        assert run.run_dir == run_dir
+        assert run.latest_checkpoint == run_dir / "checkpoints" / "checkpoint_00000003.pt"
+        assert run.best_checkpoint == run_dir / "checkpoints" / "best.pt"

@@ -571,3 +571,13 @@ def test_an_unknown_command_is_one_line_naming_the_closest_one(
     assert cli.main([word, "--env", "CartPole-v1"]) == 2
     assert capsys.readouterr().err == f"oakemu: error: unknown command '{word}'{hint}\n"
     assert train.calls == []
+
+
+def test_oakemu_without_a_command_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([]) == 2
+    assert capsys.readouterr().err == ("oakemu: error: expected a command: train, learner, actor, monitor, evaluate, "
+                                       "export, record, keygen (oakemu --help describes them, oakemu COMMAND --help "
+                                       "one)\n")
+    assert cli.main(["--bogus"]) == 2
+    assert capsys.readouterr().err.startswith("oakemu: error: unrecognized arguments: --bogus")
+    assert cli.main(["--version"]) == 0 and capsys.readouterr().out.startswith("oakemu ")

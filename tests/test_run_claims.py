@@ -238,6 +238,29 @@ def test_a_resumed_run_says_which_checkpoint_it_continues_from(
     assert "changed settings (config.toml -> now): " in err and f"resuming {run_dir} with" not in err
 
 
+def test_resume_takes_a_run_name_in_the_runs_folder_as_monitor_does(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    _stopped_run(Path("runs") / "k9")
+    _stopped_run(Path("elsewhere") / "k8")
+    seen: dict[str, Any] = {}
+
+    def main(config: OakEmuConfig, resume: Path | None, **_kwargs: Any) -> int:
+        seen.update(config=config, resume=resume)
+        return 0
+
+    monkeypatch.setattr(launcher, "main", main)
+    assert cli.main(["train", "--resume", "k9"]) == 0
+    assert seen["resume"] == Path("runs/k9") and seen["config"].run_name == "k9"
+    assert cli.main(["train", "--resume", "k8", "--runs-dir", "elsewhere"]) == 0
+    assert seen["resume"] == Path("elsewhere/k8") and seen["config"].run_name == "k8"
+    assert cli.main(["train", "--resume", "runs/k9"]) == 0 and seen["resume"] == Path("runs/k9")
+    assert cli.main(["train", "--resume", "nope"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line == ("oakemu train: error: --resume nope: expected a run folder (runs/<name>/) or the name of one in "
+                    "the runs folder, received a path that does not exist"), line
+
+
 # ------------------------------------------------------------------- unreadable checkpoints
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
 def test_resume_skips_an_unreadable_newest_checkpoint_with_a_warning(tmp_path: Path, damage: str) -> None:

@@ -509,8 +509,8 @@ def resumed_settings(run_dir: Path) -> dict[str, Any]:
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise RunFolderError(f"--resume {run_dir}: expected a run folder (runs/<name>/), received a path that "
-                             f"{'is a file' if run_dir.exists() else 'does not exist'}")
+        raise RunFolderError(f"--resume {run_dir}: expected a run folder (runs/<name>/) or the name of one in the "
+                             f"runs folder, received a path that {'is a file' if run_dir.exists() else 'does not exist'}")
     config_toml = run_dir / "config.toml"
     if not config_toml.is_file():
         raise RunFolderError(f"--resume {run_dir}: expected a run folder written by oakemu train, received a "
