@@ -232,7 +232,8 @@ def test_a_resumed_run_says_which_checkpoint_it_continues_from(
             launcher.main(config, plan=plan)
     finally:
         plan.release()
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert out == ""  # the console is stderr's (the README: `> train.log 2>&1`)
     assert f"resuming {run_dir} from checkpoint_00000002.pt (update 2, 51,200 env steps trained)\n" in err, err
     assert ": CartPole-v1, 1 actor x 1 env, 100000 env steps -> " in err, err
     assert "changed settings (config.toml -> now): " in err and f"resuming {run_dir} with" not in err

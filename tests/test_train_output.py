@@ -128,6 +128,12 @@ def test_the_next_commands_never_name_a_checkpoint_that_does_not_exist(tmp_path:
     assert line.startswith(f"next: oakemu evaluate {directory / 'checkpoint_00000050.pt'}; oakemu export "), line
 
 
+def test_the_readme_keeps_the_console_output_in_a_log_file_with_stderr() -> None:
+    """The console output goes to stderr (as tqdm's and rich's): a log file needs ``2>&1``."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    assert "`oakemu train ... > train.log 2>&1`" in readme
+
+
 # ------------------------------------------------------------------------------- how it ended
 def test_a_negative_status_is_named_as_the_signal_that_killed_the_process() -> None:
     assert exit_description(1) == "exited with status 1"
