@@ -266,7 +266,8 @@ class OakEmuConfig(PPOSettings, EnvSettings, EvaluationSettings, BaseSettings):
 
     # --- policy routing (oakemu_core/actor/routing.py): routed steps are stored for GAE, never trained on ---
     route_random_first_steps: int = Field(
-        0, ge=0, description="Random actions for the first N steps of every episode (non-trainable rows)."
+        0, ge=0, description="Random actions for the first N steps of every game (all its Atari lives; "
+        "non-trainable rows)."
     )
     route_random_probability: float = Field(
         0.0, ge=0.0, le=1.0, description="Probability that a step is random-controlled (non-trainable row)."

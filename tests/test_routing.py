@@ -51,6 +51,9 @@ class _RecordingEnv:
     def action_masks(self):
         return self._env.action_masks()
 
+    def forced_actions(self):
+        return self._env.forced_actions()
+
     def step(self, actions):
         self.actions.append(np.array(actions))
         return self._env.step(actions)

@@ -269,3 +269,69 @@ def test_rows_carry_the_revision_of_the_weights_that_acted(groups: int) -> None:
         assert (stepper.step().policy_version, stepper.step().policy_revision) == (4, 0)
     finally:
         env.close()
+
+
+class ForcingBackend:
+    """A CartPole backend that plays action 0 on env 0 every other step whatever it is sent (as Atari's FIRE
+    after a lost life), and keeps the actions it played."""
+
+    def __init__(self, backend) -> None:
+        self._backend, self.spec, self.num_envs = backend, backend.spec, backend.num_envs
+        self.steps, self.played = 0, []
+
+    def reset(self, seed):
+        return self._backend.reset(seed)
+
+    def forced_actions(self):
+        return (np.array([0]), np.zeros(1, self.spec.action_dtype)) if self.steps % 2 == 0 else None
+
+    def step(self, actions):
+        if self.forced_actions() is not None:
+            actions = actions.copy()
+            actions[0] = 0
+        self.steps += 1
+        self.played.append(actions.copy())
+        return self._backend.step(actions)
+
+    def close(self) -> None:
+        self._backend.close()
+
+
+@pytest.mark.parametrize("routed", [False, True])
+def test_rows_whose_action_the_env_forces_store_that_action_non_trainable(routed: bool) -> None:
+    """The row stores the action the env played, log pi of it by the acting policy, trainable False; routing
+    applies to the other rows; an env that forces nothing (CartPole) is unaffected."""
+    from oakemu_core.actor.routing import PolicyRouter, RoutingConfig
+    from oakemu_core.envs.vector import VectorEnv
+
+    plain = make_vector_env("CartPole-v1", 3, seed=SEED)
+    backend = ForcingBackend(plain._backend)
+    env = VectorEnv(backend, seed=SEED, clip_rewards=False)
+    torch.manual_seed(0)
+    model = build_model(env.spec.observation_layout, distribution_for_env(env.spec))
+    router = PolicyRouter(env.spec, 3, RoutingConfig(random_probability=0.5), seed=0) if routed else None
+    try:
+        plain.reset()
+        assert plain.forced_actions() is None
+        stepper = PolicyStepper(env, model, router=router)
+        observations, actions, log_probs, trainable = [], [], [], []
+        for _ in range(40):
+            b = stepper.step().buffers
+            for kept, value in zip((observations, actions, log_probs, trainable),
+                                   (b.observations, b.actions, b.log_probs, b.trainable), strict=True):
+                kept.append(value.copy())
+    finally:
+        env.close()
+    actions, trainable = np.stack(actions), np.stack(trainable)
+    np.testing.assert_array_equal(actions, np.stack(backend.played))  # the stored actions are the played ones
+    forced = np.zeros_like(trainable)
+    forced[::2, 0] = True
+    assert (actions[forced] == 0).all() and not trainable[forced].any()
+    with torch.no_grad():
+        policy, _ = model.policy_and_values(torch.from_numpy(np.stack(observations).reshape(-1, 4)))
+        expected = policy.log_prob(torch.from_numpy(actions.reshape(-1))).numpy().reshape(actions.shape)
+    np.testing.assert_allclose(np.stack(log_probs), expected, atol=1e-5)
+    if routed:
+        assert 0.3 < trainable[~forced].mean() < 0.7
+    else:
+        assert trainable[~forced].all()

@@ -13,9 +13,15 @@ stays on-policy". A routed step is a normal step for everything but the PPO loss
   (:func:`oakemu_core.storage.rollout_buffer.normalize_advantages` uses trainable rows only) and the PPO
   ratio stays 1 on the first minibatch.
 
+Steps the env forces are stored the same way: where the env plays an action of its own whatever it is
+sent (the FIRE after a lost life of Atari life-loss episodes, :meth:`oakemu_core.envs.vector.VectorEnv.forced_actions`),
+:class:`~oakemu_core.actor.stepper.PolicyStepper` stores that action, its log pi under the acting policy and
+``trainable`` False (:func:`replace_actions`, the same replacement as a routed row's). The env's choice
+comes after the router's.
+
 Which envs are routed at a step (:meth:`PolicyRouter.decide`), in this order:
 
-1. **random** when the env's episode is younger than ``random_first_steps`` agent steps (e.g. the
+1. **random** when the env's game is younger than ``random_first_steps`` agent steps (e.g. the
    no-op-like exploration start many Atari setups use), or else with probability
    ``random_probability``;
 2. else **scripted** with probability ``scripted_probability`` (requires ``scripted_policy``);
@@ -57,6 +63,7 @@ __all__ = [
     "checked_actions",
     "load_callable",
     "random_actions",
+    "replace_actions",
 ]
 
 ROUTE_POLICY = 0
@@ -77,7 +84,9 @@ class RoutingConfig:
     """Routing settings (the ``route_*`` fields of :class:`oakemu_core.config.OakEmuConfig`).
 
     Attributes:
-        random_first_steps: the first N agent steps of every episode are random-controlled (>= 0).
+        random_first_steps: the first N agent steps of every game are random-controlled (>= 0). A game is
+            an episode of the env's statistics (``VectorStep.episode_env_ids``): with Atari life-loss
+            episodes it spans all its lives, so a lost life does not start a random phase.
         random_probability: each other step is random-controlled with this probability ([0, 1]).
         scripted_policy: ``module:callable`` of a scripted policy, or None.
         scripted_probability: a step that is not random is scripted with this probability ([0, 1]);
@@ -263,6 +272,30 @@ def _select_rows(observations: Any, rows: np.ndarray) -> Any:
     return observations[rows]
 
 
+def replace_actions(model: Any, bundle: PPOActionBundle, rows: np.ndarray, actions: np.ndarray, observations: Any,
+                    action_mask: np.ndarray | None) -> PPOActionBundle:
+    """``bundle`` with the actions of ``rows`` replaced by ``actions`` (a step the policy did not control).
+
+    Args:
+        model: the acting :class:`~oakemu_core.policy.models.ActorCritic`.
+        bundle: its output for all ``N`` envs (not modified).
+        rows: ``(k,)`` int env rows to replace, ``k >= 1``.
+        actions: ``(k, *action_shape)`` the actions taken there, of the action dtype.
+        observations: the observations the bundle was chosen on (array or dict, ``N`` rows).
+        action_mask: their masks ``(N, width)`` bool, or None.
+
+    Returns:
+        a new bundle whose ``rows`` hold ``actions`` and their log-probabilities log pi(action | s) under
+        ``model``; values and distribution fields stay the policy's (GAE needs V(s) of every row).
+    """
+    replaced = bundle.actions.copy()
+    replaced[rows] = actions
+    log_probs = bundle.log_probs.copy()
+    mask_rows = None if action_mask is None else np.asarray(action_mask)[rows]
+    log_probs[rows] = _log_probs(model, _select_rows(observations, rows), actions, mask_rows)
+    return PPOActionBundle(replaced, log_probs, bundle.values, dict(bundle.distribution_fields))
+
+
 @torch.no_grad()
 def _log_probs(model: Any, observations: Any, actions: np.ndarray, action_mask: np.ndarray | None) -> np.ndarray:
     """log pi(actions | observations) under ``model`` (an ActorCritic), ``(k,)`` float32 numpy."""
@@ -293,7 +326,8 @@ class PolicyRouter:
         scripted: the scripted policy callable; by default loaded from ``config.scripted_policy``.
 
     Attributes:
-        episode_steps: ``(N,)`` int64, agent steps taken so far in each env's current episode.
+        episode_steps: ``(N,)`` int64, agent steps taken so far in each env's current game (an
+            episode of the env's statistics; one life is not one).
         counts: routing decisions per route name (``"policy"``, ``"random"``, ``"scripted"``)
             since construction, one per env per :meth:`apply` (a :class:`PolicyStepper` decides
             one step ahead, so its counts include the next step's ``N`` decisions).
@@ -374,14 +408,14 @@ class PolicyRouter:
             return bundle, trainable
         rows = np.flatnonzero(~trainable)
         routed = self.routed_actions(routes, observations, action_mask)
-        actions = bundle.actions.copy()
-        actions[rows] = routed
-        log_probs = bundle.log_probs.copy()
-        mask_rows = None if action_mask is None else np.asarray(action_mask)[rows]
-        log_probs[rows] = _log_probs(model, _select_rows(observations, rows), routed, mask_rows)
-        return PPOActionBundle(actions, log_probs, bundle.values, dict(bundle.distribution_fields)), trainable
+        return replace_actions(model, bundle, rows, routed, observations, action_mask), trainable
 
-    def end_step(self, dones: np.ndarray) -> None:
-        """After the envs stepped: count the step, restart the episode counter of finished envs."""
+    def end_step(self, games_ended: np.ndarray) -> None:
+        """After the envs stepped: count the step, restart the counter of the envs whose game ended.
+
+        Args:
+            games_ended: ``(N,)`` bool, the rows whose game ended this step (the rows of
+                ``VectorStep.episode_env_ids``; ``dones`` where every episode is a game).
+        """
         self.episode_steps += 1
-        self.episode_steps[np.asarray(dones, dtype=bool)] = 0
+        self.episode_steps[np.asarray(games_ended, dtype=bool)] = 0

@@ -28,6 +28,12 @@ other groups' emulators step. The row returned is the same as with one vector en
 step's actions are already sent when :meth:`step` returns: :meth:`reselect` cannot change them (it
 returns False), and weights loaded in ``before_next_action`` act from the next call's actions on.
 Policy routing is not supported with groups.
+
+Forced actions: where the env plays an action of its own on the next step whatever it is sent
+(:meth:`oakemu_core.envs.vector.VectorEnv.forced_actions`: FIRE after a lost life of Atari life-loss
+episodes), the chosen bundle's row is replaced by the action the env takes, with its log pi under the
+acting policy, and sent with ``trainable=False``, as a routed row (:func:`oakemu_core.actor.routing.replace_actions`);
+the stored action is always the action the env executed. This holds with and without groups and routing.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from oakemu_core.actor.routing import PolicyRouter
+from oakemu_core.actor.routing import PolicyRouter, replace_actions
 from oakemu_core.actor.step_buffers import PPOActorStepBuffers
 from oakemu_core.envs.vector import EnvGroups, VectorEnv, VectorStep
 from oakemu_core.policy.action_bundle import PPOActionBundle
@@ -87,7 +93,8 @@ class PolicyStepper:
             whenever new weights are loaded.
         router: policy routing (:class:`oakemu_core.actor.routing.PolicyRouter`): routed envs act with
             a random or scripted action, their rows are sent with ``trainable=False`` (kept for
-            GAE, never trained on). None: every env is PPO-controlled and trainable.
+            GAE, never trained on). None: every env is PPO-controlled and trainable, except the rows
+            whose action the env forces (module docstring).
     """
 
     def __init__(self, env: VectorEnv | EnvGroups, model: ActorCritic, *, schema: StepSchema | None = None,
@@ -157,7 +164,7 @@ class PolicyStepper:
             self._observations = env_step.observations
             self._masks = env_step.action_masks if self.masked else None
             if self.router is not None:
-                self.router.end_step(dones)
+                self.router.end_step(_games_ended(env_step))
             self._bundle = None
             next_values = model.predict_values(self._observations).astype(np.float32, copy=False)
             return SteppedRow(buffers, acted_version, next_values, env_step, acted_revision)
@@ -166,7 +173,7 @@ class PolicyStepper:
         self._observations = env_step.observations
         self._masks = env_step.action_masks if self.masked else None
         if self.router is not None:
-            self.router.end_step(dones)
+            self.router.end_step(_games_ended(env_step))
         self._bundle, self._trainable = self._choose(self._observations, self._masks)
         self._bundle_version, self._bundle_revision = self.policy_version, self.weights_revision
         return SteppedRow(buffers, acted_version, self._bundle.values, env_step, acted_revision)
@@ -192,14 +199,18 @@ class PolicyStepper:
         self._g_obs = [group.reset() for group in env.groups]
         self._g_masks = [group.action_masks() if self.masked else None for group in env.groups]
         self._g_bundles: list[PPOActionBundle | None] = [None] * len(env.groups)
+        self._g_trainable = [np.ones(group.num_envs, np.bool_) for group in env.groups]
         self._g_versions = [(self.policy_version, self.weights_revision)] * len(env.groups)
         self._in_flight = False
         self._bundle = None
 
     def _send_group(self, g: int) -> PPOActionBundle:
-        bundle = self.model.act(self._g_obs[g], action_mask=self._g_masks[g])
+        group, observations, masks = self.env.groups[g], self._g_obs[g], self._g_masks[g]
+        bundle = self.model.act(observations, action_mask=masks)
+        bundle, self._g_trainable[g] = self._forced(group, bundle, np.ones(group.num_envs, np.bool_),
+                                                    observations, masks)
         self._g_bundles[g], self._g_versions[g] = bundle, (self.policy_version, self.weights_revision)
-        self.env.groups[g].step_async(bundle.actions)
+        group.step_async(bundle.actions)
         return bundle
 
     def _step_groups(self, before_next_action: Callable[[], None] | None, segment_end: bool) -> SteppedRow:
@@ -214,7 +225,7 @@ class PolicyStepper:
         buffers.record_observations(_concat([self._g_obs[g] for g in range(len(env.groups))]))
         if self.masked:
             buffers.record_action_masks(np.concatenate(self._g_masks))
-        buffers.record_action_bundle(_concat_bundles(self._g_bundles), trainable=self._all_trainable)
+        buffers.record_action_bundle(_concat_bundles(self._g_bundles), trainable=np.concatenate(self._g_trainable))
         acted_version, acted_revision = min(self._g_versions)  # the oldest weights that acted
         steps, next_values, bootstraps = [], [], []
         for g, group in enumerate(env.groups):
@@ -255,12 +266,32 @@ class PolicyStepper:
 
     def _choose(self, observations: Any, masks: np.ndarray | None) -> tuple[PPOActionBundle, Any]:
         """The next action bundle and its per-env trainable flags (``(n,)`` bool; routing applied
-        when configured)."""
+        when configured, then the env's forced actions)."""
         bundle = self.model.act(observations, action_mask=masks)
-        if self.router is None:
-            return bundle, self._all_trainable
-        bundle, trainable = self.router.apply(self.model, bundle, observations, masks)
-        return bundle, np.asarray(trainable, dtype=np.bool_)
+        trainable = self._all_trainable
+        if self.router is not None:
+            bundle, trainable = self.router.apply(self.model, bundle, observations, masks)
+            trainable = np.asarray(trainable, dtype=np.bool_)
+        return self._forced(self.env, bundle, trainable, observations, masks)
+
+    def _forced(self, env: VectorEnv, bundle: PPOActionBundle, trainable: np.ndarray, observations: Any,
+                masks: np.ndarray | None) -> tuple[PPOActionBundle, np.ndarray]:
+        """``bundle`` and ``trainable`` with the rows whose next action ``env`` forces replaced by that
+        action (log pi under the model) and marked non-trainable; unchanged (not copied) when none is."""
+        forced = env.forced_actions()
+        if forced is None:
+            return bundle, trainable
+        rows, actions = forced
+        trainable = trainable.copy()
+        trainable[rows] = False
+        return replace_actions(self.model, bundle, rows, actions, observations, masks), trainable
+
+
+def _games_ended(env_step: VectorStep) -> np.ndarray:
+    """``(n,)`` bool: the rows whose game ended on ``env_step`` (its episode statistics' rows)."""
+    ended = np.zeros(env_step.terminated.shape[0], dtype=np.bool_)
+    ended[env_step.episode_env_ids] = True
+    return ended
 
 
 def _concat(parts: list[Any]) -> Any:

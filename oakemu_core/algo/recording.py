@@ -246,6 +246,10 @@ def _play_episodes(env: Any, act: RecordingPolicy, episodes: int, source: str) -
     masks = env.action_masks()
     while len(buffers) < episodes:
         actions = checked_actions(spec, act(observations, masks), n, source=source)
+        forced = env.forced_actions()  # rows the env plays its own action on (Atari: FIRE after a lost life)
+        if forced is not None:
+            actions = actions.copy()
+            actions[forced[0]] = forced[1]
         step = env.step(actions)
         for row, episode in enumerate(running):
             episode.add_observation(observations, row)

@@ -82,7 +82,8 @@ class AtariBackend:
     the game is not restarted, and the step after it plays FIRE in place of the chosen action where the
     game's action set has FIRE: SB3's ``FireResetEnv`` plays it in steps the learner does not see, but
     ale-py's vector env steps all its envs at once, so here it is the first step of the new life.
-    :attr:`games_ended` marks the rows whose game ended (ale-py restarted them).
+    :meth:`forced_actions` names those rows before the step (the actor stores FIRE there, not the chosen
+    action). :attr:`games_ended` marks the rows whose game ended (ale-py restarted them).
 
     With ``screen=True`` the observations are the colour screen instead, ``(n, 1, 210, 160, 3)``
     uint8 (one frame, max-pooled over the last two of the frame skip): the same game, seeded the
@@ -191,6 +192,15 @@ class AtariBackend:
             final_observations = observations.copy()
             final_observations[self.games_ended] = reported[self.games_ended]
         return observations, rewards.astype(np.float64), terminated, truncated, final_observations, None
+
+    def forced_actions(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The rows whose next step plays FIRE whatever action :meth:`send` is given (a life was lost on
+        the last step, the game goes on): ``(rows (k,) int64, actions (k,) of the spec's action dtype)``,
+        ``k >= 1``; None when no row is forced (always without life-loss episodes or without FIRE)."""
+        if not self._serve.any():
+            return None
+        rows = np.flatnonzero(self._serve)
+        return rows, np.full(rows.size, self._fire, dtype=self.spec.action_dtype)
 
     def _order(self, info: dict[str, Any]) -> np.ndarray | None:
         """The permutation putting ale-py's rows in env order; None when they already are."""

@@ -162,6 +162,10 @@ class RecordingAtariBackend:
         """``(1,)`` bool: the env's game ended on the last step (a video is one game, not one life)."""
         return self._env.games_ended
 
+    def forced_actions(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The env's :meth:`~oakemu_core.envs.atari.AtariBackend.forced_actions` (the twin forces the same)."""
+        return self._env.forced_actions()
+
     def recv(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, None]:
         result = self._env.recv()
         if self._screen is not None:

@@ -14,6 +14,11 @@ Episodes for the learner and games: ``terminated`` / ``truncated`` end the learn
 episode statistics (``episode_returns``, ``episode_lengths``) count whole games. They differ only where a
 backend ends episodes before the game does (Atari life-loss episodes, SB3's ``EpisodicLifeEnv``: a lost
 life is ``terminated`` and the game goes on); such a backend says which rows' games ended in ``games_ended``.
+
+Forced actions: a backend may play an action of its own on some rows whatever it is sent (Atari life-loss
+episodes: FIRE on the step after a lost life, where SB3's ``FireResetEnv`` takes hidden steps);
+:meth:`VectorEnv.forced_actions` names them before the step, so that the actor stores the action taken
+(non-trainable, as a routed step: :mod:`oakemu_core.actor.routing`).
 """
 
 from __future__ import annotations
@@ -77,6 +82,10 @@ class Backend(Protocol):
     ``games_ended``: after each reset and step, ``(n,)`` bool, the rows whose game ended (and restarted),
     a subset of ``terminated | truncated``. :class:`VectorEnv` counts the episode statistics per game
     then; without it every done row ends a game.
+
+    A backend that plays actions of its own on some rows also has ``forced_actions()``: before each step,
+    ``(rows (k,) int64, actions (k, *action_shape) of spec.action_dtype)`` of the rows whose next action it
+    replaces (allowed by their masks), or None when none is; see :meth:`VectorEnv.forced_actions`.
     """
 
     spec: EnvSpec
@@ -147,6 +156,22 @@ class VectorEnv:
         None when the env has no masks (``spec.action_mask_width == 0``) or before the first reset.
         """
         return self._masks
+
+    def forced_actions(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The rows whose next step the env plays with an action of its own, whatever :meth:`step` is given.
+
+        Returns:
+            ``(rows, actions)``: ``rows`` ``(k,)`` int64 env rows, ``k >= 1``, ascending; ``actions``
+            ``(k, *spec.action_shape)`` of ``spec.action_dtype``, the actions those rows will take (Atari
+            life-loss episodes: FIRE after a lost life). None when no row is forced (most envs, always).
+
+        Raises:
+            RuntimeError: a step is in flight (between :meth:`step_async` and :meth:`step_wait`).
+        """
+        if self._in_flight is not None:
+            raise RuntimeError("VectorEnv.forced_actions: a step is in flight (call step_wait)")
+        forced = getattr(self._backend, "forced_actions", None)
+        return None if forced is None or self._needs_reset else forced()
 
     def step(self, actions: Any) -> VectorStep:
         """Step all envs with ``actions`` (one row per env, in the spec's normalised action space).
