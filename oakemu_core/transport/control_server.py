@@ -450,7 +450,7 @@ class ControlServer:
         for actor_id in sorted(pending):
             held = pending[actor_id]
             reply = self._grant_sync(held.request, now)
-            if held.identity is not None:
+            if not held.answered:
                 replies.append((held.identity, reply))
         return replies
 
@@ -458,10 +458,10 @@ class ControlServer:
         """A wait notice to each held join unanswered for :data:`JOIN_WAIT_NOTICE_S` (then it is answered)."""
         replies = []
         for held in self._pending_joins.values():
-            if held.identity is not None and now - held.asked_at >= JOIN_WAIT_NOTICE_S:
+            if not held.answered and now - held.asked_at >= JOIN_WAIT_NOTICE_S:
                 replies.append((held.identity, encode_join_reply(JoinReply(
                     False, self._wait_reason(now), -1, None, {}, self.policy_version, retry_after_s=0.0))))
-                held.identity = None
+                held.answered = True
         return replies
 
     @property
@@ -489,11 +489,14 @@ class ControlServer:
 @dataclass
 class _HeldJoin:
     """A synchronous-mode join waiting (:meth:`ControlServer.tick`): its request, asked at monotonic
-    ``asked_at``, and where to answer it (None: answered with a wait notice; it asks again)."""
+    ``asked_at``, and where to answer it (``identity``, the requester's ZeroMQ identity; None in tests
+    that call :meth:`ControlServer.reply` directly). ``answered``: a wait notice answered this request
+    already (the actor asks again; its retry replaces this record)."""
 
     identity: Any
     request: JoinRequest
     asked_at: float
+    answered: bool = False
 
 
 class _EveryLine:
