@@ -118,6 +118,7 @@ def test_a_callback_stops_training_early_quietly_and_train_returns_the_run(
             updates.append(info)
             return info.update < 3
 
+    before = _children_now()
     run = oakemu_core.train(preset="cartpole", total_env_steps=1_024_000, runs_dir=tmp_path / "runs",
                             callbacks=[StopAfterThreeUpdates(), seen.append], verbose=0)
     assert run.stopped_by_callback and run.exit_status == 0
@@ -127,7 +128,7 @@ def test_a_callback_stops_training_early_quietly_and_train_returns_the_run(
     assert 3 <= run.updates < 1_024_000 // 256 and run.latest_checkpoint is not None
     err = capfd.readouterr().err
     assert err == "", err
-    _no_child_process_left()
+    _no_child_process_left(before)
 
 
 @pytest.mark.slow
@@ -136,18 +137,28 @@ def test_an_exception_in_a_callback_stops_the_run_and_train_raises_it_after_clea
         if isinstance(info, oakemu_core.UpdateInfo) and info.update >= 2:
             raise ValueError("a bug in my callback")
 
+    before = _children_now()
     with pytest.raises(ValueError, match="a bug in my callback"):
         oakemu_core.train(preset="cartpole", total_env_steps=1_024_000, runs_dir=tmp_path / "runs", callbacks=broken,
                           verbose=0)
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert oakemu_core.load_policy(run_dir) is not None  # the final checkpoint of the stopped run
-    _no_child_process_left()
+    _no_child_process_left(before)
 
 
-def _no_child_process_left() -> None:
+def _children_now() -> set[int]:
+    """This process's descendants now: those of earlier tests (multiprocessing's resource tracker,
+    started by the first shared-memory segment made in this process) are not the run's."""
     import os
 
-    from tests.e2e_helpers import descendants, wait_for
+    from tests.e2e_helpers import descendants
 
-    wait_for(lambda: not descendants([os.getpid()]), 15, "the run's processes to exit",
-             on_timeout=lambda: str(descendants([os.getpid()])))
+    return descendants([os.getpid()])
+
+
+def _no_child_process_left(before: set[int]) -> None:
+    """Every process the run started has exited (``before``: :func:`_children_now` before the run)."""
+    from tests.e2e_helpers import wait_for
+
+    wait_for(lambda: not (_children_now() - before), 15, "the run's processes to exit",
+             on_timeout=lambda: str(_children_now() - before))

@@ -32,6 +32,7 @@ from oakemu_core.transport.control import (
     encode_join_request,
     encode_leave,
 )
+from oakemu_core.transport.peer_limits import JOIN_BURST_PER_HOST
 from oakemu_core.transport.step_ring import shared_memory_host_id
 from oakemu_core.transport.steps import StepMessage, encode_step
 from oakemu_services.learner import NOTICE_BURST, Learner
@@ -184,16 +185,21 @@ def test_a_join_asking_for_65536_envs_is_refused_and_makes_no_step_ring(harness:
 
 
 def test_a_join_flood_writes_a_bounded_number_of_log_lines(harness: Harness, caplog: pytest.LogCaptureFixture) -> None:
-    """300 joins from one connection (300 actor ids): every one served and counted, at most the notice
-    burst and a summary logged."""
+    """300 joins from one connection (300 actor ids): every one answered and counted, the host's burst
+    joined and the rest told to retry (the per-host join rate), at most the notice burst and a summary
+    logged."""
     learner, flooder = harness.learner, harness.client()
-    joined = learner.assembler.counters.accepted["join"]
+    counters = learner.assembler.counters
+    joined, throttled = counters.accepted["join"], counters.rejected["join_rate"]
     with caplog.at_level(logging.INFO, logger="oakemu.learner"):
-        for i in range(300):
-            assert join(harness, flooder, f"flood-{i}", f"inc-{i}").accepted
+        replies = [join(harness, flooder, f"flood-{i}", f"inc-{i}") for i in range(300)]
         learner.rejection_log["notices"].flush(time.monotonic() + 60.0)
     lines = [r for r in caplog.records if r.name == "oakemu.learner"]
-    assert learner.assembler.counters.accepted["join"] == joined + 300
+    accepted = sum(reply.accepted for reply in replies)
+    assert JOIN_BURST_PER_HOST <= accepted < 300
+    assert all(reply.retry_after_s > 0 and "too many joins" in reply.reason for reply in replies if not reply.accepted)
+    assert counters.accepted["join"] - joined == accepted
+    assert counters.rejected["join_rate"] - throttled == 300 - accepted
     assert len(lines) <= NOTICE_BURST + 2, [r.getMessage() for r in lines][-5:]
     assert "skipped the lines of" in lines[-1].getMessage() and "join" in lines[-1].getMessage()
 
