@@ -537,7 +537,6 @@ class Learner:
         what it handed back, then release sockets, loggers and shared memory (idempotent)."""
         try:
             self.trainer.handshake.report(self._progress())
-            self.trainer.checkpoint_writer.final = True  # the next checkpoint is the run's last
             self.trainer.stop()
             self._log_final_results()
         finally:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from oakemu_core.run.checkpoint import load_checkpoint, save_run_checkpoint
+from oakemu_core.run.checkpoint import CheckpointWriter, load_checkpoint, save_run_checkpoint
 from oakemu_core.policy.distributions import distribution_for_env
 from oakemu_core.envs import make_vector_env
 from oakemu_core.storage.assembler import FullRollout
@@ -36,6 +36,11 @@ from oakemu_core.policy.schemas import schema_for_env
 from oakemu_core.actor.stepper import PolicyStepper
 
 T, N = 32, 4
+
+
+def save_numbered(run_dir: Path, update: int, state: dict[str, Any], final: bool) -> Path:
+    """CheckpointPolicy's ``save_fn`` without a CheckpointWriter (final or not, the same file)."""
+    return save_run_checkpoint(run_dir, update, state)
 
 
 @pytest.fixture
@@ -98,7 +103,7 @@ def test_run_trains_published_rollouts_and_stops(cartpole, tmp_path: Path) -> No
     learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1))
     stepper = PolicyStepper(env, model)
     handshake = RolloutHandshake()
-    policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_run_checkpoint,
+    policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_numbered,
                               every_updates=2)
     stop_event = threading.Event()
     thread = threading.Thread(target=learner.run, args=(stop_event, lambda: 123, handshake, policy))
@@ -125,6 +130,28 @@ def test_run_trains_published_rollouts_and_stops(cartpole, tmp_path: Path) -> No
     assert (tmp_path / "checkpoints" / "checkpoint_00000002.pt").is_file()  # every 2 updates
 
 
+def test_only_the_final_checkpoint_save_counts_as_the_final_checkpoint(cartpole, tmp_path: Path) -> None:
+    """Periodic checkpoints (every update here), even one written after the stop was asked for, leave
+    CheckpointWriter.final_saved None; the save the stopped trainer makes (policy.final) sets it."""
+    env, _schema, buffer, model = cartpole
+    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1))
+    stepper = PolicyStepper(env, model)
+    handshake = RolloutHandshake()
+    writer = CheckpointWriter(tmp_path, keep_last=None)
+    policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, every_updates=1,
+                              save_fn=lambda _run_dir, update, state, final: writer.save(update, state, final=final))
+    with running(learner, handshake, policy):
+        for _ in range(2):
+            with learner.learner_model.locked():
+                rollout = fill(buffer, stepper, learner.policy_version)
+            handshake.publish(rollout)
+            while not handshake.results():
+                pass
+        assert writer.last_saved == tmp_path / "checkpoints" / "checkpoint_00000002.pt"
+        assert writer.final_saved is None
+    assert writer.final_saved == writer.last_saved == tmp_path / "checkpoints" / "checkpoint_00000002.pt"
+
+
 def test_rows_too_stale_to_train_never_count_as_trained_env_steps(cartpole, tmp_path: Path) -> None:
     """A rollout acted by a policy more than max_policy_lag versions old trains nothing: the run's budget
     (trained env steps) does not move, and the count survives a checkpoint."""
@@ -132,7 +159,7 @@ def test_rows_too_stale_to_train_never_count_as_trained_env_steps(cartpole, tmp_
     learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1, max_policy_lag=1))
     stepper = PolicyStepper(env, model)
     handshake = RolloutHandshake()
-    policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_run_checkpoint)
+    policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_numbered)
     trained, stale = [], []
     with running(learner, handshake, policy):
         for acted_by in (0, 1, 0):  # the third rollout: acted by version 0 when the learner is at 2
@@ -176,7 +203,7 @@ def test_run_writes_the_final_checkpoint_when_it_stops(cartpole, tmp_path: Path)
     learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1))
     stepper = PolicyStepper(env, model)
     handshake = RolloutHandshake()
-    no_periodic = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_run_checkpoint,
+    no_periodic = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_numbered,
                                    every_updates=0)
     with running(learner, handshake, no_periodic) as thread:
         with learner.learner_model.locked():
@@ -223,7 +250,7 @@ def test_weights_within_an_update_come_before_its_result(cartpole, tmp_path: Pat
                            revision_sink=lambda version, revision, weights: handshake.complete(
                                WeightsRevision(version, revision, weights)))
     stepper = PolicyStepper(env, model)
-    policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_run_checkpoint)
+    policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_numbered)
     stop_event = threading.Event()
     thread = threading.Thread(target=learner.run, args=(stop_event, lambda: 123, handshake, policy))
     thread.start()
@@ -302,7 +329,7 @@ def test_collapse_is_rolled_back_with_a_higher_policy_version(cartpole, tmp_path
     env, _schema, buffer, model = cartpole
     learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1))
     stepper = PolicyStepper(env, model)
-    policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_run_checkpoint,
+    policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_numbered,
                               health=HealthMonitor(), every_updates=1, lr_factor=0.5, max_rollbacks=2)
     rollout = fill(buffer, stepper, learner.policy_version)
     prepared = learner.prepare(rollout)
@@ -347,7 +374,7 @@ def test_learning_rate_that_destroys_the_policy_is_caught_by_the_kl_check(cartpo
     env, _schema, buffer, model = cartpole
     learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=4, ppo_epochs=4))
     stepper = PolicyStepper(env, model)
-    policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_run_checkpoint,
+    policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_numbered,
                               health=HealthMonitor(max_approx_kl=0.5), every_updates=1)
     prepared = learner.prepare(fill(buffer, stepper, 0))
     policy.after_update(learner, learner.step(0, prepared))
@@ -373,7 +400,7 @@ def test_evaluation_collapse_rolls_back_to_best(cartpole, tmp_path: Path) -> Non
 
     env, _schema, buffer, model = cartpole
     learner = make_learner(model, buffer, PPOExperimentConfiguration())
-    policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_run_checkpoint,
+    policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_numbered,
                               health=HealthMonitor(eval_fraction=0.5, eval_patience=3))
     policy.after_evaluation(learner, report(10.0, 0, weights_to_arrays(model)))
     best_weights = weights_to_arrays(model)

@@ -181,16 +181,17 @@ def test_a_failed_final_checkpoint_is_logged_as_the_final_one_and_known_as_not_w
     run_dir = small_tmpfs / "run"
     writer = CheckpointWriter(run_dir, keep_last=2, max_consecutive_failures=1)
     filler = fill_disk(small_tmpfs)
-    writer.final = True
     with caplog.at_level(logging.ERROR, logger="oakemu.checkpoint"):
-        assert writer.save(7, _state(7)) is None  # no CheckpointWriteFailed: no retry follows anyway
+        assert writer.save(7, _state(7), final=True) is None  # no CheckpointWriteFailed: no retry follows anyway
     [message] = [r.getMessage() for r in caplog.records]
     path = run_dir / "checkpoints" / "checkpoint_00000007.pt"
     assert message.startswith(f"final checkpoint {path} not written: [Errno 28] No space left on device ("), message
     assert "bytes needed" in message and "bytes free" in message and "no earlier checkpoint" in message
     assert "training goes on" not in message and writer.final_saved is None
     filler.unlink()
-    assert writer.save(7, _state(7)) == path and writer.final_saved == path
+    assert writer.save(7, _state(7)) == path and writer.final_saved is None  # a periodic save is not the final one
+    assert writer.save(8, _state(8), final=True) == run_dir / "checkpoints" / "checkpoint_00000008.pt"
+    assert writer.final_saved == run_dir / "checkpoints" / "checkpoint_00000008.pt"
 
 
 # ------------------------------------------------------------------------------- log cuts

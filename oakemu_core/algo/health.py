@@ -97,8 +97,9 @@ class CheckpointPolicy:
     Args:
         run_dir: the run folder (``checkpoints/`` inside).
         state_fn: returns the complete checkpoint state (learner state plus the service's counters).
-        save_fn: ``(run_dir, update, state) -> Path | None``: writes one numbered checkpoint and
-            points ``latest.pt`` at it (None when the write failed and was reported).
+        save_fn: ``(run_dir, update, state, final) -> Path | None``: writes one numbered checkpoint and
+            points ``latest.pt`` at it (None when the write failed and was reported); ``final`` is True
+            only for the run's final checkpoint (:meth:`final`).
         health: the collapse detector, None: no rollback.
         every_updates, every_seconds: periodic checkpoints (0: off).
         lr_factor: learning-rate multiplier per rollback, in (0, 1].
@@ -110,7 +111,7 @@ class CheckpointPolicy:
         run_dir: Path,
         *,
         state_fn: Callable[[], dict[str, Any]],
-        save_fn: Callable[[Path, int, dict[str, Any]], Path | None],
+        save_fn: Callable[[Path, int, dict[str, Any], bool], Path | None],
         health: HealthMonitor | None = None,
         every_updates: int = 50,
         every_seconds: float = 0.0,
@@ -133,10 +134,10 @@ class CheckpointPolicy:
     def best_path(self) -> Path:
         return self.best.path
 
-    def save(self, update: int) -> Path | None:
-        """Write a numbered checkpoint of the current state now."""
+    def save(self, update: int, *, final: bool = False) -> Path | None:
+        """Write a numbered checkpoint of the current state now (``final``: the run's final one)."""
         self._last_save = time.monotonic()
-        return self.save_fn(self.run_dir, update, self.state_fn())
+        return self.save_fn(self.run_dir, update, self.state_fn(), final)
 
     def after_update(self, learner: PPOLearner, stats: PPOUpdateStats | None) -> list[str]:
         """Judge the update, roll back if it collapsed, checkpoint when due; returns notes to log.
@@ -190,7 +191,7 @@ class CheckpointPolicy:
         was not written (a failed write, logged, or :class:`CheckpointWriteFailed`: too many
         failures in a row)."""
         try:
-            path = self.save(learner.iterations)
+            path = self.save(learner.iterations, final=True)
         except CheckpointWriteFailed as error:  # already logged as the reason to stop, or the last straw
             log.error("final checkpoint not written: %s", error)
             path = None

@@ -229,9 +229,10 @@ class Trainer:
             "env": {"env_id": self.spec.env_id, "schema": self.schema.to_dict()},
         }
 
-    def _save(self, run_dir: Path, update: int, state: dict[str, Any]) -> Path | None:
-        """None when the write failed (logged, counted); CheckpointWriteFailed after too many in a row."""
-        return self.checkpoint_writer.save(update, state)
+    def _save(self, run_dir: Path, update: int, state: dict[str, Any], final: bool) -> Path | None:
+        """None when the write failed (logged, counted); CheckpointWriteFailed after too many in a row
+        (never for the final checkpoint, ``final``)."""
+        return self.checkpoint_writer.save(update, state, final=final)
 
     def checkpoint(self) -> Path | None:
         """Write the final checkpoint now (None: not written, logged)."""

@@ -440,11 +440,10 @@ class CheckpointWriter:
     - after ``max_consecutive_failures`` failures in a row, :meth:`save` raises
       :class:`CheckpointWriteFailed` with that message (training should stop).
 
-    A successful save resets :attr:`consecutive_failures` to 0. Once the run stops, its owner sets
-    :attr:`final`: the next save is the run's final checkpoint; when it fails, one ERROR line
-    ``final checkpoint <file> not written: ...`` (the same details) is logged, :meth:`save` returns None
-    and raises nothing (no retry follows), and :attr:`final_saved` stays None. Not thread-safe: call it
-    from one thread (setting :attr:`final` from another before the final save is fine).
+    A successful save resets :attr:`consecutive_failures` to 0. The run's final checkpoint is the save
+    called with ``final=True``; when it fails, one ERROR line ``final checkpoint <file> not written: ...``
+    (the same details) is logged, :meth:`save` returns None and raises nothing (no retry follows), and
+    :attr:`final_saved` stays None. Not thread-safe: call it from one thread.
 
     Args:
         run_dir: the run folder.
@@ -474,24 +473,23 @@ class CheckpointWriter:
         """The newest checkpoint known to be complete (written by this writer, or found at start)."""
         self.last_error: str | None = None
         """The message of the last failure (None after a success)."""
-        self.final = False
-        """Set when the run stops: the next save is its final checkpoint (see the class docstring)."""
         self.final_saved: Path | None = None
-        """The final checkpoint once written (a save after :attr:`final` was set); None until then."""
+        """The final checkpoint once written (a successful ``save(..., final=True)``); None until then."""
 
-    def save(self, update: int, state: dict[str, Any]) -> Path | None:
+    def save(self, update: int, state: dict[str, Any], *, final: bool = False) -> Path | None:
         """Write the checkpoint of ``update`` (see the class docstring).
 
         Args:
             update: PPO update number (the file's number, >= 0).
             state: the checkpoint dict (plain values and tensors, see :func:`save_checkpoint`).
+            final: this is the run's final checkpoint (sets :attr:`final_saved` when written).
 
         Returns:
             The numbered checkpoint path, or None when the write failed (logged and counted).
 
         Raises:
             CheckpointWriteFailed: this was the ``max_consecutive_failures``-th failure in a row (never for
-                the final checkpoint, :attr:`final`).
+                the final checkpoint, ``final=True``).
             TypeError: ``state`` holds a value a checkpoint cannot hold (a bug, nothing is written).
             ValueError: negative ``update``.
         """
@@ -502,7 +500,7 @@ class CheckpointWriter:
             self.failures += 1
             self.consecutive_failures += 1
             self.last_error = self._describe_failure(path, state, error)
-            if self.final:
+            if final:
                 self.logger.error("final %s", self.last_error)
                 return None
             if self.consecutive_failures >= self.max_consecutive_failures:
@@ -516,7 +514,7 @@ class CheckpointWriter:
         self.consecutive_failures = 0
         self.last_error = None
         self.last_saved = path
-        if self.final:
+        if final:
             self.final_saved = path
         return path
 
