@@ -42,6 +42,7 @@ from oakemu_core.config import ConfigError, OakEmuConfig, resolved_device, to_to
 from oakemu_core.envs.factory import check_env
 from oakemu_core.presets import Preset
 from oakemu_core.run.callbacks import CallbackRunner, RecordFollower
+from oakemu_core.run.checkpoint_paths import latest_checkpoint
 from oakemu_core.run.metrics import METRICS_FILE_NAME
 from oakemu_core.run.run_folder import (
     check_config_complete,
@@ -71,7 +72,7 @@ from oakemu_services.train_children import (
     exit_description,
     last_error,
 )
-from oakemu_services.train_view import end_lines, policy_checkpoint, print_line, progress_view
+from oakemu_services.train_view import end_lines, print_line, progress_view
 from oakemu_services.train_view import final_update_line as _final_update_line
 from oakemu_services.train_view import metrics_records as _metrics_records
 
@@ -376,7 +377,7 @@ def report(launch: Launch, ended_by: str, stop: StopRequest, console: Console) -
         # The last update line agrees with metrics.jsonl even when the last telemetry was missed.
         print_line(console, final[1])
     actor_error = f"; first actor error: {launch.first_actor_error}" if launch.first_actor_error else ""
-    resume = f"oakemu train --resume {run_dir}" if policy_checkpoint(run_dir) is not None else None
+    resume = f"oakemu train --resume {run_dir}" if latest_checkpoint(run_dir) is not None else None
     callbacks = launch.callbacks
     if callbacks is not None and callbacks.error is not None:
         print_line(errors, f"error: {callbacks.stop_reason}: the run stopped (run folder {run_dir})", "red")

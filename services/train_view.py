@@ -24,6 +24,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from oakemu_core.run.checkpoint_paths import CHECKPOINT_DIR_NAME, latest_checkpoint
 from oakemu_core.run.metrics import EVAL_EPISODIC_RETURN, METRICS_FILE_NAME
 from oakemu_core.run.run_folder import read_json_lines
 from oakemu_core.run.telemetry import TelemetrySnapshot
@@ -235,14 +236,11 @@ def _video(run_dir: Path, name: str, record: dict[str, Any]) -> Path | None:
 
 
 def policy_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint the next commands use: ``checkpoints/best.pt`` when kept, else ``checkpoints/latest.pt``
-    when it leads to a file, else the newest ``checkpoint_<n>.pt``; None when the run has no checkpoint."""
-    directory = run_dir / "checkpoints"
-    for path in (directory / BEST_NAME, directory / "latest.pt"):
-        if path.is_file():  # follows latest.pt's link: False for a dangling one
-            return path
-    numbered = sorted(directory.glob("checkpoint_*.pt")) if directory.is_dir() else []
-    return numbered[-1] if numbered else None
+    """The checkpoint the next commands (evaluate, export) use: ``checkpoints/best.pt`` when kept, else
+    :func:`~oakemu_core.run.checkpoint_paths.latest_checkpoint`; None when the run has no checkpoint.
+    Whether the run can be resumed is ``latest_checkpoint`` alone (a resume never starts from best.pt)."""
+    best = run_dir / CHECKPOINT_DIR_NAME / BEST_NAME
+    return best if best.is_file() else latest_checkpoint(run_dir)
 
 
 def end_lines(run_dir: Path, records: list[dict[str, Any]], *, resumable: bool) -> list[str]:
@@ -258,7 +256,7 @@ def end_lines(run_dir: Path, records: list[dict[str, Any]], *, resumable: bool) 
     """
     lines = []
     evaluations = [r for r in records if isinstance(r.get(EVAL_EPISODIC_RETURN), (int, float))]
-    best_file = run_dir / "checkpoints" / BEST_NAME
+    best_file = run_dir / CHECKPOINT_DIR_NAME / BEST_NAME
     if evaluations:
         final = evaluations[-1]
         best = max(evaluations, key=lambda r: r[EVAL_EPISODIC_RETURN])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -104,6 +106,15 @@ def test_run_checkpoints_latest_pointer_and_pruning(tmp_path: Path) -> None:
     (directory / "latest.pt").unlink()
     os.symlink("checkpoint_99999999.pt", directory / "latest.pt")  # dangling
     assert latest_checkpoint(tmp_path) == directory / "checkpoint_00000010.pt"
+
+
+def test_best_pt_alone_is_no_resume_point_and_the_paths_need_no_torch(tmp_path: Path) -> None:
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "best.pt").write_bytes(b"")
+    assert latest_checkpoint(tmp_path) is None
+    code = "import sys, oakemu_core.run.checkpoint_paths; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip() == "False"
 
 
 def test_rng_state_round_trip_through_a_checkpoint(tmp_path: Path) -> None:

@@ -96,7 +96,7 @@ def test_the_end_names_the_final_and_best_evaluation_their_videos_and_the_next_c
     assert lines[0] == ("evaluation: final return 96.50 (policy version 12), best return 500.00 "
                         "(policy version 10)")  # no best.pt kept (no tester): nothing to point at
     assert lines[1] == f"videos: best {run_dir}/videos/update_10.mp4, final {run_dir}/videos/update_12.mp4"
-    assert lines[-1].startswith(f"next: oakemu evaluate {run_dir}/checkpoints/latest.pt; oakemu export ")
+    assert lines[-1].startswith(f"next: oakemu evaluate {run_dir}/checkpoints/checkpoint_00000012.pt; oakemu export ")
     assert f"tensorboard --logdir {tmp_path / 'runs'}" in lines[-1] and "--resume" not in lines[-1]
 
     (run_dir / "checkpoints" / "best.pt").write_bytes(b"")
@@ -219,6 +219,28 @@ def test_a_learner_that_exited_0_without_a_checkpoint_is_no_success(tmp_path: Pa
     said = launch.errors.file.getvalue() + console.file.getvalue()
     assert f"error: the run ended without a checkpoint in {tmp_path / 'checkpoints'}" in said, said
     assert "done:" not in said and "next:" not in said
+
+
+def test_a_run_with_only_best_pt_is_neither_resumable_nor_a_success(tmp_path: Path) -> None:
+    """A resume never starts from best.pt: with no latest.pt and no checkpoint_<n>.pt, a learner that exited
+    0 did not write its final checkpoint, and a stopped run gets no --resume hint."""
+    import signal
+
+    _write_metrics(tmp_path, {"global_step": 256, "charts/update": 1})
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "best.pt").write_bytes(b"")
+    launch = _launch(tmp_path, 0)
+    console = text_console()
+    assert report(launch, "learner", StopRequest(), console) == 1  # type: ignore[arg-type]
+    said = launch.errors.file.getvalue() + console.file.getvalue()
+    assert f"error: the run ended without a checkpoint in {tmp_path / 'checkpoints'}" in said, said
+
+    stop = StopRequest()
+    stop.signum = signal.SIGINT
+    launch, console = _launch(tmp_path, 130), text_console()
+    assert report(launch, "signal", stop, console) == 130  # type: ignore[arg-type]
+    said = console.file.getvalue() + launch.errors.file.getvalue()
+    assert f"stopped by SIGINT: run folder {tmp_path}\n" in said and "--resume" not in said, said
 
 
 def test_an_older_metrics_record_is_not_shown_as_the_final_update(tmp_path: Path) -> None:

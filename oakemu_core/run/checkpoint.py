@@ -6,10 +6,8 @@ schedule and counter dicts, :func:`capture_rng_state`). It is read back with
 ``torch.load(weights_only=True)``, which refuses arbitrary pickled objects, so
 :func:`save_checkpoint` rejects anything else up front rather than at resume time.
 
-Layout in a run folder::
-
-    run_dir/checkpoints/checkpoint_00000010.pt   # one file per saved update (8-digit number)
-    run_dir/checkpoints/latest.pt                # relative symlink to the newest one
+Layout in a run folder: :mod:`oakemu_core.run.checkpoint_paths` (``checkpoint_<n>.pt`` files and a
+``latest.pt`` link to the newest, found there without torch).
 
 Writes are atomic: the file is written to a temporary name in the same directory, flushed and
 fsync'ed, renamed over the final name with :func:`os.replace` (atomic on POSIX), and the directory
@@ -35,6 +33,15 @@ import numpy as np
 import torch
 
 from oakemu_core.errors import CheckpointError
+from oakemu_core.run.checkpoint_paths import (
+    CHECKPOINT_DIR_NAME,
+    LATEST_NAME,
+    checkpoint_path,
+    is_numbered_checkpoint,
+    latest_checkpoint,
+    latest_target,
+    numbered_checkpoints,
+)
 
 __all__ = [
     "CHECKPOINT_DIR_NAME",
@@ -56,9 +63,6 @@ __all__ = [
     "set_aside_unreadable",
 ]
 
-CHECKPOINT_DIR_NAME = "checkpoints"
-LATEST_NAME = "latest.pt"
-_CHECKPOINT_RE = re.compile(r"^checkpoint_(\d{8,})\.pt$")
 _PLAIN_SCALARS = (str, int, float, bool, type(None))
 
 
@@ -85,7 +89,8 @@ def _check_plain(value: Any, where: str) -> None:
     if type(value) in (dict, OrderedDict):
         for key, item in value.items():
             if not isinstance(key, (str, int)):
-                raise TypeError(f"checkpoint state: key {key!r} at {where} must be str or int, got {type(key).__name__}")
+                raise TypeError(f"checkpoint state: key {key!r} at {where} must be str or int, "
+                                f"got {type(key).__name__}")
             _check_plain(item, f"{where}[{key!r}]")
         return
     if type(value) in (list, tuple, torch.Size):
@@ -206,13 +211,6 @@ def checkpoint_trained_steps(state: Mapping[str, Any]) -> int:
     return int(trained if trained is not None else state.get("global_step", 0))
 
 
-def checkpoint_path(run_dir: Path, update: int) -> Path:
-    """``run_dir/checkpoints/checkpoint_<update:08d>.pt``; raises ValueError for a negative update."""
-    if int(update) < 0:
-        raise ValueError(f"update: expected >= 0, got {update}")
-    return Path(run_dir) / CHECKPOINT_DIR_NAME / f"checkpoint_{int(update):08d}.pt"
-
-
 def save_run_checkpoint(run_dir: Path, update: int, state: dict[str, Any], *, keep_last: int | None = None) -> Path:
     """Save ``state`` as the checkpoint of ``update`` in a run folder and point ``latest.pt`` at it.
 
@@ -241,53 +239,9 @@ def save_run_checkpoint(run_dir: Path, update: int, state: dict[str, Any], *, ke
         raise
     _fsync_directory(directory)
     if keep_last is not None:
-        for old in _numbered_checkpoints(directory)[:-keep_last]:
+        for old in numbered_checkpoints(directory)[:-keep_last]:
             old[1].unlink(missing_ok=True)
     return path
-
-
-def _numbered_checkpoints(directory: Path) -> list[tuple[int, Path]]:
-    """``(update, path)`` of every ``checkpoint_<n>.pt`` in ``directory``, oldest first."""
-    found = []
-    if directory.is_dir():
-        for entry in directory.iterdir():
-            match = _CHECKPOINT_RE.match(entry.name)
-            if match and entry.is_file():
-                found.append((int(match.group(1)), entry))
-    return sorted(found)
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest checkpoint of a run folder, or None if it has none.
-
-    Follows ``run_dir/checkpoints/latest.pt`` when it points at an existing file (a plain-file
-    ``latest.pt`` is returned as is); otherwise falls back to the highest-numbered
-    ``checkpoint_<n>.pt``.
-    """
-    directory = Path(run_dir) / CHECKPOINT_DIR_NAME
-    target = _latest_target(directory)
-    if target is not None:
-        return target
-    numbered = _numbered_checkpoints(directory)
-    return numbered[-1][1] if numbered else None
-
-
-def _latest_target(directory: Path) -> Path | None:
-    """The file ``directory/latest.pt`` stands for, None when it is missing or dangling: a plain file is
-    itself; a link to a name in ``directory`` (as :func:`save_run_checkpoint` makes it) is
-    ``directory/<name>``, in the form ``directory`` was given in (relative stays relative); any other
-    link is its resolved path."""
-    latest = directory / LATEST_NAME
-    if not latest.is_file():  # follows the symlink; False for a dangling one
-        return None
-    if not latest.is_symlink():
-        return latest
-    target = Path(os.readlink(latest))
-    named = directory / target
-    plain_name = not target.is_absolute() and len(target.parts) == 1 and target.name not in (".", "..")
-    if plain_name and not named.is_symlink():
-        return named
-    return latest.resolve()
 
 
 UNREADABLE_SUFFIX = ".unreadable"
@@ -307,11 +261,11 @@ def newest_readable_checkpoint(run_dir: Path, map_location: str | torch.device =
         CheckpointError: there are checkpoints and none loads; one line naming each file and why.
     """
     directory = Path(run_dir) / CHECKPOINT_DIR_NAME
-    latest = _latest_target(directory)
+    latest = latest_target(directory)
     candidates: list[Path] = [] if latest is None else [latest]
     # latest.pt's target is one of the numbered files: each file is tried (and set aside) once.
     seen = {path.resolve() for path in candidates}
-    candidates += [path for _, path in reversed(_numbered_checkpoints(directory)) if path.resolve() not in seen]
+    candidates += [path for _, path in reversed(numbered_checkpoints(directory)) if path.resolve() not in seen]
     unreadable: list[tuple[Path, str]] = []
     for path in candidates:
         try:
@@ -346,7 +300,7 @@ def set_aside_unreadable(resumed: Path, unreadable: list[tuple[Path, str]]) -> l
         os.replace(path, kept)
         notes.append(f"checkpoint {path} is not readable (truncated or damaged; torch: {reason}); resuming from "
                      f"{resumed.name} instead (the file is kept as {kept.name})")
-    if unreadable and _CHECKPOINT_RE.match(resumed.name):
+    if unreadable and is_numbered_checkpoint(resumed.name):
         directory = resumed.parent
         tmp_link = directory / f".{LATEST_NAME}.{os.getpid()}.tmp"
         tmp_link.unlink(missing_ok=True)

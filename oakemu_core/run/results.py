@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from oakemu_core.errors import CheckpointError
-from oakemu_core.run.checkpoint import CHECKPOINT_DIR_NAME, latest_checkpoint
+from oakemu_core.run.checkpoint_paths import CHECKPOINT_DIR_NAME, latest_checkpoint
 from oakemu_core.run.metrics import EPISODIC_RETURN, EVAL_EPISODIC_RETURN, METRICS_FILE_NAME, SPS
 from oakemu_core.run.run_folder import read_json_lines
 
@@ -31,7 +31,8 @@ class Run:
         final_evaluation: mean raw return of the last evaluation (the final weights' when it finished in
             time), None when the run was never evaluated.
         best_evaluation: the highest evaluation mean return of the run, None without evaluations.
-        latest_checkpoint: the newest checkpoint, None when none was written.
+        latest_checkpoint: the newest checkpoint, the one a resume starts from (never ``best.pt``), None when
+            none was written.
         best_checkpoint: ``checkpoints/best.pt`` (the best evaluation's weights), None when absent.
         stopped_by_callback: a callback of ``train`` stopped the run before its budget was spent.
         episodic_return: mean training return (the episode window's) of the last update record, None
