@@ -97,6 +97,33 @@ def test_the_lock_refuses_a_second_holder_naming_its_pid_until_released(tmp_path
     RunFolderLock.acquire(tmp_path).release()  # free again
 
 
+def test_a_reader_testing_the_folder_at_the_same_moment_does_not_make_it_busy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """holder_pid (oakemu monitor) holds a shared lock for an instant: an acquire at that moment waits it
+    out. The reader lets go during the acquire's first wait (whatever the machine's load)."""
+    import fcntl
+
+    from oakemu_core.run import run_lock
+
+    (tmp_path / LOCK_FILE_NAME).write_text("")
+    reader = os.open(tmp_path / LOCK_FILE_NAME, os.O_RDONLY)
+    fcntl.flock(reader, fcntl.LOCK_SH | fcntl.LOCK_NB)  # what holder_pid takes while it tests the folder
+    waits: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        if not waits:
+            os.close(reader)  # the reader is done
+        waits.append(seconds)
+
+    monkeypatch.setattr(run_lock.time, "sleep", sleep)
+    try:
+        RunFolderLock.acquire(tmp_path).release()
+    finally:
+        if not waits:
+            os.close(reader)
+    assert len(waits) == 1
+
+
 def test_the_kernel_frees_the_lock_of_a_process_killed_with_sigkill(tmp_path: Path) -> None:
     code = textwrap.dedent(f"""
         import sys, time

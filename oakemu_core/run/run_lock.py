@@ -5,8 +5,10 @@ holds an exclusive ``flock`` on ``<run_dir>/run.lock`` while it lives and writes
 The kernel drops the lock when the last descriptor of it is closed: at exit, also after ``kill -9``.
 ``oakemu train`` passes the descriptor to its learner, so its run stays live until the launcher and
 the learner have both exited (a learner whose launcher was killed writes its final checkpoint first).
-A process that cannot take the lock is refused with :class:`RunFolderBusyError`, whose message names
-the holder's pid. Readers (``oakemu monitor``, ``evaluate``, ``export``, TensorBoard) never take it.
+A process that cannot take the lock within :data:`BUSY_RETRY_S` is refused with :class:`RunFolderBusyError`,
+whose message names the holder's pid. Readers (``oakemu monitor``, ``evaluate``, ``export``, TensorBoard)
+never hold it: :func:`holder_pid` tests a folder by taking a shared lock for an instant, which the retry
+waits out.
 
 A clean :meth:`RunFolderLock.release` removes the file; one left by a killed process holds a stale pid
 but no lock, and the next run takes it over.
@@ -18,15 +20,20 @@ import contextlib
 import errno
 import fcntl
 import os
+import time
 import weakref
 from pathlib import Path
 
 from oakemu_core.errors import DiskFullError, RunFolderError
 
-__all__ = ["LOCK_FILE_NAME", "RunFolderBusyError", "RunFolderLock", "holder_pid", "live_holder"]
+__all__ = ["BUSY_RETRY_S", "LOCK_FILE_NAME", "RunFolderBusyError", "RunFolderLock", "holder_pid", "live_holder"]
 
 LOCK_FILE_NAME = "run.lock"
 """The lock file of a run folder (holds the pid of the process that holds the lock)."""
+BUSY_RETRY_S = 0.1
+"""Seconds :meth:`RunFolderLock.acquire` keeps trying a held lock before it refuses (a reader's
+:func:`holder_pid` holds a shared lock for far less)."""
+_RETRY_PERIOD_S = 0.005
 
 
 class RunFolderBusyError(RunFolderError):
@@ -107,7 +114,8 @@ class RunFolderLock:
 
     @classmethod
     def acquire(cls, run_dir: Path, *, hint: str = "") -> RunFolderLock:
-        """Hold ``run_dir`` (an existing folder) for this process, or refuse at once (never waits).
+        """Hold ``run_dir`` (an existing folder) for this process, or refuse when another process still
+        holds it after :data:`BUSY_RETRY_S` seconds.
 
         Args:
             run_dir: the run folder.
@@ -127,12 +135,10 @@ class RunFolderLock:
                     raise DiskFullError(f"cannot write {path}: {error.strerror} (the run folder's lock file)") from None
                 raise RunFolderError(f"cannot lock the run folder {run_dir} ({error.strerror or error}: "
                                      f"{path}); a run needs a folder it can write") from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if not _lock_within(fd, BUSY_RETRY_S):
                 os.close(fd)
                 raise RunFolderBusyError(f"{run_dir} is in use by a live run ({_describe_holder(path)}); "
-                                         f"nothing was changed" + (f"; {hint}" if hint else "")) from None
+                                         f"nothing was changed" + (f"; {hint}" if hint else ""))
             # The holder before us may have removed the file between our open and our lock: hold the
             # file the path names now, or try again.
             if _same_file(fd, path):
@@ -154,6 +160,20 @@ class RunFolderLock:
 
     def __exit__(self, *_exc: object) -> None:
         self.release()
+
+
+def _lock_within(fd: int, seconds: float) -> bool:
+    """Take an exclusive ``flock`` on ``fd``, trying every :data:`_RETRY_PERIOD_S` for ``seconds``;
+    False when another descriptor still holds a lock on the file then."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_RETRY_PERIOD_S)
 
 
 def _same_file(fd: int, path: Path) -> bool:
