@@ -176,6 +176,19 @@ def test_make_new_run_folder_never_takes_a_folder_that_holds_something(tmp_path:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exp", "exp-2"]
 
 
+def test_a_failed_lock_of_a_new_folder_raises_its_own_error_when_the_folder_is_not_empty(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from oakemu_core.errors import DiskFullError
+
+    def acquire(run_dir: Path, **_kwargs: Any) -> RunFolderLock:
+        (Path(run_dir) / LOCK_FILE_NAME).write_text("")  # the lock file was made, then the disk was full
+        raise DiskFullError(f"cannot write {run_dir / LOCK_FILE_NAME}: No space left on device")
+
+    monkeypatch.setattr(RunFolderLock, "acquire", acquire)
+    with pytest.raises(DiskFullError, match="No space left on device"):
+        make_new_run_folder(tmp_path, "exp", numbered=True)
+
+
 def test_the_python_api_finds_its_run_folder_when_the_name_got_a_suffix(
         tmp_path: Path, frozen_clock: None, monkeypatch: pytest.MonkeyPatch) -> None:
     from oakemu_services import api

@@ -18,6 +18,7 @@ refuses the ones that cannot change (:data:`IMMUTABLE_FIELDS`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -573,7 +574,8 @@ def make_new_run_folder(runs_dir: Path, name: str, *, numbered: bool,
             try:
                 return RunFolderLock.acquire(run_dir)
             except BaseException:
-                run_dir.rmdir()  # made here, still empty
+                with contextlib.suppress(OSError):  # made here; not removed when it holds something now
+                    run_dir.rmdir()
                 raise
         if not numbered:
             return _take_empty_folder(run_dir, hint)
