@@ -559,6 +559,25 @@ def test_joins_beyond_a_hosts_rate_are_told_when_to_retry_and_counted(make_serve
     assert later.accepted and server.counters.rejected["join_rate"] == 8
 
 
+def test_anonymous_and_impersonating_joins_use_none_of_their_hosts_join_allowance(make_server) -> None:
+    """Refused as anonymous_connection or impersonation first: never counted as join_rate, and the host's
+    actors still get their whole burst."""
+    server = make_server(max_connected_actors=1000)
+    host = "10.0.0.9"
+    assert join(server, "victim", peer=Connection(b"victim", host, ""))[0][1].accepted
+    stale = Connection(b"\x00\x6b\x8b\x45\x67", host, "")
+    thief = Connection(b"thief", host, "")
+    for i in range(JOIN_BURST_PER_HOST):
+        assert not join(server, f"anon{i}", peer=stale)[0][1].accepted
+        assert not join(server, "victim", peer=thief, incarnation=f"inc-thief{i}")[0][1].accepted
+    assert server.counters.rejected["anonymous_connection"] == JOIN_BURST_PER_HOST
+    assert server.counters.rejected["impersonation"] == JOIN_BURST_PER_HOST
+    assert server.counters.rejected["join_rate"] == 0
+    joined = [join(server, f"a{i}", peer=Connection(f"a{i}".encode(), host, ""))[0][1]
+              for i in range(JOIN_BURST_PER_HOST - 1)]  # the burst less the victim's join
+    assert all(reply.accepted for reply in joined) and server.counters.rejected["join_rate"] == 0
+
+
 def test_a_join_reply_s_retry_after_is_checked_on_both_ends() -> None:
     wait = JoinReply(False, "waiting", -1, None, {}, 0, retry_after_s=0.5)
     assert decode_message(encode_join_reply(wait), max_bytes=1024).retry_after_s == 0.5

@@ -221,14 +221,14 @@ class ControlServer:
         """Serve one decoded request from ``identity`` (its connection ``peer``, for the peer
         binding) at monotonic time ``now``; ``stopping``: the learner is shutting down (joins are
         refused, heartbeats answered ``stop``). Returns the replies to send, in order."""
+        if isinstance(message, (JoinRequest, Heartbeat, Leave, WeightsRequest)):
+            refusal = self._refuse_impersonation(message, peer)
+            if refusal is not None:  # counted as such, never against its host's join rate
+                return [(identity, refusal)]
         if isinstance(message, JoinRequest) and not stopping:
             throttled = self._throttle(message, now, peer)
             if throttled is not None:
                 return [(identity, throttled)]
-        if isinstance(message, (JoinRequest, Heartbeat, Leave, WeightsRequest)):
-            refusal = self._refuse_impersonation(message, peer)
-            if refusal is not None:
-                return [(identity, refusal)]
         if isinstance(message, JoinRequest):
             return self._join(message, now, identity, stopping)
         if isinstance(message, Heartbeat):
