@@ -175,7 +175,8 @@ def _model_mismatch(saved: Any, model: Any) -> str:
     unexpected = [k for k in saved if k not in current]
     shapes = [
         f"{k} {tuple(saved[k].shape)} vs {tuple(current[k].shape)}"
-        for k in current if k in saved and hasattr(saved[k], "shape") and tuple(saved[k].shape) != tuple(current[k].shape)
+        for k in current
+        if k in saved and hasattr(saved[k], "shape") and tuple(saved[k].shape) != tuple(current[k].shape)
     ]
     parts = []
     if shapes:
@@ -510,8 +511,9 @@ def resumed_settings(run_dir: Path) -> dict[str, Any]:
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
+        what = "is a file" if run_dir.exists() else "does not exist"
         raise RunFolderError(f"--resume {run_dir}: expected a run folder (runs/<name>/) or the name of one in the "
-                             f"runs folder, received a path that {'is a file' if run_dir.exists() else 'does not exist'}")
+                             f"runs folder, received a path that {what}")
     config_toml = run_dir / "config.toml"
     if not config_toml.is_file():
         raise RunFolderError(f"--resume {run_dir}: expected a run folder written by oakemu train, received a "

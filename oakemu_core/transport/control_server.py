@@ -252,7 +252,8 @@ class ControlServer:
                 self.notices.event("leave", f"actor {message.actor_id} left", level=logging.INFO)
             else:
                 self.counters.accepted["unknown_actor_control"] += 1
-            return [(identity, encode_heartbeat_reply(HeartbeatReply(status="stop", policy_version=self.policy_version)))]
+            return [(identity, encode_heartbeat_reply(
+                HeartbeatReply(status="stop", policy_version=self.policy_version)))]
         self.counters.rejected["schema"] += 1
         self.rejections.event("schema", f"schema: a {type(message).__name__} is not a request the learner serves")
         return [(identity, self.rejoin())]
@@ -292,9 +293,10 @@ class ControlServer:
     def _refuse_impersonation(self, message: JoinRequest | Heartbeat | Leave | WeightsRequest,
                               peer: Any) -> bytes | None:
         """None when ``peer`` may speak for ``message.actor_id``; else the refusal, counted as
-        ``anonymous_connection`` (a routing id ZeroMQ generated: :func:`~oakemu_core.transport.auth.is_generated_routing_id`)
-        or ``impersonation``: a join for an actor id that a connected actor holds on another connection
-        (the id is not taken over), a heartbeat or leave from another connection than its join's."""
+        ``anonymous_connection`` (a routing id ZeroMQ generated:
+        :func:`~oakemu_core.transport.auth.is_generated_routing_id`) or ``impersonation``: a join for an
+        actor id that a connected actor holds on another connection (the id is not taken over), a
+        heartbeat or leave from another connection than its join's."""
         if peer is not None and is_generated_routing_id(peer.routing_id):
             # An earlier connection's unread request (the actor reconnected; ZeroMQ handed its routing
             # id to the new one), or a client that set no routing id: bound, it would tie the actor to
@@ -439,9 +441,9 @@ class ControlServer:
             if len(self._pending_joins) < self.config.num_actors and waited < START_GRACE_S:
                 return self._wait_notices(now)
             if len(self._pending_joins) < self.config.num_actors:
-                self.notices.event("sync_start", f"mode='sync': the first rollout starts with {len(self._pending_joins)} "
-                                   f"of {self.config.num_actors} planned actors ({START_GRACE_S:.0f} s passed)",
-                                   level=logging.WARNING)
+                self.notices.event("sync_start", f"mode='sync': the first rollout starts with "
+                                   f"{len(self._pending_joins)} of {self.config.num_actors} planned actors "
+                                   f"({START_GRACE_S:.0f} s passed)", level=logging.WARNING)
         elif not self.assembler.round.is_open:
             return self._wait_notices(now)
         self._started = True
