@@ -96,7 +96,7 @@ def main(connect: str, *, json_output: bool = False, once: bool = False, timeout
     if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
         raise ValueError(f"timeout_s must be a positive number of seconds, received {timeout_s!r}")
     if run_dir is not None and not _held_by_live_run(run_dir) and not learner_listening(connect):
-        from oakemu_core.run.results import read_run  # imports torch: only for a run that is not running
+        from oakemu_core.run.results import read_run
 
         run = read_run(run_dir)
         if run_has_trained(run):
@@ -215,7 +215,8 @@ def report_run_folder(run: Run, *, address: str, json_output: bool = False) -> i
     """Print the last state of a run that is not running, as its folder records it
     (:func:`oakemu_core.run.results.read_run`); returns :data:`EXIT_OK`.
 
-    The view says whether the run finished (trained ``total_env_steps``) or is not running, then its last
+    The view says whether the run finished (its newest readable checkpoint trained ``total_env_steps``:
+    :func:`~oakemu_core.run.run_folder.spent_budget`, as ``oakemu train`` judges it) or is not running, then its last
     update (number, env steps, training return, SPS since start), its evaluation return - the final one
     for a finished run, else the last evaluation with its policy version - and the best, its checkpoints,
     and for a run that can go on (not finished, with a checkpoint) the command that resumes it.
@@ -228,10 +229,12 @@ def report_run_folder(run: Run, *, address: str, json_output: bool = False) -> i
     Raises:
         RunFolderError: ``config.toml`` cannot be read.
     """
+    from oakemu_core.run.run_folder import spent_budget  # loads the checkpoint (imports torch): not while it runs
+
     run_dir = run.run_dir
     total = _run_settings(run_dir).get("total_env_steps")
     total = total if isinstance(total, int) else None
-    finished = total is not None and run.global_step >= total
+    finished = spent_budget(run_dir) is not None
     version = _last_evaluation_version(run_dir)
     resume = (f"oakemu train --resume {run_dir}" if not finished and run.latest_checkpoint is not None
               else None)

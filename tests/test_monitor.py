@@ -203,9 +203,13 @@ def test_live_view_exits_cleanly_on_ctrl_c_and_sigterm(sig):
 
 
 # ------------------------------------------------------------------------------- a run that is not running
-def write_run_folder(run_dir: Path, *, telemetry_port: int, total_env_steps: int, updates: int = 2) -> Path:
+def write_run_folder(run_dir: Path, *, telemetry_port: int, total_env_steps: int, updates: int = 2,
+                     checkpoints: int | None = None) -> Path:
     """A run folder as ``oakemu train`` leaves it: config.toml, ``updates`` update records of 1,024 env steps
-    and an evaluation in metrics.jsonl, numbered checkpoints and best.pt."""
+    and an evaluation in metrics.jsonl, numbered checkpoints of updates 1 to ``checkpoints`` (default:
+    ``updates``), each trained on 1,024 env steps per update, and best.pt."""
+    from oakemu_core.run.checkpoint import save_run_checkpoint
+
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "config.toml").write_text(f'env_id = "CartPole-v1"\ntotal_env_steps = {total_env_steps}\n'
                                          f'telemetry_port = {telemetry_port}\n', encoding="utf-8")
@@ -214,8 +218,9 @@ def write_run_folder(run_dir: Path, *, telemetry_port: int, total_env_steps: int
     records.insert(1, {"global_step": 1024, "eval/episodic_return": 131.5, "eval/policy_version": 1})
     records.append({"global_step": 1024 * updates, "eval/episodic_return": 99.25, "eval/policy_version": updates})
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    for n in range(1, updates + 1):
-        (run_dir / "checkpoints" / f"checkpoint_{n:08d}.pt").write_bytes(b"")
+    for n in range(1, (updates if checkpoints is None else checkpoints) + 1):
+        trained = {"iterations": n, "trained_env_steps": 1024 * n}
+        save_run_checkpoint(run_dir, n, {"global_step": 1024 * n, "ppo": trained})
     (run_dir / "checkpoints" / "best.pt").write_bytes(b"")
     return run_dir
 
@@ -288,6 +293,17 @@ def test_a_stopped_run_with_a_checkpoint_and_budget_left_shows_how_to_resume_it(
         assert status == 0 and "last update 2" in out and "--resume" not in out
         status, out, _, _ = monitor_run(run_dir, "--json", "--once")
         assert json.loads(out)["resume_command"] is None
+
+
+def test_a_run_is_finished_only_when_its_checkpoint_trained_the_budget_as_resume_judges_it(tmp_path: Path) -> None:
+    """metrics.jsonl reached total_env_steps, but the final checkpoint was not written (the newest trained
+    1,024 env steps): the run did not finish, and resuming it trains the rest."""
+    run_dir = write_run_folder(tmp_path / "unfinished", telemetry_port=free_port(), total_env_steps=2048, checkpoints=1)
+    status, out, err, _ = monitor_run(run_dir, "--once")
+    assert (status, err) == (0, ""), err
+    assert "run unfinished is not running" in out and f"resume: oakemu train --resume {run_dir}\n" in out, out
+    status, out, _, _ = monitor_run(run_dir, "--json", "--once")
+    assert json.loads(out)["finished"] is False
 
 
 def test_once_outside_a_terminal_does_not_wrap_the_labels(monkeypatch: pytest.MonkeyPatch) -> None:
