@@ -32,7 +32,7 @@ from oakemu_core.config import add_config_arguments, config_from_namespace, load
 from oakemu_core.errors import ConfigError, UserError
 from oakemu_core.options import unknown_option_hint
 from oakemu_core.presets import load_preset, preset_names
-from oakemu_core.run.run_folder import resumed_settings
+from oakemu_core.run.run_folder import find_run_folder, resumed_settings
 from oakemu_services.runtime import startup_done
 
 __all__ = ["build_parser", "main"]
@@ -263,14 +263,13 @@ def _train(namespace: argparse.Namespace) -> int:
 
 
 def _resume_folder(namespace: argparse.Namespace, base: dict[str, Any]) -> Path:
-    """The run folder ``--resume RUN`` names: RUN itself when it exists, else, for a name, ``RUN`` in the
-    runs folder (``--runs-dir``, ``OAKEMU_RUNS_DIR``, ``--config``'s or the preset's, default ``runs``), as
-    ``oakemu monitor RUN`` finds it; RUN again when neither exists (:func:`resumed_settings` refuses it)."""
+    """The run folder ``--resume RUN`` names (:func:`find_run_folder`, as ``oakemu monitor RUN`` finds it):
+    RUN or ``RUN`` in the runs folder (``--runs-dir``, ``OAKEMU_RUNS_DIR``, ``--config``'s or the preset's,
+    default ``runs``), whichever holds a ``config.toml``; RUN again when neither does
+    (:func:`resumed_settings` refuses it)."""
     run: Path = namespace.resume
-    if run.exists() or len(run.parts) != 1:
-        return run
-    named = Path(config_from_namespace(namespace, base=base).runs_dir) / run
-    return named if named.exists() else run
+    found = find_run_folder(run) or find_run_folder(run, config_from_namespace(namespace, base=base).runs_dir)
+    return run if found is None else found
 
 
 def _monitor(namespace: argparse.Namespace) -> int:

@@ -145,13 +145,15 @@ def _held_by_live_run(run_dir: Path) -> bool:
 
 
 def run_folder(run: str | Path, runs_dir: str | Path = "runs") -> Path:
-    """The folder of a run on this machine: ``run`` itself or ``runs_dir/run``, whichever holds a ``config.toml``.
+    """The folder of a run on this machine: ``run`` itself or ``runs_dir/run``, whichever holds a ``config.toml``
+    (:func:`~oakemu_core.run.run_folder.find_run_folder`).
 
     Raises:
         RunFolderError: neither does.
     """
-    candidates = [Path(run), Path(runs_dir) / str(run)]
-    folder = next((path for path in candidates if (path / "config.toml").is_file()), None)
+    from oakemu_core.run.run_folder import find_run_folder
+
+    folder = find_run_folder(run, runs_dir)
     if folder is None:
         raise RunFolderError(f"monitor: expected a run folder or the name of one in {runs_dir}/, received {str(run)!r} "
                              "(no config.toml there)")

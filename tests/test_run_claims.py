@@ -296,6 +296,11 @@ def test_resume_takes_a_run_name_in_the_runs_folder_as_monitor_does(
     assert cli.main(["train", "--resume", "k8", "--runs-dir", "elsewhere"]) == 0
     assert seen["resume"] == Path("elsewhere/k8") and seen["config"].run_name == "k8"
     assert cli.main(["train", "--resume", "runs/k9"]) == 0 and seen["resume"] == Path("runs/k9")
+    Path("k9").mkdir()  # a folder of that name here that holds no run: the name still means runs/k9, as in monitor
+    assert cli.main(["train", "--resume", "k9"]) == 0 and seen["resume"] == Path("runs/k9")
+    from oakemu_services.monitor import run_folder
+
+    assert run_folder("k9") == Path("runs/k9")
     assert cli.main(["train", "--resume", "nope"]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert line == ("oakemu train: error: --resume nope: expected a run folder (runs/<name>/) or the name of one in "

@@ -46,6 +46,7 @@ __all__ = [
     "resumed_settings",
     "config_changes",
     "describe_spaces",
+    "find_run_folder",
     "format_changes",
     "make_new_run_folder",
     "make_run_folder",
@@ -496,6 +497,14 @@ def check_config_complete(run_dir: Path, field_names: Collection[str]) -> None:
         raise RunFolderError(f"{path} is incomplete: it lacks {len(missing)} of {len(field_names)} settings "
                              f"({listed}); it was cut short, so the run's settings are unknown. Nothing was "
                              f"changed; restore the file, or {NEW_RUN_HINT}")
+
+
+def find_run_folder(run: str | os.PathLike[str], runs_dir: str | os.PathLike[str] | None = None) -> Path | None:
+    """The run folder a user's ``RUN`` names (``oakemu train --resume RUN``, ``oakemu monitor RUN``):
+    ``RUN`` itself when it holds a ``config.toml``, else ``runs_dir/RUN`` when that does (a run's name in
+    the runs folder; not looked for when ``runs_dir`` is None); None when neither does. Reads only."""
+    candidates = [Path(run)] if runs_dir is None else [Path(run), Path(runs_dir) / run]
+    return next((folder for folder in candidates if (folder / "config.toml").is_file()), None)
 
 
 def resumed_settings(run_dir: Path) -> dict[str, Any]:
