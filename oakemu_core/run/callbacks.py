@@ -31,14 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-from oakemu_core.run.metrics import EVAL_EPISODIC_RETURN
+from oakemu_core.run.metrics import EVAL_EPISODIC_RETURN, record_number
 
 __all__ = ["Callback", "CallbackRunner", "EvaluationInfo", "RecordFollower", "UpdateInfo"]
-
-
-def _number(record: Mapping[str, Any], name: str) -> float | None:
-    value = record.get(name)
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 @dataclass(frozen=True)
@@ -75,14 +70,15 @@ class UpdateInfo:
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> UpdateInfo:
         """The info of a ``metrics.jsonl`` update record (one with ``charts/update``)."""
+        def number(name: str) -> float | None:
+            return record_number(record, name)
+
         return cls(update=int(record["charts/update"]), global_step=int(record.get("global_step", 0)),
-                   episodic_return=_number(record, "charts/episodic_return"),
-                   episodic_length=_number(record, "charts/episodic_length"),
-                   policy_loss=_number(record, "losses/policy_loss"), value_loss=_number(record, "losses/value_loss"),
-                   entropy=_number(record, "losses/entropy"), approx_kl=_number(record, "losses/approx_kl"),
-                   clip_fraction=_number(record, "losses/clipfrac"),
-                   explained_variance=_number(record, "losses/explained_variance"),
-                   learning_rate=_number(record, "charts/learning_rate"), sps=_number(record, "charts/SPS"),
+                   episodic_return=number("charts/episodic_return"), episodic_length=number("charts/episodic_length"),
+                   policy_loss=number("losses/policy_loss"), value_loss=number("losses/value_loss"),
+                   entropy=number("losses/entropy"), approx_kl=number("losses/approx_kl"),
+                   clip_fraction=number("losses/clipfrac"), explained_variance=number("losses/explained_variance"),
+                   learning_rate=number("charts/learning_rate"), sps=number("charts/SPS"),
                    metrics=dict(record))
 
 
@@ -172,13 +168,13 @@ class CallbackRunner:
                 break
             if "charts/update" in record:
                 self._call("on_update", UpdateInfo.from_record(record), f"update {int(record['charts/update'])}")
-            value = _number(record, EVAL_EPISODIC_RETURN)
+            value = record_number(record, EVAL_EPISODIC_RETURN)
             if value is not None and not self.stopping:
                 self.best_return = value if self.best_return is None else max(self.best_return, value)
-                version = int(_number(record, "eval/policy_version") or 0)
+                version = int(record_number(record, "eval/policy_version") or 0)
                 info = EvaluationInfo(policy_version=version, global_step=int(record.get("global_step", 0)),
-                                      return_mean=value, return_std=_number(record, "eval/episodic_return_std"),
-                                      length_mean=_number(record, "eval/episodic_length"),
+                                      return_mean=value, return_std=record_number(record, "eval/episodic_return_std"),
+                                      length_mean=record_number(record, "eval/episodic_length"),
                                       best_return=self.best_return, is_best=value >= self.best_return,
                                       metrics=dict(record))
                 self._call("on_evaluation", info, f"the evaluation of policy version {version}")
@@ -233,6 +229,6 @@ class RecordFollower:
                 record = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(record, dict) and (_number(record, "wall_time") or self.since) >= self.since:
+            if isinstance(record, dict) and (record_number(record, "wall_time") or self.since) >= self.since:
                 records.append(record)
         return records

@@ -48,6 +48,7 @@ __all__ = [
     "RunStepRates",
     "episode_scalars",
     "evaluation_scalars",
+    "record_number",
     "update_scalars",
 ]
 
@@ -60,6 +61,13 @@ SPS_RECENT = "charts/SPS_recent"
 EVAL_EPISODIC_RETURN = "eval/episodic_return"
 EVAL_EPISODIC_RETURN_STD = "eval/episodic_return_std"
 EVAL_EPISODIC_LENGTH = "eval/episodic_length"
+
+
+def record_number(record: Mapping[str, Any], name: str) -> float | None:
+    """``record[name]`` (a ``metrics.jsonl`` record's value) as a float; None when it is missing or not a
+    number (a bool is not one)."""
+    value = record.get(name)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def evaluation_scalars(report: EvaluationReport) -> dict[str, float]:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from oakemu_core.errors import CheckpointError
 from oakemu_core.run.checkpoint_paths import CHECKPOINT_DIR_NAME, latest_checkpoint
-from oakemu_core.run.metrics import EPISODIC_RETURN, EVAL_EPISODIC_RETURN, METRICS_FILE_NAME, SPS
+from oakemu_core.run.metrics import EPISODIC_RETURN, EVAL_EPISODIC_RETURN, METRICS_FILE_NAME, SPS, record_number
 from oakemu_core.run.run_folder import read_json_lines
 
 if TYPE_CHECKING:
@@ -84,11 +84,6 @@ def read_run(run_dir: str | Path, exit_status: int = 0) -> Run:
         final_evaluation=evaluations[-1] if evaluations else None,
         best_evaluation=max(evaluations) if evaluations else None,
         latest_checkpoint=latest_checkpoint(run_dir), best_checkpoint=best if best.is_file() else None,
-        episodic_return=_number(updates[-1].get(EPISODIC_RETURN)) if updates else None,
-        sps=_number(updates[-1].get(SPS)) if updates else None,
+        episodic_return=record_number(updates[-1], EPISODIC_RETURN) if updates else None,
+        sps=record_number(updates[-1], SPS) if updates else None,
     )
-
-
-def _number(value: Any) -> float | None:
-    """A record's value as a float, None when it is missing or not a number."""
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
