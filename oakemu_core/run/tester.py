@@ -18,9 +18,9 @@ exits when the parent closes it, when the parent dies (it watches its parent pid
 main module is imported again in the child (as ``__mp_main__``): a script that starts a tester
 keeps its work under ``if __name__ == "__main__":`` (``oakemu`` and ``python -m oakemu_services.cli`` do).
 
-Pacing. Periodic evaluations take CPU from training (on 2 cores a back-to-back tester cost CartPole
-about a quarter of its wall time), so a plain (not kept) submission waits until the tester has been
-idle long enough: an evaluation that took ``s`` seconds (hand-off to report) lets the next one start
+Pacing. Periodic evaluations take CPU from training (measured in docs/benchmarks.md, "Paced evaluation,
+best and final videos"), so a plain (not kept) submission waits until the tester has been idle long
+enough: an evaluation that took ``s`` seconds (hand-off to report) lets the next one start
 ``s / max_share`` seconds after it started, so the tester is busy at most ``max_share`` of the wall
 time. Weights submitted meanwhile replace the waiting set, as above. Kept weights and everything
 waiting when :meth:`Tester.drain` is called (the final evaluation) start at once.

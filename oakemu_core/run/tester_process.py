@@ -12,7 +12,7 @@ Videos (``video_dir`` not None; :mod:`oakemu_core.run.video`), each the first ep
 * ``best.mp4``: the evaluation whose mean return is a new best (the rule of ``best.pt``,
   :func:`oakemu_core.run.best_checkpoint.is_new_best`), replaced by each better one;
 * ``final.mp4``: the last evaluation (``record="final"``, or ``("final_video",)`` after it), without a
-  TensorBoard preview (the run waits for it: half a second of GIF encoding saved for CartPole).
+  TensorBoard preview (the run waits for this video; docs/benchmarks.md gives the encoding time saved).
 
 An evaluation recorded anyway gives its file to ``best.mp4`` / ``final.mp4`` by copy; else its first
 episode is played again with a recorder: the evaluation is built anew with the same seed

@@ -53,8 +53,8 @@ PREVIEW_MAX_FRAMES = 100
 PREVIEW_MAX_WIDTH = 240
 """Width (pixels) of a TensorBoard preview at most; wider frames are scaled down."""
 _ENCODER_PARAMS = ("-preset", "ultrafast")
-"""libx264's fastest preset: half the encoding CPU of its default (a 500-frame CartPole episode: 0.5 s
-instead of 1.1 s on a 2-core machine) for a file of the same size order."""
+"""libx264's fastest preset: less encoding CPU than its default for a file of the same size order
+(measured in docs/benchmarks.md, "Paced evaluation, best and final videos")."""
 _INSTALL_HINT = "videos need imageio and imageio-ffmpeg: pip install 'oakemu-rl[video]'"
 
 
