@@ -459,7 +459,7 @@ def ask_weights(server: ControlServer, actor_id: str, *, incarnation: str | None
 
 
 def test_a_joined_actor_asking_for_the_weights_gets_the_current_ones_on_the_control_socket(make_server) -> None:
-    """What an actor whose weights channel missed publications asks (wire protocol 11): the weights
+    """What an actor whose weights channel missed publications asks (a WeightsRequest): the weights
     the learner published last, each version encoded once; only its own incarnation from its own
     connection; ``rejoin`` for an unknown incarnation, ``stop`` while stopping."""
     server = make_server()

@@ -126,9 +126,9 @@ def test_async_mode_loses_no_healthy_step_when_an_actor_dies(e2e: E2EProcesses) 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_an_actor_whose_weights_channel_drops_every_publication_still_trains_to_the_budget(
         e2e: E2EProcesses, mode: str) -> None:
-    """Before, the asynchronous actor acted with version 0 throughout (its rows stale beyond
-    max_policy_lag 2 from the third update on, so no update came and nothing more was published) and
-    the synchronous one waited at its first segment's end for ever."""
+    """An actor that receives no publication asks the learner for the weights it missed on the control
+    socket, so its rows stay within max_policy_lag and the run, asynchronous or synchronous, trains its
+    whole budget."""
     budget = 8 * 64  # 8 updates of 32 rows x 2 envs
     learner = e2e.start("learner", learner_args(e2e, mode, 1, "--total-env-steps", str(budget)))
     flags = e2e.flags(role="actor")

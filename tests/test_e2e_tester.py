@@ -28,10 +28,10 @@ EVAL_EPISODES = 3
 MIN_SPS_RATIO = 0.45
 """Training with evaluation every 2 updates keeps at least this share of the SPS without it. The
 tester is a niced process of its own, paced to a tenth of the wall time (eval_max_share), so few of
-those evaluations run (1.24 on a busy machine: the wall-clock SPS of two short runs is noisy, see
-docs/benchmarks.md); without pacing the ratio was 0.585-0.76. Evaluating inside the learner's loop
-instead (3 greedy episodes of up to 500 steps every 2 updates of 512 steps) would cost more than the
-training itself: a ratio near 0.3, which this bound catches."""
+those evaluations run (the wall-clock SPS of two short runs is noisy: docs/benchmarks.md gives the
+ratios measured). Evaluating inside the learner's loop (3 greedy episodes of up to 500 steps every 2
+updates of 512 steps) would cost more than the training itself: a ratio near 0.3, which this bound
+catches."""
 
 
 def train(e2e: E2EProcesses, tmp_path: Path, name: str, eval_every: int) -> Path:

@@ -134,8 +134,8 @@ def test_the_mount_size_is_statvfs_blocks_times_fragment_size() -> None:
 
 def test_the_step_rings_default_to_a_quarter_of_dev_shm_and_never_take_the_rollout_buffers_room(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Docker's shm_size 256 MiB with 110 MiB of rollout buffers (Atari defaults): the rings get 64 MiB,
-    not the former fixed 1,024 MiB (four times the mount); an explicit setting is honoured where it
+    """Docker's shm_size 256 MiB with 110 MiB of rollout buffers (Atari defaults): the rings get 64 MiB (a
+    quarter of the mount), at most the room the buffers leave; an explicit setting is honoured where it
     fits and lowered, with a note naming the setting and both sizes, where it does not."""
     fake_mount(monkeypatch, 256 * MIB)
     assert step_ring_budget(None, reserved_bytes=110 * MIB) == (int(256 * MIB * STEP_RING_SHM_SHARE), "")
@@ -155,8 +155,8 @@ def test_without_a_shared_memory_mount_the_setting_stands_or_no_ring_is_made(tmp
 
 def test_the_learner_caps_its_step_rings_by_the_mount(monkeypatch: pytest.MonkeyPatch,
                                                       caplog: pytest.LogCaptureFixture) -> None:
-    """300 local joins of 1,024 CartPole envs once committed 222 MiB of rings in a 256 MiB /dev/shm: the
-    learner's rings now stop at a quarter of it (the rest of those actors send inline)."""
+    """300 local joins of 1,024 CartPole envs in a 256 MiB /dev/shm: the learner's rings stop at a quarter
+    of it (the rest of those actors send inline)."""
     from oakemu_core.config import OakEmuConfig
     from oakemu_core.envs import env_spec
     from oakemu_core.policy.schemas import schema_for_env

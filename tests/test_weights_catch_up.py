@@ -122,7 +122,8 @@ def test_an_asynchronous_actor_behind_the_heartbeat_s_version_fetches_and_loads_
 
 
 def test_a_synchronous_actor_waiting_at_its_segment_end_gets_the_weights_it_missed(deaf: Deaf) -> None:
-    """Before: the wait for weights newer than the acting version never ended."""
+    """An actor that missed every publication, waiting for weights newer than its acting version at its
+    segment's end, fetches them on the control socket, loads them and stops waiting."""
     actor = deaf.actor
     actor.sync_rollout_length = 32
     deaf.publish_missed()
