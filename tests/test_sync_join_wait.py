@@ -100,7 +100,7 @@ def test_one_actor_of_two_planned_hears_that_the_learner_waits_and_joins_after_t
         control.close()
         context.term()
     assert reply.accepted and reply.actor_index == 0
-    assert GRACE_S - 0.5 <= waited < GRACE_S + 3.0
+    assert GRACE_S - 0.5 <= waited < GRACE_S + 30.0  # not before the grace; the bound above is only "not stuck"
     lines = [record.getMessage() for record in caplog.records]
     assert not [line for line in lines if "no answer" in line], lines
     assert any("the learner answered: mode='sync': waiting for 1 more actor(s) to join (up to 4 s" in line
