@@ -35,12 +35,22 @@ def measure(message_bytes: int, messages: int, keys: Path | None) -> tuple[float
     context = zmq.Context()
     server = client = None
     if keys is not None:
-        server = server_security(context, SimpleNamespace(
-            curve=True, bind_host="127.0.0.1", curve_secret_key=keys / "learner.key_secret",
-            curve_authorized_keys=keys / "authorized"))
-        client = client_security(SimpleNamespace(
-            curve=True, curve_secret_key=keys / "authorized" / "actor.key_secret",
-            curve_server_key=keys / "learner.key"))
+        server = server_security(
+            context,
+            SimpleNamespace(
+                curve=True,
+                bind_host="127.0.0.1",
+                curve_secret_key=keys / "learner.key_secret",
+                curve_authorized_keys=keys / "authorized",
+            ),
+        )
+        client = client_security(
+            SimpleNamespace(
+                curve=True,
+                curve_secret_key=keys / "authorized" / "actor.key_secret",
+                curve_server_key=keys / "learner.key",
+            )
+        )
     try:
         pull = context.socket(zmq.PULL)
         push = context.socket(zmq.PUSH)
@@ -74,8 +84,10 @@ def main() -> None:
         generate_keypair(keys, "learner")
         generate_keypair(keys / "authorized", "actor")
         print(f"{args.messages} messages per figure, median of {args.repeats} interleaved repeats")
-        print(f"{'message':<20}{'bytes':>9}{'plain us/msg':>14}{'CURVE us/msg':>14}{'extra us':>10}{'CPU x':>7}"
-              f"{'plain MB/s':>12}{'CURVE MB/s':>12}")
+        print(
+            f"{'message':<20}{'bytes':>9}{'plain us/msg':>14}{'CURVE us/msg':>14}{'extra us':>10}{'CPU x':>7}"
+            f"{'plain MB/s':>12}{'CURVE MB/s':>12}"
+        )
         for name, size in SIZES.items():
             plain, curve = [], []
             for _ in range(args.repeats):
@@ -85,8 +97,10 @@ def main() -> None:
             curve_cpu = statistics.median(c for c, _ in curve) / args.messages * 1e6
             plain_rate = size * args.messages / statistics.median(w for _, w in plain) / 1e6
             curve_rate = size * args.messages / statistics.median(w for _, w in curve) / 1e6
-            print(f"{name:<20}{size:>9}{plain_cpu:>14.1f}{curve_cpu:>14.1f}{curve_cpu - plain_cpu:>10.1f}"
-                  f"{curve_cpu / plain_cpu:>7.2f}{plain_rate:>12.0f}{curve_rate:>12.0f}")
+            print(
+                f"{name:<20}{size:>9}{plain_cpu:>14.1f}{curve_cpu:>14.1f}{curve_cpu - plain_cpu:>10.1f}"
+                f"{curve_cpu / plain_cpu:>7.2f}{plain_rate:>12.0f}{curve_rate:>12.0f}"
+            )
 
 
 if __name__ == "__main__":

@@ -32,7 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # run from a checkout without installing
 warnings.filterwarnings("ignore")
 
 from oakemu_core.envs.emulators import make_emulator_env
@@ -54,7 +56,9 @@ def rate(step: Callable[[], object], seconds: float) -> float:
             return calls / (now - start)
 
 
-def vector_env_rate(env_id: str, settings: str | None, action: Callable[[], np.ndarray], seconds: float) -> float | None:
+def vector_env_rate(
+    env_id: str, settings: str | None, action: Callable[[], np.ndarray], seconds: float
+) -> float | None:
     """Agent steps/s of the project's VectorEnv over one env, or None when it cannot be built here."""
     try:
         from oakemu_core.envs import make_vector_env
@@ -70,12 +74,15 @@ def vector_env_rate(env_id: str, settings: str | None, action: Callable[[], np.n
         vector.close()
 
 
-def gameboy_rows(seconds: float, frames_per_action: int, folder: Path) -> list[tuple[str, float, int]]:
+def gameboy_rows(
+    seconds: float, frames_per_action: int, folder: Path
+) -> list[tuple[str, float, int]]:
     from pyboy import PyBoy
 
     rom = write_test_rom(folder / "bench.gb")
     settings = folder / "bench.toml"
-    settings.write_text(textwrap.dedent(f"""
+    settings.write_text(
+        textwrap.dedent(f"""
         [gameboy]
         frames_per_action = {frames_per_action}
         press_frames = {max(1, frames_per_action // 3)}
@@ -84,7 +91,8 @@ def gameboy_rows(seconds: float, frames_per_action: int, folder: Path) -> list[t
         name = "a_presses"
         kind = "delta"
         address = 0xC000
-    """))
+    """)
+    )
     rows = []
     pyboy = PyBoy(str(rom), window="null", sound_emulated=False, log_level="ERROR")
     pyboy.set_emulation_speed(0)
@@ -92,17 +100,31 @@ def gameboy_rows(seconds: float, frames_per_action: int, folder: Path) -> list[t
         rows.append(("PyBoy tick(1, render=False)", rate(lambda: pyboy.tick(1, False), seconds), 1))
         rows.append(("PyBoy tick(1, render=True)", rate(lambda: pyboy.tick(1, True), seconds), 1))
         batched = rate(lambda: pyboy.tick(frames_per_action, True), seconds)
-        rows.append((f"PyBoy tick({frames_per_action}, render last)", batched * frames_per_action, frames_per_action))
+        rows.append(
+            (
+                f"PyBoy tick({frames_per_action}, render last)",
+                batched * frames_per_action,
+                frames_per_action,
+            )
+        )
     finally:
         pyboy.stop(save=False)
-    env = make_emulator_env(f"gameboy:{rom}", max_episode_steps=None, settings_file=str(settings), seed=0)
+    env = make_emulator_env(
+        f"gameboy:{rom}", max_episode_steps=None, settings_file=str(settings), seed=0
+    )
     rng = np.random.default_rng(0)
     try:
         env.reset(seed=0)
         actions = rng.integers(0, env.action_space.n, size=4096)
         counter = iter(range(1 << 62))
         steps = rate(lambda: env.step(int(actions[next(counter) % 4096])), seconds)
-        rows.append((f"our env ({frames_per_action} frames/step)", steps * frames_per_action, frames_per_action))
+        rows.append(
+            (
+                f"our env ({frames_per_action} frames/step)",
+                steps * frames_per_action,
+                frames_per_action,
+            )
+        )
     finally:
         env.close()
     vector = vector_env_rate(
@@ -146,7 +168,9 @@ def retro_rows(seconds: float) -> list[tuple[str, float, int]]:
         rows.append((f"our env ({frames} frames/step)", rate(env_step, seconds) * frames, frames))
     finally:
         env.close()
-    vector = vector_env_rate(f"retro:{game}", None, lambda: rng.integers(0, 2, size=(1, 12)), seconds)
+    vector = vector_env_rate(
+        f"retro:{game}", None, lambda: rng.integers(0, 2, size=(1, 12)), seconds
+    )
     if vector is not None:
         rows.append(("VectorEnv(1) over our env", vector * frames, frames))
     return rows
@@ -157,20 +181,29 @@ def print_table(title: str, rows: list[tuple[str, float, int]]) -> None:
     print(f"\n{title}")
     print(f"  {'what':34s} {'frames/s':>10s} {'agent steps/s':>14s} {'ratio to raw':>13s}")
     for name, frames_per_second, frames in rows:
-        print(f"  {name:34s} {frames_per_second:10.0f} {frames_per_second / frames:14.0f} {frames_per_second / base:13.2f}")
+        print(
+            f"  {name:34s} {frames_per_second:10.0f} {frames_per_second / frames:14.0f} {frames_per_second / base:13.2f}"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=3.0, help="measuring time per row")
-    parser.add_argument("--frames-per-action", type=int, default=24, help="Game Boy frames per agent step")
+    parser.add_argument(
+        "--frames-per-action", type=int, default=24, help="Game Boy frames per agent step"
+    )
     args = parser.parse_args()
     import cv2
 
     cv2.setNumThreads(1)
-    print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs visible, one process; {args.seconds:.0f} s per row")
+    print(
+        f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs visible, one process; {args.seconds:.0f} s per row"
+    )
     with tempfile.TemporaryDirectory() as folder:
-        print_table("Game Boy (PyBoy, generated test ROM)", gameboy_rows(args.seconds, args.frames_per_action, Path(folder)))
+        print_table(
+            "Game Boy (PyBoy, generated test ROM)",
+            gameboy_rows(args.seconds, args.frames_per_action, Path(folder)),
+        )
     print_table("stable-retro (Airstriker-Genesis-v0)", retro_rows(args.seconds))
 
 

@@ -30,10 +30,14 @@ from oakemu_core.policy.models import ActorCritic, build_model  # noqa: E402
 FRAME_SHAPE = (4, 84, 84)  # ALE's preprocessed, stacked frames
 
 
-def milliseconds_per_step(model: ActorCritic, frames: torch.Tensor, steps: int, *, bfloat16: bool = False) -> float:
+def milliseconds_per_step(
+    model: ActorCritic, frames: torch.Tensor, steps: int, *, bfloat16: bool = False
+) -> float:
     """Median wall milliseconds of one forward + backward + fused Adam step (after 2 warm-up steps);
     ``bfloat16``: the forward under bfloat16 autocast (the learner's mixed precision)."""
-    optimizer = torch.optim.Adam(model.parameters(), lr=2.5e-4, eps=1e-5, fused=frames.device.type in ("cpu", "cuda"))
+    optimizer = torch.optim.Adam(
+        model.parameters(), lr=2.5e-4, eps=1e-5, fused=frames.device.type in ("cpu", "cuda")
+    )
     times = []
     for _ in range(steps + 2):
         start = time.perf_counter()
@@ -51,14 +55,23 @@ def milliseconds_per_step(model: ActorCritic, frames: torch.Tensor, steps: int, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, default=256, help="minibatch rows (default 256: Breakout's 1,024 / 4)")
+    parser.add_argument(
+        "--batch", type=int, default=256, help="minibatch rows (default 256: Breakout's 1,024 / 4)"
+    )
     parser.add_argument("--steps", type=int, default=12, help="timed steps per figure")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="interleaved repeats; medians are reported"
+    )
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
 
-    frames = torch.randint(0, 256, (args.batch, *FRAME_SHAPE), dtype=torch.uint8,
-                           generator=torch.Generator().manual_seed(0)).to(args.device)
+    frames = torch.randint(
+        0,
+        256,
+        (args.batch, *FRAME_SHAPE),
+        dtype=torch.uint8,
+        generator=torch.Generator().manual_seed(0),
+    ).to(args.device)
     runs: dict[str, list[float]] = {"as built": [], "channels-last": [], "bfloat16": []}
     for _ in range(args.repeats):
         for variant in runs:
@@ -66,15 +79,23 @@ def main() -> None:
             model = build_model(FRAME_SHAPE, np.uint8, 4).to(args.device)
             if variant != "as built":
                 model.use_channels_last()
-            runs[variant].append(milliseconds_per_step(model, frames, args.steps, bfloat16=variant == "bfloat16"))
-    print(f"Nature CNN minibatch step (forward, backward, fused Adam), batch {args.batch}, {args.device}, "
-          f"torch threads {torch.get_num_threads()}, median of {args.repeats} interleaved repeats "
-          f"(bfloat16: channels-last with bfloat16 autocast)")
+            runs[variant].append(
+                milliseconds_per_step(model, frames, args.steps, bfloat16=variant == "bfloat16")
+            )
+    print(
+        f"Nature CNN minibatch step (forward, backward, fused Adam), batch {args.batch}, {args.device}, "
+        f"torch threads {torch.get_num_threads()}, median of {args.repeats} interleaved repeats "
+        f"(bfloat16: channels-last with bfloat16 autocast)"
+    )
     for variant, values in runs.items():
-        print(f"{variant:>14}: {statistics.median(values):8.1f} ms   runs: {', '.join(f'{v:.1f}' for v in values)}")
+        print(
+            f"{variant:>14}: {statistics.median(values):8.1f} ms   runs: {', '.join(f'{v:.1f}' for v in values)}"
+        )
     medians = {variant: statistics.median(values) for variant, values in runs.items()}
     print(f"channels-last speed-up: {medians['as built'] / medians['channels-last']:.2f} x")
-    print(f"bfloat16 speed-up over channels-last: {medians['channels-last'] / medians['bfloat16']:.2f} x")
+    print(
+        f"bfloat16 speed-up over channels-last: {medians['channels-last'] / medians['bfloat16']:.2f} x"
+    )
 
 
 if __name__ == "__main__":

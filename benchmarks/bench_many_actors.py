@@ -83,13 +83,26 @@ def learner_stats(learner, thread: threading.Thread) -> dict:
     memory (MiB) and the CPU seconds of its ingest threads and of the whole process."""
     counters = learner.assembler.counters
     records = list(learner.assembler.actors.values())  # one C call: safe beside the loop thread
-    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    status = dict(
+        line.split(":", 1)
+        for line in Path("/proc/self/status").read_text().splitlines()
+        if ":" in line
+    )
     return {
-        "now": time.monotonic(), "alive": thread.is_alive(), "env_steps": counters.env_steps,
-        "version": learner.policy_version, "cpu_s": ingest_cpu_s(thread.native_id), "process_cpu_s": process_cpu_s(),
-        "actors": {r.actor_id: (r.incarnation, r.env_steps, r.joined_at, r.lag_stats) for r in records},
-        "accepted": dict(counters.accepted), "rejected": dict(counters.rejected), "dropped": dict(counters.dropped),
-        "rss_mib": int(status["VmRSS"].split()[0]) / 1024, "peak_mib": int(status["VmHWM"].split()[0]) / 1024,
+        "now": time.monotonic(),
+        "alive": thread.is_alive(),
+        "env_steps": counters.env_steps,
+        "version": learner.policy_version,
+        "cpu_s": ingest_cpu_s(thread.native_id),
+        "process_cpu_s": process_cpu_s(),
+        "actors": {
+            r.actor_id: (r.incarnation, r.env_steps, r.joined_at, r.lag_stats) for r in records
+        },
+        "accepted": dict(counters.accepted),
+        "rejected": dict(counters.rejected),
+        "dropped": dict(counters.dropped),
+        "rss_mib": int(status["VmRSS"].split()[0]) / 1024,
+        "peak_mib": int(status["VmHWM"].split()[0]) / 1024,
     }
 
 
@@ -130,7 +143,9 @@ class LearnerHandle:
         start = time.monotonic()
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=learner_process, args=(self.settings, str(self.run_dir), child))
+        self.process = ctx.Process(
+            target=learner_process, args=(self.settings, str(self.run_dir), child)
+        )
         self.process.start()
         self.pids.append(self.process.pid)
         if not self.conn.poll(WAIT_S) or self.conn.recv() != "ready":
@@ -177,8 +192,13 @@ class LearnerHandle:
 
 
 # ------------------------------------------------------------------------------------ the actors
-def drive(actor: SyntheticActor, actor_sps: float, go: threading.Event, stop: threading.Event,
-          outcomes: dict) -> None:
+def drive(
+    actor: SyntheticActor,
+    actor_sps: float,
+    go: threading.Event,
+    stop: threading.Event,
+    outcomes: dict,
+) -> None:
     """One simulated actor: join at ``go``, then a message every ``env steps per message / actor_sps``
     seconds (no debt kept when behind) until ``stop``; ``outcomes[actor id]`` says how it ended."""
     from oakemu_core.actor.client import ActorSetupError, LearnerUnreachable
@@ -208,8 +228,17 @@ def drive(actor: SyntheticActor, actor_sps: float, go: threading.Event, stop: th
         outcomes[actor.actor.actor_id] = outcome
 
 
-def actor_host(env_id: str, num_envs: int, ports: list[int], actor_ids: list[str], actor_sps: float,
-               ready, go, stop, results) -> None:
+def actor_host(
+    env_id: str,
+    num_envs: int,
+    ports: list[int],
+    actor_ids: list[str],
+    actor_sps: float,
+    ready,
+    go,
+    stop,
+    results,
+) -> None:
     """A process of simulated actors, one thread each: builds them (no network), says ``ready``,
     lets them join at ``go`` and stream until ``stop``; then puts their outcomes on ``results``."""
     import torch
@@ -217,9 +246,16 @@ def actor_host(env_id: str, num_envs: int, ports: list[int], actor_ids: list[str
     torch.set_num_threads(1)
     logging.getLogger("oakemu").setLevel(logging.ERROR)  # N actors' rejoin warnings after a restart
     local_go, local_stop, outcomes = threading.Event(), threading.Event(), {}
-    actors = [SyntheticActor(env_id, num_envs, ports, actor_id, local_stop, "sockets") for actor_id in actor_ids]
-    threads = [threading.Thread(target=drive, args=(actor, actor_sps, local_go, local_stop, outcomes), daemon=True)
-               for actor in actors]
+    actors = [
+        SyntheticActor(env_id, num_envs, ports, actor_id, local_stop, "sockets")
+        for actor_id in actor_ids
+    ]
+    threads = [
+        threading.Thread(
+            target=drive, args=(actor, actor_sps, local_go, local_stop, outcomes), daemon=True
+        )
+        for actor in actors
+    ]
     for thread in threads:
         thread.start()
     ready.put(os.getpid())
@@ -238,13 +274,35 @@ def actor_host(env_id: str, num_envs: int, ports: list[int], actor_ids: list[str
 class ActorHosts:
     """``processes`` actor processes sharing the ids ``actor-0 .. actor-{n-1}`` round robin."""
 
-    def __init__(self, env_id: str, num_envs: int, ports: list[int], n: int, processes: int, actor_sps: float) -> None:
+    def __init__(
+        self, env_id: str, num_envs: int, ports: list[int], n: int, processes: int, actor_sps: float
+    ) -> None:
         ctx = mp.get_context("spawn")
-        self.ready, self.results, self.go, self.stop = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
+        self.ready, self.results, self.go, self.stop = (
+            ctx.Queue(),
+            ctx.Queue(),
+            ctx.Event(),
+            ctx.Event(),
+        )
         ids = [f"actor-{i}" for i in range(n)]
-        self.processes = [ctx.Process(target=actor_host, daemon=True, args=(
-            env_id, num_envs, ports, ids[p::processes], actor_sps, self.ready, self.go, self.stop, self.results))
-            for p in range(min(processes, n))]
+        self.processes = [
+            ctx.Process(
+                target=actor_host,
+                daemon=True,
+                args=(
+                    env_id,
+                    num_envs,
+                    ports,
+                    ids[p::processes],
+                    actor_sps,
+                    self.ready,
+                    self.go,
+                    self.stop,
+                    self.results,
+                ),
+            )
+            for p in range(min(processes, n))
+        ]
 
     def start(self) -> None:
         """Start the processes and wait until each has built its actors."""
@@ -255,7 +313,9 @@ class ActorHosts:
 
     def cpu_s(self) -> float:
         """CPU seconds the actor processes used so far."""
-        return sum(process_cpu_s(process.pid) for process in self.processes if process.pid is not None)
+        return sum(
+            process_cpu_s(process.pid) for process in self.processes if process.pid is not None
+        )
 
     def close(self) -> dict:
         """Stop the actors (they leave) and the processes; returns every actor's outcome."""
@@ -293,8 +353,14 @@ def wait_all_stepping(learner: LearnerHandle, n: int, since: float) -> dict:
             break
         time.sleep(0.2)
     refused = stats["accepted"].get("join_refused", 0) + stats["rejected"].get("impersonation", 0)
-    return {"joined_s": joined_s, "stepping_s": stepping_s, "joined": len(actors), "stepping": stepping,
-            "refused": refused, "joins": stats["accepted"].get("join", 0)}
+    return {
+        "joined_s": joined_s,
+        "stepping_s": stepping_s,
+        "joined": len(actors),
+        "stepping": stepping,
+        "refused": refused,
+        "joins": stats["accepted"].get("join", 0),
+    }
 
 
 def steady_window(learner: LearnerHandle, hosts: ActorHosts, n: int, seconds: float) -> dict:
@@ -319,11 +385,20 @@ def steady_window(learner: LearnerHandle, hosts: ActorHosts, n: int, seconds: fl
         rates.append((steps - (before[1] if before and before[0] == incarnation else 0)) / elapsed)
     rates_array = np.array(rates)
     rows = last["env_steps"] - first["env_steps"]
-    lost = {k: v - first["dropped"].get(k, 0) for k, v in last["dropped"].items() if v - first["dropped"].get(k, 0)}
+    lost = {
+        k: v - first["dropped"].get(k, 0)
+        for k, v in last["dropped"].items()
+        if v - first["dropped"].get(k, 0)
+    }
     return {
-        "ingest": rows / elapsed, "min": float(rates_array.min()), "median": float(np.median(rates_array)),
-        "max": float(rates_array.max()), "zero": int((rates_array == 0).sum()),
-        "jain": float(rates_array.sum() ** 2 / (n * (rates_array ** 2).sum())) if rates_array.any() else 0.0,
+        "ingest": rows / elapsed,
+        "min": float(rates_array.min()),
+        "median": float(np.median(rates_array)),
+        "max": float(rates_array.max()),
+        "zero": int((rates_array == 0).sum()),
+        "jain": float(rates_array.sum() ** 2 / (n * (rates_array**2).sum()))
+        if rates_array.any()
+        else 0.0,
         "lag_mean": float(np.mean(lag_means)) if lag_means else float("nan"),
         "lag_max": float(max(lag_highs)) if lag_highs else float("nan"),
         "versions_per_s": (last["version"] - first["version"]) / elapsed,
@@ -331,8 +406,11 @@ def steady_window(learner: LearnerHandle, hosts: ActorHosts, n: int, seconds: fl
         "cpu_share": (last["cpu_s"] - first["cpu_s"]) / elapsed,
         "process_share": (last["process_cpu_s"] - first["process_cpu_s"]) / elapsed,
         "actors_share": actors_cpu / elapsed,
-        "rss_halves_mib": (max(rss[:len(rss) // 2] or rss), max(rss[len(rss) // 2:])),
-        "rss_start_mib": first["rss_mib"], "rss_mib": last["rss_mib"], "peak_mib": last["peak_mib"], "dropped": lost,
+        "rss_halves_mib": (max(rss[: len(rss) // 2] or rss), max(rss[len(rss) // 2 :])),
+        "rss_start_mib": first["rss_mib"],
+        "rss_mib": last["rss_mib"],
+        "peak_mib": last["peak_mib"],
+        "dropped": lost,
     }
 
 
@@ -348,8 +426,17 @@ def restart(learner: LearnerHandle, n: int) -> dict:
     return result
 
 
-def run_many(n: int, *, env_id: str = "CartPole-v1", envs_per_actor: int = 4, actor_sps: float = 2000.0,
-             processes: int = 4, seconds: float = 20.0, warmup_s: float = 3.0, columns: int | None = None) -> dict:
+def run_many(
+    n: int,
+    *,
+    env_id: str = "CartPole-v1",
+    envs_per_actor: int = 4,
+    actor_sps: float = 2000.0,
+    processes: int = 4,
+    seconds: float = 20.0,
+    warmup_s: float = 3.0,
+    columns: int | None = None,
+) -> dict:
     """One learner (``columns`` buffer columns, None: ``n x envs_per_actor``) and ``n`` simulated
     remote actors: join storm, steady window, restart. Returns
     ``{"storm", "steady", "restart", "idle_rss_mib", "outcomes", "learner_pids", "actor_pids"}`` (see
@@ -358,11 +445,25 @@ def run_many(n: int, *, env_id: str = "CartPole-v1", envs_per_actor: int = 4, ac
     ports = _free_ports(5)
     with tempfile.TemporaryDirectory() as runs_dir:
         settings = dict(
-            env_id=env_id, num_actors=n, envs_per_actor=envs_per_actor, num_envs=columns, total_env_steps=10**12,
+            env_id=env_id,
+            num_actors=n,
+            envs_per_actor=envs_per_actor,
+            num_envs=columns,
+            total_env_steps=10**12,
             mode="async",
-            data_port=ports[0], control_port=ports[1], weights_port=ports[2], telemetry_port=ports[3],
-            metrics_port=0, runs_dir=runs_dir, run_name="bench", checkpoint_every_updates=0,
-            step_transport="sockets", eval_every_updates=0, rollback=False, log_level="WARNING")
+            data_port=ports[0],
+            control_port=ports[1],
+            weights_port=ports[2],
+            telemetry_port=ports[3],
+            metrics_port=0,
+            runs_dir=runs_dir,
+            run_name="bench",
+            checkpoint_every_updates=0,
+            step_transport="sockets",
+            eval_every_updates=0,
+            rollback=False,
+            log_level="WARNING",
+        )
         learner = LearnerHandle(settings, Path(runs_dir) / "bench")
         hosts = ActorHosts(env_id, envs_per_actor, ports, n, processes, actor_sps)
         result: dict = {}
@@ -394,57 +495,112 @@ def report(n: int, result: dict, args: argparse.Namespace) -> str:
     """The lines of one N, and returns its table row."""
     storm, steady, again = result["storm"], result["steady"], result["restart"]
     errors = {actor_id: o["error"] for actor_id, o in result["outcomes"].items() if o["error"]}
-    print(f"\n{n} actors x {args.envs_per_actor} envs, {args.actor_sps:,.0f} env steps/s each "
-          f"(offered {n * args.actor_sps:,.0f}):")
-    print(f"  join storm: all {storm['joined']} joined after {_s(storm['joined_s'])} s, {storm['stepping']} stepping "
-          f"after {_s(storm['stepping_s'])} s; joins granted {storm['joins']}, refused {storm['refused']}")
-    print(f"  ingest {steady['ingest']:,.0f} env steps/s ({100 * steady['ingest'] / (n * args.actor_sps):.0f} % of "
-          f"offered); per actor min {steady['min']:,.0f} / median {steady['median']:,.0f} / max {steady['max']:,.0f}"
-          f" ({steady['zero']} with none), Jain {steady['jain']:.3f}")
-    print(f"  policy lag at arrival: mean {steady['lag_mean']:.2f}, max {steady['lag_max']:.0f} versions "
-          f"({steady['versions_per_s']:.2f} versions/s); dropped {steady['dropped'] or 'nothing'}")
-    print(f"  CPU: learner ingest {steady['cpu_us']:.1f} us per env step, ingest threads {100 * steady['cpu_share']:.0f} "
-          f"% of a core, learner process {100 * steady['process_share']:.0f} %, actor processes "
-          f"{100 * steady['actors_share']:.0f} % ({os.cpu_count()} cores)")
-    print(f"  learner RSS: {result['idle_rss_mib']:.0f} MiB idle, {steady['rss_start_mib']:.0f} -> {steady['rss_mib']:.0f} "
-          f"MiB over the steady window (highest in its first / second half: {steady['rss_halves_mib'][0]:.0f} / "
-          f"{steady['rss_halves_mib'][1]:.0f}), peak "
-          f"{steady['peak_mib']:.0f} MiB; after the restart {again['rss_mib']:.0f} MiB")
-    print(f"  restart: learner up after {again['up_s']:.1f} s, {again['joined']} joined after {_s(again['joined_s'])} s,"
-          f" {again['stepping']} stepping after {_s(again['stepping_s'])} s")
-    print(f"  actors ended with an error: {len(errors)}{'' if not errors else ' e.g. ' + next(iter(errors.values()))}")
-    return (f"| {n} | {steady['ingest']:,.0f} | {steady['min']:,.0f} / {steady['median']:,.0f} / {steady['max']:,.0f} "
-            f"| {steady['jain']:.3f} | {steady['lag_mean']:.2f} / {steady['lag_max']:.0f} | {result['idle_rss_mib']:.0f} "
-            f"/ {steady['rss_mib']:.0f} / {steady['peak_mib']:.0f} | {_s(storm['joined_s'])} / {_s(storm['stepping_s'])}"
-            f" / {storm['refused']} | {again['up_s']:.1f} / {_s(again['stepping_s'])} / {again['stepping']} |")
+    print(
+        f"\n{n} actors x {args.envs_per_actor} envs, {args.actor_sps:,.0f} env steps/s each "
+        f"(offered {n * args.actor_sps:,.0f}):"
+    )
+    print(
+        f"  join storm: all {storm['joined']} joined after {_s(storm['joined_s'])} s, {storm['stepping']} stepping "
+        f"after {_s(storm['stepping_s'])} s; joins granted {storm['joins']}, refused {storm['refused']}"
+    )
+    print(
+        f"  ingest {steady['ingest']:,.0f} env steps/s ({100 * steady['ingest'] / (n * args.actor_sps):.0f} % of "
+        f"offered); per actor min {steady['min']:,.0f} / median {steady['median']:,.0f} / max {steady['max']:,.0f}"
+        f" ({steady['zero']} with none), Jain {steady['jain']:.3f}"
+    )
+    print(
+        f"  policy lag at arrival: mean {steady['lag_mean']:.2f}, max {steady['lag_max']:.0f} versions "
+        f"({steady['versions_per_s']:.2f} versions/s); dropped {steady['dropped'] or 'nothing'}"
+    )
+    print(
+        f"  CPU: learner ingest {steady['cpu_us']:.1f} us per env step, ingest threads {100 * steady['cpu_share']:.0f} "
+        f"% of a core, learner process {100 * steady['process_share']:.0f} %, actor processes "
+        f"{100 * steady['actors_share']:.0f} % ({os.cpu_count()} cores)"
+    )
+    print(
+        f"  learner RSS: {result['idle_rss_mib']:.0f} MiB idle, {steady['rss_start_mib']:.0f} -> {steady['rss_mib']:.0f} "
+        f"MiB over the steady window (highest in its first / second half: {steady['rss_halves_mib'][0]:.0f} / "
+        f"{steady['rss_halves_mib'][1]:.0f}), peak "
+        f"{steady['peak_mib']:.0f} MiB; after the restart {again['rss_mib']:.0f} MiB"
+    )
+    print(
+        f"  restart: learner up after {again['up_s']:.1f} s, {again['joined']} joined after {_s(again['joined_s'])} s,"
+        f" {again['stepping']} stepping after {_s(again['stepping_s'])} s"
+    )
+    print(
+        f"  actors ended with an error: {len(errors)}{'' if not errors else ' e.g. ' + next(iter(errors.values()))}"
+    )
+    return (
+        f"| {n} | {steady['ingest']:,.0f} | {steady['min']:,.0f} / {steady['median']:,.0f} / {steady['max']:,.0f} "
+        f"| {steady['jain']:.3f} | {steady['lag_mean']:.2f} / {steady['lag_max']:.0f} | {result['idle_rss_mib']:.0f} "
+        f"/ {steady['rss_mib']:.0f} / {steady['peak_mib']:.0f} | {_s(storm['joined_s'])} / {_s(storm['stepping_s'])}"
+        f" / {storm['refused']} | {again['up_s']:.1f} / {_s(again['stepping_s'])} / {again['stepping']} |"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--actors", type=int, nargs="+", default=[64, 256], help="numbers of simulated actors, one run each")
+    parser.add_argument(
+        "--actors",
+        type=int,
+        nargs="+",
+        default=[64, 256],
+        help="numbers of simulated actors, one run each",
+    )
     parser.add_argument("--seconds", type=float, default=20.0, help="length of the steady window")
     parser.add_argument("--env", default="CartPole-v1")
     parser.add_argument("--envs-per-actor", type=int, default=4)
-    parser.add_argument("--actor-sps", type=float, default=2000.0, help="env steps/s each simulated actor holds")
-    parser.add_argument("--actor-processes", type=int, default=4, help="processes the simulated actors share")
-    parser.add_argument("--buffer-columns", type=int, help="the learner's rollout buffer columns (default: actors x envs)")
+    parser.add_argument(
+        "--actor-sps", type=float, default=2000.0, help="env steps/s each simulated actor holds"
+    )
+    parser.add_argument(
+        "--actor-processes", type=int, default=4, help="processes the simulated actors share"
+    )
+    parser.add_argument(
+        "--buffer-columns",
+        type=int,
+        help="the learner's rollout buffer columns (default: actors x envs)",
+    )
     args = parser.parse_args(argv)
-    if (min(args.actors) < 1 or args.seconds <= 0 or args.actor_sps <= 0 or args.actor_processes < 1
-            or (args.buffer_columns is not None and args.buffer_columns < args.envs_per_actor)):
-        parser.exit(2, "bench_many_actors: --actors, --seconds, --actor-sps and --actor-processes must be positive, "
-                       "--buffer-columns at least --envs-per-actor\n")
-    columns = f"{args.buffer_columns} buffer columns" if args.buffer_columns else "buffer columns = actors x envs"
-    print(f"{args.env}: one learner (PPO off, async, sockets only, {columns}), simulated remote actors of {args.envs_per_actor} "
-          f"envs at {args.actor_sps:,.0f} env steps/s each in {args.actor_processes} processes; {args.seconds:.0f} s "
-          f"steady window; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
+    if (
+        min(args.actors) < 1
+        or args.seconds <= 0
+        or args.actor_sps <= 0
+        or args.actor_processes < 1
+        or (args.buffer_columns is not None and args.buffer_columns < args.envs_per_actor)
+    ):
+        parser.exit(
+            2,
+            "bench_many_actors: --actors, --seconds, --actor-sps and --actor-processes must be positive, "
+            "--buffer-columns at least --envs-per-actor\n",
+        )
+    columns = (
+        f"{args.buffer_columns} buffer columns"
+        if args.buffer_columns
+        else "buffer columns = actors x envs"
+    )
+    print(
+        f"{args.env}: one learner (PPO off, async, sockets only, {columns}), simulated remote actors of {args.envs_per_actor} "
+        f"envs at {args.actor_sps:,.0f} env steps/s each in {args.actor_processes} processes; {args.seconds:.0f} s "
+        f"steady window; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}"
+    )
     rows = []
     for n in args.actors:
-        result = run_many(n, env_id=args.env, envs_per_actor=args.envs_per_actor, actor_sps=args.actor_sps,
-                          processes=args.actor_processes, seconds=args.seconds, columns=args.buffer_columns)
+        result = run_many(
+            n,
+            env_id=args.env,
+            envs_per_actor=args.envs_per_actor,
+            actor_sps=args.actor_sps,
+            processes=args.actor_processes,
+            seconds=args.seconds,
+            columns=args.buffer_columns,
+        )
         rows.append(report(n, result, args))
-    print("\n| actors | ingest env steps/s | per actor min / median / max | Jain | lag mean / max | learner RSS MiB "
-          "idle / streaming / peak | storm: all joined s / all stepping s / refused | restart: up s / all stepping s "
-          "/ back |")
+    print(
+        "\n| actors | ingest env steps/s | per actor min / median / max | Jain | lag mean / max | learner RSS MiB "
+        "idle / streaming / peak | storm: all joined s / all stepping s / refused | restart: up s / all stepping s "
+        "/ back |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     print("\n".join(rows))
     print(f"load average after: {os.getloadavg()[0]:.2f}")

@@ -41,13 +41,19 @@ def main() -> None:
         limits = PeerLimits.from_config(OakEmuConfig(env_id=env_id, clip_rewards=True))
         for num_envs, k in ((8, 1), (8, 4), (64, 4)):
             spec = StepSpec(num_envs=num_envs, schema=schema, steps_per_message=k)
-            fields = {name: np.zeros(shape, dtype) for name, (dtype, shape) in spec.array_layout().items()}
+            fields = {
+                name: np.zeros(shape, dtype) for name, (dtype, shape) in spec.array_layout().items()
+            }
             fields["trainable"][...] = True
             message = StepMessage("a", "i", 0, 0, fields)
             frames = [bytes(frame) for frame in encode_step(message, spec)]
             check = per_message_us(lambda: limits.check_step(message), args.repeat)
-            decode = per_message_us(lambda: decode_step(frames, lambda a, i: spec, max_bytes=2**28), args.repeat)
-            print(f"{env_id:16s} {num_envs:4d} {k}  {check:13.1f}  {decode:14.1f}  {check / decode:5.1%}")
+            decode = per_message_us(
+                lambda: decode_step(frames, lambda a, i: spec, max_bytes=2**28), args.repeat
+            )
+            print(
+                f"{env_id:16s} {num_envs:4d} {k}  {check:13.1f}  {decode:14.1f}  {check / decode:5.1%}"
+            )
 
 
 if __name__ == "__main__":

@@ -58,8 +58,16 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
-ACTOR_VARIANTS = ("groups2", "threads2", "inference_mode", "channels_last", "onnxruntime", "groups2+onnxruntime",
-                  "bfloat16", "groups2+bfloat16")
+ACTOR_VARIANTS = (
+    "groups2",
+    "threads2",
+    "inference_mode",
+    "channels_last",
+    "onnxruntime",
+    "groups2+onnxruntime",
+    "bfloat16",
+    "groups2+bfloat16",
+)
 """Actor-loop variants of ``--actor-variants``: two overlapped env groups
 (``env_groups=2``), 2 torch threads, ``torch.inference_mode`` around the loop, a channels-last model,
 forward passes by ONNX Runtime (``--actor-inference onnxruntime``), the two together, and a bfloat16
@@ -70,23 +78,35 @@ PER_CORE_VARIANTS = ("torch", "onnxruntime", "bfloat16")
 ``emulator_threads`` auto gives ``num_actors`` = CPUs), each with these forward passes."""
 
 
-def _step_loop(env_id: str, num_envs: int, seconds: float, with_policy: bool, seed: int, out: mp.Queue,
-               variant: str = "") -> None:
+def _step_loop(
+    env_id: str,
+    num_envs: int,
+    seconds: float,
+    with_policy: bool,
+    seed: int,
+    out: mp.Queue,
+    variant: str = "",
+) -> None:
     import contextlib
 
     import torch
 
-    from oakemu_core.policy.distributions import distribution_for_env
+    from oakemu_core.actor.stepper import PolicyStepper
     from oakemu_core.envs import make_vector_env
     from oakemu_core.envs.factory import make_env_groups
+    from oakemu_core.policy.distributions import distribution_for_env
     from oakemu_core.policy.models import build_model
-    from oakemu_core.actor.stepper import PolicyStepper
 
     parts = set(variant.split("+"))
     torch.set_num_threads(2 if "threads2" in parts else 1)
-    threads = {"num_threads": 1} if "per_core" in parts else {}  # else ale-py's default of the adapter
-    env = (make_env_groups(env_id, num_envs, 2, seed=seed, **threads) if "groups2" in parts
-           else make_vector_env(env_id, num_envs, seed=seed, **threads))
+    threads = (
+        {"num_threads": 1} if "per_core" in parts else {}
+    )  # else ale-py's default of the adapter
+    env = (
+        make_env_groups(env_id, num_envs, 2, seed=seed, **threads)
+        if "groups2" in parts
+        else make_vector_env(env_id, num_envs, seed=seed, **threads)
+    )
     spec = env.spec
     mode = torch.inference_mode() if "inference_mode" in parts else contextlib.nullcontext()
     mode.__enter__()
@@ -121,39 +141,55 @@ def _step_loop(env_id: str, num_envs: int, seconds: float, with_policy: bool, se
     env.close()
 
 
-def measure_local(env_id: str, actors: int, num_envs: int, seconds: float, *, with_policy: bool,
-                  variant: str = "") -> float:
+def measure_local(
+    env_id: str, actors: int, num_envs: int, seconds: float, *, with_policy: bool, variant: str = ""
+) -> float:
     """Sum over ``actors`` processes of env steps/s, no transport (``variant``: see ACTOR_VARIANTS)."""
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
     procs = [
-        ctx.Process(target=_step_loop, args=(env_id, num_envs, seconds, with_policy, 100 + i, out, variant))
+        ctx.Process(
+            target=_step_loop, args=(env_id, num_envs, seconds, with_policy, 100 + i, out, variant)
+        )
         for i in range(actors)
     ]
     for p in procs:
         p.start()
     rates = []
-    while len(rates) < len(procs):  # a child that died (an error) fails the run at once, not after a timeout
+    while len(rates) < len(
+        procs
+    ):  # a child that died (an error) fails the run at once, not after a timeout
         try:
             rates.append(out.get(timeout=1.0))
         except queue.Empty:
             if any(p.exitcode not in (None, 0) for p in procs):
                 for p in procs:
                     p.kill()
-                raise RuntimeError(f"an actor-loop process ({variant or 'raw'}) exited with an error") from None
+                raise RuntimeError(
+                    f"an actor-loop process ({variant or 'raw'}) exited with an error"
+                ) from None
     total = sum(rates)
     for p in procs:
         p.join()
     return total
 
 
-def measure_pipeline(env_id: str, actors: int, num_envs: int, seconds: float, *, train: bool,
-                     curve: bool = False, steps_per_message: int | str = "auto") -> float:
+def measure_pipeline(
+    env_id: str,
+    actors: int,
+    num_envs: int,
+    seconds: float,
+    *,
+    train: bool,
+    curve: bool = False,
+    steps_per_message: int | str = "auto",
+) -> float:
     """Env steps/s written by a learner (this process) fed by ``actors`` actor processes (over CURVE
     sockets when ``curve``)."""
-    from oakemu_core.transport.auth import generate_keypair
-    from oakemu_core.config import OakEmuConfig
     from oakemu_services import learner as learner_module
+
+    from oakemu_core.config import OakEmuConfig
+    from oakemu_core.transport.auth import generate_keypair
 
     ports = _free_ports(5)
     with tempfile.TemporaryDirectory() as runs_dir:
@@ -163,15 +199,32 @@ def measure_pipeline(env_id: str, actors: int, num_envs: int, seconds: float, *,
             keys = Path(runs_dir) / "keys"
             generate_keypair(keys, "learner")
             generate_keypair(keys / "authorized", "actor")
-            security = {"curve": True, "curve_secret_key": keys / "learner.key_secret",
-                        "curve_authorized_keys": keys / "authorized"}
-            actor_security = {"OAKEMU_CURVE": "true", "OAKEMU_CURVE_SECRET_KEY": str(keys / "authorized" / "actor.key_secret"),
-                              "OAKEMU_CURVE_SERVER_KEY": str(keys / "learner.key")}
+            security = {
+                "curve": True,
+                "curve_secret_key": keys / "learner.key_secret",
+                "curve_authorized_keys": keys / "authorized",
+            }
+            actor_security = {
+                "OAKEMU_CURVE": "true",
+                "OAKEMU_CURVE_SECRET_KEY": str(keys / "authorized" / "actor.key_secret"),
+                "OAKEMU_CURVE_SERVER_KEY": str(keys / "learner.key"),
+            }
         config = OakEmuConfig(
-            env_id=env_id, num_actors=actors, envs_per_actor=num_envs, total_env_steps=10**9,
-            data_port=ports[0], control_port=ports[1], weights_port=ports[2], telemetry_port=ports[3],
-            metrics_port=ports[4], runs_dir=Path(runs_dir), run_name="bench", checkpoint_every_updates=0,
-            log_level="WARNING", steps_per_message=steps_per_message, **security,
+            env_id=env_id,
+            num_actors=actors,
+            envs_per_actor=num_envs,
+            total_env_steps=10**9,
+            data_port=ports[0],
+            control_port=ports[1],
+            weights_port=ports[2],
+            telemetry_port=ports[3],
+            metrics_port=ports[4],
+            runs_dir=Path(runs_dir),
+            run_name="bench",
+            checkpoint_every_updates=0,
+            log_level="WARNING",
+            steps_per_message=steps_per_message,
+            **security,
         )
         from oakemu_core.algo import learner as library_learner
 
@@ -183,11 +236,28 @@ def measure_pipeline(env_id: str, actors: int, num_envs: int, seconds: float, *,
         thread = threading.Thread(target=learner.run, args=(stop,), daemon=True)
         thread.start()
         env = {**os.environ, "OAKEMU_LOG_LEVEL": "WARNING", **actor_security}
-        flags = [f"--envs-per-actor={num_envs}", f"--data-port={ports[0]}", f"--control-port={ports[1]}",
-                 f"--weights-port={ports[2]}", "--torch-threads=1"]
+        flags = [
+            f"--envs-per-actor={num_envs}",
+            f"--data-port={ports[0]}",
+            f"--control-port={ports[1]}",
+            f"--weights-port={ports[2]}",
+            "--torch-threads=1",
+        ]
         procs = [
-            subprocess.Popen([sys.executable, "-m", "oakemu_services.cli", "actor", f"--actor-id=bench-{i}", *flags],
-                             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "oakemu_services.cli",
+                    "actor",
+                    f"--actor-id=bench-{i}",
+                    *flags,
+                ],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             for i in range(actors)
         ]
         try:
@@ -212,21 +282,40 @@ def measure_pipeline(env_id: str, actors: int, num_envs: int, seconds: float, *,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--env", default="ALE/Breakout-v5,CartPole-v1", help="comma-separated env ids")
+    parser.add_argument(
+        "--env", default="ALE/Breakout-v5,CartPole-v1", help="comma-separated env ids"
+    )
     parser.add_argument("--actors", type=int, default=1)
     parser.add_argument("--envs-per-actor", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=15.0)
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
-    parser.add_argument("--curve", action="store_true", help="also measure the pipeline over CURVE sockets")
-    parser.add_argument("--steps-per-message", default="1,auto",
-                        help="comma-separated steps_per_message values for the pipeline figure (ints or auto)")
-    parser.add_argument("--no-end-to-end", action="store_true", help="skip the end-to-end (PPO) figure")
-    parser.add_argument("--actor-variants", action="store_true",
-                        help="also measure actor-loop variants: " + ", ".join(ACTOR_VARIANTS))
-    parser.add_argument("--actor-only", action="store_true", help="only raw and actor-loop figures (no learner)")
-    parser.add_argument("--per-core", action="store_true",
-                        help="also measure one process per CPU with one emulator thread each: raw, and the actor "
-                        "loop with " + ", ".join(PER_CORE_VARIANTS))
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="interleaved repeats; medians are reported"
+    )
+    parser.add_argument(
+        "--curve", action="store_true", help="also measure the pipeline over CURVE sockets"
+    )
+    parser.add_argument(
+        "--steps-per-message",
+        default="1,auto",
+        help="comma-separated steps_per_message values for the pipeline figure (ints or auto)",
+    )
+    parser.add_argument(
+        "--no-end-to-end", action="store_true", help="skip the end-to-end (PPO) figure"
+    )
+    parser.add_argument(
+        "--actor-variants",
+        action="store_true",
+        help="also measure actor-loop variants: " + ", ".join(ACTOR_VARIANTS),
+    )
+    parser.add_argument(
+        "--actor-only", action="store_true", help="only raw and actor-loop figures (no learner)"
+    )
+    parser.add_argument(
+        "--per-core",
+        action="store_true",
+        help="also measure one process per CPU with one emulator thread each: raw, and the actor "
+        "loop with " + ", ".join(PER_CORE_VARIANTS),
+    )
     args = parser.parse_args()
     for env_id in args.env.split(","):
         bench_env(args, env_id.strip())
@@ -239,17 +328,25 @@ def bench_env(args: argparse.Namespace, env_id: str) -> None:
 
     ks = [k if k == "auto" else int(k) for k in args.steps_per_message.split(",")]
     env_step_bytes = schema_for_env(env_spec(env_id)).sent_bytes_per_env()
-    resolved = {k: OakEmuConfig(env_id=env_id).resolved_steps_per_message(  # actors here get a step ring
-                    env_step_bytes, args.envs_per_actor, step_ring=True) if k == "auto" else k for k in ks}
+    resolved = {
+        k: OakEmuConfig(env_id=env_id).resolved_steps_per_message(  # actors here get a step ring
+            env_step_bytes, args.envs_per_actor, step_ring=True
+        )
+        if k == "auto"
+        else k
+        for k in ks
+    }
     args.env = env_id
-    print(f"{args.env}: {args.actors} actor process(es) x {args.envs_per_actor} envs, {args.seconds:.0f} s per "
-          f"figure, median of {args.repeats} interleaved repeats, {os.cpu_count()} CPUs")
+    print(
+        f"{args.env}: {args.actors} actor process(es) x {args.envs_per_actor} envs, {args.seconds:.0f} s per "
+        f"figure, median of {args.repeats} interleaved repeats, {os.cpu_count()} CPUs"
+    )
     pipeline_keys = [f"pipeline K={k}" + (f" ({resolved[k]})" if k == "auto" else "") for k in ks]
     variants = list(ACTOR_VARIANTS) if args.actor_variants else []
     if args.actor_only:
         pipeline_keys, ks, args.no_end_to_end = [], [], True
-    from oakemu_core.policy.bfloat16_inference import check_supported
     from oakemu_core.config import available_cpus
+    from oakemu_core.policy.bfloat16_inference import check_supported
 
     try:
         check_supported(env_spec(env_id).observation_layout)
@@ -258,10 +355,21 @@ def bench_env(args: argparse.Namespace, env_id: str) -> None:
         images = False
     variants = [v for v in variants if images or "bfloat16" not in v]
     cores = available_cpus()
-    per_core = [f"per_core+{v}" for v in PER_CORE_VARIANTS if images or v != "bfloat16"] if args.per_core else []
-    figures: dict[str, list[float]] = {"raw": [], "policy": [], **{v: [] for v in variants},
-                                       "per_core": [], **{v: [] for v in per_core},
-                                       **{key: [] for key in pipeline_keys}, "end_to_end": [], "curve": []}
+    per_core = (
+        [f"per_core+{v}" for v in PER_CORE_VARIANTS if images or v != "bfloat16"]
+        if args.per_core
+        else []
+    )
+    figures: dict[str, list[float]] = {
+        "raw": [],
+        "policy": [],
+        **{v: [] for v in variants},
+        "per_core": [],
+        **{v: [] for v in per_core},
+        **{key: [] for key in pipeline_keys},
+        "end_to_end": [],
+        "curve": [],
+    }
     common = (args.env, args.actors, args.envs_per_actor, args.seconds)
     for _ in range(args.repeats):  # interleaved, so a slow spell of the machine hits every figure
         figures["raw"].append(measure_local(*common, with_policy=False))
@@ -270,9 +378,13 @@ def bench_env(args: argparse.Namespace, env_id: str) -> None:
             figures[variant].append(measure_local(*common, with_policy=True, variant=variant))
         if per_core:
             per_core_common = (args.env, cores, args.envs_per_actor, args.seconds)
-            figures["per_core"].append(measure_local(*per_core_common, with_policy=False, variant="per_core"))
+            figures["per_core"].append(
+                measure_local(*per_core_common, with_policy=False, variant="per_core")
+            )
             for variant in per_core:
-                figures[variant].append(measure_local(*per_core_common, with_policy=True, variant=variant))
+                figures[variant].append(
+                    measure_local(*per_core_common, with_policy=True, variant=variant)
+                )
         for k, key in zip(ks, pipeline_keys):
             figures[key].append(measure_pipeline(*common, train=False, steps_per_message=k))
         if args.curve:
@@ -289,26 +401,40 @@ def bench_env(args: argparse.Namespace, env_id: str) -> None:
         *([(f"raw, {cores} processes x 1 emulator thread", "per_core")] if per_core else []),
         *[(f"actor loop, {cores} actors x 1 thread, {v.split('+')[1]}", v) for v in per_core],
         *[(f"{key}: ZeroMQ -> ingest, no PPO", key) for key in pipeline_keys],
-        *([("end-to-end: with PPO training (K auto)", "end_to_end")] if not args.no_end_to_end else []),
+        *(
+            [("end-to-end: with PPO training (K auto)", "end_to_end")]
+            if not args.no_end_to_end
+            else []
+        ),
         *([("pipeline+curve: CURVE sockets, no PPO", "curve")] if args.curve else []),
     ]:
         value = float(np.median(figures[key]))
-        print(f"{name:<52}{value:>12.0f}{value / raw:>9.3f}   {', '.join(f'{v:.0f}' for v in figures[key])}")
+        print(
+            f"{name:<52}{value:>12.0f}{value / raw:>9.3f}   {', '.join(f'{v:.0f}' for v in figures[key])}"
+        )
     print(f"actor loop / raw env (medians): {policy / raw:.3f}")
     for v in variants:
-        print(f"actor loop {v} / raw env (medians): {float(np.median(figures[v])) / raw:.3f} "
-              f"(x{float(np.median(figures[v])) / policy:.2f} of the default loop)")
+        print(
+            f"actor loop {v} / raw env (medians): {float(np.median(figures[v])) / raw:.3f} "
+            f"(x{float(np.median(figures[v])) / policy:.2f} of the default loop)"
+        )
     if per_core:  # against the faster of the two raw figures: the machine's own env rate
         best_raw = max(raw, float(np.median(figures["per_core"])))
         for v in per_core:
-            print(f"actor loop, {cores} actors x 1 thread, {v.split('+')[1]} / best raw env (medians): "
-                  f"{float(np.median(figures[v])) / best_raw:.3f} (/ raw: {float(np.median(figures[v])) / raw:.3f})")
+            print(
+                f"actor loop, {cores} actors x 1 thread, {v.split('+')[1]} / best raw env (medians): "
+                f"{float(np.median(figures[v])) / best_raw:.3f} (/ raw: {float(np.median(figures[v])) / raw:.3f})"
+            )
     for key in pipeline_keys:
         value = float(np.median(figures[key]))
-        print(f"transport cost, {key} (1 - pipeline / raw+policy, medians): {100 * (1 - value / policy):.1f} %")
+        print(
+            f"transport cost, {key} (1 - pipeline / raw+policy, medians): {100 * (1 - value / policy):.1f} %"
+        )
     if args.curve:
         with_curve = float(np.median(figures["curve"]))
-        print(f"CURVE cost (1 - pipeline+curve / pipeline, medians): {100 * (1 - with_curve / pipeline):.1f} %")
+        print(
+            f"CURVE cost (1 - pipeline+curve / pipeline, medians): {100 * (1 - with_curve / pipeline):.1f} %"
+        )
 
 
 if __name__ == "__main__":

@@ -25,7 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # run from a checkout without installing
 
 from oakemu_core.storage import gae  # noqa: E402
 from oakemu_core.storage.rollout_buffer import RolloutBuffer  # noqa: E402
@@ -43,7 +45,9 @@ def median_seconds(function: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def make_steps(rng: np.random.Generator, num_steps: int, num_envs: int) -> list[dict[str, np.ndarray]]:
+def make_steps(
+    rng: np.random.Generator, num_steps: int, num_envs: int
+) -> list[dict[str, np.ndarray]]:
     """Random step arrays (as an actor would send), a few episode ends and truncations."""
     steps = []
     for _ in range(num_steps):
@@ -51,14 +55,18 @@ def make_steps(rng: np.random.Generator, num_steps: int, num_envs: int) -> list[
         truncated = (rng.random(num_envs) < 0.005) & ~terminated
         steps.append(
             {
-                "observations": rng.integers(0, 256, (num_envs, *OBSERVATION_SHAPE), dtype=np.uint8),
+                "observations": rng.integers(
+                    0, 256, (num_envs, *OBSERVATION_SHAPE), dtype=np.uint8
+                ),
                 "actions": rng.integers(0, 18, num_envs, dtype=np.int64),
                 "log_probs": rng.normal(size=num_envs).astype(np.float32),
                 "values": rng.normal(size=num_envs).astype(np.float32),
                 "rewards": rng.normal(size=num_envs).astype(np.float32),
                 "dones": terminated | truncated,
                 "trainable": rng.random(num_envs) < 0.95,
-                "bootstrap_values": np.where(truncated, rng.normal(size=num_envs), 0).astype(np.float32),
+                "bootstrap_values": np.where(truncated, rng.normal(size=num_envs), 0).astype(
+                    np.float32
+                ),
             }
         )
     return steps
@@ -73,7 +81,9 @@ def main(argv: list[str] | None = None) -> None:
     num_steps, num_envs, repeats = args.rollout_length, args.num_envs, args.repeats
     rng = np.random.default_rng(0)
     steps = make_steps(rng, num_steps, num_envs)
-    bytes_per_step = sum(array.nbytes for array in steps[0].values()) + 16 * num_envs  # + versions, revisions
+    bytes_per_step = (
+        sum(array.nbytes for array in steps[0].values()) + 16 * num_envs
+    )  # + versions, revisions
 
     with RolloutBuffer(num_steps, num_envs, OBSERVATION_SHAPE, np.uint8) as buffer:
 
@@ -97,7 +107,10 @@ def main(argv: list[str] | None = None) -> None:
         copy_per_step = median_seconds(copy_rollout, repeats) / num_steps
 
         # Baseline 2: per-field np.copyto into plain (T, N, ...) arrays (the bare work of add).
-        plain = {name: np.zeros((num_steps, *array.shape), array.dtype) for name, array in steps[0].items()}
+        plain = {
+            name: np.zeros((num_steps, *array.shape), array.dtype)
+            for name, array in steps[0].items()
+        }
         plain_versions = np.zeros((num_steps, num_envs), np.int64)
         plain_revisions = np.zeros((num_steps, num_envs), np.int64)
 
@@ -114,7 +127,9 @@ def main(argv: list[str] | None = None) -> None:
         # GAE.
         last_values = rng.normal(size=num_envs).astype(np.float32)
         last_dones = buffer.dones[-1].copy()
-        gae_method = median_seconds(lambda: buffer.compute_gae(last_values, last_dones, 0.99, 0.95), repeats)
+        gae_method = median_seconds(
+            lambda: buffer.compute_gae(last_values, last_dones, 0.99, 0.95), repeats
+        )
         reads = [buffer.rewards, buffer.values, buffer.dones, buffer.bootstrap_values]
         gae_function = median_seconds(
             lambda: gae.compute_gae(*reads, last_values, 0.99, 0.95), repeats
@@ -134,13 +149,21 @@ def main(argv: list[str] | None = None) -> None:
         f"RolloutBuffer benchmark: {num_steps} steps x {num_envs} envs, observations "
         f"{'x'.join(map(str, OBSERVATION_SHAPE))} uint8, buffer {memory_gib * 1024:.1f} MiB, median of {repeats}"
     )
-    print(f"add per step:                  {add_per_step * 1e6:9.1f} us ({bytes_per_step / 1e6:.2f} MB written)")
-    print(f"  np.copyto same bytes:        {copy_per_step * 1e6:9.1f} us   ratio add / copyto        = {add_per_step / copy_per_step:6.2f}")
-    print(f"  per-field np.copyto:         {fields_per_step * 1e6:9.1f} us   ratio add / field copies  = {add_per_step / fields_per_step:6.2f}")
+    print(
+        f"add per step:                  {add_per_step * 1e6:9.1f} us ({bytes_per_step / 1e6:.2f} MB written)"
+    )
+    print(
+        f"  np.copyto same bytes:        {copy_per_step * 1e6:9.1f} us   ratio add / copyto        = {add_per_step / copy_per_step:6.2f}"
+    )
+    print(
+        f"  per-field np.copyto:         {fields_per_step * 1e6:9.1f} us   ratio add / field copies  = {add_per_step / fields_per_step:6.2f}"
+    )
     print(f"compute_gae (buffer method):   {gae_method * 1e6:9.1f} us")
     print(f"compute_gae (gae function):    {gae_function * 1e6:9.1f} us")
-    print(f"  copy of arrays read+written: {gae_copy * 1e6:9.1f} us   ratio compute_gae / copy  = {gae_method / gae_copy:6.2f}"
-          f" (function alone {gae_function / gae_copy:.2f})")
+    print(
+        f"  copy of arrays read+written: {gae_copy * 1e6:9.1f} us   ratio compute_gae / copy  = {gae_method / gae_copy:6.2f}"
+        f" (function alone {gae_function / gae_copy:.2f})"
+    )
 
 
 if __name__ == "__main__":

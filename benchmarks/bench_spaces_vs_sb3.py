@@ -75,24 +75,26 @@ class Case:
 
     env_id: str
     total_env_steps: int
-    num_envs: int              # OakEmu: NUM_ACTORS x envs_per_actor columns; SB3: n_envs
-    rollout_length: int        # OakEmu --rollout-length; SB3 n_steps
-    ppo_epochs: int            # --ppo-epochs; n_epochs
-    num_minibatches: int       # --num-minibatches; SB3 batch_size = num_envs * rollout_length / this
-    learning_rate: float       # constant on both sides (OakEmu --no-anneal-lr; SB3 float lr)
+    num_envs: int  # OakEmu: NUM_ACTORS x envs_per_actor columns; SB3: n_envs
+    rollout_length: int  # OakEmu --rollout-length; SB3 n_steps
+    ppo_epochs: int  # --ppo-epochs; n_epochs
+    num_minibatches: int  # --num-minibatches; SB3 batch_size = num_envs * rollout_length / this
+    learning_rate: float  # constant on both sides (OakEmu --no-anneal-lr; SB3 float lr)
     gamma: float
     gae_lambda: float
-    clip_coef: float           # --clip-coef; clip_range
+    clip_coef: float  # --clip-coef; clip_range
     ent_coef: float
     vf_coef: float
     max_grad_norm: float
-    normalize_observations: bool   # OakEmu flag; SB3 VecNormalize(norm_obs=...)
-    normalize_rewards: bool        # OakEmu flag; SB3 VecNormalize(norm_reward=..., gamma=gamma)
-    action_masks: bool             # SB3 side: sb3-contrib MaskablePPO + ActionMasker; OakEmu reads info masks
-    max_policy_lag: int = 1        # OakEmu only (SB3 is synchronous: lag 0)
+    normalize_observations: bool  # OakEmu flag; SB3 VecNormalize(norm_obs=...)
+    normalize_rewards: bool  # OakEmu flag; SB3 VecNormalize(norm_reward=..., gamma=gamma)
+    action_masks: bool  # SB3 side: sb3-contrib MaskablePPO + ActionMasker; OakEmu reads info masks
+    max_policy_lag: int = 1  # OakEmu only (SB3 is synchronous: lag 0)
     # Same on both sides and stated for completeness (both systems' defaults):
     normalize_advantages: bool = True
-    clip_value_range: None = None  # no value clipping (SB3 clip_range_vf=None; OakEmu --clip-value-range null)
+    clip_value_range: None = (
+        None  # no value clipping (SB3 clip_range_vf=None; OakEmu --clip-value-range null)
+    )
     target_kl: None = None
     net_arch: str = "separate actor and critic MLPs 64-64 tanh, orthogonal init, Gaussian log_std 0"
 
@@ -111,12 +113,27 @@ def case_from_preset(name: str, *, vf_coef_per_sb3: float = 1.0, **fields: objec
     ``vf_coef_per_sb3`` (the case holds SB3's meaning where the caller translates it); ``fields`` set the
     rest (budget, masks, policy lag, network description)."""
     settings = load_preset(name).settings
-    keys = ("env_id", "total_env_steps", "rollout_length", "ppo_epochs", "num_minibatches", "learning_rate", "gamma",
-            "gae_lambda", "clip_coef", "ent_coef", "max_grad_norm", "num_envs")
+    keys = (
+        "env_id",
+        "total_env_steps",
+        "rollout_length",
+        "ppo_epochs",
+        "num_minibatches",
+        "learning_rate",
+        "gamma",
+        "gae_lambda",
+        "clip_coef",
+        "ent_coef",
+        "max_grad_norm",
+        "num_envs",
+    )
     values: dict[str, object] = {key: settings[key] for key in keys}
-    values.update(vf_coef=settings["vf_coef"] / vf_coef_per_sb3, action_masks=False,
-                  normalize_observations=settings.get("normalize_observations", False),
-                  normalize_rewards=settings.get("normalize_rewards", False))
+    values.update(
+        vf_coef=settings["vf_coef"] / vf_coef_per_sb3,
+        action_masks=False,
+        normalize_observations=settings.get("normalize_observations", False),
+        normalize_rewards=settings.get("normalize_rewards", False),
+    )
     return Case(**{**values, **fields})  # type: ignore[arg-type]
 
 
@@ -133,25 +150,69 @@ VECNORMALIZE_CLIP = 10.0
 # --------------------------------------------------------------------------------------------- configs
 
 
-def oakemu_args(case: Case, *, seed: int, steps: int, runs_dir: Path, run_name: str, ports: list[int]) -> list[str]:
+def oakemu_args(
+    case: Case, *, seed: int, steps: int, runs_dir: Path, run_name: str, ports: list[int]
+) -> list[str]:
     """``oakemu train`` flags for ``case``: every hyperparameter explicit (no reliance on defaults)."""
     args = [
-        "--env", case.env_id, "--total-env-steps", str(steps), "--seed", str(seed),
-        "--num-actors", str(NUM_ACTORS), "--envs-per-actor", str(case.envs_per_actor),
-        "--rollout-length", str(case.rollout_length), "--ppo-epochs", str(case.ppo_epochs),
-        "--num-minibatches", str(case.num_minibatches), "--learning-rate", repr(case.learning_rate),
-        "--no-anneal-lr", "--gamma", repr(case.gamma), "--gae-lambda", repr(case.gae_lambda),
-        "--clip-coef", repr(case.clip_coef), "--clip-value-range", "null", "--ent-coef", repr(case.ent_coef),
-        "--vf-coef", repr(case.vf_coef), "--max-grad-norm", repr(case.max_grad_norm),
+        "--env",
+        case.env_id,
+        "--total-env-steps",
+        str(steps),
+        "--seed",
+        str(seed),
+        "--num-actors",
+        str(NUM_ACTORS),
+        "--envs-per-actor",
+        str(case.envs_per_actor),
+        "--rollout-length",
+        str(case.rollout_length),
+        "--ppo-epochs",
+        str(case.ppo_epochs),
+        "--num-minibatches",
+        str(case.num_minibatches),
+        "--learning-rate",
+        repr(case.learning_rate),
+        "--no-anneal-lr",
+        "--gamma",
+        repr(case.gamma),
+        "--gae-lambda",
+        repr(case.gae_lambda),
+        "--clip-coef",
+        repr(case.clip_coef),
+        "--clip-value-range",
+        "null",
+        "--ent-coef",
+        repr(case.ent_coef),
+        "--vf-coef",
+        repr(case.vf_coef),
+        "--max-grad-norm",
+        repr(case.max_grad_norm),
         "--normalize-advantages" if case.normalize_advantages else "--no-normalize-advantages",
-        "--normalize-observations" if case.normalize_observations else "--no-normalize-observations",
+        "--normalize-observations"
+        if case.normalize_observations
+        else "--no-normalize-observations",
         "--normalize-rewards" if case.normalize_rewards else "--no-normalize-rewards",
-        "--no-clip-rewards", "--max-policy-lag", str(case.max_policy_lag), "--device", "cpu",
-        "--runs-dir", str(runs_dir), "--run-name", run_name, "--log-format", "plain",
-        "--checkpoint-every-updates", "0", "--no-rollback",  # as SB3: no checkpoints, no automatic rollback
+        "--no-clip-rewards",
+        "--max-policy-lag",
+        str(case.max_policy_lag),
+        "--device",
+        "cpu",
+        "--runs-dir",
+        str(runs_dir),
+        "--run-name",
+        run_name,
+        "--log-format",
+        "plain",
+        "--checkpoint-every-updates",
+        "0",
+        "--no-rollback",  # as SB3: no checkpoints, no automatic rollback
     ]
-    for flag, port in zip(("--data-port", "--control-port", "--weights-port", "--telemetry-port", "--metrics-port"),
-                          ports, strict=True):
+    for flag, port in zip(
+        ("--data-port", "--control-port", "--weights-port", "--telemetry-port", "--metrics-port"),
+        ports,
+        strict=True,
+    ):
         args += [flag, str(port)]
     return args
 
@@ -159,28 +220,54 @@ def oakemu_args(case: Case, *, seed: int, steps: int, runs_dir: Path, run_name: 
 def sb3_kwargs(case: Case, *, seed: int) -> dict:
     """Keyword arguments of SB3 ``PPO`` / sb3-contrib ``MaskablePPO`` for ``case`` (JSON-able)."""
     return {
-        "n_steps": case.rollout_length, "batch_size": case.batch_size, "n_epochs": case.ppo_epochs,
-        "learning_rate": case.learning_rate, "gamma": case.gamma, "gae_lambda": case.gae_lambda,
-        "clip_range": case.clip_coef, "clip_range_vf": case.clip_value_range, "ent_coef": case.ent_coef,
-        "vf_coef": case.vf_coef, "max_grad_norm": case.max_grad_norm,
-        "normalize_advantage": case.normalize_advantages, "target_kl": case.target_kl,
-        "stats_window_size": 100, "seed": seed, "device": "cpu", "verbose": 0,
+        "n_steps": case.rollout_length,
+        "batch_size": case.batch_size,
+        "n_epochs": case.ppo_epochs,
+        "learning_rate": case.learning_rate,
+        "gamma": case.gamma,
+        "gae_lambda": case.gae_lambda,
+        "clip_range": case.clip_coef,
+        "clip_range_vf": case.clip_value_range,
+        "ent_coef": case.ent_coef,
+        "vf_coef": case.vf_coef,
+        "max_grad_norm": case.max_grad_norm,
+        "normalize_advantage": case.normalize_advantages,
+        "target_kl": case.target_kl,
+        "stats_window_size": 100,
+        "seed": seed,
+        "device": "cpu",
+        "verbose": 0,
         # MlpPolicy's default for PPO is pi=[64, 64], vf=[64, 64], tanh, ortho_init, log_std_init 0;
         # stated so that a changed default cannot silently change the comparison.
-        "policy_kwargs": {"net_arch": {"pi": [64, 64], "vf": [64, 64]}, "ortho_init": True,
-                          # Gaussian policies only (MaskableActorCriticPolicy refuses the keyword)
-                          **({} if case.action_masks else {"log_std_init": 0.0})},
+        "policy_kwargs": {
+            "net_arch": {"pi": [64, 64], "vf": [64, 64]},
+            "ortho_init": True,
+            # Gaussian policies only (MaskableActorCriticPolicy refuses the keyword)
+            **({} if case.action_masks else {"log_std_init": 0.0}),
+        },
     }
 
 
 def sb3_vec_env_settings(case: Case) -> dict:
-    return {"n_envs": case.num_envs, "vec_env_cls": "DummyVecEnv",
-            "VecNormalize": ({"norm_obs": case.normalize_observations, "norm_reward": case.normalize_rewards,
-                              "gamma": case.gamma, "clip_obs": VECNORMALIZE_CLIP, "clip_reward": VECNORMALIZE_CLIP,
-                              "epsilon": 1e-8}
-                             if case.normalize_observations or case.normalize_rewards else None),
-            "algorithm": "sb3_contrib.MaskablePPO + ActionMasker(Taxi action_mask)" if case.action_masks
-            else "stable_baselines3.PPO"}
+    return {
+        "n_envs": case.num_envs,
+        "vec_env_cls": "DummyVecEnv",
+        "VecNormalize": (
+            {
+                "norm_obs": case.normalize_observations,
+                "norm_reward": case.normalize_rewards,
+                "gamma": case.gamma,
+                "clip_obs": VECNORMALIZE_CLIP,
+                "clip_reward": VECNORMALIZE_CLIP,
+                "epsilon": 1e-8,
+            }
+            if case.normalize_observations or case.normalize_rewards
+            else None
+        ),
+        "algorithm": "sb3_contrib.MaskablePPO + ActionMasker(Taxi action_mask)"
+        if case.action_masks
+        else "stable_baselines3.PPO",
+    }
 
 
 # ---------------------------------------------------------------------------------------------- OakEmu
@@ -208,32 +295,56 @@ def fresh_run_dir(runs_dir: Path, run_name: str) -> Path:
     the SPS). Raises SystemExit with the advice to pass a new ``--runs-dir``."""
     run_dir = runs_dir / run_name
     if run_dir.exists():
-        raise SystemExit(f"{run_dir} already holds a run, which oakemu train would resume instead of starting "
-                         "a new one: pass a new --runs-dir")
+        raise SystemExit(
+            f"{run_dir} already holds a run, which oakemu train would resume instead of starting "
+            "a new one: pass a new --runs-dir"
+        )
     return run_dir
 
 
-def train_oakemu(args: list[str], *, log_path: Path, torch_threads: int, timeout_s: float = 3600) -> float:
+def train_oakemu(
+    args: list[str], *, log_path: Path, torch_threads: int, timeout_s: float = 3600
+) -> float:
     """Run ``oakemu train ARGS`` (``python -m oakemu_services.cli``) from the repository root, output to ``log_path``;
     returns the wall seconds from launch to exit.  OMP_NUM_THREADS sets the learner's torch intra-op threads
     (actors use --torch-threads, default 1).  Also used by ``bench_vs_sb3.py``."""
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS=str(torch_threads))
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS=str(torch_threads),
+    )
     start = time.perf_counter()
     with open(log_path, "wb") as log:
-        process = subprocess.run([sys.executable, "-m", "oakemu_services.cli", "train", *args], cwd=REPO, env=env,
-                                 stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
+        process = subprocess.run(
+            [sys.executable, "-m", "oakemu_services.cli", "train", *args],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=timeout_s,
+            check=False,
+        )
     wall = time.perf_counter() - start
     if process.returncode != 0:
         raise RuntimeError(f"oakemu train exited {process.returncode}; see {log_path}")
     return wall
 
 
-def run_oakemu(case: Case, *, seed: int, steps: int, runs_dir: Path, eval_episodes: int, eval_seed: int,
-               torch_threads: int) -> dict:
+def run_oakemu(
+    case: Case,
+    *,
+    seed: int,
+    steps: int,
+    runs_dir: Path,
+    eval_episodes: int,
+    eval_seed: int,
+    torch_threads: int,
+) -> dict:
     run_name = f"oakemu-{case.env_id.replace('/', '-')}-s{seed}"
     run_dir = fresh_run_dir(runs_dir, run_name)
-    args = oakemu_args(case, seed=seed, steps=steps, runs_dir=runs_dir, run_name=run_name, ports=_free_ports(5))
+    args = oakemu_args(
+        case, seed=seed, steps=steps, runs_dir=runs_dir, run_name=run_name, ports=_free_ports(5)
+    )
     load_before = os.getloadavg()[0]
     wall = train_oakemu(args, log_path=runs_dir / f"{run_name}.log", torch_threads=torch_threads)
     load_after = os.getloadavg()[0]
@@ -246,14 +357,20 @@ def run_oakemu(case: Case, *, seed: int, steps: int, runs_dir: Path, eval_episod
     eval_returns = evaluate(run_dir, episodes=eval_episodes, greedy=True, seed=eval_seed)
     lags = [m["charts/policy_lag_mean"] for m in metrics if "charts/policy_lag_mean" in m]
     return {
-        "wall_s": wall, "episodes": len(returns), "last100": _mean(returns[-100:]),
-        "eval": _mean(eval_returns), "env_steps": int(metrics[-1]["global_step"]) if metrics else 0,
-        "updates": len(metrics), "policy_lag_mean": _mean(lags),
+        "wall_s": wall,
+        "episodes": len(returns),
+        "last100": _mean(returns[-100:]),
+        "eval": _mean(eval_returns),
+        "env_steps": int(metrics[-1]["global_step"]) if metrics else 0,
+        "updates": len(metrics),
+        "policy_lag_mean": _mean(lags),
         # env steps the actors played in finished episodes (trained or not): above env_steps when the
         # learner dropped actor steps (stale or no buffer capacity)
         "acted_steps": int(sum(e["episodic_length"] for e in episodes)),
-        "episodes_per_actor": {a: sum(e.get("actor_id") == a for e in episodes)
-                               for a in sorted({str(e.get("actor_id")) for e in episodes})},
+        "episodes_per_actor": {
+            a: sum(e.get("actor_id") == a for e in episodes)
+            for a in sorted({str(e.get("actor_id")) for e in episodes})
+        },
         "stale_rows": int(sum(m.get("charts/stale_rows", 0.0) for m in metrics)),
         "load_1min": [round(load_before, 2), round(load_after, 2)],
     }
@@ -290,8 +407,14 @@ def sb3_worker(spec: dict) -> dict:
         def taxi_mask(env: gym.Env) -> np.ndarray:
             return env.unwrapped.action_mask(env.unwrapped.s).astype(bool)
 
-        venv = make_vec_env(case.env_id, n_envs=case.num_envs, seed=seed, vec_env_cls=DummyVecEnv,
-                            wrapper_class=ActionMasker, wrapper_kwargs={"action_mask_fn": taxi_mask})
+        venv = make_vec_env(
+            case.env_id,
+            n_envs=case.num_envs,
+            seed=seed,
+            vec_env_cls=DummyVecEnv,
+            wrapper_class=ActionMasker,
+            wrapper_kwargs={"action_mask_fn": taxi_mask},
+        )
         algorithm = MaskablePPO
     else:
         from stable_baselines3 import PPO
@@ -325,30 +448,64 @@ def sb3_worker(spec: dict) -> dict:
     obs, _ = eval_env.reset(seed=spec["eval_seed"])
     total = 0.0
     while len(eval_returns) < spec["eval_episodes"]:
-        model_obs = venv.normalize_obs(obs) if normalize is not None and normalize["norm_obs"] else obs
+        model_obs = (
+            venv.normalize_obs(obs) if normalize is not None and normalize["norm_obs"] else obs
+        )
         if case.action_masks:
-            action, _ = model.predict(model_obs, deterministic=True, action_masks=taxi_mask(eval_env))
+            action, _ = model.predict(
+                model_obs, deterministic=True, action_masks=taxi_mask(eval_env)
+            )
         else:
             action, _ = model.predict(model_obs, deterministic=True)
-        obs, reward, terminated, truncated, _ = eval_env.step(action.item() if action.shape == () else action)
+        obs, reward, terminated, truncated, _ = eval_env.step(
+            action.item() if action.shape == () else action
+        )
         total += float(reward)
         if terminated or truncated:
             eval_returns.append(total)
             total = 0.0
             obs, _ = eval_env.reset()
-    return {"wall_s": wall, "episodes": episodes, "last100": _mean(returns[-100:]), "eval": _mean(eval_returns),
-            "env_steps": int(model.num_timesteps),
-            "updates": int(model.num_timesteps // (case.num_envs * case.rollout_length)),
-            "load_1min": [round(load_before, 2), round(load_after, 2)]}
+    return {
+        "wall_s": wall,
+        "episodes": episodes,
+        "last100": _mean(returns[-100:]),
+        "eval": _mean(eval_returns),
+        "env_steps": int(model.num_timesteps),
+        "updates": int(model.num_timesteps // (case.num_envs * case.rollout_length)),
+        "load_1min": [round(load_before, 2), round(load_after, 2)],
+    }
 
 
-def run_sb3(case: Case, *, seed: int, steps: int, eval_episodes: int, eval_seed: int, log_path: Path,
-            torch_threads: int) -> dict:
-    spec = {"torch_threads": torch_threads, "case": asdict(case), "kwargs": sb3_kwargs(case, seed=seed), "venv": sb3_vec_env_settings(case),
-            "seed": seed, "steps": steps, "eval_episodes": eval_episodes, "eval_seed": eval_seed}
+def run_sb3(
+    case: Case,
+    *,
+    seed: int,
+    steps: int,
+    eval_episodes: int,
+    eval_seed: int,
+    log_path: Path,
+    torch_threads: int,
+) -> dict:
+    spec = {
+        "torch_threads": torch_threads,
+        "case": asdict(case),
+        "kwargs": sb3_kwargs(case, seed=seed),
+        "venv": sb3_vec_env_settings(case),
+        "seed": seed,
+        "steps": steps,
+        "eval_episodes": eval_episodes,
+        "eval_seed": eval_seed,
+    }
     with open(log_path, "w") as log:
-        process = subprocess.run([sys.executable, __file__, "--sb3-worker", json.dumps(spec)], cwd=REPO,
-                                 stdout=subprocess.PIPE, stderr=log, text=True, timeout=3600, check=False)
+        process = subprocess.run(
+            [sys.executable, __file__, "--sb3-worker", json.dumps(spec)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            timeout=3600,
+            check=False,
+        )
     if process.returncode != 0:
         raise RuntimeError(f"SB3 worker exited {process.returncode}; see {log_path}")
     return json.loads(process.stdout.strip().splitlines()[-1])
@@ -366,28 +523,56 @@ def print_configs(case_names: list[str], steps_override: int | None) -> None:
         case = CASES[name]
         steps = steps_override or case.total_env_steps
         print(f"\n== {name}: {case.env_id}, {steps} env steps per run ==")
-        print("shared hyperparameters:", asdict(case),
-              f"batch_size={case.batch_size}", f"rows_per_update={case.num_envs * case.rollout_length}")
-        print("oakemu train", " ".join(oakemu_args(case, seed=0, steps=steps, runs_dir=Path("DIR"),
-                                                   run_name="NAME", ports=["P"] * 5)))
+        print(
+            "shared hyperparameters:",
+            asdict(case),
+            f"batch_size={case.batch_size}",
+            f"rows_per_update={case.num_envs * case.rollout_length}",
+        )
+        print(
+            "oakemu train",
+            " ".join(
+                oakemu_args(
+                    case,
+                    seed=0,
+                    steps=steps,
+                    runs_dir=Path("DIR"),
+                    run_name="NAME",
+                    ports=["P"] * 5,
+                )
+            ),
+        )
         print("SB3:", sb3_vec_env_settings(case))
         print("SB3 kwargs:", sb3_kwargs(case, seed=0))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=["pendulum", "taxi"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2])
-    parser.add_argument("--steps", type=int, default=None, help="env steps per run (default: each case's, 100k)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="env steps per run (default: each case's, 100k)"
+    )
     parser.add_argument("--eval-episodes", type=int, default=10)
     parser.add_argument("--eval-seed", type=int, default=1000)
-    parser.add_argument("--runs-dir", type=Path, default=None, help="keep run folders here (default: a temp dir)")
-    parser.add_argument("--systems", nargs="+", choices=["oakemu", "sb3"], default=["oakemu", "sb3"])
-    parser.add_argument("--json", type=Path, default=None, help="also write every result to this JSON file")
-    parser.add_argument("--torch-threads", type=int, default=1,
-                        help="torch intra-op threads of the SB3 process and of OakEmu's learner (OMP_NUM_THREADS); "
-                             "OakEmu's actors use 1 (default 1: small MLPs on a shared 2-core machine)")
+    parser.add_argument(
+        "--runs-dir", type=Path, default=None, help="keep run folders here (default: a temp dir)"
+    )
+    parser.add_argument(
+        "--systems", nargs="+", choices=["oakemu", "sb3"], default=["oakemu", "sb3"]
+    )
+    parser.add_argument(
+        "--json", type=Path, default=None, help="also write every result to this JSON file"
+    )
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads of the SB3 process and of OakEmu's learner (OMP_NUM_THREADS); "
+        "OakEmu's actors use 1 (default 1: small MLPs on a shared 2-core machine)",
+    )
     parser.add_argument("--sb3-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -396,8 +581,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     print_configs(args.cases, args.steps)
-    print(f"torch intra-op threads: {args.torch_threads} (SB3 process; OakEmu learner via OMP_NUM_THREADS; "
-          "OakEmu actors --torch-threads 1)")
+    print(
+        f"torch intra-op threads: {args.torch_threads} (SB3 process; OakEmu learner via OMP_NUM_THREADS; "
+        "OakEmu actors --torch-threads 1)"
+    )
     temp = None
     if args.runs_dir is None:
         temp = tempfile.TemporaryDirectory(prefix="bench_sb3_")
@@ -415,14 +602,25 @@ def main(argv: list[str] | None = None) -> int:
                 for system in args.systems:
                     print(f"\n-- {name} seed {seed}: {system} ...", flush=True)
                     if system == "oakemu":
-                        result = run_oakemu(case, seed=seed, steps=steps, runs_dir=runs_dir,
-                                            eval_episodes=args.eval_episodes, eval_seed=args.eval_seed,
-                                            torch_threads=args.torch_threads)
+                        result = run_oakemu(
+                            case,
+                            seed=seed,
+                            steps=steps,
+                            runs_dir=runs_dir,
+                            eval_episodes=args.eval_episodes,
+                            eval_seed=args.eval_seed,
+                            torch_threads=args.torch_threads,
+                        )
                     else:
-                        result = run_sb3(case, seed=seed, steps=steps, eval_episodes=args.eval_episodes,
-                                         eval_seed=args.eval_seed,
-                                         log_path=runs_dir / f"sb3-{case.env_id}-s{seed}.log",
-                                         torch_threads=args.torch_threads)
+                        result = run_sb3(
+                            case,
+                            seed=seed,
+                            steps=steps,
+                            eval_episodes=args.eval_episodes,
+                            eval_seed=args.eval_seed,
+                            log_path=runs_dir / f"sb3-{case.env_id}-s{seed}.log",
+                            torch_threads=args.torch_threads,
+                        )
                     print(f"   {system}: {result}", flush=True)
                     row[system] = result
                 results.append(row)
@@ -447,19 +645,24 @@ def print_table(results: list[dict], eval_episodes: int) -> None:
     def ratio(o: dict | None, s: dict | None, key: str) -> str:
         return "-" if o is None or s is None else _ratio(o[key], s[key])
 
-    print("\n| env | seed | env steps OakEmu / SB3 | last-100 return OakEmu | SB3 | OakEmu - SB3 | ratio "
-          f"| greedy eval ({eval_episodes} ep) OakEmu | SB3 | OakEmu - SB3 | wall s OakEmu | SB3 | ratio "
-          "| OakEmu lag mean | stale rows | OakEmu acted steps |")
+    print(
+        "\n| env | seed | env steps OakEmu / SB3 | last-100 return OakEmu | SB3 | OakEmu - SB3 | ratio "
+        f"| greedy eval ({eval_episodes} ep) OakEmu | SB3 | OakEmu - SB3 | wall s OakEmu | SB3 | ratio "
+        "| OakEmu lag mean | stale rows | OakEmu acted steps |"
+    )
     print("|" + " --- |" * 16)
     for row in results:
         o, s = row.get("oakemu"), row.get("sb3")
-        print(f"| {row['env']} | {row['seed']} | {cell(o, 'env_steps', 'd')} / {cell(s, 'env_steps', 'd')} "
-              f"| {cell(o, 'last100', '.1f')} | {cell(s, 'last100', '.1f')} | {diff(o, s, 'last100')} "
-              f"| {ratio(o, s, 'last100')} "
-              f"| {cell(o, 'eval', '.1f')} | {cell(s, 'eval', '.1f')} | {diff(o, s, 'eval')} "
-              f"| {cell(o, 'wall_s', '.0f')} | {cell(s, 'wall_s', '.0f')} | {ratio(o, s, 'wall_s')} "
-              f"| {cell(o, 'policy_lag_mean', '.2f')} | {cell(o, 'stale_rows', 'd')} "
-              f"| {cell(o, 'acted_steps', 'd')} |")
+        print(
+            f"| {row['env']} | {row['seed']} | {cell(o, 'env_steps', 'd')} / {cell(s, 'env_steps', 'd')} "
+            f"| {cell(o, 'last100', '.1f')} | {cell(s, 'last100', '.1f')} | {diff(o, s, 'last100')} "
+            f"| {ratio(o, s, 'last100')} "
+            f"| {cell(o, 'eval', '.1f')} | {cell(s, 'eval', '.1f')} | {diff(o, s, 'eval')} "
+            f"| {cell(o, 'wall_s', '.0f')} | {cell(s, 'wall_s', '.0f')} | {ratio(o, s, 'wall_s')} "
+            f"| {cell(o, 'policy_lag_mean', '.2f')} | {cell(o, 'stale_rows', 'd')} "
+            f"| {cell(o, 'acted_steps', 'd')} |"
+        )
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

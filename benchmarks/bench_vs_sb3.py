@@ -117,12 +117,17 @@ class Bench:
     case: Case
     quick_steps: int
     atari: bool = False
-    threshold: float | None = None  # report env steps until the `window`-episode mean return reaches this
+    threshold: float | None = (
+        None  # report env steps until the `window`-episode mean return reaches this
+    )
     window: int = 20
 
 
 _MLP = "separate actor and critic MLPs 64-64 tanh, orthogonal init, categorical head"
-_ZOO = {"vf_coef_per_sb3": OAKEMU_VF_COEF_PER_SB3, "max_policy_lag": 2}  # max_policy_lag: OakEmu's default (async only)
+_ZOO = {
+    "vf_coef_per_sb3": OAKEMU_VF_COEF_PER_SB3,
+    "max_policy_lag": 2,
+}  # max_policy_lag: OakEmu's default (async only)
 
 
 def sb3_default_case(env_id: str, total_env_steps: int = 1_000_000) -> Case:
@@ -130,20 +135,44 @@ def sb3_default_case(env_id: str, total_env_steps: int = 1_000_000) -> Case:
     10 epochs, lr 3e-4, gamma 0.99, lambda 0.95, clip 0.2, no entropy bonus, ``vf_coef`` 0.5, gradient norm
     0.5) with observations and rewards normalised (``VecNormalize``; rl-baselines3-zoo's ``normalize: true``
     for these tasks); 1M steps, the zoo's budget. Needs ``gymnasium[mujoco]``."""
-    return Case(env_id=env_id, total_env_steps=total_env_steps, num_envs=1, rollout_length=2048, ppo_epochs=10,
-                num_minibatches=32, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95, clip_coef=0.2, ent_coef=0.0,
-                vf_coef=0.5, max_grad_norm=0.5, normalize_observations=True, normalize_rewards=True,
-                action_masks=False, max_policy_lag=2)
+    return Case(
+        env_id=env_id,
+        total_env_steps=total_env_steps,
+        num_envs=1,
+        rollout_length=2048,
+        ppo_epochs=10,
+        num_minibatches=32,
+        learning_rate=3e-4,
+        gamma=0.99,
+        gae_lambda=0.95,
+        clip_coef=0.2,
+        ent_coef=0.0,
+        vf_coef=0.5,
+        max_grad_norm=0.5,
+        normalize_observations=True,
+        normalize_rewards=True,
+        action_masks=False,
+        max_policy_lag=2,
+    )
 
 
 # The hyperparameters are the presets' (oakemu_core/presets/*.toml: rl-baselines3-zoo's values).
 BENCHES: dict[str, Bench] = {
-    "cartpole": Bench(case_from_preset("cartpole", net_arch=_MLP, **_ZOO), quick_steps=16_384, threshold=475.0),
-    "lunarlander": Bench(case_from_preset("lunarlander", net_arch=_MLP, **_ZOO), quick_steps=32_768),
+    "cartpole": Bench(
+        case_from_preset("cartpole", net_arch=_MLP, **_ZOO), quick_steps=16_384, threshold=475.0
+    ),
+    "lunarlander": Bench(
+        case_from_preset("lunarlander", net_arch=_MLP, **_ZOO), quick_steps=32_768
+    ),
     "breakout": Bench(
-        case_from_preset("atari", total_env_steps=40_000, **_ZOO,
-                         net_arch="Nature CNN (3 conv + 512 ReLU) shared by linear policy and value heads, orthogonal init"),
-        quick_steps=4_096, atari=True,
+        case_from_preset(
+            "atari",
+            total_env_steps=40_000,
+            **_ZOO,
+            net_arch="Nature CNN (3 conv + 512 ReLU) shared by linear policy and value heads, orthogonal init",
+        ),
+        quick_steps=4_096,
+        atari=True,
     ),
     "pendulum": Bench(case_from_preset("pendulum", **_ZOO), quick_steps=8_192),
     "hopper": Bench(sb3_default_case("Hopper-v5"), quick_steps=8_192),
@@ -154,8 +183,18 @@ BENCHES: dict[str, Bench] = {
 # --------------------------------------------------------------------------------------------- configs
 
 
-def oakemu_bench_args(bench: Bench, *, mode: str, seed: int, steps: int, runs_dir: Path, run_name: str,
-                      ports: list, torch_threads: int, num_actors: int = NUM_ACTORS) -> list[str]:
+def oakemu_bench_args(
+    bench: Bench,
+    *,
+    mode: str,
+    seed: int,
+    steps: int,
+    runs_dir: Path,
+    run_name: str,
+    ports: list,
+    torch_threads: int,
+    num_actors: int = NUM_ACTORS,
+) -> list[str]:
     """``oakemu train`` flags: the sibling's :func:`oakemu_args` (every hyperparameter explicit) with the value
     loss coefficient translated, reward clipping for Atari, the mode, ``num_actors`` actor processes
     sharing the case's envs, and no periodic evaluation. The sibling's flags turn automatic rollback
@@ -163,13 +202,25 @@ def oakemu_bench_args(bench: Bench, *, mode: str, seed: int, steps: int, runs_di
     run at 500 return at 90k steps, with no checkpoint to go back to)."""
     case = replace(bench.case, vf_coef=bench.case.vf_coef * OAKEMU_VF_COEF_PER_SB3)
     if case.num_envs % num_actors:
-        raise SystemExit(f"--actors {num_actors}: must divide the {case.num_envs} envs of {case.env_id}")
-    args = oakemu_args(case, seed=seed, steps=steps, runs_dir=runs_dir, run_name=run_name, ports=ports)
+        raise SystemExit(
+            f"--actors {num_actors}: must divide the {case.num_envs} envs of {case.env_id}"
+        )
+    args = oakemu_args(
+        case, seed=seed, steps=steps, runs_dir=runs_dir, run_name=run_name, ports=ports
+    )
     args[args.index("--num-actors") + 1] = str(num_actors)
     args[args.index("--envs-per-actor") + 1] = str(case.num_envs // num_actors)
     if bench.atari:
         args = ["--clip-rewards" if arg == "--no-clip-rewards" else arg for arg in args]
-    return [*args, "--mode", mode, "--torch-threads", str(torch_threads), "--eval-every-updates", "0"]
+    return [
+        *args,
+        "--mode",
+        mode,
+        "--torch-threads",
+        str(torch_threads),
+        "--eval-every-updates",
+        "0",
+    ]
 
 
 def sb3_bench_kwargs(bench: Bench, *, seed: int) -> dict:
@@ -177,7 +228,11 @@ def sb3_bench_kwargs(bench: Bench, *, seed: int) -> dict:
     (Nature CNN features shared, no hidden layers after them)."""
     kwargs = sb3_kwargs(bench.case, seed=seed)
     if bench.atari:
-        kwargs["policy_kwargs"] = {"net_arch": [], "ortho_init": True, "share_features_extractor": True}
+        kwargs["policy_kwargs"] = {
+            "net_arch": [],
+            "ortho_init": True,
+            "share_features_extractor": True,
+        }
     return kwargs
 
 
@@ -187,11 +242,14 @@ def sb3_policy(bench: Bench) -> str:
 
 def sb3_env_description(bench: Bench) -> str:
     if bench.atari:
-        return ("DummyVecEnv of Monitor(FrameStackObservation(AtariPreprocessing(gym.make(id, frameskip=1), noop_max=30, "
-                "frame_skip=4, screen_size=84, terminal_on_life_loss=False, grayscale_obs=True), 4)) + ClipReward(-1, 1)")
+        return (
+            "DummyVecEnv of Monitor(FrameStackObservation(AtariPreprocessing(gym.make(id, frameskip=1), noop_max=30, "
+            "frame_skip=4, screen_size=84, terminal_on_life_loss=False, grayscale_obs=True), 4)) + ClipReward(-1, 1)"
+        )
     normalize = sb3_vec_env_settings(bench.case)["VecNormalize"]
-    return "make_vec_env(id, vec_env_cls=DummyVecEnv) (Monitor per env)" + (f" + VecNormalize(**{normalize})"
-                                                                          if normalize else "")
+    return "make_vec_env(id, vec_env_cls=DummyVecEnv) (Monitor per env)" + (
+        f" + VecNormalize(**{normalize})" if normalize else ""
+    )
 
 
 # ------------------------------------------------------------------------------------------------- SB3
@@ -232,14 +290,28 @@ def sb3_worker(spec: dict) -> dict:
 
         def make_atari() -> gym.Env:
             env = gym.make(case.env_id, frameskip=1)
-            env = AtariPreprocessing(env, noop_max=ATARI_NOOP_MAX, frame_skip=ATARI_FRAME_SKIP,
-                                     screen_size=ATARI_IMAGE_SIZE, terminal_on_life_loss=False, grayscale_obs=True)
+            env = AtariPreprocessing(
+                env,
+                noop_max=ATARI_NOOP_MAX,
+                frame_skip=ATARI_FRAME_SKIP,
+                screen_size=ATARI_IMAGE_SIZE,
+                terminal_on_life_loss=False,
+                grayscale_obs=True,
+            )
             return FrameStackObservation(env, ATARI_STACK)
 
-        venv = make_vec_env(make_atari, n_envs=case.num_envs, seed=spec["seed"], vec_env_cls=DummyVecEnv,
-                            wrapper_class=ClipReward, wrapper_kwargs={"min_reward": -1.0, "max_reward": 1.0})
+        venv = make_vec_env(
+            make_atari,
+            n_envs=case.num_envs,
+            seed=spec["seed"],
+            vec_env_cls=DummyVecEnv,
+            wrapper_class=ClipReward,
+            wrapper_kwargs={"min_reward": -1.0, "max_reward": 1.0},
+        )
     else:
-        venv = make_vec_env(case.env_id, n_envs=case.num_envs, seed=spec["seed"], vec_env_cls=DummyVecEnv)
+        venv = make_vec_env(
+            case.env_id, n_envs=case.num_envs, seed=spec["seed"], vec_env_cls=DummyVecEnv
+        )
     normalize = sb3_vec_env_settings(case)["VecNormalize"]
     if normalize is not None:  # outside the Monitors: episode returns stay raw
         venv = VecNormalize(venv, **normalize)
@@ -260,19 +332,37 @@ def sb3_worker(spec: dict) -> dict:
     learn_start = time.perf_counter()
     model.learn(total_timesteps=spec["steps"], callback=log)
     end = time.perf_counter()
-    return {"wall_s": end - start, "learn_s": end - learn_start, "env_steps": int(model.num_timesteps),
-            "updates": int(model.num_timesteps // (case.num_envs * case.rollout_length)), "episodes": log.episodes}
+    return {
+        "wall_s": end - start,
+        "learn_s": end - learn_start,
+        "env_steps": int(model.num_timesteps),
+        "updates": int(model.num_timesteps // (case.num_envs * case.rollout_length)),
+        "episodes": log.episodes,
+    }
 
 
 def run_sb3(name: str, *, seed: int, steps: int, runs_dir: Path, torch_threads: int) -> dict:
-    spec = {"name": name, "seed": seed, "steps": steps, "torch_threads": torch_threads,
-            "kwargs": sb3_bench_kwargs(BENCHES[name], seed=seed)}
+    spec = {
+        "name": name,
+        "seed": seed,
+        "steps": steps,
+        "torch_threads": torch_threads,
+        "kwargs": sb3_bench_kwargs(BENCHES[name], seed=seed),
+    }
     log_path = runs_dir / f"sb3-{name}-s{seed}.log"
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     start = time.perf_counter()  # from launch to exit, as train_oakemu times `oakemu train`
     with open(log_path, "w") as log:
-        process = subprocess.run([sys.executable, __file__, "--sb3-worker", json.dumps(spec)], cwd=REPO, env=env,
-                                 stdout=subprocess.PIPE, stderr=log, text=True, timeout=7200, check=False)
+        process = subprocess.run(
+            [sys.executable, __file__, "--sb3-worker", json.dumps(spec)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            timeout=7200,
+            check=False,
+        )
     wall = time.perf_counter() - start
     if process.returncode != 0:
         raise RuntimeError(f"SB3 worker exited {process.returncode}; see {log_path}")
@@ -285,28 +375,50 @@ def run_sb3(name: str, *, seed: int, steps: int, runs_dir: Path, torch_threads: 
 # ---------------------------------------------------------------------------------------------- OakEmu
 
 
-def run_oakemu_mode(name: str, *, mode: str, seed: int, steps: int, runs_dir: Path, torch_threads: int,
-                    num_actors: int = NUM_ACTORS) -> dict:
+def run_oakemu_mode(
+    name: str,
+    *,
+    mode: str,
+    seed: int,
+    steps: int,
+    runs_dir: Path,
+    torch_threads: int,
+    num_actors: int = NUM_ACTORS,
+) -> dict:
     run_name = f"oakemu-{mode}-{name}-s{seed}"
     run_dir = fresh_run_dir(runs_dir, run_name)
-    args = oakemu_bench_args(BENCHES[name], mode=mode, seed=seed, steps=steps, runs_dir=runs_dir,
-                             run_name=run_name, ports=_free_ports(5), torch_threads=torch_threads,
-                             num_actors=num_actors)
-    wall = train_oakemu(args, log_path=runs_dir / f"{run_name}.log", torch_threads=torch_threads, timeout_s=7200)
+    args = oakemu_bench_args(
+        BENCHES[name],
+        mode=mode,
+        seed=seed,
+        steps=steps,
+        runs_dir=runs_dir,
+        run_name=run_name,
+        ports=_free_ports(5),
+        torch_threads=torch_threads,
+        num_actors=num_actors,
+    )
+    wall = train_oakemu(
+        args, log_path=runs_dir / f"{run_name}.log", torch_threads=torch_threads, timeout_s=7200
+    )
     metrics = _read_jsonl(run_dir / "metrics.jsonl")
     episodes = sorted(_read_jsonl(run_dir / "episodes.jsonl"), key=lambda e: e["global_step"])
 
     def series(key: str) -> list[float]:
         return [m[key] for m in metrics if m.get(key) is not None]
 
-    return {"wall_s": wall, "env_steps": int(metrics[-1]["global_step"]) if metrics else 0,
-            "updates": len(metrics), "sps_logged": series("charts/SPS")[-1] if metrics else float("nan"),
-            "policy_lag_mean": _mean(series("charts/policy_lag_mean")),
-            "policy_lag_max": max(series("charts/policy_lag_max"), default=float("nan")),
-            "lag_sgd_steps_mean": _mean(series("charts/policy_lag_sgd_steps_mean")),
-            "stale_rows": int(sum(series("charts/stale_rows"))),
-            "acted_steps": int(sum(e["episodic_length"] for e in episodes)),
-            "episodes": [(int(e["global_step"]), float(e["episodic_return"])) for e in episodes]}
+    return {
+        "wall_s": wall,
+        "env_steps": int(metrics[-1]["global_step"]) if metrics else 0,
+        "updates": len(metrics),
+        "sps_logged": series("charts/SPS")[-1] if metrics else float("nan"),
+        "policy_lag_mean": _mean(series("charts/policy_lag_mean")),
+        "policy_lag_max": max(series("charts/policy_lag_max"), default=float("nan")),
+        "lag_sgd_steps_mean": _mean(series("charts/policy_lag_sgd_steps_mean")),
+        "stale_rows": int(sum(series("charts/stale_rows"))),
+        "acted_steps": int(sum(e["episodic_length"] for e in episodes)),
+        "episodes": [(int(e["global_step"]), float(e["episodic_return"])) for e in episodes],
+    }
 
 
 # ------------------------------------------------------------------------------------------- summaries
@@ -318,7 +430,7 @@ def steps_to_threshold(episodes: list, threshold: float | None, window: int) -> 
         return None
     returns = [r for _, r in episodes]
     for i in range(window, len(returns) + 1):
-        if sum(returns[i - window:i]) / window >= threshold:
+        if sum(returns[i - window : i]) / window >= threshold:
             return int(episodes[i - 1][0])
     return None
 
@@ -333,10 +445,14 @@ def curve(episodes: list, steps: int, parts: int = 10) -> list[float]:
 
 def summarize(result: dict, bench: Bench, steps: int, load: tuple[float, float]) -> dict:
     episodes = result.pop("episodes")
-    result.update(sps=result["env_steps"] / result["wall_s"], episodes=len(episodes),
-                  last100=_mean([r for _, r in episodes][-100:]),
-                  to_threshold=steps_to_threshold(episodes, bench.threshold, bench.window),
-                  curve=curve(episodes, steps), load_1min=[round(load[0], 2), round(load[1], 2)])
+    result.update(
+        sps=result["env_steps"] / result["wall_s"],
+        episodes=len(episodes),
+        last100=_mean([r for _, r in episodes][-100:]),
+        to_threshold=steps_to_threshold(episodes, bench.threshold, bench.window),
+        curve=curve(episodes, steps),
+        load_1min=[round(load[0], 2), round(load[1], 2)],
+    )
     return result
 
 
@@ -351,7 +467,9 @@ def _per_case(values: list[str], names: list[str], parse, what: str) -> dict:
     for item in values:
         key, sep, value = item.partition("=")
         if not sep or key not in BENCHES:
-            raise SystemExit(f"{what}: expected N or case=N with case in {sorted(BENCHES)}, received {item!r}")
+            raise SystemExit(
+                f"{what}: expected N or case=N with case in {sorted(BENCHES)}, received {item!r}"
+            )
         out[key] = parse(value)
     return out
 
@@ -365,33 +483,76 @@ def print_configs(names: list[str], steps: dict, torch_threads: int, num_actors:
         bench = BENCHES[name]
         case = bench.case
         print(f"\n== {name}: {case.env_id}, {steps[name]} env steps per run ==")
-        print("shared hyperparameters (vf_coef in SB3's meaning):", asdict(case),
-              f"batch_size={case.batch_size}", f"rows_per_update={case.num_envs * case.rollout_length}",
-              f"sgd_steps_per_update={case.ppo_epochs * case.num_minibatches}")
+        print(
+            "shared hyperparameters (vf_coef in SB3's meaning):",
+            asdict(case),
+            f"batch_size={case.batch_size}",
+            f"rows_per_update={case.num_envs * case.rollout_length}",
+            f"sgd_steps_per_update={case.ppo_epochs * case.num_minibatches}",
+        )
         for mode in ("async", "sync"):
-            print(f"oakemu train ({mode}):", " ".join(oakemu_bench_args(
-                bench, mode=mode, seed=0, steps=steps[name], runs_dir=Path("DIR"), run_name="NAME", ports=["P"] * 5,
-                torch_threads=torch_threads, num_actors=num_actors)))
-        print(f"SB3: PPO({sb3_policy(bench)!r}, {sb3_env_description(bench)}, n_envs={case.num_envs}, "
-              f"**{sb3_bench_kwargs(bench, seed=0)})")
+            print(
+                f"oakemu train ({mode}):",
+                " ".join(
+                    oakemu_bench_args(
+                        bench,
+                        mode=mode,
+                        seed=0,
+                        steps=steps[name],
+                        runs_dir=Path("DIR"),
+                        run_name="NAME",
+                        ports=["P"] * 5,
+                        torch_threads=torch_threads,
+                        num_actors=num_actors,
+                    )
+                ),
+            )
+        print(
+            f"SB3: PPO({sb3_policy(bench)!r}, {sb3_env_description(bench)}, n_envs={case.num_envs}, "
+            f"**{sb3_bench_kwargs(bench, seed=0)})"
+        )
 
 
-def run_all(names: list[str], steps: dict, seeds: dict, systems: list[str], runs_dir: Path, torch_threads: int,
-            json_path: Path | None, num_actors: int = NUM_ACTORS) -> list[dict]:
+def run_all(
+    names: list[str],
+    steps: dict,
+    seeds: dict,
+    systems: list[str],
+    runs_dir: Path,
+    torch_threads: int,
+    json_path: Path | None,
+    num_actors: int = NUM_ACTORS,
+) -> list[dict]:
     results = []
     for name in names:
         for index, seed in enumerate(seeds[name]):
-            row: dict = {"case": name, "env": BENCHES[name].case.env_id, "seed": seed, "steps": steps[name]}
-            order = systems[index % len(systems):] + systems[:index % len(systems)]  # rotate with the seed
+            row: dict = {
+                "case": name,
+                "env": BENCHES[name].case.env_id,
+                "seed": seed,
+                "steps": steps[name],
+            }
+            order = (
+                systems[index % len(systems) :] + systems[: index % len(systems)]
+            )  # rotate with the seed
             for system in order:
                 print(f"\n-- {name} seed {seed}: {system} ...", flush=True)
                 load_before = os.getloadavg()[0]
-                common = {"seed": seed, "steps": steps[name], "runs_dir": runs_dir, "torch_threads": torch_threads}
+                common = {
+                    "seed": seed,
+                    "steps": steps[name],
+                    "runs_dir": runs_dir,
+                    "torch_threads": torch_threads,
+                }
                 if system == "sb3":
                     result = run_sb3(name, **common)
                 else:
-                    result = run_oakemu_mode(name, mode=system.removeprefix("oakemu-"), num_actors=num_actors, **common)
-                row[system] = summarize(result, BENCHES[name], steps[name], (load_before, os.getloadavg()[0]))
+                    result = run_oakemu_mode(
+                        name, mode=system.removeprefix("oakemu-"), num_actors=num_actors, **common
+                    )
+                row[system] = summarize(
+                    result, BENCHES[name], steps[name], (load_before, os.getloadavg()[0])
+                )
                 print(f"   {system}: {row[system]}", flush=True)
             results.append(row)
             if json_path:
@@ -412,27 +573,58 @@ def _actors(text: str) -> str | int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--cases", nargs="+", choices=sorted(BENCHES), default=list(BENCHES))
-    parser.add_argument("--seeds", nargs="+", default=["1", "2"],
-                        help="seeds for every case (1 2) or per case (cartpole=1,2 breakout=1); default 1 2")
-    parser.add_argument("--steps", nargs="+", default=None,
-                        help="env steps per run for every case (N) or per case (cartpole=100000 ...); "
-                             "default each case's (100k, 1M, 40k)")
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny budgets (cartpole 16k, lunarlander 32k, breakout 4k) and seed 1 unless given")
+    parser.add_argument(
+        "--seeds",
+        nargs="+",
+        default=["1", "2"],
+        help="seeds for every case (1 2) or per case (cartpole=1,2 breakout=1); default 1 2",
+    )
+    parser.add_argument(
+        "--steps",
+        nargs="+",
+        default=None,
+        help="env steps per run for every case (N) or per case (cartpole=100000 ...); "
+        "default each case's (100k, 1M, 40k)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny budgets (cartpole 16k, lunarlander 32k, breakout 4k) and seed 1 unless given",
+    )
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
-    parser.add_argument("--torch-threads", type=int, default=1,
-                        help="torch intra-op threads of the SB3 process, OakEmu's learner and each OakEmu actor")
-    parser.add_argument("--actors", default="auto", type=_actors,
-                        help="OakEmu actor processes sharing each case's envs; auto: what `oakemu train` fits "
-                             "to this machine (oakemu_core.config.fit_actor_count; 1 on a 2-core machine)")
-    parser.add_argument("--runs-dir", type=Path, default=None, help="keep run folders here (default: a temp dir)")
-    parser.add_argument("--json", type=Path, default=None, help="also write every result to this JSON file")
-    parser.add_argument("--print-configs", action="store_true", help="print both sides' settings and exit")
-    parser.add_argument("--report", nargs="+", type=Path, metavar="JSON",
-                        help="print the tables of earlier --json files (merged by case, seed and steps) and exit")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads of the SB3 process, OakEmu's learner and each OakEmu actor",
+    )
+    parser.add_argument(
+        "--actors",
+        default="auto",
+        type=_actors,
+        help="OakEmu actor processes sharing each case's envs; auto: what `oakemu train` fits "
+        "to this machine (oakemu_core.config.fit_actor_count; 1 on a 2-core machine)",
+    )
+    parser.add_argument(
+        "--runs-dir", type=Path, default=None, help="keep run folders here (default: a temp dir)"
+    )
+    parser.add_argument(
+        "--json", type=Path, default=None, help="also write every result to this JSON file"
+    )
+    parser.add_argument(
+        "--print-configs", action="store_true", help="print both sides' settings and exit"
+    )
+    parser.add_argument(
+        "--report",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="print the tables of earlier --json files (merged by case, seed and steps) and exit",
+    )
     parser.add_argument("--sb3-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -448,26 +640,37 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     names = args.cases
     steps = _per_case(args.steps, names, int, "--steps") if args.steps else dict.fromkeys(names)
-    steps = {n: steps[n] or (BENCHES[n].quick_steps if args.quick else BENCHES[n].case.total_env_steps) for n in names}
+    steps = {
+        n: steps[n] or (BENCHES[n].quick_steps if args.quick else BENCHES[n].case.total_env_steps)
+        for n in names
+    }
     seed_values = args.seeds if not (args.quick and args.seeds == ["1", "2"]) else ["1"]
     seeds = _per_case(seed_values, names, _seeds, "--seeds")
     names = [n for n in names if seeds[n]]
     fitted = {fit_actor_count(BENCHES[n].case.num_envs, available_cpus()) for n in names}
     if args.actors == "auto" and len(fitted) > 1:
-        raise SystemExit(f"--actors auto fits {sorted(fitted)} actors to these cases' envs: run them one at a time")
+        raise SystemExit(
+            f"--actors auto fits {sorted(fitted)} actors to these cases' envs: run them one at a time"
+        )
     num_actors = fitted.pop() if args.actors == "auto" else args.actors
     print_configs(names, steps, args.torch_threads, num_actors)
-    settings = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("OAKEMU_"))
-    print(f"\nnum_actors={num_actors}; torch intra-op threads {args.torch_threads} everywhere; "
-          f"seeds {seeds}; systems {args.systems}; commit {_commit()}; "
-          f"OakEmu settings from the environment: {settings or 'none'}")
+    settings = " ".join(
+        f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("OAKEMU_")
+    )
+    print(
+        f"\nnum_actors={num_actors}; torch intra-op threads {args.torch_threads} everywhere; "
+        f"seeds {seeds}; systems {args.systems}; commit {_commit()}; "
+        f"OakEmu settings from the environment: {settings or 'none'}"
+    )
     if args.print_configs:
         return 0
     temp = None if args.runs_dir else tempfile.TemporaryDirectory(prefix="bench_vs_sb3_")
     runs_dir = Path(temp.name) if temp else args.runs_dir.resolve()
     runs_dir.mkdir(parents=True, exist_ok=True)
     try:
-        results = run_all(names, steps, seeds, args.systems, runs_dir, args.torch_threads, args.json, num_actors)
+        results = run_all(
+            names, steps, seeds, args.systems, runs_dir, args.torch_threads, args.json, num_actors
+        )
     finally:
         if temp is not None:
             temp.cleanup()
@@ -476,8 +679,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _commit() -> str:
-    process = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                             check=False)
+    process = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     return process.stdout.strip() or "unknown"
 
 
@@ -494,9 +702,11 @@ def print_table(results: list[dict]) -> None:
         o, s = get(row, system, "sps"), get(row, "sb3", "sps")
         return "-" if o is None or s is None else _ratio(o, s)
 
-    print("\n| case | seed | steps | SPS SB3 | async | sync | async/SB3 | sync/SB3 | to-threshold SB3 | async | sync "
-          "| last100 SB3 | async | sync | async lag versions / SGD steps (max) | async stale rows "
-          "| acted async / sync | load SB3 / async / sync |")
+    print(
+        "\n| case | seed | steps | SPS SB3 | async | sync | async/SB3 | sync/SB3 | to-threshold SB3 | async | sync "
+        "| last100 SB3 | async | sync | async lag versions / SGD steps (max) | async stale rows "
+        "| acted async / sync | load SB3 / async / sync |"
+    )
     print("|" + " --- |" * 18)
     for row in results:
         cells = [row["case"], str(row["seed"]), str(row["steps"])]
@@ -504,13 +714,19 @@ def print_table(results: list[dict]) -> None:
         cells += [ratio(row, "oakemu-async"), ratio(row, "oakemu-sync")]
         cells += [fmt(get(row, s, "to_threshold"), ",d") for s in SYSTEMS]
         cells += [fmt(get(row, s, "last100"), ".1f") for s in SYSTEMS]
-        lag = (f"{fmt(get(row, 'oakemu-async', 'policy_lag_mean'), '.2f')} / "
-               f"{fmt(get(row, 'oakemu-async', 'lag_sgd_steps_mean'), '.0f')} "
-               f"({fmt(get(row, 'oakemu-async', 'policy_lag_max'), '.0f')})")
-        cells += [lag, fmt(get(row, "oakemu-async", "stale_rows"), ",d"),
-                  f"{fmt(get(row, 'oakemu-async', 'acted_steps'), ',d')} / {fmt(get(row, 'oakemu-sync', 'acted_steps'), ',d')}",
-                  " / ".join(fmt((get(row, s, "load_1min") or [None])[0], ".1f") for s in SYSTEMS)]
+        lag = (
+            f"{fmt(get(row, 'oakemu-async', 'policy_lag_mean'), '.2f')} / "
+            f"{fmt(get(row, 'oakemu-async', 'lag_sgd_steps_mean'), '.0f')} "
+            f"({fmt(get(row, 'oakemu-async', 'policy_lag_max'), '.0f')})"
+        )
+        cells += [
+            lag,
+            fmt(get(row, "oakemu-async", "stale_rows"), ",d"),
+            f"{fmt(get(row, 'oakemu-async', 'acted_steps'), ',d')} / {fmt(get(row, 'oakemu-sync', 'acted_steps'), ',d')}",
+            " / ".join(fmt((get(row, s, "load_1min") or [None])[0], ".1f") for s in SYSTEMS),
+        ]
         print("| " + " | ".join(cells) + " |")
+
     def median(rows: list[dict], system: str, key: str):
         values = [get(r, system, key) for r in rows if get(r, system, key) is not None]
         return statistics.median(values) if values else None
@@ -519,18 +735,33 @@ def print_table(results: list[dict]) -> None:
         rows = [r for r in results if r["case"] == name]
 
         sps = {s: median(rows, s, "sps") for s in SYSTEMS}
-        ratios = {s: (statistics.median([get(r, s, "sps") / get(r, "sb3", "sps") for r in rows
-                                         if get(r, s, "sps") and get(r, "sb3", "sps")]) if sps[s] and sps["sb3"]
-                      else None) for s in ("oakemu-async", "oakemu-sync")}
-        print(f"\n{name}: median SPS SB3 {fmt(sps['sb3'], ',.0f')}, async {fmt(sps['oakemu-async'], ',.0f')}, "
-              f"sync {fmt(sps['oakemu-sync'], ',.0f')}; median ratio async/SB3 {fmt(ratios['oakemu-async'], '.2f')}, "
-              f"sync/SB3 {fmt(ratios['oakemu-sync'], '.2f')}; median last100 "
-              + ", ".join(f"{s} {fmt(median(rows, s, 'last100'), '.1f')}" for s in SYSTEMS))
+        ratios = {
+            s: (
+                statistics.median(
+                    [
+                        get(r, s, "sps") / get(r, "sb3", "sps")
+                        for r in rows
+                        if get(r, s, "sps") and get(r, "sb3", "sps")
+                    ]
+                )
+                if sps[s] and sps["sb3"]
+                else None
+            )
+            for s in ("oakemu-async", "oakemu-sync")
+        }
+        print(
+            f"\n{name}: median SPS SB3 {fmt(sps['sb3'], ',.0f')}, async {fmt(sps['oakemu-async'], ',.0f')}, "
+            f"sync {fmt(sps['oakemu-sync'], ',.0f')}; median ratio async/SB3 {fmt(ratios['oakemu-async'], '.2f')}, "
+            f"sync/SB3 {fmt(ratios['oakemu-sync'], '.2f')}; median last100 "
+            + ", ".join(f"{s} {fmt(median(rows, s, 'last100'), '.1f')}" for s in SYSTEMS)
+        )
         for row in rows:
             for system in SYSTEMS:
                 if system in row:
-                    print(f"  curve (mean return per tenth of {row['steps']:,} steps) seed {row['seed']} {system}: "
-                          f"{row[system]['curve']}")
+                    print(
+                        f"  curve (mean return per tenth of {row['steps']:,} steps) seed {row['seed']} {system}: "
+                        f"{row[system]['curve']}"
+                    )
         print_means(rows)
 
 
@@ -559,16 +790,22 @@ def print_means(rows: list[dict]) -> None:
         if system != "sb3" and sb3:
             reference = _mean([r["last100"] for r in sb3])
             ratio = f", {last100 / reference:.2f} x" if reference > 0 else ""
-            line += (f" ({last100 - reference:+.1f} against SB3's return{ratio}; "
-                     f"{wall / _mean([r['wall_s'] for r in sb3]):.2f} x its wall)")
+            line += (
+                f" ({last100 - reference:+.1f} against SB3's return{ratio}; "
+                f"{wall / _mean([r['wall_s'] for r in sb3]):.2f} x its wall)"
+            )
         print(line)
         curve_here = mean_curve(rows, system)
         print(f"    mean curve: {curve_here}")
         if system != "sb3" and sb3_curve and curve_here:
-            pairs = [(o, b) for o, b in zip(curve_here, sb3_curve, strict=True) if o == o and b == b]
+            pairs = [
+                (o, b) for o, b in zip(curve_here, sb3_curve, strict=True) if o == o and b == b
+            ]
             held = sum(o >= b - 0.05 * abs(b) for o, b in pairs)
-            print(f"    windows within 5 % of SB3's mean or better: {held} of {len(pairs)}; "
-                  f"differences {[round(o - b, 1) for o, b in pairs]}")
+            print(
+                f"    windows within 5 % of SB3's mean or better: {held} of {len(pairs)}; "
+                f"differences {[round(o - b, 1) for o, b in pairs]}"
+            )
 
 
 def merge_results(paths: list[Path]) -> list[dict]:
@@ -578,7 +815,8 @@ def merge_results(paths: list[Path]) -> list[dict]:
         for row in json.loads(path.read_text()):
             key = (row["case"], row["seed"], row["steps"])
             merged.setdefault(key, {k: row[k] for k in ("case", "env", "seed", "steps")}).update(
-                {s: row[s] for s in SYSTEMS if s in row})
+                {s: row[s] for s in SYSTEMS if s in row}
+            )
     return sorted(merged.values(), key=lambda r: (r["case"], r["steps"], r["seed"]))
 
 

@@ -92,9 +92,16 @@ class UpdateRow:
 def preset_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The ``--preset``'s settings with this check's device and sizes, no evaluation, checkpoint or
     rollback (nothing but the updates runs)."""
-    return {**load_preset(args.preset).settings, "device": args.device, "num_envs": args.envs,
-            "rollout_length": args.steps, "eval_every_updates": 0, "checkpoint_every_updates": 0,
-            "rollback": False, "log_level": "WARNING"}
+    return {
+        **load_preset(args.preset).settings,
+        "device": args.device,
+        "num_envs": args.envs,
+        "rollout_length": args.steps,
+        "eval_every_updates": 0,
+        "checkpoint_every_updates": 0,
+        "rollback": False,
+        "log_level": "WARNING",
+    }
 
 
 def _synchronize(device: torch.device) -> None:
@@ -102,8 +109,13 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bare_update_seconds(model: torch.nn.Module, optimizer: torch.optim.Optimizer, buffer: RolloutBuffer,
-                        config: OakEmuConfig, rng: np.random.Generator) -> float:
+def bare_update_seconds(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    buffer: RolloutBuffer,
+    config: OakEmuConfig,
+    rng: np.random.Generator,
+) -> float:
     """Wall seconds of ``ppo_epochs`` x ``num_minibatches`` plain SGD steps on ``buffer``'s rows: the
     rows uploaded to the model's device once, then per shuffled minibatch forward, loss
     ``-mean(log pi(a|s) A) + vf_coef mean((V - R)^2) - ent_coef mean(entropy)``, backward, optimizer
@@ -111,8 +123,12 @@ def bare_update_seconds(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     device = next(model.parameters()).device
     schema, rows = buffer.schema, buffer.total_size
     start = time.perf_counter()
-    fields = {name: torch.from_numpy(buffer.field(name).reshape(rows, *schema[name].shape).copy()).to(device)
-              for name in (*schema.observation_names, "actions")}
+    fields = {
+        name: torch.from_numpy(buffer.field(name).reshape(rows, *schema[name].shape).copy()).to(
+            device
+        )
+        for name in (*schema.observation_names, "actions")
+    }
     advantages = torch.from_numpy(buffer.advantages.reshape(rows).copy()).to(device)
     returns = torch.from_numpy(buffer.returns.reshape(rows).copy()).to(device)
     size = rows // config.num_minibatches
@@ -120,12 +136,17 @@ def bare_update_seconds(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     for _ in range(config.ppo_epochs):
         order = torch.from_numpy(rng.permutation(rows)).to(device)
         for first in range(0, size * config.num_minibatches, size):
-            index = order[first:first + size]
+            index = order[first : first + size]
             policy, values = model.policy_and_values(
-                schema.join_observations({name: fields[name][index] for name in schema.observation_names}))
-            loss = (-(policy.log_prob(fields["actions"][index]) * advantages[index]).mean()
-                    + config.vf_coef * (values - returns[index]).square().mean()
-                    - config.ent_coef * policy.entropy().mean())
+                schema.join_observations(
+                    {name: fields[name][index] for name in schema.observation_names}
+                )
+            )
+            loss = (
+                -(policy.log_prob(fields["actions"][index]) * advantages[index]).mean()
+                + config.vf_coef * (values - returns[index]).square().mean()
+                - config.ent_coef * policy.entropy().mean()
+            )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -141,26 +162,45 @@ def update_rows(args: argparse.Namespace, config: OakEmuConfig, device: str) -> 
     env = make_vector_env(config.env_id, config.num_envs, seed=1, num_threads=1)
     try:
         with tempfile.TemporaryDirectory() as run_dir:
-            trainer = Trainer(config, env.spec, schema_for_env(env.spec), Path(run_dir), device=device)
+            trainer = Trainer(
+                config, env.spec, schema_for_env(env.spec), Path(run_dir), device=device
+            )
             try:
                 learner = trainer.ppo
                 bare_model = copy.deepcopy(learner.model)
-                bare_optimizer = torch.optim.Adam(bare_model.parameters(), lr=config.learning_rate, eps=1e-5,
-                                                  fused=learner.device.type in ("cpu", "cuda"))
-                stepper = PolicyStepper(env, copy.deepcopy(learner.model).to("cpu"),
-                                        policy_version=learner.policy_version)
+                bare_optimizer = torch.optim.Adam(
+                    bare_model.parameters(),
+                    lr=config.learning_rate,
+                    eps=1e-5,
+                    fused=learner.device.type in ("cpu", "cuda"),
+                )
+                stepper = PolicyStepper(
+                    env,
+                    copy.deepcopy(learner.model).to("cpu"),
+                    policy_version=learner.policy_version,
+                )
                 rng = np.random.default_rng(1)
-                with RolloutBuffer(config.rollout_length, config.num_envs, schema=stepper.schema, seed=1) as buffer:
-                    return [_one_update(trainer, stepper, buffer, bare_model, bare_optimizer, rng)
-                            for _ in range(args.updates)]
+                with RolloutBuffer(
+                    config.rollout_length, config.num_envs, schema=stepper.schema, seed=1
+                ) as buffer:
+                    return [
+                        _one_update(trainer, stepper, buffer, bare_model, bare_optimizer, rng)
+                        for _ in range(args.updates)
+                    ]
             finally:
                 trainer.close()
     finally:
         env.close()
 
 
-def _one_update(trainer: Trainer, stepper: PolicyStepper, buffer: RolloutBuffer, bare_model: torch.nn.Module,
-                bare_optimizer: torch.optim.Optimizer, rng: np.random.Generator) -> UpdateRow:
+def _one_update(
+    trainer: Trainer,
+    stepper: PolicyStepper,
+    buffer: RolloutBuffer,
+    bare_model: torch.nn.Module,
+    bare_optimizer: torch.optim.Optimizer,
+    rng: np.random.Generator,
+) -> UpdateRow:
     """Collect one rollout with the actor's weights equal to the learner's, train it through the
     production path, then through the bare loop; the actor takes the new weights."""
     learner = trainer.ppo
@@ -179,8 +219,15 @@ def _one_update(trainer: Trainer, stepper: PolicyStepper, buffer: RolloutBuffer,
     bare = bare_update_seconds(bare_model, bare_optimizer, buffer, trainer.config, rng)
     load_weight_arrays(stepper.model, trainer.weights())  # as the learner publishes them
     stepper.policy_version = learner.policy_version
-    return UpdateRow(uploads, stats.first_minibatch_ratio_max_abs_dev, production / max(1, stats.epochs_completed),
-                     production, bare, stats.policy_loss, stats.approx_kl)
+    return UpdateRow(
+        uploads,
+        stats.first_minibatch_ratio_max_abs_dev,
+        production / max(1, stats.epochs_completed),
+        production,
+        bare,
+        stats.policy_loss,
+        stats.approx_kl,
+    )
 
 
 def timed_learner(records: list[tuple[float, float, int]]) -> type[PPOLearner]:
@@ -199,13 +246,26 @@ def timed_learner(records: list[tuple[float, float, int]]) -> type[PPOLearner]:
     return TimedLearner
 
 
-def end_to_end(args: argparse.Namespace, settings: dict[str, Any]) -> tuple[float, list[tuple[float, float, int]]]:
+def end_to_end(
+    args: argparse.Namespace, settings: dict[str, Any]
+) -> tuple[float, list[tuple[float, float, int]]]:
     """Part 3: ingested env steps/s and the update records of a learner that trains what the
     synthetic actors send."""
     records: list[tuple[float, float, int]] = []
-    overrides = {name: value for name, value in settings.items() if name not in ("env_id", "num_envs", "log_level")}
-    ingested, _, _ = measure_ingest(settings["env_id"], args.actors, args.envs // args.actors, args.seconds,
-                                    columns=args.envs, learner_type=timed_learner(records), **overrides)
+    overrides = {
+        name: value
+        for name, value in settings.items()
+        if name not in ("env_id", "num_envs", "log_level")
+    }
+    ingested, _, _ = measure_ingest(
+        settings["env_id"],
+        args.actors,
+        args.envs // args.actors,
+        args.seconds,
+        columns=args.envs,
+        learner_type=timed_learner(records),
+        **overrides,
+    )
     return ingested, records
 
 
@@ -214,51 +274,91 @@ def _median(values: list[float]) -> float:
 
 
 def report_updates(rows: list[UpdateRow]) -> None:
-    print(f"{'update':>6} {'uploads':>8} {'ratio dev':>11} {'s/epoch':>8} {'production s':>13} {'bare s':>9} "
-          f"{'policy loss':>12} {'approx kl':>10}")
+    print(
+        f"{'update':>6} {'uploads':>8} {'ratio dev':>11} {'s/epoch':>8} {'production s':>13} {'bare s':>9} "
+        f"{'policy loss':>12} {'approx kl':>10}"
+    )
     for number, row in enumerate(rows, 1):
-        print(f"{number:>6} {row.uploads:>8} {row.ratio_deviation:>11.2e} {row.seconds_per_epoch:>8.3f} "
-              f"{row.production_s:>13.4f} {row.bare_s:>9.4f} {row.policy_loss:>12.4f} {row.approx_kl:>10.5f}")
+        print(
+            f"{number:>6} {row.uploads:>8} {row.ratio_deviation:>11.2e} {row.seconds_per_epoch:>8.3f} "
+            f"{row.production_s:>13.4f} {row.bare_s:>9.4f} {row.policy_loss:>12.4f} {row.approx_kl:>10.5f}"
+        )
     production = _median([row.production_s for row in rows])
     bare = _median([row.bare_s for row in rows])
-    print(f"update (median after the first): production {1e3 * production:.2f} ms, bare loop {1e3 * bare:.2f} ms, "
-          f"production / bare {production / bare:.3f}")
+    print(
+        f"update (median after the first): production {1e3 * production:.2f} ms, bare loop {1e3 * bare:.2f} ms, "
+        f"production / bare {production / bare:.3f}"
+    )
 
 
-def report_end_to_end(ingested: float, records: list[tuple[float, float, int]], rows_per_update: int) -> None:
+def report_end_to_end(
+    ingested: float, records: list[tuple[float, float, int]], rows_per_update: int
+) -> None:
     if len(records) < 2:
-        raise SystemExit(f"end to end: {len(records)} update(s) in the run; a rate needs 2 (raise --seconds)")
+        raise SystemExit(
+            f"end to end: {len(records)} update(s) in the run; a rate needs 2 (raise --seconds)"
+        )
     trained = sum(rows for _, _, rows in records[1:]) / (records[-1][0] - records[0][0])
     update = _median([seconds for _, seconds, _ in records])
     ceiling = rows_per_update / update
-    print(f"end to end: {trained:,.0f} env steps/s trained over {len(records) - 1} updates, {ingested:,.0f} env "
-          f"steps/s ingested; update {1e3 * update:.2f} ms (median) = training ceiling {ceiling:,.0f} env steps/s; "
-          f"trainer busy {100 * trained / ceiling:.1f} %")
+    print(
+        f"end to end: {trained:,.0f} env steps/s trained over {len(records) - 1} updates, {ingested:,.0f} env "
+        f"steps/s ingested; update {1e3 * update:.2f} ms (median) = training ceiling {ceiling:,.0f} env steps/s; "
+        f"trainer busy {100 * trained / ceiling:.1f} %"
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="the learner's torch device (default: cuda when torch sees a GPU, else cpu)")
-    parser.add_argument("--preset", default="atari", choices=preset_names(),
-                        help="the preset whose settings and env the check uses (default: atari, Breakout)")
-    parser.add_argument("--updates", type=int, default=5, help="updates of part 1; the first is a warm-up")
-    parser.add_argument("--envs", type=int, default=None, help="envs per rollout (default: the preset's)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per rollout (default: the preset's)")
-    parser.add_argument("--actors", type=int, default=1, help="synthetic actor processes end to end; divides --envs")
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="the learner's torch device (default: cuda when torch sees a GPU, else cpu)",
+    )
+    parser.add_argument(
+        "--preset",
+        default="atari",
+        choices=preset_names(),
+        help="the preset whose settings and env the check uses (default: atari, Breakout)",
+    )
+    parser.add_argument(
+        "--updates", type=int, default=5, help="updates of part 1; the first is a warm-up"
+    )
+    parser.add_argument(
+        "--envs", type=int, default=None, help="envs per rollout (default: the preset's)"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None, help="steps per rollout (default: the preset's)"
+    )
+    parser.add_argument(
+        "--actors", type=int, default=1, help="synthetic actor processes end to end; divides --envs"
+    )
     parser.add_argument("--seconds", type=float, default=30.0, help="length of the end-to-end run")
-    parser.add_argument("--torch-threads", type=int, default=None,
-                        help="torch intra-op threads of this process (default: torch's, one per core)")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes for the CPU fallback: " + ", ".join(
-        f"--{name.replace('_', '-')} {value}" for name, value in QUICK.items()))
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads of this process (default: torch's, one per core)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny sizes for the CPU fallback: "
+        + ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in QUICK.items()),
+    )
     args = parser.parse_args(argv)
     preset = load_preset(args.preset).settings
     if args.quick:
         vars(args).update(QUICK)
     args.envs = args.envs or preset["num_envs"]
     args.steps = args.steps or preset["rollout_length"]
-    if min(args.updates, args.envs, args.steps, args.actors, args.torch_threads or 1) < 1 or args.envs % args.actors:
-        parser.error("expected --updates, --envs, --steps, --actors, --torch-threads >= 1 and --actors dividing --envs")
+    if (
+        min(args.updates, args.envs, args.steps, args.actors, args.torch_threads or 1) < 1
+        or args.envs % args.actors
+    ):
+        parser.error(
+            "expected --updates, --envs, --steps, --actors, --torch-threads >= 1 and --actors dividing --envs"
+        )
     return args
 
 
@@ -274,9 +374,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
-    print(f"device {device} ({name}), {config.env_id}, rollout {config.rollout_length} x {config.num_envs}, "
-          f"{config.ppo_epochs} epochs x {config.num_minibatches} minibatches of "
-          f"{config.batch_size // config.num_minibatches} rows, torch threads {torch.get_num_threads()}")
+    print(
+        f"device {device} ({name}), {config.env_id}, rollout {config.rollout_length} x {config.num_envs}, "
+        f"{config.ppo_epochs} epochs x {config.num_minibatches} minibatches of "
+        f"{config.batch_size // config.num_minibatches} rows, torch threads {torch.get_num_threads()}"
+    )
     torch.manual_seed(1)
     report_updates(update_rows(args, config, device))
     ingested, records = end_to_end(args, settings)

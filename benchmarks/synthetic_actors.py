@@ -19,8 +19,14 @@ import numpy as np
 
 from oakemu_core.algo.learner import PPOLearner
 
-__all__ = ["NewVersionNoUpdateLearner", "NoUpdateLearner", "SyntheticActor", "learner_with", "no_update_learner",
-           "stack_shifter"]
+__all__ = [
+    "NewVersionNoUpdateLearner",
+    "NoUpdateLearner",
+    "SyntheticActor",
+    "learner_with",
+    "no_update_learner",
+    "stack_shifter",
+]
 
 
 class NoUpdateLearner(PPOLearner):
@@ -45,21 +51,30 @@ def no_update_learner(config, run_dir: Path, *, new_versions: bool = False):
     """A :class:`oakemu_services.learner.Learner` for ``config`` (run folder ``run_dir``) whose trainer
     updates nothing (:class:`NoUpdateLearner`): full buffers are released at once; with
     ``new_versions`` each as a new policy version (:class:`NewVersionNoUpdateLearner`)."""
-    return learner_with(config, run_dir, NewVersionNoUpdateLearner if new_versions else NoUpdateLearner)
+    return learner_with(
+        config, run_dir, NewVersionNoUpdateLearner if new_versions else NoUpdateLearner
+    )
 
 
 def learner_with(config, run_dir: Path, learner_type: type[PPOLearner]):
     """A :class:`oakemu_services.learner.Learner` for ``config`` (run folder ``run_dir``) whose trainer
     builds a ``learner_type`` (:class:`PPOLearner` itself: a learner that trains)."""
+    from oakemu_services.learner import Learner
+
     from oakemu_core.algo.trainer import Trainer
     from oakemu_core.config import resolved_device
     from oakemu_core.envs import env_spec
     from oakemu_core.policy.schemas import schema_for_env
-    from oakemu_services.learner import Learner
 
     spec = env_spec(config.env_id)
-    trainer = Trainer(config, spec, schema_for_env(spec), run_dir, device=resolved_device(config),
-                      learner_type=learner_type)
+    trainer = Trainer(
+        config,
+        spec,
+        schema_for_env(spec),
+        run_dir,
+        device=resolved_device(config),
+        learner_type=learner_type,
+    )
     return Learner(config, run_dir, trainer=trainer)
 
 
@@ -71,7 +86,9 @@ def stack_shifter(fields: dict[str, np.ndarray], schema, k: int, pool_size: int 
 
     names = sorted(stacked_fields(schema))
     rng = np.random.default_rng(0)
-    pools = {name: rng.integers(0, 256, (pool_size, *schema[name].shape[1:]), np.uint8) for name in names}
+    pools = {
+        name: rng.integers(0, 256, (pool_size, *schema[name].shape[1:]), np.uint8) for name in names
+    }
     state = {"next": 0}
 
     def shift() -> None:
@@ -93,19 +110,38 @@ class SyntheticActor:
     ``stop`` (a ``threading.Event`` or a ``multiprocessing`` event) ends waits; the learner's stop
     notice sets it. Nothing touches the network before :meth:`join`."""
 
-    def __init__(self, env_id: str, num_envs: int, ports: list[int], actor_id: str, stop: threading.Event,
-                 transport: str = "auto") -> None:
-        from oakemu_core.config import OakEmuConfig
+    def __init__(
+        self,
+        env_id: str,
+        num_envs: int,
+        ports: list[int],
+        actor_id: str,
+        stop: threading.Event,
+        transport: str = "auto",
+    ) -> None:
         from oakemu_services.actor import Actor
 
-        config = OakEmuConfig(env_id=env_id, envs_per_actor=num_envs, actor_id=actor_id, log_level="WARNING",
-                              data_port=ports[0], control_port=ports[1], weights_port=ports[2],
-                              telemetry_port=ports[3], metrics_port=ports[4], step_transport=transport)
+        from oakemu_core.config import OakEmuConfig
+
+        config = OakEmuConfig(
+            env_id=env_id,
+            envs_per_actor=num_envs,
+            actor_id=actor_id,
+            log_level="WARNING",
+            data_port=ports[0],
+            control_port=ports[1],
+            weights_port=ports[2],
+            telemetry_port=ports[3],
+            metrics_port=ports[4],
+            step_transport=transport,
+        )
         self.actor = Actor(config, stop)
         self.fields: dict[str, np.ndarray] = {}
         self.shift = lambda: None
         self.rejoins = 0
-        self.replayed: list[tuple[dict, list]] = []  # (header, frames) per message of a replay cycle
+        self.replayed: list[
+            tuple[dict, list]
+        ] = []  # (header, frames) per message of a replay cycle
 
     @property
     def env_steps_per_message(self) -> int:
@@ -142,13 +178,20 @@ class SyntheticActor:
 
         actor = self.actor
         if actor.channel is None or actor.channel.ring is not None:
-            raise ValueError("start_replay: expected an actor that joined and sends through the sockets")
+            raise ValueError(
+                "start_replay: expected an actor that joined and sends through the sockets"
+            )
         self.replayed = []
         for seq in range(KEYFRAME_MESSAGES):
             self.shift()
-            frames = actor.channel.encoder.encode(StepMessage(actor.actor_id, actor.incarnation, seq,
-                                                              actor.policy_version, self.fields))
-            kept = [frame if isinstance(frame, (bytes, bytearray)) else bytes(frame) for frame in frames]
+            frames = actor.channel.encoder.encode(
+                StepMessage(
+                    actor.actor_id, actor.incarnation, seq, actor.policy_version, self.fields
+                )
+            )
+            kept = [
+                frame if isinstance(frame, (bytes, bytearray)) else bytes(frame) for frame in frames
+            ]
             self.replayed.append((msgpack.unpackb(kept[0]), kept[1:]))
 
     def send_next(self, *, hold_ahead: bool = False) -> bool:
@@ -158,9 +201,12 @@ class SyntheticActor:
         After :meth:`start_replay` the message is the next replayed one. Returns False when the learner had forgotten this actor (it restarted, or timed the actor
         out): the actor joined again and the message was not sent. Raises ``LearnerUnreachable``
         when the learner stays silent past the actor's patience."""
+        from oakemu_services.actor import (
+            _Rejoined,
+        )  # the actor loop's own signal: a rejoin happened
+
         from oakemu_core.transport.codec import pack
         from oakemu_core.transport.steps import StepMessage
-        from oakemu_services.actor import _Rejoined  # the actor loop's own signal: a rejoin happened
 
         actor = self.actor
         try:
@@ -170,12 +216,24 @@ class SyntheticActor:
                 actor.wait_if_too_far_ahead()
             if self.replayed:
                 head, frames = self.replayed[actor.seq % len(self.replayed)]
-                actor.channel.send_frames([pack({**head, "seq": actor.seq, "policy_version": actor.policy_version}),
-                                           *frames], actor._pause)
+                actor.channel.send_frames(
+                    [
+                        pack({**head, "seq": actor.seq, "policy_version": actor.policy_version}),
+                        *frames,
+                    ],
+                    actor._pause,
+                )
             else:
                 self.shift()
-                actor.send_step(StepMessage(actor.actor_id, actor.incarnation, actor.seq, actor.policy_version,
-                                            self.fields))
+                actor.send_step(
+                    StepMessage(
+                        actor.actor_id,
+                        actor.incarnation,
+                        actor.seq,
+                        actor.policy_version,
+                        self.fields,
+                    )
+                )
         except _Rejoined:
             self.rejoins += 1
             if self.replayed:  # a new incarnation: its messages start over, whole stacks first

@@ -22,10 +22,17 @@ from oakemu_core.policy.action_bundle import PPOActionBundle
 from oakemu_core.storage.rollout_buffer import RolloutBuffer, RolloutMinibatch
 
 if TYPE_CHECKING:
+    from oakemu_services.api import TrainingFailed, train
+
     from oakemu_core.algo.handshake import RolloutHandshake
     from oakemu_core.algo.health import CheckpointPolicy
-    from oakemu_core.algo.learner import (PPOExperimentConfiguration, PPOLearner, PPOLearnerRuntimeState,
-                                          RuntimeContext, ThreadSafeModel)
+    from oakemu_core.algo.learner import (
+        PPOExperimentConfiguration,
+        PPOLearner,
+        PPOLearnerRuntimeState,
+        RuntimeContext,
+        ThreadSafeModel,
+    )
     from oakemu_core.algo.settings import PPOSettings
     from oakemu_core.algo.trainer import Trainer
     from oakemu_core.config import OakEmuConfig, load_config, make_config
@@ -35,7 +42,6 @@ if TYPE_CHECKING:
     from oakemu_core.run.checkpoint import load_checkpoint
     from oakemu_core.run.loading import Policy, load_policy
     from oakemu_core.run.results import Run
-    from oakemu_services.api import TrainingFailed, train
 
 # name -> the module that defines it (loaded by __getattr__ on first use).
 _LAZY = {

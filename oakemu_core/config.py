@@ -23,6 +23,7 @@ import re
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -88,17 +89,23 @@ class _ConfigFileSource(PydanticBaseSettingsSource):
             try:
                 source = TomlConfigSettingsSource(settings_cls, toml_file=self.path)
             except ValueError as error:  # tomllib.TOMLDecodeError is a ValueError
-                raise ConfigError(f"config_file: {str(self.path)!r} is not valid TOML: {error}") from error
+                raise ConfigError(
+                    f"config_file: {str(self.path)!r} is not valid TOML: {error}"
+                ) from error
             self._data = dict(source.toml_data)
 
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover
+    def get_field_value(
+        self, field: Any, field_name: str
+    ) -> tuple[Any, str, bool]:  # pragma: no cover
         return self._data.get(field_name), field_name, False
 
     def __call__(self) -> dict[str, Any]:
         return dict(self._data)
 
 
-_BASE_SETTINGS: ContextVar[Mapping[str, Any]] = ContextVar("oakemu_base_settings", default={})
+_BASE_SETTINGS: ContextVar[Mapping[str, Any]] = ContextVar(
+    "oakemu_base_settings", default=MappingProxyType({})
+)
 """Settings below the TOML file and above the defaults while a configuration is built (:func:`config_from_namespace`'s
 ``base``: a preset, the resumed run's own ``config.toml``)."""
 
@@ -110,7 +117,9 @@ class _BaseSettingsSource(PydanticBaseSettingsSource):
         super().__init__(settings_cls)
         self._data = dict(_BASE_SETTINGS.get())
 
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover
+    def get_field_value(
+        self, field: Any, field_name: str
+    ) -> tuple[Any, str, bool]:  # pragma: no cover
         return self._data.get(field_name), field_name, False
 
     def __call__(self) -> dict[str, Any]:
@@ -135,57 +144,91 @@ class OakEmuConfig(PPOSettings, EnvSettings, EvaluationSettings, BaseSettings):
 
     # --- configuration file (recorded so a run folder says where its settings came from) ---
     config_file: Path | None = Field(
-        None, description="TOML file read below flags and OAKEMU_* variables (--config or OAKEMU_CONFIG_FILE)."
+        None,
+        description="TOML file read below flags and OAKEMU_* variables (--config or OAKEMU_CONFIG_FILE).",
     )
 
     # --- environment ---
     env_id: str = Field(
-        "ALE/Breakout-v5", min_length=1,
+        "ALE/Breakout-v5",
+        min_length=1,
         description="Environment id: ale-py (ALE/...), any Gymnasium id, module:EnvId for a custom env, gameboy:ROM "
-        "or retro:Game-Id.")
-    num_actors: int | None = Field(None, ge=1, description="Actor processes `oakemu train` starts (None: num_envs "
-                                   "split over one actor per CPU the learner leaves, at least 4 envs each).")
+        "or retro:Game-Id.",
+    )
+    num_actors: int | None = Field(
+        None,
+        ge=1,
+        description="Actor processes `oakemu train` starts (None: num_envs "
+        "split over one actor per CPU the learner leaves, at least 4 envs each).",
+    )
     actor_restarts: int = Field(
-        5, ge=0, description="Times `oakemu train` restarts an actor that exits with an error (0: never).")
-    envs_per_actor: int = Field(8, ge=1, description="Environments each actor steps in one vector env (neither it "
-                                "nor num_actors given: num_envs / the fitted actor count).")
+        5,
+        ge=0,
+        description="Times `oakemu train` restarts an actor that exits with an error (0: never).",
+    )
+    envs_per_actor: int = Field(
+        8,
+        ge=1,
+        description="Environments each actor steps in one vector env (neither it "
+        "nor num_actors given: num_envs / the fitted actor count).",
+    )
     env_groups: int = Field(
-        1, ge=1, description="Env groups per actor: while one group's emulators step, the actor infers the other "
-        "groups' actions (threaded Atari envs). Needs env_groups <= envs_per_actor and no policy routing.")
+        1,
+        ge=1,
+        description="Env groups per actor: while one group's emulators step, the actor infers the other "
+        "groups' actions (threaded Atari envs). Needs env_groups <= envs_per_actor and no policy routing.",
+    )
     emulator_threads: int | None = Field(
-        None, ge=1, description="ale-py emulator threads per actor (Atari ids), split among its env groups. None: "
-        "the CPUs this process may use divided by num_actors, at least 1.")
+        None,
+        ge=1,
+        description="ale-py emulator threads per actor (Atari ids), split among its env groups. None: "
+        "the CPUs this process may use divided by num_actors, at least 1.",
+    )
     num_envs: int | None = Field(
-        None, ge=1, description="Rollout columns the learner plans for (default num_actors * envs_per_actor): the "
-        "rollout size, so minibatch rows = rollout_length * num_envs / num_minibatches. Async: the buffer's columns."
+        None,
+        ge=1,
+        description="Rollout columns the learner plans for (default num_actors * envs_per_actor): the "
+        "rollout size, so minibatch rows = rollout_length * num_envs / num_minibatches. Async: the buffer's columns.",
     )
     max_episode_steps: int | None = Field(
-        None, ge=1, description="Time limit in agent steps overriding the env's own (None keeps it)."
+        None,
+        ge=1,
+        description="Time limit in agent steps overriding the env's own (None keeps it).",
     )
     clip_rewards: bool | None = Field(
         None, description="Clip training rewards to [-1, 1] (None: auto, on for Atari ids)."
     )
     normalize_observations: bool = Field(
-        False, description="Normalise float observations by the learner's running mean/std (as SB3 VecNormalize)."
+        False,
+        description="Normalise float observations by the learner's running mean/std (as SB3 VecNormalize).",
     )
     emulator_settings: str | None = Field(
-        None, description="TOML file of an emulator backend (gameboy:/retro: ids): ROM, states, rewards, ..."
+        None,
+        description="TOML file of an emulator backend (gameboy:/retro: ids): ROM, states, rewards, ...",
     )
 
     # --- rollout and learning rate (the PPO hyperparameters are PPOSettings' fields) ---
     rollout_length: int = Field(128, ge=1, description="Steps per env per rollout (T).")
     total_env_steps: int = Field(
-        10_000_000, ge=1, description="Stop after the PPO update that brings the env steps trained on (all envs) to "
-        "this many; rows discarded or too stale to train never count.")
-    learning_rate: float = Field(2.5e-4, gt=0.0, description="Adam learning rate (start value when annealed).")
-    anneal_lr: bool = Field(True, description="Anneal the learning rate linearly to 0 over total_env_steps.")
+        10_000_000,
+        ge=1,
+        description="Stop after the PPO update that brings the env steps trained on (all envs) to "
+        "this many; rows discarded or too stale to train never count.",
+    )
+    learning_rate: float = Field(
+        2.5e-4, gt=0.0, description="Adam learning rate (start value when annealed)."
+    )
+    anneal_lr: bool = Field(
+        True, description="Anneal the learning rate linearly to 0 over total_env_steps."
+    )
     publish_every_epoch: bool = Field(
         True,
         description="Async mode: also publish the weights after each epoch of an update (revisions of the version "
         "in training), so actors act with weights at most one epoch old. Ignored in sync mode.",
     )
     publish_min_sgd_steps: int = Field(
-        32, ge=1,
+        32,
+        ge=1,
         description="Async mode with publish_every_epoch: publish an epoch's weights only when at least this many "
         "SGD steps were taken since the weights were last published (1: after every epoch).",
     )
@@ -196,7 +239,8 @@ class OakEmuConfig(PPOSettings, EnvSettings, EvaluationSettings, BaseSettings):
         "max_policy_lag versions old).",
     )
     max_actors: int | None = Field(
-        None, ge=1,
+        None,
+        ge=1,
         description="Sync mode: the most actors one rollout takes (the buffer is allocated for max_actors * "
         "envs_per_actor columns; a join beyond them is refused). None: max(4, 2 * num_actors).",
     )
@@ -205,10 +249,16 @@ class OakEmuConfig(PPOSettings, EnvSettings, EvaluationSettings, BaseSettings):
         description="Vector steps an actor sends per step message: a divisor of rollout_length, or auto (chosen "
         "from the message's bytes and the rollout length, oakemu_core.transport.batching).",
     )
-    device: str = Field("auto", description="Learner torch device: auto (cuda if available), cpu, cuda, cuda:N.")
+    device: str = Field(
+        "auto", description="Learner torch device: auto (cuda if available), cpu, cuda, cuda:N."
+    )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per actor process.")
-    learner_threads: int | None = Field(None, ge=1, description="torch intra-op threads of the learner process (default: "
-                                        "1 for a model without convolutions, torch's, one per core, for a CNN).")
+    learner_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch intra-op threads of the learner process (default: "
+        "1 for a model without convolutions, torch's, one per core, for a CNN).",
+    )
     actor_inference: Literal["auto", "torch", "numpy", "onnxruntime", "bfloat16"] = Field(
         "auto",
         description="What runs the actors' forward passes: auto (numpy for MLP models of vector observations, "
@@ -223,60 +273,105 @@ class OakEmuConfig(PPOSettings, EnvSettings, EvaluationSettings, BaseSettings):
     )
 
     # --- network addresses ---
-    bind_host: str = Field("127.0.0.1", min_length=1, description="Address the learner binds its sockets to.")
-    learner_host: str = Field("127.0.0.1", min_length=1, description="Where actors and monitors find the learner.")
+    bind_host: str = Field(
+        "127.0.0.1", min_length=1, description="Address the learner binds its sockets to."
+    )
+    learner_host: str = Field(
+        "127.0.0.1", min_length=1, description="Where actors and monitors find the learner."
+    )
     data_port: int = Field(5555, ge=1, le=65535, description="Learner PULL port for step messages.")
-    control_port: int = Field(5556, ge=1, le=65535, description="Learner ROUTER port for join/heartbeat/leave.")
+    control_port: int = Field(
+        5556, ge=1, le=65535, description="Learner ROUTER port for join/heartbeat/leave."
+    )
     weights_port: int = Field(5557, ge=1, le=65535, description="Learner PUB port for weights.")
-    telemetry_port: int = Field(5558, ge=1, le=65535, description="Learner PUB port for telemetry snapshots.")
+    telemetry_port: int = Field(
+        5558, ge=1, le=65535, description="Learner PUB port for telemetry snapshots."
+    )
     metrics_port: int | None = Field(
         9100, ge=0, le=65535, description="Prometheus HTTP port (None or 0 disables)."
     )
-    actor_timeout_s: float = Field(10.0, gt=0.0, description="Drop an actor silent for this many seconds.")
-    max_message_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="Largest accepted message (bytes).")
-    actor_id: str | None = Field(None, min_length=1, description="Actor name (default: hostname-pid).")
+    actor_timeout_s: float = Field(
+        10.0, gt=0.0, description="Drop an actor silent for this many seconds."
+    )
+    max_message_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024, description="Largest accepted message (bytes)."
+    )
+    actor_id: str | None = Field(
+        None, min_length=1, description="Actor name (default: hostname-pid)."
+    )
 
     # --- run folder and logging ---
     runs_dir: Path = Field(Path("runs"), description="Folder holding run folders.")
-    run_name: str | None = Field(None, min_length=1, description="Run folder name (default: env-seed-time).")
-    checkpoint_every_updates: int = Field(50, ge=0, description="Checkpoint every N updates (0: only at exit).")
-    checkpoint_every_seconds: float = Field(0.0, ge=0.0, description="Also checkpoint every N seconds of wall time (0: off).")
-    keep_checkpoints: int = Field(3, ge=1, description="Numbered checkpoints kept (the newest; best.pt and latest.pt apart).")
+    run_name: str | None = Field(
+        None, min_length=1, description="Run folder name (default: env-seed-time)."
+    )
+    checkpoint_every_updates: int = Field(
+        50, ge=0, description="Checkpoint every N updates (0: only at exit)."
+    )
+    checkpoint_every_seconds: float = Field(
+        0.0, ge=0.0, description="Also checkpoint every N seconds of wall time (0: off)."
+    )
+    keep_checkpoints: int = Field(
+        3, ge=1, description="Numbered checkpoints kept (the newest; best.pt and latest.pt apart)."
+    )
     max_checkpoint_failures: int = Field(
-        5, ge=1, description="Stop training after this many failed checkpoint writes in a row (full disk); "
-        "fewer are logged, counted and retried at the next checkpoint."
+        5,
+        ge=1,
+        description="Stop training after this many failed checkpoint writes in a row (full disk); "
+        "fewer are logged, counted and retried at the next checkpoint.",
     )
 
     # --- automatic rollback (see oakemu_core/algo/learner.py HealthMonitor) ---
     rollback: bool = Field(
-        True, description="Roll back to the last good checkpoint when the run collapses (non-finite loss or "
+        True,
+        description="Roll back to the last good checkpoint when the run collapses (non-finite loss or "
         "weights, approx KL above rollback_max_approx_kl, evaluation return collapsing), with the learning rate "
-        "multiplied by rollback_lr_factor."
+        "multiplied by rollback_lr_factor.",
     )
-    rollback_max_approx_kl: float | None = Field(1.0, gt=0.0, description="approx KL of an update that counts as a collapse.")
+    rollback_max_approx_kl: float | None = Field(
+        1.0, gt=0.0, description="approx KL of an update that counts as a collapse."
+    )
     rollback_eval_fraction: float | None = Field(
-        0.5, gt=0.0, lt=1.0, description="An evaluation below this fraction of the best (from the worst) is low."
+        0.5,
+        gt=0.0,
+        lt=1.0,
+        description="An evaluation below this fraction of the best (from the worst) is low.",
     )
-    rollback_eval_patience: int = Field(3, ge=1, description="Low evaluations in a row that count as a collapse.")
-    rollback_lr_factor: float = Field(0.5, gt=0.0, le=1.0, description="Learning-rate multiplier per rollback.")
+    rollback_eval_patience: int = Field(
+        3, ge=1, description="Low evaluations in a row that count as a collapse."
+    )
+    rollback_lr_factor: float = Field(
+        0.5, gt=0.0, le=1.0, description="Learning-rate multiplier per rollback."
+    )
     max_rollbacks: int = Field(3, ge=0, description="Rollbacks before the run stops with an error.")
 
     # --- behaviour cloning (demonstrations in the Minari format, see `oakemu record`) ---
-    bc_dataset: str | None = Field(None, description="Local Minari dataset folder of demonstrations (None: no BC).")
+    bc_dataset: str | None = Field(
+        None, description="Local Minari dataset folder of demonstrations (None: no BC)."
+    )
 
     # --- policy routing (oakemu_core/actor/routing.py): routed steps are stored for GAE, never trained on ---
     route_random_first_steps: int = Field(
-        0, ge=0, description="Random actions for the first N steps of every game (all its Atari lives; "
-        "non-trainable rows)."
+        0,
+        ge=0,
+        description="Random actions for the first N steps of every game (all its Atari lives; "
+        "non-trainable rows).",
     )
     route_random_probability: float = Field(
-        0.0, ge=0.0, le=1.0, description="Probability that a step is random-controlled (non-trainable row)."
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Probability that a step is random-controlled (non-trainable row).",
     )
     route_scripted_policy: str | None = Field(
-        None, description="module:callable (observations, action_mask) -> actions of a scripted policy."
+        None,
+        description="module:callable (observations, action_mask) -> actions of a scripted policy.",
     )
     route_scripted_probability: float = Field(
-        0.0, ge=0.0, le=1.0, description="Probability that a non-random step is scripted (needs route_scripted_policy)."
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Probability that a non-random step is scripted (needs route_scripted_policy).",
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
         "INFO", description="Python logging level."
@@ -289,13 +384,17 @@ class OakEmuConfig(PPOSettings, EnvSettings, EvaluationSettings, BaseSettings):
 
     # --- experiment tracking (oakemu_core/run/tracking.py; optional extras mlflow, wandb) ---
     track: Literal["none", "mlflow", "wandb"] = Field(
-        "none", description="Also send the config, every scalar, the evaluation videos and the final checkpoint to "
+        "none",
+        description="Also send the config, every scalar, the evaluation videos and the final checkpoint to "
         "MLflow or Weights & Biases (WANDB_MODE=offline works without a network).",
     )
     track_uri: str | None = Field(
-        None, description="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else the local file store ./mlruns)."
+        None,
+        description="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else the local file store ./mlruns).",
     )
-    track_project: str = Field("oakemu", min_length=1, description="MLflow experiment or W&B project name.")
+    track_project: str = Field(
+        "oakemu", min_length=1, description="MLflow experiment or W&B project name."
+    )
 
     # --- transport security (ZeroMQ CURVE, see deploy/README.md) ---
     curve: bool = Field(
@@ -304,38 +403,57 @@ class OakEmuConfig(PPOSettings, EnvSettings, EvaluationSettings, BaseSettings):
         "turn it on whenever the learner's ports are reachable from other machines).",
     )
     curve_secret_key: Path | None = Field(
-        None, description="This process's CURVE key pair file (NAME.key_secret from `oakemu keygen`)."
+        None,
+        description="This process's CURVE key pair file (NAME.key_secret from `oakemu keygen`).",
     )
     curve_server_key: Path | None = Field(
-        None, description="Actors and monitors: the learner's public key file (learner.key from `oakemu keygen`)."
+        None,
+        description="Actors and monitors: the learner's public key file (learner.key from `oakemu keygen`).",
     )
     curve_authorized_keys: Path | None = Field(
-        None, description="Learner: folder of the public key files (*.key) of the actors and monitors it accepts."
+        None,
+        description="Learner: folder of the public key files (*.key) of the actors and monitors it accepts.",
     )
 
     # --- what the learner takes from its peers (the trust model: deploy/README.md) ---
     max_envs_per_actor: int = Field(
-        1024, ge=1, le=65536, description="Learner: refuse a join asking for more envs than this (never below "
-        "envs_per_actor)."
+        1024,
+        ge=1,
+        le=65536,
+        description="Learner: refuse a join asking for more envs than this (never below "
+        "envs_per_actor).",
     )
     max_connected_actors: int = Field(
-        1024, ge=1, description="Learner: refuse joins of further actor ids while this many actors are connected."
+        1024,
+        ge=1,
+        description="Learner: refuse joins of further actor ids while this many actors are connected.",
     )
     reward_low: float | None = Field(
-        None, allow_inf_nan=False, description="Learner: lowest raw reward one env step can give (None: not "
+        None,
+        allow_inf_nan=False,
+        description="Learner: lowest raw reward one env step can give (None: not "
         "declared). With reward_high, step messages whose rewards, value estimates or episode returns no env "
-        "of the run can give are refused."
+        "of the run can give are refused.",
     )
     reward_high: float | None = Field(
-        None, allow_inf_nan=False, description="Learner: highest raw reward one env step can give (see reward_low)."
+        None,
+        allow_inf_nan=False,
+        description="Learner: highest raw reward one env step can give (see reward_low).",
     )
     step_ring_max_mib: float | None = Field(
-        None, gt=0.0, allow_inf_nan=False, description="Learner: shared memory (MiB) its step rings take together "
+        None,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="Learner: shared memory (MiB) its step rings take together "
         "(None: a quarter of /dev/shm; at most what /dev/shm holds beside the rollout buffers); an actor whose "
-        "ring finds no room sends its step arrays inline.")
+        "ring finds no room sends its step arrays inline.",
+    )
     step_ring_max_mib_per_actor: float = Field(
-        128.0, gt=0.0, allow_inf_nan=False, description="Learner: largest step ring (MiB) of one actor; a larger "
-        "one is not made (its step arrays go inline)."
+        128.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="Learner: largest step ring (MiB) of one actor; a larger "
+        "one is not made (its step arrays go inline).",
     )
     metrics_host: str | None = Field(
         None, min_length=1, description="Address the Prometheus endpoint binds (None: bind_host)."
@@ -344,9 +462,12 @@ class OakEmuConfig(PPOSettings, EnvSettings, EvaluationSettings, BaseSettings):
     @model_validator(mode="after")
     def _check_reward_range(self) -> OakEmuConfig:
         if (self.reward_low is None) != (self.reward_high is None) or (
-                self.reward_low is not None and self.reward_low > self.reward_high):
-            raise ValueError(f"reward_low / reward_high: expected both unset or reward_low <= reward_high, "
-                             f"received {self.reward_low} and {self.reward_high}")
+            self.reward_low is not None and self.reward_low > self.reward_high
+        ):
+            raise ValueError(
+                f"reward_low / reward_high: expected both unset or reward_low <= reward_high, "
+                f"received {self.reward_low} and {self.reward_high}"
+            )
         return self
 
     @classmethod
@@ -360,8 +481,12 @@ class OakEmuConfig(PPOSettings, EnvSettings, EvaluationSettings, BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         """Sources, highest precedence first; pydantic-settings puts the CLI source in front."""
         init_kwargs = getattr(init_settings, "init_kwargs", {})
-        return (init_settings, env_settings, _ConfigFileSource(settings_cls, init_kwargs),
-                _BaseSettingsSource(settings_cls))
+        return (
+            init_settings,
+            env_settings,
+            _ConfigFileSource(settings_cls, init_kwargs),
+            _BaseSettingsSource(settings_cls),
+        )
 
     # --- validation ---
     @field_validator("log_level", mode="before")
@@ -380,7 +505,9 @@ class OakEmuConfig(PPOSettings, EnvSettings, EvaluationSettings, BaseSettings):
     @classmethod
     def _check_run_name(cls, value: str | None) -> str | None:
         if value is not None and ("/" in value or "\\" in value or value in (".", "..")):
-            raise ValueError(f"expected a single folder name without path separators, received {value!r}")
+            raise ValueError(
+                f"expected a single folder name without path separators, received {value!r}"
+            )
         return value
 
     @field_validator("learning_rate", "actor_timeout_s")
@@ -398,7 +525,8 @@ class OakEmuConfig(PPOSettings, EnvSettings, EvaluationSettings, BaseSettings):
                 f"envs_per_actor={self.envs_per_actor} envs; received num_envs={self.num_envs}"
             )
         if self.steps_per_message != "auto" and (
-                self.steps_per_message < 1 or self.rollout_length % self.steps_per_message):
+            self.steps_per_message < 1 or self.rollout_length % self.steps_per_message
+        ):
             raise ValueError(
                 f"steps_per_message: expected 'auto' or a divisor of rollout_length={self.rollout_length} (a step "
                 f"message never crosses a segment boundary), received {self.steps_per_message}"
@@ -420,14 +548,23 @@ class OakEmuConfig(PPOSettings, EnvSettings, EvaluationSettings, BaseSettings):
         return self
 
     def _fit_actors(self) -> None:
-        """Fill what was not given of ``num_actors`` / ``envs_per_actor`` (:func:`~oakemu_core.actor.fitting.fit_actors`)."""
+        """Fill what was not given of ``num_actors`` / ``envs_per_actor``.
+
+        The counts come from :func:`~oakemu_core.actor.fitting.fit_actors`.
+        """
         self.num_actors, self.envs_per_actor = fit_actors(
-            self.num_actors, self.envs_per_actor, self.num_envs,
-            envs_per_actor_given="envs_per_actor" in self.model_fields_set, cpus=available_cpus(),
-            one_env_per_actor=self.env_id.startswith(RETRO_PREFIX))
+            self.num_actors,
+            self.envs_per_actor,
+            self.num_envs,
+            envs_per_actor_given="envs_per_actor" in self.model_fields_set,
+            cpus=available_cpus(),
+            one_env_per_actor=self.env_id.startswith(RETRO_PREFIX),
+        )
 
     # --- derived values ---
-    def resolved_steps_per_message(self, env_step_bytes: int, num_envs: int, *, step_ring: bool = False) -> int:
+    def resolved_steps_per_message(
+        self, env_step_bytes: int, num_envs: int, *, step_ring: bool = False
+    ) -> int:
         """Steps per message K for an actor of ``num_envs`` envs, each of whose steps puts
         ``env_step_bytes`` bytes on the wire (:func:`oakemu_core.transport.frame_stacks.wire_bytes_per_env`):
         the configured int, or :func:`oakemu_core.transport.batching.auto_steps_per_message` for ``"auto"``,
@@ -438,7 +575,9 @@ class OakEmuConfig(PPOSettings, EnvSettings, EvaluationSettings, BaseSettings):
         if self.steps_per_message != "auto":
             return int(self.steps_per_message)
         ring_bounds = {"target_bytes": None, "min_rows": AUTO_MESSAGE_MIN_ROWS} if step_ring else {}
-        return auto_steps_per_message(env_step_bytes, self.rollout_length, num_envs=num_envs, **ring_bounds)
+        return auto_steps_per_message(
+            env_step_bytes, self.rollout_length, num_envs=num_envs, **ring_bounds
+        )
 
     @property
     def buffer_num_envs(self) -> int:
@@ -482,7 +621,9 @@ class OakEmuConfig(PPOSettings, EnvSettings, EvaluationSettings, BaseSettings):
     @property
     def resolved_eval_greedy(self) -> bool:
         """``eval_greedy`` with "auto" resolved: sampled actions for Atari ids, greedy otherwise."""
-        return not is_atari_env(self.env_id) if self.eval_greedy == "auto" else bool(self.eval_greedy)
+        return (
+            not is_atari_env(self.env_id) if self.eval_greedy == "auto" else bool(self.eval_greedy)
+        )
 
     @property
     def resolved_clip_value_range(self) -> float | None:
@@ -516,7 +657,9 @@ def _check_ports_differ(config: OakEmuConfig) -> None:
     for name in PORT_FIELDS:
         port = getattr(config, name)
         if port and port in used:
-            raise ValueError(f"{name}: expected a port different from {used[port]}={port}, received {port}")
+            raise ValueError(
+                f"{name}: expected a port different from {used[port]}={port}, received {port}"
+            )
         used[port] = name
 
 
@@ -537,14 +680,18 @@ def resolved_device(config: OakEmuConfig) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise ConfigError(f"device: expected an available device, received {device!r} (no CUDA device found)")
+            raise ConfigError(
+                f"device: expected an available device, received {device!r} (no CUDA device found)"
+            )
         index = int(device.split(":", 1)[1]) if ":" in device else 0
         if index >= torch.cuda.device_count():
             raise ConfigError(
                 f"device: expected cuda:0..cuda:{torch.cuda.device_count() - 1}, received {device!r}"
             )
     if device == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError("device: expected an available device, received 'mps' (MPS not available)")
+        raise ConfigError(
+            "device: expected an available device, received 'mps' (MPS not available)"
+        )
     return device
 
 
@@ -583,7 +730,13 @@ def _toml_scalar(value: Any) -> str:
     if isinstance(value, Path):
         value = str(value)
     if isinstance(value, Mapping):  # an inline table; keys quoted
-        return "{" + ", ".join(f"{_toml_scalar(str(key))} = {_toml_scalar(item)}" for key, item in value.items()) + "}"
+        return (
+            "{"
+            + ", ".join(
+                f"{_toml_scalar(str(key))} = {_toml_scalar(item)}" for key, item in value.items()
+            )
+            + "}"
+        )
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_scalar(item) for item in value) + "]"
     if isinstance(value, str):
@@ -674,7 +827,7 @@ def format_validation_error(error: ValidationError) -> str:
         received = item.get("input")
         message = item["msg"]
         if message.startswith("Value error, "):
-            message = message[len("Value error, "):]
+            message = message[len("Value error, ") :]
         if item["type"] == "extra_forbidden":
             close = difflib.get_close_matches(location, OakEmuConfig.model_fields, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""

@@ -167,14 +167,20 @@ class SharedArray:
     def _normalise(shape: Sequence[int], dtype: Any) -> tuple[tuple[int, ...], np.dtype[Any]]:
         normalised_shape = tuple(int(dim) for dim in shape)
         if any(dim < 0 for dim in normalised_shape):
-            raise ValueError(f"shape: expected non-negative dimensions, received {normalised_shape}")
+            raise ValueError(
+                f"shape: expected non-negative dimensions, received {normalised_shape}"
+            )
         normalised_dtype = np.dtype(dtype)
         if normalised_dtype.hasobject:
-            raise ValueError(f"dtype: expected a fixed-size numpy dtype, received {normalised_dtype}")
+            raise ValueError(
+                f"dtype: expected a fixed-size numpy dtype, received {normalised_dtype}"
+            )
         return normalised_shape, normalised_dtype
 
     @classmethod
-    def create(cls, shape: Sequence[int], dtype: Any, *, field: str, token: str | None = None) -> SharedArray:
+    def create(
+        cls, shape: Sequence[int], dtype: Any, *, field: str, token: str | None = None
+    ) -> SharedArray:
         """Create a zero-filled shared array owned by this process.
 
         The segment's pages are reserved up front (``posix_fallocate``) when the platform allows
@@ -318,7 +324,9 @@ class SharedArray:
             RuntimeError: when called on a non-owner (attached) array.
         """
         if not self._owner:
-            raise RuntimeError(f"shared array {self._name}: only the creating process may unlink it")
+            raise RuntimeError(
+                f"shared array {self._name}: only the creating process may unlink it"
+            )
         if self._finalizer is not None and self._finalizer.alive:
             self._finalizer()  # unlinks (owner pid check included) and disarms the finaliser
 

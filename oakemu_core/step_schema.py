@@ -157,9 +157,13 @@ class StepField:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
         if self.dtype.str not in WIRE_DTYPES:
-            raise ValueError(f"{self.name}: expected a bool/int/uint/float dtype of 1-8 bytes, received {self.dtype}")
+            raise ValueError(
+                f"{self.name}: expected a bool/int/uint/float dtype of 1-8 bytes, received {self.dtype}"
+            )
         if len(self.shape) > MAX_DIMENSIONS or any(d < 0 for d in self.shape):
-            raise ValueError(f"{self.name}: expected at most {MAX_DIMENSIONS} non-negative dimensions, received {self.shape}")
+            raise ValueError(
+                f"{self.name}: expected at most {MAX_DIMENSIONS} non-negative dimensions, received {self.shape}"
+            )
         for bound in ("low", "high"):
             value = getattr(self, bound)
             if value is not None:
@@ -175,13 +179,26 @@ class StepField:
         object.__setattr__(self, "_checked_high", high)
         # Scalar bounds as Python floats: a step message's (n,) fields are checked with min() /
         # max() over a list, which costs a tenth of the numpy calls for a few values.
-        object.__setattr__(self, "_scalar_low", float(low) if low is not None and low.ndim == 0 else None)
-        object.__setattr__(self, "_scalar_high", float(high) if high is not None and high.ndim == 0 else None)
-        object.__setattr__(self, "_bounds_are_scalars", (low is None or low.ndim == 0) and (high is None or high.ndim == 0))
-        object.__setattr__(self, "_values_unchecked", low is None and high is None and self.mask_segments is None)
+        object.__setattr__(
+            self, "_scalar_low", float(low) if low is not None and low.ndim == 0 else None
+        )
+        object.__setattr__(
+            self, "_scalar_high", float(high) if high is not None and high.ndim == 0 else None
+        )
+        object.__setattr__(
+            self,
+            "_bounds_are_scalars",
+            (low is None or low.ndim == 0) and (high is None or high.ndim == 0),
+        )
+        object.__setattr__(
+            self, "_values_unchecked", low is None and high is None and self.mask_segments is None
+        )
         # Computed once: decode_step asks for every field of every step-ring message.
-        object.__setattr__(self, "_any_bits_valid", self.dtype.kind in "iu" and low is None and high is None
-                           and self.mask_segments is None)
+        object.__setattr__(
+            self,
+            "_any_bits_valid",
+            self.dtype.kind in "iu" and low is None and high is None and self.mask_segments is None,
+        )
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, StepField) and self.to_dict() == other.to_dict()
@@ -221,11 +238,13 @@ class StepField:
         if self.mask_segments is not None:
             start = 0
             for size in self.mask_segments:
-                empty = ~array[..., start:start + size].any(axis=-1)
+                empty = ~array[..., start : start + size].any(axis=-1)
                 if empty.any():
                     env = int(np.flatnonzero(empty.reshape(empty.shape[0], -1).any(axis=-1))[0])
-                    return (f"{self.name}: env {env} allows no action in entries {start}..{start + size - 1} "
-                            f"(a mask must allow at least one)")
+                    return (
+                        f"{self.name}: env {env} allows no action in entries {start}..{start + size - 1} "
+                        f"(a mask must allow at least one)"
+                    )
                 start += size
         return None
 
@@ -247,30 +266,61 @@ class StepField:
     @classmethod
     def from_dict(cls, value: Any) -> StepField:
         """Inverse of :meth:`to_dict` for untrusted input. Raises ValueError naming what is wrong."""
-        keys = {"name", "shape", "dtype", "sent", "stored", "minibatch", "default", "low", "high", "mask_segments"}
+        keys = {
+            "name",
+            "shape",
+            "dtype",
+            "sent",
+            "stored",
+            "minibatch",
+            "default",
+            "low",
+            "high",
+            "mask_segments",
+        }
         if not isinstance(value, dict) or value.keys() != keys:
             received = sorted(map(str, value)) if isinstance(value, dict) else type(value).__name__
             raise ValueError(f"schema field: expected keys {sorted(keys)}, received {received}")
-        name, dtype = value["name"], WIRE_DTYPES.get(value["dtype"]) if isinstance(value["dtype"], str) else None
+        name, dtype = (
+            value["name"],
+            WIRE_DTYPES.get(value["dtype"]) if isinstance(value["dtype"], str) else None,
+        )
         if not isinstance(name, str) or not 0 < len(name) <= 128:
-            raise ValueError(f"schema field name: expected a str of 1-128 chars, received {name!r}"[:200])
+            raise ValueError(
+                f"schema field name: expected a str of 1-128 chars, received {name!r}"[:200]
+            )
         if dtype is None:
             raise ValueError(f"schema field {name}: dtype {value['dtype']!r} is not allowed"[:200])
         shape = value["shape"]
-        if not isinstance(shape, list) or len(shape) > MAX_DIMENSIONS or any(type(d) is not int or d < 0 for d in shape):
-            raise ValueError(f"schema field {name}: shape must be a list of non-negative ints"[:200])
+        if (
+            not isinstance(shape, list)
+            or len(shape) > MAX_DIMENSIONS
+            or any(type(d) is not int or d < 0 for d in shape)
+        ):
+            raise ValueError(
+                f"schema field {name}: shape must be a list of non-negative ints"[:200]
+            )
         for flag in ("sent", "stored", "minibatch"):
             if type(value[flag]) is not bool:
                 raise ValueError(f"schema field {name}: {flag} must be a bool")
         if value["default"] is not None and type(value["default"]) not in (bool, int, float):
             raise ValueError(f"schema field {name}: default must be a number, a bool or None")
         segments = value["mask_segments"]
-        if segments is not None and (not isinstance(segments, list) or any(type(s) is not int or s < 1 for s in segments)):
+        if segments is not None and (
+            not isinstance(segments, list) or any(type(s) is not int or s < 1 for s in segments)
+        ):
             raise ValueError(f"schema field {name}: mask_segments must be a list of positive ints")
         try:
             return cls(
-                name=name, shape=tuple(shape), dtype=dtype, sent=value["sent"], stored=value["stored"],
-                minibatch=value["minibatch"], default=value["default"], low=value["low"], high=value["high"],
+                name=name,
+                shape=tuple(shape),
+                dtype=dtype,
+                sent=value["sent"],
+                stored=value["stored"],
+                minibatch=value["minibatch"],
+                default=value["default"],
+                low=value["low"],
+                high=value["high"],
                 mask_segments=None if segments is None else tuple(segments),
             )
         except (TypeError, ValueError) as error:
@@ -298,8 +348,21 @@ class StepSchema:
     distribution: ActionDistribution | None = None
     _by_name: dict[str, StepField] = field(init=False, repr=False, compare=False)
 
-    REQUIRED = ("actions", "log_probs", "values", "rewards", "dones", "truncated", "bootstrap_values",
-                "next_values", "trainable", "policy_versions", "policy_revisions", "advantages", "returns")
+    REQUIRED = (
+        "actions",
+        "log_probs",
+        "values",
+        "rewards",
+        "dones",
+        "truncated",
+        "bootstrap_values",
+        "next_values",
+        "trainable",
+        "policy_versions",
+        "policy_revisions",
+        "advantages",
+        "returns",
+    )
 
     def __post_init__(self) -> None:
         fields = tuple(self.fields)
@@ -357,8 +420,11 @@ class StepSchema:
     @cached_property
     def observation_names(self) -> tuple[str, ...]:
         """Observation fields: ``("observations",)`` or ``("observations.<key>", ...)``."""
-        return tuple(f.name for f in self.fields
-                     if f.name == OBSERVATION_FIELD or f.name.startswith(OBSERVATION_FIELD + "."))
+        return tuple(
+            f.name
+            for f in self.fields
+            if f.name == OBSERVATION_FIELD or f.name.startswith(OBSERVATION_FIELD + ".")
+        )
 
     @cached_property
     def is_dict_observation(self) -> bool:
@@ -366,7 +432,7 @@ class StepSchema:
 
     def observation_key(self, name: str) -> str:
         """The observation key of an observation field (``""`` for the plain one)."""
-        return "" if name == OBSERVATION_FIELD else name[len(OBSERVATION_FIELD) + 1:]
+        return "" if name == OBSERVATION_FIELD else name[len(OBSERVATION_FIELD) + 1 :]
 
     # -- observations as the env and the model see them -----------------------------------------
     def split_observations(self, observations: Any) -> dict[str, Any]:
@@ -374,12 +440,20 @@ class StepSchema:
         if not self.is_dict_observation:
             return {OBSERVATION_FIELD: observations}
         if not isinstance(observations, Mapping):
-            raise ValueError(f"observations: expected a dict with keys "
-                             f"{[self.observation_key(n) for n in self.observation_names]}, "
-                             f"received {type(observations).__name__}")
-        missing = [self.observation_key(n) for n in self.observation_names if self.observation_key(n) not in observations]
+            raise ValueError(
+                f"observations: expected a dict with keys "
+                f"{[self.observation_key(n) for n in self.observation_names]}, "
+                f"received {type(observations).__name__}"
+            )
+        missing = [
+            self.observation_key(n)
+            for n in self.observation_names
+            if self.observation_key(n) not in observations
+        ]
         if missing:
-            raise ValueError(f"observations: missing keys {missing}, received keys {sorted(observations)}")
+            raise ValueError(
+                f"observations: missing keys {missing}, received keys {sorted(observations)}"
+            )
         return {name: observations[self.observation_key(name)] for name in self.observation_names}
 
     def join_observations(self, fields: Mapping[str, Any]) -> Any:
@@ -389,7 +463,9 @@ class StepSchema:
         return {self.observation_key(name): fields[name] for name in self.observation_names}
 
     # -- validation of local writes ---------------------------------------------------------------
-    def check_arrays(self, arrays: Mapping[str, Any], count: int, fields: Iterable[StepField]) -> None:
+    def check_arrays(
+        self, arrays: Mapping[str, Any], count: int, fields: Iterable[StepField]
+    ) -> None:
         """Check that each of ``fields`` is in ``arrays`` with shape ``(count, *shape)`` and the exact dtype.
 
         Raises:
@@ -427,8 +503,11 @@ class StepSchema:
         }
 
     @classmethod
-    def from_dict(cls, value: Any,
-                  distribution_from_dict: Callable[[dict[str, Any]], ActionDistribution] | None = None) -> StepSchema:
+    def from_dict(
+        cls,
+        value: Any,
+        distribution_from_dict: Callable[[dict[str, Any]], ActionDistribution] | None = None,
+    ) -> StepSchema:
         """Inverse of :meth:`to_dict` for untrusted input.
 
         Args:
@@ -451,8 +530,10 @@ class StepSchema:
             if not isinstance(distribution, dict):
                 raise ValueError("schema: distribution must be a map or None")
             if distribution_from_dict is None:
-                raise ValueError("schema: has an action distribution; parse it with "
-                                 "oakemu_core.policy.schemas.schema_from_dict")
+                raise ValueError(
+                    "schema: has an action distribution; parse it with "
+                    "oakemu_core.policy.schemas.schema_from_dict"
+                )
             distribution = distribution_from_dict(distribution)
         parsed = [StepField.from_dict(f) for f in fields]
         names = [f.name for f in parsed]
@@ -509,33 +590,79 @@ def build_schema(
     ]
     if distribution is not None:
         low, high = distribution.action_bounds()
-        fields.append(StepField("actions", distribution.action_shape, distribution.action_dtype, minibatch=True,
-                                low=low, high=high))
+        fields.append(
+            StepField(
+                "actions",
+                distribution.action_shape,
+                distribution.action_dtype,
+                minibatch=True,
+                low=low,
+                high=high,
+            )
+        )
     else:
         if action_shape is None or action_dtype is None:
-            raise ValueError("build_schema: expected a distribution, or action_shape and action_dtype")
-        fields.append(StepField("actions", tuple(action_shape), np.dtype(action_dtype), minibatch=True))
+            raise ValueError(
+                "build_schema: expected a distribution, or action_shape and action_dtype"
+            )
+        fields.append(
+            StepField("actions", tuple(action_shape), np.dtype(action_dtype), minibatch=True)
+        )
     # A discrete log probability is <= 0; a Gaussian density may exceed 1 (positive log prob).
     discrete = distribution is not None and distribution.kind != "diag_gaussian"
     fields += [
-        _scalar("log_probs", np.float32, minibatch=True, low=-1e4 if discrete else -MAX_ABS_STEP_VALUE,
-                high=1e-3 if discrete else MAX_ABS_STEP_VALUE),
-        _scalar("values", np.float32, minibatch=True, low=-MAX_ABS_STEP_VALUE, high=MAX_ABS_STEP_VALUE),
+        _scalar(
+            "log_probs",
+            np.float32,
+            minibatch=True,
+            low=-1e4 if discrete else -MAX_ABS_STEP_VALUE,
+            high=1e-3 if discrete else MAX_ABS_STEP_VALUE,
+        ),
+        _scalar(
+            "values", np.float32, minibatch=True, low=-MAX_ABS_STEP_VALUE, high=MAX_ABS_STEP_VALUE
+        ),
         _scalar("rewards", np.float32, low=-MAX_ABS_STEP_VALUE, high=MAX_ABS_STEP_VALUE),
         _scalar("dones", np.bool_),
         _scalar("truncated", np.bool_, stored=False),
-        _scalar("bootstrap_values", np.float32, default=0.0, low=-MAX_ABS_STEP_VALUE, high=MAX_ABS_STEP_VALUE),
-        _scalar("next_values", np.float32, stored=False, low=-MAX_ABS_STEP_VALUE, high=MAX_ABS_STEP_VALUE),
+        _scalar(
+            "bootstrap_values",
+            np.float32,
+            default=0.0,
+            low=-MAX_ABS_STEP_VALUE,
+            high=MAX_ABS_STEP_VALUE,
+        ),
+        _scalar(
+            "next_values",
+            np.float32,
+            stored=False,
+            low=-MAX_ABS_STEP_VALUE,
+            high=MAX_ABS_STEP_VALUE,
+        ),
         _scalar("trainable", np.bool_, default=True),
     ]
     if distribution is not None:
         for name, (shape, dtype) in distribution.stored_fields().items():
             positive = name == "action_std"
-            fields.append(StepField(name, shape, dtype, minibatch=True, low=1e-12 if positive else -MAX_ABS_STEP_VALUE,
-                                    high=MAX_ABS_STEP_VALUE))
+            fields.append(
+                StepField(
+                    name,
+                    shape,
+                    dtype,
+                    minibatch=True,
+                    low=1e-12 if positive else -MAX_ABS_STEP_VALUE,
+                    high=MAX_ABS_STEP_VALUE,
+                )
+            )
         if distribution.mask_width:
-            fields.append(StepField("action_mask", (distribution.mask_width,), np.bool_, minibatch=True,
-                                    mask_segments=_mask_segments(distribution)))
+            fields.append(
+                StepField(
+                    "action_mask",
+                    (distribution.mask_width,),
+                    np.bool_,
+                    minibatch=True,
+                    mask_segments=_mask_segments(distribution),
+                )
+            )
     fields += [
         _scalar("policy_versions", np.int64, sent=False, minibatch=True, default=0),
         _policy_revisions_field(),
@@ -562,8 +689,12 @@ def default_schema(
     action_dtype: Any = np.int64,
 ) -> StepSchema:
     """The seed API's schema: one plain observation, actions without a declared distribution."""
-    return build_schema({"": (tuple(observation_shape), observation_dtype)}, None,
-                        action_shape=tuple(action_shape), action_dtype=action_dtype)
+    return build_schema(
+        {"": (tuple(observation_shape), observation_dtype)},
+        None,
+        action_shape=tuple(action_shape),
+        action_dtype=action_dtype,
+    )
 
 
 def resolve_schema(
@@ -592,14 +723,22 @@ def resolve_schema(
     """
     if schema is not None:
         if observation_shape is not None or observation_dtype is not None:
-            raise ValueError(f"{owner}: pass either schema= or observation_shape/observation_dtype, not both")
+            raise ValueError(
+                f"{owner}: pass either schema= or observation_shape/observation_dtype, not both"
+            )
         return schema
     if observation_shape is None or observation_dtype is None:
         raise ValueError(f"{owner}: expected observation_shape and observation_dtype, or schema=")
     if not isinstance(observation_shape, (tuple, list)) or any(
-            isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0 for d in observation_shape):
-        raise ValueError(f"observation_shape: expected a tuple of non-negative ints, received {observation_shape!r}")
-    return default_schema(tuple(observation_shape), observation_dtype, tuple(action_shape), action_dtype)
+        isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0
+        for d in observation_shape
+    ):
+        raise ValueError(
+            f"observation_shape: expected a tuple of non-negative ints, received {observation_shape!r}"
+        )
+    return default_schema(
+        tuple(observation_shape), observation_dtype, tuple(action_shape), action_dtype
+    )
 
 
 def check_step_consistency(schema: StepSchema, arrays: Mapping[str, np.ndarray]) -> str | None:
@@ -615,17 +754,25 @@ def check_step_consistency(schema: StepSchema, arrays: Mapping[str, np.ndarray])
         Why the step is impossible, or None.
     """
     truncated, dones = arrays.get("truncated"), arrays["dones"]
-    if truncated is None:  # a local writer's step: storage keeps truncation in dones + bootstrap_values
+    if (
+        truncated is None
+    ):  # a local writer's step: storage keeps truncation in dones + bootstrap_values
         bootstrap = arrays.get("bootstrap_values")
         if bootstrap is not None and np.count_nonzero(bootstrap) and np.any(bootstrap[~dones] != 0):
             bad = np.flatnonzero((bootstrap != 0) & ~dones).tolist()
-            return (f"bootstrap_values: expected 0 where dones is False (a bootstrap value belongs to a "
-                    f"truncated step), received non-zero values at positions {bad}")
+            return (
+                f"bootstrap_values: expected 0 where dones is False (a bootstrap value belongs to a "
+                f"truncated step), received non-zero values at positions {bad}"
+            )
     else:
         bootstrap = arrays["bootstrap_values"]
-        if truncated.size <= SMALL_ARRAY_SIZE:  # a few envs: plain Python is cheaper than numpy calls
+        if (
+            truncated.size <= SMALL_ARRAY_SIZE
+        ):  # a few envs: plain Python is cheaper than numpy calls
             flags = truncated.ravel().tolist()
-            if not any(flags):  # the usual step: nothing truncated, so every bootstrap value must be 0
+            if not any(
+                flags
+            ):  # the usual step: nothing truncated, so every bootstrap value must be 0
                 truncated_not_done, bootstrap_not_truncated = False, any(bootstrap.ravel().tolist())
             else:
                 rows = list(zip(flags, dones.ravel().tolist(), bootstrap.ravel().tolist()))
@@ -635,7 +782,9 @@ def check_step_consistency(schema: StepSchema, arrays: Mapping[str, np.ndarray])
             truncated_not_done = bool(np.any(truncated & ~dones))
             bootstrap_not_truncated = bool(np.any(bootstrap[~truncated] != 0))
         if truncated_not_done:
-            return "truncated: every truncated env must also be done (dones = terminated OR truncated)"
+            return (
+                "truncated: every truncated env must also be done (dones = terminated OR truncated)"
+            )
         if bootstrap_not_truncated:
             return "bootstrap_values: expected 0 on rows that were not truncated"
     mask = arrays.get("action_mask")
@@ -680,7 +829,9 @@ def check_step_values(schema: StepSchema, arrays: Mapping[str, np.ndarray]) -> N
         raise ValueError(problem)
 
 
-def taken_action_allowed(distribution: ActionDistribution, actions: np.ndarray, mask: np.ndarray) -> np.ndarray:
+def taken_action_allowed(
+    distribution: ActionDistribution, actions: np.ndarray, mask: np.ndarray
+) -> np.ndarray:
     """``(n,)`` bool: whether each row's action is allowed by its ``(n, mask_width)`` mask."""
     rows = np.arange(actions.shape[0])
     if distribution.kind == "categorical":
@@ -693,4 +844,3 @@ def taken_action_allowed(distribution: ActionDistribution, actions: np.ndarray, 
         columns = 2 * np.arange(distribution.num_bits) + actions.astype(np.int64)
         return np.take_along_axis(mask, columns, axis=1).all(axis=1)
     return np.ones(actions.shape[0], dtype=bool)
-

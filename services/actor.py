@@ -35,6 +35,16 @@ from typing import Any
 import numpy as np
 import torch
 import zmq
+from oakemu_services.runtime import (
+    INTERRUPTED_EXIT_STATUS,
+    SETUP_ERROR_EXIT_STATUS,
+    RetryReporter,
+    install_stop_signals,
+    interrupted_status,
+    setup_logging,
+    socket_buffer_bytes,
+    startup_done,
+)
 
 from oakemu_core.actor.client import (
     WEIGHTS_MISSED_S,
@@ -63,16 +73,6 @@ from oakemu_core.transport.liveness import process_identity
 from oakemu_core.transport.step_blocks import StepBlock
 from oakemu_core.transport.step_ring import StepRing, shared_memory_host_id
 from oakemu_core.transport.steps import StepMessage, StepSpec
-from oakemu_services.runtime import (
-    INTERRUPTED_EXIT_STATUS,
-    SETUP_ERROR_EXIT_STATUS,
-    RetryReporter,
-    install_stop_signals,
-    interrupted_status,
-    setup_logging,
-    socket_buffer_bytes,
-    startup_done,
-)
 
 __all__ = ["Actor", "ActorSetupError", "LearnerUnreachable", "main"]
 
@@ -100,33 +100,58 @@ class Actor:
         self.actor_id = config.actor_id or f"{socket.gethostname()}-{os.getpid()}"
         self.context = zmq.Context()
         self.security = client_security(config)  # CURVE keys (oakemu_core.transport.auth)
-        control = ControlChannel(self.context, config.learner_address(config.control_port), config.max_message_bytes,
-                                 self.security)
+        control = ControlChannel(
+            self.context,
+            config.learner_address(config.control_port),
+            config.max_message_bytes,
+            self.security,
+        )
         patience_s = 3 * config.actor_timeout_s
         pid, pid_namespace = process_identity()
         request = JoinRequest(  # the client gives every join its own incarnation
-            actor_id=self.actor_id, incarnation="", num_envs=config.envs_per_actor, hostname=socket.gethostname(),
+            actor_id=self.actor_id,
+            incarnation="",
+            num_envs=config.envs_per_actor,
+            hostname=socket.gethostname(),
             host_id=shared_memory_host_id() if config.step_transport == "auto" else "",
             inference_precision="bfloat16" if config.actor_inference == "bfloat16" else "float32",
-            pid=pid, pid_namespace=pid_namespace)
+            pid=pid,
+            pid_namespace=pid_namespace,
+        )
         # Heartbeats that get no answer mid-run are reported every few seconds, not only the give-up.
-        self.client = LearnerClient(control, request, patience_s=patience_s,
-                                    silence=RetryReporter(log, "learner", control.address, give_up_s=patience_s))
+        self.client = LearnerClient(
+            control,
+            request,
+            patience_s=patience_s,
+            silence=RetryReporter(log, "learner", control.address, give_up_s=patience_s),
+        )
         self.next_heartbeat = 0.0
         self.learner_version = 0
-        self.learner_holds_rows = 0  # the last heartbeat reply's held_rows: steps of ours the learner holds
-        self.held_weights: WeightsMessage | None = None  # read within a synchronous segment, loaded at its end
-        self.behind_since: float | None = None  # when a heartbeat reply first named a version newer than ours
-        self.weights_fetched = 0  # weights asked for on the control socket (the weights channel missed them)
+        self.learner_holds_rows = (
+            0  # the last heartbeat reply's held_rows: steps of ours the learner holds
+        )
+        self.held_weights: WeightsMessage | None = (
+            None  # read within a synchronous segment, loaded at its end
+        )
+        self.behind_since: float | None = (
+            None  # when a heartbeat reply first named a version newer than ours
+        )
+        self.weights_fetched = (
+            0  # weights asked for on the control socket (the weights channel missed them)
+        )
         self.episodes = 0
         self.sps_meter = StepRateMeter(window=32)
         self.env_steps = 0
         self.env: VectorEnv | EnvGroups | None = None
         self.model: ActorCritic | None = None
-        self.inference_backend: Any = None  # forward of actor_inference other than torch's (has .load)
+        self.inference_backend: Any = (
+            None  # forward of actor_inference other than torch's (has .load)
+        )
         self.stepper: PolicyStepper | None = None
         self.policy_version = 0
-        self.weights_revision = 0  # > 0: weights published within the update that makes policy_version + 1
+        self.weights_revision = (
+            0  # > 0: weights published within the update that makes policy_version + 1
+        )
         self.seq = 0  # of the next step message of this incarnation
         self.steps_per_message = 1
         self.block: StepBlock | None = None  # the K vector steps of the next message
@@ -134,7 +159,9 @@ class Actor:
         self.weights_sub: zmq.Socket | None = None
         self.sync_rollout_length = 0  # > 0: synchronous mode, rows per segment
         self.segment_rows = 0  # rows of the current segment sent (synchronous mode)
-        self.ahead_rows = 0  # asynchronous mode: allowance of vector steps per policy version (0: none)
+        self.ahead_rows = (
+            0  # asynchronous mode: allowance of vector steps per policy version (0: none)
+        )
         self.rows_this_version = 0  # vector steps acted since the current weights were loaded
         self.ahead_waits = 0
         self.ahead_waits_timed_out = 0
@@ -149,7 +176,9 @@ class Actor:
     def join(self) -> JoinReply:
         """Join as a new incarnation (retrying while the learner is not up yet); the first join builds
         envs, model and stepper; every join opens the step channel and loads the weights it returns."""
-        reporter = RetryReporter(log, "learner", self.client.control.address, give_up_s=self.client.join_patience_s)
+        reporter = RetryReporter(
+            log, "learner", self.client.control.address, give_up_s=self.client.join_patience_s
+        )
         reply = self.client.join(self.stop_event, reporter)
         spec, env_config = reply.spec, reply.env_config
         assert spec is not None
@@ -157,42 +186,84 @@ class Actor:
         if self.stepper is None:  # the first join
             torch.manual_seed(int(env_config["seed"]))
             self.env = make_envs(self.config, reply)
-            self.model = make_model(self.env, reply)  # the first actions come from the learner's weights
+            self.model = make_model(
+                self.env, reply
+            )  # the first actions come from the learner's weights
             if self.config.actor_inference != "torch":
-                self.inference_backend = make_inference_backend(self.config.actor_inference, self.model,
-                                                                threads=self.config.torch_threads, actor_id=self.actor_id)
-                self.model.use_inference_backend(self.inference_backend)  # None ("auto" for a CNN): torch's
+                self.inference_backend = make_inference_backend(
+                    self.config.actor_inference,
+                    self.model,
+                    threads=self.config.torch_threads,
+                    actor_id=self.actor_id,
+                )
+                self.model.use_inference_backend(
+                    self.inference_backend
+                )  # None ("auto" for a CNN): torch's
                 if self.config.actor_inference == "bfloat16" and cpu_has_native_bfloat16() is False:
-                    log.warning("actor %s: this CPU has no AVX512-BF16 or AMX: bfloat16 is emulated and slower "
-                                "than --actor-inference torch", self.actor_id)
+                    log.warning(
+                        "actor %s: this CPU has no AVX512-BF16 or AMX: bfloat16 is emulated and slower "
+                        "than --actor-inference torch",
+                        self.actor_id,
+                    )
             self.stepper = make_stepper(self.env, self.model, reply)
-            self.weights_sub = subscribe_weights(self.context, self.config.learner_address(self.config.weights_port),
-                                                 self.security)
-        self.sync_rollout_length = int(env_config.get("rollout_length") or 0) if env_config.get("mode") == "sync" else 0
+            self.weights_sub = subscribe_weights(
+                self.context, self.config.learner_address(self.config.weights_port), self.security
+            )
+        self.sync_rollout_length = (
+            int(env_config.get("rollout_length") or 0) if env_config.get("mode") == "sync" else 0
+        )
         self._open_channel(spec, self.client.attach_ring(reply))
         self._load_weights(reply.policy_version, reply.weights)
-        self.ahead_rows = 0 if self.sync_rollout_length else AHEAD_SEGMENTS * int(env_config.get("rollout_length") or 0)
+        self.ahead_rows = (
+            0
+            if self.sync_rollout_length
+            else AHEAD_SEGMENTS * int(env_config.get("rollout_length") or 0)
+        )
         self.segment_rows = 0  # a new incarnation starts a new segment
-        self.held_weights = None  # read for the last one's segment, perhaps from a learner that restarted since
+        self.held_weights = (
+            None  # read for the last one's segment, perhaps from a learner that restarted since
+        )
         self.behind_since = None
-        threads = (f" ({self.config.resolved_emulator_threads()} emulator threads per env group)"
-                   if is_atari_env(str(env_config["env_id"])) else "")
-        log.info("actor %s joined as #%d: %s x %d envs%s, policy version %d", self.actor_id, reply.actor_index,
-                 env_config["env_id"], self.config.envs_per_actor, threads, reply.policy_version)
+        threads = (
+            f" ({self.config.resolved_emulator_threads()} emulator threads per env group)"
+            if is_atari_env(str(env_config["env_id"]))
+            else ""
+        )
+        log.info(
+            "actor %s joined as #%d: %s x %d envs%s, policy version %d",
+            self.actor_id,
+            reply.actor_index,
+            env_config["env_id"],
+            self.config.envs_per_actor,
+            threads,
+            reply.policy_version,
+        )
         return reply
 
     def _open_channel(self, spec: StepSpec, ring: StepRing | None) -> None:
         """The step channel of a join (through ``ring`` if attached; the previous incarnation's is
         closed, its socket kept when sized the same) and the step block of its K."""
-        connect = step_socket_connector(self.context, self.config.learner_address(self.config.data_port),
-                                        buffer_bytes=socket_buffer_bytes(spec.message_bytes()), security=self.security)
-        self.channel = open_step_channel(spec, ring, connect, self.stop_event, previous=self.channel,
-                                         sync_rollout_length=self.sync_rollout_length)
+        connect = step_socket_connector(
+            self.context,
+            self.config.learner_address(self.config.data_port),
+            buffer_bytes=socket_buffer_bytes(spec.message_bytes()),
+            security=self.security,
+        )
+        self.channel = open_step_channel(
+            spec,
+            ring,
+            connect,
+            self.stop_event,
+            previous=self.channel,
+            sync_rollout_length=self.sync_rollout_length,
+        )
         self.steps_per_message = spec.steps_per_message
         self.block = StepBlock(spec.schema, spec.num_envs, spec.steps_per_message)
 
     # -- weights ---------------------------------------------------------------------------
-    def _load_weights(self, version: int, weights: dict[str, np.ndarray], revision: int = 0) -> None:
+    def _load_weights(
+        self, version: int, weights: dict[str, np.ndarray], revision: int = 0
+    ) -> None:
         assert self.model is not None
         load_weight_arrays(self.model, weights)
         if self.inference_backend is not None:
@@ -215,7 +286,11 @@ class Actor:
         assert self.weights_sub is not None
         message = newest_message(self.weights_sub, self.config.max_message_bytes)
         if isinstance(message, StopNotice):
-            log.info("learner announced the end of the run to actor %s (%s)", self.actor_id, message.reason)
+            log.info(
+                "learner announced the end of the run to actor %s (%s)",
+                self.actor_id,
+                message.reason,
+            )
             self.stop_event.set()
             return False
         return isinstance(message, WeightsMessage) and self._take_weights(message, hold=hold)
@@ -227,15 +302,23 @@ class Actor:
             return False
         if hold:
             held = self.held_weights
-            if held is None or (message.policy_version, message.revision) > (held.policy_version, held.revision):
+            if held is None or (message.policy_version, message.revision) > (
+                held.policy_version,
+                held.revision,
+            ):
                 self.held_weights = message
-            self.learner_version = max(self.learner_version, message.policy_version)  # the lag heartbeats report
+            self.learner_version = max(
+                self.learner_version, message.policy_version
+            )  # the lag heartbeats report
             return False
         self._load_weights(message.policy_version, message.weights, message.revision)
         return True
 
     def _is_newer(self, message: WeightsMessage) -> bool:
-        return (message.policy_version, message.revision) > (self.policy_version, self.weights_revision)
+        return (message.policy_version, message.revision) > (
+            self.policy_version,
+            self.weights_revision,
+        )
 
     def _load_held_weights(self) -> None:
         """Load the weights :meth:`_poll_weights` held during a synchronous segment, if still newer."""
@@ -252,8 +335,13 @@ class Actor:
             return
         self.next_heartbeat = now + HEARTBEAT_PERIOD_S
         self.sps_meter.sample(now, self.env_steps)
-        reply = self.client.heartbeat(self.seq, self.policy_version, self.sps_meter.rate,
-                                      float(self.learner_version - self.policy_version), self.episodes)
+        reply = self.client.heartbeat(
+            self.seq,
+            self.policy_version,
+            self.sps_meter.rate,
+            float(self.learner_version - self.policy_version),
+            self.episodes,
+        )
         if reply is None:
             return
         self.learner_version = max(self.learner_version, reply.policy_version)
@@ -262,7 +350,9 @@ class Actor:
             log.info("learner asked actor %s to stop", self.actor_id)
             self.stop_event.set()
         elif reply.status == "rejoin":
-            log.warning("learner does not know actor %s/%s: joining again", self.actor_id, self.incarnation)
+            log.warning(
+                "learner does not know actor %s/%s: joining again", self.actor_id, self.incarnation
+            )
             self.join()
             raise _Rejoined
         else:
@@ -270,7 +360,10 @@ class Actor:
 
     def _newest_weights_version(self) -> int:
         """The newest policy version this actor has: acting, or held for its segment's end."""
-        return max(self.policy_version, -1 if self.held_weights is None else self.held_weights.policy_version)
+        return max(
+            self.policy_version,
+            -1 if self.held_weights is None else self.held_weights.policy_version,
+        )
 
     def _catch_up(self, learner_version: int, now: float) -> None:
         """After a heartbeat reply naming the learner's ``learner_version``: once the actor has been behind
@@ -278,8 +371,11 @@ class Actor:
         for the current weights on the control socket. Asynchronous mode: loaded at once (the pending
         action chosen again with them); synchronous: held for the segment's end."""
         hold = bool(self.sync_rollout_length)
-        if (learner_version > self._newest_weights_version() and self._poll_weights(hold=hold)
-                and self.stepper is not None):
+        if (
+            learner_version > self._newest_weights_version()
+            and self._poll_weights(hold=hold)
+            and self.stepper is not None
+        ):
             self.stepper.reselect()
         if learner_version <= self._newest_weights_version():
             self.behind_since = None
@@ -288,14 +384,21 @@ class Actor:
             self.behind_since = now
         if now - self.behind_since < WEIGHTS_MISSED_S or self.stop_event.is_set():
             return
-        self.behind_since = None  # the next request another WEIGHTS_MISSED_S later, if this one fails
+        self.behind_since = (
+            None  # the next request another WEIGHTS_MISSED_S later, if this one fails
+        )
         message = self.client.fetch_weights()
         if message is None:
             return
         self.weights_fetched += 1
-        log.log(logging.WARNING if self.weights_fetched == 1 else logging.DEBUG,
-                "actor %s: the weights channel missed policy version %d (acting with %d): fetched on the control "
-                "socket", self.actor_id, message.policy_version, self.policy_version)
+        log.log(
+            logging.WARNING if self.weights_fetched == 1 else logging.DEBUG,
+            "actor %s: the weights channel missed policy version %d (acting with %d): fetched on the control "
+            "socket",
+            self.actor_id,
+            message.policy_version,
+            self.policy_version,
+        )
         if self._take_weights(message, hold=hold) and self.stepper is not None:
             self.stepper.reselect()
 
@@ -317,7 +420,11 @@ class Actor:
             readable = False
         else:
             readable = bool(self.weights_sub.poll(int(seconds * 1000)))
-        if readable and self._poll_weights(hold=bool(self.sync_rollout_length)) and self.stepper is not None:
+        if (
+            readable
+            and self._poll_weights(hold=bool(self.sync_rollout_length))
+            and self.stepper is not None
+        ):
             self.stepper.reselect()
         self.heartbeat_if_due()
 
@@ -343,8 +450,13 @@ class Actor:
             if give_up_s is not None and now - start > give_up_s and not self.learner_holds_rows:
                 return False
             if give_up_s is None and now > warn_at:
-                log.warning("actor %s: waiting %.0f s for the weights after version %d (learner at version %d)",
-                            self.actor_id, WEIGHTS_WAIT_WARNING_S, version, self.learner_version)
+                log.warning(
+                    "actor %s: waiting %.0f s for the weights after version %d (learner at version %d)",
+                    self.actor_id,
+                    WEIGHTS_WAIT_WARNING_S,
+                    version,
+                    self.learner_version,
+                )
                 warn_at = now + WEIGHTS_WAIT_WARNING_S
             if self.weights_sub.poll(20):
                 self._poll_weights()
@@ -364,8 +476,12 @@ class Actor:
             self.stepper.reselect()
         elif not self.stop_event.is_set():
             self.ahead_waits_timed_out += 1
-            log.debug("actor %s: no weights after version %d within %.1f s; acting on", self.actor_id,
-                      self.policy_version, AHEAD_WAIT_S)
+            log.debug(
+                "actor %s: no weights after version %d within %.1f s; acting on",
+                self.actor_id,
+                self.policy_version,
+                AHEAD_WAIT_S,
+            )
             self.rows_this_version = 0
 
     # -- stepping --------------------------------------------------------------------------
@@ -390,12 +506,24 @@ class Actor:
             block.clear()
             for i in range(k):
                 last = i == k - 1
-                segment_end = (bool(self.sync_rollout_length) and last
-                               and self.segment_rows + k == self.sync_rollout_length)
-                row = stepper.step(before_next_action=None if self.sync_rollout_length or not last else self._poll_weights,
-                                   segment_end=segment_end)
-                block.record(row.buffers.sent_fields(row.next_values, stepper.schema), row.policy_version,
-                             row.env_step.episode_returns, row.env_step.episode_lengths, revision=row.policy_revision)
+                segment_end = (
+                    bool(self.sync_rollout_length)
+                    and last
+                    and self.segment_rows + k == self.sync_rollout_length
+                )
+                row = stepper.step(
+                    before_next_action=None
+                    if self.sync_rollout_length or not last
+                    else self._poll_weights,
+                    segment_end=segment_end,
+                )
+                block.record(
+                    row.buffers.sent_fields(row.next_values, stepper.schema),
+                    row.policy_version,
+                    row.env_step.episode_returns,
+                    row.env_step.episode_lengths,
+                    revision=row.policy_revision,
+                )
                 self.env_steps += row.buffers.num_envs
                 self.rows_this_version += 1
                 self.episodes += len(row.env_step.episode_returns)
@@ -414,18 +542,32 @@ class Actor:
     def close(self) -> None:
         """Say goodbye (best effort), then release env and sockets."""
         if self.revisions_loaded:
-            log.info("actor %s loaded %d weight revisions published within updates", self.actor_id,
-                     self.revisions_loaded)
+            log.info(
+                "actor %s loaded %d weight revisions published within updates",
+                self.actor_id,
+                self.revisions_loaded,
+            )
         if self.weights_fetched:
-            log.info("actor %s fetched the weights %d times on the control socket (the weights channel missed them)",
-                     self.actor_id, self.weights_fetched)
+            log.info(
+                "actor %s fetched the weights %d times on the control socket (the weights channel missed them)",
+                self.actor_id,
+                self.weights_fetched,
+            )
         if self.ahead_waits:
-            log.info("actor %s waited for newer weights %d times (%d gave up after %.1f s)", self.actor_id,
-                     self.ahead_waits, self.ahead_waits_timed_out, AHEAD_WAIT_S)
+            log.info(
+                "actor %s waited for newer weights %d times (%d gave up after %.1f s)",
+                self.actor_id,
+                self.ahead_waits,
+                self.ahead_waits_timed_out,
+                AHEAD_WAIT_S,
+            )
         if self.channel is not None:
             if self.channel.slot_waits:
-                log.info("actor %s: %d step messages waited for a free step-ring slot", self.actor_id,
-                         self.channel.slot_waits)
+                log.info(
+                    "actor %s: %d step messages waited for a free step-ring slot",
+                    self.actor_id,
+                    self.channel.slot_waits,
+                )
             self.client.leave()
             self.channel.close()
             self.channel = None

@@ -20,12 +20,19 @@ import signal
 from collections.abc import Iterable
 from typing import Any
 
+from oakemu_services import train as launcher
+
 from oakemu_core.config import OakEmuConfig, make_config
 from oakemu_core.errors import ConfigError
 from oakemu_core.presets import load_preset
-from oakemu_core.run.callbacks import Callback, CallbackLike, CallbackRunner, EvaluationInfo, UpdateInfo
+from oakemu_core.run.callbacks import (
+    Callback,
+    CallbackLike,
+    CallbackRunner,
+    EvaluationInfo,
+    UpdateInfo,
+)
 from oakemu_core.run.results import Run, read_run
-from oakemu_services import train as launcher
 
 __all__ = ["Callback", "EvaluationInfo", "TrainingFailed", "UpdateInfo", "train"]
 
@@ -39,8 +46,14 @@ class TrainingFailed(RuntimeError):
         self.run = run
 
 
-def train(config: OakEmuConfig | None = None, preset: str | None = None, *,
-          callbacks: CallbackLike | Iterable[CallbackLike] | None = None, verbose: int = 1, **overrides: Any) -> Run:
+def train(
+    config: OakEmuConfig | None = None,
+    preset: str | None = None,
+    *,
+    callbacks: CallbackLike | Iterable[CallbackLike] | None = None,
+    verbose: int = 1,
+    **overrides: Any,
+) -> Run:
     """Train until the env-step budget is spent or a callback stops the run; returns the :class:`Run`.
 
     Settings, highest precedence first: ``overrides`` (field name -> value, e.g. ``total_env_steps=20_000``),
@@ -66,10 +79,16 @@ def train(config: OakEmuConfig | None = None, preset: str | None = None, *,
     if config is not None and preset is not None:
         raise ConfigError("train: expected config or preset, received both")
     base = load_preset(preset).settings if preset is not None else {}
-    given = {name: getattr(config, name) for name in config.model_fields_set} if config is not None else {}
+    given = (
+        {name: getattr(config, name) for name in config.model_fields_set}
+        if config is not None
+        else {}
+    )
     config = make_config(base, **{**given, **overrides})
     runner = CallbackRunner(callbacks) if callbacks is not None else None
-    plan = launcher.plan_run(config)  # chooses the run folder (a free name) and holds it and the ports
+    plan = launcher.plan_run(
+        config
+    )  # chooses the run folder (a free name) and holds it and the ports
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         status = launcher.main(plan.config, verbose=verbose, callbacks=runner, plan=plan)
@@ -83,8 +102,13 @@ def train(config: OakEmuConfig | None = None, preset: str | None = None, *,
     if runner is not None and runner.stopping and status == 0:
         return dataclasses.replace(run, stopped_by_callback=True)
     if status in (130, 143):
-        raise KeyboardInterrupt(f"training stopped by a signal; the run folder {run.run_dir} can be resumed")
+        raise KeyboardInterrupt(
+            f"training stopped by a signal; the run folder {run.run_dir} can be resumed"
+        )
     if status != 0:
-        raise TrainingFailed(f"oakemu train exited with status {status} after {run.updates} updates (logs: "
-                             f"{run.run_dir / 'logs'})", run)
+        raise TrainingFailed(
+            f"oakemu train exited with status {status} after {run.updates} updates (logs: "
+            f"{run.run_dir / 'logs'})",
+            run,
+        )
     return run

@@ -28,12 +28,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from oakemu_core.config import add_config_arguments, config_from_namespace, load_config, unknown_environment_variables
+from oakemu_services.runtime import startup_done
+
+from oakemu_core.config import (
+    add_config_arguments,
+    config_from_namespace,
+    load_config,
+    unknown_environment_variables,
+)
 from oakemu_core.errors import ConfigError, UserError
 from oakemu_core.options import unknown_option_hint
 from oakemu_core.presets import load_preset, preset_names
 from oakemu_core.run.run_folder import find_run_folder, resumed_settings
-from oakemu_services.runtime import startup_done
 
 __all__ = ["build_parser", "main"]
 
@@ -48,17 +54,32 @@ class _Parser(argparse.ArgumentParser):
     """A parser whose errors are one line (no usage dump) pointing at ``--help``; exit status 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
+        self.exit(
+            EXIT_USAGE, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n"
+        )
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The ``oakemu`` parser and its subcommand parsers by name."""
-    parser = _Parser(prog=PROG, description="OakEmu-RL: actor/learner PPO on emulator games over ZeroMQ.",
-                     allow_abbrev=False)
+    parser = _Parser(
+        prog=PROG,
+        description="OakEmu-RL: actor/learner PPO on emulator games over ZeroMQ.",
+        allow_abbrev=False,
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)  # none: main lists them
-    for add in (_add_train, _add_learner, _add_actor, _add_monitor, _add_evaluate, _add_export, _add_record,
-                _add_keygen):
+    commands = parser.add_subparsers(
+        dest="command", metavar="COMMAND", parser_class=_Parser
+    )  # none: main lists them
+    for add in (
+        _add_train,
+        _add_learner,
+        _add_actor,
+        _add_monitor,
+        _add_evaluate,
+        _add_export,
+        _add_record,
+        _add_keygen,
+    ):
         add(commands)
     return parser, dict(commands.choices)
 
@@ -74,131 +95,283 @@ def _version() -> str:
 
 def _add_train(commands: Any) -> None:
     train = commands.add_parser(
-        "train", help="train on this machine: a learner and num_actors actor processes",
+        "train",
+        help="train on this machine: a learner and num_actors actor processes",
         description="Start a learner and num_actors actors on this machine and train until total_env_steps env "
         "steps were trained; the run folder records the settings, logs, metrics and checkpoints.",
-        usage="%(prog)s [--preset NAME] [--resume RUN] [--config FILE] [SETTING ...]", allow_abbrev=False)
+        usage="%(prog)s [--preset NAME] [--resume RUN] [--config FILE] [SETTING ...]",
+        allow_abbrev=False,
+    )
     start = train.add_argument_group("starting point")
-    start.add_argument("--preset", default=None, metavar="NAME",
-                       help=f"start from a preset's settings ({', '.join(preset_names())}); options, OAKEMU_* "
-                       "variables and --config override them")
-    start.add_argument("--resume", type=Path, default=None, metavar="RUN",
-                       help="continue a run from its last checkpoint, with its own settings: its folder, or its name "
-                       "in the runs folder (--runs-dir, default runs)")
+    start.add_argument(
+        "--preset",
+        default=None,
+        metavar="NAME",
+        help=f"start from a preset's settings ({', '.join(preset_names())}); options, OAKEMU_* "
+        "variables and --config override them",
+    )
+    start.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        metavar="RUN",
+        help="continue a run from its last checkpoint, with its own settings: its folder, or its name "
+        "in the runs folder (--runs-dir, default runs)",
+    )
     add_config_arguments(train, "train")
 
 
 def _add_learner(commands: Any) -> None:
-    _add_service(commands, "learner", "run only the learner (actors connect to it by address)",
-                 "Bind the learner's sockets on bind_host and train with the actors that join; a run folder that "
-                 "has a checkpoint is resumed.")
+    _add_service(
+        commands,
+        "learner",
+        "run only the learner (actors connect to it by address)",
+        "Bind the learner's sockets on bind_host and train with the actors that join; a run folder that "
+        "has a checkpoint is resumed.",
+    )
 
 
 def _add_actor(commands: Any) -> None:
-    _add_service(commands, "actor", "run one actor that joins the learner at learner_host",
-                 "Step envs_per_actor environments and stream the steps to the learner at learner_host; the "
-                 "environment and its settings come from the learner.")
+    _add_service(
+        commands,
+        "actor",
+        "run one actor that joins the learner at learner_host",
+        "Step envs_per_actor environments and stream the steps to the learner at learner_host; the "
+        "environment and its settings come from the learner.",
+    )
 
 
 def _add_service(commands: Any, name: str, summary: str, description: str) -> None:
     """A subcommand that takes the settings its process reads, and nothing else."""
-    service = commands.add_parser(name, help=summary, description=description,
-                                  usage="%(prog)s [--config FILE] [SETTING ...]", allow_abbrev=False)
+    service = commands.add_parser(
+        name,
+        help=summary,
+        description=description,
+        usage="%(prog)s [--config FILE] [SETTING ...]",
+        allow_abbrev=False,
+    )
     add_config_arguments(service, name)
 
 
 def _add_monitor(commands: Any) -> None:
     monitor = commands.add_parser(
-        "monitor", help="attach to a running learner's telemetry and show a live view",
+        "monitor",
+        help="attach to a running learner's telemetry and show a live view",
         description="Read-only live view of a running learner (its telemetry socket). A run on this machine that is "
-        "not running (it finished or stopped) is shown as its folder last recorded it.", allow_abbrev=False)
-    monitor.add_argument("run", nargs="?", default=None, metavar="RUN",
-                         help="a run on this machine: its folder, or its name in $OAKEMU_RUNS_DIR (default runs)")
-    monitor.add_argument("--connect", default=None, metavar="tcp://HOST:PORT",
-                         help="the learner's telemetry address (default: tcp://$OAKEMU_LEARNER_HOST:"
-                         "$OAKEMU_TELEMETRY_PORT, i.e. tcp://127.0.0.1:5558)")
-    monitor.add_argument("--json", action="store_true", help="print one JSON object per update instead of the view")
+        "not running (it finished or stopped) is shown as its folder last recorded it.",
+        allow_abbrev=False,
+    )
+    monitor.add_argument(
+        "run",
+        nargs="?",
+        default=None,
+        metavar="RUN",
+        help="a run on this machine: its folder, or its name in $OAKEMU_RUNS_DIR (default runs)",
+    )
+    monitor.add_argument(
+        "--connect",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="the learner's telemetry address (default: tcp://$OAKEMU_LEARNER_HOST:"
+        "$OAKEMU_TELEMETRY_PORT, i.e. tcp://127.0.0.1:5558)",
+    )
+    monitor.add_argument(
+        "--json", action="store_true", help="print one JSON object per update instead of the view"
+    )
     monitor.add_argument("--once", action="store_true", help="print one snapshot and exit")
-    monitor.add_argument("--timeout", type=_positive_float, default=DEFAULT_MONITOR_TIMEOUT_S, metavar="S",
-                         help="give up with an error when no snapshot arrives within S seconds "
-                         f"(default {DEFAULT_MONITOR_TIMEOUT_S})")
+    monitor.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=DEFAULT_MONITOR_TIMEOUT_S,
+        metavar="S",
+        help="give up with an error when no snapshot arrives within S seconds "
+        f"(default {DEFAULT_MONITOR_TIMEOUT_S})",
+    )
 
 
 def _add_evaluate(commands: Any) -> None:
     evaluate = commands.add_parser(
-        "evaluate", help="play episodes with a checkpoint and print mean and std of the episodic return",
+        "evaluate",
+        help="play episodes with a checkpoint and print mean and std of the episodic return",
         description="Play episodes with the policy in CHECKPOINT; print the mean and std of the raw episodic return.",
-        allow_abbrev=False)
-    evaluate.add_argument("checkpoint", type=Path, metavar="CHECKPOINT",
-                          help="checkpoint file, run folder, or a folder written by oakemu export")
-    evaluate.add_argument("--episodes", type=_positive_int, default=10, metavar="N", help="episodes (default 10)")
+        allow_abbrev=False,
+    )
+    evaluate.add_argument(
+        "checkpoint",
+        type=Path,
+        metavar="CHECKPOINT",
+        help="checkpoint file, run folder, or a folder written by oakemu export",
+    )
+    evaluate.add_argument(
+        "--episodes", type=_positive_int, default=10, metavar="N", help="episodes (default 10)"
+    )
     policy = evaluate.add_mutually_exclusive_group()
-    policy.add_argument("--greedy", dest="greedy", action="store_true", default=True,
-                        help="take the most likely action (default)")
-    policy.add_argument("--sampled", dest="greedy", action="store_false", help="sample actions from the policy")
-    evaluate.add_argument("--seed", type=int, default=1, metavar="SEED", help="environment seed (default 1)")
-    evaluate.add_argument("--video", type=Path, default=None, metavar="DIR",
-                          help="record every episode as DIR/episode_<n>.mp4 (the game's full-colour screen; needs "
-                          "pip install 'oakemu-rl[video]')")
+    policy.add_argument(
+        "--greedy",
+        dest="greedy",
+        action="store_true",
+        default=True,
+        help="take the most likely action (default)",
+    )
+    policy.add_argument(
+        "--sampled", dest="greedy", action="store_false", help="sample actions from the policy"
+    )
+    evaluate.add_argument(
+        "--seed", type=int, default=1, metavar="SEED", help="environment seed (default 1)"
+    )
+    evaluate.add_argument(
+        "--video",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="record every episode as DIR/episode_<n>.mp4 (the game's full-colour screen; needs "
+        "pip install 'oakemu-rl[video]')",
+    )
     evaluate.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
 
 def _add_export(commands: Any) -> None:
     export = commands.add_parser(
-        "export", help="write a trained policy as a pickle-free folder (safetensors, JSON, model card, video)",
+        "export",
+        help="write a trained policy as a pickle-free folder (safetensors, JSON, model card, video)",
         description="Evaluate the policy in CHECKPOINT and write it to DIR as safetensors weights, its config and "
         "spaces as JSON and a Hugging Face-style model card with the result and a video. Needs pip install "
-        "'oakemu-rl[export,video]'.", allow_abbrev=False)
-    export.add_argument("checkpoint", type=Path, metavar="CHECKPOINT", help="checkpoint file (or run folder)")
-    export.add_argument("directory", type=Path, metavar="DIR", help="folder to write (absent or empty)")
-    export.add_argument("--episodes", type=_positive_int, default=10, metavar="N",
-                        help="evaluation episodes for the model card (default 10)")
-    export.add_argument("--sampled", dest="greedy", action="store_false", default=True,
-                        help="evaluate with sampled actions instead of the most likely ones")
-    export.add_argument("--seed", type=int, default=1, metavar="SEED",
-                        help="environment seed of the evaluation (default 1)")
-    export.add_argument("--no-video", dest="video", action="store_false", default=True,
-                        help="leave the evaluation video (replay.mp4) out")
-    export.add_argument("--push-to-hub", default=None, metavar="OWNER/NAME",
-                        help="also upload the folder to this Hugging Face Hub model repository (token: HF_TOKEN)")
+        "'oakemu-rl[export,video]'.",
+        allow_abbrev=False,
+    )
+    export.add_argument(
+        "checkpoint", type=Path, metavar="CHECKPOINT", help="checkpoint file (or run folder)"
+    )
+    export.add_argument(
+        "directory", type=Path, metavar="DIR", help="folder to write (absent or empty)"
+    )
+    export.add_argument(
+        "--episodes",
+        type=_positive_int,
+        default=10,
+        metavar="N",
+        help="evaluation episodes for the model card (default 10)",
+    )
+    export.add_argument(
+        "--sampled",
+        dest="greedy",
+        action="store_false",
+        default=True,
+        help="evaluate with sampled actions instead of the most likely ones",
+    )
+    export.add_argument(
+        "--seed",
+        type=int,
+        default=1,
+        metavar="SEED",
+        help="environment seed of the evaluation (default 1)",
+    )
+    export.add_argument(
+        "--no-video",
+        dest="video",
+        action="store_false",
+        default=True,
+        help="leave the evaluation video (replay.mp4) out",
+    )
+    export.add_argument(
+        "--push-to-hub",
+        default=None,
+        metavar="OWNER/NAME",
+        help="also upload the folder to this Hugging Face Hub model repository (token: HF_TOKEN)",
+    )
 
 
 def _add_record(commands: Any) -> None:
     record = commands.add_parser(
-        "record", help="play episodes (a checkpoint's policy, random or scripted play) and write a Minari dataset",
+        "record",
+        help="play episodes (a checkpoint's policy, random or scripted play) and write a Minari dataset",
         description="Play N episodes and write them as a Minari dataset of demonstrations for behaviour cloning "
-        "(--bc-dataset DIR). Needs the optional minari package: pip install 'oakemu-rl[bc]'.", allow_abbrev=False)
-    record.add_argument("--env", "--env-id", dest="env_id", default=None, metavar="ENV",
-                        help="env id (default with --checkpoint: the checkpoint's env)")
-    record.add_argument("--episodes", type=_positive_int, required=True, metavar="N", help="episodes to record")
-    record.add_argument("--output", type=Path, required=True, metavar="DIR", help="dataset folder to create")
+        "(--bc-dataset DIR). Needs the optional minari package: pip install 'oakemu-rl[bc]'.",
+        allow_abbrev=False,
+    )
+    record.add_argument(
+        "--env",
+        "--env-id",
+        dest="env_id",
+        default=None,
+        metavar="ENV",
+        help="env id (default with --checkpoint: the checkpoint's env)",
+    )
+    record.add_argument(
+        "--episodes", type=_positive_int, required=True, metavar="N", help="episodes to record"
+    )
+    record.add_argument(
+        "--output", type=Path, required=True, metavar="DIR", help="dataset folder to create"
+    )
     acting = record.add_mutually_exclusive_group()
-    acting.add_argument("--checkpoint", type=Path, default=None, metavar="CKPT",
-                        help="act with this checkpoint's policy (file or run folder)")
-    acting.add_argument("--policy", default=None, metavar="random|module:callable",
-                        help="random play (default) or a scripted policy (observations, action_mask) -> actions")
-    record.add_argument("--seed", type=int, default=1, metavar="SEED", help="environment seed (default 1)")
-    record.add_argument("--num-envs", type=_positive_int, default=1, metavar="K", help="envs played together (default 1)")
-    record.add_argument("--max-episode-steps", type=_positive_int, default=None, metavar="M",
-                        help="time limit in agent steps (default: the env's own, or the checkpoint run's)")
-    record.add_argument("--sampled", dest="greedy", action="store_false", default=True,
-                        help="with --checkpoint: sample actions instead of taking the most likely one")
-    record.add_argument("--overwrite", action="store_true", help="replace an existing dataset folder")
-    record.add_argument("--env-kwargs", default=None, metavar="JSON",
-                        help='gymnasium.make keyword arguments, e.g. \'{"continuous": true}\' (a checkpoint uses its run\'s)')
+    acting.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        metavar="CKPT",
+        help="act with this checkpoint's policy (file or run folder)",
+    )
+    acting.add_argument(
+        "--policy",
+        default=None,
+        metavar="random|module:callable",
+        help="random play (default) or a scripted policy (observations, action_mask) -> actions",
+    )
+    record.add_argument(
+        "--seed", type=int, default=1, metavar="SEED", help="environment seed (default 1)"
+    )
+    record.add_argument(
+        "--num-envs",
+        type=_positive_int,
+        default=1,
+        metavar="K",
+        help="envs played together (default 1)",
+    )
+    record.add_argument(
+        "--max-episode-steps",
+        type=_positive_int,
+        default=None,
+        metavar="M",
+        help="time limit in agent steps (default: the env's own, or the checkpoint run's)",
+    )
+    record.add_argument(
+        "--sampled",
+        dest="greedy",
+        action="store_false",
+        default=True,
+        help="with --checkpoint: sample actions instead of taking the most likely one",
+    )
+    record.add_argument(
+        "--overwrite", action="store_true", help="replace an existing dataset folder"
+    )
+    record.add_argument(
+        "--env-kwargs",
+        default=None,
+        metavar="JSON",
+        help="gymnasium.make keyword arguments, e.g. '{\"continuous\": true}' (a checkpoint uses its run's)",
+    )
 
 
 def _add_keygen(commands: Any) -> None:
     keygen = commands.add_parser(
-        "keygen", help="write a CURVE key pair (NAME.key public, NAME.key_secret secret) for the authenticated "
+        "keygen",
+        help="write a CURVE key pair (NAME.key public, NAME.key_secret secret) for the authenticated "
         "transport",
         description="Write DIR/NAME.key (public: give it to the learner's authorised keys, or to clients when NAME "
         "is the learner) and DIR/NAME.key_secret (secret, mode 0600: stays with its owner). See deploy/README.md.",
-        allow_abbrev=False)
+        allow_abbrev=False,
+    )
     keygen.add_argument("name", metavar="NAME", help="key name, e.g. learner, actor, monitor")
-    keygen.add_argument("--dir", type=Path, default=Path("keys"), metavar="DIR",
-                        help="folder for the key files (default ./keys)")
-    keygen.add_argument("--force", action="store_true", help="overwrite existing key files of that name")
+    keygen.add_argument(
+        "--dir",
+        type=Path,
+        default=Path("keys"),
+        metavar="DIR",
+        help="folder for the key files (default ./keys)",
+    )
+    keygen.add_argument(
+        "--force", action="store_true", help="overwrite existing key files of that name"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -217,14 +390,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         if namespace.command is None:  # `oakemu` alone, or only options: name the commands
             if unknown:
                 parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-            print(f"{PROG}: error: expected a command: {', '.join(subcommand_parsers)} ({PROG} --help describes them, "
-                  f"{PROG} COMMAND --help one)", file=sys.stderr)
+            print(
+                f"{PROG}: error: expected a command: {', '.join(subcommand_parsers)} ({PROG} --help describes them, "
+                f"{PROG} COMMAND --help one)",
+                file=sys.stderr,
+            )
             return EXIT_USAGE
         if unknown:  # report with the subcommand's name, and the closest option it offers
             command_parser = subcommand_parsers[namespace.command]
-            hint = unknown_option_hint(unknown[0], command_parser._option_string_actions, namespace.command)
-            command_parser.error(f"unrecognized arguments: {' '.join(unknown)}" + (f"; {hint}" if hint else ""))
-    except SystemExit as exit_request:  # --help, --version (0) or a usage error (2, message already printed)
+            hint = unknown_option_hint(
+                unknown[0], command_parser._option_string_actions, namespace.command
+            )
+            command_parser.error(
+                f"unrecognized arguments: {' '.join(unknown)}" + (f"; {hint}" if hint else "")
+            )
+    except (
+        SystemExit
+    ) as exit_request:  # --help, --version (0) or a usage error (2, message already printed)
         return _exit_code(exit_request)
     command: str = namespace.command
     if command not in _CALL_STARTUP_DONE_THEMSELVES:
@@ -237,7 +419,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ServiceUnavailable as error:
         print(f"{PROG} {command}: error: {error}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # a second Ctrl-C, or one before the services installed their handlers
+    except (
+        KeyboardInterrupt
+    ):  # a second Ctrl-C, or one before the services installed their handlers
         return 130
     except OSError as error:  # the machine, not the input: a permission, a full disk
         print(f"{PROG} {command}: error: {_one_line(error)}", file=sys.stderr)
@@ -268,22 +452,39 @@ def _resume_folder(namespace: argparse.Namespace, base: dict[str, Any]) -> Path:
     default ``runs``), whichever holds a ``config.toml``; RUN again when neither does
     (:func:`resumed_settings` refuses it)."""
     run: Path = namespace.resume
-    found = find_run_folder(run) or find_run_folder(run, config_from_namespace(namespace, base=base).runs_dir)
+    found = find_run_folder(run) or find_run_folder(
+        run, config_from_namespace(namespace, base=base).runs_dir
+    )
     return run if found is None else found
 
 
 def _monitor(namespace: argparse.Namespace) -> int:
     from oakemu_core.transport.auth import client_security
 
-    config = load_config(None, prog=f"{PROG} monitor")  # OAKEMU_* settings: learner address, CURVE keys
+    config = load_config(
+        None, prog=f"{PROG} monitor"
+    )  # OAKEMU_* settings: learner address, CURVE keys
     monitor = _service("monitor")
     if namespace.run is not None and namespace.connect is not None:
         raise ConfigError("monitor: expected RUN or --connect, received both")
-    run_dir = monitor.run_folder(namespace.run, config.runs_dir) if namespace.run is not None else None
-    connect = (monitor.run_telemetry_address(run_dir) if run_dir is not None
-               else namespace.connect or config.learner_address(config.telemetry_port))
-    return int(monitor.main(connect, json_output=namespace.json, once=namespace.once, timeout_s=namespace.timeout,
-                            security=client_security(config), run_dir=run_dir))
+    run_dir = (
+        monitor.run_folder(namespace.run, config.runs_dir) if namespace.run is not None else None
+    )
+    connect = (
+        monitor.run_telemetry_address(run_dir)
+        if run_dir is not None
+        else namespace.connect or config.learner_address(config.telemetry_port)
+    )
+    return int(
+        monitor.main(
+            connect,
+            json_output=namespace.json,
+            once=namespace.once,
+            timeout_s=namespace.timeout,
+            security=client_security(config),
+            run_dir=run_dir,
+        )
+    )
 
 
 def _keygen(namespace: argparse.Namespace) -> int:
@@ -296,22 +497,48 @@ def _keygen(namespace: argparse.Namespace) -> int:
 
 
 def _record(namespace: argparse.Namespace) -> int:
-    return int(_service("record").main(
-        env_id=namespace.env_id, episodes=namespace.episodes, output=namespace.output,
-        checkpoint=namespace.checkpoint, policy=namespace.policy, seed=namespace.seed, num_envs=namespace.num_envs,
-        greedy=namespace.greedy, max_episode_steps=namespace.max_episode_steps, overwrite=namespace.overwrite,
-        env_kwargs=namespace.env_kwargs))
+    return int(
+        _service("record").main(
+            env_id=namespace.env_id,
+            episodes=namespace.episodes,
+            output=namespace.output,
+            checkpoint=namespace.checkpoint,
+            policy=namespace.policy,
+            seed=namespace.seed,
+            num_envs=namespace.num_envs,
+            greedy=namespace.greedy,
+            max_episode_steps=namespace.max_episode_steps,
+            overwrite=namespace.overwrite,
+            env_kwargs=namespace.env_kwargs,
+        )
+    )
 
 
 def _evaluate(namespace: argparse.Namespace) -> int:
-    return int(_service("evaluate").main(namespace.checkpoint, episodes=namespace.episodes, greedy=namespace.greedy,
-                                         seed=namespace.seed, video_dir=namespace.video, json_output=namespace.json))
+    return int(
+        _service("evaluate").main(
+            namespace.checkpoint,
+            episodes=namespace.episodes,
+            greedy=namespace.greedy,
+            seed=namespace.seed,
+            video_dir=namespace.video,
+            json_output=namespace.json,
+        )
+    )
 
 
 def _export(namespace: argparse.Namespace) -> int:
-    return int(_service("export").main(
-        namespace.checkpoint, namespace.directory, episodes=namespace.episodes, greedy=namespace.greedy,
-        seed=namespace.seed, video=namespace.video, push_to_hub_repo=namespace.push_to_hub))
+    return int(
+        _service("export").main(
+            namespace.checkpoint,
+            namespace.directory,
+            episodes=namespace.episodes,
+            greedy=namespace.greedy,
+            seed=namespace.seed,
+            video=namespace.video,
+            push_to_hub_repo=namespace.push_to_hub,
+        )
+    )
 
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
@@ -329,7 +556,10 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 def _one_line(error: BaseException) -> str:
     """The error's message on one line (newlines joined with "; ")."""
-    return "; ".join(part.strip() for part in str(error).splitlines() if part.strip()) or type(error).__name__
+    return (
+        "; ".join(part.strip() for part in str(error).splitlines() if part.strip())
+        or type(error).__name__
+    )
 
 
 class ServiceUnavailable(RuntimeError):
@@ -391,7 +621,9 @@ def run() -> None:
     import os
 
     gc.disable()
-    os.register_at_fork(after_in_child=gc.enable)  # a process forked during a start (an env's workers) collects
+    os.register_at_fork(
+        after_in_child=gc.enable
+    )  # a process forked during a start (an env's workers) collects
     status = main()
     gc.freeze()
     sys.exit(status)

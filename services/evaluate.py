@@ -37,8 +37,15 @@ class Evaluation:
     video_error: str | None = None
 
 
-def evaluate_checkpoint(checkpoint: Path, *, episodes: int, greedy: bool, seed: int,
-                        video_dir: Path | None = None, videos: int | None = None) -> Evaluation:
+def evaluate_checkpoint(
+    checkpoint: Path,
+    *,
+    episodes: int,
+    greedy: bool,
+    seed: int,
+    video_dir: Path | None = None,
+    videos: int | None = None,
+) -> Evaluation:
     """Play ``episodes`` episodes with the checkpoint's policy (CPU); with ``video_dir``, record each
     (or the first ``videos``) as an MP4 of the game's full-colour screen (the returns are the same
     with or without).
@@ -52,14 +59,21 @@ def evaluate_checkpoint(checkpoint: Path, *, episodes: int, greedy: bool, seed: 
     env_id, schema, config, weights = _read_policy(checkpoint)
     recorder = None
     if video_dir is not None:
-        recorder = EpisodeVideos(lambda index: Path(video_dir) / f"episode_{index + 1}.mp4",
-                                 episodes=episodes if videos is None else videos)
+        recorder = EpisodeVideos(
+            lambda index: Path(video_dir) / f"episode_{index + 1}.mp4",
+            episodes=episodes if videos is None else videos,
+        )
     # The same builder as the learner's tester (oakemu_core.run.tester): one evaluation code path.
-    model, env = build_evaluation(env_id, schema, seed=seed,
-                                  max_episode_steps=config.get("max_episode_steps"),
-                                  settings_file=config.get("emulator_settings"),
-                                  normalize_observations=bool(config.get("normalize_observations")),
-                                  env_options=EnvOptions.from_settings(config), frame_sink=recorder)
+    model, env = build_evaluation(
+        env_id,
+        schema,
+        seed=seed,
+        max_episode_steps=config.get("max_episode_steps"),
+        settings_file=config.get("emulator_settings"),
+        normalize_observations=bool(config.get("normalize_observations")),
+        env_options=EnvOptions.from_settings(config),
+        frame_sink=recorder,
+    )
     try:
         model.load_state_dict(weights)
         model.eval()
@@ -68,9 +82,13 @@ def evaluate_checkpoint(checkpoint: Path, *, episodes: int, greedy: bool, seed: 
         env.close()
         if recorder is not None:
             recorder.close()
-    return Evaluation(env_id, result.returns, result.lengths,
-                      videos=[] if recorder is None else list(recorder.paths),
-                      video_error=None if recorder is None else recorder.error)
+    return Evaluation(
+        env_id,
+        result.returns,
+        result.lengths,
+        videos=[] if recorder is None else list(recorder.paths),
+        video_error=None if recorder is None else recorder.error,
+    )
 
 
 def _read_policy(source: Path) -> tuple[str, dict[str, Any], dict[str, Any], dict[str, Any]]:
@@ -84,8 +102,12 @@ def _read_policy(source: Path) -> tuple[str, dict[str, Any], dict[str, Any], dic
     source = check_policy_path(source)
     if is_policy_folder(source):
         info, spaces = read_policy_info(Path(source))
-        return (str(info.get("env_id", "")), spaces.get("schema") or {}, dict(info.get("config") or {}),
-                load_policy_folder(Path(source)).state_dict())
+        return (
+            str(info.get("env_id", "")),
+            spaces.get("schema") or {},
+            dict(info.get("config") or {}),
+            load_policy_folder(Path(source)).state_dict(),
+        )
     _, state = load_run_checkpoint(source)
     return state["env"]["env_id"], state["env"]["schema"], state["config"], state["model"]
 
@@ -104,30 +126,51 @@ def result_json(checkpoint: Path, evaluation: Evaluation, *, greedy: bool, seed:
     sampled), ``seed``, ``episodes``, ``mean``, ``std`` (population), ``min``, ``max``, ``returns``,
     ``lengths``, ``videos`` (paths) and ``video_error`` (or null)."""
     returns = evaluation.returns
-    return json.dumps({
-        "checkpoint": str(checkpoint), "env_id": evaluation.env_id, "policy": "greedy" if greedy else "sampled",
-        "seed": seed, "episodes": len(returns), "mean": float(np.mean(returns)), "std": float(np.std(returns)),
-        "min": float(np.min(returns)), "max": float(np.max(returns)), "returns": [float(r) for r in returns],
-        "lengths": [int(n) for n in evaluation.lengths], "videos": [str(p) for p in evaluation.videos],
-        "video_error": evaluation.video_error,
-    })
+    return json.dumps(
+        {
+            "checkpoint": str(checkpoint),
+            "env_id": evaluation.env_id,
+            "policy": "greedy" if greedy else "sampled",
+            "seed": seed,
+            "episodes": len(returns),
+            "mean": float(np.mean(returns)),
+            "std": float(np.std(returns)),
+            "min": float(np.min(returns)),
+            "max": float(np.max(returns)),
+            "returns": [float(r) for r in returns],
+            "lengths": [int(n) for n in evaluation.lengths],
+            "videos": [str(p) for p in evaluation.videos],
+            "video_error": evaluation.video_error,
+        }
+    )
 
 
-def main(checkpoint: Path, *, episodes: int, greedy: bool, seed: int, video_dir: Path | None = None,
-         json_output: bool = False) -> int:
+def main(
+    checkpoint: Path,
+    *,
+    episodes: int,
+    greedy: bool,
+    seed: int,
+    video_dir: Path | None = None,
+    json_output: bool = False,
+) -> int:
     """Entry point: prints one line ``episodes N  mean M  std S`` (population std), or with
     ``json_output`` one JSON object (:func:`result_json`); 0 on success, 1 when videos were asked
     for and the env could not be recorded (the result is printed all the same). A user mistake (no checkpoint,
     no video writer) raises a :class:`~oakemu_core.errors.UserError` for the CLI to report."""
-    evaluation = evaluate_checkpoint(checkpoint, episodes=episodes, greedy=greedy, seed=seed, video_dir=video_dir)
+    evaluation = evaluate_checkpoint(
+        checkpoint, episodes=episodes, greedy=greedy, seed=seed, video_dir=video_dir
+    )
     returns = evaluation.returns
     if json_output:
         print(result_json(checkpoint, evaluation, greedy=greedy, seed=seed))
     else:
         mode = "greedy" if greedy else "sampled"
         # Plain print: one unwrapped line that scripts can parse.
-        print(f"{checkpoint}: {mode} policy, episodes {len(returns)}  mean {np.mean(returns):.2f}  "
-              f"std {np.std(returns):.2f}  (min {np.min(returns):.1f}, max {np.max(returns):.1f})")
+        print(
+            f"{checkpoint}: {mode} policy, episodes {len(returns)}  mean {np.mean(returns):.2f}  "
+            f"std {np.std(returns):.2f}  (min {np.min(returns):.1f}, max {np.max(returns):.1f})"
+        )
     if evaluation.video_error is not None:
         Console(stderr=True).print(f"[red]oakemu evaluate: no videos: {evaluation.video_error}[/]")
         return 1

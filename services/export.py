@@ -11,16 +11,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from oakemu_services.evaluate import evaluate_checkpoint
 
 from oakemu_core.envs import env_spec
 from oakemu_core.errors import ConfigError
 from oakemu_core.policy.export import check_export_target, read_policy_info, write_policy_folder
 from oakemu_core.run.checkpoint import load_checkpoint, resolve_checkpoint
 from oakemu_core.run.video import VideoUnavailableError
-from oakemu_services.evaluate import evaluate_checkpoint
 
 
-def export(checkpoint: Path, directory: Path, *, episodes: int, greedy: bool, seed: int, video: bool = True) -> Path:
+def export(
+    checkpoint: Path, directory: Path, *, episodes: int, greedy: bool, seed: int, video: bool = True
+) -> Path:
     """Evaluate the checkpoint's policy (``episodes`` episodes, the first recorded unless ``video`` is
     False) and write the policy folder ``directory``; returns it.
 
@@ -35,16 +37,37 @@ def export(checkpoint: Path, directory: Path, *, episodes: int, greedy: bool, se
     state = load_checkpoint(path)
     env_id, config = state["env"]["env_id"], state["config"]
     with tempfile.TemporaryDirectory(prefix="oakemu-export-") as scratch:
-        result = evaluate_checkpoint(path, episodes=episodes, greedy=greedy, seed=seed,
-                                     video_dir=Path(scratch) if video else None, videos=1)
+        result = evaluate_checkpoint(
+            path,
+            episodes=episodes,
+            greedy=greedy,
+            seed=seed,
+            video_dir=Path(scratch) if video else None,
+            videos=1,
+        )
         layout = env_spec(env_id, settings_file=config.get("emulator_settings")).observation_layout
-        evaluation = {"episodes": len(result.returns), "mean": float(np.mean(result.returns)),
-                      "std": float(np.std(result.returns)), "greedy": greedy, "seed": seed}
-        trained = {"policy_version": int((state.get("ppo") or {}).get("policy_version", 0)),
-                   "global_step": int(state.get("global_step", 0))}
-        return write_policy_folder(directory, state["model"], env_id=env_id, observation_layout=layout,
-                                   schema=state["env"]["schema"], config=config, trained=trained,
-                                   evaluation=evaluation, video=result.videos[0] if result.videos else None)
+        evaluation = {
+            "episodes": len(result.returns),
+            "mean": float(np.mean(result.returns)),
+            "std": float(np.std(result.returns)),
+            "greedy": greedy,
+            "seed": seed,
+        }
+        trained = {
+            "policy_version": int((state.get("ppo") or {}).get("policy_version", 0)),
+            "global_step": int(state.get("global_step", 0)),
+        }
+        return write_policy_folder(
+            directory,
+            state["model"],
+            env_id=env_id,
+            observation_layout=layout,
+            schema=state["env"]["schema"],
+            config=config,
+            trained=trained,
+            evaluation=evaluation,
+            video=result.videos[0] if result.videos else None,
+        )
 
 
 def export_lines(checkpoint: Path, folder: Path) -> list[str]:
@@ -55,9 +78,11 @@ def export_lines(checkpoint: Path, folder: Path) -> list[str]:
     evaluation = info.get("evaluation")
     lines = [f"{checkpoint}: exported to {folder}"]
     if evaluation:
-        lines.append(f"evaluation return: {evaluation['mean']:.2f} +/- {evaluation['std']:.2f} over "
-                     f"{evaluation['episodes']} episodes ({'greedy' if evaluation['greedy'] else 'sampled'} actions, "
-                     f"env seed {evaluation['seed']})")
+        lines.append(
+            f"evaluation return: {evaluation['mean']:.2f} +/- {evaluation['std']:.2f} over "
+            f"{evaluation['episodes']} episodes ({'greedy' if evaluation['greedy'] else 'sampled'} actions, "
+            f"env seed {evaluation['seed']})"
+        )
     lines.append("files: " + ", ".join(sorted(path.name for path in Path(folder).iterdir())))
     return lines
 
@@ -75,7 +100,9 @@ def _hub_api() -> Any:
     try:
         from huggingface_hub import HfApi
     except ImportError:
-        raise ConfigError("--push-to-hub needs huggingface_hub: pip install 'oakemu-rl[export]'") from None
+        raise ConfigError(
+            "--push-to-hub needs huggingface_hub: pip install 'oakemu-rl[export]'"
+        ) from None
     return HfApi
 
 
@@ -114,12 +141,20 @@ def push_to_hub(directory: Path, repo_id: str, *, private: bool = False) -> str:
     network_errors = (OSError, getattr(errors, "HTTPError", OSError))
     try:
         url = api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
-        api.upload_folder(folder_path=str(directory), repo_id=repo_id, repo_type="model",
-                          commit_message=f"oakemu export of {Path(directory).name}")
+        api.upload_folder(
+            folder_path=str(directory),
+            repo_id=repo_id,
+            repo_type="model",
+            commit_message=f"oakemu export of {Path(directory).name}",
+        )
     except errors.HfHubHTTPError as error:
-        raise HubUnavailable(f"the Hugging Face Hub refused the upload to {repo_id}: {_first_line(error)}") from None
+        raise HubUnavailable(
+            f"the Hugging Face Hub refused the upload to {repo_id}: {_first_line(error)}"
+        ) from None
     except network_errors as error:
-        raise HubUnavailable(f"could not reach the Hugging Face Hub: {_first_line(error)}") from None
+        raise HubUnavailable(
+            f"could not reach the Hugging Face Hub: {_first_line(error)}"
+        ) from None
     return str(url)
 
 
@@ -128,8 +163,16 @@ def _first_line(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
-def main(checkpoint: Path, directory: Path, *, episodes: int, greedy: bool, seed: int, video: bool = True,
-         push_to_hub_repo: str | None = None) -> int:
+def main(
+    checkpoint: Path,
+    directory: Path,
+    *,
+    episodes: int,
+    greedy: bool,
+    seed: int,
+    video: bool = True,
+    push_to_hub_repo: str | None = None,
+) -> int:
     """Entry point: export, print the folder, its evaluation and files (:func:`export_lines`) and the Hub URL;
     0 on success, 2 on a user mistake (raised as a :class:`~oakemu_core.errors.UserError` for the CLI to
     report), 1 when the Hub could not be reached or refused the upload (one line on stderr; the exported
@@ -137,7 +180,9 @@ def main(checkpoint: Path, directory: Path, *, episodes: int, greedy: bool, seed
     if push_to_hub_repo is not None:
         check_hub_repository(push_to_hub_repo)
     try:
-        folder = export(checkpoint, directory, episodes=episodes, greedy=greedy, seed=seed, video=video)
+        folder = export(
+            checkpoint, directory, episodes=episodes, greedy=greedy, seed=seed, video=video
+        )
     except VideoUnavailableError as error:
         raise VideoUnavailableError(f"{error} (or --no-video)") from None
     for line in export_lines(checkpoint, folder):
@@ -146,7 +191,10 @@ def main(checkpoint: Path, directory: Path, *, episodes: int, greedy: bool, seed
         try:
             url = push_to_hub(folder, push_to_hub_repo)
         except HubUnavailable as error:
-            print(f"oakemu export: error: {error}; the exported policy stays in {folder}", file=sys.stderr)
+            print(
+                f"oakemu export: error: {error}; the exported policy stays in {folder}",
+                file=sys.stderr,
+            )
             return 1
         print(f"pushed to {url}")
     return 0

@@ -26,6 +26,16 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+from oakemu_services.runtime import (
+    INTERRUPTED_EXIT_STATUS,
+    claim_ports,
+    claim_run_dir,
+    install_stop_signals,
+    interrupted_status,
+    setup_logging,
+    socket_buffer_bytes,
+    startup_done,
+)
 
 from oakemu_core.algo.handshake import RunProgress, TrainResult, WeightsRevision
 from oakemu_core.algo.health import RunCollapsedError
@@ -33,20 +43,24 @@ from oakemu_core.algo.trainer import Trainer
 from oakemu_core.config import OakEmuConfig, resolved_device, to_toml
 from oakemu_core.envs import env_spec
 from oakemu_core.envs.factory import check_env
+from oakemu_core.policy.schemas import schema_for_env
 from oakemu_core.run.checkpoint import CheckpointWriteFailed
 from oakemu_core.run.learner_telemetry import LearnerTelemetry
 from oakemu_core.run.log_limits import RateLimitedLog
 from oakemu_core.run.metrics import JsonLinesWriter, MetricsLogger, evaluation_scalars
-from oakemu_core.run.run_folder import check_resume_folder, format_changes, write_text_atomic
 from oakemu_core.run.prometheus import PrometheusExporter
+from oakemu_core.run.run_folder import check_resume_folder, format_changes, write_text_atomic
 from oakemu_core.run.telemetry import TelemetryPublisher
 from oakemu_core.run.tester import EvaluationReport
 from oakemu_core.run.tracking import check_tracker_available, tracker_from_config
 from oakemu_core.shared_memory import sweep_stale_segments
-from oakemu_core.policy.schemas import schema_for_env
 from oakemu_core.step_schema import StepSchema
 from oakemu_core.storage.assembler import RolloutAssembler, SlotState, StepRejected
-from oakemu_core.storage.memory import SharedMemoryTooSmallError, ensure_shm_capacity, step_ring_budget
+from oakemu_core.storage.memory import (
+    SharedMemoryTooSmallError,
+    ensure_shm_capacity,
+    step_ring_budget,
+)
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
 from oakemu_core.transport.auth import PeerBinding, TransportSecurityError, server_security
 from oakemu_core.transport.channels import StepReceiver, recv_frames
@@ -64,16 +78,6 @@ from oakemu_core.transport.control_server import ControlServer, step_spec_for
 from oakemu_core.transport.peer_limits import PeerLimits
 from oakemu_core.transport.step_ring import StepRings, shared_memory_host_id
 from oakemu_core.transport.steps import StepSpec
-from oakemu_services.runtime import (
-    INTERRUPTED_EXIT_STATUS,
-    claim_ports,
-    claim_run_dir,
-    install_stop_signals,
-    interrupted_status,
-    setup_logging,
-    socket_buffer_bytes,
-    startup_done,
-)
 
 log = logging.getLogger("oakemu.learner")
 
@@ -98,22 +102,38 @@ def peer_logs() -> dict[str, RateLimitedLog]:
     return {
         "data": RateLimitedLog(log, "step messages", first_prefix="rejected step message"),
         "control": RateLimitedLog(log, "control messages", first_prefix="rejected control message"),
-        "notices": RateLimitedLog(log, "actor events", first_prefix="", verb="skipped the lines of",
-                                  level=logging.INFO, burst=NOTICE_BURST),
+        "notices": RateLimitedLog(
+            log,
+            "actor events",
+            first_prefix="",
+            verb="skipped the lines of",
+            level=logging.INFO,
+            burst=NOTICE_BURST,
+        ),
     }
 
 
-def ring_offerer(rings: StepRings, rollout_length: int, notices: RateLimitedLog, *,
-                 synchronous: bool) -> Callable[[JoinRequest, StepSpec], StepRingOffer | None]:
+def ring_offerer(
+    rings: StepRings, rollout_length: int, notices: RateLimitedLog, *, synchronous: bool
+) -> Callable[[JoinRequest, StepSpec], StepRingOffer | None]:
     """The ``offer_ring`` of the :class:`ControlServer`: a step ring for an actor on this machine,
     else None (its arrays go inline; the reason goes to ``notices``)."""
+
     def offer(message: JoinRequest, spec: StepSpec) -> StepRingOffer | None:
         try:
-            return rings.offer(message.actor_id, message.incarnation, spec, rollout_length, synchronous=synchronous)
-        except OSError as error:  # e.g. /dev/shm full, or the rings' memory limits: the sockets carry the arrays
-            notices.event("no_ring", f"no step ring for actor {message.actor_id} ({error}): its step arrays go inline",
-                          level=logging.WARNING)
+            return rings.offer(
+                message.actor_id, message.incarnation, spec, rollout_length, synchronous=synchronous
+            )
+        except (
+            OSError
+        ) as error:  # e.g. /dev/shm full, or the rings' memory limits: the sockets carry the arrays
+            notices.event(
+                "no_ring",
+                f"no step ring for actor {message.actor_id} ({error}): its step arrays go inline",
+                level=logging.WARNING,
+            )
             return None
+
     return offer
 
 
@@ -124,7 +144,9 @@ def make_step_rings(config: OakEmuConfig, *, reserved_bytes: int) -> StepRings:
     ring_bytes, note = step_ring_budget(config.step_ring_max_mib, reserved_bytes=reserved_bytes)
     if note:
         log.warning("%s", note)
-    return StepRings(max_bytes=ring_bytes, max_bytes_per_actor=int(config.step_ring_max_mib_per_actor * 2**20))
+    return StepRings(
+        max_bytes=ring_bytes, max_bytes_per_actor=int(config.step_ring_max_mib_per_actor * 2**20)
+    )
 
 
 def num_rollout_buffers(config: OakEmuConfig) -> int:
@@ -135,7 +157,9 @@ def num_rollout_buffers(config: OakEmuConfig) -> int:
 
 def rollout_buffer_bytes(config: OakEmuConfig, schema: StepSchema) -> int:
     """Shared-memory bytes of one rollout buffer for ``config`` (every stored field of ``schema``)."""
-    return RolloutBuffer.estimate_memory_bytes(config.rollout_length, config.allocated_num_envs, schema)
+    return RolloutBuffer.estimate_memory_bytes(
+        config.rollout_length, config.allocated_num_envs, schema
+    )
 
 
 def send_replies(control: zmq.Socket, replies: list[tuple[Any, bytes]]) -> None:
@@ -148,16 +172,25 @@ def send_replies(control: zmq.Socket, replies: list[tuple[Any, bytes]]) -> None:
 def is_request_envelope(parts: list[Any]) -> bool:
     """Whether a control message's frames are a REQ envelope: ``[routing id, empty, body]``, or
     ``[routing id, request id (4 bytes), empty, body]`` from a REQ_CORRELATE socket."""
-    return (len(parts) == 3 or (len(parts) == 4 and len(parts[1].bytes) == 4)) and parts[-2].bytes == b""
+    return (len(parts) == 3 or (len(parts) == 4 and len(parts[1].bytes) == 4)) and parts[
+        -2
+    ].bytes == b""
 
 
 def log_ingest_summary(assembler: RolloutAssembler) -> None:
     """One line to compare runs: env steps written, rows held, dropped steps, buffer states."""
     counters = assembler.counters
-    buffers = ", ".join(f"{state.value} {int(buffer.column_steps.sum())} rows"
-                        for state, buffer in zip(assembler.states, assembler.buffers))
-    log.info("ingest: %d env steps written, %d vector steps held, dropped %s; buffers: %s",
-             counters.env_steps, assembler.pending_rows, dict(counters.dropped), buffers)
+    buffers = ", ".join(
+        f"{state.value} {int(buffer.column_steps.sum())} rows"
+        for state, buffer in zip(assembler.states, assembler.buffers)
+    )
+    log.info(
+        "ingest: %d env steps written, %d vector steps held, dropped %s; buffers: %s",
+        counters.env_steps,
+        assembler.pending_rows,
+        dict(counters.dropped),
+        buffers,
+    )
 
 
 class Learner:
@@ -177,13 +210,24 @@ class Learner:
             self._build(config, run_dir, trainer, undo)
             self._release = undo.pop_all()
 
-    def _build(self, config: OakEmuConfig, run_dir: Path, trainer: Trainer | None, undo: contextlib.ExitStack) -> None:
+    def _build(
+        self,
+        config: OakEmuConfig,
+        run_dir: Path,
+        trainer: Trainer | None,
+        undo: contextlib.ExitStack,
+    ) -> None:
         self.config = config
         self.run_dir = run_dir
         if trainer is not None:
             undo.callback(trainer.close)
-        self.spec = trainer.spec if trainer is not None else env_spec(config.env_id, settings_file=config.emulator_settings,
-                                                                      options=config.env_options)
+        self.spec = (
+            trainer.spec
+            if trainer is not None
+            else env_spec(
+                config.env_id, settings_file=config.emulator_settings, options=config.env_options
+            )
+        )
         self.schema = trainer.schema if trainer is not None else schema_for_env(self.spec)
         self.buffer_bytes = rollout_buffer_bytes(config, self.schema)
         # Free what a killed learner left behind, then refuse now with the size needed, instead of
@@ -192,55 +236,96 @@ class Learner:
             log.warning("removed shared-memory segment %s left by a dead process", name)
         ensure_shm_capacity(num_rollout_buffers(config) * self.buffer_bytes)
         if trainer is None:
-            self.trainer = Trainer(config, self.spec, self.schema, run_dir, device=resolved_device(config))
+            self.trainer = Trainer(
+                config, self.spec, self.schema, run_dir, device=resolved_device(config)
+            )
             undo.callback(self.trainer.close)
         else:
             self.trainer = trainer
         self.trainer.resume()
         self.buffers: list[RolloutBuffer] = []
         for _ in range(num_rollout_buffers(config)):
-            self.buffers.append(RolloutBuffer(config.rollout_length, config.allocated_num_envs, schema=self.schema))
+            self.buffers.append(
+                RolloutBuffer(config.rollout_length, config.allocated_num_envs, schema=self.schema)
+            )
             undo.callback(self.buffers[-1].close)  # also when the next one fails
-        self.assembler = RolloutAssembler(self.buffers, actor_timeout_s=config.actor_timeout_s,
-                                          sync=config.mode == "sync", max_policy_lag=config.max_policy_lag,
-                                          planned_columns=config.buffer_num_envs)
+        self.assembler = RolloutAssembler(
+            self.buffers,
+            actor_timeout_s=config.actor_timeout_s,
+            sync=config.mode == "sync",
+            max_policy_lag=config.max_policy_lag,
+            planned_columns=config.buffer_num_envs,
+        )
         self.assembler.counters.env_steps = self.trainer.progress.global_step
-        self.trained_env_steps = self.trainer.ppo.trained_env_steps  # the budget counts these, not rows received
+        self.trained_env_steps = (
+            self.trainer.ppo.trained_env_steps
+        )  # the budget counts these, not rows received
         # Behaviour cloning runs before the first weights are published: no actor ever acts with
         # the pre-BC policy on rows that PPO would then train with the post-BC one.
         bc_updates = self.trainer.ppo.behaviour_cloning_phase()
         if bc_updates:
-            log.info("behaviour cloning: %d replay-only updates on %s", bc_updates, config.bc_dataset)
+            log.info(
+                "behaviour cloning: %d replay-only updates on %s", bc_updates, config.bc_dataset
+            )
         self.episodes = self.trainer.progress.episodes
-        self.telemetry = LearnerTelemetry(run_dir.name, config.env_id, started=time.monotonic(),
-                                          start_steps=self.assembler.counters.env_steps)
+        self.telemetry = LearnerTelemetry(
+            run_dir.name,
+            config.env_id,
+            started=time.monotonic(),
+            start_steps=self.assembler.counters.env_steps,
+        )
         self.exit_status = 0
         self.stopping_reason = ""
         self.rejection_log = peer_logs()
         self.peer_limits = PeerLimits.from_config(config)
         # Shared-memory step rings of the actors on this machine (oakemu_core/transport/step_ring.py).
-        self.rings = make_step_rings(config, reserved_bytes=num_rollout_buffers(config) * self.buffer_bytes)
+        self.rings = make_step_rings(
+            config, reserved_bytes=num_rollout_buffers(config) * self.buffer_bytes
+        )
         undo.callback(self.rings.close)
-        self._ring_offer = ring_offerer(self.rings, config.rollout_length, self.rejection_log["notices"],
-                                        synchronous=config.mode == "sync")
+        self._ring_offer = ring_offerer(
+            self.rings,
+            config.rollout_length,
+            self.rejection_log["notices"],
+            synchronous=config.mode == "sync",
+        )
         self._setup_sockets(undo)
         self.control_server = ControlServer(
-            config, self.schema, self.spec.observation_layout, self.assembler, self.peers, self.rejection_log["control"],
-            host_id=shared_memory_host_id() if config.step_transport == "auto" else "", offer_ring=self._ring_offer,
-            policy_version=self.trainer.policy_version, weights=self.trainer.weights(),
-            notices=self.rejection_log["notices"], limits=self.peer_limits,
+            config,
+            self.schema,
+            self.spec.observation_layout,
+            self.assembler,
+            self.peers,
+            self.rejection_log["control"],
+            host_id=shared_memory_host_id() if config.step_transport == "auto" else "",
+            offer_ring=self._ring_offer,
+            policy_version=self.trainer.policy_version,
+            weights=self.trainer.weights(),
+            notices=self.rejection_log["notices"],
+            limits=self.peer_limits,
         )
-        self.metrics = MetricsLogger(run_dir, tracker=tracker_from_config(config, run_dir))  # --track: MLflow, W&B
+        self.metrics = MetricsLogger(
+            run_dir, tracker=tracker_from_config(config, run_dir)
+        )  # --track: MLflow, W&B
         undo.callback(self.metrics.close)
         # One line per finished episode (raw game score), as CleanRL logs charts/episodic_return.
         # Each record is written whole or not at all; a failed write is counted, never fatal.
         self.episodes_log = JsonLinesWriter(run_dir / "episodes.jsonl")
         undo.callback(self.episodes_log.close)
-        self.telemetry_pub = TelemetryPublisher(config.bind_address(config.telemetry_port), context=self.context,
-                                                security=self.security and self.security.for_role("monitor"))
+        self.telemetry_pub = TelemetryPublisher(
+            config.bind_address(config.telemetry_port),
+            context=self.context,
+            security=self.security and self.security.for_role("monitor"),
+        )
         undo.callback(self.telemetry_pub.close)
-        metrics_host = (config.metrics_host or config.bind_host).strip("[]")  # where the learner binds, not 0.0.0.0
-        self.prometheus = PrometheusExporter(config.metrics_port, addr=metrics_host) if config.metrics_enabled else None
+        metrics_host = (config.metrics_host or config.bind_host).strip(
+            "[]"
+        )  # where the learner binds, not 0.0.0.0
+        self.prometheus = (
+            PrometheusExporter(config.metrics_port, addr=metrics_host)
+            if config.metrics_enabled
+            else None
+        )
         if self.prometheus is not None:
             undo.callback(self.prometheus.close)
 
@@ -248,18 +333,29 @@ class Learner:
         config = self.config
         self.context = zmq.Context()
         undo.callback(self.context.destroy, linger=0)  # closes the sockets made below too
-        refusals = RateLimitedLog(log, "connections", first_prefix="refused connection")  # the ZAP thread's own log
-        self.security = server_security(self.context, config, refusals)  # CURVE + ZAP (oakemu_core.transport.auth)
+        refusals = RateLimitedLog(
+            log, "connections", first_prefix="refused connection"
+        )  # the ZAP thread's own log
+        self.security = server_security(
+            self.context, config, refusals
+        )  # CURVE + ZAP (oakemu_core.transport.auth)
         if self.security is not None:
             undo.callback(self.security.close)
         # Each actor's messages only from the peer it joined from (and its CURVE key, with CURVE).
         self.peers = PeerBinding(user_ids=self.security is not None)
-        self.receiver = StepReceiver(self.rings, self.assembler.spec_for, self.peers.allows,
-                                     max_bytes=config.max_message_bytes, notices=self.rejection_log["notices"])
+        self.receiver = StepReceiver(
+            self.rings,
+            self.assembler.spec_for,
+            self.peers.allows,
+            max_bytes=config.max_message_bytes,
+            notices=self.rejection_log["notices"],
+        )
         self.data = self._secure(self.context.socket(zmq.PULL))
         # A small receive queue: back-pressure reaches the actors quickly, and rows stay fresh.
         self.data.setsockopt(zmq.RCVHWM, 4)
-        typical = step_spec_for(config, self.schema, config.envs_per_actor, step_ring=False)  # an actor elsewhere
+        typical = step_spec_for(
+            config, self.schema, config.envs_per_actor, step_ring=False
+        )  # an actor elsewhere
         self.data.setsockopt(zmq.RCVBUF, socket_buffer_bytes(typical.message_bytes()))
         self.data.setsockopt(zmq.LINGER, 0)
         # Memory guard: ZeroMQ drops a peer that sends more than this (never allocated). Messages
@@ -268,7 +364,9 @@ class Learner:
         self.data.bind(config.bind_address(config.data_port))
         self.control = self._secure(self.context.socket(zmq.ROUTER))
         self.control.setsockopt(zmq.LINGER, 0)
-        self.control.setsockopt(zmq.ROUTER_HANDOVER, 1)  # an actor's reconnected socket keeps its routing id (auth.py)
+        self.control.setsockopt(
+            zmq.ROUTER_HANDOVER, 1
+        )  # an actor's reconnected socket keeps its routing id (auth.py)
         self.control.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE_BYTES)
         self.control.bind(config.bind_address(config.control_port))
         self.weights_pub = self._secure(self.context.socket(zmq.PUB))
@@ -295,8 +393,10 @@ class Learner:
             if not is_request_envelope(parts):  # a peer that does not speak REQ
                 self.assembler.counters.rejected["garbage"] += 1
                 self.rejection_log["control"].event(
-                    "garbage", f"garbage: expected a REQ envelope [identity, (4-byte request id,) empty, body], "
-                    f"received {len(parts)} frames (not answered)")
+                    "garbage",
+                    f"garbage: expected a REQ envelope [identity, (4-byte request id,) empty, body], "
+                    f"received {len(parts)} frames (not answered)",
+                )
                 continue
             identity, envelope, frame = parts[0], tuple(parts[:-2]), parts[-1]
             try:
@@ -305,9 +405,16 @@ class Learner:
                 send_replies(self.control, [(envelope, self.control_server.undecodable(error))])
                 continue
             # None held: a synchronous-mode join may wait for the next rollout (ControlServer.tick answers it).
-            send_replies(self.control, self.control_server.reply(  # peer: routing id, address and CURVE key (auth.py)
-                message, now, identity=envelope, peer=self.peers.connection(identity, frame),
-                stopping=bool(self.stopping_reason)))
+            send_replies(
+                self.control,
+                self.control_server.reply(  # peer: routing id, address and CURVE key (auth.py)
+                    message,
+                    now,
+                    identity=envelope,
+                    peer=self.peers.connection(identity, frame),
+                    stopping=bool(self.stopping_reason),
+                ),
+            )
 
     # -- data -------------------------------------------------------------------------------
     def _handle_data(self, now: float) -> None:
@@ -331,14 +438,26 @@ class Learner:
                 continue
             try:
                 if not self.peers.allows(message.actor_id, message.incarnation, frame):
-                    raise StepRejected("impersonation", f"a step for actor {message.actor_id} from another peer")
-                with receiver.holding(message):  # written or copied (held) by the end, or rejected: slot freed
-                    problem = self.peer_limits.check_step(message)  # values no actor of this run can send
+                    raise StepRejected(
+                        "impersonation", f"a step for actor {message.actor_id} from another peer"
+                    )
+                with receiver.holding(
+                    message
+                ):  # written or copied (held) by the end, or rejected: slot freed
+                    problem = self.peer_limits.check_step(
+                        message
+                    )  # values no actor of this run can send
                     if problem is not None:
-                        raise StepRejected("value_range", f"value_range: actor {message.actor_id}: {problem}")
-                    self.assembler.ingest(message, current_policy_version=self.policy_version, now=now)
+                        raise StepRejected(
+                            "value_range", f"value_range: actor {message.actor_id}: {problem}"
+                        )
+                    self.assembler.ingest(
+                        message, current_policy_version=self.policy_version, now=now
+                    )
             except StepRejected as error:
-                if error.reason != "departed_actor":  # late steps are counted as dropped, not rejected
+                if (
+                    error.reason != "departed_actor"
+                ):  # late steps are counted as dropped, not rejected
                     self.assembler.counters.rejected[error.reason] += 1
                     self.rejection_log["data"].event(error.reason, str(error))
                 continue
@@ -350,11 +469,15 @@ class Learner:
             if message.episode_returns:
                 self.episodes += len(message.episode_returns)
                 for episode_return, length in zip(message.episode_returns, message.episode_lengths):
-                    self.episodes_log.write({
-                        "global_step": self.assembler.counters.env_steps, "actor_id": message.actor_id,
-                        "policy_version": message.policy_version, "episodic_return": episode_return,
-                        "episodic_length": length,
-                    })
+                    self.episodes_log.write(
+                        {
+                            "global_step": self.assembler.counters.env_steps,
+                            "actor_id": message.actor_id,
+                            "policy_version": message.policy_version,
+                            "episodic_return": episode_return,
+                            "episodic_length": length,
+                        }
+                    )
 
     # -- results ----------------------------------------------------------------------------
     def _hand_off_full_rollouts(self) -> None:
@@ -362,8 +485,9 @@ class Learner:
             return
         rollout = self.assembler.take_full_rollout()
         if rollout is not None:
-            self.trainer.handshake.publish(rollout, self._progress(),
-                                           reevaluate=self.control_server.reevaluate_every_rollout)
+            self.trainer.handshake.publish(
+                rollout, self._progress(), reevaluate=self.control_server.reevaluate_every_rollout
+            )
 
     def _progress(self) -> RunProgress:
         """The run's counters now: every env step received, trained or not, and every episode."""
@@ -373,8 +497,12 @@ class Learner:
         results = self.trainer.handshake.results()
         for position, result in enumerate(results):
             if isinstance(result, WeightsRevision):  # within an update: the actors' weights only
-                if position == len(results) - 1:  # newer weights later in the batch: only those are sent
-                    self._publish_weights(WeightsMessage(result.policy_version, result.weights, result.revision))
+                if (
+                    position == len(results) - 1
+                ):  # newer weights later in the batch: only those are sent
+                    self._publish_weights(
+                        WeightsMessage(result.policy_version, result.weights, result.revision)
+                    )
                 continue
             # Published before the release: the joins held for the next rollout get these weights.
             self.control_server.publish(result.policy_version, result.weights)
@@ -386,12 +514,19 @@ class Learner:
             if result.slot is None:  # behaviour-cloning pre-training: new weights, no rollout
                 continue
             self.assembler.counters.dropped["stale_rows"] += result.stale_rows
-            self.trained_env_steps = result.trained_env_steps  # the budget: discarded and stale rows never count
+            self.trained_env_steps = (
+                result.trained_env_steps
+            )  # the budget: discarded and stale rows never count
             self._log_update(result)
             if self.trained_env_steps >= self.config.total_env_steps and not self.stopping_reason:
                 self.stopping_reason = "env-step budget reached"
-                log.info("stopping: %s: %d env steps trained (%d received), update %d", self.stopping_reason,
-                         self.trained_env_steps, self.assembler.counters.env_steps, result.iterations)
+                log.info(
+                    "stopping: %s: %d env steps trained (%d received), update %d",
+                    self.stopping_reason,
+                    self.trained_env_steps,
+                    self.assembler.counters.env_steps,
+                    result.iterations,
+                )
 
     def _publish_weights(self, message: WeightsMessage) -> None:
         self.weights_pub.send(encode_weights(message), copy=False)
@@ -400,7 +535,9 @@ class Learner:
         """One metrics record, one log line and one telemetry snapshot per PPO update, all with the
         same update number (``charts/update``), ``global_step`` and SPS."""
         step, actors = self.assembler.counters.env_steps, len(self.assembler.actors)
-        self.metrics.log(step, self.telemetry.record_update(result, step, time.monotonic(), actors=actors))
+        self.metrics.log(
+            step, self.telemetry.record_update(result, step, time.monotonic(), actors=actors)
+        )
         for report in result.evaluations:
             self._log_evaluation(report)
         self.telemetry.log_update(result, step, episodes=self.episodes, actors=actors)
@@ -410,27 +547,43 @@ class Learner:
         """A tester report into metrics (at the current step: global_step never goes back),
         the telemetry history and the log."""
         self.metrics.log(self.assembler.counters.env_steps, evaluation_scalars(report))
-        self.metrics.log_video(self.assembler.counters.env_steps, "eval/video", report.video_path, report.video_preview)
+        self.metrics.log_video(
+            self.assembler.counters.env_steps, "eval/video", report.video_path, report.video_preview
+        )
         self.telemetry.history.record_evaluation(report)
-        log.info("evaluation of policy version %d: return %.2f +- %.2f over %d episodes (%s)",
-                 report.policy_version, report.return_mean, report.return_std, report.episodes,
-                 "greedy" if report.greedy else "sampled")
+        log.info(
+            "evaluation of policy version %d: return %.2f +- %.2f over %d episodes (%s)",
+            report.policy_version,
+            report.return_mean,
+            report.return_std,
+            report.episodes,
+            "greedy" if report.greedy else "sampled",
+        )
 
     # -- telemetry --------------------------------------------------------------------------
     def _publish_telemetry(self, *, is_update: bool) -> None:
-        if self.security is not None and self.security.refused:  # clients refused by the ZAP authenticator
+        if (
+            self.security is not None and self.security.refused
+        ):  # clients refused by the ZAP authenticator
             self.assembler.counters.rejected["unauthorized_key"] = self.security.refused
         for limiter in self.rejection_log.values():  # the summary of a burst that has ended
             limiter.flush()
         if self.security is not None:
             self.security.flush_log()
         snapshot = self.telemetry.snapshot(
-            self.assembler, policy_version=self.policy_version, iterations=self.trainer.ppo.iterations,
-            episodes=self.episodes, learning_rate=self.trainer.ppo.learning_rate,
+            self.assembler,
+            policy_version=self.policy_version,
+            iterations=self.trainer.ppo.iterations,
+            episodes=self.episodes,
+            learning_rate=self.trainer.ppo.learning_rate,
             checkpoint_failures=self.trainer.checkpoint_writer.failures,
-            log_write_failures=self.metrics.write_failures + self.episodes_log.failures, is_update=is_update,
-            trained_env_steps=self.trained_env_steps)
-        if self.prometheus is not None:  # first: a client that saw this record scrapes figures as new
+            log_write_failures=self.metrics.write_failures + self.episodes_log.failures,
+            is_update=is_update,
+            trained_env_steps=self.trained_env_steps,
+        )
+        if (
+            self.prometheus is not None
+        ):  # first: a client that saw this record scrapes figures as new
             self.prometheus.update(snapshot)
         self.telemetry_pub.publish(snapshot)
 
@@ -448,25 +601,45 @@ class Learner:
         self.trainer.start(lambda: self.assembler.counters.env_steps)
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)
-        poller.register(self.trainer.handshake.wake_fd, zmq.POLLIN)  # a result handed back wakes the loop
+        poller.register(
+            self.trainer.handshake.wake_fd, zmq.POLLIN
+        )  # a result handed back wakes the loop
         data_registered = False
         next_telemetry = next_expiry = time.monotonic()
-        log.info("learner for %s: %d x %d rollout buffers (%.1f MiB each) on %s, device %s, run %s",
-                 config.env_id, config.rollout_length, config.allocated_num_envs, self.buffer_bytes / 2**20,
-                 config.bind_host, self.trainer.device, self.run_dir)
+        log.info(
+            "learner for %s: %d x %d rollout buffers (%.1f MiB each) on %s, device %s, run %s",
+            config.env_id,
+            config.rollout_length,
+            config.allocated_num_envs,
+            self.buffer_bytes / 2**20,
+            config.bind_host,
+            self.trainer.device,
+            self.run_dir,
+        )
         while True:
             # The update that spends the budget stops the run (_collect_results); a resume with nothing left here.
             budget_spent = self.trained_env_steps >= config.total_env_steps
-            if not self.stopping_reason and (stop_event.is_set() or (budget_spent and self._nothing_in_flight())):
-                self.stopping_reason = "signal" if stop_event.is_set() else "env-step budget reached"
+            if not self.stopping_reason and (
+                stop_event.is_set() or (budget_spent and self._nothing_in_flight())
+            ):
+                self.stopping_reason = (
+                    "signal" if stop_event.is_set() else "env-step budget reached"
+                )
                 log.info("stopping: %s", self.stopping_reason)
             if self.stopping_reason and not self.trainer.handshake.busy:
                 log_ingest_summary(self.assembler)
                 break
-            want_data = (self.assembler.accepting and not self.stopping_reason
-                         and not (budget_spent and self.trainer.handshake.busy))
+            want_data = (
+                self.assembler.accepting
+                and not self.stopping_reason
+                and not (budget_spent and self.trainer.handshake.busy)
+            )
             if want_data != data_registered:
-                (poller.register(self.data, zmq.POLLIN) if want_data else poller.unregister(self.data))
+                (
+                    poller.register(self.data, zmq.POLLIN)
+                    if want_data
+                    else poller.unregister(self.data)
+                )
                 data_registered = want_data
             events = dict(poller.poll(20))
             now = time.monotonic()
@@ -482,13 +655,19 @@ class Learner:
             except RuntimeError as error:
                 if not isinstance(error.__cause__, (RunCollapsedError, CheckpointWriteFailed)):
                     raise
-                log.error("%s", error.__cause__)  # a clear stop: no traceback, final checkpoint kept
+                log.error(
+                    "%s", error.__cause__
+                )  # a clear stop: no traceback, final checkpoint kept
                 self.exit_status, failed = 1, isinstance(error.__cause__, CheckpointWriteFailed)
-                self.stopping_reason = "checkpoint writes keep failing" if failed else self.stopping_reason
+                self.stopping_reason = (
+                    "checkpoint writes keep failing" if failed else self.stopping_reason
+                )
                 break
             if not self.stopping_reason:
                 self._hand_off_full_rollouts()
-                send_replies(self.control, self.control_server.tick(now))  # synchronous mode's held joins
+                send_replies(
+                    self.control, self.control_server.tick(now)
+                )  # synchronous mode's held joins
             if now >= next_expiry:
                 self._expire_silent_actors(now)
                 next_expiry = now + 0.5
@@ -504,17 +683,27 @@ class Learner:
         return self.exit_status
 
     def _expire_silent_actors(self, now: float) -> None:
-        """Drop actors whose watched process ended or that were silent for ``actor_timeout_s``, with their
-        peer bindings, step rings and last frame stacks (timed-out actors' rings are freed at once, not kept for late messages)."""
+        """Drop actors whose watched process ended or that were silent for ``actor_timeout_s``.
+
+        Their peer bindings, step rings and last frame stacks go with them (timed-out actors' rings
+        are freed at once, not kept for late messages).
+        """
         notices = self.rejection_log["notices"]
         gone = self.control_server.drop_gone_actors()
         for actor_id, why in gone:
-            notices.event("gone", f"actor {actor_id} {why} (its process): dropped, its unfinished segment discarded",
-                          level=logging.WARNING)
+            notices.event(
+                "gone",
+                f"actor {actor_id} {why} (its process): dropped, its unfinished segment discarded",
+                level=logging.WARNING,
+            )
         expired = self.assembler.expire_silent_actors(now)
         for actor_id in expired:
-            notices.event("timeout", f"actor {actor_id} silent for {self.config.actor_timeout_s:.1f}"
-                          " s: dropped, its unfinished segment discarded", level=logging.WARNING)
+            notices.event(
+                "timeout",
+                f"actor {actor_id} silent for {self.config.actor_timeout_s:.1f}"
+                " s: dropped, its unfinished segment discarded",
+                level=logging.WARNING,
+            )
         self.peers.retain(set(self.assembler.actors) | self.control_server.held_joins)
         live = {(r.actor_id, r.incarnation) for r in self.assembler.actors.values()}
         self.rings.retain(live, free=set(expired))
@@ -522,9 +711,11 @@ class Learner:
 
     def _nothing_in_flight(self) -> bool:
         """No rollout in training, none full, and no row written in a filling buffer."""
-        return (not self.trainer.handshake.busy
-                and all(state is SlotState.FILLING for state in self.assembler.states)
-                and not any(int(buffer.column_steps.sum()) for buffer in self.buffers))
+        return (
+            not self.trainer.handshake.busy
+            and all(state is SlotState.FILLING for state in self.assembler.states)
+            and not any(int(buffer.column_steps.sum()) for buffer in self.buffers)
+        )
 
     def _drain_control(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -547,7 +738,9 @@ class Learner:
         """The notes and the final weights' evaluations the stopped trainer handed back."""
         try:
             results = self.trainer.handshake.results()
-        except RuntimeError as error:  # the trainer failed after the loop had stopped reading results
+        except (
+            RuntimeError
+        ) as error:  # the trainer failed after the loop had stopped reading results
             log.error("%s", error.__cause__)
             return
         for result in results:
@@ -586,19 +779,30 @@ def main(config: OakEmuConfig) -> int:
     check_tracker_available(config.track)
     resolved_device(config)
     # Ports and run folder stay held until this process exits (oakemu train holds them for its learner).
-    ports, (run_dir, run_lock) = claim_ports(config), claim_run_dir(config)
+    _ports, (run_dir, _run_lock) = claim_ports(config), claim_run_dir(config)
     # Resuming a folder: say which settings change; refuse (ResumeMismatchError, exit 2) another env,
     # other spaces or model, or a setting that cannot change, before anything in the folder is written.
-    changes = check_resume_folder(run_dir, config, check_model=False).changes  # the model is checked in restore
+    changes = check_resume_folder(
+        run_dir, config, check_model=False
+    ).changes  # the model is checked in restore
     if changes:
-        log.warning("resuming %s with changed settings (config.toml -> now): %s", run_dir, format_changes(changes))
+        log.warning(
+            "resuming %s with changed settings (config.toml -> now): %s",
+            run_dir,
+            format_changes(changes),
+        )
     stop_event = install_stop_signals()
     try:
         learner = Learner(config, run_dir)
-    except (SharedMemoryTooSmallError, TransportSecurityError) as error:  # a deployment mistake: say what to change, no traceback
+    except (
+        SharedMemoryTooSmallError,
+        TransportSecurityError,
+    ) as error:  # a deployment mistake: say what to change, no traceback
         log.error("learner cannot start: %s", error)
         return error.exit_status
-    threads = learner_torch_threads(config.learner_threads, learner.trainer.learner_model.model.has_convolutions)
+    threads = learner_torch_threads(
+        config.learner_threads, learner.trainer.learner_model.model.has_convolutions
+    )
     if threads is not None:
         import torch  # the learner's model imported it already
 
@@ -611,9 +815,13 @@ def main(config: OakEmuConfig) -> int:
         status = INTERRUPTED_EXIT_STATUS
     finally:
         learner.close()
-    if learner.trainer.checkpoint_writer.final_saved is None:  # a run without its final checkpoint never exits 0
+    if (
+        learner.trainer.checkpoint_writer.final_saved is None
+    ):  # a run without its final checkpoint never exits 0
         if learner.trainer.running:
-            log.error("final checkpoint not written: the trainer did not finish its last update in time")
+            log.error(
+                "final checkpoint not written: the trainer did not finish its last update in time"
+            )
         status = status or 1
     return interrupted_status(status, stop_event)
 

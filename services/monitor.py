@@ -31,9 +31,9 @@ import os
 import signal
 import socket
 import sys
-import tomllib
 import threading
 import time
+import tomllib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -73,8 +73,15 @@ LISTEN_PROBE_TIMEOUT_S = 1.0
 """How long :func:`learner_listening` waits for a TCP connection to the telemetry port (s)."""
 
 
-def main(connect: str, *, json_output: bool = False, once: bool = False, timeout_s: float = 5.0,
-         security: Any = None, run_dir: Path | None = None) -> int:
+def main(
+    connect: str,
+    *,
+    json_output: bool = False,
+    once: bool = False,
+    timeout_s: float = 5.0,
+    security: Any = None,
+    run_dir: Path | None = None,
+) -> int:
     """Run the monitor against the telemetry publisher at ``connect``.
 
     Args:
@@ -155,8 +162,10 @@ def run_folder(run: str | Path, runs_dir: str | Path = "runs") -> Path:
 
     folder = find_run_folder(run, runs_dir)
     if folder is None:
-        raise RunFolderError(f"monitor: expected a run folder or the name of one in {runs_dir}/, received {str(run)!r} "
-                             "(no config.toml there)")
+        raise RunFolderError(
+            f"monitor: expected a run folder or the name of one in {runs_dir}/, received {str(run)!r} "
+            "(no config.toml there)"
+        )
     return folder
 
 
@@ -187,7 +196,9 @@ def run_telemetry_address(run: str | Path, runs_dir: str | Path = "runs") -> str
     settings = _run_settings(run_folder(run, runs_dir))
     port = settings.get("telemetry_port", 5558)
     host = str(settings.get("bind_host", "127.0.0.1"))
-    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # listening everywhere: reach it locally
+    host = (
+        "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    )  # listening everywhere: reach it locally
     return f"tcp://{f'[{host}]' if ':' in host else host}:{port}"
 
 
@@ -231,34 +242,63 @@ def report_run_folder(run: Run, *, address: str, json_output: bool = False) -> i
     Raises:
         RunFolderError: ``config.toml`` cannot be read.
     """
-    from oakemu_core.run.run_folder import spent_budget  # loads the checkpoint (imports torch): not while it runs
+    from oakemu_core.run.run_folder import (
+        spent_budget,
+    )  # loads the checkpoint (imports torch): not while it runs
 
     run_dir = run.run_dir
     total = _run_settings(run_dir).get("total_env_steps")
     total = total if isinstance(total, int) else None
     finished = spent_budget(run_dir) is not None
     version = _last_evaluation_version(run_dir)
-    resume = (f"oakemu train --resume {run_dir}" if not finished and run.latest_checkpoint is not None
-              else None)
+    resume = (
+        f"oakemu train --resume {run_dir}"
+        if not finished and run.latest_checkpoint is not None
+        else None
+    )
     if json_output:
-        _print_line(json.dumps(_finite_or_none({
-            "run_dir": str(run_dir), "running": False, "finished": finished, "updates": run.updates,
-            "global_step": run.global_step, "total_env_steps": total, "episodic_return": run.episodic_return,
-            "sps": run.sps, "final_evaluation": run.final_evaluation if finished else None,
-            "last_evaluation": run.final_evaluation, "last_evaluation_policy_version": version,
-            "best_evaluation": run.best_evaluation,
-            "latest_checkpoint": None if run.latest_checkpoint is None else str(run.latest_checkpoint),
-            "best_checkpoint": None if run.best_checkpoint is None else str(run.best_checkpoint),
-            "resume_command": resume})))
+        _print_line(
+            json.dumps(
+                _finite_or_none(
+                    {
+                        "run_dir": str(run_dir),
+                        "running": False,
+                        "finished": finished,
+                        "updates": run.updates,
+                        "global_step": run.global_step,
+                        "total_env_steps": total,
+                        "episodic_return": run.episodic_return,
+                        "sps": run.sps,
+                        "final_evaluation": run.final_evaluation if finished else None,
+                        "last_evaluation": run.final_evaluation,
+                        "last_evaluation_policy_version": version,
+                        "best_evaluation": run.best_evaluation,
+                        "latest_checkpoint": None
+                        if run.latest_checkpoint is None
+                        else str(run.latest_checkpoint),
+                        "best_checkpoint": None
+                        if run.best_checkpoint is None
+                        else str(run.best_checkpoint),
+                        "resume_command": resume,
+                    }
+                )
+            )
+        )
         return EXIT_OK
     state = "finished" if finished else "is not running"
-    last = "final" if finished else "last evaluation" + ("" if version is None else f" (policy version {version})")
-    lines = [f"run {run_dir.name} {state} (no learner at {address}); its last state, from {run_dir}:",
-             f"last update {run.updates}: env steps {run.global_step:,}"
-             + ("" if total is None else f" of {total:,}")
-             + f", return {_fmt(run.episodic_return, '.2f')}, SPS {_fmt(run.sps, ',.0f')}",
-             f"evaluation return: {last} {_fmt(run.final_evaluation, '.2f')}, best {_fmt(run.best_evaluation, '.2f')}",
-             f"latest checkpoint: {run.latest_checkpoint or '-'}; best: {run.best_checkpoint or '-'}"]
+    last = (
+        "final"
+        if finished
+        else "last evaluation" + ("" if version is None else f" (policy version {version})")
+    )
+    lines = [
+        f"run {run_dir.name} {state} (no learner at {address}); its last state, from {run_dir}:",
+        f"last update {run.updates}: env steps {run.global_step:,}"
+        + ("" if total is None else f" of {total:,}")
+        + f", return {_fmt(run.episodic_return, '.2f')}, SPS {_fmt(run.sps, ',.0f')}",
+        f"evaluation return: {last} {_fmt(run.final_evaluation, '.2f')}, best {_fmt(run.best_evaluation, '.2f')}",
+        f"latest checkpoint: {run.latest_checkpoint or '-'}; best: {run.best_checkpoint or '-'}",
+    ]
     if resume is not None:
         lines.append(f"resume: {resume}")
     for line in lines:
@@ -272,8 +312,11 @@ def _last_evaluation_version(run_dir: Path) -> int | None:
     from oakemu_core.run.metrics import EVAL_EPISODIC_RETURN, METRICS_FILE_NAME
     from oakemu_core.run.run_folder import read_json_lines
 
-    evaluations = [record for record in read_json_lines(run_dir / METRICS_FILE_NAME)
-                   if isinstance(record.get(EVAL_EPISODIC_RETURN), (int, float))]
+    evaluations = [
+        record
+        for record in read_json_lines(run_dir / METRICS_FILE_NAME)
+        if isinstance(record.get(EVAL_EPISODIC_RETURN), (int, float))
+    ]
     version = evaluations[-1].get("eval/policy_version") if evaluations else None
     return int(version) if isinstance(version, (int, float)) and math.isfinite(version) else None
 
@@ -282,7 +325,9 @@ class _Stopped(Exception):
     """Ctrl-C or SIGTERM arrived while waiting for telemetry."""
 
 
-def _receive(subscriber: TelemetrySubscriber, timeout_s: float, stop: threading.Event) -> TelemetrySnapshot | None:
+def _receive(
+    subscriber: TelemetrySubscriber, timeout_s: float, stop: threading.Event
+) -> TelemetrySnapshot | None:
     """:meth:`TelemetrySubscriber.receive` in short waits, so a stop signal is seen within 0.25 s.
 
     Raises:
@@ -304,7 +349,9 @@ def snapshot_to_json(snapshot: TelemetrySnapshot) -> str:
     return json.dumps(_finite_or_none(snapshot.model_dump(mode="python")), allow_nan=False)
 
 
-def render_snapshot(snapshot: TelemetrySnapshot, *, address: str, age_s: float, stale_after_s: float = 5.0) -> Group:
+def render_snapshot(
+    snapshot: TelemetrySnapshot, *, address: str, age_s: float, stale_after_s: float = 5.0
+) -> Group:
     """Build the rich view of one snapshot.
 
     Args:
@@ -315,7 +362,9 @@ def render_snapshot(snapshot: TelemetrySnapshot, *, address: str, age_s: float, 
     """
     status = Text(f"last snapshot {age_s:4.1f} s ago", style="green")
     if age_s >= stale_after_s:
-        status = Text(f"no telemetry for {age_s:.0f} s: is the learner still running?", style="bold red")
+        status = Text(
+            f"no telemetry for {age_s:.0f} s: is the learner still running?", style="bold red"
+        )
     header = Text.assemble(
         ("OakEmu-RL ", "bold"),
         (f"run {snapshot.run_name}  env {snapshot.env_id}  ", "cyan"),
@@ -331,13 +380,20 @@ def render_snapshot(snapshot: TelemetrySnapshot, *, address: str, age_s: float, 
     training.add_row("updates", str(snapshot.iterations))
     training.add_row("episodes", f"{snapshot.episodes:,}")
     training.add_row("return mean", _fmt(snapshot.episodic_return_mean, ".2f"))
-    training.add_row("return min / max", f"{_fmt(snapshot.episodic_return_min, '.2f')} / "
-                                          f"{_fmt(snapshot.episodic_return_max, '.2f')}")
+    training.add_row(
+        "return min / max",
+        f"{_fmt(snapshot.episodic_return_min, '.2f')} / "
+        f"{_fmt(snapshot.episodic_return_max, '.2f')}",
+    )
     training.add_row("episode length", _fmt(snapshot.episodic_length_mean, ".1f"))
     training.add_row("buffer fill", _fmt(100.0 * snapshot.buffer_fill, ".0f") + " %")
-    training.add_row("eval return", "-" if snapshot.eval_return_mean is None else
-                     f"{_fmt(snapshot.eval_return_mean, '.2f')} ± {_fmt(snapshot.eval_return_std, '.2f')} "
-                     f"(v{snapshot.eval_policy_version})")
+    training.add_row(
+        "eval return",
+        "-"
+        if snapshot.eval_return_mean is None
+        else f"{_fmt(snapshot.eval_return_mean, '.2f')} ± {_fmt(snapshot.eval_return_std, '.2f')} "
+        f"(v{snapshot.eval_policy_version})",
+    )
     training.add_row("eval length", _fmt(snapshot.eval_length_mean, ".1f"))
     training.add_row("best eval", _fmt(snapshot.best_eval_return, ".2f"))
     training.add_row("eval video", snapshot.eval_video or "-")
@@ -350,13 +406,23 @@ def render_snapshot(snapshot: TelemetrySnapshot, *, address: str, age_s: float, 
     update.add_row("clip fraction", _fmt(snapshot.clip_fraction, ".3f"))
     update.add_row("explained var", _fmt(snapshot.explained_variance, ".3f"))
     update.add_row("learning rate", _fmt(snapshot.learning_rate, ".2e"))
-    update.add_row("trainable rows", "-" if snapshot.trainable_share is None
-                   else _fmt(100.0 * snapshot.trainable_share, ".1f") + " %")
+    update.add_row(
+        "trainable rows",
+        "-"
+        if snapshot.trainable_share is None
+        else _fmt(100.0 * snapshot.trainable_share, ".1f") + " %",
+    )
     if snapshot.rollout_columns is not None:
-        update.add_row("rollout columns", f"{snapshot.rollout_columns} (planned {snapshot.planned_columns})",
-                       style="yellow" if snapshot.rollout_columns != snapshot.planned_columns else None)
-    update.add_row("policy lag", f"{_fmt(snapshot.policy_lag_min, '.0f')} / {_fmt(snapshot.policy_lag_mean, '.2f')}"
-                                 f" / {_fmt(snapshot.policy_lag_max, '.0f')}  (min/mean/max)")
+        update.add_row(
+            "rollout columns",
+            f"{snapshot.rollout_columns} (planned {snapshot.planned_columns})",
+            style="yellow" if snapshot.rollout_columns != snapshot.planned_columns else None,
+        )
+    update.add_row(
+        "policy lag",
+        f"{_fmt(snapshot.policy_lag_min, '.0f')} / {_fmt(snapshot.policy_lag_mean, '.2f')}"
+        f" / {_fmt(snapshot.policy_lag_max, '.0f')}  (min/mean/max)",
+    )
 
     losses = _key_value_table("Rejected / dropped")
     for reason, count in sorted(snapshot.rejected_messages.items()):
@@ -377,14 +443,24 @@ def render_snapshot(snapshot: TelemetrySnapshot, *, address: str, age_s: float, 
     actors.add_column("lag min/mean/max", justify="right")
     actors.add_column("last heard", justify="right")
     for actor in sorted(snapshot.actors, key=lambda a: a.actor_id):
-        lag = (f"{_fmt(actor.policy_lag_min, '.0f')} / {_fmt(actor.policy_lag, '.2f')} / "
-               f"{_fmt(actor.policy_lag_max, '.0f')}")
-        actors.add_row(actor.actor_id, actor.incarnation[:12], str(actor.num_envs), _fmt(actor.sps, ".0f"),
-                       lag, f"{actor.last_heard_s:.1f} s")
+        lag = (
+            f"{_fmt(actor.policy_lag_min, '.0f')} / {_fmt(actor.policy_lag, '.2f')} / "
+            f"{_fmt(actor.policy_lag_max, '.0f')}"
+        )
+        actors.add_row(
+            actor.actor_id,
+            actor.incarnation[:12],
+            str(actor.num_envs),
+            _fmt(actor.sps, ".0f"),
+            lag,
+            f"{actor.last_heard_s:.1f} s",
+        )
     return Group(header, summary, render_curves(snapshot), actors)
 
 
-def sparkline(values: Sequence[float | None], *, low: float | None = None, high: float | None = None) -> str:
+def sparkline(
+    values: Sequence[float | None], *, low: float | None = None, high: float | None = None
+) -> str:
     """One character per value from :data:`SPARK_BLOCKS` (``None`` / NaN: a space).
 
     ``low`` / ``high`` default to the finite values' min / max; a flat series is drawn at the
@@ -408,7 +484,9 @@ def sparkline(values: Sequence[float | None], *, low: float | None = None, high:
     return "".join(chars)
 
 
-def resample(points: Sequence[tuple[int, float | None]], start: int, end: int, width: int) -> list[float | None]:
+def resample(
+    points: Sequence[tuple[int, float | None]], start: int, end: int, width: int
+) -> list[float | None]:
     """Values of ``(global_step, value)`` points (increasing steps) on ``width`` columns spanning
     env steps ``start``..``end``: each column shows the last value at or before its right edge
     (a step curve; None before the first point)."""
@@ -453,14 +531,29 @@ def render_curves(snapshot: TelemetrySnapshot, *, width: int = CURVE_WIDTH) -> T
             table.add_row(name, Text(" " * width), "-", "no data yet")
             continue
         line = sparkline(resample(points, start, end, width), low=min(finite), high=max(finite))
-        table.add_row(name, Text(line, style=style), _fmt(finite[-1], ".1f"),
-                      f"min {min(finite):.1f}  max {max(finite):.1f}  ({len(points)} points)")
-    table.add_row("env steps", Text(f"{start:,}".ljust(width - len(f"{end:,}")) + f"{end:,}", style="dim"), "", "")
+        table.add_row(
+            name,
+            Text(line, style=style),
+            _fmt(finite[-1], ".1f"),
+            f"min {min(finite):.1f}  max {max(finite):.1f}  ({len(points)} points)",
+        )
+    table.add_row(
+        "env steps",
+        Text(f"{start:,}".ljust(width - len(f"{end:,}")) + f"{end:,}", style="dim"),
+        "",
+        "",
+    )
     return table
 
 
-def _run_json(subscriber: TelemetrySubscriber, first: TelemetrySnapshot, *, once: bool, timeout_s: float,
-              stop: threading.Event) -> int:
+def _run_json(
+    subscriber: TelemetrySubscriber,
+    first: TelemetrySnapshot,
+    *,
+    once: bool,
+    timeout_s: float,
+    stop: threading.Event,
+) -> int:
     """Print the first snapshot, then every update snapshot, one JSON object per line."""
     try:
         _print_line(snapshot_to_json(first))
@@ -478,29 +571,45 @@ def _run_json(subscriber: TelemetrySubscriber, first: TelemetrySnapshot, *, once
         return EXIT_OK
 
 
-def _run_live(subscriber: TelemetrySubscriber, first: TelemetrySnapshot, *, timeout_s: float,
-              stop: threading.Event) -> int:
+def _run_live(
+    subscriber: TelemetrySubscriber,
+    first: TelemetrySnapshot,
+    *,
+    timeout_s: float,
+    stop: threading.Event,
+) -> int:
     """Redraw the live view until Ctrl-C; a silent learner is shown, not fatal (it may restart)."""
     address = subscriber.connect_address
     snapshot, received_at = first, time.monotonic()
-    with Live(render_snapshot(snapshot, address=address, age_s=0.0), refresh_per_second=4,
-              transient=False) as live:
+    with Live(
+        render_snapshot(snapshot, address=address, age_s=0.0), refresh_per_second=4, transient=False
+    ) as live:
         while not stop.is_set():
             newer = subscriber.receive(_POLL_INTERVAL_S)
             if newer is not None:
                 snapshot, received_at = newer, time.monotonic()
-            live.update(render_snapshot(snapshot, address=address, age_s=time.monotonic() - received_at,
-                                        stale_after_s=timeout_s))
+            live.update(
+                render_snapshot(
+                    snapshot,
+                    address=address,
+                    age_s=time.monotonic() - received_at,
+                    stale_after_s=timeout_s,
+                )
+            )
     return EXIT_OK
 
 
 def _report_silence(subscriber: TelemetrySubscriber, timeout_s: float, *, attached: bool) -> None:
     when = "for" if attached else "within"
-    message = f"oakemu monitor: no telemetry from {subscriber.connect_address} {when} {timeout_s:g} s: "
+    message = (
+        f"oakemu monitor: no telemetry from {subscriber.connect_address} {when} {timeout_s:g} s: "
+    )
     message += "is the learner still running?" if attached else "is the learner running?"
     if subscriber.rejected:
-        message += (f" ({subscriber.rejected} malformed telemetry message(s) rejected; last: "
-                    f"{subscriber.last_rejection})")
+        message += (
+            f" ({subscriber.rejected} malformed telemetry message(s) rejected; last: "
+            f"{subscriber.last_rejection})"
+        )
     print(message, file=sys.stderr, flush=True)
 
 

@@ -27,20 +27,26 @@ def load_checkpoint_policy(checkpoint: Path) -> tuple[Any, str, dict[str, Any]]:
         FileNotFoundError: no checkpoint there (a run folder is searched for its latest).
         oakemu_core.run.checkpoint.CheckpointError: unreadable checkpoint.
     """
-    from oakemu_core.run.checkpoint import load_checkpoint, resolve_checkpoint
     from oakemu_core.envs import env_spec
     from oakemu_core.envs.options import EnvOptions
     from oakemu_core.policy.models import build_model
     from oakemu_core.policy.schemas import schema_from_dict
+    from oakemu_core.run.checkpoint import load_checkpoint, resolve_checkpoint
 
     path = resolve_checkpoint(checkpoint)
     state = load_checkpoint(path)
     env_info, config = state["env"], dict(state.get("config") or {})
     schema = schema_from_dict(env_info["schema"])
-    spec = env_spec(env_info["env_id"], settings_file=config.get("emulator_settings"),
-                    options=EnvOptions.from_settings(config))
-    model = build_model(spec.observation_layout, schema.distribution,
-                        normalize_observations=bool(config.get("normalize_observations")))
+    spec = env_spec(
+        env_info["env_id"],
+        settings_file=config.get("emulator_settings"),
+        options=EnvOptions.from_settings(config),
+    )
+    model = build_model(
+        spec.observation_layout,
+        schema.distribution,
+        normalize_observations=bool(config.get("normalize_observations")),
+    )
     model.load_state_dict(state["model"])
     model.eval()
     return model, str(env_info["env_id"]), config
@@ -83,12 +89,16 @@ def record(
             raise ConfigError("record: expected --checkpoint or --policy, not both")
         model, run_env_id, config = load_checkpoint_policy(checkpoint)
         if env_id is not None and env_id != run_env_id:
-            raise ConfigError(f"--env: the checkpoint {checkpoint} was trained on {run_env_id!r}, received {env_id!r} "
-                             "(leave --env out to record on the checkpoint's env)")
+            raise ConfigError(
+                f"--env: the checkpoint {checkpoint} was trained on {run_env_id!r}, received {env_id!r} "
+                "(leave --env out to record on the checkpoint's env)"
+            )
         env_id = run_env_id
         settings_file = config.get("emulator_settings")
         if env_kwargs is not None:
-            raise ConfigError("--env-kwargs: a checkpoint records on its run's env settings; leave it out")
+            raise ConfigError(
+                "--env-kwargs: a checkpoint records on its run's env settings; leave it out"
+            )
         options = EnvOptions.from_settings(config)
         if max_episode_steps is None:
             max_episode_steps = config.get("max_episode_steps")
@@ -101,15 +111,28 @@ def record(
         options = EnvOptions.from_settings({"env_kwargs": env_kwargs or "{}"})
         name = f"policy {acting}"
     torch.manual_seed(seed)
-    return record_dataset(env_id, output, episodes=episodes, policy=acting, seed=seed, num_envs=num_envs,
-                          max_episode_steps=max_episode_steps, settings_file=settings_file, greedy=greedy,
-                          algorithm_name=f"oakemu record ({name})", overwrite=overwrite, options=options)
+    return record_dataset(
+        env_id,
+        output,
+        episodes=episodes,
+        policy=acting,
+        seed=seed,
+        num_envs=num_envs,
+        max_episode_steps=max_episode_steps,
+        settings_file=settings_file,
+        greedy=greedy,
+        algorithm_name=f"oakemu record ({name})",
+        overwrite=overwrite,
+        options=options,
+    )
 
 
 def main(**kwargs: Any) -> int:
     """Entry point (keyword arguments of :func:`record`): prints one summary line and returns 0. A user
     mistake raises a :class:`~oakemu_core.errors.UserError`, which the CLI reports (one line, exit 2)."""
     summary = record(**kwargs)
-    print(f"{summary.path}: {summary.episodes} episodes, {summary.steps} steps, return mean "
-          f"{np.mean(summary.returns):.2f} std {np.std(summary.returns):.2f} (Minari dataset {summary.dataset_id})")
+    print(
+        f"{summary.path}: {summary.episodes} episodes, {summary.steps} steps, return mean "
+        f"{np.mean(summary.returns):.2f} std {np.std(summary.returns):.2f} (Minari dataset {summary.dataset_id})"
+    )
     return 0

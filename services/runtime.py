@@ -42,7 +42,9 @@ class OneLineFormatter(logging.Formatter):
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
         """ISO 8601 local time with milliseconds and the UTC offset."""
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(record.created))
-        return f"{stamp}.{int(record.msecs):03d}{time.strftime('%z', time.localtime(record.created))}"
+        return (
+            f"{stamp}.{int(record.msecs):03d}{time.strftime('%z', time.localtime(record.created))}"
+        )
 
     def format(self, record: logging.LogRecord) -> str:
         """The record on one line (``\\n`` stands for a newline inside it)."""
@@ -95,7 +97,9 @@ def setup_logging(level: str, log_format: str = "auto") -> None:
             handler: logging.Handler = RichHandler(
                 console=console, show_path=False, rich_tracebacks=False, log_time_format="[%X]"
             )
-            logging.basicConfig(level=level, format="%(name)s: %(message)s", handlers=[handler], force=True)
+            logging.basicConfig(
+                level=level, format="%(name)s: %(message)s", handlers=[handler], force=True
+            )
     else:
         formatter_type = JsonLineFormatter if chosen == "json" else OneLineFormatter
         if not any(isinstance(h.formatter, formatter_type) for h in root.handlers):
@@ -141,8 +145,9 @@ def claim_run_dir(config: OakEmuConfig) -> tuple[Path, RunFolderLock | None]:
     parent = os.environ.get(PARENT_PID_ENV)
     if parent and parent.isdigit() and holder_pid(run_dir) == int(parent):
         return run_dir, None
-    return run_dir, RunFolderLock.acquire(run_dir, hint="stop that run first, or give this learner another "
-                                                        "--run-name")
+    return run_dir, RunFolderLock.acquire(
+        run_dir, hint="stop that run first, or give this learner another --run-name"
+    )
 
 
 class StopRequest(threading.Event):
@@ -188,8 +193,10 @@ def port_in_use(host: str, port: int) -> bool:
         except OSError as error:
             if error.errno == errno.EADDRINUSE:
                 return True
-            raise ConfigError(f"bind_host: expected an address of this machine, received {host!r} "
-                              f"({error.strerror or error})") from None
+            raise ConfigError(
+                f"bind_host: expected an address of this machine, received {host!r} "
+                f"({error.strerror or error})"
+            ) from None
     return False
 
 
@@ -200,8 +207,11 @@ def check_ports_free(config: OakEmuConfig) -> None:
     Raises:
         PortsInUseError: names every port in use and the flag that changes it.
     """
-    taken = {name: f"{name}={port}" for name, port in learner_ports(config).items()
-             if port_in_use("0.0.0.0" if name == "metrics_port" else config.bind_host, port)}
+    taken = {
+        name: f"{name}={port}"
+        for name, port in learner_ports(config).items()
+        if port_in_use("0.0.0.0" if name == "metrics_port" else config.bind_host, port)
+    }
     if taken:
         raise PortsInUseError(config.bind_host, taken)
 
@@ -218,7 +228,9 @@ class PortsInUseError(ConfigError):
     def __init__(self, host: str, taken: dict[str, str]) -> None:
         flags = ", ".join("--" + name.replace("_", "-") for name in taken)
         ports, others = ("port", "another") if len(taken) == 1 else ("ports", "others")
-        super().__init__(f"{ports} in use on {host}: {', '.join(taken.values())}; choose {others} with {flags}")
+        super().__init__(
+            f"{ports} in use on {host}: {', '.join(taken.values())}; choose {others} with {flags}"
+        )
         self.names = tuple(taken)
 
 
@@ -254,7 +266,9 @@ def _claim_port(port: int) -> tuple[socket.socket | None, int | None]:
     except OSError as error:
         claim.close()
         return (None, _claim_holder(address)) if error.errno == errno.EADDRINUSE else (None, None)
-    claim.listen(socket.SOMAXCONN)  # a listening claim tells who holds it (SO_PEERCRED of a connection)
+    claim.listen(
+        socket.SOMAXCONN
+    )  # a listening claim tells who holds it (SO_PEERCRED of a connection)
     return claim, None
 
 
@@ -264,7 +278,9 @@ def _claim_holder(address: str) -> int:
         probe.setblocking(False)
         try:
             probe.connect(address)
-            credentials = probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            credentials = probe.getsockopt(
+                socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")
+            )
         except OSError:
             return 0
     return int(struct.unpack("3i", credentials)[0])
@@ -297,7 +313,9 @@ def claim_ports(config: OakEmuConfig) -> PortClaims:
         if claim is not None:
             held.append(claim)
         elif holder is not None and holder not in own:
-            taken[name] = f"{name}={port} (claimed by {f'pid {holder}' if holder else 'another oakemu process'})"
+            taken[name] = (
+                f"{name}={port} (claimed by {f'pid {holder}' if holder else 'another oakemu process'})"
+            )
     try:
         check_ports_free(config)
     except PortsInUseError as error:
@@ -350,7 +368,9 @@ def with_free_ports(config: OakEmuConfig) -> OakEmuConfig:
     ``OAKEMU_*`` variable, TOML file): several ``oakemu train`` runs then share a machine."""
     unset = [name for name in PORT_FIELDS if name not in config.model_fields_set]
     given = {int(getattr(config, name)) for name in PORT_FIELDS if name in config.model_fields_set}
-    return config.model_copy(update=dict(zip(unset, free_ports(len(unset), config.bind_host, avoid=given))))
+    return config.model_copy(
+        update=dict(zip(unset, free_ports(len(unset), config.bind_host, avoid=given)))
+    )
 
 
 def install_stop_signals() -> StopRequest:
@@ -408,8 +428,16 @@ class RetryReporter:
     took when that was more than one period).
     """
 
-    def __init__(self, logger: logging.Logger, peer: str, address: str, *, give_up_s: float | None = None,
-                 period_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        logger: logging.Logger,
+        peer: str,
+        address: str,
+        *,
+        give_up_s: float | None = None,
+        period_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.logger = logger
         self.peer = peer
         self.address = address
@@ -432,14 +460,29 @@ class RetryReporter:
             return
         if now >= self.next_report:
             self.next_report = now + self.period_s
-            left = f" (giving up in {max(0.0, self.give_up_s - (now - self.started)):.0f} s)" if self.give_up_s else ""
-            self.logger.warning("still trying to reach the %s at %s: no answer for %.0f s, %d attempts%s",
-                                self.peer, self.address, now - self.started, self.attempts, left)
+            left = (
+                f" (giving up in {max(0.0, self.give_up_s - (now - self.started)):.0f} s)"
+                if self.give_up_s
+                else ""
+            )
+            self.logger.warning(
+                "still trying to reach the %s at %s: no answer for %.0f s, %d attempts%s",
+                self.peer,
+                self.address,
+                now - self.started,
+                self.attempts,
+                left,
+            )
 
     def succeeded(self) -> None:
         """The peer answered: say so when the wait was long enough to have been reported."""
         if self.started is not None and self.clock() - self.started >= self.period_s:
-            self.logger.info("reached the %s at %s after %.0f s", self.peer, self.address, self.clock() - self.started)
+            self.logger.info(
+                "reached the %s at %s after %.0f s",
+                self.peer,
+                self.address,
+                self.clock() - self.started,
+            )
         self.started = None
         self.attempts = 0
 

@@ -36,6 +36,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from oakemu_services.runtime import (
+    PARENT_PID_ENV,
+    SETUP_ERROR_EXIT_STATUS,
+    PortClaims,
+    StopRequest,
+    claim_free_ports,
+    default_run_name,
+    install_stop_signals,
+)
+from oakemu_services.train_children import (
+    OUTPUT_LINES_KEPT,
+    Child,
+    crash_traceback,
+    exit_description,
+    last_error,
+)
+from oakemu_services.train_view import end_lines, print_line, progress_view
+from oakemu_services.train_view import final_update_line as _final_update_line
+from oakemu_services.train_view import metrics_records as _metrics_records
 from rich.console import Console
 
 from oakemu_core.config import ConfigError, OakEmuConfig, resolved_device, to_toml
@@ -56,25 +75,6 @@ from oakemu_core.run.run_folder import (
 from oakemu_core.run.run_lock import RunFolderLock
 from oakemu_core.run.telemetry import TelemetrySubscriber
 from oakemu_core.run.tracking import check_tracker_available
-from oakemu_services.runtime import (
-    PARENT_PID_ENV,
-    SETUP_ERROR_EXIT_STATUS,
-    PortClaims,
-    StopRequest,
-    claim_free_ports,
-    default_run_name,
-    install_stop_signals,
-)
-from oakemu_services.train_children import (
-    OUTPUT_LINES_KEPT,
-    Child,
-    crash_traceback,
-    exit_description,
-    last_error,
-)
-from oakemu_services.train_view import end_lines, print_line, progress_view
-from oakemu_services.train_view import final_update_line as _final_update_line
-from oakemu_services.train_view import metrics_records as _metrics_records
 
 log = logging.getLogger("oakemu.train")
 
@@ -124,8 +124,12 @@ def check_can_start(config: OakEmuConfig) -> None:
     Raises:
         UserError (a subclass): the first problem found, in one line.
     """
-    spec = check_env(config.env_id, settings_file=config.emulator_settings, envs_per_process=config.envs_per_actor,
-                     options=config.env_options)
+    spec = check_env(
+        config.env_id,
+        settings_file=config.emulator_settings,
+        envs_per_process=config.envs_per_actor,
+        options=config.env_options,
+    )
     if config.actor_inference in ("bfloat16", "numpy"):  # backends for some observations only
         module = importlib.import_module(f"oakemu_core.policy.{config.actor_inference}_inference")
         try:
@@ -180,19 +184,35 @@ def plan_run(config: OakEmuConfig, resume: Path | None = None) -> RunPlan:
         notes: list[str] = []
         # A resumed folder: refuse another env / spaces / model, a setting that cannot change, or a run
         # with nothing left to train, before anything in it is written.
-        check = check_resume_folder(run_dir, config, check_budget=True, notes=notes) if resume is not None else None
+        check = (
+            check_resume_folder(run_dir, config, check_budget=True, notes=notes)
+            if resume is not None
+            else None
+        )
         make_run_folder(run_dir)
         write_text_atomic(run_dir / "config.toml", to_toml(config))
         undo.pop_all()
-    return RunPlan(config, run_dir, resumed=resume is not None, changes=check.changes if check else {}, notes=notes,
-                   resumed_from=check.describe(run_dir) if check else None, lock=lock, ports=ports)
+    return RunPlan(
+        config,
+        run_dir,
+        resumed=resume is not None,
+        changes=check.changes if check else {},
+        notes=notes,
+        resumed_from=check.describe(run_dir) if check else None,
+        lock=lock,
+        ports=ports,
+    )
 
 
-def _claim_run_folder(config: OakEmuConfig, resume: Path | None, undo: contextlib.ExitStack) -> RunFolderLock:
+def _claim_run_folder(
+    config: OakEmuConfig, resume: Path | None, undo: contextlib.ExitStack
+) -> RunFolderLock:
     """The run folder of :func:`plan_run`'s step 3, held; ``undo`` gives it up (and removes a folder made
     here) when a later step fails."""
     if resume is not None:
-        lock = RunFolderLock.acquire(Path(resume), hint="wait for it to end, or stop it, before resuming it")
+        lock = RunFolderLock.acquire(
+            Path(resume), hint="wait for it to end, or stop it, before resuming it"
+        )
         undo.callback(lock.release)
         return lock
     runs_dir = Path(config.runs_dir)
@@ -200,7 +220,9 @@ def _claim_run_folder(config: OakEmuConfig, resume: Path | None, undo: contextli
     name = default_run_name(config) if numbered else str(config.run_name)
     existed = not numbered and (runs_dir / name).exists()
     lock = make_new_run_folder(runs_dir, name, numbered=numbered, hint=_existing_run_hint)
-    if not existed:  # runs last: after the lock file went, the folder and logs/ made here, if still empty
+    if (
+        not existed
+    ):  # runs last: after the lock file went, the folder and logs/ made here, if still empty
         undo.callback(_remove_empty, lock.run_dir)
     undo.callback(lock.release)
     return lock
@@ -214,8 +236,10 @@ def _existing_run_hint(run_dir: Path, live: bool) -> str:
         return f"to continue that run once stopped: oakemu train --resume {run_dir}; {new_run}"
     spent = spent_budget(run_dir)
     if spent is not None:
-        return (f"it trained its whole budget ({spent[0]:,} env steps, total_env_steps={spent[1]}); to train it "
-                f"longer: oakemu train --resume {run_dir} --total-env-steps N with N above {spent[0]}; {new_run}")
+        return (
+            f"it trained its whole budget ({spent[0]:,} env steps, total_env_steps={spent[1]}); to train it "
+            f"longer: oakemu train --resume {run_dir} --total-env-steps N with N above {spent[0]}; {new_run}"
+        )
     return f"to continue that run: oakemu train --resume {run_dir}; {new_run}"
 
 
@@ -232,8 +256,9 @@ def _child_env(config_file: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def _restart_crashed(actors: list[Child], console: Console, max_restarts: int,
-                     shown_errors: set[str] | None = None) -> bool:
+def _restart_crashed(
+    actors: list[Child], console: Console, max_restarts: int, shown_errors: set[str] | None = None
+) -> bool:
     """Restart an actor that exited with an error (as compose's ``restart: on-failure`` does), at most
     ``max_restarts`` times, and never one that could not set up for this run (its status is
     ``SETUP_ERROR_EXIT_STATUS``: it would fail the same way). Returns True when every actor has exited
@@ -255,7 +280,11 @@ def _restart_crashed(actors: list[Child], console: Console, max_restarts: int,
         output = actor.log_tail(OUTPUT_LINES_KEPT)
         error = last_error(output)
         if error is not None and error in shown:
-            print_line(console, f"{actor.name} {exit_description(code)} (same error: {error}); {what}", style)
+            print_line(
+                console,
+                f"{actor.name} {exit_description(code)} (same error: {error}); {what}",
+                style,
+            )
         else:
             shown.update([error] if error is not None else [])
             details = crash_traceback(output) or output.splitlines()[-5:]
@@ -280,8 +309,14 @@ class Launch:
         callbacks: the Python API's callbacks, fed with the run's ``metrics.jsonl`` records, or None.
     """
 
-    def __init__(self, plan: RunPlan, console: Console, *, verbose: int = 1,
-                 callbacks: CallbackRunner | None = None) -> None:
+    def __init__(
+        self,
+        plan: RunPlan,
+        console: Console,
+        *,
+        verbose: int = 1,
+        callbacks: CallbackRunner | None = None,
+    ) -> None:
         self.plan = plan
         self.console = console
         self.errors = Console(stderr=True) if console.quiet else console
@@ -289,11 +324,20 @@ class Launch:
         self.verbose = verbose
         config, logs_dir = plan.config, plan.run_dir / "logs"
         cli = [sys.executable, "-m", "oakemu_services.cli"]
-        self.learner = Child("learner", [*cli, "learner"], _child_env(plan.config_file), logs_dir / "learner.log",
-                             pass_fds=plan.learner_fds)
+        self.learner = Child(
+            "learner",
+            [*cli, "learner"],
+            _child_env(plan.config_file),
+            logs_dir / "learner.log",
+            pass_fds=plan.learner_fds,
+        )
         self.actors = [
-            Child(f"actor-{i}", [*cli, "actor"], _child_env(plan.config_file, OAKEMU_ACTOR_ID=f"actor-{i}"),
-                  logs_dir / f"actor-{i}.log")
+            Child(
+                f"actor-{i}",
+                [*cli, "actor"],
+                _child_env(plan.config_file, OAKEMU_ACTOR_ID=f"actor-{i}"),
+                logs_dir / f"actor-{i}.log",
+            )
             for i in range(config.num_actors)
         ]
         self.first_actor_error: str | None = None
@@ -321,14 +365,18 @@ class Launch:
                 self.learner_status = self.learner.poll()
                 if self.learner_status is not None:
                     return "learner"
-                snapshot = subscriber.receive(timeout_s=0.1)  # short: the learner's exit is seen at once
+                snapshot = subscriber.receive(
+                    timeout_s=0.1
+                )  # short: the learner's exit is seen at once
                 if snapshot is not None:
                     view.show(snapshot)
                 view.tick()
                 if self.feed_callbacks():
                     return "callback"
                 self._note_actor_errors()
-                if _restart_crashed(self.actors, self.console, config.actor_restarts, self.shown_errors):
+                if _restart_crashed(
+                    self.actors, self.console, config.actor_restarts, self.shown_errors
+                ):
                     return "actors"
             return "signal"
         finally:
@@ -339,7 +387,9 @@ class Launch:
     def feed_callbacks(self, *, may_stop: bool = True) -> bool:
         """Give the callbacks the run's new ``metrics.jsonl`` records; True when one stops the run
         (``may_stop=False``: the run has ended, a ``False`` is ignored)."""
-        return self.callbacks is not None and self.callbacks.feed(self._records.new_records(), may_stop=may_stop)
+        return self.callbacks is not None and self.callbacks.feed(
+            self._records.new_records(), may_stop=may_stop
+        )
 
     def _note_actor_errors(self) -> None:
         if self.first_actor_error is not None:
@@ -347,7 +397,9 @@ class Launch:
         for actor in self.actors:
             code = actor.poll()
             if code not in (None, 0):
-                self.first_actor_error = f"{actor.name}: {actor.error_line() or exit_description(code)}"
+                self.first_actor_error = (
+                    f"{actor.name}: {actor.error_line() or exit_description(code)}"
+                )
                 return
 
     def stop(self) -> None:
@@ -376,41 +428,65 @@ def report(launch: Launch, ended_by: str, stop: StopRequest, console: Console) -
     if final is not None and final[0] > launch.last_update:
         # The last update line agrees with metrics.jsonl even when the last telemetry was missed.
         print_line(console, final[1])
-    actor_error = f"; first actor error: {launch.first_actor_error}" if launch.first_actor_error else ""
+    actor_error = (
+        f"; first actor error: {launch.first_actor_error}" if launch.first_actor_error else ""
+    )
     resume = f"oakemu train --resume {run_dir}" if latest_checkpoint(run_dir) is not None else None
     callbacks = launch.callbacks
     if callbacks is not None and callbacks.error is not None:
-        print_line(errors, f"error: {callbacks.stop_reason}: the run stopped (run folder {run_dir})", "red")
+        print_line(
+            errors, f"error: {callbacks.stop_reason}: the run stopped (run folder {run_dir})", "red"
+        )
         return 1
     status = launch.learner_status or 0
     if ended_by == "signal":
         name = signal.Signals(stop.signum).name if stop.signum else "a signal"
         continue_with = f" (continue with {resume})" if resume else ""
         print_line(console, f"stopped by {name}: run folder {run_dir}{continue_with}")
-        if status > 0 and status != stop.exit_status:  # the learner's own failure (its final checkpoint)
+        if (
+            status > 0 and status != stop.exit_status
+        ):  # the learner's own failure (its final checkpoint)
             print_line(errors, f"error: {_learner_failure(launch.learner, status)}", "red")
         return stop.exit_status or 130
     if ended_by == "actors":
-        print_line(errors, f"error: every actor stopped for good, the run cannot go on{actor_error} "
-                           f"(logs: {run_dir / 'logs'})", "red")
+        print_line(
+            errors,
+            f"error: every actor stopped for good, the run cannot go on{actor_error} "
+            f"(logs: {run_dir / 'logs'})",
+            "red",
+        )
         return 1
     if status != 0:
         then = f"; continue with {resume}" if status < 0 and resume else ""
-        print_line(errors, f"error: {_learner_failure(launch.learner, status, actor_error)}{then}", "red")
+        print_line(
+            errors, f"error: {_learner_failure(launch.learner, status, actor_error)}{then}", "red"
+        )
         return 1 if status < 0 else status
     if final is None and launch.last_update < 0:
-        print_line(errors, f"error: the run made no PPO update{actor_error} (logs: {run_dir / 'logs'})", "red")
+        print_line(
+            errors,
+            f"error: the run made no PPO update{actor_error} (logs: {run_dir / 'logs'})",
+            "red",
+        )
         return 1
     if resume is None:  # a learner that exited 0 wrote its final checkpoint: this one did not
-        print_line(errors, f"error: the run ended without a checkpoint in {run_dir / 'checkpoints'} "
-                           f"({launch.learner.log_note()})", "red")
+        print_line(
+            errors,
+            f"error: the run ended without a checkpoint in {run_dir / 'checkpoints'} "
+            f"({launch.learner.log_note()})",
+            "red",
+        )
         return 1
     stopped = ended_by == "callback" and callbacks is not None
     lines = end_lines(run_dir, records, resumable=stopped)
     for line in lines[:-1]:
         print_line(console, line)
-    print_line(console, f"stopped by a callback ({callbacks.stop_reason}): run folder {run_dir}" if stopped
-               else f"done: run folder {run_dir}")
+    print_line(
+        console,
+        f"stopped by a callback ({callbacks.stop_reason}): run folder {run_dir}"
+        if stopped
+        else f"done: run folder {run_dir}",
+    )
     print_line(console, lines[-1])
     return 0
 
@@ -433,8 +509,15 @@ def _count(number: int, noun: str) -> str:
     return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
 
 
-def main(config: OakEmuConfig, resume: Path | None = None, *, preset: Preset | None = None,
-         verbose: int = 1, callbacks: CallbackRunner | None = None, plan: RunPlan | None = None) -> int:
+def main(
+    config: OakEmuConfig,
+    resume: Path | None = None,
+    *,
+    preset: Preset | None = None,
+    verbose: int = 1,
+    callbacks: CallbackRunner | None = None,
+    plan: RunPlan | None = None,
+) -> int:
     """Run learner + actors until the env-step budget is spent or the user stops it.
 
     Args:
@@ -460,24 +543,43 @@ def main(config: OakEmuConfig, resume: Path | None = None, *, preset: Preset | N
     config = plan.config
     console = Console(stderr=True, quiet=verbose <= 0)
     if preset is not None:
-        console.print(f"preset {preset.name}: {preset.description}; expect {preset.expect}", highlight=False,
-                      soft_wrap=True)
+        console.print(
+            f"preset {preset.name}: {preset.description}; expect {preset.expect}",
+            highlight=False,
+            soft_wrap=True,
+        )
     for note in plan.notes:
         print_line(console, f"warning: {note}", "yellow")
     if plan.resumed_from is not None:
         print_line(console, plan.resumed_from)
     if plan.changes:
-        console.print("[yellow]changed settings[/] (config.toml -> now): "
-                      f"{format_changes(plan.changes)}", highlight=False, soft_wrap=True)
+        console.print(
+            f"[yellow]changed settings[/] (config.toml -> now): {format_changes(plan.changes)}",
+            highlight=False,
+            soft_wrap=True,
+        )
     if config.rollback:
-        console.print(f"rollback on: a collapsing run returns to its last good checkpoint with the learning rate "
-                      f"x {config.rollback_lr_factor} (at most {config.max_rollbacks} times; --no-rollback turns it off)",
-                      highlight=False, soft_wrap=True)
+        console.print(
+            f"rollback on: a collapsing run returns to its last good checkpoint with the learning rate "
+            f"x {config.rollback_lr_factor} (at most {config.max_rollbacks} times; --no-rollback turns it off)",
+            highlight=False,
+            soft_wrap=True,
+        )
     actors, envs = _count(config.num_actors, "actor"), _count(config.envs_per_actor, "env")
-    console.print(f"[bold]oakemu train[/]: {config.env_id}, {actors} x {envs}, {config.total_env_steps} env steps -> "
-                  f"{plan.run_dir}" + (" (resumed)" if plan.resumed else ""), highlight=False, soft_wrap=True)
-    prometheus = f"; Prometheus: http://127.0.0.1:{config.metrics_port}/metrics" if config.metrics_enabled else ""
-    console.print(f"live view: oakemu monitor {plan.run_dir}{prometheus}", highlight=False, soft_wrap=True)
+    console.print(
+        f"[bold]oakemu train[/]: {config.env_id}, {actors} x {envs}, {config.total_env_steps} env steps -> "
+        f"{plan.run_dir}" + (" (resumed)" if plan.resumed else ""),
+        highlight=False,
+        soft_wrap=True,
+    )
+    prometheus = (
+        f"; Prometheus: http://127.0.0.1:{config.metrics_port}/metrics"
+        if config.metrics_enabled
+        else ""
+    )
+    console.print(
+        f"live view: oakemu monitor {plan.run_dir}{prometheus}", highlight=False, soft_wrap=True
+    )
     stop = install_stop_signals()
     launch = Launch(plan, console, verbose=verbose, callbacks=callbacks)
     ended_by = "signal"
@@ -485,14 +587,28 @@ def main(config: OakEmuConfig, resume: Path | None = None, *, preset: Preset | N
         launch.start()
         ended_by = launch.watch(stop)
         if ended_by in ("signal", "callback"):
-            why = f" ({callbacks.stop_reason})" if ended_by == "callback" and callbacks is not None else ""
-            print_line(console, f"stopping{why}: " + ("waiting for the learner's final checkpoint ..."
-                                                       if launch.last_update >= 0
-                                                       else "no update made yet, stopping the learner and actors ..."))
+            why = (
+                f" ({callbacks.stop_reason})"
+                if ended_by == "callback" and callbacks is not None
+                else ""
+            )
+            print_line(
+                console,
+                f"stopping{why}: "
+                + (
+                    "waiting for the learner's final checkpoint ..."
+                    if launch.last_update >= 0
+                    else "no update made yet, stopping the learner and actors ..."
+                ),
+            )
         elif ended_by == "actors":
-            print_line(launch.errors, "every actor has stopped for good: stopping the learner", "red")
+            print_line(
+                launch.errors, "every actor has stopped for good: stopping the learner", "red"
+            )
     finally:
         launch.stop()
-    if ended_by == "learner":  # the records of the run's end (the final evaluation) for the callbacks
+    if (
+        ended_by == "learner"
+    ):  # the records of the run's end (the final evaluation) for the callbacks
         launch.feed_callbacks(may_stop=False)
     return report(launch, ended_by, stop, console)

@@ -18,8 +18,9 @@ from collections import deque
 from pathlib import Path
 from typing import IO
 
-import oakemu_core
 import oakemu_services
+
+import oakemu_core
 from oakemu_core.shared_memory import SEGMENT_PREFIX, parse_segment_owner
 
 OUTPUT_LINES_KEPT = 400
@@ -31,7 +32,9 @@ _ERROR_RECORD = re.compile(r"^\S+ (?:ERROR|CRITICAL) [\w.]+: (.+)$")
 """A plain log record of level ERROR or CRITICAL (:class:`oakemu_services.runtime.OneLineFormatter`)."""
 _CLI_ERROR = re.compile(r"^oakemu \w+: error: (.+)$")
 """The one line ``oakemu`` prints for a user error (:mod:`oakemu_services.cli`)."""
-_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Failed|Interrupt)\b.*")
+_EXCEPTION_LINE = re.compile(
+    r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Failed|Interrupt)\b.*"
+)
 """The last line of a Python traceback: ``module.ErrorName: message``."""
 _STOPPING_RECORD = re.compile(r"^\S+ INFO [\w.]+: stopping: (.+)$")
 """The learner's record of a stop that is no error (its budget spent, a signal)."""
@@ -39,7 +42,9 @@ _TRACEBACK_START = "Traceback (most recent call last):"
 _FINAL_CHECKPOINT_FAILED = re.compile(r"^final checkpoint\b.* not written")
 """How the learner's error about its final checkpoint starts (``CheckpointWriter`` in ``run/checkpoint.py``,
 ``CheckpointPolicy.final`` in ``algo/health.py``)."""
-_OWN_CODE = tuple(str(Path(package.__file__).parent) + os.sep for package in (oakemu_core, oakemu_services))
+_OWN_CODE = tuple(
+    str(Path(package.__file__).parent) + os.sep for package in (oakemu_core, oakemu_services)
+)
 """Where oakemu's own source files are: their frames are left out of a crash shown on the console."""
 
 
@@ -69,12 +74,16 @@ class ChildOutput:
         self._pipe = pipe
         self._lines: deque[str] = deque(maxlen=OUTPUT_LINES_KEPT)
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._copy, name=f"oakemu-output-{log_path.stem}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._copy, name=f"oakemu-output-{log_path.stem}", daemon=True
+        )
         self._thread.start()
 
     def _copy(self) -> None:
         try:
-            fd: int | None = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd: int | None = os.open(
+                self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644
+            )
         except OSError as error:
             fd, self.write_error = None, error.strerror or str(error)
         with self._pipe:
@@ -103,8 +112,14 @@ class ChildOutput:
 class Child:
     """One service process with its log file (its output goes through :class:`ChildOutput`)."""
 
-    def __init__(self, name: str, command: list[str], env: dict[str, str], log_path: Path,
-                 pass_fds: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        name: str,
+        command: list[str],
+        env: dict[str, str],
+        log_path: Path,
+        pass_fds: tuple[int, ...] = (),
+    ) -> None:
         self.name = name
         self.command = command
         self.env = env
@@ -120,7 +135,11 @@ class Child:
     def start(self) -> None:
         # A session of its own: Ctrl-C reaches only the launcher, which then stops children in order.
         self.process = subprocess.Popen(
-            self.command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+            self.command,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
             pass_fds=self.pass_fds,
         )
         assert self.process.stdout is not None
@@ -230,7 +249,7 @@ def crash_traceback(text: str) -> list[str] | None:
         return None
     frames: list[list[str]] = []
     exception = None
-    for line in lines[starts[-1] + 1:]:
+    for line in lines[starts[-1] + 1 :]:
         if line.startswith("  File "):
             frames.append([line])
         elif line.startswith("    ") and frames:
@@ -245,7 +264,9 @@ def crash_traceback(text: str) -> list[str] | None:
         path = frame[0].split('"')[1] if frame[0].count('"') >= 2 else ""
         return path.startswith(_OWN_CODE) or path.startswith("<frozen ")
 
-    kept = frames if not frames or own(frames[-1]) else [frame for frame in frames if not own(frame)]
+    kept = (
+        frames if not frames or own(frames[-1]) else [frame for frame in frames if not own(frame)]
+    )
     left_out = len(frames) - len(kept)
     note = [f"  ({left_out} frames of oakemu left out)"] if left_out else []
     return [_TRACEBACK_START, *note, *(line for frame in kept for line in frame), exception]

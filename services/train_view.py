@@ -22,7 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from oakemu_core.run.checkpoint_paths import CHECKPOINT_DIR_NAME, latest_checkpoint
 from oakemu_core.run.metrics import EVAL_EPISODIC_RETURN, METRICS_FILE_NAME
@@ -45,20 +52,30 @@ def print_line(console: Console, text: str, style: str | None = None) -> None:
 def update_line(snapshot: TelemetrySnapshot) -> str:
     """One line per PPO update: steps, SPS (since start, last 10 s), episodes, mean episodic return,
     losses, actors."""
-    ret = f"{snapshot.episodic_return_mean:8.2f}" if snapshot.episodic_return_mean is not None else "     n/a"
+    ret = (
+        f"{snapshot.episodic_return_mean:8.2f}"
+        if snapshot.episodic_return_mean is not None
+        else "     n/a"
+    )
     losses = (
         f" | pg {snapshot.policy_loss:+.3f} v {snapshot.value_loss:.3f} ent {snapshot.entropy:.3f}"
         if snapshot.policy_loss is not None
         else ""
     )
-    return (f"update {snapshot.iterations:5d} | steps {snapshot.global_step:9d} | SPS {snapshot.sps:6.0f} "
-            f"(recent {snapshot.sps_recent:6.0f}) | episodes {snapshot.episodes:6d} | return {ret}{losses} | "
-            f"actors {snapshot.num_actors}")
+    return (
+        f"update {snapshot.iterations:5d} | steps {snapshot.global_step:9d} | SPS {snapshot.sps:6.0f} "
+        f"(recent {snapshot.sps_recent:6.0f}) | episodes {snapshot.episodes:6d} | return {ret}{losses} | "
+        f"actors {snapshot.num_actors}"
+    )
 
 
 def _live_figures(snapshot: TelemetrySnapshot) -> str:
     """``<SPS> SPS, return <mean>``: the live figures of a progress bar or line."""
-    ret = f"{snapshot.episodic_return_mean:.1f}" if snapshot.episodic_return_mean is not None else "n/a"
+    ret = (
+        f"{snapshot.episodic_return_mean:.1f}"
+        if snapshot.episodic_return_mean is not None
+        else "n/a"
+    )
     return f"{snapshot.sps_recent:.0f} SPS, return {ret}"
 
 
@@ -74,16 +91,26 @@ class BarView:
     def __init__(self, console: Console, total_env_steps: int) -> None:
         self.last_update = -1
         # "trained": env steps PPO trained on, the count the budget is spent by; ETA at the recent rate.
-        columns = (TextColumn("[bold blue]trained"), BarColumn(bar_width=12), MofNCompleteColumn(),
-                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(compact=True),
-                   TextColumn("{task.fields[info]}"))
+        columns = (
+            TextColumn("[bold blue]trained"),
+            BarColumn(bar_width=12),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(compact=True),
+            TextColumn("{task.fields[info]}"),
+        )
         self.progress = Progress(*columns, console=console, transient=False)
         self.progress.start()
-        self.task = self.progress.add_task("train", total=total_env_steps, info="starting learner and actors")
+        self.task = self.progress.add_task(
+            "train", total=total_env_steps, info="starting learner and actors"
+        )
 
     def show(self, snapshot: TelemetrySnapshot) -> None:
         """Move the bar to ``snapshot``; print its update line when it is a new PPO update's."""
-        self.progress.update(self.task, completed=snapshot.trained_env_steps, info=_live_figures(snapshot))
+        self.progress.update(
+            self.task, completed=snapshot.trained_env_steps, info=_live_figures(snapshot)
+        )
         if snapshot.is_update and snapshot.iterations != self.last_update:
             self.last_update = snapshot.iterations
             print_line(self.progress.console, update_line(snapshot))
@@ -103,8 +130,14 @@ class PlainView:
     The ETA assumes the rate of env steps trained over the last :data:`ETA_WINDOW_S` seconds.
     """
 
-    def __init__(self, console: Console, total_env_steps: int, *, period_s: float = PLAIN_PROGRESS_PERIOD_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        console: Console,
+        total_env_steps: int,
+        *,
+        period_s: float = PLAIN_PROGRESS_PERIOD_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.console = console
         self.total = int(total_env_steps)
         self.period_s = float(period_s)
@@ -114,7 +147,9 @@ class PlainView:
         self.last_update = -1
         self.latest: TelemetrySnapshot | None = None
         self.printed: TelemetrySnapshot | None = None
-        self._trained: deque[tuple[float, int]] = deque()  # (time, env steps trained), the last ETA_WINDOW_S
+        self._trained: deque[tuple[float, int]] = (
+            deque()
+        )  # (time, env steps trained), the last ETA_WINDOW_S
 
     def show(self, snapshot: TelemetrySnapshot) -> None:
         """Take ``snapshot``: its update line when it is a new PPO update's, a progress line when due."""
@@ -140,8 +175,10 @@ class PlainView:
         """The progress line at time ``now`` (of the view's clock)."""
         elapsed = format_duration(now - self.started)
         if self.latest is None:
-            return (f"trained 0/{self.total:,} env steps (0%) | elapsed {elapsed} | "
-                    "waiting for the learner's first figures")
+            return (
+                f"trained 0/{self.total:,} env steps (0%) | elapsed {elapsed} | "
+                "waiting for the learner's first figures"
+            )
         trained = self.latest.trained_env_steps
         percent = 100.0 * trained / self.total if self.total else 100.0
         (t0, s0), (t1, s1) = self._trained[0], self._trained[-1]
@@ -149,8 +186,10 @@ class PlainView:
         eta = format_duration(max(0, self.total - trained) / rate) if rate > 0 else "n/a"
         if trained >= self.total:
             eta = format_duration(0)
-        return (f"trained {trained:,}/{self.total:,} env steps ({percent:.0f}%) | elapsed {elapsed} | ETA {eta} | "
-                f"{_live_figures(self.latest)}")
+        return (
+            f"trained {trained:,}/{self.total:,} env steps ({percent:.0f}%) | elapsed {elapsed} | ETA {eta} | "
+            f"{_live_figures(self.latest)}"
+        )
 
     def close(self) -> None:
         """A last progress line when the figures changed since the last one printed."""
@@ -211,12 +250,20 @@ def final_update_line(records: list[dict[str, Any]]) -> tuple[int, str] | None:
         return format(value, spec) if isinstance(value, (int, float)) else missing
 
     update = int(last["charts/update"])
-    losses = (f" | pg {figure('losses/policy_loss', '+.3f')} v {figure('losses/value_loss', '.3f')} "
-              f"ent {figure('losses/entropy', '.3f')}") if "losses/policy_loss" in last else ""
-    return update, (f"update {update:5d} | steps {int(last['global_step']):9d} | SPS {figure('charts/SPS', '6.0f')} "
-                    f"(recent {figure('charts/SPS_recent', '6.0f')}) | return "
-                    f"{figure('charts/episodic_return', '8.2f', '     n/a')}{losses} | actors "
-                    f"{figure('charts/actors', '.0f')} (final, metrics.jsonl)")
+    losses = (
+        (
+            f" | pg {figure('losses/policy_loss', '+.3f')} v {figure('losses/value_loss', '.3f')} "
+            f"ent {figure('losses/entropy', '.3f')}"
+        )
+        if "losses/policy_loss" in last
+        else ""
+    )
+    return update, (
+        f"update {update:5d} | steps {int(last['global_step']):9d} | SPS {figure('charts/SPS', '6.0f')} "
+        f"(recent {figure('charts/SPS_recent', '6.0f')}) | return "
+        f"{figure('charts/episodic_return', '8.2f', '     n/a')}{losses} | actors "
+        f"{figure('charts/actors', '.0f')} (final, metrics.jsonl)"
+    )
 
 
 def _evaluation_text(record: dict[str, Any]) -> str:
@@ -261,15 +308,24 @@ def end_lines(run_dir: Path, records: list[dict[str, Any]], *, resumable: bool) 
         final = evaluations[-1]
         best = max(evaluations, key=lambda r: r[EVAL_EPISODIC_RETURN])
         kept = f": {best_file}" if best_file.is_file() else ""
-        lines.append(f"evaluation: final {_evaluation_text(final)}, best {_evaluation_text(best)}{kept}")
-        videos = {"best": _video(run_dir, "best.mp4", best), "final": _video(run_dir, "final.mp4", final)}
+        lines.append(
+            f"evaluation: final {_evaluation_text(final)}, best {_evaluation_text(best)}{kept}"
+        )
+        videos = {
+            "best": _video(run_dir, "best.mp4", best),
+            "final": _video(run_dir, "final.mp4", final),
+        }
         if videos["best"] == videos["final"]:
             videos.pop("final")
         named = [f"{which} {path}" for which, path in videos.items() if path is not None]
         if named:
             lines.append(f"videos: {', '.join(named)}")
     checkpoint = policy_checkpoint(run_dir)
-    commands = [f"oakemu evaluate {checkpoint}", f"oakemu export {checkpoint} DIR"] if checkpoint is not None else []
+    commands = (
+        [f"oakemu evaluate {checkpoint}", f"oakemu export {checkpoint} DIR"]
+        if checkpoint is not None
+        else []
+    )
     commands.append(f"tensorboard --logdir {run_dir.parent}")
     if resumable:
         commands.insert(0, f"oakemu train --resume {run_dir}")

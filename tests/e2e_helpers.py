@@ -29,12 +29,18 @@ from typing import Any, TypeVar
 
 import pytest
 
-from oakemu_core.shared_memory import SEGMENT_PREFIX, parse_segment_owner
 from oakemu_core.run.telemetry import TelemetrySnapshot, TelemetrySubscriber
+from oakemu_core.shared_memory import SEGMENT_PREFIX, parse_segment_owner
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHM_DIR = Path("/dev/shm")
-PORT_FLAGS = ("--data-port", "--control-port", "--weights-port", "--telemetry-port", "--metrics-port")
+PORT_FLAGS = (
+    "--data-port",
+    "--control-port",
+    "--weights-port",
+    "--telemetry-port",
+    "--metrics-port",
+)
 
 T = TypeVar("T")
 
@@ -55,7 +61,11 @@ class Ports:
         learner or ``oakemu train``; an actor's three (``role="actor"``: data, control, weights)."""
         values = (self.data, self.control, self.weights, self.telemetry, self.metrics)
         count = 3 if role == "actor" else 5
-        return [item for flag, port in list(zip(PORT_FLAGS, values))[:count] for item in (flag, str(port))]
+        return [
+            item
+            for flag, port in list(zip(PORT_FLAGS, values))[:count]
+            for item in (flag, str(port))
+        ]
 
     @property
     def telemetry_address(self) -> str:
@@ -115,7 +125,7 @@ def _proc_stat(pid: int) -> tuple[int, int] | None:
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
     # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-    fields = text[text.rindex(")") + 2:].split()
+    fields = text[text.rindex(")") + 2 :].split()
     if fields[0] == "Z":  # zombie: exited, waiting to be reaped
         return None
     return int(fields[1]), int(fields[19])
@@ -150,7 +160,9 @@ def segments_of(pids: set[int]) -> list[str]:
     if not SHM_DIR.is_dir():
         return []
     return sorted(
-        path.name for path in SHM_DIR.glob(f"{SEGMENT_PREFIX}*") if parse_segment_owner(path.name) in pids
+        path.name
+        for path in SHM_DIR.glob(f"{SEGMENT_PREFIX}*")
+        if parse_segment_owner(path.name) in pids
     )
 
 
@@ -158,7 +170,9 @@ def segments_of(pids: set[int]) -> list[str]:
 class ServiceProcess:
     """One started ``python -m oakemu_services.cli ...`` process and its output files."""
 
-    def __init__(self, name: str, args: list[str], popen: subprocess.Popen[bytes], stdout: Path, stderr: Path) -> None:
+    def __init__(
+        self, name: str, args: list[str], popen: subprocess.Popen[bytes], stdout: Path, stderr: Path
+    ) -> None:
         self.name = name
         self.args = args
         self.popen = popen
@@ -196,8 +210,10 @@ class ServiceProcess:
         """Command, exit status and the last ``lines`` lines of stdout and stderr (for failure messages)."""
         tail_out = "\n".join(self.stdout().splitlines()[-lines:])
         tail_err = "\n".join(self.stderr().splitlines()[-lines:])
-        return (f"--- {self.name}: {' '.join(self.args)} (status {self.popen.poll()})\n"
-                f"--- stdout:\n{tail_out}\n--- stderr:\n{tail_err}")
+        return (
+            f"--- {self.name}: {' '.join(self.args)} (status {self.popen.poll()})\n"
+            f"--- stdout:\n{tail_out}\n--- stderr:\n{tail_err}"
+        )
 
 
 # ------------------------------------------------------------------------------------- files
@@ -227,8 +243,14 @@ def only_run_dir(runs_dir: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------------ waiting
-def wait_for(predicate: Callable[[], T], timeout_s: float, what: str, *, interval_s: float = 0.2,
-             on_timeout: Callable[[], str] | None = None) -> T:
+def wait_for(
+    predicate: Callable[[], T],
+    timeout_s: float,
+    what: str,
+    *,
+    interval_s: float = 0.2,
+    on_timeout: Callable[[], str] | None = None,
+) -> T:
     """Poll ``predicate`` until it returns a truthy value (returned); AssertionError naming ``what`` on timeout."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -248,12 +270,19 @@ class Telemetry:
         self.subscriber = TelemetrySubscriber(address)
         self.latest: TelemetrySnapshot | None = None
 
-    def wait(self, predicate: Callable[[TelemetrySnapshot], bool], timeout_s: float, what: str,
-             on_timeout: Callable[[], str] | None = None) -> TelemetrySnapshot:
+    def wait(
+        self,
+        predicate: Callable[[TelemetrySnapshot], bool],
+        timeout_s: float,
+        what: str,
+        on_timeout: Callable[[], str] | None = None,
+    ) -> TelemetrySnapshot:
         """Read snapshots until one satisfies ``predicate`` (returned); AssertionError on timeout."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            snapshot = self.subscriber.receive(timeout_s=min(1.0, max(0.05, deadline - time.monotonic())))
+            snapshot = self.subscriber.receive(
+                timeout_s=min(1.0, max(0.05, deadline - time.monotonic()))
+            )
             if snapshot is None:
                 continue
             self.latest = snapshot
@@ -261,7 +290,9 @@ class Telemetry:
                 return snapshot
         extra = on_timeout() if on_timeout is not None else ""
         latest = self.latest.model_dump() if self.latest is not None else None
-        raise AssertionError(f"timed out after {timeout_s} s waiting for telemetry: {what}; latest {latest}\n{extra}")
+        raise AssertionError(
+            f"timed out after {timeout_s} s waiting for telemetry: {what}; latest {latest}\n{extra}"
+        )
 
     def close(self) -> None:
         self.subscriber.close()
@@ -301,11 +332,15 @@ class E2EProcesses:
         self._seen: dict[int, int] = {}  # pid -> start time of every tracked process and descendant
         self._lock = threading.Lock()
         self._stop_scan = threading.Event()
-        self._scanner = threading.Thread(target=self._scan_loop, name="e2e-descendants", daemon=True)
+        self._scanner = threading.Thread(
+            target=self._scan_loop, name="e2e-descendants", daemon=True
+        )
         self._scanner.start()
 
     # -- starting ---------------------------------------------------------------------------
-    def start(self, name: str, args: Sequence[str], *, env: dict[str, str] | None = None) -> ServiceProcess:
+    def start(
+        self, name: str, args: Sequence[str], *, env: dict[str, str] | None = None
+    ) -> ServiceProcess:
         """Start ``python -m oakemu_services.cli *args`` in its own session; output to ``tmp_path/<name>.{stdout,stderr}``."""
         child_env = {k: v for k, v in os.environ.items() if not k.startswith("OAKEMU_")}
         child_env["PYTHONUNBUFFERED"] = "1"
@@ -315,7 +350,12 @@ class E2EProcesses:
         command = [sys.executable, "-m", "oakemu_services.cli", *args]
         with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
             popen = subprocess.Popen(
-                command, cwd=REPO_ROOT, env=child_env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                command,
+                cwd=REPO_ROOT,
+                env=child_env,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
         process = ServiceProcess(name, list(args), popen, stdout_path, stderr_path)
@@ -341,18 +381,35 @@ class E2EProcesses:
         self._resources.callback(callback, *args, **kwargs)
 
     # -- running to the end ------------------------------------------------------------------
-    def train(self, args: Sequence[str], *, timeout_s: float, name: str = "train", ports: Ports | None = None,
-              runs_dir: Path | None = None, exit_timeout_s: float = 5.0) -> FinishedRun:
+    def train(
+        self,
+        args: Sequence[str],
+        *,
+        timeout_s: float,
+        name: str = "train",
+        ports: Ports | None = None,
+        runs_dir: Path | None = None,
+        exit_timeout_s: float = 5.0,
+    ) -> FinishedRun:
         """Run ``oakemu train *args`` with the port and runs-folder flags to its end, then :meth:`finish` it.
 
         The runs folder (``runs_dir``, default this test's) must end up holding exactly one run folder.
         """
         runs_dir = runs_dir or self.runs_dir
         process = self.start(name, ["train", *args, *common_flags(ports or self.ports, runs_dir)])
-        return self.finish(process, timeout_s=timeout_s, runs_dir=runs_dir, exit_timeout_s=exit_timeout_s)
+        return self.finish(
+            process, timeout_s=timeout_s, runs_dir=runs_dir, exit_timeout_s=exit_timeout_s
+        )
 
-    def finish(self, process: ServiceProcess, *, timeout_s: float, run_dir: Path | None = None,
-               runs_dir: Path | None = None, exit_timeout_s: float = 5.0) -> FinishedRun:
+    def finish(
+        self,
+        process: ServiceProcess,
+        *,
+        timeout_s: float,
+        run_dir: Path | None = None,
+        runs_dir: Path | None = None,
+        exit_timeout_s: float = 5.0,
+    ) -> FinishedRun:
         """Wait for a run's launcher and check how it ended.
 
         Asserts: ``process`` exits 0 within ``timeout_s`` (else the message holds its output and the
@@ -403,7 +460,12 @@ class E2EProcesses:
             stat = _proc_stat(pid)
             if stat is not None and stat[1] == start:
                 try:
-                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                    cmdline = (
+                        Path(f"/proc/{pid}/cmdline")
+                        .read_bytes()
+                        .replace(b"\0", b" ")
+                        .decode(errors="replace")
+                    )
                 except OSError:
                     cmdline = "?"
                 running.append((pid, cmdline.strip()))

@@ -56,7 +56,10 @@ def make_gameboy_test_env(max_episode_steps: int | None = None, **_: Any) -> gym
     """The Game Boy test env (what ``gymnasium.make("OakEmuGameBoyTest-v0")`` builds)."""
     rom, settings = test_files()
     return make_emulator_env(
-        f"gameboy:{rom}", max_episode_steps=max_episode_steps, settings_file=str(settings), seed=None
+        f"gameboy:{rom}",
+        max_episode_steps=max_episode_steps,
+        settings_file=str(settings),
+        seed=None,
     )
 
 

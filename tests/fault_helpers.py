@@ -23,8 +23,12 @@ def mount_tmpfs(path: Path, size_bytes: int = TMPFS_BYTES) -> bool:
     path.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:
         return False
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(path)],
-                            capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     return result.returncode == 0
 
 

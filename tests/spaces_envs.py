@@ -152,7 +152,9 @@ class MaskedMultiDiscreteEnv(MultiDiscreteTargetEnv):
     def _reward(self, action: Any) -> float:
         action = np.asarray(action).reshape(2)
         if not (self.mask[action[0]] and self.mask[NVEC[0] + action[1]]):
-            raise RuntimeError(f"MaskedMultiDiscrete-v0: masked action {action.tolist()} taken (mask {self.mask.tolist()})")
+            raise RuntimeError(
+                f"MaskedMultiDiscrete-v0: masked action {action.tolist()} taken (mask {self.mask.tolist()})"
+            )
         return super()._reward(action)
 
 

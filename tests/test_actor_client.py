@@ -31,6 +31,7 @@ from oakemu_core.config import OakEmuConfig
 from oakemu_core.envs import env_spec
 from oakemu_core.policy.models import build_model, weights_to_arrays
 from oakemu_core.policy.schemas import schema_for_env
+from oakemu_core.transport import keepalive
 from oakemu_core.transport.control import (
     ACTOR_ID_IN_USE,
     HeartbeatReply,
@@ -46,7 +47,6 @@ from oakemu_core.transport.control import (
     encode_stop,
     encode_weights,
 )
-from oakemu_core.transport import keepalive
 from oakemu_core.transport.step_ring import StepRing, StepRings
 from oakemu_core.transport.steps import StepSpec
 from tests.test_wire import ATARI_SPEC
@@ -88,7 +88,9 @@ def accepted(**changes: Any) -> JoinReply:
     return replace(JoinReply(True, "", 3, ATARI_SPEC, {"env_id": "X", "seed": 1}, 5), **changes)
 
 
-def learner_client(control: ScriptedControl, patience_s: float = 10.0) -> tuple[LearnerClient, Recorder]:
+def learner_client(
+    control: ScriptedControl, patience_s: float = 10.0
+) -> tuple[LearnerClient, Recorder]:
     silence = Recorder()
     return LearnerClient(control, REQUEST, patience_s=patience_s, silence=silence), silence
 
@@ -117,18 +119,24 @@ def test_a_refused_join_is_a_setup_error_and_a_stop_interrupts_the_wait() -> Non
         learner_client(ScriptedControl())[0].join(stop, Recorder())
 
 
-def test_a_join_refused_because_the_id_is_in_use_is_asked_again(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_join_refused_because_the_id_is_in_use_is_asked_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The learner still holds the id for this actor's previous process (until it times out): the
     actor asks again with the same incarnation instead of giving up as for other refusals."""
     monkeypatch.setattr(client, "REQUEST_TIMEOUT_S", 0.01)
-    in_use = JoinReply(False, f"{ACTOR_ID_IN_USE} (until that actor leaves or times out)", -1, None, {}, 0)
+    in_use = JoinReply(
+        False, f"{ACTOR_ID_IN_USE} (until that actor leaves or times out)", -1, None, {}, 0
+    )
     control = ScriptedControl(in_use, in_use, accepted())
     learner, _ = learner_client(control)
     assert learner.join(threading.Event(), Recorder()).accepted
     assert len(control.requests) == 3 and len({r.incarnation for r in control.requests}) == 1
 
 
-def test_a_learner_that_never_answers_a_join_is_unreachable(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_learner_that_never_answers_a_join_is_unreachable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The error names the address, and where a connection was made but nothing answered, the likely
     cause (a learner older than the actor drops its requests unanswered)."""
     monkeypatch.setattr(client, "JOIN_PATIENCE_S", 0.0)
@@ -146,13 +154,16 @@ def wait_reply(reason: str, retry_after_s: float) -> JoinReply:
 
 
 def test_a_join_told_to_wait_logs_why_instead_of_no_answer_and_asks_again(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """A synchronous learner holding the join for its planned actors answers "waiting for N more
     actors (up to 30 s)" (retry_after_s 0): the actor logs that reason once (not every answer), reports
     no attempt to reach a silent learner after the first, asks again with the same incarnation at once,
     and the answers do not count against its patience (here 0 s)."""
     monkeypatch.setattr(client, "JOIN_PATIENCE_S", 0.0)
-    waiting = wait_reply("mode='sync': waiting for 1 more actor(s) to join (up to 30 s, 29 s left)", 0.0)
+    waiting = wait_reply(
+        "mode='sync': waiting for 1 more actor(s) to join (up to 30 s, 29 s left)", 0.0
+    )
     control = ScriptedControl(*[waiting] * 5, accepted())
     learner, _ = learner_client(control, patience_s=0.0)
     reporter = Recorder()
@@ -161,8 +172,10 @@ def test_a_join_told_to_wait_logs_why_instead_of_no_answer_and_asks_again(
     assert len(control.requests) == 6 and len({r.incarnation for r in control.requests}) == 1
     assert reporter.attempts == 1, "the learner answered every ask: nothing to report as silence"
     said = [r.getMessage() for r in caplog.records if "waiting for 1 more actor" in r.getMessage()]
-    assert said == ["actor actor-0: the learner answered: mode='sync': waiting for 1 more actor(s) to join "
-                    "(up to 30 s, 29 s left)"]
+    assert said == [
+        "actor actor-0: the learner answered: mode='sync': waiting for 1 more actor(s) to join "
+        "(up to 30 s, 29 s left)"
+    ]
 
 
 def test_a_join_of_a_host_over_its_join_rate_backs_off_for_the_time_the_learner_names() -> None:
@@ -179,7 +192,9 @@ def test_a_join_of_a_host_over_its_join_rate_backs_off_for_the_time_the_learner_
     learner, _ = learner_client(control)
     assert learner.join(threading.Event(), Recorder()).accepted
     gaps = [b - a for a, b in zip(asked_at, asked_at[1:])]
-    assert len(gaps) == 2 and all(0.2 <= gap < 0.2 * (1 + client.RETRY_JITTER) + 0.2 for gap in gaps), gaps
+    assert len(gaps) == 2 and all(
+        0.2 <= gap < 0.2 * (1 + client.RETRY_JITTER) + 0.2 for gap in gaps
+    ), gaps
 
 
 def test_fetch_weights_asks_on_the_control_socket_and_returns_only_weights() -> None:
@@ -200,7 +215,12 @@ def test_heartbeats_report_silence_and_give_up_after_the_patience() -> None:
     assert learner.heartbeat(4, 5, 100.0, 2.0, 1) == HeartbeatReply("ok", 7)
     sent = control.requests[-1]
     assert (sent.incarnation, sent.seq, sent.policy_version, sent.policy_lag, sent.episodes) == (
-        learner.incarnation, 4, 5, 2.0, 1)
+        learner.incarnation,
+        4,
+        5,
+        2.0,
+        1,
+    )
     assert learner.heartbeat(5, 5, 100.0, 2.0, 1) is None and silence.attempts == 1
     time.sleep(0.3)
     with pytest.raises(LearnerUnreachable, match="silent"):
@@ -226,7 +246,9 @@ def test_the_offered_ring_is_attached_when_reachable_else_the_arrays_go_inline()
         ring = learner.attach_ring(accepted(step_ring=offer))
         assert isinstance(ring, StepRing) and ring.slots == offer.slots
         ring.close()
-        elsewhere = StepRingOffer(f"{offer.name}x", offer.token, offer.slots)  # as in another /dev/shm
+        elsewhere = StepRingOffer(
+            f"{offer.name}x", offer.token, offer.slots
+        )  # as in another /dev/shm
         assert learner.attach_ring(accepted(step_ring=elsewhere)) is None
     finally:
         rings.close()
@@ -241,7 +263,9 @@ def test_the_control_channel_decodes_replies_and_keeps_its_socket_after_a_timeou
 
     def serve() -> None:
         for answer in answers:
-            *envelope, _ = router.recv_multipart()  # [routing id, request id, empty]: echoed as the learner does
+            *envelope, _ = (
+                router.recv_multipart()
+            )  # [routing id, request id, empty]: echoed as the learner does
             envelopes.append(envelope)
             router.send_multipart([*envelope, answer])
 
@@ -279,16 +303,24 @@ def test_a_reply_to_an_unanswered_request_is_dropped_and_the_newest_is_answered(
         *first, body = router.recv_multipart()
         assert body == b"unanswered"
         replies: list[Any] = []
-        asker = threading.Thread(target=lambda: replies.append(control.request(b"again", timeout_s=5.0)))
+        asker = threading.Thread(
+            target=lambda: replies.append(control.request(b"again", timeout_s=5.0))
+        )
         asker.start()
         assert router.poll(5000)
         *second, body = router.recv_multipart()
         assert body == b"again"
-        router.send_multipart([*first, encode_heartbeat_reply(HeartbeatReply("stop", 1))])  # late: dropped
+        router.send_multipart(
+            [*first, encode_heartbeat_reply(HeartbeatReply("stop", 1))]
+        )  # late: dropped
         router.send_multipart([*second, encode_heartbeat_reply(HeartbeatReply("ok", 2))])
         asker.join()
         assert replies == [HeartbeatReply("ok", 2)]
-        assert first[0] == second[0] == control.routing_id and len(first[0]) == 16 and first[1] != second[1]
+        assert (
+            first[0] == second[0] == control.routing_id
+            and len(first[0]) == 16
+            and first[1] != second[1]
+        )
         assert ControlChannel(context, "inproc://control-ids", MAX_BYTES).routing_id != first[0]
     finally:
         control.close()
@@ -311,7 +343,9 @@ def free_tcp_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_joins_asked_while_the_learner_is_bound_but_busy_all_come_from_the_actors_connection() -> None:
+def test_joins_asked_while_the_learner_is_bound_but_busy_all_come_from_the_actors_connection() -> (
+    None
+):
     """A learner that binds its sockets before a slow start (a GPU's initialisation, a checkpoint)
     reads the join asked several times at once: every copy comes from the actor's one connection, so
     the peer binding takes each (no impersonation) and the actor gets the answer to its newest copy."""
@@ -324,9 +358,13 @@ def test_joins_asked_while_the_learner_is_bound_but_busy_all_come_from_the_actor
     router.setsockopt(zmq.ROUTER_HANDOVER, 1)
     address = f"tcp://127.0.0.1:{free_tcp_port()}"
     router.bind(address)
-    learner = LearnerClient(QuickControl(context, address, MAX_BYTES), REQUEST, patience_s=10.0, silence=Recorder())
+    learner = LearnerClient(
+        QuickControl(context, address, MAX_BYTES), REQUEST, patience_s=10.0, silence=Recorder()
+    )
     replies: list[JoinReply] = []
-    joiner = threading.Thread(target=lambda: replies.append(learner.join(threading.Event(), Recorder())))
+    joiner = threading.Thread(
+        target=lambda: replies.append(learner.join(threading.Event(), Recorder()))
+    )
     try:
         joiner.start()
         time.sleep(0.8)  # busy: the join is asked again every 0.1 s meanwhile
@@ -335,7 +373,9 @@ def test_joins_asked_while_the_learner_is_bound_but_busy_all_come_from_the_actor
             parts = router.recv_multipart(copy=False)
             assert is_request_envelope(parts)
             request = decode_message(parts[-1].bytes, max_bytes=MAX_BYTES)
-            assert peers.bind(request.actor_id, request.incarnation, peers.connection(parts[0], parts[-1]))
+            assert peers.bind(
+                request.actor_id, request.incarnation, peers.connection(parts[0], parts[-1])
+            )
             answered += 1
             router.send_multipart([*parts[:-1], encode_join_reply(accepted(actor_index=answered))])
             time.sleep(0.01)  # the joiner may take the answer before the next copy is read
@@ -356,9 +396,13 @@ def test_no_request_piles_up_while_no_learner_listens() -> None:
 
     context = zmq.Context()
     address = f"tcp://127.0.0.1:{free_tcp_port()}"
-    learner = LearnerClient(QuickControl(context, address, MAX_BYTES), REQUEST, patience_s=10.0, silence=Recorder())
+    learner = LearnerClient(
+        QuickControl(context, address, MAX_BYTES), REQUEST, patience_s=10.0, silence=Recorder()
+    )
     replies: list[JoinReply] = []
-    joiner = threading.Thread(target=lambda: replies.append(learner.join(threading.Event(), Recorder())))
+    joiner = threading.Thread(
+        target=lambda: replies.append(learner.join(threading.Event(), Recorder()))
+    )
     router = context.socket(zmq.ROUTER)
     try:
         joiner.start()
@@ -430,7 +474,9 @@ class FreezingProxy:
                 sock.close()
 
 
-def test_the_control_channel_heals_a_connection_that_went_silent(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_control_channel_heals_a_connection_that_went_silent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A control connection that stops carrying bytes without closing (a half-open path) answers no
     connection heartbeat: it is closed and made again, and the next request is answered through the
     new one instead of the actor waiting until TCP gives up."""
@@ -503,8 +549,15 @@ def cartpole_reply(schema: Any = None, **env_config: Any) -> JoinReply:
     schema = schema or schema_for_env(spec)
     torch.manual_seed(0)
     weights = weights_to_arrays(build_model(spec.observation_layout, schema.distribution))
-    config = {"env_id": "CartPole-v1", "seed": 1, "clip_rewards": False, "max_episode_steps": None,
-              "emulator_settings": None, "normalize_observations": False, **env_config}
+    config = {
+        "env_id": "CartPole-v1",
+        "seed": 1,
+        "clip_rewards": False,
+        "max_episode_steps": None,
+        "emulator_settings": None,
+        "normalize_observations": False,
+        **env_config,
+    }
     return JoinReply(True, "", 0, StepSpec(2, schema), config, 4, weights)
 
 
@@ -526,7 +579,9 @@ def test_a_join_reply_sets_up_envs_model_and_stepper() -> None:
 def test_a_join_reply_the_actor_cannot_serve_is_a_setup_error() -> None:
     with pytest.raises(ActorSetupError, match="step fields"):
         make_envs(OakEmuConfig(envs_per_actor=2), cartpole_reply(schema=ATARI_SPEC.schema))
-    reply = cartpole_reply(route_scripted_policy="no_such_module:policy", route_scripted_probability=0.5)
+    reply = cartpole_reply(
+        route_scripted_policy="no_such_module:policy", route_scripted_probability=0.5
+    )
     env = make_envs(OakEmuConfig(envs_per_actor=2), reply)
     try:
         with pytest.raises(ActorSetupError, match="policy routing"):

@@ -21,15 +21,25 @@ class Weights:
 
 def stub(held_rows_after: list[int]) -> SimpleNamespace:
     """What ``_wait_for_weights_newer_than`` reads: each heartbeat reports the next held-row count."""
-    actor = SimpleNamespace(stop_event=threading.Event(), policy_version=3, learner_version=3, actor_id="a",
-                            weights_sub=Weights(), learner_holds_rows=held_rows_after[0], heartbeats=0)
+    actor = SimpleNamespace(
+        stop_event=threading.Event(),
+        policy_version=3,
+        learner_version=3,
+        actor_id="a",
+        weights_sub=Weights(),
+        learner_holds_rows=held_rows_after[0],
+        heartbeats=0,
+    )
     actor._poll_weights = lambda: False
     actor._load_held_weights = lambda: None  # none held: asynchronous mode
 
     def heartbeat_if_due() -> None:
         actor.heartbeats += 1
         if actor.heartbeats % 5 == 0:  # one "reply" every 5 polls of 20 ms
-            actor.learner_holds_rows = held_rows_after[min(actor.heartbeats // 5, len(held_rows_after) - 1)]
+            actor.learner_holds_rows = held_rows_after[
+                min(actor.heartbeats // 5, len(held_rows_after) - 1)
+            ]
+
     actor.heartbeat_if_due = heartbeat_if_due
     return actor
 
@@ -45,5 +55,7 @@ def test_the_wait_goes_on_while_the_learner_holds_steps_of_this_actor() -> None:
     actor = stub([32, 32, 32, 32, 32, 0])  # held for ~0.5 s, then drained
     started = time.monotonic()
     assert Actor._wait_for_weights_newer_than(actor, 3, give_up_s=0.1) is False
-    assert time.monotonic() - started >= 0.4, "gave up while the learner still held this actor's steps"
+    assert time.monotonic() - started >= 0.4, (
+        "gave up while the learner still held this actor's steps"
+    )
     assert actor.learner_holds_rows == 0

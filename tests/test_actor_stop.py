@@ -15,7 +15,13 @@ import pytest
 import zmq
 
 from oakemu_core.config import OakEmuConfig
-from oakemu_core.transport.control import JoinReply, StopNotice, WeightsMessage, encode_stop, encode_weights
+from oakemu_core.transport.control import (
+    JoinReply,
+    StopNotice,
+    WeightsMessage,
+    encode_stop,
+    encode_weights,
+)
 from tests.e2e_helpers import free_ports
 
 
@@ -42,7 +48,9 @@ def weights() -> Iterator[Weights]:
     from oakemu_services.actor import Actor
 
     data, control, port = free_ports(3)
-    actor = Actor(OakEmuConfig(data_port=data, control_port=control, weights_port=port), threading.Event())
+    actor = Actor(
+        OakEmuConfig(data_port=data, control_port=control, weights_port=port), threading.Event()
+    )
     publisher = actor.context.socket(zmq.PUB)
     try:
         publisher.bind(f"inproc://weights-{port}")
@@ -87,7 +95,8 @@ def test_a_stop_notice_on_the_weights_channel_stops_the_actor(weights: Weights) 
 
 
 def test_a_synchronous_actor_waiting_inside_its_segment_hears_the_stop_and_keeps_new_weights_for_the_end(
-        weights: Weights) -> None:
+    weights: Weights,
+) -> None:
     """Synchronous mode: a wait inside a segment (a full step ring, back-pressure) ends at a stop
     notice, not at the next heartbeat a second later; weights read there are loaded only when the
     segment ends, so one version acts on the whole segment."""
@@ -113,8 +122,15 @@ def test_weights_held_in_a_segment_are_dropped_when_the_actor_joins_again(weight
     assert actor.held_weights is not None and actor.held_weights.policy_version == 101
 
     # The learner crashes and is restarted from its checkpoint at version 95; the actor rejoins.
-    reply = JoinReply(True, "", 0, SimpleNamespace(steps_per_message=1),
-                      {"mode": "sync", "rollout_length": 32, "env_id": "CartPole-v1", "seed": 1}, 95, {})
+    reply = JoinReply(
+        True,
+        "",
+        0,
+        SimpleNamespace(steps_per_message=1),
+        {"mode": "sync", "rollout_length": 32, "env_id": "CartPole-v1", "seed": 1},
+        95,
+        {},
+    )
     actor.client.join = lambda stop, reporter: reply
     actor.client.attach_ring = lambda reply: None
     actor._open_channel = lambda spec, ring: None
@@ -123,5 +139,7 @@ def test_weights_held_in_a_segment_are_dropped_when_the_actor_joins_again(weight
 
     # End of the first segment after the rejoin (acted by v95): the actor waits for v96.
     actor._wait_for_weights_newer_than(95, give_up_s=0.2)
-    assert actor.policy_version != 101, f"loaded the dead learner's held v101 (loads: {weights.loaded})"
+    assert actor.policy_version != 101, (
+        f"loaded the dead learner's held v101 (loads: {weights.loaded})"
+    )
     assert actor.held_weights is None

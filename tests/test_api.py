@@ -13,9 +13,8 @@ import oakemu_core
 from oakemu_core.envs import env_spec
 from oakemu_core.errors import CheckpointError, ConfigError
 from oakemu_core.policy.models import build_model
-from oakemu_core.run.checkpoint import save_run_checkpoint
 from oakemu_core.policy.schemas import schema_for_env
-
+from oakemu_core.run.checkpoint import save_run_checkpoint
 
 pytestmark = pytest.mark.usefixtures("no_oakemu_variables")
 
@@ -26,8 +25,15 @@ def _checkpoint(run_dir: Path, env_id: str) -> Path:
     schema = schema_for_env(spec)
     torch.manual_seed(0)
     model = build_model(spec.observation_layout, schema.distribution)
-    return save_run_checkpoint(run_dir, 1, {"model": model.state_dict(), "config": {"env_id": env_id},
-                                            "env": {"env_id": env_id, "schema": schema.to_dict()}})
+    return save_run_checkpoint(
+        run_dir,
+        1,
+        {
+            "model": model.state_dict(),
+            "config": {"env_id": env_id},
+            "env": {"env_id": env_id, "schema": schema.to_dict()},
+        },
+    )
 
 
 def test_a_loaded_policy_acts_with_valid_actions_one_or_a_batch(tmp_path: Path) -> None:
@@ -47,14 +53,18 @@ def test_masked_actions_are_never_chosen(tmp_path: Path) -> None:
     _checkpoint(tmp_path / "run", "Taxi-v4")
     policy = oakemu_core.load_policy(tmp_path / "run")
     assert policy.action_mask_width == 6
-    observation = np.eye(500, dtype=np.float32)[123]  # Taxi's state 123, one-hot as the env adapter gives it
+    observation = np.eye(500, dtype=np.float32)[
+        123
+    ]  # Taxi's state 123, one-hot as the env adapter gives it
     for allowed in range(6):
         mask = np.arange(6) == allowed
         assert policy.act(observation, mask) == allowed
         torch.manual_seed(allowed)
         sampled = policy.act(np.stack([observation] * 200), np.stack([mask] * 200), greedy=False)
         assert set(sampled.tolist()) == {allowed}
-    unmasked = policy.act(np.stack([observation] * 200), greedy=False)  # no mask: every action allowed
+    unmasked = policy.act(
+        np.stack([observation] * 200), greedy=False
+    )  # no mask: every action allowed
     assert set(unmasked.tolist()) <= set(range(6)) and len(set(unmasked.tolist())) > 1
 
 
@@ -69,7 +79,9 @@ def test_load_policy_of_something_else_is_a_checkpoint_error(tmp_path: Path) -> 
 def test_train_refuses_a_config_and_a_preset_together_and_unknown_settings() -> None:
     with pytest.raises(ConfigError, match="config or preset"):
         oakemu_core.train(oakemu_core.make_config(), preset="cartpole")
-    with pytest.raises(ConfigError, match="lerning_rate: unknown setting .*did you mean 'learning_rate'"):
+    with pytest.raises(
+        ConfigError, match="lerning_rate: unknown setting .*did you mean 'learning_rate'"
+    ):
         oakemu_core.train(preset="cartpole", lerning_rate=1e-3)
 
 
@@ -92,13 +104,21 @@ def test_train_a_preset_from_python_returns_a_run_that_beats_random_play(tmp_pat
     (annealed over so short a budget it halves what the run learns: 126.8 / 160.4): measured final
     evaluations 216.8 (seed 1) and 437.8 (seed 2) against about 22 for random play; a run that does not
     learn stays near 22."""
-    run = oakemu_core.train(preset="cartpole", total_env_steps=12_288, mode="sync", anneal_lr=False,
-                            runs_dir=tmp_path / "runs")
+    run = oakemu_core.train(
+        preset="cartpole",
+        total_env_steps=12_288,
+        mode="sync",
+        anneal_lr=False,
+        runs_dir=tmp_path / "runs",
+    )
     assert run.exit_status == 0 and run.updates == 12_288 // 256
     assert run.final_evaluation is not None and run.best_evaluation is not None
     assert run.final_evaluation > 4 * _random_return(), run
     assert run.best_evaluation >= run.final_evaluation
-    assert run.latest_checkpoint is not None and run.latest_checkpoint.parent == run.run_dir / "checkpoints"
+    assert (
+        run.latest_checkpoint is not None
+        and run.latest_checkpoint.parent == run.run_dir / "checkpoints"
+    )
     policy = run.load_policy(best=True)
     observation, _ = gymnasium.make("CartPole-v1").reset(seed=0)
     assert int(policy.act(observation)) in (0, 1)
@@ -119,11 +139,20 @@ def test_a_callback_stops_training_early_quietly_and_train_returns_the_run(
             return info.update < 3
 
     before = _children_now()
-    run = oakemu_core.train(preset="cartpole", total_env_steps=1_024_000, runs_dir=tmp_path / "runs",
-                            callbacks=[StopAfterThreeUpdates(), seen.append], verbose=0)
+    run = oakemu_core.train(
+        preset="cartpole",
+        total_env_steps=1_024_000,
+        runs_dir=tmp_path / "runs",
+        callbacks=[StopAfterThreeUpdates(), seen.append],
+        verbose=0,
+    )
     assert run.stopped_by_callback and run.exit_status == 0
     assert [info.update for info in updates] == [1, 2, 3]  # none after the one that stopped the run
-    assert updates[0].global_step > 0 and updates[0].policy_loss is not None and updates[0].learning_rate
+    assert (
+        updates[0].global_step > 0
+        and updates[0].policy_loss is not None
+        and updates[0].learning_rate
+    )
     assert [info for info in seen if isinstance(info, oakemu_core.UpdateInfo)] == updates[:2]
     assert 3 <= run.updates < 1_024_000 // 256 and run.latest_checkpoint is not None
     err = capfd.readouterr().err
@@ -132,15 +161,22 @@ def test_a_callback_stops_training_early_quietly_and_train_returns_the_run(
 
 
 @pytest.mark.slow
-def test_an_exception_in_a_callback_stops_the_run_and_train_raises_it_after_clean_up(tmp_path: Path) -> None:
+def test_an_exception_in_a_callback_stops_the_run_and_train_raises_it_after_clean_up(
+    tmp_path: Path,
+) -> None:
     def broken(info: object) -> None:
         if isinstance(info, oakemu_core.UpdateInfo) and info.update >= 2:
             raise ValueError("a bug in my callback")
 
     before = _children_now()
     with pytest.raises(ValueError, match="a bug in my callback"):
-        oakemu_core.train(preset="cartpole", total_env_steps=1_024_000, runs_dir=tmp_path / "runs", callbacks=broken,
-                          verbose=0)
+        oakemu_core.train(
+            preset="cartpole",
+            total_env_steps=1_024_000,
+            runs_dir=tmp_path / "runs",
+            callbacks=broken,
+            verbose=0,
+        )
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert oakemu_core.load_policy(run_dir) is not None  # the final checkpoint of the stopped run
     _no_child_process_left(before)
@@ -160,5 +196,9 @@ def _no_child_process_left(before: set[int]) -> None:
     """Every process the run started has exited (``before``: :func:`_children_now` before the run)."""
     from tests.e2e_helpers import wait_for
 
-    wait_for(lambda: not (_children_now() - before), 15, "the run's processes to exit",
-             on_timeout=lambda: str(_children_now() - before))
+    wait_for(
+        lambda: not (_children_now() - before),
+        15,
+        "the run's processes to exit",
+        on_timeout=lambda: str(_children_now() - before),
+    )

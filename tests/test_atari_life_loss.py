@@ -82,15 +82,21 @@ def test_life_losses_end_the_learners_episode_while_the_game_goes_on_against_a_r
     rng = np.random.default_rng(0)
     not_fire = np.array([0, 2, 3])
     life_losses = games = 0
-    with make_vector_env("ALE/Breakout-v5", num_envs, seed=seed, num_threads=1, clip_rewards=False,
-                         options=OPTIONS) as env:
+    with make_vector_env(
+        "ALE/Breakout-v5", num_envs, seed=seed, num_threads=1, clip_rewards=False, options=OPTIONS
+    ) as env:
         env.reset()
         for t in range(steps):
             actions = not_fire[rng.integers(0, 3, size=num_envs)]
             step = env.step(actions)
-            expected = [reference.step(int(action)) for reference, action in zip(references, actions, strict=True)]
+            expected = [
+                reference.step(int(action))
+                for reference, action in zip(references, actions, strict=True)
+            ]
             where = f"step {t}"
-            np.testing.assert_array_equal(step.training_rewards, [e[0] for e in expected], err_msg=where)
+            np.testing.assert_array_equal(
+                step.training_rewards, [e[0] for e in expected], err_msg=where
+            )
             assert step.terminated.tolist() == [e[1] for e in expected], where
             assert not step.truncated.any(), where
             ended = [(row, e[3]) for row, e in enumerate(expected) if e[3] is not None]
@@ -99,14 +105,20 @@ def test_life_losses_end_the_learners_episode_while_the_game_goes_on_against_a_r
             assert step.episode_lengths == [length for _, (_, length) in ended], where
             for row, (_, _, life_lost, _) in enumerate(expected):
                 if life_lost:  # the game goes on: the next observation is the last one of the life, not a reset
-                    np.testing.assert_array_equal(step.final_observations[row], step.observations[row])
+                    np.testing.assert_array_equal(
+                        step.final_observations[row], step.observations[row]
+                    )
                     life_losses += 1
             games += len(ended)
-    assert games >= 2 and life_losses >= 4 * games  # Breakout has 5 lives: 4 lost with the game going on
+    assert (
+        games >= 2 and life_losses >= 4 * games
+    )  # Breakout has 5 lives: 4 lost with the game going on
 
 
 def test_whole_game_returns_equal_the_sum_of_the_raw_rewards_of_its_lives() -> None:
-    with make_vector_env("ALE/Breakout-v5", 1, seed=3, num_threads=1, clip_rewards=False, options=OPTIONS) as env:
+    with make_vector_env(
+        "ALE/Breakout-v5", 1, seed=3, num_threads=1, clip_rewards=False, options=OPTIONS
+    ) as env:
         env.reset()
         rng = np.random.default_rng(1)
         score, lives_seen, games = 0.0, 0, []
@@ -160,14 +172,27 @@ class SteppedRows:
         return forced
 
 
-def step_breakout(num_envs: int, steps: int, *, groups: int = 1, router_config: RoutingConfig | None = None,
-                  seed: int = 7) -> tuple[SteppedRows, torch.nn.Module]:
-    env = (make_vector_env("ALE/Breakout-v5", num_envs, seed=seed, num_threads=1, options=OPTIONS) if groups == 1
-           else make_env_groups("ALE/Breakout-v5", num_envs, groups, seed=seed, num_threads=1, options=OPTIONS))
+def step_breakout(
+    num_envs: int,
+    steps: int,
+    *,
+    groups: int = 1,
+    router_config: RoutingConfig | None = None,
+    seed: int = 7,
+) -> tuple[SteppedRows, torch.nn.Module]:
+    env = (
+        make_vector_env("ALE/Breakout-v5", num_envs, seed=seed, num_threads=1, options=OPTIONS)
+        if groups == 1
+        else make_env_groups(
+            "ALE/Breakout-v5", num_envs, groups, seed=seed, num_threads=1, options=OPTIONS
+        )
+    )
     torch.manual_seed(0)
     model = build_model(env.spec.observation_layout, distribution_for_env(env.spec))
     model.eval()
-    router = None if router_config is None else PolicyRouter(env.spec, num_envs, router_config, seed=0)
+    router = (
+        None if router_config is None else PolicyRouter(env.spec, num_envs, router_config, seed=0)
+    )
     columns: dict[str, list[np.ndarray]] = {name: [] for name in SteppedRows.__dataclass_fields__}
     try:
         stepper = PolicyStepper(env, model, router=router)
@@ -176,9 +201,15 @@ def step_breakout(num_envs: int, steps: int, *, groups: int = 1, router_config: 
             b = row.buffers
             ended = np.zeros(num_envs, bool)
             ended[row.env_step.episode_env_ids] = True
-            for name, value in (("observations", b.observations), ("actions", b.actions),
-                                ("log_probs", b.log_probs), ("trainable", b.trainable), ("rewards", b.rewards),
-                                ("terminated", row.env_step.terminated), ("games_ended", ended)):
+            for name, value in (
+                ("observations", b.observations),
+                ("actions", b.actions),
+                ("log_probs", b.log_probs),
+                ("trainable", b.trainable),
+                ("rewards", b.rewards),
+                ("terminated", row.env_step.terminated),
+                ("games_ended", ended),
+            ):
                 columns[name].append(np.array(value, copy=True))
     finally:
         env.close()
@@ -186,16 +217,24 @@ def step_breakout(num_envs: int, steps: int, *, groups: int = 1, router_config: 
 
 
 @torch.no_grad()
-def policy_log_probs(model: torch.nn.Module, observations: np.ndarray, actions: np.ndarray) -> np.ndarray:
+def policy_log_probs(
+    model: torch.nn.Module, observations: np.ndarray, actions: np.ndarray
+) -> np.ndarray:
     """log pi(action | observation) of each row, one forward pass per row."""
-    return np.array([
-        model.policy_and_values(torch.from_numpy(obs[None]))[0].log_prob(torch.tensor([int(action)])).item()
-        for obs, action in zip(observations, actions, strict=True)
-    ])
+    return np.array(
+        [
+            model.policy_and_values(torch.from_numpy(obs[None]))[0]
+            .log_prob(torch.tensor([int(action)]))
+            .item()
+            for obs, action in zip(observations, actions, strict=True)
+        ]
+    )
 
 
 @pytest.mark.parametrize("groups", [1, 2])
-def test_the_fire_after_a_lost_life_is_stored_as_the_action_taken_and_not_trained_on(groups: int) -> None:
+def test_the_fire_after_a_lost_life_is_stored_as_the_action_taken_and_not_trained_on(
+    groups: int,
+) -> None:
     num_envs, steps = 2, 500
     rows, model = step_breakout(num_envs, steps, groups=groups)
     fire = 1  # Breakout's minimal action set: NOOP, FIRE, RIGHT, LEFT
@@ -204,20 +243,31 @@ def test_the_fire_after_a_lost_life_is_stored_as_the_action_taken_and_not_traine
     # Forced rows: FIRE, not trained on, log pi(FIRE | s) of the acting policy.
     assert (rows.actions[forced] == fire).all()
     assert not rows.trainable[forced].any()
-    np.testing.assert_allclose(rows.log_probs[forced], policy_log_probs(model, rows.observations[forced],
-                                                                        rows.actions[forced]), atol=1e-4)
+    np.testing.assert_allclose(
+        rows.log_probs[forced],
+        policy_log_probs(model, rows.observations[forced], rows.actions[forced]),
+        atol=1e-4,
+    )
     # Every other row is the policy's own sample, trainable, with its log pi.
     assert rows.trainable[~forced].all()
     assert (rows.actions[~forced] != fire).any() and (rows.actions[~forced] == fire).any()
     some = np.flatnonzero(~forced.reshape(-1))[:: max(1, (~forced).sum() // 40)]
     flat = rows.observations.reshape(-1, *rows.observations.shape[2:])
-    np.testing.assert_allclose(rows.log_probs.reshape(-1)[some],
-                               policy_log_probs(model, flat[some], rows.actions.reshape(-1)[some]), atol=1e-4)
+    np.testing.assert_allclose(
+        rows.log_probs.reshape(-1)[some],
+        policy_log_probs(model, flat[some], rows.actions.reshape(-1)[some]),
+        atol=1e-4,
+    )
     # The stored actions are the actions played: replayed on emulators that force nothing, they give the same game.
     references = [ReferenceBreakout(7 + row, fire_after_life_loss=False) for row in range(num_envs)]
     for t in range(steps):
-        expected = [reference.step(int(action)) for reference, action in zip(references, rows.actions[t], strict=True)]
-        np.testing.assert_array_equal(rows.rewards[t], [e[0] for e in expected], err_msg=f"step {t}")
+        expected = [
+            reference.step(int(action))
+            for reference, action in zip(references, rows.actions[t], strict=True)
+        ]
+        np.testing.assert_array_equal(
+            rows.rewards[t], [e[0] for e in expected], err_msg=f"step {t}"
+        )
         assert rows.terminated[t].tolist() == [e[1] for e in expected], f"step {t}"
 
 
@@ -281,14 +331,23 @@ def test_recorded_demonstrations_store_the_fire_after_a_lost_life(tmp_path) -> N
 
     from oakemu_core.algo.recording import record_dataset
 
-    record_dataset("ALE/Breakout-v5", tmp_path / "demos", episodes=1, policy=NeverFire(), seed=7, options=OPTIONS)
+    record_dataset(
+        "ALE/Breakout-v5",
+        tmp_path / "demos",
+        episodes=1,
+        policy=NeverFire(),
+        seed=7,
+        options=OPTIONS,
+    )
     (episode,) = list(MinariDataset(tmp_path / "demos" / "data").iterate_episodes())
     actions, terminations = np.asarray(episode.actions), np.asarray(episode.terminations)
     after_lost_life = np.flatnonzero(terminations[:-1]) + 1
     assert after_lost_life.size == 4  # Breakout's 5 lives, one game
     assert (actions[after_lost_life] == 1).all()
     assert (np.delete(actions, after_lost_life) != 1).all()
-    reference = ReferenceBreakout(7, fire_after_life_loss=False)  # the stored actions are the actions played
+    reference = ReferenceBreakout(
+        7, fire_after_life_loss=False
+    )  # the stored actions are the actions played
     replayed = [reference.step(int(action)) for action in actions]
     np.testing.assert_array_equal(episode.rewards, [r[0] for r in replayed])
     assert terminations.tolist() == [r[1] for r in replayed]

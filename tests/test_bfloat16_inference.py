@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from oakemu_core.policy.bfloat16_inference import BFloat16Forward
 from oakemu_core.config import OakEmuConfig
+from oakemu_core.policy.bfloat16_inference import BFloat16Forward
 from oakemu_core.policy.distributions import Categorical
 from oakemu_core.policy.models import build_model
 
@@ -61,13 +61,17 @@ def test_the_255_scaling_is_folded_into_the_first_convolution_only_in_the_copy()
     model = build_model(ATARI, Categorical(4))
     weight = model.encoders[model._module_key("")][0].weight.detach().clone()
     forward = BFloat16Forward(model)
-    assert torch.equal(model.encoders[model._module_key("")][0].weight, weight)  # the model is untouched
+    assert torch.equal(
+        model.encoders[model._module_key("")][0].weight, weight
+    )  # the model is untouched
     folded = forward._encoder[0].weight.float()
     torch.testing.assert_close(folded, (weight / 255.0).to(torch.bfloat16).float())
     # White and mid-grey frames: the top of the scaling (black frames give biases only).
     for value in (255, 128):
         frames = np.full((2, 4, 84, 84), value, np.uint8)
-        assert _relative_error(forward(torch.from_numpy(frames))[0], _float32(model, frames)[0]) < 0.02
+        assert (
+            _relative_error(forward(torch.from_numpy(frames))[0], _float32(model, frames)[0]) < 0.02
+        )
 
 
 def test_act_and_predict_values_run_through_the_backend() -> None:
@@ -88,17 +92,30 @@ def test_act_and_predict_values_run_through_the_backend() -> None:
     assert calls == [8, 8]
     assert backed.actions.shape == (8,) and backed.actions.dtype == plain.actions.dtype
     np.testing.assert_allclose(backed.log_probs, plain.log_probs, atol=0.02)
-    np.testing.assert_allclose(values, plain.values, rtol=0.02, atol=0.02 * np.abs(plain.values).max())
+    np.testing.assert_allclose(
+        values, plain.values, rtol=0.02, atol=0.02 * np.abs(plain.values).max()
+    )
 
 
-@pytest.mark.parametrize("layout, reason", [
-    ({"": ((4,), np.float32)}, r"only for uint8 image observations \(C, H, W\), this env gives float32 \(4,\)"),
-    ({"": ((8,), np.uint8)}, r"this env gives uint8 \(8,\)"),  # uint8, but an MLP's vector
-    ({"": ((1, 8, 8), np.float32)}, r"this env gives float32 \(1, 8, 8\)"),
-    ({"image": ((1, 8, 8), np.uint8), "vector": ((3,), np.float32)},
-     r"only for one image observation, this env gives the keys \['image', 'vector'\]"),
-    ({"": ((1, 4, 4), np.uint8)}, "does not start with a convolution"),  # too small for one: flattened
-])
+@pytest.mark.parametrize(
+    "layout, reason",
+    [
+        (
+            {"": ((4,), np.float32)},
+            r"only for uint8 image observations \(C, H, W\), this env gives float32 \(4,\)",
+        ),
+        ({"": ((8,), np.uint8)}, r"this env gives uint8 \(8,\)"),  # uint8, but an MLP's vector
+        ({"": ((1, 8, 8), np.float32)}, r"this env gives float32 \(1, 8, 8\)"),
+        (
+            {"image": ((1, 8, 8), np.uint8), "vector": ((3,), np.float32)},
+            r"only for one image observation, this env gives the keys \['image', 'vector'\]",
+        ),
+        (
+            {"": ((1, 4, 4), np.uint8)},
+            "does not start with a convolution",
+        ),  # too small for one: flattened
+    ],
+)
 def test_other_observations_are_refused_with_the_reason(layout, reason) -> None:
     with pytest.raises(ValueError, match=reason):
         BFloat16Forward(build_model(layout, Categorical(2)))
@@ -118,15 +135,18 @@ def test_a_broken_copy_is_caught_by_the_probe(monkeypatch: pytest.MonkeyPatch) -
         BFloat16Forward(model)
 
 
-@pytest.mark.parametrize("setting, cpus, actors, groups, expected", [
-    (None, 2, 2, 1, 1),  # the default on 2 cores: one emulator thread per actor
-    (None, 2, 1, 1, 2),  # one actor takes both cores
-    (None, 8, 3, 1, 2),
-    (None, 1, 4, 1, 1),  # never below 1
-    (None, 4, 1, 2, 2),  # shared by the env groups
-    (3, 16, 2, 1, 3),  # set: kept
-    (3, 16, 2, 2, 1),
-])
+@pytest.mark.parametrize(
+    "setting, cpus, actors, groups, expected",
+    [
+        (None, 2, 2, 1, 1),  # the default on 2 cores: one emulator thread per actor
+        (None, 2, 1, 1, 2),  # one actor takes both cores
+        (None, 8, 3, 1, 2),
+        (None, 1, 4, 1, 1),  # never below 1
+        (None, 4, 1, 2, 2),  # shared by the env groups
+        (3, 16, 2, 1, 3),  # set: kept
+        (3, 16, 2, 2, 1),
+    ],
+)
 def test_emulator_threads_per_actor(setting, cpus, actors, groups, expected) -> None:
     config = OakEmuConfig(emulator_threads=setting, num_actors=actors, env_groups=groups)
     assert config.resolved_emulator_threads(cpus=cpus) == expected
@@ -136,7 +156,10 @@ def test_actor_inference_bfloat16_is_a_setting() -> None:
     from oakemu_core.config import ConfigError, load_config
 
     assert load_config(["--actor-inference", "bfloat16"]).actor_inference == "bfloat16"
-    with pytest.raises(ConfigError, match=r"--actor-inference: expected 'auto' or 'torch' or 'numpy' or 'onnxruntime' or 'bfloat16'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--actor-inference: expected 'auto' or 'torch' or 'numpy' or 'onnxruntime' or 'bfloat16'",
+    ):
         load_config(["--actor-inference", "float16"])
 
 
@@ -144,8 +167,9 @@ def test_the_actor_hands_every_weights_update_to_its_inference_backend() -> None
     """``Actor._load_weights`` (join, rejoin, weights messages and revisions all go through it) loads
     the arrays into the model first, then the backend's ``load`` sees them: a bfloat16 encoder left
     with old weights would act an old policy."""
-    from oakemu_core.policy.models import weights_to_arrays
     from oakemu_services.actor import Actor
+
+    from oakemu_core.policy.models import weights_to_arrays
 
     torch.manual_seed(3)
     model = build_model(ATARI, Categorical(4))
@@ -153,15 +177,21 @@ def test_the_actor_hands_every_weights_update_to_its_inference_backend() -> None
 
     class Recording:
         def load(self, loaded_model) -> None:
-            seen.append(loaded_model.encoders[loaded_model._module_key("")][0].weight.detach().clone())
+            seen.append(
+                loaded_model.encoders[loaded_model._module_key("")][0].weight.detach().clone()
+            )
 
     actor = Actor.__new__(Actor)  # only what _load_weights touches
     actor.model, actor.inference_backend, actor.stepper = model, Recording(), None
-    actor.policy_version = actor.weights_revision = actor.revisions_loaded = actor.learner_version = 0
+    actor.policy_version = actor.weights_revision = actor.revisions_loaded = (
+        actor.learner_version
+    ) = 0
     actor.rows_this_version = 0
     for version, revision in ((1, 0), (1, 2), (2, 0)):
         arrays = weights_to_arrays(build_model(ATARI, Categorical(4)))
         actor._load_weights(version, arrays, revision)
-        assert torch.equal(seen[-1], torch.from_numpy(arrays[next(k for k in arrays if k.endswith("0.weight"))]))
+        assert torch.equal(
+            seen[-1], torch.from_numpy(arrays[next(k for k in arrays if k.endswith("0.weight"))])
+        )
         assert (actor.policy_version, actor.weights_revision) == (version, revision)
     assert len(seen) == 3

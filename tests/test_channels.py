@@ -23,7 +23,16 @@ from oakemu_core.transport.channels import (
 from oakemu_core.transport.codec import MessageRejected
 from oakemu_core.transport.step_ring import StepRing, StepRings
 from oakemu_core.transport.steps import StepSpec, decode_step, encode_step
-from tests.test_wire import ACTOR, ATARI_SCHEMA, ATARI_SPEC, INCARNATION, MAX_BYTES, N, atari_step, known_spec
+from tests.test_wire import (
+    ACTOR,
+    ATARI_SCHEMA,
+    ATARI_SPEC,
+    INCARNATION,
+    MAX_BYTES,
+    N,
+    atari_step,
+    known_spec,
+)
 
 BLOCK_SPEC = StepSpec(num_envs=N, schema=ATARI_SCHEMA, steps_per_message=4)
 
@@ -88,7 +97,10 @@ def test_the_socket_channel_sends_the_arrays_inline(context: zmq.Context) -> Non
     channel.wait_writable(0, pauses)
     channel.send(message, pauses)
     frames = pull.recv_multipart()
-    assert frames == [bytes(frame) for frame in encode_step(message, ATARI_SPEC)] and pauses.calls == []
+    assert (
+        frames == [bytes(frame) for frame in encode_step(message, ATARI_SPEC)]
+        and pauses.calls == []
+    )
     decoded = decode_step(frames, known_spec, max_bytes=MAX_BYTES)
     np.testing.assert_array_equal(decoded.fields["observations"], message.fields["observations"])
     channel.close()
@@ -101,7 +113,9 @@ def test_recv_frames_returns_each_message_whole_as_frames(context: zmq.Context) 
     pull, push = pipe(context, "frames", queue=4)
     with pytest.raises(zmq.Again):
         recv_frames(pull)
-    messages = [[bytes(frame) for frame in encode_step(atari_step(seq=seq), ATARI_SPEC)] for seq in range(2)]
+    messages = [
+        [bytes(frame) for frame in encode_step(atari_step(seq=seq), ATARI_SPEC)] for seq in range(2)
+    ]
     messages.append([b"alone"])
     for frames in messages:
         push.send_multipart(frames)
@@ -124,12 +138,15 @@ def test_a_full_socket_queue_pauses_until_stopped(context: zmq.Context) -> None:
     channel.close()
 
 
-def test_the_ring_channel_waits_for_the_slot_then_sends_only_the_header(context: zmq.Context,
-                                                                        rings: StepRings) -> None:
+def test_the_ring_channel_waits_for_the_slot_then_sends_only_the_header(
+    context: zmq.Context, rings: StepRings
+) -> None:
     offer = rings.offer(ACTOR, INCARNATION, ATARI_SPEC, 16)  # 2 slots
     learner_ring = rings.get(ACTOR, INCARNATION)
     pull, push = pipe(context, "ring", queue=offer.slots)
-    channel = RingStepChannel(push, StepRing.attach(offer, ATARI_SPEC), threading.Event(), ATARI_SPEC)
+    channel = RingStepChannel(
+        push, StepRing.attach(offer, ATARI_SPEC), threading.Event(), ATARI_SPEC
+    )
     receiver = StepReceiver(rings, known_spec, lambda *_: True, max_bytes=MAX_BYTES)
     free = Pauses()
     for seq in range(2):
@@ -144,11 +161,15 @@ def test_the_ring_channel_waits_for_the_slot_then_sends_only_the_header(context:
         assert len(frames) == 1  # the header alone
         message = receiver.decode(frames)
         assert message.slot == seq % 2
-        np.testing.assert_array_equal(message.fields["observations"], atari_step(seed=seq).fields["observations"])
+        np.testing.assert_array_equal(
+            message.fields["observations"], atari_step(seed=seq).fields["observations"]
+        )
     channel.close()
 
 
-def test_a_ring_channel_told_to_stop_while_waiting_sends_nothing(context: zmq.Context, rings: StepRings) -> None:
+def test_a_ring_channel_told_to_stop_while_waiting_sends_nothing(
+    context: zmq.Context, rings: StepRings
+) -> None:
     offer = rings.offer(ACTOR, INCARNATION, ATARI_SPEC, 16)
     pull, push = pipe(context, "stopped", queue=offer.slots)
     stop = threading.Event()
@@ -186,17 +207,28 @@ def test_a_rejoin_keeps_the_socket_only_for_the_same_k_and_ring_slots(context: z
     assert inline.socket is not again.socket and again.socket.closed and closed == ["ring", "ring"]
     assert queues == [2, 4, 1]
     # Synchronous mode queues more blocks of a segment: another socket, not the asynchronous one.
-    synchronous = open_step_channel(BLOCK_SPEC, None, connect, stop, previous=inline, sync_rollout_length=64)
+    synchronous = open_step_channel(
+        BLOCK_SPEC, None, connect, stop, previous=inline, sync_rollout_length=64
+    )
     assert synchronous.socket is not inline.socket and inline.socket.closed
-    assert queues == [2, 4, 1, send_queue_messages(BLOCK_SPEC.steps_per_message, None, sync_rollout_length=64)]
+    assert queues == [
+        2,
+        4,
+        1,
+        send_queue_messages(BLOCK_SPEC.steps_per_message, None, sync_rollout_length=64),
+    ]
     synchronous.close()
 
 
-def test_the_receiver_frees_a_slot_after_ingest_or_rejection_on_its_own_peers_word(rings: StepRings) -> None:
+def test_the_receiver_frees_a_slot_after_ingest_or_rejection_on_its_own_peers_word(
+    rings: StepRings,
+) -> None:
     offer = rings.offer(ACTOR, INCARNATION, ATARI_SPEC, 16)
     actor_ring = StepRing.attach(offer, ATARI_SPEC)
     own = {"own"}
-    receiver = StepReceiver(rings, known_spec, lambda a, i, frame: frame.peer in own, max_bytes=MAX_BYTES)
+    receiver = StepReceiver(
+        rings, known_spec, lambda a, i, frame: frame.peer in own, max_bytes=MAX_BYTES
+    )
 
     def slot_frame(seq: int, peer: str = "own", nan: bool = False) -> list[SimpleNamespace]:
         fields = atari_step(seq=seq).fields

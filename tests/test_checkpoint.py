@@ -30,7 +30,11 @@ def _model_and_optimizer_state() -> dict:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     model(torch.ones(1, 3)).sum().backward()
     optimizer.step()
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "counters": {"update": 3}}
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "counters": {"update": 3},
+    }
 
 
 def test_save_and_load_round_trip_with_model_optimizer_and_rng(tmp_path: Path) -> None:
@@ -46,7 +50,9 @@ def test_save_and_load_round_trip_with_model_optimizer_and_rng(tmp_path: Path) -
     assert [p.name for p in path.parent.iterdir()] == ["c.pt"]  # no temp file left
 
 
-def test_crash_mid_write_keeps_previous_checkpoint_and_removes_temp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_crash_mid_write_keeps_previous_checkpoint_and_removes_temp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "checkpoint.pt"
     save_checkpoint(path, {"version": 1})
     real_save = torch.save
@@ -113,7 +119,9 @@ def test_best_pt_alone_is_no_resume_point_and_the_paths_need_no_torch(tmp_path: 
     (tmp_path / "checkpoints" / "best.pt").write_bytes(b"")
     assert latest_checkpoint(tmp_path) is None
     code = "import sys, oakemu_core.run.checkpoint_paths; print('torch' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     assert result.stdout.strip() == "False"
 
 
@@ -136,7 +144,8 @@ def test_rng_state_round_trip_through_a_checkpoint(tmp_path: Path) -> None:
 
 
 def test_a_damaged_latest_target_is_set_aside_once_with_a_relative_run_path(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``latest.pt`` (a symlink) and ``checkpoint_<n>.pt`` are one file: with a relative run folder (the
     README's ``runs/NAME``) it is still tried, and set aside, once; ``latest.pt`` then points at the
     checkpoint the run resumes from, and paths keep the form the run folder was given in."""
@@ -159,7 +168,9 @@ def test_a_damaged_latest_target_is_set_aside_once_with_a_relative_run_path(
     assert load_checkpoint(directory / "latest.pt") == {"update": 50}
 
 
-def test_a_runs_checkpoints_keep_the_path_form_of_its_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_runs_checkpoints_keep_the_path_form_of_its_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``Run.latest_checkpoint`` is relative when the run folder was given relative, as ``run_dir`` and
     ``best_checkpoint`` are (not latest.pt's target resolved to an absolute path)."""
     from oakemu_core.run.results import read_run

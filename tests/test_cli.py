@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
 import os
 import subprocess
 import sys
@@ -12,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from oakemu_services import cli
 
 from oakemu_core.config import OakEmuConfig
-from oakemu_services import cli
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,12 +40,18 @@ class FakeService:
         return self.return_code
 
 
-def test_train_dispatch_with_config_flags_and_resume(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_train_dispatch_with_config_flags_and_resume(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     train = FakeService(monkeypatch, "train", return_code=7)
     # The run's own resolved config.toml is the base of a resumed run; flags still win over it.
     (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "config.toml").write_text('env_id = "Acrobot-v1"\nseed = 9\ntotal_env_steps = 100\n', encoding="utf-8")
-    code = cli.main(["train", "--env", "CartPole-v1", "--total-env-steps", "5000", "--resume", str(tmp_path)])
+    (tmp_path / "config.toml").write_text(
+        'env_id = "Acrobot-v1"\nseed = 9\ntotal_env_steps = 100\n', encoding="utf-8"
+    )
+    code = cli.main(
+        ["train", "--env", "CartPole-v1", "--total-env-steps", "5000", "--resume", str(tmp_path)]
+    )
     assert code == 7
     [(args, kwargs)] = train.calls
     config, resume = args
@@ -66,7 +71,9 @@ def test_train_resume_without_config_toml_is_a_clear_error(
     assert "config.toml" in capsys.readouterr().err
 
 
-def test_train_without_resume_reads_environment_and_toml(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_train_without_resume_reads_environment_and_toml(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     train = FakeService(monkeypatch, "train")
     toml_file = tmp_path / "c.toml"
     toml_file.write_text("num_actors = 3\nseed = 4\n", encoding="utf-8")
@@ -81,7 +88,9 @@ def test_train_without_resume_reads_environment_and_toml(monkeypatch: pytest.Mon
 def test_learner_and_actor_dispatch(monkeypatch: pytest.MonkeyPatch, command: str) -> None:
     service = FakeService(monkeypatch, command, return_code=3)
     monkeypatch.setenv("OAKEMU_LEARNER_HOST", "10.0.0.2")
-    monkeypatch.setenv("OAKEMU_ACTOR_ID", "a1")  # a setting the learner does not offer as an option: still read
+    monkeypatch.setenv(
+        "OAKEMU_ACTOR_ID", "a1"
+    )  # a setting the learner does not offer as an option: still read
     assert cli.main([command, "--envs-per-actor", "4"]) == 3
     [((config,), kwargs)] = service.calls
     assert kwargs == {}
@@ -90,9 +99,22 @@ def test_learner_and_actor_dispatch(monkeypatch: pytest.MonkeyPatch, command: st
 
 def test_monitor_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     monitor = FakeService(monkeypatch, "monitor", return_code=1)
-    assert cli.main(["monitor", "--connect", "tcp://h:1234", "--json", "--once", "--timeout", "2.5"]) == 1
-    assert monitor.calls == [(("tcp://h:1234",), {"json_output": True, "once": True, "timeout_s": 2.5, "security": None,
-                                                  "run_dir": None})]
+    assert (
+        cli.main(["monitor", "--connect", "tcp://h:1234", "--json", "--once", "--timeout", "2.5"])
+        == 1
+    )
+    assert monitor.calls == [
+        (
+            ("tcp://h:1234",),
+            {
+                "json_output": True,
+                "once": True,
+                "timeout_s": 2.5,
+                "security": None,
+                "run_dir": None,
+            },
+        )
+    ]
 
 
 def test_monitor_default_address_comes_from_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -100,18 +122,36 @@ def test_monitor_default_address_comes_from_configuration(monkeypatch: pytest.Mo
     monkeypatch.setenv("OAKEMU_LEARNER_HOST", "learner")
     monkeypatch.setenv("OAKEMU_TELEMETRY_PORT", "6000")
     assert cli.main(["monitor"]) == 0
-    assert monitor.calls == [(("tcp://learner:6000",), {"json_output": False, "once": False, "timeout_s": 5.0,
-                                                     "security": None, "run_dir": None})]
+    assert monitor.calls == [
+        (
+            ("tcp://learner:6000",),
+            {
+                "json_output": False,
+                "once": False,
+                "timeout_s": 5.0,
+                "security": None,
+                "run_dir": None,
+            },
+        )
+    ]
 
 
 def test_evaluate_dispatch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     evaluate = FakeService(monkeypatch, "evaluate")
     checkpoint = tmp_path / "ckpt.pt"
-    assert cli.main(["evaluate", str(checkpoint), "--episodes", "3", "--sampled", "--seed", "9"]) == 0
+    assert (
+        cli.main(["evaluate", str(checkpoint), "--episodes", "3", "--sampled", "--seed", "9"]) == 0
+    )
     assert cli.main(["evaluate", str(checkpoint)]) == 0
     assert evaluate.calls == [
-        ((checkpoint,), {"episodes": 3, "greedy": False, "seed": 9, "video_dir": None, "json_output": False}),
-        ((checkpoint,), {"episodes": 10, "greedy": True, "seed": 1, "video_dir": None, "json_output": False}),
+        (
+            (checkpoint,),
+            {"episodes": 3, "greedy": False, "seed": 9, "video_dir": None, "json_output": False},
+        ),
+        (
+            (checkpoint,),
+            {"episodes": 10, "greedy": True, "seed": 1, "video_dir": None, "json_output": False},
+        ),
     ]
 
 
@@ -125,7 +165,9 @@ def test_config_error_exits_2_with_a_message_and_never_starts_the_service(
     assert train.calls == []
 
 
-def test_usage_errors_exit_2(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_usage_errors_exit_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     actor = FakeService(monkeypatch, "actor")
     assert cli.main(["actor", "--no-such-flag"]) == 2
     assert "--no-such-flag" in capsys.readouterr().err
@@ -139,21 +181,44 @@ def test_usage_errors_exit_2(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
 def test_help_lists_each_commands_own_options_in_groups(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["train", "--help"]) == 0
     out = capsys.readouterr().out
-    for flag in ("--resume", "--preset", "--config FILE", "--env-id ENV, --env ENV", "--total-env-steps STEPS",
-                 "--no-anneal-lr", "--clip-value-range RANGE|auto|null", "--data-port PORT", "--mode {async,sync}"):
+    for flag in (
+        "--resume",
+        "--preset",
+        "--config FILE",
+        "--env-id ENV, --env ENV",
+        "--total-env-steps STEPS",
+        "--no-anneal-lr",
+        "--clip-value-range RANGE|auto|null",
+        "--data-port PORT",
+        "--mode {async,sync}",
+    ):
         assert flag in out, flag
-    for group in ("environment settings:", "PPO settings:", "asynchronous mode settings:", "transport settings:",
-                  "checkpoints settings:", "rollback settings:", "behaviour cloning settings:", "routing settings:",
-                  "logging settings:"):
+    for group in (
+        "environment settings:",
+        "PPO settings:",
+        "asynchronous mode settings:",
+        "transport settings:",
+        "checkpoints settings:",
+        "rollback settings:",
+        "behaviour cloning settings:",
+        "routing settings:",
+        "logging settings:",
+    ):
         assert group in out, group
     assert "--learner-host" not in out and "--curve" not in out and "--actor-id" not in out
     assert "(default: null)" not in out and " str]" not in out and " int]" not in out
-    assert "Undefined" not in out and "(default: {})" in out  # a default_factory's value (env_kwargs)
+    assert (
+        "Undefined" not in out and "(default: {})" in out
+    )  # a default_factory's value (env_kwargs)
     assert "--clip-rewards [auto|false]" in out and "--no-clip-rewards: false." in out
     assert "(default: fitted; 8 with num_actors given)" in " ".join(out.split())
     assert cli.main(["actor", "--help"]) == 0
     out = capsys.readouterr().out
-    assert "--learner-host HOST" in out and "--curve-server-key FILE" in out and "--envs-per-actor N" in out
+    assert (
+        "--learner-host HOST" in out
+        and "--curve-server-key FILE" in out
+        and "--envs-per-actor N" in out
+    )
     assert "--learning-rate" not in out and "--ppo-epochs" not in out and "--run-name" not in out
 
 
@@ -164,14 +229,21 @@ def test_version_typos_and_options_of_other_commands(capsys: pytest.CaptureFixtu
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "did you mean --total-env-steps?" in err
     assert cli.main(["actor", "--learning-rate", "1e-3"]) == 2
-    assert "--learning-rate is a setting of oakemu train and oakemu learner, not of oakemu actor" in \
-        capsys.readouterr().err
+    assert (
+        "--learning-rate is a setting of oakemu train and oakemu learner, not of oakemu actor"
+        in capsys.readouterr().err
+    )
 
 
 @pytest.mark.parametrize("word", ["None", "null", "NULL"])
-def test_none_and_null_both_unset_an_optional_setting(monkeypatch: pytest.MonkeyPatch, word: str) -> None:
+def test_none_and_null_both_unset_an_optional_setting(
+    monkeypatch: pytest.MonkeyPatch, word: str
+) -> None:
     train = FakeService(monkeypatch, "train")
-    assert cli.main(["train", "--clip-value-range", word, "--metrics-port", word, "--target-kl", word]) == 0
+    assert (
+        cli.main(["train", "--clip-value-range", word, "--metrics-port", word, "--target-kl", word])
+        == 0
+    )
     config = train.calls[0][0][0]
     assert (config.clip_value_range, config.metrics_port, config.target_kl) == (None, None, None)
 
@@ -187,7 +259,9 @@ def test_every_setting_is_in_one_option_group() -> None:
 def test_missing_service_module_is_reported(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setitem(sys.modules, "oakemu_services.learner", None)  # makes the import raise ModuleNotFoundError
+    monkeypatch.setitem(
+        sys.modules, "oakemu_services.learner", None
+    )  # makes the import raise ModuleNotFoundError
     assert cli.main(["learner"]) == 1
     assert "oakemu_services.learner" in capsys.readouterr().err
 
@@ -210,7 +284,9 @@ def test_python_dash_m_runs_the_cli() -> None:
 def test_the_console_entry_point_exits_with_mains_status(monkeypatch: pytest.MonkeyPatch) -> None:
     import tomllib
 
-    scripts = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
+    scripts = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())[
+        "project"
+    ]["scripts"]
     assert scripts["oakemu"] == "oakemu_services.cli:run"
     import gc
 
@@ -243,9 +319,12 @@ def test_the_console_entry_point_exits_with_mains_status(monkeypatch: pytest.Mon
     assert forked == [b"1"]
 
 
-@pytest.mark.parametrize(("command", "collects"), [("keygen", True), ("learner", False), ("actor", False)])
+@pytest.mark.parametrize(
+    ("command", "collects"), [("keygen", True), ("learner", False), ("actor", False)]
+)
 def test_the_garbage_collector_is_back_before_a_command_that_does_not_turn_it_on_itself(
-        monkeypatch: pytest.MonkeyPatch, command: str, collects: bool) -> None:
+    monkeypatch: pytest.MonkeyPatch, command: str, collects: bool
+) -> None:
     """Commands other than learner and actor start with the collector on (frozen first); the learner
     and an actor turn it on themselves when ready (runtime.startup_done)."""
     import gc
@@ -263,7 +342,8 @@ def test_the_garbage_collector_is_back_before_a_command_that_does_not_turn_it_on
 
 
 def test_startup_done_freezes_and_collects_again_only_where_the_collector_was_off(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import gc
 
     from oakemu_services.runtime import startup_done
@@ -287,10 +367,25 @@ def test_train_refuses_bfloat16_actors_for_an_env_without_images_before_anything
     monkeypatch.chdir(tmp_path)
     for key in [key for key in os.environ if key.startswith("OAKEMU_")]:
         monkeypatch.delenv(key)
-    assert cli.main(["train", "--env", "CartPole-v1", "--actor-inference", "bfloat16", "--runs-dir",
-                     str(tmp_path / "runs")]) == 2
+    assert (
+        cli.main(
+            [
+                "train",
+                "--env",
+                "CartPole-v1",
+                "--actor-inference",
+                "bfloat16",
+                "--runs-dir",
+                str(tmp_path / "runs"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
-    assert "actor_inference='bfloat16': only for uint8 image observations (C, H, W), this env gives float32 (4,)" in err
+    assert (
+        "actor_inference='bfloat16': only for uint8 image observations (C, H, W), this env gives float32 (4,)"
+        in err
+    )
     assert "Traceback" not in err and not (tmp_path / "runs").exists()
 
 
@@ -298,7 +393,13 @@ class _FakeChild:
     """What ``oakemu_services.train._restart_crashed`` reads of an actor process."""
 
     def __init__(self, name: str, statuses: list[int | None]) -> None:
-        self.name, self.statuses, self.restarts, self.gave_up, self.starts = name, statuses, 0, False, 0
+        self.name, self.statuses, self.restarts, self.gave_up, self.starts = (
+            name,
+            statuses,
+            0,
+            False,
+            0,
+        )
 
     def poll(self) -> int | None:
         return self.statuses[min(self.starts, len(self.statuses) - 1)]
@@ -310,13 +411,14 @@ class _FakeChild:
         self.starts += 1
 
 
-def test_oakemu_train_restarts_crashed_actors_but_not_setup_errors_and_says_when_none_is_left() -> None:
+def test_oakemu_train_restarts_crashed_actors_but_not_setup_errors_and_says_when_none_is_left() -> (
+    None
+):
     """A crash (status 1) is restarted up to actor_restarts times; an actor that cannot set up for
     the run (SETUP_ERROR_EXIT_STATUS) is not; True only once every actor is gone for good."""
-    from rich.console import Console
-
     from oakemu_services.runtime import SETUP_ERROR_EXIT_STATUS
     from oakemu_services.train import _restart_crashed
+    from rich.console import Console
 
     max_restarts = 5
     console = Console(file=io.StringIO())
@@ -339,21 +441,42 @@ def test_every_user_error_class_is_one_user_error() -> None:
     from oakemu_core.algo.demonstrations import DemonstrationDataError, DemonstrationMismatchError
     from oakemu_core.envs import UnsupportedEnvironmentError
     from oakemu_core.envs.emulators.settings import EmulatorConfigError
-    from oakemu_core.errors import CheckpointError, ConfigError, DiskFullError, RunFolderError, UserError
+    from oakemu_core.errors import (
+        CheckpointError,
+        ConfigError,
+        DiskFullError,
+        RunFolderError,
+        UserError,
+    )
+    from oakemu_core.policy.export import PolicyFolderError
     from oakemu_core.run.checkpoint import CheckpointNotFoundError
     from oakemu_core.run.run_folder import ResumeMismatchError
     from oakemu_core.run.telemetry import TelemetryBindError
-    from oakemu_core.storage.memory import SharedMemoryTooSmallError
-    from oakemu_core.policy.export import PolicyFolderError
     from oakemu_core.run.video import VideoUnavailableError
+    from oakemu_core.storage.memory import SharedMemoryTooSmallError
     from oakemu_core.transport.auth import TransportSecurityError
 
-    for error in (ConfigError, CheckpointError, CheckpointNotFoundError, RunFolderError, DiskFullError,
-                  UnsupportedEnvironmentError, EmulatorConfigError, ResumeMismatchError, TelemetryBindError,
-                  SharedMemoryTooSmallError, TransportSecurityError, DemonstrationDataError,
-                  DemonstrationMismatchError, VideoUnavailableError, PolicyFolderError):
+    for error in (
+        ConfigError,
+        CheckpointError,
+        CheckpointNotFoundError,
+        RunFolderError,
+        DiskFullError,
+        UnsupportedEnvironmentError,
+        EmulatorConfigError,
+        ResumeMismatchError,
+        TelemetryBindError,
+        SharedMemoryTooSmallError,
+        TransportSecurityError,
+        DemonstrationDataError,
+        DemonstrationMismatchError,
+        VideoUnavailableError,
+        PolicyFolderError,
+    ):
         assert issubclass(error, UserError), error
-    assert issubclass(CheckpointNotFoundError, FileNotFoundError)  # callers catching FileNotFoundError still do
+    assert issubclass(
+        CheckpointNotFoundError, FileNotFoundError
+    )  # callers catching FileNotFoundError still do
     assert DiskFullError.exit_status == 1 and ConfigError.exit_status == 2
 
 
@@ -370,20 +493,37 @@ def test_evaluate_of_a_file_that_is_no_checkpoint_is_one_line_and_exit_2(
     assert "no such checkpoint file" in capsys.readouterr().err
 
 
-def test_resume_of_a_missing_path_names_resume(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_resume_of_a_missing_path_names_resume(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert cli.main(["train", "--resume", str(tmp_path / "no-such-run")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("oakemu train: error: --resume ") and "does not exist" in err
     assert "OAKEMU_CONFIG_FILE" not in err and err.count("\n") == 1
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a CUDA device")
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="this machine has a CUDA device"
+)
 def test_device_cuda_without_a_gpu_exits_2_before_any_folder_or_process(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _forbid_processes(monkeypatch)
     # With a preset too: its line (what to expect of the run) comes only for a run that starts.
-    assert cli.main(["train", "--preset", "cartpole", "--device", "cuda", "--runs-dir", str(tmp_path / "runs")]) == 2
+    assert (
+        cli.main(
+            [
+                "train",
+                "--preset",
+                "cartpole",
+                "--device",
+                "cuda",
+                "--runs-dir",
+                str(tmp_path / "runs"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "device: expected an available device, received 'cuda'" in err and err.count("\n") == 1
     assert not (tmp_path / "runs").exists()
@@ -409,11 +549,27 @@ def test_a_port_in_use_exits_2_before_any_folder_or_process(
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        assert cli.main(["train", "--env", "CartPole-v1", "--control-port", str(port), "--metrics-port", "0",
-                         "--runs-dir", str(tmp_path / "runs")]) == 2
+        assert (
+            cli.main(
+                [
+                    "train",
+                    "--env",
+                    "CartPole-v1",
+                    "--control-port",
+                    str(port),
+                    "--metrics-port",
+                    "0",
+                    "--runs-dir",
+                    str(tmp_path / "runs"),
+                ]
+            )
+            == 2
+        )
     err = capsys.readouterr().err
-    assert f"oakemu train: error: port in use on 127.0.0.1: control_port={port}; choose another with " \
-           "--control-port" in err, err
+    assert (
+        f"oakemu train: error: port in use on 127.0.0.1: control_port={port}; choose another with "
+        "--control-port" in err
+    ), err
     assert "another learner" not in err  # a plain socket holds it: no guess who
     assert not (tmp_path / "runs").exists()
 
@@ -424,8 +580,8 @@ def test_resume_of_a_run_that_spent_its_budget_says_so_and_starts_nothing(
     from oakemu_core.config import load_config, to_toml
     from oakemu_core.envs import env_spec
     from oakemu_core.policy.models import build_model
-    from oakemu_core.run.checkpoint import save_run_checkpoint
     from oakemu_core.policy.schemas import schema_for_env
+    from oakemu_core.run.checkpoint import save_run_checkpoint
 
     _forbid_processes(monkeypatch)
     run_dir = tmp_path / "runs" / "done"
@@ -434,26 +590,52 @@ def test_resume_of_a_run_that_spent_its_budget_says_so_and_starts_nothing(
     (run_dir / "config.toml").write_text(to_toml(config), encoding="utf-8")
     schema = schema_for_env(env_spec("CartPole-v1"))
     model = build_model(env_spec("CartPole-v1").observation_layout, schema.distribution)
-    save_run_checkpoint(run_dir, 4, {"model": model.state_dict(), "global_step": 1100, "episodes": 3,
-                                     "ppo": {"iterations": 4, "trained_env_steps": 1024},
-                                     "env": {"env_id": "CartPole-v1", "schema": schema.to_dict()}})
+    save_run_checkpoint(
+        run_dir,
+        4,
+        {
+            "model": model.state_dict(),
+            "global_step": 1100,
+            "episodes": 3,
+            "ppo": {"iterations": 4, "trained_env_steps": 1024},
+            "env": {"env_id": "CartPole-v1", "schema": schema.to_dict()},
+        },
+    )
     assert cli.main(["train", "--resume", str(run_dir)]) == 2
     err = capsys.readouterr().err
-    assert "already reached its budget (1024 env steps trained by update 4, total_env_steps=1000)" in err
+    assert (
+        "already reached its budget (1024 env steps trained by update 4, total_env_steps=1000)"
+        in err
+    )
     assert "--total-env-steps" in err and err.count("\n") == 1
-    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "config.toml"]  # nothing written
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        "checkpoints",
+        "config.toml",
+    ]  # nothing written
 
 
-@pytest.mark.parametrize("given, expected", [([], "absent"), (["--clip-rewards"], True), (["--no-clip-rewards"], False),
-                                             (["--clip-rewards", "auto"], None), (["--clip-rewards", "null"], None),
-                                             (["--clip-rewards", "false"], False)])
-def test_a_setting_that_may_be_none_takes_auto_from_the_command_line(given: list[str], expected: object) -> None:
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        ([], "absent"),
+        (["--clip-rewards"], True),
+        (["--no-clip-rewards"], False),
+        (["--clip-rewards", "auto"], None),
+        (["--clip-rewards", "null"], None),
+        (["--clip-rewards", "false"], False),
+    ],
+)
+def test_a_setting_that_may_be_none_takes_auto_from_the_command_line(
+    given: list[str], expected: object
+) -> None:
     """``bool | None`` settings: on, off, and back to the automatic choice (None) from the command line."""
     parser, _ = cli.build_parser()
     assert getattr(parser.parse_args(["train", *given]), "clip_rewards", "absent") == expected
 
 
-def test_every_oakemu_variable_of_the_deploy_files_is_a_setting_or_a_known_deployment_variable() -> None:
+def test_every_oakemu_variable_of_the_deploy_files_is_a_setting_or_a_known_deployment_variable() -> (
+    None
+):
     """The compose, stack and Kubernetes files' ``OAKEMU_*`` variables never trigger the unknown-variable warning."""
     import re
 
@@ -461,7 +643,9 @@ def test_every_oakemu_variable_of_the_deploy_files_is_a_setting_or_a_known_deplo
     from oakemu_core.options import unknown_variables
 
     files = [REPO_ROOT / "docker-compose.yml", *sorted((REPO_ROOT / "deploy").rglob("*.y*ml"))]
-    names = {name for path in files for name in re.findall(r"\bOAKEMU_[A-Z0-9_]+", path.read_text())}
+    names = {
+        name for path in files for name in re.findall(r"\bOAKEMU_[A-Z0-9_]+", path.read_text())
+    }
     assert "OAKEMU_GRAFANA_IMAGE" in names and "OAKEMU_MODE" in names  # the files were read
     assert unknown_variables(OakEmuConfig.model_fields, dict.fromkeys(names, "x")) == []
 
@@ -474,7 +658,10 @@ def test_unknown_oakemu_variables_warn_with_the_closest_setting(
     monkeypatch.setenv("OAKEMU_SHM_SIZE", "2g")  # a compose variable, not a setting: no warning
     assert cli.main(["train"]) == 0
     err = capsys.readouterr().err
-    assert "warning: OAKEMU_LERNING_RATE is not a setting and is ignored (did you mean OAKEMU_LEARNING_RATE?)" in err
+    assert (
+        "warning: OAKEMU_LERNING_RATE is not a setting and is ignored (did you mean OAKEMU_LEARNING_RATE?)"
+        in err
+    )
     assert "SHM_SIZE" not in err
     assert train.calls[0][0][0].learning_rate == 2.5e-4
     assert cli.main(["train", "--help"]) == 0  # a user reading the help learns of the typo too
@@ -488,15 +675,29 @@ def test_train_on_a_full_disk_is_one_line_naming_the_path_and_the_bytes(
 
     _forbid_processes(monkeypatch)
     fill_disk(small_tmpfs)
-    assert cli.main(["train", "--env", "CartPole-v1", "--runs-dir", str(small_tmpfs / "runs"), "--run-name", "r"]) == 1
+    assert (
+        cli.main(
+            [
+                "train",
+                "--env",
+                "CartPole-v1",
+                "--runs-dir",
+                str(small_tmpfs / "runs"),
+                "--run-name",
+                "r",
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert f"cannot write {small_tmpfs}/runs/r/" in err and "No space left on device" in err
     assert "bytes needed" in err and "bytes free on" in err
 
 
-def test_the_learner_and_an_actor_turn_the_collector_on_once_ready(monkeypatch: pytest.MonkeyPatch,
-                                                                   tmp_path: Path) -> None:
+def test_the_learner_and_an_actor_turn_the_collector_on_once_ready(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """With the collector off (as cli.run leaves it), the learner is serving and an actor stepping
     with it on again: learner.main calls startup_done before Learner.run, Actor.run after join."""
     import gc
@@ -511,8 +712,14 @@ def test_the_learner_and_an_actor_turn_the_collector_on_once_ready(monkeypatch: 
     class FakeLearner:
         def __init__(self, config: OakEmuConfig, run_dir: Path) -> None:
             self.trainer = types.SimpleNamespace(
-                learner_model=types.SimpleNamespace(model=types.SimpleNamespace(has_convolutions=False)),
-                checkpoint_writer=types.SimpleNamespace(final_saved=run_dir / "checkpoint_00000001.pt"), running=False)
+                learner_model=types.SimpleNamespace(
+                    model=types.SimpleNamespace(has_convolutions=False)
+                ),
+                checkpoint_writer=types.SimpleNamespace(
+                    final_saved=run_dir / "checkpoint_00000001.pt"
+                ),
+                running=False,
+            )
 
         def run(self, stop_event: threading.Event) -> int:
             serving.append(gc.isenabled())
@@ -537,15 +744,24 @@ def test_the_learner_and_an_actor_turn_the_collector_on_once_ready(monkeypatch: 
 
     monkeypatch.setattr(actor, "join", join)
     try:
-        for start in (lambda: learner_service.main(OakEmuConfig(env_id="CartPole-v1", runs_dir=str(tmp_path))),
-                      actor.run):
+        for start in (
+            lambda: learner_service.main(
+                OakEmuConfig(env_id="CartPole-v1", runs_dir=str(tmp_path))
+            ),
+            actor.run,
+        ):
             gc.disable()
             assert start() == 0
             serving.append(gc.isenabled())
     finally:
         gc.enable()
         actor.close()
-    assert serving == [True, True, False, True]  # learner serving and after; actor joining, then after
+    assert serving == [
+        True,
+        True,
+        False,
+        True,
+    ]  # learner serving and after; actor joining, then after
 
 
 def test_train_refuses_numpy_actors_for_pictures_before_anything_starts(
@@ -554,16 +770,37 @@ def test_train_refuses_numpy_actors_for_pictures_before_anything_starts(
     monkeypatch.chdir(tmp_path)
     for key in [key for key in os.environ if key.startswith("OAKEMU_")]:
         monkeypatch.delenv(key)
-    assert cli.main(["train", "--env", "ALE/Breakout-v5", "--actor-inference", "numpy", "--runs-dir",
-                     str(tmp_path / "runs")]) == 2
+    assert (
+        cli.main(
+            [
+                "train",
+                "--env",
+                "ALE/Breakout-v5",
+                "--actor-inference",
+                "numpy",
+                "--runs-dir",
+                str(tmp_path / "runs"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
-    assert "actor_inference='numpy': only for one vector observation (MLP torsos), this env gives uint8" in err
+    assert (
+        "actor_inference='numpy': only for one vector observation (MLP torsos), this env gives uint8"
+        in err
+    )
     assert "Traceback" not in err and not (tmp_path / "runs").exists()
 
 
 # ------------------------------------------------------------------------------- unknown commands
-@pytest.mark.parametrize(("word", "hint"), [("trian", " (did you mean 'train'?)"), ("evalute", " (did you mean "
-                                            "'evaluate'?)"), ("fly", " (oakemu --help lists the commands)")])
+@pytest.mark.parametrize(
+    ("word", "hint"),
+    [
+        ("trian", " (did you mean 'train'?)"),
+        ("evalute", " (did you mean 'evaluate'?)"),
+        ("fly", " (oakemu --help lists the commands)"),
+    ],
+)
 def test_an_unknown_command_is_one_line_naming_the_closest_one(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], word: str, hint: str
 ) -> None:
@@ -575,9 +812,11 @@ def test_an_unknown_command_is_one_line_naming_the_closest_one(
 
 def test_oakemu_without_a_command_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main([]) == 2
-    assert capsys.readouterr().err == ("oakemu: error: expected a command: train, learner, actor, monitor, evaluate, "
-                                       "export, record, keygen (oakemu --help describes them, oakemu COMMAND --help "
-                                       "one)\n")
+    assert capsys.readouterr().err == (
+        "oakemu: error: expected a command: train, learner, actor, monitor, evaluate, "
+        "export, record, keygen (oakemu --help describes them, oakemu COMMAND --help "
+        "one)\n"
+    )
     assert cli.main(["--bogus"]) == 2
     assert capsys.readouterr().err.startswith("oakemu: error: unrecognized arguments: --bogus")
     assert cli.main(["--version"]) == 0 and capsys.readouterr().out.startswith("oakemu ")

@@ -86,7 +86,9 @@ def resolve(node: Any, variables: dict[str, str]) -> Any:
     return node
 
 
-def load_compose(path: Path = COMPOSE_FILE, variables: dict[str, str] | None = None) -> dict[str, Any]:
+def load_compose(
+    path: Path = COMPOSE_FILE, variables: dict[str, str] | None = None
+) -> dict[str, Any]:
     with path.open() as file:
         return resolve(yaml.safe_load(file), variables or {})
 
@@ -193,7 +195,10 @@ def test_shm_size_holds_two_default_atari_rollout_buffers(compose):
     rollout_length, num_envs = int(env["OAKEMU_ROLLOUT_LENGTH"]), int(env["OAKEMU_NUM_ENVS"])
     assert (rollout_length, num_envs) == (128, 16)
     # 2 buffers x 128 rows x 16 columns x (28224 + 50) bytes, + column_steps (8 bytes per column each)
-    required = 2 * rollout_length * num_envs * (ATARI_OBSERVATION_BYTES + ROW_BYTES_BESIDES_OBSERVATION) + 2 * 8 * num_envs
+    required = (
+        2 * rollout_length * num_envs * (ATARI_OBSERVATION_BYTES + ROW_BYTES_BESIDES_OBSERVATION)
+        + 2 * 8 * num_envs
+    )
     assert required == 115_810_560
     assert parse_bytes(learner["shm_size"]) >= 1.5 * required  # headroom for page rounding
     assert parse_bytes(learner["shm_size"]) > 64 * 2**20  # Docker's default /dev/shm would not do
@@ -201,15 +206,32 @@ def test_shm_size_holds_two_default_atari_rollout_buffers(compose):
 
 def test_shm_formula_in_the_docs_matches_the_learner():
     """The by-hand row size used above and in deploy/README.md is the learner's own figure."""
+    from oakemu_services.learner import rollout_buffer_bytes
+
     from oakemu_core.config import load_config
     from oakemu_core.envs import env_spec
     from oakemu_core.policy.schemas import schema_for_env
-    from oakemu_services.learner import rollout_buffer_bytes
 
-    config = load_config(["--env-id", "ALE/Breakout-v5", "--num-envs", "16", "--rollout-length", "128", "--mode", "async"])
+    config = load_config(
+        [
+            "--env-id",
+            "ALE/Breakout-v5",
+            "--num-envs",
+            "16",
+            "--rollout-length",
+            "128",
+            "--mode",
+            "async",
+        ]
+    )
     # + column_steps (8 bytes per column) + the layout record (meta, 3 x int64)
-    expected_one_buffer = 128 * 16 * (ATARI_OBSERVATION_BYTES + ROW_BYTES_BESIDES_OBSERVATION) + 8 * 16 + 24
-    assert rollout_buffer_bytes(config, schema_for_env(env_spec("ALE/Breakout-v5"))) == expected_one_buffer
+    expected_one_buffer = (
+        128 * 16 * (ATARI_OBSERVATION_BYTES + ROW_BYTES_BESIDES_OBSERVATION) + 8 * 16 + 24
+    )
+    assert (
+        rollout_buffer_bytes(config, schema_for_env(env_spec("ALE/Breakout-v5")))
+        == expected_one_buffer
+    )
     readme = (REPO_ROOT / "deploy" / "README.md").read_text()
     assert "115,810,608" in readme and "28224 + 50" in readme
 
@@ -241,12 +263,21 @@ def test_configuration_is_only_oakemu_variables(compose):
 
 
 def test_shell_variables_reach_the_services():
-    compose = load_compose(variables={
-        "OAKEMU_ENV_ID": "CartPole-v1", "OAKEMU_SHM_SIZE": "1g", "OAKEMU_LEARNER_HOST": "10.0.0.5",
-        "OAKEMU_PUBLISH_TELEMETRY_PORT": "6558", "OAKEMU_NUM_ENVS": "64",
-    })
+    compose = load_compose(
+        variables={
+            "OAKEMU_ENV_ID": "CartPole-v1",
+            "OAKEMU_SHM_SIZE": "1g",
+            "OAKEMU_LEARNER_HOST": "10.0.0.5",
+            "OAKEMU_PUBLISH_TELEMETRY_PORT": "6558",
+            "OAKEMU_NUM_ENVS": "64",
+        }
+    )
     learner, actor = compose["services"]["learner"], compose["services"]["actor"]
-    assert environment_of(learner)["OAKEMU_ENV_ID"] == environment_of(actor)["OAKEMU_ENV_ID"] == "CartPole-v1"
+    assert (
+        environment_of(learner)["OAKEMU_ENV_ID"]
+        == environment_of(actor)["OAKEMU_ENV_ID"]
+        == "CartPole-v1"
+    )
     assert environment_of(learner)["OAKEMU_NUM_ENVS"] == "64"
     assert parse_bytes(learner["shm_size"]) == 2**30
     assert environment_of(actor)["OAKEMU_LEARNER_HOST"] == "10.0.0.5"  # an actor on another machine
@@ -260,22 +291,36 @@ def test_dockerfile_base_argument_venv_build_stage_non_root_exec_entrypoint():
     assert instructions[0] == ("ARG", "BASE_IMAGE=python:3.11-slim")
     froms = [arguments for name, arguments in instructions if name == "FROM"]
     assert froms == ["${BASE_IMAGE} AS build", "${BASE_IMAGE}"]
-    final_stage = instructions[names.index("FROM", names.index("FROM") + 1):]
-    build_stage = instructions[:names.index("FROM", names.index("FROM") + 1)]
+    final_stage = instructions[names.index("FROM", names.index("FROM") + 1) :]
+    build_stage = instructions[: names.index("FROM", names.index("FROM") + 1)]
     args = dict(arguments.split("=", 1) for name, arguments in build_stage if name == "ARG")
-    assert args == {"BASE_IMAGE": "python:3.11-slim", "TORCH_INDEX_URL": "https://download.pytorch.org/whl/cpu",
-                    "TORCH_VERSION": "2.13.0", "OAKEMU_EXTRAS": "onnx,emulators,video"}
+    assert args == {
+        "BASE_IMAGE": "python:3.11-slim",
+        "TORCH_INDEX_URL": "https://download.pytorch.org/whl/cpu",
+        "TORCH_VERSION": "2.13.0",
+        "OAKEMU_EXTRAS": "onnx,emulators,video",
+    }
     # Build stage: a venv, torch first (a wheelhouse wheel or TORCH_INDEX_URL), then the project.
     runs = [arguments for name, arguments in build_stage if name == "RUN"]
     torch_step = next(i for i, run in enumerate(runs) if '--index-url "$TORCH_INDEX_URL"' in run)
-    assert '"torch==$TORCH_VERSION"' in runs[torch_step] and "python3 -m venv /opt/oakemu" in runs[torch_step]
-    project_step = next(i for i, run in enumerate(runs) if '/opt/oakemu/bin/pip install --find-links /tmp/wheelhouse "/tmp/oakemu-src[$OAKEMU_EXTRAS]"' in run)
+    assert (
+        '"torch==$TORCH_VERSION"' in runs[torch_step]
+        and "python3 -m venv /opt/oakemu" in runs[torch_step]
+    )
+    project_step = next(
+        i
+        for i, run in enumerate(runs)
+        if '/opt/oakemu/bin/pip install --find-links /tmp/wheelhouse "/tmp/oakemu-src[$OAKEMU_EXTRAS]"'
+        in run
+    )
     assert torch_step < project_step
     assert all("ca-bundle.crt" in run for run in runs if "PIP_CERT" in run)
     # Final stage: only the venv is copied from the build stage (no wheelhouse, no CA bundle).
     copies = [arguments for name, arguments in final_stage if name == "COPY"]
     assert copies == ["--from=build /opt/oakemu /opt/oakemu"]
-    assert not any("wheelhouse" in arguments or "ca-bundle" in arguments for _, arguments in final_stage)
+    assert not any(
+        "wheelhouse" in arguments or "ca-bundle" in arguments for _, arguments in final_stage
+    )
     final_names = [name for name, _ in final_stage]
     users = [arguments for name, arguments in final_stage if name == "USER"]
     assert users and users[-1] not in ("root", "0")
@@ -296,15 +341,21 @@ def test_gpu_override_reserves_an_nvidia_gpu_and_builds_cuda_torch_for_the_learn
     (device,) = learner["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
     assert environment_of(learner)["OAKEMU_DEVICE"] == "cuda"
-    assert re.fullmatch(r"https://download\.pytorch\.org/whl/cu\d+", learner["build"]["args"]["TORCH_INDEX_URL"])
-    assert learner["image"] != load_compose()["services"]["actor"]["image"]  # actors keep the CPU image
+    assert re.fullmatch(
+        r"https://download\.pytorch\.org/whl/cu\d+", learner["build"]["args"]["TORCH_INDEX_URL"]
+    )
+    assert (
+        learner["image"] != load_compose()["services"]["actor"]["image"]
+    )  # actors keep the CPU image
 
 
 def dockerignore_pattern(pattern: str) -> re.Pattern[str]:
     """Docker's pattern syntax: ``**`` any number of folders, ``*`` / ``?`` within one path element."""
     regex = ""
     for token in re.split(r"(\*\*/|\*\*|\*|\?)", pattern):
-        regex += {"**/": "(?:.*/)?", "**": ".*", "*": "[^/]*", "?": "[^/]"}.get(token, re.escape(token))
+        regex += {"**/": "(?:.*/)?", "**": ".*", "*": "[^/]*", "?": "[^/]"}.get(
+            token, re.escape(token)
+        )
     return re.compile(regex)
 
 
@@ -324,14 +375,25 @@ def dockerignore_excludes(path: str) -> bool:
     return excluded
 
 
-@pytest.mark.parametrize("path", ["runs/CartPole__1/checkpoints/latest.pt", ".venv/bin/python", ".git/HEAD",
-                                  "oakemu_core/__pycache__/wire.cpython-311.pyc", ".pytest_cache/v/x",
-                                  "tests/test_compose.py", "docker-compose.yml"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "runs/CartPole__1/checkpoints/latest.pt",
+        ".venv/bin/python",
+        ".git/HEAD",
+        "oakemu_core/__pycache__/wire.cpython-311.pyc",
+        ".pytest_cache/v/x",
+        "tests/test_compose.py",
+        "docker-compose.yml",
+    ],
+)
 def test_dockerignore_keeps_runs_and_caches_out(path):
     assert dockerignore_excludes(path)
 
 
-@pytest.mark.parametrize("path", ["pyproject.toml", "README.md", "oakemu_core/run/telemetry.py", "services/cli.py"])
+@pytest.mark.parametrize(
+    "path", ["pyproject.toml", "README.md", "oakemu_core/run/telemetry.py", "services/cli.py"]
+)
 def test_dockerignore_keeps_what_pip_install_needs(path):
     assert not dockerignore_excludes(path)
 
@@ -357,15 +419,21 @@ def compose_cli() -> list[str] | None:
     return None
 
 
-@pytest.mark.parametrize("files", [["docker-compose.yml"], ["docker-compose.yml", "deploy/compose.gpu.yml"]])
+@pytest.mark.parametrize(
+    "files", [["docker-compose.yml"], ["docker-compose.yml", "deploy/compose.gpu.yml"]]
+)
 def test_docker_compose_client_accepts_the_files(files):
     cli = compose_cli()
     if cli is None:
         pytest.skip("no docker compose client on this machine")
     arguments = [argument for file in files for argument in ("-f", file)]
-    result = subprocess.run([*cli, *arguments, "--profile", "monitor", "--profile", "observability", "config", "-q"],
-                            cwd=REPO_ROOT,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [*cli, *arguments, "--profile", "monitor", "--profile", "observability", "config", "-q"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -391,10 +459,17 @@ class LocalDeployment:
         self.hosts = {name: "127.0.0.1" for name in compose["services"]} | {"0.0.0.0": "127.0.0.1"}
 
     def environment(self, service_name: str) -> dict[str, str]:
-        service_env = {key: self.hosts.get(value, value)
-                       for key, value in environment_of(self.compose["services"][service_name]).items()}
+        service_env = {
+            key: self.hosts.get(value, value)
+            for key, value in environment_of(self.compose["services"][service_name]).items()
+        }
         # one host for every service: give each its own ports, and the runs volume a local folder
-        service_env.update({variable: str(self.ports[container]) for container, variable in CONTAINER_PORTS.items()})
+        service_env.update(
+            {
+                variable: str(self.ports[container])
+                for container, variable in CONTAINER_PORTS.items()
+            }
+        )
         service_env["OAKEMU_RUNS_DIR"] = str(self.runs_dir)
         env = {key: value for key, value in os.environ.items() if not key.startswith("OAKEMU_")}
         env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -413,12 +488,20 @@ class LocalDeployment:
         host, port = match.groups()
         return f"tcp://{self.hosts.get(host, host)}:{self.ports[int(port)]}"
 
-    def start(self, service_name: str, *extra: str, stdout: int | None = None) -> subprocess.Popen[str]:
+    def start(
+        self, service_name: str, *extra: str, stdout: int | None = None
+    ) -> subprocess.Popen[str]:
         log_path = self.tmp_path / f"{service_name}-{len(self.processes)}.log"
         log = log_path.open("w")
-        process = subprocess.Popen(self.argv(service_name, *extra), cwd=self.tmp_path, env=self.environment(service_name),
-                                   stdout=stdout if stdout is not None else log, stderr=log, text=True,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            self.argv(service_name, *extra),
+            cwd=self.tmp_path,
+            env=self.environment(service_name),
+            stdout=stdout if stdout is not None else log,
+            stderr=log,
+            text=True,
+            start_new_session=True,
+        )
         log.close()
         self.processes.append((service_name, process, log_path))
         return process
@@ -427,7 +510,9 @@ class LocalDeployment:
         test = self.compose["services"][service_name]["healthcheck"]["test"]
         assert test[0] == "CMD"
         command = [sys.executable if test[1] == "python" else test[1], *test[2:]]
-        result = subprocess.run(command, env=self.environment(service_name), capture_output=True, timeout=30)
+        result = subprocess.run(
+            command, env=self.environment(service_name), capture_output=True, timeout=30
+        )
         return result.returncode == 0
 
     def logs(self) -> str:
@@ -465,8 +550,13 @@ class JsonLines:
                 self._queue.put(json.loads(line))
         self._queue.put(None)
 
-    def wait_for(self, predicate: Callable[[dict[str, Any]], bool], timeout_s: float, what: str,
-                 deployment: LocalDeployment) -> dict[str, Any]:
+    def wait_for(
+        self,
+        predicate: Callable[[dict[str, Any]], bool],
+        timeout_s: float,
+        what: str,
+        deployment: LocalDeployment,
+    ) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
@@ -479,8 +569,10 @@ class JsonLines:
             if predicate(record):
                 return record
         seen = [(r["global_step"], r["iterations"], len(r["actors"])) for r in self.records[-10:]]
-        raise AssertionError(f"monitor never showed {what}; last (steps, updates, actors): {seen}\n"
-                             f"{deployment.logs()}")
+        raise AssertionError(
+            f"monitor never showed {what}; last (steps, updates, actors): {seen}\n"
+            f"{deployment.logs()}"
+        )
 
 
 def actor_ids(record: dict[str, Any]) -> set[str]:
@@ -492,8 +584,10 @@ def scrape_metrics(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
 
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
-    return {family.name: [(sample.labels, sample.value) for sample in family.samples]
-            for family in text_string_to_metric_families(text)}
+    return {
+        family.name: [(sample.labels, sample.value) for sample in family.samples]
+        for family in text_string_to_metric_families(text)
+    }
 
 
 @pytest.fixture
@@ -520,8 +614,13 @@ def local_deployment(tmp_path) -> Iterator[LocalDeployment]:
         sweep_stale_segments()  # segments of killed learners (owner pid gone) only
 
 
-def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, deployment: LocalDeployment,
-               watch: subprocess.Popen[str] | None = None) -> None:
+def wait_until(
+    condition: Callable[[], bool],
+    timeout_s: float,
+    what: str,
+    deployment: LocalDeployment,
+    watch: subprocess.Popen[str] | None = None,
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if condition():
@@ -535,7 +634,11 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, deplo
 def segments_owned_by(pid: int) -> list[str]:
     from oakemu_core.shared_memory import parse_segment_owner
 
-    return [path.name for path in Path("/dev/shm").glob("oakemu_*") if parse_segment_owner(path.name) == pid]
+    return [
+        path.name
+        for path in Path("/dev/shm").glob("oakemu_*")
+        if parse_segment_owner(path.name) == pid
+    ]
 
 
 @pytest.mark.slow
@@ -543,15 +646,25 @@ def segments_owned_by(pid: int) -> list[str]:
 def test_compose_services_as_local_processes_scale_1_3_2_and_stop(local_deployment):
     deployment = local_deployment
     learner = deployment.start("learner")
-    wait_until(lambda: deployment.healthcheck("learner"), 120, "learner healthcheck", deployment, watch=learner)
+    wait_until(
+        lambda: deployment.healthcheck("learner"),
+        120,
+        "learner healthcheck",
+        deployment,
+        watch=learner,
+    )
 
     monitor = deployment.start("monitor", "--json", "--timeout", "120", stdout=subprocess.PIPE)
     telemetry = JsonLines(monitor)
     actors = [deployment.start("actor")]
 
     # 1 actor: training advances
-    one = telemetry.wait_for(lambda r: r["is_update"] and len(r["actors"]) == 1 and r["iterations"] >= 2,
-                             180, "updates with 1 actor", deployment)
+    one = telemetry.wait_for(
+        lambda r: r["is_update"] and len(r["actors"]) == 1 and r["iterations"] >= 2,
+        180,
+        "updates with 1 actor",
+        deployment,
+    )
     assert all(len(record["actors"]) <= 1 for record in telemetry.records)
     assert one["actors"][0]["num_envs"] == 2
 
@@ -559,33 +672,63 @@ def test_compose_services_as_local_processes_scale_1_3_2_and_stop(local_deployme
     actors += [deployment.start("actor"), deployment.start("actor")]
     three = telemetry.wait_for(
         lambda r: r["is_update"] and len(r["actors"]) == 3 and r["iterations"] > one["iterations"],
-        180, "an update with 3 actors", deployment)
+        180,
+        "an update with 3 actors",
+        deployment,
+    )
     assert three["global_step"] > one["global_step"]
     assert all(actor["num_envs"] == 2 for actor in three["actors"])
     three = telemetry.wait_for(  # every actor has been heard from and contributes
-        lambda r: r["is_update"] and len(r["actors"]) == 3 and all(a["sps"] > 0 for a in r["actors"]),
-        120, "3 actors all stepping", deployment)
+        lambda r: (
+            r["is_update"] and len(r["actors"]) == 3 and all(a["sps"] > 0 for a in r["actors"])
+        ),
+        120,
+        "3 actors all stepping",
+        deployment,
+    )
 
     # one actor killed (SIGKILL): the learner drops it after actor_timeout_s and goes on with 2
     killed = actors.pop()
     os.killpg(killed.pid, signal.SIGKILL)
     killed.wait(timeout=10)
-    two = telemetry.wait_for(lambda r: r["is_update"] and len(r["actors"]) == 2, 120,
-                             "an update with 2 actors after the kill", deployment)
+    two = telemetry.wait_for(
+        lambda r: r["is_update"] and len(r["actors"]) == 2,
+        120,
+        "an update with 2 actors after the kill",
+        deployment,
+    )
     assert len(actor_ids(three) - actor_ids(two)) == 1 and actor_ids(two) <= actor_ids(three)
     assert two["dropped"].get("timed_out_actors", 0) + two["dropped"].get("exited_actors", 0) >= 1
     later = telemetry.wait_for(
-        lambda r: r["is_update"] and len(r["actors"]) == 2 and r["iterations"] >= two["iterations"] + 2,
-        180, "two more updates with 2 actors", deployment)
+        lambda r: (
+            r["is_update"] and len(r["actors"]) == 2 and r["iterations"] >= two["iterations"] + 2
+        ),
+        180,
+        "two more updates with 2 actors",
+        deployment,
+    )
     assert later["global_step"] > two["global_step"] > three["global_step"]
     assert learner.poll() is None
 
     # the Prometheus endpoint serves the same figures while training runs
     metrics = scrape_metrics(deployment.ports[9100])
-    for name in ("oakemu_env_steps", "oakemu_sps", "oakemu_policy_version", "oakemu_updates", "oakemu_episodes",
-                 "oakemu_episodic_return_mean", "oakemu_loss", "oakemu_approx_kl", "oakemu_clip_fraction",
-                 "oakemu_learning_rate", "oakemu_buffer_fill", "oakemu_rejected_messages", "oakemu_dropped",
-                 "oakemu_actors", "oakemu_policy_lag"):
+    for name in (
+        "oakemu_env_steps",
+        "oakemu_sps",
+        "oakemu_policy_version",
+        "oakemu_updates",
+        "oakemu_episodes",
+        "oakemu_episodic_return_mean",
+        "oakemu_loss",
+        "oakemu_approx_kl",
+        "oakemu_clip_fraction",
+        "oakemu_learning_rate",
+        "oakemu_buffer_fill",
+        "oakemu_rejected_messages",
+        "oakemu_dropped",
+        "oakemu_actors",
+        "oakemu_policy_lag",
+    ):
         assert name in metrics, name
     assert metrics["oakemu_actors"] == [({}, 2.0)]
     assert metrics["oakemu_env_steps"][0][1] >= later["global_step"]
@@ -594,10 +737,14 @@ def test_compose_services_as_local_processes_scale_1_3_2_and_stop(local_deployme
     for actor in actors:
         os.killpg(actor.pid, signal.SIGTERM)
     for actor in actors:
-        actor.wait(timeout=parse_duration_s(deployment.compose["services"]["actor"]["stop_grace_period"]))
+        actor.wait(
+            timeout=parse_duration_s(deployment.compose["services"]["actor"]["stop_grace_period"])
+        )
         assert actor.returncode in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
     learner.send_signal(signal.SIGTERM)
-    learner.wait(timeout=parse_duration_s(deployment.compose["services"]["learner"]["stop_grace_period"]))
+    learner.wait(
+        timeout=parse_duration_s(deployment.compose["services"]["learner"]["stop_grace_period"])
+    )
     assert learner.returncode == 0, deployment.logs()
     assert segments_owned_by(learner.pid) == []
 
@@ -610,13 +757,22 @@ def test_compose_services_as_local_processes_scale_1_3_2_and_stop(local_deployme
     monitor.send_signal(signal.SIGTERM)
     monitor.wait(timeout=10)
     resumed = deployment.start("learner")
-    wait_until(lambda: deployment.healthcheck("learner"), 120, "resumed learner healthcheck", deployment,
-               watch=resumed)
-    once = deployment.start("monitor", "--json", "--once", "--timeout", "60", stdout=subprocess.PIPE)
+    wait_until(
+        lambda: deployment.healthcheck("learner"),
+        120,
+        "resumed learner healthcheck",
+        deployment,
+        watch=resumed,
+    )
+    once = deployment.start(
+        "monitor", "--json", "--once", "--timeout", "60", stdout=subprocess.PIPE
+    )
     out, _ = once.communicate(timeout=90)
     assert once.returncode == 0, deployment.logs()
     first = json.loads(out.splitlines()[0])
-    assert first["iterations"] >= later["iterations"] and first["global_step"] >= later["global_step"]
+    assert (
+        first["iterations"] >= later["iterations"] and first["global_step"] >= later["global_step"]
+    )
     assert first["actors"] == []
     resumed.send_signal(signal.SIGTERM)
     resumed.wait(timeout=60)

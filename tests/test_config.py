@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from oakemu_core.actor.fitting import fit_actor_count
 from oakemu_core.config import (
     CONFIG_FILE_ENV_VAR,
     ConfigError,
@@ -17,7 +18,6 @@ from oakemu_core.config import (
     resolved_device,
     to_toml,
 )
-from oakemu_core.actor.fitting import fit_actor_count
 from oakemu_core.envs.spec import is_atari_env
 
 
@@ -78,31 +78,59 @@ def test_defaults_are_the_usual_atari_ppo_settings() -> None:
     assert config.resolved_clip_rewards is True
 
 
-@pytest.mark.parametrize(("num_envs", "cpus", "actors"), [
-    (16, 1, 1), (16, 2, 1), (16, 3, 2), (16, 4, 2), (16, 5, 4), (16, 8, 4), (16, 64, 4),
-    (8, 2, 1), (8, 3, 2), (8, 16, 2), (4, 16, 1), (6, 8, 1), (3, 8, 1), (32, 16, 8),
-])
-def test_fit_actor_count_leaves_the_learner_a_cpu_and_each_actor_four_envs(num_envs: int, cpus: int,
-                                                                          actors: int) -> None:
+@pytest.mark.parametrize(
+    ("num_envs", "cpus", "actors"),
+    [
+        (16, 1, 1),
+        (16, 2, 1),
+        (16, 3, 2),
+        (16, 4, 2),
+        (16, 5, 4),
+        (16, 8, 4),
+        (16, 64, 4),
+        (8, 2, 1),
+        (8, 3, 2),
+        (8, 16, 2),
+        (4, 16, 1),
+        (6, 8, 1),
+        (3, 8, 1),
+        (32, 16, 8),
+    ],
+)
+def test_fit_actor_count_leaves_the_learner_a_cpu_and_each_actor_four_envs(
+    num_envs: int, cpus: int, actors: int
+) -> None:
     assert fit_actor_count(num_envs, cpus) == actors
 
 
-def test_actors_are_fitted_only_when_neither_count_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_actors_are_fitted_only_when_neither_count_is_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr("oakemu_core.config.available_cpus", lambda: 8)
     fitted = OakEmuConfig(num_envs=8)
     assert (fitted.num_actors, fitted.envs_per_actor, fitted.buffer_num_envs) == (2, 4, 8)
     assert (OakEmuConfig().num_actors, OakEmuConfig().envs_per_actor) == (4, 4)
-    assert (OakEmuConfig(num_actors=3).num_actors, OakEmuConfig(num_actors=3).envs_per_actor) == (3, 8)
+    assert (OakEmuConfig(num_actors=3).num_actors, OakEmuConfig(num_actors=3).envs_per_actor) == (
+        3,
+        8,
+    )
     by_envs = OakEmuConfig(envs_per_actor=8)
     assert (by_envs.num_actors, by_envs.buffer_num_envs) == (2, 16)
     split = OakEmuConfig(num_envs=10, num_actors=3)
     assert split.envs_per_actor == 4
     # stable-retro runs one emulator per process: one env per actor, one actor per CPU the learner leaves.
     retro = "retro:Airstriker-Genesis-v0"
-    assert (OakEmuConfig(env_id=retro).num_actors, OakEmuConfig(env_id=retro).envs_per_actor) == (7, 1)
-    assert (OakEmuConfig(env_id=retro, num_envs=3).num_actors, OakEmuConfig(env_id=retro, num_envs=3).envs_per_actor) \
-        == (3, 1)
-    assert OakEmuConfig(env_id=retro, num_actors=2, envs_per_actor=2).envs_per_actor == 2  # given: kept (refused later)
+    assert (OakEmuConfig(env_id=retro).num_actors, OakEmuConfig(env_id=retro).envs_per_actor) == (
+        7,
+        1,
+    )
+    assert (
+        OakEmuConfig(env_id=retro, num_envs=3).num_actors,
+        OakEmuConfig(env_id=retro, num_envs=3).envs_per_actor,
+    ) == (3, 1)
+    assert (
+        OakEmuConfig(env_id=retro, num_actors=2, envs_per_actor=2).envs_per_actor == 2
+    )  # given: kept (refused later)
 
 
 def test_every_field_has_a_description() -> None:
@@ -128,7 +156,9 @@ def test_precedence_flags_over_environment_over_toml_over_defaults(
     assert config.config_file == toml_file
 
 
-def test_toml_path_from_environment_variable_and_argument(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_toml_path_from_environment_variable_and_argument(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from_env = write_toml(tmp_path / "env.toml", "seed = 3\n")
     from_arg = write_toml(tmp_path / "arg.toml", "seed = 4\n")
     from_flag = write_toml(tmp_path / "flag.toml", "seed = 5\n")
@@ -164,7 +194,9 @@ def test_flag_spellings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert load_config(["--env", "CartPole-v1"]).resolved_clip_rewards is False
 
 
-def test_environment_variables_empty_means_unset_and_null_means_none(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_environment_variables_empty_means_unset_and_null_means_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("OAKEMU_RUN_NAME", "")
     monkeypatch.setenv("OAKEMU_METRICS_PORT", "null")
     monkeypatch.setenv("OAKEMU_LEARNER_HOST", "learner")
@@ -192,7 +224,9 @@ def test_environment_variables_empty_means_unset_and_null_means_none(monkeypatch
         (["--learning-rate", "nan"], "learning_rate", "nan"),
     ],
 )
-def test_invalid_values_name_the_field_and_the_received_value(args: list[str], field: str, received: str) -> None:
+def test_invalid_values_name_the_field_and_the_received_value(
+    args: list[str], field: str, received: str
+) -> None:
     with pytest.raises(ConfigError) as caught:
         load_config(args)
     message = str(caught.value)
@@ -202,7 +236,12 @@ def test_invalid_values_name_the_field_and_the_received_value(args: list[str], f
 
 def test_num_minibatches_boundary_is_one_row_each() -> None:
     # 2 rows x 8 columns = 16 rows: 16 minibatches of one row is fine, 17 is not.
-    assert load_config(["--rollout-length", "2", "--num-envs", "8", "--num-minibatches", "16"]).num_minibatches == 16
+    assert (
+        load_config(
+            ["--rollout-length", "2", "--num-envs", "8", "--num-minibatches", "16"]
+        ).num_minibatches
+        == 16
+    )
     with pytest.raises(ConfigError, match="num_minibatches"):
         load_config(["--rollout-length", "2", "--num-envs", "8", "--num-minibatches", "17"])
 
@@ -225,7 +264,16 @@ def test_missing_or_malformed_toml_file(tmp_path: Path) -> None:
 
 def test_to_toml_round_trips_every_field(tmp_path: Path) -> None:
     config = load_config(
-        ["--env", "CartPole-v1", "--actor-id", 'actor "7" \\ x', "--target-kl", "0.02", "--learning-rate", "3e-5"]
+        [
+            "--env",
+            "CartPole-v1",
+            "--actor-id",
+            'actor "7" \\ x',
+            "--target-kl",
+            "0.02",
+            "--learning-rate",
+            "3e-5",
+        ]
     )
     text = to_toml(config)
     parsed = tomllib.loads(text)  # valid TOML by the standard library's reader
@@ -257,31 +305,56 @@ def test_resolved_device() -> None:
 def test_value_clipping_is_cleanrl_for_atari_only_and_in_value_units() -> None:
     """auto: the policy clip coefficient for Atari ids (CleanRL ppo_atari.py), off elsewhere
     (SB3's default); an explicit range or null wins everywhere."""
-    assert load_config(["--env", "ALE/Pong-v5", "--clip-coef", "0.2"]).resolved_clip_value_range == 0.2
+    assert (
+        load_config(["--env", "ALE/Pong-v5", "--clip-coef", "0.2"]).resolved_clip_value_range == 0.2
+    )
     assert load_config(["--env", "CartPole-v1"]).resolved_clip_value_range is None
-    assert load_config(["--env", "CartPole-v1", "--clip-value-range", "10"]).resolved_clip_value_range == 10.0
-    assert load_config(["--env", "ALE/Pong-v5", "--clip-value-range", "null"]).resolved_clip_value_range is None
+    assert (
+        load_config(["--env", "CartPole-v1", "--clip-value-range", "10"]).resolved_clip_value_range
+        == 10.0
+    )
+    assert (
+        load_config(
+            ["--env", "ALE/Pong-v5", "--clip-value-range", "null"]
+        ).resolved_clip_value_range
+        is None
+    )
 
 
 def test_evaluation_is_greedy_except_for_atari_by_default() -> None:
     """auto (rl-zoo's choice): sampled for Atari ids, whose early greedy policies can stall for 27k steps."""
     assert load_config(["--env", "ALE/Breakout-v5"]).resolved_eval_greedy is False
     assert load_config(["--env", "CartPole-v1"]).resolved_eval_greedy is True
-    assert load_config(["--env", "ALE/Breakout-v5", "--eval-greedy", "true"]).resolved_eval_greedy is True
-    assert load_config(["--env", "CartPole-v1", "--eval-greedy", "false"]).resolved_eval_greedy is False
+    assert (
+        load_config(["--env", "ALE/Breakout-v5", "--eval-greedy", "true"]).resolved_eval_greedy
+        is True
+    )
+    assert (
+        load_config(["--env", "CartPole-v1", "--eval-greedy", "false"]).resolved_eval_greedy
+        is False
+    )
 
 
 def test_evaluation_defaults_keep_the_tester_cheap_and_record_best_and_final() -> None:
     """Periodic evaluation paced to a tenth of the wall time; videos of the best, the final and every 10th
     evaluation (tests/test_tester.py and test_tester_videos.py show what these settings do)."""
     config = load_config([])
-    assert (config.eval_every_updates, config.eval_max_share, config.eval_video, config.eval_video_every) == (
-        10, 0.1, True, 10)
+    assert (
+        config.eval_every_updates,
+        config.eval_max_share,
+        config.eval_video,
+        config.eval_video_every,
+    ) == (10, 0.1, True, 10)
     for name in ("eval_max_share", "eval_video_every"):
-        assert "(default" not in OakEmuConfig.model_fields[name].description  # --help adds the default
+        assert (
+            "(default" not in OakEmuConfig.model_fields[name].description
+        )  # --help adds the default
     paced = load_config(["--eval-max-share", "0.25", "--eval-video-every", "0"])
     assert (paced.eval_max_share, paced.eval_video_every) == (0.25, 0)
-    for args, field in ((["--eval-max-share", "0"], "eval_max_share"), (["--eval-max-share", "1.5"], "eval_max_share"),
-                        (["--eval-video-every", "-1"], "eval_video_every")):
+    for args, field in (
+        (["--eval-max-share", "0"], "eval_max_share"),
+        (["--eval-max-share", "1.5"], "eval_max_share"),
+        (["--eval-video-every", "-1"], "eval_video_every"),
+    ):
         with pytest.raises(ConfigError, match=field):
             load_config(args)

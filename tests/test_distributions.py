@@ -4,8 +4,6 @@ the choice of family per Gymnasium space."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -16,10 +14,10 @@ from oakemu_core.policy.distributions import (
     Categorical,
     DiagGaussian,
     MultiCategorical,
+    _gumbel_argmax,
     distribution_for_space,
     distribution_from_dict,
-)
-from oakemu_core.policy.distributions import _gumbel_argmax  # the sampler's noise step, tested alone
+)  # the sampler's noise step, tested alone
 
 B = 64
 
@@ -41,7 +39,9 @@ def test_categorical_log_prob_entropy_and_mode_match_torch() -> None:
     policy = Categorical(6).policy(head)
     reference = torch.distributions.Categorical(logits=head.double())
     actions = torch.from_numpy(np.random.default_rng(2).integers(0, 6, B))
-    torch.testing.assert_close(policy.log_prob(actions).double(), reference.log_prob(actions), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        policy.log_prob(actions).double(), reference.log_prob(actions), rtol=1e-5, atol=1e-5
+    )
     torch.testing.assert_close(policy.entropy().double(), reference.entropy(), rtol=1e-5, atol=1e-5)
     assert policy.log_prob(actions).shape == policy.entropy().shape == (B,)
     torch.testing.assert_close(policy.mode(), head.argmax(-1))
@@ -51,12 +51,19 @@ def test_categorical_log_prob_entropy_and_mode_match_torch() -> None:
 def test_gumbel_noise_of_an_exact_zero_uniform_never_picks_a_masked_action() -> None:
     # torch.rand returns exactly 0 about once in 2^24 draws; its noise must not sink the only legal
     # action below the masked ones (-inf noise would, and argmax would then pick a masked index).
-    policy = Categorical(4).policy(torch.zeros(3, 4), torch.tensor([[False, True, False, False]] * 3))
-    uniform = torch.tensor([[0.5, 0.0, 0.5, 0.9999999], [0.0, 0.0, 0.0, 0.0], [0.99, 0.0, 0.99, 0.99]])
+    policy = Categorical(4).policy(
+        torch.zeros(3, 4), torch.tensor([[False, True, False, False]] * 3)
+    )
+    uniform = torch.tensor(
+        [[0.5, 0.0, 0.5, 0.9999999], [0.0, 0.0, 0.0, 0.0], [0.99, 0.0, 0.99, 0.99]]
+    )
     assert _gumbel_argmax(policy.log_probs_all, uniform).tolist() == [1, 1, 1]
     # Unmasked, the largest noise wins: U closest to 1 gives the largest -log(-log U).
     plain = torch.zeros(2, 3)
-    assert _gumbel_argmax(plain, torch.tensor([[0.1, 0.9, 0.5], [0.0, 0.2, 0.1]])).tolist() == [1, 1]
+    assert _gumbel_argmax(plain, torch.tensor([[0.1, 0.9, 0.5], [0.0, 0.2, 0.1]])).tolist() == [
+        1,
+        1,
+    ]
 
 
 def test_categorical_samples_follow_the_probabilities() -> None:
@@ -76,7 +83,9 @@ def test_masked_categorical_gives_masked_actions_probability_exactly_zero() -> N
     mask = random_mask(B, 6)
     policy = Categorical(6, masked=True).policy(head, mask)
     all_actions = torch.arange(6).expand(B, 6)
-    probabilities = torch.stack([policy.log_prob(all_actions[:, a]).exp() for a in range(6)], dim=-1)
+    probabilities = torch.stack(
+        [policy.log_prob(all_actions[:, a]).exp() for a in range(6)], dim=-1
+    )
     assert (probabilities[~mask] == 0).all(), "masked actions: probability exactly 0"
     assert (probabilities[mask] > 0).all()
     torch.testing.assert_close(probabilities.sum(-1), torch.ones(B), rtol=1e-5, atol=1e-5)
@@ -91,7 +100,10 @@ def test_masked_categorical_gives_masked_actions_probability_exactly_zero() -> N
     assert torch.isfinite(entropy).all()
     np.testing.assert_allclose(entropy.numpy(), reference_entropy, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(
-        entropy.double(), torch.distributions.Categorical(probs=torch.from_numpy(expected)).entropy(), rtol=1e-5, atol=1e-5
+        entropy.double(),
+        torch.distributions.Categorical(probs=torch.from_numpy(expected)).entropy(),
+        rtol=1e-5,
+        atol=1e-5,
     )
     # Masked actions are never sampled (many draws) and never the mode.
     draws = torch.stack([policy.sample(torch.Generator().manual_seed(s)) for s in range(200)])
@@ -123,12 +135,17 @@ def test_multi_categorical_is_a_product_of_independent_categoricals() -> None:
     head = logits(B, sum(NVEC))
     distribution = MultiCategorical(NVEC)
     policy = distribution.policy(head)
-    parts = [torch.distributions.Categorical(logits=p.double()) for p in torch.split(head, list(NVEC), dim=-1)]
+    parts = [
+        torch.distributions.Categorical(logits=p.double())
+        for p in torch.split(head, list(NVEC), dim=-1)
+    ]
     rng = np.random.default_rng(3)
     actions = torch.from_numpy(np.stack([rng.integers(0, n, B) for n in NVEC], axis=-1))
     expected = sum(part.log_prob(actions[:, i]) for i, part in enumerate(parts))
     torch.testing.assert_close(policy.log_prob(actions).double(), expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(policy.entropy().double(), sum(p.entropy() for p in parts), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        policy.entropy().double(), sum(p.entropy() for p in parts), rtol=1e-5, atol=1e-5
+    )
     mode = policy.mode()
     assert mode.shape == (B, 3)
     for i, chunk in enumerate(torch.split(head, list(NVEC), dim=-1)):
@@ -146,17 +163,21 @@ def test_multi_categorical_masks_apply_per_sub_action() -> None:
     total_entropy = np.zeros(B)
     sub_masks, offset = [], 0
     for n in NVEC:
-        x, m = head[:, offset:offset + n].double().numpy(), mask[:, offset:offset + n].numpy()
+        x, m = head[:, offset : offset + n].double().numpy(), mask[:, offset : offset + n].numpy()
         p = np.where(m, np.exp(x - np.where(m, x, -np.inf).max(-1, keepdims=True)), 0.0)
         p /= p.sum(-1, keepdims=True)
         total_entropy += -np.where(m, p * np.log(np.where(m, p, 1.0)), 0.0).sum(-1)
         sub_masks.append((m, p))
         offset += n
     np.testing.assert_allclose(policy.entropy().numpy(), total_entropy, rtol=1e-5, atol=1e-5)
-    draws = torch.stack([policy.sample(torch.Generator().manual_seed(s)) for s in range(100)])  # (100, B, 3)
+    draws = torch.stack(
+        [policy.sample(torch.Generator().manual_seed(s)) for s in range(100)]
+    )  # (100, B, 3)
     rows = np.arange(B)
     for i, (m, p) in enumerate(sub_masks):
-        assert m[rows[None, :].repeat(100, 0), draws[..., i].numpy()].all(), f"sub-action {i} took a masked value"
+        assert m[rows[None, :].repeat(100, 0), draws[..., i].numpy()].all(), (
+            f"sub-action {i} took a masked value"
+        )
     actions = draws[0]
     expected = sum(np.log(p[rows, actions[:, i].numpy()]) for i, (_, p) in enumerate(sub_masks))
     np.testing.assert_allclose(policy.log_prob(actions).numpy(), expected, rtol=1e-5, atol=1e-5)
@@ -170,8 +191,15 @@ def test_bernoulli_matches_torch() -> None:
     policy = Bernoulli(5).policy(head)
     reference = torch.distributions.Bernoulli(logits=head.double())
     bits = torch.from_numpy(np.random.default_rng(4).integers(0, 2, (B, 5)).astype(np.int8))
-    torch.testing.assert_close(policy.log_prob(bits).double(), reference.log_prob(bits.double()).sum(-1), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(policy.entropy().double(), reference.entropy().sum(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        policy.log_prob(bits).double(),
+        reference.log_prob(bits.double()).sum(-1),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    torch.testing.assert_close(
+        policy.entropy().double(), reference.entropy().sum(-1), rtol=1e-5, atol=1e-5
+    )
     torch.testing.assert_close(policy.mode(), (head > 0).to(torch.int8))
     many = Bernoulli(5).policy(head[:1].repeat(20000, 1)).sample(torch.Generator().manual_seed(0))
     assert many.dtype == torch.int8 and set(many.unique().tolist()) <= {0, 1}
@@ -191,7 +219,9 @@ def test_bernoulli_masks_force_bits() -> None:
     free = torch.distributions.Bernoulli(logits=head[:, 0].double())
     # Forced bits contribute log 1 = 0 to the log prob and 0 to the entropy.
     bits = torch.tensor([[1, 1, 0], [0, 1, 0], [1, 1, 0], [0, 1, 0]], dtype=torch.int8)
-    torch.testing.assert_close(policy.log_prob(bits).double(), free.log_prob(bits[:, 0].double()), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        policy.log_prob(bits).double(), free.log_prob(bits[:, 0].double()), rtol=1e-5, atol=1e-6
+    )
     torch.testing.assert_close(policy.entropy().double(), free.entropy(), rtol=1e-5, atol=1e-6)
     forbidden = torch.tensor([[1, 0, 0]] * 4, dtype=torch.int8)  # bit 1 = 0 is forbidden
     assert (policy.log_prob(forbidden) < -1e6).all()
@@ -211,15 +241,26 @@ def test_diag_gaussian_matches_torch_normal() -> None:
     policy = distribution.policy(head)
     mean, log_std = head[:, :3].double(), head[:, 3:].double()
     reference = torch.distributions.Normal(mean, log_std.exp())
-    actions = torch.from_numpy(np.random.default_rng(6).normal(scale=3.0, size=(B, 3))).float()  # also outside the Box
-    torch.testing.assert_close(policy.log_prob(actions).double(), reference.log_prob(actions.double()).sum(-1), rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(policy.entropy().double(), reference.entropy().sum(-1), rtol=1e-5, atol=1e-5)
+    actions = torch.from_numpy(
+        np.random.default_rng(6).normal(scale=3.0, size=(B, 3))
+    ).float()  # also outside the Box
+    torch.testing.assert_close(
+        policy.log_prob(actions).double(),
+        reference.log_prob(actions.double()).sum(-1),
+        rtol=1e-5,
+        atol=1e-4,
+    )
+    torch.testing.assert_close(
+        policy.entropy().double(), reference.entropy().sum(-1), rtol=1e-5, atol=1e-5
+    )
     torch.testing.assert_close(policy.mode(), head[:, :3])
     stored = policy.stored()
     assert set(stored) == {"action_mean", "action_std"}
     torch.testing.assert_close(stored["action_mean"], head[:, :3])
     torch.testing.assert_close(stored["action_std"].double(), log_std.exp(), rtol=1e-6, atol=1e-6)
-    samples = distribution.policy(head[:1].repeat(20000, 1)).sample(torch.Generator().manual_seed(0))
+    samples = distribution.policy(head[:1].repeat(20000, 1)).sample(
+        torch.Generator().manual_seed(0)
+    )
     z = ((samples.double() - mean[:1]) / log_std[:1].exp()).numpy()
     assert np.all(np.abs(z.mean(0)) < 0.05) and np.all(np.abs(z.std(0) - 1) < 0.05)
 
@@ -247,7 +288,9 @@ def test_gaussian_log_std_is_clamped_and_env_actions_are_clipped() -> None:
     assert torch.isfinite(policy.log_prob(torch.tensor([[0.0, 1.0]]))).all()
     actions = np.array([[-3.0, 5.0], [0.5, -0.5]], np.float32)
     np.testing.assert_array_equal(distribution.env_actions(actions), [[-1.0, 2.0], [0.5, 0.0]])
-    np.testing.assert_array_equal(actions, [[-3.0, 5.0], [0.5, -0.5]])  # the stored action is not changed
+    np.testing.assert_array_equal(
+        actions, [[-3.0, 5.0], [0.5, -0.5]]
+    )  # the stored action is not changed
     for bad in (np.nan, np.inf):
         with pytest.raises(ValueError, match="finite"):
             distribution.env_actions(np.array([[0.0, bad]], np.float32))
@@ -256,19 +299,35 @@ def test_gaussian_log_std_is_clamped_and_env_actions_are_clipped() -> None:
 
 
 def test_heads_have_the_parameter_size() -> None:
-    for distribution in (Categorical(4), MultiCategorical(NVEC), Bernoulli(3), DiagGaussian([-1.0] * 2, [1.0] * 2)):
+    for distribution in (
+        Categorical(4),
+        MultiCategorical(NVEC),
+        Bernoulli(3),
+        DiagGaussian([-1.0] * 2, [1.0] * 2),
+    ):
         head = distribution.make_head(16)
         out = head(torch.zeros(5, 16))
         assert out.shape == (5, distribution.param_size), distribution
     gaussian = DiagGaussian([-1.0] * 2, [1.0] * 2).make_head(16)
-    assert [name for name, _ in gaussian.named_parameters()] == ["log_std", "mean.weight", "mean.bias"]
-    torch.testing.assert_close(gaussian(torch.zeros(1, 16))[0, 2:], torch.zeros(2))  # log std 0: initial std 1
+    assert [name for name, _ in gaussian.named_parameters()] == [
+        "log_std",
+        "mean.weight",
+        "mean.bias",
+    ]
+    torch.testing.assert_close(
+        gaussian(torch.zeros(1, 16))[0, 2:], torch.zeros(2)
+    )  # log std 0: initial std 1
 
 
 # ---------------------------------------------------------------------------------- construction
 ALL = [
-    Categorical(5), Categorical(5, masked=True), MultiCategorical([3, 4]), MultiCategorical([3, 4], masked=True),
-    Bernoulli(6), Bernoulli(6, masked=True), DiagGaussian([-2.0, 0.0], [2.0, 1.0]),
+    Categorical(5),
+    Categorical(5, masked=True),
+    MultiCategorical([3, 4]),
+    MultiCategorical([3, 4], masked=True),
+    Bernoulli(6),
+    Bernoulli(6, masked=True),
+    DiagGaussian([-2.0, 0.0], [2.0, 1.0]),
 ]
 
 
@@ -281,7 +340,11 @@ def test_plain_value_round_trip(distribution) -> None:
     assert again == distribution and type(again) is type(distribution)
     assert again.to_dict() == as_dict
     assert (again.action_shape, again.action_dtype, again.param_size, again.mask_width) == (
-        distribution.action_shape, distribution.action_dtype, distribution.param_size, distribution.mask_width)
+        distribution.action_shape,
+        distribution.action_dtype,
+        distribution.param_size,
+        distribution.mask_width,
+    )
     assert hash(again) == hash(distribution)
     others = [d for d in ALL if d is not distribution]
     assert all(again != other for other in others)
@@ -289,8 +352,15 @@ def test_plain_value_round_trip(distribution) -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [{"kind": "tuple"}, {"kind": "categorical"}, {"kind": "categorical", "num_actions": 0}, {"kind": "multi_categorical", "nvec": []},
-     {"kind": "bernoulli", "num_bits": "x"}, {"kind": "diag_gaussian", "low": [1.0], "high": [0.0]}, {}],
+    [
+        {"kind": "tuple"},
+        {"kind": "categorical"},
+        {"kind": "categorical", "num_actions": 0},
+        {"kind": "multi_categorical", "nvec": []},
+        {"kind": "bernoulli", "num_bits": "x"},
+        {"kind": "diag_gaussian", "low": [1.0], "high": [0.0]},
+        {},
+    ],
 )
 def test_from_dict_refuses_malformed_values(bad: dict) -> None:
     with pytest.raises(ValueError):
@@ -304,8 +374,16 @@ def test_distribution_for_each_gymnasium_space() -> None:
     assert distribution_for_space(spaces.MultiDiscrete([3, 5]), mask_width=8).mask_width == 8
     assert distribution_for_space(spaces.MultiBinary(4)) == Bernoulli(4)
     assert distribution_for_space(spaces.MultiBinary(4), mask_width=8) == Bernoulli(4, masked=True)
-    box = distribution_for_space(spaces.Box(np.array([-1.0, 0.0], np.float32), np.array([1.0, 3.0], np.float32), dtype=np.float32))
-    assert isinstance(box, DiagGaussian) and box.action_shape == (2,) and box.action_dtype == np.float32
+    box = distribution_for_space(
+        spaces.Box(
+            np.array([-1.0, 0.0], np.float32), np.array([1.0, 3.0], np.float32), dtype=np.float32
+        )
+    )
+    assert (
+        isinstance(box, DiagGaussian)
+        and box.action_shape == (2,)
+        and box.action_dtype == np.float32
+    )
     np.testing.assert_array_equal(box.low, [-1.0, 0.0])
     np.testing.assert_array_equal(box.high, [1.0, 3.0])
     # action shapes and dtypes as stored
@@ -328,6 +406,8 @@ def test_distribution_for_each_gymnasium_space() -> None:
         (spaces.Box(-1.0, 1.0, (2,), np.float32), 2, "cannot be masked"),
     ],
 )
-def test_unsupported_spaces_and_wrong_mask_widths_are_refused_by_name(space, mask_width: int, message: str) -> None:
+def test_unsupported_spaces_and_wrong_mask_widths_are_refused_by_name(
+    space, mask_width: int, message: str
+) -> None:
     with pytest.raises(ValueError, match=message):
         distribution_for_space(space, mask_width=mask_width)

@@ -49,10 +49,18 @@ RUN_SETTINGS = {
 # --- helpers --------------------------------------------------------------------------------------
 
 
-def run(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 120, check: bool = True,
-        cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess[str]:
+def run(
+    args: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = 120,
+    check: bool = True,
+    cwd: Path = REPO_ROOT,
+) -> subprocess.CompletedProcess[str]:
     """Run a command, capture its output; on ``check`` a failure shows the command and its output."""
-    result = subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
+    result = subprocess.run(
+        args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False
+    )
     if check and result.returncode != 0:
         raise AssertionError(
             f"{' '.join(args)} exited with {result.returncode}\nstdout:\n{result.stdout[-3000:]}\n"
@@ -66,14 +74,24 @@ def engine_unavailable_reason() -> str | None:
     if shutil.which("docker") is None:
         return "no docker client on PATH (.ci/run installs docker.io and starts dockerd)"
     try:
-        info = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True,
-                              timeout=20, check=False)
+        info = subprocess.run(
+            ["docker", "info", "--format", "{{.ServerVersion}}"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=False,
+        )
     except subprocess.TimeoutExpired:
         return "docker info timed out: no Docker engine answers"
     if info.returncode != 0 or not info.stdout.strip():
         return f"no Docker engine answers (docker info: {info.stderr.strip()[:200]}); .ci/run starts one"
-    compose = subprocess.run(["docker", "compose", "version", "--short"], capture_output=True, text=True,
-                             timeout=20, check=False)
+    compose = subprocess.run(
+        ["docker", "compose", "version", "--short"],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        check=False,
+    )
     if compose.returncode != 0 or not compose.stdout.strip().lstrip("v").startswith("2"):
         return "Docker Compose v2 is not installed (deploy/install-compose.sh installs the pinned version)"
     return None
@@ -92,11 +110,15 @@ def wait_for(what: str, probe: Callable[[], Any], timeout_s: float, period_s: fl
             if last:
                 return last
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}; last: {str(last)[:2000]}")
+            pytest.fail(
+                f"timed out after {timeout_s:.0f} s waiting for {what}; last: {str(last)[:2000]}"
+            )
         time.sleep(period_s)
 
 
-def matching(snapshot: dict[str, Any], predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
+def matching(
+    snapshot: dict[str, Any], predicate: Callable[[dict[str, Any]], bool]
+) -> dict[str, Any] | None:
     """``snapshot`` when it satisfies ``predicate``, else None (for :func:`wait_for`)."""
     return snapshot if predicate(snapshot) else None
 
@@ -111,8 +133,11 @@ def free_port() -> int:
 def leftovers(label: str) -> dict[str, list[str]]:
     """Containers, networks and volumes that carry ``label`` (``key=value``)."""
     found = {}
-    for kind, command in (("containers", ["docker", "ps", "-aq"]), ("networks", ["docker", "network", "ls", "-q"]),
-                          ("volumes", ["docker", "volume", "ls", "-q"])):
+    for kind, command in (
+        ("containers", ["docker", "ps", "-aq"]),
+        ("networks", ["docker", "network", "ls", "-q"]),
+        ("volumes", ["docker", "volume", "ls", "-q"]),
+    ):
         output = run([*command, "--filter", f"label={label}"], check=False).stdout.split()
         if output:
             found[kind] = output
@@ -121,11 +146,18 @@ def leftovers(label: str) -> dict[str, list[str]]:
 
 def remove_labelled(label: str) -> None:
     """Force-remove every container, then network and volume, that carries ``label``."""
-    for command in (["docker", "ps", "-aq"], ["docker", "network", "ls", "-q"], ["docker", "volume", "ls", "-q"]):
+    for command in (
+        ["docker", "ps", "-aq"],
+        ["docker", "network", "ls", "-q"],
+        ["docker", "volume", "ls", "-q"],
+    ):
         ids = run([*command, "--filter", f"label={label}"], check=False).stdout.split()
         if ids:
-            remove = {"ps": ["docker", "rm", "-f", "-v"], "network": ["docker", "network", "rm"],
-                      "volume": ["docker", "volume", "rm", "-f"]}[command[1]]
+            remove = {
+                "ps": ["docker", "rm", "-f", "-v"],
+                "network": ["docker", "network", "rm"],
+                "volume": ["docker", "volume", "rm", "-f"],
+            }[command[1]]
             run([*remove, *ids], check=False, timeout=120)
 
 
@@ -139,24 +171,45 @@ def snapshot_from(output: str) -> dict[str, Any]:
 class Compose:
     """``docker compose`` for one test project (its own name, environment and files)."""
 
-    def __init__(self, project: str, files: list[Path], env: dict[str, str], env_file: Path) -> None:
+    def __init__(
+        self, project: str, files: list[Path], env: dict[str, str], env_file: Path
+    ) -> None:
         self.project = project
         self.files = files
         self.env = env
         self.env_file = env_file
 
-    def __call__(self, *args: str, timeout: float = 180, check: bool = True,
-                 extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    def __call__(
+        self,
+        *args: str,
+        timeout: float = 180,
+        check: bool = True,
+        extra_env: dict[str, str] | None = None,
+    ) -> subprocess.CompletedProcess[str]:
         """Run ``docker compose -p PROJECT -f ... ARGS``."""
         command = ["docker", "compose", "-p", self.project, "--env-file", str(self.env_file)]
         for file in self.files:
             command += ["-f", str(file)]
-        return run([*command, *args], env={**self.env, **(extra_env or {})}, timeout=timeout, check=check)
+        return run(
+            [*command, *args], env={**self.env, **(extra_env or {})}, timeout=timeout, check=check
+        )
 
     def monitor(self) -> dict[str, Any]:
         """One telemetry snapshot through the compose file's monitor service (a one-off container)."""
-        result = self("run", "--rm", "-T", "monitor", "monitor", "--connect", "tcp://learner:5558", "--once",
-                      "--json", "--timeout", "10", timeout=90)
+        result = self(
+            "run",
+            "--rm",
+            "-T",
+            "monitor",
+            "monitor",
+            "--connect",
+            "tcp://learner:5558",
+            "--once",
+            "--json",
+            "--timeout",
+            "10",
+            timeout=90,
+        )
         return snapshot_from(result.stdout)
 
     def logs(self, service: str) -> str:
@@ -228,13 +281,19 @@ def test_image_runs_oakemu_from_its_venv_as_an_unprivileged_user_without_the_bui
     oakemu_image: str, tmp_path: Path
 ) -> None:
     """The image: oakemu on PATH from /opt/oakemu, uid 10001, CPU torch, and no CA bundle or wheelhouse."""
-    script = ("command -v oakemu; id -u; python -c 'import torch, sys; print(torch.__version__, sys.prefix)';"
-              " test ! -e /tmp/wheelhouse && echo no-wheelhouse")
-    probe = run(["docker", "run", "--rm", "--entrypoint", "sh", oakemu_image, "-c", script], timeout=120)
+    script = (
+        "command -v oakemu; id -u; python -c 'import torch, sys; print(torch.__version__, sys.prefix)';"
+        " test ! -e /tmp/wheelhouse && echo no-wheelhouse"
+    )
+    probe = run(
+        ["docker", "run", "--rm", "--entrypoint", "sh", oakemu_image, "-c", script], timeout=120
+    )
     lines = probe.stdout.split()
     assert lines[0] == "/opt/oakemu/bin/oakemu"
     assert lines[1] == "10001"
-    assert lines[2].startswith("2.") and "+cu" not in lines[2], f"expected a CPU torch build, got {lines[2]}"
+    assert lines[2].startswith("2.") and "+cu" not in lines[2], (
+        f"expected a CPU torch build, got {lines[2]}"
+    )
     assert lines[3] == "/opt/oakemu"
     assert lines[4] == "no-wheelhouse"
     help_text = run(["docker", "run", "--rm", oakemu_image, "--help"], timeout=120).stdout
@@ -255,7 +314,10 @@ def test_image_runs_oakemu_from_its_venv_as_an_unprivileged_user_without_the_bui
             for member in archive:
                 if member.isfile() and member.size == len(ca_bytes):
                     handle = archive.extractfile(member)
-                    if handle is not None and hashlib.sha256(handle.read()).hexdigest() == ca_digest:
+                    if (
+                        handle is not None
+                        and hashlib.sha256(handle.read()).hexdigest() == ca_digest
+                    ):
                         same.append(member.name)
         assert export.wait(timeout=300) == 0
     finally:
@@ -265,16 +327,24 @@ def test_image_runs_oakemu_from_its_venv_as_an_unprivileged_user_without_the_bui
 
 def find_ca_bundle() -> Path | None:
     """The CA bundle deploy/build-image.sh picks on this machine (pip's ``global.cert`` or the usual variables)."""
-    config = subprocess.run(["python3", "-m", "pip", "config", "list"], capture_output=True, text=True, check=False)
+    config = subprocess.run(
+        ["python3", "-m", "pip", "config", "list"], capture_output=True, text=True, check=False
+    )
     match = re.search(r"^global\.cert='(.*)'$", config.stdout, re.MULTILINE)
-    for candidate in (match.group(1) if match else None, os.environ.get("PIP_CERT"),
-                      os.environ.get("REQUESTS_CA_BUNDLE"), os.environ.get("SSL_CERT_FILE")):
+    for candidate in (
+        match.group(1) if match else None,
+        os.environ.get("PIP_CERT"),
+        os.environ.get("REQUESTS_CA_BUNDLE"),
+        os.environ.get("SSL_CERT_FILE"),
+    ):
         if candidate and Path(candidate).is_file():
             return Path(candidate)
     return None
 
 
-def test_the_image_trains_the_generated_game_boy_rom_and_records_its_screen(oakemu_image: str, tmp_path: Path) -> None:
+def test_the_image_trains_the_generated_game_boy_rom_and_records_its_screen(
+    oakemu_image: str, tmp_path: Path
+) -> None:
     """The emulators and video extras are in the image: ``oakemu train`` on the generated Game Boy test
     ROM (tests/emulator_envs.py) for 2,048 env steps in a container, with evaluation videos."""
     import imageio.v3 as iio
@@ -288,16 +358,52 @@ def test_the_image_trains_the_generated_game_boy_rom_and_records_its_screen(oake
         shutil.copy(source, work / source.name)
     label = f"oakemu-test-gameboy={os.getpid()}"
     try:
-        run(["docker", "run", "--rm", "--label", label, "--shm-size", "64m", "-v", f"{work}:/work", oakemu_image,
-             "train", "--env", "gameboy:/work/test.gb", "--emulator-settings", "/work/emulator.toml",
-             "--num-actors", "1", "--envs-per-actor", "2", "--rollout-length", "64", "--total-env-steps", "2048",
-             "--eval-every-updates", "8", "--eval-episodes", "1", "--runs-dir", "/work/runs", "--run-name", "gb",
-             "--log-format", "plain"], timeout=900)
+        run(
+            [
+                "docker",
+                "run",
+                "--rm",
+                "--label",
+                label,
+                "--shm-size",
+                "64m",
+                "-v",
+                f"{work}:/work",
+                oakemu_image,
+                "train",
+                "--env",
+                "gameboy:/work/test.gb",
+                "--emulator-settings",
+                "/work/emulator.toml",
+                "--num-actors",
+                "1",
+                "--envs-per-actor",
+                "2",
+                "--rollout-length",
+                "64",
+                "--total-env-steps",
+                "2048",
+                "--eval-every-updates",
+                "8",
+                "--eval-episodes",
+                "1",
+                "--runs-dir",
+                "/work/runs",
+                "--run-name",
+                "gb",
+                "--log-format",
+                "plain",
+            ],
+            timeout=900,
+        )
     finally:
         remove_labelled(label)
     assert leftovers(label) == {}
     run_dir = work / "runs" / "gb"
-    steps = [json.loads(line)["global_step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [
+        json.loads(line)["global_step"]
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
     assert max(steps) >= 2048
     videos = sorted((run_dir / "videos").glob("update_*.mp4"))
     assert videos, f"no evaluation video in {run_dir}"
@@ -313,42 +419,65 @@ def test_compose_scale_kill_stop_resume_and_down(compose: Compose) -> None:
     compose("up", "-d", "--no-build", "--scale", "actor=3")
 
     # 3 actors train and the env-step count rises (the monitor is a one-off container in the network).
-    first = wait_for("3 actors and env steps in the monitor",
-                     lambda: matching(compose.monitor(), lambda s: len(s["actors"]) == 3 and s["global_step"] > 0),
-                     timeout_s=240)
-    wait_for("rising env steps with 3 actors",
-             lambda: matching(compose.monitor(),
-                              lambda s: s["global_step"] > first["global_step"] and len(s["actors"]) == 3),
-             timeout_s=60)
+    first = wait_for(
+        "3 actors and env steps in the monitor",
+        lambda: matching(
+            compose.monitor(), lambda s: len(s["actors"]) == 3 and s["global_step"] > 0
+        ),
+        timeout_s=240,
+    )
+    wait_for(
+        "rising env steps with 3 actors",
+        lambda: matching(
+            compose.monitor(),
+            lambda s: s["global_step"] > first["global_step"] and len(s["actors"]) == 3,
+        ),
+        timeout_s=60,
+    )
 
     # Logs: one record per line, no rich wrapping (every line starts with a timestamp and a level).
     learner_log = compose.logs("learner")
     update_lines = [line for line in learner_log.splitlines() if " update " in line]
     assert update_lines, learner_log[-2000:]
-    record = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d{4} (DEBUG|INFO|WARNING|ERROR|CRITICAL) oakemu\.")
+    record = re.compile(
+        r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d{4} (DEBUG|INFO|WARNING|ERROR|CRITICAL) oakemu\."
+    )
     bad = [line for line in learner_log.splitlines() if line.strip() and not record.match(line)]
     assert not bad, f"log lines that are not one record each: {bad[:5]}"
-    whole = re.compile(r"\| actors \d+( \| \d+ of \d+ columns)?$")  # the record's last fields, unwrapped
+    whole = re.compile(
+        r"\| actors \d+( \| \d+ of \d+ columns)?$"
+    )  # the record's last fields, unwrapped
     assert all(whole.search(line.rstrip()) for line in update_lines), update_lines[:3]
 
     # Scale down to 1: two actors leave, training goes on.
     compose("up", "-d", "--no-build", "--scale", "actor=1")
-    one = wait_for("1 actor after scaling down",
-                   lambda: matching(compose.monitor(), lambda s: len(s["actors"]) == 1), timeout_s=60)
+    one = wait_for(
+        "1 actor after scaling down",
+        lambda: matching(compose.monitor(), lambda s: len(s["actors"]) == 1),
+        timeout_s=60,
+    )
 
     # kill -9 the remaining actor: the learner drops it after actor_timeout_s (3 s) ...
     [actor_container] = compose.container_ids("actor")
     killed_actor_id = one["actors"][0]["actor_id"]
     run(["docker", "kill", "-s", "KILL", actor_container])
-    wait_for("the learner to drop the killed actor",
-             lambda: "silent for" in compose.logs("learner") and killed_actor_id in compose.logs("learner"),
-             timeout_s=60)
+    wait_for(
+        "the learner to drop the killed actor",
+        lambda: (
+            "silent for" in compose.logs("learner") and killed_actor_id in compose.logs("learner")
+        ),
+        timeout_s=60,
+    )
     # ... and training goes on with an actor again (`up` starts it when Docker's restart policy did not).
     compose("up", "-d", "--no-build", "--scale", "actor=1")
     at_kill = compose.monitor()["global_step"]
-    wait_for("env steps rising again after the kill",
-             lambda: matching(compose.monitor(), lambda s: s["global_step"] > at_kill and len(s["actors"]) == 1),
-             timeout_s=120)
+    wait_for(
+        "env steps rising again after the kill",
+        lambda: matching(
+            compose.monitor(), lambda s: s["global_step"] > at_kill and len(s["actors"]) == 1
+        ),
+        timeout_s=120,
+    )
     last_seen = compose.monitor()["global_step"]
 
     # stop: actors exit, the learner writes a final checkpoint.
@@ -359,13 +488,17 @@ def test_compose_scale_kill_stop_resume_and_down(compose: Compose) -> None:
 
     # up: the learner resumes at the checkpoint's env-step count.
     compose("up", "-d", "--no-build", "--scale", "actor=1")
-    resumed = wait_for("the learner to resume",
-                       lambda: re.search(r"resumed from \S+ at (\d+) env steps", compose.logs("learner")),
-                       timeout_s=120)
+    resumed = wait_for(
+        "the learner to resume",
+        lambda: re.search(r"resumed from \S+ at (\d+) env steps", compose.logs("learner")),
+        timeout_s=120,
+    )
     assert int(resumed.group(1)) == checkpoint_step
-    after = wait_for("training after the resume",
-                     lambda: matching(compose.monitor(), lambda s: s["global_step"] > checkpoint_step),
-                     timeout_s=120)
+    after = wait_for(
+        "training after the resume",
+        lambda: matching(compose.monitor(), lambda s: s["global_step"] > checkpoint_step),
+        timeout_s=120,
+    )
     assert after["run_name"] == "main"
 
     # A changed env id on the same run: the learner must refuse with a message, no traceback (issue 8).
@@ -382,20 +515,39 @@ def test_compose_scale_kill_stop_resume_and_down(compose: Compose) -> None:
 
 def read_checkpoint_step(compose: Compose) -> int:
     """The ``global_step`` of the run's latest checkpoint, read in a one-off learner container."""
-    code = ("from pathlib import Path; from oakemu_core.run.checkpoint import latest_checkpoint, load_checkpoint; "
-            "p = latest_checkpoint(Path('/data/runs/main')); print(load_checkpoint(p, map_location='cpu')['global_step'])")
-    result = compose("run", "--rm", "--no-deps", "-T", "--entrypoint", "python", "learner", "-c", code, timeout=120)
+    code = (
+        "from pathlib import Path; from oakemu_core.run.checkpoint import latest_checkpoint, load_checkpoint; "
+        "p = latest_checkpoint(Path('/data/runs/main')); print(load_checkpoint(p, map_location='cpu')['global_step'])"
+    )
+    result = compose(
+        "run",
+        "--rm",
+        "--no-deps",
+        "-T",
+        "--entrypoint",
+        "python",
+        "learner",
+        "-c",
+        code,
+        timeout=120,
+    )
     return int(result.stdout.split()[-1])
 
 
 def check_env_change_refused(compose: Compose) -> str:
     """Start the learner on the stopped run with another env id; '' when refused cleanly, else the problem."""
-    since = str(int(time.time()) - 1)  # this start's log lines only (the container keeps earlier ones)
-    compose("up", "-d", "--no-build", "--no-deps", "learner", extra_env={"OAKEMU_ENV_ID": "Acrobot-v1"})
+    since = str(
+        int(time.time()) - 1
+    )  # this start's log lines only (the container keeps earlier ones)
+    compose(
+        "up", "-d", "--no-build", "--no-deps", "learner", extra_env={"OAKEMU_ENV_ID": "Acrobot-v1"}
+    )
     [learner] = compose.container_ids("learner", all_states=True)
 
     def exited() -> bool:
-        state = run(["docker", "inspect", "--format", "{{.State.Running}} {{.State.ExitCode}}", learner]).stdout.split()
+        state = run(
+            ["docker", "inspect", "--format", "{{.State.Running}} {{.State.ExitCode}}", learner]
+        ).stdout.split()
         return state[0] == "false"
 
     deadline = time.monotonic() + 90
@@ -438,7 +590,10 @@ def projects(tmp_path: Path, oakemu_image: str) -> Iterator[Callable[..., Compos
     finally:
         for project in reversed(made):  # actors before the learner they talk to
             project.down()
-    left = {project.project: leftovers(f"com.docker.compose.project={project.project}") for project in made}
+    left = {
+        project.project: leftovers(f"com.docker.compose.project={project.project}")
+        for project in made
+    }
     assert not any(left.values()), f"docker compose down -v left {left}"
 
 
@@ -449,7 +604,20 @@ def make_keys(image: str, folder: Path) -> None:
     folder.chmod(0o777)
     names = ("learner", "actor", "monitor", "stranger")
     script = "; ".join(f"oakemu keygen {name} --dir /keys >/dev/null" for name in names)
-    run(["docker", "run", "--rm", "-v", f"{folder}:/keys", "--entrypoint", "sh", image, "-c", f"set -e; {script}"])
+    run(
+        [
+            "docker",
+            "run",
+            "--rm",
+            "-v",
+            f"{folder}:/keys",
+            "--entrypoint",
+            "sh",
+            image,
+            "-c",
+            f"set -e; {script}",
+        ]
+    )
     for role, name in (("actors", "actor"), ("monitors", "monitor")):
         (folder / "authorized" / role).mkdir(parents=True, exist_ok=True)
         shutil.copy(folder / f"{name}.key", folder / "authorized" / role / f"{name}.key")
@@ -469,8 +637,11 @@ def scrape_metrics(port: int) -> dict[str, float]:
             text = response.read().decode()
     except OSError:  # the learner is starting: the port is published, nothing listens behind it yet
         return {}
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line and not line.startswith("#")}
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
 
 
 def test_actors_and_monitor_of_other_projects_reach_a_curve_learner_only_through_its_published_ports(
@@ -485,52 +656,108 @@ def test_actors_and_monitor_of_other_projects_reach_a_curve_learner_only_through
     ports = {name: free_port() for name in ("DATA", "CONTROL", "WEIGHTS", "TELEMETRY", "METRICS")}
     override = tmp_path / "learner-keys.yml"
     override.write_text(f"services:\n  learner:\n    volumes: ['{keys}:/keys:ro']\n")
-    learner = projects("learner", [COMPOSE_FILE, override], OAKEMU_NUM_ENVS="8", OAKEMU_CURVE="true",
-                       OAKEMU_CURVE_SECRET_KEY="/keys/learner.key_secret", OAKEMU_CURVE_AUTHORIZED_KEYS="/keys/authorized",
-                       **{f"OAKEMU_PUBLISH_{name}_PORT": str(port) for name, port in ports.items()})
-    remote = {"OAKEMU_LEARNER_HOST": "host.docker.internal", "OAKEMU_KEYS_DIR": str(keys),
-              "OAKEMU_DATA_PORT": str(ports["DATA"]), "OAKEMU_CONTROL_PORT": str(ports["CONTROL"]),
-              "OAKEMU_WEIGHTS_PORT": str(ports["WEIGHTS"]), "OAKEMU_TELEMETRY_PORT": str(ports["TELEMETRY"])}
+    learner = projects(
+        "learner",
+        [COMPOSE_FILE, override],
+        OAKEMU_NUM_ENVS="8",
+        OAKEMU_CURVE="true",
+        OAKEMU_CURVE_SECRET_KEY="/keys/learner.key_secret",
+        OAKEMU_CURVE_AUTHORIZED_KEYS="/keys/authorized",
+        **{f"OAKEMU_PUBLISH_{name}_PORT": str(port) for name, port in ports.items()},
+    )
+    remote = {
+        "OAKEMU_LEARNER_HOST": "host.docker.internal",
+        "OAKEMU_KEYS_DIR": str(keys),
+        "OAKEMU_DATA_PORT": str(ports["DATA"]),
+        "OAKEMU_CONTROL_PORT": str(ports["CONTROL"]),
+        "OAKEMU_WEIGHTS_PORT": str(ports["WEIGHTS"]),
+        "OAKEMU_TELEMETRY_PORT": str(ports["TELEMETRY"]),
+    }
     actors = projects("actors", [REMOTE_ACTORS_FILE], **remote)
     monitor = projects("monitor", [REMOTE_ACTORS_FILE], **remote)
 
     learner("up", "-d", "--no-build", "learner")
     actors("up", "-d", "--no-build", "--scale", "actor=2")
-    stranger = actors("run", "-d", "--no-deps", "-e", "OAKEMU_CURVE_SECRET_KEY=/keys/stranger.key_secret",
-                      "actor").stdout.strip().splitlines()[-1]
+    stranger = (
+        actors(
+            "run",
+            "-d",
+            "--no-deps",
+            "-e",
+            "OAKEMU_CURVE_SECRET_KEY=/keys/stranger.key_secret",
+            "actor",
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     [learner_container] = learner.container_ids("learner")
     keyed = actors.container_ids("actor")
     assert len(keyed) == 2
     learner_networks = inspect(learner_container, "{{json .NetworkSettings.Networks}}").keys()
-    for container in (*keyed, stranger):  # no network in common: only the published ports lead to the learner
+    for container in (
+        *keyed,
+        stranger,
+    ):  # no network in common: only the published ports lead to the learner
         assert learner_networks.isdisjoint(inspect(container, "{{json .NetworkSettings.Networks}}"))
 
     def trained_and_refused() -> dict[str, float]:
         figures = scrape_metrics(ports["METRICS"])
-        seen = {name: figures.get(name, 0) for name in ("oakemu_actors", "oakemu_updates_total",
-                                                          'oakemu_rejected_messages_total{reason="unauthorized_key"}')}
+        seen = {
+            name: figures.get(name, 0)
+            for name in (
+                "oakemu_actors",
+                "oakemu_updates_total",
+                'oakemu_rejected_messages_total{reason="unauthorized_key"}',
+            )
+        }
         assert list(seen.values())[0] == 2 and all(value >= 1 for value in seen.values()), seen
         return figures
 
-    figures = wait_for("2 actors, updates and a refused key in the published /metrics", trained_and_refused,
-                       timeout_s=120, period_s=1)
+    figures = wait_for(
+        "2 actors, updates and a refused key in the published /metrics",
+        trained_and_refused,
+        timeout_s=120,
+        period_s=1,
+    )
 
-    snapshot = snapshot_from(monitor("run", "--rm", "-T", "monitor", "monitor", "--once", "--json", "--timeout", "10",
-                                     timeout=90).stdout)
-    joined = {actor["actor_id"]: actor for actor in snapshot["actors"]}  # ids: <container hostname>-<pid>
+    snapshot = snapshot_from(
+        monitor(
+            "run",
+            "--rm",
+            "-T",
+            "monitor",
+            "monitor",
+            "--once",
+            "--json",
+            "--timeout",
+            "10",
+            timeout=90,
+        ).stdout
+    )
+    joined = {
+        actor["actor_id"]: actor for actor in snapshot["actors"]
+    }  # ids: <container hostname>-<pid>
     keyed_hosts = sorted(inspect(container, "{{json .Config.Hostname}}") for container in keyed)
     assert sorted(name.rsplit("-", 1)[0] for name in joined) == keyed_hosts, (joined, keyed_hosts)
-    assert all(actor["policy_lag"] is not None for actor in joined.values()), joined  # rows arrived from each
+    assert all(actor["policy_lag"] is not None for actor in joined.values()), (
+        joined
+    )  # rows arrived from each
     assert snapshot["global_step"] >= figures["oakemu_env_steps_total"] > 0
-    assert snapshot["rejected_messages"].get("unauthorized_key", 0) >= 1, snapshot["rejected_messages"]
+    assert snapshot["rejected_messages"].get("unauthorized_key", 0) >= 1, snapshot[
+        "rejected_messages"
+    ]
     assert set(snapshot["rejected_messages"]) <= {"unauthorized_key"}, snapshot["rejected_messages"]
 
     learner_log = learner.logs("learner")
     for actor_id in joined:
         assert f"actor {actor_id} joined" in learner_log
     assert "unauthorized_key" in learner_log and "for the actor role" in learner_log
-    assert inspect(stranger, "{{json .Config.Hostname}}") not in learner_log, "the unauthorised actor got through"
-    assert inspect(stranger, "{{json .State.Running}}") is True, "the refused actor should keep retrying, not crash"
+    assert inspect(stranger, "{{json .Config.Hostname}}") not in learner_log, (
+        "the unauthorised actor got through"
+    )
+    assert inspect(stranger, "{{json .State.Running}}") is True, (
+        "the refused actor should keep retrying, not crash"
+    )
 
 
 # --- swarm -----------------------------------------------------------------------------------------
@@ -549,17 +776,46 @@ class Swarm:
         """``docker swarm init`` on 127.0.0.1 (skip when this engine is in a swarm already)."""
         state = run(["docker", "info", "--format", "{{.Swarm.LocalNodeState}}"]).stdout.strip()
         if state != "inactive":
-            pytest.skip(f"this engine's swarm state is {state!r}; the test needs to make and leave its own swarm")
-        had_gwbridge = run(["docker", "network", "inspect", "docker_gwbridge"], check=False).returncode == 0
-        run(["docker", "swarm", "init", "--advertise-addr", "127.0.0.1", "--listen-addr", "127.0.0.1:2377"])
+            pytest.skip(
+                f"this engine's swarm state is {state!r}; the test needs to make and leave its own swarm"
+            )
+        had_gwbridge = (
+            run(["docker", "network", "inspect", "docker_gwbridge"], check=False).returncode == 0
+        )
+        run(
+            [
+                "docker",
+                "swarm",
+                "init",
+                "--advertise-addr",
+                "127.0.0.1",
+                "--listen-addr",
+                "127.0.0.1:2377",
+            ]
+        )
         self.joined = True
         self.made_gwbridge = not had_gwbridge
 
     def monitor(self) -> dict[str, Any]:
         """One snapshot from a monitor container attached to the stack's overlay network."""
-        result = run(["docker", "run", "--rm", "--network", f"{self.stack}_default", self.env["OAKEMU_IMAGE"],
-                      "monitor", "--connect", "tcp://tasks.learner:5558", "--once", "--json", "--timeout", "10"],
-                     timeout=90)
+        result = run(
+            [
+                "docker",
+                "run",
+                "--rm",
+                "--network",
+                f"{self.stack}_default",
+                self.env["OAKEMU_IMAGE"],
+                "monitor",
+                "--connect",
+                "tcp://tasks.learner:5558",
+                "--once",
+                "--json",
+                "--timeout",
+                "10",
+            ],
+            timeout=90,
+        )
         return snapshot_from(result.stdout)
 
     def teardown(self) -> dict[str, list[str]]:
@@ -578,7 +834,10 @@ class Swarm:
             run(["docker", "network", "rm", "docker_gwbridge"], check=False)
             self.made_gwbridge = False
         left = leftovers(label)
-        if run(["docker", "info", "--format", "{{.Swarm.LocalNodeState}}"]).stdout.strip() != "inactive":
+        if (
+            run(["docker", "info", "--format", "{{.Swarm.LocalNodeState}}"]).stdout.strip()
+            != "inactive"
+        ):
             left["swarm"] = ["still active"]
         return left
 
@@ -599,27 +858,53 @@ def swarm(oakemu_image: str) -> Iterator[Swarm]:
 def test_swarm_stack_deploys_scales_and_is_removed(swarm: Swarm) -> None:
     """deploy/stack.yml on a single-node swarm: learner + 2 actors, scale to 3, monitor, remove, leave."""
     swarm.init()
-    run(["docker", "stack", "deploy", "--detach=true", "-c", str(STACK_FILE), swarm.stack], env=swarm.env)
+    run(
+        ["docker", "stack", "deploy", "--detach=true", "-c", str(STACK_FILE), swarm.stack],
+        env=swarm.env,
+    )
 
-    first = wait_for("2 actors and env steps on the swarm",
-                     lambda: matching(swarm.monitor(), lambda s: len(s["actors"]) == 2 and s["global_step"] > 0),
-                     timeout_s=240)
+    first = wait_for(
+        "2 actors and env steps on the swarm",
+        lambda: matching(swarm.monitor(), lambda s: len(s["actors"]) == 2 and s["global_step"] > 0),
+        timeout_s=240,
+    )
     assert first["env_id"] == "CartPole-v1"
 
     # The learner's /dev/shm is the stack file's memory-backed tmpfs (Swarm ignores shm_size).
-    [learner] = run(["docker", "ps", "-q", "--filter",
-                     f"label=com.docker.swarm.service.name={swarm.stack}_learner"]).stdout.split()
-    shm = run(["docker", "exec", learner, "python", "-c",
-               "import os; s = os.statvfs('/dev/shm'); print(s.f_blocks * s.f_frsize)"]).stdout.strip()
+    [learner] = run(
+        [
+            "docker",
+            "ps",
+            "-q",
+            "--filter",
+            f"label=com.docker.swarm.service.name={swarm.stack}_learner",
+        ]
+    ).stdout.split()
+    shm = run(
+        [
+            "docker",
+            "exec",
+            learner,
+            "python",
+            "-c",
+            "import os; s = os.statvfs('/dev/shm'); print(s.f_blocks * s.f_frsize)",
+        ]
+    ).stdout.strip()
     assert int(shm) == 256 * 2**20
-    mounts = json.loads(run(["docker", "inspect", "--format", "{{json .HostConfig.Mounts}}", learner]).stdout)
+    mounts = json.loads(
+        run(["docker", "inspect", "--format", "{{json .HostConfig.Mounts}}", learner]).stdout
+    )
     assert any(m.get("Type") == "tmpfs" and m.get("Target") == "/dev/shm" for m in mounts), mounts
 
     run(["docker", "service", "scale", "--detach=true", f"{swarm.stack}_actor=3"])
-    wait_for("3 actors and rising env steps after docker service scale",
-             lambda: matching(swarm.monitor(),
-                              lambda s: len(s["actors"]) == 3 and s["global_step"] > first["global_step"]),
-             timeout_s=180)
+    wait_for(
+        "3 actors and rising env steps after docker service scale",
+        lambda: matching(
+            swarm.monitor(),
+            lambda s: len(s["actors"]) == 3 and s["global_step"] > first["global_step"],
+        ),
+        timeout_s=180,
+    )
 
     left = swarm.teardown()
     assert not left, f"stack rm + swarm leave left {left}"

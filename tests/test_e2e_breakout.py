@@ -27,16 +27,37 @@ EVALUATE_LINE = re.compile(r"episodes\s+1\s+mean\s+(-?\d+\.\d+)\s+std\s+(\d+\.\d
 
 def test_breakout_train_resume_evaluate(e2e: E2EProcesses) -> None:
     run_dir = e2e.runs_dir / "breakout"
-    e2e.train([
-        "--env", "ALE/Breakout-v5", "--num-actors", "2", "--envs-per-actor", "2", "--rollout-length", "16",
-        "--ppo-epochs", "4", "--num-minibatches", "2", "--run-name", "breakout", "--total-env-steps", str(FIRST_BUDGET),
-    ], timeout_s=180)
+    e2e.train(
+        [
+            "--env",
+            "ALE/Breakout-v5",
+            "--num-actors",
+            "2",
+            "--envs-per-actor",
+            "2",
+            "--rollout-length",
+            "16",
+            "--ppo-epochs",
+            "4",
+            "--num-minibatches",
+            "2",
+            "--run-name",
+            "breakout",
+            "--total-env-steps",
+            str(FIRST_BUDGET),
+        ],
+        timeout_s=180,
+    )
 
     # The run folder: resolved config, TensorBoard events, metrics, episodes, logs, checkpoints.
     config_text = (run_dir / "config.toml").read_text()
     assert 'env_id = "ALE/Breakout-v5"' in config_text and "rollout_length = 16" in config_text
     assert list(run_dir.glob("events.out.tfevents.*")), "no TensorBoard event file"
-    assert {p.name for p in (run_dir / "logs").glob("*.log")} == {"learner.log", "actor-0.log", "actor-1.log"}
+    assert {p.name for p in (run_dir / "logs").glob("*.log")} == {
+        "learner.log",
+        "actor-0.log",
+        "actor-1.log",
+    }
     checkpoints = sorted((run_dir / "checkpoints").glob("checkpoint_*.pt"))
     assert checkpoints and (run_dir / "checkpoints" / "latest.pt").is_file()
 
@@ -51,16 +72,26 @@ def test_breakout_train_resume_evaluate(e2e: E2EProcesses) -> None:
     assert last_step >= FIRST_BUDGET
 
     # Resume: the step count and the update numbering continue from the checkpoint.
-    resumed = e2e.start("train-2", [
-        "train", "--resume", str(run_dir), "--total-env-steps", str(RESUMED_BUDGET), *new_ports().flags(),
-    ])
+    resumed = e2e.start(
+        "train-2",
+        [
+            "train",
+            "--resume",
+            str(run_dir),
+            "--total-env-steps",
+            str(RESUMED_BUDGET),
+            *new_ports().flags(),
+        ],
+    )
     e2e.finish(resumed, timeout_s=180, run_dir=run_dir)
     assert "resumed from" in (run_dir / "logs" / "learner.log").read_text(errors="replace")
     all_updates = update_records(run_dir)
-    after = all_updates[len(updates):]
+    after = all_updates[len(updates) :]
     assert after, "the resumed run logged no update"
     assert after[0]["global_step"] > last_step
-    assert [u["charts/policy_version"] for u in after] == list(range(len(updates) + 1, len(all_updates) + 1))
+    assert [u["charts/policy_version"] for u in after] == list(
+        range(len(updates) + 1, len(all_updates) + 1)
+    )
     assert after[-1]["global_step"] >= RESUMED_BUDGET
     # Never back (two updates may share a step: a full rollout waiting at the budget is trained too).
     assert all(a["global_step"] <= b["global_step"] for a, b in itertools.pairwise(all_updates))
@@ -70,9 +101,16 @@ def test_breakout_train_resume_evaluate(e2e: E2EProcesses) -> None:
     assert all(e["episodic_return"] >= 0 for e in episodes)
 
     # Evaluate the latest checkpoint: one sampled episode, mean and std printed.
-    evaluate = e2e.start("evaluate", [
-        "evaluate", str(run_dir / "checkpoints" / "latest.pt"), "--episodes", "1", "--sampled",
-    ])
+    evaluate = e2e.start(
+        "evaluate",
+        [
+            "evaluate",
+            str(run_dir / "checkpoints" / "latest.pt"),
+            "--episodes",
+            "1",
+            "--sampled",
+        ],
+    )
     assert evaluate.wait(timeout_s=120) == 0, evaluate.describe()
     match = EVALUATE_LINE.search(evaluate.stdout())
     assert match, evaluate.describe()
@@ -90,11 +128,29 @@ def test_breakout_with_bfloat16_actors_and_one_emulator_thread_each(e2e: E2EProc
     that acted differs from the learner's float32 one by rounding only (the first minibatch's ratio);
     the emulator threads are the CPUs divided by the 2 actors."""
     run_dir = e2e.runs_dir / "breakout-bf16"
-    e2e.train([
-        "--env", "ALE/Breakout-v5", "--num-actors", "2", "--envs-per-actor", "2", "--rollout-length", "16",
-        "--ppo-epochs", "2", "--num-minibatches", "2", "--run-name", "breakout-bf16", "--actor-inference", "bfloat16",
-        "--total-env-steps", str(3 * ROLLOUT_ROWS),
-    ], timeout_s=180)
+    e2e.train(
+        [
+            "--env",
+            "ALE/Breakout-v5",
+            "--num-actors",
+            "2",
+            "--envs-per-actor",
+            "2",
+            "--rollout-length",
+            "16",
+            "--ppo-epochs",
+            "2",
+            "--num-minibatches",
+            "2",
+            "--run-name",
+            "breakout-bf16",
+            "--actor-inference",
+            "bfloat16",
+            "--total-env-steps",
+            str(3 * ROLLOUT_ROWS),
+        ],
+        timeout_s=180,
+    )
     threads = max(1, available_cpus() // 2)
     for name in ("actor-0.log", "actor-1.log"):
         log_text = (run_dir / "logs" / name).read_text(errors="replace")
@@ -103,13 +159,18 @@ def test_breakout_with_bfloat16_actors_and_one_emulator_thread_each(e2e: E2EProc
     updates = update_records(run_dir)
     assert len(updates) >= 2, f"{len(updates)} PPO updates"
     deviation = updates[0]["diagnostics/first_minibatch_ratio_max_abs_dev"]
-    assert 0.0 < deviation < BFLOAT16_RATIO_TOLERANCE  # not exactly float32's, and only rounding away
+    assert (
+        0.0 < deviation < BFLOAT16_RATIO_TOLERANCE
+    )  # not exactly float32's, and only rounding away
     # Later updates too: a backend left with the first weights would act a policy versions behind.
     # (None: no row of the learner's version in the first minibatch, nothing to compare.)
     deviations = [u["diagnostics/first_minibatch_ratio_max_abs_dev"] for u in updates]
     assert all(d < BFLOAT16_RATIO_TOLERANCE for d in deviations if d is not None), deviations
     # The learner re-evaluated every rollout in float32, the first (all rows of version 0) included:
     # each update was decoupled, its importance weights pi_learner / pi_bfloat16 within rounding of 1.
-    assert "acts in bfloat16: every rollout is re-evaluated" in (run_dir / "logs" / "learner.log").read_text()
+    assert (
+        "acts in bfloat16: every rollout is re-evaluated"
+        in (run_dir / "logs" / "learner.log").read_text()
+    )
     weights = [u["diagnostics/importance_weight_mean"] for u in updates]
     assert all(abs(w - 1.0) < BFLOAT16_RATIO_TOLERANCE for w in weights), weights  # NaN fails too

@@ -26,7 +26,7 @@ def first_solved(episodes: list[dict]) -> tuple[int | None, float]:
     returns = [float(e["episodic_return"]) for e in episodes]
     best = float("-inf")
     for end in range(LAST_EPISODES, len(returns) + 1):
-        mean = sum(returns[end - LAST_EPISODES:end]) / LAST_EPISODES
+        mean = sum(returns[end - LAST_EPISODES : end]) / LAST_EPISODES
         best = max(best, mean)
         if mean >= SOLVED_RETURN:
             return int(episodes[end - 1]["global_step"]), mean
@@ -35,17 +35,22 @@ def first_solved(episodes: list[dict]) -> tuple[int | None, float]:
 
 def test_first_solved_window() -> None:
     """The criterion itself, on made-up returns: 12 episodes of 0 then 10 of 400."""
-    episodes = [{"episodic_return": 0.0 if i < 12 else 400.0, "global_step": 100 * i} for i in range(22)]
+    episodes = [
+        {"episodic_return": 0.0 if i < 12 else 400.0, "global_step": 100 * i} for i in range(22)
+    ]
     # Windows of 20 ending at episodes 20, 21, 22: means 8*400/20=160, 9*400/20=180, 10*400/20=200.
     assert first_solved(episodes[:21]) == (None, 180.0)
     assert first_solved(episodes) == (2100, 200.0)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("actor_inference", "publish_every_epoch"),
-                         [("torch", True), ("onnxruntime", True), ("auto", False)])
-def test_cartpole_two_actors_learn_within_budget(e2e: E2EProcesses, actor_inference: str,
-                                                 publish_every_epoch: bool) -> None:
+@pytest.mark.parametrize(
+    ("actor_inference", "publish_every_epoch"),
+    [("torch", True), ("onnxruntime", True), ("auto", False)],
+)
+def test_cartpole_two_actors_learn_within_budget(
+    e2e: E2EProcesses, actor_inference: str, publish_every_epoch: bool
+) -> None:
     """The same run whichever runs the actors' forward passes (torch or ONNX Runtime), and with the
     weights also published within updates (after every epoch of 8 SGD steps here: the actors of a
     machine with fast cores fill the next rollout within the first third of an update, before a
@@ -53,17 +58,48 @@ def test_cartpole_two_actors_learn_within_budget(e2e: E2EProcesses, actor_infere
     log-probs to the learner's on the rows labelled with its version."""
     # e2e.train also checks that the launcher waited for its learner and actors: nothing of the run
     # is left running or in /dev/shm.
-    run_dir = e2e.train([
-        "--env", "CartPole-v1", "--mode", "async", "--seed", "1", "--num-actors", "2", "--total-env-steps", str(STEP_BUDGET),
-        "--envs-per-actor", "4", "--rollout-length", "128", "--ppo-epochs", "10", "--num-minibatches", "8",
-        "--learning-rate", "1e-3", "--clip-coef", "0.2", "--ent-coef", "0.0", "--checkpoint-every-updates", "0",
-        "--actor-inference", actor_inference,
-        "--publish-every-epoch" if publish_every_epoch else "--no-publish-every-epoch", "--publish-min-sgd-steps", "8",
-    ], timeout_s=240).run_dir
+    run_dir = e2e.train(
+        [
+            "--env",
+            "CartPole-v1",
+            "--mode",
+            "async",
+            "--seed",
+            "1",
+            "--num-actors",
+            "2",
+            "--total-env-steps",
+            str(STEP_BUDGET),
+            "--envs-per-actor",
+            "4",
+            "--rollout-length",
+            "128",
+            "--ppo-epochs",
+            "10",
+            "--num-minibatches",
+            "8",
+            "--learning-rate",
+            "1e-3",
+            "--clip-coef",
+            "0.2",
+            "--ent-coef",
+            "0.0",
+            "--checkpoint-every-updates",
+            "0",
+            "--actor-inference",
+            actor_inference,
+            "--publish-every-epoch" if publish_every_epoch else "--no-publish-every-epoch",
+            "--publish-min-sgd-steps",
+            "8",
+        ],
+        timeout_s=240,
+    ).run_dir
 
     episodes = read_jsonl(run_dir / "episodes.jsonl")
     assert len(episodes) >= LAST_EPISODES, f"only {len(episodes)} episodes finished"
-    assert {e["actor_id"] for e in episodes} == {"actor-0", "actor-1"}, "both actors must have contributed"
+    assert {e["actor_id"] for e in episodes} == {"actor-0", "actor-1"}, (
+        "both actors must have contributed"
+    )
     # The run stopped at its budget (plus at most what was in flight when it was reached).
     assert episodes[-1]["global_step"] <= STEP_BUDGET + 2 * 128 * 8
     solved_at, best_mean = first_solved(episodes)
@@ -84,8 +120,12 @@ def test_cartpole_two_actors_learn_within_budget(e2e: E2EProcesses, actor_infere
     # with each new version's weights (a session left on old weights would give ratios far from 1).
     deviations = [u["diagnostics/first_minibatch_ratio_max_abs_dev"] for u in updates]
     assert max(d for d in deviations if d is not None) < RATIO_TOLERANCE
-    assert "learner torch threads: 1" in (run_dir / "logs" / "learner.log").read_text()  # an MLP: one thread
-    actor_logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("actor*.log"))
+    assert (
+        "learner torch threads: 1" in (run_dir / "logs" / "learner.log").read_text()
+    )  # an MLP: one thread
+    actor_logs = "".join(
+        p.read_text(errors="replace") for p in (run_dir / "logs").glob("actor*.log")
+    )
     assert ("forward passes by ONNX Runtime" in actor_logs) == (actor_inference == "onnxruntime")
     assert ("forward passes in numpy" in actor_logs) == (actor_inference == "auto")  # an MLP: numpy
     assert ("weight revisions published within updates" in actor_logs) == publish_every_epoch
@@ -98,8 +138,12 @@ def test_cartpole_two_actors_learn_within_budget(e2e: E2EProcesses, actor_infere
     # Rows carry the revision that acted on them. Without revisions every row lags whole updates of
     # 80 SGD steps (10 epochs x 8 minibatches), so the mean lag in SGD steps is exactly 80 x the mean
     # lag in versions; with them, rows acted within an update lag less.
-    pairs = [(u["charts/policy_lag_sgd_steps_mean"], 80 * u["charts/policy_lag_mean"]) for u in updates
-             if u.get("charts/policy_lag_sgd_steps_mean") is not None and u.get("charts/policy_lag_mean") is not None]
+    pairs = [
+        (u["charts/policy_lag_sgd_steps_mean"], 80 * u["charts/policy_lag_mean"])
+        for u in updates
+        if u.get("charts/policy_lag_sgd_steps_mean") is not None
+        and u.get("charts/policy_lag_mean") is not None
+    ]
     assert len(pairs) >= len(updates) - 2
     assert any(sgd < whole - 1e-6 for sgd, whole in pairs) == publish_every_epoch, pairs
     assert all(sgd <= whole + 1e-6 for sgd, whole in pairs), pairs

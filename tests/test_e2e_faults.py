@@ -17,11 +17,16 @@ import numpy as np
 import pytest
 import zmq
 
-from oakemu_core.run.telemetry import TelemetrySnapshot
-from oakemu_core.transport.control import JoinReply, JoinRequest, decode_message, encode_join_request
-from oakemu_core.transport.auth import new_routing_id
 from oakemu_core.policy.distributions import Categorical
+from oakemu_core.run.telemetry import TelemetrySnapshot
 from oakemu_core.step_schema import build_schema
+from oakemu_core.transport.auth import new_routing_id
+from oakemu_core.transport.control import (
+    JoinReply,
+    JoinRequest,
+    decode_message,
+    encode_join_request,
+)
 from oakemu_core.transport.steps import StepMessage, StepSpec, encode_step
 from tests.e2e_helpers import (
     E2EProcesses,
@@ -39,13 +44,39 @@ LEARNER_MAX_MESSAGE_BYTES = 65_536
 
 def learner_args(e2e: E2EProcesses, *extra: str) -> list[str]:
     """A CartPole learner for 2 actors x 2 envs, rollouts of 32 steps, a budget it never reaches."""
-    return ["learner", "--env", "CartPole-v1", "--num-actors", "2", "--envs-per-actor", "2", "--rollout-length", "32",
-            "--ppo-epochs", "2", "--num-minibatches", "2", "--total-env-steps", "100000000",
-            "--checkpoint-every-updates", "0", "--run-name", RUN_NAME, *e2e.flags(*extra)]
+    return [
+        "learner",
+        "--env",
+        "CartPole-v1",
+        "--num-actors",
+        "2",
+        "--envs-per-actor",
+        "2",
+        "--rollout-length",
+        "32",
+        "--ppo-epochs",
+        "2",
+        "--num-minibatches",
+        "2",
+        "--total-env-steps",
+        "100000000",
+        "--checkpoint-every-updates",
+        "0",
+        "--run-name",
+        RUN_NAME,
+        *e2e.flags(*extra),
+    ]
 
 
 def actor_args(e2e: E2EProcesses, actor_id: str, *extra: str) -> list[str]:
-    return ["actor", "--envs-per-actor", "2", "--actor-id", actor_id, *e2e.flags(*extra, role="actor")]
+    return [
+        "actor",
+        "--envs-per-actor",
+        "2",
+        "--actor-id",
+        actor_id,
+        *e2e.flags(*extra, role="actor"),
+    ]
 
 
 def actor_ids(snapshot: TelemetrySnapshot) -> set[str]:
@@ -79,16 +110,23 @@ def test_killed_actor_is_dropped_and_a_late_actor_joins_and_contributes(e2e: E2E
     # gives up joining after 3 x its own actor_timeout_s, and a learner on a busy 2-core
     # machine may need more than 6 s to start.)
     learner = e2e.start("learner", learner_args(e2e, "--actor-timeout-s", "2"))
-    telemetry.wait(lambda s: True, 60, "the learner's first telemetry snapshot", describe_all(learner))
+    telemetry.wait(
+        lambda s: True, 60, "the learner's first telemetry snapshot", describe_all(learner)
+    )
     actor_a = e2e.start("actor-a", actor_args(e2e, "actor-a"))
     actor_b = e2e.start("actor-b", actor_args(e2e, "actor-b"))
     why = describe_all(learner, actor_a, actor_b)
     # Both listed is not enough: on a loaded machine actor-b alone can fill every column while
     # actor-a is still starting. Wait until actor-a's own episodes reached the learner.
     before = telemetry.wait(
-        lambda s: s.iterations >= 3 and actor_ids(s) == {"actor-a", "actor-b"}
-        and {"actor-a", "actor-b"} <= episode_actor_ids(run_dir),
-        90, "3 updates with episodes from both actors", why,
+        lambda s: (
+            s.iterations >= 3
+            and actor_ids(s) == {"actor-a", "actor-b"}
+            and {"actor-a", "actor-b"} <= episode_actor_ids(run_dir)
+        ),
+        90,
+        "3 updates with episodes from both actors",
+        why,
     )
 
     # SIGKILL one actor while it streams (it cannot say goodbye): dropped as soon as the learner sees
@@ -97,8 +135,12 @@ def test_killed_actor_is_dropped_and_a_late_actor_joins_and_contributes(e2e: E2E
     actor_a.wait(timeout_s=10)
     killed_at = before.iterations
     after_kill = telemetry.wait(
-        lambda s: s.iterations >= killed_at + 3 and actor_ids(s) == {"actor-b"} and dropped_actors(s) >= 1,
-        60, "3 more updates without actor-a, which was dropped", why,
+        lambda s: (
+            s.iterations >= killed_at + 3 and actor_ids(s) == {"actor-b"} and dropped_actors(s) >= 1
+        ),
+        60,
+        "3 more updates without actor-a, which was dropped",
+        why,
     )
     assert after_kill.dropped.get("exited_actors", 0) == 1 and dropped_actors(after_kill) == 1
 
@@ -109,9 +151,15 @@ def test_killed_actor_is_dropped_and_a_late_actor_joins_and_contributes(e2e: E2E
     actor_b.send_signal(signal.SIGINT)
     assert actor_b.wait(timeout_s=20) == 130, actor_b.describe()
     assert "Traceback" not in actor_b.stderr(), actor_b.describe()
-    left_at = telemetry.wait(lambda s: actor_ids(s) == {"actor-c"}, 30, "actor-b left", why).iterations
-    final = telemetry.wait(lambda s: s.iterations >= left_at + 3 and actor_ids(s) == {"actor-c"}, 60,
-                           "3 more updates from actor-c alone", why)
+    left_at = telemetry.wait(
+        lambda s: actor_ids(s) == {"actor-c"}, 30, "actor-b left", why
+    ).iterations
+    final = telemetry.wait(
+        lambda s: s.iterations >= left_at + 3 and actor_ids(s) == {"actor-c"},
+        60,
+        "3 more updates from actor-c alone",
+        why,
+    )
     assert dropped_actors(final) == 1  # actor-b left, it was not dropped
     # Rollouts after actor-b left hold only actor-c's steps, so actor-c's episodes reach the learner.
     assert {"actor-a", "actor-b", "actor-c"} <= episode_actor_ids(run_dir)
@@ -142,16 +190,27 @@ def _valid_step(actor_id: str, incarnation: str, num_envs: int) -> list[bytes]:
     observations, actions, log_probs, values, rewards, ... (the schema's order)."""
     n = num_envs
     schema = build_schema({"": ((4,), np.float32)}, Categorical(2))
-    frames = encode_step(StepMessage(
-        actor_id=actor_id, incarnation=incarnation, seq=0, policy_version=0,
-        fields={
-            "observations": np.zeros((n, 4), np.float32), "actions": np.zeros(n, np.int64),
-            "log_probs": np.zeros(n, np.float32), "values": np.zeros(n, np.float32),
-            "rewards": np.zeros(n, np.float32), "dones": np.zeros(n, bool), "truncated": np.zeros(n, bool),
-            "bootstrap_values": np.zeros(n, np.float32), "next_values": np.zeros(n, np.float32),
-            "trainable": np.ones(n, bool),
-        },
-    ), StepSpec(n, schema))
+    frames = encode_step(
+        StepMessage(
+            actor_id=actor_id,
+            incarnation=incarnation,
+            seq=0,
+            policy_version=0,
+            fields={
+                "observations": np.zeros((n, 4), np.float32),
+                "actions": np.zeros(n, np.int64),
+                "log_probs": np.zeros(n, np.float32),
+                "values": np.zeros(n, np.float32),
+                "rewards": np.zeros(n, np.float32),
+                "dones": np.zeros(n, bool),
+                "truncated": np.zeros(n, bool),
+                "bootstrap_values": np.zeros(n, np.float32),
+                "next_values": np.zeros(n, np.float32),
+                "trainable": np.ones(n, bool),
+            },
+        ),
+        StepSpec(n, schema),
+    )
     return [bytes(frame) for frame in frames]
 
 
@@ -162,8 +221,12 @@ def test_malformed_messages_are_rejected_and_counted_while_training_goes_on(
     telemetry = e2e.telemetry()
     context = zmq.Context()
     e2e.defer(context.destroy, linger=0)
-    learner = e2e.start("learner", learner_args(
-        e2e, "--max-message-bytes", str(LEARNER_MAX_MESSAGE_BYTES), "--num-actors", "1"))
+    learner = e2e.start(
+        "learner",
+        learner_args(
+            e2e, "--max-message-bytes", str(LEARNER_MAX_MESSAGE_BYTES), "--num-actors", "1"
+        ),
+    )
     actor = e2e.start("actor", actor_args(e2e, "actor-0"))
     why = describe_all(learner, actor)
     before = telemetry.wait(lambda s: s.iterations >= 2, 90, "2 updates", why)
@@ -207,7 +270,10 @@ def test_malformed_messages_are_rejected_and_counted_while_training_goes_on(
     expected = {"garbage": 3, "schema": 2, "size": 4, "oversized": 1}
 
     def counted(s: TelemetrySnapshot) -> bool:
-        return all(s.rejected_messages.get(k, 0) - rejected_before.get(k, 0) >= n for k, n in expected.items())
+        return all(
+            s.rejected_messages.get(k, 0) - rejected_before.get(k, 0) >= n
+            for k, n in expected.items()
+        )
 
     seen = telemetry.wait(counted, 30, f"rejections {expected}", why)
     delta = {k: v - rejected_before.get(k, 0) for k, v in seen.rejected_messages.items()}
@@ -221,7 +287,12 @@ def test_malformed_messages_are_rejected_and_counted_while_training_goes_on(
     trained = [u for u in update_records(run_dir) if "losses/policy_loss" in u]
     assert len(trained) >= seen.iterations + 3
     for update in trained:
-        for key in ("losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl"):
+        for key in (
+            "losses/policy_loss",
+            "losses/value_loss",
+            "losses/entropy",
+            "losses/approx_kl",
+        ):
             assert update[key] is not None and np.isfinite(update[key]), (key, update)
     assert "actor-0" in actor_ids(telemetry.latest)
     log = learner.stderr()
@@ -237,15 +308,43 @@ def test_malformed_messages_are_rejected_and_counted_while_training_goes_on(
 def test_sigint_to_oakemu_train_stops_everything_cleanly(e2e: E2EProcesses) -> None:
     run_dir = e2e.runs_dir / RUN_NAME
     telemetry = e2e.telemetry()
-    train = e2e.start("train", [
-        "train", "--env", "CartPole-v1", "--num-actors", "2", "--envs-per-actor", "2", "--rollout-length", "32",
-        "--ppo-epochs", "2", "--num-minibatches", "2", "--total-env-steps", "100000000", "--run-name", RUN_NAME,
-        "--checkpoint-every-updates", "0", *e2e.flags(),
-    ])
-    telemetry.wait(lambda s: s.iterations >= 2 and s.num_actors == 2, 90, "2 updates with 2 actors",
-                   describe_all(train))
+    train = e2e.start(
+        "train",
+        [
+            "train",
+            "--env",
+            "CartPole-v1",
+            "--num-actors",
+            "2",
+            "--envs-per-actor",
+            "2",
+            "--rollout-length",
+            "32",
+            "--ppo-epochs",
+            "2",
+            "--num-minibatches",
+            "2",
+            "--total-env-steps",
+            "100000000",
+            "--run-name",
+            RUN_NAME,
+            "--checkpoint-every-updates",
+            "0",
+            *e2e.flags(),
+        ],
+    )
+    telemetry.wait(
+        lambda s: s.iterations >= 2 and s.num_actors == 2,
+        90,
+        "2 updates with 2 actors",
+        describe_all(train),
+    )
     commands = [command for _, command in e2e.alive()]
-    roles = sorted(c.split("oakemu_services.cli ")[1].split()[0] for c in commands if "oakemu_services.cli " in c)
+    roles = sorted(
+        c.split("oakemu_services.cli ")[1].split()[0]
+        for c in commands
+        if "oakemu_services.cli " in c
+    )
     assert roles == ["actor", "actor", "learner", "train"], commands
 
     started = time.monotonic()
@@ -265,15 +364,39 @@ def test_a_run_whose_env_crashes_exits_non_zero_naming_the_env_error(e2e: E2EPro
     """The env raises after 200 steps, before any rollout of 256 steps is full: the rows discarded with
     each crash never count toward the budget, the actor gives up (no restart allowed), and the launcher
     exits 1 with one line naming the env's error, never "done"."""
-    train = e2e.start("train", [
-        "train", "--env", "tests.crash_envs:CrashingCartPole-v0", "--num-actors", "1", "--envs-per-actor", "2",
-        "--rollout-length", "256", "--total-env-steps", "600", "--actor-restarts", "0", "--eval-every-updates", "0",
-        "--run-name", RUN_NAME, *e2e.flags(),
-    ])
+    train = e2e.start(
+        "train",
+        [
+            "train",
+            "--env",
+            "tests.crash_envs:CrashingCartPole-v0",
+            "--num-actors",
+            "1",
+            "--envs-per-actor",
+            "2",
+            "--rollout-length",
+            "256",
+            "--total-env-steps",
+            "600",
+            "--actor-restarts",
+            "0",
+            "--eval-every-updates",
+            "0",
+            "--run-name",
+            RUN_NAME,
+            *e2e.flags(),
+        ],
+    )
     status = train.wait(timeout_s=90)
     err = train.stderr()
     assert status == 1, train.describe()
     assert "error: every actor stopped for good" in err, err
-    assert "first actor error: actor-0: tests.crash_envs.EnvBugError: simulated env bug after 200 steps" in err
-    assert "done:" not in err and "budget reached" not in (e2e.runs_dir / RUN_NAME / "logs" / "learner.log").read_text()
+    assert (
+        "first actor error: actor-0: tests.crash_envs.EnvBugError: simulated env bug after 200 steps"
+        in err
+    )
+    assert (
+        "done:" not in err
+        and "budget reached" not in (e2e.runs_dir / RUN_NAME / "logs" / "learner.log").read_text()
+    )
     e2e.assert_clean(timeout_s=10)

@@ -29,13 +29,54 @@ import pytest
 from tests.e2e_helpers import E2EProcesses, read_jsonl
 
 LAST_EPISODES = 20
-BANDIT = ["--envs-per-actor", "4", "--rollout-length", "128", "--ppo-epochs", "4", "--num-minibatches", "4",
-          "--learning-rate", "1e-3", "--clip-coef", "0.2", "--ent-coef", "0.01", "--mode", "sync"]
+BANDIT = [
+    "--envs-per-actor",
+    "4",
+    "--rollout-length",
+    "128",
+    "--ppo-epochs",
+    "4",
+    "--num-minibatches",
+    "4",
+    "--learning-rate",
+    "1e-3",
+    "--clip-coef",
+    "0.2",
+    "--ent-coef",
+    "0.01",
+    "--mode",
+    "sync",
+]
 CASES = {
-    "pendulum": ("Pendulum-v1", 40_000, -1000.0,
-                 ["--envs-per-actor", "2", "--rollout-length", "512", "--ppo-epochs", "10", "--num-minibatches", "32",
-                  "--learning-rate", "1e-3", "--gamma", "0.9", "--clip-coef", "0.2", "--ent-coef", "0",
-                  "--normalize-observations", "--normalize-rewards", "--max-policy-lag", "1", "--mode", "sync"]),
+    "pendulum": (
+        "Pendulum-v1",
+        40_000,
+        -1000.0,
+        [
+            "--envs-per-actor",
+            "2",
+            "--rollout-length",
+            "512",
+            "--ppo-epochs",
+            "10",
+            "--num-minibatches",
+            "32",
+            "--learning-rate",
+            "1e-3",
+            "--gamma",
+            "0.9",
+            "--clip-coef",
+            "0.2",
+            "--ent-coef",
+            "0",
+            "--normalize-observations",
+            "--normalize-rewards",
+            "--max-policy-lag",
+            "1",
+            "--mode",
+            "sync",
+        ],
+    ),
     "taxi": ("Taxi-v4", 160_000, -100.0, BANDIT),
     "multi_discrete": ("tests.spaces_envs:MultiDiscreteTarget-v0", 16_000, 5.0, BANDIT),
     "dict": ("tests.spaces_envs:DictTarget-v0", 20_000, 5.5, BANDIT),
@@ -49,11 +90,25 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_space_learns_above_random_and_evaluates(case: str, e2e: E2EProcesses) -> None:
     env_id, budget, threshold, flags = CASES[case]
-    run_dir = e2e.train([
-        "--env", env_id, "--seed", "1", "--num-actors", "2", "--total-env-steps", str(budget),
-        "--checkpoint-every-updates", "0", *flags,
-    ], timeout_s=300).run_dir
-    logs = {path.name: path.read_text(errors="replace") for path in (run_dir / "logs").glob("*.log")}
+    run_dir = e2e.train(
+        [
+            "--env",
+            env_id,
+            "--seed",
+            "1",
+            "--num-actors",
+            "2",
+            "--total-env-steps",
+            str(budget),
+            "--checkpoint-every-updates",
+            "0",
+            *flags,
+        ],
+        timeout_s=300,
+    ).run_dir
+    logs = {
+        path.name: path.read_text(errors="replace") for path in (run_dir / "logs").glob("*.log")
+    }
     for name, text in logs.items():
         assert "Traceback" not in text, f"{name}:\n{text[-3000:]}"
     # Every step message was accepted: no masked action, no wrong field, nothing rejected.
@@ -64,7 +119,8 @@ def test_space_learns_above_random_and_evaluates(case: str, e2e: E2EProcesses) -
     last = [float(e["episodic_return"]) for e in episodes[-LAST_EPISODES:]]
     assert np.mean(last) > threshold, (
         f"{env_id}: mean of the last {LAST_EPISODES} returns {np.mean(last):.2f}; learner.log tail:\n"
-        + logs["learner.log"][-3000:])
+        + logs["learner.log"][-3000:]
+    )
 
     evaluate = e2e.start("evaluate", ["evaluate", str(run_dir), "--episodes", "3"])
     assert evaluate.wait(timeout_s=120) == 0, evaluate.describe()
@@ -76,10 +132,10 @@ def test_taxi_policy_never_takes_a_masked_action() -> None:
     stored mask, and by Taxi's own ``action_mask(state)`` computed independently."""
     import gymnasium
 
-    from oakemu_core.policy.distributions import distribution_for_env
-    from oakemu_core.envs import make_vector_env
-    from oakemu_core.policy.models import build_model
     from oakemu_core.actor.stepper import PolicyStepper
+    from oakemu_core.envs import make_vector_env
+    from oakemu_core.policy.distributions import distribution_for_env
+    from oakemu_core.policy.models import build_model
 
     env = make_vector_env("Taxi-v4", 4, seed=3)
     references = [gymnasium.make("Taxi-v4").unwrapped for _ in range(4)]

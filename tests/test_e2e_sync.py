@@ -29,9 +29,16 @@ BATCH = ROLLOUT_LENGTH * NUM_ACTORS * ENVS_PER_ACTOR
 UPDATES = 8
 BUDGET = UPDATES * BATCH
 UPDATE_LINE = re.compile(r"update\s+(\d+) \| steps\s+(\d+) \| SPS\s+(\d+) \(recent\s+(\d+)\)")
-COMPARED = ("losses/value_loss", "losses/entropy", "losses/clipfrac",
-            "losses/explained_variance", "charts/episodic_return", "charts/episodic_length", "charts/update",
-            "charts/policy_version")
+COMPARED = (
+    "losses/value_loss",
+    "losses/entropy",
+    "losses/clipfrac",
+    "losses/explained_variance",
+    "charts/episodic_return",
+    "charts/episodic_length",
+    "charts/update",
+    "charts/policy_version",
+)
 RATIO_LOSSES = ("losses/policy_loss", "losses/approx_kl")
 """Compared to 1e-6 relative, not exactly: the actors' float32 log-probs enter only the PPO ratio,
 and their last bits may differ between two runs (2e-7 relative seen; see docs/benchmarks.md).
@@ -61,21 +68,54 @@ class TelemetryLog:
         return self.snapshots
 
 
-def train(e2e: E2EProcesses, tmp_path: Path, name: str, mode: str, seed: int = 5, *extra: str) -> dict[str, Any]:
+def train(
+    e2e: E2EProcesses, tmp_path: Path, name: str, mode: str, seed: int = 5, *extra: str
+) -> dict[str, Any]:
     """One short ``oakemu train`` run (``extra``: more flags); returns its run folder, console text and telemetry."""
     ports = new_ports()
     telemetry = TelemetryLog(ports)
     try:
-        run = e2e.train([
-            "--env", "CartPole-v1", "--mode", mode, "--seed", str(seed), "--num-actors", str(NUM_ACTORS),
-            "--envs-per-actor", str(ENVS_PER_ACTOR), "--rollout-length", str(ROLLOUT_LENGTH),
-            "--total-env-steps", str(BUDGET), "--ppo-epochs", "4", "--num-minibatches", "4",
-            "--learning-rate", "1e-3", "--checkpoint-every-updates", "0", "--eval-every-updates", "0", *extra,
-        ], name=name, timeout_s=180, ports=ports, runs_dir=tmp_path / name)
+        run = e2e.train(
+            [
+                "--env",
+                "CartPole-v1",
+                "--mode",
+                mode,
+                "--seed",
+                str(seed),
+                "--num-actors",
+                str(NUM_ACTORS),
+                "--envs-per-actor",
+                str(ENVS_PER_ACTOR),
+                "--rollout-length",
+                str(ROLLOUT_LENGTH),
+                "--total-env-steps",
+                str(BUDGET),
+                "--ppo-epochs",
+                "4",
+                "--num-minibatches",
+                "4",
+                "--learning-rate",
+                "1e-3",
+                "--checkpoint-every-updates",
+                "0",
+                "--eval-every-updates",
+                "0",
+                *extra,
+            ],
+            name=name,
+            timeout_s=180,
+            ports=ports,
+            runs_dir=tmp_path / name,
+        )
     finally:
         snapshots = telemetry.close()
-    return {"run_dir": run.run_dir, "console": run.process.stdout() + run.process.stderr(), "telemetry": snapshots,
-            "learner_log": run.learner_log}
+    return {
+        "run_dir": run.run_dir,
+        "console": run.process.stdout() + run.process.stderr(),
+        "telemetry": snapshots,
+        "learner_log": run.learner_log,
+    }
 
 
 def check_counters_agree(run: dict[str, Any]) -> list[dict[str, Any]]:
@@ -87,7 +127,9 @@ def check_counters_agree(run: dict[str, Any]) -> list[dict[str, Any]]:
     last = records[-1]
     state = load_checkpoint(run["run_dir"] / "checkpoints" / "latest.pt")
     assert state["ppo"]["iterations"] == len(records), "the learner's update count"
-    assert state["global_step"] == last["global_step"], "the learner's env-step count vs the last record"
+    assert state["global_step"] == last["global_step"], (
+        "the learner's env-step count vs the last record"
+    )
     assert last["global_step"] >= BUDGET
 
     console_lines = UPDATE_LINE.findall(run["console"])
@@ -104,7 +146,9 @@ def check_counters_agree(run: dict[str, Any]) -> list[dict[str, Any]]:
         assert snapshot.sps > 0 and snapshot.sps_recent > 0, snapshot
     for record in records:
         assert record["charts/SPS"] > 0 and record["charts/SPS_recent"] > 0, record
-    assert last["charts/actors"] == NUM_ACTORS, "the last update is logged before the actors are told to stop"
+    assert last["charts/actors"] == NUM_ACTORS, (
+        "the last update is logged before the actors are told to stop"
+    )
     return records
 
 
@@ -128,12 +172,15 @@ def check_mlflow_run(store: str, run_dir: Path, records: list[dict[str, Any]]) -
         history = client.get_metric_history(tracked.info.run_id, name)
         assert sorted((m.step, m.value) for m in history) == sorted(logged), name
     final = latest_checkpoint(run_dir)
-    assert [a.path for a in client.list_artifacts(tracked.info.run_id, "checkpoints")] == [f"checkpoints/{final.name}"]
+    assert [a.path for a in client.list_artifacts(tracked.info.run_id, "checkpoints")] == [
+        f"checkpoints/{final.name}"
+    ]
 
 
 @pytest.mark.slow
 def test_sync_mode_reproduces_a_seed_with_policy_lag_zero_and_counters_that_agree(
-        e2e: E2EProcesses, tmp_path: Path) -> None:
+    e2e: E2EProcesses, tmp_path: Path
+) -> None:
     runs = [train(e2e, tmp_path, f"sync-{i}", "sync") for i in range(2)]
     records = [check_counters_agree(run) for run in runs]
     for run_records in records:
@@ -144,18 +191,33 @@ def test_sync_mode_reproduces_a_seed_with_policy_lag_zero_and_counters_that_agre
     for first, second in zip(*records):
         assert {k: first.get(k) for k in COMPARED} == {k: second.get(k) for k in COMPARED}
         for key in RATIO_LOSSES:
-            assert math.isclose(first[key], second[key], rel_tol=1e-6, abs_tol=1e-12), (key, first[key], second[key])
+            assert math.isclose(first[key], second[key], rel_tol=1e-6, abs_tol=1e-12), (
+                key,
+                first[key],
+                second[key],
+            )
     episodes = [episodes_by_actor(run["run_dir"]) for run in runs]
     assert set(episodes[0]) == {"actor-0", "actor-1"}
     assert episodes[0] == episodes[1]
 
 
 @pytest.mark.slow
-def test_async_mode_counters_agree(e2e: E2EProcesses, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reads its file store only when allowed
+def test_async_mode_counters_agree(
+    e2e: E2EProcesses, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(
+        "MLFLOW_ALLOW_FILE_STORE", "true"
+    )  # MLflow 3 reads its file store only when allowed
     tracked = importlib.util.find_spec("mlflow") is not None  # the mlflow extra (in dev)
     store = (tmp_path / "mlruns").as_uri()
-    run = train(e2e, tmp_path, "async", "async", 5, *(["--track", "mlflow", "--track-uri", store] if tracked else []))
+    run = train(
+        e2e,
+        tmp_path,
+        "async",
+        "async",
+        5,
+        *(["--track", "mlflow", "--track-uri", store] if tracked else []),
+    )
     records = check_counters_agree(run)
     if tracked:  # the learner sent every scalar and the final checkpoint to MLflow's file store
         check_mlflow_run(store, run["run_dir"], records)
@@ -171,5 +233,12 @@ def test_async_mode_counters_agree(e2e: E2EProcesses, tmp_path: Path, monkeypatc
     written = int(log.split("ingest: ")[1].split(" env steps written")[0])
     untrained = sum(int(part.split()[1]) for part in buffers.split(", "))
     dropped = ast.literal_eval(log.split("ingest: ")[1].split("dropped ")[1].split("; buffers")[0])
-    discarded = dropped.get("discarded_segment_rows", 0)  # written, then thrown away with their segment
-    assert written - untrained - discarded == len(records) * BATCH, (written, untrained, discarded, len(records))
+    discarded = dropped.get(
+        "discarded_segment_rows", 0
+    )  # written, then thrown away with their segment
+    assert written - untrained - discarded == len(records) * BATCH, (
+        written,
+        untrained,
+        discarded,
+        len(records),
+    )

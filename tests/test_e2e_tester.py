@@ -15,11 +15,11 @@ from pathlib import Path
 import imageio.v3 as iio
 import numpy as np
 import pytest
+from oakemu_services.evaluate import evaluate
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from oakemu_core.run.checkpoint import load_checkpoint
 from oakemu_core.run.tester import EVAL_SEED_OFFSET
-from oakemu_services.evaluate import evaluate
 from tests.e2e_helpers import E2EProcesses, new_ports, read_jsonl, update_records
 
 SEED = 3
@@ -36,16 +36,47 @@ catches."""
 
 def train(e2e: E2EProcesses, tmp_path: Path, name: str, eval_every: int) -> Path:
     """One run to its end; ``e2e.train`` also checks that the tester process exited with the rest."""
-    return e2e.train([
-        "--env", "CartPole-v1", "--seed", str(SEED), "--num-actors", "1", "--envs-per-actor", "4",
-        "--rollout-length", "128", "--total-env-steps", str(STEPS), "--ppo-epochs", "4",
-        "--num-minibatches", "4", "--learning-rate", "1e-3", "--checkpoint-every-updates", "0",
-        "--eval-every-updates", str(eval_every), "--eval-episodes", str(EVAL_EPISODES), "--eval-greedy", "true",
-    ], name=name, timeout_s=300, ports=new_ports(), runs_dir=tmp_path / name, exit_timeout_s=10).run_dir
+    return e2e.train(
+        [
+            "--env",
+            "CartPole-v1",
+            "--seed",
+            str(SEED),
+            "--num-actors",
+            "1",
+            "--envs-per-actor",
+            "4",
+            "--rollout-length",
+            "128",
+            "--total-env-steps",
+            str(STEPS),
+            "--ppo-epochs",
+            "4",
+            "--num-minibatches",
+            "4",
+            "--learning-rate",
+            "1e-3",
+            "--checkpoint-every-updates",
+            "0",
+            "--eval-every-updates",
+            str(eval_every),
+            "--eval-episodes",
+            str(EVAL_EPISODES),
+            "--eval-greedy",
+            "true",
+        ],
+        name=name,
+        timeout_s=300,
+        ports=new_ports(),
+        runs_dir=tmp_path / name,
+        exit_timeout_s=10,
+    ).run_dir
 
 
 @pytest.mark.slow
-def test_training_evaluates_itself_keeps_best_and_is_not_slowed_much(e2e: E2EProcesses, tmp_path: Path) -> None:
+def test_training_evaluates_itself_keeps_best_and_is_not_slowed_much(
+    e2e: E2EProcesses, tmp_path: Path
+) -> None:
     baseline_dir = train(e2e, tmp_path, "no-eval", eval_every=0)
     run_dir = train(e2e, tmp_path, "eval", eval_every=2)
 
@@ -56,7 +87,9 @@ def test_training_evaluates_itself_keeps_best_and_is_not_slowed_much(e2e: E2EPro
     # weights are always evaluated.
     assert len(evaluations) >= 1, "no evaluation logged"
     final_version = update_records(run_dir)[-1]["charts/policy_version"]
-    assert evaluations[-1]["eval/policy_version"] == final_version, "the final weights are evaluated at the end"
+    assert evaluations[-1]["eval/policy_version"] == final_version, (
+        "the final weights are evaluated at the end"
+    )
     for record in evaluations:
         assert record["eval/episodic_return_std"] is not None and record["eval/episodic_length"] > 0
     steps = [r["global_step"] for r in records]
@@ -69,14 +102,20 @@ def test_training_evaluates_itself_keeps_best_and_is_not_slowed_much(e2e: E2EPro
     videos = run_dir / "videos"
     names = sorted(path.name for path in videos.iterdir())
     assert {"best.mp4", "final.mp4", "update_0.mp4"} <= set(names), names
-    assert all(name in ("best.mp4", "final.mp4") or name.startswith("update_") for name in names), names
+    assert all(name in ("best.mp4", "final.mp4") or name.startswith("update_") for name in names), (
+        names
+    )
     assert not list(videos.glob("*.partial.mp4"))
     for name in ("best.mp4", "final.mp4"):
         frames = iio.imread(videos / name, plugin="FFMPEG", index=None)
         assert frames.shape[1:] == (400, 600, 3) and len(frames) >= 2, name
     final_length = evaluations[-1]["eval/episodic_length"]
-    if evaluations[-1]["eval/episodic_return_std"] == 0:  # all greedy episodes alike: the first's length is known
-        assert len(iio.imread(videos / "final.mp4", plugin="FFMPEG", index=None)) == final_length + 1
+    if (
+        evaluations[-1]["eval/episodic_return_std"] == 0
+    ):  # all greedy episodes alike: the first's length is known
+        assert (
+            len(iio.imread(videos / "final.mp4", plugin="FFMPEG", index=None)) == final_length + 1
+        )
     assert not (baseline_dir / "videos").exists()
     events = EventAccumulator(str(run_dir), size_guidance={"images": 0, "scalars": 1})
     events.Reload()
@@ -88,11 +127,15 @@ def test_training_evaluates_itself_keeps_best_and_is_not_slowed_much(e2e: E2EPro
     state = load_checkpoint(best_path)
     assert state["env"]["env_id"] == "CartPole-v1"
     replay = evaluate(best_path, episodes=EVAL_EPISODES, greedy=True, seed=SEED + EVAL_SEED_OFFSET)
-    assert float(np.mean(replay)) == pytest.approx(best_return), "best.pt is not the best evaluation's policy"
+    assert float(np.mean(replay)) == pytest.approx(best_return), (
+        "best.pt is not the best evaluation's policy"
+    )
 
     sps_without = update_records(baseline_dir)[-1]["charts/SPS"]
     sps_with = update_records(run_dir)[-1]["charts/SPS"]
     ratio = sps_with / sps_without
-    print(f"SPS without evaluation {sps_without:.0f}, with evaluation every 2 updates {sps_with:.0f} "
-          f"(ratio {ratio:.3f})")
+    print(
+        f"SPS without evaluation {sps_without:.0f}, with evaluation every 2 updates {sps_with:.0f} "
+        f"(ratio {ratio:.3f})"
+    )
     assert ratio >= MIN_SPS_RATIO, f"evaluation slowed training to {ratio:.0%} of its SPS"

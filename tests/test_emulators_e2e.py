@@ -36,7 +36,9 @@ def _learner_log(run_dir: Path, lines: int = 30) -> str:
     path = run_dir / "logs" / "learner.log"
     if not path.exists():
         return ""
-    return "\n--- learner.log tail:\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return "\n--- learner.log tail:\n" + "\n".join(
+        path.read_text(errors="replace").splitlines()[-lines:]
+    )
 
 
 def test_gameboy_ppo_learns_the_rewarded_button(e2e: E2EProcesses, tmp_path: Path) -> None:
@@ -48,16 +50,37 @@ def test_gameboy_ppo_learns_the_rewarded_button(e2e: E2EProcesses, tmp_path: Pat
     rom, settings = test_files()
     runs_dir = tmp_path / "runs"
     budget = 12_288  # seed 1 reaches the maximum (32) by about 8k steps; with the learning rate 0 it stays near 3.6
-    train = e2e.start("train", [
-        "train", "--env", f"gameboy:{rom}", "--emulator-settings", str(settings), "--seed", "1",
-        "--num-actors", "1", "--envs-per-actor", "8", "--rollout-length", "64", "--total-env-steps", str(budget),
-        "--learning-rate", "1e-3", "--checkpoint-every-updates", "0",
-        *common_flags(new_ports(), runs_dir),
-    ])
+    train = e2e.start(
+        "train",
+        [
+            "train",
+            "--env",
+            f"gameboy:{rom}",
+            "--emulator-settings",
+            str(settings),
+            "--seed",
+            "1",
+            "--num-actors",
+            "1",
+            "--envs-per-actor",
+            "8",
+            "--rollout-length",
+            "64",
+            "--total-env-steps",
+            str(budget),
+            "--learning-rate",
+            "1e-3",
+            "--checkpoint-every-updates",
+            "0",
+            *common_flags(new_ports(), runs_dir),
+        ],
+    )
     status = train.wait(timeout_s=480)
     run_dir = only_run_dir(runs_dir)
     assert status == 0, train.describe() + _learner_log(run_dir)
-    assert run_dir.name.startswith(f"gameboy-{rom.name}__1__")  # a safe folder name, not the ROM path
+    assert run_dir.name.startswith(
+        f"gameboy-{rom.name}__1__"
+    )  # a safe folder name, not the ROM path
     e2e.assert_all_exited(timeout_s=5)
     assert e2e.leftover_segments() == []
     episodes = read_jsonl(run_dir / "episodes.jsonl")
@@ -77,12 +100,29 @@ def test_airstriker_trains_logs_raw_scores_and_evaluates(e2e: E2EProcesses, tmp_
     runs_dir = tmp_path / "runs"
     ports = new_ports()
     budget = 1280  # four or more episodes of at most 300 steps
-    train = e2e.start("train", [
-        "train", "--env", "retro:Airstriker-Genesis-v0", "--seed", "1", "--num-actors", "1",
-        "--envs-per-actor", "1", "--rollout-length", "128", "--max-episode-steps", "300",
-        "--total-env-steps", str(budget), "--checkpoint-every-updates", "0",
-        *common_flags(ports, runs_dir),
-    ])
+    train = e2e.start(
+        "train",
+        [
+            "train",
+            "--env",
+            "retro:Airstriker-Genesis-v0",
+            "--seed",
+            "1",
+            "--num-actors",
+            "1",
+            "--envs-per-actor",
+            "1",
+            "--rollout-length",
+            "128",
+            "--max-episode-steps",
+            "300",
+            "--total-env-steps",
+            str(budget),
+            "--checkpoint-every-updates",
+            "0",
+            *common_flags(ports, runs_dir),
+        ],
+    )
     status = train.wait(timeout_s=420)
     run_dir = only_run_dir(runs_dir)
     assert status == 0, train.describe() + _learner_log(run_dir)
@@ -95,9 +135,16 @@ def test_airstriker_trains_logs_raw_scores_and_evaluates(e2e: E2EProcesses, tmp_
     assert max(returns) >= 10.0, f"expected raw game scores, received {returns}"
     assert (run_dir / "checkpoints" / "latest.pt").is_file()
 
-    evaluate = e2e.start("evaluate", [
-        "evaluate", str(run_dir / "checkpoints" / "latest.pt"), "--episodes", "1", "--sampled",
-    ])
+    evaluate = e2e.start(
+        "evaluate",
+        [
+            "evaluate",
+            str(run_dir / "checkpoints" / "latest.pt"),
+            "--episodes",
+            "1",
+            "--sampled",
+        ],
+    )
     assert evaluate.wait(timeout_s=180) == 0, evaluate.describe()
     match = EVALUATE_LINE.search(evaluate.stdout())
     assert match, evaluate.describe()

@@ -41,7 +41,17 @@ name = "a_presses"
 kind = "delta"
 address = 0xC000
 """
-ACTIONS = [None, "a", "b", "start", "select", "up", "down", "left", "right"]  # the default action set
+ACTIONS = [
+    None,
+    "a",
+    "b",
+    "start",
+    "select",
+    "up",
+    "down",
+    "left",
+    "right",
+]  # the default action set
 
 
 def position_hook(read_byte: Callable[[int], int], state: dict[str, Any]) -> float:
@@ -61,7 +71,11 @@ def settings(tmp_path: Path) -> Callable[[str], Path]:
 
     def write(extra: str = A_REWARD, *, head: str = "") -> Path:
         path = tmp_path / "emulator.toml"
-        body = textwrap.dedent(head) + "\n[gameboy]\nframes_per_action = 4\npress_frames = 2\n" + textwrap.dedent(extra)
+        body = (
+            textwrap.dedent(head)
+            + "\n[gameboy]\nframes_per_action = 4\npress_frames = 2\n"
+            + textwrap.dedent(extra)
+        )
         path.write_text(body)
         return path
 
@@ -73,9 +87,17 @@ def make(rom: Path) -> Iterator[Callable[..., Any]]:
     """``make(settings_path, max_episode_steps=None, rom=...)``: an env, closed after the test."""
     envs: list[Any] = []
 
-    def build(settings_path: Path, max_episode_steps: int | None = None, rom_path: Path = rom, seed: int = 0) -> Any:
+    def build(
+        settings_path: Path,
+        max_episode_steps: int | None = None,
+        rom_path: Path = rom,
+        seed: int = 0,
+    ) -> Any:
         env = make_emulator_env(
-            f"gameboy:{rom_path}", max_episode_steps=max_episode_steps, settings_file=str(settings_path), seed=seed
+            f"gameboy:{rom_path}",
+            max_episode_steps=max_episode_steps,
+            settings_file=str(settings_path),
+            seed=seed,
         )
         envs.append(env)
         return env
@@ -100,7 +122,10 @@ def test_generated_rom_has_a_valid_header(rom: Path) -> None:
 
 
 def test_other_ids_are_not_owned() -> None:
-    assert make_emulator_env("CartPole-v1", max_episode_steps=None, settings_file=None, seed=None) is None
+    assert (
+        make_emulator_env("CartPole-v1", max_episode_steps=None, settings_file=None, seed=None)
+        is None
+    )
     assert not is_emulator_env("ALE/Breakout-v5")
     validate_emulator_env("CartPole-v1", None)  # not ours: nothing to check
 
@@ -108,14 +133,18 @@ def test_other_ids_are_not_owned() -> None:
 # ----------------------------------------------------------------------------------------- env
 
 
-def test_reset_and_step_give_stacked_uint8_frames(make: Callable[..., Any], settings: Callable[..., Path]) -> None:
+def test_reset_and_step_give_stacked_uint8_frames(
+    make: Callable[..., Any], settings: Callable[..., Path]
+) -> None:
     env = make(settings())
     assert env.action_space.n == 9
     assert env.observation_space.shape == (4, 72, 80)
     observation, _ = env.reset(seed=3)
     assert observation.shape == (4, 72, 80) and observation.dtype == np.uint8
     assert env.observation_space.contains(observation)
-    assert all(np.array_equal(observation[0], frame) for frame in observation)  # reset fills the stack
+    assert all(
+        np.array_equal(observation[0], frame) for frame in observation
+    )  # reset fills the stack
     for _ in range(3):
         observation, _, terminated, truncated, _ = env.step(8)  # right: the block moves 8 px
     assert observation.shape == (4, 72, 80) and observation.dtype == np.uint8
@@ -135,21 +164,27 @@ def test_ram_reward_moves_only_for_the_right_button(
     assert env.unwrapped.read_byte(A_COUNTER) == (3 if expected else 0)
 
 
-def test_custom_button_set_and_no_noop(make: Callable[..., Any], settings: Callable[..., Path]) -> None:
+def test_custom_button_set_and_no_noop(
+    make: Callable[..., Any], settings: Callable[..., Path]
+) -> None:
     env = make(settings('buttons = ["b", "a"]\nnoop_action = false\n' + A_REWARD))
     env.reset(seed=0)
     assert env.action_space.n == 2
     assert [env.step(a)[1] for a in (0, 1, 0, 1)] == [0.0, 1.0, 0.0, 1.0]
 
 
-def test_exploration_reward_counts_each_new_tile_once(make: Callable[..., Any], settings: Callable[..., Path]) -> None:
-    env = make(settings("""
+def test_exploration_reward_counts_each_new_tile_once(
+    make: Callable[..., Any], settings: Callable[..., Path]
+) -> None:
+    env = make(
+        settings("""
         [[gameboy.reward]]
         name = "explore"
         kind = "new_value"
         addresses = [0xC001, 0xC002]
         weight = 0.25
-    """))
+    """)
+    )
     env.reset(seed=0)
     right, left, down = 8, 7, 6
     rewards = [env.step(a)[1] for a in (right, left, right, down, left, 0)]
@@ -159,8 +194,11 @@ def test_exploration_reward_counts_each_new_tile_once(make: Callable[..., Any], 
     assert env.step(right)[1] == 0.25, "exploration memory is per episode"
 
 
-def test_reward_hook_and_ram_observation(make: Callable[..., Any], settings: Callable[..., Path]) -> None:
-    env = make(settings("""
+def test_reward_hook_and_ram_observation(
+    make: Callable[..., Any], settings: Callable[..., Path]
+) -> None:
+    env = make(
+        settings("""
         reward_hook = "tests.test_emulators_gameboy:position_hook"
         [[gameboy.ram_observation]]
         key = "position"
@@ -169,7 +207,8 @@ def test_reward_hook_and_ram_observation(make: Callable[..., Any], settings: Cal
         key = "presses"
         address = 0xC000
         normalize = false
-    """))
+    """)
+    )
     assert set(env.observation_space.spaces) == {"screen", "position", "presses"}
     observation, _ = env.reset(seed=0)
     assert observation["screen"].shape == (4, 72, 80) and observation["screen"].dtype == np.uint8
@@ -195,13 +234,17 @@ def test_time_limit_truncates_and_argument_overrides_settings(
     assert [env.step(1)[3] for _ in range(3)] == [False, False, True]
 
 
-def test_terminate_condition_ends_the_episode(make: Callable[..., Any], settings: Callable[..., Path]) -> None:
+def test_terminate_condition_ends_the_episode(
+    make: Callable[..., Any], settings: Callable[..., Path]
+) -> None:
     env = make(settings(A_REWARD + "[[gameboy.terminate]]\naddress = 0xC000\nequals = 2\n"))
     env.reset(seed=0)
     assert [env.step(1)[2] for _ in range(2)] == [False, True]
 
 
-def test_saved_state_start(make: Callable[..., Any], settings: Callable[..., Path], tmp_path: Path) -> None:
+def test_saved_state_start(
+    make: Callable[..., Any], settings: Callable[..., Path], tmp_path: Path
+) -> None:
     source = make(settings())
     source.reset(seed=0)
     for action in (1, 1, 1, 8, 8):  # A x3, right x2
@@ -212,7 +255,9 @@ def test_saved_state_start(make: Callable[..., Any], settings: Callable[..., Pat
     state_b = tmp_path / "moved_down.state"
     state_b.write_bytes(source.unwrapped.save_state())
 
-    env = make(settings('states = ["three_presses.state"]\n' + A_REWARD))  # relative to the settings file
+    env = make(
+        settings('states = ["three_presses.state"]\n' + A_REWARD)
+    )  # relative to the settings file
     env.reset(seed=0)
     assert env.unwrapped.read_byte(A_COUNTER) == 3
     assert env.unwrapped.read_byte(X_POSITION) == 2
@@ -228,7 +273,9 @@ def test_saved_state_start(make: Callable[..., Any], settings: Callable[..., Pat
         starts.add(pool.unwrapped.read_byte(0xC002))
     assert starts == {0, 1}, "a pool is sampled per episode"
 
-    per_env = make(settings(f'states = ["{state_a}", "{state_b}"]\nstate_selection = "per_env"\n' + A_REWARD))
+    per_env = make(
+        settings(f'states = ["{state_a}", "{state_b}"]\nstate_selection = "per_env"\n' + A_REWARD)
+    )
     per_env.reset(seed=5)
     first = per_env.unwrapped.read_byte(0xC002)
     for _ in range(6):
@@ -253,7 +300,9 @@ def test_signed_delta_and_sum_over_addresses() -> None:
     memory = bytearray(0x10000)
     read = memory.__getitem__
     levels = RewardTerm(name="levels", kind="delta", addresses=[0xD18C, 0xD1B8], weight=2.0)
-    money = RewardTerm(name="money", kind="delta", address=0xD347, read="bcd", size=3, signed=True, weight=0.001)
+    money = RewardTerm(
+        name="money", kind="delta", address=0xD347, read="bcd", size=3, signed=True, weight=0.001
+    )
     tracker = RewardTracker([levels, money])
     memory[0xD18C], memory[0xD1B8] = 5, 3
     memory[0xD347:0xD34A] = bytes([0x00, 0x30, 0x00])  # 3000
@@ -291,7 +340,9 @@ def no_emulator(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pyboy, "PyBoy", refuse)
 
 
-def test_valid_settings_validate_without_an_emulator(rom: Path, settings: Callable[..., Path], no_emulator: None) -> None:
+def test_valid_settings_validate_without_an_emulator(
+    rom: Path, settings: Callable[..., Path], no_emulator: None
+) -> None:
     validate_emulator_env(f"gameboy:{rom}", str(settings()))
 
 
@@ -314,7 +365,9 @@ def test_file_that_is_not_a_rom(
     _expect_error(f"gameboy:{path}", settings(), "notes.gb", fragment)
 
 
-def test_corrupt_header_checksum(tmp_path: Path, settings: Callable[..., Path], no_emulator: None) -> None:
+def test_corrupt_header_checksum(
+    tmp_path: Path, settings: Callable[..., Path], no_emulator: None
+) -> None:
     data = bytearray(build_test_rom())
     data[0x134] ^= 0x01  # change the title, keep the old checksum
     path = tmp_path / "corrupt.gb"
@@ -333,9 +386,16 @@ def test_corrupt_header_checksum(tmp_path: Path, settings: Callable[..., Path], 
     ],
 )
 def test_reward_spec_with_an_invalid_address(
-    address: str, read: str, fragment: str, rom: Path, settings: Callable[..., Path], no_emulator: None
+    address: str,
+    read: str,
+    fragment: str,
+    rom: Path,
+    settings: Callable[..., Path],
+    no_emulator: None,
 ) -> None:
-    path = settings(f'[[gameboy.reward]]\nname = "bad"\nkind = "delta"\naddress = {address}\nread = "{read}"\n')
+    path = settings(
+        f'[[gameboy.reward]]\nname = "bad"\nkind = "delta"\naddress = {address}\nread = "{read}"\n'
+    )
     _expect_error(f"gameboy:{rom}", path, "gameboy.reward[0]", fragment)
 
 
@@ -349,23 +409,34 @@ def test_reward_spec_with_an_invalid_address(
         ('reward_hook = "not a hook"\n', ("module:function",)),
         ('states = ["missing.state"]\n' + A_REWARD, ("gameboy.states[0]", "missing.state")),
         ('buttons = ["a", "jump"]\n' + A_REWARD, ("buttons",)),
-        ('[[gameboy.reward]]\nname = "x"\nkind = "delta"\n', ("exactly one of 'address' or 'addresses'",)),
+        (
+            '[[gameboy.reward]]\nname = "x"\nkind = "delta"\n',
+            ("exactly one of 'address' or 'addresses'",),
+        ),
         ('[[gameboy.reward]]\nname = "x"\nkind = "maximum"\naddress = 0xC000\n', ("kind",)),
     ],
 )
 def test_bad_settings(
-    extra: str, fragments: tuple[str, ...], rom: Path, settings: Callable[..., Path], no_emulator: None
+    extra: str,
+    fragments: tuple[str, ...],
+    rom: Path,
+    settings: Callable[..., Path],
+    no_emulator: None,
 ) -> None:
     _expect_error(f"gameboy:{rom}", settings(extra), *fragments)
 
 
-def test_press_frames_must_leave_time_to_release(rom: Path, tmp_path: Path, no_emulator: None) -> None:
+def test_press_frames_must_leave_time_to_release(
+    rom: Path, tmp_path: Path, no_emulator: None
+) -> None:
     path = tmp_path / "s.toml"
     path.write_text("[gameboy]\nframes_per_action = 4\npress_frames = 4\n" + A_REWARD)
     _expect_error(f"gameboy:{rom}", path, "press_frames", "release")
 
 
-def test_missing_settings_file_section_and_syntax(rom: Path, tmp_path: Path, no_emulator: None) -> None:
+def test_missing_settings_file_section_and_syntax(
+    rom: Path, tmp_path: Path, no_emulator: None
+) -> None:
     _expect_error(f"gameboy:{rom}", None, "[gameboy]", "no settings file")
     _expect_error(f"gameboy:{rom}", tmp_path / "absent.toml", "absent.toml")
     broken = tmp_path / "broken.toml"
@@ -374,11 +445,15 @@ def test_missing_settings_file_section_and_syntax(rom: Path, tmp_path: Path, no_
     _expect_error("gameboy:", None, "expected e.g.")
 
 
-def test_a_state_pyboy_cannot_load(rom: Path, settings: Callable[..., Path], tmp_path: Path) -> None:
+def test_a_state_pyboy_cannot_load(
+    rom: Path, settings: Callable[..., Path], tmp_path: Path
+) -> None:
     (tmp_path / "garbage.state").write_bytes(b"\x01\x02not a state")
     with pytest.raises(EmulatorConfigError, match=r"gameboy.states\[0\]"):
         make_emulator_env(
-            f"gameboy:{rom}", max_episode_steps=None, seed=0,
+            f"gameboy:{rom}",
+            max_episode_steps=None,
+            seed=0,
             settings_file=str(settings('states = ["garbage.state"]\n' + A_REWARD)),
         )
 

@@ -14,7 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-retro = pytest.importorskip("stable_retro", reason="stable-retro is not installed (pip install 'oakemu-rl[emulators]')")
+retro = pytest.importorskip(
+    "stable_retro", reason="stable-retro is not installed (pip install 'oakemu-rl[emulators]')"
+)
 
 from oakemu_core.envs.emulators import (
     EmulatorConfigError,
@@ -45,7 +47,9 @@ def airstriker() -> Iterator[Callable[..., Any]]:
 
     def build(settings_path: Path | None = None, max_episode_steps: int | None = None) -> Any:
         env = make_emulator_env(
-            ENV_ID, max_episode_steps=max_episode_steps, seed=0,
+            ENV_ID,
+            max_episode_steps=max_episode_steps,
+            seed=0,
             settings_file=None if settings_path is None else str(settings_path),
         )
         envs.append(env)
@@ -80,8 +84,11 @@ def test_reset_step_and_raw_score(airstriker: Callable[..., Any]) -> None:
     assert episode_return == info["score"], "the summed rewards are the game's raw score"
 
 
-def test_discrete_combos_and_time_limit(airstriker: Callable[..., Any], settings: Callable[[str], Path]) -> None:
-    env = airstriker(settings("""
+def test_discrete_combos_and_time_limit(
+    airstriker: Callable[..., Any], settings: Callable[[str], Path]
+) -> None:
+    env = airstriker(
+        settings("""
         [screen]
         height = 64
         width = 96
@@ -91,7 +98,8 @@ def test_discrete_combos_and_time_limit(airstriker: Callable[..., Any], settings
         combos = [[], ["B"], ["LEFT", "B"], ["RIGHT", "B"]]
         frames_per_action = 2
         max_episode_steps = 20
-    """))
+    """)
+    )
     assert env.action_space.n == 4
     observation, _ = env.reset(seed=1)
     assert observation.shape == (2, 64, 96)
@@ -128,7 +136,9 @@ def test_process_backed_vector_env(airstriker: Callable[..., Any]) -> None:
     def make_one() -> gymnasium.Env:
         return make_emulator_env(ENV_ID, max_episode_steps=50, settings_file=None, seed=None)
 
-    vector = AsyncVectorEnv([make_one, make_one], autoreset_mode=AutoresetMode.SAME_STEP, context="spawn")
+    vector = AsyncVectorEnv(
+        [make_one, make_one], autoreset_mode=AutoresetMode.SAME_STEP, context="spawn"
+    )
     try:
         observations, _ = vector.reset(seed=0)
         assert observations.shape == (2, 4, 84, 84)
@@ -145,13 +155,19 @@ def test_process_backed_vector_env(airstriker: Callable[..., Any]) -> None:
         ("retro:NoSuchGame-Genesis-v0", "", ("NoSuchGame-Genesis-v0", "stable-retro game id")),
         ("retro:SonicTheHedgehog-Genesis-v0", "", ("ROM is not imported", "stable_retro.import")),
         (ENV_ID, '[retro]\nstates = ["Level9"]\n', ("retro.states[0]", "Level9")),
-        (ENV_ID, '[retro]\naction_mode = "discrete"\ncombos = [["JUMP"]]\n', ("retro.combos[0]", "JUMP")),
+        (
+            ENV_ID,
+            '[retro]\naction_mode = "discrete"\ncombos = [["JUMP"]]\n',
+            ("retro.combos[0]", "JUMP"),
+        ),
         (ENV_ID, '[retro]\naction_mode = "discrete"\n', ("combos",)),
         (ENV_ID, '[retro]\nscenario = "nope"\n', ("retro.scenario", "nope")),
         ("retro:", "", ("expected e.g.",)),
     ],
 )
-def test_bad_inputs(env_id: str, body: str, fragments: tuple[str, ...], settings: Callable[[str], Path]) -> None:
+def test_bad_inputs(
+    env_id: str, body: str, fragments: tuple[str, ...], settings: Callable[[str], Path]
+) -> None:
     if env_id == "retro:SonicTheHedgehog-Genesis-v0":
         try:
             retro.data.get_romfile_path("SonicTheHedgehog-Genesis-v0")

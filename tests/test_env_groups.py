@@ -17,14 +17,14 @@ import torch
 
 pytest.importorskip("ale_py")
 
-from oakemu_core.policy.distributions import distribution_for_env  # noqa: E402
+from oakemu_core.actor.stepper import PolicyStepper  # noqa: E402
 from oakemu_core.envs import make_vector_env  # noqa: E402
 from oakemu_core.envs.factory import make_env_groups  # noqa: E402
 from oakemu_core.envs.vector import EnvGroups  # noqa: E402
-from oakemu_core.storage.assembler import RolloutAssembler  # noqa: E402
+from oakemu_core.policy.distributions import distribution_for_env  # noqa: E402
 from oakemu_core.policy.models import build_model  # noqa: E402
+from oakemu_core.storage.assembler import RolloutAssembler  # noqa: E402
 from oakemu_core.storage.rollout_buffer import RolloutBuffer  # noqa: E402
-from oakemu_core.actor.stepper import PolicyStepper  # noqa: E402
 from oakemu_core.transport.steps import StepMessage, StepSpec, decode_step, encode_step  # noqa: E402
 
 ENV_ID = "ALE/Breakout-v5"
@@ -66,7 +66,10 @@ def test_overlapped_groups_step_every_env_once_per_row_and_keep_columns() -> Non
     try:
         for _ in range(STEPS):
             row = stepper.step()
-            fields = {k: v.copy() for k, v in row.buffers.sent_fields(row.next_values, stepper.schema).items()}
+            fields = {
+                k: v.copy()
+                for k, v in row.buffers.sent_fields(row.next_values, stepper.schema).items()
+            }
             rows.append((fields, row.policy_version))
         assert not stepper.reselect()  # the next actions are already in flight
     finally:
@@ -78,12 +81,16 @@ def test_overlapped_groups_step_every_env_once_per_row_and_keep_columns() -> Non
         for t, (fields, _) in enumerate(rows):
             np.testing.assert_array_equal(fields["observations"], observations, err_msg=f"row {t}")
             step = reference.step(fields["actions"])
-            np.testing.assert_array_equal(fields["rewards"], step.training_rewards, err_msg=f"row {t}")
+            np.testing.assert_array_equal(
+                fields["rewards"], step.training_rewards, err_msg=f"row {t}"
+            )
             np.testing.assert_array_equal(fields["dones"], step.dones, err_msg=f"row {t}")
             observations = step.observations
     finally:
         reference.close()
-    for t in range(STEPS - 1):  # next_values of row t are the values of the bundle acting on row t + 1
+    for t in range(
+        STEPS - 1
+    ):  # next_values of row t are the values of the bundle acting on row t + 1
         np.testing.assert_array_equal(rows[t][0]["next_values"], rows[t + 1][0]["values"])
 
     # Through the wire into the learner's buffers: column i holds env i's consecutive rows.
@@ -92,20 +99,32 @@ def test_overlapped_groups_step_every_env_once_per_row_and_keep_columns() -> Non
     buffers = [RolloutBuffer(T, NUM_ENVS, schema=schema) for _ in range(2)]
     try:
         assembler = RolloutAssembler(buffers, actor_timeout_s=10.0)
-        assembler.join("a", "inc", StepSpec(num_envs=NUM_ENVS, schema=schema), hostname="h", now=0.0)
+        assembler.join(
+            "a", "inc", StepSpec(num_envs=NUM_ENVS, schema=schema), hostname="h", now=0.0
+        )
         for seq, (fields, version) in enumerate(rows):
-            frame = encode_step(StepMessage(actor_id="a", incarnation="inc", seq=seq, policy_version=version,
-                                            fields=fields), assembler.spec_for("a", "inc"))
-            assembler.ingest(decode_step(frame, assembler.spec_for, max_bytes=1 << 24),
-                             current_policy_version=0, now=0.0)
+            frame = encode_step(
+                StepMessage(
+                    actor_id="a", incarnation="inc", seq=seq, policy_version=version, fields=fields
+                ),
+                assembler.spec_for("a", "inc"),
+            )
+            assembler.ingest(
+                decode_step(frame, assembler.spec_for, max_bytes=1 << 24),
+                current_policy_version=0,
+                now=0.0,
+            )
         assert assembler.counters.env_steps == STEPS * NUM_ENVS
         for s in range(2):
             rollout = assembler.take_full_rollout()
             assert rollout is not None and rollout.slot == s
             for t in range(T):
-                np.testing.assert_array_equal(rollout.buffer.field("observations")[t],
-                                              rows[s * T + t][0]["observations"])
-                np.testing.assert_array_equal(rollout.buffer.field("actions")[t], rows[s * T + t][0]["actions"])
+                np.testing.assert_array_equal(
+                    rollout.buffer.field("observations")[t], rows[s * T + t][0]["observations"]
+                )
+                np.testing.assert_array_equal(
+                    rollout.buffer.field("actions")[t], rows[s * T + t][0]["actions"]
+                )
     finally:
         for b in buffers:
             b.close()

@@ -30,7 +30,9 @@ def test_cartpole_spec() -> None:
         action_mask_width=0,
         is_atari=False,
     )
-    assert spec != EnvSpec("CartPole-v1", {"": ((4,), np.dtype(np.float32))}, gymnasium.spaces.Discrete(3))
+    assert spec != EnvSpec(
+        "CartPole-v1", {"": ((4,), np.dtype(np.float32))}, gymnasium.spaces.Discrete(3)
+    )
     assert not spec.is_dict_observation
     assert spec.observation_shape == (4,) and spec.observation_dtype == np.float32
     assert spec.num_actions == 2 and spec.action_shape == () and spec.action_dtype == np.int64
@@ -40,7 +42,12 @@ def test_cartpole_spec() -> None:
 
 @pytest.mark.parametrize(
     ("env_id", "num_actions"),
-    [("ALE/Breakout-v5", 4), ("ALE/Pong-v5", 6), ("ALE/MontezumaRevenge-v5", 18), ("SpaceInvadersNoFrameskip-v4", 6)],
+    [
+        ("ALE/Breakout-v5", 4),
+        ("ALE/Pong-v5", 6),
+        ("ALE/MontezumaRevenge-v5", 18),
+        ("SpaceInvadersNoFrameskip-v4", 6),
+    ],
 )
 def test_atari_spec_uses_the_minimal_action_set(env_id: str, num_actions: int) -> None:
     spec = env_spec(env_id)
@@ -67,10 +74,14 @@ def test_cartpole_truncation_reports_the_true_final_observation() -> None:
         observations = env.reset()
         assert observations.shape == (num_envs, 4) and observations.dtype == np.float32
         # Reference: the same envs stepped one by one with plain Gymnasium, no autoreset.
-        references = [gymnasium.make("CartPole-v1", max_episode_steps=limit) for _ in range(num_envs)]
+        references = [
+            gymnasium.make("CartPole-v1", max_episode_steps=limit) for _ in range(num_envs)
+        ]
         expected = [ref.reset(seed=i)[0] for i, ref in enumerate(references)]
         np.testing.assert_array_equal(observations, np.stack(expected))
-        actions = np.array([0, 1, 0], dtype=np.int64)  # 5 steps are too few to fall: only truncation
+        actions = np.array(
+            [0, 1, 0], dtype=np.int64
+        )  # 5 steps are too few to fall: only truncation
         for t in range(limit):
             step = env.step(actions)
             expected = [ref.step(int(a))[0] for ref, a in zip(references, actions, strict=True)]
@@ -81,7 +92,9 @@ def test_cartpole_truncation_reports_the_true_final_observation() -> None:
         # final_observations is the 5th observation of the episode; observations the reset one.
         np.testing.assert_array_equal(step.final_observations, np.stack(expected))
         assert not np.any(np.all(step.final_observations == step.observations, axis=1))
-        assert np.all(np.abs(step.observations) <= 0.05)  # CartPole resets uniformly in [-0.05, 0.05]
+        assert np.all(
+            np.abs(step.observations) <= 0.05
+        )  # CartPole resets uniformly in [-0.05, 0.05]
         assert step.episode_lengths == [limit] * num_envs
         assert step.episode_returns == [float(limit)] * num_envs
         assert step.episode_env_ids == [0, 1, 2]
@@ -132,7 +145,9 @@ def test_float64_observations_are_cast_to_float32() -> None:
             step = env.step(np.zeros(2, dtype=np.int64))
         assert step.observations.dtype == np.float32 and step.final_observations.dtype == np.float32
         assert step.truncated.all()
-        np.testing.assert_array_equal(step.final_observations, np.full((2, 2), 3.0, dtype=np.float32))
+        np.testing.assert_array_equal(
+            step.final_observations, np.full((2, 2), 3.0, dtype=np.float32)
+        )
         np.testing.assert_array_equal(step.observations, np.zeros((2, 2), dtype=np.float32))
 
 
@@ -142,7 +157,9 @@ class _Float64ObsEnv(gymnasium.Env):
     observation_space = gymnasium.spaces.Box(-np.inf, np.inf, shape=(2,), dtype=np.float64)
     action_space = gymnasium.spaces.Discrete(2)
 
-    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
+    def reset(
+        self, *, seed: int | None = None, options: dict | None = None
+    ) -> tuple[np.ndarray, dict]:
         super().reset(seed=seed)
         self.t = 0
         return np.zeros(2, dtype=np.float64), {}
@@ -188,7 +205,14 @@ class _ScriptedBackend:
         final = observations.copy()
         done = self.terminated[t] | self.truncated[t]
         observations[done] = -1.0  # "reset" observation
-        return observations, self.rewards[t].astype(np.float64), self.terminated[t], self.truncated[t], final, None
+        return (
+            observations,
+            self.rewards[t].astype(np.float64),
+            self.terminated[t],
+            self.truncated[t],
+            final,
+            None,
+        )
 
     def close(self) -> None:
         pass
@@ -207,20 +231,28 @@ def test_reward_clipping_and_raw_episode_returns_against_a_reference() -> None:
         step = env.step(np.zeros(n, dtype=np.int64))
         expected_clipped = np.array([min(max(r, -1.0), 1.0) for r in rewards[t]], dtype=np.float32)
         np.testing.assert_array_equal(step.training_rewards, expected_clipped)
-        got += list(zip(step.episode_env_ids, step.episode_returns, step.episode_lengths, strict=True))
+        got += list(
+            zip(step.episode_env_ids, step.episode_returns, step.episode_lengths, strict=True)
+        )
     # Reference: plain loops over each column.
     expected: list[tuple[int, float, int]] = []
     for t in range(steps):
         for i in range(n):
             if terminated[t, i] or truncated[t, i]:
-                start = max([s + 1 for s in range(t) if terminated[s, i] or truncated[s, i]], default=0)
+                start = max(
+                    [s + 1 for s in range(t) if terminated[s, i] or truncated[s, i]], default=0
+                )
                 expected.append((i, float(sum(rewards[start : t + 1, i])), t + 1 - start))
     assert got == expected
     assert len(expected) > 5
 
-    unclipped = VectorEnv(_ScriptedBackend(rewards, terminated, truncated), seed=0, clip_rewards=False)
+    unclipped = VectorEnv(
+        _ScriptedBackend(rewards, terminated, truncated), seed=0, clip_rewards=False
+    )
     unclipped.reset()
-    np.testing.assert_array_equal(unclipped.step(np.zeros(n, dtype=np.int64)).training_rewards, rewards[0])
+    np.testing.assert_array_equal(
+        unclipped.step(np.zeros(n, dtype=np.int64)).training_rewards, rewards[0]
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,7 +261,9 @@ def test_reward_clipping_and_raw_episode_returns_against_a_reference() -> None:
 
 def test_breakout_frames_truncation_and_final_observations() -> None:
     limit = 40
-    with make_vector_env("ALE/Breakout-v5", 2, seed=1, max_episode_steps=limit, num_threads=1) as env:
+    with make_vector_env(
+        "ALE/Breakout-v5", 2, seed=1, max_episode_steps=limit, num_threads=1
+    ) as env:
         assert env.clip_rewards  # auto: on for Atari
         observations = env.reset()
         assert observations.shape == (2, 4, 84, 84) and observations.dtype == np.uint8
@@ -250,7 +284,9 @@ def test_breakout_frames_truncation_and_final_observations() -> None:
                 # the reset frame stack differs from the last frames of the finished episode
                 assert np.any(step.final_observations[row] != step.observations[row])
             not_done = ~step.dones
-            np.testing.assert_array_equal(step.final_observations[not_done], step.observations[not_done])
+            np.testing.assert_array_equal(
+                step.final_observations[not_done], step.observations[not_done]
+            )
         assert ended >= 2
 
 
@@ -273,7 +309,9 @@ def test_atari_training_rewards_are_clipped_while_episode_returns_stay_raw() -> 
             actions = rng.integers(0, clipped.spec.num_actions, size=2)
             step_c, step_r = clipped.step(actions), raw.step(actions)
             np.testing.assert_array_equal(step_c.observations, step_r.observations)
-            np.testing.assert_array_equal(step_c.training_rewards, np.clip(step_r.training_rewards, -1.0, 1.0))
+            np.testing.assert_array_equal(
+                step_c.training_rewards, np.clip(step_r.training_rewards, -1.0, 1.0)
+            )
             saw_big_reward |= bool(np.any(step_r.training_rewards > 1.0))
             raw_sums += step_r.training_rewards
             clipped_sums += step_c.training_rewards
@@ -325,7 +363,12 @@ class _ProbeEnv(gymnasium.Env):
         horizon: int = 1000,
     ) -> None:
         self.observation_space, self.action_space = observation_space, action_space
-        self.mask_mode, self.segments, self.bad_mask, self.horizon = masks, segments, bad_mask, horizon
+        self.mask_mode, self.segments, self.bad_mask, self.horizon = (
+            masks,
+            segments,
+            bad_mask,
+            horizon,
+        )
         self.received: list[object] = []
         self.reset_seed: int | None = None
         if masks == "method":  # sb3-contrib's convention, only on envs configured for it
@@ -349,7 +392,9 @@ class _ProbeEnv(gymnasium.Env):
         observation = self.observation_space.sample()
         info: dict = {}
         if self.mask_mode is not None:
-            mask = np.concatenate([_random_segment_mask(self.np_random, n) for n in self.segments]).astype(np.int8)
+            mask = np.concatenate(
+                [_random_segment_mask(self.np_random, n) for n in self.segments]
+            ).astype(np.int8)
             if self.bad_mask is not None:
                 override = self.bad_mask(self.reset_seed, self.t)  # type: ignore[operator]
                 mask = mask if override is None else override
@@ -368,7 +413,9 @@ def _random_segment_mask(rng: np.random.Generator, n: int) -> np.ndarray:
     return mask
 
 
-def _register(env_id: str, observation_space: gymnasium.Space, action_space: gymnasium.Space, **kwargs: object) -> str:
+def _register(
+    env_id: str, observation_space: gymnasium.Space, action_space: gymnasium.Space, **kwargs: object
+) -> str:
     if env_id not in gymnasium.registry:
         gymnasium.register(
             id=env_id,
@@ -407,7 +454,11 @@ def test_discrete_observations_are_one_hot_and_taxi_has_masks() -> None:
     assert env_spec("FrozenLake-v1").action_mask_width == 0
     taxi = env_spec("Taxi-v4")
     assert taxi.observation_layout == {"": ((500,), np.dtype(np.float32))}
-    assert taxi.action_space == Discrete(6) and taxi.action_mask_width == 6 and taxi.action_mask_segments == (6,)
+    assert (
+        taxi.action_space == Discrete(6)
+        and taxi.action_mask_width == 6
+        and taxi.action_mask_segments == (6,)
+    )
 
 
 def test_taxi_v3_is_refused_with_gymnasiums_advice() -> None:
@@ -418,7 +469,12 @@ def test_taxi_v3_is_refused_with_gymnasiums_advice() -> None:
 
 NESTED = Dict(
     {
-        "agent": Dict({"position": Box(-5.0, 5.0, (2,), np.float64), "frame": Box(0, 255, (3, 4, 4), np.uint8)}),
+        "agent": Dict(
+            {
+                "position": Box(-5.0, 5.0, (2,), np.float64),
+                "frame": Box(0, 255, (3, 4, 4), np.uint8),
+            }
+        ),
         "goal": Discrete(5, start=10),
         "flags": MultiBinary(3),
         "grid": MultiDiscrete([2, 3]),
@@ -452,7 +508,13 @@ def test_dict_observations_are_flattened_with_their_dtypes_against_a_reference()
         "goal": ((5,), np.dtype(np.float32)),
         "grid": ((5,), np.dtype(np.float32)),
     }
-    assert spec.is_dict_observation and spec.observation_keys == ("agent.frame", "agent.position", "flags", "goal", "grid")
+    assert spec.is_dict_observation and spec.observation_keys == (
+        "agent.frame",
+        "agent.position",
+        "flags",
+        "goal",
+        "grid",
+    )
     with pytest.raises(ValueError, match="observation_layout"):
         _ = spec.observation_shape
     references = [gymnasium.make(env_id) for _ in range(2)]
@@ -460,17 +522,25 @@ def test_dict_observations_are_flattened_with_their_dtypes_against_a_reference()
         expected = [_convert_nested(ref.reset(seed=5 + i)[0]) for i, ref in enumerate(references)]
         observations = env.reset()
         for t in range(4):
-            assert isinstance(observations, dict) and list(observations) == list(spec.observation_layout)
+            assert isinstance(observations, dict) and list(observations) == list(
+                spec.observation_layout
+            )
             for key, (shape, dtype) in spec.observation_layout.items():
                 assert observations[key].shape == (2, *shape) and observations[key].dtype == dtype
-                np.testing.assert_array_equal(observations[key], np.stack([e[key] for e in expected]))
+                np.testing.assert_array_equal(
+                    observations[key], np.stack([e[key] for e in expected])
+                )
             step = env.step(np.array([0, 1]))
             outcomes = [ref.step(a) for ref, a in zip(references, [0, 1], strict=True)]
             expected = [_convert_nested(outcome[0]) for outcome in outcomes]
-            if t == 2:  # horizon 3: both terminate; final = the 3rd observation, observations = reset ones
+            if (
+                t == 2
+            ):  # horizon 3: both terminate; final = the 3rd observation, observations = reset ones
                 assert step.terminated.all()
                 for key in spec.observation_layout:
-                    np.testing.assert_array_equal(step.final_observations[key], np.stack([e[key] for e in expected]))
+                    np.testing.assert_array_equal(
+                        step.final_observations[key], np.stack([e[key] for e in expected])
+                    )
                 expected = [_convert_nested(ref.reset()[0]) for ref in references]
             observations = step.observations
     for ref in references:
@@ -478,18 +548,30 @@ def test_dict_observations_are_flattened_with_their_dtypes_against_a_reference()
 
 
 def test_multi_discrete_and_multi_binary_specs() -> None:
-    md = env_spec(_register("OakEmuTest/MultiDiscreteStart-v0", VECTOR, MultiDiscrete([3, 5], start=[1, -2])))
+    md = env_spec(
+        _register("OakEmuTest/MultiDiscreteStart-v0", VECTOR, MultiDiscrete([3, 5], start=[1, -2]))
+    )
     assert md.action_space == MultiDiscrete([3, 5]) and md.action_space.start.tolist() == [0, 0]
-    assert md.action_shape == (2,) and md.action_dtype == np.int64 and md.action_mask_segments == (3, 5)
+    assert (
+        md.action_shape == (2,)
+        and md.action_dtype == np.int64
+        and md.action_mask_segments == (3, 5)
+    )
     mb = env_spec(_register("OakEmuTest/MultiBinary-v0", VECTOR, MultiBinary(4)))
-    assert mb.action_space == MultiBinary(4) and mb.action_shape == (4,) and mb.action_dtype == np.int8
+    assert (
+        mb.action_space == MultiBinary(4) and mb.action_shape == (4,) and mb.action_dtype == np.int8
+    )
     assert mb.action_mask_segments == (2, 2, 2, 2)
     masked_md = env_spec(
-        _register("OakEmuTest/MaskedMD-v0", VECTOR, MultiDiscrete([3, 5]), masks="info", segments=(3, 5))
+        _register(
+            "OakEmuTest/MaskedMD-v0", VECTOR, MultiDiscrete([3, 5]), masks="info", segments=(3, 5)
+        )
     )
     assert masked_md.action_mask_width == 8
     masked_mb = env_spec(
-        _register("OakEmuTest/MaskedMB-v0", VECTOR, MultiBinary(3), masks="method", segments=(2, 2, 2))
+        _register(
+            "OakEmuTest/MaskedMB-v0", VECTOR, MultiBinary(3), masks="method", segments=(2, 2, 2)
+        )
     )
     assert masked_mb.action_mask_width == 6
 
@@ -502,7 +584,12 @@ def test_multi_discrete_and_multi_binary_specs() -> None:
         ("SequenceObs", gymnasium.spaces.Sequence(VECTOR), Discrete(2), "Sequence"),
         ("GraphObs", gymnasium.spaces.Graph(VECTOR, Discrete(2)), Discrete(2), "Graph"),
         ("OneOfObs", gymnasium.spaces.OneOf((VECTOR, Discrete(2))), Discrete(2), "OneOf"),
-        ("NestedTupleObs", Dict({"a": Dict({"b": gymnasium.spaces.Tuple((VECTOR,))})}), Discrete(2), "Tuple.*'a.b'"),
+        (
+            "NestedTupleObs",
+            Dict({"a": Dict({"b": gymnasium.spaces.Tuple((VECTOR,))})}),
+            Discrete(2),
+            "Tuple.*'a.b'",
+        ),
         ("TupleAct", VECTOR, gymnasium.spaces.Tuple((Discrete(2), Discrete(3))), "Tuple"),
         ("MD2DAct", VECTOR, MultiDiscrete([[2, 3], [4, 5]]), "MultiDiscrete"),
         ("MB2DAct", VECTOR, MultiBinary((2, 3)), "MultiBinary"),
@@ -526,12 +613,22 @@ def test_spec_round_trips_through_plain_data() -> None:
         env_spec("CartPole-v1"),
         env_spec("Pendulum-v1"),
         env_spec("Taxi-v4"),
-        env_spec("OakEmuTest/NestedDict-v0") if "OakEmuTest/NestedDict-v0" in gymnasium.registry else env_spec(
-            _register("OakEmuTest/NestedDict-v0", NESTED, Discrete(2), horizon=3)
+        env_spec("OakEmuTest/NestedDict-v0")
+        if "OakEmuTest/NestedDict-v0" in gymnasium.registry
+        else env_spec(_register("OakEmuTest/NestedDict-v0", NESTED, Discrete(2), horizon=3)),
+        env_spec(
+            _register(
+                "OakEmuTest/MaskedMB-v0", VECTOR, MultiBinary(3), masks="method", segments=(2, 2, 2)
+            )
         ),
-        env_spec(_register("OakEmuTest/MaskedMB-v0", VECTOR, MultiBinary(3), masks="method", segments=(2, 2, 2))),
-        env_spec(_register("OakEmuTest/MultiDiscreteStart-v0", VECTOR, MultiDiscrete([3, 5], start=[1, -2]))),
-        env_spec(_register("OakEmuTest/UnboundedBox-v0", VECTOR, Box(-np.inf, np.inf, (2,), np.float64))),
+        env_spec(
+            _register(
+                "OakEmuTest/MultiDiscreteStart-v0", VECTOR, MultiDiscrete([3, 5], start=[1, -2])
+            )
+        ),
+        env_spec(
+            _register("OakEmuTest/UnboundedBox-v0", VECTOR, Box(-np.inf, np.inf, (2,), np.float64))
+        ),
     ]
     for spec in specs:
         data = msgpack.unpackb(msgpack.packb(spec.to_dict()))
@@ -545,18 +642,25 @@ def test_spec_round_trips_through_plain_data() -> None:
 
 def test_module_env_id_imports_the_module() -> None:
     spec = env_spec("tests.spaces_envs:DictTarget-v0")
-    assert spec.observation_layout == {"image": ((1, 12, 12), np.dtype(np.uint8)), "vector": ((2,), np.dtype(np.float32))}
+    assert spec.observation_layout == {
+        "image": ((1, 12, 12), np.dtype(np.uint8)),
+        "vector": ((2,), np.dtype(np.float32)),
+    }
     assert spec.action_space == Discrete(4)
     with make_eval_env("tests.spaces_envs:MultiDiscreteTarget-v0", seed=0) as env:
         assert env.spec.action_space == MultiDiscrete([3, 4]) and env.reset().shape == (1, 7)
 
 
-def test_module_import_errors_are_one_clear_error(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_module_import_errors_are_one_clear_error(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with pytest.raises(UnsupportedEnvironmentError, match=r"no_such_pkg_xyz.*ModuleNotFoundError"):
         env_spec("no_such_pkg_xyz.envs:Thing-v0")
     (tmp_path / "oakemu_broken_envs.py").write_text("raise RuntimeError('boom at import')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(UnsupportedEnvironmentError, match=r"oakemu_broken_envs.*RuntimeError: boom at import"):
+    with pytest.raises(
+        UnsupportedEnvironmentError, match=r"oakemu_broken_envs.*RuntimeError: boom at import"
+    ):
         make_vector_env("oakemu_broken_envs:Thing-v0", 1, seed=0)
     (tmp_path / "oakemu_empty_envs.py").write_text("X = 1\n")
     with pytest.raises(UnsupportedEnvironmentError, match="Nothing-v0"):
@@ -577,7 +681,14 @@ def test_module_env_ids_resolve_from_the_working_directory(tmp_path) -> None:
         "print(sorted(env_spec('tests.spaces_envs:DictTarget-v0').observation_layout))\n"
     )
     repo_root = pathlib.Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, str(script)], cwd=repo_root, capture_output=True, text=True, timeout=120, check=False)
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "['image', 'vector']"
 
@@ -587,9 +698,16 @@ def test_emulator_ids_go_through_make_emulator_env(monkeypatch: pytest.MonkeyPat
 
     calls: list[dict] = []
 
-    def make_emulator_env(env_id: str, *, max_episode_steps: int | None, settings_file: str | None, seed: int | None):
+    def make_emulator_env(
+        env_id: str, *, max_episode_steps: int | None, settings_file: str | None, seed: int | None
+    ):
         calls.append(
-            {"env_id": env_id, "max_episode_steps": max_episode_steps, "settings_file": settings_file, "seed": seed}
+            {
+                "env_id": env_id,
+                "max_episode_steps": max_episode_steps,
+                "settings_file": settings_file,
+                "seed": seed,
+            }
         )
         return None if env_id.endswith("unknown") else gymnasium.make("CartPole-v1")
 
@@ -598,16 +716,25 @@ def test_emulator_ids_go_through_make_emulator_env(monkeypatch: pytest.MonkeyPat
     monkeypatch.setitem(__import__("sys").modules, "oakemu_core.envs.emulators", fake)
     env_spec.cache_clear()
     spec = env_spec("gameboy:fake-rom", settings_file="s.toml")
-    assert spec.observation_layout == {"": ((4,), np.dtype(np.float32))} and spec.env_id == "gameboy:fake-rom"
+    assert (
+        spec.observation_layout == {"": ((4,), np.dtype(np.float32))}
+        and spec.env_id == "gameboy:fake-rom"
+    )
     calls.clear()
-    with make_vector_env("retro:fake-game", 2, seed=3, max_episode_steps=7, settings_file="s.toml") as env:
+    with make_vector_env(
+        "retro:fake-game", 2, seed=3, max_episode_steps=7, settings_file="s.toml"
+    ) as env:
         assert env.reset().shape == (2, 4)
-    assert [c["seed"] for c in calls if c["env_id"] == "retro:fake-game" and c["seed"] is not None] == [3, 4]
+    assert [
+        c["seed"] for c in calls if c["env_id"] == "retro:fake-game" and c["seed"] is not None
+    ] == [3, 4]
     assert all(c["settings_file"] == "s.toml" for c in calls)
     assert any(c["max_episode_steps"] == 7 for c in calls)
     with pytest.raises(UnsupportedEnvironmentError, match="known emulator id"):
         env_spec("gameboy:unknown")
-    monkeypatch.setitem(__import__("sys").modules, "oakemu_core.envs.emulators", None)  # import fails
+    monkeypatch.setitem(
+        __import__("sys").modules, "oakemu_core.envs.emulators", None
+    )  # import fails
     env_spec.cache_clear()
     with pytest.raises(UnsupportedEnvironmentError, match="emulator support.*not installed"):
         env_spec("gameboy:fake-rom")
@@ -665,8 +792,15 @@ def test_method_masks_per_sub_action_after_autoreset_match_a_reference() -> None
         rng = np.random.default_rng(1)
         for t in range(20):
             masks = env.action_masks()
-            np.testing.assert_array_equal(masks, np.stack([ref.action_masks().astype(bool) for ref in references]))
-            actions = np.array([[rng.choice(np.flatnonzero(m[:3])), rng.choice(np.flatnonzero(m[3:]))] for m in masks])
+            np.testing.assert_array_equal(
+                masks, np.stack([ref.action_masks().astype(bool) for ref in references])
+            )
+            actions = np.array(
+                [
+                    [rng.choice(np.flatnonzero(m[:3])), rng.choice(np.flatnonzero(m[3:]))]
+                    for m in masks
+                ]
+            )
             step = env.step(actions)
             for row, ref in enumerate(references):
                 _, _, terminated, _, _ = ref.step(actions[row])
@@ -679,15 +813,27 @@ def test_method_masks_per_sub_action_after_autoreset_match_a_reference() -> None
 
 
 def test_masked_actions_are_refused_before_any_env_steps() -> None:
-    env_id = _register("OakEmuTest/MaskedMBProbe-v0", VECTOR, MultiBinary(3), masks="info", segments=(2, 2, 2))
+    env_id = _register(
+        "OakEmuTest/MaskedMBProbe-v0", VECTOR, MultiBinary(3), masks="info", segments=(2, 2, 2)
+    )
     with make_vector_env(env_id, 2, seed=0) as env:
         env.reset()
         masks = env.action_masks()
         assert masks is not None and masks.shape == (2, 6)
         # a bit whose value 1 is forbidden somewhere: find one, then ask for it
-        row, bit = next((r, b) for r in range(2) for b in range(3) if not masks[r, 2 * b + 1] or not masks[r, 2 * b])
+        row, bit = next(
+            (r, b)
+            for r in range(2)
+            for b in range(3)
+            if not masks[r, 2 * b + 1] or not masks[r, 2 * b]
+        )
         forbidden = 1 if not masks[row, 2 * bit + 1] else 0
-        actions = np.array([[int(np.flatnonzero(masks[r, 2 * b : 2 * b + 2])[0]) for b in range(3)] for r in range(2)])
+        actions = np.array(
+            [
+                [int(np.flatnonzero(masks[r, 2 * b : 2 * b + 2])[0]) for b in range(3)]
+                for r in range(2)
+            ]
+        )
         bad = actions.copy()
         bad[row, bit] = forbidden
         with pytest.raises(ValueError, match=rf"env {row} .*forbids"):
@@ -714,7 +860,9 @@ def _bad_mask_factory(kind: str) -> object:
     return bad_mask
 
 
-@pytest.mark.parametrize("kind", ["wrong_width", "none_valid", "sub_action_empty", "float_dtype", "not_binary"])
+@pytest.mark.parametrize(
+    "kind", ["wrong_width", "none_valid", "sub_action_empty", "float_dtype", "not_binary"]
+)
 def test_bad_masks_raise_naming_the_env(kind: str) -> None:
     env_id = _register(
         f"OakEmuTest/BadMask-{kind}-v0",
@@ -727,20 +875,34 @@ def test_bad_masks_raise_naming_the_env(kind: str) -> None:
     assert env_spec(env_id).action_mask_width == 5
     with make_vector_env(env_id, 2, seed=10) as env:
         env.reset()
-        env.step(np.zeros((2, 2), dtype=np.int64) + np.argmax(env.action_masks()[:, :2], axis=1)[:, None] * [1, 0]
-                 + np.argmax(env.action_masks()[:, 2:], axis=1)[:, None] * [0, 1])
+        env.step(
+            np.zeros((2, 2), dtype=np.int64)
+            + np.argmax(env.action_masks()[:, :2], axis=1)[:, None] * [1, 0]
+            + np.argmax(env.action_masks()[:, 2:], axis=1)[:, None] * [0, 1]
+        )
         masks = env.action_masks()
-        actions = np.stack([np.argmax(masks[:, :2], axis=1), np.argmax(masks[:, 2:], axis=1)], axis=1)
-        with pytest.raises(InvalidActionMaskError, match=rf"env 1 of 'OakEmuTest/BadMask-{kind}-v0'.*received"):
+        actions = np.stack(
+            [np.argmax(masks[:, :2], axis=1), np.argmax(masks[:, 2:], axis=1)], axis=1
+        )
+        with pytest.raises(
+            InvalidActionMaskError, match=rf"env 1 of 'OakEmuTest/BadMask-{kind}-v0'.*received"
+        ):
             env.step(actions)
 
 
 def test_a_bad_first_mask_is_refused_by_env_spec() -> None:
     env_id = _register(
-        "OakEmuTest/BadFirstMask-v0", VECTOR, Discrete(3), masks="method", segments=(3,),
+        "OakEmuTest/BadFirstMask-v0",
+        VECTOR,
+        Discrete(3),
+        masks="method",
+        segments=(3,),
         bad_mask=lambda seed, t: np.zeros(3, dtype=bool),
     )
-    with pytest.raises(InvalidActionMaskError, match=r"env 0 of 'OakEmuTest/BadFirstMask-v0'.*\[False, False, False\]"):
+    with pytest.raises(
+        InvalidActionMaskError,
+        match=r"env 0 of 'OakEmuTest/BadFirstMask-v0'.*\[False, False, False\]",
+    ):
         env_spec(env_id)
     assert issubclass(InvalidActionMaskError, ValueError)
 
@@ -756,7 +918,9 @@ def test_discrete_and_multi_discrete_starts_are_added_back_for_the_env() -> None
         env.reset()
         env.step(np.array([0, 2]))
         assert [int(sub.received[0]) for sub in _sub_envs(env)] == [-1, 1]
-    multi = _register("OakEmuTest/MultiDiscreteStart-v0", VECTOR, MultiDiscrete([3, 5], start=[1, -2]))
+    multi = _register(
+        "OakEmuTest/MultiDiscreteStart-v0", VECTOR, MultiDiscrete([3, 5], start=[1, -2])
+    )
     with make_vector_env(multi, 2, seed=0) as env:
         env.reset()
         env.step(np.array([[0, 4], [2, 0]]))
@@ -768,9 +932,15 @@ def test_discrete_and_multi_discrete_starts_are_added_back_for_the_env() -> None
 
 
 def test_box_actions_are_clipped_at_the_env_boundary_and_non_finite_ones_refused() -> None:
-    env_id = _register("OakEmuTest/BoxAct-v0", VECTOR, Box(np.array([-1.0, 0.0]), np.array([1.0, 2.0]), dtype=np.float64))
+    env_id = _register(
+        "OakEmuTest/BoxAct-v0",
+        VECTOR,
+        Box(np.array([-1.0, 0.0]), np.array([1.0, 2.0]), dtype=np.float64),
+    )
     spec = env_spec(env_id)
-    assert spec.action_space == Box(np.array([-1.0, 0.0], np.float32), np.array([1.0, 2.0], np.float32), dtype=np.float32)
+    assert spec.action_space == Box(
+        np.array([-1.0, 0.0], np.float32), np.array([1.0, 2.0], np.float32), dtype=np.float32
+    )
     with make_vector_env(env_id, 2, seed=0) as env:
         env.reset()
         sampled = np.array([[5.0, -3.0], [0.25, 1.5]], dtype=np.float32)
@@ -784,7 +954,10 @@ def test_box_actions_are_clipped_at_the_env_boundary_and_non_finite_ones_refused
             actions = np.array([[0.0, 0.0], [0.0, bad]])
             with pytest.raises(ValueError, match=r"finite.*env 1"):
                 env.step(actions)
-        assert [len(sub.received) for sub in _sub_envs(env)] == [1, 1]  # no non-finite action was stepped
+        assert [len(sub.received) for sub in _sub_envs(env)] == [
+            1,
+            1,
+        ]  # no non-finite action was stepped
         with pytest.raises(ValueError, match=r"expected shape \(2, 2\)"):
             env.step(np.zeros(2))
 
@@ -795,7 +968,9 @@ def test_pendulum_receives_clipped_torques_against_a_reference() -> None:
         np.testing.assert_array_equal(env.reset()[0], reference.reset(seed=4)[0])
         for torque in (7.5, -3.0, 0.5):
             step = env.step(np.array([[torque]], dtype=np.float32))
-            observation, reward, *_ = reference.step(np.array([min(max(torque, -2.0), 2.0)], dtype=np.float32))
+            observation, reward, *_ = reference.step(
+                np.array([min(max(torque, -2.0), 2.0)], dtype=np.float32)
+            )
             np.testing.assert_array_equal(step.observations[0], observation)
             assert step.training_rewards[0] == np.float32(reward)
         reference.close()

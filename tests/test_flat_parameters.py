@@ -46,10 +46,14 @@ def test_every_gradient_is_a_view_of_the_buffer_and_zero_clears_them() -> None:
     net = _net()
     gradients = FlatGradients(net.parameters())
     _loss(net).backward()
-    assert all(parameter.grad.data_ptr() >= gradients.buffer.data_ptr() for parameter in net.parameters())
+    assert all(
+        parameter.grad.data_ptr() >= gradients.buffer.data_ptr() for parameter in net.parameters()
+    )
     assert float(gradients.buffer.abs().sum()) > 0
     total = sum(float(parameter.grad.abs().sum()) for parameter in net.parameters())
-    assert float(gradients.buffer.abs().sum()) == pytest.approx(total)  # backward wrote into the buffer
+    assert float(gradients.buffer.abs().sum()) == pytest.approx(
+        total
+    )  # backward wrote into the buffer
     gradients.zero()
     assert all(float(parameter.grad.abs().sum()) == 0 for parameter in net.parameters())
 
@@ -63,7 +67,9 @@ def test_gradients_set_to_none_elsewhere_are_attached_again() -> None:
     optimizer.zero_grad(set_to_none=True)
     gradients.zero()
     _loss(net, 2.0).backward()
-    expected = torch.linalg.vector_norm(torch.cat([parameter.grad.flatten() for parameter in net.parameters()]))
+    expected = torch.linalg.vector_norm(
+        torch.cat([parameter.grad.flatten() for parameter in net.parameters()])
+    )
     torch.testing.assert_close(gradients.clip_norm_(1e9), expected)
 
 
@@ -71,7 +77,9 @@ def test_a_fused_adam_step_on_channels_last_weights_equals_one_on_plain_gradient
     """Each view has its parameter's strides: a fused Adam step pairs every gradient element with
     its weight, as with the gradients backward makes itself."""
     torch.manual_seed(1)
-    conv = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 2)).to(memory_format=torch.channels_last)
+    conv = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 2)).to(
+        memory_format=torch.channels_last
+    )
     reference = copy.deepcopy(conv)
     images = torch.randn(5, 3, 8, 8).contiguous(memory_format=torch.channels_last)
     gradients = FlatGradients(conv.parameters())
@@ -100,21 +108,26 @@ def test_a_non_finite_gradient_gives_a_non_finite_norm() -> None:
 
 def test_parameters_of_two_dtypes_are_refused() -> None:
     with pytest.raises(ValueError, match="several dtypes or devices"):
-        FlatGradients([nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3, dtype=torch.float64))])
+        FlatGradients(
+            [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3, dtype=torch.float64))]
+        )
     with pytest.raises(ValueError, match="at least one parameter"):
         FlatGradients([])
 
 
 def _conv_net() -> nn.Module:
     torch.manual_seed(1)
-    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.Tanh(), nn.Flatten(),
-                         nn.Linear(4 * 6 * 6, 2)).to(memory_format=torch.channels_last)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2)).to(
+        memory_format=torch.channels_last
+    )
 
 
 def _train(net: nn.Module, optimizer: torch.optim.Optimizer, steps: int, seed: int = 2) -> None:
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):
-        images = torch.randn(5, 3, 8, 8, generator=generator).contiguous(memory_format=torch.channels_last)
+        images = torch.randn(5, 3, 8, 8, generator=generator).contiguous(
+            memory_format=torch.channels_last
+        )
         optimizer.zero_grad(set_to_none=True)
         net(images).square().sum().backward()
         optimizer.step()
@@ -166,11 +179,15 @@ def test_flat_adam_state_is_torch_adams_and_resumes_either_way() -> None:
     plain_optimizer = torch.optim.Adam(resumed_plain.parameters(), lr=0.5, eps=1e-5, fused=True)
     plain_optimizer.load_state_dict(copy.deepcopy(state))
     assert flat_optimizer.param_groups[0]["lr"] == 0.01  # the saved group's settings
-    for model, model_optimizer in ((resumed_flat, flat_optimizer), (resumed_plain, plain_optimizer),
-                                   (reference, reference_optimizer)):
+    for model, model_optimizer in (
+        (resumed_flat, flat_optimizer),
+        (resumed_plain, plain_optimizer),
+        (reference, reference_optimizer),
+    ):
         _train(model, model_optimizer, 2, seed=3)
     for flat_parameter, plain_parameter, expected_parameter in zip(
-            resumed_flat.parameters(), resumed_plain.parameters(), reference.parameters()):
+        resumed_flat.parameters(), resumed_plain.parameters(), reference.parameters()
+    ):
         torch.testing.assert_close(flat_parameter, expected_parameter, rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(plain_parameter, expected_parameter, rtol=1e-5, atol=1e-7)
 
@@ -180,9 +197,14 @@ def test_flat_adam_refuses_a_state_of_other_parameters() -> None:
     other_net = _conv_net()
     other = torch.optim.Adam(other_net.parameters(), lr=0.01)
     _train(other_net, other, 1)
-    with pytest.raises(ValueError, match=r"exp_avg of parameter 0 has shape \(4, 3, 3, 3\), the parameter \(16, 5\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"exp_avg of parameter 0 has shape \(4, 3, 3, 3\), the parameter \(16, 5\)",
+    ):
         optimizer.load_state_dict(other.state_dict())
-    bigger = torch.optim.Adam(nn.Sequential(nn.Linear(5, 16), nn.Linear(16, 3), nn.Linear(3, 1)).parameters())
+    bigger = torch.optim.Adam(
+        nn.Sequential(nn.Linear(5, 16), nn.Linear(16, 3), nn.Linear(3, 1)).parameters()
+    )
     with pytest.raises(ValueError, match="expected one group of 4 parameters, got \\[6\\]"):
         optimizer.load_state_dict(bigger.state_dict())
 
@@ -198,8 +220,10 @@ def test_zero_grad_keeps_the_views_so_the_step_trains() -> None:
     _loss(net).backward()
     optimizer.step()
     assert not torch.equal(optimizer.flat.values, before)
-    assert torch.equal(torch.cat([parameter.detach().flatten() for parameter in net.parameters()]),
-                       optimizer.flat.values.detach())
+    assert torch.equal(
+        torch.cat([parameter.detach().flatten() for parameter in net.parameters()]),
+        optimizer.flat.values.detach(),
+    )
 
 
 def test_a_parameter_whose_data_is_replaced_is_refused_at_the_next_zero() -> None:

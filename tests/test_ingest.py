@@ -13,6 +13,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from oakemu_core.policy.distributions import Categorical
+from oakemu_core.step_schema import StepField, build_schema
 from oakemu_core.storage.assembler import (
     HELD_SLACK_MESSAGES,
     RolloutAssembler,
@@ -20,9 +22,7 @@ from oakemu_core.storage.assembler import (
     StepRejected,
     drop_stale_rows,
 )
-from oakemu_core.policy.distributions import Categorical
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
-from oakemu_core.step_schema import StepField, build_schema
 from oakemu_core.transport.codec import MessageRejected
 from oakemu_core.transport.steps import StepMessage, StepSpec, decode_step, encode_step
 
@@ -50,8 +50,16 @@ def spec(num_envs: int) -> StepSpec:
     return StepSpec(num_envs=num_envs, schema=SCHEMA)
 
 
-def message(actor_id: str, incarnation: str, seq: int, num_envs: int, *, version: int = 0,
-            dones: list[bool] | None = None, truncated: list[bool] | None = None) -> StepMessage:
+def message(
+    actor_id: str,
+    incarnation: str,
+    seq: int,
+    num_envs: int,
+    *,
+    version: int = 0,
+    dones: list[bool] | None = None,
+    truncated: list[bool] | None = None,
+) -> StepMessage:
     """A step whose numbers encode (actor, seq, env), so the test can tell where each one landed.
 
     actor code a = sum of the id's bytes; env i of step seq: observation [a + 10*seq + i, -(...)],
@@ -83,21 +91,41 @@ def message(actor_id: str, incarnation: str, seq: int, num_envs: int, *, version
     )
 
 
-def send(assembler: RolloutAssembler, msg: StepMessage, *, version: int = 0, now: float = 0.0) -> None:
+def send(
+    assembler: RolloutAssembler, msg: StepMessage, *, version: int = 0, now: float = 0.0
+) -> None:
     assembler.ingest(msg, current_policy_version=version, now=now)
 
 
 def check_rows(buffer: RolloutBuffer, msg: StepMessage, row: int, columns: list[int]) -> None:
     """The message's arrays are in ``row`` of ``columns`` (env i -> columns[i])."""
     k = len(columns)
-    for name in ("observations", "actions", "log_probs", "values", "rewards", "dones", "bootstrap_values"):
-        np.testing.assert_array_equal(buffer.field(name)[row, columns], msg.fields[name][:k], err_msg=name)
-    np.testing.assert_array_equal(buffer.policy_versions[row, columns], np.full(k, msg.policy_version))
+    for name in (
+        "observations",
+        "actions",
+        "log_probs",
+        "values",
+        "rewards",
+        "dones",
+        "bootstrap_values",
+    ):
+        np.testing.assert_array_equal(
+            buffer.field(name)[row, columns], msg.fields[name][:k], err_msg=name
+        )
+    np.testing.assert_array_equal(
+        buffer.policy_versions[row, columns], np.full(k, msg.policy_version)
+    )
     assert buffer.trainable[row, columns].all()
 
 
-def fill_segment(assembler: RolloutAssembler, actor_id: str, incarnation: str, num_envs: int,
-                 first_seq: int = 0, **kwargs) -> list[StepMessage]:
+def fill_segment(
+    assembler: RolloutAssembler,
+    actor_id: str,
+    incarnation: str,
+    num_envs: int,
+    first_seq: int = 0,
+    **kwargs,
+) -> list[StepMessage]:
     sent = [message(actor_id, incarnation, first_seq + s, num_envs, **kwargs) for s in range(T)]
     for msg in sent:
         send(assembler, msg)
@@ -152,8 +180,12 @@ def test_segment_completes_after_T_messages_with_last_values_and_dones_of_the_la
     assert assembler.states[0] is SlotState.FILLING  # b's columns are still empty
     assert assembler.take_full_rollout() is None
 
-    sent_b = [message("b", "b-1", s, 3, dones=[False, s == T - 1, False],
-                      truncated=[False, s == T - 1, False]) for s in range(T)]
+    sent_b = [
+        message(
+            "b", "b-1", s, 3, dones=[False, s == T - 1, False], truncated=[False, s == T - 1, False]
+        )
+        for s in range(T)
+    ]
     for msg in sent_b[:-1]:
         send(assembler, msg)
     assert assembler.states[0] is SlotState.FILLING
@@ -166,7 +198,9 @@ def test_segment_completes_after_T_messages_with_last_values_and_dones_of_the_la
     rollout = assembler.take_full_rollout()
     assert rollout is not None and rollout.slot == 0 and rollout.buffer is buffers[0]
     assert assembler.states[0] is SlotState.TRAINING
-    expected_last_values = np.concatenate([sent_a[-1].fields["next_values"], sent_b[-1].fields["next_values"]])
+    expected_last_values = np.concatenate(
+        [sent_a[-1].fields["next_values"], sent_b[-1].fields["next_values"]]
+    )
     np.testing.assert_array_equal(rollout.last_values, expected_last_values)
     assert rollout.last_dones.tolist() == [False, False, False, False, True, False]
     np.testing.assert_array_equal(rollout.last_dones, buffers[0].dones[-1])
@@ -178,7 +212,9 @@ def test_segment_completes_after_T_messages_with_last_values_and_dones_of_the_la
     assert buffers[0].advantages[T - 1, 4] == pytest.approx(expected, rel=1e-6)
 
 
-def test_full_buffer_hand_off_and_release_cycle(assembler: RolloutAssembler, buffers: list[RolloutBuffer]) -> None:
+def test_full_buffer_hand_off_and_release_cycle(
+    assembler: RolloutAssembler, buffers: list[RolloutBuffer]
+) -> None:
     assembler.join("a", "a-1", spec(6), hostname="h", now=0.0)
     fill_segment(assembler, "a", "a-1", 6)
     assert assembler.states == [SlotState.FULL, SlotState.FILLING]
@@ -210,7 +246,9 @@ def test_full_buffer_hand_off_and_release_cycle(assembler: RolloutAssembler, buf
     # Buffer 0 was released first, so it fills first again.
     send(assembler, message("a", "a-1", 2 * T + 1, 6))
     assert assembler.actors["a"].segment.slot == 0
-    assert buffers[0].column_steps.tolist() == [2] * N and buffers[1].column_steps.tolist() == [0] * N
+    assert (
+        buffers[0].column_steps.tolist() == [2] * N and buffers[1].column_steps.tolist() == [0] * N
+    )
 
 
 # --------------------------------------------------------------------------------- rejection
@@ -218,7 +256,10 @@ def test_seq_gap_discards_the_segment_and_the_next_step_starts_a_new_one(
     assembler: RolloutAssembler, buffers: list[RolloutBuffer]
 ) -> None:
     assembler.join("a", "a-1", spec(3), hostname="h", now=0.0)
-    send(assembler, message("a", "a-1", 0, 3, dones=[True, False, False], truncated=[True, False, False]))
+    send(
+        assembler,
+        message("a", "a-1", 0, 3, dones=[True, False, False], truncated=[True, False, False]),
+    )
     send(assembler, message("a", "a-1", 1, 3))
     assert buffers[0].column_steps.tolist() == [2, 2, 2, 0, 0, 0]
     after_gap = message("a", "a-1", 3, 3)  # seq 2 never arrived
@@ -250,7 +291,9 @@ def test_unknown_actor_and_unknown_incarnation_are_rejected(
     assert assembler.spec_for("a", "a-0") is None and assembler.spec_for("a", "a-1") == spec(3)
 
 
-def test_future_policy_version_is_rejected(assembler: RolloutAssembler, buffers: list[RolloutBuffer]) -> None:
+def test_future_policy_version_is_rejected(
+    assembler: RolloutAssembler, buffers: list[RolloutBuffer]
+) -> None:
     assembler.join("a", "a-1", spec(3), hostname="h", now=0.0)
     with pytest.raises(StepRejected) as caught:
         assembler.ingest(message("a", "a-1", 0, 3, version=4), current_policy_version=3, now=0.0)
@@ -262,15 +305,21 @@ def test_future_policy_version_is_rejected(assembler: RolloutAssembler, buffers:
 
 
 # ------------------------------------------------------------------------------ actor churn
-def test_silent_actor_expires_and_frees_its_columns(assembler: RolloutAssembler, buffers: list[RolloutBuffer]) -> None:
+def test_silent_actor_expires_and_frees_its_columns(
+    assembler: RolloutAssembler, buffers: list[RolloutBuffer]
+) -> None:
     assembler.join("a", "a-1", spec(3), hostname="h", now=0.0)
     assembler.join("b", "b-1", spec(3), hostname="h", now=0.0)
     send(assembler, message("a", "a-1", 0, 3), now=1.0)
     send(assembler, message("b", "b-1", 0, 3), now=1.0)
     send(assembler, message("b", "b-1", 1, 3), now=4.0)
-    assert assembler.heartbeat("a", "a-1", now=2.0, env_steps_per_second=1.0, policy_lag=0.0, episodes=0)
+    assert assembler.heartbeat(
+        "a", "a-1", now=2.0, env_steps_per_second=1.0, policy_lag=0.0, episodes=0
+    )
 
-    assert assembler.expire_silent_actors(now=2.0 + TIMEOUT_S) == []  # a: exactly the timeout, not more
+    assert (
+        assembler.expire_silent_actors(now=2.0 + TIMEOUT_S) == []
+    )  # a: exactly the timeout, not more
     assert assembler.expire_silent_actors(now=2.0 + TIMEOUT_S + 0.1) == ["a"]
     assert set(assembler.actors) == {"b"}
     assert assembler.counters.dropped["timed_out_actors"] == 1
@@ -278,7 +327,9 @@ def test_silent_actor_expires_and_frees_its_columns(assembler: RolloutAssembler,
     assert buffers[0].column_steps.tolist() == [0, 0, 0, 2, 2, 2]
     assert not buffers[0].trainable[:, :3].any()
     assert assembler.counters.env_steps == 9  # received steps, discarded ones included
-    assert not assembler.heartbeat("a", "a-1", now=8.0, env_steps_per_second=1.0, policy_lag=0.0, episodes=0)
+    assert not assembler.heartbeat(
+        "a", "a-1", now=8.0, env_steps_per_second=1.0, policy_lag=0.0, episodes=0
+    )
     # A step of the dropped incarnation that was still in flight: refused, counted as late.
     with pytest.raises(StepRejected) as caught:
         send(assembler, message("a", "a-1", 1, 3))
@@ -290,7 +341,9 @@ def test_silent_actor_expires_and_frees_its_columns(assembler: RolloutAssembler,
     assert assembler.actors["c"].segment.columns.tolist() == [0, 1, 2]
 
 
-def test_new_incarnation_of_an_actor_replaces_the_old(assembler: RolloutAssembler, buffers: list[RolloutBuffer]) -> None:
+def test_new_incarnation_of_an_actor_replaces_the_old(
+    assembler: RolloutAssembler, buffers: list[RolloutBuffer]
+) -> None:
     old = assembler.join("a", "a-1", spec(3), hostname="h", now=0.0)
     send(assembler, message("a", "a-1", 0, 3))
     send(assembler, message("a", "a-1", 1, 3))
@@ -312,38 +365,51 @@ def test_new_incarnation_of_an_actor_replaces_the_old(assembler: RolloutAssemble
 
 def test_episodes_are_collected_from_messages(assembler: RolloutAssembler) -> None:
     assembler.join("a", "a-1", spec(3), hostname="h", now=0.0)
-    send(assembler, replace(message("a", "a-1", 0, 3), episode_returns=[12.5, 3.0], episode_lengths=[20, 7]))
+    send(
+        assembler,
+        replace(message("a", "a-1", 0, 3), episode_returns=[12.5, 3.0], episode_lengths=[20, 7]),
+    )
     assert assembler.take_episodes() == ([12.5, 3.0], [20, 7])
     assert assembler.take_episodes() == ([], [])
 
 
 # ---------------------------------------------------------------------------------- staleness
-def test_drop_stale_rows_marks_rows_over_the_lag_and_reports_lag_stats(buffers: list[RolloutBuffer]) -> None:
+def test_drop_stale_rows_marks_rows_over_the_lag_and_reports_lag_stats(
+    buffers: list[RolloutBuffer],
+) -> None:
     buffer = buffers[0]
     rng = np.random.default_rng(3)
-    versions = np.array([[5, 3, 5, 1, 4, 2],
-                         [5, 2, 4, 1, 4, 3],
-                         [5, 5, 2, 0, 4, 1]])
+    versions = np.array([[5, 3, 5, 1, 4, 2], [5, 2, 4, 1, 4, 3], [5, 5, 2, 0, 4, 1]])
     already_untrainable = (2, 3)  # a stale row that is already out: not counted again
     for t in range(T):
         for column in range(N):
             trainable = np.array([(t, column) != already_untrainable])
             zero = np.zeros(1, np.float32)
             buffer.write(
-                t, np.array([column]),
-                {"observations": rng.normal(size=(1, 2)).astype(np.float32), "actions": np.array([0]),
-                 "log_probs": zero, "values": zero, "rewards": zero, "dones": np.array([False]), "trainable": trainable},
+                t,
+                np.array([column]),
+                {
+                    "observations": rng.normal(size=(1, 2)).astype(np.float32),
+                    "actions": np.array([0]),
+                    "log_probs": zero,
+                    "values": zero,
+                    "rewards": zero,
+                    "dones": np.array([False]),
+                    "trainable": trainable,
+                },
                 policy_version=int(versions[t, column]),
             )
     current, max_lag = 5, 2
     lag = current - versions
-    expected_stale = (lag > max_lag)
+    expected_stale = lag > max_lag
     expected_trainable = ~expected_stale
     expected_trainable[already_untrainable] = False
     expected_count = int(expected_stale.sum()) - 1
 
     dropped, stats = drop_stale_rows(buffer, current_policy_version=current, max_policy_lag=max_lag)
-    assert dropped == expected_count == 6  # versions 1, 2 | 2, 1 | 2, 1 (+ 0 at (2, 3), already out)
+    assert (
+        dropped == expected_count == 6
+    )  # versions 1, 2 | 2, 1 | 2, 1 (+ 0 at (2, 3), already out)
     np.testing.assert_array_equal(buffer.trainable, expected_trainable)
     assert stats == {
         "min": 0.0,
@@ -357,20 +423,33 @@ def test_drop_stale_rows_marks_rows_over_the_lag_and_reports_lag_stats(buffers: 
 def test_drop_stale_rows_with_no_stale_row(buffers: list[RolloutBuffer]) -> None:
     buffer = buffers[0]
     for t in range(T):
-        buffer.add(np.zeros((N, 2), np.float32), np.zeros(N, np.int64), np.zeros(N, np.float32),
-                   np.zeros(N, np.float32), np.zeros(N, np.float32), np.zeros(N, bool), policy_version=7 + t)
+        buffer.add(
+            np.zeros((N, 2), np.float32),
+            np.zeros(N, np.int64),
+            np.zeros(N, np.float32),
+            np.zeros(N, np.float32),
+            np.zeros(N, np.float32),
+            np.zeros(N, bool),
+            policy_version=7 + t,
+        )
     dropped, stats = drop_stale_rows(buffer, current_policy_version=9, max_policy_lag=2)
     assert dropped == 0 and buffer.trainable.all()
     assert stats == {"min": 0.0, "mean": 1.0, "max": 2.0, "newest_version": 9.0}
 
 
-def test_learner_path_counts_a_late_step_of_a_departed_actor_as_dropped(assembler: RolloutAssembler) -> None:
+def test_learner_path_counts_a_late_step_of_a_departed_actor_as_dropped(
+    assembler: RolloutAssembler,
+) -> None:
     """What oakemu_services.learner does with each frame: decode against the joined spec, then ingest."""
     assembler.join("a", "a-1", spec(3), hostname="h", now=0.0)
     frame = encode_step(message("a", "a-1", 0, 3), spec(3))
     assert assembler.leave("a", "a-1")
     with pytest.raises((StepRejected, MessageRejected)) as caught:  # the learner catches both
-        assembler.ingest(decode_step(frame, assembler.spec_for, max_bytes=2**20), current_policy_version=0, now=1.0)
+        assembler.ingest(
+            decode_step(frame, assembler.spec_for, max_bytes=2**20),
+            current_policy_version=0,
+            now=1.0,
+        )
     assert caught.value.reason == "departed_actor"
     assert assembler.counters.dropped["late_steps"] == 3
 
@@ -378,7 +457,11 @@ def test_learner_path_counts_a_late_step_of_a_departed_actor_as_dropped(assemble
 def learner_path(assembler: RolloutAssembler, msg: StepMessage, *, version: int = 0) -> None:
     """What oakemu_services.learner does with each frame: decode against the joined spec, then ingest."""
     frame = encode_step(msg, spec(msg.num_envs))
-    assembler.ingest(decode_step(frame, assembler.spec_for, max_bytes=2**20), current_policy_version=version, now=0.0)
+    assembler.ingest(
+        decode_step(frame, assembler.spec_for, max_bytes=2**20),
+        current_policy_version=version,
+        now=0.0,
+    )
 
 
 @pytest.mark.parametrize(
@@ -418,7 +501,9 @@ def test_impossible_values_are_rejected_on_the_learner_path_and_break_the_segmen
     check_rows(buffers[0], msg, 0, [0, 1])
 
 
-def test_bootstrap_value_on_a_truncated_row_is_accepted(assembler: RolloutAssembler, buffers: list[RolloutBuffer]) -> None:
+def test_bootstrap_value_on_a_truncated_row_is_accepted(
+    assembler: RolloutAssembler, buffers: list[RolloutBuffer]
+) -> None:
     assembler.join("a", "a-1", spec(2), hostname="h", now=0.0)
     learner_path(assembler, message("a", "a-1", 0, 2, dones=[True, False], truncated=[True, False]))
     assert buffers[0].bootstrap_values[0, :2].tolist() == [7.0, 0.0]
@@ -473,13 +558,19 @@ def test_a_write_whose_rows_disagree_with_the_buffer_is_rejected_and_discards_th
     with pytest.raises(StepRejected) as caught:
         send(assembler, message("b", "b-1", 1, 2))
     assert caught.value.reason == "schema" and "step_index=1" in caught.value.detail
-    assert buffers[0].column_steps[columns].tolist() == [0, 0] and assembler.actors["b"].segment is None
+    assert (
+        buffers[0].column_steps[columns].tolist() == [0, 0]
+        and assembler.actors["b"].segment is None
+    )
 
 
 # ----------------------------------------------------------------- over-subscription (issue 11)
 def _decode_written(buffer: RolloutBuffer) -> list[list[tuple[int, int, int]]]:
     """Per column, the (actor code, seq, env) of each row, decoded from :func:`message`'s numbers."""
-    values, rewards = buffer.field("values").astype(np.float64), buffer.field("rewards").astype(np.float64)
+    values, rewards = (
+        buffer.field("values").astype(np.float64),
+        buffer.field("rewards").astype(np.float64),
+    )
     columns = []
     for column in range(buffer.num_envs):
         rows = []
@@ -520,7 +611,9 @@ def test_an_over_subscribed_learner_holds_steps_instead_of_dropping_them(
         while (rollout := assembler.take_full_rollout()) is not None:
             for rows in _decode_written(rollout.buffer):
                 a, first_seq, env = rows[0]
-                assert rows == [(a, first_seq + t, env) for t in range(T)], rows  # one actor's env, consecutive
+                assert rows == [(a, first_seq + t, env) for t in range(T)], (
+                    rows
+                )  # one actor's env, consecutive
                 assert not seen.intersection(rows)
                 seen.update(rows)
             training.append((rollout.slot, round_ + train_rounds))
@@ -565,19 +658,24 @@ def test_a_held_backlog_keeps_one_segment_plus_the_slack_and_drops_the_oldest(
     assembler.take_full_rollout()
     assembler.release(0)
     assert assembler.pending_rows == capacity - T  # the rest waits for the next free columns
-    for row, msg in enumerate(late[2:2 + T]):  # the oldest T kept, consecutive from row 0
+    for row, msg in enumerate(late[2 : 2 + T]):  # the oldest T kept, consecutive from row 0
         check_rows(buffers[0], msg, row, list(range(6)))
     assert assembler.states[0] is SlotState.FULL
 
 
-def test_held_steps_that_would_train_too_old_are_dropped_at_release(buffers: list[RolloutBuffer]) -> None:
+def test_held_steps_that_would_train_too_old_are_dropped_at_release(
+    buffers: list[RolloutBuffer],
+) -> None:
     """With max_policy_lag 1 and 2 buffers, a buffer filled after a release to version v trains at
     v + 1 at the earliest: held steps acted before v are dropped, newer ones written."""
     assembler = RolloutAssembler(buffers, actor_timeout_s=TIMEOUT_S, max_policy_lag=1)
     assembler.join("a", "a-1", spec(6), hostname="h", now=0.0)
     fill_segment(assembler, "a", "a-1", 6)
     fill_segment(assembler, "a", "a-1", 6, first_seq=T)
-    old, new = message("a", "a-1", 2 * T, 6, version=0), message("a", "a-1", 2 * T + 1, 6, version=1)
+    old, new = (
+        message("a", "a-1", 2 * T, 6, version=0),
+        message("a", "a-1", 2 * T + 1, 6, version=1),
+    )
     send(assembler, old, version=1)
     send(assembler, new, version=1)
     assert assembler.pending_rows == 2
@@ -589,7 +687,9 @@ def test_held_steps_that_would_train_too_old_are_dropped_at_release(buffers: lis
     check_rows(buffers[0], new, 0, list(range(6)))
 
 
-def test_a_step_that_waited_in_the_sockets_does_not_start_a_stale_segment(buffers: list[RolloutBuffer]) -> None:
+def test_a_step_that_waited_in_the_sockets_does_not_start_a_stale_segment(
+    buffers: list[RolloutBuffer],
+) -> None:
     """A step acted by version 0 that reaches the learner only after version 2 is published (it
     waited in the sockets while both buffers were busy) and finds free columns only in the newer
     buffer, which trains at version 3: it is dropped as stale, and the actor's next step (version 2)

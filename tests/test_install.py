@@ -22,7 +22,9 @@ TEST_TOOLS = {"pytest", "pytest-timeout", "hypothesis"}
 
 def install_steps(venv: Path, *args: str) -> list[str]:
     """The install commands ``./run.sh ARGS`` would run for the venv at ``venv`` (printed, not run)."""
-    assert "OAKEMU_INSTALL_DRY_RUN" in RUN_SH.read_text(), "run.sh has no dry run: it would install for real"
+    assert "OAKEMU_INSTALL_DRY_RUN" in RUN_SH.read_text(), (
+        "run.sh has no dry run: it would install for real"
+    )
     env = {key: value for key, value in os.environ.items() if not key.startswith("OAKEMU_")}
     env |= {"OAKEMU_VENV": str(venv), "OAKEMU_INSTALL_DRY_RUN": "1"}
     done = subprocess.run([str(RUN_SH), *args], env=env, capture_output=True, text=True, timeout=60)
@@ -41,10 +43,15 @@ def test_a_fresh_machine_gets_the_presets_extra_and_no_test_tools(tmp_path: Path
     steps = install_steps(venv, "train", "--preset", "airstriker")
     assert extras_installed(steps) == ["presets"], steps
     assert any("torch" in step for step in steps) and not venv.exists()
-    assert extras_installed(install_steps(venv, "test")) == ["presets", "dev"]  # the test tools on top
+    assert extras_installed(install_steps(venv, "test")) == [
+        "presets",
+        "dev",
+    ]  # the test tools on top
 
 
-def test_the_test_tools_come_on_the_first_test_run_and_installs_rerun_after_pyproject_changes(tmp_path: Path) -> None:
+def test_the_test_tools_come_on_the_first_test_run_and_installs_rerun_after_pyproject_changes(
+    tmp_path: Path,
+) -> None:
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     for name in ("oakemu", "python"):
@@ -58,11 +65,15 @@ def test_the_test_tools_come_on_the_first_test_run_and_installs_rerun_after_pypr
     older = (REPO_ROOT / "pyproject.toml").stat().st_mtime - 10
     os.utime(main, (older, older))  # pyproject.toml changed since the main install
     steps = install_steps(venv, "train")
-    assert extras_installed(steps) == ["presets"] and not any("venv" in step.split()[:3] for step in steps), steps
+    assert extras_installed(steps) == ["presets"] and not any(
+        "venv" in step.split()[:3] for step in steps
+    ), steps
 
 
 def _extras() -> dict[str, list[str]]:
-    return tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    return tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
 
 
 def _name(requirement: str) -> str:
@@ -74,7 +85,7 @@ def distributions(extra: str) -> set[str]:
     names: set[str] = set()
     for requirement in _extras()[extra]:
         if requirement.startswith("oakemu-rl["):
-            for inner in requirement[len("oakemu-rl["):requirement.index("]")].split(","):
+            for inner in requirement[len("oakemu-rl[") : requirement.index("]")].split(","):
                 names |= distributions(inner.strip())
         else:
             names.add(_name(requirement))
@@ -90,7 +101,9 @@ def needed_by(env_id: str) -> set[str]:
         return video  # ale-py is a core dependency; it renders its own frames
     if env_id.startswith("LunarLander"):
         return video | {"box2d", "pygame"}
-    return video | {"pygame"}  # Gymnasium's classic-control and toy-text envs draw their frames with pygame
+    return video | {
+        "pygame"
+    }  # Gymnasium's classic-control and toy-text envs draw their frames with pygame
 
 
 @pytest.mark.parametrize("name", preset_names())
@@ -109,6 +122,8 @@ def test_the_presets_extra_has_no_test_tools_and_dev_has_presets_and_the_tested_
 
 def test_ci_installs_through_run_sh_test_and_the_readme_has_no_manual_install_step() -> None:
     ci = (REPO_ROOT / ".ci" / "run").read_text()
-    assert re.search(r"^\./run\.sh test ", ci, flags=re.MULTILINE), "CI must install the dev extra via ./run.sh test"
+    assert re.search(r"^\./run\.sh test ", ci, flags=re.MULTILINE), (
+        "CI must install the dev extra via ./run.sh test"
+    )
     readme = (REPO_ROOT / "README.md").read_text()
     assert "gymnasium[box2d]" not in readme

@@ -18,11 +18,15 @@ from typing import Any
 import pytest
 import yaml
 
-kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (dev extra)")
+kubernetes_validate = pytest.importorskip(
+    "kubernetes_validate", reason="pip install kubernetes-validate (dev extra)"
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 K8S_DIR = REPO_ROOT / "deploy" / "kubernetes"
-KUBERNETES_VERSION = "1.30.0"  # validate against an older API release than the newest, as clusters lag
+KUBERNETES_VERSION = (
+    "1.30.0"  # validate against an older API release than the newest, as clusters lag
+)
 LEARNER_PORTS = {"data": 5555, "control": 5556, "weights": 5557, "telemetry": 5558, "metrics": 9100}
 ATARI_OBSERVATION_BYTES = 4 * 84 * 84
 ROW_BYTES_BESIDES_OBSERVATION = 50  # deploy/README.md, "Sizing shm_size"
@@ -62,15 +66,29 @@ def quantity_bytes(text: str) -> int:
     """A Kubernetes memory quantity (``256Mi``, ``4Gi``, ``500M``, bytes) in bytes."""
     match = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti|k|M|G|T)?", str(text))
     assert match, f"not a memory quantity: {text!r}"
-    factor = {None: 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9,
-              "T": 10**12}[match.group(2)]
+    factor = {
+        None: 1,
+        "Ki": 2**10,
+        "Mi": 2**20,
+        "Gi": 2**30,
+        "Ti": 2**40,
+        "k": 10**3,
+        "M": 10**6,
+        "G": 10**9,
+        "T": 10**12,
+    }[match.group(2)]
     return int(match.group(1)) * factor
 
 
 def test_every_manifest_file_is_valid_against_the_kubernetes_schemas() -> None:
     files = manifest_files()
-    assert {f.name for f in files} >= {"learner-service.yaml", "learner-statefulset.yaml", "actor-deployment.yaml",
-                                       "actor-hpa.yaml", "monitor-pod.yaml"}
+    assert {f.name for f in files} >= {
+        "learner-service.yaml",
+        "learner-statefulset.yaml",
+        "actor-deployment.yaml",
+        "actor-hpa.yaml",
+        "monitor-pod.yaml",
+    }
     for path in files:
         for document in yaml.safe_load_all(path.read_text()):
             if document:
@@ -105,7 +123,10 @@ def test_rendered_kustomization_is_valid_and_fits_together(overlay: str) -> None
     assert learner["spec"]["replicas"] == 1
     assert learner["spec"]["serviceName"] == service["metadata"]["name"]
     assert service["spec"]["clusterIP"] == "None"
-    assert service["spec"]["selector"].items() <= learner["spec"]["template"]["metadata"]["labels"].items()
+    assert (
+        service["spec"]["selector"].items()
+        <= learner["spec"]["template"]["metadata"]["labels"].items()
+    )
     assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == LEARNER_PORTS
     pod = learner["spec"]["template"]["spec"]
     [container] = pod["containers"]
@@ -121,7 +142,9 @@ def test_rendered_kustomization_is_valid_and_fits_together(overlay: str) -> None
     # inside the container's memory limit (a memory-backed emptyDir counts against it).
     [shm] = [v for v in pod["volumes"] if v["name"] == "dshm"]
     assert mounts["dshm"] == "/dev/shm" and shm["emptyDir"]["medium"] == "Memory"
-    assert settings["OAKEMU_ENV_ID"].startswith("ALE/"), "the sizing below assumes Atari observations"
+    assert settings["OAKEMU_ENV_ID"].startswith("ALE/"), (
+        "the sizing below assumes Atari observations"
+    )
     t, n = int(settings["OAKEMU_ROLLOUT_LENGTH"]), int(settings["OAKEMU_NUM_ENVS"])
     required = 2 * t * n * (ATARI_OBSERVATION_BYTES + ROW_BYTES_BESIDES_OBSERVATION) + 16 * n + 48
     size_limit = quantity_bytes(shm["emptyDir"]["sizeLimit"])
@@ -133,15 +156,20 @@ def test_rendered_kustomization_is_valid_and_fits_together(overlay: str) -> None
     for workload in (pod, actor_pod):
         for c in workload["containers"]:
             assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
-            assert [ref["configMapRef"]["name"] for ref in c["envFrom"]] == [config["metadata"]["name"]]
+            assert [ref["configMapRef"]["name"] for ref in c["envFrom"]] == [
+                config["metadata"]["name"]
+            ]
     assert settings["OAKEMU_LEARNER_HOST"] == service["metadata"]["name"]
     assert settings["OAKEMU_LOG_FORMAT"] in ("plain", "json")
     assert actors["spec"]["replicas"] >= 1
 
     if overlay == "autoscale":
         [hpa] = kinds["HorizontalPodAutoscaler"]
-        assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
-                                                 "name": actors["metadata"]["name"]}
+        assert hpa["spec"]["scaleTargetRef"] == {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "name": actors["metadata"]["name"],
+        }
         assert hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
     else:
         assert "HorizontalPodAutoscaler" not in kinds

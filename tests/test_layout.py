@@ -65,6 +65,37 @@ CYCLE_EXCEPTIONS: dict[frozenset[str], str] = {
 SIZE_EXCEPTIONS: dict[str, str] = {
     # "path" (a module) or "path::qualname" (a class or function) -> why it may be over its limit.
     # -- TO GO: split by the redesign under way (one concept per module; services keep process loops).
+    "oakemu_core/algo/learner.py": "TO GO: module of 739 lines (limit 700) once formatted; split by concept",
+    "oakemu_core/algo/learner.py::PPOLearner": "TO GO: class of 474 lines (limit 400) once formatted; split by concept",
+    "oakemu_core/algo/ppo.py": "TO GO: module of 756 lines (limit 700) once formatted; split by concept",
+    "oakemu_core/algo/ppo.py::PPOUpdater.step": "TO GO: function of 96 lines (limit 80) once formatted; split by concept",
+    "oakemu_core/algo/ppo.py::PPOUpdater": "TO GO: class of 415 lines (limit 400) once formatted; split by concept",
+    "oakemu_core/algo/recording.py::record_dataset": "TO GO: function of 94 lines (limit 80) once formatted; split by concept",
+    "oakemu_core/config.py": "TO GO: module of 841 lines (limit 700) once formatted; split by concept",
+    "oakemu_core/config.py::OakEmuConfig": "TO GO: class of 519 lines (limit 400) once formatted; split by concept",
+    "oakemu_core/envs/emulators/__init__.py::make_emulator_env": "TO GO: function of 86 lines (limit 80) once formatted; split by concept",
+    "oakemu_core/envs/factory.py::make_vector_env": "TO GO: function of 95 lines (limit 80) once formatted; split by concept",
+    "oakemu_core/run/run_folder.py": "TO GO: module of 796 lines (limit 700) once formatted; split by concept",
+    "oakemu_core/run/run_folder.py::check_resume_folder": "TO GO: function of 98 lines (limit 80) once formatted; split by concept",
+    "oakemu_core/run/telemetry.py": "TO GO: module of 704 lines (limit 700) once formatted; split by concept",
+    "oakemu_core/run/tester.py::Tester.__init__": "TO GO: function of 88 lines (limit 80) once formatted; split by concept",
+    "oakemu_core/run/tester.py::Tester": "TO GO: class of 443 lines (limit 400) once formatted; split by concept",
+    "oakemu_core/step_schema.py": "TO GO: module of 846 lines (limit 700) once formatted; split by concept",
+    "oakemu_core/step_schema.py::build_schema": "TO GO: function of 107 lines (limit 80) once formatted; split by concept",
+    "oakemu_core/storage/assembler.py": "TO GO: module of 721 lines (limit 700) once formatted; split by concept",
+    "oakemu_core/storage/assembler.py::RolloutAssembler": "TO GO: class of 483 lines (limit 400) once formatted; split by concept",
+    "oakemu_core/storage/rollout_buffer.py::RolloutBuffer.add": "TO GO: function of 81 lines (limit 80) once formatted; split by concept",
+    "oakemu_core/storage/rollout_buffer.py::RolloutBuffer": "TO GO: class of 464 lines (limit 400) once formatted; split by concept",
+    "oakemu_core/transport/control.py": "TO GO: module of 712 lines (limit 700) once formatted; split by concept",
+    "oakemu_core/transport/control_server.py::ControlServer": "TO GO: class of 481 lines (limit 400) once formatted; split by concept",
+    "oakemu_core/transport/steps.py::decode_step": "TO GO: function of 95 lines (limit 80) once formatted; split by concept",
+    "services/actor.py::Actor": "TO GO: class of 484 lines (limit 400) once formatted; split by concept",
+    "services/learner.py": "TO GO: module of 832 lines (limit 700) once formatted; split by concept",
+    "services/learner.py::Learner._build": "TO GO: function of 118 lines (limit 80) once formatted; split by concept",
+    "services/learner.py::Learner.run": "TO GO: function of 93 lines (limit 80) once formatted; split by concept",
+    "services/learner.py::Learner": "TO GO: class of 556 lines (limit 400) once formatted; split by concept",
+    "services/monitor.py::render_snapshot": "TO GO: function of 107 lines (limit 80) once formatted; split by concept",
+    "services/train.py::main": "TO GO: function of 103 lines (limit 80) once formatted; split by concept",
 }
 
 
@@ -93,14 +124,22 @@ def read_modules() -> dict[str, Module]:
             if is_package:
                 parts.pop()
             name = ".".join(parts)
-            modules[name] = Module(name, path, is_package, ast.parse(path.read_text(encoding="utf-8"), str(path)))
+            modules[name] = Module(
+                name, path, is_package, ast.parse(path.read_text(encoding="utf-8"), str(path))
+            )
     return modules
 
 
 def room(module: str) -> str:
     """The layer name of a module of :data:`PACKAGES` (fails for a room not in :data:`LAYERS`)."""
     parts = module.split(".")
-    found = "services" if parts[0] == "oakemu_services" else parts[1] if len(parts) > 1 else "oakemu_core"
+    found = (
+        "services"
+        if parts[0] == "oakemu_services"
+        else parts[1]
+        if len(parts) > 1
+        else "oakemu_core"
+    )
     assert found in LAYER, f"{module}: '{found}' is in no layer of LAYERS; place it there"
     return found
 
@@ -108,7 +147,8 @@ def room(module: str) -> str:
 # ------------------------------------------------------------------------------- imports
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _import_nodes(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
@@ -161,8 +201,12 @@ def import_graph(modules: dict[str, Module]) -> dict[str, set[str]]:
 
 def upward_imports(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
     """``(importer, imported)`` pairs where the imported module's layer is above the importer's."""
-    return {(source, target) for source, targets in graph.items() for target in targets
-            if LAYER[room(target)] > LAYER[room(source)]}
+    return {
+        (source, target)
+        for source, targets in graph.items()
+        for target in targets
+        if LAYER[room(target)] > LAYER[room(source)]
+    }
 
 
 def import_cycles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
@@ -239,7 +283,9 @@ def oversized(modules: dict[str, Module]) -> dict[str, str]:
         if lines > MAX_MODULE_LINES:
             found[module.relative_path] = f"module of {lines} lines (limit {MAX_MODULE_LINES})"
         for qualname, kind, size in _oversized_definitions(module.tree, ""):
-            found[f"{module.relative_path}::{qualname}"] = f"{kind} of {size} lines (limit {limits[kind]})"
+            found[f"{module.relative_path}::{qualname}"] = (
+                f"{kind} of {size} lines (limit {limits[kind]})"
+            )
     return found
 
 
@@ -255,35 +301,55 @@ def _listing(items: dict) -> str:
 
 def test_no_new_upward_import(modules: dict[str, Module]) -> None:
     upward = upward_imports(import_graph(modules))
-    new = {edge: f"{room(edge[1])} is above {room(edge[0])}" for edge in upward - set(UPWARD_IMPORT_EXCEPTIONS)}
-    assert not new, ("runtime imports from a lower layer to a higher one (move the code down, invert the "
-                     "dependency, or import under `if TYPE_CHECKING:` for annotations):\n" + _listing(new))
+    new = {
+        edge: f"{room(edge[1])} is above {room(edge[0])}"
+        for edge in upward - set(UPWARD_IMPORT_EXCEPTIONS)
+    }
+    assert not new, (
+        "runtime imports from a lower layer to a higher one (move the code down, invert the "
+        "dependency, or import under `if TYPE_CHECKING:` for annotations):\n" + _listing(new)
+    )
 
 
 def test_no_new_import_cycle(modules: dict[str, Module]) -> None:
-    new = {cycle: "an import cycle" for cycle in import_cycles(import_graph(modules)) - set(CYCLE_EXCEPTIONS)}
+    new = {
+        cycle: "an import cycle"
+        for cycle in import_cycles(import_graph(modules)) - set(CYCLE_EXCEPTIONS)
+    }
     assert not new, "modules that import each other (directly or round a cycle):\n" + _listing(
-        {", ".join(sorted(cycle)): why for cycle, why in new.items()})
+        {", ".join(sorted(cycle)): why for cycle, why in new.items()}
+    )
 
 
 def test_no_new_oversized_module_class_or_function(modules: dict[str, Module]) -> None:
     new = {key: what for key, what in oversized(modules).items() if key not in SIZE_EXCEPTIONS}
-    assert not new, "over the size limits (split it, or list it in SIZE_EXCEPTIONS with a reason):\n" + _listing(new)
+    assert not new, (
+        "over the size limits (split it, or list it in SIZE_EXCEPTIONS with a reason):\n"
+        + _listing(new)
+    )
 
 
 def test_every_exception_is_still_needed(modules: dict[str, Module]) -> None:
     graph = import_graph(modules)
     stale = {
-        **{f"UPWARD_IMPORT_EXCEPTIONS {edge}": "no such import now"
-           for edge in set(UPWARD_IMPORT_EXCEPTIONS) - upward_imports(graph)},
-        **{f"CYCLE_EXCEPTIONS {sorted(cycle)}": "no such cycle now"
-           for cycle in set(CYCLE_EXCEPTIONS) - import_cycles(graph)},
-        **{f"SIZE_EXCEPTIONS {key!r}": "within its limit now, or gone"
-           for key in set(SIZE_EXCEPTIONS) - set(oversized(modules))},
+        **{
+            f"UPWARD_IMPORT_EXCEPTIONS {edge}": "no such import now"
+            for edge in set(UPWARD_IMPORT_EXCEPTIONS) - upward_imports(graph)
+        },
+        **{
+            f"CYCLE_EXCEPTIONS {sorted(cycle)}": "no such cycle now"
+            for cycle in set(CYCLE_EXCEPTIONS) - import_cycles(graph)
+        },
+        **{
+            f"SIZE_EXCEPTIONS {key!r}": "within its limit now, or gone"
+            for key in set(SIZE_EXCEPTIONS) - set(oversized(modules))
+        },
     }
     assert not stale, "exceptions nothing needs any more (delete them):\n" + _listing(stale)
 
 
 def test_every_exception_has_a_reason() -> None:
     tables = (UPWARD_IMPORT_EXCEPTIONS, CYCLE_EXCEPTIONS, SIZE_EXCEPTIONS)
-    assert all(reason.strip() and "\n" not in reason for table in tables for reason in table.values())
+    assert all(
+        reason.strip() and "\n" not in reason for table in tables for reason in table.values()
+    )

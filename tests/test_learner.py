@@ -16,10 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from oakemu_core.run.checkpoint import CheckpointWriter, load_checkpoint, save_run_checkpoint
-from oakemu_core.policy.distributions import distribution_for_env
-from oakemu_core.envs import make_vector_env
-from oakemu_core.storage.assembler import FullRollout
+from oakemu_core.actor.stepper import PolicyStepper
 from oakemu_core.algo.handshake import RolloutHandshake, TrainResult, WeightsRevision
 from oakemu_core.algo.health import CheckpointPolicy, HealthMonitor, RunCollapsedError
 from oakemu_core.algo.learner import (
@@ -29,11 +26,14 @@ from oakemu_core.algo.learner import (
     RuntimeContext,
     ThreadSafeModel,
 )
-from oakemu_core.policy.models import build_model
 from oakemu_core.algo.ppo import LinearSchedule
-from oakemu_core.storage.rollout_buffer import RolloutBuffer
+from oakemu_core.envs import make_vector_env
+from oakemu_core.policy.distributions import distribution_for_env
+from oakemu_core.policy.models import build_model
 from oakemu_core.policy.schemas import schema_for_env
-from oakemu_core.actor.stepper import PolicyStepper
+from oakemu_core.run.checkpoint import CheckpointWriter, load_checkpoint, save_run_checkpoint
+from oakemu_core.storage.assembler import FullRollout
+from oakemu_core.storage.rollout_buffer import RolloutBuffer
 
 T, N = 32, 4
 
@@ -62,9 +62,15 @@ def fill(buffer: RolloutBuffer, stepper: PolicyStepper, version: int) -> FullRol
     stepper.policy_version = version
     for _ in range(T):
         row = stepper.step()
-        row.buffers.add_to_rollout_buffer(buffer, policy_version=row.policy_version, policy_revision=row.policy_revision)
-    return FullRollout(slot=0, buffer=buffer, last_values=row.next_values.copy(),
-                       last_dones=row.buffers.dones.copy())
+        row.buffers.add_to_rollout_buffer(
+            buffer, policy_version=row.policy_version, policy_revision=row.policy_revision
+        )
+    return FullRollout(
+        slot=0,
+        buffer=buffer,
+        last_values=row.next_values.copy(),
+        last_dones=row.buffers.dones.copy(),
+    )
 
 
 def make_learner(model, buffer, config: PPOExperimentConfiguration, **revisions) -> PPOLearner:
@@ -74,13 +80,23 @@ def make_learner(model, buffer, config: PPOExperimentConfiguration, **revisions)
     learner_model = ThreadSafeModel(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-5)
     lr_schedule = LinearSchedule(1e-3, 0.0, 100)
-    return PPOLearner(context, learner_model, buffer, optimizer, lr_schedule, action_mask=None, bc_sampler=None,
-                      **revisions)
+    return PPOLearner(
+        context,
+        learner_model,
+        buffer,
+        optimizer,
+        lr_schedule,
+        action_mask=None,
+        bc_sampler=None,
+        **revisions,
+    )
 
 
 def test_seed_002_calls_as_written(cartpole) -> None:
     env, _schema, buffer, model = cartpole
-    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=4, ppo_epochs=2))
+    learner = make_learner(
+        model, buffer, PPOExperimentConfiguration(num_minibatches=4, ppo_epochs=2)
+    )
     assert learner.iterations == 0 and learner.rollouts_collected == 0
     stepper = PolicyStepper(env, model)
     rollout = fill(buffer, stepper, learner.policy_version)
@@ -89,22 +105,30 @@ def test_seed_002_calls_as_written(cartpole) -> None:
     learner.step(actor_steps=T * N)
     assert learner.iterations == 1 and learner.rollouts_collected == 1
     assert learner.policy_version == 1
-    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items()), "the update changed nothing"
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items()), (
+        "the update changed nothing"
+    )
 
     state = learner.state()
-    fresh = make_learner(build_model(env.spec.observation_layout, distribution_for_env(env.spec)), buffer,
-                         PPOExperimentConfiguration())
+    fresh = make_learner(
+        build_model(env.spec.observation_layout, distribution_for_env(env.spec)),
+        buffer,
+        PPOExperimentConfiguration(),
+    )
     fresh.restore_state(PPOLearnerRuntimeState.from_dict(state.to_dict()))
     assert (fresh.iterations, fresh.rollouts_collected, fresh.policy_version) == (1, 1, 1)
 
 
 def test_run_trains_published_rollouts_and_stops(cartpole, tmp_path: Path) -> None:
     env, _schema, buffer, model = cartpole
-    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1))
+    learner = make_learner(
+        model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1)
+    )
     stepper = PolicyStepper(env, model)
     handshake = RolloutHandshake()
-    policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_numbered,
-                              every_updates=2)
+    policy = CheckpointPolicy(
+        tmp_path, state_fn=learner.checkpoint_state, save_fn=save_numbered, every_updates=2
+    )
     stop_event = threading.Event()
     thread = threading.Thread(target=learner.run, args=(stop_event, lambda: 123, handshake, policy))
     thread.start()
@@ -117,8 +141,14 @@ def test_run_trains_published_rollouts_and_stops(cartpole, tmp_path: Path) -> No
             while not results:
                 results = handshake.results()
             (result,) = results
-            assert result.slot == 0 and result.policy_version == update + 1 and result.stats is not None
-            assert result.trained_env_steps == (update + 1) * T * N  # the budget's count: every row, none stale
+            assert (
+                result.slot == 0
+                and result.policy_version == update + 1
+                and result.stats is not None
+            )
+            assert (
+                result.trained_env_steps == (update + 1) * T * N
+            )  # the budget's count: every row, none stale
             assert not handshake.busy
             assert set(result.weights) == set(model.state_dict())
     finally:
@@ -130,16 +160,24 @@ def test_run_trains_published_rollouts_and_stops(cartpole, tmp_path: Path) -> No
     assert (tmp_path / "checkpoints" / "checkpoint_00000002.pt").is_file()  # every 2 updates
 
 
-def test_only_the_final_checkpoint_save_counts_as_the_final_checkpoint(cartpole, tmp_path: Path) -> None:
+def test_only_the_final_checkpoint_save_counts_as_the_final_checkpoint(
+    cartpole, tmp_path: Path
+) -> None:
     """Periodic checkpoints (every update here), even one written after the stop was asked for, leave
     CheckpointWriter.final_saved None; the save the stopped trainer makes (policy.final) sets it."""
     env, _schema, buffer, model = cartpole
-    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1))
+    learner = make_learner(
+        model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1)
+    )
     stepper = PolicyStepper(env, model)
     handshake = RolloutHandshake()
     writer = CheckpointWriter(tmp_path, keep_last=None)
-    policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, every_updates=1,
-                              save_fn=lambda _run_dir, update, state, final: writer.save(update, state, final=final))
+    policy = CheckpointPolicy(
+        tmp_path,
+        state_fn=learner.checkpoint_state,
+        every_updates=1,
+        save_fn=lambda _run_dir, update, state, final: writer.save(update, state, final=final),
+    )
     with running(learner, handshake, policy):
         for _ in range(2):
             with learner.learner_model.locked():
@@ -149,14 +187,20 @@ def test_only_the_final_checkpoint_save_counts_as_the_final_checkpoint(cartpole,
                 pass
         assert writer.last_saved == tmp_path / "checkpoints" / "checkpoint_00000002.pt"
         assert writer.final_saved is None
-    assert writer.final_saved == writer.last_saved == tmp_path / "checkpoints" / "checkpoint_00000002.pt"
+    assert (
+        writer.final_saved
+        == writer.last_saved
+        == tmp_path / "checkpoints" / "checkpoint_00000002.pt"
+    )
 
 
 def test_rows_too_stale_to_train_never_count_as_trained_env_steps(cartpole, tmp_path: Path) -> None:
     """A rollout acted by a policy more than max_policy_lag versions old trains nothing: the run's budget
     (trained env steps) does not move, and the count survives a checkpoint."""
     env, _schema, buffer, model = cartpole
-    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1, max_policy_lag=1))
+    learner = make_learner(
+        model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1, max_policy_lag=1)
+    )
     stepper = PolicyStepper(env, model)
     handshake = RolloutHandshake()
     policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_numbered)
@@ -177,12 +221,18 @@ def test_rows_too_stale_to_train_never_count_as_trained_env_steps(cartpole, tmp_
     assert trained == [T * N, 2 * T * N, 2 * T * N + N]
     restored = PPOLearnerRuntimeState.from_dict(learner.state().to_dict())
     assert restored.trained_env_steps == 2 * T * N + N
-    assert PPOLearnerRuntimeState.from_dict({"iterations": 1, "rollouts_collected": 1,
-                                             "policy_version": 1}).trained_env_steps is None  # an older checkpoint
+    assert (
+        PPOLearnerRuntimeState.from_dict(
+            {"iterations": 1, "rollouts_collected": 1, "policy_version": 1}
+        ).trained_env_steps
+        is None
+    )  # an older checkpoint
 
 
 @contextmanager
-def running(learner: PPOLearner, handshake: RolloutHandshake, policy: CheckpointPolicy) -> Iterator[threading.Thread]:
+def running(
+    learner: PPOLearner, handshake: RolloutHandshake, policy: CheckpointPolicy
+) -> Iterator[threading.Thread]:
     """``learner.run`` in a thread of its own while the block runs (global step 123); stopped and
     joined (10 s at most) when it ends."""
     stop_event = threading.Event()
@@ -200,11 +250,14 @@ def test_run_writes_the_final_checkpoint_when_it_stops(cartpole, tmp_path: Path)
     run folder holds the final checkpoint once run() returns, and a last result (no slot) is handed
     back after the update's."""
     env, _schema, buffer, model = cartpole
-    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1))
+    learner = make_learner(
+        model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1)
+    )
     stepper = PolicyStepper(env, model)
     handshake = RolloutHandshake()
-    no_periodic = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_numbered,
-                                   every_updates=0)
+    no_periodic = CheckpointPolicy(
+        tmp_path, state_fn=learner.checkpoint_state, save_fn=save_numbered, every_updates=0
+    )
     with running(learner, handshake, no_periodic) as thread:
         with learner.learner_model.locked():
             handshake.publish(fill(buffer, stepper, learner.policy_version))
@@ -212,7 +265,9 @@ def test_run_writes_the_final_checkpoint_when_it_stops(cartpole, tmp_path: Path)
             pass
         assert not list(tmp_path.glob("checkpoints/*.pt")), "no periodic checkpoint"
     assert not thread.is_alive()
-    assert [p.name for p in tmp_path.glob("checkpoints/checkpoint_*.pt")] == ["checkpoint_00000001.pt"]
+    assert [p.name for p in tmp_path.glob("checkpoints/checkpoint_*.pt")] == [
+        "checkpoint_00000001.pt"
+    ]
     state = load_checkpoint(tmp_path / "checkpoints" / "latest.pt")
     assert state["ppo"]["iterations"] == 1 and state["ppo"]["policy_version"] == 1
     (final,) = handshake.results()
@@ -246,9 +301,14 @@ def test_weights_within_an_update_come_before_its_result(cartpole, tmp_path: Pat
     epochs 1 and 2 as revisions of the version in training, then its result; busy until the result."""
     env, _schema, buffer, model = cartpole
     handshake = RolloutHandshake()
-    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=3),
-                           revision_sink=lambda version, revision, weights: handshake.complete(
-                               WeightsRevision(version, revision, weights)))
+    learner = make_learner(
+        model,
+        buffer,
+        PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=3),
+        revision_sink=lambda version, revision, weights: handshake.complete(
+            WeightsRevision(version, revision, weights)
+        ),
+    )
     stepper = PolicyStepper(env, model)
     policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_numbered)
     stop_event = threading.Event()
@@ -267,9 +327,14 @@ def test_weights_within_an_update_come_before_its_result(cartpole, tmp_path: Pat
             *revisions, result = received
             assert [(r.policy_version, r.revision) for r in revisions] == [(update, 1), (update, 2)]
             assert result.policy_version == update + 1 and not handshake.busy
-            for older, newer in zip([before, *[r.weights for r in revisions]], [*[r.weights for r in revisions], result.weights]):
+            for older, newer in zip(
+                [before, *[r.weights for r in revisions]],
+                [*[r.weights for r in revisions], result.weights],
+            ):
                 assert set(newer) == set(before)
-                assert any(not np.array_equal(older[k], newer[k]) for k in before), "each epoch moves the weights"
+                assert any(not np.array_equal(older[k], newer[k]) for k in before), (
+                    "each epoch moves the weights"
+                )
     finally:
         stop_event.set()
         thread.join(10)
@@ -279,9 +344,13 @@ def test_weights_within_an_update_come_before_its_result(cartpole, tmp_path: Pat
     # (1, 2) at 10 and (2, 0) at 12, now. Version 0 itself was never published by an update:
     # 2 versions x 6 nominal SGD steps.
     assert learner.sgd_steps == 12 and learner.policy_version == 2
-    lag = learner.lag_in_sgd_steps(np.array([[1, 1, 0], [0, 2, 0]]), np.array([[0, 2, 1], [1, 0, 0]]))
+    lag = learner.lag_in_sgd_steps(
+        np.array([[1, 1, 0], [0, 2, 0]]), np.array([[0, 2, 1], [1, 0, 0]])
+    )
     assert lag == {"sgd_min": 0.0, "sgd_mean": (6 + 2 + 10 + 10 + 0 + 12) / 6, "sgd_max": 12.0}
-    assert learner.lag_in_sgd_steps(np.array([1, 2]))["sgd_mean"] == (6 + 0) / 2  # no revisions given: 0
+    assert (
+        learner.lag_in_sgd_steps(np.array([1, 2]))["sgd_mean"] == (6 + 0) / 2
+    )  # no revisions given: 0
     # prepare() reads the rows' revisions: a rollout acted by revision 1 of version 1 (its first row
     # maybe by the bundle chosen before, revision 0).
     stepper.weights_revision = 1
@@ -295,9 +364,13 @@ def test_weights_within_an_update_come_before_its_result(cartpole, tmp_path: Pat
 def test_weights_the_health_check_could_reject_are_not_published_within_an_update(cartpole) -> None:
     _env, _schema, buffer, model = cartpole
     sent: list[tuple[int, int]] = []
-    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=3),
-                           revision_sink=lambda version, revision, weights: sent.append((version, revision)),
-                           revision_max_approx_kl=0.5)
+    learner = make_learner(
+        model,
+        buffer,
+        PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=3),
+        revision_sink=lambda version, revision, weights: sent.append((version, revision)),
+        revision_max_approx_kl=0.5,
+    )
     learner.publish_revision(1, 0.1, 0, 2)
     learner.publish_revision(2, 0.6, 0, 4)  # kept back: the update's health check may roll it back
     learner.publish_revision(2, 0.1, 1, 4)  # a gradient was skipped as non-finite
@@ -313,27 +386,47 @@ def test_revisions_are_published_at_most_once_per_min_sgd_steps(cartpole) -> Non
     passed since the weights last published (a version or a revision)."""
     _env, _schema, buffer, model = cartpole
     sent: list[tuple[int, int]] = []
-    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=5),
-                           revision_sink=lambda version, revision, weights: sent.append((version, revision)),
-                           revision_min_sgd_steps=3)
+    learner = make_learner(
+        model,
+        buffer,
+        PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=5),
+        revision_sink=lambda version, revision, weights: sent.append((version, revision)),
+        revision_min_sgd_steps=3,
+    )
     learner.sgd_ledger.sgd_steps = 10
-    learner.sgd_ledger.note(learner.policy_version, 0, 10)  # the version in training was published at 10
+    learner.sgd_ledger.note(
+        learner.policy_version, 0, 10
+    )  # the version in training was published at 10
     for epochs_done, update_sgd_steps in ((1, 2), (2, 4), (3, 5), (4, 7)):  # at 12, 14, 15, 17
         learner.publish_revision(epochs_done, 0.01, 0, update_sgd_steps)
     version = learner.policy_version
     assert sent == [(version, 2), (version, 4)]  # 14 - 10 = 4 and 17 - 14 = 3; 2 and 1 are too few
-    assert learner.sgd_ledger.published[(version, 2)] == 14 and learner.sgd_ledger.published[(version, 4)] == 17
+    assert (
+        learner.sgd_ledger.published[(version, 2)] == 14
+        and learner.sgd_ledger.published[(version, 4)] == 17
+    )
 
 
 def test_collapse_is_rolled_back_with_a_higher_policy_version(cartpole, tmp_path: Path) -> None:
     env, _schema, buffer, model = cartpole
-    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1))
+    learner = make_learner(
+        model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1)
+    )
     stepper = PolicyStepper(env, model)
-    policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_numbered,
-                              health=HealthMonitor(), every_updates=1, lr_factor=0.5, max_rollbacks=2)
+    policy = CheckpointPolicy(
+        tmp_path,
+        state_fn=learner.checkpoint_state,
+        save_fn=save_numbered,
+        health=HealthMonitor(),
+        every_updates=1,
+        lr_factor=0.5,
+        max_rollbacks=2,
+    )
     rollout = fill(buffer, stepper, learner.policy_version)
     prepared = learner.prepare(rollout)
-    assert policy.after_update(learner, learner.step(0, prepared)) == []  # healthy: checkpoint 1 written
+    assert (
+        policy.after_update(learner, learner.step(0, prepared)) == []
+    )  # healthy: checkpoint 1 written
     good = load_checkpoint(tmp_path / "checkpoints" / "latest.pt")["model"]
 
     # Garbage weights (as a destroyed policy would have): detected after the next update.
@@ -370,12 +463,21 @@ def test_collapse_is_rolled_back_with_a_higher_policy_version(cartpole, tmp_path
         policy.after_update(learner, learner.step(0, prepared))
 
 
-def test_learning_rate_that_destroys_the_policy_is_caught_by_the_kl_check(cartpole, tmp_path: Path) -> None:
+def test_learning_rate_that_destroys_the_policy_is_caught_by_the_kl_check(
+    cartpole, tmp_path: Path
+) -> None:
     env, _schema, buffer, model = cartpole
-    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=4, ppo_epochs=4))
+    learner = make_learner(
+        model, buffer, PPOExperimentConfiguration(num_minibatches=4, ppo_epochs=4)
+    )
     stepper = PolicyStepper(env, model)
-    policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_numbered,
-                              health=HealthMonitor(max_approx_kl=0.5), every_updates=1)
+    policy = CheckpointPolicy(
+        tmp_path,
+        state_fn=learner.checkpoint_state,
+        save_fn=save_numbered,
+        health=HealthMonitor(max_approx_kl=0.5),
+        every_updates=1,
+    )
     prepared = learner.prepare(fill(buffer, stepper, 0))
     policy.after_update(learner, learner.step(0, prepared))
     learner.lr_schedule = None
@@ -394,14 +496,29 @@ def test_evaluation_collapse_rolls_back_to_best(cartpole, tmp_path: Path) -> Non
     from oakemu_core.run.tester import EvaluationReport
 
     def report(mean: float, version: int, weights=None) -> EvaluationReport:
-        return EvaluationReport(policy_version=version, global_step=100 * version, episodes=1, return_mean=mean,
-                                return_std=0.0, length_mean=10.0, returns=(mean,), lengths=(10,), greedy=True,
-                                wall_seconds=0.1, finished_at=0.0, weights=weights)
+        return EvaluationReport(
+            policy_version=version,
+            global_step=100 * version,
+            episodes=1,
+            return_mean=mean,
+            return_std=0.0,
+            length_mean=10.0,
+            returns=(mean,),
+            lengths=(10,),
+            greedy=True,
+            wall_seconds=0.1,
+            finished_at=0.0,
+            weights=weights,
+        )
 
     env, _schema, buffer, model = cartpole
     learner = make_learner(model, buffer, PPOExperimentConfiguration())
-    policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_numbered,
-                              health=HealthMonitor(eval_fraction=0.5, eval_patience=3))
+    policy = CheckpointPolicy(
+        tmp_path,
+        state_fn=learner.checkpoint_state,
+        save_fn=save_numbered,
+        health=HealthMonitor(eval_fraction=0.5, eval_patience=3),
+    )
     policy.after_evaluation(learner, report(10.0, 0, weights_to_arrays(model)))
     best_weights = weights_to_arrays(model)
     notes = policy.after_evaluation(learner, report(200.0, 1, best_weights))
@@ -427,14 +544,18 @@ def test_the_final_evaluation_does_not_submit_the_run_s_first_weights_twice(cart
         def __init__(self) -> None:
             self.submitted: list[int] = []
 
-        def submit(self, version: int, weights: Any, global_step: int, *, keep: bool = False) -> None:
+        def submit(
+            self, version: int, weights: Any, global_step: int, *, keep: bool = False
+        ) -> None:
             self.submitted.append(version)
 
         def drain(self, timeout_s: float) -> list[Any]:
             return []
 
     _env, _schema, buffer, model = cartpole
-    learner = make_learner(model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1))
+    learner = make_learner(
+        model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1)
+    )
     tester = learner.context.tester = RecordingTester()
     learner.submit_to_tester(0, force=True)  # what the learner service does at start
     learner._final_evaluation(0, policy=None)

@@ -41,13 +41,19 @@ def test_exited_reused_and_stopped_processes_are_reported_once(tmp_path: Path) -
     assert processes.watch("a", "i1", 7, "pid:[4026531836]")
     assert processes.watch("b", "i2", 8, "pid:[4026531836]")
     assert processes.watch("c", "i3", 9, "pid:[4026531836]")
-    assert not processes.watch("d", "i4", 7, "pid:[999]"), "another PID namespace: pids mean other processes"
+    assert not processes.watch("d", "i4", 7, "pid:[999]"), (
+        "another PID namespace: pids mean other processes"
+    )
     assert not processes.watch("e", "i5", 11, "pid:[4026531836]"), "no such process"
     assert processes.gone() == []
     (proc / "7" / "stat").unlink()  # exited
     fake_proc(tmp_path, 8, "R", 999)  # pid reused by a newer process
     fake_proc(tmp_path, 9, "T", 300)  # SIGSTOP
-    assert sorted(processes.gone()) == [("a", "i1", "exited"), ("b", "i2", "exited"), ("c", "i3", "stopped")]
+    assert sorted(processes.gone()) == [
+        ("a", "i1", "exited"),
+        ("b", "i2", "exited"),
+        ("c", "i3", "stopped"),
+    ]
     assert processes.gone() == []
 
 

@@ -13,12 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
-
 from oakemu_services.runtime import RetryReporter, resolved_log_format
+
 from tests.e2e_helpers import E2EProcesses, e2e_fixture, new_ports  # noqa: F401
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d{4} (INFO|WARNING|ERROR) oakemu\.test: ")
+LINE = re.compile(
+    r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d{4} (INFO|WARNING|ERROR) oakemu\.test: "
+)
 
 
 def log_in_child(log_format: str) -> list[str]:
@@ -35,8 +37,14 @@ try:
 except ZeroDivisionError:
     log.exception("it failed")
 """
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
-                            timeout=60, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return result.stderr.splitlines()
 
 
@@ -71,10 +79,18 @@ def test_auto_is_rich_on_a_terminal_and_plain_elsewhere() -> None:
     assert resolved_log_format("json", Stream(True)) == "json"
 
 
-def test_retry_reporter_says_whom_it_tries_at_once_and_every_period(caplog: pytest.LogCaptureFixture) -> None:
+def test_retry_reporter_says_whom_it_tries_at_once_and_every_period(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     now = [100.0]
-    reporter = RetryReporter(logging.getLogger("oakemu.test"), "learner", "tcp://learner:5556", give_up_s=120,
-                             period_s=5.0, clock=lambda: now[0])
+    reporter = RetryReporter(
+        logging.getLogger("oakemu.test"),
+        "learner",
+        "tcp://learner:5556",
+        give_up_s=120,
+        period_s=5.0,
+        clock=lambda: now[0],
+    )
     with caplog.at_level(logging.INFO, logger="oakemu.test"):
         for _ in range(13):  # one attempt every 2 s for 24 s
             reporter.attempt()
@@ -84,18 +100,27 @@ def test_retry_reporter_says_whom_it_tries_at_once_and_every_period(caplog: pyte
     assert messages[0] == "connecting to the learner at tcp://learner:5556, giving up after 120 s"
     waits = [m for m in messages if m.startswith("still trying")]
     assert len(waits) == 4, messages  # at 6, 12, 18 and 24 s
-    assert waits[0] == ("still trying to reach the learner at tcp://learner:5556: no answer for 6 s, "
-                        "4 attempts (giving up in 114 s)")
+    assert waits[0] == (
+        "still trying to reach the learner at tcp://learner:5556: no answer for 6 s, "
+        "4 attempts (giving up in 114 s)"
+    )
     assert messages[-1] == "reached the learner at tcp://learner:5556 after 26 s"
 
 
 @pytest.mark.slow
-def test_an_actor_without_a_learner_says_where_it_is_trying(e2e: E2EProcesses, tmp_path: Path) -> None:
+def test_an_actor_without_a_learner_says_where_it_is_trying(
+    e2e: E2EProcesses, tmp_path: Path
+) -> None:
     ports = new_ports()  # nothing listens there
-    actor = e2e.start("actor", ["actor", "--learner-host", "127.0.0.1", "--control-port", str(ports.control)])
+    actor = e2e.start(
+        "actor", ["actor", "--learner-host", "127.0.0.1", "--control-port", str(ports.control)]
+    )
     address = f"tcp://127.0.0.1:{ports.control}"
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and f"still trying to reach the learner at {address}" not in actor.stderr():
+    while (
+        time.monotonic() < deadline
+        and f"still trying to reach the learner at {address}" not in actor.stderr()
+    ):
         time.sleep(0.5)
     log = actor.stderr()
     assert f"connecting to the learner at {address}" in log, actor.describe()
@@ -105,16 +130,34 @@ def test_an_actor_without_a_learner_says_where_it_is_trying(e2e: E2EProcesses, t
 
 
 @pytest.mark.slow
-def test_an_actor_that_loses_its_learner_mid_run_says_so_and_gives_up(e2e: E2EProcesses, tmp_path: Path) -> None:
+def test_an_actor_that_loses_its_learner_mid_run_says_so_and_gives_up(
+    e2e: E2EProcesses, tmp_path: Path
+) -> None:
     """The learner is killed after the actor joined: the actor reports the silence every few seconds
     (not only when it gives up) and exits with status 1 after 3 x actor_timeout_s."""
     from tests.e2e_helpers import common_flags
 
     ports = new_ports()
-    learner = e2e.start("learner", ["learner", "--env", "CartPole-v1", "--num-actors", "1", "--envs-per-actor", "2",
-                                    "--actor-timeout-s", "4", "--eval-every-updates", "0",
-                                    *common_flags(ports, tmp_path / "runs")])
-    actor = e2e.start("actor", ["actor", "--envs-per-actor", "2", "--actor-timeout-s", "4", *ports.flags("actor")])
+    learner = e2e.start(
+        "learner",
+        [
+            "learner",
+            "--env",
+            "CartPole-v1",
+            "--num-actors",
+            "1",
+            "--envs-per-actor",
+            "2",
+            "--actor-timeout-s",
+            "4",
+            "--eval-every-updates",
+            "0",
+            *common_flags(ports, tmp_path / "runs"),
+        ],
+    )
+    actor = e2e.start(
+        "actor", ["actor", "--envs-per-actor", "2", "--actor-timeout-s", "4", *ports.flags("actor")]
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and "joined as" not in actor.stderr():
         time.sleep(0.5)

@@ -15,11 +15,14 @@ ACTORS = 8
 
 @pytest.mark.slow
 def test_many_actors_all_join_share_the_ingest_and_come_back_after_a_learner_restart() -> None:
-    result = bench_many_actors.run_many(ACTORS, envs_per_actor=2, actor_sps=400.0, processes=2, seconds=3.0,
-                                        warmup_s=1.0)
+    result = bench_many_actors.run_many(
+        ACTORS, envs_per_actor=2, actor_sps=400.0, processes=2, seconds=3.0, warmup_s=1.0
+    )
     started = result["learner_pids"] + result["actor_pids"]
     assert not [pid for pid in started if pid_is_alive(pid)], "a process of the harness outlived it"
-    assert segments_of(set(result["learner_pids"])) == [], "a learner's shared memory was left behind"
+    assert segments_of(set(result["learner_pids"])) == [], (
+        "a learner's shared memory was left behind"
+    )
     errors = {actor_id: o["error"] for actor_id, o in result["outcomes"].items() if o["error"]}
     assert len(result["outcomes"]) == ACTORS and not errors, result["outcomes"]
 
@@ -33,5 +36,7 @@ def test_many_actors_all_join_share_the_ingest_and_come_back_after_a_learner_res
     assert steady["versions_per_s"] > 0, steady  # buffers filled and were released as new versions
 
     again = result["restart"]
-    assert (again["joined"], again["stepping"]) == (ACTORS, ACTORS), again  # every actor back and stepping
+    assert (again["joined"], again["stepping"]) == (ACTORS, ACTORS), (
+        again
+    )  # every actor back and stepping
     assert all(o["rejoins"] >= 1 for o in result["outcomes"].values()), result["outcomes"]

@@ -37,7 +37,10 @@ def test_episode_window_keeps_the_last_maxlen_episodes() -> None:
     assert (window.mean, window.min, window.max) == (3.0, 2.0, 4.0)
     assert window.mean_length == 30.0
     assert window.std == pytest.approx(np.sqrt(2 / 3))
-    assert episode_scalars(window) == {"charts/episodic_return": 3.0, "charts/episodic_length": 30.0}
+    assert episode_scalars(window) == {
+        "charts/episodic_return": 3.0,
+        "charts/episodic_length": 30.0,
+    }
     with pytest.raises(ValueError, match="returns/lengths"):
         window.add([1.0, 2.0], [1])
     with pytest.raises(ValueError, match="maxlen"):
@@ -79,7 +82,11 @@ def test_logger_writes_jsonl_and_tensorboard_events(tmp_path: Path) -> None:
     window = EpisodeWindow()
     window.add([5.0, 7.0], [100, 120])
     with MetricsLogger(tmp_path) as logger:
-        scalars = {**update_scalars(_stats(explained_variance=float("nan"))), **episode_scalars(window), "charts/SPS": 1234.0}
+        scalars = {
+            **update_scalars(_stats(explained_variance=float("nan"))),
+            **episode_scalars(window),
+            "charts/SPS": 1234.0,
+        }
         logger.log(1024, scalars)
         logger.log(2048, {"charts/SPS": np.float32(900.0)})
         with pytest.raises(TypeError, match="charts/bad"):
@@ -107,8 +114,13 @@ def test_logger_writes_jsonl_and_tensorboard_events(tmp_path: Path) -> None:
     # One event per log() call, holding all of its scalars (cheaper than an event per scalar).
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-    scalar_events = [event for event in EventFileLoader(str(events[0])).Load() if event.HasField("summary")]
-    assert [(event.step, len(event.summary.value)) for event in scalar_events] == [(1024, len(scalars)), (2048, 1)]
+    scalar_events = [
+        event for event in EventFileLoader(str(events[0])).Load() if event.HasField("summary")
+    ]
+    assert [(event.step, len(event.summary.value)) for event in scalar_events] == [
+        (1024, len(scalars)),
+        (2048, 1),
+    ]
 
 
 def test_logger_appends_on_resume_and_refuses_after_close(tmp_path: Path) -> None:
@@ -120,7 +132,10 @@ def test_logger_appends_on_resume_and_refuses_after_close(tmp_path: Path) -> Non
         logger.log(2, {"charts/SPS": 2.0})
     with MetricsLogger(tmp_path) as resumed:
         resumed.log(2, {"charts/SPS": 2.0})
-    steps = [json.loads(line)["global_step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [
+        json.loads(line)["global_step"]
+        for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ]
     assert steps == [1, 2]
 
 

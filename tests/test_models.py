@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
+from oakemu_core.envs import EnvSpec
 from oakemu_core.policy.distributions import (
     Categorical,
     DiagGaussian,
     MultiCategorical,
     distribution_for_env,
 )
-from oakemu_core.envs import EnvSpec
 from oakemu_core.policy.models import (
     ActorCritic,
     RunningNormalizer,
@@ -43,7 +43,11 @@ def mlp() -> ActorCritic:
 
 
 def convs_of(module: torch.nn.Module) -> list[tuple[int, tuple[int, int], tuple[int, int]]]:
-    return [(m.out_channels, m.kernel_size, m.stride) for m in module.modules() if isinstance(m, torch.nn.Conv2d)]
+    return [
+        (m.out_channels, m.kernel_size, m.stride)
+        for m in module.modules()
+        if isinstance(m, torch.nn.Conv2d)
+    ]
 
 
 NATURE_CONVS = [(32, (8, 8), (4, 4)), (64, (4, 4), (2, 2)), (64, (3, 3), (1, 1))]
@@ -107,7 +111,9 @@ def test_wrong_dtype_or_shape_is_rejected(cnn: ActorCritic) -> None:
 
 
 @pytest.mark.parametrize("kind", ["mlp", "cnn"])
-def test_act_log_probs_equal_evaluate_actions(kind: str, mlp: ActorCritic, cnn: ActorCritic) -> None:
+def test_act_log_probs_equal_evaluate_actions(
+    kind: str, mlp: ActorCritic, cnn: ActorCritic
+) -> None:
     model = mlp if kind == "mlp" else cnn
     rng = np.random.default_rng(2)
     if kind == "mlp":
@@ -118,7 +124,9 @@ def test_act_log_probs_equal_evaluate_actions(kind: str, mlp: ActorCritic, cnn: 
     assert bundle.actions.dtype == np.int64 and bundle.actions.shape == (len(obs),)
     assert bundle.log_probs.dtype == np.float32 and bundle.values.dtype == np.float32
     assert bundle.distribution_fields == {}
-    log_probs, entropy, values = model.evaluate_actions(torch.from_numpy(obs), torch.from_numpy(bundle.actions))
+    log_probs, entropy, values = model.evaluate_actions(
+        torch.from_numpy(obs), torch.from_numpy(bundle.actions)
+    )
     np.testing.assert_allclose(bundle.log_probs, log_probs.detach().numpy(), rtol=0, atol=1e-6)
     np.testing.assert_allclose(bundle.values, values.detach().numpy(), rtol=0, atol=1e-6)
     np.testing.assert_allclose(model.predict_values(obs), bundle.values, rtol=0, atol=1e-6)
@@ -126,7 +134,9 @@ def test_act_log_probs_equal_evaluate_actions(kind: str, mlp: ActorCritic, cnn: 
     logits = model(torch.from_numpy(obs))[0].detach().double().numpy()
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
-    np.testing.assert_allclose(log_probs.detach().numpy(), np.log(p[np.arange(len(obs)), bundle.actions]), atol=1e-5)
+    np.testing.assert_allclose(
+        log_probs.detach().numpy(), np.log(p[np.arange(len(obs)), bundle.actions]), atol=1e-5
+    )
     np.testing.assert_allclose(entropy.detach().numpy(), -(p * np.log(p)).sum(-1), atol=1e-5)
 
 
@@ -157,7 +167,9 @@ def test_the_cached_device_follows_the_parameters(mlp: ActorCritic) -> None:
     assert mlp.device == torch.device("meta")
     mlp.to_empty(device="cpu")
     assert mlp.device == torch.device("cpu")
-    meta = {name: torch.empty_like(tensor, device="meta") for name, tensor in mlp.state_dict().items()}
+    meta = {
+        name: torch.empty_like(tensor, device="meta") for name, tensor in mlp.state_dict().items()
+    }
     mlp.load_state_dict(meta, assign=True)  # swaps the parameters themselves
     assert mlp.device == torch.device("meta")
     restored = pickle.loads(pickle.dumps(build_model((4,), np.float32, 2)))
@@ -197,11 +209,15 @@ def test_load_weight_arrays_rejects_bad_sets_and_leaves_model_unchanged(mlp: Act
     with pytest.raises(ValueError, match="bogus"):
         load_weight_arrays(mlp, extra)
 
-    wrong_shape = {k: (np.zeros((3, 3), np.float32) if k == "actor.bias" else v + 1) for k, v in good.items()}
+    wrong_shape = {
+        k: (np.zeros((3, 3), np.float32) if k == "actor.bias" else v + 1) for k, v in good.items()
+    }
     with pytest.raises(ValueError, match=r"actor\.bias.*shape"):
         load_weight_arrays(mlp, wrong_shape)
 
-    wrong_dtype = {k: (v.astype(np.float64) if k == "actor_torso.0.weight" else v + 1) for k, v in good.items()}
+    wrong_dtype = {
+        k: (v.astype(np.float64) if k == "actor_torso.0.weight" else v + 1) for k, v in good.items()
+    }
     with pytest.raises(ValueError, match=r"actor_torso\.0\.weight.*float32.*float64"):
         load_weight_arrays(mlp, wrong_dtype)
 
@@ -213,14 +229,21 @@ def test_load_weight_arrays_rejects_bad_sets_and_leaves_model_unchanged(mlp: Act
 def test_models_are_built_from_an_env_spec_for_any_supported_action_space() -> None:
     discrete = EnvSpec.discrete("Test-v0", (3,), np.float32, 5)
     model = build_model(discrete.observation_layout, distribution_for_env(discrete))
-    assert model.distribution == Categorical(5) and model.observation_layout == {"": ((3,), np.dtype(np.float32))}
+    assert model.distribution == Categorical(5) and model.observation_layout == {
+        "": ((3,), np.dtype(np.float32))
+    }
     assert model.act(np.zeros((2, 3), np.float32)).actions.shape == (2,)
-    box = EnvSpec("Box-v0", {"": ((3,), np.float32)}, gymnasium.spaces.Box(-1.0, 1.0, (2,), np.float32))
+    box = EnvSpec(
+        "Box-v0", {"": ((3,), np.float32)}, gymnasium.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    )
     gaussian = build_model(box.observation_layout, distribution_for_env(box))
     assert isinstance(gaussian.distribution, DiagGaussian)
     assert gaussian.act(np.zeros((2, 3), np.float32)).actions.shape == (2, 2)
-    tuple_space = EnvSpec("Tuple-v0", {"": ((3,), np.float32)},
-                          gymnasium.spaces.Tuple((gymnasium.spaces.Discrete(2), gymnasium.spaces.Discrete(3))))
+    tuple_space = EnvSpec(
+        "Tuple-v0",
+        {"": ((3,), np.float32)},
+        gymnasium.spaces.Tuple((gymnasium.spaces.Discrete(2), gymnasium.spaces.Discrete(3))),
+    )
     with pytest.raises(ValueError, match="action_space.*Tuple"):
         distribution_for_env(tuple_space)
 
@@ -301,7 +324,9 @@ def test_masked_act_never_picks_a_masked_action() -> None:
     generator = torch.Generator().manual_seed(1)
     for greedy in (False, True):
         bundle = model.act(obs, action_mask=masks, greedy=greedy, generator=generator)
-        assert masks[np.arange(3000), bundle.actions].all(), f"a masked action was taken (greedy={greedy})"
+        assert masks[np.arange(3000), bundle.actions].all(), (
+            f"a masked action was taken (greedy={greedy})"
+        )
         assert np.isfinite(bundle.log_probs).all() and (bundle.log_probs <= 0).all()
     # Where action 0 is allowed it is almost always taken: the mask changes nothing else.
     sampled = model.act(obs, action_mask=masks, generator=generator).actions
@@ -353,7 +378,9 @@ def test_gaussian_act_returns_action_mean_and_std() -> None:
         head, _ = model(torch.from_numpy(obs))
     np.testing.assert_allclose(mean, head[:, :2].numpy(), rtol=1e-6)
     # log prob of the action as sampled (not clipped), against an independent reference.
-    reference = torch.distributions.Normal(torch.from_numpy(mean).double(), torch.from_numpy(std).double())
+    reference = torch.distributions.Normal(
+        torch.from_numpy(mean).double(), torch.from_numpy(std).double()
+    )
     expected = reference.log_prob(torch.from_numpy(bundle.actions).double()).sum(-1).numpy()
     np.testing.assert_allclose(bundle.log_probs, expected, rtol=1e-5, atol=1e-5)
     assert (np.abs(bundle.actions[:, 1]) > 1.0).any(), "std 2: some samples lie outside the Box"
@@ -367,7 +394,10 @@ def test_gaussian_act_returns_action_mean_and_std() -> None:
 # ---------------------------------------------------------------------------------- normalisation
 def test_running_normalizer_matches_numpy_mean_and_var() -> None:
     rng = np.random.default_rng(5)
-    batches = [rng.normal(loc=3.0, scale=2.0, size=(n, 4)).astype(np.float32) * [1, 10, 0.1, 1] for n in (7, 50, 1, 200)]
+    batches = [
+        rng.normal(loc=3.0, scale=2.0, size=(n, 4)).astype(np.float32) * [1, 10, 0.1, 1]
+        for n in (7, 50, 1, 200)
+    ]
     normalizer = RunningNormalizer((4,))
     for batch in batches:
         normalizer.update(torch.from_numpy(batch))
@@ -389,21 +419,31 @@ def test_normalizer_statistics_travel_with_the_weights() -> None:
     learner = build_model(layout, Categorical(2), normalize_observations=True)
     assert set(learner.normalizers) == {"obs_state"}, "only float keys are normalised"
     rng = np.random.default_rng(6)
-    batch = {"image": rng.integers(0, 256, (64, 1, 12, 12), dtype=np.uint8),
-             "state": (rng.normal(size=(64, 3)) * 50 + 100).astype(np.float32)}
+    batch = {
+        "image": rng.integers(0, 256, (64, 1, 12, 12), dtype=np.uint8),
+        "state": (rng.normal(size=(64, 3)) * 50 + 100).astype(np.float32),
+    }
     learner.update_observation_statistics(batch)
     arrays = weights_to_arrays(learner)
-    assert {"normalizers.obs_state.mean", "normalizers.obs_state.var", "normalizers.obs_state.count"} <= set(arrays)
+    assert {
+        "normalizers.obs_state.mean",
+        "normalizers.obs_state.var",
+        "normalizers.obs_state.count",
+    } <= set(arrays)
     assert arrays["normalizers.obs_state.count"].shape == (), "0-d entries keep shape ()"
     assert arrays["normalizers.obs_state.count"].dtype == np.float32
-    np.testing.assert_allclose(arrays["normalizers.obs_state.mean"], batch["state"].mean(0), rtol=1e-4)
+    np.testing.assert_allclose(
+        arrays["normalizers.obs_state.mean"], batch["state"].mean(0), rtol=1e-4
+    )
 
     torch.manual_seed(1)
     actor = build_model(layout, Categorical(2), normalize_observations=True)
     assert not np.allclose(actor.predict_values(batch), learner.predict_values(batch))
     load_weight_arrays(actor, arrays)
     np.testing.assert_array_equal(actor.predict_values(batch), learner.predict_values(batch))
-    np.testing.assert_array_equal(actor.normalizers["obs_state"].mean.numpy(), arrays["normalizers.obs_state.mean"])
+    np.testing.assert_array_equal(
+        actor.normalizers["obs_state"].mean.numpy(), arrays["normalizers.obs_state.mean"]
+    )
     assert actor.normalizers["obs_state"].count.shape == ()
     # The statistics are used: resetting them changes the values.
     actor.normalizers["obs_state"].mean.zero_()
@@ -438,11 +478,15 @@ def test_a_channels_last_cnn_computes_what_the_standard_one_does() -> None:
     head_last, values_last = channels_last(frames)
     torch.testing.assert_close(head_last, head_standard, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(values_last, values_standard, rtol=1e-5, atol=1e-5)
-    for (name, p_standard), p_last in zip(standard.named_parameters(), channels_last.parameters(), strict=True):
+    for (name, p_standard), p_last in zip(
+        standard.named_parameters(), channels_last.parameters(), strict=True
+    ):
         torch.testing.assert_close(p_last.grad, p_standard.grad, rtol=1e-4, atol=1e-6, msg=name)
     arrays_standard, arrays_last = weights_to_arrays(standard), weights_to_arrays(channels_last)
-    assert all(np.array_equal(arrays_last[k], arrays_standard[k]) and arrays_last[k].flags.c_contiguous
-               for k in arrays_standard)
+    assert all(
+        np.array_equal(arrays_last[k], arrays_standard[k]) and arrays_last[k].flags.c_contiguous
+        for k in arrays_standard
+    )
 
 
 @pytest.mark.parametrize("saved_by", ["standard", "channels_last"])
@@ -450,7 +494,9 @@ def test_optimizer_state_is_relaid_like_its_parameters_on_load(saved_by: str) ->
     """A checkpoint's Adam moments come back in the layout of the parameters they belong to,
     whichever layout wrote them: the next fused Adam step then equals the uninterrupted one
     (with the saved layout kept, it moved a conv weight by up to 0.09 too much at this lr)."""
-    frames = torch.randint(0, 256, (8, 4, 84, 84), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    frames = torch.randint(
+        0, 256, (8, 4, 84, 84), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)
+    )
 
     def adam_step(model: ActorCritic, optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad()
@@ -476,5 +522,7 @@ def test_optimizer_state_is_relaid_like_its_parameters_on_load(saved_by: str) ->
     for parameter in reader.parameters():
         assert resumed.state[parameter]["exp_avg"].stride() == parameter.stride()
     adam_step(reader, resumed)
-    for (name, expected), got in zip(writer.state_dict().items(), reader.state_dict().values(), strict=True):
+    for (name, expected), got in zip(
+        writer.state_dict().items(), reader.state_dict().values(), strict=True
+    ):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5, msg=name)

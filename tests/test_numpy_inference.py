@@ -13,16 +13,22 @@ from oakemu_core.policy.models import ActorCritic
 from oakemu_core.policy.numpy_inference import NumpyForward, check_supported
 
 
-def _model(shape: tuple[int, ...], dtype: type, distribution, *, normalize: bool = False) -> ActorCritic:
+def _model(
+    shape: tuple[int, ...], dtype: type, distribution, *, normalize: bool = False
+) -> ActorCritic:
     torch.manual_seed(0)
-    return ActorCritic({"": (shape, np.dtype(dtype))}, distribution, normalize_observations=normalize)
+    return ActorCritic(
+        {"": (shape, np.dtype(dtype))}, distribution, normalize_observations=normalize
+    )
 
 
 CASES = {
     "categorical": lambda: _model((4,), np.float32, Categorical(2)),
     "gaussian": lambda: _model((3,), np.float32, DiagGaussian(np.full(2, -1.0), np.full(2, 1.0))),
     "normalised": lambda: _model((5,), np.float32, Categorical(3), normalize=True),
-    "uint8 grid": lambda: _model((7, 7, 3), np.uint8, Categorical(7)),  # MiniGrid: normalised either way
+    "uint8 grid": lambda: _model(
+        (7, 7, 3), np.uint8, Categorical(7)
+    ),  # MiniGrid: normalised either way
 }
 
 
@@ -33,11 +39,17 @@ def test_the_numpy_pass_gives_the_modules_outputs_and_follows_new_weights(case: 
     model = CASES[case]()
     shape, dtype = model.observation_layout[""]
     rng = np.random.default_rng(1)
-    observations = (rng.integers(0, 11, (16, *shape)) if dtype == np.uint8 else 3 * rng.standard_normal((16, *shape)))
+    observations = (
+        rng.integers(0, 11, (16, *shape))
+        if dtype == np.uint8
+        else 3 * rng.standard_normal((16, *shape))
+    )
     batch = torch.from_numpy(observations.astype(dtype))
     forward = NumpyForward(model)
     with torch.no_grad():
-        model.update_observation_statistics(observations.astype(dtype))  # what a learner's update changes
+        model.update_observation_statistics(
+            observations.astype(dtype)
+        )  # what a learner's update changes
         for parameter in model.parameters():
             parameter.add_(0.1 * torch.randn_like(parameter))
         stale, _ = forward(batch)
@@ -66,7 +78,9 @@ def test_act_through_the_numpy_pass_samples_what_torch_samples(masked: bool) -> 
     model.use_inference_backend(NumpyForward(model))
     assert model.__dict__["_samples_in_numpy"]
     fast = model.act(observations, action_mask=mask, generator=torch.Generator().manual_seed(5))
-    assert fast.actions.dtype == plain.actions.dtype == np.int64 and fast.log_probs.dtype == np.float32
+    assert (
+        fast.actions.dtype == plain.actions.dtype == np.int64 and fast.log_probs.dtype == np.float32
+    )
     assert len(np.unique(fast.actions)) > 1  # sampled, not one action everywhere
     if masked:
         assert mask[np.arange(256), fast.actions].all()
@@ -82,7 +96,9 @@ def test_auto_picks_numpy_for_mlps_and_torch_for_pictures() -> None:
     assert make_inference_backend("auto", cnn, threads=1) is None
     with pytest.raises(ValueError, match="only for models with separate MLP torsos"):
         NumpyForward(cnn)
-    with pytest.raises(ValueError, match=r"uint8 \(4, 84, 84\) pictures; use actor_inference='torch'"):
+    with pytest.raises(
+        ValueError, match=r"uint8 \(4, 84, 84\) pictures; use actor_inference='torch'"
+    ):
         check_supported(cnn.observation_layout)
     check_supported(mlp.observation_layout)  # no error
 
@@ -99,10 +115,14 @@ def test_a_pass_that_disagrees_with_the_module_is_refused(monkeypatch: pytest.Mo
     model = CASES["gaussian"]()
     original = NumpyForward.__call__
 
-    def off_by_a_little(self: NumpyForward, observations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def off_by_a_little(
+        self: NumpyForward, observations: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         head, values = original(self, observations)
         return head, values + 1e-2
 
     monkeypatch.setattr(NumpyForward, "__call__", off_by_a_little)
-    with pytest.raises(ValueError, match=r"actor_inference='numpy': its values are off the model's by 0.01"):
+    with pytest.raises(
+        ValueError, match=r"actor_inference='numpy': its values are off the model's by 0.01"
+    ):
         NumpyForward(model)

@@ -25,14 +25,32 @@ from tests.test_telemetry import make_snapshot, scrape
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = REPO_ROOT / "deploy" / "grafana" / "dashboards" / "oakemu.json"
 DATASOURCES = REPO_ROOT / "deploy" / "grafana" / "provisioning" / "datasources" / "prometheus.yml"
-DASHBOARD_PROVIDERS = REPO_ROOT / "deploy" / "grafana" / "provisioning" / "dashboards" / "oakemu.yml"
+DASHBOARD_PROVIDERS = (
+    REPO_ROOT / "deploy" / "grafana" / "provisioning" / "dashboards" / "oakemu.yml"
+)
 PROMETHEUS_CONFIG = REPO_ROOT / "deploy" / "prometheus" / "prometheus.yml"
 
-PROMQL_WORDS = {"rate", "irate", "increase", "sum", "avg", "min", "max", "by", "without", "on", "ignoring"}
+PROMQL_WORDS = {
+    "rate",
+    "irate",
+    "increase",
+    "sum",
+    "avg",
+    "min",
+    "max",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+}
 SELECTOR = re.compile(r"(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)\s*(?:\{(?P<labels>[^}]*)\})?")
 REQUIRED = {  # what the dashboard is for
-    "SPS": "oakemu_sps_recent", "returns": "oakemu_episodic_return_mean", "evaluation": "oakemu_eval_return_mean",
-    "lag": "oakemu_policy_lag", "actors": "oakemu_actors", "rejections": "oakemu_rejected_messages_total",
+    "SPS": "oakemu_sps_recent",
+    "returns": "oakemu_episodic_return_mean",
+    "evaluation": "oakemu_eval_return_mean",
+    "lag": "oakemu_policy_lag",
+    "actors": "oakemu_actors",
+    "rejections": "oakemu_rejected_messages_total",
     "memory": "process_resident_memory_bytes",
 }
 
@@ -41,8 +59,16 @@ REQUIRED = {  # what the dashboard is for
 def served() -> dict[str, list[dict[str, str]]]:
     """Sample name -> the label sets it is served with, from a real exporter holding a full snapshot."""
     with PrometheusExporter(0, addr="127.0.0.1") as exporter:
-        exporter.update(make_snapshot(eval_return_mean=30.0, eval_return_std=2.0, eval_length_mean=31.0,
-                                      eval_policy_version=6, best_eval_return=35.0, trainable_share=1.0))
+        exporter.update(
+            make_snapshot(
+                eval_return_mean=30.0,
+                eval_return_std=2.0,
+                eval_length_mean=31.0,
+                eval_policy_version=6,
+                best_eval_return=35.0,
+                trainable_share=1.0,
+            )
+        )
         families = scrape(exporter.port)
     samples: dict[str, list[dict[str, str]]] = {}
     for family in families.values():
@@ -63,7 +89,7 @@ def selectors(expr: str) -> list[tuple[str, dict[str, str]]]:
     found = []
     for match in SELECTOR.finditer(expr):
         name = match.group("name")
-        if name in PROMQL_WORDS or expr[match.end():].lstrip().startswith("("):
+        if name in PROMQL_WORDS or expr[match.end() :].lstrip().startswith("("):
             continue
         labels = dict(re.findall(r'(\w+)\s*=\s*"([^"]*)"', match.group("labels") or ""))
         found.append((name, labels))
@@ -83,22 +109,31 @@ def test_every_panel_asks_for_metrics_and_labels_the_exporter_serves(dashboard, 
             found = selectors(target["expr"])
             assert found, f"{panel['title']}: no metric in {target['expr']!r}"
             for name, labels in found:
-                assert name in served, f"{panel['title']}: {name} is not served (expr {target['expr']!r})"
-                assert any(labels.items() <= served_labels.items() for served_labels in served[name]), \
-                    f"{panel['title']}: {name}{labels} matches no served sample"
-                for placeholder in re.findall(r"\{\{\s*(\w+)\s*\}\}", target.get("legendFormat", "")):
-                    assert any(placeholder in served_labels for served_labels in served[name]), \
+                assert name in served, (
+                    f"{panel['title']}: {name} is not served (expr {target['expr']!r})"
+                )
+                assert any(
+                    labels.items() <= served_labels.items() for served_labels in served[name]
+                ), f"{panel['title']}: {name}{labels} matches no served sample"
+                for placeholder in re.findall(
+                    r"\{\{\s*(\w+)\s*\}\}", target.get("legendFormat", "")
+                ):
+                    assert any(placeholder in served_labels for served_labels in served[name]), (
                         f"{panel['title']}: legend {{{{{placeholder}}}}} is no label of {name}"
+                    )
                 used.add(name)
     missing = {topic: name for topic, name in REQUIRED.items() if name not in used}
     assert not missing, f"the dashboard shows nothing of {missing}"
 
 
 def test_the_check_catches_a_metric_the_exporter_does_not_serve(served) -> None:
-    assert [name for name, _ in selectors('rate(oakemu_sps_total[1m]) + oakemu_policy_lag{stat="p99"}')] == \
-        ["oakemu_sps_total", "oakemu_policy_lag"]
+    assert [
+        name for name, _ in selectors('rate(oakemu_sps_total[1m]) + oakemu_policy_lag{stat="p99"}')
+    ] == ["oakemu_sps_total", "oakemu_policy_lag"]
     assert "oakemu_sps_total" not in served  # a gauge has no _total sample
-    assert not any({"stat": "p99"}.items() <= labels.items() for labels in served["oakemu_policy_lag"])
+    assert not any(
+        {"stat": "p99"}.items() <= labels.items() for labels in served["oakemu_policy_lag"]
+    )
 
 
 def test_provisioning_prometheus_and_compose_agree(dashboard) -> None:
@@ -110,13 +145,18 @@ def test_provisioning_prometheus_and_compose_agree(dashboard) -> None:
     assert re.fullmatch(r"prom/prometheus:v\d+\.\d+\.\d+", prometheus["image"])
     assert re.fullmatch(r"grafana/grafana:\d+\.\d+\.\d+", grafana["image"])
 
-    mounts = {volume.split(":")[1]: volume.split(":")[0] for volume in [*prometheus["volumes"], *grafana["volumes"]]}
+    mounts = {
+        volume.split(":")[1]: volume.split(":")[0]
+        for volume in [*prometheus["volumes"], *grafana["volumes"]]
+    }
     config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
     assert mounts[prometheus["command"][0].split("=", 1)[1]] == "./deploy/prometheus/prometheus.yml"
     [job] = config["scrape_configs"]
     [target] = job["static_configs"][0]["targets"]
     host, port = target.split(":")
-    assert host == "learner" and int(port) == 9100 in {container_port(p) for p in services["learner"]["ports"]}
+    assert host == "learner" and int(port) == 9100 in {
+        container_port(p) for p in services["learner"]["ports"]
+    }
     assert job.get("metrics_path", "/metrics") == "/metrics"
 
     assert mounts["/etc/grafana/provisioning"] == "./deploy/grafana/provisioning"
@@ -125,8 +165,14 @@ def test_provisioning_prometheus_and_compose_agree(dashboard) -> None:
     assert datasources["apiVersion"] == 1 and source["type"] == "prometheus"
     assert source["url"] == f"http://prometheus:{container_port(prometheus['ports'][0])}"
     panel_sources = {json.dumps(p["datasource"], sort_keys=True) for p in dashboard["panels"]}
-    panel_sources |= {json.dumps(t["datasource"], sort_keys=True) for p in dashboard["panels"] for t in p["targets"]}
-    assert panel_sources == {json.dumps({"type": "prometheus", "uid": source["uid"]}, sort_keys=True)}
+    panel_sources |= {
+        json.dumps(t["datasource"], sort_keys=True)
+        for p in dashboard["panels"]
+        for t in p["targets"]
+    }
+    assert panel_sources == {
+        json.dumps({"type": "prometheus", "uid": source["uid"]}, sort_keys=True)
+    }
 
     providers = yaml.safe_load(DASHBOARD_PROVIDERS.read_text())
     [provider] = providers["providers"]

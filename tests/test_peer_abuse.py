@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
+from oakemu_services.learner import NOTICE_BURST, Learner
 
 from oakemu_core.config import OakEmuConfig
 from oakemu_core.transport.auth import new_routing_id
@@ -35,7 +36,6 @@ from oakemu_core.transport.control import (
 from oakemu_core.transport.peer_limits import JOIN_BURST_PER_HOST
 from oakemu_core.transport.step_ring import shared_memory_host_id
 from oakemu_core.transport.steps import StepMessage, encode_step
-from oakemu_services.learner import NOTICE_BURST, Learner
 from tests.e2e_helpers import new_ports
 
 
@@ -75,10 +75,24 @@ def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
     # Async mode: the synthetic actors here join and never step (a synchronous rollout would wait for them).
     ports = new_ports()
     runs = tmp_path_factory.mktemp("runs")
-    config = OakEmuConfig(env_id="CartPole-v1", mode="async", num_actors=1, envs_per_actor=2, rollout_length=8, runs_dir=runs,
-                          run_name="abuse", bind_host="127.0.0.1", data_port=ports.data, control_port=ports.control,
-                          weights_port=ports.weights, telemetry_port=ports.telemetry, metrics_port=ports.metrics,
-                          actor_timeout_s=600.0, eval_every_updates=0, log_level="WARNING")
+    config = OakEmuConfig(
+        env_id="CartPole-v1",
+        mode="async",
+        num_actors=1,
+        envs_per_actor=2,
+        rollout_length=8,
+        runs_dir=runs,
+        run_name="abuse",
+        bind_host="127.0.0.1",
+        data_port=ports.data,
+        control_port=ports.control,
+        weights_port=ports.weights,
+        telemetry_port=ports.telemetry,
+        metrics_port=ports.metrics,
+        actor_timeout_s=600.0,
+        eval_every_updates=0,
+        log_level="WARNING",
+    )
     learner = Learner(config, runs / "abuse")
     made = Harness(learner)
     try:
@@ -88,9 +102,17 @@ def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
         learner.close()
 
 
-def join(harness: Harness, sock: zmq.Socket, actor_id: str, incarnation: str, num_envs: int = 2,
-         host_id: str = "") -> JoinReply:
-    reply = harness.request(sock, encode_join_request(JoinRequest(actor_id, incarnation, num_envs, "here", host_id)))
+def join(
+    harness: Harness,
+    sock: zmq.Socket,
+    actor_id: str,
+    incarnation: str,
+    num_envs: int = 2,
+    host_id: str = "",
+) -> JoinReply:
+    reply = harness.request(
+        sock, encode_join_request(JoinRequest(actor_id, incarnation, num_envs, "here", host_id))
+    )
     assert isinstance(reply, JoinReply), reply
     return reply
 
@@ -99,18 +121,31 @@ def test_a_heartbeat_with_a_negative_rate_does_not_stop_the_learner(harness: Har
     learner, actor = harness.learner, harness.client()
     assert join(harness, actor, "rate", "inc-rate").accepted
     before = learner.assembler.counters.rejected["value_range"]
-    forged = pack({**header("heartbeat"), "actor_id": "rate", "incarnation": "inc-rate", "seq": 0,
-                   "policy_version": 0, "env_steps_per_second": -1.0, "policy_lag": 0.0, "episodes": 0})
+    forged = pack(
+        {
+            **header("heartbeat"),
+            "actor_id": "rate",
+            "incarnation": "inc-rate",
+            "seq": 0,
+            "policy_version": 0,
+            "env_steps_per_second": -1.0,
+            "policy_lag": 0.0,
+            "episodes": 0,
+        }
+    )
     assert harness.request(actor, forged).status == "rejoin"
     assert learner.assembler.counters.rejected["value_range"] == before + 1
     assert learner.assembler.actors["rate"].env_steps_per_second == 0.0
-    learner._publish_telemetry(is_update=False)  # the snapshot's schema refuses a negative rate: must not raise
+    learner._publish_telemetry(
+        is_update=False
+    )  # the snapshot's schema refuses a negative rate: must not raise
     ok = harness.request(actor, encode_heartbeat(Heartbeat("rate", "inc-rate", 0, 0, 5.0, 0.0, 0)))
     assert ok.status == "ok" and learner.assembler.actors["rate"].env_steps_per_second == 5.0
 
 
 def test_a_second_connection_with_a_stolen_incarnation_is_refused_and_the_actor_keeps_training(
-        harness: Harness) -> None:
+    harness: Harness,
+) -> None:
     """From 127.0.0.1, the victim's own address: a leave, a heartbeat and a join naming the victim's
     id and incarnation are refused and counted as impersonation; the victim's heartbeat is still
     ``ok`` and its steps are still written."""
@@ -121,13 +156,20 @@ def test_a_second_connection_with_a_stolen_incarnation_is_refused_and_the_actor_
     counted = learner.assembler.counters.rejected["impersonation"]
     leave = harness.request(thief, encode_leave(Leave("victim", "inc-victim")))
     assert isinstance(leave, HeartbeatReply) and leave.status == "rejoin"
-    beat = harness.request(thief, encode_heartbeat(Heartbeat("victim", "inc-victim", 0, 0, 1.0, 0.0, 0)))
+    beat = harness.request(
+        thief, encode_heartbeat(Heartbeat("victim", "inc-victim", 0, 0, 1.0, 0.0, 0))
+    )
     assert beat.status == "rejoin"
     takeover = join(harness, thief, "victim", "inc-victim")
     assert not takeover.accepted and takeover.reason.startswith(ACTOR_ID_IN_USE)
     assert learner.assembler.counters.rejected["impersonation"] == counted + 3
     assert learner.assembler.actors["victim"].incarnation == "inc-victim"
-    assert harness.request(victim, encode_heartbeat(Heartbeat("victim", "inc-victim", 0, 0, 1.0, 0.0, 0))).status == "ok"
+    assert (
+        harness.request(
+            victim, encode_heartbeat(Heartbeat("victim", "inc-victim", 0, 0, 1.0, 0.0, 0))
+        ).status
+        == "ok"
+    )
 
     spec = reply.spec
     fields = {name: np.zeros(shape, dtype) for name, (dtype, shape) in spec.array_layout().items()}
@@ -143,7 +185,9 @@ def test_a_second_connection_with_a_stolen_incarnation_is_refused_and_the_actor_
     assert learner.assembler.counters.env_steps == written + spec.steps_per_message * spec.num_envs
 
 
-def test_a_message_of_a_departed_incarnation_that_cannot_be_decoded_is_a_late_step(harness: Harness) -> None:
+def test_a_message_of_a_departed_incarnation_that_cannot_be_decoded_is_a_late_step(
+    harness: Harness,
+) -> None:
     """A step message still in flight when its actor left, which the learner can no longer decode (a
     stacked observation sent as its newest frame only: the stack history left with the actor; here a
     frame short): counted as late steps, not as a rejection. The same message of a joined actor is
@@ -179,12 +223,21 @@ def test_a_message_of_a_departed_incarnation_that_cannot_be_decoded_is_a_late_st
 def test_a_join_asking_for_65536_envs_is_refused_and_makes_no_step_ring(harness: Harness) -> None:
     learner = harness.learner
     assert learner.rings.used_bytes == 0
-    reply = join(harness, harness.client(), "greedy", "inc-greedy", num_envs=65_536, host_id=shared_memory_host_id())
+    reply = join(
+        harness,
+        harness.client(),
+        "greedy",
+        "inc-greedy",
+        num_envs=65_536,
+        host_id=shared_memory_host_id(),
+    )
     assert not reply.accepted and "max_envs_per_actor" in reply.reason
     assert "greedy" not in learner.assembler.actors and learner.rings.used_bytes == 0
 
 
-def test_a_join_flood_writes_a_bounded_number_of_log_lines(harness: Harness, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_join_flood_writes_a_bounded_number_of_log_lines(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
     """300 joins from one connection (300 actor ids): every one answered and counted, the host's burst
     joined and the rest told to retry (the per-host join rate), at most the notice burst and a summary
     logged."""
@@ -197,7 +250,11 @@ def test_a_join_flood_writes_a_bounded_number_of_log_lines(harness: Harness, cap
     lines = [r for r in caplog.records if r.name == "oakemu.learner"]
     accepted = sum(reply.accepted for reply in replies)
     assert JOIN_BURST_PER_HOST <= accepted < 300
-    assert all(reply.retry_after_s > 0 and "too many joins" in reply.reason for reply in replies if not reply.accepted)
+    assert all(
+        reply.retry_after_s > 0 and "too many joins" in reply.reason
+        for reply in replies
+        if not reply.accepted
+    )
     assert counters.accepted["join"] - joined == accepted
     assert counters.rejected["join_rate"] - throttled == 300 - accepted
     assert len(lines) <= NOTICE_BURST + 2, [r.getMessage() for r in lines][-5:]

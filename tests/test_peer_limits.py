@@ -14,8 +14,8 @@ import pytest
 from oakemu_core.config import OakEmuConfig
 from oakemu_core.envs import env_spec
 from oakemu_core.policy.schemas import schema_for_env
-from oakemu_core.transport.control import JoinRequest
 from oakemu_core.transport import peer_limits
+from oakemu_core.transport.control import JoinRequest
 from oakemu_core.transport.peer_limits import VALUE_BOUND_FACTOR, JoinRate, PeerLimits
 from oakemu_core.transport.step_ring import StepRing, StepRingRefused, StepRings, ring_slots
 from oakemu_core.transport.steps import StepMessage, StepSpec
@@ -42,21 +42,29 @@ def test_without_a_reward_bound_only_the_episode_bookkeeping_is_checked() -> Non
     assert (free.reward_bound, free.return_bound, free.value_bound) == (None, None, None)
     assert free.check_step(step(rewards=1e6, values=-1e6)) is None  # the schema's own bounds apply
     dones = np.array([True, False, False, False])
-    assert free.check_step(replace(step(dones=dones), episode_returns=[3.0], episode_lengths=[3])) is None
+    assert (
+        free.check_step(replace(step(dones=dones), episode_returns=[3.0], episode_lengths=[3]))
+        is None
+    )
     fake = replace(step(dones=dones), episode_returns=[3.0, 4.0], episode_lengths=[3, 4])
     assert "at most one episode per done row (1), received 2" in free.check_step(fake)
     empty = replace(step(dones=dones), episode_returns=[0.0], episode_lengths=[0])
     assert "episode_lengths" in free.check_step(empty)
     capped = limits(max_episode_steps=100)
     assert "expected 1..100 steps, received 101" in capped.check_step(
-        replace(step(dones=dones), episode_returns=[1.0], episode_lengths=[101]))
+        replace(step(dones=dones), episode_returns=[1.0], episode_lengths=[101])
+    )
 
 
 def test_a_declared_reward_range_bounds_rewards_values_and_episode_returns() -> None:
     """CartPole's reward is 1 per step: [0, 1], gamma 0.99 -> |value| <= 10 * 1 / 0.01 = 1000."""
     bounded = limits(reward_low=0.0, reward_high=1.0)
     assert bounded.reward_bound == (0.0, 1.0) and bounded.return_bound == (0.0, 1.0)
-    assert bounded.value_bound == pytest.approx(VALUE_BOUND_FACTOR * 1.0 / (1 - 0.99)) == pytest.approx(1000.0)
+    assert (
+        bounded.value_bound
+        == pytest.approx(VALUE_BOUND_FACTOR * 1.0 / (1 - 0.99))
+        == pytest.approx(1000.0)
+    )
     assert bounded.check_step(step(k=4, rewards=1.0, values=999.0, next_values=-999.0)) is None
     assert "rewards: expected values in [0, 1]" in bounded.check_step(step(rewards=1.5))
     assert "rewards" in bounded.check_step(step(rewards=np.array([0.0, 1.0, -0.1, 0.5])))
@@ -75,12 +83,20 @@ def test_reward_clipping_bounds_rewards_and_values_but_not_raw_returns() -> None
     clipped = limits(clip_rewards=True)
     assert clipped.reward_bound == (-1.0, 1.0) and clipped.return_bound is None
     assert clipped.value_bound == pytest.approx(1000.0)
-    assert clipped.check_step(step(rewards=-1.0)) is None and "rewards" in clipped.check_step(step(rewards=2.0))
-    big_score = replace(step(dones=np.array([True, False, False, False])), episode_returns=[864.0], episode_lengths=[9])
+    assert clipped.check_step(step(rewards=-1.0)) is None and "rewards" in clipped.check_step(
+        step(rewards=2.0)
+    )
+    big_score = replace(
+        step(dones=np.array([True, False, False, False])),
+        episode_returns=[864.0],
+        episode_lengths=[9],
+    )
     assert clipped.check_step(big_score) is None  # a raw game score: clipping says nothing about it
     both = limits(clip_rewards=True, reward_low=0.0, reward_high=7.0)  # the declared range, clipped
     assert both.reward_bound == (0.0, 1.0) and both.return_bound == (0.0, 7.0)
-    assert limits(clip_rewards=True, normalize_rewards=True).value_bound is None  # the learner's scale
+    assert (
+        limits(clip_rewards=True, normalize_rewards=True).value_bound is None
+    )  # the learner's scale
     assert limits(clip_rewards=True, gamma=1.0).value_bound is None
 
 
@@ -88,8 +104,11 @@ def test_join_limits_and_the_reward_range_setting() -> None:
     run = limits(max_connected_actors=3)
     assert run.check_join(JoinRequest("a", "i", 1024, "h"), connected=0, known=False) is None
     assert "max_envs_per_actor=1024, received 65536" in run.check_join(
-        JoinRequest("a", "i", 65_536, "h"), connected=0, known=False)
-    assert "max_connected_actors=3" in run.check_join(JoinRequest("d", "i", 2, "h"), connected=3, known=False)
+        JoinRequest("a", "i", 65_536, "h"), connected=0, known=False
+    )
+    assert "max_connected_actors=3" in run.check_join(
+        JoinRequest("d", "i", 2, "h"), connected=3, known=False
+    )
     assert run.check_join(JoinRequest("a", "i", 2, "h"), connected=3, known=True) is None
     with pytest.raises(ValueError, match="reward_low / reward_high"):
         OakEmuConfig(env_id="CartPole-v1", reward_low=1.0)
@@ -121,8 +140,14 @@ def test_step_rings_are_capped_per_actor_and_in_total_and_freed_when_an_actor_ti
         # a1 timed out: its ring is unlinked and unmapped at once; a2 left: kept mapped for late messages
         rings.retain({("a0", "j")}, free={"a1"})
         assert rings.get("a1", "i") is None and not (SHM / offers[1].name).exists()
-        assert rings.get("a2", "i") is not None and not (SHM / offers[2].name).exists() and len(rings) == 1
-        assert rings.used_bytes == size + StepRing.segment_bytes(ring_spec(32), ring_slots(1, rollout))
+        assert (
+            rings.get("a2", "i") is not None
+            and not (SHM / offers[2].name).exists()
+            and len(rings) == 1
+        )
+        assert rings.used_bytes == size + StepRing.segment_bytes(
+            ring_spec(32), ring_slots(1, rollout)
+        )
         rings.offer("a4", "i", ring_spec(64), rollout)  # fits beside the departed ring
         assert rings.get("a2", "i") is not None
         rings.offer("a5", "i", ring_spec(64), rollout)  # room made by freeing the departed ring
@@ -148,7 +173,8 @@ def test_a_hosts_joins_are_a_token_bucket_of_its_burst_refilled_at_its_rate() ->
 
 
 def test_join_buckets_of_hosts_that_refilled_are_forgotten_beyond_the_tracked_hosts(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(peer_limits, "MAX_TRACKED_HOSTS", 4)
     rate = JoinRate(per_second=1.0, burst=2)
     for i in range(4):

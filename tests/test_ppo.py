@@ -10,10 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from oakemu_core.algo.flat_parameters import FlatAdam
 from oakemu_core.algo.demonstrations import DemonstrationBatch
-from oakemu_core.policy.distributions import Categorical, DiagGaussian
-from oakemu_core.policy.models import ActorCritic, build_model
+from oakemu_core.algo.flat_parameters import FlatAdam
 from oakemu_core.algo.learner import (
     PPOExperimentConfiguration,
     PPOLearner,
@@ -29,8 +27,10 @@ from oakemu_core.algo.ppo import (
     explained_variance,
     ppo_losses,
 )
-from oakemu_core.storage.rollout_buffer import FlatBatch, RolloutBuffer
+from oakemu_core.policy.distributions import Categorical, DiagGaussian
+from oakemu_core.policy.models import ActorCritic, build_model
 from oakemu_core.step_schema import build_schema
+from oakemu_core.storage.rollout_buffer import FlatBatch, RolloutBuffer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -76,7 +76,9 @@ def test_ppo_policy_gradient_vanishes_on_clipped_rows() -> None:
     out = ppo_losses(new_log_probs, *rest, clip_coef=0.2, clip_value_range=0.2)
     out["policy_loss"].backward()
     # d/d log r of -A r / 4 is -A r / 4 on unclipped rows; 0 where the clip is active.
-    np.testing.assert_allclose(new_log_probs.grad.numpy(), [0.0, -0.85 / 4, 2 * 1.05 / 4, 0.0], atol=1e-12)
+    np.testing.assert_allclose(
+        new_log_probs.grad.numpy(), [0.0, -0.85 / 4, 2 * 1.05 / 4, 0.0], atol=1e-12
+    )
 
 
 def test_explained_variance() -> None:
@@ -84,7 +86,9 @@ def test_explained_variance() -> None:
     assert explained_variance(targets, targets) == 1.0
     assert explained_variance(np.full(4, 2.5), targets) == pytest.approx(0.0)
     # residual (0.5, -0.5, 0.5, -0.5): var 0.25; var(targets) 1.25.
-    assert explained_variance(targets + np.array([0.5, -0.5, 0.5, -0.5]), targets) == pytest.approx(0.8)
+    assert explained_variance(targets + np.array([0.5, -0.5, 0.5, -0.5]), targets) == pytest.approx(
+        0.8
+    )
     assert math.isnan(explained_variance(np.zeros(3), np.ones(3)))
     assert math.isnan(explained_variance(np.zeros(0), np.zeros(0)))
 
@@ -109,7 +113,9 @@ def test_linear_schedule_and_its_state() -> None:
 
 
 def test_runtime_state_dict_round_trip() -> None:
-    state = PPOLearnerRuntimeState(iterations=3, rollouts_collected=4, policy_version=5, shuffle_rng_state={"a": 1})
+    state = PPOLearnerRuntimeState(
+        iterations=3, rollouts_collected=4, policy_version=5, shuffle_rng_state={"a": 1}
+    )
     assert PPOLearnerRuntimeState.from_dict(state.to_dict()) == state
     with pytest.raises(ValueError, match="policy_version"):
         PPOLearnerRuntimeState.from_dict({"iterations": 1, "rollouts_collected": 1})
@@ -141,7 +147,9 @@ def _learner(model: ActorCritic, **overrides) -> PPOUpdater:
     kwargs.update(overrides)
     lr = kwargs.pop("lr", 2.5e-3)
     fused = kwargs.pop("fused", None)
-    return PPOUpdater(model, torch.optim.Adam(model.parameters(), lr=lr, eps=1e-5, fused=fused), **kwargs)
+    return PPOUpdater(
+        model, torch.optim.Adam(model.parameters(), lr=lr, eps=1e-5, fused=fused), **kwargs
+    )
 
 
 def _fill(
@@ -164,8 +172,15 @@ def _fill(
             reward_fn(bundle.actions) if reward_fn is not None else rng.normal(size=buffer.num_envs)
         ).astype(np.float32)
         dones = rng.random(buffer.num_envs) < done_probability
-        buffer.add(obs, bundle.actions, bundle.log_probs, bundle.values, rewards, dones,
-                   policy_version=versions[t % len(versions)])
+        buffer.add(
+            obs,
+            bundle.actions,
+            bundle.log_probs,
+            bundle.values,
+            rewards,
+            dones,
+            policy_version=versions[t % len(versions)],
+        )
     last_obs = rng.normal(size=(buffer.num_envs, OBS_DIM)).astype(np.float32)
     last_values = acting_models[0].predict_values(last_obs)
     buffer.compute_gae(last_values, buffer.dones[-1].copy(), 0.99, 0.95)
@@ -190,7 +205,9 @@ def test_ratio_check_only_counts_rows_of_the_current_policy_version() -> None:
 
         def deviation(version: int) -> float:
             learner = _learner(copy.deepcopy(model))
-            return learner.step(buffer, current_policy_version=version).first_minibatch_ratio_max_abs_dev
+            return learner.step(
+                buffer, current_policy_version=version
+            ).first_minibatch_ratio_max_abs_dev
 
         assert deviation(7) < 1e-5
         assert deviation(6) > 1e-3
@@ -213,10 +230,18 @@ def test_updates_on_a_bandit_raise_the_probability_of_the_rewarded_action(precis
         for update in range(6):
             buffer.reset()
             # One-step episodes: reward 1 for action 1, 0 for action 0.
-            _fill(buffer, [model], rng, reward_fn=lambda a: (a == 1).astype(np.float32),
-                  versions=(update,), done_probability=1.0)
+            _fill(
+                buffer,
+                [model],
+                rng,
+                reward_fn=lambda a: (a == 1).astype(np.float32),
+                versions=(update,),
+                done_probability=1.0,
+            )
             stats = learner.step(buffer, current_policy_version=update)
-            assert stats.first_minibatch_ratio_max_abs_dev < (1e-5 if precision == "float32" else 1e-2)
+            assert stats.first_minibatch_ratio_max_abs_dev < (
+                1e-5 if precision == "float32" else 1e-2
+            )
     after = p_rewarded()
     assert 0.4 < before < 0.6
     assert after > before + 0.2, (before, after)
@@ -230,7 +255,9 @@ def _layer_output_dtypes(model: ActorCritic) -> dict[str, list[torch.dtype]]:
     for module in model.modules():
         if isinstance(module, (torch.nn.Conv2d, torch.nn.Linear)):
             part = seen["heads" if module in heads else "torso"]
-            module.register_forward_hook(lambda _m, _i, output, part=part: part.append(output.dtype))
+            module.register_forward_hook(
+                lambda _m, _i, output, part=part: part.append(output.dtype)
+            )
     return seen
 
 
@@ -238,13 +265,19 @@ class _Demonstrations:
     """A stand-in behaviour-cloning sampler: random frames and actions."""
 
     def sample(self, batch_size: int, rng: np.random.Generator) -> DemonstrationBatch:
-        return DemonstrationBatch(rng.integers(0, 256, (batch_size, 2, 8, 8), dtype=np.uint8),
-                                  rng.integers(0, 3, batch_size), None)
+        return DemonstrationBatch(
+            rng.integers(0, 256, (batch_size, 2, 8, 8), dtype=np.uint8),
+            rng.integers(0, 3, batch_size),
+            None,
+        )
 
 
-@pytest.mark.parametrize("precision, torso_dtype", [("float32", torch.float32), ("bfloat16", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "precision, torso_dtype", [("float32", torch.float32), ("bfloat16", torch.bfloat16)]
+)
 def test_the_update_runs_the_torso_in_its_precision_and_keeps_heads_and_state_float32(
-        precision: str, torso_dtype: torch.dtype) -> None:
+    precision: str, torso_dtype: torch.dtype
+) -> None:
     """A small CNN on 8x8 frames: every forward pass of an update (the proximal re-evaluation, the
     minibatches, behaviour cloning) runs the torso's conv and linear layers in the chosen precision
     and the heads in float32; weights, gradients and Adam's moments stay float32, the actor's API
@@ -258,8 +291,14 @@ def test_the_update_runs_the_torso_in_its_precision_and_keeps_heads_and_state_fl
         for _ in range(buffer.rollout_length):
             frames = rng.integers(0, 256, (4, 2, 8, 8), dtype=np.uint8)
             bundle = model.act(frames, generator=generator)
-            buffer.add(frames, bundle.actions, bundle.log_probs, bundle.values,
-                       rng.normal(size=4).astype(np.float32), np.zeros(4, bool))
+            buffer.add(
+                frames,
+                bundle.actions,
+                bundle.log_probs,
+                bundle.values,
+                rng.normal(size=4).astype(np.float32),
+                np.zeros(4, bool),
+            )
         buffer.compute_gae(np.zeros(4, np.float32), np.zeros(4, bool), 0.99, 0.95)
         learner = _learner(model, learner_precision=precision)
         seen = _layer_output_dtypes(model)
@@ -270,7 +309,9 @@ def test_the_update_runs_the_torso_in_its_precision_and_keeps_heads_and_state_fl
     assert set(seen["torso"]) == {torso_dtype}  # the minibatches and behaviour cloning too
     assert seen["heads"] and set(seen["heads"]) == {torch.float32}
     assert math.isfinite(stats.policy_loss) and math.isfinite(stats.value_loss)
-    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
+    assert all(
+        p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters()
+    )
     moments = [state["exp_avg"] for state in learner.optimizer.state.values()]
     assert moments and all(m.dtype == torch.float32 for m in moments)
     bundle = model.act(rng.integers(0, 256, (4, 2, 8, 8), dtype=np.uint8), generator=generator)
@@ -282,12 +323,23 @@ def test_an_update_with_flat_adam_moves_the_weights_as_with_torch_adam(fused: bo
     """Two updates (4 epochs x 4 minibatches each, gradient clipping) from the same weights on the
     same rollouts: FlatAdam's weights and Adam state end as torch.optim.Adam's within float32
     rounding, and both moved."""
+
     def trained(flat: bool) -> tuple[ActorCritic, dict]:
         model = _model(0)
         adam = FlatAdam if flat else torch.optim.Adam
         optimizer = adam(model.parameters(), lr=2.5e-3, eps=1e-5, fused=fused)
-        learner = PPOUpdater(model, optimizer, device="cpu", ppo_epochs=4, num_minibatches=4, clip_coef=0.2,
-                             clip_value_range=0.2, vf_coef=0.5, max_grad_norm=0.5, seed=0)
+        learner = PPOUpdater(
+            model,
+            optimizer,
+            device="cpu",
+            ppo_epochs=4,
+            num_minibatches=4,
+            clip_coef=0.2,
+            clip_value_range=0.2,
+            vf_coef=0.5,
+            max_grad_norm=0.5,
+            seed=0,
+        )
         for update in range(2):
             with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
                 _fill(buffer, [model], np.random.default_rng(update))
@@ -297,21 +349,28 @@ def test_an_update_with_flat_adam_moves_the_weights_as_with_torch_adam(fused: bo
     (flat_model, flat_state), (model, state) = trained(True), trained(False)
     assert not torch.equal(model.critic.weight, _model(0).critic.weight)
     for name, parameter in model.named_parameters():
-        torch.testing.assert_close(dict(flat_model.named_parameters())[name], parameter, rtol=1e-4, atol=1e-6,
-                                   msg=name)
+        torch.testing.assert_close(
+            dict(flat_model.named_parameters())[name], parameter, rtol=1e-4, atol=1e-6, msg=name
+        )
     for index, entry in state["state"].items():
-        torch.testing.assert_close(flat_state["state"][index]["exp_avg_sq"], entry["exp_avg_sq"], rtol=1e-3, atol=1e-9)
+        torch.testing.assert_close(
+            flat_state["state"][index]["exp_avg_sq"], entry["exp_avg_sq"], rtol=1e-3, atol=1e-9
+        )
         assert float(flat_state["state"][index]["step"]) == float(entry["step"]) == 32
 
 
-def test_the_learner_steps_a_flat_adam_unless_behaviour_cloning_trains_the_policy_alone(tmp_path) -> None:
+def test_the_learner_steps_a_flat_adam_unless_behaviour_cloning_trains_the_policy_alone(
+    tmp_path,
+) -> None:
     from oakemu_core.algo.trainer import build_optimizer
     from oakemu_core.config import OakEmuConfig
 
     model = _model(0)
     plain = OakEmuConfig(env_id="CartPole-v1")
     assert isinstance(build_optimizer(plain, model, "cpu"), FlatAdam)
-    bc_term = OakEmuConfig(env_id="CartPole-v1", bc_dataset=str(tmp_path), bc_coef=0.1)  # next to PPO's loss
+    bc_term = OakEmuConfig(
+        env_id="CartPole-v1", bc_dataset=str(tmp_path), bc_coef=0.1
+    )  # next to PPO's loss
     assert isinstance(build_optimizer(bc_term, _model(0), "cpu"), FlatAdam)
     pretrain = OakEmuConfig(env_id="CartPole-v1", bc_dataset=str(tmp_path), bc_pretrain_updates=5)
     optimizer = build_optimizer(pretrain, _model(0), "cpu")
@@ -322,6 +381,7 @@ def test_a_bfloat16_update_moves_the_weights_as_the_float32_update_does() -> Non
     """Mixed precision changes the arithmetic, not the update: from the same weights on the same
     rollout, the two updates' weight changes point the same way (cosine > 0.99; an update from
     another rollout is the yardstick of how different unrelated updates are)."""
+
     def weight_change(precision: str, fill_seed: int) -> torch.Tensor:
         model = _model(0)
         start = torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -330,7 +390,11 @@ def test_a_bfloat16_update_moves_the_weights_as_the_float32_update_does() -> Non
             _learner(model, learner_precision=precision).step(buffer, current_policy_version=0)
         return torch.cat([p.detach().flatten() for p in model.parameters()]) - start
 
-    float32, bfloat16, other = weight_change("float32", 1), weight_change("bfloat16", 1), weight_change("float32", 2)
+    float32, bfloat16, other = (
+        weight_change("float32", 1),
+        weight_change("bfloat16", 1),
+        weight_change("float32", 2),
+    )
     assert not torch.equal(float32, bfloat16)  # the bfloat16 arithmetic did run
     assert torch.nn.functional.cosine_similarity(float32, bfloat16, dim=0) > 0.99
     assert torch.nn.functional.cosine_similarity(float32, other, dim=0) < 0.9
@@ -341,9 +405,13 @@ def _trainable_rows(buffer: RolloutBuffer, trainable: np.ndarray) -> tuple[torch
     std + 1e-8), returns)`` of the ``trainable`` rows, in row-major order, for hand-written updates."""
     advantages = buffer.advantages[trainable].astype(np.float64)
     advantages = ((advantages - advantages.mean()) / (advantages.std() + 1e-8)).astype(np.float32)
-    return (torch.from_numpy(buffer.observations[trainable]), torch.from_numpy(buffer.actions[trainable]),
-            torch.from_numpy(buffer.log_probs[trainable]), torch.from_numpy(advantages),
-            torch.from_numpy(buffer.returns[trainable]))
+    return (
+        torch.from_numpy(buffer.observations[trainable]),
+        torch.from_numpy(buffer.actions[trainable]),
+        torch.from_numpy(buffer.log_probs[trainable]),
+        torch.from_numpy(advantages),
+        torch.from_numpy(buffer.returns[trainable]),
+    )
 
 
 @pytest.mark.parametrize(("ent_coef", "max_grad_norm"), [(0.01, 1e9), (0.0, 1e9), (0.01, 0.05)])
@@ -357,8 +425,16 @@ def test_one_update_matches_a_hand_written_sgd_step(ent_coef: float, max_grad_no
     reference = copy.deepcopy(model)
     lr, vf_coef = 0.1, 0.5
     learner = PPOUpdater(
-        model, torch.optim.SGD(model.parameters(), lr=lr), device="cpu", ppo_epochs=1, num_minibatches=1,
-        clip_coef=0.2, clip_value_range=None, ent_coef=ent_coef, vf_coef=vf_coef, max_grad_norm=max_grad_norm,
+        model,
+        torch.optim.SGD(model.parameters(), lr=lr),
+        device="cpu",
+        ppo_epochs=1,
+        num_minibatches=1,
+        clip_coef=0.2,
+        clip_value_range=None,
+        ent_coef=ent_coef,
+        vf_coef=vf_coef,
+        max_grad_norm=max_grad_norm,
     )
     with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
         _fill(buffer, [reference], np.random.default_rng(3))
@@ -367,7 +443,10 @@ def test_one_update_matches_a_hand_written_sgd_step(ent_coef: float, max_grad_no
         buffer.mark_untrainable(~trainable)
         obs, actions, old_log_probs, advantages, returns = _trainable_rows(buffer, trainable)
         stats = learner.step(buffer, current_policy_version=0)
-        values_np, returns_np = buffer.values[trainable].astype(np.float64), buffer.returns[trainable].astype(np.float64)
+        values_np, returns_np = (
+            buffer.values[trainable].astype(np.float64),
+            buffer.returns[trainable].astype(np.float64),
+        )
 
     logits, values = reference(obs)
     log_p = torch.log_softmax(logits, -1)
@@ -382,7 +461,9 @@ def test_one_update_matches_a_hand_written_sgd_step(ent_coef: float, max_grad_no
     assert (scale < 0.5) == (max_grad_norm < 1)  # the small bound does clip
     with torch.no_grad():
         for (name, p_ref), p_new in zip(reference.named_parameters(), model.parameters()):
-            torch.testing.assert_close(p_new, p_ref - lr * scale * p_ref.grad, rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(
+                p_new, p_ref - lr * scale * p_ref.grad, rtol=1e-5, atol=1e-6, msg=name
+            )
     assert stats.policy_loss == pytest.approx(policy_loss.item(), abs=1e-6)
     assert stats.value_loss == pytest.approx(value_loss.item(), rel=1e-5)
     assert stats.entropy == pytest.approx(entropy.item(), rel=1e-5)
@@ -395,7 +476,9 @@ def test_target_kl_stops_after_the_first_epoch() -> None:
     model = _model()
     with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
         _fill(buffer, [model], np.random.default_rng(4))
-        stats = _learner(copy.deepcopy(model), target_kl=1e-9, lr=1e-2).step(buffer, current_policy_version=0)
+        stats = _learner(copy.deepcopy(model), target_kl=1e-9, lr=1e-2).step(
+            buffer, current_policy_version=0
+        )
         assert (stats.epochs_completed, stats.minibatches, stats.early_stopped) == (1, 4, True)
         assert len(stats.epoch_seconds) == 1
         full = _learner(copy.deepcopy(model), target_kl=None).step(buffer, current_policy_version=0)
@@ -419,12 +502,28 @@ def served_minibatches(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     return calls
 
 
-def _scheduled_learner(model: ActorCritic, buffer: RolloutBuffer, schedule: LinearSchedule) -> PPOLearner:
+def _scheduled_learner(
+    model: ActorCritic, buffer: RolloutBuffer, schedule: LinearSchedule
+) -> PPOLearner:
     """The settings of :func:`_learner` in a :class:`PPOLearner` training on ``buffer`` with ``schedule``."""
-    config = PPOExperimentConfiguration(ppo_epochs=4, num_minibatches=4, clip_coef=0.2, clip_value_range=0.2,
-                                        ent_coef=0.0, vf_coef=0.5, max_grad_norm=0.5, seed=0)
+    config = PPOExperimentConfiguration(
+        ppo_epochs=4,
+        num_minibatches=4,
+        clip_coef=0.2,
+        clip_value_range=0.2,
+        ent_coef=0.0,
+        vf_coef=0.5,
+        max_grad_norm=0.5,
+        seed=0,
+    )
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-5)
-    return PPOLearner(RuntimeContext(config, torch.device("cpu")), ThreadSafeModel(model), buffer, optimizer, schedule)
+    return PPOLearner(
+        RuntimeContext(config, torch.device("cpu")),
+        ThreadSafeModel(model),
+        buffer,
+        optimizer,
+        schedule,
+    )
 
 
 def test_learning_rate_schedule_counters_and_state_restore(served_minibatches: list[dict]) -> None:
@@ -482,9 +581,13 @@ def test_empty_rollout_and_bad_hyperparameters_are_rejected(served_minibatches: 
         _learner(model, learner_precision="float16")
 
 
-@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning", "ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings(
+    "ignore:invalid value encountered:RuntimeWarning", "ignore:overflow encountered:RuntimeWarning"
+)
 @pytest.mark.parametrize(("fused", "on_device"), [(False, False), (True, False), (True, True)])
-def test_a_non_finite_gradient_skips_the_step_and_keeps_the_weights_finite(fused: bool, on_device: bool) -> None:
+def test_a_non_finite_gradient_skips_the_step_and_keeps_the_weights_finite(
+    fused: bool, on_device: bool
+) -> None:
     """Skipped on the host (the CPU's path), or by the fused kernel told through ``found_inf`` (an
     accelerator's path, forced here on the CPU, whose fused kernel takes the same hook)."""
     model = _model()
@@ -500,19 +603,32 @@ def test_a_non_finite_gradient_skips_the_step_and_keeps_the_weights_finite(fused
         assert all(int(state["step"]) == 4 * 4 for state in adam.values())
         # Finite rewards whose returns overflow float32: the value loss becomes inf / NaN.
         buffer.reset()
-        _fill(buffer, [model], np.random.default_rng(0), reward_fn=lambda actions: np.full(actions.shape, 3e38))
+        _fill(
+            buffer,
+            [model],
+            np.random.default_rng(0),
+            reward_fn=lambda actions: np.full(actions.shape, 3e38),
+        )
         stats = learner.step(buffer, current_policy_version=0)
     assert stats.nonfinite_minibatches == stats.minibatches == 4 * 4
     assert all(torch.isfinite(p).all() for p in model.parameters())
     for name, tensor in model.state_dict().items():  # every step was skipped: weights unchanged
-        assert torch.equal(tensor, after_finite[name]) and not torch.equal(tensor, before[name]), name
-    for key, state in learner.optimizer.state_dict()["state"].items():  # and Adam's moments and step count
-        assert all(torch.equal(state[name], adam[key][name]) for name in ("step", "exp_avg", "exp_avg_sq")), key
+        assert torch.equal(tensor, after_finite[name]) and not torch.equal(tensor, before[name]), (
+            name
+        )
+    for key, state in learner.optimizer.state_dict()[
+        "state"
+    ].items():  # and Adam's moments and step count
+        assert all(
+            torch.equal(state[name], adam[key][name]) for name in ("step", "exp_avg", "exp_avg_sq")
+        ), key
     # The skip applies to those minibatches only: a later plain step (behaviour cloning) still steps.
     assert not hasattr(learner.optimizer, "found_inf")
     learner.model(torch.zeros(1, OBS_DIM))[1].sum().backward()
     learner.optimizer.step()
-    assert any(not torch.equal(tensor, after_finite[name]) for name, tensor in model.state_dict().items())
+    assert any(
+        not torch.equal(tensor, after_finite[name]) for name, tensor in model.state_dict().items()
+    )
 
 
 def test_observations_are_uploaded_once_per_update_not_per_epoch() -> None:
@@ -520,7 +636,9 @@ def test_observations_are_uploaded_once_per_update_not_per_epoch() -> None:
     with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
         _fill(buffer, [model], np.random.default_rng(7))
         assert buffer.observation_uploads == 0
-        stats = _learner(copy.deepcopy(model), ppo_epochs=4, num_minibatches=4).step(buffer, current_policy_version=0)
+        stats = _learner(copy.deepcopy(model), ppo_epochs=4, num_minibatches=4).step(
+            buffer, current_policy_version=0
+        )
         assert stats.epochs_completed == 4 and stats.minibatches == 16
         assert buffer.observation_uploads == 1
         # A second update of the unchanged buffer reuses the upload; a changed buffer uploads again.
@@ -535,7 +653,9 @@ def test_observations_are_uploaded_once_per_update_not_per_epoch() -> None:
 # ---------------------------------------------------------------------------------------------
 # Other action distributions through the same update
 # ---------------------------------------------------------------------------------------------
-def _fill_schema_buffer(buffer: RolloutBuffer, model: ActorCritic, rng: np.random.Generator, *, masked: bool) -> None:
+def _fill_schema_buffer(
+    buffer: RolloutBuffer, model: ActorCritic, rng: np.random.Generator, *, masked: bool
+) -> None:
     """Rows acted by ``model``, with the distribution's stored fields and (if masked) random masks."""
     generator = torch.Generator().manual_seed(0)
     width = model.distribution.mask_width
@@ -547,8 +667,16 @@ def _fill_schema_buffer(buffer: RolloutBuffer, model: ActorCritic, rng: np.rando
             mask[np.arange(buffer.num_envs), rng.integers(0, width, buffer.num_envs)] = True
             extra["action_mask"] = mask
         bundle = model.act(obs, action_mask=extra.get("action_mask"), generator=generator)
-        buffer.add(obs, bundle.actions, bundle.log_probs, bundle.values, rng.normal(size=buffer.num_envs).astype(np.float32),
-                   rng.random(buffer.num_envs) < 0.1, **bundle.distribution_fields, **extra)
+        buffer.add(
+            obs,
+            bundle.actions,
+            bundle.log_probs,
+            bundle.values,
+            rng.normal(size=buffer.num_envs).astype(np.float32),
+            rng.random(buffer.num_envs) < 0.1,
+            **bundle.distribution_fields,
+            **extra,
+        )
     buffer.compute_gae(np.zeros(buffer.num_envs, np.float32), buffer.dones[-1].copy(), 0.99, 0.95)
 
 
@@ -588,27 +716,38 @@ def test_gaussian_approx_kl_is_the_exact_kl_from_the_stored_parameters() -> None
     with RolloutBuffer(T, N, schema=schema, seed=0) as buffer:
         _fill_schema_buffer(buffer, acting, np.random.default_rng(1), masked=False)
         # lr 0: the policy does not move, so every minibatch's KL is that of the initial weights.
-        same = _learner(copy.deepcopy(acting), lr=0.0, ppo_epochs=1).step(buffer, current_policy_version=0)
+        same = _learner(copy.deepcopy(acting), lr=0.0, ppo_epochs=1).step(
+            buffer, current_policy_version=0
+        )
         assert same.approx_kl == pytest.approx(0.0, abs=1e-6)
-        stats = _learner(copy.deepcopy(other), lr=0.0, ppo_epochs=2).step(buffer, current_policy_version=0)
+        stats = _learner(copy.deepcopy(other), lr=0.0, ppo_epochs=2).step(
+            buffer, current_policy_version=0
+        )
         with torch.no_grad():
             mean, _ = other(torch.from_numpy(buffer.observations.reshape(-1, OBS_DIM).copy()))
-        new = torch.distributions.Normal(mean[:, :2].double(), other.actor.log_std.exp().double().expand(T * N, 2))
-        old = torch.distributions.Normal(torch.from_numpy(buffer.field("action_mean").reshape(-1, 2).copy()).double(),
-                                         torch.from_numpy(buffer.field("action_std").reshape(-1, 2).copy()).double())
+        new = torch.distributions.Normal(
+            mean[:, :2].double(), other.actor.log_std.exp().double().expand(T * N, 2)
+        )
+        old = torch.distributions.Normal(
+            torch.from_numpy(buffer.field("action_mean").reshape(-1, 2).copy()).double(),
+            torch.from_numpy(buffer.field("action_std").reshape(-1, 2).copy()).double(),
+        )
         expected = torch.distributions.kl_divergence(old, new).sum(-1).mean().item()
         assert expected > 0.05
         # 64 rows in 4 equal minibatches: the mean of minibatch means is the mean over all rows.
         assert stats.approx_kl == pytest.approx(expected, rel=1e-4)
         # The ratio-based estimate would differ: the exact KL is what is reported.
-        new_log_probs = new.log_prob(torch.from_numpy(buffer.actions.reshape(-1, 2).copy()).double()).sum(-1)
+        new_log_probs = new.log_prob(
+            torch.from_numpy(buffer.actions.reshape(-1, 2).copy()).double()
+        ).sum(-1)
         log_ratio = new_log_probs - torch.from_numpy(buffer.log_probs.reshape(-1).copy()).double()
         k3 = ((log_ratio.exp() - 1) - log_ratio).mean().item()
         assert abs(k3 - expected) > 1e-3
 
 
-def _advantages_seen_by_the_loss(monkeypatch: pytest.MonkeyPatch, *, ppo_epochs: int, num_minibatches: int,
-                                 seed: int) -> tuple[list[torch.Tensor], np.ndarray]:
+def _advantages_seen_by_the_loss(
+    monkeypatch: pytest.MonkeyPatch, *, ppo_epochs: int, num_minibatches: int, seed: int
+) -> tuple[list[torch.Tensor], np.ndarray]:
     """One update of a fresh learner: the advantages tensor each ``ppo_losses`` call received, in call
     order, and the buffer's raw advantages (flat, float64)."""
     import oakemu_core.algo.ppo as ppo_module
@@ -622,9 +761,18 @@ def _advantages_seen_by_the_loss(monkeypatch: pytest.MonkeyPatch, *, ppo_epochs:
 
     monkeypatch.setattr(ppo_module, "ppo_losses", recording)
     model = _model()
-    learner = PPOUpdater(model, torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-5), device="cpu",
-                         ppo_epochs=ppo_epochs, num_minibatches=num_minibatches, clip_coef=0.2, clip_value_range=None,
-                         ent_coef=0.0, vf_coef=0.5, max_grad_norm=0.5)
+    learner = PPOUpdater(
+        model,
+        torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-5),
+        device="cpu",
+        ppo_epochs=ppo_epochs,
+        num_minibatches=num_minibatches,
+        clip_coef=0.2,
+        clip_value_range=None,
+        ent_coef=0.0,
+        vf_coef=0.5,
+        max_grad_norm=0.5,
+    )
     with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
         _fill(buffer, [model], np.random.default_rng(seed))
         raw = buffer.advantages.reshape(-1).astype(np.float64)
@@ -640,7 +788,9 @@ def test_advantages_are_normalised_per_minibatch(monkeypatch: pytest.MonkeyPatch
     assert len(seen) == 2 * 4 and all(len(a) == T * N // 4 for a in seen)
     for advantages in seen:
         a = advantages.detach().double()
-        assert abs(a.mean().item()) < 1e-5 and a.std(correction=0).item() == pytest.approx(1.0, abs=1e-4)
+        assert abs(a.mean().item()) < 1e-5 and a.std(correction=0).item() == pytest.approx(
+            1.0, abs=1e-4
+        )
     # Each epoch's minibatches together are an affine image of the raw advantages per minibatch,
     # so their union is not the rollout-wide normalisation.
     whole = (raw - raw.mean()) / raw.std()
@@ -648,7 +798,9 @@ def test_advantages_are_normalised_per_minibatch(monkeypatch: pytest.MonkeyPatch
     assert not np.allclose(first_epoch, whole, atol=1e-3)
 
 
-def test_one_minibatch_sees_the_same_normalised_advantages_every_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_minibatch_sees_the_same_normalised_advantages_every_epoch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """With one minibatch (every row, every epoch) the advantages are normalised once for the
     update: each epoch's loss gets the same tensor, mean 0 and population std 1 over the rows."""
     seen, raw = _advantages_seen_by_the_loss(monkeypatch, ppo_epochs=3, num_minibatches=1, seed=6)
@@ -667,19 +819,31 @@ def test_after_epoch_sees_the_weights_each_epoch_left() -> None:
         model = copy.deepcopy(start)
         seen: dict[int, dict[str, torch.Tensor]] = {}
         _learner(model, ppo_epochs=3, num_minibatches=1).step(
-            buffer, current_policy_version=0,
-            after_epoch=lambda k, kl, nonfinite, sgd_steps: seen.__setitem__(k, copy.deepcopy(model.state_dict())))
+            buffer,
+            current_policy_version=0,
+            after_epoch=lambda k, kl, nonfinite, sgd_steps: seen.__setitem__(
+                k, copy.deepcopy(model.state_dict())
+            ),
+        )
         assert sorted(seen) == [1, 2]
         for k in (1, 2):
             reference = copy.deepcopy(start)
-            _learner(reference, ppo_epochs=k, num_minibatches=1).step(buffer, current_policy_version=0)
+            _learner(reference, ppo_epochs=k, num_minibatches=1).step(
+                buffer, current_policy_version=0
+            )
             for name, tensor in reference.state_dict().items():
                 torch.testing.assert_close(seen[k][name], tensor, rtol=0, atol=0)
-            assert any(not torch.equal(seen[k][name], tensor) for name, tensor in start.state_dict().items())
+            assert any(
+                not torch.equal(seen[k][name], tensor)
+                for name, tensor in start.state_dict().items()
+            )
 
-        calls: list[tuple] = []  # epoch 1 starts at the acting policy (KL 0); epoch 2 passes target_kl
-        stats = _learner(copy.deepcopy(start), ppo_epochs=3, num_minibatches=1, target_kl=1e-6).step(
-            buffer, current_policy_version=0, after_epoch=lambda *args: calls.append(args))
+        calls: list[
+            tuple
+        ] = []  # epoch 1 starts at the acting policy (KL 0); epoch 2 passes target_kl
+        stats = _learner(
+            copy.deepcopy(start), ppo_epochs=3, num_minibatches=1, target_kl=1e-6
+        ).step(buffer, current_policy_version=0, after_epoch=lambda *args: calls.append(args))
         assert stats.early_stopped and stats.epochs_completed == 2
         assert [(k, nonfinite, sgd_steps) for k, _kl, nonfinite, sgd_steps in calls] == [(1, 0, 1)]
         assert abs(calls[0][1]) < 1e-6  # the first epoch's KL: measured before its only step

@@ -11,18 +11,24 @@ from typing import Any
 
 import numpy as np
 import pytest
+from oakemu_services import cli
 
 from oakemu_core.config import OakEmuConfig, make_config
 from oakemu_core.envs import env_spec
 from oakemu_core.errors import ConfigError
 from oakemu_core.policy.schemas import schema_for_env
-from oakemu_core.run.evaluation import build_evaluation
 from oakemu_core.presets import load_preset, preset_names
-from oakemu_services import cli
+from oakemu_core.run.evaluation import build_evaluation
 
-EXPECTED = {"cartpole": "CartPole-v1", "lunarlander": "LunarLander-v3", "pendulum": "Pendulum-v1",
-            "acrobot": "Acrobot-v1", "taxi": "Taxi-v4", "atari": "ALE/Breakout-v5",
-            "airstriker": "retro:Airstriker-Genesis-v0"}
+EXPECTED = {
+    "cartpole": "CartPole-v1",
+    "lunarlander": "LunarLander-v3",
+    "pendulum": "Pendulum-v1",
+    "acrobot": "Acrobot-v1",
+    "taxi": "Taxi-v4",
+    "atari": "ALE/Breakout-v5",
+    "airstriker": "retro:Airstriker-Genesis-v0",
+}
 
 
 pytestmark = pytest.mark.usefixtures("no_oakemu_variables")
@@ -70,8 +76,14 @@ def test_each_preset_evaluates_and_records_videos_of_an_env_that_renders(name: s
     config = make_config(base=load_preset(name).settings)
     assert config.eval_every_updates > 0 and config.eval_video, name
     sink = _FirstFrames()
-    model, env = build_evaluation(config.env_id, schema_for_env(env_spec(config.env_id)).to_dict(), seed=0,
-                                  max_episode_steps=3, env_options=config.env_options, frame_sink=sink)
+    model, env = build_evaluation(
+        config.env_id,
+        schema_for_env(env_spec(config.env_id)).to_dict(),
+        seed=0,
+        max_episode_steps=3,
+        env_options=config.env_options,
+        frame_sink=sink,
+    )
     try:
         observations = env.reset()
         env.step(model.act(observations, action_mask=env.action_masks(), greedy=True).actions)
@@ -79,7 +91,9 @@ def test_each_preset_evaluates_and_records_videos_of_an_env_that_renders(name: s
         env.close()
     assert sink.error is None and sink.frames, name
     frame = sink.frames[0]
-    assert frame.dtype == np.uint8 and frame.ndim == 3 and frame.shape[2] == 3 and frame.std() > 0, name
+    assert (
+        frame.dtype == np.uint8 and frame.ndim == 3 and frame.shape[2] == 3 and frame.std() > 0
+    ), name
 
 
 def test_an_unknown_preset_names_the_closest_one() -> None:
@@ -87,7 +101,9 @@ def test_an_unknown_preset_names_the_closest_one() -> None:
         load_preset("cartpol")
 
 
-def test_flags_variables_and_toml_override_a_preset(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_flags_variables_and_toml_override_a_preset(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     calls: list[tuple[Any, ...]] = []
     fake = types.ModuleType("oakemu_services.train")
     fake.main = lambda *args, **kwargs: calls.append(args) or 0  # type: ignore[attr-defined]
@@ -95,10 +111,23 @@ def test_flags_variables_and_toml_override_a_preset(monkeypatch: pytest.MonkeyPa
     toml_file = tmp_path / "mine.toml"
     toml_file.write_text("gamma = 0.97\n", encoding="utf-8")
     monkeypatch.setenv("OAKEMU_PPO_EPOCHS", "7")
-    assert cli.main(["train", "--preset", "cartpole", "--learning-rate", "5e-4", "--config", str(toml_file)]) == 0
+    assert (
+        cli.main(
+            ["train", "--preset", "cartpole", "--learning-rate", "5e-4", "--config", str(toml_file)]
+        )
+        == 0
+    )
     config: OakEmuConfig = calls[0][0]
-    assert (config.env_id, config.rollout_length, config.num_actors) == ("CartPole-v1", 32, 1)  # the preset
-    assert (config.learning_rate, config.ppo_epochs, config.gamma) == (5e-4, 7, 0.97)  # flag, variable, TOML
+    assert (config.env_id, config.rollout_length, config.num_actors) == (
+        "CartPole-v1",
+        32,
+        1,
+    )  # the preset
+    assert (config.learning_rate, config.ppo_epochs, config.gamma) == (
+        5e-4,
+        7,
+        0.97,
+    )  # flag, variable, TOML
 
 
 RANGE = re.compile(r"\d+(?: seconds| minutes?)?(?: to |-)\d+ (?:seconds|minutes?|hours)")
@@ -108,12 +137,17 @@ RANGE = re.compile(r"\d+(?: seconds| minutes?)?(?: to |-)\d+ (?:seconds|minutes?
 def test_preset_times_are_ranges_from_a_quiet_to_a_busy_machine() -> None:
     # One figure from a quiet machine misleads on a busy one (CartPole took 60 s, not "about 30").
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    rows = {match.group(1): match.group(2) for match in re.finditer(r"^\| `(\w+)` \|.*\| ([^|]+) \|$", readme, re.M)}
+    rows = {
+        match.group(1): match.group(2)
+        for match in re.finditer(r"^\| `(\w+)` \|.*\| ([^|]+) \|$", readme, re.M)
+    }
     assert sorted(rows) == preset_names()
     for name, time_cell in rows.items():
         assert RANGE.search(time_cell), (name, time_cell)
         expect = load_preset(name).expect
         assert RANGE.search(expect) and "quiet to busy" in expect, (name, expect)
-    quick_start = readme[readme.index("## Quick start"):readme.index("### Presets")]
+    quick_start = readme[readme.index("## Quick start") : readme.index("### Presets")]
     assert "about 30 seconds" not in quick_start
-    assert re.search(r"--preset cartpole`.*\n?.*reaches a return of 500 in " + RANGE.pattern, quick_start)
+    assert re.search(
+        r"--preset cartpole`.*\n?.*reaches a return of 500 in " + RANGE.pattern, quick_start
+    )

@@ -25,5 +25,7 @@ def test_an_unknown_name_raises_attribute_error() -> None:
 
 def test_importing_the_package_does_not_import_torch() -> None:
     code = "import sys, oakemu_core; print('torch' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     assert result.stdout.strip() == "False"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import pickle
 from collections.abc import Iterator
 
@@ -15,11 +14,11 @@ from hypothesis import strategies as st
 
 import oakemu_core.storage.memory as memory_diagnostics
 from oakemu_core import RolloutBuffer, RolloutMinibatch
-from oakemu_core.storage.memory import SharedMemoryTooSmallError
 from oakemu_core.policy.distributions import Categorical
-from oakemu_core.storage.rollout_buffer import FlatBatch, StaleAdvantagesError, normalize_advantages
 from oakemu_core.shared_memory import SEGMENT_PREFIX
 from oakemu_core.step_schema import build_schema, default_schema
+from oakemu_core.storage.memory import SharedMemoryTooSmallError
+from oakemu_core.storage.rollout_buffer import FlatBatch, StaleAdvantagesError, normalize_advantages
 from tests.conftest import SHM_DIR, own_segments
 from tests.test_gae import reference_gae
 
@@ -35,11 +34,14 @@ def buffer() -> Iterator[RolloutBuffer]:
         yield rollout_buffer
 
 
-def step_arrays(num_envs: int, step: int = 0, obs_shape: tuple[int, ...] = OBS_SHAPE) -> dict[str, np.ndarray]:
+def step_arrays(
+    num_envs: int, step: int = 0, obs_shape: tuple[int, ...] = OBS_SHAPE
+) -> dict[str, np.ndarray]:
     """Valid arrays for one row of ``num_envs`` columns; values encode ``step`` and the column."""
     envs = np.arange(num_envs)
     return {
-        "observations": np.full((num_envs, *obs_shape), step, np.uint8) + envs.reshape(-1, *[1] * len(obs_shape)).astype(np.uint8),
+        "observations": np.full((num_envs, *obs_shape), step, np.uint8)
+        + envs.reshape(-1, *[1] * len(obs_shape)).astype(np.uint8),
         "actions": (10 * step + envs).astype(np.int64),
         "log_probs": (-0.1 * (step + 1) - envs).astype(np.float32),
         "values": (step + 0.01 * envs).astype(np.float32),
@@ -50,13 +52,18 @@ def step_arrays(num_envs: int, step: int = 0, obs_shape: tuple[int, ...] = OBS_S
 
 def fill(rollout_buffer: RolloutBuffer, **extra) -> None:
     for step in range(rollout_buffer.rollout_length - rollout_buffer.step):
-        arrays = step_arrays(rollout_buffer.num_envs, step, obs_shape=rollout_buffer.observation_shape)
+        arrays = step_arrays(
+            rollout_buffer.num_envs, step, obs_shape=rollout_buffer.observation_shape
+        )
         rollout_buffer.add(**arrays, **extra)
 
 
 def gae_ready(rollout_buffer: RolloutBuffer) -> None:
     rollout_buffer.compute_gae(
-        np.zeros(rollout_buffer.num_envs, np.float32), rollout_buffer.dones[-1].copy(), GAMMA, GAE_LAMBDA
+        np.zeros(rollout_buffer.num_envs, np.float32),
+        rollout_buffer.dones[-1].copy(),
+        GAMMA,
+        GAE_LAMBDA,
     )
 
 
@@ -92,7 +99,9 @@ def test_layout_shapes_dtypes_and_memory(buffer: RolloutBuffer) -> None:
     assert buffer.schema.stored_bytes_per_row() == 56
     assert buffer.memory_gb == pytest.approx(buffer.memory_bytes / 1024**3)
     assert buffer.memory_bytes == RolloutBuffer.estimate_memory_bytes(4, 3, buffer.schema)
-    assert buffer.memory_bytes == RolloutBuffer.estimate_memory_bytes(4, 3, default_schema(OBS_SHAPE, np.uint8))
+    assert buffer.memory_bytes == RolloutBuffer.estimate_memory_bytes(
+        4, 3, default_schema(OBS_SHAPE, np.uint8)
+    )
     assert buffer.schema == default_schema(OBS_SHAPE, np.uint8)
     with pytest.raises(KeyError, match="truncated.*not a stored field"):
         buffer.field("truncated")  # sent by actors, kept in dones + bootstrap_values
@@ -105,20 +114,35 @@ def test_layout_shapes_dtypes_and_memory(buffer: RolloutBuffer) -> None:
 
 
 def test_uint8_frames_use_a_quarter_of_float32_memory() -> None:
-    with RolloutBuffer(2, 2, (4, 84, 84), np.uint8) as frames, RolloutBuffer(2, 2, (4, 84, 84), np.float32) as floats:
+    with (
+        RolloutBuffer(2, 2, (4, 84, 84), np.uint8) as frames,
+        RolloutBuffer(2, 2, (4, 84, 84), np.float32) as floats,
+    ):
         assert frames.observations.dtype == np.uint8
         assert floats.observations.nbytes == 4 * frames.observations.nbytes
 
 
 def test_views_are_read_only(buffer: RolloutBuffer) -> None:
-    for name in ("observations", "actions", "rewards", "dones", "trainable", "advantages", "returns", "column_steps"):
+    for name in (
+        "observations",
+        "actions",
+        "rewards",
+        "dones",
+        "trainable",
+        "advantages",
+        "returns",
+        "column_steps",
+    ):
         with pytest.raises(ValueError, match="read-only"):
             getattr(buffer, name)[0] = 1
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [((0, 3), "rollout_length: expected a positive int"), ((4, -1), "num_envs: expected a positive int")],
+    [
+        ((0, 3), "rollout_length: expected a positive int"),
+        ((4, -1), "num_envs: expected a positive int"),
+    ],
 )
 def test_invalid_sizes_are_rejected(args: tuple[int, int], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -176,7 +200,9 @@ def test_add_rejects_wrong_fields_and_writes_nothing(
 ) -> None:
     arrays = step_arrays(3, step=5)
     arrays[field] = bad
-    with pytest.raises(ValueError, match=rf"^{field}: expected .*{expected}.*received .*{received}"):
+    with pytest.raises(
+        ValueError, match=rf"^{field}: expected .*{expected}.*received .*{received}"
+    ):
         buffer.add(**arrays)
     assert buffer.step == 0
     assert not buffer.observations.any() and not buffer.actions.any() and not buffer.rewards.any()
@@ -188,7 +214,9 @@ def test_write_rejects_wrong_fields_and_writes_nothing(
 ) -> None:
     arrays = step_arrays(3, step=5)
     arrays[field] = bad
-    with pytest.raises(ValueError, match=rf"^{field}: expected .*{expected}.*received .*{received}"):
+    with pytest.raises(
+        ValueError, match=rf"^{field}: expected .*{expected}.*received .*{received}"
+    ):
         buffer.write(0, np.array([2, 0, 1]), arrays)
     np.testing.assert_array_equal(buffer.column_steps, [0, 0, 0])
     assert not buffer.observations.any() and not buffer.actions.any() and not buffer.rewards.any()
@@ -196,7 +224,9 @@ def test_write_rejects_wrong_fields_and_writes_nothing(
 
 def test_bootstrap_value_without_done_is_rejected(buffer: RolloutBuffer) -> None:
     bootstrap = np.array([0.0, 0.5, 0.0], np.float32)
-    with pytest.raises(ValueError, match=r"bootstrap_values: expected 0 where dones is False.*\[1\]"):
+    with pytest.raises(
+        ValueError, match=r"bootstrap_values: expected 0 where dones is False.*\[1\]"
+    ):
         buffer.add(**step_arrays(3), bootstrap_values=bootstrap)
     arrays = step_arrays(3)
     arrays["dones"] = np.array([False, True, False])
@@ -237,8 +267,12 @@ def _complete(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Every writable field actors send (a validated write fills no default for them), plus one the buffer
     does not store."""
     lead = arrays["dones"].shape
-    return {**arrays, "bootstrap_values": np.zeros(lead, np.float32), "truncated": np.zeros(lead, bool),
-            "trainable": np.arange(math.prod(lead)).reshape(lead) % 2 == 0}
+    return {
+        **arrays,
+        "bootstrap_values": np.zeros(lead, np.float32),
+        "truncated": np.zeros(lead, bool),
+        "trainable": np.arange(math.prod(lead)).reshape(lead) % 2 == 0,
+    }
 
 
 def test_a_validated_write_stores_what_a_checked_write_stores(buffer: RolloutBuffer) -> None:
@@ -246,23 +280,48 @@ def test_a_validated_write_stores_what_a_checked_write_stores(buffer: RolloutBuf
     as the checked write."""
     with RolloutBuffer(4, 3, OBS_SHAPE, np.uint8, seed=0) as checked:
         one_row = _complete(step_arrays(2, 0))
-        block = {name: np.stack([_complete(step_arrays(1, s))[name] for s in (0, 1, 2)]) for name in one_row}
-        buffer.write(0, np.array([2, 0]), one_row, policy_version=3, policy_revision=1, validated=True)
+        block = {
+            name: np.stack([_complete(step_arrays(1, s))[name] for s in (0, 1, 2)])
+            for name in one_row
+        }
+        buffer.write(
+            0, np.array([2, 0]), one_row, policy_version=3, policy_revision=1, validated=True
+        )
         checked.write(0, np.array([2, 0]), one_row, policy_version=3, policy_revision=1)
         buffer.write(0, slice(1, 2), block, rows=3, policy_version=5, validated=True)
         checked.write(0, np.array([1]), block, rows=3, policy_version=5)
-        for name in ["observations", "actions", "log_probs", "values", "rewards", "dones", "bootstrap_values",
-                     "trainable", "policy_versions", "policy_revisions", "column_steps"]:
-            np.testing.assert_array_equal(getattr(buffer, name), getattr(checked, name), err_msg=name)
+        for name in [
+            "observations",
+            "actions",
+            "log_probs",
+            "values",
+            "rewards",
+            "dones",
+            "bootstrap_values",
+            "trainable",
+            "policy_versions",
+            "policy_revisions",
+            "column_steps",
+        ]:
+            np.testing.assert_array_equal(
+                getattr(buffer, name), getattr(checked, name), err_msg=name
+            )
         np.testing.assert_array_equal(buffer.column_steps, [1, 3, 1])
         np.testing.assert_array_equal(buffer.trainable[0], [False, True, True])  # env 1 -> column 0
 
 
-def test_a_validated_write_checks_the_rows_and_writes_nothing_when_they_disagree(buffer: RolloutBuffer) -> None:
+def test_a_validated_write_checks_the_rows_and_writes_nothing_when_they_disagree(
+    buffer: RolloutBuffer,
+) -> None:
     buffer.write(0, slice(0, 2), _complete(step_arrays(2, 0)), policy_version=0, validated=True)
-    before = {name: getattr(buffer, name).copy() for name in ("actions", "column_steps", "policy_versions")}
+    before = {
+        name: getattr(buffer, name).copy()
+        for name in ("actions", "column_steps", "policy_versions")
+    }
     with pytest.raises(ValueError, match="step_index=0"):  # column 1 already holds a row
-        buffer.write(0, np.array([1, 2]), _complete(step_arrays(2, 0)), policy_version=7, validated=True)
+        buffer.write(
+            0, np.array([1, 2]), _complete(step_arrays(2, 0)), policy_version=7, validated=True
+        )
     block = {name: np.stack([value] * 4) for name, value in _complete(step_arrays(2, 1)).items()}
     with pytest.raises(OverflowError, match="rollout_length 4"):  # rows 1..4 of a 4-row buffer
         buffer.write(1, slice(0, 2), block, rows=4, policy_version=7, validated=True)
@@ -272,7 +331,10 @@ def test_a_validated_write_checks_the_rows_and_writes_nothing_when_they_disagree
 
 def test_write_keeps_rows_contiguous(buffer: RolloutBuffer) -> None:
     buffer.write(0, np.array([0, 1]), step_arrays(2, 0))
-    with pytest.raises(ValueError, match=r"columns: expected every column to hold step_index=1 rows, received columns \[2\] holding \[0\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"columns: expected every column to hold step_index=1 rows, received columns \[2\] holding \[0\]",
+    ):
         buffer.write(1, np.array([1, 2]), step_arrays(2, 1))
     np.testing.assert_array_equal(buffer.column_steps, [1, 1, 0]), "column 1 must not be written"
     with pytest.raises(ValueError, match="step_index=0"):
@@ -334,8 +396,12 @@ def one_env_case(last_dones: list[int]) -> tuple[RolloutBuffer, np.ndarray, np.n
     rewards, values, dones = [0, 1, 0, 2], [0.5, 0.6, 0.7, 0.8], [0, 1, 0, 0]
     for t in range(4):
         rollout_buffer.add(
-            np.zeros((1, 1), np.uint8), np.zeros(1, np.int64), np.zeros(1, np.float32),
-            np.array([values[t]], np.float32), np.array([rewards[t]], np.float32), np.array([bool(dones[t])]),
+            np.zeros((1, 1), np.uint8),
+            np.zeros(1, np.int64),
+            np.zeros(1, np.float32),
+            np.array([values[t]], np.float32),
+            np.array([rewards[t]], np.float32),
+            np.array([bool(dones[t])]),
         )
     return rollout_buffer, np.array([0.9], np.float32), np.array(last_dones, bool)
 
@@ -345,16 +411,21 @@ def test_issue_case_1_through_the_buffer() -> None:
     with rollout_buffer:
         rollout_buffer.compute_gae(last_values, last_dones, GAMMA, GAE_LAMBDA)
         np.testing.assert_array_equal(
-            np.round(rollout_buffer.advantages[:, 0], 4), np.array([0.4702, 0.4000, 2.0586, 2.0910], np.float32)
+            np.round(rollout_buffer.advantages[:, 0], 4),
+            np.array([0.4702, 0.4000, 2.0586, 2.0910], np.float32),
         )
         np.testing.assert_array_equal(
-            np.round(rollout_buffer.returns[:, 0], 4), np.array([0.9702, 1.0000, 2.7586, 2.8910], np.float32)
+            np.round(rollout_buffer.returns[:, 0], 4),
+            np.array([0.9702, 1.0000, 2.7586, 2.8910], np.float32),
         )
 
 
 def test_issue_case_1_with_last_dones_1_raises() -> None:
     rollout_buffer, last_values, last_dones = one_env_case([1])
-    with rollout_buffer, pytest.raises(ValueError, match=r"last_dones: expected to equal dones\[-1\]"):
+    with (
+        rollout_buffer,
+        pytest.raises(ValueError, match=r"last_dones: expected to equal dones\[-1\]"),
+    ):
         rollout_buffer.compute_gae(last_values, last_dones, GAMMA, GAE_LAMBDA)
 
 
@@ -376,7 +447,8 @@ def test_issue_case_2_normalise_over_trainable_rows_only() -> None:
     normalised = normalize_advantages(advantages, trainable)
     assert normalised.dtype == np.float32 and normalised.shape == (2, 5)
     np.testing.assert_array_equal(
-        np.round(normalised[trainable], 4), np.array([-1.4142, -0.7071, 0.0, 0.7071, 1.4142], np.float32)
+        np.round(normalised[trainable], 4),
+        np.array([-1.4142, -0.7071, 0.0, 0.7071, 1.4142], np.float32),
     )
     assert not normalised[~trainable].any()
 
@@ -395,8 +467,12 @@ def id_buffer(num_steps: int, num_envs: int, trainable: np.ndarray | None = None
     for t in range(num_steps):
         ids = t * num_envs + np.arange(num_envs)
         rollout_buffer.add(
-            np.stack([ids, ids], axis=1).astype(np.uint8), ids.astype(np.int64), -ids.astype(np.float32),
-            ids.astype(np.float32), np.ones(num_envs, np.float32), np.zeros(num_envs, bool),
+            np.stack([ids, ids], axis=1).astype(np.uint8),
+            ids.astype(np.int64),
+            -ids.astype(np.float32),
+            ids.astype(np.float32),
+            np.ones(num_envs, np.float32),
+            np.zeros(num_envs, bool),
             None if trainable is None else trainable[t],
         )
     gae_ready(rollout_buffer)
@@ -419,7 +495,9 @@ def test_issue_case_3_five_rows_into_five_and_six_minibatches() -> None:
         minibatches = rollout_buffer.get_minibatches(5, "cpu")
         assert [len(minibatch.values) for minibatch in minibatches] == [1] * 5
         assert sorted(float(minibatch.values[0]) for minibatch in minibatches) == [0, 2, 4, 6, 8]
-        with pytest.raises(ValueError, match="num_minibatches: expected at most the 5 trainable rows, received 6"):
+        with pytest.raises(
+            ValueError, match="num_minibatches: expected at most the 5 trainable rows, received 6"
+        ):
             rollout_buffer.get_minibatches(6, "cpu")
         for bad in (0, -1, True):
             with pytest.raises(ValueError, match="num_minibatches: expected a positive int"):
@@ -432,18 +510,26 @@ def test_minibatch_contents_match_the_buffer_rows() -> None:
         minibatches = rollout_buffer.get_minibatches(3, "cpu")
         # Actions hold the flat row index t * N + env, so each minibatch tells which rows it served.
         rows = [minibatch.actions.numpy() for minibatch in minibatches]
-        assert sorted(np.concatenate(rows).tolist()) == np.flatnonzero(trainable.reshape(-1)).tolist()
+        assert (
+            sorted(np.concatenate(rows).tolist()) == np.flatnonzero(trainable.reshape(-1)).tolist()
+        )
         for minibatch, minibatch_rows in zip(minibatches, rows, strict=True):
             assert isinstance(minibatch, RolloutMinibatch)
             assert minibatch.observations.dtype == torch.uint8
             assert minibatch.observations.shape == (len(minibatch_rows), 2)
             np.testing.assert_array_equal(minibatch.observations[:, 0].numpy(), minibatch_rows)
-            np.testing.assert_array_equal(minibatch.log_probs.numpy(), -minibatch_rows.astype(np.float32))
-            np.testing.assert_array_equal(minibatch.values.numpy(), minibatch_rows.astype(np.float32))
+            np.testing.assert_array_equal(
+                minibatch.log_probs.numpy(), -minibatch_rows.astype(np.float32)
+            )
+            np.testing.assert_array_equal(
+                minibatch.values.numpy(), minibatch_rows.astype(np.float32)
+            )
             np.testing.assert_array_equal(
                 minibatch.advantages.numpy(), rollout_buffer.advantages.reshape(-1)[minibatch_rows]
             )
-            np.testing.assert_array_equal(minibatch.returns.numpy(), rollout_buffer.returns.reshape(-1)[minibatch_rows])
+            np.testing.assert_array_equal(
+                minibatch.returns.numpy(), rollout_buffer.returns.reshape(-1)[minibatch_rows]
+            )
             for tensor in minibatch[2:6]:
                 assert tensor.dtype == torch.float32
             # fields carries every minibatch field of the schema, the named ones are the same tensors.
@@ -452,7 +538,8 @@ def test_minibatch_contents_match_the_buffer_rows() -> None:
             assert minibatch.fields["observations"] is minibatch.observations
             assert minibatch.fields["policy_versions"].dtype == torch.int64
             np.testing.assert_array_equal(
-                minibatch.fields["policy_versions"].numpy(), rollout_buffer.policy_versions.reshape(-1)[minibatch_rows]
+                minibatch.fields["policy_versions"].numpy(),
+                rollout_buffer.policy_versions.reshape(-1)[minibatch_rows],
             )
 
 
@@ -485,9 +572,12 @@ def test_flat_batch_is_built_once_and_serves_every_trainable_row_once_per_epoch(
         normalised = rollout_buffer.flat_batch("cpu", normalize_advantages=True)
         assert normalised is not flat and rollout_buffer.observation_uploads == 2
         np.testing.assert_allclose(
-            normalised.fields["advantages"].numpy(), rollout_buffer.normalized_advantages().reshape(-1)[flat.rows]
+            normalised.fields["advantages"].numpy(),
+            rollout_buffer.normalized_advantages().reshape(-1)[flat.rows],
         )
-        np.testing.assert_array_equal(flat.fields["advantages"].numpy(), rollout_buffer.advantages.reshape(-1)[flat.rows])
+        np.testing.assert_array_equal(
+            flat.fields["advantages"].numpy(), rollout_buffer.advantages.reshape(-1)[flat.rows]
+        )
 
 
 def test_the_whole_batch_is_every_trainable_row_in_stored_order() -> None:
@@ -505,11 +595,19 @@ def test_the_whole_batch_is_every_trainable_row_in_stored_order() -> None:
 
 def test_minibatches_are_shuffled_and_reproducible() -> None:
     with id_buffer(10, 10) as rollout_buffer:
-        first = rollout_buffer.get_minibatches(1, "cpu", generator=np.random.default_rng(5))[0].values.numpy()
-        again = rollout_buffer.get_minibatches(1, "cpu", generator=np.random.default_rng(5))[0].values.numpy()
-        other = rollout_buffer.get_minibatches(1, "cpu", generator=np.random.default_rng(6))[0].values.numpy()
+        first = rollout_buffer.get_minibatches(1, "cpu", generator=np.random.default_rng(5))[
+            0
+        ].values.numpy()
+        again = rollout_buffer.get_minibatches(1, "cpu", generator=np.random.default_rng(5))[
+            0
+        ].values.numpy()
+        other = rollout_buffer.get_minibatches(1, "cpu", generator=np.random.default_rng(6))[
+            0
+        ].values.numpy()
         np.testing.assert_array_equal(first, again)
-        assert not np.array_equal(first, np.sort(first)), "100 rows in their stored order: not shuffled"
+        assert not np.array_equal(first, np.sort(first)), (
+            "100 rows in their stored order: not shuffled"
+        )
         assert not np.array_equal(first, other)
 
 
@@ -523,9 +621,13 @@ def test_normalised_minibatch_advantages_use_trainable_rows_only() -> None:
         expected = rollout_buffer.advantages[trainable]
         expected = (expected - expected.mean()) / expected.std()
         np.testing.assert_allclose(np.sort(served), np.sort(expected), rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(rollout_buffer.normalized_advantages()[trainable], expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            rollout_buffer.normalized_advantages()[trainable], expected, rtol=1e-5, atol=1e-6
+        )
         assert not rollout_buffer.normalized_advantages()[~trainable].any()
-        raw = np.concatenate([m.advantages.numpy() for m in rollout_buffer.get_minibatches(2, "cpu")])
+        raw = np.concatenate(
+            [m.advantages.numpy() for m in rollout_buffer.get_minibatches(2, "cpu")]
+        )
         np.testing.assert_allclose(np.sort(raw), np.sort(rollout_buffer.advantages[trainable]))
 
 
@@ -563,11 +665,17 @@ def test_stale_advantages_are_refused(buffer: RolloutBuffer) -> None:
 
 
 def test_continuous_actions_keep_their_shape_and_dtype() -> None:
-    with RolloutBuffer(2, 2, (3,), np.float32, action_shape=(2,), action_dtype=np.float32) as rollout_buffer:
+    with RolloutBuffer(
+        2, 2, (3,), np.float32, action_shape=(2,), action_dtype=np.float32
+    ) as rollout_buffer:
         for t in range(2):
             rollout_buffer.add(
-                np.zeros((2, 3), np.float32), np.full((2, 2), t + 0.5, np.float32), np.zeros(2, np.float32),
-                np.zeros(2, np.float32), np.zeros(2, np.float32), np.zeros(2, bool),
+                np.zeros((2, 3), np.float32),
+                np.full((2, 2), t + 0.5, np.float32),
+                np.zeros(2, np.float32),
+                np.zeros(2, np.float32),
+                np.zeros(2, np.float32),
+                np.zeros(2, bool),
             )
         gae_ready(rollout_buffer)
         minibatch = rollout_buffer.get_minibatches(1, "cpu")[0]
@@ -575,8 +683,12 @@ def test_continuous_actions_keep_their_shape_and_dtype() -> None:
         with pytest.raises(ValueError, match=r"actions: expected shape \(2, 2\) and dtype float32"):
             rollout_buffer.reset()
             rollout_buffer.add(
-                np.zeros((2, 3), np.float32), np.zeros(2, np.int64), np.zeros(2, np.float32),
-                np.zeros(2, np.float32), np.zeros(2, np.float32), np.zeros(2, bool),
+                np.zeros((2, 3), np.float32),
+                np.zeros(2, np.int64),
+                np.zeros(2, np.float32),
+                np.zeros(2, np.float32),
+                np.zeros(2, np.float32),
+                np.zeros(2, bool),
             )
 
 
@@ -597,7 +709,9 @@ def test_trainable_diagnostics(buffer: RolloutBuffer) -> None:
 
 
 def test_estimate_memory_pressure(buffer: RolloutBuffer) -> None:
-    diagnostics = {diagnostic.resource: diagnostic for diagnostic in buffer.estimate_memory_pressure(2)}
+    diagnostics = {
+        diagnostic.resource: diagnostic for diagnostic in buffer.estimate_memory_pressure(2)
+    }
     assert {"cpu", "shm"} <= set(diagnostics)
     assert diagnostics["shm"].required_bytes == buffer.memory_bytes
     assert diagnostics["cpu"].required_bytes > buffer.memory_bytes
@@ -609,9 +723,15 @@ def test_estimate_memory_pressure(buffer: RolloutBuffer) -> None:
         buffer.estimate_memory_pressure(0)
 
 
-def test_too_small_shm_is_reported_before_anything_is_allocated(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(memory_diagnostics, "shm_free_bytes", lambda path="/dev/shm": 64 * 1024 * 1024)
-    with pytest.raises(SharedMemoryTooSmallError, match=r"need 231\d{6} bytes .* 67108864 bytes .*shm_size"):
+def test_too_small_shm_is_reported_before_anything_is_allocated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(
+        memory_diagnostics, "shm_free_bytes", lambda path="/dev/shm": 64 * 1024 * 1024
+    )
+    with pytest.raises(
+        SharedMemoryTooSmallError, match=r"need 231\d{6} bytes .* 67108864 bytes .*shm_size"
+    ):
         RolloutBuffer(128, 64, (4, 84, 84), np.uint8)
     # the leak fixture checks that no segment was created
 
@@ -665,14 +785,19 @@ def test_buffer_left_open_is_unlinked_at_interpreter_exit(run_python) -> None:
 
 
 # ---------------------------------------------------------------------------------- issue case 4
-def reference_normalise(advantages: list[list[float]], trainable: list[list[bool]]) -> list[list[float]]:
+def reference_normalise(
+    advantages: list[list[float]], trainable: list[list[bool]]
+) -> list[list[float]]:
     """Per-element normalisation over trainable rows (population std), 0 elsewhere."""
     selected = [a for row_a, row_t in zip(advantages, trainable) for a, t in zip(row_a, row_t) if t]
     if not selected:
         return [[0.0] * len(row) for row in advantages]
     mean = sum(selected) / len(selected)
     std = (sum((a - mean) ** 2 for a in selected) / len(selected)) ** 0.5
-    return [[(a - mean) / (std + 1e-8) if t else 0.0 for a, t in zip(row_a, row_t)] for row_a, row_t in zip(advantages, trainable)]
+    return [
+        [(a - mean) / (std + 1e-8) if t else 0.0 for a, t in zip(row_a, row_t)]
+        for row_a, row_t in zip(advantages, trainable)
+    ]
 
 
 @st.composite
@@ -703,19 +828,40 @@ def test_issue_case_4_random_rollout_matches_reference_loop(rollout) -> None:
     with RolloutBuffer(num_steps, num_envs, (1,), np.uint8) as rollout_buffer:
         for t in range(num_steps):
             rollout_buffer.add(
-                np.zeros((num_envs, 1), np.uint8), np.arange(num_envs, dtype=np.int64) + t * num_envs,
-                np.zeros(num_envs, np.float32), rollout["values"][t], rollout["rewards"][t], rollout["dones"][t],
-                rollout["trainable"][t], bootstrap_values=rollout["bootstrap_values"][t],
+                np.zeros((num_envs, 1), np.uint8),
+                np.arange(num_envs, dtype=np.int64) + t * num_envs,
+                np.zeros(num_envs, np.float32),
+                rollout["values"][t],
+                rollout["rewards"][t],
+                rollout["dones"][t],
+                rollout["trainable"][t],
+                bootstrap_values=rollout["bootstrap_values"][t],
             )
-        rollout_buffer.compute_gae(rollout["last_values"], rollout["dones"][-1].copy(), rollout["gamma"], rollout["gae_lambda"])
-        expected_advantages, expected_returns = reference_gae(
-            rollout["rewards"].tolist(), rollout["values"].tolist(), rollout["dones"].tolist(),
-            rollout["bootstrap_values"].tolist(), rollout["last_values"].tolist(), rollout["gamma"], rollout["gae_lambda"],
+        rollout_buffer.compute_gae(
+            rollout["last_values"],
+            rollout["dones"][-1].copy(),
+            rollout["gamma"],
+            rollout["gae_lambda"],
         )
-        np.testing.assert_allclose(rollout_buffer.advantages, expected_advantages, rtol=1e-5, atol=1e-5)
+        expected_advantages, expected_returns = reference_gae(
+            rollout["rewards"].tolist(),
+            rollout["values"].tolist(),
+            rollout["dones"].tolist(),
+            rollout["bootstrap_values"].tolist(),
+            rollout["last_values"].tolist(),
+            rollout["gamma"],
+            rollout["gae_lambda"],
+        )
+        np.testing.assert_allclose(
+            rollout_buffer.advantages, expected_advantages, rtol=1e-5, atol=1e-5
+        )
         np.testing.assert_allclose(rollout_buffer.returns, expected_returns, rtol=1e-5, atol=1e-5)
-        expected_normalised = reference_normalise(rollout_buffer.advantages.tolist(), rollout["trainable"].tolist())
-        np.testing.assert_allclose(rollout_buffer.normalized_advantages(), expected_normalised, rtol=1e-4, atol=1e-4)
+        expected_normalised = reference_normalise(
+            rollout_buffer.advantages.tolist(), rollout["trainable"].tolist()
+        )
+        np.testing.assert_allclose(
+            rollout_buffer.normalized_advantages(), expected_normalised, rtol=1e-4, atol=1e-4
+        )
 
         trainable_rows = int(rollout["trainable"].sum())
         if trainable_rows == 0:
@@ -726,11 +872,20 @@ def test_issue_case_4_random_rollout_matches_reference_loop(rollout) -> None:
         sizes = [len(minibatch.actions) for minibatch in minibatches]
         assert max(sizes) - min(sizes) <= 1
         served = sorted(int(a) for minibatch in minibatches for a in minibatch.actions)
-        expected_rows = [t * num_envs + e for t in range(num_steps) for e in range(num_envs) if rollout["trainable"][t][e]]
+        expected_rows = [
+            t * num_envs + e
+            for t in range(num_steps)
+            for e in range(num_envs)
+            if rollout["trainable"][t][e]
+        ]
         assert served == expected_rows
-        by_row = {int(a): float(adv) for m in minibatches for a, adv in zip(m.actions, m.advantages)}
+        by_row = {
+            int(a): float(adv) for m in minibatches for a, adv in zip(m.actions, m.advantages)
+        }
         for row in expected_rows:
-            assert by_row[row] == pytest.approx(expected_advantages[row // num_envs][row % num_envs], rel=1e-5, abs=1e-5)
+            assert by_row[row] == pytest.approx(
+                expected_advantages[row // num_envs][row % num_envs], rel=1e-5, abs=1e-5
+            )
 
 
 def test_no_segments_of_this_process_are_left() -> None:
@@ -751,7 +906,9 @@ def masked_schema():
 
 
 def test_constructor_needs_exactly_one_description_of_the_fields() -> None:
-    with pytest.raises(ValueError, match="expected observation_shape and observation_dtype, or schema="):
+    with pytest.raises(
+        ValueError, match="expected observation_shape and observation_dtype, or schema="
+    ):
         RolloutBuffer(2, 2)
     with pytest.raises(ValueError, match="either schema= or observation_shape"):
         RolloutBuffer(2, 2, (2,), np.uint8, schema=masked_schema())
@@ -765,14 +922,25 @@ def test_schema_fields_are_stored_required_and_served_in_minibatches() -> None:
         arrays = step_arrays(2, 0, obs_shape=(2,))
         with pytest.raises(ValueError, match="^action_mask: required field missing"):
             rollout_buffer.add(**arrays)
-        with pytest.raises(ValueError, match=r"^action_mask: expected shape \(2, 3\) and dtype bool.*dtype uint8"):
+        with pytest.raises(
+            ValueError, match=r"^action_mask: expected shape \(2, 3\) and dtype bool.*dtype uint8"
+        ):
             rollout_buffer.add(**arrays, action_mask=np.ones((2, 3), np.uint8))
-        with pytest.raises(ValueError, match=r"^action_mask: expected shape \(2, 3\).*received shape \(2, 4\)"):
-            rollout_buffer.write(0, np.array([0, 1]), {**arrays, "action_mask": np.ones((2, 4), bool)})
+        with pytest.raises(
+            ValueError, match=r"^action_mask: expected shape \(2, 3\).*received shape \(2, 4\)"
+        ):
+            rollout_buffer.write(
+                0, np.array([0, 1]), {**arrays, "action_mask": np.ones((2, 4), bool)}
+            )
         with pytest.raises(ValueError, match=r"unknown fields \['my_extra'\]"):
-            rollout_buffer.add(**arrays, action_mask=np.ones((2, 3), bool), my_extra=np.zeros(2, np.float32))
+            rollout_buffer.add(
+                **arrays, action_mask=np.ones((2, 3), bool), my_extra=np.zeros(2, np.float32)
+            )
         assert rollout_buffer.step == 0 and not rollout_buffer.field("action_mask").any()
-        masks = [np.array([[True, False, True], [False, True, False]]), np.array([[True, True, False], [False, False, True]])]
+        masks = [
+            np.array([[True, False, True], [False, True, False]]),
+            np.array([[True, True, False], [False, False, True]]),
+        ]
         for t in range(2):
             arrays = step_arrays(2, t, obs_shape=(2,))
             arrays["actions"] = np.array([0, 1]) if t == 0 else np.array([1, 2])
@@ -780,9 +948,13 @@ def test_schema_fields_are_stored_required_and_served_in_minibatches() -> None:
         np.testing.assert_array_equal(rollout_buffer.field("action_mask"), np.stack(masks))
         gae_ready(rollout_buffer)
         flat = rollout_buffer.flat_batch("cpu")
-        np.testing.assert_array_equal(flat.fields["action_mask"].numpy(), np.stack(masks).reshape(4, 3)[flat.rows])
+        np.testing.assert_array_equal(
+            flat.fields["action_mask"].numpy(), np.stack(masks).reshape(4, 3)[flat.rows]
+        )
         minibatch = rollout_buffer.get_minibatches(2, "cpu")[0]
-        assert minibatch.fields["action_mask"].dtype == torch.bool and minibatch.fields["action_mask"].shape == (2, 3)
+        assert minibatch.fields["action_mask"].dtype == torch.bool and minibatch.fields[
+            "action_mask"
+        ].shape == (2, 3)
 
 
 def test_add_takes_the_seed_keyword_action_masks_and_checks_masks_as_the_wire_does() -> None:
@@ -799,7 +971,9 @@ def test_add_takes_the_seed_keyword_action_masks_and_checks_masks_as_the_wire_do
     with RolloutBuffer(2, 2, schema=schema) as rollout_buffer:
         with pytest.raises(ValueError, match="^action_mask: env 1 allows no action"):
             rollout_buffer.add(**arrays, action_masks=empty_row)
-        with pytest.raises(ValueError, match="^actions: env 1 took an action its action_mask forbids"):
+        with pytest.raises(
+            ValueError, match="^actions: env 1 took an action its action_mask forbids"
+        ):
             rollout_buffer.add(**arrays, action_masks=forbidden)
         with pytest.raises(ValueError, match="^action_masks: received the masks twice"):
             rollout_buffer.add(**arrays, action_masks=forbidden, action_mask=forbidden)
@@ -807,10 +981,17 @@ def test_add_takes_the_seed_keyword_action_masks_and_checks_masks_as_the_wire_do
         allowed = np.array([[True, False, False], [False, True, False]])
         rollout_buffer.add(**arrays, action_masks=allowed)
         np.testing.assert_array_equal(rollout_buffer.field("action_mask")[0], allowed)
-    sent = {**arrays, "truncated": np.zeros(2, bool), "bootstrap_values": np.zeros(2, np.float32),
-            "next_values": np.zeros(2, np.float32), "trainable": np.ones(2, bool)}
+    sent = {
+        **arrays,
+        "truncated": np.zeros(2, bool),
+        "bootstrap_values": np.zeros(2, np.float32),
+        "next_values": np.zeros(2, np.float32),
+        "trainable": np.ones(2, bool),
+    }
     for mask in (empty_row, forbidden):
-        frame = encode_step(StepMessage("a", "a-1", 0, 0, {**sent, "action_mask": mask}), StepSpec(2, schema))
+        frame = encode_step(
+            StepMessage("a", "a-1", 0, 0, {**sent, "action_mask": mask}), StepSpec(2, schema)
+        )
         with pytest.raises(MessageRejected) as info:
             decode_step(frame, lambda *_: StepSpec(2, schema), max_bytes=1 << 20)
         assert info.value.reason == "value_range"
@@ -825,8 +1006,12 @@ def test_add_takes_the_seed_keyword_action_masks_and_checks_masks_as_the_wire_do
         ("actions", np.array([0, -1, 1]), r"^actions: expected values >= 0"),
     ],
 )
-def test_add_refuses_impossible_values_as_the_wire_does(field: str, bad: np.ndarray, message: str) -> None:
-    with RolloutBuffer(2, 3, schema=build_schema({"": (OBS_SHAPE, np.uint8)}, Categorical(3))) as rollout_buffer:
+def test_add_refuses_impossible_values_as_the_wire_does(
+    field: str, bad: np.ndarray, message: str
+) -> None:
+    with RolloutBuffer(
+        2, 3, schema=build_schema({"": (OBS_SHAPE, np.uint8)}, Categorical(3))
+    ) as rollout_buffer:
         arrays = {**step_arrays(3), "actions": np.array([0, 1, 2])}
         with pytest.raises(ValueError, match=message):
             rollout_buffer.add(**{**arrays, field: bad})
@@ -836,15 +1021,23 @@ def test_add_refuses_impossible_values_as_the_wire_does(field: str, bad: np.ndar
         assert rollout_buffer.step == 1
 
 
-def test_the_checked_write_applies_the_truncation_rules_when_truncated_is_given(buffer: RolloutBuffer) -> None:
+def test_the_checked_write_applies_the_truncation_rules_when_truncated_is_given(
+    buffer: RolloutBuffer,
+) -> None:
     arrays = {**step_arrays(3), "truncated": np.array([False, True, False])}
     with pytest.raises(ValueError, match="^truncated: every truncated env must also be done"):
         buffer.write(0, np.arange(3), arrays)
     arrays["dones"] = np.array([False, True, False])
     with pytest.raises(ValueError, match="^truncated: expected shape"):
         buffer.write(0, np.arange(3), {**arrays, "truncated": np.zeros(2, bool)})
-    buffer.write(0, np.arange(3), {**arrays, "bootstrap_values": np.array([0.0, 1.5, 0.0], np.float32)})
-    assert buffer.bootstrap_values[0].tolist() == [0.0, 1.5, 0.0] and buffer.dones[0].tolist() == [False, True, False]
+    buffer.write(
+        0, np.arange(3), {**arrays, "bootstrap_values": np.array([0.0, 1.5, 0.0], np.float32)}
+    )
+    assert buffer.bootstrap_values[0].tolist() == [0.0, 1.5, 0.0] and buffer.dones[0].tolist() == [
+        False,
+        True,
+        False,
+    ]
 
 
 def test_scale_rewards_multiplies_and_makes_advantages_stale(buffer: RolloutBuffer) -> None:

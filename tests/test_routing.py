@@ -6,11 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from oakemu_core.policy.distributions import distribution_for_env
-from oakemu_core.envs import EnvSpec, env_spec, make_vector_env
-from oakemu_core.policy.models import build_model
-from oakemu_core.algo.ppo import EmptyRolloutError, PPOUpdater
-from oakemu_core.storage.rollout_buffer import RolloutBuffer
 from oakemu_core.actor.routing import (
     ROUTE_POLICY,
     ROUTE_RANDOM,
@@ -20,8 +15,13 @@ from oakemu_core.actor.routing import (
     load_callable,
     random_actions,
 )
-from oakemu_core.policy.schemas import schema_for_env
 from oakemu_core.actor.stepper import PolicyStepper
+from oakemu_core.algo.ppo import EmptyRolloutError, PPOUpdater
+from oakemu_core.envs import EnvSpec, env_spec, make_vector_env
+from oakemu_core.policy.distributions import distribution_for_env
+from oakemu_core.policy.models import build_model
+from oakemu_core.policy.schemas import schema_for_env
+from oakemu_core.storage.rollout_buffer import RolloutBuffer
 
 T, N = 64, 4
 
@@ -94,17 +94,25 @@ def test_routing_config_checks_its_fields() -> None:
         RoutingConfig(scripted_policy="tests.test_routing:scripted_push_left")
     with pytest.raises(ValueError, match="module:callable"):
         RoutingConfig(scripted_policy="no_colon", scripted_probability=0.5)
-    config = RoutingConfig(random_first_steps=2, random_probability=0.1,
-                           scripted_policy="tests.test_routing:scripted_push_left", scripted_probability=0.5)
+    config = RoutingConfig(
+        random_first_steps=2,
+        random_probability=0.1,
+        scripted_policy="tests.test_routing:scripted_push_left",
+        scripted_probability=0.5,
+    )
     assert RoutingConfig.from_mapping(config.to_env_config()) == config
-    assert RoutingConfig.from_mapping({"env_id": "CartPole-v1"}) == RoutingConfig()  # an older learner
+    assert (
+        RoutingConfig.from_mapping({"env_id": "CartPole-v1"}) == RoutingConfig()
+    )  # an older learner
 
 
 def test_the_config_model_and_the_join_reply_carry_the_route_settings() -> None:
     from oakemu_core.config import ConfigError, load_config
 
     config = load_config(["--route-random-first-steps", "30", "--route-random-probability", "0.05"])
-    assert RoutingConfig.from_mapping(config) == RoutingConfig(random_first_steps=30, random_probability=0.05)
+    assert RoutingConfig.from_mapping(config) == RoutingConfig(
+        random_first_steps=30, random_probability=0.05
+    )
     with pytest.raises(ConfigError, match="route_scripted_policy"):
         load_config(["--route-scripted-probability", "0.5"])
 
@@ -121,8 +129,15 @@ def test_load_callable_names_what_is_wrong() -> None:
         load_callable("tests.test_routing:T")
 
 
-@pytest.mark.parametrize("env_id", ["Taxi-v4", "tests.spaces_envs:MaskedMultiDiscrete-v0",
-                                    "tests.spaces_envs:MultiBinaryTarget-v0", "Pendulum-v1"])
+@pytest.mark.parametrize(
+    "env_id",
+    [
+        "Taxi-v4",
+        "tests.spaces_envs:MaskedMultiDiscrete-v0",
+        "tests.spaces_envs:MultiBinaryTarget-v0",
+        "Pendulum-v1",
+    ],
+)
 def test_random_actions_are_in_the_space_and_allowed_by_the_masks(env_id: str) -> None:
     spec = env_spec(env_id)
     rng = np.random.default_rng(0)
@@ -137,9 +152,13 @@ def test_random_actions_are_in_the_space_and_allowed_by_the_masks(env_id: str) -
     actions = random_actions(spec, count, rng, masks)
     assert actions.shape == (count, *spec.action_shape) and actions.dtype == spec.action_dtype
     if spec.action_kind == "box":
-        assert np.all(actions >= spec.action_space.low) and np.all(actions <= spec.action_space.high)
+        assert np.all(actions >= spec.action_space.low) and np.all(
+            actions <= spec.action_space.high
+        )
         uniform_std = (spec.action_space.high - spec.action_space.low) / np.sqrt(12)
-        assert actions.std(axis=0) == pytest.approx(uniform_std, rel=0.1)  # uniform within the bounds
+        assert actions.std(axis=0) == pytest.approx(
+            uniform_std, rel=0.1
+        )  # uniform within the bounds
         return
     columns = actions.reshape(count, -1)
     offset = 0
@@ -147,7 +166,9 @@ def test_random_actions_are_in_the_space_and_allowed_by_the_masks(env_id: str) -
         assert columns[:, j].min() >= 0 and columns[:, j].max() < size
         if masks is not None:
             assert masks[np.arange(count), offset + columns[:, j]].all()  # never a masked value
-        assert len(np.unique(columns[:, j])) == size  # and every value shows up (uniform over allowed)
+        assert (
+            len(np.unique(columns[:, j])) == size
+        )  # and every value shows up (uniform over allowed)
         offset += size
 
 
@@ -155,24 +176,46 @@ def test_router_routes_the_first_steps_of_each_episode_and_a_share_of_the_rest()
     spec = env_spec("CartPole-v1")
     router = PolicyRouter(spec, 3, RoutingConfig(random_first_steps=2), seed=0)
     seen = []
-    for dones in ([False, False, False], [False, True, False], [False, False, False], [False, False, False]):
+    for dones in (
+        [False, False, False],
+        [False, True, False],
+        [False, False, False],
+        [False, False, False],
+    ):
         seen.append(router.decide().tolist())
         router.end_step(np.array(dones))
     random_, policy = ROUTE_RANDOM, ROUTE_POLICY
-    assert seen == [[random_] * 3, [random_] * 3, [policy, random_, policy], [policy, random_, policy]]
+    assert seen == [
+        [random_] * 3,
+        [random_] * 3,
+        [policy, random_, policy],
+        [policy, random_, policy],
+    ]
 
-    router = PolicyRouter(spec, 1000, RoutingConfig(random_probability=0.2, scripted_policy="tests.test_routing:"
-                                                    "scripted_push_left", scripted_probability=0.5), seed=1)
+    router = PolicyRouter(
+        spec,
+        1000,
+        RoutingConfig(
+            random_probability=0.2,
+            scripted_policy="tests.test_routing:scripted_push_left",
+            scripted_probability=0.5,
+        ),
+        seed=1,
+    )
     routes = router.decide()
     shares = [np.mean(routes == code) for code in (ROUTE_POLICY, ROUTE_RANDOM, ROUTE_SCRIPTED)]
     assert shares == pytest.approx([0.8 * 0.5, 0.2, 0.8 * 0.5], abs=0.05)
 
 
-def test_random_controlled_rows_are_stored_non_trainable_and_excluded_from_advantage_statistics() -> None:
+def test_random_controlled_rows_are_stored_non_trainable_and_excluded_from_advantage_statistics() -> (
+    None
+):
     spec = env_spec("CartPole-v1")
     env = _RecordingEnv(make_vector_env("CartPole-v1", N, seed=3))
     model = _model(spec)
-    router = PolicyRouter(spec, N, RoutingConfig(random_first_steps=10, random_probability=0.25), seed=0)
+    router = PolicyRouter(
+        spec, N, RoutingConfig(random_first_steps=10, random_probability=0.25), seed=0
+    )
     stepper = PolicyStepper(env, model, router=router)
     with RolloutBuffer(T, N, schema=schema_for_env(spec), seed=0) as buffer:
         flags = np.array(_fill(stepper, buffer))
@@ -197,7 +240,9 @@ def test_random_controlled_rows_are_stored_non_trainable_and_excluded_from_advan
         assert normalised[trainable].std() == pytest.approx(1.0, abs=1e-3)
         assert (normalised[routed] == 0).all()
         raw = buffer.advantages[trainable]
-        assert not np.isclose(raw.mean(), buffer.advantages.mean())  # the routed rows would change them
+        assert not np.isclose(
+            raw.mean(), buffer.advantages.mean()
+        )  # the routed rows would change them
 
         # Minibatches hold exactly the trainable rows.
         flat = buffer.flat_batch("cpu")
@@ -208,35 +253,63 @@ def test_random_controlled_rows_are_stored_non_trainable_and_excluded_from_advan
         # PPO on it: the first minibatch's ratio is 1 (on-policy rows only), the update runs.
         trained = _model(spec)
         trained.load_state_dict(model.state_dict())
-        updater = PPOUpdater(trained, torch.optim.Adam(trained.parameters(), lr=2.5e-4, eps=1e-5), device="cpu",
-                             ppo_epochs=2, num_minibatches=4, clip_coef=0.2, ent_coef=0.0, vf_coef=0.5,
-                             max_grad_norm=0.5, seed=0)
+        updater = PPOUpdater(
+            trained,
+            torch.optim.Adam(trained.parameters(), lr=2.5e-4, eps=1e-5),
+            device="cpu",
+            ppo_epochs=2,
+            num_minibatches=4,
+            clip_coef=0.2,
+            ent_coef=0.0,
+            vf_coef=0.5,
+            max_grad_norm=0.5,
+            seed=0,
+        )
         stats = updater.step(buffer, current_policy_version=stepper.policy_version)
         assert stats.first_minibatch_ratio_max_abs_dev < 1e-5
         assert stats.trainable_rows == int(trainable.sum())
-        assert not torch.equal(trained.critic.weight, model.critic.weight)  # the update trained the model
+        assert not torch.equal(
+            trained.critic.weight, model.critic.weight
+        )  # the update trained the model
     env.close()
 
 
 def test_a_scripted_policy_from_module_callable_controls_the_routed_envs() -> None:
     spec = env_spec("CartPole-v1")
     env = _RecordingEnv(make_vector_env("CartPole-v1", N, seed=5))
-    config = RoutingConfig(scripted_policy="tests.test_routing:scripted_push_left", scripted_probability=1.0)
+    config = RoutingConfig(
+        scripted_policy="tests.test_routing:scripted_push_left", scripted_probability=1.0
+    )
     stepper = PolicyStepper(env, _model(spec), router=PolicyRouter(spec, N, config, seed=0))
     with RolloutBuffer(16, N, schema=schema_for_env(spec), seed=0) as buffer:
         _fill(stepper, buffer)
         assert (buffer.actions == 0).all() and (np.stack(env.actions) == 0).all()
         assert not buffer.trainable.any()
-        assert buffer.dones.any()  # pushing left always ends CartPole episodes quickly: stored like any row
+        assert (
+            buffer.dones.any()
+        )  # pushing left always ends CartPole episodes quickly: stored like any row
         with pytest.raises(EmptyRolloutError):
-            PPOUpdater(_model(spec), torch.optim.Adam(_model(spec).parameters()), device="cpu", ppo_epochs=1,
-                       num_minibatches=1, clip_coef=0.2, ent_coef=0.0, vf_coef=0.5,
-                       max_grad_norm=0.5).step(buffer, current_policy_version=0)
+            PPOUpdater(
+                _model(spec),
+                torch.optim.Adam(_model(spec).parameters()),
+                device="cpu",
+                ppo_epochs=1,
+                num_minibatches=1,
+                clip_coef=0.2,
+                ent_coef=0.0,
+                vf_coef=0.5,
+                max_grad_norm=0.5,
+            ).step(buffer, current_policy_version=0)
 
-    bad = RoutingConfig(scripted_policy="tests.test_routing:scripted_wrong_shape", scripted_probability=1.0)
+    bad = RoutingConfig(
+        scripted_policy="tests.test_routing:scripted_wrong_shape", scripted_probability=1.0
+    )
     with pytest.raises(ValueError, match=r"scripted_wrong_shape.*expected actions of shape \(4,\)"):
-        PolicyStepper(make_vector_env("CartPole-v1", N, seed=5), _model(spec),
-                      router=PolicyRouter(spec, N, bad, seed=0))
+        PolicyStepper(
+            make_vector_env("CartPole-v1", N, seed=5),
+            _model(spec),
+            router=PolicyRouter(spec, N, bad, seed=0),
+        )
 
 
 def test_routing_honours_action_masks_in_the_stepper() -> None:

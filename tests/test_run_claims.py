@@ -17,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from oakemu_services import cli
+from oakemu_services import train as launcher
+from oakemu_services.runtime import PortsInUseError, StopRequest
 
 from oakemu_core.config import OakEmuConfig, load_config, to_toml
 from oakemu_core.envs import env_spec
@@ -24,11 +27,18 @@ from oakemu_core.errors import CheckpointError, RunFolderError
 from oakemu_core.policy.models import build_model
 from oakemu_core.policy.schemas import schema_for_env
 from oakemu_core.run.checkpoint import latest_checkpoint, load_checkpoint, save_run_checkpoint
-from oakemu_core.run.run_folder import check_config_complete, check_resume_folder, make_new_run_folder
-from oakemu_core.run.run_lock import LOCK_FILE_NAME, RunFolderBusyError, RunFolderLock, holder_pid, live_holder
-from oakemu_services import cli
-from oakemu_services import train as launcher
-from oakemu_services.runtime import PortsInUseError, StopRequest
+from oakemu_core.run.run_folder import (
+    check_config_complete,
+    check_resume_folder,
+    make_new_run_folder,
+)
+from oakemu_core.run.run_lock import (
+    LOCK_FILE_NAME,
+    RunFolderBusyError,
+    RunFolderLock,
+    holder_pid,
+    live_holder,
+)
 from tests.e2e_helpers import REPO_ROOT
 
 FROZEN = "20240102-030405"
@@ -56,14 +66,20 @@ def no_processes(monkeypatch: pytest.MonkeyPatch) -> None:
 def frozen_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every run is named in the same second."""
     real = time.strftime
-    monkeypatch.setattr(time, "strftime", lambda fmt, *args: FROZEN if fmt == "%Y%m%d-%H%M%S" else real(fmt, *args))
+    monkeypatch.setattr(
+        time, "strftime", lambda fmt, *args: FROZEN if fmt == "%Y%m%d-%H%M%S" else real(fmt, *args)
+    )
 
 
 def _config(runs_dir: Path, *args: str) -> OakEmuConfig:
-    return load_config(["--env", "CartPole-v1", "--runs-dir", str(runs_dir), "--metrics-port", "0", *args])
+    return load_config(
+        ["--env", "CartPole-v1", "--runs-dir", str(runs_dir), "--metrics-port", "0", *args]
+    )
 
 
-def _stopped_run(run_dir: Path, *, updates: tuple[int, ...] = (1, 2), trained: int = 64) -> OakEmuConfig:
+def _stopped_run(
+    run_dir: Path, *, updates: tuple[int, ...] = (1, 2), trained: int = 64
+) -> OakEmuConfig:
     """A run folder as a stopped CartPole run leaves it: config.toml, checkpoints of ``updates``."""
     run_dir.mkdir(parents=True)
     config = _config(run_dir.parent, "--run-name", run_dir.name, "--total-env-steps", "100000")
@@ -72,10 +88,17 @@ def _stopped_run(run_dir: Path, *, updates: tuple[int, ...] = (1, 2), trained: i
     schema = schema_for_env(spec)
     model = build_model(spec.observation_layout, schema.distribution)
     for update in updates:
-        save_run_checkpoint(run_dir, update, {
-            "model": model.state_dict(), "global_step": trained * update, "episodes": update,
-            "ppo": {"iterations": update, "trained_env_steps": trained * update},
-            "env": {"env_id": "CartPole-v1", "schema": schema.to_dict()}})
+        save_run_checkpoint(
+            run_dir,
+            update,
+            {
+                "model": model.state_dict(),
+                "global_step": trained * update,
+                "episodes": update,
+                "ppo": {"iterations": update, "trained_env_steps": trained * update},
+                "env": {"env_id": "CartPole-v1", "schema": schema.to_dict()},
+            },
+        )
     return config
 
 
@@ -90,7 +113,9 @@ def test_the_lock_refuses_a_second_holder_naming_its_pid_until_released(tmp_path
     with RunFolderLock.acquire(tmp_path) as lock:
         assert (tmp_path / LOCK_FILE_NAME).read_text() == f"{os.getpid()}\n"
         assert holder_pid(tmp_path) == os.getpid() and live_holder(tmp_path) == f"pid {os.getpid()}"
-        with pytest.raises(RunFolderBusyError, match=rf"in use by a live run \(pid {os.getpid()}\).*try later"):
+        with pytest.raises(
+            RunFolderBusyError, match=rf"in use by a live run \(pid {os.getpid()}\).*try later"
+        ):
             RunFolderLock.acquire(tmp_path, hint="try later")
         assert lock.fd is not None
     assert holder_pid(tmp_path) is None and not (tmp_path / LOCK_FILE_NAME).exists()
@@ -98,7 +123,8 @@ def test_the_lock_refuses_a_second_holder_naming_its_pid_until_released(tmp_path
 
 
 def test_a_reader_testing_the_folder_at_the_same_moment_does_not_make_it_busy(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """holder_pid (oakemu monitor) holds a shared lock for an instant: an acquire at that moment waits it
     out. The reader lets go during the acquire's first wait (whatever the machine's load)."""
     import fcntl
@@ -107,7 +133,9 @@ def test_a_reader_testing_the_folder_at_the_same_moment_does_not_make_it_busy(
 
     (tmp_path / LOCK_FILE_NAME).write_text("")
     reader = os.open(tmp_path / LOCK_FILE_NAME, os.O_RDONLY)
-    fcntl.flock(reader, fcntl.LOCK_SH | fcntl.LOCK_NB)  # what holder_pid takes while it tests the folder
+    fcntl.flock(
+        reader, fcntl.LOCK_SH | fcntl.LOCK_NB
+    )  # what holder_pid takes while it tests the folder
     waits: list[float] = []
 
     def sleep(seconds: float) -> None:
@@ -132,7 +160,9 @@ def test_the_kernel_frees_the_lock_of_a_process_killed_with_sigkill(tmp_path: Pa
         print("held", flush=True)
         time.sleep(60)
     """)
-    holder = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         assert holder_pid(tmp_path) == holder.pid
@@ -146,7 +176,9 @@ def test_the_kernel_frees_the_lock_of_a_process_killed_with_sigkill(tmp_path: Pa
 
 
 # ------------------------------------------------------------------------ new run folders
-def test_two_runs_named_in_the_same_second_get_a_folder_each(tmp_path: Path, frozen_clock: None) -> None:
+def test_two_runs_named_in_the_same_second_get_a_folder_each(
+    tmp_path: Path, frozen_clock: None
+) -> None:
     config = _config(tmp_path / "runs")
     first = launcher.plan_run(config)
     second = launcher.plan_run(config)
@@ -169,7 +201,9 @@ def test_make_new_run_folder_never_takes_a_folder_that_holds_something(tmp_path:
     with make_new_run_folder(tmp_path, "exp", numbered=False) as lock:  # an empty folder is new
         assert lock.run_dir == tmp_path / "exp"
     (tmp_path / "exp" / "metrics.jsonl").write_text("")
-    with pytest.raises(RunFolderError, match="holds an earlier run; nothing was changed; use --resume"):
+    with pytest.raises(
+        RunFolderError, match="holds an earlier run; nothing was changed; use --resume"
+    ):
         make_new_run_folder(tmp_path, "exp", numbered=False, hint="use --resume")
     with make_new_run_folder(tmp_path, "exp", numbered=True) as lock:
         assert lock.run_dir == tmp_path / "exp-2"
@@ -177,11 +211,14 @@ def test_make_new_run_folder_never_takes_a_folder_that_holds_something(tmp_path:
 
 
 def test_a_failed_lock_of_a_new_folder_raises_its_own_error_when_the_folder_is_not_empty(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from oakemu_core.errors import DiskFullError
 
     def acquire(run_dir: Path, **_kwargs: Any) -> RunFolderLock:
-        (Path(run_dir) / LOCK_FILE_NAME).write_text("")  # the lock file was made, then the disk was full
+        (Path(run_dir) / LOCK_FILE_NAME).write_text(
+            ""
+        )  # the lock file was made, then the disk was full
         raise DiskFullError(f"cannot write {run_dir / LOCK_FILE_NAME}: No space left on device")
 
     monkeypatch.setattr(RunFolderLock, "acquire", acquire)
@@ -190,7 +227,8 @@ def test_a_failed_lock_of_a_new_folder_raises_its_own_error_when_the_folder_is_n
 
 
 def test_the_python_api_finds_its_run_folder_when_the_name_got_a_suffix(
-        tmp_path: Path, frozen_clock: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, frozen_clock: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from oakemu_services import api
 
     taken = tmp_path / "runs" / f"CartPole-v1__1__{FROZEN}"
@@ -204,7 +242,9 @@ def test_the_python_api_finds_its_run_folder_when_the_name_got_a_suffix(
         return 0
 
     monkeypatch.setattr(launcher, "main", fake_main)
-    run = api.train(env_id="CartPole-v1", runs_dir=str(tmp_path / "runs"), metrics_port=0, verbose=0)
+    run = api.train(
+        env_id="CartPole-v1", runs_dir=str(tmp_path / "runs"), metrics_port=0, verbose=0
+    )
     assert used == [taken.with_name(taken.name + "-2")] and run.run_dir == used[0]
     assert run.updates == 0  # not the other run's record
     assert holder_pid(run.run_dir) is None  # released when train returned
@@ -212,28 +252,62 @@ def test_the_python_api_finds_its_run_folder_when_the_name_got_a_suffix(
 
 # ---------------------------------------------------------------------------- live runs
 def test_run_name_of_a_live_run_is_refused_naming_its_pid(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], no_processes: None) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_processes: None
+) -> None:
     run_dir = tmp_path / "runs" / "exp1"
     _stopped_run(run_dir)
     with RunFolderLock.acquire(run_dir):  # the run is live
         before = sorted(p.name for p in run_dir.rglob("*"))
-        assert cli.main(["train", "--env", "CartPole-v1", "--run-name", "exp1", "--runs-dir",
-                         str(tmp_path / "runs")]) == 2
+        assert (
+            cli.main(
+                [
+                    "train",
+                    "--env",
+                    "CartPole-v1",
+                    "--run-name",
+                    "exp1",
+                    "--runs-dir",
+                    str(tmp_path / "runs"),
+                ]
+            )
+            == 2
+        )
         line = _one_error_line(capsys.readouterr().err)
-        assert line.startswith(f"oakemu train: error: {run_dir} is in use by a live run (pid {os.getpid()})"), line
+        assert line.startswith(
+            f"oakemu train: error: {run_dir} is in use by a live run (pid {os.getpid()})"
+        ), line
         assert cli.main(["train", "--resume", str(run_dir)]) == 2
         line = _one_error_line(capsys.readouterr().err)
-        assert f"{run_dir} is in use by a live run (pid {os.getpid()})" in line and "before resuming" in line
-        assert sorted(p.name for p in run_dir.rglob("*")) == before  # the lock file is the live run's
+        assert (
+            f"{run_dir} is in use by a live run (pid {os.getpid()})" in line
+            and "before resuming" in line
+        )
+        assert (
+            sorted(p.name for p in run_dir.rglob("*")) == before
+        )  # the lock file is the live run's
     assert sorted(tmp_path.joinpath("runs").iterdir()) == [run_dir]
 
 
 def test_run_name_of_a_stopped_run_is_refused_pointing_to_resume(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], no_processes: None) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_processes: None
+) -> None:
     run_dir = tmp_path / "runs" / "exp1"
     _stopped_run(run_dir)
     before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
-    assert cli.main(["train", "--env", "CartPole-v1", "--run-name", "exp1", "--runs-dir", str(tmp_path / "runs")]) == 2
+    assert (
+        cli.main(
+            [
+                "train",
+                "--env",
+                "CartPole-v1",
+                "--run-name",
+                "exp1",
+                "--runs-dir",
+                str(tmp_path / "runs"),
+            ]
+        )
+        == 2
+    )
     line = _one_error_line(capsys.readouterr().err)
     assert f"{run_dir} exists and holds an earlier run; nothing was changed" in line, line
     assert f"oakemu train --resume {run_dir}" in line and "another --run-name" in line
@@ -241,22 +315,40 @@ def test_run_name_of_a_stopped_run_is_refused_pointing_to_resume(
 
 
 def test_run_name_of_a_run_that_spent_its_budget_points_to_resume_with_a_larger_budget(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], no_processes: None) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_processes: None
+) -> None:
     run_dir = tmp_path / "runs" / "exp1"
     _stopped_run(run_dir, trained=60_000)  # update 2 trained 120,000 of total_env_steps=100000
-    assert cli.main(["train", "--env", "CartPole-v1", "--run-name", "exp1", "--runs-dir", str(tmp_path / "runs")]) == 2
+    assert (
+        cli.main(
+            [
+                "train",
+                "--env",
+                "CartPole-v1",
+                "--run-name",
+                "exp1",
+                "--runs-dir",
+                str(tmp_path / "runs"),
+            ]
+        )
+        == 2
+    )
     line = _one_error_line(capsys.readouterr().err)
-    assert f"{run_dir} exists and holds an earlier run; nothing was changed; it trained its whole budget (120,000 " \
-           "env steps, total_env_steps=100000)" in line, line
+    assert (
+        f"{run_dir} exists and holds an earlier run; nothing was changed; it trained its whole budget (120,000 "
+        "env steps, total_env_steps=100000)" in line
+    ), line
     assert f"oakemu train --resume {run_dir} --total-env-steps N with N above 120000" in line, line
     assert "once stopped" not in line and "another --run-name" in line
 
 
 def test_a_resumed_run_says_which_checkpoint_it_continues_from(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     run_dir = tmp_path / "runs" / "exp1"
     config = _stopped_run(run_dir, updates=(1, 2), trained=25_600).model_copy(
-        update={"num_actors": 1, "envs_per_actor": 1})
+        update={"num_actors": 1, "envs_per_actor": 1}
+    )
 
     class Launched(Exception):
         """What the test's Launch raises: the console lines before the processes start are printed."""
@@ -274,13 +366,19 @@ def test_a_resumed_run_says_which_checkpoint_it_continues_from(
         plan.release()
     out, err = capsys.readouterr()
     assert out == ""  # the console is stderr's (the README: `> train.log 2>&1`)
-    assert f"resuming {run_dir} from checkpoint_00000002.pt (update 2, 51,200 env steps trained)\n" in err, err
+    assert (
+        f"resuming {run_dir} from checkpoint_00000002.pt (update 2, 51,200 env steps trained)\n"
+        in err
+    ), err
     assert ": CartPole-v1, 1 actor x 1 env, 100000 env steps -> " in err, err
-    assert "changed settings (config.toml -> now): " in err and f"resuming {run_dir} with" not in err
+    assert (
+        "changed settings (config.toml -> now): " in err and f"resuming {run_dir} with" not in err
+    )
 
 
 def test_resume_takes_a_run_name_in_the_runs_folder_as_monitor_does(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     _stopped_run(Path("runs") / "k9")
     _stopped_run(Path("elsewhere") / "k8")
@@ -296,20 +394,26 @@ def test_resume_takes_a_run_name_in_the_runs_folder_as_monitor_does(
     assert cli.main(["train", "--resume", "k8", "--runs-dir", "elsewhere"]) == 0
     assert seen["resume"] == Path("elsewhere/k8") and seen["config"].run_name == "k8"
     assert cli.main(["train", "--resume", "runs/k9"]) == 0 and seen["resume"] == Path("runs/k9")
-    Path("k9").mkdir()  # a folder of that name here that holds no run: the name still means runs/k9, as in monitor
+    Path(
+        "k9"
+    ).mkdir()  # a folder of that name here that holds no run: the name still means runs/k9, as in monitor
     assert cli.main(["train", "--resume", "k9"]) == 0 and seen["resume"] == Path("runs/k9")
     from oakemu_services.monitor import run_folder
 
     assert run_folder("k9") == Path("runs/k9")
     assert cli.main(["train", "--resume", "nope"]) == 2
     line = _one_error_line(capsys.readouterr().err)
-    assert line == ("oakemu train: error: --resume nope: expected a run folder (runs/<name>/) or the name of one in "
-                    "the runs folder, received a path that does not exist"), line
+    assert line == (
+        "oakemu train: error: --resume nope: expected a run folder (runs/<name>/) or the name of one in "
+        "the runs folder, received a path that does not exist"
+    ), line
 
 
 # ------------------------------------------------------------------- unreadable checkpoints
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
-def test_resume_skips_an_unreadable_newest_checkpoint_with_a_warning(tmp_path: Path, damage: str) -> None:
+def test_resume_skips_an_unreadable_newest_checkpoint_with_a_warning(
+    tmp_path: Path, damage: str
+) -> None:
     run_dir = tmp_path / "runs" / "exp1"
     config = _stopped_run(run_dir, updates=(1, 2))
     newest = run_dir / "checkpoints" / "checkpoint_00000002.pt"
@@ -319,18 +423,24 @@ def test_resume_skips_an_unreadable_newest_checkpoint_with_a_warning(tmp_path: P
     plan = launcher.plan_run(config, resume=run_dir)
     try:
         [note] = plan.notes
-        assert f"checkpoint {newest} is not readable" in note and "resuming from checkpoint_00000001.pt" in note
+        assert (
+            f"checkpoint {newest} is not readable" in note
+            and "resuming from checkpoint_00000001.pt" in note
+        )
         assert "kept as checkpoint_00000002.pt.unreadable" in note
         # What the learner resumes from is now the intact checkpoint; the damaged bytes are kept.
         assert latest_checkpoint(run_dir) == run_dir / "checkpoints" / "checkpoint_00000001.pt"
-        assert (run_dir / "checkpoints" / "checkpoint_00000002.pt.unreadable").read_bytes() == damaged
+        assert (
+            run_dir / "checkpoints" / "checkpoint_00000002.pt.unreadable"
+        ).read_bytes() == damaged
         assert load_checkpoint(latest_checkpoint(run_dir))["ppo"]["iterations"] == 1
     finally:
         plan.release()
 
 
 def test_resume_of_a_relative_run_folder_sets_a_damaged_latest_aside(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``--resume runs/NAME`` (relative, as the README writes it) with ``latest.pt`` damaged through its
     link: one warning, the damaged file kept, ``latest.pt`` pointing at the checkpoint resumed from."""
     monkeypatch.chdir(tmp_path)
@@ -340,8 +450,13 @@ def test_resume_of_a_relative_run_folder_sets_a_damaged_latest_aside(
     plan = launcher.plan_run(config, resume=run_dir)
     try:
         [note] = plan.notes
-        assert f"checkpoint {run_dir / 'checkpoints' / 'checkpoint_00000002.pt'} is not readable" in note, note
-        assert (run_dir / "checkpoints" / "checkpoint_00000002.pt.unreadable").stat().st_size == 5000
+        assert (
+            f"checkpoint {run_dir / 'checkpoints' / 'checkpoint_00000002.pt'} is not readable"
+            in note
+        ), note
+        assert (
+            run_dir / "checkpoints" / "checkpoint_00000002.pt.unreadable"
+        ).stat().st_size == 5000
         assert os.readlink(run_dir / "checkpoints" / "latest.pt") == "checkpoint_00000001.pt"
         assert latest_checkpoint(run_dir) == run_dir / "checkpoints" / "checkpoint_00000001.pt"
     finally:
@@ -349,7 +464,8 @@ def test_resume_of_a_relative_run_folder_sets_a_damaged_latest_aside(
 
 
 def test_resume_with_no_readable_checkpoint_is_one_line_and_changes_nothing(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], no_processes: None) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_processes: None
+) -> None:
     run_dir = tmp_path / "runs" / "exp1"
     _stopped_run(run_dir, updates=(1, 2))
     for path in (run_dir / "checkpoints").glob("checkpoint_*.pt"):
@@ -357,7 +473,9 @@ def test_resume_with_no_readable_checkpoint_is_one_line_and_changes_nothing(
     before = sorted(p.name for p in run_dir.rglob("*"))
     assert cli.main(["train", "--resume", str(run_dir)]) == 2
     line = _one_error_line(capsys.readouterr().err)
-    assert f"cannot resume {run_dir}: no checkpoint in {run_dir / 'checkpoints'} is readable" in line, line
+    assert (
+        f"cannot resume {run_dir}: no checkpoint in {run_dir / 'checkpoints'} is readable" in line
+    ), line
     assert "checkpoint_00000002.pt: " in line and "checkpoint_00000001.pt: " in line
     assert sorted(p.name for p in run_dir.rglob("*")) == before
 
@@ -367,7 +485,9 @@ def test_check_resume_folder_sets_nothing_aside_when_it_refuses(tmp_path: Path) 
     config = _stopped_run(run_dir, updates=(1, 2))
     (run_dir / "checkpoints" / "checkpoint_00000002.pt").write_bytes(b"garbage")
     with pytest.raises(RunFolderError, match="already reached its budget"):
-        check_resume_folder(run_dir, config.model_copy(update={"total_env_steps": 10}), check_budget=True)
+        check_resume_folder(
+            run_dir, config.model_copy(update={"total_env_steps": 10}), check_budget=True
+        )
     assert (run_dir / "checkpoints" / "checkpoint_00000002.pt").read_bytes() == b"garbage"
     with pytest.raises(CheckpointError):
         load_checkpoint(latest_checkpoint(run_dir))  # still the damaged one: nothing was moved
@@ -375,7 +495,8 @@ def test_check_resume_folder_sets_nothing_aside_when_it_refuses(tmp_path: Path) 
 
 # ------------------------------------------------------------------------- config.toml
 def test_an_incomplete_config_toml_names_the_settings_it_lacks(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], no_processes: None) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_processes: None
+) -> None:
     run_dir = tmp_path / "runs" / "exp1"
     _stopped_run(run_dir)
     text = (run_dir / "config.toml").read_text()
@@ -394,8 +515,11 @@ def test_an_incomplete_config_toml_names_the_settings_it_lacks(
 
 # -------------------------------------------------------------------------------- ports
 def test_a_port_claimed_by_a_run_that_is_starting_is_refused_fast(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-        no_processes: None) -> None:
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    no_processes: None,
+) -> None:
     """A launcher claims its ports at its check; its learner binds them seconds later. A second run
     given one of those ports meanwhile is refused first (before the env, device and tracker checks),
     naming the first one's pid."""
@@ -416,26 +540,51 @@ def test_a_port_claimed_by_a_run_that_is_starting_is_refused_fast(
         print("claimed", flush=True)
         time.sleep(60)
     """)
-    starting = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    starting = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert starting.stdout is not None and starting.stdout.readline().strip() == "claimed"
-        assert cli.main(["train", "--env", "CartPole-v1", "--weights-port", str(weights), "--metrics-port", "0",
-                         "--runs-dir", str(tmp_path / "runs")]) == 2
+        assert (
+            cli.main(
+                [
+                    "train",
+                    "--env",
+                    "CartPole-v1",
+                    "--weights-port",
+                    str(weights),
+                    "--metrics-port",
+                    "0",
+                    "--runs-dir",
+                    str(tmp_path / "runs"),
+                ]
+            )
+            == 2
+        )
     finally:
         starting.send_signal(signal.SIGKILL)
         starting.wait(10)
     line = _one_error_line(capsys.readouterr().err)
-    assert f"port in use on 127.0.0.1: weights_port={weights} (claimed by pid {starting.pid}); choose another with " \
-           "--weights-port" in line, line
-    plural = str(PortsInUseError("127.0.0.1", {"data_port": "data_port=5555", "weights_port": "weights_port=5557"}))
-    assert plural == ("ports in use on 127.0.0.1: data_port=5555, weights_port=5557; choose others with --data-port, "
-                      "--weights-port")
+    assert (
+        f"port in use on 127.0.0.1: weights_port={weights} (claimed by pid {starting.pid}); choose another with "
+        "--weights-port" in line
+    ), line
+    plural = str(
+        PortsInUseError(
+            "127.0.0.1", {"data_port": "data_port=5555", "weights_port": "weights_port=5557"}
+        )
+    )
+    assert plural == (
+        "ports in use on 127.0.0.1: data_port=5555, weights_port=5557; choose others with --data-port, "
+        "--weights-port"
+    )
     assert not (tmp_path / "runs").exists()
 
 
 # ---------------------------------------------------------------------------- runs folder
 def test_a_runs_dir_that_is_a_file_is_one_line_and_exit_2(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], no_processes: None) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_processes: None
+) -> None:
     runs = tmp_path / "runs"
     runs.write_text("not a folder")
     assert cli.main(["train", "--env", "CartPole-v1", "--runs-dir", str(runs)]) == 2
@@ -447,27 +596,43 @@ def test_a_runs_dir_that_is_a_file_is_one_line_and_exit_2(
 
 
 def test_a_read_only_runs_dir_is_one_line_and_exit_2(
-        small_tmpfs: Path, capsys: pytest.CaptureFixture[str], no_processes: None) -> None:
+    small_tmpfs: Path, capsys: pytest.CaptureFixture[str], no_processes: None
+) -> None:
     (small_tmpfs / "runs").mkdir()
-    if subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], capture_output=True).returncode != 0:
+    if (
+        subprocess.run(
+            ["mount", "-o", "remount,ro", str(small_tmpfs)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("cannot remount the tmpfs read-only here")
     try:
-        assert cli.main(["train", "--env", "CartPole-v1", "--runs-dir", str(small_tmpfs / "runs")]) == 2
+        assert (
+            cli.main(["train", "--env", "CartPole-v1", "--runs-dir", str(small_tmpfs / "runs")])
+            == 2
+        )
         line = _one_error_line(capsys.readouterr().err)
-        assert f"--runs-dir {small_tmpfs / 'runs'}: cannot make" in line and "Read-only file system" in line, line
+        assert (
+            f"--runs-dir {small_tmpfs / 'runs'}: cannot make" in line
+            and "Read-only file system" in line
+        ), line
     finally:
         subprocess.run(["mount", "-o", "remount,rw", str(small_tmpfs)], capture_output=True)
 
 
 # ------------------------------------------------------------------- a standalone learner
-def test_a_standalone_learner_holds_its_run_folder(tmp_path: Path, frozen_clock: None,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_standalone_learner_holds_its_run_folder(
+    tmp_path: Path, frozen_clock: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from oakemu_services.runtime import PARENT_PID_ENV, claim_run_dir
 
     config = _config(tmp_path)
     first_dir, first = claim_run_dir(config)
     second_dir, second = claim_run_dir(config)  # the same second: another folder
-    assert (first_dir.name, second_dir.name) == (f"CartPole-v1__1__{FROZEN}", f"CartPole-v1__1__{FROZEN}-2")
+    assert (first_dir.name, second_dir.name) == (
+        f"CartPole-v1__1__{FROZEN}",
+        f"CartPole-v1__1__{FROZEN}-2",
+    )
     assert first is not None and second is not None and (first_dir / "logs").is_dir()
     named = config.model_copy(update={"run_name": first_dir.name})
     with pytest.raises(RunFolderBusyError, match=f"pid {os.getpid()}.*another --run-name"):

@@ -98,7 +98,12 @@ def test_attach_with_larger_shape_is_rejected() -> None:
 
 @pytest.mark.parametrize(
     ("shape", "field", "message"),
-    [((2,), "bad-name", "field"), ((2,), "", "field"), ((2,), "x/y", "field"), ((-1, 2), "ok", "shape")],
+    [
+        ((2,), "bad-name", "field"),
+        ((2,), "", "field"),
+        ((2,), "x/y", "field"),
+        ((-1, 2), "ok", "shape"),
+    ],
 )
 def test_invalid_arguments_are_rejected(shape: tuple[int, ...], field: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -222,7 +227,9 @@ def test_sweep_removes_segments_of_a_killed_owner() -> None:
         "print(kept.name, flush=True)\n"
         "time.sleep(60)\n"
     )
-    child = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True
+    )
     name = ""
     try:
         assert child.stdout is not None

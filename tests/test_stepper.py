@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from oakemu_core.policy.distributions import distribution_for_env
+from oakemu_core.actor.stepper import PolicyStepper
 from oakemu_core.envs import EnvSpec, make_vector_env
 from oakemu_core.envs.factory import make_env_groups
-from oakemu_core.storage.assembler import RolloutAssembler
+from oakemu_core.policy.distributions import distribution_for_env
 from oakemu_core.policy.models import ActorCritic, build_model
-from oakemu_core.storage.rollout_buffer import RolloutBuffer
-from oakemu_core.actor.stepper import PolicyStepper
 from oakemu_core.policy.schemas import schema_for_env
 from oakemu_core.step_schema import StepSchema
+from oakemu_core.storage.assembler import RolloutAssembler
+from oakemu_core.storage.rollout_buffer import RolloutBuffer
 from oakemu_core.transport.steps import StepMessage, StepSpec, decode_step, encode_step
 
 SEED = 7
@@ -61,28 +61,50 @@ class Replay:
     terminated: np.ndarray
     truncated: np.ndarray
     final_observations: np.ndarray  # true last observation where the episode ended, else NaN
-    reset_observations: np.ndarray  # first observation of the next episode where one ended, else NaN
+    reset_observations: (
+        np.ndarray
+    )  # first observation of the next episode where one ended, else NaN
 
 
-def run_stepper(max_episode_steps: int, num_envs: int, steps: int,
-                groups: int = 1) -> tuple[ActorCritic, list[Row], StepSchema]:
+def run_stepper(
+    max_episode_steps: int, num_envs: int, steps: int, groups: int = 1
+) -> tuple[ActorCritic, list[Row], StepSchema]:
     torch.manual_seed(SEED)
     model = build_model((4,), np.float32, 2)
-    env = (make_vector_env("CartPole-v1", num_envs, seed=SEED, max_episode_steps=max_episode_steps) if groups == 1
-           else make_env_groups("CartPole-v1", num_envs, groups, seed=SEED, max_episode_steps=max_episode_steps))
+    env = (
+        make_vector_env("CartPole-v1", num_envs, seed=SEED, max_episode_steps=max_episode_steps)
+        if groups == 1
+        else make_env_groups(
+            "CartPole-v1", num_envs, groups, seed=SEED, max_episode_steps=max_episode_steps
+        )
+    )
     rows: list[Row] = []
     try:
         stepper = PolicyStepper(env, model, policy_version=3)
         for _ in range(steps):
             row = stepper.step()
             b = row.buffers
-            rows.append(Row(
-                b.observations.copy(), b.actions.copy(), b.log_probs.copy(), b.values.copy(), b.rewards.copy(),
-                b.dones.copy(), b.truncated.copy(), b.bootstrap_values.copy(), b.trainable.copy(),
-                row.next_values.copy(), row.policy_version, list(row.env_step.episode_returns),
-                list(row.env_step.episode_lengths),
-                {k: v.copy() for k, v in b.sent_fields(row.next_values, stepper.schema).items()},
-            ))
+            rows.append(
+                Row(
+                    b.observations.copy(),
+                    b.actions.copy(),
+                    b.log_probs.copy(),
+                    b.values.copy(),
+                    b.rewards.copy(),
+                    b.dones.copy(),
+                    b.truncated.copy(),
+                    b.bootstrap_values.copy(),
+                    b.trainable.copy(),
+                    row.next_values.copy(),
+                    row.policy_version,
+                    list(row.env_step.episode_returns),
+                    list(row.env_step.episode_lengths),
+                    {
+                        k: v.copy()
+                        for k, v in b.sent_fields(row.next_values, stepper.schema).items()
+                    },
+                )
+            )
         schema = stepper.schema
     finally:
         env.close()
@@ -111,10 +133,13 @@ def replay(rows: list[Row], max_episode_steps: int, num_envs: int) -> Replay:
     return Replay(observations, terminated, truncated, final, reset)
 
 
-@pytest.mark.parametrize(("max_episode_steps", "num_envs", "steps", "groups"),
-                         [(5, 2, 10, 1), (30, 3, 90, 1), (5, 2, 10, 2), (30, 5, 90, 2), (30, 5, 60, 3)])
-def test_stepper_rows_match_a_replay_of_the_same_envs(max_episode_steps: int, num_envs: int, steps: int,
-                                                       groups: int) -> None:
+@pytest.mark.parametrize(
+    ("max_episode_steps", "num_envs", "steps", "groups"),
+    [(5, 2, 10, 1), (30, 3, 90, 1), (5, 2, 10, 2), (30, 5, 90, 2), (30, 5, 60, 3)],
+)
+def test_stepper_rows_match_a_replay_of_the_same_envs(
+    max_episode_steps: int, num_envs: int, steps: int, groups: int
+) -> None:
     """Also with overlapped env groups (issue 11): every env steps exactly once per vector step,
     with its own action, and env i stays column i."""
     model, rows, schema = run_stepper(max_episode_steps, num_envs, steps, groups)
@@ -125,7 +150,9 @@ def test_stepper_rows_match_a_replay_of_the_same_envs(max_episode_steps: int, nu
         np.testing.assert_array_equal(row.observations, ref.observations[t])
         np.testing.assert_array_equal(row.dones, ref.terminated[t] | ref.truncated[t])
         np.testing.assert_array_equal(row.truncated, ref.truncated[t] & ~ref.terminated[t])
-        np.testing.assert_array_equal(row.rewards, np.ones(num_envs, np.float32))  # CartPole: +1 per step
+        np.testing.assert_array_equal(
+            row.rewards, np.ones(num_envs, np.float32)
+        )  # CartPole: +1 per step
         assert row.trainable.all() and row.policy_version == 3
         # next_values of step t are the values of the bundle that acts on step t + 1.
         if t + 1 < len(rows):
@@ -150,7 +177,9 @@ def test_stepper_rows_match_a_replay_of_the_same_envs(max_episode_steps: int, nu
     episode_count = sum(len(r.episode_returns) for r in rows)
     assert episode_count == terminated_rows + truncated_rows
     for r in rows:
-        assert r.episode_returns == [float(n) for n in r.episode_lengths]  # CartPole return = length
+        assert r.episode_returns == [
+            float(n) for n in r.episode_lengths
+        ]  # CartPole return = length
 
 
 def test_truncation_reaches_gae_through_the_assembler() -> None:
@@ -169,10 +198,18 @@ def test_truncation_reaches_gae_through_the_assembler() -> None:
             assert set(row.fields) == {f.name for f in schema.sent}
             np.testing.assert_array_equal(row.fields["next_values"], row.next_values)
             np.testing.assert_array_equal(row.fields["truncated"], row.truncated)
-            frame = encode_step(StepMessage(
-                actor_id="actor-0", incarnation="inc", seq=seq, policy_version=row.policy_version,
-                fields=row.fields, episode_returns=row.episode_returns, episode_lengths=row.episode_lengths,
-            ), step_spec)
+            frame = encode_step(
+                StepMessage(
+                    actor_id="actor-0",
+                    incarnation="inc",
+                    seq=seq,
+                    policy_version=row.policy_version,
+                    fields=row.fields,
+                    episode_returns=row.episode_returns,
+                    episode_lengths=row.episode_lengths,
+                ),
+                step_spec,
+            )
             message = decode_step(frame, assembler.spec_for, max_bytes=1 << 20)
             assembler.ingest(message, current_policy_version=3, now=0.0)
         rollout = assembler.take_full_rollout()
@@ -198,7 +235,9 @@ def test_truncation_reaches_gae_through_the_assembler() -> None:
             assert abs(advantages[t, i] - wrong) > 1e-3
     # Row 3 of env 0, by hand: delta_3 = r + gamma V(s_4) - V(s_3) (not done), then + gamma lambda A_4.
     delta_3 = rewards[3, 0] + GAMMA * values[4, 0] - values[3, 0]
-    assert advantages[3, 0] == pytest.approx(delta_3 + GAMMA * GAE_LAMBDA * advantages[4, 0], abs=1e-4)
+    assert advantages[3, 0] == pytest.approx(
+        delta_3 + GAMMA * GAE_LAMBDA * advantages[4, 0], abs=1e-4
+    )
 
 
 def test_masked_multi_discrete_stepper_never_sends_a_masked_action_to_the_env() -> None:
@@ -221,9 +260,15 @@ def test_masked_multi_discrete_stepper_never_sends_a_masked_action_to_the_env() 
             masks = row.buffers.extras["action_mask"]
             np.testing.assert_array_equal(masks, expected_masks)
             actions = row.buffers.actions
-            assert masks[np.arange(4), actions[:, 0]].all() and masks[np.arange(4), 3 + actions[:, 1]].all()
+            assert (
+                masks[np.arange(4), actions[:, 0]].all()
+                and masks[np.arange(4), 3 + actions[:, 1]].all()
+            )
             episodes += len(row.env_step.episode_returns)
-            frame = encode_step(StepMessage("a", "b", seq, 0, row.buffers.sent_fields(row.next_values, schema)), spec)
+            frame = encode_step(
+                StepMessage("a", "b", seq, 0, row.buffers.sent_fields(row.next_values, schema)),
+                spec,
+            )
             decode_step(frame, lambda *_: spec, max_bytes=1 << 20)
         assert episodes == 4 * 40 // 8
     finally:
@@ -236,7 +281,9 @@ def test_reselect_follows_the_weights_revision_as_well_as_the_version() -> None:
     env = make_vector_env("CartPole-v1", 2, seed=0)
     try:
         torch.manual_seed(0)
-        stepper = PolicyStepper(env, build_model(env.spec.observation_layout, distribution_for_env(env.spec)))
+        stepper = PolicyStepper(
+            env, build_model(env.spec.observation_layout, distribution_for_env(env.spec))
+        )
         assert not stepper.reselect()  # the pending action comes from these weights
         stepper.weights_revision = 1
         assert stepper.reselect() and not stepper.reselect()
@@ -251,12 +298,18 @@ def test_rows_carry_the_revision_of_the_weights_that_acted(groups: int) -> None:
     """A row's ``(policy_version, policy_revision)`` is that of the bundle that chose its actions:
     weights loaded after the next bundle was chosen act from the step after (with two env groups
     the row takes the oldest group's)."""
-    env = (make_vector_env("CartPole-v1", 4, seed=0) if groups == 1
-           else make_env_groups("CartPole-v1", 4, groups, seed=0))
+    env = (
+        make_vector_env("CartPole-v1", 4, seed=0)
+        if groups == 1
+        else make_env_groups("CartPole-v1", 4, groups, seed=0)
+    )
     try:
         torch.manual_seed(0)
-        stepper = PolicyStepper(env, build_model(env.spec.observation_layout, distribution_for_env(env.spec)),
-                                policy_version=3)
+        stepper = PolicyStepper(
+            env,
+            build_model(env.spec.observation_layout, distribution_for_env(env.spec)),
+            policy_version=3,
+        )
         acted = []
         for step in range(5):
             if step == 2:
@@ -309,7 +362,9 @@ def test_rows_whose_action_the_env_forces_store_that_action_non_trainable(routed
     env = VectorEnv(backend, seed=SEED, clip_rewards=False)
     torch.manual_seed(0)
     model = build_model(env.spec.observation_layout, distribution_for_env(env.spec))
-    router = PolicyRouter(env.spec, 3, RoutingConfig(random_probability=0.5), seed=0) if routed else None
+    router = (
+        PolicyRouter(env.spec, 3, RoutingConfig(random_probability=0.5), seed=0) if routed else None
+    )
     try:
         plain.reset()
         assert plain.forced_actions() is None
@@ -317,19 +372,26 @@ def test_rows_whose_action_the_env_forces_store_that_action_non_trainable(routed
         observations, actions, log_probs, trainable = [], [], [], []
         for _ in range(40):
             b = stepper.step().buffers
-            for kept, value in zip((observations, actions, log_probs, trainable),
-                                   (b.observations, b.actions, b.log_probs, b.trainable), strict=True):
+            for kept, value in zip(
+                (observations, actions, log_probs, trainable),
+                (b.observations, b.actions, b.log_probs, b.trainable),
+                strict=True,
+            ):
                 kept.append(value.copy())
     finally:
         env.close()
     actions, trainable = np.stack(actions), np.stack(trainable)
-    np.testing.assert_array_equal(actions, np.stack(backend.played))  # the stored actions are the played ones
+    np.testing.assert_array_equal(
+        actions, np.stack(backend.played)
+    )  # the stored actions are the played ones
     forced = np.zeros_like(trainable)
     forced[::2, 0] = True
     assert (actions[forced] == 0).all() and not trainable[forced].any()
     with torch.no_grad():
         policy, _ = model.policy_and_values(torch.from_numpy(np.stack(observations).reshape(-1, 4)))
-        expected = policy.log_prob(torch.from_numpy(actions.reshape(-1))).numpy().reshape(actions.shape)
+        expected = (
+            policy.log_prob(torch.from_numpy(actions.reshape(-1))).numpy().reshape(actions.shape)
+        )
     np.testing.assert_allclose(np.stack(log_probs), expected, atol=1e-5)
     if routed:
         assert 0.3 < trainable[~forced].mean() < 0.7

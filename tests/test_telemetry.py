@@ -55,10 +55,22 @@ def make_snapshot(**overrides) -> TelemetrySnapshot:
         policy_lag_mean=0.75,
         policy_lag_max=2.0,
         actors=[
-            ActorTelemetry(actor_id="a1", incarnation="inc-1", num_envs=4, sps=200.0, policy_lag=0.5,
-                           last_heard_s=0.1),
-            ActorTelemetry(actor_id="a2", incarnation="inc-2", num_envs=4, sps=256.5, policy_lag=None,
-                           last_heard_s=1.5),
+            ActorTelemetry(
+                actor_id="a1",
+                incarnation="inc-1",
+                num_envs=4,
+                sps=200.0,
+                policy_lag=0.5,
+                last_heard_s=0.1,
+            ),
+            ActorTelemetry(
+                actor_id="a2",
+                incarnation="inc-2",
+                num_envs=4,
+                sps=256.5,
+                policy_lag=None,
+                last_heard_s=1.5,
+            ),
         ],
         is_update=True,
     )
@@ -70,8 +82,12 @@ def valid_payload_dict() -> dict:
     return make_snapshot().model_dump(mode="python")
 
 
-def receive_after_connect(publisher: TelemetryPublisher, subscriber: TelemetrySubscriber,
-                          snapshot: TelemetrySnapshot, deadline_s: float = 10.0) -> TelemetrySnapshot:
+def receive_after_connect(
+    publisher: TelemetryPublisher,
+    subscriber: TelemetrySubscriber,
+    snapshot: TelemetrySnapshot,
+    deadline_s: float = 10.0,
+) -> TelemetrySnapshot:
     """Publish until the subscriber has joined (PUB/SUB drops messages sent before that)."""
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
@@ -134,7 +150,9 @@ def test_decode_rejects_malformed_payload_naming_the_problem(payload, reason_par
 def test_protocol_version_mismatch_says_expected_and_received():
     with pytest.raises(TelemetryRejected) as info:
         decode_snapshot(msgpack.packb(valid_payload_dict() | {"protocol_version": 99}))
-    assert "99" in info.value.reason and f"expected {TELEMETRY_PROTOCOL_VERSION}" in info.value.reason
+    assert (
+        "99" in info.value.reason and f"expected {TELEMETRY_PROTOCOL_VERSION}" in info.value.reason
+    )
 
 
 # --- sockets -------------------------------------------------------------------------------------
@@ -234,10 +252,21 @@ def scrape(port: int) -> dict[str, dict[tuple, float]]:
 
 
 EXPECTED_FAMILIES = {
-    "oakemu_env_steps", "oakemu_sps", "oakemu_policy_version", "oakemu_updates", "oakemu_episodes",
-    "oakemu_episodic_return_mean", "oakemu_loss", "oakemu_approx_kl", "oakemu_clip_fraction",
-    "oakemu_learning_rate", "oakemu_buffer_fill", "oakemu_rejected_messages", "oakemu_dropped",
-    "oakemu_actors", "oakemu_policy_lag",
+    "oakemu_env_steps",
+    "oakemu_sps",
+    "oakemu_policy_version",
+    "oakemu_updates",
+    "oakemu_episodes",
+    "oakemu_episodic_return_mean",
+    "oakemu_loss",
+    "oakemu_approx_kl",
+    "oakemu_clip_fraction",
+    "oakemu_learning_rate",
+    "oakemu_buffer_fill",
+    "oakemu_rejected_messages",
+    "oakemu_dropped",
+    "oakemu_actors",
+    "oakemu_policy_lag",
 }
 
 
@@ -293,7 +322,10 @@ def test_prometheus_endpoint_serves_the_snapshot_figures():
 
 
 def test_two_exporters_in_one_process_and_port_in_use_error():
-    with PrometheusExporter(0, addr="127.0.0.1") as first, PrometheusExporter(0, addr="127.0.0.1") as second:
+    with (
+        PrometheusExporter(0, addr="127.0.0.1") as first,
+        PrometheusExporter(0, addr="127.0.0.1") as second,
+    ):
         first.update(make_snapshot(global_step=1))
         second.update(make_snapshot(global_step=2))
         assert scrape(first.port)["oakemu_env_steps"] == {("oakemu_env_steps_total", ()): 1.0}

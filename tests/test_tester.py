@@ -20,19 +20,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from oakemu_services.evaluate import evaluate
 
-from oakemu_core.run.checkpoint import load_checkpoint
 from oakemu_core.envs import env_spec
-from oakemu_core.run.evaluation import build_evaluation, play_episodes
 from oakemu_core.policy.models import load_weight_arrays, weights_to_arrays
 from oakemu_core.policy.schemas import schema_for_env
+from oakemu_core.run.checkpoint import load_checkpoint
+from oakemu_core.run.evaluation import build_evaluation, play_episodes
 from oakemu_core.run.tester import (
     BEST_NAME,
     BestCheckpointTracker,
     EvaluationReport,
     Tester,
 )
-from oakemu_services.evaluate import evaluate
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CARTPOLE = "CartPole-v1"
@@ -52,8 +52,9 @@ def random_weights(env_id: str, torch_seed: int) -> dict[str, np.ndarray]:
     return weights_to_arrays(model)
 
 
-def in_process_returns(env_id: str, weights: dict[str, np.ndarray], *, seed: int, episodes: int,
-                       greedy: bool = True) -> list[float]:
+def in_process_returns(
+    env_id: str, weights: dict[str, np.ndarray], *, seed: int, episodes: int, greedy: bool = True
+) -> list[float]:
     model, env = build_evaluation(env_id, schema_of(env_id), seed=seed)
     try:
         load_weight_arrays(model, weights)
@@ -111,14 +112,21 @@ def test_tester_evaluates_in_its_own_process_like_oakemu_evaluate(testers) -> No
     assert len(reports) == 1, tester.last_error
     report = reports[0]
     assert tester.pid is not None and tester.pid != os.getpid()
-    assert (report.policy_version, report.global_step, report.episodes, report.greedy) == (3, 1234, 4, True)
+    assert (report.policy_version, report.global_step, report.episodes, report.greedy) == (
+        3,
+        1234,
+        4,
+        True,
+    )
     expected = in_process_returns(CARTPOLE, weights, seed=11, episodes=4)
     assert list(report.returns) == expected  # the same code path and seed: the same episodes
     assert report.return_mean == pytest.approx(np.mean(expected))
     assert report.return_std == pytest.approx(np.std(expected))
     assert report.length_mean == pytest.approx(np.mean(report.lengths))
     assert report.wall_seconds > 0 and report.finished_at <= time.time()
-    assert report.weights is weights  # kept parent-side for best.pt, not a copy that went through the pipe
+    assert (
+        report.weights is weights
+    )  # kept parent-side for best.pt, not a copy that went through the pipe
 
     # Determinism: the same weights again play the same episodes; other weights play others.
     other = random_weights(CARTPOLE, 2)
@@ -127,7 +135,9 @@ def test_tester_evaluates_in_its_own_process_like_oakemu_evaluate(testers) -> No
     assert tester.submit(5, other, 3000)
     different = tester.drain(READY_TIMEOUT_S)
     assert [r.returns for r in again] == [report.returns]
-    assert [r.returns for r in different] == [tuple(in_process_returns(CARTPOLE, other, seed=11, episodes=4))]
+    assert [r.returns for r in different] == [
+        tuple(in_process_returns(CARTPOLE, other, seed=11, episodes=4))
+    ]
     assert (tester.submitted, tester.completed, tester.superseded, tester.failed) == (3, 3, 0, 0)
 
 
@@ -145,9 +155,13 @@ def test_a_slow_evaluation_never_blocks_submit_and_only_the_newest_waits(testers
     # While version 1 still runs (each evaluation takes > 6 episodes x ~10 steps x 10 ms).
     assert tester.evaluating == 1 and tester.pending == 41
     reports = tester.drain(READY_TIMEOUT_S)
-    assert [r.policy_version for r in reports] == [1, 41], "only the newest waiting weights are evaluated"
+    assert [r.policy_version for r in reports] == [1, 41], (
+        "only the newest waiting weights are evaluated"
+    )
     assert tester.superseded == 39
-    assert reports[1].returns == tuple(in_process_returns(SLOW_CARTPOLE, weights[41 % 3], seed=3, episodes=6))
+    assert reports[1].returns == tuple(
+        in_process_returns(SLOW_CARTPOLE, weights[41 % 3], seed=3, episodes=6)
+    )
     assert reports[0].wall_seconds > 0.3
     # submit() is a lock and a one-byte write, whatever the evaluation does meanwhile.
     assert max(durations) < 0.05, f"slowest submit {max(durations) * 1e3:.1f} ms"
@@ -186,7 +200,9 @@ def test_kept_weights_are_evaluated_even_when_newer_ones_follow(testers) -> None
     reports = tester.drain(READY_TIMEOUT_S)
     assert [r.policy_version for r in reports] == [6, 8, 10]
     assert tester.superseded == 3 + 2
-    assert reports[1].returns == tuple(in_process_returns(SLOW_CARTPOLE, weights[2], seed=5, episodes=2))
+    assert reports[1].returns == tuple(
+        in_process_returns(SLOW_CARTPOLE, weights[2], seed=5, episodes=2)
+    )
 
 
 def test_periodic_evaluations_are_paced_to_a_share_of_the_wall_time(testers) -> None:
@@ -200,7 +216,9 @@ def test_periodic_evaluations_are_paced_to_a_share_of_the_wall_time(testers) -> 
     assert first.wall_seconds > 0.1  # SlowCartPole: 10 ms a step
     assert tester.submit(2, weights[1], 200) and tester.submit(3, weights[2], 300)
     time.sleep(min(2.0, 5 * first.wall_seconds))
-    assert (tester.evaluating, tester.pending, tester.superseded) == (None, 3, 1), "the next one waits its turn"
+    assert (tester.evaluating, tester.pending, tester.superseded) == (None, 3, 1), (
+        "the next one waits its turn"
+    )
     assert tester.submit(4, weights[0], 400, keep=True)  # kept weights start at once
     wait_until(lambda: tester.completed == 2, READY_TIMEOUT_S, "the kept evaluation")
     [kept] = tester.poll()
@@ -211,7 +229,9 @@ def test_periodic_evaluations_are_paced_to_a_share_of_the_wall_time(testers) -> 
     # Pacing would hold evaluation 5 until at least wall_seconds / max_share after evaluation 4 started
     # (the tester's hand-off comes before the child's start, its report after the child's finish).
     paced_start = kept.finished_at - kept.wall_seconds + kept.wall_seconds / 0.1
-    assert reports[0].finished_at - reports[0].wall_seconds < paced_start, "drain() waited for pacing"
+    assert reports[0].finished_at - reports[0].wall_seconds < paced_start, (
+        "drain() waited for pacing"
+    )
 
 
 def test_pacing_and_video_settings_are_checked() -> None:
@@ -238,7 +258,9 @@ def test_close_on_errors_and_before_start() -> None:
     Tester(CARTPOLE, episodes=1, greedy=True, seed=0, schema_dict=schema_of(CARTPOLE)).close()
     pid = None
     with pytest.raises(RuntimeError, match="boom"):
-        with Tester(CARTPOLE, episodes=1, greedy=True, seed=0, schema_dict=schema_of(CARTPOLE)) as tester:
+        with Tester(
+            CARTPOLE, episodes=1, greedy=True, seed=0, schema_dict=schema_of(CARTPOLE)
+        ) as tester:
             tester.start()
             pid = tester.pid
             raise RuntimeError("boom")
@@ -261,7 +283,11 @@ def test_bad_weights_fail_one_evaluation_not_the_tester(testers) -> None:
     bad.pop(sorted(bad)[0])
     assert tester.submit(1, bad, 0)
     assert tester.drain(READY_TIMEOUT_S) == []
-    assert tester.failed == 1 and "policy version 1" in tester.last_error and "missing names" in tester.last_error
+    assert (
+        tester.failed == 1
+        and "policy version 1" in tester.last_error
+        and "missing names" in tester.last_error
+    )
     assert tester.submit(2, weights, 0)
     assert [r.policy_version for r in tester.drain(READY_TIMEOUT_S)] == [2]
 
@@ -282,8 +308,13 @@ def test_the_tester_process_exits_when_its_parent_is_killed(tmp_path: Path) -> N
             print(tester.pid, flush=True)
             time.sleep(600)
     """)
-    parent = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     child_pid = None
     try:
         line = parent.stdout.readline()
@@ -303,12 +334,25 @@ def test_the_tester_process_exits_when_its_parent_is_killed(tmp_path: Path) -> N
 
 # --------------------------------------------------------------------------------------- best.pt
 def report(version: int, mean: float, weights: dict[str, np.ndarray] | None) -> EvaluationReport:
-    return EvaluationReport(policy_version=version, global_step=100 * version, episodes=2, return_mean=mean,
-                            return_std=1.0, length_mean=mean, returns=(mean - 1, mean + 1), lengths=(1, 2),
-                            greedy=True, wall_seconds=0.1, finished_at=time.time(), weights=weights)
+    return EvaluationReport(
+        policy_version=version,
+        global_step=100 * version,
+        episodes=2,
+        return_mean=mean,
+        return_std=1.0,
+        length_mean=mean,
+        returns=(mean - 1, mean + 1),
+        lengths=(1, 2),
+        greedy=True,
+        wall_seconds=0.1,
+        finished_at=time.time(),
+        weights=weights,
+    )
 
 
-def test_best_checkpoint_is_written_only_on_improvement_with_the_evaluated_weights(tmp_path: Path) -> None:
+def test_best_checkpoint_is_written_only_on_improvement_with_the_evaluated_weights(
+    tmp_path: Path,
+) -> None:
     schema = schema_of(CARTPOLE)
     torch.manual_seed(0)
     current, env = build_evaluation(CARTPOLE, schema, seed=None)  # the learner's newer weights
@@ -317,8 +361,12 @@ def test_best_checkpoint_is_written_only_on_improvement_with_the_evaluated_weigh
 
     def state_fn() -> dict:
         calls.append(1)
-        return {"model": current.state_dict(), "optimizer": {"lr": 1e-3},
-                "env": {"env_id": CARTPOLE, "schema": schema}, "config": {"normalize_observations": False}}
+        return {
+            "model": current.state_dict(),
+            "optimizer": {"lr": 1e-3},
+            "env": {"env_id": CARTPOLE, "schema": schema},
+            "config": {"normalize_observations": False},
+        }
 
     tracker = BestCheckpointTracker(tmp_path)
     path = tmp_path / "checkpoints" / BEST_NAME
@@ -333,14 +381,20 @@ def test_best_checkpoint_is_written_only_on_improvement_with_the_evaluated_weigh
     assert (tracker.best_return, tracker.best_policy_version) == (31.5, 3)
 
     state = load_checkpoint(path)
-    assert state["best_evaluation"]["policy_version"] == 3 and state["best_evaluation"]["return_mean"] == 31.5
+    assert (
+        state["best_evaluation"]["policy_version"] == 3
+        and state["best_evaluation"]["return_mean"] == 31.5
+    )
     assert state["optimizer"] == {"lr": 1e-3}
-    for name, array in evaluated[3].items():  # the evaluated weights, not the learner's current ones
+    for name, array in evaluated[
+        3
+    ].items():  # the evaluated weights, not the learner's current ones
         np.testing.assert_array_equal(state["model"][name].numpy(), array)
         assert state["model"][name].dtype == current.state_dict()[name].dtype
     # `oakemu evaluate best.pt` plays the evaluated policy.
     assert evaluate(path, episodes=2, greedy=True, seed=5) == in_process_returns(
-        CARTPOLE, evaluated[3], seed=5, episodes=2)
+        CARTPOLE, evaluated[3], seed=5, episodes=2
+    )
     # A resumed run reads the best so far from best.pt and only replaces it when it improves.
     resumed = BestCheckpointTracker(tmp_path)
     assert (resumed.best_return, resumed.best_policy_version) == (31.5, 3)
@@ -350,13 +404,19 @@ def test_best_checkpoint_is_written_only_on_improvement_with_the_evaluated_weigh
     assert restored.best_return == 31.5
 
 
-def test_best_checkpoint_refuses_weights_that_do_not_fit_and_keeps_the_old_file(tmp_path: Path) -> None:
+def test_best_checkpoint_refuses_weights_that_do_not_fit_and_keeps_the_old_file(
+    tmp_path: Path,
+) -> None:
     schema = schema_of(CARTPOLE)
     model, env = build_evaluation(CARTPOLE, schema, seed=0)
     env.close()
 
     def state_fn() -> dict:
-        return {"model": model.state_dict(), "env": {"env_id": CARTPOLE, "schema": schema}, "config": {}}
+        return {
+            "model": model.state_dict(),
+            "env": {"env_id": CARTPOLE, "schema": schema},
+            "config": {},
+        }
 
     tracker = BestCheckpointTracker(tmp_path)
     assert tracker.consider(report(1, 5.0, random_weights(CARTPOLE, 1)), state_fn)
@@ -365,4 +425,6 @@ def test_best_checkpoint_refuses_weights_that_do_not_fit_and_keeps_the_old_file(
     bad.pop(sorted(bad)[0])
     with pytest.raises(ValueError, match="missing"):
         tracker.consider(report(2, 50.0, bad), state_fn)
-    assert (tmp_path / "checkpoints" / BEST_NAME).read_bytes() == before and tracker.best_return == 5.0
+    assert (
+        tmp_path / "checkpoints" / BEST_NAME
+    ).read_bytes() == before and tracker.best_return == 5.0

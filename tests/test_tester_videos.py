@@ -13,12 +13,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("imageio_ffmpeg", reason="videos need the video extra: pip install 'oakemu-rl[video]'")
+pytest.importorskip(
+    "imageio_ffmpeg", reason="videos need the video extra: pip install 'oakemu-rl[video]'"
+)
 import imageio.v3 as iio  # noqa: E402
 
 from oakemu_core.run.tester import EvaluationReport, Tester  # noqa: E402
 from tests.test_tester import (  # noqa: E402,F401 - testers is the fixture
-    CARTPOLE, READY_TIMEOUT_S, in_process_returns, random_weights, testers, wait_until)
+    CARTPOLE,
+    READY_TIMEOUT_S,
+    in_process_returns,
+    random_weights,
+    testers,
+    wait_until,
+)
 
 SEED = 7
 EPISODES = 2
@@ -49,13 +57,17 @@ def periodic(tester: Tester, version: int, weights: dict[str, np.ndarray]) -> Ev
     """One periodic evaluation, to its report (not drain(): that is the end of a run)."""
     done = tester.completed + tester.failed
     assert tester.submit(version, weights, 100 * version)
-    wait_until(lambda: tester.completed + tester.failed > done, READY_TIMEOUT_S, f"evaluation {version}")
+    wait_until(
+        lambda: tester.completed + tester.failed > done, READY_TIMEOUT_S, f"evaluation {version}"
+    )
     reports = tester.poll()
     assert [r.policy_version for r in reports] == [version], tester.last_error
     return reports[0]
 
 
-def test_best_and_final_videos_follow_the_evaluations_and_update_videos_are_every_kth(testers, tmp_path: Path) -> None:
+def test_best_and_final_videos_follow_the_evaluations_and_update_videos_are_every_kth(
+    testers, tmp_path: Path
+) -> None:
     low, middle, high = weights_by_return(3)
     videos = tmp_path / "videos"
     tester: Tester = testers(episodes=EPISODES, seed=SEED, video_dir=videos, video_every=2)
@@ -74,12 +86,21 @@ def test_best_and_final_videos_follow_the_evaluations_and_update_videos_are_ever
     [report] = tester.drain(READY_TIMEOUT_S)
     assert report.policy_version == 4 and report.return_mean == low[0]
     assert tester.final_video == str(videos / "final.mp4")
-    assert frames(videos / "final.mp4") == low[1] + 1  # the last evaluation's episode, not the best one
+    assert (
+        frames(videos / "final.mp4") == low[1] + 1
+    )  # the last evaluation's episode, not the best one
     assert frames(videos / "best.mp4") == high[1] + 1
-    assert sorted(path.name for path in videos.iterdir()) == ["best.mp4", "final.mp4", "update_1.mp4", "update_3.mp4"]
+    assert sorted(path.name for path in videos.iterdir()) == [
+        "best.mp4",
+        "final.mp4",
+        "update_1.mp4",
+        "update_3.mp4",
+    ]
 
 
-def test_without_update_videos_best_and_final_are_replayed_episodes(testers, tmp_path: Path) -> None:
+def test_without_update_videos_best_and_final_are_replayed_episodes(
+    testers, tmp_path: Path
+) -> None:
     # The evaluation records nothing itself (video_every=0); a new best and the end replay its first
     # episode with the same seed: the same episode as the evaluation played.
     low, high = weights_by_return(2)
@@ -104,8 +125,13 @@ def test_without_update_videos_best_and_final_are_replayed_episodes(testers, tmp
 def test_a_resumed_run_keeps_best_mp4_until_a_better_evaluation(testers, tmp_path: Path) -> None:
     low, high = weights_by_return(2)
     videos = tmp_path / "videos"
-    tester: Tester = testers(episodes=EPISODES, seed=SEED, video_dir=videos, video_every=0,
-                             best_return=(low[0] + high[0]) / 2)
+    tester: Tester = testers(
+        episodes=EPISODES,
+        seed=SEED,
+        video_dir=videos,
+        video_every=0,
+        best_return=(low[0] + high[0]) / 2,
+    )
     periodic(tester, 1, low[2])
     assert not (videos / "best.mp4").exists()  # below the best.pt of the run before
     periodic(tester, 2, high[2])

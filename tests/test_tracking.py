@@ -21,8 +21,10 @@ from oakemu_core.run import tracking
 from oakemu_core.run.metrics import MetricsLogger
 from oakemu_core.run.tracking import Tracker, check_tracker_available, tracker_from_config
 
-SCALARS = [(512, {"charts/episodic_return": 21.5, "losses/approx_kl": 0.01, "charts/SPS": float("nan")}),
-           (1024, {"charts/episodic_return": 35.0, "losses/approx_kl": 0.02, "charts/SPS": 900.0})]
+SCALARS = [
+    (512, {"charts/episodic_return": 21.5, "losses/approx_kl": 0.01, "charts/SPS": float("nan")}),
+    (1024, {"charts/episodic_return": 35.0, "losses/approx_kl": 0.02, "charts/SPS": 900.0}),
+]
 
 
 def fake_run(tmp_path: Path) -> Path:
@@ -45,15 +47,20 @@ def log_a_run(tracker: Tracker, run_dir: Path) -> None:
     assert tracker.dropped == 0
 
 
-def test_mlflow_file_store_has_params_metrics_video_and_checkpoint(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mlflow_file_store_has_params_metrics_video_and_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytest.importorskip("mlflow", reason="needs the mlflow extra: pip install 'oakemu-rl[mlflow]'")
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # for this test's own client (the tracker sets it)
+    monkeypatch.setenv(
+        "MLFLOW_ALLOW_FILE_STORE", "true"
+    )  # for this test's own client (the tracker sets it)
     from mlflow.tracking import MlflowClient
 
     run_dir = fake_run(tmp_path)
     store = (tmp_path / "mlruns").as_uri()
-    config = load_config(["--env", "CartPole-v1", "--seed", "7", "--track", "mlflow", "--track-uri", store])
+    config = load_config(
+        ["--env", "CartPole-v1", "--seed", "7", "--track", "mlflow", "--track-uri", store]
+    )
     log_a_run(tracker_from_config(config, run_dir), run_dir)
 
     client = MlflowClient(tracking_uri=store)
@@ -62,9 +69,15 @@ def test_mlflow_file_store_has_params_metrics_video_and_checkpoint(tmp_path: Pat
     assert run.data.params["seed"] == "7" and run.data.params["env_id"] == "CartPole-v1"
     history = client.get_metric_history(run.info.run_id, "charts/episodic_return")
     assert [(m.step, m.value) for m in history] == [(512, 21.5), (1024, 35.0)]
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "charts/SPS")] == [1024]  # NaN left out
-    assert [a.path for a in client.list_artifacts(run.info.run_id, "videos")] == ["videos/update_2.mp4"]
-    assert [a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")] == ["checkpoints/checkpoint_00000002.pt"]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "charts/SPS")] == [
+        1024
+    ]  # NaN left out
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "videos")] == [
+        "videos/update_2.mp4"
+    ]
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")] == [
+        "checkpoints/checkpoint_00000002.pt"
+    ]
 
     # A resumed run continues the same MLflow run.
     resumed = Tracker("mlflow", run_dir, config.model_dump(mode="json"), uri=store)
@@ -86,8 +99,8 @@ def wandb_records(path: Path) -> list:
         if block - position % block < 7:  # a block's tail too short for a header is padding
             position += block - position % block
             continue
-        _, length, kind = struct.unpack("<IHB", data[position:position + 7])
-        chunk, position = data[position + 7:position + 7 + length], position + 7 + length
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        chunk, position = data[position + 7 : position + 7 + length], position + 7 + length
         if kind == 0:
             continue
         pending = chunk if kind in (1, 2) else pending + chunk
@@ -98,8 +111,9 @@ def wandb_records(path: Path) -> list:
     return records
 
 
-def test_wandb_offline_run_files_hold_the_scalars_config_and_video(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_wandb_offline_run_files_hold_the_scalars_config_and_video(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytest.importorskip("wandb", reason="needs the wandb extra: pip install 'oakemu-rl[wandb]'")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -108,14 +122,24 @@ def test_wandb_offline_run_files_hold_the_scalars_config_and_video(tmp_path: Pat
     log_a_run(tracker_from_config(config, run_dir), run_dir)
 
     [run_file] = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
-    deadline = time.monotonic() + 30.0  # wandb's own service writes the file; its last record is "exit"
+    deadline = (
+        time.monotonic() + 30.0
+    )  # wandb's own service writes the file; its last record is "exit"
     while "exit" not in [r.WhichOneof("record_type") for r in wandb_records(run_file)]:
         assert time.monotonic() < deadline, "the W&B run file has no exit record"
         time.sleep(0.2)
     records = wandb_records(run_file)
-    history = [{item.key or ".".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
-               for r in records if r.WhichOneof("record_type") == "history"]
-    returns = [(h["_step"], h["charts/episodic_return"]) for h in history if "charts/episodic_return" in h]
+    history = [
+        {
+            item.key or ".".join(item.nested_key): json.loads(item.value_json)
+            for item in r.history.item
+        }
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
+    returns = [
+        (h["_step"], h["charts/episodic_return"]) for h in history if "charts/episodic_return" in h
+    ]
     assert returns == [(512, 21.5), (1024, 35.0)], [r.WhichOneof("record_type") for r in records]
     assert all("charts/SPS" not in h for h in history if h["_step"] == 512)  # NaN left out
     [run] = [r.run for r in records if r.WhichOneof("record_type") == "run"]
@@ -123,10 +147,14 @@ def test_wandb_offline_run_files_hold_the_scalars_config_and_video(tmp_path: Pat
     assert config_items["seed"] == 7 and config_items["env_id"] == "CartPole-v1"
     assert [h["eval/video._type"] for h in history if "eval/video._type" in h] == ["video-file"]
     assert list(run_file.parent.glob("files/media/videos/eval/video_1024_*.mp4"))
-    assert any(r.WhichOneof("record_type") == "artifact" and r.artifact.type == "model" for r in records)
+    assert any(
+        r.WhichOneof("record_type") == "artifact" and r.artifact.type == "model" for r in records
+    )
 
 
-def test_a_missing_tracker_package_is_a_config_error_naming_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_missing_tracker_package_is_a_config_error_naming_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(tracking.importlib.util, "find_spec", lambda name: None)
     for kind in ("mlflow", "wandb"):
         with pytest.raises(ConfigError, match=rf"pip install 'oakemu-rl\[{kind}\]'"):
@@ -135,7 +163,9 @@ def test_a_missing_tracker_package_is_a_config_error_naming_the_extra(monkeypatc
     assert tracker_from_config(load_config(["--env", "CartPole-v1"]), Path("unused")) is None
 
 
-def test_a_failing_tracker_never_raises_into_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_tracker_never_raises_into_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(tracking, "check_tracker_available", lambda kind: None)
 
     def broken(self: Tracker, options: dict) -> None:

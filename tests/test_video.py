@@ -14,17 +14,19 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("imageio_ffmpeg", reason="videos need the video extra: pip install 'oakemu-rl[video]'")
+pytest.importorskip(
+    "imageio_ffmpeg", reason="videos need the video extra: pip install 'oakemu-rl[video]'"
+)
 import imageio.v3 as iio  # noqa: E402
+from oakemu_services import cli  # noqa: E402
 
 from oakemu_core.envs import env_spec  # noqa: E402
 from oakemu_core.policy.models import weights_to_arrays  # noqa: E402
+from oakemu_core.policy.schemas import schema_for_env  # noqa: E402
 from oakemu_core.run.checkpoint import save_checkpoint  # noqa: E402
 from oakemu_core.run.evaluation import build_evaluation, play_episodes  # noqa: E402
 from oakemu_core.run.metrics import MetricsLogger  # noqa: E402
 from oakemu_core.run.video import EpisodeVideos, VideoPreview  # noqa: E402
-from oakemu_core.policy.schemas import schema_for_env  # noqa: E402
-from oakemu_services import cli  # noqa: E402
 
 CARTPOLE = "CartPole-v1"
 
@@ -34,7 +36,9 @@ def decode(path: Path) -> np.ndarray:
     return iio.imread(path, plugin="FFMPEG", index=None)
 
 
-def play(env_id: str, *, seed: int, episodes: int, videos: EpisodeVideos | None, **options) -> tuple[list, list]:
+def play(
+    env_id: str, *, seed: int, episodes: int, videos: EpisodeVideos | None, **options
+) -> tuple[list, list]:
     """Returns and lengths of ``episodes`` sampled episodes of a fixed random policy."""
     schema = schema_for_env(env_spec(env_id, settings_file=options.get("settings_file"))).to_dict()
     torch.manual_seed(0)
@@ -48,19 +52,25 @@ def play(env_id: str, *, seed: int, episodes: int, videos: EpisodeVideos | None,
     return result.returns, result.lengths
 
 
-def recorded(env_id: str, tmp_path: Path, *, episodes: int = 1, record: int = 1, **options) -> tuple[list, list, list]:
+def recorded(
+    env_id: str, tmp_path: Path, *, episodes: int = 1, record: int = 1, **options
+) -> tuple[list, list, list]:
     """Play with and without video; the returns and lengths must agree. Returns (returns, lengths, videos)."""
     videos = EpisodeVideos(lambda i: tmp_path / f"episode_{i}.mp4", episodes=record)
     with_video = play(env_id, seed=5, episodes=episodes, videos=videos, **options)
     assert videos.error is None, videos.error
-    assert with_video == play(env_id, seed=5, episodes=episodes, videos=None, **options), \
+    assert with_video == play(env_id, seed=5, episodes=episodes, videos=None, **options), (
         "recording changed the episodes"
+    )
     return *with_video, videos.paths
 
 
 def test_gymnasium_video_has_the_render_size_one_frame_per_step(tmp_path: Path) -> None:
     returns, lengths, paths = recorded(CARTPOLE, tmp_path, episodes=3, record=2)
-    assert [p.name for p in paths] == ["episode_0.mp4", "episode_1.mp4"]  # only the first 2 of 3 episodes
+    assert [p.name for p in paths] == [
+        "episode_0.mp4",
+        "episode_1.mp4",
+    ]  # only the first 2 of 3 episodes
     for path, length in zip(paths, lengths):
         frames = decode(path)
         assert frames.shape == (length + 1, 400, 600, 3)  # the reset's frame, then one per step
@@ -83,10 +93,14 @@ def test_gameboy_video_shows_the_screen(tmp_path: Path) -> None:
     returns, lengths, paths = recorded(f"gameboy:{rom}", tmp_path, settings_file=str(settings))
     frames = decode(paths[0])
     assert frames.shape == (EPISODE_STEPS + 1, 144, 160, 3)  # the whole Game Boy screen in colour
-    assert len({frame.tobytes() for frame in frames}) > 1, "every frame is the same: the screen is not shown"
+    assert len({frame.tobytes() for frame in frames}) > 1, (
+        "every frame is the same: the screen is not shown"
+    )
 
 
-def test_a_sink_declines_after_its_episodes_and_a_failure_removes_the_partial_file(tmp_path: Path) -> None:
+def test_a_sink_declines_after_its_episodes_and_a_failure_removes_the_partial_file(
+    tmp_path: Path,
+) -> None:
     videos = EpisodeVideos(lambda i: tmp_path / f"v{i}.mp4", episodes=1, preview=True)
     frame = np.zeros((9, 11, 3), np.uint8)  # odd sides: resized up to even ones for yuv420p
     assert videos.begin(10.0)
@@ -133,26 +147,58 @@ def cartpole_checkpoint(tmp_path: Path) -> Path:
     model, env = build_evaluation(CARTPOLE, schema, seed=None)
     env.close()
     path = tmp_path / "ckpt.pt"
-    save_checkpoint(path, {"model": model.state_dict(), "env": {"env_id": CARTPOLE, "schema": schema},
-                           "config": {"normalize_observations": False}})
+    save_checkpoint(
+        path,
+        {
+            "model": model.state_dict(),
+            "env": {"env_id": CARTPOLE, "schema": schema},
+            "config": {"normalize_observations": False},
+        },
+    )
     assert weights_to_arrays(model)
     return path
 
 
-def test_evaluate_records_every_episode_and_prints_json(cartpole_checkpoint: Path, tmp_path: Path,
-                                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_evaluate_records_every_episode_and_prints_json(
+    cartpole_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     video_dir = tmp_path / "videos"
-    assert cli.main(["evaluate", str(cartpole_checkpoint), "--episodes", "3", "--sampled", "--video",
-                     str(video_dir), "--json"]) == 0
+    assert (
+        cli.main(
+            [
+                "evaluate",
+                str(cartpole_checkpoint),
+                "--episodes",
+                "3",
+                "--sampled",
+                "--video",
+                str(video_dir),
+                "--json",
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
-    assert result["episodes"] == 3 and result["policy"] == "sampled" and result["env_id"] == CARTPOLE
-    assert result["mean"] == pytest.approx(np.mean(result["returns"])) and result["video_error"] is None
-    assert sorted(p.name for p in video_dir.iterdir()) == ["episode_1.mp4", "episode_2.mp4", "episode_3.mp4"]
+    assert (
+        result["episodes"] == 3 and result["policy"] == "sampled" and result["env_id"] == CARTPOLE
+    )
+    assert (
+        result["mean"] == pytest.approx(np.mean(result["returns"]))
+        and result["video_error"] is None
+    )
+    assert sorted(p.name for p in video_dir.iterdir()) == [
+        "episode_1.mp4",
+        "episode_2.mp4",
+        "episode_3.mp4",
+    ]
     assert result["videos"] == [str(video_dir / f"episode_{n}.mp4") for n in (1, 2, 3)]
     for path, length in zip(result["videos"], result["lengths"]):
         assert decode(Path(path)).shape == (length + 1, 400, 600, 3)
     # Without --video the same seed plays the same episodes.
-    assert cli.main(["evaluate", str(cartpole_checkpoint), "--episodes", "3", "--sampled", "--json"]) == 0
+    assert (
+        cli.main(["evaluate", str(cartpole_checkpoint), "--episodes", "3", "--sampled", "--json"])
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["returns"] == result["returns"]
 
 
@@ -180,7 +226,9 @@ def test_the_tester_records_the_first_episode_of_each_evaluation(tmp_path: Path)
     model, env = build_evaluation(CARTPOLE, schema, seed=None)
     env.close()
     weights = weights_to_arrays(model)
-    tester = Tester(CARTPOLE, episodes=2, greedy=True, seed=7, schema_dict=schema, video_dir=tmp_path / "videos")
+    tester = Tester(
+        CARTPOLE, episodes=2, greedy=True, seed=7, schema_dict=schema, video_dir=tmp_path / "videos"
+    )
     try:
         tester.start()
         assert tester.submit(4, weights, 100)
@@ -189,7 +237,10 @@ def test_the_tester_records_the_first_episode_of_each_evaluation(tmp_path: Path)
         tester.close()
     assert len(reports) == 1, tester.last_error
     [report] = reports
-    assert report.video_path == str(tmp_path / "videos" / "update_4.mp4") and report.video_error is None
+    assert (
+        report.video_path == str(tmp_path / "videos" / "update_4.mp4")
+        and report.video_error is None
+    )
     assert decode(Path(report.video_path)).shape == (report.lengths[0] + 1, 400, 600, 3)
     assert isinstance(report.video_preview, VideoPreview)
     model.eval()
@@ -202,7 +253,14 @@ def test_the_tester_records_the_first_episode_of_each_evaluation(tmp_path: Path)
 
 def test_stable_retro_video_is_the_consoles_screen(tmp_path: Path) -> None:
     pytest.importorskip("stable_retro", reason="the stable-retro backend needs the emulators extra")
-    returns, lengths, paths = recorded("retro:Airstriker-Genesis-v0", tmp_path, max_episode_steps=30)
+    returns, lengths, paths = recorded(
+        "retro:Airstriker-Genesis-v0", tmp_path, max_episode_steps=30
+    )
     frames = decode(paths[0])
-    assert frames.shape == (lengths[0] + 1, 224, 320, 3)  # the Genesis screen, not the 84x84 observation
+    assert frames.shape == (
+        lengths[0] + 1,
+        224,
+        320,
+        3,
+    )  # the Genesis screen, not the 84x84 observation
     assert len({frame.tobytes() for frame in frames}) > 1

@@ -68,7 +68,9 @@ class Deaf:
 
     def publish_missed(self) -> None:
         """The learner publishes its newer weights; the actor's subscription drops them."""
-        self.publisher.send(encode_weights(WeightsMessage(LEARNER_VERSION, {"w": np.zeros(2, np.float32)})))
+        self.publisher.send(
+            encode_weights(WeightsMessage(LEARNER_VERSION, {"w": np.zeros(2, np.float32)}))
+        )
         assert not self.actor.weights_sub.poll(100), "the subscription was to drop the publication"
 
 
@@ -80,11 +82,15 @@ def deaf(monkeypatch: pytest.MonkeyPatch) -> Iterator[Deaf]:
     monkeypatch.setattr(actor_module, "HEARTBEAT_PERIOD_S", 0.05)
     monkeypatch.setattr(actor_module, "WEIGHTS_MISSED_S", 0.2)
     data, control, port = free_ports(3)
-    actor = Actor(OakEmuConfig(data_port=data, control_port=control, weights_port=port), threading.Event())
+    actor = Actor(
+        OakEmuConfig(data_port=data, control_port=control, weights_port=port), threading.Event()
+    )
     publisher = actor.context.socket(zmq.PUB)
     try:
         publisher.bind(f"inproc://weights-{port}")
-        actor.weights_sub = actor.context.socket(zmq.SUB)  # no SUBSCRIBE: every publication is dropped
+        actor.weights_sub = actor.context.socket(
+            zmq.SUB
+        )  # no SUBSCRIBE: every publication is dropped
         actor.weights_sub.connect(f"inproc://weights-{port}")
         learner = Learner()
         actor.client.control = learner
@@ -100,11 +106,15 @@ def deaf(monkeypatch: pytest.MonkeyPatch) -> Iterator[Deaf]:
         yield feed
     finally:
         publisher.close(linger=0)
-        actor.client.control = type("Closed", (), {"request": lambda *a, **k: None, "close": lambda self: None})()
+        actor.client.control = type(
+            "Closed", (), {"request": lambda *a, **k: None, "close": lambda self: None}
+        )()
         actor.close()
 
 
-def test_an_asynchronous_actor_behind_the_heartbeat_s_version_fetches_and_loads_the_weights(deaf: Deaf) -> None:
+def test_an_asynchronous_actor_behind_the_heartbeat_s_version_fetches_and_loads_the_weights(
+    deaf: Deaf,
+) -> None:
     actor = deaf.actor
     deaf.publish_missed()
     started = time.monotonic()
@@ -121,7 +131,9 @@ def test_an_asynchronous_actor_behind_the_heartbeat_s_version_fetches_and_loads_
     assert last.policy_version == LEARNER_VERSION and last.policy_lag == 0.0
 
 
-def test_a_synchronous_actor_waiting_at_its_segment_end_gets_the_weights_it_missed(deaf: Deaf) -> None:
+def test_a_synchronous_actor_waiting_at_its_segment_end_gets_the_weights_it_missed(
+    deaf: Deaf,
+) -> None:
     """An actor that missed every publication, waiting for weights newer than its acting version at its
     segment's end, fetches them on the control socket, loads them and stops waiting."""
     actor = deaf.actor
@@ -130,13 +142,17 @@ def test_a_synchronous_actor_waiting_at_its_segment_end_gets_the_weights_it_miss
     watchdog = threading.Timer(5.0, actor.stop_event.set)
     watchdog.start()
     try:
-        assert actor._wait_for_weights_newer_than(0, give_up_s=None), "still waiting when the watchdog stopped it"
+        assert actor._wait_for_weights_newer_than(0, give_up_s=None), (
+            "still waiting when the watchdog stopped it"
+        )
     finally:
         watchdog.cancel()
     assert deaf.loaded == [LEARNER_VERSION] and not actor.stop_event.is_set()
 
 
-def test_a_synchronous_actor_inside_its_segment_keeps_the_fetched_weights_for_the_segment_s_end(deaf: Deaf) -> None:
+def test_a_synchronous_actor_inside_its_segment_keeps_the_fetched_weights_for_the_segment_s_end(
+    deaf: Deaf,
+) -> None:
     """One version acts on a whole synchronous segment: weights fetched while the actor waits inside
     it (a full step ring) are held, then loaded at the segment's end without waiting."""
     actor = deaf.actor
@@ -159,8 +175,12 @@ def test_weights_the_channel_delivers_late_need_no_request(deaf: Deaf) -> None:
     actor = deaf.actor
     actor.weights_sub.setsockopt(zmq.SUBSCRIBE, b"")
     deadline = time.monotonic() + 5.0
-    while not actor.weights_sub.poll(10):  # a PUB drops what it sends before the subscription arrives
-        deaf.publisher.send(encode_weights(WeightsMessage(LEARNER_VERSION, {"w": np.zeros(2, np.float32)})))
+    while not actor.weights_sub.poll(
+        10
+    ):  # a PUB drops what it sends before the subscription arrives
+        deaf.publisher.send(
+            encode_weights(WeightsMessage(LEARNER_VERSION, {"w": np.zeros(2, np.float32)}))
+        )
         assert time.monotonic() < deadline
     actor.next_heartbeat = 0.0
     actor.heartbeat_if_due()

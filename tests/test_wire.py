@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from oakemu_core.transport import control, steps
 from oakemu_core.policy.distributions import Categorical, DiagGaussian
 from oakemu_core.step_schema import build_schema, check_step_consistency, default_schema
+from oakemu_core.transport import control, steps
 from oakemu_core.transport.codec import PROTOCOL_VERSION, REJECTION_REASONS, MessageRejected
 from oakemu_core.transport.control import (
     Heartbeat,
@@ -90,8 +90,19 @@ def known_spec(actor_id: str, incarnation: str) -> StepSpec | None:
 
 def step_header(**changes: Any) -> dict[str, Any]:
     """The header map of a step message (actor "actor", incarnation "inc", seq 0, arrays inline), built by hand."""
-    return {"protocol": PROTOCOL_VERSION, "type": "step", "actor_id": "actor", "incarnation": "inc", "seq": 0,
-            "policy_version": 0, "revision": 0, "slot": None, "episode_returns": [], "episode_lengths": [], **changes}
+    return {
+        "protocol": PROTOCOL_VERSION,
+        "type": "step",
+        "actor_id": "actor",
+        "incarnation": "inc",
+        "seq": 0,
+        "policy_version": 0,
+        "revision": 0,
+        "slot": None,
+        "episode_returns": [],
+        "episode_lengths": [],
+        **changes,
+    }
 
 
 def step_obj() -> dict[str, Any]:
@@ -131,8 +142,12 @@ def pack_step(obj: dict[str, Any], spec: StepSpec = ATARI_SPEC) -> list[bytes]:
             if isinstance(value, bytes):
                 frames.append(value)
             else:
-                frames.extend(stack_frames(value) if item.name in spec.stacked else [value.tobytes()])
-    return frames + [value if isinstance(value, bytes) else value.tobytes() for value in fields.values()]
+                frames.extend(
+                    stack_frames(value) if item.name in spec.stacked else [value.tobytes()]
+                )
+    return frames + [
+        value if isinstance(value, bytes) else value.tobytes() for value in fields.values()
+    ]
 
 
 def rejection(frames: Any, decoder: str = "step") -> MessageRejected:
@@ -140,7 +155,9 @@ def rejection(frames: Any, decoder: str = "step") -> MessageRejected:
     of a control frame."""
     with pytest.raises(MessageRejected) as info:
         if decoder == "step":
-            decode_step(frames if isinstance(frames, list) else [frames], known_spec, max_bytes=MAX_BYTES)
+            decode_step(
+                frames if isinstance(frames, list) else [frames], known_spec, max_bytes=MAX_BYTES
+            )
         else:
             decode_message(frames, max_bytes=MAX_BYTES)
     assert info.value.reason in REJECTION_REASONS
@@ -153,7 +170,15 @@ def rejection(frames: Any, decoder: str = "step") -> MessageRejected:
 
 
 def assert_steps_equal(a: StepMessage, b: StepMessage) -> None:
-    for name in ("actor_id", "incarnation", "seq", "policy_version", "revision", "episode_returns", "episode_lengths"):
+    for name in (
+        "actor_id",
+        "incarnation",
+        "seq",
+        "policy_version",
+        "revision",
+        "episode_returns",
+        "episode_lengths",
+    ):
         assert getattr(a, name) == getattr(b, name), name
     assert a.fields.keys() == b.fields.keys()
     for name in a.fields:
@@ -192,7 +217,9 @@ def test_step_round_trip_vector_obs_and_non_contiguous_inputs() -> None:
         },
     )
     decoded = decode_step(encode_step(msg, spec), lambda a, i: spec, max_bytes=MAX_BYTES)
-    np.testing.assert_array_equal(decoded.fields["observations"], [[0, 2, 4, 6], [8, 10, 12, 14], [16, 18, 20, 22]])
+    np.testing.assert_array_equal(
+        decoded.fields["observations"], [[0, 2, 4, 6], [8, 10, 12, 14], [16, 18, 20, 22]]
+    )
     np.testing.assert_array_equal(decoded.fields["actions"], [[1, 2], [3, 4], [5, 6]])
     np.testing.assert_array_equal(decoded.fields["trainable"], [True, False, True])
     assert decoded.num_envs == 3
@@ -203,7 +230,15 @@ def test_control_round_trips() -> None:
     join = JoinRequest(actor_id=ACTOR, incarnation=INCARNATION, num_envs=8, hostname="box-1")
     assert decode_message(encode_join_request(join), max_bytes=MAX_BYTES) == join
 
-    beat = Heartbeat(ACTOR, INCARNATION, seq=12, policy_version=3, env_steps_per_second=1520.5, policy_lag=1.25, episodes=9)
+    beat = Heartbeat(
+        ACTOR,
+        INCARNATION,
+        seq=12,
+        policy_version=3,
+        env_steps_per_second=1520.5,
+        policy_lag=1.25,
+        episodes=9,
+    )
     assert decode_message(encode_heartbeat(beat), max_bytes=MAX_BYTES) == beat
 
     for status in ("ok", "rejoin", "stop"):
@@ -218,16 +253,23 @@ def test_a_join_request_names_the_precision_of_the_actors_forward_passes() -> No
     """Protocol 7: float32 unless the actor says bfloat16; another name is refused on both sides, and
     a request without the field (an older actor) is a schema rejection."""
     join = JoinRequest(ACTOR, INCARNATION, 8, "box-1")
-    assert decode_message(encode_join_request(join), max_bytes=MAX_BYTES).inference_precision == "float32"
+    assert (
+        decode_message(encode_join_request(join), max_bytes=MAX_BYTES).inference_precision
+        == "float32"
+    )
     rounded = replace(join, inference_precision="bfloat16")
     assert decode_message(encode_join_request(rounded), max_bytes=MAX_BYTES) == rounded
     with pytest.raises(ValueError, match="inference_precision: expected one of"):
         encode_join_request(replace(join, inference_precision="float16"))
     obj = msgpack.unpackb(encode_join_request(join), raw=False)
-    with pytest.raises(MessageRejected, match="value_range: inference_precision: expected one of .* got 'int8'"):
+    with pytest.raises(
+        MessageRejected, match="value_range: inference_precision: expected one of .* got 'int8'"
+    ):
         decode_message(msgpack.packb({**obj, "inference_precision": "int8"}), max_bytes=MAX_BYTES)
     del obj["inference_precision"]
-    with pytest.raises(MessageRejected, match=r"schema: .*missing fields \['inference_precision'\]"):
+    with pytest.raises(
+        MessageRejected, match=r"schema: .*missing fields \['inference_precision'\]"
+    ):
         decode_message(msgpack.packb(obj), max_bytes=MAX_BYTES)
 
 
@@ -237,31 +279,66 @@ def test_join_reply_and_weights_round_trip() -> None:
         "conv.bias": np.array([0.5, -0.5], dtype=np.float32),
         "steps": np.array(3, dtype=np.int64),  # 0-d
     }
-    env_config = {"env_id": "ALE/Breakout-v5", "max_episode_steps": 27000, "clip_rewards": True, "seed": 1, "lr": 2.5e-4, "none": None}
+    env_config = {
+        "env_id": "ALE/Breakout-v5",
+        "max_episode_steps": 27000,
+        "clip_rewards": True,
+        "seed": 1,
+        "lr": 2.5e-4,
+        "none": None,
+    }
     reply = JoinReply(True, "", 2, ATARI_SPEC, env_config, 5, weights)
     decoded = decode_message(encode_join_reply(reply), max_bytes=MAX_BYTES)
     assert isinstance(decoded, JoinReply)
-    assert (decoded.accepted, decoded.reason, decoded.actor_index, decoded.policy_version) == (True, "", 2, 5)
+    assert (decoded.accepted, decoded.reason, decoded.actor_index, decoded.policy_version) == (
+        True,
+        "",
+        2,
+        5,
+    )
     assert decoded.spec == ATARI_SPEC
     assert decoded.env_config == env_config
     assert list(decoded.weights) == list(weights)  # order kept (load_state_dict)
     for name, array in weights.items():
-        assert decoded.weights[name].dtype == array.dtype and decoded.weights[name].shape == array.shape
+        assert (
+            decoded.weights[name].dtype == array.dtype
+            and decoded.weights[name].shape == array.shape
+        )
         np.testing.assert_array_equal(decoded.weights[name], array)
 
-    refused = decode_message(encode_join_reply(JoinReply(False, "full", -1, None, {}, 5)), max_bytes=MAX_BYTES)
-    assert (refused.accepted, refused.reason, refused.actor_index, refused.spec, refused.weights) == (False, "full", -1, None, {})
+    refused = decode_message(
+        encode_join_reply(JoinReply(False, "full", -1, None, {}, 5)), max_bytes=MAX_BYTES
+    )
+    assert (
+        refused.accepted,
+        refused.reason,
+        refused.actor_index,
+        refused.spec,
+        refused.weights,
+    ) == (False, "full", -1, None, {})
 
     message = decode_message(encode_weights(WeightsMessage(6, weights)), max_bytes=MAX_BYTES)
-    assert isinstance(message, WeightsMessage) and (message.policy_version, message.revision) == (6, 0)
+    assert isinstance(message, WeightsMessage) and (message.policy_version, message.revision) == (
+        6,
+        0,
+    )
     np.testing.assert_array_equal(message.weights["conv.weight"], weights["conv.weight"])
-    within = decode_message(encode_weights(WeightsMessage(6, weights, revision=3)), max_bytes=MAX_BYTES)
+    within = decode_message(
+        encode_weights(WeightsMessage(6, weights, revision=3)), max_bytes=MAX_BYTES
+    )
     assert (within.policy_version, within.revision) == (6, 3)
     with pytest.raises(ValueError, match="revision"):
         encode_weights(WeightsMessage(6, weights, revision=-1))
     for revision in (-1, 1.5, None):
-        frame = msgpack.packb({"protocol": PROTOCOL_VERSION, "type": "weights", "policy_version": 6, "revision": revision,
-                               "weights": {}})
+        frame = msgpack.packb(
+            {
+                "protocol": PROTOCOL_VERSION,
+                "type": "weights",
+                "policy_version": 6,
+                "revision": revision,
+                "weights": {},
+            }
+        )
         with pytest.raises(MessageRejected, match="revision"):
             decode_message(frame, max_bytes=MAX_BYTES)
 
@@ -339,7 +416,9 @@ def test_encoding_is_thread_safe() -> None:
         try:
             for seq in range(30):
                 msg = atari_step(seq=seq, seed=seed)
-                assert_steps_equal(msg, decode_step(encode_step(msg, ATARI_SPEC), known_spec, max_bytes=MAX_BYTES))
+                assert_steps_equal(
+                    msg, decode_step(encode_step(msg, ATARI_SPEC), known_spec, max_bytes=MAX_BYTES)
+                )
         except BaseException as error:  # noqa: BLE001 - reported below
             errors.append(error)
 
@@ -360,7 +439,9 @@ def test_decoded_arrays_are_read_only_views_of_the_received_frames() -> None:
     """Each array is a view of its own frame (no copy), read-only; a stacked field is rebuilt where it
     is written, or into a private read-only array."""
     msg = atari_step()
-    frames = [bytes(frame) for frame in encode_step(msg, ATARI_SPEC)]  # as received: one buffer per frame
+    frames = [
+        bytes(frame) for frame in encode_step(msg, ATARI_SPEC)
+    ]  # as received: one buffer per frame
     decoded = decode_step(frames, known_spec, max_bytes=MAX_BYTES)
     assert set(decoded.fields) == set(SENT)
     for name in SENT:
@@ -370,15 +451,21 @@ def test_decoded_arrays_are_read_only_views_of_the_received_frames() -> None:
             rebuilt = np.asarray(array)
             assert not rebuilt.flags.writeable and np.asarray(array) is rebuilt  # made once
             copied = np.array(array, copy=True)  # a copy asked for is private and writable
-            assert copied is not rebuilt and copied.flags.writeable and np.array_equal(copied, rebuilt)
-            assert not any(np.shares_memory(rebuilt, np.frombuffer(frame, np.uint8)) for frame in frames)
+            assert (
+                copied is not rebuilt and copied.flags.writeable and np.array_equal(copied, rebuilt)
+            )
+            assert not any(
+                np.shares_memory(rebuilt, np.frombuffer(frame, np.uint8)) for frame in frames
+            )
             continue
         assert not array.flags.writeable, name
         root = array
         while isinstance(root, np.ndarray):
             root = root.base
         root = root.obj if isinstance(root, memoryview) else root
-        assert isinstance(root, bytes) and len(root) == array.nbytes and root in frames, name  # a view, not a copy
+        assert isinstance(root, bytes) and len(root) == array.nbytes and root in frames, (
+            name
+        )  # a view, not a copy
     with pytest.raises(ValueError):
         decoded.fields["rewards"].flags.writeable = True  # bytes-backed: cannot be made writeable
 
@@ -389,7 +476,9 @@ def test_encoder_passes_the_array_buffer_without_copying() -> None:
     frames = encode_step(msg, ATARI_SPEC)
     assert len(frames) == ATARI_SPEC.frame_count == 1 + len(SENT) + 1
     values = frames[2 + SENT.index("values")]  # the header and the observations' flags come first
-    assert isinstance(values, memoryview) and np.shares_memory(np.frombuffer(values, np.float32), msg.fields["values"])
+    assert isinstance(values, memoryview) and np.shares_memory(
+        np.frombuffer(values, np.float32), msg.fields["values"]
+    )
     assert isinstance(frames[2], bytearray) and bytes(frames[1]) == b"\x01" * N
 
 
@@ -400,7 +489,9 @@ def test_encoder_passes_the_array_buffer_without_copying() -> None:
 
 def test_unaltered_step_obj_is_accepted() -> None:
     """Baseline for the crafted frames below: only the alteration makes them fail."""
-    assert_steps_equal(atari_step(), decode_step(pack_step(step_obj()), known_spec, max_bytes=MAX_BYTES))
+    assert_steps_equal(
+        atari_step(), decode_step(pack_step(step_obj()), known_spec, max_bytes=MAX_BYTES)
+    )
 
 
 def test_another_dtype_is_a_frame_of_another_length() -> None:
@@ -409,7 +500,11 @@ def test_another_dtype_is_a_frame_of_another_length() -> None:
     put(obj, "rewards", np.zeros(N, dtype=np.float64))
     error = rejection(pack_step(obj))
     assert error.reason == "size"
-    assert "rewards" in error.detail and f"expected {4 * N} bytes" in error.detail and f"received {8 * N}" in error.detail
+    assert (
+        "rewards" in error.detail
+        and f"expected {4 * N} bytes" in error.detail
+        and f"received {8 * N}" in error.detail
+    )
 
 
 @pytest.mark.parametrize(
@@ -430,7 +525,10 @@ def test_frames_of_the_wrong_length_are_size_errors(field: str, array: np.ndarra
     assert error.reason == "size" and field in error.detail
 
 
-@pytest.mark.parametrize("field", ["actor_id", "seq", "policy_version", "revision", "episode_returns", "protocol", "slot"])
+@pytest.mark.parametrize(
+    "field",
+    ["actor_id", "seq", "policy_version", "revision", "episode_returns", "protocol", "slot"],
+)
 def test_missing_header_field(field: str) -> None:
     obj = step_obj()
     del obj[field]
@@ -501,11 +599,14 @@ def test_garbage_and_truncated_frames() -> None:
     assert rejection([]).reason == "garbage"
     rewards = 1 + 1 + SENT.index("rewards")  # the header and the observations' flags first
     for cut in (frames[rewards][:-1], frames[rewards] + b"\x00", frames[rewards] * 1000):
-        error = rejection([*frames[:rewards], cut, *frames[rewards + 1:]])
+        error = rejection([*frames[:rewards], cut, *frames[rewards + 1 :]])
         assert error.reason == "size" and "rewards" in error.detail
     assert rejection(frames[:-1]).reason == "schema"  # the last frame missing
     assert rejection([*frames, frames[-1]]).reason == "schema"  # one too many
-    assert rejection([frames[2], *frames[1:]]).reason in {"garbage", "schema"}  # a frame where the header goes
+    assert rejection([frames[2], *frames[1:]]).reason in {
+        "garbage",
+        "schema",
+    }  # a frame where the header goes
 
 
 def test_a_stacked_fields_frames_must_match_its_flags() -> None:
@@ -518,14 +619,20 @@ def test_a_stacked_fields_frames_must_match_its_flags() -> None:
         assert error.reason == "size" and "observations" in error.detail
     assert rejection([frames[0], flags[:-1], data, *frames[3:]]).reason == "size"
     assert rejection([frames[0], b"\x02" + flags[1:], data, *frames[3:]]).reason == "schema"
-    one_frame_only = b"\x00" + flags[1:]  # env 0 sends its newest frame only: 3 * 84 * 84 bytes fewer
-    without = data[: N * 84 * 84] + data[N * 84 * 84 + 3 * 84 * 84:]
+    one_frame_only = (
+        b"\x00" + flags[1:]
+    )  # env 0 sends its newest frame only: 3 * 84 * 84 bytes fewer
+    without = data[: N * 84 * 84] + data[N * 84 * 84 + 3 * 84 * 84 :]
     error = rejection([frames[0], one_frame_only, without, *frames[3:]])
     assert error.reason == "schema" and "env 0" in error.detail and "no stack" in error.detail
 
 
 def test_pickle_bytes_are_never_unpickled() -> None:
-    for payload in (pickle.dumps(np.zeros(3)), pickle.dumps({"protocol": 1, "type": "step"}), pickle.dumps(atari_step(), protocol=0)):
+    for payload in (
+        pickle.dumps(np.zeros(3)),
+        pickle.dumps({"protocol": 1, "type": "step"}),
+        pickle.dumps(atari_step(), protocol=0),
+    ):
         assert rejection(payload).reason == "garbage"
         assert rejection(payload, decoder="message").reason == "garbage"
 
@@ -556,11 +663,24 @@ def test_nan_episode_return_and_float_observations() -> None:
     obs = np.zeros((2, 3), np.float32)
     obs[1, 2] = np.inf
     zeros = np.zeros(2, np.float32)
-    msg = StepMessage("a", "b", 0, 0, {
-        "observations": obs, "actions": np.zeros(2, np.int64), "log_probs": zeros, "values": zeros, "rewards": zeros,
-        "dones": np.zeros(2, bool), "truncated": np.zeros(2, bool), "bootstrap_values": zeros, "next_values": zeros,
-        "trainable": np.ones(2, bool),
-    })
+    msg = StepMessage(
+        "a",
+        "b",
+        0,
+        0,
+        {
+            "observations": obs,
+            "actions": np.zeros(2, np.int64),
+            "log_probs": zeros,
+            "values": zeros,
+            "rewards": zeros,
+            "dones": np.zeros(2, bool),
+            "truncated": np.zeros(2, bool),
+            "bootstrap_values": zeros,
+            "next_values": zeros,
+            "trainable": np.ones(2, bool),
+        },
+    )
     with pytest.raises(MessageRejected) as info:
         decode_step(encode_step(msg, spec), lambda a, i: spec, max_bytes=MAX_BYTES)
     assert info.value.reason == "schema" and "observations" in info.value.detail
@@ -593,8 +713,14 @@ def test_truncated_without_done() -> None:
         ("next_values", np.array([0, 0, 0, 0, 0, 0, 0, 2e6], np.float32)),
         ("log_probs", np.array([0.5, -0.1, 0, 0, 0, 0, 0, 0], np.float32)),  # a probability above 1
         ("log_probs", np.array([-2e4, -0.1, 0, 0, 0, 0, 0, 0], np.float32)),
-        ("bootstrap_values", np.array([1.0, 0, 0, 0, 0, 0, 0, 0], np.float32)),  # env 0 not truncated
-        ("bootstrap_values", np.array([0, 5e6, 0, 0, 0, 0, 0, 0], np.float32)),  # env 1 truncated, but huge
+        (
+            "bootstrap_values",
+            np.array([1.0, 0, 0, 0, 0, 0, 0, 0], np.float32),
+        ),  # env 0 not truncated
+        (
+            "bootstrap_values",
+            np.array([0, 5e6, 0, 0, 0, 0, 0, 0], np.float32),
+        ),  # env 1 truncated, but huge
     ],
 )
 def test_impossible_values_are_rejected_naming_the_field(field: str, bad_value: np.ndarray) -> None:
@@ -628,17 +754,35 @@ def test_a_gaussian_log_density_may_be_positive() -> None:
     spec = StepSpec(2, schema)
     zeros = np.zeros(2, np.float32)
     fields = {
-        "observations": np.zeros((2, 3), np.float32), "actions": np.array([[5.0, -5.0], [0.1, 0.2]], np.float32),
-        "log_probs": np.array([3.5, -1.0], np.float32), "values": zeros, "rewards": zeros, "dones": np.zeros(2, bool),
-        "truncated": np.zeros(2, bool), "bootstrap_values": zeros, "next_values": zeros, "trainable": np.ones(2, bool),
-        "action_mean": np.zeros((2, 2), np.float32), "action_std": np.full((2, 2), 0.01, np.float32),
+        "observations": np.zeros((2, 3), np.float32),
+        "actions": np.array([[5.0, -5.0], [0.1, 0.2]], np.float32),
+        "log_probs": np.array([3.5, -1.0], np.float32),
+        "values": zeros,
+        "rewards": zeros,
+        "dones": np.zeros(2, bool),
+        "truncated": np.zeros(2, bool),
+        "bootstrap_values": zeros,
+        "next_values": zeros,
+        "trainable": np.ones(2, bool),
+        "action_mean": np.zeros((2, 2), np.float32),
+        "action_std": np.full((2, 2), 0.01, np.float32),
     }
-    decoded = decode_step(encode_step(StepMessage("a", "b", 0, 0, fields), spec), lambda a, i: spec, max_bytes=MAX_BYTES)
+    decoded = decode_step(
+        encode_step(StepMessage("a", "b", 0, 0, fields), spec),
+        lambda a, i: spec,
+        max_bytes=MAX_BYTES,
+    )
     # Actions outside the Box are stored as sampled (the env boundary clips them).
     np.testing.assert_array_equal(decoded.fields["actions"], fields["actions"])
     with pytest.raises(MessageRejected) as info:
-        decode_step(encode_step(StepMessage("a", "b", 0, 0, {**fields, "action_std": np.zeros((2, 2), np.float32)}), spec),
-                    lambda a, i: spec, max_bytes=MAX_BYTES)
+        decode_step(
+            encode_step(
+                StepMessage("a", "b", 0, 0, {**fields, "action_std": np.zeros((2, 2), np.float32)}),
+                spec,
+            ),
+            lambda a, i: spec,
+            max_bytes=MAX_BYTES,
+        )
     assert info.value.reason == "value_range" and "action_std" in info.value.detail
 
 
@@ -662,8 +806,9 @@ def test_protocol_version_is_11() -> None:
 def test_stop_notice_round_trip_and_rejections() -> None:
     from oakemu_core.transport.control import StopNotice, encode_stop
 
-    assert decode_message(encode_stop(StopNotice("env-step budget reached")), max_bytes=MAX_BYTES) == StopNotice(
-        "env-step budget reached")
+    assert decode_message(
+        encode_stop(StopNotice("env-step budget reached")), max_bytes=MAX_BYTES
+    ) == StopNotice("env-step budget reached")
     assert decode_message(encode_stop(StopNotice("")), max_bytes=MAX_BYTES) == StopNotice("")
     with pytest.raises(ValueError, match="reason"):
         encode_stop(StopNotice("x" * 5000))
@@ -702,7 +847,12 @@ def test_unknown_actor_and_spec_lookup_arguments() -> None:
 def test_wrong_message_type_for_each_decoder() -> None:
     assert rejection(encode_heartbeat(Heartbeat("a", "b", 0, 0, 1.0, 0.0, 0))).reason == "schema"
     assert rejection(encode_step(atari_step(), ATARI_SPEC)[0], decoder="message").reason == "schema"
-    assert rejection(msgpack.packb({"protocol": PROTOCOL_VERSION, "type": "nope"}), decoder="message").reason == "schema"
+    assert (
+        rejection(
+            msgpack.packb({"protocol": PROTOCOL_VERSION, "type": "nope"}), decoder="message"
+        ).reason
+        == "schema"
+    )
     assert rejection(msgpack.packb([PROTOCOL_VERSION, "step"])).reason == "schema"  # not a map
 
 
@@ -727,23 +877,106 @@ def test_msgpack_level_limits(frame: bytes) -> None:
     ("message", "reason"),
     [
         ({"type": "heartbeat_reply", "status": "maybe", "policy_version": 0}, "schema"),
-        ({"type": "heartbeat", "actor_id": "a", "incarnation": "b", "seq": 0, "policy_version": 0,
-          "env_steps_per_second": math.nan, "policy_lag": 0.0, "episodes": 0}, "schema"),
-        ({"type": "join", "actor_id": "a", "incarnation": "b", "num_envs": 0, "hostname": "h"}, "schema"),
+        (
+            {
+                "type": "heartbeat",
+                "actor_id": "a",
+                "incarnation": "b",
+                "seq": 0,
+                "policy_version": 0,
+                "env_steps_per_second": math.nan,
+                "policy_lag": 0.0,
+                "episodes": 0,
+            },
+            "schema",
+        ),
+        (
+            {"type": "join", "actor_id": "a", "incarnation": "b", "num_envs": 0, "hostname": "h"},
+            "schema",
+        ),
         ({"type": "leave", "actor_id": "a"}, "schema"),
-        ({"type": "weights", "policy_version": 1, "revision": 0, "weights": {"w": {"dtype": "|O", "shape": [1], "data": b"x"}}}, "dtype"),
-        ({"type": "weights", "policy_version": 1, "revision": 0, "weights": {"w": {"dtype": "<f4", "shape": [10**9], "data": b"xxxx"}}}, "size"),
-        ({"type": "weights", "policy_version": 1, "revision": 0, "weights": {"w": wire_array(np.array([np.nan], np.float32))}}, "schema"),
-        ({"type": "join_reply", "accepted": True, "reason": "", "actor_index": 0, "spec": None, "env_config": {},
-          "policy_version": 0, "weights": {}}, "schema"),
-        ({"type": "join_reply", "accepted": True, "reason": "", "actor_index": 0,
-          "spec": {**ATARI_SPEC.to_dict(), "schema": {"fields": "<U1", "distribution": None}}, "env_config": {},
-          "policy_version": 0, "weights": {}}, "schema"),
-        ({"type": "join_reply", "accepted": True, "reason": "", "actor_index": 0,
-          "spec": {**ATARI_SPEC.to_dict(), "schema": {**ATARI_SCHEMA.to_dict(), "distribution": {"kind": "tuple"}}},
-          "env_config": {}, "policy_version": 0, "weights": {}}, "schema"),
-        ({"type": "join_reply", "accepted": False, "reason": "", "actor_index": -1, "spec": None,
-          "env_config": {"env_id": ["list"]}, "policy_version": 0, "weights": {}}, "schema"),
+        (
+            {
+                "type": "weights",
+                "policy_version": 1,
+                "revision": 0,
+                "weights": {"w": {"dtype": "|O", "shape": [1], "data": b"x"}},
+            },
+            "dtype",
+        ),
+        (
+            {
+                "type": "weights",
+                "policy_version": 1,
+                "revision": 0,
+                "weights": {"w": {"dtype": "<f4", "shape": [10**9], "data": b"xxxx"}},
+            },
+            "size",
+        ),
+        (
+            {
+                "type": "weights",
+                "policy_version": 1,
+                "revision": 0,
+                "weights": {"w": wire_array(np.array([np.nan], np.float32))},
+            },
+            "schema",
+        ),
+        (
+            {
+                "type": "join_reply",
+                "accepted": True,
+                "reason": "",
+                "actor_index": 0,
+                "spec": None,
+                "env_config": {},
+                "policy_version": 0,
+                "weights": {},
+            },
+            "schema",
+        ),
+        (
+            {
+                "type": "join_reply",
+                "accepted": True,
+                "reason": "",
+                "actor_index": 0,
+                "spec": {**ATARI_SPEC.to_dict(), "schema": {"fields": "<U1", "distribution": None}},
+                "env_config": {},
+                "policy_version": 0,
+                "weights": {},
+            },
+            "schema",
+        ),
+        (
+            {
+                "type": "join_reply",
+                "accepted": True,
+                "reason": "",
+                "actor_index": 0,
+                "spec": {
+                    **ATARI_SPEC.to_dict(),
+                    "schema": {**ATARI_SCHEMA.to_dict(), "distribution": {"kind": "tuple"}},
+                },
+                "env_config": {},
+                "policy_version": 0,
+                "weights": {},
+            },
+            "schema",
+        ),
+        (
+            {
+                "type": "join_reply",
+                "accepted": False,
+                "reason": "",
+                "actor_index": -1,
+                "spec": None,
+                "env_config": {"env_id": ["list"]},
+                "policy_version": 0,
+                "weights": {},
+            },
+            "schema",
+        ),
     ],
 )
 def test_control_message_rejections(message: dict[str, Any], reason: str) -> None:
@@ -801,14 +1034,30 @@ _SMALL_STEP_SPEC = StepSpec(num_envs=2, schema=build_schema({"": ((2,), np.uint8
 @given(st.data())
 def test_fuzz_mutated_valid_frames(data: st.DataObject) -> None:
     halves = np.array([0.5, -0.5], np.float32)
-    msg = StepMessage("actor-0", "9f1c2b", 1, 2, {
-        "observations": np.array([[1, 2], [3, 4]], np.uint8), "actions": np.array([0, 1], np.int64),
-        "log_probs": np.array([-0.5, -0.25], np.float32), "values": halves, "rewards": halves,
-        "dones": np.array([True, False]), "truncated": np.array([True, False]),
-        "bootstrap_values": np.array([0.5, 0.0], np.float32), "next_values": halves, "trainable": np.array([True, True]),
-    }, [1.0], [3])
+    msg = StepMessage(
+        "actor-0",
+        "9f1c2b",
+        1,
+        2,
+        {
+            "observations": np.array([[1, 2], [3, 4]], np.uint8),
+            "actions": np.array([0, 1], np.int64),
+            "log_probs": np.array([-0.5, -0.25], np.float32),
+            "values": halves,
+            "rewards": halves,
+            "dones": np.array([True, False]),
+            "truncated": np.array([True, False]),
+            "bootstrap_values": np.array([0.5, 0.0], np.float32),
+            "next_values": halves,
+            "trainable": np.array([True, True]),
+        },
+        [1.0],
+        [3],
+    )
     frames = [bytearray(frame) for frame in encode_step(msg, _SMALL_STEP_SPEC)]
-    decode_step(frames, lambda a, i: _SMALL_STEP_SPEC, max_bytes=MAX_BYTES)  # the unmutated message is valid
+    decode_step(
+        frames, lambda a, i: _SMALL_STEP_SPEC, max_bytes=MAX_BYTES
+    )  # the unmutated message is valid
     for _ in range(data.draw(st.integers(1, 4))):
         frame = frames[data.draw(st.integers(0, len(frames) - 1))]
         if frame:
@@ -818,9 +1067,15 @@ def test_fuzz_mutated_valid_frames(data: st.DataObject) -> None:
         frames[index] = frames[index][: data.draw(st.integers(0, len(frames[index])))]
     if data.draw(st.booleans()):  # a frame dropped or repeated
         index = data.draw(st.integers(0, len(frames) - 1))
-        frames = frames[:index] + frames[index + 1:] if data.draw(st.booleans()) else frames[:index] + frames[index:]
+        frames = (
+            frames[:index] + frames[index + 1 :]
+            if data.draw(st.booleans())
+            else frames[:index] + frames[index:]
+        )
     try:
-        result = decode_step([bytes(frame) for frame in frames], lambda a, i: _SMALL_STEP_SPEC, max_bytes=MAX_BYTES)
+        result = decode_step(
+            [bytes(frame) for frame in frames], lambda a, i: _SMALL_STEP_SPEC, max_bytes=MAX_BYTES
+        )
     except MessageRejected as error:
         assert error.reason in REJECTION_REASONS
     else:
@@ -829,15 +1084,27 @@ def test_fuzz_mutated_valid_frames(data: st.DataObject) -> None:
 
 
 _msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8) | st.binary(max_size=16),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=16),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
     max_leaves=20,
 )
-_field_names = st.sampled_from(sorted({"protocol", "type", "dtype", "shape", "data", *steps._STEP_FIELDS, *SENT}))
+_field_names = st.sampled_from(
+    sorted({"protocol", "type", "dtype", "shape", "data", *steps._STEP_FIELDS, *SENT})
+)
 
 
 @FUZZ
-@given(st.dictionaries(_field_names, _msgpack_values, max_size=8), st.sampled_from(sorted(control._CONTROL_DECODERS) + ["step"]))
+@given(
+    st.dictionaries(_field_names, _msgpack_values, max_size=8),
+    st.sampled_from(sorted(control._CONTROL_DECODERS) + ["step"]),
+)
 def test_fuzz_structured_maps(obj: dict[str, Any], message_type: str) -> None:
     obj.setdefault("protocol", PROTOCOL_VERSION)
     obj.setdefault("type", message_type)

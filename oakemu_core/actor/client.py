@@ -48,7 +48,6 @@ from oakemu_core.policy.models import ActorCritic, build_model, load_weight_arra
 from oakemu_core.policy.schemas import schema_for_env
 from oakemu_core.transport.auth import new_routing_id
 from oakemu_core.transport.codec import MessageRejected
-from oakemu_core.transport.keepalive import keep_alive
 from oakemu_core.transport.control import (
     ACTOR_ID_IN_USE,
     ControlMessage,
@@ -65,6 +64,7 @@ from oakemu_core.transport.control import (
     encode_leave,
     encode_weights_request,
 )
+from oakemu_core.transport.keepalive import keep_alive
 from oakemu_core.transport.step_ring import StepRing, StepRingUnavailable
 
 if TYPE_CHECKING:
@@ -151,8 +151,13 @@ class ControlChannel:
             or None.
     """
 
-    def __init__(self, context: zmq.Context, address: str, max_bytes: int,
-                 security: ClientSecurity | None = None) -> None:
+    def __init__(
+        self,
+        context: zmq.Context,
+        address: str,
+        max_bytes: int,
+        security: ClientSecurity | None = None,
+    ) -> None:
         self.context = context
         self.address = address
         self.max_bytes = max_bytes
@@ -189,7 +194,9 @@ class ControlChannel:
         except zmq.Again:
             return None
         self.connected = True
-        while (remaining := deadline - time.monotonic()) > 0 and sock.poll(max(1, int(remaining * 1000))):
+        while (remaining := deadline - time.monotonic()) > 0 and sock.poll(
+            max(1, int(remaining * 1000))
+        ):
             try:
                 reply = sock.recv(zmq.NOBLOCK)
             except zmq.Again:  # the message that woke the poll answered an earlier request: dropped
@@ -221,8 +228,14 @@ class LearnerClient:
         incarnation: id of the current join (``""`` before the first).
     """
 
-    def __init__(self, control: ControlChannel, request: JoinRequest, *, patience_s: float,
-                 silence: RetryReport) -> None:
+    def __init__(
+        self,
+        control: ControlChannel,
+        request: JoinRequest,
+        *,
+        patience_s: float,
+        silence: RetryReport,
+    ) -> None:
         self.control = control
         self.request = request
         self.patience_s = patience_s
@@ -276,7 +289,11 @@ class LearnerClient:
                     deadline = now + patience_s
                     stop.wait(reply.retry_after_s * (1.0 + RETRY_JITTER * random.random()))
                     continue
-                if not reply.accepted and reply.reason.startswith(ACTOR_ID_IN_USE) and time.monotonic() < deadline:
+                if (
+                    not reply.accepted
+                    and reply.reason.startswith(ACTOR_ID_IN_USE)
+                    and time.monotonic() < deadline
+                ):
                     log.warning("actor %s: %s; asking again", self.actor_id, reply.reason)
                     stop.wait(REQUEST_TIMEOUT_S)
                     continue
@@ -285,21 +302,44 @@ class LearnerClient:
                 self.last_reply = time.monotonic()
                 return reply
             if time.monotonic() > deadline:
-                hint = (": its port accepts connections but nothing answered the join (a learner older than this "
-                        "actor does not: upgrade the learner first)" if self.control.connected else "")
-                raise LearnerUnreachable(f"no learner answered at {self.control.address} for {patience_s:.0f} s{hint}")
+                hint = (
+                    ": its port accepts connections but nothing answered the join (a learner older than this "
+                    "actor does not: upgrade the learner first)"
+                    if self.control.connected
+                    else ""
+                )
+                raise LearnerUnreachable(
+                    f"no learner answered at {self.control.address} for {patience_s:.0f} s{hint}"
+                )
         raise KeyboardInterrupt
 
-    def heartbeat(self, seq: int, policy_version: int, env_steps_per_second: float, policy_lag: float,
-                  episodes: int) -> HeartbeatReply | None:
+    def heartbeat(
+        self,
+        seq: int,
+        policy_version: int,
+        env_steps_per_second: float,
+        policy_lag: float,
+        episodes: int,
+    ) -> HeartbeatReply | None:
         """Send one heartbeat (the figures of :class:`~oakemu_core.transport.control.Heartbeat`);
         the learner's reply, or None when it did not answer in time.
 
         Raises:
             LearnerUnreachable: the learner has not answered for longer than ``patience_s``.
         """
-        reply = self.control.request(encode_heartbeat(Heartbeat(
-            self.actor_id, self.incarnation, seq, policy_version, env_steps_per_second, policy_lag, episodes)))
+        reply = self.control.request(
+            encode_heartbeat(
+                Heartbeat(
+                    self.actor_id,
+                    self.incarnation,
+                    seq,
+                    policy_version,
+                    env_steps_per_second,
+                    policy_lag,
+                    episodes,
+                )
+            )
+        )
         if not isinstance(reply, HeartbeatReply):
             self.silence.attempt()
             if time.monotonic() - self.last_reply > self.patience_s:
@@ -313,7 +353,9 @@ class LearnerClient:
         """Ask the learner for its current weights on the control socket (the weights channel missed
         them); the weights, or None: no answer in time, or the learner answered ``rejoin`` / ``stop``
         (the next heartbeat acts on it)."""
-        reply = self.control.request(encode_weights_request(WeightsRequest(self.actor_id, self.incarnation)))
+        reply = self.control.request(
+            encode_weights_request(WeightsRequest(self.actor_id, self.incarnation))
+        )
         if reply is not None:
             self.last_reply = time.monotonic()
         return reply if isinstance(reply, WeightsMessage) else None
@@ -321,7 +363,9 @@ class LearnerClient:
     def leave(self, timeout_s: float = 0.5) -> None:
         """Tell the learner this incarnation stops (best effort: no retry)."""
         if self.incarnation:
-            self.control.request(encode_leave(Leave(self.actor_id, self.incarnation)), timeout_s=timeout_s)
+            self.control.request(
+                encode_leave(Leave(self.actor_id, self.incarnation)), timeout_s=timeout_s
+            )
 
     def attach_ring(self, reply: JoinReply) -> StepRing | None:
         """The step ring the join offered, attached, or None: none offered, or not reachable from here
@@ -334,12 +378,18 @@ class LearnerClient:
         except StepRingUnavailable as error:
             log.info("actor %s: step arrays go inline in the messages (%s)", self.actor_id, error)
             return None
-        log.info("actor %s: step arrays go through shared memory (%s, %d slots)", self.actor_id, ring.name,
-                 ring.slots)
+        log.info(
+            "actor %s: step arrays go through shared memory (%s, %d slots)",
+            self.actor_id,
+            ring.name,
+            ring.slots,
+        )
         return ring
 
 
-def subscribe_weights(context: zmq.Context, address: str, security: ClientSecurity | None = None) -> zmq.Socket:
+def subscribe_weights(
+    context: zmq.Context, address: str, security: ClientSecurity | None = None
+) -> zmq.Socket:
     """A SUB socket on the learner's weights channel (weights and stop messages), queueing at most
     :data:`WEIGHTS_QUEUE_MESSAGES`; read it with :func:`newest_message`.
 
@@ -392,12 +442,19 @@ def make_envs(config: OakEmuConfig, reply: JoinReply) -> VectorEnv | EnvGroups:
     assert reply.spec is not None
     env_config = reply.env_config
     env_id, seed = str(env_config["env_id"]), int(env_config["seed"])
-    kwargs = dict(clip_rewards=bool(env_config["clip_rewards"]), max_episode_steps=env_config.get("max_episode_steps"),
-                  settings_file=env_config.get("emulator_settings"), num_threads=config.resolved_emulator_threads(),
-                  options=EnvOptions.from_settings(env_config))
+    kwargs = dict(
+        clip_rewards=bool(env_config["clip_rewards"]),
+        max_episode_steps=env_config.get("max_episode_steps"),
+        settings_file=env_config.get("emulator_settings"),
+        num_threads=config.resolved_emulator_threads(),
+        options=EnvOptions.from_settings(env_config),
+    )
     groups = min(config.env_groups, config.envs_per_actor)
-    env = (make_env_groups(env_id, config.envs_per_actor, groups, seed=seed, **kwargs) if groups > 1
-           else make_vector_env(env_id, config.envs_per_actor, seed=seed, **kwargs))
+    env = (
+        make_env_groups(env_id, config.envs_per_actor, groups, seed=seed, **kwargs)
+        if groups > 1
+        else make_vector_env(env_id, config.envs_per_actor, seed=seed, **kwargs)
+    )
     local, schema = schema_for_env(env.spec), reply.spec.schema
     if local != schema:
         env.close()
@@ -411,14 +468,19 @@ def make_envs(config: OakEmuConfig, reply: JoinReply) -> VectorEnv | EnvGroups:
 def make_model(env: VectorEnv | EnvGroups, reply: JoinReply) -> ActorCritic:
     """The actor's CPU model for ``env``, in eval mode, with the join's weights loaded."""
     assert reply.spec is not None
-    model = build_model(env.spec.observation_layout, reply.spec.schema.distribution,
-                        normalize_observations=bool(reply.env_config.get("normalize_observations")))
+    model = build_model(
+        env.spec.observation_layout,
+        reply.spec.schema.distribution,
+        normalize_observations=bool(reply.env_config.get("normalize_observations")),
+    )
     model.eval()
     load_weight_arrays(model, reply.weights)
     return model
 
 
-def make_inference_backend(kind: str, model: ActorCritic, *, threads: int, actor_id: str = "") -> Any:
+def make_inference_backend(
+    kind: str, model: ActorCritic, *, threads: int, actor_id: str = ""
+) -> Any:
     """The forward passes of ``actor_inference`` ``kind`` for ``model``: ``"numpy"``
     (:class:`~oakemu_core.policy.numpy_inference.NumpyForward`), ``"auto"`` (numpy where it serves the
     model, else None: torch's own), ``"bfloat16"``
@@ -453,8 +515,10 @@ def make_inference_backend(kind: str, model: ActorCritic, *, threads: int, actor
     except ValueError as error:
         raise ActorSetupError(str(error)) from None
     except Exception as error:  # noqa: BLE001 - the exporter's or ONNX Runtime's own: one readable line
-        raise ActorSetupError(f"actor_inference={kind!r} could not be set up "
-                              f"({type(error).__name__}: {error}); use --actor-inference torch") from None
+        raise ActorSetupError(
+            f"actor_inference={kind!r} could not be set up "
+            f"({type(error).__name__}: {error}); use --actor-inference torch"
+        ) from None
 
 
 def make_stepper(env: VectorEnv | EnvGroups, model: ActorCritic, reply: JoinReply) -> PolicyStepper:
@@ -468,10 +532,15 @@ def make_stepper(env: VectorEnv | EnvGroups, model: ActorCritic, reply: JoinRepl
     assert reply.spec is not None
     try:
         routing = RoutingConfig.from_mapping(reply.env_config)
-        router = (PolicyRouter(env.spec, env.num_envs, routing, seed=int(reply.env_config["seed"]))
-                  if routing.active else None)
+        router = (
+            PolicyRouter(env.spec, env.num_envs, routing, seed=int(reply.env_config["seed"]))
+            if routing.active
+            else None
+        )
         if router is not None and isinstance(env, EnvGroups):
             raise ValueError("not supported with env_groups > 1")
     except ValueError as error:
         raise ActorSetupError(f"policy routing: {error}") from None
-    return PolicyStepper(env, model, schema=reply.spec.schema, policy_version=reply.policy_version, router=router)
+    return PolicyStepper(
+        env, model, schema=reply.spec.schema, policy_version=reply.policy_version, router=router
+    )

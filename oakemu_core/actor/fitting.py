@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["DEFAULT_NUM_ENVS", "available_cpus", "MIN_FITTED_ENVS_PER_ACTOR", "fit_actor_count", "fit_actors"]
+__all__ = [
+    "DEFAULT_NUM_ENVS",
+    "available_cpus",
+    "MIN_FITTED_ENVS_PER_ACTOR",
+    "fit_actor_count",
+    "fit_actors",
+]
 
 DEFAULT_NUM_ENVS = 16
 """Rollout columns when neither ``num_envs`` nor ``num_actors`` / ``envs_per_actor`` are given."""
@@ -22,13 +28,23 @@ def fit_actor_count(num_envs: int, cpus: int) -> int:
         num_envs: the rollout's columns (>= 1).
         cpus: CPUs available to the run (>= 1).
     """
-    fitting = [a for a in range(1, max(1, cpus - 1) + 1)
-               if num_envs % a == 0 and num_envs // a >= MIN_FITTED_ENVS_PER_ACTOR]
+    fitting = [
+        a
+        for a in range(1, max(1, cpus - 1) + 1)
+        if num_envs % a == 0 and num_envs // a >= MIN_FITTED_ENVS_PER_ACTOR
+    ]
     return max(fitting, default=1)
 
 
-def fit_actors(num_actors: int | None, envs_per_actor: int, num_envs: int | None, *, envs_per_actor_given: bool,
-               cpus: int, one_env_per_actor: bool = False) -> tuple[int, int]:
+def fit_actors(
+    num_actors: int | None,
+    envs_per_actor: int,
+    num_envs: int | None,
+    *,
+    envs_per_actor_given: bool,
+    cpus: int,
+    one_env_per_actor: bool = False,
+) -> tuple[int, int]:
     """``(num_actors, envs_per_actor)`` with what was not given filled in; given values are kept.
 
     * neither count given, an env that runs one emulator per process (``one_env_per_actor``: stable-retro):

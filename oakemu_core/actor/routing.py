@@ -103,12 +103,19 @@ class RoutingConfig:
     scripted_probability: float = 0.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.random_first_steps, bool) or int(self.random_first_steps) != self.random_first_steps \
-                or self.random_first_steps < 0:
-            raise ValueError(f"route_random_first_steps: expected an int >= 0, received {self.random_first_steps!r}")
+        if (
+            isinstance(self.random_first_steps, bool)
+            or int(self.random_first_steps) != self.random_first_steps
+            or self.random_first_steps < 0
+        ):
+            raise ValueError(
+                f"route_random_first_steps: expected an int >= 0, received {self.random_first_steps!r}"
+            )
         for name in ("random_probability", "scripted_probability"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and 0.0 <= value <= 1.0):
+            if not (
+                isinstance(value, (int, float)) and math.isfinite(value) and 0.0 <= value <= 1.0
+            ):
                 raise ValueError(f"route_{name}: expected a number in [0, 1], received {value!r}")
         if self.scripted_policy is not None and ":" not in self.scripted_policy:
             raise ValueError(
@@ -123,7 +130,11 @@ class RoutingConfig:
     @property
     def active(self) -> bool:
         """True when some step may be routed away from the PPO policy."""
-        return self.random_first_steps > 0 or self.random_probability > 0 or self.scripted_probability > 0
+        return (
+            self.random_first_steps > 0
+            or self.random_probability > 0
+            or self.scripted_probability > 0
+        )
 
     def to_env_config(self) -> dict[str, Any]:
         """The settings as ``route_*`` scalars (the learner's join reply ``env_config``)."""
@@ -138,7 +149,11 @@ class RoutingConfig:
     def from_mapping(cls, values: Mapping[str, Any] | Any) -> RoutingConfig:
         """From ``route_*`` keys of a mapping (an ``env_config``) or attributes of an object (an
         :class:`~oakemu_core.config.OakEmuConfig`); missing keys keep the defaults (no routing)."""
-        get = values.get if isinstance(values, Mapping) else (lambda key, default: getattr(values, key, default))
+        get = (
+            values.get
+            if isinstance(values, Mapping)
+            else (lambda key, default: getattr(values, key, default))
+        )
         return cls(
             random_first_steps=int(get("route_random_first_steps", 0) or 0),
             random_probability=float(get("route_random_probability", 0.0) or 0.0),
@@ -168,7 +183,11 @@ def load_callable(reference: str, *, what: str = "policy") -> Callable[..., Any]
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as error:
             cwd = os.getcwd()
-            if error.name not in (module_name.split(".")[0], module_name) or cwd in sys.path or "" in sys.path:
+            if (
+                error.name not in (module_name.split(".")[0], module_name)
+                or cwd in sys.path
+                or "" in sys.path
+            ):
                 raise
             sys.path.append(cwd)
             module = importlib.import_module(module_name)
@@ -179,7 +198,9 @@ def load_callable(reference: str, *, what: str = "policy") -> Callable[..., Any]
     target: Any = module
     for part in attribute.split("."):
         if not hasattr(target, part):
-            raise ValueError(f"{what}: {module_name!r} has no attribute {attribute!r} (from {reference!r})")
+            raise ValueError(
+                f"{what}: {module_name!r} has no attribute {attribute!r} (from {reference!r})"
+            )
         target = getattr(target, part)
     if not callable(target):
         # ValueError, not TypeError: one error type for every bad reference (the callers catch it)
@@ -187,8 +208,9 @@ def load_callable(reference: str, *, what: str = "policy") -> Callable[..., Any]
     return target
 
 
-def random_actions(spec: EnvSpec, count: int, rng: np.random.Generator,
-                   action_mask: np.ndarray | None = None) -> np.ndarray:
+def random_actions(
+    spec: EnvSpec, count: int, rng: np.random.Generator, action_mask: np.ndarray | None = None
+) -> np.ndarray:
     """``count`` uniformly random actions of ``spec``'s normalised action space, allowed by the mask.
 
     Args:
@@ -210,8 +232,10 @@ def random_actions(spec: EnvSpec, count: int, rng: np.random.Generator,
     if action_mask is not None:
         action_mask = np.asarray(action_mask, dtype=bool)
         if action_mask.shape != (count, spec.action_mask_width):
-            raise ValueError(f"action_mask: expected shape ({count}, {spec.action_mask_width}), received "
-                             f"{action_mask.shape}")
+            raise ValueError(
+                f"action_mask: expected shape ({count}, {spec.action_mask_width}), received "
+                f"{action_mask.shape}"
+            )
     if kind == "box":
         space = spec.action_space
         low = np.broadcast_to(np.asarray(space.low, np.float64), (count, *spec.action_shape))
@@ -228,12 +252,14 @@ def random_actions(spec: EnvSpec, count: int, rng: np.random.Generator,
         if action_mask is None:
             column = rng.integers(0, size, count)
         else:
-            allowed = action_mask[:, offset:offset + size]
+            allowed = action_mask[:, offset : offset + size]
             totals = allowed.sum(axis=1)
             if (totals == 0).any():
                 row = int(np.flatnonzero(totals == 0)[0])
-                raise ValueError(f"action_mask: row {row} allows no value for sub-action {index} "
-                                 f"(mask {action_mask[row].astype(np.int8).tolist()})")
+                raise ValueError(
+                    f"action_mask: row {row} allows no value for sub-action {index} "
+                    f"(mask {action_mask[row].astype(np.int8).tolist()})"
+                )
             # The k-th allowed value, k uniform in [0, totals): searchsorted over cumulative counts.
             picks = np.floor(rng.uniform(0.0, 1.0, count) * totals).astype(np.int64)
             cumulative = np.cumsum(allowed, axis=1)
@@ -260,9 +286,13 @@ def checked_actions(spec: EnvSpec, actions: Any, count: int, *, source: str) -> 
         raise ValueError(f"{source}: expected actions of shape {expected}, received {array.shape}")
     target = spec.action_dtype
     if target.kind in "iu" and array.dtype.kind not in "iub":
-        raise ValueError(f"{source}: expected integer actions ({target}), received dtype {array.dtype}")
+        raise ValueError(
+            f"{source}: expected integer actions ({target}), received dtype {array.dtype}"
+        )
     if target.kind == "f" and array.dtype.kind not in "iuf":
-        raise ValueError(f"{source}: expected real actions ({target}), received dtype {array.dtype}")
+        raise ValueError(
+            f"{source}: expected real actions ({target}), received dtype {array.dtype}"
+        )
     return array.astype(target, copy=False)
 
 
@@ -272,8 +302,14 @@ def _select_rows(observations: Any, rows: np.ndarray) -> Any:
     return observations[rows]
 
 
-def replace_actions(model: Any, bundle: PPOActionBundle, rows: np.ndarray, actions: np.ndarray, observations: Any,
-                    action_mask: np.ndarray | None) -> PPOActionBundle:
+def replace_actions(
+    model: Any,
+    bundle: PPOActionBundle,
+    rows: np.ndarray,
+    actions: np.ndarray,
+    observations: Any,
+    action_mask: np.ndarray | None,
+) -> PPOActionBundle:
     """``bundle`` with the actions of ``rows`` replaced by ``actions`` (a step the policy did not control).
 
     Args:
@@ -297,15 +333,20 @@ def replace_actions(model: Any, bundle: PPOActionBundle, rows: np.ndarray, actio
 
 
 @torch.no_grad()
-def _log_probs(model: Any, observations: Any, actions: np.ndarray, action_mask: np.ndarray | None) -> np.ndarray:
+def _log_probs(
+    model: Any, observations: Any, actions: np.ndarray, action_mask: np.ndarray | None
+) -> np.ndarray:
     """log pi(actions | observations) under ``model`` (an ActorCritic), ``(k,)`` float32 numpy."""
     device = model.device
 
     def tensor(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
-    obs = {key: tensor(value) for key, value in observations.items()} if isinstance(observations, dict) \
+    obs = (
+        {key: tensor(value) for key, value in observations.items()}
+        if isinstance(observations, dict)
         else tensor(observations)
+    )
     mask = None if action_mask is None else tensor(np.asarray(action_mask, dtype=bool))
     policy, _ = model.policy_and_values(obs, mask)
     return policy.log_prob(tensor(actions)).to("cpu", torch.float32).numpy()
@@ -336,8 +377,15 @@ class PolicyRouter:
         ValueError: ``num_envs`` < 1, or the scripted policy cannot be loaded.
     """
 
-    def __init__(self, spec: EnvSpec, num_envs: int, config: RoutingConfig, *, seed: int | None = None,
-                 scripted: ScriptedPolicy | None = None) -> None:
+    def __init__(
+        self,
+        spec: EnvSpec,
+        num_envs: int,
+        config: RoutingConfig,
+        *,
+        seed: int | None = None,
+        scripted: ScriptedPolicy | None = None,
+    ) -> None:
         if int(num_envs) < 1:
             raise ValueError(f"num_envs: expected >= 1, received {num_envs!r}")
         self.spec = spec
@@ -359,11 +407,15 @@ class PolicyRouter:
         routes = np.full(self.num_envs, ROUTE_POLICY, np.int8)
         if config.scripted_probability > 0:
             routes[draws[1] < config.scripted_probability] = ROUTE_SCRIPTED
-        random = (self.episode_steps < config.random_first_steps) | (draws[0] < config.random_probability)
+        random = (self.episode_steps < config.random_first_steps) | (
+            draws[0] < config.random_probability
+        )
         routes[random] = ROUTE_RANDOM
         return routes
 
-    def routed_actions(self, routes: np.ndarray, observations: Any, action_mask: np.ndarray | None) -> np.ndarray:
+    def routed_actions(
+        self, routes: np.ndarray, observations: Any, action_mask: np.ndarray | None
+    ) -> np.ndarray:
         """Actions of the routed rows (``routes != ROUTE_POLICY``), in row order:
         ``(k, *action_shape)`` of the action dtype."""
         rows = np.flatnonzero(routes != ROUTE_POLICY)
@@ -380,12 +432,16 @@ class PolicyRouter:
                 assert self.scripted is not None
                 source = f"route_scripted_policy {self.config.scripted_policy or self.scripted!r}"
                 actions[picked] = checked_actions(
-                    self.spec, self.scripted(_select_rows(observations, env_rows), mask), env_rows.size, source=source
+                    self.spec,
+                    self.scripted(_select_rows(observations, env_rows), mask),
+                    env_rows.size,
+                    source=source,
                 )
         return actions
 
-    def apply(self, model: Any, bundle: PPOActionBundle, observations: Any,
-              action_mask: np.ndarray | None) -> tuple[PPOActionBundle, np.ndarray]:
+    def apply(
+        self, model: Any, bundle: PPOActionBundle, observations: Any, action_mask: np.ndarray | None
+    ) -> tuple[PPOActionBundle, np.ndarray]:
         """Route the step whose policy output is ``bundle``.
 
         Args:

@@ -21,8 +21,19 @@ from oakemu_core.step_schema import StepSchema, check_array, resolve_schema
 if TYPE_CHECKING:
     from oakemu_core.storage.rollout_buffer import RolloutBuffer
 
-_CORE_FIELDS = frozenset({"actions", "log_probs", "values", "rewards", "dones", "trainable", "truncated",
-                          "bootstrap_values", "next_values"})
+_CORE_FIELDS = frozenset(
+    {
+        "actions",
+        "log_probs",
+        "values",
+        "rewards",
+        "dones",
+        "trainable",
+        "truncated",
+        "bootstrap_values",
+        "next_values",
+    }
+)
 
 
 @dataclass
@@ -93,13 +104,25 @@ class PPOActorStepBuffers:
             ValueError: if ``num_envs`` is not a positive int, or not exactly one of a schema and an
                 observation shape/dtype is given (:func:`~oakemu_core.step_schema.resolve_schema`).
         """
-        if isinstance(num_envs, bool) or not isinstance(num_envs, (int, np.integer)) or num_envs <= 0:
+        if (
+            isinstance(num_envs, bool)
+            or not isinstance(num_envs, (int, np.integer))
+            or num_envs <= 0
+        ):
             raise ValueError(f"num_envs: expected a positive int, received {num_envs!r}")
-        schema = resolve_schema("PPOActorStepBuffers.create", schema, observation_shape, observation_dtype,
-                                action_shape, action_dtype)
+        schema = resolve_schema(
+            "PPOActorStepBuffers.create",
+            schema,
+            observation_shape,
+            observation_dtype,
+            action_shape,
+            action_dtype,
+        )
         arrays = {f.name: np.zeros((int(num_envs), *f.shape), dtype=f.dtype) for f in schema.sent}
         arrays.pop("next_values")  # known only after the next action is chosen (see stepper)
-        observations = schema.join_observations({n: arrays.pop(n) for n in schema.observation_names})
+        observations = schema.join_observations(
+            {n: arrays.pop(n) for n in schema.observation_names}
+        )
         core = {name: arrays.pop(name) for name in list(arrays) if name in _CORE_FIELDS}
         return cls(observations=observations, extras=arrays, **core)
 
@@ -114,8 +137,14 @@ class PPOActorStepBuffers:
         return bool(self.trainable.any())
 
     def _env_id(self, env_id: Any) -> int:
-        if isinstance(env_id, bool) or not isinstance(env_id, (int, np.integer)) or not 0 <= env_id < self.num_envs:
-            raise ValueError(f"env_id: expected an int in [0, {self.num_envs}), received {env_id!r}")
+        if (
+            isinstance(env_id, bool)
+            or not isinstance(env_id, (int, np.integer))
+            or not 0 <= env_id < self.num_envs
+        ):
+            raise ValueError(
+                f"env_id: expected an int in [0, {self.num_envs}), received {env_id!r}"
+            )
         return int(env_id)
 
     def record_observations(self, observations: Any) -> None:
@@ -125,9 +154,18 @@ class PPOActorStepBuffers:
             ValueError: wrong type, shape or dtype (no silent cast), or a missing dict key.
         """
         if isinstance(self.observations, dict):
-            if not isinstance(observations, dict) or observations.keys() != self.observations.keys():
-                received = sorted(observations) if isinstance(observations, dict) else type(observations).__name__
-                raise ValueError(f"observations: expected a dict with keys {sorted(self.observations)}, received {received}")
+            if (
+                not isinstance(observations, dict)
+                or observations.keys() != self.observations.keys()
+            ):
+                received = (
+                    sorted(observations)
+                    if isinstance(observations, dict)
+                    else type(observations).__name__
+                )
+                raise ValueError(
+                    f"observations: expected a dict with keys {sorted(self.observations)}, received {received}"
+                )
             for key, target in self.observations.items():
                 check_array(f"observations[{key!r}]", observations[key], target.shape, target.dtype)
             for key, target in self.observations.items():
@@ -144,7 +182,9 @@ class PPOActorStepBuffers:
         """
         target = self.extras.get("action_mask")
         if target is None:
-            raise ValueError("action_mask: these step buffers have no action_mask field (the env gives no masks)")
+            raise ValueError(
+                "action_mask: these step buffers have no action_mask field (the env gives no masks)"
+            )
         check_array("action_mask", action_masks, target.shape, target.dtype)
         np.copyto(target, action_masks)
 
@@ -177,7 +217,9 @@ class PPOActorStepBuffers:
             raise ValueError(f"env_ids: expected a 1-D sequence of ints, received {env_ids!r}")
         ids = ids.astype(np.int64, copy=False)
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_envs):
-            raise ValueError(f"env_ids: expected ids in [0, {self.num_envs}), received {ids.tolist()}")
+            raise ValueError(
+                f"env_ids: expected ids in [0, {self.num_envs}), received {ids.tolist()}"
+            )
         if np.unique(ids).size != ids.size:
             raise ValueError(f"env_ids: expected distinct ids, received {ids.tolist()}")
         flags = np.asarray(trainable)
@@ -187,13 +229,20 @@ class PPOActorStepBuffers:
                 f"dtype {flags.dtype}"
             )
         batch = (ids.size,)
-        check_array("action_bundle.actions", action_bundle.actions, batch + self.actions.shape[1:], self.actions.dtype)
+        check_array(
+            "action_bundle.actions",
+            action_bundle.actions,
+            batch + self.actions.shape[1:],
+            self.actions.dtype,
+        )
         check_array("action_bundle.log_probs", action_bundle.log_probs, batch, self.log_probs.dtype)
         check_array("action_bundle.values", action_bundle.values, batch, self.values.dtype)
         for name, array in action_bundle.distribution_fields.items():
             target = self.extras.get(name)
             if target is None:
-                raise ValueError(f"action_bundle.{name}: not a field of these step buffers ({sorted(self.extras)})")
+                raise ValueError(
+                    f"action_bundle.{name}: not a field of these step buffers ({sorted(self.extras)})"
+                )
             check_array(f"action_bundle.{name}", array, batch + target.shape[1:], target.dtype)
         self.actions[ids] = action_bundle.actions
         self.log_probs[ids] = action_bundle.log_probs
@@ -202,7 +251,9 @@ class PPOActorStepBuffers:
             self.extras[name][ids] = array
         self.trainable[ids] = flags.astype(np.bool_, copy=False)
 
-    def record_action_bundle(self, action_bundle: PPOActionBundle, *, trainable: np.ndarray) -> None:
+    def record_action_bundle(
+        self, action_bundle: PPOActionBundle, *, trainable: np.ndarray
+    ) -> None:
         """Copy one action bundle for ALL envs (row ``i`` -> env ``i``): the actor's per-step path,
         without the id checks of :meth:`record_action_bundle_for_env_ids`.
 
@@ -215,14 +266,21 @@ class PPOActorStepBuffers:
                 written then).
         """
         n = (self.num_envs,)
-        check_array("action_bundle.actions", action_bundle.actions, n + self.actions.shape[1:], self.actions.dtype)
+        check_array(
+            "action_bundle.actions",
+            action_bundle.actions,
+            n + self.actions.shape[1:],
+            self.actions.dtype,
+        )
         check_array("action_bundle.log_probs", action_bundle.log_probs, n, self.log_probs.dtype)
         check_array("action_bundle.values", action_bundle.values, n, self.values.dtype)
         check_array("trainable", trainable, n, self.trainable.dtype)
         for name, array in action_bundle.distribution_fields.items():
             target = self.extras.get(name)
             if target is None:
-                raise ValueError(f"action_bundle.{name}: not a field of these step buffers ({sorted(self.extras)})")
+                raise ValueError(
+                    f"action_bundle.{name}: not a field of these step buffers ({sorted(self.extras)})"
+                )
             check_array(f"action_bundle.{name}", array, target.shape, target.dtype)
         np.copyto(self.actions, action_bundle.actions)
         np.copyto(self.log_probs, action_bundle.log_probs)
@@ -231,8 +289,13 @@ class PPOActorStepBuffers:
             np.copyto(self.extras[name], array)
         np.copyto(self.trainable, trainable)
 
-    def record_step_results(self, rewards: np.ndarray, dones: np.ndarray, truncated: np.ndarray,
-                            bootstrap_values: np.ndarray) -> None:
+    def record_step_results(
+        self,
+        rewards: np.ndarray,
+        dones: np.ndarray,
+        truncated: np.ndarray,
+        bootstrap_values: np.ndarray,
+    ) -> None:
         """Copy the step results of ALL envs at once (the vectorised :meth:`record_step_result`).
 
         Args:
@@ -248,16 +311,22 @@ class PPOActorStepBuffers:
         n = (self.num_envs,)
         for name, array in (("rewards", rewards), ("bootstrap_values", bootstrap_values)):
             if not isinstance(array, np.ndarray) or array.shape != n:
-                raise ValueError(f"{name}: expected a numpy array of shape {n}, received "
-                                 f"{getattr(array, 'shape', type(array).__name__)}")
+                raise ValueError(
+                    f"{name}: expected a numpy array of shape {n}, received "
+                    f"{getattr(array, 'shape', type(array).__name__)}"
+                )
         check_array("dones", dones, n, np.dtype(np.bool_))
         check_array("truncated", truncated, n, np.dtype(np.bool_))
         if np.any(truncated & ~dones):
-            raise ValueError(f"truncated: expected done=True for every truncated step, received envs "
-                             f"{np.flatnonzero(truncated & ~dones).tolist()}")
+            raise ValueError(
+                f"truncated: expected done=True for every truncated step, received envs "
+                f"{np.flatnonzero(truncated & ~dones).tolist()}"
+            )
         if np.any(bootstrap_values[~truncated] != 0):
-            raise ValueError(f"bootstrap_values: expected 0 on steps that are not truncated, received envs "
-                             f"{np.flatnonzero((bootstrap_values != 0) & ~truncated).tolist()}")
+            raise ValueError(
+                f"bootstrap_values: expected 0 on steps that are not truncated, received envs "
+                f"{np.flatnonzero((bootstrap_values != 0) & ~truncated).tolist()}"
+            )
         np.copyto(self.rewards, rewards, casting="unsafe")
         np.copyto(self.dones, dones)
         np.copyto(self.truncated, truncated)
@@ -298,7 +367,9 @@ class PPOActorStepBuffers:
         """
         index = self._env_id(env_id)
         if truncated and not done:
-            raise ValueError(f"truncated: expected done=True for a truncated step, received done={done!r}")
+            raise ValueError(
+                f"truncated: expected done=True for a truncated step, received done={done!r}"
+            )
         if not truncated and bootstrap_value != 0:
             raise ValueError(
                 f"bootstrap_value: expected 0 on a step that is not truncated, received {bootstrap_value!r}"
@@ -316,13 +387,23 @@ class PPOActorStepBuffers:
             schema: the step schema the buffers were created from.
         """
         fields = dict(schema.split_observations(self.observations))
-        fields.update(actions=self.actions, log_probs=self.log_probs, values=self.values, rewards=self.rewards,
-                      dones=self.dones, truncated=self.truncated, bootstrap_values=self.bootstrap_values,
-                      next_values=next_values, trainable=self.trainable, **self.extras)
+        fields.update(
+            actions=self.actions,
+            log_probs=self.log_probs,
+            values=self.values,
+            rewards=self.rewards,
+            dones=self.dones,
+            truncated=self.truncated,
+            bootstrap_values=self.bootstrap_values,
+            next_values=next_values,
+            trainable=self.trainable,
+            **self.extras,
+        )
         return fields
 
-    def add_to_rollout_buffer(self, rollout_buffer: RolloutBuffer, *, policy_version: int = 0,
-                              policy_revision: int = 0) -> None:
+    def add_to_rollout_buffer(
+        self, rollout_buffer: RolloutBuffer, *, policy_version: int = 0, policy_revision: int = 0
+    ) -> None:
         """Append the current step (all envs) to ``rollout_buffer`` with :meth:`RolloutBuffer.add`,
         acted by revision ``policy_revision`` of ``policy_version``.
 

@@ -97,8 +97,15 @@ class PolicyStepper:
             whose action the env forces (module docstring).
     """
 
-    def __init__(self, env: VectorEnv | EnvGroups, model: ActorCritic, *, schema: StepSchema | None = None,
-                 policy_version: int = 0, router: PolicyRouter | None = None) -> None:
+    def __init__(
+        self,
+        env: VectorEnv | EnvGroups,
+        model: ActorCritic,
+        *,
+        schema: StepSchema | None = None,
+        policy_version: int = 0,
+        router: PolicyRouter | None = None,
+    ) -> None:
         if isinstance(env, EnvGroups) and len(env.groups) == 1:
             env = env.groups[0]
         self.grouped = isinstance(env, EnvGroups)
@@ -126,8 +133,9 @@ class PolicyStepper:
         self._bundle_version = policy_version
         self._bundle_revision = 0
 
-    def step(self, before_next_action: Callable[[], None] | None = None, *,
-             segment_end: bool = False) -> SteppedRow:
+    def step(
+        self, before_next_action: Callable[[], None] | None = None, *, segment_end: bool = False
+    ) -> SteppedRow:
         """Run one vector step (see the module docstring for the order).
 
         Args:
@@ -156,7 +164,9 @@ class PolicyStepper:
         bootstrap = self._zero_values
         if truncated.any():
             bootstrap = np.zeros(self.env.num_envs, np.float32)
-            bootstrap[truncated] = model.predict_values(select_rows(env_step.final_observations, truncated))
+            bootstrap[truncated] = model.predict_values(
+                select_rows(env_step.final_observations, truncated)
+            )
         dones = env_step.dones
         buffers.record_step_results(env_step.training_rewards, dones, truncated, bootstrap)
         acted_version, acted_revision = self._bundle_version, self._bundle_revision
@@ -187,8 +197,14 @@ class PolicyStepper:
         after a segment end) or the bundle already comes from the current weights (version and
         revision).
         """
-        if self.grouped or self._bundle is None or (
-                (self._bundle_version, self._bundle_revision) == (self.policy_version, self.weights_revision)):
+        if (
+            self.grouped
+            or self._bundle is None
+            or (
+                (self._bundle_version, self._bundle_revision)
+                == (self.policy_version, self.weights_revision)
+            )
+        ):
             return False
         self._bundle, self._trainable = self._choose(self._observations, self._masks)
         self._bundle_version, self._bundle_revision = self.policy_version, self.weights_revision
@@ -207,13 +223,19 @@ class PolicyStepper:
     def _send_group(self, g: int) -> PPOActionBundle:
         group, observations, masks = self.env.groups[g], self._g_obs[g], self._g_masks[g]
         bundle = self.model.act(observations, action_mask=masks)
-        bundle, self._g_trainable[g] = self._forced(group, bundle, np.ones(group.num_envs, np.bool_),
-                                                    observations, masks)
-        self._g_bundles[g], self._g_versions[g] = bundle, (self.policy_version, self.weights_revision)
+        bundle, self._g_trainable[g] = self._forced(
+            group, bundle, np.ones(group.num_envs, np.bool_), observations, masks
+        )
+        self._g_bundles[g], self._g_versions[g] = (
+            bundle,
+            (self.policy_version, self.weights_revision),
+        )
         group.step_async(bundle.actions)
         return bundle
 
-    def _step_groups(self, before_next_action: Callable[[], None] | None, segment_end: bool) -> SteppedRow:
+    def _step_groups(
+        self, before_next_action: Callable[[], None] | None, segment_end: bool
+    ) -> SteppedRow:
         env, buffers, model = self.env, self.buffers, self.model
         if not self._in_flight:  # first step, or the previous one ended a segment
             if before_next_action is not None and self._g_bundles[0] is None and self._started:
@@ -225,7 +247,9 @@ class PolicyStepper:
         buffers.record_observations(_concat([self._g_obs[g] for g in range(len(env.groups))]))
         if self.masked:
             buffers.record_action_masks(np.concatenate(self._g_masks))
-        buffers.record_action_bundle(_concat_bundles(self._g_bundles), trainable=np.concatenate(self._g_trainable))
+        buffers.record_action_bundle(
+            _concat_bundles(self._g_bundles), trainable=np.concatenate(self._g_trainable)
+        )
         acted_version, acted_revision = min(self._g_versions)  # the oldest weights that acted
         steps, next_values, bootstraps = [], [], []
         for g, group in enumerate(env.groups):
@@ -233,12 +257,16 @@ class PolicyStepper:
             truncated = step.truncated & ~step.terminated
             bootstrap = np.zeros(group.num_envs, np.float32)
             if truncated.any():
-                bootstrap[truncated] = model.predict_values(select_rows(step.final_observations, truncated))
+                bootstrap[truncated] = model.predict_values(
+                    select_rows(step.final_observations, truncated)
+                )
             self._g_obs[g] = step.observations
             self._g_masks[g] = step.action_masks if self.masked else None
             if segment_end:  # V(s_T) by the acting model; nothing is sent until the new weights
                 self._g_bundles[g] = None
-                next_values.append(model.predict_values(step.observations).astype(np.float32, copy=False))
+                next_values.append(
+                    model.predict_values(step.observations).astype(np.float32, copy=False)
+                )
             else:
                 if g == 0 and before_next_action is not None:
                     before_next_action()
@@ -255,12 +283,18 @@ class PolicyStepper:
             final_observations=_concat([st.final_observations for st in steps]),
             episode_returns=[r for st in steps for r in st.episode_returns],
             episode_lengths=[n for st in steps for n in st.episode_lengths],
-            episode_env_ids=[int(offsets[g]) + i for g, st in enumerate(steps) for i in st.episode_env_ids],
+            episode_env_ids=[
+                int(offsets[g]) + i for g, st in enumerate(steps) for i in st.episode_env_ids
+            ],
             action_masks=np.concatenate([st.action_masks for st in steps]) if self.masked else None,
         )
         truncated = env_step.truncated & ~env_step.terminated
-        buffers.record_step_results(env_step.training_rewards, env_step.dones, truncated, np.concatenate(bootstraps))
-        return SteppedRow(buffers, acted_version, np.concatenate(next_values), env_step, acted_revision)
+        buffers.record_step_results(
+            env_step.training_rewards, env_step.dones, truncated, np.concatenate(bootstraps)
+        )
+        return SteppedRow(
+            buffers, acted_version, np.concatenate(next_values), env_step, acted_revision
+        )
 
     _started = False
 
@@ -274,8 +308,14 @@ class PolicyStepper:
             trainable = np.asarray(trainable, dtype=np.bool_)
         return self._forced(self.env, bundle, trainable, observations, masks)
 
-    def _forced(self, env: VectorEnv, bundle: PPOActionBundle, trainable: np.ndarray, observations: Any,
-                masks: np.ndarray | None) -> tuple[PPOActionBundle, np.ndarray]:
+    def _forced(
+        self,
+        env: VectorEnv,
+        bundle: PPOActionBundle,
+        trainable: np.ndarray,
+        observations: Any,
+        masks: np.ndarray | None,
+    ) -> tuple[PPOActionBundle, np.ndarray]:
         """``bundle`` and ``trainable`` with the rows whose next action ``env`` forces replaced by that
         action (log pi under the model) and marked non-trainable; unchanged (not copied) when none is."""
         forced = env.forced_actions()
@@ -308,6 +348,8 @@ def _concat_bundles(bundles: list[PPOActionBundle | None]) -> PPOActionBundle:
         actions=np.concatenate([b.actions for b in bundles]),  # type: ignore[union-attr]
         log_probs=np.concatenate([b.log_probs for b in bundles]),  # type: ignore[union-attr]
         values=np.concatenate([b.values for b in bundles]),  # type: ignore[union-attr]
-        distribution_fields={key: np.concatenate([b.distribution_fields[key] for b in bundles])  # type: ignore[union-attr]
-                             for key in bundles[0].distribution_fields},  # type: ignore[union-attr]
+        distribution_fields={
+            key: np.concatenate([b.distribution_fields[key] for b in bundles])  # type: ignore[union-attr]
+            for key in bundles[0].distribution_fields
+        },  # type: ignore[union-attr]
     )

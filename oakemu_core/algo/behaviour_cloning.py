@@ -17,7 +17,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from oakemu_core.algo.demonstrations import DemonstrationBatch, DemonstrationSampler, batch_to_device
+from oakemu_core.algo.demonstrations import (
+    DemonstrationBatch,
+    DemonstrationSampler,
+    batch_to_device,
+)
 
 __all__ = ["bc_loss", "behaviour_cloning_update"]
 
@@ -81,7 +85,12 @@ def behaviour_cloning_update(
         ValueError: ``batch_size``, ``epochs`` or ``rows`` < 1, ``max_grad_norm`` <= 0.
     """
     start = time.perf_counter()
-    if int(batch_size) < 1 or int(epochs) < 1 or (rows is not None and int(rows) < 1) or not max_grad_norm > 0:
+    if (
+        int(batch_size) < 1
+        or int(epochs) < 1
+        or (rows is not None and int(rows) < 1)
+        or not max_grad_norm > 0
+    ):
         raise ValueError(
             f"behaviour_cloning_update: expected batch_size >= 1, epochs >= 1, rows >= 1 or None and "
             f"max_grad_norm > 0, received {batch_size!r}, {epochs!r}, {rows!r}, {max_grad_norm!r}"
@@ -99,7 +108,13 @@ def behaviour_cloning_update(
         for begin in range(0, total_rows, int(batch_size)):
             if steps is not None and totals.steps >= int(steps):
                 break
-            _bc_step(model, optimizer, _minibatch(batch, order[begin:begin + int(batch_size)]), max_grad_norm, totals)
+            _bc_step(
+                model,
+                optimizer,
+                _minibatch(batch, order[begin : begin + int(batch_size)]),
+                max_grad_norm,
+                totals,
+            )
     return totals.metrics(total_rows, time.perf_counter() - start)
 
 
@@ -119,7 +134,9 @@ class _Totals:
         counted = self.counted
         return {
             "bc_loss": self.loss_sum / counted if counted else math.nan,
-            "bc_accuracy": (self.correct / counted if counted else math.nan) if self.discrete else math.nan,
+            "bc_accuracy": (self.correct / counted if counted else math.nan)
+            if self.discrete
+            else math.nan,
             "bc_steps": float(self.steps),
             "bc_rows": float(rows),
             "bc_nonfinite_steps": float(self.skipped),
@@ -129,14 +146,22 @@ class _Totals:
 
 def _minibatch(batch: DemonstrationBatch, index: torch.Tensor) -> DemonstrationBatch:
     """The rows ``index`` of a batch of tensors."""
-    observations = {key: value[index] for key, value in batch.observations.items()} \
-        if isinstance(batch.observations, dict) else batch.observations[index]
+    observations = (
+        {key: value[index] for key, value in batch.observations.items()}
+        if isinstance(batch.observations, dict)
+        else batch.observations[index]
+    )
     mask = None if batch.action_mask is None else batch.action_mask[index]
     return DemonstrationBatch(observations, batch.actions[index], mask)
 
 
-def _bc_step(model: nn.Module, optimizer: torch.optim.Optimizer, minibatch: DemonstrationBatch,
-             max_grad_norm: float, totals: _Totals) -> None:
+def _bc_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    minibatch: DemonstrationBatch,
+    max_grad_norm: float,
+    totals: _Totals,
+) -> None:
     """One gradient step on :func:`bc_loss` of ``minibatch`` (skipped when the clipped gradient
     norm is not finite), counted into ``totals``."""
     policy, _ = model.policy_and_values(minibatch.observations, minibatch.action_mask)

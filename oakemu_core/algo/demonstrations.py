@@ -106,11 +106,15 @@ def dataset_spaces(spec: EnvSpec) -> tuple[Any, Any]:
         shape, dtype = layout[PLAIN_KEY]
         observation_space: Any = _box_for(shape, dtype)
     else:
-        observation_space = gymnasium.spaces.Dict({key: _box_for(shape, dtype) for key, (shape, dtype) in layout.items()})
+        observation_space = gymnasium.spaces.Dict(
+            {key: _box_for(shape, dtype) for key, (shape, dtype) in layout.items()}
+        )
     return observation_space, spec.action_space
 
 
-def _layout_of_space(space: Any, prefix: str = "") -> dict[str, tuple[tuple[int, ...], np.dtype]] | None:
+def _layout_of_space(
+    space: Any, prefix: str = ""
+) -> dict[str, tuple[tuple[int, ...], np.dtype]] | None:
     """``{key: (shape, dtype)}`` of a dataset's observation space (nested dicts flattened with
     ``"."``), or None for spaces that are not Box / Dict-of-Box (e.g. Discrete: not one-hot)."""
     import gymnasium
@@ -124,14 +128,28 @@ def _layout_of_space(space: Any, prefix: str = "") -> dict[str, tuple[tuple[int,
             layout.update(child)
         return layout
     if isinstance(space, gymnasium.spaces.Box):
-        return {prefix[:-1] if prefix else PLAIN_KEY: (tuple(int(d) for d in space.shape), np.dtype(space.dtype))}
+        return {
+            prefix[:-1] if prefix else PLAIN_KEY: (
+                tuple(int(d) for d in space.shape),
+                np.dtype(space.dtype),
+            )
+        }
     return None
 
 
-def _describe_layout(layout: Mapping[str, tuple[tuple[int, ...], np.dtype]] | None, space: Any = None) -> str:
+def _describe_layout(
+    layout: Mapping[str, tuple[tuple[int, ...], np.dtype]] | None, space: Any = None
+) -> str:
     if layout is None:
         return repr(space)
-    return "{" + ", ".join(f"{key!r}: {shape} {np.dtype(dtype).name}" for key, (shape, dtype) in sorted(layout.items())) + "}"
+    return (
+        "{"
+        + ", ".join(
+            f"{key!r}: {shape} {np.dtype(dtype).name}"
+            for key, (shape, dtype) in sorted(layout.items())
+        )
+        + "}"
+    )
 
 
 def _same_action_space(expected: Any, received: Any) -> bool:
@@ -140,9 +158,14 @@ def _same_action_space(expected: Any, received: Any) -> bool:
     if type(expected) is not type(received):
         return False
     if isinstance(expected, gymnasium.spaces.Box):
-        return (expected.shape == received.shape and np.dtype(expected.dtype) == np.dtype(received.dtype)
-                and np.array_equal(expected.low, received.low) and np.array_equal(expected.high, received.high))
+        return (
+            expected.shape == received.shape
+            and np.dtype(expected.dtype) == np.dtype(received.dtype)
+            and np.array_equal(expected.low, received.low)
+            and np.array_equal(expected.high, received.high)
+        )
     return bool(expected == received)
+
 
 # ---------------------------------------------------------------------------------------------
 # Sampling
@@ -177,8 +200,11 @@ def batch_to_device(batch: DemonstrationBatch, device: torch.device | str) -> De
         return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
     observations = batch.observations
-    observations = {key: tensor(value) for key, value in observations.items()} if isinstance(observations, dict) \
+    observations = (
+        {key: tensor(value) for key, value in observations.items()}
+        if isinstance(observations, dict)
         else tensor(observations)
+    )
     mask = None if batch.action_mask is None else tensor(batch.action_mask)
     return DemonstrationBatch(observations, tensor(batch.actions), mask)
 
@@ -190,7 +216,9 @@ def _resolve_data_path(path: Path) -> Path:
     if (path / "metadata.json").is_file():
         return path
     if not path.exists():
-        raise DemonstrationDataError(f"{path}: no such demonstration dataset (record one with `oakemu record`)")
+        raise DemonstrationDataError(
+            f"{path}: no such demonstration dataset (record one with `oakemu record`)"
+        )
     raise DemonstrationDataError(
         f"{path}: not a Minari dataset folder (expected {path / 'data' / 'metadata.json'})"
     )
@@ -219,7 +247,9 @@ class DemonstrationSampler:
         DemonstrationMismatchError: observation or action spaces differ (names both).
     """
 
-    def __init__(self, path: str | os.PathLike[str], spec: EnvSpec, *, seed: int | None = 0) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], spec: EnvSpec, *, seed: int | None = 0
+    ) -> None:
         minari = import_minari()
         self.path = Path(path)
         self.spec = spec
@@ -227,7 +257,9 @@ class DemonstrationSampler:
         try:
             dataset = minari.MinariDataset(data_path)
         except Exception as error:  # a corrupt folder: one clear message
-            raise DemonstrationDataError(f"{self.path}: cannot read the Minari dataset ({type(error).__name__}: {error})") from error
+            raise DemonstrationDataError(
+                f"{self.path}: cannot read the Minari dataset ({type(error).__name__}: {error})"
+            ) from error
         metadata = dataset.storage.metadata
         self.env_id: str | None = metadata.get("oakemu_env_id")
         self._check_spaces(dataset)
@@ -240,10 +272,13 @@ class DemonstrationSampler:
             steps = len(episode.rewards)
             if steps == 0:
                 continue
-            episode_obs = episode.observations if isinstance(episode.observations, dict) \
+            episode_obs = (
+                episode.observations
+                if isinstance(episode.observations, dict)
                 else {PLAIN_KEY: episode.observations}
+            )
             flat = _flatten(episode_obs)
-            for key, (shape, dtype) in layout.items():
+            for key, (_shape, dtype) in layout.items():
                 observations[key].append(np.asarray(flat[key][:steps]).astype(dtype, copy=False))
             actions.append(np.asarray(episode.actions)[:steps])
             mask = (episode.infos or {}).get("action_mask")
@@ -256,9 +291,13 @@ class DemonstrationSampler:
         self._observations = {key: np.concatenate(values) for key, values in observations.items()}
         action_array = np.concatenate(actions)
         if spec.action_dtype.kind in "iu" and action_array.dtype.kind not in "iub":
-            raise DemonstrationMismatchError(f"{self.path}: actions of dtype {action_array.dtype}, the run's "
-                                             f"{spec.env_id} expects {spec.action_dtype}")
-        self._actions = action_array.astype(spec.action_dtype, copy=False).reshape(-1, *spec.action_shape)
+            raise DemonstrationMismatchError(
+                f"{self.path}: actions of dtype {action_array.dtype}, the run's "
+                f"{spec.env_id} expects {spec.action_dtype}"
+            )
+        self._actions = action_array.astype(spec.action_dtype, copy=False).reshape(
+            -1, *spec.action_shape
+        )
         self._masks = np.concatenate(masks) if use_masks and masks else None
         self.num_steps = int(self._actions.shape[0])
         self.num_episodes = int(dataset.total_episodes)
@@ -270,9 +309,11 @@ class DemonstrationSampler:
         spec = self.spec
         received_layout = _layout_of_space(dataset.observation_space)
         expected_layout = spec.observation_layout
-        same_observations = received_layout is not None and {
-            key: (shape, np.dtype(dtype)) for key, (shape, dtype) in received_layout.items()
-        } == expected_layout
+        same_observations = (
+            received_layout is not None
+            and {key: (shape, np.dtype(dtype)) for key, (shape, dtype) in received_layout.items()}
+            == expected_layout
+        )
         same_actions = _same_action_space(spec.action_space, dataset.action_space)
         if same_observations and same_actions:
             return
@@ -307,7 +348,9 @@ class DemonstrationSampler:
         rng = self._rng if rng is None else rng
         return self._rows(rng.integers(0, self.num_steps, int(batch_size)))
 
-    def replay_rollout(self, rows: int, rng: np.random.Generator | None = None) -> DemonstrationBatch:
+    def replay_rollout(
+        self, rows: int, rng: np.random.Generator | None = None
+    ) -> DemonstrationBatch:
         """A replay-only rollout of ``rows`` rows: the next rows of a shuffled pass over the whole
         dataset (reshuffled when a pass ends), so every demonstration is seen once per pass.
 
@@ -323,7 +366,7 @@ class DemonstrationSampler:
             if self._cursor >= self._order.size:
                 self._order = rng.permutation(self.num_steps)
                 self._cursor = 0
-            take = self._order[self._cursor:self._cursor + needed]
+            take = self._order[self._cursor : self._cursor + needed]
             self._cursor += take.size
             needed -= take.size
             picked.append(take)

@@ -61,19 +61,25 @@ class FlatGradients:
             return "the parameters have several dtypes or devices"
         for parameter in parameters:
             if not parameter.is_contiguous() and not (
-                    parameter.dim() == 4 and parameter.is_contiguous(memory_format=torch.channels_last)):
+                parameter.dim() == 4 and parameter.is_contiguous(memory_format=torch.channels_last)
+            ):
                 return f"a parameter of shape {tuple(parameter.shape)} is not dense (strides {parameter.stride()})"
         return None
 
     def _attach(self) -> None:
         first = self.parameters[0]
-        self.buffer = torch.zeros(sum(parameter.numel() for parameter in self.parameters),
-                                  dtype=first.dtype, device=first.device)
+        self.buffer = torch.zeros(
+            sum(parameter.numel() for parameter in self.parameters),
+            dtype=first.dtype,
+            device=first.device,
+        )
         self.views: list[torch.Tensor] = []
         offset = 0
         for parameter in self.parameters:
             size = parameter.numel()
-            view = self.buffer[offset:offset + size].as_strided(parameter.shape, parameter.stride())
+            view = self.buffer[offset : offset + size].as_strided(
+                parameter.shape, parameter.stride()
+            )
             parameter.grad = view
             self.views.append(view)
             offset += size
@@ -82,7 +88,11 @@ class FlatGradients:
     def zero(self) -> None:
         """Zero every gradient (one op); views replaced since the last call are made again first."""
         for parameter, view, pointer in zip(self.parameters, self.views, self._pointers):
-            if parameter.grad is not view or view.data_ptr() != pointer or view.stride() != parameter.stride():
+            if (
+                parameter.grad is not view
+                or view.data_ptr() != pointer
+                or view.stride() != parameter.stride()
+            ):
                 self._attach()  # a fresh buffer is already zero
                 return
         self.buffer.zero_()
@@ -119,7 +129,9 @@ class FlatParameters(FlatGradients):
             raise ValueError(f"FlatParameters: {reason}")
         first = parameters[0]
         self.size = sum(parameter.numel() for parameter in parameters)
-        self.values = torch.nn.Parameter(torch.empty(self.size, dtype=first.dtype, device=first.device))
+        self.values = torch.nn.Parameter(
+            torch.empty(self.size, dtype=first.dtype, device=first.device)
+        )
         """The ``(size,)`` tensor an optimizer steps; its ``.grad`` is the gradient buffer."""
         self.parameters = parameters
         self._offsets = [0]
@@ -137,7 +149,9 @@ class FlatParameters(FlatGradients):
         """Parameter ``index``'s elements of a ``(size,)`` tensor laid out as :attr:`values`, as a
         view with the parameter's shape and strides."""
         offset, parameter = self._offsets[index], self.parameters[index]
-        return flat[offset:offset + parameter.numel()].as_strided(parameter.shape, parameter.stride())
+        return flat[offset : offset + parameter.numel()].as_strided(
+            parameter.shape, parameter.stride()
+        )
 
     def _attach(self) -> None:
         super()._attach()
@@ -153,8 +167,10 @@ class FlatParameters(FlatGradients):
         """
         for parameter, pointer in zip(self.parameters, self._value_pointers):
             if parameter.data_ptr() != pointer:
-                raise RuntimeError(f"FlatParameters: the data of a parameter of shape {tuple(parameter.shape)} "
-                                   "was replaced after its optimizer was built; build the optimizer last")
+                raise RuntimeError(
+                    f"FlatParameters: the data of a parameter of shape {tuple(parameter.shape)} "
+                    "was replaced after its optimizer was built; build the optimizer last"
+                )
         if self.values.grad is not self.buffer:
             self._attach()
             return
@@ -164,6 +180,7 @@ class FlatParameters(FlatGradients):
         """An optimizer ``state_dict`` over ``[values]`` as the one an optimizer over the parameters
         would give: state entries ``0 .. n-1`` (each ``(size,)`` tensor cut into the parameters'
         views, each 0-d tensor such as Adam's ``step`` copied), one group listing them."""
+
         def cut(value: Any, index: int) -> Any:
             if not isinstance(value, torch.Tensor):
                 return value
@@ -177,7 +194,10 @@ class FlatParameters(FlatGradients):
         if entries is not None:
             for index in range(len(self.parameters)):
                 per_parameter[index] = {name: cut(value, index) for name, value in entries.items()}
-        return {"state": per_parameter, "param_groups": [{**group, "params": list(range(len(self.parameters)))}]}
+        return {
+            "state": per_parameter,
+            "param_groups": [{**group, "params": list(range(len(self.parameters)))}],
+        }
 
     def flat_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """Inverse of :meth:`per_parameter_state`: a per-parameter optimizer ``state_dict`` (a
@@ -191,8 +211,10 @@ class FlatParameters(FlatGradients):
         """
         groups = state["param_groups"]
         if len(groups) != 1 or len(groups[0]["params"]) != len(self.parameters):
-            raise ValueError(f"optimizer state: expected one group of {len(self.parameters)} parameters, "
-                             f"got {[len(group['params']) for group in groups]}")
+            raise ValueError(
+                f"optimizer state: expected one group of {len(self.parameters)} parameters, "
+                f"got {[len(group['params']) for group in groups]}"
+            )
         (group,) = groups
         entries = [state["state"].get(key) for key in group["params"]]
         flat: dict[str, Any] = {}
@@ -200,13 +222,19 @@ class FlatParameters(FlatGradients):
             for name, value in (entry or {}).items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     if value.shape != self.parameters[index].shape:
-                        raise ValueError(f"optimizer state: {name} of parameter {index} has shape {tuple(value.shape)}, "
-                                         f"the parameter {tuple(self.parameters[index].shape)}")
+                        raise ValueError(
+                            f"optimizer state: {name} of parameter {index} has shape {tuple(value.shape)}, "
+                            f"the parameter {tuple(self.parameters[index].shape)}"
+                        )
                     if name not in flat:
-                        flat[name] = torch.zeros(self.size, dtype=value.dtype, device=self.values.device)
+                        flat[name] = torch.zeros(
+                            self.size, dtype=value.dtype, device=self.values.device
+                        )
                     self.segment(flat[name], index).copy_(value)
                 elif isinstance(value, torch.Tensor):
-                    flat[name] = value.clone() if name not in flat else torch.maximum(flat[name], value)
+                    flat[name] = (
+                        value.clone() if name not in flat else torch.maximum(flat[name], value)
+                    )
                 else:
                     flat.setdefault(name, value)
         return {"state": {0: flat} if flat else {}, "param_groups": [{**group, "params": [0]}]}

@@ -145,7 +145,9 @@ class RolloutHandshake:
         trainer stops, the final one)."""
         self._progress = progress  # replaced whole: a reader sees the old or the new counters
 
-    def publish(self, rollout: FullRollout, progress: RunProgress | None = None, *, reevaluate: bool = False) -> None:
+    def publish(
+        self, rollout: FullRollout, progress: RunProgress | None = None, *, reevaluate: bool = False
+    ) -> None:
         """Ingest thread: hand a full rollout to training, with the run's counters as of its hand-off
         (kept when None) and whether to re-evaluate every row (:class:`PublishedRollout`).
 
@@ -153,13 +155,17 @@ class RolloutHandshake:
             RuntimeError: the previous rollout is still in training.
         """
         if self._busy:
-            raise RuntimeError("RolloutHandshake.publish: the previous rollout is still in training")
+            raise RuntimeError(
+                "RolloutHandshake.publish: the previous rollout is still in training"
+            )
         if progress is not None:
             self.report(progress)
         self._busy = True
         self._inbox.put(PublishedRollout(rollout, reevaluate))
 
-    def wait_for_rollout(self, stop_event: threading.Event, timeout_s: float = 0.1) -> PublishedRollout | None:
+    def wait_for_rollout(
+        self, stop_event: threading.Event, timeout_s: float = 0.1
+    ) -> PublishedRollout | None:
         """Trainer: the next published rollout, or None once ``stop_event`` is set (polls every
         ``timeout_s`` seconds)."""
         while not stop_event.is_set():

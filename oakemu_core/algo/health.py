@@ -79,8 +79,10 @@ class HealthMonitor:
         self.low_evaluations = self.low_evaluations + 1 if mean_return < floor else 0
         if self.low_evaluations >= self.eval_patience:
             self.low_evaluations = 0
-            return (f"evaluation return {mean_return:.2f} below {self.eval_fraction:g} of the best "
-                    f"({self.best_eval:.2f}) for {self.eval_patience} evaluations")
+            return (
+                f"evaluation return {mean_return:.2f} below {self.eval_fraction:g} of the best "
+                f"({self.best_eval:.2f}) for {self.eval_patience} evaluations"
+            )
         return None
 
 
@@ -162,7 +164,9 @@ class CheckpointPolicy:
             return [self.roll_back(learner, reason)]
         try:
             if self.best.consider(report, self.state_fn):
-                return [f"best.pt: evaluation return {mean:.2f} (policy version {report.policy_version})"]
+                return [
+                    f"best.pt: evaluation return {mean:.2f} (policy version {report.policy_version})"
+                ]
         except OSError as error:
             return [f"could not write {self.best.path}: {error}"]
         return []
@@ -174,17 +178,25 @@ class CheckpointPolicy:
             RunCollapsedError: after ``max_rollbacks`` rollbacks, or with no checkpoint to go back to.
         """
         if self.rollbacks >= self.max_rollbacks:
-            raise RunCollapsedError(f"the run collapsed again ({reason}) after {self.rollbacks} rollbacks: stopping; "
-                                    f"lower the learning rate or check the env's rewards")
+            raise RunCollapsedError(
+                f"the run collapsed again ({reason}) after {self.rollbacks} rollbacks: stopping; "
+                f"lower the learning rate or check the env's rewards"
+            )
         path = self.best_path if self.best_path.is_file() else latest_checkpoint(self.run_dir)
         if path is None:
-            raise RunCollapsedError(f"the run collapsed ({reason}) before any checkpoint was written: stopping")
-        learner.restore_weights(load_checkpoint(path, map_location=learner.device), lr_factor=self.lr_factor)
+            raise RunCollapsedError(
+                f"the run collapsed ({reason}) before any checkpoint was written: stopping"
+            )
+        learner.restore_weights(
+            load_checkpoint(path, map_location=learner.device), lr_factor=self.lr_factor
+        )
         self.rollbacks += 1
         if self.health is not None:
             self.health.low_evaluations = 0
-        return (f"rollback {self.rollbacks}/{self.max_rollbacks}: {reason}; restored {path.name}, learning rate "
-                f"x{learner.lr_scale:g}, policy version {learner.policy_version}")
+        return (
+            f"rollback {self.rollbacks}/{self.max_rollbacks}: {reason}; restored {path.name}, learning rate "
+            f"x{learner.lr_scale:g}, policy version {learner.policy_version}"
+        )
 
     def final(self, learner: PPOLearner) -> Path | None:
         """Write the final checkpoint (at exit) and log where the run resumes from; None when it
@@ -192,12 +204,16 @@ class CheckpointPolicy:
         failures in a row)."""
         try:
             path = self.save(learner.iterations, final=True)
-        except CheckpointWriteFailed as error:  # already logged as the reason to stop, or the last straw
+        except (
+            CheckpointWriteFailed
+        ) as error:  # already logged as the reason to stop, or the last straw
             log.error("final checkpoint not written: %s", error)
             path = None
         if path is not None:
             log.info("final checkpoint %s", path)
         else:
-            log.warning("final checkpoint not written; the run resumes from %s",
-                        latest_checkpoint(self.run_dir) or "its start (no checkpoint)")
+            log.warning(
+                "final checkpoint not written; the run resumes from %s",
+                latest_checkpoint(self.run_dir) or "its start (no checkpoint)",
+            )
         return path

@@ -148,7 +148,9 @@ class PPOLearnerRuntimeState:
         naming a missing counter."""
         for key in ("iterations", "rollouts_collected", "policy_version"):
             if key not in state:
-                raise ValueError(f"PPOLearnerRuntimeState: missing {key!r}, got keys {sorted(state)}")
+                raise ValueError(
+                    f"PPOLearnerRuntimeState: missing {key!r}, got keys {sorted(state)}"
+                )
         known = {k: state[k] for k in cls.__dataclass_fields__ if k in state}
         return cls(**known)
 
@@ -181,8 +183,14 @@ class SgdStepLedger:
         while (oldest := next(iter(self.published)))[0] < version - (self.KEPT_VERSIONS - 1):
             del self.published[oldest]
 
-    def lag(self, policy_versions: np.ndarray, policy_revisions: np.ndarray | None, *, current_version: int,
-            sgd_steps_per_version: int) -> dict[str, float]:
+    def lag(
+        self,
+        policy_versions: np.ndarray,
+        policy_revisions: np.ndarray | None,
+        *,
+        current_version: int,
+        sgd_steps_per_version: int,
+    ) -> dict[str, float]:
         """Policy lag of rows in SGD steps: a row acted by revision ``r`` of version ``v`` lags
         ``sgd_steps - published[(v, r)]``; weights this process never published (before a resume)
         count ``(current_version - v) * sgd_steps_per_version``.
@@ -197,18 +205,29 @@ class SgdStepLedger:
         if policy_versions.size == 0:
             return {"sgd_min": 0.0, "sgd_mean": 0.0, "sgd_max": 0.0}
         versions = np.ravel(policy_versions).astype(np.int64)
-        revisions = np.zeros_like(versions) if policy_revisions is None else np.ravel(policy_revisions).astype(np.int64)
+        revisions = (
+            np.zeros_like(versions)
+            if policy_revisions is None
+            else np.ravel(policy_revisions).astype(np.int64)
+        )
         # Each (version, revision) pair as one integer (revisions are >= 0): a 1-D unique, far cheaper
         # than np.unique(axis=0) on the pairs.
         span = int(revisions.max()) + 1
         keys, counts = np.unique(versions * span + revisions, return_counts=True)
-        lags = np.array([
-            self.sgd_steps - self.published[(v, r)] if (v, r) in self.published
-            else max(0, current_version - v) * sgd_steps_per_version
-            for v, r in zip((keys // span).tolist(), (keys % span).tolist())
-        ], dtype=np.float64)
-        return {"sgd_min": float(lags.min()), "sgd_mean": float((lags * counts).sum() / counts.sum()),
-                "sgd_max": float(lags.max())}
+        lags = np.array(
+            [
+                self.sgd_steps - self.published[(v, r)]
+                if (v, r) in self.published
+                else max(0, current_version - v) * sgd_steps_per_version
+                for v, r in zip((keys // span).tolist(), (keys % span).tolist())
+            ],
+            dtype=np.float64,
+        )
+        return {
+            "sgd_min": float(lags.min()),
+            "sgd_mean": float((lags * counts).sum() / counts.sum()),
+            "sgd_max": float(lags.max()),
+        }
 
 
 @dataclass(frozen=True)
@@ -290,7 +309,9 @@ class PPOLearner:
         self.lr_schedule = lr_schedule
         self.bc_sampler = bc_sampler
         self.device = torch.device(context.device)
-        self.updater = PPOUpdater(learner_model.model, optimizer, config, device=self.device, action_mask=action_mask)
+        self.updater = PPOUpdater(
+            learner_model.model, optimizer, config, device=self.device, action_mask=action_mask
+        )
         self.revision_sink = revision_sink
         self.revision_max_approx_kl = revision_max_approx_kl
         self.revision_min_sgd_steps = int(revision_min_sgd_steps)
@@ -303,7 +324,9 @@ class PPOLearner:
         self._rollouts_collected = 0
         self.trained_env_steps = 0
         """Env steps of the rollouts trained on: each rollout's rows less its stale rows (the run's budget)."""
-        self._submitted_version = -1  # the newest weights handed to the tester, and those it reported on
+        self._submitted_version = (
+            -1
+        )  # the newest weights handed to the tester, and those it reported on
         self._reported_versions: set[int] = set()
         self.sgd_ledger = SgdStepLedger()
 
@@ -336,15 +359,22 @@ class PPOLearner:
     def learning_rate(self) -> float:
         """The learning rate of the next update: the schedule's value (else the optimizer's) times
         :attr:`lr_scale` (lowered by rollbacks)."""
-        base = self.lr_schedule.value() if self.lr_schedule is not None else self.optimizer.param_groups[0]["lr"]
+        base = (
+            self.lr_schedule.value()
+            if self.lr_schedule is not None
+            else self.optimizer.param_groups[0]["lr"]
+        )
         return float(base) * self.lr_scale
 
     def state(self) -> PPOLearnerRuntimeState:
         """Counters and generator state for a checkpoint."""
         return PPOLearnerRuntimeState(
-            iterations=self.iterations, rollouts_collected=self._rollouts_collected,
-            policy_version=self.policy_version, shuffle_rng_state=self.updater.shuffle_rng_state(),
-            lr_scale=self.lr_scale, bc_updates_done=self.bc_updates_done,
+            iterations=self.iterations,
+            rollouts_collected=self._rollouts_collected,
+            policy_version=self.policy_version,
+            shuffle_rng_state=self.updater.shuffle_rng_state(),
+            lr_scale=self.lr_scale,
+            bc_updates_done=self.bc_updates_done,
             reward_scaler=None if self.reward_scaler is None else self.reward_scaler.state_dict(),
             trained_env_steps=self.trained_env_steps,
         )
@@ -393,13 +423,18 @@ class PPOLearner:
             self.learner_model.version += 1
         self.sgd_ledger.note(self.policy_version, 0, self.sgd_steps)
 
-    def lag_in_sgd_steps(self, policy_versions: np.ndarray,
-                         policy_revisions: np.ndarray | None = None) -> dict[str, float]:
+    def lag_in_sgd_steps(
+        self, policy_versions: np.ndarray, policy_revisions: np.ndarray | None = None
+    ) -> dict[str, float]:
         """Policy lag of rows measured in SGD steps instead of versions (:meth:`SgdStepLedger.lag`;
         one version is a whole update: ``ppo_epochs x num_minibatches`` SGD steps, fewer when
         ``target_kl`` stops early, and counts that many for weights published before a resume)."""
-        return self.sgd_ledger.lag(policy_versions, policy_revisions, current_version=self.policy_version,
-                                   sgd_steps_per_version=self.config.ppo_epochs * self.config.num_minibatches)
+        return self.sgd_ledger.lag(
+            policy_versions,
+            policy_revisions,
+            current_version=self.policy_version,
+            sgd_steps_per_version=self.config.ppo_epochs * self.config.num_minibatches,
+        )
 
     # ------------------------------------------------------------------ one update
     def prepare(self, rollout: FullRollout, *, reevaluate: bool = False) -> PreparedRollout:
@@ -417,15 +452,20 @@ class PPOLearner:
         re-evaluation with non-finite figures is not used (:attr:`corrections_skipped`)."""
         buffer = rollout.buffer
         used = rollout.columns_used  # sealed columns (no rows) count for no statistic
-        stale_rows, lag = drop_stale_rows(buffer, current_policy_version=self.policy_version,
-                                          max_policy_lag=self.config.max_policy_lag, columns=used)
+        stale_rows, lag = drop_stale_rows(
+            buffer,
+            current_policy_version=self.policy_version,
+            max_policy_lag=self.config.max_policy_lag,
+            columns=used,
+        )
         versions, revisions = buffer.policy_versions, buffer.policy_revisions
         if used is not None:
             versions, revisions = versions[:, used], revisions[:, used]
         lag.update(self.lag_in_sgd_steps(versions, revisions))
         proximal = None
         if self.config.off_policy_correction == "decoupled" and (
-                reevaluate or bool((versions != self.policy_version).any())):
+            reevaluate or bool((versions != self.policy_version).any())
+        ):
             with self.learner_model.locked():
                 evaluation = self.updater.evaluate_rollout(buffer)
             if evaluation.finite_on(buffer.trainable):
@@ -433,21 +473,28 @@ class PPOLearner:
                 proximal = evaluation
             else:
                 self.corrections_skipped += 1
-                log.warning("update %d: the current weights give non-finite values or log-probs on this "
-                            "rollout; it trains without the off-policy correction", self.iterations + 1)
+                log.warning(
+                    "update %d: the current weights give non-finite values or log-probs on this "
+                    "rollout; it trains without the off-policy correction",
+                    self.iterations + 1,
+                )
         if self.reward_scaler is not None:
             rewards, dones = buffer.rewards, buffer.dones
             if used is not None:
                 rewards, dones = rewards[:, used], dones[:, used]
             buffer.scale_rewards(self.reward_scaler.update(rewards, dones))
-        buffer.compute_gae(rollout.last_values, rollout.last_dones, self.config.gamma, self.config.gae_lambda)
+        buffer.compute_gae(
+            rollout.last_values, rollout.last_dones, self.config.gamma, self.config.gae_lambda
+        )
         num_minibatches = None
         if used is not None:
             planned = rollout.planned_columns or buffer.num_envs
             num_minibatches = max(1, round(self.config.num_minibatches * int(used.sum()) / planned))
         return PreparedRollout(buffer, stale_rows, lag, proximal, used, num_minibatches)
 
-    def step(self, actor_steps: int, rollout: PreparedRollout | None = None) -> PPOUpdateStats | None:
+    def step(
+        self, actor_steps: int, rollout: PreparedRollout | None = None
+    ) -> PPOUpdateStats | None:
         """Perform a full PPO update on ``rollout`` (:meth:`prepare`'s result), or on the current
         rollout buffer's contents (GAE computed by the caller).
 
@@ -473,20 +520,25 @@ class PPOLearner:
             group["lr"] = self.learning_rate
         bc_term = None
         if self.bc_sampler is not None and self.config.bc_coef > 0:
-            coef = self.config.bc_coef * self.config.bc_coef_decay ** self.iterations
+            coef = self.config.bc_coef * self.config.bc_coef_decay**self.iterations
             bc_term = (coef, self.bc_sampler, self.config.bc_batch_size)
         stats = None
         with self.learner_model.locked() as model:
             try:
-                stats = self.updater.step(buffer, current_policy_version=self.policy_version, bc_term=bc_term,
-                                          proximal=None if rollout is None else rollout.proximal,
-                                          num_minibatches=None if rollout is None else rollout.num_minibatches,
-                                          after_epoch=None if self.revision_sink is None else self.publish_revision)
+                stats = self.updater.step(
+                    buffer,
+                    current_policy_version=self.policy_version,
+                    bc_term=bc_term,
+                    proximal=None if rollout is None else rollout.proximal,
+                    num_minibatches=None if rollout is None else rollout.num_minibatches,
+                    after_epoch=None if self.revision_sink is None else self.publish_revision,
+                )
             except EmptyRolloutError:
                 stats = None
             used = None if rollout is None else rollout.columns_used
             model.update_observation_statistics(
-                buffer.observations if used is None else _columns(buffer.observations, used))
+                buffer.observations if used is None else _columns(buffer.observations, used)
+            )
             self.learner_model.version += 1
         self.sgd_ledger.sgd_steps += stats.minibatches if stats is not None else 0
         self.sgd_ledger.note(self.policy_version, 0, self.sgd_steps)
@@ -496,8 +548,9 @@ class PPOLearner:
         log.debug("update %d at %d actor steps", self.iterations, actor_steps)
         return stats
 
-    def publish_revision(self, epochs_done: int, approx_kl: float, nonfinite_minibatches: int,
-                         update_sgd_steps: int) -> None:
+    def publish_revision(
+        self, epochs_done: int, approx_kl: float, nonfinite_minibatches: int, update_sgd_steps: int
+    ) -> None:
         """Hand the weights an epoch left (revision ``epochs_done`` of the version in training) to
         the revision sink; the updater's ``after_epoch`` callback, called with the model lock held.
         Kept back, for the health check to judge at the end of the update: weights after a skipped
@@ -508,8 +561,11 @@ class PPOLearner:
         sgd_steps = self.sgd_steps + update_sgd_steps
         if sgd_steps - self.sgd_ledger.last_published < self.revision_min_sgd_steps:
             return
-        if nonfinite_minibatches or not math.isfinite(approx_kl) or (
-                self.revision_max_approx_kl is not None and approx_kl > self.revision_max_approx_kl):
+        if (
+            nonfinite_minibatches
+            or not math.isfinite(approx_kl)
+            or (self.revision_max_approx_kl is not None and approx_kl > self.revision_max_approx_kl)
+        ):
             return
         weights = weights_to_arrays(self.model)
         if all(np.isfinite(array).all() for array in weights.values()):
@@ -528,8 +584,12 @@ class PPOLearner:
         with self.learner_model.locked() as model:
             for _ in range(remaining):
                 behaviour_cloning_update(
-                    model, self.optimizer, self.bc_sampler, batch_size=self.config.bc_batch_size,
-                    device=self.device, max_grad_norm=self.config.max_grad_norm,
+                    model,
+                    self.optimizer,
+                    self.bc_sampler,
+                    batch_size=self.config.bc_batch_size,
+                    device=self.device,
+                    max_grad_norm=self.config.max_grad_norm,
                 )
                 self.bc_updates_done += 1
                 self._rollouts_collected += 1
@@ -564,16 +624,38 @@ class PPOLearner:
         evaluations, notes = self._final_evaluation(current_step(), policy)
         policy.final(self)
         version, weights = self.learner_model.snapshot()
-        rollout_handshake.complete(TrainResult(None, version, weights, None, iterations=self.iterations,
-                                               evaluations=evaluations, events=notes))
+        rollout_handshake.complete(
+            TrainResult(
+                None,
+                version,
+                weights,
+                None,
+                iterations=self.iterations,
+                evaluations=evaluations,
+                events=notes,
+            )
+        )
 
-    def _train(self, stop_event: threading.Event, current_step: Callable[[], int],
-               handshake: RolloutHandshake, policy: CheckpointPolicy) -> None:
+    def _train(
+        self,
+        stop_event: threading.Event,
+        current_step: Callable[[], int],
+        handshake: RolloutHandshake,
+        policy: CheckpointPolicy,
+    ) -> None:
         done = self.behaviour_cloning_phase()
         if done:
             version, weights = self.learner_model.snapshot()
-            handshake.complete(TrainResult(None, version, weights, None, iterations=self.iterations,
-                                           events=[f"behaviour cloning: {done} replay-only updates"]))
+            handshake.complete(
+                TrainResult(
+                    None,
+                    version,
+                    weights,
+                    None,
+                    iterations=self.iterations,
+                    events=[f"behaviour cloning: {done} replay-only updates"],
+                )
+            )
             self.submit_to_tester(current_step(), force=True)
         while not stop_event.is_set():
             published = handshake.wait_for_rollout(stop_event)
@@ -589,13 +671,24 @@ class PPOLearner:
             events += notes
             self.submit_to_tester(current_step())
             version, weights = self.learner_model.snapshot()
-            handshake.complete(TrainResult(
-                published.rollout.slot, version, weights, stats, prepared.stale_rows, prepared.lag, self.iterations,
-                evaluations, events, trainable_share=buffer.trainable_size / max(1, columns * buffer.rollout_length),
-                rollbacks=policy.rollbacks, columns=columns,
-                planned_columns=published.rollout.planned_columns or buffer.num_envs,
-                trained_env_steps=self.trained_env_steps,
-            ))
+            handshake.complete(
+                TrainResult(
+                    published.rollout.slot,
+                    version,
+                    weights,
+                    stats,
+                    prepared.stale_rows,
+                    prepared.lag,
+                    self.iterations,
+                    evaluations,
+                    events,
+                    trainable_share=buffer.trainable_size / max(1, columns * buffer.rollout_length),
+                    rollbacks=policy.rollbacks,
+                    columns=columns,
+                    planned_columns=published.rollout.planned_columns or buffer.num_envs,
+                    trained_env_steps=self.trained_env_steps,
+                )
+            )
 
     def submit_to_tester(self, global_step: int, *, force: bool = False) -> None:
         """Submit the weights every ``eval_every_updates`` updates; ``force``: now, and kept (the
@@ -618,14 +711,18 @@ class PPOLearner:
             notes += policy.after_evaluation(self, report)
         return reports, notes
 
-    def _final_evaluation(self, global_step: int, policy: CheckpointPolicy) -> tuple[list[Any], list[str]]:
+    def _final_evaluation(
+        self, global_step: int, policy: CheckpointPolicy
+    ) -> tuple[list[Any], list[str]]:
         """Evaluate the final weights (training has stopped) and judge the reports (``best.pt``,
         rollback); returns the reports and the notes. A collapse is logged, not raised."""
         tester = self.context.tester
         if tester is None or not tester.alive:
             return [], []
         version, weights = self.learner_model.snapshot()
-        if version != self._submitted_version:  # else its periodic evaluation is done or on its way: not twice
+        if (
+            version != self._submitted_version
+        ):  # else its periodic evaluation is done or on its way: not twice
             tester.submit(version, weights, global_step, keep=True)
         reports, notes = tester.drain(timeout_s=FINAL_EVALUATION_TIMEOUT_S), []
         try:
@@ -634,6 +731,9 @@ class PPOLearner:
         except RunCollapsedError as error:
             log.error("%s", error)
         if version not in self._reported_versions | {report.policy_version for report in reports}:
-            log.warning("the evaluation of the final weights did not finish within %.0f s: skipped "
-                        "(oakemu evaluate plays the final checkpoint)", FINAL_EVALUATION_TIMEOUT_S)
+            log.warning(
+                "the evaluation of the final weights did not finish within %.0f s: skipped "
+                "(oakemu evaluate plays the final checkpoint)",
+                FINAL_EVALUATION_TIMEOUT_S,
+            )
         return reports, notes

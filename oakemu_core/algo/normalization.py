@@ -33,7 +33,9 @@ class RewardScaler:
         self.mean = 0.0
         self.var = 1.0
         self.count = 1e-4
-        self._carry: np.ndarray | None = None  # (N,) discounted return at the end of the last rollout
+        self._carry: np.ndarray | None = (
+            None  # (N,) discounted return at the end of the last rollout
+        )
 
     def update(self, rewards: np.ndarray, dones: np.ndarray) -> float:
         """Fold a rollout's raw rewards into the statistics; return the scale ``1 / sqrt(var + eps)``.
@@ -59,7 +61,11 @@ class RewardScaler:
         batch_mean, batch_var, batch_count = float(batch.mean()), float(batch.var()), batch.size
         delta = batch_mean - self.mean
         total = self.count + batch_count
-        m2 = self.var * self.count + batch_var * batch_count + delta**2 * self.count * batch_count / total
+        m2 = (
+            self.var * self.count
+            + batch_var * batch_count
+            + delta**2 * self.count * batch_count / total
+        )
         self.mean += delta * batch_count / total
         self.var = m2 / total
         self.count = total
@@ -75,4 +81,8 @@ class RewardScaler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output."""
-        self.mean, self.var, self.count = float(state["mean"]), float(state["var"]), float(state["count"])
+        self.mean, self.var, self.count = (
+            float(state["mean"]),
+            float(state["var"]),
+            float(state["count"]),
+        )

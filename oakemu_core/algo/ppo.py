@@ -50,7 +50,9 @@ def cpu_has_native_bfloat16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
     oneDNN emulates bfloat16, and a ``"bfloat16"`` update is slower than a float32 one."""
     try:
         with open(cpuinfo, encoding="utf-8", errors="replace") as file:
-            flags = next((line.split(":", 1)[1].split() for line in file if line.startswith("flags")), None)
+            flags = next(
+                (line.split(":", 1)[1].split() for line in file if line.startswith("flags")), None
+            )
     except OSError:
         return None
     return None if flags is None else bool({"avx512_bf16", "amx_bf16"} & set(flags))
@@ -80,8 +82,11 @@ class RolloutEvaluation:
     def finite_on(self, rows: np.ndarray) -> bool:
         """Whether every value, and the log-probs and parameters of ``rows`` (``(T, N)`` bool),
         are finite (a critic or policy that diverged gives NaN or inf)."""
-        return bool(np.isfinite(self.values).all() and np.isfinite(self.log_probs[rows]).all()
-                    and all(np.isfinite(array[rows]).all() for array in self.distribution_fields.values()))
+        return bool(
+            np.isfinite(self.values).all()
+            and np.isfinite(self.log_probs[rows]).all()
+            and all(np.isfinite(array[rows]).all() for array in self.distribution_fields.values())
+        )
 
 
 class EmptyRolloutError(ValueError):
@@ -123,7 +128,12 @@ class LinearSchedule:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-value state for a checkpoint."""
-        return {"start": self.start, "end": self.end, "total_updates": self.total_updates, "updates": self.updates}
+        return {
+            "start": self.start,
+            "end": self.end,
+            "total_updates": self.total_updates,
+            "updates": self.updates,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output; raises ValueError naming a missing or invalid entry."""
@@ -202,7 +212,9 @@ def ppo_losses(
     # Value loss, optionally clipped around the actor's value estimate.
     value_loss_unclipped = (new_values - returns) ** 2
     if clip_value_range is not None:
-        values_clipped = old_values + torch.clamp(new_values - old_values, -clip_value_range, clip_value_range)
+        values_clipped = old_values + torch.clamp(
+            new_values - old_values, -clip_value_range, clip_value_range
+        )
         value_loss_clipped = (values_clipped - returns) ** 2
         value_loss = 0.5 * torch.max(value_loss_unclipped, value_loss_clipped).mean()
     else:
@@ -282,7 +294,9 @@ class _UpdateTally:
         self.totals = {key: torch.zeros((), device=device) for key in self.REPORTED}
         self.weight_total = torch.zeros((), device=device)
         self.minibatches = 0
-        self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)  # minibatches whose step was skipped
+        self.nonfinite = torch.zeros(
+            (), dtype=torch.int64, device=device
+        )  # minibatches whose step was skipped
         self.first_minibatch_ratio_max_abs_dev = math.nan
         self.epoch_seconds: list[float] = []
         self.early_stopped = False
@@ -298,13 +312,17 @@ class _UpdateTally:
         """Minibatches so far whose gradient was not finite (one device sync)."""
         return int(self.nonfinite.item())
 
-    def stats(self, rollout_buffer: RolloutBuffer, trainable_rows: int, *, decoupled: bool) -> PPOUpdateStats:
+    def stats(
+        self, rollout_buffer: RolloutBuffer, trainable_rows: int, *, decoupled: bool
+    ) -> PPOUpdateStats:
         diagnostics = rollout_buffer.trainable_diagnostics()
         means = {key: value.item() / self.minibatches for key, value in self.totals.items()}
         return PPOUpdateStats(
             **means,
             explained_variance=(
-                math.nan if diagnostics is None else explained_variance(diagnostics.values, diagnostics.returns)
+                math.nan
+                if diagnostics is None
+                else explained_variance(diagnostics.values, diagnostics.returns)
             ),
             learning_rate=self.learning_rate,
             epochs_completed=len(self.epoch_seconds),
@@ -315,7 +333,9 @@ class _UpdateTally:
             epoch_seconds=self.epoch_seconds,
             trainable_rows=trainable_rows,
             nonfinite_minibatches=self.nonfinite_minibatches,
-            importance_weight_mean=self.weight_total.item() / self.minibatches if decoupled else math.nan,
+            importance_weight_mean=self.weight_total.item() / self.minibatches
+            if decoupled
+            else math.nan,
         )
 
 
@@ -371,7 +391,9 @@ class PPOUpdater:
         action_mask: torch.Tensor | None = None,
         **overrides: Any,
     ) -> None:
-        self.settings = PPOSettings.from_config(settings if settings is not None else PPOSettings(), **overrides)
+        self.settings = PPOSettings.from_config(
+            settings if settings is not None else PPOSettings(), **overrides
+        )
         self.device = torch.device(device)
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = False
@@ -382,17 +404,24 @@ class PPOUpdater:
         # Their gradients live in one buffer: zeroing and clipping them are one op each.
         trained = [parameter for parameter in self.model.parameters() if parameter.requires_grad]
         if isinstance(optimizer, FlatAdam):  # its buffers already hold the parameters and gradients
-            if [id(parameter) for parameter in optimizer.flat.parameters] != [id(parameter) for parameter in trained]:
-                raise ValueError("PPOUpdater: the FlatAdam optimizer is not over the model's trained parameters")
+            if [id(parameter) for parameter in optimizer.flat.parameters] != [
+                id(parameter) for parameter in trained
+            ]:
+                raise ValueError(
+                    "PPOUpdater: the FlatAdam optimizer is not over the model's trained parameters"
+                )
             self._gradients: FlatGradients = optimizer.flat
         else:
             self._gradients = FlatGradients(trained)
         # On an accelerator a fused optimizer (torch.optim.Adam(fused=True)) skips a step on the device
         # when told through ``found_inf``, the hook torch.amp.GradScaler uses: no host sync per minibatch
         # to test the gradient. On the CPU that test costs nothing, and the hook costs two ops a step.
-        self._skips_on_device = (self.device.type != "cpu"
-                                 and bool(getattr(optimizer, "_step_supports_amp_scaling", False)))
-        self._stored_parameters = tuple(self.model.distribution.stored_fields())  # parameters for the exact KL
+        self._skips_on_device = self.device.type != "cpu" and bool(
+            getattr(optimizer, "_step_supports_amp_scaling", False)
+        )
+        self._stored_parameters = tuple(
+            self.model.distribution.stored_fields()
+        )  # parameters for the exact KL
         self._shuffle_rng = np.random.default_rng(self.settings.seed)
         self.action_mask = None if action_mask is None else action_mask.to(self.device, torch.bool)
         self._iterations = 0
@@ -408,7 +437,9 @@ class PPOUpdater:
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def evaluate_rollout(self, rollout_buffer: RolloutBuffer, *, chunk_rows: int = 256) -> RolloutEvaluation:
+    def evaluate_rollout(
+        self, rollout_buffer: RolloutBuffer, *, chunk_rows: int = 256
+    ) -> RolloutEvaluation:
         """Re-evaluate every stored row with the current weights: the proximal policy's log-probs
         of the stored actions and its stored parameters, and the current critic's values
         (asynchronous mode: the rows were acted by older versions).
@@ -423,21 +454,32 @@ class PPOUpdater:
         """
         schema = rollout_buffer.schema
         total = rollout_buffer.total_size
-        names = [*schema.observation_names, "actions", *(["action_mask"] if "action_mask" in schema else [])]
-        flat = {name: rollout_buffer.field(name).reshape(total, *schema[name].shape) for name in names}
+        names = [
+            *schema.observation_names,
+            "actions",
+            *(["action_mask"] if "action_mask" in schema else []),
+        ]
+        flat = {
+            name: rollout_buffer.field(name).reshape(total, *schema[name].shape) for name in names
+        }
         log_probs = np.empty(total, dtype=np.float32)
         values = np.empty(total, dtype=np.float32)
-        stored = {name: np.empty((total, *shape), dtype=np.float32)
-                  for name, (shape, _) in self.model.distribution.stored_fields().items()}
+        stored = {
+            name: np.empty((total, *shape), dtype=np.float32)
+            for name, (shape, _) in self.model.distribution.stored_fields().items()
+        }
         was_training = self.model.training
         self.model.eval()
         try:
             for start in range(0, total, chunk_rows):
-                chunk = {name: torch.from_numpy(array[start:start + chunk_rows].copy()).to(self.device)
-                         for name, array in flat.items()}
+                chunk = {
+                    name: torch.from_numpy(array[start : start + chunk_rows].copy()).to(self.device)
+                    for name, array in flat.items()
+                }
                 with self._forward_precision():
                     policy, chunk_values = self.model.policy_and_values(
-                        schema.join_observations(chunk), self._row_masks(chunk.get("action_mask")))
+                        schema.join_observations(chunk), self._row_masks(chunk.get("action_mask"))
+                    )
                 end = start + len(chunk["actions"])
                 log_probs[start:end] = policy.log_prob(chunk["actions"]).float().cpu().numpy()
                 values[start:end] = chunk_values.float().cpu().numpy()
@@ -446,14 +488,22 @@ class PPOUpdater:
         finally:
             self.model.train(was_training)
         lead = (rollout_buffer.rollout_length, rollout_buffer.num_envs)
-        return RolloutEvaluation(log_probs.reshape(lead), values.reshape(lead),
-                                 {name: array.reshape(*lead, *array.shape[1:]) for name, array in stored.items()})
+        return RolloutEvaluation(
+            log_probs.reshape(lead),
+            values.reshape(lead),
+            {name: array.reshape(*lead, *array.shape[1:]) for name, array in stored.items()},
+        )
 
-    def step(self, rollout_buffer: RolloutBuffer, *, current_policy_version: int,
-             bc_term: tuple[float, Any, int] | None = None,
-             proximal: RolloutEvaluation | None = None,
-             after_epoch: Callable[[int, float, int, int], None] | None = None,
-             num_minibatches: int | None = None) -> PPOUpdateStats:
+    def step(
+        self,
+        rollout_buffer: RolloutBuffer,
+        *,
+        current_policy_version: int,
+        bc_term: tuple[float, Any, int] | None = None,
+        proximal: RolloutEvaluation | None = None,
+        after_epoch: Callable[[int, float, int, int], None] | None = None,
+        num_minibatches: int | None = None,
+    ) -> PPOUpdateStats:
         """One PPO update on the trainable rows of a full buffer whose GAE is computed.
 
         Args:
@@ -500,13 +550,21 @@ class PPOUpdater:
         for epoch in range(settings.ppo_epochs):
             epoch_start = time.perf_counter()
             epoch_kl = torch.zeros((), device=self.device)
-            minibatches = [whole] if whole is not None else [
-                self._normalised(minibatch) for minibatch in flat.minibatches(num_minibatches, self._shuffle_rng)]
+            minibatches = (
+                [whole]
+                if whole is not None
+                else [
+                    self._normalised(minibatch)
+                    for minibatch in flat.minibatches(num_minibatches, self._shuffle_rng)
+                ]
+            )
             for minibatch in minibatches:
                 losses, new_log_probs, weights = self._minibatch_losses(minibatch, kl_reference)
                 if weights is not None:
                     tally.weight_total += weights.mean()
-                if tally.minibatches == 0:  # before any gradient step: actor and learner should agree
+                if (
+                    tally.minibatches == 0
+                ):  # before any gradient step: actor and learner should agree
                     behaviour_ratio = (new_log_probs.detach() - minibatch.log_probs).exp()
                     tally.first_minibatch_ratio_max_abs_dev = self._ratio_deviation(
                         behaviour_ratio, minibatch.fields["policy_versions"], current_policy_version
@@ -519,17 +577,23 @@ class PPOUpdater:
             tally.epoch_seconds.append(time.perf_counter() - epoch_start)
             if settings.target_kl is None and after_epoch is None:
                 continue
-            epoch_approx_kl = epoch_kl.item() / len(minibatches)  # one device sync per epoch, when needed
+            epoch_approx_kl = epoch_kl.item() / len(
+                minibatches
+            )  # one device sync per epoch, when needed
             if settings.target_kl is not None and epoch_approx_kl > settings.target_kl:
                 tally.early_stopped = epoch + 1 < settings.ppo_epochs
                 break
             if after_epoch is not None and epoch + 1 < settings.ppo_epochs:
-                after_epoch(epoch + 1, epoch_approx_kl, tally.nonfinite_minibatches, tally.minibatches)
+                after_epoch(
+                    epoch + 1, epoch_approx_kl, tally.nonfinite_minibatches, tally.minibatches
+                )
 
         self._iterations += 1
         return tally.stats(rollout_buffer, trainable_rows, decoupled=proximal is not None)
 
-    def _upload(self, rollout_buffer: RolloutBuffer, proximal: RolloutEvaluation | None) -> tuple[Any, str]:
+    def _upload(
+        self, rollout_buffer: RolloutBuffer, proximal: RolloutEvaluation | None
+    ) -> tuple[Any, str]:
         """The trainable rows flattened and uploaded once (every epoch only reshuffles and indexes
         them), with the proximal policy's figures as extra fields when given; and the prefix of the
         stored parameters the exact KL is measured from (``""``: the acting policy's)."""
@@ -538,9 +602,18 @@ class PPOUpdater:
             return flat, ""
         # The cached flat batch stays as it is: a new one holds the extra fields.
         arrays = {"log_probs": proximal.log_probs, **proximal.distribution_fields}
-        flat = replace(flat, fields={**flat.fields, **{
-            PROXIMAL + name: torch.from_numpy(array.reshape(-1, *array.shape[2:])[flat.rows]).to(self.device)
-            for name, array in arrays.items()}})
+        flat = replace(
+            flat,
+            fields={
+                **flat.fields,
+                **{
+                    PROXIMAL + name: torch.from_numpy(
+                        array.reshape(-1, *array.shape[2:])[flat.rows]
+                    ).to(self.device)
+                    for name, array in arrays.items()
+                },
+            },
+        )
         return flat, PROXIMAL  # the trust region is around the proximal policy
 
     def _normalised(self, minibatch: Any) -> Any:
@@ -549,10 +622,13 @@ class PPOUpdater:
         if not self.settings.normalize_advantages:
             return minibatch
         advantages = minibatch.advantages
-        return minibatch._replace(advantages=(advantages - advantages.mean()) / (advantages.std(correction=0) + 1e-8))
+        return minibatch._replace(
+            advantages=(advantages - advantages.mean()) / (advantages.std(correction=0) + 1e-8)
+        )
 
-    def _minibatch_losses(self, minibatch: Any, kl_reference: str) -> tuple[dict[str, torch.Tensor], torch.Tensor,
-                                                                             torch.Tensor | None]:
+    def _minibatch_losses(
+        self, minibatch: Any, kl_reference: str
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor | None]:
         """One minibatch's forward pass and loss terms (:func:`ppo_losses`); with the proximal
         figures (decoupled objective) the ratio is taken against them and each row weighted by
         ``min(importance_weight_cap, pi_prox / mu)``; families with stored parameters get the exact
@@ -564,23 +640,45 @@ class PPOUpdater:
                 minibatch.observations, self._row_masks(minibatch.fields.get("action_mask"))
             )
         advantages = minibatch.advantages
-        with torch.set_grad_enabled(bool(settings.ent_coef)):  # weighted 0 it would only cost backward ops
+        with torch.set_grad_enabled(
+            bool(settings.ent_coef)
+        ):  # weighted 0 it would only cost backward ops
             entropy = policy.entropy()
         new_log_probs = policy.log_prob(minibatch.actions)
         old_log_probs, weights = minibatch.log_probs, None
         if PROXIMAL + "log_probs" in minibatch.fields:
             old_log_probs = minibatch.fields[PROXIMAL + "log_probs"]
-            weights = (old_log_probs - minibatch.log_probs).clamp(max=math.log(settings.importance_weight_cap)).exp()
-        losses = ppo_losses(new_log_probs, old_log_probs, advantages, new_values, minibatch.values, minibatch.returns,
-                            entropy, clip_coef=settings.clip_coef, clip_value_range=settings.value_clip,
-                            importance_weights=weights)
+            weights = (
+                (old_log_probs - minibatch.log_probs)
+                .clamp(max=math.log(settings.importance_weight_cap))
+                .exp()
+            )
+        losses = ppo_losses(
+            new_log_probs,
+            old_log_probs,
+            advantages,
+            new_values,
+            minibatch.values,
+            minibatch.returns,
+            entropy,
+            clip_coef=settings.clip_coef,
+            clip_value_range=settings.value_clip,
+            importance_weights=weights,
+        )
         if self._stored_parameters:  # the exact KL from the stored parameters
             with torch.no_grad():
-                kl = policy.kl_from({name: minibatch.fields[kl_reference + name] for name in self._stored_parameters})
+                kl = policy.kl_from(
+                    {
+                        name: minibatch.fields[kl_reference + name]
+                        for name in self._stored_parameters
+                    }
+                )
                 losses["approx_kl"] = kl.mean()
         return losses, new_log_probs, weights
 
-    def _sgd_step(self, losses: dict[str, torch.Tensor], bc_term: tuple[float, Any, int] | None) -> torch.Tensor:
+    def _sgd_step(
+        self, losses: dict[str, torch.Tensor], bc_term: tuple[float, Any, int] | None
+    ) -> torch.Tensor:
         """Backward pass and optimizer step on the total loss (Schulman et al. 2017, eq. 9, negated:
         policy - c2 * entropy + c1 * value, plus the behaviour-cloning term). Returns a 0-dim bool
         tensor on the device, True when the gradient was not finite and the step was skipped (it
@@ -596,7 +694,9 @@ class PPOUpdater:
         loss.backward()
         grad_norm = self._gradients.clip_norm_(settings.max_grad_norm)
         nonfinite = ~torch.isfinite(grad_norm)
-        if self._skips_on_device:  # parameters, moments and step count stay as they were where found_inf is 1
+        if (
+            self._skips_on_device
+        ):  # parameters, moments and step count stay as they were where found_inf is 1
             self.optimizer.found_inf = nonfinite.float()
             try:
                 self.optimizer.step()
@@ -621,7 +721,11 @@ class PPOUpdater:
         """Each row's action mask ANDed with the learner-wide ``action_mask`` (either may be None)."""
         if self.action_mask is None:
             return masks
-        return self.action_mask.expand(masks.shape) & masks if masks is not None else self.action_mask.unsqueeze(0)
+        return (
+            self.action_mask.expand(masks.shape) & masks
+            if masks is not None
+            else self.action_mask.unsqueeze(0)
+        )
 
     def _bc_loss(self, sampler: Any, batch_size: int) -> torch.Tensor:
         from oakemu_core.algo.behaviour_cloning import bc_loss
@@ -629,7 +733,9 @@ class PPOUpdater:
 
         batch = batch_to_device(sampler.sample(batch_size, self._shuffle_rng), self.device)
         with self._forward_precision():
-            policy, _ = self.model.policy_and_values(batch.observations, self._row_masks(batch.action_mask))
+            policy, _ = self.model.policy_and_values(
+                batch.observations, self._row_masks(batch.action_mask)
+            )
         return bc_loss(policy, batch.actions)
 
     def _forward_precision(self) -> contextlib.AbstractContextManager[Any]:
@@ -640,7 +746,9 @@ class PPOUpdater:
         return contextlib.nullcontext()
 
     @staticmethod
-    def _ratio_deviation(ratio: torch.Tensor, versions: torch.Tensor, current_policy_version: int) -> float:
+    def _ratio_deviation(
+        ratio: torch.Tensor, versions: torch.Tensor, current_policy_version: int
+    ) -> float:
         """max |ratio - 1| over the minibatch rows acted by ``current_policy_version`` (NaN if none)."""
         is_current = versions == int(current_policy_version)
         if not bool(is_current.any()):

@@ -42,7 +42,9 @@ __all__ = ["RecordingPolicy", "RecordingSummary", "make_recording_policy", "reco
 RecordingPolicy = Callable[[Any, np.ndarray | None], Any]
 """``(observations of all n envs, action masks (n, width) or None) -> actions (n, *action_shape)``."""
 
-_MINARI_ENV_LOCK = threading.Lock()  # MINARI_DATASETS_PATH is process-global while a dataset is written
+_MINARI_ENV_LOCK = (
+    threading.Lock()
+)  # MINARI_DATASETS_PATH is process-global while a dataset is written
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,9 @@ class RecordingSummary:
         return float(np.mean(self.returns))
 
 
-def make_recording_policy(policy: Any, spec: EnvSpec, *, seed: int | None = None, greedy: bool = True) -> RecordingPolicy:
+def make_recording_policy(
+    policy: Any, spec: EnvSpec, *, seed: int | None = None, greedy: bool = True
+) -> RecordingPolicy:
     """A :data:`RecordingPolicy` from ``"random"``, ``"module:callable"``, a callable or a model.
 
     Args:
@@ -94,7 +98,11 @@ def make_recording_policy(policy: Any, spec: EnvSpec, *, seed: int | None = None
             rng = np.random.default_rng(seed)
 
             def random_policy(observations: Any, action_mask: np.ndarray | None) -> np.ndarray:
-                count = len(next(iter(observations.values()))) if isinstance(observations, dict) else len(observations)
+                count = (
+                    len(next(iter(observations.values())))
+                    if isinstance(observations, dict)
+                    else len(observations)
+                )
                 return random_actions(spec, count, rng, action_mask)
 
             return random_policy
@@ -103,11 +111,15 @@ def make_recording_policy(policy: Any, spec: EnvSpec, *, seed: int | None = None
         return load_callable(policy, what="policy")
     if callable(policy):
         return policy
-    raise ValueError(f"policy: expected 'random', 'module:callable', a callable or a model, received {policy!r}")
+    raise ValueError(
+        f"policy: expected 'random', 'module:callable', a callable or a model, received {policy!r}"
+    )
 
 
 def _dataset_id_for(path: Path) -> str:
-    name = "".join(ch if ch.isalnum() or ch in "_-" else "_" for ch in path.name) or "demonstrations"
+    name = (
+        "".join(ch if ch.isalnum() or ch in "_-" else "_" for ch in path.name) or "demonstrations"
+    )
     return name if _has_version(name) else f"{name}-v0"
 
 
@@ -169,9 +181,18 @@ def record_dataset(
         raise ValueError(f"num_envs: expected >= 1, received {num_envs!r}")
     output = Path(output).absolute()  # minari's storage mis-joins relative paths
     if output.exists() and not overwrite:
-        raise DemonstrationDataError(f"{output}: already exists; choose another --output or remove it")
-    env = make_vector_env(env_id, int(num_envs), seed=seed, clip_rewards=False,
-                          max_episode_steps=max_episode_steps, settings_file=settings_file, options=options)
+        raise DemonstrationDataError(
+            f"{output}: already exists; choose another --output or remove it"
+        )
+    env = make_vector_env(
+        env_id,
+        int(num_envs),
+        seed=seed,
+        clip_rewards=False,
+        max_episode_steps=max_episode_steps,
+        settings_file=settings_file,
+        options=options,
+    )
     try:
         spec = env.spec
         act = make_recording_policy(policy, spec, seed=seed, greedy=greedy)
@@ -179,13 +200,26 @@ def record_dataset(
         buffers, returns = _play_episodes(env, act, int(episodes), source)
     finally:
         env.close()
-    metadata = {"oakemu_env_id": env_id, "oakemu_spec": json.dumps(spec.to_dict()),
-                "oakemu_returns": json.dumps(returns)}
-    description = (f"{len(buffers)} episodes of {env_id} recorded by `oakemu record` with {source}; "
-                   "observations as OakEmu-RL's networks see them (see oakemu_core/algo/demonstrations.py)")
+    metadata = {
+        "oakemu_env_id": env_id,
+        "oakemu_spec": json.dumps(spec.to_dict()),
+        "oakemu_returns": json.dumps(returns),
+    }
+    description = (
+        f"{len(buffers)} episodes of {env_id} recorded by `oakemu record` with {source}; "
+        "observations as OakEmu-RL's networks see them (see oakemu_core/algo/demonstrations.py)"
+    )
     dataset_id = _dataset_id_for(output)
-    _write_dataset(minari, output, dataset_id, buffers, spec, metadata,
-                   algorithm_name=algorithm_name or f"oakemu record ({source})", description=description)
+    _write_dataset(
+        minari,
+        output,
+        dataset_id,
+        buffers,
+        spec,
+        metadata,
+        algorithm_name=algorithm_name or f"oakemu record ({source})",
+        description=description,
+    )
     lengths = [len(buffer.rewards) for buffer in buffers]
     return RecordingSummary(output, dataset_id, len(buffers), int(sum(lengths)), returns, lengths)
 
@@ -231,7 +265,9 @@ class _Episode:
         )
 
 
-def _play_episodes(env: Any, act: RecordingPolicy, episodes: int, source: str) -> tuple[list[Any], list[float]]:
+def _play_episodes(
+    env: Any, act: RecordingPolicy, episodes: int, source: str
+) -> tuple[list[Any], list[float]]:
     """``(Minari episode buffers, raw episodic returns)`` of the first ``episodes`` episodes that
     finish in the vector env ``env`` acting with ``act``.
 
@@ -246,7 +282,9 @@ def _play_episodes(env: Any, act: RecordingPolicy, episodes: int, source: str) -
     masks = env.action_masks()
     while len(buffers) < episodes:
         actions = checked_actions(spec, act(observations, masks), n, source=source)
-        forced = env.forced_actions()  # rows the env plays its own action on (Atari: FIRE after a lost life)
+        forced = (
+            env.forced_actions()
+        )  # rows the env plays its own action on (Atari: FIRE after a lost life)
         if forced is not None:
             actions = actions.copy()
             actions[forced[0]] = forced[1]
@@ -270,8 +308,17 @@ def _play_episodes(env: Any, act: RecordingPolicy, episodes: int, source: str) -
     return buffers, returns
 
 
-def _write_dataset(minari: Any, output: Path, dataset_id: str, buffers: list[Any], spec: EnvSpec,
-                   metadata: dict[str, str], *, algorithm_name: str, description: str) -> None:
+def _write_dataset(
+    minari: Any,
+    output: Path,
+    dataset_id: str,
+    buffers: list[Any],
+    spec: EnvSpec,
+    metadata: dict[str, str],
+    *,
+    algorithm_name: str,
+    description: str,
+) -> None:
     """Write ``buffers`` as the Minari dataset ``dataset_id`` in a temporary folder next to
     ``output``, add ``metadata``, then move it to ``output`` (replacing an existing folder)."""
     observation_space, action_space = dataset_spaces(spec)
@@ -282,14 +329,23 @@ def _write_dataset(minari: Any, output: Path, dataset_id: str, buffers: list[Any
         if "jpeg_encoding" in inspect.signature(minari.create_dataset_from_buffers).parameters:
             kwargs["jpeg_encoding"] = False  # frames are stored losslessly
         with _MINARI_ENV_LOCK, warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # missing code_permalink / author_email / eval_env notes
+            warnings.simplefilter(
+                "ignore"
+            )  # missing code_permalink / author_email / eval_env notes
             previous = os.environ.get("MINARI_DATASETS_PATH")
             os.environ["MINARI_DATASETS_PATH"] = str(staging)
             try:
                 dataset = minari.create_dataset_from_buffers(
-                    dataset_id, buffers, env=None, observation_space=observation_space, action_space=action_space,
-                    algorithm_name=algorithm_name, author="oakemu record", description=description,
-                    data_format="hdf5", **kwargs,
+                    dataset_id,
+                    buffers,
+                    env=None,
+                    observation_space=observation_space,
+                    action_space=action_space,
+                    algorithm_name=algorithm_name,
+                    author="oakemu record",
+                    description=description,
+                    data_format="hdf5",
+                    **kwargs,
                 )
             finally:
                 if previous is None:

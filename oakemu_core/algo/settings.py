@@ -48,14 +48,23 @@ class PPOSettings(BaseModel):
     ent_coef: float = Field(0.01, ge=0.0, description="Entropy bonus coefficient.")
     vf_coef: float = Field(0.5, ge=0.0, description="Value loss coefficient.")
     gamma: float = Field(0.99, ge=0.0, le=1.0, description="Discount factor.")
-    gae_lambda: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda (Schulman et al. 2016).")
-    max_grad_norm: float = Field(0.5, gt=0.0, description="Global gradient norm clip.")
-    target_kl: float | None = Field(None, gt=0.0, description="Stop the epochs early above this approx KL.")
-    normalize_advantages: bool = Field(True, description="Normalise advantages per minibatch (trainable rows).")
-    normalize_rewards: bool = Field(
-        False, description="Scale training rewards by the running std of the discounted return (as SB3 VecNormalize)."
+    gae_lambda: float = Field(
+        0.95, ge=0.0, le=1.0, description="GAE lambda (Schulman et al. 2016)."
     )
-    max_policy_lag: int = Field(2, ge=0, description="Drop rows acted by a policy this many versions old.")
+    max_grad_norm: float = Field(0.5, gt=0.0, description="Global gradient norm clip.")
+    target_kl: float | None = Field(
+        None, gt=0.0, description="Stop the epochs early above this approx KL."
+    )
+    normalize_advantages: bool = Field(
+        True, description="Normalise advantages per minibatch (trainable rows)."
+    )
+    normalize_rewards: bool = Field(
+        False,
+        description="Scale training rewards by the running std of the discounted return (as SB3 VecNormalize).",
+    )
+    max_policy_lag: int = Field(
+        2, ge=0, description="Drop rows acted by a policy this many versions old."
+    )
     off_policy_correction: Literal["decoupled", "none"] = Field(
         "decoupled",
         description="Rows acted by an older policy version (async mode): decoupled = re-evaluate them with the "
@@ -63,7 +72,9 @@ class PPOSettings(BaseModel):
         "importance_weight_cap; none = plain PPO on them.",
     )
     importance_weight_cap: float = Field(
-        1.0, gt=0.0, allow_inf_nan=False,
+        1.0,
+        gt=0.0,
+        allow_inf_nan=False,
         description="Truncation of the decoupled objective's weights pi_current / pi_acting (V-trace's rho-bar).",
     )
     seed: int = Field(1, ge=0, description="Seed for envs, torch and numpy.")
@@ -72,9 +83,15 @@ class PPOSettings(BaseModel):
         description="Precision of the PPO update: float32, or bfloat16 mixed precision (torch.autocast; weights, "
         "optimizer and losses stay float32). Native on CPUs with AVX512-BF16 or AMX and recent GPUs only.",
     )
-    bc_pretrain_updates: int = Field(0, ge=0, description="Replay-only BC updates (one epoch each) before PPO.")
-    bc_batch_size: int = Field(256, ge=1, description="Demonstration rows per BC update / per minibatch BC term.")
-    bc_coef: float = Field(0.0, ge=0.0, description="Weight of a BC term in the PPO loss (0: none).")
+    bc_pretrain_updates: int = Field(
+        0, ge=0, description="Replay-only BC updates (one epoch each) before PPO."
+    )
+    bc_batch_size: int = Field(
+        256, ge=1, description="Demonstration rows per BC update / per minibatch BC term."
+    )
+    bc_coef: float = Field(
+        0.0, ge=0.0, description="Weight of a BC term in the PPO loss (0: none)."
+    )
     bc_coef_decay: float = Field(1.0, gt=0.0, le=1.0, description="bc_coef multiplier per update.")
 
     @field_validator("clip_coef", "ent_coef", "vf_coef", "max_grad_norm")

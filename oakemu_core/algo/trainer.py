@@ -22,7 +22,12 @@ import torch
 from oakemu_core.algo.flat_parameters import FlatAdam
 from oakemu_core.algo.handshake import RolloutHandshake, RunProgress, WeightsRevision
 from oakemu_core.algo.health import CheckpointPolicy, HealthMonitor
-from oakemu_core.algo.learner import PPOExperimentConfiguration, PPOLearner, RuntimeContext, ThreadSafeModel
+from oakemu_core.algo.learner import (
+    PPOExperimentConfiguration,
+    PPOLearner,
+    RuntimeContext,
+    ThreadSafeModel,
+)
 from oakemu_core.algo.ppo import LinearSchedule, cpu_has_native_bfloat16
 from oakemu_core.policy.models import build_model
 from oakemu_core.run.checkpoint import (
@@ -46,7 +51,9 @@ __all__ = ["Trainer"]
 log = logging.getLogger("oakemu.learner")
 
 
-def build_optimizer(config: OakEmuConfig, model: torch.nn.Module, device: str) -> torch.optim.Optimizer:
+def build_optimizer(
+    config: OakEmuConfig, model: torch.nn.Module, device: str
+) -> torch.optim.Optimizer:
     """The learner's Adam (CleanRL's: eps 1e-5), fused where torch has the kernel (one op for all
     parameters instead of a Python loop over them): over one flat tensor holding the trained
     parameters (:class:`~oakemu_core.algo.flat_parameters.FlatAdam`: its per-step work done once),
@@ -54,7 +61,11 @@ def build_optimizer(config: OakEmuConfig, model: torch.nn.Module, device: str) -
     ``bc_pretrain_updates``) will train the policy alone: torch's Adam skips the untouched critic,
     FlatAdam would step it."""
     trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
-    kwargs: dict[str, Any] = {"lr": config.learning_rate, "eps": 1e-5, "fused": torch.device(device).type in ("cpu", "cuda")}
+    kwargs: dict[str, Any] = {
+        "lr": config.learning_rate,
+        "eps": 1e-5,
+        "fused": torch.device(device).type in ("cpu", "cuda"),
+    }
     if config.bc_dataset and config.bc_pretrain_updates:
         return torch.optim.Adam(trained, **kwargs)
     return FlatAdam(trained, **kwargs)
@@ -72,8 +83,16 @@ class Trainer:
             does nothing, measures the ingest path alone).
     """
 
-    def __init__(self, config: OakEmuConfig, spec: EnvSpec, schema: StepSchema, run_dir: Path, *,
-                 device: str, learner_type: type[PPOLearner] = PPOLearner) -> None:
+    def __init__(
+        self,
+        config: OakEmuConfig,
+        spec: EnvSpec,
+        schema: StepSchema,
+        run_dir: Path,
+        *,
+        device: str,
+        learner_type: type[PPOLearner] = PPOLearner,
+    ) -> None:
         self.config = config
         self.run_dir = run_dir
         self.spec = spec
@@ -89,19 +108,38 @@ class Trainer:
         self._follow_budget()
         # Periodic evaluation in a process of its own (None when eval_every_updates is 0).
         self.tester = tester_from_config(config, schema.to_dict(), run_dir=run_dir)
-        context = RuntimeContext(PPOExperimentConfiguration.from_config(config), device, tester=self.tester,
-                                 eval_every_updates=config.eval_every_updates)
+        context = RuntimeContext(
+            PPOExperimentConfiguration.from_config(config),
+            device,
+            tester=self.tester,
+            eval_every_updates=config.eval_every_updates,
+        )
         self.handshake = RolloutHandshake()
-        self.ppo = learner_type(context, self.learner_model, None, self.optimizer, self.schedule,
-                                bc_sampler=self._bc_sampler(), **self._revisions())
+        self.ppo = learner_type(
+            context,
+            self.learner_model,
+            None,
+            self.optimizer,
+            self.schedule,
+            bc_sampler=self._bc_sampler(),
+            **self._revisions(),
+        )
         # A failed write (full disk) is logged with the file and the bytes needed/free, counted and
         # retried at the next checkpoint; max_checkpoint_failures in a row raise CheckpointWriteFailed.
-        self.checkpoint_writer = CheckpointWriter(run_dir, keep_last=config.keep_checkpoints,
-                                                  max_consecutive_failures=config.max_checkpoint_failures)
+        self.checkpoint_writer = CheckpointWriter(
+            run_dir,
+            keep_last=config.keep_checkpoints,
+            max_consecutive_failures=config.max_checkpoint_failures,
+        )
         self.checkpoints = CheckpointPolicy(
-            run_dir, state_fn=self.checkpoint_state, save_fn=self._save, health=self._health_monitor(),
-            every_updates=config.checkpoint_every_updates, every_seconds=config.checkpoint_every_seconds,
-            lr_factor=config.rollback_lr_factor, max_rollbacks=config.max_rollbacks,
+            run_dir,
+            state_fn=self.checkpoint_state,
+            save_fn=self._save,
+            health=self._health_monitor(),
+            every_updates=config.checkpoint_every_updates,
+            every_seconds=config.checkpoint_every_seconds,
+            lr_factor=config.rollback_lr_factor,
+            max_rollbacks=config.max_rollbacks,
         )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -111,17 +149,24 @@ class Trainer:
         layout); warns when ``learner_precision`` bfloat16 would be emulated."""
         config, device = self.config, torch.device(self.device)
         assert self.schema.distribution is not None
-        model = build_model(self.spec.observation_layout, self.schema.distribution,
-                            normalize_observations=config.normalize_observations).to(device)
+        model = build_model(
+            self.spec.observation_layout,
+            self.schema.distribution,
+            normalize_observations=config.normalize_observations,
+        ).to(device)
         if device.type == "cpu" and model.has_convolutions:
             model.use_channels_last()
         if config.learner_precision == "bfloat16":
             if device.type == "cpu" and cpu_has_native_bfloat16() is False:
-                log.warning("learner_precision bfloat16: this CPU has neither AVX512-BF16 nor AMX, so bfloat16 is "
-                            "emulated and the update is likely slower than with float32")
+                log.warning(
+                    "learner_precision bfloat16: this CPU has neither AVX512-BF16 nor AMX, so bfloat16 is "
+                    "emulated and the update is likely slower than with float32"
+                )
             elif device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
-                log.warning("learner_precision bfloat16: GPUs before compute capability 8 (Ampere) emulate "
-                            "bfloat16; the update is likely slower than with float32")
+                log.warning(
+                    "learner_precision bfloat16: GPUs before compute capability 8 (Ampere) emulate "
+                    "bfloat16; the update is likely slower than with float32"
+                )
         return model
 
     def _revisions(self) -> dict[str, Any]:
@@ -134,8 +179,11 @@ class Trainer:
         def sink(version: int, revision: int, weights: dict[str, np.ndarray]) -> None:
             self.handshake.complete(WeightsRevision(version, revision, weights))
 
-        return {"revision_sink": sink, "revision_min_sgd_steps": config.publish_min_sgd_steps,
-                "revision_max_approx_kl": config.rollback_max_approx_kl if config.rollback else None}
+        return {
+            "revision_sink": sink,
+            "revision_min_sgd_steps": config.publish_min_sgd_steps,
+            "revision_max_approx_kl": config.rollback_max_approx_kl if config.rollback else None,
+        }
 
     def _health_monitor(self) -> HealthMonitor | None:
         """The collapse detector of ``rollback`` (None when rollback is off)."""
@@ -143,13 +191,22 @@ class Trainer:
         if not config.rollback:
             return None
         if not config.checkpoint_every_updates and not config.checkpoint_every_seconds:
-            log.warning("rollback is on but no checkpoint is written before exit (checkpoint_every_updates "
-                        "and checkpoint_every_seconds are 0): a collapse before the first evaluation's "
-                        "best.pt stops the run instead of rolling back")
-        log.info("rollback on: a collapsing run returns to its last good checkpoint with the learning rate x %s "
-                 "(at most %d times; rollback=false turns it off)", config.rollback_lr_factor, config.max_rollbacks)
-        return HealthMonitor(max_approx_kl=config.rollback_max_approx_kl, eval_fraction=config.rollback_eval_fraction,
-                             eval_patience=config.rollback_eval_patience)
+            log.warning(
+                "rollback is on but no checkpoint is written before exit (checkpoint_every_updates "
+                "and checkpoint_every_seconds are 0): a collapse before the first evaluation's "
+                "best.pt stops the run instead of rolling back"
+            )
+        log.info(
+            "rollback on: a collapsing run returns to its last good checkpoint with the learning rate x %s "
+            "(at most %d times; rollback=false turns it off)",
+            config.rollback_lr_factor,
+            config.max_rollbacks,
+        )
+        return HealthMonitor(
+            max_approx_kl=config.rollback_max_approx_kl,
+            eval_fraction=config.rollback_eval_fraction,
+            eval_patience=config.rollback_eval_patience,
+        )
 
     def _follow_budget(self) -> None:
         # The schedule keeps its progress but follows this run's budget and learning rate: a resume
@@ -190,8 +247,13 @@ class Trainer:
                 is loaded or anything in the run folder is written.
         """
         state = load_checkpoint(path, map_location=self.device)
-        check_resume_compatible(state, env_id=self.spec.env_id, schema=self.schema, model=self.ppo.model,
-                                checkpoint_path=path)
+        check_resume_compatible(
+            state,
+            env_id=self.spec.env_id,
+            schema=self.schema,
+            model=self.ppo.model,
+            checkpoint_path=path,
+        )
         self.ppo.load_checkpoint_state(state)
         self.ppo.trained_env_steps = checkpoint_trained_steps(state)
         self._follow_budget()
@@ -213,8 +275,11 @@ class Trainer:
         log.info("resumed from %s at %d env steps, update %d", path, step, self.ppo.iterations)
         cut = truncate_run_logs(self.run_dir, step, update=self.ppo.iterations)
         if any(cut.values()):
-            log.info("removed records past the checkpoint's %d env steps: %s", step,
-                     ", ".join(f"{name} {count}" for name, count in cut.items() if count))
+            log.info(
+                "removed records past the checkpoint's %d env steps: %s",
+                step,
+                ", ".join(f"{name} {count}" for name, count in cut.items() if count),
+            )
         return path
 
     def checkpoint_state(self) -> dict[str, Any]:
@@ -242,8 +307,10 @@ class Trainer:
     def start(self, current_step: Callable[[], int]) -> None:
         """Start :meth:`PPOLearner.run` in the trainer thread."""
         self._thread = threading.Thread(
-            target=self.ppo.run, args=(self._stop, current_step, self.handshake, self.checkpoints),
-            name="oakemu-trainer", daemon=True,
+            target=self.ppo.run,
+            args=(self._stop, current_step, self.handshake, self.checkpoints),
+            name="oakemu-trainer",
+            daemon=True,
         )
         self._thread.start()
 

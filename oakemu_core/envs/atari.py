@@ -26,7 +26,14 @@ import numpy as np
 from oakemu_core.envs.options import ATARI_FRAME_SKIP, ATARI_NOOP_MAX, ATARI_STACK, EnvOptions
 from oakemu_core.envs.spec import EnvSpec, UnsupportedEnvironmentError
 
-__all__ = ["ALE_SCREEN", "ATARI_FRAME_SKIP", "ATARI_IMAGE_SIZE", "ATARI_NOOP_MAX", "ATARI_STACK", "AtariBackend"]
+__all__ = [
+    "ALE_SCREEN",
+    "ATARI_FRAME_SKIP",
+    "ATARI_IMAGE_SIZE",
+    "ATARI_NOOP_MAX",
+    "ATARI_STACK",
+    "AtariBackend",
+]
 
 ATARI_IMAGE_SIZE = 84
 ALE_SCREEN = (210, 160)
@@ -67,7 +74,9 @@ def _atari_settings(env_id: str) -> _AtariSettings:
         game=str(kwargs["game"]),
         repeat_action_probability=float(kwargs.get("repeat_action_probability", 0.25)),
         full_action_space=bool(kwargs.get("full_action_space", False)),
-        max_num_frames_per_episode=int(kwargs.get("max_num_frames_per_episode") or ATARI_DEFAULT_MAX_FRAMES),
+        max_num_frames_per_episode=int(
+            kwargs.get("max_num_frames_per_episode") or ATARI_DEFAULT_MAX_FRAMES
+        ),
     )
 
 
@@ -98,8 +107,14 @@ class AtariBackend:
     restarted, where the episode statistics count a game; ``terminated | truncated`` without life-loss episodes."""
 
     def __init__(
-        self, env_id: str, num_envs: int, *, max_episode_steps: int | None, num_threads: int | None,
-        options: EnvOptions | None = None, screen: bool = False,
+        self,
+        env_id: str,
+        num_envs: int,
+        *,
+        max_episode_steps: int | None,
+        num_threads: int | None,
+        options: EnvOptions | None = None,
+        screen: bool = False,
     ) -> None:
         from ale_py import Action
         from ale_py.vector_env import AtariVectorEnv
@@ -108,7 +123,8 @@ class AtariBackend:
         options = options or EnvOptions()
         sticky = options.atari_sticky_actions
         max_frames = (
-            max_episode_steps * options.atari_frame_skip  # ALE counts emulator frames, we count agent steps
+            max_episode_steps
+            * options.atari_frame_skip  # ALE counts emulator frames, we count agent steps
             if max_episode_steps is not None
             else settings.max_num_frames_per_episode
         )
@@ -116,9 +132,13 @@ class AtariBackend:
         self._env = AtariVectorEnv(
             settings.game,
             num_envs,
-            num_threads=num_threads if num_threads is not None else min(num_envs, os.cpu_count() or 1),
+            num_threads=num_threads
+            if num_threads is not None
+            else min(num_envs, os.cpu_count() or 1),
             autoreset_mode="SameStep",
-            repeat_action_probability=settings.repeat_action_probability if sticky is None else float(sticky),
+            repeat_action_probability=settings.repeat_action_probability
+            if sticky is None
+            else float(sticky),
             full_action_space=settings.full_action_space,
             reward_clipping=False,  # VectorEnv clips the training rewards, so episode returns stay raw
             frameskip=options.atari_frame_skip,
@@ -142,9 +162,13 @@ class AtariBackend:
         self._in_order = np.arange(num_envs)
         self._life_loss = options.atari_episodic_life
         action_set = list(self._env.ale.get_action_set())
-        self._fire = action_set.index(Action.FIRE) if self._life_loss and Action.FIRE in action_set else None
+        self._fire = (
+            action_set.index(Action.FIRE) if self._life_loss and Action.FIRE in action_set else None
+        )
         self._serve = np.zeros(num_envs, dtype=bool)  # rows that lost a life last step: FIRE next
-        self._frames = np.zeros((2, num_envs), dtype=np.int64)  # frame numbers: emulator's, the game's
+        self._frames = np.zeros(
+            (2, num_envs), dtype=np.int64
+        )  # frame numbers: emulator's, the game's
         self.games_ended = np.zeros(num_envs, dtype=bool)
 
     def reset(self, seed: int | None) -> tuple[np.ndarray, None]:
@@ -155,7 +179,9 @@ class AtariBackend:
         self.games_ended = np.zeros(self.num_envs, dtype=bool)
         return (observations if order is None else observations[order]), None
 
-    def step(self, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, None]:
+    def step(
+        self, actions: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, None]:
         self.send(actions)
         return self.recv()
 
@@ -170,9 +196,14 @@ class AtariBackend:
         """Wait for the step started by :meth:`send`."""
         observations, rewards, terminated, truncated, info = self._env.recv()
         order = self._order(info)
-        if order is not None:  # ale-py returns rows in env order when batch_size == num_envs; be safe
+        if (
+            order is not None
+        ):  # ale-py returns rows in env order when batch_size == num_envs; be safe
             observations, rewards, terminated, truncated = (
-                observations[order], rewards[order], terminated[order], truncated[order]
+                observations[order],
+                rewards[order],
+                terminated[order],
+                truncated[order],
             )
         dones = terminated | truncated
         frames = self._frame_numbers(info, order)
@@ -191,7 +222,14 @@ class AtariBackend:
             reported = info["final_obs"] if order is None else info["final_obs"][order]
             final_observations = observations.copy()
             final_observations[self.games_ended] = reported[self.games_ended]
-        return observations, rewards.astype(np.float64), terminated, truncated, final_observations, None
+        return (
+            observations,
+            rewards.astype(np.float64),
+            terminated,
+            truncated,
+            final_observations,
+            None,
+        )
 
     def forced_actions(self) -> tuple[np.ndarray, np.ndarray] | None:
         """The rows whose next step plays FIRE whatever action :meth:`send` is given (a life was lost on
@@ -204,7 +242,9 @@ class AtariBackend:
 
     def _order(self, info: dict[str, Any]) -> np.ndarray | None:
         """The permutation putting ale-py's rows in env order; None when they already are."""
-        return None if np.array_equal(info["env_id"], self._in_order) else np.argsort(info["env_id"])
+        return (
+            None if np.array_equal(info["env_id"], self._in_order) else np.argsort(info["env_id"])
+        )
 
     @staticmethod
     def _frame_numbers(info: dict[str, Any], order: np.ndarray | None) -> np.ndarray:

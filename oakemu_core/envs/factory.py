@@ -59,8 +59,13 @@ def _import_env_module(env_id: str) -> None:
         ) from error
 
 
-def _make_emulator_env(env_id: str, max_episode_steps: int | None, settings_file: str | None, seed: int | None,
-                       render_mode: str | None) -> Any:
+def _make_emulator_env(
+    env_id: str,
+    max_episode_steps: int | None,
+    settings_file: str | None,
+    seed: int | None,
+    render_mode: str | None,
+) -> Any:
     try:
         emulators = importlib.import_module("oakemu_core.envs.emulators")
     except ImportError as error:
@@ -74,8 +79,13 @@ def _make_emulator_env(env_id: str, max_episode_steps: int | None, settings_file
             "(oakemu_core.envs.emulators has no make_emulator_env)"
         )
     rendering = {} if render_mode is None else {"render_mode": render_mode}
-    env = make_emulator_env(env_id, max_episode_steps=max_episode_steps, settings_file=settings_file, seed=seed,
-                            **rendering)
+    env = make_emulator_env(
+        env_id,
+        max_episode_steps=max_episode_steps,
+        settings_file=settings_file,
+        seed=seed,
+        **rendering,
+    )
     if env is None:
         raise UnsupportedEnvironmentError(
             f"env_id: expected a known emulator id ({', '.join(p + '...' for p in EMULATOR_ID_PREFIXES)}), "
@@ -85,8 +95,13 @@ def _make_emulator_env(env_id: str, max_episode_steps: int | None, settings_file
 
 
 def _make_gymnasium_env(
-    env_id: str, max_episode_steps: int | None, *, settings_file: str | None = None, seed: int | None = None,
-    render_mode: str | None = None, make_kwargs: dict[str, Any] | None = None,
+    env_id: str,
+    max_episode_steps: int | None,
+    *,
+    settings_file: str | None = None,
+    seed: int | None = None,
+    render_mode: str | None = None,
+    make_kwargs: dict[str, Any] | None = None,
 ) -> Any:
     """One raw env: emulator ids through ``oakemu_core.envs.emulators``, everything else through ``gymnasium.make``
     (with ``make_kwargs``).
@@ -107,7 +122,9 @@ def _make_gymnasium_env(
         kwargs["render_mode"] = render_mode
     try:
         return gymnasium.make(env_id, **kwargs)
-    except TypeError as error:  # a keyword the env does not take (render_mode: the caller's to handle)
+    except (
+        TypeError
+    ) as error:  # a keyword the env does not take (render_mode: the caller's to handle)
         if render_mode is not None or not make_kwargs:
             raise
         raise UnsupportedEnvironmentError(
@@ -121,7 +138,9 @@ def _make_gymnasium_env(
 
 
 @functools.lru_cache(maxsize=32)
-def env_spec(env_id: str, *, settings_file: str | None = None, options: EnvOptions | None = None) -> EnvSpec:
+def env_spec(
+    env_id: str, *, settings_file: str | None = None, options: EnvOptions | None = None
+) -> EnvSpec:
     """Spaces of ``env_id`` as the vector env will report them (builds one env, resets it once, closes it).
 
     Cached per ``(env_id, settings_file)``; cheap to call early (the CLI does, before any process starts).
@@ -136,7 +155,9 @@ def env_spec(env_id: str, *, settings_file: str | None = None, options: EnvOptio
         backend = AtariBackend(env_id, 1, max_episode_steps=None, num_threads=1, options=options)
         backend.close()
         return backend.spec
-    env = _make_gymnasium_env(env_id, None, settings_file=settings_file, make_kwargs=options.make_kwargs)
+    env = _make_gymnasium_env(
+        env_id, None, settings_file=settings_file, make_kwargs=options.make_kwargs
+    )
     try:
         return gymnasium_spec(env_id, env)
     finally:
@@ -185,10 +206,17 @@ def make_vector_env(
     if atari and frame_sink is not None:
         from oakemu_core.envs.render import RecordingAtariBackend
 
-        backend = RecordingAtariBackend(env_id, max_episode_steps=max_episode_steps, sink=frame_sink, options=options)
+        backend = RecordingAtariBackend(
+            env_id, max_episode_steps=max_episode_steps, sink=frame_sink, options=options
+        )
     elif atari:
-        backend = AtariBackend(env_id, num_envs, max_episode_steps=max_episode_steps, num_threads=num_threads,
-                               options=options)
+        backend = AtariBackend(
+            env_id,
+            num_envs,
+            max_episode_steps=max_episode_steps,
+            num_threads=num_threads,
+            options=options,
+        )
     else:
         spec = env_spec(env_id, settings_file=settings_file, options=options)
         make_kwargs = (options or EnvOptions()).make_kwargs
@@ -196,24 +224,46 @@ def make_vector_env(
         def make_env(index: int) -> Any:
             env_seed = None if seed is None else seed + index
             if frame_sink is None:
-                return _make_gymnasium_env(env_id, max_episode_steps, settings_file=settings_file, seed=env_seed,
-                                           make_kwargs=make_kwargs)
+                return _make_gymnasium_env(
+                    env_id,
+                    max_episode_steps,
+                    settings_file=settings_file,
+                    seed=env_seed,
+                    make_kwargs=make_kwargs,
+                )
             from oakemu_core.envs.render import rendered_episodes
 
             try:
-                env = _make_gymnasium_env(env_id, max_episode_steps, settings_file=settings_file, seed=env_seed,
-                                          render_mode="rgb_array", make_kwargs=make_kwargs)
-            except TypeError as error:  # an env class that takes no render_mode: evaluated unrecorded
+                env = _make_gymnasium_env(
+                    env_id,
+                    max_episode_steps,
+                    settings_file=settings_file,
+                    seed=env_seed,
+                    render_mode="rgb_array",
+                    make_kwargs=make_kwargs,
+                )
+            except (
+                TypeError
+            ) as error:  # an env class that takes no render_mode: evaluated unrecorded
                 frame_sink.fail(f"{env_id!r} cannot be recorded: it takes no render_mode ({error})")
-                return _make_gymnasium_env(env_id, max_episode_steps, settings_file=settings_file, seed=env_seed,
-                                           make_kwargs=make_kwargs)
+                return _make_gymnasium_env(
+                    env_id,
+                    max_episode_steps,
+                    settings_file=settings_file,
+                    seed=env_seed,
+                    make_kwargs=make_kwargs,
+                )
             return rendered_episodes(env, frame_sink, env_id)
 
         backend = GymnasiumBackend(spec, make_env, num_envs)
-    return VectorEnv(backend, seed=seed, clip_rewards=atari if clip_rewards is None else clip_rewards)
+    return VectorEnv(
+        backend, seed=seed, clip_rewards=atari if clip_rewards is None else clip_rewards
+    )
 
 
-def make_env_groups(env_id: str, num_envs: int, groups: int, *, seed: int | None, **kwargs: Any) -> EnvGroups:
+def make_env_groups(
+    env_id: str, num_envs: int, groups: int, *, seed: int | None, **kwargs: Any
+) -> EnvGroups:
     """``num_envs`` envs in ``groups`` vector envs (sizes differ by at most one); keyword arguments
     as :func:`make_vector_env`.
 
@@ -221,28 +271,50 @@ def make_env_groups(env_id: str, num_envs: int, groups: int, *, seed: int | None
         ValueError: ``groups`` < 1 or more groups than envs.
     """
     if groups < 1 or groups > num_envs:
-        raise ValueError(f"env_groups: expected 1 <= groups <= num_envs {num_envs}, received {groups}")
+        raise ValueError(
+            f"env_groups: expected 1 <= groups <= num_envs {num_envs}, received {groups}"
+        )
     sizes = [num_envs // groups + (1 if g < num_envs % groups else 0) for g in range(groups)]
     made, first = [], 0
     for size in sizes:
-        made.append(make_vector_env(env_id, size, seed=None if seed is None else seed + first, **kwargs))
+        made.append(
+            make_vector_env(env_id, size, seed=None if seed is None else seed + first, **kwargs)
+        )
         first += size
     return EnvGroups(made)
 
 
 def make_eval_env(
-    env_id: str, *, seed: int | None, max_episode_steps: int | None = None, settings_file: str | None = None,
+    env_id: str,
+    *,
+    seed: int | None,
+    max_episode_steps: int | None = None,
+    settings_file: str | None = None,
     options: EnvOptions | None = None,
     frame_sink: FrameSink | None = None,
 ) -> VectorEnv:
     """One env of ``env_id`` without reward clipping, for evaluation (same preprocessing as training);
     with ``frame_sink``, its episodes' full-colour frames go there (:mod:`oakemu_core.envs.render`)."""
-    return make_vector_env(env_id, 1, seed=seed, clip_rewards=False, max_episode_steps=max_episode_steps,
-                           num_threads=1, settings_file=settings_file, options=options, frame_sink=frame_sink)
+    return make_vector_env(
+        env_id,
+        1,
+        seed=seed,
+        clip_rewards=False,
+        max_episode_steps=max_episode_steps,
+        num_threads=1,
+        settings_file=settings_file,
+        options=options,
+        frame_sink=frame_sink,
+    )
 
 
-def check_env(env_id: str, *, settings_file: str | None = None, envs_per_process: int | None = None,
-              options: EnvOptions | None = None) -> EnvSpec:
+def check_env(
+    env_id: str,
+    *,
+    settings_file: str | None = None,
+    envs_per_process: int | None = None,
+    options: EnvOptions | None = None,
+) -> EnvSpec:
     """Everything that can be checked about an env before any process starts; returns its spec.
 
     Emulator ids (``gameboy:`` / ``retro:``) are validated by their backend first (ROM, settings

@@ -84,12 +84,18 @@ def _observation_leaves(env_id: str, space: Any) -> list[_ObservationLeaf]:
                 dtype = np.dtype(np.float32)  # the networks' dtype (module docstring)
             leaves.append(_ObservationLeaf(key, path, "box", sub, tuple(sub.shape), dtype))
         elif isinstance(sub, spaces.Discrete):
-            leaves.append(_ObservationLeaf(key, path, "one_hot", sub, (int(sub.n),), np.dtype(np.float32)))
+            leaves.append(
+                _ObservationLeaf(key, path, "one_hot", sub, (int(sub.n),), np.dtype(np.float32))
+            )
         elif isinstance(sub, spaces.MultiDiscrete):
             width = int(np.sum(sub.nvec))
-            leaves.append(_ObservationLeaf(key, path, "multi_one_hot", sub, (width,), np.dtype(np.float32)))
+            leaves.append(
+                _ObservationLeaf(key, path, "multi_one_hot", sub, (width,), np.dtype(np.float32))
+            )
         elif isinstance(sub, spaces.MultiBinary):
-            leaves.append(_ObservationLeaf(key, path, "binary", sub, tuple(sub.shape), np.dtype(np.float32)))
+            leaves.append(
+                _ObservationLeaf(key, path, "binary", sub, tuple(sub.shape), np.dtype(np.float32))
+            )
         else:
             raise UnsupportedEnvironmentError(
                 f"env_id: expected an observation space of {_SUPPORTED_OBSERVATIONS}, received {env_id!r} "
@@ -130,7 +136,9 @@ def _converter(leaf: _ObservationLeaf) -> Callable[[Any], np.ndarray]:
         return one_hot
     if leaf.kind == "multi_one_hot":
         nvec = np.asarray(leaf.space.nvec, dtype=np.int64).ravel()
-        start = np.broadcast_to(np.asarray(leaf.space.start, dtype=np.int64), leaf.space.nvec.shape).ravel()
+        start = np.broadcast_to(
+            np.asarray(leaf.space.start, dtype=np.int64), leaf.space.nvec.shape
+        ).ravel()
         offsets = np.concatenate([[0], np.cumsum(nvec)[:-1]])
         width = int(nvec.sum())
 
@@ -154,7 +162,11 @@ def _normalised_action_space(env_id: str, space: Any) -> Any:
         return spaces.MultiDiscrete(space.nvec.astype(np.int64))
     if isinstance(space, spaces.MultiBinary) and len(space.shape) == 1:
         return spaces.MultiBinary(int(space.shape[0]))
-    if isinstance(space, spaces.Box) and len(space.shape) == 1 and np.issubdtype(space.dtype, np.floating):
+    if (
+        isinstance(space, spaces.Box)
+        and len(space.shape) == 1
+        and np.issubdtype(space.dtype, np.floating)
+    ):
         with np.errstate(over="ignore"):
             low, high = space.low.astype(np.float32), space.high.astype(np.float32)
         return spaces.Box(low, high, space.shape, np.float32)
@@ -195,7 +207,9 @@ def _checked_mask(raw: Any, *, env_id: str, index: int, segments: tuple[int, ...
     return mask
 
 
-def _read_mask(env: Any, info: Any, *, env_id: str, index: int, segments: tuple[int, ...]) -> np.ndarray:
+def _read_mask(
+    env: Any, info: Any, *, env_id: str, index: int, segments: tuple[int, ...]
+) -> np.ndarray:
     """The mask of the env's current observation: ``info["action_mask"]``, else ``env.action_masks()``."""
     raw = info.get("action_mask") if isinstance(info, dict) else None
     if raw is None and env.has_wrapper_attr("action_masks"):
@@ -264,10 +278,14 @@ def _adapter_class() -> type:
             if self._plain:
                 self.observation_space = _converted_space(leaves[0])
             else:
-                self.observation_space = gymnasium.spaces.Dict({leaf.key: _converted_space(leaf) for leaf in leaves})
+                self.observation_space = gymnasium.spaces.Dict(
+                    {leaf.key: _converted_space(leaf) for leaf in leaves}
+                )
             self._segments = spec.action_mask_segments if spec.has_action_masks else ()
 
-        def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Any, dict]:
+        def reset(
+            self, *, seed: int | None = None, options: dict[str, Any] | None = None
+        ) -> tuple[Any, dict]:
             observation, info = self.env.reset(seed=seed, options=options)
             return self._convert(observation), self._with_mask(info)
 
@@ -289,7 +307,9 @@ def _adapter_class() -> type:
         def _with_mask(self, info: dict[str, Any]) -> dict[str, Any]:
             if not self._segments:
                 return info
-            mask = _read_mask(self.env, info, env_id=self._spec.env_id, index=self._index, segments=self._segments)
+            mask = _read_mask(
+                self.env, info, env_id=self._spec.env_id, index=self._index, segments=self._segments
+            )
             return {**info, "action_mask": mask}
 
     return SpaceAdapter
@@ -318,9 +338,13 @@ class GymnasiumBackend:
             return lambda: adapter(make_env(index), spec, index)
 
         self.num_envs = num_envs
-        self._env = SyncVectorEnv([maker(i) for i in range(num_envs)], autoreset_mode=AutoresetMode.SAME_STEP)
+        self._env = SyncVectorEnv(
+            [maker(i) for i in range(num_envs)], autoreset_mode=AutoresetMode.SAME_STEP
+        )
         raw_space = self._env.single_action_space
-        self._raw_action_dtype = np.dtype(raw_space.dtype) if raw_space.dtype is not None else np.dtype(np.int64)
+        self._raw_action_dtype = (
+            np.dtype(raw_space.dtype) if raw_space.dtype is not None else np.dtype(np.int64)
+        )
         self._action_offset: Any = 0
         self._action_low = self._action_high = None
         if isinstance(raw_space, (gymnasium.spaces.Discrete, gymnasium.spaces.MultiDiscrete)):
@@ -335,7 +359,9 @@ class GymnasiumBackend:
     def step(
         self, actions: np.ndarray
     ) -> tuple[Observations, np.ndarray, np.ndarray, np.ndarray, Observations, np.ndarray | None]:
-        observations, rewards, terminated, truncated, info = self._env.step(self._env_actions(actions))
+        observations, rewards, terminated, truncated, info = self._env.step(
+            self._env_actions(actions)
+        )
         final_observations = observations
         if "_final_obs" in info and info["_final_obs"].any():
             # SAME_STEP mode: info["final_obs"] is an object array, filled where info["_final_obs"].
@@ -361,13 +387,17 @@ class GymnasiumBackend:
     def _env_actions(self, actions: np.ndarray) -> np.ndarray:
         """Checked spec actions -> the env's own actions (start added back, Box clipped to the bounds)."""
         if self._action_low is not None:
-            return np.clip(actions, self._action_low, self._action_high).astype(self._raw_action_dtype)
+            return np.clip(actions, self._action_low, self._action_high).astype(
+                self._raw_action_dtype
+            )
         return (actions + self._action_offset).astype(self._raw_action_dtype, copy=False)
 
     def _masks(self, info: dict[str, Any]) -> np.ndarray | None:
         if not self.spec.has_action_masks:
             return None
-        return np.asarray(info["action_mask"], dtype=bool)  # (n, width), checked per env by the adapter
+        return np.asarray(
+            info["action_mask"], dtype=bool
+        )  # (n, width), checked per env by the adapter
 
     def close(self) -> None:
         self._env.close()

@@ -68,8 +68,13 @@ class EnvOptions:
         Raises:
             ConfigError: ``env_kwargs`` is not a JSON object (a ValueError too).
         """
+
         def read(name: str, default: Any) -> Any:
-            value = settings.get(name, default) if isinstance(settings, Mapping) else getattr(settings, name, default)
+            value = (
+                settings.get(name, default)
+                if isinstance(settings, Mapping)
+                else getattr(settings, name, default)
+            )
             return default if value is None and name != "atari_sticky_actions" else value
 
         kwargs = read("env_kwargs", {})
@@ -77,10 +82,14 @@ class EnvOptions:
             try:
                 kwargs = json.loads(kwargs)
             except json.JSONDecodeError as error:
-                raise ConfigError(f"env_kwargs: expected a JSON object of keyword arguments, received {kwargs!r} "
-                                  f"({error.msg})") from None
+                raise ConfigError(
+                    f"env_kwargs: expected a JSON object of keyword arguments, received {kwargs!r} "
+                    f"({error.msg})"
+                ) from None
         if not isinstance(kwargs, Mapping):
-            raise ConfigError(f"env_kwargs: expected a JSON object of keyword arguments, received {kwargs!r}")
+            raise ConfigError(
+                f"env_kwargs: expected a JSON object of keyword arguments, received {kwargs!r}"
+            )
         values = {f.name: read(f.name, f.default) for f in fields(cls) if f.name != "env_kwargs"}
         return cls(env_kwargs=json.dumps(dict(kwargs), sort_keys=True), **values)
 
@@ -95,17 +104,31 @@ class EnvSettings(BaseModel):
     env_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Keyword arguments of gymnasium.make for non-Atari ids: a JSON object on the command line "
-        "and in OAKEMU_ENV_KWARGS, a table in TOML, e.g. {\"continuous\": true}.")
-    atari_frame_skip: int = Field(ATARI_FRAME_SKIP, ge=1, description="Atari: emulator frames per agent step "
-                                  "(the last two max-pooled).")
-    atari_frame_stack: int = Field(ATARI_STACK, ge=1, description="Atari: frames stacked into one observation.")
-    atari_noop_max: int = Field(ATARI_NOOP_MAX, ge=0, description="Atari: most no-op actions at an episode's start.")
+        'and in OAKEMU_ENV_KWARGS, a table in TOML, e.g. {"continuous": true}.',
+    )
+    atari_frame_skip: int = Field(
+        ATARI_FRAME_SKIP,
+        ge=1,
+        description="Atari: emulator frames per agent step (the last two max-pooled).",
+    )
+    atari_frame_stack: int = Field(
+        ATARI_STACK, ge=1, description="Atari: frames stacked into one observation."
+    )
+    atari_noop_max: int = Field(
+        ATARI_NOOP_MAX, ge=0, description="Atari: most no-op actions at an episode's start."
+    )
     atari_sticky_actions: float | None = Field(
-        None, ge=0.0, le=1.0, description="Atari: probability of repeating the previous action (None: the id's own, "
-        "0.25 for -v5 ids).")
+        None,
+        ge=0.0,
+        le=1.0,
+        description="Atari: probability of repeating the previous action (None: the id's own, "
+        "0.25 for -v5 ids).",
+    )
     atari_episodic_life: bool = Field(
-        True, description="Atari: a lost life ends the learner's episode while the game goes on, FIRE is pressed "
-        "after it where the game has FIRE (SB3's EpisodicLifeEnv, CleanRL); the logged return is the whole game's.")
+        True,
+        description="Atari: a lost life ends the learner's episode while the game goes on, FIRE is pressed "
+        "after it where the game has FIRE (SB3's EpisodicLifeEnv, CleanRL); the logged return is the whole game's.",
+    )
 
     @property
     def env_options(self) -> EnvOptions:

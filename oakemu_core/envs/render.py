@@ -19,12 +19,15 @@ Rendering never changes what the policy sees or the episode's returns.
 from __future__ import annotations
 
 import os
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import gymnasium
 import numpy as np
 
 from oakemu_core.envs.atari import ATARI_FRAME_SKIP, AtariBackend
+
+if TYPE_CHECKING:
+    from oakemu_core.envs.options import EnvOptions
 
 __all__ = ["ALE_FPS", "FrameSink", "RecordingAtariBackend", "rendered_episodes"]
 
@@ -130,16 +133,30 @@ class RecordingAtariBackend:
     twin closed.
     """
 
-    def __init__(self, env_id: str, *, max_episode_steps: int | None, sink: FrameSink,
-                 options: EnvOptions | None = None) -> None:
-        self._env = AtariBackend(env_id, 1, max_episode_steps=max_episode_steps, num_threads=1, options=options)
+    def __init__(
+        self,
+        env_id: str,
+        *,
+        max_episode_steps: int | None,
+        sink: FrameSink,
+        options: EnvOptions | None = None,
+    ) -> None:
+        self._env = AtariBackend(
+            env_id, 1, max_episode_steps=max_episode_steps, num_threads=1, options=options
+        )
         self.spec = self._env.spec
         self.num_envs = 1
         self._sink = sink
         self._screen: AtariBackend | None = None
         try:
-            self._screen = AtariBackend(env_id, 1, max_episode_steps=max_episode_steps, num_threads=1,
-                                        options=options, screen=True)
+            self._screen = AtariBackend(
+                env_id,
+                1,
+                max_episode_steps=max_episode_steps,
+                num_threads=1,
+                options=options,
+                screen=True,
+            )
         except BaseException:
             self._env.close()
             raise
@@ -181,7 +198,9 @@ class RecordingAtariBackend:
                     self._begin(frames)
         return result
 
-    def step(self, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, None]:
+    def step(
+        self, actions: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, None]:
         self.send(actions)
         return self.recv()
 

@@ -96,13 +96,22 @@ class EnvSpec:
         if not layout:
             raise ValueError(f"EnvSpec({self.env_id!r}): observation_layout is empty")
         if PLAIN_KEY in layout and len(layout) > 1:
-            raise ValueError(f"EnvSpec({self.env_id!r}): the plain key '' cannot be mixed with dict keys")
+            raise ValueError(
+                f"EnvSpec({self.env_id!r}): the plain key '' cannot be mixed with dict keys"
+            )
         object.__setattr__(self, "observation_layout", layout)
         object.__setattr__(self, "action_mask_width", int(self.action_mask_width))
 
     def __hash__(self) -> int:  # observation_layout is a dict and spaces are unhashable
-        return hash((self.env_id, tuple(self.observation_layout.items()), repr(self.action_space),
-                     self.action_mask_width, self.is_atari))
+        return hash(
+            (
+                self.env_id,
+                tuple(self.observation_layout.items()),
+                repr(self.action_space),
+                self.action_mask_width,
+                self.is_atari,
+            )
+        )
 
     @classmethod
     def discrete(
@@ -190,8 +199,14 @@ class EnvSpec:
     @functools.cached_property  # read on every step (the action check)
     def action_dtype(self) -> np.dtype:
         """int64 (Discrete, MultiDiscrete), int8 (MultiBinary) or float32 (Box)."""
-        return np.dtype({"discrete": np.int64, "multi_discrete": np.int64, "multi_binary": np.int8,
-                         "box": np.float32}[self.action_kind])
+        return np.dtype(
+            {
+                "discrete": np.int64,
+                "multi_discrete": np.int64,
+                "multi_binary": np.int8,
+                "box": np.float32,
+            }[self.action_kind]
+        )
 
     @property
     def action_mask_segments(self) -> tuple[int, ...]:
@@ -234,7 +249,8 @@ class EnvSpec:
         return {
             "env_id": self.env_id,
             "observation_layout": {
-                key: {"shape": list(shape), "dtype": dtype.str} for key, (shape, dtype) in self.observation_layout.items()
+                key: {"shape": list(shape), "dtype": dtype.str}
+                for key, (shape, dtype) in self.observation_layout.items()
             },
             "action_space": action,
             "action_mask_width": self.action_mask_width,
@@ -258,9 +274,13 @@ class EnvSpec:
             space = spaces.MultiBinary(int(action["n"]))
         elif kind == "box":
             low = np.asarray(action["low"], dtype=np.float32)
-            space = spaces.Box(low, np.asarray(action["high"], dtype=np.float32), low.shape, np.float32)
+            space = spaces.Box(
+                low, np.asarray(action["high"], dtype=np.float32), low.shape, np.float32
+            )
         else:
-            raise ValueError(f"action_space.kind: expected discrete, multi_discrete, multi_binary or box, received {kind!r}")
+            raise ValueError(
+                f"action_space.kind: expected discrete, multi_discrete, multi_binary or box, received {kind!r}"
+            )
         layout = {
             str(key): (tuple(int(d) for d in entry["shape"]), np.dtype(entry["dtype"]))
             for key, entry in data["observation_layout"].items()

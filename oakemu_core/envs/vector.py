@@ -128,7 +128,9 @@ class VectorEnv:
         self._closed = False
         self._in_flight: np.ndarray | None = None  # actions sent by step_async, not yet waited for
         self._sent = False  # the backend is stepping them in its own threads (send/recv)
-        self.asynchronous = callable(getattr(backend, "send", None)) and callable(getattr(backend, "recv", None))
+        self.asynchronous = callable(getattr(backend, "send", None)) and callable(
+            getattr(backend, "recv", None)
+        )
         """True when :meth:`step_async` returns while the envs step (ale-py's threads); otherwise
         the step runs in :meth:`step_wait`."""
 
@@ -218,9 +220,13 @@ class VectorEnv:
             raise RuntimeError("VectorEnv.step_wait: no step in flight (call step_async)")
         self._in_flight = None
         if self._sent:
-            observations, raw_rewards, terminated, truncated, final_observations, masks = self._backend.recv()  # type: ignore[attr-defined]
+            observations, raw_rewards, terminated, truncated, final_observations, masks = (
+                self._backend.recv()
+            )  # type: ignore[attr-defined]
         else:
-            observations, raw_rewards, terminated, truncated, final_observations, masks = self._backend.step(actions)
+            observations, raw_rewards, terminated, truncated, final_observations, masks = (
+                self._backend.step(actions)
+            )
         self._masks = masks
 
         self._running_returns += raw_rewards
@@ -270,7 +276,9 @@ class VectorEnv:
         kind = spec.action_kind
         if kind == "box":
             if actions.dtype.kind not in "fiu":  # a real or integer dtype
-                raise ValueError(f"actions: expected a real (float32) dtype, received {actions.dtype}")
+                raise ValueError(
+                    f"actions: expected a real (float32) dtype, received {actions.dtype}"
+                )
             finite = np.isfinite(actions)
             if not finite.all():
                 row = int(np.flatnonzero(~finite.all(axis=1))[0])
@@ -282,7 +290,9 @@ class VectorEnv:
         if kind == "multi_binary" and actions.dtype == np.bool_:
             actions = actions.astype(np.int8)
         if actions.dtype.kind not in "iu":  # an integer dtype
-            raise ValueError(f"actions: expected an integer dtype ({spec.action_dtype}), received {actions.dtype}")
+            raise ValueError(
+                f"actions: expected an integer dtype ({spec.action_dtype}), received {actions.dtype}"
+            )
         if kind == "discrete":
             high: Any = spec.num_actions
             description = f"[0, {spec.num_actions})"
@@ -311,7 +321,9 @@ class VectorEnv:
         if actions.ndim == 1:
             allowed = masks[rows, actions]
         else:
-            offsets = np.concatenate([[0], np.cumsum(self.spec.action_mask_segments)[:-1]]).astype(np.int64)
+            offsets = np.concatenate([[0], np.cumsum(self.spec.action_mask_segments)[:-1]]).astype(
+                np.int64
+            )
             allowed = masks[rows[:, None], offsets[None, :] + actions.astype(np.int64)].all(axis=1)
         if not allowed.all():
             row = int(np.flatnonzero(~allowed)[0])

@@ -49,12 +49,16 @@ def check_supported(observation_layout: Mapping[str, tuple[tuple[int, ...], Any]
             names what the env gives and the setting to use instead.
     """
     if len(observation_layout) != 1 or "" not in observation_layout:
-        raise ValueError(f"actor_inference='bfloat16': only for one image observation, this env gives the keys "
-                         f"{sorted(observation_layout)}; use actor_inference='torch'")
+        raise ValueError(
+            f"actor_inference='bfloat16': only for one image observation, this env gives the keys "
+            f"{sorted(observation_layout)}; use actor_inference='torch'"
+        )
     shape, dtype = observation_layout[""]
     if np.dtype(dtype) != np.uint8 or len(shape) != 3:
-        raise ValueError(f"actor_inference='bfloat16': only for uint8 image observations (C, H, W), this env "
-                         f"gives {np.dtype(dtype).name} {tuple(shape)}; use actor_inference='torch'")
+        raise ValueError(
+            f"actor_inference='bfloat16': only for uint8 image observations (C, H, W), this env "
+            f"gives {np.dtype(dtype).name} {tuple(shape)}; use actor_inference='torch'"
+        )
 
 
 class BFloat16Forward:
@@ -79,15 +83,19 @@ class BFloat16Forward:
         shape, _ = model.observation_layout[""]
         self._model = model
         self.load(model)
-        probe = torch.randint(0, 256, (4, *shape), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+        probe = torch.randint(
+            0, 256, (4, *shape), generator=torch.Generator().manual_seed(0), dtype=torch.uint8
+        )
         with torch.no_grad():
             expected = model(probe)
         for name, got, want in zip(("head", "values"), self(probe), expected):
             error = float((got - want).abs().max())
             scale = float(want.abs().max()) + 1e-6
             if not error <= PROBE_RELATIVE_TOLERANCE * scale:  # False on NaN too
-                raise ValueError(f"actor_inference='bfloat16': the {name} differs from the float32 model's by "
-                                 f"{error:.3g} (largest output {scale:.3g}) on a probe batch")
+                raise ValueError(
+                    f"actor_inference='bfloat16': the {name} differs from the float32 model's by "
+                    f"{error:.3g} (largest output {scale:.3g}) on a probe batch"
+                )
 
     def load(self, model: ActorCritic) -> None:
         """Take ``model``'s current encoder weights (call after every weights update of ``model``; the
@@ -101,13 +109,19 @@ class BFloat16Forward:
         import torch
         from torch import nn
 
-        encoders = getattr(model, "encoders", None)  # None: a non-picture observation, flattened into MLPs
+        encoders = getattr(
+            model, "encoders", None
+        )  # None: a non-picture observation, flattened into MLPs
         encoder = copy.deepcopy(encoders[model._module_key("")]) if encoders is not None else None
         first = encoder[0] if isinstance(encoder, nn.Sequential) and len(encoder) else None
         if not isinstance(first, nn.Conv2d):
-            raise ValueError("actor_inference='bfloat16': the image encoder does not start with a convolution")
+            raise ValueError(
+                "actor_inference='bfloat16': the image encoder does not start with a convolution"
+            )
         with torch.no_grad():
-            first.weight.mul_(1.0 / 255.0)  # conv(x / 255, W) = conv(x, W / 255): frames stay integers
+            first.weight.mul_(
+                1.0 / 255.0
+            )  # conv(x / 255, W) = conv(x, W / 255): frames stay integers
         self._encoder = encoder.to(torch.bfloat16).to(memory_format=torch.channels_last).eval()
 
     def __call__(self, observations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -106,7 +106,9 @@ class Policy(ABC):
         return None
 
 
-def _categorical_terms(logits: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _categorical_terms(
+    logits: torch.Tensor, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log_softmax (B, n), probabilities (B, n))`` with masked entries at probability 0."""
     if mask is not None:
         logits = torch.where(mask, logits, torch.full_like(logits, _MASKED_LOGIT))
@@ -143,8 +145,9 @@ def _gumbel_argmax(log_probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tens
     return (log_probs + gumbel).argmax(dim=-1)
 
 
-def sample_categorical_numpy(logits: np.ndarray, mask: np.ndarray | None,
-                             uniform: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def sample_categorical_numpy(
+    logits: np.ndarray, mask: np.ndarray | None, uniform: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """:class:`CategoricalPolicy`'s ``sample`` and ``log_prob`` in numpy, for actors whose forward
     pass runs in numpy (:class:`oakemu_core.policy.numpy_inference.NumpyForward`).
 
@@ -191,16 +194,24 @@ class MultiCategoricalPolicy(Policy):
     """Independent categoricals, one per sub-action of sizes ``nvec``; logits and mask are the
     sub-actions' concatenated along the last dimension."""
 
-    def __init__(self, logits: torch.Tensor, nvec: tuple[int, ...], mask: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, logits: torch.Tensor, nvec: tuple[int, ...], mask: torch.Tensor | None = None
+    ) -> None:
         split_logits = torch.split(logits, list(nvec), dim=-1)
-        split_masks = torch.split(mask, list(nvec), dim=-1) if mask is not None else [None] * len(nvec)
-        self.parts = [CategoricalPolicy(lg, m) for lg, m in zip(split_logits, split_masks, strict=True)]
+        split_masks = (
+            torch.split(mask, list(nvec), dim=-1) if mask is not None else [None] * len(nvec)
+        )
+        self.parts = [
+            CategoricalPolicy(lg, m) for lg, m in zip(split_logits, split_masks, strict=True)
+        ]
 
     def sample(self, generator: torch.Generator | None = None) -> torch.Tensor:
         return torch.stack([part.sample(generator) for part in self.parts], dim=-1)
 
     def log_prob(self, actions: torch.Tensor) -> torch.Tensor:
-        return torch.stack([part.log_prob(actions[..., i]) for i, part in enumerate(self.parts)], dim=-1).sum(-1)
+        return torch.stack(
+            [part.log_prob(actions[..., i]) for i, part in enumerate(self.parts)], dim=-1
+        ).sum(-1)
 
     def entropy(self) -> torch.Tensor:
         return torch.stack([part.entropy() for part in self.parts], dim=-1).sum(-1)
@@ -237,7 +248,9 @@ class BernoulliPolicy(Policy):
     def entropy(self) -> torch.Tensor:
         p1, p0 = self.log_p1.exp(), self.log_p0.exp()
         zero = torch.zeros_like(p1)
-        terms = torch.where(p1 > 0, p1 * self.log_p1, zero) + torch.where(p0 > 0, p0 * self.log_p0, zero)
+        terms = torch.where(p1 > 0, p1 * self.log_p1, zero) + torch.where(
+            p0 > 0, p0 * self.log_p0, zero
+        )
         return -terms.sum(-1)
 
     def mode(self) -> torch.Tensor:
@@ -255,7 +268,9 @@ class DiagGaussianPolicy(Policy):
     def sample(self, generator: torch.Generator | None = None) -> torch.Tensor:
         device = self.mean.device
         if generator is not None and generator.device != device:
-            noise = torch.randn(self.mean.shape, generator=generator, device=generator.device).to(device)
+            noise = torch.randn(self.mean.shape, generator=generator, device=generator.device).to(
+                device
+            )
         else:
             noise = torch.randn(self.mean.shape, generator=generator, device=device)
         return (self.mean + self.std * noise).detach()
@@ -374,7 +389,9 @@ class MultiCategorical(ActionDistribution):
     def __init__(self, nvec: tuple[int, ...] | list[int], *, masked: bool = False) -> None:
         nvec = tuple(int(n) for n in nvec)
         if not nvec or min(nvec) < 1:
-            raise ValueError(f"nvec: expected a non-empty list of sizes >= 1, received {list(nvec)}")
+            raise ValueError(
+                f"nvec: expected a non-empty list of sizes >= 1, received {list(nvec)}"
+            )
         self.nvec = nvec
         self.action_shape = (len(nvec),)
         self.action_dtype = np.dtype(np.int64)
@@ -444,8 +461,16 @@ class DiagGaussian(ActionDistribution):
     def __init__(self, low: np.ndarray | list[float], high: np.ndarray | list[float]) -> None:
         low = np.asarray(low, dtype=np.float32).reshape(-1)
         high = np.asarray(high, dtype=np.float32).reshape(-1)
-        if low.shape != high.shape or low.size < 1 or np.any(low > high) or np.isnan(low).any() or np.isnan(high).any():
-            raise ValueError(f"low/high: expected two equal-length vectors with low <= high, received {low} and {high}")
+        if (
+            low.shape != high.shape
+            or low.size < 1
+            or np.any(low > high)
+            or np.isnan(low).any()
+            or np.isnan(high).any()
+        ):
+            raise ValueError(
+                f"low/high: expected two equal-length vectors with low <= high, received {low} and {high}"
+            )
         self.low, self.high = low, high
         self.action_shape = (int(low.size),)
         self.action_dtype = np.dtype(np.float32)
@@ -460,8 +485,10 @@ class DiagGaussian(ActionDistribution):
         return DiagGaussianPolicy(mean, log_std.clamp(*self.LOG_STD_BOUNDS))
 
     def stored_fields(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-        return {"action_mean": (self.action_shape, np.dtype(np.float32)),
-                "action_std": (self.action_shape, np.dtype(np.float32))}
+        return {
+            "action_mean": (self.action_shape, np.dtype(np.float32)),
+            "action_std": (self.action_shape, np.dtype(np.float32)),
+        }
 
     def action_bounds(self) -> tuple[None, None]:
         return None, None
@@ -534,7 +561,9 @@ def distribution_from_dict(value: dict[str, Any]) -> ActionDistribution:
         if kind == DiagGaussian.kind:
             return DiagGaussian(value["low"], value["high"])
     except (KeyError, TypeError) as error:
-        raise ValueError(f"action distribution: missing or invalid parameter in {value!r} ({error})") from None
+        raise ValueError(
+            f"action distribution: missing or invalid parameter in {value!r} ({error})"
+        ) from None
     raise ValueError(f"action distribution: unknown kind {value.get('kind')!r}")
 
 

@@ -42,13 +42,27 @@ import torch
 from oakemu_core.errors import ConfigError, UserError
 from oakemu_core.policy.models import ActorCritic, build_model
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "PolicyFolderError", "check_export_target", "is_policy_folder",
-           "load_policy_folder", "model_card", "read_policy_info", "usage_code", "write_policy_folder"]
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "PolicyFolderError",
+    "check_export_target",
+    "is_policy_folder",
+    "load_policy_folder",
+    "model_card",
+    "read_policy_info",
+    "usage_code",
+    "write_policy_folder",
+]
 
 FORMAT = "oakemu-policy"
 FORMAT_VERSION = 1
 WEIGHTS_FILE, CONFIG_FILE, SPACES_FILE, NORMALIZATION_FILE = (
-    "model.safetensors", "config.json", "spaces.json", "obs_normalization.json")
+    "model.safetensors",
+    "config.json",
+    "spaces.json",
+    "obs_normalization.json",
+)
 CARD_FILE, VIDEO_FILE = "README.md", "replay.mp4"
 
 
@@ -61,12 +75,17 @@ def _safetensors() -> Any:
     try:
         import safetensors.torch
     except ImportError:
-        raise ConfigError("exported policies need safetensors: pip install 'oakemu-rl[export]'") from None
+        raise ConfigError(
+            "exported policies need safetensors: pip install 'oakemu-rl[export]'"
+        ) from None
     return safetensors.torch
 
 
 def _layout_json(layout: Mapping[str, tuple[tuple[int, ...], Any]]) -> dict[str, Any]:
-    return {key: {"shape": [int(n) for n in shape], "dtype": np.dtype(dtype).name} for key, (shape, dtype) in layout.items()}
+    return {
+        key: {"shape": [int(n) for n in shape], "dtype": np.dtype(dtype).name}
+        for key, (shape, dtype) in layout.items()
+    }
 
 
 def check_export_target(directory: Path) -> None:
@@ -75,10 +94,18 @@ def check_export_target(directory: Path) -> None:
         raise PolicyFolderError(f"{directory}: exists and is not empty")
 
 
-def write_policy_folder(directory: Path, state_dict: Mapping[str, torch.Tensor], *, env_id: str,
-                        observation_layout: Mapping[str, tuple[tuple[int, ...], Any]], schema: Mapping[str, Any],
-                        config: Mapping[str, Any], trained: Mapping[str, int],
-                        evaluation: Mapping[str, Any] | None = None, video: Path | None = None) -> Path:
+def write_policy_folder(
+    directory: Path,
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    env_id: str,
+    observation_layout: Mapping[str, tuple[tuple[int, ...], Any]],
+    schema: Mapping[str, Any],
+    config: Mapping[str, Any],
+    trained: Mapping[str, int],
+    evaluation: Mapping[str, Any] | None = None,
+    video: Path | None = None,
+) -> Path:
     """Write the policy folder (module docstring) into ``directory`` (created; must be empty or absent).
 
     Args:
@@ -99,13 +126,23 @@ def write_policy_folder(directory: Path, state_dict: Mapping[str, torch.Tensor],
     directory = Path(directory)
     check_export_target(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in state_dict.items()}
+    tensors = {
+        name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in state_dict.items()
+    }
     # Bytes written by open(): the file gets the umask's mode like the others (safetensors' save_file makes it 0600).
-    (directory / WEIGHTS_FILE).write_bytes(serialize(tensors, metadata={"format": FORMAT, "env_id": env_id}))
+    (directory / WEIGHTS_FILE).write_bytes(
+        serialize(tensors, metadata={"format": FORMAT, "env_id": env_id})
+    )
     normalize = bool(config.get("normalize_observations"))
-    info = {"format": FORMAT, "format_version": FORMAT_VERSION, "env_id": env_id,
-            "normalize_observations": normalize, **{k: int(v) for k, v in trained.items()},
-            "evaluation": dict(evaluation) if evaluation else None, "config": dict(config)}
+    info = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "env_id": env_id,
+        "normalize_observations": normalize,
+        **{k: int(v) for k, v in trained.items()},
+        "evaluation": dict(evaluation) if evaluation else None,
+        "config": dict(config),
+    }
     (directory / CONFIG_FILE).write_text(json.dumps(info, indent=2) + "\n")
     spaces = {"observation_layout": _layout_json(observation_layout), "schema": dict(schema)}
     (directory / SPACES_FILE).write_text(json.dumps(spaces, indent=2) + "\n")
@@ -113,14 +150,19 @@ def write_policy_folder(directory: Path, state_dict: Mapping[str, torch.Tensor],
         stats = {}
         for key in observation_layout:  # float keys have a normaliser; images do not
             prefix = f"normalizers.{ActorCritic._module_key(key)}."
-            found = {name[len(prefix):]: tensor.double().tolist() for name, tensor in tensors.items()
-                     if name.startswith(prefix)}
+            found = {
+                name[len(prefix) :]: tensor.double().tolist()
+                for name, tensor in tensors.items()
+                if name.startswith(prefix)
+            }
             if found:
                 stats[key] = found
         (directory / NORMALIZATION_FILE).write_text(json.dumps(stats, indent=2) + "\n")
     if video is not None:
         shutil.copyfile(video, directory / VIDEO_FILE)
-    (directory / CARD_FILE).write_text(model_card(info, spaces, has_video=video is not None, folder=directory.name))
+    (directory / CARD_FILE).write_text(
+        model_card(info, spaces, has_video=video is not None, folder=directory.name)
+    )
     return directory
 
 
@@ -141,12 +183,16 @@ def read_policy_info(directory: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         try:
             loaded.append(json.loads((directory / name).read_text()))
         except (OSError, ValueError) as error:
-            raise PolicyFolderError(f"{directory / name}: expected the JSON file of an exported policy "
-                                    f"({type(error).__name__}: {error})") from None
+            raise PolicyFolderError(
+                f"{directory / name}: expected the JSON file of an exported policy "
+                f"({type(error).__name__}: {error})"
+            ) from None
     info, spaces = loaded
     if info.get("format") != FORMAT or info.get("format_version") != FORMAT_VERSION:
-        raise PolicyFolderError(f"{directory / CONFIG_FILE}: expected format {FORMAT!r} version {FORMAT_VERSION}, "
-                                f"received {info.get('format')!r} version {info.get('format_version')!r}")
+        raise PolicyFolderError(
+            f"{directory / CONFIG_FILE}: expected format {FORMAT!r} version {FORMAT_VERSION}, "
+            f"received {info.get('format')!r} version {info.get('format_version')!r}"
+        )
     return info, spaces
 
 
@@ -164,13 +210,19 @@ def load_policy_folder(directory: Path) -> ActorCritic:
     directory = Path(directory)
     info, spaces = read_policy_info(directory)
     try:
-        layout = {key: (tuple(entry["shape"]), np.dtype(entry["dtype"]))
-                  for key, entry in spaces["observation_layout"].items()}
+        layout = {
+            key: (tuple(entry["shape"]), np.dtype(entry["dtype"]))
+            for key, entry in spaces["observation_layout"].items()
+        }
         schema = schema_from_dict(spaces["schema"])
-        model = build_model(layout, schema.distribution, normalize_observations=bool(info["normalize_observations"]))
+        model = build_model(
+            layout, schema.distribution, normalize_observations=bool(info["normalize_observations"])
+        )
         model.load_state_dict(load_file(str(directory / WEIGHTS_FILE)))
     except (KeyError, TypeError, ValueError, RuntimeError, OSError) as error:
-        raise PolicyFolderError(f"{directory}: cannot build the policy ({type(error).__name__}: {error})") from None
+        raise PolicyFolderError(
+            f"{directory}: cannot build the policy ({type(error).__name__}: {error})"
+        ) from None
     return model.eval()
 
 
@@ -178,25 +230,39 @@ def usage_code(folder: str, observation_layout: Mapping[str, Mapping[str, Any]])
     """The model card's Python code: :func:`oakemu_core.load_policy` on the folder (by its name, which a comment
     says stands for the folder's path) and ``Policy.act`` on an all-zeros observation of the policy's own layout
     (``spaces.json``), lines ending in a newline."""
-    zeros = {key: f"np.zeros({tuple(entry['shape'])}, np.{np.dtype(entry['dtype']).name})"
-             for key, entry in observation_layout.items()}
-    observation = (zeros[""] if set(zeros) == {""} else
-                   "{" + ", ".join(f"{json.dumps(key)}: {value}" for key, value in zeros.items()) + "}")
-    return (f"import numpy as np\n"
-            f"import oakemu_core  # pip install 'oakemu-rl[export]'\n\n"
-            f"policy = oakemu_core.load_policy({json.dumps(folder)})  # the path of this folder; no pickle\n"
-            f"observation = {observation}  # as oakemu's env adapter gives it\n"
-            f"action = policy.act(observation)  # greedy; one observation or a batch\n")
+    zeros = {
+        key: f"np.zeros({tuple(entry['shape'])}, np.{np.dtype(entry['dtype']).name})"
+        for key, entry in observation_layout.items()
+    }
+    observation = (
+        zeros[""]
+        if set(zeros) == {""}
+        else "{" + ", ".join(f"{json.dumps(key)}: {value}" for key, value in zeros.items()) + "}"
+    )
+    return (
+        f"import numpy as np\n"
+        f"import oakemu_core  # pip install 'oakemu-rl[export]'\n\n"
+        f"policy = oakemu_core.load_policy({json.dumps(folder)})  # the path of this folder; no pickle\n"
+        f"observation = {observation}  # as oakemu's env adapter gives it\n"
+        f"action = policy.act(observation)  # greedy; one observation or a batch\n"
+    )
 
 
-def model_card(info: Mapping[str, Any], spaces: Mapping[str, Any], *, has_video: bool,
-               folder: str = "policy") -> str:
+def model_card(
+    info: Mapping[str, Any], spaces: Mapping[str, Any], *, has_video: bool, folder: str = "policy"
+) -> str:
     """The folder's README.md: YAML front matter in the Hub's layout for RL models, then how to load it
     (:func:`usage_code`, loading the folder by the name ``folder``)."""
     env_id, evaluation = info["env_id"], info.get("evaluation")
     config = info.get("config") or {}
     metric = ""
     quoted = json.dumps(env_id)  # a JSON string is a YAML string: ids hold '/' and ':'
+    normalization = (
+        "running statistics in `obs_normalization.json` (also in the weights)"
+        if info.get("normalize_observations")
+        else "none"
+    )
+    video = ", `replay.mp4`" if has_video else ""
     if evaluation:
         metric = f"""model-index:
 - name: {json.dumps("PPO-" + env_id)}
@@ -209,16 +275,21 @@ def model_card(info: Mapping[str, Any], spaces: Mapping[str, Any], *, has_video:
       type: {quoted}
     metrics:
     - type: mean_reward
-      value: {evaluation['mean']:.2f} +/- {evaluation['std']:.2f}
+      value: {evaluation["mean"]:.2f} +/- {evaluation["std"]:.2f}
       name: mean_reward
       verified: false
 """
-    result = ("not evaluated" if not evaluation else
-              f"mean raw episodic return **{evaluation['mean']:.2f} +/- {evaluation['std']:.2f}** over "
-              f"{evaluation['episodes']} episodes ({'greedy' if evaluation['greedy'] else 'sampled'} actions, "
-              f"env seed {evaluation['seed']}, `oakemu evaluate` on the exported checkpoint)")
-    layout = ", ".join(f"`{key or 'observation'}` {tuple(v['shape'])} {v['dtype']}"
-                       for key, v in spaces["observation_layout"].items())
+    result = (
+        "not evaluated"
+        if not evaluation
+        else f"mean raw episodic return **{evaluation['mean']:.2f} +/- {evaluation['std']:.2f}** over "
+        f"{evaluation['episodes']} episodes ({'greedy' if evaluation['greedy'] else 'sampled'} actions, "
+        f"env seed {evaluation['seed']}, `oakemu evaluate` on the exported checkpoint)"
+    )
+    layout = ", ".join(
+        f"`{key or 'observation'}` {tuple(v['shape'])} {v['dtype']}"
+        for key, v in spaces["observation_layout"].items()
+    )
     return f"""---
 library_name: oakemu-rl
 tags:
@@ -230,20 +301,21 @@ tags:
 
 # PPO agent for `{env_id}`
 
-Trained with OakEmu-RL (actor/learner PPO) for {info.get('global_step', 0):,} env steps (policy version
-{info.get('policy_version', 0)}). Evaluation: {result}.
-{chr(10) + '![replay](replay.mp4)' + chr(10) if has_video else ''}
+Trained with OakEmu-RL (actor/learner PPO) for {info.get("global_step", 0):,} env steps (policy version
+{info.get("policy_version", 0)}). Evaluation: {result}.
+{chr(10) + "![replay](replay.mp4)" + chr(10) if has_video else ""}
 ## Use
 
 ```python
 {usage_code(folder, spaces["observation_layout"])}```
 
 Observations: {layout} (as the env id's preprocessing gives them). Observation normalisation:
-{'running statistics in `obs_normalization.json` (also in the weights)' if info.get('normalize_observations') else 'none'}.
+{normalization}.
 
 ## Files
 
 `model.safetensors` (weights), `config.json` (the run's configuration: learning rate
-{config.get('learning_rate')}, {config.get('num_actors')} actors x {config.get('envs_per_actor')} envs, rollout length
-{config.get('rollout_length')}, ...), `spaces.json` (observation layout and action distribution){', `replay.mp4`' if has_video else ''}.
+{config.get("learning_rate")}, {config.get("num_actors")} actors x {config.get("envs_per_actor")} envs, rollout length
+{config.get("rollout_length")}, ...), `spaces.json` (observation layout and action
+distribution){video}.
 """

@@ -44,7 +44,12 @@ import torch
 from torch import nn
 
 from oakemu_core.policy.action_bundle import PPOActionBundle
-from oakemu_core.policy.distributions import ActionDistribution, Categorical, Policy, sample_categorical_numpy
+from oakemu_core.policy.distributions import (
+    ActionDistribution,
+    Categorical,
+    Policy,
+    sample_categorical_numpy,
+)
 
 __all__ = [
     "ActorCritic",
@@ -60,7 +65,9 @@ NATURE_CNN_MIN_SIZE = 36
 SMALL_CNN_MIN_SIZE = 5
 
 
-def _layer_init(layer: nn.Module, std: float = math.sqrt(2.0), bias_const: float = 0.0) -> nn.Module:
+def _layer_init(
+    layer: nn.Module, std: float = math.sqrt(2.0), bias_const: float = 0.0
+) -> nn.Module:
     """Orthogonal weight init with gain ``std`` and constant bias (CleanRL ``layer_init``)."""
     nn.init.orthogonal_(layer.weight, std)
     nn.init.constant_(layer.bias, bias_const)
@@ -95,7 +102,11 @@ class RunningNormalizer(nn.Module):
     def update(self, batch: torch.Tensor) -> None:
         """Merge a ``(B, *shape)`` batch into the statistics."""
         batch = batch.to(self.mean.device, torch.float64)
-        batch_mean, batch_var, batch_count = batch.mean(0), batch.var(0, unbiased=False), batch.shape[0]
+        batch_mean, batch_var, batch_count = (
+            batch.mean(0),
+            batch.var(0, unbiased=False),
+            batch.shape[0],
+        )
         mean, var, count = self.mean.double(), self.var.double(), self.count.double()
         delta = batch_mean - mean
         total = count + batch_count
@@ -110,21 +121,28 @@ def _nature_cnn(channels: int, height: int, width: int) -> tuple[nn.Module, int]
     out_h = ((height - 8) // 4 + 1 - 4) // 2 + 1 - 2
     out_w = ((width - 8) // 4 + 1 - 4) // 2 + 1 - 2
     torso = nn.Sequential(
-        _layer_init(nn.Conv2d(channels, 32, 8, stride=4)), nn.ReLU(),
-        _layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
-        _layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(),
+        _layer_init(nn.Conv2d(channels, 32, 8, stride=4)),
+        nn.ReLU(),
+        _layer_init(nn.Conv2d(32, 64, 4, stride=2)),
+        nn.ReLU(),
+        _layer_init(nn.Conv2d(64, 64, 3, stride=1)),
+        nn.ReLU(),
         nn.Flatten(),
-        _layer_init(nn.Linear(64 * out_h * out_w, 512)), nn.ReLU(),
+        _layer_init(nn.Linear(64 * out_h * out_w, 512)),
+        nn.ReLU(),
     )
     return torso, 512
 
 
 def _small_cnn(channels: int, height: int, width: int) -> tuple[nn.Module, int]:
     torso = nn.Sequential(
-        _layer_init(nn.Conv2d(channels, 16, 3, stride=1)), nn.ReLU(),
-        _layer_init(nn.Conv2d(16, 32, 3, stride=1)), nn.ReLU(),
+        _layer_init(nn.Conv2d(channels, 16, 3, stride=1)),
+        nn.ReLU(),
+        _layer_init(nn.Conv2d(16, 32, 3, stride=1)),
+        nn.ReLU(),
         nn.Flatten(),
-        _layer_init(nn.Linear(32 * (height - 4) * (width - 4), 256)), nn.ReLU(),
+        _layer_init(nn.Linear(32 * (height - 4) * (width - 4), 256)),
+        nn.ReLU(),
     )
     return torso, 256
 
@@ -157,8 +175,10 @@ def _normalized(shape: tuple[int, ...], dtype: np.dtype, normalize_observations:
 
 def _mlp(in_features: int) -> nn.Sequential:
     return nn.Sequential(
-        _layer_init(nn.Linear(in_features, 64)), nn.Tanh(),
-        _layer_init(nn.Linear(64, 64)), nn.Tanh(),
+        _layer_init(nn.Linear(in_features, 64)),
+        nn.Tanh(),
+        _layer_init(nn.Linear(64, 64)),
+        nn.Tanh(),
     )
 
 
@@ -185,14 +205,20 @@ class ActorCritic(nn.Module):
         super().__init__()
         if not observation_layout:
             raise ValueError("observation_layout: expected at least one observation key")
-        self.observation_layout = {key: (tuple(int(d) for d in shape), np.dtype(dtype))
-                                   for key, (shape, dtype) in sorted(observation_layout.items())}
+        self.observation_layout = {
+            key: (tuple(int(d) for d in shape), np.dtype(dtype))
+            for key, (shape, dtype) in sorted(observation_layout.items())
+        }
         for key, (shape, _) in self.observation_layout.items():
             if any(d <= 0 for d in shape):
-                raise ValueError(f"observation {key or 'observations'!r}: expected positive sizes, got {shape}")
+                raise ValueError(
+                    f"observation {key or 'observations'!r}: expected positive sizes, got {shape}"
+                )
         self.distribution = distribution
         self.is_dict = "" not in self.observation_layout
-        self._torch_dtypes = {key: _torch_dtype(dtype) for key, (_, dtype) in self.observation_layout.items()}
+        self._torch_dtypes = {
+            key: _torch_dtype(dtype) for key, (_, dtype) in self.observation_layout.items()
+        }
         self.normalizers = nn.ModuleDict()
         for key, (shape, dtype) in self.observation_layout.items():
             if _normalized(shape, dtype, normalize_observations):
@@ -282,25 +308,41 @@ class ActorCritic(nn.Module):
     def _prepare(self, key: str, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = self.observation_layout[key]
         if tuple(x.shape[1:]) != shape or x.dim() != len(shape) + 1:
-            raise ValueError(f"observations{'[' + repr(key) + ']' if key else ''}: expected shape "
-                             f"(B, {', '.join(map(str, shape))}), got {tuple(x.shape)}")
+            raise ValueError(
+                f"observations{'[' + repr(key) + ']' if key else ''}: expected shape "
+                f"(B, {', '.join(map(str, shape))}), got {tuple(x.shape)}"
+            )
         if x.dtype != self._torch_dtypes[key]:
-            raise ValueError(f"observations{'[' + repr(key) + ']' if key else ''}: expected dtype "
-                             f"{self._torch_dtypes[key]}, got {x.dtype}")
+            raise ValueError(
+                f"observations{'[' + repr(key) + ']' if key else ''}: expected dtype "
+                f"{self._torch_dtypes[key]}, got {x.dtype}"
+            )
         if self.channels_last and x.dim() == 4:  # (B, C, H, W) images; uint8 is the cheaper copy
             x = x.contiguous(memory_format=torch.channels_last)
         x = x.to(torch.float32)
         if dtype == np.uint8 and _is_picture(shape):
             return x / 255.0
-        normalizer = self.normalizers[self._module_key(key)] if self._module_key(key) in self.normalizers else None
+        normalizer = (
+            self.normalizers[self._module_key(key)]
+            if self._module_key(key) in self.normalizers
+            else None
+        )
         return normalizer(x) if normalizer is not None else x
 
     def _inputs(self, observations: Any) -> dict[str, torch.Tensor]:
         if self.is_dict:
-            if not isinstance(observations, Mapping) or set(observations) != set(self.observation_layout):
-                received = sorted(observations) if isinstance(observations, Mapping) else type(observations).__name__
-                raise ValueError(f"observations: expected a dict with keys {sorted(self.observation_layout)}, "
-                                 f"got {received}")
+            if not isinstance(observations, Mapping) or set(observations) != set(
+                self.observation_layout
+            ):
+                received = (
+                    sorted(observations)
+                    if isinstance(observations, Mapping)
+                    else type(observations).__name__
+                )
+                raise ValueError(
+                    f"observations: expected a dict with keys {sorted(self.observation_layout)}, "
+                    f"got {received}"
+                )
             return {key: self._prepare(key, observations[key]) for key in self.observation_layout}
         return {"": self._prepare("", observations)}
 
@@ -321,20 +363,28 @@ class ActorCritic(nn.Module):
         if self.separate_mlps:
             x = inputs[""].flatten(1)
             return self._heads(self.actor_torso(x), self.critic_torso(x))
-        features = torch.cat([self.encoders[self._module_key(key)](x) for key, x in inputs.items()], dim=-1)
+        features = torch.cat(
+            [self.encoders[self._module_key(key)](x) for key, x in inputs.items()], dim=-1
+        )
         hidden = self.mixer(features)
         return self._heads(hidden, hidden)
 
-    def _heads(self, actor_input: torch.Tensor, critic_input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _heads(
+        self, actor_input: torch.Tensor, critic_input: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The policy head and the critic, always in float32: under the learner's bfloat16 autocast
         (``learner_precision``) the torso computes in bfloat16, but the heads are tiny, and a value of
         a few hundred rounded to bfloat16 is off by about 1 (the re-evaluated values feed GAE)."""
-        if torch.is_autocast_enabled(actor_input.device.type):  # only then: the context costs 3 us a forward
+        if torch.is_autocast_enabled(
+            actor_input.device.type
+        ):  # only then: the context costs 3 us a forward
             with torch.autocast(actor_input.device.type, enabled=False):
                 return self._heads(actor_input.float(), critic_input.float())
         return self.actor(actor_input), self.critic(critic_input).squeeze(-1)
 
-    def policy_and_values(self, observations: Any, action_mask: torch.Tensor | None = None) -> tuple[Policy, torch.Tensor]:
+    def policy_and_values(
+        self, observations: Any, action_mask: torch.Tensor | None = None
+    ) -> tuple[Policy, torch.Tensor]:
         """The action :class:`Policy` (masked when ``action_mask`` ``(B, width)`` bool is given)
         and the values ``(B,)``, with gradients."""
         head, values = self(observations)
@@ -361,8 +411,14 @@ class ActorCritic(nn.Module):
         for key in self.observation_layout:
             module_key = self._module_key(key)
             if module_key in self.normalizers:
-                values = torch.as_tensor(np.asarray(batch[key]) if not isinstance(batch[key], torch.Tensor) else batch[key])
-                self.normalizers[module_key].update(values.reshape(-1, *self.observation_layout[key][0]))
+                values = torch.as_tensor(
+                    np.asarray(batch[key])
+                    if not isinstance(batch[key], torch.Tensor)
+                    else batch[key]
+                )
+                self.normalizers[module_key].update(
+                    values.reshape(-1, *self.observation_layout[key][0])
+                )
 
     # ------------------------------------------------------------------ actor-side API (numpy)
     def _to_tensor(self, key: str, array: Any) -> torch.Tensor:
@@ -372,15 +428,25 @@ class ActorCritic(nn.Module):
         if array.dtype != dtype:
             raise ValueError(f"{name}: expected dtype {dtype}, got {array.dtype}")
         if array.ndim != len(shape) + 1 or array.shape[1:] != shape:
-            raise ValueError(f"{name}: expected shape (B, {', '.join(map(str, shape))}), got {array.shape}")
+            raise ValueError(
+                f"{name}: expected shape (B, {', '.join(map(str, shape))}), got {array.shape}"
+            )
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
 
     def _observations_to_tensor(self, observations: Any) -> Any:
         if self.is_dict:
-            if not isinstance(observations, Mapping) or set(observations) != set(self.observation_layout):
-                received = sorted(observations) if isinstance(observations, Mapping) else type(observations).__name__
-                raise ValueError(f"observations: expected a dict with keys {sorted(self.observation_layout)}, "
-                                 f"got {received}")
+            if not isinstance(observations, Mapping) or set(observations) != set(
+                self.observation_layout
+            ):
+                received = (
+                    sorted(observations)
+                    if isinstance(observations, Mapping)
+                    else type(observations).__name__
+                )
+                raise ValueError(
+                    f"observations: expected a dict with keys {sorted(self.observation_layout)}, "
+                    f"got {received}"
+                )
             return {key: self._to_tensor(key, observations[key]) for key in self.observation_layout}
         return self._to_tensor("", observations)
 
@@ -388,12 +454,16 @@ class ActorCritic(nn.Module):
         width = self.distribution.mask_width
         if action_mask is None:
             if width:
-                raise ValueError(f"action_mask: this policy is masked (width {width}); pass the env's masks")
+                raise ValueError(
+                    f"action_mask: this policy is masked (width {width}); pass the env's masks"
+                )
             return None
         action_mask = np.asarray(action_mask)
         if action_mask.shape != (batch, width) or action_mask.dtype != np.bool_:
-            raise ValueError(f"action_mask: expected shape ({batch}, {width}) bool, got {action_mask.shape} "
-                             f"{action_mask.dtype}")
+            raise ValueError(
+                f"action_mask: expected shape ({batch}, {width}) bool, got {action_mask.shape} "
+                f"{action_mask.dtype}"
+            )
         return torch.from_numpy(np.ascontiguousarray(action_mask)).to(self.device)
 
     @torch.no_grad()
@@ -428,13 +498,23 @@ class ActorCritic(nn.Module):
         batch = len(next(iter(obs.values()))) if isinstance(obs, dict) else len(obs)
         mask = self._mask_to_tensor(action_mask, batch)
         head, values = self._inference_forward(obs)
-        if not greedy and self.__dict__.get("_samples_in_numpy"):  # the same draws, the rest in numpy
-            uniform = torch.rand(head.shape, generator=generator,
-                                 device=generator.device if generator is not None else head.device)
-            actions, log_probs = sample_categorical_numpy(head.numpy(), action_mask, uniform.cpu().numpy())
-            return PPOActionBundle(actions=actions.astype(self.distribution.action_dtype, copy=False),
-                                   log_probs=log_probs.astype(np.float32, copy=False),
-                                   values=values.numpy().astype(np.float32, copy=False), distribution_fields={})
+        if not greedy and self.__dict__.get(
+            "_samples_in_numpy"
+        ):  # the same draws, the rest in numpy
+            uniform = torch.rand(
+                head.shape,
+                generator=generator,
+                device=generator.device if generator is not None else head.device,
+            )
+            actions, log_probs = sample_categorical_numpy(
+                head.numpy(), action_mask, uniform.cpu().numpy()
+            )
+            return PPOActionBundle(
+                actions=actions.astype(self.distribution.action_dtype, copy=False),
+                log_probs=log_probs.astype(np.float32, copy=False),
+                values=values.numpy().astype(np.float32, copy=False),
+                distribution_fields={},
+            )
         policy = self.distribution.policy(head, mask)
         actions = policy.mode() if greedy else policy.sample(generator)
         log_probs = policy.log_prob(actions)
@@ -443,7 +523,10 @@ class ActorCritic(nn.Module):
             actions=actions.to("cpu", dtype).numpy(),
             log_probs=log_probs.to("cpu", torch.float32).numpy(),
             values=values.to("cpu", torch.float32).numpy(),
-            distribution_fields={name: tensor.to("cpu", torch.float32).numpy() for name, tensor in policy.stored().items()},
+            distribution_fields={
+                name: tensor.to("cpu", torch.float32).numpy()
+                for name, tensor in policy.stored().items()
+            },
         )
 
     @torch.no_grad()
@@ -464,7 +547,9 @@ class ActorCritic(nn.Module):
         generator = torch.Generator().manual_seed(0)
         if dtype.is_floating_point:
             return torch.randn((rows, *shape), generator=generator).to(dtype)
-        return torch.randint(0, 2 if dtype == torch.bool else 100, (rows, *shape), generator=generator).to(dtype)
+        return torch.randint(
+            0, 2 if dtype == torch.bool else 100, (rows, *shape), generator=generator
+        ).to(dtype)
 
     def check_inference_backend(self, forward: Any, *, what: str, tolerance: float) -> None:
         """Raise ValueError when ``forward`` (an inference backend: the contract of :meth:`forward`)
@@ -475,8 +560,10 @@ class ActorCritic(nn.Module):
             expected = self(probe)
         for name, got, want in zip(("head outputs", "values"), forward(probe), expected):
             if not torch.allclose(got, want, rtol=tolerance, atol=tolerance):  # False on NaN too
-                raise ValueError(f"{what}: its {name} are off the model's by "
-                                 f"{float((got - want).abs().max()):.3g} on a probe batch")
+                raise ValueError(
+                    f"{what}: its {name} are off the model's by "
+                    f"{float((got - want).abs().max()):.3g} on a probe batch"
+                )
 
     def _inference_forward(self, observations: Any) -> tuple[torch.Tensor, torch.Tensor]:
         forward = self.__dict__.get("_inference_backend")
@@ -490,8 +577,9 @@ class ActorCritic(nn.Module):
         on the CPU (``numpy_outputs``) and a categorical policy: :meth:`act` samples in numpy too
         (:func:`~oakemu_core.policy.distributions.sample_categorical_numpy`: the same actions)."""
         self.__dict__["_inference_backend"] = forward
-        self.__dict__["_samples_in_numpy"] = (bool(getattr(forward, "numpy_outputs", False))
-                                              and isinstance(self.distribution, Categorical))
+        self.__dict__["_samples_in_numpy"] = bool(
+            getattr(forward, "numpy_outputs", False)
+        ) and isinstance(self.distribution, Categorical)
 
 
 def build_model(
@@ -507,9 +595,14 @@ def build_model(
     num_actions)`` (one observation, a categorical policy). See :class:`ActorCritic`.
     """
     if num_actions is not None:
-        return ActorCritic({"": (tuple(observation_layout), distribution)}, Categorical(num_actions),
-                           normalize_observations=normalize_observations)
-    return ActorCritic(observation_layout, distribution, normalize_observations=normalize_observations)
+        return ActorCritic(
+            {"": (tuple(observation_layout), distribution)},
+            Categorical(num_actions),
+            normalize_observations=normalize_observations,
+        )
+    return ActorCritic(
+        observation_layout, distribution, normalize_observations=normalize_observations
+    )
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
@@ -529,7 +622,11 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
     optimizer.load_state_dict(state)
     for parameter, parameter_state in optimizer.state.items():
         for name, value in parameter_state.items():
-            if isinstance(value, torch.Tensor) and value.shape == parameter.shape and value.stride() != parameter.stride():
+            if (
+                isinstance(value, torch.Tensor)
+                and value.shape == parameter.shape
+                and value.stride() != parameter.stride()
+            ):
                 parameter_state[name] = torch.empty_like(parameter, dtype=value.dtype).copy_(value)
 
 
@@ -567,11 +664,15 @@ def load_weight_arrays(model: nn.Module, arrays: Mapping[str, np.ndarray]) -> No
     for name, tensor in state.items():
         array = arrays[name]
         if not isinstance(array, np.ndarray):
-            raise ValueError(f"weights[{name!r}]: expected a numpy array, got {type(array).__name__}")
+            raise ValueError(
+                f"weights[{name!r}]: expected a numpy array, got {type(array).__name__}"
+            )
         if array.dtype != np.float32:
             raise ValueError(f"weights[{name!r}]: expected dtype float32, got {array.dtype}")
         if tuple(array.shape) != tuple(tensor.shape):
-            raise ValueError(f"weights[{name!r}]: expected shape {tuple(tensor.shape)}, got {tuple(array.shape)}")
+            raise ValueError(
+                f"weights[{name!r}]: expected shape {tuple(tensor.shape)}, got {tuple(array.shape)}"
+            )
     with torch.no_grad():
         for name, tensor in state.items():
             tensor.copy_(torch.from_numpy(np.array(arrays[name], dtype=np.float32, copy=True)))

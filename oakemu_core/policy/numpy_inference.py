@@ -33,8 +33,10 @@ def check_supported(observation_layout: dict[str, tuple[tuple[int, ...], Any]]) 
     from oakemu_core.policy.models import has_separate_mlps
 
     if not has_separate_mlps(observation_layout):
-        raise ValueError(f"actor_inference='numpy': only for one vector observation (MLP torsos), this env "
-                         f"gives {_describe(observation_layout)}; use actor_inference='torch' or 'auto'")
+        raise ValueError(
+            f"actor_inference='numpy': only for one vector observation (MLP torsos), this env "
+            f"gives {_describe(observation_layout)}; use actor_inference='torch' or 'auto'"
+        )
 
 
 def _describe(observation_layout: dict[str, tuple[tuple[int, ...], Any]]) -> str:
@@ -72,7 +74,9 @@ class NumpyForward:
         if reason:
             raise ValueError(f"actor_inference='numpy': {reason}; use actor_inference='torch'")
         self.load(model)
-        model.check_inference_backend(self, what="actor_inference='numpy'", tolerance=PROBE_TOLERANCE)
+        model.check_inference_backend(
+            self, what="actor_inference='numpy'", tolerance=PROBE_TOLERANCE
+        )
 
     @staticmethod
     def unsupported_reason(model: Any) -> str | None:
@@ -82,31 +86,50 @@ class NumpyForward:
         if model.device.type != "cpu":
             return f"only for a model on the CPU, this one is on {model.device}"
         for torso in (model.actor_torso, model.critic_torso):
-            unknown = [type(layer).__name__ for layer in torso if not isinstance(layer, (nn.Linear, nn.Tanh))]
+            unknown = [
+                type(layer).__name__
+                for layer in torso
+                if not isinstance(layer, (nn.Linear, nn.Tanh))
+            ]
             if unknown:
                 return f"a torso holds layers {unknown} (expected Linear and Tanh)"
         head = model.actor
-        if not isinstance(head, nn.Linear) and not (isinstance(getattr(head, "mean", None), nn.Linear)
-                                                    and isinstance(getattr(head, "log_std", None), nn.Parameter)):
+        if not isinstance(head, nn.Linear) and not (
+            isinstance(getattr(head, "mean", None), nn.Linear)
+            and isinstance(getattr(head, "log_std", None), nn.Parameter)
+        ):
             return f"the policy head {type(head).__name__} is neither a Linear nor a Gaussian mean and log std"
         return None
 
     def load(self, model: Any) -> None:
         """Copy ``model``'s current weights and normaliser statistics (call after every weights update)."""
-        def arrays(module: nn.Module) -> tuple[np.ndarray, np.ndarray]:  # (in, out) weight for x @ w, bias
+
+        def arrays(
+            module: nn.Module,
+        ) -> tuple[np.ndarray, np.ndarray]:  # (in, out) weight for x @ w, bias
             return (module.weight.detach().numpy().T.copy(), module.bias.detach().numpy().copy())
 
-        self._torsos = [[arrays(layer) if isinstance(layer, nn.Linear) else None for layer in torso]
-                        for torso in (model.actor_torso, model.critic_torso)]
+        self._torsos = [
+            [arrays(layer) if isinstance(layer, nn.Linear) else None for layer in torso]
+            for torso in (model.actor_torso, model.critic_torso)
+        ]
         head = model.actor
         self._head = arrays(head if isinstance(head, nn.Linear) else head.mean)
-        self._log_std = None if isinstance(head, nn.Linear) else head.log_std.detach().numpy().copy()
+        self._log_std = (
+            None if isinstance(head, nn.Linear) else head.log_std.detach().numpy().copy()
+        )
         self._critic = arrays(model.critic)
         key = model._module_key("")
         normalizer = model.normalizers[key] if key in model.normalizers else None
-        self._normalizer = None if normalizer is None else (
-            normalizer.mean.numpy().copy(), np.sqrt(normalizer.var.numpy() + np.float32(normalizer.eps)),
-            np.float32(normalizer.clip))
+        self._normalizer = (
+            None
+            if normalizer is None
+            else (
+                normalizer.mean.numpy().copy(),
+                np.sqrt(normalizer.var.numpy() + np.float32(normalizer.eps)),
+                np.float32(normalizer.clip),
+            )
+        )
 
     def __call__(self, observations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = observations.numpy().astype(np.float32, copy=False)

@@ -38,8 +38,10 @@ def check_available() -> None:
     """
     missing = [name for name in ("onnxruntime", "onnx") if importlib.util.find_spec(name) is None]
     if missing:
-        raise ConfigError(f"actor_inference='onnxruntime' needs {' and '.join(missing)}: pip install "
-                          "'oakemu-rl[onnx]', or use --actor-inference torch")
+        raise ConfigError(
+            f"actor_inference='onnxruntime' needs {' and '.join(missing)}: pip install "
+            "'oakemu-rl[onnx]', or use --actor-inference torch"
+        )
 
 
 class OnnxForward:
@@ -60,8 +62,10 @@ class OnnxForward:
 
     def __init__(self, model: Any, *, threads: int = 1) -> None:
         if model.is_dict:
-            raise ValueError("actor_inference='onnxruntime': dict observations are not supported; "
-                             "use actor_inference='torch'")
+            raise ValueError(
+                "actor_inference='onnxruntime': dict observations are not supported; "
+                "use actor_inference='torch'"
+            )
         import onnx
         import onnxruntime
 
@@ -86,17 +90,35 @@ class OnnxForward:
         exported = io.BytesIO()
         with warnings.catch_warnings():  # the TorchScript exporter's deprecation and tracer notes
             warnings.simplefilter("ignore")
-            torch.onnx.export(distinct, (probe,), exported, input_names=["observations"],
-                              output_names=["head", "values"], do_constant_folding=False, dynamo=False,
-                              dynamic_axes={"observations": {0: "batch"}, "head": {0: "batch"}, "values": {0: "batch"}})
+            torch.onnx.export(
+                distinct,
+                (probe,),
+                exported,
+                input_names=["observations"],
+                output_names=["head", "values"],
+                do_constant_folding=False,
+                dynamo=False,
+                dynamic_axes={
+                    "observations": {0: "batch"},
+                    "head": {0: "batch"},
+                    "values": {0: "batch"},
+                },
+            )
         self._graph = onnx.load_from_string(exported.getvalue())
         weight_names = {initializer.name for initializer in self._graph.graph.initializer}
         missing = [name for name, _ in model.named_parameters() if name not in weight_names]
-        if missing:  # a renamed weight would never be updated: refuse instead of acting with stale ones
-            raise ValueError(f"actor_inference='onnxruntime': parameters {missing[:4]} are not graph weights")
+        if (
+            missing
+        ):  # a renamed weight would never be updated: refuse instead of acting with stale ones
+            raise ValueError(
+                f"actor_inference='onnxruntime': parameters {missing[:4]} are not graph weights"
+            )
         self.load(model)
-        model.check_inference_backend(self, what="actor_inference='onnxruntime' (the exported graph)",
-                                      tolerance=PROBE_TOLERANCE)
+        model.check_inference_backend(
+            self,
+            what="actor_inference='onnxruntime' (the exported graph)",
+            tolerance=PROBE_TOLERANCE,
+        )
 
     def load(self, model: Any) -> None:
         """Put ``model``'s current weights (parameters and normaliser statistics) into the graph and
@@ -105,9 +127,14 @@ class OnnxForward:
         for initializer in self._graph.graph.initializer:
             if initializer.name in state:
                 array = state[initializer.name].detach().to("cpu").numpy()
-                initializer.CopyFrom(self._onnx.numpy_helper.from_array(np.ascontiguousarray(array), initializer.name))
+                initializer.CopyFrom(
+                    self._onnx.numpy_helper.from_array(
+                        np.ascontiguousarray(array), initializer.name
+                    )
+                )
         self._session = self._onnxruntime.InferenceSession(
-            self._graph.SerializeToString(), self._options, providers=["CPUExecutionProvider"])
+            self._graph.SerializeToString(), self._options, providers=["CPUExecutionProvider"]
+        )
 
     def __call__(self, observations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         head, values = self._session.run(None, {"observations": observations.numpy()})

@@ -31,8 +31,11 @@ class Preset:
 
 def preset_names() -> list[str]:
     """The names of the presets shipped with the package, sorted."""
-    return sorted(entry.name[:-len(".toml")] for entry in resources.files(__name__).iterdir()
-                  if entry.name.endswith(".toml"))
+    return sorted(
+        entry.name[: -len(".toml")]
+        for entry in resources.files(__name__).iterdir()
+        if entry.name.endswith(".toml")
+    )
 
 
 def load_preset(name: str) -> Preset:
@@ -47,8 +50,18 @@ def load_preset(name: str) -> Preset:
         close = difflib.get_close_matches(name, names, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"preset: expected one of {', '.join(names)}, received {name!r}{hint}")
-    document = tomllib.loads(resources.files(__name__).joinpath(f"{name}.toml").read_text(encoding="utf-8"))
+    document = tomllib.loads(
+        resources.files(__name__).joinpath(f"{name}.toml").read_text(encoding="utf-8")
+    )
     info, settings = document.get("preset"), document.get("settings")
-    if not isinstance(info, dict) or not isinstance(settings, dict) or set(document) != {"preset", "settings"}:
-        raise ConfigError(f"preset {name!r}: expected the tables [preset] and [settings], received {sorted(document)}")
-    return Preset(name, str(info.get("description", "")), str(info.get("expect", "")), dict(settings))
+    if (
+        not isinstance(info, dict)
+        or not isinstance(settings, dict)
+        or set(document) != {"preset", "settings"}
+    ):
+        raise ConfigError(
+            f"preset {name!r}: expected the tables [preset] and [settings], received {sorted(document)}"
+        )
+    return Preset(
+        name, str(info.get("description", "")), str(info.get("expect", "")), dict(settings)
+    )

@@ -65,7 +65,11 @@ class BestCheckpointTracker:
         try:
             info = load_checkpoint(self.path).get("best_evaluation") or {}
         except (CheckpointError, OSError) as exc:
-            logger.warning("best checkpoint %s is unreadable (%s); the next evaluation replaces it", self.path, exc)
+            logger.warning(
+                "best checkpoint %s is unreadable (%s); the next evaluation replaces it",
+                self.path,
+                exc,
+            )
             return
         value = info.get("return_mean")
         if isinstance(value, (int, float)) and math.isfinite(value):
@@ -113,8 +117,10 @@ class BestCheckpointTracker:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain values for the learner's checkpoint (``best_return`` is None before the first)."""
-        return {"best_return": None if math.isinf(self.best_return) else self.best_return,
-                "best_policy_version": self.best_policy_version}
+        return {
+            "best_return": None if math.isinf(self.best_return) else self.best_return,
+            "best_policy_version": self.best_policy_version,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s values (a resumed run only replaces best.pt when it improves)."""
@@ -127,18 +133,25 @@ def _weights_as_state_dict(weights: Mapping[str, np.ndarray], model_state: Any) 
     import torch
 
     if isinstance(model_state, Mapping):
-        missing, extra = sorted(set(model_state) - set(weights)), sorted(set(weights) - set(model_state))
+        missing, extra = (
+            sorted(set(model_state) - set(weights)),
+            sorted(set(weights) - set(model_state)),
+        )
         if missing or extra:
-            raise ValueError(f"best checkpoint: evaluated weights do not fit the model: missing {missing}, "
-                             f"unexpected {extra}")
+            raise ValueError(
+                f"best checkpoint: evaluated weights do not fit the model: missing {missing}, "
+                f"unexpected {extra}"
+            )
     result: dict[str, Any] = {}
     for name, array in weights.items():
         tensor = torch.from_numpy(np.array(array, copy=True))
         if isinstance(model_state, Mapping):
             reference = model_state[name]
             if tuple(reference.shape) != tuple(tensor.shape):
-                raise ValueError(f"best checkpoint: weights[{name!r}] has shape {tuple(tensor.shape)}, the model "
-                                 f"{tuple(reference.shape)}")
+                raise ValueError(
+                    f"best checkpoint: weights[{name!r}] has shape {tuple(tensor.shape)}, the model "
+                    f"{tuple(reference.shape)}"
+                )
             tensor = tensor.to(reference.dtype)
         result[name] = tensor
     return result

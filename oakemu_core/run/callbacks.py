@@ -29,7 +29,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from oakemu_core.run.metrics import EVAL_EPISODIC_RETURN, record_number
 
@@ -70,16 +70,25 @@ class UpdateInfo:
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> UpdateInfo:
         """The info of a ``metrics.jsonl`` update record (one with ``charts/update``)."""
+
         def number(name: str) -> float | None:
             return record_number(record, name)
 
-        return cls(update=int(record["charts/update"]), global_step=int(record.get("global_step", 0)),
-                   episodic_return=number("charts/episodic_return"), episodic_length=number("charts/episodic_length"),
-                   policy_loss=number("losses/policy_loss"), value_loss=number("losses/value_loss"),
-                   entropy=number("losses/entropy"), approx_kl=number("losses/approx_kl"),
-                   clip_fraction=number("losses/clipfrac"), explained_variance=number("losses/explained_variance"),
-                   learning_rate=number("charts/learning_rate"), sps=number("charts/SPS"),
-                   metrics=dict(record))
+        return cls(
+            update=int(record["charts/update"]),
+            global_step=int(record.get("global_step", 0)),
+            episodic_return=number("charts/episodic_return"),
+            episodic_length=number("charts/episodic_length"),
+            policy_loss=number("losses/policy_loss"),
+            value_loss=number("losses/value_loss"),
+            entropy=number("losses/entropy"),
+            approx_kl=number("losses/approx_kl"),
+            clip_fraction=number("losses/clipfrac"),
+            explained_variance=number("losses/explained_variance"),
+            learning_rate=number("charts/learning_rate"),
+            sps=number("charts/SPS"),
+            metrics=dict(record),
+        )
 
 
 @dataclass(frozen=True)
@@ -121,7 +130,7 @@ class Callback:
         return None
 
 
-CallbackLike = Union[Callback, Callable[[Union[UpdateInfo, EvaluationInfo]], Union[bool, None]]]
+CallbackLike = Callback | Callable[[UpdateInfo | EvaluationInfo], bool | None]
 """A :class:`Callback`, or a callable taking an :class:`UpdateInfo` or :class:`EvaluationInfo`."""
 
 
@@ -140,10 +149,16 @@ class CallbackRunner:
     """
 
     def __init__(self, callbacks: CallbackLike | Iterable[CallbackLike]) -> None:
-        items = [callbacks] if isinstance(callbacks, Callback) or callable(callbacks) else list(callbacks)
+        items = (
+            [callbacks]
+            if isinstance(callbacks, Callback) or callable(callbacks)
+            else list(callbacks)
+        )
         for item in items:
             if not (isinstance(item, Callback) or callable(item)):
-                raise TypeError(f"callbacks: expected a Callback or a callable, received {type(item).__name__}")
+                raise TypeError(
+                    f"callbacks: expected a Callback or a callable, received {type(item).__name__}"
+                )
         self.callbacks: list[Any] = items
         self.stop_reason: str | None = None
         """Why a callback stopped the run (``"<name> returned False at update N"``); None while none did."""
@@ -167,23 +182,38 @@ class CallbackRunner:
             if self.stopping:
                 break
             if "charts/update" in record:
-                self._call("on_update", UpdateInfo.from_record(record), f"update {int(record['charts/update'])}")
+                self._call(
+                    "on_update",
+                    UpdateInfo.from_record(record),
+                    f"update {int(record['charts/update'])}",
+                )
             value = record_number(record, EVAL_EPISODIC_RETURN)
             if value is not None and not self.stopping:
-                self.best_return = value if self.best_return is None else max(self.best_return, value)
+                self.best_return = (
+                    value if self.best_return is None else max(self.best_return, value)
+                )
                 version = int(record_number(record, "eval/policy_version") or 0)
-                info = EvaluationInfo(policy_version=version, global_step=int(record.get("global_step", 0)),
-                                      return_mean=value, return_std=record_number(record, "eval/episodic_return_std"),
-                                      length_mean=record_number(record, "eval/episodic_length"),
-                                      best_return=self.best_return, is_best=value >= self.best_return,
-                                      metrics=dict(record))
+                info = EvaluationInfo(
+                    policy_version=version,
+                    global_step=int(record.get("global_step", 0)),
+                    return_mean=value,
+                    return_std=record_number(record, "eval/episodic_return_std"),
+                    length_mean=record_number(record, "eval/episodic_length"),
+                    best_return=self.best_return,
+                    is_best=value >= self.best_return,
+                    metrics=dict(record),
+                )
                 self._call("on_evaluation", info, f"the evaluation of policy version {version}")
         return self.stopping
 
     def _call(self, method: str, info: UpdateInfo | EvaluationInfo, where: str) -> None:
         for callback in self.callbacks:
             function = getattr(callback, method) if isinstance(callback, Callback) else callback
-            name = f"{_name(type(callback))}.{method}" if isinstance(callback, Callback) else _name(callback)
+            name = (
+                f"{_name(type(callback))}.{method}"
+                if isinstance(callback, Callback)
+                else _name(callback)
+            )
             try:
                 answer = function(info)
             except Exception as error:  # noqa: BLE001 - any user error stops the run; train() re-raises it
@@ -221,7 +251,7 @@ class RecordFollower:
                 data = file.read(size - self._offset)
         except OSError:
             return []
-        complete = data[:data.rfind(b"\n") + 1]
+        complete = data[: data.rfind(b"\n") + 1]
         self._offset += len(complete)
         records = []
         for line in complete.splitlines():
@@ -229,6 +259,9 @@ class RecordFollower:
                 record = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(record, dict) and (record_number(record, "wall_time") or self.since) >= self.since:
+            if (
+                isinstance(record, dict)
+                and (record_number(record, "wall_time") or self.since) >= self.since
+            ):
                 records.append(record)
         return records

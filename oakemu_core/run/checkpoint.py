@@ -89,8 +89,10 @@ def _check_plain(value: Any, where: str) -> None:
     if type(value) in (dict, OrderedDict):
         for key, item in value.items():
             if not isinstance(key, (str, int)):
-                raise TypeError(f"checkpoint state: key {key!r} at {where} must be str or int, "
-                                f"got {type(key).__name__}")
+                raise TypeError(
+                    f"checkpoint state: key {key!r} at {where} must be str or int, "
+                    f"got {type(key).__name__}"
+                )
             _check_plain(item, f"{where}[{key!r}]")
         return
     if type(value) in (list, tuple, torch.Size):
@@ -171,8 +173,10 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dic
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # torch raises RuntimeError, EOFError, UnpicklingError, ...
-        raise CheckpointError(f"checkpoint: {path} is not a readable checkpoint (expected a file written by "
-                              f"oakemu train; torch: {_torch_reason(exc)})") from exc
+        raise CheckpointError(
+            f"checkpoint: {path} is not a readable checkpoint (expected a file written by "
+            f"oakemu train; torch: {_torch_reason(exc)})"
+        ) from exc
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint: {path} holds a {type(state).__name__}, expected a dict")
     return state
@@ -182,8 +186,14 @@ def _torch_reason(error: Exception) -> str:
     """The gist of a ``torch.load`` error on one line (its pickler detail, not its advice to unpickle
     untrusted files), at most 160 characters."""
     text = str(error)
-    detail = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:Check the documentation|$)", text, re.S)
-    reason = " ".join((detail.group(1) if detail else text.strip().splitlines()[0] if text.strip() else "").split())
+    detail = re.search(
+        r"WeightsUnpickler error:\s*(.+?)\s*(?:Check the documentation|$)", text, re.S
+    )
+    reason = " ".join(
+        (
+            detail.group(1) if detail else text.strip().splitlines()[0] if text.strip() else ""
+        ).split()
+    )
     reason = f"{type(error).__name__}: {reason}" if reason else type(error).__name__
     return reason if len(reason) <= 160 else reason[:157] + "..."
 
@@ -200,18 +210,26 @@ def load_run_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, dict[str, A
     state = load_checkpoint(file)
     missing = [key for key in ("env", "config", "model") if not isinstance(state.get(key), dict)]
     if missing:
-        raise CheckpointError(f"checkpoint: {file} is not a checkpoint of oakemu train (no {', '.join(missing)})")
+        raise CheckpointError(
+            f"checkpoint: {file} is not a checkpoint of oakemu train (no {', '.join(missing)})"
+        )
     return file, state
 
 
 def checkpoint_trained_steps(state: Mapping[str, Any]) -> int:
     """Env steps trained on when a checkpoint was written (the run's budget count): its
     ``ppo.trained_env_steps``, or for checkpoints without it the env steps received (``global_step``)."""
-    trained = state.get("ppo", {}).get("trained_env_steps") if isinstance(state.get("ppo"), Mapping) else None
+    trained = (
+        state.get("ppo", {}).get("trained_env_steps")
+        if isinstance(state.get("ppo"), Mapping)
+        else None
+    )
     return int(trained if trained is not None else state.get("global_step", 0))
 
 
-def save_run_checkpoint(run_dir: Path, update: int, state: dict[str, Any], *, keep_last: int | None = None) -> Path:
+def save_run_checkpoint(
+    run_dir: Path, update: int, state: dict[str, Any], *, keep_last: int | None = None
+) -> Path:
     """Save ``state`` as the checkpoint of ``update`` in a run folder and point ``latest.pt`` at it.
 
     The ``latest.pt`` symlink is replaced atomically after the numbered file is durable. With
@@ -248,8 +266,10 @@ UNREADABLE_SUFFIX = ".unreadable"
 """Appended to the name of a checkpoint file that a resume found unreadable and set aside."""
 
 
-def newest_readable_checkpoint(run_dir: Path, map_location: str | torch.device = "cpu",
-                               ) -> tuple[Path, dict[str, Any], list[tuple[Path, str]]] | None:
+def newest_readable_checkpoint(
+    run_dir: Path,
+    map_location: str | torch.device = "cpu",
+) -> tuple[Path, dict[str, Any], list[tuple[Path, str]]] | None:
     """The checkpoint a run folder resumes from: the newest one that loads, newest first ``latest.pt``
     (its target), then ``checkpoint_<n>.pt`` by falling ``n``. Reads only.
 
@@ -265,18 +285,24 @@ def newest_readable_checkpoint(run_dir: Path, map_location: str | torch.device =
     candidates: list[Path] = [] if latest is None else [latest]
     # latest.pt's target is one of the numbered files: each file is tried (and set aside) once.
     seen = {path.resolve() for path in candidates}
-    candidates += [path for _, path in reversed(numbered_checkpoints(directory)) if path.resolve() not in seen]
+    candidates += [
+        path for _, path in reversed(numbered_checkpoints(directory)) if path.resolve() not in seen
+    ]
     unreadable: list[tuple[Path, str]] = []
     for path in candidates:
         try:
             return path, load_checkpoint(path, map_location=map_location), unreadable
         except CheckpointError as error:
             cause = error.__cause__
-            unreadable.append((path, _torch_reason(cause) if isinstance(cause, Exception) else str(error)))
+            unreadable.append(
+                (path, _torch_reason(cause) if isinstance(cause, Exception) else str(error))
+            )
     if unreadable:
         listed = "; ".join(f"{path.name}: {reason}" for path, reason in unreadable)
-        raise CheckpointError(f"cannot resume {run_dir}: no checkpoint in {directory} is readable (truncated or "
-                              f"damaged; torch: {listed}); nothing in the run folder was changed")
+        raise CheckpointError(
+            f"cannot resume {run_dir}: no checkpoint in {directory} is readable (truncated or "
+            f"damaged; torch: {listed}); nothing in the run folder was changed"
+        )
     return None
 
 
@@ -298,8 +324,10 @@ def set_aside_unreadable(resumed: Path, unreadable: list[tuple[Path, str]]) -> l
     for path, reason in unreadable:
         kept = path.with_name(path.name + UNREADABLE_SUFFIX)
         os.replace(path, kept)
-        notes.append(f"checkpoint {path} is not readable (truncated or damaged; torch: {reason}); resuming from "
-                     f"{resumed.name} instead (the file is kept as {kept.name})")
+        notes.append(
+            f"checkpoint {path} is not readable (truncated or damaged; torch: {reason}); resuming from "
+            f"{resumed.name} instead (the file is kept as {kept.name})"
+        )
     if unreadable and is_numbered_checkpoint(resumed.name):
         directory = resumed.parent
         tmp_link = directory / f".{LATEST_NAME}.{os.getpid()}.tmp"
@@ -320,8 +348,10 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     if path.is_dir():
         found = latest_checkpoint(path)
         if found is None:
-            raise CheckpointNotFoundError(f"{path}: expected a checkpoint file or a run folder with checkpoints/, "
-                                          "received a folder without checkpoints")
+            raise CheckpointNotFoundError(
+                f"{path}: expected a checkpoint file or a run folder with checkpoints/, "
+                "received a folder without checkpoints"
+            )
         path = found
     if not path.exists():
         raise CheckpointNotFoundError(f"{path}: no such checkpoint file")
@@ -409,12 +439,20 @@ class CheckpointWriter:
         ValueError: ``keep_last`` < 1 or ``max_consecutive_failures`` < 1.
     """
 
-    def __init__(self, run_dir: Path, *, keep_last: int | None = 3, max_consecutive_failures: int = 5,
-                 logger: logging.Logger | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        keep_last: int | None = 3,
+        max_consecutive_failures: int = 5,
+        logger: logging.Logger | None = None,
+    ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last: expected >= 1 or None, got {keep_last}")
         if int(max_consecutive_failures) < 1:
-            raise ValueError(f"max_consecutive_failures: expected >= 1, got {max_consecutive_failures}")
+            raise ValueError(
+                f"max_consecutive_failures: expected >= 1, got {max_consecutive_failures}"
+            )
         self.run_dir = Path(run_dir)
         self.keep_last = keep_last
         self.max_consecutive_failures = int(max_consecutive_failures)
@@ -462,8 +500,13 @@ class CheckpointWriter:
                     f"{self.consecutive_failures} checkpoint writes in a row failed (max_checkpoint_failures = "
                     f"{self.max_consecutive_failures}), stopping; last: {self.last_error}"
                 ) from error
-            self.logger.error("%s; training goes on, retried at the next checkpoint (%d of %d failures in a row "
-                              "allowed)", self.last_error, self.consecutive_failures, self.max_consecutive_failures)
+            self.logger.error(
+                "%s; training goes on, retried at the next checkpoint (%d of %d failures in a row "
+                "allowed)",
+                self.last_error,
+                self.consecutive_failures,
+                self.max_consecutive_failures,
+            )
             return None
         self.consecutive_failures = 0
         self.last_error = None
@@ -478,10 +521,16 @@ class CheckpointWriter:
             free = f"{shutil.disk_usage(path.parent if path.parent.is_dir() else self.run_dir).free} bytes free"
         except OSError:
             free = "free space unknown"
-        previous = f"{self.last_saved} is kept and loadable" if self.last_saved is not None else "no earlier checkpoint"
+        previous = (
+            f"{self.last_saved} is kept and loadable"
+            if self.last_saved is not None
+            else "no earlier checkpoint"
+        )
         reason = error.strerror or str(error)
-        return (f"checkpoint {path} not written: [Errno {error.errno}] {reason} ({needed} bytes needed, {free} "
-                f"on {path.parent}); {previous}")
+        return (
+            f"checkpoint {path} not written: [Errno {error.errno}] {reason} ({needed} bytes needed, {free} "
+            f"on {path.parent}); {previous}"
+        )
 
 
 def _state_bytes(state: dict[str, Any]) -> str:

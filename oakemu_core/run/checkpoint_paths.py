@@ -67,7 +67,9 @@ def latest_target(directory: Path) -> Path | None:
         return latest
     target = Path(os.readlink(latest))
     named = directory / target
-    plain_name = not target.is_absolute() and len(target.parts) == 1 and target.name not in (".", "..")
+    plain_name = (
+        not target.is_absolute() and len(target.parts) == 1 and target.name not in (".", "..")
+    )
     if plain_name and not named.is_symlink():
         return named
     return latest.resolve()

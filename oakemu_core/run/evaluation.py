@@ -80,11 +80,20 @@ def build_evaluation(
     schema = schema_from_dict(dict(schema_dict))
     if seed is not None:
         torch.manual_seed(seed)
-    env = make_eval_env(env_id, seed=seed, max_episode_steps=max_episode_steps, settings_file=settings_file,
-                        options=env_options, frame_sink=frame_sink)
+    env = make_eval_env(
+        env_id,
+        seed=seed,
+        max_episode_steps=max_episode_steps,
+        settings_file=settings_file,
+        options=env_options,
+        frame_sink=frame_sink,
+    )
     try:
-        model = build_model(env.spec.observation_layout, schema.distribution,
-                            normalize_observations=bool(normalize_observations))
+        model = build_model(
+            env.spec.observation_layout,
+            schema.distribution,
+            normalize_observations=bool(normalize_observations),
+        )
         model.eval()
     except BaseException:
         env.close()
@@ -92,7 +101,9 @@ def build_evaluation(
     return model, env
 
 
-def play_episodes(model: ActorCritic, env: VectorEnv, *, episodes: int, greedy: bool) -> EvaluationResult:
+def play_episodes(
+    model: ActorCritic, env: VectorEnv, *, episodes: int, greedy: bool
+) -> EvaluationResult:
     """Play until ``episodes`` episodes have finished, acting with ``model`` (masks applied).
 
     Args:

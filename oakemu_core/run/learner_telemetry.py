@@ -63,7 +63,9 @@ class LearnerTelemetry:
         the last sample of :attr:`rates`."""
         return self.rates.overall()
 
-    def record_update(self, result: TrainResult, global_step: int, now: float, *, actors: int) -> dict[str, float]:
+    def record_update(
+        self, result: TrainResult, global_step: int, now: float, *, actors: int
+    ) -> dict[str, float]:
         """Take in one PPO update's result at ``global_step`` env steps (monotonic time ``now``, s)
         with ``actors`` connected; returns its metrics record: ``charts/*`` (update number, SPS,
         actors, policy version and lag in versions and in SGD steps, stale rows, trainable share,
@@ -72,18 +74,29 @@ class LearnerTelemetry:
         self.last_lag = result.lag
         self.trainable_share = result.trainable_share
         self.columns = (result.columns, result.planned_columns)
-        scalars: dict[str, float] = {"charts/update": result.iterations, "charts/SPS": self.sps(),
-                                     "charts/SPS_recent": self.rates.recent(), "charts/actors": actors,
-                                     "charts/policy_version": result.policy_version}
+        scalars: dict[str, float] = {
+            "charts/update": result.iterations,
+            "charts/SPS": self.sps(),
+            "charts/SPS_recent": self.rates.recent(),
+            "charts/actors": actors,
+            "charts/policy_version": result.policy_version,
+        }
         scalars.update({f"charts/policy_lag_{k}": result.lag[k] for k in ("min", "mean", "max")})
         # The same lag in SGD steps, counting the revisions published within an update.
-        scalars.update({f"charts/policy_lag_sgd_steps_{k}": result.lag[f"sgd_{k}"] for k in ("min", "mean", "max")
-                        if f"sgd_{k}" in result.lag})
+        scalars.update(
+            {
+                f"charts/policy_lag_sgd_steps_{k}": result.lag[f"sgd_{k}"]
+                for k in ("min", "mean", "max")
+                if f"sgd_{k}" in result.lag
+            }
+        )
         scalars["charts/newest_acting_policy_version"] = result.lag["newest_version"]
         scalars["charts/stale_rows"] = result.stale_rows
         scalars["charts/trainable_share"] = result.trainable_share
         scalars["charts/rollout_columns"] = result.columns
-        scalars["charts/rollout_rows"] = result.stats.trainable_rows if result.stats is not None else 0
+        scalars["charts/rollout_rows"] = (
+            result.stats.trainable_rows if result.stats is not None else 0
+        )
         scalars["charts/rollbacks"] = result.rollbacks
         if result.stats is not None:
             self.last_stats = result.stats
@@ -95,24 +108,58 @@ class LearnerTelemetry:
         self.history.record_update(global_step, episodic_return, self.sps())
         return scalars
 
-    def log_update(self, result: TrainResult, global_step: int, *, episodes: int, actors: int) -> None:
+    def log_update(
+        self, result: TrainResult, global_step: int, *, episodes: int, actors: int
+    ) -> None:
         """The update's log line (update number, env steps, SPS, episodes, mean return, losses,
         actors), after a warning when minibatches were skipped for a non-finite gradient."""
         stats = result.stats
         if stats is not None and stats.nonfinite_minibatches:
-            log.warning("update %d: %d minibatches had a non-finite gradient and were skipped",
-                        result.iterations, stats.nonfinite_minibatches)
+            log.warning(
+                "update %d: %d minibatches had a non-finite gradient and were skipped",
+                result.iterations,
+                stats.nonfinite_minibatches,
+            )
         ret = f"{self.window.mean:8.2f}" if self.window.count else "     n/a"
-        loss = (f"pg {stats.policy_loss:+.3f} v {stats.value_loss:.3f} ent {stats.entropy:.3f} "
-                f"kl {stats.approx_kl:.4f}") if stats else "no trainable rows"
-        fewer = (f" | {result.columns} of {result.planned_columns} columns"
-                 if result.columns and result.columns != result.planned_columns else "")
-        log.info("update %5d | steps %9d | SPS %6.0f (recent %6.0f) | episodes %6d | return %s | %s | actors %d%s",
-                 result.iterations, global_step, self.sps(), self.rates.recent(), episodes, ret, loss, actors, fewer)
+        loss = (
+            (
+                f"pg {stats.policy_loss:+.3f} v {stats.value_loss:.3f} ent {stats.entropy:.3f} "
+                f"kl {stats.approx_kl:.4f}"
+            )
+            if stats
+            else "no trainable rows"
+        )
+        fewer = (
+            f" | {result.columns} of {result.planned_columns} columns"
+            if result.columns and result.columns != result.planned_columns
+            else ""
+        )
+        log.info(
+            "update %5d | steps %9d | SPS %6.0f (recent %6.0f) | episodes %6d | return %s | %s | actors %d%s",
+            result.iterations,
+            global_step,
+            self.sps(),
+            self.rates.recent(),
+            episodes,
+            ret,
+            loss,
+            actors,
+            fewer,
+        )
 
-    def snapshot(self, assembler: RolloutAssembler, *, policy_version: int, iterations: int, episodes: int,
-                 learning_rate: float, checkpoint_failures: int, log_write_failures: int,
-                 is_update: bool, trained_env_steps: int = 0) -> TelemetrySnapshot:
+    def snapshot(
+        self,
+        assembler: RolloutAssembler,
+        *,
+        policy_version: int,
+        iterations: int,
+        episodes: int,
+        learning_rate: float,
+        checkpoint_failures: int,
+        log_write_failures: int,
+        is_update: bool,
+        trained_env_steps: int = 0,
+    ) -> TelemetrySnapshot:
         """The learner's state now: these figures, the assembler's counters, buffer fill and actors
         (each actor's row lag since the last snapshot, else its heartbeat's), and the given values
         (``learning_rate``: the schedule's, reported until an update reports its own)."""
@@ -151,10 +198,14 @@ class LearnerTelemetry:
             policy_lag_max=self.last_lag.get("max"),
             actors=[
                 ActorTelemetry(
-                    actor_id=r.actor_id, incarnation=public_tag(r.incarnation), num_envs=r.spec.num_envs,
-                    sps=r.env_steps_per_second, last_heard_s=max(0.0, now - r.last_heard),
+                    actor_id=r.actor_id,
+                    incarnation=public_tag(r.incarnation),
+                    num_envs=r.spec.num_envs,
+                    sps=r.env_steps_per_second,
+                    last_heard_s=max(0.0, now - r.last_heard),
                     policy_lag=lag[1] if lag else r.policy_lag,
-                    policy_lag_min=lag[0] if lag else None, policy_lag_max=lag[2] if lag else None,
+                    policy_lag_min=lag[0] if lag else None,
+                    policy_lag_max=lag[2] if lag else None,
                 )
                 for r in assembler.actors.values()
                 for lag in (r.take_lag(),)
@@ -168,9 +219,22 @@ def _update_fields(stats: PPOUpdateStats | None) -> dict[str, Any]:
     """The snapshot's loss figures of the newest update (None before one; a NaN explained
     variance becomes None)."""
     if stats is None:
-        return dict.fromkeys(("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction",
-                              "explained_variance"))
+        return dict.fromkeys(
+            (
+                "policy_loss",
+                "value_loss",
+                "entropy",
+                "approx_kl",
+                "clip_fraction",
+                "explained_variance",
+            )
+        )
     explained = stats.explained_variance
-    return {"policy_loss": stats.policy_loss, "value_loss": stats.value_loss, "entropy": stats.entropy,
-            "approx_kl": stats.approx_kl, "clip_fraction": stats.clip_fraction,
-            "explained_variance": explained if math.isfinite(explained) else None}
+    return {
+        "policy_loss": stats.policy_loss,
+        "value_loss": stats.value_loss,
+        "entropy": stats.entropy,
+        "approx_kl": stats.approx_kl,
+        "clip_fraction": stats.clip_fraction,
+        "explained_variance": explained if math.isfinite(explained) else None,
+    }

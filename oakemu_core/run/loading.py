@@ -2,8 +2,9 @@
 
 :func:`load_policy` reads a checkpoint of ``oakemu train`` (a ``.pt`` file, or a run folder: its latest
 checkpoint) with torch's ``weights_only`` loader, or a policy folder of ``oakemu export`` (safetensors and
-JSON, no pickle), and rebuilds the policy from what it holds (the step schema: observation fields and action distribution; the observation normaliser's
-setting), without making the env. What a path can be is decided in :func:`load_policy` alone.
+JSON, no pickle), and rebuilds the policy from what it holds (the step schema: observation
+fields and action distribution; the observation normaliser's setting), without making the env. What
+a path can be is decided in :func:`load_policy` alone.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import numpy as np
 from oakemu_core.errors import CheckpointError
 from oakemu_core.policy.export import is_policy_folder, load_policy_folder, read_policy_info
 from oakemu_core.policy.models import ActorCritic, build_model
-from oakemu_core.run.checkpoint import CheckpointNotFoundError, load_run_checkpoint
 from oakemu_core.policy.schemas import schema_from_dict
+from oakemu_core.run.checkpoint import CheckpointNotFoundError, load_run_checkpoint
 
 __all__ = ["Policy", "check_policy_path", "load_policy"]
 
@@ -61,8 +62,11 @@ class Policy:
         count = len(next(iter(batch.values())))
         mask = None
         if self.action_mask_width:
-            mask = (np.ones((count, self.action_mask_width), dtype=bool) if action_mask is None
-                    else np.asarray(action_mask, dtype=bool).reshape(count, self.action_mask_width))
+            mask = (
+                np.ones((count, self.action_mask_width), dtype=bool)
+                if action_mask is None
+                else np.asarray(action_mask, dtype=bool).reshape(count, self.action_mask_width)
+            )
         observations = batch[""] if set(batch) == {""} else batch
         actions = self.model.act(observations, action_mask=mask, greedy=greedy).actions
         return actions if batched else actions[0]
@@ -71,8 +75,10 @@ class Policy:
         """``({key: (B, *shape) array}, batched)`` from one observation or a batch of them."""
         values = observation if isinstance(observation, dict) else {"": observation}
         if set(values) != set(self.observation_layout):
-            raise ValueError(f"observation: expected the keys {sorted(self.observation_layout)}, received "
-                             f"{sorted(values)}")
+            raise ValueError(
+                f"observation: expected the keys {sorted(self.observation_layout)}, received "
+                f"{sorted(values)}"
+            )
         arrays: dict[str, np.ndarray] = {}
         batched: set[bool] = set()
         for key, (shape, dtype) in self.observation_layout.items():
@@ -83,8 +89,10 @@ class Policy:
             elif array.ndim == len(shape) + 1 and array.shape[1:] == shape:
                 batched.add(True)
             else:
-                raise ValueError(f"observation{'[' + repr(key) + ']' if key else ''}: expected shape {shape} or "
-                                 f"(B, *{shape}), received {array.shape}")
+                raise ValueError(
+                    f"observation{'[' + repr(key) + ']' if key else ''}: expected shape {shape} or "
+                    f"(B, *{shape}), received {array.shape}"
+                )
             arrays[key] = np.ascontiguousarray(array)
         if len(batched) != 1:
             raise ValueError("observation: expected every key batched or none")
@@ -117,16 +125,23 @@ def load_policy(checkpoint: str | Path) -> Policy:
     checkpoint = check_policy_path(checkpoint)
     if is_policy_folder(checkpoint):
         info, _ = read_policy_info(Path(checkpoint))
-        return Policy(load_policy_folder(Path(checkpoint)), str(info.get("env_id", "")), Path(checkpoint))
+        return Policy(
+            load_policy_folder(Path(checkpoint)), str(info.get("env_id", "")), Path(checkpoint)
+        )
     path, state = load_run_checkpoint(checkpoint)
     try:
         schema = schema_from_dict(dict(state["env"]["schema"]))
     except (KeyError, TypeError, ValueError) as error:
         raise CheckpointError(f"checkpoint: {path} holds no usable step schema ({error})") from None
-    layout = {schema.observation_key(name): (schema[name].shape, schema[name].dtype)
-              for name in schema.observation_names}
-    model = build_model(layout, schema.distribution,
-                        normalize_observations=bool(state["config"].get("normalize_observations")))
+    layout = {
+        schema.observation_key(name): (schema[name].shape, schema[name].dtype)
+        for name in schema.observation_names
+    }
+    model = build_model(
+        layout,
+        schema.distribution,
+        normalize_observations=bool(state["config"].get("normalize_observations")),
+    )
     model.load_state_dict(state["model"])
     model.eval()
     return Policy(model, str(state["env"].get("env_id", "")), path)

@@ -46,9 +46,18 @@ class RateLimitedLog:
     lines are written, whatever the event rate.
     """
 
-    def __init__(self, logger: logging.Logger, what: str, *, first_prefix: str, verb: str = "rejected",
-                 period_s: float = 5.0, level: int = logging.WARNING, burst: int = 0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        logger: logging.Logger,
+        what: str,
+        *,
+        first_prefix: str,
+        verb: str = "rejected",
+        period_s: float = 5.0,
+        level: int = logging.WARNING,
+        burst: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not period_s > 0:
             raise ValueError(f"period_s: expected > 0, got {period_s}")
         if burst < 0:
@@ -86,7 +95,9 @@ class RateLimitedLog:
         if self.burst and now >= self._burst_period_end:
             self._burst_left, self._burst_period_end = self.burst, now + self.period_s
         first = reason not in self._seen_reasons
-        if first or (self._burst_left > 0 and not self._pending):  # in full; a summary keeps the order
+        if first or (
+            self._burst_left > 0 and not self._pending
+        ):  # in full; a summary keeps the order
             if first:
                 self._seen_reasons.add(reason)
             else:
@@ -113,8 +124,10 @@ class RateLimitedLog:
         total = sum(self._pending.values())
         elapsed = now - (self._window_start if self._window_start is not None else now)
         reasons = ", ".join(f"{reason} {count}" for reason, count in self._pending.most_common())
-        self._write(f"{self.verb} {total} {self.what} in the last {elapsed:.1f} s: {reasons} "
-                    f"(last: {self._last_detail})")
+        self._write(
+            f"{self.verb} {total} {self.what} in the last {elapsed:.1f} s: {reasons} "
+            f"(last: {self._last_detail})"
+        )
         self._pending.clear()
         self._window_start = now
         self._next_summary = now + self.period_s

@@ -187,7 +187,9 @@ def update_scalars(stats: PPOUpdateStats) -> dict[str, float]:
         "losses/clipfrac": float(stats.clip_fraction),
         "losses/explained_variance": float(stats.explained_variance),
         LEARNING_RATE: float(stats.learning_rate),
-        "diagnostics/first_minibatch_ratio_max_abs_dev": float(stats.first_minibatch_ratio_max_abs_dev),
+        "diagnostics/first_minibatch_ratio_max_abs_dev": float(
+            stats.first_minibatch_ratio_max_abs_dev
+        ),
         "diagnostics/epochs_completed": float(stats.epochs_completed),
         "diagnostics/update_seconds": float(stats.update_seconds),
         "diagnostics/nonfinite_minibatches": float(stats.nonfinite_minibatches),
@@ -255,7 +257,11 @@ class RunStepRates:
     def overall(self) -> float:
         """Steps per second from ``started`` to the last sample (0.0 before any time passed)."""
         now, steps = self._last
-        return max(0.0, (steps - self.start_steps) / (now - self.started)) if now > self.started else 0.0
+        return (
+            max(0.0, (steps - self.start_steps) / (now - self.started))
+            if now > self.started
+            else 0.0
+        )
 
     def recent(self) -> float:
         """Steps per second over the last ``window_s`` seconds of samples (:meth:`overall` until
@@ -286,11 +292,18 @@ class JsonLinesWriter:
 
     def __init__(self, path: Path, *, log_period_s: float = WRITE_FAILURE_LOG_PERIOD_S) -> None:
         self.path = Path(path)
-        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self._fd: int | None = os.open(
+            self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644
+        )
         self._lock = threading.Lock()
-        self._failure_log = RateLimitedLog(log, "records", verb="dropped", period_s=log_period_s,
-                                           first_prefix=f"could not append to {self.path}, record dropped "
-                                           "(training goes on; failures are counted as log_write_failures)")
+        self._failure_log = RateLimitedLog(
+            log,
+            "records",
+            verb="dropped",
+            period_s=log_period_s,
+            first_prefix=f"could not append to {self.path}, record dropped "
+            "(training goes on; failures are counted as log_write_failures)",
+        )
         self.failures = 0
         """Records dropped because the write failed."""
         self.records = 0
@@ -313,14 +326,21 @@ class JsonLinesWriter:
             try:
                 size_before = os.fstat(self._fd).st_size
                 written = os.write(self._fd, data)
-                if written != len(data):  # the disk filled up inside the record: undo the partial line
+                if written != len(
+                    data
+                ):  # the disk filled up inside the record: undo the partial line
                     os.ftruncate(self._fd, size_before)
-                    raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: short write ({written} of "
-                                               f"{len(data)} bytes), record undone")
+                    raise OSError(
+                        errno.ENOSPC,
+                        f"{os.strerror(errno.ENOSPC)}: short write ({written} of "
+                        f"{len(data)} bytes), record undone",
+                    )
             except OSError as error:
                 self.failures += 1
                 reason = errno.errorcode.get(error.errno or 0, type(error).__name__)
-                self._failure_log.event(reason, f"{error} ({len(data)} bytes needed, {_free_bytes(self.path)} free)")
+                self._failure_log.event(
+                    reason, f"{error} ({len(data)} bytes needed, {_free_bytes(self.path)} free)"
+                )
                 return False
             self.records += 1
             return True
@@ -392,9 +412,14 @@ class MetricsLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.run_dir / METRICS_FILE_NAME
         _swallow_tensorboard_thread_errors()
-        self._tb_failure_log = RateLimitedLog(log, "TensorBoard writes", verb="failed", period_s=WRITE_FAILURE_LOG_PERIOD_S,
-                                              first_prefix=f"TensorBoard events in {self.run_dir} not written "
-                                              "(training goes on; counted as log_write_failures)")
+        self._tb_failure_log = RateLimitedLog(
+            log,
+            "TensorBoard writes",
+            verb="failed",
+            period_s=WRITE_FAILURE_LOG_PERIOD_S,
+            first_prefix=f"TensorBoard events in {self.run_dir} not written "
+            "(training goes on; counted as log_write_failures)",
+        )
         self.tensorboard_failures = 0
         """TensorBoard calls that failed (each drops what it carried)."""
         self._writer: Any = None
@@ -409,7 +434,9 @@ class MetricsLogger:
         return self._jsonl.failures + self.tensorboard_failures
 
     def _open_tensorboard(self) -> None:
-        from torch.utils.tensorboard.writer import FileWriter  # imports tensorboard; only loggers need it
+        from torch.utils.tensorboard.writer import (
+            FileWriter,
+        )  # imports tensorboard; only loggers need it
 
         try:
             self._writer = FileWriter(str(self.run_dir))
@@ -454,8 +481,12 @@ class MetricsLogger:
         for name, value in scalars.items():
             if not isinstance(name, str):
                 raise TypeError(f"scalars: name {name!r} must be a str, got {type(name).__name__}")
-            if not isinstance(value, numbers.Real) and not (isinstance(value, np.ndarray) and value.size == 1):
-                raise TypeError(f"scalars[{name!r}]: expected a real number, got {type(value).__name__}")
+            if not isinstance(value, numbers.Real) and not (
+                isinstance(value, np.ndarray) and value.size == 1
+            ):
+                raise TypeError(
+                    f"scalars[{name!r}]: expected a real number, got {type(value).__name__}"
+                )
             values[name] = float(value)
 
         def add_all(writer: Any) -> None:
@@ -463,7 +494,11 @@ class MetricsLogger:
             # and it costs the learner's main thread a fraction of one ``add_scalar`` event per tag.
             from tensorboard.compat.proto.summary_pb2 import Summary
 
-            summary = Summary(value=[Summary.Value(tag=name, simple_value=value) for name, value in values.items()])
+            summary = Summary(
+                value=[
+                    Summary.Value(tag=name, simple_value=value) for name, value in values.items()
+                ]
+            )
             writer.add_summary(summary, int(global_step))
 
         self._tensorboard(add_all)
@@ -473,7 +508,9 @@ class MetricsLogger:
             record[name] = value if math.isfinite(value) else None
         self._jsonl.write(record)
 
-    def log_video(self, global_step: int, tag: str, path: Path | str | None, preview: Any = None) -> None:
+    def log_video(
+        self, global_step: int, tag: str, path: Path | str | None, preview: Any = None
+    ) -> None:
         """An evaluation video at ``path`` (MP4; None: nothing to log): its ``preview``
         (:class:`oakemu_core.run.video.VideoPreview`, or None) becomes an animated image under ``tag`` in
         TensorBoard, the MP4 goes to the tracker. Write errors are counted, not raised."""

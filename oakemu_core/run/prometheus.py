@@ -47,7 +47,9 @@ class _SnapshotCollector(Collector):
 Family = GaugeMetricFamily | CounterMetricFamily
 
 
-def _scalar(kind: type[Family], snap: TelemetrySnapshot | None, name: str, doc: str, field: str) -> Family:
+def _scalar(
+    kind: type[Family], snap: TelemetrySnapshot | None, name: str, doc: str, field: str
+) -> Family:
     """A gauge or counter of one snapshot field (no sample before the first snapshot or while the
     field is None)."""
     family = kind(name, doc)
@@ -57,7 +59,9 @@ def _scalar(kind: type[Family], snap: TelemetrySnapshot | None, name: str, doc: 
     return family
 
 
-def _gauges(snap: TelemetrySnapshot | None, table: tuple[tuple[str, str, str], ...]) -> Iterator[Family]:
+def _gauges(
+    snap: TelemetrySnapshot | None, table: tuple[tuple[str, str, str], ...]
+) -> Iterator[Family]:
     """One gauge per ``(name, doc, field)`` of ``table`` (:func:`_scalar`)."""
     for name, doc, field in table:
         yield _scalar(GaugeMetricFamily, snap, name, doc, field)
@@ -73,20 +77,53 @@ def _labelled(family: Family, values: dict[str, float | None]) -> Family:
 
 def _progress_metrics(s: TelemetrySnapshot | None) -> Iterator[Family]:
     """Env steps, speed, policy version, updates and episodes."""
-    yield _scalar(CounterMetricFamily, s, "oakemu_env_steps", "Env steps written to rollout buffers (all envs)",
-                  "global_step")
-    yield _scalar(GaugeMetricFamily, s, "oakemu_sps", "Env steps per second, wall clock since the learner started",
-                  "sps")
-    yield _scalar(GaugeMetricFamily, s, "oakemu_sps_recent", "Env steps per second over the last ~10 s", "sps_recent")
-    yield _scalar(GaugeMetricFamily, s, "oakemu_policy_version", "Version of the newest published weights",
-                  "policy_version")
+    yield _scalar(
+        CounterMetricFamily,
+        s,
+        "oakemu_env_steps",
+        "Env steps written to rollout buffers (all envs)",
+        "global_step",
+    )
+    yield _scalar(
+        GaugeMetricFamily,
+        s,
+        "oakemu_sps",
+        "Env steps per second, wall clock since the learner started",
+        "sps",
+    )
+    yield _scalar(
+        GaugeMetricFamily,
+        s,
+        "oakemu_sps_recent",
+        "Env steps per second over the last ~10 s",
+        "sps_recent",
+    )
+    yield _scalar(
+        GaugeMetricFamily,
+        s,
+        "oakemu_policy_version",
+        "Version of the newest published weights",
+        "policy_version",
+    )
     yield _scalar(CounterMetricFamily, s, "oakemu_updates", "PPO updates completed", "iterations")
-    yield _scalar(CounterMetricFamily, s, "oakemu_episodes", "Episodes finished (all actors)", "episodes")
+    yield _scalar(
+        CounterMetricFamily, s, "oakemu_episodes", "Episodes finished (all actors)", "episodes"
+    )
     for stat in ("mean", "min", "max"):
-        yield _scalar(GaugeMetricFamily, s, f"oakemu_episodic_return_{stat}",
-                      f"{stat.capitalize()} raw episodic return, recent window", f"episodic_return_{stat}")
-    yield _scalar(GaugeMetricFamily, s, "oakemu_episodic_length_mean", "Mean episode length (env steps), recent window",
-                  "episodic_length_mean")
+        yield _scalar(
+            GaugeMetricFamily,
+            s,
+            f"oakemu_episodic_return_{stat}",
+            f"{stat.capitalize()} raw episodic return, recent window",
+            f"episodic_return_{stat}",
+        )
+    yield _scalar(
+        GaugeMetricFamily,
+        s,
+        "oakemu_episodic_length_mean",
+        "Mean episode length (env steps), recent window",
+        "episodic_length_mean",
+    )
 
 
 def _update_metrics(s: TelemetrySnapshot | None) -> Iterator[Family]:
@@ -95,58 +132,126 @@ def _update_metrics(s: TelemetrySnapshot | None) -> Iterator[Family]:
     if s is not None:
         _labelled(loss, {"policy": s.policy_loss, "value": s.value_loss, "entropy": s.entropy})
     yield loss
-    yield from _gauges(s, (
-        ("oakemu_approx_kl", "Approximate KL(old || new) of the last update", "approx_kl"),
-        ("oakemu_clip_fraction", "Fraction of samples clipped in the last update", "clip_fraction"),
-        ("oakemu_explained_variance", "Explained variance of the value function", "explained_variance"),
-        ("oakemu_learning_rate", "Current learning rate", "learning_rate"),
-        ("oakemu_buffer_fill", "Fraction (0..1) of the filling rollout buffer written", "buffer_fill"),
-        ("oakemu_trainable_share", "Fraction (0..1) of the last rollout's rows trained on", "trainable_share"),
-    ))
+    yield from _gauges(
+        s,
+        (
+            ("oakemu_approx_kl", "Approximate KL(old || new) of the last update", "approx_kl"),
+            (
+                "oakemu_clip_fraction",
+                "Fraction of samples clipped in the last update",
+                "clip_fraction",
+            ),
+            (
+                "oakemu_explained_variance",
+                "Explained variance of the value function",
+                "explained_variance",
+            ),
+            ("oakemu_learning_rate", "Current learning rate", "learning_rate"),
+            (
+                "oakemu_buffer_fill",
+                "Fraction (0..1) of the filling rollout buffer written",
+                "buffer_fill",
+            ),
+            (
+                "oakemu_trainable_share",
+                "Fraction (0..1) of the last rollout's rows trained on",
+                "trainable_share",
+            ),
+        ),
+    )
 
 
 def _message_metrics(s: TelemetrySnapshot | None) -> Iterator[Family]:
     """Messages received, accepted and rejected, dropped data, failed writes."""
-    rejected = CounterMetricFamily("oakemu_rejected_messages", "Messages rejected, by reason", labels=["reason"])
-    dropped = CounterMetricFamily("oakemu_dropped", "Rows, steps or actors dropped, by kind", labels=["kind"])
+    rejected = CounterMetricFamily(
+        "oakemu_rejected_messages", "Messages rejected, by reason", labels=["reason"]
+    )
+    dropped = CounterMetricFamily(
+        "oakemu_dropped", "Rows, steps or actors dropped, by kind", labels=["kind"]
+    )
     if s is not None:
         _labelled(rejected, dict(s.rejected_messages))
         _labelled(dropped, {kind: 0 for kind in DROPPED_KINDS} | dict(s.dropped))
     yield rejected
     yield dropped
-    received = CounterMetricFamily("oakemu_messages_received", "ZeroMQ messages read, by socket", labels=["socket"])
-    accepted = CounterMetricFamily("oakemu_messages_accepted", "Messages served, by kind", labels=["kind"])
+    received = CounterMetricFamily(
+        "oakemu_messages_received", "ZeroMQ messages read, by socket", labels=["socket"]
+    )
+    accepted = CounterMetricFamily(
+        "oakemu_messages_accepted", "Messages served, by kind", labels=["kind"]
+    )
     if s is not None:
         _labelled(received, dict(s.messages_received))
         _labelled(accepted, dict(s.messages_accepted))
     yield received
     yield accepted
-    yield _scalar(CounterMetricFamily, s, "oakemu_checkpoint_failures", "Checkpoint writes that failed (full disk, ...)",
-                  "checkpoint_failures")
-    yield _scalar(CounterMetricFamily, s, "oakemu_log_write_failures", "Metric/episode records dropped by failed writes",
-                  "log_write_failures")
+    yield _scalar(
+        CounterMetricFamily,
+        s,
+        "oakemu_checkpoint_failures",
+        "Checkpoint writes that failed (full disk, ...)",
+        "checkpoint_failures",
+    )
+    yield _scalar(
+        CounterMetricFamily,
+        s,
+        "oakemu_log_write_failures",
+        "Metric/episode records dropped by failed writes",
+        "log_write_failures",
+    )
 
 
 def _evaluation_metrics(s: TelemetrySnapshot | None) -> Iterator[Family]:
     """The latest evaluation and the best one so far."""
-    yield from _gauges(s, (
-        ("oakemu_eval_return_mean", "Mean raw episodic return of the latest evaluation", "eval_return_mean"),
-        ("oakemu_eval_return_std", "Std of the raw episodic return of the latest evaluation", "eval_return_std"),
-        ("oakemu_eval_length_mean", "Mean episode length (agent steps) of the latest evaluation", "eval_length_mean"),
-        ("oakemu_eval_policy_version", "Policy version of the latest evaluation", "eval_policy_version"),
-        ("oakemu_best_eval_return", "Best mean evaluation return so far (best.pt)", "best_eval_return"),
-    ))
+    yield from _gauges(
+        s,
+        (
+            (
+                "oakemu_eval_return_mean",
+                "Mean raw episodic return of the latest evaluation",
+                "eval_return_mean",
+            ),
+            (
+                "oakemu_eval_return_std",
+                "Std of the raw episodic return of the latest evaluation",
+                "eval_return_std",
+            ),
+            (
+                "oakemu_eval_length_mean",
+                "Mean episode length (agent steps) of the latest evaluation",
+                "eval_length_mean",
+            ),
+            (
+                "oakemu_eval_policy_version",
+                "Policy version of the latest evaluation",
+                "eval_policy_version",
+            ),
+            (
+                "oakemu_best_eval_return",
+                "Best mean evaluation return so far (best.pt)",
+                "best_eval_return",
+            ),
+        ),
+    )
 
 
 def _actor_metrics(s: TelemetrySnapshot | None) -> Iterator[Family]:
     """Connected actors, the last rollout's policy lag, each actor's speed and envs."""
     yield _scalar(GaugeMetricFamily, s, "oakemu_actors", "Connected actors", "num_actors")
-    lag = GaugeMetricFamily("oakemu_policy_lag", "Policy lag (versions) of the last rollout's rows", labels=["stat"])
+    lag = GaugeMetricFamily(
+        "oakemu_policy_lag", "Policy lag (versions) of the last rollout's rows", labels=["stat"]
+    )
     if s is not None:
-        _labelled(lag, {"min": s.policy_lag_min, "mean": s.policy_lag_mean, "max": s.policy_lag_max})
+        _labelled(
+            lag, {"min": s.policy_lag_min, "mean": s.policy_lag_mean, "max": s.policy_lag_max}
+        )
     yield lag
-    actor_sps = GaugeMetricFamily("oakemu_actor_sps", "Env steps per second of one actor", labels=["actor_id"])
-    actor_envs = GaugeMetricFamily("oakemu_actor_envs", "Environments of one actor", labels=["actor_id"])
+    actor_sps = GaugeMetricFamily(
+        "oakemu_actor_sps", "Env steps per second of one actor", labels=["actor_id"]
+    )
+    actor_envs = GaugeMetricFamily(
+        "oakemu_actor_envs", "Environments of one actor", labels=["actor_id"]
+    )
     if s is not None:
         for actor in s.actors:
             actor_sps.add_metric([actor.actor_id], actor.sps)
@@ -172,14 +277,24 @@ class _QuietHandler(WSGIRequestHandler):
         """No access log line per scrape."""
 
 
-def _serve(port: int, addr: str, registry: CollectorRegistry) -> tuple[WSGIServer, threading.Thread]:
+def _serve(
+    port: int, addr: str, registry: CollectorRegistry
+) -> tuple[WSGIServer, threading.Thread]:
     """``registry`` over HTTP at ``addr:port`` (IPv4 or IPv6, as the address resolves), served by a
     daemon thread; prometheus_client's ``start_http_server`` with a shorter shutdown poll."""
-    family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    family, _, _, _, sockaddr = socket.getaddrinfo(
+        addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
     server_class = type("_Server", (_MetricsServer,), {"address_family": family})
-    server = make_server(sockaddr[0], port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": SHUTDOWN_POLL_S},
-                              name="prometheus", daemon=True)
+    server = make_server(
+        sockaddr[0], port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler
+    )
+    thread = threading.Thread(
+        target=server.serve_forever,
+        kwargs={"poll_interval": SHUTDOWN_POLL_S},
+        name="prometheus",
+        daemon=True,
+    )
     thread.start()
     return server, thread
 
@@ -205,11 +320,15 @@ class PrometheusExporter:
         TelemetryBindError: the port is in use or the address invalid.
     """
 
-    def __init__(self, port: int, registry: CollectorRegistry | None = None, *, addr: str = "127.0.0.1") -> None:
+    def __init__(
+        self, port: int, registry: CollectorRegistry | None = None, *, addr: str = "127.0.0.1"
+    ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._collector = _SnapshotCollector()
         self.registry.register(self._collector)
-        self._process = ProcessCollector(registry=self.registry)  # process_* figures: memory, CPU, fds
+        self._process = ProcessCollector(
+            registry=self.registry
+        )  # process_* figures: memory, CPU, fds
         try:
             self._server, self._thread = _serve(port, addr, self.registry)
         except OSError as exc:  # socket.gaierror too: an address that does not resolve

@@ -8,7 +8,13 @@ from typing import TYPE_CHECKING, Any
 
 from oakemu_core.errors import CheckpointError
 from oakemu_core.run.checkpoint_paths import CHECKPOINT_DIR_NAME, latest_checkpoint
-from oakemu_core.run.metrics import EPISODIC_RETURN, EVAL_EPISODIC_RETURN, METRICS_FILE_NAME, SPS, record_number
+from oakemu_core.run.metrics import (
+    EPISODIC_RETURN,
+    EVAL_EPISODIC_RETURN,
+    METRICS_FILE_NAME,
+    SPS,
+    record_number,
+)
 from oakemu_core.run.run_folder import read_json_lines
 
 if TYPE_CHECKING:
@@ -61,7 +67,9 @@ class Run:
         from oakemu_core.run.loading import load_policy
 
         if best and self.best_checkpoint is None:
-            raise CheckpointError(f"{self.run_dir}: no {BEST_CHECKPOINT_NAME} (the run was never evaluated)")
+            raise CheckpointError(
+                f"{self.run_dir}: no {BEST_CHECKPOINT_NAME} (the run was never evaluated)"
+            )
         return load_policy(self.best_checkpoint if best else self.run_dir)
 
 
@@ -78,12 +86,14 @@ def read_run(run_dir: str | Path, exit_status: int = 0) -> Run:
             evaluations.append(float(value))
     best = run_dir / CHECKPOINT_DIR_NAME / BEST_CHECKPOINT_NAME
     return Run(
-        run_dir=run_dir, exit_status=int(exit_status),
+        run_dir=run_dir,
+        exit_status=int(exit_status),
         updates=int(updates[-1]["charts/update"]) if updates else 0,
         global_step=int(updates[-1]["global_step"]) if updates else 0,
         final_evaluation=evaluations[-1] if evaluations else None,
         best_evaluation=max(evaluations) if evaluations else None,
-        latest_checkpoint=latest_checkpoint(run_dir), best_checkpoint=best if best.is_file() else None,
+        latest_checkpoint=latest_checkpoint(run_dir),
+        best_checkpoint=best if best.is_file() else None,
         episodic_return=record_number(updates[-1], EPISODIC_RETURN) if updates else None,
         sps=record_number(updates[-1], SPS) if updates else None,
     )

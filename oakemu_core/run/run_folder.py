@@ -72,7 +72,9 @@ IGNORED_FIELDS = frozenset({"config_file", "runs_dir", "run_name", *PORT_FIELDS}
 
 log = logging.getLogger("oakemu.run_folder")
 
-NEW_RUN_HINT = "to start a new run instead, give it another name (--run-name NAME or OAKEMU_RUN_NAME=NAME)"
+NEW_RUN_HINT = (
+    "to start a new run instead, give it another name (--run-name NAME or OAKEMU_RUN_NAME=NAME)"
+)
 
 
 class ResumeMismatchError(UserError, ValueError):
@@ -95,10 +97,16 @@ def describe_spaces(schema: Mapping[str, Any] | None) -> str:
             continue
         name = str(field.get("name", "?"))
         if name == "observations" or name.startswith("observations"):
-            parts.append(f"{name} {_dtype_name(field.get('dtype'))} {tuple(field.get('shape', ()))}")
+            parts.append(
+                f"{name} {_dtype_name(field.get('dtype'))} {tuple(field.get('shape', ()))}"
+            )
     distribution = schema.get("distribution")
     if isinstance(distribution, Mapping):
-        details = ", ".join(f"{k}={v}" for k, v in distribution.items() if k != "kind" and v not in (None, 0, [], ()))
+        details = ", ".join(
+            f"{k}={v}"
+            for k, v in distribution.items()
+            if k != "kind" and v not in (None, 0, [], ())
+        )
         parts.append(f"actions {distribution.get('kind', '?')}({details})")
     return "; ".join(parts) or "unknown spaces"
 
@@ -118,14 +126,21 @@ def _spaces_key(schema: Mapping[str, Any]) -> tuple[Any, ...]:
     ``policy_revisions``, are left out: they may change between versions without changing a space.)"""
     fields = tuple(
         (str(f.get("name")), tuple(f.get("shape", ())), _dtype_name(f.get("dtype")))
-        for f in schema.get("fields", []) if isinstance(f, Mapping) and f.get("sent", True)
+        for f in schema.get("fields", [])
+        if isinstance(f, Mapping) and f.get("sent", True)
     )
     distribution = schema.get("distribution")
     return fields, json.dumps(distribution, sort_keys=True, default=str)
 
 
-def check_resume_compatible(checkpoint_state: Mapping[str, Any], *, env_id: str, schema: Any,
-                            model: Any = None, checkpoint_path: Path | str | None = None) -> None:
+def check_resume_compatible(
+    checkpoint_state: Mapping[str, Any],
+    *,
+    env_id: str,
+    schema: Any,
+    model: Any = None,
+    checkpoint_path: Path | str | None = None,
+) -> None:
     """Refuse to resume from a checkpoint made for another env, other spaces or another model.
 
     Compares ``checkpoint_state["env"]`` (``{"env_id", "schema": StepSchema.to_dict()}``; older
@@ -144,7 +159,9 @@ def check_resume_compatible(checkpoint_state: Mapping[str, Any], *, env_id: str,
         ResumeMismatchError: env id, spaces or model differ; the one-line message names both sides,
             says nothing was changed and how to start a new run.
     """
-    where = f"checkpoint {checkpoint_path}" if checkpoint_path is not None else "the run's checkpoint"
+    where = (
+        f"checkpoint {checkpoint_path}" if checkpoint_path is not None else "the run's checkpoint"
+    )
     requested_schema = schema.to_dict() if hasattr(schema, "to_dict") else schema
     env = checkpoint_state.get("env")
     problems: list[str] = []
@@ -152,11 +169,17 @@ def check_resume_compatible(checkpoint_state: Mapping[str, Any], *, env_id: str,
     saved_schema = env.get("schema") if isinstance(env, Mapping) else None
     if saved_env_id is not None and saved_env_id != env_id:
         problems.append(f"env {saved_env_id!r} vs requested {env_id!r}")
-    if isinstance(saved_schema, Mapping) and isinstance(requested_schema, Mapping) and (
-        _spaces_key(saved_schema) != _spaces_key(requested_schema)
+    if (
+        isinstance(saved_schema, Mapping)
+        and isinstance(requested_schema, Mapping)
+        and (_spaces_key(saved_schema) != _spaces_key(requested_schema))
     ):
-        problems.append(f"spaces [{describe_spaces(saved_schema)}] vs requested [{describe_spaces(requested_schema)}]")
-    if model is not None and not problems:  # another env nearly always means another model: say the cause once
+        problems.append(
+            f"spaces [{describe_spaces(saved_schema)}] vs requested [{describe_spaces(requested_schema)}]"
+        )
+    if (
+        model is not None and not problems
+    ):  # another env nearly always means another model: say the cause once
         model_problem = _model_mismatch(checkpoint_state.get("model"), model)
         if model_problem:
             problems.append(model_problem)
@@ -177,20 +200,35 @@ def _model_mismatch(saved: Any, model: Any) -> str:
     shapes = [
         f"{k} {tuple(saved[k].shape)} vs {tuple(current[k].shape)}"
         for k in current
-        if k in saved and hasattr(saved[k], "shape") and tuple(saved[k].shape) != tuple(current[k].shape)
+        if k in saved
+        and hasattr(saved[k], "shape")
+        and tuple(saved[k].shape) != tuple(current[k].shape)
     ]
     parts = []
     if shapes:
-        parts.append("parameter shapes differ: " + ", ".join(shapes[:3]) + (" ..." if len(shapes) > 3 else ""))
+        parts.append(
+            "parameter shapes differ: "
+            + ", ".join(shapes[:3])
+            + (" ..." if len(shapes) > 3 else "")
+        )
     if missing:
-        parts.append("missing in the checkpoint: " + ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else ""))
+        parts.append(
+            "missing in the checkpoint: "
+            + ", ".join(missing[:3])
+            + (" ..." if len(missing) > 3 else "")
+        )
     if unexpected:
-        parts.append("not in this model: " + ", ".join(unexpected[:3]) + (" ..." if len(unexpected) > 3 else ""))
+        parts.append(
+            "not in this model: "
+            + ", ".join(unexpected[:3])
+            + (" ..." if len(unexpected) > 3 else "")
+        )
     return ("model (checkpoint vs requested): " + "; ".join(parts)) if parts else ""
 
 
-def config_changes(old: Mapping[str, Any], new: Mapping[str, Any], *,
-                   immutable: tuple[str, ...] = IMMUTABLE_FIELDS) -> dict[str, tuple[Any, Any]]:
+def config_changes(
+    old: Mapping[str, Any], new: Mapping[str, Any], *, immutable: tuple[str, ...] = IMMUTABLE_FIELDS
+) -> dict[str, tuple[Any, Any]]:
     """Settings that differ between a run's saved configuration and the one requested for its resume.
 
     Args:
@@ -292,7 +330,10 @@ def truncate_after(path: Path, global_step: int, *, update: int | None = None) -
     for line, record in records:
         step, record_update = record.get("global_step"), record.get("charts/update")
         if (isinstance(step, (int, float)) and step > global_step) or (
-                update is not None and isinstance(record_update, (int, float)) and record_update > update):
+            update is not None
+            and isinstance(record_update, (int, float))
+            and record_update > update
+        ):
             removed += 1
         else:
             kept.append(line)
@@ -315,14 +356,24 @@ def resume_step(run_dir: Path, checkpoint_step: int, update: int) -> int:
     path = Path(run_dir) / LOG_FILE_NAMES[0]
     if not path.is_file():
         return int(checkpoint_step)
-    steps = [record.get("global_step") for _, record in _read_records(path)[0]
-             if record.get("charts/update") == update]
-    return max([int(checkpoint_step)] + [int(step) for step in steps if isinstance(step, (int, float))])
+    steps = [
+        record.get("global_step")
+        for _, record in _read_records(path)[0]
+        if record.get("charts/update") == update
+    ]
+    return max(
+        [int(checkpoint_step)] + [int(step) for step in steps if isinstance(step, (int, float))]
+    )
 
 
-def truncate_run_logs(run_dir: Path, global_step: int, *, update: int | None = None) -> dict[str, int]:
+def truncate_run_logs(
+    run_dir: Path, global_step: int, *, update: int | None = None
+) -> dict[str, int]:
     """:func:`truncate_after` on each of :data:`LOG_FILE_NAMES` in ``run_dir``; returns lines removed by file name."""
-    return {name: truncate_after(Path(run_dir) / name, global_step, update=update) for name in LOG_FILE_NAMES}
+    return {
+        name: truncate_after(Path(run_dir) / name, global_step, update=update)
+        for name in LOG_FILE_NAMES
+    }
 
 
 # ------------------------------------------------------------------------------ whole folder
@@ -346,13 +397,23 @@ class ResumeCheck:
         """``resuming RUN_DIR from checkpoint_<n>.pt (update N, S env steps trained)``, or, without a
         checkpoint, that training starts from the beginning."""
         if self.checkpoint is None:
-            return f"resuming {run_dir}: it has no checkpoint yet, training starts from the beginning"
-        return (f"resuming {run_dir} from {self.checkpoint.name} (update {self.update}, "
-                f"{self.trained_env_steps:,} env steps trained)")
+            return (
+                f"resuming {run_dir}: it has no checkpoint yet, training starts from the beginning"
+            )
+        return (
+            f"resuming {run_dir} from {self.checkpoint.name} (update {self.update}, "
+            f"{self.trained_env_steps:,} env steps trained)"
+        )
 
 
-def check_resume_folder(run_dir: Path, config: Any, *, check_model: bool = True, check_budget: bool = False,
-                        notes: list[str] | None = None) -> ResumeCheck:
+def check_resume_folder(
+    run_dir: Path,
+    config: Any,
+    *,
+    check_model: bool = True,
+    check_budget: bool = False,
+    notes: list[str] | None = None,
+) -> ResumeCheck:
     """Everything a process checks before it writes into a run folder it may resume; call it holding
     the folder (:class:`~oakemu_core.run.run_lock.RunFolderLock`).
 
@@ -399,7 +460,9 @@ def check_resume_folder(run_dir: Path, config: Any, *, check_model: bool = True,
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
             old = None  # an unreadable config.toml is rewritten by the learner; the checkpoint still decides
         if old is not None:
-            check_config_complete(run_dir, [name for name in type(config).model_fields if name != "config_file"])
+            check_config_complete(
+                run_dir, [name for name in type(config).model_fields if name != "config_file"]
+            )
             changes = config_changes(old, config.model_dump(mode="json"))
     found = newest_readable_checkpoint(Path(run_dir))
     if found is None:
@@ -408,15 +471,22 @@ def check_resume_folder(run_dir: Path, config: Any, *, check_model: bool = True,
     from oakemu_core.envs.factory import env_spec
     from oakemu_core.policy.schemas import schema_for_env
 
-    spec = env_spec(config.env_id, settings_file=config.emulator_settings, options=config.env_options)
+    spec = env_spec(
+        config.env_id, settings_file=config.emulator_settings, options=config.env_options
+    )
     schema = schema_for_env(spec)
     model = None
     if check_model and schema.distribution is not None:
         from oakemu_core.policy.models import build_model
 
-        model = build_model(spec.observation_layout, schema.distribution,
-                            normalize_observations=config.normalize_observations)
-    check_resume_compatible(state, env_id=config.env_id, schema=schema, model=model, checkpoint_path=checkpoint)
+        model = build_model(
+            spec.observation_layout,
+            schema.distribution,
+            normalize_observations=config.normalize_observations,
+        )
+    check_resume_compatible(
+        state, env_id=config.env_id, schema=schema, model=model, checkpoint_path=checkpoint
+    )
     if check_budget:
         _check_budget_left(state, config.total_env_steps, run_dir)
     for note in set_aside_unreadable(checkpoint, unreadable):
@@ -428,8 +498,12 @@ def check_resume_folder(run_dir: Path, config: Any, *, check_model: bool = True,
 
     ppo = state.get("ppo")
     update = ppo.get("iterations") if isinstance(ppo, Mapping) else None
-    return ResumeCheck(changes, checkpoint, int(update) if isinstance(update, int) else 0,
-                       checkpoint_trained_steps(state))
+    return ResumeCheck(
+        changes,
+        checkpoint,
+        int(update) if isinstance(update, int) else 0,
+        checkpoint_trained_steps(state),
+    )
 
 
 def _check_budget_left(state: Mapping[str, Any], total_env_steps: int, run_dir: Path) -> None:
@@ -438,7 +512,11 @@ def _check_budget_left(state: Mapping[str, Any], total_env_steps: int, run_dir: 
 
     trained = checkpoint_trained_steps(state)
     if trained >= total_env_steps:
-        update = state.get("ppo", {}).get("iterations", "?") if isinstance(state.get("ppo"), Mapping) else "?"
+        update = (
+            state.get("ppo", {}).get("iterations", "?")
+            if isinstance(state.get("ppo"), Mapping)
+            else "?"
+        )
         raise RunFolderError(
             f"{run_dir}: the run already reached its budget ({trained} env steps trained by update "
             f"{update}, total_env_steps={total_env_steps}); to train it longer, raise --total-env-steps"
@@ -455,7 +533,9 @@ def spent_budget(run_dir: Path) -> tuple[int, int] | None:
     from oakemu_core.run.checkpoint import checkpoint_trained_steps, newest_readable_checkpoint
 
     try:
-        total = tomllib.loads((Path(run_dir) / "config.toml").read_text(encoding="utf-8")).get("total_env_steps")
+        total = tomllib.loads((Path(run_dir) / "config.toml").read_text(encoding="utf-8")).get(
+            "total_env_steps"
+        )
         found = newest_readable_checkpoint(Path(run_dir))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, CheckpointError):
         return None
@@ -493,13 +573,19 @@ def check_config_complete(run_dir: Path, field_names: Collection[str]) -> None:
     named = set(settings) | set(_UNSET_LINE.findall(text))
     missing = [name for name in field_names if name not in named]
     if missing:
-        listed = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise RunFolderError(f"{path} is incomplete: it lacks {len(missing)} of {len(field_names)} settings "
-                             f"({listed}); it was cut short, so the run's settings are unknown. Nothing was "
-                             f"changed; restore the file, or {NEW_RUN_HINT}")
+        listed = ", ".join(missing[:8]) + (
+            f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        )
+        raise RunFolderError(
+            f"{path} is incomplete: it lacks {len(missing)} of {len(field_names)} settings "
+            f"({listed}); it was cut short, so the run's settings are unknown. Nothing was "
+            f"changed; restore the file, or {NEW_RUN_HINT}"
+        )
 
 
-def find_run_folder(run: str | os.PathLike[str], runs_dir: str | os.PathLike[str] | None = None) -> Path | None:
+def find_run_folder(
+    run: str | os.PathLike[str], runs_dir: str | os.PathLike[str] | None = None
+) -> Path | None:
     """The run folder a user's ``RUN`` names (``oakemu train --resume RUN``, ``oakemu monitor RUN``):
     ``RUN`` itself when it holds a ``config.toml``, else ``runs_dir/RUN`` when that does (a run's name in
     the runs folder; not looked for when ``runs_dir`` is None); None when neither does. Reads only."""
@@ -521,12 +607,16 @@ def resumed_settings(run_dir: Path) -> dict[str, Any]:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         what = "is a file" if run_dir.exists() else "does not exist"
-        raise RunFolderError(f"--resume {run_dir}: expected a run folder (runs/<name>/) or the name of one in the "
-                             f"runs folder, received a path that {what}")
+        raise RunFolderError(
+            f"--resume {run_dir}: expected a run folder (runs/<name>/) or the name of one in the "
+            f"runs folder, received a path that {what}"
+        )
     config_toml = run_dir / "config.toml"
     if not config_toml.is_file():
-        raise RunFolderError(f"--resume {run_dir}: expected a run folder written by oakemu train, received a "
-                             "folder without config.toml")
+        raise RunFolderError(
+            f"--resume {run_dir}: expected a run folder written by oakemu train, received a "
+            "folder without config.toml"
+        )
     try:
         settings = tomllib.loads(config_toml.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
@@ -550,8 +640,9 @@ NEW_NAME_TRIES = 1000
 """How many numbered names (``name-2`` ... ``name-1000``) :func:`make_new_run_folder` tries."""
 
 
-def make_new_run_folder(runs_dir: Path, name: str, *, numbered: bool,
-                        hint: str | Callable[[Path, bool], str] = "") -> RunFolderLock:
+def make_new_run_folder(
+    runs_dir: Path, name: str, *, numbered: bool, hint: str | Callable[[Path, bool], str] = ""
+) -> RunFolderLock:
     """Make a new run folder ``runs_dir/name`` and hold it (:class:`RunFolderLock`): a new run never
     writes into a folder that exists.
 
@@ -578,20 +669,26 @@ def make_new_run_folder(runs_dir: Path, name: str, *, numbered: bool,
     """
     runs_dir = Path(runs_dir)
     _make_folder(runs_dir, runs_dir, parents=True)
-    candidates = [name, *(f"{name}-{n}" for n in range(2, NEW_NAME_TRIES + 1))] if numbered else [name]
+    candidates = (
+        [name, *(f"{name}-{n}" for n in range(2, NEW_NAME_TRIES + 1))] if numbered else [name]
+    )
     for candidate in candidates:
         run_dir = runs_dir / candidate
         if _make_folder(run_dir, runs_dir):
             try:
                 return RunFolderLock.acquire(run_dir)
             except BaseException:
-                with contextlib.suppress(OSError):  # made here; not removed when it holds something now
+                with contextlib.suppress(
+                    OSError
+                ):  # made here; not removed when it holds something now
                     run_dir.rmdir()
                 raise
         if not numbered:
             return _take_empty_folder(run_dir, hint)
-    raise RunFolderError(f"--runs-dir {runs_dir}: {name} and {name}-2 ... {name}-{NEW_NAME_TRIES} are all taken; "
-                         "choose another --run-name")
+    raise RunFolderError(
+        f"--runs-dir {runs_dir}: {name} and {name}-2 ... {name}-{NEW_NAME_TRIES} are all taken; "
+        "choose another --run-name"
+    )
 
 
 def _make_folder(folder: Path, runs_dir: Path, *, parents: bool = False) -> bool:
@@ -606,14 +703,18 @@ def _make_folder(folder: Path, runs_dir: Path, *, parents: bool = False) -> bool
         folder.mkdir(parents=parents, exist_ok=parents)
     except FileExistsError:
         if parents:  # exist_ok: it exists and is no folder
-            raise RunFolderError(f"--runs-dir {runs_dir}: expected a folder for run folders, received a file"
-                                 f"{'' if folder == runs_dir else f' at {folder}'}") from None
+            raise RunFolderError(
+                f"--runs-dir {runs_dir}: expected a folder for run folders, received a file"
+                f"{'' if folder == runs_dir else f' at {folder}'}"
+            ) from None
         return False
     except OSError as error:
         if error.errno in (errno.ENOSPC, errno.EDQUOT):
             raise _disk_full(error, folder, 4096) from None
-        raise RunFolderError(f"--runs-dir {runs_dir}: cannot make {folder} ({error.strerror or error}); "
-                             "choose a folder this user can write with --runs-dir") from None
+        raise RunFolderError(
+            f"--runs-dir {runs_dir}: cannot make {folder} ({error.strerror or error}); "
+            "choose a folder this user can write with --runs-dir"
+        ) from None
     return True
 
 
@@ -625,16 +726,22 @@ def _take_empty_folder(run_dir: Path, hint: str | Callable[[Path, bool], str]) -
         return f"; {text}" if text else ""
 
     if not run_dir.is_dir():
-        raise RunFolderError(f"{run_dir} exists and is not a folder; nothing was changed{then(False)}")
+        raise RunFolderError(
+            f"{run_dir} exists and is not a folder; nothing was changed{then(False)}"
+        )
     holder = live_holder(run_dir)
     if holder is not None:
-        raise RunFolderBusyError(f"{run_dir} is in use by a live run ({holder}); nothing was changed{then(True)}")
+        raise RunFolderBusyError(
+            f"{run_dir} is in use by a live run ({holder}); nothing was changed{then(True)}"
+        )
     if not _holds_files(run_dir):
         lock = RunFolderLock.acquire(run_dir, hint=then(True)[2:])
         if not _holds_files(run_dir):
             return lock
         lock.release()
-    raise RunFolderError(f"{run_dir} exists and holds an earlier run; nothing was changed{then(False)}")
+    raise RunFolderError(
+        f"{run_dir} exists and holds an earlier run; nothing was changed{then(False)}"
+    )
 
 
 def _holds_files(run_dir: Path) -> bool:
@@ -683,5 +790,7 @@ def _disk_full(error: OSError, path: Path, needed: int) -> OSError:
         free = f"{shutil.disk_usage(existing).free} bytes free"
     except OSError:
         free = "free space unknown"
-    return DiskFullError(f"cannot write {path}: {error.strerror or error} ({needed} bytes needed, {free} on "
-                         f"{path.parent})")
+    return DiskFullError(
+        f"cannot write {path}: {error.strerror or error} ({needed} bytes needed, {free} on "
+        f"{path.parent})"
+    )

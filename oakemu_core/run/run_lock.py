@@ -26,7 +26,14 @@ from pathlib import Path
 
 from oakemu_core.errors import DiskFullError, RunFolderError
 
-__all__ = ["BUSY_RETRY_S", "LOCK_FILE_NAME", "RunFolderBusyError", "RunFolderLock", "holder_pid", "live_holder"]
+__all__ = [
+    "BUSY_RETRY_S",
+    "LOCK_FILE_NAME",
+    "RunFolderBusyError",
+    "RunFolderLock",
+    "holder_pid",
+    "live_holder",
+]
 
 LOCK_FILE_NAME = "run.lock"
 """The lock file of a run folder (holds the pid of the process that holds the lock)."""
@@ -132,19 +139,27 @@ class RunFolderLock:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             except OSError as error:
                 if error.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise DiskFullError(f"cannot write {path}: {error.strerror} (the run folder's lock file)") from None
-                raise RunFolderError(f"cannot lock the run folder {run_dir} ({error.strerror or error}: "
-                                     f"{path}); a run needs a folder it can write") from None
+                    raise DiskFullError(
+                        f"cannot write {path}: {error.strerror} (the run folder's lock file)"
+                    ) from None
+                raise RunFolderError(
+                    f"cannot lock the run folder {run_dir} ({error.strerror or error}: "
+                    f"{path}); a run needs a folder it can write"
+                ) from None
             if not _lock_within(fd, BUSY_RETRY_S):
                 os.close(fd)
-                raise RunFolderBusyError(f"{run_dir} is in use by a live run ({_describe_holder(path)}); "
-                                         f"nothing was changed" + (f"; {hint}" if hint else ""))
+                raise RunFolderBusyError(
+                    f"{run_dir} is in use by a live run ({_describe_holder(path)}); "
+                    f"nothing was changed" + (f"; {hint}" if hint else "")
+                )
             # The holder before us may have removed the file between our open and our lock: hold the
             # file the path names now, or try again.
             if _same_file(fd, path):
                 break
             os.close(fd)
-        with contextlib.suppress(OSError):  # the pid only informs a refusal; a full disk must not stop the run here
+        with contextlib.suppress(
+            OSError
+        ):  # the pid only informs a refusal; a full disk must not stop the run here
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
         return cls(run_dir, fd)

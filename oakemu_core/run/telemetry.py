@@ -45,7 +45,14 @@ TELEMETRY_TOPIC = b"oakemu.telemetry"
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 """Largest telemetry message a subscriber accepts (bytes); larger ones drop the connection."""
 
-DROPPED_KINDS = ("stale_rows", "stale_steps", "no_capacity_steps", "discarded_segment_rows", "timed_out_actors", "late_steps")
+DROPPED_KINDS = (
+    "stale_rows",
+    "stale_steps",
+    "no_capacity_steps",
+    "discarded_segment_rows",
+    "timed_out_actors",
+    "late_steps",
+)
 """Kinds of dropped data the learner counts (keys of :attr:`TelemetrySnapshot.dropped`)."""
 
 
@@ -150,8 +157,12 @@ class TelemetryHistoryData(pydantic.BaseModel):
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
-    training: list[TrainingPoint] = pydantic.Field(default_factory=list, max_length=HISTORY_MAX_POINTS)
-    evaluations: list[EvaluationPoint] = pydantic.Field(default_factory=list, max_length=HISTORY_MAX_POINTS)
+    training: list[TrainingPoint] = pydantic.Field(
+        default_factory=list, max_length=HISTORY_MAX_POINTS
+    )
+    evaluations: list[EvaluationPoint] = pydantic.Field(
+        default_factory=list, max_length=HISTORY_MAX_POINTS
+    )
 
 
 class _DownsampledSeries:
@@ -185,7 +196,11 @@ class _DownsampledSeries:
         return [point for _, point in self._items]
 
     def state(self) -> dict[str, Any]:
-        return {"stride": self.stride, "count": self.count, "indexes": [index for index, _ in self._items]}
+        return {
+            "stride": self.stride,
+            "count": self.count,
+            "indexes": [index for index, _ in self._items],
+        }
 
 
 class TelemetryHistory:
@@ -220,12 +235,22 @@ class TelemetryHistory:
         """Path of the newest evaluation video (None before the first)."""
         self._data: TelemetryHistoryData | None = None
 
-    def record_update(self, global_step: int, episodic_return: float | None, sps: float | None,
-                      *, time_s: float | None = None) -> None:
+    def record_update(
+        self,
+        global_step: int,
+        episodic_return: float | None,
+        sps: float | None,
+        *,
+        time_s: float | None = None,
+    ) -> None:
         """Add one PPO update: env steps so far, mean raw return of the episode window (NaN or None
         while empty) and env steps per second; ``time_s`` defaults to now (unix s)."""
-        point = TrainingPoint(global_step=int(global_step), time=time.time() if time_s is None else float(time_s),
-                              episodic_return=_finite(episodic_return), sps=_finite(sps))
+        point = TrainingPoint(
+            global_step=int(global_step),
+            time=time.time() if time_s is None else float(time_s),
+            episodic_return=_finite(episodic_return),
+            sps=_finite(sps),
+        )
         with self._lock:
             self._training.add(point)
             self._data = None
@@ -234,15 +259,21 @@ class TelemetryHistory:
         """Add one evaluation: an :class:`oakemu_core.run.tester.EvaluationReport` (or any object with
         ``global_step``, ``policy_version``, ``return_mean``, ``return_std``, ``length_mean`` and
         ``finished_at``)."""
-        point = EvaluationPoint(global_step=int(report.global_step), time=float(report.finished_at),
-                                policy_version=int(report.policy_version), return_mean=_finite(report.return_mean),
-                                return_std=_finite(report.return_std), length_mean=_finite(report.length_mean))
+        point = EvaluationPoint(
+            global_step=int(report.global_step),
+            time=float(report.finished_at),
+            policy_version=int(report.policy_version),
+            return_mean=_finite(report.return_mean),
+            return_std=_finite(report.return_std),
+            length_mean=_finite(report.length_mean),
+        )
         with self._lock:
             self._evaluations.add(point)
             self._latest = point
             self.eval_video = getattr(report, "video_path", None) or self.eval_video
-            if point.return_mean is not None and (self.best_eval_return is None
-                                                  or point.return_mean > self.best_eval_return):
+            if point.return_mean is not None and (
+                self.best_eval_return is None or point.return_mean > self.best_eval_return
+            ):
                 self.best_eval_return = point.return_mean
             self._data = None
 
@@ -250,8 +281,9 @@ class TelemetryHistory:
         """The history as sent in snapshots (built once per change)."""
         with self._lock:
             if self._data is None:
-                self._data = TelemetryHistoryData(training=self._training.points(),
-                                                  evaluations=self._evaluations.points())
+                self._data = TelemetryHistoryData(
+                    training=self._training.points(), evaluations=self._evaluations.points()
+                )
             return self._data
 
     def snapshot_fields(self) -> dict[str, Any]:
@@ -296,8 +328,10 @@ class TelemetryHistory:
                 points = [model.model_validate(item) for item in state[key]]
                 meta = state["training_series" if key == "training" else "evaluation_series"]
                 if len(meta["indexes"]) != len(points) or len(points) > self.max_points:
-                    raise ValueError(f"history {key}: {len(points)} points, {len(meta['indexes'])} indexes, "
-                                     f"capacity {self.max_points}")
+                    raise ValueError(
+                        f"history {key}: {len(points)} points, {len(meta['indexes'])} indexes, "
+                        f"capacity {self.max_points}"
+                    )
                 restored = _DownsampledSeries(self.max_points)
                 restored.stride, restored.count = int(meta["stride"]), int(meta["count"])
                 restored._items = list(zip((int(i) for i in meta["indexes"]), points))
@@ -480,8 +514,14 @@ def decode_frames(frames: list[bytes]) -> TelemetrySnapshot:
     return decode_snapshot(frames[1])
 
 
-def _open_socket(context: zmq.Context | None, kind: int, security: Any, options: dict[int, Any],
-                 attach: Callable[[zmq.Socket], None], error: Callable[[zmq.ZMQError], TelemetryError]) -> zmq.Socket:
+def _open_socket(
+    context: zmq.Context | None,
+    kind: int,
+    security: Any,
+    options: dict[int, Any],
+    attach: Callable[[zmq.Socket], None],
+    error: Callable[[zmq.ZMQError], TelemetryError],
+) -> zmq.Socket:
     """A ZeroMQ socket of ``kind`` with CURVE (``security.apply``, or None), ``LINGER`` 0 and
     ``options``, then bound or connected by ``attach``.
 
@@ -516,12 +556,25 @@ class TelemetryPublisher:
         TelemetryBindError: the address is invalid or already in use.
     """
 
-    def __init__(self, bind_address: str, *, send_hwm: int = 4, context: zmq.Context | None = None,
-                 security: Any = None) -> None:
+    def __init__(
+        self,
+        bind_address: str,
+        *,
+        send_hwm: int = 4,
+        context: zmq.Context | None = None,
+        security: Any = None,
+    ) -> None:
         self._socket = _open_socket(
-            context, zmq.PUB, security, {zmq.SNDHWM: send_hwm}, lambda sock: sock.bind(bind_address),
-            lambda exc: TelemetryBindError(f"cannot bind telemetry publisher to {bind_address!r}: {exc} "
-                                           "(set OAKEMU_TELEMETRY_PORT / OAKEMU_BIND_HOST to a free address)"))
+            context,
+            zmq.PUB,
+            security,
+            {zmq.SNDHWM: send_hwm},
+            lambda sock: sock.bind(bind_address),
+            lambda exc: TelemetryBindError(
+                f"cannot bind telemetry publisher to {bind_address!r}: {exc} "
+                "(set OAKEMU_TELEMETRY_PORT / OAKEMU_BIND_HOST to a free address)"
+            ),
+        )
         self.address: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         """The bound endpoint, with the actual port when ``bind_address`` used ``*``."""
         self.published = 0
@@ -540,7 +593,9 @@ class TelemetryPublisher:
         if self._closed:
             raise TelemetryError("publish() on a closed TelemetryPublisher")
         try:
-            self._socket.send_multipart([TELEMETRY_TOPIC, encode_snapshot(snapshot)], flags=zmq.NOBLOCK)
+            self._socket.send_multipart(
+                [TELEMETRY_TOPIC, encode_snapshot(snapshot)], flags=zmq.NOBLOCK
+            )
         except zmq.Again:
             self.dropped += 1
             return False
@@ -588,11 +643,20 @@ class TelemetrySubscriber:
     ) -> None:
         self.connect_address = connect_address
         self._socket = _open_socket(
-            context, zmq.SUB, security,
-            {zmq.RCVHWM: receive_hwm, zmq.MAXMSGSIZE: max_message_bytes, zmq.SUBSCRIBE: TELEMETRY_TOPIC},
+            context,
+            zmq.SUB,
+            security,
+            {
+                zmq.RCVHWM: receive_hwm,
+                zmq.MAXMSGSIZE: max_message_bytes,
+                zmq.SUBSCRIBE: TELEMETRY_TOPIC,
+            },
             lambda sock: sock.connect(connect_address),
-            lambda exc: TelemetryAddressError(f"telemetry address {connect_address!r} is not a valid ZeroMQ "
-                                              f"endpoint (expected tcp://HOST:PORT or ipc://PATH): {exc}"))
+            lambda exc: TelemetryAddressError(
+                f"telemetry address {connect_address!r} is not a valid ZeroMQ "
+                f"endpoint (expected tcp://HOST:PORT or ipc://PATH): {exc}"
+            ),
+        )
         self.received = 0
         """Valid snapshots received."""
         self.rejected = 0

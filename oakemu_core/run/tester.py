@@ -204,13 +204,23 @@ class Tester:
         self.greedy = bool(greedy)
         self.seed = int(seed)
         self._options: dict[str, Any] = {
-            "env_id": env_id, "schema_dict": dict(schema_dict), "episodes": self.episodes,
-            "greedy": self.greedy, "seed": self.seed, "settings_file": settings_file,
-            "max_episode_steps": max_episode_steps, "normalize_observations": bool(normalize_observations),
-            "env_options": env_options, "best_return": None if best_return is None else float(best_return),
+            "env_id": env_id,
+            "schema_dict": dict(schema_dict),
+            "episodes": self.episodes,
+            "greedy": self.greedy,
+            "seed": self.seed,
+            "settings_file": settings_file,
+            "max_episode_steps": max_episode_steps,
+            "normalize_observations": bool(normalize_observations),
+            "env_options": env_options,
+            "best_return": None if best_return is None else float(best_return),
             "video_dir": None if video_dir is None else str(video_dir),
         }
-        self._videos, self._video_every, self._max_share = video_dir is not None, int(video_every), float(max_share)
+        self._videos, self._video_every, self._max_share = (
+            video_dir is not None,
+            int(video_every),
+            float(max_share),
+        )
         self._nice = int(nice)
         self._lock = threading.Lock()
         # Waiting jobs ``(policy_version, global_step, weights, keep)``, oldest first: any number of
@@ -220,7 +230,9 @@ class Tester:
         self._handed_out = 0  # evaluations handed to the child (the video_every count)
         self._handed_at = 0.0  # time.monotonic() of the last hand-off
         self._next_start = 0.0  # time.monotonic() before which a plain submission waits (pacing)
-        self._draining = False  # drain() runs: nothing waits for pacing, the last evaluation is final
+        self._draining = (
+            False  # drain() runs: nothing waits for pacing, the last evaluation is final
+        )
         self._final_video_due = False  # drain() wants final.mp4 once nothing runs or waits
         self._final_video_asked = False  # the child is making final.mp4
         self._reports: list[EvaluationReport] = []
@@ -260,7 +272,9 @@ class Tester:
             TesterError: already started, or closed.
         """
         if self._started or self._closed:
-            raise TesterError("Tester.start(): already started" if self._started else "Tester.start(): closed")
+            raise TesterError(
+                "Tester.start(): already started" if self._started else "Tester.start(): closed"
+            )
         self._started = True
         context = multiprocessing.get_context(_START_METHOD)
         parent_conn, child_conn = context.Pipe(duplex=True)
@@ -269,8 +283,10 @@ class Tester:
             self._wake_r, self._wake_w = os.pipe()
             os.set_blocking(self._wake_w, False)
             self._process = context.Process(
-                target=child_main, args=(child_conn, os.getpid(), dict(self._options)),
-                name=f"oakemu-tester-{self.env_id}", daemon=True,
+                target=child_main,
+                args=(child_conn, os.getpid(), dict(self._options)),
+                name=f"oakemu-tester-{self.env_id}",
+                daemon=True,
             )
             self._process.start()
             self._pid = self._process.pid
@@ -292,8 +308,14 @@ class Tester:
     @property
     def alive(self) -> bool:
         """True while the tester process runs and has not failed to start."""
-        return bool(self._started and not self._closed and self._process is not None
-                    and self._process.is_alive() and self._thread is not None and self._thread.is_alive())
+        return bool(
+            self._started
+            and not self._closed
+            and self._process is not None
+            and self._process.is_alive()
+            and self._thread is not None
+            and self._thread.is_alive()
+        )
 
     @property
     def pid(self) -> int | None:
@@ -371,8 +393,14 @@ class Tester:
             pass
 
     # -- learner-facing calls ------------------------------------------------------------------
-    def submit(self, policy_version: int, weights: dict[str, np.ndarray], global_step: int, *,
-               keep: bool = False) -> bool:
+    def submit(
+        self,
+        policy_version: int,
+        weights: dict[str, np.ndarray],
+        global_step: int,
+        *,
+        keep: bool = False,
+    ) -> bool:
         """Ask for an evaluation of ``weights``; returns at once (a lock and a one-byte write).
 
         The weights are kept by reference until evaluated: pass a snapshot that is not changed
@@ -417,7 +445,9 @@ class Tester:
             self._draining, self._final_video_due = True, self._videos
         self._wake()
         with self._lock:
-            while (self._in_flight is not None or self._pending or self._final_video_due) and not self._closing:
+            while (
+                self._in_flight is not None or self._pending or self._final_video_due
+            ) and not self._closing:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self.alive:
                     break
@@ -467,14 +497,18 @@ class Tester:
                         message = None
                     if message is None:
                         if not self._start_failed:  # keep the start error: it says why
-                            self._fail(f"tester process {self._process.pid} closed its pipe (exit code "
-                                       f"{self._process.exitcode})")
+                            self._fail(
+                                f"tester process {self._process.pid} closed its pipe (exit code "
+                                f"{self._process.exitcode})"
+                            )
                         return
                     self._handle(message)
                 elif sentinel in ready:
                     self._process.join(1.0)  # the exit code is set once it is reaped
                     if not self._start_failed:
-                        self._fail(f"tester process {self._process.pid} exited with code {self._process.exitcode}")
+                        self._fail(
+                            f"tester process {self._process.pid} exited with code {self._process.exitcode}"
+                        )
                     return
         except (OSError, ValueError, BrokenPipeError) as exc:
             if not self._closing:
@@ -499,7 +533,13 @@ class Tester:
             return None, wait_s
         job = self._in_flight = self._pending.pop(0)
         due = self._videos and self._video_every > 0 and self._handed_out % self._video_every == 0
-        record = "update" if due else "final" if self._videos and self._draining and not self._pending else None
+        record = (
+            "update"
+            if due
+            else "final"
+            if self._videos and self._draining and not self._pending
+            else None
+        )
         self._handed_out += 1
         self._handed_at = time.monotonic()
         return ("evaluate", job[0], job[1], dict(job[2]), record), None
@@ -517,7 +557,9 @@ class Tester:
                     logger.warning("tester: no final video: %s", message[2])
                 self._idle.notify_all()
                 return
-            finished = time.monotonic()  # pacing: busy at most max_share of the time since the hand-off
+            finished = (
+                time.monotonic()
+            )  # pacing: busy at most max_share of the time since the hand-off
             self._next_start = self._handed_at + (finished - self._handed_at) / self._max_share
             in_flight, self._in_flight = self._in_flight, None
             if kind == "report":
@@ -525,7 +567,11 @@ class Tester:
                 if values.get("video_error") and not self.video_failed:
                     logger.warning("tester: no evaluation video: %s", values["video_error"])
                 self.video_failed += bool(values.get("video_error"))
-                weights = in_flight[2] if in_flight is not None and in_flight[0] == values["policy_version"] else None
+                weights = (
+                    in_flight[2]
+                    if in_flight is not None and in_flight[0] == values["policy_version"]
+                    else None
+                )
                 self._reports.append(EvaluationReport(**values, weights=weights))
                 self.completed += 1
             elif kind == "error":
@@ -539,7 +585,9 @@ class Tester:
             self._idle.notify_all()
 
 
-def tester_from_config(config: Any, schema_dict: Mapping[str, Any], *, run_dir: Path | None = None) -> Tester | None:
+def tester_from_config(
+    config: Any, schema_dict: Mapping[str, Any], *, run_dir: Path | None = None
+) -> Tester | None:
     """The run's tester (not started) from an :class:`oakemu_core.config.OakEmuConfig`, or None
     when evaluation is off (``eval_every_updates == 0``).
 
@@ -552,11 +600,28 @@ def tester_from_config(config: Any, schema_dict: Mapping[str, Any], *, run_dir: 
 
     if not config.eval_every_updates:
         return None
-    video_dir = run_video_dir(run_dir) if getattr(config, "eval_video", False) and run_dir is not None else None
-    best = BestCheckpointTracker(run_dir).state_dict()["best_return"] if video_dir is not None else None
-    return Tester(config.env_id, episodes=config.eval_episodes, greedy=config.resolved_eval_greedy,
-                  seed=config.seed + EVAL_SEED_OFFSET, settings_file=config.emulator_settings,
-                  max_episode_steps=config.max_episode_steps,
-                  normalize_observations=config.normalize_observations, schema_dict=schema_dict, video_dir=video_dir,
-                  video_every=config.eval_video_every, max_share=config.eval_max_share, best_return=best,
-                  env_options=config.env_options)
+    video_dir = (
+        run_video_dir(run_dir)
+        if getattr(config, "eval_video", False) and run_dir is not None
+        else None
+    )
+    best = (
+        BestCheckpointTracker(run_dir).state_dict()["best_return"]
+        if video_dir is not None
+        else None
+    )
+    return Tester(
+        config.env_id,
+        episodes=config.eval_episodes,
+        greedy=config.resolved_eval_greedy,
+        seed=config.seed + EVAL_SEED_OFFSET,
+        settings_file=config.emulator_settings,
+        max_episode_steps=config.max_episode_steps,
+        normalize_observations=config.normalize_observations,
+        schema_dict=schema_dict,
+        video_dir=video_dir,
+        video_every=config.eval_video_every,
+        max_share=config.eval_max_share,
+        best_return=best,
+        env_options=config.env_options,
+    )

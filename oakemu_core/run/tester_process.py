@@ -47,7 +47,9 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(0)
 
 
-def child_main(conn: multiprocessing.connection.Connection, parent_pid: int, options: dict[str, Any]) -> None:
+def child_main(
+    conn: multiprocessing.connection.Connection, parent_pid: int, options: dict[str, Any]
+) -> None:
     """The tester process's entry point: build once to check the settings, then evaluate what
     arrives on ``conn`` (the module docstring's messages) until ``("stop",)`` or the pipe closes.
 
@@ -58,7 +60,9 @@ def child_main(conn: multiprocessing.connection.Connection, parent_pid: int, opt
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's business; it closes us
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="tester-parent-watch").start()
+    threading.Thread(
+        target=_watch_parent, args=(parent_pid,), daemon=True, name="tester-parent-watch"
+    ).start()
     import torch  # the parent has already niced this process (Tester.start)
 
     from oakemu_core.run.evaluation import build_evaluation
@@ -72,8 +76,16 @@ def child_main(conn: multiprocessing.connection.Connection, parent_pid: int, opt
         return build_evaluation(env_id, schema_dict, seed=seed, frame_sink=frame_sink, **options)
 
     try:
-        _serve(conn, _Evaluator(build, episodes=episodes, greedy=greedy, video_dir=video_dir,
-                                best_return=best_return))
+        _serve(
+            conn,
+            _Evaluator(
+                build,
+                episodes=episodes,
+                greedy=greedy,
+                video_dir=video_dir,
+                best_return=best_return,
+            ),
+        )
     finally:
         import gc
 
@@ -103,7 +115,9 @@ def _serve(conn: multiprocessing.connection.Connection, evaluator: _Evaluator) -
         try:
             values = evaluator.evaluate(policy_version, global_step, weights, record)
         except Exception as exc:
-            conn.send(("error", policy_version, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+            conn.send(
+                ("error", policy_version, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+            )
             continue
         conn.send(("report", values))
 
@@ -111,13 +125,22 @@ def _serve(conn: multiprocessing.connection.Connection, evaluator: _Evaluator) -
 class _Evaluator:
     """Plays evaluations in this process and keeps the videos (see the module docstring)."""
 
-    def __init__(self, build: Callable[..., tuple[Any, Any]], *, episodes: int, greedy: bool,
-                 video_dir: str | None, best_return: float | None) -> None:
+    def __init__(
+        self,
+        build: Callable[..., tuple[Any, Any]],
+        *,
+        episodes: int,
+        greedy: bool,
+        video_dir: str | None,
+        best_return: float | None,
+    ) -> None:
         self.build = build
         self._episodes, self._greedy = int(episodes), bool(greedy)
         self._video_dir = None if video_dir is None else Path(video_dir)
         self._best_return = -float("inf") if best_return is None else float(best_return)
-        self._last: tuple[Mapping[str, np.ndarray], list[Path]] | None = None  # weights, videos written
+        self._last: tuple[Mapping[str, np.ndarray], list[Path]] | None = (
+            None  # weights, videos written
+        )
 
     def _play(self, weights: Mapping[str, np.ndarray], episodes: int, videos: Any) -> Any:
         from oakemu_core.policy.models import load_weight_arrays
@@ -132,8 +155,13 @@ class _Evaluator:
             if videos is not None:
                 videos.close()
 
-    def evaluate(self, policy_version: int, global_step: int, weights: Mapping[str, np.ndarray],
-                 record: str | None) -> dict[str, Any]:
+    def evaluate(
+        self,
+        policy_version: int,
+        global_step: int,
+        weights: Mapping[str, np.ndarray],
+        record: str | None,
+    ) -> dict[str, Any]:
         """One evaluation: the report's values (:class:`oakemu_core.run.tester.EvaluationReport`'s fields
         but ``weights``). Raises what building or playing raises (bad weights, a failing env)."""
         from oakemu_core.run.best_checkpoint import is_new_best
@@ -142,9 +170,14 @@ class _Evaluator:
         started = time.perf_counter()
         videos = None
         if self._video_dir is not None and record is not None:
-            path = (final_video_path(self._video_dir) if record == "final"
-                    else evaluation_video_path(self._video_dir, policy_version))
-            videos = episode_video(path, preview=record != "final")  # the run waits for the final: no GIF
+            path = (
+                final_video_path(self._video_dir)
+                if record == "final"
+                else evaluation_video_path(self._video_dir, policy_version)
+            )
+            videos = episode_video(
+                path, preview=record != "final"
+            )  # the run waits for the final: no GIF
         result = self._play(weights, self._episodes, videos)
         written = list(videos.paths) if videos is not None else []
         error = videos.error if videos is not None else None
@@ -154,8 +187,9 @@ class _Evaluator:
             if self._video_dir is not None:
                 from oakemu_core.run.video import best_video_path
 
-                path, best_error, best_preview = self._keep(best_video_path(self._video_dir), weights, written,
-                                                            preview=preview is None)
+                path, best_error, best_preview = self._keep(
+                    best_video_path(self._video_dir), weights, written, preview=preview is None
+                )
                 written += [path] if path is not None else []
                 error, preview = error or best_error, preview or best_preview
         self._last = (weights, written)
@@ -188,14 +222,17 @@ class _Evaluator:
         weights, written = self._last
         target = final_video_path(self._video_dir)
         if target not in written:
-            path, error, _ = self._keep(target, weights, written, preview=False)  # no report shows it
+            path, error, _ = self._keep(
+                target, weights, written, preview=False
+            )  # no report shows it
             if path is None:
                 return None, error
             written.append(path)
         return str(target), None
 
-    def _keep(self, target: Path, weights: Mapping[str, np.ndarray], written: list[Path], *,
-              preview: bool) -> tuple[Path | None, str | None, Any]:
+    def _keep(
+        self, target: Path, weights: Mapping[str, np.ndarray], written: list[Path], *, preview: bool
+    ) -> tuple[Path | None, str | None, Any]:
         """``target`` as a copy of the evaluation's video, else by replaying its first episode (with a
         TensorBoard preview when ``preview``): ``(path or None, error or None, preview or None)``."""
         from oakemu_core.run.video import copy_video, episode_video

@@ -62,18 +62,31 @@ def check_tracker_available(kind: str) -> None:
         raise ConfigError(f"track: expected none, {', '.join(TRACKERS)}, received {kind!r}")
     module, extra = TRACKERS[kind]
     if importlib.util.find_spec(module) is None:
-        raise ConfigError(f"track: --track {kind} needs the {module} package: pip install 'oakemu-rl[{extra}]'")
+        raise ConfigError(
+            f"track: --track {kind} needs the {module} package: pip install 'oakemu-rl[{extra}]'"
+        )
 
 
 def _flat_config(config: Mapping[str, Any]) -> dict[str, str]:
     """Settings as MLflow params: values as strings (JSON for lists and dicts), at most 6,000 chars."""
-    return {key: (value if isinstance(value, str) else json.dumps(value))[:6000] for key, value in config.items()}
+    return {
+        key: (value if isinstance(value, str) else json.dumps(value))[:6000]
+        for key, value in config.items()
+    }
 
 
 class _Mlflow:
     """MLflow through its client (no global active run)."""
 
-    def __init__(self, *, uri: str, experiment: str, run_name: str, run_id: str | None, config: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        *,
+        uri: str,
+        experiment: str,
+        run_name: str,
+        run_id: str | None,
+        config: Mapping[str, Any],
+    ) -> None:
         if uri.startswith("file:") or "://" not in uri:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # module docstring
         from mlflow.entities import Param
@@ -82,18 +95,24 @@ class _Mlflow:
         self._client = MlflowClient(tracking_uri=uri)
         if run_id is None:
             found = self._client.get_experiment_by_name(experiment)
-            experiment_id = found.experiment_id if found is not None else self._client.create_experiment(experiment)
+            experiment_id = (
+                found.experiment_id
+                if found is not None
+                else self._client.create_experiment(experiment)
+            )
             run_id = self._client.create_run(experiment_id, run_name=run_name).info.run_id
             params = [Param(key, value) for key, value in _flat_config(config).items()]
             for start in range(0, len(params), 100):  # MLflow's limit per batch
-                self._client.log_batch(run_id, params=params[start:start + 100])
+                self._client.log_batch(run_id, params=params[start : start + 100])
         self.run_id = run_id
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self._client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
+        self._client.log_batch(
+            self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()]
+        )
 
     def video(self, step: int, tag: str, path: Path) -> None:
         self._client.log_artifact(self.run_id, str(path), artifact_path="videos")
@@ -108,14 +127,28 @@ class _Mlflow:
 class _Wandb:
     """Weights & Biases: one run, files under the run folder."""
 
-    def __init__(self, *, run_dir: Path, project: str, run_name: str, run_id: str | None,
-                 config: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        *,
+        run_dir: Path,
+        project: str,
+        run_name: str,
+        run_id: str | None,
+        config: Mapping[str, Any],
+    ) -> None:
         import wandb
 
         self._wandb = wandb
-        self._run = wandb.init(project=project, name=run_name, dir=str(run_dir), config=dict(config), id=run_id,
-                               resume="allow" if run_id else None, reinit="create_new",
-                               settings=wandb.Settings(console="off", x_disable_stats=True))
+        self._run = wandb.init(
+            project=project,
+            name=run_name,
+            dir=str(run_dir),
+            config=dict(config),
+            id=run_id,
+            resume="allow" if run_id else None,
+            reinit="create_new",
+            settings=wandb.Settings(console="off", x_disable_stats=True),
+        )
         self.run_id = self._run.id
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
@@ -125,7 +158,9 @@ class _Wandb:
         self._run.log({tag: self._wandb.Video(str(path), format="mp4")}, step=step)
 
     def checkpoint(self, path: Path) -> None:
-        artifact = self._wandb.Artifact(f"{self._run.name or self.run_id}-checkpoint".replace("/", "-"), type="model")
+        artifact = self._wandb.Artifact(
+            f"{self._run.name or self.run_id}-checkpoint".replace("/", "-"), type="model"
+        )
         artifact.add_file(str(path))
         self._run.log_artifact(artifact)
 
@@ -148,8 +183,15 @@ class Tracker:
         ConfigError: the tracker's package is not installed.
     """
 
-    def __init__(self, kind: str, run_dir: Path, config: Mapping[str, Any], *, uri: str | None = None,
-                 project: str = "oakemu") -> None:
+    def __init__(
+        self,
+        kind: str,
+        run_dir: Path,
+        config: Mapping[str, Any],
+        *,
+        uri: str | None = None,
+        project: str = "oakemu",
+    ) -> None:
         check_tracker_available(kind)
         self.kind, self.run_dir = kind, Path(run_dir)
         self.dropped = 0
@@ -158,7 +200,9 @@ class Tracker:
         self._queue: queue.Queue[tuple[str, tuple[Any, ...]] | None] = queue.Queue(QUEUE_SIZE)
         uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or Path("mlruns").resolve().as_uri()
         options = {"uri": uri, "project": project, "config": dict(config)}
-        self._thread = threading.Thread(target=self._work, args=(options,), name=f"oakemu-{kind}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._work, args=(options,), name=f"oakemu-{kind}", daemon=True
+        )
         self._thread.start()
 
     # -- learner-facing calls (queue only) -------------------------------------------------------
@@ -187,7 +231,11 @@ class Tracker:
         self._queue.put(None)
         self._thread.join(CLOSE_TIMEOUT_S)
         if self._thread.is_alive():
-            log.warning("%s: queued calls not done after %.0f s; giving up on them", self.kind, CLOSE_TIMEOUT_S)
+            log.warning(
+                "%s: queued calls not done after %.0f s; giving up on them",
+                self.kind,
+                CLOSE_TIMEOUT_S,
+            )
         self._thread = None
 
     # -- worker thread -------------------------------------------------------------------------
@@ -226,14 +274,22 @@ class Tracker:
         else:
             backend = _Wandb(run_dir=self.run_dir, project=options["project"], **common)
         if backend.run_id != run_id:
-            write_text_atomic(state_file, json.dumps({"tracker": self.kind, "run_id": backend.run_id}) + "\n")
+            write_text_atomic(
+                state_file, json.dumps({"tracker": self.kind, "run_id": backend.run_id}) + "\n"
+            )
         log.info("tracking with %s: run %s", self.kind, backend.run_id)
         return backend
 
     def _fail(self, what: str, error: BaseException) -> None:
         self._failed = True
         self.dropped += 1
-        log.error("%s: %s (%s: %s); tracking stops, training goes on", self.kind, what, type(error).__name__, error)
+        log.error(
+            "%s: %s (%s: %s); tracking stops, training goes on",
+            self.kind,
+            what,
+            type(error).__name__,
+            error,
+        )
 
 
 def tracker_from_config(config: Any, run_dir: Path) -> Tracker | None:
@@ -245,5 +301,10 @@ def tracker_from_config(config: Any, run_dir: Path) -> Tracker | None:
     """
     if config.track == "none":
         return None
-    return Tracker(config.track, run_dir, config.model_dump(mode="json"), uri=config.track_uri,
-                   project=config.track_project)
+    return Tracker(
+        config.track,
+        run_dir,
+        config.model_dump(mode="json"),
+        uri=config.track_uri,
+        project=config.track_project,
+    )

@@ -129,7 +129,9 @@ def preview_summary(tag: str, preview: VideoPreview) -> Any:
     ``SummaryWriter.add_video`` writes, without its moviepy dependency)."""
     from tensorboard.compat.proto.summary_pb2 import Summary
 
-    image = Summary.Image(height=preview.height, width=preview.width, colorspace=3, encoded_image_string=preview.gif)
+    image = Summary.Image(
+        height=preview.height, width=preview.width, colorspace=3, encoded_image_string=preview.gif
+    )
     return Summary(value=[Summary.Value(tag=tag, image=image)])
 
 
@@ -153,7 +155,9 @@ class EpisodeVideos:
         ValueError: ``episodes`` < 1.
     """
 
-    def __init__(self, path_of: Callable[[int], Path], *, episodes: int, preview: bool = False) -> None:
+    def __init__(
+        self, path_of: Callable[[int], Path], *, episodes: int, preview: bool = False
+    ) -> None:
         require_video_writer()
         if int(episodes) < 1:
             raise ValueError(f"episodes: expected >= 1, received {episodes}")
@@ -182,8 +186,15 @@ class EpisodeVideos:
 
             self._path.parent.mkdir(parents=True, exist_ok=True)
             self._writer = imageio.get_writer(
-                self._partial, format="FFMPEG", mode="I", fps=self._fps, codec="libx264", pixelformat="yuv420p",
-                macro_block_size=2, ffmpeg_log_level="error", output_params=list(_ENCODER_PARAMS),
+                self._partial,
+                format="FFMPEG",
+                mode="I",
+                fps=self._fps,
+                codec="libx264",
+                pixelformat="yuv420p",
+                macro_block_size=2,
+                ffmpeg_log_level="error",
+                output_params=list(_ENCODER_PARAMS),
             )
         except Exception as error:  # noqa: BLE001 - a full disk or a broken ffmpeg: evaluation goes on
             self.fail(f"cannot write {self._path}: {type(error).__name__}: {error}")
@@ -262,7 +273,13 @@ class EpisodeVideos:
         frames = np.stack(self._kept)
         self._kept = []
         try:
-            gif = iio.imwrite("<bytes>", frames, extension=".gif", duration=1000.0 * self._stride / self._fps, loop=0)
+            gif = iio.imwrite(
+                "<bytes>",
+                frames,
+                extension=".gif",
+                duration=1000.0 * self._stride / self._fps,
+                loop=0,
+            )
         except Exception:  # noqa: BLE001 - no preview; the MP4 is written
             return None
         return VideoPreview(gif=gif, height=int(frames.shape[1]), width=int(frames.shape[2]))
@@ -283,5 +300,6 @@ def run_video_dir(run_dir: Path) -> Path | None:
     if video_writer_available():
         return Path(run_dir) / VIDEO_DIR_NAME
     logging.getLogger(__name__).warning(
-        "evaluation videos are off: %s (--no-eval-video silences this)", _INSTALL_HINT)
+        "evaluation videos are off: %s (--no-eval-video silences this)", _INSTALL_HINT
+    )
     return None

@@ -1,8 +1,9 @@
 """Learner-side rollout assembly: actor registry, column assignment, double buffering, policy lag.
 
 The learner owns ``len(buffers)`` rollout buffers (two by default) of shape ``(T, N)``, kept by a
-:class:`~oakemu_core.storage.buffer_ring.BufferRing` (filling, full, training; column owners). Actors step their envs in lockstep and send one step
-message per vector step; each actor gets a *segment*: up to ``num_envs`` free columns of the oldest
+:class:`~oakemu_core.storage.buffer_ring.BufferRing` (filling, full, training; column owners).
+Actors step their envs in lockstep and send one step message per vector step; each actor gets a
+*segment*: up to ``num_envs`` free columns of the oldest
 filling buffer, written row by row for ``T`` messages. A segment that does not finish (the actor
 crashed, went silent, or sent out of order) is discarded: its columns are emptied and handed to the
 next actor that asks. Steps that find no free column are held, not dropped: the actor's messages
@@ -59,6 +60,7 @@ HELD_SLACK_MESSAGES = 16
 segments per policy version (``oakemu_services.actor.AHEAD_SEGMENTS``), but the messages still in the
 sockets when a version arrives were acted by the one before (a few messages: the actor's send
 high-water mark, kernel buffers sized to a few messages, the learner's receive queue)."""
+
 
 class StepRejected(Exception):
     """A well-formed step message that the learner refuses (``reason`` is a short counter key)."""
@@ -164,8 +166,12 @@ class IngestCounters:
         """Messages received but neither accepted, rejected nor counted late (0 when the books balance).
         ``rejected["unauthorized_key"]`` counts refused connections, not messages, and is left out."""
         rejected = sum(v for k, v in self.rejected.items() if k != "unauthorized_key")
-        return (sum(self.received.values()) - sum(self.accepted.values()) - rejected
-                - self.dropped["late_step_messages"])
+        return (
+            sum(self.received.values())
+            - sum(self.accepted.values())
+            - rejected
+            - self.dropped["late_step_messages"]
+        )
 
 
 class DepartedIncarnations:
@@ -219,18 +225,29 @@ class RolloutAssembler:
         ValueError: if ``buffers`` is empty or the buffers disagree in shape.
     """
 
-    def __init__(self, buffers: list[RolloutBuffer], *, actor_timeout_s: float, sync: bool = False,
-                 max_policy_lag: int | None = None, planned_columns: int = 0) -> None:
+    def __init__(
+        self,
+        buffers: list[RolloutBuffer],
+        *,
+        actor_timeout_s: float,
+        sync: bool = False,
+        max_policy_lag: int | None = None,
+        planned_columns: int = 0,
+    ) -> None:
         self._ring = BufferRing(buffers, planned_columns)
         self.buffers = self._ring.buffers
         self.rollout_length = self._ring.rollout_length
         self.num_columns = self._ring.num_columns
         self.actor_timeout_s = actor_timeout_s
         self._next_actor_index = 0
-        self._segments_started = itertools.count(1)  # numbers the segments started: ActorRecord.served
+        self._segments_started = itertools.count(
+            1
+        )  # numbers the segments started: ActorRecord.served
         self.actors: dict[str, ActorRecord] = {}
         self.counters = IngestCounters()
-        self.departed = DepartedIncarnations(self.counters)  # their steps in flight: late, not malformed
+        self.departed = DepartedIncarnations(
+            self.counters
+        )  # their steps in flight: late, not malformed
         self.episode_returns: list[float] = []
         self.episode_lengths: list[int] = []
         self.sync = bool(sync)
@@ -247,8 +264,16 @@ class RolloutAssembler:
         return self._ring.states
 
     # ----------------------------------------------------------------------------------- actors
-    def join(self, actor_id: str, incarnation: str, spec: StepSpec, *, hostname: str, now: float,
-             index: int | None = None) -> ActorRecord:
+    def join(
+        self,
+        actor_id: str,
+        incarnation: str,
+        spec: StepSpec,
+        *,
+        hostname: str,
+        now: float,
+        index: int | None = None,
+    ) -> ActorRecord:
         """Register an actor incarnation; a new incarnation of a known id replaces the old one.
 
         Args:
@@ -265,16 +290,22 @@ class RolloutAssembler:
                 (:meth:`has_room_for`), or the spec's ``steps_per_message`` does not divide the
                 rollout length.
         """
-        if spec.schema != self.buffers[0].schema:  # decode_step checks messages against spec.schema only
+        if (
+            spec.schema != self.buffers[0].schema
+        ):  # decode_step checks messages against spec.schema only
             raise ValueError("the actor's step schema differs from the rollout buffers' schema")
         if self.rollout_length % spec.steps_per_message:
             raise ValueError(
                 f"steps_per_message: expected a divisor of rollout_length {self.rollout_length} (a step "
-                f"message never crosses a segment boundary), received {spec.steps_per_message}")
+                f"message never crosses a segment boundary), received {spec.steps_per_message}"
+            )
         previous = self.actors.get(actor_id)
         # A repeated join of the same incarnation (its reply was lost) keeps its place in the round.
-        kept = (self.round.members.get(actor_id)
-                if previous is not None and previous.incarnation == incarnation else None)
+        kept = (
+            self.round.members.get(actor_id)
+            if previous is not None and previous.incarnation == incarnation
+            else None
+        )
         if previous is not None:
             self._forget(previous)
         if index is not None:
@@ -282,8 +313,10 @@ class RolloutAssembler:
             if holders:
                 raise ValueError(f"actor index {index} is held by actor {holders[0]!r}")
         if self.sync and not self.has_room_for(spec.num_envs):
-            raise ValueError(f"sync mode: {spec.num_envs} more envs do not fit in the buffer's "
-                             f"{self.num_columns} columns beside the joined actors'")
+            raise ValueError(
+                f"sync mode: {spec.num_envs} more envs do not fit in the buffer's "
+                f"{self.num_columns} columns beside the joined actors'"
+            )
         if index is None:
             index = self._next_actor_index
         record = ActorRecord(
@@ -322,10 +355,20 @@ class RolloutAssembler:
     def count_late(self, actor_id: str, incarnation: str) -> bool:
         """Count a message of a departed ``incarnation`` (not ``actor_id``'s live one) as late (True), else False."""
         record = self.actors.get(actor_id)
-        return (record is None or record.incarnation != incarnation) and self.departed.count_late(incarnation)
+        return (record is None or record.incarnation != incarnation) and self.departed.count_late(
+            incarnation
+        )
 
-    def heartbeat(self, actor_id: str, incarnation: str, *, now: float, env_steps_per_second: float,
-                  policy_lag: float, episodes: int) -> bool:
+    def heartbeat(
+        self,
+        actor_id: str,
+        incarnation: str,
+        *,
+        now: float,
+        env_steps_per_second: float,
+        policy_lag: float,
+        episodes: int,
+    ) -> bool:
         """Record a heartbeat; returns False when the incarnation is unknown (the actor must rejoin)."""
         record = self.actors.get(actor_id)
         if record is None or record.incarnation != incarnation:
@@ -347,7 +390,9 @@ class RolloutAssembler:
 
     def expire_silent_actors(self, now: float) -> list[str]:
         """Drop actors silent for longer than ``actor_timeout_s``; returns their ids."""
-        expired = [r.actor_id for r in self.actors.values() if now - r.last_heard > self.actor_timeout_s]
+        expired = [
+            r.actor_id for r in self.actors.values() if now - r.last_heard > self.actor_timeout_s
+        ]
         for actor_id in expired:
             self._forget(self.actors[actor_id])
             self.counters.dropped["timed_out_actors"] += 1
@@ -376,12 +421,20 @@ class RolloutAssembler:
         """
         record = self.actors.get(message.actor_id)
         if record is None or record.incarnation != message.incarnation:
-            if self.departed.count_late(message.incarnation):  # in flight when the actor left: expected
-                raise StepRejected("departed_actor", f"actor {message.actor_id!r}/{message.incarnation} has left")
-            raise StepRejected("unknown_actor", f"actor {message.actor_id!r}/{message.incarnation} has not joined")
+            if self.departed.count_late(
+                message.incarnation
+            ):  # in flight when the actor left: expected
+                raise StepRejected(
+                    "departed_actor", f"actor {message.actor_id!r}/{message.incarnation} has left"
+                )
+            raise StepRejected(
+                "unknown_actor", f"actor {message.actor_id!r}/{message.incarnation} has not joined"
+            )
         if message.seq < record.next_seq:  # a replay or a duplicate: never written twice
-            raise StepRejected("out_of_order", f"actor {message.actor_id!r}: expected seq {record.next_seq}, "
-                                               f"got {message.seq}")
+            raise StepRejected(
+                "out_of_order",
+                f"actor {message.actor_id!r}: expected seq {record.next_seq}, got {message.seq}",
+            )
         if message.seq > record.next_seq:
             # Steps went missing (rejected at the wire, or lost): the unfinished segment can no
             # longer hold consecutive rows, so it is discarded; this valid step starts a new one.
@@ -394,7 +447,8 @@ class RolloutAssembler:
         if message.policy_version > current_policy_version:
             raise StepRejected(
                 "future_version",
-                f"actor {message.actor_id!r}: policy_version {message.policy_version} > published {current_policy_version}",
+                f"actor {message.actor_id!r}: policy_version {message.policy_version} "
+                f"> published {current_policy_version}",
             )
         record.next_seq += 1
         record.last_heard = now
@@ -407,12 +461,20 @@ class RolloutAssembler:
             return
         if self.sync:  # released in (index, seq) order when the rollout is full
             if message.episode_returns:
-                self._round_episodes.append((record.index, message.seq, list(message.episode_returns),
-                                             list(message.episode_lengths)))
+                self._round_episodes.append(
+                    (
+                        record.index,
+                        message.seq,
+                        list(message.episode_returns),
+                        list(message.episode_lengths),
+                    )
+                )
         else:
             self.episode_returns.extend(message.episode_returns)
             self.episode_lengths.extend(message.episode_lengths)
-        if record.segment is None or record.pending:  # no free column: hold it (one segment at most)
+        if (
+            record.segment is None or record.pending
+        ):  # no free column: hold it (one segment at most)
             self._hold(record, message)
             return
         self._write(record, message)
@@ -430,7 +492,10 @@ class RolloutAssembler:
         A step-ring message is copied out of its slot, which the learner releases after ingest."""
         record.pending.append(message.owned())
         record.pending_rows += message.num_steps
-        while record.pending_rows > self.rollout_length + HELD_SLACK_MESSAGES * record.spec.steps_per_message:
+        while (
+            record.pending_rows
+            > self.rollout_length + HELD_SLACK_MESSAGES * record.spec.steps_per_message
+        ):
             oldest = record.pending.popleft()
             record.pending_rows -= oldest.num_steps
             self.counters.dropped["no_capacity_steps"] += record.spec.num_envs * oldest.num_steps
@@ -447,13 +512,17 @@ class RolloutAssembler:
             record.pending_rows -= message.num_steps
             try:
                 self._write(record, message)
-            except StepRejected:  # counted by _write as discarded rows; the rest starts a new segment
+            except (
+                StepRejected
+            ):  # counted by _write as discarded rows; the rest starts a new segment
                 pass
 
     def _drain_all(self) -> None:
         """Columns were freed: write held messages, the actor served least recently first (in index order
         the lowest indices would take every freed column while more envs than columns hold steps)."""
-        for record in sorted((r for r in self.actors.values() if r.pending), key=lambda r: r.served):
+        for record in sorted(
+            (r for r in self.actors.values() if r.pending), key=lambda r: r.served
+        ):
             self._drain(record)
 
     @property
@@ -469,7 +538,10 @@ class RolloutAssembler:
         assert segment is not None
         k = len(segment.columns)
         # Our invariant: segments live only in filling buffers (the trainer reads the others).
-        assert self.states[segment.slot] is SlotState.FILLING, (segment.slot, self.states[segment.slot])
+        assert self.states[segment.slot] is SlotState.FILLING, (
+            segment.slot,
+            self.states[segment.slot],
+        )
         if segment.rows_written == 0 and self._too_old_for(segment.slot, message.policy_version):
             self._ring.unclaim(segment)  # the next step may start it
             record.segment = None
@@ -477,12 +549,23 @@ class RolloutAssembler:
             return
         fields = message.fields
         if k < num_envs:  # fewer free columns than envs: the first k envs are written
-            fields = {name: array[:k] if rows == 1 else array[:, :k] for name, array in fields.items()}
+            fields = {
+                name: array[:k] if rows == 1 else array[:, :k] for name, array in fields.items()
+            }
         try:  # decode_step validated the fields against the buffers' schema (checked at join)
             self.buffers[segment.slot].write(
-                segment.rows_written, segment.index, fields, rows=None if rows == 1 else rows,
-                policy_version=message.policy_version, policy_revision=message.revision, validated=True)
-        except (ValueError, OverflowError) as error:  # the row bookkeeping disagrees: nothing was written
+                segment.rows_written,
+                segment.index,
+                fields,
+                rows=None if rows == 1 else rows,
+                policy_version=message.policy_version,
+                policy_revision=message.revision,
+                validated=True,
+            )
+        except (
+            ValueError,
+            OverflowError,
+        ) as error:  # the row bookkeeping disagrees: nothing was written
             self._discard_segment(record)
             raise StepRejected("schema", str(error)) from None
         if segment.rows_written == 0:  # its place in the drain order
@@ -502,8 +585,12 @@ class RolloutAssembler:
         last = message.num_steps - 1  # the block's last step ends the segment
         next_values, dones = message.fields["next_values"], message.fields["dones"]
         record.segment = None
-        if self._ring.complete(segment, (next_values if last == 0 else next_values[last])[:k],
-                               (dones if last == 0 else dones[last])[:k], full_when_all=not self.sync):
+        if self._ring.complete(
+            segment,
+            (next_values if last == 0 else next_values[last])[:k],
+            (dones if last == 0 else dones[last])[:k],
+            full_when_all=not self.sync,
+        ):
             self._release_round_episodes()
         if self.sync:
             self._close_round_if_done()
@@ -531,7 +618,9 @@ class RolloutAssembler:
         if segment is None:
             return
         self._ring.discard(segment)
-        self.counters.dropped["discarded_segment_rows"] += segment.rows_written * len(segment.columns)
+        self.counters.dropped["discarded_segment_rows"] += segment.rows_written * len(
+            segment.columns
+        )
         record.segment = None
 
     # ------------------------------------------------------------------------------- hand-off
@@ -581,7 +670,9 @@ class RolloutAssembler:
 
     def _too_old_for(self, slot: int, policy_version: int) -> bool:
         """True when a row acted by ``policy_version`` would train in ``slot`` older than ``max_policy_lag``."""
-        if self.max_policy_lag is None or self.sync:  # sync: every row is acted by the current version
+        if (
+            self.max_policy_lag is None or self.sync
+        ):  # sync: every row is acted by the current version
             return False
         return self.trains_at(slot) - policy_version > self.max_policy_lag
 
@@ -597,8 +688,13 @@ class RolloutAssembler:
         return returns, lengths
 
 
-def drop_stale_rows(buffer: RolloutBuffer, *, current_policy_version: int, max_policy_lag: int,
-                    columns: np.ndarray | None = None) -> tuple[int, dict[str, float]]:
+def drop_stale_rows(
+    buffer: RolloutBuffer,
+    *,
+    current_policy_version: int,
+    max_policy_lag: int,
+    columns: np.ndarray | None = None,
+) -> tuple[int, dict[str, float]]:
     """Exclude rows whose policy lag exceeds ``max_policy_lag`` from training.
 
     Policy lag of a row = ``current_policy_version - policy_versions[t, e]`` (updates between the

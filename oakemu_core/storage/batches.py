@@ -23,8 +23,13 @@ from oakemu_core.step_schema import StepSchema
 if TYPE_CHECKING:  # torch is imported lazily: actors and tools can use the buffer without it
     import torch
 
-__all__ = ["FlatBatch", "RolloutBufferTrainableDiagnostics", "RolloutMinibatch", "StaleAdvantagesError",
-           "normalize_advantages"]
+__all__ = [
+    "FlatBatch",
+    "RolloutBufferTrainableDiagnostics",
+    "RolloutMinibatch",
+    "StaleAdvantagesError",
+    "normalize_advantages",
+]
 
 
 class StaleAdvantagesError(RuntimeError):
@@ -69,8 +74,15 @@ class FlatBatch:
     rows: np.ndarray
 
     @classmethod
-    def gather(cls, schema: StepSchema, arrays: Mapping[str, np.ndarray], trainable: np.ndarray,
-               device: torch.device, *, normalize: bool) -> FlatBatch:
+    def gather(
+        cls,
+        schema: StepSchema,
+        arrays: Mapping[str, np.ndarray],
+        trainable: np.ndarray,
+        device: torch.device,
+        *,
+        normalize: bool,
+    ) -> FlatBatch:
         """Gather the trainable rows of every minibatch field on the CPU and upload each field once.
 
         Args:
@@ -101,7 +113,9 @@ class FlatBatch:
         """Trainable rows ``M``."""
         return int(self.rows.size)
 
-    def minibatches(self, num_minibatches: int, generator: np.random.Generator) -> list[RolloutMinibatch]:
+    def minibatches(
+        self, num_minibatches: int, generator: np.random.Generator
+    ) -> list[RolloutMinibatch]:
         """Shuffle the rows and split them into ``num_minibatches`` minibatches (sizes differ by at
         most one; every row appears once; no row dropped, no small tail).
 
@@ -110,14 +124,26 @@ class FlatBatch:
         """
         import torch
 
-        if isinstance(num_minibatches, bool) or not isinstance(num_minibatches, (int, np.integer)) or num_minibatches <= 0:
-            raise ValueError(f"num_minibatches: expected a positive int, received {num_minibatches!r}")
+        if (
+            isinstance(num_minibatches, bool)
+            or not isinstance(num_minibatches, (int, np.integer))
+            or num_minibatches <= 0
+        ):
+            raise ValueError(
+                f"num_minibatches: expected a positive int, received {num_minibatches!r}"
+            )
         if num_minibatches > self.size:
-            raise ValueError(f"num_minibatches: expected at most the {self.size} trainable rows, received {num_minibatches}")
+            raise ValueError(
+                f"num_minibatches: expected at most the {self.size} trainable rows, received {num_minibatches}"
+            )
         device = next(iter(self.fields.values())).device
         order = torch.from_numpy(generator.permutation(self.size)).to(device)
-        return [self._minibatch({name: tensor.index_select(0, positions) for name, tensor in self.fields.items()})
-                for positions in torch.tensor_split(order, num_minibatches)]
+        return [
+            self._minibatch(
+                {name: tensor.index_select(0, positions) for name, tensor in self.fields.items()}
+            )
+            for positions in torch.tensor_split(order, num_minibatches)
+        ]
 
     def whole(self) -> RolloutMinibatch:
         """Every row as one minibatch, in stored order, without a copy: for an update with one
@@ -151,7 +177,9 @@ class RolloutBufferTrainableDiagnostics:
     advantages: np.ndarray
 
 
-def normalize_advantages(advantages: np.ndarray, trainable: np.ndarray, eps: float = 1e-8) -> np.ndarray:
+def normalize_advantages(
+    advantages: np.ndarray, trainable: np.ndarray, eps: float = 1e-8
+) -> np.ndarray:
     """Normalise advantages to mean 0 and std 1 over the trainable rows only.
 
     One mask selects the rows for the count, the mean and the variance (population std, ddof 0),
@@ -174,7 +202,9 @@ def normalize_advantages(advantages: np.ndarray, trainable: np.ndarray, eps: flo
     if trainable.dtype != np.bool_:
         raise ValueError(f"trainable: expected dtype bool, received {trainable.dtype}")
     if advantages.shape != trainable.shape:
-        raise ValueError(f"trainable: expected shape {advantages.shape} (as advantages), received {trainable.shape}")
+        raise ValueError(
+            f"trainable: expected shape {advantages.shape} (as advantages), received {trainable.shape}"
+        )
     # One private copy of the mask serves the statistics and the assignment: the caller's array may
     # live in shared memory that another process can write.
     trainable = trainable.copy()

@@ -106,7 +106,9 @@ class BufferRing:
         view.flags.writeable = False
         return view
 
-    def claim(self, owner: int, num_envs: int, *, block: np.ndarray | None = None) -> Segment | None:
+    def claim(
+        self, owner: int, num_envs: int, *, block: np.ndarray | None = None
+    ) -> Segment | None:
         """Give ``owner`` (an actor index) up to ``num_envs`` free columns of the oldest filling
         buffer that has any, or None. ``block`` (synchronous mode): exactly these ``(k,)`` int64
         columns, in the oldest buffer where they are free."""
@@ -130,12 +132,21 @@ class BufferRing:
 
     def discard(self, segment: Segment) -> None:
         """Empty the columns of an unfinished segment (:meth:`RolloutBuffer.reset_columns`) and free them."""
-        assert self.states[segment.slot] is SlotState.FILLING, (segment.slot, self.states[segment.slot])
+        assert self.states[segment.slot] is SlotState.FILLING, (
+            segment.slot,
+            self.states[segment.slot],
+        )
         self.buffers[segment.slot].reset_columns(segment.columns)
         self._owners[segment.slot][segment.columns] = FREE
 
-    def complete(self, segment: Segment, last_values: np.ndarray, last_dones: np.ndarray, *,
-                 full_when_all: bool = True) -> bool:
+    def complete(
+        self,
+        segment: Segment,
+        last_values: np.ndarray,
+        last_dones: np.ndarray,
+        *,
+        full_when_all: bool = True,
+    ) -> bool:
         """Mark a segment's columns complete with the ``(k,)`` bootstrap data of their last row
         (V(s_T), dones); returns True when this made its buffer full (every column complete;
         ``full_when_all=False``: never, the caller decides with :meth:`mark_full`)."""
@@ -177,9 +188,14 @@ class BufferRing:
             self._last_values[slot][unused] = 0.0
             self._last_dones[slot][unused] = False
             columns_used = self._owners[slot] == COMPLETE
-        return FullRollout(slot=slot, buffer=self.buffers[slot], last_values=self._last_values[slot].copy(),
-                           last_dones=self._last_dones[slot].copy(), columns_used=columns_used,
-                           planned_columns=self.planned_columns)
+        return FullRollout(
+            slot=slot,
+            buffer=self.buffers[slot],
+            last_values=self._last_values[slot].copy(),
+            last_dones=self._last_dones[slot].copy(),
+            columns_used=columns_used,
+            planned_columns=self.planned_columns,
+        )
 
     def release(self, slot: int) -> None:
         """Return a trained buffer to filling, emptied, behind the other filling buffers.
@@ -197,8 +213,12 @@ class BufferRing:
 
     def trains_ahead_of(self, slot: int) -> int:
         """How many buffers train before ``slot`` (training now, or of an older generation)."""
-        return sum(1 for other, state in enumerate(self.states) if other != slot and (
-            state is SlotState.TRAINING or self._generation[other] < self._generation[slot]))
+        return sum(
+            1
+            for other, state in enumerate(self.states)
+            if other != slot
+            and (state is SlotState.TRAINING or self._generation[other] < self._generation[slot])
+        )
 
     def buffer_fill(self, columns: int | None = None) -> float:
         """Fraction of rows written in the oldest filling buffer (0..1) out of ``columns`` columns

@@ -23,7 +23,9 @@ import numpy as np
 def _check_array(field: str, array: object, shape: tuple[int, ...], *, kind: str) -> np.ndarray:
     """Validate one input; ``kind`` is ``"float"`` (any float dtype) or ``"bool"``."""
     if not isinstance(array, np.ndarray):
-        raise ValueError(f"{field}: expected a numpy array of shape {shape}, received {type(array).__name__}")
+        raise ValueError(
+            f"{field}: expected a numpy array of shape {shape}, received {type(array).__name__}"
+        )
     if array.shape != shape:
         raise ValueError(f"{field}: expected shape {shape}, received {array.shape}")
     if kind == "bool" and array.dtype != np.bool_:
@@ -78,7 +80,9 @@ def compute_gae(
         if not 0.0 <= float(factor) <= 1.0:
             raise ValueError(f"{name}: expected a value in [0, 1], received {factor}")
     if np.any(bootstrap_values[~dones] != 0):
-        raise ValueError("bootstrap_values: expected 0 on every step that is not done, received non-zero values")
+        raise ValueError(
+            "bootstrap_values: expected 0 on every step that is not done, received non-zero values"
+        )
 
     num_steps = shape[0]
     values64 = values.astype(np.float64)

@@ -220,8 +220,9 @@ def shm_total_bytes(path: str | os.PathLike[str] = "/dev/shm") -> int:
     return int(stats.f_blocks) * int(stats.f_frsize)
 
 
-def step_ring_budget(setting_mib: float | None, *, reserved_bytes: int,
-                     path: str | os.PathLike[str] = "/dev/shm") -> tuple[int, str]:
+def step_ring_budget(
+    setting_mib: float | None, *, reserved_bytes: int, path: str | os.PathLike[str] = "/dev/shm"
+) -> tuple[int, str]:
     """The bytes the learner's step rings may take together in ``path``, and a note ("" or one line).
 
     ``setting_mib`` (``step_ring_max_mib``, MiB) when given, else :data:`STEP_RING_SHM_SHARE` of the
@@ -239,9 +240,11 @@ def step_ring_budget(setting_mib: float | None, *, reserved_bytes: int,
         return min(int(size * STEP_RING_SHM_SHARE), room), ""
     if setting <= room:
         return setting, ""
-    return room, (f"step_ring_max_mib={setting_mib:g} is more than {path} holds beside the rollout buffers "
-                  f"({format_bytes(room)} of its {format_bytes(size)}): the step rings take at most "
-                  f"{format_bytes(room)} (raise shm_size, or lower step_ring_max_mib)")
+    return room, (
+        f"step_ring_max_mib={setting_mib:g} is more than {path} holds beside the rollout buffers "
+        f"({format_bytes(room)} of its {format_bytes(size)}): the step rings take at most "
+        f"{format_bytes(room)} (raise shm_size, or lower step_ring_max_mib)"
+    )
 
 
 def shm_size_hint(required_bytes: int) -> str:
@@ -273,7 +276,7 @@ def ensure_shm_capacity(required_bytes: int, path: str | os.PathLike[str] = "/de
             f"{path}: the rollout buffers need {required_bytes} bytes ({format_bytes(required_bytes)}) "
             f"of shared memory but only {available} bytes ({format_bytes(available)}) are free. "
             f"Raise `shm_size` for this service in docker compose (e.g. shm_size: "
-            f"\"{shm_size_hint(required_bytes)}\"), or use a shorter rollout / fewer envs."
+            f'"{shm_size_hint(required_bytes)}"), or use a shorter rollout / fewer envs.'
         )
 
 
@@ -287,7 +290,9 @@ def cuda_free_bytes(device_index: int) -> int | None:
     return int(free)
 
 
-def make_diagnostic(resource: str, required_bytes: int, available_bytes: int, what: str) -> RolloutBufferMemoryDiagnostic:
+def make_diagnostic(
+    resource: str, required_bytes: int, available_bytes: int, what: str
+) -> RolloutBufferMemoryDiagnostic:
     """Build a :class:`RolloutBufferMemoryDiagnostic` with a one-line message about ``what``."""
     ok = required_bytes <= available_bytes
     verdict = "fits" if ok else "DOES NOT FIT"
@@ -295,7 +300,9 @@ def make_diagnostic(resource: str, required_bytes: int, available_bytes: int, wh
         f"{resource}: {what} need {format_bytes(required_bytes)} ({required_bytes} bytes), "
         f"{format_bytes(available_bytes)} ({available_bytes} bytes) available: {verdict}"
     )
-    return RolloutBufferMemoryDiagnostic(resource, int(required_bytes), int(available_bytes), ok, message)
+    return RolloutBufferMemoryDiagnostic(
+        resource, int(required_bytes), int(available_bytes), ok, message
+    )
 
 
 def rollout_memory_pressure(
@@ -343,15 +350,29 @@ def rollout_memory_pressure(
     host_transient = flat_bytes + rows * 4  # gathered rows + normalised advantages
     if not cuda:
         host_transient += flat_bytes + minibatch_copy + float_minibatch_bytes
-    diagnostics.append(make_diagnostic("cpu", buffer_bytes + host_transient, host_available_bytes() + resident_bytes,
-                                       "rollout arrays and one update's flat batch"))
+    diagnostics.append(
+        make_diagnostic(
+            "cpu",
+            buffer_bytes + host_transient,
+            host_available_bytes() + resident_bytes,
+            "rollout arrays and one update's flat batch",
+        )
+    )
     if shm_dir.is_dir():
-        diagnostics.append(make_diagnostic("shm", buffer_bytes, shm_free_bytes(shm_dir) + resident_bytes,
-                                           "rollout arrays"))
+        diagnostics.append(
+            make_diagnostic(
+                "shm", buffer_bytes, shm_free_bytes(shm_dir) + resident_bytes, "rollout arrays"
+            )
+        )
     if cuda:
         index = torch.cuda.current_device()
         free = cuda_free_bytes(index) or 0
-        diagnostics.append(make_diagnostic(f"cuda:{index}", flat_bytes + minibatch_copy + float_minibatch_bytes,
-                                           free + cached_cuda_bytes,
-                                           "flat batch, one minibatch and one float32 minibatch of observations"))
+        diagnostics.append(
+            make_diagnostic(
+                f"cuda:{index}",
+                flat_bytes + minibatch_copy + float_minibatch_bytes,
+                free + cached_cuda_bytes,
+                "flat batch, one minibatch and one float32 minibatch of observations",
+            )
+        )
     return diagnostics

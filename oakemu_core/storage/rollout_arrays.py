@@ -31,14 +31,19 @@ DATA_GENERATION, MASK_GENERATION, GAE_GENERATION = 0, 1, 2
 """Slots of the ``meta`` array: data writes, trainable-mask changes, data generation at GAE (-1: none)."""
 
 
-def _array_layout(rollout_length: int, num_envs: int, schema: StepSchema) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
+def _array_layout(
+    rollout_length: int, num_envs: int, schema: StepSchema
+) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
     """``{array name: (shape, dtype)}`` of every array a buffer allocates: each stored field of
     ``schema`` as ``(T, N, *shape)``, plus ``column_steps`` ``(N,)`` and ``meta`` ``(3,)``.
 
     Raises:
         ValueError: for a non-positive ``rollout_length`` / ``num_envs``.
     """
-    rows = (check_positive_int("rollout_length", rollout_length), check_positive_int("num_envs", num_envs))
+    rows = (
+        check_positive_int("rollout_length", rollout_length),
+        check_positive_int("num_envs", num_envs),
+    )
     layout = {f.name: (rows + f.shape, f.dtype) for f in schema.stored}
     layout["column_steps"] = ((rows[1],), np.dtype(np.int64))
     layout["meta"] = ((3,), np.dtype(np.int64))
@@ -59,7 +64,9 @@ class _StoredField:
         return self if buffer is None else buffer._view(self.name)
 
     def __set__(self, buffer: RolloutArrays, value: Any) -> None:
-        raise AttributeError(f"{self.name} is a read-only view; write rows with RolloutBuffer.write")
+        raise AttributeError(
+            f"{self.name} is a read-only view; write rows with RolloutBuffer.write"
+        )
 
 
 class RolloutArrays:
@@ -77,8 +84,13 @@ class RolloutArrays:
         SharedMemoryTooSmallError: when ``shm_dir`` has less free space than :attr:`memory_bytes`.
     """
 
-    def __init__(self, rollout_length: int, num_envs: int, schema: StepSchema,
-                 shm_dir: str | os.PathLike[str] = SHM_DIR) -> None:
+    def __init__(
+        self,
+        rollout_length: int,
+        num_envs: int,
+        schema: StepSchema,
+        shm_dir: str | os.PathLike[str] = SHM_DIR,
+    ) -> None:
         self._fields = SharedFields(_array_layout(rollout_length, num_envs, schema), shm_dir)
         self.schema = schema
         self._rollout_length = int(rollout_length)
@@ -118,8 +130,10 @@ class RolloutArrays:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"step={self.step}/{self._rollout_length}"
-        return (f"{type(self).__name__}(rollout_length={self._rollout_length}, num_envs={self._num_envs}, "
-                f"fields={list(self.schema.names)}, {state})")
+        return (
+            f"{type(self).__name__}(rollout_length={self._rollout_length}, num_envs={self._num_envs}, "
+            f"fields={list(self.schema.names)}, {state})"
+        )
 
     def _check_open(self) -> None:
         if self._closed:
@@ -146,13 +160,19 @@ class RolloutArrays:
     @property
     def observation_shape(self) -> Any:
         """Shape of one observation; for dict observations a dict key -> shape."""
-        shapes = {self.schema.observation_key(n): self.schema[n].shape for n in self.schema.observation_names}
+        shapes = {
+            self.schema.observation_key(n): self.schema[n].shape
+            for n in self.schema.observation_names
+        }
         return shapes[""] if not self.schema.is_dict_observation else shapes
 
     @property
     def observation_dtype(self) -> Any:
         """Dtype of stored observations; for dict observations a dict key -> dtype."""
-        dtypes = {self.schema.observation_key(n): self.schema[n].dtype for n in self.schema.observation_names}
+        dtypes = {
+            self.schema.observation_key(n): self.schema[n].dtype
+            for n in self.schema.observation_names
+        }
         return dtypes[""] if not self.schema.is_dict_observation else dtypes
 
     @property
@@ -210,26 +230,39 @@ class RolloutArrays:
         """
         self._check_open()
         if name not in self._views or name == "meta":
-            raise KeyError(f"{name!r}: not a stored field; stored fields are {[f.name for f in self.schema.stored]}")
+            raise KeyError(
+                f"{name!r}: not a stored field; stored fields are {[f.name for f in self.schema.stored]}"
+            )
         return self._views[name]
 
     @property
     def observations(self) -> Any:
         """``(T, N, *observation_shape)``, or for dict observations a dict key -> array; read-only."""
-        return self.schema.join_observations({n: self._view(n) for n in self.schema.observation_names})
+        return self.schema.join_observations(
+            {n: self._view(n) for n in self.schema.observation_names}
+        )
 
     # Read-only views of the standard fields by attribute; any stored field by name: field().
     actions = _StoredField("``(T, N, *action_shape)`` action dtype, a_t as sampled.")
     log_probs = _StoredField("``(T, N)`` float32, log pi(a_t | s_t) of the acting policy.")
-    values = _StoredField("``(T, N)`` float32, V(s_t) of the acting policy (the learner's critic after replace_values).")
+    values = _StoredField(
+        "``(T, N)`` float32, V(s_t) of the acting policy (the learner's critic after replace_values)."
+    )
     rewards = _StoredField("``(T, N)`` float32, r_t.")
     dones = _StoredField("``(T, N)`` bool, the episode ended on step t (terminated OR truncated).")
-    bootstrap_values = _StoredField("``(T, N)`` float32, V(true final observation) on truncated steps, else 0.")
-    trainable = _StoredField("``(T, N)`` bool, the row may enter a minibatch (see mark_untrainable).")
-    policy_versions = _StoredField("``(T, N)`` int64, version of the weights that chose each action.")
+    bootstrap_values = _StoredField(
+        "``(T, N)`` float32, V(true final observation) on truncated steps, else 0."
+    )
+    trainable = _StoredField(
+        "``(T, N)`` bool, the row may enter a minibatch (see mark_untrainable)."
+    )
+    policy_versions = _StoredField(
+        "``(T, N)`` int64, version of the weights that chose each action."
+    )
     policy_revisions = _StoredField(
         "``(T, N)`` int64, revision of those weights within the update that made the next version "
-        "(0: the version's own weights; 1, 2, ...: weights published during that update).")
+        "(0: the version's own weights; 1, 2, ...: weights published during that update)."
+    )
     advantages = _StoredField("``(T, N)`` float32, unnormalised GAE advantages from compute_gae.")
     returns = _StoredField("``(T, N)`` float32, ``advantages + values`` from compute_gae.")
     column_steps = _StoredField("``(N,)`` int64, rows written so far in each column.")
@@ -313,7 +346,9 @@ class RolloutArrays:
         self._check_open()
         arrays = self._arrays
         if np.any(arrays["column_steps"][index]):
-            raise ValueError("seal_columns: expected empty columns, received columns that hold rows")
+            raise ValueError(
+                "seal_columns: expected empty columns, received columns that hold rows"
+            )
         self._empty(index)
         for name in ("rewards", "values"):
             arrays[name][:, index] = 0.0

@@ -37,7 +37,12 @@ from oakemu_core.storage.batches import (
     normalize_advantages,
 )
 from oakemu_core.storage.memory import RolloutBufferMemoryDiagnostic, rollout_memory_pressure
-from oakemu_core.storage.rollout_arrays import DATA_GENERATION, GAE_GENERATION, MASK_GENERATION, RolloutArrays
+from oakemu_core.storage.rollout_arrays import (
+    DATA_GENERATION,
+    GAE_GENERATION,
+    MASK_GENERATION,
+    RolloutArrays,
+)
 from oakemu_core.storage.row_checks import (
     WriteChecks,
     check_non_negative_int,
@@ -110,8 +115,14 @@ class RolloutBuffer(RolloutArrays):
         seed: int | None = None,
         shm_dir: str | os.PathLike[str] = SHM_DIR,
     ) -> None:
-        schema = resolve_schema("RolloutBuffer", schema, observation_shape, observation_dtype,
-                                action_shape, action_dtype)
+        schema = resolve_schema(
+            "RolloutBuffer",
+            schema,
+            observation_shape,
+            observation_dtype,
+            action_shape,
+            action_dtype,
+        )
         super().__init__(rollout_length, num_envs, schema, shm_dir)
         self._checks = WriteChecks(schema)  # the field lists every write goes by, computed once
         self._all_columns = np.arange(self._num_envs, dtype=np.int64)
@@ -185,16 +196,33 @@ class RolloutBuffer(RolloutArrays):
                 f"{int(steps.max())}; use write for columns filled separately"
             )
         if step >= self._rollout_length:
-            raise OverflowError(f"RolloutBuffer is full ({self._rollout_length} rows); call reset() first")
+            raise OverflowError(
+                f"RolloutBuffer is full ({self._rollout_length} rows); call reset() first"
+            )
         if action_masks is not None:
             if "action_mask" in fields:
-                raise ValueError("action_masks: received the masks twice (as action_masks= and action_mask=)")
+                raise ValueError(
+                    "action_masks: received the masks twice (as action_masks= and action_mask=)"
+                )
             fields["action_mask"] = action_masks
-        named = {**self.schema.split_observations(observations), "actions": actions, "log_probs": log_probs,
-                 "values": values, "rewards": rewards, "dones": dones, "trainable": trainable,
-                 "bootstrap_values": bootstrap_values, **fields}
-        self.write(step, slice(None), {k: v for k, v in named.items() if v is not None},
-                   policy_version=policy_version, policy_revision=policy_revision)
+        named = {
+            **self.schema.split_observations(observations),
+            "actions": actions,
+            "log_probs": log_probs,
+            "values": values,
+            "rewards": rewards,
+            "dones": dones,
+            "trainable": trainable,
+            "bootstrap_values": bootstrap_values,
+            **fields,
+        }
+        self.write(
+            step,
+            slice(None),
+            {k: v for k, v in named.items() if v is not None},
+            policy_version=policy_version,
+            policy_revision=policy_revision,
+        )
 
     def write(
         self,
@@ -269,11 +297,15 @@ class RolloutBuffer(RolloutArrays):
         revision = check_non_negative_int("policy_revision", policy_revision)
         self._store(int(step_index), rows, index, complete, version, revision)
 
-    def _check_rows_free(self, step_index: int, rows: int | None, index: slice | np.ndarray) -> None:
+    def _check_rows_free(
+        self, step_index: int, rows: int | None, index: slice | np.ndarray
+    ) -> None:
         """Raise unless the ``rows`` (None: one) from ``step_index`` fit and are the next ones of every column."""
         if step_index + (rows or 1) > self._rollout_length:
-            raise OverflowError(f"step_index: expected step_index + rows <= rollout_length {self._rollout_length}, "
-                                f"received step_index {step_index} + {rows or 1} rows")
+            raise OverflowError(
+                f"step_index: expected step_index + rows <= rollout_length {self._rollout_length}, "
+                f"received step_index {step_index} + {rows or 1} rows"
+            )
         held = self._arrays["column_steps"][index]
         if (held != step_index).any():  # the method: np.any's dispatch costs as much again
             wrong = held != step_index
@@ -282,15 +314,24 @@ class RolloutBuffer(RolloutArrays):
                 f"columns {self._all_columns[index][wrong].tolist()} holding {held[wrong].tolist()} rows"
             )
 
-    def _store(self, row0: int, rows: int | None, index: slice | np.ndarray, fields: Mapping[str, np.ndarray],
-               version: int, revision: int) -> None:
+    def _store(
+        self,
+        row0: int,
+        rows: int | None,
+        index: slice | np.ndarray,
+        fields: Mapping[str, np.ndarray],
+        version: int,
+        revision: int,
+    ) -> None:
         """Copy every writable field into row ``row0`` (``rows`` None) or rows ``row0 .. row0 +
         rows - 1`` of the columns ``index``, stamp the policy version, count the rows. No checks."""
         at = row0 if rows is None else slice(row0, row0 + rows)
         arrays = self._arrays
         for item in self._checks.writable:
             value = fields[item.name]
-            if isinstance(value, StackedRows) and isinstance(index, slice):  # rebuilt straight into the rows
+            if isinstance(value, StackedRows) and isinstance(
+                index, slice
+            ):  # rebuilt straight into the rows
                 value.write_into(arrays[item.name][at, index])
             else:  # an array, a default, or stacks rebuilt first (np.asarray) for columns that are not a slice
                 arrays[item.name][at, index] = value
@@ -300,7 +341,9 @@ class RolloutBuffer(RolloutArrays):
         self._bump(DATA_GENERATION)
 
     # ------------------------------------------------------------------ GAE
-    def compute_gae(self, last_values: np.ndarray, last_dones: np.ndarray, gamma: float, gae_lambda: float) -> None:
+    def compute_gae(
+        self, last_values: np.ndarray, last_dones: np.ndarray, gamma: float, gae_lambda: float
+    ) -> None:
         """Fill :attr:`advantages` and :attr:`returns` with GAE over the full rollout.
 
         See :func:`oakemu_core.storage.gae.compute_gae` for the formula (Schulman et al. 2016, with a
@@ -336,8 +379,13 @@ class RolloutBuffer(RolloutArrays):
                 f"{dones[-1][mismatch].tolist()} at columns {mismatch.tolist()}"
             )
         advantages, returns = gae.compute_gae(
-            self._arrays["rewards"], self._arrays["values"], dones, self._arrays["bootstrap_values"],
-            last_values, gamma, gae_lambda,
+            self._arrays["rewards"],
+            self._arrays["values"],
+            dones,
+            self._arrays["bootstrap_values"],
+            last_values,
+            gamma,
+            gae_lambda,
         )
         self._arrays["advantages"][...] = advantages
         self._arrays["returns"][...] = returns
@@ -373,7 +421,9 @@ class RolloutBuffer(RolloutArrays):
         )
 
     # ------------------------------------------------------------------ minibatches
-    def flat_batch(self, device: torch.device | str, *, normalize_advantages: bool = False) -> FlatBatch:
+    def flat_batch(
+        self, device: torch.device | str, *, normalize_advantages: bool = False
+    ) -> FlatBatch:
         """The trainable rows of every minibatch field, flattened and on ``device``: what PPO reads.
 
         Built once per buffer state and device (cached until the next write, reset or mask
@@ -395,15 +445,23 @@ class RolloutBuffer(RolloutArrays):
         self._check_open()
         if not self.advantages_are_current:
             raise StaleAdvantagesError(
-                "minibatches: the advantages are stale; call compute_gae() after the last write or reset")
+                "minibatches: the advantages are stale; call compute_gae() after the last write or reset"
+            )
         torch_device = torch.device(device)
         meta = self._arrays["meta"]
-        key = (int(meta[DATA_GENERATION]), int(meta[MASK_GENERATION]), str(torch_device), bool(normalize_advantages))
+        key = (
+            int(meta[DATA_GENERATION]),
+            int(meta[MASK_GENERATION]),
+            str(torch_device),
+            bool(normalize_advantages),
+        )
         if self._flat_cache is not None and self._flat_cache[0] == key:
             return self._flat_cache[1]
         self._flat_cache = None  # free the old upload before making the new one
         trainable = self._arrays["trainable"].copy()  # a private copy: the shared mask may change
-        batch = FlatBatch.gather(self.schema, self._arrays, trainable, torch_device, normalize=normalize_advantages)
+        batch = FlatBatch.gather(
+            self.schema, self._arrays, trainable, torch_device, normalize=normalize_advantages
+        )
         self._observation_uploads += 1
         self._flat_cache = (key, batch)
         return batch
@@ -456,8 +514,21 @@ class RolloutBuffer(RolloutArrays):
         """
         self._check_open()
         check_positive_int("num_minibatches", num_minibatches)
-        cached = 0 if self._flat_cache is None else sum(
-            t.numel() * t.element_size() for t in self._flat_cache[1].fields.values() if t.device.type == "cuda")
-        return rollout_memory_pressure(self.schema, self.total_size, num_minibatches,
-                                       buffer_bytes=self.memory_bytes, resident_bytes=self._fields.resident_bytes(),
-                                       shm_dir=self._shm_dir, cached_cuda_bytes=cached)
+        cached = (
+            0
+            if self._flat_cache is None
+            else sum(
+                t.numel() * t.element_size()
+                for t in self._flat_cache[1].fields.values()
+                if t.device.type == "cuda"
+            )
+        )
+        return rollout_memory_pressure(
+            self.schema,
+            self.total_size,
+            num_minibatches,
+            buffer_bytes=self.memory_bytes,
+            resident_bytes=self._fields.resident_bytes(),
+            shm_dir=self._shm_dir,
+            cached_cuda_bytes=cached,
+        )

@@ -44,14 +44,18 @@ class RolloutRound:
     @property
     def is_open(self) -> bool:
         """True while the filling rollout has no segment yet (an actor joining now is a member)."""
-        return self.ring.states[0] is SlotState.FILLING and bool(np.all(self.ring.owners(0) == FREE))
+        return self.ring.states[0] is SlotState.FILLING and bool(
+            np.all(self.ring.owners(0) == FREE)
+        )
 
     def open(self, actors: Iterable[ActorRecord]) -> None:
         """Make the joined ``actors`` the members, in index order, columns from 0 on."""
         self.members = {}
         start = 0
         for record in sorted(actors, key=lambda r: r.index):
-            self.members[record.actor_id] = np.arange(start, start + record.spec.num_envs, dtype=np.int64)
+            self.members[record.actor_id] = np.arange(
+                start, start + record.spec.num_envs, dtype=np.int64
+            )
             start += record.spec.num_envs
 
     @property
@@ -69,7 +73,9 @@ class RolloutRound:
         owners = self.ring.owners(0)
         if self.ring.states[0] is not SlotState.FILLING:
             return False
-        if np.any(owners == COMPLETE) and all(np.all(owners[c] == COMPLETE) for c in self.members.values()):
+        if np.any(owners == COMPLETE) and all(
+            np.all(owners[c] == COMPLETE) for c in self.members.values()
+        ):
             self.ring.mark_full(0)
             return True
         if self.is_open:

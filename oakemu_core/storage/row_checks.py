@@ -63,8 +63,16 @@ def checked_columns(columns: Any, num_columns: int) -> tuple[np.ndarray, slice |
     Raises:
         ValueError: naming what is wrong with ``columns``.
     """
-    if not isinstance(columns, np.ndarray) or columns.ndim != 1 or not np.issubdtype(columns.dtype, np.integer):
-        received = f"shape {columns.shape} dtype {columns.dtype}" if isinstance(columns, np.ndarray) else type(columns).__name__
+    if (
+        not isinstance(columns, np.ndarray)
+        or columns.ndim != 1
+        or not np.issubdtype(columns.dtype, np.integer)
+    ):
+        received = (
+            f"shape {columns.shape} dtype {columns.dtype}"
+            if isinstance(columns, np.ndarray)
+            else type(columns).__name__
+        )
         raise ValueError(f"columns: expected a 1-D integer numpy array, received {received}")
     listed = columns.tolist()
     if listed and (min(listed) < 0 or max(listed) >= num_columns):
@@ -78,9 +86,9 @@ def checked_columns(columns: Any, num_columns: int) -> tuple[np.ndarray, slice |
 def _merge_leading(value: Any, lead: tuple[int, ...]) -> Any:
     """A ``(*lead, *shape)`` array as ``(prod(lead), *shape)`` (a view where numpy can); anything
     else unchanged, for the shape check to name."""
-    if not isinstance(value, np.ndarray) or value.shape[:len(lead)] != lead:
+    if not isinstance(value, np.ndarray) or value.shape[: len(lead)] != lead:
         return value
-    return value.reshape(math.prod(lead), *value.shape[len(lead):])
+    return value.reshape(math.prod(lead), *value.shape[len(lead) :])
 
 
 class WriteChecks:
@@ -101,7 +109,9 @@ class WriteChecks:
         self._sent_only = tuple(f for f in schema.sent if not f.stored)  # truncated, next_values
         self.unsent_defaults = {f.name: f.default for f in self.writable if not f.sent}
 
-    def checked_fields(self, fields: Mapping[str, Any], rows: int | None, k: int) -> dict[str, np.ndarray]:
+    def checked_fields(
+        self, fields: Mapping[str, Any], rows: int | None, k: int
+    ) -> dict[str, np.ndarray]:
         """Every writable field of ``fields`` (``(K, ...)`` arrays, ``(rows, K, ...)`` with
         ``rows``) after the checks, defaults filled in, in the shape given; the sent-only fields
         (``truncated``, ``next_values``) are checked, then dropped.
@@ -111,7 +121,11 @@ class WriteChecks:
         """
         lead = (k,) if rows is None else (rows, k)
         count = math.prod(lead)
-        flat = dict(fields) if rows is None else {name: _merge_leading(v, lead) for name, v in fields.items()}
+        flat = (
+            dict(fields)
+            if rows is None
+            else {name: _merge_leading(v, lead) for name, v in fields.items()}
+        )
         sent_only = {f.name: flat.pop(f.name) for f in self._sent_only if f.name in flat}
         self.schema.check_arrays(flat, count, self.writable)
         for name, value in sent_only.items():
@@ -119,7 +133,9 @@ class WriteChecks:
         complete = {}
         for item in self.writable:
             value = flat.get(item.name)
-            complete[item.name] = np.full((count, *item.shape), item.default, item.dtype) if value is None else value
+            complete[item.name] = (
+                np.full((count, *item.shape), item.default, item.dtype) if value is None else value
+            )
         check_step_values(self.schema, {**complete, **sent_only})
         if rows is None:
             return complete

@@ -59,7 +59,9 @@ class SharedFields:
         token = new_token()  # one token per set: its segments are oakemu_<pid>_<token>_<name>
         try:
             for name, (shape, dtype) in layout.items():
-                shared[name] = SharedArray.create(shape, dtype, field=name.replace(".", "__"), token=token)
+                shared[name] = SharedArray.create(
+                    shape, dtype, field=name.replace(".", "__"), token=token
+                )
         except BaseException:
             for array in shared.values():
                 array.unlink()

@@ -19,8 +19,9 @@ Two independent protections:
   secret of the actor process, kept when it remakes its socket), the peer's address and, with CURVE,
   its public key. A join for that id, or a heartbeat or leave, from any other connection is refused
   and counted (``impersonation``), whatever incarnation it names. A connection whose routing id
-  ZeroMQ generated (:func:`is_generated_routing_id`) speaks for no actor (``anonymous_connection``). Step messages (a PUSH socket has
-  no routing id) are bound to the join's address and key, and name the incarnation: a secret the
+  ZeroMQ generated (:func:`is_generated_routing_id`) speaks for no actor (``anonymous_connection``).
+  Step messages (a PUSH socket has no routing id) are bound to the join's address and key, and name
+  the incarnation: a secret the
   actor makes, never published (telemetry shows :func:`public_tag` of it) nor logged while it is live.
 
 Key files are ZeroMQ's own certificate format (``zmq.auth.create_certificates``):
@@ -93,9 +94,13 @@ def generate_keypair(directory: Path, name: str, *, overwrite: bool = False) -> 
     directory = Path(directory)
     public, secret = directory / f"{name}{PUBLIC_SUFFIX}", directory / f"{name}{SECRET_SUFFIX}"
     if not overwrite and (public.exists() or secret.exists()):
-        raise TransportSecurityError(f"{public} or {secret} exists already (choose another name or --force)")
+        raise TransportSecurityError(
+            f"{public} or {secret} exists already (choose another name or --force)"
+        )
     directory.mkdir(parents=True, exist_ok=True)
-    old_umask = os.umask(0o077)  # the secret file is never readable by others, not even for a moment
+    old_umask = os.umask(
+        0o077
+    )  # the secret file is never readable by others, not even for a moment
     try:
         written_public, written_secret = zmq.auth.create_certificates(str(directory), name)
     finally:
@@ -108,7 +113,9 @@ def load_keypair(path: Path) -> tuple[bytes, bytes]:
     """(public, secret) z85 keys from a ``NAME.key_secret`` file."""
     public, secret = _load(path, "key pair")
     if not secret:
-        raise TransportSecurityError(f"{path} holds no secret key: give the NAME{SECRET_SUFFIX} file of `oakemu keygen`")
+        raise TransportSecurityError(
+            f"{path} holds no secret key: give the NAME{SECRET_SUFFIX} file of `oakemu keygen`"
+        )
     return public, secret
 
 
@@ -120,7 +127,9 @@ def load_public_key(path: Path) -> bytes:
 def _load(path: Path, what: str) -> tuple[bytes, bytes | None]:
     path = Path(path)
     if not path.is_file():
-        raise TransportSecurityError(f"{what} file {path} does not exist (make one with `oakemu keygen`)")
+        raise TransportSecurityError(
+            f"{what} file {path} does not exist (make one with `oakemu keygen`)"
+        )
     try:
         public, secret = zmq.auth.load_certificate(str(path))
     except (OSError, ValueError, zmq.ZMQError) as error:
@@ -162,8 +171,10 @@ class _AuthorizedKeys:
 
     def _folders(self) -> list[tuple[Path, frozenset[str]]]:
         """Each folder read, with the roles its keys get."""
-        return [(self.folder, frozenset(ROLES)),
-                *((self.folder / sub, frozenset({role})) for role, sub in ROLE_FOLDERS.items())]
+        return [
+            (self.folder, frozenset(ROLES)),
+            *((self.folder / sub, frozenset({role})) for role, sub in ROLE_FOLDERS.items()),
+        ]
 
     def _stamp(self) -> tuple[tuple[float, int] | None, ...]:
         stamps = []
@@ -207,8 +218,10 @@ class _AuthorizedKeys:
                 self.accepted += 1
                 return True
             self.refused += 1
-            detail = (f"unauthorized_key: a client whose CURVE key ({key[:8].decode(errors='replace')}...) is not "
-                      f"authorised for the {role} role")
+            detail = (
+                f"unauthorized_key: a client whose CURVE key ({key[:8].decode(errors='replace')}...) is not "
+                f"authorised for the {role} role"
+            )
             if self.refusal_log is not None:
                 self.refusal_log.event("unauthorized_key", detail)
             else:
@@ -272,7 +285,9 @@ class _RoleSecurity:
         return self.security.apply(sock, self.role)
 
 
-def server_security(context: zmq.Context, config: Any, refusal_log: Any = None) -> ServerSecurity | None:
+def server_security(
+    context: zmq.Context, config: Any, refusal_log: Any = None
+) -> ServerSecurity | None:
     """The learner's CURVE setup from ``config`` (``curve``, ``curve_secret_key``, ``curve_authorized_keys``).
 
     None when ``curve`` is off (with a warning when the learner binds a non-loopback address).
@@ -284,8 +299,11 @@ def server_security(context: zmq.Context, config: Any, refusal_log: Any = None) 
     """
     if not config.curve:
         if not is_loopback(config.bind_host):
-            log.warning("the learner's ports on %s accept any client: set curve = true (OAKEMU_CURVE) with keys "
-                        "from `oakemu keygen` unless this network is private (deploy/README.md)", config.bind_host)
+            log.warning(
+                "the learner's ports on %s accept any client: set curve = true (OAKEMU_CURVE) with keys "
+                "from `oakemu keygen` unless this network is private (deploy/README.md)",
+                config.bind_host,
+            )
         return None
     if config.curve_secret_key is None or config.curve_authorized_keys is None:
         raise TransportSecurityError(
@@ -298,21 +316,34 @@ def server_security(context: zmq.Context, config: Any, refusal_log: Any = None) 
         raise TransportSecurityError(f"curve_authorized_keys {folder} is not a folder")
     authorized = _AuthorizedKeys(folder, refusal_log)
     if not authorized.keys:
-        log.warning("no authorised client keys in %s yet: every actor and monitor is refused until one is added",
-                    folder)
+        log.warning(
+            "no authorised client keys in %s yet: every actor and monitor is refused until one is added",
+            folder,
+        )
     both = len(list(folder.glob(f"*{PUBLIC_SUFFIX}")))
     if both:
-        log.warning("%d key(s) in %s itself may join as actors and read telemetry: move actor keys to %s/ and "
-                    "monitor keys to %s/ (a monitor key then cannot join; deploy/README.md)", both, folder,
-                    folder / ROLE_FOLDERS["actor"], folder / ROLE_FOLDERS["monitor"])
-    from zmq.auth.thread import ThreadAuthenticator  # imported only when CURVE is on (pulls in asyncio)
+        log.warning(
+            "%d key(s) in %s itself may join as actors and read telemetry: move actor keys to %s/ and "
+            "monitor keys to %s/ (a monitor key then cannot join; deploy/README.md)",
+            both,
+            folder,
+            folder / ROLE_FOLDERS["actor"],
+            folder / ROLE_FOLDERS["monitor"],
+        )
+    from zmq.auth.thread import (
+        ThreadAuthenticator,
+    )  # imported only when CURVE is on (pulls in asyncio)
 
     authenticator = ThreadAuthenticator(context, log=logging.getLogger("oakemu.auth.zap"))
     authenticator.start()
     for domain in ZAP_DOMAINS.values():
         authenticator.configure_curve_callback(domain, credentials_provider=authorized)
-    log.info("CURVE on: %d actor and %d monitor keys authorised in %s", authorized.count("actor"),
-             authorized.count("monitor"), folder)
+    log.info(
+        "CURVE on: %d actor and %d monitor keys authorised in %s",
+        authorized.count("actor"),
+        authorized.count("monitor"),
+        folder,
+    )
     return ServerSecurity(public, secret, authorized, authenticator)
 
 
@@ -421,7 +452,11 @@ class PeerBinding:
         """The :class:`Connection` of a control request: the ROUTER's routing id frame (or bytes) and
         a frame of the request (for the address and CURVE user id)."""
         address, user = peer_of(frame, user_id=self.user_ids)
-        return Connection(routing_id.bytes if isinstance(routing_id, zmq.Frame) else bytes(routing_id), address, user)
+        return Connection(
+            routing_id.bytes if isinstance(routing_id, zmq.Frame) else bytes(routing_id),
+            address,
+            user,
+        )
 
     def bind(self, actor_id: str, incarnation: str, connection: Connection) -> bool:
         """Record the join's connection; False (refused, counted) when ``actor_id`` is bound to another."""

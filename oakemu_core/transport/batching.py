@@ -51,10 +51,16 @@ socket queues, bound such an actor's rows in flight
 (:func:`oakemu_core.transport.step_ring.ring_slots`), so K > 1 does not multiply them."""
 
 
-def auto_steps_per_message(env_step_bytes: int, rollout_length: int, *, num_envs: int,
-                           target_bytes: int | None = AUTO_MESSAGE_TARGET_BYTES,
-                           target_rows: int = AUTO_MESSAGE_TARGET_ROWS,
-                           max_steps: int = AUTO_MAX_STEPS_PER_MESSAGE, min_rows: int = 0) -> int:
+def auto_steps_per_message(
+    env_step_bytes: int,
+    rollout_length: int,
+    *,
+    num_envs: int,
+    target_bytes: int | None = AUTO_MESSAGE_TARGET_BYTES,
+    target_rows: int = AUTO_MESSAGE_TARGET_ROWS,
+    max_steps: int = AUTO_MAX_STEPS_PER_MESSAGE,
+    min_rows: int = 0,
+) -> int:
     """The ``steps_per_message`` the learner gives an actor by default (``steps_per_message =
     "auto"``): the largest divisor K of ``rollout_length`` with ``K <= max_steps``,
     ``K <= rollout_length / AUTO_MESSAGES_PER_SEGMENT`` (32) or, for a rollout shorter than 64
@@ -64,7 +70,8 @@ def auto_steps_per_message(env_step_bytes: int, rollout_length: int, *, num_envs
     rollout is shorter than 64 steps and ``min_rows`` does not allow more.
 
     Examples: ALE/Breakout-v5, 8 envs: one vector step puts ~57 KB on the wire (newest frames) -> K = 4,
-    as with a step ring (``target_bytes=None``); 8 envs of raw 210 x 160 RGB frames (~800 KB) -> K = 1; CartPole-v1, 8 envs: ~330 bytes -> K = 4 with rollout_length 128; with 32,
+    as with a step ring (``target_bytes=None``); 8 envs of raw 210 x 160 RGB frames (~800 KB) -> K = 1;
+    CartPole-v1, 8 envs: ~330 bytes -> K = 4 with rollout_length 128; with 32,
     4 for an actor with a step ring (``min_rows`` 32: :data:`AUTO_MESSAGE_MIN_ROWS`) and 1 through the
     sockets; LunarLander-v3, 16 envs, rollout 1024 -> 8 (128 rows).
 
@@ -86,15 +93,22 @@ def auto_steps_per_message(env_step_bytes: int, rollout_length: int, *, num_envs
         ValueError: ``env_step_bytes``, ``rollout_length`` or ``num_envs`` < 1.
     """
     if env_step_bytes < 1 or rollout_length < 1 or num_envs < 1:
-        raise ValueError(f"auto_steps_per_message: expected env_step_bytes, rollout_length and num_envs >= 1, "
-                         f"received {env_step_bytes}, {rollout_length}, {num_envs}")
+        raise ValueError(
+            f"auto_steps_per_message: expected env_step_bytes, rollout_length and num_envs >= 1, "
+            f"received {env_step_bytes}, {rollout_length}, {num_envs}"
+        )
     step_bytes = num_envs * env_step_bytes  # one vector step of the actor
     most = rollout_length // AUTO_MESSAGES_PER_SEGMENT
-    if most <= 1:  # a rollout under 64 steps: up to min_rows rows per message, within an eighth of it
+    if (
+        most <= 1
+    ):  # a rollout under 64 steps: up to min_rows rows per message, within an eighth of it
         most = max(1, min(min_rows // num_envs, rollout_length // 8))
     best = 1
     for k in range(1, min(max_steps, most) + 1):
-        if (rollout_length % k == 0 and (target_bytes is None or k * step_bytes <= target_bytes)
-                and k * num_envs <= target_rows):
+        if (
+            rollout_length % k == 0
+            and (target_bytes is None or k * step_bytes <= target_bytes)
+            and k * num_envs <= target_rows
+        ):
             best = k
     return best

@@ -34,10 +34,17 @@ import zmq
 
 from oakemu_core.transport.auth import ClientSecurity
 from oakemu_core.transport.codec import MessageRejected
-from oakemu_core.transport.step_ring import StepRing, StepRings, ring_slots
 from oakemu_core.transport.frame_stacks import StackHistories
 from oakemu_core.transport.keepalive import keep_alive
-from oakemu_core.transport.steps import Frame, StepEncoder, StepMessage, StepSpec, decode_step, encode_step
+from oakemu_core.transport.step_ring import StepRing, StepRings, ring_slots
+from oakemu_core.transport.steps import (
+    Frame,
+    StepEncoder,
+    StepMessage,
+    StepSpec,
+    decode_step,
+    encode_step,
+)
 
 __all__ = [
     "Pause",
@@ -97,7 +104,9 @@ class StepChannel(Protocol):
         """Free the channel and its socket."""
 
 
-def send_queue_messages(steps_per_message: int, ring: StepRing | None, *, sync_rollout_length: int = 0) -> int:
+def send_queue_messages(
+    steps_per_message: int, ring: StepRing | None, *, sync_rollout_length: int = 0
+) -> int:
     """Step messages an actor's PUSH socket queues before a send waits (its ``SNDHWM``).
 
     With a step ring, its slots: they bound the messages in flight, and a queue as long lets them all
@@ -113,12 +122,14 @@ def send_queue_messages(steps_per_message: int, ring: StepRing | None, *, sync_r
     return 2 if steps_per_message == 1 else 1
 
 
-def step_socket_connector(context: zmq.Context, address: str, *, buffer_bytes: int,
-                          security: ClientSecurity | None = None) -> Callable[[int], zmq.Socket]:
+def step_socket_connector(
+    context: zmq.Context, address: str, *, buffer_bytes: int, security: ClientSecurity | None = None
+) -> Callable[[int], zmq.Socket]:
     """``connect`` for :func:`open_step_channel`: ``connect(queue_messages)`` makes a PUSH socket to the
     learner's data endpoint ``address`` whose send queue holds ``queue_messages`` messages and whose
     kernel send buffer ``buffer_bytes`` (about one message: the default, autotuned to MBs, would hold
     thousands of small messages acted by policies many versions old), with ``security``'s CURVE keys."""
+
     def connect(queue_messages: int) -> zmq.Socket:
         socket = context.socket(zmq.PUSH)
         if security is not None:
@@ -129,13 +140,18 @@ def step_socket_connector(context: zmq.Context, address: str, *, buffer_bytes: i
         socket.setsockopt(zmq.LINGER, 0)
         socket.connect(address)
         return socket
+
     return connect
 
 
-def _layout(steps_per_message: int, ring: StepRing | None, queue_messages: int | None = None) -> tuple[int, int, int]:
+def _layout(
+    steps_per_message: int, ring: StepRing | None, queue_messages: int | None = None
+) -> tuple[int, int, int]:
     """What a channel's socket was made for: K, the ring's slots (0 without a ring) and its send queue
     (``SNDHWM``; default: :func:`send_queue_messages` of asynchronous mode)."""
-    queue = send_queue_messages(steps_per_message, ring) if queue_messages is None else queue_messages
+    queue = (
+        send_queue_messages(steps_per_message, ring) if queue_messages is None else queue_messages
+    )
     return steps_per_message, ring.slots if ring is not None else 0, queue
 
 
@@ -158,8 +174,13 @@ class SocketStepChannel:
 
     ring: StepRing | None = None  # a RingStepChannel's ring
 
-    def __init__(self, socket: zmq.Socket, stop: threading.Event, spec: StepSpec,
-                 queue_messages: int | None = None) -> None:
+    def __init__(
+        self,
+        socket: zmq.Socket,
+        stop: threading.Event,
+        spec: StepSpec,
+        queue_messages: int | None = None,
+    ) -> None:
         self.socket = socket
         self.stop = stop
         self.layout = _layout(spec.steps_per_message, self.ring, queue_messages)
@@ -192,7 +213,9 @@ class SocketStepChannel:
         last = len(frames) - 1
         for index in range(1, len(frames)):
             frame = frames[index]
-            self.socket.send(frame, zmq.SNDMORE if index < last else 0, copy=not isinstance(frame, bytearray))
+            self.socket.send(
+                frame, zmq.SNDMORE if index < last else 0, copy=not isinstance(frame, bytearray)
+            )
 
     def detach(self) -> zmq.Socket:
         """Hand the socket over (to the next incarnation's channel) and free the rest."""
@@ -212,8 +235,14 @@ class RingStepChannel(SocketStepChannel):
             owned: :meth:`close` closes it.
     """
 
-    def __init__(self, socket: zmq.Socket, ring: StepRing, stop: threading.Event, spec: StepSpec,
-                 queue_messages: int | None = None) -> None:
+    def __init__(
+        self,
+        socket: zmq.Socket,
+        ring: StepRing,
+        stop: threading.Event,
+        spec: StepSpec,
+        queue_messages: int | None = None,
+    ) -> None:
         self.ring = ring
         super().__init__(socket, stop, spec, queue_messages)
 
@@ -232,8 +261,12 @@ class RingStepChannel(SocketStepChannel):
             pause(delay)
             delay = min(2 * delay, SLOT_POLL_MAX_S)
             if time.monotonic() > warn_at:
-                log.warning("step message %d has waited %.0f s for a free slot of step ring %s", seq,
-                            time.monotonic() - start, ring.name)
+                log.warning(
+                    "step message %d has waited %.0f s for a free slot of step ring %s",
+                    seq,
+                    time.monotonic() - start,
+                    ring.name,
+                )
                 warn_at += SLOT_WAIT_WARNING_S
 
     def send(self, message: StepMessage, pause: Pause) -> None:
@@ -262,9 +295,15 @@ class RingStepChannel(SocketStepChannel):
         super().close()
 
 
-def open_step_channel(spec: StepSpec, ring: StepRing | None, connect: Callable[[int], zmq.Socket],
-                      stop: threading.Event, previous: StepChannel | None = None, *,
-                      sync_rollout_length: int = 0) -> StepChannel:
+def open_step_channel(
+    spec: StepSpec,
+    ring: StepRing | None,
+    connect: Callable[[int], zmq.Socket],
+    stop: threading.Event,
+    previous: StepChannel | None = None,
+    *,
+    sync_rollout_length: int = 0,
+) -> StepChannel:
     """The step channel of a (re)joined actor incarnation: through ``ring`` when it attached one,
     else with the arrays inline.
 
@@ -291,8 +330,11 @@ def open_step_channel(spec: StepSpec, ring: StepRing | None, connect: Callable[[
             previous.close()
     if socket is None:
         socket = connect(queue)
-    channel = (SocketStepChannel(socket, stop, spec, queue) if ring is None
-               else RingStepChannel(socket, ring, stop, spec, queue))
+    channel = (
+        SocketStepChannel(socket, stop, spec, queue)
+        if ring is None
+        else RingStepChannel(socket, ring, stop, spec, queue)
+    )
     channel.slot_waits = previous.slot_waits if previous is not None else 0
     return channel
 
@@ -336,8 +378,15 @@ class StepReceiver:
             level=...)`` (a peer can cause it once per join: rate limited by the caller); None: the log.
     """
 
-    def __init__(self, rings: StepRings, spec_for: Callable[[str, str], StepSpec | None],
-                 allows: Callable[[str, str, Any], bool], *, max_bytes: int, notices: Any = None) -> None:
+    def __init__(
+        self,
+        rings: StepRings,
+        spec_for: Callable[[str, str], StepSpec | None],
+        allows: Callable[[str, str, Any], bool],
+        *,
+        max_bytes: int,
+        notices: Any = None,
+    ) -> None:
         self.rings = rings
         self.spec_for = spec_for
         self.allows = allows
@@ -356,8 +405,13 @@ class StepReceiver:
         """
         peer = frames[0] if frames else None
         try:
-            message = decode_step([frame.buffer for frame in frames], self.spec_for, max_bytes=self.max_bytes,
-                                  ring_for=self.rings.get, stacks_for=self.stacks.previous)
+            message = decode_step(
+                [frame.buffer for frame in frames],
+                self.spec_for,
+                max_bytes=self.max_bytes,
+                ring_for=self.rings.get,
+                stacks_for=self.stacks.previous,
+            )
         except MessageRejected as error:
             if error.sender is not None:
                 actor_id, incarnation, seq = error.sender
@@ -366,10 +420,20 @@ class StepReceiver:
                     ring.release(seq)
             raise
         spec = self.spec_for(message.actor_id, message.incarnation)
-        if message.slot is None and spec is not None and spec.stacked \
-                and self.allows(message.actor_id, message.incarnation, peer):
-            self.stacks.remember(message.actor_id, message.incarnation, message.seq, message.fields, spec.stacked,
-                                 block=spec.steps_per_message > 1)
+        if (
+            message.slot is None
+            and spec is not None
+            and spec.stacked
+            and self.allows(message.actor_id, message.incarnation, peer)
+        ):
+            self.stacks.remember(
+                message.actor_id,
+                message.incarnation,
+                message.seq,
+                message.fields,
+                spec.stacked,
+                block=spec.steps_per_message > 1,
+            )
         return message
 
     def retain(self, keys: set[tuple[str, str]]) -> None:

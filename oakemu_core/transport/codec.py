@@ -170,10 +170,15 @@ def _wire_dtype(value: Any, name: str) -> np.dtype:
 
 def _wire_shape(value: Any, name: str) -> tuple[int, ...]:
     if not isinstance(value, list) or len(value) > MAX_NDIM:
-        reject("schema", f"{name}.shape: expected a list of at most {MAX_NDIM} ints, received {describe(value)}")
+        reject(
+            "schema",
+            f"{name}.shape: expected a list of at most {MAX_NDIM} ints, received {describe(value)}",
+        )
     for d in value:
         if type(d) is not int or d < 0:
-            reject("schema", f"{name}.shape: expected non-negative ints, received {describe(value)}")
+            reject(
+                "schema", f"{name}.shape: expected non-negative ints, received {describe(value)}"
+            )
     return tuple(value)
 
 
@@ -216,7 +221,10 @@ def decode_array(value: Any, name: str) -> np.ndarray:
     """
     if not isinstance(value, dict) or value.keys() != _ARRAY_KEYS:
         keys = sorted(map(str, value)) if isinstance(value, dict) else type(value).__name__
-        reject("schema", f"{name}: expected an array map with keys ['data', 'dtype', 'shape'], received {keys}")
+        reject(
+            "schema",
+            f"{name}: expected an array map with keys ['data', 'dtype', 'shape'], received {keys}",
+        )
     dtype = _wire_dtype(value["dtype"], name)
     shape = _wire_shape(value["shape"], name)
     data = value["data"]
@@ -250,7 +258,9 @@ def checked_contents(array: np.ndarray, data: bytes | None, name: str) -> np.nda
 def _all_finite(array: np.ndarray) -> bool:
     """Whether every element is finite; plain Python for small arrays, where a numpy ufunc
     call costs more than the loop (a step message has five ``(n,)`` float fields)."""
-    if array.size <= 64:  # a finite sum has finite terms; else (or a sum that overflowed) each value is looked at
+    if (
+        array.size <= 64
+    ):  # a finite sum has finite terms; else (or a sum that overflowed) each value is looked at
         values = array.reshape(-1).tolist()
         return math.isfinite(sum(values)) or all(map(math.isfinite, values))
     return bool(np.isfinite(array).all())
@@ -267,7 +277,12 @@ def get_str(obj: dict, key: str, *, max_len: int = MAX_ID_LENGTH, allow_empty: b
     line breaks, escape sequences or other control characters), because these strings reach log
     lines and terminal views, where a peer must not be able to forge a line or move the cursor."""
     value = obj[key]
-    if not isinstance(value, str) or len(value) > max_len or (not value and not allow_empty) or not value.isprintable():
+    if (
+        not isinstance(value, str)
+        or len(value) > max_len
+        or (not value and not allow_empty)
+        or not value.isprintable()
+    ):
         reject(
             "schema",
             f"{key}: expected a {'' if allow_empty else 'non-empty '}str of at most {max_len} printable chars, "
@@ -280,7 +295,9 @@ def get_int(obj: dict, key: str, *, minimum: int = 0) -> int:
     """``obj[key]`` as an int (not a bool) in ``[minimum, 2**63-1]``; else ``"schema"``."""
     value = obj[key]
     if type(value) is not int or not minimum <= value <= INT64_MAX:
-        reject("schema", f"{key}: expected an int in [{minimum}, 2**63-1], received {describe(value)}")
+        reject(
+            "schema", f"{key}: expected an int in [{minimum}, 2**63-1], received {describe(value)}"
+        )
     return value
 
 
@@ -306,14 +323,25 @@ def get_float(obj: dict, key: str) -> float:
 
 def check_local_id(value: Any, name: str) -> None:
     """Raise ValueError unless ``value`` is a non-empty str of at most :data:`MAX_ID_LENGTH` printable chars."""
-    if not isinstance(value, str) or not value or len(value) > MAX_ID_LENGTH or not value.isprintable():
-        raise ValueError(f"{name}: expected a non-empty str of at most {MAX_ID_LENGTH} printable chars, "
-                         f"received {value!r}")
+    if (
+        not isinstance(value, str)
+        or not value
+        or len(value) > MAX_ID_LENGTH
+        or not value.isprintable()
+    ):
+        raise ValueError(
+            f"{name}: expected a non-empty str of at most {MAX_ID_LENGTH} printable chars, "
+            f"received {value!r}"
+        )
 
 
 def check_local_int(value: Any, name: str, minimum: int = 0) -> None:
     """Raise ValueError unless ``value`` is an int (numpy's too, not a bool) in ``[minimum, 2**63-1]``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not minimum <= value <= INT64_MAX:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, np.integer))
+        or not minimum <= value <= INT64_MAX
+    ):
         raise ValueError(f"{name}: expected an int in [{minimum}, 2**63-1], received {value!r}")
 
 
@@ -358,7 +386,9 @@ def unpack(frame: bytes | bytearray | memoryview, max_bytes: int) -> tuple[dict[
     try:
         size = len(frame) if type(frame) is bytes else memoryview(frame).nbytes
     except TypeError:
-        raise TypeError(f"frame: expected bytes, bytearray or memoryview, received {type(frame).__name__}") from None
+        raise TypeError(
+            f"frame: expected bytes, bytearray or memoryview, received {type(frame).__name__}"
+        ) from None
     if size > max_bytes:
         reject("oversized", f"frame is {size} bytes, limit max_bytes={max_bytes}")
     try:
@@ -374,7 +404,9 @@ def unpack(frame: bytes | bytearray | memoryview, max_bytes: int) -> tuple[dict[
             max_ext_len=0,
         )
     except Exception as error:  # msgpack raises ValueError subclasses, TypeError, ...: all garbage
-        reject("garbage", f"not a valid msgpack frame ({type(error).__name__}: {describe(str(error))})")
+        reject(
+            "garbage", f"not a valid msgpack frame ({type(error).__name__}: {describe(str(error))})"
+        )
     if not isinstance(obj, dict):
         reject("schema", f"expected a msgpack map at top level, received {type(obj).__name__}")
     version = obj.get("protocol")

@@ -269,8 +269,16 @@ class StopNotice:
     reason: str
 
 
-ControlMessage = (JoinRequest | JoinReply | Heartbeat | HeartbeatReply | Leave | WeightsRequest | WeightsMessage
-                  | StopNotice)
+ControlMessage = (
+    JoinRequest
+    | JoinReply
+    | Heartbeat
+    | HeartbeatReply
+    | Leave
+    | WeightsRequest
+    | WeightsMessage
+    | StopNotice
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,11 +288,15 @@ ControlMessage = (JoinRequest | JoinReply | Heartbeat | HeartbeatReply | Leave |
 
 def _encode_weights(weights: Mapping[str, np.ndarray], name: str) -> dict[str, Any]:
     if not isinstance(weights, Mapping):
-        raise TypeError(f"{name}: expected a mapping str -> numpy.ndarray, received {type(weights).__name__}")
+        raise TypeError(
+            f"{name}: expected a mapping str -> numpy.ndarray, received {type(weights).__name__}"
+        )
     out: dict[str, Any] = {}
     for key, array in weights.items():
         if not isinstance(key, str) or not key or len(key) > MAX_ID_LENGTH:
-            raise TypeError(f"{name}: expected non-empty str keys of at most {MAX_ID_LENGTH} chars, received {key!r}")
+            raise TypeError(
+                f"{name}: expected non-empty str keys of at most {MAX_ID_LENGTH} chars, received {key!r}"
+            )
         out[key] = encode_array(array, f"{name}[{key!r}]")
     return out
 
@@ -295,7 +307,10 @@ def _decode_weights(value: Any, name: str) -> dict[str, np.ndarray]:
     weights: dict[str, np.ndarray] = {}
     for key, item in value.items():
         if not isinstance(key, str) or not key or len(key) > MAX_ID_LENGTH:
-            reject("schema", f"{name}: expected non-empty str keys of at most {MAX_ID_LENGTH} chars, received {describe(key)}")
+            reject(
+                "schema",
+                f"{name}: expected non-empty str keys of at most {MAX_ID_LENGTH} chars, received {describe(key)}",
+            )
         weights[key] = decode_array(item, f"{name}[{key!r}]")
     return weights
 
@@ -305,7 +320,9 @@ _SCALAR_TYPES = (type(None), bool, int, float, str)
 
 def _encode_env_config(config: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(config, Mapping):
-        raise TypeError(f"env_config: expected a mapping str -> scalar, received {type(config).__name__}")
+        raise TypeError(
+            f"env_config: expected a mapping str -> scalar, received {type(config).__name__}"
+        )
     out: dict[str, Any] = {}
     for key, value in config.items():
         if isinstance(value, np.generic):
@@ -327,7 +344,10 @@ def _decode_env_config(value: Any) -> dict[str, Any]:
         if not isinstance(key, str) or not key or len(key) > MAX_ID_LENGTH:
             reject("schema", f"env_config: expected non-empty str keys, received {describe(key)}")
         if type(item) not in _SCALAR_TYPES:
-            reject("schema", f"env_config[{key!r}]: expected None, bool, int, float or str, received {type(item).__name__}")
+            reject(
+                "schema",
+                f"env_config[{key!r}]: expected None, bool, int, float or str, received {type(item).__name__}",
+            )
         if type(item) is float and not math.isfinite(item):
             reject("schema", f"env_config[{key!r}]: expected a finite float, received {item!r}")
         if type(item) is str and len(item) > MAX_TEXT_LENGTH:
@@ -346,8 +366,10 @@ def encode_join_request(msg: JoinRequest) -> bytes:
     check_local_id(msg.incarnation, "incarnation")
     check_local_int(msg.num_envs, "num_envs", minimum=1)
     if msg.inference_precision not in INFERENCE_PRECISIONS:
-        raise ValueError(f"inference_precision: expected one of {INFERENCE_PRECISIONS}, received "
-                         f"{msg.inference_precision!r}")
+        raise ValueError(
+            f"inference_precision: expected one of {INFERENCE_PRECISIONS}, received "
+            f"{msg.inference_precision!r}"
+        )
     return pack(
         {
             **header(TYPE_JOIN),
@@ -372,9 +394,13 @@ def encode_join_reply(msg: JoinReply) -> bytes:
     """
     check_local_int(msg.actor_index, "actor_index", minimum=-1)
     check_local_int(msg.policy_version, "policy_version")
-    if msg.retry_after_s is not None and (msg.accepted or not 0.0 <= msg.retry_after_s <= MAX_RETRY_AFTER_S):
-        raise ValueError(f"retry_after_s: expected None, or a float in [0, {MAX_RETRY_AFTER_S:g}] in a join reply "
-                         f"that is not accepted, received {msg.retry_after_s!r}")
+    if msg.retry_after_s is not None and (
+        msg.accepted or not 0.0 <= msg.retry_after_s <= MAX_RETRY_AFTER_S
+    ):
+        raise ValueError(
+            f"retry_after_s: expected None, or a float in [0, {MAX_RETRY_AFTER_S:g}] in a join reply "
+            f"that is not accepted, received {msg.retry_after_s!r}"
+        )
     return pack(
         {
             **header(TYPE_JOIN_REPLY),
@@ -385,8 +411,13 @@ def encode_join_reply(msg: JoinReply) -> bytes:
             "env_config": _encode_env_config(msg.env_config),
             "policy_version": int(msg.policy_version),
             "weights": _encode_weights(msg.weights, "weights"),
-            "step_ring": None if msg.step_ring is None else {
-                "name": msg.step_ring.name, "token": msg.step_ring.token, "slots": int(msg.step_ring.slots)},
+            "step_ring": None
+            if msg.step_ring is None
+            else {
+                "name": msg.step_ring.name,
+                "token": msg.step_ring.token,
+                "slots": int(msg.step_ring.slots),
+            },
             "retry_after_s": None if msg.retry_after_s is None else float(msg.retry_after_s),
         }
     )
@@ -402,7 +433,9 @@ def encode_heartbeat(msg: Heartbeat) -> bytes:
     for name in ("env_steps_per_second", "policy_lag"):
         value = getattr(msg, name)
         if not 0.0 <= value <= MAX_HEARTBEAT_FIGURE:  # also refuses NaN
-            raise ValueError(f"{name}: expected a float in [0, {MAX_HEARTBEAT_FIGURE:g}], received {value!r}")
+            raise ValueError(
+                f"{name}: expected a float in [0, {MAX_HEARTBEAT_FIGURE:g}], received {value!r}"
+            )
     return pack(
         {
             **header(TYPE_HEARTBEAT),
@@ -423,8 +456,14 @@ def encode_heartbeat_reply(msg: HeartbeatReply) -> bytes:
         raise ValueError(f"status: expected one of {HEARTBEAT_STATUSES}, received {msg.status!r}")
     check_local_int(msg.policy_version, "policy_version")
     check_local_int(msg.held_rows, "held_rows")
-    return pack({**header(TYPE_HEARTBEAT_REPLY), "status": msg.status, "policy_version": int(msg.policy_version),
-                 "held_rows": int(msg.held_rows)})
+    return pack(
+        {
+            **header(TYPE_HEARTBEAT_REPLY),
+            "status": msg.status,
+            "policy_version": int(msg.policy_version),
+            "held_rows": int(msg.held_rows),
+        }
+    )
 
 
 def encode_leave(msg: Leave) -> bytes:
@@ -438,7 +477,9 @@ def encode_weights_request(msg: WeightsRequest) -> bytes:
     """Serialise a :class:`WeightsRequest`. Raises ValueError naming a field with a bad value."""
     check_local_id(msg.actor_id, "actor_id")
     check_local_id(msg.incarnation, "incarnation")
-    return pack({**header(TYPE_WEIGHTS_REQUEST), "actor_id": msg.actor_id, "incarnation": msg.incarnation})
+    return pack(
+        {**header(TYPE_WEIGHTS_REQUEST), "actor_id": msg.actor_id, "incarnation": msg.incarnation}
+    )
 
 
 def encode_weights(msg: WeightsMessage) -> bytes:
@@ -468,12 +509,25 @@ def encode_stop(msg: StopNotice) -> bytes:
 
 
 def _decode_join(obj: dict[str, Any]) -> JoinRequest:
-    require_fields(obj, ("actor_id", "incarnation", "num_envs", "hostname", "host_id", "inference_precision", "pid",
-                         "pid_namespace"))
+    require_fields(
+        obj,
+        (
+            "actor_id",
+            "incarnation",
+            "num_envs",
+            "hostname",
+            "host_id",
+            "inference_precision",
+            "pid",
+            "pid_namespace",
+        ),
+    )
     precision = get_str(obj, "inference_precision")
     if precision not in INFERENCE_PRECISIONS:
-        raise MessageRejected("value_range", f"inference_precision: expected one of {INFERENCE_PRECISIONS}, "
-                              f"got {precision!r}")
+        raise MessageRejected(
+            "value_range",
+            f"inference_precision: expected one of {INFERENCE_PRECISIONS}, got {precision!r}",
+        )
     return JoinRequest(
         actor_id=get_str(obj, "actor_id"),
         incarnation=get_str(obj, "incarnation"),
@@ -497,8 +551,11 @@ def _decode_step_ring(value: Any) -> StepRingOffer | None:
         reject("schema", f"step_ring: expected None or a map with keys {sorted(_RING_KEYS)}")
     name, token = get_str(value, "name"), get_str(value, "token")
     if not name.startswith(SEGMENT_PREFIX) or not _RING_TOKEN.match(token):
-        reject("schema", f"step_ring: expected an {SEGMENT_PREFIX}* segment and 16 hex digits, received "
-                         f"{describe(name)} / {describe(token)}")
+        reject(
+            "schema",
+            f"step_ring: expected an {SEGMENT_PREFIX}* segment and 16 hex digits, received "
+            f"{describe(name)} / {describe(token)}",
+        )
     slots = get_int(value, "slots", minimum=1)
     if slots > MAX_RING_SLOTS:
         reject("schema", f"step_ring.slots: expected at most {MAX_RING_SLOTS}, received {slots}")
@@ -506,16 +563,31 @@ def _decode_step_ring(value: Any) -> StepRingOffer | None:
 
 
 def _decode_join_reply(obj: dict[str, Any]) -> JoinReply:
-    require_fields(obj, ("accepted", "reason", "actor_index", "spec", "env_config", "policy_version", "weights",
-                         "step_ring", "retry_after_s"))
+    require_fields(
+        obj,
+        (
+            "accepted",
+            "reason",
+            "actor_index",
+            "spec",
+            "env_config",
+            "policy_version",
+            "weights",
+            "step_ring",
+            "retry_after_s",
+        ),
+    )
     spec = obj["spec"]
     accepted = get_bool(obj, "accepted")
     if accepted and spec is None:
         reject("schema", "spec: expected a step spec in an accepted join reply, received None")
     retry_after_s = None if obj["retry_after_s"] is None else get_float(obj, "retry_after_s")
     if retry_after_s is not None and (accepted or not 0.0 <= retry_after_s <= MAX_RETRY_AFTER_S):
-        reject("schema", f"retry_after_s: expected nil, or a float in [0, {MAX_RETRY_AFTER_S:g}] in a join reply "
-                         f"that is not accepted, received {describe(obj['retry_after_s'])}")
+        reject(
+            "schema",
+            f"retry_after_s: expected nil, or a float in [0, {MAX_RETRY_AFTER_S:g}] in a join reply "
+            f"that is not accepted, received {describe(obj['retry_after_s'])}",
+        )
     return JoinReply(
         accepted=accepted,
         reason=get_str(obj, "reason", max_len=MAX_TEXT_LENGTH, allow_empty=True),
@@ -532,12 +604,23 @@ def _decode_join_reply(obj: dict[str, Any]) -> JoinReply:
 def _decode_heartbeat(obj: dict[str, Any]) -> Heartbeat:
     require_fields(
         obj,
-        ("actor_id", "incarnation", "seq", "policy_version", "env_steps_per_second", "policy_lag", "episodes"),
+        (
+            "actor_id",
+            "incarnation",
+            "seq",
+            "policy_version",
+            "env_steps_per_second",
+            "policy_lag",
+            "episodes",
+        ),
     )
     figures = {name: get_float(obj, name) for name in ("env_steps_per_second", "policy_lag")}
     for name, value in figures.items():  # telemetry and its schema take them as they are
         if not 0.0 <= value <= MAX_HEARTBEAT_FIGURE:
-            reject("value_range", f"{name}: expected a float in [0, {MAX_HEARTBEAT_FIGURE:g}], received {value!r}")
+            reject(
+                "value_range",
+                f"{name}: expected a float in [0, {MAX_HEARTBEAT_FIGURE:g}], received {value!r}",
+            )
     return Heartbeat(
         actor_id=get_str(obj, "actor_id"),
         incarnation=get_str(obj, "incarnation"),
@@ -552,9 +635,14 @@ def _decode_heartbeat_reply(obj: dict[str, Any]) -> HeartbeatReply:
     require_fields(obj, ("status", "policy_version", "held_rows"))
     status = obj["status"]
     if type(status) is not str or status not in HEARTBEAT_STATUSES:
-        reject("schema", f"status: expected one of {HEARTBEAT_STATUSES}, received {describe(status)}")
-    return HeartbeatReply(status=status, policy_version=get_int(obj, "policy_version"),
-                          held_rows=get_int(obj, "held_rows"))
+        reject(
+            "schema", f"status: expected one of {HEARTBEAT_STATUSES}, received {describe(status)}"
+        )
+    return HeartbeatReply(
+        status=status,
+        policy_version=get_int(obj, "policy_version"),
+        held_rows=get_int(obj, "held_rows"),
+    )
 
 
 def _decode_leave(obj: dict[str, Any]) -> Leave:
@@ -564,7 +652,9 @@ def _decode_leave(obj: dict[str, Any]) -> Leave:
 
 def _decode_weights_request(obj: dict[str, Any]) -> WeightsRequest:
     require_fields(obj, ("actor_id", "incarnation"))
-    return WeightsRequest(actor_id=get_str(obj, "actor_id"), incarnation=get_str(obj, "incarnation"))
+    return WeightsRequest(
+        actor_id=get_str(obj, "actor_id"), incarnation=get_str(obj, "incarnation")
+    )
 
 
 def _decode_stop(obj: dict[str, Any]) -> StopNotice:
@@ -574,8 +664,11 @@ def _decode_stop(obj: dict[str, Any]) -> StopNotice:
 
 def _decode_weights_message(obj: dict[str, Any]) -> WeightsMessage:
     require_fields(obj, ("policy_version", "revision", "weights"))
-    return WeightsMessage(policy_version=get_int(obj, "policy_version"), weights=_decode_weights(obj["weights"], "weights"),
-                          revision=get_int(obj, "revision"))
+    return WeightsMessage(
+        policy_version=get_int(obj, "policy_version"),
+        weights=_decode_weights(obj["weights"], "weights"),
+        revision=get_int(obj, "revision"),
+    )
 
 
 _CONTROL_DECODERS: dict[str, Callable[[dict[str, Any]], ControlMessage]] = {
@@ -612,5 +705,8 @@ def decode_message(frame: bytes | bytearray | memoryview, *, max_bytes: int) -> 
     decoder = _CONTROL_DECODERS.get(message_type)
     if decoder is None:
         hint = " (step messages are decoded with decode_step)" if message_type == TYPE_STEP else ""
-        reject("schema", f"type: expected one of {sorted(_CONTROL_DECODERS)}, received {describe(message_type)}{hint}")
+        reject(
+            "schema",
+            f"type: expected one of {sorted(_CONTROL_DECODERS)}, received {describe(message_type)}{hint}",
+        )
     return decoder(obj)

@@ -75,13 +75,23 @@ if TYPE_CHECKING:
     from oakemu_core.storage.assembler import ActorRecord, RolloutAssembler
     from oakemu_core.transport.auth import PeerBinding
 
-__all__ = ["ANONYMOUS_REFUSAL", "JOIN_WAIT_NOTICE_S", "MAX_ACTOR_ENVS", "START_GRACE_S", "ControlServer", "Reply",
-           "env_config", "step_spec_for"]
+__all__ = [
+    "ANONYMOUS_REFUSAL",
+    "JOIN_WAIT_NOTICE_S",
+    "MAX_ACTOR_ENVS",
+    "START_GRACE_S",
+    "ControlServer",
+    "Reply",
+    "env_config",
+    "step_spec_for",
+]
 
 log = logging.getLogger("oakemu.learner")
 
-ANONYMOUS_REFUSAL = ("the control socket has no routing id of its own: an actor's REQ socket sets one "
-                     "(oakemu_core.transport.auth.new_routing_id), kept for the process's life")
+ANONYMOUS_REFUSAL = (
+    "the control socket has no routing id of its own: an actor's REQ socket sets one "
+    "(oakemu_core.transport.auth.new_routing_id), kept for the process's life"
+)
 """Reason of a join refused from a connection whose routing id ZeroMQ generated."""
 
 MAX_ACTOR_ENVS = 65_536
@@ -126,17 +136,24 @@ def env_config(config: OakEmuConfig, index: int) -> dict[str, Any]:
     }
 
 
-def step_spec_for(config: OakEmuConfig, schema: StepSchema, num_envs: int, *, step_ring: bool) -> StepSpec:
+def step_spec_for(
+    config: OakEmuConfig, schema: StepSchema, num_envs: int, *, step_ring: bool
+) -> StepSpec:
     """The spec of the step messages of an actor of ``num_envs`` envs: K from
     ``config.resolved_steps_per_message`` (without the byte bound for a step ring). Through the
     sockets an automatic K also keeps a message of whole stacks (after resets, key frames: up to S
     times the deduplicated bytes) within ``max_message_bytes``, or such messages, and every message
     rebuilt from them, would be rejected."""
-    steps = config.resolved_steps_per_message(wire_bytes_per_env(schema), num_envs, step_ring=step_ring)
+    steps = config.resolved_steps_per_message(
+        wire_bytes_per_env(schema), num_envs, step_ring=step_ring
+    )
     if not step_ring and config.steps_per_message == "auto":
         whole_step = num_envs * schema.sent_bytes_per_env()
-        steps = max(k for k in range(1, steps + 1)
-                    if steps % k == 0 and (k == 1 or k * whole_step + 1024 <= config.max_message_bytes))
+        steps = max(
+            k
+            for k in range(1, steps + 1)
+            if steps % k == 0 and (k == 1 or k * whole_step + 1024 <= config.max_message_bytes)
+        )
     return StepSpec(num_envs=num_envs, schema=schema, steps_per_message=steps)
 
 
@@ -163,12 +180,24 @@ class ControlServer:
         join_rate: the joins each peer host may ask for (None: :class:`JoinRate`'s defaults).
     """
 
-    def __init__(self, config: OakEmuConfig, schema: StepSchema, observation_layout: Any,
-                 assembler: RolloutAssembler, peers: PeerBinding, rejections: Any, *, host_id: str,
-                 offer_ring: Callable[[JoinRequest, StepSpec], StepRingOffer | None],
-                 policy_version: int, weights: dict[str, np.ndarray], notices: Any = None,
-                 limits: PeerLimits | None = None, processes: LocalProcesses | None = None,
-                 join_rate: JoinRate | None = None) -> None:
+    def __init__(
+        self,
+        config: OakEmuConfig,
+        schema: StepSchema,
+        observation_layout: Any,
+        assembler: RolloutAssembler,
+        peers: PeerBinding,
+        rejections: Any,
+        *,
+        host_id: str,
+        offer_ring: Callable[[JoinRequest, StepSpec], StepRingOffer | None],
+        policy_version: int,
+        weights: dict[str, np.ndarray],
+        notices: Any = None,
+        limits: PeerLimits | None = None,
+        processes: LocalProcesses | None = None,
+        join_rate: JoinRate | None = None,
+    ) -> None:
         self.config = config
         self.schema = schema
         self.observation_layout = observation_layout
@@ -185,7 +214,9 @@ class ControlServer:
         self.weights = weights
         self.processes = processes if processes is not None else LocalProcesses()
         self.join_rate = join_rate if join_rate is not None else JoinRate()
-        self._weights_frame: bytes | None = None  # the current weights, encoded once for weights requests
+        self._weights_frame: bytes | None = (
+            None  # the current weights, encoded once for weights requests
+        )
         self.reevaluate_every_rollout = False
         """True once an actor acting with rounded weights (bfloat16) joined: every rollout is then
         re-evaluated in float32 before GAE."""
@@ -204,7 +235,9 @@ class ControlServer:
     # -- replies -----------------------------------------------------------------------------
     def rejoin(self) -> bytes:
         """The reply to a request that cannot be served (undecodable, unknown or refused): rejoin."""
-        return encode_heartbeat_reply(HeartbeatReply(status="rejoin", policy_version=self.policy_version))
+        return encode_heartbeat_reply(
+            HeartbeatReply(status="rejoin", policy_version=self.policy_version)
+        )
 
     def refuse_join(self, reason: str) -> bytes:
         """A join reply refusing the join for ``reason``."""
@@ -216,8 +249,15 @@ class ControlServer:
         self.rejections.event(error.reason, str(error))
         return self.rejoin()
 
-    def reply(self, message: Any, now: float, *, identity: Any = None, peer: Any = None,
-              stopping: bool = False) -> list[Reply]:
+    def reply(
+        self,
+        message: Any,
+        now: float,
+        *,
+        identity: Any = None,
+        peer: Any = None,
+        stopping: bool = False,
+    ) -> list[Reply]:
         """Serve one decoded request from ``identity`` (its connection ``peer``, for the peer
         binding) at monotonic time ``now``; ``stopping``: the learner is shutting down (joins are
         refused, heartbeats answered ``stop``). Returns the replies to send, in order."""
@@ -233,16 +273,27 @@ class ControlServer:
             return self._join(message, now, identity, stopping)
         if isinstance(message, Heartbeat):
             known = self.assembler.heartbeat(
-                message.actor_id, message.incarnation, now=now,
-                env_steps_per_second=message.env_steps_per_second, policy_lag=message.policy_lag,
+                message.actor_id,
+                message.incarnation,
+                now=now,
+                env_steps_per_second=message.env_steps_per_second,
+                policy_lag=message.policy_lag,
                 episodes=message.episodes,
             )
             self.counters.accepted["heartbeat" if known else "unknown_actor_control"] += 1
             status = "stop" if stopping else ("ok" if known else "rejoin")
             record = self.assembler.actors.get(message.actor_id)
             held = record.pending_rows if known and record is not None else 0
-            return [(identity, encode_heartbeat_reply(
-                HeartbeatReply(status=status, policy_version=self.policy_version, held_rows=held)))]
+            return [
+                (
+                    identity,
+                    encode_heartbeat_reply(
+                        HeartbeatReply(
+                            status=status, policy_version=self.policy_version, held_rows=held
+                        )
+                    ),
+                )
+            ]
         if isinstance(message, WeightsRequest):
             return [(identity, self._weights_reply(message, stopping))]
         if isinstance(message, Leave):
@@ -252,10 +303,18 @@ class ControlServer:
                 self.notices.event("leave", f"actor {message.actor_id} left", level=logging.INFO)
             else:
                 self.counters.accepted["unknown_actor_control"] += 1
-            return [(identity, encode_heartbeat_reply(
-                HeartbeatReply(status="stop", policy_version=self.policy_version)))]
+            return [
+                (
+                    identity,
+                    encode_heartbeat_reply(
+                        HeartbeatReply(status="stop", policy_version=self.policy_version)
+                    ),
+                )
+            ]
         self.counters.rejected["schema"] += 1
-        self.rejections.event("schema", f"schema: a {type(message).__name__} is not a request the learner serves")
+        self.rejections.event(
+            "schema", f"schema: a {type(message).__name__} is not a request the learner serves"
+        )
         return [(identity, self.rejoin())]
 
     def _weights_reply(self, message: WeightsRequest, stopping: bool) -> bytes:
@@ -265,10 +324,15 @@ class ControlServer:
         known = record is not None and record.incarnation == message.incarnation
         self.counters.accepted["weights_request" if known else "unknown_actor_control"] += 1
         if stopping or not known:
-            return encode_heartbeat_reply(HeartbeatReply("stop" if stopping else "rejoin", self.policy_version))
-        self.notices.event("weights_request", f"actor {message.actor_id} asked for the weights of version "
-                           f"{self.policy_version} on the control socket (its weights channel missed them)",
-                           level=logging.INFO)
+            return encode_heartbeat_reply(
+                HeartbeatReply("stop" if stopping else "rejoin", self.policy_version)
+            )
+        self.notices.event(
+            "weights_request",
+            f"actor {message.actor_id} asked for the weights of version "
+            f"{self.policy_version} on the control socket (its weights channel missed them)",
+            level=logging.INFO,
+        )
         if self._weights_frame is None:
             self._weights_frame = encode_weights(WeightsMessage(self.policy_version, self.weights))
         return self._weights_frame
@@ -278,8 +342,9 @@ class ControlServer:
         incarnation joined or is held already: a join asked again); else the reply "too many joins,
         retry in X s", counted as ``rejected["join_rate"]``."""
         held = self._pending_joins.get(message.actor_id)
-        if self._answered_before(message) is not None or (held is not None
-                                                           and held.request.incarnation == message.incarnation):
+        if self._answered_before(message) is not None or (
+            held is not None and held.request.incarnation == message.incarnation
+        ):
             return None
         host = peer.address if peer is not None else ""
         wait_s = self.join_rate.take(host, now)
@@ -287,11 +352,16 @@ class ControlServer:
             return None
         self.counters.rejected["join_rate"] += 1
         reason = f"too many joins from host {host or '(unknown)'}: retry in {wait_s:.1f} s"
-        self.notices.event("join_rate", f"actor {message.actor_id}: {reason}", level=logging.WARNING)
-        return encode_join_reply(JoinReply(False, reason, -1, None, {}, self.policy_version, retry_after_s=wait_s))
+        self.notices.event(
+            "join_rate", f"actor {message.actor_id}: {reason}", level=logging.WARNING
+        )
+        return encode_join_reply(
+            JoinReply(False, reason, -1, None, {}, self.policy_version, retry_after_s=wait_s)
+        )
 
-    def _refuse_impersonation(self, message: JoinRequest | Heartbeat | Leave | WeightsRequest,
-                              peer: Any) -> bytes | None:
+    def _refuse_impersonation(
+        self, message: JoinRequest | Heartbeat | Leave | WeightsRequest, peer: Any
+    ) -> bytes | None:
         """None when ``peer`` may speak for ``message.actor_id``; else the refusal, counted as
         ``anonymous_connection`` (a routing id ZeroMQ generated:
         :func:`~oakemu_core.transport.auth.is_generated_routing_id`) or ``impersonation``: a join for an
@@ -302,9 +372,16 @@ class ControlServer:
             # id to the new one), or a client that set no routing id: bound, it would tie the actor to
             # a connection nobody reads.
             self.counters.rejected["anonymous_connection"] += 1
-            self.rejections.event("anonymous_connection", f"anonymous_connection: a {type(message).__name__} for "
-                                  f"actor {message.actor_id} from a connection without a routing id of its own")
-            return self.refuse_join(ANONYMOUS_REFUSAL) if isinstance(message, JoinRequest) else self.rejoin()
+            self.rejections.event(
+                "anonymous_connection",
+                f"anonymous_connection: a {type(message).__name__} for "
+                f"actor {message.actor_id} from a connection without a routing id of its own",
+            )
+            return (
+                self.refuse_join(ANONYMOUS_REFUSAL)
+                if isinstance(message, JoinRequest)
+                else self.rejoin()
+            )
         if isinstance(message, JoinRequest):
             if self.peers.bind(message.actor_id, message.incarnation, peer):
                 return None
@@ -315,21 +392,30 @@ class ControlServer:
             refusal = self.rejoin()
         self.counters.rejected["impersonation"] += 1
         self.rejections.event(
-            "impersonation", f"impersonation: a {type(message).__name__} for actor {message.actor_id} from another "
-            "connection than its join's")
+            "impersonation",
+            f"impersonation: a {type(message).__name__} for actor {message.actor_id} from another "
+            "connection than its join's",
+        )
         return refusal
 
     def _join(self, message: JoinRequest, now: float, identity: Any, stopping: bool) -> list[Reply]:
         if stopping:
             self.counters.accepted["join_refused"] += 1
             return [(identity, self.refuse_join("learner is stopping"))]
-        reason = self.limits.check_join(message, connected=len(self.assembler.actors),
-                                        known=message.actor_id in self.assembler.actors)
+        reason = self.limits.check_join(
+            message,
+            connected=len(self.assembler.actors),
+            known=message.actor_id in self.assembler.actors,
+        )
         if reason is not None:
             self.counters.rejected["value_range"] += 1
-            self.rejections.event("value_range", f"value_range: join of actor {message.actor_id}: {reason}")
+            self.rejections.event(
+                "value_range", f"value_range: join of actor {message.actor_id}: {reason}"
+            )
             return [(identity, self.refuse_join(reason))]
-        if message.inference_precision == "bfloat16":  # refused before it counts as an actor that rounds
+        if (
+            message.inference_precision == "bfloat16"
+        ):  # refused before it counts as an actor that rounds
             try:
                 check_bfloat16_supported(self.observation_layout)
             except ValueError as error:
@@ -352,27 +438,54 @@ class ControlServer:
         retried = self._answered_before(message)
         if retried is not None:
             index = retried.index
-        reachable = bool(self.host_id) and message.host_id == self.host_id  # same kernel and /dev/shm mount
+        reachable = (
+            bool(self.host_id) and message.host_id == self.host_id
+        )  # same kernel and /dev/shm mount
         spec = self.step_spec(message.num_envs, step_ring=reachable)
         ring = self.offer_ring(message, spec) if reachable else None
         if reachable and ring is None:  # no room for a ring: the K of inline messages
             spec = self.step_spec(message.num_envs, step_ring=False)
-        record = self.assembler.join(message.actor_id, message.incarnation, spec, hostname=message.hostname, now=now,
-                                     index=index)
-        watched = self.processes.watch(message.actor_id, message.incarnation, message.pid, message.pid_namespace)
+        record = self.assembler.join(
+            message.actor_id,
+            message.incarnation,
+            spec,
+            hostname=message.hostname,
+            now=now,
+            index=index,
+        )
+        watched = self.processes.watch(
+            message.actor_id, message.incarnation, message.pid, message.pid_namespace
+        )
         if retried is None:  # a join asked again is answered again, and said once
-            self.notices.event("join", f"actor {message.actor_id} joined ({message.num_envs} envs, host "
-                               f"{message.hostname}, index {record.index}"
-                               f"{f', process {message.pid} watched' if watched else ''})", level=logging.INFO)
+            self.notices.event(
+                "join",
+                f"actor {message.actor_id} joined ({message.num_envs} envs, host "
+                f"{message.hostname}, index {record.index}"
+                f"{f', process {message.pid} watched' if watched else ''})",
+                level=logging.INFO,
+            )
         if message.inference_precision == "bfloat16" and not self.reevaluate_every_rollout:
             self.reevaluate_every_rollout = True
-            log.info("actor %s acts in %s: every rollout is re-evaluated in float32 before GAE%s", message.actor_id,
-                     message.inference_precision, "" if self.config.off_policy_correction == "decoupled" else
-                     " only with off_policy_correction 'decoupled' (the run has 'none': its rounded log-probs "
-                     "and values train as they are)")
+            log.info(
+                "actor %s acts in %s: every rollout is re-evaluated in float32 before GAE%s",
+                message.actor_id,
+                message.inference_precision,
+                ""
+                if self.config.off_policy_correction == "decoupled"
+                else " only with off_policy_correction 'decoupled' (the run has 'none': its rounded log-probs "
+                "and values train as they are)",
+            )
         return encode_join_reply(
-            JoinReply(True, "", record.index, spec, env_config(self.config, record.index), self.policy_version,
-                      self.weights, step_ring=ring)
+            JoinReply(
+                True,
+                "",
+                record.index,
+                spec,
+                env_config(self.config, record.index),
+                self.policy_version,
+                self.weights,
+                step_ring=ring,
+            )
         )
 
     def drop_gone_actors(self) -> list[tuple[str, str]]:
@@ -398,26 +511,41 @@ class ControlServer:
         config = self.config
         if message.num_envs != config.envs_per_actor:
             self.counters.accepted["join_refused"] += 1
-            reason = (f"mode='sync': every actor steps envs_per_actor={config.envs_per_actor} envs, "
-                      f"received num_envs={message.num_envs}")
-            self.notices.event("join_refused", f"refused actor {message.actor_id}: {reason}", level=logging.WARNING)
+            reason = (
+                f"mode='sync': every actor steps envs_per_actor={config.envs_per_actor} envs, "
+                f"received num_envs={message.num_envs}"
+            )
+            self.notices.event(
+                "join_refused", f"refused actor {message.actor_id}: {reason}", level=logging.WARNING
+            )
             return [(identity, self.refuse_join(reason))]
         self.counters.accepted["join"] += 1  # a held join counts when it arrives (each retry too)
-        if self._answered_before(message) is not None:  # its reply was not taken: answered again, at once
+        if (
+            self._answered_before(message) is not None
+        ):  # its reply was not taken: answered again, at once
             return [(identity, self.grant_join(message, now, index=None))]
         previous = self.assembler.actors.get(message.actor_id)
         if previous is not None:
             # The actor restarted: its old incarnation acts no more, its unfinished segment goes now.
             self.assembler.leave(previous.actor_id, previous.incarnation)
-            self.notices.event("restart", f"actor {message.actor_id} restarted: its previous incarnation left",
-                               level=logging.INFO)
+            self.notices.event(
+                "restart",
+                f"actor {message.actor_id} restarted: its previous incarnation left",
+                level=logging.INFO,
+            )
         first_ask = message.actor_id not in self._pending_joins
-        self._pending_joins[message.actor_id] = _HeldJoin(identity, message, now)  # a retry replaces the held one
+        self._pending_joins[message.actor_id] = _HeldJoin(
+            identity, message, now
+        )  # a retry replaces the held one
         if self._first_pending_at is None:
             self._first_pending_at = now
         replies = self.tick(now)
         if first_ask and message.actor_id in self._pending_joins:
-            self.notices.event("sync_wait", f"actor {message.actor_id}: {self._wait_reason(now)}", level=logging.INFO)
+            self.notices.event(
+                "sync_wait",
+                f"actor {message.actor_id}: {self._wait_reason(now)}",
+                level=logging.INFO,
+            )
         return replies
 
     def _wait_reason(self, now: float) -> str:
@@ -425,8 +553,10 @@ class ControlServer:
         if self._started:
             return "mode='sync': joins at the next rollout (the current one is under way)"
         first = self._first_pending_at if self._first_pending_at is not None else now
-        return (f"mode='sync': waiting for {self.config.num_actors - len(self._pending_joins)} more actor(s) to join "
-                f"(up to {START_GRACE_S:.0f} s, {math.ceil(max(0.0, START_GRACE_S - (now - first)))} s left)")
+        return (
+            f"mode='sync': waiting for {self.config.num_actors - len(self._pending_joins)} more actor(s) to join "
+            f"(up to {START_GRACE_S:.0f} s, {math.ceil(max(0.0, START_GRACE_S - (now - first)))} s left)"
+        )
 
     def tick(self, now: float) -> list[Reply]:
         """Synchronous mode: the replies to the held joins (to send): grants to those that may join now
@@ -441,9 +571,13 @@ class ControlServer:
             if len(self._pending_joins) < self.config.num_actors and waited < START_GRACE_S:
                 return self._wait_notices(now)
             if len(self._pending_joins) < self.config.num_actors:
-                self.notices.event("sync_start", f"mode='sync': the first rollout starts with "
-                                   f"{len(self._pending_joins)} of {self.config.num_actors} planned actors "
-                                   f"({START_GRACE_S:.0f} s passed)", level=logging.WARNING)
+                self.notices.event(
+                    "sync_start",
+                    f"mode='sync': the first rollout starts with "
+                    f"{len(self._pending_joins)} of {self.config.num_actors} planned actors "
+                    f"({START_GRACE_S:.0f} s passed)",
+                    level=logging.WARNING,
+                )
         elif not self.assembler.round.is_open:
             return self._wait_notices(now)
         self._started = True
@@ -461,8 +595,22 @@ class ControlServer:
         replies = []
         for held in self._pending_joins.values():
             if not held.answered and now - held.asked_at >= JOIN_WAIT_NOTICE_S:
-                replies.append((held.identity, encode_join_reply(JoinReply(
-                    False, self._wait_reason(now), -1, None, {}, self.policy_version, retry_after_s=0.0))))
+                replies.append(
+                    (
+                        held.identity,
+                        encode_join_reply(
+                            JoinReply(
+                                False,
+                                self._wait_reason(now),
+                                -1,
+                                None,
+                                {},
+                                self.policy_version,
+                                retry_after_s=0.0,
+                            )
+                        ),
+                    )
+                )
                 held.answered = True
         return replies
 
@@ -476,9 +624,13 @@ class ControlServer:
         if not self.assembler.has_room_for(message.num_envs):
             self.counters.accepted["join"] -= 1
             self.counters.accepted["join_refused"] += 1
-            reason = (f"mode='sync': the rollout buffer holds max_actors={self.config.resolved_max_actors} "
-                      f"actors of {self.config.envs_per_actor} envs, all joined (raise max_actors)")
-            self.notices.event("join_refused", f"refused actor {message.actor_id}: {reason}", level=logging.WARNING)
+            reason = (
+                f"mode='sync': the rollout buffer holds max_actors={self.config.resolved_max_actors} "
+                f"actors of {self.config.envs_per_actor} envs, all joined (raise max_actors)"
+            )
+            self.notices.event(
+                "join_refused", f"refused actor {message.actor_id}: {reason}", level=logging.WARNING
+            )
             return self.refuse_join(reason)
         held = {r.index for r in self.assembler.actors.values()}
         rank = self._sync_ranks.get(message.actor_id)

@@ -30,8 +30,16 @@ import numpy as np
 from oakemu_core.step_schema import OBSERVATION_FIELD, StepField, StepSchema
 from oakemu_core.transport.codec import checked_contents, reject
 
-__all__ = ["KEYFRAME_MESSAGES", "stacked_fields", "wire_bytes_per_env", "StackEncoder", "StackHistories", "StackedRows",
-           "decode_stacks", "rebuild_stacks"]
+__all__ = [
+    "KEYFRAME_MESSAGES",
+    "stacked_fields",
+    "wire_bytes_per_env",
+    "StackEncoder",
+    "StackHistories",
+    "StackedRows",
+    "decode_stacks",
+    "rebuild_stacks",
+]
 
 KEYFRAME_MESSAGES = 64
 """Every message whose ``seq`` is a multiple of this sends its first row of every env whole (3 frames
@@ -40,8 +48,14 @@ of 4 every 64 steps: under 5 % more bytes for Atari)."""
 
 def stacked_fields(schema: StepSchema) -> frozenset[str]:
     """Names of ``schema``'s sent fields that travel deduplicated (see the module docstring)."""
-    return frozenset(f.name for f in schema.sent if f.dtype == np.uint8 and len(f.shape) >= 3 and f.shape[0] >= 2
-                     and (f.name == OBSERVATION_FIELD or f.name.startswith(OBSERVATION_FIELD + ".")))
+    return frozenset(
+        f.name
+        for f in schema.sent
+        if f.dtype == np.uint8
+        and len(f.shape) >= 3
+        and f.shape[0] >= 2
+        and (f.name == OBSERVATION_FIELD or f.name.startswith(OBSERVATION_FIELD + "."))
+    )
 
 
 def wire_bytes_per_env(schema: StepSchema) -> int:
@@ -63,7 +77,9 @@ class StackEncoder:
     def __init__(self) -> None:
         self.last: dict[str, np.ndarray] = {}
 
-    def encode(self, item: StepField, array: np.ndarray, seq: int, num_envs: int) -> tuple[bytes, bytearray]:
+    def encode(
+        self, item: StepField, array: np.ndarray, seq: int, num_envs: int
+    ) -> tuple[bytes, bytearray]:
         """The ``flags`` and ``data`` frames of ``array`` (``(n, S, *frame)`` or ``(K, n, S, *frame)``
         uint8) in message ``seq``; remembers its last row.
 
@@ -84,7 +100,9 @@ class StackEncoder:
         view = np.frombuffer(data, dtype=np.uint8)
         view[:newest_bytes].reshape(rows.shape[:2] + item.shape[1:])[...] = rows[:, :, -1]
         if count:
-            view[newest_bytes:].reshape(count, item.shape[0] - 1, *item.shape[1:])[...] = rows[:, :, :-1][whole]
+            view[newest_bytes:].reshape(count, item.shape[0] - 1, *item.shape[1:])[...] = rows[
+                :, :, :-1
+            ][whole]
         self.last[item.name] = rows[-1].copy()
         return whole.tobytes(), data
 
@@ -94,14 +112,22 @@ def _moved_on(older: np.ndarray, before: np.ndarray) -> np.ndarray:
     newest ``S - 1`` frames of its previous row), every env in one comparison, as 4-byte words when a
     stack's bytes allow (a quarter of the elements: half the time of a ``tobytes()`` memcmp per env)."""
     num_envs = older.shape[0]
-    older, before = older.reshape(num_envs, -1), before.reshape(num_envs, -1)  # views: each env's frames are contiguous
+    older, before = (
+        older.reshape(num_envs, -1),
+        before.reshape(num_envs, -1),
+    )  # views: each env's frames are contiguous
     if older.shape[1] % 4 == 0:
         older, before = older.view(np.uint32), before.view(np.uint32)
     return (older != before).any(axis=1)
 
 
-def decode_stacks(item: StepField, flags_frame: memoryview, data_frame: memoryview, lead: tuple[int, ...],
-                  previous: np.ndarray | None) -> StackedRows:
+def decode_stacks(
+    item: StepField,
+    flags_frame: memoryview,
+    data_frame: memoryview,
+    lead: tuple[int, ...],
+    previous: np.ndarray | None,
+) -> StackedRows:
     """The learner's side: the stacks of a stacked field from its two frames, checked, rebuilt where
     they are written (:meth:`StackedRows.write_into`: one copy of each row).
 
@@ -118,27 +144,43 @@ def decode_stacks(item: StepField, flags_frame: memoryview, data_frame: memoryvi
     name = item.name
     steps, num_envs = (1, lead[0]) if len(lead) == 1 else lead
     if flags_frame.nbytes != steps * num_envs:
-        reject("size", f"{name}: expected a flags frame of {steps * num_envs} bytes, received {flags_frame.nbytes}")
-    whole = checked_contents(np.frombuffer(flags_frame, dtype=bool), None, f"{name} flags").reshape(steps, num_envs)
+        reject(
+            "size",
+            f"{name}: expected a flags frame of {steps * num_envs} bytes, received {flags_frame.nbytes}",
+        )
+    whole = checked_contents(np.frombuffer(flags_frame, dtype=bool), None, f"{name} flags").reshape(
+        steps, num_envs
+    )
     count = int(whole.sum())
     stack, frame = item.shape[0], _frame_bytes(item)
     newest_bytes = steps * num_envs * frame
     expected = newest_bytes + count * (stack - 1) * frame
     if data_frame.nbytes != expected:
-        reject("size", f"{name}: {count} whole stacks of {steps * num_envs} rows declare {expected} bytes, "
-                       f"received {data_frame.nbytes}")
+        reject(
+            "size",
+            f"{name}: {count} whole stacks of {steps * num_envs} rows declare {expected} bytes, "
+            f"received {data_frame.nbytes}",
+        )
     if previous is None and not whole[0].all():
         env = int(np.flatnonzero(~whole[0])[0])
-        reject("schema", f"{name}: env {env} sent its newest frame only, but the learner holds no stack of it from "
-                         "the message before (a whole stack must come first)")
+        reject(
+            "schema",
+            f"{name}: env {env} sent its newest frame only, but the learner holds no stack of it from "
+            "the message before (a whole stack must come first)",
+        )
     data = np.frombuffer(data_frame, dtype=np.uint8)
     newest = data[:newest_bytes].reshape(steps, num_envs, *item.shape[1:])
     older = data[newest_bytes:].reshape(count, stack - 1, *item.shape[1:])
     return StackedRows(item.shape, lead, whole, newest, older, previous)
 
 
-def rebuild_stacks(item: StepField, flags_frame: memoryview, data_frame: memoryview, lead: tuple[int, ...],
-                   previous: np.ndarray | None) -> np.ndarray:
+def rebuild_stacks(
+    item: StepField,
+    flags_frame: memoryview,
+    data_frame: memoryview,
+    lead: tuple[int, ...],
+    previous: np.ndarray | None,
+) -> np.ndarray:
     """:func:`decode_stacks` rebuilt into a private, read-only ``(*lead, S, *frame)`` uint8 array."""
     return np.asarray(decode_stacks(item, flags_frame, data_frame, lead, previous))
 
@@ -161,8 +203,15 @@ class StackedRows:
 
     dtype = np.dtype(np.uint8)
 
-    def __init__(self, shape: tuple[int, ...], lead: tuple[int, ...], whole: np.ndarray, newest: np.ndarray,
-                 older: np.ndarray, previous: np.ndarray | None) -> None:
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        lead: tuple[int, ...],
+        whole: np.ndarray,
+        newest: np.ndarray,
+        older: np.ndarray,
+        previous: np.ndarray | None,
+    ) -> None:
         self.shape = (*lead, *shape)
         self.ndim = len(self.shape)
         self._block = len(lead) == 2  # K > 1: (K, n, S, *frame)
@@ -176,7 +225,9 @@ class StackedRows:
         whole, newest, older = self._whole, self._newest, self._older
         steps, num_envs = whole.shape
         rows = out if self._block else out[None]  # (K, n, S, *frame), a view
-        if not any(self._counts):  # no whole row (decode_stacks then had the previous stacks): the usual message
+        if not any(
+            self._counts
+        ):  # no whole row (decode_stacks then had the previous stacks): the usual message
             self._shift_into(rows)
             return
         taken = 0
@@ -185,9 +236,9 @@ class StackedRows:
             if row_count < num_envs:
                 rows[k, :, :-1] = (self._previous if k == 0 else rows[k - 1])[:, 1:]
             if row_count == num_envs:
-                rows[k, :, :-1] = older[taken:taken + row_count]
+                rows[k, :, :-1] = older[taken : taken + row_count]
             elif row_count:
-                rows[k, row_whole, :-1] = older[taken:taken + row_count]
+                rows[k, row_whole, :-1] = older[taken : taken + row_count]
             rows[k, :, -1] = newest[k]
             taken += row_count
 
@@ -195,7 +246,9 @@ class StackedRows:
         """``rows`` (``(K, n, S, *frame)``) when no row is whole, each step by :meth:`_shift_step_into`,
         every frame copied from the message (about 7 % faster into shared memory than reading step
         ``k - 1`` back)."""
-        assert self._previous is not None  # decode_stacks: a message without whole rows has previous stacks
+        assert (
+            self._previous is not None
+        )  # decode_stacks: a message without whole rows has previous stacks
         for k in range(self._newest.shape[0]):
             self._shift_step_into(k, rows[k])
 
@@ -205,10 +258,12 @@ class StackedRows:
         ``k`` (without previous stacks, the frames before them are left as they were)."""
         newest, previous = self._newest, self._previous
         stack = self._older.shape[1] + 1
-        kept = max(0, stack - 1 - k)  # frames of the previous message's last stacks still in step k's
+        kept = max(
+            0, stack - 1 - k
+        )  # frames of the previous message's last stacks still in step k's
         if kept and previous is not None:
-            out[:, :kept] = previous[:, stack - kept:]
-        out[:, kept:] = newest[k + 1 - (stack - kept):k + 1].swapaxes(0, 1)
+            out[:, :kept] = previous[:, stack - kept :]
+        out[:, kept:] = newest[k + 1 - (stack - kept) : k + 1].swapaxes(0, 1)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         """The rebuilt stacks: one private read-only array made at the first call; a writable copy
@@ -235,15 +290,19 @@ class StackedRows:
         steps, num_envs = whole.shape
         stack = older.shape[1] + 1
         if steps >= stack and not any(self._counts):  # the S newest frames of each env: no copy
-            view = newest[steps - stack:].swapaxes(0, 1)
+            view = newest[steps - stack :].swapaxes(0, 1)
             view.flags.writeable = False
             return view
         out = np.empty((num_envs, stack, *newest.shape[2:]), dtype=np.uint8)
         # Envs without a whole row in the message: the previous stack moved on by the K newest frames
         # (without a previous stack every env's first row is whole: the loop below fills them all).
         self._shift_step_into(steps - 1, out)
-        order = np.cumsum(whole.ravel()).reshape(whole.shape) - 1  # each whole row's place in ``older``
-        for env in np.flatnonzero(whole.any(axis=0)):  # from its last whole row on (resets, key frames)
+        order = (
+            np.cumsum(whole.ravel()).reshape(whole.shape) - 1
+        )  # each whole row's place in ``older``
+        for env in np.flatnonzero(
+            whole.any(axis=0)
+        ):  # from its last whole row on (resets, key frames)
             last = int(np.flatnonzero(whole[:, env])[-1])
             frames = [*older[order[last, env]], *newest[last:, env]]
             out[env] = np.stack(frames[-stack:])
@@ -261,16 +320,28 @@ class StackHistories:
     def __len__(self) -> int:
         return len(self._last)
 
-    def previous(self, actor_id: str, incarnation: str, seq: int) -> Mapping[str, np.ndarray] | None:
+    def previous(
+        self, actor_id: str, incarnation: str, seq: int
+    ) -> Mapping[str, np.ndarray] | None:
         """The last rows (field -> ``(n, S, *frame)``) of that incarnation's message ``seq - 1``, or None."""
         entry = self._last.get((actor_id, incarnation))
         return entry[1] if entry is not None and entry[0] == seq - 1 else None
 
-    def remember(self, actor_id: str, incarnation: str, seq: int, fields: Mapping[str, np.ndarray | StackedRows],
-                 names: Iterable[str], block: bool) -> None:
+    def remember(
+        self,
+        actor_id: str,
+        incarnation: str,
+        seq: int,
+        fields: Mapping[str, np.ndarray | StackedRows],
+        names: Iterable[str],
+        block: bool,
+    ) -> None:
         """Keep the last rows of ``names`` in ``fields`` (a decoded message's arrays, ``(K, n, ...)`` when
         ``block`` else ``(n, ...)``: :class:`StackedRows`, or read-only private arrays kept without a copy)."""
-        self._last[(actor_id, incarnation)] = (seq, {name: _last_rows(fields[name], block) for name in names})
+        self._last[(actor_id, incarnation)] = (
+            seq,
+            {name: _last_rows(fields[name], block) for name in names},
+        )
 
     def retain(self, keys: set[tuple[str, str]]) -> None:
         """Forget every incarnation not in ``keys`` (actors that left, timed out or rejoined)."""

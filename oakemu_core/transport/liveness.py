@@ -37,7 +37,7 @@ def read_stat(pid: int, proc: Path = PROC) -> tuple[str, int] | None:
         text = (proc / str(pid) / "stat").read_text(encoding="ascii", errors="replace")
     except OSError:
         return None
-    fields = text[text.rfind(")") + 2:].split()  # after "pid (comm) ": the command may hold spaces
+    fields = text[text.rfind(")") + 2 :].split()  # after "pid (comm) ": the command may hold spaces
     try:
         return fields[0], int(fields[19])
     except (IndexError, ValueError):

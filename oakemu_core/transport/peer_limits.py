@@ -47,7 +47,13 @@ if TYPE_CHECKING:
     from oakemu_core.transport.control import JoinRequest
     from oakemu_core.transport.steps import StepMessage
 
-__all__ = ["JOINS_PER_SECOND_PER_HOST", "JOIN_BURST_PER_HOST", "VALUE_BOUND_FACTOR", "JoinRate", "PeerLimits"]
+__all__ = [
+    "JOINS_PER_SECOND_PER_HOST",
+    "JOIN_BURST_PER_HOST",
+    "VALUE_BOUND_FACTOR",
+    "JoinRate",
+    "PeerLimits",
+]
 
 VALUE_BOUND_FACTOR = 10.0
 """Slack of the value-estimate bound over the largest discounted return (see the module docstring)."""
@@ -95,14 +101,24 @@ class PeerLimits:
         bounds = [] if self.reward_bound is None else [("rewards", *self.reward_bound)]
         if self.value_bound is not None:
             bounds += [(name, -self.value_bound, self.value_bound) for name in _VALUE_FIELDS]
-        object.__setattr__(self, "field_bounds", tuple((name, float(np.float32(low)), float(np.float32(high)))
-                                                       for name, low, high in bounds))
+        object.__setattr__(
+            self,
+            "field_bounds",
+            tuple(
+                (name, float(np.float32(low)), float(np.float32(high)))
+                for name, low, high in bounds
+            ),
+        )
 
     @classmethod
     def from_config(cls, config: OakEmuConfig) -> PeerLimits:
         """The limits of ``config`` (``max_envs_per_actor``, ``max_connected_actors``, ``reward_low`` /
         ``reward_high``, ``resolved_clip_rewards``, ``gamma``, ``normalize_rewards``, ``max_episode_steps``)."""
-        declared = None if config.reward_low is None else (float(config.reward_low), float(config.reward_high))
+        declared = (
+            None
+            if config.reward_low is None
+            else (float(config.reward_low), float(config.reward_high))
+        )
         reward_bound = declared
         if config.resolved_clip_rewards:
             low, high = declared or (-1.0, 1.0)
@@ -111,9 +127,14 @@ class PeerLimits:
         if reward_bound is not None and not config.normalize_rewards and config.gamma < 1.0:
             largest = max(abs(reward_bound[0]), abs(reward_bound[1]), 1.0)
             value_bound = VALUE_BOUND_FACTOR * largest / (1.0 - config.gamma)
-        return cls(max_envs=max(config.max_envs_per_actor, config.envs_per_actor),
-                   max_actors=config.max_connected_actors, reward_bound=reward_bound, return_bound=declared,
-                   value_bound=value_bound, max_episode_steps=config.max_episode_steps)
+        return cls(
+            max_envs=max(config.max_envs_per_actor, config.envs_per_actor),
+            max_actors=config.max_connected_actors,
+            reward_bound=reward_bound,
+            return_bound=declared,
+            value_bound=value_bound,
+            max_episode_steps=config.max_episode_steps,
+        )
 
     def check_join(self, request: JoinRequest, *, connected: int, known: bool) -> str | None:
         """Why ``request`` is refused, or None. ``connected``: actors connected now; ``known``:
@@ -137,10 +158,14 @@ class PeerLimits:
         return None
 
     def _check_episodes(self, message: StepMessage) -> str | None:
-        done_rows = int(np.count_nonzero(message.fields["dones"])) if "dones" in message.fields else 0
+        done_rows = (
+            int(np.count_nonzero(message.fields["dones"])) if "dones" in message.fields else 0
+        )
         if len(message.episode_returns) > done_rows:
-            return (f"episode_returns: expected at most one episode per done row ({done_rows}), received "
-                    f"{len(message.episode_returns)}")
+            return (
+                f"episode_returns: expected at most one episode per done row ({done_rows}), received "
+                f"{len(message.episode_returns)}"
+            )
         longest = self.max_episode_steps
         for episode_return, length in zip(message.episode_returns, message.episode_lengths):
             if length < 1 or (longest is not None and length > longest):
@@ -149,15 +174,19 @@ class PeerLimits:
                 low, high = self.return_bound
                 slack = _RETURN_TOLERANCE * length * max(abs(low), abs(high), 1.0)
                 if not length * low - slack <= episode_return <= length * high + slack:
-                    return (f"episode_returns: an episode of {length} steps returns within "
-                            f"[{length * low:g}, {length * high:g}] (reward_low / reward_high), received "
-                            f"{episode_return:g}")
+                    return (
+                        f"episode_returns: an episode of {length} steps returns within "
+                        f"[{length * low:g}, {length * high:g}] (reward_low / reward_high), received "
+                        f"{episode_return:g}"
+                    )
         return None
 
 
 def _outside(array: np.ndarray, name: str, low: float, high: float) -> str | None:
     """A message naming ``name`` when an element of ``array`` lies outside ``[low, high]``, else None."""
-    if array.size <= SMALL_ARRAY_SIZE:  # Python's min / max of a list beat numpy's fixed cost (as check_values)
+    if (
+        array.size <= SMALL_ARRAY_SIZE
+    ):  # Python's min / max of a list beat numpy's fixed cost (as check_values)
         values = array.ravel().tolist()
         smallest, largest = min(values), max(values)
     else:
@@ -176,12 +205,18 @@ class JoinRate:
         burst: tokens a bucket holds at most (a new host starts full), >= 1.
     """
 
-    def __init__(self, per_second: float = JOINS_PER_SECOND_PER_HOST, burst: int = JOIN_BURST_PER_HOST) -> None:
+    def __init__(
+        self, per_second: float = JOINS_PER_SECOND_PER_HOST, burst: int = JOIN_BURST_PER_HOST
+    ) -> None:
         if not per_second > 0 or burst < 1:
-            raise ValueError(f"per_second > 0 and burst >= 1 expected, received {per_second!r} and {burst!r}")
+            raise ValueError(
+                f"per_second > 0 and burst >= 1 expected, received {per_second!r} and {burst!r}"
+            )
         self.per_second = float(per_second)
         self.burst = float(burst)
-        self._buckets: dict[str, tuple[float, float]] = {}  # host -> (tokens, monotonic time of that count)
+        self._buckets: dict[
+            str, tuple[float, float]
+        ] = {}  # host -> (tokens, monotonic time of that count)
 
     def take(self, host: str, now: float) -> float:
         """Take one join of ``host`` at monotonic time ``now`` (s): 0.0 when it may join now (a token

@@ -5,7 +5,8 @@ encode, the syscalls, the learner's decode, validation and buffer write cost the
 as for 30 KB. A :class:`StepBlock` gathers K vector steps of one actor into preallocated
 ``(K, n, *shape)`` arrays (one per sent field of the step schema), then the actor sends them as one
 :class:`~oakemu_core.transport.steps.StepMessage`; the learner validates the block whole and writes its K rows
-with one copy per field (:meth:`oakemu_core.storage.rollout_buffer.RolloutBuffer.write` with ``validated=True``, ``rows=K``).
+with one copy per field (:meth:`oakemu_core.storage.rollout_buffer.RolloutBuffer.write` with
+``validated=True``, ``rows=K``).
 
 A block of one step (K = 1) copies nothing: it keeps the recorded step's own ``(n, *shape)`` arrays,
 so an actor sends every message through a block whatever its K.
@@ -42,13 +43,20 @@ class StepBlock:
 
     def __init__(self, schema: StepSchema, num_envs: int, steps: int) -> None:
         if num_envs < 1 or steps < 1:
-            raise ValueError(f"StepBlock: expected num_envs >= 1 and steps >= 1, received {num_envs}, {steps}")
+            raise ValueError(
+                f"StepBlock: expected num_envs >= 1 and steps >= 1, received {num_envs}, {steps}"
+            )
         self.schema = schema
         self.num_envs = int(num_envs)
         self.steps = int(steps)
-        self.arrays: dict[str, np.ndarray] = {
-            f.name: np.zeros((self.steps, self.num_envs, *f.shape), dtype=f.dtype) for f in schema.sent
-        } if self.steps > 1 else {}
+        self.arrays: dict[str, np.ndarray] = (
+            {
+                f.name: np.zeros((self.steps, self.num_envs, *f.shape), dtype=f.dtype)
+                for f in schema.sent
+            }
+            if self.steps > 1
+            else {}
+        )
         self._items = tuple(self.arrays.items())
         self.count = 0
         self.policy_version = 0
@@ -67,9 +75,15 @@ class StepBlock:
         self.episode_returns = []
         self.episode_lengths = []
 
-    def record(self, fields: Mapping[str, np.ndarray], policy_version: int,
-               episode_returns: Sequence[float] = (), episode_lengths: Sequence[int] = (), *,
-               revision: int = 0) -> None:
+    def record(
+        self,
+        fields: Mapping[str, np.ndarray],
+        policy_version: int,
+        episode_returns: Sequence[float] = (),
+        episode_lengths: Sequence[int] = (),
+        *,
+        revision: int = 0,
+    ) -> None:
         """Copy one vector step (every sent field, ``(n, *shape)``), acted by revision ``revision``
         of ``policy_version``, into the next row of the block (K = 1: keep its arrays).
 
@@ -102,6 +116,13 @@ class StepBlock:
         """
         if not self.full:
             raise ValueError(f"StepBlock.message: {self.count} of {self.steps} steps recorded")
-        return StepMessage(actor_id=actor_id, incarnation=incarnation, seq=seq, policy_version=self.policy_version,
-                           fields=self.arrays, episode_returns=list(self.episode_returns),
-                           episode_lengths=list(self.episode_lengths), revision=self.revision)
+        return StepMessage(
+            actor_id=actor_id,
+            incarnation=incarnation,
+            seq=seq,
+            policy_version=self.policy_version,
+            fields=self.arrays,
+            episode_returns=list(self.episode_returns),
+            episode_lengths=list(self.episode_lengths),
+            revision=self.revision,
+        )

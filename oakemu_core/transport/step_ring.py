@@ -80,7 +80,11 @@ def ring_slots(steps_per_message: int, rollout_length: int, *, synchronous: bool
 _MAGIC = b"OAKRING1"
 _HEADER_BYTES = 64
 _ALIGN = 64
-_SLOTS_WORD, _SLOT_BYTES_WORD, _RELEASED_WORD = 2, 3, 4  # header as int64 words: magic, token, these
+_SLOTS_WORD, _SLOT_BYTES_WORD, _RELEASED_WORD = (
+    2,
+    3,
+    4,
+)  # header as int64 words: magic, token, these
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 SHM_DIR = Path("/dev/shm")
 
@@ -108,7 +112,9 @@ def shared_memory_host_id(boot_id_path: Path = BOOT_ID_PATH, shm_dir: Path = SHM
     return f"{boot_id}/{device}" if boot_id else ""
 
 
-def _field_offsets(spec: StepSpec) -> tuple[list[tuple[str, np.dtype, tuple[int, ...], int, int]], int]:
+def _field_offsets(
+    spec: StepSpec,
+) -> tuple[list[tuple[str, np.dtype, tuple[int, ...], int, int]], int]:
     """``(name, dtype, shape, offset, nbytes)`` of each sent field within a slot, and the slot's size."""
     fields, offset = [], 0
     for name, (dtype, shape) in spec.array_layout().items():
@@ -142,8 +148,10 @@ class StepRing:
         self._read_views: list[dict[str, np.ndarray]] = []  # read-only (the learner's)
         for slot in range(slots):
             base = _HEADER_BYTES + slot * self._slot_bytes
-            views = {name: memory[base + offset:base + offset + nbytes].view(dtype).reshape(shape)
-                     for name, dtype, shape, offset, nbytes in self._layout}
+            views = {
+                name: memory[base + offset : base + offset + nbytes].view(dtype).reshape(shape)
+                for name, dtype, shape, offset, nbytes in self._layout
+            }
             self._slot_views.append(views)
             self._read_views.append({name: _read_only(view) for name, view in views.items()})
 
@@ -187,8 +195,12 @@ class StepRing:
             raise StepRingUnavailable(f"cannot attach step ring {offer.name}: {error}") from None
         header = shared.array[:_HEADER_BYTES]
         words = header.view(np.int64)
-        if (header[:8].tobytes() != _MAGIC or header[8:16].tobytes().hex() != offer.token
-                or int(words[_SLOTS_WORD]) != offer.slots or int(words[_SLOT_BYTES_WORD]) != _field_offsets(spec)[1]):
+        if (
+            header[:8].tobytes() != _MAGIC
+            or header[8:16].tobytes().hex() != offer.token
+            or int(words[_SLOTS_WORD]) != offer.slots
+            or int(words[_SLOT_BYTES_WORD]) != _field_offsets(spec)[1]
+        ):
             shared.close()
             raise StepRingUnavailable(f"segment {offer.name} is not the offered step ring")
         return cls(shared, spec, offer.slots, offer.token)
@@ -230,8 +242,12 @@ class StepRing:
         if fields.keys() != views.keys():
             raise KeyError(f"fields: expected {sorted(views)}, received {sorted(fields)}")
         for name, view in views.items():
-            if np.shape(fields[name]) != view.shape:  # np.copyto would broadcast one step into a block
-                raise ValueError(f"{name}: expected shape {view.shape}, received {np.shape(fields[name])}")
+            if (
+                np.shape(fields[name]) != view.shape
+            ):  # np.copyto would broadcast one step into a block
+                raise ValueError(
+                    f"{name}: expected shape {view.shape}, received {np.shape(fields[name])}"
+                )
         for name, view in views.items():
             np.copyto(view, fields[name], casting="same_kind")
         return slot
@@ -289,7 +305,9 @@ class StepRings:
         max_bytes_per_actor: largest ring (bytes); None: no limit.
     """
 
-    def __init__(self, *, max_bytes: int | None = None, max_bytes_per_actor: int | None = None) -> None:
+    def __init__(
+        self, *, max_bytes: int | None = None, max_bytes_per_actor: int | None = None
+    ) -> None:
         self.max_bytes = max_bytes
         self.max_bytes_per_actor = max_bytes_per_actor
         self._live: dict[tuple[str, str], StepRing] = {}
@@ -298,10 +316,20 @@ class StepRings:
     @property
     def used_bytes(self) -> int:
         """Shared-memory bytes of the rings this learner holds (live and departed)."""
-        return sum(ring.segment_bytes(ring.spec, ring.slots) for ring in [*self._live.values(), *self._departed.values()])
+        return sum(
+            ring.segment_bytes(ring.spec, ring.slots)
+            for ring in [*self._live.values(), *self._departed.values()]
+        )
 
-    def offer(self, actor_id: str, incarnation: str, spec: StepSpec, rollout_length: int, *,
-              synchronous: bool = False) -> StepRingOffer:
+    def offer(
+        self,
+        actor_id: str,
+        incarnation: str,
+        spec: StepSpec,
+        rollout_length: int,
+        *,
+        synchronous: bool = False,
+    ) -> StepRingOffer:
         """Create a ring (:func:`ring_slots` slots, ``synchronous`` for ``--mode sync``) for a joining
         actor and return its offer. The rings of the actor's earlier incarnations depart (kept for their
         late messages); a join retried by the same incarnation is offered its ring again.
@@ -312,9 +340,13 @@ class StepRings:
             OSError: the system cannot create the segment (e.g. ``/dev/shm`` is full).
         """
         slots = ring_slots(spec.steps_per_message, rollout_length, synchronous=synchronous)
-        previous = self._live.pop((actor_id, incarnation), None)  # a join retried with the same incarnation
+        previous = self._live.pop(
+            (actor_id, incarnation), None
+        )  # a join retried with the same incarnation
         if previous is not None and previous.spec == spec and previous.slots == slots:
-            self._live[(actor_id, incarnation)] = previous  # offered again: whichever reply the actor took, one ring
+            self._live[(actor_id, incarnation)] = (
+                previous  # offered again: whichever reply the actor took, one ring
+            )
             return previous.offer()
         if previous is not None:
             previous.close()
@@ -322,15 +354,19 @@ class StepRings:
             self._depart(key)
         size = StepRing.segment_bytes(spec, slots)
         if self.max_bytes_per_actor is not None and size > self.max_bytes_per_actor:
-            raise StepRingRefused(f"a ring of {size / 2**20:.1f} MiB is larger than step_ring_max_mib_per_actor "
-                                  f"({self.max_bytes_per_actor / 2**20:.1f} MiB)")
+            raise StepRingRefused(
+                f"a ring of {size / 2**20:.1f} MiB is larger than step_ring_max_mib_per_actor "
+                f"({self.max_bytes_per_actor / 2**20:.1f} MiB)"
+            )
         if self.max_bytes is not None:
             while self._departed and self.used_bytes + size > self.max_bytes:
                 self._departed.pop(next(iter(self._departed))).close()
             if self.used_bytes + size > self.max_bytes:
-                raise StepRingRefused(f"the step rings take {self.used_bytes / 2**20:.1f} MiB, a ring of "
-                                      f"{size / 2**20:.1f} MiB more exceeds step_ring_max_mib "
-                                      f"({self.max_bytes / 2**20:.1f} MiB)")
+                raise StepRingRefused(
+                    f"the step rings take {self.used_bytes / 2**20:.1f} MiB, a ring of "
+                    f"{size / 2**20:.1f} MiB more exceeds step_ring_max_mib "
+                    f"({self.max_bytes / 2**20:.1f} MiB)"
+                )
         ring = StepRing.create(spec, slots)
         self._live[(actor_id, incarnation)] = ring
         return ring.offer()

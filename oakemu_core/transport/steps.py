@@ -78,8 +78,16 @@ MAX_STEPS_PER_MESSAGE = 1024
 MAX_ABS_EPISODE_RETURN = 1e12
 """Largest magnitude accepted for a raw episodic return."""
 
-_STEP_FIELDS = ("actor_id", "incarnation", "seq", "policy_version", "revision", "slot", "episode_returns",
-                "episode_lengths")
+_STEP_FIELDS = (
+    "actor_id",
+    "incarnation",
+    "seq",
+    "policy_version",
+    "revision",
+    "slot",
+    "episode_returns",
+    "episode_lengths",
+)
 
 Frame = bytes | bytearray | memoryview
 """One ZeroMQ frame of a step message as :func:`encode_step` makes it and :func:`decode_step` reads it."""
@@ -118,18 +126,30 @@ class StepSpec:
     steps_per_message: int = 1
 
     def __post_init__(self) -> None:
-        if isinstance(self.num_envs, bool) or not isinstance(self.num_envs, (int, np.integer)) or self.num_envs < 1:
+        if (
+            isinstance(self.num_envs, bool)
+            or not isinstance(self.num_envs, (int, np.integer))
+            or self.num_envs < 1
+        ):
             raise ValueError(f"num_envs: expected an int >= 1, received {self.num_envs!r}")
         object.__setattr__(self, "num_envs", int(self.num_envs))
         k = self.steps_per_message
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_STEPS_PER_MESSAGE:
-            raise ValueError(f"steps_per_message: expected an int in [1, {MAX_STEPS_PER_MESSAGE}], received {k!r}")
+        if (
+            isinstance(k, bool)
+            or not isinstance(k, (int, np.integer))
+            or not 1 <= k <= MAX_STEPS_PER_MESSAGE
+        ):
+            raise ValueError(
+                f"steps_per_message: expected an int in [1, {MAX_STEPS_PER_MESSAGE}], received {k!r}"
+            )
         object.__setattr__(self, "steps_per_message", int(k))
         # (field, shape, bytes, stacked) of every sent field in wire order, computed once for decode_step.
         lead = (self.num_envs,) if k == 1 else (int(k), self.num_envs)
         stacked = stacked_fields(self.schema)
-        layout = tuple((f, (*lead, *f.shape), math.prod(lead) * f.item_bytes, f.name in stacked)
-                       for f in self.schema.sent)
+        layout = tuple(
+            (f, (*lead, *f.shape), math.prod(lead) * f.item_bytes, f.name in stacked)
+            for f in self.schema.sent
+        )
         object.__setattr__(self, "lead", lead)
         object.__setattr__(self, "stacked", stacked)
         object.__setattr__(self, "_wire_layout", layout)
@@ -152,8 +172,11 @@ class StepSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """msgpack-able form: ``num_envs``, ``steps_per_message`` and the schema's plain form."""
-        return {"num_envs": self.num_envs, "steps_per_message": self.steps_per_message,
-                "schema": self.schema.to_dict()}
+        return {
+            "num_envs": self.num_envs,
+            "steps_per_message": self.steps_per_message,
+            "schema": self.schema.to_dict(),
+        }
 
     @classmethod
     def from_dict(cls, value: Any) -> StepSpec:
@@ -163,16 +186,29 @@ class StepSpec:
             MessageRejected: ``"schema"`` (not a map, missing/extra keys, wrong types, an invalid
                 schema).
         """
-        if not isinstance(value, dict) or value.keys() != {"num_envs", "steps_per_message", "schema"}:
+        if not isinstance(value, dict) or value.keys() != {
+            "num_envs",
+            "steps_per_message",
+            "schema",
+        }:
             received = sorted(map(str, value)) if isinstance(value, dict) else type(value).__name__
-            reject("schema", f"spec: expected keys ['num_envs', 'schema', 'steps_per_message'], received {received}")
+            reject(
+                "schema",
+                f"spec: expected keys ['num_envs', 'schema', 'steps_per_message'], received {received}",
+            )
         num_envs = value["num_envs"]
         if type(num_envs) is not int or not 1 <= num_envs <= MAX_ARRAY_LEN:
-            reject("schema", f"spec.num_envs: expected an int in [1, {MAX_ARRAY_LEN}], received {describe(num_envs)}")
+            reject(
+                "schema",
+                f"spec.num_envs: expected an int in [1, {MAX_ARRAY_LEN}], received {describe(num_envs)}",
+            )
         steps = value["steps_per_message"]
         if type(steps) is not int or not 1 <= steps <= MAX_STEPS_PER_MESSAGE:
-            reject("schema", f"spec.steps_per_message: expected an int in [1, {MAX_STEPS_PER_MESSAGE}], "
-                             f"received {describe(steps)}")
+            reject(
+                "schema",
+                f"spec.steps_per_message: expected an int in [1, {MAX_STEPS_PER_MESSAGE}], "
+                f"received {describe(steps)}",
+            )
         from oakemu_core.policy.schemas import schema_from_dict  # torch only where a schema is read
 
         try:
@@ -234,8 +270,13 @@ class StepMessage:
         or ``self`` when the arrays came inline (views of a frame kept alive by them)."""
         if self.slot is None:
             return self
-        return replace(self, fields={name: array if array.flags.writeable else array.copy()
-                                     for name, array in self.fields.items()})
+        return replace(
+            self,
+            fields={
+                name: array if array.flags.writeable else array.copy()
+                for name, array in self.fields.items()
+            },
+        )
 
     @property
     def num_envs(self) -> int:
@@ -292,11 +333,15 @@ def _encode(msg: StepMessage, spec: StepSpec | None, stacks: StackEncoder) -> li
     if msg.slot is not None:
         check_local_int(msg.slot, "slot")
         if msg.fields:
-            raise ValueError("fields: expected none in a message whose arrays are in a step-ring slot")
+            raise ValueError(
+                "fields: expected none in a message whose arrays are in a step-ring slot"
+            )
     elif spec is None:
         raise ValueError("spec: a step message with its arrays inline needs the actor's step spec")
     elif msg.fields.keys() != spec._field_names:
-        raise ValueError(f"fields: expected {sorted(spec._field_names)}, received {sorted(msg.fields)}")
+        raise ValueError(
+            f"fields: expected {sorted(spec._field_names)}, received {sorted(msg.fields)}"
+        )
     check_local_id(msg.incarnation, "incarnation")
     check_local_int(msg.seq, "seq")
     check_local_int(msg.policy_version, "policy_version")
@@ -308,17 +353,21 @@ def _encode(msg: StepMessage, spec: StepSpec | None, stacks: StackEncoder) -> li
             f"episode_lengths: expected {len(episode_returns)} entries (one per episode return), "
             f"received {len(episode_lengths)}"
         )
-    frames: list[Frame] = [pack({
-        **header(TYPE_STEP),
-        "actor_id": msg.actor_id,
-        "incarnation": msg.incarnation,
-        "seq": int(msg.seq),
-        "policy_version": int(msg.policy_version),
-        "revision": int(msg.revision),
-        "slot": None if msg.slot is None else int(msg.slot),
-        "episode_returns": episode_returns,
-        "episode_lengths": episode_lengths,
-    })]
+    frames: list[Frame] = [
+        pack(
+            {
+                **header(TYPE_STEP),
+                "actor_id": msg.actor_id,
+                "incarnation": msg.incarnation,
+                "seq": int(msg.seq),
+                "policy_version": int(msg.policy_version),
+                "revision": int(msg.revision),
+                "slot": None if msg.slot is None else int(msg.slot),
+                "episode_returns": episode_returns,
+                "episode_lengths": episode_lengths,
+            }
+        )
+    ]
     if msg.slot is not None:
         return frames
     assert spec is not None
@@ -326,9 +375,13 @@ def _encode(msg: StepMessage, spec: StepSpec | None, stacks: StackEncoder) -> li
         array = msg.fields[item.name]
         if not isinstance(array, np.ndarray) or array.dtype != item.dtype:
             received = array.dtype if isinstance(array, np.ndarray) else type(array).__name__
-            raise TypeError(f"{item.name}: expected a numpy array of dtype {item.dtype}, received {received}")
+            raise TypeError(
+                f"{item.name}: expected a numpy array of dtype {item.dtype}, received {received}"
+            )
         if array.shape != shape:
-            raise ValueError(f"{item.name}: expected shape {list(shape)}, received {list(array.shape)}")
+            raise ValueError(
+                f"{item.name}: expected shape {list(shape)}, received {list(array.shape)}"
+            )
         if stacked:
             frames.extend(stacks.encode(item, array, int(msg.seq), spec.num_envs))
         else:
@@ -406,22 +459,40 @@ def decode_step(
     try:  # a rejection from here on names its sender: the learner releases a rejected ring slot
         spec = spec_for(actor_id, incarnation)
         if spec is None:
-            reject("unknown_actor", f"actor_id={actor_id!r} incarnation={incarnation!r} has not joined (or was dropped)")
+            reject(
+                "unknown_actor",
+                f"actor_id={actor_id!r} incarnation={incarnation!r} has not joined (or was dropped)",
+            )
         if obj["slot"] is None:
-            previous = stacks_for(actor_id, incarnation, seq) if stacks_for is not None and spec.stacked else None
+            previous = (
+                stacks_for(actor_id, incarnation, seq)
+                if stacks_for is not None and spec.stacked
+                else None
+            )
             arrays = _frame_arrays(views, spec, previous)
         else:
             if len(views) != 1:
-                reject("schema", f"frames: expected the header alone in a slot message, received {len(views)} frames")
+                reject(
+                    "schema",
+                    f"frames: expected the header alone in a slot message, received {len(views)} frames",
+                )
             ring = ring_for(actor_id, incarnation) if ring_for else None
             arrays = _slot_arrays(_slot_fields(obj["slot"], seq, ring, spec), spec)
         episode_returns, episode_lengths = _checked_fields(obj, arrays, spec)
     except MessageRejected as error:
         error.sender = (actor_id, incarnation, seq)
         raise
-    return StepMessage(actor_id=actor_id, incarnation=incarnation, seq=seq, policy_version=policy_version,
-                       fields=arrays, episode_returns=episode_returns, episode_lengths=episode_lengths,
-                       revision=revision, slot=obj["slot"])
+    return StepMessage(
+        actor_id=actor_id,
+        incarnation=incarnation,
+        seq=seq,
+        policy_version=policy_version,
+        fields=arrays,
+        episode_returns=episode_returns,
+        episode_lengths=episode_lengths,
+        revision=revision,
+        slot=obj["slot"],
+    )
 
 
 def _header(frames: Sequence[Frame], max_bytes: int) -> tuple[list[memoryview], dict[str, Any]]:
@@ -434,7 +505,10 @@ def _header(frames: Sequence[Frame], max_bytes: int) -> tuple[list[memoryview], 
         raise TypeError("frames: expected bytes, bytearray or memoryview frames") from None
     size = sum(view.nbytes for view in views)
     if size > max_bytes:
-        reject("oversized", f"message is {size} bytes in {len(views)} frames, limit max_bytes={max_bytes}")
+        reject(
+            "oversized",
+            f"message is {size} bytes in {len(views)} frames, limit max_bytes={max_bytes}",
+        )
     obj, message_type = unpack(views[0], max_bytes)
     if message_type != TYPE_STEP:
         reject("schema", f"type: expected {TYPE_STEP!r}, received {describe(message_type)}")
@@ -442,26 +516,40 @@ def _header(frames: Sequence[Frame], max_bytes: int) -> tuple[list[memoryview], 
     return views, obj
 
 
-def _frame_arrays(views: list[memoryview], spec: StepSpec,
-                  previous: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+def _frame_arrays(
+    views: list[memoryview], spec: StepSpec, previous: Mapping[str, np.ndarray] | None
+) -> dict[str, np.ndarray]:
     """The arrays of an inline message's frames (after the header), lengths and contents checked."""
     if len(views) != spec.frame_count:
-        reject("schema", f"frames: expected {spec.frame_count} (the header, one per sent field and one more per "
-                         f"stacked field), received {len(views)}")
+        reject(
+            "schema",
+            f"frames: expected {spec.frame_count} (the header, one per sent field and one more per "
+            f"stacked field), received {len(views)}",
+        )
     arrays: dict[str, np.ndarray] = {}
     index = 1
     for item, shape, nbytes, stacked in spec._wire_layout:
         name = item.name
-        if stacked:  # rebuilt where written, unless its values need a check (bounds tighter than uint8's)
+        if (
+            stacked
+        ):  # rebuilt where written, unless its values need a check (bounds tighter than uint8's)
             rebuild = decode_stacks if item.any_bits_valid else rebuild_stacks
-            arrays[name] = rebuild(item, views[index], views[index + 1], spec.lead,
-                                   None if previous is None else previous[name])
+            arrays[name] = rebuild(
+                item,
+                views[index],
+                views[index + 1],
+                spec.lead,
+                None if previous is None else previous[name],
+            )
             index += 2
             continue
         view = views[index]
         index += 1
         if view.nbytes != nbytes:
-            reject("size", f"{name}: expected {nbytes} bytes ({item.dtype.str} x {list(shape)}), received {view.nbytes}")
+            reject(
+                "size",
+                f"{name}: expected {nbytes} bytes ({item.dtype.str} x {list(shape)}), received {view.nbytes}",
+            )
         array = np.frombuffer(view, dtype=item.dtype).reshape(shape)
         if array.flags.writeable:
             array.flags.writeable = False
@@ -471,18 +559,26 @@ def _frame_arrays(views: list[memoryview], spec: StepSpec,
 
 def _slot_arrays(in_ring: dict[str, np.ndarray], spec: StepSpec) -> dict[str, np.ndarray]:
     """The arrays of a slot message: frames in place, checked fields as checked private copies."""
-    return {item.name: in_ring[item.name] if item.any_bits_valid  # no content check (uint8 frames): in place
-            else checked_contents(in_ring[item.name].copy(), None, item.name)  # checked what is written
-            for item, _, _, _ in spec._wire_layout}
+    return {
+        item.name: in_ring[item.name]
+        if item.any_bits_valid  # no content check (uint8 frames): in place
+        else checked_contents(in_ring[item.name].copy(), None, item.name)  # checked what is written
+        for item, _, _, _ in spec._wire_layout
+    }
 
 
-def _checked_fields(obj: dict[str, Any], arrays: dict[str, np.ndarray],
-                    spec: StepSpec) -> tuple[list[float], list[int]]:
+def _checked_fields(
+    obj: dict[str, Any], arrays: dict[str, np.ndarray], spec: StepSpec
+) -> tuple[list[float], list[int]]:
     """The value checks of every field, the rules between fields and the episode lists."""
-    rows: dict[str, np.ndarray] = {}  # (K * n, *shape) views: the value checks see one batch of rows
+    rows: dict[
+        str, np.ndarray
+    ] = {}  # (K * n, *shape) views: the value checks see one batch of rows
     for item, _, _, _ in spec._wire_layout:
         array = arrays[item.name]
-        if isinstance(array, StackedRows):  # uint8 frames without bounds to check: any bit pattern is valid
+        if isinstance(
+            array, StackedRows
+        ):  # uint8 frames without bounds to check: any bit pattern is valid
             continue
         flat = array if spec.steps_per_message == 1 else array.reshape(-1, *item.shape)
         problem = item.check_values(flat)
@@ -494,25 +590,44 @@ def _checked_fields(obj: dict[str, Any], arrays: dict[str, np.ndarray],
         reject("value_range", problem)
 
     returns, lengths = obj["episode_returns"], obj["episode_lengths"]
-    if not isinstance(returns, list) or not isinstance(lengths, list) or len(returns) != len(lengths):
+    if (
+        not isinstance(returns, list)
+        or not isinstance(lengths, list)
+        or len(returns) != len(lengths)
+    ):
         reject("schema", "episode_returns / episode_lengths: expected two lists of equal length")
     if len(returns) > spec.num_envs * spec.steps_per_message:
-        reject("schema", f"episode_returns: expected at most {spec.num_envs} episodes per step x "
-                         f"{spec.steps_per_message} steps, received {len(returns)}")
+        reject(
+            "schema",
+            f"episode_returns: expected at most {spec.num_envs} episodes per step x "
+            f"{spec.steps_per_message} steps, received {len(returns)}",
+        )
     episode_returns = [finite_float(r, "episode_returns") for r in returns]
     if any(abs(r) > MAX_ABS_EPISODE_RETURN for r in episode_returns):
         reject("value_range", f"episode_returns: expected |x| <= {MAX_ABS_EPISODE_RETURN:g}")
     for length in lengths:
         if type(length) is not int or not 0 <= length <= INT64_MAX:
-            reject("schema", f"episode_lengths: expected non-negative ints, received {describe(length)}")
+            reject(
+                "schema",
+                f"episode_lengths: expected non-negative ints, received {describe(length)}",
+            )
     return episode_returns, list(lengths)
 
 
-def _slot_fields(slot: Any, seq: int, ring: StepRingReader | None, spec: StepSpec) -> dict[str, np.ndarray]:
+def _slot_fields(
+    slot: Any, seq: int, ring: StepRingReader | None, spec: StepSpec
+) -> dict[str, np.ndarray]:
     """The arrays of a slot message (checks the slot against the ring), else rejects it."""
     if ring is None:
         reject("schema", "slot: this actor has no step ring (send the fields inline)")
-    if type(slot) is not int or slot != seq % ring.slots or (ring.spec is not spec and ring.spec != spec):
-        reject("schema", f"slot: expected seq % {ring.slots} = {seq % ring.slots} of this actor's ring, "
-                         f"received {describe(slot)}")
+    if (
+        type(slot) is not int
+        or slot != seq % ring.slots
+        or (ring.spec is not spec and ring.spec != spec)
+    ):
+        reject(
+            "schema",
+            f"slot: expected seq % {ring.slots} = {seq % ring.slots} of this actor's ring, "
+            f"received {describe(slot)}",
+        )
     return ring.slot_fields(slot)

@@ -63,7 +63,9 @@ class _Resolved:
 
 def _require_pyboy() -> None:
     try:
-        with warnings.catch_warnings():  # pysdl2-dll's "Using SDL2 binaries" notice at import: not the user's concern
+        with (
+            warnings.catch_warnings()
+        ):  # pysdl2-dll's "Using SDL2 binaries" notice at import: not the user's concern
             warnings.simplefilter("ignore", UserWarning)
             import pyboy  # noqa: F401
     except ImportError:
@@ -72,7 +74,9 @@ def _require_pyboy() -> None:
         ) from None
 
 
-def _resolve(env_id: str, settings_file: str | Path | None, envs_per_process: int | None) -> _Resolved:
+def _resolve(
+    env_id: str, settings_file: str | Path | None, envs_per_process: int | None
+) -> _Resolved:
     backend = "gameboy" if env_id.startswith(GAMEBOY_PREFIX) else "retro"
     target = env_id.split(":", 1)[1].strip()
     if not target:
@@ -93,9 +97,13 @@ def _resolve(env_id: str, settings_file: str | Path | None, envs_per_process: in
                 f"{'no settings file' if settings_file is None else repr(str(settings_file)) + ' without [gameboy]'}"
             )
         try:
-            check_gameboy_addresses(settings.gameboy, has_cartridge_ram=resolved.rom.has_cartridge_ram)
+            check_gameboy_addresses(
+                settings.gameboy, has_cartridge_ram=resolved.rom.has_cartridge_ram
+            )
         except EmulatorConfigError as error:
-            raise EmulatorConfigError(f"emulator settings file {str(settings_file)!r}: {error}") from None
+            raise EmulatorConfigError(
+                f"emulator settings file {str(settings_file)!r}: {error}"
+            ) from None
         if settings.gameboy.reward_hook is not None:
             resolved.hook = load_reward_hook(settings.gameboy.reward_hook)
         resolved.states = read_state_files(settings.gameboy.states, base, "gameboy")
@@ -170,7 +178,9 @@ def make_emulator_env(
     from oakemu_core.envs.emulators.preprocessing import ScreenPreprocessing
 
     if max_episode_steps is not None and max_episode_steps < 1:
-        raise EmulatorConfigError(f"max_episode_steps: expected >= 1 or None, received {max_episode_steps}")
+        raise EmulatorConfigError(
+            f"max_episode_steps: expected >= 1 or None, received {max_episode_steps}"
+        )
     resolved = _resolve(env_id, settings_file, None)
     settings = resolved.settings
     env: Any
@@ -179,17 +189,25 @@ def make_emulator_env(
 
         assert settings.gameboy is not None  # checked by _resolve
         env = GameBoyEnv(
-            resolved.rom, settings.gameboy, states=resolved.states or [], hook=resolved.hook, render_mode=render_mode
+            resolved.rom,
+            settings.gameboy,
+            states=resolved.states or [],
+            hook=resolved.hook,
+            render_mode=render_mode,
         )
         default_size, default_limit = _GAMEBOY_SCREEN, settings.gameboy.max_episode_steps
         frames_per_action = settings.gameboy.frames_per_action
     else:
         from oakemu_core.envs.emulators.retro_backend import RetroGameEnv
 
-        env = RetroGameEnv(resolved.target, settings.retro, states=resolved.states, render_mode=render_mode)
+        env = RetroGameEnv(
+            resolved.target, settings.retro, states=resolved.states, render_mode=render_mode
+        )
         default_size, default_limit = _RETRO_SCREEN, settings.retro.max_episode_steps
         frames_per_action = settings.retro.frames_per_action
-    if render_mode is not None:  # one rendered frame per agent step (both consoles run at 60 frames/s)
+    if (
+        render_mode is not None
+    ):  # one rendered frame per agent step (both consoles run at 60 frames/s)
         env.metadata = {**env.metadata, "render_fps": 60 / frames_per_action}
     if seed is not None:
         env.np_random, _ = seeding.np_random(seed)

@@ -14,11 +14,23 @@ from typing import Any, ClassVar
 import gymnasium
 import numpy as np
 
-from oakemu_core.envs.emulators.ram import RamObservationReader, RewardHook, RewardTracker, terminated_by
+from oakemu_core.envs.emulators.ram import (
+    RamObservationReader,
+    RewardHook,
+    RewardTracker,
+    terminated_by,
+)
 from oakemu_core.envs.emulators.settings import EmulatorConfigError, GameBoySettings
 from oakemu_core.envs.emulators.testrom import NINTENDO_LOGO, header_checksum
 
-__all__ = ["SCREEN_HEIGHT", "SCREEN_WIDTH", "GameBoyEnv", "RomHeader", "check_gameboy_rom", "read_state_files"]
+__all__ = [
+    "SCREEN_HEIGHT",
+    "SCREEN_WIDTH",
+    "GameBoyEnv",
+    "RomHeader",
+    "check_gameboy_rom",
+    "read_state_files",
+]
 
 SCREEN_HEIGHT, SCREEN_WIDTH = 144, 160
 _MIN_ROM_SIZE = 0x8000  # the smallest cartridge: 32 KiB
@@ -47,7 +59,9 @@ def check_gameboy_rom(path: str | Path) -> RomHeader:
     """
     path = Path(path).expanduser()
     if not path.is_file():
-        raise EmulatorConfigError(f"Game Boy ROM: expected an existing .gb/.gbc file, received {str(path)!r} (not found)")
+        raise EmulatorConfigError(
+            f"Game Boy ROM: expected an existing .gb/.gbc file, received {str(path)!r} (not found)"
+        )
     try:
         with path.open("rb") as handle:
             header = handle.read(0x150)
@@ -96,7 +110,9 @@ def read_state_files(paths: list[str], base: Path, section: str) -> list[bytes]:
                 f"{section}.states[{index}]: expected a readable .state file, received {str(path)!r} ({error.strerror})"
             ) from None
         if not blob:
-            raise EmulatorConfigError(f"{section}.states[{index}]: state file {str(path)!r} is empty")
+            raise EmulatorConfigError(
+                f"{section}.states[{index}]: state file {str(path)!r} is empty"
+            )
         blobs.append(blob)
     return blobs
 
@@ -135,7 +151,12 @@ class GameBoyEnv(gymnasium.Env):
         self.settings = settings
         self.render_mode = render_mode
         self._pyboy = PyBoy(
-            str(rom.path), window="null", sound_emulated=False, log_level="ERROR", cgb=settings.cgb, no_input=False
+            str(rom.path),
+            window="null",
+            sound_emulated=False,
+            log_level="ERROR",
+            cgb=settings.cgb,
+            no_input=False,
         )
         self._pyboy.set_emulation_speed(0)
         self._memory = self._pyboy.memory
@@ -154,13 +175,17 @@ class GameBoyEnv(gymnasium.Env):
                     f"gameboy.states[{index}]: PyBoy cannot load this state for ROM {str(rom.path)!r} ({error})"
                 ) from None
         self._env_state: bytes | None = None
-        self._buttons: list[str | None] = ([None] if settings.noop_action else []) + list(settings.buttons)
+        self._buttons: list[str | None] = ([None] if settings.noop_action else []) + list(
+            settings.buttons
+        )
         self._tracker = RewardTracker(settings.reward, hook)
         self._ram = RamObservationReader(settings.ram_observation)
         self.reward_terms: dict[str, float] = {}
         """Each reward term's share of the last step's reward (for debugging a reward spec)."""
         self.action_space = gymnasium.spaces.Discrete(len(self._buttons))
-        screen = gymnasium.spaces.Box(0, 255, shape=(SCREEN_HEIGHT, SCREEN_WIDTH, 4), dtype=np.uint8)
+        screen = gymnasium.spaces.Box(
+            0, 255, shape=(SCREEN_HEIGHT, SCREEN_WIDTH, 4), dtype=np.uint8
+        )
         if settings.ram_observation:
             self.observation_space = gymnasium.spaces.Dict({"screen": screen, **self._ram.spaces()})
         else:
@@ -199,7 +224,9 @@ class GameBoyEnv(gymnasium.Env):
             return screen
         return {"screen": screen, **self._ram.read(self.read_byte)}
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
         super().reset(seed=seed)
         if not self._states:
             blob = self._power_on_state

@@ -29,7 +29,9 @@ class ScreenPreprocessing(gymnasium.Wrapper):
     Downsampling uses area interpolation (``cv2.INTER_AREA``); grayscale uses ITU-R 601 luma weights.
     """
 
-    def __init__(self, env: gymnasium.Env, *, height: int, width: int, grayscale: bool, frame_stack: int) -> None:
+    def __init__(
+        self, env: gymnasium.Env, *, height: int, width: int, grayscale: bool, frame_stack: int
+    ) -> None:
         super().__init__(env)
         source = env.observation_space
         self._is_dict = isinstance(source, gymnasium.spaces.Dict)
@@ -40,7 +42,9 @@ class ScreenPreprocessing(gymnasium.Wrapper):
             and len(screen.shape) == 3
             and screen.shape[2] in (3, 4)
         ):
-            raise ValueError(f"screen: expected a uint8 Box of shape (H, W, 3 or 4), received {screen}")
+            raise ValueError(
+                f"screen: expected a uint8 Box of shape (H, W, 3 or 4), received {screen}"
+            )
         self._size = (int(width), int(height))
         self._grayscale = grayscale
         self._resize = tuple(screen.shape[:2]) != (height, width)
@@ -55,7 +59,9 @@ class ScreenPreprocessing(gymnasium.Wrapper):
     def _frame(self, screen: np.ndarray) -> np.ndarray:
         channels = screen.shape[2]
         if self._grayscale:
-            image = cv2.cvtColor(screen, cv2.COLOR_RGBA2GRAY if channels == 4 else cv2.COLOR_RGB2GRAY)
+            image = cv2.cvtColor(
+                screen, cv2.COLOR_RGBA2GRAY if channels == 4 else cv2.COLOR_RGB2GRAY
+            )
         else:
             image = screen[:, :, :3]
         if self._resize:
@@ -68,7 +74,9 @@ class ScreenPreprocessing(gymnasium.Wrapper):
             return {**observation, "screen": stacked}
         return stacked
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
         observation, info = self.env.reset(seed=seed, options=options)
         self._frames[:] = self._frame(observation["screen"] if self._is_dict else observation)
         return self._output(observation), info

@@ -92,7 +92,12 @@ def check_gameboy_addresses(settings: GameBoySettings, *, has_cartridge_ram: boo
                 last = address + entry.byte_count - 1
                 where = f"gameboy.{group}[{index}]"
                 region = next(
-                    ((start, end, name) for start, end, name in _GAMEBOY_REGIONS if start <= address <= end), None
+                    (
+                        (start, end, name)
+                        for start, end, name in _GAMEBOY_REGIONS
+                        if start <= address <= end
+                    ),
+                    None,
                 )
                 if region is None or last > region[1]:
                     raise EmulatorConfigError(
@@ -115,7 +120,9 @@ def load_reward_hook(spec: str) -> RewardHook:
     try:
         module = importlib.import_module(module_name)
     except Exception as error:  # noqa: BLE001 - any import failure is the user's hook
-        raise EmulatorConfigError(f"gameboy.reward_hook: cannot import module {module_name!r} ({error})") from None
+        raise EmulatorConfigError(
+            f"gameboy.reward_hook: cannot import module {module_name!r} ({error})"
+        ) from None
     function = getattr(module, function_name, None)
     if not callable(function):
         raise EmulatorConfigError(
@@ -199,7 +206,9 @@ class RamObservationReader:
         """The current values, float32."""
         observation = {}
         for entry in self.entries:
-            values = np.array([read_value(read_byte, a, entry) for a in entry.address_list], dtype=np.float32)
+            values = np.array(
+                [read_value(read_byte, a, entry) for a in entry.address_list], dtype=np.float32
+            )
             if entry.normalize:
                 values /= np.float32(entry.max_value)
             observation[entry.key] = values

@@ -16,9 +16,19 @@ from typing import Any, ClassVar
 import gymnasium
 import numpy as np
 
-from oakemu_core.envs.emulators.settings import EmulatorConfigError, EmulatorProcessError, RetroSettings
+from oakemu_core.envs.emulators.settings import (
+    EmulatorConfigError,
+    EmulatorProcessError,
+    RetroSettings,
+)
 
-__all__ = ["EmulatorProcessError", "RetroGameEnv", "check_retro_game", "import_retro", "open_retro_envs"]
+__all__ = [
+    "EmulatorProcessError",
+    "RetroGameEnv",
+    "check_retro_game",
+    "import_retro",
+    "open_retro_envs",
+]
 
 _OPEN: weakref.WeakSet[RetroGameEnv] = weakref.WeakSet()
 
@@ -91,7 +101,8 @@ def check_retro_game(game: str, settings: RetroSettings, base: Path) -> list[byt
         scenarios = retro.data.list_scenarios(game)
         if settings.scenario not in scenarios:
             raise EmulatorConfigError(
-                f"retro.scenario: expected a scenario of {game} {scenarios} or a .json file, received {settings.scenario!r}"
+                f"retro.scenario: expected a scenario of {game} {scenarios} or a .json file, "
+                f"received {settings.scenario!r}"
             )
     if not settings.states:
         return None
@@ -181,7 +192,9 @@ class RetroGameEnv(gymnasium.Env):
         self._previous = np.zeros(width, dtype=np.uint8)
         self._last_screen: np.ndarray | None = None
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
         super().reset(seed=seed)
         if self._states:
             if self.settings.state_selection == "per_env":
@@ -197,7 +210,11 @@ class RetroGameEnv(gymnasium.Env):
         return observation, {}
 
     def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
-        buttons = self._combos[int(action)] if self._combos is not None else np.asarray(action, dtype=np.uint8)
+        buttons = (
+            self._combos[int(action)]
+            if self._combos is not None
+            else np.asarray(action, dtype=np.uint8)
+        )
         sticky = self.settings.sticky_action_probability
         total = 0.0
         terminated = False

@@ -85,7 +85,9 @@ class RamValue(_Strict):
         if self.addresses is not None and not self.addresses:
             raise ValueError("addresses: expected at least one address, received []")
         if self.read != "bcd" and self.size != 1:
-            raise ValueError(f"size: only used with read = 'bcd', received size = {self.size} with read = {self.read!r}")
+            raise ValueError(
+                f"size: only used with read = 'bcd', received size = {self.size} with read = {self.read!r}"
+            )
         return self
 
     @property
@@ -101,7 +103,9 @@ class RamValue(_Strict):
     @property
     def max_value(self) -> int:
         """Largest value one address can yield (255, 65535, 10**(2*size) - 1)."""
-        return {"u8": 0xFF, "u16le": 0xFFFF, "u16be": 0xFFFF, "bcd": 10 ** (2 * self.size) - 1}[self.read]
+        return {"u8": 0xFF, "u16le": 0xFFFF, "u16be": 0xFFFF, "bcd": 10 ** (2 * self.size) - 1}[
+            self.read
+        ]
 
 
 class RewardTerm(RamValue):
@@ -178,7 +182,9 @@ class GameBoySettings(_Strict):
         if len(set(self.buttons)) != len(self.buttons):
             raise ValueError(f"buttons: expected each button once, received {self.buttons}")
         if self.reward_hook is not None and not _HOOK_PATTERN.match(self.reward_hook):
-            raise ValueError(f"reward_hook: expected 'module:function', received {self.reward_hook!r}")
+            raise ValueError(
+                f"reward_hook: expected 'module:function', received {self.reward_hook!r}"
+            )
         names = [term.name for term in self.reward]
         if len(set(names)) != len(names):
             raise ValueError(f"reward: expected distinct names, received {names}")
@@ -216,7 +222,9 @@ class RetroSettings(_Strict):
     @model_validator(mode="after")
     def _check(self) -> RetroSettings:
         if self.action_mode == "discrete" and not self.combos:
-            raise ValueError("combos: expected at least one button combo with action_mode = 'discrete', received []")
+            raise ValueError(
+                "combos: expected at least one button combo with action_mode = 'discrete', received []"
+            )
         if self.action_mode == "multibinary" and self.combos:
             raise ValueError("combos: only used with action_mode = 'discrete'")
         return self
@@ -262,13 +270,19 @@ def load_emulator_settings(settings_file: str | Path | None) -> tuple[EmulatorSe
         return EmulatorSettings(), Path.cwd()
     path = Path(settings_file)
     if not path.is_file():
-        raise EmulatorConfigError(f"emulator settings file: expected an existing TOML file, received {str(path)!r}")
+        raise EmulatorConfigError(
+            f"emulator settings file: expected an existing TOML file, received {str(path)!r}"
+        )
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
-        raise EmulatorConfigError(f"emulator settings file {str(path)!r}: not valid TOML ({error})") from None
+        raise EmulatorConfigError(
+            f"emulator settings file {str(path)!r}: not valid TOML ({error})"
+        ) from None
     try:
         settings = EmulatorSettings.model_validate(data)
     except ValidationError as error:
-        raise EmulatorConfigError(f"emulator settings file {str(path)!r}: {_format_validation_error(error)}") from None
+        raise EmulatorConfigError(
+            f"emulator settings file {str(path)!r}: {_format_validation_error(error)}"
+        ) from None
     return settings, path.resolve().parent
