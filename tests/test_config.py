@@ -337,7 +337,7 @@ def test_evaluation_is_greedy_except_for_atari_by_default() -> None:
 
 def test_evaluation_defaults_keep_the_tester_cheap_and_record_best_and_final() -> None:
     """Periodic evaluation paced to a tenth of the wall time; videos of the best, the final and every 10th
-    evaluation (tests/test_tester.py and test_tester_videos.py show what these settings do)."""
+    evaluation (tests/run/test_tester.py and test_tester_videos.py show what these settings do)."""
     config = load_config([])
     assert (
         config.eval_every_updates,

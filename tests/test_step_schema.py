@@ -27,7 +27,7 @@ from oakemu_core.step_schema import (
 )
 from oakemu_core.transport.codec import MessageRejected
 from oakemu_core.transport.steps import StepMessage, StepSpec, decode_step, encode_step
-from tests.test_wire import pack_step, step_header
+from tests.transport.test_wire import pack_step, step_header
 
 MAX_BYTES = 1 << 22
 
