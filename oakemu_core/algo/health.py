@@ -2,7 +2,7 @@
 to checkpoint and how to roll back to the last good checkpoint.
 
 :class:`CheckpointPolicy` is the seam :meth:`oakemu_core.algo.learner.PPOLearner.run` drives
-(seed page 002): after every update, after every evaluation, and once at the end.
+after every update, after every evaluation, and once at the end.
 """
 
 from __future__ import annotations

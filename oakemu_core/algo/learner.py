@@ -1,4 +1,4 @@
-"""The learner's training life (seed page 002): ``PPOLearner.step`` / ``run`` and the lock-holding
+"""The learner's training life: ``PPOLearner.step`` / ``run`` and the lock-holding
 model container.
 
 ``PPOLearner.run`` is the trainer thread of ``oakemu learner``: it waits for a full rollout
