@@ -321,7 +321,7 @@ class OakEmuConfig(PPOSettings, EnvSettings, EvaluationSettings, BaseSettings):
         "fewer are logged, counted and retried at the next checkpoint.",
     )
 
-    # --- automatic rollback (see oakemu_core/algo/learner.py HealthMonitor) ---
+    # --- automatic rollback (see oakemu_core/algo/health.py HealthMonitor) ---
     rollback: bool = Field(
         True,
         description="Roll back to the last good checkpoint when the run collapses (non-finite loss or "

@@ -338,7 +338,7 @@ class StepSchema:
     Args:
         fields: the fields, names unique.
         distribution: the policy's action distribution (None for a schema declared by hand,
-            e.g. the seed API's plain ``RolloutBuffer(T, N, shape, dtype)``).
+            e.g. the plain constructor ``RolloutBuffer(T, N, shape, dtype)``).
 
     Raises:
         ValueError: duplicate names, or a required standard field missing.
@@ -688,7 +688,7 @@ def default_schema(
     action_shape: tuple[int, ...] = (),
     action_dtype: Any = np.int64,
 ) -> StepSchema:
-    """The seed API's schema: one plain observation, actions without a declared distribution."""
+    """The schema of ``RolloutBuffer(T, N, shape, dtype)``: one plain observation, actions without a declared distribution."""
     return build_schema(
         {"": (tuple(observation_shape), observation_dtype)},
         None,
@@ -705,7 +705,7 @@ def resolve_schema(
     action_shape: Sequence[int] = (),
     action_dtype: Any = np.int64,
 ) -> StepSchema:
-    """The schema of a constructor that takes the fields in one of two forms: the seed API's plain
+    """The schema of a constructor that takes the fields in one of two forms: the plain
     form (one observation shape and dtype, an action shape and dtype: :func:`default_schema`) or
     ``schema=`` (any observation and action space).
 
@@ -797,8 +797,8 @@ def check_step_consistency(schema: StepSchema, arrays: Mapping[str, np.ndarray])
 
 
 def check_step_values(schema: StepSchema, arrays: Mapping[str, np.ndarray]) -> None:
-    """Check one step's values for a writer that is not behind the wire (the seed API's
-    ``RolloutBuffer.add``) with the checks :func:`oakemu_core.transport.steps.decode_step` applies
+    """Check one step's values for a writer that is not behind the wire (``RolloutBuffer.add``,
+    the per-step write) with the checks :func:`oakemu_core.transport.steps.decode_step` applies
     to a step message: floats finite; :meth:`StepField.check_values` of the
     :attr:`~StepSchema.action_fields` (actions within the action space, distribution parameters in
     range, masks that allow something); then :func:`check_step_consistency` (truncation rules,

@@ -10,8 +10,8 @@ distribution's fields.
 
 One way in, one way out (Stable-Baselines3's ``add`` / ``get``): :meth:`RolloutBuffer.write` is
 the only write (its checks: :mod:`oakemu_core.storage.row_checks`), :meth:`RolloutBuffer.flat_batch`
-the only read for PPO (:mod:`oakemu_core.storage.batches`); the seed API's
-:meth:`~RolloutBuffer.add` and :meth:`~RolloutBuffer.get_minibatches` are thin layers over them.
+the only read for PPO (:mod:`oakemu_core.storage.batches`); :meth:`~RolloutBuffer.add` (the
+per-step write) and :meth:`~RolloutBuffer.get_minibatches` are thin layers over them.
 Unlike Stable-Baselines3's buffers, observations are never cast to float32 (4x the memory for
 Atari frames), one class serves plain and dict observations and every action space (no subclass
 per variant), user errors raise ``ValueError`` naming the field instead of failing an ``assert``,
@@ -73,7 +73,7 @@ class RolloutBuffer(RolloutArrays):
 
     A buffer holds ``rollout_length`` rows for each of ``num_envs`` columns. :meth:`write` writes
     rows of some columns (each column stays contiguous: row ``t`` is written after rows
-    ``0..t-1``); the seed API's :meth:`add` writes one row of all columns through it. When every
+    ``0..t-1``); :meth:`add`, the per-step write, writes one row of all columns through it. When every
     column holds ``rollout_length`` rows the buffer :attr:`is_full`; then :meth:`compute_gae`
     fills :attr:`advantages` and :attr:`returns`, and :meth:`flat_batch` serves the trainable rows
     (:meth:`get_minibatches` splits it). :meth:`reset` empties it for the next rollout without
@@ -158,7 +158,7 @@ class RolloutBuffer(RolloutArrays):
         policy_revision: int = 0,
         **fields: np.ndarray,
     ) -> None:
-        """Write one row for all envs at row :attr:`step` (the seed API; :meth:`write` for all
+        """Write one row for all envs at row :attr:`step` (the per-step write; :meth:`write` for all
         columns, so checked the same way before anything is written; there is no silent cast).
 
         Args:
