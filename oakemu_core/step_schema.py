@@ -688,7 +688,8 @@ def default_schema(
     action_shape: tuple[int, ...] = (),
     action_dtype: Any = np.int64,
 ) -> StepSchema:
-    """The schema of ``RolloutBuffer(T, N, shape, dtype)``: one plain observation, actions without a declared distribution."""
+    """The schema of ``RolloutBuffer(T, N, shape, dtype)``: one plain observation, actions without
+    a declared distribution."""
     return build_schema(
         {"": (tuple(observation_shape), observation_dtype)},
         None,
