@@ -52,7 +52,6 @@ __all__ = [
     "RolloutAssembler",
     "SlotState",
     "StepRejected",
-    "drop_stale_rows",
 ]
 
 HELD_SLACK_MESSAGES = 16
@@ -686,36 +685,3 @@ class RolloutAssembler:
         returns, lengths = self.episode_returns, self.episode_lengths
         self.episode_returns, self.episode_lengths = [], []
         return returns, lengths
-
-
-def drop_stale_rows(
-    buffer: RolloutBuffer,
-    *,
-    current_policy_version: int,
-    max_policy_lag: int,
-    columns: np.ndarray | None = None,
-) -> tuple[int, dict[str, float]]:
-    """Exclude rows whose policy lag exceeds ``max_policy_lag`` from training.
-
-    Policy lag of a row = ``current_policy_version - policy_versions[t, e]`` (updates between the
-    policy that acted and the one about to be trained).
-
-    Args:
-        columns: ``(N,)`` bool, the columns that hold rows (the others are sealed and not looked
-            at), or None: every column.
-
-    Returns:
-        ``(rows_dropped, stats)``: ``stats`` holds the lag ``min``/``mean``/``max`` over the rows
-        of ``columns`` and ``newest_version``, the highest policy version that acted in them.
-    """
-    versions = buffer.policy_versions
-    lag = current_policy_version - versions
-    dropped = buffer.mark_untrainable(lag > max_policy_lag)
-    if columns is not None:
-        versions, lag = versions[:, columns], lag[:, columns]
-    return dropped, {
-        "min": float(lag.min()),
-        "mean": float(lag.mean()),
-        "max": float(lag.max()),
-        "newest_version": float(versions.max()),
-    }

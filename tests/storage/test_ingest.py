@@ -20,7 +20,6 @@ from oakemu_core.storage.assembler import (
     RolloutAssembler,
     SlotState,
     StepRejected,
-    drop_stale_rows,
 )
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
 from oakemu_core.transport.codec import MessageRejected
@@ -371,70 +370,6 @@ def test_episodes_are_collected_from_messages(assembler: RolloutAssembler) -> No
     )
     assert assembler.take_episodes() == ([12.5, 3.0], [20, 7])
     assert assembler.take_episodes() == ([], [])
-
-
-# ---------------------------------------------------------------------------------- staleness
-def test_drop_stale_rows_marks_rows_over_the_lag_and_reports_lag_stats(
-    buffers: list[RolloutBuffer],
-) -> None:
-    buffer = buffers[0]
-    rng = np.random.default_rng(3)
-    versions = np.array([[5, 3, 5, 1, 4, 2], [5, 2, 4, 1, 4, 3], [5, 5, 2, 0, 4, 1]])
-    already_untrainable = (2, 3)  # a stale row that is already out: not counted again
-    for t in range(T):
-        for column in range(N):
-            trainable = np.array([(t, column) != already_untrainable])
-            zero = np.zeros(1, np.float32)
-            buffer.write(
-                t,
-                np.array([column]),
-                {
-                    "observations": rng.normal(size=(1, 2)).astype(np.float32),
-                    "actions": np.array([0]),
-                    "log_probs": zero,
-                    "values": zero,
-                    "rewards": zero,
-                    "dones": np.array([False]),
-                    "trainable": trainable,
-                },
-                policy_version=int(versions[t, column]),
-            )
-    current, max_lag = 5, 2
-    lag = current - versions
-    expected_stale = lag > max_lag
-    expected_trainable = ~expected_stale
-    expected_trainable[already_untrainable] = False
-    expected_count = int(expected_stale.sum()) - 1
-
-    dropped, stats = drop_stale_rows(buffer, current_policy_version=current, max_policy_lag=max_lag)
-    assert (
-        dropped == expected_count == 6
-    )  # versions 1, 2 | 2, 1 | 2, 1 (+ 0 at (2, 3), already out)
-    np.testing.assert_array_equal(buffer.trainable, expected_trainable)
-    assert stats == {
-        "min": 0.0,
-        "mean": pytest.approx(lag.sum() / lag.size),
-        "max": 5.0,
-        "newest_version": 5.0,
-    }
-    assert buffer.trainable_size == int(expected_trainable.sum())
-
-
-def test_drop_stale_rows_with_no_stale_row(buffers: list[RolloutBuffer]) -> None:
-    buffer = buffers[0]
-    for t in range(T):
-        buffer.add(
-            np.zeros((N, 2), np.float32),
-            np.zeros(N, np.int64),
-            np.zeros(N, np.float32),
-            np.zeros(N, np.float32),
-            np.zeros(N, np.float32),
-            np.zeros(N, bool),
-            policy_version=7 + t,
-        )
-    dropped, stats = drop_stale_rows(buffer, current_policy_version=9, max_policy_lag=2)
-    assert dropped == 0 and buffer.trainable.all()
-    assert stats == {"min": 0.0, "mean": 1.0, "max": 2.0, "newest_version": 9.0}
 
 
 def test_learner_path_counts_a_late_step_of_a_departed_actor_as_dropped(
