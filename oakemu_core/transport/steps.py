@@ -457,27 +457,10 @@ def decode_step(
     policy_version = get_int(obj, "policy_version")
     revision = get_int(obj, "revision")
     try:  # a rejection from here on names its sender: the learner releases a rejected ring slot
-        spec = spec_for(actor_id, incarnation)
-        if spec is None:
-            reject(
-                "unknown_actor",
-                f"actor_id={actor_id!r} incarnation={incarnation!r} has not joined (or was dropped)",
-            )
-        if obj["slot"] is None:
-            previous = (
-                stacks_for(actor_id, incarnation, seq)
-                if stacks_for is not None and spec.stacked
-                else None
-            )
-            arrays = _frame_arrays(views, spec, previous)
-        else:
-            if len(views) != 1:
-                reject(
-                    "schema",
-                    f"frames: expected the header alone in a slot message, received {len(views)} frames",
-                )
-            ring = ring_for(actor_id, incarnation) if ring_for else None
-            arrays = _slot_arrays(_slot_fields(obj["slot"], seq, ring, spec), spec)
+        spec = _sender_spec(spec_for, actor_id, incarnation)
+        arrays = _message_arrays(
+            views, obj, spec, (actor_id, incarnation, seq), ring_for=ring_for, stacks_for=stacks_for
+        )
         episode_returns, episode_lengths = _checked_fields(obj, arrays, spec)
     except MessageRejected as error:
         error.sender = (actor_id, incarnation, seq)
@@ -493,6 +476,52 @@ def decode_step(
         revision=revision,
         slot=obj["slot"],
     )
+
+
+def _sender_spec(
+    spec_for: Callable[[str, str], StepSpec | None], actor_id: str, incarnation: str
+) -> StepSpec:
+    """The spec of a joined sender; ``MessageRejected("unknown_actor")`` for any other."""
+    spec = spec_for(actor_id, incarnation)
+    if spec is None:
+        reject(
+            "unknown_actor",
+            f"actor_id={actor_id!r} incarnation={incarnation!r} has not joined (or was dropped)",
+        )
+    return spec
+
+
+def _message_arrays(
+    views: list[memoryview],
+    obj: dict[str, Any],
+    spec: StepSpec,
+    sender: tuple[str, str, int],
+    *,
+    ring_for: Callable[[str, str], StepRingReader | None] | None,
+    stacks_for: Callable[[str, str, int], Mapping[str, np.ndarray] | None] | None,
+) -> dict[str, np.ndarray]:
+    """The step arrays of a message whose header ``obj`` was read, from its array frames (``views``
+    after the header) or from its sender's step-ring slot, sized and typed as ``spec`` says (their
+    contents are not checked yet: :func:`_checked_fields`).
+
+    Raises:
+        MessageRejected: ``"schema"`` or ``"size"`` (see :func:`decode_step`).
+    """
+    actor_id, incarnation, seq = sender
+    if obj["slot"] is None:
+        previous = (
+            stacks_for(actor_id, incarnation, seq)
+            if stacks_for is not None and spec.stacked
+            else None
+        )
+        return _frame_arrays(views, spec, previous)
+    if len(views) != 1:
+        reject(
+            "schema",
+            f"frames: expected the header alone in a slot message, received {len(views)} frames",
+        )
+    ring = ring_for(actor_id, incarnation) if ring_for else None
+    return _slot_arrays(_slot_fields(obj["slot"], seq, ring, spec), spec)
 
 
 def _header(frames: Sequence[Frame], max_bytes: int) -> tuple[list[memoryview], dict[str, Any]]:
