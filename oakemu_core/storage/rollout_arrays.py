@@ -9,8 +9,8 @@ trainable-mask changes, data generation at GAE), which tell a reader whether wha
 
 The arrays are :class:`~oakemu_core.storage.shared_fields.SharedFields` owned by one
 :class:`RolloutArrays`: it alone unlinks the segments (``close()``, context-manager exit, garbage
-collection, interpreter exit). :class:`~oakemu_core.storage.rollout_buffer.RolloutBuffer` adds the
-write, GAE and minibatches.
+collection, interpreter exit). :class:`~oakemu_core.storage.rollout_rows.RolloutRows` adds the
+write, :class:`~oakemu_core.storage.rollout_buffer.RolloutBuffer` GAE and minibatches.
 """
 
 from __future__ import annotations
