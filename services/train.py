@@ -509,39 +509,11 @@ def _count(number: int, noun: str) -> str:
     return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
 
 
-def main(
-    config: OakEmuConfig,
-    resume: Path | None = None,
-    *,
-    preset: Preset | None = None,
-    verbose: int = 1,
-    callbacks: CallbackRunner | None = None,
-    plan: RunPlan | None = None,
-) -> int:
-    """Run learner + actors until the env-step budget is spent or the user stops it.
-
-    Args:
-        config: the resolved configuration (with ``--resume``, already layered over the run's own
-            ``config.toml``).
-        resume: run folder to continue; its last checkpoint is restored by the learner.
-        preset: the preset ``config`` starts from; its line (what to expect) is printed once the run
-            can start.
-        verbose: 1: progress and notes on stderr; 0: errors only (the Python API's quiet mode).
-        callbacks: the Python API's callbacks (:class:`~oakemu_core.run.callbacks.CallbackRunner`): fed
-            each update and evaluation; when one stops the run, the run stops as after SIGTERM.
-        plan: the run already planned (:func:`plan_run`; the Python API plans first to know the run's
-            folder, and releases the plan); ``config`` and ``resume`` are then not used. Without it the
-            run's folder and ports stay held until this process exits.
-
-    Returns:
-        The exit status (see the module docstring).
-
-    Raises:
-        UserError (a subclass): the run cannot start (:func:`plan_run`); nothing was started or created.
-    """
-    plan = plan_run(config, resume) if plan is None else plan
+def announce_run(plan: RunPlan, preset: Preset | None, console: Console) -> None:
+    """What a run is about to do, on ``console`` before anything starts: the preset's line, the plan's
+    warnings and resume notes, changed settings, rollback, the run's size and folder, and where to
+    watch it live (``oakemu monitor``, Prometheus)."""
     config = plan.config
-    console = Console(stderr=True, quiet=verbose <= 0)
     if preset is not None:
         console.print(
             f"preset {preset.name}: {preset.description}; expect {preset.expect}",
@@ -580,6 +552,41 @@ def main(
     console.print(
         f"live view: oakemu monitor {plan.run_dir}{prometheus}", highlight=False, soft_wrap=True
     )
+
+
+def main(
+    config: OakEmuConfig,
+    resume: Path | None = None,
+    *,
+    preset: Preset | None = None,
+    verbose: int = 1,
+    callbacks: CallbackRunner | None = None,
+    plan: RunPlan | None = None,
+) -> int:
+    """Run learner + actors until the env-step budget is spent or the user stops it.
+
+    Args:
+        config: the resolved configuration (with ``--resume``, already layered over the run's own
+            ``config.toml``).
+        resume: run folder to continue; its last checkpoint is restored by the learner.
+        preset: the preset ``config`` starts from; its line (what to expect) is printed once the run
+            can start.
+        verbose: 1: progress and notes on stderr; 0: errors only (the Python API's quiet mode).
+        callbacks: the Python API's callbacks (:class:`~oakemu_core.run.callbacks.CallbackRunner`): fed
+            each update and evaluation; when one stops the run, the run stops as after SIGTERM.
+        plan: the run already planned (:func:`plan_run`; the Python API plans first to know the run's
+            folder, and releases the plan); ``config`` and ``resume`` are then not used. Without it the
+            run's folder and ports stay held until this process exits.
+
+    Returns:
+        The exit status (see the module docstring).
+
+    Raises:
+        UserError (a subclass): the run cannot start (:func:`plan_run`); nothing was started or created.
+    """
+    plan = plan_run(config, resume) if plan is None else plan
+    console = Console(stderr=True, quiet=verbose <= 0)
+    announce_run(plan, preset, console)
     stop = install_stop_signals()
     launch = Launch(plan, console, verbose=verbose, callbacks=callbacks)
     ended_by = "signal"

@@ -218,47 +218,77 @@ def make_vector_env(
             options=options,
         )
     else:
-        spec = env_spec(env_id, settings_file=settings_file, options=options)
-        make_kwargs = (options or EnvOptions()).make_kwargs
-
-        def make_env(index: int) -> Any:
-            env_seed = None if seed is None else seed + index
-            if frame_sink is None:
-                return _make_gymnasium_env(
-                    env_id,
-                    max_episode_steps,
-                    settings_file=settings_file,
-                    seed=env_seed,
-                    make_kwargs=make_kwargs,
-                )
-            from oakemu_core.envs.render import rendered_episodes
-
-            try:
-                env = _make_gymnasium_env(
-                    env_id,
-                    max_episode_steps,
-                    settings_file=settings_file,
-                    seed=env_seed,
-                    render_mode="rgb_array",
-                    make_kwargs=make_kwargs,
-                )
-            except (
-                TypeError
-            ) as error:  # an env class that takes no render_mode: evaluated unrecorded
-                frame_sink.fail(f"{env_id!r} cannot be recorded: it takes no render_mode ({error})")
-                return _make_gymnasium_env(
-                    env_id,
-                    max_episode_steps,
-                    settings_file=settings_file,
-                    seed=env_seed,
-                    make_kwargs=make_kwargs,
-                )
-            return rendered_episodes(env, frame_sink, env_id)
-
-        backend = GymnasiumBackend(spec, make_env, num_envs)
+        backend = _gymnasium_backend(
+            env_id, num_envs, seed, max_episode_steps, settings_file, options, frame_sink
+        )
     return VectorEnv(
         backend, seed=seed, clip_rewards=atari if clip_rewards is None else clip_rewards
     )
+
+
+def _gymnasium_backend(
+    env_id: str,
+    num_envs: int,
+    seed: int | None,
+    max_episode_steps: int | None,
+    settings_file: str | None,
+    options: EnvOptions | None,
+    frame_sink: FrameSink | None,
+) -> GymnasiumBackend:
+    """``num_envs`` copies of a Gymnasium or emulator id (env ``i`` seeded ``seed + i``), env 0's
+    episodes rendered into ``frame_sink`` when one is given (:func:`_make_recorded_env`)."""
+    spec = env_spec(env_id, settings_file=settings_file, options=options)
+    make_kwargs = (options or EnvOptions()).make_kwargs
+
+    def make_env(index: int) -> Any:
+        env_seed = None if seed is None else seed + index
+        if frame_sink is not None:
+            return _make_recorded_env(
+                env_id, max_episode_steps, settings_file, env_seed, make_kwargs, frame_sink
+            )
+        return _make_gymnasium_env(
+            env_id,
+            max_episode_steps,
+            settings_file=settings_file,
+            seed=env_seed,
+            make_kwargs=make_kwargs,
+        )
+
+    return GymnasiumBackend(spec, make_env, num_envs)
+
+
+def _make_recorded_env(
+    env_id: str,
+    max_episode_steps: int | None,
+    settings_file: str | None,
+    seed: int | None,
+    make_kwargs: dict[str, Any],
+    frame_sink: FrameSink,
+) -> Any:
+    """One env whose episodes' ``rgb_array`` frames go to ``frame_sink``
+    (:func:`oakemu_core.envs.render.rendered_episodes`); an env class that takes no ``render_mode``
+    is returned unrecorded, after telling the sink why (``frame_sink.fail``)."""
+    from oakemu_core.envs.render import rendered_episodes
+
+    try:
+        env = _make_gymnasium_env(
+            env_id,
+            max_episode_steps,
+            settings_file=settings_file,
+            seed=seed,
+            render_mode="rgb_array",
+            make_kwargs=make_kwargs,
+        )
+    except TypeError as error:  # an env class that takes no render_mode: evaluated unrecorded
+        frame_sink.fail(f"{env_id!r} cannot be recorded: it takes no render_mode ({error})")
+        return _make_gymnasium_env(
+            env_id,
+            max_episode_steps,
+            settings_file=settings_file,
+            seed=seed,
+            make_kwargs=make_kwargs,
+        )
+    return rendered_episodes(env, frame_sink, env_id)
 
 
 def make_env_groups(

@@ -182,6 +182,31 @@ def make_emulator_env(
             f"max_episode_steps: expected >= 1 or None, received {max_episode_steps}"
         )
     resolved = _resolve(env_id, settings_file, None)
+    env, default_size, default_limit = _console_env(resolved, render_mode)
+    if seed is not None:
+        env.np_random, _ = seeding.np_random(seed)
+        env.action_space.seed(seed)
+    screen = resolved.settings.screen
+    env = ScreenPreprocessing(
+        env,
+        height=screen.height or default_size[0],
+        width=screen.width or default_size[1],
+        grayscale=screen.grayscale,
+        frame_stack=screen.frame_stack,
+    )
+    limit = max_episode_steps if max_episode_steps is not None else default_limit
+    if limit is not None:
+        env = gymnasium.wrappers.TimeLimit(env, max_episode_steps=limit)
+    return env
+
+
+def _console_env(
+    resolved: _Resolved, render_mode: str | None
+) -> tuple[Any, tuple[int, int], int | None]:
+    """The console's own env of a resolved id (before screen preprocessing and time limit), with its
+    default screen size ``(H, W)`` and its settings' ``max_episode_steps``. With a ``render_mode``,
+    one rendered frame per agent step: ``metadata["render_fps"]`` is 60 / frames per action (both
+    consoles run at 60 frames/s)."""
     settings = resolved.settings
     env: Any
     if resolved.backend == "gameboy":
@@ -205,22 +230,6 @@ def make_emulator_env(
         )
         default_size, default_limit = _RETRO_SCREEN, settings.retro.max_episode_steps
         frames_per_action = settings.retro.frames_per_action
-    if (
-        render_mode is not None
-    ):  # one rendered frame per agent step (both consoles run at 60 frames/s)
+    if render_mode is not None:
         env.metadata = {**env.metadata, "render_fps": 60 / frames_per_action}
-    if seed is not None:
-        env.np_random, _ = seeding.np_random(seed)
-        env.action_space.seed(seed)
-    screen = settings.screen
-    env = ScreenPreprocessing(
-        env,
-        height=screen.height or default_size[0],
-        width=screen.width or default_size[1],
-        grayscale=screen.grayscale,
-        frame_stack=screen.frame_stack,
-    )
-    limit = max_episode_steps if max_episode_steps is not None else default_limit
-    if limit is not None:
-        env = gymnasium.wrappers.TimeLimit(env, max_episode_steps=limit)
-    return env
+    return env, default_size, default_limit
