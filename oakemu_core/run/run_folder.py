@@ -8,9 +8,10 @@ before anything in the folder is written:
    (env id, observation/action spaces through the step schema, model parameter names and shapes)
    and raises :class:`ResumeMismatchError` (one message naming both sides and how to start a new
    run) when they disagree;
-2. :func:`truncate_run_logs` cuts ``metrics.jsonl`` and ``episodes.jsonl`` back to the records whose
-   ``global_step`` is at most the checkpoint's, so the resumed run does not write the same range of
-   steps twice (``global_step`` never goes back in either file, whatever the number of crashes).
+2. :func:`~oakemu_core.run.run_logs.truncate_run_logs` cuts ``metrics.jsonl`` and
+   ``episodes.jsonl`` back to the records whose ``global_step`` is at most the checkpoint's, so
+   the resumed run does not write the same range of steps twice (``global_step`` never goes back
+   in either file, whatever the number of crashes).
 
 :func:`config_changes` lists which settings of a run's ``config.toml`` a resume would change and
 refuses the ones that cannot change (:data:`IMMUTABLE_FIELDS`).
@@ -25,14 +26,20 @@ import json
 import logging
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-from oakemu_core.errors import DiskFullError, RunFolderError, UserError
+from oakemu_core.errors import RunFolderError, UserError
+from oakemu_core.run.atomic_files import disk_full_error, write_text_atomic
 from oakemu_core.run.run_lock import LOCK_FILE_NAME, RunFolderBusyError, RunFolderLock, live_holder
+from oakemu_core.run.run_logs import (
+    LOG_FILE_NAMES,
+    read_json_lines,
+    resume_step,
+    truncate_after,
+    truncate_run_logs,
+)
 
 __all__ = [
     "IMMUTABLE_FIELDS",
@@ -58,8 +65,6 @@ __all__ = [
     "write_text_atomic",
 ]
 
-LOG_FILE_NAMES = ("metrics.jsonl", "episodes.jsonl")
-"""The JSON-lines logs of a run folder that carry ``global_step``."""
 
 IMMUTABLE_FIELDS = ("env_id", "normalize_observations")
 """Settings a resumed run cannot change: they decide the environment's spaces or the model's shape."""
@@ -272,110 +277,6 @@ def format_changes(changes: Mapping[str, tuple[Any, Any]]) -> str:
     return ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
 
 
-# ------------------------------------------------------------------------------------ log cuts
-def _read_records(path: Path) -> tuple[list[tuple[bytes, dict[str, Any]]], int]:
-    """``([(line, record), ...], torn)``: the complete JSON-object lines of a JSON-lines file, and how
-    many lines were not (a record half-written by a crash, garbage)."""
-    records: list[tuple[bytes, dict[str, Any]]] = []
-    torn = 0
-    with open(path, "rb") as source:
-        for line in source:
-            try:
-                record = json.loads(line) if line.endswith(b"\n") else None
-            except ValueError:
-                record = None
-            if isinstance(record, dict):
-                records.append((line, record))
-            else:
-                torn += 1
-    return records, torn
-
-
-def read_json_lines(path: Path) -> list[dict[str, Any]]:
-    """The complete JSON-object records of a JSON-lines file (``metrics.jsonl``, ``episodes.jsonl``), in
-    order; a torn or malformed line is skipped, a missing file reads as none.
-
-    Raises:
-        OSError: the file exists but cannot be read.
-    """
-    path = Path(path)
-    return [record for _, record in _read_records(path)[0]] if path.is_file() else []
-
-
-def truncate_after(path: Path, global_step: int, *, update: int | None = None) -> int:
-    """Keep only the records of a JSON-lines file whose ``global_step`` is <= ``global_step`` and,
-    with ``update``, whose ``charts/update`` is <= ``update``.
-
-    Lines that are not complete JSON objects (a record half-written by a crash) are dropped too;
-    records without a ``global_step`` are kept. The file is rewritten atomically (temporary file in
-    the same folder, fsync, rename), so a crash during the cut leaves the old or the new file. A file
-    with nothing to cut is not touched.
-
-    Args:
-        path: the ``.jsonl`` file; a missing file is left missing.
-        global_step: the env-step count the resumed run starts from (:func:`resume_step`).
-        update: the checkpoint's PPO update (None: records are cut by ``global_step`` alone).
-
-    Returns:
-        The number of lines removed.
-
-    Raises:
-        OSError: the file cannot be read or rewritten (the original is then untouched).
-    """
-    path = Path(path)
-    if not path.is_file():
-        return 0
-    records, removed = _read_records(path)
-    kept: list[bytes] = []
-    for line, record in records:
-        step, record_update = record.get("global_step"), record.get("charts/update")
-        if (isinstance(step, (int, float)) and step > global_step) or (
-            update is not None
-            and isinstance(record_update, (int, float))
-            and record_update > update
-        ):
-            removed += 1
-        else:
-            kept.append(line)
-    if removed == 0:
-        return 0
-    _replace_atomically(path, kept)
-    return removed
-
-
-def resume_step(run_dir: Path, checkpoint_step: int, update: int) -> int:
-    """The env-step count a run resumed from the checkpoint of ``update`` starts from.
-
-    A periodic checkpoint records the env steps received when its update's rollout was handed to
-    training (``checkpoint_step``); the update's own metrics record was written when its result came
-    back, some steps later. The resumed count starts at that record's ``global_step`` (when
-    ``metrics.jsonl`` holds it), so the record is kept, ``charts/update`` continues without a gap and
-    ``global_step`` never goes back. The steps in between were received and lost with the crash, as
-    discarded rows are: ``global_step`` counts them, the budget (trained env steps) does not.
-    """
-    path = Path(run_dir) / LOG_FILE_NAMES[0]
-    if not path.is_file():
-        return int(checkpoint_step)
-    steps = [
-        record.get("global_step")
-        for _, record in _read_records(path)[0]
-        if record.get("charts/update") == update
-    ]
-    return max(
-        [int(checkpoint_step)] + [int(step) for step in steps if isinstance(step, (int, float))]
-    )
-
-
-def truncate_run_logs(
-    run_dir: Path, global_step: int, *, update: int | None = None
-) -> dict[str, int]:
-    """:func:`truncate_after` on each of :data:`LOG_FILE_NAMES` in ``run_dir``; returns lines removed by file name."""
-    return {
-        name: truncate_after(Path(run_dir) / name, global_step, update=update)
-        for name in LOG_FILE_NAMES
-    }
-
-
 # ------------------------------------------------------------------------------ whole folder
 @dataclasses.dataclass(frozen=True)
 class ResumeCheck:
@@ -444,30 +345,61 @@ def check_resume_folder(
         RunFolderError: ``config.toml`` lacks settings; with ``check_budget``, the run has nothing left
             to train. Nothing in the folder was changed in these cases.
     """
-    import tomllib
-
     # A new run has no checkpoint file yet: answer without importing torch (checkpoint.py does),
     # which would hold up ``oakemu train`` before it starts any child process.
     if not any((Path(run_dir) / "checkpoints").glob("*.pt")):
         return ResumeCheck()
     from oakemu_core.run.checkpoint import newest_readable_checkpoint, set_aside_unreadable
 
-    changes: dict[str, tuple[Any, Any]] = {}
-    config_toml = Path(run_dir) / "config.toml"
-    if config_toml.is_file():
-        try:
-            old = tomllib.loads(config_toml.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
-            old = None  # an unreadable config.toml is rewritten by the learner; the checkpoint still decides
-        if old is not None:
-            check_config_complete(
-                run_dir, [name for name in type(config).model_fields if name != "config_file"]
-            )
-            changes = config_changes(old, config.model_dump(mode="json"))
+    changes = _settings_changes(Path(run_dir), config)
     found = newest_readable_checkpoint(Path(run_dir))
     if found is None:
         return ResumeCheck(changes)
     checkpoint, state, unreadable = found
+    _check_checkpoint_fits(state, checkpoint, config, check_model=check_model)
+    if check_budget:
+        _check_budget_left(state, config.total_env_steps, run_dir)
+    for note in set_aside_unreadable(checkpoint, unreadable):
+        if notes is not None:
+            notes.append(note)
+        else:
+            log.warning("%s", note)
+    from oakemu_core.run.checkpoint import checkpoint_trained_steps
+
+    ppo = state.get("ppo")
+    update = ppo.get("iterations") if isinstance(ppo, Mapping) else None
+    return ResumeCheck(
+        changes,
+        checkpoint,
+        int(update) if isinstance(update, int) else 0,
+        checkpoint_trained_steps(state),
+    )
+
+
+def _settings_changes(run_dir: Path, config: Any) -> dict[str, tuple[Any, Any]]:
+    """The settings of ``run_dir/config.toml`` that ``config`` changes (:func:`config_changes`),
+    after :func:`check_config_complete`; {} when the file is missing or unreadable (the learner
+    rewrites it; the checkpoint still decides)."""
+    import tomllib
+
+    config_toml = run_dir / "config.toml"
+    if not config_toml.is_file():
+        return {}
+    try:
+        old = tomllib.loads(config_toml.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return {}
+    check_config_complete(
+        run_dir, [name for name in type(config).model_fields if name != "config_file"]
+    )
+    return config_changes(old, config.model_dump(mode="json"))
+
+
+def _check_checkpoint_fits(
+    state: Mapping[str, Any], checkpoint: Path, config: Any, *, check_model: bool
+) -> None:
+    """:func:`check_resume_compatible` of the checkpoint ``state`` with the env, spaces and (with
+    ``check_model``, built on the CPU) model that ``config`` asks for."""
     from oakemu_core.envs.factory import env_spec
     from oakemu_core.policy.schemas import schema_for_env
 
@@ -486,23 +418,6 @@ def check_resume_folder(
         )
     check_resume_compatible(
         state, env_id=config.env_id, schema=schema, model=model, checkpoint_path=checkpoint
-    )
-    if check_budget:
-        _check_budget_left(state, config.total_env_steps, run_dir)
-    for note in set_aside_unreadable(checkpoint, unreadable):
-        if notes is not None:
-            notes.append(note)
-        else:
-            log.warning("%s", note)
-    from oakemu_core.run.checkpoint import checkpoint_trained_steps
-
-    ppo = state.get("ppo")
-    update = ppo.get("iterations") if isinstance(ppo, Mapping) else None
-    return ResumeCheck(
-        changes,
-        checkpoint,
-        int(update) if isinstance(update, int) else 0,
-        checkpoint_trained_steps(state),
     )
 
 
@@ -710,7 +625,7 @@ def _make_folder(folder: Path, runs_dir: Path, *, parents: bool = False) -> bool
         return False
     except OSError as error:
         if error.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise _disk_full(error, folder, 4096) from None
+            raise disk_full_error(error, folder, 4096) from None
         raise RunFolderError(
             f"--runs-dir {runs_dir}: cannot make {folder} ({error.strerror or error}); "
             "choose a folder this user can write with --runs-dir"
@@ -746,51 +661,3 @@ def _take_empty_folder(run_dir: Path, hint: str | Callable[[Path, bool], str]) -
 
 def _holds_files(run_dir: Path) -> bool:
     return any(entry.name != LOCK_FILE_NAME for entry in run_dir.iterdir())
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` (UTF-8) to ``path`` atomically: a temporary file in the same folder, fsync,
-    rename; a reader sees the old file or the whole new one, never a part.
-
-    Raises:
-        DiskFullError: no space (or quota) left; the message names the path, the bytes needed and free.
-        OSError: any other write error. The temporary file is removed in both cases.
-    """
-    _replace_atomically(Path(path), [text.encode("utf-8")])
-
-
-def _replace_atomically(path: Path, chunks: list[bytes]) -> None:
-    """Replace ``path`` with ``chunks`` through a fsynced temporary file and a rename (see
-    :func:`write_text_atomic`)."""
-    try:
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as error:
-        raise _disk_full(error, path, sum(map(len, chunks))) from None
-    try:
-        with os.fdopen(fd, "wb") as target:
-            target.writelines(chunks)
-            target.flush()
-            os.fsync(target.fileno())
-        os.replace(tmp_name, path)
-    except OSError as error:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise _disk_full(error, path, sum(map(len, chunks))) from None
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-
-
-def _disk_full(error: OSError, path: Path, needed: int) -> OSError:
-    """:class:`DiskFullError` naming ``path``, ``needed`` bytes and the free bytes for ENOSPC / EDQUOT;
-    ``error`` itself otherwise."""
-    if error.errno not in (errno.ENOSPC, errno.EDQUOT):
-        return error
-    existing = next((folder for folder in path.parents if folder.exists()), Path("."))
-    try:
-        free = f"{shutil.disk_usage(existing).free} bytes free"
-    except OSError:
-        free = "free space unknown"
-    return DiskFullError(
-        f"cannot write {path}: {error.strerror or error} ({needed} bytes needed, {free} on "
-        f"{path.parent})"
-    )

@@ -61,6 +61,7 @@ from typing import Any
 import numpy as np
 
 from oakemu_core.run.best_checkpoint import BEST_NAME, BestCheckpointTracker
+from oakemu_core.run.evaluation_schedule import EvaluationJob, EvaluationSchedule
 from oakemu_core.run.tester_process import child_main
 
 __all__ = [
@@ -216,25 +217,11 @@ class Tester:
             "best_return": None if best_return is None else float(best_return),
             "video_dir": None if video_dir is None else str(video_dir),
         }
-        self._videos, self._video_every, self._max_share = (
-            video_dir is not None,
-            int(video_every),
-            float(max_share),
-        )
         self._nice = int(nice)
         self._lock = threading.Lock()
-        # Waiting jobs ``(policy_version, global_step, weights, keep)``, oldest first: any number of
-        # kept ones and at most one that a newer submission replaces.
-        self._pending: list[tuple[int, int, Mapping[str, np.ndarray], bool]] = []
-        self._in_flight: tuple[int, int, Mapping[str, np.ndarray], bool] | None = None
-        self._handed_out = 0  # evaluations handed to the child (the video_every count)
-        self._handed_at = 0.0  # time.monotonic() of the last hand-off
-        self._next_start = 0.0  # time.monotonic() before which a plain submission waits (pacing)
-        self._draining = (
-            False  # drain() runs: nothing waits for pacing, the last evaluation is final
+        self._schedule = EvaluationSchedule(  # under self._lock
+            videos=video_dir is not None, video_every=int(video_every), max_share=float(max_share)
         )
-        self._final_video_due = False  # drain() wants final.mp4 once nothing runs or waits
-        self._final_video_asked = False  # the child is making final.mp4
         self._reports: list[EvaluationReport] = []
         self._idle = threading.Condition(self._lock)
         self._ready = False
@@ -326,13 +313,15 @@ class Tester:
     def evaluating(self) -> int | None:
         """Policy version being evaluated now (handed to the process), or None."""
         with self._lock:
-            return None if self._in_flight is None else self._in_flight[0]
+            job = self._schedule.in_flight
+            return None if job is None else job.policy_version
 
     @property
     def pending(self) -> int | None:
         """Newest policy version waiting for the process, or None."""
         with self._lock:
-            return self._pending[-1][0] if self._pending else None
+            pending = self._schedule.pending
+            return pending[-1].policy_version if pending else None
 
     @property
     def ready(self) -> bool:
@@ -344,7 +333,7 @@ class Tester:
     def busy(self) -> bool:
         """True while an evaluation runs or weights wait for one."""
         with self._lock:
-            return self._in_flight is not None or bool(self._pending)
+            return self._schedule.busy
 
     def close(self, timeout_s: float = _STOP_TIMEOUT_S) -> None:
         """Stop the feeder thread and the tester process (asked, then terminated, then killed),
@@ -358,24 +347,8 @@ class Tester:
         self._wake()
         if self._thread is not None:
             self._thread.join(timeout_s)
-        process = self._process
-        if process is not None:
-            if self._conn is not None:
-                try:
-                    self._conn.send(("stop",))
-                except (OSError, ValueError, BrokenPipeError):
-                    pass
-            process.join(min(1.0, timeout_s))
-            if process.is_alive():
-                process.terminate()
-                process.join(timeout_s)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout_s)
-            try:
-                process.close()
-            except ValueError:  # still running after kill: nothing more to do from here
-                logger.warning("tester process %s did not exit after SIGKILL", process.pid)
+        if self._process is not None:
+            _stop_process(self._process, self._conn, timeout_s)
         if self._conn is not None:
             self._conn.close()
         self._close_wake_pipe()
@@ -421,10 +394,8 @@ class Tester:
         if not self.alive:
             return False
         with self._lock:
-            if self._pending and not self._pending[-1][3]:
-                self._pending.pop()
-                self.superseded += 1
-            self._pending.append((int(policy_version), int(global_step), weights, bool(keep)))
+            job = EvaluationJob(int(policy_version), int(global_step), weights, bool(keep))
+            self.superseded += self._schedule.submit(job)
             self.submitted += 1
         self._wake()
         return True
@@ -442,17 +413,15 @@ class Tester:
         are paced again."""
         deadline = time.monotonic() + max(0.0, timeout_s)
         with self._lock:
-            self._draining, self._final_video_due = True, self._videos
+            self._schedule.start_drain()
         self._wake()
         with self._lock:
-            while (
-                self._in_flight is not None or self._pending or self._final_video_due
-            ) and not self._closing:
+            while self._schedule.unfinished and not self._closing:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self.alive:
                     break
                 self._idle.wait(min(remaining, 0.2))
-            self._draining = self._final_video_due = False
+            self._schedule.end_drain()
         return self.poll()
 
     # -- feeder thread -------------------------------------------------------------------------
@@ -520,29 +489,10 @@ class Tester:
     def _next_message(self) -> tuple[tuple[Any, ...] | None, float | None]:
         """What to send the child now (under the lock), and how long to wait at most before asking again
         (None: until woken): a waiting job when the child is idle and pacing allows it, else ``final.mp4``
-        when :meth:`drain` wants it and nothing waits."""
-        if not self._ready or self._in_flight is not None or self._final_video_asked:
+        when :meth:`drain` wants it and nothing waits (:meth:`EvaluationSchedule.next_message`)."""
+        if not self._ready:
             return None, None
-        if not self._pending:
-            if self._final_video_due:
-                self._final_video_asked = True
-                return ("final_video",), None
-            return None, None
-        wait_s = self._next_start - time.monotonic()
-        if wait_s > 0 and not self._pending[0][3] and not self._draining:
-            return None, wait_s
-        job = self._in_flight = self._pending.pop(0)
-        due = self._videos and self._video_every > 0 and self._handed_out % self._video_every == 0
-        record = (
-            "update"
-            if due
-            else "final"
-            if self._videos and self._draining and not self._pending
-            else None
-        )
-        self._handed_out += 1
-        self._handed_at = time.monotonic()
-        return ("evaluate", job[0], job[1], dict(job[2]), record), None
+        return self._schedule.next_message(time.monotonic())
 
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
@@ -551,25 +501,22 @@ class Tester:
                 self._ready = True
                 return
             if kind == "final_video":
-                self._final_video_asked = self._final_video_due = False
+                self._schedule.final_video_made()
                 self.final_video = message[1]
                 if message[2]:
                     logger.warning("tester: no final video: %s", message[2])
                 self._idle.notify_all()
                 return
-            finished = (
-                time.monotonic()
-            )  # pacing: busy at most max_share of the time since the hand-off
-            self._next_start = self._handed_at + (finished - self._handed_at) / self._max_share
-            in_flight, self._in_flight = self._in_flight, None
+            in_flight = self._schedule.finished(time.monotonic())  # paces the next evaluation
             if kind == "report":
                 values = dict(message[1])
                 if values.get("video_error") and not self.video_failed:
                     logger.warning("tester: no evaluation video: %s", values["video_error"])
                 self.video_failed += bool(values.get("video_error"))
                 weights = (
-                    in_flight[2]
-                    if in_flight is not None and in_flight[0] == values["policy_version"]
+                    in_flight.weights
+                    if in_flight is not None
+                    and in_flight.policy_version == values["policy_version"]
                     else None
                 )
                 self._reports.append(EvaluationReport(**values, weights=weights))
@@ -583,6 +530,27 @@ class Tester:
                     self.failed += 1
                     self._fail(f"evaluation of policy version {version} failed: {text}")
             self._idle.notify_all()
+
+
+def _stop_process(process: Any, conn: Any, timeout_s: float) -> None:
+    """Stop the tester's child: asked over ``conn`` (None: not asked), then terminated, then killed,
+    each given ``timeout_s`` (the ask at most 1 s); then release its resources."""
+    if conn is not None:
+        try:
+            conn.send(("stop",))
+        except (OSError, ValueError, BrokenPipeError):
+            pass
+    process.join(min(1.0, timeout_s))
+    if process.is_alive():
+        process.terminate()
+        process.join(timeout_s)
+    if process.is_alive():
+        process.kill()
+        process.join(timeout_s)
+    try:
+        process.close()
+    except ValueError:  # still running after kill: nothing more to do from here
+        logger.warning("tester process %s did not exit after SIGKILL", process.pid)
 
 
 def tester_from_config(
