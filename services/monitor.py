@@ -45,6 +45,7 @@ from rich.table import Table
 from rich.text import Text
 
 from oakemu_core.errors import RunFolderError
+from oakemu_core.run.metrics_table import METRICS, SECTIONS, format_line
 from oakemu_core.run.telemetry import TelemetryAddressError, TelemetrySnapshot, TelemetrySubscriber
 
 if TYPE_CHECKING:
@@ -352,7 +353,9 @@ def snapshot_to_json(snapshot: TelemetrySnapshot) -> str:
 def render_snapshot(
     snapshot: TelemetrySnapshot, *, address: str, age_s: float, stale_after_s: float = 5.0
 ) -> Group:
-    """Build the rich view of one snapshot.
+    """Build the rich view of one snapshot: a header, the figures of
+    :data:`~oakemu_core.run.metrics_table.METRICS` by section beside the rejected / dropped
+    counters, the run's curves and the actors.
 
     Args:
         snapshot: what to show.
@@ -360,70 +363,50 @@ def render_snapshot(
         age_s: seconds since the snapshot was received.
         stale_after_s: from this age on the header warns that the learner is silent.
     """
+    summary = Table.grid(padding=(0, 2))
+    summary.add_row(
+        *(_figures_table(section, snapshot) for section in SECTIONS), _losses_table(snapshot)
+    )
+    return Group(
+        _header(snapshot, address=address, age_s=age_s, stale_after_s=stale_after_s),
+        summary,
+        render_curves(snapshot),
+        _actors_table(snapshot),
+    )
+
+
+def _header(
+    snapshot: TelemetrySnapshot, *, address: str, age_s: float, stale_after_s: float
+) -> Text:
+    """Run, env, address and the snapshot's age (a warning once it is ``stale_after_s`` old)."""
     status = Text(f"last snapshot {age_s:4.1f} s ago", style="green")
     if age_s >= stale_after_s:
         status = Text(
             f"no telemetry for {age_s:.0f} s: is the learner still running?", style="bold red"
         )
-    header = Text.assemble(
+    return Text.assemble(
         ("OakEmu-RL ", "bold"),
         (f"run {snapshot.run_name}  env {snapshot.env_id}  ", "cyan"),
         (f"{address}  ", "dim"),
         status,
     )
 
-    training = _key_value_table("Training")
-    training.add_row("env steps", f"{snapshot.global_step:,}")
-    training.add_row("SPS (since start)", _fmt(snapshot.sps, ".0f"))
-    training.add_row("SPS (last 10 s)", _fmt(snapshot.sps_recent, ".0f"))
-    training.add_row("policy version", str(snapshot.policy_version))
-    training.add_row("updates", str(snapshot.iterations))
-    training.add_row("episodes", f"{snapshot.episodes:,}")
-    training.add_row("return mean", _fmt(snapshot.episodic_return_mean, ".2f"))
-    training.add_row(
-        "return min / max",
-        f"{_fmt(snapshot.episodic_return_min, '.2f')} / "
-        f"{_fmt(snapshot.episodic_return_max, '.2f')}",
-    )
-    training.add_row("episode length", _fmt(snapshot.episodic_length_mean, ".1f"))
-    training.add_row("buffer fill", _fmt(100.0 * snapshot.buffer_fill, ".0f") + " %")
-    training.add_row(
-        "eval return",
-        "-"
-        if snapshot.eval_return_mean is None
-        else f"{_fmt(snapshot.eval_return_mean, '.2f')} ± {_fmt(snapshot.eval_return_std, '.2f')} "
-        f"(v{snapshot.eval_policy_version})",
-    )
-    training.add_row("eval length", _fmt(snapshot.eval_length_mean, ".1f"))
-    training.add_row("best eval", _fmt(snapshot.best_eval_return, ".2f"))
-    training.add_row("eval video", snapshot.eval_video or "-")
 
-    update = _key_value_table("Last update")
-    update.add_row("policy loss", _fmt(snapshot.policy_loss, ".4f"))
-    update.add_row("value loss", _fmt(snapshot.value_loss, ".4f"))
-    update.add_row("entropy", _fmt(snapshot.entropy, ".4f"))
-    update.add_row("approx KL", _fmt(snapshot.approx_kl, ".5f"))
-    update.add_row("clip fraction", _fmt(snapshot.clip_fraction, ".3f"))
-    update.add_row("explained var", _fmt(snapshot.explained_variance, ".3f"))
-    update.add_row("learning rate", _fmt(snapshot.learning_rate, ".2e"))
-    update.add_row(
-        "trainable rows",
-        "-"
-        if snapshot.trainable_share is None
-        else _fmt(100.0 * snapshot.trainable_share, ".1f") + " %",
-    )
-    if snapshot.rollout_columns is not None:
-        update.add_row(
-            "rollout columns",
-            f"{snapshot.rollout_columns} (planned {snapshot.planned_columns})",
-            style="yellow" if snapshot.rollout_columns != snapshot.planned_columns else None,
-        )
-    update.add_row(
-        "policy lag",
-        f"{_fmt(snapshot.policy_lag_min, '.0f')} / {_fmt(snapshot.policy_lag_mean, '.2f')}"
-        f" / {_fmt(snapshot.policy_lag_max, '.0f')}  (min/mean/max)",
-    )
+def _figures_table(section: str, snapshot: TelemetrySnapshot) -> Table:
+    """The monitor lines of the table's rows in ``section``, in table order."""
+    table = _key_value_table(section)
+    for row in METRICS:
+        if row.monitor is None or row.monitor.section != section:
+            continue
+        value = format_line(row, snapshot)
+        if value is not None:
+            style = row.monitor.style(snapshot) if row.monitor.style else None
+            table.add_row(row.monitor.label, value, style=style)
+    return table
 
+
+def _losses_table(snapshot: TelemetrySnapshot) -> Table:
+    """Rejected messages by reason (red when counted) and dropped data by kind (yellow)."""
     losses = _key_value_table("Rejected / dropped")
     for reason, count in sorted(snapshot.rejected_messages.items()):
         losses.add_row(f"rejected: {reason}", f"{count:,}", style="red" if count else None)
@@ -431,10 +414,11 @@ def render_snapshot(
         losses.add_row(f"dropped: {kind}", f"{count:,}", style="yellow" if count else None)
     if not snapshot.rejected_messages and not snapshot.dropped:
         losses.add_row("none", "0")
+    return losses
 
-    summary = Table.grid(padding=(0, 2))
-    summary.add_row(training, update, losses)
 
+def _actors_table(snapshot: TelemetrySnapshot) -> Table:
+    """One line per connected actor, by id."""
     actors = Table(title=f"Actors ({snapshot.num_actors})", title_justify="left", expand=False)
     actors.add_column("id")
     actors.add_column("incarnation", style="dim")
@@ -455,7 +439,7 @@ def render_snapshot(
             lag,
             f"{actor.last_heard_s:.1f} s",
         )
-    return Group(header, summary, render_curves(snapshot), actors)
+    return actors
 
 
 def sparkline(

@@ -8,12 +8,13 @@ No sockets: the service publishes what :meth:`LearnerTelemetry.snapshot` returns
 from __future__ import annotations
 
 import logging
-import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from oakemu_core.run.metrics import EpisodeWindow, RunStepRates, update_scalars
-from oakemu_core.run.telemetry import ActorTelemetry, TelemetryHistory, TelemetrySnapshot
+from oakemu_core.run.metrics import EpisodeWindow, RunStepRates
+from oakemu_core.run.metrics_table import record, snapshot_values
+from oakemu_core.run.telemetry import ActorTelemetry, TelemetrySnapshot
+from oakemu_core.run.telemetry_history import TelemetryHistory
 from oakemu_core.transport.auth import public_tag
 
 if TYPE_CHECKING:
@@ -74,37 +75,19 @@ class LearnerTelemetry:
         self.last_lag = result.lag
         self.trainable_share = result.trainable_share
         self.columns = (result.columns, result.planned_columns)
-        scalars: dict[str, float] = {
-            "charts/update": result.iterations,
-            "charts/SPS": self.sps(),
-            "charts/SPS_recent": self.rates.recent(),
-            "charts/actors": actors,
-            "charts/policy_version": result.policy_version,
-        }
-        scalars.update({f"charts/policy_lag_{k}": result.lag[k] for k in ("min", "mean", "max")})
-        # The same lag in SGD steps, counting the revisions published within an update.
-        scalars.update(
-            {
-                f"charts/policy_lag_sgd_steps_{k}": result.lag[f"sgd_{k}"]
-                for k in ("min", "mean", "max")
-                if f"sgd_{k}" in result.lag
-            }
-        )
-        scalars["charts/newest_acting_policy_version"] = result.lag["newest_version"]
-        scalars["charts/stale_rows"] = result.stale_rows
-        scalars["charts/trainable_share"] = result.trainable_share
-        scalars["charts/rollout_columns"] = result.columns
-        scalars["charts/rollout_rows"] = (
-            result.stats.trainable_rows if result.stats is not None else 0
-        )
-        scalars["charts/rollbacks"] = result.rollbacks
         if result.stats is not None:
             self.last_stats = result.stats
-            scalars.update(update_scalars(result.stats))
+        learner = {"sps": self.sps(), "sps_recent": self.rates.recent(), "actors": actors}
+        scalars = record(
+            {
+                "result": result,
+                "lag": result.lag,
+                "stats": result.stats,
+                "window": self.window if self.window.count else None,
+                "learner": learner,
+            }
+        )
         episodic_return = self.window.mean if self.window.count else None
-        if episodic_return is not None:
-            scalars["charts/episodic_return"] = self.window.mean
-            scalars["charts/episodic_length"] = self.window.mean_length
         self.history.record_update(global_step, episodic_return, self.sps())
         return scalars
 
@@ -164,38 +147,40 @@ class LearnerTelemetry:
         (each actor's row lag since the last snapshot, else its heartbeat's), and the given values
         (``learning_rate``: the schedule's, reported until an update reports its own)."""
         now = time.monotonic()
-        stats, window = self.last_stats, self.window
         counters = assembler.counters
+        figures = {
+            "global_step": max(0, counters.env_steps),
+            "policy_version": policy_version,
+            "iterations": iterations,
+            "trained_env_steps": trained_env_steps,
+            "episodes": episodes,
+            "learning_rate": learning_rate,
+            "buffer_fill": min(1.0, assembler.buffer_fill()),
+            "checkpoint_failures": checkpoint_failures,
+            "log_write_failures": log_write_failures,
+            "trainable_share": self.trainable_share,
+            "rollout_columns": self.columns[0] if self.columns else None,
+            "planned_columns": self.columns[1] if self.columns else None,
+            **self.history.snapshot_fields(),
+        }
+        # The table's figures of the newest update's statistics and lag, the episode window and
+        # the step rates; an update's own learning rate replaces the schedule's.
+        figures |= snapshot_values(
+            {
+                "stats": self.last_stats,
+                "lag": self.last_lag,
+                "window": self.window if self.window.count else None,
+                "learner": {"sps": self.sps(), "sps_recent": self.rates.recent()},
+            }
+        )
         return TelemetrySnapshot(
             time=time.time(),
             run_name=self.run_name,
             env_id=self.env_id,
-            global_step=max(0, counters.env_steps),
-            sps=self.sps(),
-            sps_recent=self.rates.recent(),
-            policy_version=policy_version,
-            iterations=iterations,
-            trained_env_steps=trained_env_steps,
-            episodes=episodes,
-            episodic_return_mean=window.mean if window.count else None,
-            episodic_return_min=window.min if window.count else None,
-            episodic_return_max=window.max if window.count else None,
-            episodic_length_mean=window.mean_length if window.count else None,
-            **_update_fields(stats),
-            learning_rate=stats.learning_rate if stats else learning_rate,
-            buffer_fill=min(1.0, assembler.buffer_fill()),
             rejected_messages=dict(counters.rejected),
             dropped=dict(counters.dropped),
             messages_received=dict(counters.received),
             messages_accepted=dict(counters.accepted),
-            checkpoint_failures=checkpoint_failures,
-            trainable_share=self.trainable_share,
-            rollout_columns=self.columns[0] if self.columns else None,
-            planned_columns=self.columns[1] if self.columns else None,
-            log_write_failures=log_write_failures,
-            policy_lag_min=self.last_lag.get("min"),
-            policy_lag_mean=self.last_lag.get("mean"),
-            policy_lag_max=self.last_lag.get("max"),
             actors=[
                 ActorTelemetry(
                     actor_id=r.actor_id,
@@ -211,30 +196,5 @@ class LearnerTelemetry:
                 for lag in (r.take_lag(),)
             ],
             is_update=is_update,
-            **self.history.snapshot_fields(),
+            **figures,
         )
-
-
-def _update_fields(stats: PPOUpdateStats | None) -> dict[str, Any]:
-    """The snapshot's loss figures of the newest update (None before one; a NaN explained
-    variance becomes None)."""
-    if stats is None:
-        return dict.fromkeys(
-            (
-                "policy_loss",
-                "value_loss",
-                "entropy",
-                "approx_kl",
-                "clip_fraction",
-                "explained_variance",
-            )
-        )
-    explained = stats.explained_variance
-    return {
-        "policy_loss": stats.policy_loss,
-        "value_loss": stats.value_loss,
-        "entropy": stats.entropy,
-        "approx_kl": stats.approx_kl,
-        "clip_fraction": stats.clip_fraction,
-        "explained_variance": explained if math.isfinite(explained) else None,
-    }

@@ -1,7 +1,8 @@
 """Training metrics: a moving window of finished episodes, and a logger that writes every scalar
 both to TensorBoard event files and to a JSON-lines file.
 
-Scalar names follow CleanRL (``ppo_atari.py``) so TensorBoard charts look familiar:
+The scalars and their names are the rows of :data:`oakemu_core.run.metrics_table.METRICS`.
+Names follow CleanRL (``ppo_atari.py``) so TensorBoard charts look familiar:
 ``charts/episodic_return``, ``charts/episodic_length``, ``charts/learning_rate``, ``charts/SPS``,
 ``losses/policy_loss``, ``losses/value_loss``, ``losses/entropy``, ``losses/approx_kl``,
 ``losses/clipfrac``, ``losses/explained_variance``. Periodic evaluations of the learner's tester add
@@ -27,6 +28,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from oakemu_core.run.log_limits import RateLimitedLog
+from oakemu_core.run.metrics_table import (
+    EPISODIC_LENGTH,
+    EPISODIC_RETURN,
+    EVAL_EPISODIC_LENGTH,
+    EVAL_EPISODIC_RETURN,
+    EVAL_EPISODIC_RETURN_STD,
+    LEARNING_RATE,
+    SPS,
+    SPS_RECENT,
+    record,
+)
 
 if TYPE_CHECKING:
     from oakemu_core.algo.ppo import PPOUpdateStats
@@ -53,14 +65,6 @@ __all__ = [
 ]
 
 METRICS_FILE_NAME = "metrics.jsonl"
-EPISODIC_RETURN = "charts/episodic_return"
-EPISODIC_LENGTH = "charts/episodic_length"
-LEARNING_RATE = "charts/learning_rate"
-SPS = "charts/SPS"
-SPS_RECENT = "charts/SPS_recent"
-EVAL_EPISODIC_RETURN = "eval/episodic_return"
-EVAL_EPISODIC_RETURN_STD = "eval/episodic_return_std"
-EVAL_EPISODIC_LENGTH = "eval/episodic_length"
 
 
 def record_number(record: Mapping[str, Any], name: str) -> float | None:
@@ -71,7 +75,8 @@ def record_number(record: Mapping[str, Any], name: str) -> float | None:
 
 
 def evaluation_scalars(report: EvaluationReport) -> dict[str, float]:
-    """The scalars of one tester evaluation (:class:`oakemu_core.run.tester.EvaluationReport`).
+    """The scalars of one tester evaluation (:class:`oakemu_core.run.tester.EvaluationReport`): the
+    rows of :data:`~oakemu_core.run.metrics_table.METRICS` read from ``report``.
 
     ``eval/episodic_return`` (mean raw, unclipped return), ``eval/episodic_return_std`` (population
     std), ``eval/episodic_length`` (mean, agent steps), ``eval/policy_version`` (the evaluated
@@ -79,13 +84,7 @@ def evaluation_scalars(report: EvaluationReport) -> dict[str, float]:
     learner's *current* global step (``logger.log(global_step, evaluation_scalars(report))``), so
     ``metrics.jsonl`` never goes back in ``global_step``; the evaluated step travels as a value.
     """
-    return {
-        EVAL_EPISODIC_RETURN: float(report.return_mean),
-        EVAL_EPISODIC_RETURN_STD: float(report.return_std),
-        EVAL_EPISODIC_LENGTH: float(report.length_mean),
-        "eval/policy_version": float(report.policy_version),
-        "eval/weights_global_step": float(report.global_step),
-    }
+    return record({"report": report})
 
 
 WRITE_FAILURE_LOG_PERIOD_S = 30.0
@@ -170,31 +169,15 @@ class EpisodeWindow:
 
 def episode_scalars(window: EpisodeWindow) -> dict[str, float]:
     """``charts/episodic_return`` and ``charts/episodic_length``: window means; {} while empty."""
-    if window.count == 0:
-        return {}
-    return {EPISODIC_RETURN: window.mean, EPISODIC_LENGTH: window.mean_length}
+    return record({"window": window}) if window.count else {}
 
 
 def update_scalars(stats: PPOUpdateStats) -> dict[str, float]:
-    """The scalars of one PPO update under CleanRL's names, plus our own ``diagnostics/*``
-    (first-minibatch ratio deviation, epochs completed, update seconds, skipped non-finite
-    minibatches)."""
-    return {
-        "losses/policy_loss": float(stats.policy_loss),
-        "losses/value_loss": float(stats.value_loss),
-        "losses/entropy": float(stats.entropy),
-        "losses/approx_kl": float(stats.approx_kl),
-        "losses/clipfrac": float(stats.clip_fraction),
-        "losses/explained_variance": float(stats.explained_variance),
-        LEARNING_RATE: float(stats.learning_rate),
-        "diagnostics/first_minibatch_ratio_max_abs_dev": float(
-            stats.first_minibatch_ratio_max_abs_dev
-        ),
-        "diagnostics/epochs_completed": float(stats.epochs_completed),
-        "diagnostics/update_seconds": float(stats.update_seconds),
-        "diagnostics/nonfinite_minibatches": float(stats.nonfinite_minibatches),
-        "diagnostics/importance_weight_mean": float(stats.importance_weight_mean),
-    }
+    """The scalars of one PPO update's statistics (the table's rows read from ``stats``): CleanRL's
+    ``losses/*`` and ``charts/learning_rate``, plus our own ``diagnostics/*`` (first-minibatch ratio
+    deviation, epochs completed, update seconds, skipped non-finite minibatches, importance weight)
+    and ``charts/rollout_rows``."""
+    return record({"stats": stats})
 
 
 class StepRateMeter:

@@ -1,7 +1,9 @@
 """Prometheus metrics of the learner's telemetry: the latest snapshot as ``oakemu_*`` metrics over HTTP.
 
 Served by the learner at ``/metrics`` (default port 9100) for Prometheus and Grafana; the same
-figures as :class:`~oakemu_core.run.telemetry.TelemetrySnapshot`.
+figures as :class:`~oakemu_core.run.telemetry.TelemetrySnapshot`: a metric per row of
+:data:`~oakemu_core.run.metrics_table.METRICS` with a Prometheus name, the message counters by label,
+and each actor's figures.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
+from oakemu_core.run.metrics_table import FAMILIES, METRICS
 from oakemu_core.run.telemetry import DROPPED_KINDS, TelemetryBindError, TelemetrySnapshot
 
 
@@ -37,34 +40,12 @@ class _SnapshotCollector(Collector):
         if snap is not None:
             info.add_metric([], {"run_name": snap.run_name, "env_id": snap.env_id})
         yield info
-        yield from _progress_metrics(snap)
-        yield from _update_metrics(snap)
+        yield from _table_metrics(snap)
         yield from _message_metrics(snap)
-        yield from _evaluation_metrics(snap)
         yield from _actor_metrics(snap)
 
 
 Family = GaugeMetricFamily | CounterMetricFamily
-
-
-def _scalar(
-    kind: type[Family], snap: TelemetrySnapshot | None, name: str, doc: str, field: str
-) -> Family:
-    """A gauge or counter of one snapshot field (no sample before the first snapshot or while the
-    field is None)."""
-    family = kind(name, doc)
-    value = None if snap is None else getattr(snap, field)
-    if value is not None:
-        family.add_metric([], value)
-    return family
-
-
-def _gauges(
-    snap: TelemetrySnapshot | None, table: tuple[tuple[str, str, str], ...]
-) -> Iterator[Family]:
-    """One gauge per ``(name, doc, field)`` of ``table`` (:func:`_scalar`)."""
-    for name, doc, field in table:
-        yield _scalar(GaugeMetricFamily, snap, name, doc, field)
 
 
 def _labelled(family: Family, values: dict[str, float | None]) -> Family:
@@ -75,94 +56,28 @@ def _labelled(family: Family, values: dict[str, float | None]) -> Family:
     return family
 
 
-def _progress_metrics(s: TelemetrySnapshot | None) -> Iterator[Family]:
-    """Env steps, speed, policy version, updates and episodes."""
-    yield _scalar(
-        CounterMetricFamily,
-        s,
-        "oakemu_env_steps",
-        "Env steps written to rollout buffers (all envs)",
-        "global_step",
-    )
-    yield _scalar(
-        GaugeMetricFamily,
-        s,
-        "oakemu_sps",
-        "Env steps per second, wall clock since the learner started",
-        "sps",
-    )
-    yield _scalar(
-        GaugeMetricFamily,
-        s,
-        "oakemu_sps_recent",
-        "Env steps per second over the last ~10 s",
-        "sps_recent",
-    )
-    yield _scalar(
-        GaugeMetricFamily,
-        s,
-        "oakemu_policy_version",
-        "Version of the newest published weights",
-        "policy_version",
-    )
-    yield _scalar(CounterMetricFamily, s, "oakemu_updates", "PPO updates completed", "iterations")
-    yield _scalar(
-        CounterMetricFamily, s, "oakemu_episodes", "Episodes finished (all actors)", "episodes"
-    )
-    for stat in ("mean", "min", "max"):
-        yield _scalar(
-            GaugeMetricFamily,
-            s,
-            f"oakemu_episodic_return_{stat}",
-            f"{stat.capitalize()} raw episodic return, recent window",
-            f"episodic_return_{stat}",
-        )
-    yield _scalar(
-        GaugeMetricFamily,
-        s,
-        "oakemu_episodic_length_mean",
-        "Mean episode length (env steps), recent window",
-        "episodic_length_mean",
-    )
-
-
-def _update_metrics(s: TelemetrySnapshot | None) -> Iterator[Family]:
-    """The last PPO update's losses and statistics, the learning rate and the buffers' fill."""
-    loss = GaugeMetricFamily("oakemu_loss", "PPO losses of the last update", labels=["kind"])
-    if s is not None:
-        _labelled(loss, {"policy": s.policy_loss, "value": s.value_loss, "entropy": s.entropy})
-    yield loss
-    yield from _gauges(
-        s,
-        (
-            ("oakemu_approx_kl", "Approximate KL(old || new) of the last update", "approx_kl"),
-            (
-                "oakemu_clip_fraction",
-                "Fraction of samples clipped in the last update",
-                "clip_fraction",
-            ),
-            (
-                "oakemu_explained_variance",
-                "Explained variance of the value function",
-                "explained_variance",
-            ),
-            ("oakemu_learning_rate", "Current learning rate", "learning_rate"),
-            (
-                "oakemu_buffer_fill",
-                "Fraction (0..1) of the filling rollout buffer written",
-                "buffer_fill",
-            ),
-            (
-                "oakemu_trainable_share",
-                "Fraction (0..1) of the last rollout's rows trained on",
-                "trainable_share",
-            ),
-        ),
-    )
+def _table_metrics(snap: TelemetrySnapshot | None) -> Iterator[Family]:
+    """A gauge or counter per row of :data:`METRICS` with a Prometheus name, from its snapshot
+    field; rows of one labelled family (:data:`FAMILIES`) are its samples. No sample before the
+    first snapshot or while the field is None."""
+    families: dict[str, Family] = {}
+    for row in METRICS:
+        if row.prometheus is None or row.snapshot is None:
+            continue
+        kind = CounterMetricFamily if row.prometheus_type == "counter" else GaugeMetricFamily
+        family = families.get(row.prometheus)
+        if family is None:
+            label, doc = FAMILIES.get(row.prometheus, (None, row.doc))
+            family = kind(row.prometheus, doc, labels=None if label is None else [label])
+            families[row.prometheus] = family
+        value = None if snap is None else getattr(snap, row.snapshot)
+        if value is not None:
+            family.add_metric([] if row.label is None else [row.label], value)
+    yield from families.values()
 
 
 def _message_metrics(s: TelemetrySnapshot | None) -> Iterator[Family]:
-    """Messages received, accepted and rejected, dropped data, failed writes."""
+    """Messages received, accepted and rejected, and dropped data, by label."""
     rejected = CounterMetricFamily(
         "oakemu_rejected_messages", "Messages rejected, by reason", labels=["reason"]
     )
@@ -185,67 +100,14 @@ def _message_metrics(s: TelemetrySnapshot | None) -> Iterator[Family]:
         _labelled(accepted, dict(s.messages_accepted))
     yield received
     yield accepted
-    yield _scalar(
-        CounterMetricFamily,
-        s,
-        "oakemu_checkpoint_failures",
-        "Checkpoint writes that failed (full disk, ...)",
-        "checkpoint_failures",
-    )
-    yield _scalar(
-        CounterMetricFamily,
-        s,
-        "oakemu_log_write_failures",
-        "Metric/episode records dropped by failed writes",
-        "log_write_failures",
-    )
-
-
-def _evaluation_metrics(s: TelemetrySnapshot | None) -> Iterator[Family]:
-    """The latest evaluation and the best one so far."""
-    yield from _gauges(
-        s,
-        (
-            (
-                "oakemu_eval_return_mean",
-                "Mean raw episodic return of the latest evaluation",
-                "eval_return_mean",
-            ),
-            (
-                "oakemu_eval_return_std",
-                "Std of the raw episodic return of the latest evaluation",
-                "eval_return_std",
-            ),
-            (
-                "oakemu_eval_length_mean",
-                "Mean episode length (agent steps) of the latest evaluation",
-                "eval_length_mean",
-            ),
-            (
-                "oakemu_eval_policy_version",
-                "Policy version of the latest evaluation",
-                "eval_policy_version",
-            ),
-            (
-                "oakemu_best_eval_return",
-                "Best mean evaluation return so far (best.pt)",
-                "best_eval_return",
-            ),
-        ),
-    )
 
 
 def _actor_metrics(s: TelemetrySnapshot | None) -> Iterator[Family]:
-    """Connected actors, the last rollout's policy lag, each actor's speed and envs."""
-    yield _scalar(GaugeMetricFamily, s, "oakemu_actors", "Connected actors", "num_actors")
-    lag = GaugeMetricFamily(
-        "oakemu_policy_lag", "Policy lag (versions) of the last rollout's rows", labels=["stat"]
-    )
+    """Connected actors, each actor's speed and envs."""
+    actors = GaugeMetricFamily("oakemu_actors", "Connected actors")
     if s is not None:
-        _labelled(
-            lag, {"min": s.policy_lag_min, "mean": s.policy_lag_mean, "max": s.policy_lag_max}
-        )
-    yield lag
+        actors.add_metric([], s.num_actors)
+    yield actors
     actor_sps = GaugeMetricFamily(
         "oakemu_actor_sps", "Env steps per second of one actor", labels=["actor_id"]
     )

@@ -20,13 +20,11 @@ from oakemu_core.run.metrics import (
     evaluation_scalars,
 )
 from oakemu_core.run.prometheus import PrometheusExporter
-from oakemu_core.run.telemetry import (
+from oakemu_core.run.telemetry import TelemetryRejected, decode_snapshot, encode_snapshot
+from oakemu_core.run.telemetry_history import (
     HISTORY_MAX_POINTS,
     TelemetryHistory,
     TelemetryHistoryData,
-    TelemetryRejected,
-    decode_snapshot,
-    encode_snapshot,
 )
 from oakemu_core.run.tester import EvaluationReport
 from tests.services.test_monitor import make_snapshot, publishing

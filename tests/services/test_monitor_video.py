@@ -8,7 +8,8 @@ import dataclasses
 from oakemu_services import monitor
 from rich.console import Console
 
-from oakemu_core.run.telemetry import TelemetryHistory, decode_snapshot, encode_snapshot
+from oakemu_core.run.telemetry import decode_snapshot, encode_snapshot
+from oakemu_core.run.telemetry_history import TelemetryHistory
 from tests.run.test_eval_telemetry import report
 from tests.services.test_monitor import make_snapshot
 
