@@ -1,7 +1,8 @@
 """Read-only, lossy telemetry from the learner: the snapshot and its ZeroMQ PUB/SUB channel.
 
 The learner builds one :class:`TelemetrySnapshot` about once per second and after every PPO update
-and hands it to
+(its figure fields: the rows of :data:`oakemu_core.run.metrics_table.METRICS`; its curves:
+:mod:`oakemu_core.run.telemetry_history`) and hands it to
 
 * :class:`TelemetryPublisher` - a ZeroMQ PUB socket (default port 5558). Any number of monitors
   (:class:`TelemetrySubscriber`, ``oakemu monitor``) may attach and detach at any time. Sending never

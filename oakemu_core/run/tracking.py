@@ -16,6 +16,9 @@ videos and the final checkpoint, sent to MLflow or Weights & Biases as well.
   artifact. ``WANDB_MODE=offline`` writes the run to ``run_dir/wandb/offline-run-*`` without a
   network (``wandb sync`` uploads it later); online needs ``WANDB_API_KEY`` or ``wandb login``.
 
+The scalars are those of :class:`~oakemu_core.run.metrics.MetricsLogger`: the tags of the rows of
+:data:`oakemu_core.run.metrics_table.METRICS` (and nothing declared here).
+
 A resumed run continues the same tracker run: its id is kept in ``run_dir/tracking.json``.
 
 Every tracker call runs in one background thread: the learner only queues (a slow tracking server
