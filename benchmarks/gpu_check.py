@@ -235,10 +235,10 @@ def timed_learner(records: list[tuple[float, float, int]]) -> type[PPOLearner]:
     after each update (``time.perf_counter`` seconds)."""
 
     class TimedLearner(PPOLearner):
-        def step(self, actor_steps: int, rollout: Any = None) -> Any:
+        def step(self, rollout: Any) -> Any:
             _synchronize(self.device)
             start = time.perf_counter()
-            stats = super().step(actor_steps, rollout)
+            stats = super().step(rollout)
             end = time.perf_counter()
             records.append((end, end - start, 0 if stats is None else stats.trainable_rows))
             return stats

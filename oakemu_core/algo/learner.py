@@ -22,78 +22,38 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
-from pydantic import ConfigDict
 
 from oakemu_core.algo.handshake import RolloutHandshake, TrainResult
 from oakemu_core.algo.health import CheckpointPolicy, RunCollapsedError
 from oakemu_core.algo.lag import SgdStepLedger, drop_stale_rows
 from oakemu_core.algo.normalization import RewardScaler
-from oakemu_core.algo.ppo import EmptyRolloutError, PPOUpdater, PPOUpdateStats, RolloutEvaluation
+from oakemu_core.algo.ppo import EmptyRolloutError, PPOUpdater
+from oakemu_core.algo.reevaluation import RolloutEvaluation
+from oakemu_core.algo.schedules import Schedule
 from oakemu_core.algo.settings import PPOSettings
+from oakemu_core.algo.update_stats import PPOUpdateStats
 from oakemu_core.policy.models import load_optimizer_state, weights_to_arrays
 from oakemu_core.storage.buffer_ring import FullRollout
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
 
 __all__ = [
     "FINAL_EVALUATION_TIMEOUT_S",
-    "PPOExperimentConfiguration",
     "PPOLearner",
     "PPOLearnerRuntimeState",
     "PreparedRollout",
-    "RuntimeContext",
-    "Schedule",
     "ThreadSafeModel",
 ]
 
 log = logging.getLogger("oakemu.learner")
-C = TypeVar("C")
 
 FINAL_EVALUATION_TIMEOUT_S = 30.0
 """Longest wait (s) for the evaluation of the final weights when :meth:`PPOLearner.run` stops:
 shutdown stays prompt even when a greedy early Atari policy never loses a life (episodes then run
 to the 27,000-step limit)."""
-
-
-class PPOExperimentConfiguration(PPOSettings):
-    """The hyperparameters :class:`PPOLearner` reads: :class:`~oakemu_core.algo.settings.PPOSettings`,
-    frozen. Build it from the service configuration with :meth:`from_config` (``clip_value_range``
-    resolved from the env id)."""
-
-    model_config = ConfigDict(frozen=True)
-
-
-class Schedule(Protocol):
-    """A value per update (e.g. :class:`oakemu_core.algo.ppo.LinearSchedule`)."""
-
-    def value(self) -> float: ...
-
-    def step(self) -> None: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-@dataclass
-class RuntimeContext(Generic[C]):
-    """What the learner shares with the process around it.
-
-    Attributes:
-        config: the experiment configuration (:class:`PPOExperimentConfiguration`).
-        device: where updates run.
-        tester: periodic evaluation (:class:`oakemu_core.run.tester.Tester`-like: ``submit(version,
-            weights, global_step)`` and ``poll()``), or None.
-        eval_every_updates: submit the weights to the tester every this many updates (0: never).
-    """
-
-    config: C
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    tester: Any = None
-    eval_every_updates: int = 0
 
 
 class ThreadSafeModel:
@@ -192,12 +152,17 @@ class PPOLearner:
     """PPO learner that performs clipped policy-gradient updates on completed rollouts.
 
     Args:
-        context: the runtime context (configuration, device, tester).
-        learner_model: the model container (with lock); its model is moved to the device.
-        rollout_buffer: the buffer :meth:`step` trains on when it is given no prepared rollout
-            (GAE computed by the caller), or None.
+        settings: the hyperparameters (:class:`~oakemu_core.algo.settings.PPOSettings`; build
+            them from a configuration with :meth:`PPOSettings.from_config`, which resolves
+            ``clip_value_range``).
+        learner_model: the model container (with lock); its model is moved to ``device``.
         optimizer: optimizer over the model's parameters (CleanRL: Adam, eps 1e-5).
-        lr_schedule: learning rate per update (a :class:`Schedule`); None keeps the optimizer's.
+        lr_schedule: learning rate per update (a :class:`~oakemu_core.algo.schedules.Schedule`);
+            None keeps the optimizer's.
+        device: where updates run.
+        tester: periodic evaluation (:class:`oakemu_core.run.tester.Tester`-like: ``submit(version,
+            weights, global_step, keep=)``, ``poll()``, ``drain(timeout_s=)``, ``alive``), or None.
+        eval_every_updates: submit the weights to the tester every this many updates (0: never).
         action_mask: optional ``(mask width,)`` bool tensor on the learner device, ANDed with
             every row's mask (e.g. actions a game never allows).
         bc_sampler: optional behaviour-cloning data source
@@ -213,29 +178,30 @@ class PPOLearner:
 
     def __init__(
         self,
-        context: RuntimeContext[PPOExperimentConfiguration],
+        settings: PPOSettings,
         learner_model: ThreadSafeModel,
-        rollout_buffer: RolloutBuffer | None,
         optimizer: torch.optim.Optimizer,
-        lr_schedule: Schedule | None,
+        lr_schedule: Schedule | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        tester: Any = None,
+        eval_every_updates: int = 0,
         action_mask: torch.Tensor | None = None,
         bc_sampler: Any = None,
-        *,
         revision_sink: Callable[[int, int, dict[str, np.ndarray]], None] | None = None,
         revision_max_approx_kl: float | None = None,
         revision_min_sgd_steps: int = 1,
     ) -> None:
-        config = context.config
-        self.context = context
-        self.config = config
+        self.settings = settings
         self.learner_model = learner_model
-        self.rollout_buffer = rollout_buffer
         self.optimizer = optimizer
         self.lr_schedule = lr_schedule
         self.bc_sampler = bc_sampler
-        self.device = torch.device(context.device)
+        self.device = torch.device(device)
+        self.tester = tester
+        self.eval_every_updates = int(eval_every_updates)
         self.updater = PPOUpdater(
-            learner_model.model, optimizer, config, device=self.device, action_mask=action_mask
+            learner_model.model, optimizer, settings, device=self.device, action_mask=action_mask
         )
         self.revision_sink = revision_sink
         self.revision_max_approx_kl = revision_max_approx_kl
@@ -243,16 +209,15 @@ class PPOLearner:
         self.corrections_skipped = 0
         """Updates whose re-evaluation gave non-finite figures (a diverged critic or policy): they
         trained without the off-policy correction, and the health checks judge the update."""
-        self.reward_scaler = RewardScaler(config.gamma) if config.normalize_rewards else None
+        self.reward_scaler = RewardScaler(settings.gamma) if settings.normalize_rewards else None
         self.lr_scale = 1.0
         self.bc_updates_done = 0
         self._rollouts_collected = 0
         self.trained_env_steps = 0
-        """Env steps of the rollouts trained on: each rollout's rows less its stale rows (the run's budget)."""
-        self._submitted_version = (
-            -1
-        )  # the newest weights handed to the tester, and those it reported on
-        self._reported_versions: set[int] = set()
+        """Env steps of the rollouts trained on: each rollout's rows less its stale rows (the run's
+        budget)."""
+        self._submitted_version = -1  # the newest weights handed to the tester
+        self._reported_versions: set[int] = set()  # and those it reported on
         self.sgd_ledger = SgdStepLedger()
 
     # ------------------------------------------------------------------ counters and state
@@ -358,21 +323,21 @@ class PPOLearner:
             policy_versions,
             policy_revisions,
             current_version=self.policy_version,
-            sgd_steps_per_version=self.config.ppo_epochs * self.config.num_minibatches,
+            sgd_steps_per_version=self.settings.ppo_epochs * self.settings.num_minibatches,
         )
 
     # ------------------------------------------------------------------ one update
     def prepare(self, rollout: FullRollout, *, reevaluate: bool = False) -> PreparedRollout:
-        """Make a published rollout ready for :meth:`step`: drop rows too stale for PPO, re-evaluate
-        rows acted by older versions (``off_policy_correction="decoupled"``), scale the rewards
-        (if on), compute GAE on the CPU.
+        """Make a published rollout ready for :meth:`step` (its :class:`PreparedRollout`): drop rows
+        too stale for PPO, re-evaluate rows acted by older versions
+        (``off_policy_correction="decoupled"``), scale the rewards (if on), compute GAE on the CPU.
 
         Re-evaluation: when any row was acted by an older version than the learner's, or
         ``reevaluate`` (actors with bfloat16 forward passes, in either mode), every row is
         evaluated with the current weights. The current critic's V(s_t) replace the stored values
         before GAE (the bootstrap values after the segment's last row and at truncations stay the
         actors'), and the current policy becomes the proximal policy of the update (decoupled
-        objective, :func:`oakemu_core.algo.ppo.ppo_losses`). A rollout whose rows are all of the
+        objective, :func:`oakemu_core.algo.losses.ppo_losses`). A rollout whose rows are all of the
         current version (every rollout in sync mode) is left as it is unless ``reevaluate``. A
         re-evaluation with non-finite figures is not used (:attr:`corrections_skipped`)."""
         buffer = rollout.buffer
@@ -380,7 +345,7 @@ class PPOLearner:
         stale_rows, lag = drop_stale_rows(
             buffer,
             current_policy_version=self.policy_version,
-            max_policy_lag=self.config.max_policy_lag,
+            max_policy_lag=self.settings.max_policy_lag,
             columns=used,
         )
         versions, revisions = buffer.policy_versions, buffer.policy_revisions
@@ -388,7 +353,7 @@ class PPOLearner:
             versions, revisions = versions[:, used], revisions[:, used]
         lag.update(self.lag_in_sgd_steps(versions, revisions))
         proximal = None
-        if self.config.off_policy_correction == "decoupled" and (
+        if self.settings.off_policy_correction == "decoupled" and (
             reevaluate or bool((versions != self.policy_version).any())
         ):
             with self.learner_model.locked():
@@ -409,44 +374,37 @@ class PPOLearner:
                 rewards, dones = rewards[:, used], dones[:, used]
             buffer.scale_rewards(self.reward_scaler.update(rewards, dones))
         buffer.compute_gae(
-            rollout.last_values, rollout.last_dones, self.config.gamma, self.config.gae_lambda
+            rollout.last_values, rollout.last_dones, self.settings.gamma, self.settings.gae_lambda
         )
         num_minibatches = None
         if used is not None:
             planned = rollout.planned_columns or buffer.num_envs
-            num_minibatches = max(1, round(self.config.num_minibatches * int(used.sum()) / planned))
+            num_minibatches = max(
+                1, round(self.settings.num_minibatches * int(used.sum()) / planned)
+            )
         return PreparedRollout(buffer, stale_rows, lag, proximal, used, num_minibatches)
 
-    def step(
-        self, actor_steps: int, rollout: PreparedRollout | None = None
-    ) -> PPOUpdateStats | None:
-        """Perform a full PPO update on ``rollout`` (:meth:`prepare`'s result), or on the current
-        rollout buffer's contents (GAE computed by the caller).
+    def step(self, rollout: PreparedRollout) -> PPOUpdateStats | None:
+        """Perform a full PPO update on ``rollout`` (:meth:`prepare`'s result).
 
         Runs ``ppo_epochs`` epochs on the trainable rows; with a BC sampler and ``bc_coef`` > 0 a
         behaviour-cloning term (decaying by ``bc_coef_decay`` per update) joins the loss. The
         observation statistics are updated afterwards, so the rows were judged with the
         statistics they were acted with.
 
-        Args:
-            actor_steps: the current actor step count (for logging).
-            rollout: the prepared rollout; None: the constructor's ``rollout_buffer``, plain PPO.
-
         Returns:
             The update's statistics, or None when the buffer has no trainable row.
 
         Raises:
-            ValueError: no rollout buffer. StaleAdvantagesError: GAE not computed since the last write.
+            StaleAdvantagesError: GAE not computed since the last write.
         """
-        buffer = self.rollout_buffer if rollout is None else rollout.buffer
-        if buffer is None:
-            raise ValueError("PPOLearner.step: no rollout buffer")
+        buffer = rollout.buffer
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate
         bc_term = None
-        if self.bc_sampler is not None and self.config.bc_coef > 0:
-            coef = self.config.bc_coef * self.config.bc_coef_decay**self.iterations
-            bc_term = (coef, self.bc_sampler, self.config.bc_batch_size)
+        if self.bc_sampler is not None and self.settings.bc_coef > 0:
+            coef = self.settings.bc_coef * self.settings.bc_coef_decay**self.iterations
+            bc_term = (coef, self.bc_sampler, self.settings.bc_batch_size)
         stats = None
         with self.learner_model.locked() as model:
             try:
@@ -454,13 +412,13 @@ class PPOLearner:
                     buffer,
                     current_policy_version=self.policy_version,
                     bc_term=bc_term,
-                    proximal=None if rollout is None else rollout.proximal,
-                    num_minibatches=None if rollout is None else rollout.num_minibatches,
+                    proximal=rollout.proximal,
+                    num_minibatches=rollout.num_minibatches,
                     after_epoch=None if self.revision_sink is None else self.publish_revision,
                 )
             except EmptyRolloutError:
                 stats = None
-            used = None if rollout is None else rollout.columns_used
+            used = rollout.columns_used
             model.update_observation_statistics(
                 buffer.observations if used is None else _columns(buffer.observations, used)
             )
@@ -470,7 +428,7 @@ class PPOLearner:
         if self.lr_schedule is not None:
             self.lr_schedule.step()
         self._rollouts_collected += 1
-        log.debug("update %d at %d actor steps", self.iterations, actor_steps)
+        log.debug("update %d", self.iterations)
         return stats
 
     def publish_revision(
@@ -501,7 +459,7 @@ class PPOLearner:
         """Pre-train on demonstrations: ``bc_pretrain_updates`` replay-only rollouts of one epoch
         each (not multiplied by ``ppo_epochs``), skipping those done before a resume. Returns the
         number of BC updates run now."""
-        remaining = self.config.bc_pretrain_updates - self.bc_updates_done
+        remaining = self.settings.bc_pretrain_updates - self.bc_updates_done
         if self.bc_sampler is None or remaining <= 0:
             return 0
         from oakemu_core.algo.behaviour_cloning import behaviour_cloning_update
@@ -512,9 +470,9 @@ class PPOLearner:
                     model,
                     self.optimizer,
                     self.bc_sampler,
-                    batch_size=self.config.bc_batch_size,
+                    batch_size=self.settings.bc_batch_size,
                     device=self.device,
-                    max_grad_norm=self.config.max_grad_norm,
+                    max_grad_norm=self.settings.max_grad_norm,
                 )
                 self.bc_updates_done += 1
                 self._rollouts_collected += 1
@@ -587,7 +545,7 @@ class PPOLearner:
             if published is None:
                 return
             prepared = self.prepare(published.rollout, reevaluate=published.reevaluate)
-            stats = self.step(current_step(), prepared)
+            stats = self.step(prepared)
             buffer, used = prepared.buffer, prepared.columns_used
             columns = buffer.num_envs if used is None else int(used.sum())
             self.trained_env_steps += max(0, columns * buffer.rollout_length - prepared.stale_rows)
@@ -619,7 +577,7 @@ class PPOLearner:
         """Submit the weights every ``eval_every_updates`` updates; ``force``: now, and kept (the
         first weights of a run, the behaviour-cloned ones: evaluated whatever follows). The final
         evaluation does not submit the same version again."""
-        tester, every = self.context.tester, self.context.eval_every_updates
+        tester, every = self.tester, self.eval_every_updates
         if tester is None or not (force or (every and self.iterations % every == 0)):
             return
         version, weights = self.learner_model.snapshot()
@@ -627,7 +585,7 @@ class PPOLearner:
         self._submitted_version = version
 
     def _poll_tester(self, policy: CheckpointPolicy) -> tuple[list[Any], list[str]]:
-        tester = self.context.tester
+        tester = self.tester
         if tester is None:
             return [], []
         reports, notes = tester.poll(), []
@@ -641,7 +599,7 @@ class PPOLearner:
     ) -> tuple[list[Any], list[str]]:
         """Evaluate the final weights (training has stopped) and judge the reports (``best.pt``,
         rollback); returns the reports and the notes. A collapse is logged, not raised."""
-        tester = self.context.tester
+        tester = self.tester
         if tester is None or not tester.alive:
             return [], []
         version, weights = self.learner_model.snapshot()

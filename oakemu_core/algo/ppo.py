@@ -1,16 +1,10 @@
-"""PPO: the clipped loss and the learner update over a :class:`RolloutBuffer`.
+"""PPO: the learner update over a :class:`RolloutBuffer` (:class:`PPOUpdater`).
 
 The update follows CleanRL ``ppo_atari.py`` top to bottom (the caller sets the learning rate
-before it): epochs x shuffled minibatches -> ratio -> clipped surrogate, value loss, entropy -> one loss ->
-gradient clip -> optimizer step -> optional target-KL early stop -> statistics. GAE has already
-been computed into the buffer by the caller.
-
-References:
-    Schulman et al. 2017, "Proximal Policy Optimization Algorithms" (clipped surrogate, eq. 7;
-    total objective with value and entropy terms, eq. 9).
-    Huang et al. 2022, "The 37 Implementation Details of Proximal Policy Optimization" and CleanRL
-    (value clipping as in OpenAI baselines, approximate KL ``mean((ratio - 1) - log ratio)``,
-    the k3 estimator of http://joschu.net/blog/kl-approx.html).
+before it): epochs x shuffled minibatches -> ratio -> clipped surrogate, value loss, entropy
+(:func:`oakemu_core.algo.losses.ppo_losses`) -> one loss -> gradient clip -> optimizer step ->
+optional target-KL early stop -> statistics (:class:`oakemu_core.algo.update_stats.PPOUpdateStats`).
+GAE has already been computed into the buffer by the caller.
 """
 
 from __future__ import annotations
@@ -19,7 +13,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -27,21 +21,16 @@ import torch
 from torch import nn
 
 from oakemu_core.algo.flat_parameters import FlatAdam, FlatGradients
+from oakemu_core.algo.losses import normalize_advantages, ppo_losses
+from oakemu_core.algo.reevaluation import RolloutEvaluation, evaluate_rollout
 from oakemu_core.algo.settings import PPOSettings
+from oakemu_core.algo.update_stats import PPOUpdateStats, UpdateTally
 
 if TYPE_CHECKING:
+    from oakemu_core.storage.batches import FlatBatch, RolloutMinibatch
     from oakemu_core.storage.rollout_buffer import RolloutBuffer
 
-__all__ = [
-    "EmptyRolloutError",
-    "RolloutEvaluation",
-    "LinearSchedule",
-    "PPOUpdater",
-    "PPOUpdateStats",
-    "cpu_has_native_bfloat16",
-    "explained_variance",
-    "ppo_losses",
-]
+__all__ = ["EmptyRolloutError", "PPOUpdater", "cpu_has_native_bfloat16"]
 
 
 def cpu_has_native_bfloat16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
@@ -63,280 +52,9 @@ PROXIMAL = "proximal_"
 ``proximal_log_probs`` and e.g. ``proximal_action_mean``."""
 
 
-@dataclass(frozen=True)
-class RolloutEvaluation:
-    """A rollout's stored rows evaluated by the learner's current weights
-    (:meth:`PPOUpdater.evaluate_rollout`); all arrays on the CPU, ``(T, N, ...)``.
-
-    Attributes:
-        log_probs: ``(T, N)`` float32, log pi(a_t | s_t) of the stored actions.
-        values: ``(T, N)`` float32, V(s_t) of the current critic.
-        distribution_fields: the distribution's stored parameters (e.g. ``action_mean``,
-            ``action_std``: ``(T, N, *action_shape)`` float32); empty for categorical families.
-    """
-
-    log_probs: np.ndarray
-    values: np.ndarray
-    distribution_fields: dict[str, np.ndarray] = field(default_factory=dict)
-
-    def finite_on(self, rows: np.ndarray) -> bool:
-        """Whether every value, and the log-probs and parameters of ``rows`` (``(T, N)`` bool),
-        are finite (a critic or policy that diverged gives NaN or inf)."""
-        return bool(
-            np.isfinite(self.values).all()
-            and np.isfinite(self.log_probs[rows]).all()
-            and all(np.isfinite(array[rows]).all() for array in self.distribution_fields.values())
-        )
-
-
 class EmptyRolloutError(ValueError):
     """The rollout buffer has no trainable row (for example every row was dropped for policy lag),
     so no PPO update can run on it."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Learning-rate schedule
-# ---------------------------------------------------------------------------------------------
-class LinearSchedule:
-    """A value that moves linearly from ``start`` to ``end`` over ``total_updates`` updates, then
-    stays at ``end``.
-
-    ``value()`` at update ``k`` (``k`` = number of :meth:`step` calls so far) is
-    ``start + (end - start) * min(k, total_updates) / total_updates``. CleanRL anneals the learning
-    rate the same way (``frac = 1 - (iteration - 1) / num_iterations``) with ``end = 0``.
-
-    Raises:
-        ValueError: ``total_updates`` < 1.
-    """
-
-    def __init__(self, start: float, end: float, total_updates: int) -> None:
-        if int(total_updates) < 1:
-            raise ValueError(f"total_updates: expected >= 1, got {total_updates}")
-        self.start = float(start)
-        self.end = float(end)
-        self.total_updates = int(total_updates)
-        self.updates = 0
-
-    def value(self) -> float:
-        """The value for the next update."""
-        fraction = min(self.updates, self.total_updates) / self.total_updates
-        return self.start + (self.end - self.start) * fraction
-
-    def step(self) -> None:
-        """Advance by one update."""
-        self.updates += 1
-
-    def state_dict(self) -> dict[str, Any]:
-        """Plain-value state for a checkpoint."""
-        return {
-            "start": self.start,
-            "end": self.end,
-            "total_updates": self.total_updates,
-            "updates": self.updates,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output; raises ValueError naming a missing or invalid entry."""
-        for key in ("start", "end", "total_updates", "updates"):
-            if key not in state:
-                raise ValueError(f"LinearSchedule state: missing {key!r}, got keys {sorted(state)}")
-        if int(state["total_updates"]) < 1 or int(state["updates"]) < 0:
-            raise ValueError(
-                f"LinearSchedule state: expected total_updates >= 1 and updates >= 0, got "
-                f"{state['total_updates']} and {state['updates']}"
-            )
-        self.start = float(state["start"])
-        self.end = float(state["end"])
-        self.total_updates = int(state["total_updates"])
-        self.updates = int(state["updates"])
-
-
-# ---------------------------------------------------------------------------------------------
-# Loss
-# ---------------------------------------------------------------------------------------------
-def ppo_losses(
-    new_log_probs: torch.Tensor,
-    old_log_probs: torch.Tensor,
-    advantages: torch.Tensor,
-    new_values: torch.Tensor,
-    old_values: torch.Tensor,
-    returns: torch.Tensor,
-    entropy: torch.Tensor,
-    *,
-    clip_coef: float,
-    clip_value_range: float | None,
-    importance_weights: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """The PPO loss terms for one minibatch. All inputs are ``(B,)`` float tensors.
-
-    Args:
-        new_log_probs: log pi_theta(a|s) under the policy being trained (with gradients).
-        old_log_probs: log pi_theta_old(a|s): recorded by the actor, or with the decoupled
-            objective the proximal policy's (the learner's weights before the update).
-        advantages: advantage estimates (already normalised if wanted).
-        new_values: V_theta(s) (with gradients). old_values: V recorded by the actor, or
-            re-evaluated by the learner before the update (decoupled objective).
-        returns: value targets (GAE advantages + old values).
-        entropy: per-row entropy of the current policy.
-        clip_coef: epsilon of the clipped surrogate; also the value clip range.
-        clip_value_range: clip the value change to ``[-c, c]`` around the actor's value, in value
-            units (OpenAI baselines / CleanRL use the policy's clip coefficient); None: plain
-            MSE (SB3's default). A range tiny next to the returns freezes the critic on the
-            clipped rows, so it is its own setting, not ``clip_coef``.
-        importance_weights: ``(B,)`` weights ``pi_prox(a|s) / mu(a|s)`` (proximal over behaviour
-            policy), without gradients, multiplying each row's clipped surrogate: the decoupled
-            PPO objective of Hilton, Cobbe and Schulman 2022, "Batch size-invariance for policy
-            optimization" (the clip keeps the update near the proximal policy; the weights correct
-            for the behaviour policy). The caller may truncate them (V-trace's rho-bar). None:
-            every weight 1 (plain PPO).
-
-    Returns:
-        A dict of scalar tensors ``policy_loss`` (to minimise: minus eq. 7 of Schulman et al.
-        2017, ``mean(max(-A r, -A clip(r, 1-eps, 1+eps)))``), ``value_loss``
-        (``0.5 * mean((V - R)^2)``, or with clipping
-        ``0.5 * mean(max((V - R)^2, (V_old + clip(V - V_old, -eps, eps) - R)^2))``), ``entropy``
-        (mean), and without gradients ``approx_kl`` (``mean((r - 1) - log r)``), ``clip_fraction``
-        (share of rows with ``|r - 1| > eps``); plus ``ratio``, the ``(B,)`` ratios ``r``.
-    """
-    log_ratio = new_log_probs - old_log_probs
-    ratio = log_ratio.exp()
-
-    # Clipped surrogate objective (Schulman et al. 2017, eq. 7), negated to be minimised.
-    policy_loss_unclipped = -advantages * ratio
-    policy_loss_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_coef, 1.0 + clip_coef)
-    policy_loss_rows = torch.max(policy_loss_unclipped, policy_loss_clipped)
-    if importance_weights is not None:
-        policy_loss_rows = importance_weights * policy_loss_rows
-    policy_loss = policy_loss_rows.mean()
-
-    # Value loss, optionally clipped around the actor's value estimate.
-    value_loss_unclipped = (new_values - returns) ** 2
-    if clip_value_range is not None:
-        values_clipped = old_values + torch.clamp(
-            new_values - old_values, -clip_value_range, clip_value_range
-        )
-        value_loss_clipped = (values_clipped - returns) ** 2
-        value_loss = 0.5 * torch.max(value_loss_unclipped, value_loss_clipped).mean()
-    else:
-        value_loss = 0.5 * value_loss_unclipped.mean()
-
-    with torch.no_grad():
-        approx_kl = ((ratio - 1.0) - log_ratio).mean()
-        clip_fraction = ((ratio - 1.0).abs() > clip_coef).float().mean()
-
-    return {
-        "policy_loss": policy_loss,
-        "value_loss": value_loss,
-        "entropy": entropy.mean(),
-        "approx_kl": approx_kl,
-        "clip_fraction": clip_fraction,
-        "ratio": ratio.detach(),
-    }
-
-
-def explained_variance(predictions: np.ndarray, targets: np.ndarray) -> float:
-    """``1 - Var(targets - predictions) / Var(targets)`` (as CleanRL/SB3), NaN if Var(targets) is 0
-    or the arrays are empty. 1 is a perfect value function, 0 no better than a constant."""
-    predictions = np.asarray(predictions, dtype=np.float64)
-    targets = np.asarray(targets, dtype=np.float64)
-    if targets.size == 0:
-        return math.nan
-    variance = np.var(targets)
-    if variance == 0:
-        return math.nan
-    return float(1.0 - np.var(targets - predictions) / variance)
-
-
-# ---------------------------------------------------------------------------------------------
-# Learner
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class PPOUpdateStats:
-    """What one :meth:`PPOUpdater.step` did.
-
-    Losses, entropy, approx_kl and clip_fraction are means over every minibatch that was trained
-    on. ``explained_variance`` compares the actor's values with the GAE returns over the trainable
-    rows. ``first_minibatch_ratio_max_abs_dev`` is max |ratio - 1| on the first minibatch before any
-    gradient step, over its rows produced by the learner's current policy version (NaN if none):
-    it should be ~0 when actor and learner agree on log-probs. Times are wall-clock seconds.
-    """
-
-    policy_loss: float
-    value_loss: float
-    entropy: float
-    approx_kl: float
-    clip_fraction: float
-    explained_variance: float
-    learning_rate: float
-    epochs_completed: int
-    minibatches: int
-    early_stopped: bool
-    first_minibatch_ratio_max_abs_dev: float
-    update_seconds: float
-    epoch_seconds: list[float] = field(default_factory=list)
-    trainable_rows: int = 0
-    nonfinite_minibatches: int = 0
-    """Minibatches whose gradient was not finite; their optimizer step was skipped."""
-    importance_weight_mean: float = math.nan
-    """Mean truncated weight ``min(cap, pi_prox / mu)`` over the trained rows with the decoupled
-    objective (NaN without it): 1 when the behaviour policy is the proximal one."""
-
-
-class _UpdateTally:
-    """What one update accumulates for its :class:`PPOUpdateStats` (sums stay on the device until
-    the end: one sync per update)."""
-
-    REPORTED = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction")
-
-    def __init__(self, device: torch.device, *, learning_rate: float) -> None:
-        self.start_time = time.perf_counter()
-        self.learning_rate = learning_rate
-        self.totals = {key: torch.zeros((), device=device) for key in self.REPORTED}
-        self.weight_total = torch.zeros((), device=device)
-        self.minibatches = 0
-        self.nonfinite = torch.zeros(
-            (), dtype=torch.int64, device=device
-        )  # minibatches whose step was skipped
-        self.first_minibatch_ratio_max_abs_dev = math.nan
-        self.epoch_seconds: list[float] = []
-        self.early_stopped = False
-
-    def add(self, losses: dict[str, torch.Tensor]) -> None:
-        """One trained minibatch's loss terms."""
-        for key in self.totals:
-            self.totals[key] += losses[key].detach()
-        self.minibatches += 1
-
-    @property
-    def nonfinite_minibatches(self) -> int:
-        """Minibatches so far whose gradient was not finite (one device sync)."""
-        return int(self.nonfinite.item())
-
-    def stats(
-        self, rollout_buffer: RolloutBuffer, trainable_rows: int, *, decoupled: bool
-    ) -> PPOUpdateStats:
-        diagnostics = rollout_buffer.trainable_diagnostics()
-        means = {key: value.item() / self.minibatches for key, value in self.totals.items()}
-        return PPOUpdateStats(
-            **means,
-            explained_variance=(
-                math.nan
-                if diagnostics is None
-                else explained_variance(diagnostics.values, diagnostics.returns)
-            ),
-            learning_rate=self.learning_rate,
-            epochs_completed=len(self.epoch_seconds),
-            minibatches=self.minibatches,
-            early_stopped=self.early_stopped,
-            first_minibatch_ratio_max_abs_dev=self.first_minibatch_ratio_max_abs_dev,
-            update_seconds=time.perf_counter() - self.start_time,
-            epoch_seconds=self.epoch_seconds,
-            trainable_rows=trainable_rows,
-            nonfinite_minibatches=self.nonfinite_minibatches,
-            importance_weight_mean=self.weight_total.item() / self.minibatches
-            if decoupled
-            else math.nan,
-        )
 
 
 class PPOUpdater:
@@ -436,63 +154,21 @@ class PPOUpdater:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    @torch.inference_mode()
     def evaluate_rollout(
         self, rollout_buffer: RolloutBuffer, *, chunk_rows: int = 256
     ) -> RolloutEvaluation:
-        """Re-evaluate every stored row with the current weights: the proximal policy's log-probs
-        of the stored actions and its stored parameters, and the current critic's values
-        (asynchronous mode: the rows were acted by older versions).
-
-        Args:
-            rollout_buffer: a full buffer (observations, actions and masks written).
-            chunk_rows: rows per forward pass (small chunks keep a CNN's activations in the caches).
-
-        Returns:
-            A :class:`RolloutEvaluation`. A row whose stored action the current masks forbid gets
-            a very negative log-prob (only non-trainable rows can have one).
-        """
-        schema = rollout_buffer.schema
-        total = rollout_buffer.total_size
-        names = [
-            *schema.observation_names,
-            "actions",
-            *(["action_mask"] if "action_mask" in schema else []),
-        ]
-        flat = {
-            name: rollout_buffer.field(name).reshape(total, *schema[name].shape) for name in names
-        }
-        log_probs = np.empty(total, dtype=np.float32)
-        values = np.empty(total, dtype=np.float32)
-        stored = {
-            name: np.empty((total, *shape), dtype=np.float32)
-            for name, (shape, _) in self.model.distribution.stored_fields().items()
-        }
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            for start in range(0, total, chunk_rows):
-                chunk = {
-                    name: torch.from_numpy(array[start : start + chunk_rows].copy()).to(self.device)
-                    for name, array in flat.items()
-                }
-                with self._forward_precision():
-                    policy, chunk_values = self.model.policy_and_values(
-                        schema.join_observations(chunk), self._row_masks(chunk.get("action_mask"))
-                    )
-                end = start + len(chunk["actions"])
-                log_probs[start:end] = policy.log_prob(chunk["actions"]).float().cpu().numpy()
-                values[start:end] = chunk_values.float().cpu().numpy()
-                for name, tensor in policy.stored().items():
-                    stored[name][start:end] = tensor.float().cpu().numpy()
-        finally:
-            self.model.train(was_training)
-        lead = (rollout_buffer.rollout_length, rollout_buffer.num_envs)
-        return RolloutEvaluation(
-            log_probs.reshape(lead),
-            values.reshape(lead),
-            {name: array.reshape(*lead, *array.shape[1:]) for name, array in stored.items()},
+        """Every stored row evaluated by the current weights through this update's forward pass
+        (:func:`oakemu_core.algo.reevaluation.evaluate_rollout`)."""
+        return evaluate_rollout(
+            self.model, rollout_buffer, self.forward, self.device, chunk_rows=chunk_rows
         )
+
+    def forward(self, observations: Any, masks: torch.Tensor | None) -> tuple[Any, torch.Tensor]:
+        """``model.policy_and_values`` as every forward pass of the update runs it: in the update's
+        precision (:meth:`_forward_precision`), each row's mask ANDed with the learner-wide
+        ``action_mask``. Returns ``(policy, values)``."""
+        with self._forward_precision():
+            return self.model.policy_and_values(observations, self._row_masks(masks))
 
     def step(
         self,
@@ -527,21 +203,16 @@ class PPOUpdater:
                 and the SGD steps (minibatches) this update has taken so far; or None.
             num_minibatches: minibatches per epoch; None: the settings' ``num_minibatches``.
 
-        Returns:
-            :class:`PPOUpdateStats`.
-
-        Raises:
-            EmptyRolloutError: the buffer has no trainable row. With fewer trainable rows than
-                ``num_minibatches``, each epoch uses one minibatch per row instead.
+        Returns :class:`PPOUpdateStats`; with fewer trainable rows than ``num_minibatches``, each
+        epoch used one minibatch per row. Raises EmptyRolloutError: the buffer has no trainable row.
         """
         trainable_rows = int(rollout_buffer.trainable_size)
         if trainable_rows == 0:
             raise EmptyRolloutError("rollout_buffer: 0 trainable rows, expected at least 1")
-        # A rollout left with fewer rows than minibatches (most rows dropped as stale) still trains,
-        # with one row per minibatch.
+        # Fewer rows than minibatches (most rows dropped as stale): one row per minibatch.
         settings = self.settings
         num_minibatches = min(num_minibatches or settings.num_minibatches, trainable_rows)
-        tally = _UpdateTally(self.device, learning_rate=float(self.optimizer.param_groups[0]["lr"]))
+        tally = UpdateTally(self.device, learning_rate=float(self.optimizer.param_groups[0]["lr"]))
         self.model.train()
         flat, kl_reference = self._upload(rollout_buffer, proximal)
         # One minibatch: every row in stored order (shuffling it would only cost copies), its
@@ -549,7 +220,6 @@ class PPOUpdater:
         whole = self._normalised(flat.whole()) if num_minibatches == 1 else None
         for epoch in range(settings.ppo_epochs):
             epoch_start = time.perf_counter()
-            epoch_kl = torch.zeros((), device=self.device)
             minibatches = (
                 [whole]
                 if whole is not None
@@ -558,28 +228,15 @@ class PPOUpdater:
                     for minibatch in flat.minibatches(num_minibatches, self._shuffle_rng)
                 ]
             )
-            for minibatch in minibatches:
-                losses, new_log_probs, weights = self._minibatch_losses(minibatch, kl_reference)
-                if weights is not None:
-                    tally.weight_total += weights.mean()
-                if (
-                    tally.minibatches == 0
-                ):  # before any gradient step: actor and learner should agree
-                    behaviour_ratio = (new_log_probs.detach() - minibatch.log_probs).exp()
-                    tally.first_minibatch_ratio_max_abs_dev = self._ratio_deviation(
-                        behaviour_ratio, minibatch.fields["policy_versions"], current_policy_version
-                    )
-                tally.nonfinite += self._sgd_step(losses, bc_term)
-                tally.add(losses)
-                epoch_kl += losses["approx_kl"]
-
+            epoch_kl = self._epoch(
+                minibatches, tally, kl_reference, bc_term, current_policy_version
+            )
             self._synchronize()
             tally.epoch_seconds.append(time.perf_counter() - epoch_start)
             if settings.target_kl is None and after_epoch is None:
                 continue
-            epoch_approx_kl = epoch_kl.item() / len(
-                minibatches
-            )  # one device sync per epoch, when needed
+            # One device sync per epoch, when needed.
+            epoch_approx_kl = epoch_kl.item() / len(minibatches)
             if settings.target_kl is not None and epoch_approx_kl > settings.target_kl:
                 tally.early_stopped = epoch + 1 < settings.ppo_epochs
                 break
@@ -589,11 +246,37 @@ class PPOUpdater:
                 )
 
         self._iterations += 1
-        return tally.stats(rollout_buffer, trainable_rows, decoupled=proximal is not None)
+        return tally.stats(flat, decoupled=proximal is not None)
+
+    def _epoch(
+        self,
+        minibatches: list[RolloutMinibatch],
+        tally: UpdateTally,
+        kl_reference: str,
+        bc_term: tuple[float, Any, int] | None,
+        current_policy_version: int,
+    ) -> torch.Tensor:
+        """One SGD step per minibatch, tallied; returns the sum of their ``approx_kl`` (a 0-dim
+        tensor on the device). The first minibatch of the update (before any gradient step) also
+        measures the actor/learner log-prob agreement on rows of ``current_policy_version``."""
+        epoch_kl = torch.zeros((), device=self.device)
+        for minibatch in minibatches:
+            losses, new_log_probs, weights = self._minibatch_losses(minibatch, kl_reference)
+            if weights is not None:
+                tally.weight_total += weights.mean()
+            if tally.minibatches == 0:  # before any gradient step: actor and learner should agree
+                behaviour_ratio = (new_log_probs.detach() - minibatch.log_probs).exp()
+                tally.first_minibatch_ratio_max_abs_dev = self._ratio_deviation(
+                    behaviour_ratio, minibatch.fields["policy_versions"], current_policy_version
+                )
+            tally.nonfinite += self._sgd_step(losses, bc_term)
+            tally.add(losses)
+            epoch_kl += losses["approx_kl"]
+        return epoch_kl
 
     def _upload(
         self, rollout_buffer: RolloutBuffer, proximal: RolloutEvaluation | None
-    ) -> tuple[Any, str]:
+    ) -> tuple[FlatBatch, str]:
         """The trainable rows flattened and uploaded once (every epoch only reshuffles and indexes
         them), with the proximal policy's figures as extra fields when given; and the prefix of the
         stored parameters the exact KL is measured from (``""``: the acting policy's)."""
@@ -616,15 +299,12 @@ class PPOUpdater:
         )
         return flat, PROXIMAL  # the trust region is around the proximal policy
 
-    def _normalised(self, minibatch: Any) -> Any:
-        """``minibatch`` with its advantages normalised when the settings ask (per minibatch, as SB3
-        and CleanRL: ``(A - mean) / (population std + 1e-8)``), else as it is."""
+    def _normalised(self, minibatch: RolloutMinibatch) -> RolloutMinibatch:
+        """``minibatch`` with its advantages normalised when the settings ask
+        (:func:`~oakemu_core.algo.losses.normalize_advantages`), else as it is."""
         if not self.settings.normalize_advantages:
             return minibatch
-        advantages = minibatch.advantages
-        return minibatch._replace(
-            advantages=(advantages - advantages.mean()) / (advantages.std(correction=0) + 1e-8)
-        )
+        return minibatch._replace(advantages=normalize_advantages(minibatch.advantages))
 
     def _minibatch_losses(
         self, minibatch: Any, kl_reference: str
@@ -635,10 +315,9 @@ class PPOUpdater:
         KL. ``minibatch``'s advantages are used as they are (:meth:`_normalised` first). Returns the
         losses, the new log-probs and the weights (None: plain PPO)."""
         settings = self.settings
-        with self._forward_precision():
-            policy, new_values = self.model.policy_and_values(
-                minibatch.observations, self._row_masks(minibatch.fields.get("action_mask"))
-            )
+        policy, new_values = self.forward(
+            minibatch.observations, minibatch.fields.get("action_mask")
+        )
         advantages = minibatch.advantages
         with torch.set_grad_enabled(
             bool(settings.ent_coef)
@@ -732,10 +411,7 @@ class PPOUpdater:
         from oakemu_core.algo.demonstrations import batch_to_device
 
         batch = batch_to_device(sampler.sample(batch_size, self._shuffle_rng), self.device)
-        with self._forward_precision():
-            policy, _ = self.model.policy_and_values(
-                batch.observations, self._row_masks(batch.action_mask)
-            )
+        policy, _ = self.forward(batch.observations, batch.action_mask)
         return bc_loss(policy, batch.actions)
 
     def _forward_precision(self) -> contextlib.AbstractContextManager[Any]:

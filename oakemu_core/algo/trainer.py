@@ -22,13 +22,10 @@ import torch
 from oakemu_core.algo.flat_parameters import FlatAdam
 from oakemu_core.algo.handshake import RolloutHandshake, RunProgress, WeightsRevision
 from oakemu_core.algo.health import CheckpointPolicy, HealthMonitor
-from oakemu_core.algo.learner import (
-    PPOExperimentConfiguration,
-    PPOLearner,
-    RuntimeContext,
-    ThreadSafeModel,
-)
-from oakemu_core.algo.ppo import LinearSchedule, cpu_has_native_bfloat16
+from oakemu_core.algo.learner import PPOLearner, ThreadSafeModel
+from oakemu_core.algo.ppo import cpu_has_native_bfloat16
+from oakemu_core.algo.schedules import LinearSchedule
+from oakemu_core.algo.settings import PPOSettings
 from oakemu_core.policy.models import build_model
 from oakemu_core.run.checkpoint import (
     CheckpointWriter,
@@ -108,19 +105,15 @@ class Trainer:
         self._follow_budget()
         # Periodic evaluation in a process of its own (None when eval_every_updates is 0).
         self.tester = tester_from_config(config, schema.to_dict(), run_dir=run_dir)
-        context = RuntimeContext(
-            PPOExperimentConfiguration.from_config(config),
-            device,
-            tester=self.tester,
-            eval_every_updates=config.eval_every_updates,
-        )
         self.handshake = RolloutHandshake()
         self.ppo = learner_type(
-            context,
+            PPOSettings.from_config(config),
             self.learner_model,
-            None,
             self.optimizer,
             self.schedule,
+            device=device,
+            tester=self.tester,
+            eval_every_updates=config.eval_every_updates,
             bc_sampler=self._bc_sampler(),
             **self._revisions(),
         )

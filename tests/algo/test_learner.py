@@ -19,14 +19,9 @@ import torch
 from oakemu_core.actor.stepper import PolicyStepper
 from oakemu_core.algo.handshake import RolloutHandshake, TrainResult, WeightsRevision
 from oakemu_core.algo.health import CheckpointPolicy, HealthMonitor, RunCollapsedError
-from oakemu_core.algo.learner import (
-    PPOExperimentConfiguration,
-    PPOLearner,
-    PPOLearnerRuntimeState,
-    RuntimeContext,
-    ThreadSafeModel,
-)
-from oakemu_core.algo.ppo import LinearSchedule
+from oakemu_core.algo.learner import PPOLearner, PPOLearnerRuntimeState, ThreadSafeModel
+from oakemu_core.algo.schedules import LinearSchedule
+from oakemu_core.algo.settings import PPOSettings
 from oakemu_core.envs import make_vector_env
 from oakemu_core.policy.distributions import distribution_for_env
 from oakemu_core.policy.models import build_model
@@ -73,36 +68,28 @@ def fill(buffer: RolloutBuffer, stepper: PolicyStepper, version: int) -> FullRol
     )
 
 
-def make_learner(model, buffer, config: PPOExperimentConfiguration, **revisions) -> PPOLearner:
+def make_learner(model, settings: PPOSettings, **revisions) -> PPOLearner:
     """A CPU learner (Adam, learning rate 1e-3 annealed over 100 updates); ``revisions``: its
     ``revision_sink`` / ``revision_max_approx_kl`` / ``revision_min_sgd_steps``."""
-    context = RuntimeContext(config, torch.device("cpu"))
-    learner_model = ThreadSafeModel(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-5)
-    lr_schedule = LinearSchedule(1e-3, 0.0, 100)
     return PPOLearner(
-        context,
-        learner_model,
-        buffer,
+        settings,
+        ThreadSafeModel(model),
         optimizer,
-        lr_schedule,
-        action_mask=None,
-        bc_sampler=None,
+        LinearSchedule(1e-3, 0.0, 100),
+        device="cpu",
         **revisions,
     )
 
 
 def test_seed_002_calls_as_written(cartpole) -> None:
     env, _schema, buffer, model = cartpole
-    learner = make_learner(
-        model, buffer, PPOExperimentConfiguration(num_minibatches=4, ppo_epochs=2)
-    )
+    learner = make_learner(model, PPOSettings(num_minibatches=4, ppo_epochs=2))
     assert learner.iterations == 0 and learner.rollouts_collected == 0
     stepper = PolicyStepper(env, model)
     rollout = fill(buffer, stepper, learner.policy_version)
-    buffer.compute_gae(rollout.last_values, rollout.last_dones, 0.99, 0.95)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    learner.step(actor_steps=T * N)
+    learner.step(learner.prepare(rollout))
     assert learner.iterations == 1 and learner.rollouts_collected == 1
     assert learner.policy_version == 1
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items()), (
@@ -112,8 +99,7 @@ def test_seed_002_calls_as_written(cartpole) -> None:
     state = learner.state()
     fresh = make_learner(
         build_model(env.spec.observation_layout, distribution_for_env(env.spec)),
-        buffer,
-        PPOExperimentConfiguration(),
+        PPOSettings(),
     )
     fresh.restore_state(PPOLearnerRuntimeState.from_dict(state.to_dict()))
     assert (fresh.iterations, fresh.rollouts_collected, fresh.policy_version) == (1, 1, 1)
@@ -121,9 +107,7 @@ def test_seed_002_calls_as_written(cartpole) -> None:
 
 def test_run_trains_published_rollouts_and_stops(cartpole, tmp_path: Path) -> None:
     env, _schema, buffer, model = cartpole
-    learner = make_learner(
-        model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1)
-    )
+    learner = make_learner(model, PPOSettings(num_minibatches=2, ppo_epochs=1))
     stepper = PolicyStepper(env, model)
     handshake = RolloutHandshake()
     policy = CheckpointPolicy(
@@ -166,9 +150,7 @@ def test_only_the_final_checkpoint_save_counts_as_the_final_checkpoint(
     """Periodic checkpoints (every update here), even one written after the stop was asked for, leave
     CheckpointWriter.final_saved None; the save the stopped trainer makes (policy.final) sets it."""
     env, _schema, buffer, model = cartpole
-    learner = make_learner(
-        model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1)
-    )
+    learner = make_learner(model, PPOSettings(num_minibatches=2, ppo_epochs=1))
     stepper = PolicyStepper(env, model)
     handshake = RolloutHandshake()
     writer = CheckpointWriter(tmp_path, keep_last=None)
@@ -198,9 +180,7 @@ def test_rows_too_stale_to_train_never_count_as_trained_env_steps(cartpole, tmp_
     """A rollout acted by a policy more than max_policy_lag versions old trains nothing: the run's budget
     (trained env steps) does not move, and the count survives a checkpoint."""
     env, _schema, buffer, model = cartpole
-    learner = make_learner(
-        model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1, max_policy_lag=1)
-    )
+    learner = make_learner(model, PPOSettings(num_minibatches=2, ppo_epochs=1, max_policy_lag=1))
     stepper = PolicyStepper(env, model)
     handshake = RolloutHandshake()
     policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_numbered)
@@ -250,9 +230,7 @@ def test_run_writes_the_final_checkpoint_when_it_stops(cartpole, tmp_path: Path)
     run folder holds the final checkpoint once run() returns, and a last result (no slot) is handed
     back after the update's."""
     env, _schema, buffer, model = cartpole
-    learner = make_learner(
-        model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1)
-    )
+    learner = make_learner(model, PPOSettings(num_minibatches=2, ppo_epochs=1))
     stepper = PolicyStepper(env, model)
     handshake = RolloutHandshake()
     no_periodic = CheckpointPolicy(
@@ -303,8 +281,7 @@ def test_weights_within_an_update_come_before_its_result(cartpole, tmp_path: Pat
     handshake = RolloutHandshake()
     learner = make_learner(
         model,
-        buffer,
-        PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=3),
+        PPOSettings(num_minibatches=2, ppo_epochs=3),
         revision_sink=lambda version, revision, weights: handshake.complete(
             WeightsRevision(version, revision, weights)
         ),
@@ -366,8 +343,7 @@ def test_weights_the_health_check_could_reject_are_not_published_within_an_updat
     sent: list[tuple[int, int]] = []
     learner = make_learner(
         model,
-        buffer,
-        PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=3),
+        PPOSettings(num_minibatches=2, ppo_epochs=3),
         revision_sink=lambda version, revision, weights: sent.append((version, revision)),
         revision_max_approx_kl=0.5,
     )
@@ -388,8 +364,7 @@ def test_revisions_are_published_at_most_once_per_min_sgd_steps(cartpole) -> Non
     sent: list[tuple[int, int]] = []
     learner = make_learner(
         model,
-        buffer,
-        PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=5),
+        PPOSettings(num_minibatches=2, ppo_epochs=5),
         revision_sink=lambda version, revision, weights: sent.append((version, revision)),
         revision_min_sgd_steps=3,
     )
@@ -409,9 +384,7 @@ def test_revisions_are_published_at_most_once_per_min_sgd_steps(cartpole) -> Non
 
 def test_collapse_is_rolled_back_with_a_higher_policy_version(cartpole, tmp_path: Path) -> None:
     env, _schema, buffer, model = cartpole
-    learner = make_learner(
-        model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1)
-    )
+    learner = make_learner(model, PPOSettings(num_minibatches=2, ppo_epochs=1))
     stepper = PolicyStepper(env, model)
     policy = CheckpointPolicy(
         tmp_path,
@@ -425,7 +398,7 @@ def test_collapse_is_rolled_back_with_a_higher_policy_version(cartpole, tmp_path
     rollout = fill(buffer, stepper, learner.policy_version)
     prepared = learner.prepare(rollout)
     assert (
-        policy.after_update(learner, learner.step(0, prepared)) == []
+        policy.after_update(learner, learner.step(prepared)) == []
     )  # healthy: checkpoint 1 written
     good = load_checkpoint(tmp_path / "checkpoints" / "latest.pt")["model"]
 
@@ -435,7 +408,7 @@ def test_collapse_is_rolled_back_with_a_higher_policy_version(cartpole, tmp_path
         next(model.parameters()).fill_(float("nan"))
     prepared = learner.prepare(rollout)
     version_before = learner.policy_version
-    notes = policy.after_update(learner, learner.step(0, prepared))
+    notes = policy.after_update(learner, learner.step(prepared))
     assert len(notes) == 1 and "rollback 1/2" in notes[0] and "non-finite" in notes[0]
     assert policy.rollbacks == 1
     assert learner.policy_version > version_before
@@ -445,7 +418,7 @@ def test_collapse_is_rolled_back_with_a_higher_policy_version(cartpole, tmp_path
 
     # Training goes on from the restored weights.
     prepared = learner.prepare(fill(buffer, stepper, learner.policy_version))
-    stats = learner.step(0, prepared)
+    stats = learner.step(prepared)
     assert stats is not None and np.isfinite(stats.policy_loss)
     assert policy.after_update(learner, stats) == []
 
@@ -454,22 +427,20 @@ def test_collapse_is_rolled_back_with_a_higher_policy_version(cartpole, tmp_path
     with torch.no_grad():
         next(model.parameters()).fill_(float("inf"))
     prepared = learner.prepare(rollout)
-    policy.after_update(learner, learner.step(0, prepared))  # rollback 2
+    policy.after_update(learner, learner.step(prepared))  # rollback 2
     rollout = fill(buffer, stepper, learner.policy_version)
     with torch.no_grad():
         next(model.parameters()).fill_(float("nan"))
     prepared = learner.prepare(rollout)
     with pytest.raises(RunCollapsedError, match="after 2 rollbacks"):
-        policy.after_update(learner, learner.step(0, prepared))
+        policy.after_update(learner, learner.step(prepared))
 
 
 def test_learning_rate_that_destroys_the_policy_is_caught_by_the_kl_check(
     cartpole, tmp_path: Path
 ) -> None:
     env, _schema, buffer, model = cartpole
-    learner = make_learner(
-        model, buffer, PPOExperimentConfiguration(num_minibatches=4, ppo_epochs=4)
-    )
+    learner = make_learner(model, PPOSettings(num_minibatches=4, ppo_epochs=4))
     stepper = PolicyStepper(env, model)
     policy = CheckpointPolicy(
         tmp_path,
@@ -479,12 +450,12 @@ def test_learning_rate_that_destroys_the_policy_is_caught_by_the_kl_check(
         every_updates=1,
     )
     prepared = learner.prepare(fill(buffer, stepper, 0))
-    policy.after_update(learner, learner.step(0, prepared))
+    policy.after_update(learner, learner.step(prepared))
     learner.lr_schedule = None
     for group in learner.optimizer.param_groups:
         group["lr"] = 50.0  # destroys the policy within one update
     prepared = learner.prepare(fill(buffer, stepper, learner.policy_version))
-    stats = learner.step(0, prepared)
+    stats = learner.step(prepared)
     assert stats is not None
     notes = policy.after_update(learner, stats)
     assert notes and "rollback 1/" in notes[0], (stats.approx_kl, notes)
@@ -512,7 +483,7 @@ def test_evaluation_collapse_rolls_back_to_best(cartpole, tmp_path: Path) -> Non
         )
 
     env, _schema, buffer, model = cartpole
-    learner = make_learner(model, buffer, PPOExperimentConfiguration())
+    learner = make_learner(model, PPOSettings())
     policy = CheckpointPolicy(
         tmp_path,
         state_fn=learner.checkpoint_state,
@@ -553,10 +524,8 @@ def test_the_final_evaluation_does_not_submit_the_run_s_first_weights_twice(cart
             return []
 
     _env, _schema, buffer, model = cartpole
-    learner = make_learner(
-        model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1)
-    )
-    tester = learner.context.tester = RecordingTester()
+    learner = make_learner(model, PPOSettings(num_minibatches=2, ppo_epochs=1))
+    tester = learner.tester = RecordingTester()
     learner.submit_to_tester(0, force=True)  # what the learner service does at start
     learner._final_evaluation(0, policy=None)
     assert tester.submitted == [0]

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from oakemu_core.actor.stepper import PolicyStepper
-from oakemu_core.algo.learner import PPOExperimentConfiguration
-from oakemu_core.algo.ppo import PPOUpdater, RolloutEvaluation, ppo_losses
+from oakemu_core.algo.losses import ppo_losses
+from oakemu_core.algo.ppo import PPOUpdater
+from oakemu_core.algo.reevaluation import RolloutEvaluation
+from oakemu_core.algo.settings import PPOSettings
 from oakemu_core.policy.distributions import DiagGaussian
 from oakemu_core.policy.models import build_model
 from oakemu_core.step_schema import build_schema
@@ -275,7 +277,7 @@ def test_replace_values_checks_its_input_and_makes_the_advantages_stale() -> Non
 
 def test_an_unknown_correction_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="off_policy_correction"):
-        PPOExperimentConfiguration(off_policy_correction="vtrace")
+        PPOSettings(off_policy_correction="vtrace")
 
 
 @pytest.mark.parametrize("correction", ["decoupled", "none"])
@@ -283,10 +285,7 @@ def test_the_learner_reevaluates_rows_of_older_versions_only(cartpole, correctio
     env, _schema, buffer, model = cartpole
     learner = make_learner(
         model,
-        buffer,
-        PPOExperimentConfiguration(
-            num_minibatches=2, ppo_epochs=1, off_policy_correction=correction
-        ),
+        PPOSettings(num_minibatches=2, ppo_epochs=1, off_policy_correction=correction),
     )
     stepper = PolicyStepper(env, copy.deepcopy(model))
     rows = buffer.total_size
@@ -296,7 +295,7 @@ def test_the_learner_reevaluates_rows_of_older_versions_only(cartpole, correctio
     acted_values = buffer.values.copy()
     prepared = learner.prepare(rollout)
     assert np.array_equal(buffer.values, acted_values)
-    stats = learner.step(actor_steps=rows, rollout=prepared)
+    stats = learner.step(prepared)
     assert np.isnan(stats.importance_weight_mean)
 
     # The same actor weights, now one version behind the learner's.
@@ -305,7 +304,7 @@ def test_the_learner_reevaluates_rows_of_older_versions_only(cartpole, correctio
     prepared = learner.prepare(rollout)
     if correction == "none":
         assert np.array_equal(buffer.values, acted_values)
-        assert np.isnan(learner.step(actor_steps=2 * rows, rollout=prepared).importance_weight_mean)
+        assert np.isnan(learner.step(prepared).importance_weight_mean)
         return
     with torch.no_grad():  # the learner's critic before its update
         _, _, critic_values = model.evaluate_actions(
@@ -320,7 +319,7 @@ def test_the_learner_reevaluates_rows_of_older_versions_only(cartpole, correctio
     np.testing.assert_allclose(
         buffer.returns, buffer.advantages + buffer.values, rtol=1e-5, atol=1e-5
     )
-    stats = learner.step(actor_steps=2 * rows, rollout=prepared)
+    stats = learner.step(prepared)
     assert 0.0 < stats.importance_weight_mean <= 1.0
     assert learner.corrections_skipped == 0
 
@@ -332,11 +331,8 @@ def test_rollouts_of_rounded_actors_are_reevaluated_even_when_all_rows_are_curre
     are all of the learner's version is re-evaluated in float32 too, and trains with the decoupled
     objective (its behaviour log-probs are the rounded policy's)."""
     env, _schema, buffer, model = cartpole
-    learner = make_learner(
-        model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1)
-    )
+    learner = make_learner(model, PPOSettings(num_minibatches=2, ppo_epochs=1))
     stepper = PolicyStepper(env, copy.deepcopy(model))
-    rows = buffer.total_size
     rollout = fill(buffer, stepper, learner.policy_version)
     buffer.replace_values(
         buffer.values + 0.5
@@ -344,15 +340,13 @@ def test_rollouts_of_rounded_actors_are_reevaluated_even_when_all_rows_are_curre
     acted_values = buffer.values.copy()
     prepared = learner.prepare(rollout, reevaluate=True)
     np.testing.assert_allclose(buffer.values, acted_values - 0.5, rtol=1e-5, atol=1e-5)
-    stats = learner.step(actor_steps=rows, rollout=prepared)
+    stats = learner.step(prepared)
     assert np.isfinite(stats.importance_weight_mean)  # NaN when the update is not decoupled
 
 
 def test_a_diverged_critic_trains_without_the_correction_instead_of_stopping(cartpole) -> None:  # noqa: F811
     env, _schema, buffer, model = cartpole
-    learner = make_learner(
-        model, buffer, PPOExperimentConfiguration(num_minibatches=2, ppo_epochs=1)
-    )
+    learner = make_learner(model, PPOSettings(num_minibatches=2, ppo_epochs=1))
     rollout = fill(buffer, PolicyStepper(env, copy.deepcopy(model)), 0)
     learner.learner_model.version = 1  # the rows are one version behind the learner
     acted_values = buffer.values.copy()
@@ -361,6 +355,4 @@ def test_a_diverged_critic_trains_without_the_correction_instead_of_stopping(car
     prepared = learner.prepare(rollout)
     assert learner.corrections_skipped == 1
     assert np.array_equal(buffer.values, acted_values)
-    assert np.isnan(
-        learner.step(actor_steps=buffer.total_size, rollout=prepared).importance_weight_mean
-    )
+    assert np.isnan(learner.step(prepared).importance_weight_mean)

@@ -13,20 +13,16 @@ import torch
 from oakemu_core.algo.demonstrations import DemonstrationBatch
 from oakemu_core.algo.flat_parameters import FlatAdam
 from oakemu_core.algo.learner import (
-    PPOExperimentConfiguration,
     PPOLearner,
     PPOLearnerRuntimeState,
-    RuntimeContext,
+    PreparedRollout,
     ThreadSafeModel,
 )
-from oakemu_core.algo.ppo import (
-    EmptyRolloutError,
-    LinearSchedule,
-    PPOUpdater,
-    cpu_has_native_bfloat16,
-    explained_variance,
-    ppo_losses,
-)
+from oakemu_core.algo.losses import ppo_losses
+from oakemu_core.algo.ppo import EmptyRolloutError, PPOUpdater, cpu_has_native_bfloat16
+from oakemu_core.algo.schedules import LinearSchedule
+from oakemu_core.algo.settings import PPOSettings
+from oakemu_core.algo.update_stats import explained_variance
 from oakemu_core.policy.distributions import Categorical, DiagGaussian
 from oakemu_core.policy.models import ActorCritic, build_model
 from oakemu_core.step_schema import build_schema
@@ -82,15 +78,24 @@ def test_ppo_policy_gradient_vanishes_on_clipped_rows() -> None:
 
 
 def test_explained_variance() -> None:
-    targets = np.array([1.0, 2.0, 3.0, 4.0])
+    targets = torch.tensor([1.0, 2.0, 3.0, 4.0])
     assert explained_variance(targets, targets) == 1.0
-    assert explained_variance(np.full(4, 2.5), targets) == pytest.approx(0.0)
+    assert explained_variance(torch.full((4,), 2.5), targets) == pytest.approx(0.0)
     # residual (0.5, -0.5, 0.5, -0.5): var 0.25; var(targets) 1.25.
-    assert explained_variance(targets + np.array([0.5, -0.5, 0.5, -0.5]), targets) == pytest.approx(
-        0.8
-    )
-    assert math.isnan(explained_variance(np.zeros(3), np.ones(3)))
-    assert math.isnan(explained_variance(np.zeros(0), np.zeros(0)))
+    residual = torch.tensor([0.5, -0.5, 0.5, -0.5])
+    assert explained_variance(targets + residual, targets) == pytest.approx(0.8)
+    assert math.isnan(explained_variance(torch.zeros(3), torch.ones(3)))
+    assert math.isnan(explained_variance(torch.zeros(0), torch.zeros(0)))
+
+
+def test_explained_variance_matches_numpy_on_float32_tensors() -> None:
+    rng = np.random.default_rng(11)
+    values = rng.normal(size=1000).astype(np.float32)
+    returns = (values + rng.normal(scale=0.3, size=1000)).astype(np.float32) * 40.0
+    v64, r64 = values.astype(np.float64), returns.astype(np.float64)
+    expected = 1.0 - np.var(r64 - v64) / np.var(r64)
+    got = explained_variance(torch.from_numpy(values), torch.from_numpy(returns))
+    assert got == pytest.approx(expected, rel=1e-12)
 
 
 def test_linear_schedule_and_its_state() -> None:
@@ -502,11 +507,29 @@ def served_minibatches(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     return calls
 
 
-def _scheduled_learner(
-    model: ActorCritic, buffer: RolloutBuffer, schedule: LinearSchedule
-) -> PPOLearner:
-    """The settings of :func:`_learner` in a :class:`PPOLearner` training on ``buffer`` with ``schedule``."""
-    config = PPOExperimentConfiguration(
+def test_update_statistics_read_the_device_batch_not_the_buffer_again(monkeypatch) -> None:
+    """The explained variance comes from the values and returns of the flat batch the update trained
+    on (on the device), equal to an independent numpy computation over the trainable rows; the
+    buffer's CPU arrays are not read a second time for it."""
+    model = _model()
+    with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
+        _fill(buffer, [model], np.random.default_rng(4))
+        trainable = buffer.trainable.copy()
+        values = buffer.values[trainable].astype(np.float64)
+        returns = buffer.returns[trainable].astype(np.float64)
+
+        def no_second_read(self):
+            raise AssertionError("the update re-read the buffer's values and returns")
+
+        monkeypatch.setattr(RolloutBuffer, "trainable_diagnostics", no_second_read)
+        stats = _learner(model).step(buffer, current_policy_version=0)
+    expected = 1.0 - np.var(returns - values) / np.var(returns)
+    assert stats.explained_variance == pytest.approx(expected, rel=1e-9)
+
+
+def _scheduled_learner(model: ActorCritic, schedule: LinearSchedule) -> PPOLearner:
+    """The settings of :func:`_learner` in a :class:`PPOLearner` with ``schedule``."""
+    config = PPOSettings(
         ppo_epochs=4,
         num_minibatches=4,
         clip_coef=0.2,
@@ -517,36 +540,30 @@ def _scheduled_learner(
         seed=0,
     )
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-5)
-    return PPOLearner(
-        RuntimeContext(config, torch.device("cpu")),
-        ThreadSafeModel(model),
-        buffer,
-        optimizer,
-        schedule,
-    )
+    return PPOLearner(config, ThreadSafeModel(model), optimizer, schedule, device="cpu")
 
 
 def test_learning_rate_schedule_counters_and_state_restore(served_minibatches: list[dict]) -> None:
     model = _model()
     schedule = LinearSchedule(1e-3, 0.0, 10)
     with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
-        learner = _scheduled_learner(model, buffer, schedule)
+        learner = _scheduled_learner(model, schedule)
         _fill(buffer, [model], np.random.default_rng(5))
-        rates = [learner.step(actor_steps=0).learning_rate for v in (0, 1)]
+        rates = [learner.step(PreparedRollout(buffer)).learning_rate for v in (0, 1)]
         assert rates == pytest.approx([1e-3, 0.9e-3])
         assert (learner.iterations, learner.rollouts_collected, learner.policy_version) == (2, 2, 2)
 
         saved = learner.state()
-        resumed = _scheduled_learner(_model(), buffer, LinearSchedule(1e-3, 0.0, 10))
+        resumed = _scheduled_learner(_model(), LinearSchedule(1e-3, 0.0, 10))
         resumed.lr_schedule.load_state_dict(schedule.state_dict())
         resumed.restore_state(PPOLearnerRuntimeState.from_dict(saved.to_dict()))
         assert (resumed.iterations, resumed.rollouts_collected, resumed.policy_version) == (2, 2, 2)
         # The shuffle generator continues where it stopped: same next minibatch rows.
         served_minibatches.clear()
-        learner.step(actor_steps=0)
+        learner.step(PreparedRollout(buffer))
         rows_original = [call["order"] for call in served_minibatches]
         served_minibatches.clear()
-        third = resumed.step(actor_steps=0)
+        third = resumed.step(PreparedRollout(buffer))
         rows_resumed = [call["order"] for call in served_minibatches]
         assert len(rows_original) == len(rows_resumed) == 4  # one shuffle per epoch
         for a, b in zip(rows_original, rows_resumed, strict=True):
