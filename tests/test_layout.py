@@ -69,8 +69,6 @@ SIZE_EXCEPTIONS: dict[str, str] = {
     "oakemu_core/algo/recording.py::record_dataset": "TO GO: function of 94 lines (limit 80) once formatted; split by concept",
     "oakemu_core/config.py": "TO GO: module of 841 lines (limit 700) once formatted; split by concept",
     "oakemu_core/config.py::OakEmuConfig": "TO GO: class of 519 lines (limit 400) once formatted; split by concept",
-    "oakemu_core/step_schema.py": "TO GO: module of 846 lines (limit 700) once formatted; split by concept",
-    "oakemu_core/step_schema.py::build_schema": "TO GO: function of 107 lines (limit 80) once formatted; split by concept",
     "oakemu_core/storage/assembler.py::RolloutAssembler": "TO GO: class of 483 lines (limit 400) once formatted; split by concept",
     "oakemu_core/transport/control_server.py::ControlServer": "TO GO: class of 481 lines (limit 400) once formatted; split by concept",
     "services/actor.py::Actor": "TO GO: class of 484 lines (limit 400) once formatted; split by concept",
