@@ -91,6 +91,10 @@ def _column(lines: list[str]) -> list[str]:
     return [line[start:end] for line in lines[2:]]
 
 
+SOURCES = {"stats", "result", "lag", "window", "learner", "report", "snapshot"}
+"""The source objects the table's docstring names."""
+
+
 def test_names_are_unique_and_every_row_shows_somewhere() -> None:
     tags = Counter(row.tag for row in METRICS if row.tag)
     assert [tag for tag, n in tags.items() if n > 1] == []
@@ -100,9 +104,7 @@ def test_names_are_unique_and_every_row_shows_somewhere() -> None:
     assert [name for name, n in samples.items() if n > 1] == []
     for row in METRICS:
         assert row.tag or row.snapshot, row
-        assert row.source_object in {"stats", "result", "lag", "window", "learner", "report"} | {
-            "snapshot"
-        }, row
+        assert row.source_object in SOURCES, row
         if row.prometheus:
             assert row.snapshot, f"{row.prometheus}: Prometheus reads the snapshot field"
             assert (row.label is None) == (row.prometheus not in FAMILIES), row
