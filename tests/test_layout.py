@@ -71,7 +71,6 @@ SIZE_EXCEPTIONS: dict[str, str] = {
     "oakemu_core/config.py::OakEmuConfig": "TO GO: class of 519 lines (limit 400) once formatted; split by concept",
     "oakemu_core/storage/assembler.py::RolloutAssembler": "TO GO: class of 483 lines (limit 400) once formatted; split by concept",
     "oakemu_core/transport/control_server.py::ControlServer": "TO GO: class of 481 lines (limit 400) once formatted; split by concept",
-    "services/actor.py::Actor": "TO GO: class of 484 lines (limit 400) once formatted; split by concept",
     "services/learner.py": "TO GO: module of 832 lines (limit 700) once formatted; split by concept",
     "services/learner.py::Learner._build": "TO GO: function of 118 lines (limit 80) once formatted; split by concept",
     "services/learner.py::Learner.run": "TO GO: function of 93 lines (limit 80) once formatted; split by concept",

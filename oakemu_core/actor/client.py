@@ -4,9 +4,8 @@ An actor reaches the learner through three sockets: the control REQ socket (:cla
 used by :class:`LearnerClient` for join, heartbeat, leave and weights requests), the weights SUB socket
 (:func:`subscribe_weights`, read with :func:`newest_message`) and its step channel
 (:mod:`oakemu_core.transport.channels`, made from the join's spec and the ring
-:meth:`LearnerClient.attach_ring` attached). The join reply's ``env_config`` and weights make the
-actor's envs, model and stepper (:func:`make_envs`, :func:`make_model`, :func:`make_inference_backend`,
-:func:`make_stepper`).
+:meth:`LearnerClient.attach_ring` attached). What the join reply's ``env_config`` and weights build
+(envs, model, stepper) is :mod:`oakemu_core.actor.join_setup`.
 
 Weights reach an actor on the weights channel, a PUB/SUB broadcast that loses what is published while
 the actor's subscription is not connected yet (it connects after the first join) or its queue is full.
@@ -35,17 +34,10 @@ import threading
 import time
 import uuid
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import zmq
 
-from oakemu_core.actor.routing import PolicyRouter, RoutingConfig
-from oakemu_core.actor.stepper import PolicyStepper
-from oakemu_core.envs.factory import make_env_groups, make_vector_env
-from oakemu_core.envs.options import EnvOptions
-from oakemu_core.envs.vector import EnvGroups, VectorEnv
-from oakemu_core.policy.models import ActorCritic, build_model, load_weight_arrays
-from oakemu_core.policy.schemas import schema_for_env
 from oakemu_core.transport.auth import new_routing_id
 from oakemu_core.transport.codec import MessageRejected
 from oakemu_core.transport.control import (
@@ -68,7 +60,6 @@ from oakemu_core.transport.keepalive import keep_alive
 from oakemu_core.transport.step_ring import StepRing, StepRingUnavailable
 
 if TYPE_CHECKING:
-    from oakemu_core.config import OakEmuConfig
     from oakemu_core.transport.auth import ClientSecurity
 
 __all__ = [
@@ -84,10 +75,6 @@ __all__ = [
     "LearnerClient",
     "subscribe_weights",
     "newest_message",
-    "make_envs",
-    "make_model",
-    "make_inference_backend",
-    "make_stepper",
 ]
 
 log = logging.getLogger("oakemu.actor")
@@ -424,123 +411,3 @@ def newest_message(sub: zmq.Socket, max_bytes: int) -> ControlMessage | None:
     except MessageRejected as error:
         log.warning("malformed weights message ignored: %s", error)
         return None
-
-
-# ---------------------------------------------------------------------------------------------
-# what a join reply sets up
-# ---------------------------------------------------------------------------------------------
-
-
-def make_envs(config: OakEmuConfig, reply: JoinReply) -> VectorEnv | EnvGroups:
-    """The actor's ``envs_per_actor`` envs of the join's ``env_config`` (in ``env_groups`` stepped
-    side by side when more than one), after checking they give the step fields the learner expects.
-
-    Raises:
-        ActorSetupError: the local env gives other step fields (another version of the env or of
-            OakEmu-RL here).
-    """
-    assert reply.spec is not None
-    env_config = reply.env_config
-    env_id, seed = str(env_config["env_id"]), int(env_config["seed"])
-    kwargs = dict(
-        clip_rewards=bool(env_config["clip_rewards"]),
-        max_episode_steps=env_config.get("max_episode_steps"),
-        settings_file=env_config.get("emulator_settings"),
-        num_threads=config.resolved_emulator_threads(),
-        options=EnvOptions.from_settings(env_config),
-    )
-    groups = min(config.env_groups, config.envs_per_actor)
-    env = (
-        make_env_groups(env_id, config.envs_per_actor, groups, seed=seed, **kwargs)
-        if groups > 1
-        else make_vector_env(env_id, config.envs_per_actor, seed=seed, **kwargs)
-    )
-    local, schema = schema_for_env(env.spec), reply.spec.schema
-    if local != schema:
-        env.close()
-        raise ActorSetupError(
-            f"this actor's {env_id} gives step fields [{local.describe()}], the learner expects "
-            f"[{schema.describe()}]: install the same env and OakEmu-RL versions as the learner"
-        )
-    return env
-
-
-def make_model(env: VectorEnv | EnvGroups, reply: JoinReply) -> ActorCritic:
-    """The actor's CPU model for ``env``, in eval mode, with the join's weights loaded."""
-    assert reply.spec is not None
-    model = build_model(
-        env.spec.observation_layout,
-        reply.spec.schema.distribution,
-        normalize_observations=bool(reply.env_config.get("normalize_observations")),
-    )
-    model.eval()
-    load_weight_arrays(model, reply.weights)
-    return model
-
-
-def make_inference_backend(
-    kind: str, model: ActorCritic, *, threads: int, actor_id: str = ""
-) -> Any:
-    """The forward passes of ``actor_inference`` ``kind`` for ``model``: ``"numpy"``
-    (:class:`~oakemu_core.policy.numpy_inference.NumpyForward`), ``"auto"`` (numpy where it serves the
-    model, else None: torch's own), ``"bfloat16"``
-    (:class:`~oakemu_core.policy.bfloat16_inference.BFloat16Forward`) or ``"onnxruntime"``
-    (:class:`~oakemu_core.policy.onnx_inference.OnnxForward`, ``threads`` intra-op threads); give it to
-    :meth:`~oakemu_core.policy.models.ActorCritic.use_inference_backend`, and ``load`` it after each
-    weights update.
-
-    Raises:
-        ActorSetupError: the backend cannot serve this model (or cannot be set up here).
-    """
-    try:
-        if kind in ("auto", "numpy"):
-            from oakemu_core.policy.numpy_inference import NumpyForward
-
-            if kind == "auto" and NumpyForward.unsupported_reason(model):
-                return None
-            backend = NumpyForward(model)
-            log.info("actor %s: forward passes in numpy", actor_id)
-            return backend
-        if kind == "bfloat16":
-            from oakemu_core.policy.bfloat16_inference import BFloat16Forward
-
-            backend: Any = BFloat16Forward(model)
-            log.info("actor %s: forward passes in bfloat16", actor_id)
-            return backend
-        from oakemu_core.policy.onnx_inference import OnnxForward
-
-        backend = OnnxForward(model, threads=threads)
-        log.info("actor %s: forward passes by ONNX Runtime", actor_id)
-        return backend
-    except ValueError as error:
-        raise ActorSetupError(str(error)) from None
-    except Exception as error:  # noqa: BLE001 - the exporter's or ONNX Runtime's own: one readable line
-        raise ActorSetupError(
-            f"actor_inference={kind!r} could not be set up "
-            f"({type(error).__name__}: {error}); use --actor-inference torch"
-        ) from None
-
-
-def make_stepper(env: VectorEnv | EnvGroups, model: ActorCritic, reply: JoinReply) -> PolicyStepper:
-    """The stepper of ``env`` with ``model`` (its first actions are chosen here: give the model its
-    inference backend first), routing as the join's ``route_*`` settings say.
-
-    Raises:
-        ActorSetupError: the routing settings cannot be served here (a scripted policy that does not
-            import on this machine, or routing with ``env_groups`` > 1).
-    """
-    assert reply.spec is not None
-    try:
-        routing = RoutingConfig.from_mapping(reply.env_config)
-        router = (
-            PolicyRouter(env.spec, env.num_envs, routing, seed=int(reply.env_config["seed"]))
-            if routing.active
-            else None
-        )
-        if router is not None and isinstance(env, EnvGroups):
-            raise ValueError("not supported with env_groups > 1")
-    except ValueError as error:
-        raise ActorSetupError(f"policy routing: {error}") from None
-    return PolicyStepper(
-        env, model, schema=reply.spec.schema, policy_version=reply.policy_version, router=router
-    )

@@ -21,17 +21,18 @@ class Weights:
 
 def stub(held_rows_after: list[int]) -> SimpleNamespace:
     """What ``_wait_for_weights_newer_than`` reads: each heartbeat reports the next held-row count."""
+    weights = SimpleNamespace(  # none held: asynchronous mode
+        policy_version=3, learner_version=3, load_held=lambda: False
+    )
     actor = SimpleNamespace(
         stop_event=threading.Event(),
-        policy_version=3,
-        learner_version=3,
+        weights=weights,
         actor_id="a",
         weights_sub=Weights(),
         learner_holds_rows=held_rows_after[0],
         heartbeats=0,
     )
     actor._poll_weights = lambda: False
-    actor._load_held_weights = lambda: None  # none held: asynchronous mode
 
     def heartbeat_if_due() -> None:
         actor.heartbeats += 1

@@ -22,6 +22,7 @@ from oakemu_core.transport.control import (
     encode_stop,
     encode_weights,
 )
+from tests.actor_fakes import fake_weights
 from tests.e2e_helpers import free_ports
 
 
@@ -59,12 +60,7 @@ def weights() -> Iterator[Weights]:
         actor.weights_sub.connect(f"inproc://weights-{port}")
         feed = Weights(actor, publisher)
 
-        def load(version: int, arrays: dict, revision: int = 0) -> None:  # no model here
-            feed.loaded.append(version)
-            actor.policy_version, actor.weights_revision = version, revision
-
-        actor._load_weights = load
-        actor.policy_version, actor.weights_revision = 0, 0
+        fake_weights(actor, feed.loaded)  # no model here
         actor.next_heartbeat = float("inf")  # no learner to answer one
         yield feed
     finally:
@@ -101,12 +97,14 @@ def test_a_synchronous_actor_waiting_inside_its_segment_hears_the_stop_and_keeps
     notice, not at the next heartbeat a second later; weights read there are loaded only when the
     segment ends, so one version acts on the whole segment."""
     actor = weights.actor
-    actor.sync_rollout_length = 32
+    actor.pacing.sync_rollout_length = 32
     _pause_until_read(weights, _weights(1))
-    assert weights.loaded == [] and actor.held_weights is not None  # held for the segment's end
-    assert actor.learner_version == 1  # the lag its heartbeats report counts the held version
+    assert weights.loaded == [] and actor.weights.held is not None  # held for the segment's end
+    assert (
+        actor.weights.learner_version == 1
+    )  # the lag its heartbeats report counts the held version
     assert actor._wait_for_weights_newer_than(0, give_up_s=None) and weights.loaded == [1]
-    assert actor.held_weights is None and not actor.stop_event.is_set()
+    assert actor.weights.held is None and not actor.stop_event.is_set()
     _pause_until_read(weights, encode_stop(StopNotice("env-step budget reached")))
     assert actor.stop_event.is_set() and weights.loaded == [1]
 
@@ -116,10 +114,10 @@ def test_weights_held_in_a_segment_are_dropped_when_the_actor_joins_again(weight
     restarted from its checkpoint at v95, the next segment's end waits for the new learner's v96
     instead of loading the dead learner's v101 (which would label rows and stall the wait)."""
     actor = weights.actor
-    actor.stepper = SimpleNamespace()  # a rejoin: envs, model and stepper exist
-    actor.policy_version, actor.sync_rollout_length = 100, 32
+    fake_weights(actor, weights.loaded, 100)  # a rejoin: envs, model and stepper exist
+    actor.pacing.sync_rollout_length = 32
     _pause_until_read(weights, _weights(101))  # inside a segment: v101 held for the segment's end
-    assert actor.held_weights is not None and actor.held_weights.policy_version == 101
+    assert actor.weights.held is not None and actor.weights.held.policy_version == 101
 
     # The learner crashes and is restarted from its checkpoint at version 95; the actor rejoins.
     reply = JoinReply(
@@ -135,11 +133,11 @@ def test_weights_held_in_a_segment_are_dropped_when_the_actor_joins_again(weight
     actor.client.attach_ring = lambda reply: None
     actor._open_channel = lambda spec, ring: None
     actor.join()
-    assert actor.policy_version == 95 and weights.loaded == [95]
+    assert actor.weights.policy_version == 95 and weights.loaded == [95]
 
     # End of the first segment after the rejoin (acted by v95): the actor waits for v96.
     actor._wait_for_weights_newer_than(95, give_up_s=0.2)
-    assert actor.policy_version != 101, (
+    assert actor.weights.policy_version != 101, (
         f"loaded the dead learner's held v101 (loads: {weights.loaded})"
     )
-    assert actor.held_weights is None
+    assert actor.weights.held is None

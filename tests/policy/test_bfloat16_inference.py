@@ -164,11 +164,13 @@ def test_actor_inference_bfloat16_is_a_setting() -> None:
 
 
 def test_the_actor_hands_every_weights_update_to_its_inference_backend() -> None:
-    """``Actor._load_weights`` (join, rejoin, weights messages and revisions all go through it) loads
+    """``ActorWeights.load`` (join, rejoin, weights messages and revisions all go through it) loads
     the arrays into the model first, then the backend's ``load`` sees them: a bfloat16 encoder left
     with old weights would act an old policy."""
-    from oakemu_services.actor import Actor
+    from types import SimpleNamespace
 
+    from oakemu_core.actor.join_setup import ActorPolicy
+    from oakemu_core.actor.weights import ActorWeights
     from oakemu_core.policy.models import weights_to_arrays
 
     torch.manual_seed(3)
@@ -181,17 +183,14 @@ def test_the_actor_hands_every_weights_update_to_its_inference_backend() -> None
                 loaded_model.encoders[loaded_model._module_key("")][0].weight.detach().clone()
             )
 
-    actor = Actor.__new__(Actor)  # only what _load_weights touches
-    actor.model, actor.inference_backend, actor.stepper = model, Recording(), None
-    actor.policy_version = actor.weights_revision = actor.revisions_loaded = (
-        actor.learner_version
-    ) = 0
-    actor.rows_this_version = 0
+    stepper = SimpleNamespace(policy_version=0, weights_revision=0)  # only what loads touch
+    policy = ActorPolicy(env=None, model=model, inference_backend=Recording(), stepper=stepper)
+    weights = ActorWeights(stepper, policy.load)
     for version, revision in ((1, 0), (1, 2), (2, 0)):
         arrays = weights_to_arrays(build_model(ATARI, Categorical(4)))
-        actor._load_weights(version, arrays, revision)
+        weights.load(version, arrays, revision)
         assert torch.equal(
             seen[-1], torch.from_numpy(arrays[next(k for k in arrays if k.endswith("0.weight"))])
         )
-        assert (actor.policy_version, actor.weights_revision) == (version, revision)
+        assert (stepper.policy_version, stepper.weights_revision) == (version, revision)
     assert len(seen) == 3

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from oakemu_core.actor.client import make_inference_backend
+from oakemu_core.actor.join_setup import make_inference_backend
 from oakemu_core.policy.distributions import Categorical, DiagGaussian
 from oakemu_core.policy.models import ActorCritic
 from oakemu_core.policy.numpy_inference import NumpyForward, check_supported

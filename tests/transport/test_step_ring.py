@@ -700,7 +700,7 @@ def test_an_actor_acts_the_next_message_only_once_its_ring_slot_is_free() -> Non
         )  # as a join does
         actor.join = lambda: None
         actor.seq, actor.client.incarnation = 0, "inc"
-        actor.stepper = SimpleNamespace(step=step, schema=None)
+        actor.stepper = SimpleNamespace(step=step, schema=None, policy_version=0)
         actor.send_step = send_step
         actor.weights_sub = actor.context.socket(zmq.SUB)  # never receives: no newer weights
         actor.next_heartbeat = float("inf")

@@ -29,6 +29,7 @@ from oakemu_core.transport.control import (
     decode_message,
     encode_weights,
 )
+from tests.actor_fakes import fake_weights
 from tests.e2e_helpers import free_ports
 
 LEARNER_VERSION = 5
@@ -97,12 +98,7 @@ def deaf(monkeypatch: pytest.MonkeyPatch) -> Iterator[Deaf]:
         actor.client.incarnation = "inc-1"
         feed = Deaf(actor, learner, publisher)
 
-        def load(version: int, arrays: dict, revision: int = 0) -> None:
-            feed.loaded.append(version)
-            actor.policy_version, actor.weights_revision = version, revision
-
-        actor._load_weights = load
-        actor.policy_version, actor.weights_revision = 0, 0
+        fake_weights(actor, feed.loaded)
         yield feed
     finally:
         publisher.close(linger=0)
@@ -121,9 +117,9 @@ def test_an_asynchronous_actor_behind_the_heartbeat_s_version_fetches_and_loads_
     while not deaf.loaded and time.monotonic() - started < 5.0:
         actor.heartbeat_if_due()
         time.sleep(0.01)
-    assert deaf.loaded == [LEARNER_VERSION] and actor.policy_version == LEARNER_VERSION
+    assert deaf.loaded == [LEARNER_VERSION] and actor.weights.policy_version == LEARNER_VERSION
     assert time.monotonic() - started >= 0.2, "asked only after WEIGHTS_MISSED_S behind"
-    assert deaf.learner.count(WeightsRequest) == 1 and actor.weights_fetched == 1
+    assert deaf.learner.count(WeightsRequest) == 1 and actor.weights.fetched == 1
     time.sleep(0.1)
     actor.heartbeat_if_due()
     assert deaf.learner.count(WeightsRequest) == 1, "not behind any more: no further request"
@@ -137,7 +133,7 @@ def test_a_synchronous_actor_waiting_at_its_segment_end_gets_the_weights_it_miss
     """An actor that missed every publication, waiting for weights newer than its acting version at its
     segment's end, fetches them on the control socket, loads them and stops waiting."""
     actor = deaf.actor
-    actor.sync_rollout_length = 32
+    actor.pacing.sync_rollout_length = 32
     deaf.publish_missed()
     watchdog = threading.Timer(5.0, actor.stop_event.set)
     watchdog.start()
@@ -156,11 +152,11 @@ def test_a_synchronous_actor_inside_its_segment_keeps_the_fetched_weights_for_th
     """One version acts on a whole synchronous segment: weights fetched while the actor waits inside
     it (a full step ring) are held, then loaded at the segment's end without waiting."""
     actor = deaf.actor
-    actor.sync_rollout_length = 32
+    actor.pacing.sync_rollout_length = 32
     started = time.monotonic()
-    while actor.held_weights is None and time.monotonic() - started < 5.0:
+    while actor.weights.held is None and time.monotonic() - started < 5.0:
         actor._pause(0.02)
-    assert actor.held_weights is not None and actor.held_weights.policy_version == LEARNER_VERSION
+    assert actor.weights.held is not None and actor.weights.held.policy_version == LEARNER_VERSION
     assert deaf.loaded == []
     count = deaf.learner.count(WeightsRequest)
     for _ in range(10):
