@@ -19,7 +19,7 @@ from oakemu_core.transport.auth import public_tag
 
 if TYPE_CHECKING:
     from oakemu_core.algo.handshake import TrainResult
-    from oakemu_core.algo.ppo import PPOUpdateStats
+    from oakemu_core.algo.update_stats import PPOUpdateStats
     from oakemu_core.storage.assembler import RolloutAssembler
 
 __all__ = ["LearnerTelemetry"]

@@ -41,7 +41,7 @@ from oakemu_core.run.metrics_table import (
 )
 
 if TYPE_CHECKING:
-    from oakemu_core.algo.ppo import PPOUpdateStats
+    from oakemu_core.algo.update_stats import PPOUpdateStats
     from oakemu_core.run.tester import EvaluationReport
 
 __all__ = [

@@ -12,7 +12,7 @@ Every sink reads this table:
 * the monitor's view (``oakemu monitor``): a line per row with a :class:`MonitorLine`.
 
 Adding a metric: compute it where its source object is built (an update statistic: a field of
-``PPOUpdateStats`` in ``oakemu_core/algo/ppo.py``) and add its row here.
+``PPOUpdateStats`` in ``oakemu_core/algo/update_stats.py``) and add its row here.
 
 A row's ``source`` is ``"<object>.<field>"``; the objects are
 
