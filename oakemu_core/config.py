@@ -40,10 +40,11 @@ from oakemu_core.envs.emulators import RETRO_PREFIX
 from oakemu_core.envs.options import EnvSettings
 from oakemu_core.envs.spec import is_atari_env
 from oakemu_core.errors import ConfigError
-from oakemu_core.options import add_setting_arguments, given_settings, unknown_variables
+from oakemu_core.options import GROUPS, add_setting_arguments, given_settings, unknown_variables
 from oakemu_core.run.evaluation_settings import EvaluationSettings
-from oakemu_core.run.run_folder import PORT_FIELDS
+from oakemu_core.run.settings import RollbackSettings, RunSettings
 from oakemu_core.transport.batching import AUTO_MESSAGE_MIN_ROWS, auto_steps_per_message
+from oakemu_core.transport.settings import SecuritySettings, TransportSettings
 
 __all__ = [
     "CONFIG_FILE_ENV_VAR",
@@ -126,12 +127,27 @@ class _BaseSettingsSource(PydanticBaseSettingsSource):
         return dict(self._data)
 
 
-class OakEmuConfig(PPOSettings, EnvSettings, EvaluationSettings, BaseSettings):
+class OakEmuConfig(
+    PPOSettings,
+    EnvSettings,
+    EvaluationSettings,
+    RunSettings,
+    RollbackSettings,
+    TransportSettings,
+    SecuritySettings,
+    BaseSettings,
+):
     """All settings of a training run, an actor, a learner or a monitor (flat, one line each).
 
-    The PPO hyperparameters (and the seed) are the fields of :class:`~oakemu_core.algo.settings.PPOSettings`,
-    declared there once and inherited here; so are the environment's (:class:`~oakemu_core.envs.options.EnvSettings`)
-    and the periodic evaluation's (:class:`~oakemu_core.run.evaluation_settings.EvaluationSettings`).
+    The settings of one concern are declared once, beside the code that reads them, and inherited
+    here: the PPO hyperparameters and the seed (:class:`~oakemu_core.algo.settings.PPOSettings`), the
+    environment's (:class:`~oakemu_core.envs.options.EnvSettings`), the periodic evaluation's
+    (:class:`~oakemu_core.run.evaluation_settings.EvaluationSettings`), the run folder's, logging's
+    and tracking's (:class:`~oakemu_core.run.settings.RunSettings`), the rollback's
+    (:class:`~oakemu_core.run.settings.RollbackSettings`), the transport's
+    (:class:`~oakemu_core.transport.settings.TransportSettings`) and the learner's limits on its peers
+    (:class:`~oakemu_core.transport.settings.SecuritySettings`). This class declares the rest: the
+    actors, the rollout and learning rate, the run's mode and devices, and routing.
     """
 
     model_config = SettingsConfigDict(
@@ -266,84 +282,9 @@ class OakEmuConfig(PPOSettings, EnvSettings, EvaluationSettings, BaseSettings):
         "or bfloat16 (uint8 image observations only; the learner re-evaluates every rollout).",
     )
 
-    step_transport: Literal["auto", "sockets"] = Field(
-        "auto",
-        description="How actors hand their step arrays to the learner: auto (a shared-memory step ring when they "
-        "share a machine and /dev/shm, inline in the ZeroMQ messages otherwise), or sockets (always inline).",
-    )
-
-    # --- network addresses ---
-    bind_host: str = Field(
-        "127.0.0.1", min_length=1, description="Address the learner binds its sockets to."
-    )
-    learner_host: str = Field(
-        "127.0.0.1", min_length=1, description="Where actors and monitors find the learner."
-    )
-    data_port: int = Field(5555, ge=1, le=65535, description="Learner PULL port for step messages.")
-    control_port: int = Field(
-        5556, ge=1, le=65535, description="Learner ROUTER port for join/heartbeat/leave."
-    )
-    weights_port: int = Field(5557, ge=1, le=65535, description="Learner PUB port for weights.")
-    telemetry_port: int = Field(
-        5558, ge=1, le=65535, description="Learner PUB port for telemetry snapshots."
-    )
-    metrics_port: int | None = Field(
-        9100, ge=0, le=65535, description="Prometheus HTTP port (None or 0 disables)."
-    )
-    actor_timeout_s: float = Field(
-        10.0, gt=0.0, description="Drop an actor silent for this many seconds."
-    )
-    max_message_bytes: int = Field(
-        64 * 1024 * 1024, ge=1024, description="Largest accepted message (bytes)."
-    )
     actor_id: str | None = Field(
         None, min_length=1, description="Actor name (default: hostname-pid)."
     )
-
-    # --- run folder and logging ---
-    runs_dir: Path = Field(Path("runs"), description="Folder holding run folders.")
-    run_name: str | None = Field(
-        None, min_length=1, description="Run folder name (default: env-seed-time)."
-    )
-    checkpoint_every_updates: int = Field(
-        50, ge=0, description="Checkpoint every N updates (0: only at exit)."
-    )
-    checkpoint_every_seconds: float = Field(
-        0.0, ge=0.0, description="Also checkpoint every N seconds of wall time (0: off)."
-    )
-    keep_checkpoints: int = Field(
-        3, ge=1, description="Numbered checkpoints kept (the newest; best.pt and latest.pt apart)."
-    )
-    max_checkpoint_failures: int = Field(
-        5,
-        ge=1,
-        description="Stop training after this many failed checkpoint writes in a row (full disk); "
-        "fewer are logged, counted and retried at the next checkpoint.",
-    )
-
-    # --- automatic rollback (see oakemu_core/algo/health.py HealthMonitor) ---
-    rollback: bool = Field(
-        True,
-        description="Roll back to the last good checkpoint when the run collapses (non-finite loss or "
-        "weights, approx KL above rollback_max_approx_kl, evaluation return collapsing), with the learning rate "
-        "multiplied by rollback_lr_factor.",
-    )
-    rollback_max_approx_kl: float | None = Field(
-        1.0, gt=0.0, description="approx KL of an update that counts as a collapse."
-    )
-    rollback_eval_fraction: float | None = Field(
-        0.5,
-        gt=0.0,
-        lt=1.0,
-        description="An evaluation below this fraction of the best (from the worst) is low.",
-    )
-    rollback_eval_patience: int = Field(
-        3, ge=1, description="Low evaluations in a row that count as a collapse."
-    )
-    rollback_lr_factor: float = Field(
-        0.5, gt=0.0, le=1.0, description="Learning-rate multiplier per rollback."
-    )
-    max_rollbacks: int = Field(3, ge=0, description="Rollbacks before the run stops with an error.")
 
     # --- behaviour cloning (demonstrations in the Minari format, see `oakemu record`) ---
     bc_dataset: str | None = Field(
@@ -373,102 +314,6 @@ class OakEmuConfig(PPOSettings, EnvSettings, EvaluationSettings, BaseSettings):
         le=1.0,
         description="Probability that a non-random step is scripted (needs route_scripted_policy).",
     )
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
-        "INFO", description="Python logging level."
-    )
-    log_format: Literal["auto", "rich", "plain", "json"] = Field(
-        "auto",
-        description="Log records: rich (terminal view), plain or json (one record per line); "
-        "auto = rich when stderr is a terminal, else plain.",
-    )
-
-    # --- experiment tracking (oakemu_core/run/tracking.py; optional extras mlflow, wandb) ---
-    track: Literal["none", "mlflow", "wandb"] = Field(
-        "none",
-        description="Also send the config, every scalar, the evaluation videos and the final checkpoint to "
-        "MLflow or Weights & Biases (WANDB_MODE=offline works without a network).",
-    )
-    track_uri: str | None = Field(
-        None,
-        description="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else the local file store ./mlruns).",
-    )
-    track_project: str = Field(
-        "oakemu", min_length=1, description="MLflow experiment or W&B project name."
-    )
-
-    # --- transport security (ZeroMQ CURVE, see deploy/README.md) ---
-    curve: bool = Field(
-        False,
-        description="Encrypt and authenticate every learner socket with ZeroMQ CURVE (off by default: "
-        "turn it on whenever the learner's ports are reachable from other machines).",
-    )
-    curve_secret_key: Path | None = Field(
-        None,
-        description="This process's CURVE key pair file (NAME.key_secret from `oakemu keygen`).",
-    )
-    curve_server_key: Path | None = Field(
-        None,
-        description="Actors and monitors: the learner's public key file (learner.key from `oakemu keygen`).",
-    )
-    curve_authorized_keys: Path | None = Field(
-        None,
-        description="Learner: folder of the public key files (*.key) of the actors and monitors it accepts.",
-    )
-
-    # --- what the learner takes from its peers (the trust model: deploy/README.md) ---
-    max_envs_per_actor: int = Field(
-        1024,
-        ge=1,
-        le=65536,
-        description="Learner: refuse a join asking for more envs than this (never below "
-        "envs_per_actor).",
-    )
-    max_connected_actors: int = Field(
-        1024,
-        ge=1,
-        description="Learner: refuse joins of further actor ids while this many actors are connected.",
-    )
-    reward_low: float | None = Field(
-        None,
-        allow_inf_nan=False,
-        description="Learner: lowest raw reward one env step can give (None: not "
-        "declared). With reward_high, step messages whose rewards, value estimates or episode returns no env "
-        "of the run can give are refused.",
-    )
-    reward_high: float | None = Field(
-        None,
-        allow_inf_nan=False,
-        description="Learner: highest raw reward one env step can give (see reward_low).",
-    )
-    step_ring_max_mib: float | None = Field(
-        None,
-        gt=0.0,
-        allow_inf_nan=False,
-        description="Learner: shared memory (MiB) its step rings take together "
-        "(None: a quarter of /dev/shm; at most what /dev/shm holds beside the rollout buffers); an actor whose "
-        "ring finds no room sends its step arrays inline.",
-    )
-    step_ring_max_mib_per_actor: float = Field(
-        128.0,
-        gt=0.0,
-        allow_inf_nan=False,
-        description="Learner: largest step ring (MiB) of one actor; a larger "
-        "one is not made (its step arrays go inline).",
-    )
-    metrics_host: str | None = Field(
-        None, min_length=1, description="Address the Prometheus endpoint binds (None: bind_host)."
-    )
-
-    @model_validator(mode="after")
-    def _check_reward_range(self) -> OakEmuConfig:
-        if (self.reward_low is None) != (self.reward_high is None) or (
-            self.reward_low is not None and self.reward_low > self.reward_high
-        ):
-            raise ValueError(
-                f"reward_low / reward_high: expected both unset or reward_low <= reward_high, "
-                f"received {self.reward_low} and {self.reward_high}"
-            )
-        return self
 
     @classmethod
     def settings_customise_sources(
@@ -489,25 +334,11 @@ class OakEmuConfig(PPOSettings, EnvSettings, EvaluationSettings, BaseSettings):
         )
 
     # --- validation ---
-    @field_validator("log_level", mode="before")
-    @classmethod
-    def _upper_log_level(cls, value: Any) -> Any:
-        return value.upper() if isinstance(value, str) else value
-
     @field_validator("device")
     @classmethod
     def _check_device(cls, value: str) -> str:
         if not _DEVICE_PATTERN.match(value):
             raise ValueError(f"expected auto, cpu, mps, cuda or cuda:N, received {value!r}")
-        return value
-
-    @field_validator("run_name")
-    @classmethod
-    def _check_run_name(cls, value: str | None) -> str | None:
-        if value is not None and ("/" in value or "\\" in value or value in (".", "..")):
-            raise ValueError(
-                f"expected a single folder name without path separators, received {value!r}"
-            )
         return value
 
     @field_validator("learning_rate", "actor_timeout_s")
@@ -544,7 +375,6 @@ class OakEmuConfig(PPOSettings, EnvSettings, EvaluationSettings, BaseSettings):
                 f"probability > 0) or neither, received {self.route_scripted_policy!r} and "
                 f"{self.route_scripted_probability!r}"
             )
-        _check_ports_differ(self)
         return self
 
     def _fit_actors(self) -> None:
@@ -633,38 +463,10 @@ class OakEmuConfig(PPOSettings, EnvSettings, EvaluationSettings, BaseSettings):
             return self.clip_coef if is_atari_env(self.env_id) else None
         return self.clip_value_range
 
-    @property
-    def metrics_enabled(self) -> bool:
-        """True when the Prometheus endpoint should be served (``metrics_port`` not None/0)."""
-        return bool(self.metrics_port)
-
-    def learner_address(self, port: int) -> str:
-        """ZeroMQ address ``tcp://learner_host:port`` actors and monitors connect to."""
-        return f"tcp://{_host_for_url(self.learner_host)}:{port}"
-
-    def bind_address(self, port: int) -> str:
-        """ZeroMQ address ``tcp://bind_host:port`` the learner binds."""
-        return f"tcp://{_host_for_url(self.bind_host)}:{port}"
-
 
 def unknown_environment_variables(environ: Mapping[str, str] | None = None) -> list[str]:
     """A warning per ``OAKEMU_*`` variable that names no setting (:func:`oakemu_core.options.unknown_variables`)."""
     return unknown_variables(OakEmuConfig.model_fields, os.environ if environ is None else environ)
-
-
-def _check_ports_differ(config: OakEmuConfig) -> None:
-    used: dict[int, str] = {}
-    for name in PORT_FIELDS:
-        port = getattr(config, name)
-        if port and port in used:
-            raise ValueError(
-                f"{name}: expected a port different from {used[port]}={port}, received {port}"
-            )
-        used[port] = name
-
-
-def _host_for_url(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def resolved_device(config: OakEmuConfig) -> str:
@@ -698,15 +500,18 @@ def resolved_device(config: OakEmuConfig) -> str:
 def to_toml(config: OakEmuConfig) -> str:
     """The resolved configuration as a flat TOML document readable by ``--config``.
 
-    Fields whose value is None are written as comments (TOML has no null), so reading the
-    file back gives the same configuration. ``config_file`` is not written.
+    The settings come in the order of their option groups (:data:`oakemu_core.options.GROUPS`, as
+    ``--help`` lists them). Fields whose value is None are written as comments (TOML has no null),
+    so reading the file back gives the same configuration. ``config_file`` is not written.
     """
     # tomli_w is not installed here; the fields are flat scalars, so a small writer suffices.
+    fields = OakEmuConfig.model_fields
+    grouped = [name for group in GROUPS for name in group.fields]
     lines = ["# OakEmu-RL resolved configuration"]
-    for name, field in OakEmuConfig.model_fields.items():
+    for name in [*grouped, *(name for name in fields if name not in grouped)]:
         if name == "config_file":
             continue
-        value = getattr(config, name)
+        field, value = fields[name], getattr(config, name)
         if field.description:
             lines.append(f"# {field.description}")
         if value is None:

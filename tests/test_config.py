@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from pathlib import Path
 
@@ -358,3 +359,33 @@ def test_evaluation_defaults_keep_the_tester_cheap_and_record_best_and_final() -
     ):
         with pytest.raises(ConfigError, match=field):
             load_config(args)
+
+
+def test_to_toml_lists_the_settings_in_the_help_order() -> None:
+    """config.toml reads as ``--help`` does, whatever class declares a setting."""
+    from oakemu_core.options import GROUPS
+
+    text = to_toml(load_config(["--num-envs", "8"]))
+    written = re.findall(r"^(?:# )?([a-z_][a-z0-9_]*) = ", text, flags=re.MULTILINE)
+    assert written == [name for group in GROUPS for name in group.fields]
+
+
+@pytest.mark.parametrize(
+    ("name", "flag", "value", "toml"),
+    [
+        ("bind_host", "--bind-host", "0.0.0.0", '"0.0.0.0"'),  # TransportSettings
+        ("curve", "--curve", True, "true"),  # SecuritySettings
+        ("keep_checkpoints", "--keep-checkpoints", 7, "7"),  # RunSettings
+        ("max_rollbacks", "--max-rollbacks", 1, "1"),  # RollbackSettings
+    ],
+)
+def test_settings_declared_beside_their_code_keep_their_flag_variable_and_toml_key(
+    name: str, flag: str, value: object, toml: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    assert getattr(load_config([flag] if value is True else [flag, text]), name) == value
+    monkeypatch.setenv(f"OAKEMU_{name.upper()}", text)
+    assert getattr(load_config([]), name) == value
+    monkeypatch.delenv(f"OAKEMU_{name.upper()}")
+    path = write_toml(tmp_path / "c.toml", f"{name} = {toml}\n")
+    assert getattr(load_config(["--config", str(path)]), name) == value

@@ -40,6 +40,7 @@ from oakemu_core.run.run_logs import (
     truncate_after,
     truncate_run_logs,
 )
+from oakemu_core.transport.settings import PORT_FIELDS
 
 __all__ = [
     "IMMUTABLE_FIELDS",
@@ -68,9 +69,6 @@ __all__ = [
 
 IMMUTABLE_FIELDS = ("env_id", "normalize_observations")
 """Settings a resumed run cannot change: they decide the environment's spaces or the model's shape."""
-
-PORT_FIELDS = ("data_port", "control_port", "weights_port", "telemetry_port", "metrics_port")
-"""The settings naming a port the learner listens on."""
 
 IGNORED_FIELDS = frozenset({"config_file", "runs_dir", "run_name", *PORT_FIELDS})
 """Settings not compared on resume (where the run lives and listens, not how it trains)."""
