@@ -21,7 +21,7 @@ class RunSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    # --- run folder and logging ---
+    # --- run folder and checkpoints ---
     runs_dir: Path = Field(Path("runs"), description="Folder holding run folders.")
     run_name: str | None = Field(
         None, min_length=1, description="Run folder name (default: env-seed-time)."
@@ -42,6 +42,7 @@ class RunSettings(BaseModel):
         "fewer are logged, counted and retried at the next checkpoint.",
     )
 
+    # --- logging ---
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
         "INFO", description="Python logging level."
     )
