@@ -2,13 +2,15 @@
 training, results (new weights, statistics, evaluations) back.
 
 Everything that crosses between the threads goes through :class:`RolloutHandshake`: the rollout
-with whether to re-evaluate it, the run's counters for checkpoints (:class:`RunProgress`), and
-the trainer's results (:class:`TrainResult`, :class:`WeightsRevision`, or the exception that
-ended training).
+with whether to re-evaluate it, the run's counters for checkpoints (:class:`RunProgress`), the
+trainer's results (:class:`TrainResult`, :class:`WeightsRevision`, or the exception that ended
+training) and, with each result, the trainer's own counters (:class:`TrainerCounters`: the ingest
+thread reads the copy handed over, never the trainer's live state).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -18,10 +20,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from oakemu_core.algo.ppo import PPOUpdateStats
-    from oakemu_core.storage.assembler import FullRollout
+    from oakemu_core.algo.update_stats import PPOUpdateStats
+    from oakemu_core.storage.buffer_ring import FullRollout
 
-__all__ = ["PublishedRollout", "RolloutHandshake", "RunProgress", "TrainResult", "WeightsRevision"]
+__all__ = [
+    "PublishedRollout",
+    "RolloutHandshake",
+    "RunProgress",
+    "TrainResult",
+    "TrainerCounters",
+    "WeightsRevision",
+]
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,23 @@ class RunProgress:
 
     global_step: int = 0
     episodes: int = 0
+
+
+@dataclass(frozen=True)
+class TrainerCounters:
+    """The trainer's counters as its last handed-back result carried them (the trainer thread owns
+    them; the ingest thread's telemetry reports this copy).
+
+    Attributes:
+        iterations: PPO updates completed.
+        learning_rate: the learning rate of the next update (the schedule's value times the
+            rollback scale); NaN before the trainer reported any.
+        checkpoint_failures: failed checkpoint writes since the learner started.
+    """
+
+    iterations: int = 0
+    learning_rate: float = math.nan
+    checkpoint_failures: int = 0
 
 
 @dataclass(frozen=True)
@@ -77,6 +103,8 @@ class TrainResult:
         trained_env_steps: env steps of every rollout trained on so far (rows less stale rows).
         columns: the rollout's columns that held rows (0: not a rollout). planned_columns: the
             columns the run's planned actors fill (fewer columns: the rollout trained with fewer rows).
+        learning_rate: the learning rate of the next update. checkpoint_failures: failed
+            checkpoint writes so far (with ``iterations``, :class:`TrainerCounters`).
     """
 
     slot: int | None
@@ -93,6 +121,8 @@ class TrainResult:
     trained_env_steps: int = 0
     columns: int = 0
     planned_columns: int = 0
+    learning_rate: float = math.nan
+    checkpoint_failures: int = 0
 
 
 class RolloutHandshake:
@@ -112,6 +142,7 @@ class RolloutHandshake:
         self._outbox: queue.Queue[TrainResult | WeightsRevision | BaseException] = queue.Queue()
         self._busy = False
         self._progress = RunProgress()
+        self._trainer = TrainerCounters()
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
@@ -144,6 +175,17 @@ class RolloutHandshake:
         """Ingest thread: the run's counters now (the next checkpoint records them; before the
         trainer stops, the final one)."""
         self._progress = progress  # replaced whole: a reader sees the old or the new counters
+
+    @property
+    def trainer_counters(self) -> TrainerCounters:
+        """Ingest thread: the trainer's counters as of the last result collected by
+        :meth:`results` (or as :meth:`report_trainer` set them before the trainer thread started)."""
+        return self._trainer
+
+    def report_trainer(self, counters: TrainerCounters) -> None:
+        """The trainer's counters before its thread starts (afterwards each :class:`TrainResult`
+        carries them)."""
+        self._trainer = counters
 
     def publish(
         self, rollout: FullRollout, progress: RunProgress | None = None, *, reevaluate: bool = False
@@ -200,6 +242,10 @@ class RolloutHandshake:
                 return ready
             if isinstance(item, BaseException):
                 raise RuntimeError("trainer thread failed") from item
-            if isinstance(item, TrainResult) and item.slot is not None:
-                self._busy = False
+            if isinstance(item, TrainResult):
+                self._trainer = TrainerCounters(
+                    item.iterations, item.learning_rate, item.checkpoint_failures
+                )
+                if item.slot is not None:
+                    self._busy = False
             ready.append(item)

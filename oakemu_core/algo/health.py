@@ -1,8 +1,9 @@
 """The learner's health and checkpoints: the collapse detector, and the policy that decides when
 to checkpoint and how to roll back to the last good checkpoint.
 
-:class:`CheckpointPolicy` is the seam :meth:`oakemu_core.algo.learner.PPOLearner.run` drives
-after every update, after every evaluation, and once at the end.
+:class:`CheckpointPolicy` is the seam :func:`oakemu_core.algo.trainer_thread.run_trainer` drives
+after every update, after every evaluation, and once at the end; it sees the learner through the
+small :class:`JudgedLearner` protocol.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -21,16 +22,49 @@ from oakemu_core.run.checkpoint import CheckpointWriteFailed, latest_checkpoint,
 from oakemu_core.run.tester import BestCheckpointTracker
 
 if TYPE_CHECKING:
-    from oakemu_core.algo.learner import PPOLearner
-    from oakemu_core.algo.ppo import PPOUpdateStats
+    from oakemu_core.algo.update_stats import PPOUpdateStats
 
-__all__ = ["CheckpointPolicy", "HealthMonitor", "RunCollapsedError"]
+__all__ = ["CheckpointPolicy", "HealthMonitor", "JudgedLearner", "RunCollapsedError"]
 
 log = logging.getLogger("oakemu.learner")
 
 
 class RunCollapsedError(RuntimeError):
     """The run kept collapsing after the configured number of rollbacks: training stops."""
+
+
+class JudgedLearner(Protocol):
+    """What :class:`CheckpointPolicy` reads and calls on the learner it judges
+    (:class:`oakemu_core.algo.learner.PPOLearner` is one)."""
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The trained model (its weights are checked for non-finite values)."""
+        ...
+
+    @property
+    def iterations(self) -> int:
+        """PPO updates completed (the checkpoint's number)."""
+        ...
+
+    @property
+    def policy_version(self) -> int:
+        """Version of the current weights."""
+        ...
+
+    @property
+    def device(self) -> torch.device:
+        """Where a restored checkpoint is loaded to."""
+        ...
+
+    @property
+    def lr_scale(self) -> float:
+        """The learning-rate factor left by rollbacks."""
+        ...
+
+    def restore_weights(self, state: dict[str, Any], *, lr_factor: float) -> None:
+        """Roll back to a checkpoint's weights under a new policy version."""
+        ...
 
 
 @dataclass
@@ -106,6 +140,9 @@ class CheckpointPolicy:
         every_updates, every_seconds: periodic checkpoints (0: off).
         lr_factor: learning-rate multiplier per rollback, in (0, 1].
         max_rollbacks: rollbacks before giving up.
+        write_failures: ``() -> int``, the failed checkpoint writes so far as the writer behind
+            ``save_fn`` counts them (read in the trainer thread, :attr:`checkpoint_failures`);
+            None: 0.
     """
 
     def __init__(
@@ -119,6 +156,7 @@ class CheckpointPolicy:
         every_seconds: float = 0.0,
         lr_factor: float = 0.5,
         max_rollbacks: int = 3,
+        write_failures: Callable[[], int] | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.state_fn = state_fn
@@ -131,6 +169,12 @@ class CheckpointPolicy:
         self.rollbacks = 0
         self._last_save = time.monotonic()
         self.best = BestCheckpointTracker(self.run_dir)
+        self._write_failures = write_failures
+
+    @property
+    def checkpoint_failures(self) -> int:
+        """Failed checkpoint writes so far (the writer's count; 0 without ``write_failures``)."""
+        return 0 if self._write_failures is None else int(self._write_failures())
 
     @property
     def best_path(self) -> Path:
@@ -141,7 +185,7 @@ class CheckpointPolicy:
         self._last_save = time.monotonic()
         return self.save_fn(self.run_dir, update, self.state_fn(), final)
 
-    def after_update(self, learner: PPOLearner, stats: PPOUpdateStats | None) -> list[str]:
+    def after_update(self, learner: JudgedLearner, stats: PPOUpdateStats | None) -> list[str]:
         """Judge the update, roll back if it collapsed, checkpoint when due; returns notes to log.
 
         Raises:
@@ -156,7 +200,7 @@ class CheckpointPolicy:
             self.save(learner.iterations)
         return []
 
-    def after_evaluation(self, learner: PPOLearner, report: Any) -> list[str]:
+    def after_evaluation(self, learner: JudgedLearner, report: Any) -> list[str]:
         """Record a tester report (:class:`oakemu_core.run.tester.EvaluationReport`): keep ``best.pt``
         (the evaluated weights) when it is the best so far, roll back on an evaluation collapse."""
         mean = float(report.return_mean)
@@ -171,7 +215,7 @@ class CheckpointPolicy:
             return [f"could not write {self.best.path}: {error}"]
         return []
 
-    def roll_back(self, learner: PPOLearner, reason: str) -> str:
+    def roll_back(self, learner: JudgedLearner, reason: str) -> str:
         """Restore the last good checkpoint, lower the learning rate, bump the policy version.
 
         Raises:
@@ -198,7 +242,7 @@ class CheckpointPolicy:
             f"x{learner.lr_scale:g}, policy version {learner.policy_version}"
         )
 
-    def final(self, learner: PPOLearner) -> Path | None:
+    def final(self, learner: JudgedLearner) -> Path | None:
         """Write the final checkpoint (at exit) and log where the run resumes from; None when it
         was not written (a failed write, logged, or :class:`CheckpointWriteFailed`: too many
         failures in a row)."""

@@ -1,17 +1,13 @@
-"""The learner's training life: ``PPOLearner.step`` / ``run`` and the lock-holding
-model container.
+"""The learner's training step: :class:`PPOLearner` (one rollout prepared and trained on, its
+counters and checkpoint state) and the lock-holding model container :class:`ThreadSafeModel`.
 
-``PPOLearner.run`` is the trainer thread of ``oakemu learner``: it waits for a full rollout
-published by the ingest thread (:class:`~oakemu_core.algo.handshake.RolloutHandshake`), prepares it
-(:meth:`PPOLearner.prepare`: drops rows whose policy lag is too large, re-evaluates rows of older
-versions, scales rewards, computes GAE on the CPU), runs one PPO update on the device
-(:meth:`PPOLearner.step`), updates the observation statistics, notifies the tester, lets the
-:class:`~oakemu_core.algo.health.CheckpointPolicy` checkpoint and judge the run's health (rolling
-back to the last good checkpoint on a collapse), and hands the new weights back. Behaviour-cloning
-pre-training on demonstrations (``bc_sampler``) runs first, as replay-only rollouts of one epoch
-each. When it stops, it evaluates the final weights and writes the final checkpoint.
-
-The service (``oakemu_services.learner``) only wires these pieces to sockets and loggers.
+:meth:`PPOLearner.prepare` drops rows whose policy lag is too large, re-evaluates rows of older
+versions, scales rewards and computes GAE on the CPU; :meth:`PPOLearner.step` runs one PPO update
+on the device (:class:`~oakemu_core.algo.ppo.PPOUpdater`) and updates the observation statistics.
+Behaviour-cloning pre-training on demonstrations (``bc_sampler``) runs as replay-only rollouts of
+one epoch each. The trainer thread that drives it over published rollouts is
+:func:`oakemu_core.algo.trainer_thread.run_trainer`; the service (``oakemu_services.learner``) only
+wires these pieces to sockets and loggers.
 """
 
 from __future__ import annotations
@@ -27,8 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from oakemu_core.algo.handshake import RolloutHandshake, TrainResult
-from oakemu_core.algo.health import CheckpointPolicy, RunCollapsedError
+from oakemu_core.algo.evaluations import EvaluationSchedule
 from oakemu_core.algo.lag import SgdStepLedger, drop_stale_rows
 from oakemu_core.algo.normalization import RewardScaler
 from oakemu_core.algo.ppo import EmptyRolloutError, PPOUpdater
@@ -41,7 +36,6 @@ from oakemu_core.storage.buffer_ring import FullRollout
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
 
 __all__ = [
-    "FINAL_EVALUATION_TIMEOUT_S",
     "PPOLearner",
     "PPOLearnerRuntimeState",
     "PreparedRollout",
@@ -49,11 +43,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("oakemu.learner")
-
-FINAL_EVALUATION_TIMEOUT_S = 30.0
-"""Longest wait (s) for the evaluation of the final weights when :meth:`PPOLearner.run` stops:
-shutdown stays prompt even when a greedy early Atari policy never loses a life (episodes then run
-to the 27,000-step limit)."""
 
 
 class ThreadSafeModel:
@@ -198,8 +187,7 @@ class PPOLearner:
         self.lr_schedule = lr_schedule
         self.bc_sampler = bc_sampler
         self.device = torch.device(device)
-        self.tester = tester
-        self.eval_every_updates = int(eval_every_updates)
+        self.evaluations = EvaluationSchedule(tester, eval_every_updates)
         self.updater = PPOUpdater(
             learner_model.model, optimizer, settings, device=self.device, action_mask=action_mask
         )
@@ -216,8 +204,6 @@ class PPOLearner:
         self.trained_env_steps = 0
         """Env steps of the rollouts trained on: each rollout's rows less its stale rows (the run's
         budget)."""
-        self._submitted_version = -1  # the newest weights handed to the tester
-        self._reported_versions: set[int] = set()  # and those it reported on
         self.sgd_ledger = SgdStepLedger()
 
     # ------------------------------------------------------------------ counters and state
@@ -480,143 +466,12 @@ class PPOLearner:
         self.sgd_ledger.note(self.policy_version, 0, self.sgd_steps)
         return remaining
 
-    # ------------------------------------------------------------------ the loop
-    def run(
-        self,
-        stop_event: threading.Event,
-        current_step: Callable[[], int],
-        rollout_handshake: RolloutHandshake,
-        policy: CheckpointPolicy,
-    ) -> None:
-        """Main learner loop: wait for a published rollout, run a PPO update, notify the tester,
-        feed automatic rollback monitoring, and manage periodic and final checkpointing; hand each
-        result back through ``rollout_handshake``.
-
-        Once ``stop_event`` is set it evaluates the final weights (with the tester, at most
-        :data:`FINAL_EVALUATION_TIMEOUT_S` seconds, keeping ``best.pt``), writes the final
-        checkpoint (``policy.final``: the checkpoint state reads the run's counters the ingest
-        thread reported last) and hands back a last :class:`TrainResult` (no slot) with the
-        evaluations and notes; then it returns. An exception (for example
-        :class:`RunCollapsedError`) is handed back through the handshake and ends the training;
-        the final evaluation and checkpoint still follow, once ``stop_event`` is set."""
-        try:
-            self._train(stop_event, current_step, rollout_handshake, policy)
-        except BaseException as error:  # surfaced in the ingest thread, which stops the run
-            rollout_handshake.complete(error)
-            stop_event.wait()
-        evaluations, notes = self._final_evaluation(current_step(), policy)
-        policy.final(self)
-        version, weights = self.learner_model.snapshot()
-        rollout_handshake.complete(
-            TrainResult(
-                None,
-                version,
-                weights,
-                None,
-                iterations=self.iterations,
-                evaluations=evaluations,
-                events=notes,
-            )
-        )
-
-    def _train(
-        self,
-        stop_event: threading.Event,
-        current_step: Callable[[], int],
-        handshake: RolloutHandshake,
-        policy: CheckpointPolicy,
-    ) -> None:
-        done = self.behaviour_cloning_phase()
-        if done:
-            version, weights = self.learner_model.snapshot()
-            handshake.complete(
-                TrainResult(
-                    None,
-                    version,
-                    weights,
-                    None,
-                    iterations=self.iterations,
-                    events=[f"behaviour cloning: {done} replay-only updates"],
-                )
-            )
-            self.submit_to_tester(current_step(), force=True)
-        while not stop_event.is_set():
-            published = handshake.wait_for_rollout(stop_event)
-            if published is None:
-                return
-            prepared = self.prepare(published.rollout, reevaluate=published.reevaluate)
-            stats = self.step(prepared)
-            buffer, used = prepared.buffer, prepared.columns_used
-            columns = buffer.num_envs if used is None else int(used.sum())
-            self.trained_env_steps += max(0, columns * buffer.rollout_length - prepared.stale_rows)
-            events = policy.after_update(self, stats)
-            evaluations, notes = self._poll_tester(policy)
-            events += notes
-            self.submit_to_tester(current_step())
-            version, weights = self.learner_model.snapshot()
-            handshake.complete(
-                TrainResult(
-                    published.rollout.slot,
-                    version,
-                    weights,
-                    stats,
-                    prepared.stale_rows,
-                    prepared.lag,
-                    self.iterations,
-                    evaluations,
-                    events,
-                    trainable_share=buffer.trainable_size / max(1, columns * buffer.rollout_length),
-                    rollbacks=policy.rollbacks,
-                    columns=columns,
-                    planned_columns=published.rollout.planned_columns or buffer.num_envs,
-                    trained_env_steps=self.trained_env_steps,
-                )
-            )
-
     def submit_to_tester(self, global_step: int, *, force: bool = False) -> None:
-        """Submit the weights every ``eval_every_updates`` updates; ``force``: now, and kept (the
-        first weights of a run, the behaviour-cloned ones: evaluated whatever follows). The final
-        evaluation does not submit the same version again."""
-        tester, every = self.tester, self.eval_every_updates
-        if tester is None or not (force or (every and self.iterations % every == 0)):
-            return
-        version, weights = self.learner_model.snapshot()
-        tester.submit(version, weights, global_step, keep=force)
-        self._submitted_version = version
-
-    def _poll_tester(self, policy: CheckpointPolicy) -> tuple[list[Any], list[str]]:
-        tester = self.tester
-        if tester is None:
-            return [], []
-        reports, notes = tester.poll(), []
-        self._reported_versions.update(report.policy_version for report in reports)
-        for report in reports:
-            notes += policy.after_evaluation(self, report)
-        return reports, notes
-
-    def _final_evaluation(
-        self, global_step: int, policy: CheckpointPolicy
-    ) -> tuple[list[Any], list[str]]:
-        """Evaluate the final weights (training has stopped) and judge the reports (``best.pt``,
-        rollback); returns the reports and the notes. A collapse is logged, not raised."""
-        tester = self.tester
-        if tester is None or not tester.alive:
-            return [], []
-        version, weights = self.learner_model.snapshot()
-        if (
-            version != self._submitted_version
-        ):  # else its periodic evaluation is done or on its way: not twice
-            tester.submit(version, weights, global_step, keep=True)
-        reports, notes = tester.drain(timeout_s=FINAL_EVALUATION_TIMEOUT_S), []
-        try:
-            for report in reports:
-                notes += policy.after_evaluation(self, report)
-        except RunCollapsedError as error:
-            log.error("%s", error)
-        if version not in self._reported_versions | {report.policy_version for report in reports}:
-            log.warning(
-                "the evaluation of the final weights did not finish within %.0f s: skipped "
-                "(oakemu evaluate plays the final checkpoint)",
-                FINAL_EVALUATION_TIMEOUT_S,
-            )
-        return reports, notes
+        """Submit the current weights to the tester every ``eval_every_updates`` updates; ``force``:
+        now, and kept (:meth:`EvaluationSchedule.submit`)."""
+        self.evaluations.submit(
+            self.learner_model.snapshot,
+            iterations=self.iterations,
+            global_step=global_step,
+            force=force,
+        )

@@ -1,5 +1,6 @@
 """The training side of the learner process: model, optimizer, learning-rate schedule, the
-library's :class:`~oakemu_core.algo.learner.PPOLearner` (its ``run`` loop is the trainer thread),
+library's :class:`~oakemu_core.algo.learner.PPOLearner` (driven by the trainer thread,
+:func:`~oakemu_core.algo.trainer_thread.run_trainer`),
 checkpoints and the resume path.
 
 The service (``oakemu_services.learner``) builds one :class:`Trainer` (or is handed one), publishes
@@ -20,12 +21,18 @@ import numpy as np
 import torch
 
 from oakemu_core.algo.flat_parameters import FlatAdam
-from oakemu_core.algo.handshake import RolloutHandshake, RunProgress, WeightsRevision
+from oakemu_core.algo.handshake import (
+    RolloutHandshake,
+    RunProgress,
+    TrainerCounters,
+    WeightsRevision,
+)
 from oakemu_core.algo.health import CheckpointPolicy, HealthMonitor
 from oakemu_core.algo.learner import PPOLearner, ThreadSafeModel
 from oakemu_core.algo.ppo import cpu_has_native_bfloat16
 from oakemu_core.algo.schedules import LinearSchedule
 from oakemu_core.algo.settings import PPOSettings
+from oakemu_core.algo.trainer_thread import run_trainer
 from oakemu_core.policy.models import build_model
 from oakemu_core.run.checkpoint import (
     CheckpointWriter,
@@ -133,6 +140,7 @@ class Trainer:
             every_seconds=config.checkpoint_every_seconds,
             lr_factor=config.rollback_lr_factor,
             max_rollbacks=config.max_rollbacks,
+            write_failures=lambda: self.checkpoint_writer.failures,
         )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -298,10 +306,16 @@ class Trainer:
 
     # -- thread -----------------------------------------------------------------------------
     def start(self, current_step: Callable[[], int]) -> None:
-        """Start :meth:`PPOLearner.run` in the trainer thread."""
+        """Start :func:`~oakemu_core.algo.trainer_thread.run_trainer` in the trainer thread, after
+        handing the trainer's counters over to :attr:`handshake` (later results carry them)."""
+        self.handshake.report_trainer(
+            TrainerCounters(
+                self.ppo.iterations, self.ppo.learning_rate, self.checkpoint_writer.failures
+            )
+        )
         self._thread = threading.Thread(
-            target=self.ppo.run,
-            args=(self._stop, current_step, self.handshake, self.checkpoints),
+            target=run_trainer,
+            args=(self.ppo, self._stop, current_step, self.handshake, self.checkpoints),
             name="oakemu-trainer",
             daemon=True,
         )

@@ -22,6 +22,7 @@ from oakemu_core.algo.health import CheckpointPolicy, HealthMonitor, RunCollapse
 from oakemu_core.algo.learner import PPOLearner, PPOLearnerRuntimeState, ThreadSafeModel
 from oakemu_core.algo.schedules import LinearSchedule
 from oakemu_core.algo.settings import PPOSettings
+from oakemu_core.algo.trainer_thread import run_trainer
 from oakemu_core.envs import make_vector_env
 from oakemu_core.policy.distributions import distribution_for_env
 from oakemu_core.policy.models import build_model
@@ -114,7 +115,9 @@ def test_run_trains_published_rollouts_and_stops(cartpole, tmp_path: Path) -> No
         tmp_path, state_fn=learner.checkpoint_state, save_fn=save_numbered, every_updates=2
     )
     stop_event = threading.Event()
-    thread = threading.Thread(target=learner.run, args=(stop_event, lambda: 123, handshake, policy))
+    thread = threading.Thread(
+        target=run_trainer, args=(learner, stop_event, lambda: 123, handshake, policy)
+    )
     thread.start()
     try:
         for update in range(3):
@@ -213,10 +216,12 @@ def test_rows_too_stale_to_train_never_count_as_trained_env_steps(cartpole, tmp_
 def running(
     learner: PPOLearner, handshake: RolloutHandshake, policy: CheckpointPolicy
 ) -> Iterator[threading.Thread]:
-    """``learner.run`` in a thread of its own while the block runs (global step 123); stopped and
+    """``run_trainer(learner, ...)`` in a thread of its own while the block runs (global step 123); stopped and
     joined (10 s at most) when it ends."""
     stop_event = threading.Event()
-    thread = threading.Thread(target=learner.run, args=(stop_event, lambda: 123, handshake, policy))
+    thread = threading.Thread(
+        target=run_trainer, args=(learner, stop_event, lambda: 123, handshake, policy)
+    )
     thread.start()
     try:
         yield thread
@@ -289,7 +294,9 @@ def test_weights_within_an_update_come_before_its_result(cartpole, tmp_path: Pat
     stepper = PolicyStepper(env, model)
     policy = CheckpointPolicy(tmp_path, state_fn=learner.checkpoint_state, save_fn=save_numbered)
     stop_event = threading.Event()
-    thread = threading.Thread(target=learner.run, args=(stop_event, lambda: 123, handshake, policy))
+    thread = threading.Thread(
+        target=run_trainer, args=(learner, stop_event, lambda: 123, handshake, policy)
+    )
     thread.start()
     try:
         for update in range(2):
@@ -524,11 +531,16 @@ def test_the_final_evaluation_does_not_submit_the_run_s_first_weights_twice(cart
             return []
 
     _env, _schema, buffer, model = cartpole
-    learner = make_learner(model, PPOSettings(num_minibatches=2, ppo_epochs=1))
-    tester = learner.tester = RecordingTester()
+    tester = RecordingTester()
+    learner = make_learner(model, PPOSettings(num_minibatches=2, ppo_epochs=1), tester=tester)
+
+    def final_evaluation() -> None:
+        version, weights = learner.learner_model.snapshot()
+        learner.evaluations.final(version, weights, global_step=0, policy=None, learner=learner)
+
     learner.submit_to_tester(0, force=True)  # what the learner service does at start
-    learner._final_evaluation(0, policy=None)
+    final_evaluation()
     assert tester.submitted == [0]
     learner.learner_model.version += 1  # as an update does
-    learner._final_evaluation(0, policy=None)
+    final_evaluation()
     assert tester.submitted == [0, 1]
