@@ -466,18 +466,26 @@ class Learner:
                 self.rejection_log["data"].event(error.reason, str(error))
                 continue
             self.assembler.counters.accepted["step"] += 1
-            if message.episode_returns:
-                self.episodes += len(message.episode_returns)
-                for episode_return, length in zip(message.episode_returns, message.episode_lengths):
-                    self.episodes_log.write(
-                        {
-                            "global_step": self.assembler.counters.env_steps,
-                            "actor_id": message.actor_id,
-                            "policy_version": message.policy_version,
-                            "episodic_return": episode_return,
-                            "episodic_length": length,
-                        }
-                    )
+
+    def _take_episodes(self) -> None:
+        """Count the episodes the assembler took, log them and add them to the telemetry window."""
+        episodes = self.assembler.take_episodes()
+        if not episodes:
+            return
+        self.episodes += len(episodes)
+        for episode in episodes:
+            self.episodes_log.write(
+                {
+                    "global_step": self.assembler.counters.env_steps,
+                    "actor_id": episode.actor_id,
+                    "policy_version": episode.policy_version,
+                    "episodic_return": episode.episodic_return,
+                    "episodic_length": episode.episodic_length,
+                }
+            )
+        self.telemetry.window.add(
+            [e.episodic_return for e in episodes], [e.episodic_length for e in episodes]
+        )
 
     # -- results ----------------------------------------------------------------------------
     def _hand_off_full_rollouts(self) -> None:
@@ -647,9 +655,7 @@ class Learner:
                 self._handle_control(now)
             if events.get(self.data):
                 self._handle_data(now)
-            returns, lengths = self.assembler.take_episodes()
-            if returns:
-                self.telemetry.window.add(returns, lengths)
+            self._take_episodes()
             try:
                 self._collect_results()
             except RuntimeError as error:

@@ -22,9 +22,13 @@ buffer is filling) makes actors wait in ``send``.
 In the synchronous mode (``sync=True``, one buffer) the columns are not handed out first come,
 first served: a rollout is a :class:`~oakemu_core.storage.rounds.RolloutRound` whose members (the
 actors joined when it opens) each fill their own block of columns; steps of an actor that is not a
-member are not written (``not_member_steps``). The episodes a rollout's messages report enter
-:attr:`RolloutAssembler.episode_returns` sorted by (actor index, seq) when the rollout is full, so a
-seed's run does not depend on the order in which messages arrived.
+member are not written (``not_member_steps``).
+
+Episodes are counted once, here: the episodes a step message reports become
+:class:`FinishedEpisode` records (:meth:`RolloutAssembler.take_episodes`) when the message is taken
+(asynchronous mode), or when its rollout is full, sorted by (actor index, seq) (synchronous mode, so
+a seed's run does not depend on the order in which messages arrived; a non-member's episodes are not
+taken, as its rows).
 
 Everything here is plain Python + numpy and runs in the learner's ingest thread; no sockets.
 """
@@ -32,23 +36,21 @@ Everything here is plain Python + numpy and runs in the learner's ingest thread;
 from __future__ import annotations
 
 import itertools
-from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
+from oakemu_core.storage.actors import ActorRecord, ActorRegistry, IngestCounters
 from oakemu_core.storage.buffer_ring import FREE, BufferRing, FullRollout, Segment, SlotState
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
 from oakemu_core.storage.rounds import RolloutRound
+from oakemu_core.transport.published import PublishedWeights
 from oakemu_core.transport.steps import StepMessage, StepSpec
 
 __all__ = [
     "HELD_SLACK_MESSAGES",
-    "ActorRecord",
-    "DepartedIncarnations",
+    "FinishedEpisode",
     "FullRollout",
-    "IngestCounters",
-    "LagWindow",
     "RolloutAssembler",
     "SlotState",
     "StepRejected",
@@ -70,136 +72,15 @@ class StepRejected(Exception):
         self.detail = detail
 
 
-@dataclass
-class LagWindow:
-    """Arrival lag of one actor's step messages (learner version - acting version, in versions),
-    counted since the window was opened."""
-
-    count: int = 0
-    total: int = 0
-    low: int = 0
-    high: int = 0
-
-    def add(self, lag: int) -> None:
-        """Count one message's lag."""
-        self.low = lag if self.count == 0 else min(self.low, lag)
-        self.high = lag if self.count == 0 else max(self.high, lag)
-        self.count += 1
-        self.total += lag
-
-
-@dataclass
-class ActorRecord:
-    """What the learner knows of one joined actor incarnation."""
+@dataclass(frozen=True)
+class FinishedEpisode:
+    """One episode a step message reports: the actor and policy version that acted its last step,
+    its raw game score (``episodic_return``) and length in agent steps (``episodic_length``)."""
 
     actor_id: str
-    incarnation: str
-    index: int
-    spec: StepSpec
-    hostname: str
-    joined_at: float
-    last_heard: float
-    next_seq: int = 0
-    segment: Segment | None = None
-    env_steps_per_second: float = 0.0
-    policy_lag: float = 0.0
-    lag_window: LagWindow = field(default_factory=LagWindow)
-    """Arrival lag of its step messages since :meth:`take_lag`."""
-    lag_stats: tuple[float, float, float] | None = None
-    """``(min, mean, max)`` arrival lag of the last non-empty window (:meth:`take_lag`)."""
-    episodes: int = 0
-    env_steps: int = 0
-    pending: deque = field(default_factory=deque)
-    """Step messages that found no free column, oldest first, consecutive in ``seq``; written as
-    soon as columns free (:meth:`RolloutAssembler.release`), at most one segment of rows."""
-    pending_rows: int = 0
-    served: int = 0
-    """When it last started writing a segment (the assembler's count of segments started; 0: never):
-    freed columns go to the actor served least recently (:meth:`RolloutAssembler._drain_all`)."""
-
-    def take_lag(self) -> tuple[float, float, float] | None:
-        """``(min, mean, max)`` policy lag at arrival (learner version - acting version, in versions)
-        of the actor's step messages since the last call (the previous figures when none arrived
-        since; None before the first); resets the window."""
-        window = self.lag_window
-        if window.count:
-            self.lag_window = LagWindow()
-            self.lag_stats = (float(window.low), window.total / window.count, float(window.high))
-        return self.lag_stats
-
-    def clear_pending(self) -> int:
-        """Forget the held messages; returns the env steps they held."""
-        steps = self.spec.num_envs * self.pending_rows
-        self.pending.clear()
-        self.pending_rows = 0
-        return steps
-
-
-@dataclass
-class IngestCounters:
-    """Counters the learner logs and serves as telemetry."""
-
-    env_steps: int = 0
-    """Env steps written into a rollout buffer (the global step count; discarded rows included, so
-    it never goes backwards)."""
-    rejected: Counter = field(default_factory=Counter)
-    """Rejected messages by reason (wire reasons plus ``out_of_order``, ``future_version``)."""
-    dropped: Counter = field(default_factory=Counter)
-    """Dropped data by kind: ``no_capacity_steps``, ``stale_steps`` (env steps too old for
-    ``max_policy_lag`` to start a segment), ``discarded_segment_rows``, ``stale_rows``,
-    ``timed_out_actors``, ``exited_actors`` / ``stopped_actors`` (a watched local process ended or
-    was stopped: :mod:`oakemu_core.transport.liveness`), ``seq_gap_steps`` (step messages missing
-    from an actor's sequence), ``not_member_steps`` (synchronous mode: env steps of an actor that is
-    not filling the rollout),
-    ``late_steps`` (env steps that arrived after their actor left) and
-    ``late_step_messages`` (the step messages that carried them)."""
-    received: Counter = field(default_factory=Counter)
-    """ZeroMQ messages read by the learner, by socket (``data``, ``control``; a multipart message is one)."""
-    accepted: Counter = field(default_factory=Counter)
-    """Messages served, by kind (``step``, ``join``, ``heartbeat``, ``leave``, ``join_refused``,
-    ``unknown_actor_control``). Every message received is accepted, rejected (by reason) or a late
-    step: ``sum(received) == sum(accepted) + sum(rejected, except unauthorized_key) +
-    dropped["late_step_messages"]`` (see :meth:`unaccounted_messages`)."""
-
-    def unaccounted_messages(self) -> int:
-        """Messages received but neither accepted, rejected nor counted late (0 when the books balance).
-        ``rejected["unauthorized_key"]`` counts refused connections, not messages, and is left out."""
-        rejected = sum(v for k, v in self.rejected.items() if k != "unauthorized_key")
-        return (
-            sum(self.received.values())
-            - sum(self.accepted.values())
-            - rejected
-            - self.dropped["late_step_messages"]
-        )
-
-
-class DepartedIncarnations:
-    """The step specs of the newest :data:`KEPT` incarnations that left or were dropped, for their late
-    messages (in flight when they left): decoded against their spec, counted in ``counters`` as
-    ``dropped["late_steps"]`` and ``dropped["late_step_messages"]``, never written."""
-
-    KEPT = 1024
-
-    def __init__(self, counters: IngestCounters) -> None:
-        self.counters = counters
-        self._specs: dict[str, StepSpec] = {}
-
-    def add(self, incarnation: str, spec: StepSpec) -> None:
-        self._specs[incarnation] = spec
-        while len(self._specs) > self.KEPT:
-            del self._specs[next(iter(self._specs))]
-
-    def spec(self, incarnation: str) -> StepSpec | None:
-        return self._specs.get(incarnation)
-
-    def count_late(self, incarnation: str) -> bool:
-        """Count one message of ``incarnation`` as late (True) when it departed, else False."""
-        spec = self._specs.get(incarnation)
-        if spec is None:
-            return False
-        self.counters.dropped["late_steps"] += spec.num_envs * spec.steps_per_message
-        self.counters.dropped["late_step_messages"] += 1
-        return True
+    policy_version: int
+    episodic_return: float
+    episodic_length: int
 
 
 class RolloutAssembler:
@@ -219,6 +100,11 @@ class RolloutAssembler:
             buffer's training version is fixed once it has a segment, see :meth:`trains_at`).
         planned_columns: the columns a rollout holds with the run's planned actors (synchronous
             mode, where the buffer may hold more: :attr:`FullRollout.planned_columns`); 0: ``N``.
+        registry: the joined actors (:class:`~oakemu_core.storage.actors.ActorRegistry`, shared
+            with the control server); None: a registry of its own.
+        published: the weights published to the actors, whose version the step messages are
+            checked and aged against (shared with the control server); None: its own, version 0,
+            raised by the ``current_policy_version`` of :meth:`ingest` and :meth:`release`.
 
     Raises:
         ValueError: if ``buffers`` is empty or the buffers disagree in shape.
@@ -232,6 +118,8 @@ class RolloutAssembler:
         sync: bool = False,
         max_policy_lag: int | None = None,
         planned_columns: int = 0,
+        registry: ActorRegistry | None = None,
+        published: PublishedWeights | None = None,
     ) -> None:
         self._ring = BufferRing(buffers, planned_columns)
         self.buffers = self._ring.buffers
@@ -242,20 +130,26 @@ class RolloutAssembler:
         self._segments_started = itertools.count(
             1
         )  # numbers the segments started: ActorRecord.served
-        self.actors: dict[str, ActorRecord] = {}
-        self.counters = IngestCounters()
-        self.departed = DepartedIncarnations(
-            self.counters
-        )  # their steps in flight: late, not malformed
-        self.episode_returns: list[float] = []
-        self.episode_lengths: list[int] = []
+        self.registry = registry if registry is not None else ActorRegistry()
+        self.registry.on_forget(self._release_actor)
+        self.published = published if published is not None else PublishedWeights()
+        self.episodes: list[FinishedEpisode] = []
         self.sync = bool(sync)
         self.max_policy_lag = max_policy_lag
-        self._policy_version = 0  # the newest version known here (ingest, release)
-        # Synchronous mode: (actor index, seq, returns, lengths) of the filling rollout's messages.
-        self._round_episodes: list[tuple[int, int, list[float], list[int]]] = []
+        # Synchronous mode: (actor index, seq, episodes) of the filling rollout's messages.
+        self._round_episodes: list[tuple[int, int, list[FinishedEpisode]]] = []
         self.round = RolloutRound(self._ring)
         """Synchronous mode: the filling rollout's members."""
+
+    @property
+    def actors(self) -> dict[str, ActorRecord]:
+        """The joined actors by id (:attr:`ActorRegistry.actors`, read-only here)."""
+        return self.registry.actors
+
+    @property
+    def counters(self) -> IngestCounters:
+        """The learner's ingest counters (:attr:`ActorRegistry.counters`)."""
+        return self.registry.counters
 
     @property
     def states(self) -> list[SlotState]:
@@ -306,7 +200,7 @@ class RolloutAssembler:
             else None
         )
         if previous is not None:
-            self._forget(previous)
+            self.registry.forget(previous)
         if index is not None:
             holders = [r.actor_id for r in self.actors.values() if r.index == index]
             if holders:
@@ -328,7 +222,7 @@ class RolloutAssembler:
             last_heard=now,
         )
         self._next_actor_index = max(self._next_actor_index, index) + 1
-        self.actors[actor_id] = record
+        self.registry.add(record)
         if self.sync and self.round.is_open:
             self.round.open(self.actors.values())
         elif kept is not None and np.all(self._ring.owners(0)[kept] == FREE):
@@ -345,62 +239,42 @@ class RolloutAssembler:
             self._release_round_episodes()
 
     def spec_for(self, actor_id: str, incarnation: str) -> StepSpec | None:
-        """The step spec agreed at join time (also for a departed incarnation), or None if unknown."""
-        record = self.actors.get(actor_id)
-        if record is None or record.incarnation != incarnation:
-            return self.departed.spec(incarnation)
-        return record.spec
+        """:meth:`ActorRegistry.spec_for`."""
+        return self.registry.spec_for(actor_id, incarnation)
 
     def count_late(self, actor_id: str, incarnation: str) -> bool:
-        """Count a message of a departed ``incarnation`` (not ``actor_id``'s live one) as late (True), else False."""
-        record = self.actors.get(actor_id)
-        return (record is None or record.incarnation != incarnation) and self.departed.count_late(
-            incarnation
-        )
+        """:meth:`ActorRegistry.count_late`."""
+        return self.registry.count_late(actor_id, incarnation)
 
-    def heartbeat(
-        self,
-        actor_id: str,
-        incarnation: str,
-        *,
-        now: float,
-        env_steps_per_second: float,
-        policy_lag: float,
-        episodes: int,
-    ) -> bool:
-        """Record a heartbeat; returns False when the incarnation is unknown (the actor must rejoin)."""
-        record = self.actors.get(actor_id)
-        if record is None or record.incarnation != incarnation:
-            return False
-        record.last_heard = now
-        record.env_steps_per_second = env_steps_per_second
-        record.policy_lag = policy_lag
-        record.episodes = episodes
-        return True
+    def heartbeat(self, actor_id: str, incarnation: str, **figures: float) -> bool:
+        """:meth:`ActorRegistry.heartbeat`."""
+        return self.registry.heartbeat(actor_id, incarnation, **figures)
 
     def leave(self, actor_id: str, incarnation: str) -> bool:
-        """Remove an actor that says goodbye; its unfinished segment is discarded."""
-        record = self.actors.get(actor_id)
-        if record is None or record.incarnation != incarnation:
+        """Forget an actor that says goodbye or whose process ended (:meth:`ActorRegistry.forget`:
+        its unfinished segment is discarded, its step ring departs); False when unknown."""
+        record = self.registry.get(actor_id, incarnation)
+        if record is None:
             return False
-        self._forget(record)
+        self.registry.forget(record)
         self._drain_all()
         return True
 
     def expire_silent_actors(self, now: float) -> list[str]:
-        """Drop actors silent for longer than ``actor_timeout_s``; returns their ids."""
-        expired = [
-            r.actor_id for r in self.actors.values() if now - r.last_heard > self.actor_timeout_s
-        ]
-        for actor_id in expired:
-            self._forget(self.actors[actor_id])
+        """Forget actors silent for longer than ``actor_timeout_s`` (their step rings are freed at
+        once: nothing of theirs is in flight); returns their ids."""
+        expired = self.registry.silent(now, self.actor_timeout_s)
+        for record in expired:
+            self.registry.forget(record, free_ring=True)
             self.counters.dropped["timed_out_actors"] += 1
         if expired:
             self._drain_all()
-        return expired
+        return [record.actor_id for record in expired]
 
     # ------------------------------------------------------------------------------------ steps
-    def ingest(self, message: StepMessage, *, current_policy_version: int, now: float) -> None:
+    def ingest(
+        self, message: StepMessage, *, now: float, current_policy_version: int | None = None
+    ) -> None:
         """Write one validated step message into its actor's segment.
 
         The message arrays and their values were already checked against the actor's spec by
@@ -418,9 +292,13 @@ class RolloutAssembler:
                 missing steps as ``dropped["seq_gap_steps"]``, and writes this step as the first
                 row of a new segment.
         """
-        record = self.actors.get(message.actor_id)
-        if record is None or record.incarnation != message.incarnation:
-            if self.departed.count_late(
+        if current_policy_version is None:
+            current_policy_version = self.published.version
+        else:  # a caller without a shared PublishedWeights tells the version
+            self.published.advance(current_policy_version)
+        record = self.registry.get(message.actor_id, message.incarnation)
+        if record is None:
+            if self.registry.departed.count_late(
                 message.incarnation
             ):  # in flight when the actor left: expected
                 raise StepRejected(
@@ -451,7 +329,6 @@ class RolloutAssembler:
             )
         record.next_seq += 1
         record.last_heard = now
-        self._policy_version = max(self._policy_version, current_policy_version)
         record.lag_window.add(current_policy_version - message.policy_version)
         if record.segment is None and not record.pending:
             record.segment = self._claim(record)
@@ -460,17 +337,10 @@ class RolloutAssembler:
             return
         if self.sync:  # released in (index, seq) order when the rollout is full
             if message.episode_returns:
-                self._round_episodes.append(
-                    (
-                        record.index,
-                        message.seq,
-                        list(message.episode_returns),
-                        list(message.episode_lengths),
-                    )
-                )
-        else:
-            self.episode_returns.extend(message.episode_returns)
-            self.episode_lengths.extend(message.episode_lengths)
+                episodes = finished_episodes(message)
+                self._round_episodes.append((record.index, message.seq, episodes))
+        elif message.episode_returns:
+            self.episodes.extend(finished_episodes(message))
         if (
             record.segment is None or record.pending
         ):  # no free column: hold it (one segment at most)
@@ -527,7 +397,7 @@ class RolloutAssembler:
     @property
     def pending_rows(self) -> int:
         """Rows held (all actors) waiting for free columns."""
-        return sum(r.pending_rows for r in self.actors.values())
+        return self.registry.pending_rows
 
     def _write(self, record: ActorRecord, message: StepMessage) -> None:
         """Write one message into the actor's (assigned) segment."""
@@ -596,18 +466,16 @@ class RolloutAssembler:
 
     def _release_round_episodes(self) -> None:
         """Synchronous mode: the full rollout's episodes, in (actor index, seq) order."""
-        for _, _, returns, lengths in sorted(self._round_episodes, key=lambda item: item[:2]):
-            self.episode_returns.extend(returns)
-            self.episode_lengths.extend(lengths)
+        for _, _, episodes in sorted(self._round_episodes, key=lambda item: item[:2]):
+            self.episodes.extend(episodes)
         self._round_episodes = []
 
-    def _forget(self, record: ActorRecord) -> None:
-        """Remove an actor: discard its unfinished segment, remember the incarnation as departed."""
+    def _release_actor(self, record: ActorRecord) -> None:
+        """A forgotten actor (:meth:`ActorRegistry.forget`, called after it left :attr:`actors`):
+        discard its unfinished segment and held messages, and its place in the round."""
         self._discard_segment(record)
         if record.pending:
             self.counters.dropped["no_capacity_steps"] += record.clear_pending()
-        self.actors.pop(record.actor_id, None)
-        self.departed.add(record.incarnation, record.spec)
         if self.sync:
             self.round.remove(record.actor_id)
             self._close_round_if_done()
@@ -649,23 +517,24 @@ class RolloutAssembler:
     def release(self, slot: int, policy_version: int | None = None) -> None:
         """Return a trained buffer to filling, emptied, behind the other filling buffers; held
         steps are written into it (``policy_version``: the version its training produced, for the
-        ``max_policy_lag`` check of the segments that start now).
+        ``max_policy_lag`` check of the segments that start now, when the caller shares no
+        :class:`PublishedWeights` that holds it already).
 
         Raises:
             ValueError: the buffer is not training.
         """
         self._ring.release(slot)
         if policy_version is not None:
-            self._policy_version = max(self._policy_version, policy_version)
+            self.published.advance(policy_version)
         if self.sync:
             self.round.open(self.actors.values())
         self._drain_all()
 
     def trains_at(self, slot: int) -> int:
         """The policy version the buffer ``slot`` will be trained with (at the earliest): the newest
-        version known here plus one per buffer that trains before it (buffers train in generation
+        version published plus one per buffer that trains before it (buffers train in generation
         order, each training adds one version)."""
-        return self._policy_version + self._ring.trains_ahead_of(slot)
+        return self.published.version + self._ring.trains_ahead_of(slot)
 
     def _too_old_for(self, slot: int, policy_version: int) -> bool:
         """True when a row acted by ``policy_version`` would train in ``slot`` older than ``max_policy_lag``."""
@@ -680,8 +549,15 @@ class RolloutAssembler:
         members' rows), 1.0 when none is filling."""
         return self._ring.buffer_fill(self.round.columns if self.sync else None)
 
-    def take_episodes(self) -> tuple[list[float], list[int]]:
-        """Episodic returns and lengths received since the last call."""
-        returns, lengths = self.episode_returns, self.episode_lengths
-        self.episode_returns, self.episode_lengths = [], []
-        return returns, lengths
+    def take_episodes(self) -> list[FinishedEpisode]:
+        """The episodes finished since the last call, in the order they were taken (module docstring)."""
+        episodes, self.episodes = self.episodes, []
+        return episodes
+
+
+def finished_episodes(message: StepMessage) -> list[FinishedEpisode]:
+    """The episodes a step message reports, as :class:`FinishedEpisode` records."""
+    return [
+        FinishedEpisode(message.actor_id, message.policy_version, float(ret), int(length))
+        for ret, length in zip(message.episode_returns, message.episode_lengths)
+    ]

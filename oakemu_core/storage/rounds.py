@@ -24,7 +24,7 @@ import numpy as np
 from oakemu_core.storage.buffer_ring import COMPLETE, FREE, BufferRing, SlotState
 
 if TYPE_CHECKING:
-    from oakemu_core.storage.assembler import ActorRecord
+    from oakemu_core.storage.actors import ActorRecord
 
 __all__ = ["RolloutRound"]
 

@@ -72,7 +72,8 @@ from oakemu_core.transport.steps import StepSpec
 if TYPE_CHECKING:
     from oakemu_core.config import OakEmuConfig
     from oakemu_core.step_schema import StepSchema
-    from oakemu_core.storage.assembler import ActorRecord, RolloutAssembler
+    from oakemu_core.storage.actors import ActorRecord
+    from oakemu_core.storage.assembler import RolloutAssembler
     from oakemu_core.transport.auth import PeerBinding
 
 __all__ = [

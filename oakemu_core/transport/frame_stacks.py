@@ -343,6 +343,10 @@ class StackHistories:
             {name: _last_rows(fields[name], block) for name in names},
         )
 
+    def forget(self, actor_id: str, incarnation: str) -> None:
+        """Forget the last rows of that incarnation (it left, timed out or rejoined)."""
+        self._last.pop((actor_id, incarnation), None)
+
     def retain(self, keys: set[tuple[str, str]]) -> None:
         """Forget every incarnation not in ``keys`` (actors that left, timed out or rejoined)."""
         for key in [key for key in self._last if key not in keys]:

@@ -82,6 +82,10 @@ class LocalProcesses:
             del self._watched[key]
         return found
 
+    def forget(self, actor_id: str, incarnation: str) -> None:
+        """Stop watching that actor incarnation (it left or timed out)."""
+        self._watched.pop((actor_id, incarnation), None)
+
     def retain(self, keys: set[tuple[str, str]]) -> None:
         """Stop watching every actor incarnation not in ``keys`` (those that left or timed out)."""
         for key in [k for k in self._watched if k not in keys]:

@@ -395,6 +395,19 @@ class StepRings:
         while len(self._departed) > DEPARTED_RINGS_KEPT:
             self._departed.pop(next(iter(self._departed))).close()
 
+    def release(self, actor_id: str, incarnation: str, *, free: bool = False) -> None:
+        """The incarnation departed: its ring is unlinked and kept mapped for its late messages (the
+        newest :data:`DEPARTED_RINGS_KEPT`), or unmapped at once with ``free`` (nothing in flight)."""
+        key = (actor_id, incarnation)
+        if key not in self._live:
+            return
+        if free:
+            self._live.pop(key).close()
+        else:
+            self._depart(key)
+        while len(self._departed) > DEPARTED_RINGS_KEPT:
+            self._departed.pop(next(iter(self._departed))).close()
+
     def _depart(self, key: tuple[str, str]) -> None:
         ring = self._live.pop(key)
         ring.close_name()

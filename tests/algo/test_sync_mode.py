@@ -159,7 +159,7 @@ def run_round(
             current_policy_version=0,
             now=0.0,
         )
-        returns, _ = assembler.take_episodes()
+        returns = [episode.episodic_return for episode in assembler.take_episodes()]
         if assembler.states[0] is not SlotState.FULL:
             assert returns == [], "episodes wait until the rollout is full"
         released += returns

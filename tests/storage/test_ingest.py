@@ -17,6 +17,7 @@ from oakemu_core.policy.distributions import Categorical
 from oakemu_core.step_schema import StepField, build_schema
 from oakemu_core.storage.assembler import (
     HELD_SLACK_MESSAGES,
+    FinishedEpisode,
     RolloutAssembler,
     SlotState,
     StepRejected,
@@ -368,8 +369,11 @@ def test_episodes_are_collected_from_messages(assembler: RolloutAssembler) -> No
         assembler,
         replace(message("a", "a-1", 0, 3), episode_returns=[12.5, 3.0], episode_lengths=[20, 7]),
     )
-    assert assembler.take_episodes() == ([12.5, 3.0], [20, 7])
-    assert assembler.take_episodes() == ([], [])
+    assert assembler.take_episodes() == [
+        FinishedEpisode("a", 0, 12.5, 20),
+        FinishedEpisode("a", 0, 3.0, 7),
+    ]
+    assert assembler.take_episodes() == []
 
 
 def test_learner_path_counts_a_late_step_of_a_departed_actor_as_dropped(
