@@ -165,25 +165,14 @@ def record_dataset(
         algorithm_name: Minari ``algorithm_name`` metadata (default: describes ``policy``).
         overwrite: replace an existing ``output`` folder.
 
-    Returns:
-        :class:`RecordingSummary`.
-
-    Raises:
+    Returns :class:`RecordingSummary`. Raises:
         MinariNotInstalledError: minari / h5py missing.
         DemonstrationDataError: ``output`` exists (without ``overwrite``).
         ValueError: ``episodes`` or ``num_envs`` < 1, a policy returning malformed actions.
         oakemu_core.envs.UnsupportedEnvironmentError: unknown env id or unsupported spaces.
     """
     minari = import_minari()
-    if int(episodes) < 1:
-        raise ValueError(f"episodes: expected >= 1, received {episodes!r}")
-    if int(num_envs) < 1:
-        raise ValueError(f"num_envs: expected >= 1, received {num_envs!r}")
-    output = Path(output).absolute()  # minari's storage mis-joins relative paths
-    if output.exists() and not overwrite:
-        raise DemonstrationDataError(
-            f"{output}: already exists; choose another --output or remove it"
-        )
+    output = _checked_output(output, episodes=episodes, num_envs=num_envs, overwrite=overwrite)
     env = make_vector_env(
         env_id,
         int(num_envs),
@@ -200,15 +189,7 @@ def record_dataset(
         buffers, returns = _play_episodes(env, act, int(episodes), source)
     finally:
         env.close()
-    metadata = {
-        "oakemu_env_id": env_id,
-        "oakemu_spec": json.dumps(spec.to_dict()),
-        "oakemu_returns": json.dumps(returns),
-    }
-    description = (
-        f"{len(buffers)} episodes of {env_id} recorded by `oakemu record` with {source}; "
-        "observations as OakEmu-RL's networks see them (see oakemu_core/algo/demonstrations.py)"
-    )
+    metadata, description = _dataset_notes(env_id, spec, returns, source)
     dataset_id = _dataset_id_for(output)
     _write_dataset(
         minari,
@@ -222,6 +203,41 @@ def record_dataset(
     )
     lengths = [len(buffer.rewards) for buffer in buffers]
     return RecordingSummary(output, dataset_id, len(buffers), int(sum(lengths)), returns, lengths)
+
+
+def _dataset_notes(
+    env_id: str, spec: EnvSpec, returns: list[float], source: str
+) -> tuple[dict[str, str], str]:
+    """The dataset's OakEmu metadata (env id, spec, episode returns; JSON strings) and its
+    description, for episodes of ``env_id`` played by ``source``."""
+    metadata = {
+        "oakemu_env_id": env_id,
+        "oakemu_spec": json.dumps(spec.to_dict()),
+        "oakemu_returns": json.dumps(returns),
+    }
+    description = (
+        f"{len(returns)} episodes of {env_id} recorded by `oakemu record` with {source}; "
+        "observations as OakEmu-RL's networks see them (see oakemu_core/algo/demonstrations.py)"
+    )
+    return metadata, description
+
+
+def _checked_output(
+    output: str | os.PathLike[str], *, episodes: int, num_envs: int, overwrite: bool
+) -> Path:
+    """``output`` as an absolute path (minari's storage mis-joins relative ones), after checking
+    :func:`record_dataset`'s arguments. Raises ValueError (``episodes`` or ``num_envs`` < 1) or
+    DemonstrationDataError (``output`` exists without ``overwrite``)."""
+    if int(episodes) < 1:
+        raise ValueError(f"episodes: expected >= 1, received {episodes!r}")
+    if int(num_envs) < 1:
+        raise ValueError(f"num_envs: expected >= 1, received {num_envs!r}")
+    output = Path(output).absolute()
+    if output.exists() and not overwrite:
+        raise DemonstrationDataError(
+            f"{output}: already exists; choose another --output or remove it"
+        )
+    return output
 
 
 class _Episode:
