@@ -10,7 +10,7 @@ stays on-policy". A routed step is a normal step for everything but the PPO loss
 * its ``log_probs`` are log pi(routed action | s) under the acting policy (stored for completeness;
   never used, since the row is not trained on);
 * its ``trainable`` flag is False, so it never enters a PPO minibatch nor the advantage statistics
-  (:func:`oakemu_core.storage.rollout_buffer.normalize_advantages` uses trainable rows only) and the PPO
+  (:func:`oakemu_core.algo.losses.normalize_advantages` sees trainable rows only) and the PPO
   ratio stays 1 on the first minibatch.
 
 Steps the env forces are stored the same way: where the env plays an action of its own whatever it is

@@ -1,4 +1,4 @@
-"""What PPO reads from a rollout: the flat batch of trainable rows, its minibatches, normalised advantages.
+"""What PPO reads from a rollout: the flat batch of trainable rows and its minibatches.
 
 A :class:`FlatBatch` holds every minibatch field of the step schema
 (:attr:`~oakemu_core.step_schema.StepSchema.minibatch`) for the trainable rows of one rollout,
@@ -6,12 +6,12 @@ flattened in row-major ``(t, env)`` order and uploaded to a device once
 (:meth:`~oakemu_core.storage.rollout_buffer.RolloutBuffer.flat_batch` builds and caches it); every
 epoch then only shuffles and indexes it (:meth:`FlatBatch.minibatches`), as CleanRL indexes its
 ``b_obs``, ``b_logprobs``, ... Minibatches are small named tuples (:class:`RolloutMinibatch`), as in
-Stable-Baselines3, with every field also reachable by schema name.
+Stable-Baselines3, with every field also reachable by schema name. Advantages are served as GAE
+computed them: the PPO update normalises each minibatch's (:func:`oakemu_core.algo.losses.normalize_advantages`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -28,7 +28,6 @@ __all__ = [
     "RolloutBufferTrainableDiagnostics",
     "RolloutMinibatch",
     "StaleAdvantagesError",
-    "normalize_advantages",
 ]
 
 
@@ -65,7 +64,7 @@ class FlatBatch:
 
     Attributes:
         schema: the buffer's schema.
-        fields: every minibatch field, ``(M, *shape)`` tensors (advantages normalised if asked).
+        fields: every minibatch field, ``(M, *shape)`` tensors.
         rows: ``(M,)`` int64 flat row indices ``t * num_envs + env`` of the trainable rows.
     """
 
@@ -80,8 +79,6 @@ class FlatBatch:
         arrays: Mapping[str, np.ndarray],
         trainable: np.ndarray,
         device: torch.device,
-        *,
-        normalize: bool,
     ) -> FlatBatch:
         """Gather the trainable rows of every minibatch field on the CPU and upload each field once.
 
@@ -90,7 +87,6 @@ class FlatBatch:
             arrays: field name -> ``(T, N, *shape)`` array, for every minibatch field.
             trainable: ``(T, N)`` bool, the rows to serve (a private copy: it is read twice).
             device: torch device for the tensors.
-            normalize: normalise advantages over the trainable rows (:func:`normalize_advantages`).
 
         Returns:
             The flat batch; ``size`` 0 (empty tensors) when no row is trainable. The arrays are
@@ -101,10 +97,7 @@ class FlatBatch:
         rows = np.flatnonzero(trainable.reshape(-1))
         tensors: dict[str, torch.Tensor] = {}
         for item in schema.minibatch:
-            array = arrays[item.name]
-            if item.name == "advantages" and normalize:
-                array = normalize_advantages(array, trainable)
-            flat = array.reshape((trainable.size, *item.shape))
+            flat = arrays[item.name].reshape((trainable.size, *item.shape))
             tensors[item.name] = torch.from_numpy(flat[rows]).to(device)
         return cls(schema, tensors, rows)
 
@@ -175,44 +168,3 @@ class RolloutBufferTrainableDiagnostics:
     values: np.ndarray
     returns: np.ndarray
     advantages: np.ndarray
-
-
-def normalize_advantages(
-    advantages: np.ndarray, trainable: np.ndarray, eps: float = 1e-8
-) -> np.ndarray:
-    """Normalise advantages to mean 0 and std 1 over the trainable rows only.
-
-    One mask selects the rows for the count, the mean and the variance (population std, ddof 0),
-    so rows that are not trainable never enter the statistics. Output: ``(a - mean) / (std + eps)``
-    on trainable rows, 0 elsewhere.
-
-    Args:
-        advantages: any shape, floating.
-        trainable: same shape, bool.
-        eps: added to the std to avoid dividing by zero.
-
-    Returns:
-        float32 array of the input shape; all zeros when no row is trainable.
-
-    Raises:
-        ValueError: when the shapes differ or ``trainable`` is not bool.
-    """
-    if not isinstance(advantages, np.ndarray) or not isinstance(trainable, np.ndarray):
-        raise ValueError("advantages, trainable: expected numpy arrays")
-    if trainable.dtype != np.bool_:
-        raise ValueError(f"trainable: expected dtype bool, received {trainable.dtype}")
-    if advantages.shape != trainable.shape:
-        raise ValueError(
-            f"trainable: expected shape {advantages.shape} (as advantages), received {trainable.shape}"
-        )
-    # One private copy of the mask serves the statistics and the assignment: the caller's array may
-    # live in shared memory that another process can write.
-    trainable = trainable.copy()
-    normalised = np.zeros(advantages.shape, dtype=np.float32)
-    selected = advantages[trainable].astype(np.float64)
-    if selected.size == 0:
-        return normalised
-    mean = selected.mean()
-    std = math.sqrt(((selected - mean) ** 2).mean())
-    normalised[trainable] = ((selected - mean) / (std + eps)).astype(np.float32)
-    return normalised

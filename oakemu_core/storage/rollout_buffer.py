@@ -34,7 +34,6 @@ from oakemu_core.storage.batches import (
     RolloutBufferTrainableDiagnostics,
     RolloutMinibatch,
     StaleAdvantagesError,
-    normalize_advantages,
 )
 from oakemu_core.storage.memory import RolloutBufferMemoryDiagnostic, rollout_memory_pressure
 from oakemu_core.storage.rollout_arrays import DATA_GENERATION, GAE_GENERATION, MASK_GENERATION
@@ -53,7 +52,6 @@ __all__ = [
     "StaleAdvantagesError",
     "checked_columns",
     "column_index",
-    "normalize_advantages",
 ]
 
 
@@ -186,13 +184,6 @@ class RolloutBuffer(RolloutRows):
         meta = self._view("meta")
         return bool(meta[GAE_GENERATION] == meta[DATA_GENERATION])
 
-    def normalized_advantages(self) -> np.ndarray:
-        """``(T, N)`` float32 advantages normalised over trainable rows (0 on the others).
-
-        See :func:`normalize_advantages`.
-        """
-        return normalize_advantages(self._view("advantages"), self._view("trainable"))
-
     def trainable_diagnostics(self) -> RolloutBufferTrainableDiagnostics | None:
         """Flattened values, returns and advantages of the trainable rows, for learner logging.
 
@@ -209,21 +200,18 @@ class RolloutBuffer(RolloutRows):
         )
 
     # ------------------------------------------------------------------ minibatches
-    def flat_batch(
-        self, device: torch.device | str, *, normalize_advantages: bool = False
-    ) -> FlatBatch:
+    def flat_batch(self, device: torch.device | str) -> FlatBatch:
         """The trainable rows of every minibatch field, flattened and on ``device``: what PPO reads.
 
         Built once per buffer state and device (cached until the next write, reset or mask
         change): each field's trainable rows are gathered on the CPU and uploaded once, so the
         epochs of an update cost no further transfers (:attr:`observation_uploads` counts the
         uploads). The stored arrays are never modified. Empty (``size`` 0) when no row is trainable.
+        Advantages are served as GAE computed them (the PPO update normalises them per minibatch,
+        :func:`oakemu_core.algo.losses.normalize_advantages`).
 
         Args:
             device: torch device for the tensors.
-            normalize_advantages: normalise advantages over the trainable rows
-                (:func:`~oakemu_core.storage.batches.normalize_advantages`); otherwise they are
-                served unnormalised.
 
         Raises:
             StaleAdvantagesError: :meth:`compute_gae` has not run since the last write.
@@ -241,15 +229,12 @@ class RolloutBuffer(RolloutRows):
             int(meta[DATA_GENERATION]),
             int(meta[MASK_GENERATION]),
             str(torch_device),
-            bool(normalize_advantages),
         )
         if self._flat_cache is not None and self._flat_cache[0] == key:
             return self._flat_cache[1]
         self._flat_cache = None  # free the old upload before making the new one
         trainable = self._arrays["trainable"].copy()  # a private copy: the shared mask may change
-        batch = FlatBatch.gather(
-            self.schema, self._arrays, trainable, torch_device, normalize=normalize_advantages
-        )
+        batch = FlatBatch.gather(self.schema, self._arrays, trainable, torch_device)
         self._observation_uploads += 1
         self._flat_cache = (key, batch)
         return batch
@@ -259,7 +244,6 @@ class RolloutBuffer(RolloutRows):
         num_minibatches: int,
         device: torch.device | str,
         *,
-        normalize_advantages: bool = False,
         generator: np.random.Generator | None = None,
     ) -> list[RolloutMinibatch]:
         """Split the trainable rows into shuffled minibatches of tensors on ``device`` (the
@@ -272,7 +256,6 @@ class RolloutBuffer(RolloutRows):
         Args:
             num_minibatches: number of minibatches, ``1 <= num_minibatches <= trainable_size``.
             device: torch device for the tensors.
-            normalize_advantages: normalise advantages over the trainable rows first.
             generator: numpy generator for the shuffle; the buffer's own (seeded at
                 construction) when None.
 
@@ -283,7 +266,7 @@ class RolloutBuffer(RolloutRows):
             ValueError: ``num_minibatches`` not a positive int or larger than the trainable rows.
             StaleAdvantagesError: :meth:`compute_gae` has not run since the last write.
         """
-        batch = self.flat_batch(device, normalize_advantages=normalize_advantages)
+        batch = self.flat_batch(device)
         return batch.minibatches(num_minibatches, generator if generator is not None else self._rng)
 
     # ------------------------------------------------------------------ memory

@@ -14,11 +14,12 @@ from hypothesis import strategies as st
 
 import oakemu_core.storage.memory as memory_diagnostics
 from oakemu_core import RolloutBuffer, RolloutMinibatch
+from oakemu_core.algo.losses import normalize_advantages
 from oakemu_core.policy.distributions import Categorical
 from oakemu_core.shared_memory import SEGMENT_PREFIX
 from oakemu_core.step_schema import build_schema, default_schema
 from oakemu_core.storage.memory import SharedMemoryTooSmallError
-from oakemu_core.storage.rollout_buffer import FlatBatch, StaleAdvantagesError, normalize_advantages
+from oakemu_core.storage.rollout_buffer import FlatBatch, StaleAdvantagesError
 from tests.conftest import SHM_DIR, own_segments
 from tests.storage.test_gae import reference_gae
 
@@ -440,26 +441,6 @@ def test_compute_gae_needs_a_full_buffer_and_exact_types(buffer: RolloutBuffer) 
         buffer.compute_gae(np.zeros(3, np.float32), np.zeros(3, np.int64), GAMMA, GAE_LAMBDA)
 
 
-# ---------------------------------------------------------------------------------- normalisation
-def test_issue_case_2_normalise_over_trainable_rows_only() -> None:
-    advantages = np.array([[1, 2, 3, 0, 0], [4, 5, 0, 0, 0]], np.float32)
-    trainable = np.array([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]], bool)
-    normalised = normalize_advantages(advantages, trainable)
-    assert normalised.dtype == np.float32 and normalised.shape == (2, 5)
-    np.testing.assert_array_equal(
-        np.round(normalised[trainable], 4),
-        np.array([-1.4142, -0.7071, 0.0, 0.7071, 1.4142], np.float32),
-    )
-    assert not normalised[~trainable].any()
-
-
-def test_normalise_without_trainable_rows_gives_zeros() -> None:
-    normalised = normalize_advantages(np.ones((2, 2), np.float32), np.zeros((2, 2), bool))
-    np.testing.assert_array_equal(normalised, np.zeros((2, 2), np.float32))
-    with pytest.raises(ValueError, match="trainable: expected dtype bool"):
-        normalize_advantages(np.ones((2, 2), np.float32), np.ones((2, 2), np.int64))
-
-
 # ---------------------------------------------------------------------------------- minibatches
 def id_buffer(num_steps: int, num_envs: int, trainable: np.ndarray | None = None) -> RolloutBuffer:
     """A full buffer whose values and actions equal the flat row index ``t * N + env``."""
@@ -569,12 +550,6 @@ def test_flat_batch_is_built_once_and_serves_every_trainable_row_once_per_epoch(
             flat.minibatches(flat.size + 1, generator)
         with pytest.raises(ValueError, match="num_minibatches: expected a positive int"):
             flat.minibatches(0, generator)
-        normalised = rollout_buffer.flat_batch("cpu", normalize_advantages=True)
-        assert normalised is not flat and rollout_buffer.observation_uploads == 2
-        np.testing.assert_allclose(
-            normalised.fields["advantages"].numpy(),
-            rollout_buffer.normalized_advantages().reshape(-1)[flat.rows],
-        )
         np.testing.assert_array_equal(
             flat.fields["advantages"].numpy(), rollout_buffer.advantages.reshape(-1)[flat.rows]
         )
@@ -611,24 +586,23 @@ def test_minibatches_are_shuffled_and_reproducible() -> None:
         assert not np.array_equal(first, other)
 
 
-def test_normalised_minibatch_advantages_use_trainable_rows_only() -> None:
+def test_minibatches_serve_the_raw_advantages_of_trainable_rows_only() -> None:
+    """Advantages leave the buffer as GAE computed them, trainable rows only; the update's one
+    normalisation (per minibatch, ``oakemu_core.algo.losses.normalize_advantages``) over all of
+    them gives mean 0 and std 1 from the trainable rows' statistics alone."""
     trainable = np.ones((4, 3), bool)
     trainable[0, :] = False
     with id_buffer(4, 3, trainable) as rollout_buffer:
-        minibatches = rollout_buffer.get_minibatches(2, "cpu", normalize_advantages=True)
-        served = np.concatenate([minibatch.advantages.numpy() for minibatch in minibatches])
-        assert abs(served.mean()) < 1e-6 and served.std() == pytest.approx(1.0, abs=1e-5)
-        expected = rollout_buffer.advantages[trainable]
-        expected = (expected - expected.mean()) / expected.std()
-        np.testing.assert_allclose(np.sort(served), np.sort(expected), rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(
-            rollout_buffer.normalized_advantages()[trainable], expected, rtol=1e-5, atol=1e-6
-        )
-        assert not rollout_buffer.normalized_advantages()[~trainable].any()
         raw = np.concatenate(
             [m.advantages.numpy() for m in rollout_buffer.get_minibatches(2, "cpu")]
         )
         np.testing.assert_allclose(np.sort(raw), np.sort(rollout_buffer.advantages[trainable]))
+        served = normalize_advantages(rollout_buffer.flat_batch("cpu").fields["advantages"])
+        assert abs(float(served.mean())) < 1e-6
+        assert float(served.std(correction=0)) == pytest.approx(1.0, abs=1e-5)
+        expected = rollout_buffer.advantages[trainable]
+        expected = (expected - expected.mean()) / expected.std()
+        np.testing.assert_allclose(served.numpy(), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_observations_upload_once_until_the_buffer_changes() -> None:
@@ -859,9 +833,17 @@ def test_issue_case_4_random_rollout_matches_reference_loop(rollout) -> None:
         expected_normalised = reference_normalise(
             rollout_buffer.advantages.tolist(), rollout["trainable"].tolist()
         )
-        np.testing.assert_allclose(
-            rollout_buffer.normalized_advantages(), expected_normalised, rtol=1e-4, atol=1e-4
-        )
+        trainable = rollout["trainable"]
+        if trainable.any():  # the update's normalisation, over the trainable rows
+            normalised = normalize_advantages(
+                torch.from_numpy(rollout_buffer.advantages[trainable])
+            )
+            np.testing.assert_allclose(
+                normalised.numpy(),
+                np.asarray(expected_normalised)[trainable],
+                rtol=1e-4,
+                atol=1e-4,
+            )
 
         trainable_rows = int(rollout["trainable"].sum())
         if trainable_rows == 0:
