@@ -578,13 +578,14 @@ class Learner:
             limiter.flush()
         if self.security is not None:
             self.security.flush_log()
+        trainer = self.trainer.handshake.trainer_counters  # handed over with the trainer's results
         snapshot = self.telemetry.snapshot(
             self.assembler,
             policy_version=self.policy_version,
-            iterations=self.trainer.ppo.iterations,
+            iterations=trainer.iterations,
             episodes=self.episodes,
-            learning_rate=self.trainer.ppo.learning_rate,
-            checkpoint_failures=self.trainer.checkpoint_writer.failures,
+            learning_rate=trainer.learning_rate,
+            checkpoint_failures=trainer.checkpoint_failures,
             log_write_failures=self.metrics.write_failures + self.episodes_log.failures,
             is_update=is_update,
             trained_env_steps=self.trained_env_steps,
