@@ -61,7 +61,7 @@ from typing import Any
 import numpy as np
 
 from oakemu_core.run.best_checkpoint import BEST_NAME, BestCheckpointTracker
-from oakemu_core.run.evaluation_schedule import EvaluationJob, EvaluationSchedule
+from oakemu_core.run.evaluation_queue import EvaluationJob, EvaluationQueue
 from oakemu_core.run.tester_process import child_main
 
 __all__ = [
@@ -219,7 +219,7 @@ class Tester:
         }
         self._nice = int(nice)
         self._lock = threading.Lock()
-        self._schedule = EvaluationSchedule(  # under self._lock
+        self._queue = EvaluationQueue(  # under self._lock
             videos=video_dir is not None, video_every=int(video_every), max_share=float(max_share)
         )
         self._reports: list[EvaluationReport] = []
@@ -313,14 +313,14 @@ class Tester:
     def evaluating(self) -> int | None:
         """Policy version being evaluated now (handed to the process), or None."""
         with self._lock:
-            job = self._schedule.in_flight
+            job = self._queue.in_flight
             return None if job is None else job.policy_version
 
     @property
     def pending(self) -> int | None:
         """Newest policy version waiting for the process, or None."""
         with self._lock:
-            pending = self._schedule.pending
+            pending = self._queue.pending
             return pending[-1].policy_version if pending else None
 
     @property
@@ -333,7 +333,7 @@ class Tester:
     def busy(self) -> bool:
         """True while an evaluation runs or weights wait for one."""
         with self._lock:
-            return self._schedule.busy
+            return self._queue.busy
 
     def close(self, timeout_s: float = _STOP_TIMEOUT_S) -> None:
         """Stop the feeder thread and the tester process (asked, then terminated, then killed),
@@ -395,7 +395,7 @@ class Tester:
             return False
         with self._lock:
             job = EvaluationJob(int(policy_version), int(global_step), weights, bool(keep))
-            self.superseded += self._schedule.submit(job)
+            self.superseded += self._queue.submit(job)
             self.submitted += 1
         self._wake()
         return True
@@ -413,15 +413,15 @@ class Tester:
         are paced again."""
         deadline = time.monotonic() + max(0.0, timeout_s)
         with self._lock:
-            self._schedule.start_drain()
+            self._queue.start_drain()
         self._wake()
         with self._lock:
-            while self._schedule.unfinished and not self._closing:
+            while self._queue.unfinished and not self._closing:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self.alive:
                     break
                 self._idle.wait(min(remaining, 0.2))
-            self._schedule.end_drain()
+            self._queue.end_drain()
         return self.poll()
 
     # -- feeder thread -------------------------------------------------------------------------
@@ -489,10 +489,10 @@ class Tester:
     def _next_message(self) -> tuple[tuple[Any, ...] | None, float | None]:
         """What to send the child now (under the lock), and how long to wait at most before asking again
         (None: until woken): a waiting job when the child is idle and pacing allows it, else ``final.mp4``
-        when :meth:`drain` wants it and nothing waits (:meth:`EvaluationSchedule.next_message`)."""
+        when :meth:`drain` wants it and nothing waits (:meth:`EvaluationQueue.next_message`)."""
         if not self._ready:
             return None, None
-        return self._schedule.next_message(time.monotonic())
+        return self._queue.next_message(time.monotonic())
 
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
@@ -501,13 +501,13 @@ class Tester:
                 self._ready = True
                 return
             if kind == "final_video":
-                self._schedule.final_video_made()
+                self._queue.final_video_made()
                 self.final_video = message[1]
                 if message[2]:
                     logger.warning("tester: no final video: %s", message[2])
                 self._idle.notify_all()
                 return
-            in_flight = self._schedule.finished(time.monotonic())  # paces the next evaluation
+            in_flight = self._queue.finished(time.monotonic())  # paces the next evaluation
             if kind == "report":
                 values = dict(message[1])
                 if values.get("video_error") and not self.video_failed:

@@ -1,6 +1,6 @@
 """Which submitted weights the tester evaluates next, and when: newest-wins waiting, pacing, videos.
 
-:class:`EvaluationSchedule` is the tester's bookkeeping without its process: the weights waiting
+:class:`EvaluationQueue` is the tester's bookkeeping without its process: the weights waiting
 (any number kept, at most one that a newer submission replaces), the one being evaluated, the pacing
 (an evaluation that took ``s`` seconds from hand-off to report lets the next plain one start
 ``s / max_share`` seconds after it was handed off), which evaluations are recorded as video, and the
@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["EvaluationJob", "EvaluationSchedule"]
+__all__ = ["EvaluationJob", "EvaluationQueue"]
 
 
 class EvaluationJob(NamedTuple):
@@ -28,7 +28,7 @@ class EvaluationJob(NamedTuple):
     """Never replaced by a newer submission, and never paced (a run's first and final weights)."""
 
 
-class EvaluationSchedule:
+class EvaluationQueue:
     """The waiting and running evaluations of one tester, and what to hand its child next.
 
     Args:
