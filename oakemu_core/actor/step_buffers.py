@@ -40,8 +40,8 @@ _CORE_FIELDS = frozenset(
 class PPOActorStepBuffers:
     """Mutable per-step PPO actor arrays used for action selection and rollout writes.
 
-    ``N`` = envs stepped in lockstep. Build with :meth:`create` (or pass the arrays as the seed
-    API does: ``PPOActorStepBuffers(observations, actions, log_probs, values, rewards, dones,
+    ``N`` = envs stepped in lockstep. Build with :meth:`create` (or pass the arrays:
+    ``PPOActorStepBuffers(observations, actions, log_probs, values, rewards, dones,
     trainable)``).
 
     Attributes:
