@@ -212,7 +212,7 @@ def _one_update(
     uploads_before = buffer.observation_uploads
     _synchronize(learner.device)
     start = time.perf_counter()
-    stats = learner.step(0, prepared)
+    stats = learner.step(prepared)
     production = time.perf_counter() - start
     assert stats is not None, "a rollout of the current policy has trainable rows"
     uploads = buffer.observation_uploads - uploads_before
