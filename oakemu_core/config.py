@@ -40,11 +40,11 @@ from oakemu_core.envs.emulators import RETRO_PREFIX
 from oakemu_core.envs.options import EnvSettings
 from oakemu_core.envs.spec import is_atari_env
 from oakemu_core.errors import ConfigError
-from oakemu_core.options import GROUPS, add_setting_arguments, given_settings, unknown_variables
+from oakemu_core.options import add_setting_arguments, given_settings, unknown_variables
 from oakemu_core.run.evaluation_settings import EvaluationSettings
 from oakemu_core.run.settings import RollbackSettings, RunSettings
 from oakemu_core.transport.batching import AUTO_MESSAGE_MIN_ROWS, auto_steps_per_message
-from oakemu_core.transport.settings import SecuritySettings, TransportSettings
+from oakemu_core.transport.settings import SecuritySettings, TransportSettings, check_ports_differ
 
 __all__ = [
     "CONFIG_FILE_ENV_VAR",
@@ -127,14 +127,14 @@ class _BaseSettingsSource(PydanticBaseSettingsSource):
         return dict(self._data)
 
 
-class OakEmuConfig(
+class OakEmuConfig(  # fields in reverse order of the bases, then this class's (config.toml's order)
+    SecuritySettings,
+    TransportSettings,
+    RollbackSettings,
+    RunSettings,
     PPOSettings,
     EnvSettings,
     EvaluationSettings,
-    RunSettings,
-    RollbackSettings,
-    TransportSettings,
-    SecuritySettings,
     BaseSettings,
 ):
     """All settings of a training run, an actor, a learner or a monitor (flat, one line each).
@@ -375,6 +375,7 @@ class OakEmuConfig(
                 f"probability > 0) or neither, received {self.route_scripted_policy!r} and "
                 f"{self.route_scripted_probability!r}"
             )
+        check_ports_differ(self)
         return self
 
     def _fit_actors(self) -> None:
@@ -500,18 +501,15 @@ def resolved_device(config: OakEmuConfig) -> str:
 def to_toml(config: OakEmuConfig) -> str:
     """The resolved configuration as a flat TOML document readable by ``--config``.
 
-    The settings come in the order of their option groups (:data:`oakemu_core.options.GROUPS`, as
-    ``--help`` lists them). Fields whose value is None are written as comments (TOML has no null),
-    so reading the file back gives the same configuration. ``config_file`` is not written.
+    Fields whose value is None are written as comments (TOML has no null), so reading the
+    file back gives the same configuration. ``config_file`` is not written.
     """
     # tomli_w is not installed here; the fields are flat scalars, so a small writer suffices.
-    fields = OakEmuConfig.model_fields
-    grouped = [name for group in GROUPS for name in group.fields]
     lines = ["# OakEmu-RL resolved configuration"]
-    for name in [*grouped, *(name for name in fields if name not in grouped)]:
+    for name, field in OakEmuConfig.model_fields.items():
         if name == "config_file":
             continue
-        field, value = fields[name], getattr(config, name)
+        value = getattr(config, name)
         if field.description:
             lines.append(f"# {field.description}")
         if value is None:

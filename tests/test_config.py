@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import tomllib
 from pathlib import Path
 
@@ -359,15 +358,6 @@ def test_evaluation_defaults_keep_the_tester_cheap_and_record_best_and_final() -
     ):
         with pytest.raises(ConfigError, match=field):
             load_config(args)
-
-
-def test_to_toml_lists_the_settings_in_the_help_order() -> None:
-    """config.toml reads as ``--help`` does, whatever class declares a setting."""
-    from oakemu_core.options import GROUPS
-
-    text = to_toml(load_config(["--num-envs", "8"]))
-    written = re.findall(r"^(?:# )?([a-z_][a-z0-9_]*) = ", text, flags=re.MULTILINE)
-    assert written == [name for group in GROUPS for name in group.fields]
 
 
 @pytest.mark.parametrize(

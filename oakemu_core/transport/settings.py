@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["PORT_FIELDS", "SecuritySettings", "TransportSettings"]
+__all__ = ["PORT_FIELDS", "SecuritySettings", "TransportSettings", "check_ports_differ"]
 
 PORT_FIELDS = ("data_port", "control_port", "weights_port", "telemetry_port", "metrics_port")
 """The settings naming a port the learner listens on (each distinct)."""
@@ -22,7 +22,8 @@ PORT_FIELDS = ("data_port", "control_port", "weights_port", "telemetry_port", "m
 
 class TransportSettings(BaseModel):
     """How steps travel, where the learner listens and what one message may hold (one line each;
-    validated when built: the ports differ)."""
+    :class:`~oakemu_core.config.OakEmuConfig` checks that the ports differ with
+    :func:`check_ports_differ`, after its other checks)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -56,18 +57,6 @@ class TransportSettings(BaseModel):
     max_message_bytes: int = Field(
         64 * 1024 * 1024, ge=1024, description="Largest accepted message (bytes)."
     )
-
-    @model_validator(mode="after")
-    def _check_ports_differ(self) -> TransportSettings:
-        used: dict[int, str] = {}
-        for name in PORT_FIELDS:
-            port = getattr(self, name)
-            if port and port in used:
-                raise ValueError(
-                    f"{name}: expected a port different from {used[port]}={port}, received {port}"
-                )
-            used[port] = name
-        return self
 
     @property
     def metrics_enabled(self) -> bool:
@@ -162,6 +151,19 @@ class SecuritySettings(BaseModel):
                 f"received {self.reward_low} and {self.reward_high}"
             )
         return self
+
+
+def check_ports_differ(settings: TransportSettings) -> None:
+    """Raise ValueError naming the first of :data:`PORT_FIELDS` whose port another one uses (a port
+    of 0 or None binds nothing and is never compared)."""
+    used: dict[int, str] = {}
+    for name in PORT_FIELDS:
+        port = getattr(settings, name)
+        if port and port in used:
+            raise ValueError(
+                f"{name}: expected a port different from {used[port]}={port}, received {port}"
+            )
+        used[port] = name
 
 
 def _host_for_url(host: str) -> str:
