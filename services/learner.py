@@ -2,9 +2,12 @@
 
 Two threads, each owning its state:
 
-- the *ingest* thread (main thread) owns every socket and the :class:`RolloutAssembler`: it serves
-  joins and heartbeats (:class:`~oakemu_core.transport.control_server.ControlServer`), writes step
-  messages into the filling buffer, hands full buffers to the trainer, publishes weights and
+- the *ingest* thread (main thread) owns every socket, polls them and frames their messages: it
+  serves joins and heartbeats (:class:`~oakemu_core.transport.control_server.ControlServer`), hands
+  the step messages its :class:`~oakemu_core.transport.step_source.SocketStepSource` reads to the
+  :class:`~oakemu_core.algo.ingest_loop.IngestLoop` (books, actor expiry, budget and stop) that
+  writes them into the filling buffer (:class:`RolloutAssembler`), hands full buffers to the
+  trainer, publishes weights (one :class:`~oakemu_core.transport.published.PublishedWeights`) and
   telemetry, and stops reading step messages while no buffer is filling (back-pressure: actors
   then block in ``send``, or wait for a free step-ring slot);
 - the *trainer* thread (:class:`~oakemu_core.algo.trainer.Trainer`) owns the model and optimizer:
@@ -37,25 +40,24 @@ from oakemu_services.runtime import (
     startup_done,
 )
 
-from oakemu_core.algo.handshake import RunProgress, TrainResult, WeightsRevision
+from oakemu_core.algo.handshake import TrainResult, WeightsRevision
 from oakemu_core.algo.health import RunCollapsedError
+from oakemu_core.algo.ingest_loop import IngestLoop
 from oakemu_core.algo.trainer import Trainer
 from oakemu_core.config import OakEmuConfig, resolved_device, to_toml
 from oakemu_core.envs import env_spec
 from oakemu_core.envs.factory import check_env
 from oakemu_core.policy.schemas import schema_for_env
 from oakemu_core.run.checkpoint import CheckpointWriteFailed
-from oakemu_core.run.learner_telemetry import LearnerTelemetry
+from oakemu_core.run.learner_outputs import LearnerOutputs
 from oakemu_core.run.log_limits import RateLimitedLog
-from oakemu_core.run.metrics import JsonLinesWriter, MetricsLogger, evaluation_scalars
 from oakemu_core.run.prometheus import PrometheusExporter
 from oakemu_core.run.run_folder import check_resume_folder, format_changes, write_text_atomic
-from oakemu_core.run.telemetry import TelemetryPublisher
-from oakemu_core.run.tester import EvaluationReport
-from oakemu_core.run.tracking import check_tracker_available, tracker_from_config
+from oakemu_core.run.tracking import check_tracker_available
 from oakemu_core.shared_memory import sweep_stale_segments
 from oakemu_core.step_schema import StepSchema
-from oakemu_core.storage.assembler import RolloutAssembler, SlotState, StepRejected
+from oakemu_core.storage.actors import ActorRegistry
+from oakemu_core.storage.assembler import RolloutAssembler
 from oakemu_core.storage.memory import (
     SharedMemoryTooSmallError,
     ensure_shm_capacity,
@@ -63,7 +65,7 @@ from oakemu_core.storage.memory import (
 )
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
 from oakemu_core.transport.auth import PeerBinding, TransportSecurityError, server_security
-from oakemu_core.transport.channels import StepReceiver, recv_frames
+from oakemu_core.transport.channels import StepReceiver
 from oakemu_core.transport.codec import MessageRejected
 from oakemu_core.transport.control import (
     JoinRequest,
@@ -76,8 +78,10 @@ from oakemu_core.transport.control import (
 )
 from oakemu_core.transport.control_server import ControlServer, step_spec_for
 from oakemu_core.transport.peer_limits import PeerLimits
+from oakemu_core.transport.published import PublishedWeights
 from oakemu_core.transport.step_ring import StepRings, shared_memory_host_id
-from oakemu_core.transport.steps import StepSpec
+from oakemu_core.transport.step_source import SocketStepSource
+from oakemu_core.transport.steps import StepMessage, StepSpec
 
 log = logging.getLogger("oakemu.learner")
 
@@ -193,8 +197,40 @@ def log_ingest_summary(assembler: RolloutAssembler) -> None:
     )
 
 
+def bind_sockets(
+    context: zmq.Context, config: OakEmuConfig, schema: StepSchema, security: Any
+) -> tuple[zmq.Socket, zmq.Socket, zmq.Socket]:
+    """The learner's step (PULL), control (ROUTER) and weights (PUB) sockets, bound to their ports
+    (``security``: CURVE server settings, or None)."""
+
+    def secure(sock: zmq.Socket) -> zmq.Socket:
+        return security.apply(sock) if security is not None else sock
+
+    data = secure(context.socket(zmq.PULL))
+    # A small receive queue: back-pressure reaches the actors quickly, and rows stay fresh.
+    data.setsockopt(zmq.RCVHWM, 4)
+    typical = step_spec_for(config, schema, config.envs_per_actor, step_ring=False)  # remote
+    data.setsockopt(zmq.RCVBUF, socket_buffer_bytes(typical.message_bytes()))
+    data.setsockopt(zmq.LINGER, 0)
+    # Memory guard: ZeroMQ drops a peer that sends more than this (never allocated). Messages
+    # between max_message_bytes and this bound are received, rejected and counted ("oversized").
+    data.setsockopt(zmq.MAXMSGSIZE, 4 * config.max_message_bytes)
+    data.bind(config.bind_address(config.data_port))
+    control = secure(context.socket(zmq.ROUTER))
+    control.setsockopt(zmq.LINGER, 0)
+    # An actor's reconnected socket keeps its routing id (auth.py).
+    control.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    control.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE_BYTES)
+    control.bind(config.bind_address(config.control_port))
+    weights = secure(context.socket(zmq.PUB))
+    weights.setsockopt(zmq.SNDHWM, 2)
+    weights.setsockopt(zmq.LINGER, 0)
+    weights.bind(config.bind_address(config.weights_port))
+    return data, control, weights
+
+
 class Learner:
-    """The learner process: sockets + assembler in this thread, a :class:`Trainer` in another.
+    """The learner process: sockets and the ingest loop in this thread, a :class:`Trainer` in another.
 
     Args:
         config: the run's configuration. run_dir: the run folder (resumed from its latest checkpoint).
@@ -206,19 +242,17 @@ class Learner:
         # A start that fails half-way (a port in use, a bad checkpoint) releases what it made: the
         # hand-back pipe, the shared-memory segments, the sockets and the log files.
         # close() releases the same list, in reverse order, after the final checkpoint.
-        with contextlib.ExitStack() as undo:
-            self._build(config, run_dir, trainer, undo)
-            self._release = undo.pop_all()
-
-    def _build(
-        self,
-        config: OakEmuConfig,
-        run_dir: Path,
-        trainer: Trainer | None,
-        undo: contextlib.ExitStack,
-    ) -> None:
         self.config = config
         self.run_dir = run_dir
+        with contextlib.ExitStack() as undo:
+            self._build_training(trainer, undo)
+            self._build_ingest(undo)
+            self._build_outputs(undo)
+            self._release = undo.pop_all()
+
+    def _build_training(self, trainer: Trainer | None, undo: contextlib.ExitStack) -> None:
+        """The trainer (resumed, behaviour-cloned) and the shared-memory rollout buffers."""
+        config = self.config
         if trainer is not None:
             undo.callback(trainer.close)
         self.spec = (
@@ -236,12 +270,11 @@ class Learner:
             log.warning("removed shared-memory segment %s left by a dead process", name)
         ensure_shm_capacity(num_rollout_buffers(config) * self.buffer_bytes)
         if trainer is None:
-            self.trainer = Trainer(
-                config, self.spec, self.schema, run_dir, device=resolved_device(config)
+            trainer = Trainer(
+                config, self.spec, self.schema, self.run_dir, device=resolved_device(config)
             )
-            undo.callback(self.trainer.close)
-        else:
-            self.trainer = trainer
+            undo.callback(trainer.close)
+        self.trainer = trainer
         self.trainer.resume()
         self.buffers: list[RolloutBuffer] = []
         for _ in range(num_rollout_buffers(config)):
@@ -249,17 +282,6 @@ class Learner:
                 RolloutBuffer(config.rollout_length, config.allocated_num_envs, schema=self.schema)
             )
             undo.callback(self.buffers[-1].close)  # also when the next one fails
-        self.assembler = RolloutAssembler(
-            self.buffers,
-            actor_timeout_s=config.actor_timeout_s,
-            sync=config.mode == "sync",
-            max_policy_lag=config.max_policy_lag,
-            planned_columns=config.buffer_num_envs,
-        )
-        self.assembler.counters.env_steps = self.trainer.progress.global_step
-        self.trained_env_steps = (
-            self.trainer.ppo.trained_env_steps
-        )  # the budget counts these, not rows received
         # Behaviour cloning runs before the first weights are published: no actor ever acts with
         # the pre-BC policy on rows that PPO would then train with the post-BC one.
         bc_updates = self.trainer.ppo.behaviour_cloning_phase()
@@ -267,29 +289,39 @@ class Learner:
             log.info(
                 "behaviour cloning: %d replay-only updates on %s", bc_updates, config.bc_dataset
             )
-        self.episodes = self.trainer.progress.episodes
-        self.telemetry = LearnerTelemetry(
-            run_dir.name,
-            config.env_id,
-            started=time.monotonic(),
-            start_steps=self.assembler.counters.env_steps,
-        )
-        self.exit_status = 0
-        self.stopping_reason = ""
+
+    def _build_ingest(self, undo: contextlib.ExitStack) -> None:
+        """The sockets, the actor registry with everything it releases, the assembler, the control
+        server and the ingest loop, around one :class:`PublishedWeights`."""
+        config = self.config
+        self.published = PublishedWeights(self.trainer.policy_version, self.trainer.weights())
         self.rejection_log = peer_logs()
-        self.peer_limits = PeerLimits.from_config(config)
         # Shared-memory step rings of the actors on this machine (oakemu_core/transport/step_ring.py).
         self.rings = make_step_rings(
             config, reserved_bytes=num_rollout_buffers(config) * self.buffer_bytes
         )
         undo.callback(self.rings.close)
-        self._ring_offer = ring_offerer(
-            self.rings,
-            config.rollout_length,
-            self.rejection_log["notices"],
-            synchronous=config.mode == "sync",
-        )
         self._setup_sockets(undo)
+        registry = ActorRegistry(peers=self.peers, rings=self.rings)
+        self.assembler = RolloutAssembler(
+            self.buffers,
+            actor_timeout_s=config.actor_timeout_s,
+            sync=config.mode == "sync",
+            max_policy_lag=config.max_policy_lag,
+            planned_columns=config.buffer_num_envs,
+            registry=registry,
+            published=self.published,
+        )
+        receiver = StepReceiver(
+            self.rings,
+            registry.spec_for,
+            self.peers.allows,
+            max_bytes=config.max_message_bytes,
+            notices=self.rejection_log["notices"],
+        )
+        registry.stacks = receiver.stacks
+        self.steps = SocketStepSource(self.data, receiver, self.peers)
+        peer_limits = PeerLimits.from_config(config)
         self.control_server = ControlServer(
             config,
             self.schema,
@@ -298,89 +330,64 @@ class Learner:
             self.peers,
             self.rejection_log["control"],
             host_id=shared_memory_host_id() if config.step_transport == "auto" else "",
-            offer_ring=self._ring_offer,
-            policy_version=self.trainer.policy_version,
-            weights=self.trainer.weights(),
+            offer_ring=ring_offerer(
+                self.rings,
+                config.rollout_length,
+                self.rejection_log["notices"],
+                synchronous=config.mode == "sync",
+            ),
+            policy_version=self.published.version,
+            weights=self.published.weights,
             notices=self.rejection_log["notices"],
-            limits=self.peer_limits,
+            limits=peer_limits,
         )
-        self.metrics = MetricsLogger(
-            run_dir, tracker=tracker_from_config(config, run_dir)
-        )  # --track: MLflow, W&B
-        undo.callback(self.metrics.close)
-        # One line per finished episode (raw game score), as CleanRL logs charts/episodic_return.
-        # Each record is written whole or not at all; a failed write is counted, never fatal.
-        self.episodes_log = JsonLinesWriter(run_dir / "episodes.jsonl")
-        undo.callback(self.episodes_log.close)
-        self.telemetry_pub = TelemetryPublisher(
-            config.bind_address(config.telemetry_port),
+        self.loop = IngestLoop(
+            self.assembler,
+            self.control_server,
+            peer_limits=peer_limits,
+            total_env_steps=config.total_env_steps,
+            rejections=self.rejection_log["data"],
+            notices=self.rejection_log["notices"],
+            progress=self.trainer.progress,
+            trained_env_steps=self.trainer.ppo.trained_env_steps,
+        )
+
+    def _build_outputs(self, undo: contextlib.ExitStack) -> None:
+        """Metrics, the episodes log, telemetry and the Prometheus endpoint."""
+        self.outputs = LearnerOutputs(
+            self.config,
+            self.run_dir,
             context=self.context,
             security=self.security and self.security.for_role("monitor"),
+            start_steps=self.assembler.counters.env_steps,
+            undo=undo,
         )
-        undo.callback(self.telemetry_pub.close)
-        metrics_host = (config.metrics_host or config.bind_host).strip(
-            "[]"
-        )  # where the learner binds, not 0.0.0.0
-        self.prometheus = (
-            PrometheusExporter(config.metrics_port, addr=metrics_host)
-            if config.metrics_enabled
-            else None
-        )
-        if self.prometheus is not None:
-            undo.callback(self.prometheus.close)
+        self.exit_status = 0
+
+    @property
+    def prometheus(self) -> PrometheusExporter | None:
+        """The Prometheus endpoint, None when ``metrics_enabled`` is off."""
+        return self.outputs.prometheus
 
     def _setup_sockets(self, undo: contextlib.ExitStack) -> None:
-        config = self.config
         self.context = zmq.Context()
         undo.callback(self.context.destroy, linger=0)  # closes the sockets made below too
-        refusals = RateLimitedLog(
-            log, "connections", first_prefix="refused connection"
-        )  # the ZAP thread's own log
-        self.security = server_security(
-            self.context, config, refusals
-        )  # CURVE + ZAP (oakemu_core.transport.auth)
+        # The ZAP thread's own log.
+        refusals = RateLimitedLog(log, "connections", first_prefix="refused connection")
+        # CURVE + ZAP (oakemu_core.transport.auth)
+        self.security = server_security(self.context, self.config, refusals)
         if self.security is not None:
             undo.callback(self.security.close)
         # Each actor's messages only from the peer it joined from (and its CURVE key, with CURVE).
         self.peers = PeerBinding(user_ids=self.security is not None)
-        self.receiver = StepReceiver(
-            self.rings,
-            self.assembler.spec_for,
-            self.peers.allows,
-            max_bytes=config.max_message_bytes,
-            notices=self.rejection_log["notices"],
+        self.data, self.control, self.weights_pub = bind_sockets(
+            self.context, self.config, self.schema, self.security
         )
-        self.data = self._secure(self.context.socket(zmq.PULL))
-        # A small receive queue: back-pressure reaches the actors quickly, and rows stay fresh.
-        self.data.setsockopt(zmq.RCVHWM, 4)
-        typical = step_spec_for(
-            config, self.schema, config.envs_per_actor, step_ring=False
-        )  # an actor elsewhere
-        self.data.setsockopt(zmq.RCVBUF, socket_buffer_bytes(typical.message_bytes()))
-        self.data.setsockopt(zmq.LINGER, 0)
-        # Memory guard: ZeroMQ drops a peer that sends more than this (never allocated). Messages
-        # between max_message_bytes and this bound are received, rejected and counted ("oversized").
-        self.data.setsockopt(zmq.MAXMSGSIZE, 4 * config.max_message_bytes)
-        self.data.bind(config.bind_address(config.data_port))
-        self.control = self._secure(self.context.socket(zmq.ROUTER))
-        self.control.setsockopt(zmq.LINGER, 0)
-        self.control.setsockopt(
-            zmq.ROUTER_HANDOVER, 1
-        )  # an actor's reconnected socket keeps its routing id (auth.py)
-        self.control.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE_BYTES)
-        self.control.bind(config.bind_address(config.control_port))
-        self.weights_pub = self._secure(self.context.socket(zmq.PUB))
-        self.weights_pub.setsockopt(zmq.SNDHWM, 2)
-        self.weights_pub.setsockopt(zmq.LINGER, 0)
-        self.weights_pub.bind(config.bind_address(config.weights_port))
-
-    def _secure(self, sock: zmq.Socket) -> zmq.Socket:
-        return self.security.apply(sock) if self.security is not None else sock
 
     @property
     def policy_version(self) -> int:
         """Version of the newest weights published to the actors."""
-        return self.control_server.policy_version
+        return self.published.version
 
     # -- control ----------------------------------------------------------------------------
     def _handle_control(self, now: float) -> None:
@@ -412,80 +419,24 @@ class Learner:
                     now,
                     identity=envelope,
                     peer=self.peers.connection(identity, frame),
-                    stopping=bool(self.stopping_reason),
+                    stopping=bool(self.loop.stopping_reason),
                 ),
             )
 
     # -- data -------------------------------------------------------------------------------
     def _handle_data(self, now: float) -> None:
-        receiver = self.receiver
+        """Read up to :data:`RECV_BATCH` step messages while the assembler accepts them."""
         for _ in range(RECV_BATCH):
             if not self.assembler.accepting:
                 return
-            try:
-                parts = recv_frames(self.data)
-            except zmq.Again:
+            received = self.steps.receive()
+            if received is None:
                 return
-            self.assembler.counters.received["data"] += 1
-            frame = parts[0]  # the header: it names the peer
-            try:
-                message = receiver.decode(parts)
-            except MessageRejected as error:
-                if error.sender is not None and self.assembler.count_late(*error.sender[:2]):
-                    continue  # a departed incarnation's message in flight when it left: dropped as late
-                self.assembler.counters.rejected[error.reason] += 1
-                self.rejection_log["data"].event(error.reason, str(error))
+            if not isinstance(received, StepMessage):
+                self.loop.refuse_step(received)
                 continue
-            try:
-                if not self.peers.allows(message.actor_id, message.incarnation, frame):
-                    raise StepRejected(
-                        "impersonation", f"a step for actor {message.actor_id} from another peer"
-                    )
-                with receiver.holding(
-                    message
-                ):  # written or copied (held) by the end, or rejected: slot freed
-                    problem = self.peer_limits.check_step(
-                        message
-                    )  # values no actor of this run can send
-                    if problem is not None:
-                        raise StepRejected(
-                            "value_range", f"value_range: actor {message.actor_id}: {problem}"
-                        )
-                    self.assembler.ingest(
-                        message, current_policy_version=self.policy_version, now=now
-                    )
-            except StepRejected as error:
-                if (
-                    error.reason != "departed_actor"
-                ):  # late steps are counted as dropped, not rejected
-                    self.assembler.counters.rejected[error.reason] += 1
-                    self.rejection_log["data"].event(error.reason, str(error))
-                continue
-            except MessageRejected as error:
-                self.assembler.counters.rejected[error.reason] += 1
-                self.rejection_log["data"].event(error.reason, str(error))
-                continue
-            self.assembler.counters.accepted["step"] += 1
-
-    def _take_episodes(self) -> None:
-        """Count the episodes the assembler took, log them and add them to the telemetry window."""
-        episodes = self.assembler.take_episodes()
-        if not episodes:
-            return
-        self.episodes += len(episodes)
-        for episode in episodes:
-            self.episodes_log.write(
-                {
-                    "global_step": self.assembler.counters.env_steps,
-                    "actor_id": episode.actor_id,
-                    "policy_version": episode.policy_version,
-                    "episodic_return": episode.episodic_return,
-                    "episodic_length": episode.episodic_length,
-                }
-            )
-        self.telemetry.window.add(
-            [e.episodic_return for e in episodes], [e.episodic_length for e in episodes]
-        )
+            with self.steps.holding(received):  # written or copied (held) by the end: slot freed
+                self.loop.take_step(received, now)
 
     # -- results ----------------------------------------------------------------------------
     def _hand_off_full_rollouts(self) -> None:
@@ -494,20 +445,17 @@ class Learner:
         rollout = self.assembler.take_full_rollout()
         if rollout is not None:
             self.trainer.handshake.publish(
-                rollout, self._progress(), reevaluate=self.control_server.reevaluate_every_rollout
+                rollout,
+                self.loop.progress(),
+                reevaluate=self.control_server.reevaluate_every_rollout,
             )
-
-    def _progress(self) -> RunProgress:
-        """The run's counters now: every env step received, trained or not, and every episode."""
-        return RunProgress(self.assembler.counters.env_steps, self.episodes)
 
     def _collect_results(self) -> None:
         results = self.trainer.handshake.results()
         for position, result in enumerate(results):
             if isinstance(result, WeightsRevision):  # within an update: the actors' weights only
-                if (
-                    position == len(results) - 1
-                ):  # newer weights later in the batch: only those are sent
+                # Newer weights later in the batch: only those are sent.
+                if position == len(results) - 1:
                     self._publish_weights(
                         WeightsMessage(result.policy_version, result.weights, result.revision)
                     )
@@ -515,86 +463,41 @@ class Learner:
             # Published before the release: the joins held for the next rollout get these weights.
             self.control_server.publish(result.policy_version, result.weights)
             if result.slot is not None:
-                self.assembler.release(result.slot, result.policy_version)
+                self.assembler.release(result.slot)
             self._publish_weights(WeightsMessage(result.policy_version, result.weights))
             for event in result.events:
                 log.info("%s", event)
             if result.slot is None:  # behaviour-cloning pre-training: new weights, no rollout
                 continue
-            self.assembler.counters.dropped["stale_rows"] += result.stale_rows
-            self.trained_env_steps = (
-                result.trained_env_steps
-            )  # the budget: discarded and stale rows never count
-            self._log_update(result)
-            if self.trained_env_steps >= self.config.total_env_steps and not self.stopping_reason:
-                self.stopping_reason = "env-step budget reached"
-                log.info(
-                    "stopping: %s: %d env steps trained (%d received), update %d",
-                    self.stopping_reason,
-                    self.trained_env_steps,
-                    self.assembler.counters.env_steps,
-                    result.iterations,
-                )
+            self.loop.record_result(result)
+            step, actors = self.assembler.counters.env_steps, len(self.assembler.actors)
+            self.outputs.log_update(result, step, actors=actors, episodes=self.loop.episodes)
+            self._publish_telemetry(is_update=True)
 
     def _publish_weights(self, message: WeightsMessage) -> None:
         self.weights_pub.send(encode_weights(message), copy=False)
 
-    def _log_update(self, result: TrainResult) -> None:
-        """One metrics record, one log line and one telemetry snapshot per PPO update, all with the
-        same update number (``charts/update``), ``global_step`` and SPS."""
-        step, actors = self.assembler.counters.env_steps, len(self.assembler.actors)
-        self.metrics.log(
-            step, self.telemetry.record_update(result, step, time.monotonic(), actors=actors)
-        )
-        for report in result.evaluations:
-            self._log_evaluation(report)
-        self.telemetry.log_update(result, step, episodes=self.episodes, actors=actors)
-        self._publish_telemetry(is_update=True)
-
-    def _log_evaluation(self, report: EvaluationReport) -> None:
-        """A tester report into metrics (at the current step: global_step never goes back),
-        the telemetry history and the log."""
-        self.metrics.log(self.assembler.counters.env_steps, evaluation_scalars(report))
-        self.metrics.log_video(
-            self.assembler.counters.env_steps, "eval/video", report.video_path, report.video_preview
-        )
-        self.telemetry.history.record_evaluation(report)
-        log.info(
-            "evaluation of policy version %d: return %.2f +- %.2f over %d episodes (%s)",
-            report.policy_version,
-            report.return_mean,
-            report.return_std,
-            report.episodes,
-            "greedy" if report.greedy else "sampled",
-        )
-
     # -- telemetry --------------------------------------------------------------------------
     def _publish_telemetry(self, *, is_update: bool) -> None:
-        if (
-            self.security is not None and self.security.refused
-        ):  # clients refused by the ZAP authenticator
+        if self.security is not None and self.security.refused:  # refused by the ZAP authenticator
             self.assembler.counters.rejected["unauthorized_key"] = self.security.refused
         for limiter in self.rejection_log.values():  # the summary of a burst that has ended
             limiter.flush()
         if self.security is not None:
             self.security.flush_log()
-        trainer = self.trainer.handshake.trainer_counters  # handed over with the trainer's results
-        snapshot = self.telemetry.snapshot(
+        trainer = self.trainer.handshake.trainer_counters  # handed over with the results
+        snapshot = self.outputs.telemetry.snapshot(
             self.assembler,
-            policy_version=self.policy_version,
+            policy_version=self.published.version,
             iterations=trainer.iterations,
-            episodes=self.episodes,
+            episodes=self.loop.episodes,
             learning_rate=trainer.learning_rate,
             checkpoint_failures=trainer.checkpoint_failures,
-            log_write_failures=self.metrics.write_failures + self.episodes_log.failures,
+            log_write_failures=self.outputs.write_failures,
             is_update=is_update,
-            trained_env_steps=self.trained_env_steps,
+            trained_env_steps=self.loop.trained_env_steps,
         )
-        if (
-            self.prometheus is not None
-        ):  # first: a client that saw this record scrapes figures as new
-            self.prometheus.update(snapshot)
-        self.telemetry_pub.publish(snapshot)
+        self.outputs.publish(snapshot)
 
     # -- main loop --------------------------------------------------------------------------
     def run(self, stop_event: threading.Event) -> int:
@@ -610,11 +513,8 @@ class Learner:
         self.trainer.start(lambda: self.assembler.counters.env_steps)
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)
-        poller.register(
-            self.trainer.handshake.wake_fd, zmq.POLLIN
-        )  # a result handed back wakes the loop
-        data_registered = False
-        next_telemetry = next_expiry = time.monotonic()
+        # A result handed back wakes the loop.
+        poller.register(self.trainer.handshake.wake_fd, zmq.POLLIN)
         log.info(
             "learner for %s: %d x %d rollout buffers (%.1f MiB each) on %s, device %s, run %s",
             config.env_id,
@@ -625,104 +525,58 @@ class Learner:
             self.trainer.device,
             self.run_dir,
         )
+        data_registered, next_telemetry = False, time.monotonic()
         while True:
-            # The update that spends the budget stops the run (_collect_results); a resume with nothing left here.
-            budget_spent = self.trained_env_steps >= config.total_env_steps
-            if not self.stopping_reason and (
-                stop_event.is_set() or (budget_spent and self._nothing_in_flight())
-            ):
-                self.stopping_reason = (
-                    "signal" if stop_event.is_set() else "env-step budget reached"
-                )
-                log.info("stopping: %s", self.stopping_reason)
-            if self.stopping_reason and not self.trainer.handshake.busy:
+            training = self.trainer.handshake.busy
+            self.loop.check_stop(stop_requested=stop_event.is_set(), training=training)
+            if self.loop.stopping_reason and not training:
                 log_ingest_summary(self.assembler)
                 break
-            want_data = (
-                self.assembler.accepting
-                and not self.stopping_reason
-                and not (budget_spent and self.trainer.handshake.busy)
-            )
-            if want_data != data_registered:
-                (
+            if self.loop.wants_steps(training) != data_registered:
+                data_registered = not data_registered
+                if data_registered:
                     poller.register(self.data, zmq.POLLIN)
-                    if want_data
-                    else poller.unregister(self.data)
-                )
-                data_registered = want_data
+                else:
+                    poller.unregister(self.data)
             events = dict(poller.poll(20))
             now = time.monotonic()
             if self.control in events:
                 self._handle_control(now)
             if events.get(self.data):
                 self._handle_data(now)
-            self._take_episodes()
-            try:
-                self._collect_results()
-            except RuntimeError as error:
-                if not isinstance(error.__cause__, (RunCollapsedError, CheckpointWriteFailed)):
-                    raise
-                log.error(
-                    "%s", error.__cause__
-                )  # a clear stop: no traceback, final checkpoint kept
-                self.exit_status, failed = 1, isinstance(error.__cause__, CheckpointWriteFailed)
-                self.stopping_reason = (
-                    "checkpoint writes keep failing" if failed else self.stopping_reason
-                )
+            self.outputs.log_episodes(self.loop.take_episodes(), self.assembler.counters.env_steps)
+            if not self._turn_results():
                 break
-            if not self.stopping_reason:
+            if not self.loop.stopping_reason:
                 self._hand_off_full_rollouts()
-                send_replies(
-                    self.control, self.control_server.tick(now)
-                )  # synchronous mode's held joins
-            if now >= next_expiry:
-                self._expire_silent_actors(now)
-                next_expiry = now + 0.5
+                # The synchronous mode's held joins.
+                send_replies(self.control, self.control_server.tick(now))
+            self.loop.expire(now)
             if now >= next_telemetry:
-                self.telemetry.rates.sample(now, self.assembler.counters.env_steps)
+                self.outputs.telemetry.rates.sample(now, self.assembler.counters.env_steps)
                 self._publish_telemetry(is_update=False)
                 next_telemetry = now + TELEMETRY_PERIOD_S
         # Tell the actors to stop for a moment, so they exit before we close the sockets: at once on
         # the weights channel, and in the reply to each heartbeat (an actor that missed the notice).
-        self.stopping_reason = self.stopping_reason or "the run collapsed"
-        self.weights_pub.send(encode_stop(StopNotice(self.stopping_reason)))
+        self.loop.stopping_reason = self.loop.stopping_reason or "the run collapsed"
+        self.weights_pub.send(encode_stop(StopNotice(self.loop.stopping_reason)))
         self._drain_control(seconds=min(2.0, config.actor_timeout_s))
         return self.exit_status
 
-    def _expire_silent_actors(self, now: float) -> None:
-        """Drop actors whose watched process ended or that were silent for ``actor_timeout_s``.
-
-        Their peer bindings, step rings and last frame stacks go with them (timed-out actors' rings
-        are freed at once, not kept for late messages).
-        """
-        notices = self.rejection_log["notices"]
-        gone = self.control_server.drop_gone_actors()
-        for actor_id, why in gone:
-            notices.event(
-                "gone",
-                f"actor {actor_id} {why} (its process): dropped, its unfinished segment discarded",
-                level=logging.WARNING,
-            )
-        expired = self.assembler.expire_silent_actors(now)
-        for actor_id in expired:
-            notices.event(
-                "timeout",
-                f"actor {actor_id} silent for {self.config.actor_timeout_s:.1f}"
-                " s: dropped, its unfinished segment discarded",
-                level=logging.WARNING,
-            )
-        self.peers.retain(set(self.assembler.actors) | self.control_server.held_joins)
-        live = {(r.actor_id, r.incarnation) for r in self.assembler.actors.values()}
-        self.rings.retain(live, free=set(expired))
-        self.receiver.retain(live)
-
-    def _nothing_in_flight(self) -> bool:
-        """No rollout in training, none full, and no row written in a filling buffer."""
-        return (
-            not self.trainer.handshake.busy
-            and all(state is SlotState.FILLING for state in self.assembler.states)
-            and not any(int(buffer.column_steps.sum()) for buffer in self.buffers)
-        )
+    def _turn_results(self) -> bool:
+        """Collect the trainer's results; False when the run must stop now (it collapsed, or
+        checkpoint writes keep failing: logged, exit status 1, the final checkpoint kept)."""
+        try:
+            self._collect_results()
+        except RuntimeError as error:
+            if not isinstance(error.__cause__, (RunCollapsedError, CheckpointWriteFailed)):
+                raise
+            log.error("%s", error.__cause__)  # a clear stop: no traceback, final checkpoint kept
+            self.exit_status = 1
+            if isinstance(error.__cause__, CheckpointWriteFailed):
+                self.loop.stopping_reason = "checkpoint writes keep failing"
+            return False
+        return True
 
     def _drain_control(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -734,7 +588,7 @@ class Learner:
         """Stop the trainer (it evaluates the final weights and writes the final checkpoint), log
         what it handed back, then release sockets, loggers and shared memory (idempotent)."""
         try:
-            self.trainer.handshake.report(self._progress())
+            self.trainer.handshake.report(self.loop.progress())
             self.trainer.stop()
             self._log_final_results()
         finally:
@@ -755,7 +609,7 @@ class Learner:
                 for event in result.events:
                     log.info("%s", event)
                 for report in result.evaluations:
-                    self._log_evaluation(report)
+                    self.outputs.log_evaluation(report, self.assembler.counters.env_steps)
 
 
 def learner_torch_threads(learner_threads: int | None, has_convolutions: bool) -> int | None:

@@ -17,14 +17,8 @@ answered by :meth:`ControlServer.tick`. It decides
 * whether a join is accepted, with which :class:`~oakemu_core.transport.steps.StepSpec` (steps per
   message from the joining actor's env count), step ring (a callback the service passes in) and
   ``env_config`` (the scalars every actor builds its envs from);
-* the synchronous mode's rollout members: the first rollout waits until ``num_actors`` actors have
-  asked (or :data:`START_GRACE_S` after the first asked), then they join with indices in actor-id
-  order (columns and env seeds do not depend on who connected first); later a join is answered while
-  the filling rollout has no row yet (the actor is one of its members) and held otherwise, until the
-  next rollout opens (it then acts with the weights that rollout is acted by); a returning actor takes
-  its old index, a new one the lowest free index; the buffer's room (``max_actors``) bounds the actors.
-  A held join is answered within :data:`JOIN_WAIT_NOTICE_S` either way: granted, or told why it waits
-  ("waiting for N more actors (up to 30 s)", ``retry_after_s`` 0), and the actor asks again at once;
+* the synchronous mode's rollout members (:class:`~oakemu_core.transport.sync_joins.SyncJoins`: held
+  joins, answered by :meth:`ControlServer.tick`);
 * the weights an actor asks for on the control socket (a ``weights_request``: its weights channel
   missed a version the heartbeat replies name), answered with the current ones; the control socket is
   point to point and its requests are asked again, so an actor gets them even when every publication
@@ -33,6 +27,11 @@ answered by :meth:`ControlServer.tick`. It decides
 * which actors' processes it watches (:class:`~oakemu_core.transport.liveness.LocalProcesses`: those in
   the learner's PID namespace), so one that exits is dropped at once (:meth:`ControlServer.drop_gone_actors`).
 
+The joined actors are the assembler's :class:`~oakemu_core.storage.actors.ActorRegistry`; the server
+hands it the holders it makes (peer binding, process watch), which its ``forget`` releases. The
+policy version and weights the replies carry are the assembler's
+:class:`~oakemu_core.transport.published.PublishedWeights`, which the learner publishes.
+
 The service (``oakemu_services.learner``) owns the sockets and the envelope framing. Every log line
 a peer can cause goes through a rate-limited log (``rejections``, ``notices``).
 """
@@ -40,9 +39,7 @@ a peer can cause goes through a rate-limited log (``rejections``, ``notices``).
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -68,6 +65,7 @@ from oakemu_core.transport.frame_stacks import wire_bytes_per_env
 from oakemu_core.transport.liveness import LocalProcesses
 from oakemu_core.transport.peer_limits import JoinRate, PeerLimits
 from oakemu_core.transport.steps import StepSpec
+from oakemu_core.transport.sync_joins import JOIN_WAIT_NOTICE_S, START_GRACE_S, SyncJoins
 
 if TYPE_CHECKING:
     from oakemu_core.config import OakEmuConfig
@@ -98,16 +96,6 @@ ANONYMOUS_REFUSAL = (
 MAX_ACTOR_ENVS = 65_536
 """Largest ``num_envs`` an actor may declare (the wire's limit for one array dimension); the run's
 own, lower limit is ``max_envs_per_actor`` (:class:`~oakemu_core.transport.peer_limits.PeerLimits`)."""
-
-START_GRACE_S = 30.0
-"""Synchronous mode: the first rollout starts with the actors that asked to join this many seconds
-after the first one, when fewer than ``num_actors`` did."""
-
-JOIN_WAIT_NOTICE_S = 0.5
-"""Synchronous mode: longest time (s) a held join goes unanswered; then it is told why it waits (a join
-reply with ``retry_after_s`` 0) and the actor asks again at once. Well below the actor's request timeout
-(``oakemu_core.actor.client.REQUEST_TIMEOUT_S``, 2 s), so a held actor hears from the learner instead of
-counting it silent."""
 
 Reply = tuple[Any, bytes]
 """``(identity, encoded reply)``: the ZeroMQ identity of the requester and the frame to send it."""
@@ -165,8 +153,9 @@ class ControlServer:
         config: the run's configuration (mode, actors, env settings, steps per message).
         schema: the run's step schema (the joining actors' step specs).
         observation_layout: the env's observation layout (may an actor act in bfloat16?).
-        assembler: registers joined actors, heartbeats and leaves; its ``counters`` count every
-            request served (``accepted``) or refused (``rejected``).
+        assembler: registers joined actors (its ``registry``: heartbeats, leaves, and the
+            ``counters`` of every request served, ``accepted``, or refused, ``rejected``); its
+            ``published`` weights are what the replies carry.
         peers: binds each actor id to the connection it joined from; the ``peer`` of :meth:`reply` is
             what its ``bind`` / ``allows_control`` take (:meth:`~oakemu_core.transport.auth.PeerBinding.connection`).
         rejections: logs a refused request, ``event(reason, text)`` (rate limited by the caller).
@@ -176,7 +165,8 @@ class ControlServer:
         host_id: this machine's shared-memory host id; ``""``: no step rings.
         offer_ring: ``(request, spec) -> StepRingOffer | None``: makes a step ring for a joining
             actor on this machine (None: no room, its arrays go inline).
-        policy_version, weights: the weights the actors get now (see :meth:`publish`).
+        policy_version, weights: publish these weights now (:meth:`publish`); None: the
+            assembler's published weights as they are.
         processes: watches the joined actors' processes (None: a :class:`LocalProcesses` on ``/proc``).
         join_rate: the joins each peer host may ask for (None: :class:`JoinRate`'s defaults).
     """
@@ -192,8 +182,8 @@ class ControlServer:
         *,
         host_id: str,
         offer_ring: Callable[[JoinRequest, StepSpec], StepRingOffer | None],
-        policy_version: int,
-        weights: dict[str, np.ndarray],
+        policy_version: int | None = None,
+        weights: dict[str, np.ndarray] | None = None,
         notices: Any = None,
         limits: PeerLimits | None = None,
         processes: LocalProcesses | None = None,
@@ -203,7 +193,9 @@ class ControlServer:
         self.schema = schema
         self.observation_layout = observation_layout
         self.assembler = assembler
+        self.registry = assembler.registry
         self.counters = assembler.counters
+        self.published = assembler.published
         self.peers = peers
         self.rejections = rejections
         self.notices = notices if notices is not None else _EveryLine()
@@ -211,27 +203,28 @@ class ControlServer:
         self.host_id = host_id
         self.offer_ring = offer_ring
         self.sync = config.mode == "sync"
-        self.policy_version = int(policy_version)
-        self.weights = weights
+        if policy_version is not None:
+            self.published.publish(policy_version, weights if weights is not None else {})
         self.processes = processes if processes is not None else LocalProcesses()
+        self.registry.peers, self.registry.processes = peers, self.processes  # released by forget
         self.join_rate = join_rate if join_rate is not None else JoinRate()
-        self._weights_frame: bytes | None = (
-            None  # the current weights, encoded once for weights requests
-        )
+        # The current weights, encoded once per version for weights requests: (version, frame).
+        self._weights_frame: tuple[int, bytes] | None = None
         self.reevaluate_every_rollout = False
         """True once an actor acting with rounded weights (bfloat16) joined: every rollout is then
         re-evaluated in float32 before GAE."""
-        self._pending_joins: dict[str, _HeldJoin] = {}
-        self._first_pending_at: float | None = None
-        self._started = False  # synchronous mode: the first rollout's members have joined
-        self._sync_ranks: dict[str, int] = {}
+        self.sync_joins = SyncJoins(self)
+        """Synchronous mode: the held joins and the actors' ranks."""
+
+    @property
+    def policy_version(self) -> int:
+        """The published policy version, which every reply reports as the learner's."""
+        return self.published.version
 
     def publish(self, policy_version: int, weights: dict[str, np.ndarray]) -> None:
-        """The newest weights published to the actors: what joining actors get and what every
-        reply reports as the learner's version."""
-        self.policy_version = int(policy_version)
-        self.weights = weights
-        self._weights_frame = None
+        """Publish the newest weights (:meth:`PublishedWeights.publish`): what joining actors get
+        and what every reply reports as the learner's version."""
+        self.published.publish(policy_version, weights)
 
     # -- replies -----------------------------------------------------------------------------
     def rejoin(self) -> bytes:
@@ -273,7 +266,7 @@ class ControlServer:
         if isinstance(message, JoinRequest):
             return self._join(message, now, identity, stopping)
         if isinstance(message, Heartbeat):
-            known = self.assembler.heartbeat(
+            known = self.registry.heartbeat(
                 message.actor_id,
                 message.incarnation,
                 now=now,
@@ -283,8 +276,8 @@ class ControlServer:
             )
             self.counters.accepted["heartbeat" if known else "unknown_actor_control"] += 1
             status = "stop" if stopping else ("ok" if known else "rejoin")
-            record = self.assembler.actors.get(message.actor_id)
-            held = record.pending_rows if known and record is not None else 0
+            record = self.registry.get(message.actor_id, message.incarnation)
+            held = record.pending_rows if record is not None else 0
             return [
                 (
                     identity,
@@ -300,7 +293,6 @@ class ControlServer:
         if isinstance(message, Leave):
             if self.assembler.leave(message.actor_id, message.incarnation):
                 self.counters.accepted["leave"] += 1
-                self.peers.forget(message.actor_id)
                 self.notices.event("leave", f"actor {message.actor_id} left", level=logging.INFO)
             else:
                 self.counters.accepted["unknown_actor_control"] += 1
@@ -321,8 +313,7 @@ class ControlServer:
     def _weights_reply(self, message: WeightsRequest, stopping: bool) -> bytes:
         """The current weights for a joined incarnation (encoded once per version), else ``rejoin`` (or
         ``stop`` while stopping)."""
-        record = self.assembler.actors.get(message.actor_id)
-        known = record is not None and record.incarnation == message.incarnation
+        known = self.registry.get(message.actor_id, message.incarnation) is not None
         self.counters.accepted["weights_request" if known else "unknown_actor_control"] += 1
         if stopping or not known:
             return encode_heartbeat_reply(
@@ -334,18 +325,17 @@ class ControlServer:
             f"{self.policy_version} on the control socket (its weights channel missed them)",
             level=logging.INFO,
         )
-        if self._weights_frame is None:
-            self._weights_frame = encode_weights(WeightsMessage(self.policy_version, self.weights))
-        return self._weights_frame
+        published = self.published
+        if self._weights_frame is None or self._weights_frame[0] != published.version:
+            frame = encode_weights(WeightsMessage(published.version, published.weights))
+            self._weights_frame = (published.version, frame)
+        return self._weights_frame[1]
 
     def _throttle(self, message: JoinRequest, now: float, peer: Any) -> bytes | None:
         """None when ``message`` may be served (its host's :class:`JoinRate` had a token, or its
         incarnation joined or is held already: a join asked again); else the reply "too many joins,
         retry in X s", counted as ``rejected["join_rate"]``."""
-        held = self._pending_joins.get(message.actor_id)
-        if self._answered_before(message) is not None or (
-            held is not None and held.request.incarnation == message.incarnation
-        ):
+        if self.answered_before(message) is not None or self.sync_joins.holds(message):
             return None
         host = peer.address if peer is not None else ""
         wait_s = self.join_rate.take(host, now)
@@ -405,8 +395,8 @@ class ControlServer:
             return [(identity, self.refuse_join("learner is stopping"))]
         reason = self.limits.check_join(
             message,
-            connected=len(self.assembler.actors),
-            known=message.actor_id in self.assembler.actors,
+            connected=len(self.registry),
+            known=message.actor_id in self.registry.actors,
         )
         if reason is not None:
             self.counters.rejected["value_range"] += 1
@@ -423,20 +413,19 @@ class ControlServer:
                 self.counters.accepted["join_refused"] += 1
                 return [(identity, self.refuse_join(str(error)))]
         if self.sync:
-            return self._sync_join(message, now, identity)
+            return self.sync_joins.join(message, now, identity)
         self.counters.accepted["join"] += 1
         return [(identity, self.grant_join(message, now, index=None))]
 
-    def _answered_before(self, message: JoinRequest) -> ActorRecord | None:
+    def answered_before(self, message: JoinRequest) -> ActorRecord | None:
         """The joined record of ``message``'s incarnation (a join asked again), or None."""
-        record = self.assembler.actors.get(message.actor_id)
-        return record if record is not None and record.incarnation == message.incarnation else None
+        return self.registry.get(message.actor_id, message.incarnation)
 
     def grant_join(self, message: JoinRequest, now: float, index: int | None) -> bytes:
         """Register a joining actor (``index``: its synchronous-mode rank, None: the next number; a
         join asked again keeps its index) and encode the join reply with its spec, env config and the
         current weights."""
-        retried = self._answered_before(message)
+        retried = self.answered_before(message)
         if retried is not None:
             index = retried.index
         reachable = (
@@ -484,7 +473,7 @@ class ControlServer:
                 spec,
                 env_config(self.config, record.index),
                 self.policy_version,
-                self.weights,
+                self.published.weights,
                 step_ring=ring,
             )
         )
@@ -495,10 +484,9 @@ class ControlServer:
         / ``dropped["stopped_actors"]``; returns ``(actor_id, why)`` of each. A stopped one that is
         continued is told to rejoin at its next heartbeat."""
         dropped = []
-        self.processes.retain({(r.actor_id, r.incarnation) for r in self.assembler.actors.values()})
         for actor_id, incarnation, why in self.processes.gone():
             if self.assembler.leave(actor_id, incarnation):
-                self.assembler.counters.dropped[f"{why}_actors"] += 1
+                self.counters.dropped[f"{why}_actors"] += 1
                 dropped.append((actor_id, why))
         return dropped
 
@@ -506,152 +494,15 @@ class ControlServer:
         """The spec of the step messages of an actor of ``num_envs`` envs (:func:`step_spec_for`)."""
         return step_spec_for(self.config, self.schema, num_envs, step_ring=step_ring)
 
-    def _sync_join(self, message: JoinRequest, now: float, identity: Any) -> list[Reply]:
-        """Synchronous mode: answer the join now when the filling rollout has no row yet, else hold
-        it for :meth:`tick` (see the module docstring)."""
-        config = self.config
-        if message.num_envs != config.envs_per_actor:
-            self.counters.accepted["join_refused"] += 1
-            reason = (
-                f"mode='sync': every actor steps envs_per_actor={config.envs_per_actor} envs, "
-                f"received num_envs={message.num_envs}"
-            )
-            self.notices.event(
-                "join_refused", f"refused actor {message.actor_id}: {reason}", level=logging.WARNING
-            )
-            return [(identity, self.refuse_join(reason))]
-        self.counters.accepted["join"] += 1  # a held join counts when it arrives (each retry too)
-        if (
-            self._answered_before(message) is not None
-        ):  # its reply was not taken: answered again, at once
-            return [(identity, self.grant_join(message, now, index=None))]
-        previous = self.assembler.actors.get(message.actor_id)
-        if previous is not None:
-            # The actor restarted: its old incarnation acts no more, its unfinished segment goes now.
-            self.assembler.leave(previous.actor_id, previous.incarnation)
-            self.notices.event(
-                "restart",
-                f"actor {message.actor_id} restarted: its previous incarnation left",
-                level=logging.INFO,
-            )
-        first_ask = message.actor_id not in self._pending_joins
-        self._pending_joins[message.actor_id] = _HeldJoin(
-            identity, message, now
-        )  # a retry replaces the held one
-        if self._first_pending_at is None:
-            self._first_pending_at = now
-        replies = self.tick(now)
-        if first_ask and message.actor_id in self._pending_joins:
-            self.notices.event(
-                "sync_wait",
-                f"actor {message.actor_id}: {self._wait_reason(now)}",
-                level=logging.INFO,
-            )
-        return replies
-
-    def _wait_reason(self, now: float) -> str:
-        """Why the held joins wait (what the learner logs and the held actors are told)."""
-        if self._started:
-            return "mode='sync': joins at the next rollout (the current one is under way)"
-        first = self._first_pending_at if self._first_pending_at is not None else now
-        return (
-            f"mode='sync': waiting for {self.config.num_actors - len(self._pending_joins)} more actor(s) to join "
-            f"(up to {START_GRACE_S:.0f} s, {math.ceil(max(0.0, START_GRACE_S - (now - first)))} s left)"
-        )
-
     def tick(self, now: float) -> list[Reply]:
-        """Synchronous mode: the replies to the held joins (to send): grants to those that may join now
-        (the first rollout's actors once ``num_actors`` asked or :data:`START_GRACE_S` passed, later
-        ones while the filling rollout has no row yet), else a wait notice to each held
-        :data:`JOIN_WAIT_NOTICE_S`. A join granted while its actor asks again gets its grant then (a
-        join asked again). Call it every loop turn (and after a buffer is released)."""
-        if not self.sync or not self._pending_joins:
-            return []
-        if not self._started:
-            waited = now - (self._first_pending_at if self._first_pending_at is not None else now)
-            if len(self._pending_joins) < self.config.num_actors and waited < START_GRACE_S:
-                return self._wait_notices(now)
-            if len(self._pending_joins) < self.config.num_actors:
-                self.notices.event(
-                    "sync_start",
-                    f"mode='sync': the first rollout starts with "
-                    f"{len(self._pending_joins)} of {self.config.num_actors} planned actors "
-                    f"({START_GRACE_S:.0f} s passed)",
-                    level=logging.WARNING,
-                )
-        elif not self.assembler.round.is_open:
-            return self._wait_notices(now)
-        self._started = True
-        pending, self._pending_joins, self._first_pending_at = self._pending_joins, {}, None
-        replies = []
-        for actor_id in sorted(pending):
-            held = pending[actor_id]
-            reply = self._grant_sync(held.request, now)
-            if not held.answered:
-                replies.append((held.identity, reply))
-        return replies
-
-    def _wait_notices(self, now: float) -> list[Reply]:
-        """A wait notice to each held join unanswered for :data:`JOIN_WAIT_NOTICE_S` (then it is answered)."""
-        replies = []
-        for held in self._pending_joins.values():
-            if not held.answered and now - held.asked_at >= JOIN_WAIT_NOTICE_S:
-                replies.append(
-                    (
-                        held.identity,
-                        encode_join_reply(
-                            JoinReply(
-                                False,
-                                self._wait_reason(now),
-                                -1,
-                                None,
-                                {},
-                                self.policy_version,
-                                retry_after_s=0.0,
-                            )
-                        ),
-                    )
-                )
-                held.answered = True
-        return replies
+        """Synchronous mode: the replies to the held joins (:meth:`SyncJoins.tick`); call it every
+        loop turn (and after a buffer is released). Else none."""
+        return self.sync_joins.tick(now) if self.sync else []
 
     @property
     def held_joins(self) -> set[str]:
         """Synchronous mode: ids of the actors whose join is held (their peer bindings stay)."""
-        return set(self._pending_joins)
-
-    def _grant_sync(self, message: JoinRequest, now: float) -> bytes:
-        """Join a held actor with its old index (or the lowest free one), if the buffer has room."""
-        if not self.assembler.has_room_for(message.num_envs):
-            self.counters.accepted["join"] -= 1
-            self.counters.accepted["join_refused"] += 1
-            reason = (
-                f"mode='sync': the rollout buffer holds max_actors={self.config.resolved_max_actors} "
-                f"actors of {self.config.envs_per_actor} envs, all joined (raise max_actors)"
-            )
-            self.notices.event(
-                "join_refused", f"refused actor {message.actor_id}: {reason}", level=logging.WARNING
-            )
-            return self.refuse_join(reason)
-        held = {r.index for r in self.assembler.actors.values()}
-        rank = self._sync_ranks.get(message.actor_id)
-        if rank is None or rank in held:
-            rank = next(i for i in range(len(held) + 1) if i not in held)
-        self._sync_ranks[message.actor_id] = rank
-        return self.grant_join(message, now, index=rank)
-
-
-@dataclass
-class _HeldJoin:
-    """A synchronous-mode join waiting (:meth:`ControlServer.tick`): its request, asked at monotonic
-    ``asked_at``, and where to answer it (``identity``, the requester's ZeroMQ identity; None in tests
-    that call :meth:`ControlServer.reply` directly). ``answered``: a wait notice answered this request
-    already (the actor asks again; its retry replaces this record)."""
-
-    identity: Any
-    request: JoinRequest
-    asked_at: float
-    answered: bool = False
+        return self.sync_joins.held_joins
 
 
 class _EveryLine:

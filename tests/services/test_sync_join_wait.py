@@ -4,7 +4,7 @@ server behind a ROUTER (served as ``oakemu_services.learner`` serves it: request
 
 The situation of ``docker compose stop`` then ``up --scale actor=1`` on a run planned for 2 actors:
 the one actor's join is held until the grace period ends. It hears why every
-:data:`~oakemu_core.transport.control_server.JOIN_WAIT_NOTICE_S` (its log says "waiting for 1 more
+:data:`~oakemu_core.transport.sync_joins.JOIN_WAIT_NOTICE_S` (its log says "waiting for 1 more
 actor(s) to join"), never reports the learner as unreachable, and joins when the grace period ends.
 """
 
@@ -25,7 +25,7 @@ from oakemu_core.envs import env_spec
 from oakemu_core.policy.schemas import schema_for_env
 from oakemu_core.storage.assembler import RolloutAssembler
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
-from oakemu_core.transport import control_server
+from oakemu_core.transport import sync_joins
 from oakemu_core.transport.auth import PeerBinding
 from oakemu_core.transport.control import JoinRequest, decode_message
 from oakemu_core.transport.control_server import ControlServer
@@ -42,7 +42,7 @@ class Rejections:
 @pytest.fixture
 def learner(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A synchronous learner's control socket for a run of 2 planned actors; its address."""
-    monkeypatch.setattr(control_server, "START_GRACE_S", GRACE_S)
+    monkeypatch.setattr(sync_joins, "START_GRACE_S", GRACE_S)
     config = OakEmuConfig(
         env_id="CartPole-v1",
         mode="sync",

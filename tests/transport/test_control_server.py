@@ -396,7 +396,7 @@ def test_a_heartbeat_reply_says_how_many_of_the_actors_steps_the_learner_holds(m
         server.assembler.ingest(cartpole_step("a", seq), current_policy_version=3, now=0.0)
     assert heartbeat(server, "a") == HeartbeatReply("ok", 3, held_rows=3)
     assert server.assembler.take_full_rollout() is not None
-    server.assembler.release(0, policy_version=4)  # the held steps go into the released buffer
+    server.assembler.release(0)  # the held steps go into the released buffer
     assert heartbeat(server, "a") == HeartbeatReply("ok", 3, held_rows=0)
 
 

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import zmq
 
+from oakemu_core.algo.handshake import RunProgress
+from oakemu_core.algo.ingest_loop import IngestLoop
 from oakemu_core.config import OakEmuConfig
 from oakemu_core.storage.assembler import RolloutAssembler
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
@@ -38,6 +40,7 @@ from oakemu_core.transport.step_ring import (
     ring_slots,
     shared_memory_host_id,
 )
+from oakemu_core.transport.step_source import SocketStepSource
 from oakemu_core.transport.steps import StepMessage, StepSpec, decode_step, encode_step
 from tests.e2e_helpers import (
     E2EProcesses,
@@ -337,18 +340,20 @@ def test_every_message_the_learner_reads_frees_its_slot_but_only_on_its_own_peer
                 return self.parts.pop(0)
 
         peers = SimpleNamespace(allows=lambda actor_id, incarnation, frame: frame.peer == "own")
-        learner = SimpleNamespace(
+        assembler.published.advance(7)
+        receiver = StepReceiver(rings, assembler.spec_for, peers.allows, max_bytes=MAX_BYTES)
+        learner = SimpleNamespace(  # the learner's data path: its step source and ingest loop
             assembler=assembler,
-            rings=rings,
-            data=Frames(),
-            policy_version=7,
-            peers=peers,
-            peer_limits=SimpleNamespace(check_step=lambda message: None),
-            receiver=StepReceiver(rings, assembler.spec_for, peers.allows, max_bytes=MAX_BYTES),
-            config=SimpleNamespace(max_message_bytes=MAX_BYTES),
-            episodes=0,
-            rejection_log={"data": SimpleNamespace(event=lambda *args: None)},
-            episodes_log=SimpleNamespace(write=lambda record: None),
+            steps=SocketStepSource(Frames(), receiver, peers),
+            loop=IngestLoop(
+                assembler,
+                SimpleNamespace(),
+                peer_limits=SimpleNamespace(check_step=lambda message: None),
+                total_env_steps=1,
+                rejections=SimpleNamespace(event=lambda *args: None),
+                notices=SimpleNamespace(event=lambda *args, **kwargs: None),
+                progress=RunProgress(),
+            ),
         )
         actor = StepRing.attach(offer, ATARI_SPEC)
 
