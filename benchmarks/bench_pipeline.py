@@ -228,9 +228,9 @@ def measure_pipeline(
         )
         from oakemu_core.algo import learner as library_learner
 
-        original_step = library_learner.PPOLearner.step
+        original_step = library_learner.PPOLearner.update
         if not train:  # full buffers are released at once: no PPO update, same weights
-            library_learner.PPOLearner.step = lambda self, *args, **kwargs: None
+            library_learner.PPOLearner.update = lambda self, *args, **kwargs: None
         learner = learner_module.Learner(config, Path(runs_dir) / "bench")
         stop = threading.Event()
         thread = threading.Thread(target=learner.run, args=(stop,), daemon=True)
@@ -276,7 +276,7 @@ def measure_pipeline(
             stop.set()
             thread.join(120)
             learner.close()
-            library_learner.PPOLearner.step = original_step
+            library_learner.PPOLearner.update = original_step
     return rate
 
 

@@ -15,7 +15,7 @@ Printed, all measured in the same run:
    follow the learner's): observation uploads to the device during the update (expected: 1, the cached
    upload reused by every epoch), the first-minibatch PPO ratio deviation from 1 (actor on the CPU vs
    learner on the device; expected < 1e-5, CUDA's TF32 being off), seconds per epoch, and the
-   update's seconds through the production path (``PPOLearner.step`` of the learner's ``Trainer``:
+   update's seconds through the production path (``PPOLearner.update`` of the learner's ``Trainer``:
    its model, fused Adam, ``PPOUpdater``) next to a bare torch loop of the same SGD steps on the same
    rows (a copy of the model; the rollout uploaded once, then per minibatch of the same shape:
    forward, a policy-gradient + value + entropy loss, backward, Adam step; no ratio, clipping,
@@ -212,7 +212,7 @@ def _one_update(
     uploads_before = buffer.observation_uploads
     _synchronize(learner.device)
     start = time.perf_counter()
-    stats = learner.step(prepared)
+    stats = learner.update(prepared)
     production = time.perf_counter() - start
     assert stats is not None, "a rollout of the current policy has trainable rows"
     uploads = buffer.observation_uploads - uploads_before
@@ -235,10 +235,10 @@ def timed_learner(records: list[tuple[float, float, int]]) -> type[PPOLearner]:
     after each update (``time.perf_counter`` seconds)."""
 
     class TimedLearner(PPOLearner):
-        def step(self, rollout: Any) -> Any:
+        def update(self, rollout: Any) -> Any:
             _synchronize(self.device)
             start = time.perf_counter()
-            stats = super().step(rollout)
+            stats = super().update(rollout)
             end = time.perf_counter()
             records.append((end, end - start, 0 if stats is None else stats.trainable_rows))
             return stats

@@ -33,7 +33,7 @@ class NoUpdateLearner(PPOLearner):
     """A :class:`~oakemu_core.algo.learner.PPOLearner` whose update does nothing: each rollout is
     prepared (stale rows, GAE) and handed back at once, with the same weights."""
 
-    def step(self, rollout: object) -> None:
+    def update(self, rollout: object) -> None:
         return None
 
 
@@ -41,7 +41,7 @@ class NewVersionNoUpdateLearner(NoUpdateLearner):
     """A :class:`NoUpdateLearner` that hands back the same weights as a new policy version, as each
     real update does: actors then pace themselves, and lag, as in training."""
 
-    def step(self, rollout: object) -> None:
+    def update(self, rollout: object) -> None:
         with self.learner_model.locked():
             self.learner_model.version += 1
         return None

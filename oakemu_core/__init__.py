@@ -26,7 +26,13 @@ if TYPE_CHECKING:
 
     from oakemu_core.algo.handshake import RolloutHandshake
     from oakemu_core.algo.health import CheckpointPolicy
-    from oakemu_core.algo.learner import PPOLearner, PPOLearnerRuntimeState, ThreadSafeModel
+    from oakemu_core.algo.learner import (
+        PPOExperimentConfiguration,
+        PPOLearner,
+        PPOLearnerRuntimeState,
+        RuntimeContext,
+        ThreadSafeModel,
+    )
     from oakemu_core.algo.settings import PPOSettings
     from oakemu_core.algo.trainer import Trainer
     from oakemu_core.config import OakEmuConfig, load_config, make_config
@@ -40,6 +46,8 @@ if TYPE_CHECKING:
 # name -> the module that defines it (loaded by __getattr__ on first use).
 _LAZY = {
     "PPOLearner": "oakemu_core.algo.learner",
+    "PPOExperimentConfiguration": "oakemu_core.algo.learner",
+    "RuntimeContext": "oakemu_core.algo.learner",
     "PPOLearnerRuntimeState": "oakemu_core.algo.learner",
     "ThreadSafeModel": "oakemu_core.algo.learner",
     "RolloutHandshake": "oakemu_core.algo.handshake",

@@ -2,8 +2,12 @@
 counters and checkpoint state) and the lock-holding model container :class:`ThreadSafeModel`.
 
 :meth:`PPOLearner.prepare` drops rows whose policy lag is too large, re-evaluates rows of older
-versions, scales rewards and computes GAE on the CPU; :meth:`PPOLearner.step` runs one PPO update
+versions, scales rewards and computes GAE on the CPU; :meth:`PPOLearner.update` runs one PPO update
 on the device (:class:`~oakemu_core.algo.ppo.PPOUpdater`) and updates the observation statistics.
+:meth:`PPOLearner.step` is the same update on the buffer given at construction, and
+:meth:`PPOLearner.run` the trainer thread's loop; :class:`RuntimeContext` carries the settings
+(:data:`PPOExperimentConfiguration`, another name of :class:`~oakemu_core.algo.settings.PPOSettings`)
+and the collaborators the learner shares with the process around it.
 Behaviour-cloning pre-training on demonstrations (``bc_sampler``) runs as replay-only rollouts of
 one epoch each. The trainer thread that drives it over published rollouts is
 :func:`oakemu_core.algo.trainer_thread.run_trainer`; the service (``oakemu_services.learner``) only
@@ -18,7 +22,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -30,17 +34,49 @@ from oakemu_core.algo.ppo import EmptyRolloutError, PPOUpdater
 from oakemu_core.algo.reevaluation import RolloutEvaluation
 from oakemu_core.algo.schedules import Schedule
 from oakemu_core.algo.settings import PPOSettings
+from oakemu_core.algo.trainer_thread import run_trainer
 from oakemu_core.algo.update_stats import PPOUpdateStats
 from oakemu_core.policy.models import load_optimizer_state, weights_to_arrays
 from oakemu_core.storage.buffer_ring import FullRollout
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
 
+if TYPE_CHECKING:
+    from oakemu_core.algo.handshake import RolloutHandshake
+    from oakemu_core.algo.health import CheckpointPolicy
+
 __all__ = [
+    "PPOExperimentConfiguration",
     "PPOLearner",
     "PPOLearnerRuntimeState",
     "PreparedRollout",
+    "RuntimeContext",
     "ThreadSafeModel",
 ]
+
+PPOExperimentConfiguration = PPOSettings
+"""The learner's hyperparameters under the name the learner's API uses: the same class as
+:class:`~oakemu_core.algo.settings.PPOSettings` (build it with :meth:`PPOSettings.from_config`)."""
+
+C = TypeVar("C", bound=PPOSettings)
+
+
+@dataclass(frozen=True)
+class RuntimeContext(Generic[C]):
+    """What the learner shares with the process around it: its settings and collaborators.
+
+    Attributes:
+        config: the hyperparameters (:data:`PPOExperimentConfiguration`).
+        device: where updates run (``"cpu"``, ``"cuda"``, a :class:`torch.device`).
+        tester: periodic evaluation (:class:`oakemu_core.run.tester.Tester`-like: ``submit(version,
+            weights, global_step, keep=)``, ``poll()``, ``drain(timeout_s=)``, ``alive``), or None.
+        eval_every_updates: submit the weights to the tester every this many updates (0: never).
+    """
+
+    config: C
+    device: str | torch.device = "cpu"
+    tester: Any = None
+    eval_every_updates: int = 0
+
 
 log = logging.getLogger("oakemu.learner")
 
@@ -141,17 +177,13 @@ class PPOLearner:
     """PPO learner that performs clipped policy-gradient updates on completed rollouts.
 
     Args:
-        settings: the hyperparameters (:class:`~oakemu_core.algo.settings.PPOSettings`; build
-            them from a configuration with :meth:`PPOSettings.from_config`, which resolves
-            ``clip_value_range``).
-        learner_model: the model container (with lock); its model is moved to ``device``.
+        context: the settings, device and tester (:class:`RuntimeContext`).
+        learner_model: the model container (with lock); its model is moved to the device.
+        rollout_buffer: the buffer :meth:`step` trains on, or None when every update is given its
+            rollout (:meth:`update`, as the trainer thread does with its double-buffered rollouts).
         optimizer: optimizer over the model's parameters (CleanRL: Adam, eps 1e-5).
         lr_schedule: learning rate per update (a :class:`~oakemu_core.algo.schedules.Schedule`);
             None keeps the optimizer's.
-        device: where updates run.
-        tester: periodic evaluation (:class:`oakemu_core.run.tester.Tester`-like: ``submit(version,
-            weights, global_step, keep=)``, ``poll()``, ``drain(timeout_s=)``, ``alive``), or None.
-        eval_every_updates: submit the weights to the tester every this many updates (0: never).
         action_mask: optional ``(mask width,)`` bool tensor on the learner device, ANDed with
             every row's mask (e.g. actions a game never allows).
         bc_sampler: optional behaviour-cloning data source
@@ -167,27 +199,27 @@ class PPOLearner:
 
     def __init__(
         self,
-        settings: PPOSettings,
+        context: RuntimeContext[PPOExperimentConfiguration],
         learner_model: ThreadSafeModel,
+        rollout_buffer: RolloutBuffer | None,
         optimizer: torch.optim.Optimizer,
-        lr_schedule: Schedule | None = None,
-        *,
-        device: str | torch.device = "cpu",
-        tester: Any = None,
-        eval_every_updates: int = 0,
+        lr_schedule: Schedule | None,
         action_mask: torch.Tensor | None = None,
         bc_sampler: Any = None,
+        *,
         revision_sink: Callable[[int, int, dict[str, np.ndarray]], None] | None = None,
         revision_max_approx_kl: float | None = None,
         revision_min_sgd_steps: int = 1,
     ) -> None:
+        settings = context.config
         self.settings = settings
         self.learner_model = learner_model
+        self.rollout_buffer = rollout_buffer
         self.optimizer = optimizer
         self.lr_schedule = lr_schedule
         self.bc_sampler = bc_sampler
-        self.device = torch.device(device)
-        self.evaluations = EvaluationSchedule(tester, eval_every_updates)
+        self.device = torch.device(context.device)
+        self.evaluations = EvaluationSchedule(context.tester, context.eval_every_updates)
         self.updater = PPOUpdater(
             learner_model.model, optimizer, settings, device=self.device, action_mask=action_mask
         )
@@ -370,7 +402,39 @@ class PPOLearner:
             )
         return PreparedRollout(buffer, stale_rows, lag, proximal, used, num_minibatches)
 
-    def step(self, rollout: PreparedRollout) -> PPOUpdateStats | None:
+    def step(self, actor_steps: int) -> PPOUpdateStats | None:
+        """Perform a full PPO update on the constructor's ``rollout_buffer`` (GAE computed by the
+        caller): :meth:`update` on it, every column, plain PPO.
+
+        Args:
+            actor_steps: the current actor step count (logged).
+
+        Returns:
+            The update's statistics, or None when the buffer has no trainable row.
+
+        Raises:
+            ValueError: the learner was built without a rollout buffer.
+            StaleAdvantagesError: GAE not computed since the last write.
+        """
+        if self.rollout_buffer is None:
+            raise ValueError("PPOLearner.step: built without a rollout buffer (use update())")
+        stats = self.update(PreparedRollout(self.rollout_buffer))
+        log.debug("update %d at %d actor steps", self.iterations, actor_steps)
+        return stats
+
+    def run(
+        self,
+        stop_event: threading.Event,
+        current_step: Callable[[], int],
+        rollout_handshake: RolloutHandshake,
+        policy: CheckpointPolicy,
+    ) -> None:
+        """The learner loop: wait for a published rollout, run a PPO update, notify the tester,
+        feed automatic rollback monitoring and manage periodic and final checkpointing
+        (:func:`~oakemu_core.algo.trainer_thread.run_trainer`, which documents it whole)."""
+        run_trainer(self, stop_event, current_step, rollout_handshake, policy)
+
+    def update(self, rollout: PreparedRollout) -> PPOUpdateStats | None:
         """Perform a full PPO update on ``rollout`` (:meth:`prepare`'s result).
 
         Runs ``ppo_epochs`` epochs on the trainable rows; with a BC sampler and ``bc_coef`` > 0 a

@@ -28,7 +28,7 @@ from oakemu_core.algo.handshake import (
     WeightsRevision,
 )
 from oakemu_core.algo.health import CheckpointPolicy, HealthMonitor
-from oakemu_core.algo.learner import PPOLearner, ThreadSafeModel
+from oakemu_core.algo.learner import PPOLearner, RuntimeContext, ThreadSafeModel
 from oakemu_core.algo.ppo import cpu_has_native_bfloat16
 from oakemu_core.algo.schedules import LinearSchedule
 from oakemu_core.algo.settings import PPOSettings
@@ -113,14 +113,18 @@ class Trainer:
         # Periodic evaluation in a process of its own (None when eval_every_updates is 0).
         self.tester = tester_from_config(config, schema.to_dict(), run_dir=run_dir)
         self.handshake = RolloutHandshake()
-        self.ppo = learner_type(
+        context = RuntimeContext(
             PPOSettings.from_config(config),
-            self.learner_model,
-            self.optimizer,
-            self.schedule,
             device=device,
             tester=self.tester,
             eval_every_updates=config.eval_every_updates,
+        )
+        self.ppo = learner_type(
+            context,
+            self.learner_model,
+            None,  # each update is given its rollout (the trainer thread's PreparedRollout)
+            self.optimizer,
+            self.schedule,
             bc_sampler=self._bc_sampler(),
             **self._revisions(),
         )

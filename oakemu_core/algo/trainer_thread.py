@@ -2,7 +2,7 @@
 :class:`~oakemu_core.algo.learner.PPOLearner` over the rollouts the ingest thread publishes.
 
 It waits for a full rollout (:class:`~oakemu_core.algo.handshake.RolloutHandshake`), prepares it
-and runs one PPO update (:meth:`PPOLearner.prepare`, :meth:`PPOLearner.step`), lets the
+and runs one PPO update (:meth:`PPOLearner.prepare`, :meth:`PPOLearner.update`), lets the
 :class:`~oakemu_core.algo.health.CheckpointPolicy` checkpoint and judge the run's health (rolling
 back to the last good checkpoint on a collapse), notifies the tester
 (:class:`~oakemu_core.algo.evaluations.EvaluationSchedule`), and hands the new weights back with
@@ -83,7 +83,7 @@ def _train(
         if published is None:
             return
         prepared = learner.prepare(published.rollout, reevaluate=published.reevaluate)
-        stats = learner.step(prepared)
+        stats = learner.update(prepared)
         buffer, used = prepared.buffer, prepared.columns_used
         columns = buffer.num_envs if used is None else int(used.sum())
         learner.trained_env_steps += max(0, columns * buffer.rollout_length - prepared.stale_rows)

@@ -19,7 +19,12 @@ import torch
 from oakemu_core.actor.stepper import PolicyStepper
 from oakemu_core.algo.handshake import RolloutHandshake, TrainResult, WeightsRevision
 from oakemu_core.algo.health import CheckpointPolicy, HealthMonitor, RunCollapsedError
-from oakemu_core.algo.learner import PPOLearner, PPOLearnerRuntimeState, ThreadSafeModel
+from oakemu_core.algo.learner import (
+    PPOLearner,
+    PPOLearnerRuntimeState,
+    RuntimeContext,
+    ThreadSafeModel,
+)
 from oakemu_core.algo.schedules import LinearSchedule
 from oakemu_core.algo.settings import PPOSettings
 from oakemu_core.algo.trainer_thread import run_trainer
@@ -69,16 +74,16 @@ def fill(buffer: RolloutBuffer, stepper: PolicyStepper, version: int) -> FullRol
     )
 
 
-def make_learner(model, settings: PPOSettings, **revisions) -> PPOLearner:
+def make_learner(model, settings: PPOSettings, tester=None, **revisions) -> PPOLearner:
     """A CPU learner (Adam, learning rate 1e-3 annealed over 100 updates); ``revisions``: its
     ``revision_sink`` / ``revision_max_approx_kl`` / ``revision_min_sgd_steps``."""
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-5)
     return PPOLearner(
-        settings,
+        RuntimeContext(settings, device="cpu", tester=tester),
         ThreadSafeModel(model),
+        None,
         optimizer,
         LinearSchedule(1e-3, 0.0, 100),
-        device="cpu",
         **revisions,
     )
 
@@ -90,7 +95,7 @@ def test_seed_002_calls_as_written(cartpole) -> None:
     stepper = PolicyStepper(env, model)
     rollout = fill(buffer, stepper, learner.policy_version)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    learner.step(learner.prepare(rollout))
+    learner.update(learner.prepare(rollout))
     assert learner.iterations == 1 and learner.rollouts_collected == 1
     assert learner.policy_version == 1
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items()), (
@@ -405,7 +410,7 @@ def test_collapse_is_rolled_back_with_a_higher_policy_version(cartpole, tmp_path
     rollout = fill(buffer, stepper, learner.policy_version)
     prepared = learner.prepare(rollout)
     assert (
-        policy.after_update(learner, learner.step(prepared)) == []
+        policy.after_update(learner, learner.update(prepared)) == []
     )  # healthy: checkpoint 1 written
     good = load_checkpoint(tmp_path / "checkpoints" / "latest.pt")["model"]
 
@@ -415,7 +420,7 @@ def test_collapse_is_rolled_back_with_a_higher_policy_version(cartpole, tmp_path
         next(model.parameters()).fill_(float("nan"))
     prepared = learner.prepare(rollout)
     version_before = learner.policy_version
-    notes = policy.after_update(learner, learner.step(prepared))
+    notes = policy.after_update(learner, learner.update(prepared))
     assert len(notes) == 1 and "rollback 1/2" in notes[0] and "non-finite" in notes[0]
     assert policy.rollbacks == 1
     assert learner.policy_version > version_before
@@ -425,7 +430,7 @@ def test_collapse_is_rolled_back_with_a_higher_policy_version(cartpole, tmp_path
 
     # Training goes on from the restored weights.
     prepared = learner.prepare(fill(buffer, stepper, learner.policy_version))
-    stats = learner.step(prepared)
+    stats = learner.update(prepared)
     assert stats is not None and np.isfinite(stats.policy_loss)
     assert policy.after_update(learner, stats) == []
 
@@ -434,13 +439,13 @@ def test_collapse_is_rolled_back_with_a_higher_policy_version(cartpole, tmp_path
     with torch.no_grad():
         next(model.parameters()).fill_(float("inf"))
     prepared = learner.prepare(rollout)
-    policy.after_update(learner, learner.step(prepared))  # rollback 2
+    policy.after_update(learner, learner.update(prepared))  # rollback 2
     rollout = fill(buffer, stepper, learner.policy_version)
     with torch.no_grad():
         next(model.parameters()).fill_(float("nan"))
     prepared = learner.prepare(rollout)
     with pytest.raises(RunCollapsedError, match="after 2 rollbacks"):
-        policy.after_update(learner, learner.step(prepared))
+        policy.after_update(learner, learner.update(prepared))
 
 
 def test_learning_rate_that_destroys_the_policy_is_caught_by_the_kl_check(
@@ -457,12 +462,12 @@ def test_learning_rate_that_destroys_the_policy_is_caught_by_the_kl_check(
         every_updates=1,
     )
     prepared = learner.prepare(fill(buffer, stepper, 0))
-    policy.after_update(learner, learner.step(prepared))
+    policy.after_update(learner, learner.update(prepared))
     learner.lr_schedule = None
     for group in learner.optimizer.param_groups:
         group["lr"] = 50.0  # destroys the policy within one update
     prepared = learner.prepare(fill(buffer, stepper, learner.policy_version))
-    stats = learner.step(prepared)
+    stats = learner.update(prepared)
     assert stats is not None
     notes = policy.after_update(learner, stats)
     assert notes and "rollback 1/" in notes[0], (stats.approx_kl, notes)

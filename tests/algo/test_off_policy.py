@@ -295,7 +295,7 @@ def test_the_learner_reevaluates_rows_of_older_versions_only(cartpole, correctio
     acted_values = buffer.values.copy()
     prepared = learner.prepare(rollout)
     assert np.array_equal(buffer.values, acted_values)
-    stats = learner.step(prepared)
+    stats = learner.update(prepared)
     assert np.isnan(stats.importance_weight_mean)
 
     # The same actor weights, now one version behind the learner's.
@@ -304,7 +304,7 @@ def test_the_learner_reevaluates_rows_of_older_versions_only(cartpole, correctio
     prepared = learner.prepare(rollout)
     if correction == "none":
         assert np.array_equal(buffer.values, acted_values)
-        assert np.isnan(learner.step(prepared).importance_weight_mean)
+        assert np.isnan(learner.update(prepared).importance_weight_mean)
         return
     with torch.no_grad():  # the learner's critic before its update
         _, _, critic_values = model.evaluate_actions(
@@ -319,7 +319,7 @@ def test_the_learner_reevaluates_rows_of_older_versions_only(cartpole, correctio
     np.testing.assert_allclose(
         buffer.returns, buffer.advantages + buffer.values, rtol=1e-5, atol=1e-5
     )
-    stats = learner.step(prepared)
+    stats = learner.update(prepared)
     assert 0.0 < stats.importance_weight_mean <= 1.0
     assert learner.corrections_skipped == 0
 
@@ -340,7 +340,7 @@ def test_rollouts_of_rounded_actors_are_reevaluated_even_when_all_rows_are_curre
     acted_values = buffer.values.copy()
     prepared = learner.prepare(rollout, reevaluate=True)
     np.testing.assert_allclose(buffer.values, acted_values - 0.5, rtol=1e-5, atol=1e-5)
-    stats = learner.step(prepared)
+    stats = learner.update(prepared)
     assert np.isfinite(stats.importance_weight_mean)  # NaN when the update is not decoupled
 
 
@@ -355,4 +355,4 @@ def test_a_diverged_critic_trains_without_the_correction_instead_of_stopping(car
     prepared = learner.prepare(rollout)
     assert learner.corrections_skipped == 1
     assert np.array_equal(buffer.values, acted_values)
-    assert np.isnan(learner.step(prepared).importance_weight_mean)
+    assert np.isnan(learner.update(prepared).importance_weight_mean)

@@ -16,6 +16,7 @@ from oakemu_core.algo.learner import (
     PPOLearner,
     PPOLearnerRuntimeState,
     PreparedRollout,
+    RuntimeContext,
     ThreadSafeModel,
 )
 from oakemu_core.algo.losses import ppo_losses
@@ -540,7 +541,7 @@ def _scheduled_learner(model: ActorCritic, schedule: LinearSchedule) -> PPOLearn
         seed=0,
     )
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-5)
-    return PPOLearner(config, ThreadSafeModel(model), optimizer, schedule, device="cpu")
+    return PPOLearner(RuntimeContext(config), ThreadSafeModel(model), None, optimizer, schedule)
 
 
 def test_learning_rate_schedule_counters_and_state_restore(served_minibatches: list[dict]) -> None:
@@ -549,7 +550,7 @@ def test_learning_rate_schedule_counters_and_state_restore(served_minibatches: l
     with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
         learner = _scheduled_learner(model, schedule)
         _fill(buffer, [model], np.random.default_rng(5))
-        rates = [learner.step(PreparedRollout(buffer)).learning_rate for v in (0, 1)]
+        rates = [learner.update(PreparedRollout(buffer)).learning_rate for v in (0, 1)]
         assert rates == pytest.approx([1e-3, 0.9e-3])
         assert (learner.iterations, learner.rollouts_collected, learner.policy_version) == (2, 2, 2)
 
@@ -560,10 +561,10 @@ def test_learning_rate_schedule_counters_and_state_restore(served_minibatches: l
         assert (resumed.iterations, resumed.rollouts_collected, resumed.policy_version) == (2, 2, 2)
         # The shuffle generator continues where it stopped: same next minibatch rows.
         served_minibatches.clear()
-        learner.step(PreparedRollout(buffer))
+        learner.update(PreparedRollout(buffer))
         rows_original = [call["order"] for call in served_minibatches]
         served_minibatches.clear()
-        third = resumed.step(PreparedRollout(buffer))
+        third = resumed.update(PreparedRollout(buffer))
         rows_resumed = [call["order"] for call in served_minibatches]
         assert len(rows_original) == len(rows_resumed) == 4  # one shuffle per epoch
         for a, b in zip(rows_original, rows_resumed, strict=True):
