@@ -20,7 +20,8 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from oakemu_core.algo.handshake import RunProgress, TrainResult
-from oakemu_core.storage.assembler import FinishedEpisode, RolloutAssembler, SlotState, StepRejected
+from oakemu_core.storage.assembler import RolloutAssembler, SlotState, StepRejected
+from oakemu_core.storage.episodes import FinishedEpisode
 from oakemu_core.transport.codec import MessageRejected
 from oakemu_core.transport.step_source import ForeignStep
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from oakemu_core.algo.handshake import TrainResult
     from oakemu_core.config import OakEmuConfig
     from oakemu_core.run.tester import EvaluationReport
-    from oakemu_core.storage.assembler import FinishedEpisode
+    from oakemu_core.storage.episodes import FinishedEpisode
 
 __all__ = ["LearnerOutputs"]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from oakemu_core.storage.buffer_ring import Segment
 from oakemu_core.transport.steps import StepSpec
@@ -96,6 +96,18 @@ class ActorRecord:
             self.lag_window = LagWindow()
             self.lag_stats = (float(window.low), window.total / window.count, float(window.high))
         return self.lag_stats
+
+    def hold(self, message: Any, max_rows: int) -> int:
+        """Queue a step message (owned: no ring slot) behind the held ones; the oldest go while more
+        than ``max_rows`` rows are held. Returns the env steps of the messages that went."""
+        self.pending.append(message)
+        self.pending_rows += message.num_steps
+        dropped = 0
+        while self.pending_rows > max_rows:
+            oldest = self.pending.popleft()
+            self.pending_rows -= oldest.num_steps
+            dropped += self.spec.num_envs * oldest.num_steps
+        return dropped
 
     def clear_pending(self) -> int:
         """Forget the held messages; returns the env steps they held."""
@@ -200,6 +212,7 @@ class ActorRegistry:
         self.stacks = stacks
         self.processes = processes
         self._releases: list[Callable[[ActorRecord], None]] = []
+        self._next_index = 0
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -222,6 +235,39 @@ class ActorRegistry:
         if record.actor_id in self.actors:
             raise ValueError(f"actor {record.actor_id!r} is registered: forget it first")
         self.actors[record.actor_id] = record
+
+    def register(
+        self,
+        actor_id: str,
+        incarnation: str,
+        spec: StepSpec,
+        *,
+        hostname: str,
+        now: float,
+        index: int | None = None,
+    ) -> ActorRecord:
+        """Register a joined incarnation under ``index`` (None: the next number never given).
+
+        Raises:
+            ValueError: the actor id is registered (forget it first), or ``index`` is held by
+                another joined actor.
+        """
+        if index is not None:
+            holders = [r.actor_id for r in self.actors.values() if r.index == index]
+            if holders:
+                raise ValueError(f"actor index {index} is held by actor {holders[0]!r}")
+        record = ActorRecord(
+            actor_id=actor_id,
+            incarnation=incarnation,
+            index=self._next_index if index is None else index,
+            spec=spec,
+            hostname=hostname,
+            joined_at=now,
+            last_heard=now,
+        )
+        self.add(record)
+        self._next_index = max(self._next_index, record.index) + 1
+        return record
 
     def on_forget(self, release: Callable[[ActorRecord], None]) -> None:
         """Call ``release(record)`` for every record forgotten from now on, after it left

@@ -24,32 +24,29 @@ first served: a rollout is a :class:`~oakemu_core.storage.rounds.RolloutRound` w
 actors joined when it opens) each fill their own block of columns; steps of an actor that is not a
 member are not written (``not_member_steps``).
 
-Episodes are counted once, here: the episodes a step message reports become
-:class:`FinishedEpisode` records (:meth:`RolloutAssembler.take_episodes`) when the message is taken
-(asynchronous mode), or when its rollout is full, sorted by (actor index, seq) (synchronous mode, so
-a seed's run does not depend on the order in which messages arrived; a non-member's episodes are not
-taken, as its rows).
+Episodes are counted once, here (:class:`~oakemu_core.storage.episodes.EpisodeBook`): the episodes a
+step message reports are taken when the message is ingested (asynchronous mode), or when its rollout
+is full, in (actor index, seq) order (synchronous mode); :meth:`RolloutAssembler.take_episodes`
+hands them out.
 
 Everything here is plain Python + numpy and runs in the learner's ingest thread; no sockets.
 """
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass
-
 import numpy as np
 
 from oakemu_core.storage.actors import ActorRecord, ActorRegistry, IngestCounters
 from oakemu_core.storage.buffer_ring import FREE, BufferRing, FullRollout, Segment, SlotState
+from oakemu_core.storage.episodes import EpisodeBook, FinishedEpisode
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
 from oakemu_core.storage.rounds import RolloutRound
+from oakemu_core.storage.segments import SegmentWriter
 from oakemu_core.transport.published import PublishedWeights
 from oakemu_core.transport.steps import StepMessage, StepSpec
 
 __all__ = [
     "HELD_SLACK_MESSAGES",
-    "FinishedEpisode",
     "FullRollout",
     "RolloutAssembler",
     "SlotState",
@@ -70,17 +67,6 @@ class StepRejected(Exception):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
-
-
-@dataclass(frozen=True)
-class FinishedEpisode:
-    """One episode a step message reports: the actor and policy version that acted its last step,
-    its raw game score (``episodic_return``) and length in agent steps (``episodic_length``)."""
-
-    actor_id: str
-    policy_version: int
-    episodic_return: float
-    episodic_length: int
 
 
 class RolloutAssembler:
@@ -126,18 +112,13 @@ class RolloutAssembler:
         self.rollout_length = self._ring.rollout_length
         self.num_columns = self._ring.num_columns
         self.actor_timeout_s = actor_timeout_s
-        self._next_actor_index = 0
-        self._segments_started = itertools.count(
-            1
-        )  # numbers the segments started: ActorRecord.served
         self.registry = registry if registry is not None else ActorRegistry()
         self.registry.on_forget(self._release_actor)
+        self.segments = SegmentWriter(self._ring, self.counters, full_when_all=not sync)
         self.published = published if published is not None else PublishedWeights()
-        self.episodes: list[FinishedEpisode] = []
+        self.episodes = EpisodeBook()
         self.sync = bool(sync)
         self.max_policy_lag = max_policy_lag
-        # Synchronous mode: (actor index, seq, episodes) of the filling rollout's messages.
-        self._round_episodes: list[tuple[int, int, list[FinishedEpisode]]] = []
         self.round = RolloutRound(self._ring)
         """Synchronous mode: the filling rollout's members."""
 
@@ -201,28 +182,14 @@ class RolloutAssembler:
         )
         if previous is not None:
             self.registry.forget(previous)
-        if index is not None:
-            holders = [r.actor_id for r in self.actors.values() if r.index == index]
-            if holders:
-                raise ValueError(f"actor index {index} is held by actor {holders[0]!r}")
         if self.sync and not self.has_room_for(spec.num_envs):
             raise ValueError(
                 f"sync mode: {spec.num_envs} more envs do not fit in the buffer's "
                 f"{self.num_columns} columns beside the joined actors'"
             )
-        if index is None:
-            index = self._next_actor_index
-        record = ActorRecord(
-            actor_id=actor_id,
-            incarnation=incarnation,
-            index=index,
-            spec=spec,
-            hostname=hostname,
-            joined_at=now,
-            last_heard=now,
+        record = self.registry.register(
+            actor_id, incarnation, spec, hostname=hostname, now=now, index=index
         )
-        self._next_actor_index = max(self._next_actor_index, index) + 1
-        self.registry.add(record)
         if self.sync and self.round.is_open:
             self.round.open(self.actors.values())
         elif kept is not None and np.all(self._ring.owners(0)[kept] == FREE):
@@ -236,7 +203,7 @@ class RolloutAssembler:
     def _close_round_if_done(self) -> None:
         """Synchronous mode: episodes are released when the rollout is full (:meth:`RolloutRound.close`)."""
         if self.round.close(self.actors.values()):
-            self._release_round_episodes()
+            self.episodes.release_round()
 
     def spec_for(self, actor_id: str, incarnation: str) -> StepSpec | None:
         """:meth:`ActorRegistry.spec_for`."""
@@ -316,7 +283,7 @@ class RolloutAssembler:
             # Steps went missing (rejected at the wire, or lost): the unfinished segment can no
             # longer hold consecutive rows, so it is discarded; this valid step starts a new one.
             self.counters.dropped["seq_gap_steps"] += message.seq - record.next_seq
-            self._discard_segment(record)
+            self.segments.discard(record)
             if record.pending:  # held rows are not consecutive with this step any more
                 self.counters.dropped["discarded_segment_rows"] += record.clear_pending()
             self._drain_all()
@@ -336,14 +303,10 @@ class RolloutAssembler:
             self.counters.dropped["not_member_steps"] += message.num_envs * message.num_steps
             return
         if self.sync:  # released in (index, seq) order when the rollout is full
-            if message.episode_returns:
-                episodes = finished_episodes(message)
-                self._round_episodes.append((record.index, message.seq, episodes))
-        elif message.episode_returns:
-            self.episodes.extend(finished_episodes(message))
-        if (
-            record.segment is None or record.pending
-        ):  # no free column: hold it (one segment at most)
+            self.episodes.hold(record.index, message)
+        else:
+            self.episodes.take(message)
+        if record.segment is None or record.pending:  # no free column: hold it (one segment)
             self._hold(record, message)
             return
         self._write(record, message)
@@ -359,15 +322,8 @@ class RolloutAssembler:
     def _hold(self, record: ActorRecord, message: StepMessage) -> None:
         """Queue a step message that found no free column; drop the oldest beyond one segment.
         A step-ring message is copied out of its slot, which the learner releases after ingest."""
-        record.pending.append(message.owned())
-        record.pending_rows += message.num_steps
-        while (
-            record.pending_rows
-            > self.rollout_length + HELD_SLACK_MESSAGES * record.spec.steps_per_message
-        ):
-            oldest = record.pending.popleft()
-            record.pending_rows -= oldest.num_steps
-            self.counters.dropped["no_capacity_steps"] += record.spec.num_envs * oldest.num_steps
+        max_rows = self.rollout_length + HELD_SLACK_MESSAGES * record.spec.steps_per_message
+        self.counters.dropped["no_capacity_steps"] += record.hold(message.owned(), max_rows)
         self._drain(record)
 
     def _drain(self, record: ActorRecord) -> None:
@@ -400,12 +356,10 @@ class RolloutAssembler:
         return self.registry.pending_rows
 
     def _write(self, record: ActorRecord, message: StepMessage) -> None:
-        """Write one message into the actor's (assigned) segment."""
-        num_envs = record.spec.num_envs
-        rows = message.num_steps  # K vector steps per message; K divides T (checked at join)
+        """Write one message into the actor's (assigned) segment, unless it would start the segment
+        with a row too old for ``max_policy_lag`` (dropped as ``stale_steps``)."""
         segment = record.segment
         assert segment is not None
-        k = len(segment.columns)
         # Our invariant: segments live only in filling buffers (the trainer reads the others).
         assert self.states[segment.slot] is SlotState.FILLING, (
             segment.slot,
@@ -414,81 +368,26 @@ class RolloutAssembler:
         if segment.rows_written == 0 and self._too_old_for(segment.slot, message.policy_version):
             self._ring.unclaim(segment)  # the next step may start it
             record.segment = None
-            self.counters.dropped["stale_steps"] += num_envs * rows
+            self.counters.dropped["stale_steps"] += record.spec.num_envs * message.num_steps
             return
-        fields = message.fields
-        if k < num_envs:  # fewer free columns than envs: the first k envs are written
-            fields = {
-                name: array[:k] if rows == 1 else array[:, :k] for name, array in fields.items()
-            }
-        try:  # decode_step validated the fields against the buffers' schema (checked at join)
-            self.buffers[segment.slot].write(
-                segment.rows_written,
-                segment.index,
-                fields,
-                rows=None if rows == 1 else rows,
-                policy_version=message.policy_version,
-                policy_revision=message.revision,
-                validated=True,
-            )
-        except (
-            ValueError,
-            OverflowError,
-        ) as error:  # the row bookkeeping disagrees: nothing was written
-            self._discard_segment(record)
+        try:
+            full = self.segments.write(record, message)
+        except (ValueError, OverflowError) as error:  # the row bookkeeping disagrees
             raise StepRejected("schema", str(error)) from None
-        if segment.rows_written == 0:  # its place in the drain order
-            record.served = next(self._segments_started)
-        segment.rows_written += rows
-        record.env_steps += k * rows
-        self.counters.env_steps += k * rows
-        if k < num_envs:
-            self.counters.dropped["no_capacity_steps"] += (num_envs - k) * rows
-        if segment.rows_written == self.rollout_length:
-            self._finish_segment(record, message)
-
-    def _finish_segment(self, record: ActorRecord, message: StepMessage) -> None:
-        segment = record.segment
-        assert segment is not None
-        k = len(segment.columns)
-        last = message.num_steps - 1  # the block's last step ends the segment
-        next_values, dones = message.fields["next_values"], message.fields["dones"]
-        record.segment = None
-        if self._ring.complete(
-            segment,
-            (next_values if last == 0 else next_values[last])[:k],
-            (dones if last == 0 else dones[last])[:k],
-            full_when_all=not self.sync,
-        ):
-            self._release_round_episodes()
-        if self.sync:
+        if full:
+            self.episodes.release_round()
+        if self.sync and record.segment is None:  # its segment is complete
             self._close_round_if_done()
-
-    def _release_round_episodes(self) -> None:
-        """Synchronous mode: the full rollout's episodes, in (actor index, seq) order."""
-        for _, _, episodes in sorted(self._round_episodes, key=lambda item: item[:2]):
-            self.episodes.extend(episodes)
-        self._round_episodes = []
 
     def _release_actor(self, record: ActorRecord) -> None:
         """A forgotten actor (:meth:`ActorRegistry.forget`, called after it left :attr:`actors`):
         discard its unfinished segment and held messages, and its place in the round."""
-        self._discard_segment(record)
+        self.segments.discard(record)
         if record.pending:
             self.counters.dropped["no_capacity_steps"] += record.clear_pending()
         if self.sync:
             self.round.remove(record.actor_id)
             self._close_round_if_done()
-
-    def _discard_segment(self, record: ActorRecord) -> None:
-        segment = record.segment
-        if segment is None:
-            return
-        self._ring.discard(segment)
-        self.counters.dropped["discarded_segment_rows"] += segment.rows_written * len(
-            segment.columns
-        )
-        record.segment = None
 
     # ------------------------------------------------------------------------------- hand-off
     @property
@@ -551,13 +450,4 @@ class RolloutAssembler:
 
     def take_episodes(self) -> list[FinishedEpisode]:
         """The episodes finished since the last call, in the order they were taken (module docstring)."""
-        episodes, self.episodes = self.episodes, []
-        return episodes
-
-
-def finished_episodes(message: StepMessage) -> list[FinishedEpisode]:
-    """The episodes a step message reports, as :class:`FinishedEpisode` records."""
-    return [
-        FinishedEpisode(message.actor_id, message.policy_version, float(ret), int(length))
-        for ret, length in zip(message.episode_returns, message.episode_lengths)
-    ]
+        return self.episodes.hand_out()

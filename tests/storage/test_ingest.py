@@ -17,11 +17,11 @@ from oakemu_core.policy.distributions import Categorical
 from oakemu_core.step_schema import StepField, build_schema
 from oakemu_core.storage.assembler import (
     HELD_SLACK_MESSAGES,
-    FinishedEpisode,
     RolloutAssembler,
     SlotState,
     StepRejected,
 )
+from oakemu_core.storage.episodes import FinishedEpisode
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
 from oakemu_core.transport.codec import MessageRejected
 from oakemu_core.transport.steps import StepMessage, StepSpec, decode_step, encode_step
