@@ -132,7 +132,8 @@ class IngestLoop:
     def expire(self, now: float) -> None:
         """At most every :data:`EXPIRY_PERIOD_S`: forget the actors whose watched process ended and
         those silent for ``actor_timeout_s`` (:meth:`~oakemu_core.storage.actors.ActorRegistry.forget`
-        releases what the learner held for them), and the peer bindings of refused joins."""
+        releases what the learner held for them), and what refused or failed joins left
+        (:meth:`~oakemu_core.storage.actors.ActorRegistry.sweep`)."""
         if now < self._next_expiry:
             return
         self._next_expiry = now + EXPIRY_PERIOD_S
@@ -149,7 +150,7 @@ class IngestLoop:
                 " s: dropped, its unfinished segment discarded",
                 level=logging.WARNING,
             )
-        self.registry.sweep_bindings(keep=self.control_server.held_joins)
+        self.registry.sweep(keep_bindings=self.control_server.held_joins)
 
     # -- budget and stop -------------------------------------------------------------------------
     @property

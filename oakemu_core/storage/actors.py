@@ -296,11 +296,20 @@ class ActorRegistry:
         if self.processes is not None:
             self.processes.forget(*key)
 
-    def sweep_bindings(self, keep: set[str] = frozenset()) -> None:
-        """Drop the peer bindings of actor ids neither joined nor in ``keep`` (joins held for the next
-        rollout): those of joins that were bound, then refused."""
+    def sweep(self, keep_bindings: set[str] = frozenset()) -> None:
+        """Release what is held for incarnations that are not joined, which no :meth:`forget` will:
+        the peer bindings of joins that were bound, then refused (except the actor ids in
+        ``keep_bindings``: joins held for the next rollout), and the step ring, stacks and process
+        watch of a join that failed after they were made."""
+        live = self.keys()
         if self.peers is not None:
-            self.peers.retain(set(self.actors) | set(keep))
+            self.peers.retain(set(self.actors) | set(keep_bindings))
+        if self.rings is not None:
+            self.rings.retain(live)
+        if self.stacks is not None:
+            self.stacks.retain(live)
+        if self.processes is not None:
+            self.processes.retain(live)
 
     def spec_for(self, actor_id: str, incarnation: str) -> StepSpec | None:
         """The step spec agreed at join time (also for a departed incarnation), or None if unknown."""

@@ -112,12 +112,15 @@ def test_expired_actors_are_forgotten_with_their_rings_freed(holders: dict) -> N
     assert holders["peers"].peers == {} and registry.counters.dropped["timed_out_actors"] == 1
 
 
-def test_sweep_drops_bindings_of_refused_joins_but_keeps_held_ones(holders: dict) -> None:
+def test_sweep_releases_what_refused_and_failed_joins_left(holders: dict) -> None:
     registry, _, _ = registry_with_actor(holders)
     for actor_id in ("refused", "held"):
         holders["peers"].bind(actor_id, f"{actor_id}-1", Connection(b"x", "10.0.0.2", ""))
-    registry.sweep_bindings(keep={"held"})
+    holders["rings"].offer("failed", "failed-1", SPEC, T)  # a join that failed after its offer
+    registry.sweep(keep_bindings={"held"})
     assert set(holders["peers"].peers) == {"a", "held"}
+    assert len(holders["rings"]) == 1 and holders["rings"].get("a", "a-1") is not None
+    assert len(holders["stacks"]) == 1
 
 
 def test_add_refuses_a_registered_actor_id(holders: dict) -> None:
