@@ -186,7 +186,11 @@ class SyntheticActor:
             self.shift()
             frames = actor.channel.encoder.encode(
                 StepMessage(
-                    actor.actor_id, actor.incarnation, seq, actor.policy_version, self.fields
+                    actor.actor_id,
+                    actor.incarnation,
+                    seq,
+                    actor.weights.policy_version,
+                    self.fields,
                 )
             )
             kept = [
@@ -218,7 +222,13 @@ class SyntheticActor:
                 head, frames = self.replayed[actor.seq % len(self.replayed)]
                 actor.channel.send_frames(
                     [
-                        pack({**head, "seq": actor.seq, "policy_version": actor.policy_version}),
+                        pack(
+                            {
+                                **head,
+                                "seq": actor.seq,
+                                "policy_version": actor.weights.policy_version,
+                            }
+                        ),
                         *frames,
                     ],
                     actor._pause,
@@ -230,7 +240,7 @@ class SyntheticActor:
                         actor.actor_id,
                         actor.incarnation,
                         actor.seq,
-                        actor.policy_version,
+                        actor.weights.policy_version,
                         self.fields,
                     )
                 )
@@ -240,7 +250,7 @@ class SyntheticActor:
                 self.start_replay()
             return False
         actor.seq += 1
-        actor.rows_this_version += actor.steps_per_message
+        actor.pacing.acted(actor.weights.policy_version, actor.steps_per_message)
         actor.env_steps += self.env_steps_per_message  # the rate its heartbeats report
         return True
 
