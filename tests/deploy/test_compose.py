@@ -206,11 +206,10 @@ def test_shm_size_holds_two_default_atari_rollout_buffers(compose):
 
 def test_shm_formula_in_the_docs_matches_the_learner():
     """The by-hand row size used above and in deploy/README.md is the learner's own figure."""
-    from oakemu_services.learner import rollout_buffer_bytes
-
     from oakemu_core.config import load_config
     from oakemu_core.envs import env_spec
     from oakemu_core.policy.schemas import schema_for_env
+    from oakemu_core.run.learner_setup import rollout_buffer_bytes
 
     config = load_config(
         [

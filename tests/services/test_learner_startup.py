@@ -8,11 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from oakemu_services.learner import NUM_ROLLOUT_BUFFERS, learner_torch_threads, rollout_buffer_bytes
-
 from oakemu_core.config import OakEmuConfig
 from oakemu_core.envs import env_spec
 from oakemu_core.policy.schemas import schema_for_env
+from oakemu_core.run.learner_setup import (
+    NUM_ROLLOUT_BUFFERS,
+    learner_torch_threads,
+    rollout_buffer_bytes,
+)
 from oakemu_core.storage.memory import shm_free_bytes
 
 REPO = Path(__file__).resolve().parents[2]

@@ -197,11 +197,10 @@ def test_the_learner_caps_its_step_rings_by_the_mount(
 ) -> None:
     """300 local joins of 1,024 CartPole envs in a 256 MiB /dev/shm: the learner's rings stop at a quarter
     of it (the rest of those actors send inline)."""
-    from oakemu_services.learner import make_step_rings
-
     from oakemu_core.config import OakEmuConfig
     from oakemu_core.envs import env_spec
     from oakemu_core.policy.schemas import schema_for_env
+    from oakemu_core.run.learner_setup import make_step_rings
     from oakemu_core.transport.step_ring import StepRingRefused
     from oakemu_core.transport.steps import StepSpec
 

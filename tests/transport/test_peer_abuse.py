@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
-from oakemu_services.learner import NOTICE_BURST, Learner
+from oakemu_services.learner import Learner
 
 from oakemu_core.config import OakEmuConfig
+from oakemu_core.run.learner_setup import NOTICE_BURST
 from oakemu_core.transport.auth import new_routing_id
 from oakemu_core.transport.codec import header, pack
 from oakemu_core.transport.control import (
