@@ -240,8 +240,8 @@ def test_a_join_flood_writes_a_bounded_number_of_log_lines(
     harness: Harness, caplog: pytest.LogCaptureFixture
 ) -> None:
     """300 joins from one connection (300 actor ids): every one answered and counted, the host's burst
-    joined and the rest told to retry (the per-host join rate), at most the notice burst and a summary
-    logged."""
+    joined and the rest told to retry (the per-host join rate), at most the notice burst, a first line
+    per reason and a summary logged."""
     learner, flooder = harness.learner, harness.client()
     counters = learner.assembler.counters
     joined, throttled = counters.accepted["join"], counters.rejected["join_rate"]
@@ -258,7 +258,9 @@ def test_a_join_flood_writes_a_bounded_number_of_log_lines(
     )
     assert counters.accepted["join"] - joined == accepted
     assert counters.rejected["join_rate"] - throttled == 300 - accepted
-    assert len(lines) <= NOTICE_BURST + 2, [r.getMessage() for r in lines][-5:]
+    # The burst, the first line of each reason (join, join_rate: logged whatever the burst) and one
+    # summary; the harness is shared, so a reason may have had its first line in an earlier test.
+    assert len(lines) <= NOTICE_BURST + 2 + 1, [r.getMessage() for r in lines][-5:]
     assert "skipped the lines of" in lines[-1].getMessage() and "join" in lines[-1].getMessage()
 
 
