@@ -220,9 +220,9 @@ def test_add_to_a_mismatched_buffer_is_rejected(steps: PPOActorStepBuffers) -> N
         assert other.step == 0
 
 
-# ---------------------------------------------------------------------------------- issue 7
+# ------------------------------------------------------------- the documented constructor
 def test_the_seed_pages_seven_argument_constructor_works() -> None:
-    """Seed 001 builds the buffers positionally with seven arrays; the truncation fields default."""
+    """The documented constructor takes the seven arrays positionally; the truncation fields default."""
     n = 3
     buffers = PPOActorStepBuffers(
         np.zeros((n, 4), np.float32),

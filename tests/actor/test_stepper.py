@@ -140,7 +140,7 @@ def replay(rows: list[Row], max_episode_steps: int, num_envs: int) -> Replay:
 def test_stepper_rows_match_a_replay_of_the_same_envs(
     max_episode_steps: int, num_envs: int, steps: int, groups: int
 ) -> None:
-    """Also with overlapped env groups (issue 11): every env steps exactly once per vector step,
+    """Also with overlapped env groups: every env steps exactly once per vector step,
     with its own action, and env i stays column i."""
     model, rows, schema = run_stepper(max_episode_steps, num_envs, steps, groups)
     ref = replay(rows, max_episode_steps, num_envs)

@@ -1,4 +1,4 @@
-"""Issue 11: several vector steps per step message, vectorised step records, bounded policy lag.
+"""Several vector steps per step message, vectorised step records, bounded policy lag.
 
 * a block of K steps decodes to exactly the rows of the K one-step messages (same buffer contents
   after ingest); a malformed block is rejected whole (nothing written);

@@ -236,7 +236,7 @@ def running(
 
 
 def test_run_writes_the_final_checkpoint_when_it_stops(cartpole, tmp_path: Path) -> None:
-    """Seed 002: run() manages periodic and final checkpointing. With periodic checkpoints off, the
+    """The documented PPOLearner.run manages periodic and final checkpointing. With periodic checkpoints off, the
     run folder holds the final checkpoint once run() returns, and a last result (no slot) is handed
     back after the update's."""
     env, _schema, buffer, model = cartpole

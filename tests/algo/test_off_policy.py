@@ -1,4 +1,4 @@
-"""The decoupled PPO objective for rows acted by older policy versions (asynchronous mode, issue 11):
+"""The decoupled PPO objective for rows acted by older policy versions (asynchronous mode):
 the loss, the re-evaluation of a rollout with the current weights, and the learner that wires them."""
 
 from __future__ import annotations

@@ -501,7 +501,7 @@ def test_compose_scale_kill_stop_resume_and_down(compose: Compose) -> None:
     )
     assert after["run_name"] == "main"
 
-    # A changed env id on the same run: the learner must refuse with a message, no traceback (issue 8).
+    # A changed env id on the same run: the learner must refuse with a message, no traceback.
     compose("stop", "--timeout", "60", timeout=240)
     refusal_problem = check_env_change_refused(compose)
 
@@ -509,8 +509,7 @@ def test_compose_scale_kill_stop_resume_and_down(compose: Compose) -> None:
     compose("down", "-v", "--remove-orphans", "--timeout", "20")
     left = leftovers(f"com.docker.compose.project={compose.project}")
     assert not left, f"docker compose down -v left {left}"
-    if refusal_problem:
-        pytest.xfail(f"issue 8 (learner lifecycle) not in yet: {refusal_problem}")
+    assert not refusal_problem, refusal_problem
 
 
 def read_checkpoint_step(compose: Compose) -> int:

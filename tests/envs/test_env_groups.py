@@ -1,4 +1,4 @@
-"""Overlapped env groups (issue 11): ale-py's threaded vector env stepped asynchronously, two
+"""Overlapped env groups: ale-py's threaded vector env stepped asynchronously, two
 groups per actor, rows identical to one vector env of all the envs stepped with the same actions.
 
 The stepper runs Breakout in 2 groups of 2 envs (group 1 steps while group 0's actions are

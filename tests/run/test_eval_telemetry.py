@@ -1,5 +1,5 @@
 """Evaluation figures in metrics, telemetry (bounded history, validation, Prometheus) and the
-monitor's curves (issue 8: the tester's results, "people would rather look than read")."""
+monitor's curves."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 8 faults, library level: rate-limited logs, whole-or-nothing JSON lines, checkpoint writes on a
+"""Run-folder faults, library level: rate-limited logs, whole-or-nothing JSON lines, checkpoint writes on a
 full disk, logs cut back to the checkpoint, resume compatibility checks.
 
 Disk-full cases run on a real 2 MiB tmpfs where this process may mount one (root), else on an injected

@@ -503,7 +503,7 @@ def test_a_write_whose_rows_disagree_with_the_buffer_is_rejected_and_discards_th
     )
 
 
-# ----------------------------------------------------------------- over-subscription (issue 11)
+# ------------------------------------------------------------------------- over-subscription
 def _decode_written(buffer: RolloutBuffer) -> list[list[tuple[int, int, int]]]:
     """Per column, the (actor code, seq, env) of each row, decoded from :func:`message`'s numbers."""
     values, rewards = (

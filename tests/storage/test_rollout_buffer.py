@@ -940,7 +940,7 @@ def test_schema_fields_are_stored_required_and_served_in_minibatches() -> None:
 
 
 def test_add_takes_the_seed_keyword_action_masks_and_checks_masks_as_the_wire_does() -> None:
-    """seed 004's ``add(..., action_masks=)``; a mask that allows nothing and an action its mask
+    """The SB3-style ``add(..., action_masks=)``; a mask that allows nothing and an action its mask
     forbids are refused by add as they are by decode_step (the same schema checks), nothing written."""
     from oakemu_core.transport.codec import MessageRejected
     from oakemu_core.transport.steps import StepMessage, StepSpec, decode_step, encode_step
