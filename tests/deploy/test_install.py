@@ -127,3 +127,15 @@ def test_ci_installs_through_run_sh_test_and_the_readme_has_no_manual_install_st
     )
     readme = (REPO_ROOT / "README.md").read_text()
     assert "gymnasium[box2d]" not in readme
+
+
+def test_every_package_folder_is_installed() -> None:
+    """A non-editable install (the Docker image, a wheel) holds only the packages pyproject lists:
+    every folder of ``oakemu_core`` with an ``__init__.py`` must be one of them."""
+    config = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    listed = set(config["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(init.parent.relative_to(REPO_ROOT).parts)
+        for init in (REPO_ROOT / "oakemu_core").rglob("__init__.py")
+    }
+    assert found - listed == set(), f"not in [tool.setuptools] packages: {sorted(found - listed)}"
