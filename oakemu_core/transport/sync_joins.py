@@ -65,15 +65,11 @@ class SyncJoins:
         (:meth:`ControlServer.reply`)."""
         config = self.server.config
         if message.num_envs != config.envs_per_actor:
-            self.server.counters.accepted["join_refused"] += 1
             reason = (
                 f"mode='sync': every actor steps envs_per_actor={config.envs_per_actor} envs, "
                 f"received num_envs={message.num_envs}"
             )
-            self.server.notices.event(
-                "join_refused", f"refused actor {message.actor_id}: {reason}", level=logging.WARNING
-            )
-            return [(identity, self.server.refuse_join(reason))]
+            return [(identity, self._refuse(message, reason))]
         self.server.counters.accepted["join"] += (
             1  # a held join counts when it arrives (each retry too)
         )
@@ -180,21 +176,25 @@ class SyncJoins:
         """Join a held actor with its old index (or the lowest free one), if the buffer has room."""
         if not self.server.assembler.has_room_for(message.num_envs):
             self.server.counters.accepted["join"] -= 1
-            self.server.counters.accepted["join_refused"] += 1
             reason = (
                 f"mode='sync': the rollout buffer holds max_actors={self.server.config.resolved_max_actors} "
                 f"actors of {self.server.config.envs_per_actor} envs, all joined (raise max_actors)"
             )
-            self.server.notices.event(
-                "join_refused", f"refused actor {message.actor_id}: {reason}", level=logging.WARNING
-            )
-            return self.server.refuse_join(reason)
+            return self._refuse(message, reason)
         held = {r.index for r in self.server.registry.actors.values()}
         rank = self._ranks.get(message.actor_id)
         if rank is None or rank in held:
             rank = next(i for i in range(len(held) + 1) if i not in held)
         self._ranks[message.actor_id] = rank
         return self.server.grant_join(message, now, index=rank)
+
+    def _refuse(self, message: JoinRequest, reason: str) -> bytes:
+        """Count and log a refused join, and its reply naming ``reason``."""
+        self.server.counters.accepted["join_refused"] += 1
+        self.server.notices.event(
+            "join_refused", f"refused actor {message.actor_id}: {reason}", level=logging.WARNING
+        )
+        return self.server.refuse_join(reason)
 
 
 @dataclass
