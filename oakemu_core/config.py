@@ -41,6 +41,7 @@ from oakemu_core.envs.options import EnvSettings
 from oakemu_core.envs.spec import is_atari_env
 from oakemu_core.errors import ConfigError
 from oakemu_core.options import add_setting_arguments, given_settings, unknown_variables
+from oakemu_core.policy.network import NetworkSettings
 from oakemu_core.run.evaluation_settings import EvaluationSettings
 from oakemu_core.run.settings import RollbackSettings, RunSettings
 from oakemu_core.transport.batching import AUTO_MESSAGE_MIN_ROWS, auto_steps_per_message
@@ -133,6 +134,7 @@ class OakEmuConfig(  # fields in reverse order of the bases, then this class's (
     RollbackSettings,
     RunSettings,
     PPOSettings,
+    NetworkSettings,
     EnvSettings,
     EvaluationSettings,
     BaseSettings,

@@ -124,6 +124,21 @@ GROUPS: tuple[Group, ...] = (
         },
     ),
     Group(
+        "policy network",
+        "The actor-critic's layers: MLP sizes, picture encoder, recurrent core, your own encoder.",
+        {
+            "net_arch": _TL,
+            "activation": _TL,
+            "shared_torso": _TL,
+            "cnn": _TL,
+            "impala_channels": _TL,
+            "recurrent": _TL,
+            "recurrent_hidden": _TL,
+            "sequence_length": _TL,
+            "policy_module": _TL,
+        },
+    ),
+    Group(
         "asynchronous mode",
         "Training while actors act, on rows of older policy versions.",
         {

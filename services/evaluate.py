@@ -15,6 +15,7 @@ from rich.console import Console
 
 from oakemu_core.envs.options import EnvOptions
 from oakemu_core.policy.export import is_policy_folder, load_policy_folder, read_policy_info
+from oakemu_core.policy.network import NetworkSpec
 from oakemu_core.run.checkpoint import load_run_checkpoint
 from oakemu_core.run.evaluation import build_evaluation, play_episodes
 from oakemu_core.run.loading import check_policy_path
@@ -71,6 +72,7 @@ def evaluate_checkpoint(
         max_episode_steps=config.get("max_episode_steps"),
         settings_file=config.get("emulator_settings"),
         normalize_observations=bool(config.get("normalize_observations")),
+        network=NetworkSpec.from_config(config).to_dict(),
         env_options=EnvOptions.from_settings(config),
         frame_sink=recorder,
     )

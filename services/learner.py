@@ -179,7 +179,9 @@ class Learner:
                 config.env_id, settings_file=config.emulator_settings, options=config.env_options
             )
         )
-        self.schema = trainer.schema if trainer is not None else schema_for_env(self.spec)
+        self.schema = (
+            trainer.schema if trainer is not None else schema_for_env(self.spec, config.network)
+        )
         self.buffer_bytes = rollout_buffer_bytes(config, self.schema)
         # Free what a killed learner left behind, then refuse now with the size needed, instead of
         # a bus error on the first write later.

@@ -30,6 +30,7 @@ def load_checkpoint_policy(checkpoint: Path) -> tuple[Any, str, dict[str, Any]]:
     from oakemu_core.envs import env_spec
     from oakemu_core.envs.options import EnvOptions
     from oakemu_core.policy.models import build_model
+    from oakemu_core.policy.network import NetworkSpec
     from oakemu_core.policy.schemas import schema_from_dict
     from oakemu_core.run.checkpoint import load_checkpoint, resolve_checkpoint
 
@@ -46,6 +47,7 @@ def load_checkpoint_policy(checkpoint: Path) -> tuple[Any, str, dict[str, Any]]:
         spec.observation_layout,
         schema.distribution,
         normalize_observations=bool(config.get("normalize_observations")),
+        network=NetworkSpec.from_config(config),
     )
     model.load_state_dict(state["model"])
     model.eval()

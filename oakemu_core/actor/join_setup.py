@@ -25,6 +25,7 @@ from oakemu_core.envs.factory import make_env_groups, make_vector_env
 from oakemu_core.envs.options import EnvOptions
 from oakemu_core.envs.vector import EnvGroups, VectorEnv
 from oakemu_core.policy.models import ActorCritic, build_model, load_weight_arrays
+from oakemu_core.policy.network import NetworkSpec
 from oakemu_core.policy.schemas import schema_for_env
 from oakemu_core.transport.control import JoinReply
 
@@ -117,7 +118,8 @@ def make_envs(config: OakEmuConfig, reply: JoinReply) -> VectorEnv | EnvGroups:
         if groups > 1
         else make_vector_env(env_id, config.envs_per_actor, seed=seed, **kwargs)
     )
-    local, schema = schema_for_env(env.spec), reply.spec.schema
+    local = schema_for_env(env.spec, network_of(reply))
+    schema = reply.spec.schema
     if local != schema:
         env.close()
         raise ActorSetupError(
@@ -127,6 +129,16 @@ def make_envs(config: OakEmuConfig, reply: JoinReply) -> VectorEnv | EnvGroups:
     return env
 
 
+def network_of(reply: JoinReply) -> NetworkSpec:
+    """The learner's policy architecture from a join reply (the default when the reply has none)."""
+    try:
+        return NetworkSpec.from_dict(reply.env_config.get("network") or {})
+    except ValueError as error:
+        raise ActorSetupError(
+            f"the learner's network is not one this actor can build: {error}"
+        ) from None
+
+
 def make_model(env: VectorEnv | EnvGroups, reply: JoinReply) -> ActorCritic:
     """The actor's CPU model for ``env``, in eval mode, with the join's weights loaded."""
     assert reply.spec is not None
@@ -134,6 +146,7 @@ def make_model(env: VectorEnv | EnvGroups, reply: JoinReply) -> ActorCritic:
         env.spec.observation_layout,
         reply.spec.schema.distribution,
         normalize_observations=bool(reply.env_config.get("normalize_observations")),
+        network=network_of(reply),
     )
     model.eval()
     load_weight_arrays(model, reply.weights)
@@ -154,6 +167,13 @@ def make_inference_backend(
     Raises:
         ActorSetupError: the backend cannot serve this model (or cannot be set up here).
     """
+    if model.recurrent and kind != "torch":
+        if kind == "auto":
+            return None
+        raise ActorSetupError(
+            f"actor_inference={kind!r} serves feed-forward policies only; a recurrent policy acts "
+            f"with torch: use --actor-inference auto or torch"
+        )
     try:
         if kind in ("auto", "numpy"):
             from oakemu_core.policy.numpy_inference import NumpyForward

@@ -113,7 +113,7 @@ class PolicyStepper:
             raise ValueError("PolicyStepper: policy routing is not supported with env groups > 1")
         self.env = env
         self.model = model
-        self.schema = schema if schema is not None else schema_for_env(env.spec)
+        self.schema = schema if schema is not None else schema_for_env(env.spec, model.network)
         self.policy_version = policy_version
         self.weights_revision = 0
         """Revision of the weights within ``policy_version`` (weights published after an epoch)."""

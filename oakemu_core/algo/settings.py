@@ -62,6 +62,12 @@ class PPOSettings(BaseModel):
         False,
         description="Scale training rewards by the running std of the discounted return (as SB3 VecNormalize).",
     )
+    sequence_length: int | None = Field(
+        None,
+        ge=1,
+        description="Recurrent policies: rows per training sequence, each started from its stored state "
+        "(None: whole rollout columns, as CleanRL's LSTM PPO).",
+    )
     max_policy_lag: int = Field(
         2, ge=0, description="Drop rows acted by a policy this many versions old."
     )

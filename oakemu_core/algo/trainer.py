@@ -158,6 +158,7 @@ class Trainer:
             self.spec.observation_layout,
             self.schema.distribution,
             normalize_observations=config.normalize_observations,
+            network=config.network,
         ).to(device)
         if device.type == "cpu" and model.has_convolutions:
             model.use_channels_last()

@@ -19,9 +19,15 @@ class PPOActionBundle:
         values: ``(batch,)`` float32, V(observation) of the acting policy.
         distribution_fields: the distribution's stored parameters by field name (a Gaussian's
             ``action_mean`` / ``action_std`` ``(batch, d)`` float32); empty for other families.
+        policy_state: a recurrent policy's state before these observations, ``(batch, state_size)``
+            float32 (stored with the step: the learner's sequences start from it); None otherwise.
+        next_state: a recurrent policy's state after them (the next step's ``policy_state`` unless the
+            episode ended); None otherwise.
     """
 
     actions: np.ndarray
     log_probs: np.ndarray
     values: np.ndarray
     distribution_fields: dict[str, np.ndarray] = field(default_factory=dict)
+    policy_state: np.ndarray | None = None
+    next_state: np.ndarray | None = None

@@ -41,6 +41,7 @@ import torch
 
 from oakemu_core.errors import ConfigError, UserError
 from oakemu_core.policy.models import ActorCritic, build_model
+from oakemu_core.policy.network import NetworkSpec
 
 __all__ = [
     "FORMAT",
@@ -139,6 +140,7 @@ def write_policy_folder(
         "format_version": FORMAT_VERSION,
         "env_id": env_id,
         "normalize_observations": normalize,
+        "network": NetworkSpec.from_config(config).to_dict(),
         **{k: int(v) for k, v in trained.items()},
         "evaluation": dict(evaluation) if evaluation else None,
         "config": dict(config),
@@ -215,8 +217,12 @@ def load_policy_folder(directory: Path) -> ActorCritic:
             for key, entry in spaces["observation_layout"].items()
         }
         schema = schema_from_dict(spaces["schema"])
+        network = NetworkSpec.from_dict(info.get("network") or {})
         model = build_model(
-            layout, schema.distribution, normalize_observations=bool(info["normalize_observations"])
+            layout,
+            schema.distribution,
+            normalize_observations=bool(info["normalize_observations"]),
+            network=network,
         )
         model.load_state_dict(load_file(str(directory / WEIGHTS_FILE)))
     except (KeyError, TypeError, ValueError, RuntimeError, OSError) as error:

@@ -13,6 +13,7 @@ from oakemu_core.envs.factory import make_eval_env
 from oakemu_core.envs.options import EnvOptions
 from oakemu_core.envs.vector import VectorEnv
 from oakemu_core.policy.models import ActorCritic, build_model
+from oakemu_core.policy.network import NetworkSpec
 
 if TYPE_CHECKING:
     from oakemu_core.envs.render import FrameSink
@@ -48,6 +49,7 @@ def build_evaluation(
     normalize_observations: bool = False,
     env_options: EnvOptions | None = None,
     frame_sink: FrameSink | None = None,
+    network: Mapping[str, Any] | None = None,
 ) -> tuple[ActorCritic, VectorEnv]:
     """The one place that builds an evaluation's policy and env (``oakemu evaluate`` and the tester).
 
@@ -70,6 +72,8 @@ def build_evaluation(
         frame_sink: receives the full-colour frames of the episodes played
             (:class:`oakemu_core.run.video.EpisodeVideos`); rendering changes neither the actions nor
             the returns. None: nothing renders.
+        network: the run's architecture (:meth:`NetworkSpec.to_dict`; a checkpoint's settings hold its
+            fields); None: the default.
 
     Raises:
         ValueError: a malformed schema dict (from ``schema_from_dict``).
@@ -93,6 +97,7 @@ def build_evaluation(
             env.spec.observation_layout,
             schema.distribution,
             normalize_observations=bool(normalize_observations),
+            network=NetworkSpec.from_dict(network or {}),
         )
         model.eval()
     except BaseException:

@@ -17,6 +17,7 @@ import numpy as np
 from oakemu_core.errors import CheckpointError
 from oakemu_core.policy.export import is_policy_folder, load_policy_folder, read_policy_info
 from oakemu_core.policy.models import ActorCritic, build_model
+from oakemu_core.policy.network import NetworkSpec
 from oakemu_core.policy.schemas import schema_from_dict
 from oakemu_core.run.checkpoint import CheckpointNotFoundError, load_run_checkpoint
 
@@ -141,6 +142,7 @@ def load_policy(checkpoint: str | Path) -> Policy:
         layout,
         schema.distribution,
         normalize_observations=bool(state["config"].get("normalize_observations")),
+        network=NetworkSpec.from_config(state["config"]),
     )
     model.load_state_dict(state["model"])
     model.eval()

@@ -143,6 +143,7 @@ def check_resume_compatible(
     schema: Any,
     model: Any = None,
     checkpoint_path: Path | str | None = None,
+    network: Any = None,
 ) -> None:
     """Refuse to resume from a checkpoint made for another env, other spaces or another model.
 
@@ -157,6 +158,8 @@ def check_resume_compatible(
         schema: this learner's :class:`~oakemu_core.step_schema.StepSchema` (or its ``to_dict()``).
         model: this learner's freshly built model (a ``torch.nn.Module``); None skips the model check.
         checkpoint_path: the checkpoint file, named in the message.
+        network: this learner's :class:`~oakemu_core.policy.network.NetworkSpec`, compared with the one of
+            the checkpoint's settings (absent fields: the defaults); None skips it.
 
     Raises:
         ResumeMismatchError: env id, spaces or model differ; the one-line message names both sides,
@@ -180,6 +183,14 @@ def check_resume_compatible(
         problems.append(
             f"spaces [{describe_spaces(saved_schema)}] vs requested [{describe_spaces(requested_schema)}]"
         )
+    if network is not None and not problems:
+        from oakemu_core.policy.network import NetworkSpec
+
+        saved_network = NetworkSpec.from_config(checkpoint_state.get("config") or {})
+        if saved_network != network:
+            problems.append(
+                f"network [{saved_network.describe()}] vs requested [{network.describe()}]"
+            )
     if (
         model is not None and not problems
     ):  # another env nearly always means another model: say the cause once
@@ -404,7 +415,7 @@ def _check_checkpoint_fits(
     spec = env_spec(
         config.env_id, settings_file=config.emulator_settings, options=config.env_options
     )
-    schema = schema_for_env(spec)
+    schema = schema_for_env(spec, config.network)
     model = None
     if check_model and schema.distribution is not None:
         from oakemu_core.policy.models import build_model
@@ -413,9 +424,15 @@ def _check_checkpoint_fits(
             spec.observation_layout,
             schema.distribution,
             normalize_observations=config.normalize_observations,
+            network=config.network,
         )
     check_resume_compatible(
-        state, env_id=config.env_id, schema=schema, model=model, checkpoint_path=checkpoint
+        state,
+        env_id=config.env_id,
+        schema=schema,
+        model=model,
+        checkpoint_path=checkpoint,
+        network=config.network,
     )
 
 

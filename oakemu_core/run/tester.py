@@ -191,6 +191,7 @@ class Tester:
         best_return: float | None = None,
         nice: int = 10,
         env_options: Any = None,  # an oakemu_core.envs.options.EnvOptions: gymnasium.make kwargs, Atari settings
+        network: Mapping[str, Any] | None = None,  # the run's NetworkSpec.to_dict()
     ) -> None:
         if int(episodes) < 1:
             raise ValueError(f"episodes: expected >= 1, received {episodes}")
@@ -214,6 +215,7 @@ class Tester:
             "max_episode_steps": max_episode_steps,
             "normalize_observations": bool(normalize_observations),
             "env_options": env_options,
+            "network": dict(network or {}),
             "best_return": None if best_return is None else float(best_return),
             "video_dir": None if video_dir is None else str(video_dir),
         }
@@ -592,4 +594,5 @@ def tester_from_config(
         max_share=config.eval_max_share,
         best_return=best,
         env_options=config.env_options,
+        network=config.network.to_dict(),
     )

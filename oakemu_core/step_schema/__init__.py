@@ -31,6 +31,7 @@ next_values         ()            f32      x                    V(s_{t+1}): GAE'
 trainable           ()            bool     x     x              the row may be trained on
 action_mask         (mask width)  bool     x     x       x      allowed actions (masked envs only)
 action_mean/_std    (d,)          f32      x     x       x      Gaussian parameters (Box actions only)
+policy_state        (S,)          f32      x     x              recurrent policies: the state before s_t
 policy_versions     ()            i64            x       x      version of the acting weights
 policy_revisions    ()            i64            x              ... and their revision within it
 advantages          ()            f32            x       x      GAE (written by compute_gae)

@@ -29,6 +29,7 @@ def build_schema(
     *,
     action_shape: tuple[int, ...] | None = None,
     action_dtype: Any = None,
+    state_size: int = 0,
 ) -> StepSchema:
     """The step schema for an env's observations and a policy's action distribution.
 
@@ -38,6 +39,7 @@ def build_schema(
         distribution: the action distribution; its action shape/dtype, bounds, stored parameters
             and mask width decide the action fields. None: a plain schema whose actions have
             ``action_shape`` / ``action_dtype`` and no value checks.
+        state_size: a recurrent policy's state floats per env (``policy_state``); 0: none.
 
     Raises:
         ValueError: an empty layout, or neither a distribution nor an action shape/dtype.
@@ -53,12 +55,25 @@ def build_schema(
         _actions_field(distribution, action_shape, action_dtype),
         *_step_scalars(distribution),
         *(_distribution_fields(distribution) if distribution is not None else []),
+        *([policy_state_field(state_size)] if state_size else []),
         scalar_field("policy_versions", np.int64, sent=False, minibatch=True, default=0),
         policy_revisions_field(),
         scalar_field("advantages", np.float32, sent=False, minibatch=True, default=0.0),
         scalar_field("returns", np.float32, sent=False, minibatch=True, default=0.0),
     ]
     return StepSchema(tuple(fields), distribution)
+
+
+def policy_state_field(state_size: int) -> StepField:
+    """``policy_state``: a recurrent policy's ``(state_size,)`` float32 state before the step (sent and
+    stored; the learner's training sequences start from it: :mod:`oakemu_core.storage.sequences`)."""
+    return StepField(
+        "policy_state",
+        (int(state_size),),
+        np.dtype(np.float32),
+        low=-MAX_ABS_STEP_VALUE,
+        high=MAX_ABS_STEP_VALUE,
+    )
 
 
 def _actions_field(

@@ -107,7 +107,7 @@ def env_config(config: OakEmuConfig, index: int) -> dict[str, Any]:
     settings, its env seed (``seed + 1000 * (index + 1)``), policy routing (the actor routes, the
     rows arrive non-trainable: :mod:`oakemu_core.actor.routing`) and the mode (in ``"sync"`` the
     actor ends a segment every ``rollout_length`` steps and waits there for the weights trained on
-    it)."""
+    it) and the policy network's architecture (:meth:`NetworkSpec.to_dict`)."""
     return {
         "env_id": config.env_id,
         "max_episode_steps": config.max_episode_steps,
@@ -121,6 +121,7 @@ def env_config(config: OakEmuConfig, index: int) -> dict[str, Any]:
         "route_scripted_probability": config.route_scripted_probability,
         "mode": config.mode,
         "rollout_length": config.rollout_length,
+        "network": config.network.to_dict(),
         **config.env_options.to_dict(),  # gymnasium.make keyword arguments, Atari preprocessing
     }
 
