@@ -132,7 +132,7 @@ def make_envs(config: OakEmuConfig, reply: JoinReply) -> VectorEnv | EnvGroups:
 def network_of(reply: JoinReply) -> NetworkSpec:
     """The learner's policy architecture from a join reply (the default when the reply has none)."""
     try:
-        return NetworkSpec.from_dict(reply.env_config.get("network") or {})
+        return NetworkSpec.from_config(reply.env_config)
     except ValueError as error:
         raise ActorSetupError(
             f"the learner's network is not one this actor can build: {error}"

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from oakemu_core.policy.bfloat16_inference import check_supported as check_bfloat16_supported
+from oakemu_core.policy.network import NetworkSettings
 from oakemu_core.transport.auth import is_generated_routing_id
 from oakemu_core.transport.codec import MessageRejected
 from oakemu_core.transport.control import (
@@ -107,7 +108,7 @@ def env_config(config: OakEmuConfig, index: int) -> dict[str, Any]:
     settings, its env seed (``seed + 1000 * (index + 1)``), policy routing (the actor routes, the
     rows arrive non-trainable: :mod:`oakemu_core.actor.routing`) and the mode (in ``"sync"`` the
     actor ends a segment every ``rollout_length`` steps and waits there for the weights trained on
-    it) and the policy network's architecture (:meth:`NetworkSpec.to_dict`)."""
+    it) and the policy network's settings (:class:`~oakemu_core.policy.network.NetworkSettings`)."""
     return {
         "env_id": config.env_id,
         "max_episode_steps": config.max_episode_steps,
@@ -121,7 +122,7 @@ def env_config(config: OakEmuConfig, index: int) -> dict[str, Any]:
         "route_scripted_probability": config.route_scripted_probability,
         "mode": config.mode,
         "rollout_length": config.rollout_length,
-        "network": config.network.to_dict(),
+        **{name: getattr(config, name) for name in NetworkSettings.model_fields},
         **config.env_options.to_dict(),  # gymnasium.make keyword arguments, Atari preprocessing
     }
 
