@@ -140,9 +140,29 @@ def check_can_start(config: OakEmuConfig) -> None:
         from oakemu_core.policy.onnx_inference import check_available
 
         check_available()
+    if config.policy_module is not None:  # a user's encoder: built once on a probe batch, here
+        _check_user_network(config, spec)
     check_tracker_available(config.track)  # --track mlflow / wandb: its package is installed
     if config.device not in ("auto", "cpu"):
         resolved_device(config)  # imports torch: only for a device that may be missing
+
+
+def _check_user_network(config: OakEmuConfig, spec: Any) -> None:
+    """Build the run's model on the CPU once: a user's encoder that cannot be imported, built or run on a
+    probe batch is refused in one line (:class:`~oakemu_core.policy.encoders.UserEncoderError`)."""
+    from oakemu_core.policy.encoders import UserEncoderError
+    from oakemu_core.policy.models import build_model
+    from oakemu_core.policy.schemas import schema_for_env
+
+    try:
+        build_model(
+            spec.observation_layout,
+            schema_for_env(spec, config.network).distribution,
+            normalize_observations=config.normalize_observations,
+            network=config.network,
+        )
+    except UserEncoderError as error:
+        raise ConfigError(str(error)) from None
 
 
 SETTING_NAMES = tuple(name for name in OakEmuConfig.model_fields if name != "config_file")
