@@ -126,7 +126,7 @@ class ActorAPI:
         state_tensor = self._state_to_tensor(state, batch)
         recurrent: dict[str, Any] = {}
         if state_tensor is not None:
-            head, values, next_state = self(obs, state_tensor)
+            head, values, next_state = self._inference_forward(obs, state_tensor)
             recurrent = {
                 "policy_state": np.asarray(state, dtype=np.float32),
                 "next_state": next_state.to("cpu", torch.float32).numpy(),
@@ -149,6 +149,7 @@ class ActorAPI:
                 log_probs=log_probs.astype(np.float32, copy=False),
                 values=values.numpy().astype(np.float32, copy=False),
                 distribution_fields={},
+                **recurrent,
             )
         policy = self.distribution.policy(head, mask)
         actions = policy.mode() if greedy else policy.sample(generator)
@@ -176,10 +177,7 @@ class ActorAPI:
         obs = self._observations_to_tensor(observations)
         batch = len(next(iter(obs.values()))) if isinstance(obs, dict) else len(obs)
         state_tensor = self._state_to_tensor(state, batch)
-        if state_tensor is not None:
-            _, values, _ = self(obs, state_tensor)
-        else:
-            _, values = self._inference_forward(obs)
+        _, values, *_ = self._inference_forward(obs, state_tensor)
         return values.to("cpu", torch.float32).numpy()
 
     def probe_observations(self, rows: int = 2) -> torch.Tensor:
@@ -199,18 +197,27 @@ class ActorAPI:
         gives a head output or values further than ``tolerance`` (relative and absolute) from this
         module's on :meth:`probe_observations`; ``what`` names the backend in the message."""
         probe = self.probe_observations()
+        state = ()
+        if (
+            self.core is not None
+        ):  # a recurrent model: a probe state too, and the state after compared
+            generator = torch.Generator().manual_seed(1)
+            state = (torch.randn((len(probe), self.state_size), generator=generator),)
         with torch.no_grad():
-            expected = self(probe)
-        for name, got, want in zip(("head outputs", "values"), forward(probe), expected):
+            expected = self(probe, *state)
+        names = ("head outputs", "values", "next states")
+        for name, got, want in zip(names, forward(probe, *state), expected):
             if not torch.allclose(got, want, rtol=tolerance, atol=tolerance):  # False on NaN too
                 raise ValueError(
                     f"{what}: its {name} are off the model's by "
                     f"{float((got - want).abs().max()):.3g} on a probe batch"
                 )
 
-    def _inference_forward(self, observations: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        forward = self.__dict__.get("_inference_backend")
-        return self(observations) if forward is None else forward(observations)
+    def _inference_forward(self, observations: Any, state: torch.Tensor | None = None) -> Any:
+        """``forward`` (the module, or its inference backend) on observations, and a recurrent
+        model's state: ``(head, values)``, plus the state after for a recurrent model."""
+        forward = self.__dict__.get("_inference_backend") or self
+        return forward(observations) if state is None else forward(observations, state)
 
     def use_inference_backend(self, forward: Any | None) -> None:
         """Run :meth:`act` and :meth:`predict_values` through ``forward`` (the contract of

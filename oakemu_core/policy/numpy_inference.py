@@ -28,11 +28,10 @@ built."""
 
 
 def check_supported(observation_layout: dict[str, tuple[tuple[int, ...], Any]]) -> None:
-    """Before anything starts: raise ValueError (one line) when the model of ``observation_layout``
-    (key -> (shape, dtype), e.g. an env spec's) has no separate MLP torsos."""
-    from oakemu_core.policy.models import has_separate_mlps
-
-    if not has_separate_mlps(observation_layout):
+    """Before anything starts: raise ValueError (one line) when ``observation_layout`` (key -> (shape,
+    dtype), e.g. an env spec's) is not one vector observation."""
+    only = observation_layout.get("")
+    if only is None or len(only[0]) == 3 and min(only[0][1:]) >= 5:
         raise ValueError(
             f"actor_inference='numpy': only for one vector observation (MLP torsos), this env "
             f"gives {_describe(observation_layout)}; use actor_inference='torch' or 'auto'"
@@ -81,18 +80,21 @@ class NumpyForward:
     @staticmethod
     def unsupported_reason(model: Any) -> str | None:
         """Why this pass cannot serve ``model``, or None when it can."""
-        if not getattr(model, "separate_mlps", False):
-            return "only for models with separate MLP torsos (one vector observation)"
+        only = model.observation_layout.get("")
+        if (
+            only is None
+            or len(only[0]) == 3
+            and min(only[0][1:]) >= 5
+            or model.network.policy_module
+        ):
+            return "only for one vector observation without a user's encoder"
         if model.device.type != "cpu":
             return f"only for a model on the CPU, this one is on {model.device}"
         for torso in (model.actor_torso, model.critic_torso):
-            unknown = [
-                type(layer).__name__
-                for layer in torso
-                if not isinstance(layer, (nn.Linear, nn.Tanh))
-            ]
+            layers = list(torso) if isinstance(torso, nn.Sequential) else []
+            unknown = [type(layer).__name__ for layer in layers if not isinstance(layer, _LAYERS)]
             if unknown:
-                return f"a torso holds layers {unknown} (expected Linear and Tanh)"
+                return f"a torso holds layers {unknown} (expected Linear, Tanh and ReLU)"
         head = model.actor
         if not isinstance(head, nn.Linear) and not (
             isinstance(getattr(head, "mean", None), nn.Linear)
@@ -110,7 +112,9 @@ class NumpyForward:
             return (module.weight.detach().numpy().T.copy(), module.bias.detach().numpy().copy())
 
         self._torsos = [
-            [arrays(layer) if isinstance(layer, nn.Linear) else None for layer in torso]
+            [arrays(layer) if isinstance(layer, nn.Linear) else type(layer) for layer in torso]
+            if isinstance(torso, nn.Sequential)
+            else []
             for torso in (model.actor_torso, model.critic_torso)
         ]
         head = model.actor
@@ -119,6 +123,17 @@ class NumpyForward:
             None if isinstance(head, nn.Linear) else head.log_std.detach().numpy().copy()
         )
         self._critic = arrays(model.critic)
+        self._core = None
+        if model.core is not None:
+            rnn = model.core.rnn
+            weights = [
+                getattr(rnn, name).detach().numpy().T.copy()
+                for name in ("weight_ih_l0", "weight_hh_l0")
+            ]
+            biases = [
+                getattr(rnn, name).detach().numpy().copy() for name in ("bias_ih_l0", "bias_hh_l0")
+            ]
+            self._core = (model.core.kind, model.core.hidden, *weights, *biases)
         key = model._module_key("")
         normalizer = model.normalizers[key] if key in model.normalizers else None
         self._normalizer = (
@@ -131,22 +146,64 @@ class NumpyForward:
             )
         )
 
-    def __call__(self, observations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, observations: torch.Tensor, state: torch.Tensor | None = None) -> Any:
         x = observations.numpy().astype(np.float32, copy=False)
         if self._normalizer is not None:
             mean, std, clip = self._normalizer
             x = np.clip((x - mean) / std, -clip, clip)
         x = x.reshape(len(x), -1)
+        new_state = None
+        if self._core is not None:
+            if state is None:
+                raise ValueError("state: this policy is recurrent; pass its state")
+            x, new_state = _core_step(self._core, x, state.numpy())
         actor, critic = (_mlp(x, layers) for layers in self._torsos)
         head = actor @ self._head[0] + self._head[1]
         if self._log_std is not None:
             head = np.concatenate([head, np.broadcast_to(self._log_std, head.shape)], axis=1)
         values = critic @ self._critic[0] + self._critic[1]
-        return torch.from_numpy(head), torch.from_numpy(values[:, 0])
+        if new_state is None:
+            return torch.from_numpy(head), torch.from_numpy(values[:, 0])
+        return torch.from_numpy(head), torch.from_numpy(values[:, 0]), torch.from_numpy(new_state)
 
 
-def _mlp(x: np.ndarray, layers: list[tuple[np.ndarray, np.ndarray] | None]) -> np.ndarray:
-    """``x`` through Linear layers (weight, bias) and Tanh (None) in order."""
+_LAYERS = (nn.Linear, nn.Tanh, nn.ReLU)
+"""The torso layers this pass computes."""
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (np.tanh(0.5 * x) + 1.0)
+
+
+def _core_step(
+    core: tuple[Any, ...], x: np.ndarray, state: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """One step of an LSTM or GRU layer in numpy (PyTorch's equations and gate order: LSTM i, f, g, o;
+    GRU r, z, n). Returns ``(output (B, H), new state (B, S))`` with the state packed as
+    :class:`~oakemu_core.policy.recurrent.RecurrentCore` packs it."""
+    kind, hidden, w_ih, w_hh, b_ih, b_hh = core
+    if kind == "lstm":
+        h, c = state[:, :hidden], state[:, hidden:]
+        gates = x @ w_ih + b_ih + h @ w_hh + b_hh
+        i, f, g, o = (gates[:, k * hidden : (k + 1) * hidden] for k in range(4))
+        c = _sigmoid(f) * c + _sigmoid(i) * np.tanh(g)
+        h = _sigmoid(o) * np.tanh(c)
+        return h, np.concatenate([h, c], axis=1).astype(np.float32, copy=False)
+    gi, gh = x @ w_ih + b_ih, state @ w_hh + b_hh
+    r = _sigmoid(gi[:, :hidden] + gh[:, :hidden])
+    z = _sigmoid(gi[:, hidden : 2 * hidden] + gh[:, hidden : 2 * hidden])
+    n = np.tanh(gi[:, 2 * hidden :] + r * gh[:, 2 * hidden :])
+    h = ((1.0 - z) * n + z * state).astype(np.float32, copy=False)
+    return h, h
+
+
+def _mlp(x: np.ndarray, layers: list[Any]) -> np.ndarray:
+    """``x`` through Linear layers (weight, bias) and activations (Tanh, ReLU classes) in order."""
     for layer in layers:
-        x = np.tanh(x) if layer is None else x @ layer[0] + layer[1]
+        if layer is nn.Tanh:
+            x = np.tanh(x)
+        elif layer is nn.ReLU:
+            x = np.maximum(x, 0.0)
+        else:
+            x = x @ layer[0] + layer[1]
     return x
