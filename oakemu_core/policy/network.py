@@ -257,7 +257,7 @@ class NetworkSettings(BaseModel):
     policy_module: str | None = Field(
         None,
         description="package.module:Class of your own observation encoder (see the README's "
-        "'Your own network').",
+        "'Policy networks').",
     )
 
     @field_validator("net_arch")
