@@ -194,7 +194,8 @@ class OakEmuConfig(  # fields in reverse order of the bases, then this class's (
         1,
         ge=1,
         description="Env groups per actor: while one group's emulators step, the actor infers the other "
-        "groups' actions (threaded Atari envs). Needs env_groups <= envs_per_actor and no policy routing.",
+        "groups' actions (threaded Atari envs). Needs env_groups <= envs_per_actor, no policy routing and "
+        "a feed-forward policy.",
     )
     emulator_threads: int | None = Field(
         None,
@@ -281,7 +282,8 @@ class OakEmuConfig(  # fields in reverse order of the bases, then this class's (
         "auto",
         description="What runs the actors' forward passes: auto (numpy for MLP models of vector observations, "
         "else torch); torch; numpy (MLP models only); onnxruntime (extra 'onnx', not for dict observations); "
-        "or bfloat16 (uint8 image observations only; the learner re-evaluates every rollout).",
+        "or bfloat16 (uint8 image observations only; the learner re-evaluates every rollout). Neither of the "
+        "last two serves a recurrent policy.",
     )
 
     actor_id: str | None = Field(
@@ -376,6 +378,17 @@ class OakEmuConfig(  # fields in reverse order of the bases, then this class's (
                 "route_scripted_policy / route_scripted_probability: expected both set (a 'module:callable' and a "
                 f"probability > 0) or neither, received {self.route_scripted_policy!r} and "
                 f"{self.route_scripted_probability!r}"
+            )
+        if self.recurrent != "none" and self.env_groups > 1:
+            raise ValueError(
+                f"env_groups: a recurrent policy (recurrent={self.recurrent}) steps each actor's envs "
+                f"in one group; expected 1, received {self.env_groups}"
+            )
+        if self.recurrent != "none" and self.actor_inference in ("onnxruntime", "bfloat16"):
+            raise ValueError(
+                f"actor_inference: {self.actor_inference!r} serves feed-forward policies only; a "
+                f"recurrent policy (recurrent={self.recurrent}) acts in numpy or torch: use auto, numpy "
+                f"or torch"
             )
         check_ports_differ(self)
         return self

@@ -209,9 +209,15 @@ def make_stepper(env: VectorEnv | EnvGroups, model: ActorCritic, reply: JoinRepl
 
     Raises:
         ActorSetupError: the routing settings cannot be served here (a scripted policy that does not
-            import on this machine, or routing with ``env_groups`` > 1).
+            import on this machine, or routing with ``env_groups`` > 1), or ``env_groups`` > 1 with a
+            recurrent policy.
     """
     assert reply.spec is not None
+    if isinstance(env, EnvGroups) and model.recurrent:
+        raise ActorSetupError(
+            f"env_groups={len(env.groups)}: the learner's policy is recurrent "
+            f"({model.network.recurrent}); start this actor with --env-groups 1"
+        )
     try:
         routing = RoutingConfig.from_mapping(reply.env_config)
         router = (

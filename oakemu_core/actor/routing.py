@@ -43,7 +43,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -322,21 +322,36 @@ def replace_actions(
 
     Returns:
         a new bundle whose ``rows`` hold ``actions`` and their log-probabilities log pi(action | s) under
-        ``model``; values and distribution fields stay the policy's (GAE needs V(s) of every row).
+        ``model`` (a recurrent model's from the bundle's ``policy_state`` rows); values, distribution
+        fields, ``policy_state`` and ``next_state`` stay the policy's (GAE needs V(s) of every row; the
+        state after a step does not depend on the action taken).
     """
     replaced = bundle.actions.copy()
     replaced[rows] = actions
     log_probs = bundle.log_probs.copy()
     mask_rows = None if action_mask is None else np.asarray(action_mask)[rows]
-    log_probs[rows] = _log_probs(model, _select_rows(observations, rows), actions, mask_rows)
-    return PPOActionBundle(replaced, log_probs, bundle.values, dict(bundle.distribution_fields))
+    state_rows = None if bundle.policy_state is None else bundle.policy_state[rows]
+    log_probs[rows] = _log_probs(
+        model, _select_rows(observations, rows), actions, mask_rows, state_rows
+    )
+    return replace(
+        bundle,
+        actions=replaced,
+        log_probs=log_probs,
+        distribution_fields=dict(bundle.distribution_fields),
+    )
 
 
 @torch.no_grad()
 def _log_probs(
-    model: Any, observations: Any, actions: np.ndarray, action_mask: np.ndarray | None
+    model: Any,
+    observations: Any,
+    actions: np.ndarray,
+    action_mask: np.ndarray | None,
+    state: np.ndarray | None = None,
 ) -> np.ndarray:
-    """log pi(actions | observations) under ``model`` (an ActorCritic), ``(k,)`` float32 numpy."""
+    """log pi(actions | observations) under ``model`` (an ActorCritic), ``(k,)`` float32 numpy; a
+    recurrent model's ``state`` before these observations is ``(k, state_size)`` float32."""
     device = model.device
 
     def tensor(array: np.ndarray) -> torch.Tensor:
@@ -348,7 +363,8 @@ def _log_probs(
         else tensor(observations)
     )
     mask = None if action_mask is None else tensor(np.asarray(action_mask, dtype=bool))
-    policy, _ = model.policy_and_values(obs, mask)
+    recurrent = {} if state is None else {"state": tensor(np.asarray(state, dtype=np.float32))}
+    policy, _ = model.policy_and_values(obs, mask, **recurrent)
     return policy.log_prob(tensor(actions)).to("cpu", torch.float32).numpy()
 
 

@@ -34,6 +34,17 @@ Forced actions: where the env plays an action of its own on the next step whatev
 episodes), the chosen bundle's row is replaced by the action the env takes, with its log pi under the
 acting policy, and sent with ``trainable=False``, as a routed row (:func:`oakemu_core.actor.routing.replace_actions`);
 the stored action is always the action the env executed. This holds with and without groups and routing.
+
+Recurrent policies (a model with a recurrent core, :attr:`ActorCritic.recurrent`): the stepper keeps one
+state row per env, ``(n, state_size)`` float32, zeros at the start. A bundle is chosen from the current
+state, and its ``policy_state`` (that state) is stored with the step, so row ``t`` of an env holds h_t,
+the state before observation ``t``. After the env step the state becomes the bundle's ``next_state``,
+with the rows whose ``dones`` are True zeroed (the next row starts an episode). A truncated row's
+bootstrap value is V(true final observation) from the ``next_state`` row before that zeroing; a
+segment end's ``next_values`` use the state after it, as the next row's choice would. :meth:`reselect`
+chooses again from the same state; new weights leave the state as it is (mid-episode). Routed and
+forced rows keep the bundle's states; their log pi is the recurrent model's from the same state.
+Env groups are refused for a recurrent model.
 """
 
 from __future__ import annotations
@@ -111,6 +122,10 @@ class PolicyStepper:
         self.grouped = isinstance(env, EnvGroups)
         if self.grouped and router is not None:
             raise ValueError("PolicyStepper: policy routing is not supported with env groups > 1")
+        if self.grouped and model.recurrent:
+            raise ValueError(
+                "PolicyStepper: a recurrent policy is not supported with env groups > 1 (use env_groups 1)"
+            )
         self.env = env
         self.model = model
         self.schema = schema if schema is not None else schema_for_env(env.spec, model.network)
@@ -128,6 +143,8 @@ class PolicyStepper:
             return
         self._observations = env.reset()
         self._masks = env.action_masks() if self.masked else None
+        self._state = model.initial_state(env.num_envs) if model.recurrent else None
+        """A recurrent model's state before the pending (or next) bundle, ``(n, S)`` float32."""
         self._bundle: PPOActionBundle | None = None
         self._bundle, self._trainable = self._choose(self._observations, self._masks)
         self._bundle_version = policy_version
@@ -161,14 +178,18 @@ class PolicyStepper:
         buffers.record_action_bundle(self._bundle, trainable=self._trainable)
         env_step = self.env.step(self._bundle.actions)
         truncated = env_step.truncated & ~env_step.terminated
+        next_state = self._bundle.next_state
         bootstrap = self._zero_values
         if truncated.any():
             bootstrap = np.zeros(self.env.num_envs, np.float32)
             bootstrap[truncated] = model.predict_values(
-                select_rows(env_step.final_observations, truncated)
+                select_rows(env_step.final_observations, truncated),
+                state=None if next_state is None else next_state[truncated],
             )
         dones = env_step.dones
         buffers.record_step_results(env_step.training_rewards, dones, truncated, bootstrap)
+        if next_state is not None:  # the state before the next observation; zeros where one starts
+            self._state = np.where(dones[:, None], np.float32(0.0), next_state)
         acted_version, acted_revision = self._bundle_version, self._bundle_revision
         if segment_end:  # V(s_T) by the acting model; the next bundle waits for the new weights
             self._observations = env_step.observations
@@ -176,7 +197,9 @@ class PolicyStepper:
             if self.router is not None:
                 self.router.end_step(_games_ended(env_step))
             self._bundle = None
-            next_values = model.predict_values(self._observations).astype(np.float32, copy=False)
+            next_values = model.predict_values(self._observations, state=self._state).astype(
+                np.float32, copy=False
+            )
             return SteppedRow(buffers, acted_version, next_values, env_step, acted_revision)
         if before_next_action is not None:
             before_next_action()
@@ -301,7 +324,7 @@ class PolicyStepper:
     def _choose(self, observations: Any, masks: np.ndarray | None) -> tuple[PPOActionBundle, Any]:
         """The next action bundle and its per-env trainable flags (``(n,)`` bool; routing applied
         when configured, then the env's forced actions)."""
-        bundle = self.model.act(observations, action_mask=masks)
+        bundle = self.model.act(observations, action_mask=masks, state=self._state)
         trainable = self._all_trainable
         if self.router is not None:
             bundle, trainable = self.router.apply(self.model, bundle, observations, masks)
