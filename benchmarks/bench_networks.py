@@ -7,13 +7,16 @@
   feed-forward one on the same observations: CartPole-shaped vectors (the MLP with the actors' default
   numpy backend, and with torch; LSTM 64 and 128 after it, torch) and Breakout frames (Nature CNN, and
   Nature CNN + LSTM 128 as CleanRL's ``ppo_atari_lstm.py``);
+* ``step``: an actor's whole vector step (``PolicyStepper.step``: inference, env step, recording) of a
+  recurrent policy against the feed-forward one, CartPole (MLP against LSTM 64, numpy) and Breakout
+  (Nature against Nature + LSTM 128, torch), 8 envs;
 * ``update``: a whole PPO update (``PPOUpdater.step``: 4 epochs x 4 minibatches) of a recurrent policy on
   sequences against the feed-forward policy at the same rows (T x N = 128 x 8 CartPole-shaped rows);
 * ``memory``: bytes per stored row of the rollout buffer, feed-forward and with an LSTM's state.
 
 Prints medians (milliseconds or microseconds) and the ratios; ``--json PATH`` also writes them.
 
-Usage: ``python benchmarks/bench_networks.py [--parts cnn,actor,update,memory] [--repeats 5] [--json out.json]``
+Usage: ``python benchmarks/bench_networks.py [--parts cnn,actor,step,update,memory] [--repeats 5] [--json out.json]``
 """
 
 from __future__ import annotations
@@ -152,6 +155,52 @@ def part_actor(repeats: int) -> dict[str, float]:
     return {**medians, **ratios}
 
 
+def part_step(repeats: int) -> dict[str, float]:
+    """A recurrent actor's whole vector step (``PolicyStepper.step``: inference, env step, recording)
+    against the feed-forward one on the same env (microseconds per step of 8 envs)."""
+    from oakemu_core.actor.join_setup import make_inference_backend
+    from oakemu_core.actor.stepper import PolicyStepper
+    from oakemu_core.envs.factory import make_vector_env
+    from oakemu_core.policy.distributions import distribution_for_env
+
+    cases = {
+        "cartpole mlp": ("CartPole-v1", NetworkSpec()),
+        "cartpole lstm64": ("CartPole-v1", NetworkSpec(recurrent="lstm", recurrent_hidden=64)),
+        "breakout nature": ("ALE/Breakout-v5", NetworkSpec()),
+        "breakout nature lstm128": (
+            "ALE/Breakout-v5",
+            NetworkSpec(recurrent="lstm", recurrent_hidden=128),
+        ),
+    }
+    runs: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeats):
+        for name, (env_id, network) in cases.items():
+            env = make_vector_env(env_id, 8, seed=0, num_threads=1)
+            try:
+                torch.manual_seed(0)
+                model = build_model(
+                    env.spec.observation_layout, distribution_for_env(env.spec), network=network
+                ).eval()
+                model.use_inference_backend(make_inference_backend("auto", model, threads=1))
+                stepper = PolicyStepper(env, model)
+                calls = 300 if "cartpole" in name else 40
+                runs[name].append(_median_seconds(stepper.step, calls) * 1e6)
+            finally:
+                env.close()
+    medians = {name: statistics.median(values) for name, values in runs.items()}
+    print("actor vector step (inference, env step, recording), 8 envs, actor_inference auto (us):")
+    for name, value in medians.items():
+        print(f"  {name:>24}: {value:9.1f}   runs: {', '.join(f'{v:.1f}' for v in runs[name])}")
+    ratios = {
+        "cartpole lstm64/mlp step": medians["cartpole lstm64"] / medians["cartpole mlp"],
+        "breakout lstm128/nature step": medians["breakout nature lstm128"]
+        / medians["breakout nature"],
+    }
+    for name, value in ratios.items():
+        print(f"  {name}: {value:.2f} x")
+    return {**medians, **ratios}
+
+
 def part_update(repeats: int) -> dict[str, float]:
     """A PPO update on sequences (LSTM 64) against the feed-forward update at the same rows (seconds)."""
     from oakemu_core.algo.ppo import PPOUpdater
@@ -226,7 +275,7 @@ def part_memory() -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default="cnn,actor,update,memory")
+    parser.add_argument("--parts", default="cnn,actor,step,update,memory")
     parser.add_argument(
         "--repeats", type=int, default=5, help="interleaved repeats; medians reported"
     )
@@ -242,6 +291,8 @@ def main() -> None:
         results["cnn"] = part_cnn(args.repeats, args.batch)
     if "actor" in parts:
         results["actor"] = part_actor(args.repeats)
+    if "step" in parts:
+        results["step"] = part_step(args.repeats)
     if "update" in parts:
         results["update"] = part_update(args.repeats)
     if "memory" in parts:
