@@ -187,7 +187,8 @@ class PPOLearner:
         action_mask: optional ``(mask width,)`` bool tensor on the learner device, ANDed with
             every row's mask (e.g. actions a game never allows).
         bc_sampler: optional behaviour-cloning data source
-            (:class:`oakemu_core.algo.demonstrations.DemonstrationSampler`).
+            (:class:`oakemu_core.algo.demonstrations.DemonstrationSampler`); not with a recurrent
+            model (demonstrations hold no policy states).
         revision_sink: ``(policy_version, revision, weights) -> None``: receives the weights after
             each epoch but the last of an update (``publish_every_epoch``), or None.
         revision_max_approx_kl: weights of an epoch whose mean approx KL is above this are not
@@ -195,6 +196,9 @@ class PPOLearner:
             None: no limit.
         revision_min_sgd_steps: an epoch's weights go to the sink only when at least this many SGD
             steps were taken since the weights last published (a version or a revision).
+
+    Raises:
+        ValueError: a behaviour-cloning sampler with a recurrent model.
     """
 
     def __init__(
@@ -212,6 +216,11 @@ class PPOLearner:
         revision_min_sgd_steps: int = 1,
     ) -> None:
         settings = context.config
+        if bc_sampler is not None and getattr(learner_model.model, "recurrent", False):
+            raise ValueError(
+                "bc_dataset: behaviour cloning is not available for a recurrent policy "
+                "(demonstrations hold no policy states); leave bc_dataset unset or use recurrent=none"
+            )
         self.settings = settings
         self.learner_model = learner_model
         self.rollout_buffer = rollout_buffer

@@ -5,6 +5,13 @@ before it): epochs x shuffled minibatches -> ratio -> clipped surrogate, value l
 (:func:`oakemu_core.algo.losses.ppo_losses`) -> one loss -> gradient clip -> optimizer step ->
 optional target-KL early stop -> statistics (:class:`oakemu_core.algo.update_stats.PPOUpdateStats`).
 GAE has already been computed into the buffer by the caller.
+
+A feed-forward policy trains on shuffled rows (:class:`~oakemu_core.storage.batches.FlatBatch`). A
+recurrent policy (``model.recurrent``) trains on shuffled sequences
+(:class:`~oakemu_core.storage.sequences.SequenceBatch`, ``sequence_length`` rows each, whole rollout
+columns by default): each minibatch's forward pass runs its sequences from their stored states with
+the state zeroed at episode starts, and the loss terms, advantage normalisation included, are taken
+on its trainable rows only, as CleanRL's ``ppo_atari_lstm.py`` does over whole env columns.
 """
 
 from __future__ import annotations
@@ -13,7 +20,6 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -27,8 +33,10 @@ from oakemu_core.algo.settings import PPOSettings
 from oakemu_core.algo.update_stats import PPOUpdateStats, UpdateTally
 
 if TYPE_CHECKING:
+    from oakemu_core.policy.distributions import Policy
     from oakemu_core.storage.batches import FlatBatch, RolloutMinibatch
     from oakemu_core.storage.rollout_buffer import RolloutBuffer
+    from oakemu_core.storage.sequences import SequenceBatch, SequenceMinibatch
 
 __all__ = ["EmptyRolloutError", "PPOUpdater", "cpu_has_native_bfloat16"]
 
@@ -72,7 +80,8 @@ class PPOUpdater:
             ``normalize_advantages``, ``importance_weight_cap`` (the truncation of the decoupled
             objective's weights ``pi_prox / mu``: V-trace's rho-bar, Espeholt et al. 2018,
             "IMPALA"; used only when :meth:`step` gets a proximal policy), ``seed`` (of the
-            minibatch-shuffling generator) and ``learner_precision``.
+            minibatch-shuffling generator), ``learner_precision`` and, for a recurrent model,
+            ``sequence_length``.
         device: where the update runs (``"cuda"`` or ``"cpu"``). On CUDA, TF32 matmuls and
             convolutions are switched off process-wide so that learner log-probs match the actor's
             float32 CPU log-probs (the ratio check).
@@ -141,6 +150,8 @@ class PPOUpdater:
             self.model.distribution.stored_fields()
         )  # parameters for the exact KL
         self._shuffle_rng = np.random.default_rng(self.settings.seed)
+        self.recurrent = bool(getattr(self.model, "recurrent", False))
+        """The model carries a state per env: it trains on sequences."""
         self.action_mask = None if action_mask is None else action_mask.to(self.device, torch.bool)
         self._iterations = 0
 
@@ -158,17 +169,34 @@ class PPOUpdater:
         self, rollout_buffer: RolloutBuffer, *, chunk_rows: int = 256
     ) -> RolloutEvaluation:
         """Every stored row evaluated by the current weights through this update's forward pass
-        (:func:`oakemu_core.algo.reevaluation.evaluate_rollout`)."""
+        (:func:`oakemu_core.algo.reevaluation.evaluate_rollout`; a recurrent model's over the
+        sequences the update trains on, ``sequence_length``)."""
         return evaluate_rollout(
-            self.model, rollout_buffer, self.forward, self.device, chunk_rows=chunk_rows
+            self.model,
+            rollout_buffer,
+            self.forward,
+            self.device,
+            chunk_rows=chunk_rows,
+            sequence_length=self.settings.sequence_length if self.recurrent else None,
         )
 
-    def forward(self, observations: Any, masks: torch.Tensor | None) -> tuple[Any, torch.Tensor]:
+    def forward(
+        self,
+        observations: Any,
+        masks: torch.Tensor | None,
+        *,
+        state: torch.Tensor | None = None,
+        resets: torch.Tensor | None = None,
+    ) -> tuple[Any, torch.Tensor]:
         """``model.policy_and_values`` as every forward pass of the update runs it: in the update's
         precision (:meth:`_forward_precision`), each row's mask ANDed with the learner-wide
-        ``action_mask``. Returns ``(policy, values)``."""
+        ``action_mask``; a recurrent model's rows are time-major sequences from ``state`` with
+        ``resets`` (:meth:`oakemu_core.policy.models.ActorCritic.forward`). Returns
+        ``(policy, values)``."""
         with self._forward_precision():
-            return self.model.policy_and_values(observations, self._row_masks(masks))
+            return self.model.policy_and_values(
+                observations, self._row_masks(masks), state=state, resets=resets
+            )
 
     def step(
         self,
@@ -203,18 +231,20 @@ class PPOUpdater:
                 and the SGD steps (minibatches) this update has taken so far; or None.
             num_minibatches: minibatches per epoch; None: the settings' ``num_minibatches``.
 
-        Returns :class:`PPOUpdateStats`; with fewer trainable rows than ``num_minibatches``, each
-        epoch used one minibatch per row. Raises EmptyRolloutError: the buffer has no trainable row.
+        Returns :class:`PPOUpdateStats`; with fewer trainable rows (a recurrent model: sequences
+        holding one) than ``num_minibatches``, each epoch used one per minibatch. Raises
+        EmptyRolloutError: the buffer has no trainable row.
         """
         trainable_rows = int(rollout_buffer.trainable_size)
         if trainable_rows == 0:
             raise EmptyRolloutError("rollout_buffer: 0 trainable rows, expected at least 1")
-        # Fewer rows than minibatches (most rows dropped as stale): one row per minibatch.
         settings = self.settings
-        num_minibatches = min(num_minibatches or settings.num_minibatches, trainable_rows)
         tally = UpdateTally(self.device, learning_rate=float(self.optimizer.param_groups[0]["lr"]))
         self.model.train()
         flat, kl_reference = self._upload(rollout_buffer, proximal)
+        # Fewer rows (sequences) than minibatches, e.g. most rows dropped as stale: one per minibatch.
+        units = flat.sequences if self.recurrent else trainable_rows
+        num_minibatches = min(num_minibatches or settings.num_minibatches, units)
         # One minibatch: every row in stored order (shuffling it would only cost copies), its
         # advantages normalised once for every epoch.
         whole = self._normalised(flat.whole()) if num_minibatches == 1 else None
@@ -250,7 +280,7 @@ class PPOUpdater:
 
     def _epoch(
         self,
-        minibatches: list[RolloutMinibatch],
+        minibatches: list[RolloutMinibatch] | list[SequenceMinibatch],
         tally: UpdateTally,
         kl_reference: str,
         bc_term: tuple[float, Any, int] | None,
@@ -266,7 +296,7 @@ class PPOUpdater:
                 tally.weight_total += weights.mean()
             if tally.minibatches == 0:  # before any gradient step: actor and learner should agree
                 behaviour_ratio = (new_log_probs.detach() - minibatch.log_probs).exp()
-                tally.first_minibatch_ratio_max_abs_dev = self._ratio_deviation(
+                tally.first_minibatch_ratio_max_abs_dev = _ratio_deviation(
                     behaviour_ratio, minibatch.fields["policy_versions"], current_policy_version
                 )
             tally.nonfinite += self._sgd_step(losses, bc_term)
@@ -276,28 +306,22 @@ class PPOUpdater:
 
     def _upload(
         self, rollout_buffer: RolloutBuffer, proximal: RolloutEvaluation | None
-    ) -> tuple[FlatBatch, str]:
-        """The trainable rows flattened and uploaded once (every epoch only reshuffles and indexes
-        them), with the proximal policy's figures as extra fields when given; and the prefix of the
-        stored parameters the exact KL is measured from (``""``: the acting policy's)."""
-        flat = rollout_buffer.flat_batch(self.device)
-        if proximal is None:
-            return flat, ""
-        # The cached flat batch stays as it is: a new one holds the extra fields.
-        arrays = {"log_probs": proximal.log_probs, **proximal.distribution_fields}
-        flat = replace(
-            flat,
-            fields={
-                **flat.fields,
-                **{
-                    PROXIMAL + name: torch.from_numpy(
-                        array.reshape(-1, *array.shape[2:])[flat.rows]
-                    ).to(self.device)
-                    for name, array in arrays.items()
-                },
-            },
+    ) -> tuple[FlatBatch | SequenceBatch, str]:
+        """The trainable rows (a recurrent model: the sequences holding them) uploaded once (every
+        epoch only reshuffles and indexes them), with the proximal policy's figures as extra fields
+        when given; and the prefix of the stored parameters the exact KL is measured from (``""``:
+        the acting policy's)."""
+        batch = (
+            rollout_buffer.sequence_batch(self.device, self.settings.sequence_length)
+            if self.recurrent
+            else rollout_buffer.flat_batch(self.device)
         )
-        return flat, PROXIMAL  # the trust region is around the proximal policy
+        if proximal is None:
+            return batch, ""
+        # The cached batch stays as it is: a new one holds the extra fields.
+        arrays = {"log_probs": proximal.log_probs, **proximal.distribution_fields}
+        batch = batch.with_fields({PROXIMAL + name: array for name, array in arrays.items()})
+        return batch, PROXIMAL  # the trust region is around the proximal policy
 
     def _normalised(self, minibatch: RolloutMinibatch) -> RolloutMinibatch:
         """``minibatch`` with its advantages normalised when the settings ask
@@ -315,9 +339,12 @@ class PPOUpdater:
         KL. ``minibatch``'s advantages are used as they are (:meth:`_normalised` first). Returns the
         losses, the new log-probs and the weights (None: plain PPO)."""
         settings = self.settings
-        policy, new_values = self.forward(
-            minibatch.observations, minibatch.fields.get("action_mask")
-        )
+        if self.recurrent:
+            policy, new_values = self._sequence_forward(minibatch)
+        else:
+            policy, new_values = self.forward(
+                minibatch.observations, minibatch.fields.get("action_mask")
+            )
         advantages = minibatch.advantages
         with torch.set_grad_enabled(
             bool(settings.ent_coef)
@@ -354,6 +381,19 @@ class PPOUpdater:
                 )
                 losses["approx_kl"] = kl.mean()
         return losses, new_log_probs, weights
+
+    def _sequence_forward(self, minibatch: SequenceMinibatch) -> tuple[Policy, torch.Tensor]:
+        """A recurrent model's forward pass over a minibatch's sequences (every row, from the stored
+        states, with the resets), then the policy and values of its trainable rows only
+        (``trained_rows``): the rows the minibatch's per-row fields hold. In the update's precision,
+        the rows' masks ANDed with the learner-wide ``action_mask``."""
+        with self._forward_precision():
+            head, values, _ = self.model(minibatch.observations, minibatch.state, minibatch.resets)
+            rows = minibatch.trained_rows
+            policy = self.model.distribution.policy(
+                head.index_select(0, rows), self._row_masks(minibatch.fields.get("action_mask"))
+            )
+            return policy, values.index_select(0, rows)
 
     def _sgd_step(
         self, losses: dict[str, torch.Tensor], bc_term: tuple[float, Any, int] | None
@@ -421,12 +461,12 @@ class PPOUpdater:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    @staticmethod
-    def _ratio_deviation(
-        ratio: torch.Tensor, versions: torch.Tensor, current_policy_version: int
-    ) -> float:
-        """max |ratio - 1| over the minibatch rows acted by ``current_policy_version`` (NaN if none)."""
-        is_current = versions == int(current_policy_version)
-        if not bool(is_current.any()):
-            return math.nan
-        return float((ratio[is_current] - 1.0).abs().max().item())
+
+def _ratio_deviation(
+    ratio: torch.Tensor, versions: torch.Tensor, current_policy_version: int
+) -> float:
+    """max |ratio - 1| over the minibatch rows acted by ``current_policy_version`` (NaN if none)."""
+    is_current = versions == int(current_policy_version)
+    if not bool(is_current.any()):
+        return math.nan
+    return float((ratio[is_current] - 1.0).abs().max().item())

@@ -12,6 +12,7 @@ import torch
 
 if TYPE_CHECKING:
     from oakemu_core.storage.batches import FlatBatch
+    from oakemu_core.storage.sequences import SequenceBatch
 
 __all__ = ["PPOUpdateStats", "UpdateTally", "explained_variance"]
 
@@ -93,13 +94,14 @@ class UpdateTally:
         """Minibatches so far whose gradient was not finite (one device sync)."""
         return int(self.nonfinite.item())
 
-    def stats(self, flat: FlatBatch, *, decoupled: bool) -> PPOUpdateStats:
-        """The update's :class:`PPOUpdateStats`; ``flat``: the rows it trained on (their values
-        and returns, on the device, give the explained variance)."""
+    def stats(self, batch: FlatBatch | SequenceBatch, *, decoupled: bool) -> PPOUpdateStats:
+        """The update's :class:`PPOUpdateStats`; ``batch``: the rows it trained on (the values and
+        returns of its trainable rows, on the device, give the explained variance)."""
+        values, returns = batch.trainable_rows("values"), batch.trainable_rows("returns")
         means = {key: value.item() / self.minibatches for key, value in self.totals.items()}
         return PPOUpdateStats(
             **means,
-            explained_variance=explained_variance(flat.fields["values"], flat.fields["returns"]),
+            explained_variance=explained_variance(values, returns),
             learning_rate=self.learning_rate,
             epochs_completed=len(self.epoch_seconds),
             minibatches=self.minibatches,
@@ -107,7 +109,7 @@ class UpdateTally:
             first_minibatch_ratio_max_abs_dev=self.first_minibatch_ratio_max_abs_dev,
             update_seconds=time.perf_counter() - self.start_time,
             epoch_seconds=self.epoch_seconds,
-            trainable_rows=flat.size,
+            trainable_rows=batch.size,
             nonfinite_minibatches=self.nonfinite_minibatches,
             importance_weight_mean=self.weight_total.item() / self.minibatches
             if decoupled

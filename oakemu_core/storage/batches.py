@@ -13,7 +13,7 @@ computed them: the PPO update normalises each minibatch's (:func:`oakemu_core.al
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -105,6 +105,22 @@ class FlatBatch:
     def size(self) -> int:
         """Trainable rows ``M``."""
         return int(self.rows.size)
+
+    def with_fields(self, arrays: Mapping[str, np.ndarray]) -> FlatBatch:
+        """A batch with more per-row fields: each ``(T, N, *shape)`` array's trainable rows,
+        uploaded (the decoupled objective's proximal figures). This batch is left as it is."""
+        import torch
+
+        device = next(iter(self.fields.values())).device
+        extra = {
+            name: torch.from_numpy(array.reshape(-1, *array.shape[2:])[self.rows]).to(device)
+            for name, array in arrays.items()
+        }
+        return replace(self, fields={**self.fields, **extra})
+
+    def trainable_rows(self, name: str) -> torch.Tensor:
+        """``(M, *shape)``: field ``name`` at the trainable rows (every row of this batch)."""
+        return self.fields[name]
 
     def minibatches(
         self, num_minibatches: int, generator: np.random.Generator

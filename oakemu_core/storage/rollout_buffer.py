@@ -11,7 +11,8 @@ distribution's fields.
 One way in, one way out (Stable-Baselines3's ``add`` / ``get``): :meth:`RolloutBuffer.write` is
 the only write (:mod:`oakemu_core.storage.rollout_rows`; its checks:
 :mod:`oakemu_core.storage.row_checks`), :meth:`RolloutBuffer.flat_batch`
-the only read for PPO (:mod:`oakemu_core.storage.batches`); :meth:`~RolloutBuffer.add` (the
+the only read for PPO (:mod:`oakemu_core.storage.batches`; a recurrent policy's:
+:meth:`RolloutBuffer.sequence_batch`, :mod:`oakemu_core.storage.sequences`); :meth:`~RolloutBuffer.add` (the
 per-step write) and :meth:`~RolloutBuffer.get_minibatches` are thin layers over them.
 Unlike Stable-Baselines3's buffers, observations are never cast to float32 (4x the memory for
 Atari frames), one class serves plain and dict observations and every action space (no subclass
@@ -39,6 +40,7 @@ from oakemu_core.storage.memory import RolloutBufferMemoryDiagnostic, rollout_me
 from oakemu_core.storage.rollout_arrays import DATA_GENERATION, GAE_GENERATION, MASK_GENERATION
 from oakemu_core.storage.rollout_rows import RolloutRows
 from oakemu_core.storage.row_checks import check_positive_int, checked_columns, column_index
+from oakemu_core.storage.sequences import SequenceBatch
 from oakemu_core.storage.shared_fields import SHM_DIR
 
 if TYPE_CHECKING:  # torch is imported lazily: actors and tools can use the buffer without it
@@ -111,19 +113,20 @@ class RolloutBuffer(RolloutRows):
             action_dtype,
         )
         super().__init__(rollout_length, num_envs, schema, shm_dir)
-        self._flat_cache: tuple[tuple[Any, ...], FlatBatch] | None = None
+        self._batch_cache: tuple[tuple[Any, ...], FlatBatch | SequenceBatch] | None = None
         self._observation_uploads = 0
         self._rng = np.random.default_rng(seed)
         self._shm_dir = Path(shm_dir)
 
     def close(self) -> None:
-        """Drop the uploaded flat batch, then close the arrays (:meth:`RolloutArrays.close`)."""
-        self._flat_cache = None
+        """Drop the uploaded batch, then close the arrays (:meth:`RolloutArrays.close`)."""
+        self._batch_cache = None
         super().close()
 
     @property
     def observation_uploads(self) -> int:
-        """How many times this buffer uploaded its observations to a device (flat-batch cache misses)."""
+        """How many times this buffer uploaded its observations to a device (cache misses of
+        :meth:`flat_batch` and :meth:`sequence_batch`)."""
         return self._observation_uploads
 
     # ------------------------------------------------------------------ GAE
@@ -216,6 +219,38 @@ class RolloutBuffer(RolloutRows):
         Raises:
             StaleAdvantagesError: :meth:`compute_gae` has not run since the last write.
         """
+        return self._cached_batch(
+            device,
+            ("flat",),
+            lambda trainable, torch_device: FlatBatch.gather(
+                self.schema, self._arrays, trainable, torch_device
+            ),
+        )
+
+    def sequence_batch(
+        self, device: torch.device | str, sequence_length: int | None
+    ) -> SequenceBatch:
+        """The rollout cut into sequences of ``sequence_length`` rows (None: whole columns), each
+        from its stored ``policy_state``, with every minibatch field on ``device``: what PPO reads
+        for a recurrent policy (:class:`~oakemu_core.storage.sequences.SequenceBatch`). Built and
+        cached as :meth:`flat_batch` (one cached batch per buffer: asking for the other kind
+        uploads again). Empty (no sequence) when no row is trainable.
+
+        Raises:
+            StaleAdvantagesError: :meth:`compute_gae` has not run since the last write.
+            ValueError: the schema has no ``policy_state`` field, or a bad ``sequence_length``.
+        """
+        return self._cached_batch(
+            device,
+            ("sequences", sequence_length),
+            lambda trainable, torch_device: SequenceBatch.gather(
+                self.schema, self._arrays, trainable, sequence_length, torch_device
+            ),
+        )
+
+    def _cached_batch(self, device: torch.device | str, kind: tuple[Any, ...], build: Any) -> Any:
+        """The cached batch of ``kind`` on ``device``, or ``build(trainable copy, device)``'s, cached
+        until the next write, reset or mask change."""
         import torch
 
         self._check_open()
@@ -225,18 +260,14 @@ class RolloutBuffer(RolloutRows):
             )
         torch_device = torch.device(device)
         meta = self._arrays["meta"]
-        key = (
-            int(meta[DATA_GENERATION]),
-            int(meta[MASK_GENERATION]),
-            str(torch_device),
-        )
-        if self._flat_cache is not None and self._flat_cache[0] == key:
-            return self._flat_cache[1]
-        self._flat_cache = None  # free the old upload before making the new one
+        key = (int(meta[DATA_GENERATION]), int(meta[MASK_GENERATION]), str(torch_device), *kind)
+        if self._batch_cache is not None and self._batch_cache[0] == key:
+            return self._batch_cache[1]
+        self._batch_cache = None  # free the old upload before making the new one
         trainable = self._arrays["trainable"].copy()  # a private copy: the shared mask may change
-        batch = FlatBatch.gather(self.schema, self._arrays, trainable, torch_device)
+        batch = build(trainable, torch_device)
         self._observation_uploads += 1
-        self._flat_cache = (key, batch)
+        self._batch_cache = (key, batch)
         return batch
 
     def get_minibatches(
@@ -287,10 +318,10 @@ class RolloutBuffer(RolloutRows):
         check_positive_int("num_minibatches", num_minibatches)
         cached = (
             0
-            if self._flat_cache is None
+            if self._batch_cache is None
             else sum(
                 t.numel() * t.element_size()
-                for t in self._flat_cache[1].fields.values()
+                for t in self._batch_cache[1].fields.values()
                 if t.device.type == "cuda"
             )
         )
