@@ -237,7 +237,7 @@ class PPOActorStepBuffers:
         )
         check_array("action_bundle.log_probs", action_bundle.log_probs, batch, self.log_probs.dtype)
         check_array("action_bundle.values", action_bundle.values, batch, self.values.dtype)
-        extras = self._bundle_extras(action_bundle)
+        extras = _bundle_extras(action_bundle, self.extras)
         for name, array in extras.items():
             target = self.extras.get(name)
             if target is None:
@@ -276,7 +276,7 @@ class PPOActorStepBuffers:
         check_array("action_bundle.log_probs", action_bundle.log_probs, n, self.log_probs.dtype)
         check_array("action_bundle.values", action_bundle.values, n, self.values.dtype)
         check_array("trainable", trainable, n, self.trainable.dtype)
-        extras = self._bundle_extras(action_bundle)
+        extras = _bundle_extras(action_bundle, self.extras)
         for name, array in extras.items():
             target = self.extras.get(name)
             if target is None:
@@ -290,29 +290,6 @@ class PPOActorStepBuffers:
         for name, array in extras.items():
             np.copyto(self.extras[name], array)
         np.copyto(self.trainable, trainable)
-
-    def _bundle_extras(self, action_bundle: PPOActionBundle) -> dict[str, np.ndarray]:
-        """The bundle's arrays stored in :attr:`extras`: its distribution fields, and a recurrent
-        policy's ``policy_state`` (the state before the step).
-
-        Raises:
-            ValueError: the schema has a ``policy_state`` field and the bundle no state (a
-                feed-forward model acting for a recurrent run), or the other way round.
-        """
-        extras = dict(action_bundle.distribution_fields)
-        stores_state = "policy_state" in self.extras
-        if stores_state != (action_bundle.policy_state is not None):
-            raise ValueError(
-                "action_bundle.policy_state: these step buffers "
-                + (
-                    "store a recurrent policy's state and the bundle has none"
-                    if stores_state
-                    else "have no policy_state field (a feed-forward run) and the bundle has one"
-                )
-            )
-        if action_bundle.policy_state is not None:
-            extras["policy_state"] = action_bundle.policy_state
-        return extras
 
     def record_step_results(
         self,
@@ -450,3 +427,29 @@ class PPOActorStepBuffers:
             policy_revision=policy_revision,
             **self.extras,
         )
+
+
+def _bundle_extras(
+    action_bundle: PPOActionBundle, fields: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """The bundle's arrays stored among the step buffers' extra ``fields``: its distribution fields, and
+    a recurrent policy's ``policy_state`` (the state before the step).
+
+    Raises:
+        ValueError: ``fields`` hold a ``policy_state`` and the bundle no state (a feed-forward model
+            acting for a recurrent run), or the other way round.
+    """
+    extras = dict(action_bundle.distribution_fields)
+    stores_state = "policy_state" in fields
+    if stores_state != (action_bundle.policy_state is not None):
+        raise ValueError(
+            "action_bundle.policy_state: these step buffers "
+            + (
+                "store a recurrent policy's state and the bundle has none"
+                if stores_state
+                else "have no policy_state field (a feed-forward run) and the bundle has one"
+            )
+        )
+    if action_bundle.policy_state is not None:
+        extras["policy_state"] = action_bundle.policy_state
+    return extras

@@ -36,11 +36,16 @@ from oakemu_core.algo.demonstrations import DemonstrationDataError, dataset_spac
 from oakemu_core.envs.factory import make_vector_env
 from oakemu_core.envs.options import EnvOptions
 from oakemu_core.envs.spec import PLAIN_KEY, EnvSpec
+from oakemu_core.policy.episodic import EpisodicActor
 
 __all__ = ["RecordingPolicy", "RecordingSummary", "make_recording_policy", "record_dataset"]
 
 RecordingPolicy = Callable[[Any, np.ndarray | None], Any]
-"""``(observations of all n envs, action masks (n, width) or None) -> actions (n, *action_shape)``."""
+"""``(observations of all n envs, action masks (n, width) or None) -> actions (n, *action_shape)``.
+
+One with an ``end_episodes(dones)`` method (a model's, :func:`make_recording_policy`) has it called
+after each step with ``dones`` ``(n,)`` bool, the rows whose episode ended (a recurrent model zeroes
+their state there)."""
 
 _MINARI_ENV_LOCK = (
     threading.Lock()
@@ -87,12 +92,7 @@ def make_recording_policy(
         ValueError: an unknown policy string or a callable that cannot be imported.
     """
     if isinstance(policy, nn.Module) and hasattr(policy, "act"):
-        model = policy
-
-        def model_policy(observations: Any, action_mask: np.ndarray | None) -> np.ndarray:
-            return model.act(observations, action_mask=action_mask, greedy=greedy).actions
-
-        return model_policy
+        return _ModelPolicy(policy, greedy=greedy)
     if isinstance(policy, str):
         if policy == "random":
             rng = np.random.default_rng(seed)
@@ -114,6 +114,21 @@ def make_recording_policy(
     raise ValueError(
         f"policy: expected 'random', 'module:callable', a callable or a model, received {policy!r}"
     )
+
+
+class _ModelPolicy:
+    """A model as a :data:`RecordingPolicy`: its actions, a recurrent model's state carried from step
+    to step and zeroed by :meth:`end_episodes` (:class:`~oakemu_core.policy.episodic.EpisodicActor`)."""
+
+    def __init__(self, model: Any, *, greedy: bool) -> None:
+        self.actor = EpisodicActor(model)
+        self.greedy = greedy
+
+    def __call__(self, observations: Any, action_mask: np.ndarray | None) -> np.ndarray:
+        return self.actor.act(observations, action_mask=action_mask, greedy=self.greedy).actions
+
+    def end_episodes(self, dones: np.ndarray) -> None:
+        self.actor.reset(dones)
 
 
 def _dataset_id_for(path: Path) -> str:
@@ -294,6 +309,7 @@ def _play_episodes(
     running = [_Episode(spec) for _ in range(n)]
     buffers: list[Any] = []
     returns: list[float] = []
+    end_episodes = getattr(act, "end_episodes", None)
     observations = env.reset()
     masks = env.action_masks()
     while len(buffers) < episodes:
@@ -305,6 +321,8 @@ def _play_episodes(
             actions = actions.copy()
             actions[forced[0]] = forced[1]
         step = env.step(actions)
+        if end_episodes is not None:
+            end_episodes(step.dones)
         for row, episode in enumerate(running):
             episode.add_observation(observations, row)
             episode.actions.append(np.array(actions[row]))

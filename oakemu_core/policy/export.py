@@ -232,10 +232,13 @@ def load_policy_folder(directory: Path) -> ActorCritic:
     return model.eval()
 
 
-def usage_code(folder: str, observation_layout: Mapping[str, Mapping[str, Any]]) -> str:
+def usage_code(
+    folder: str, observation_layout: Mapping[str, Mapping[str, Any]], *, recurrent: bool = False
+) -> str:
     """The model card's Python code: :func:`oakemu_core.load_policy` on the folder (by its name, which a comment
     says stands for the folder's path) and ``Policy.act`` on an all-zeros observation of the policy's own layout
-    (``spaces.json``), lines ending in a newline."""
+    (``spaces.json``), lines ending in a newline; a ``recurrent`` policy's code starts the episode with
+    ``policy.reset()``."""
     zeros = {
         key: f"np.zeros({tuple(entry['shape'])}, np.{np.dtype(entry['dtype']).name})"
         for key, entry in observation_layout.items()
@@ -250,8 +253,21 @@ def usage_code(folder: str, observation_layout: Mapping[str, Mapping[str, Any]])
         f"import oakemu_core  # pip install 'oakemu-rl[export]'\n\n"
         f"policy = oakemu_core.load_policy({json.dumps(folder)})  # the path of this folder; no pickle\n"
         f"observation = {observation}  # as oakemu's env adapter gives it\n"
-        f"action = policy.act(observation)  # greedy; one observation or a batch\n"
+        + (
+            "policy.reset()  # recurrent: before each episode; act() carries its state between calls\n"
+            if recurrent
+            else ""
+        )
+        + "action = policy.act(observation)  # greedy; one observation or a batch\n"
     )
+
+
+def _is_recurrent(info: Mapping[str, Any]) -> bool:
+    """Whether ``config.json``'s network (``info["network"]``) has a recurrent core."""
+    try:
+        return NetworkSpec.from_dict(info.get("network") or {}).is_recurrent
+    except ValueError:  # a card is still written; loading the folder reports the bad network
+        return False
 
 
 def model_card(
@@ -313,7 +329,7 @@ Trained with OakEmu-RL (actor/learner PPO) for {info.get("global_step", 0):,} en
 ## Use
 
 ```python
-{usage_code(folder, spaces["observation_layout"])}```
+{usage_code(folder, spaces["observation_layout"], recurrent=_is_recurrent(info))}```
 
 Observations: {layout} (as the env id's preprocessing gives them). Observation normalisation:
 {normalization}.

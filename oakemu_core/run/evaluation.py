@@ -12,6 +12,7 @@ import torch
 from oakemu_core.envs.factory import make_eval_env
 from oakemu_core.envs.options import EnvOptions
 from oakemu_core.envs.vector import VectorEnv
+from oakemu_core.policy.episodic import EpisodicActor
 from oakemu_core.policy.models import ActorCritic, build_model
 from oakemu_core.policy.network import NetworkSpec
 
@@ -111,6 +112,9 @@ def play_episodes(
 ) -> EvaluationResult:
     """Play until ``episodes`` episodes have finished, acting with ``model`` (masks applied).
 
+    A recurrent model carries its state per env from step to step, from zeros, and starts each
+    env's next episode from zeros again (:class:`~oakemu_core.policy.episodic.EpisodicActor`).
+
     Args:
         model: the policy (its observation layout and distribution fit ``env``).
         env: a vector env without reward clipping (:func:`oakemu_core.envs.make_eval_env`); reset here.
@@ -124,10 +128,12 @@ def play_episodes(
         raise ValueError(f"episodes: expected >= 1, received {episodes}")
     returns: list[float] = []
     lengths: list[int] = []
+    actor = EpisodicActor(model)
     observations = env.reset()
     masks = env.action_masks()
     while len(returns) < episodes:
-        step = env.step(model.act(observations, action_mask=masks, greedy=greedy).actions)
+        step = env.step(actor.act(observations, action_mask=masks, greedy=greedy).actions)
+        actor.reset(step.dones)
         returns.extend(step.episode_returns)
         lengths.extend(step.episode_lengths)
         observations, masks = step.observations, step.action_masks

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from oakemu_core.errors import CheckpointError
+from oakemu_core.policy.episodic import EpisodicActor
 from oakemu_core.policy.export import is_policy_folder, load_policy_folder, read_policy_info
 from oakemu_core.policy.models import ActorCritic, build_model
 from oakemu_core.policy.network import NetworkSpec
@@ -27,6 +28,13 @@ __all__ = ["Policy", "check_policy_path", "load_policy"]
 class Policy:
     """A trained policy on the CPU, in eval mode.
 
+    A recurrent policy (an LSTM or GRU core: :attr:`recurrent`) remembers what it saw: each
+    :meth:`act` continues from the state the previous call left, for the same number of envs (one
+    observation: one env; a batch of ``B``: ``B`` envs, row ``i`` always the same env). Call
+    :meth:`reset` before a new episode (all envs), or ``reset(rows)`` for the envs whose episode
+    ended (a vector env's ``terminated | truncated``); :attr:`state` is the state the next call starts
+    from. A feed-forward policy keeps nothing: :meth:`reset` does nothing and :attr:`state` is None.
+
     Attributes:
         env_id: the env it was trained on.
         observation_layout: observation key -> (shape, dtype) of one observation (key ``""`` for a plain
@@ -34,6 +42,7 @@ class Policy:
             they are, ``Discrete`` ones one-hot, Atari frames 4 x 84 x 84 uint8, dict keys flattened ``a.b``).
         action_mask_width: width of an action mask (0: the policy takes none).
         source: the checkpoint it was loaded from.
+        recurrent: the policy carries a state from one :meth:`act` to the next.
     """
 
     def __init__(self, model: ActorCritic, env_id: str, source: Path) -> None:
@@ -42,6 +51,24 @@ class Policy:
         self.source = source
         self.observation_layout = dict(model.observation_layout)
         self.action_mask_width = int(model.distribution.mask_width or 0)
+        self.recurrent = bool(model.recurrent)
+        self._actor = EpisodicActor(model)
+
+    @property
+    def state(self) -> np.ndarray | None:
+        """A recurrent policy's state before the next :meth:`act`, ``(B, state_size)`` float32 (a copy;
+        ``B`` = 1 for one observation); None for a feed-forward policy, and after :meth:`reset` (the
+        next call starts from zeros)."""
+        return None if self._actor.state is None else self._actor.state.copy()
+
+    def reset(self, rows: Any = None) -> None:
+        """Start a new episode: every env's (``rows`` None), or those of ``rows`` (``(B,)`` bool such
+        as a vector env's ``terminated | truncated``, or row indices), whose state is zeroed.
+
+        Raises:
+            IndexError: a row outside the batch of the last :meth:`act`.
+        """
+        self._actor.reset(rows)
 
     def act(self, observation: Any, action_mask: Any = None, *, greedy: bool = True) -> np.ndarray:
         """The action for one observation, or actions for a batch.
@@ -57,7 +84,8 @@ class Policy:
             The action (a numpy scalar or array of the action space's shape), or ``(B, ...)`` actions.
 
         Raises:
-            ValueError: an observation or mask of the wrong shape, or a mask that allows nothing.
+            ValueError: an observation or mask of the wrong shape, a mask that allows nothing, or (a
+                recurrent policy) a batch of another size than the previous call's without :meth:`reset`.
         """
         batch, batched = self._batch(observation)
         count = len(next(iter(batch.values())))
@@ -69,7 +97,7 @@ class Policy:
                 else np.asarray(action_mask, dtype=bool).reshape(count, self.action_mask_width)
             )
         observations = batch[""] if set(batch) == {""} else batch
-        actions = self.model.act(observations, action_mask=mask, greedy=greedy).actions
+        actions = self._actor.act(observations, action_mask=mask, greedy=greedy).actions
         return actions if batched else actions[0]
 
     def _batch(self, observation: Any) -> tuple[dict[str, np.ndarray], bool]:
