@@ -167,12 +167,10 @@ def make_inference_backend(
     Raises:
         ActorSetupError: the backend cannot serve this model (or cannot be set up here).
     """
-    if model.recurrent and kind != "torch":
-        if kind == "auto":
-            return None
+    if model.recurrent and kind not in ("auto", "numpy", "torch"):
         raise ActorSetupError(
             f"actor_inference={kind!r} serves feed-forward policies only; a recurrent policy acts "
-            f"with torch: use --actor-inference auto or torch"
+            f"in numpy or torch: use --actor-inference auto, numpy or torch"
         )
     try:
         if kind in ("auto", "numpy"):
