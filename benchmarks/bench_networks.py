@@ -11,7 +11,9 @@
   recurrent policy against the feed-forward one, CartPole (MLP against LSTM 64, numpy) and Breakout
   (Nature against Nature + LSTM 128, torch), 8 envs;
 * ``update``: a whole PPO update (``PPOUpdater.step``: 4 epochs x 4 minibatches) of a recurrent policy on
-  sequences against the feed-forward policy at the same rows (T x N = 128 x 8 CartPole-shaped rows);
+  sequences (whole columns, and sequences of 32 rows) against the feed-forward policy at the same rows
+  (T x N = 128 x 8 rows): CartPole-shaped (MLP against LSTM 64) and Breakout-shaped (Nature against
+  Nature + LSTM 128, channels-last as the CPU learner);
 * ``memory``: bytes per stored row of the rollout buffer, feed-forward and with an LSTM's state.
 
 Prints medians (milliseconds or microseconds) and the ratios; ``--json PATH`` also writes them.
@@ -201,59 +203,91 @@ def part_step(repeats: int) -> dict[str, float]:
     return {**medians, **ratios}
 
 
-def part_update(repeats: int) -> dict[str, float]:
-    """A PPO update on sequences (LSTM 64) against the feed-forward update at the same rows (seconds)."""
-    from oakemu_core.algo.ppo import PPOUpdater
+UPDATE_CASES = {
+    "cartpole feed-forward": (VECTOR, NetworkSpec(), None),
+    "cartpole lstm64": (VECTOR, NetworkSpec(recurrent="lstm", recurrent_hidden=64), None),
+    "cartpole lstm64 seq32": (VECTOR, NetworkSpec(recurrent="lstm", recurrent_hidden=64), 32),
+    "breakout nature": (FRAMES, NetworkSpec(), None),
+    "breakout nature lstm128": (FRAMES, NetworkSpec(recurrent="lstm", recurrent_hidden=128), None),
+}
+"""name -> (observation layout, network, sequence_length) of the ``update`` part."""
+
+
+def _filled_buffer(layout: dict, model: ActorCritic, steps: int, envs: int) -> Any:
+    """A rollout buffer of ``steps x envs`` random rows acted by ``model`` (episodes end with
+    probability 0.02 a step), GAE computed."""
     from oakemu_core.step_schema import build_schema
     from oakemu_core.storage.rollout_buffer import RolloutBuffer
 
-    steps, envs = 128, 8
     rng = np.random.default_rng(0)
-    observations = rng.normal(size=(steps, envs, 4)).astype(np.float32)
-    rewards = rng.normal(size=(steps, envs)).astype(np.float32)
-    dones = rng.random((steps, envs)) < 0.02
-    networks = {
-        "feed-forward": NetworkSpec(),
-        "lstm64": NetworkSpec(recurrent="lstm", recurrent_hidden=64),
-    }
-    runs: dict[str, list[float]] = {name: [] for name in networks}
+    shape, dtype = layout[""]
+    buffer = RolloutBuffer(
+        steps,
+        envs,
+        schema=build_schema(layout, Categorical(4), state_size=model.state_size),
+        seed=0,
+    )
+    state = model.initial_state(envs) if model.recurrent else None
+    for _ in range(steps):
+        if dtype == np.uint8:
+            observations = rng.integers(0, 256, (envs, *shape), dtype=np.uint8)
+        else:
+            observations = rng.normal(size=(envs, *shape)).astype(np.float32)
+        bundle = model.act(observations, state=state)
+        dones = rng.random(envs) < 0.02
+        extra = {"policy_state": bundle.policy_state} if state is not None else {}
+        rewards = rng.normal(size=envs).astype(np.float32)
+        buffer.add(
+            observations, bundle.actions, bundle.log_probs, bundle.values, rewards, dones, **extra
+        )
+        if bundle.next_state is not None:
+            state = bundle.next_state.copy()
+            state[dones] = 0.0
+    buffer.compute_gae(model.predict_values(observations, state=state), dones, 0.99, 0.95)
+    return buffer
+
+
+def part_update(repeats: int) -> dict[str, float]:
+    """A PPO update on sequences against the feed-forward update at the same rows (seconds)."""
+    from oakemu_core.algo.ppo import PPOUpdater
+
+    steps, envs = 128, 8
+    runs: dict[str, list[float]] = {name: [] for name in UPDATE_CASES}
     for _ in range(repeats):
-        for name, network in networks.items():
-            model = _model(VECTOR, network, actions=2)
-            schema = build_schema(VECTOR, Categorical(2), state_size=network.state_size)
-            with RolloutBuffer(steps, envs, schema=schema, seed=0) as buffer:
-                state = model.initial_state(envs) if model.recurrent else None
-                for t in range(steps):
-                    bundle = model.act(observations[t], state=state)
-                    extra = {"policy_state": bundle.policy_state} if state is not None else {}
-                    buffer.add(
-                        observations[t],
-                        bundle.actions,
-                        bundle.log_probs,
-                        bundle.values,
-                        rewards[t],
-                        dones[t],
-                        **extra,
-                    )
-                    if bundle.next_state is not None:
-                        state = bundle.next_state.copy()
-                        state[dones[t]] = 0.0
-                last_values = model.predict_values(observations[-1], state=state)
-                buffer.compute_gae(last_values, buffer.dones[-1].copy(), 0.99, 0.95)
-                optimizer = torch.optim.Adam(model.parameters(), lr=3e-4, eps=1e-5)
+        for name, (layout, network, length) in UPDATE_CASES.items():
+            model = _model(layout, network)
+            if model.has_convolutions:
+                model.use_channels_last()
+            with _filled_buffer(layout, model, steps, envs) as buffer:
+                optimizer = torch.optim.Adam(model.parameters(), lr=3e-4, eps=1e-5, fused=True)
                 updater = PPOUpdater(
-                    model, optimizer, device="cpu", ppo_epochs=4, num_minibatches=4
+                    model,
+                    optimizer,
+                    device="cpu",
+                    ppo_epochs=4,
+                    num_minibatches=4,
+                    sequence_length=length,
                 )
                 start = time.perf_counter()
                 updater.step(buffer, current_policy_version=0)
                 runs[name].append(time.perf_counter() - start)
     medians = {name: statistics.median(values) for name, values in runs.items()}
-    print(f"PPO update, {steps} x {envs} CartPole-shaped rows, 4 epochs x 4 minibatches, CPU (s):")
+    print(
+        f"PPO update, {steps} x {envs} rows, 4 epochs x 4 minibatches, CPU (s; seq32: sequences of 32 rows):"
+    )
     for name, value in medians.items():
-        print(f"  {name:>12}: {value:8.3f}   runs: {', '.join(f'{v:.3f}' for v in runs[name])}")
-    ratio = medians["lstm64"] / medians["feed-forward"]
-    print(f"  lstm64/feed-forward: {ratio:.2f} x")
-    return {**medians, "lstm64/feed-forward update": ratio}
+        print(f"  {name:>24}: {value:8.3f}   runs: {', '.join(f'{v:.3f}' for v in runs[name])}")
+    ratios = {
+        "cartpole lstm64/feed-forward update": medians["cartpole lstm64"]
+        / medians["cartpole feed-forward"],
+        "cartpole lstm64 seq32/feed-forward update": medians["cartpole lstm64 seq32"]
+        / medians["cartpole feed-forward"],
+        "breakout lstm128/nature update": medians["breakout nature lstm128"]
+        / medians["breakout nature"],
+    }
+    for name, value in ratios.items():
+        print(f"  {name}: {value:.2f} x")
+    return {**medians, **ratios}
 
 
 def part_memory() -> dict[str, float]:
