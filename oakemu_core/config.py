@@ -390,6 +390,11 @@ class OakEmuConfig(  # fields in reverse order of the bases, then this class's (
                 f"recurrent policy (recurrent={self.recurrent}) acts in numpy or torch: use auto, numpy "
                 f"or torch"
             )
+        if self.recurrent != "none" and self.bc_dataset is not None:
+            raise ValueError(
+                f"bc_dataset: behaviour cloning serves feed-forward policies only (demonstrations hold "
+                f"no recurrent state); received recurrent={self.recurrent}"
+            )
         check_ports_differ(self)
         return self
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 
 import numpy as np
 import pytest
 import torch
+from oakemu_services import cli
 
 from oakemu_core.algo.learner import PPOLearner, RuntimeContext, ThreadSafeModel
 from oakemu_core.algo.ppo import PPOUpdater
@@ -315,3 +317,16 @@ def test_the_learner_reevaluates_a_recurrent_rollout_of_an_older_version_and_ref
             None,
             bc_sampler=object(),
         )
+
+
+def test_train_refuses_behaviour_cloning_for_a_recurrent_policy_in_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    for name in [name for name in os.environ if name.startswith("OAKEMU_")]:
+        monkeypatch.delenv(name)
+    runs = tmp_path / "runs"
+    args = ["train", "--env-id", "CartPole-v1", "--runs-dir", str(runs), "--recurrent", "lstm"]
+    assert cli.main([*args, "--bc-dataset", str(tmp_path / "demonstrations")]) == 2
+    err = capsys.readouterr().err
+    assert "bc_dataset" in err and "recurrent" in err and "Traceback" not in err
+    assert err.count("\n") == 1 and not runs.exists()
