@@ -66,6 +66,8 @@ def test_an_lstm_policy_learns_cartpole_without_velocities(e2e: E2EProcesses) ->
         f"the mean return of {LAST_EPISODES} consecutive episodes never reached {SOLVED_RETURN} "
         f"(best {best_mean:.1f}) in {LEARNING_BUDGET} env steps"
     )
+    # Every row's log-prob recomputed from its sequence's stored state is the actor's (sequences
+    # started from zeros instead, mid-episode, give ratios off by 10 and more once the policy is sharp).
     updates = update_records(run_dir)
     assert (
         max(u["diagnostics/first_minibatch_ratio_max_abs_dev"] for u in updates) < RATIO_TOLERANCE
@@ -91,13 +93,18 @@ def test_an_lstm_policy_trains_async_over_sockets_and_resumes(e2e: E2EProcesses)
     )
     updates = update_records(run_dir)
     assert len(updates) >= 6, f"{len(updates)} PPO updates"
-    # The actors' log-probs, from the states they stored, are the learner's on its version's rows.
+    # The actors' log-probs, from the states they stored, are the learner's: exactly on the first
+    # rollout (every row of version 0). Later, a row of the learner's version may follow rows of the
+    # version before in its sequence: the actor's state came through the older weights, the learner
+    # recomputes it with its own, so the ratio is near 1 only (up to 2e-4 seen). The learning test
+    # above holds every update to 1e-5 (sync mode: one version per rollout).
     deviations = [
         u["diagnostics/first_minibatch_ratio_max_abs_dev"]
         for u in updates
         if u.get("diagnostics/first_minibatch_ratio_max_abs_dev") is not None
     ]
-    assert deviations and max(deviations) < RATIO_TOLERANCE, deviations
+    assert updates[0]["diagnostics/first_minibatch_ratio_max_abs_dev"] < RATIO_TOLERANCE
+    assert max(deviations) < 1e-3, deviations
     # Asynchronous: some rollouts held rows of older versions (re-evaluated over sequences).
     assert any((u.get("charts/policy_lag_max") or 0) >= 1 for u in updates), updates
     last_step = updates[-1]["global_step"]
