@@ -126,11 +126,13 @@ def _dtype_name(dtype: Any) -> str:
 def _spaces_key(schema: Mapping[str, Any]) -> tuple[Any, ...]:
     """What must match between two schemas: the name, shape and dtype of every field actors send,
     and the distribution. (Value bounds, roles and the fields the learner keeps for itself, such as
-    ``policy_revisions``, are left out: they may change between versions without changing a space.)"""
+    ``policy_revisions``, are left out: they may change between versions without changing a space.
+    A recurrent policy's ``policy_state`` is left out too: its size is the network's, which
+    :func:`check_resume_compatible` compares and names apart.)"""
     fields = tuple(
         (str(f.get("name")), tuple(f.get("shape", ())), _dtype_name(f.get("dtype")))
         for f in schema.get("fields", [])
-        if isinstance(f, Mapping) and f.get("sent", True)
+        if isinstance(f, Mapping) and f.get("sent", True) and f.get("name") != "policy_state"
     )
     distribution = schema.get("distribution")
     return fields, json.dumps(distribution, sort_keys=True, default=str)
