@@ -134,6 +134,7 @@ GROUPS: tuple[Group, ...] = (
             "impala_channels": _TL,
             "recurrent": _TL,
             "recurrent_hidden": _TL,
+            "shared_core": _TL,
             "sequence_length": _TL,
             "policy_module": _TL,
         },

@@ -189,6 +189,11 @@ class ActorCritic(ActorAPI, nn.Module):
             if network.is_recurrent
             else None
         )
+        self.critic_core = (  # sb3-contrib RecurrentPPO's default: the critic's own LSTM
+            RecurrentCore(network.recurrent, features, network.recurrent_hidden)
+            if network.is_recurrent and not network.shared_core
+            else None
+        )
         if self.core is not None:
             features = network.recurrent_hidden
         vector = (
@@ -260,7 +265,9 @@ class ActorCritic(ActorAPI, nn.Module):
     @property
     def state_size(self) -> int:
         """Floats of one env's recurrent state (0 for a feed-forward model)."""
-        return self.core.state_size if self.core is not None else 0
+        if self.core is None:
+            return 0
+        return self.core.state_size * (1 if self.critic_core is None else 2)
 
     def initial_state(self, batch: int) -> np.ndarray:
         """The state of ``batch`` envs at an episode's start: ``(batch, state_size)`` float32 zeros."""
@@ -399,9 +406,15 @@ class ActorCritic(ActorAPI, nn.Module):
                 f"state: this policy is recurrent; pass its state ({self.state_size} floats per env, "
                 f"zeros at an episode's start)"
             )
-        hidden, final = self.core.sequence(features, state, resets)
-        head, values = self._heads(self.actor_torso(hidden), self.critic_torso(hidden))
-        return head, values, final
+        if self.critic_core is None:
+            hidden, final = self.core.sequence(features, state, resets)
+            head, values = self._heads(self.actor_torso(hidden), self.critic_torso(hidden))
+            return head, values, final
+        actor_state, critic_state = state.split(self.core.state_size, dim=-1)
+        hidden, actor_final = self.core.sequence(features, actor_state, resets)
+        critic_hidden, critic_final = self.critic_core.sequence(features, critic_state, resets)
+        head, values = self._heads(self.actor_torso(hidden), self.critic_torso(critic_hidden))
+        return head, values, torch.cat([actor_final, critic_final], dim=-1)
 
     def _heads(
         self, actor_input: torch.Tensor, critic_input: torch.Tensor

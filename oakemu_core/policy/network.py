@@ -93,6 +93,8 @@ class NetworkSpec:
         impala_channels: the IMPALA ResNet's channels per stage.
         recurrent: the core (:data:`RECURRENT_CORES`).
         recurrent_hidden: the core's units.
+        shared_core: one core feeds both torsos (CleanRL's ``ppo_atari_lstm.py``); False: the critic has
+            a core of its own (sb3-contrib ``RecurrentPPO``'s default), and a state holds both, actor's first.
         policy_module: ``package.module:Class`` of a user's encoder (see
             :func:`oakemu_core.policy.encoders.user_encoder`), or None.
     """
@@ -104,6 +106,7 @@ class NetworkSpec:
     impala_channels: tuple[int, ...] = (16, 32, 32)
     recurrent: str = "none"
     recurrent_hidden: int = 128
+    shared_core: bool = False
     policy_module: str | None = None
 
     def __post_init__(self) -> None:
@@ -141,9 +144,10 @@ class NetworkSpec:
 
     @property
     def state_size(self) -> int:
-        """Floats of one env's recurrent state: ``2 * recurrent_hidden`` for an LSTM (h and c),
-        ``recurrent_hidden`` for a GRU, 0 without a core."""
-        return {"none": 0, "lstm": 2, "gru": 1}[self.recurrent] * self.recurrent_hidden
+        """Floats of one env's recurrent state: per core ``2 * recurrent_hidden`` for an LSTM (h and c),
+        ``recurrent_hidden`` for a GRU; two cores unless ``shared_core``; 0 without a core."""
+        per_core = {"none": 0, "lstm": 2, "gru": 1}[self.recurrent] * self.recurrent_hidden
+        return per_core if self.shared_core else 2 * per_core
 
     def torso_sizes(self, *, vector_observation: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The actor's and the critic's hidden sizes: ``net_arch`` resolved (``auto``: 64-64 each for
@@ -254,6 +258,11 @@ class NetworkSettings(BaseModel):
         "none", description="Recurrent core after the encoder: none (feed-forward), lstm or gru."
     )
     recurrent_hidden: int = Field(128, ge=1, le=65_536, description="Units of the recurrent core.")
+    shared_core: bool = Field(
+        False,
+        description="One recurrent core feeds the policy and the value (CleanRL); else the value has its "
+        "own (RecurrentPPO).",
+    )
     policy_module: str | None = Field(
         None,
         description="package.module:Class of your own observation encoder (see the README's "

@@ -123,17 +123,9 @@ class NumpyForward:
             None if isinstance(head, nn.Linear) else head.log_std.detach().numpy().copy()
         )
         self._critic = arrays(model.critic)
-        self._core = None
-        if model.core is not None:
-            rnn = model.core.rnn
-            weights = [
-                getattr(rnn, name).detach().numpy().T.copy()
-                for name in ("weight_ih_l0", "weight_hh_l0")
-            ]
-            biases = [
-                getattr(rnn, name).detach().numpy().copy() for name in ("bias_ih_l0", "bias_hh_l0")
-            ]
-            self._core = (model.core.kind, model.core.hidden, *weights, *biases)
+        self._cores = [
+            _core_arrays(core) for core in (model.core, model.critic_core) if core is not None
+        ]
         key = model._module_key("")
         normalizer = model.normalizers[key] if key in model.normalizers else None
         self._normalizer = (
@@ -152,12 +144,17 @@ class NumpyForward:
             mean, std, clip = self._normalizer
             x = np.clip((x - mean) / std, -clip, clip)
         x = x.reshape(len(x), -1)
-        new_state = None
-        if self._core is not None:
+        new_state, actor_in, critic_in = None, x, x
+        if self._cores:
             if state is None:
                 raise ValueError("state: this policy is recurrent; pass its state")
-            x, new_state = _core_step(self._core, x, state.numpy())
-        actor, critic = (_mlp(x, layers) for layers in self._torsos)
+            states = np.split(state.numpy(), len(self._cores), axis=1)
+            steps = [_core_step(core, x, part) for core, part in zip(self._cores, states)]
+            actor_in = critic_in = steps[0][0]
+            if len(steps) == 2:  # the critic's own core
+                critic_in = steps[1][0]
+            new_state = np.concatenate([step[1] for step in steps], axis=1)
+        actor, critic = _mlp(actor_in, self._torsos[0]), _mlp(critic_in, self._torsos[1])
         head = actor @ self._head[0] + self._head[1]
         if self._log_std is not None:
             head = np.concatenate([head, np.broadcast_to(self._log_std, head.shape)], axis=1)
@@ -169,6 +166,16 @@ class NumpyForward:
 
 _LAYERS = (nn.Linear, nn.Tanh, nn.ReLU)
 """The torso layers this pass computes."""
+
+
+def _core_arrays(core: Any) -> tuple[Any, ...]:
+    """A :class:`~oakemu_core.policy.recurrent.RecurrentCore`'s kind, units and (in, out) weights and biases."""
+    rnn = core.rnn
+    weights = [
+        getattr(rnn, name).detach().numpy().T.copy() for name in ("weight_ih_l0", "weight_hh_l0")
+    ]
+    biases = [getattr(rnn, name).detach().numpy().copy() for name in ("bias_ih_l0", "bias_hh_l0")]
+    return (core.kind, core.hidden, *weights, *biases)
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:

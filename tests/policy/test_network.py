@@ -63,7 +63,9 @@ def test_the_spec_travels_as_plain_values_and_from_settings() -> None:
         recurrent_hidden=24,
     )
     assert settings.network == spec
-    assert NetworkSpec.from_config({"recurrent": "lstm", "unrelated": 1}).state_size == 256
+    assert NetworkSpec.from_config({"recurrent": "lstm", "unrelated": 1}).state_size == 2 * 256
+    assert NetworkSpec(recurrent="lstm", shared_core=True).state_size == 256
+    assert NetworkSpec(recurrent="gru", recurrent_hidden=8).state_size == 2 * 8
     assert NetworkSpec.from_config({}) == NetworkSpec()
     with pytest.raises(ValueError, match="unknown keys"):
         NetworkSpec.from_dict({"recurent": "lstm"})
@@ -124,43 +126,44 @@ def test_the_impala_resnet_has_its_stages_and_feature_size() -> None:
     assert len([m for m in small.modules() if isinstance(m, nn.Conv2d)]) == 2  # the small CNN stays
 
 
+@pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
-def test_the_recurrent_core_matches_torchs_cells_step_by_step(kind: str) -> None:
+def test_the_recurrent_core_matches_torchs_cells_step_by_step(kind: str, shared: bool) -> None:
     torch.manual_seed(3)
-    model = build_model(
-        VECTOR,
-        Categorical(2),
-        network=NetworkSpec(recurrent=kind, recurrent_hidden=8, net_arch="none"),
-    )
-    rnn = model.core.rnn
-    cell = (nn.LSTMCell if kind == "lstm" else nn.GRUCell)(4, 8)
-    for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
-        getattr(cell, name).data.copy_(getattr(rnn, name + "_l0").data)
+    network = NetworkSpec(recurrent=kind, recurrent_hidden=8, net_arch="none", shared_core=shared)
+    model = build_model(VECTOR, Categorical(2), network=network)
+    cells = []
+    for core in (model.core, model.critic_core if not shared else model.core):
+        cell = (nn.LSTMCell if kind == "lstm" else nn.GRUCell)(4, 8)
+        for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+            getattr(cell, name).data.copy_(getattr(core.rnn, name + "_l0").data)
+        cells.append(cell)
     observations = np.random.default_rng(0).normal(size=(5, 3, 4)).astype(np.float32)
     dones = np.array([[0, 1, 0], [0, 0, 0], [1, 0, 0], [0, 0, 1], [0, 0, 0]], dtype=bool)
     state = model.initial_state(3)
-    h = torch.zeros(3, 8)
-    c = torch.zeros(3, 8)
+    assert state.shape == (3, (2 if kind == "lstm" else 1) * 8 * (1 if shared else 2))
+    hidden = [(torch.zeros(3, 8), torch.zeros(3, 8)) for _ in cells]  # (h, c) per core
     for t in range(5):
         bundle = model.act(observations[t], state=state)
         x = torch.from_numpy(observations[t])
         with torch.no_grad():
-            if kind == "lstm":
-                h, c = cell(x, (h, c))
-                expected_state = torch.cat([h, c], dim=1)
-            else:
-                h = cell(x, h)
-                expected_state = h
-            expected_values = model.critic(h).squeeze(-1)
+            parts = []
+            for index, cell in enumerate(cells):
+                h, c = hidden[index]
+                h, c = cell(x, (h, c)) if kind == "lstm" else (cell(x, h), c)
+                hidden[index] = (h, c)
+                parts.append(torch.cat([h, c], dim=1) if kind == "lstm" else h)
+            expected_state = parts[0] if shared else torch.cat(parts, dim=1)
+            expected_values = model.critic(hidden[1][0]).squeeze(
+                -1
+            )  # the critic's core (or the one)
         np.testing.assert_allclose(bundle.next_state, expected_state.numpy(), atol=1e-6)
         np.testing.assert_allclose(bundle.values, expected_values.numpy(), atol=1e-6)
         np.testing.assert_array_equal(bundle.policy_state, state)
         state = bundle.next_state.copy()
         state[dones[t]] = 0.0
-        h, c = (
-            h * torch.from_numpy(~dones[t]).unsqueeze(1),
-            c * torch.from_numpy(~dones[t]).unsqueeze(1),
-        )
+        keep = torch.from_numpy(~dones[t]).unsqueeze(1)
+        hidden = [(h * keep, c * keep) for h, c in hidden]
 
 
 def test_a_sequence_from_a_stored_state_equals_stepping_with_resets() -> None:
@@ -171,7 +174,9 @@ def test_a_sequence_from_a_stored_state_equals_stepping_with_resets() -> None:
     rng = np.random.default_rng(1)
     observations = rng.normal(size=(7, 4, 4)).astype(np.float32)
     dones = rng.random((7, 4)) < 0.3
-    start = rng.normal(size=(4, 32)).astype(np.float32)  # a segment may start mid-episode
+    start = rng.normal(size=(4, model.state_size)).astype(
+        np.float32
+    )  # a segment may start mid-episode
     state, values = start, []
     for t in range(7):
         bundle = model.act(observations[t], state=state)
@@ -198,11 +203,11 @@ def test_a_recurrent_policy_needs_its_state_and_a_feed_forward_one_refuses_it() 
     )
     observations = np.zeros((2, 4), np.float32)
     with pytest.raises(
-        ValueError, match=r"this policy is recurrent; pass state=, \(2, 8\) float32"
+        ValueError, match=r"this policy is recurrent; pass state=, \(2, 16\) float32"
     ):
         recurrent.act(observations)
-    with pytest.raises(ValueError, match=r"expected shape \(2, 8\) float32"):
-        recurrent.act(observations, state=np.zeros((2, 16), np.float32))
+    with pytest.raises(ValueError, match=r"expected shape \(2, 16\) float32"):
+        recurrent.act(observations, state=np.zeros((2, 8), np.float32))
     with pytest.raises(ValueError, match="feed-forward"):
         build_model(VECTOR, Categorical(2)).act(observations, state=np.zeros((2, 8), np.float32))
 
