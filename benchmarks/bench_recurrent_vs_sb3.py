@@ -26,11 +26,11 @@ rate falls linearly to 0 over the budget on both sides (the zoo's ``lin_1e-3``; 
 with ``gamma`` 0.98, clip 10; OakEmu's ``--normalize-observations --normalize-rewards``); OakEmu's
 ``--vf-coef`` is 2 x SB3's (its value loss is ``0.5 * MSE``, SB3's ``MSE``: the same loss).  Not
 kept: the clip range is a constant 0.2 on both sides (OakEmu cannot anneal it, so SB3 does not
-either).  Different by construction: SB3 keeps the zoo's network (two LSTMs of 64, one for the
-actor and one for the critic, then ``pi=[64]`` / ``vf=[64]`` ReLU layers; PyTorch's default
-initialisation throughout, the zoo's ``ortho_init=False``), OakEmu has one LSTM core of 64 shared by
-the actor's and the critic's ``pi=64 vf=64`` ReLU torsos and initialises every layer orthogonally
-(CleanRL's); RecurrentPPO's minibatch of 256 rows is the whole rollout cut into sequences at episode
+either).  The network is the zoo's on both sides: two LSTMs of 64, one for the actor and one for the
+critic (OakEmu's default, ``--shared-core`` off), then ``pi=[64]`` / ``vf=[64]`` ReLU layers, PyTorch's
+default initialisation throughout (the zoo's ``ortho_init=False``, OakEmu's ``--no-ortho-init``); the
+records under ``shared-core/`` ran before those two options existed: one LSTM core shared by both torsos,
+initialised orthogonally (CleanRL's).  Different by construction: RecurrentPPO's minibatch of 256 rows is the whole rollout cut into sequences at episode
 starts, OakEmu's one minibatch is the 8 columns of 32 rows, each started from its stored state
 (``--sequence-length 32``).  The feed-forward run gets the same flags without the core (where an
 older ``oakemu train`` lacks ``--net-arch`` and ``--activation``: its default 64-64 tanh torsos;
@@ -213,7 +213,7 @@ def oakemu_system_args(
     )
     args = ["--anneal-lr" if arg == "--no-anneal-lr" else arg for arg in args]
     if system == "oakemu-recurrent" or network_options_known():
-        args += ["--net-arch", TORSOS, "--activation", ACTIVATION]
+        args += ["--net-arch", TORSOS, "--activation", ACTIVATION, "--no-ortho-init"]
     if system == "oakemu-recurrent":
         args += [
             "--recurrent",
@@ -230,7 +230,7 @@ def network_options_known() -> bool:
     """Whether this checkout's ``oakemu train`` takes ``--net-arch`` and ``--activation``."""
     from oakemu_core.config import OakEmuConfig
 
-    return {"net_arch", "activation"} <= set(OakEmuConfig.model_fields)
+    return {"net_arch", "activation", "ortho_init"} <= set(OakEmuConfig.model_fields)
 
 
 def system_label(system: str, mode: str) -> str:

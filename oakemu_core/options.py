@@ -135,6 +135,7 @@ GROUPS: tuple[Group, ...] = (
             "recurrent": _TL,
             "recurrent_hidden": _TL,
             "shared_core": _TL,
+            "ortho_init": _TL,
             "sequence_length": _TL,
             "policy_module": _TL,
         },

@@ -210,6 +210,12 @@ class ActorCritic(ActorAPI, nn.Module):
         self.actor = distribution.make_head(actor_features)
         self.critic = layer_init(nn.Linear(critic_features, 1), std=1.0)
         self.channels_last = False  # see use_channels_last()
+        if (
+            not network.ortho_init
+        ):  # PyTorch's own initialisation of every layer (a user's encoder's too)
+            for module in self.modules():
+                if module is not self and hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
         if network.policy_module is not None:
             self._check_user_encoder()
 

@@ -95,6 +95,8 @@ class NetworkSpec:
         recurrent_hidden: the core's units.
         shared_core: one core feeds both torsos (CleanRL's ``ppo_atari_lstm.py``); False: the critic has
             a core of its own (sb3-contrib ``RecurrentPPO``'s default), and a state holds both, actor's first.
+        ortho_init: CleanRL's orthogonal initialisation (gains sqrt(2), 0.01 for the policy head, 1 for
+            the value); False: PyTorch's default initialisation of every layer (SB3's ``ortho_init=False``).
         policy_module: ``package.module:Class`` of a user's encoder (see
             :func:`oakemu_core.policy.encoders.user_encoder`), or None.
     """
@@ -107,6 +109,7 @@ class NetworkSpec:
     recurrent: str = "none"
     recurrent_hidden: int = 128
     shared_core: bool = False
+    ortho_init: bool = True
     policy_module: str | None = None
 
     def __post_init__(self) -> None:
@@ -262,6 +265,11 @@ class NetworkSettings(BaseModel):
         False,
         description="One recurrent core feeds the policy and the value (CleanRL); else the value has its "
         "own (RecurrentPPO).",
+    )
+    ortho_init: bool = Field(
+        True,
+        description="Orthogonal initialisation (CleanRL, SB3's default); --no-ortho-init: PyTorch's default "
+        "initialisation.",
     )
     policy_module: str | None = Field(
         None,
