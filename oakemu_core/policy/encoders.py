@@ -142,13 +142,14 @@ def user_encoder(
     normalised, and returns ``(B, out_features)`` float32 features. The core, torsos and heads follow it.
 
     Raises:
-        UserEncoderError: the module or class cannot be imported, the class cannot be built, or it has no
-            positive int ``out_features`` (one line naming ``path`` and the cause).
+        UserEncoderError: the module or class cannot be imported (any error its import raises), the class
+            cannot be built, or it has no positive int ``out_features`` (one line naming ``path`` and the
+            cause).
     """
     module_name, _, class_name = path.partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as error:
+    except Exception as error:  # noqa: BLE001 - a user's module: any error at import is one line
         raise UserEncoderError(
             f"policy_module {path!r}: cannot import it ({type(error).__name__}: {error})"
         ) from None
