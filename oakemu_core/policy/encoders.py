@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from oakemu_core.errors import UserError
+
 __all__ = [
     "ACTIVATION_MODULES",
     "UserEncoderError",
@@ -36,8 +38,10 @@ ACTIVATION_MODULES: dict[str, type[nn.Module]] = {
 """The torsos' activations by :class:`~oakemu_core.policy.network.NetworkSpec` name (``auto``: tanh)."""
 
 
-class UserEncoderError(ValueError):
-    """A user's encoder (``policy_module``) cannot be imported, built or run on a probe batch."""
+class UserEncoderError(UserError, ValueError):
+    """A user's encoder (``policy_module``) cannot be imported, built or run on a probe batch: a
+    :class:`~oakemu_core.errors.UserError`, so every ``oakemu`` command (train, evaluate, record, export)
+    reports it in one line with exit status 2."""
 
 
 def layer_init(layer: nn.Module, std: float = math.sqrt(2.0), bias_const: float = 0.0) -> nn.Module:
