@@ -262,6 +262,15 @@ class ActorCritic(ActorAPI, nn.Module):
                 f"policy_module {path!r}: expected features of shape {expected} on a probe batch of 2 "
                 f"rows (out_features), got {got}"
             )
+        if features.dtype != torch.float32:
+            raise UserEncoderError(
+                f"policy_module {path!r}: expected float32 features, got {str(features.dtype)[6:]}"
+            )
+        if not bool(torch.isfinite(features).all()):
+            raise UserEncoderError(
+                f"policy_module {path!r}: its features of a probe batch of zeros are not finite "
+                f"(NaN or inf)"
+            )
 
     @property
     def recurrent(self) -> bool:

@@ -97,3 +97,29 @@ def test_a_checkpoint_whose_encoder_is_not_importable_here_is_refused_in_one_lin
     assert status == 2, err
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert f"policy_module '{name}:Encoder': cannot import it" in err
+
+
+@pytest.mark.parametrize(
+    ("returns", "cause"),
+    [
+        ("self.net(x).double()", "float64"),
+        ("self.net(x).long()", "int64"),
+        ("self.net(x) * float('nan')", "not finite"),
+        ("self.net(x) + float('inf')", "not finite"),
+    ],
+    ids=["float64", "int64", "nan", "inf"],
+)
+def test_features_that_are_not_finite_float32_are_refused_on_the_probe_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, returns: str, cause: str
+) -> None:
+    """Such features pass the shape check but stop every actor (dtype) or make every step message
+    rejected (non-finite log-probs): refused before anything starts."""
+    name = f"user_encoder_returns_{abs(hash(returns))}"
+    source = ENCODER_SOURCE.replace("return self.net(x)", f"return {returns}")
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UserEncoderError) as caught:
+        build_model(VECTOR, Categorical(2), network=NetworkSpec(policy_module=f"{name}:Encoder"))
+    message = str(caught.value)
+    assert "\n" not in message and f"policy_module '{name}:Encoder'" in message
+    assert cause in message
