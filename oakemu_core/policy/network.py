@@ -280,13 +280,19 @@ class NetworkSettings(BaseModel):
     @field_validator("net_arch")
     @classmethod
     def _check_net_arch(cls, value: str) -> str:
-        parse_net_arch(value)
+        try:
+            parse_net_arch(value)
+        except ValueError as error:  # pydantic names the field: the message does not repeat it
+            raise ValueError(str(error).removeprefix("net_arch: ")) from None
         return value
 
     @field_validator("impala_channels")
     @classmethod
     def _check_channels(cls, value: str) -> str:
-        channels = _channels(value)
+        try:
+            channels = _channels(value)
+        except ValueError as error:
+            raise ValueError(str(error).removeprefix("impala_channels: ")) from None
         if not channels or min(channels) <= 0:
             raise ValueError(
                 f"expected positive channel counts like '16,32,32', received {value!r}"
