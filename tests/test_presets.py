@@ -22,6 +22,7 @@ from oakemu_core.run.evaluation import build_evaluation
 
 EXPECTED = {
     "cartpole": "CartPole-v1",
+    "cartpole-lstm": "oakemu_core.envs.memory:CartPoleNoVel-v1",
     "lunarlander": "LunarLander-v3",
     "pendulum": "Pendulum-v1",
     "acrobot": "Acrobot-v1",
@@ -139,7 +140,7 @@ def test_preset_times_are_ranges_from_a_quiet_to_a_busy_machine() -> None:
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
     rows = {
         match.group(1): match.group(2)
-        for match in re.finditer(r"^\| `(\w+)` \|.*\| ([^|]+) \|$", readme, re.M)
+        for match in re.finditer(r"^\| `([a-z][\w-]*)` \|.*\| ([^|]+) \|$", readme, re.M)
     }
     assert sorted(rows) == preset_names()
     for name, time_cell in rows.items():
