@@ -86,7 +86,8 @@ class NetworkSpec:
 
     Attributes:
         net_arch: the torsos' hidden sizes (:func:`parse_net_arch`); ``auto``: 64-64 actor and critic
-            MLPs over one vector observation (CleanRL, SB3), none after a CNN, a dict's mixer or a core.
+            MLPs over one vector observation (CleanRL, SB3; after its recurrent core too), none after a
+            CNN, a dict's mixer or a user's encoder.
         activation: the torsos' activation (:data:`ACTIVATIONS`).
         shared_torso: one MLP (the actor's sizes) feeds both heads instead of one each.
         cnn: the encoder of pictures of at least 36 x 36 (:data:`CNNS`).
