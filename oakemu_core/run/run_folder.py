@@ -481,11 +481,32 @@ _UNSET_LINE = re.compile(r"^#\s*([A-Za-z_]\w*) = \(unset\)\s*$", re.MULTILINE)
 """How ``config.toml`` names a setting whose value is None (``to_toml`` writes it as a comment)."""
 
 
+ADDED_SETTINGS = frozenset(
+    {
+        "net_arch",
+        "activation",
+        "shared_torso",
+        "cnn",
+        "impala_channels",
+        "recurrent",
+        "recurrent_hidden",
+        "shared_core",
+        "ortho_init",
+        "policy_module",
+        "sequence_length",
+    }
+)
+"""Settings added after run folders existed: a ``config.toml`` written before them lacks them, and their
+defaults are how those runs behaved (a feed-forward network of the default layers, orthogonally
+initialised). A new setting is listed here when its default keeps the earlier behaviour."""
+
+
 def check_config_complete(run_dir: Path, field_names: Collection[str]) -> None:
     """Refuse a run folder whose ``config.toml`` does not name every setting: a file cut short (a
     copy, a crash outside ``oakemu``) is still valid TOML, and the settings it lost would silently take
     their defaults. ``config.toml`` names each setting as ``name = value`` or, unset, ``# name = (unset)``.
-    A missing or unparsable file passes (the callers deal with those).
+    A missing or unparsable file passes (the callers deal with those); :data:`ADDED_SETTINGS` may be
+    missing (a run made before they existed).
 
     Args:
         run_dir: the run folder.
@@ -503,7 +524,7 @@ def check_config_complete(run_dir: Path, field_names: Collection[str]) -> None:
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
         return
     named = set(settings) | set(_UNSET_LINE.findall(text))
-    missing = [name for name in field_names if name not in named]
+    missing = [name for name in field_names if name not in named and name not in ADDED_SETTINGS]
     if missing:
         listed = ", ".join(missing[:8]) + (
             f" and {len(missing) - 8} more" if len(missing) > 8 else ""

@@ -513,6 +513,24 @@ def test_an_incomplete_config_toml_names_the_settings_it_lacks(
     check_config_complete(run_dir, names)  # unset settings are named as comments
 
 
+def test_a_config_toml_from_before_the_network_settings_is_complete(tmp_path: Path) -> None:
+    """A run made before a setting existed lacks it: its default is how that run behaved."""
+    from oakemu_core.run.run_folder import ADDED_SETTINGS
+
+    run_dir = tmp_path / "old"
+    run_dir.mkdir()
+    names = [name for name in OakEmuConfig.model_fields if name != "config_file"]
+    lines = [f"{name} = 1" for name in names if name not in ADDED_SETTINGS]
+    (run_dir / "config.toml").write_text("\n".join(lines) + "\n")
+    check_config_complete(run_dir, names)
+    assert {"net_arch", "recurrent", "ortho_init"} <= ADDED_SETTINGS <= set(names)
+    (run_dir / "config.toml").write_text(
+        "\n".join(line for line in lines if not line.startswith("seed ")) + "\n"
+    )
+    with pytest.raises(RunFolderError, match=r"lacks 1 of \d+ settings \(seed\)"):
+        check_config_complete(run_dir, names)
+
+
 # -------------------------------------------------------------------------------- ports
 def test_a_port_claimed_by_a_run_that_is_starting_is_refused_fast(
     tmp_path: Path,
