@@ -165,23 +165,7 @@ class ActorCritic(ActorAPI, nn.Module):
                 self.normalizers[self._module_key(key)] = RunningNormalizer(shape)
 
         self.separate_mlps = has_separate_mlps(self.observation_layout, network)
-        self.encoders = nn.ModuleDict()
-        if network.policy_module is not None:
-            self.user_encoder, features = user_encoder(
-                network.policy_module, self.observation_layout
-            )
-            self.mixer: nn.Module = nn.Identity()
-        else:
-            features = 0
-            for key, (shape, _) in self.observation_layout.items():
-                encoder, size = self._encoder(shape, network)
-                self.encoders[self._module_key(key)] = encoder
-                features += size
-            if len(self.observation_layout) > 1:
-                self.mixer = nn.Sequential(layer_init(nn.Linear(features, 256)), nn.ReLU())
-                features = 256
-            else:
-                self.mixer = nn.Identity()
+        features = self._build_encoders(network)
         self.encoder_features = features
         """Features per row out of the encoders (and the mixer): what the core or the torsos read."""
         self.core = (
@@ -218,6 +202,26 @@ class ActorCritic(ActorAPI, nn.Module):
                     module.reset_parameters()
         if network.policy_module is not None:
             self._check_user_encoder()
+
+    def _build_encoders(self, network: NetworkSpec) -> int:
+        """The encoders (one per key, or the user's) and the mixer of several keys' features; returns
+        the features per row they give."""
+        self.encoders = nn.ModuleDict()
+        self.mixer: nn.Module = nn.Identity()
+        if network.policy_module is not None:
+            self.user_encoder, features = user_encoder(
+                network.policy_module, self.observation_layout
+            )
+            return features
+        features = 0
+        for key, (shape, _) in self.observation_layout.items():
+            encoder, size = self._encoder(shape, network)
+            self.encoders[self._module_key(key)] = encoder
+            features += size
+        if len(self.observation_layout) > 1:
+            self.mixer = nn.Sequential(layer_init(nn.Linear(features, 256)), nn.ReLU())
+            features = 256
+        return features
 
     @staticmethod
     def _module_key(key: str) -> str:

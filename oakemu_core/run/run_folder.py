@@ -482,19 +482,8 @@ _UNSET_LINE = re.compile(r"^#\s*([A-Za-z_]\w*) = \(unset\)\s*$", re.MULTILINE)
 
 
 ADDED_SETTINGS = frozenset(
-    {
-        "net_arch",
-        "activation",
-        "shared_torso",
-        "cnn",
-        "impala_channels",
-        "recurrent",
-        "recurrent_hidden",
-        "shared_core",
-        "ortho_init",
-        "policy_module",
-        "sequence_length",
-    }
+    "net_arch activation shared_torso cnn impala_channels recurrent recurrent_hidden shared_core "
+    "ortho_init policy_module sequence_length".split()
 )
 """Settings added after run folders existed: a ``config.toml`` written before them lacks them, and their
 defaults are how those runs behaved (a feed-forward network of the default layers, orthogonally
