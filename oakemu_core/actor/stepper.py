@@ -245,7 +245,7 @@ class PolicyStepper:
 
     def _send_group(self, g: int) -> PPOActionBundle:
         group, observations, masks = self.env.groups[g], self._g_obs[g], self._g_masks[g]
-        bundle = self.model.act(observations, action_mask=masks)
+        bundle = checked_outputs(self.model.act(observations, action_mask=masks))
         bundle, self._g_trainable[g] = self._forced(
             group, bundle, np.ones(group.num_envs, np.bool_), observations, masks
         )
@@ -324,7 +324,7 @@ class PolicyStepper:
     def _choose(self, observations: Any, masks: np.ndarray | None) -> tuple[PPOActionBundle, Any]:
         """The next action bundle and its per-env trainable flags (``(n,)`` bool; routing applied
         when configured, then the env's forced actions)."""
-        bundle = self.model.act(observations, action_mask=masks, state=self._state)
+        bundle = checked_outputs(self.model.act(observations, action_mask=masks, state=self._state))
         trainable = self._all_trainable
         if self.router is not None:
             bundle, trainable = self.router.apply(self.model, bundle, observations, masks)
@@ -348,6 +348,24 @@ class PolicyStepper:
         trainable = trainable.copy()
         trainable[rows] = False
         return replace_actions(self.model, bundle, rows, actions, observations, masks), trainable
+
+
+def checked_outputs(bundle: PPOActionBundle) -> PPOActionBundle:
+    """``bundle`` when its log-probs and values are finite.
+
+    Raises:
+        ActorSetupError: a NaN or infinite log-prob or value (a user's encoder, or weights, that give
+            NaN on these observations): the learner would reject every step, so the actor stops with
+            this one line instead of sending steps that never train.
+    """
+    if not (np.isfinite(bundle.log_probs).all() and np.isfinite(bundle.values).all()):
+        from oakemu_core.actor.client import ActorSetupError
+
+        raise ActorSetupError(
+            "the policy gave a NaN or infinite log-prob or value on this actor's observations (a "
+            "policy_module or weights that compute NaN); the learner would reject every step"
+        )
+    return bundle
 
 
 def _games_ended(env_step: VectorStep) -> np.ndarray:

@@ -268,3 +268,23 @@ def test_an_actor_with_env_groups_refuses_a_recurrent_learner_policy_in_one_line
             make_stepper(env, recurrent_model(env), SimpleNamespace(spec=object()))
     finally:
         env.close()
+
+
+def test_a_policy_that_computes_nan_stops_the_actor_in_one_line() -> None:
+    """NaN outputs would be rejected by the learner step after step: the actor refuses them first."""
+    from oakemu_core.actor.client import ActorSetupError
+    from oakemu_core.envs.factory import make_vector_env
+    from oakemu_core.policy.distributions import distribution_for_env
+    from oakemu_core.policy.models import build_model
+
+    env = make_vector_env("CartPole-v1", 2, seed=0)
+    try:
+        model = build_model(env.spec.observation_layout, distribution_for_env(env.spec))
+        stepper = PolicyStepper(env, model)
+        stepper.step()  # finite: steps
+        with torch.no_grad():
+            model.critic.bias.fill_(float("nan"))
+        with pytest.raises(ActorSetupError, match="NaN or infinite log-prob or value"):
+            stepper.step()
+    finally:
+        env.close()
