@@ -558,8 +558,10 @@ def announce_run(plan: RunPlan, preset: Preset | None, console: Console) -> None
             soft_wrap=True,
         )
     actors, envs = _count(config.num_actors, "actor"), _count(config.envs_per_actor, "env")
+    network = config.network.describe()
+    network = "" if network == "default" else f", network {network}"
     console.print(
-        f"[bold]oakemu train[/]: {config.env_id}, {actors} x {envs}, {config.total_env_steps} env steps -> "
+        f"[bold]oakemu train[/]: {config.env_id}, {actors} x {envs}{network}, {config.total_env_steps} env steps -> "
         f"{plan.run_dir}" + (" (resumed)" if plan.resumed else ""),
         highlight=False,
         soft_wrap=True,
