@@ -16,6 +16,7 @@ from rich.console import Console
 from oakemu_core.envs.options import EnvOptions
 from oakemu_core.policy.export import is_policy_folder, load_policy_folder, read_policy_info
 from oakemu_core.policy.network import NetworkSpec
+from oakemu_core.policy.weights import load_model_state
 from oakemu_core.run.checkpoint import load_run_checkpoint
 from oakemu_core.run.evaluation import build_evaluation, play_episodes
 from oakemu_core.run.loading import check_policy_path
@@ -77,7 +78,7 @@ def evaluate_checkpoint(
         frame_sink=recorder,
     )
     try:
-        model.load_state_dict(weights)
+        load_model_state(model, weights, source=str(checkpoint))
         model.eval()
         result = play_episodes(model, env, episodes=episodes, greedy=greedy)
     finally:

@@ -32,6 +32,7 @@ def load_checkpoint_policy(checkpoint: Path) -> tuple[Any, str, dict[str, Any]]:
     from oakemu_core.policy.models import build_model
     from oakemu_core.policy.network import NetworkSpec
     from oakemu_core.policy.schemas import schema_from_dict
+    from oakemu_core.policy.weights import load_model_state
     from oakemu_core.run.checkpoint import load_checkpoint, resolve_checkpoint
 
     path = resolve_checkpoint(checkpoint)
@@ -49,7 +50,7 @@ def load_checkpoint_policy(checkpoint: Path) -> tuple[Any, str, dict[str, Any]]:
         normalize_observations=bool(config.get("normalize_observations")),
         network=NetworkSpec.from_config(config),
     )
-    model.load_state_dict(state["model"])
+    load_model_state(model, state["model"], source=str(path))
     model.eval()
     return model, str(env_info["env_id"]), config
 

@@ -13,7 +13,27 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["load_optimizer_state", "load_weight_arrays", "weights_to_arrays"]
+__all__ = ["load_model_state", "load_optimizer_state", "load_weight_arrays", "weights_to_arrays"]
+
+
+def load_model_state(model: nn.Module, state: Mapping[str, Any], *, source: str) -> None:
+    """``model.load_state_dict(state)``, where ``state`` comes from a checkpoint or folder ``source``.
+
+    Raises:
+        CheckpointError: the weights do not fit the model its settings describe (a checkpoint whose
+            settings were changed, or written by another version): one line naming ``source`` and the
+            first difference; nothing was loaded.
+    """
+    from oakemu_core.errors import CheckpointError
+
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as error:
+        detail = " ".join(str(error).split())
+        raise CheckpointError(
+            f"{source}: its weights do not fit the network its settings describe "
+            f"({detail[:300]}{'...' if len(detail) > 300 else ''})"
+        ) from None
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:

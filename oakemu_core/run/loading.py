@@ -20,6 +20,7 @@ from oakemu_core.policy.export import is_policy_folder, load_policy_folder, read
 from oakemu_core.policy.models import ActorCritic, build_model
 from oakemu_core.policy.network import NetworkSpec
 from oakemu_core.policy.schemas import schema_from_dict
+from oakemu_core.policy.weights import load_model_state
 from oakemu_core.run.checkpoint import CheckpointNotFoundError, load_run_checkpoint
 
 __all__ = ["Policy", "check_policy_path", "load_policy"]
@@ -172,6 +173,6 @@ def load_policy(checkpoint: str | Path) -> Policy:
         normalize_observations=bool(state["config"].get("normalize_observations")),
         network=NetworkSpec.from_config(state["config"]),
     )
-    model.load_state_dict(state["model"])
+    load_model_state(model, state["model"], source=f"checkpoint {path}")
     model.eval()
     return Policy(model, str(state["env"].get("env_id", "")), path)
