@@ -278,12 +278,20 @@ class OakEmuConfig(  # fields in reverse order of the bases, then this class's (
         description="torch intra-op threads of the learner process (default: "
         "1 for a model without convolutions, torch's, one per core, for a CNN).",
     )
-    actor_inference: Literal["auto", "torch", "numpy", "onnxruntime", "bfloat16"] = Field(
+    actor_inference: Literal["auto", "torch", "numpy", "onnxruntime", "bfloat16", "central"] = (
+        Field(
+            "auto",
+            description="What runs the actors' forward passes: auto (numpy for MLP models of vector observations, "
+            "else torch); torch; numpy (MLP models only); onnxruntime (extra 'onnx', not for dict observations); "
+            "bfloat16 (uint8 image observations only; the learner re-evaluates every rollout); or central (oakemu "
+            "train only: one inference server process runs every actor's forward passes in batches, on "
+            "inference_device). Neither onnxruntime nor bfloat16 serves a recurrent policy.",
+        )
+    )
+    inference_device: str = Field(
         "auto",
-        description="What runs the actors' forward passes: auto (numpy for MLP models of vector observations, "
-        "else torch); torch; numpy (MLP models only); onnxruntime (extra 'onnx', not for dict observations); "
-        "or bfloat16 (uint8 image observations only; the learner re-evaluates every rollout). Neither of the "
-        "last two serves a recurrent policy.",
+        description="actor_inference central: the inference server's torch device: auto (cuda if available), "
+        "cpu, cuda, cuda:N.",
     )
 
     actor_id: str | None = Field(
@@ -343,6 +351,13 @@ class OakEmuConfig(  # fields in reverse order of the bases, then this class's (
     def _check_device(cls, value: str) -> str:
         if not _DEVICE_PATTERN.match(value):
             raise ValueError(f"expected auto, cpu, mps, cuda or cuda:N, received {value!r}")
+        return value
+
+    @field_validator("inference_device")
+    @classmethod
+    def _check_inference_device(cls, value: str) -> str:
+        if value == "mps" or not _DEVICE_PATTERN.match(value):
+            raise ValueError(f"expected auto, cpu, cuda or cuda:N, received {value!r}")
         return value
 
     @field_validator("learning_rate", "actor_timeout_s")
@@ -490,30 +505,31 @@ def unknown_environment_variables(environ: Mapping[str, str] | None = None) -> l
     return unknown_variables(OakEmuConfig.model_fields, os.environ if environ is None else environ)
 
 
-def resolved_device(config: OakEmuConfig) -> str:
-    """Torch device string for the learner: ``auto`` becomes ``cuda`` when available, else ``cpu``.
+def resolved_device(config: OakEmuConfig, setting: str = "device") -> str:
+    """Torch device string of the learner (``setting`` ``"device"``) or of the inference server
+    (``"inference_device"``): ``auto`` becomes ``cuda`` when available, else ``cpu``.
 
     Raises:
-        ConfigError: ``device`` asks for CUDA (or MPS) but torch reports it unavailable.
+        ConfigError: the setting asks for CUDA (or MPS) but torch reports it unavailable.
     """
     import torch  # lazy: config parsing must stay fast
 
-    device = config.device
+    device = getattr(config, setting)
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise ConfigError(
-                f"device: expected an available device, received {device!r} (no CUDA device found)"
+                f"{setting}: expected an available device, received {device!r} (no CUDA device found)"
             )
         index = int(device.split(":", 1)[1]) if ":" in device else 0
         if index >= torch.cuda.device_count():
             raise ConfigError(
-                f"device: expected cuda:0..cuda:{torch.cuda.device_count() - 1}, received {device!r}"
+                f"{setting}: expected cuda:0..cuda:{torch.cuda.device_count() - 1}, received {device!r}"
             )
     if device == "mps" and not torch.backends.mps.is_available():
         raise ConfigError(
-            "device: expected an available device, received 'mps' (MPS not available)"
+            f"{setting}: expected an available device, received 'mps' (MPS not available)"
         )
     return device
 

@@ -99,6 +99,7 @@ GROUPS: tuple[Group, ...] = (
             "emulator_threads": _TA,
             "torch_threads": _TA,
             "actor_inference": _TA,
+            "inference_device": (TRAIN,),
             "actor_id": (ACTOR,),
         },
     ),
@@ -551,6 +552,7 @@ DEPLOYMENT_VARIABLES = frozenset(
     {
         "OAKEMU_CONFIG_FILE",
         "OAKEMU_PARENT_PID",
+        "OAKEMU_INFERENCE_ADDRESS",
         "OAKEMU_VENV",
         "OAKEMU_TORCH",
         "OAKEMU_TORCH_INDEX",

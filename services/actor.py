@@ -47,6 +47,11 @@ from oakemu_services.runtime import (
     startup_done,
 )
 
+from oakemu_core.actor.central_inference import (
+    INFERENCE_ADDRESS_ENV,
+    CentralInferenceError,
+    InferenceClient,
+)
 from oakemu_core.actor.client import (
     WEIGHTS_MISSED_S,
     ActorSetupError,
@@ -61,7 +66,7 @@ from oakemu_core.actor.pacing import AHEAD_SEGMENTS, AHEAD_WAIT_S, WEIGHTS_WAIT_
 from oakemu_core.actor.stepper import PolicyStepper, SteppedRow
 from oakemu_core.actor.weights import ActorWeights
 from oakemu_core.algo.ppo import cpu_has_native_bfloat16
-from oakemu_core.config import OakEmuConfig
+from oakemu_core.config import ConfigError, OakEmuConfig
 from oakemu_core.envs.spec import is_atari_env
 from oakemu_core.run.metrics import StepRateMeter
 from oakemu_core.transport.auth import client_security
@@ -140,6 +145,15 @@ class Actor:
         self.block: StepBlock | None = None  # the K vector steps of the next message
         self.channel: StepChannel | None = None  # the step channel of this incarnation
         self.weights_sub: zmq.Socket | None = None
+        self.inference: InferenceClient | None = None  # actor_inference "central": the server
+        if config.actor_inference == "central":
+            self.inference = InferenceClient(
+                self.context,
+                central_inference_address(),
+                name=self.actor_id,
+                timeout_s=config.actor_timeout_s,
+                max_bytes=config.max_message_bytes,
+            )
 
     @property
     def incarnation(self) -> str:
@@ -158,7 +172,7 @@ class Actor:
         assert spec is not None
         self.seq = 0
         if self.weights is None:  # the first join
-            self.policy = set_up_policy(self.config, reply, self.actor_id)
+            self.policy = set_up_policy(self.config, reply, self.actor_id, self.inference)
             self.stepper = self.policy.stepper
             self.weights = ActorWeights(self.stepper, self.policy.load)
             if self.config.actor_inference == "bfloat16" and cpu_has_native_bfloat16() is False:
@@ -395,7 +409,16 @@ class Actor:
         return block.message(self.actor_id, self.incarnation, self.seq), row, segment_end
 
     def run(self) -> int:
-        """Join, then act and send one message of K vector steps at a time until told to stop; 0."""
+        """Join (with ``actor_inference`` central, once the inference server is up), then act and send
+        one message of K vector steps at a time until told to stop; 0."""
+        if self.inference is not None:
+            device = self.inference.wait_ready(self.stop_event)
+            log.info(
+                "actor %s: the inference server at %s is up (%s)",
+                self.actor_id,
+                self.inference.address,
+                device,
+            )
         self.join()
         startup_done()
         assert self.stepper is not None
@@ -438,6 +461,8 @@ class Actor:
         self.client.control.close()
         if self.policy is not None:
             self.policy.env.close()
+        if self.inference is not None:
+            self.inference.close()
         self.context.destroy(linger=0)
 
 
@@ -445,10 +470,29 @@ class _Rejoined(Exception):
     """Internal: the actor joined again (new incarnation) in the middle of a step."""
 
 
+def central_inference_address() -> str:
+    """The inference server's address ``oakemu train`` gave its actors.
+
+    Raises:
+        ConfigError: none given: a standalone actor (on another machine) has no inference server.
+    """
+    address = os.environ.get(INFERENCE_ADDRESS_ENV)
+    if not address:
+        raise ConfigError(
+            "actor_inference: 'central' serves the actors oakemu train starts beside its inference "
+            "server; this actor has none (use --actor-inference auto)"
+        )
+    return address
+
+
 def main(config: OakEmuConfig) -> int:
     """Entry point of ``oakemu actor``: 0 when told to stop (by the learner, or SIGTERM), 130 after
-    Ctrl-C (SIGINT), 1 when the learner is unreachable."""
+    Ctrl-C (SIGINT), 1 when the learner or the inference server is unreachable."""
     setup_logging(config.log_level, config.log_format)
+    if (
+        config.actor_inference == "central"
+    ):  # before joining: an actor that cannot act holds no slot
+        central_inference_address()
     if config.actor_inference == "onnxruntime":  # before joining: a missing package holds no slot
         from oakemu_core.policy.onnx_inference import check_available
 
@@ -458,7 +502,7 @@ def main(config: OakEmuConfig) -> int:
     actor = Actor(config, stop_event)
     try:
         return interrupted_status(actor.run(), stop_event)
-    except LearnerUnreachable as error:
+    except (LearnerUnreachable, CentralInferenceError) as error:
         log.error("actor %s: %s", actor.actor_id, error)
         return 1
     except ActorSetupError as error:

@@ -6,9 +6,10 @@ Four phases, one function each:
    id, actor inference, device; a resumed folder, live or not, and the budget it has left) before any
    process exists, then makes a run folder of its own (held by this process for the run, never one
    that holds another run) and writes the resolved ``config.toml`` into it (atomically);
-2. :class:`Launch` starts ``oakemu learner`` and ``oakemu actor`` children that read that file
-   (``OAKEMU_CONFIG_FILE``), shows live progress from the learner's telemetry and restarts an actor
-   that crashes (at most ``actor_restarts`` times);
+2. :class:`Launch` starts ``oakemu learner`` and ``oakemu actor`` children (and, for
+   ``actor_inference`` central, the inference server) that read that file (``OAKEMU_CONFIG_FILE``),
+   shows live progress from the learner's telemetry and restarts an actor or the server when it
+   crashes (at most ``actor_restarts`` times each);
 3. on Ctrl-C / SIGTERM it stops the learner first (it writes a final checkpoint), then the actors;
    children die with the launcher even when it is killed (Linux parent-death signal), so no orphan
    process or shared-memory segment stays;
@@ -29,8 +30,10 @@ import contextlib
 import importlib
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +60,7 @@ from oakemu_services.train_view import final_update_line as _final_update_line
 from oakemu_services.train_view import metrics_records as _metrics_records
 from rich.console import Console
 
+from oakemu_core.actor.central_inference import INFERENCE_ADDRESS_ENV
 from oakemu_core.config import ConfigError, OakEmuConfig, resolved_device, to_toml
 from oakemu_core.envs.factory import check_env
 from oakemu_core.presets import Preset
@@ -145,6 +149,8 @@ def check_can_start(config: OakEmuConfig) -> None:
     check_tracker_available(config.track)  # --track mlflow / wandb: its package is installed
     if config.device not in ("auto", "cpu"):
         resolved_device(config)  # imports torch: only for a device that may be missing
+    if config.actor_inference == "central" and config.inference_device not in ("auto", "cpu"):
+        resolved_device(config, "inference_device")
 
 
 def _check_user_network(config: OakEmuConfig, spec: Any) -> None:
@@ -316,11 +322,13 @@ def _restart_crashed(
 
 
 class Launch:
-    """The learner and actor processes of one planned run, and the progress view while they train.
+    """The learner and actor processes of one planned run (with ``actor_inference`` central, the
+    inference server too: ``oakemu_services.inference``, restarted as an actor is), and the progress
+    view while they train.
 
     :meth:`watch` returns why it stopped watching: ``"signal"`` (Ctrl-C / SIGTERM), ``"learner"`` (the
-    learner exited: budget spent, or a failure), ``"actors"`` (every actor gave up) or ``"callback"``
-    (a Python API callback returned False or raised).
+    learner exited: budget spent, or a failure), ``"actors"`` (every actor gave up), ``"inference"``
+    (the inference server gave up) or ``"callback"`` (a Python API callback returned False or raised).
 
     Args:
         plan: the planned run.
@@ -351,11 +359,23 @@ class Launch:
             logs_dir / "learner.log",
             pass_fds=plan.learner_fds,
         )
+        central: dict[str, str] = {}  # actor_inference "central": the server's address
+        self.inference: Child | None = None
+        self.inference_dir: str | None = None
+        if config.actor_inference == "central":  # an ipc:// socket in a folder of this user only
+            self.inference_dir = tempfile.mkdtemp(prefix="oakemu-")
+            central[INFERENCE_ADDRESS_ENV] = f"ipc://{self.inference_dir}/inference"
+            self.inference = Child(
+                "inference",
+                [sys.executable, "-m", "oakemu_services.inference"],
+                _child_env(plan.config_file, **central),
+                logs_dir / "inference.log",
+            )
         self.actors = [
             Child(
                 f"actor-{i}",
                 [*cli, "actor"],
-                _child_env(plan.config_file, OAKEMU_ACTOR_ID=f"actor-{i}"),
+                _child_env(plan.config_file, OAKEMU_ACTOR_ID=f"actor-{i}", **central),
                 logs_dir / f"actor-{i}.log",
             )
             for i in range(config.num_actors)
@@ -371,6 +391,8 @@ class Launch:
 
     def start(self) -> None:
         self.learner.start()
+        if self.inference is not None:
+            self.inference.start()
         for actor in self.actors:
             actor.start()
 
@@ -398,6 +420,10 @@ class Launch:
                     self.actors, self.console, config.actor_restarts, self.shown_errors
                 ):
                     return "actors"
+                if self.inference is not None and _restart_crashed(
+                    [self.inference], self.console, config.actor_restarts, self.shown_errors
+                ):
+                    return "inference"
             return "signal"
         finally:
             self.last_update = view.last_update
@@ -433,10 +459,16 @@ class Launch:
             actor.signal(signal.SIGTERM)
         for actor in self.actors:
             actor.wait(10.0)
-        for child in (self.learner, *self.actors):
+        server = [] if self.inference is None else [self.inference]
+        for child in server:  # after the actors: none of them waits for it any more
+            child.signal(signal.SIGTERM)
+            child.wait(10.0)
+        for child in (self.learner, *self.actors, *server):
             child.remove_leftover_segments()
             if child.output is not None:
                 child.output.drain()
+        if self.inference_dir is not None:
+            shutil.rmtree(self.inference_dir, ignore_errors=True)
 
 
 def report(launch: Launch, ended_by: str, stop: StopRequest, console: Console) -> int:
@@ -468,10 +500,13 @@ def report(launch: Launch, ended_by: str, stop: StopRequest, console: Console) -
         ):  # the learner's own failure (its final checkpoint)
             print_line(errors, f"error: {_learner_failure(launch.learner, status)}", "red")
         return stop.exit_status or 130
-    if ended_by == "actors":
+    if ended_by in ("actors", "inference"):
+        who = "every actor" if ended_by == "actors" else "the inference server"
+        server_error = launch.inference.error_line() if launch.inference is not None else None
+        because = f"; its error: {server_error}" if ended_by == "inference" and server_error else ""
         print_line(
             errors,
-            f"error: every actor stopped for good, the run cannot go on{actor_error} "
+            f"error: {who} stopped for good, the run cannot go on{because or actor_error} "
             f"(logs: {run_dir / 'logs'})",
             "red",
         )
@@ -630,10 +665,9 @@ def main(
                     else "no update made yet, stopping the learner and actors ..."
                 ),
             )
-        elif ended_by == "actors":
-            print_line(
-                launch.errors, "every actor has stopped for good: stopping the learner", "red"
-            )
+        elif ended_by in ("actors", "inference"):
+            who = "every actor has" if ended_by == "actors" else "the inference server has"
+            print_line(launch.errors, f"{who} stopped for good: stopping the learner", "red")
     finally:
         launch.stop()
     if (

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from oakemu_core.actor.central_inference import CentralForward, InferenceClient
 from oakemu_core.actor.client import ActorSetupError
 from oakemu_core.actor.routing import PolicyRouter, RoutingConfig
 from oakemu_core.actor.stepper import PolicyStepper
@@ -70,25 +71,48 @@ class ActorPolicy:
             self.inference_backend.load(self.model)
 
 
-def set_up_policy(config: OakEmuConfig, reply: JoinReply, actor_id: str) -> ActorPolicy:
+def set_up_policy(
+    config: OakEmuConfig,
+    reply: JoinReply,
+    actor_id: str,
+    inference: InferenceClient | None = None,
+) -> ActorPolicy:
     """Everything an actor's first join builds: torch seeded with the run's seed, the envs, the model
-    with the join's weights and ``config.actor_inference``'s backend, the stepper (whose first
-    actions come from those weights). The envs are closed again when a later part fails.
+    with the join's weights and ``config.actor_inference``'s backend (``"central"``: through
+    ``inference``, the connection to the inference server), the stepper (whose first actions come
+    from those weights). The envs are closed again when a later part fails.
 
     Raises:
-        ActorSetupError: as :func:`make_envs`, :func:`make_inference_backend`, :func:`make_stepper`.
+        ActorSetupError: as :func:`make_envs`, :func:`make_inference_backend`, :func:`make_stepper`;
+            ``"central"`` without ``inference``.
+        CentralInferenceError: the inference server does not answer, or not as the model does.
     """
     torch.manual_seed(int(reply.env_config["seed"]))
     env = make_envs(config, reply)
     try:
         model = make_model(env, reply)
         backend = None
-        if config.actor_inference != "torch":
+        if config.actor_inference == "central":
+            if inference is None:
+                raise ActorSetupError(
+                    "actor_inference='central': no inference server to connect to"
+                )
+            backend = CentralForward(model, inference, policy_version=reply.policy_version)
+            log.info(
+                "actor %s: forward passes by the inference server at %s",
+                actor_id,
+                inference.address,
+            )
+            model.use_inference_backend(backend)
+        elif config.actor_inference != "torch":
             backend = make_inference_backend(
                 config.actor_inference, model, threads=config.torch_threads, actor_id=actor_id
             )
             model.use_inference_backend(backend)  # None ("auto" for a CNN): torch's
-        return ActorPolicy(env, model, backend, make_stepper(env, model, reply))
+        stepper = make_stepper(env, model, reply)
+        if isinstance(backend, CentralForward):  # from now on the stepper names the weights
+            backend.follow(stepper)
+        return ActorPolicy(env, model, backend, stepper)
     except BaseException:
         env.close()
         raise
