@@ -6,9 +6,10 @@ fills per-step buffers) -> ``transport`` (step and control messages, step rings)
 loop); ``policy`` is what acts, ``run`` what surrounds a run (checkpoints, metrics, evaluation).
 
 The names a user starts from are importable from here: ``train(config=None, preset=None, **settings) -> Run``
-(with ``Callback``, ``UpdateInfo``, ``EvaluationInfo`` for its callbacks) and ``load_policy(checkpoint) -> Policy``
-for training and acting from Python (``train`` comes from
-``oakemu_services.api``: it runs the service processes). The rollout-core names load eagerly; the
+(with ``Callback``, ``UpdateInfo``, ``EvaluationInfo`` for its callbacks), ``tune(preset=None, **options) ->
+TuneResult`` (a hyperparameter study, extra ``tune``) and ``load_policy(checkpoint) -> Policy`` for training
+and acting from Python (``train`` and ``tune`` come from ``oakemu_services.api`` and ``oakemu_services.tune``:
+they run the service processes). The rollout-core names load eagerly; the
 others load on first use, so ``import oakemu_core`` does not import torch.
 """
 
@@ -23,6 +24,7 @@ from oakemu_core.storage.rollout_buffer import RolloutBuffer, RolloutMinibatch
 
 if TYPE_CHECKING:
     from oakemu_services.api import TrainingFailed, train
+    from oakemu_services.tune import TuneResult, tune
 
     from oakemu_core.algo.handshake import RolloutHandshake
     from oakemu_core.algo.health import CheckpointPolicy
@@ -69,9 +71,11 @@ _LAZY = {
     "UpdateInfo": "oakemu_core.run.callbacks",
     "EvaluationInfo": "oakemu_core.run.callbacks",
     "make_config": "oakemu_core.config",
-    # The one name served from the services package: training from Python starts the service processes.
+    # Names served from the services package: training and tuning from Python start the service processes.
     "train": "oakemu_services.api",
     "TrainingFailed": "oakemu_services.api",
+    "tune": "oakemu_services.tune",
+    "TuneResult": "oakemu_services.tune",
 }
 
 __all__ = ["PPOActionBundle", "PPOActorStepBuffers", "RolloutBuffer", "RolloutMinibatch", *_LAZY]

@@ -1,6 +1,7 @@
 """``oakemu`` command line: one entry point, one subcommand per service.
 
     oakemu train [--preset NAME] [--resume RUN] [--config FILE] [SETTING ...]
+    oakemu tune [--preset NAME] [--trials N] [--space FILE] [--storage URL --study NAME] [SETTING ...]
     oakemu learner [--config FILE] [SETTING ...]
     oakemu actor [--config FILE] [SETTING ...]
     oakemu monitor [RUN | --connect tcp://HOST:PORT] [--json] [--once] [--timeout S]
@@ -23,12 +24,14 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import importlib.util
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from oakemu_services.runtime import startup_done
+from oakemu_services.tune_cli import add_tune_parser, tune_arguments
 
 from oakemu_core.config import (
     add_config_arguments,
@@ -72,6 +75,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     )  # none: main lists them
     for add in (
         _add_train,
+        add_tune_parser,
         _add_learner,
         _add_actor,
         _add_monitor,
@@ -446,6 +450,12 @@ def _train(namespace: argparse.Namespace) -> int:
     return int(_service("train").main(config, namespace.resume, preset=preset))
 
 
+def _tune(namespace: argparse.Namespace) -> int:
+    if importlib.util.find_spec("optuna") is None:
+        raise ConfigError("oakemu tune needs Optuna: pip install 'oakemu-rl[tune]'")
+    return int(_service("tune").main(*tune_arguments(namespace)))
+
+
 def _resume_folder(namespace: argparse.Namespace, base: dict[str, Any]) -> Path:
     """The run folder ``--resume RUN`` names (:func:`find_run_folder`, as ``oakemu monitor RUN`` finds it):
     RUN or ``RUN`` in the runs folder (``--runs-dir``, ``OAKEMU_RUNS_DIR``, ``--config``'s or the preset's,
@@ -543,6 +553,7 @@ def _export(namespace: argparse.Namespace) -> int:
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": _train,
+    "tune": _tune,
     "learner": lambda namespace: int(_service("learner").main(config_from_namespace(namespace))),
     "actor": lambda namespace: int(_service("actor").main(config_from_namespace(namespace))),
     "monitor": _monitor,

@@ -4,7 +4,7 @@
 folder) form layers, lowest first::
 
     step_schema, shared_memory, errors < policy < envs < transport < actor < storage < run < algo
-    < config < the oakemu_core package root (its ``__init__``) < services
+    < config < tuning < the oakemu_core package root (its ``__init__``) < services
 
 A module may import its own layer and the layers below it at runtime, never one above; the
 module import graph has no cycle. Every ``import`` counts, at module level or inside a function
@@ -45,6 +45,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("run",),
     ("algo",),
     ("config", "options", "presets"),  # the model, its command-line options, named sets of settings
+    ("tuning",),  # hyperparameter studies: search spaces, Optuna studies of runs, their outputs
     ("oakemu_core",),  # the package root's __init__: re-exports what a user starts from
     ("services",),
 )
