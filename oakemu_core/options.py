@@ -83,6 +83,7 @@ GROUPS: tuple[Group, ...] = (
             "run_name": _TL,
             "device": _TL,
             "learner_precision": _TL,
+            "compile_update": _TL,
             "learner_threads": _TL,
         },
     ),

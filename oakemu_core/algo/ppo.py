@@ -17,6 +17,7 @@ on its trainable rows only, as CleanRL's ``ppo_atari_lstm.py`` does over whole e
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -26,8 +27,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from oakemu_core.algo.compiled_update import LossBatch, LossConstants, MinibatchLoss, loss_terms
 from oakemu_core.algo.flat_parameters import FlatAdam, FlatGradients
-from oakemu_core.algo.losses import normalize_advantages, ppo_losses
+from oakemu_core.algo.losses import normalize_advantages
 from oakemu_core.algo.reevaluation import RolloutEvaluation, evaluate_rollout
 from oakemu_core.algo.settings import PPOSettings
 from oakemu_core.algo.update_stats import PPOUpdateStats, UpdateTally
@@ -39,6 +41,8 @@ if TYPE_CHECKING:
     from oakemu_core.storage.sequences import SequenceBatch, SequenceMinibatch
 
 __all__ = ["EmptyRolloutError", "PPOUpdater", "cpu_has_native_bfloat16"]
+
+log = logging.getLogger("oakemu.learner")
 
 
 def cpu_has_native_bfloat16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
@@ -80,8 +84,9 @@ class PPOUpdater:
             ``normalize_advantages``, ``importance_weight_cap`` (the truncation of the decoupled
             objective's weights ``pi_prox / mu``: V-trace's rho-bar, Espeholt et al. 2018,
             "IMPALA"; used only when :meth:`step` gets a proximal policy), ``seed`` (of the
-            minibatch-shuffling generator), ``learner_precision`` and, for a recurrent model,
-            ``sequence_length``.
+            minibatch-shuffling generator), ``learner_precision``, ``compile_update`` (a
+            feed-forward model's minibatch forward pass and loss through ``torch.compile``:
+            :mod:`oakemu_core.algo.compiled_update`) and, for a recurrent model, ``sequence_length``.
         device: where the update runs (``"cuda"`` or ``"cpu"``). On CUDA, TF32 matmuls and
             convolutions are switched off process-wide so that learner log-probs match the actor's
             float32 CPU log-probs (the ratio check).
@@ -154,6 +159,31 @@ class PPOUpdater:
         """The model carries a state per env: it trains on sequences."""
         self.action_mask = None if action_mask is None else action_mask.to(self.device, torch.bool)
         self._iterations = 0
+        compile_mode = self.settings.compile_update
+        if self.recurrent and compile_mode != "none":
+            log.warning(
+                "compile_update %s: a recurrent policy's update runs eagerly (its sequences are "
+                "not compiled)",
+                compile_mode,
+            )
+            compile_mode = "none"
+        self.minibatch_loss = MinibatchLoss(
+            self.model,
+            LossConstants(
+                clip_coef=self.settings.clip_coef,
+                clip_value_range=self.settings.value_clip,
+                ent_coef=self.settings.ent_coef,
+                vf_coef=self.settings.vf_coef,
+                importance_weight_cap=self.settings.importance_weight_cap,
+            ),
+            autocast_dtype=torch.bfloat16
+            if self.settings.learner_precision == "bfloat16"
+            else None,
+            mode=compile_mode,
+        )
+        """A minibatch's forward pass and loss, compiled as ``compile_update`` asks
+        (:class:`~oakemu_core.algo.compiled_update.MinibatchLoss`); a recurrent model's sequences
+        run eagerly."""
 
     @property
     def iterations(self) -> int:
@@ -291,11 +321,11 @@ class PPOUpdater:
         measures the actor/learner log-prob agreement on rows of ``current_policy_version``."""
         epoch_kl = torch.zeros((), device=self.device)
         for minibatch in minibatches:
-            losses, new_log_probs, weights = self._minibatch_losses(minibatch, kl_reference)
-            if weights is not None:
-                tally.weight_total += weights.mean()
+            losses = self._minibatch_losses(minibatch, kl_reference)
+            if "weights" in losses:
+                tally.weight_total += losses["weights"].mean()
             if tally.minibatches == 0:  # before any gradient step: actor and learner should agree
-                behaviour_ratio = (new_log_probs.detach() - minibatch.log_probs).exp()
+                behaviour_ratio = (losses["new_log_probs"].detach() - minibatch.log_probs).exp()
                 tally.first_minibatch_ratio_max_abs_dev = _ratio_deviation(
                     behaviour_ratio, minibatch.fields["policy_versions"], current_policy_version
                 )
@@ -330,57 +360,31 @@ class PPOUpdater:
             return minibatch
         return minibatch._replace(advantages=normalize_advantages(minibatch.advantages))
 
-    def _minibatch_losses(
-        self, minibatch: Any, kl_reference: str
-    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor | None]:
-        """One minibatch's forward pass and loss terms (:func:`ppo_losses`); with the proximal
-        figures (decoupled objective) the ratio is taken against them and each row weighted by
-        ``min(importance_weight_cap, pi_prox / mu)``; families with stored parameters get the exact
-        KL. ``minibatch``'s advantages are used as they are (:meth:`_normalised` first). Returns the
-        losses, the new log-probs and the weights (None: plain PPO)."""
-        settings = self.settings
+    def _minibatch_losses(self, minibatch: Any, kl_reference: str) -> dict[str, torch.Tensor]:
+        """One minibatch's forward pass and loss terms
+        (:func:`~oakemu_core.algo.compiled_update.loss_terms`: ``loss``, ``new_log_probs`` and, with
+        the decoupled objective, ``weights`` among them). With the proximal figures the ratio is
+        taken against them and each row weighted by ``min(importance_weight_cap, pi_prox / mu)``;
+        families with stored parameters get the exact KL from those ``kl_reference`` prefixes.
+        ``minibatch``'s advantages are used as they are (:meth:`_normalised` first). A feed-forward
+        model's pass goes through :attr:`minibatch_loss` (compiled when asked)."""
+        fields = minibatch.fields
+        proximal = fields.get(PROXIMAL + "log_probs")
+        batch = LossBatch(
+            actions=minibatch.actions,
+            advantages=minibatch.advantages,
+            old_log_probs=minibatch.log_probs if proximal is None else proximal,
+            behaviour_log_probs=None if proximal is None else minibatch.log_probs,
+            old_values=minibatch.values,
+            returns=minibatch.returns,
+            kl_reference={name: fields[kl_reference + name] for name in self._stored_parameters},
+        )
         if self.recurrent:
             policy, new_values = self._sequence_forward(minibatch)
-        else:
-            policy, new_values = self.forward(
-                minibatch.observations, minibatch.fields.get("action_mask")
-            )
-        advantages = minibatch.advantages
-        with torch.set_grad_enabled(
-            bool(settings.ent_coef)
-        ):  # weighted 0 it would only cost backward ops
-            entropy = policy.entropy()
-        new_log_probs = policy.log_prob(minibatch.actions)
-        old_log_probs, weights = minibatch.log_probs, None
-        if PROXIMAL + "log_probs" in minibatch.fields:
-            old_log_probs = minibatch.fields[PROXIMAL + "log_probs"]
-            weights = (
-                (old_log_probs - minibatch.log_probs)
-                .clamp(max=math.log(settings.importance_weight_cap))
-                .exp()
-            )
-        losses = ppo_losses(
-            new_log_probs,
-            old_log_probs,
-            advantages,
-            new_values,
-            minibatch.values,
-            minibatch.returns,
-            entropy,
-            clip_coef=settings.clip_coef,
-            clip_value_range=settings.value_clip,
-            importance_weights=weights,
+            return loss_terms(policy, new_values, batch, self.minibatch_loss.constants)
+        return self.minibatch_loss(
+            minibatch.observations, self._row_masks(fields.get("action_mask")), batch
         )
-        if self._stored_parameters:  # the exact KL from the stored parameters
-            with torch.no_grad():
-                kl = policy.kl_from(
-                    {
-                        name: minibatch.fields[kl_reference + name]
-                        for name in self._stored_parameters
-                    }
-                )
-                losses["approx_kl"] = kl.mean()
-        return losses, new_log_probs, weights
 
     def _sequence_forward(self, minibatch: SequenceMinibatch) -> tuple[Policy, torch.Tensor]:
         """A recurrent model's forward pass over a minibatch's sequences (every row, from the stored
@@ -403,9 +407,7 @@ class PPOUpdater:
         tensor on the device, True when the gradient was not finite and the step was skipped (it
         would turn every weight into NaN)."""
         settings = self.settings
-        loss = losses["policy_loss"] + settings.vf_coef * losses["value_loss"]
-        if settings.ent_coef:
-            loss = loss - settings.ent_coef * losses["entropy"]
+        loss = losses["loss"]
         if bc_term is not None:  # behaviour cloning on demonstrations, next to the PPO loss
             bc_coef, sampler, bc_batch = bc_term
             loss = loss + bc_coef * self._bc_loss(sampler, bc_batch)

@@ -89,6 +89,13 @@ class PPOSettings(BaseModel):
         description="Precision of the PPO update: float32, or bfloat16 mixed precision (torch.autocast; weights, "
         "optimizer and losses stay float32). Native on CPUs with AVX512-BF16 or AMX and recent GPUs only.",
     )
+    compile_update: Literal["none", "default", "reduce-overhead"] = Field(
+        "none",
+        description="Run each minibatch's forward pass and PPO loss (and so their backward) through "
+        "torch.compile: default (generated kernels) or reduce-overhead (also CUDA graphs on a GPU, where a "
+        "small model's update is bound by kernel launches); none: eager. Compiles take seconds to a minute "
+        "at the first minibatches; recurrent policies train eagerly.",
+    )
     bc_pretrain_updates: int = Field(
         0, ge=0, description="Replay-only BC updates (one epoch each) before PPO."
     )

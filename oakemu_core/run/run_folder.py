@@ -483,7 +483,7 @@ _UNSET_LINE = re.compile(r"^#\s*([A-Za-z_]\w*) = \(unset\)\s*$", re.MULTILINE)
 
 ADDED_SETTINGS = frozenset(
     "net_arch activation shared_torso cnn impala_channels recurrent recurrent_hidden shared_core "
-    "ortho_init policy_module sequence_length inference_device".split()
+    "ortho_init policy_module sequence_length compile_update inference_device".split()
 )
 """Settings added after run folders existed: a ``config.toml`` written before them lacks them, and their
 defaults are how those runs behaved (a feed-forward network of the default layers, orthogonally

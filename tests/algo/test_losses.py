@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-import oakemu_core.algo.ppo as ppo_module
+import oakemu_core.algo.compiled_update as loss_module
 from oakemu_core.algo.losses import normalize_advantages
 from oakemu_core.storage.rollout_buffer import RolloutBuffer
 from tests.algo.test_ppo import OBS_DIM, N, T, _fill, _learner, _model
@@ -31,13 +31,13 @@ def test_the_update_normalises_each_minibatch_once(monkeypatch, normalize: bool)
     """Each minibatch's advantages reach the loss normalised over that minibatch (mean 0, std 1)
     when ``normalize_advantages`` is on, and exactly as GAE computed them when it is off."""
     seen: list[torch.Tensor] = []
-    original = ppo_module.ppo_losses
+    original = loss_module.ppo_losses
 
     def spy(*args, **kwargs):
         seen.append(args[2].detach().clone())  # the advantages argument
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(ppo_module, "ppo_losses", spy)
+    monkeypatch.setattr(loss_module, "ppo_losses", spy)
     model = _model()
     with RolloutBuffer(T, N, (OBS_DIM,), np.float32, seed=0) as buffer:
         _fill(buffer, [model], np.random.default_rng(2))

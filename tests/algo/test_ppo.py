@@ -768,16 +768,16 @@ def _advantages_seen_by_the_loss(
 ) -> tuple[list[torch.Tensor], np.ndarray]:
     """One update of a fresh learner: the advantages tensor each ``ppo_losses`` call received, in call
     order, and the buffer's raw advantages (flat, float64)."""
-    import oakemu_core.algo.ppo as ppo_module
+    import oakemu_core.algo.compiled_update as loss_module
 
     seen: list[torch.Tensor] = []
-    original = ppo_module.ppo_losses
+    original = loss_module.ppo_losses
 
     def recording(new_log_probs, old_log_probs, advantages, *args, **kwargs):  # type: ignore[no-untyped-def]
         seen.append(advantages)
         return original(new_log_probs, old_log_probs, advantages, *args, **kwargs)
 
-    monkeypatch.setattr(ppo_module, "ppo_losses", recording)
+    monkeypatch.setattr(loss_module, "ppo_losses", recording)
     model = _model()
     learner = PPOUpdater(
         model,
