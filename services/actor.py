@@ -153,6 +153,7 @@ class Actor:
                 name=self.actor_id,
                 timeout_s=config.actor_timeout_s,
                 max_bytes=config.max_message_bytes,
+                stop=stop_event,
             )
 
     @property
@@ -502,7 +503,12 @@ def main(config: OakEmuConfig) -> int:
     actor = Actor(config, stop_event)
     try:
         return interrupted_status(actor.run(), stop_event)
-    except (LearnerUnreachable, CentralInferenceError) as error:
+    except CentralInferenceError as error:
+        if stop_event.is_set():  # told to stop while waiting for the inference server
+            return interrupted_status(0, stop_event)
+        log.error("actor %s: %s", actor.actor_id, error)
+        return 1
+    except LearnerUnreachable as error:
         log.error("actor %s: %s", actor.actor_id, error)
         return 1
     except ActorSetupError as error:

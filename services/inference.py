@@ -20,8 +20,9 @@ socket (an ``ipc://`` address in a private temporary folder of the launcher,
    the weights channel never carries, come this way).
 
 Batch sizes, requests per client and weights sent by actors are logged every :data:`STATS_PERIOD_S`
-and at the end. The server stops on the learner's stop notice, SIGTERM / SIGINT or its launcher's
-death. Run by ``oakemu train`` as ``python -m oakemu_services.inference`` (its settings from
+and at the end. The server stops on SIGTERM / SIGINT (``oakemu train`` sends it once the actors have
+stopped: an actor's last requests after the learner's stop notice are still answered) or its
+launcher's death. Run by ``oakemu train`` as ``python -m oakemu_services.inference`` (its settings from
 ``OAKEMU_CONFIG_FILE``, like the other children).
 """
 
@@ -35,6 +36,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,6 +55,7 @@ from oakemu_core.config import ConfigError, OakEmuConfig, load_config, resolved_
 from oakemu_core.envs.factory import env_spec
 from oakemu_core.errors import UserError
 from oakemu_core.policy.models import ActorCritic, build_model, load_weight_arrays
+from oakemu_core.policy.numpy_inference import NumpyForward
 from oakemu_core.policy.schemas import schema_for_env
 from oakemu_core.transport.auth import client_security
 from oakemu_core.transport.codec import MessageRejected
@@ -86,7 +89,10 @@ Key = tuple[int, int]
 
 
 class ServedModels:
-    """Models of the newest weights, on the inference device, by ``(policy_version, revision)``.
+    """Models of the newest weights, on the inference device, by ``(policy_version, revision)``, each
+    with the forward pass that serves it: on a CPU, for an MLP model, the actors' numpy pass
+    (:class:`~oakemu_core.policy.numpy_inference.NumpyForward`, what ``actor_inference = "auto"`` picks:
+    a few rows through torch modules cost several times more); else the module.
 
     Args:
         build: makes a new model (eval mode, on the device); called once per kept weights at most.
@@ -97,7 +103,7 @@ class ServedModels:
     def __init__(self, build: Callable[[], ActorCritic], keep: int = KEEP_VERSIONS) -> None:
         self._build = build
         self._keep = keep
-        self._models: OrderedDict[Key, ActorCritic] = OrderedDict()
+        self._models: OrderedDict[Key, tuple[ActorCritic, Any]] = OrderedDict()
         self.newest: Key | None = None
         """The newest weights ever added (ordered by version, then revision)."""
 
@@ -107,12 +113,13 @@ class ServedModels:
     def keys(self) -> list[Key]:
         return sorted(self._models)
 
-    def get(self, key: Key) -> ActorCritic | None:
-        """The model of ``key``'s weights (now the most recently used), or None."""
-        model = self._models.get(key)
-        if model is not None:
+    def get(self, key: Key) -> tuple[ActorCritic, Any] | None:
+        """``(model, forward pass)`` of ``key``'s weights (now the most recently used), or None; the
+        forward pass has the contract of :meth:`~oakemu_core.policy.models.ActorCritic.forward`."""
+        served = self._models.get(key)
+        if served is not None:
             self._models.move_to_end(key)
-        return model
+        return served
 
     def add(self, key: Key, weights: dict[str, np.ndarray]) -> None:
         """Hold ``weights`` as ``key`` (weights already held under ``key`` stay as they are).
@@ -125,12 +132,17 @@ class ServedModels:
         if len(self._models) < self._keep:
             model = self._build()
             load_weight_arrays(model, weights)
+            forward = model
+            if model.device.type == "cpu" and NumpyForward.unsupported_reason(model) is None:
+                forward = NumpyForward(model)
         else:
             oldest = next(iter(self._models))
-            model = self._models[oldest]
+            model, forward = self._models[oldest]
             load_weight_arrays(model, weights)  # validated before anything is written
+            if forward is not model:
+                forward.load(model)
             del self._models[oldest]
-        self._models[key] = model
+        self._models[key] = (model, forward)
         self.newest = key if self.newest is None else max(self.newest, key)
 
 
@@ -205,17 +217,18 @@ class InferenceServer:
         self.pending: list[_Pending] = []
         self.stats = BatchStats()
         self.total = BatchStats()
-        self.stop_reason: str | None = None
+        self.run_ended: str | None = None
+        """The reason of the learner's stop notice, once it came (the server still serves the
+        actors' last requests until it is stopped)."""
         self.poller = zmq.Poller()
         for sock in (router, weights):
             if sock is not None:
                 self.poller.register(sock, zmq.POLLIN)
 
     def run(self, stop: threading.Event) -> None:
-        """Serve until ``stop`` is set or the learner's stop notice arrives; log statistics every
-        :data:`STATS_PERIOD_S` and at the end."""
+        """Serve until ``stop`` is set; log statistics every :data:`STATS_PERIOD_S` and at the end."""
         started = last_line = time.monotonic()
-        while not stop.is_set() and self.stop_reason is None:
+        while not stop.is_set():
             self.turn(timeout_s=0.1)
             if time.monotonic() - last_line >= STATS_PERIOD_S:
                 log.info("inference: %s", self.stats.line(time.monotonic() - last_line))
@@ -252,7 +265,7 @@ class InferenceServer:
                 log.warning("inference: malformed weights message ignored: %s", error)
                 continue
             if isinstance(message, StopNotice):
-                self.stop_reason = message.reason
+                self.run_ended = message.reason
                 log.info("inference: the learner announced the end of the run (%s)", message.reason)
             elif isinstance(message, WeightsMessage):
                 self._add((message.policy_version, message.revision), message.weights, "learner")
@@ -324,17 +337,20 @@ class InferenceServer:
                 self.total.missing += 1
                 self._reply(identity, InferenceReply(request.request_id, "missing"))
         for key, group in groups.items():
-            model = self.models.get(key)
-            assert model is not None
-            self._forward(model, group)
+            served = self.models.get(key)
+            assert served is not None
+            self._forward(*served, group)
 
     def _on_their_way(self, key: Key) -> bool:
         """Weights newer than the newest held: published, and soon read from the weights channel."""
         newest = self.models.newest
         return self.weights is not None and newest is not None and key > newest
 
-    def _forward(self, model: ActorCritic, group: list[tuple[bytes, ForwardRequest]]) -> None:
-        """One forward pass of the requests of ``group`` (those that fit the model) and their replies."""
+    def _forward(
+        self, model: ActorCritic, forward: Any, group: list[tuple[bytes, ForwardRequest]]
+    ) -> None:
+        """One forward pass (``forward``, of ``model``) of the requests of ``group`` (those that fit
+        the model) and their replies."""
         valid = []
         for identity, request in group:
             problem = _mismatch(model, request)
@@ -346,7 +362,7 @@ class InferenceServer:
             return
         requests = [request for _, request in valid]
         try:
-            outputs = _batched_forward(model, requests, self.device)
+            outputs = _batched_forward(model, forward, requests, self.device)
         except (ValueError, RuntimeError) as error:  # a forward pass the model refuses
             for identity, request in valid:
                 self._refuse(identity, request, f"{type(error).__name__}: {error}")
@@ -402,10 +418,10 @@ def _mismatch(model: ActorCritic, request: ForwardRequest) -> str | None:
 
 @torch.no_grad()
 def _batched_forward(
-    model: ActorCritic, requests: list[ForwardRequest], device: torch.device
+    model: ActorCritic, forward: Any, requests: list[ForwardRequest], device: torch.device
 ) -> list[np.ndarray]:
-    """The forward outputs of all ``requests`` at once (their rows concatenated in order), as CPU
-    float32 arrays; raises ValueError on non-finite outputs."""
+    """The outputs of ``forward`` (``model``'s forward pass) on all ``requests`` at once (their rows
+    concatenated in order), as CPU float32 arrays; raises ValueError on non-finite outputs."""
     columns = {
         key: torch.from_numpy(np.concatenate([r.observations[key] for r in requests])).to(device)
         for key in model.observation_layout
@@ -413,9 +429,9 @@ def _batched_forward(
     observations = columns if model.is_dict else columns[""]
     if model.recurrent:
         state = torch.from_numpy(np.concatenate([r.state for r in requests])).to(device)  # type: ignore[misc]
-        outputs = model(observations, state)
+        outputs = forward(observations, state)
     else:
-        outputs = model(observations)
+        outputs = forward(observations)
     arrays = [output.to("cpu", torch.float32).numpy() for output in outputs]
     if not all(np.isfinite(array).all() for array in arrays):
         raise ValueError("the policy computed NaN or infinite outputs")

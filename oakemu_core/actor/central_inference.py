@@ -82,14 +82,24 @@ class InferenceClient:
         name: the actor's id (the server's statistics name its clients by it).
         timeout_s: the longest wait for the answer to one request.
         max_bytes: the longest reply accepted.
+        stop: the actor's stop event: a wait for a reply ends when it is set (the request then raises
+            :class:`CentralInferenceError`); None: waits are not stopped.
     """
 
     def __init__(
-        self, context: zmq.Context, address: str, *, name: str, timeout_s: float, max_bytes: int
+        self,
+        context: zmq.Context,
+        address: str,
+        *,
+        name: str,
+        timeout_s: float,
+        max_bytes: int,
+        stop: threading.Event | None = None,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.max_bytes = max_bytes
+        self.stop = stop
         self._next_id = 0
         self.socket = context.socket(zmq.DEALER)
         self.socket.routing_id = f"{name}/{uuid.uuid4().hex[:8]}".encode()
@@ -104,16 +114,18 @@ class InferenceClient:
         client's). Replies to earlier requests are dropped.
 
         Raises:
-            CentralInferenceError: the server's reply is malformed.
+            CentralInferenceError: the server's reply is malformed, or the stop event was set.
         """
         frame = encode_inference_message(message)
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         resend_at = 0.0
         while (now := time.monotonic()) < deadline:
+            if self.stop is not None and self.stop.is_set():
+                raise CentralInferenceError("stopped while waiting for the inference server")
             if now >= resend_at:
                 self.socket.send(frame, copy=False)
                 resend_at = now + RESEND_S
-            wait_s = min(deadline, resend_at) - now
+            wait_s = min(deadline, resend_at, now + 0.1) - now  # the stop event is read every 0.1 s
             if not self.socket.poll(max(1, int(wait_s * 1000))):
                 continue
             reply = self._receive()
@@ -142,7 +154,12 @@ class InferenceClient:
         """
         deadline = time.monotonic() + patience_s
         while not stop.is_set() and time.monotonic() < deadline:
-            reply = self.request(InferencePing(self.new_id()), timeout_s=1.0)
+            try:
+                reply = self.request(InferencePing(self.new_id()), timeout_s=1.0)
+            except CentralInferenceError:
+                if stop.is_set():
+                    break
+                raise
             if reply is not None and reply.status == "ready":
                 return reply.detail
         what = (
