@@ -231,12 +231,18 @@ def plan_study(
         pruner=pruner,
         warmup_env_steps=config.total_env_steps // 3,
         heartbeat_s=int(heartbeat_s),
-        sampler_seed=config.seed if count == 1 and storage is None else None,
+        sampler_seed=config.seed if count == 1 and storage is None else None,  # one sampler: seeded
         jobs=count,
     )
     if storage is None:
         folder.mkdir(parents=True, exist_ok=True)
-    open_study(spec)  # creates the database's tables and the study once, before any worker
+    existing = len(
+        open_study(spec).trials
+    )  # creates the tables and the study once, before any worker
+    if (
+        spec.sampler_seed is not None
+    ):  # a continued study draws new settings, not its first ones again
+        spec.sampler_seed += existing
     folder.mkdir(parents=True, exist_ok=True)
     (folder / SPEC_FILE).write_text(spec.to_json(), encoding="utf-8")
     return spec

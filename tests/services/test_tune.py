@@ -29,17 +29,9 @@ from tests.e2e_helpers import describe_all, free_ports, read_jsonl, update_recor
 pytestmark = pytest.mark.usefixtures("no_oakemu_variables")
 
 CRASHING_ENV = "tests.crash_envs:CrashingCartPole-v0"
-TINY = [  # 5-10 s a trial on 2 quiet cores: 4 updates of 32 steps x 8 envs, 2 evaluations of 2 episodes
-    "--preset",
-    "cartpole",
-    "--total-env-steps",
-    "1024",
-    "--eval-every-updates",
-    "2",
-    "--eval-episodes",
-    "2",
-    "--no-eval-video",
-]
+TINY = (  # 5-10 s a trial on 2 quiet cores: 4 updates of 32 steps x 8 envs, 2 evaluations of 2 episodes
+    "--preset cartpole --total-env-steps 1024 --eval-every-updates 2 --eval-episodes 2 --no-eval-video".split()
+)
 SPACE = """
 [space.learning_rate]
 low = 3e-4
@@ -77,17 +69,9 @@ def test_a_sweep_runs_its_trials_fails_a_crashing_one_and_its_best_toml_trains(
         ("CartPole-v1", 2e-3),
     ):
         study.enqueue_trial({"env_id": env_id, "learning_rate": learning_rate, "clip_coef": 0.2})
-    args = [
-        *TINY,
-        "--trials",
-        "3",
-        "--space",
-        str(space),
-        "--study-dir",
-        str(study_dir),
-        "--actor-restarts",
-        "0",
-    ]
+    # 2048 env steps: the crashing env fails after 200 steps of each of its 8 envs, at the 7th update.
+    options = f"--trials 3 --space {space} --study-dir {study_dir} --actor-restarts 0 --total-env-steps 2048"
+    args = [*TINY, *options.split()]
     tune = e2e.start("tune", ["tune", *args])
     assert tune.wait(300) == 0, tune.describe()
     trials = _trials(sqlite_url(study_dir))
@@ -109,19 +93,24 @@ def test_a_sweep_runs_its_trials_fails_a_crashing_one_and_its_best_toml_trains(
     best = max((trials[0], trials[2]), key=lambda trial: (trial.value, -trial.number))
     config = load_config(["--config", str(study_dir / "best.toml")])
     assert config.learning_rate == best.params["learning_rate"] and config.env_id == "CartPole-v1"
-    assert config.total_env_steps == 1024 and config.eval_video is False and config.num_envs == 8
+    assert config.total_env_steps == 2048 and config.eval_video is False and config.num_envs == 8
     preset = tomllib.loads((study_dir / "best-preset.toml").read_text())
-    assert set(preset) == {"preset", "settings"} and make_config(
-        **preset["settings"]
-    ) == make_config(
-        **{k: v for k, v in tomllib.loads((study_dir / "best.toml").read_text()).items()}
-    )
+    flat = tomllib.loads((study_dir / "best.toml").read_text())
+    assert set(preset) == {"preset", "settings"} and preset["settings"] == flat
+    make_config(**preset["settings"])
     assert {path.name for path in (study_dir / "plots").iterdir()} >= {
         "history.html",
         "intermediate.html",
     }
     again = e2e.train(
-        ["--config", str(study_dir / "best.toml"), "--total-env-steps", "256"],
+        [
+            "--config",
+            str(study_dir / "best.toml"),
+            "--total-env-steps",
+            "256",
+            "--eval-every-updates",
+            "0",
+        ],
         timeout_s=180,
         runs_dir=tmp_path / "again",
     )
@@ -134,14 +123,7 @@ def test_two_worker_processes_split_the_trials_of_a_sqlite_study(e2e, tmp_path: 
     study_dir = tmp_path / "study"
     args = [
         *TINY,
-        "--trials",
-        "4",
-        "--jobs",
-        "2",
-        "--space",
-        str(_space(tmp_path)),
-        "--study-dir",
-        str(study_dir),
+        *f"--trials 2 --jobs 2 --study-dir {study_dir} --space {_space(tmp_path)}".split(),
     ]
     tune = e2e.start("tune", ["tune", *args])
     assert tune.wait(300) == 0, tune.describe()
@@ -195,12 +177,7 @@ def test_two_commands_on_one_postgresql_study_split_its_trials(
     args = [
         "tune",
         *TINY,
-        "--trials",
-        "2",
-        "--space",
-        str(_space(tmp_path)),
-        "--storage",
-        postgres_url,
+        *f"--trials 2 --space {_space(tmp_path)} --storage {postgres_url}".split(),
     ]
     args += ["--study", "shared", "--total-env-steps", "4096"]
     first = e2e.start("tune-1", [*args, "--study-dir", str(tmp_path / "one")])
@@ -225,12 +202,7 @@ def test_a_worker_killed_mid_trial_leaves_no_process_and_its_trial_is_failed_by_
     args = [
         "tune",
         *TINY,
-        "--trials",
-        "2",
-        "--space",
-        str(_space(tmp_path)),
-        "--study-dir",
-        str(study_dir),
+        *f"--trials 2 --space {_space(tmp_path)} --study-dir {study_dir}".split(),
     ]
     args += ["--heartbeat", "1"]
     killed = e2e.start("tune-killed", [*args, "--total-env-steps", "500000"])

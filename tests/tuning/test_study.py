@@ -119,6 +119,19 @@ def test_a_worker_runs_the_study_to_its_trial_count_and_a_crashing_trial_is_fail
     assert _states(spec) == ["COMPLETE", "FAIL", "COMPLETE", "COMPLETE"]
 
 
+def test_a_worker_starts_no_trial_after_its_timeout(tmp_path: Path) -> None:
+    train = FakeTrain()
+
+    def slow_train(**arguments: Any) -> FakeRun:
+        time.sleep(0.5)
+        return train(**arguments)
+
+    run_worker(_spec(tmp_path, trials=10, timeout_s=0.2), slow_train, ())
+    assert _states(_spec(tmp_path, trials=10)) == [
+        "COMPLETE"
+    ]  # the one started in time ran to its end
+
+
 def test_an_unexpected_error_of_a_trial_stops_the_worker_and_the_trial_is_fail(
     tmp_path: Path,
 ) -> None:
