@@ -166,6 +166,19 @@ def _check_choices(
         raise ConfigError(f"heartbeat: expected seconds >= 1, received {heartbeat_s!r}")
 
 
+def _create(spec: StudySpec, folder: Path, *, own_database: bool) -> None:
+    """Create the study in its storage (the database's tables too, once, before any worker) or load it,
+    and write ``study.json``. A continued study's seeded sampler starts past the trials it holds, so it
+    does not draw the first trials' settings again."""
+    if own_database:
+        folder.mkdir(parents=True, exist_ok=True)
+    existing = len(open_study(spec).trials)
+    if spec.sampler_seed is not None:
+        spec.sampler_seed += existing
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / SPEC_FILE).write_text(spec.to_json(), encoding="utf-8")
+
+
 def plan_study(
     preset: str | None = None,
     settings: dict[str, Any] | None = None,
@@ -231,20 +244,10 @@ def plan_study(
         pruner=pruner,
         warmup_env_steps=config.total_env_steps // 3,
         heartbeat_s=int(heartbeat_s),
-        sampler_seed=config.seed if count == 1 and storage is None else None,  # one sampler: seeded
+        sampler_seed=config.seed if count == 1 and storage is None else None,
         jobs=count,
     )
-    if storage is None:
-        folder.mkdir(parents=True, exist_ok=True)
-    existing = len(
-        open_study(spec).trials
-    )  # creates the tables and the study once, before any worker
-    if (
-        spec.sampler_seed is not None
-    ):  # a continued study draws new settings, not its first ones again
-        spec.sampler_seed += existing
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / SPEC_FILE).write_text(spec.to_json(), encoding="utf-8")
+    _create(spec, folder, own_database=storage is None)
     return spec
 
 
@@ -286,9 +289,7 @@ def announce(spec: StudySpec, console: Console) -> None:
     budget = make_config(
         load_preset(spec.preset).settings if spec.preset else {}, **spec.settings
     ).total_env_steps
-    jobs = (
-        f"{spec.jobs} worker process{'es' if spec.jobs > 1 else ''}" if spec.jobs > 1 else "1 job"
-    )
+    jobs = f"{spec.jobs} worker processes" if spec.jobs > 1 else "one trial at a time"
     print_line(
         console,
         f"oakemu tune: study {spec.study_name!r} in {redacted(spec.storage)}: {spec.trials} trials of "
@@ -417,10 +418,15 @@ def finish(spec: StudySpec, console: Console) -> TuneResult:
             f"best settings: {config_path} (oakemu train --config {config_path}); "
             f"as a preset: {preset_path}",
         )
-        result = TuneResult(
-            spec.study_name, spec.storage, folder, rows, best.number, best.value,
-            dict(best.params), settings, config_path, preset_path,
-        )  # fmt: skip
+        result = dataclasses.replace(
+            result,
+            best_trial=best.number,
+            best_value=best.value,
+            best_params=dict(best.params),
+            best_settings=settings,
+            best_config=config_path,
+            best_preset=preset_path,
+        )
     else:
         print_line(console, "no trial completed: no best settings", "red")
     plots, notes = write_plots(study, folder / PLOTS_DIR)
@@ -459,7 +465,7 @@ def tune(
             worker and machine, those of earlier calls on the same study included.
         timeout_s: start no trial after this many seconds (a running one ends first).
         storage: a SQLAlchemy database URL shared by workers on several machines (PostgreSQL:
-            ``postgresql://user:password@host/db``); None: ``<study_dir>/study.db`` (SQLite).
+            ``postgresql+psycopg://user:password@host/db``); None: ``<study_dir>/study.db`` (SQLite).
         study: the study's name (default: the preset's, else the env id's).
         study_dir: the study folder (default ``studies/<study>``).
         objective: ``eval``: the final evaluation's mean return; ``train``: the mean training return of
