@@ -215,6 +215,9 @@ class InferenceServer:
         self.device = torch.device(device)
         self.max_bytes = max_bytes
         self.pending: list[_Pending] = []
+        self.newest_request: dict[bytes, int] = {}
+        """The newest request id taken from each client (a client's ids grow; a request sent again
+        after :data:`~oakemu_core.actor.central_inference.RESEND_S` is dropped when already taken)."""
         self.stats = BatchStats()
         self.total = BatchStats()
         self.run_ended: str | None = None
@@ -281,8 +284,8 @@ class InferenceServer:
         return True
 
     def _drain(self) -> list[tuple[bytes, ForwardRequest]]:
-        """Every request waiting (at most :data:`MAX_BATCH_REQUESTS`); pings are answered here, malformed
-        requests refused."""
+        """Every request waiting (at most :data:`MAX_BATCH_REQUESTS`) that was not taken before (a
+        request sent again); pings are answered here, malformed requests refused."""
         requests = []
         while len(requests) < MAX_BATCH_REQUESTS:
             try:
@@ -302,7 +305,10 @@ class InferenceServer:
                     InferenceReply(message.request_id, "ready", detail=str(self.device)),
                 )
             elif isinstance(message, ForwardRequest):
-                requests.append((identity.bytes, message))
+                client = identity.bytes
+                if message.request_id > self.newest_request.get(client, 0):
+                    self.newest_request[client] = message.request_id
+                    requests.append((client, message))
         return requests
 
     def _serve(self, requests: list[tuple[bytes, ForwardRequest]], now: float) -> None:

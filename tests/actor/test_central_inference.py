@@ -327,3 +327,33 @@ def test_waiting_for_a_server_that_never_comes_up_gives_up(context: zmq.Context)
         CentralInferenceError, match="no answer within 1 s from the inference server"
     ):
         client(context, "actor-0", address="inproc://nobody").wait_ready(stop, patience_s=1.0)
+
+
+def test_a_request_sent_again_is_served_once(context: zmq.Context) -> None:
+    """A request a client sends again (no answer for a while) while the first is waiting or already
+    answered is dropped: one forward pass, one reply."""
+    model = vector_model()
+    server = Server(context, lambda: vector_model(seed=9))
+    server.models.add((0, 0), weights_to_arrays(model))
+    dealer = context.socket(zmq.DEALER)
+    dealer.routing_id = b"actor-0/0"
+    dealer.connect(ADDRESS)
+    try:
+        frame = encode_inference_message(
+            ForwardRequest(1, 0, 0, observations_for(model, 2, seed=1))
+        )
+        dealer.send(frame)
+        dealer.send(frame)
+        time.sleep(0.1)
+        server.turn()
+        dealer.send(frame)  # after the answer
+        time.sleep(0.1)
+        server.turn()
+        replies = []
+        while dealer.poll(200):
+            replies.append(decode_inference_message(dealer.recv(), MAX_BYTES))
+        assert [reply.request_id for reply in replies] == [1]
+        assert (server.server.total.batches, server.server.total.requests) == (1, 1)
+    finally:
+        dealer.close(linger=0)
+        server.close()
