@@ -35,14 +35,21 @@ Printed, all measured in the same run:
 On a GPU the trained rate should approach the lower of the ingest ceiling and the training ceiling;
 on the CPU training is the limit by far.
 
+``--compile-update MODE`` runs the production update with that ``compile_update`` (``default`` or
+``reduce-overhead``: :mod:`oakemu_core.algo.compiled_update`); the bare loop stays eager, so
+``production / bare`` below 1 is what compiling won over plain eager SGD steps. The first update
+then includes the compile (printed as ``first update``). ``--seconds 0`` leaves out the end-to-end
+part; ``--json FILE`` also writes every figure to FILE (one object, written when the check ends).
+
 Usage: ``python benchmarks/gpu_check.py [--device cuda] [--updates 5] [--envs 8] [--steps 128]
-[--actors 1] [--seconds 30] [--torch-threads N] [--quick]``
+[--actors 1] [--seconds 30] [--torch-threads N] [--compile-update MODE] [--json FILE] [--quick]``
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
 import sys
 import tempfile
@@ -101,6 +108,7 @@ def preset_settings(args: argparse.Namespace) -> dict[str, Any]:
         "checkpoint_every_updates": 0,
         "rollback": False,
         "log_level": "WARNING",
+        "compile_update": args.compile_update,
     }
 
 
@@ -273,7 +281,8 @@ def _median(values: list[float]) -> float:
     return statistics.median(values[1:] if len(values) > 1 else values)  # the first update warms up
 
 
-def report_updates(rows: list[UpdateRow]) -> None:
+def report_updates(rows: list[UpdateRow]) -> dict[str, Any]:
+    """Print the table of part 1 and the medians; returns the figures (:func:`main`'s ``--json``)."""
     print(
         f"{'update':>6} {'uploads':>8} {'ratio dev':>11} {'s/epoch':>8} {'production s':>13} {'bare s':>9} "
         f"{'policy loss':>12} {'approx kl':>10}"
@@ -287,13 +296,22 @@ def report_updates(rows: list[UpdateRow]) -> None:
     bare = _median([row.bare_s for row in rows])
     print(
         f"update (median after the first): production {1e3 * production:.2f} ms, bare loop {1e3 * bare:.2f} ms, "
-        f"production / bare {production / bare:.3f}"
+        f"production / bare {production / bare:.3f}; first update {rows[0].production_s:.2f} s"
     )
+    return {
+        "updates": [vars(row) for row in rows],
+        "production_ms": 1e3 * production,
+        "bare_ms": 1e3 * bare,
+        "production_over_bare": production / bare,
+        "first_update_s": rows[0].production_s,
+        "ratio_deviation_max": max(row.ratio_deviation for row in rows),
+    }
 
 
 def report_end_to_end(
     ingested: float, records: list[tuple[float, float, int]], rows_per_update: int
-) -> None:
+) -> dict[str, float]:
+    """Print the end-to-end line; returns its figures."""
     if len(records) < 2:
         raise SystemExit(
             f"end to end: {len(records)} update(s) in the run; a rate needs 2 (raise --seconds)"
@@ -306,6 +324,14 @@ def report_end_to_end(
         f"steps/s ingested; update {1e3 * update:.2f} ms (median) = training ceiling {ceiling:,.0f} env steps/s; "
         f"trainer busy {100 * trained / ceiling:.1f} %"
     )
+    return {
+        "trained_env_steps_per_s": trained,
+        "ingested_env_steps_per_s": ingested,
+        "updates": len(records) - 1,
+        "update_ms": 1e3 * update,
+        "training_ceiling_env_steps_per_s": ceiling,
+        "trainer_busy_percent": 100 * trained / ceiling,
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -333,7 +359,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--actors", type=int, default=1, help="synthetic actor processes end to end; divides --envs"
     )
-    parser.add_argument("--seconds", type=float, default=30.0, help="length of the end-to-end run")
+    parser.add_argument(
+        "--seconds", type=float, default=30.0, help="length of the end-to-end run (0: none)"
+    )
+    parser.add_argument(
+        "--compile-update",
+        default="none",
+        choices=("none", "default", "reduce-overhead"),
+        help="the production update's compile_update (the bare loop stays eager)",
+    )
+    parser.add_argument(
+        "--json", type=Path, default=None, help="also write every figure to this JSON file"
+    )
     parser.add_argument(
         "--torch-threads",
         type=int,
@@ -343,21 +380,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="tiny sizes for the CPU fallback: "
+        help="tiny sizes for the CPU fallback (those not given): "
         + ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in QUICK.items()),
     )
     args = parser.parse_args(argv)
     preset = load_preset(args.preset).settings
-    if args.quick:
-        vars(args).update(QUICK)
+    if args.quick:  # the sizes not given on the command line
+        given = {arg.split("=")[0][2:].replace("-", "_") for arg in (argv or sys.argv[1:])}
+        vars(args).update({name: value for name, value in QUICK.items() if name not in given})
     args.envs = args.envs or preset["num_envs"]
     args.steps = args.steps or preset["rollout_length"]
     if (
         min(args.updates, args.envs, args.steps, args.actors, args.torch_threads or 1) < 1
         or args.envs % args.actors
+        or args.seconds < 0
     ):
         parser.error(
-            "expected --updates, --envs, --steps, --actors, --torch-threads >= 1 and --actors dividing --envs"
+            "expected --updates, --envs, --steps, --actors, --torch-threads >= 1, --seconds >= 0 "
+            "and --actors dividing --envs"
         )
     return args
 
@@ -379,12 +419,29 @@ def main(argv: list[str] | None = None) -> int:
         f"{config.ppo_epochs} epochs x {config.num_minibatches} minibatches of "
         f"{config.batch_size // config.num_minibatches} rows, torch threads {torch.get_num_threads()}"
     )
+    figures: dict[str, Any] = {
+        "device": device,
+        "device_name": name,
+        "preset": args.preset,
+        "env_id": config.env_id,
+        "rollout": [config.rollout_length, config.num_envs],
+        "epochs": config.ppo_epochs,
+        "minibatches": config.num_minibatches,
+        "compile_update": args.compile_update,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
     torch.manual_seed(1)
-    report_updates(update_rows(args, config, device))
-    ingested, records = end_to_end(args, settings)
-    report_end_to_end(ingested, records, config.batch_size)
+    figures["update"] = report_updates(update_rows(args, config, device))
+    if args.seconds > 0:
+        ingested, records = end_to_end(args, settings)
+        figures["end_to_end"] = report_end_to_end(ingested, records, config.batch_size)
     if device.startswith("cuda"):
-        print(f"peak device memory {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB")
+        figures["peak_device_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        print(f"peak device memory {figures['peak_device_memory_mib']:.0f} MiB")
+    if args.json is not None:
+        args.json.write_text(json.dumps(figures, indent=1) + "\n", encoding="utf-8")
     return 0
 
 
