@@ -813,7 +813,7 @@ def test_an_unknown_command_is_one_line_naming_the_closest_one(
 def test_oakemu_without_a_command_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main([]) == 2
     assert capsys.readouterr().err == (
-        "oakemu: error: expected a command: train, learner, actor, monitor, evaluate, "
+        "oakemu: error: expected a command: train, tune, learner, actor, monitor, evaluate, "
         "export, record, keygen (oakemu --help describes them, oakemu COMMAND --help "
         "one)\n"
     )
