@@ -39,7 +39,8 @@ on the CPU training is the limit by far.
 ``reduce-overhead``: :mod:`oakemu_core.algo.compiled_update`); the bare loop stays eager, so
 ``production / bare`` below 1 is what compiling won over plain eager SGD steps. The first update
 then includes the compile (printed as ``first update``). ``--seconds 0`` leaves out the end-to-end
-part; ``--json FILE`` also writes every figure to FILE (one object, written when the check ends).
+part; ``--json FILE`` also writes every figure to FILE (one object: part 1's when it ends, then
+all of them).
 
 Usage: ``python benchmarks/gpu_check.py [--device cuda] [--updates 5] [--envs 8] [--steps 128]
 [--actors 1] [--seconds 30] [--torch-threads N] [--compile-update MODE] [--json FILE] [--quick]``
@@ -164,7 +165,8 @@ def bare_update_seconds(
 
 def update_rows(args: argparse.Namespace, config: OakEmuConfig, device: str) -> list[UpdateRow]:
     """Part 1: ``args.updates`` rollouts of real Breakout steps, each trained by the production path
-    (timed) and then by the bare loop on a copy of the model (timed)."""
+    (timed) and then by the bare loop on a copy of the model (timed); each row printed as it comes
+    (:func:`print_update_row`)."""
     # One emulator thread: idle emulator threads would compete with torch's for the cores while the
     # updates are timed.
     env = make_vector_env(config.env_id, config.num_envs, seed=1, num_threads=1)
@@ -191,10 +193,13 @@ def update_rows(args: argparse.Namespace, config: OakEmuConfig, device: str) -> 
                 with RolloutBuffer(
                     config.rollout_length, config.num_envs, schema=stepper.schema, seed=1
                 ) as buffer:
-                    return [
-                        _one_update(trainer, stepper, buffer, bare_model, bare_optimizer, rng)
-                        for _ in range(args.updates)
-                    ]
+                    rows: list[UpdateRow] = []
+                    for _ in range(args.updates):
+                        rows.append(
+                            _one_update(trainer, stepper, buffer, bare_model, bare_optimizer, rng)
+                        )
+                        print_update_row(len(rows), rows[-1])
+                    return rows
             finally:
                 trainer.close()
     finally:
@@ -281,17 +286,22 @@ def _median(values: list[float]) -> float:
     return statistics.median(values[1:] if len(values) > 1 else values)  # the first update warms up
 
 
-def report_updates(rows: list[UpdateRow]) -> dict[str, Any]:
-    """Print the table of part 1 and the medians; returns the figures (:func:`main`'s ``--json``)."""
-    print(
-        f"{'update':>6} {'uploads':>8} {'ratio dev':>11} {'s/epoch':>8} {'production s':>13} {'bare s':>9} "
-        f"{'policy loss':>12} {'approx kl':>10}"
-    )
-    for number, row in enumerate(rows, 1):
+def print_update_row(number: int, row: UpdateRow) -> None:
+    """One row of part 1's table (the header before the first), flushed: a run cut short keeps it."""
+    if number == 1:
         print(
-            f"{number:>6} {row.uploads:>8} {row.ratio_deviation:>11.2e} {row.seconds_per_epoch:>8.3f} "
-            f"{row.production_s:>13.4f} {row.bare_s:>9.4f} {row.policy_loss:>12.4f} {row.approx_kl:>10.5f}"
+            f"{'update':>6} {'uploads':>8} {'ratio dev':>11} {'s/epoch':>8} {'production s':>13} {'bare s':>9} "
+            f"{'policy loss':>12} {'approx kl':>10}"
         )
+    print(
+        f"{number:>6} {row.uploads:>8} {row.ratio_deviation:>11.2e} {row.seconds_per_epoch:>8.3f} "
+        f"{row.production_s:>13.4f} {row.bare_s:>9.4f} {row.policy_loss:>12.4f} {row.approx_kl:>10.5f}",
+        flush=True,
+    )
+
+
+def report_updates(rows: list[UpdateRow]) -> dict[str, Any]:
+    """Print the medians of part 1; returns its figures (:func:`main`'s ``--json``)."""
     production = _median([row.production_s for row in rows])
     bare = _median([row.bare_s for row in rows])
     print(
@@ -434,15 +444,23 @@ def main(argv: list[str] | None = None) -> int:
     }
     torch.manual_seed(1)
     figures["update"] = report_updates(update_rows(args, config, device))
+    _write_json(args.json, figures)  # part 1 kept, should part 3 not end
     if args.seconds > 0:
         ingested, records = end_to_end(args, settings)
         figures["end_to_end"] = report_end_to_end(ingested, records, config.batch_size)
     if device.startswith("cuda"):
         figures["peak_device_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
         print(f"peak device memory {figures['peak_device_memory_mib']:.0f} MiB")
-    if args.json is not None:
-        args.json.write_text(json.dumps(figures, indent=1) + "\n", encoding="utf-8")
+    _write_json(args.json, figures)
     return 0
+
+
+def _write_json(path: Path | None, figures: dict[str, Any]) -> None:
+    """``figures`` as one JSON object in ``path`` (None: nothing), replaced whole."""
+    if path is not None:
+        temporary = path.with_name(f".{path.name}.tmp")
+        temporary.write_text(json.dumps(figures, indent=1) + "\n", encoding="utf-8")
+        temporary.replace(path)
 
 
 if __name__ == "__main__":

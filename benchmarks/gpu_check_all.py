@@ -96,9 +96,9 @@ rows on a CPU."""
 
 STEP_CAPS_S = {
     "full": {
-        "tests": 210,
+        "tests": 200,
         "overhead_eager": 80,
-        "overhead_compiled": 150,
+        "overhead_compiled": 160,
         "breakout": 110,
         "central_inference": 120,
     },

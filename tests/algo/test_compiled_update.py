@@ -67,20 +67,32 @@ def _assert_same_update(eager_stats, compiled_stats) -> None:
 
 
 @pytest.mark.slow
-def test_a_compiled_update_trains_the_weights_the_eager_update_trains() -> None:
+@pytest.mark.parametrize(
+    ("device", "mode"),
+    [
+        pytest.param("cpu", "default", id="cpu-default"),
+        pytest.param(
+            "cuda",
+            "reduce-overhead",
+            id="cuda-reduce-overhead",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+        ),
+    ],
+)
+def test_a_compiled_update_trains_the_weights_the_eager_update_trains(
+    device: str, mode: str
+) -> None:
     """Same seed, same rows (masked actions, three rows out of training so that minibatches hold 16
     or 15 rows), two updates of 2 epochs x 4 minibatches: a plain one, then one with the decoupled
-    objective. The compiled updater (inductor on the CPU) ends with the eager updater's weights and
-    losses within float32 rounding, through 4 signatures, each run compiled."""
+    objective. The compiled updater (inductor on the CPU; CUDA graphs on a GPU) ends with the eager
+    updater's weights and losses within float32 rounding, through 4 signatures, each run compiled."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     model = _masked_model()
-    eager, compiled = (
-        _updater(copy.deepcopy(model), "none"),
-        _updater(copy.deepcopy(model), "default"),
-    )
+    eager = _updater(copy.deepcopy(model), "none", device=device)
+    compiled = _updater(copy.deepcopy(model), mode, device=device)
     schema = build_schema(LAYOUT, DISTRIBUTION)
     with RolloutBuffer(T, N, schema=schema, seed=0) as buffer:
         _fill_schema_buffer(buffer, model, np.random.default_rng(0), masked=True)
@@ -101,7 +113,7 @@ def test_a_compiled_update_trains_the_weights_the_eager_update_trains() -> None:
     ):
         torch.testing.assert_close(actual, expected, **PARAMETER_TOLERANCE, msg=name)
     moved = max(
-        float((after - before).detach().abs().max())
+        float((after.detach().cpu() - before.detach()).abs().max())
         for before, after in zip(model.parameters(), compiled.model.parameters())
     )
     assert moved > 1e-3  # the updates did move the weights: the agreement is not trivial
