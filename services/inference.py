@@ -50,7 +50,6 @@ from oakemu_services.runtime import (
 )
 
 from oakemu_core.actor.central_inference import INFERENCE_ADDRESS_ENV
-from oakemu_core.actor.fitting import available_cpus
 from oakemu_core.config import ConfigError, OakEmuConfig, load_config, resolved_device
 from oakemu_core.envs.factory import env_spec
 from oakemu_core.errors import UserError
@@ -470,9 +469,8 @@ def serve(config: OakEmuConfig, address: str, stop: threading.Event) -> int:
     if device.startswith("cuda"):  # float32 as the actors' CPUs compute it (the learner's setting)
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-        torch.set_num_threads(1)
-    else:
-        torch.set_num_threads(max(1, min(config.num_actors, available_cpus())))
+    # As many threads as one actor's forward passes take: more spin beside the actors and the learner.
+    torch.set_num_threads(config.torch_threads)
     models = build_served_models(config, device)
     context = zmq.Context()
     try:

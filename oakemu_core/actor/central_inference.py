@@ -111,7 +111,8 @@ class InferenceClient:
     ) -> InferenceReply | None:
         """Send ``message`` (its ``request_id`` is this client's next one) and return the reply to it;
         sent again after each :data:`RESEND_S` without one; None after ``timeout_s`` (default: the
-        client's). Replies to earlier requests are dropped.
+        client's). Replies to earlier requests are dropped; an ``error`` for a request the server
+        could not read (too large, say) is the reply to this one.
 
         Raises:
             CentralInferenceError: the server's reply is malformed, or the stop event was set.
@@ -129,8 +130,8 @@ class InferenceClient:
             if not self.socket.poll(max(1, int(wait_s * 1000))):
                 continue
             reply = self._receive()
-            if isinstance(reply, InferenceReply) and reply.request_id == message.request_id:
-                return reply
+            if isinstance(reply, InferenceReply) and reply.request_id in (message.request_id, 0):
+                return reply  # 0: the server could not read a request (one at a time: this one)
         return None
 
     def _receive(self) -> InferenceMessage:

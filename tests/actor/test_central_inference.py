@@ -75,7 +75,9 @@ class Server:
     (:meth:`turn`) or by a thread of its own (:meth:`running`), with the learner's weights channel a
     PUB socket of the test (:meth:`publish`)."""
 
-    def __init__(self, context: zmq.Context, build: Callable[[], ActorCritic]) -> None:
+    def __init__(
+        self, context: zmq.Context, build: Callable[[], ActorCritic], max_bytes: int = MAX_BYTES
+    ) -> None:
         self.publisher = context.socket(zmq.PUB)
         self.publisher.bind(WEIGHTS_ADDRESS)
         router = context.socket(zmq.ROUTER)
@@ -84,7 +86,7 @@ class Server:
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(WEIGHTS_ADDRESS)
         self.models = ServedModels(build)
-        self.server = InferenceServer(self.models, router, sub, device="cpu", max_bytes=MAX_BYTES)
+        self.server = InferenceServer(self.models, router, sub, device="cpu", max_bytes=max_bytes)
         self.sockets = [self.publisher, router, sub]
 
     def publish(self, version: int, model: ActorCritic, revision: int = 0) -> None:
@@ -357,3 +359,14 @@ def test_a_request_sent_again_is_served_once(context: zmq.Context) -> None:
     finally:
         dealer.close(linger=0)
         server.close()
+
+
+def test_a_request_too_large_for_the_server_is_a_clear_error(context: zmq.Context) -> None:
+    """The weights of a request are more bytes than the server reads: it cannot read the request and
+    says why; the actor raises that at once instead of waiting out its timeout."""
+    server = Server(context, lambda: vector_model(seed=9), max_bytes=4096)
+    started = time.monotonic()
+    with server.running(), pytest.raises(CentralInferenceError, match="oversized"):
+        CentralForward(vector_model(), client(context, "actor-0"), policy_version=0)
+    server.close()
+    assert time.monotonic() - started < 5.0
