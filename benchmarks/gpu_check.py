@@ -38,7 +38,9 @@ on the CPU training is the limit by far.
 ``--compile-update MODE`` runs the production update with that ``compile_update`` (``default`` or
 ``reduce-overhead``: :mod:`oakemu_core.algo.compiled_update`); the bare loop stays eager, so
 ``production / bare`` below 1 is what compiling won over plain eager SGD steps. The first update
-then includes the compile (printed as ``first update``). ``--seconds 0`` leaves out the end-to-end
+then includes the compile (printed as ``first update``; the second compiles the decoupled objective's
+signature), and a line says how many signatures were compiled and whether the update fell back to
+eager (``compile`` in the JSON). ``--seconds 0`` leaves out the end-to-end
 part; ``--json FILE`` also writes every figure to FILE (one object: part 1's when it ends, then
 all of them).
 
@@ -163,10 +165,13 @@ def bare_update_seconds(
     return time.perf_counter() - start
 
 
-def update_rows(args: argparse.Namespace, config: OakEmuConfig, device: str) -> list[UpdateRow]:
+def update_rows(
+    args: argparse.Namespace, config: OakEmuConfig, device: str
+) -> tuple[list[UpdateRow], dict[str, Any]]:
     """Part 1: ``args.updates`` rollouts of real Breakout steps, each trained by the production path
     (timed) and then by the bare loop on a copy of the model (timed); each row printed as it comes
-    (:func:`print_update_row`)."""
+    (:func:`print_update_row`). Returns the rows and what the compiled update did
+    (:func:`compile_state`)."""
     # One emulator thread: idle emulator threads would compete with torch's for the cores while the
     # updates are timed.
     env = make_vector_env(config.env_id, config.num_envs, seed=1, num_threads=1)
@@ -199,7 +204,7 @@ def update_rows(args: argparse.Namespace, config: OakEmuConfig, device: str) -> 
                             _one_update(trainer, stepper, buffer, bare_model, bare_optimizer, rng)
                         )
                         print_update_row(len(rows), rows[-1])
-                    return rows
+                    return rows, compile_state(learner.updater.minibatch_loss)
             finally:
                 trainer.close()
     finally:
@@ -241,6 +246,25 @@ def _one_update(
         stats.policy_loss,
         stats.approx_kl,
     )
+
+
+def compile_state(loss: Any) -> dict[str, Any]:
+    """What a :class:`~oakemu_core.algo.compiled_update.MinibatchLoss` did: its mode, whether it
+    still runs compiled (False after a failed compile, and for ``none``), the signatures compiled
+    and the minibatches run eagerly for want of room. Printed in one line."""
+    state = {
+        "mode": loss.mode,
+        "still_compiled": loss.compiled,
+        "signatures": sorted(loss.signatures),
+        "eager_minibatches": loss.eager_signatures,
+    }
+    if loss.mode != "none":
+        print(
+            f"compile_update {loss.mode}: {len(loss.signatures)} signature(s) compiled, "
+            f"{'still compiled' if loss.compiled else 'FELL BACK TO EAGER (see the log)'}, "
+            f"{loss.eager_signatures} minibatch(es) eager for want of room"
+        )
+    return state
 
 
 def timed_learner(records: list[tuple[float, float, int]]) -> type[PPOLearner]:
@@ -443,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         "cuda": torch.version.cuda,
     }
     torch.manual_seed(1)
-    figures["update"] = report_updates(update_rows(args, config, device))
+    rows, figures["compile"] = update_rows(args, config, device)
+    figures["update"] = report_updates(rows)
     _write_json(args.json, figures)  # part 1 kept, should part 3 not end
     if args.seconds > 0:
         ingested, records = end_to_end(args, settings)

@@ -232,6 +232,8 @@ def test_the_quick_form_runs_its_steps_and_writes_every_figure(tmp_path: Path) -
         assert figures["update"]["ratio_deviation_max"] < 1e-5
         assert figures["update"]["production_ms"] > 0 and figures["update"]["bare_ms"] > 0
     assert compiled["update"]["first_update_s"] > compiled["update"]["production_ms"] / 1e3
+    assert compiled["compile"]["still_compiled"] and compiled["compile"]["signatures"]
+    assert eager["compile"]["mode"] == "none" and not eager["compile"]["still_compiled"]
     assert eager["end_to_end"]["updates"] >= 1
     breakout = steps["breakout"]["figures"]
     assert breakout["updates"] >= 1 and breakout["global_step"] >= 1024
