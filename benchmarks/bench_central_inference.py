@@ -16,7 +16,7 @@ many actors). The device check (a GPU machine; what ``benchmarks/gpu_check.py`` 
         --envs-per-actor 8 --breakout-steps 200000 --mode async
 
 Usage: ``python benchmarks/bench_central_inference.py [--envs cartpole breakout] [--actors 2]
-[--envs-per-actor 8] [--cartpole-steps 65536] [--breakout-steps 16384] [--mode async]
+[--envs-per-actor 8] [--cartpole-steps 32768] [--breakout-steps 8192] [--mode async]
 [--device cpu] [--repeats 1] [--json out.json]``
 """
 
@@ -169,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--envs", nargs="+", choices=sorted(ENVS), default=["cartpole", "breakout"])
     parser.add_argument("--actors", type=int, default=2)
     parser.add_argument("--envs-per-actor", type=int, default=8)
-    parser.add_argument("--cartpole-steps", type=int, default=65_536)
-    parser.add_argument("--breakout-steps", type=int, default=16_384)
+    parser.add_argument("--cartpole-steps", type=int, default=32_768)
+    parser.add_argument("--breakout-steps", type=int, default=8_192)
     parser.add_argument("--mode", choices=("async", "sync"), default="async")
     parser.add_argument(
         "--device", default="cpu", help="the learner's and the inference server's device"
