@@ -32,8 +32,9 @@ that a change of machine load does not always hit the same system):
   what an untrained policy samples) on the evaluation env (:func:`oakemu_core.envs.make_eval_env`),
   seeded ``seed + 1000``: the baseline.
 
-Torch intra-op threads are each side's default (SB3: torch's, one per core; OakEmu: its fitted learner
-and actor threads), as a user would run them.
+Torch intra-op threads: ``--torch-threads`` (default 1) for the SB3 process and OakEmu's learner
+(``--learner-threads``; its actors use 1 each anyway); 0 leaves each side's default (torch's, one per
+core, whose threads wait on each other on a busy machine: docs/benchmarks.md).
 
 What the numbers mean (``bench_vs_sb3.py``'s definitions): ``window k``: the mean raw game score of the
 training episodes that ended in the k-th tenth of the budget; ``last100``: of the last 100 training
@@ -150,14 +151,20 @@ def game_files(game: Game, folder: Path) -> tuple[str, str | None]:
 
 
 def sb3_spec(
-    *, env_id: str, settings_file: str | None, subprocesses: bool, seed: int, steps: int
+    *,
+    env_id: str,
+    settings_file: str | None,
+    subprocesses: bool,
+    seed: int,
+    steps: int,
+    torch_threads: int = 1,
 ) -> dict:
     """What the SB3 side trains with: the ``airstriker`` preset's settings (with the configuration's
     defaults) as SB3's ``PPO`` keyword arguments, the env and the vector env kind.
 
     ``vf_coef`` is halved (OakEmu-RL's value loss is 0.5 x MSE, SB3's the MSE); ``clip_range_vf`` is the
     preset's resolved ``clip_value_range`` (None for emulator ids); ``learning_rate`` falls linearly to 0
-    when the preset anneals it (``"lin"`` schedule).
+    when the preset anneals it (``"lin"`` schedule). ``torch_threads``: 0 keeps torch's default.
     """
     from oakemu_core.config import OakEmuConfig
     from oakemu_core.presets import load_preset
@@ -171,6 +178,7 @@ def sb3_spec(
         "steps": steps,
         "n_envs": num_envs,
         "vec_env": "subproc" if subprocesses else "dummy",
+        "torch_threads": torch_threads,
         "clip_rewards": bool(config.resolved_clip_rewards),
         "schedule": "lin" if config.anneal_lr else "constant",
         "ppo": {
@@ -219,22 +227,21 @@ def sb3_worker(spec: dict) -> dict:
     ``(num_timesteps when it ended, raw score)``."""
     import functools
 
+    import torch
     from stable_baselines3 import PPO
     from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv
 
+    env = (spec["env_id"], spec["settings_file"])
     makers = [
-        functools.partial(
-            _monitored_env,
-            spec["env_id"],
-            spec["settings_file"],
-            spec["seed"] + i,
-            spec["clip_rewards"],
-        )
+        functools.partial(_monitored_env, *env, spec["seed"] + i, spec["clip_rewards"])
         for i in range(spec["n_envs"])
     ]
+    if spec["torch_threads"]:
+        torch.set_num_threads(spec["torch_threads"])
     venv = SubprocVecEnv(makers) if spec["vec_env"] == "subproc" else DummyVecEnv(makers)
     venv.seed(spec["seed"])
+    start_s = time.perf_counter()
 
     class GameLog(BaseCallback):
         def __init__(self) -> None:
@@ -246,6 +253,16 @@ def sb3_worker(spec: dict) -> dict:
                 if "episode" in info:  # the Monitor under the clipping: the raw game score
                     self.games.append((int(self.num_timesteps), float(info["episode"]["r"])))
             return True
+
+        def _on_rollout_end(self) -> None:  # progress in the worker's log, every 10th rollout
+            if self.model._n_updates % (10 * spec["ppo"]["n_epochs"]) == 0:
+                recent = [r for _, r in self.games[-100:]]
+                print(
+                    f"{self.num_timesteps} env steps, {time.perf_counter() - start_s:.0f} s, "
+                    f"{len(self.games)} episodes, last-100 {_mean(recent):.1f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     ppo = dict(spec["ppo"])
     start = ppo.pop("learning_rate")
@@ -304,13 +321,17 @@ def oakemu_command(
     steps: int,
     runs_dir: Path,
     run_name: str,
+    torch_threads: int,
     extra: list[str],
 ) -> list[str]:
     """``oakemu train --preset airstriker`` with the budget, seed and run folder (and, for another env than
-    the preset's, ``--env`` and ``--emulator-settings``); evaluation as the preset has it."""
+    the preset's, ``--env`` and ``--emulator-settings``; ``--learner-threads`` unless ``torch_threads``
+    is 0); evaluation as the preset has it."""
     env = [] if env_id == GAMES["airstriker"].env_id else ["--env", env_id]
     if settings_file is not None:
         env += ["--emulator-settings", settings_file]
+    if torch_threads:
+        env += ["--learner-threads", str(torch_threads)]
     return [
         sys.executable,
         "-m",
@@ -333,26 +354,10 @@ def oakemu_command(
     ]
 
 
-def run_oakemu(
-    *,
-    env_id: str,
-    settings_file: str | None,
-    seed: int,
-    steps: int,
-    runs_dir: Path,
-    run_name: str,
-    extra: list[str],
-) -> dict:
+def run_oakemu(*, runs_dir: Path, run_name: str, **command_args: Any) -> dict:
+    """Run :func:`oakemu_command` (``command_args``: its other arguments) and read the run folder."""
     run_dir = fresh_run_dir(runs_dir, run_name)
-    command = oakemu_command(
-        env_id=env_id,
-        settings_file=settings_file,
-        seed=seed,
-        steps=steps,
-        runs_dir=runs_dir,
-        run_name=run_name,
-        extra=extra,
-    )
+    command = oakemu_command(runs_dir=runs_dir, run_name=run_name, **command_args)
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     start = time.perf_counter()
     with open(runs_dir / f"{run_name}.log", "wb") as log:
@@ -460,16 +465,12 @@ def summarize(
     }
 
 
-def random_record(
-    returns: list[float], *, game: str, env_id: str, seed: int, wall_s: float, load: list[float]
-) -> dict:
+def random_record(returns: list[float], *, seed: int, wall_s: float) -> dict:
     """The random-play baseline's record: mean and population std of the raw returns."""
     import numpy as np
 
     return {
         "system": "random",
-        "game": game,
-        "env_id": env_id,
         "seed": seed,
         "episodes": len(returns),
         "mean": round(float(np.mean(returns)), 2),
@@ -477,16 +478,11 @@ def random_record(
         "returns": returns,
         "wall_s": wall_s,
         "commit": _commit(),
-        "load_1min": load,
     }
 
 
-def _write(path: Path, record: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1) + "\n")
-
-
 def run_one(args: argparse.Namespace, system: str, seed: int, runs_dir: Path) -> None:
+    """Train (or play, for ``random``) one run of ``args.game`` and write its record."""
     game = GAMES[args.game]
     env_id, settings_file = game_files(game, runs_dir / f"{game.name}-rom")
     label = args.label if system == "oakemu" else system
@@ -501,9 +497,8 @@ def run_one(args: argparse.Namespace, system: str, seed: int, runs_dir: Path) ->
     with LoadSampler() as load:
         start = time.perf_counter()
         if system == "random":
-            returns = random_returns(
-                env_id, settings_file, args.random_episodes, seed + RANDOM_SEED_OFFSET
-            )
+            random_seed = seed + RANDOM_SEED_OFFSET
+            returns = random_returns(env_id, settings_file, args.random_episodes, random_seed)
             wall = time.perf_counter() - start
         elif system == REFERENCE:
             spec = sb3_spec(
@@ -512,12 +507,11 @@ def run_one(args: argparse.Namespace, system: str, seed: int, runs_dir: Path) ->
                 subprocesses=game.subprocesses,
                 seed=seed,
                 steps=args.steps,
+                torch_threads=args.torch_threads,
             )
+            log_name = f"sb3-{game.name}-s{seed}"
             result = run_sb3(
-                sb3_python=args.sb3_python,
-                spec=spec,
-                runs_dir=runs_dir,
-                log_name=f"sb3-{game.name}-s{seed}",
+                sb3_python=args.sb3_python, spec=spec, runs_dir=runs_dir, log_name=log_name
             )
         else:
             result = run_oakemu(
@@ -527,33 +521,24 @@ def run_one(args: argparse.Namespace, system: str, seed: int, runs_dir: Path) ->
                 steps=args.steps,
                 runs_dir=runs_dir,
                 run_name=f"{label}-{game.name}-s{seed}",
+                torch_threads=args.torch_threads,
                 extra=shlex.split(args.oakemu_args),
             )
     if system == "random":
-        record = random_record(
-            returns,
-            game=game.name,
-            env_id=env_id,
-            seed=seed + RANDOM_SEED_OFFSET,
-            wall_s=wall,
-            load=load.figures(),
+        record = random_record(returns, seed=random_seed, wall_s=wall)
+        record.update(game=game.name, env_id=env_id, load_1min=load.figures())
+        summary = f"random {record['mean']:.1f} +- {record['std']:.1f}, {len(returns)} episodes"
+    else:
+        figures = load.figures()
+        record = summarize(
+            result, label=label, game=game.name, seed=seed, steps=args.steps, load=figures
         )
-        _write(path, record)
-        print(
-            f"   random {record['mean']:.1f} +- {record['std']:.1f} over {record['episodes']} episodes -> {path}"
-        )
-        return
-    record = summarize(
-        result, label=label, game=game.name, seed=seed, steps=args.steps, load=load.figures()
-    )
+        summary = f"last100 {record['last100']:.1f}, wall {record['wall_s']:.0f} s, SPS {record['sps']:.0f}"
     if game.settings is not None:
         record["emulator_settings"] = game.settings
-    _write(path, record)
-    print(
-        f"   last100 {record['last100']:.1f}, wall {record['wall_s']:.0f} s, SPS "
-        f"{record['sps']:.0f}, load {record['load_1min']} -> {path}",
-        flush=True,
-    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"   {summary}, load {record['load_1min']} -> {path}", flush=True)
 
 
 def run_series(args: argparse.Namespace) -> None:
@@ -640,6 +625,12 @@ def main(argv: list[str] | None = None) -> int:
         "--label", default="oakemu", help="the name OakEmu's runs are recorded under"
     )
     parser.add_argument("--oakemu-args", default="", help="more `oakemu train` flags, one string")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch threads of the SB3 process and OakEmu's learner (0: each side's default)",
+    )
     parser.add_argument("--random-episodes", type=int, default=100, help="episodes of random play")
     parser.add_argument("--sb3-python", default=sys.executable, help="the SB3 venv's python")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (%(default)s)")
@@ -665,8 +656,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.steps, args.random_episodes = QUICK_STEPS, QUICK_EPISODES
     args.steps = args.steps or GAMES[args.game].steps
-    if args.steps < 1 or args.random_episodes < 1:
-        parser.exit(2, "--steps and --random-episodes: expected >= 1\n")
+    if args.steps < 1 or args.random_episodes < 1 or args.torch_threads < 0:
+        parser.exit(2, "--steps, --random-episodes: expected >= 1; --torch-threads: >= 0\n")
     run_series(args)
     return 0
 

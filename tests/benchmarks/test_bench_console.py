@@ -63,6 +63,7 @@ def test_sb3_gets_the_hyperparameters_oakemu_trains_with(
         steps=4096,
         runs_dir=tmp_path,
         run_name="r",
+        torch_threads=1,
         extra=[],
     )
     config = _train_config(command[4:], monkeypatch)
@@ -72,6 +73,7 @@ def test_sb3_gets_the_hyperparameters_oakemu_trains_with(
         subprocesses=game.subprocesses,
         seed=3,
         steps=4096,
+        torch_threads=1,
     )
     ppo = spec["ppo"]
     assert (config.env_id, config.emulator_settings) == (spec["env_id"], spec["settings_file"])
@@ -92,6 +94,19 @@ def test_sb3_gets_the_hyperparameters_oakemu_trains_with(
     assert config.resolved_clip_rewards and spec["clip_rewards"]
     assert config.mode == "async" and config.eval_every_updates == 25  # the preset's, untouched
     assert spec["vec_env"] == ("subproc" if name == "airstriker" else "dummy")
+    assert config.learner_threads == spec["torch_threads"] == 1
+
+
+def test_torch_threads_0_leaves_each_side_its_default(tmp_path: Path) -> None:
+    common = {"seed": 1, "steps": 512, "runs_dir": tmp_path, "run_name": "r", "extra": []}
+    command = bench.oakemu_command(
+        env_id="retro:Airstriker-Genesis-v0", settings_file=None, torch_threads=0, **common
+    )
+    assert "--learner-threads" not in command and "--env" not in command  # the preset's own env
+    with_one = bench.oakemu_command(
+        env_id="retro:Airstriker-Genesis-v0", settings_file=None, torch_threads=1, **common
+    )
+    assert with_one[with_one.index("--learner-threads") + 1] == "1"
 
 
 class _Recorder(gymnasium.Wrapper):
