@@ -19,7 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e_helpers import E2EProcesses, describe_all, read_jsonl, update_records
+from tests.e2e_helpers import (
+    E2EProcesses,
+    describe_all,
+    only_run_dir,
+    python_path_with_site_hook,
+    read_jsonl,
+    update_records,
+)
 
 STEP_BUDGET = 24_576
 """Env steps: 24 rollouts of 128 steps x 8 columns."""
@@ -144,3 +151,39 @@ def test_a_killed_inference_server_is_restarted_and_the_run_finishes(e2e: E2EPro
     assert max(d for d in deviations if d is not None) < RATIO_TOLERANCE
     server_log = (run.run_dir / "logs" / "inference.log").read_text(errors="replace")
     assert server_log.count("inference server on cpu") == 2, server_log[-2000:]
+
+
+BROKEN_SERVER = """
+import os
+if os.environ.get("OAKEMU_INFERENCE_ADDRESS") and not os.environ.get("OAKEMU_ACTOR_ID"):
+    print("RuntimeError: the inference server broke", flush=True)
+    os._exit(1)
+"""
+"""A site hook that ends the inference server at its start (the actors have an actor id)."""
+
+
+@pytest.mark.slow
+def test_a_server_that_keeps_failing_stops_the_run_with_one_line(
+    e2e: E2EProcesses, tmp_path: Path
+) -> None:
+    """An inference server that exits with an error at every start is restarted ``actor_restarts``
+    times, then the run stops: exit 1, the reason and the server's error in one line, every process
+    stopped (the actors were waiting for the server), nothing left in /dev/shm."""
+    path = python_path_with_site_hook(tmp_path, BROKEN_SERVER)
+    args = [*SETTINGS, "--total-env-steps", "4096", "--actor-inference", "central"]
+    train = e2e.start(
+        "train", ["train", *args, "--actor-restarts", "1", *e2e.flags()], env={"PYTHONPATH": path}
+    )
+    assert train.wait(240) == 1, train.describe()
+    stderr = train.stderr()
+    assert "inference exited with status 1; restarting (1/1)" in stderr, stderr
+    assert (
+        "inference exited with status 1 (same error: RuntimeError: the inference server broke)"
+        in stderr
+    )
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert lines == [
+        "error: the inference server stopped for good, the run cannot go on; its error: "
+        f"RuntimeError: the inference server broke (logs: {only_run_dir(e2e.runs_dir) / 'logs'})"
+    ], stderr
+    e2e.assert_clean(30.0)
