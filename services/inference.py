@@ -10,7 +10,6 @@ socket (an ``ipc://`` address in a private temporary folder of the launcher,
 1. every message waiting on the learner's weights channel is read (not only the newest, as an actor
    does: an actor may act with any of them) and loaded into a model of its own
    (:class:`ServedModels`: the newest :data:`KEEP_VERSIONS` weights, ``(policy_version, revision)``);
-   the learner's stop notice ends the server;
 2. the requests waiting are drained (at most :data:`MAX_BATCH_REQUESTS`), grouped by the weights they
    name, and each group's observations go through ONE forward pass; the outputs are split back into
    one reply per request;
@@ -219,9 +218,6 @@ class InferenceServer:
         after :data:`~oakemu_core.actor.central_inference.RESEND_S` is dropped when already taken)."""
         self.stats = BatchStats()
         self.total = BatchStats()
-        self.run_ended: str | None = None
-        """The reason of the learner's stop notice, once it came (the server still serves the
-        actors' last requests until it is stopped)."""
         self.poller = zmq.Poller()
         for sock in (router, weights):
             if sock is not None:
@@ -266,8 +262,7 @@ class InferenceServer:
             except MessageRejected as error:
                 log.warning("inference: malformed weights message ignored: %s", error)
                 continue
-            if isinstance(message, StopNotice):
-                self.run_ended = message.reason
+            if isinstance(message, StopNotice):  # the actors' last requests are still answered
                 log.info("inference: the learner announced the end of the run (%s)", message.reason)
             elif isinstance(message, WeightsMessage):
                 self._add((message.policy_version, message.revision), message.weights, "learner")
