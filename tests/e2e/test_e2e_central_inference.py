@@ -1,6 +1,6 @@
 """End to end: ``oakemu train --actor-inference central`` (one inference server process runs both
-actors' forward passes) learns CartPole-v1 as local inference does in ``test_e2e_cartpole.py``, and
-survives the server's death.
+actors' forward passes) learns CartPole-v1 as local inference does in ``test_e2e_cartpole.py``,
+survives the server's death, and stops in one line when the server keeps failing.
 
 Success criterion, as ``test_e2e_cartpole.py``'s: the mean episodic return of 20 consecutive finished
 episodes reaches 195 within a fixed env-step budget, with a fixed seed, here in the synchronous mode
