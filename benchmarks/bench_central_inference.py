@@ -4,7 +4,7 @@ Breakout's Nature CNN) and in one inference server process (``--actor-inference 
 same invocation, interleaved, with the machine's load before each run.
 
 Printed per run: env steps/s from the first PPO update to the last (``global_step`` and ``wall_time``
-of ``metrics.jsonl``: start-up left out), the run's wall time, and for central inference the
+of ``metrics.jsonl``: start-up left out; a run of one update: its ``charts/SPS``), the run's wall time, and for central inference the
 server's batches (requests and rows per forward pass, from its log); then per env the ratio central /
 local of the median env steps/s. ``--json PATH`` writes every run.
 
@@ -133,8 +133,10 @@ def run_once(env: str, inference: str, args: argparse.Namespace) -> dict[str, An
             if '"charts/update"' in line
         ]
         first, last = records[0], records[-1]
-        sps = (last["global_step"] - first["global_step"]) / (
-            last["wall_time"] - first["wall_time"]
+        sps = (
+            (last["global_step"] - first["global_step"]) / (last["wall_time"] - first["wall_time"])
+            if len(records) > 1
+            else last["charts/SPS"]  # one update: the learner's SPS since its start
         )
         server_log = run_dir / "logs" / "inference.log"
         return {
