@@ -29,7 +29,9 @@ import optuna
 import sqlalchemy.exc
 from sqlalchemy.engine import make_url
 
+from oakemu_core.config import make_config
 from oakemu_core.errors import ConfigError
+from oakemu_core.presets import load_preset
 from oakemu_core.run.callbacks import Callback, EvaluationInfo
 from oakemu_core.tuning.search_space import load_space
 
@@ -283,10 +285,12 @@ def make_objective(
 
     The trial's user attributes record ``run_dir``, ``worker`` (``host:pid``), ``env_steps`` and, for a
     failed trial, ``error`` (one line). ``failures`` (and :class:`TrialError`) are re-raised after being
-    recorded (the worker's ``study.optimize`` catches them: FAIL); a pruned run raises
-    ``optuna.TrialPruned``."""
+    recorded (the worker's ``study.optimize`` catches them: FAIL). A run the pruner stopped before its
+    budget raises ``optuna.TrialPruned``; one whose stop came as it ended (its last evaluation) trained
+    its whole budget and is scored as complete."""
     space = load_space(spec.space_path)
     runs_dir = Path(spec.settings["runs_dir"])
+    base = load_preset(spec.preset).settings if spec.preset is not None else {}
 
     def objective(trial: optuna.Trial) -> float:
         params = space.suggest(trial)
@@ -304,7 +308,8 @@ def make_objective(
             trial.set_user_attr("error", "stopped by a signal")
             raise
         trial.set_user_attr("env_steps", run.global_step)
-        if run.stopped_by_callback and pruning.pruned_at is not None:
+        stopped_early = run.global_step < make_config(base, **settings).total_env_steps
+        if run.stopped_by_callback and pruning.pruned_at is not None and stopped_early:
             raise optuna.TrialPruned(f"pruned after {pruning.pruned_at} env steps")
         value = objective_value(run, spec.objective)
         if value is None:

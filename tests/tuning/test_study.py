@@ -16,6 +16,7 @@ from oakemu_core.run.callbacks import EvaluationInfo
 from oakemu_core.tuning.study import (
     PruningCallback,
     StudySpec,
+    make_objective,
     open_storage,
     open_study,
     run_worker,
@@ -172,6 +173,22 @@ def test_the_pruning_callback_reports_each_evaluation_and_stops_a_run_the_pruner
     assert going.on_evaluation(_evaluation(500, 1.0)) is None
     assert going.on_evaluation(_evaluation(900, 2.0)) is None and going.pruned_at is None
     assert study.trials[0].intermediate_values == {1000: 5.0}
+
+
+def test_a_run_the_pruner_stops_only_as_it_ends_counts_as_complete(tmp_path: Path) -> None:
+    """A pruner that says "prune" at a run's last evaluation stops nothing: the run trained its budget."""
+    spec = _spec(tmp_path, trials=2)
+    spec.settings["total_env_steps"] = 4000
+
+    def train(preset: str | None, callbacks: list[Any], verbose: int, **settings: Any) -> FakeRun:
+        last = 1000 if settings["run_name"] == "trial-0" else 4000  # where the pruner's stop lands
+        stopped = callbacks[0].on_evaluation(_evaluation(last, 3.0)) is False
+        return FakeRun(3.0, global_step=last, stopped_by_callback=stopped)
+
+    study = optuna.create_study(direction="maximize", pruner=AlwaysPrune())
+    study.optimize(make_objective(spec, train, ()), n_trials=2)
+    assert [trial.state.name for trial in study.trials] == ["PRUNED", "COMPLETE"]
+    assert study.trials[1].value == 3.0
 
 
 def test_a_trial_whose_run_the_pruner_stopped_is_pruned(tmp_path: Path) -> None:
