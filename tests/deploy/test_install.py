@@ -34,17 +34,23 @@ def install_steps(venv: Path, *args: str) -> list[str]:
 
 
 def extras_installed(steps: list[str]) -> list[str]:
-    """The ``pip install -e .[EXTRA]`` extras among ``steps``, in order."""
-    return [match.group(1) for step in steps if (match := re.search(r" -e \.\[(\w+)\]$", step))]
+    """The extras of the ``pip install -e .[EXTRA,...]`` steps among ``steps``, in order."""
+    return [
+        extra
+        for step in steps
+        if (match := re.search(r" -e \.\[([\w,]+)\]$", step))
+        for extra in match.group(1).split(",")
+    ]
 
 
-def test_a_fresh_machine_gets_the_presets_extra_and_no_test_tools(tmp_path: Path) -> None:
+def test_a_fresh_machine_gets_the_presets_and_tune_extras_and_no_test_tools(tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     steps = install_steps(venv, "train", "--preset", "airstriker")
-    assert extras_installed(steps) == ["presets"], steps
+    assert extras_installed(steps) == ["presets", "tune"], steps
     assert any("torch" in step for step in steps) and not venv.exists()
     assert extras_installed(install_steps(venv, "test")) == [
         "presets",
+        "tune",
         "dev",
     ]  # the test tools on top
 
@@ -65,7 +71,7 @@ def test_the_test_tools_come_on_the_first_test_run_and_installs_rerun_after_pypr
     older = (REPO_ROOT / "pyproject.toml").stat().st_mtime - 10
     os.utime(main, (older, older))  # pyproject.toml changed since the main install
     steps = install_steps(venv, "train")
-    assert extras_installed(steps) == ["presets"] and not any(
+    assert extras_installed(steps) == ["presets", "tune"] and not any(
         "venv" in step.split()[:3] for step in steps
     ), steps
 
