@@ -197,10 +197,10 @@ def test_mistakes_are_one_line_and_exit_2(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_the_quick_form_runs_its_steps_and_writes_every_figure(tmp_path: Path) -> None:
-    """``--quick --device cpu`` (central inference left out: another benchmark's time): every step
-    ``ok``; the tests passed with one JSON line each and the same totals in junit.xml; the update
-    overhead eager and compiled with the actors' and learner's log-probs agreeing, the compiled
-    run's first update holding its compile; the Breakout run trained its update on the CPU."""
+    """``--quick --device cpu`` (the compiled update and central inference left out: their inductor
+    compile and runs are other tests' time): every step ``ok``; the tests passed with one JSON line
+    each and the same totals in junit.xml; the update overhead with the actors' and learner's
+    log-probs agreeing; the Breakout run trained its update on the CPU."""
     out = tmp_path / "check"
     result = subprocess.run(
         [
@@ -212,7 +212,7 @@ def test_the_quick_form_runs_its_steps_and_writes_every_figure(tmp_path: Path) -
             "--device",
             "cpu",
             "--steps",
-            "tests,overhead_eager,overhead_compiled,breakout",
+            "tests,overhead_eager,breakout",
         ],
         cwd=REPO_ROOT,
         capture_output=True,
@@ -226,18 +226,15 @@ def test_the_quick_form_runs_its_steps_and_writes_every_figure(tmp_path: Path) -
     tests = steps["tests"]["figures"]
     assert tests["outcomes"]["passed"] >= 5 and tests["failed"] == []
     assert tests["junit"]["tests"] == sum(tests["outcomes"].values())
-    eager, compiled = steps["overhead_eager"]["figures"], steps["overhead_compiled"]["figures"]
-    assert (eager["compile_update"], compiled["compile_update"]) == ("none", "default")
-    for figures in (eager, compiled):
-        assert figures["update"]["ratio_deviation_max"] < 1e-5
-        assert figures["update"]["production_ms"] > 0 and figures["update"]["bare_ms"] > 0
-    assert compiled["update"]["first_update_s"] > compiled["update"]["production_ms"] / 1e3
-    assert compiled["compile"]["still_compiled"] and compiled["compile"]["signatures"]
+    eager = steps["overhead_eager"]["figures"]
+    assert eager["compile_update"] == "none"
+    assert eager["update"]["ratio_deviation_max"] < 1e-5
+    assert eager["update"]["production_ms"] > 0 and eager["update"]["bare_ms"] > 0
     assert eager["compile"]["mode"] == "none" and not eager["compile"]["still_compiled"]
     assert eager["end_to_end"]["updates"] >= 1
     breakout = steps["breakout"]["figures"]
     assert breakout["updates"] >= 1 and breakout["global_step"] >= 1024
     assert breakout["learner_device"] == "cpu"
-    assert steps["central_inference"]["status"] == "skipped"
+    assert steps["overhead_compiled"]["status"] == steps["central_inference"]["status"] == "skipped"
     table = (out / "summary.md").read_text()
     assert all(f"| {name} | ok |" in table for name in ("tests", "overhead_eager", "breakout"))
