@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from oakemu_services.arg_types import positive_float, positive_int
 from oakemu_services.runtime import startup_done
 from oakemu_services.tune_cli import add_tune_parser, tune_arguments
 
@@ -185,7 +186,7 @@ def _add_monitor(commands: Any) -> None:
     monitor.add_argument("--once", action="store_true", help="print one snapshot and exit")
     monitor.add_argument(
         "--timeout",
-        type=_positive_float,
+        type=positive_float,
         default=DEFAULT_MONITOR_TIMEOUT_S,
         metavar="S",
         help="give up with an error when no snapshot arrives within S seconds "
@@ -207,7 +208,7 @@ def _add_evaluate(commands: Any) -> None:
         help="checkpoint file, run folder, or a folder written by oakemu export",
     )
     evaluate.add_argument(
-        "--episodes", type=_positive_int, default=10, metavar="N", help="episodes (default 10)"
+        "--episodes", type=positive_int, default=10, metavar="N", help="episodes (default 10)"
     )
     policy = evaluate.add_mutually_exclusive_group()
     policy.add_argument(
@@ -251,7 +252,7 @@ def _add_export(commands: Any) -> None:
     )
     export.add_argument(
         "--episodes",
-        type=_positive_int,
+        type=positive_int,
         default=10,
         metavar="N",
         help="evaluation episodes for the model card (default 10)",
@@ -302,7 +303,7 @@ def _add_record(commands: Any) -> None:
         help="env id (default with --checkpoint: the checkpoint's env)",
     )
     record.add_argument(
-        "--episodes", type=_positive_int, required=True, metavar="N", help="episodes to record"
+        "--episodes", type=positive_int, required=True, metavar="N", help="episodes to record"
     )
     record.add_argument(
         "--output", type=Path, required=True, metavar="DIR", help="dataset folder to create"
@@ -326,14 +327,14 @@ def _add_record(commands: Any) -> None:
     )
     record.add_argument(
         "--num-envs",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         metavar="K",
         help="envs played together (default 1)",
     )
     record.add_argument(
         "--max-episode-steps",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="M",
         help="time limit in agent steps (default: the env's own, or the checkpoint run's)",
@@ -597,26 +598,6 @@ def _exit_code(exit_request: SystemExit) -> int:
     if code is None:
         return 0
     return code if isinstance(code, int) else 1
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, received {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, received {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, received {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, received {text!r}")
-    return value
 
 
 def run() -> None:

@@ -10,6 +10,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from oakemu_services.arg_types import positive_float, positive_int
+
 from oakemu_core.config import OakEmuConfig, add_config_arguments
 from oakemu_core.options import given_settings
 from oakemu_core.presets import preset_names
@@ -32,28 +34,8 @@ STUDY_OPTIONS = (
 """The namespace's names that are :func:`~oakemu_services.tune.tune` arguments, not training settings."""
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, received {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, received {text!r}")
-    return value
-
-
 def _jobs(text: str) -> int | str:
-    return "auto" if text == "auto" else _count(text)
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, received {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, received {text!r}")
-    return value
+    return "auto" if text == "auto" else positive_int(text)
 
 
 def add_tune_parser(commands: Any) -> None:
@@ -78,7 +60,7 @@ def add_tune_parser(commands: Any) -> None:
     )
     study.add_argument(
         "--trials",
-        type=_count,
+        type=positive_int,
         default=20,
         metavar="N",
         help="the study's trial count: trials ended (complete, pruned or failed) over every worker, "
@@ -87,7 +69,7 @@ def add_tune_parser(commands: Any) -> None:
     study.add_argument(
         "--timeout",
         dest="timeout_s",
-        type=_seconds,
+        type=positive_float,
         default=None,
         metavar="S",
         help="start no trial after S seconds (a running trial ends first)",
@@ -151,7 +133,7 @@ def _add_storage_options(group: Any) -> None:
     group.add_argument(
         "--heartbeat",
         dest="heartbeat_s",
-        type=_count,
+        type=positive_int,
         default=10,
         metavar="S",
         help="seconds between a running trial's heartbeats; a trial silent for 3 (its worker was killed) "
