@@ -50,19 +50,29 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_spaces_vs_sb3 import REPO, _mean, _read_jsonl, fresh_run_dir  # sibling helpers
-from bench_vs_sb3 import _commit, curve
+from bench_spaces_vs_sb3 import REPO  # sibling helpers
+from sb3_series import (
+    comparison_table,
+    kept,
+    learn_logged,
+    linear_schedule,
+    load_records,
+    preset_command,
+    run_sb3_worker,
+    runs_folder,
+    sb3_worker_command,
+    series,
+    train_oakemu_run,
+    training_record,
+    write_record,
+)
 
 SYSTEMS = ("sb3", "oakemu")
 REFERENCE = "sb3"
-WINDOWS = 10
 RESULTS = REPO / "benchmarks" / "results" / "atari"
 DEFAULT_ENV = "ALE/Breakout-v5"
 DEFAULT_STEPS = 1_000_000
@@ -95,12 +105,11 @@ def result_path(out: Path, env_id: str, label: str, seed: int, steps: int) -> Pa
 
 def sb3_worker(spec: dict) -> dict:
     """Train one SB3 run (in a child process, the SB3 venv); returns every finished game as
-    ``(num_timesteps when it ended, raw score)``."""
+    ``(num_timesteps when it ended, raw score)``: the ``Monitor`` sits under ``AtariWrapper``."""
     import ale_py
     import gymnasium as gym
     from stable_baselines3 import PPO
     from stable_baselines3.common.atari_wrappers import AtariWrapper
-    from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.env_util import make_vec_env
     from stable_baselines3.common.vec_env import DummyVecEnv, VecFrameStack
 
@@ -115,62 +124,31 @@ def sb3_worker(spec: dict) -> dict:
         vec_env_cls=DummyVecEnv,
     )
     venv = VecFrameStack(venv, n_stack=zoo["frame_stack"])
-
-    def linear(start: float):
-        return lambda progress_remaining: progress_remaining * start
-
-    class GameLog(BaseCallback):
-        def __init__(self) -> None:
-            super().__init__()
-            self.games: list[tuple[int, float]] = []
-
-        def _on_step(self) -> bool:
-            for info in self.locals["infos"]:
-                if "episode" in info:  # the Monitor under AtariWrapper: a whole game ended
-                    self.games.append((int(self.num_timesteps), float(info["episode"]["r"])))
-            return True
-
     model = PPO(
         "CnnPolicy",
         venv,
         n_steps=zoo["n_steps"],
         n_epochs=zoo["n_epochs"],
         batch_size=zoo["batch_size"],
-        learning_rate=linear(2.5e-4),
-        clip_range=linear(0.1),
+        learning_rate=linear_schedule(2.5e-4),
+        clip_range=linear_schedule(0.1),
         vf_coef=zoo["vf_coef"],
         ent_coef=zoo["ent_coef"],
         seed=spec["seed"],
         device="cpu",
         verbose=0,
     )
-    log = GameLog()
-    model.learn(total_timesteps=spec["steps"], callback=log)
-    return {"env_steps": int(model.num_timesteps), "episodes": log.games}
+    return learn_logged(model, spec["steps"])
 
 
 def run_sb3(*, sb3_python: str, env_id: str, seed: int, steps: int, runs_dir: Path) -> dict:
     spec = {"env_id": env_id, "seed": seed, "steps": steps, "zoo": ZOO_ATARI}
-    log_path = runs_dir / f"sb3-{game_name(env_id)}-s{seed}.log"
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    command = [sb3_python, str(Path(__file__).resolve()), "--sb3-worker", json.dumps(spec)]
-    start = time.perf_counter()
-    with open(log_path, "w") as log:
-        process = subprocess.run(
-            command,
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            timeout=TIMEOUT_S,
-            check=False,
-        )
-    wall = time.perf_counter() - start
-    if process.returncode != 0:
-        raise RuntimeError(f"SB3 worker exited {process.returncode}; see {log_path}")
-    result = json.loads(process.stdout.strip().splitlines()[-1])
-    return {**result, "wall_s": wall, "settings": {"sb3": spec}}
+    result = run_sb3_worker(
+        sb3_worker_command(sb3_python, __file__, spec),
+        log_path=runs_dir / f"sb3-{game_name(env_id)}-s{seed}.log",
+        timeout_s=TIMEOUT_S,
+    )
+    return {**result, "settings": {"sb3": spec}}
 
 
 # ---------------------------------------------------------------------------------------------- OakEmu
@@ -180,171 +158,68 @@ def oakemu_command(
     *, env_id: str, seed: int, steps: int, runs_dir: Path, run_name: str, extra: list[str]
 ) -> list[str]:
     """``oakemu train --preset atari`` with the budget, seed, env and run folder; no periodic evaluation."""
-    return [
-        sys.executable,
-        "-m",
-        "oakemu_services.cli",
-        "train",
-        "--preset",
+    return preset_command(
         "atari",
-        "--env",
-        env_id,
-        "--total-env-steps",
-        str(steps),
-        "--seed",
-        str(seed),
-        "--eval-every-updates",
-        "0",
-        "--runs-dir",
-        str(runs_dir),
-        "--run-name",
-        run_name,
-        *extra,
-    ]
+        steps=steps,
+        seed=seed,
+        runs_dir=runs_dir,
+        run_name=run_name,
+        leading=["--env", env_id],
+        trailing=["--eval-every-updates", "0"],
+        extra=extra,
+    )
 
 
 def run_oakemu(
     *, label: str, env_id: str, seed: int, steps: int, runs_dir: Path, extra: list[str]
 ) -> dict:
     run_name = f"{label}-{game_name(env_id)}-s{seed}"
-    run_dir = fresh_run_dir(runs_dir, run_name)
     command = oakemu_command(
         env_id=env_id, seed=seed, steps=steps, runs_dir=runs_dir, run_name=run_name, extra=extra
     )
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    start = time.perf_counter()
-    with open(runs_dir / f"{run_name}.log", "wb") as log:
-        process = subprocess.run(
-            command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=TIMEOUT_S
-        )
-    wall = time.perf_counter() - start
-    if process.returncode != 0:
-        raise RuntimeError(f"oakemu train exited {process.returncode}; see {run_dir}/logs")
-    metrics = _read_jsonl(run_dir / "metrics.jsonl")
-    episodes = sorted(_read_jsonl(run_dir / "episodes.jsonl"), key=lambda e: e["global_step"])
-    lags = [m["charts/policy_lag_mean"] for m in metrics if "charts/policy_lag_mean" in m]
-    return {
-        "wall_s": wall,
-        "env_steps": int(metrics[-1]["global_step"]) if metrics else 0,
-        "sps_logged": metrics[-1].get("charts/SPS") if metrics else None,
-        "policy_lag_mean": _mean(lags),
-        "episodes": [(int(e["global_step"]), float(e["episodic_return"])) for e in episodes],
-        "settings": {"oakemu_train": command[3:]},
-    }
+    result = train_oakemu_run(command, runs_dir=runs_dir, run_name=run_name, timeout_s=TIMEOUT_S)
+    return {**result, "settings": {"oakemu_train": command[3:]}}
 
 
 # ------------------------------------------------------------------------------------------- records
 
 
-def summarize(result: dict, *, label: str, env_id: str, seed: int, steps: int, load: tuple) -> dict:
-    """One run's record: the measures of the module docstring and the settings it ran with."""
-    episodes = result.pop("episodes")
-    return {
-        "system": label,
-        "env": env_id,
-        "seed": seed,
-        "steps": steps,
-        "commit": _commit(),
-        "cpus": os.cpu_count(),
-        "games": len(episodes),
-        "curve": curve(episodes, steps, WINDOWS),
-        "last100": round(_mean([r for _, r in episodes][-100:]), 2),
-        "sps": result["env_steps"] / result["wall_s"],
-        "load_1min": [round(load[0], 2), round(load[1], 2)],
-        **result,
-    }
-
-
 def run_series(args: argparse.Namespace) -> None:
     extra = shlex.split(args.oakemu_args)
-    runs_dir = args.runs_dir or Path(tempfile.mkdtemp(prefix="bench-atari-"))
-    runs_dir.mkdir(parents=True, exist_ok=True)
-    for index, seed in enumerate(args.seeds):
-        order = (
-            args.systems[index % len(args.systems) :] + args.systems[: index % len(args.systems)]
+    runs_dir = runs_folder(args.runs_dir, "bench-atari-")
+    for seed, system in series(args.seeds, args.systems):
+        label = REFERENCE if system == REFERENCE else args.label
+        path = result_path(args.out, args.env, label, seed, args.steps)
+        if kept(path, args.force, f"{label} seed {seed}"):
+            continue
+        print(f"-- {label} {args.env} seed {seed}, {args.steps} env steps ...", flush=True)
+        load_before = os.getloadavg()[0]
+        common = {"env_id": args.env, "seed": seed, "steps": args.steps, "runs_dir": runs_dir}
+        if system == REFERENCE:
+            result = run_sb3(sb3_python=args.sb3_python, **common)
+        else:
+            result = run_oakemu(label=label, extra=extra, **common)
+        record = training_record(
+            result,
+            identity={"system": label, "env": args.env, "seed": seed},
+            steps=args.steps,
+            load=[round(load_before, 2), round(os.getloadavg()[0], 2)],
         )
-        for system in order:
-            label = REFERENCE if system == REFERENCE else args.label
-            path = result_path(args.out, args.env, label, seed, args.steps)
-            if path.exists() and not args.force:
-                print(f"-- {label} seed {seed}: {path} exists, skipped (--force runs it again)")
-                continue
-            print(f"-- {label} {args.env} seed {seed}, {args.steps} env steps ...", flush=True)
-            load_before = os.getloadavg()[0]
-            if system == REFERENCE:
-                result = run_sb3(
-                    sb3_python=args.sb3_python,
-                    env_id=args.env,
-                    seed=seed,
-                    steps=args.steps,
-                    runs_dir=runs_dir,
-                )
-            else:
-                result = run_oakemu(
-                    label=label,
-                    env_id=args.env,
-                    seed=seed,
-                    steps=args.steps,
-                    runs_dir=runs_dir,
-                    extra=extra,
-                )
-            record = summarize(
-                result,
-                label=label,
-                env_id=args.env,
-                seed=seed,
-                steps=args.steps,
-                load=(load_before, os.getloadavg()[0]),
-            )
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(record, indent=1) + "\n")
-            print(
-                f"   last100 {record['last100']:.1f}, wall {record['wall_s']:.0f} s, SPS "
-                f"{record['sps']:.0f}, load {record['load_1min']} -> {path}",
-                flush=True,
-            )
+        write_record(path, record)
+        print(
+            f"   last100 {record['last100']:.1f}, wall {record['wall_s']:.0f} s, SPS "
+            f"{record['sps']:.0f}, load {record['load_1min']} -> {path}",
+            flush=True,
+        )
 
 
 # -------------------------------------------------------------------------------------------- report
 
 
-def load_records(out: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(out.glob("*/*.json"))]
-
-
 def report(records: list[dict]) -> str:
     """Markdown: one row per (game, label, steps) with the per-window means over its seeds, last100,
     wall and SPS, and the ratios to ``sb3``'s runs of the same game, steps and seeds."""
-    groups: dict[tuple, list[dict]] = {}
-    for record in records:
-        groups.setdefault((record["env"], record["system"], record["steps"]), []).append(record)
-    windows = " | ".join(f"w{k + 1}" for k in range(WINDOWS))
-    lines = [
-        f"| game | system | steps | seeds | {windows} | last100 | wall s | SPS | "
-        "last100 / SB3 | windows >= SB3 | wall / SB3 | load |",
-        "|" + " --- |" * (WINDOWS + 12),
-    ]
-    for (env, label, steps), rows in sorted(groups.items()):
-        seeds = sorted(r["seed"] for r in rows)
-        means = [_mean([r["curve"][k] for r in rows]) for k in range(WINDOWS)]
-        last100 = _mean([r["last100"] for r in rows])
-        wall = _mean([r["wall_s"] for r in rows])
-        cells = [f"{m:.1f}" for m in means]
-        reference = [r for r in groups.get((env, REFERENCE, steps), []) if r["seed"] in seeds]
-        if label != REFERENCE and sorted(r["seed"] for r in reference) == seeds:
-            ref_means = [_mean([r["curve"][k] for r in reference]) for k in range(WINDOWS)]
-            ratio_last = f"{last100 / _mean([r['last100'] for r in reference]):.2f}"
-            at_least = f"{sum(m >= rm for m, rm in zip(means, ref_means))}/{WINDOWS}"
-            ratio_wall = f"{wall / _mean([r['wall_s'] for r in reference]):.2f}"
-        else:
-            ratio_last = at_least = ratio_wall = "-"
-        loads = "; ".join(f"{r['load_1min'][0]}-{r['load_1min'][1]}" for r in rows)
-        lines.append(
-            f"| {game_name(env)} | {label} | {steps:,} | {','.join(map(str, seeds))} | "
-            f"{' | '.join(cells)} | {last100:.1f} | {wall:.0f} | "
-            f"{_mean([r['sps'] for r in rows]):.0f} | {ratio_last} | {at_least} | {ratio_wall} | {loads} |"
-        )
-    return "\n".join(lines)
+    return "\n".join(comparison_table(records, place="env", reference=REFERENCE, name=game_name))
 
 
 def main(argv: list[str] | None = None) -> int:

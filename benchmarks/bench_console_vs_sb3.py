@@ -66,9 +66,7 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -76,13 +74,28 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_spaces_vs_sb3 import REPO, _mean, _read_jsonl, fresh_run_dir  # sibling helpers
-from bench_vs_sb3 import _commit, curve
+from bench_spaces_vs_sb3 import REPO, _mean  # sibling helpers
+from bench_vs_sb3 import _commit
+from sb3_series import (
+    WINDOWS,
+    comparison_table,
+    kept,
+    learn_logged,
+    linear_schedule,
+    load_records,
+    preset_command,
+    run_sb3_worker,
+    runs_folder,
+    sb3_worker_command,
+    series,
+    train_oakemu_run,
+    training_record,
+    write_record,
+)
 from showcase_airstriker import read_curve
 
 SYSTEMS = ("sb3", "oakemu", "random")
 REFERENCE = "sb3"
-WINDOWS = 10
 PRESET = "airstriker"
 RESULTS = REPO / "benchmarks" / "results" / "console"
 TIMEOUT_S = 4 * 3600
@@ -229,7 +242,6 @@ def sb3_worker(spec: dict) -> dict:
 
     import torch
     from stable_baselines3 import PPO
-    from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv
 
     env = (spec["env_id"], spec["settings_file"])
@@ -243,33 +255,19 @@ def sb3_worker(spec: dict) -> dict:
     venv.seed(spec["seed"])
     start_s = time.perf_counter()
 
-    class GameLog(BaseCallback):
-        def __init__(self) -> None:
-            super().__init__()
-            self.games: list[tuple[int, float]] = []
-
-        def _on_step(self) -> bool:
-            for info in self.locals["infos"]:
-                if "episode" in info:  # the Monitor under the clipping: the raw game score
-                    self.games.append((int(self.num_timesteps), float(info["episode"]["r"])))
-            return True
-
-        def _on_rollout_end(self) -> None:  # progress in the worker's log, every 10th rollout
-            if self.model._n_updates % (10 * spec["ppo"]["n_epochs"]) == 0:
-                recent = [r for _, r in self.games[-100:]]
-                print(
-                    f"{self.num_timesteps} env steps, {time.perf_counter() - start_s:.0f} s, "
-                    f"{len(self.games)} episodes, last-100 {_mean(recent):.1f}",
-                    file=sys.stderr,
-                    flush=True,
-                )
+    def progress(log: Any) -> None:  # in the worker's log, every 10th rollout
+        if log.model._n_updates % (10 * spec["ppo"]["n_epochs"]) == 0:
+            recent = [r for _, r in log.episodes[-100:]]
+            print(
+                f"{log.num_timesteps} env steps, {time.perf_counter() - start_s:.0f} s, "
+                f"{len(log.episodes)} episodes, last-100 {_mean(recent):.1f}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     ppo = dict(spec["ppo"])
     start = ppo.pop("learning_rate")
-    if spec["schedule"] == "lin":
-        learning_rate: Any = lambda progress_remaining: progress_remaining * start  # noqa: E731
-    else:
-        learning_rate = start
+    learning_rate = linear_schedule(start) if spec["schedule"] == "lin" else start
     model = PPO(
         "CnnPolicy",
         venv,
@@ -279,35 +277,19 @@ def sb3_worker(spec: dict) -> dict:
         verbose=0,
         **ppo,
     )
-    log = GameLog()
-    try:
-        model.learn(total_timesteps=spec["steps"], callback=log)
+    try:  # the Monitor under the clipping: the raw game score
+        return learn_logged(model, spec["steps"], on_rollout_end=progress)
     finally:
         venv.close()
-    return {"env_steps": int(model.num_timesteps), "episodes": log.games}
 
 
 def run_sb3(*, sb3_python: str, spec: dict, runs_dir: Path, log_name: str) -> dict:
-    log_path = runs_dir / f"{log_name}.log"
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    command = [sb3_python, str(Path(__file__).resolve()), "--sb3-worker", json.dumps(spec)]
-    start = time.perf_counter()
-    with open(log_path, "w") as log:
-        process = subprocess.run(
-            command,
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            timeout=TIMEOUT_S,
-            check=False,
-        )
-    wall = time.perf_counter() - start
-    if process.returncode != 0:
-        raise RuntimeError(f"SB3 worker exited {process.returncode}; see {log_path}")
-    result = json.loads(process.stdout.strip().splitlines()[-1])
-    return {**result, "wall_s": wall, "settings": {"sb3": spec}}
+    result = run_sb3_worker(
+        sb3_worker_command(sb3_python, __file__, spec),
+        log_path=runs_dir / f"{log_name}.log",
+        timeout_s=TIMEOUT_S,
+    )
+    return {**result, "settings": {"sb3": spec}}
 
 
 # ---------------------------------------------------------------------------------------------- OakEmu
@@ -332,51 +314,25 @@ def oakemu_command(
         env += ["--emulator-settings", settings_file]
     if torch_threads:
         env += ["--learner-threads", str(torch_threads)]
-    return [
-        sys.executable,
-        "-m",
-        "oakemu_services.cli",
-        "train",
-        "--preset",
+    return preset_command(
         PRESET,
-        *env,
-        "--total-env-steps",
-        str(steps),
-        "--seed",
-        str(seed),
-        "--device",
-        "cpu",
-        "--runs-dir",
-        str(runs_dir),
-        "--run-name",
-        run_name,
-        *extra,
-    ]
+        steps=steps,
+        seed=seed,
+        runs_dir=runs_dir,
+        run_name=run_name,
+        leading=env,
+        trailing=["--device", "cpu"],
+        extra=extra,
+    )
 
 
 def run_oakemu(*, runs_dir: Path, run_name: str, **command_args: Any) -> dict:
     """Run :func:`oakemu_command` (``command_args``: its other arguments) and read the run folder."""
-    run_dir = fresh_run_dir(runs_dir, run_name)
     command = oakemu_command(runs_dir=runs_dir, run_name=run_name, **command_args)
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    start = time.perf_counter()
-    with open(runs_dir / f"{run_name}.log", "wb") as log:
-        process = subprocess.run(
-            command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=TIMEOUT_S
-        )
-    wall = time.perf_counter() - start
-    if process.returncode != 0:
-        raise RuntimeError(f"oakemu train exited {process.returncode}; see {run_dir}/logs")
-    metrics = _read_jsonl(run_dir / "metrics.jsonl")
-    episodes = sorted(_read_jsonl(run_dir / "episodes.jsonl"), key=lambda e: e["global_step"])
-    lags = [m["charts/policy_lag_mean"] for m in metrics if "charts/policy_lag_mean" in m]
-    evaluations = read_curve((run_dir / "metrics.jsonl").read_text().splitlines())
+    result = train_oakemu_run(command, runs_dir=runs_dir, run_name=run_name, timeout_s=TIMEOUT_S)
+    evaluations = read_curve((runs_dir / run_name / "metrics.jsonl").read_text().splitlines())
     return {
-        "wall_s": wall,
-        "env_steps": int(metrics[-1]["global_step"]) if metrics else 0,
-        "sps_logged": next((m["charts/SPS"] for m in reversed(metrics) if "charts/SPS" in m), None),
-        "policy_lag_mean": _mean(lags),
-        "episodes": [(int(e["global_step"]), float(e["episodic_return"])) for e in episodes],
+        **result,
         "evaluations": [
             [step, round(mean, 2), round(std, 2)]
             for step, mean, std in zip(
@@ -444,27 +400,6 @@ class LoadSampler:
         ]
 
 
-def summarize(
-    result: dict, *, label: str, game: str, seed: int, steps: int, load: list[float]
-) -> dict:
-    """One training run's record: the measures of the module docstring and the settings it ran with."""
-    episodes = result.pop("episodes")
-    return {
-        "system": label,
-        "game": game,
-        "seed": seed,
-        "steps": steps,
-        "commit": _commit(),
-        "cpus": os.cpu_count(),
-        "games": len(episodes),
-        "curve": curve(episodes, steps, WINDOWS),
-        "last100": round(_mean([r for _, r in episodes][-100:]), 2),
-        "sps": result["env_steps"] / result["wall_s"],
-        "load_1min": load,
-        **result,
-    }
-
-
 def random_record(returns: list[float], *, seed: int, wall_s: float) -> dict:
     """The random-play baseline's record: mean and population std of the raw returns."""
     import numpy as np
@@ -490,8 +425,7 @@ def run_one(args: argparse.Namespace, system: str, seed: int, runs_dir: Path) ->
         path = random_path(args.out, game.name, seed, args.random_episodes)
     else:
         path = result_path(args.out, game.name, label, seed, args.steps)
-    if path.exists() and not args.force:
-        print(f"-- {label} {game.name} seed {seed}: {path} exists, skipped (--force runs it again)")
+    if kept(path, args.force, f"{label} {game.name} seed {seed}"):
         return
     print(f"-- {label} {game.name} seed {seed}, {args.steps} env steps ...", flush=True)
     with LoadSampler() as load:
@@ -529,79 +463,38 @@ def run_one(args: argparse.Namespace, system: str, seed: int, runs_dir: Path) ->
         record.update(game=game.name, env_id=env_id, load_1min=load.figures())
         summary = f"random {record['mean']:.1f} +- {record['std']:.1f}, {len(returns)} episodes"
     else:
-        figures = load.figures()
-        record = summarize(
-            result, label=label, game=game.name, seed=seed, steps=args.steps, load=figures
+        record = training_record(
+            result,
+            identity={"system": label, "game": game.name, "seed": seed},
+            steps=args.steps,
+            load=load.figures(),
         )
         summary = f"last100 {record['last100']:.1f}, wall {record['wall_s']:.0f} s, SPS {record['sps']:.0f}"
     if game.settings is not None:
         record["emulator_settings"] = game.settings
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1) + "\n")
+    write_record(path, record)
     print(f"   {summary}, load {record['load_1min']} -> {path}", flush=True)
 
 
 def run_series(args: argparse.Namespace) -> None:
-    runs_dir = args.runs_dir or Path(tempfile.mkdtemp(prefix="bench-console-"))
-    runs_dir.mkdir(parents=True, exist_ok=True)
-    for index, seed in enumerate(args.seeds):
-        shift = index % len(args.systems)
-        for system in args.systems[shift:] + args.systems[:shift]:
-            run_one(args, system, seed, runs_dir)
+    runs_dir = runs_folder(args.runs_dir, "bench-console-")
+    for seed, system in series(args.seeds, args.systems):
+        run_one(args, system, seed, runs_dir)
 
 
 # -------------------------------------------------------------------------------------------- report
-
-
-def load_records(out: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(out.glob("*/*.json"))]
 
 
 def report(records: list[dict]) -> str:
     """Markdown: one row per (game, label, steps) with the per-window means over its seeds, last100, the
     last and best evaluation (OakEmu), wall, SPS and the ratios to ``sb3``'s runs of the same game, steps
     and seeds; one row per game for random play (mean +- std in the last100 column)."""
-    groups: dict[tuple, list[dict]] = {}
+    trained = [r for r in records if r["system"] != "random"]
+    lines = comparison_table(trained, place="game", reference=REFERENCE, evaluations=True)
     randoms: dict[str, list[dict]] = {}
     for record in records:
         if record["system"] == "random":
             randoms.setdefault(record["game"], []).append(record)
-        else:
-            groups.setdefault((record["game"], record["system"], record["steps"]), []).append(
-                record
-            )
-    windows = " | ".join(f"w{k + 1}" for k in range(WINDOWS))
-    lines = [
-        f"| game | system | steps | seeds | {windows} | last100 | eval last / best | wall s | SPS | "
-        "last100 / SB3 | windows >= SB3 | wall / SB3 | load |",
-        "|" + " --- |" * (WINDOWS + 13),
-    ]
-    for (game, label, steps), rows in sorted(groups.items()):
-        seeds = sorted(r["seed"] for r in rows)
-        means = [_mean([r["curve"][k] for r in rows]) for k in range(WINDOWS)]
-        last100 = _mean([r["last100"] for r in rows])
-        wall = _mean([r["wall_s"] for r in rows])
-        evaluations = [r["evaluations"] for r in rows if r.get("evaluations")]
-        if evaluations:
-            final = _mean([e[-1][1] for e in evaluations])
-            best = _mean([max(m for _, m, _ in e) for e in evaluations])
-            eval_cell = f"{final:.1f} / {best:.1f}"
-        else:
-            eval_cell = "-"
-        reference = [r for r in groups.get((game, REFERENCE, steps), []) if r["seed"] in seeds]
-        if label != REFERENCE and sorted(r["seed"] for r in reference) == seeds:
-            ref_means = [_mean([r["curve"][k] for r in reference]) for k in range(WINDOWS)]
-            ratio_last = f"{last100 / _mean([r['last100'] for r in reference]):.2f}"
-            at_least = f"{sum(m >= rm for m, rm in zip(means, ref_means))}/{WINDOWS}"
-            ratio_wall = f"{wall / _mean([r['wall_s'] for r in reference]):.2f}"
-        else:
-            ratio_last = at_least = ratio_wall = "-"
-        loads = "; ".join("-".join(str(x) for x in r["load_1min"]) for r in rows)
-        lines.append(
-            f"| {game} | {label} | {steps:,} | {','.join(map(str, seeds))} | "
-            f"{' | '.join(f'{m:.1f}' for m in means)} | {last100:.1f} | {eval_cell} | {wall:.0f} | "
-            f"{_mean([r['sps'] for r in rows]):.0f} | {ratio_last} | {at_least} | {ratio_wall} | {loads} |"
-        )
     for game, rows in sorted(randoms.items()):
         for r in rows:
             blanks = " | ".join("-" for _ in range(WINDOWS))

@@ -68,10 +68,8 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -93,6 +91,17 @@ from bench_vs_sb3 import (
     oakemu_bench_args,
     steps_to_threshold,
 )
+from sb3_series import (
+    WINDOWS,
+    kept,
+    learn_logged,
+    linear_schedule,
+    run_result,
+    run_sb3_worker,
+    sb3_worker_command,
+    series,
+    write_record,
+)
 
 from oakemu_core.actor.fitting import fit_actor_count  # noqa: E402  (after the sibling import path)
 from oakemu_core.config import available_cpus  # noqa: E402
@@ -100,7 +109,6 @@ from oakemu_core.config import available_cpus  # noqa: E402
 ENV_ID = "oakemu_core.envs.memory:CartPoleNoVel-v1"
 SYSTEMS = ("sb3-recurrent", "oakemu-recurrent", "oakemu-ff")
 REFERENCE = "sb3-recurrent"
-WINDOWS = 10
 RESULTS = REPO / "benchmarks" / "results" / "recurrent"
 
 ZOO = (
@@ -179,7 +187,7 @@ def sb3_spec(*, seed: int, steps: int, torch_threads: int) -> dict:
 
 def sb3_command(sb3_python: str, spec: dict) -> list[str]:
     """The command line of one SB3 run: this script's ``--sb3-worker`` under ``sb3_python``."""
-    return [sb3_python, str(Path(__file__).resolve()), "--sb3-worker", json.dumps(spec)]
+    return sb3_worker_command(sb3_python, __file__, spec)
 
 
 def oakemu_system_args(
@@ -248,7 +256,6 @@ def sb3_worker(spec: dict) -> dict:
 
     torch.set_num_threads(spec["torch_threads"])
     from sb3_contrib import RecurrentPPO
-    from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.env_util import make_vec_env
     from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
 
@@ -264,47 +271,19 @@ def sb3_worker(spec: dict) -> dict:
         policy_kwargs["activation_fn"]
     ]
     if spec["learning_rate_schedule"] == "linear":
-        start = kwargs["learning_rate"]
-        kwargs["learning_rate"] = lambda progress_remaining: progress_remaining * start
-
-    class EpisodeLog(BaseCallback):
-        def __init__(self) -> None:
-            super().__init__()
-            self.episodes: list[tuple[int, float]] = []
-
-        def _on_step(self) -> bool:
-            for info in self.locals["infos"]:
-                if "episode" in info:
-                    self.episodes.append((int(self.num_timesteps), float(info["episode"]["r"])))
-            return True
-
+        kwargs["learning_rate"] = linear_schedule(kwargs["learning_rate"])
     model = RecurrentPPO(spec["policy"], venv, policy_kwargs=policy_kwargs, **kwargs)
-    log = EpisodeLog()
-    model.learn(total_timesteps=spec["steps"], callback=log)
-    return {"env_steps": int(model.num_timesteps), "episodes": log.episodes}
+    return learn_logged(model, spec["steps"])
 
 
 def run_sb3(*, sb3_python: str, seed: int, steps: int, runs_dir: Path, torch_threads: int) -> dict:
     spec = sb3_spec(seed=seed, steps=steps, torch_threads=torch_threads)
-    log_path = runs_dir / f"sb3-recurrent-s{seed}.log"
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    start = time.perf_counter()  # from launch to exit, as train_oakemu times `oakemu train`
-    with open(log_path, "w") as log:
-        process = subprocess.run(
-            sb3_command(sb3_python, spec),
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            timeout=7200,
-            check=False,
-        )
-    wall = time.perf_counter() - start
-    if process.returncode != 0:
-        raise RuntimeError(f"SB3 worker exited {process.returncode}; see {log_path}")
-    result = json.loads(process.stdout.strip().splitlines()[-1])
-    return {**result, "wall_s": wall, "settings": spec}
+    result = run_sb3_worker(  # wall_s from launch to exit, as train_oakemu times `oakemu train`
+        sb3_command(sb3_python, spec),
+        log_path=runs_dir / f"sb3-recurrent-s{seed}.log",
+        timeout_s=7200,
+    )
+    return {**result, "settings": spec}
 
 
 # ---------------------------------------------------------------------------------------------- OakEmu
@@ -336,16 +315,10 @@ def run_oakemu(
     wall = train_oakemu(
         args, log_path=runs_dir / f"{run_name}.log", torch_threads=torch_threads, timeout_s=7200
     )
-    metrics = _read_jsonl(run_dir / "metrics.jsonl")
-    episodes = sorted(_read_jsonl(run_dir / "episodes.jsonl"), key=lambda e: e["global_step"])
-    lags = [m["charts/policy_lag_mean"] for m in metrics if "charts/policy_lag_mean" in m]
+    stale = sum(m.get("charts/stale_rows", 0.0) for m in _read_jsonl(run_dir / "metrics.jsonl"))
     return {
-        "wall_s": wall,
-        "env_steps": int(metrics[-1]["global_step"]) if metrics else 0,
-        "sps_logged": metrics[-1].get("charts/SPS") if metrics else None,
-        "policy_lag_mean": _mean(lags),
-        "stale_rows": int(sum(m.get("charts/stale_rows", 0.0) for m in metrics)),
-        "episodes": [(int(e["global_step"]), float(e["episodic_return"])) for e in episodes],
+        **run_result(run_dir, wall),
+        "stale_rows": int(stale),
         "settings": {"oakemu_train": args},
     }
 
@@ -390,29 +363,26 @@ def run_all(
     force: bool,
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    for index, seed in enumerate(seeds):
-        order = systems[index % len(systems) :] + systems[: index % len(systems)]
-        for system in order:
-            label = system_label(system, mode)
-            path = result_path(out, label, seed)
-            if path.exists() and not force:
-                print(f"-- {label} seed {seed}: {path} exists, skipped (--force runs it again)")
-                continue
-            print(f"\n-- {label} seed {seed}, {steps:,} steps ...", flush=True)
-            load_before = os.getloadavg()[0]
-            common = {"seed": seed, "steps": steps, "runs_dir": runs_dir}
-            if system == REFERENCE:
-                result = run_sb3(sb3_python=sb3_python, torch_threads=torch_threads, **common)
-            else:
-                result = run_oakemu(
-                    system, mode=mode, torch_threads=torch_threads, num_actors=num_actors, **common
-                )
-            record = summarize(
-                result, system=label, seed=seed, steps=steps, load=(load_before, os.getloadavg()[0])
+    for seed, system in series(seeds, systems):
+        label = system_label(system, mode)
+        path = result_path(out, label, seed)
+        if kept(path, force, f"{label} seed {seed}"):
+            continue
+        print(f"\n-- {label} seed {seed}, {steps:,} steps ...", flush=True)
+        load_before = os.getloadavg()[0]
+        common = {"seed": seed, "steps": steps, "runs_dir": runs_dir}
+        if system == REFERENCE:
+            result = run_sb3(sb3_python=sb3_python, torch_threads=torch_threads, **common)
+        else:
+            result = run_oakemu(
+                system, mode=mode, torch_threads=torch_threads, num_actors=num_actors, **common
             )
-            path.write_text(json.dumps(record, indent=1) + "\n")
-            shown = {k: record[k] for k in ("curve", "last100", "to_475", "sps", "load_1min")}
-            print(f"   {label} seed {seed}: {shown} -> {path}", flush=True)
+        record = summarize(
+            result, system=label, seed=seed, steps=steps, load=(load_before, os.getloadavg()[0])
+        )
+        write_record(path, record)
+        shown = {k: record[k] for k in ("curve", "last100", "to_475", "sps", "load_1min")}
+        print(f"   {label} seed {seed}: {shown} -> {path}", flush=True)
 
 
 # -------------------------------------------------------------------------------------------- report
