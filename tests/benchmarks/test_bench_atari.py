@@ -3,29 +3,17 @@ line), where a record is kept, the report's arithmetic on hand-made records, and
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
 from oakemu_services import cli
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = REPO_ROOT / "benchmarks" / "bench_atari_vs_sb3.py"
+from tests.benchmarks.script_helpers import BENCHMARKS, REPO_ROOT, load_script
 
-
-def _load() -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_atari_vs_sb3", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+SCRIPT = BENCHMARKS / "bench_atari_vs_sb3.py"
+bench = load_script("bench_atari_vs_sb3")
 
 
 def _record(system: str, seed: int, curve: list[float], last100: float, wall: float) -> dict:

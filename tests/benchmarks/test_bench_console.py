@@ -3,10 +3,8 @@ hand-made records, the rotation of system order, and a smoke run of the OakEmu a
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
 import subprocess
 import sys
 import types
@@ -16,35 +14,11 @@ from typing import Any
 import gymnasium
 import numpy as np
 import pytest
-from oakemu_services import cli
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = REPO_ROOT / "benchmarks" / "bench_console_vs_sb3.py"
+from tests.benchmarks.script_helpers import BENCHMARKS, REPO_ROOT, load_script, train_config
 
-
-def _load() -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_console_vs_sb3", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
-
-
-def _train_config(args: list[str], monkeypatch: pytest.MonkeyPatch) -> Any:
-    """The config `oakemu train ARGS` would train with (no OAKEMU_* variables; the training faked)."""
-    for variable in list(os.environ):
-        if variable.startswith("OAKEMU_"):
-            monkeypatch.delenv(variable)
-    calls: list[tuple[Any, ...]] = []
-    fake = types.ModuleType("oakemu_services.train")
-    fake.main = lambda *args, **kwargs: calls.append(args) or 0  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "oakemu_services.train", fake)
-    assert cli.main(["train", *args]) == 0
-    return calls[0][0]
+SCRIPT = BENCHMARKS / "bench_console_vs_sb3.py"
+bench = load_script("bench_console_vs_sb3")
 
 
 @pytest.mark.parametrize("name", sorted(bench.GAMES))
@@ -66,7 +40,7 @@ def test_sb3_gets_the_hyperparameters_oakemu_trains_with(
         torch_threads=1,
         extra=[],
     )
-    config = _train_config(command[4:], monkeypatch)
+    config = train_config(command[4:], monkeypatch)
     spec = bench.sb3_spec(
         env_id=env_id,
         settings_file=settings_file,

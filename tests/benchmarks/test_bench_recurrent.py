@@ -3,31 +3,18 @@ settings both sides get (rl-baselines3-zoo's ppo_lstm.yml for CartPoleNoVel-v1).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = REPO_ROOT / "benchmarks" / "bench_recurrent_vs_sb3.py"
+from tests.benchmarks.script_helpers import BENCHMARKS, load_script, train_config
 
-
-def _load() -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_recurrent_vs_sb3", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+SCRIPT = BENCHMARKS / "bench_recurrent_vs_sb3.py"
+bench = load_script("bench_recurrent_vs_sb3")
 
 
 def _record(system: str, seed: int, curve: list[float], *, last100: float, sps: float) -> dict:
@@ -239,18 +226,10 @@ def test_oakemu_flags_parse_to_the_zoo_config(
 ) -> None:
     """`oakemu train` reads the flags as the zoo's settings (skips the recurrent system where this
     checkout's `oakemu train` has no --recurrent)."""
-    from oakemu_services import cli
-
     from oakemu_core.config import OakEmuConfig
 
     if system == "oakemu-recurrent" and "recurrent" not in OakEmuConfig.model_fields:
         pytest.skip("this checkout's oakemu train has no --recurrent")
-    for variable in [v for v in os.environ if v.startswith("OAKEMU_")]:
-        monkeypatch.delenv(variable)
-    calls: list = []
-    fake = types.ModuleType("oakemu_services.train")
-    fake.main = lambda *args, **kwargs: calls.append(args) or 0  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "oakemu_services.train", fake)
     args = bench.oakemu_system_args(
         system,
         mode="async",
@@ -262,8 +241,7 @@ def test_oakemu_flags_parse_to_the_zoo_config(
         torch_threads=1,
         num_actors=1,
     )
-    assert cli.main(["train", *args]) == 0
-    config = calls[0][0]
+    config = train_config(args, monkeypatch)
     assert (config.anneal_lr, config.normalize_observations, config.normalize_rewards) == (
         True,
         True,
