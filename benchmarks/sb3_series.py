@@ -16,9 +16,11 @@ The pieces, in the order a run goes through them:
 * :func:`train_oakemu_run`: ``oakemu train`` (:func:`preset_command`) as a child process with a time
   limit, then :func:`run_result` of its run folder.
 * :func:`training_record`, :func:`write_record`: the run's record; :func:`load_records`,
-  :func:`comparison_table`: the report.
+  :func:`comparison_table`: the report. ``bench_recurrent_vs_sb3.py`` writes records of its own
+  (``episodes`` and ``to_475`` instead of ``games`` and ``cpus``) and prints its own report.
 
-A training run's record (one JSON object, ``indent=1``, one file per run) holds, in this order:
+A training run's record (:func:`training_record`; one JSON object, ``indent=1``, one file per run)
+holds, in this order:
 
 * the script's identity fields (``system``: the label the run is recorded under; ``env`` or ``game``;
   ``seed``), then ``steps`` (the budget in env steps), ``commit`` (``git rev-parse --short HEAD``),
@@ -28,10 +30,11 @@ A training run's record (one JSON object, ``indent=1``, one file per run) holds,
   the mean raw return of the last 100 (rounded to 2 places);
 * ``sps``: ``env_steps / wall_s``; ``load_1min``: the 1-minute load average before and after the run
   (the console benchmark: and the mean of samples taken while it ran);
-* the run's own results: ``wall_s`` (seconds from launching the training process to its exit),
-  ``env_steps`` (env steps trained), then ``sps_logged`` (the learner's last logged ``charts/SPS``)
-  and ``policy_lag_mean`` (OakEmu) and whatever the script adds (``evaluations``, ...), last
-  ``settings`` (what the run ran with: ``{"sb3": spec}`` or ``{"oakemu_train": flags}``).
+* the run's own results, in the order the run gave them: ``wall_s`` (seconds from launching the
+  training process to its exit) and ``env_steps`` (env steps trained); OakEmu's ``sps_logged`` (the
+  learner's last logged ``charts/SPS``) and ``policy_lag_mean``; whatever the script adds
+  (``evaluations``, ...); last ``settings`` (what the run ran with: ``{"sb3": spec}`` or
+  ``{"oakemu_train": flags}``).
 """
 
 from __future__ import annotations
