@@ -16,22 +16,13 @@ import pytest
 from oakemu_services import cli
 
 from oakemu_core.presets import load_preset
+from tests.benchmarks.script_helpers import load_script
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "benchmarks" / "bench_spaces_vs_sb3.py"
 
 
-def _load_script(name: str) -> types.ModuleType:
-    """benchmarks/NAME.py as a module (not run as a script)."""
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "benchmarks" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look the module up while building the class
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_script("bench_spaces_vs_sb3")
+bench = load_script("bench_spaces_vs_sb3")
 
 
 def test_help_runs_without_sb3_imports() -> None:
@@ -437,7 +428,7 @@ def test_bench_pipeline_actor_loop_variants_step_with_their_settings(
     )
 
 
-showcase = _load_script("showcase_airstriker")
+showcase = load_script("showcase_airstriker")
 
 
 def test_showcase_reads_the_training_and_evaluation_curve_from_metrics_lines() -> None:
@@ -587,7 +578,7 @@ def test_gpu_check_asking_for_a_missing_device_exits_2_with_one_line(
 ) -> None:
     if __import__("torch").cuda.is_available():
         pytest.skip("this machine has a CUDA device")
-    assert _load_script("gpu_check").main(["--quick", "--device", "cuda"]) == 2
+    assert load_script("gpu_check").main(["--quick", "--device", "cuda"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1 and "cuda" in err
 
@@ -596,7 +587,7 @@ def test_bench_churn_gives_the_learner_only_options_it_takes() -> None:
     """The churn benchmark starts ``oakemu learner`` with the ``oakemu train`` flags of its case: the
     ones the learner does not offer (``--torch-threads``, ``--num-actors``) must be left out, else it
     exits 2 at once and the benchmark measures nothing."""
-    churn, vs_sb3 = _load_script("bench_churn"), _load_script("bench_vs_sb3")
+    churn, vs_sb3 = load_script("bench_churn"), load_script("bench_vs_sb3")
     args = vs_sb3.oakemu_bench_args(
         vs_sb3.BENCHES["cartpole"],
         mode="sync",
