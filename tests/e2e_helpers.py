@@ -44,6 +44,15 @@ PORT_FLAGS = (
 
 T = TypeVar("T")
 
+CARTPOLE_PPO_FLAGS = (
+    *("--num-actors", "2", "--envs-per-actor", "4", "--rollout-length", "128"),
+    *("--ppo-epochs", "10", "--num-minibatches", "8", "--learning-rate", "1e-3"),
+    *("--clip-coef", "0.2", "--ent-coef", "0.0", "--checkpoint-every-updates", "0"),
+)
+"""``oakemu train`` flags of the end-to-end CartPole runs: 2 actors x 4 envs x 128 steps, CleanRL's
+classic-control PPO (10 epochs of 8 minibatches, learning rate 1e-3, clip 0.2, no entropy bonus), no
+periodic checkpoints."""
+
 
 # ------------------------------------------------------------------------------------ ports
 @dataclass(frozen=True)

@@ -20,7 +20,13 @@ import textwrap
 import pytest
 import torch
 
-from tests.e2e_helpers import E2EProcesses, python_path_with_site_hook, read_jsonl, update_records
+from tests.e2e_helpers import (
+    CARTPOLE_PPO_FLAGS,
+    E2EProcesses,
+    python_path_with_site_hook,
+    read_jsonl,
+    update_records,
+)
 
 STEP_BUDGET = 24_576
 """Env steps: 24 rollouts of 128 steps x 8 columns."""
@@ -106,26 +112,9 @@ def _train(
         "1",
         "--device",
         device,
-        "--num-actors",
-        "2",
         "--total-env-steps",
         str(STEP_BUDGET),
-        "--envs-per-actor",
-        "4",
-        "--rollout-length",
-        "128",
-        "--ppo-epochs",
-        "10",
-        "--num-minibatches",
-        "8",
-        "--learning-rate",
-        "1e-3",
-        "--clip-coef",
-        "0.2",
-        "--ent-coef",
-        "0.0",
-        "--checkpoint-every-updates",
-        "0",
+        *CARTPOLE_PPO_FLAGS,
         "--actor-inference",
         actor_inference,
         "--publish-every-epoch" if publish_every_epoch else "--no-publish-every-epoch",

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e_helpers import (
+    CARTPOLE_PPO_FLAGS,
     E2EProcesses,
     describe_all,
     only_run_dir,
@@ -35,32 +36,9 @@ LAST_EPISODES = 20
 RATIO_TOLERANCE = 1e-5
 
 SETTINGS = [
-    "--env",
-    "CartPole-v1",
-    "--mode",
-    "sync",
-    "--seed",
-    "1",
-    "--num-actors",
-    "2",
-    "--envs-per-actor",
-    "4",
-    "--rollout-length",
-    "128",
-    "--ppo-epochs",
-    "10",
-    "--num-minibatches",
-    "8",
-    "--learning-rate",
-    "1e-3",
-    "--clip-coef",
-    "0.2",
-    "--ent-coef",
-    "0.0",
-    "--checkpoint-every-updates",
-    "0",
-    "--eval-every-updates",
-    "0",
+    *("--env", "CartPole-v1", "--mode", "sync", "--seed", "1"),
+    *CARTPOLE_PPO_FLAGS,
+    *("--eval-every-updates", "0"),
 ]
 
 
