@@ -39,6 +39,7 @@ if [ -n "${OAKEMU_INSTALL_DRY_RUN:-}" ]; then exit 0; fi
 . "$VENV/bin/activate"
 if [ "${1:-}" = "test" ]; then
   shift
-  exec python -m pytest "$@"
+  # One worker per CPU, each test file on one worker (module fixtures such as the Docker image are built once).
+  exec python -m pytest -n auto --dist loadfile "$@"
 fi
 exec oakemu "$@"
