@@ -179,12 +179,12 @@ def _check_any_device(run_dir, *, device: str) -> tuple[list[dict], list[tuple[f
     actor_logs = "".join(
         p.read_text(errors="replace") for p in (run_dir / "logs").glob("actor*.log")
     )
-    # The actors stopped on the learner's notice on the weights channel (or, if a heartbeat reply came
-    # first, on that): each logged one of the two, and the notice reached at least one.
+    # The actors stopped on the learner's notice on the weights channel or on a heartbeat reply,
+    # whichever reached them first (on a busy machine it may be the reply for all of them; the notice
+    # itself: tests/actor/test_actor_stop.py): each logged one of the two.
     for path in (run_dir / "logs").glob("actor*.log"):
         text = path.read_text(errors="replace")
         assert "learner announced the end of the run" in text or "learner asked actor" in text, text
-    assert "learner announced the end of the run" in actor_logs, actor_logs
     # Rows carry the revision that acted on them: no row lags more SGD steps than its whole
     # versions hold.
     pairs = _lag_pairs(updates)

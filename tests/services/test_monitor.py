@@ -260,6 +260,21 @@ def test_once_view_shows_the_figures_and_the_actor_table():
         assert text in out, f"{text!r} missing from:\n{out}"
 
 
+def wait_until_catching(pid: int, sig: signal.Signals, timeout_s: float) -> None:
+    """Wait until process ``pid`` has a handler for ``sig`` (its bit in ``SigCgt`` of
+    ``/proc/<pid>/status``); fail after ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = Path(f"/proc/{pid}/status").read_text()
+        caught = int(
+            next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1], 16
+        )
+        if caught >> (sig - 1) & 1:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"process {pid} installed no {sig.name} handler within {timeout_s} s")
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_live_view_exits_cleanly_on_ctrl_c_and_sigterm(sig):
     with publishing(lambda i: make_snapshot(100 + i)) as address:
@@ -272,10 +287,13 @@ def test_live_view_exits_cleanly_on_ctrl_c_and_sigterm(sig):
             text=True,
         )
         try:
-            time.sleep(4.0)  # interpreter start-up, first snapshot, a few redraws
+            # The stop handlers are installed once the subscriber exists (however slow the start-up on
+            # a busy machine); then a first snapshot and a few redraws.
+            wait_until_catching(process.pid, signal.SIGTERM, timeout_s=120.0)
+            time.sleep(2.0)
             assert process.poll() is None, process.communicate()
             process.send_signal(sig)
-            stdout, stderr = process.communicate(timeout=10)
+            stdout, stderr = process.communicate(timeout=60)
         finally:
             if process.poll() is None:
                 process.kill()
