@@ -7,16 +7,14 @@ import json
 import os
 import subprocess
 import sys
-import types
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 from oakemu_services import cli
 
 from oakemu_core.presets import load_preset
-from tests.benchmarks.script_helpers import load_script
+from tests.benchmarks.script_helpers import load_script, train_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "benchmarks" / "bench_spaces_vs_sb3.py"
@@ -37,19 +35,6 @@ def test_help_runs_without_sb3_imports() -> None:
     assert "--steps" in result.stdout and "--seeds" in result.stdout
 
 
-def _train_config(args: list[str], monkeypatch: pytest.MonkeyPatch) -> Any:
-    """The config `oakemu train ARGS` would train with (no OAKEMU_* variables; oakemu_services.train faked)."""
-    for variable in list(os.environ):
-        if variable.startswith("OAKEMU_"):
-            monkeypatch.delenv(variable)
-    calls: list[tuple[Any, ...]] = []
-    fake = types.ModuleType("oakemu_services.train")
-    fake.main = lambda *args, **kwargs: calls.append(args) or 0  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "oakemu_services.train", fake)
-    assert cli.main(["train", *args]) == 0
-    return calls[0][0]
-
-
 @pytest.mark.parametrize("name", sorted(bench.CASES))
 def test_oakemu_flags_parse_to_the_case(
     name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
@@ -59,7 +44,7 @@ def test_oakemu_flags_parse_to_the_case(
     args = bench.oakemu_args(
         case, seed=3, steps=4096, runs_dir=tmp_path, run_name="r", ports=[1, 2, 3, 4, 5]
     )
-    config = _train_config(args, monkeypatch)
+    config = train_config(args, monkeypatch)
     assert config.env_id == case.env_id and config.seed == 3 and config.total_env_steps == 4096
     assert config.num_actors * config.envs_per_actor == case.num_envs
     assert (
@@ -161,7 +146,7 @@ def test_bench_vs_sb3_flags_match_the_case(
             torch_threads=1,
             num_actors=min(2, case.num_envs),
         )
-        config = _train_config(args, monkeypatch)
+        config = train_config(args, monkeypatch)
         assert (config.mode, config.env_id, config.seed, config.eval_every_updates) == (
             mode,
             case.env_id,
@@ -230,7 +215,7 @@ def test_bench_vs_sb3_flags_match_the_case(
         assert config.resolved_clip_rewards is target.atari
     # One actor process (--actors auto on 2 cores) gets every env of the case; a count that does not
     # divide the envs is refused.
-    one = _train_config(
+    one = train_config(
         module.oakemu_bench_args(
             target,
             mode="async",
@@ -463,7 +448,7 @@ def test_showcase_trains_airstriker_with_evaluation_and_one_env_per_actor(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     args = showcase.train_args(steps=4096, seed=3, runs_dir=tmp_path, run_name="r")
-    config = _train_config(args, monkeypatch)
+    config = train_config(args, monkeypatch)
     assert (
         config.env_id == "retro:Airstriker-Genesis-v0"
         and config.total_env_steps == 4096
