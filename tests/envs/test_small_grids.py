@@ -4,8 +4,6 @@ keep their CNN and their / 255. Learning figures: ``docs/benchmarks.md`` (bench_
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +13,6 @@ import torch
 from oakemu_core.policy.distributions import Categorical
 from oakemu_core.policy.models import build_model, load_weight_arrays, weights_to_arrays
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_minigrid_vs_sb3.py"
 GRID = (
     7,
     7,
@@ -141,12 +138,9 @@ def test_the_minigrid_benchmark_runs_oakemu_train_with_its_defaults(
 ) -> None:
     """benchmarks/bench_minigrid_vs_sb3.py passes `oakemu train`'s own PPO defaults, the mode and the env
     in module:EnvId form (no training here)."""
-    from tests.benchmarks.test_bench_scripts import _train_config
+    from tests.benchmarks.script_helpers import load_script, train_config
 
-    spec = importlib.util.spec_from_file_location("bench_minigrid_vs_sb3", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look the module up
-    spec.loader.exec_module(module)
+    module = load_script("bench_minigrid_vs_sb3")
     args = module.oakemu_minigrid_args(
         module.CASE.env_id,
         mode="async",
@@ -156,8 +150,8 @@ def test_the_minigrid_benchmark_runs_oakemu_train_with_its_defaults(
         run_name="r",
         ports=[1, 2, 3, 4, 5],
     )
-    config = _train_config(args, monkeypatch)
-    defaults = _train_config(["--env", "CartPole-v1"], monkeypatch)
+    config = train_config(args, monkeypatch)
+    defaults = train_config(["--env", "CartPole-v1"], monkeypatch)
     assert (config.env_id, config.mode, config.seed) == (
         "benchmarks.minigrid_envs:MiniGrid-Empty-5x5-Img-v0",
         "async",
