@@ -28,7 +28,10 @@ games that ended in the k-th tenth of the budget; ``last100``: of the last 100 f
 figures compare only between runs under similar load).
 
 Each run writes ``<out>/<game>/<label>-seed<k>-<steps>.json`` when it ends (an existing file is kept and
-its run skipped, so later sessions continue the series; ``--force`` runs it again). ``--report`` prints
+its run skipped, so later sessions continue the series; ``--force`` runs it again). An SB3 run saves a
+checkpoint every 10 minutes in ``<record>.partial/``: when the series runs again after the run was
+killed, it resumes from there (its games restart; the record's ``segments`` counts the processes and
+``wall_s`` sums their training time). ``--report`` prints
 the Markdown table for ``docs/benchmarks.md`` from those files: per game, label and budget the
 per-window means over seeds, last100, wall, SPS and the ratios to ``sb3`` at the same seeds.
 
@@ -41,7 +44,8 @@ ale-py && /work/venv-sb3/bin/pip install -e .``)::
     python benchmarks/bench_atari_vs_sb3.py --env ALE/Pong-v5 --seeds 1
     python benchmarks/bench_atari_vs_sb3.py --report
 
-On a quiet 2-core machine one Breakout run of 1M env steps takes about 30 minutes (OakEmu) to 40 (SB3).
+On 2 cores shared by both systems (load 4-5), one Breakout run of 1M env steps took 65 minutes (OakEmu)
+and about 3 hours (SB3, 93 env steps/s).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -138,13 +143,21 @@ def sb3_worker(spec: dict) -> dict:
         device="cpu",
         verbose=0,
     )
-    return learn_logged(model, spec["steps"])
+    return learn_logged(model, spec["steps"], checkpoint=Path(spec["checkpoint"]))
 
 
-def run_sb3(*, sb3_python: str, env_id: str, seed: int, steps: int, runs_dir: Path) -> dict:
+def checkpoint_folder(record: Path) -> Path:
+    """Where an SB3 run whose record goes to ``record`` keeps its checkpoint until the record is written
+    (``<record>.partial/``): a run killed part way resumes from there when the series runs again."""
+    return record.with_suffix(".partial")
+
+
+def run_sb3(
+    *, sb3_python: str, env_id: str, seed: int, steps: int, runs_dir: Path, checkpoint: Path
+) -> dict:
     spec = {"env_id": env_id, "seed": seed, "steps": steps, "zoo": ZOO_ATARI}
     result = run_sb3_worker(
-        sb3_worker_command(sb3_python, __file__, spec),
+        sb3_worker_command(sb3_python, __file__, {**spec, "checkpoint": str(checkpoint)}),
         log_path=runs_dir / f"sb3-{game_name(env_id)}-s{seed}.log",
         timeout_s=TIMEOUT_S,
     )
@@ -196,7 +209,9 @@ def run_series(args: argparse.Namespace) -> None:
         load_before = os.getloadavg()[0]
         common = {"env_id": args.env, "seed": seed, "steps": args.steps, "runs_dir": runs_dir}
         if system == REFERENCE:
-            result = run_sb3(sb3_python=args.sb3_python, **common)
+            result = run_sb3(
+                sb3_python=args.sb3_python, checkpoint=checkpoint_folder(path), **common
+            )
         else:
             result = run_oakemu(label=label, extra=extra, **common)
         record = training_record(
@@ -206,6 +221,7 @@ def run_series(args: argparse.Namespace) -> None:
             load=[round(load_before, 2), round(os.getloadavg()[0], 2)],
         )
         write_record(path, record)
+        shutil.rmtree(checkpoint_folder(path), ignore_errors=True)
         print(
             f"   last100 {record['last100']:.1f}, wall {record['wall_s']:.0f} s, SPS "
             f"{record['sps']:.0f}, load {record['load_1min']} -> {path}",

@@ -31,7 +31,8 @@ holds, in this order:
 * ``sps``: ``env_steps / wall_s``; ``load_1min``: the 1-minute load average before and after the run
   (the console benchmark: and the mean of samples taken while it ran);
 * the run's own results, in the order the run gave them: ``wall_s`` (seconds from launching the
-  training process to its exit) and ``env_steps`` (env steps trained); OakEmu's ``sps_logged`` (the
+  training process to its exit; a resumed SB3 run adds its earlier segments, ``resumed_wall_s``, and
+  says how many processes it took, ``segments``) and ``env_steps`` (env steps trained); OakEmu's ``sps_logged`` (the
   learner's last logged ``charts/SPS``) and ``policy_lag_mean``; whatever the script adds
   (``evaluations``, ...); last ``settings`` (what the run ran with: ``{"sb3": spec}`` or
   ``{"oakemu_train": flags}``).
@@ -105,7 +106,8 @@ def run_sb3_worker(command: list[str], *, log_path: Path, timeout_s: float) -> d
     """Run an SB3 worker (:func:`sb3_worker_command`) from the repository root, stderr to ``log_path``.
 
     Returns:
-        The JSON object of the worker's last stdout line, with ``wall_s``: seconds from launch to exit.
+        The JSON object of the worker's last stdout line, with ``wall_s``: seconds from launch to exit,
+        plus the worker's ``resumed_wall_s`` (earlier segments of a resumed run, :func:`learn_logged`).
 
     Raises:
         RuntimeError: the worker exited with a non-zero status (the log says why).
@@ -126,7 +128,8 @@ def run_sb3_worker(command: list[str], *, log_path: Path, timeout_s: float) -> d
     wall = time.perf_counter() - start
     if process.returncode != 0:
         raise RuntimeError(f"SB3 worker exited {process.returncode}; see {log_path}")
-    return {**json.loads(process.stdout.strip().splitlines()[-1]), "wall_s": wall}
+    result = json.loads(process.stdout.strip().splitlines()[-1])
+    return {**result, "wall_s": wall + result.get("resumed_wall_s", 0.0)}
 
 
 def linear_schedule(start: float) -> Callable[[float], float]:
@@ -136,7 +139,12 @@ def linear_schedule(start: float) -> Callable[[float], float]:
 
 
 def learn_logged(
-    model: Any, steps: int, *, on_rollout_end: Callable[[Any], None] | None = None
+    model: Any,
+    steps: int,
+    *,
+    on_rollout_end: Callable[[Any], None] | None = None,
+    checkpoint: Path | None = None,
+    checkpoint_every_s: float = 600.0,
 ) -> dict:
     """``model.learn(total_timesteps=steps)`` (an SB3 model, in the SB3 venv), keeping every finished
     episode its envs' ``Monitor`` reports.
@@ -144,15 +152,31 @@ def learn_logged(
     ``on_rollout_end(callback)`` (if given) runs after each rollout; ``callback.episodes`` holds the
     episodes so far, ``callback.model`` the model.
 
+    With ``checkpoint`` (a folder), the run survives being killed: after a rollout, once
+    ``checkpoint_every_s`` seconds have passed since the last save, the model (weights and optimizer
+    state) and the episodes so far are saved there; a later call with the same folder and a freshly
+    built ``model`` of the same settings loads them and trains the rest of the budget (the learning
+    rate and clip schedules go on from the saved step count; the envs' games start afresh). The caller
+    removes the folder once the result is stored.
+
     Returns:
-        ``{"env_steps": model.num_timesteps, "episodes": [[env steps when it ended, raw return], ...]}``.
+        ``{"env_steps": model.num_timesteps, "episodes": [[env steps when it ended, raw return], ...],
+        "segments": processes the run took (1 when never resumed), "resumed_wall_s": seconds the
+        earlier segments trained}``.
     """
     from stable_baselines3.common.callbacks import BaseCallback
+
+    start = time.perf_counter()
+    done = _load_checkpoint(model, checkpoint) if checkpoint is not None else None
+    segments, earlier_wall_s = (done["segments"] + 1, done["wall_s"]) if done else (1, 0.0)
 
     class EpisodeLog(BaseCallback):
         def __init__(self) -> None:
             super().__init__()
-            self.episodes: list[tuple[int, float]] = []
+            self.episodes: list[tuple[int, float]] = (
+                [tuple(e) for e in done["episodes"]] if done else []
+            )
+            self.saved_at = start
 
         def _on_step(self) -> bool:
             for info in self.locals["infos"]:
@@ -161,12 +185,54 @@ def learn_logged(
             return True
 
         def _on_rollout_end(self) -> None:
+            now = time.perf_counter()
+            if checkpoint is not None and now - self.saved_at >= checkpoint_every_s:
+                progress = {
+                    "env_steps": int(self.model.num_timesteps),
+                    "episodes": self.episodes,
+                    "segments": segments,
+                    "wall_s": earlier_wall_s + now - start,
+                }
+                _save_checkpoint(self.model, checkpoint, progress)
+                self.saved_at = now
             if on_rollout_end is not None:
                 on_rollout_end(self)
 
     log = EpisodeLog()
-    model.learn(total_timesteps=steps, callback=log)
-    return {"env_steps": int(model.num_timesteps), "episodes": log.episodes}
+    trained = int(model.num_timesteps)
+    model.learn(total_timesteps=steps - trained, callback=log, reset_num_timesteps=trained == 0)
+    return {
+        "env_steps": int(model.num_timesteps),
+        "episodes": log.episodes,
+        "segments": segments,
+        "resumed_wall_s": earlier_wall_s,
+    }
+
+
+def _save_checkpoint(model: Any, folder: Path, progress: dict) -> None:
+    """``model-<env_steps>.zip`` (SB3's ``save``), then ``progress.json`` naming it (written whole, by
+    rename), then older model files removed: a kill at any point leaves a consistent pair."""
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"model-{progress['env_steps']}.zip"
+    model.save(folder / name)
+    tmp = folder / "progress.json.tmp"
+    tmp.write_text(json.dumps({**progress, "model": name}))
+    os.replace(tmp, folder / "progress.json")
+    for old in folder.glob("model-*.zip"):
+        if old.name != name:
+            old.unlink()
+
+
+def _load_checkpoint(model: Any, folder: Path) -> dict | None:
+    """Load ``folder``'s saved weights, optimizer state and step count into ``model``; returns the saved
+    progress, or None where nothing was saved."""
+    path = folder / "progress.json"
+    if not path.exists():
+        return None
+    progress = json.loads(path.read_text())
+    model.set_parameters(str(folder / progress["model"]), exact_match=True)
+    model.num_timesteps = int(progress["env_steps"])
+    return progress
 
 
 # ---------------------------------------------------------------------------------------------- OakEmu

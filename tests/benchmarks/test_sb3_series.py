@@ -214,3 +214,68 @@ def test_learn_logged_keeps_every_monitored_episode() -> None:
     assert len(steps) >= 256 // 500 + 1 and steps == sorted(steps) and steps[-1] <= 256
     assert all(ret >= 1.0 for _, ret in result["episodes"])  # CartPole: +1 per step
     assert rollouts == sorted(rollouts) and rollouts[-1] == len(result["episodes"])
+
+
+class _Killed(Exception):
+    """Stands for the kill of a run's process after a checkpoint."""
+
+
+def test_a_killed_learn_logged_run_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    """A run killed after its second saved rollout (one update done) goes on from the saved weights,
+    optimizer state, step count and episodes; the second segment trains only the rest of the budget
+    (skips without SB3)."""
+    pytest.importorskip("stable_baselines3")
+    import torch
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.env_util import make_vec_env
+
+    folder = tmp_path / "ckpt"
+
+    def model() -> PPO:
+        venv = make_vec_env("CartPole-v1", n_envs=2, seed=0)
+        return PPO("MlpPolicy", venv, n_steps=64, batch_size=64, seed=0)
+
+    def optimizer_moment(ppo: PPO) -> torch.Tensor:
+        return ppo.policy.optimizer.state_dict()["state"][0]["exp_avg"].clone()
+
+    saved: dict = {}
+
+    def kill_at_256_steps(log) -> None:
+        if log.model.num_timesteps == 256:
+            saved["episodes"] = list(log.episodes)
+            saved["weights"] = {k: v.clone() for k, v in log.model.policy.state_dict().items()}
+            saved["moment"] = optimizer_moment(log.model)
+            raise _Killed
+
+    with pytest.raises(_Killed):
+        series.learn_logged(
+            model(),
+            512,
+            on_rollout_end=kill_at_256_steps,
+            checkpoint=folder,
+            checkpoint_every_s=0.0,
+        )
+    progress = json.loads((folder / "progress.json").read_text())
+    assert progress["env_steps"] == 256 and progress["segments"] == 1
+    assert progress["episodes"] == [list(e) for e in saved["episodes"]]
+    assert [p.name for p in folder.glob("*.zip")] == ["model-256.zip"]
+
+    restored = model()
+    assert series._load_checkpoint(restored, folder)["env_steps"] == 256
+    assert restored.num_timesteps == 256
+    for key, value in restored.policy.state_dict().items():
+        torch.testing.assert_close(value, saved["weights"][key])
+    torch.testing.assert_close(optimizer_moment(restored), saved["moment"])
+
+    steps_at_rollout_end: list[int] = []
+    result = series.learn_logged(
+        model(),
+        512,
+        on_rollout_end=lambda log: steps_at_rollout_end.append(int(log.model.num_timesteps)),
+        checkpoint=folder,
+    )
+    assert steps_at_rollout_end == [384, 512]  # 256 restored, then two rollouts of 2 x 64
+    assert result["env_steps"] == 512 and result["segments"] == 2
+    assert result["resumed_wall_s"] > 0.0
+    assert result["episodes"][: len(saved["episodes"])] == saved["episodes"]
+    assert len(result["episodes"]) > len(saved["episodes"])
