@@ -75,9 +75,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_spaces_vs_sb3 import REPO, _mean  # sibling helpers
-from bench_vs_sb3 import _commit
 from sb3_series import (
     WINDOWS,
+    commit,
     comparison_table,
     kept,
     learn_logged,
@@ -412,7 +412,7 @@ def random_record(returns: list[float], *, seed: int, wall_s: float) -> dict:
         "std": round(float(np.std(returns)), 2),
         "returns": returns,
         "wall_s": wall_s,
-        "commit": _commit(),
+        "commit": commit(),
     }
 
 

@@ -86,13 +86,13 @@ from bench_spaces_vs_sb3 import (  # the sibling benchmarks' flag builders and h
 )
 from bench_vs_sb3 import (
     Bench,
-    _commit,
-    curve,
     oakemu_bench_args,
     steps_to_threshold,
 )
 from sb3_series import (
     WINDOWS,
+    commit,
+    curve,
     kept,
     learn_logged,
     linear_schedule,
@@ -334,7 +334,7 @@ def summarize(result: dict, *, system: str, seed: int, steps: int, load: tuple) 
         "env": ENV_ID,
         "seed": seed,
         "steps": steps,
-        "commit": _commit(),
+        "commit": commit(),
         "episodes": len(episodes),
         "curve": curve(episodes, steps, WINDOWS),
         "last100": round(_mean([r for _, r in episodes][-100:]), 2),
@@ -593,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
             num_actors=num_actors,
         )
         print(f"{system_label(system, args.mode)}: oakemu train {' '.join(flags)}")
-    print(f"seeds {args.seeds}; systems {args.systems}; commit {_commit()}; out {args.out}")
+    print(f"seeds {args.seeds}; systems {args.systems}; commit {commit()}; out {args.out}")
     if args.print_configs:
         return 0
     temp = None if args.runs_dir else tempfile.TemporaryDirectory(prefix="bench_recurrent_")

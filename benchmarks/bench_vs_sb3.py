@@ -100,6 +100,7 @@ from bench_spaces_vs_sb3 import (  # the sibling benchmark's case table, flag bu
     sb3_vec_env_settings,
     train_oakemu,
 )
+from sb3_series import commit, curve, learn_logged
 
 from oakemu_core.actor.fitting import fit_actor_count  # noqa: E402  (after the sibling import path)
 from oakemu_core.config import available_cpus  # noqa: E402
@@ -265,7 +266,6 @@ def sb3_worker(spec: dict) -> dict:
     torch.set_num_threads(spec["torch_threads"])
     import gymnasium as gym
     from stable_baselines3 import PPO
-    from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.env_util import make_vec_env
     from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
 
@@ -316,28 +316,16 @@ def sb3_worker(spec: dict) -> dict:
     if normalize is not None:  # outside the Monitors: episode returns stay raw
         venv = VecNormalize(venv, **normalize)
 
-    class EpisodeLog(BaseCallback):
-        def __init__(self) -> None:
-            super().__init__()
-            self.episodes: list[tuple[int, float]] = []
-
-        def _on_step(self) -> bool:
-            for info in self.locals["infos"]:
-                if "episode" in info:
-                    self.episodes.append((int(self.num_timesteps), float(info["episode"]["r"])))
-            return True
-
     model = PPO(sb3_policy(bench), venv, **spec["kwargs"])
-    log = EpisodeLog()
     learn_start = time.perf_counter()
-    model.learn(total_timesteps=spec["steps"], callback=log)
+    logged = learn_logged(model, spec["steps"])
     end = time.perf_counter()
     return {
         "wall_s": end - start,
         "learn_s": end - learn_start,
         "env_steps": int(model.num_timesteps),
         "updates": int(model.num_timesteps // (case.num_envs * case.rollout_length)),
-        "episodes": log.episodes,
+        "episodes": logged["episodes"],
     }
 
 
@@ -433,14 +421,6 @@ def steps_to_threshold(episodes: list, threshold: float | None, window: int) -> 
         if sum(returns[i - window : i]) / window >= threshold:
             return int(episodes[i - 1][0])
     return None
-
-
-def curve(episodes: list, steps: int, parts: int = 10) -> list[float]:
-    """Mean return of the episodes that ended in each tenth of the budget (nan where none ended)."""
-    bins: list[list[float]] = [[] for _ in range(parts)]
-    for step, value in episodes:
-        bins[min(parts - 1, max(0, (step - 1) * parts // steps))].append(value)
-    return [round(_mean(b), 1) for b in bins]
 
 
 def summarize(result: dict, bench: Bench, steps: int, load: tuple[float, float]) -> dict:
@@ -659,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"\nnum_actors={num_actors}; torch intra-op threads {args.torch_threads} everywhere; "
-        f"seeds {seeds}; systems {args.systems}; commit {_commit()}; "
+        f"seeds {seeds}; systems {args.systems}; commit {commit()}; "
         f"OakEmu settings from the environment: {settings or 'none'}"
     )
     if args.print_configs:
@@ -676,17 +656,6 @@ def main(argv: list[str] | None = None) -> int:
             temp.cleanup()
     print_table(results)
     return 0
-
-
-def _commit() -> str:
-    process = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return process.stdout.strip() or "unknown"
 
 
 def print_table(results: list[dict]) -> None:

@@ -52,7 +52,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_spaces_vs_sb3 import REPO, _mean, _read_jsonl, fresh_run_dir  # sibling helpers
-from bench_vs_sb3 import _commit, curve
 
 WINDOWS = 10
 """Parts of the budget a record's ``curve`` has: one mean return per tenth."""
@@ -61,6 +60,27 @@ TRAIN = (sys.executable, "-m", "oakemu_services.cli", "train")
 
 
 # ---------------------------------------------------------------------------------------------- series
+
+
+def curve(episodes: list, steps: int, parts: int = WINDOWS) -> list[float]:
+    """Mean return of the episodes ``[[env step when it ended, return], ...]`` that ended in each
+    ``1/parts`` of the budget of ``steps`` env steps, rounded to 1 place (nan where none ended)."""
+    bins: list[list[float]] = [[] for _ in range(parts)]
+    for step, value in episodes:
+        bins[min(parts - 1, max(0, (step - 1) * parts // steps))].append(value)
+    return [round(_mean(b), 1) for b in bins]
+
+
+def commit() -> str:
+    """``git rev-parse --short HEAD`` of the repository, or ``unknown``."""
+    process = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return process.stdout.strip() or "unknown"
 
 
 def series(seeds: list[int], systems: list[str]) -> Iterator[tuple[int, str]]:
@@ -332,7 +352,7 @@ def training_record(result: dict, *, identity: dict, steps: int, load: list[floa
     return {
         **identity,
         "steps": steps,
-        "commit": _commit(),
+        "commit": commit(),
         "cpus": os.cpu_count(),
         "games": len(episodes),
         "curve": curve(episodes, steps, WINDOWS),

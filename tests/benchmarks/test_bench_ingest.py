@@ -73,6 +73,7 @@ def test_replayed_messages_are_taken_by_the_learner_as_real_ones(tmp_path: Path)
         eval_every_updates=0,
         step_transport="sockets",
         log_level="WARNING",
+        actor_timeout_s=300.0,  # encoding the replayed messages sends no heartbeat: minutes on a busy CPU
     )
     learner = no_update_learner(config, tmp_path / "replay")
     stop = threading.Event()

@@ -160,7 +160,7 @@ def test_oakemu_train_runs_with_its_log_and_its_run_folder_is_read(tmp_path: Pat
 
 
 def test_a_record_has_the_measures_then_the_run_results(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(series, "_commit", lambda: "abc1234")
+    monkeypatch.setattr(series, "commit", lambda: "abc1234")
     episodes = [(50, 1.0), (120, 3.0)] + [(1000, float(k)) for k in range(101)]
     result = {
         "wall_s": 4.0,
