@@ -274,8 +274,8 @@ class NetworkSettings(BaseModel):
     )
     policy_module: str | None = Field(
         None,
-        description="package.module:Class of your own observation encoder (see the README's "
-        "'Policy networks').",
+        description="package.module:Class of your own observation encoder (its contract: "
+        "docs/spaces-and-policies.md, 'Your own encoder').",
     )
 
     @field_validator("net_arch")
