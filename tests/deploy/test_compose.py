@@ -283,6 +283,68 @@ def test_shell_variables_reach_the_services():
     assert "6558:5558" in learner["ports"]
 
 
+STACK_FILE = REPO_ROOT / "deploy" / "stack.yml"
+REMOTE_ACTORS_FILE = REPO_ROOT / "deploy" / "compose.remote-actors.yml"
+DEPLOY_README = REPO_ROOT / "deploy" / "README.md"
+
+
+def learner_config(environment: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The configuration a learner builds from ``environment`` (its container's variables) alone."""
+    from oakemu_core.config import make_config
+
+    for key in list(os.environ):
+        if key.startswith("OAKEMU_"):
+            monkeypatch.delenv(key)
+    for key, value in environment.items():
+        monkeypatch.setenv(key, value)
+    return make_config()
+
+
+@pytest.mark.parametrize("path", [COMPOSE_FILE, STACK_FILE], ids=["compose", "stack"])
+def test_oakemu_max_actors_reaches_the_learner_with_the_learners_own_default(path, monkeypatch):
+    """deploy/README.md tells users to raise ``OAKEMU_MAX_ACTORS`` (sync mode's most actors per rollout)
+    with ``shm_size``: the variable reaches the learner, and unset it leaves the learner's default."""
+    unset = environment_of(load_compose(path)["services"]["learner"])
+    assert unset["OAKEMU_MAX_ACTORS"] == ""  # empty: the configuration model's default
+    config = learner_config(unset, monkeypatch)
+    assert config.max_actors is None
+    assert config.resolved_max_actors == max(4, 2 * config.num_actors) == 4
+    given = environment_of(load_compose(path, {"OAKEMU_MAX_ACTORS": "8"})["services"]["learner"])
+    config = learner_config(given, monkeypatch)
+    assert config.resolved_max_actors == 8
+    assert config.allocated_num_envs == 8 * config.envs_per_actor  # the buffer grows: shm_size too
+
+
+def substituted_variables(path: Path) -> set[str]:
+    """The ``OAKEMU_*`` names a compose or stack file substitutes from the shell (``${OAKEMU_X...}``)."""
+    return set(re.findall(r"\$\{(OAKEMU_[A-Z0-9_]+)", path.read_text()))
+
+
+def test_every_variable_the_deploy_files_read_is_named_in_deploy_readme():
+    readme = DEPLOY_README.read_text()
+    files = (COMPOSE_FILE, GPU_OVERRIDE_FILE, REMOTE_ACTORS_FILE, STACK_FILE)
+    variables = set().union(*(substituted_variables(path) for path in files))
+    assert {"OAKEMU_MAX_ACTORS", "OAKEMU_CURVE_ACTOR_SECRET_KEY"} <= variables
+    missing = sorted(name for name in variables if not re.search(rf"\b{name}\b", readme))
+    assert missing == [], f"not in deploy/README.md: {missing}"
+
+
+# The compose file's variables that Swarm has no use for: no /config mount in the stack (the learner's
+# TOML file), and actors reach the learner over the overlay network on the image's ports.
+COMPOSE_ONLY = {
+    "learner": {"OAKEMU_CONFIG_FILE"},
+    "actor": {"OAKEMU_DATA_PORT", "OAKEMU_CONTROL_PORT", "OAKEMU_WEIGHTS_PORT"},
+}
+
+
+@pytest.mark.parametrize("service", ["learner", "actor"])
+def test_the_stack_passes_the_same_variables_as_the_compose_file(compose, service):
+    stack = load_compose(STACK_FILE)
+    in_compose = set(environment_of(compose["services"][service]))
+    in_stack = set(environment_of(stack["services"][service]))
+    assert in_compose - COMPOSE_ONLY[service] == in_stack
+
+
 def test_dockerfile_base_argument_venv_build_stage_non_root_exec_entrypoint():
     instructions = dockerfile_instructions()
     names = [name for name, _ in instructions]

@@ -9,6 +9,7 @@ network) in strict mode (unknown fields are errors); then the pieces are checked
 from __future__ import annotations
 
 import copy
+import os
 import re
 import shutil
 import subprocess
@@ -80,6 +81,47 @@ def quantity_bytes(text: str) -> int:
     return int(match.group(1)) * factor
 
 
+@pytest.fixture
+def no_oakemu_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ``OAKEMU_*`` variable of this process reaches the configurations built here."""
+    for key in list(os.environ):
+        if key.startswith("OAKEMU_"):
+            monkeypatch.delenv(key)
+
+
+def learner_shm_bytes(settings: dict[str, str], mode: str) -> int:
+    """The learner's own figure for its rollout buffers' shared memory, in ``mode``, for the ConfigMap's
+    ``settings`` (``OAKEMU_*`` names; an empty value is unset, as for the learner)."""
+    from oakemu_core.config import make_config
+    from oakemu_core.envs import env_spec
+    from oakemu_core.policy.schemas import schema_for_env
+    from oakemu_core.run.learner_setup import num_rollout_buffers, rollout_buffer_bytes
+
+    fields = {"env_id", "envs_per_actor", "num_envs", "max_actors", "rollout_length"}
+    given = {
+        key.removeprefix("OAKEMU_").lower(): value
+        for key, value in settings.items()
+        if value != "" and key.removeprefix("OAKEMU_").lower() in fields
+    }
+    config = make_config(**given, mode=mode)
+    schema = schema_for_env(env_spec(config.env_id))
+    return num_rollout_buffers(config) * rollout_buffer_bytes(config, schema)
+
+
+def test_the_learners_shm_bytes_grow_with_max_actors_in_sync_mode(
+    no_oakemu_variables: None,
+) -> None:
+    settings = {
+        "OAKEMU_ENV_ID": "ALE/Breakout-v5",
+        "OAKEMU_NUM_ENVS": "16",
+        "OAKEMU_ENVS_PER_ACTOR": "8",
+    }
+    default = learner_shm_bytes(settings | {"OAKEMU_MAX_ACTORS": ""}, "sync")
+    row = ATARI_OBSERVATION_BYTES + ROW_BYTES_BESIDES_OBSERVATION
+    assert default == 128 * 32 * row + 8 * 32 + 24  # one buffer, room for 4 actors of 8 envs
+    assert learner_shm_bytes(settings | {"OAKEMU_MAX_ACTORS": "8"}, "sync") > 1.9 * default
+
+
 def test_every_manifest_file_is_valid_against_the_kubernetes_schemas() -> None:
     files = manifest_files()
     assert {f.name for f in files} >= {
@@ -108,7 +150,9 @@ def test_the_validator_rejects_broken_manifests() -> None:
 
 
 @pytest.mark.parametrize("overlay", ["", "autoscale"])
-def test_rendered_kustomization_is_valid_and_fits_together(overlay: str) -> None:
+def test_rendered_kustomization_is_valid_and_fits_together(
+    overlay: str, no_oakemu_variables: None
+) -> None:
     documents = render(K8S_DIR / overlay if overlay else K8S_DIR)
     for document in documents:
         validate(document)
@@ -147,6 +191,11 @@ def test_rendered_kustomization_is_valid_and_fits_together(overlay: str) -> None
     )
     t, n = int(settings["OAKEMU_ROLLOUT_LENGTH"]), int(settings["OAKEMU_NUM_ENVS"])
     required = 2 * t * n * (ATARI_OBSERVATION_BYTES + ROW_BYTES_BESIDES_OBSERVATION) + 16 * n + 48
+    # Sync mode's one buffer has room for OAKEMU_MAX_ACTORS actors (empty: the learner's default).
+    assert "OAKEMU_MAX_ACTORS" in settings
+    required = max(
+        required, learner_shm_bytes(settings, "sync"), learner_shm_bytes(settings, "async")
+    )
     size_limit = quantity_bytes(shm["emptyDir"]["sizeLimit"])
     assert size_limit >= 1.5 * required, (size_limit, required)
     assert quantity_bytes(container["resources"]["limits"]["memory"]) > size_limit + 2**30
