@@ -1,7 +1,8 @@
 """``oakemu tune``: a hyperparameter study of training runs on Optuna (the Python API's ``oakemu_core.tune``).
 
     oakemu tune --preset cartpole --trials 20
-    oakemu tune --preset cartpole --storage postgresql://user@db/optuna --study cartpole   # on each machine
+    oakemu tune --preset cartpole --storage postgresql+psycopg://user:password@db/optuna --study cartpole
+        # the same command on each machine; PostgreSQL's driver: pip install 'psycopg[binary]'
 
 Three phases, one function each:
 

@@ -106,7 +106,8 @@ def _add_storage_options(group: Any) -> None:
         "--storage",
         default=None,
         metavar="URL",
-        help="database shared by workers on several machines (postgresql://user:password@host/db; "
+        help="SQLAlchemy URL of a database shared by workers on several machines "
+        "(postgresql+psycopg://user:password@host/db, with pip install 'psycopg[binary]'; "
         "default: sqlite, study.db in the study folder)",
     )
     group.add_argument(

@@ -277,6 +277,20 @@ def test_mistakes_are_one_line_and_exit_2_before_anything_runs(
     assert not Path(study_dir).exists()
 
 
+def test_the_storage_help_and_the_docstring_give_the_postgresql_url_that_works() -> None:
+    """``postgresql+psycopg://`` names the driver the tests and the README install (``psycopg[binary]``); a
+    bare ``postgresql://`` leaves it to SQLAlchemy's version (psycopg2, which no extra installs, before 2.1)."""
+    import sqlalchemy
+
+    url = sqlalchemy.engine.make_url("postgresql+psycopg://u@db/x")
+    assert url.get_dialect().driver == "psycopg"
+    _, commands = cli.build_parser()
+    help_text = " ".join(commands["tune"].format_help().split())
+    for text in (help_text, tune_service.__doc__ or ""):
+        assert "postgresql+psycopg://" in text and "psycopg[binary]" in text, text
+        assert "postgresql://" not in text, text
+
+
 def test_jobs_auto_gives_each_trial_two_cpus_and_workers_get_equal_shares(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
