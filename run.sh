@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine: creates .venv on first use (CPU torch first, then the project with
-# what every preset and `oakemu tune` need: the `presets` and `tune` extras), then runs `oakemu ARGS...`;
-# `./run.sh test` adds the test tools (the `dev` extra) on its first use and runs the test suite. An install runs again after
-# pyproject.toml changes. OAKEMU_INSTALL_DRY_RUN=1 prints the install commands due instead, and exits.
+# what every preset, `oakemu tune` and `oakemu export` need: the `presets`, `tune` and `export` extras), then
+# runs `oakemu ARGS...`; `./run.sh test` adds the test tools (the `dev` extra) on its first use and runs the
+# test suite. An install runs again after pyproject.toml or this file changes. OAKEMU_INSTALL_DRY_RUN=1 prints
+# the install commands due instead, and exits.
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV="${OAKEMU_VENV:-.venv}"
@@ -16,16 +17,16 @@ PIP=("$VENV/bin/pip" install --quiet --disable-pip-version-check)
 install() {  # run an install step, or only print it (OAKEMU_INSTALL_DRY_RUN=1)
   if [ -n "${OAKEMU_INSTALL_DRY_RUN:-}" ]; then echo "$*"; else "$@"; fi
 }
-due() {  # true when the install that wrote marker $1 has to run (never ran, or pyproject.toml is newer)
-  [ ! -e "$VENV/$1" ] || [ pyproject.toml -nt "$VENV/$1" ]
+due() {  # true when the install that wrote marker $1 has to run (never ran, or pyproject.toml or run.sh is newer)
+  [ ! -e "$VENV/$1" ] || [ pyproject.toml -nt "$VENV/$1" ] || [ run.sh -nt "$VENV/$1" ]
 }
 
 if [ ! -x "$VENV/bin/oakemu" ] || due .oakemu-installed; then
-  echo "run.sh: installing OakEmu-RL and what its presets and studies need into $VENV ..." >&2
+  echo "run.sh: installing OakEmu-RL and what its presets, studies and exports need into $VENV ..." >&2
   python3 -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "OakEmu-RL needs Python 3.11 or newer")'
   if [ ! -x "$VENV/bin/python" ]; then install python3 -m venv "$VENV"; fi
   install "${PIP[@]}" "${TORCH_INDEX_ARGS[@]}" "$TORCH_REQUIREMENT"
-  install "${PIP[@]}" -e ".[presets,tune]"
+  install "${PIP[@]}" -e ".[presets,tune,export]"
   install touch "$VENV/.oakemu-installed"
 fi
 if [ "${1:-}" = "test" ] && due .oakemu-test-installed; then

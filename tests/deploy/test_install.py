@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
+import time
 import tomllib
 from pathlib import Path
 
@@ -20,14 +22,14 @@ RUN_SH = REPO_ROOT / "run.sh"
 TEST_TOOLS = {"pytest", "pytest-timeout", "hypothesis"}
 
 
-def install_steps(venv: Path, *args: str) -> list[str]:
+def install_steps(venv: Path, *args: str, run_sh: Path = RUN_SH) -> list[str]:
     """The install commands ``./run.sh ARGS`` would run for the venv at ``venv`` (printed, not run)."""
-    assert "OAKEMU_INSTALL_DRY_RUN" in RUN_SH.read_text(), (
+    assert "OAKEMU_INSTALL_DRY_RUN" in run_sh.read_text(), (
         "run.sh has no dry run: it would install for real"
     )
     env = {key: value for key, value in os.environ.items() if not key.startswith("OAKEMU_")}
     env |= {"OAKEMU_VENV": str(venv), "OAKEMU_INSTALL_DRY_RUN": "1"}
-    done = subprocess.run([str(RUN_SH), *args], env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run([str(run_sh), *args], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert not venv.exists() or venv.is_dir()
     return done.stdout.splitlines()
@@ -43,16 +45,25 @@ def extras_installed(steps: list[str]) -> list[str]:
     ]
 
 
-def test_a_fresh_machine_gets_the_presets_and_tune_extras_and_no_test_tools(tmp_path: Path) -> None:
+MAIN_EXTRAS = ["presets", "tune", "export"]
+"""What ``./run.sh`` installs: every preset's needs, ``oakemu tune``'s and ``oakemu export``'s (the README's
+``./run.sh tune`` and ``./run.sh export ... --push-to-hub``)."""
+
+
+def test_a_fresh_machine_gets_the_presets_tune_and_export_extras_and_no_test_tools(
+    tmp_path: Path,
+) -> None:
     venv = tmp_path / "venv"
     steps = install_steps(venv, "train", "--preset", "airstriker")
-    assert extras_installed(steps) == ["presets", "tune"], steps
+    assert extras_installed(steps) == MAIN_EXTRAS, steps
     assert any("torch" in step for step in steps) and not venv.exists()
     assert extras_installed(install_steps(venv, "test")) == [
-        "presets",
-        "tune",
+        *MAIN_EXTRAS,
         "dev",
-    ]  # the test tools on top
+    ]  # test tools on top
+    assert {"safetensors", "huggingface-hub", "optuna"} <= set().union(
+        *(distributions(extra) for extra in MAIN_EXTRAS)
+    )
 
 
 def test_the_test_tools_come_on_the_first_test_run_and_installs_rerun_after_pyproject_changes(
@@ -71,9 +82,29 @@ def test_the_test_tools_come_on_the_first_test_run_and_installs_rerun_after_pypr
     older = (REPO_ROOT / "pyproject.toml").stat().st_mtime - 10
     os.utime(main, (older, older))  # pyproject.toml changed since the main install
     steps = install_steps(venv, "train")
-    assert extras_installed(steps) == ["presets", "tune"] and not any(
+    assert extras_installed(steps) == MAIN_EXTRAS and not any(
         "venv" in step.split()[:3] for step in steps
     ), steps
+
+
+def test_an_install_runs_again_after_run_sh_changes(tmp_path: Path) -> None:
+    """A run.sh that installs more (an extra added) reinstalls a venv made by an older one."""
+    repo, venv = tmp_path / "repo", tmp_path / "venv"
+    repo.mkdir()
+    for name in ("run.sh", "pyproject.toml"):
+        shutil.copy2(REPO_ROOT / name, repo / name)
+    (venv / "bin").mkdir(parents=True)
+    for name in ("oakemu", "python"):
+        (venv / "bin" / name).touch(mode=0o755)
+    main = venv / ".oakemu-installed"
+    main.touch()
+    start = time.time() - 100
+    for path, age in ((repo / "pyproject.toml", 0), (main, 10), (repo / "run.sh", 20)):
+        os.utime(path, (start + age, start + age))  # pyproject.toml, the install, then run.sh
+    steps = install_steps(venv, "train", run_sh=repo / "run.sh")
+    assert extras_installed(steps) == MAIN_EXTRAS, steps
+    os.utime(main, (start + 30, start + 30))  # installed since
+    assert install_steps(venv, "train", run_sh=repo / "run.sh") == []
 
 
 def _extras() -> dict[str, list[str]]:
