@@ -24,7 +24,10 @@ class RunSettings(BaseModel):
     # --- run folder and checkpoints ---
     runs_dir: Path = Field(Path("runs"), description="Folder holding run folders.")
     run_name: str | None = Field(
-        None, min_length=1, description="Run folder name (default: env-seed-time)."
+        None,
+        min_length=1,
+        description="Run folder name under runs_dir (default: <env>__<seed>__<YYYYmmdd-HHMMSS>). An existing "
+        "run's name: oakemu train refuses it (--resume continues a run), oakemu learner resumes it.",
     )
     checkpoint_every_updates: int = Field(
         50, ge=0, description="Checkpoint every N updates (0: only at exit)."

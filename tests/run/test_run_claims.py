@@ -196,6 +196,19 @@ def test_two_runs_named_in_the_same_second_get_a_folder_each(
     assert holder_pid(first.run_dir) is None and not (first.run_dir / LOCK_FILE_NAME).exists()
 
 
+def test_the_run_name_help_gives_the_default_name_a_run_gets(
+    tmp_path: Path, frozen_clock: None
+) -> None:
+    """``--run-name``'s help names the default as runs get it: ``<env>__<seed>__<YYYYmmdd-HHMMSS>``."""
+    plan = launcher.plan_run(_config(tmp_path / "runs", "--seed", "3"))
+    plan.release()
+    assert plan.run_dir.name == f"CartPole-v1__3__{FROZEN}"
+    _, commands = cli.build_parser()
+    for command in ("train", "learner"):
+        help_text = " ".join(commands[command].format_help().split())
+        assert "(default: <env>__<seed>__<YYYYmmdd-HHMMSS>)" in help_text, command
+
+
 def test_make_new_run_folder_never_takes_a_folder_that_holds_something(tmp_path: Path) -> None:
     (tmp_path / "exp").mkdir()
     with make_new_run_folder(tmp_path, "exp", numbered=False) as lock:  # an empty folder is new
