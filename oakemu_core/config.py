@@ -31,7 +31,6 @@ from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
-    TomlConfigSettingsSource,
 )
 
 from oakemu_core.actor.fitting import available_cpus, fit_actors
@@ -42,6 +41,7 @@ from oakemu_core.envs.spec import is_atari_env
 from oakemu_core.errors import ConfigError
 from oakemu_core.options import add_setting_arguments, given_settings, unknown_variables
 from oakemu_core.policy.network import NetworkSettings
+from oakemu_core.run.config_file import settings_from_toml
 from oakemu_core.run.evaluation_settings import EvaluationSettings
 from oakemu_core.run.settings import RollbackSettings, RunSettings
 from oakemu_core.transport.batching import AUTO_MESSAGE_MIN_ROWS, auto_steps_per_message
@@ -89,12 +89,13 @@ class _ConfigFileSource(PydanticBaseSettingsSource):
                     f"(from --config or {CONFIG_FILE_ENV_VAR})"
                 )
             try:
-                source = TomlConfigSettingsSource(settings_cls, toml_file=self.path)
-            except ValueError as error:  # tomllib.TOMLDecodeError is a ValueError
+                self._data = settings_from_toml(
+                    self.path.read_text(encoding="utf-8"), settings_cls.model_fields
+                )
+            except (ValueError, OSError) as error:  # tomllib.TOMLDecodeError is a ValueError
                 raise ConfigError(
                     f"config_file: {str(self.path)!r} is not valid TOML: {error}"
                 ) from error
-            self._data = dict(source.toml_data)
 
     def get_field_value(
         self, field: Any, field_name: str
@@ -537,8 +538,9 @@ def resolved_device(config: OakEmuConfig, setting: str = "device") -> str:
 def to_toml(config: OakEmuConfig) -> str:
     """The resolved configuration as a flat TOML document readable by ``--config``.
 
-    Fields whose value is None are written as comments (TOML has no null), so reading the
-    file back gives the same configuration. ``config_file`` is not written.
+    Fields whose value is None are written as comments, ``# name = (unset)`` (TOML has no null), which
+    :func:`~oakemu_core.run.config_file.settings_from_toml` reads back as None, so reading the file back gives the same
+    configuration. ``config_file`` is not written.
     """
     # tomli_w is not installed here; the fields are flat scalars, so a small writer suffices.
     lines = ["# OakEmu-RL resolved configuration"]

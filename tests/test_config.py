@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tomllib
+import typing
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,8 @@ from oakemu_core.config import (
     to_toml,
 )
 from oakemu_core.envs.spec import is_atari_env
+from oakemu_core.run.config_file import settings_from_toml
+from oakemu_core.run.run_folder import resumed_settings
 
 
 @pytest.fixture(autouse=True)
@@ -282,6 +285,41 @@ def test_to_toml_round_trips_every_field(tmp_path: Path) -> None:
     path = write_toml(tmp_path / "resolved.toml", text)
     again = load_config(["--config", str(path)])
     assert again.model_dump(exclude={"config_file"}) == config.model_dump(exclude={"config_file"})
+
+
+def _nullable_with_other_default() -> list[str]:
+    """Settings that accept None and default to something else: where a lost None changes the run."""
+    return [
+        name
+        for name, field in OakEmuConfig.model_fields.items()
+        if type(None) in typing.get_args(field.annotation) and field.default is not None
+    ]
+
+
+def test_a_none_that_is_not_the_default_survives_the_config_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`oakemu train` hands its configuration to the learner and actors as a ``to_toml`` file
+    (``OAKEMU_CONFIG_FILE``): ``--clip-value-range null`` must reach them as None, not as the default
+    ``auto`` (and the same for every setting whose default is not None)."""
+    names = _nullable_with_other_default()
+    assert {"clip_value_range", "metrics_port"} <= set(names)
+    flags = [arg for name in names for arg in (f"--{name.replace('_', '-')}", "null")]
+    config = load_config(["--env", "ALE/Breakout-v5", *flags])
+    assert all(getattr(config, name) is None for name in names)
+    assert config.resolved_clip_value_range is None  # plain MSE, not CleanRL's clip on Atari ids
+    path = write_toml(tmp_path / "handed.toml", to_toml(config))
+    monkeypatch.setenv(CONFIG_FILE_ENV_VAR, str(path))
+    child = OakEmuConfig()
+    assert {name: getattr(child, name) for name in names} == dict.fromkeys(names)
+    assert child.model_dump(exclude={"config_file"}) == config.model_dump(exclude={"config_file"})
+    assert settings_from_toml(to_toml(config), names)["clip_value_range"] is None
+    run_dir = tmp_path / "run"  # `--resume run` starts from the run's own config.toml
+    run_dir.mkdir()
+    (run_dir / "config.toml").write_text(to_toml(config), encoding="utf-8")
+    assert resumed_settings(run_dir)["clip_value_range"] is None
+    # a commented line of another form, or naming no setting, sets nothing
+    assert settings_from_toml("# clip_value_range = 0.2\n# not_a_setting = (unset)\n", names) == {}
 
 
 def test_is_atari_env() -> None:

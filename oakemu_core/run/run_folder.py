@@ -25,7 +25,6 @@ import errno
 import json
 import logging
 import os
-import re
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
@@ -393,11 +392,13 @@ def _settings_changes(run_dir: Path, config: Any) -> dict[str, tuple[Any, Any]]:
     rewrites it; the checkpoint still decides)."""
     import tomllib
 
+    from oakemu_core.run.config_file import settings_from_toml
+
     config_toml = run_dir / "config.toml"
     if not config_toml.is_file():
         return {}
     try:
-        old = tomllib.loads(config_toml.read_text(encoding="utf-8"))
+        old = settings_from_toml(config_toml.read_text(encoding="utf-8"), type(config).model_fields)
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
         return {}
     check_config_complete(
@@ -477,10 +478,6 @@ def spent_budget(run_dir: Path) -> tuple[int, int] | None:
     return (trained, total) if trained >= total else None
 
 
-_UNSET_LINE = re.compile(r"^#\s*([A-Za-z_]\w*) = \(unset\)\s*$", re.MULTILINE)
-"""How ``config.toml`` names a setting whose value is None (``to_toml`` writes it as a comment)."""
-
-
 ADDED_SETTINGS = frozenset(
     "net_arch activation shared_torso cnn impala_channels recurrent recurrent_hidden shared_core "
     "ortho_init policy_module sequence_length compile_update inference_device".split()
@@ -506,13 +503,15 @@ def check_config_complete(run_dir: Path, field_names: Collection[str]) -> None:
     """
     import tomllib
 
+    from oakemu_core.run.config_file import UNSET_LINE
+
     path = Path(run_dir) / "config.toml"
     try:
         text = path.read_text(encoding="utf-8")
         settings = tomllib.loads(text)
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
         return
-    named = set(settings) | set(_UNSET_LINE.findall(text))
+    named = set(settings) | set(UNSET_LINE.findall(text))
     missing = [name for name in field_names if name not in named and name not in ADDED_SETTINGS]
     if missing:
         listed = ", ".join(missing[:8]) + (
@@ -546,6 +545,8 @@ def resumed_settings(run_dir: Path) -> dict[str, Any]:
     """
     import tomllib
 
+    from oakemu_core.run.config_file import settings_from_toml
+
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         what = "is a file" if run_dir.exists() else "does not exist"
@@ -560,7 +561,7 @@ def resumed_settings(run_dir: Path) -> dict[str, Any]:
             "folder without config.toml"
         )
     try:
-        settings = tomllib.loads(config_toml.read_text(encoding="utf-8"))
+        settings = settings_from_toml(config_toml.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
         raise RunFolderError(f"--resume {run_dir}: cannot read config.toml ({error})") from None
     return {name: value for name, value in settings.items() if name not in PORT_FIELDS}
