@@ -152,3 +152,19 @@ def test_preset_times_are_ranges_from_a_quiet_to_a_busy_machine() -> None:
     assert re.search(
         r"--preset cartpole`.*\n?.*reaches a return of 500 in " + RANGE.pattern, quick_start
     )
+
+
+def test_the_atari_preset_trains_an_unclipped_value_loss_that_a_flag_can_clip_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The atari preset sets ``clip_value_range`` to None with the ``# name = (unset)`` line config files
+    use for None: plain MSE as SB3's, not the "auto" default's clip of 0.1 on Atari ids; a flag still
+    chooses another value."""
+    from tests.benchmarks.script_helpers import train_config
+
+    assert load_preset("atari").settings["clip_value_range"] is None
+    preset = train_config(["--preset", "atari"], monkeypatch)
+    assert preset.clip_value_range is None and preset.resolved_clip_value_range is None
+    assert train_config([], monkeypatch).resolved_clip_value_range == 0.1  # the defaults: CleanRL's
+    clipped = train_config(["--preset", "atari", "--clip-value-range", "auto"], monkeypatch)
+    assert clipped.resolved_clip_value_range == 0.1

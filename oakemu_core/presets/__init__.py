@@ -3,7 +3,8 @@
 Each ``<name>.toml`` holds a ``[preset]`` table (``description``, ``expect``: the return and time to
 expect) and a ``[settings]`` table of :class:`~oakemu_core.config.OakEmuConfig` fields. A preset is a
 layer of the configuration: flags, ``OAKEMU_*`` variables and a TOML file override it, and it overrides
-the defaults (``oakemu train --preset NAME``, ``oakemu_core.train(preset=NAME)``).
+the defaults (``oakemu train --preset NAME``, ``oakemu_core.train(preset=NAME)``). A setting set to None
+is written as ``config.toml`` writes it, the comment ``# name = (unset)`` (TOML has no null).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from importlib import resources
 from typing import Any
 
 from oakemu_core.errors import ConfigError
+from oakemu_core.run.config_file import UNSET_LINE
 
 __all__ = ["Preset", "load_preset", "preset_names"]
 
@@ -50,9 +52,8 @@ def load_preset(name: str) -> Preset:
         close = difflib.get_close_matches(name, names, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"preset: expected one of {', '.join(names)}, received {name!r}{hint}")
-    document = tomllib.loads(
-        resources.files(__name__).joinpath(f"{name}.toml").read_text(encoding="utf-8")
-    )
+    text = resources.files(__name__).joinpath(f"{name}.toml").read_text(encoding="utf-8")
+    document = tomllib.loads(text)
     info, settings = document.get("preset"), document.get("settings")
     if (
         not isinstance(info, dict)
@@ -62,6 +63,10 @@ def load_preset(name: str) -> Preset:
         raise ConfigError(
             f"preset {name!r}: expected the tables [preset] and [settings], received {sorted(document)}"
         )
+    unset = {key: None for key in UNSET_LINE.findall(text) if key not in settings}
     return Preset(
-        name, str(info.get("description", "")), str(info.get("expect", "")), dict(settings)
+        name,
+        str(info.get("description", "")),
+        str(info.get("expect", "")),
+        {**settings, **unset},
     )
