@@ -7,6 +7,7 @@ the FIRE the env forces after a lost life as the action taken, non-trainable (oa
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,17 @@ ale_py = pytest.importorskip("ale_py")
 FRAME_SKIP = 4
 # No sticky actions and no random no-ops, so the reference plays the very same frames as ale-py's vector env.
 OPTIONS = EnvOptions(atari_sticky_actions=0.0, atari_noop_max=0, atari_episodic_life=True)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    """The policy's forward passes on one thread, as an actor runs them: with torch's default of one
+    thread per core each small forward pass waits for a busy machine's scheduler (beside one training
+    run on 2 cores the FIRE tests took 68-86 s with it, 3 s with one thread; at a load of 15 they timed out)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 class ReferenceBreakout:
