@@ -53,6 +53,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_spaces_vs_sb3 import REPO, _mean, _read_jsonl, fresh_run_dir  # sibling helpers
 
+from oakemu_core.run.atomic_files import write_text_atomic  # noqa: E402  (after the sibling import path)
+
 WINDOWS = 10
 """Parts of the budget a record's ``curve`` has: one mean return per tenth."""
 TRAIN = (sys.executable, "-m", "oakemu_services.cli", "train")
@@ -230,14 +232,12 @@ def learn_logged(
 
 
 def _save_checkpoint(model: Any, folder: Path, progress: dict) -> None:
-    """``model-<env_steps>.zip`` (SB3's ``save``), then ``progress.json`` naming it (written whole, by
-    rename), then older model files removed: a kill at any point leaves a consistent pair."""
+    """``model-<env_steps>.zip`` (SB3's ``save``), then ``progress.json`` naming it (``write_text_atomic``:
+    whole or not at all), then older model files removed: a kill at any point leaves a consistent pair."""
     folder.mkdir(parents=True, exist_ok=True)
     name = f"model-{progress['env_steps']}.zip"
     model.save(folder / name)
-    tmp = folder / "progress.json.tmp"
-    tmp.write_text(json.dumps({**progress, "model": name}))
-    os.replace(tmp, folder / "progress.json")
+    write_text_atomic(folder / "progress.json", json.dumps({**progress, "model": name}))
     for old in folder.glob("model-*.zip"):
         if old.name != name:
             old.unlink()
